@@ -1,0 +1,49 @@
+# daopsim front door. `make run` and `make test` install what they need on a bare machine.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+DAOPSIM := $(VENV)/bin/daopsim
+
+.PHONY: install run test lint format bench notebooks regress validate docs-validation clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch is pinned: an unpinned torch pulls a multi-GB CUDA build.
+	$(PIP) install -q "torch==2.13.0"
+	$(PIP) install -q -e ".[capture,dask,dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(DAOPSIM) run --policy daop --hw a6000-pcie4
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+test: $(STAMP) lint
+	$(PY) -m pytest
+	$(MAKE) notebooks
+
+notebooks: $(STAMP)
+	$(PY) -m pytest tests/test_notebooks.py -q -m 'not bench' --no-header -p no:randomly --override-ini addopts= -k notebooks
+
+bench: $(STAMP)
+	$(PY) -m pytest tests/bench -m bench -q --override-ini addopts=
+
+regress: $(STAMP)
+	$(DAOPSIM) regress
+
+validate: $(STAMP)
+	$(DAOPSIM) validate
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Subcommands of the ``daopsim`` CLI, one module per command group."""

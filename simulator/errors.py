@@ -1,0 +1,60 @@
+"""Errors that reach users as one clear line and exit code 2 (never a traceback).
+
+``UserError`` and its subclasses mean "the input is wrong"; the CLI prints ``error: <message>``
+and exits 2. ``PolicyError`` means a policy asked for something the engine refuses; it names the
+policy, sequence, token and layer so the plugin author can find the decision.
+"""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """A mistake in user input (file, option, value). Printed as one line; exit code 2."""
+
+
+class TraceError(UserError):
+    """A trace file is missing, unreadable or invalid; names the file, row and column."""
+
+    def __init__(self, path: object, message: str, row: int | None = None,
+                 column: str | None = None) -> None:
+        where = str(path)
+        if row is not None:
+            where += f": row {row}"
+        if column is not None:
+            where += f": column {column!r}"
+        super().__init__(f"{where}: {message}")
+        self.path = str(path)
+        self.row = row
+        self.column = column
+        self.detail = message
+
+
+class ProfileError(UserError):
+    """A hardware profile is missing or invalid; names the file and key."""
+
+    def __init__(self, path: object, message: str, key: str | None = None) -> None:
+        where = str(path)
+        if key is not None:
+            where += f": key {key!r}"
+        super().__init__(f"{where}: {message}")
+        self.path = str(path)
+        self.key = key
+
+
+class PolicyError(Exception):
+    """A policy made an impossible decision or raised; names policy, sequence, token, layer."""
+
+    def __init__(self, policy: str, message: str, seq: int | None = None,
+                 token: int | None = None, layer: int | None = None) -> None:
+        where = [f"policy {policy!r}"]
+        if seq is not None:
+            where.append(f"sequence {seq}")
+        if token is not None:
+            where.append(f"token {token}")
+        if layer is not None:
+            where.append(f"layer {layer}")
+        super().__init__(f"{', '.join(where)}: {message}")
+        self.policy = policy
+        self.seq = seq
+        self.token = token
+        self.layer = layer
