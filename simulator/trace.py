@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import itertools
 import json
 import os
 import tempfile
@@ -20,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from simulator.errors import TraceError, UserError
@@ -55,6 +57,8 @@ def arrow_schema(top_m: bool) -> pa.Schema:
 
 
 REQUIRED_COLUMNS = tuple(arrow_schema(False).names)
+#: Keys of ``TraceMeta.counts`` that every trace carries and validation checks.
+COUNT_KEYS = ("rows", "sequences", "prefill_tokens", "decode_tokens")
 
 
 @dataclass
@@ -94,7 +98,7 @@ class TraceMeta:
         """Parse footer metadata; errors name the file and the missing or bad key."""
         try:
             data = json.loads(text)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             raise TraceError(path, "file metadata 'daopsim' is not valid JSON") from None
         if not isinstance(data, dict):
             raise TraceError(path, "file metadata 'daopsim' is not a JSON object")
@@ -103,24 +107,75 @@ class TraceMeta:
                 raise TraceError(path, f"file metadata is missing key {key!r}")
         if data["schema_version"] != SCHEMA_VERSION:
             raise TraceError(
-                path, f"schema_version {data['schema_version']!r} is not supported "
-                f"(this daopsim reads {SCHEMA_VERSION})"
+                path,
+                f"file metadata key 'schema_version': {data['schema_version']!r} is not "
+                f"supported (this daopsim reads {SCHEMA_VERSION})",
             )
-        try:
-            model = ModelShape.from_dict(data["model"])
-        except (UserError, TypeError) as exc:
-            raise TraceError(path, f"file metadata 'model' is invalid: {exc}") from None
-        meta = cls(
+        model = _model_from_meta(path, data["model"])
+
+        def bad(key: str, what: str) -> TraceError:
+            return TraceError(path, f"file metadata key {key!r} must be {what}")
+
+        if not isinstance(data["provenance"], dict):
+            raise bad("provenance", "a JSON object")
+        counts = data["counts"]
+        if not isinstance(counts, dict) or not all(_is_int(v) and v >= 0 for v in counts.values()):
+            raise bad("counts", "an object of non-negative integers")
+        probs_stored = data["probs_stored"]
+        if not _is_int(probs_stored) or not 0 < probs_stored <= model.experts:
+            raise bad("probs_stored", f"an integer in 1..{model.experts}")
+        layer_ids = data.get("moe_layer_ids")
+        if layer_ids is None or layer_ids == []:
+            layer_ids = list(range(model.first_moe_layer, model.first_moe_layer + model.moe_layers))
+        if (
+            not isinstance(layer_ids, list)
+            or len(layer_ids) != model.moe_layers
+            or not all(_is_int(i) and 0 <= i < model.layers for i in layer_ids)
+        ):
+            raise bad(
+                "moe_layer_ids",
+                f"a list of {model.moe_layers} layer indices in 0..{model.layers - 1}",
+            )
+        calib = data.get("calibration_sequences") or []
+        if not isinstance(calib, list) or not all(_is_int(s) and s >= 0 for s in calib):
+            raise bad("calibration_sequences", "a list of sequence ids")
+        return cls(
             model=model,
             provenance=dict(data["provenance"]),
-            counts={k: int(v) for k, v in dict(data["counts"]).items()},
-            probs_stored=int(data["probs_stored"]),
-            moe_layer_ids=list(data.get("moe_layer_ids") or range(model.moe_layers)),
-            calibration_sequences=[int(s) for s in data.get("calibration_sequences") or []],
+            counts={str(k): int(v) for k, v in counts.items()},
+            probs_stored=int(probs_stored),
+            moe_layer_ids=[int(i) for i in layer_ids],
+            calibration_sequences=[int(s) for s in calib],
         )
-        if not 0 < meta.probs_stored <= model.experts:
-            raise TraceError(path, f"probs_stored {meta.probs_stored} outside 1..{model.experts}")
-        return meta
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _model_from_meta(path: object, data: object) -> ModelShape:
+    """The ``model`` key of the footer as a ModelShape; a bad field names its key."""
+    if not isinstance(data, dict):
+        raise TraceError(path, "file metadata key 'model' must be a JSON object")
+    for name, f in ModelShape.__dataclass_fields__.items():
+        if name not in data:
+            continue
+        value = data[name]
+        want_int = f.type in ("int", int)
+        want_str = f.type in ("str", str)
+        if (want_int and not _is_int(value)) or (want_str and not isinstance(value, str)):
+            raise TraceError(
+                path,
+                f"file metadata key 'model.{name}' must be "
+                f"{'an integer' if want_int else 'a string'}, got {value!r:.40}",
+            )
+        if want_int and value < 0:
+            raise TraceError(path, f"file metadata key 'model.{name}' must not be negative")
+    try:
+        return ModelShape.from_dict(data)
+    except (UserError, TypeError, ValueError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise TraceError(path, f"file metadata key 'model' is invalid: {first}") from None
 
 
 @dataclass
@@ -160,7 +215,7 @@ class SequenceRouting:
         ids = self.early_prob_ids if early else self.prob_ids
         if ids is None:
             return probs
-        out = np.zeros(probs.shape[:2] + (experts,), dtype=np.float32)
+        out = np.zeros((*probs.shape[:2], experts), dtype=np.float32)
         valid = ids >= 0
         t, l_, j = np.nonzero(valid)
         out[t, l_, ids[t, l_, j]] = probs[t, l_, j]
@@ -172,8 +227,9 @@ class SequenceRouting:
 # --------------------------------------------------------------------------------------------
 
 
-def _list_array(values: np.ndarray, typ: pa.DataType, null_rows: np.ndarray | None = None
-                ) -> pa.Array:
+def _list_array(
+    values: np.ndarray, typ: pa.DataType, null_rows: np.ndarray | None = None
+) -> pa.Array:
     """A list column from a 2-D array (fixed length per row), optionally with null rows."""
     n, width = values.shape
     flat = pa.array(values.reshape(-1), type=typ)
@@ -190,9 +246,7 @@ def sequence_table(routing: SequenceRouting, meta: TraceMeta) -> pa.Table:
     layer = np.tile(np.arange(n_layers, dtype=np.int16), t)
     pos = np.repeat(routing.positions.astype(np.int32), n_layers)
     phase_idx = np.repeat((np.arange(t) >= routing.n_prefill).astype(np.int8), n_layers)
-    phase = pa.DictionaryArray.from_arrays(pa.array(phase_idx), pa.array(PHASES)).cast(
-        pa.string()
-    )
+    phase = pa.DictionaryArray.from_arrays(pa.array(phase_idx), pa.array(PHASES)).cast(pa.string())
     early_null = layer == 0
     cols: dict[str, pa.Array] = {
         "seq": pa.array(np.full(n, routing.seq_id, dtype=np.int32)),
@@ -233,45 +287,110 @@ def tool_versions() -> dict[str, str]:
 class TraceWriter:
     """Stream sequences into a trace file; the file appears (atomically) only on success.
 
-    Use as a context manager. Each ``write_sequence`` call appends one or more row groups;
-    counts are accumulated and written to the footer metadata on close. If the block raises,
-    the temporary file is removed and nothing is left at ``path``.
+    Use as a context manager. ``write_sequence`` buffers rows and writes row groups of about
+    ``row_group_rows`` rows (a sequence may span row groups, and a row group may hold several
+    sequences), so readers stream with flat memory. Counts are accumulated and written to the
+    footer metadata on close. If the block raises, the temporary file is removed and nothing
+    is left at ``path``.
     """
 
-    def __init__(self, path: str | os.PathLike[str], meta: TraceMeta,
-                 row_group_rows: int = 65536, compression: str = "zstd") -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        meta: TraceMeta,
+        row_group_rows: int = 65536,
+        compression: str = "zstd",
+    ) -> None:
         self.path = Path(path)
         self.meta = meta
-        self.row_group_rows = row_group_rows
+        self.row_group_rows = max(1, int(row_group_rows))
         self.compression = compression
-        self._counts = {"rows": 0, "sequences": 0, "prefill_tokens": 0, "decode_tokens": 0}
+        self._counts = dict.fromkeys(COUNT_KEYS, 0)
         self._writer: pq.ParquetWriter | None = None
         self._tmp: str | None = None
+        self._pending: list[pa.Table] = []
+        self._pending_rows = 0
+        self._seen: set[int] = set()
 
     def __enter__(self) -> TraceWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, self._tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp",
-                                         dir=self.path.parent)
+        fd, self._tmp = tempfile.mkstemp(
+            prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent
+        )
         os.close(fd)
+        # mkstemp makes the file private (0600); a trace should get the usual permissions.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(self._tmp, 0o666 & ~umask)
         schema = arrow_schema(self.meta.top_m)
-        self._writer = pq.ParquetWriter(self._tmp, schema, compression=self.compression,
-                                        use_dictionary=["phase"])
+        self._writer = pq.ParquetWriter(
+            self._tmp, schema, compression=self.compression, use_dictionary=["phase"]
+        )
         return self
+
+    def _check(self, routing: SequenceRouting) -> None:
+        """Programming errors in the caller (wrong shapes, repeated id) fail early and loudly."""
+        m = self.meta.model
+        t = routing.positions.shape[0]
+        want_k = (t, m.moe_layers, m.top_k)
+        want_p = (t, m.moe_layers, self.meta.probs_stored)
+        for name, arr, want in (
+            ("experts", routing.experts, want_k),
+            ("weights", routing.weights, want_k),
+            ("early_experts", routing.early_experts, want_k),
+            ("probs", routing.probs, want_p),
+            ("early_probs", routing.early_probs, want_p),
+        ):
+            if tuple(arr.shape) != want:
+                raise ValueError(
+                    f"sequence {routing.seq_id}: {name} has shape "
+                    f"{tuple(arr.shape)}, expected {want}"
+                )
+        if self.meta.top_m and (routing.prob_ids is None or routing.early_prob_ids is None):
+            raise ValueError(
+                f"sequence {routing.seq_id}: top-m storage needs prob_ids and early_prob_ids"
+            )
+        if not 0 <= routing.n_prefill <= t:
+            raise ValueError(
+                f"sequence {routing.seq_id}: n_prefill {routing.n_prefill} outside 0..{t}"
+            )
+        if routing.seq_id in self._seen:
+            raise ValueError(f"sequence {routing.seq_id} written twice")
 
     def write_sequence(self, routing: SequenceRouting) -> None:
         """Append one sequence (rows must follow the previous sequence's)."""
         assert self._writer is not None, "use TraceWriter as a context manager"
+        self._check(routing)
+        self._seen.add(routing.seq_id)
         table = sequence_table(routing, self.meta)
-        self._writer.write_table(table, row_group_size=self.row_group_rows)
+        self._pending.append(table)
+        self._pending_rows += table.num_rows
+        if self._pending_rows >= self.row_group_rows:
+            self._flush(final=False)
         self._counts["rows"] += table.num_rows
         self._counts["sequences"] += 1
         self._counts["prefill_tokens"] += routing.n_prefill
         self._counts["decode_tokens"] += routing.n_decode
 
+    def _flush(self, final: bool) -> None:
+        """Write whole row groups from the buffer; the remainder waits unless ``final``."""
+        assert self._writer is not None
+        if not self._pending:
+            return
+        table = pa.concat_tables(self._pending)
+        full = (table.num_rows // self.row_group_rows) * self.row_group_rows
+        cut = table.num_rows if final else full
+        if cut:
+            self._writer.write_table(table.slice(0, cut), row_group_size=self.row_group_rows)
+        rest = table.slice(cut)
+        self._pending = [rest] if rest.num_rows else []
+        self._pending_rows = rest.num_rows
+
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         assert self._writer is not None and self._tmp is not None
         try:
             if exc_type is None:
+                self._flush(final=True)
                 self.meta.counts = dict(self._counts)
                 if not self.meta.provenance.get("tool_versions"):
                     self.meta.provenance["tool_versions"] = tool_versions()
@@ -283,13 +402,17 @@ class TraceWriter:
             if exc_type is None:
                 os.replace(self._tmp, self.path)
         finally:
+            self._pending = []
             if os.path.exists(self._tmp):
                 os.unlink(self._tmp)
 
 
-def write_trace(path: str | os.PathLike[str], meta: TraceMeta,
-                sequences: list[SequenceRouting] | Iterator[SequenceRouting],
-                row_group_rows: int = 65536) -> Path:
+def write_trace(
+    path: str | os.PathLike[str],
+    meta: TraceMeta,
+    sequences: list[SequenceRouting] | Iterator[SequenceRouting],
+    row_group_rows: int = 65536,
+) -> Path:
     """Write sequences to ``path`` atomically (temporary file, then rename); returns the path."""
     with TraceWriter(path, meta, row_group_rows=row_group_rows) as writer:
         for routing in sequences:
@@ -302,6 +425,15 @@ def write_trace(path: str | os.PathLike[str], meta: TraceMeta,
 # --------------------------------------------------------------------------------------------
 
 
+#: What pyarrow (and the decoders under it) raise on damaged or foreign files.
+_READ_ERRORS = (pa.ArrowException, OSError, ValueError, IndexError, OverflowError, MemoryError)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__
+
+
 def _open(path: str | os.PathLike[str]) -> pq.ParquetFile:
     p = Path(path)
     if not p.exists():
@@ -309,16 +441,21 @@ def _open(path: str | os.PathLike[str]) -> pq.ParquetFile:
     if p.is_dir():
         raise TraceError(p, "is a directory, not a trace file")
     try:
-        return pq.ParquetFile(p)
-    except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise TraceError(p, f"not a readable Parquet file ({first})") from None
+        pf = pq.ParquetFile(p, pre_buffer=False)
+        # touch the schema now so a damaged footer fails here, with the file named
+        pf.schema_arrow  # noqa: B018
+        return pf
+    except _READ_ERRORS as exc:
+        raise TraceError(p, f"not a readable Parquet file ({_first_line(exc)})") from None
 
 
 def read_meta(path: str | os.PathLike[str]) -> TraceMeta:
     """Read and check a trace's footer metadata (fast: no row data)."""
     pf = _open(path)
-    kv = pf.metadata.metadata or {}
+    try:
+        kv = pf.metadata.metadata or {}
+    except _READ_ERRORS as exc:
+        raise TraceError(path, f"unreadable file metadata ({_first_line(exc)})") from None
     if META_KEY not in kv:
         raise TraceError(path, "missing file metadata 'daopsim' (not a daopsim trace?)")
     return TraceMeta.from_json(path, kv[META_KEY])
@@ -352,8 +489,15 @@ def check_schema(path: object, schema: pa.Schema, meta: TraceMeta) -> None:
             raise TraceError(path, f"has type {actual}, expected {f.type}", column=f.name)
 
 
-def _flat(col: pa.ChunkedArray | pa.Array, width: int, dtype: Any, name: str, path: object,
-          row0: int, fill: float | int | None = None) -> np.ndarray:
+def _flat(
+    col: pa.ChunkedArray | pa.Array,
+    width: int,
+    dtype: Any,
+    name: str,
+    path: object,
+    row0: int,
+    fill: float | int | None = None,
+) -> np.ndarray:
     """A list column as a 2-D numpy array; a wrong length or null names the row."""
     if isinstance(col, pa.ChunkedArray):
         col = col.combine_chunks()
@@ -366,8 +510,9 @@ def _flat(col: pa.ChunkedArray | pa.Array, width: int, dtype: Any, name: str, pa
     lengths = col.value_lengths().fill_null(width).to_numpy(zero_copy_only=False)
     if n and (lengths != width).any():
         bad = int(np.flatnonzero(lengths != width)[0])
-        raise TraceError(path, f"has {lengths[bad]} values, expected {width}", row=row0 + bad,
-                         column=name)
+        raise TraceError(
+            path, f"has {lengths[bad]} values, expected {width}", row=row0 + bad, column=name
+        )
     if has_null:
         col = col.fill_null(pa.array([[fill] * width], type=col.type)[0])
     values = col.flatten()
@@ -393,8 +538,9 @@ class _Rows:
     row0: int
 
 
-def _decode_batch(path: object, batch: pa.RecordBatch | pa.Table, meta: TraceMeta, row0: int
-                  ) -> _Rows:
+def _decode_batch(
+    path: object, batch: pa.RecordBatch | pa.Table, meta: TraceMeta, row0: int
+) -> _Rows:
     """Arrow rows to numpy with per-row shape checks (lengths, nulls, phase names)."""
     k, width = meta.model.top_k, meta.probs_stored
     tbl = batch if isinstance(batch, pa.Table) else pa.Table.from_batches([batch])
@@ -412,14 +558,16 @@ def _decode_batch(path: object, batch: pa.RecordBatch | pa.Table, meta: TraceMet
     if phase_col.null_count:
         bad = int(np.flatnonzero(phase_col.is_null().to_numpy(zero_copy_only=False))[0])
         raise TraceError(path, "is null", row=row0 + bad, column="phase")
-    is_decode = np.asarray(pa.compute.equal(phase_col, "decode").to_numpy(zero_copy_only=False))
-    is_prefill = np.asarray(
-        pa.compute.equal(phase_col, "prefill").to_numpy(zero_copy_only=False)
-    )
+    is_decode = np.asarray(pc.equal(phase_col, "decode").to_numpy(zero_copy_only=False))
+    is_prefill = np.asarray(pc.equal(phase_col, "prefill").to_numpy(zero_copy_only=False))
     if not (is_decode | is_prefill).all():
         bad = int(np.flatnonzero(~(is_decode | is_prefill))[0])
-        raise TraceError(path, f"is {phase_col[bad].as_py()!r}, expected 'prefill' or 'decode'",
-                         row=row0 + bad, column="phase")
+        raise TraceError(
+            path,
+            f"is {phase_col[bad].as_py()!r}, expected 'prefill' or 'decode'",
+            row=row0 + bad,
+            column="phase",
+        )
     names = tbl.column_names
     return _Rows(
         seq=scalar("seq", np.int64),
@@ -429,15 +577,30 @@ def _decode_batch(path: object, batch: pa.RecordBatch | pa.Table, meta: TraceMet
         experts=_flat(tbl.column("experts"), k, np.int64, "experts", path, row0),
         weights=_flat(tbl.column("weights"), k, np.float32, "weights", path, row0),
         probs=_flat(tbl.column("probs"), width, np.float32, "probs", path, row0),
-        prob_ids=(_flat(tbl.column("prob_ids"), width, np.int64, "prob_ids", path, row0)
-                  if meta.top_m and "prob_ids" in names else None),
-        early_experts=_flat(tbl.column("early_experts"), k, np.int64, "early_experts", path,
-                            row0, fill=-1),
-        early_probs=_flat(tbl.column("early_probs"), width, np.float32, "early_probs", path,
-                          row0, fill=float("nan")),
-        early_prob_ids=(_flat(tbl.column("early_prob_ids"), width, np.int64, "early_prob_ids",
-                              path, row0, fill=-1)
-                        if meta.top_m and "early_prob_ids" in names else None),
+        prob_ids=(
+            _flat(tbl.column("prob_ids"), width, np.int64, "prob_ids", path, row0)
+            if meta.top_m and "prob_ids" in names
+            else None
+        ),
+        early_experts=_flat(
+            tbl.column("early_experts"), k, np.int64, "early_experts", path, row0, fill=-1
+        ),
+        early_probs=_flat(
+            tbl.column("early_probs"),
+            width,
+            np.float32,
+            "early_probs",
+            path,
+            row0,
+            fill=float("nan"),
+        ),
+        early_prob_ids=(
+            _flat(
+                tbl.column("early_prob_ids"), width, np.int64, "early_prob_ids", path, row0, fill=-1
+            )
+            if meta.top_m and "early_prob_ids" in names
+            else None
+        ),
         row0=row0,
     )
 
@@ -448,8 +611,11 @@ def _check_rows(path: object, r: _Rows, meta: TraceMeta) -> None:
     n_layers, n_exp = m.moe_layers, m.experts
 
     def fail(mask: np.ndarray, column: str, msg: str) -> None:
-        bad = int(np.flatnonzero(mask)[0]) if mask.ndim == 1 else int(
-            np.flatnonzero(mask.any(axis=1))[0])
+        bad = (
+            int(np.flatnonzero(mask)[0])
+            if mask.ndim == 1
+            else int(np.flatnonzero(mask.any(axis=1))[0])
+        )
         raise TraceError(path, msg, row=r.row0 + bad, column=column)
 
     if (r.seq < 0).any():
@@ -481,24 +647,23 @@ def _check_rows(path: object, r: _Rows, meta: TraceMeta) -> None:
         bad_id = (r.prob_ids < -1) | (r.prob_ids >= n_exp)
         if bad_id.any():
             fail(bad_id, "prob_ids", f"expert id outside 0..{n_exp - 1}")
-    has_early = r.early_experts[:, 0] >= 0
-    if (has_early & (r.layer == 0)).any():
-        pass  # an early view at layer 0 is tolerated (ignored): some captures record it
-    missing = ~has_early & (r.layer > 0)
+    # Layer 0 has no earlier layer; whatever a capture stored there is ignored (and dropped
+    # by the reader), so only layers >= 1 are checked.
+    checked = r.layer > 0
+    missing = checked & (r.early_experts == -1).all(axis=1)
     if missing.any():
         fail(missing, "early_experts", "one-layer-early view is missing for a layer > 0")
-    ee = r.early_experts[has_early]
-    bad_ee = (ee < 0) | (ee >= n_exp)
+    bad_ee = checked[:, None] & ((r.early_experts < 0) | (r.early_experts >= n_exp))
     if bad_ee.any():
-        sub = np.zeros_like(r.early_experts, dtype=bool)
-        sub[has_early] = bad_ee
-        fail(sub, "early_experts", f"expert id outside 0..{n_exp - 1}")
-    ep = r.early_probs[has_early]
-    bad_ep = ~np.isfinite(ep) | (ep < 0) | (ep > 1.001)
+        fail(bad_ee, "early_experts", f"expert id outside 0..{n_exp - 1}")
+    ep = r.early_probs
+    bad_ep = checked[:, None] & (~np.isfinite(ep) | (ep < 0) | (ep > 1.001))
     if bad_ep.any():
-        sub = np.zeros_like(r.early_probs, dtype=bool)
-        sub[has_early] = bad_ep
-        fail(sub, "early_probs", "probability is NaN, infinite or outside [0, 1]")
+        fail(bad_ep, "early_probs", "router probability is NaN, infinite or outside [0, 1]")
+    if r.early_prob_ids is not None:
+        bad_eid = checked[:, None] & ((r.early_prob_ids < -1) | (r.early_prob_ids >= n_exp))
+        if bad_eid.any():
+            fail(bad_eid, "early_prob_ids", f"expert id outside 0..{n_exp - 1}")
 
 
 def _assemble(path: object, seq_id: int, parts: list[_Rows], meta: TraceMeta) -> SequenceRouting:
@@ -515,34 +680,63 @@ def _assemble(path: object, seq_id: int, parts: list[_Rows], meta: TraceMeta) ->
     if n % n_layers or (layer != expected_layer).any():
         bad = np.flatnonzero(layer != expected_layer)
         i = int(bad[0]) if bad.size else n - 1
-        raise TraceError(path, f"sequence {seq_id}: expected layer {expected_layer[i]} "
-                         f"(each token needs layers 0..{n_layers - 1} in order)",
-                         row=row0 + i, column="layer")
+        raise TraceError(
+            path,
+            f"sequence {seq_id}: expected layer {expected_layer[i]} "
+            f"(each token needs layers 0..{n_layers - 1} in order)",
+            row=row0 + i,
+            column="layer",
+        )
     t = n // n_layers
     pos2 = pos.reshape(t, n_layers)
     if (pos2 != pos2[:, :1]).any():
         i = int(np.flatnonzero((pos2 != pos2[:, :1]).reshape(-1))[0])
-        raise TraceError(path, f"sequence {seq_id}: position changes within one token's layers",
-                         row=row0 + i, column="pos")
+        raise TraceError(
+            path,
+            f"sequence {seq_id}: position changes within one token's layers",
+            row=row0 + i,
+            column="pos",
+        )
     positions = pos2[:, 0]
     if t > 1 and (np.diff(positions) <= 0).any():
         i = int(np.flatnonzero(np.diff(positions) <= 0)[0]) + 1
-        raise TraceError(path, f"sequence {seq_id}: positions not increasing",
-                         row=row0 + i * n_layers, column="pos")
+        raise TraceError(
+            path,
+            f"sequence {seq_id}: positions not increasing",
+            row=row0 + i * n_layers,
+            column="pos",
+        )
     dec = decode.reshape(t, n_layers)
     if (dec != dec[:, :1]).any():
         i = int(np.flatnonzero((dec != dec[:, :1]).reshape(-1))[0])
-        raise TraceError(path, f"sequence {seq_id}: phase changes within one token's layers",
-                         row=row0 + i, column="phase")
+        raise TraceError(
+            path,
+            f"sequence {seq_id}: phase changes within one token's layers",
+            row=row0 + i,
+            column="phase",
+        )
     tok_dec = dec[:, 0]
     n_prefill = int((~tok_dec).sum())
     if tok_dec[:n_prefill].any():
         i = int(np.flatnonzero(tok_dec[:n_prefill])[0])
-        raise TraceError(path, f"sequence {seq_id}: a prefill token follows a decode token",
-                         row=row0 + i * n_layers, column="phase")
+        raise TraceError(
+            path,
+            f"sequence {seq_id}: a prefill token follows a decode token",
+            row=row0 + i * n_layers,
+            column="phase",
+        )
     k, width = meta.model.top_k, meta.probs_stored
     ids = cat("prob_ids") if parts[0].prob_ids is not None else None
     eids = cat("early_prob_ids") if parts[0].early_prob_ids is not None else None
+    early_experts = cat("early_experts").astype(np.int16).reshape(t, n_layers, k)
+    early_probs = cat("early_probs").reshape(t, n_layers, width)
+    if eids is not None:
+        eids = eids.astype(np.int16).reshape(t, n_layers, width)
+    # layer 0 has no earlier layer: whatever a capture stored there is dropped
+    early_experts[:, 0] = -1
+    early_probs[:, 0] = np.nan
+    if eids is not None:
+        eids[:, 0] = -1
     return SequenceRouting(
         seq_id=seq_id,
         positions=positions.astype(np.int32),
@@ -550,16 +744,19 @@ def _assemble(path: object, seq_id: int, parts: list[_Rows], meta: TraceMeta) ->
         experts=cat("experts").astype(np.int16).reshape(t, n_layers, k),
         weights=cat("weights").reshape(t, n_layers, k),
         probs=cat("probs").reshape(t, n_layers, width),
-        early_experts=cat("early_experts").astype(np.int16).reshape(t, n_layers, k),
-        early_probs=cat("early_probs").reshape(t, n_layers, width),
+        early_experts=early_experts,
+        early_probs=early_probs,
         prob_ids=None if ids is None else ids.astype(np.int16).reshape(t, n_layers, width),
-        early_prob_ids=None if eids is None else eids.astype(np.int16).reshape(t, n_layers, width),
+        early_prob_ids=eids,
     )
 
 
-def iter_sequences(path: str | os.PathLike[str], meta: TraceMeta | None = None,
-                   sequences: set[int] | None = None, batch_rows: int = 65536
-                   ) -> Iterator[SequenceRouting]:
+def iter_sequences(
+    path: str | os.PathLike[str],
+    meta: TraceMeta | None = None,
+    sequences: set[int] | None = None,
+    batch_rows: int = 65536,
+) -> Iterator[SequenceRouting]:
     """Stream a trace sequence by sequence (memory bounded by one sequence plus one batch).
 
     ``sequences`` restricts to those sequence ids (others are skipped without assembling).
@@ -582,7 +779,7 @@ def iter_sequences(path: str | os.PathLike[str], meta: TraceMeta | None = None,
             # split the batch where the sequence id changes
             cuts = np.flatnonzero(np.diff(rows.seq)) + 1
             bounds = [0, *cuts.tolist(), len(rows.seq)]
-            for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            for a, b in itertools.pairwise(bounds):
                 if a == b:
                     continue
                 sid = int(rows.seq[a])
@@ -591,55 +788,81 @@ def iter_sequences(path: str | os.PathLike[str], meta: TraceMeta | None = None,
                     if current is not None and (sequences is None or current in sequences):
                         yield _assemble(path, current, parts, meta)
                     if sid in seen:
-                        raise TraceError(path, f"sequence {sid} appears in two separate runs "
-                                         "of rows (rows must be grouped by sequence)",
-                                         row=piece.row0, column="seq")
+                        raise TraceError(
+                            path,
+                            f"sequence {sid} appears in two separate runs "
+                            "of rows (rows must be grouped by sequence)",
+                            row=piece.row0,
+                            column="seq",
+                        )
                     seen.add(sid)
                     current, parts = sid, []
                 if sequences is None or sid in sequences:
                     parts.append(piece)
         if current is not None and (sequences is None or current in sequences):
             yield _assemble(path, current, parts, meta)
-    except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise TraceError(path, f"unreadable data near row {row0} ({first})") from None
+    except _READ_ERRORS as exc:
+        raise TraceError(
+            path,
+            f"unreadable data near row {row0} ({_first_line(exc)})",
+        ) from None
 
 
 def _slice_rows(r: _Rows, a: int, b: int) -> _Rows:
     def s(x: np.ndarray | None) -> np.ndarray | None:
         return None if x is None else x[a:b]
 
-    return _Rows(seq=r.seq[a:b], pos=r.pos[a:b], decode=r.decode[a:b], layer=r.layer[a:b],
-                 experts=r.experts[a:b], weights=r.weights[a:b], probs=r.probs[a:b],
-                 prob_ids=s(r.prob_ids), early_experts=r.early_experts[a:b],
-                 early_probs=r.early_probs[a:b], early_prob_ids=s(r.early_prob_ids),
-                 row0=r.row0 + a)
+    return _Rows(
+        seq=r.seq[a:b],
+        pos=r.pos[a:b],
+        decode=r.decode[a:b],
+        layer=r.layer[a:b],
+        experts=r.experts[a:b],
+        weights=r.weights[a:b],
+        probs=r.probs[a:b],
+        prob_ids=s(r.prob_ids),
+        early_experts=r.early_experts[a:b],
+        early_probs=r.early_probs[a:b],
+        early_prob_ids=s(r.early_prob_ids),
+        row0=r.row0 + a,
+    )
 
 
 def validate_trace(path: str | os.PathLike[str]) -> TraceMeta:
     """Check a whole trace (metadata, schema, every row, counts); returns its metadata.
 
-    Raises ``TraceError`` naming the file, and where it applies the row and the column, of the
-    first problem.
+    Raises ``TraceError`` naming the file, and where it applies the row (0-based, in file
+    order) and the column, of the first problem. Streams by row group: memory stays flat.
     """
     meta = read_meta(path)
-    counts = {"rows": 0, "sequences": 0, "prefill_tokens": 0, "decode_tokens": 0}
+    for key in COUNT_KEYS:
+        if key not in meta.counts:
+            raise TraceError(path, f"file metadata key 'counts' is missing {key!r}")
+    pf = _open(path)
+    check_schema(path, pf.schema_arrow, meta)
+    file_rows = pf.metadata.num_rows
+    if meta.counts["rows"] != file_rows:
+        raise TraceError(
+            path,
+            f"file metadata counts.rows = {meta.counts['rows']} but the file has {file_rows} rows",
+        )
+    counts = dict.fromkeys(COUNT_KEYS, 0)
     for routing in iter_sequences(path, meta):
         counts["rows"] += routing.n_tokens * meta.model.moe_layers
         counts["sequences"] += 1
         counts["prefill_tokens"] += routing.n_prefill
         counts["decode_tokens"] += routing.n_decode
     for key, value in counts.items():
-        if key not in meta.counts:
-            raise TraceError(path, f"file metadata counts is missing {key!r}")
         if meta.counts[key] != value:
-            raise TraceError(path, f"metadata counts.{key} = {meta.counts[key]} but the file "
-                             f"has {value}")
+            raise TraceError(
+                path, f"file metadata counts.{key} = {meta.counts[key]} but the file has {value}"
+            )
     return meta
 
 
-def load_sequences(path: str | os.PathLike[str], sequences: set[int] | None = None
-                   ) -> tuple[TraceMeta, list[SequenceRouting]]:
+def load_sequences(
+    path: str | os.PathLike[str], sequences: set[int] | None = None
+) -> tuple[TraceMeta, list[SequenceRouting]]:
     """Read (selected) sequences of a trace into memory."""
     meta = read_meta(path)
     return meta, list(iter_sequences(path, meta, sequences=sequences))

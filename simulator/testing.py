@@ -1,0 +1,214 @@
+"""Helpers that build small, valid routing traces for tests (this project's and plugin authors').
+
+``make_trace`` writes a random but valid trace in one call; ``routing_from_experts`` turns
+hand-written expert ids into a ``SequenceRouting`` so a test can state exact routing and check
+exact results. Randomness comes only from the ``seed`` argument, so fixtures are reproducible.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from simulator.models import ModelShape, get_model
+from simulator.trace import (
+    ALL_PROBS_MAX_EXPERTS,
+    SequenceRouting,
+    TraceMeta,
+    write_trace,
+)
+
+#: Default top-m for models with more than ``ALL_PROBS_MAX_EXPERTS`` experts.
+DEFAULT_TOP_M = 16
+
+
+def tiny_model(
+    experts: int = 8, top_k: int = 2, moe_layers: int = 4, name: str = "tiny"
+) -> ModelShape:
+    """A small model shape (a few layers) so test traces stay tiny."""
+    return ModelShape(
+        name=name,
+        family="test",
+        layers=moe_layers,
+        moe_layers=moe_layers,
+        hidden=64,
+        expert_ffn=128,
+        experts=experts,
+        top_k=top_k,
+        non_expert_params=100_000,
+        kv_bytes_per_token=1024,
+        source="simulator.testing.tiny_model",
+    )
+
+
+def _resolve_model(model: str | ModelShape) -> ModelShape:
+    return model if isinstance(model, ModelShape) else get_model(model)
+
+
+def _probs_stored(model: ModelShape, top_m: int | None) -> int:
+    if top_m is not None:
+        return min(int(top_m), model.experts)
+    if model.experts <= ALL_PROBS_MAX_EXPERTS:
+        return model.experts
+    return min(DEFAULT_TOP_M, model.experts)
+
+
+def make_meta(
+    model: str | ModelShape, top_m: int | None = None, provenance: dict[str, Any] | None = None
+) -> TraceMeta:
+    """Trace metadata for ``model`` with the storage rule of the format (all E or top-m)."""
+    shape = _resolve_model(model)
+    return TraceMeta(
+        model=shape,
+        provenance=dict(provenance or {"source": "test", "generator": "simulator.testing"}),
+        probs_stored=_probs_stored(shape, top_m),
+        moe_layer_ids=list(range(shape.first_moe_layer, shape.first_moe_layer + shape.moe_layers)),
+    )
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    z = np.exp(x - x.max(axis=-1, keepdims=True))
+    return z / z.sum(axis=-1, keepdims=True)
+
+
+def _stored(probs: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """Full ``[..., E]`` probabilities to what a trace stores: all, or the top ``width`` + ids."""
+    if width == probs.shape[-1]:
+        return probs.astype(np.float32), None
+    ids = np.argsort(-probs, axis=-1, kind="stable")[..., :width]
+    return np.take_along_axis(probs, ids, axis=-1).astype(np.float32), ids.astype(np.int16)
+
+
+def random_routing(
+    model: ModelShape,
+    seq_id: int,
+    n_prefill: int,
+    n_decode: int,
+    rng: np.random.Generator,
+    probs_stored: int | None = None,
+    temperature: float = 1.0,
+) -> SequenceRouting:
+    """Independent random routing: each token-layer's router logits are i.i.d. normal.
+
+    With i.i.d. logits the top-k set is uniform over all k-subsets, so the statistics of such
+    a trace sit at their chance values (e.g. overlap k/E). The one-layer-early view is the
+    same router on perturbed logits, so it agrees with the real top-k most of the time.
+    """
+    t, n_layers, n_exp, k = n_prefill + n_decode, model.moe_layers, model.experts, model.top_k
+    width = probs_stored or _probs_stored(model, None)
+    logits = rng.standard_normal((t, n_layers, n_exp)) / temperature
+    early_logits = logits + 0.7 * rng.standard_normal(logits.shape) / temperature
+    probs, early = _softmax(logits), _softmax(early_logits)
+    experts = np.argsort(-probs, axis=-1, kind="stable")[..., :k]
+    top = np.take_along_axis(probs, experts, axis=-1)
+    weights = top / top.sum(axis=-1, keepdims=True)
+    early_experts = np.argsort(-early, axis=-1, kind="stable")[..., :k]
+    p_store, p_ids = _stored(probs, width)
+    e_store, e_ids = _stored(early, width)
+    early_experts = early_experts.astype(np.int16)
+    early_experts[:, 0] = -1
+    e_store[:, 0] = np.nan
+    if e_ids is not None:
+        e_ids[:, 0] = -1
+    return SequenceRouting(
+        seq_id=seq_id,
+        positions=np.arange(t, dtype=np.int32),
+        n_prefill=n_prefill,
+        experts=experts.astype(np.int16),
+        weights=weights.astype(np.float32),
+        probs=p_store,
+        early_experts=early_experts,
+        early_probs=e_store,
+        prob_ids=p_ids,
+        early_prob_ids=e_ids,
+    )
+
+
+def routing_from_experts(
+    model: ModelShape,
+    experts: Sequence[Any] | np.ndarray,
+    n_prefill: int = 0,
+    seq_id: int = 0,
+    weights: Sequence[Any] | np.ndarray | None = None,
+    early_experts: Sequence[Any] | np.ndarray | None = None,
+    probs_stored: int | None = None,
+) -> SequenceRouting:
+    """A sequence from explicit expert ids shaped ``[tokens, layers, k]`` (exact tests).
+
+    Weights default to a fixed descending split (0.6/0.4 for top-2; rank-proportional
+    otherwise). ``early_experts`` defaults to the actual experts (a perfect one-layer-early
+    view); layer 0's view is always absent. Probabilities put the gate weights on the selected
+    experts and spread the rest evenly.
+    """
+    ex = np.asarray(experts, dtype=np.int16)
+    t, n_layers, k = ex.shape
+    assert n_layers == model.moe_layers and k == model.top_k, "shape must be [T, L, k]"
+    n_exp = model.experts
+    if weights is None:
+        base = np.arange(k, 0, -1, dtype=np.float64) + (0.5 if k == 2 else 0.0)
+        w = np.broadcast_to(base / base.sum(), ex.shape).astype(np.float32)
+    else:
+        w = np.asarray(weights, dtype=np.float32).reshape(ex.shape)
+    ee = ex.copy() if early_experts is None else np.asarray(early_experts, np.int16).copy()
+    width = probs_stored or _probs_stored(model, None)
+
+    def probs_for(sel: np.ndarray) -> np.ndarray:
+        full = np.full((t, n_layers, n_exp), 0.0, dtype=np.float64)
+        if n_exp > k:
+            full[:] = 0.1 / (n_exp - k)
+        np.put_along_axis(full, sel.astype(np.int64), 0.9 * w if n_exp > k else w, axis=-1)
+        return full
+
+    p_store, p_ids = _stored(probs_for(ex), width)
+    e_store, e_ids = _stored(probs_for(ee), width)
+    ee[:, 0] = -1
+    e_store[:, 0] = np.nan
+    if e_ids is not None:
+        e_ids[:, 0] = -1
+    return SequenceRouting(
+        seq_id=seq_id,
+        positions=np.arange(t, dtype=np.int32),
+        n_prefill=n_prefill,
+        experts=ex,
+        weights=w,
+        probs=p_store,
+        early_experts=ee,
+        early_probs=e_store,
+        prob_ids=p_ids,
+        early_prob_ids=e_ids,
+    )
+
+
+def make_trace(
+    path: str | os.PathLike[str],
+    model: str | ModelShape = "tiny",
+    sequences: int = 2,
+    prefill: int = 8,
+    decode: int = 8,
+    seed: int = 0,
+    top_m: int | None = None,
+    row_group_rows: int = 65536,
+    provenance: dict[str, Any] | None = None,
+) -> Path:
+    """Write a small valid trace of random routing to ``path``; returns the path.
+
+    ``model`` is a preset name, ``"tiny"`` (see ``tiny_model``) or a ``ModelShape``.
+    Each of ``sequences`` sequences has ``prefill`` prompt and ``decode`` generated tokens.
+    """
+    shape = tiny_model() if model == "tiny" else _resolve_model(model)
+    meta = make_meta(
+        shape,
+        top_m=top_m,
+        provenance=provenance
+        or {"source": "synthetic", "generator": "simulator.testing.make_trace", "seed": seed},
+    )
+    rng = np.random.default_rng(seed)
+    routings = (
+        random_routing(shape, s, prefill, decode, rng, probs_stored=meta.probs_stored)
+        for s in range(sequences)
+    )
+    return write_trace(path, meta, routings, row_group_rows=row_group_rows)
