@@ -498,28 +498,39 @@ def _flat(
     row0: int,
     fill: float | int | None = None,
 ) -> np.ndarray:
-    """A list column as a 2-D numpy array; a wrong length or null names the row."""
+    """A list column as a 2-D numpy array; a wrong length or null names the row.
+
+    Null lists are allowed only when ``fill`` is given (their rows are filled with it).
+    Works on offsets and the flat values buffer, so it costs a few array passes per batch.
+    """
     if isinstance(col, pa.ChunkedArray):
         col = col.combine_chunks()
     n = len(col)
-    nulls = col.is_null()
-    has_null = col.null_count > 0
-    if has_null and fill is None:
-        bad = int(np.flatnonzero(nulls.to_numpy(zero_copy_only=False))[0])
-        raise TraceError(path, "is null", row=row0 + bad, column=name)
-    lengths = col.value_lengths().fill_null(width).to_numpy(zero_copy_only=False)
-    if n and (lengths != width).any():
-        bad = int(np.flatnonzero(lengths != width)[0])
+    valid = None
+    if col.null_count:
+        valid = col.is_valid().to_numpy(zero_copy_only=False)
+        if fill is None:
+            bad = int(np.flatnonzero(~valid)[0])
+            raise TraceError(path, "is null", row=row0 + bad, column=name)
+    lengths = np.diff(col.offsets.to_numpy(zero_copy_only=False))
+    wrong = lengths != width if valid is None else valid & (lengths != width)
+    if n and wrong.any():
+        bad = int(np.flatnonzero(wrong)[0])
         raise TraceError(
             path, f"has {lengths[bad]} values, expected {width}", row=row0 + bad, column=name
         )
-    if has_null:
-        col = col.fill_null(pa.array([[fill] * width], type=col.type)[0])
-    values = col.flatten()
+    values = col.flatten()  # the values of valid rows only, in row order
     if values.null_count:
-        raise TraceError(path, "contains a null value", row=row0, column=name)
+        first = int(np.flatnonzero(~values.is_valid().to_numpy(zero_copy_only=False))[0])
+        rows = np.flatnonzero(valid) if valid is not None else np.arange(n)
+        bad = int(rows[first // width])
+        raise TraceError(path, "contains a null value", row=row0 + bad, column=name)
     arr = values.to_numpy(zero_copy_only=False).astype(dtype, copy=False)
-    return arr.reshape(n, width)
+    if valid is None:
+        return arr.reshape(n, width)
+    out = np.full((n, width), fill, dtype=dtype)
+    out[valid] = arr.reshape(-1, width)
+    return out
 
 
 @dataclass

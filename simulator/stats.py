@@ -1,0 +1,234 @@
+"""Routing statistics of a trace: popularity, temporal locality, gate sharpness, look-ahead.
+
+``trace_stats`` streams a trace sequence by sequence and keeps only per-layer accumulators, so
+memory does not grow with the file. Every quantity is defined in docs/trace-format.md
+("Statistics") exactly as computed here; ``uniform_baseline`` gives the values independent
+uniform top-k routing would have, to read real numbers against.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from simulator.trace import SequenceRouting, TraceMeta, iter_sequences, read_meta
+
+#: The per-layer statistics, in the order they are reported.
+STAT_KEYS = (
+    "entropy_bits",
+    "max_share",
+    "consecutive_overlap",
+    "top1_repeat",
+    "same_set",
+    "any_shared",
+    "mean_top1_weight",
+    "lookahead_precision",
+    "prefill_decode_cosine",
+)
+PHASE_CHOICES = ("decode", "prefill", "all")
+#: Tokens handled at once when comparing token pairs (bounds memory for very long sequences).
+_CHUNK_TOKENS = 4096
+
+
+def uniform_baseline(experts: int, top_k: int) -> dict[str, float]:
+    """Chance values under independent uniform top-k routing (each k-subset equally likely)."""
+    n, k = experts, top_k
+    sets = math.comb(n, k)
+    return {
+        "entropy_bits": math.log2(n),
+        "max_share": 1.0 / n,
+        "consecutive_overlap": k / n,
+        "top1_repeat": 1.0 / n,
+        "same_set": 1.0 / sets,
+        "any_shared": 1.0 - math.comb(n - k, k) / sets,
+    }
+
+
+@dataclass
+class _Acc:
+    """Per-layer running sums; every statistic is a ratio of two of these."""
+
+    layers: int
+    experts: int
+    counts: np.ndarray = field(init=False)
+    tokens: np.ndarray = field(init=False)
+    top1_weight: np.ndarray = field(init=False)
+    pairs: np.ndarray = field(init=False)
+    overlap: np.ndarray = field(init=False)
+    top1_repeat: np.ndarray = field(init=False)
+    same_set: np.ndarray = field(init=False)
+    any_shared: np.ndarray = field(init=False)
+    look_n: np.ndarray = field(init=False)
+    look_hits: np.ndarray = field(init=False)
+    cos_sum: np.ndarray = field(init=False)
+    cos_n: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.counts = np.zeros((self.layers, self.experts), dtype=np.int64)
+        for name in ("tokens", "pairs", "top1_repeat", "same_set", "any_shared", "look_n", "cos_n"):
+            setattr(self, name, np.zeros(self.layers, dtype=np.int64))
+        for name in ("top1_weight", "overlap", "look_hits", "cos_sum"):
+            setattr(self, name, np.zeros(self.layers, dtype=np.float64))
+
+
+def _layer_counts(experts: np.ndarray, n_exp: int) -> np.ndarray:
+    """Selections per (layer, expert) of ``experts`` shaped ``[T, L, k]`` -> ``[L, E]``."""
+    _t, n_layers, _k = experts.shape
+    flat = (np.arange(n_layers, dtype=np.int64)[None, :, None] * n_exp + experts).ravel()
+    return np.bincount(flat, minlength=n_layers * n_exp).reshape(n_layers, n_exp)
+
+
+def _shared(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """How many of each row's experts in ``a`` also appear in ``b`` (``[..., k]`` -> ``[...]``).
+
+    Ids within one top-k are distinct (validation guarantees it), so this is |A ∩ B|.
+    """
+    return (a[..., :, None] == b[..., None, :]).any(axis=-1).sum(axis=-1)
+
+
+def _add_sequence(acc: _Acc, r: SequenceRouting, phase: str) -> None:
+    t = r.n_tokens
+    if t == 0:
+        return
+    ex = r.experts.astype(np.int64)
+    k = ex.shape[2]
+    tok = np.arange(t)
+    if phase == "decode":
+        mask = tok >= r.n_prefill
+    elif phase == "prefill":
+        mask = tok < r.n_prefill
+    else:
+        mask = np.ones(t, dtype=bool)
+    if mask.any():
+        sel = ex[mask]
+        acc.counts += _layer_counts(sel, acc.experts)
+        w = r.weights[mask].astype(np.float64)
+        total = w.sum(axis=-1)
+        ok = total > 0
+        acc.tokens += ok.sum(axis=0)
+        acc.top1_weight += np.where(ok, w[..., 0] / np.where(ok, total, 1.0), 0.0).sum(axis=0)
+    # token pairs (t-1, t) with both tokens in the phase; chunked to bound memory
+    later = np.flatnonzero(mask[1:] & mask[:-1]) + 1
+    for c in range(0, later.size, _CHUNK_TOKENS):
+        idx = later[c : c + _CHUNK_TOKENS]
+        cur, prev = ex[idx], ex[idx - 1]
+        inter = _shared(prev, cur)
+        acc.pairs += idx.size
+        acc.overlap += inter.sum(axis=0) / k
+        acc.top1_repeat += (cur[..., 0] == prev[..., 0]).sum(axis=0)
+        acc.same_set += (inter == k).sum(axis=0)
+        acc.any_shared += (inter > 0).sum(axis=0)
+    # one-layer-early view against the real top-k (layers >= 1 carry a view)
+    own = np.flatnonzero(mask)
+    for c in range(0, own.size, _CHUNK_TOKENS):
+        idx = own[c : c + _CHUNK_TOKENS]
+        early = r.early_experts[idx].astype(np.int64)
+        valid = (early >= 0).all(axis=-1)
+        valid[:, 0] = False
+        hits = _shared(early, ex[idx]) / k
+        acc.look_n += valid.sum(axis=0)
+        acc.look_hits += np.where(valid, hits, 0.0).sum(axis=0)
+    # prefill vs decode expert-count vectors of this sequence, per layer
+    if 0 < r.n_prefill < t:
+        cp = _layer_counts(ex[: r.n_prefill], acc.experts).astype(np.float64)
+        cd = _layer_counts(ex[r.n_prefill :], acc.experts).astype(np.float64)
+        acc.cos_sum += (cp * cd).sum(axis=1) / (
+            np.linalg.norm(cp, axis=1) * np.linalg.norm(cd, axis=1)
+        )
+        acc.cos_n += 1
+
+
+def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(den > 0, num / np.where(den > 0, den, 1), np.nan)
+
+
+def _finish(acc: _Acc) -> dict[str, np.ndarray]:
+    total = acc.counts.sum(axis=1)
+    share = acc.counts / np.where(total > 0, total, 1)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        plogp = np.where(share > 0, share * np.log2(np.where(share > 0, share, 1.0)), 0.0)
+    return {
+        "entropy_bits": np.where(total > 0, -plogp.sum(axis=1), np.nan),
+        "max_share": np.where(total > 0, share.max(axis=1), np.nan),
+        "consecutive_overlap": _ratio(acc.overlap, acc.pairs),
+        "top1_repeat": _ratio(acc.top1_repeat, acc.pairs),
+        "same_set": _ratio(acc.same_set, acc.pairs),
+        "any_shared": _ratio(acc.any_shared, acc.pairs),
+        "mean_top1_weight": _ratio(acc.top1_weight, acc.tokens),
+        "lookahead_precision": _ratio(acc.look_hits, acc.look_n),
+        "prefill_decode_cosine": _ratio(acc.cos_sum, acc.cos_n),
+    }
+
+
+def _num(x: float) -> float | None:
+    """A float for JSON, or None where the statistic is undefined (no data)."""
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def trace_stats(
+    source: str | os.PathLike[str] | Iterable[SequenceRouting],
+    meta: TraceMeta | None = None,
+    max_sequences: int | None = None,
+    phase: str = "decode",
+) -> dict[str, Any]:
+    """Routing statistics per layer and their mean over layers (see docs/trace-format.md).
+
+    ``source`` is a trace path (streamed and validated row by row as it is read) or an
+    iterable of ``SequenceRouting`` (then ``meta`` is required). ``max_sequences`` stops after
+    that many sequences. ``phase`` picks the tokens the popularity, pair, weight and look-ahead
+    statistics use: ``decode`` (default), ``prefill`` or ``all``; ``prefill_decode_cosine``
+    always compares the two phases. Undefined values (no tokens or pairs) are None.
+    """
+    if phase not in PHASE_CHOICES:
+        raise ValueError(f"phase must be one of {PHASE_CHOICES}, got {phase!r}")
+    if isinstance(source, str | os.PathLike):
+        meta = meta or read_meta(source)
+        routings: Iterable[SequenceRouting] = iter_sequences(source, meta)
+    else:
+        if meta is None:
+            raise ValueError("trace_stats needs meta when given sequences")
+        routings = source
+    model = meta.model
+    acc = _Acc(model.moe_layers, model.experts)
+    counts = {"sequences": 0, "prefill_tokens": 0, "decode_tokens": 0}
+    phase_tokens = 0
+    for r in routings:
+        if max_sequences is not None and counts["sequences"] >= max_sequences:
+            break
+        _add_sequence(acc, r, phase)
+        phase_tokens += {"decode": r.n_decode, "prefill": r.n_prefill}.get(phase, r.n_tokens)
+        counts["sequences"] += 1
+        counts["prefill_tokens"] += r.n_prefill
+        counts["decode_tokens"] += r.n_decode
+    per = _finish(acc)
+    per_layer = []
+    for layer in range(model.moe_layers):
+        row: dict[str, Any] = {"layer": layer}
+        row.update({key: _num(per[key][layer]) for key in STAT_KEYS})
+        per_layer.append(row)
+    out: dict[str, Any] = {}
+    for key in STAT_KEYS:
+        values = per[key][np.isfinite(per[key])]
+        out[key] = _num(values.mean()) if values.size else None
+    out.update(counts)
+    out.update(
+        {
+            "phase": phase,
+            "model": model.name,
+            "layers": model.moe_layers,
+            "experts": model.experts,
+            "top_k": model.top_k,
+            "phase_tokens": phase_tokens,
+            "token_pairs": int(acc.pairs[0]) if model.moe_layers else 0,
+            "uniform_baseline": uniform_baseline(model.experts, model.top_k),
+            "per_layer": per_layer,
+        }
+    )
+    return out
