@@ -1,0 +1,320 @@
+"""Hardware profiles: one TOML file per machine (GPU, host link, CPU, power, measured constants).
+
+A profile holds facts, never formulas: the cost model (simulator/costs.py) turns them into seconds.
+Every key is validated on load; a mistake raises :class:`ProfileError` naming the file and the key
+(``gpu.mem_bw_gbs``), so the CLI prints one line and exits 2. The format is documented in
+docs/hardware-profiles.md.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tomllib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from simulator.data import profiles_dir
+from simulator.errors import ProfileError, UserError
+
+LINK_KINDS = ("pcie", "unified")
+LOAD_PATHS = ("pageable", "pinned")
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """The accelerator: memory, sustained bandwidth and tensor throughput, launch cost."""
+
+    name: str
+    memory_gb: float  # decimal GB (1e9 bytes); a "48 GB" NVIDIA card has 48 GiB = 51.54 GB
+    usable_fraction: float  # share of memory_gb the runtime can allocate (context, fragmentation)
+    mem_bw_gbs: float  # sustained device-memory bandwidth, GB/s
+    bf16_tflops: float  # dense BF16 (FP32-accumulate) tensor throughput, TFLOPS
+    launch_overhead_us: float  # device-visible cost of one eager kernel launch, µs
+    workspace_gb: float  # activations and allocator reserve kept free of weights, GB
+
+    @property
+    def usable_bytes(self) -> float:
+        """Bytes the runtime may fill with weights, KV cache and workspace."""
+        return self.memory_gb * 1e9 * self.usable_fraction
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """Host-to-device path: PCIe (DMA over the bus) or unified memory (DRAM-to-DRAM copies)."""
+
+    kind: str  # "pcie" | "unified"
+    h2d_pinned_gbs: float
+    d2h_pinned_gbs: float
+    h2d_pageable_gbs: float
+    d2h_pageable_gbs: float
+    copy_overhead_us: float  # fixed cost per copy call
+    copy_engines: int  # async copy engines; H2D and D2H overlap when >= 2
+
+    @property
+    def unified(self) -> bool:
+        """True when CPU and GPU share one memory (no bus; one bandwidth for both)."""
+        return self.kind == "unified"
+
+
+@dataclass(frozen=True)
+class CpuSpec:
+    """The host CPU as the expert kernels see it (achieved, not peak, figures)."""
+
+    name: str
+    cores_used: int
+    mem_bw_gbs: float  # achieved by an expert kernel streaming weights, GB/s
+    bf16_gflops: float  # achieved BF16 GEMM throughput over cores_used, GFLOPS
+    fp32_gflops: float  # achieved FP32 GEMM throughput over cores_used, GFLOPS
+
+
+@dataclass(frozen=True)
+class PowerSpec:
+    """Idle and busy power of GPU and CPU, watts (for energy metrics)."""
+
+    gpu_idle_w: float
+    gpu_busy_w: float
+    cpu_idle_w: float
+    cpu_busy_w: float
+
+
+@dataclass(frozen=True)
+class MeasuredModel:
+    """Per-model constants measured on this machine; they override the roofline where they apply."""
+
+    cpu_expert_ms: float  # one expert, one token, on the CPU
+    load_expert_ms: float  # one expert host -> device, on ``load_path`` only
+    load_path: str  # "pageable" | "pinned": the host memory the load was measured from
+    source: str
+    dtype: str = "bf16"  # expert precision the measurement was taken at
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """One machine: GPU, link, CPU, optional power, measured per-model constants."""
+
+    name: str
+    description: str
+    gpu: GpuSpec
+    link: LinkSpec
+    cpu: CpuSpec
+    power: PowerSpec | None = None
+    measured: dict[str, MeasuredModel] = field(default_factory=dict)
+    path: str = ""
+
+    def __hash__(self) -> int:  # the dict field is not hashable; cost_model() caches on profiles
+        return hash(
+            (
+                self.name,
+                self.description,
+                self.gpu,
+                self.link,
+                self.cpu,
+                self.power,
+                tuple(sorted(self.measured.items())),
+                self.path,
+            )
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (JSON output)."""
+        return asdict(self)
+
+
+# --- schema -------------------------------------------------------------------------------------
+# (key, type) per section. "pos" = positive number (int or float), "frac" = number in (0, 1],
+# "int+" = positive integer, "str" = non-empty string, or a tuple of allowed strings.
+_Schema = dict[str, Any]
+
+_TOP: _Schema = {"name": "str", "description": "str"}
+_GPU: _Schema = {
+    "name": "str",
+    "memory_gb": "pos",
+    "usable_fraction": "frac",
+    "mem_bw_gbs": "pos",
+    "bf16_tflops": "pos",
+    "launch_overhead_us": "pos",
+    "workspace_gb": "pos",
+}
+_LINK: _Schema = {
+    "kind": LINK_KINDS,
+    "h2d_pinned_gbs": "pos",
+    "d2h_pinned_gbs": "pos",
+    "h2d_pageable_gbs": "pos",
+    "d2h_pageable_gbs": "pos",
+    "copy_overhead_us": "pos",
+    "copy_engines": "int+",
+}
+_CPU: _Schema = {
+    "name": "str",
+    "cores_used": "int+",
+    "mem_bw_gbs": "pos",
+    "bf16_gflops": "pos",
+    "fp32_gflops": "pos",
+}
+_POWER: _Schema = {
+    "gpu_idle_w": "pos",
+    "gpu_busy_w": "pos",
+    "cpu_idle_w": "pos",
+    "cpu_busy_w": "pos",
+}
+_MEASURED: _Schema = {
+    "cpu_expert_ms": "pos",
+    "load_expert_ms": "pos",
+    "load_path": LOAD_PATHS,
+    "source": "str",
+    "dtype": "str",
+}
+_MEASURED_OPTIONAL = {"dtype"}
+_SECTIONS = {"gpu", "link", "cpu", "power", "measured"}
+
+
+def _check_value(path: Path, key: str, kind: Any, value: Any) -> Any:
+    """One value against its schema type; returns it (ints widened to float for numbers)."""
+    if isinstance(kind, tuple):
+        if not isinstance(value, str) or value not in kind:
+            raise ProfileError(path, f"must be one of {', '.join(kind)}; got {value!r}", key)
+        return value
+    if kind == "str":
+        if not isinstance(value, str):
+            raise ProfileError(path, f"must be a string; got {type(value).__name__}", key)
+        if not value.strip():
+            raise ProfileError(path, "must not be empty", key)
+        return value
+    if kind == "int+":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ProfileError(path, f"must be an integer; got {type(value).__name__}", key)
+        if value <= 0:
+            raise ProfileError(path, f"must be a positive integer; got {value}", key)
+        return value
+    # numbers
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ProfileError(path, f"must be a number; got {type(value).__name__}", key)
+    number = float(value)
+    if not math.isfinite(number) or number <= 0:
+        raise ProfileError(path, f"must be a positive number; got {value}", key)
+    if kind == "frac" and number > 1:
+        raise ProfileError(path, f"must be in (0, 1]; got {value}", key)
+    return number
+
+
+def _section(
+    path: Path,
+    data: Any,
+    schema: _Schema,
+    prefix: str,
+    optional: set[str] | frozenset[str] = frozenset(),
+) -> dict[str, Any]:
+    """Validate one table: no unknown keys, no missing keys, each value typed and in range."""
+    if not isinstance(data, dict):
+        raise ProfileError(path, f"must be a table; got {type(data).__name__}", prefix.rstrip("."))
+    for key in data:
+        if key not in schema:
+            hint = ""
+            if isinstance(data[key], dict):  # [measured.phi-3.5-moe] splits at the dots
+                hint = '; quote table names that contain dots, e.g. [measured."phi-3.5-moe"]'
+            raise ProfileError(
+                path, f"unknown key (known: {', '.join(schema)}){hint}", f"{prefix}{key}"
+            )
+    out: dict[str, Any] = {}
+    for key, kind in schema.items():
+        if key not in data:
+            if key in optional:
+                continue
+            raise ProfileError(path, "missing key", f"{prefix}{key}")
+        out[key] = _check_value(path, f"{prefix}{key}", kind, data[key])
+    return out
+
+
+def parse_profile(data: dict[str, Any], path: str | os.PathLike[str]) -> HardwareProfile:
+    """Validate a parsed TOML document and build the profile; ProfileError names file and key."""
+    p = Path(path)
+    for key in data:
+        if key not in _TOP and key not in _SECTIONS:
+            known = ", ".join([*_TOP, *sorted(_SECTIONS)])
+            raise ProfileError(p, f"unknown key (known: {known})", key)
+    top = {}
+    for key, kind in _TOP.items():
+        if key not in data:
+            raise ProfileError(p, "missing key", key)
+        top[key] = _check_value(p, key, kind, data[key])
+    for sect in ("gpu", "link", "cpu"):
+        if sect not in data:
+            raise ProfileError(p, "missing section", sect)
+    gpu = GpuSpec(**_section(p, data["gpu"], _GPU, "gpu."))
+    link = LinkSpec(**_section(p, data["link"], _LINK, "link."))
+    cpu = CpuSpec(**_section(p, data["cpu"], _CPU, "cpu."))
+    power = PowerSpec(**_section(p, data["power"], _POWER, "power.")) if "power" in data else None
+    if power is not None:
+        if power.gpu_busy_w < power.gpu_idle_w:
+            raise ProfileError(p, "busy power below idle power", "power.gpu_busy_w")
+        if power.cpu_busy_w < power.cpu_idle_w:
+            raise ProfileError(p, "busy power below idle power", "power.cpu_busy_w")
+    measured: dict[str, MeasuredModel] = {}
+    raw = data.get("measured", {})
+    if not isinstance(raw, dict):
+        raise ProfileError(p, f"must be a table; got {type(raw).__name__}", "measured")
+    for model_name, table in raw.items():
+        fields = _section(p, table, _MEASURED, f"measured.{model_name}.", _MEASURED_OPTIONAL)
+        if "dtype" in fields:
+            _check_dtype(p, f"measured.{model_name}.dtype", fields["dtype"])
+        measured[model_name.lower()] = MeasuredModel(**fields)
+    return HardwareProfile(
+        name=top["name"],
+        description=top["description"],
+        gpu=gpu,
+        link=link,
+        cpu=cpu,
+        power=power,
+        measured=measured,
+        path=str(p),
+    )
+
+
+def _check_dtype(path: Path, key: str, dtype: str) -> None:
+    from simulator.models import DTYPE_BYTES
+
+    if dtype not in DTYPE_BYTES:
+        raise ProfileError(path, f"unknown dtype {dtype!r}; known: {', '.join(DTYPE_BYTES)}", key)
+
+
+def read_profile(path: str | os.PathLike[str]) -> HardwareProfile:
+    """Load and validate one TOML file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ProfileError(p, "no such profile file")
+    try:
+        with p.open("rb") as fh:
+            data = tomllib.load(fh)
+    except tomllib.TOMLDecodeError as exc:
+        raise ProfileError(p, f"not valid TOML: {exc}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ProfileError(p, f"cannot read: {exc}") from None
+    return parse_profile(data, p)
+
+
+def bundled_profiles() -> dict[str, Path]:
+    """Bundled profile files by name (file stem), sorted."""
+    return {p.stem: p for p in sorted(profiles_dir().glob("*.toml"))}
+
+
+def load_profile(name_or_path: str | os.PathLike[str]) -> HardwareProfile:
+    """A bundled profile by name (``a6000-pcie4``) or a user TOML path."""
+    text = str(name_or_path)
+    bundled = bundled_profiles()
+    if text in bundled:
+        return read_profile(bundled[text])
+    if text.lower() in bundled:
+        return read_profile(bundled[text.lower()])
+    if text.endswith(".toml") or os.sep in text or Path(text).expanduser().exists():
+        return read_profile(Path(text).expanduser())
+    raise UserError(
+        f"unknown hardware profile {text!r}: not a file and not a bundled profile "
+        f"(valid: {', '.join(bundled) or '(none)'})"
+    )
+
+
+def list_profiles() -> list[HardwareProfile]:
+    """Every bundled profile, loaded and validated, sorted by name."""
+    return [read_profile(p) for p in bundled_profiles().values()]
