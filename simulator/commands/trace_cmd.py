@@ -1,0 +1,140 @@
+"""``daopsim trace``: validate a routing trace, show its metadata, compute routing statistics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from simulator.commands.common import echo_json, json_option
+from simulator.stats import PHASE_CHOICES, STAT_KEYS, trace_stats
+from simulator.trace import TraceMeta, read_meta, validate_trace
+
+
+@click.group("trace")
+def trace() -> None:
+    """Check and inspect routing traces (Parquet; see docs/trace-format.md)."""
+
+
+def _path_arg() -> Any:
+    # exists=False: a missing file must give our one-line TraceError, not click's usage text
+    return click.argument("path", type=click.Path(dir_okay=True, exists=False))
+
+
+def info_dict(path: str, meta: TraceMeta) -> dict[str, Any]:
+    """What ``trace info --json`` prints: model shape, provenance, counts, storage."""
+    m = meta.model
+    return {
+        "path": str(path),
+        "schema_version": meta.schema_version,
+        "model": m.to_dict(),
+        "provenance": meta.provenance,
+        "counts": meta.counts,
+        "probs_stored": meta.probs_stored,
+        "probs_storage": "top-m with ids" if meta.top_m else "all experts",
+        "moe_layer_ids": meta.moe_layer_ids,
+        "calibration_sequences": meta.calibration_sequences,
+    }
+
+
+@trace.command("validate")
+@_path_arg()
+@json_option
+def validate_cmd(path: str, as_json: bool) -> None:
+    """Check every row of PATH; exit 0 if valid, else print one error line and exit 2."""
+    meta = validate_trace(path)
+    c = meta.counts
+    if as_json:
+        echo_json({"path": str(path), "valid": True, "model": meta.model.name, "counts": c})
+        return
+    click.echo(
+        f"OK {path}: {meta.model.name}, {c['sequences']} sequences, "
+        f"{c['prefill_tokens']} prefill + {c['decode_tokens']} decode tokens, {c['rows']} rows"
+    )
+
+
+@trace.command("info")
+@_path_arg()
+@json_option
+def info_cmd(path: str, as_json: bool) -> None:
+    """Show PATH's metadata: model shape, provenance, counts, how probabilities are stored."""
+    meta = read_meta(path)
+    data = info_dict(path, meta)
+    if as_json:
+        echo_json(data)
+        return
+    m = meta.model
+    c = meta.counts
+    lines = [
+        f"trace      {path} (schema {meta.schema_version})",
+        f"model      {m.name} ({m.family}): {m.moe_layers} MoE layers of {m.layers}, "
+        f"{m.experts} experts, top-{m.top_k}, hidden {m.hidden}, expert FFN {m.expert_ffn}, "
+        f"{m.dtype}",
+        f"counts     {c.get('sequences', '?')} sequences, {c.get('prefill_tokens', '?')} prefill"
+        f" + {c.get('decode_tokens', '?')} decode tokens, {c.get('rows', '?')} rows",
+        f"probs      {data['probs_storage']} ({meta.probs_stored} per row)",
+    ]
+    if meta.calibration_sequences:
+        lines.append(f"calibration sequences {meta.calibration_sequences}")
+    for key in sorted(meta.provenance):
+        value = meta.provenance[key]
+        if isinstance(value, dict):
+            value = ", ".join(f"{k}={v}" for k, v in sorted(value.items()))
+        lines.append(f"provenance {key}: {value}")
+    click.echo("\n".join(lines))
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+_SHORT = {
+    "entropy_bits": "entropy",
+    "max_share": "max_sh",
+    "consecutive_overlap": "overlap",
+    "top1_repeat": "top1_rep",
+    "same_set": "same_set",
+    "any_shared": "any_sh",
+    "mean_top1_weight": "top1_w",
+    "lookahead_precision": "lookahead",
+    "prefill_decode_cosine": "pf_dec_cos",
+}
+
+
+@trace.command("stats")
+@_path_arg()
+@json_option
+@click.option(
+    "--sequences",
+    "max_sequences",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Use only the first N sequences.",
+)
+@click.option(
+    "--phase",
+    type=click.Choice(PHASE_CHOICES),
+    default="decode",
+    show_default=True,
+    help="Tokens the popularity, pair, weight and look-ahead statistics use.",
+)
+def stats_cmd(path: str, as_json: bool, max_sequences: int | None, phase: str) -> None:
+    """Routing statistics of PATH per layer and mean over layers (see docs/trace-format.md)."""
+    s = trace_stats(path, max_sequences=max_sequences, phase=phase)
+    if as_json:
+        echo_json(s)
+        return
+    click.echo(
+        f"{path}: {s['model']}, {s['sequences']} sequences, {s['prefill_tokens']} prefill + "
+        f"{s['decode_tokens']} decode tokens; statistics over {phase} tokens"
+    )
+    header = "layer " + " ".join(f"{_SHORT[k]:>10}" for k in STAT_KEYS)
+    click.echo(header)
+    for row in s["per_layer"]:
+        click.echo(f"{row['layer']:>5} " + " ".join(f"{_fmt(row[k]):>10}" for k in STAT_KEYS))
+    click.echo(" mean " + " ".join(f"{_fmt(s[k]):>10}" for k in STAT_KEYS))
+    base = s["uniform_baseline"]
+    click.echo(
+        "chance "
+        + " ".join(f"{_fmt(base.get(k)):>10}" if k in base else f"{'':>10}" for k in STAT_KEYS)[1:]
+    )
