@@ -15,8 +15,9 @@ class UserError(Exception):
 class TraceError(UserError):
     """A trace file is missing, unreadable or invalid; names the file, row and column."""
 
-    def __init__(self, path: object, message: str, row: int | None = None,
-                 column: str | None = None) -> None:
+    def __init__(
+        self, path: object, message: str, row: int | None = None, column: str | None = None
+    ) -> None:
         where = str(path)
         if row is not None:
             where += f": row {row}"
@@ -44,8 +45,14 @@ class ProfileError(UserError):
 class PolicyError(Exception):
     """A policy made an impossible decision or raised; names policy, sequence, token, layer."""
 
-    def __init__(self, policy: str, message: str, seq: int | None = None,
-                 token: int | None = None, layer: int | None = None) -> None:
+    def __init__(
+        self,
+        policy: str,
+        message: str,
+        seq: int | None = None,
+        token: int | None = None,
+        layer: int | None = None,
+    ) -> None:
         where = [f"policy {policy!r}"]
         if seq is not None:
             where.append(f"sequence {seq}")

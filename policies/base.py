@@ -1,0 +1,280 @@
+"""The policy seam: what a policy sees, what it may decide, and the base classes policies extend.
+
+A policy is a class with a few hooks. The engine calls them with read-only views that hold only
+what a real runtime knows at that moment, and turns the returned :class:`Plan` into timed
+operations on the host's resources. Impossible plans (running an expert that is not resident,
+evicting an expert that is not there, exceeding the slot budget, computing an expert twice) are
+refused with a ``PolicyError`` naming the policy, sequence, token and layer.
+
+See docs/policy-api.md for the full contract and a worked example.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from simulator.errors import UserError
+
+if TYPE_CHECKING:
+    from simulator.costs import CostModel
+    from simulator.models import ModelShape
+
+
+class Action(IntEnum):
+    """Where one routed expert of a layer is computed."""
+
+    GPU = 0  #: resident (or already in flight to a slot): run on the GPU
+    FETCH = 1  #: copy into a resident slot (optionally evicting a victim), then run on the GPU
+    TEMP = 2  #: copy into a temporary buffer, run on the GPU, drop the copy
+    CPU = 3  #: run on the CPU now (activations go to the host and back)
+    PRECOMPUTED = 4  #: a CPU pre-calculation submitted earlier with ``Plan.precalc``
+
+
+Slot = tuple[int, int]  # (layer, expert)
+
+
+@dataclass(frozen=True)
+class Param:
+    """A policy option: type, default and one line of help (shown by ``daopsim policies``)."""
+
+    type: type
+    default: Any
+    help: str
+    choices: tuple[Any, ...] | None = None
+
+
+@dataclass(slots=True)
+class Plan:
+    """A policy's decisions for one layer of one step (a decode token or a prefill pass).
+
+    ``actions`` maps each routed expert to an :class:`Action`; ``None`` means "all on the GPU"
+    (every routed expert must then be resident). ``route``/``route_weights`` replace the
+    trace's routing (prediction, substitution); ``raw_route`` is the route before any
+    degradation step, so the engine can split replaced routing into misprediction and
+    degradation. ``victims`` names the slot a FETCH frees. ``prefetch`` entries are
+    ``(layer, expert, victim or None)`` background copies into slots; ``precalc`` entries are
+    ``(layer, expert)`` CPU computations for a coming layer, consumed later by PRECOMPUTED.
+    """
+
+    actions: dict[int, Action] | None = None
+    victims: dict[int, Slot] = field(default_factory=dict)
+    route: np.ndarray | None = None
+    route_weights: np.ndarray | None = None
+    raw_route: np.ndarray | None = None
+    prefetch: list[tuple[int, int, Slot | None]] = field(default_factory=list)
+    precalc: list[tuple[int, int]] = field(default_factory=list)
+    evict: list[Slot] = field(default_factory=list)
+
+
+ALL_GPU_PLAN = Plan()
+
+
+class View:
+    """What a real runtime knows when a layer's router has run (read-only for policies).
+
+    Decode: ``experts``/``weights`` are this token's top-k for ``layer`` (rank order) and
+    ``probs`` the dense router distribution (E). Prefill: ``counts`` holds how many prompt
+    tokens chose each expert, and ``experts`` the experts with a non-zero count (descending
+    count). ``next_experts``/``next_probs`` are the one-layer-early view of layer+1 (its router
+    applied to this layer's router input), or None at the last layer. ``resident`` is the
+    ``[layers, experts]`` residency mask (experts in flight to a slot count as resident).
+    """
+
+    __slots__ = (
+        "budget",
+        "calibration",
+        "context",
+        "costs",
+        "counts",
+        "experts",
+        "layer",
+        "model",
+        "n_tokens",
+        "next_experts",
+        "next_probs",
+        "next_weights",
+        "now",
+        "phase",
+        "position",
+        "probs",
+        "resident",
+        "seq_id",
+        "step",
+        "token",
+        "weights",
+    )
+
+    def __init__(self) -> None:
+        self.seq_id = 0
+        self.step = 0
+        self.token = 0
+        self.position = 0
+        self.phase = "decode"
+        self.layer = 0
+        self.n_tokens = 1
+        self.context = 0
+        self.experts: np.ndarray = np.empty(0, dtype=np.int64)
+        self.weights: np.ndarray = np.empty(0, dtype=np.float32)
+        self.probs: np.ndarray = np.empty(0, dtype=np.float32)
+        self.counts: np.ndarray | None = None
+        self.next_experts: np.ndarray | None = None
+        self.next_probs: np.ndarray | None = None
+        self.next_weights: np.ndarray | None = None
+        self.resident: np.ndarray = np.empty((0, 0), dtype=bool)
+        self.budget = 0
+        self.now = 0.0
+        self.model: ModelShape | None = None
+        self.costs: CostModel | None = None
+        self.calibration: np.ndarray | None = None
+
+    @property
+    def is_prefill(self) -> bool:
+        """True during a prefill pass (many tokens per expert)."""
+        return self.phase == "prefill"
+
+
+@dataclass(frozen=True)
+class SetupContext:
+    """What a policy knows at load time: shapes, budget, costs, calibration statistics."""
+
+    model: ModelShape
+    budget: int
+    costs: CostModel
+    calibration: np.ndarray | None  #: decode-time selection counts [layers, experts], or None
+    calibration_prefill: np.ndarray | None  #: prefill-time counts [layers, experts], or None
+    oracle: Any = None  #: future accesses, given only to clairvoyant policies
+    seed: int = 0
+
+
+class Policy:
+    """Base class of every policy. Subclasses set ``name`` and override the hooks they need.
+
+    Class attributes a policy may set:
+    ``name`` (registry key), ``summary`` (one line), ``source`` (what it models),
+    ``params`` (options: name -> :class:`Param`), ``clairvoyant`` (looks ahead in the trace;
+    results are marked as a bound), ``bound`` (not realisable, e.g. all experts resident),
+    ``unlimited_memory`` (places every expert whatever the budget),
+    ``needs_calibration`` (wants popularity counts),
+    ``host_memory`` ("pinned" or "pageable": the host path its copies take),
+    ``writeback`` (an evicted expert is copied back to the host), ``temp_buffers`` (GPU buffers
+    for TEMP copies), ``cpu_workers`` (CPU worker threads it runs experts on).
+    """
+
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    source: ClassVar[str] = ""
+    params: ClassVar[dict[str, Param]] = {}
+    clairvoyant: ClassVar[bool] = False
+    bound: ClassVar[bool] = False
+    #: places every expert regardless of the memory budget (the all-GPU bound)
+    unlimited_memory: ClassVar[bool] = False
+    needs_calibration: ClassVar[bool] = False
+    host_memory: str = "pinned"
+    writeback: bool = False
+    temp_buffers: int = 1
+    cpu_workers: int = 1
+    #: extra GPU slots (beyond the budget) this policy keeps as staging buffers for fetches
+    staging_buffers: int = 0
+
+    def __init__(self, **options: Any) -> None:
+        self.options = self.resolve_options(options)
+
+    @classmethod
+    def resolve_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+        """Defaults plus given options, type-checked; unknown or mistyped ones are UserErrors."""
+        out = {k: p.default for k, p in cls.params.items()}
+        for key, value in options.items():
+            if key not in cls.params:
+                known = ", ".join(sorted(cls.params)) or "none"
+                raise UserError(f"policy {cls.name!r} has no option {key!r} (options: {known})")
+            out[key] = coerce_option(cls.name, key, cls.params[key], value)
+        return out
+
+    # -- hooks ---------------------------------------------------------------------------------
+    def setup(self, ctx: SetupContext) -> Iterable[Slot]:
+        """Initial placement: the (layer, expert) pairs resident at time 0 (at most budget)."""
+        return []
+
+    def on_sequence_start(self, seq_id: int, n_prefill: int) -> None:
+        """A new sequence begins (its routing is not known yet)."""
+
+    def prefill_layer(self, view: View) -> Plan:
+        """Decide one layer of a prefill pass (``view.counts`` has per-expert token counts)."""
+        return self.decode_layer(view)
+
+    def decode_layer(self, view: View) -> Plan:
+        """Decide one layer of one decode token."""
+        raise NotImplementedError
+
+    def on_sequence_end(self, seq_id: int) -> None:
+        """The sequence finished."""
+
+
+def coerce_option(policy: str, key: str, param: Param, value: Any) -> Any:
+    """Convert a CLI string (or check a Python value) to the option's type."""
+    typ = param.type
+    try:
+        if isinstance(value, str) and typ is bool:
+            low = value.strip().lower()
+            if low not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                raise ValueError(value)
+            value = low in ("1", "true", "yes", "on")
+        elif isinstance(value, str) and typ is not str:
+            value = typ(value)
+        elif typ is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        elif not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+            raise TypeError(value)
+    except (TypeError, ValueError):
+        raise UserError(
+            f"policy {policy!r}: option {key!r} must be {typ.__name__}, got {value!r}"
+        ) from None
+    if param.choices is not None and value not in param.choices:
+        raise UserError(
+            f"policy {policy!r}: option {key!r} must be one of {list(param.choices)}, got {value!r}"
+        )
+    return value
+
+
+def popularity_ranking(counts: np.ndarray) -> list[Slot]:
+    """(layer, expert) pairs by descending count; ties broken by layer then expert (stable)."""
+    _n_layers, n_exp = counts.shape
+    flat = counts.reshape(-1)
+    order = np.lexsort((np.arange(flat.size), -flat))
+    return [(int(i // n_exp), int(i % n_exp)) for i in order]
+
+
+def global_top(counts: np.ndarray, budget: int) -> list[Slot]:
+    """Fiddler's placement: the globally most popular ``budget`` experts."""
+    return popularity_ranking(counts)[:budget]
+
+
+def quota_then_global(counts: np.ndarray, budget: int) -> list[Slot]:
+    """DAOP's placement: floor(B/L) per layer by popularity, the rest by global rank."""
+    n_layers, _ = counts.shape
+    per = budget // n_layers
+    chosen: list[Slot] = []
+    taken: set[Slot] = set()
+    for layer in range(n_layers):
+        order = np.lexsort((np.arange(counts.shape[1]), -counts[layer]))
+        for e in order[:per]:
+            chosen.append((layer, int(e)))
+            taken.add((layer, int(e)))
+    for slot in popularity_ranking(counts):
+        if len(chosen) >= budget:
+            break
+        if slot not in taken:
+            chosen.append(slot)
+            taken.add(slot)
+    return chosen
+
+
+def per_layer_quota(budget: int, n_layers: int) -> list[int]:
+    """Split a budget over layers as evenly as possible (earlier layers get the remainder)."""
+    base, extra = divmod(budget, n_layers)
+    return [base + (1 if layer < extra else 0) for layer in range(n_layers)]

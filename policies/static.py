@@ -1,0 +1,64 @@
+"""static: popularity placement, a miss is copied into a temporary buffer, run and dropped.
+
+This is DAOP's MoE-OnDemand baseline (../shared/reference/daop.md, "Baselines"): DAOP's initial
+placement (per-layer quota plus global fill from a calibration ranking), exact routing, a miss
+is copied synchronously into one temporary GPU buffer from pageable host memory (the DAOP code
+loads with load_state_dict), used and dropped; no replacement, no prefetch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from policies.base import (
+    Action,
+    Param,
+    Plan,
+    Policy,
+    SetupContext,
+    Slot,
+    View,
+    global_top,
+    quota_then_global,
+)
+from policies.registry import register
+
+
+@register
+class StaticPolicy(Policy):
+    """Fixed placement by calibration popularity; misses stream through a temporary buffer."""
+
+    name = "static"
+    summary = "popularity placement; misses copied to a temp buffer, run, dropped (on-demand)"
+    source = "DAOP's MoE-OnDemand baseline (arXiv 2501.10375)"
+    needs_calibration = True
+    host_memory = "pageable"
+    params = {
+        "placement": Param(
+            str,
+            "quota",
+            "'quota' (DAOP: per-layer floor(B/L) then global) or 'global' (Fiddler: global top-B)",
+            choices=("quota", "global"),
+        ),
+        "host_memory": Param(
+            str, "pageable", "host memory the copies come from", choices=("pageable", "pinned")
+        ),
+    }
+
+    def __init__(self, **options: object) -> None:
+        super().__init__(**options)
+        self.host_memory = self.options["host_memory"]
+
+    def setup(self, ctx: SetupContext) -> Iterable[Slot]:
+        """Most popular experts by decode-time calibration counts."""
+        assert ctx.calibration is not None
+        if self.options["placement"] == "global":
+            return global_top(ctx.calibration, ctx.budget)
+        return quota_then_global(ctx.calibration, ctx.budget)
+
+    def decode_layer(self, view: View) -> Plan:
+        """Resident experts on the GPU, the others through the temporary buffer."""
+        resident = view.resident[view.layer]
+        return Plan(
+            actions={e: (Action.GPU if resident[e] else Action.TEMP) for e in view.experts.tolist()}
+        )

@@ -1,0 +1,370 @@
+"""Run results: the metrics (defined in docs/metrics.md), the timeline and their exports.
+
+``RunResult`` is what ``simulate()`` returns: ``.metrics`` (a flat dict), ``.timeline`` (one row
+per operation, pandas), ``.to_perfetto(path)`` (Chrome/Perfetto trace JSON), ``.plot_timeline()``
+and ``.plot_hit_rate()`` (matplotlib), ``.write(out_dir)`` (all of them, atomically).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+
+if TYPE_CHECKING:
+    from simulator.costs import CostModel
+    from simulator.engine import Counters, Engine
+    from simulator.hardware import HardwareProfile
+
+#: The metrics every run reports, in display order (docs/metrics.md defines each).
+METRIC_KEYS = (
+    "tokens_per_s",
+    "decode_tokens_per_s",
+    "ttft_s",
+    "tpot_mean_s",
+    "tpot_p50_s",
+    "tpot_p99_s",
+    "e2e_s",
+    "hit_rate",
+    "prefill_hit_rate",
+    "h2d_bytes",
+    "d2h_bytes",
+    "gpu_busy_frac",
+    "cpu_busy_frac",
+    "h2d_busy_frac",
+    "d2h_busy_frac",
+    "stall_s",
+    "transfer_stall_s",
+    "cpu_wait_s",
+    "gpu_expert_s",
+    "gpu_nonexpert_s",
+    "cpu_expert_evals",
+    "cpu_precalc_evals",
+    "fetches",
+    "temp_copies",
+    "evictions",
+    "prefetches",
+    "prefetch_precision",
+    "prefetch_wasted_bytes",
+    "routing_replaced_frac",
+    "replaced_mispredicted_frac",
+    "replaced_degraded_frac",
+    "gate_mass_preserved",
+    "energy_j",
+    "tokens_per_kj",
+    "decode_tokens",
+    "prefill_tokens",
+    "sequences",
+    "max_slots_held",
+)
+
+
+def _ratio(num: float, den: float) -> float:
+    return float(num) / float(den) if den else float("nan")
+
+
+def compute_metrics(
+    c: Counters, engine: Engine, costs: CostModel, hw: HardwareProfile
+) -> dict[str, float]:
+    """Metrics from the engine's accumulators (no timeline needed)."""
+    e2e = float(engine.env.now)
+    lat = np.asarray(c.token_latency, dtype=np.float64)
+    workers = len(engine.cpu.lanes)
+    cpu_busy = engine.cpu.busy
+    m: dict[str, float] = {
+        "tokens_per_s": _ratio(c.decode_tokens, e2e),
+        "decode_tokens_per_s": _ratio(c.decode_tokens, c.decode_time),
+        "ttft_s": float(np.mean(c.ttft)) if c.ttft else float("nan"),
+        "tpot_mean_s": float(lat.mean()) if lat.size else float("nan"),
+        "tpot_p50_s": float(np.percentile(lat, 50)) if lat.size else float("nan"),
+        "tpot_p99_s": float(np.percentile(lat, 99)) if lat.size else float("nan"),
+        "e2e_s": e2e,
+        "hit_rate": _ratio(c.decode_hits, c.decode_accesses),
+        "prefill_hit_rate": _ratio(c.prefill_hits, c.prefill_accesses),
+        "h2d_bytes": int(c.h2d_bytes),
+        "d2h_bytes": int(c.d2h_bytes),
+        "gpu_busy_frac": _ratio(engine.gpu.busy, e2e),
+        "cpu_busy_frac": _ratio(cpu_busy, workers * e2e),
+        "h2d_busy_frac": _ratio(engine.h2d.busy, e2e),
+        "d2h_busy_frac": _ratio(engine.d2h.busy, e2e),
+        "stall_s": c.transfer_stall + c.cpu_wait,
+        "transfer_stall_s": c.transfer_stall,
+        "cpu_wait_s": c.cpu_wait,
+        "gpu_expert_s": c.gpu_expert_busy,
+        "gpu_nonexpert_s": c.gpu_nonexpert_busy,
+        "cpu_expert_evals": int(c.cpu_expert_evals + c.cpu_precalc_evals),
+        "cpu_precalc_evals": int(c.cpu_precalc_evals),
+        "fetches": int(c.fetches),
+        "temp_copies": int(c.temp_copies),
+        "evictions": int(c.evictions),
+        "prefetches": int(c.prefetches),
+        "prefetch_precision": _ratio(c.prefetch_used, c.prefetches),
+        "prefetch_wasted_bytes": int(c.prefetch_wasted_bytes),
+        "routing_replaced_frac": _ratio(
+            c.replaced_mispredicted + c.replaced_degraded, c.true_accesses
+        ),
+        "replaced_mispredicted_frac": _ratio(c.replaced_mispredicted, c.true_accesses),
+        "replaced_degraded_frac": _ratio(c.replaced_degraded, c.true_accesses),
+        "gate_mass_preserved": _ratio(c.gate_mass_kept, c.gate_mass_total),
+        "decode_tokens": int(c.decode_tokens),
+        "prefill_tokens": int(c.prefill_tokens),
+        "sequences": int(c.sequences),
+        "max_slots_held": int(c.max_occupancy),
+    }
+    energy = energy_joules(hw, e2e, engine.gpu.busy, cpu_busy)
+    m["energy_j"] = energy
+    m["tokens_per_kj"] = _ratio(c.decode_tokens, energy / 1000.0) if energy == energy else energy
+    return m
+
+
+def energy_joules(hw: HardwareProfile, e2e: float, gpu_busy: float, cpu_busy: float) -> float:
+    """GPU and CPU energy over the run from the profile's idle/busy watts (NaN without them).
+
+    Each device draws its idle power for the whole run plus (busy - idle) while it computes;
+    CPU busy time is capped at the run time (parallel workers share one socket).
+    """
+    power = getattr(hw, "power", None)
+    if power is None:
+        return float("nan")
+    gpu = power.gpu_idle_w * e2e + (power.gpu_busy_w - power.gpu_idle_w) * min(gpu_busy, e2e)
+    cpu = power.cpu_idle_w * e2e + (power.cpu_busy_w - power.cpu_idle_w) * min(cpu_busy, e2e)
+    return float(gpu + cpu)
+
+
+def atomic_write(path: str | os.PathLike[str], write: Callable[[str], None]) -> Path:
+    """Call ``write(tmp_path)`` then rename into place; no partial file is ever visible."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
+    """Write text atomically."""
+
+    def _w(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+
+    return atomic_write(path, _w)
+
+
+@dataclass
+class RunResult:
+    """The outcome of one run: configuration, metrics, timeline and per-layer hit rates."""
+
+    config: dict[str, Any]
+    metrics: dict[str, float]
+    per_layer_hit_rate: list[float]
+    timeline: pd.DataFrame | None = None
+    occupancy: pd.DataFrame | None = None
+    token_latency: np.ndarray = field(default_factory=lambda: np.empty(0))
+    ttft: np.ndarray = field(default_factory=lambda: np.empty(0))
+
+    @property
+    def bound(self) -> bool:
+        """True for bounds (clairvoyant policies, all-GPU), not realisable policies."""
+        return bool(self.config.get("bound"))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``run --json`` object: configuration keys at top level, ``metrics`` inside."""
+        out = {k: v for k, v in self.config.items()}
+        out["metrics"] = {k: self.metrics[k] for k in METRIC_KEYS if k in self.metrics}
+        out["per_layer_hit_rate"] = self.per_layer_hit_rate
+        return out
+
+    def to_json(self) -> str:
+        """Deterministic JSON (sorted keys; NaN as null)."""
+        return json.dumps(_json_safe(self.to_dict()), indent=2, sort_keys=True)
+
+    def to_perfetto(self, path: str | os.PathLike[str]) -> Path:
+        """Write a Chrome/Perfetto trace: one track per resource, a slot-occupancy counter."""
+        if self.timeline is None:
+            raise ValueError("this run was made with record=False: no timeline")
+        tl = self.timeline
+        resources = sorted(tl["resource"].astype(str).unique(), key=_resource_order)
+        tids = {r: i + 1 for i, r in enumerate(resources)}
+        events: list[dict[str, Any]] = [
+            {"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "daopsim host"}}
+        ]
+        for r, tid in tids.items():
+            events.append(
+                {"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": r}}
+            )
+        res = tl["resource"].astype(str).to_numpy()
+        kind = tl["kind"].astype(str).to_numpy()
+        cols = [
+            tl[c].to_numpy() for c in ("seq", "token", "layer", "expert", "start", "end", "bytes")
+        ]
+        for i in range(len(tl)):
+            seq, tok, layer, expert, start, end, nbytes = (col[i] for col in cols)
+            name = kind[i] if expert < 0 else f"{kind[i]} L{layer}E{expert}"
+            events.append(
+                {
+                    "name": name,
+                    "cat": kind[i],
+                    "ph": "X",
+                    "pid": 1,
+                    "tid": tids[res[i]],
+                    "ts": round(float(start) * 1e6, 3),
+                    "dur": round(float(end - start) * 1e6, 3),
+                    "args": {
+                        "seq": int(seq),
+                        "token": int(tok),
+                        "layer": int(layer),
+                        "expert": int(expert),
+                        "bytes": int(nbytes),
+                    },
+                }
+            )
+        if self.occupancy is not None:
+            for t, slots in self.occupancy.itertuples(index=False):
+                events.append(
+                    {
+                        "name": "gpu expert slots",
+                        "ph": "C",
+                        "pid": 1,
+                        "ts": round(float(t) * 1e6, 3),
+                        "args": {"slots": int(slots)},
+                    }
+                )
+        doc = {
+            "traceEvents": events,
+            "displayTimeUnit": "ms",
+            "metadata": _json_safe({k: v for k, v in self.config.items() if k != "cost_sources"}),
+        }
+        return atomic_write_text(path, json.dumps(doc))
+
+    def plot_timeline(
+        self, ax: Any = None, tokens: tuple[int, int] | None = None, seq: int | None = None
+    ) -> Any:
+        """Gantt chart of a window of decode tokens (default: the first 3 of the first sequence)."""
+        import matplotlib.pyplot as plt
+
+        if self.timeline is None:
+            raise ValueError("this run was made with record=False: no timeline")
+        tl = self.timeline
+        if seq is None:
+            seq = int(tl["seq"].iloc[0]) if len(tl) else 0
+        sub = tl[tl["seq"] == seq]
+        dec = sub[sub["token"] > sub["token"].min()] if len(sub) else sub
+        if tokens is None:
+            first = int(dec["token"].min()) if len(dec) else 0
+            tokens = (first, first + 3)
+        win = sub[(sub["token"] >= tokens[0]) & (sub["token"] < tokens[1])]
+        if ax is None:
+            _, ax = plt.subplots(figsize=(11, 3.6))
+        resources = sorted(win["resource"].astype(str).unique(), key=_resource_order)
+        colors = {
+            "nonexpert": "#9aa5b1",
+            "expert": "#2f6fb0",
+            "fetch": "#d9822b",
+            "prefetch": "#f0b429",
+            "temp": "#c23b22",
+            "writeback": "#8e44ad",
+            "activation": "#27ae60",
+            "cpu_expert": "#16a085",
+            "precalc": "#1abc9c",
+        }
+        t0 = float(win["start"].min()) if len(win) else 0.0
+        for y, r in enumerate(resources):
+            rows = win[win["resource"].astype(str) == r]
+            for kind, grp in rows.groupby(rows["kind"].astype(str), observed=True):
+                spans = list(
+                    zip((grp["start"] - t0) * 1e3, (grp["end"] - grp["start"]) * 1e3, strict=True)
+                )
+                ax.broken_barh(spans, (y - 0.4, 0.8), color=colors.get(kind, "#555"), label=kind)
+        handles, labels = ax.get_legend_handles_labels()
+        uniq = dict(zip(labels, handles, strict=True))
+        if uniq:
+            ax.legend(uniq.values(), uniq.keys(), loc="upper right", fontsize=7, ncol=3)
+        ax.set_yticks(range(len(resources)), resources)
+        ax.set_xlabel("time since window start (ms)")
+        ax.set_title(
+            f"{self.config.get('policy')} on {self.config.get('hw')}: sequence {seq},"
+            f" tokens {tokens[0]}-{tokens[1] - 1} ({self.config.get('trace')})"
+        )
+        return ax
+
+    def plot_hit_rate(self, ax: Any = None) -> Any:
+        """Hit rate per layer (decode accesses)."""
+        import matplotlib.pyplot as plt
+
+        if ax is None:
+            _, ax = plt.subplots(figsize=(8, 3.2))
+        rates = self.per_layer_hit_rate
+        ax.bar(range(len(rates)), rates, color="#2f6fb0")
+        ax.set_xlabel("MoE layer")
+        ax.set_ylabel("hit rate (decode)")
+        ax.set_ylim(0, 1)
+        ax.set_title(
+            f"{self.config.get('policy')} on {self.config.get('hw')}, "
+            f"{self.config.get('gpu_experts')} GPU experts ({self.config.get('trace')})"
+        )
+        return ax
+
+    def write(self, out_dir: str | os.PathLike[str], plots: bool = True) -> dict[str, Path]:
+        """metrics.json, timeline.parquet, trace.perfetto.json and PNG plots, each atomically."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        paths = {"metrics": atomic_write_text(out / "metrics.json", self.to_json() + "\n")}
+        if self.timeline is not None:
+            tl = self.timeline
+            paths["timeline"] = atomic_write(
+                out / "timeline.parquet", lambda tmp: tl.to_parquet(tmp, index=False)
+            )
+            paths["perfetto"] = self.to_perfetto(out / "trace.perfetto.json")
+        if plots:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+
+            if self.timeline is not None:
+                fig, ax = plt.subplots(figsize=(11, 3.6))
+                self.plot_timeline(ax=ax)
+                fig.tight_layout()
+                paths["gantt"] = atomic_write(
+                    out / "gantt.png", lambda tmp: fig.savefig(tmp, dpi=110, format="png")
+                )
+                plt.close(fig)
+            fig, ax = plt.subplots(figsize=(8, 3.2))
+            self.plot_hit_rate(ax=ax)
+            fig.tight_layout()
+            paths["hit_rate"] = atomic_write(
+                out / "hit_rate.png", lambda tmp: fig.savefig(tmp, dpi=110, format="png")
+            )
+            plt.close(fig)
+        return paths
+
+
+def _resource_order(name: str) -> tuple[int, str]:
+    order = {"gpu": 0, "h2d": 1, "d2h": 2}
+    return (order.get(name, 3 if name.startswith("cpu") else 4), name)
+
+
+def _json_safe(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {str(k): _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_json_safe(v) for v in obj]
+    if isinstance(obj, np.generic):
+        obj = obj.item()
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj

@@ -1,0 +1,295 @@
+"""``simulate()``: one run of one policy on one machine over a trace, as used by the CLI,
+notebooks and sweeps.
+
+It resolves the trace, profile and policy, splits the trace into evaluation and calibration
+sequences, computes the GPU expert budget, builds calibration statistics (and the oracle for
+clairvoyant policies), runs the engine and returns a :class:`~simulator.results.RunResult`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from policies.base import Policy
+from policies.registry import get_policy_class
+from simulator.costs import CostModel, cost_model
+from simulator.data import resolve_trace
+from simulator.engine import Engine
+from simulator.errors import UserError
+from simulator.hardware import HardwareProfile, load_profile
+from simulator.recorder import Recorder
+from simulator.results import RunResult, compute_metrics
+from simulator.trace import TraceMeta, iter_sequences, read_meta
+
+
+@dataclass
+class RunConfig:
+    """Everything that defines a run (the sweep key is a hash of this plus file contents)."""
+
+    policy: str = "daop"
+    hw: str = "a6000-pcie4"
+    trace: str | None = None
+    cache_ratio: float | None = None
+    gpu_experts: int | None = None
+    sequences: int | None = None
+    calibration: str | None = None
+    policy_options: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    dtype: str | None = None
+
+
+def split_sequences(
+    meta: TraceMeta, seq_ids: list[int], n_eval: int | None, external_calibration: bool
+) -> tuple[list[int], list[int]]:
+    """Evaluation ids (file order) and calibration ids (disjoint).
+
+    The trace's declared ``calibration_sequences`` are never evaluated. Without a declaration
+    the last quarter of the sequences (at least one, when there are two or more) is held out
+    for calibration, unless an external calibration trace is given.
+    """
+    declared = [s for s in meta.calibration_sequences if s in set(seq_ids)]
+    if declared:
+        calib = declared
+    elif external_calibration or len(seq_ids) < 2:
+        calib = []
+    else:
+        calib = seq_ids[-max(1, len(seq_ids) // 4) :]
+    held = set(calib)
+    evaluation = [s for s in seq_ids if s not in held]
+    if n_eval is not None:
+        if n_eval <= 0:
+            raise UserError(f"--sequences must be positive, got {n_eval}")
+        if n_eval > len(evaluation):
+            raise UserError(
+                f"--sequences {n_eval}: the trace has only {len(evaluation)} evaluation sequences"
+            )
+        evaluation = evaluation[:n_eval]
+    if not evaluation:
+        raise UserError("the trace has no evaluation sequences (all are calibration)")
+    return evaluation, calib
+
+
+def sequence_ids(path: Path) -> list[int]:
+    """Sequence ids in file order (reads only the ``seq`` column)."""
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(path)
+    ids: list[int] = []
+    for batch in pf.iter_batches(columns=["seq"], batch_size=1 << 20):
+        arr = batch.column(0).to_numpy()
+        if arr.size == 0:
+            continue
+        cuts = np.flatnonzero(np.diff(arr)) + 1
+        for v in arr[np.concatenate(([0], cuts))].tolist():
+            if not ids or ids[-1] != v:
+                ids.append(int(v))
+    return ids
+
+
+def calibration_counts(
+    path: Path, meta: TraceMeta, ids: list[int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Decode-time and prefill-time selection counts [layers, experts] over ``ids``."""
+    n_layers, n_exp = meta.model.moe_layers, meta.model.experts
+    dec = np.zeros((n_layers, n_exp), dtype=np.int64)
+    pre = np.zeros((n_layers, n_exp), dtype=np.int64)
+    for r in iter_sequences(path, meta, sequences=set(ids)):
+        for counts, part in ((pre, r.experts[: r.n_prefill]), (dec, r.experts[r.n_prefill :])):
+            if part.size == 0:
+                continue
+            flat = (np.arange(n_layers)[None, :, None] * n_exp + part).reshape(-1)
+            counts += np.bincount(flat, minlength=n_layers * n_exp).reshape(n_layers, n_exp)
+    return dec, pre
+
+
+class Oracle:
+    """Future accesses for clairvoyant policies: the step of an expert's next use.
+
+    Steps count one per prefill pass and one per decode token, in evaluation order (the
+    engine's ``View.step``).
+    """
+
+    def __init__(self, n_layers: int, n_experts: int) -> None:
+        self.steps: list[list[list[int]]] = [
+            [[] for _ in range(n_experts)] for _ in range(n_layers)
+        ]
+        self.n_steps = 0
+
+    def add(self, r: Any) -> None:
+        """Append one sequence's accesses."""
+        p = r.n_prefill
+        if p:
+            for layer in range(r.experts.shape[1]):
+                for e in np.unique(r.experts[:p, layer, :]).tolist():
+                    self.steps[layer][e].append(self.n_steps)
+            self.n_steps += 1
+        dec = r.experts[p:]
+        for t in range(dec.shape[0]):
+            step = self.n_steps + t
+            for layer, row in enumerate(dec[t].tolist()):
+                for e in row:
+                    self.steps[layer][e].append(step)
+        self.n_steps += dec.shape[0]
+
+    def next_use(self, layer: int, expert: int, after: int) -> float:
+        """First step > ``after`` at which (layer, expert) is used, or infinity."""
+        lst = self.steps[layer][expert]
+        i = bisect.bisect_right(lst, after)
+        return float(lst[i]) if i < len(lst) else float("inf")
+
+
+def _resolve_hw(hw: str | os.PathLike[str] | HardwareProfile) -> HardwareProfile:
+    return hw if isinstance(hw, HardwareProfile) else load_profile(str(hw))
+
+
+def simulate(
+    policy: str | Policy = "daop",
+    hw: str | os.PathLike[str] | HardwareProfile = "a6000-pcie4",
+    trace: str | os.PathLike[str] | None = None,
+    cache_ratio: float | None = None,
+    gpu_experts: int | None = None,
+    sequences: int | None = None,
+    calibration: str | os.PathLike[str] | None = None,
+    policy_options: dict[str, Any] | None = None,
+    seed: int = 0,
+    dtype: str | None = None,
+    record: bool = True,
+    progress: Callable[[int, int], None] | None = None,
+) -> RunResult:
+    """Run one policy on one machine over a trace; see docs/metrics.md for the result."""
+    trace_path = resolve_trace(trace)
+    meta = read_meta(trace_path)
+    model = meta.model if dtype is None else meta.model.with_dtype(dtype)
+    profile = _resolve_hw(hw)
+    if isinstance(policy, Policy):
+        pol = policy
+        if policy_options:
+            raise UserError("policy_options cannot be combined with a policy instance")
+    else:
+        pol = get_policy_class(policy)(**(policy_options or {}))
+    costs: CostModel = cost_model(profile, model)
+
+    ids = sequence_ids(trace_path)
+    ext_cal = Path(calibration) if calibration is not None else None
+    eval_ids, cal_ids = split_sequences(meta, ids, sequences, ext_cal is not None)
+
+    context = int(
+        max(1, meta.counts.get("prefill_tokens", 0) + meta.counts.get("decode_tokens", 0))
+        / max(1, meta.counts.get("sequences", 1))
+    )
+    # temporary and staging buffers are expert-sized and come out of the same memory
+    extra = pol.temp_buffers + pol.staging_buffers
+    fit = max(0, costs.gpu_expert_slots(context) - extra)
+    total = model.total_experts
+    if cache_ratio is not None and gpu_experts is not None:
+        raise UserError("give --cache-ratio or --gpu-experts, not both")
+    if cache_ratio is not None:
+        if not 0 < cache_ratio <= 1:
+            raise UserError(f"--cache-ratio must be in (0, 1], got {cache_ratio}")
+        budget = round(cache_ratio * total)
+    elif gpu_experts is not None:
+        if not 0 <= gpu_experts <= total:
+            raise UserError(f"--gpu-experts must be in 0..{total}, got {gpu_experts}")
+        budget = gpu_experts
+    else:
+        budget = fit
+    if pol.unlimited_memory:
+        budget = total
+    elif budget > fit:
+        raise UserError(
+            f"{budget} resident experts of {model.name} ({budget * model.expert_bytes() / 1e9:.1f}"
+            f" GB) do not fit in {profile.name}'s GPU memory: at most {fit} fit after "
+            "non-expert weights, KV cache and buffers"
+        )
+
+    calib = calib_pre = None
+    if pol.needs_calibration:
+        if ext_cal is not None:
+            cal_path = resolve_trace(ext_cal)
+            cal_meta = read_meta(cal_path)
+            if (cal_meta.model.moe_layers, cal_meta.model.experts) != (
+                model.moe_layers,
+                model.experts,
+            ):
+                raise UserError(
+                    f"{cal_path}: calibration trace is for {cal_meta.model.name}, "
+                    f"the evaluated trace for {model.name}"
+                )
+            calib, calib_pre = calibration_counts(cal_path, cal_meta, sequence_ids(cal_path))
+        elif cal_ids:
+            calib, calib_pre = calibration_counts(trace_path, meta, cal_ids)
+        else:
+            raise UserError(
+                f"policy {pol.name!r} needs calibration data: the trace has no "
+                "calibration sequences; pass --calibration PATH"
+            )
+
+    oracle = None
+    if pol.clairvoyant:
+        oracle = Oracle(model.moe_layers, model.experts)
+        for r in iter_sequences(trace_path, meta, sequences=set(eval_ids)):
+            oracle.add(r)
+
+    recorder = Recorder() if record else None
+    engine = Engine(
+        pol,
+        model,
+        costs,
+        budget,
+        calibration=calib,
+        calibration_prefill=calib_pre,
+        oracle=oracle,
+        recorder=recorder,
+        seed=seed,
+    )
+    order = {s: i for i, s in enumerate(eval_ids)}
+    done = [0]
+
+    def seqs() -> Any:
+        # stream in file order; evaluation order is file order too
+        yield from iter_sequences(trace_path, meta, sequences=set(eval_ids))
+
+    def tick(_r: Any) -> None:
+        done[0] += 1
+        if progress is not None:
+            progress(done[0], len(order))
+
+    counters = engine.run(seqs(), on_sequence=tick)
+    metrics = compute_metrics(counters, engine, costs, profile)
+    config = {
+        "policy": pol.name,
+        "policy_options": dict(pol.options),
+        "hw": profile.name,
+        "model": model.name,
+        "dtype": model.dtype,
+        "trace": str(trace_path.stem if trace_path.parent.name == "traces" else trace_path),
+        "gpu_experts": budget,
+        "cache_ratio": budget / total,
+        "total_experts": total,
+        "max_gpu_experts": fit,
+        "sequences": len(eval_ids),
+        "calibration_sequences": len(cal_ids) if ext_cal is None else None,
+        "calibration": str(ext_cal) if ext_cal is not None else "held-out",
+        "seed": seed,
+        "bound": bool(pol.clairvoyant or pol.bound),
+        "clairvoyant": bool(pol.clairvoyant),
+        "cost_sources": costs.sources(),
+    }
+    return RunResult(
+        config=config,
+        metrics=metrics,
+        per_layer_hit_rate=(
+            counters.hits_per_layer / np.maximum(1, counters.accesses_per_layer)
+        ).tolist(),
+        timeline=recorder.timeline() if recorder is not None else None,
+        occupancy=recorder.occupancy_frame() if recorder is not None else None,
+        token_latency=np.asarray(counters.token_latency),
+        ttft=np.asarray(counters.ttft),
+    )
