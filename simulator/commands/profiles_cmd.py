@@ -1,0 +1,149 @@
+"""``daopsim profiles``: list the bundled hardware profiles and show one with derived costs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from simulator.commands.common import echo_json, json_option
+from simulator.costs import DEFAULT_CONTEXT, cost_model
+from simulator.hardware import HardwareProfile, list_profiles, load_profile
+from simulator.models import DTYPE_BYTES, get_model
+
+DEFAULT_MODEL = "mixtral-8x7b"
+
+
+@click.group("profiles")
+def profiles() -> None:
+    """Hardware profiles (TOML; see docs/hardware-profiles.md)."""
+
+
+def _brief(p: HardwareProfile) -> dict[str, Any]:
+    d = p.to_dict()
+    return {k: d[k] for k in ("name", "description", "gpu", "link", "cpu", "power", "path")} | {
+        "measured_models": sorted(p.measured),
+    }
+
+
+@profiles.command("list")
+@json_option
+def list_cmd(as_json: bool) -> None:
+    """List the bundled profiles: GPU, memory, link, CPU, measured models."""
+    rows = list_profiles()
+    if as_json:
+        echo_json([_brief(p) for p in rows])
+        return
+    table = [("NAME", "GPU", "MEM GB", "GPU GB/s", "LINK", "H2D GB/s", "CPU", "MEASURED")]
+    for p in rows:
+        table.append(
+            (
+                p.name,
+                p.gpu.name.replace("NVIDIA ", ""),
+                f"{p.gpu.memory_gb:.1f}",
+                f"{p.gpu.mem_bw_gbs:g}",
+                p.link.kind,
+                f"{p.link.h2d_pinned_gbs:g}",
+                p.cpu.name,
+                ", ".join(sorted(p.measured)) or "-",
+            )
+        )
+    _print_table(table)
+
+
+def _print_table(rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+
+
+@profiles.command("show")
+@click.argument("name_or_path")
+@click.option(
+    "--model",
+    "model_name",
+    default=DEFAULT_MODEL,
+    show_default=True,
+    help="Model preset whose derived costs to show (see `daopsim models list`).",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(sorted(DTYPE_BYTES)),
+    default=None,
+    help="Expert precision (default: the model's).",
+)
+@click.option(
+    "--context",
+    "context_tokens",
+    type=click.IntRange(min=0),
+    default=DEFAULT_CONTEXT,
+    show_default=True,
+    help="KV-cache context for nonexpert_layer_ms (one decode token).",
+)
+@json_option
+def show_cmd(
+    name_or_path: str, model_name: str, dtype: str | None, context_tokens: int, as_json: bool
+) -> None:
+    """Show a profile (bundled NAME or a TOML PATH) and the model's derived costs on it."""
+    hw = load_profile(name_or_path)
+    model = get_model(model_name)
+    if dtype is not None:
+        model = model.with_dtype(dtype)
+    cm = cost_model(hw, model)
+    summary = cm.summary(context_tokens)
+    out = hw.to_dict() | {
+        k: summary[k]
+        for k in ("model", "dtype", "expert_bytes", "context_tokens", "gpu_expert_slots")
+    }
+    out |= {
+        "costs": summary["costs"],
+        "measured_costs": summary["measured"],
+        "cost_sources": summary["sources"],
+    }
+    if as_json:
+        echo_json(out)
+        return
+    _print_profile(hw)
+    click.echo("")
+    click.echo(
+        f"costs for {model.name} ({model.dtype} experts, {cm.expert_bytes:,} bytes each; "
+        f"decode context {context_tokens} tokens)"
+    )
+    c = summary["costs"]
+    meas = summary["measured"]
+    lines = [
+        ("h2d expert, pinned", f"{c['h2d_expert_ms_pinned']:.3f} ms", meas["h2d_expert_pinned"]),
+        (
+            "h2d expert, pageable",
+            f"{c['h2d_expert_ms_pageable']:.3f} ms",
+            meas["h2d_expert_pageable"],
+        ),
+        ("d2h expert, pinned", f"{c['d2h_expert_ms_pinned']:.3f} ms", False),
+        ("GPU expert, 1 token", f"{c['gpu_expert_ms']:.3f} ms", False),
+        ("CPU expert, 1 token", f"{c['cpu_expert_ms']:.3f} ms", meas["cpu_expert"]),
+        ("activation copy, 1 token", f"{c['activation_copy_ms']:.4f} ms", False),
+        ("non-expert part of a layer", f"{c['nonexpert_layer_ms']:.3f} ms", False),
+        ("break-even tokens (pageable)", f"{c['breakeven_tokens']:.2f}", False),
+        ("break-even tokens (pinned)", f"{c['breakeven_tokens_pinned']:.2f}", False),
+        ("GPU expert slots", str(summary["gpu_expert_slots"]), False),
+    ]
+    width = max(len(n) for n, _, _ in lines)
+    for name, value, was_measured in lines:
+        tag = "  (measured)" if was_measured else ""
+        click.echo(f"  {name.ljust(width)}  {value}{tag}")
+
+
+def _print_profile(hw: HardwareProfile) -> None:
+    click.echo(f"{hw.name}: {hw.description}")
+    click.echo(f"  file: {hw.path}")
+    for section in ("gpu", "link", "cpu", "power"):
+        spec = getattr(hw, section)
+        if spec is None:
+            continue
+        items = ", ".join(f"{k}={v}" for k, v in spec.__dict__.items())
+        click.echo(f"  [{section}] {items}")
+    for model, m in sorted(hw.measured.items()):
+        click.echo(
+            f"  [measured.{model}] cpu_expert_ms={m.cpu_expert_ms}, "
+            f"load_expert_ms={m.load_expert_ms} ({m.load_path}, {m.dtype}); {m.source}"
+        )

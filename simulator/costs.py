@@ -1,0 +1,352 @@
+"""The cost model: seconds and bytes of every operation the engine times. Pure functions, no SimPy.
+
+This is the one place where cost arithmetic lives. A :class:`CostModel` binds a hardware profile to
+a model shape (whose ``dtype`` is the expert precision) and answers questions such as "how long
+does one expert take on the GPU for n tokens" or "how long does one expert copy take from pinned
+memory". Formulas (docs/cost-model.md has them with worked examples):
+
+* GPU expert: roofline ``max(bytes / gpu.mem_bw, flops / gpu.bf16_tflops)`` plus one launch
+  overhead per kernel of the expert's eager forward.
+* CPU expert: the profile's measured constant for this model and dtype (``n x cpu_expert_ms``,
+  the linear rule DAOP and Fiddler use), else ``max(bytes / cpu.mem_bw, flops / cpu throughput)``.
+* Copies: ``copy_overhead + bytes / rate`` for the direction and host-memory kind; a measured load
+  constant replaces the host-to-device copy on the path it was measured on, and only there.
+* Non-expert part of one MoE layer: roofline over the per-layer share of the non-expert weights
+  (read once per call) and the KV cache (read for the context, written for the new tokens), plus
+  launches.
+
+Units: seconds out, bytes as ints, rates from the profile in GB/s (1e9), TFLOPS and GFLOPS.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property, lru_cache
+from typing import Any
+
+from simulator.hardware import HardwareProfile, MeasuredModel, load_profile
+from simulator.models import ModelShape, dtype_bytes, get_model
+
+#: Bytes per activation element: hidden states travel and are computed in bf16.
+ACT_BYTES = 2
+#: Precision of the non-expert weights (attention, norms, router, lm_head), whatever the experts'
+#: precision: offloading runtimes quantise experts and keep these at bf16 (GPT-OSS ships so).
+NONEXPERT_DTYPE = "bf16"
+#: Eager kernels of one transformer block's non-expert part: 2 norms, q/k/v/o projections, RoPE,
+#: attention, 2 residual adds, router GEMM, softmax, top-k, renormalise and a few small copies.
+NONEXPERT_KERNELS_PER_BLOCK = 20
+#: Context length the CLI reports ``nonexpert_layer_ms`` at.
+DEFAULT_CONTEXT = 512
+
+
+def expert_kernels(model: ModelShape) -> int:
+    """Eager kernel launches of one expert call: a GEMM per matrix plus the element-wise ops.
+
+    Gated FFN (3 matrices): w1, w3, activation, multiply, w2 = 5.
+    Plain FFN (2 matrices): w_in, activation, w_out = 3.
+    """
+    return 2 * model.expert_matrices - 1
+
+
+def _check_tokens(n_tokens: float, what: str = "n_tokens") -> None:
+    if n_tokens < 0 or not math.isfinite(n_tokens):
+        raise ValueError(f"{what} must be a finite number >= 0, got {n_tokens}")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Costs of one model's operations on one machine; built (and cached) by :func:`cost_model`.
+
+    ``model.dtype`` is the expert precision: expert bytes scale with it, compute uses the same
+    roofline (weights are dequantised into bf16 GEMMs, so the bf16 throughput applies; fp32 experts
+    use the fp32 throughput on the CPU).
+    """
+
+    hw: HardwareProfile
+    model: ModelShape
+
+    # --- sizes -----------------------------------------------------------------------------------
+    @cached_property
+    def expert_bytes(self) -> int:
+        """Bytes of one routed expert at the model's dtype."""
+        return self.model.expert_bytes()
+
+    @cached_property
+    def nonexpert_layer_bytes(self) -> int:
+        """Non-expert weight bytes one call of one MoE layer reads (lm_head spread over layers)."""
+        return round(self.model.non_expert_bytes_read_per_token(NONEXPERT_DTYPE) / self._moe)
+
+    @property
+    def _moe(self) -> int:
+        return self.model.moe_layers
+
+    def expert_flops(self, n_tokens: float) -> float:
+        """FLOPs of one expert for n tokens: one multiply-add per parameter per token."""
+        return 2.0 * self.model.params_per_expert * n_tokens
+
+    def activation_bytes(self, n_tokens: int) -> int:
+        """Bytes of n hidden-state vectors (one direction)."""
+        return int(n_tokens) * self.model.hidden * ACT_BYTES
+
+    # --- measured constants ----------------------------------------------------------------------
+    @cached_property
+    def measured(self) -> MeasuredModel | None:
+        """The profile's measured constants for this model at this dtype, if any."""
+        m = self.hw.measured.get(self.model.name.lower())
+        if m is None or m.dtype != self.model.dtype:
+            return None
+        return m
+
+    def _measured_load(self, pinned: bool) -> MeasuredModel | None:
+        m = self.measured
+        if m is None or m.load_path != ("pinned" if pinned else "pageable"):
+            return None
+        return m
+
+    # --- GPU -------------------------------------------------------------------------------------
+    def _gpu_expert(self, n: float) -> float:
+        if n <= 0:
+            return 0.0
+        gpu = self.hw.gpu
+        moved = self.expert_bytes + 2.0 * n * self.model.hidden * ACT_BYTES  # weights + x in, y out
+        roof = max(moved / (gpu.mem_bw_gbs * 1e9), self.expert_flops(n) / (gpu.bf16_tflops * 1e12))
+        return roof + expert_kernels(self.model) * gpu.launch_overhead_us * 1e-6
+
+    def gpu_expert_s(self, n_tokens: int) -> float:
+        """Seconds for one GPU-resident expert to process n tokens (0 tokens: 0 s)."""
+        _check_tokens(n_tokens)
+        return self._gpu_expert(n_tokens)
+
+    # --- CPU -------------------------------------------------------------------------------------
+    def _cpu_expert(self, n: float) -> float:
+        if n <= 0:
+            return 0.0
+        m = self.measured
+        if m is not None:
+            return n * m.cpu_expert_ms * 1e-3
+        cpu = self.hw.cpu
+        peak = cpu.fp32_gflops if self.model.dtype == "fp32" else cpu.bf16_gflops
+        return max(self.expert_bytes / (cpu.mem_bw_gbs * 1e9), self.expert_flops(n) / (peak * 1e9))
+
+    def cpu_expert_s(self, n_tokens: int) -> float:
+        """Seconds for one expert on the CPU for n tokens (measured x n, else roofline)."""
+        _check_tokens(n_tokens)
+        return self._cpu_expert(n_tokens)
+
+    # --- copies ----------------------------------------------------------------------------------
+    def _copy(self, nbytes: float, gbs: float) -> float:
+        return self.hw.link.copy_overhead_us * 1e-6 + nbytes / (gbs * 1e9)
+
+    def h2d_expert_s(self, pinned: bool) -> float:
+        """Seconds to copy one expert host -> device from pinned or pageable memory."""
+        m = self._measured_load(pinned)
+        if m is not None:
+            return m.load_expert_ms * 1e-3
+        link = self.hw.link
+        return self._copy(
+            self.expert_bytes, link.h2d_pinned_gbs if pinned else link.h2d_pageable_gbs
+        )
+
+    def d2h_expert_s(self, pinned: bool = True) -> float:
+        """Seconds to copy one expert device -> host into pinned or pageable memory."""
+        link = self.hw.link
+        return self._copy(
+            self.expert_bytes, link.d2h_pinned_gbs if pinned else link.d2h_pageable_gbs
+        )
+
+    def activation_copy_s(self, n_tokens: int) -> float:
+        """Seconds to move n hidden-state vectors one way (either direction costs the same)."""
+        _check_tokens(n_tokens)
+        if n_tokens == 0:
+            return 0.0
+        link = self.hw.link
+        return self._copy(
+            self.activation_bytes(n_tokens), min(link.h2d_pinned_gbs, link.d2h_pinned_gbs)
+        )
+
+    # --- non-expert part -------------------------------------------------------------------------
+    def nonexpert_layer_s(self, n_tokens: int, context: int) -> float:
+        """Seconds of one MoE layer's non-expert part on the GPU for n new tokens.
+
+        ``context`` counts the tokens already in the KV cache before this call (decode at position
+        p: n_tokens=1, context=p; a prefill of S tokens: n_tokens=S, context=0).
+        """
+        _check_tokens(n_tokens)
+        _check_tokens(context, "context")
+        if n_tokens == 0:
+            return 0.0
+        m, gpu = self.model, self.hw.gpu
+        blocks = m.layers / m.moe_layers  # transformer blocks per MoE layer (dense ones too)
+        kv = m.kv_bytes_per_token / m.moe_layers * (context + n_tokens)
+        moved = self.nonexpert_layer_bytes + kv
+        params = (m.non_expert_params - m.embedding_params) / m.moe_layers
+        attn_pairs = n_tokens * context + n_tokens * (n_tokens + 1) / 2  # causal query-key pairs
+        flops = 2.0 * params * n_tokens + 4.0 * attn_pairs * m.hidden * blocks
+        roof = max(moved / (gpu.mem_bw_gbs * 1e9), flops / (gpu.bf16_tflops * 1e12))
+        return roof + NONEXPERT_KERNELS_PER_BLOCK * blocks * gpu.launch_overhead_us * 1e-6
+
+    # --- decisions -------------------------------------------------------------------------------
+    def breakeven_tokens(self, pinned: bool = False) -> float:
+        """Tokens per expert at which copying it (then running it on the GPU) beats the CPU.
+
+        The real n where ``cpu(n) = h2d(pinned) + gpu(n)``; below it the CPU is faster. 0.0 when a
+        copy wins at any count; ``inf`` when the CPU always wins.
+        """
+        copy = self.h2d_expert_s(pinned)
+
+        def gap(n: float) -> float:
+            return self._cpu_expert(n) - copy - self._gpu_expert(n)
+
+        lo = 1e-9
+        if gap(lo) >= 0:
+            return 0.0
+        hi = 1.0
+        while gap(hi) < 0:
+            hi *= 2.0
+            if hi > 1e12:
+                return math.inf
+        for _ in range(100):
+            mid = 0.5 * (lo + hi)
+            if gap(mid) < 0:
+                lo = mid
+            else:
+                hi = mid
+        return hi
+
+    def gpu_expert_slots(self, kv_tokens: int = 0) -> int:
+        """Experts that fit in GPU memory beside the non-expert weights, workspace and KV cache."""
+        gpu = self.hw.gpu
+        free = (
+            gpu.usable_bytes
+            - gpu.workspace_gb * 1e9
+            - self.model.non_expert_bytes(NONEXPERT_DTYPE)
+            - self.model.kv_bytes_per_token * kv_tokens
+        )
+        return max(0, min(self.model.total_experts, int(free // self.expert_bytes)))
+
+    @property
+    def unified_memory(self) -> bool:
+        """CPU and GPU share one memory: copies are DRAM-to-DRAM and contend with both."""
+        return self.hw.link.unified
+
+    # --- provenance ------------------------------------------------------------------------------
+    def uses_measured(self) -> dict[str, bool]:
+        """Which costs come from the profile's measured constants (the rest are formulas)."""
+        return {
+            "gpu_expert": False,
+            "cpu_expert": self.measured is not None,
+            "h2d_expert_pinned": self._measured_load(True) is not None,
+            "h2d_expert_pageable": self._measured_load(False) is not None,
+            "d2h_expert_pinned": False,
+            "d2h_expert_pageable": False,
+            "activation_copy": False,
+            "nonexpert_layer": False,
+        }
+
+    def sources(self) -> dict[str, str]:
+        """For each cost, the formula or measured constant that produced it."""
+        m = self.measured
+        k = expert_kernels(self.model)
+        cpu = (
+            f"measured: n x {m.cpu_expert_ms} ms (measured.{self.model.name}.cpu_expert_ms; "
+            f"{m.source})"
+            if m is not None
+            else "roofline: max(expert_bytes / cpu.mem_bw_gbs, "
+            f"2 x params x n / cpu.{'fp32' if self.model.dtype == 'fp32' else 'bf16'}_gflops)"
+        )
+
+        def h2d(pinned: bool) -> str:
+            mm = self._measured_load(pinned)
+            if mm is not None:
+                return (
+                    f"measured: {mm.load_expert_ms} ms (measured.{self.model.name}.load_expert_ms, "
+                    f"{mm.load_path} path; {mm.source})"
+                )
+            rate = "h2d_pinned_gbs" if pinned else "h2d_pageable_gbs"
+            return f"link: copy_overhead_us + expert_bytes / link.{rate}"
+
+        return {
+            "gpu_expert": (
+                "roofline: max((expert_bytes + activations) / gpu.mem_bw_gbs, 2 x params x n / "
+                f"gpu.bf16_tflops) + {k} x gpu.launch_overhead_us"
+            ),
+            "cpu_expert": cpu,
+            "h2d_expert_pinned": h2d(True),
+            "h2d_expert_pageable": h2d(False),
+            "d2h_expert_pinned": "link: copy_overhead_us + expert_bytes / link.d2h_pinned_gbs",
+            "d2h_expert_pageable": "link: copy_overhead_us + expert_bytes / link.d2h_pageable_gbs",
+            "activation_copy": (
+                "link: copy_overhead_us + n x hidden x 2 B / min(link.h2d_pinned_gbs, "
+                "link.d2h_pinned_gbs)"
+            ),
+            "nonexpert_layer": (
+                "roofline: max((non-expert bytes / moe_layers + KV bytes x (context + n)) / "
+                "gpu.mem_bw_gbs, flops / gpu.bf16_tflops) + "
+                f"{NONEXPERT_KERNELS_PER_BLOCK} x blocks/layer x gpu.launch_overhead_us"
+            ),
+        }
+
+    # --- power -----------------------------------------------------------------------------------
+    @property
+    def has_power(self) -> bool:
+        """True when the profile has power figures (energy metrics need them)."""
+        return self.hw.power is not None
+
+    @property
+    def gpu_idle_w(self) -> float | None:
+        """GPU idle watts, or None without a [power] section."""
+        return self.hw.power.gpu_idle_w if self.hw.power else None
+
+    @property
+    def gpu_busy_w(self) -> float | None:
+        """GPU busy watts, or None without a [power] section."""
+        return self.hw.power.gpu_busy_w if self.hw.power else None
+
+    @property
+    def cpu_idle_w(self) -> float | None:
+        """CPU idle watts, or None without a [power] section."""
+        return self.hw.power.cpu_idle_w if self.hw.power else None
+
+    @property
+    def cpu_busy_w(self) -> float | None:
+        """CPU busy watts, or None without a [power] section."""
+        return self.hw.power.cpu_busy_w if self.hw.power else None
+
+    # --- report ----------------------------------------------------------------------------------
+    def summary(self, context_tokens: int = DEFAULT_CONTEXT) -> dict[str, Any]:
+        """Derived costs as ``daopsim profiles show`` prints them (milliseconds)."""
+        ms = 1e3
+        return {
+            "model": self.model.name,
+            "dtype": self.model.dtype,
+            "expert_bytes": self.expert_bytes,
+            "context_tokens": context_tokens,
+            "gpu_expert_slots": self.gpu_expert_slots(),
+            "costs": {
+                "h2d_expert_ms_pinned": self.h2d_expert_s(True) * ms,
+                "h2d_expert_ms_pageable": self.h2d_expert_s(False) * ms,
+                "d2h_expert_ms_pinned": self.d2h_expert_s(True) * ms,
+                "gpu_expert_ms": self.gpu_expert_s(1) * ms,
+                "cpu_expert_ms": self.cpu_expert_s(1) * ms,
+                "activation_copy_ms": self.activation_copy_s(1) * ms,
+                "nonexpert_layer_ms": self.nonexpert_layer_s(1, context_tokens) * ms,
+                "breakeven_tokens": self.breakeven_tokens(pinned=False),
+                "breakeven_tokens_pinned": self.breakeven_tokens(pinned=True),
+            },
+            "measured": self.uses_measured(),
+            "sources": self.sources(),
+        }
+
+
+@lru_cache(maxsize=256)
+def _cached(hw: HardwareProfile, model: ModelShape) -> CostModel:
+    return CostModel(hw=hw, model=model)
+
+
+def cost_model(hw: HardwareProfile | str, model: ModelShape | str) -> CostModel:
+    """The cost model of a profile (or its name/path) and a model shape (or preset name); cached."""
+    profile = load_profile(hw) if isinstance(hw, str) else hw
+    shape = get_model(model) if isinstance(model, str) else model
+    dtype_bytes(shape.dtype)
+    return _cached(profile, shape)
