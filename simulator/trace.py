@@ -729,7 +729,8 @@ def _assemble(path: object, seq_id: int, parts: list[_Rows], meta: TraceMeta) ->
     tok_dec = dec[:, 0]
     n_prefill = int((~tok_dec).sum())
     if tok_dec[:n_prefill].any():
-        i = int(np.flatnonzero(tok_dec[:n_prefill])[0])
+        first_decode = int(np.argmax(tok_dec))
+        i = first_decode + int(np.argmin(tok_dec[first_decode:]))  # first prefill after it
         raise TraceError(
             path,
             f"sequence {seq_id}: a prefill token follows a decode token",

@@ -1,0 +1,405 @@
+"""Bad traces: every case gives one TraceError line (file, row, column) and CLI exit 2."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from simulator.errors import TraceError
+from simulator.testing import make_trace
+from simulator.trace import META_KEY, read_meta, validate_trace
+
+# The fixture every case starts from: tiny model (4 layers, 8 experts, top-2), 2 sequences of
+# 3 prefill + 3 decode tokens, so row = (seq * 6 + token) * 4 + layer.
+LAYERS, EXPERTS, K, TOKENS = 4, 8, 2, 6
+
+
+def row_of(seq: int, token: int, layer: int) -> int:
+    return (seq * TOKENS + token) * LAYERS + layer
+
+
+def good_trace(tmp_path: Path) -> Path:
+    return make_trace(tmp_path / "good.parquet", sequences=2, prefill=3, decode=3, seed=5)
+
+
+def rewrite(
+    src: Path,
+    dst: Path,
+    mutate: Callable[[dict[str, list[Any]]], None] | None = None,
+    schema: pa.Schema | None = None,
+    meta: Callable[[dict[str, Any]], None] | None = None,
+    drop_meta: bool = False,
+) -> Path:
+    """Copy a trace through Python lists, applying a change to columns and/or metadata."""
+    table = pq.read_table(src)
+    data = table.to_pydict()
+    if mutate:
+        mutate(data)
+    footer = json.loads(pq.read_metadata(src).metadata[META_KEY])
+    if meta:
+        meta(footer)
+    # nullable, so a test can put a null where the format forbids one
+    base = schema or table.schema.remove_metadata()
+    out_schema = pa.schema([f.with_nullable(True) for f in base])
+    out = pa.table({n: data[n] for n in out_schema.names}, schema=out_schema)
+    if not drop_meta:
+        out = out.replace_schema_metadata({META_KEY: json.dumps(footer).encode()})
+    pq.write_table(out, dst)
+    return dst
+
+
+def expect_error(
+    cli: Callable[..., Any],
+    path: Path,
+    row: int | None = None,
+    column: str | None = None,
+    words: str = "",
+) -> TraceError:
+    """The API raises TraceError with these fields; the CLI prints one line and exits 2."""
+    with pytest.raises(TraceError) as info:
+        validate_trace(path)
+    err = info.value
+    assert err.path == str(path)
+    assert err.row == row
+    assert err.column == column
+    assert words.lower() in str(err).lower(), str(err)
+    assert "\n" not in str(err)
+    result = cli("trace", "validate", path)
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ")
+    assert str(path) in lines[0]
+    if row is not None:
+        assert f"row {row}" in lines[0]
+    if column is not None:
+        assert repr(column) in lines[0]
+    assert "Traceback" not in result.output + result.stderr
+    assert result.stdout == ""
+    return err
+
+
+def test_good_trace_passes(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    path = good_trace(tmp_path)
+    meta = validate_trace(path)
+    assert meta.counts == {"rows": 48, "sequences": 2, "prefill_tokens": 6, "decode_tokens": 6}
+    result = cli("trace", "validate", path)
+    assert result.exit_code == 0
+    assert result.stdout.startswith("OK ")
+    assert "2 sequences" in result.stdout and "48 rows" in result.stdout
+
+
+def test_missing_file(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    expect_error(cli, tmp_path / "nope.parquet", words="no such file")
+
+
+def test_directory_is_not_a_trace(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    expect_error(cli, tmp_path, words="directory")
+
+
+def test_not_parquet(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    path = tmp_path / "notes.parquet"
+    path.write_text("seq,pos,layer\n0,0,0\n")
+    expect_error(cli, path, words="not a readable Parquet file")
+
+
+def test_empty_file(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    path = tmp_path / "empty.parquet"
+    path.write_bytes(b"")
+    expect_error(cli, path, words="not a readable Parquet file")
+
+
+def test_truncated_file(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    data = good_trace(tmp_path).read_bytes()
+    path = tmp_path / "cut.parquet"
+    path.write_bytes(data[: len(data) // 2])
+    expect_error(cli, path, words="not a readable Parquet file")
+
+
+def test_missing_column(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    src = good_trace(tmp_path)
+    schema = pq.read_schema(src).remove_metadata()
+    schema = schema.remove(schema.get_field_index("weights"))
+    path = rewrite(src, tmp_path / "bad.parquet", schema=schema)
+    expect_error(cli, path, column="weights", words="missing column")
+
+
+def test_mistyped_list_column(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    src = good_trace(tmp_path)
+    schema = pq.read_schema(src).remove_metadata()
+    i = schema.get_field_index("experts")
+    schema = schema.set(i, pa.field("experts", pa.list_(pa.float32())))
+    path = rewrite(src, tmp_path / "bad.parquet", schema=schema)
+    expect_error(cli, path, column="experts", words="expected list<item: int16>")
+
+
+def test_mistyped_scalar_column(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    src = good_trace(tmp_path)
+    schema = pq.read_schema(src).remove_metadata()
+    schema = schema.set(schema.get_field_index("layer"), pa.field("layer", pa.string()))
+
+    def to_text(d: dict[str, list[Any]]) -> None:
+        d["layer"] = [str(v) for v in d["layer"]]
+
+    path = rewrite(src, tmp_path / "bad.parquet", to_text, schema=schema)
+    expect_error(cli, path, column="layer", words="has type string")
+
+
+def _set(column: str, row: int, value: Any) -> Callable[[dict[str, list[Any]]], None]:
+    def mutate(d: dict[str, list[Any]]) -> None:
+        d[column][row] = value
+
+    return mutate
+
+
+def test_expert_id_out_of_range(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    row = row_of(1, 2, 3)
+    path = rewrite(good_trace(tmp_path), tmp_path / "bad.parquet", _set("experts", row, [0, 8]))
+    expect_error(cli, path, row=row, column="experts", words="expert id 8 outside 0..7")
+
+
+def test_negative_expert_id(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    row = row_of(0, 0, 0)
+    path = rewrite(good_trace(tmp_path), tmp_path / "bad.parquet", _set("experts", row, [-3, 1]))
+    expect_error(cli, path, row=row, column="experts", words="outside 0..7")
+
+
+def test_repeated_expert_in_top_k(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    row = row_of(0, 4, 2)
+    path = rewrite(good_trace(tmp_path), tmp_path / "bad.parquet", _set("experts", row, [5, 5]))
+    expect_error(cli, path, row=row, column="experts", words="repeated")
+
+
+def test_wrong_k(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    row = row_of(1, 0, 1)
+    path = rewrite(good_trace(tmp_path), tmp_path / "bad.parquet", _set("experts", row, [1, 2, 3]))
+    expect_error(cli, path, row=row, column="experts", words="has 3 values, expected 2")
+
+
+def test_wrong_weight_count(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    row = row_of(0, 1, 0)
+    path = rewrite(good_trace(tmp_path), tmp_path / "bad.parquet", _set("weights", row, [1.0]))
+    expect_error(cli, path, row=row, column="weights", words="has 1 values, expected 2")
+
+
+def test_wrong_probs_count(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    row = row_of(0, 3, 3)
+    path = rewrite(good_trace(tmp_path), tmp_path / "bad.parquet", _set("probs", row, [0.5] * 7))
+    expect_error(cli, path, row=row, column="probs", words="expected 8")
+
+
+def test_nan_weight(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    row = row_of(1, 5, 2)
+    path = rewrite(
+        good_trace(tmp_path), tmp_path / "bad.parquet", _set("weights", row, [math.nan, 0.5])
+    )
+    expect_error(cli, path, row=row, column="weights", words="NaN")
+
+
+def test_negative_weight(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    row = row_of(0, 2, 1)
+    path = rewrite(
+        good_trace(tmp_path), tmp_path / "bad.parquet", _set("weights", row, [0.9, -0.1])
+    )
+    expect_error(cli, path, row=row, column="weights", words="negative")
+
+
+def test_probability_out_of_range(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    row = row_of(0, 0, 2)
+    path = rewrite(
+        good_trace(tmp_path), tmp_path / "bad.parquet", _set("probs", row, [2.0] + [0.0] * 7)
+    )
+    expect_error(cli, path, row=row, column="probs", words="outside [0, 1]")
+
+
+def test_null_value(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    row = row_of(1, 1, 1)
+    path = rewrite(good_trace(tmp_path), tmp_path / "bad.parquet", _set("weights", row, None))
+    expect_error(cli, path, row=row, column="weights", words="is null")
+
+
+def test_null_inside_list(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    row = row_of(1, 3, 0)
+    path = rewrite(good_trace(tmp_path), tmp_path / "bad.parquet", _set("experts", row, [1, None]))
+    expect_error(cli, path, row=row, column="experts", words="null value")
+
+
+def test_positions_not_increasing(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    def mutate(d: dict[str, list[Any]]) -> None:
+        # token 4 of sequence 1 gets position 2 (token 3 has position 3)
+        for layer in range(LAYERS):
+            d["pos"][row_of(1, 4, layer)] = 2
+
+    path = rewrite(good_trace(tmp_path), tmp_path / "bad.parquet", mutate)
+    expect_error(cli, path, row=row_of(1, 4, 0), column="pos", words="not increasing")
+
+
+def test_position_changes_within_token(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    row = row_of(0, 2, 3)
+    path = rewrite(good_trace(tmp_path), tmp_path / "bad.parquet", _set("pos", row, 9))
+    expect_error(cli, path, row=row, column="pos", words="position changes")
+
+
+def test_layer_out_of_range(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    row = row_of(1, 2, 3)
+    path = rewrite(good_trace(tmp_path), tmp_path / "bad.parquet", _set("layer", row, 4))
+    expect_error(cli, path, row=row, column="layer", words="layer 4 outside 0..3")
+
+
+def test_layer_missing_from_token(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    row = row_of(0, 1, 2)
+    path = rewrite(good_trace(tmp_path), tmp_path / "bad.parquet", _set("layer", row, 1))
+    expect_error(cli, path, row=row, column="layer", words="expected layer 2")
+
+
+def test_bad_phase(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    row = row_of(0, 0, 0)
+    path = rewrite(good_trace(tmp_path), tmp_path / "bad.parquet", _set("phase", row, "train"))
+    expect_error(cli, path, row=row, column="phase", words="'train'")
+
+
+def test_prefill_after_decode(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    def mutate(d: dict[str, list[Any]]) -> None:
+        for layer in range(LAYERS):
+            d["phase"][row_of(0, 5, layer)] = "prefill"
+
+    path = rewrite(good_trace(tmp_path), tmp_path / "bad.parquet", mutate)
+    expect_error(cli, path, row=row_of(0, 5, 0), column="phase", words="prefill token follows")
+
+
+def test_missing_early_view(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    row = row_of(1, 0, 2)
+    path = rewrite(good_trace(tmp_path), tmp_path / "bad.parquet", _set("early_experts", row, None))
+    expect_error(cli, path, row=row, column="early_experts", words="missing")
+
+
+def test_sequence_split_in_two_runs(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    def mutate(d: dict[str, list[Any]]) -> None:
+        # token 2 of sequence 0 is labelled sequence 1, so sequence 0 resumes after it
+        for layer in range(LAYERS):
+            d["seq"][row_of(0, 2, layer)] = 1
+
+    path = rewrite(good_trace(tmp_path), tmp_path / "bad.parquet", mutate)
+    expect_error(cli, path, row=row_of(0, 3, 0), column="seq", words="two separate runs")
+
+
+def test_missing_metadata(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    path = rewrite(good_trace(tmp_path), tmp_path / "bad.parquet", drop_meta=True)
+    expect_error(cli, path, words="missing file metadata 'daopsim'")
+
+
+def test_metadata_missing_key(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    path = rewrite(good_trace(tmp_path), tmp_path / "bad.parquet", meta=lambda m: m.pop("model"))
+    expect_error(cli, path, words="missing key 'model'")
+
+
+def test_metadata_bad_model_field(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    def meta(m: dict[str, Any]) -> None:
+        m["model"]["experts"] = "eight"
+
+    path = rewrite(good_trace(tmp_path), tmp_path / "bad.parquet", meta=meta)
+    expect_error(cli, path, words="'model.experts' must be an integer")
+
+
+def test_metadata_unsupported_schema_version(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    def meta(m: dict[str, Any]) -> None:
+        m["schema_version"] = 99
+
+    path = rewrite(good_trace(tmp_path), tmp_path / "bad.parquet", meta=meta)
+    expect_error(cli, path, words="99 is not supported")
+
+
+def test_metadata_not_json(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    table = pq.read_table(good_trace(tmp_path))
+    path = tmp_path / "bad.parquet"
+    pq.write_table(table.replace_schema_metadata({META_KEY: b"{not json"}), path)
+    expect_error(cli, path, words="not valid JSON")
+
+
+def test_counts_disagree(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    def meta(m: dict[str, Any]) -> None:
+        m["counts"]["decode_tokens"] += 1
+
+    path = rewrite(good_trace(tmp_path), tmp_path / "bad.parquet", meta=meta)
+    expect_error(cli, path, words="counts.decode_tokens = 7 but the file has 6")
+
+
+def test_row_count_disagrees(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    def meta(m: dict[str, Any]) -> None:
+        m["counts"]["rows"] = 40
+
+    path = rewrite(good_trace(tmp_path), tmp_path / "bad.parquet", meta=meta)
+    expect_error(cli, path, words="counts.rows = 40 but the file has 48")
+
+
+def test_counts_key_missing(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    path = rewrite(
+        good_trace(tmp_path), tmp_path / "bad.parquet", meta=lambda m: m["counts"].pop("sequences")
+    )
+    expect_error(cli, path, words="missing 'sequences'")
+
+
+def test_info_and_stats_fail_the_same_way(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    path = rewrite(good_trace(tmp_path), tmp_path / "bad.parquet", drop_meta=True)
+    for command in ("info", "stats"):
+        result = cli("trace", command, path)
+        assert result.exit_code == 2
+        assert result.stderr.startswith("error: ") and len(result.stderr.splitlines()) == 1
+    row = row_of(0, 4, 1)
+    path = rewrite(good_trace(tmp_path), tmp_path / "bad2.parquet", _set("experts", row, [3, 3]))
+    result = cli("trace", "stats", path)
+    assert result.exit_code == 2
+    assert f"row {row}" in result.stderr and "Traceback" not in result.output
+
+
+# ---- random damage ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    path = tmp_path_factory.mktemp("fuzz") / "src.parquet"
+    make_trace(path, sequences=2, prefill=3, decode=3, seed=11, row_group_rows=40)
+    return path.read_bytes()
+
+
+@settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(data=st.data())
+def test_random_damage_is_a_trace_error_or_a_valid_read(
+    pristine: bytes, tmp_path_factory: pytest.TempPathFactory, data: st.DataObject
+) -> None:
+    blob = bytearray(pristine)
+    if data.draw(st.booleans(), label="truncate"):
+        blob = blob[: data.draw(st.integers(0, len(blob) - 1), label="cut")]
+    else:
+        edits = data.draw(
+            st.lists(
+                st.tuples(st.integers(0, len(blob) - 1), st.integers(0, 255)),
+                min_size=1,
+                max_size=8,
+            ),
+            label="edits",
+        )
+        for at, value in edits:
+            blob[at] = value
+    path = tmp_path_factory.mktemp("damaged") / "t.parquet"
+    path.write_bytes(bytes(blob))
+    try:
+        meta = validate_trace(path)
+    except TraceError as err:
+        assert "\n" not in str(err)
+        assert str(path) in str(err)
+    else:
+        assert read_meta(path).counts == meta.counts
