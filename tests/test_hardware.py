@@ -1,0 +1,214 @@
+"""Hardware profiles: bundled files load and carry sources; bad files fail with one clear line."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from simulator.data import profiles_dir
+from simulator.errors import ProfileError, UserError
+from simulator.hardware import HardwareProfile, list_profiles, load_profile
+
+FIXTURES = Path(__file__).parent / "fixtures" / "profiles"
+
+REQUIRED = {
+    "a6000-pcie4",
+    "a100-40g-pcie4",
+    "rtx6000-pcie3",
+    "rtx6000ada-pcie4",
+    "a5000-pcie4",
+    "rtx3090-pcie4",
+    "rtx4090-pcie4",
+    "l4-pcie4",
+    "l40s-pcie4",
+    "a100-80g-pcie4",
+    "h100-pcie5",
+    "h100-sxm5",
+    "rtx5090-pcie5",
+    "t4-pcie3",
+    "jetson-orin-64g",
+}
+
+
+def test_all_required_profiles_are_bundled_and_valid() -> None:
+    """Every machine the issue names is bundled, loads, and its name matches its file."""
+    profiles = {p.name: p for p in list_profiles()}
+    assert set(profiles) >= REQUIRED
+    for name, p in profiles.items():
+        assert Path(p.path).stem == name
+        assert p.power is not None, f"{name}: no [power] section"
+
+
+@pytest.mark.parametrize("path", sorted(profiles_dir().glob("*.toml")), ids=lambda p: p.stem)
+def test_every_number_has_a_source_comment(path: Path) -> None:
+    """Each numeric line carries a comment with a source tag ([R], [S], [D] or [V])."""
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if re.match(r"^\s*[A-Za-z_0-9]+\s*=\s*-?[0-9]", line):
+            assert "#" in line, f"{path.name}:{lineno}: number without a source comment"
+            comment = line.split("#", 1)[1]
+            assert re.search(r"\[(R|S|D|V|D/V)\]", comment), f"{path.name}:{lineno}: no tag"
+
+
+def test_daop_platform_constants() -> None:
+    """a6000-pcie4 holds DAOP's measured constants, on the pageable path."""
+    hw = load_profile("a6000-pcie4")
+    assert hw.gpu.name == "NVIDIA RTX A6000"
+    assert hw.cpu.cores_used == 18
+    mix, phi = hw.measured["mixtral-8x7b"], hw.measured["phi-3.5-moe"]
+    assert (mix.cpu_expert_ms, mix.load_expert_ms, mix.load_path) == (8.5, 210.0, "pageable")
+    assert (phi.cpu_expert_ms, phi.load_expert_ms, phi.load_path) == (3.5, 30.0, "pageable")
+    assert "calibration_data.py" in mix.source
+
+
+def test_a100_platform_constants() -> None:
+    """a100-40g-pcie4 holds DAOP's three measured models."""
+    m = load_profile("a100-40g-pcie4").measured
+    got = {k: (v.cpu_expert_ms, v.load_expert_ms) for k, v in m.items()}
+    assert got == {
+        "mixtral-8x7b": (5.0, 40.0),
+        "phi-3.5-moe": (2.5, 25.0),
+        "mixtral-8x22b": (16.0, 86.0),
+    }
+    assert "6326" in load_profile("a100-40g-pcie4").cpu.name
+
+
+def test_jetson_is_unified() -> None:
+    """Only the Jetson profile has unified memory; PCIe gens match the profile names."""
+    for p in list_profiles():
+        assert p.link.unified == (p.name == "jetson-orin-64g")
+        if p.name.endswith("pcie3"):
+            assert p.link.h2d_pinned_gbs < 15.75  # Gen3 x16 line rate
+        if p.name.endswith("pcie4"):
+            assert 15.75 < p.link.h2d_pinned_gbs < 31.5
+        if p.name.endswith(("pcie5", "sxm5")):
+            assert 31.5 < p.link.h2d_pinned_gbs < 63.0
+
+
+def test_load_by_path_and_name_agree() -> None:
+    """A bundled name and its file path give the same profile."""
+    by_name = load_profile("rtx4090-pcie4")
+    assert load_profile(by_name.path) == by_name
+    assert isinstance(hash(by_name), int)
+
+
+def test_user_profile_path() -> None:
+    """A user's TOML path loads, including a measured section."""
+    hw = load_profile(FIXTURES / "valid-custom.toml")
+    assert isinstance(hw, HardwareProfile)
+    assert hw.power is None
+    assert hw.measured["mixtral-8x7b"].load_path == "pinned"
+    assert hw.gpu.mem_bw_gbs == 1000.0 and isinstance(hw.gpu.mem_bw_gbs, float)
+
+
+def test_unknown_name_lists_valid_names() -> None:
+    """An unknown name is a UserError that lists the bundled names."""
+    with pytest.raises(UserError) as err:
+        load_profile("a6000")
+    assert "a6000-pcie4" in str(err.value) and "jetson-orin-64g" in str(err.value)
+
+
+BAD = [
+    ("bad-unknown-key.toml", "gpu.memory_gib", "unknown key"),
+    ("bad-missing-key.toml", "link.h2d_pageable_gbs", "missing key"),
+    ("bad-zero-number.toml", "gpu.mem_bw_gbs", "positive"),
+    ("bad-negative-number.toml", "cpu.mem_bw_gbs", "positive"),
+    ("bad-wrong-type.toml", "gpu.memory_gb", "must be a number"),
+    ("bad-bad-choice.toml", "measured.mixtral-8x7b.load_path", "pageable, pinned"),
+    ("bad-float-int.toml", "link.copy_engines", "integer"),
+    ("bad-missing-section.toml", "cpu", "missing section"),
+]
+
+
+@pytest.mark.parametrize(("fixture", "key", "words"), BAD, ids=[b[0] for b in BAD])
+def test_bad_profile_load(fixture: str, key: str, words: str) -> None:
+    """load_profile raises ProfileError naming the file and the key."""
+    with pytest.raises(ProfileError) as err:
+        load_profile(FIXTURES / fixture)
+    assert err.value.key == key
+    assert fixture in str(err.value) and repr(key) in str(err.value) and words in str(err.value)
+
+
+@pytest.mark.parametrize(("fixture", "key", "words"), BAD, ids=[b[0] for b in BAD])
+def test_bad_profile_cli(cli, fixture: str, key: str, words: str) -> None:
+    """`profiles show BAD.toml` exits 2 with one line naming file and key, no traceback."""
+    result = cli("profiles", "show", FIXTURES / fixture)
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ")
+    assert fixture in lines[0] and repr(key) in lines[0]
+    assert "Traceback" not in result.output
+
+
+def test_not_toml(cli) -> None:
+    """A file that is not TOML: ProfileError and exit 2 naming the file."""
+    path = FIXTURES / "bad-not-toml.toml"
+    with pytest.raises(ProfileError, match="not valid TOML"):
+        load_profile(path)
+    result = cli("profiles", "show", path)
+    assert result.exit_code == 2
+    assert "bad-not-toml.toml" in result.stderr and "not valid TOML" in result.stderr
+
+
+def test_missing_file(cli, tmp_path: Path) -> None:
+    """A missing profile file: ProfileError and exit 2 naming the file."""
+    path = tmp_path / "nowhere.toml"
+    with pytest.raises(ProfileError, match="no such profile file"):
+        load_profile(path)
+    result = cli("profiles", "show", path)
+    assert result.exit_code == 2
+    assert str(path) in result.stderr
+
+
+def test_dotted_model_name_hint(tmp_path: Path) -> None:
+    """An unquoted dotted model name in [measured.*] gets a hint to quote it."""
+    text = (
+        (FIXTURES / "valid-custom.toml")
+        .read_text()
+        .replace("[measured.mixtral-8x7b]", "[measured.phi-3.5-moe]")
+    )
+    path = tmp_path / "dotted.toml"
+    path.write_text(text)
+    with pytest.raises(ProfileError, match="quote"):
+        load_profile(path)
+
+
+def test_busy_below_idle_power(tmp_path: Path) -> None:
+    """Busy power below idle power is rejected with the key."""
+    text = (FIXTURES / "valid-custom.toml").read_text() + (
+        "\n[power]\ngpu_idle_w = 50.0\ngpu_busy_w = 40.0\ncpu_idle_w = 1.0\ncpu_busy_w = 2.0\n"
+    )
+    path = tmp_path / "power.toml"
+    path.write_text(text)
+    with pytest.raises(ProfileError) as err:
+        load_profile(path)
+    assert err.value.key == "power.gpu_busy_w"
+
+
+def test_profiles_list_json(cli) -> None:
+    """`profiles list --json`: one object per bundled profile with name, gpu, cpu, link."""
+    result = cli("profiles", "list", "--json")
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)
+    assert {r["name"] for r in rows} >= REQUIRED
+    for r in rows:
+        assert {"name", "gpu", "cpu", "link"} <= set(r)
+        assert r["gpu"]["mem_bw_gbs"] > 0 and r["link"]["kind"] in ("pcie", "unified")
+
+
+def test_profiles_list_table(cli) -> None:
+    """`profiles list` prints a header and a row per profile."""
+    result = cli("profiles", "list")
+    assert result.exit_code == 0
+    lines = result.stdout.strip().splitlines()
+    assert lines[0].startswith("NAME")
+    assert len(lines) == 1 + len(list_profiles())
+
+
+def test_profiles_show_unknown_name(cli) -> None:
+    """An unknown profile name exits 2 and lists valid names."""
+    result = cli("profiles", "show", "no-such-machine")
+    assert result.exit_code == 2
+    assert "a6000-pcie4" in result.stderr
