@@ -1,0 +1,198 @@
+"""``daopsim run``: one policy on one machine over a trace; a table, JSON and output files."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import click
+
+from simulator.commands.common import echo_json, json_option
+from simulator.errors import UserError
+
+
+def parse_options(pairs: tuple[str, ...]) -> dict[str, str]:
+    """``key=value`` strings to a dict (values stay strings; the policy coerces them)."""
+    out: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise UserError(f"--policy-opt {pair!r}: expected key=value")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _fmt(value: Any, unit: str = "") -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "n/a"
+    if isinstance(value, int):
+        return f"{value:,}{unit}"
+    if abs(value) >= 100:
+        return f"{value:,.1f}{unit}"
+    return f"{value:.4g}{unit}"
+
+
+#: (metric key, label, unit, scale) rows of the human-readable table
+TABLE_ROWS = (
+    ("tokens_per_s", "tokens/s (incl. prefill)", "", 1.0),
+    ("decode_tokens_per_s", "decode tokens/s", "", 1.0),
+    ("ttft_s", "time to first token", " s", 1.0),
+    ("tpot_p50_s", "per-token latency p50", " ms", 1e3),
+    ("tpot_p99_s", "per-token latency p99", " ms", 1e3),
+    ("e2e_s", "end-to-end time", " s", 1.0),
+    ("hit_rate", "GPU hit rate (decode)", "", 1.0),
+    ("h2d_bytes", "host-to-device", " GB", 1e-9),
+    ("d2h_bytes", "device-to-host", " GB", 1e-9),
+    ("gpu_busy_frac", "GPU busy", "", 1.0),
+    ("cpu_busy_frac", "CPU busy", "", 1.0),
+    ("h2d_busy_frac", "H2D link busy", "", 1.0),
+    ("stall_s", "GPU stall (copies + CPU)", " s", 1.0),
+    ("cpu_expert_evals", "CPU expert evaluations", "", 1.0),
+    ("prefetch_precision", "prefetch precision", "", 1.0),
+    ("routing_replaced_frac", "routing replaced", "", 1.0),
+    ("gate_mass_preserved", "gate mass preserved", "", 1.0),
+    ("energy_j", "energy", " kJ", 1e-3),
+    ("tokens_per_kj", "tokens per kJ", "", 1.0),
+)
+
+
+def render_table(doc: dict[str, Any]) -> str:
+    """The readable summary printed by ``daopsim run``."""
+    m = doc["metrics"]
+    head = (
+        f"policy {doc['policy']} on {doc['hw']} | model {doc['model']} ({doc['dtype']}) | "
+        f"trace {doc['trace']} ({doc['sequences']} sequences)\n"
+        f"GPU experts {doc['gpu_experts']} of {doc['total_experts']} "
+        f"(cache ratio {doc['cache_ratio']:.3f}; {doc['max_gpu_experts']} fit in memory)"
+    )
+    if doc.get("bound"):
+        head += "\nthis result is a BOUND (clairvoyant or unlimited memory), not a real policy"
+    lines = [head, ""]
+    for key, label, unit, scale in TABLE_ROWS:
+        value = m.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool) and scale != 1:
+            value = value * scale
+        lines.append(f"  {label:<28} {_fmt(value, unit)}")
+    return "\n".join(lines)
+
+
+@click.command("run")
+@click.option(
+    "--policy",
+    "policy",
+    default="daop",
+    show_default=True,
+    help="Policy name (see `daopsim policies list`).",
+)
+@click.option(
+    "--hw",
+    default="a6000-pcie4",
+    show_default=True,
+    help="Hardware profile name or path to a profile TOML.",
+)
+@click.option(
+    "--trace",
+    "trace",
+    default=None,
+    help="Bundled trace name or path (default: the bundled Mixtral-8x7B trace).",
+)
+@click.option(
+    "--cache-ratio",
+    type=float,
+    default=None,
+    help="Fraction of all experts resident on the GPU (DAOP's ECR), in (0, 1].",
+)
+@click.option(
+    "--gpu-experts",
+    type=int,
+    default=None,
+    help="Resident expert slots (default: what fits in GPU memory).",
+)
+@click.option(
+    "--sequences", type=int, default=None, help="Evaluate only the first N evaluation sequences."
+)
+@click.option(
+    "--calibration",
+    default=None,
+    help="Trace to take popularity statistics from (default: held-out sequences).",
+)
+@click.option(
+    "--policy-opt",
+    "policy_opts",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Policy option (repeatable).",
+)
+@click.option("--dtype", default=None, help="Expert precision (bf16, fp16, int8, int4, ...).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed for random choices.")
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Write metrics.json, timeline.parquet, a Perfetto trace and plots here.",
+)
+@click.option("--no-progress", is_flag=True, help="Do not show a progress bar.")
+@json_option
+def run(
+    policy: str,
+    hw: str,
+    trace: str | None,
+    cache_ratio: float | None,
+    gpu_experts: int | None,
+    sequences: int | None,
+    calibration: str | None,
+    policy_opts: tuple[str, ...],
+    dtype: str | None,
+    seed: int,
+    out_dir: str | None,
+    no_progress: bool,
+    as_json: bool,
+) -> None:
+    """Simulate one policy on one machine over a routing trace."""
+    from simulator.runner import simulate
+
+    options = parse_options(policy_opts)
+    bar: Any = None
+
+    def progress(done: int, total: int) -> None:
+        nonlocal bar
+        if no_progress:
+            return
+        if bar is None:
+            bar = click.progressbar(
+                length=total, label="sequences", file=click.get_text_stream("stderr"), show_eta=True
+            )
+            bar.__enter__()
+        bar.update(1)
+
+    try:
+        result = simulate(
+            policy=policy,
+            hw=hw,
+            trace=trace,
+            cache_ratio=cache_ratio,
+            gpu_experts=gpu_experts,
+            sequences=sequences,
+            calibration=calibration,
+            policy_options=options,
+            seed=seed,
+            dtype=dtype,
+            record=out_dir is not None,
+            progress=progress,
+        )
+    finally:
+        if bar is not None:
+            bar.__exit__(None, None, None)
+    if out_dir is not None:
+        result.write(out_dir)
+    doc = result.to_dict()
+    if as_json:
+        echo_json(doc)
+    else:
+        click.echo(render_table(doc))
+        if out_dir is not None:
+            click.echo(
+                f"\nwrote {out_dir}/: metrics.json timeline.parquet trace.perfetto.json "
+                "gantt.png hit_rate.png"
+            )
