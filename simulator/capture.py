@@ -408,6 +408,7 @@ class RoutingRecorder:
         return hook
 
     def _finish_step(self) -> None:
+        torch = _torch()
         parts, self._layer_parts = self._layer_parts, []
         self._prev_input = None
         if len(parts) != len(self.moe):
@@ -416,50 +417,35 @@ class RoutingRecorder:
             )
         n = int(parts[0][0].shape[0])
         b, s = self._shape if self._shape and self._shape[0] * self._shape[1] == n else (1, n)
+        dev = parts[0][0].device
+        k = int(parts[0][0].shape[-1])
+        width = int(parts[0][2].shape[-1])
 
-        def stack(i: int, dtype: Any, fill: float | int | None = None) -> np.ndarray | None:
-            arrays = []
-            for layer_part in parts:
-                t = layer_part[i]
-                if t is None:
-                    if fill is None:
-                        return None
-                    ref = parts[-1][i]
-                    if ref is None:
-                        return None
-                    arrays.append(np.full(tuple(ref.shape), fill, dtype=dtype))
-                else:
-                    arrays.append(
-                        t.detach().float().cpu().numpy().astype(dtype)
-                        if dtype != np.int16
-                        else t.detach().cpu().numpy().astype(dtype)
-                    )
-            out = np.stack(arrays, axis=1)  # [n, L, w]
+        def stack(i: int, dtype: Any, fill: float | None = None) -> np.ndarray | None:
+            if parts[0][i] is None and fill is None:
+                return None
+            cols = []
+            for part in parts:
+                t = part[i]
+                if t is None:  # the first MoE layer has no early view
+                    shape = (n, width if i in (5, 6) else k)
+                    t = torch.full(shape, fill, dtype=torch.float32, device=dev)
+                cols.append(t.detach().to(device=dev, dtype=torch.float32))
+            # one device-to-host copy per field and step, not one per layer
+            out = torch.stack(cols, dim=1).cpu().numpy().astype(dtype, copy=False)
             return out.reshape(b, s, *out.shape[1:])
 
-        k = parts[0][0].shape[-1]
-        experts = stack(0, np.int16)
-        early_experts = stack(4, np.int16, fill=-1)
-        early_probs = stack(5, np.float32, fill=np.nan)
-        if early_experts is None:  # a single MoE layer: no early view anywhere
-            early_experts = np.full(experts.shape, -1, dtype=np.int16)
-            width = parts[0][2].shape[-1]
-            early_probs = np.full((b, s, 1, width), np.nan, dtype=np.float32)
-        early_ids = stack(6, np.int16, fill=-1) if self.top_m else None
-        if self.top_m and early_ids is None:
-            early_ids = np.full((b, s, 1, self.top_m), -1, dtype=np.int16)
-        assert experts is not None and experts.shape[-1] == k
-        self.steps.append(
-            StepRouting(
-                experts=experts,
-                weights=stack(1, np.float32),
-                probs=stack(2, np.float32),
-                prob_ids=stack(3, np.int16) if self.top_m else None,
-                early_experts=early_experts,
-                early_probs=early_probs,
-                early_prob_ids=early_ids,
-            )
+        ids_fill = -1.0 if self.top_m else None
+        step = StepRouting(
+            experts=stack(0, np.int16),
+            weights=stack(1, np.float32),
+            probs=stack(2, np.float32),
+            prob_ids=stack(3, np.int16),
+            early_experts=stack(4, np.int16, fill=-1.0),
+            early_probs=stack(5, np.float32, fill=float("nan")),
+            early_prob_ids=stack(6, np.int16, fill=ids_fill),
         )
+        self.steps.append(step)
 
 
 # --------------------------------------------------------------------------------------------

@@ -476,3 +476,23 @@ def test_cli_user_errors_exit_2(tmp_path: Path):
     )
     assert res.exit_code == 2 and "known: mixtral" in res.output
     assert not out.exists()
+
+
+def test_captured_trace_replays_through_the_simulator(mixtral, tmp_path: Path):
+    runner = pytest.importorskip("simulator.runner")
+    path = tmp_path / "t.parquet"
+    capture_model(
+        mixtral,
+        PROMPTS,
+        path,
+        GenerationSettings(max_new_tokens=NEW, batch_size=2),
+        "tiny-mixtral",
+        "bf16",
+    )
+    lru = runner.simulate(policy="lru", hw="a6000-pcie4", trace=path, cache_ratio=0.5)
+    evaluated, _ = runner.split_sequences(read_meta(path), [0, 1, 2], None, False)
+    assert lru.metrics["sequences"] == len(evaluated) >= 2
+    assert lru.metrics["decode_tokens"] == len(evaluated) * NEW
+    assert 0 < lru.metrics["hit_rate"] < 1
+    full = runner.simulate(policy="all-gpu", hw="a6000-pcie4", trace=path)
+    assert full.metrics["hit_rate"] == 1
