@@ -1,0 +1,58 @@
+"""Trace reading at scale (run with `make bench`): 10 million rows, flat memory, seconds."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from simulator.testing import make_trace
+
+# Mixtral shape: 32 MoE layers, so 312,600 tokens make 10,003,200 rows.
+_PROBE = """
+import json, resource, sys, time
+from simulator.trace import validate_trace
+from simulator.stats import trace_stats
+path, what = sys.argv[1], sys.argv[2]
+t = time.perf_counter()
+rows = validate_trace(path).counts["rows"] if what == "validate" else trace_stats(path)["sequences"]
+print(json.dumps({"s": time.perf_counter() - t, "rss_mb": resource.getrusage(
+    resource.RUSAGE_SELF).ru_maxrss / 1024, "n": rows}))
+"""
+
+
+def _probe(path: Path, what: str) -> dict[str, float]:
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE, str(path), what], check=True, capture_output=True, text=True
+    )
+    return json.loads(out.stdout)
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    folder = tmp_path_factory.mktemp("bench")
+    small = make_trace(folder / "1m.parquet", "mixtral-8x7b", sequences=30, prefill=500, decode=542)
+    big = make_trace(folder / "10m.parquet", "mixtral-8x7b", sequences=300, prefill=500, decode=542)
+    return small, big
+
+
+@pytest.mark.bench
+def test_validate_10m_rows_fast_and_flat(traces: tuple[Path, Path]) -> None:
+    small, big = traces
+    a, b = _probe(small, "validate"), _probe(big, "validate")
+    assert b["n"] == 10_003_200
+    assert b["s"] < 20.0, f"validate took {b['s']:.1f} s"
+    # ten times the rows must not mean (much) more memory: streaming by row group
+    assert b["rss_mb"] < a["rss_mb"] + 100, (a, b)
+
+
+@pytest.mark.bench
+def test_stats_10m_rows_fast_and_flat(traces: tuple[Path, Path]) -> None:
+    small, big = traces
+    a, b = _probe(small, "stats"), _probe(big, "stats")
+    assert b["n"] == 300
+    assert b["s"] < 30.0, f"stats took {b['s']:.1f} s"
+    assert b["rss_mb"] < a["rss_mb"] + 100, (a, b)
