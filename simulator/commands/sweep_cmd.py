@@ -1,0 +1,158 @@
+"""``daopsim sweep``: run a grid of simulations (from flags or a TOML grid file) into one table.
+
+Exit codes: 0 when every configuration ran, 1 when any failed (each failure is a row with
+status "error"), 2 for bad arguments (unknown policy, machine, trace or option; a locked
+results file).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+
+from simulator.commands.common import echo_json, json_option
+from simulator.errors import UserError
+
+
+def _split(text: str | None, kind: type, flag: str) -> list[Any] | None:
+    if text is None:
+        return None
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise UserError(f"{flag}: no values given")
+    try:
+        return [kind(t) for t in items]
+    except ValueError:
+        bad = next(t for t in items if not _parses(kind, t))
+        raise UserError(f"{flag}: {bad!r} is not a valid {kind.__name__}") from None
+
+
+def _parses(kind: type, text: str) -> bool:
+    try:
+        kind(text)
+    except ValueError:
+        return False
+    return True
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("grid_file", required=False, type=click.Path(dir_okay=False))
+@click.option("--policies", help="Comma-separated policy names (e.g. lru,fiddler,daop).")
+@click.option("--hw", help="Comma-separated machine profiles (default a6000-pcie4).")
+@click.option("--traces", help="Comma-separated bundled trace names or paths.")
+@click.option("--cache-ratios", help="Comma-separated cache ratios in (0, 1].")
+@click.option("--gpu-experts", help="Comma-separated resident-expert counts.")
+@click.option("--sequences", type=int, help="Evaluation sequences per run (default: all).")
+@click.option(
+    "--policy-opt",
+    "policy_opts",
+    multiple=True,
+    metavar="[POLICY.]KEY=V[,V...]",
+    help="A policy option; several values make an axis. Repeatable.",
+)
+@click.option("--seeds", help="Comma-separated seeds (default 0).")
+@click.option("--calibration", help="External calibration trace for every run.")
+@click.option("--dtype", help="Override the model dtype of every trace.")
+@click.option(
+    "--out", "-o", "out", type=click.Path(dir_okay=False), help="Results table (.parquet)."
+)
+@click.option(
+    "--executor", type=click.Choice(["local", "dask"]), default="local", show_default=True
+)
+@click.option("--workers", type=int, help="Worker processes (default: number of CPUs).")
+@click.option("--scheduler", metavar="ADDRESS", help="Dask scheduler (tcp://host:8786).")
+@click.option("--retry-errors", is_flag=True, help="Re-run configurations that failed before.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@json_option
+def sweep(
+    grid_file: str | None,
+    policies: str | None,
+    hw: str | None,
+    traces: str | None,
+    cache_ratios: str | None,
+    gpu_experts: str | None,
+    sequences: int | None,
+    policy_opts: tuple[str, ...],
+    seeds: str | None,
+    calibration: str | None,
+    dtype: str | None,
+    out: str | None,
+    executor: str,
+    workers: int | None,
+    scheduler: str | None,
+    retry_errors: bool,
+    no_progress: bool,
+    as_json: bool,
+) -> None:
+    """Run every combination of policies, machines, traces and memory budgets.
+
+    Give the grid with flags, or as GRID_FILE (TOML, see docs/sweeps.md); flags override the
+    file's keys. Finished configurations are kept in OUT.parts/, so an interrupted sweep
+    resumes where it stopped when run again.
+    """
+    from simulator.sweep import Grid, load_grid_file, parse_option_items, run_sweep
+
+    flags: dict[str, Any] = {
+        "policies": _split(policies, str, "--policies"),
+        "hw": _split(hw, str, "--hw"),
+        "traces": _split(traces, str, "--traces"),
+        "cache_ratios": _split(cache_ratios, float, "--cache-ratios"),
+        "gpu_experts": _split(gpu_experts, int, "--gpu-experts"),
+        "seeds": _split(seeds, int, "--seeds"),
+    }
+    if grid_file is not None:
+        grid, file_out = load_grid_file(grid_file)
+    else:
+        if flags["policies"] is None:
+            raise UserError("give --policies (or a grid file)")
+        grid, file_out = Grid(policies=flags["policies"]), None
+    for key, value in flags.items():
+        if value is not None:
+            setattr(grid, key, value)
+    if sequences is not None:
+        if sequences <= 0:
+            raise UserError(f"--sequences must be positive, got {sequences}")
+        grid.sequences = sequences
+    if policy_opts:
+        grid.options.update(parse_option_items(policy_opts))
+    if calibration is not None:
+        grid.calibration = calibration
+    if dtype is not None:
+        grid.dtype = dtype
+    out = out or file_out
+    if out is None:
+        raise UserError("give --out RESULTS.parquet (or 'out' in the grid file)")
+    try:
+        _, summary = run_sweep(
+            grid,
+            executor=executor,
+            workers=workers,
+            out=out,
+            progress=not no_progress,
+            scheduler=scheduler,
+            retry_errors=retry_errors,
+        )
+    except KeyboardInterrupt:
+        click.echo("interrupted: finished runs are kept; run the same command to resume", err=True)
+        sys.exit(130)
+    if as_json:
+        echo_json(summary.to_dict())
+    else:
+        click.echo(
+            f"wrote {summary.out}: {summary.configurations} configurations, {summary.ok} ok, "
+            f"{summary.failed} failed ({summary.resumed} resumed) in {summary.elapsed_s:.1f} s"
+        )
+        for e in summary.errors:
+            if e.get("cache_ratio") is not None:
+                mem = f"cache ratio {e['cache_ratio']}"
+            elif e.get("gpu_experts") is not None:
+                mem = f"{e['gpu_experts']} GPU experts"
+            else:
+                mem = "experts that fit"
+            click.echo(
+                f"failed: {e['policy']} on {e['hw']} ({e['trace']}, {mem}): {e['error']}",
+                err=True,
+            )
+    sys.exit(1 if summary.failed else 0)

@@ -1,0 +1,791 @@
+"""Parameter sweeps: a grid of ``simulate()`` runs, in parallel, resumable, as one tidy table.
+
+A :class:`Grid` (from Python, a dict, a TOML file or the ``daopsim sweep`` flags) expands into
+configurations in a fixed order (trace, machine, policy, option values, memory point, seed).
+Each configuration gets a key: a SHA-256 over the trace file's bytes, the machine profile's
+resolved content, the policy and its resolved options, the memory point, sequences, seed,
+calibration and the daopsim version. Finished rows are stored one JSON file per key in
+``RESULTS.parquet.parts/`` (written atomically as each run completes), so a sweep killed at any
+moment and run again skips what is done; the consolidated table is written atomically at the end.
+
+Executors: ``local`` (a process pool; ``workers=1`` runs in this process) and ``dask``
+(``dask.distributed``: a ``LocalCluster`` or a scheduler address). ``simulate(record=False)`` is
+deterministic, so the table does not depend on the executor. See docs/sweeps.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import importlib.metadata
+import itertools
+import json
+import math
+import os
+import sys
+import time
+import tomllib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from simulator.data import DEFAULT_TRACE, bundled_traces, resolve_trace
+from simulator.errors import PolicyError, UserError
+from simulator.results import METRIC_KEYS, atomic_write, atomic_write_text
+
+#: Columns every sweep table has before the option and metric columns, in this order.
+BASE_COLUMNS = (
+    "policy",
+    "hw",
+    "trace",
+    "cache_ratio",
+    "gpu_experts",
+    "sequences",
+    "seed",
+    "bound",
+    "status",
+    "error",
+    "key",
+)
+#: Columns after the metrics: model facts for plots, and the per-layer decode hit rates.
+EXTRA_COLUMNS = (
+    "model",
+    "dtype",
+    "total_experts",
+    "max_gpu_experts",
+    "expert_bytes",
+    "expert_memory_gb",
+    "per_layer_hit_rate",
+)
+EXECUTORS = ("local", "dask")
+_GRID_KEYS = {
+    "policies",
+    "hw",
+    "traces",
+    "cache_ratios",
+    "gpu_experts",
+    "sequences",
+    "seeds",
+    "options",
+    "calibration",
+    "dtype",
+    "out",
+}
+
+
+def daopsim_version() -> str:
+    """The installed daopsim version (part of every configuration key)."""
+    try:
+        return importlib.metadata.version("daopsim")
+    except importlib.metadata.PackageNotFoundError:  # running from a source tree
+        return "0+unknown"
+
+
+# --- grid -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Grid:
+    """The axes of a sweep; every combination is one configuration.
+
+    ``options`` maps an option name to its values: ``"swap_num"`` applies to every policy in
+    the grid that declares that option, ``"daop.swap_num"`` to one policy only. Several values
+    make an axis. ``cache_ratios`` and ``gpu_experts`` are both memory points (their union);
+    with neither, each run uses as many experts as fit on the machine. Policies that ignore the
+    budget (all-gpu) run once per machine and trace, whatever the memory points.
+    """
+
+    policies: list[str]
+    hw: list[str] = field(default_factory=lambda: ["a6000-pcie4"])
+    traces: list[str] = field(default_factory=lambda: [DEFAULT_TRACE])
+    cache_ratios: list[float] = field(default_factory=list)
+    gpu_experts: list[int] = field(default_factory=list)
+    sequences: int | None = None
+    seeds: list[int] = field(default_factory=lambda: [0])
+    options: dict[str, list[Any]] = field(default_factory=dict)
+    calibration: str | None = None
+    dtype: str | None = None
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], source: str = "grid") -> Grid:
+        """A grid from a plain mapping (a parsed TOML file or a notebook dict)."""
+        unknown = sorted(set(data) - _GRID_KEYS)
+        if unknown:
+            raise UserError(
+                f"{source}: unknown key {unknown[0]!r} (valid: {', '.join(sorted(_GRID_KEYS))})"
+            )
+        if "policies" not in data:
+            raise UserError(f"{source}: missing key 'policies'")
+
+        def lst(key: str, kind: type, default: list[Any] | None = None) -> list[Any]:
+            raw = data.get(key, default if default is not None else [])
+            if isinstance(raw, str | int | float) and not isinstance(raw, bool):
+                raw = [raw]
+            if not isinstance(raw, list | tuple):
+                raise UserError(f"{source}: key {key!r} must be a list")
+            out = []
+            for v in raw:
+                if kind is float and isinstance(v, int) and not isinstance(v, bool):
+                    v = float(v)
+                if not isinstance(v, kind) or isinstance(v, bool):
+                    raise UserError(f"{source}: key {key!r}: {v!r} is not a {kind.__name__}")
+                out.append(v)
+            return out
+
+        seq = data.get("sequences")
+        if seq is not None and (not isinstance(seq, int) or isinstance(seq, bool) or seq <= 0):
+            raise UserError(f"{source}: key 'sequences' must be a positive integer, got {seq!r}")
+        opts_raw = data.get("options", {}) or {}
+        if not isinstance(opts_raw, Mapping):
+            raise UserError(f"{source}: key 'options' must be a table")
+        options: dict[str, list[Any]] = {}
+        for name, value in opts_raw.items():
+            if isinstance(value, Mapping):  # [options.<policy>] table
+                for k, v in value.items():
+                    options[f"{name}.{k}"] = list(v) if isinstance(v, list | tuple) else [v]
+            else:
+                options[str(name)] = list(value) if isinstance(value, list | tuple) else [value]
+        for k, v in options.items():
+            if not v:
+                raise UserError(f"{source}: option {k!r} has no values")
+        for key in ("calibration", "dtype"):
+            if data.get(key) is not None and not isinstance(data[key], str):
+                raise UserError(f"{source}: key {key!r} must be a string")
+        return cls(
+            policies=lst("policies", str),
+            hw=lst("hw", str, ["a6000-pcie4"]),
+            traces=lst("traces", str, [DEFAULT_TRACE]),
+            cache_ratios=lst("cache_ratios", float),
+            gpu_experts=lst("gpu_experts", int),
+            sequences=seq,
+            seeds=lst("seeds", int, [0]),
+            options=options,
+            calibration=data.get("calibration"),
+            dtype=data.get("dtype"),
+        )
+
+
+def _relative_to(base: Path, value: str) -> str:
+    """Paths in a grid file are relative to the file; bundled trace names stay names."""
+    if value in bundled_traces() or Path(value).expanduser().is_absolute():
+        return value
+    if value.endswith(".parquet") or os.sep in value:
+        return str(base / value)
+    return value
+
+
+def load_grid_file(path: str | os.PathLike[str]) -> tuple[Grid, str | None]:
+    """A grid TOML file and its optional ``out`` (both relative to the file's folder)."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"{p}: no such grid file")
+    try:
+        with p.open("rb") as fh:
+            data = tomllib.load(fh)
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"{p}: not valid TOML: {exc}") from None
+    grid = Grid.from_dict(data, source=str(p))
+    base = p.parent
+    grid.traces = [_relative_to(base, t) for t in grid.traces]
+    if grid.calibration is not None:
+        grid.calibration = _relative_to(base, grid.calibration)
+    out = data.get("out")
+    if out is not None:
+        if not isinstance(out, str):
+            raise UserError(f"{p}: key 'out' must be a string")
+        out = str(base / out) if not Path(out).is_absolute() else out
+    return grid, out
+
+
+def parse_option_items(items: list[str] | tuple[str, ...]) -> dict[str, list[str]]:
+    """``--policy-opt [policy.]key=v1[,v2...]`` items as an options mapping."""
+    out: dict[str, list[str]] = {}
+    for item in items:
+        name, sep, values = item.partition("=")
+        name = name.strip()
+        if not sep or not name or not values.strip():
+            raise UserError(f"--policy-opt {item!r}: expected [POLICY.]KEY=VALUE[,VALUE...]")
+        out[name] = [v.strip() for v in values.split(",")]
+    return out
+
+
+# --- configurations ---------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=64)
+def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
+    # keyed on size and mtime so a rewritten file is hashed again
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """SHA-256 of a file's bytes (cached per process while the file is unchanged)."""
+    st = os.stat(path)
+    return _file_sha256(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+
+
+def profile_sha256(hw: str) -> str:
+    """SHA-256 of a machine profile's resolved content (not its file name or location)."""
+    from simulator.hardware import load_profile
+
+    data = load_profile(hw).to_dict()
+    data.pop("path", None)
+    text = json.dumps(data, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Config:
+    """One configuration of a sweep (picklable: it travels to worker processes)."""
+
+    index: int
+    key: str
+    policy: str
+    options: tuple[tuple[str, Any], ...]
+    hw: str
+    hw_sha: str
+    trace: str
+    trace_path: str
+    trace_bundled: bool
+    trace_sha: str
+    cache_ratio: float | None
+    gpu_experts: int | None
+    sequences: int | None
+    seed: int
+    calibration: str | None
+    dtype: str | None
+
+
+def _option_axes(grid: Grid, policy_classes: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """Per policy, the list of option dicts to run (product of its option axes)."""
+    used: set[str] = set()
+    out: dict[str, list[dict[str, Any]]] = {}
+    for pol, cls in policy_classes.items():
+        axes: list[tuple[str, list[Any]]] = []
+        for name, values in grid.options.items():
+            scope, dot, opt = name.rpartition(".")
+            if dot and scope == pol:
+                axes.append((opt, values))
+                used.add(name)
+            elif not dot and name in cls.params:
+                axes.append((name, values))
+                used.add(name)
+        combos = []
+        for vals in itertools.product(*(v for _, v in axes)):
+            given = {k: v for (k, _), v in zip(axes, vals, strict=True)}
+            combos.append(cls.resolve_options(given))  # type-checks; UserError on bad values
+        out[pol] = combos
+    for name in grid.options:
+        if name not in used:
+            scope, dot, opt = name.rpartition(".")
+            if dot and scope not in policy_classes:
+                raise UserError(f"option {name!r}: policy {scope!r} is not in the sweep")
+            if dot:
+                policy_classes[scope].resolve_options({opt: grid.options[name][0]})
+            raise UserError(
+                f"option {name!r}: no policy in the sweep has it ({', '.join(policy_classes)})"
+            )
+    return out
+
+
+def expand(grid: Grid) -> list[Config]:
+    """Every configuration of the grid, in grid order; bad names and values are UserErrors."""
+    from policies.registry import get_policy_class
+
+    if not grid.policies:
+        raise UserError("the sweep has no policies")
+    if not grid.hw:
+        raise UserError("the sweep has no machines (--hw)")
+    if not grid.traces:
+        raise UserError("the sweep has no traces")
+    for r in grid.cache_ratios:
+        if not 0 < r <= 1:
+            raise UserError(f"cache ratio {r} is not in (0, 1]")
+    for n in grid.gpu_experts:
+        if n < 0:
+            raise UserError(f"gpu experts {n} is negative")
+    classes = {p: get_policy_class(p) for p in dict.fromkeys(grid.policies)}
+    option_sets = _option_axes(grid, classes)
+    hw_sha = {h: profile_sha256(h) for h in dict.fromkeys(grid.hw)}
+    bundled = bundled_traces()
+    traces: dict[str, tuple[Path, str]] = {}
+    for t in dict.fromkeys(grid.traces):
+        path = resolve_trace(t)
+        traces[t] = (path, file_sha256(path))
+    cal_sha = None
+    if grid.calibration is not None:
+        cal_sha = file_sha256(resolve_trace(grid.calibration))
+    memory: list[tuple[float | None, int | None]] = [(r, None) for r in grid.cache_ratios]
+    memory += [(None, n) for n in grid.gpu_experts]
+    if not memory:
+        memory = [(None, None)]
+    version = daopsim_version()
+    configs: list[Config] = []
+    seen: set[str] = set()
+    for t, (path, tsha) in traces.items():
+        for hw, hsha in hw_sha.items():
+            for pol, cls in classes.items():
+                points = [(None, None)] if cls.unlimited_memory else memory
+                for opts in option_sets[pol]:
+                    for ratio, n in points:
+                        for seed in dict.fromkeys(grid.seeds):
+                            ident = {
+                                "trace_sha256": tsha,
+                                "profile_sha256": hsha,
+                                "policy": pol,
+                                "options": opts,
+                                "cache_ratio": ratio,
+                                "gpu_experts": n,
+                                "sequences": grid.sequences,
+                                "seed": seed,
+                                "calibration_sha256": cal_sha,
+                                "dtype": grid.dtype,
+                                "daopsim": version,
+                            }
+                            text = json.dumps(ident, sort_keys=True, default=str)
+                            key = hashlib.sha256(text.encode()).hexdigest()[:32]
+                            if key in seen:
+                                continue
+                            seen.add(key)
+                            configs.append(
+                                Config(
+                                    index=len(configs),
+                                    key=key,
+                                    policy=pol,
+                                    options=tuple(sorted(opts.items())),
+                                    hw=hw,
+                                    hw_sha=hsha,
+                                    trace=t,
+                                    trace_path=str(path.resolve()),
+                                    trace_bundled=t in bundled,
+                                    trace_sha=tsha,
+                                    cache_ratio=ratio,
+                                    gpu_experts=n,
+                                    sequences=grid.sequences,
+                                    seed=seed,
+                                    calibration=grid.calibration,
+                                    dtype=grid.dtype,
+                                )
+                            )
+    return configs
+
+
+# --- one run ----------------------------------------------------------------------------------
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    if isinstance(exc, UserError | PolicyError):
+        return text or type(exc).__name__
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _base_row(cfg: Config) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "policy": cfg.policy,
+        "hw": cfg.hw,
+        "trace": cfg.trace,
+        "cache_ratio": cfg.cache_ratio,
+        "gpu_experts": cfg.gpu_experts,
+        "sequences": cfg.sequences,
+        "seed": cfg.seed,
+        "bound": None,
+        "status": "error",
+        "error": None,
+        "key": cfg.key,
+    }
+    for k, v in cfg.options:
+        row[f"opt.{k}"] = v
+    return row
+
+
+def run_config(cfg: Config) -> dict[str, Any]:
+    """Run one configuration and return its row; a failure becomes a row with status "error"."""
+    from simulator.runner import simulate
+    from simulator.trace import read_meta
+
+    row = _base_row(cfg)
+    try:
+        # a worker on another machine resolves bundled traces by name and checks the bytes
+        path = resolve_trace(cfg.trace) if cfg.trace_bundled else Path(cfg.trace_path)
+        if not path.exists():
+            raise UserError(f"{path}: no such trace file on this worker")
+        if file_sha256(path) != cfg.trace_sha:
+            raise UserError(f"{path}: trace differs from the one the sweep was planned with")
+        if profile_sha256(cfg.hw) != cfg.hw_sha:
+            raise UserError(f"profile {cfg.hw}: differs from the one the sweep was planned with")
+        result = simulate(
+            policy=cfg.policy,
+            hw=cfg.hw,
+            trace=path,
+            cache_ratio=cfg.cache_ratio,
+            gpu_experts=cfg.gpu_experts,
+            sequences=cfg.sequences,
+            calibration=cfg.calibration,
+            policy_options=dict(cfg.options),
+            seed=cfg.seed,
+            dtype=cfg.dtype,
+            record=False,
+        )
+    except Exception as exc:  # recorded, not raised: one bad configuration must not sink others
+        row["error"] = _one_line(exc)
+        return row
+    c = result.config
+    meta = read_meta(path)
+    model = meta.model if cfg.dtype is None else meta.model.with_dtype(cfg.dtype)
+    expert_bytes = int(model.expert_bytes())
+    row.update(
+        {
+            "cache_ratio": cfg.cache_ratio if cfg.cache_ratio is not None else c["cache_ratio"],
+            "gpu_experts": int(c["gpu_experts"]),
+            "sequences": int(c["sequences"]),
+            "bound": bool(c["bound"]),
+            "status": "ok",
+        }
+    )
+    metrics = result.to_dict()["metrics"]
+    for k in METRIC_KEYS:
+        if k in metrics:
+            row[k] = metrics[k]
+    row.update(
+        {
+            "model": c["model"],
+            "dtype": c["dtype"],
+            "total_experts": int(c["total_experts"]),
+            "max_gpu_experts": int(c["max_gpu_experts"]),
+            "expert_bytes": expert_bytes,
+            "expert_memory_gb": int(c["gpu_experts"]) * expert_bytes / 1e9,
+            "per_layer_hit_rate": [float(x) for x in result.per_layer_hit_rate],
+        }
+    )
+    return row
+
+
+# --- storage ----------------------------------------------------------------------------------
+
+
+def parts_dir(out: str | os.PathLike[str]) -> Path:
+    """The sidecar folder holding one finished row per configuration key."""
+    p = Path(out)
+    return p.with_name(p.name + ".parts")
+
+
+def _load_parts(folder: Path, keys: set[str]) -> dict[str, dict[str, Any]]:
+    done: dict[str, dict[str, Any]] = {}
+    if not folder.is_dir():
+        return done
+    for f in folder.glob("*.json"):
+        if f.stem not in keys:
+            continue
+        try:
+            row = json.loads(f.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue  # cannot happen with atomic writes; a damaged part is simply re-run
+        if isinstance(row, dict) and row.get("key") == f.stem:
+            done[f.stem] = row
+    return done
+
+
+def _save_part(folder: Path, row: dict[str, Any]) -> None:
+    atomic_write_text(folder / f"{row['key']}.json", json.dumps(row, sort_keys=True))
+
+
+@contextlib.contextmanager
+def _lock(folder: Path, out: Path) -> Iterator[None]:
+    """Exclusive lock on the results file for the whole sweep (released if the process dies)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    fh = open(folder / ".lock", "a+")  # noqa: SIM115 (held open for the whole sweep)
+    try:
+        try:
+            import fcntl
+
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except ImportError:  # not POSIX: no cross-process lock
+            pass
+        except BlockingIOError:
+            raise UserError(
+                f"{out}: another sweep is writing this results file "
+                f"(lock {folder / '.lock'} is held); wait for it or choose another --out"
+            ) from None
+        yield
+    finally:
+        fh.close()
+
+
+def to_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
+    """Rows (in grid order) as the tidy sweep table with a stable column order."""
+    opt_cols = sorted({k for r in rows for k in r if k.startswith("opt.")})
+    # dict.fromkeys: "sequences" is both a configuration column and a metric
+    cols = list(dict.fromkeys([*BASE_COLUMNS, *opt_cols, *METRIC_KEYS, *EXTRA_COLUMNS]))
+    df = pd.DataFrame([{c: r.get(c) for c in cols} for r in rows], columns=cols)
+    ints = ("gpu_experts", "sequences", "seed", "total_experts", "max_gpu_experts")
+    for c in METRIC_KEYS:
+        if c in ints:
+            continue
+        df[c] = pd.to_numeric(df[c], errors="coerce").astype("float64")
+    for c in ("cache_ratio", "expert_memory_gb"):
+        df[c] = pd.to_numeric(df[c], errors="coerce").astype("float64")
+    for c in ints:
+        df[c] = pd.array(df[c].tolist(), dtype="Int64")
+    df["expert_bytes"] = pd.array(df["expert_bytes"].tolist(), dtype="Int64")
+    df["bound"] = pd.array(df["bound"].tolist(), dtype="boolean")
+    for c in opt_cols:
+        kinds = {type(v) for v in df[c] if v is not None and not _isnan(v)}
+        if len(kinds) > 1:  # one option name, different types in different policies
+            df[c] = [None if v is None else str(v) for v in df[c]]
+    return df
+
+
+def _isnan(v: Any) -> bool:
+    return isinstance(v, float) and math.isnan(v)
+
+
+def write_table(df: pd.DataFrame, out: str | os.PathLike[str]) -> Path:
+    """Write the sweep table as Parquet, atomically."""
+    return atomic_write(out, lambda tmp: df.to_parquet(tmp, index=False))
+
+
+def read_table(path: str | os.PathLike[str]) -> pd.DataFrame:
+    """Read a sweep table (a clear error when the file is missing or not a sweep table)."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"{p}: no such results file")
+    try:
+        df = pd.read_parquet(p)
+    except Exception as exc:
+        raise UserError(f"{p}: not a readable Parquet file ({_one_line(exc)})") from None
+    missing = [c for c in ("policy", "hw", "trace", "status", "tokens_per_s") if c not in df]
+    if missing:
+        raise UserError(f"{p}: not a sweep table (missing column {missing[0]!r})")
+    return df
+
+
+# --- executors --------------------------------------------------------------------------------
+
+
+def _run_local(todo: list[Config], workers: int, on_row: Callable[[dict[str, Any]], None]) -> None:
+    if workers <= 1 or len(todo) <= 1:
+        for cfg in todo:
+            on_row(run_config(cfg))
+        return
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    if "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        # workers fork from a server that has already imported the simulator
+        ctx.set_forkserver_preload(["simulator.sweep", "simulator.runner", "policies.registry"])
+    else:
+        ctx = mp.get_context("spawn")
+    with cf.ProcessPoolExecutor(max_workers=min(workers, len(todo)), mp_context=ctx) as pool:
+        futures = [pool.submit(run_config, cfg) for cfg in todo]
+        try:
+            for fut in cf.as_completed(futures):
+                on_row(fut.result())
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+
+
+def _run_dask(
+    todo: list[Config],
+    workers: int,
+    scheduler: str | None,
+    on_row: Callable[[dict[str, Any]], None],
+) -> None:
+    try:
+        from distributed import Client, LocalCluster, as_completed
+    except ImportError:
+        raise UserError(
+            "--executor dask needs dask.distributed: pip install 'daopsim[dask]'"
+        ) from None
+    import logging
+
+    cluster = None
+    if scheduler:
+        try:
+            client = Client(scheduler, timeout="20s")
+        except (OSError, TimeoutError) as exc:
+            raise UserError(f"cannot reach the Dask scheduler at {scheduler}: {exc}") from None
+    else:
+        cluster = LocalCluster(
+            n_workers=max(1, workers),
+            threads_per_worker=1,
+            processes=True,
+            dashboard_address=None,
+            silence_logs=logging.ERROR,
+        )
+        client = Client(cluster)
+    try:
+        futures = [client.submit(run_config, cfg, pure=False) for cfg in todo]
+        for fut in as_completed(futures):
+            on_row(fut.result())
+    finally:
+        client.close()
+        if cluster is not None:
+            cluster.close()
+
+
+# --- the sweep --------------------------------------------------------------------------------
+
+
+@dataclass
+class SweepSummary:
+    """What a sweep did: counts and the failed configurations."""
+
+    out: str | None
+    configurations: int
+    ok: int
+    failed: int
+    resumed: int
+    elapsed_s: float
+    errors: list[dict[str, Any]]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly form (``daopsim sweep --json``)."""
+        return dict(self.__dict__)
+
+
+def _as_grid(grid: Grid | Mapping[str, Any] | str | os.PathLike[str]) -> tuple[Grid, str | None]:
+    if isinstance(grid, Grid):
+        return grid, None
+    if isinstance(grid, Mapping):
+        g = Grid.from_dict(grid)
+        return g, grid.get("out")
+    return load_grid_file(grid)
+
+
+def run_sweep(
+    grid: Grid | Mapping[str, Any] | str | os.PathLike[str],
+    executor: str = "local",
+    workers: int | None = None,
+    out: str | os.PathLike[str] | None = None,
+    progress: bool = True,
+    scheduler: str | None = None,
+    retry_errors: bool = False,
+) -> tuple[pd.DataFrame, SweepSummary]:
+    """Run a sweep; returns the table and a summary (``sweep()`` returns just the table)."""
+    g, grid_out = _as_grid(grid)
+    if out is None and grid_out is not None:
+        out = grid_out
+    if executor not in EXECUTORS:
+        raise UserError(f"unknown executor {executor!r} (valid: {', '.join(EXECUTORS)})")
+    if workers is not None and workers < 1:
+        raise UserError(f"workers must be at least 1, got {workers}")
+    if scheduler and executor != "dask":
+        raise UserError("a scheduler address needs executor='dask'")
+    n_workers = workers if workers is not None else (os.cpu_count() or 1)
+    configs = expand(g)
+    keys = {c.key for c in configs}
+    t0 = time.perf_counter()
+    lock: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    folder = None
+    if out is not None:
+        folder = parts_dir(out)
+        lock = _lock(folder, Path(out))
+    with lock:
+        done = _load_parts(folder, keys) if folder is not None else {}
+        if retry_errors:
+            done = {k: r for k, r in done.items() if r.get("status") == "ok"}
+        resumed = len(done)
+        todo = [c for c in configs if c.key not in done]
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(
+                total=len(configs),
+                initial=resumed,
+                unit="run",
+                desc="sweep",
+                file=sys.stderr,
+                dynamic_ncols=True,
+            )
+
+        def on_row(row: dict[str, Any]) -> None:
+            done[row["key"]] = row
+            if folder is not None:
+                _save_part(folder, row)
+            if bar is not None:
+                bar.update(1)
+                if row.get("status") != "ok":
+                    fails = sum(1 for r in done.values() if r.get("status") != "ok")
+                    bar.set_postfix(failed=fails)
+
+        try:
+            if executor == "dask":
+                _run_dask(todo, n_workers, scheduler, on_row)
+            else:
+                _run_local(todo, n_workers, on_row)
+        finally:
+            if bar is not None:
+                bar.close()
+        df = to_frame([done[c.key] for c in configs])
+        if out is not None:
+            write_table(df, out)
+    failed = df[df["status"] != "ok"]
+    summary = SweepSummary(
+        out=str(out) if out is not None else None,
+        configurations=len(configs),
+        ok=int((df["status"] == "ok").sum()),
+        failed=len(failed),
+        resumed=resumed,
+        elapsed_s=round(time.perf_counter() - t0, 3),
+        errors=[
+            {
+                k: (None if _isnan(v) else v)
+                for k, v in r.items()
+                if k in ("key", "policy", "hw", "trace", "cache_ratio", "gpu_experts", "error")
+            }
+            for r in failed.to_dict("records")
+        ],
+    )
+    return df, summary
+
+
+def sweep(
+    grid: Grid | Mapping[str, Any] | str | os.PathLike[str],
+    executor: str = "local",
+    workers: int | None = None,
+    out: str | os.PathLike[str] | None = None,
+    progress: bool = True,
+    scheduler: str | None = None,
+    retry_errors: bool = False,
+) -> pd.DataFrame:
+    """Run every configuration of ``grid`` and return one tidy row per configuration.
+
+    ``grid`` is a :class:`Grid`, a dict with the same keys, or a TOML grid file. With ``out``
+    the sweep is resumable (see docs/sweeps.md). Failed configurations have status "error".
+    """
+    df, _ = run_sweep(
+        grid,
+        executor=executor,
+        workers=workers,
+        out=out,
+        progress=progress,
+        scheduler=scheduler,
+        retry_errors=retry_errors,
+    )
+    return df
+
+
+__all__ = [
+    "Config",
+    "Grid",
+    "SweepSummary",
+    "expand",
+    "load_grid_file",
+    "read_table",
+    "run_config",
+    "run_sweep",
+    "sweep",
+]
