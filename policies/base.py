@@ -59,6 +59,10 @@ class Plan:
     degradation. ``victims`` names the slot a FETCH frees. ``prefetch`` entries are
     ``(layer, expert, victim or None)`` background copies into slots; ``precalc`` entries are
     ``(layer, expert)`` CPU computations for a coming layer, consumed later by PRECOMPUTED.
+    ``cpu_serial``: this plan's CPU experts (and, separately, its pre-calculations) run one
+    after another as one task, not spread over the worker pool. ``cpu_first``: the GPU
+    experts start only after this layer's ``CPU`` experts are done (the thread driving the GPU
+    computed them synchronously).
     """
 
     actions: dict[int, Action] | None = None
@@ -69,6 +73,8 @@ class Plan:
     prefetch: list[tuple[int, int, Slot | None]] = field(default_factory=list)
     precalc: list[tuple[int, int]] = field(default_factory=list)
     evict: list[Slot] = field(default_factory=list)
+    cpu_serial: bool = False
+    cpu_first: bool = False
 
 
 ALL_GPU_PLAN = Plan()

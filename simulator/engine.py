@@ -337,8 +337,19 @@ class Engine:
         rec = self.recorder
         c = self.c
         seq, tok = self.seq_id, self.token
-        needed = set(experts.tolist())
         actions = plan.actions
+        # Experts that must stay in a slot while this layer runs (GPU or FETCH): a routed
+        # expert the plan computes on the CPU or from a temporary copy may be evicted (DAOP's
+        # prefill swaps send a cold expert that some prompt tokens chose back to the host).
+        needed = (
+            set(experts.tolist())
+            if actions is None
+            else {e for e in experts.tolist() if actions.get(e) in (_GPU, _FETCH)}
+        )
+        routed = len(experts)
+        serial = plan.cpu_serial
+        chain = now  # end of the previous CPU job when this layer's CPU work is serial
+        sync_end = now  # last CPU result of this layer's Action.CPU jobs
         # 1. explicit evictions (no fetch attached)
         for slot in plan.evict:
             self._evict(slot, now, needed, layer)
@@ -382,7 +393,12 @@ class Engine:
                     rec.op("h2d", "temp", seq, tok, layer, e, start, end, self.expert_bytes)
                 gpu_jobs.append((end, e, 1))
             elif a == _CPU:
-                cpu_ends.append(self._cpu_job(now, layer, e, n, "cpu_expert"))
+                done = self._cpu_job(chain if serial else now, layer, e, n, "cpu_expert")
+                if serial:
+                    chain = done
+                if done > sync_end:
+                    sync_end = done
+                cpu_ends.append(done)
                 c.cpu_expert_evals += 1
             elif a == _PRE:
                 ready = self.precalc.pop((layer, e), None)
@@ -393,17 +409,17 @@ class Engine:
                 cpu_ends.append(ready)
             else:
                 raise self._err(f"returns unknown action {a!r} for expert {e}", layer)
-        if actions is not None and len(actions) != len(needed):
-            extra = sorted(set(actions) - needed)
+        if actions is not None and len(actions) != routed:
+            extra = sorted(set(actions) - set(experts.tolist()))
             raise self._err(f"gives actions for experts {extra} that are not routed", layer)
         if prefill:
-            c.prefill_accesses += len(needed)
+            c.prefill_accesses += routed
             c.prefill_hits += n_hits
         else:
-            c.decode_accesses += len(needed)
+            c.decode_accesses += routed
             c.decode_hits += n_hits
             c.hits_per_layer[layer] += n_hits
-            c.accesses_per_layer[layer] += len(needed)
+            c.accesses_per_layer[layer] += routed
         # 3. background work for coming layers
         for pl, pe, victim in plan.prefetch:
             pl, pe = int(pl), int(pe)
@@ -414,16 +430,24 @@ class Engine:
             self._fetch(pl, pe, victim, now, needed if pl == layer else None, "prefetch")
             self.prefetched[pl, pe] = True
             c.prefetches += 1
+        pchain = now
         for pl, pe in plan.precalc:
             pl, pe = int(pl), int(pe)
             if not (layer < pl < self.n_layers and 0 <= pe < self.n_experts):
                 raise self._err(f"pre-calculates ({pl}, {pe}): must be a coming layer", layer)
             if (pl, pe) in self.precalc:
                 raise self._err(f"pre-calculates expert {pe} of layer {pl} twice", layer)
-            self.precalc[(pl, pe)] = self._cpu_job(now, pl, pe, 1, "precalc")
+            done = self._cpu_job(pchain if serial else now, pl, pe, 1, "precalc")
+            if serial:
+                pchain = done
+            self.precalc[(pl, pe)] = done
             c.cpu_precalc_evals += 1
-        # 4. the GPU stream: resident experts first, then in order of arrival
+        # 4. the GPU stream: resident experts first, then in order of arrival; with
+        # ``cpu_first`` the thread driving the GPU computed the CPU experts first
         g = now
+        if plan.cpu_first and sync_end > now:
+            c.cpu_wait += sync_end - now
+            g = sync_end
         busy = 0.0
         gpu_jobs.sort()
         for ready, e, temp in gpu_jobs:
@@ -481,8 +505,8 @@ class Engine:
             c.gate_mass_kept += float(true_w.sum())
             return true_e
         route = np.asarray(route)
-        if route.ndim != 1 or route.size == 0:
-            raise self._err("returns an empty or malformed route", layer)
+        if route.ndim != 1:
+            raise self._err("returns a malformed route (not one-dimensional)", layer)
         if ((route < 0) | (route >= self.n_experts)).any():
             raise self._err(f"routes to expert ids outside 0..{self.n_experts - 1}", layer)
         if np.unique(route).size != route.size:
@@ -599,6 +623,11 @@ class Engine:
                 end = self._layer(tr, layer, 1, context, plan, route, None, prefill=False)
                 self.gpu.busy += d_ne
                 yield env.timeout(end - now)
+            # a pre-calculation is for a coming layer of the same token: one nobody consumed
+            # by the token's end is wasted (e.g. DAOP's discarded last-layer result)
+            if self.precalc:
+                c.precalc_wasted += len(self.precalc)
+                self.precalc.clear()
             lat = env.now - t0
             c.token_latency.append(lat)
             c.decode_time += lat

@@ -1,0 +1,306 @@
+"""daop: DAOP as its public code runs it (Zhang, Aggarwal, Mitra, DATE 2025, arXiv 2501.10375).
+
+The rules follow ../shared/reference/daop.md (which restates ecolab-nus/DAOP step by step);
+docs/daop.md has the algorithm, every option and where code and paper differ. In short:
+
+* Load: per-layer quota ``floor(B/L)`` of the most popular experts, the rest by global rank
+  (decode-time calibration counts).
+* Prefill of each prompt, per layer: sequence-specific swaps of hot CPU-resident experts with
+  cold GPU-resident ones (``count(hot) > swap_threshold x count(cold)``, strict), which persist
+  across prompts; then each expert not on the GPU runs on the CPU when
+  ``count x T_cpu < T_load`` and through a temporary GPU copy otherwise.
+* Decode: layers below ``first_predict_layer`` route exactly and run CPU-resident experts
+  synchronously; from there on the routing used is the one predicted one layer early (layer
+  l+1's router on layer l's router input), whose CPU-resident experts were pre-calculated on a
+  CPU worker pool while the GPU worked; graceful degradation keeps at most k-1 CPU experts per
+  predicted layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from policies.base import (
+    Action,
+    Param,
+    Plan,
+    Policy,
+    SetupContext,
+    Slot,
+    View,
+    quota_then_global,
+)
+from policies.registry import register
+from simulator.errors import UserError
+
+GPU, FETCH, TEMP, CPU, PRE = (
+    Action.GPU,
+    Action.FETCH,
+    Action.TEMP,
+    Action.CPU,
+    Action.PRECOMPUTED,
+)
+
+
+class _Prediction:
+    """What DAOP decided at layer l-1 for layer l of the current token."""
+
+    __slots__ = ("precalc", "raw", "route", "weights")
+
+    def __init__(
+        self, route: np.ndarray, weights: np.ndarray, raw: np.ndarray, precalc: set[int]
+    ) -> None:
+        self.route = route  # experts used (after degradation)
+        self.weights = weights  # their renormalised weights
+        self.raw = raw  # the plain top-k prediction (before degradation)
+        self.precalc = precalc  # CPU-resident experts submitted for pre-calculation
+
+
+def swap_pairs(
+    counts: np.ndarray,
+    on_gpu: np.ndarray,
+    swap_num: int,
+    threshold: float,
+    n_tokens: int,
+    candidates: str = "code",
+) -> list[tuple[int, int]]:
+    """DAOP's prefill swaps for one layer: (hot CPU expert, cold GPU expert) pairs to exchange.
+
+    ``candidates="code"`` builds both lists as DAOP's code does, over all E experts with a
+    masked score: hot ranks ``count if on CPU else 0`` (highest first), cold ranks
+    ``count if on GPU else count x n_tokens`` (lowest first); ties go to the lower expert id.
+    A pair is *ineligible*, and skipped (later pairs are still tried), when its hot candidate is
+    not CPU-resident or its cold candidate is not GPU-resident: this happens when a layer has
+    fewer than ``swap_num`` experts on one side, or when a CPU-resident expert no prompt token
+    chose (masked cold score 0) ranks among the coldest. ``candidates="filtered"`` keeps only
+    CPU-resident experts in the hot list and GPU-resident ones in the cold list (the paper's
+    reading). An eligible pair swaps when ``count(hot) > threshold x count(cold)``.
+    """
+    n_exp = counts.shape[0]
+    ids = np.arange(n_exp)
+    counts = counts.astype(np.int64)
+    if candidates == "filtered":
+        cpu_ids, gpu_ids = ids[~on_gpu], ids[on_gpu]
+        hot = cpu_ids[np.lexsort((cpu_ids, -counts[cpu_ids]))][:swap_num]
+        cold = gpu_ids[np.lexsort((gpu_ids, counts[gpu_ids]))][:swap_num]
+    else:
+        hot_score = np.where(on_gpu, 0, counts)
+        cold_score = np.where(on_gpu, counts, counts * n_tokens)
+        hot = np.lexsort((ids, -hot_score))[:swap_num]
+        cold = np.lexsort((ids, cold_score))[:swap_num]
+    pairs = []
+    for h, c in zip(hot.tolist(), cold.tolist(), strict=False):
+        if on_gpu[h] or not on_gpu[c]:
+            continue  # ineligible pair
+        if counts[h] > threshold * counts[c]:
+            pairs.append((h, c))
+    return pairs
+
+
+@register
+class DAOPPolicy(Policy):
+    """Data-aware placement with prefill swaps, one-layer-early prediction and CPU pre-calc."""
+
+    name = "daop"
+    summary = "DAOP: prefill swaps, predicted routing with CPU pre-calculation, degradation"
+    source = "DAOP (arXiv 2501.10375), code github.com/ecolab-nus/DAOP"
+    needs_calibration = True
+    host_memory = "pageable"
+    writeback = False
+    temp_buffers = 1
+    params = {
+        "swap_num": Param(
+            int, -1, "hot/cold pairs considered per layer at prefill (-1: half the experts, E/2)"
+        ),
+        "swap_threshold": Param(
+            float, 1.05, "swap when count(hot) > swap_threshold x count(cold) (SwapInOut)"
+        ),
+        "swap_candidates": Param(
+            str,
+            "code",
+            "how hot/cold lists are built: 'code' (masked scores over all experts, as the "
+            "code; ineligible pairs skipped) or 'filtered' (CPU-resident hot, GPU-resident cold)",
+            choices=("code", "filtered"),
+        ),
+        "first_predict_layer": Param(
+            int, 5, "decode layers below it route exactly; from it on the prediction is used"
+        ),
+        "cpu_workers": Param(int, 2, "CPU worker threads for pre-calculation (and prefill)"),
+        "graceful_degradation": Param(
+            bool,
+            True,
+            "when all k predicted experts are on the CPU, swap the lowest for the "
+            "best GPU-resident expert",
+        ),
+        "last_layer_quirk": Param(
+            bool,
+            False,
+            "reproduce the code's discarded last-layer CPU result (route keeps "
+            "only the GPU experts; the pre-calculation is wasted)",
+        ),
+        "persist_placement": Param(
+            bool,
+            True,
+            "prefill swaps persist across prompts (off: restore the initial "
+            "placement at each sequence start, paying its copies)",
+        ),
+        "exact_fallback": Param(
+            bool,
+            False,
+            "beyond the paper: also compute the true experts a prediction missed "
+            "(routing stays exact)",
+        ),
+    }
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        o = self.options
+        if o["cpu_workers"] < 1:
+            raise UserError(
+                f"policy 'daop': option 'cpu_workers' must be >= 1, got {o['cpu_workers']}"
+            )
+        if o["swap_num"] < -1:
+            raise UserError(f"policy 'daop': option 'swap_num' must be >= -1, got {o['swap_num']}")
+        if o["swap_threshold"] < 0:
+            raise UserError(
+                f"policy 'daop': option 'swap_threshold' must be >= 0, got {o['swap_threshold']}"
+            )
+        if o["first_predict_layer"] < 1:
+            raise UserError(
+                "policy 'daop': option 'first_predict_layer' must be >= 1 (layer 0 has no "
+                f"earlier layer to predict it), got {o['first_predict_layer']}"
+            )
+        self.cpu_workers = int(o["cpu_workers"])
+        self.swap_num_opt = int(o["swap_num"])
+        self.threshold = float(o["swap_threshold"])
+        self.candidates = str(o["swap_candidates"])
+        self.fpl = int(o["first_predict_layer"])
+        self.degrade = bool(o["graceful_degradation"])
+        self.quirk = bool(o["last_layer_quirk"])
+        self.persist = bool(o["persist_placement"])
+        self.exact_fallback = bool(o["exact_fallback"])
+        #: predictions for layers of the current decode token, by layer
+        self.pred: dict[int, _Prediction] = {}
+        #: prefill swaps made so far: (layer, hot, cold)
+        self.swaps: list[tuple[int, int, int]] = []
+        self._restore = False
+
+    # -- load ----------------------------------------------------------------------------------
+    def setup(self, ctx: SetupContext) -> Iterable[Slot]:
+        """Per-layer quota then global fill, by decode-time calibration popularity."""
+        if ctx.calibration is None:
+            raise UserError("policy 'daop' needs calibration counts")
+        m = ctx.model
+        self.n_layers, self.n_experts, self.k = m.moe_layers, m.experts, m.top_k
+        self.swap_num = self.n_experts // 2 if self.swap_num_opt == -1 else self.swap_num_opt
+        self.t_cpu = ctx.costs.cpu_expert_s(1)
+        self.t_load = ctx.costs.h2d_expert_s(pinned=False)
+        slots = quota_then_global(ctx.calibration, ctx.budget)
+        self.initial = np.zeros((self.n_layers, self.n_experts), dtype=bool)
+        for layer, e in slots:
+            self.initial[layer, e] = True
+        return slots
+
+    def on_sequence_start(self, seq_id: int, n_prefill: int) -> None:
+        """Without persistence the next prefill restores the initial placement first."""
+        self.pred.clear()
+        self._restore = not self.persist
+
+    # -- prefill ---------------------------------------------------------------------------------
+    def cpu_beats_copy(self, count: int) -> bool:
+        """DAOP's per-expert prefill rule: the CPU when count x T_cpu < T_load (strict)."""
+        return count * self.t_cpu < self.t_load
+
+    def prefill_layer(self, view: View) -> Plan:
+        """Swaps (hot CPU expert in, cold GPU expert out), then CPU or temporary copy."""
+        layer = view.layer
+        counts = np.asarray(view.counts)
+        current = view.resident[layer].copy()
+        target = self.initial[layer].copy() if self._restore else current.copy()
+        for hot, cold in swap_pairs(
+            counts, target, self.swap_num, self.threshold, view.n_tokens, self.candidates
+        ):
+            target[hot], target[cold] = True, False
+            self.swaps.append((layer, hot, cold))
+        if layer == self.n_layers - 1:
+            self._restore = False
+        plan = Plan(actions={}, cpu_serial=True)
+        # the host keeps every expert, so a swap frees the cold slot at once (no write-back)
+        plan.evict = [(layer, int(e)) for e in np.flatnonzero(current & ~target)]
+        routed = view.experts.tolist()
+        routed_set = set(routed)
+        for e in np.flatnonzero(target & ~current).tolist():
+            if e not in routed_set:  # restoring a placement: copy in the background
+                plan.prefetch.append((layer, e, None))
+        actions = plan.actions
+        assert actions is not None
+        for e in routed:
+            if target[e]:
+                actions[e] = GPU if current[e] else FETCH
+            elif self.cpu_beats_copy(int(counts[e])):
+                actions[e] = CPU
+            else:
+                actions[e] = TEMP
+        return plan
+
+    # -- decode ----------------------------------------------------------------------------------
+    def _predict(self, view: View) -> _Prediction | None:
+        """The prediction for layer+1 from the one-layer-early router view."""
+        nxt = view.layer + 1
+        ne, npr = view.next_experts, view.next_probs
+        if ne is None or npr is None:
+            return None
+        raw = np.asarray(ne, dtype=np.int64)[: self.k]
+        if raw.size == 0 or (raw < 0).any():
+            return None
+        probs = np.nan_to_num(np.asarray(npr, dtype=np.float64), nan=0.0)
+        on_gpu = view.resident[nxt]
+        route = raw.copy()
+        if self.degrade and not on_gpu[route].any() and on_gpu.any():
+            gpu_ids = np.flatnonzero(on_gpu)
+            sub = int(gpu_ids[np.argmax(probs[gpu_ids])])  # first id on ties
+            route = np.concatenate((route[:-1], [sub]))
+        p = probs[route]
+        total = p.sum()
+        weights = p / total if total > 0 else np.full(route.size, 1.0 / route.size)
+        cpu = [int(e) for e in route if not on_gpu[e]]
+        return _Prediction(route, weights, raw, set(cpu))
+
+    def decode_layer(self, view: View) -> Plan:
+        """Exact routing below first_predict_layer; the layer-early prediction from there on."""
+        layer = view.layer
+        if layer == 0:
+            self.pred.clear()
+        resident = view.resident[layer]
+        plan = Plan(actions={}, cpu_serial=True, cpu_first=True)
+        actions = plan.actions
+        assert actions is not None
+        pred = self.pred.pop(layer, None) if layer >= self.fpl else None
+        if pred is None:
+            for e in view.experts.tolist():
+                actions[e] = GPU if resident[e] else CPU
+        else:
+            quirk = self.quirk and layer == self.n_layers - 1
+            # with the quirk the pre-calculated result is reset before it is received
+            ready = set() if quirk else pred.precalc
+            if self.exact_fallback:
+                for e in view.experts.tolist():
+                    actions[e] = GPU if resident[e] else (PRE if e in ready else CPU)
+            else:
+                keep = [i for i, e in enumerate(pred.route.tolist()) if resident[e] or e in ready]
+                route = pred.route[keep]
+                plan.route = route
+                plan.route_weights = pred.weights[keep]
+                plan.raw_route = pred.raw
+                for e in route.tolist():
+                    actions[e] = GPU if resident[e] else PRE
+        # prediction for layer+1, issued before this layer's experts run
+        if self.fpl - 1 <= layer <= self.n_layers - 2:
+            nxt = self._predict(view)
+            if nxt is not None:
+                self.pred[layer + 1] = nxt
+                plan.precalc = [(layer + 1, e) for e in nxt.route.tolist() if e in nxt.precalc]
+        return plan
