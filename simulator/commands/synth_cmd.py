@@ -1,0 +1,309 @@
+"""``daopsim synth``: generate calibrated synthetic routing traces, and ``synth fit``.
+
+``daopsim synth --model NAME --sequences N --prompt-tokens P --output-tokens O --seed S -o PATH``
+writes a trace; ``daopsim synth fit --target STATS.json -o PARAMS.json`` fits generator
+parameters to the JSON of ``daopsim trace stats --json``; ``daopsim synth presets`` lists the
+calibrated presets. See docs/synthetic-traces.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import click
+
+from simulator.commands.common import dumps, echo_json, json_option
+from simulator.errors import UserError
+from simulator.models import get_model
+from simulator.synth import (
+    FIT_PARAMS,
+    PRESETS,
+    SynthParams,
+    default_preset,
+    fit_params,
+    get_preset,
+    params_from_dict,
+    parse_param_overrides,
+    shape_from_stats,
+    write_synthetic,
+)
+
+
+def _resolve_params(
+    model: str, preset: str | None, overrides: tuple[str, ...]
+) -> tuple[SynthParams, str | None]:
+    """Preset (named, file, or the model's own) plus --param overrides."""
+    chosen = get_preset(preset) if preset else default_preset(model)
+    base = chosen.params if chosen else SynthParams()
+    params = params_from_dict(parse_param_overrides(overrides), base=base, where="--param")
+    return params, (chosen.name if chosen else None)
+
+
+@click.group(invoke_without_command=True)
+@click.option("--model", "model", help="Model shape name (see `daopsim models list`).")
+@click.option("--sequences", type=int, default=None, help="Number of sequences.")
+@click.option(
+    "--prompt-tokens",
+    type=int,
+    default=256,
+    show_default=True,
+    help="Prompt (prefill) tokens per sequence.",
+)
+@click.option(
+    "--output-tokens",
+    type=int,
+    default=512,
+    show_default=True,
+    help="Generated (decode) tokens per sequence.",
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="Random seed.")
+@click.option(
+    "-o",
+    "--output",
+    "output",
+    type=click.Path(dir_okay=False),
+    help="Trace file to write (.parquet).",
+)
+@click.option(
+    "--preset",
+    help="Preset name or a preset file from `synth fit` "
+    "(default: the model's own preset if it has one).",
+)
+@click.option(
+    "--param",
+    "params",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override one generator parameter (repeatable).",
+)
+@json_option
+@click.pass_context
+def synth(
+    ctx: click.Context,
+    model: str | None,
+    sequences: int | None,
+    prompt_tokens: int,
+    output_tokens: int,
+    seed: int,
+    output: str | None,
+    preset: str | None,
+    params: tuple[str, ...],
+    as_json: bool,
+) -> None:
+    """Generate a synthetic routing trace calibrated to real MoE routing.
+
+    \b
+    Example:
+      daopsim synth --model mixtral-8x7b --sequences 30 --prompt-tokens 256 \\
+          --output-tokens 512 --seed 1 -o mixtral.parquet
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    missing = [
+        name
+        for name, v in (("--model", model), ("--sequences", sequences), ("-o/--output", output))
+        if v is None
+    ]
+    if missing:
+        raise UserError(f"synth: missing option {', '.join(missing)} (see `daopsim synth --help`)")
+    assert model is not None and sequences is not None and output is not None
+    shape = get_model(model)
+    p, preset_name = _resolve_params(shape.name, preset, params)
+    meta = write_synthetic(
+        output, shape, p, sequences, prompt_tokens, output_tokens, seed, preset=preset_name
+    )
+    summary = {
+        "path": str(output),
+        "model": shape.name,
+        "preset": preset_name,
+        "seed": seed,
+        "counts": meta.counts,
+        "calibration_sequences": meta.calibration_sequences,
+        "bytes": os.path.getsize(output),
+    }
+    if as_json:
+        echo_json(summary)
+    else:
+        click.echo(
+            f"wrote {output}: {shape.name}, {meta.counts['sequences']} sequences, "
+            f"{meta.counts['rows']} rows, preset {preset_name or '(defaults)'}"
+        )
+
+
+@synth.command("presets")
+@json_option
+def presets_cmd(as_json: bool) -> None:
+    """List the calibrated presets and what each matches."""
+    rows = [
+        {
+            "name": p.name,
+            "model": p.model,
+            "matches": p.matches,
+            "assumes": p.assumes,
+            "params": p.params.to_dict(),
+        }
+        for p in PRESETS.values()
+    ]
+    if as_json:
+        echo_json(rows)
+        return
+    for r in rows:
+        click.echo(
+            f"{r['name']:<22} model {r['model']}\n  matches: {r['matches']}\n"
+            f"  assumes: {r['assumes']}"
+        )
+
+
+def _load_target(path: str) -> dict[str, Any]:
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such file") from None
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise UserError(
+            f"{path}: not a readable JSON stats file ({str(exc).splitlines()[0]})"
+        ) from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a JSON object (the output of `trace stats --json`)")
+    return data
+
+
+@synth.command("fit")
+@click.option(
+    "--target",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="Statistics to match: the JSON of `daopsim trace stats --json`.",
+)
+@click.option(
+    "--model",
+    "model",
+    default=None,
+    help="Model shape (default: the 'model' recorded in the stats, else mixtral-8x7b).",
+)
+@click.option("--preset", help="Start from this preset or preset file.")
+@click.option(
+    "--param",
+    "params",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override a start value (repeatable).",
+)
+@click.option(
+    "--free",
+    default=None,
+    help=f"Comma-separated parameters to fit (default: {','.join(FIT_PARAMS)}).",
+)
+@click.option(
+    "--sequences",
+    type=int,
+    default=None,
+    help="Sequences per fitting trace (default: from the stats, at most 12).",
+)
+@click.option(
+    "--prompt-tokens",
+    type=int,
+    default=None,
+    help="Prompt tokens per sequence (default: from the stats, else 256).",
+)
+@click.option(
+    "--output-tokens",
+    type=int,
+    default=None,
+    help="Generated tokens per sequence (default: from the stats, else 512).",
+)
+@click.option("--iterations", type=int, default=10, show_default=True)
+@click.option("--seed", type=int, default=12345, show_default=True)
+@click.option(
+    "-o",
+    "--output",
+    "output",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="Preset file to write (JSON), usable with `synth --preset`.",
+)
+@json_option
+def fit_cmd(
+    target: str,
+    model: str | None,
+    preset: str | None,
+    params: tuple[str, ...],
+    free: str | None,
+    sequences: int | None,
+    prompt_tokens: int | None,
+    output_tokens: int | None,
+    iterations: int,
+    seed: int,
+    output: str,
+    as_json: bool,
+) -> None:
+    """Fit generator parameters to a stats file, for a long synthetic twin of a short trace.
+
+    \b
+    Example:
+      daopsim trace stats real.parquet --json > real-stats.json
+      daopsim synth fit --target real-stats.json --model mixtral-8x7b -o twin.json
+      daopsim synth --model mixtral-8x7b --preset twin.json --sequences 30 -o twin.parquet
+    """
+    data = _load_target(target)
+    model_name = model or (data.get("model") if isinstance(data.get("model"), str) else None)
+    if model_name is None and isinstance(data.get("model"), dict):
+        model_name = data["model"].get("name")
+    shape = get_model(model_name or "mixtral-8x7b")
+    start, _ = _resolve_params(shape.name, preset, params)
+    recorded = shape_from_stats(data)
+    n_seq = sequences or min(recorded.get("sequences", 12), 12)
+    p_tok = prompt_tokens or recorded.get("prompt_tokens", 256)
+    o_tok = output_tokens or recorded.get("output_tokens", 512)
+    if n_seq < 1 or p_tok < 1 or o_tok < 2:
+        raise UserError(
+            "synth fit: need --sequences >= 1, --prompt-tokens >= 1, --output-tokens >= 2"
+        )
+    free_list = [f.strip() for f in free.split(",") if f.strip()] if free else None
+
+    def progress(it: int, cost: float) -> None:
+        if not as_json:
+            click.echo(f"iteration {it}: misfit {cost:.3f}", err=True)
+
+    result = fit_params(
+        shape,
+        data,
+        start=start,
+        sequences=n_seq,
+        prompt_tokens=p_tok,
+        output_tokens=o_tok,
+        seed=seed,
+        iterations=iterations,
+        free=free_list,
+        progress=progress,
+    )
+    doc = result.to_dict(shape.name)
+    doc["fit"].update(
+        {
+            "sequences": n_seq,
+            "prompt_tokens": p_tok,
+            "output_tokens": o_tok,
+            "seed": seed,
+            "target_file": os.path.basename(target),
+        }
+    )
+    out = Path(output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(dumps(doc) + "\n")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    if as_json:
+        echo_json(doc)
+    else:
+        click.echo(f"wrote {output}")
+        for key, goal in result.targets.items():
+            click.echo(f"  {key:<36} target {goal:.4f}  achieved {result.achieved[key]:.4f}")

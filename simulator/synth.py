@@ -1,0 +1,756 @@
+"""Synthetic routing traces that follow the mechanism of real MoE routing.
+
+Each token carries a latent residual stream ``h`` that drifts from layer to layer
+(``h_l = a_l * h_{l-1} + sqrt(1 - a_l^2) * u_l``). The fresh part ``u_l`` mixes three sources:
+
+* a token-to-token AR(1) component (what makes consecutive tokens reuse experts),
+* a per-sequence topic vector, redrawn partly when generation starts (``phase_keep``): the topic
+  is why prefill predicts decode, the redraw is the phase effect that keeps the prefill/decode
+  cosine below what independent routing would give,
+* fresh noise.
+
+Each MoE layer has a router: a projection ``W_l`` (fixed per model, from ``model_seed``), a
+temperature and a per-expert popularity bias. Softmax gives probabilities, the top-k are
+renormalised into gate weights. The one-layer-early view applies layer l's router to layer
+l-1's latent, the way real next-layer predictors do.
+
+Everything is vectorised numpy and deterministic: the same arguments give a byte-identical
+file. Calibration (``PRESETS``) and ``fit_params`` are described in docs/synthetic-traces.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import tomllib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from simulator.errors import UserError
+from simulator.models import ModelShape, get_model
+from simulator.stats import trace_stats
+from simulator.trace import (
+    ALL_PROBS_MAX_EXPERTS,
+    SequenceRouting,
+    TraceMeta,
+    TraceWriter,
+)
+
+#: Bumped whenever the generator's output for given parameters changes.
+SYNTH_VERSION = "1"
+GENERATOR = f"daopsim.synth v{SYNTH_VERSION}"
+
+STAT_KEYS = (
+    "entropy_bits",
+    "max_share",
+    "consecutive_overlap",
+    "top1_repeat",
+    "mean_top1_weight",
+    "lookahead_precision",
+    "prefill_decode_cosine",
+)
+
+
+@dataclass
+class SynthParams:
+    """Generator parameters (all dimensionless); see docs/synthetic-traces.md for each."""
+
+    latent_dim: int = 16
+    temperature: float = 1.0  # router temperature: lower = sharper gates
+    bias_std: float = 0.2  # std of the per-layer, per-expert popularity bias (logits)
+    drift: float = 0.9  # layer-to-layer latent retention a_l in mid/late layers
+    drift_first: float = 0.6  # retention at layer 1 (early layers drift more)
+    drift_tau: float = 3.0  # layers over which retention ramps from drift_first to drift
+    drift_last: float = 0.85  # retention at the last MoE layer
+    token_corr: float = 0.8  # AR(1) coefficient of the token-to-token component
+    temporal_share: float = 0.3  # variance share of the AR component in fresh input
+    temporal_first: float = 0.3  # multiplier of temporal_share at layer 0
+    temporal_last: float = 0.5  # multiplier of temporal_share at the last layer
+    topic_share: float = 0.25  # variance share of the per-sequence topic in fresh input
+    phase_keep: float = 0.5  # squared correlation of the decode topic with the prefill one
+    model_seed: int = 0  # draws router projections and popularity biases (the "model")
+    top_m: int = 32  # probabilities stored per row when experts > 128
+
+    def replace(self, **changes: Any) -> SynthParams:
+        """A copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (for JSON, provenance and presets)."""
+        return dataclasses.asdict(self)
+
+    def check(self) -> None:
+        """Raise UserError naming the first parameter out of range."""
+        unit = (
+            "drift",
+            "drift_first",
+            "drift_last",
+            "token_corr",
+            "temporal_share",
+            "topic_share",
+            "phase_keep",
+        )
+        for name in unit:
+            v = getattr(self, name)
+            if not 0.0 <= v <= 1.0:
+                raise UserError(f"synth parameter {name}={v} must be within 0..1")
+        for name in ("temperature", "drift_tau"):
+            if getattr(self, name) <= 0:
+                raise UserError(f"synth parameter {name} must be > 0")
+        for name in ("temporal_first", "temporal_last", "bias_std"):
+            if getattr(self, name) < 0:
+                raise UserError(f"synth parameter {name} must be >= 0")
+        if self.latent_dim < 1:
+            raise UserError("synth parameter latent_dim must be >= 1")
+        if self.top_m < 1:
+            raise UserError("synth parameter top_m must be >= 1")
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(SynthParams)}
+
+
+def params_from_dict(
+    data: dict[str, Any], base: SynthParams | None = None, where: str = "parameters"
+) -> SynthParams:
+    """Parameters from a mapping (unknown keys and bad values raise UserError)."""
+    out = (base or SynthParams()).to_dict()
+    for key, value in data.items():
+        if key not in _FIELDS:
+            raise UserError(
+                f"{where}: unknown synth parameter {key!r}; known: {', '.join(_FIELDS)}"
+            )
+        typ = int if _FIELDS[key].type in ("int", int) else float
+        try:
+            out[key] = typ(value)
+        except (TypeError, ValueError):
+            raise UserError(
+                f"{where}: synth parameter {key}={value!r} is not a {typ.__name__}"
+            ) from None
+    params = SynthParams(**out)
+    params.check()
+    return params
+
+
+def parse_param_overrides(items: tuple[str, ...] | list[str]) -> dict[str, str]:
+    """``key=value`` strings to a dict; a malformed item raises UserError."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UserError(f"--param {item!r}: expected key=value")
+        out[key.strip()] = value.strip()
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Presets
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SynthPreset:
+    """A calibrated parameter set for one model, with what it matches and what it assumes."""
+
+    name: str
+    model: str
+    params: SynthParams
+    matches: str
+    assumes: str
+    targets: dict[str, float] = field(default_factory=dict)
+
+
+# The numbers below come from `daopsim synth fit` runs recorded in docs/synthetic-traces.md.
+PRESETS: dict[str, SynthPreset] = {}
+
+#: Fitted to the Mixtral figures at 30 sequences x (256 + 512) tokens.
+_MIXTRAL = SynthParams(
+    temperature=0.6121,
+    bias_std=0.1111,
+    drift=0.9693,
+    drift_first=0.8539,
+    drift_last=0.214,
+    token_corr=0.7542,
+    temporal_share=0.0734,
+    temporal_first=0.0337,
+    temporal_last=0.1511,
+    topic_share=0.0291,
+    phase_keep=0.5826,
+)
+
+
+def _preset(p: SynthPreset) -> None:
+    PRESETS[p.name] = p
+
+
+_preset(
+    SynthPreset(
+        name="mixtral-8x7b",
+        model="mixtral-8x7b",
+        params=_MIXTRAL,
+        matches="routing-statistics.md Mixtral-8x7B decode figures and DAOP's 84.11 % lookahead "
+        "precision and 90.72 % prefill-decode cosine, at 256 prompt + 512 generated tokens",
+        assumes="per-layer shape of lookahead (lower in the first layers) from DAOP's text only",
+        targets={
+            "entropy_bits": 2.96,
+            "max_share": 0.17,
+            "consecutive_overlap": 0.376,
+            "top1_repeat": 0.248,
+            "mean_top1_weight": 0.71,
+            "lookahead_precision": 0.84,
+            "prefill_decode_cosine": 0.91,
+        },
+    )
+)
+
+_preset(
+    SynthPreset(
+        name="phi-3.5-moe",
+        model="phi-3.5-moe",
+        params=_MIXTRAL,
+        matches="no published Phi-3.5-MoE routing figures are on file; none are fitted",
+        assumes="the Mixtral mechanism strengths (drift, temporal reuse, topic, phase, "
+        "temperature, bias) carry over to 16 experts, top-2",
+    )
+)
+_preset(
+    SynthPreset(
+        name="olmoe-1b-7b",
+        model="olmoe-1b-7b",
+        params=_MIXTRAL.replace(bias_std=0.1584),
+        matches="OLMoE-1B-7B c4 popularity: entropy 5.88 of 6 bits (mean of 5.94/5.89/5.81); "
+        "busiest expert 2.0x uniform (real 2.5-3.0x: Gaussian biases cannot have both)",
+        assumes="Mixtral mechanism strengths for everything but the popularity bias",
+        targets={"entropy_bits": 5.88, "max_share": 2.73 / 64},
+    )
+)
+_preset(
+    SynthPreset(
+        name="olmoe-1b-7b-github",
+        model="olmoe-1b-7b",
+        params=_MIXTRAL.replace(bias_std=1.1517),
+        matches="OLMoE-1B-7B github (code) popularity: entropy 5.33 bits (mean of 5.77/5.11/5.12); "
+        "busiest expert 4.3x uniform (real 4.5-6.2x)",
+        assumes="Mixtral mechanism strengths for everything but the popularity bias",
+        targets={"entropy_bits": 5.33, "max_share": 5.23 / 64},
+    )
+)
+_preset(
+    SynthPreset(
+        name="qwen3-30b-a3b",
+        model="qwen3-30b-a3b",
+        params=_MIXTRAL.replace(temporal_share=0.7719, temporal_first=0.0692),
+        matches="Qwen3-30B-A3B consecutive-token overlap 0.389 mean, 0.098 at layer 0",
+        assumes="Mixtral drift, topic, phase, temperature and bias; popularity (95 % of traffic "
+        "through 52.5 % of experts, code) is not matched",
+        targets={"consecutive_overlap": 0.389},
+    )
+)
+_preset(
+    SynthPreset(
+        name="deepseek-v2-lite",
+        model="deepseek-v2-lite",
+        params=_MIXTRAL.replace(temporal_share=0.3928),
+        matches="DeepSeek-V2-Lite step-to-step expert overlap 0.273",
+        assumes="Mixtral drift, topic, phase, temperature and bias; weights renormalised over "
+        "the top-6 like the other presets",
+        targets={"consecutive_overlap": 0.273},
+    )
+)
+
+
+def get_preset(name_or_path: str) -> SynthPreset:
+    """A preset by name, or a JSON/TOML file written by ``synth fit`` (or by hand)."""
+    key = name_or_path.strip().lower()
+    if key in PRESETS:
+        return PRESETS[key]
+    path = Path(name_or_path).expanduser()
+    if not path.exists():
+        raise UserError(
+            f"unknown synth preset {name_or_path!r}: not a file and not one of "
+            f"{', '.join(sorted(PRESETS))}"
+        )
+    try:
+        text = path.read_text()
+        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path}: cannot read preset ({str(exc).splitlines()[0]})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("params"), dict):
+        raise UserError(f"{path}: preset needs a 'params' table/object")
+    params = params_from_dict(data["params"], where=str(path))
+    return SynthPreset(
+        name=str(data.get("name", path.stem)),
+        model=str(data.get("model", "")),
+        params=params,
+        matches=str(data.get("matches", "")),
+        assumes=str(data.get("assumes", "")),
+        targets=dict(data.get("targets") or {}),
+    )
+
+
+def default_preset(model: str) -> SynthPreset | None:
+    """The preset named after a model, if any."""
+    return PRESETS.get(model.strip().lower())
+
+
+# --------------------------------------------------------------------------------------------
+# Generation
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Router:
+    """Per-model fixed parts: projections [L, E, D], bias directions [L, E], schedules [L]."""
+
+    w: np.ndarray
+    bias: np.ndarray
+    retain: np.ndarray
+    temporal: np.ndarray
+
+
+def _router(model: ModelShape, p: SynthParams) -> _Router:
+    n_layers, n_exp, d = model.moe_layers, model.experts, p.latent_dim
+    rng = np.random.default_rng([p.model_seed, n_layers, n_exp, d, 7919])
+    w = rng.standard_normal((n_layers, n_exp, d)) / math.sqrt(d)
+    z = rng.standard_normal((n_layers, n_exp))
+    z -= z.mean(axis=1, keepdims=True)
+    layer = np.arange(n_layers, dtype=np.float64)
+    retain = p.drift - (p.drift - p.drift_first) * np.exp(-(layer - 1.0) / p.drift_tau)
+    retain[0] = 0.0
+    if n_layers > 2:
+        retain[-1] = p.drift_last
+    temporal = np.full(n_layers, p.temporal_share)
+    temporal[0] *= p.temporal_first
+    if n_layers > 1:
+        temporal[-1] *= p.temporal_last
+    temporal = np.clip(temporal, 0.0, 1.0 - p.topic_share)
+    return _Router(w=w, bias=p.bias_std * z, retain=retain, temporal=temporal)
+
+
+def _logits(h: np.ndarray, w: np.ndarray, bias: np.ndarray, temperature: float) -> np.ndarray:
+    """Router logits [T, E] for one layer, by elementwise multiply-adds (no BLAS, so the
+    result does not depend on thread count or BLAS build)."""
+    out = np.zeros((h.shape[0], w.shape[0]))
+    for j in range(w.shape[1]):
+        out += h[:, j, None] * w[None, :, j]
+    out /= temperature
+    out += bias
+    return out
+
+
+def _route(
+    logits: np.ndarray, k: int, m: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """Softmax, top-k (descending) and renormalised weights; top-m probs when m < E."""
+    z = logits - logits.max(axis=-1, keepdims=True)
+    np.exp(z, out=z)
+    z /= z.sum(axis=-1, keepdims=True)
+    n_exp = z.shape[-1]
+    keep = max(k, m) if m < n_exp else n_exp
+    if keep < n_exp:
+        part = np.argpartition(-z, keep - 1, axis=-1)[..., :keep]
+        vals = np.take_along_axis(z, part, axis=-1)
+        order = np.argsort(-vals, axis=-1, kind="stable")
+        ids = np.take_along_axis(part, order, axis=-1)
+    else:
+        ids = np.argsort(-z, axis=-1, kind="stable")
+    top = ids[..., :k]
+    top_p = np.take_along_axis(z, top, axis=-1)
+    weights = top_p / top_p.sum(axis=-1, keepdims=True)
+    if m < n_exp:
+        pid = ids[..., :m]
+        return top, weights, np.take_along_axis(z, pid, axis=-1), pid
+    return top, weights, z, None
+
+
+def generate_sequence(
+    model: ModelShape,
+    p: SynthParams,
+    seq_id: int,
+    n_prefill: int,
+    n_decode: int,
+    seed: int,
+    router: _Router | None = None,
+) -> SequenceRouting:
+    """One synthetic sequence; depends only on (model, params, seed, seq_id, lengths)."""
+    router = router or _router(model, p)
+    n_layers, d, k = model.moe_layers, p.latent_dim, model.top_k
+    t = n_prefill + n_decode
+    rng = np.random.default_rng([seed, seq_id, 104729])
+    # token-to-token AR(1) component, one independent stream per layer
+    ar = rng.standard_normal((t, n_layers, d))
+    rho = p.token_corr
+    scale = math.sqrt(1.0 - rho * rho)
+    for i in range(1, t):
+        ar[i] *= scale
+        ar[i] += rho * ar[i - 1]
+    topic_p = rng.standard_normal(d)
+    topic_d = math.sqrt(p.phase_keep) * topic_p + math.sqrt(
+        1.0 - p.phase_keep
+    ) * rng.standard_normal(d)
+    topic = np.empty((t, 1, d))
+    topic[:n_prefill, 0] = topic_p
+    topic[n_prefill:, 0] = topic_d
+    noise = rng.standard_normal((t, n_layers, d))
+    ts = router.temporal[None, :, None]
+    fresh = (
+        np.sqrt(ts) * ar
+        + math.sqrt(p.topic_share) * topic
+        + np.sqrt(np.clip(1.0 - ts - p.topic_share, 0.0, None)) * noise
+    )
+    h = np.empty_like(fresh)
+    h[:, 0] = fresh[:, 0]
+    for layer in range(1, n_layers):
+        a = router.retain[layer]
+        h[:, layer] = a * h[:, layer - 1] + math.sqrt(1.0 - a * a) * fresh[:, layer]
+
+    n_exp = model.experts
+    m = n_exp if n_exp <= ALL_PROBS_MAX_EXPERTS else min(p.top_m, n_exp)
+    width = m
+    experts = np.empty((t, n_layers, k), dtype=np.int16)
+    weights = np.empty((t, n_layers, k), dtype=np.float32)
+    probs = np.empty((t, n_layers, width), dtype=np.float32)
+    e_experts = np.full((t, n_layers, k), -1, dtype=np.int16)
+    e_probs = np.full((t, n_layers, width), np.nan, dtype=np.float32)
+    pids = np.empty((t, n_layers, width), dtype=np.int16) if m < n_exp else None
+    e_pids = np.full((t, n_layers, width), -1, dtype=np.int16) if m < n_exp else None
+    for layer in range(n_layers):
+        w, b = router.w[layer], router.bias[layer]
+        top, wt, pr, pid = _route(_logits(h[:, layer], w, b, p.temperature), k, m)
+        experts[:, layer], weights[:, layer], probs[:, layer] = top, wt, pr
+        if pids is not None:
+            pids[:, layer] = pid
+        if layer > 0:
+            top, _, pr, pid = _route(_logits(h[:, layer - 1], w, b, p.temperature), k, m)
+            e_experts[:, layer], e_probs[:, layer] = top, pr
+            if e_pids is not None:
+                e_pids[:, layer] = pid
+    return SequenceRouting(
+        seq_id=seq_id,
+        positions=np.arange(t, dtype=np.int32),
+        n_prefill=n_prefill,
+        experts=experts,
+        weights=weights,
+        probs=probs,
+        early_experts=e_experts,
+        early_probs=e_probs,
+        prob_ids=pids,
+        early_prob_ids=e_pids,
+    )
+
+
+def iter_synthetic(
+    model: ModelShape,
+    p: SynthParams,
+    sequences: int,
+    prompt_tokens: int,
+    output_tokens: int,
+    seed: int,
+) -> Iterator[SequenceRouting]:
+    """Sequences 0..sequences-1 (each independent of how many are asked for)."""
+    p.check()
+    router = _router(model, p)
+    for s in range(sequences):
+        yield generate_sequence(model, p, s, prompt_tokens, output_tokens, seed, router)
+
+
+def calibration_split(sequences: int) -> list[int]:
+    """Sequences held out as calibration data: the last quarter (at least one if > 1)."""
+    if sequences < 2:
+        return []
+    n = max(1, sequences // 4)
+    return list(range(sequences - n, sequences))
+
+
+def synth_meta(
+    model: ModelShape,
+    p: SynthParams,
+    sequences: int,
+    prompt_tokens: int,
+    output_tokens: int,
+    seed: int,
+    preset: str | None,
+) -> TraceMeta:
+    """Trace metadata saying plainly that the trace is synthetic, and how it was made."""
+    m = model.experts if model.experts <= ALL_PROBS_MAX_EXPERTS else min(p.top_m, model.experts)
+    args = {
+        "model": model.name,
+        "sequences": sequences,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "seed": seed,
+        "preset": preset,
+    }
+    provenance = {
+        "source": "synthetic",
+        "generator": GENERATOR,
+        "preset": preset,
+        "parameters": p.to_dict(),
+        "seed": seed,
+        "arguments": args,
+        # Fixed, not wall-clock, so the same arguments give the same bytes.
+        "created": f"deterministic: synthetic trace, seed {seed}",
+        # Only what shapes the bytes; daopsim's own version is left out on purpose.
+        "tool_versions": {
+            "synth": SYNTH_VERSION,
+            "numpy": np.__version__,
+            "pyarrow": pa.__version__,
+        },
+    }
+    return TraceMeta(
+        model=model,
+        provenance=provenance,
+        probs_stored=m,
+        moe_layer_ids=[model.first_moe_layer + i for i in range(model.moe_layers)],
+        calibration_sequences=calibration_split(sequences),
+    )
+
+
+def write_synthetic(
+    path: str | os.PathLike[str],
+    model: ModelShape | str,
+    p: SynthParams,
+    sequences: int,
+    prompt_tokens: int,
+    output_tokens: int,
+    seed: int,
+    preset: str | None = None,
+) -> TraceMeta:
+    """Generate and write a synthetic trace atomically; returns its metadata."""
+    if isinstance(model, str):
+        model = get_model(model)
+    if sequences < 1:
+        raise UserError("--sequences must be >= 1")
+    if prompt_tokens < 1 or output_tokens < 1:
+        raise UserError("--prompt-tokens and --output-tokens must be >= 1")
+    p.check()
+    meta = synth_meta(model, p, sequences, prompt_tokens, output_tokens, seed, preset)
+    with TraceWriter(path, meta) as writer:
+        for routing in iter_synthetic(model, p, sequences, prompt_tokens, output_tokens, seed):
+            writer.write_sequence(routing)
+    return meta
+
+
+# --------------------------------------------------------------------------------------------
+# Statistics (in memory, through the same code as `daopsim trace stats`)
+# --------------------------------------------------------------------------------------------
+
+
+def routing_stats(model: ModelShape, seqs: list[SequenceRouting]) -> dict[str, Any]:
+    """``trace_stats`` of in-memory sequences (no file round trip)."""
+    meta = TraceMeta(model=model, probs_stored=seqs[0].probs.shape[2] if seqs else 1)
+    return trace_stats(seqs, meta=meta)
+
+
+# --------------------------------------------------------------------------------------------
+# Fitting parameters to target statistics
+# --------------------------------------------------------------------------------------------
+
+#: Parameters ``fit_params`` moves by default, with their transform to an unbounded scale.
+FIT_PARAMS: dict[str, str] = {
+    "temperature": "log",
+    "bias_std": "log",
+    "drift": "logit",
+    "drift_first": "logit",
+    "drift_last": "logit",
+    "token_corr": "logit",
+    "temporal_share": "logit",
+    "temporal_first": "log",
+    "temporal_last": "log",
+    "topic_share": "logit",
+    "phase_keep": "logit",
+}
+#: How far off a statistic may be before it counts as one unit of misfit.
+FIT_SCALE = {"entropy_bits": 0.02, "max_share": 0.01}
+_EPS = 1e-4
+
+
+def _to_free(name: str, v: float) -> float:
+    if FIT_PARAMS[name] == "log":
+        return math.log(max(v, _EPS))
+    v = min(max(v, _EPS), 1 - _EPS)
+    return math.log(v / (1 - v))
+
+
+def _from_free(name: str, x: float) -> float:
+    if FIT_PARAMS[name] == "log":
+        return math.exp(min(x, 10.0))
+    return 1.0 / (1.0 + math.exp(-x))
+
+
+def _target_vector(target: dict[str, Any]) -> list[tuple[str, int | None, float]]:
+    """(key, layer or None, value) for every usable target in a `trace stats` JSON."""
+    out: list[tuple[str, int | None, float]] = []
+    for key in STAT_KEYS:
+        v = target.get(key)
+        if isinstance(v, int | float) and math.isfinite(v):
+            out.append((key, None, float(v)))
+    per = target.get("per_layer")
+    if isinstance(per, list) and len(per) > 2:
+        first = per[0] if isinstance(per[0], dict) else {}
+        last = per[-1] if isinstance(per[-1], dict) else {}
+        second = per[1] if isinstance(per[1], dict) else {}
+        for layer, row, key in (
+            (0, first, "consecutive_overlap"),
+            (len(per) - 1, last, "consecutive_overlap"),
+            (1, second, "lookahead_precision"),
+        ):
+            v = row.get(key)
+            if isinstance(v, int | float) and math.isfinite(v):
+                out.append((key, layer, float(v)))
+    if not out:
+        raise UserError("target statistics have none of the keys " + ", ".join(STAT_KEYS))
+    return out
+
+
+def _measure(stats: dict[str, Any], targets: list[tuple[str, int | None, float]]) -> np.ndarray:
+    vals = []
+    for key, layer, _ in targets:
+        v = stats[key] if layer is None else stats["per_layer"][layer][key]
+        vals.append(float("nan") if v is None else float(v))
+    return np.array(vals)
+
+
+@dataclass
+class FitResult:
+    """Fitted parameters, the targets and what the fitted parameters achieve."""
+
+    params: SynthParams
+    targets: dict[str, float]
+    achieved: dict[str, float]
+    iterations: int
+    evaluations: int
+
+    def to_dict(self, model: str) -> dict[str, Any]:
+        """The preset file ``synth --preset`` reads."""
+        return {
+            "name": f"{model}-fit",
+            "model": model,
+            "params": self.params.to_dict(),
+            "targets": self.targets,
+            "achieved": self.achieved,
+            "matches": "statistics fitted by daopsim synth fit",
+            "assumes": "mechanism strengths not pinned by the targets keep their start values",
+            "fit": {
+                "iterations": self.iterations,
+                "evaluations": self.evaluations,
+                "generator": GENERATOR,
+            },
+        }
+
+
+def fit_params(
+    model: ModelShape,
+    target: dict[str, Any],
+    start: SynthParams | None = None,
+    sequences: int = 12,
+    prompt_tokens: int = 256,
+    output_tokens: int = 512,
+    seed: int = 12345,
+    iterations: int = 10,
+    free: list[str] | None = None,
+    progress: Any = None,
+) -> FitResult:
+    """Fit generator parameters so a trace of the given shape matches target statistics.
+
+    Damped Gauss-Newton on transformed parameters with finite differences; every evaluation
+    uses the same seed (common random numbers), so the objective is a deterministic function.
+    A weak pull toward the start values keeps parameters that no target pins in place.
+    """
+    start = start or SynthParams()
+    free = list(free or FIT_PARAMS)
+    for name in free:
+        if name not in FIT_PARAMS:
+            raise UserError(f"cannot fit parameter {name!r}; fittable: {', '.join(FIT_PARAMS)}")
+    targets = _target_vector(target)
+    if model.moe_layers < 3:
+        targets = [t for t in targets if t[1] is None]
+    goal = np.array([v for _, _, v in targets])
+    scale = np.array([FIT_SCALE.get(k, 0.01) for k, _, _ in targets])
+    x0 = np.array([_to_free(n, getattr(start, n)) for n in free])
+    evals = 0
+
+    def params_at(x: np.ndarray) -> SynthParams:
+        p = start.replace(**{n: _from_free(n, float(v)) for n, v in zip(free, x, strict=True)})
+        if p.temporal_share + p.topic_share > 0.98:  # keep room for fresh noise
+            f = 0.98 / (p.temporal_share + p.topic_share)
+            p = p.replace(temporal_share=p.temporal_share * f, topic_share=p.topic_share * f)
+        return p
+
+    def residual(x: np.ndarray) -> np.ndarray:
+        nonlocal evals
+        evals += 1
+        p = params_at(x)
+        seqs = list(iter_synthetic(model, p, sequences, prompt_tokens, output_tokens, seed))
+        got = _measure(routing_stats(model, seqs), targets)
+        r = np.nan_to_num((got - goal) / scale, nan=0.0)
+        return np.concatenate([r, 0.05 * (x - x0)])
+
+    x = x0.copy()
+    r = residual(x)
+    cost = float(r @ r)
+    damping = 1.0
+    it = 0
+    for it in range(1, iterations + 1):
+        step = 0.08
+        jac = np.empty((r.size, x.size))
+        for j in range(x.size):
+            xj = x.copy()
+            xj[j] += step
+            jac[:, j] = (residual(xj) - r) / step
+        improved = False
+        for _ in range(4):
+            a = jac.T @ jac + damping * np.diag(np.diag(jac.T @ jac) + 1e-3)
+            dx = -np.linalg.solve(a, jac.T @ r)
+            dx = np.clip(dx, -1.5, 1.5)
+            r_new = residual(x + dx)
+            c_new = float(r_new @ r_new)
+            if c_new < cost:
+                x, r, cost = x + dx, r_new, c_new
+                damping = max(damping / 3.0, 1e-3)
+                improved = True
+                break
+            damping *= 4.0
+        if progress is not None:
+            progress(it, cost)
+        if not improved or cost < 0.05 * len(goal):
+            break
+    p = params_at(x)
+    seqs = list(iter_synthetic(model, p, sequences, prompt_tokens, output_tokens, seed))
+    got = _measure(routing_stats(model, seqs), targets)
+
+    def label(k: str, layer: int | None) -> str:
+        return k if layer is None else f"{k}[layer {layer}]"
+
+    return FitResult(
+        params=p,
+        targets={label(k, la): v for k, la, v in targets},
+        achieved={
+            label(k, la): round(float(g), 4) for (k, la, _), g in zip(targets, got, strict=True)
+        },
+        iterations=it,
+        evaluations=evals,
+    )
+
+
+def shape_from_stats(target: dict[str, Any]) -> dict[str, int]:
+    """Sequences and per-sequence prompt/output tokens recorded in a stats JSON, if any."""
+    src = target.get("counts") if isinstance(target.get("counts"), dict) else target
+    out: dict[str, int] = {}
+    try:
+        n = int(src["sequences"])
+        if n > 0:
+            out["sequences"] = n
+            if "prefill_tokens" in src:
+                out["prompt_tokens"] = max(1, round(int(src["prefill_tokens"]) / n))
+            if "decode_tokens" in src:
+                out["output_tokens"] = max(1, round(int(src["decode_tokens"]) / n))
+    except (KeyError, TypeError, ValueError):
+        pass
+    return out
