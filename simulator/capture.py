@@ -352,7 +352,9 @@ class RoutingRecorder:
 
     def __enter__(self) -> RoutingRecorder:
         for j, layer in enumerate(self.moe):
-            self._handles.append(layer.block.register_forward_pre_hook(self._block_pre_hook))
+            self._handles.append(
+                layer.block.register_forward_pre_hook(self._block_pre_hook, with_kwargs=True)
+            )
             self._handles.append(layer.router.register_forward_hook(self._make_hook(j)))
         return self
 
@@ -369,8 +371,8 @@ class RoutingRecorder:
         self._prev_input = None
         self._layer_parts = []
 
-    def _block_pre_hook(self, module: Any, args: tuple[Any, ...]) -> None:
-        hidden = args[0] if args else None
+    def _block_pre_hook(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        hidden = args[0] if args else kwargs.get("hidden_states")
         if hidden is not None and hidden.dim() == 3:
             self._shape = (int(hidden.shape[0]), int(hidden.shape[1]))
 
@@ -537,6 +539,8 @@ def generate_batch(
     if not steps or steps[0].experts.shape[:2] != (b, width):
         raise RuntimeError("the first recorded forward pass is not the prefill of this batch")
     decode_steps = steps[1:]
+    if any(d.experts.shape[:2] != (b, 1) for d in decode_steps):
+        raise RuntimeError("a recorded decode step does not have one token per sequence")
     results = []
     for i, p in enumerate(prompts):
         n_dec = settings.max_new_tokens
@@ -735,6 +739,11 @@ def load_model(
 
     if device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device is available")
+    looks_local = model_id.startswith(("/", ".", "~")) or model_id.count("/") > 1
+    if looks_local and not Path(model_id).expanduser().is_dir():
+        raise UserError(f"{model_id}: no such model directory")
+    if looks_local:
+        model_id = str(Path(model_id).expanduser())
     local = _offline(model_id)
     kwargs: dict[str, Any] = {"dtype": _torch_dtype(dtype), "local_files_only": local}
     if revision:

@@ -398,6 +398,9 @@ def test_offline_load_errors_are_one_line(monkeypatch: pytest.MonkeyPatch, tmp_p
     with pytest.raises(UserError, match=r"cannot load model 'org/not-here' \(offline") as exc:
         load_model("org/not-here", "fp32", "cpu")
     assert "\n" not in str(exc.value)
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    with pytest.raises(UserError, match="no such model directory"):
+        load_model(str(tmp_path / "missing" / "model"), "fp32", "cpu")
 
 
 def test_cli_random_init(tmp_path: Path):
