@@ -147,8 +147,11 @@ class Engine:
         self.recorder = recorder
         self.env = simpy.Environment()
         self.gpu = Lane("gpu")
-        self.h2d = Lane("h2d")
-        self.d2h = Lane("d2h")
+        # with a single copy engine both directions share one FIFO lane
+        if costs.hw.link.copy_engines >= 2:
+            self.h2d, self.d2h = Lane("h2d"), Lane("d2h")
+        else:
+            self.h2d = self.d2h = Lane("copy")
         self.cpu = Pool("cpu", policy.cpu_workers)
         self.temp = Pool("buf", policy.temp_buffers)
         self.resident = np.zeros((self.n_layers, self.n_experts), dtype=bool)
@@ -264,7 +267,15 @@ class Engine:
             heapq.heappush(self._releases, e)
             if self.recorder is not None:
                 self.recorder.op(
-                    "d2h", "writeback", self.seq_id, self.token, vl, ve, s, e, self.expert_bytes
+                    self.d2h.name,
+                    "writeback",
+                    self.seq_id,
+                    self.token,
+                    vl,
+                    ve,
+                    s,
+                    e,
+                    self.expert_bytes,
                 )
             return e
         self.occupancy -= 1
@@ -316,7 +327,15 @@ class Engine:
         self.c.h2d_expert_copies += 1
         if self.recorder is not None:
             self.recorder.op(
-                "h2d", kind, self.seq_id, self.token, layer, expert, start, end, self.expert_bytes
+                self.h2d.name,
+                kind,
+                self.seq_id,
+                self.token,
+                layer,
+                expert,
+                start,
+                end,
+                self.expert_bytes,
             )
             self.recorder.occupancy(start, held)
         return start, end
@@ -390,7 +409,7 @@ class Engine:
                 c.h2d_bytes += self.expert_bytes
                 c.h2d_expert_copies += 1
                 if rec is not None:
-                    rec.op("h2d", "temp", seq, tok, layer, e, start, end, self.expert_bytes)
+                    rec.op(self.h2d.name, "temp", seq, tok, layer, e, start, end, self.expert_bytes)
                 gpu_jobs.append((end, e, 1))
             elif a == _CPU:
                 done = self._cpu_job(chain if serial else now, layer, e, n, "cpu_expert")
@@ -487,9 +506,9 @@ class Engine:
         c.h2d_bytes += act
         if rec is not None:
             seq, tok = self.seq_id, self.token
-            rec.op("d2h", "activation", seq, tok, layer, expert, s1, e1, act)
+            rec.op(self.d2h.name, "activation", seq, tok, layer, expert, s1, e1, act)
             rec.op(lane.name, kind, seq, tok, layer, expert, s2, e2, 0)
-            rec.op("h2d", "activation", seq, tok, layer, expert, s3, e3, act)
+            rec.op(self.h2d.name, "activation", seq, tok, layer, expert, s3, e3, act)
         return e3
 
     # -- sequences ---------------------------------------------------------------------------
