@@ -1,0 +1,65 @@
+"""``daopsim plot``: draw a sweep table as a PNG (throughput, hit rate, breakdown, heatmap,
+Pareto front)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from simulator.commands.common import echo_json, json_option
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("results", type=click.Path(dir_okay=False))
+@click.option(
+    "--kind",
+    type=click.Choice(["throughput", "hit-rate", "breakdown", "heatmap", "pareto"]),
+    default="throughput",
+    show_default=True,
+)
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False),
+    help="PNG to write (default: RESULTS.<kind>.png beside the results).",
+)
+@click.option("--trace", help="Which trace of the table to draw (default: the first).")
+@click.option("--hw", help="heatmap: one machine only.")
+@click.option("--cache-ratio", type=float, help="breakdown: one cache ratio only.")
+@click.option(
+    "--no-compute-bound",
+    is_flag=True,
+    help="throughput: do not simulate the all-gpu line when the table has no all-gpu row.",
+)
+@json_option
+def plot(
+    results: str,
+    kind: str,
+    output: str | None,
+    trace: str | None,
+    hw: str | None,
+    cache_ratio: float | None,
+    no_compute_bound: bool,
+    as_json: bool,
+) -> None:
+    """Plot a results table written by `daopsim sweep`."""
+    from simulator import plots
+    from simulator.sweep import read_table
+
+    df = read_table(results)
+    kwargs: dict[str, object] = {"trace": trace}
+    if kind == "heatmap":
+        kwargs["hw"] = hw
+    if kind == "breakdown":
+        kwargs["cache_ratio"] = cache_ratio
+    if kind == "throughput":
+        kwargs["compute_bound"] = not no_compute_bound
+    fig = plots.plot(df, kind, **kwargs)
+    res = Path(results)
+    target = Path(output) if output else res.with_name(f"{res.stem}.{kind}.png")
+    path = plots.save_figure(fig, target)
+    if as_json:
+        echo_json({"kind": kind, "path": str(path), "bytes": path.stat().st_size})
+    else:
+        click.echo(f"wrote {path}")

@@ -1,0 +1,430 @@
+"""Plots of a sweep table (``simulator.sweep``): throughput, hit rate, latency breakdown,
+per-layer hit-rate heatmap and the GPU-memory vs throughput Pareto front.
+
+Each ``plot_*`` function takes the table (a DataFrame or a Parquet path), draws the rows of one
+trace (the first one in the table unless ``trace`` is given) and returns a matplotlib Figure;
+``save_figure`` writes it as a PNG atomically. Only rows with status "ok" are drawn. Repeated
+configurations (several seeds) are averaged. Bounds are drawn dashed: ``all-gpu`` as a
+horizontal line, ``belady`` (or any other clairvoyant policy) as a dashed curve.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from simulator.errors import UserError
+from simulator.results import atomic_write
+
+#: The plot kinds of ``daopsim plot --kind``.
+KINDS = ("throughput", "hit-rate", "breakdown", "heatmap", "pareto")
+ALL_GPU = "all-gpu"
+_TAB10 = [
+    "#1f77b4",
+    "#ff7f0e",
+    "#2ca02c",
+    "#d62728",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#7f7f7f",
+    "#bcbd22",
+    "#17becf",
+]
+_MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
+
+
+def _mpl() -> Any:
+    import matplotlib
+
+    if "matplotlib.pyplot" not in __import__("sys").modules:
+        matplotlib.use("Agg")  # no display needed; a notebook has already chosen its backend
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _table(df: pd.DataFrame | str | os.PathLike[str]) -> pd.DataFrame:
+    if isinstance(df, pd.DataFrame):
+        return df
+    from simulator.sweep import read_table
+
+    return read_table(df)
+
+
+def select(
+    df: pd.DataFrame | str | os.PathLike[str], trace: str | None = None
+) -> tuple[pd.DataFrame, str]:
+    """The successful rows of one trace (default: the table's first trace) and its name."""
+    df = _table(df)
+    if df.empty:
+        raise UserError("the results table is empty")
+    traces = list(dict.fromkeys(df["trace"].astype(str)))
+    if trace is None:
+        trace = traces[0]
+    elif trace not in traces:
+        raise UserError(f"trace {trace!r} is not in the results (have: {', '.join(traces)})")
+    sub = df[(df["trace"].astype(str) == trace) & (df["status"] == "ok")].copy()
+    if sub.empty:
+        raise UserError(f"no successful runs for trace {trace!r} in the results")
+    sub["label"] = _labels(sub)
+    return sub, trace
+
+
+def _labels(df: pd.DataFrame) -> pd.Series:
+    """Policy name, plus the option values that vary within that policy in this table."""
+    opt_cols = [c for c in df.columns if c.startswith("opt.")]
+    labels = df["policy"].astype(str).copy()
+    for pol, grp in df.groupby("policy", sort=False):
+        varying = [c for c in opt_cols if grp[c].astype(str).nunique(dropna=False) > 1]
+        if not varying:
+            continue
+        for idx, row in grp.iterrows():
+            parts = [f"{c[4:]}={row[c]}" for c in varying]
+            labels[idx] = f"{pol} ({', '.join(parts)})"
+    return labels
+
+
+def _name(trace: str) -> str:
+    """A trace for titles: its file name when it is a path."""
+    return Path(trace).name if ("/" in trace or os.sep in trace) else trace
+
+
+def _colors(labels: list[str]) -> dict[str, str]:
+    return {lab: _TAB10[i % len(_TAB10)] for i, lab in enumerate(sorted(set(labels)))}
+
+
+def _is_bound(df: pd.DataFrame) -> pd.Series:
+    return df["bound"].fillna(False).astype(bool)
+
+
+def _model(df: pd.DataFrame) -> str:
+    models = [str(m) for m in dict.fromkeys(df.get("model", pd.Series(dtype=str)).dropna())]
+    return ", ".join(models)
+
+
+def _panels(
+    plt: Any, n: int, width: float = 5.2, height: float = 3.8, layout: str | None = None
+) -> tuple[Any, list[Any]]:
+    fig, axes = plt.subplots(1, n, figsize=(width * n + 0.6, height), squeeze=False, layout=layout)
+    return fig, list(axes[0])
+
+
+def _all_gpu_rate(df_all: pd.DataFrame, hw: str, trace: str, compute: bool) -> float | None:
+    """all-gpu tokens/s for one machine: from the table, else simulated now (if allowed)."""
+    rows = df_all[(df_all["policy"] == ALL_GPU) & (df_all["hw"] == hw)]
+    if len(rows):
+        return float(rows["tokens_per_s"].mean())
+    if not compute:
+        return None
+    from simulator.runner import simulate
+
+    seqs = df_all.loc[df_all["hw"] == hw, "sequences"].dropna()
+    try:
+        r = simulate(
+            ALL_GPU,
+            hw,
+            trace,
+            sequences=int(seqs.iloc[0]) if len(seqs) else None,
+            record=False,
+        )
+    except Exception:  # the trace or profile may not be available where the plot is drawn
+        return None
+    return float(r.metrics["tokens_per_s"])
+
+
+def plot_throughput(
+    df: pd.DataFrame | str | os.PathLike[str],
+    trace: str | None = None,
+    compute_bound: bool = True,
+) -> Any:
+    """Tokens/s against cache ratio, one line per policy, one panel per machine.
+
+    The all-gpu bound is a horizontal line: from an all-gpu row of the table, or simulated on
+    the fly (same trace and sequence count) when the table has none and ``compute_bound``.
+    """
+    plt = _mpl()
+    sub, trace = select(df, trace)
+    hws = list(dict.fromkeys(sub["hw"]))
+    fig, axes = _panels(plt, len(hws))
+    colors = _colors(list(sub.loc[sub["policy"] != ALL_GPU, "label"]))
+    for ax, hw in zip(axes, hws, strict=True):
+        rows = sub[(sub["hw"] == hw) & (sub["policy"] != ALL_GPU)]
+        for label, grp in rows.groupby("label", sort=False):
+            pts = grp.groupby("cache_ratio")["tokens_per_s"].mean().sort_index()
+            dashed = bool(_is_bound(grp).all())
+            ax.plot(
+                pts.index,
+                pts.values,
+                marker="o",
+                ls="--" if dashed else "-",
+                color=colors[label],
+                label=f"{label} (bound)" if dashed else label,
+            )
+        bound = _all_gpu_rate(sub, hw, trace, compute_bound)
+        if bound is not None:
+            ax.axhline(bound, color="black", ls=":", lw=1.5, label="all-gpu (bound)")
+        ax.set_title(f"{hw}")
+        ax.set_xlabel("cache ratio (resident experts / all experts)")
+        ax.set_ylabel("throughput (generated tokens/s)")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"Throughput vs expert cache size: trace {_name(trace)} ({_model(sub)})")
+    fig.tight_layout()
+    return fig
+
+
+def plot_hit_rate(df: pd.DataFrame | str | os.PathLike[str], trace: str | None = None) -> Any:
+    """Decode hit rate against cache ratio, one line per policy; belady dashed as the bound."""
+    plt = _mpl()
+    sub, trace = select(df, trace)
+    sub = sub[sub["policy"] != ALL_GPU]
+    if sub.empty:
+        raise UserError(f"no runs with a memory budget for trace {_name(trace)!r}")
+    hws = list(dict.fromkeys(sub["hw"]))
+    fig, axes = _panels(plt, len(hws))
+    colors = _colors(list(sub["label"]))
+    has_belady = bool((sub["policy"] == "belady").any())
+    for ax, hw in zip(axes, hws, strict=True):
+        rows = sub[sub["hw"] == hw]
+        for label, grp in rows.groupby("label", sort=False):
+            pts = grp.groupby("cache_ratio")["hit_rate"].mean().sort_index()
+            dashed = bool(_is_bound(grp).all())
+            ax.plot(
+                pts.index,
+                pts.values,
+                marker="o",
+                ls="--" if dashed else "-",
+                color="black" if str(label).startswith("belady") else colors[label],
+                label=f"{label} (bound)" if dashed else label,
+            )
+        ax.set_title(hw)
+        ax.set_xlabel("cache ratio (resident experts / all experts)")
+        ax.set_ylabel("expert hit rate (decode)")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    note = "" if has_belady else " (belady bound not in this sweep)"
+    fig.suptitle(f"Expert-cache hit rate: trace {_name(trace)} ({_model(sub)}){note}")
+    fig.tight_layout()
+    return fig
+
+
+#: (label, colour, function of a row -> seconds) for the stacked latency breakdown.
+BREAKDOWN = (
+    ("GPU compute", "#2f6fb0", lambda r: r["gpu_expert_s"] + r["gpu_nonexpert_s"]),
+    ("CPU wait", "#16a085", lambda r: r["cpu_wait_s"]),
+    ("transfer stall", "#d9822b", lambda r: r["transfer_stall_s"]),
+    (
+        "other",
+        "#9aa5b1",
+        lambda r: (
+            r["e2e_s"]
+            - r["gpu_expert_s"]
+            - r["gpu_nonexpert_s"]
+            - r["cpu_wait_s"]
+            - r["transfer_stall_s"]
+        ).clip(lower=0),
+    ),
+)
+
+
+def breakdown_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Per row, the breakdown components in milliseconds per generated token."""
+    per_tok = 1e3 / df["decode_tokens"].where(df["decode_tokens"] > 0)
+    out = pd.DataFrame(index=df.index)
+    for name, _, fn in BREAKDOWN:
+        out[name] = fn(df) * per_tok
+    return out
+
+
+def plot_breakdown(
+    df: pd.DataFrame | str | os.PathLike[str],
+    trace: str | None = None,
+    cache_ratio: float | None = None,
+) -> Any:
+    """Stacked bars per policy (and cache ratio): GPU compute, CPU wait, transfer stall, other,
+    in ms per generated token; one panel per machine."""
+    plt = _mpl()
+    sub, trace = select(df, trace)
+    if cache_ratio is not None:
+        keep = np.isclose(sub["cache_ratio"].astype(float), cache_ratio) | (
+            sub["policy"] == ALL_GPU
+        )
+        sub = sub[keep]
+        if sub.empty:
+            raise UserError(f"no successful runs at cache ratio {cache_ratio} for {trace!r}")
+    hws = list(dict.fromkeys(sub["hw"]))
+    n_bars = max(len(sub[sub["hw"] == h].groupby(["label", "cache_ratio"])) for h in hws)
+    fig, axes = _panels(plt, len(hws), width=max(5.2, 0.55 * n_bars + 1.5), height=4.4)
+    for ax, hw in zip(axes, hws, strict=True):
+        rows = sub[sub["hw"] == hw]
+        parts = breakdown_table(rows)
+        parts["label"], parts["cache_ratio"] = rows["label"], rows["cache_ratio"]
+        agg = parts.groupby(["label", "cache_ratio"], sort=False).mean()
+        agg = agg.sort_index(level=1, sort_remaining=False, kind="stable")
+        x = np.arange(len(agg))
+        bottom = np.zeros(len(agg))
+        for name, color, _ in BREAKDOWN:
+            vals = agg[name].to_numpy(dtype=float)
+            ax.bar(x, vals, bottom=bottom, color=color, label=name, width=0.7)
+            bottom += np.nan_to_num(vals)
+        ticks = [
+            f"{lab} @ {'all' if lab.startswith(ALL_GPU) else f'{r:.3g}'}" for lab, r in agg.index
+        ]
+        ax.set_xticks(x, ticks, fontsize=7, rotation=40, ha="right", rotation_mode="anchor")
+        ax.set_xlabel("policy / cache ratio")
+        ax.set_ylabel("latency (ms per generated token)")
+        ax.set_title(hw)
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"Where the time goes: trace {_name(trace)} ({_model(sub)})")
+    fig.tight_layout()
+    return fig
+
+
+def plot_heatmap(
+    df: pd.DataFrame | str | os.PathLike[str],
+    trace: str | None = None,
+    hw: str | None = None,
+) -> Any:
+    """Per-layer decode hit rate: one row per policy and cache ratio, one column per MoE layer."""
+    plt = _mpl()
+    sub, trace = select(df, trace)
+    sub = sub[(sub["policy"] != ALL_GPU) & sub["per_layer_hit_rate"].notna()]
+    hws = list(dict.fromkeys(sub["hw"]))
+    if hw is not None:
+        if hw not in hws:
+            raise UserError(f"machine {hw!r} is not in the results for {trace!r}")
+        hws = [hw]
+    if not hws:
+        raise UserError(f"no per-layer hit rates for trace {_name(trace)!r}")
+    mats, rows_lab = [], []
+    for h in hws:
+        rows = sub[sub["hw"] == h].sort_values(["label", "cache_ratio"], kind="stable")
+        rates: dict[tuple[str, float], list[np.ndarray]] = {}
+        for _, r in rows.iterrows():
+            key = (str(r["label"]), float(r["cache_ratio"]))
+            rates.setdefault(key, []).append(np.asarray(r["per_layer_hit_rate"], dtype=float))
+        mats.append(np.array([np.mean(v, axis=0) for v in rates.values()]))
+        rows_lab.append([f"{lab} @ {ratio:.3g}" for lab, ratio in rates])
+    height = max(3.0, 0.32 * max(m.shape[0] for m in mats) + 1.6)
+    fig, axes = _panels(plt, len(hws), width=5.6, height=height, layout="constrained")
+    im = None
+    for ax, h, mat, labels in zip(axes, hws, mats, rows_lab, strict=True):
+        im = ax.imshow(mat, aspect="auto", vmin=0, vmax=1, cmap="viridis", interpolation="none")
+        ax.set_yticks(range(len(labels)), labels, fontsize=7)
+        step = max(1, mat.shape[1] // 16)
+        ax.set_xticks(range(0, mat.shape[1], step))
+        ax.set_xlabel("MoE layer")
+        ax.set_title(h)
+    fig.colorbar(im, ax=axes, label="decode hit rate")
+    fig.suptitle(f"Per-layer expert hit rate: trace {_name(trace)} ({_model(sub)})")
+    return fig
+
+
+def pareto_front(
+    df: pd.DataFrame, x: str = "expert_memory_gb", y: str = "tokens_per_s"
+) -> pd.DataFrame:
+    """Rows not dominated by another (less or equal ``x`` with strictly more ``y``), by ``x``."""
+    pts = df.dropna(subset=[x, y]).sort_values([x, y], ascending=[True, False], kind="stable")
+    keep, best = [], -np.inf
+    for idx, val in zip(pts.index, pts[y], strict=True):
+        if val > best:
+            keep.append(idx)
+            best = val
+    return pts.loc[keep]
+
+
+def plot_pareto(df: pd.DataFrame | str | os.PathLike[str], trace: str | None = None) -> Any:
+    """GPU memory for resident experts against tokens/s: every run, and the Pareto front."""
+    plt = _mpl()
+    sub, trace = select(df, trace)
+    sub = sub[~_is_bound(sub)]
+    if sub.empty:
+        raise UserError(f"no realisable (non-bound) runs for trace {_name(trace)!r}")
+    fig, ax = plt.subplots(figsize=(8.0, 5.0))
+    colors = _colors(list(sub["label"]))
+    hws = list(dict.fromkeys(sub["hw"]))
+    markers = {h: _MARKERS[i % len(_MARKERS)] for i, h in enumerate(hws)}
+    for (label, h), grp in sub.groupby(["label", "hw"], sort=False):
+        ax.scatter(
+            grp["expert_memory_gb"],
+            grp["tokens_per_s"],
+            color=colors[label],
+            marker=markers[h],
+            s=42,
+            label=f"{label} on {h}",
+            alpha=0.85,
+        )
+    front = pareto_front(sub)
+    ax.step(
+        front["expert_memory_gb"],
+        front["tokens_per_s"],
+        where="post",
+        color="black",
+        lw=1.2,
+        label="Pareto front",
+    )
+    for _, r in front.iterrows():
+        ax.annotate(
+            f"{r['label']}, {r['hw']}",
+            (r["expert_memory_gb"], r["tokens_per_s"]),
+            textcoords="offset points",
+            xytext=(4, 4),
+            fontsize=7,
+        )
+    ax.set_xlabel("GPU memory for resident experts (GB)")
+    ax.set_ylabel("throughput (generated tokens/s)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    ax.set_title(f"Memory vs throughput: trace {_name(trace)} ({_model(sub)})")
+    fig.tight_layout()
+    return fig
+
+
+_PLOTTERS: dict[str, Callable[..., Any]] = {
+    "throughput": plot_throughput,
+    "hit-rate": plot_hit_rate,
+    "breakdown": plot_breakdown,
+    "heatmap": plot_heatmap,
+    "pareto": plot_pareto,
+}
+
+
+def plot(df: pd.DataFrame | str | os.PathLike[str], kind: str, **kwargs: Any) -> Any:
+    """Draw one plot kind (see ``KINDS``); extra keyword arguments go to that plot function."""
+    if kind not in _PLOTTERS:
+        raise UserError(f"unknown plot kind {kind!r} (valid: {', '.join(KINDS)})")
+    return _PLOTTERS[kind](df, **kwargs)
+
+
+def save_figure(fig: Any, path: str | os.PathLike[str], dpi: int = 120) -> Path:
+    """Write a figure as PNG atomically and close it."""
+    plt = _mpl()
+    try:
+        return atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format="png"))
+    finally:
+        plt.close(fig)
+
+
+__all__ = [
+    "KINDS",
+    "breakdown_table",
+    "pareto_front",
+    "plot",
+    "plot_breakdown",
+    "plot_heatmap",
+    "plot_hit_rate",
+    "plot_pareto",
+    "plot_throughput",
+    "save_figure",
+    "select",
+]
