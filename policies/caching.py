@@ -71,6 +71,10 @@ class CachingPolicy(Policy):
         """The resident expert of ``layer`` to evict (never one in ``protected``)."""
         raise NotImplementedError
 
+    def unevictable(self, layer: int) -> set[int] | None:
+        """Resident experts of ``layer`` that must not be evicted now (e.g. still in flight)."""
+        return None
+
     def decode_layer(self, view: View) -> Plan:
         """Hits run on the GPU; misses are fetched (evicting a victim) or use a temp buffer."""
         layer = view.layer
@@ -91,6 +95,9 @@ class CachingPolicy(Policy):
             return Plan(actions=actions)
         plan = Plan(actions=actions)
         protected = set(experts)
+        extra = self.unevictable(layer)
+        if extra:
+            protected |= extra
         capacity = self.quota[layer]
         for e in misses:
             if len(cache) < capacity:

@@ -1,0 +1,49 @@
+"""belady: clairvoyant MIN replacement per layer, the caching bound.
+
+Source: Belady's MIN (evict the item whose next use lies farthest in the future), the bound the
+expert-caching literature reports beside LRU (../shared/reference/related-systems.md §4.1,
+"Cacheable by Design?": LRU 65.9 %, Belady 79.1 %; CECAR's Belady bounds). Same cache model as
+``lru`` (per-layer quota, fetch on miss, a token's other experts never evicted), but the victim
+is chosen with the oracle of future accesses: ``ctx.oracle.next_use(layer, expert, step)``.
+Results are marked ``"bound": true``; no real runtime can do this.
+
+Ties (several residents never used again, or used at the same future step) go to the lowest
+expert id.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from policies.base import SetupContext
+from policies.caching import CachingPolicy
+from policies.registry import register
+
+
+@register
+class BeladyPolicy(CachingPolicy):
+    """Evict the resident expert whose next use is farthest away (clairvoyant)."""
+
+    name = "belady"
+    summary = "clairvoyant MIN replacement per layer (caching bound)"
+    source = "Belady's MIN; bound reported in related-systems.md §4.1"
+    clairvoyant = True
+
+    def init_state(self, ctx: SetupContext) -> None:
+        """Keep the oracle (only clairvoyant policies receive one)."""
+        if ctx.oracle is None:
+            raise AssertionError("belady is clairvoyant: the engine must pass the oracle")
+        self.oracle: Any = ctx.oracle
+
+    def choose_victim(self, layer: int, protected: set[int], step: int) -> int:
+        """Farthest next use after this step; ties by lowest expert id."""
+        best, best_t = -1, -1.0
+        for e in sorted(self.cache[layer]):
+            if e in protected:
+                continue
+            t = self.oracle.next_use(layer, e, step)
+            if t > best_t:
+                best, best_t = e, t
+        if best < 0:
+            raise AssertionError("caller guarantees an unprotected resident expert")
+        return best

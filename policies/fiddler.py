@@ -1,0 +1,73 @@
+"""fiddler: popularity placement, the CPU runs every non-resident expert (Kamahori et al.).
+
+Source: Fiddler, ICLR 2025 (arXiv 2402.07033), code efeslab/fiddler ``src/fiddler/mixtral.py``;
+../shared/reference/related-systems.md §1-2 ("Fiddler", "Break-even rule") and
+../shared/reference/daop.md ("Baselines": Fiddler).
+
+- Placement: the globally most popular ``budget`` (layer, expert) pairs of a calibration ranking
+  (``policies.base.global_top``); no per-layer minimum, never changed afterwards.
+- Routing is exact; no prediction, no prefetch, no replacement.
+- Decode: a resident selected expert runs on the GPU; every other selected expert runs on the
+  CPU (activations to the host and back). Fiddler does this synchronously within the layer:
+  its CPU experts run one after another on the thread that drives the GPU, and the layer's
+  output needs them all, so nothing overlaps across layers. Modelled with ``cpu_serial`` and
+  ``cpu_first`` (the code enqueues the GPU experts first and then blocks on the CPU ones; a
+  layer takes the sum either way).
+- Prefill: per non-resident expert with ``count`` prompt tokens, Fiddler's rule: CPU when
+  ``count x cpu_time(1 token) < load time``, otherwise its weights are copied into the one
+  placeholder GPU buffer, run and dropped (``TEMP``). The code compares exactly these two
+  numbers (``latency_cpu x tokens`` against a constant ``latency_gpu``); here they come from the
+  cost model (``cpu_expert_s(1)``, ``h2d_expert_s(pinned=False)``).
+- Host memory: pageable. The experts Fiddler does not place stay in the ordinary CPU tensors
+  ``from_pretrained`` created, and a copy is ``expert_placeholder.load_state_dict(...)`` from
+  them; nothing is pinned (daop.md: DAOP, a fork of Fiddler, loads the same way). One
+  placeholder, so one temporary buffer; one CPU worker (the expert uses all torch threads).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from policies.base import Action, Plan, Policy, SetupContext, Slot, View, global_top
+from policies.registry import register
+
+GPU, TEMP, CPU = Action.GPU, Action.TEMP, Action.CPU
+
+
+@register
+class FiddlerPolicy(Policy):
+    """Global top-B placement; misses run on the CPU; prefill by the break-even rule."""
+
+    name = "fiddler"
+    summary = "global popularity placement; CPU runs non-resident experts; prefill break-even"
+    source = "Fiddler (ICLR'25, arXiv 2402.07033), efeslab/fiddler mixtral.py"
+    needs_calibration = True
+    host_memory = "pageable"
+    temp_buffers = 1
+    cpu_workers = 1
+
+    def setup(self, ctx: SetupContext) -> Iterable[Slot]:
+        """The globally most popular experts by decode-time calibration counts."""
+        assert ctx.calibration is not None
+        self.t_cpu1 = ctx.costs.cpu_expert_s(1)
+        self.t_load = ctx.costs.h2d_expert_s(pinned=False)
+        return global_top(ctx.calibration, ctx.budget)
+
+    def decode_layer(self, view: View) -> Plan:
+        """Resident experts on the GPU, the rest on the CPU, synchronously."""
+        resident = view.resident[view.layer]
+        actions = {e: (GPU if resident[e] else CPU) for e in view.experts.tolist()}
+        return Plan(actions=actions, cpu_serial=True, cpu_first=True)
+
+    def prefill_layer(self, view: View) -> Plan:
+        """Per non-resident expert: CPU if count x cpu(1) < load time, else a temporary copy."""
+        resident = view.resident[view.layer]
+        counts = view.counts
+        assert counts is not None
+        actions: dict[int, Action] = {}
+        for e in view.experts.tolist():
+            if resident[e]:
+                actions[e] = GPU
+            else:
+                actions[e] = CPU if int(counts[e]) * self.t_cpu1 < self.t_load else TEMP
+        return Plan(actions=actions, cpu_serial=True, cpu_first=True)

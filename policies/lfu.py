@@ -1,0 +1,72 @@
+"""LFU: per-layer least-frequently-used expert cache, fetch on miss.
+
+Source: the LFU baselines of the expert-caching literature (../shared/reference/related-systems.md:
+§1b "LFU study (2511.05814)" reports LFU beating LRU on an A6000; kTransformers' cache was LFU
+before HybriMoE's MRS; CECAR ships LRU/LFU baselines). Same cache model as ``lru`` (per-layer
+quota, hits judged before insertions, a token's other experts never evicted).
+
+Frequency: every access of a layer counts, hit or miss, resident or not (a prefill pass adds the
+number of prompt tokens that chose the expert). Counts persist for the whole run: they survive
+eviction and sequence boundaries (no decay, no reset).
+
+Ties: among the unprotected residents with the lowest count, the least recently used goes
+(recency = the step of the last access, then insertion order); this makes LFU degrade to LRU
+when counts are equal instead of to an arbitrary id order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from policies.base import Plan, SetupContext, View
+from policies.caching import CachingPolicy
+from policies.registry import register
+
+
+@register
+class LFUPolicy(CachingPolicy):
+    """Evict the resident expert of the layer with the fewest accesses so far."""
+
+    name = "lfu"
+    summary = "per-layer LFU cache (persistent counts, LRU tie-break), fetch on miss"
+    source = "LFU expert-cache baseline (related-systems.md §1b: LFU study 2511.05814, CECAR)"
+
+    def init_state(self, ctx: SetupContext) -> None:
+        """Per-layer access counts and last-use ticks."""
+        n_layers, n_exp = ctx.model.moe_layers, ctx.model.experts
+        self.freq = np.zeros((n_layers, n_exp), dtype=np.int64)
+        self.last = np.full((n_layers, n_exp), -1, dtype=np.int64)
+        self.tick = 0
+
+    def decode_layer(self, view: View) -> Plan:
+        """Count this layer's accesses, then serve them like any per-layer cache."""
+        layer = view.layer
+        counts = view.counts
+        if counts is None:
+            self.freq[layer, view.experts] += 1
+        else:
+            self.freq[layer, view.experts] += counts[view.experts]
+        return super().decode_layer(view)
+
+    def touch(self, layer: int, expert: int, step: int, weight: int) -> None:
+        """Record recency for the tie-break (counting happens in decode_layer)."""
+        self.tick += 1
+        self.last[layer, expert] = self.tick
+
+    def inserted(self, layer: int, expert: int, step: int) -> None:
+        """A new entry is as recent as now."""
+        self.tick += 1
+        self.last[layer, expert] = self.tick
+
+    def choose_victim(self, layer: int, protected: set[int], step: int) -> int:
+        """Fewest accesses; ties by least recent use."""
+        freq, last = self.freq[layer], self.last[layer]
+        best = -1
+        for e in self.cache[layer]:
+            if e in protected:
+                continue
+            if best < 0 or (freq[e], last[e]) < (freq[best], last[best]):
+                best = e
+        if best < 0:
+            raise AssertionError("caller guarantees an unprotected resident expert")
+        return best

@@ -1,0 +1,135 @@
+"""mixtral-offloading: per-layer LRU with pinned buffers, write-back and optional prefetch.
+
+Source: Eliseev & Mazur, "Fast Inference of Mixture-of-Experts Language Models with Offloading",
+arXiv 2312.17238, code dvmazur/mixtral-offloading (``expert_cache.py``);
+../shared/reference/related-systems.md §1-2 ("Mixtral-offloading") and
+../shared/reference/daop.md ("Baselines": 3 of 8 experts per layer, 4 pinned buffers, evicted
+expert copied back, no speculative prefetch in the copy DAOP ran).
+
+- Each layer is an LRU "eviction group" of ``experts_per_layer`` GPU slots (default: the budget
+  split evenly over the layers; the Colab default was 4 of 8, DAOP's runs 3 of 8).
+- A miss swaps payloads: the expert is copied host -> device from pinned host memory and the
+  evicted one device -> host (``writeback``); the ``b = 4`` shared device buffers are modelled as
+  ``staging_buffers = 4`` so a fetch need not wait for the previous write-back.
+- ``prefetch`` (default off, as in the released code): speculative loading from the
+  one-layer-early view. At layer l the top ``prefetch_k`` experts of ``view.next_experts`` (layer
+  l+1's router applied to layer l's input) that are not resident are copied into layer l+1's
+  group, evicting its least recently used expert that is not itself in ``view.next_experts`` and
+  whose copy is known to be complete. A runtime knows the latter from its own copy queue: copies
+  go over one FIFO link, so every copy issued before a demand copy that a finished layer waited
+  for is done (and so is a prefetched expert a finished layer used).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+from policies.base import Action, Param, Plan, SetupContext, Slot, View
+from policies.lru import LRUPolicy
+from policies.registry import register
+from simulator.errors import UserError
+
+FETCH, TEMP = Action.FETCH, Action.TEMP
+
+
+@register
+class MixtralOffloadingPolicy(LRUPolicy):
+    """Per-layer LRU eviction groups, pinned swaps with write-back, optional prefetch."""
+
+    name = "mixtral-offloading"
+    summary = "per-layer LRU groups, pinned copies, evicted expert written back, opt. prefetch"
+    source = "Mixtral-offloading (arXiv 2312.17238), dvmazur/mixtral-offloading expert_cache.py"
+    host_memory = "pinned"
+    writeback = True
+    staging_buffers = 4
+    params = {
+        "experts_per_layer": Param(
+            int, 0, "GPU slots per layer (0: the budget split evenly over the layers)"
+        ),
+        "prefetch": Param(bool, False, "speculatively load layer l+1's experts at layer l"),
+        "prefetch_k": Param(
+            int, 0, "experts of the one-layer-early view to prefetch (0: the model's top-k)"
+        ),
+    }
+
+    def setup(self, ctx: SetupContext) -> Iterable[Slot]:
+        """Every layer's group starts with its first experts (the code's initial offload)."""
+        n = self.options["experts_per_layer"]
+        n_layers = ctx.model.moe_layers
+        if n < 0 or n > ctx.model.experts:
+            raise UserError(
+                f"policy {self.name!r}: option 'experts_per_layer' must be in "
+                f"0..{ctx.model.experts}, got {n}"
+            )
+        if n and n * n_layers > ctx.budget:
+            raise UserError(
+                f"policy {self.name!r}: experts_per_layer={n} needs {n * n_layers} GPU experts, "
+                f"the budget is {ctx.budget}"
+            )
+        if self.options["prefetch_k"] < 0:
+            raise UserError(f"policy {self.name!r}: option 'prefetch_k' must be >= 0")
+        self.k_pre = self.options["prefetch_k"] or ctx.model.top_k
+        self.options = {**self.options, "initial": "first"}
+        if n:
+            ctx = dataclasses.replace(ctx, budget=n * n_layers)
+        self.copy_no = 0  # copies this policy issued (demand and prefetch), in link order
+        self.demand_no = 0  # number of the last demand copy (done once its layer ended)
+        self.pending: dict[Slot, int] = {}  # prefetched experts whose copy may be in flight
+        self.used: list[Slot] = []  # pending experts the previous layer ran (so they are done)
+        return super().setup(ctx)
+
+    def unevictable(self, layer: int) -> set[int] | None:
+        """Prefetched experts of the layer whose copy may still be in flight."""
+        if not self.pending:
+            return None
+        return {e for (pl, e) in self.pending if pl == layer}
+
+    def decode_layer(self, view: View) -> Plan:
+        """LRU service of this layer, then (optionally) prefetch for the next one."""
+        if self.pending:
+            # the previous layer waited for its demand copies and for the experts it ran
+            done = self.demand_no
+            for slot in self.used:
+                self.pending.pop(slot, None)
+            self.pending = {s: n for s, n in self.pending.items() if n > done}
+        self.used = []
+        layer = view.layer
+        if self.pending:
+            for e in view.experts.tolist():
+                if (layer, e) in self.pending:
+                    self.used.append((layer, e))
+        plan = super().decode_layer(view)
+        if plan.actions:
+            for a in plan.actions.values():
+                if a in (FETCH, TEMP):
+                    self.copy_no += 1
+                    self.demand_no = self.copy_no
+        if self.options["prefetch"] and view.next_experts is not None:
+            self._prefetch(view, plan)
+        return plan
+
+    def _prefetch(self, view: View, plan: Plan) -> None:
+        nl = view.layer + 1
+        nxt = [int(e) for e in view.next_experts if e >= 0]  # type: ignore[union-attr]
+        keep = set(nxt)
+        resident = view.resident[nl]
+        cache, order, cap = self.cache[nl], self.order[nl], self.quota[nl]
+        for e in nxt[: self.k_pre]:
+            if resident[e] or e in cache:
+                continue
+            victim: Slot | None = None
+            if len(cache) >= cap:
+                cand = next(
+                    (x for x in order if x not in keep and (nl, x) not in self.pending), None
+                )
+                if cand is None:
+                    break
+                cache.remove(cand)
+                self.removed(nl, cand)
+                victim = (nl, cand)
+            cache.append(e)
+            self.inserted(nl, e, view.step)
+            self.copy_no += 1
+            self.pending[(nl, e)] = self.copy_no
+            plan.prefetch.append((nl, e, victim))

@@ -1,0 +1,92 @@
+"""stream-all: DeepSpeed ZeRO-3 style, nothing resident, experts streamed at every use.
+
+Source: DAOP's "DeepSpeed-MII" baseline, which "really is ZeRO-3 inference with parameter
+offload: every parameter streams from the host every forward pass" (../shared/reference/daop.md,
+"Baselines"), and Fiddler's baseline script (efeslab/fiddler ``benchmarks/eval-baseline.py``):
+ZeRO stage 3 with ``offload_param = {device: cpu, pin_memory: true}`` and
+``deepspeed.utils.set_z3_leaf_modules(model, [MixtralSparseMoeBlock])``.
+
+What ZeRO-3 streams. The leaf-module setting makes ZeRO-3 gather a whole MoE block, i.e. all E
+experts of the layer, before the block runs, not just the routed ones. The measurements agree:
+Fiddler's logs give DS-MII 0.20-0.23 tok/s on the A6000 (related-systems.md §4.2). Streaming only
+the 2 routed experts per layer would move 64 x 352 MB = 22.5 GB per token (>= 1.1 tok/s at the
+26.2 GB/s pinned rate); streaming whole layers moves 256 x 352 MB = 90 GB (about 0.29 tok/s),
+the right magnitude; the rest is ZeRO bookkeeping this simulator does not model.
+
+How it is modelled (``gather`` option):
+- ``layer``: per layer, the routed experts are fetched into slots and the layer's other experts
+  are copied too (as prefetches into the same layer, never used: they show up as wasted prefetch
+  bytes); the slots of the layer two back are freed first. The slots are ZeRO-3's live-parameter
+  memory (two layers of experts, 2E slots, so a layer's copies never overlap the reuse of their
+  slots); nothing is kept from one visit of a layer to the next, so the hit rate is 0.
+- ``selected``: only the routed experts, each through a temporary buffer (TEMP), budget unused.
+- ``auto`` (default): ``layer`` when the budget has 2E slots and the model at least 3 MoE
+  layers, else ``selected`` (the chosen mode is recorded in the run's policy options).
+Copies come from pinned memory (``pin_memory: true`` above). The non-expert weights (attention,
+norms, router; about 3.2 GB for Mixtral, ~3.5 % of the expert bytes) are also streamed by ZeRO-3;
+the engine keeps them resident, so stream-all is slightly optimistic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from policies.base import Action, Param, Plan, Policy, SetupContext, Slot, View
+from policies.registry import register
+from simulator.errors import UserError
+
+FETCH, TEMP = Action.FETCH, Action.TEMP
+
+
+@register
+class StreamAllPolicy(Policy):
+    """Nothing stays on the GPU; every use of a layer streams its experts from the host."""
+
+    name = "stream-all"
+    summary = "DeepSpeed ZeRO-3 style: every expert streamed every time (nothing resident)"
+    source = "DeepSpeed ZeRO-3 param offload as run by DAOP/Fiddler (DS-MII baseline)"
+    host_memory = "pinned"
+    temp_buffers = 1
+    params = {
+        "gather": Param(
+            str,
+            "auto",
+            "'layer': all E experts of a layer per use (ZeRO-3 leaf MoE block); "
+            "'selected': only the routed ones; 'auto': layer if 2E slots fit",
+            choices=("auto", "layer", "selected"),
+        ),
+    }
+
+    def setup(self, ctx: SetupContext) -> Iterable[Slot]:
+        """No initial placement; pick the gather mode."""
+        n_layers, n_exp = ctx.model.moe_layers, ctx.model.experts
+        fits = ctx.budget >= 2 * n_exp and n_layers >= 3
+        mode = self.options["gather"]
+        if mode == "auto":
+            mode = "layer" if fits else "selected"
+        elif mode == "layer" and not fits:
+            raise UserError(
+                f"policy {self.name!r}: gather=layer needs {2 * n_exp} GPU expert slots and at "
+                f"least 3 MoE layers (budget {ctx.budget}, {n_layers} layers); "
+                "use --policy-opt gather=selected"
+            )
+        self.options = {**self.options, "gather": mode}
+        self.layer_mode = mode == "layer"
+        self.n_layers, self.n_exp = n_layers, n_exp
+        return []
+
+    def decode_layer(self, view: View) -> Plan:
+        """Stream this layer's experts (routed ones for compute)."""
+        routed = view.experts.tolist()
+        if not self.layer_mode:
+            return Plan(actions=dict.fromkeys(routed, TEMP))
+        layer = view.layer
+        old = (layer - 2) % self.n_layers
+        res_old = view.resident[old]
+        evict = [(old, e) for e in range(self.n_exp) if res_old[e]]
+        want = set(routed)
+        return Plan(
+            actions=dict.fromkeys(routed, FETCH),
+            evict=evict,
+            prefetch=[(layer, e, None) for e in range(self.n_exp) if e not in want],
+        )
