@@ -223,3 +223,17 @@ def test_traces_list_real_bundle(cli: Callable[..., Any]) -> None:
     assert result.exit_code == 0
     for row in json.loads(result.stdout):
         assert "error" not in row, row
+
+
+def test_trace_commands_accept_bundled_names(
+    tmp_path: Path, cli: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = make_trace(tmp_path / "small.parquet", sequences=1, prefill=2, decode=2)
+    monkeypatch.setattr("simulator.commands.trace_cmd.bundled_traces", lambda: {"small": path})
+    monkeypatch.chdir(tmp_path)
+    for command in ("validate", "info", "stats"):
+        result = cli("trace", command, "small")
+        assert result.exit_code == 0, result.output
+        assert str(path) in result.stdout
+    missing = cli("trace", "info", "other")
+    assert missing.exit_code == 2 and "other: no such file" in missing.stderr

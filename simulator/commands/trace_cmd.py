@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import click
 
 from simulator.commands.common import echo_json, json_option
+from simulator.data import bundled_traces
 from simulator.stats import PHASE_CHOICES, STAT_KEYS, trace_stats
 from simulator.trace import TraceMeta, read_meta, validate_trace
 
@@ -18,7 +20,16 @@ def trace() -> None:
 
 def _path_arg() -> Any:
     # exists=False: a missing file must give our one-line TraceError, not click's usage text
-    return click.argument("path", type=click.Path(dir_okay=True, exists=False))
+    return click.argument("path", type=click.Path(dir_okay=True, exists=False), callback=_resolve)
+
+
+def _resolve(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    """A bundled trace's short name (see `daopsim traces list`) also works as PATH."""
+    if not Path(value).exists():
+        bundled = bundled_traces()
+        if value in bundled:
+            return str(bundled[value])
+    return value
 
 
 def info_dict(path: str, meta: TraceMeta) -> dict[str, Any]:
@@ -41,7 +52,10 @@ def info_dict(path: str, meta: TraceMeta) -> dict[str, Any]:
 @_path_arg()
 @json_option
 def validate_cmd(path: str, as_json: bool) -> None:
-    """Check every row of PATH; exit 0 if valid, else print one error line and exit 2."""
+    """Check every row of PATH; exit 0 if valid, else print one error line and exit 2.
+
+    PATH is a trace file or the name of a bundled trace.
+    """
     meta = validate_trace(path)
     c = meta.counts
     if as_json:
@@ -124,6 +138,8 @@ def stats_cmd(path: str, as_json: bool, max_sequences: int | None, phase: str) -
     if as_json:
         echo_json(s)
         return
+    if s["phase_tokens"] == 0 and s["sequences"]:
+        click.echo(f"note: no {phase} tokens in the sequences read; see --phase")
     click.echo(
         f"{path}: {s['model']}, {s['sequences']} sequences, {s['prefill_tokens']} prefill + "
         f"{s['decode_tokens']} decode tokens; statistics over {phase} tokens"
@@ -134,7 +150,5 @@ def stats_cmd(path: str, as_json: bool, max_sequences: int | None, phase: str) -
         click.echo(f"{row['layer']:>5} " + " ".join(f"{_fmt(row[k]):>10}" for k in STAT_KEYS))
     click.echo(" mean " + " ".join(f"{_fmt(s[k]):>10}" for k in STAT_KEYS))
     base = s["uniform_baseline"]
-    click.echo(
-        "chance "
-        + " ".join(f"{_fmt(base.get(k)):>10}" if k in base else f"{'':>10}" for k in STAT_KEYS)[1:]
-    )
+    cells = " ".join(f"{_fmt(base[k]) if k in base else '':>10}" for k in STAT_KEYS)
+    click.echo(("chance" + cells).rstrip())
