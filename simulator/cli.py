@@ -62,3 +62,6 @@ def _register() -> None:
 
 
 _register()
+
+if __name__ == "__main__":
+    main()
