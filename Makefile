@@ -29,12 +29,12 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
+# lint, then every test (the notebooks are executed by tests/test_notebooks.py)
 test: $(STAMP) lint
 	$(PY) -m pytest
-	$(MAKE) notebooks
 
 notebooks: $(STAMP)
-	$(PY) -m pytest tests/test_notebooks.py -q -m 'not bench' --no-header -p no:randomly --override-ini addopts= -k notebooks
+	$(PY) -m pytest tests/test_notebooks.py
 
 bench: $(STAMP)
 	$(PY) -m pytest tests/bench -m bench -q --override-ini addopts=
