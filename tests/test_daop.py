@@ -343,3 +343,43 @@ if __name__ == "__main__":
         GOLDEN.parent.mkdir(exist_ok=True)
         GOLDEN.write_text(json.dumps(golden_metrics(), indent=2, sort_keys=True) + "\n")
         print(f"wrote {GOLDEN}")
+
+
+# -- the paper's experiment (tiny version) ---------------------------------------------------------
+def test_experiment_cli_tiny(tmp_path: Path, cli: Any) -> None:
+    """The daop-paper machinery on ci-small: table, skipped point, speed-ups, files."""
+    src = (Path(__file__).parent.parent / "experiments" / "daop-paper.toml").read_text()
+    small = src.split("[[models]]")[0].replace(
+        "cache_ratios = [0.25, 0.375, 0.46875, 0.5, 0.625]", "cache_ratios = [0.25, 0.625]"
+    )
+    small += '[[models]]\ntrace = "ci-small"\n'
+    small += 'fixed = { "mixtral-offloading" = { experts_per_layer = 3 } }\n\n'
+    small += "[policies" + src.split("[policies", 1)[1]
+    exp = tmp_path / "tiny.toml"
+    exp.write_text(small)
+    out = tmp_path / "out"
+    res = cli("experiment", str(exp), "--sequences", "1", "--out", str(out), "--json")
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    pols = {(r["policy"], round(r["cache_ratio"], 4)) for r in doc["rows"]}
+    for p in ("daop", "fiddler", "static", "stream-all"):
+        assert (p, 0.25) in pols
+    assert ("mixtral-offloading", 0.375) in pols
+    assert {s["cache_ratio"] for s in doc["skipped"]} == {0.625}
+    assert all("do not fit" in s["reason"] for s in doc["skipped"])
+    sp = doc["speedups"][0]
+    daop = next(r for r in doc["rows"] if r["policy"] == "daop")
+    fid = next(r for r in doc["rows"] if r["policy"] == "fiddler")
+    assert sp["vs_fiddler"] == pytest.approx(daop["tokens_per_s"] / fid["tokens_per_s"])
+    for name in ("results.csv", "results.parquet", "speedups.csv", "tokens_per_s.png"):
+        assert (out / name).stat().st_size > 0
+
+
+def test_experiment_unknown_policy_fails_clearly(tmp_path: Path, cli: Any) -> None:
+    exp = tmp_path / "bad.toml"
+    exp.write_text(
+        'hw = "a6000-pcie4"\ncache_ratios = [0.25]\ntarget = "daop"\n'
+        '[[models]]\ntrace = "ci-small"\n[policies.daop]\n[policies.no-such-policy]\n'
+    )
+    res = cli("experiment", str(exp))
+    assert res.exit_code == 2 and "no-such-policy" in res.stderr

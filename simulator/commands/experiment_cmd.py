@@ -1,0 +1,64 @@
+"""``daopsim experiment NAME``: run a named experiment (e.g. ``daop-paper``), print and write it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from simulator.commands.common import echo_json, json_option
+
+
+@click.command("experiment")
+@click.argument("name", default="daop-paper")
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Folder for results.csv/.parquet, speedups.csv, summary.txt and tokens_per_s.png "
+    "(default: ./<experiment>-results).",
+)
+@click.option(
+    "--sequences",
+    type=int,
+    default=None,
+    help="Evaluation sequences per run (default: the experiment file's 'sequences').",
+)
+@click.option("--list", "list_only", is_flag=True, help="List the bundled experiments and exit.")
+@json_option
+def experiment(
+    name: str, out_dir: Path | None, sequences: int | None, list_only: bool, as_json: bool
+) -> None:
+    """Run experiment NAME (a bundled name such as daop-paper, or a TOML file).
+
+    Every policy runs on the same trace, hardware profile and cost model; points whose
+    expert budget does not fit in GPU memory are skipped and reported with the reason.
+    """
+    from simulator.experiments import bundled_experiments, load_experiment, run_experiment
+
+    if list_only:
+        names = {n: str(p) for n, p in bundled_experiments().items()}
+        if as_json:
+            echo_json(names)
+        else:
+            for n, p in names.items():
+                click.echo(f"{n}  {p}")
+        return
+    exp = load_experiment(name)
+
+    def progress(msg: str) -> None:
+        if not as_json:
+            click.echo(f"  running {msg}", err=True)
+
+    result = run_experiment(exp, sequences=sequences, progress=progress)
+    out = out_dir if out_dir is not None else Path(f"{exp.name}-results")
+    paths = result.write(out)
+    if as_json:
+        doc = result.summary()
+        doc["outputs"] = {k: str(v) for k, v in paths.items()}
+        echo_json(doc)
+    else:
+        click.echo(f"{exp.name}: {exp.description}")
+        click.echo(result.format_table())
+        click.echo(f"wrote {', '.join(str(p) for p in paths.values())}")

@@ -1,0 +1,335 @@
+"""Named experiments: a TOML file describing a grid of runs, its comparison table and plots.
+
+The bundled ``daop-paper`` experiment (experiments/daop-paper.toml) reproduces DAOP's setting:
+two models, one machine, several expert cache ratios, DAOP against its baselines; every policy
+runs on the same trace, profile and cost model. :func:`run_experiment` returns an
+:class:`ExperimentResult` (a tidy table, skipped points with their reasons, speed-ups) and
+:meth:`ExperimentResult.write` writes CSV, Parquet and a plot, each atomically.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from policies.registry import get_policy_class
+from simulator.errors import UserError
+from simulator.results import atomic_write, atomic_write_text
+from simulator.runner import simulate
+
+#: metrics kept per run in the results table
+METRICS = (
+    "tokens_per_s",
+    "decode_tokens_per_s",
+    "ttft_s",
+    "hit_rate",
+    "tokens_per_kj",
+    "energy_j",
+    "routing_replaced_frac",
+    "gate_mass_preserved",
+    "cpu_expert_evals",
+    "cpu_precalc_evals",
+    "h2d_bytes",
+)
+
+
+def experiments_dir() -> Path:
+    """Folder of the bundled experiment files (experiments/*.toml)."""
+    try:
+        return Path(str(resources.files("experiments")))
+    except ModuleNotFoundError:  # an editable install made before the package existed
+        return Path(__file__).resolve().parent.parent / "experiments"
+
+
+def bundled_experiments() -> dict[str, Path]:
+    """Bundled experiments by name (file stem)."""
+    return {p.stem: p for p in sorted(experiments_dir().glob("*.toml"))}
+
+
+@dataclass
+class ModelSpec:
+    """One model of an experiment: its trace and the policies run at a fixed point."""
+
+    trace: str
+    fixed: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+@dataclass
+class Experiment:
+    """A parsed experiment file."""
+
+    name: str
+    description: str
+    hw: str
+    dtype: str | None
+    sequences: int | None
+    cache_ratios: list[float]
+    target: str
+    policies: dict[str, dict[str, Any]]
+    models: list[ModelSpec]
+    path: Path
+
+    @property
+    def baselines(self) -> list[str]:
+        """Every policy but the target, in file order."""
+        return [p for p in self.policies if p != self.target]
+
+
+def load_experiment(name_or_path: str | os.PathLike[str]) -> Experiment:
+    """A bundled experiment by name or a TOML path; a UserError names the file and key."""
+    text = str(name_or_path)
+    bundled = bundled_experiments()
+    path = bundled.get(text) or Path(text)
+    if not path.is_file():
+        raise UserError(
+            f"unknown experiment {text!r}: not a file and not bundled ({', '.join(bundled)})"
+        )
+    try:
+        doc = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"{path}: not valid TOML: {exc}") from None
+
+    def need(key: str, typ: type | tuple[type, ...]) -> Any:
+        if key not in doc:
+            raise UserError(f"{path}: missing key {key!r}")
+        if not isinstance(doc[key], typ):
+            raise UserError(f"{path}: key {key!r} has the wrong type")
+        return doc[key]
+
+    ratios = need("cache_ratios", list)
+    for r in ratios:
+        if not isinstance(r, int | float) or not 0 < r <= 1:
+            raise UserError(f"{path}: cache_ratios must be numbers in (0, 1], got {r!r}")
+    policies = need("policies", dict)
+    for pname, opts in policies.items():
+        if not isinstance(opts, dict):
+            raise UserError(f"{path}: policies.{pname} must be a table of options")
+    target = need("target", str)
+    if target not in policies:
+        raise UserError(f"{path}: target {target!r} is not under [policies]")
+    models = []
+    for i, m in enumerate(need("models", list)):
+        if not isinstance(m, dict) or not isinstance(m.get("trace"), str):
+            raise UserError(f"{path}: models[{i}] needs a 'trace' string")
+        fixed = m.get("fixed", {})
+        if not isinstance(fixed, dict) or any(p not in policies for p in fixed):
+            raise UserError(f"{path}: models[{i}].fixed must name policies under [policies]")
+        models.append(ModelSpec(trace=m["trace"], fixed=fixed))
+    seqs = doc.get("sequences")
+    if seqs is not None and (not isinstance(seqs, int) or seqs <= 0):
+        raise UserError(f"{path}: 'sequences' must be a positive integer")
+    return Experiment(
+        name=str(doc.get("name", path.stem)),
+        description=str(doc.get("description", "")),
+        hw=need("hw", str),
+        dtype=doc.get("dtype"),
+        sequences=seqs,
+        cache_ratios=[float(r) for r in ratios],
+        target=target,
+        policies=policies,
+        models=models,
+        path=path,
+    )
+
+
+@dataclass
+class ExperimentResult:
+    """Rows of one experiment: one per (model, cache ratio, policy), skipped ones included."""
+
+    experiment: Experiment
+    table: pd.DataFrame
+
+    @property
+    def ok(self) -> pd.DataFrame:
+        """Rows that ran."""
+        return self.table[self.table["status"] == "ok"]
+
+    @property
+    def skipped(self) -> pd.DataFrame:
+        """Rows that did not run, with the reason."""
+        return self.table[self.table["status"] != "ok"]
+
+    def speedups(self) -> pd.DataFrame:
+        """Target tokens/s over each baseline's, per model and cache ratio (and the mean).
+
+        A baseline run at a fixed point (``fixed`` in the file) is compared at that point's
+        throughput for every ratio, as the paper compares against one configuration of it.
+        """
+        exp = self.experiment
+        ok = self.ok
+        rows = []
+        for model, sub in ok.groupby("model", sort=False):
+            tgt = sub[sub["policy"] == exp.target]
+            for _, t in tgt.iterrows():
+                row: dict[str, Any] = {"model": model, "cache_ratio": t["cache_ratio"]}
+                for b in exp.baselines:
+                    bs = sub[sub["policy"] == b]
+                    fixed = bs[bs["fixed"]]
+                    same = fixed if len(fixed) else bs[bs["cache_ratio"] == t["cache_ratio"]]
+                    val = float("nan")
+                    if len(same) and same["tokens_per_s"].iloc[0] > 0:
+                        val = t["tokens_per_s"] / same["tokens_per_s"].iloc[0]
+                    row[f"vs_{b}"] = val
+                rows.append(row)
+        return pd.DataFrame(rows)
+
+    def summary(self) -> dict[str, Any]:
+        """The ``--json`` document: rows, skipped points, speed-ups and their means."""
+        sp = self.speedups()
+        means = {c: float(sp[c].mean()) for c in sp.columns if c.startswith("vs_")}
+        return {
+            "experiment": self.experiment.name,
+            "hw": self.experiment.hw,
+            "rows": self.ok.drop(columns=["status", "reason"]).to_dict(orient="records"),
+            "skipped": self.skipped[["model", "cache_ratio", "policy", "reason"]].to_dict(
+                orient="records"
+            ),
+            "speedups": sp.to_dict(orient="records"),
+            "mean_speedups": means,
+        }
+
+    def format_table(self) -> str:
+        """A plain-text table: tokens/s and tokens/kJ per policy, then the target's speed-ups."""
+        ok = self.ok
+        lines = []
+        if len(ok):
+            tps = ok.pivot_table(
+                index=["model", "cache_ratio"], columns="policy", values="tokens_per_s"
+            )
+            kj = ok.pivot_table(
+                index=["model", "cache_ratio"], columns="policy", values="tokens_per_kj"
+            )
+            with pd.option_context("display.width", 200, "display.max_columns", 50):
+                lines += ["tokens/s", tps.round(3).to_string(), ""]
+                lines += ["tokens/kJ", kj.round(2).to_string(), ""]
+                sp = self.speedups()
+                if len(sp):
+                    lines += [f"speed-up of {self.experiment.target}", sp.round(2).to_string()]
+                    means = {c: round(float(sp[c].mean()), 2) for c in sp if c.startswith("vs_")}
+                    lines += [f"mean: {means}", ""]
+        for _, r in self.skipped.iterrows():
+            lines.append(
+                f"skipped {r['model']} {r['policy']} at {r['cache_ratio']:.4g}: {r['reason']}"
+            )
+        return "\n".join(lines)
+
+    def plot(self, path: str | os.PathLike[str]) -> Path:
+        """Tokens/s against expert cache ratio, one panel per model, one line per policy."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        ok = self.ok
+        models = list(dict.fromkeys(ok["model"])) or ["(none)"]
+        fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 3.8), squeeze=False)
+        for ax, model in zip(axes[0], models, strict=True):
+            sub = ok[ok["model"] == model]
+            for pol, grp in sub.groupby("policy", sort=False):
+                grp = grp.sort_values("cache_ratio")
+                style = "s" if bool(grp["fixed"].iloc[0]) else "o-"
+                ax.plot(grp["cache_ratio"] * 100, grp["tokens_per_s"], style, label=str(pol))
+            ax.set_yscale("log")
+            ax.set_xlabel("expert cache ratio (%)")
+            ax.set_ylabel("tokens/s (prefill included)")
+            ax.set_title(f"{model} on {self.experiment.hw}")
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        out = atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+        plt.close(fig)
+        return out
+
+    def write(self, out_dir: str | os.PathLike[str]) -> dict[str, Path]:
+        """results.csv, results.parquet, speedups.csv, summary.txt and tokens_per_s.png."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        tab = self.table
+        sp = self.speedups()
+        return {
+            "csv": atomic_write(out / "results.csv", lambda t: tab.to_csv(t, index=False)),
+            "parquet": atomic_write(
+                out / "results.parquet", lambda t: tab.to_parquet(t, index=False)
+            ),
+            "speedups": atomic_write(out / "speedups.csv", lambda t: sp.to_csv(t, index=False)),
+            "summary": atomic_write_text(out / "summary.txt", self.format_table() + "\n"),
+            "plot": self.plot(out / "tokens_per_s.png"),
+        }
+
+
+def run_experiment(
+    name_or_path: str | os.PathLike[str] | Experiment,
+    sequences: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> ExperimentResult:
+    """Run every (model, cache ratio, policy) point; points that do not fit are skipped."""
+    exp = name_or_path if isinstance(name_or_path, Experiment) else load_experiment(name_or_path)
+    for pname in exp.policies:  # fail before any run when a policy is missing
+        try:
+            get_policy_class(pname)
+        except UserError as exc:
+            raise UserError(f"{exp.path}: experiment needs policy {pname!r}: {exc}") from None
+    n_seq = sequences if sequences is not None else exp.sequences
+    rows: list[dict[str, Any]] = []
+    for spec in exp.models:
+        for pname, base_opts in exp.policies.items():
+            if pname in spec.fixed:
+                points: list[tuple[float | None, dict[str, Any], bool]] = [
+                    (None, {**base_opts, **spec.fixed[pname]}, True)
+                ]
+            else:
+                points = [(r, dict(base_opts), False) for r in exp.cache_ratios]
+            for ratio, opts, fixed in points:
+                kwargs: dict[str, Any] = {}
+                if fixed:
+                    per = int(opts.get("experts_per_layer", 0))
+                    if per:
+                        from simulator.data import resolve_trace
+                        from simulator.trace import read_meta
+
+                        layers = read_meta(resolve_trace(spec.trace)).model.moe_layers
+                        kwargs["gpu_experts"] = per * layers
+                else:
+                    kwargs["cache_ratio"] = ratio
+                row: dict[str, Any] = {"trace": spec.trace, "policy": pname, "fixed": fixed}
+                if progress is not None:
+                    where = "fixed point" if fixed else f"ratio {ratio:.4g}"
+                    progress(f"{spec.trace}: {pname} at {where}")
+                try:
+                    res = simulate(
+                        pname,
+                        hw=exp.hw,
+                        trace=spec.trace,
+                        sequences=n_seq,
+                        policy_options=opts,
+                        dtype=exp.dtype,
+                        record=False,
+                        **kwargs,
+                    )
+                except UserError as exc:
+                    if "do not fit" not in str(exc):
+                        raise
+                    row.update(model=spec.trace, cache_ratio=ratio, status="skipped")
+                    row["reason"] = str(exc)
+                    rows.append(row)
+                    continue
+                row.update(
+                    model=res.config["model"],
+                    cache_ratio=res.config["cache_ratio"],
+                    gpu_experts=res.config["gpu_experts"],
+                    sequences=res.config["sequences"],
+                    status="ok",
+                    reason="",
+                )
+                row.update({k: res.metrics.get(k) for k in METRICS})
+                rows.append(row)
+    cols = ["model", "trace", "cache_ratio", "policy", "fixed", "gpu_experts", "sequences"]
+    table = pd.DataFrame(rows)
+    table = table[[c for c in cols if c in table] + [c for c in table if c not in cols]]
+    return ExperimentResult(exp, table.reset_index(drop=True))
