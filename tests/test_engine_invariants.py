@@ -1,0 +1,393 @@
+"""Engine invariants under random legal decisions, and the engine refusing illegal ones.
+
+A chaos policy makes random but legal choices (GPU for resident experts, FETCH with a random
+legal victim, TEMP, CPU, prefetch, evictions, CPU pre-calculation then PRECOMPUTED) on random
+small traces. The recorded timeline and occupancy must then satisfy the physics: slots within
+budget, one operation at a time on each copy engine, CPU worker and the GPU stream, every routed
+expert computed exactly once, time monotone, busy time within wall time. A second group of tests
+feeds the engine impossible plans and expects a PolicyError naming policy, sequence, token and
+layer. Finally the FIFO ``Lane`` is checked against ``simpy.Resource``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pytest
+import simpy
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from policies.base import Action, Plan, Policy, SetupContext, Slot, View
+from simulator.costs import cost_model
+from simulator.engine import Engine, Lane
+from simulator.errors import PolicyError
+from simulator.hardware import load_profile
+from simulator.recorder import Recorder
+from simulator.testing import random_routing, routing_from_experts, tiny_model
+from simulator.trace import SequenceRouting
+
+EPS = 1e-12
+HW = load_profile("a6000-pcie4")
+
+
+class ChaosPolicy(Policy):
+    """Random legal decisions. Reads the engine (tests only) to know which copies are done."""
+
+    name = "chaos"
+
+    def __init__(self, rng: np.random.Generator, cpu_workers: int, temp_buffers: int) -> None:
+        super().__init__()
+        self.rng = rng
+        self.cpu_workers = cpu_workers
+        self.temp_buffers = temp_buffers
+        self.engine: Engine | None = None
+        self.precomputed: list[tuple[int, int, int, int]] = []  # (seq, token, layer, expert)
+
+    def setup(self, ctx: SetupContext) -> Iterable[Slot]:
+        """A random initial placement within the budget."""
+        n_l, n_e = ctx.model.moe_layers, ctx.model.experts
+        total = n_l * n_e
+        n = int(self.rng.integers(0, ctx.budget + 1))
+        picks = self.rng.choice(total, size=min(n, total), replace=False)
+        return [(int(i) // n_e, int(i) % n_e) for i in picks]
+
+    def _ready(self, slot: Slot, now: float) -> bool:
+        assert self.engine is not None
+        return bool(self.engine.ready_at[slot] <= now)
+
+    def decode_layer(self, view: View) -> Plan:
+        """Random legal plan."""
+        eng = self.engine
+        assert eng is not None
+        rng, layer, now = self.rng, view.layer, view.now
+        res = view.resident
+        routed = [int(e) for e in view.experts.tolist()]
+        held = int(res.sum())
+        budget = view.budget
+        taken: set[Slot] = set()  # slots evicted or newly filled in this plan
+
+        def victim(exclude_layer_experts: set[int]) -> Slot | None:
+            cands = [
+                (int(a), int(b))
+                for a, b in zip(*np.nonzero(res), strict=True)
+                if (int(a), int(b)) not in taken
+                and not (a == layer and int(b) in exclude_layer_experts)
+                and self._ready((int(a), int(b)), now)
+            ]
+            if not cands:
+                return None
+            return cands[int(rng.integers(len(cands)))]
+
+        plan = Plan(actions={})
+        assert plan.actions is not None
+        # explicit evictions of experts this layer does not route
+        if rng.random() < 0.2:
+            v = victim(set(routed))
+            if v is not None:
+                plan.evict.append(v)
+                taken.add(v)
+                held -= 1
+        for e in routed:
+            if res[layer, e] and (layer, e) not in taken:
+                opts = [Action.GPU, Action.CPU]
+            else:
+                opts = [Action.FETCH, Action.TEMP, Action.CPU]
+            if (layer, e) in eng.precalc:
+                opts.append(Action.PRECOMPUTED)
+            a = opts[int(rng.integers(len(opts)))]
+            if a == Action.FETCH:
+                if held < budget:
+                    held += 1
+                else:
+                    v = victim(set(routed))
+                    if v is None:
+                        a = Action.TEMP
+                    else:
+                        plan.victims[e] = v
+                        taken.add(v)
+                if a == Action.FETCH:
+                    taken.add((layer, e))
+            if a == Action.PRECOMPUTED:
+                self.precomputed.append((view.seq_id, view.token, layer, e))
+            plan.actions[e] = a
+        # background work
+        if rng.random() < 0.3:
+            free = [
+                (int(a), int(b))
+                for a, b in zip(*np.nonzero(~res), strict=True)
+                if (int(a), int(b)) not in taken and not (a == layer and int(b) in routed)
+            ]
+            if free:
+                slot = free[int(rng.integers(len(free)))]
+                if held < budget:
+                    plan.prefetch.append((slot[0], slot[1], None))
+                    held += 1
+                    taken.add(slot)
+                else:
+                    v = victim(set(routed))
+                    if v is not None:
+                        taken.add(v)
+                        taken.add(slot)
+                        plan.prefetch.append((slot[0], slot[1], v))
+        if layer + 1 < view.model.moe_layers and rng.random() < 0.3:  # type: ignore[union-attr]
+            pl = int(rng.integers(layer + 1, view.model.moe_layers))  # type: ignore[union-attr]
+            pe = int(rng.integers(view.model.experts))  # type: ignore[union-attr]
+            if (pl, pe) not in eng.precalc:
+                plan.precalc.append((pl, pe))
+        return plan
+
+
+def _run(
+    seed: int, layers: int, experts: int, k: int, budget: int, n_seq: int, pre: int, dec: int
+) -> tuple[Engine, ChaosPolicy, pd.DataFrame, pd.DataFrame, list[SequenceRouting]]:
+    rng = np.random.default_rng(seed)
+    model = tiny_model(experts=experts, top_k=k, moe_layers=layers)
+    costs = cost_model(HW, model)
+    pol = ChaosPolicy(
+        rng, cpu_workers=int(rng.integers(1, 3)), temp_buffers=int(rng.integers(1, 3))
+    )
+    rec = Recorder()
+    eng = Engine(pol, model, costs, budget, recorder=rec, seed=seed)
+    pol.engine = eng
+    routings = [random_routing(model, s, pre, dec, rng) for s in range(n_seq)]
+    eng.run(iter(routings))
+    return eng, pol, rec.timeline(), rec.occupancy_frame(), routings
+
+
+def _no_overlap(tl: pd.DataFrame, resource: str) -> None:
+    rows = tl[tl["resource"] == resource].sort_values(["start", "end"], kind="stable")
+    if len(rows) < 2:
+        return
+    starts, ends = rows["start"].to_numpy(), rows["end"].to_numpy()
+    assert (starts[1:] >= ends[:-1] - EPS).all(), f"{resource}: overlapping operations"
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    layers=st.integers(2, 4),
+    experts=st.integers(3, 8),
+    k=st.integers(1, 2),
+    budget_frac=st.floats(0.0, 1.0),
+    n_seq=st.integers(1, 2),
+    pre=st.integers(0, 4),
+    dec=st.integers(1, 4),
+)
+def test_chaos_policy_never_breaks_an_invariant(
+    seed: int,
+    layers: int,
+    experts: int,
+    k: int,
+    budget_frac: float,
+    n_seq: int,
+    pre: int,
+    dec: int,
+) -> None:
+    budget = int(round(budget_frac * layers * experts))
+    eng, pol, tl, occ, routings = _run(seed, layers, experts, k, budget, n_seq, pre, dec)
+    e2e = float(eng.env.now)
+
+    # slots within budget at all times
+    assert (occ["slots"] <= budget + pol.staging_buffers).all()
+    assert eng.c.max_occupancy <= budget
+
+    # time monotone per row
+    assert (tl["start"] <= tl["end"] + EPS).all()
+    assert (tl["start"] >= -EPS).all()
+
+    # one operation at a time on every serial resource
+    for resource in tl["resource"].unique():
+        if resource in ("h2d", "d2h", "gpu") or str(resource).startswith("cpu"):
+            _no_overlap(tl, str(resource))
+
+    # per-resource busy time within wall time (background copies may outlive the last token)
+    horizon = max(e2e, float(tl["end"].max()) if len(tl) else 0.0)
+    for resource, rows in tl.groupby("resource", observed=True):
+        busy = float((rows["end"] - rows["start"]).sum())
+        assert busy <= horizon + 1e-9, resource
+    assert eng.gpu.busy <= e2e + 1e-9
+    assert eng.cpu.busy <= len(eng.cpu.lanes) * horizon + 1e-9
+
+    # every routed expert computed exactly once: GPU rows + CPU rows + consumed pre-calculations
+    computed: dict[tuple[int, int, int], list[int]] = {}
+    gpu_rows = tl[(tl["resource"] == "gpu") & (tl["kind"] == "expert")]
+    cpu_rows = tl[tl["kind"] == "cpu_expert"]
+    for rows in (gpu_rows, cpu_rows):
+        for s, t, lay, e in rows[["seq", "token", "layer", "expert"]].itertuples(index=False):
+            computed.setdefault((int(s), int(t), int(lay)), []).append(int(e))
+    pre_rows = {
+        tuple(int(x) for x in r)
+        for r in tl[tl["kind"] == "precalc"][["seq", "layer", "expert"]].itertuples(index=False)
+    }
+    for s, t, lay, e in pol.precomputed:
+        assert (s, lay, e) in pre_rows, "PRECOMPUTED without a recorded pre-calculation"
+        computed.setdefault((s, t, lay), []).append(e)
+    expected: dict[tuple[int, int, int], list[int]] = {}
+    for r in routings:
+        p = r.n_prefill
+        for lay in range(layers):
+            if p:
+                expected[(r.seq_id, 0, lay)] = sorted(np.unique(r.experts[:p, lay, :]).tolist())
+            for t in range(p, r.n_tokens):
+                expected[(r.seq_id, t, lay)] = sorted(r.experts[t, lay].tolist())
+    assert {key: sorted(v) for key, v in computed.items()} == expected
+
+    # token-layers complete in order: each layer's compute ends before the next one starts
+    ne = tl[(tl["resource"] == "gpu") & (tl["kind"] == "nonexpert")]
+    starts = ne["start"].to_numpy()
+    assert (np.diff(starts) >= -EPS).all()
+    order = list(ne[["seq", "token", "layer"]].itertuples(index=False, name=None))
+    assert len(order) == len(set(order)) == len(expected)
+    nxt = {key: float(starts[i + 1]) for i, key in enumerate(order[:-1])}
+    work = tl[(tl["kind"].isin(["expert", "cpu_expert"]))]
+    for key, g in work.groupby(["seq", "token", "layer"], observed=True):
+        after = nxt.get(tuple(int(x) for x in key))  # type: ignore[arg-type]
+        if after is not None:
+            assert float(g["end"].max()) <= after + 1e-9
+    assert float(tl["end"][tl["kind"].isin(["expert", "nonexpert"])].max()) <= e2e + 1e-9
+
+
+def test_chaos_run_uses_every_kind_of_decision() -> None:
+    """The chaos generator exercises every action (else the invariant test proves little)."""
+    _eng, _pol, tl, _occ, _r = _run(3, 3, 6, 2, 6, 2, 4, 6)
+    kinds = set(tl["kind"].astype(str))
+    assert {"expert", "nonexpert", "fetch", "temp", "cpu_expert", "prefetch", "precalc"} <= kinds
+    assert _pol.precomputed, "no PRECOMPUTED use was generated"
+
+
+# -- the engine refuses impossible decisions ---------------------------------------------------
+
+
+class Scripted(Policy):
+    """A policy whose placement and per-layer answer are given by the test."""
+
+    name = "scripted"
+
+    def __init__(self, place: list[Slot], answer: Any, at: tuple[int, int] = (-1, -1)) -> None:
+        super().__init__()
+        self.place = place
+        self.answer = answer
+        self.at = at  # (token, layer) where the answer is used; elsewhere: all on the GPU or TEMP
+
+    def setup(self, ctx: SetupContext) -> Iterable[Slot]:
+        """The given placement."""
+        return self.place
+
+    def decode_layer(self, view: View) -> Plan:
+        """The scripted answer at one point, else legal TEMP/GPU plans."""
+        if (view.token, view.layer) == self.at or self.at == (-1, -1):
+            ans = self.answer
+            if callable(ans):
+                return ans(view)
+            return ans
+        res = view.resident[view.layer]
+        return Plan(
+            actions={e: Action.GPU if res[e] else Action.TEMP for e in view.experts.tolist()}
+        )
+
+
+def _engine(pol: Policy, budget: int = 2) -> tuple[Engine, list[SequenceRouting]]:
+    model = tiny_model(experts=4, top_k=2, moe_layers=2)
+    # token 0: experts 0,1 in both layers; token 1: experts 2,3
+    r = routing_from_experts(model, [[[0, 1], [0, 1]], [[2, 3], [2, 3]]], seq_id=7)
+    return Engine(pol, model, cost_model(HW, model), budget), [r]
+
+
+def _expect(pol: Policy, match: str, budget: int = 2, token: int = 1, layer: int = 1) -> None:
+    with pytest.raises(PolicyError, match=match) as info:
+        eng, rs = _engine(pol, budget)
+        eng.run(iter(rs))
+    msg = str(info.value)
+    assert f"policy '{pol.name}'" in msg
+    if info.value.layer is not None:
+        assert "sequence 7" in msg and f"token {token}" in msg and f"layer {layer}" in msg
+
+
+def test_refuses_initial_placement_over_budget() -> None:
+    _expect(Scripted([(0, 0), (0, 1), (1, 0)], Plan()), "budget is 2")
+
+
+def test_refuses_fetch_over_budget() -> None:
+    def over(view: View) -> Plan:
+        return Plan(actions=dict.fromkeys(view.experts.tolist(), Action.FETCH))
+
+    _expect(Scripted([(0, 0), (1, 0)], over, at=(1, 1)), "budget|slots full")
+
+
+def test_refuses_evicting_an_absent_expert() -> None:
+    def bad(view: View) -> Plan:
+        return Plan(actions=dict.fromkeys(view.experts.tolist(), Action.TEMP), evict=[(0, 3)])
+
+    _expect(Scripted([], bad, at=(1, 1)), "not resident")
+
+
+def test_refuses_running_a_non_resident_expert_on_the_gpu() -> None:
+    _expect(Scripted([], Plan(), at=(1, 1)), "not resident")
+
+
+def test_refuses_a_missing_action() -> None:
+    _expect(Scripted([], Plan(actions={2: Action.TEMP}), at=(1, 1)), "no action")
+
+
+def test_refuses_an_action_for_an_unrouted_expert() -> None:
+    acts = {2: Action.TEMP, 3: Action.TEMP, 0: Action.TEMP}
+    _expect(Scripted([], Plan(actions=acts), at=(1, 1)), "not routed")
+
+
+def test_refuses_an_unsubmitted_precalculation() -> None:
+    acts = {2: Action.PRECOMPUTED, 3: Action.TEMP}
+    _expect(Scripted([], Plan(actions=acts), at=(1, 1)), "never submitted")
+
+
+@pytest.mark.parametrize("garbage", [None, {"actions": {}}, 42, [Action.GPU]])
+def test_refuses_garbage(garbage: object) -> None:
+    _expect(Scripted([], garbage, at=(1, 1)), "expected a Plan")
+
+
+def test_a_raising_policy_becomes_a_policy_error() -> None:
+    def boom(view: View) -> Plan:
+        raise ValueError("kaboom")
+
+    _expect(Scripted([], boom, at=(1, 1)), "ValueError: kaboom")
+
+
+def test_refuses_an_unknown_action() -> None:
+    _expect(Scripted([], Plan(actions={2: 9, 3: Action.TEMP}), at=(1, 1)), "unknown action")
+
+
+# -- the FIFO lane is simpy.Resource(capacity=1) for requests issued in time order -------------
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    st.lists(st.tuples(st.floats(0.0, 5.0), st.floats(0.0, 3.0)), min_size=1, max_size=30).map(
+        lambda xs: sorted(xs, key=lambda x: x[0])
+    )
+)
+def test_lane_matches_simpy_resource(requests: list[tuple[float, float]]) -> None:
+    lane = Lane("x")
+    ours = [lane.reserve(t, d) for t, d in requests]
+
+    env = simpy.Environment()
+    res = simpy.Resource(env, capacity=1)
+    theirs: list[tuple[float, float]] = [(0.0, 0.0)] * len(requests)
+
+    def job(i: int, t: float, d: float) -> Any:
+        yield env.timeout(t)
+        with res.request() as req:
+            yield req
+            start = env.now
+            yield env.timeout(d)
+            theirs[i] = (start, env.now)
+
+    for i, (t, d) in enumerate(requests):
+        env.process(job(i, t, d))
+    env.run()
+    np.testing.assert_allclose(np.array(ours), np.array(theirs), rtol=0, atol=1e-9)
+    assert lane.busy == pytest.approx(sum(d for _, d in requests))
