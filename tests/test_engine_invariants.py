@@ -189,7 +189,7 @@ def test_chaos_policy_never_breaks_an_invariant(
     pre: int,
     dec: int,
 ) -> None:
-    budget = int(round(budget_frac * layers * experts))
+    budget = round(budget_frac * layers * experts)
     eng, pol, tl, occ, routings = _run(seed, layers, experts, k, budget, n_seq, pre, dec)
     e2e = float(eng.env.now)
 
