@@ -1,0 +1,130 @@
+"""Sweep plots: every kind renders to a PNG (API and CLI), bounds and Pareto front are right."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from simulator.errors import UserError
+from simulator.plots import (
+    KINDS,
+    breakdown_table,
+    pareto_front,
+    plot,
+    plot_throughput,
+    save_figure,
+)
+from simulator.sweep import Grid, sweep
+from simulator.testing import make_trace
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small sweep table: 3 policies (one a bound) on 2 machines at 2 cache ratios."""
+    folder = tmp_path_factory.mktemp("plots")
+    trace = make_trace(folder / "tiny.parquet", sequences=3, prefill=6, decode=10, seed=5)
+    out = folder / "r.parquet"
+    sweep(
+        Grid(
+            policies=["lru", "static", "all-gpu"],
+            hw=["a6000-pcie4", "rtx4090-pcie4"],
+            traces=[str(trace)],
+            cache_ratios=[0.25, 0.5],
+            sequences=2,
+        ),
+        workers=1,
+        out=out,
+        progress=False,
+    )
+    return out
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC
+    # IHDR: width and height, big-endian, right after the 8-byte magic and 8-byte chunk header
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_kind_renders(results: Path, tmp_path: Path, kind: str) -> None:
+    target = tmp_path / f"{kind}.png"
+    save_figure(plot(pd.read_parquet(results), kind), target)
+    w, h = _png_size(target)
+    assert 400 <= w <= 4000 and 250 <= h <= 3000
+    assert 10_000 < target.stat().st_size < 2_000_000
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_cli_plot(results: Path, tmp_path: Path, cli) -> None:  # type: ignore[no-untyped-def]
+    target = tmp_path / "t.png"
+    res = cli("plot", results, "--kind", "pareto", "-o", target, "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["path"] == str(target)
+    _png_size(target)
+    res = cli("plot", results, "--kind", "heatmap")  # default output beside the results
+    assert res.exit_code == 0, res.output
+    _png_size(results.with_name("r.heatmap.png"))
+    res = cli("plot", tmp_path / "missing.parquet")
+    assert res.exit_code == 2 and "no such results file" in res.stderr
+    res = cli("plot", results, "--trace", "nope")
+    assert res.exit_code == 2 and "not in the results" in res.stderr
+    res = cli("plot", results, "--kind", "bogus")
+    assert res.exit_code == 2
+
+
+def test_throughput_bound_line_from_table_or_computed(results: Path) -> None:
+    df = pd.read_parquet(results)
+    expected = df[(df["policy"] == "all-gpu") & (df["hw"] == "a6000-pcie4")]["tokens_per_s"]
+
+    def bound_line(fig: object) -> float:
+        ax = fig.axes[0]  # type: ignore[attr-defined]
+        line = next(ln for ln in ax.get_lines() if ln.get_label() == "all-gpu (bound)")
+        return float(line.get_ydata()[0])
+
+    assert bound_line(plot_throughput(df)) == pytest.approx(float(expected.iloc[0]))
+    # without the all-gpu rows it is simulated on the fly, to the same value
+    no_bound = df[df["policy"] != "all-gpu"]
+    assert bound_line(plot_throughput(no_bound)) == pytest.approx(float(expected.iloc[0]))
+    fig = plot_throughput(no_bound, compute_bound=False)
+    assert not [ln for ln in fig.axes[0].get_lines() if ln.get_label() == "all-gpu (bound)"]
+
+
+def test_pareto_front_and_breakdown_numbers() -> None:
+    df = pd.DataFrame(
+        {
+            "expert_memory_gb": [1.0, 2.0, 2.0, 3.0, 4.0],
+            "tokens_per_s": [5.0, 4.0, 7.0, 6.0, 9.0],
+        }
+    )
+    front = pareto_front(df)
+    assert list(front.index) == [0, 2, 4]
+    row = pd.DataFrame(
+        {
+            "gpu_expert_s": [1.0],
+            "gpu_nonexpert_s": [0.5],
+            "cpu_wait_s": [0.25],
+            "transfer_stall_s": [2.0],
+            "e2e_s": [4.0],
+            "decode_tokens": [10],
+        }
+    )
+    parts = breakdown_table(row).iloc[0]
+    assert parts["GPU compute"] == pytest.approx(150.0)  # ms per generated token
+    assert parts["other"] == pytest.approx(25.0)
+    assert math.isclose(parts.sum(), 400.0)
+
+
+def test_errors_only_table_is_a_clear_error(results: Path) -> None:
+    df = pd.read_parquet(results)
+    df["status"] = "error"
+    with pytest.raises(UserError, match="no successful runs"):
+        plot(df, "throughput")
+    with pytest.raises(UserError, match="unknown plot kind"):
+        plot(df, "pie")
