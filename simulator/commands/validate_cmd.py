@@ -1,0 +1,116 @@
+"""``daopsim validate``: the simulator against published measurements (validation/published.toml)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from simulator.commands.common import echo_json, json_option
+
+
+def _render(report: Any) -> str:
+    from simulator.validation import summary_lines, table_rows
+
+    rows = [r[:5] for r in table_rows(report)]
+    head = ["ROW", "PUBLISHED", "SIMULATED", "UNIT", "ERROR"]
+    widths = [max(len(head[i]), *(len(r[i]) for r in rows)) for i in range(5)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)).rstrip()]
+    for r in rows:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    return "\n".join(lines + [""] + summary_lines(report))
+
+
+@click.command("validate")
+@click.option(
+    "--table",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Validation table (default: validation/published.toml).",
+)
+@click.option("--rows", "row_ids", default=None, help="Only these row ids (comma-separated).")
+@click.option(
+    "--sequences",
+    type=int,
+    default=None,
+    help="Cap every run at this many evaluation sequences (faster, noisier).",
+)
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Write validation.csv and validation.md here.",
+)
+@click.option(
+    "--markdown",
+    "markdown_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Regenerate the table between the markers of this markdown file (docs/validation.md).",
+)
+@click.option("--no-progress", is_flag=True, help="Do not show a progress bar.")
+@json_option
+def validate(
+    table: str | None,
+    row_ids: str | None,
+    sequences: int | None,
+    out_dir: str | None,
+    markdown_path: str | None,
+    no_progress: bool,
+    as_json: bool,
+) -> None:
+    """Run every modelled row of the validation table; print published vs simulated."""
+    from simulator.errors import UserError
+    from simulator.results import atomic_write_text
+    from simulator.validation import (
+        load_table,
+        run_validation,
+        select,
+        splice_markdown,
+        to_csv,
+        to_markdown,
+    )
+
+    if sequences is not None and sequences <= 0:
+        raise UserError(f"--sequences must be positive, got {sequences}")
+    rows = select(load_table(table), row_ids)
+    doc_text = None
+    if markdown_path is not None:
+        try:
+            doc_text = Path(markdown_path).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise UserError(f"{markdown_path}: no such file") from None
+        splice_markdown(doc_text, "")  # fail on missing markers before the long run
+    bar: Any = None
+
+    def progress(done: int, total: int, row_id: str) -> None:
+        nonlocal bar
+        if no_progress:
+            return
+        if bar is None:
+            bar = click.progressbar(
+                length=total, label="rows", file=click.get_text_stream("stderr"), show_eta=True
+            )
+            bar.__enter__()
+        bar.update(1)
+
+    try:
+        report = run_validation(rows, max_sequences=sequences, progress=progress)
+    finally:
+        if bar is not None:
+            bar.__exit__(None, None, None)
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out / "validation.csv", to_csv(report))
+        atomic_write_text(out / "validation.md", to_markdown(report))
+    if markdown_path is not None and doc_text is not None:
+        atomic_write_text(markdown_path, splice_markdown(doc_text, to_markdown(report)))
+    if as_json:
+        echo_json(report.to_dict())
+    else:
+        click.echo(_render(report))
+        if out_dir is not None:
+            click.echo(f"\nwrote {out_dir}/validation.csv and validation.md")
