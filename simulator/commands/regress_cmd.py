@@ -1,0 +1,103 @@
+"""``daopsim regress``: re-run the policy-metric grid and compare it with the committed baseline.
+
+Exit 0 when nothing moved, 1 on any regression (a moved value, a new or missing configuration),
+2 for bad arguments or a missing/damaged baseline. ``--update`` rewrites the baseline
+atomically, prints what changed and exits 0. See docs/regression.md.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from simulator.commands.common import echo_json, json_option
+
+
+@click.command("regress")
+@click.option(
+    "--baseline",
+    default=None,
+    metavar="FILE",
+    help="Baseline JSON [default: the grid file's 'baseline', else baselines/policy-metrics.json].",
+)
+@click.option("--update", is_flag=True, help="Rewrite the baseline with this run's results.")
+@click.option("--trace", default=None, help="Run the grid on this trace (bundled name or path).")
+@click.option(
+    "--grid",
+    "grid_file",
+    default=None,
+    metavar="FILE.toml",
+    help="A custom grid (trace, policies, cache_ratios, profiles, ...); see docs/regression.md.",
+)
+@click.option(
+    "--tolerance-time",
+    type=float,
+    default=None,
+    metavar="REL",
+    help="Relative tolerance for times and rates [default: 1e-6]; counts and bytes are exact.",
+)
+@click.option("--no-progress", is_flag=True, help="Do not print each configuration as it runs.")
+@json_option
+def regress(
+    baseline: str | None,
+    update: bool,
+    trace: str | None,
+    grid_file: str | None,
+    tolerance_time: float | None,
+    no_progress: bool,
+    as_json: bool,
+) -> None:
+    """Run every built-in policy x cache ratio x machine on the CI trace; fail if metrics moved.
+
+    \b
+    Examples:
+      daopsim regress                    # compare with baselines/policy-metrics.json
+      daopsim regress --update           # accept the new numbers (review the diff!)
+      daopsim regress --grid ci/regress.toml --json
+    """
+    from simulator.regress import (
+        DEFAULT_BASELINE,
+        DEFAULT_TOLERANCE,
+        RegressGrid,
+        check_tolerance,
+        load_grid,
+        render_changes,
+    )
+    from simulator.regress import regress as run_regress
+
+    grid = load_grid(grid_file) if grid_file is not None else RegressGrid()
+    if trace is not None:
+        grid.trace = trace
+    tol = tolerance_time if tolerance_time is not None else grid.tolerance_time
+    tol = check_tolerance(tol) if tol is not None else DEFAULT_TOLERANCE
+    path = baseline or grid.baseline or DEFAULT_BASELINE
+
+    def progress(key: str) -> None:
+        if not no_progress and not as_json:
+            click.echo(f"  {key}", err=True)
+
+    report = run_regress(grid, path, tolerance=tol, update=update, progress=progress)
+    if as_json:
+        echo_json(report.to_dict())
+    else:
+        if report.changes:
+            click.echo(render_changes(report.changes))
+            click.echo("")
+        n_moved = len(report.changes)
+        n_cfg = len({c.config for c in report.changes})
+        what = (
+            f"{report.configurations} configurations, {report.compared:,} values, "
+            f"{report.seconds:.1f} s, tolerance {tol:g} (relative, floats); ints exact"
+        )
+        if report.updated:
+            click.echo(f"updated {path}: {n_moved} changes in {n_cfg} configurations ({what})")
+        elif report.ok:
+            click.echo(f"regress OK against {path}: nothing moved ({what})")
+        else:
+            click.echo(
+                f"regress FAILED against {path}: {n_moved} changes in {n_cfg} "
+                f"configurations ({what}); if intended, run `daopsim regress --update` and "
+                "commit the baseline"
+            )
+    sys.exit(0 if report.ok or report.updated else 1)
