@@ -40,10 +40,7 @@ _MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
 
 
 def _mpl() -> Any:
-    import matplotlib
-
-    if "matplotlib.pyplot" not in __import__("sys").modules:
-        matplotlib.use("Agg")  # no display needed; a notebook has already chosen its backend
+    # the backend is the caller's choice (inline in Jupyter; the CLI picks Agg)
     import matplotlib.pyplot as plt
 
     return plt
@@ -101,6 +98,11 @@ def _colors(labels: list[str]) -> dict[str, str]:
 
 def _is_bound(df: pd.DataFrame) -> pd.Series:
     return df["bound"].fillna(False).astype(bool)
+
+
+def realisable(df: pd.DataFrame) -> pd.DataFrame:
+    """Successful runs of realisable policies (no bounds such as all-gpu or belady)."""
+    return df[(df["status"] == "ok") & ~_is_bound(df)]
 
 
 def _model(df: pd.DataFrame) -> str:
@@ -425,6 +427,7 @@ __all__ = [
     "plot_hit_rate",
     "plot_pareto",
     "plot_throughput",
+    "realisable",
     "save_figure",
     "select",
 ]

@@ -44,6 +44,9 @@ def plot(
     as_json: bool,
 ) -> None:
     """Plot a results table written by `daopsim sweep`."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
     from simulator import plots
     from simulator.sweep import read_table
 
