@@ -1,0 +1,204 @@
+"""Each built-in policy's own rules on hand-written routing (exact victims, actions and bytes)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from policies.registry import available, make_policy
+from simulator.costs import cost_model
+from simulator.engine import Counters, Engine
+from simulator.errors import UserError
+from simulator.hardware import load_profile
+from simulator.models import get_model
+from simulator.recorder import Recorder
+from simulator.runner import Oracle
+from simulator.testing import random_routing, routing_from_experts, tiny_model
+from simulator.trace import SequenceRouting
+
+HW = load_profile("a6000-pcie4")
+
+
+def run(
+    policy: str,
+    model: Any,
+    routings: Sequence[SequenceRouting],
+    budget: int,
+    options: dict[str, Any] | None = None,
+    calibration: np.ndarray | None = None,
+) -> tuple[Counters, pd.DataFrame, Engine]:
+    """Run a policy on explicit routings; returns counters, timeline and engine."""
+    pol = make_policy(policy, options)
+    oracle = None
+    if pol.clairvoyant:
+        oracle = Oracle(model.moe_layers, model.experts)
+        for r in routings:
+            oracle.add(r)
+    if pol.needs_calibration and calibration is None:
+        calibration = np.zeros((model.moe_layers, model.experts), dtype=np.int64)
+    rec = Recorder()
+    eng = Engine(pol, model, cost_model(HW, model), budget, calibration, calibration, oracle, rec)
+    c = eng.run(iter(routings))
+    return c, rec.timeline(), eng
+
+
+def one_layer(experts: int = 5, k: int = 1) -> Any:
+    return tiny_model(experts=experts, top_k=k, moe_layers=1)
+
+
+def fetched(tl: pd.DataFrame) -> list[int]:
+    return tl[tl["kind"] == "fetch"]["expert"].tolist()
+
+
+def evicted_order(policy: str, seq: list[int], budget: int = 2) -> list[int]:
+    """The resident set after each decode token of a 1-layer top-1 trace."""
+    m = one_layer()
+    r = routing_from_experts(m, [[[e]] for e in seq])
+    _c, _tl, eng = run(policy, m, [r], budget)
+    return sorted(np.flatnonzero(eng.resident[0]).tolist())
+
+
+def test_every_policy_is_documented() -> None:
+    for name, cls in available().items():
+        if not cls.__module__.startswith("policies."):
+            continue
+        assert cls.summary and cls.source and cls.__doc__, name
+        for key, p in cls.params.items():
+            assert p.help and isinstance(p.default, p.type), (name, key)
+            if p.choices:
+                assert p.default in p.choices, (name, key)
+
+
+def test_lru_lfu_and_round_robin_pick_different_victims() -> None:
+    # capacity 2 starting with {0, 1}; expert 0 is hot, then 2 arrives
+    assert evicted_order("lru", [0, 0, 0, 1, 2]) == [1, 2]  # 0 is least recent
+    assert evicted_order("lfu", [0, 0, 0, 1, 2]) == [0, 2]  # 0 has most uses
+    assert evicted_order("round-robin", [0, 0, 0, 1, 2]) == [1, 2]  # slot 0 whatever its use
+    assert evicted_order("lru", [1, 1, 0, 2]) == [0, 2]
+    assert evicted_order("round-robin", [1, 1, 0, 2]) == [1, 2]  # blind: hot 0 sits in slot 0
+
+
+def test_round_robin_ignores_use() -> None:
+    # slots [0, 1], hand at slot 0: 2 replaces 0, 3 replaces 1, 0 replaces 2 (slot 0 again)
+    assert evicted_order("round-robin", [2, 3, 0]) == [0, 3]
+    assert evicted_order("round-robin", [2, 3, 2, 0]) == [0, 3]  # the re-use of 2 is ignored
+    assert evicted_order("lru", [2, 3, 2, 0]) == [0, 2]
+
+
+def test_lfu_counts_persist_and_ties_go_to_the_least_recent() -> None:
+    # worked by hand: evictions 0 (tie, older), 1 (tie, older), 3 (fewer), 2 (fewer), 0 (tie)
+    assert evicted_order("lfu", [0, 0, 1, 1, 2, 2, 3, 0, 0, 1, 1, 4]) == [1, 4]
+    assert evicted_order("lfu", [2, 3]) == [2, 3]  # all counts 0: oldest insertion goes first
+
+
+def test_belady_evicts_the_farthest_next_use() -> None:
+    m = one_layer()
+    # cache {0,1}; 2 arrives; next uses: 0 at step 3, 1 at step 1 -> evict 0
+    r = routing_from_experts(m, [[[2]], [[1]], [[2]], [[0]]])
+    c, tl, _ = run("belady", m, [r], 2)
+    assert fetched(tl) == [2, 0]
+    lru_c, _, _ = run("lru", m, [r], 2)
+    assert c.decode_hits >= lru_c.decode_hits
+
+
+def test_belady_is_clairvoyant_and_others_are_not() -> None:
+    assert available()["belady"].clairvoyant
+    for name in ("lru", "lfu", "round-robin", "fiddler", "mixtral-offloading", "stream-all"):
+        assert not available()[name].clairvoyant
+
+
+def test_fiddler_runs_misses_on_cpu_and_prefill_by_break_even() -> None:
+    model = get_model("mixtral-8x7b")
+    costs = cost_model(HW, model)
+    t1, load = costs.cpu_expert_s(1), costs.h2d_expert_s(pinned=False)
+    n_even = int(load // t1)  # count * t1 < load  <=>  count <= n_even (not integral here)
+    assert n_even * t1 < load < (n_even + 1) * t1
+    # prefill: expert 0 chosen by every token, expert 1 by n_even tokens, expert 2 by the rest
+    p = n_even + 3
+    pre = [[[0, 1 if i < n_even else 2]] * model.moe_layers for i in range(p)]
+    dec = [[[3, 4]] * model.moe_layers, [[5, 6]] * model.moe_layers]
+    r = routing_from_experts(model, pre + dec, n_prefill=p)
+    calib = np.zeros((model.moe_layers, model.experts), dtype=np.int64)
+    calib[:, 5] = 10  # the globally most popular experts: expert 5 of every layer
+    c, tl, _ = run("fiddler", model, [r], model.moe_layers, calibration=calib)
+    pf = tl[tl["token"] == 0]
+    assert set(pf[pf["kind"] == "temp"]["expert"]) == {0}
+    assert set(pf[pf["kind"] == "cpu_expert"]["expert"]) == {1, 2}
+    dl = tl[tl["token"] > 0]
+    assert set(dl[dl["kind"] == "cpu_expert"]["expert"]) == {3, 4, 6}
+    assert set(dl[(dl["kind"] == "expert")]["expert"]) == {5}
+    assert c.fetches == 0 and c.d2h_expert_copies == 0
+    assert make_policy("fiddler").host_memory == "pageable"
+
+
+def test_fiddler_cpu_work_is_synchronous() -> None:
+    model = get_model("mixtral-8x7b")
+    r = routing_from_experts(model, [[[0, 1]] * model.moe_layers])
+    _c, tl, _ = run("fiddler", model, [r], 0)
+    cpu = tl[tl["kind"] == "cpu_expert"].sort_values("start")
+    assert len(cpu) == 2 * model.moe_layers
+    # one after another, never two experts of a layer at once, and the next layer waits
+    assert (cpu["start"].to_numpy()[1:] >= cpu["end"].to_numpy()[:-1] - 1e-12).all()
+
+
+def test_mixtral_offloading_writes_back_and_respects_experts_per_layer() -> None:
+    m = tiny_model(experts=8, top_k=2, moe_layers=2)
+    rng = np.random.default_rng(0)
+    rs = [random_routing(m, s, 3, 12, rng) for s in range(2)]
+    c, tl, eng = run("mixtral-offloading", m, rs, 8, {"experts_per_layer": 3})
+    assert c.evictions > 0
+    assert c.d2h_expert_copies == c.evictions
+    assert c.d2h_bytes >= c.evictions * eng.expert_bytes
+    assert (tl[tl["kind"] == "writeback"]["resource"] == "d2h").all()
+    assert int(eng.resident.sum()) <= 6  # 3 per layer, not the budget of 8
+    with pytest.raises(UserError, match="experts_per_layer"):
+        run("mixtral-offloading", m, rs, 4, {"experts_per_layer": 3})
+    pol = make_policy("mixtral-offloading")
+    assert pol.writeback and pol.host_memory == "pinned" and pol.staging_buffers == 4
+
+
+def test_mixtral_offloading_prefetch_with_a_perfect_view_turns_misses_into_hits() -> None:
+    m = tiny_model(experts=8, top_k=2, moe_layers=3)
+    rng = np.random.default_rng(1)
+    ex = [[sorted(rng.choice(8, 2, replace=False).tolist()) for _ in range(3)] for _ in range(30)]
+    r = routing_from_experts(m, ex)  # early view = the true routing
+    off, _, _ = run("mixtral-offloading", m, [r], 9)
+    on, tl, _ = run("mixtral-offloading", m, [r], 9, {"prefetch": True})
+    assert on.prefetches > 0
+    assert on.decode_hits > off.decode_hits
+    assert on.prefetch_used > 0
+    assert set(tl[tl["kind"] == "prefetch"]["layer"]) <= {1, 2}
+
+
+@pytest.mark.parametrize("per_layer", [1, 2, 3])
+def test_mixtral_offloading_prefetch_never_breaks_the_engine(per_layer: int) -> None:
+    """Noisy early views and tight groups: no eviction of in-flight or needed experts."""
+    m = tiny_model(experts=6, top_k=2, moe_layers=3)
+    rng = np.random.default_rng(per_layer)
+    rs = [random_routing(m, s, 4, 25, rng) for s in range(3)]
+    opts = {"prefetch": True, "experts_per_layer": per_layer, "prefetch_k": 2}
+    c, _tl, _ = run("mixtral-offloading", m, rs, 3 * per_layer, opts)
+    assert c.prefetches > 0
+    assert c.max_occupancy <= 3 * per_layer + 4
+
+
+def test_stream_all_streams_whole_layers_or_selected_experts() -> None:
+    m = tiny_model(experts=4, top_k=2, moe_layers=3)
+    rng = np.random.default_rng(2)
+    rs = [random_routing(m, 0, 0, 5, rng)]
+    c, _tl, eng = run("stream-all", m, rs, 8)
+    assert eng.policy.options["gather"] == "layer"
+    assert c.decode_hits == 0
+    assert c.h2d_expert_copies == 5 * 3 * 4  # every expert of every layer, every token
+    assert c.cpu_expert_evals == 0
+    c2, _, eng2 = run("stream-all", m, rs, 0)
+    assert eng2.policy.options["gather"] == "selected"
+    assert c2.temp_copies == c2.h2d_expert_copies == 5 * 3 * 2
+    assert c2.decode_hits == 0
+    with pytest.raises(UserError, match="gather=layer"):
+        run("stream-all", m, rs, 7, {"gather": "layer"})
+    assert make_policy("stream-all").host_memory == "pinned"
