@@ -1,8 +1,8 @@
 """The ``daopsim`` command line: a click group whose subcommands live in simulator/commands/.
 
-User mistakes (``UserError``) print one line, ``error: ...``, and exit 2; no traceback. A policy
-breaking the engine's rules (``PolicyError``) also exits 2 with its one line. Anything else is a
-bug and keeps its traceback.
+User mistakes (``UserError``, and click's usage errors in a subcommand) print one line,
+``error: ...``, and exit 2; no traceback. A policy breaking the engine's rules (``PolicyError``)
+also exits 2 with its one line. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -41,6 +41,14 @@ class _Group(click.Group):
             return super().invoke(ctx)
         except (UserError, PolicyError) as exc:
             click.echo(f"error: {exc}", err=True)
+            sys.exit(2)
+        except click.UsageError as exc:
+            if type(exc).__name__ == "NoArgsIsHelpError":
+                raise  # a bare group name: click prints the group's help
+            # a subcommand's bad option value: one line too (click's own form is four)
+            where = exc.ctx.command_path if exc.ctx is not None else "daopsim"
+            text = " ".join(exc.format_message().split())
+            click.echo(f"error: {where}: {text} (see --help)", err=True)
             sys.exit(2)
 
 
