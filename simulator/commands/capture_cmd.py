@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from simulator.commands.common import echo_json, json_option
+from simulator.commands.outputs import check_output_file, output_errors
 
 
 @click.command("capture")
@@ -129,7 +130,9 @@ def capture(
         top_m=top_m,
         progress=not no_progress and not as_json,
     )
-    result = run_capture(cfg)
+    check_output_file(output, "-o")
+    with output_errors(output, "-o"):
+        result = run_capture(cfg)
     if as_json:
         echo_json(result_summary(result))
         return

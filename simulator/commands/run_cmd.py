@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
+import shutil
+from pathlib import Path
 from typing import Any
 
 import click
@@ -20,6 +23,34 @@ def parse_options(pairs: tuple[str, ...]) -> dict[str, str]:
             raise UserError(f"--policy-opt {pair!r}: expected key=value")
         out[key.strip()] = value.strip()
     return out
+
+
+def check_out_dir(out_dir: str) -> None:
+    """Fail before simulating when --out cannot become a writable folder."""
+    p = Path(out_dir)
+    if p.exists() and not p.is_dir():
+        raise UserError(f"--out {p}: exists and is not a directory")
+    probe = p
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        raise UserError(f"--out {p}: {probe} is not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UserError(f"--out {p}: {probe} is not writable")
+
+
+def write_outputs(result: Any, out_dir: str) -> None:
+    """Write the run's files; an OS error becomes one line and leaves no new folder behind."""
+    p = Path(out_dir)
+    created = not p.exists()
+    try:
+        result.write(p)
+    except OSError as exc:
+        if created:
+            shutil.rmtree(p, ignore_errors=True)
+        raise UserError(f"--out {p}: cannot write outputs ({exc.strerror or exc})") from None
 
 
 def _fmt(value: Any, unit: str = "") -> str:
@@ -153,6 +184,8 @@ def run(
     from simulator.runner import simulate
 
     options = parse_options(policy_opts)
+    if out_dir is not None:
+        check_out_dir(out_dir)
     bar: Any = None
 
     def progress(done: int, total: int) -> None:
@@ -185,7 +218,7 @@ def run(
         if bar is not None:
             bar.__exit__(None, None, None)
     if out_dir is not None:
-        result.write(out_dir)
+        write_outputs(result, out_dir)
     doc = result.to_dict()
     if as_json:
         echo_json(doc)
