@@ -22,7 +22,7 @@ from policies.registry import get_policy_class
 from simulator.costs import CostModel, cost_model
 from simulator.data import resolve_trace
 from simulator.engine import Engine
-from simulator.errors import UserError
+from simulator.errors import PolicyError, UserError
 from simulator.hardware import HardwareProfile, load_profile
 from simulator.recorder import Recorder
 from simulator.results import RunResult, compute_metrics
@@ -145,6 +145,61 @@ class Oracle:
         return float(lst[i]) if i < len(lst) else float("inf")
 
 
+#: Policy hooks the engine calls; an exception raised inside one is the policy's fault.
+_HOOKS = frozenset(
+    ("setup", "on_sequence_start", "on_sequence_end", "decode_layer", "prefill_layer")
+)
+#: Engine functions that apply a policy's decisions: a TypeError/ValueError there means the
+#: policy returned something malformed (a victim that is not a (layer, expert) pair, ...).
+_APPLY = frozenset(("_place", "_layer", "_evict", "_fetch", "_routing_fidelity"))
+
+
+def _policy_fault(pol: Policy, exc: Exception, engine: Engine | None) -> PolicyError | None:
+    """A one-line PolicyError for an exception a policy caused, or None (an engine/IO bug).
+
+    The engine already wraps exceptions raised in ``decode_layer``/``prefill_layer``; this
+    covers the other hooks (``setup``, ``on_sequence_start``/``end``) and malformed return
+    values that fail while the engine applies them. Anything raised under the trace reader is
+    never blamed on the policy.
+    """
+    hook = None
+    applying = False
+    # the hooks' code objects, so a hook defined under another name (a lambda) is found too
+    codes = {getattr(getattr(type(pol), h, None), "__code__", None): h for h in _HOOKS}
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_filename.endswith(os.path.join("simulator", "trace.py")):
+            return None
+        if hook is None and code in codes:
+            hook = codes[code]
+        elif hook is None and code.co_name in _HOOKS and tb.tb_frame.f_locals.get("self") is pol:
+            hook = code.co_name
+        if code.co_name in _APPLY and code.co_filename.endswith(
+            os.path.join("simulator", "engine.py")
+        ):
+            applying = True
+        tb = tb.tb_next
+    text = " ".join(str(exc).split()) or "(no message)"
+    what = f"{type(exc).__name__}: {text}"
+    name = pol.name or type(pol).__name__
+    if engine is None:
+        if hook == "setup":
+            return PolicyError(name, f"setup raised {what}")
+        return PolicyError(name, f"setup returned an invalid initial placement ({what})")
+    if hook in ("on_sequence_start", "on_sequence_end"):
+        return PolicyError(name, f"{hook} raised {what}", seq=engine.seq_id)
+    if hook is not None or applying:
+        return PolicyError(
+            name,
+            f"returned a malformed plan ({what})" if hook is None else f"{hook} raised {what}",
+            seq=engine.seq_id,
+            token=engine.token,
+            layer=engine.view.layer,
+        )
+    return None
+
+
 def _resolve_hw(hw: str | os.PathLike[str] | HardwareProfile) -> HardwareProfile:
     return hw if isinstance(hw, HardwareProfile) else load_profile(str(hw))
 
@@ -238,17 +293,25 @@ def simulate(
             oracle.add(r)
 
     recorder = Recorder() if record else None
-    engine = Engine(
-        pol,
-        model,
-        costs,
-        budget,
-        calibration=calib,
-        calibration_prefill=calib_pre,
-        oracle=oracle,
-        recorder=recorder,
-        seed=seed,
-    )
+    try:
+        engine = Engine(
+            pol,
+            model,
+            costs,
+            budget,
+            calibration=calib,
+            calibration_prefill=calib_pre,
+            oracle=oracle,
+            recorder=recorder,
+            seed=seed,
+        )
+    except (UserError, PolicyError):
+        raise
+    except Exception as exc:
+        fault = _policy_fault(pol, exc, None)
+        if fault is None:
+            raise
+        raise fault from exc
     order = {s: i for i, s in enumerate(eval_ids)}
     done = [0]
 
@@ -261,7 +324,15 @@ def simulate(
         if progress is not None:
             progress(done[0], len(order))
 
-    counters = engine.run(seqs(), on_sequence=tick)
+    try:
+        counters = engine.run(seqs(), on_sequence=tick)
+    except (UserError, PolicyError):
+        raise
+    except Exception as exc:
+        fault = _policy_fault(pol, exc, engine)
+        if fault is None:
+            raise
+        raise fault from exc
     metrics = compute_metrics(counters, engine, costs, profile)
     config = {
         "policy": pol.name,
