@@ -261,7 +261,12 @@ class Engine:
             self.c.prefetch_wasted += 1
             self.c.prefetch_wasted_bytes += self.expert_bytes
         if self.policy.writeback:
-            s, e = self.d2h.reserve(now, self.t_d2h)
+            # The write-back goes on the same CUDA stream as the expert loads (Mixtral-offloading's
+            # expert_cache.py _swap issues both copy_ calls on the current stream), so it queues
+            # behind the pending loads and the next load queues behind it: a swap costs H2D + D2H.
+            s, e = self.d2h.reserve(max(now, self.h2d.free_at), self.t_d2h)
+            if e > self.h2d.free_at:
+                self.h2d.free_at = e
             self.c.d2h_bytes += self.expert_bytes
             self.c.d2h_expert_copies += 1
             heapq.heappush(self._releases, e)
