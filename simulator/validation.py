@@ -225,9 +225,8 @@ def _parse_row(raw: Any, i: int, path: Path) -> Row:
             raise UserError(f"{where}: 'published_range' must be [low, high]")
         prange = (_num(rng[0], f"{where}: published_range"), _num(rng[1], f"{where}: range"))
     metric = raw.get("metric", "")
-    if modelled:
-        if not isinstance(metric, str) or not _METRIC_RE.match(metric):
-            raise UserError(f"{where}: 'metric' must name a run metric, e.g. tokens_per_s")
+    if modelled and (not isinstance(metric, str) or not _METRIC_RE.match(metric)):
+        raise UserError(f"{where}: 'metric' must name a run metric, e.g. tokens_per_s")
     sim = raw.get("sim", {})
     base = raw.get("baseline")
     if not isinstance(sim, dict) or (base is not None and not isinstance(base, dict)):
@@ -427,8 +426,7 @@ def summary_lines(report: Report) -> list[str]:
     worst = report.worst(3)
     if worst:
         lines.append(
-            "furthest off: "
-            + ", ".join(f"{r.row.id} ({_pct(r.rel_error)})" for r in worst)
+            "furthest off: " + ", ".join(f"{r.row.id} ({_pct(r.rel_error)})" for r in worst)
         )
     if report.not_modelled:
         lines.append(f"not modelled ({len(report.not_modelled)}):")

@@ -1,4 +1,4 @@
-"""``daopsim validate``: the simulator against published measurements (validation/published.toml)."""
+"""``daopsim validate``: the simulator against published measurements (validation/*.toml)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def _render(report: Any) -> str:
     lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)).rstrip()]
     for r in rows:
         lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
-    return "\n".join(lines + [""] + summary_lines(report))
+    return "\n".join([*lines, "", *summary_lines(report)])
 
 
 @click.command("validate")

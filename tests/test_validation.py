@@ -1,0 +1,168 @@
+"""Validation table and `daopsim validate`: TOML parses, rows complete, a fast subset runs."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from simulator.cli import main
+from simulator.errors import UserError
+from simulator.validation import (
+    TABLE_END,
+    TABLE_START,
+    UNITS,
+    load_table,
+    run_validation,
+    select,
+    splice_markdown,
+)
+
+#: Cheap rows: one sequence of the bundled Mixtral trace each (hit rate and a ratio).
+FAST = "hybrimoe-lru-mixtral-25,fiddler-env1-speedup-vs-deepspeed-mii"
+
+
+def test_table_parses_and_rows_are_complete() -> None:
+    rows = load_table()
+    assert len(rows) >= 20
+    assert len({r.id for r in rows}) == len(rows)
+    for r in rows:
+        assert r.source.strip() and r.unit in UNITS
+        assert r.published is not None and math.isfinite(r.published)
+        if r.modelled:
+            assert r.sim["policy"] and r.sim["hw"] and ("trace" in r.sim or "synth" in r.sim)
+            assert r.metric
+            assert (r.unit == "ratio") == (r.baseline is not None)
+        else:
+            assert r.reason.strip(), r.id
+    assert sum(r.modelled for r in rows) >= 10
+    assert sum(not r.modelled for r in rows) >= 5
+
+
+def test_profiles_and_policies_named_by_rows_exist() -> None:
+    from policies.registry import available
+    from simulator.hardware import load_profile
+
+    names = available()
+    for r in load_table():
+        if r.modelled:
+            load_profile(r.sim["hw"])
+            for cfg in (r.sim, r.baseline or {}):
+                if "policy" in cfg:
+                    assert cfg["policy"] in names, (r.id, cfg["policy"])
+
+
+def test_fast_subset_runs_with_finite_error() -> None:
+    report = run_validation(select(load_table(), FAST), max_sequences=1)
+    assert len(report.results) == 2
+    for res in report.results:
+        assert res.simulated is not None and math.isfinite(res.simulated), res.error
+        assert res.rel_error is not None and math.isfinite(res.rel_error)
+        assert res.rel_error == pytest.approx(
+            (res.simulated - res.row.published) / res.row.published
+        )
+    hit = next(r for r in report.results if r.row.unit == "hit rate")
+    assert 0.0 < hit.simulated < 1.0
+    assert report.median_abs_error == pytest.approx(
+        sorted(abs(r.rel_error) for r in report.results)[0] / 2
+        + sorted(abs(r.rel_error) for r in report.results)[1] / 2
+    )
+    assert report.max_abs_error == max(abs(r.rel_error) for r in report.results)
+
+
+def test_cli_json_keys_and_out(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    res = CliRunner().invoke(
+        main,
+        [
+            "validate",
+            "--json",
+            "--no-progress",
+            "--rows",
+            "hybrimoe-lru-mixtral-25,moe-infinity-a5000-mixtral",
+            "--sequences",
+            "1",
+            "--out",
+            str(out),
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output)
+    assert {"rows", "median_abs_error", "max_abs_error", "not_modelled"} <= set(doc)
+    keys = {"id", "source", "published", "simulated", "unit", "rel_error", "modelled", "reason"}
+    for row in doc["rows"]:
+        assert keys <= set(row)
+    by_id = {r["id"]: r for r in doc["rows"]}
+    assert by_id["hybrimoe-lru-mixtral-25"]["modelled"] is True
+    nm = by_id["moe-infinity-a5000-mixtral"]
+    assert nm["modelled"] is False and nm["simulated"] is None and nm["reason"]
+    assert [n["id"] for n in doc["not_modelled"]] == ["moe-infinity-a5000-mixtral"]
+    assert doc["not_modelled"][0]["reason"]
+    assert doc["median_abs_error"] == pytest.approx(
+        abs(by_id["hybrimoe-lru-mixtral-25"]["rel_error"])
+    )
+    assert (out / "validation.csv").read_text().startswith("id,published,simulated")
+    assert "| hybrimoe-lru-mixtral-25 |" in (out / "validation.md").read_text()
+
+
+def test_cli_text_summary_lists_not_modelled() -> None:
+    res = CliRunner().invoke(
+        main, ["validate", "--no-progress", "--rows", "omlx-gemma4-residency-25"]
+    )
+    assert res.exit_code == 0, res.output
+    assert "not modelled (1)" in res.output
+    assert "SSD tier" in res.output
+
+
+def test_markdown_splice(tmp_path: Path) -> None:
+    doc = tmp_path / "v.md"
+    doc.write_text(f"# t\n{TABLE_START}\nold\n{TABLE_END}\ntail\n")
+    res = CliRunner().invoke(
+        main,
+        ["validate", "--no-progress", "--rows", "omlx-gemma4-residency-25", "--markdown", str(doc)],
+    )
+    assert res.exit_code == 0, res.output
+    text = doc.read_text()
+    assert "old" not in text and "omlx-gemma4-residency-25" in text and text.endswith("tail\n")
+    with pytest.raises(UserError):
+        splice_markdown("no markers", "x")
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ('[[row]]\nid = "a"\n', "missing or empty text field 'source'"),
+        (
+            '[[row]]\nid="a"\nsource="s"\nsystem="s"\nhardware="h"\nmodel="m"\nprecision="p"\n'
+            'workload="w"\nunit="tokens/s"\npublished=1.0\nmodelled=false\n',
+            "needs a 'reason'",
+        ),
+        (
+            '[[row]]\nid="a"\nsource="s"\nsystem="s"\nhardware="h"\nmodel="m"\nprecision="p"\n'
+            'workload="w"\nunit="furlongs"\npublished=1.0\n',
+            "unit 'furlongs'",
+        ),
+        (
+            '[[row]]\nid="a"\nsource="s"\nsystem="s"\nhardware="h"\nmodel="m"\nprecision="p"\n'
+            'workload="w"\nunit="tokens/s"\npublished=1.0\nmetric="tokens_per_s"\n'
+            '[row.sim]\npolicy="lru"\nhw="a6000-pcie4"\n',
+            "needs 'trace'",
+        ),
+    ],
+)
+def test_bad_rows_raise_clear_errors(tmp_path: Path, body: str, needle: str) -> None:
+    p = tmp_path / "t.toml"
+    p.write_text(body)
+    with pytest.raises(UserError, match=r"t\.toml: row") as exc:
+        load_table(p)
+    assert needle in str(exc.value)
+    res = CliRunner().invoke(main, ["validate", "--table", str(p), "--no-progress"])
+    assert res.exit_code == 2 and "error:" in res.output
+
+
+def test_unknown_row_id_is_a_user_error() -> None:
+    res = CliRunner().invoke(main, ["validate", "--rows", "no-such-row"])
+    assert res.exit_code == 2 and "no-such-row" in res.output
