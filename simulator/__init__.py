@@ -11,12 +11,15 @@ from typing import Any
 __version__ = "0.1.0"
 
 __all__ = [
+    "Grid",
     "RunResult",
     "__version__",
     "get_model",
     "iter_sequences",
     "load_profile",
     "read_meta",
+    "plots",
+    "run_sweep",
     "simulate",
     "sweep",
 ]
@@ -32,10 +35,14 @@ def __getattr__(name: str) -> Any:
         from simulator.results import RunResult
 
         return RunResult
-    if name == "sweep":
-        from simulator.sweep import sweep
+    if name in ("sweep", "run_sweep", "Grid"):
+        from simulator import sweep as _sweep
 
-        return sweep
+        return getattr(_sweep, name)
+    if name == "plots":
+        from simulator import plots
+
+        return plots
     if name == "load_profile":
         from simulator.hardware import load_profile
 
