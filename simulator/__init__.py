@@ -1,11 +1,13 @@
 """daopsim: a trace-driven discrete-event simulator for MoE expert-offloading policies.
 
 The notebook-facing API: ``simulate`` (one run), ``sweep`` (a grid, locally or on Dask),
-``load_profile``, ``get_model``, ``read_meta``/``iter_sequences`` (traces).
+``run_sweep``/``Grid``, ``plots``, ``load_profile``, ``get_model``, ``read_meta`` and
+``iter_sequences`` (traces).
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 __version__ = "0.1.0"
@@ -17,42 +19,36 @@ __all__ = [
     "get_model",
     "iter_sequences",
     "load_profile",
-    "read_meta",
     "plots",
+    "read_meta",
     "run_sweep",
     "simulate",
     "sweep",
 ]
 
+#: name -> (module, attribute or None for the module itself), imported on first use
+_LAZY = {
+    "simulate": ("simulator.runner", "simulate"),
+    "RunResult": ("simulator.results", "RunResult"),
+    "run_sweep": ("simulator.sweep", "run_sweep"),
+    "Grid": ("simulator.sweep", "Grid"),
+    "plots": ("simulator.plots", None),
+    "load_profile": ("simulator.hardware", "load_profile"),
+    "get_model": ("simulator.models", "get_model"),
+    "read_meta": ("simulator.trace", "read_meta"),
+    "iter_sequences": ("simulator.trace", "iter_sequences"),
+}
+
 
 def __getattr__(name: str) -> Any:
-    # lazy, so `import simulator` (and the CLI's start-up) stays cheap
-    if name == "simulate":
-        from simulator.runner import simulate
+    try:
+        module, attr = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'simulator' has no attribute {name!r}") from None
+    mod = importlib.import_module(module)
+    return mod if attr is None else getattr(mod, attr)
 
-        return simulate
-    if name == "RunResult":
-        from simulator.results import RunResult
 
-        return RunResult
-    if name in ("sweep", "run_sweep", "Grid"):
-        from simulator import sweep as _sweep
-
-        return getattr(_sweep, name)
-    if name == "plots":
-        from simulator import plots
-
-        return plots
-    if name == "load_profile":
-        from simulator.hardware import load_profile
-
-        return load_profile
-    if name == "get_model":
-        from simulator.models import get_model
-
-        return get_model
-    if name in ("read_meta", "iter_sequences"):
-        from simulator import trace
-
-        return getattr(trace, name)
-    raise AttributeError(f"module 'simulator' has no attribute {name!r}")
+# ``simulator.sweep`` is both a submodule and the function users call: bind the function
+# explicitly so ``simulator.sweep(...)`` works however the submodule was imported.
+from simulator.sweep import sweep  # noqa: E402
