@@ -1,0 +1,130 @@
+"""Output safety: run outputs are written to temporary names and renamed; a failing run leaves
+no output; SIGKILL in the middle of rewriting a run's files leaves the previous files intact."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from policies import registry
+from policies.base import Action, Plan, Policy
+from simulator.cli import main
+from simulator.runner import simulate
+from simulator.testing import make_trace
+
+
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("safety") / "t.parquet"
+    return make_trace(path, sequences=4, prefill=8, decode=40, seed=9)
+
+
+class FailsLate(Policy):
+    """Runs fine for a while, then raises (after outputs could have been half written)."""
+
+    name = "safety-fails-late"
+
+    def decode_layer(self, view: Any) -> Plan:
+        if view.seq_id == 1 and view.token == 20:
+            raise RuntimeError("out of ideas")
+        return Plan(actions={int(e): Action.TEMP for e in view.experts})
+
+
+@pytest.fixture
+def fails_late(monkeypatch: pytest.MonkeyPatch) -> str:
+    registry.available()
+    monkeypatch.setitem(registry._REGISTRY, FailsLate.name, FailsLate)
+    return FailsLate.name
+
+
+def test_every_output_file_goes_through_a_rename(
+    trace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    renamed: list[Path] = []
+    real = os.replace
+
+    def spy(src: Any, dst: Any) -> None:
+        assert Path(src).parent == Path(dst).parent  # same folder: rename is atomic
+        renamed.append(Path(dst))
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", spy)
+    res = simulate(policy="lru", trace=trace, cache_ratio=0.25, record=True)
+    out = tmp_path / "out"
+    res.write(out)
+    files = sorted(p for p in out.iterdir())
+    assert {p.name for p in files} >= {"metrics.json", "timeline.parquet", "trace.perfetto.json"}
+    assert sorted(renamed) == files
+
+
+def test_failing_run_writes_nothing(trace: Path, tmp_path: Path, fails_late: str) -> None:
+    out = tmp_path / "new"
+    res = CliRunner().invoke(
+        main,
+        ["run", "--policy", fails_late, "--trace", str(trace), "--no-progress", "--out", str(out)],
+    )
+    assert res.exit_code == 2 and "token 20" in res.stderr
+    assert not out.exists()
+
+
+def test_failing_run_keeps_previous_outputs(trace: Path, tmp_path: Path, fails_late: str) -> None:
+    out = tmp_path / "old"
+    ok = CliRunner().invoke(
+        main, ["run", "--policy", "lru", "--trace", str(trace), "--out", str(out)]
+    )
+    assert ok.exit_code == 0, ok.output
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    res = CliRunner().invoke(
+        main,
+        ["run", "--policy", fails_late, "--trace", str(trace), "--no-progress", "--out", str(out)],
+    )
+    assert res.exit_code == 2
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+WRITER = """
+import sys
+from simulator.runner import simulate
+res = simulate(policy="lru", trace=sys.argv[1], cache_ratio=0.25, record=True)
+res.write(sys.argv[2], plots=False)
+print("ready", flush=True)
+while True:
+    res.write(sys.argv[2], plots=False)
+"""
+
+
+def test_sigkill_mid_write_leaves_previous_files_intact(trace: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    expected = simulate(policy="lru", trace=trace, cache_ratio=0.25, record=False)
+    want = json.loads(expected.to_json())
+    rng = random.Random(7)
+    rows = None
+    for _ in range(4):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", WRITER, str(trace), str(out)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+            time.sleep(rng.uniform(0.0, 0.4))
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+        assert json.loads((out / "metrics.json").read_text()) == want
+        n = pq.read_metadata(out / "timeline.parquet").num_rows
+        assert rows is None or n == rows
+        rows = n
+        json.loads((out / "trace.perfetto.json").read_text())
+    assert rows and rows > 1000  # a timeline big enough that a write takes a while
