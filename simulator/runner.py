@@ -22,7 +22,7 @@ from policies.registry import get_policy_class
 from simulator.costs import CostModel, cost_model
 from simulator.data import resolve_trace
 from simulator.engine import Engine
-from simulator.errors import PolicyError, UserError
+from simulator.errors import PolicyError, TraceError, UserError
 from simulator.hardware import HardwareProfile, load_profile
 from simulator.recorder import Recorder
 from simulator.results import RunResult, compute_metrics
@@ -78,12 +78,22 @@ def split_sequences(
 
 def sequence_ids(path: Path) -> list[int]:
     """Sequence ids in file order (reads only the ``seq`` column)."""
-    import pyarrow.parquet as pq
+    # damaged pages must be a TraceError naming the file, like every other trace read
+    from simulator.trace import _READ_ERRORS, _first_line, _open
 
-    pf = pq.ParquetFile(path)
+    pf = _open(path)
     ids: list[int] = []
-    for batch in pf.iter_batches(columns=["seq"], batch_size=1 << 20):
-        arr = batch.column(0).to_numpy()
+    batches = pf.iter_batches(columns=["seq"], batch_size=1 << 20)
+    while True:
+        try:
+            batch = next(batches, None)
+            if batch is None:
+                break
+            arr = batch.column(0).to_numpy()
+        except _READ_ERRORS as exc:
+            raise TraceError(
+                path, f"unreadable data in column 'seq' ({_first_line(exc)})"
+            ) from None
         if arr.size == 0:
             continue
         cuts = np.flatnonzero(np.diff(arr)) + 1
