@@ -443,3 +443,48 @@ def test_budget_below_top_k_is_a_documented_fallback(policy: str, ws: WS) -> Non
     assert m["max_slots_held"] <= 1 + 1  # + a staging buffer some policies keep
     assert m["hit_rate"] < 0.5
     assert m["temp_copies"] + m["cpu_expert_evals"] + m["fetches"] > 0
+
+
+# -- random damage through `daopsim run --trace` ----------------------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    cuts=st.lists(
+        st.tuples(st.floats(0, 1), st.integers(1, 64), st.integers(0, 255)), min_size=1, max_size=4
+    ),
+    truncate=st.booleans(),
+)
+def test_random_corruption_never_tracebacks_through_run(
+    ws: WS, cuts: list[tuple[float, int, int]], truncate: bool
+) -> None:
+    data = bytearray(ws.good.read_bytes())
+    for where, length, value in cuts:
+        at = int(where * (len(data) - 1))
+        data[at : at + length] = bytes([value]) * min(length, len(data) - at)
+    if truncate:
+        data = data[: len(data) // 2]
+    bad = ws.root / "fuzz.parquet"
+    bad.write_bytes(bytes(data))
+    out = ws.out("fuzz-out")
+    res = CliRunner().invoke(
+        main,
+        ["run", "--policy", "lru", "--trace", str(bad), "--no-progress", "--out", str(out)],
+        catch_exceptions=True,
+    )
+    assert "Traceback" not in res.output + res.stderr
+    assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
+    if res.exit_code == 0:  # the damage missed everything that is read
+        import shutil
+
+        shutil.rmtree(out)
+    else:
+        assert res.exit_code == 2, res.stderr
+        lines = res.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
+        assert not out.exists()
