@@ -32,6 +32,7 @@ format: $(STAMP)
 # lint, then every test (the notebooks are executed by tests/test_notebooks.py)
 test: $(STAMP) lint
 	$(PY) -m pytest
+	$(DAOPSIM) regress --no-progress
 
 notebooks: $(STAMP)
 	$(PY) -m pytest tests/test_notebooks.py

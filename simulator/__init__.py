@@ -1,8 +1,8 @@
 """daopsim: a trace-driven discrete-event simulator for MoE expert-offloading policies.
 
-The notebook-facing API: ``simulate`` (one run), ``sweep`` (a grid, locally or on Dask),
-``run_sweep``/``Grid``, ``plots``, ``load_profile``, ``get_model``, ``read_meta`` and
-``iter_sequences`` (traces).
+The notebook-facing API: ``simulate`` (one run), ``run_sweep``/``Grid`` (a grid, locally or on
+Dask; ``from simulator.sweep import sweep`` returns a DataFrame), ``plots``, ``load_profile``,
+``get_model``, ``read_meta`` and ``iter_sequences`` (traces).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ __all__ = [
     "read_meta",
     "run_sweep",
     "simulate",
-    "sweep",
 ]
 
 #: name -> (module, attribute or None for the module itself), imported on first use
@@ -47,8 +46,3 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'simulator' has no attribute {name!r}") from None
     mod = importlib.import_module(module)
     return mod if attr is None else getattr(mod, attr)
-
-
-# ``simulator.sweep`` is both a submodule and the function users call: bind the function
-# explicitly so ``simulator.sweep(...)`` works however the submodule was imported.
-from simulator.sweep import sweep  # noqa: E402

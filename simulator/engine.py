@@ -18,6 +18,7 @@ the process advances the SimPy clock once per layer. Costs come from simulator.c
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -37,22 +38,61 @@ _GPU, _FETCH, _TEMP, _CPU, _PRE = (int(a) for a in Action)
 
 
 class Lane:
-    """A serial resource served first come, first served (a copy engine, a CPU worker)."""
+    """A serial resource (a copy engine, a CPU worker) holding one operation at a time.
 
-    __slots__ = ("busy", "free_at", "name")
+    A request starts at the first moment at or after ``earliest`` when the lane is free for its
+    whole duration. Requests issued in time order are therefore served first come, first
+    served, exactly like ``simpy.Resource(capacity=1)``; a request booked for a later time (the
+    return copy of a CPU result) does not block an earlier request that fits before it.
+    """
+
+    __slots__ = ("_iv", "busy", "free_at", "name")
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.free_at = 0.0
         self.busy = 0.0
+        self._iv: list[tuple[float, float]] = []  # booked (start, end), sorted, not yet past
+
+    def _place(self, earliest: float, duration: float) -> float:
+        if earliest >= self.free_at:
+            return earliest
+        t = earliest
+        for s, e in self._iv:
+            if e <= t:
+                continue
+            if s > t and s - t >= duration:  # a real gap (FIFO never uses an empty one)
+                return t
+            t = e
+        return t
+
+    def _book(self, start: float, end: float) -> None:
+        iv = self._iv
+        if not iv or start >= iv[-1][0]:
+            iv.append((start, end))
+        else:
+            bisect.insort(iv, (start, end))
+        if end > self.free_at:
+            self.free_at = end
 
     def reserve(self, earliest: float, duration: float) -> tuple[float, float]:
-        """Hold the lane for ``duration`` from the first free moment at or after ``earliest``."""
-        start = earliest if earliest > self.free_at else self.free_at
+        """Hold the lane for ``duration`` from the first fitting free moment >= ``earliest``."""
+        start = self._place(earliest, duration)
         end = start + duration
-        self.free_at = end
+        self._book(start, end)
         self.busy += duration
         return start, end
+
+    def hold(self, start: float, end: float) -> None:
+        """Keep the lane unavailable over [start, end) without doing work (a stream waiting)."""
+        if end > start:
+            self._book(start, end)
+
+    def prune(self, now: float) -> None:
+        """Forget bookings that ended by ``now`` (no request can start before ``now``)."""
+        iv = self._iv
+        if iv and iv[0][1] <= now:
+            self._iv = [x for x in iv if x[1] > now]
 
 
 class Pool:
@@ -153,7 +193,8 @@ class Engine:
         else:
             self.h2d = self.d2h = Lane("copy")
         self.cpu = Pool("cpu", policy.cpu_workers)
-        self.temp = Pool("buf", policy.temp_buffers)
+        self.temp_buffers = int(policy.temp_buffers)
+        self._lanes = [self.h2d, *([self.d2h] if self.d2h is not self.h2d else []), *self.cpu.lanes]
         self.resident = np.zeros((self.n_layers, self.n_experts), dtype=bool)
         self.ready_at = np.zeros((self.n_layers, self.n_experts), dtype=np.float64)
         self.prefetched = np.zeros((self.n_layers, self.n_experts), dtype=bool)
@@ -265,8 +306,8 @@ class Engine:
             # expert_cache.py _swap issues both copy_ calls on the current stream), so it queues
             # behind the pending loads and the next load queues behind it: a swap costs H2D + D2H.
             s, e = self.d2h.reserve(max(now, self.h2d.free_at), self.t_d2h)
-            if e > self.h2d.free_at:
-                self.h2d.free_at = e
+            if self.h2d is not self.d2h:
+                self.h2d.hold(s, e)
             self.c.d2h_bytes += self.expert_bytes
             self.c.d2h_expert_copies += 1
             heapq.heappush(self._releases, e)
@@ -374,13 +415,16 @@ class Engine:
         serial = plan.cpu_serial
         chain = now  # end of the previous CPU job when this layer's CPU work is serial
         sync_end = now  # last CPU result of this layer's Action.CPU jobs
+        for lane in self._lanes:
+            lane.prune(now)
         # 1. explicit evictions (no fetch attached)
         for slot in plan.evict:
             self._evict(slot, now, needed, layer)
         # 2. demand copies and CPU work, in routing order
-        gpu_jobs: list[tuple[float, int, int]] = []  # (ready time, expert, temp lane index)
+        gpu_jobs: list[tuple[float, int, int]] = []  # (ready time, expert, temp buffer or -1)
         cpu_ends: list[float] = []
-        temp_lanes: dict[int, Lane] = {}
+        temps: list[int] = []
+        cpu_jobs: list[tuple[int, int]] = []
         n_hits = 0
         for e in experts.tolist():
             n = int(counts[e]) if counts is not None else 1
@@ -406,24 +450,9 @@ class Engine:
                     raise self._err(
                         f"copies expert {e} to a temporary buffer but it is resident", layer
                     )
-                lane = self.temp.pick()
-                start, end = self.h2d.reserve(max(now, lane.free_at), self.t_h2d)
-                lane.free_at = end  # held until its GPU compute ends (set below)
-                temp_lanes[e] = lane
-                c.temp_copies += 1
-                c.h2d_bytes += self.expert_bytes
-                c.h2d_expert_copies += 1
-                if rec is not None:
-                    rec.op(self.h2d.name, "temp", seq, tok, layer, e, start, end, self.expert_bytes)
-                gpu_jobs.append((end, e, 1))
+                temps.append(e)
             elif a == _CPU:
-                done = self._cpu_job(chain if serial else now, layer, e, n, "cpu_expert")
-                if serial:
-                    chain = done
-                if done > sync_end:
-                    sync_end = done
-                cpu_ends.append(done)
-                c.cpu_expert_evals += 1
+                cpu_jobs.append((e, n))
             elif a == _PRE:
                 ready = self.precalc.pop((layer, e), None)
                 if ready is None:
@@ -444,6 +473,14 @@ class Engine:
             c.decode_hits += n_hits
             c.hits_per_layer[layer] += n_hits
             c.accesses_per_layer[layer] += routed
+        # demand copies into temporary buffers: one per free buffer now, the rest as buffers
+        # free up on the GPU stream (a buffer holds its expert until its computation ends)
+        temp_queue = temps[::-1]
+        if temps and self.temp_buffers < 1:
+            raise self._err("copies to a temporary buffer but declares temp_buffers = 0", layer)
+        for buf in range(min(self.temp_buffers, len(temps))):
+            e = temp_queue.pop()
+            gpu_jobs.append((self._temp_copy(now, layer, e), e, buf))
         # 3. background work for coming layers
         for pl, pe, victim in plan.prefetch:
             pl, pe = int(pl), int(pe)
@@ -454,6 +491,14 @@ class Engine:
             self._fetch(pl, pe, victim, now, needed if pl == layer else None, "prefetch")
             self.prefetched[pl, pe] = True
             c.prefetches += 1
+        for e, n in cpu_jobs:
+            done = self._cpu_job(chain if serial else now, layer, e, n, "cpu_expert")
+            if serial:
+                chain = done
+            if done > sync_end:
+                sync_end = done
+            cpu_ends.append(done)
+            c.cpu_expert_evals += 1
         pchain = now
         for pl, pe in plan.precalc:
             pl, pe = int(pl), int(pe)
@@ -473,8 +518,9 @@ class Engine:
             c.cpu_wait += sync_end - now
             g = sync_end
         busy = 0.0
-        gpu_jobs.sort()
-        for ready, e, temp in gpu_jobs:
+        heapq.heapify(gpu_jobs)
+        while gpu_jobs:
+            ready, e, buf = heapq.heappop(gpu_jobs)
             if ready > g:
                 c.transfer_stall += ready - g
                 g = ready
@@ -484,8 +530,9 @@ class Engine:
                 rec.op("gpu", "expert", seq, tok, layer, e, g, g + d, 0)
             g += d
             busy += d
-            if temp > 0:
-                temp_lanes[e].free_at = g
+            if buf >= 0 and temp_queue:  # the buffer is free again: copy the next one in
+                nxt = temp_queue.pop()
+                heapq.heappush(gpu_jobs, (self._temp_copy(g, layer, nxt), nxt, buf))
         end = g
         for t in cpu_ends:
             if t > end:
@@ -494,6 +541,27 @@ class Engine:
             c.cpu_wait += end - g
         c.gpu_expert_busy += busy
         self.gpu.busy += busy
+        return end
+
+    def _temp_copy(self, at: float, layer: int, expert: int) -> float:
+        """Copy an expert into a temporary buffer from ``at``; returns when it has arrived."""
+        start, end = self.h2d.reserve(at, self.t_h2d)
+        c = self.c
+        c.temp_copies += 1
+        c.h2d_bytes += self.expert_bytes
+        c.h2d_expert_copies += 1
+        if self.recorder is not None:
+            self.recorder.op(
+                self.h2d.name,
+                "temp",
+                self.seq_id,
+                self.token,
+                layer,
+                expert,
+                start,
+                end,
+                self.expert_bytes,
+            )
         return end
 
     def _cpu_job(self, now: float, layer: int, expert: int, n: int, kind: str) -> float:

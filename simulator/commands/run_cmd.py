@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -193,9 +194,7 @@ def run(
         if no_progress:
             return
         if bar is None:
-            bar = click.progressbar(
-                length=total, label="sequences", file=click.get_text_stream("stderr"), show_eta=True
-            )
+            bar = click.progressbar(length=total, label="sequences", file=sys.stderr, show_eta=True)
             bar.__enter__()
         bar.update(1)
 
