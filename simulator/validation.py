@@ -296,8 +296,16 @@ def select(rows: list[Row], ids: str | None) -> list[Row]:
 
 
 # --- running --------------------------------------------------------------------------------------
+def _generator_digest() -> str:
+    """SHA-256 of simulator/synth.py (part of the synthetic-trace cache key)."""
+    from simulator import synth
+
+    return hashlib.sha256(Path(synth.__file__).read_bytes()).hexdigest()[:16]
+
+
 def synth_trace(spec: dict[str, Any]) -> Path:
     """A cached synthetic trace for ``{preset, sequences, prompt_tokens, output_tokens, seed}``."""
+    from simulator import synth
     from simulator.synth import get_preset, write_synthetic
 
     preset = str(spec.get("preset", ""))
@@ -306,8 +314,23 @@ def synth_trace(spec: dict[str, Any]) -> Path:
     prompt = int(spec.get("prompt_tokens", 256))
     out = int(spec.get("output_tokens", 512))
     seed = int(spec.get("seed", 0))
+    # The key covers everything that shapes the trace: the preset's parameters, the generator
+    # version and the generator's own source (so an edit that forgets to bump SYNTH_VERSION
+    # still regenerates), and the numpy that draws the random numbers.
     key = json.dumps(
-        [preset, p.model, p.params.to_dict(), n, prompt, out, seed], sort_keys=True
+        [
+            preset,
+            p.model,
+            p.params.to_dict(),
+            n,
+            prompt,
+            out,
+            seed,
+            synth.GENERATOR,
+            _generator_digest(),
+            synth.np.__version__,
+        ],
+        sort_keys=True,
     ).encode()
     path = cache_dir() / f"{preset}-{hashlib.sha256(key).hexdigest()[:16]}.parquet"
     if not path.exists():

@@ -24,6 +24,7 @@ from simulator.synth import (
     fit_params,
     iter_synthetic,
     routing_stats,
+    traffic_concentration,
     write_synthetic,
 )
 from simulator.trace import read_meta, validate_trace
@@ -79,6 +80,54 @@ def test_mixtral_per_layer_shape(mixtral_stats: dict) -> None:
     look = [r["lookahead_precision"] for r in per]
     assert look[0] is None  # no early view at layer 0
     assert np.mean(look[1:4]) < np.mean(look[8:24]) - 0.08  # lower in the first layers
+
+
+# routing-statistics.md, Qwen3-30B-A3B: overlap 0.389 mean and 0.098 at layer 0 (one prompt);
+# "95 % of traffic through 52.5 % of experts" (code domain), read as the mean over layers of
+# the fraction of a layer's experts that carries 95 % of its decode selections
+QWEN3_TARGETS = {
+    "consecutive_overlap": (0.389, 0.02),
+    "traffic95_experts": (0.525, 0.03),
+}
+
+
+@pytest.fixture(scope="module")
+def qwen3_stats() -> dict:
+    """routing_stats of 8 sequences x (256 + 512) tokens from the Qwen3 preset (a seed other
+    than the fit's 12345, so the check is on fresh draws)."""
+    m = get_model("qwen3-30b-a3b")
+    seqs = list(iter_synthetic(m, PRESETS["qwen3-30b-a3b"].params, 8, 256, 512, seed=7))
+    return routing_stats(m, seqs)
+
+
+@pytest.mark.parametrize("key", list(QWEN3_TARGETS))
+def test_qwen3_preset_matches_published_figures(qwen3_stats: dict, key: str) -> None:
+    goal, tol = QWEN3_TARGETS[key]
+    assert qwen3_stats[key] == pytest.approx(goal, abs=tol), key
+
+
+def test_qwen3_layer0_overlap_and_skew(qwen3_stats: dict) -> None:
+    per = qwen3_stats["per_layer"]
+    assert per[0]["consecutive_overlap"] == pytest.approx(0.098, abs=0.015)
+    # skew lives past layer 0: a uniform router would need ~97 % of experts for 95 % of traffic
+    mid = [r["traffic95_experts"] for r in per[1:]]
+    assert max(mid) < 0.7 and per[0]["traffic95_experts"] > max(mid)
+
+
+def test_traffic_concentration_definition() -> None:
+    m = get_model("qwen3-30b-a3b")
+    (s,) = iter_synthetic(m, PRESETS["qwen3-30b-a3b"].params, 1, 4, 6, seed=1)
+    # 6 decode tokens x top-8 all on experts 0..7 of every layer: 8 of 128 carry everything
+    s.experts[4:] = np.arange(8, dtype=np.int16)
+    conc = traffic_concentration(m, [s])
+    assert np.allclose(conc, np.ceil(0.95 * 8) / 128)
+
+
+def test_late_parameter_keeps_old_provenance() -> None:
+    # bias_first was added after v1: at its neutral value it is not written, so traces made
+    # before it existed (the bundled ones) keep byte-identical metadata
+    assert "bias_first" not in SynthParams().to_dict()
+    assert SynthParams(bias_first=0.5).to_dict()["bias_first"] == 0.5
 
 
 def test_same_arguments_give_identical_bytes(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from simulator.validation import (
     run_validation,
     select,
     splice_markdown,
+    synth_trace,
 )
 
 #: Cheap rows: one sequence of the bundled Mixtral trace each (hit rate and a ratio).
@@ -166,3 +167,25 @@ def test_bad_rows_raise_clear_errors(tmp_path: Path, body: str, needle: str) -> 
 def test_unknown_row_id_is_a_user_error() -> None:
     res = CliRunner().invoke(main, ["validate", "--rows", "no-such-row"])
     assert res.exit_code == 2 and "no-such-row" in res.output
+
+
+def test_synthetic_trace_cache_follows_generator_and_preset(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cached synthetic trace is regenerated when the generator or the preset changes."""
+    import simulator.validation as validation
+    from simulator import synth
+
+    monkeypatch.setenv("DAOPSIM_CACHE", str(tmp_path))
+    spec = {"preset": "deepseek-v2-lite", "sequences": 1, "prompt_tokens": 2, "output_tokens": 2}
+    first = synth_trace(spec)
+    assert synth_trace(spec) == first  # reused
+    monkeypatch.setattr(validation, "_generator_digest", lambda: "edited-generator")
+    edited = synth_trace(spec)
+    assert edited != first and edited.exists()
+    preset = synth.PRESETS["deepseek-v2-lite"]
+    changed = synth.SynthPreset(
+        **{**preset.__dict__, "params": preset.params.replace(bias_std=0.3)}
+    )
+    monkeypatch.setitem(synth.PRESETS, "deepseek-v2-lite", changed)
+    assert synth_trace(spec) not in (first, edited)
