@@ -369,6 +369,13 @@ class Engine:
             )
         if held > self.c.max_occupancy:
             self.c.max_occupancy = held
+        self._expert_copied(kind, layer, expert, start, end)
+        if self.recorder is not None:
+            self.recorder.occupancy(start, held)
+        return start, end
+
+    def _expert_copied(self, kind: str, layer: int, expert: int, start: float, end: float) -> None:
+        """Count (and record) one expert copied host-to-device."""
         self.c.h2d_bytes += self.expert_bytes
         self.c.h2d_expert_copies += 1
         if self.recorder is not None:
@@ -383,8 +390,6 @@ class Engine:
                 end,
                 self.expert_bytes,
             )
-            self.recorder.occupancy(start, held)
-        return start, end
 
     # -- one layer ---------------------------------------------------------------------------
     def _layer(
@@ -548,20 +553,7 @@ class Engine:
         start, end = self.h2d.reserve(at, self.t_h2d)
         c = self.c
         c.temp_copies += 1
-        c.h2d_bytes += self.expert_bytes
-        c.h2d_expert_copies += 1
-        if self.recorder is not None:
-            self.recorder.op(
-                self.h2d.name,
-                "temp",
-                self.seq_id,
-                self.token,
-                layer,
-                expert,
-                start,
-                end,
-                self.expert_bytes,
-            )
+        self._expert_copied("temp", layer, expert, start, end)
         return end
 
     def _cpu_job(self, now: float, layer: int, expert: int, n: int, kind: str) -> float:

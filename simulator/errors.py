@@ -8,6 +8,18 @@ policy, sequence, token and layer so the plugin author can find the decision.
 from __future__ import annotations
 
 
+def parse_key_values(items: tuple[str, ...] | list[str], flag: str) -> dict[str, str]:
+    """``key=value`` option strings to a dict (values stay strings); a malformed one is a
+    UserError naming the flag."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UserError(f"{flag} {item!r}: expected key=value")
+        out[key.strip()] = value.strip()
+    return out
+
+
 class UserError(Exception):
     """A mistake in user input (file, option, value). Printed as one line; exit code 2."""
 

@@ -12,18 +12,12 @@ from typing import Any
 import click
 
 from simulator.commands.common import echo_json, json_option
-from simulator.errors import UserError
+from simulator.errors import UserError, parse_key_values
 
 
 def parse_options(pairs: tuple[str, ...]) -> dict[str, str]:
     """``key=value`` strings to a dict (values stay strings; the policy coerces them)."""
-    out: dict[str, str] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key.strip():
-            raise UserError(f"--policy-opt {pair!r}: expected key=value")
-        out[key.strip()] = value.strip()
-    return out
+    return parse_key_values(pairs, "--policy-opt")
 
 
 def check_out_dir(out_dir: str) -> None:
