@@ -11,6 +11,26 @@ expert copied back, no speculative prefetch in the copy DAOP ran).
 - A miss swaps payloads: the expert is copied host -> device from pinned host memory and the
   evicted one device -> host (``writeback``); the ``b = 4`` shared device buffers are modelled as
   ``staging_buffers = 4`` so a fetch need not wait for the previous write-back.
+- What a miss costs in the code Fiddler benchmarked (efeslab/fiddler
+  benchmarks/mixtral_offloading/src: expert_cache.py ``_swap``, expert_wrapper.py,
+  custom_layers.py ``SparseMoEWrapper``; eval-baseline.py ``quantized=False``, ``buffer_size=4``):
+  each expert's w1/w2/w3 live in one contiguous ``UntypedStorage`` (352 MB bf16), so a swap is
+  two ``copy_(..., non_blocking=True)`` calls: host -> device from pinned storage into one of the
+  4 device buffers, then device -> host of the evicted expert into a pinned host buffer (the
+  write-back happens even though weights never change). Both go on the current (default)
+  stream, in that order, behind each other and behind the layer's kernels. There is no explicit
+  ``synchronize`` in the loop, but ``.unique().tolist()`` after the router and
+  ``torch.where(...)`` + ``.tolist()`` per expert make the host wait for the stream, so the next
+  layer's copies are issued only after this layer's work. This module models that: one pinned
+  H2D + one pinned D2H per miss, sharing one FIFO (engine.py ``_evict``).
+- Known divergence (needs an engine change, not made here): the code swaps on *every* miss. When
+  a layer needs more experts than its group holds (top-2 with ``experts_per_layer = 1``, or
+  prefill), it evicts the group's least recently used expert even if this layer already used it
+  (its computation is ordered before the write-back on the stream), and the last expert loaded
+  stays resident. The engine forbids evicting an expert the layer needs, so such misses go
+  through a temporary buffer here: no write-back, and the group keeps its earlier expert. With
+  one expert per layer that leaves out about one D2H per layer per token. Also, compute here
+  may overlap the layer's later copies; on the single stream it cannot (≲2 % at 3 per layer).
 - ``prefetch`` (default off, as in the released code): speculative loading from the
   one-layer-early view. At layer l the top ``prefetch_k`` experts of ``view.next_experts`` (layer
   l+1's router applied to layer l's input) that are not resident are copied into layer l+1's
