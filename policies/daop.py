@@ -253,19 +253,23 @@ class DAOPPolicy(Policy):
         ne, npr = view.next_experts, view.next_probs
         if ne is None or npr is None:
             return None
-        raw = np.asarray(ne, dtype=np.int64)[: self.k]
-        if raw.size == 0 or (raw < 0).any():
+        raw_l = ne[: self.k].tolist()
+        if not raw_l or min(raw_l) < 0:
             return None
-        probs = np.nan_to_num(np.asarray(npr, dtype=np.float64), nan=0.0)
+        raw = np.asarray(raw_l, dtype=np.int64)
         on_gpu = view.resident[nxt]
-        route = raw.copy()
-        if self.degrade and not on_gpu[route].any() and on_gpu.any():
+        route_l = list(raw_l)
+        if self.degrade and not any(on_gpu[e] for e in route_l) and on_gpu.any():
+            probs = np.nan_to_num(np.asarray(npr, dtype=np.float64), nan=0.0)
             gpu_ids = np.flatnonzero(on_gpu)
             sub = int(gpu_ids[np.argmax(probs[gpu_ids])])  # first id on ties
-            route = np.concatenate((route[:-1], [sub]))
-        p = probs[route]
-        total = p.sum()
-        weights = p / total if total > 0 else np.full(route.size, 1.0 / route.size)
+            route_l = [*route_l[:-1], sub]
+        # plain floats: this runs once per token-layer and numpy's overhead dominates at k <= 8
+        p = [float(npr[e]) for e in route_l]
+        p = [x if x == x else 0.0 for x in p]  # NaN -> 0
+        total = sum(p)
+        route = np.asarray(route_l, dtype=np.int64)
+        weights = np.asarray(p) / total if total > 0 else np.full(route.size, 1.0 / route.size)
         cpu = [int(e) for e in route if not on_gpu[e]]
         return _Prediction(route, weights, raw, set(cpu))
 
