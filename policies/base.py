@@ -179,6 +179,9 @@ class Policy:
     bound: ClassVar[bool] = False
     #: places every expert regardless of the memory budget (the all-GPU bound)
     unlimited_memory: ClassVar[bool] = False
+    #: may evict an expert the current layer uses (with ``writeback``: the write-back is queued
+    #: after that expert's computation), as Mixtral-offloading's single-stream swap does
+    evicts_in_use: ClassVar[bool] = False
     needs_calibration: ClassVar[bool] = False
     host_memory: str = "pinned"
     writeback: bool = False

@@ -104,10 +104,15 @@ class CachingPolicy(Policy):
                 actions[e] = FETCH
             else:
                 candidates = [x for x in cache if x not in protected]
+                guard = protected
+                if not candidates and self.evicts_in_use and counts is None:
+                    # swap out an expert this token already uses (computed before it leaves)
+                    guard = set(extra) if extra else set()
+                    candidates = [x for x in cache if x not in guard]
                 if not candidates:
                     actions[e] = TEMP  # the quota cannot hold all experts this token needs
                     continue
-                victim = self.choose_victim(layer, protected, step)
+                victim = self.choose_victim(layer, guard, step)
                 cache.remove(victim)
                 self.removed(layer, victim)
                 actions[e] = FETCH

@@ -23,14 +23,14 @@ expert copied back, no speculative prefetch in the copy DAOP ran).
   ``torch.where(...)`` + ``.tolist()`` per expert make the host wait for the stream, so the next
   layer's copies are issued only after this layer's work. This module models that: one pinned
   H2D + one pinned D2H per miss, sharing one FIFO (engine.py ``_evict``).
-- Known divergence (needs an engine change, not made here): the code swaps on *every* miss. When
-  a layer needs more experts than its group holds (top-2 with ``experts_per_layer = 1``, or
-  prefill), it evicts the group's least recently used expert even if this layer already used it
-  (its computation is ordered before the write-back on the stream), and the last expert loaded
-  stays resident. The engine forbids evicting an expert the layer needs, so such misses go
-  through a temporary buffer here: no write-back, and the group keeps its earlier expert. With
-  one expert per layer that leaves out about one D2H per layer per token. Also, compute here
-  may overlap the layer's later copies; on the single stream it cannot (≲2 % at 3 per layer).
+- The code swaps on *every* miss. When a decode layer needs more experts than its group holds
+  (top-2 with ``experts_per_layer = 1``), it evicts the group's least recently used expert even
+  if this layer already used it: that expert's computation is ordered before its write-back on
+  the stream, and the last expert loaded stays resident. ``evicts_in_use = True`` asks the
+  engine for exactly that (the write-back is queued after the victim's computation, and its
+  slot is held until then). Prefill (many experts per layer at once) still serves a group's
+  overflow from a temporary buffer. Known divergence: compute here may overlap the layer's
+  later copies; on the single stream it cannot (≲2 % at 3 experts per layer).
 - ``prefetch`` (default off, as in the released code): speculative loading from the
   one-layer-early view. At layer l the top ``prefetch_k`` experts of ``view.next_experts`` (layer
   l+1's router applied to layer l's input) that are not resident are copied into layer l+1's
@@ -62,6 +62,7 @@ class MixtralOffloadingPolicy(LRUPolicy):
     source = "Mixtral-offloading (arXiv 2312.17238), dvmazur/mixtral-offloading expert_cache.py"
     host_memory = "pinned"
     writeback = True
+    evicts_in_use = True
     staging_buffers = 4
     params = {
         "experts_per_layer": Param(

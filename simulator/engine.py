@@ -203,6 +203,7 @@ class Engine:
         #: written back to the host
         self.occupancy = 0
         self._releases: list[float] = []  # end times of pending write-backs
+        self._deferred: set[int] = set()  # this layer's in-use victims awaiting write-back
         self.c = Counters(
             hits_per_layer=np.zeros(self.n_layers, dtype=np.int64),
             accesses_per_layer=np.zeros(self.n_layers, dtype=np.int64),
@@ -289,8 +290,16 @@ class Engine:
             raise self._err(f"evicts ({vl}, {ve}), outside the model", layer)
         if not self.resident[vl, ve]:
             raise self._err(f"evicts expert {ve} of layer {vl}, which is not resident", layer)
-        if vl == layer and layer_needed is not None and ve in layer_needed:
+        in_use = vl == layer and layer_needed is not None and ve in layer_needed
+        if in_use and not (self.policy.evicts_in_use and self.policy.writeback):
             raise self._err(f"evicts expert {ve} of layer {vl}, which this token needs", layer)
+        if in_use:
+            # The victim still runs in this layer: its write-back is queued on the stream
+            # after its computation (see _layer), and its slot is held until then.
+            self.resident[vl, ve] = False
+            self.c.evictions += 1
+            self._deferred.add(ve)
+            return now
         if self.ready_at[vl, ve] > now:
             raise self._err(
                 f"evicts expert {ve} of layer {vl} while it is still being copied", layer
@@ -302,32 +311,38 @@ class Engine:
             self.c.prefetch_wasted += 1
             self.c.prefetch_wasted_bytes += self.expert_bytes
         if self.policy.writeback:
-            # The write-back goes on the same CUDA stream as the expert loads (Mixtral-offloading's
-            # expert_cache.py _swap issues both copy_ calls on the current stream), so it queues
-            # behind the pending loads and the next load queues behind it: a swap costs H2D + D2H.
-            s, e = self.d2h.reserve(max(now, self.h2d.free_at), self.t_d2h)
-            if self.h2d is not self.d2h:
-                self.h2d.hold(s, e)
-            self.c.d2h_bytes += self.expert_bytes
-            self.c.d2h_expert_copies += 1
-            heapq.heappush(self._releases, e)
-            if self.recorder is not None:
-                self.recorder.op(
-                    self.d2h.name,
-                    "writeback",
-                    self.seq_id,
-                    self.token,
-                    vl,
-                    ve,
-                    s,
-                    e,
-                    self.expert_bytes,
-                )
-            return e
+            return self._writeback(vl, ve, now)
         self.occupancy -= 1
         if self.recorder is not None:
             self.recorder.occupancy(now, self.occupancy)
         return now
+
+    def _writeback(self, layer: int, expert: int, at: float) -> float:
+        """Copy an evicted expert back to the host from ``at``; its slot is held until then.
+
+        The write-back goes on the same CUDA stream as the expert loads (Mixtral-offloading's
+        expert_cache.py _swap issues both copy_ calls on the current stream), so it queues
+        behind the pending loads and the next load queues behind it: a swap costs H2D + D2H.
+        """
+        s, e = self.d2h.reserve(max(at, self.h2d.free_at), self.t_d2h)
+        if self.h2d is not self.d2h:
+            self.h2d.hold(s, e)
+        self.c.d2h_bytes += self.expert_bytes
+        self.c.d2h_expert_copies += 1
+        heapq.heappush(self._releases, e)
+        if self.recorder is not None:
+            self.recorder.op(
+                self.d2h.name,
+                "writeback",
+                self.seq_id,
+                self.token,
+                layer,
+                expert,
+                s,
+                e,
+                self.expert_bytes,
+            )
+        return e
 
     def _slot_free_at(self, now: float) -> float:
         """When a slot is free for an incoming expert; takes it (waits for a write-back)."""
@@ -362,9 +377,10 @@ class Engine:
         self.ready_at[layer, expert] = end
         self.occupancy += 1
         held = self.occupancy
-        if held - len(self._releases) > self.budget:
+        resident = held - len(self._releases) - len(self._deferred)
+        if resident > self.budget:
             raise self._err(
-                f"holds {held - len(self._releases)} resident experts, budget is {self.budget}",
+                f"holds {resident} resident experts, budget is {self.budget}",
                 layer,
             )
         if held > self.c.max_occupancy:
@@ -431,7 +447,13 @@ class Engine:
         temps: list[int] = []
         cpu_jobs: list[tuple[int, int]] = []
         n_hits = 0
-        for e in experts.tolist():
+        order = experts.tolist()
+        if actions is not None:
+            # hits are judged before this layer's insertions: resident experts first
+            order = [e for e in order if actions.get(e) == _GPU] + [
+                e for e in order if actions.get(e) != _GPU
+            ]
+        for e in order:
             n = int(counts[e]) if counts is not None else 1
             a = _GPU if actions is None else actions.get(e)
             if a is None:
@@ -535,6 +557,9 @@ class Engine:
                 rec.op("gpu", "expert", seq, tok, layer, e, g, g + d, 0)
             g += d
             busy += d
+            if e in self._deferred:  # evicted while in use: written back after its compute
+                self._deferred.discard(e)
+                self._writeback(layer, e, g)
             if buf >= 0 and temp_queue:  # the buffer is free again: copy the next one in
                 nxt = temp_queue.pop()
                 heapq.heappush(gpu_jobs, (self._temp_copy(g, layer, nxt), nxt, buf))

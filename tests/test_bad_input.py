@@ -436,11 +436,14 @@ def test_existing_out_file_is_left_alone(ws: WS) -> None:
 def test_budget_below_top_k_is_a_documented_fallback(policy: str, ws: WS) -> None:
     """One slot for a top-2 model: the policy runs, never holds more than the budget, and
     serves what does not fit some other way (temporary buffers or the CPU)."""
+    from policies.registry import get_policy_class
     from simulator.runner import simulate
 
     res = simulate(policy=policy, trace=ws.good, gpu_experts=1, record=False)
     m = res.metrics
-    assert m["max_slots_held"] <= 1 + 1  # + a staging buffer some policies keep
+    # slots held = resident experts (the budget) plus the policy's declared staging buffers,
+    # which hold an incoming expert while an evicted one is written back
+    assert m["max_slots_held"] <= 1 + max(1, get_policy_class(policy).staging_buffers)
     assert m["hit_rate"] < 0.5
     assert m["temp_copies"] + m["cpu_expert_evals"] + m["fetches"] > 0
 
