@@ -232,3 +232,41 @@ def trace_stats(
         }
     )
     return out
+
+
+def heldout_popularity_hit(
+    routings: Iterable[SequenceRouting],
+    experts: int,
+    budgets: Iterable[int],
+    calibration: int = 2,
+    evaluation: int = 4,
+) -> dict[int, float | None]:
+    """Decode hit rate of global top-B popularity placement learned on held-out sequences.
+
+    Sequences are taken in order in groups of ``evaluation + calibration``; in each group the
+    last ``calibration`` sequences' decode selections rank the (layer, expert) pairs (ties by
+    layer, then expert, as Fiddler's placement breaks them), the top ``B`` are "resident", and
+    the hit rate is the share of the first ``evaluation`` sequences' decode selections that
+    fall on them. The result is the mean over complete groups (None when there is none). This
+    is the measurement of ``daopsim validate``'s Fiddler rows on a bundled trace (calibration =
+    the last quarter) repeated over many groups, so it says whether popularity persists from
+    one set of sequences to the next.
+    """
+    size = evaluation + calibration
+    budgets = list(budgets)
+    hits: dict[int, list[float]] = {b: [] for b in budgets}
+    group: list[np.ndarray] = []
+    for r in routings:
+        group.append(_layer_counts(r.experts[r.n_prefill :].astype(np.int64), experts))
+        if len(group) < size:
+            continue
+        ev = np.sum(group[:evaluation], axis=0).reshape(-1)
+        cal = np.sum(group[evaluation:], axis=0).reshape(-1)
+        group = []
+        total = ev.sum()
+        if total == 0:
+            continue
+        order = np.lexsort((np.arange(cal.size), -cal))
+        for b in budgets:
+            hits[b].append(float(ev[order[: max(0, min(b, cal.size))]].sum() / total))
+    return {b: (float(np.mean(v)) if v else None) for b, v in hits.items()}
