@@ -74,6 +74,30 @@ def test_json_has_every_documented_key() -> None:
     assert m["routing_replaced_frac"] == 0 and m["gate_mass_preserved"] == pytest.approx(1)
 
 
+def test_bounds_beside_the_result() -> None:
+    """The all-GPU and Belady bounds come with a run (same trace, machine, budget)."""
+    code, out, err = _run(
+        "--policy",
+        "lru",
+        "--trace",
+        "ci-small",
+        "--sequences",
+        "1",
+        "--cache-ratio",
+        "0.375",
+        "--json",
+    )
+    assert code == 0, err
+    doc = json.loads(out)
+    b = doc["bounds"]
+    assert b["all-gpu"]["tokens_per_s"] >= doc["metrics"]["tokens_per_s"]
+    assert b["belady"]["hit_rate"] >= doc["metrics"]["hit_rate"]
+    code, out, _ = _run(
+        "--policy", "lru", "--trace", "ci-small", "--sequences", "1", "--no-bounds", "--json"
+    )
+    assert code == 0 and "bounds" not in json.loads(out)
+
+
 def test_readable_table_names_the_run() -> None:
     code, out, _ = _run("--policy", "static", "--trace", "ci-small", "--sequences", "1")
     assert code == 0

@@ -82,6 +82,40 @@ TABLE_ROWS = (
 )
 
 
+def compute_bounds(
+    result: Any, hw: str, trace: str | None, sequences: int | None, dtype: str | None, seed: int
+) -> dict[str, dict[str, float]]:
+    """The bounds shown beside a result, on the same trace, machine and sequences.
+
+    all-gpu: every expert resident (throughput no offloading policy can beat on this cost
+    model). belady: clairvoyant MIN replacement with the run's GPU expert budget (the best hit
+    rate of any exact-routing cache).
+    """
+    from simulator.runner import simulate
+
+    common = {
+        "hw": hw,
+        "trace": trace,
+        "sequences": sequences,
+        "dtype": dtype,
+        "seed": seed,
+        "record": False,
+    }
+    out: dict[str, dict[str, float]] = {}
+    own = result.config["policy"]
+    gpu = result if own == "all-gpu" else simulate(policy="all-gpu", **common)
+    out["all-gpu"] = {
+        k: gpu.metrics[k] for k in ("tokens_per_s", "decode_tokens_per_s", "tpot_p50_s", "e2e_s")
+    }
+    bel = (
+        result
+        if own == "belady"
+        else simulate(policy="belady", gpu_experts=result.config["gpu_experts"], **common)
+    )
+    out["belady"] = {"hit_rate": bel.metrics["hit_rate"]}
+    return out
+
+
 def render_table(doc: dict[str, Any]) -> str:
     """The readable summary printed by ``daopsim run``."""
     m = doc["metrics"]
@@ -99,6 +133,17 @@ def render_table(doc: dict[str, Any]) -> str:
         if isinstance(value, int | float) and not isinstance(value, bool) and scale != 1:
             value = value * scale
         lines.append(f"  {label:<28} {_fmt(value, unit)}")
+    b = doc.get("bounds")
+    if b:
+        gpu_tps = b["all-gpu"]["tokens_per_s"]
+        share = m["tokens_per_s"] / gpu_tps if gpu_tps else float("nan")
+        lines += [
+            "",
+            "  bounds (same trace and machine)",
+            f"  {'all-GPU tokens/s':<28} {_fmt(gpu_tps)}  (this run: {share:.1%} of it)",
+            f"  {'Belady hit rate':<28} {_fmt(b['belady']['hit_rate'])}"
+            f"  (clairvoyant, {doc['gpu_experts']} GPU experts)",
+        ]
     return "\n".join(lines)
 
 
@@ -159,6 +204,12 @@ def render_table(doc: dict[str, Any]) -> str:
     help="Write metrics.json, timeline.parquet, a Perfetto trace and plots here.",
 )
 @click.option("--no-progress", is_flag=True, help="Do not show a progress bar.")
+@click.option(
+    "--bounds/--no-bounds",
+    default=True,
+    show_default=True,
+    help="Also report the all-GPU throughput bound and the Belady hit-rate bound.",
+)
 @json_option
 def run(
     policy: str,
@@ -173,6 +224,7 @@ def run(
     seed: int,
     out_dir: str | None,
     no_progress: bool,
+    bounds: bool,
     as_json: bool,
 ) -> None:
     """Simulate one policy on one machine over a routing trace."""
@@ -185,7 +237,7 @@ def run(
 
     def progress(done: int, total: int) -> None:
         nonlocal bar
-        if no_progress:
+        if no_progress or not sys.stderr.isatty():
             return
         if bar is None:
             bar = click.progressbar(length=total, label="sequences", file=sys.stderr, show_eta=True)
@@ -210,6 +262,8 @@ def run(
     finally:
         if bar is not None:
             bar.__exit__(None, None, None)
+    if bounds:
+        result.config["bounds"] = compute_bounds(result, hw, trace, sequences, dtype, seed)
     if out_dir is not None:
         write_outputs(result, out_dir)
     doc = result.to_dict()
