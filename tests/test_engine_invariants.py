@@ -391,3 +391,64 @@ def test_lane_matches_simpy_resource(requests: list[tuple[float, float]]) -> Non
     env.run()
     np.testing.assert_allclose(np.array(ours), np.array(theirs), rtol=0, atol=1e-9)
     assert lane.busy == pytest.approx(sum(d for _, d in requests))
+
+
+# -- evicting an expert the layer uses (policies that declare evicts_in_use) ------------------
+
+
+def test_in_use_eviction_writes_back_after_the_victims_computation(tmp_path: Any) -> None:
+    """One slot per layer, top-2: the second miss evicts the first expert only after it ran."""
+    from simulator.runner import simulate
+    from simulator.testing import make_trace
+
+    trace = make_trace(tmp_path / "t.parquet", sequences=2, prefill=4, decode=12, seed=5)
+    r = simulate(
+        policy="mixtral-offloading",
+        hw="a6000-pcie4",
+        trace=trace,
+        gpu_experts=4,
+        policy_options={"experts_per_layer": 1},
+    )
+    tl = r.timeline
+    wb = tl[tl["kind"].astype(str) == "writeback"]
+    gpu = tl[(tl["resource"].astype(str) == "gpu") & (tl["kind"].astype(str) == "expert")]
+    key = ["seq", "token", "layer", "expert"]
+    same = wb.merge(gpu, on=key, suffixes=("_wb", "_gpu"))
+    assert len(same) > 0, "no expert was evicted in the layer that used it"
+    assert (same["start_wb"] >= same["end_gpu"] - 1e-12).all()
+    # each decode token-layer still computes both of its routed experts exactly once
+    dec = gpu[gpu["token"] >= 4]
+    assert (dec.groupby(["seq", "token", "layer"]).size() == 2).all()
+    _no_overlap(tl, "h2d")
+    _no_overlap(tl, "d2h")
+    # resident experts never exceed the budget; held slots never exceed budget + staging
+    assert r.metrics["max_slots_held"] <= 4 + 4
+
+
+def test_in_use_eviction_is_refused_without_the_declaration() -> None:
+    class Greedy(Policy):
+        name = "greedy-evict"
+
+        def setup(self, ctx: SetupContext) -> Iterable[Slot]:
+            return [(layer, 0) for layer in range(ctx.model.moe_layers)]
+
+        def decode_layer(self, view: View) -> Plan:
+            ex = view.experts.tolist()
+            res = view.resident[view.layer]
+            plan = Plan(actions={})
+            inside = [e for e in ex if res[e]]
+            for e in ex:
+                if res[e]:
+                    plan.actions[e] = Action.GPU  # type: ignore[index]
+                else:
+                    plan.actions[e] = Action.FETCH  # type: ignore[index]
+                    if inside:
+                        plan.victims[e] = (view.layer, inside[0])
+            return plan
+
+    model = tiny_model(experts=4, top_k=2, moe_layers=2)
+    routing = routing_from_experts(model, [[[0, 1], [0, 1]]] * 3, seq_id=0, n_prefill=1)
+    costs = cost_model(load_profile("a6000-pcie4"), model)
+    eng = Engine(Greedy(), model, costs, budget=2)
+    with pytest.raises(PolicyError, match="which this token needs"):
+        eng.run([routing])
