@@ -19,6 +19,7 @@ from simulator.trace import (
     ALL_PROBS_MAX_EXPERTS,
     SequenceRouting,
     TraceMeta,
+    blank_first_layer_view,
     write_trace,
 )
 
@@ -110,10 +111,7 @@ def random_routing(
     p_store, p_ids = _stored(probs, width)
     e_store, e_ids = _stored(early, width)
     early_experts = early_experts.astype(np.int16)
-    early_experts[:, 0] = -1
-    e_store[:, 0] = np.nan
-    if e_ids is not None:
-        e_ids[:, 0] = -1
+    blank_first_layer_view(early_experts, e_store, e_ids)
     return SequenceRouting(
         seq_id=seq_id,
         positions=np.arange(t, dtype=np.int32),
@@ -165,10 +163,7 @@ def routing_from_experts(
 
     p_store, p_ids = _stored(probs_for(ex), width)
     e_store, e_ids = _stored(probs_for(ee), width)
-    ee[:, 0] = -1
-    e_store[:, 0] = np.nan
-    if e_ids is not None:
-        e_ids[:, 0] = -1
+    blank_first_layer_view(ee, e_store, e_ids)
     return SequenceRouting(
         seq_id=seq_id,
         positions=np.arange(t, dtype=np.int32),

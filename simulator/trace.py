@@ -222,6 +222,16 @@ class SequenceRouting:
         return out
 
 
+def blank_first_layer_view(
+    early_experts: np.ndarray, early_probs: np.ndarray, early_prob_ids: np.ndarray | None
+) -> None:
+    """Mark layer 0's one-layer-early view absent, in place (it has no earlier layer)."""
+    early_experts[:, 0] = -1
+    early_probs[:, 0] = np.nan
+    if early_prob_ids is not None:
+        early_prob_ids[:, 0] = -1
+
+
 # --------------------------------------------------------------------------------------------
 # Writing
 # --------------------------------------------------------------------------------------------
@@ -744,11 +754,8 @@ def _assemble(path: object, seq_id: int, parts: list[_Rows], meta: TraceMeta) ->
     early_probs = cat("early_probs").reshape(t, n_layers, width)
     if eids is not None:
         eids = eids.astype(np.int16).reshape(t, n_layers, width)
-    # layer 0 has no earlier layer: whatever a capture stored there is dropped
-    early_experts[:, 0] = -1
-    early_probs[:, 0] = np.nan
-    if eids is not None:
-        eids[:, 0] = -1
+    # whatever a capture stored for layer 0's early view is dropped
+    blank_first_layer_view(early_experts, early_probs, eids)
     return SequenceRouting(
         seq_id=seq_id,
         positions=positions.astype(np.int32),
