@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import bisect
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -210,6 +211,20 @@ def _policy_fault(pol: Policy, exc: Exception, engine: Engine | None) -> PolicyE
     return None
 
 
+@contextmanager
+def _policy_faults(pol: Policy, engine: Engine | None) -> Iterator[None]:
+    """Re-raise an exception the policy caused as its one-line PolicyError (see above)."""
+    try:
+        yield
+    except (UserError, PolicyError):
+        raise
+    except Exception as exc:
+        fault = _policy_fault(pol, exc, engine)
+        if fault is None:
+            raise
+        raise fault from exc
+
+
 def _resolve_hw(hw: str | os.PathLike[str] | HardwareProfile) -> HardwareProfile:
     return hw if isinstance(hw, HardwareProfile) else load_profile(str(hw))
 
@@ -303,7 +318,7 @@ def simulate(
             oracle.add(r)
 
     recorder = Recorder() if record else None
-    try:
+    with _policy_faults(pol, None):
         engine = Engine(
             pol,
             model,
@@ -315,13 +330,6 @@ def simulate(
             recorder=recorder,
             seed=seed,
         )
-    except (UserError, PolicyError):
-        raise
-    except Exception as exc:
-        fault = _policy_fault(pol, exc, None)
-        if fault is None:
-            raise
-        raise fault from exc
     order = {s: i for i, s in enumerate(eval_ids)}
     done = [0]
 
@@ -334,15 +342,8 @@ def simulate(
         if progress is not None:
             progress(done[0], len(order))
 
-    try:
+    with _policy_faults(pol, engine):
         counters = engine.run(seqs(), on_sequence=tick)
-    except (UserError, PolicyError):
-        raise
-    except Exception as exc:
-        fault = _policy_fault(pol, exc, engine)
-        if fault is None:
-            raise
-        raise fault from exc
     metrics = compute_metrics(counters, engine, costs, profile)
     config = {
         "policy": pol.name,
