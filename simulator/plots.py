@@ -140,6 +140,21 @@ def _all_gpu_rate(df_all: pd.DataFrame, hw: str, trace: str, compute: bool) -> f
     return float(r.metrics["tokens_per_s"])
 
 
+def _policy_lines(ax: Any, rows: pd.DataFrame, metric: str, color_of: Callable[[Any], str]) -> None:
+    """One line per policy label: ``metric`` averaged per cache ratio; a bound is dashed."""
+    for label, grp in rows.groupby("label", sort=False):
+        pts = grp.groupby("cache_ratio")[metric].mean().sort_index()
+        dashed = bool(_is_bound(grp).all())
+        ax.plot(
+            pts.index,
+            pts.values,
+            marker="o",
+            ls="--" if dashed else "-",
+            color=color_of(label),
+            label=f"{label} (bound)" if dashed else label,
+        )
+
+
 def plot_throughput(
     df: pd.DataFrame | str | os.PathLike[str],
     trace: str | None = None,
@@ -157,17 +172,7 @@ def plot_throughput(
     colors = _colors(list(sub.loc[sub["policy"] != ALL_GPU, "label"]))
     for ax, hw in zip(axes, hws, strict=True):
         rows = sub[(sub["hw"] == hw) & (sub["policy"] != ALL_GPU)]
-        for label, grp in rows.groupby("label", sort=False):
-            pts = grp.groupby("cache_ratio")["tokens_per_s"].mean().sort_index()
-            dashed = bool(_is_bound(grp).all())
-            ax.plot(
-                pts.index,
-                pts.values,
-                marker="o",
-                ls="--" if dashed else "-",
-                color=colors[label],
-                label=f"{label} (bound)" if dashed else label,
-            )
+        _policy_lines(ax, rows, "tokens_per_s", colors.__getitem__)
         bound = _all_gpu_rate(sub, hw, trace, compute_bound)
         if bound is not None:
             ax.axhline(bound, color="black", ls=":", lw=1.5, label="all-gpu (bound)")
@@ -195,17 +200,12 @@ def plot_hit_rate(df: pd.DataFrame | str | os.PathLike[str], trace: str | None =
     has_belady = bool((sub["policy"] == "belady").any())
     for ax, hw in zip(axes, hws, strict=True):
         rows = sub[sub["hw"] == hw]
-        for label, grp in rows.groupby("label", sort=False):
-            pts = grp.groupby("cache_ratio")["hit_rate"].mean().sort_index()
-            dashed = bool(_is_bound(grp).all())
-            ax.plot(
-                pts.index,
-                pts.values,
-                marker="o",
-                ls="--" if dashed else "-",
-                color="black" if str(label).startswith("belady") else colors[label],
-                label=f"{label} (bound)" if dashed else label,
-            )
+        _policy_lines(
+            ax,
+            rows,
+            "hit_rate",
+            lambda label: "black" if str(label).startswith("belady") else colors[label],
+        )
         ax.set_title(hw)
         ax.set_xlabel("cache ratio (resident experts / all experts)")
         ax.set_ylabel("expert hit rate (decode)")
