@@ -21,7 +21,7 @@ import pandas as pd
 
 from policies.registry import get_policy_class
 from simulator.errors import UserError
-from simulator.results import atomic_write, atomic_write_text
+from simulator.results import atomic_write, atomic_write_png, atomic_write_text
 from simulator.runner import simulate
 
 #: metrics kept per run in the results table
@@ -242,9 +242,7 @@ class ExperimentResult:
             ax.set_title(f"{model} on {self.experiment.hw}")
             ax.legend(fontsize=7)
         fig.tight_layout()
-        out = atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
-        plt.close(fig)
-        return out
+        return atomic_write_png(fig, path, dpi=110)
 
     def write(self, out_dir: str | os.PathLike[str]) -> dict[str, Path]:
         """results.csv, results.parquet, speedups.csv, summary.txt and tokens_per_s.png."""

@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from simulator.errors import UserError
-from simulator.results import atomic_write
+from simulator.results import atomic_write_png
 
 #: The plot kinds of ``daopsim plot --kind``.
 KINDS = ("throughput", "hit-rate", "breakdown", "heatmap", "pareto")
@@ -410,11 +410,7 @@ def plot(df: pd.DataFrame | str | os.PathLike[str], kind: str, **kwargs: Any) ->
 
 def save_figure(fig: Any, path: str | os.PathLike[str], dpi: int = 120) -> Path:
     """Write a figure as PNG atomically and close it."""
-    plt = _mpl()
-    try:
-        return atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format="png"))
-    finally:
-        plt.close(fig)
+    return atomic_write_png(fig, path, dpi)
 
 
 __all__ = [

@@ -170,6 +170,16 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
     return atomic_write(path, _w)
 
 
+def atomic_write_png(fig: Any, path: str | os.PathLike[str], dpi: int) -> Path:
+    """Write a matplotlib figure as PNG atomically, then close it."""
+    import matplotlib.pyplot as plt
+
+    try:
+        return atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format="png"))
+    finally:
+        plt.close(fig)
+
+
 @dataclass
 class RunResult:
     """The outcome of one run: configuration, metrics, timeline and per-layer hit rates."""
@@ -345,17 +355,11 @@ class RunResult:
                 fig, ax = plt.subplots(figsize=(11, 3.6))
                 self.plot_timeline(ax=ax)
                 fig.tight_layout()
-                paths["gantt"] = atomic_write(
-                    out / "gantt.png", lambda tmp: fig.savefig(tmp, dpi=110, format="png")
-                )
-                plt.close(fig)
+                paths["gantt"] = atomic_write_png(fig, out / "gantt.png", dpi=110)
             fig, ax = plt.subplots(figsize=(8, 3.2))
             self.plot_hit_rate(ax=ax)
             fig.tight_layout()
-            paths["hit_rate"] = atomic_write(
-                out / "hit_rate.png", lambda tmp: fig.savefig(tmp, dpi=110, format="png")
-            )
-            plt.close(fig)
+            paths["hit_rate"] = atomic_write_png(fig, out / "hit_rate.png", dpi=110)
         return paths
 
 
