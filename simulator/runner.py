@@ -23,11 +23,11 @@ from policies.registry import get_policy_class
 from simulator.costs import CostModel, cost_model
 from simulator.data import resolve_trace
 from simulator.engine import Engine
-from simulator.errors import PolicyError, TraceError, UserError
+from simulator.errors import PolicyError, UserError
 from simulator.hardware import HardwareProfile, load_profile
 from simulator.recorder import Recorder
 from simulator.results import RunResult, compute_metrics
-from simulator.trace import TraceMeta, iter_sequences, read_meta
+from simulator.trace import TraceMeta, iter_sequences, read_meta, sequence_ids
 
 
 @dataclass
@@ -75,33 +75,6 @@ def split_sequences(
     if not evaluation:
         raise UserError("the trace has no evaluation sequences (all are calibration)")
     return evaluation, calib
-
-
-def sequence_ids(path: Path) -> list[int]:
-    """Sequence ids in file order (reads only the ``seq`` column)."""
-    # damaged pages must be a TraceError naming the file, like every other trace read
-    from simulator.trace import _READ_ERRORS, _first_line, _open
-
-    pf = _open(path)
-    ids: list[int] = []
-    batches = pf.iter_batches(columns=["seq"], batch_size=1 << 20)
-    while True:
-        try:
-            batch = next(batches, None)
-            if batch is None:
-                break
-            arr = batch.column(0).to_numpy()
-        except _READ_ERRORS as exc:
-            raise TraceError(
-                path, f"unreadable data in column 'seq' ({_first_line(exc)})"
-            ) from None
-        if arr.size == 0:
-            continue
-        cuts = np.flatnonzero(np.diff(arr)) + 1
-        for v in arr[np.concatenate(([0], cuts))].tolist():
-            if not ids or ids[-1] != v:
-                ids.append(int(v))
-    return ids
 
 
 def calibration_counts(

@@ -770,6 +770,31 @@ def _assemble(path: object, seq_id: int, parts: list[_Rows], meta: TraceMeta) ->
     )
 
 
+def sequence_ids(path: str | os.PathLike[str]) -> list[int]:
+    """Sequence ids in file order (reads only the ``seq`` column)."""
+    # damaged pages must be a TraceError naming the file, like every other trace read
+    pf = _open(path)
+    ids: list[int] = []
+    batches = pf.iter_batches(columns=["seq"], batch_size=1 << 20)
+    while True:
+        try:
+            batch = next(batches, None)
+            if batch is None:
+                break
+            arr = batch.column(0).to_numpy()
+        except _READ_ERRORS as exc:
+            raise TraceError(
+                path, f"unreadable data in column 'seq' ({_first_line(exc)})"
+            ) from None
+        if arr.size == 0:
+            continue
+        cuts = np.flatnonzero(np.diff(arr)) + 1
+        for v in arr[np.concatenate(([0], cuts))].tolist():
+            if not ids or ids[-1] != v:
+                ids.append(int(v))
+    return ids
+
+
 def iter_sequences(
     path: str | os.PathLike[str],
     meta: TraceMeta | None = None,
