@@ -731,7 +731,8 @@ class Engine:
                     raise
                 except Exception as exc:
                     raise self._err(f"raised {type(exc).__name__}: {exc}", layer) from exc
-                if plan.__class__ is not Plan:
+                # exact-type test first: it is the common case and cheaper than isinstance
+                if plan.__class__ is not Plan and not isinstance(plan, Plan):
                     raise self._err(f"returned {type(plan).__name__}, expected a Plan", layer)
                 route = self._routing_fidelity(plan, true_e, w_t[layer], ws_t[layer], layer)
                 end = self._layer(tr, layer, 1, context, plan, route, None, prefill=False)

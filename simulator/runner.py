@@ -303,7 +303,6 @@ def simulate(
             recorder=recorder,
             seed=seed,
         )
-    order = {s: i for i, s in enumerate(eval_ids)}
     done = [0]
 
     def seqs() -> Any:
@@ -313,7 +312,7 @@ def simulate(
     def tick(_r: Any) -> None:
         done[0] += 1
         if progress is not None:
-            progress(done[0], len(order))
+            progress(done[0], len(eval_ids))
 
     with _policy_faults(pol, engine):
         counters = engine.run(seqs(), on_sequence=tick)
