@@ -45,8 +45,9 @@ def _run(*args: str) -> tuple[int, str, str]:
     return res.exit_code, res.stdout, res.stderr
 
 
-def test_json_has_every_documented_key() -> None:
-    """`run --json` carries the configuration keys and every metric the issue lists."""
+@pytest.fixture(scope="module")
+def lru_json() -> dict:
+    """One `run --json` of lru on the CI trace, shared by the tests that read it."""
     code, out, err = _run(
         "--policy",
         "lru",
@@ -59,7 +60,12 @@ def test_json_has_every_documented_key() -> None:
         "--json",
     )
     assert code == 0, err
-    doc = json.loads(out)
+    return json.loads(out)
+
+
+def test_json_has_every_documented_key(lru_json: dict) -> None:
+    """`run --json` carries the configuration keys and every metric the issue lists."""
+    doc = lru_json
     for key in REQUIRED_TOP:
         assert key in doc, key
     for key in REQUIRED_METRICS:
@@ -74,21 +80,9 @@ def test_json_has_every_documented_key() -> None:
     assert m["routing_replaced_frac"] == 0 and m["gate_mass_preserved"] == pytest.approx(1)
 
 
-def test_bounds_beside_the_result() -> None:
+def test_bounds_beside_the_result(lru_json: dict) -> None:
     """The all-GPU and Belady bounds come with a run (same trace, machine, budget)."""
-    code, out, err = _run(
-        "--policy",
-        "lru",
-        "--trace",
-        "ci-small",
-        "--sequences",
-        "1",
-        "--cache-ratio",
-        "0.375",
-        "--json",
-    )
-    assert code == 0, err
-    doc = json.loads(out)
+    doc = lru_json
     b = doc["bounds"]
     assert b["all-gpu"]["tokens_per_s"] >= doc["metrics"]["tokens_per_s"]
     assert b["belady"]["hit_rate"] >= doc["metrics"]["hit_rate"]

@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from simulator.commands.common import echo_json, json_option
+from simulator.commands.common import echo_json, json_option, lazy_progress
 from simulator.errors import UserError, parse_key_values
 
 
@@ -233,18 +233,8 @@ def run(
     options = parse_options(policy_opts)
     if out_dir is not None:
         check_out_dir(out_dir)
-    bar: Any = None
-
-    def progress(done: int, total: int) -> None:
-        nonlocal bar
-        if no_progress or not sys.stderr.isatty():
-            return
-        if bar is None:
-            bar = click.progressbar(length=total, label="sequences", file=sys.stderr, show_eta=True)
-            bar.__enter__()
-        bar.update(1)
-
-    try:
+    enabled = not no_progress and sys.stderr.isatty()
+    with lazy_progress("sequences", enabled) as progress:
         result = simulate(
             policy=policy,
             hw=hw,
@@ -259,9 +249,6 @@ def run(
             record=out_dir is not None,
             progress=progress,
         )
-    finally:
-        if bar is not None:
-            bar.__exit__(None, None, None)
     if bounds:
         result.config["bounds"] = compute_bounds(result, hw, trace, sequences, dtype, seed)
     if out_dir is not None:

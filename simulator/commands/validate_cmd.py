@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from simulator.commands.common import echo_json, json_option
+from simulator.commands.common import echo_json, json_option, lazy_progress
 
 
 def _render(report: Any) -> str:
@@ -83,24 +83,8 @@ def validate(
         except FileNotFoundError:
             raise UserError(f"{markdown_path}: no such file") from None
         splice_markdown(doc_text, "")  # fail on missing markers before the long run
-    bar: Any = None
-
-    def progress(done: int, total: int, row_id: str) -> None:
-        nonlocal bar
-        if no_progress:
-            return
-        if bar is None:
-            bar = click.progressbar(
-                length=total, label="rows", file=click.get_text_stream("stderr"), show_eta=True
-            )
-            bar.__enter__()
-        bar.update(1)
-
-    try:
+    with lazy_progress("rows", enabled=not no_progress) as progress:
         report = run_validation(rows, max_sequences=sequences, progress=progress)
-    finally:
-        if bar is not None:
-            bar.__exit__(None, None, None)
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
