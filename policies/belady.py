@@ -1,8 +1,8 @@
 """belady: clairvoyant MIN replacement per layer, the caching bound.
 
 Source: Belady's MIN (evict the item whose next use lies farthest in the future), the bound the
-expert-caching literature reports beside LRU (../shared/reference/related-systems.md §4.1,
-"Cacheable by Design?": LRU 65.9 %, Belady 79.1 %; CECAR's Belady bounds). Same cache model as
+expert-caching literature reports beside LRU (docs/references.md#baselines; "Cacheable by
+Design?", arXiv 2608.18261: LRU 65.9 %, Belady 79.1 %; CECAR's Belady bounds). Same cache model as
 ``lru`` (per-layer quota, fetch on miss, a token's other experts never evicted), but the victim
 is chosen with the oracle of future accesses: ``ctx.oracle.next_use(layer, expert, step)``.
 Results are marked ``"bound": true``; no real runtime can do this.
@@ -26,7 +26,7 @@ class BeladyPolicy(CachingPolicy):
 
     name = "belady"
     summary = "clairvoyant MIN replacement per layer (caching bound)"
-    source = "Belady's MIN; bound reported in related-systems.md §4.1"
+    source = "Belady's MIN (IBM Systems Journal 1966); the bound caching studies report"
     clairvoyant = True
 
     def init_state(self, ctx: SetupContext) -> None:

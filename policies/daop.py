@@ -1,7 +1,8 @@
 """daop: DAOP as its public code runs it (Zhang, Aggarwal, Mitra, DATE 2025, arXiv 2501.10375).
 
-The rules follow ../shared/reference/daop.md (which restates ecolab-nus/DAOP step by step);
-docs/daop.md has the algorithm, every option and where code and paper differ. In short:
+The rules follow the code, ecolab-nus/DAOP at commit 08fef33 (facts and sources in
+docs/references.md#daop); docs/daop.md has the algorithm, every option and where code and
+paper differ. In short:
 
 * Load: per-layer quota ``floor(B/L)`` of the most popular experts, the rest by global rank
   (decode-time calibration counts).

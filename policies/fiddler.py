@@ -1,8 +1,7 @@
 """fiddler: popularity placement, the CPU runs every non-resident expert (Kamahori et al.).
 
-Source: Fiddler, ICLR 2025 (arXiv 2402.07033), code efeslab/fiddler ``src/fiddler/mixtral.py``;
-../shared/reference/related-systems.md §1-2 ("Fiddler", "Break-even rule") and
-../shared/reference/daop.md ("Baselines": Fiddler).
+Source: Fiddler, ICLR 2025 (arXiv 2402.07033), code efeslab/fiddler@227715b
+``src/fiddler/mixtral.py``; its mechanism and break-even rule in docs/references.md#fiddler.
 
 - Placement: the globally most popular ``budget`` (layer, expert) pairs of a calibration ranking
   (``policies.base.global_top``); no per-layer minimum, never changed afterwards.
@@ -20,8 +19,9 @@ Source: Fiddler, ICLR 2025 (arXiv 2402.07033), code efeslab/fiddler ``src/fiddle
   cost model (``cpu_expert_s(1)``, ``h2d_expert_s(pinned=False)``).
 - Host memory: pageable. The experts Fiddler does not place stay in the ordinary CPU tensors
   ``from_pretrained`` created, and a copy is ``expert_placeholder.load_state_dict(...)`` from
-  them; nothing is pinned (daop.md: DAOP, a fork of Fiddler, loads the same way). One
-  placeholder, so one temporary buffer; one CPU worker (the expert uses all torch threads).
+  them; nothing is pinned (DAOP, a fork of Fiddler, loads the same way:
+  docs/references.md#expert-times). One placeholder, so one temporary buffer; one CPU worker
+  (the expert uses all torch threads).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """LFU: per-layer least-frequently-used expert cache, fetch on miss.
 
-Source: the LFU baselines of the expert-caching literature (../shared/reference/related-systems.md:
-§1b "LFU study (2511.05814)" reports LFU beating LRU on an A6000; kTransformers' cache was LFU
+Source: the LFU baselines of the expert-caching literature (docs/references.md#baselines: an
+LFU study, arXiv 2511.05814, reports LFU beating LRU on an A6000; kTransformers' cache was LFU
 before HybriMoE's MRS; CECAR ships LRU/LFU baselines). Same cache model as ``lru`` (per-layer
 quota, hits judged before insertions, a token's other experts never evicted).
 
@@ -29,7 +29,7 @@ class LFUPolicy(CachingPolicy):
 
     name = "lfu"
     summary = "per-layer LFU cache (persistent counts, LRU tie-break), fetch on miss"
-    source = "LFU expert-cache baseline (related-systems.md §1b: LFU study 2511.05814, CECAR)"
+    source = "LFU expert-cache baseline (LFU study arXiv 2511.05814; malmong/CECAR baselines)"
 
     def init_state(self, ctx: SetupContext) -> None:
         """Per-layer access counts and last-use ticks."""

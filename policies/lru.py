@@ -1,7 +1,7 @@
 """LRU: per-layer least-recently-used expert cache, fetch on miss (Mixtral-offloading's core).
 
 Source: Eliseev & Mazur, arXiv 2312.17238 (per-layer LRU "eviction groups"); see
-../shared/reference/related-systems.md §2. This plain version copies from pinned host memory
+docs/references.md#baselines. This plain version copies from pinned host memory
 and does not write evicted experts back (the host keeps a copy); ``mixtral-offloading`` adds
 its buffers, write-back and optional speculative prefetch.
 """

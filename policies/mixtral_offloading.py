@@ -1,10 +1,9 @@
 """mixtral-offloading: per-layer LRU with pinned buffers, write-back and optional prefetch.
 
 Source: Eliseev & Mazur, "Fast Inference of Mixture-of-Experts Language Models with Offloading",
-arXiv 2312.17238, code dvmazur/mixtral-offloading (``expert_cache.py``);
-../shared/reference/related-systems.md §1-2 ("Mixtral-offloading") and
-../shared/reference/daop.md ("Baselines": 3 of 8 experts per layer, 4 pinned buffers, evicted
-expert copied back, no speculative prefetch in the copy DAOP ran).
+arXiv 2312.17238, code dvmazur/mixtral-offloading (``expert_cache.py``); as DAOP and Fiddler
+ran it: 3 of 8 experts per layer, 4 pinned buffers, evicted expert copied back, no speculative
+prefetch (docs/references.md#baselines).
 
 - Each layer is an LRU "eviction group" of ``experts_per_layer`` GPU slots (default: the budget
   split evenly over the layers; the Colab default was 4 of 8, DAOP's runs 3 of 8).

@@ -1,6 +1,6 @@
 """round-robin: placement and replacement in round-robin order, blind to the data.
 
-Source: the data-blind baseline of the placement studies (../shared/reference/related-systems.md:
+Source: the data-blind baseline of the placement studies (docs/references.md#baselines:
 MoE-Infinity's open runtime spreads expert parameters round-robin across devices; kTransformers'
 "uniform" GPU-expert placement). It answers "how much do recency, frequency or popularity buy
 over knowing nothing?".

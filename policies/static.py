@@ -1,6 +1,6 @@
 """static: popularity placement, a miss is copied into a temporary buffer, run and dropped.
 
-This is DAOP's MoE-OnDemand baseline (../shared/reference/daop.md, "Baselines"): DAOP's initial
+This is DAOP's MoE-OnDemand baseline (docs/references.md#baselines): DAOP's initial
 placement (per-layer quota plus global fill from a calibration ranking), exact routing, a miss
 is copied synchronously into one temporary GPU buffer from pageable host memory (the DAOP code
 loads with load_state_dict), used and dropped; no replacement, no prefetch.

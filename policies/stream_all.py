@@ -1,17 +1,18 @@
 """stream-all: DeepSpeed ZeRO-3 style, nothing resident, experts streamed at every use.
 
-Source: DAOP's "DeepSpeed-MII" baseline, which "really is ZeRO-3 inference with parameter
-offload: every parameter streams from the host every forward pass" (../shared/reference/daop.md,
-"Baselines"), and Fiddler's baseline script (efeslab/fiddler ``benchmarks/eval-baseline.py``):
+Source: DAOP's "DeepSpeed-MII" baseline, which is ZeRO-3 inference with parameter offload, so
+every parameter streams from the host on every forward pass (docs/references.md#baselines), and
+Fiddler's baseline script (efeslab/fiddler ``benchmarks/eval-baseline.py``):
 ZeRO stage 3 with ``offload_param = {device: cpu, pin_memory: true}`` and
 ``deepspeed.utils.set_z3_leaf_modules(model, [MixtralSparseMoeBlock])``.
 
 What ZeRO-3 streams. The leaf-module setting makes ZeRO-3 gather a whole MoE block, i.e. all E
 experts of the layer, before the block runs, not just the routed ones. The measurements agree:
-Fiddler's logs give DS-MII 0.20-0.23 tok/s on the A6000 (related-systems.md §4.2). Streaming only
-the 2 routed experts per layer would move 64 x 352 MB = 22.5 GB per token (>= 1.1 tok/s at the
-26.2 GB/s pinned rate); streaming whole layers moves 256 x 352 MB = 90 GB (about 0.29 tok/s),
-the right magnitude; the rest is ZeRO bookkeeping this simulator does not model.
+Fiddler's logs give DS-MII 0.20-0.23 tok/s on the A6000 (docs/references.md, "Published
+measurements"). Streaming only the 2 routed experts per layer would move 64 x 352 MB = 22.5 GB
+per token (>= 1.1 tok/s at the 26.2 GB/s pinned rate); streaming whole layers moves 256 x 352 MB
+= 90 GB (about 0.29 tok/s), the right magnitude; the rest is ZeRO bookkeeping this simulator does
+not model.
 
 How it is modelled (``gather`` option):
 - ``layer``: per layer, the routed experts are fetched into slots and the layer's other experts

@@ -1,8 +1,8 @@
-"""daopsim: a trace-driven discrete-event simulator for MoE expert-offloading policies.
+"""The simulator's implementation: engine, costs, trace I/O, runs, sweeps and the CLI.
 
-The notebook-facing API: ``simulate`` (one run), ``run_sweep``/``Grid`` (a grid, locally or on
-Dask; ``from simulator.sweep import sweep`` returns a DataFrame), ``plots``, ``load_profile``,
-``get_model``, ``read_meta`` and ``iter_sequences`` (traces).
+This package is internal (its modules may move); the stable Python API is ``import daopsim``.
+For convenience it still exposes ``simulate``, ``run_sweep``/``Grid``, ``plots``,
+``load_profile``, ``get_model``, ``read_meta`` and ``iter_sequences``, imported on first use.
 """
 
 from __future__ import annotations

@@ -943,11 +943,9 @@ def run_capture(cfg: CaptureConfig) -> CaptureResult:
                 "random_init": None,
             }
         )
-    bar = None
-    if cfg.progress:
-        from tqdm import tqdm
+    from simulator.progress import Progress
 
-        bar = tqdm(total=len(prompts), unit="seq", desc="capture", leave=False)
+    bar = Progress(len(prompts), "capture", enabled=cfg.progress)
     try:
         return capture_model(
             model,
@@ -959,11 +957,10 @@ def run_capture(cfg: CaptureConfig) -> CaptureResult:
             tokenizer=tokenizer,
             provenance=prov,
             top_m=cfg.top_m,
-            progress=bar.update if bar is not None else None,
+            progress=bar.update,
         )
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
 
 
 def result_summary(result: CaptureResult) -> dict[str, Any]:

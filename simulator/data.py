@@ -1,7 +1,16 @@
-"""Where bundled data lives (package data, so an installed wheel finds it) and name lookup."""
+"""Where bundled data lives (package data, so an installed wheel finds it) and name lookup.
+
+Five folders ship with daopsim. ``hardware_profiles`` and ``traces`` are top-level packages (the
+design's layout). ``experiments``, ``validation`` and ``baselines`` are installed inside the
+``daopsim`` package as ``daopsim.data.<folder>`` (pyproject's ``package-dir``), so the wheel adds no
+further generic top-level names. Every folder is found through ``importlib.resources`` or next to
+the ``simulator`` package, never through the working directory: a ``traces/`` folder in the
+current directory (which Python may see as a namespace package) does not hide the bundled one.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from importlib import resources
 from pathlib import Path
@@ -12,16 +21,42 @@ from simulator.errors import UserError
 DEFAULT_TRACE = "mixtral-8x7b"
 #: The small bundled trace that golden tests and ``daopsim regress`` use.
 CI_TRACE = "ci-small"
+#: Data folders installed as top-level packages (the design's names).
+TOP_LEVEL = ("hardware_profiles", "traces")
+#: Data folders installed under ``daopsim.data`` (plain folders in the source tree).
+UNDER_DAOPSIM = ("experiments", "validation", "baselines")
+
+
+def _beside_simulator() -> Path:
+    """The folder holding the ``simulator`` package: the source tree, or site-packages."""
+    return Path(str(resources.files("simulator"))).parent
+
+
+def bundled_dir(folder: str) -> Path:
+    """One of the bundled data folders (``TOP_LEVEL`` or ``UNDER_DAOPSIM``)."""
+    if folder in TOP_LEVEL:
+        spec = importlib.util.find_spec(folder)
+        # only a regular package counts: a namespace package is a same-named plain folder on
+        # sys.path (the current directory under `python -m` or Jupyter), not our data
+        if spec is not None and spec.origin is not None:
+            return Path(str(resources.files(folder)))
+        return _beside_simulator() / folder
+    if folder in UNDER_DAOPSIM:
+        try:
+            return Path(str(resources.files(f"daopsim.data.{folder}")))
+        except ModuleNotFoundError:  # a source checkout (or an older editable install)
+            return _beside_simulator() / folder
+    raise ValueError(f"not a bundled data folder: {folder!r}")
 
 
 def profiles_dir() -> Path:
     """Folder of the bundled hardware profiles (hardware_profiles/*.toml)."""
-    return Path(str(resources.files("hardware_profiles")))
+    return bundled_dir("hardware_profiles")
 
 
 def traces_dir() -> Path:
     """Folder of the bundled traces (traces/*.parquet)."""
-    return Path(str(resources.files("traces")))
+    return bundled_dir("traces")
 
 
 def bundled_traces() -> dict[str, Path]:

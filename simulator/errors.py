@@ -8,14 +8,22 @@ policy, sequence, token and layer so the plugin author can find the decision.
 from __future__ import annotations
 
 
-def parse_key_values(items: tuple[str, ...] | list[str], flag: str) -> dict[str, str]:
-    """``key=value`` option strings to a dict (values stay strings); a malformed one is a
-    UserError naming the flag."""
+def parse_key_values(
+    items: tuple[str, ...] | list[str],
+    flag: str,
+    form: str = "key=value",
+    allow_empty: bool = True,
+) -> dict[str, str]:
+    """``key=value`` option strings to a dict (values stay strings, the last one of a key wins).
+
+    The one key=value parser of the CLI. A malformed item (no ``=``, an empty key, or an empty
+    value when ``allow_empty`` is false) is a UserError naming the flag and the expected ``form``.
+    """
     out: dict[str, str] = {}
     for item in items:
         key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise UserError(f"{flag} {item!r}: expected key=value")
+        if not sep or not key.strip() or not (allow_empty or value.strip()):
+            raise UserError(f"{flag} {item!r}: expected {form}")
         out[key.strip()] = value.strip()
     return out
 

@@ -13,13 +13,13 @@ import os
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
 from policies.registry import get_policy_class
+from simulator.data import bundled_dir
 from simulator.errors import UserError
 from simulator.results import atomic_write, atomic_write_png, atomic_write_text
 from simulator.runner import simulate
@@ -42,10 +42,7 @@ METRICS = (
 
 def experiments_dir() -> Path:
     """Folder of the bundled experiment files (experiments/*.toml)."""
-    try:
-        return Path(str(resources.files("experiments")))
-    except ModuleNotFoundError:  # an editable install made before the package existed
-        return Path(__file__).resolve().parent.parent / "experiments"
+    return bundled_dir("experiments")
 
 
 def bundled_experiments() -> dict[str, Path]:

@@ -1,6 +1,6 @@
 """Model shapes of Mixture-of-Experts models: sizes that decide what moves and what computes.
 
-Every preset cites ../shared/reference/hardware.md §6 (model configurations). Byte counts are
+Every preset cites docs/references.md#models (published model configurations). Byte counts are
 derived here, in one place, from parameter counts and the precision's bytes per parameter.
 """
 
@@ -11,9 +11,8 @@ from typing import Any
 
 from simulator.errors import UserError
 
-#: Bytes per parameter for each supported precision. int4 and mxfp4 exclude/include scales as
-#: hardware.md §6 states: int4 is 0.5 B excluding group scales, MXFP4 is 4.25 bits including
-#: its E8M0 scale per 32 values.
+#: Bytes per parameter for each supported precision (docs/references.md#models): int4 is 0.5 B
+#: excluding group scales, MXFP4 is 4.25 bits including its E8M0 scale per 32 values.
 DTYPE_BYTES: dict[str, float] = {
     "fp32": 4.0,
     "bf16": 2.0,
@@ -133,7 +132,7 @@ def _kv(layers: int, kv_heads: int, head_dim: int, bytes_per: int = 2) -> int:
     return 2 * layers * kv_heads * head_dim * bytes_per
 
 
-_SRC = "../shared/reference/hardware.md §6"
+_SRC = "docs/references.md#models"
 
 PRESETS: dict[str, ModelShape] = {
     m.name: m
@@ -150,7 +149,8 @@ PRESETS: dict[str, ModelShape] = {
             non_expert_params=1_610_000_000,
             embedding_params=32000 * 4096,
             kv_bytes_per_token=_kv(32, 8, 128),
-            source=f"{_SRC}: Mixtral-8x7B (HF config; 352.3 MB per bf16 expert)",
+            source=f"{_SRC}: Mixtral-8x7B (mistralai/Mixtral-8x7B-v0.1 config.json; "
+            "352.3 MB per bf16 expert)",
         ),
         ModelShape(
             name="mixtral-8x22b",
@@ -178,7 +178,8 @@ PRESETS: dict[str, ModelShape] = {
             non_expert_params=1_610_000_000,
             embedding_params=32064 * 4096,
             kv_bytes_per_token=_kv(32, 8, 128),
-            source=f"{_SRC}: Phi-3.5-MoE (157.3 MB per bf16 expert)",
+            source=f"{_SRC}: Phi-3.5-MoE (microsoft/Phi-3.5-MoE-instruct config.json; "
+            "157.3 MB per bf16 expert)",
         ),
         ModelShape(
             name="olmoe-1b-7b",
@@ -222,7 +223,7 @@ PRESETS: dict[str, ModelShape] = {
             non_expert_params=1_540_000_000,
             embedding_params=151936 * 2048,
             kv_bytes_per_token=_kv(48, 4, 128),
-            source=f"{_SRC}: Qwen3-30B-A3B (slime qwen3-30B-A3B.sh)",
+            source=f"{_SRC}: Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B config.json)",
         ),
         ModelShape(
             name="deepseek-v2-lite",

@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from simulator.data import CI_TRACE, bundled_traces, resolve_trace
+from simulator.data import CI_TRACE, bundled_dir, bundled_traces, resolve_trace
 from simulator.errors import PolicyError, UserError
 
-#: Where ``daopsim regress`` looks for the baseline (relative to the working directory).
-DEFAULT_BASELINE = "baselines/policy-metrics.json"
+#: The bundled baseline ``daopsim regress`` compares with (baselines/policy-metrics.json).
+DEFAULT_BASELINE = str(bundled_dir("baselines") / "policy-metrics.json")
 #: Cache ratios of the built-in grid. Mixtral-8x7B on ci-small has 256 experts: 32, 48 and 96
 #: resident experts (1, 1-2 and 3 per layer). 0.375 does not fit an RTX 4090 (55 fit), so that
 #: cell records the "does not fit" outcome, which guards the memory model too.

@@ -23,7 +23,6 @@ import itertools
 import json
 import math
 import os
-import sys
 import time
 import tomllib
 from collections.abc import Callable, Iterator, Mapping
@@ -34,7 +33,8 @@ from typing import Any
 import pandas as pd
 
 from simulator.data import DEFAULT_TRACE, bundled_traces, resolve_trace
-from simulator.errors import PolicyError, UserError
+from simulator.errors import PolicyError, UserError, parse_key_values
+from simulator.progress import Progress
 from simulator.results import METRIC_KEYS, atomic_write, atomic_write_text
 
 #: Columns every sweep table has before the option and metric columns, in this order.
@@ -203,14 +203,9 @@ def load_grid_file(path: str | os.PathLike[str]) -> tuple[Grid, str | None]:
 
 def parse_option_items(items: list[str] | tuple[str, ...]) -> dict[str, list[str]]:
     """``--policy-opt [policy.]key=v1[,v2...]`` items as an options mapping."""
-    out: dict[str, list[str]] = {}
-    for item in items:
-        name, sep, values = item.partition("=")
-        name = name.strip()
-        if not sep or not name or not values.strip():
-            raise UserError(f"--policy-opt {item!r}: expected [POLICY.]KEY=VALUE[,VALUE...]")
-        out[name] = [v.strip() for v in values.split(",")]
-    return out
+    form = "[POLICY.]KEY=VALUE[,VALUE...]"
+    pairs = parse_key_values(items, "--policy-opt", form=form, allow_empty=False)
+    return {name: [v.strip() for v in values.split(",")] for name, values in pairs.items()}
 
 
 # --- configurations ---------------------------------------------------------------------------
@@ -698,37 +693,21 @@ def run_sweep(
             done = {k: r for k, r in done.items() if r.get("status") == "ok"}
         resumed = len(done)
         todo = [c for c in configs if c.key not in done]
-        bar = None
-        if progress:
-            from tqdm import tqdm
-
-            bar = tqdm(
-                total=len(configs),
-                initial=resumed,
-                unit="run",
-                desc="sweep",
-                file=sys.stderr,
-                dynamic_ncols=True,
-            )
+        bar = Progress(len(configs), "sweep", initial=resumed, enabled=progress)
+        n_failed = [sum(1 for r in done.values() if r.get("status") != "ok")]
 
         def on_row(row: dict[str, Any]) -> None:
             done[row["key"]] = row
             if folder is not None:
                 _save_part(folder, row)
-            if bar is not None:
-                bar.update(1)
-                if row.get("status") != "ok":
-                    fails = sum(1 for r in done.values() if r.get("status") != "ok")
-                    bar.set_postfix(failed=fails)
+            n_failed[0] += row.get("status") != "ok"
+            bar.update(1, f"{n_failed[0]} failed" if n_failed[0] else None)
 
-        try:
+        with bar:
             if executor == "dask":
                 _run_dask(todo, n_workers, scheduler, on_row)
             else:
                 _run_local(todo, n_workers, on_row)
-        finally:
-            if bar is not None:
-                bar.close()
         df = to_frame([done[c.key] for c in configs])
         if out is not None:
             write_table(df, out)

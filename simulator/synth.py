@@ -231,7 +231,8 @@ _preset(
         name="mixtral-8x7b",
         model="mixtral-8x7b",
         params=_MIXTRAL,
-        matches="routing-statistics.md Mixtral-8x7B decode figures and DAOP's 84.11 % lookahead "
+        matches="published Mixtral-8x7B decode statistics (docs/references.md#routing) and DAOP's "
+        "84.11 % lookahead "
         "precision and 90.72 % prefill-decode cosine, at 256 prompt + 512 generated tokens; "
         "Fiddler's static popularity placement hits (25.2 % at 56/256, 53.0 % at 125/256) "
         "from 2 held-out calibration sequences, measured on 4 others",

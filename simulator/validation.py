@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from simulator.data import bundled_dir
 from simulator.errors import UserError
 
 #: Units a row may use.
@@ -66,8 +67,8 @@ TABLE_END = "<!-- validation-table:end -->"
 
 
 def default_table() -> Path:
-    """The committed table: validation/published.toml next to the package."""
-    return Path(__file__).resolve().parent.parent / "validation" / "published.toml"
+    """The bundled table, validation/published.toml."""
+    return bundled_dir("validation") / "published.toml"
 
 
 def cache_dir() -> Path:

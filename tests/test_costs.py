@@ -17,7 +17,7 @@ MIXTRAL = get_model("mixtral-8x7b")
 
 
 def test_mixtral_expert_bytes() -> None:
-    """One Mixtral expert is 3 x 4096 x 14336 x 2 B = 352,321,536 bytes at bf16 (hardware.md §6)."""
+    """A Mixtral expert is 3 x 4096 x 14336 x 2 B = 352,321,536 bytes in bf16 (references.md)."""
     assert cost_model("a6000-pcie4", MIXTRAL).expert_bytes == 352_321_536
     assert cost_model("a6000-pcie4", MIXTRAL.with_dtype("int8")).expert_bytes == 176_160_768
     assert cost_model("a6000-pcie4", MIXTRAL.with_dtype("int4")).expert_bytes == 88_080_384
@@ -35,7 +35,7 @@ def test_gpu_token_on_a6000() -> None:
     cm = cost_model("a6000-pcie4", MIXTRAL)
     t = cm.gpu_expert_s(1)
     assert 0.44e-3 <= t <= 0.50e-3
-    roofline = 352.3e6 / 768e9  # hardware.md §7.2 "0.46 ms (A6000)"
+    roofline = 352.3e6 / 768e9  # docs/references.md#gpu-measurements: 0.46 ms roofline (A6000)
     assert t - 5 * 5e-6 == pytest.approx(roofline, rel=0.002)
 
 

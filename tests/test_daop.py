@@ -1,4 +1,4 @@
-"""DAOP policy: each rule of ../shared/reference/daop.md pinned on hand-made routing.
+"""DAOP policy: each rule of DAOP's code (docs/daop.md) pinned on hand-made routing.
 
 Golden numbers for DAOP on the CI trace live in tests/golden/daop.json; after an intended
 change, rewrite them with ``python tests/test_daop.py --update`` and explain why in the commit.

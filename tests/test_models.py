@@ -31,7 +31,7 @@ def test_required_presets() -> None:
 
 @pytest.mark.parametrize(
     ("name", "mb"),
-    [  # bf16 MB per expert, hardware.md §6
+    [  # bf16 MB per expert, docs/references.md#models
         ("mixtral-8x7b", 352.3),
         ("mixtral-8x22b", 604.0),
         ("phi-3.5-moe", 157.3),
@@ -45,12 +45,12 @@ def test_required_presets() -> None:
     ],
 )
 def test_expert_bytes_match_reference(name: str, mb: float) -> None:
-    """bf16 bytes per expert agree with hardware.md §6 to its printed precision."""
+    """bf16 bytes per expert agree with docs/references.md#models to its printed precision."""
     assert get_model(name).expert_bytes("bf16") / 1e6 == pytest.approx(mb, abs=0.06)
 
 
 def test_mxfp4_gpt_oss() -> None:
-    """GPT-OSS experts are 13.2 MB in MXFP4 as shipped (hardware.md §6)."""
+    """GPT-OSS experts are 13.2 MB in MXFP4 as shipped (docs/references.md#models)."""
     assert get_model("gpt-oss-20b").expert_bytes("mxfp4") / 1e6 == pytest.approx(13.2, abs=0.05)
 
 

@@ -31,7 +31,7 @@ from simulator.trace import read_meta, validate_trace
 
 TRACES = Path(__file__).resolve().parent.parent / "traces"
 
-# routing-statistics.md / DAOP figures for Mixtral-8x7B, each with the tolerance
+# docs/references.md#routing / DAOP figures for Mixtral-8x7B, each with the tolerance
 MIXTRAL_TARGETS = {
     "entropy_bits": (2.96, 0.03),
     "max_share": (0.17, 0.03),
@@ -82,7 +82,7 @@ def test_mixtral_per_layer_shape(mixtral_stats: dict) -> None:
     assert np.mean(look[1:4]) < np.mean(look[8:24]) - 0.08  # lower in the first layers
 
 
-# Fiddler (related-systems.md §4.1): global top-B popularity placement from held-out calibration
+# Fiddler (docs/references.md#fiddler): global top-B popularity placement from held-out calibration
 # data hits 25.2 % with 56 of 256 experts resident (random 21.9 %) and 53.0 % with 125 (random
 # 48.8 %); measured as daopsim validate's rows do (4 evaluation + 2 calibration sequences)
 FIDDLER_HITS = {56: 0.252, 125: 0.530}
@@ -146,7 +146,7 @@ def test_bundled_mixtral_trace_static_placement_matches_fiddler() -> None:
         assert ev[resident].sum() / ev.sum() == pytest.approx(goal, abs=0.045), budget
 
 
-# routing-statistics.md, Qwen3-30B-A3B: overlap 0.389 mean and 0.098 at layer 0 (one prompt);
+# docs/references.md#routing, Qwen3-30B-A3B: overlap 0.389 mean and 0.098 at layer 0 (one prompt);
 # "95 % of traffic through 52.5 % of experts" (code domain), read as the mean over layers of
 # the fraction of a layer's experts that carries 95 % of its decode selections
 QWEN3_TARGETS = {

@@ -17,7 +17,7 @@ from simulator.trace import write_trace
 
 
 def test_uniform_baseline_matches_reference() -> None:
-    # ../shared/reference/routing-statistics.md: random top-2 of 8
+    # docs/references.md#routing: random top-2 of 8
     base = uniform_baseline(8, 2)
     assert base["consecutive_overlap"] == pytest.approx(0.25)
     assert base["top1_repeat"] == pytest.approx(0.125)

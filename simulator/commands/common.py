@@ -1,12 +1,9 @@
-"""Small helpers shared by the CLI commands: JSON output and progress bars."""
+"""Small helpers shared by the CLI commands: JSON output (progress bars: simulator.progress)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import sys
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import click
@@ -36,28 +33,3 @@ def echo_json(obj: Any) -> None:
 
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
-
-
-@contextlib.contextmanager
-def lazy_progress(label: str, enabled: bool) -> Iterator[Callable[..., None]]:
-    """A ``progress(done, total, *info)`` callback drawing a bar on stderr, opened on first use.
-
-    The bar appears only once the total is known (the first call) and is closed on exit,
-    also when the work raises.
-    """
-    bar = None
-
-    def progress(done: int, total: int, *_info: object) -> None:
-        nonlocal bar
-        if not enabled:
-            return
-        if bar is None:
-            bar = click.progressbar(length=total, label=label, file=sys.stderr, show_eta=True)
-            bar.__enter__()
-        bar.update(1)
-
-    try:
-        yield progress
-    finally:
-        if bar is not None:
-            bar.__exit__(None, None, None)

@@ -29,6 +29,7 @@ def describe(cls: Any) -> dict[str, Any]:
             for k, p in cls.params.items()
         },
         "module": cls.__module__,
+        "error": None,
     }
 
 
@@ -40,12 +41,17 @@ def policies() -> None:
 @policies.command("list")
 @json_option
 def list_cmd(as_json: bool) -> None:
-    """All registered policies (built-in and plugins)."""
-    from policies.registry import available
+    """All registered policies (built-in and plugins), then plugins that failed to load.
+
+    A broken plugin is listed with its error (in ``--json``: an entry whose ``error`` is set);
+    it does not stop the other policies from working.
+    """
+    from policies.registry import available, failed_plugins
 
     docs = [describe(cls) for cls in available().values()]
+    broken = [f.to_dict() for f in failed_plugins().values()]
     if as_json:
-        echo_json(docs)
+        echo_json(docs + broken)
         return
     for d in docs:
         flags = [
@@ -56,6 +62,8 @@ def list_cmd(as_json: bool) -> None:
             click.echo(
                 f"    --policy-opt {key}=<{p['type']}> (default {p['default']!r}): {p['help']}"
             )
+    for b in broken:
+        click.echo(f"{b['name']:<20} BROKEN plugin ({b['target']}): {b['error']}")
 
 
 @policies.command("show")

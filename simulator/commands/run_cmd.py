@@ -11,8 +11,9 @@ from typing import Any
 
 import click
 
-from simulator.commands.common import echo_json, json_option, lazy_progress
+from simulator.commands.common import echo_json, json_option
 from simulator.errors import UserError, parse_key_values
+from simulator.progress import lazy_progress
 
 
 def parse_options(pairs: tuple[str, ...]) -> dict[str, str]:

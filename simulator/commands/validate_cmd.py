@@ -7,7 +7,8 @@ from typing import Any
 
 import click
 
-from simulator.commands.common import echo_json, json_option, lazy_progress
+from simulator.commands.common import echo_json, json_option
+from simulator.progress import lazy_progress
 
 
 def _render(report: Any) -> str:

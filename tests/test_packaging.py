@@ -1,0 +1,232 @@
+"""The installable package: the wheel ships every data folder, and data never comes from the cwd.
+
+``test_wheel_installs_and_runs_from_an_empty_directory`` builds the wheel from a copy of the
+source (so the build writes only under tmp_path), installs it without dependencies into a fresh
+venv, and makes the test venv's third-party packages visible through a plain path line in a
+``.pth`` file. That line adds only a directory: the ``.pth`` files inside it (the editable
+install's finder) are not run, so daopsim's own modules come from the wheel alone, which the test
+checks. Then ``daopsim`` runs from an empty directory: ``experiment --list``, ``validate`` on one
+row and ``run``.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import json
+import os
+import shutil
+import site
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+import daopsim
+from simulator import data
+
+REPO = Path(__file__).resolve().parents[1]
+#: what the build needs from the source tree (pyproject's packages, package-dir and readme)
+SOURCES = (
+    "pyproject.toml",
+    "README.md",
+    "daopsim",
+    "simulator",
+    "policies",
+    "hardware_profiles",
+    "traces",
+    "experiments",
+    "validation",
+    "baselines",
+)
+#: pip of the test's interpreter, offline and quiet
+PIP = (sys.executable, "-m", "pip", "--no-input", "--disable-pip-version-check", "-q")
+#: a cheap validation row (one sequence of the bundled Mixtral trace)
+ROW = "fiddler-a6000-mixtral-offloading"
+
+
+def test_public_api_names() -> None:
+    from policies.base import Action, Plan, Policy, View
+    from policies.registry import register
+    from simulator.runner import simulate
+    from simulator.sweep import sweep
+
+    assert daopsim.simulate is simulate and daopsim.sweep is sweep
+    assert daopsim.Policy is Policy and daopsim.register is register
+    assert (daopsim.Plan, daopsim.Action, daopsim.View) == (Plan, Action, View)
+    assert isinstance(daopsim.__version__, str) and daopsim.__version__
+    assert set(daopsim.__all__) == set(daopsim._LAZY) | {"__version__"}
+    assert set(daopsim.__all__) <= set(dir(daopsim))
+    for name in daopsim.__all__:
+        getattr(daopsim, name)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        daopsim.nope  # noqa: B018
+
+
+def test_public_api_runs() -> None:
+    res = daopsim.simulate(policy="lru", hw="a6000-pcie4", trace="ci-small", sequences=1)
+    assert res.metrics["tokens_per_s"] > 0
+    assert "lru" in daopsim.policies()
+
+
+def test_every_bundled_folder_is_found() -> None:
+    for folder in (*data.TOP_LEVEL, *data.UNDER_DAOPSIM):
+        path = data.bundled_dir(folder)
+        assert path.is_dir() and any(path.iterdir()), folder
+    assert (data.bundled_dir("validation") / "published.toml").is_file()
+    assert (data.bundled_dir("baselines") / "policy-metrics.json").is_file()
+    with pytest.raises(ValueError):
+        data.bundled_dir("docs")
+
+
+def test_a_same_named_folder_on_the_path_does_not_hide_bundled_data(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What an editable install meets when the cwd (on sys.path under `python -m` or Jupyter)
+    # holds a plain traces/ folder: Python resolves `traces` to that namespace package.
+    decoy = tmp_path / "traces"
+    decoy.mkdir()
+    (decoy / "decoy.parquet").write_bytes(b"not a trace")
+    spec = importlib.machinery.ModuleSpec("traces", None, is_package=True)
+    spec.submodule_search_locations = [str(decoy)]
+    fake = type(sys)("traces")
+    fake.__spec__ = spec
+    fake.__path__ = [str(decoy)]
+    monkeypatch.setitem(sys.modules, "traces", fake)
+    names = data.bundled_traces()
+    assert "decoy" not in names and data.CI_TRACE in names
+    assert data.traces_dir() == REPO / "traces"
+
+
+#: A Python start-up that imports daopsim the way an editable install does: a meta-path finder
+#: placed after the normal path finder maps the top-level names to the source tree. The current
+#: directory is on sys.path (as under `python -c`, `python -m` or Jupyter), so a plain traces/
+#: folder there is found first, as a namespace package: the situation that used to hide the
+#: bundled traces.
+_EDITABLE_LIKE = """
+import importlib.machinery, importlib.util, sys
+REPO, ARGS = sys.argv[1], sys.argv[2:]
+NAMES = {"daopsim", "simulator", "policies", "traces", "hardware_profiles", "experiments",
+         "validation", "baselines"}
+class SourceTree:
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name not in NAMES:
+            return None
+        init = f"{REPO}/{name}/__init__.py"
+        return importlib.util.spec_from_file_location(
+            name, init, submodule_search_locations=[f"{REPO}/{name}"])
+at = sys.meta_path.index(importlib.machinery.PathFinder) + 1
+sys.meta_path.insert(at, SourceTree)
+sys.argv = ["daopsim", *ARGS]
+from simulator.cli import main
+main()
+"""
+
+
+def test_cli_ignores_decoy_folders_in_the_cwd(tmp_path: Path) -> None:
+    for folder, name in (("traces", "decoy.parquet"), ("hardware_profiles", "decoy.toml")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / name).write_text("decoy", encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    for args, bundled in ((["traces", "list"], "ci-small"), (["profiles", "list"], "a6000-pcie4")):
+        proc = subprocess.run(
+            [sys.executable, "-c", _EDITABLE_LIKE, str(REPO), *args, "--json"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert bundled in proc.stdout and "decoy" not in proc.stdout
+        assert str(REPO) in proc.stdout  # the bundled files, from the source tree
+
+
+def _copy_sources(dest: Path) -> None:
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build")
+    dest.mkdir()
+    for name in SOURCES:
+        src = REPO / name
+        if src.is_dir():
+            shutil.copytree(src, dest / name, ignore=ignore)
+        else:
+            shutil.copy2(src, dest / name)
+
+
+def _third_party_dirs() -> list[str]:
+    dirs = [*site.getsitepackages(), sysconfig.get_paths()["purelib"]]
+    return sorted({d for d in dirs if Path(d).is_dir()})
+
+
+def test_wheel_installs_and_runs_from_an_empty_directory(tmp_path: Path) -> None:
+    src, wheels, venv, empty = (tmp_path / n for n in ("src", "wheels", "venv", "empty"))
+    _copy_sources(src)
+    build = subprocess.run(
+        [
+            *PIP,
+            "wheel",
+            str(src),
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-w",
+            str(wheels),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert build.returncode == 0, build.stderr[-3000:]
+    (wheel,) = wheels.glob("daopsim-*.whl")
+
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    install = subprocess.run(
+        [*PIP, "--python", str(py), "install", "--no-deps", "--no-index", str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert install.returncode == 0, install.stderr[-3000:]
+    purelib = subprocess.run(
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    (Path(purelib) / "_shared_deps.pth").write_text(
+        "\n".join(_third_party_dirs()) + "\n", encoding="utf-8"
+    )
+
+    empty.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env.update(
+        DAOPSIM_CACHE=str(tmp_path / "cache"),
+        MPLCONFIGDIR=str(tmp_path / "mpl"),
+        HOME=str(tmp_path / "home"),
+    )
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(
+            list(args), cwd=empty, env=env, capture_output=True, text=True, timeout=600
+        )
+        assert proc.returncode == 0, f"{args}: {proc.stderr[-3000:]}"
+        return proc
+
+    where = run(str(py), "-c", "import daopsim, simulator, traces; print(simulator.__file__)")
+    assert Path(where.stdout.strip()).is_relative_to(venv), where.stdout
+    exe = str(venv / "bin" / "daopsim")
+    listing = run(exe, "experiment", "--list")
+    assert "daop-paper" in listing.stdout and str(venv) in listing.stdout
+    report = json.loads(run(exe, "validate", "--rows", ROW, "--sequences", "1", "--json").stdout)
+    assert [r["id"] for r in report["rows"]] == [ROW]
+    result = json.loads(
+        run(exe, "run", "--policy", "lru", "--sequences", "1", "--no-progress", "--json").stdout
+    )
+    assert result["policy"] == "lru" and result["metrics"]["tokens_per_s"] > 0
+    version = run(str(py), "-c", "import daopsim; print(daopsim.__version__)")
+    assert version.stdout.strip() == "0.1.0"
+    assert list(empty.iterdir()) == []  # nothing written into the working directory
