@@ -81,13 +81,21 @@ class PowerSpec:
 
 @dataclass(frozen=True)
 class MeasuredModel:
-    """Per-model constants measured on this machine; they override the roofline where they apply."""
+    """Per-model constants measured on this machine.
+
+    ``cpu_expert_ms`` is an execution time: it anchors the CPU cost curve at one token.
+    ``load_expert_ms`` is what the measuring system's policy uses to DECIDE (DAOP's and Fiddler's
+    break-even rules); copies themselves are timed by the link model, unless
+    ``load_overrides_link`` says explicitly that this measured time is the copy's execution time
+    on ``load_path`` (give the reason in ``source``).
+    """
 
     cpu_expert_ms: float  # one expert, one token, on the CPU
-    load_expert_ms: float  # one expert host -> device, on ``load_path`` only
+    load_expert_ms: float  # one expert host -> device as measured, on ``load_path``
     load_path: str  # "pageable" | "pinned": the host memory the load was measured from
     source: str
     dtype: str = "bf16"  # expert precision the measurement was taken at
+    load_overrides_link: bool = False  # time copies on load_path with load_expert_ms
 
 
 @dataclass(frozen=True)
@@ -165,8 +173,9 @@ _MEASURED: _Schema = {
     "load_path": LOAD_PATHS,
     "source": "str",
     "dtype": "str",
+    "load_overrides_link": "bool",
 }
-_MEASURED_OPTIONAL = {"dtype"}
+_MEASURED_OPTIONAL = {"dtype", "load_overrides_link"}
 _SECTIONS = {"gpu", "link", "cpu", "power", "measured"}
 
 
@@ -181,6 +190,10 @@ def _check_value(path: Path, key: str, kind: Any, value: Any) -> Any:
             raise ProfileError(path, f"must be a string; got {type(value).__name__}", key)
         if not value.strip():
             raise ProfileError(path, "must not be empty", key)
+        return value
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise ProfileError(path, f"must be true or false; got {value!r}", key)
         return value
     if kind == "int+":
         if isinstance(value, bool) or not isinstance(value, int):
@@ -279,19 +292,62 @@ def _check_dtype(path: Path, key: str, dtype: str) -> None:
         raise ProfileError(path, f"unknown dtype {dtype!r}; known: {', '.join(DTYPE_BYTES)}", key)
 
 
-def read_profile(path: str | os.PathLike[str]) -> HardwareProfile:
-    """Load and validate one TOML file."""
-    p = Path(path)
+def _read_toml(p: Path) -> dict[str, Any]:
     if not p.is_file():
         raise ProfileError(p, "no such profile file")
     try:
         with p.open("rb") as fh:
-            data = tomllib.load(fh)
+            return tomllib.load(fh)
     except tomllib.TOMLDecodeError as exc:
         raise ProfileError(p, f"not valid TOML: {exc}") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ProfileError(p, f"cannot read: {exc}") from None
-    return parse_profile(data, p)
+
+
+def _base_path(p: Path, base: Any) -> Path:
+    """The file ``extends = NAME`` names: a bundled profile, or a path relative to ``p``."""
+    if not isinstance(base, str) or not base.strip():
+        raise ProfileError(p, f"must name a profile; got {base!r}", "extends")
+    bundled = bundled_profiles()
+    if base in bundled:
+        return bundled[base]
+    candidate = Path(base).expanduser()
+    if not candidate.is_absolute():
+        candidate = p.parent / candidate
+    if candidate.suffix != ".toml":
+        candidate = candidate.with_suffix(".toml")
+    if not candidate.is_file():
+        raise ProfileError(
+            p, f"extends unknown profile {base!r} (not bundled, no file {candidate})", "extends"
+        )
+    return candidate
+
+
+def _resolved(p: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The TOML document with its ``extends`` chain merged in (child keys win, table by table)."""
+    data = _read_toml(p)
+    if "extends" not in data:
+        return data
+    base_path = _base_path(p, data.pop("extends"))
+    if base_path.resolve() in seen or base_path.resolve() == p.resolve():
+        raise ProfileError(p, f"extends chain loops back to {base_path}", "extends")
+    base = _resolved(base_path, (*seen, p.resolve()))
+    merged: dict[str, Any] = {k: v for k, v in base.items() if k not in ("name", "description")}
+    for key, value in data.items():
+        old = merged.get(key)
+        if key == "measured" and isinstance(old, dict) and isinstance(value, dict):
+            merged[key] = {**old, **value}  # per model: a child's model table replaces the base's
+        elif isinstance(old, dict) and isinstance(value, dict):
+            merged[key] = {**old, **value}
+        else:
+            merged[key] = value
+    return merged
+
+
+def read_profile(path: str | os.PathLike[str]) -> HardwareProfile:
+    """Load and validate one TOML file (following ``extends = "NAME"`` to its base profile)."""
+    p = Path(path)
+    return parse_profile(_resolved(p), p)
 
 
 def bundled_profiles() -> dict[str, Path]:
