@@ -112,12 +112,12 @@ class CostModel:
 
     # --- decision inputs (what a policy believes, not what the engine charges) ------------------
     def decision_cpu_expert_s(self) -> float:
-        """One expert, one token on the CPU as a measuring policy sees it: measured, else modelled."""
+        """One expert, one token on the CPU as a policy sees it (measured, else modelled)."""
         m = self.measured
         return m.cpu_expert_ms * 1e-3 if m is not None else self._cpu_expert(1)
 
     def decision_load_s(self) -> float:
-        """One expert load as a measuring policy sees it: measured (any path), else the pageable copy."""
+        """One expert load as a policy sees it: measured (any path), else the pageable copy."""
         m = self.measured
         return m.load_expert_ms * 1e-3 if m is not None else self.h2d_expert_s(pinned=False)
 
@@ -142,9 +142,7 @@ class CostModel:
         m = self.measured
         cpu = self.hw.cpu
         stream = (
-            m.cpu_expert_ms * 1e-3
-            if m is not None
-            else self.expert_bytes / (cpu.mem_bw_gbs * 1e9)
+            m.cpu_expert_ms * 1e-3 if m is not None else self.expert_bytes / (cpu.mem_bw_gbs * 1e9)
         )
         peak = cpu.fp32_gflops if self.model.dtype == "fp32" else cpu.bf16_gflops
         return max(stream, self.expert_flops(n) / (peak * 1e9))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
@@ -77,10 +78,11 @@ def test_cpu_expert_is_one_batched_call_anchored_at_the_measured_token() -> None
     assert cm.cpu_expert_s(n) < n * 8.5e-3 / 10
     # monotone in n, and a batch never costs more than running its tokens one by one
     times = [cm.cpu_expert_s(k) for k in range(1, 300)]
-    assert all(b >= a for a, b in zip(times, times[1:], strict=False))
+    assert all(b >= a for a, b in itertools.pairwise(times))
     assert all(t <= k * 8.5e-3 + 1e-12 for k, t in enumerate(times, start=1))
     nb = cm.breakeven_tokens(pinned=False)
-    assert cm._cpu_expert(nb) == pytest.approx(cm.h2d_expert_s(False) + cm._gpu_expert(nb), rel=1e-6)
+    copy_then_gpu = cm.h2d_expert_s(False) + cm._gpu_expert(nb)
+    assert cm._cpu_expert(nb) == pytest.approx(copy_then_gpu, rel=1e-6)
     assert cm.breakeven_tokens(pinned=True) < nb
 
 

@@ -228,7 +228,9 @@ def test_extends_inherits_and_overrides_table_by_table(tmp_path: Path) -> None:
     assert hw.gpu == base.gpu and hw.cpu == base.cpu and hw.measured == base.measured
     # a chain of two, relative to the child's folder
     grandchild = tmp_path / "gc.toml"
-    grandchild.write_text('extends = "my-box"\nname = "gc"\ndescription = "d"\n[cpu]\ncores_used = 4\n')
+    grandchild.write_text(
+        'extends = "my-box"\nname = "gc"\ndescription = "d"\n[cpu]\ncores_used = 4\n'
+    )
     gc = load_profile(grandchild)
     assert gc.link.h2d_pinned_gbs == 10.0 and gc.cpu.cores_used == 4
 
