@@ -110,7 +110,10 @@ class DAOPPolicy(Policy):
     source = "DAOP (arXiv 2501.10375), code github.com/ecolab-nus/DAOP"
     needs_calibration = True
     host_memory = "pageable"
-    writeback = False
+    #: A prefill swap moves the cold expert back with ``experts[cold].to("cpu")`` before the hot
+    #: one goes up with ``.to(dev)``, both on the current stream (ecolab-nus/DAOP commit 08fef33,
+    #: model/modeling_daop.py L404-405): a real device-to-host copy, into pageable memory.
+    writeback = True
     temp_buffers = 1
     params = {
         "swap_num": Param(
@@ -245,7 +248,7 @@ class DAOPPolicy(Policy):
         if layer == self.n_layers - 1:
             self._restore = False
         plan = Plan(actions={}, cpu_serial=True)
-        # the host keeps every expert, so a swap frees the cold slot at once (no write-back)
+        # the cold expert is copied back to the host (.to("cpu")); its slot frees when that ends
         plan.evict = [(layer, int(e)) for e in np.flatnonzero(current & ~target)]
         routed = view.experts.tolist()
         routed_set = set(routed)
