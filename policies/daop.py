@@ -110,7 +110,10 @@ class DAOPPolicy(Policy):
     source = "DAOP (arXiv 2501.10375), code github.com/ecolab-nus/DAOP"
     needs_calibration = True
     host_memory = "pageable"
-    writeback = False
+    #: A prefill swap moves the cold expert back with ``experts[cold].to("cpu")`` before the hot
+    #: one goes up with ``.to(dev)``, both on the current stream (ecolab-nus/DAOP commit 08fef33,
+    #: model/modeling_daop.py L404-405): a real device-to-host copy, into pageable memory.
+    writeback = True
     temp_buffers = 1
     params = {
         "swap_num": Param(
@@ -154,6 +157,16 @@ class DAOPPolicy(Policy):
             "beyond the paper: also compute the true experts a prediction missed "
             "(routing stays exact)",
         ),
+        "constants": Param(
+            str,
+            "measured",
+            "what the prefill rule (count x T_cpu < T_load) believes: 'measured' = the "
+            "profile's measured constants for this model (DAOP's own table on its hosts), "
+            "else the cost model; 'model' = the cost model's one-token CPU time and pageable copy",
+            choices=("measured", "model"),
+        ),
+        "t_cpu_ms": Param(float, -1.0, "T_cpu of the prefill rule in ms (-1: from 'constants')"),
+        "t_load_ms": Param(float, -1.0, "T_load of the prefill rule in ms (-1: from 'constants')"),
     }
 
     def __init__(self, **options: Any) -> None:
@@ -197,8 +210,14 @@ class DAOPPolicy(Policy):
         m = ctx.model
         self.n_layers, self.n_experts, self.k = m.moe_layers, m.experts, m.top_k
         self.swap_num = self.n_experts // 2 if self.swap_num_opt == -1 else self.swap_num_opt
-        self.t_cpu = ctx.costs.cpu_expert_s(1)
-        self.t_load = ctx.costs.h2d_expert_s(pinned=False)
+        # Decision inputs, not execution times: the engine times the copy from the link model
+        # and the CPU expert from the batched cost curve, whatever DAOP believes here.
+        o, costs = self.options, ctx.costs
+        measured = o["constants"] == "measured"
+        t_cpu = costs.decision_cpu_expert_s() if measured else costs.cpu_expert_s(1)
+        t_load = costs.decision_load_s() if measured else costs.h2d_expert_s(pinned=False)
+        self.t_cpu = o["t_cpu_ms"] * 1e-3 if o["t_cpu_ms"] >= 0 else t_cpu
+        self.t_load = o["t_load_ms"] * 1e-3 if o["t_load_ms"] >= 0 else t_load
         slots = quota_then_global(ctx.calibration, ctx.budget)
         self.initial = np.zeros((self.n_layers, self.n_experts), dtype=bool)
         for layer, e in slots:
@@ -229,7 +248,7 @@ class DAOPPolicy(Policy):
         if layer == self.n_layers - 1:
             self._restore = False
         plan = Plan(actions={}, cpu_serial=True)
-        # the host keeps every expert, so a swap frees the cold slot at once (no write-back)
+        # the cold expert is copied back to the host (.to("cpu")); its slot frees when that ends
         plan.evict = [(layer, int(e)) for e in np.flatnonzero(current & ~target)]
         routed = view.experts.tolist()
         routed_set = set(routed)

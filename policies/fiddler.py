@@ -15,8 +15,10 @@ Source: Fiddler, ICLR 2025 (arXiv 2402.07033), code efeslab/fiddler@227715b
 - Prefill: per non-resident expert with ``count`` prompt tokens, Fiddler's rule: CPU when
   ``count x cpu_time(1 token) < load time``, otherwise its weights are copied into the one
   placeholder GPU buffer, run and dropped (``TEMP``). The code compares exactly these two
-  numbers (``latency_cpu x tokens`` against a constant ``latency_gpu``); here they come from the
-  cost model (``cpu_expert_s(1)``, ``h2d_expert_s(pinned=False)``).
+  numbers (``latency_cpu x tokens`` against a constant ``latency_gpu``). They are decision
+  inputs: by default the code's own constants (7 and 70, relative units, so the CPU wins below
+  10 tokens); option ``constants`` picks the profile's measured constants or the cost model
+  instead. The engine times what really runs from the cost model either way.
 - Host memory: pageable. The experts Fiddler does not place stay in the ordinary CPU tensors
   ``from_pretrained`` created, and a copy is ``expert_placeholder.load_state_dict(...)`` from
   them; nothing is pinned (DAOP, a fork of Fiddler, loads the same way:
@@ -28,10 +30,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from policies.base import Action, Plan, Policy, SetupContext, Slot, View, global_top
+from policies.base import Action, Param, Plan, Policy, SetupContext, Slot, View, global_top
 from policies.registry import register
 
 GPU, TEMP, CPU = Action.GPU, Action.TEMP, Action.CPU
+#: efeslab/fiddler src/fiddler/mixtral.py (commit 227715b): ``self.latency_cpu = 7`` and
+#: ``self.latency_gpu = 70``, relative units with a TODO to calibrate them per device.
+CODE_LATENCY_CPU = 7.0
+CODE_LATENCY_GPU = 70.0
 
 
 @register
@@ -45,12 +51,27 @@ class FiddlerPolicy(Policy):
     host_memory = "pageable"
     temp_buffers = 1
     cpu_workers = 1
+    params = {
+        "constants": Param(
+            str,
+            "code",
+            "what the prefill rule (count x cpu < load) believes: 'code' = Fiddler's constants "
+            "7 and 70; 'measured' = the profile's measured constants, else the cost model; "
+            "'model' = the cost model's one-token CPU time and pageable copy",
+            choices=("code", "measured", "model"),
+        ),
+    }
 
     def setup(self, ctx: SetupContext) -> Iterable[Slot]:
         """The globally most popular experts by decode-time calibration counts."""
         assert ctx.calibration is not None
-        self.t_cpu1 = ctx.costs.cpu_expert_s(1)
-        self.t_load = ctx.costs.h2d_expert_s(pinned=False)
+        choice, costs = self.options["constants"], ctx.costs
+        if choice == "code":
+            self.t_cpu1, self.t_load = CODE_LATENCY_CPU, CODE_LATENCY_GPU
+        elif choice == "measured":
+            self.t_cpu1, self.t_load = costs.decision_cpu_expert_s(), costs.decision_load_s()
+        else:
+            self.t_cpu1, self.t_load = costs.cpu_expert_s(1), costs.h2d_expert_s(pinned=False)
         return global_top(ctx.calibration, ctx.budget)
 
     def decode_layer(self, view: View) -> Plan:

@@ -7,10 +7,13 @@ memory". Formulas (docs/cost-model.md has them with worked examples):
 
 * GPU expert: roofline ``max(bytes / gpu.mem_bw, flops / gpu.bf16_tflops)`` plus one launch
   overhead per kernel of the expert's eager forward.
-* CPU expert: the profile's measured constant for this model and dtype (``n x cpu_expert_ms``,
-  the linear rule DAOP and Fiddler use), else ``max(bytes / cpu.mem_bw, flops / cpu throughput)``.
-* Copies: ``copy_overhead + bytes / rate`` for the direction and host-memory kind; a measured load
-  constant replaces the host-to-device copy on the path it was measured on, and only there.
+* CPU expert for n tokens: one batched call, ``max(weight stream, 2 x params x n / cpu throughput)``
+  where the weight stream is the profile's measured one-token time for this model and dtype
+  (``cpu_expert_ms``) when it has one, else ``expert bytes / cpu.mem_bw``. Linear ``n x
+  cpu_expert_ms`` is a decision rule of DAOP and Fiddler, not how a batched call runs.
+* Copies: ``copy_overhead + bytes / rate`` for the direction and host-memory kind. A measured load
+  time is a policy's decision input (:meth:`CostModel.decision_load_s`); it replaces the copy's
+  execution time only where the profile says so explicitly (``load_overrides_link = true``).
 * Non-expert part of one MoE layer: roofline over the per-layer share of the non-expert weights
   (read once per call) and the KV cache (read for the context, written for the new tokens), plus
   launches.
@@ -99,10 +102,24 @@ class CostModel:
         return m
 
     def _measured_load(self, pinned: bool) -> MeasuredModel | None:
+        """The measured load that times copies on this path (only with an explicit override)."""
         m = self.measured
-        if m is None or m.load_path != ("pinned" if pinned else "pageable"):
+        if m is None or not m.load_overrides_link:
+            return None
+        if m.load_path != ("pinned" if pinned else "pageable"):
             return None
         return m
+
+    # --- decision inputs (what a policy believes, not what the engine charges) ------------------
+    def decision_cpu_expert_s(self) -> float:
+        """One expert, one token on the CPU as a policy sees it (measured, else modelled)."""
+        m = self.measured
+        return m.cpu_expert_ms * 1e-3 if m is not None else self._cpu_expert(1)
+
+    def decision_load_s(self) -> float:
+        """One expert load as a policy sees it: measured (any path), else the pageable copy."""
+        m = self.measured
+        return m.load_expert_ms * 1e-3 if m is not None else self.h2d_expert_s(pinned=False)
 
     # --- GPU -------------------------------------------------------------------------------------
     def _gpu_expert(self, n: float) -> float:
@@ -123,14 +140,15 @@ class CostModel:
         if n <= 0:
             return 0.0
         m = self.measured
-        if m is not None:
-            return n * m.cpu_expert_ms * 1e-3
         cpu = self.hw.cpu
+        stream = (
+            m.cpu_expert_ms * 1e-3 if m is not None else self.expert_bytes / (cpu.mem_bw_gbs * 1e9)
+        )
         peak = cpu.fp32_gflops if self.model.dtype == "fp32" else cpu.bf16_gflops
-        return max(self.expert_bytes / (cpu.mem_bw_gbs * 1e9), self.expert_flops(n) / (peak * 1e9))
+        return max(stream, self.expert_flops(n) / (peak * 1e9))
 
     def cpu_expert_s(self, n_tokens: int) -> float:
-        """Seconds for one expert on the CPU for n tokens (measured x n, else roofline)."""
+        """Seconds for one expert on the CPU for n tokens: one batched call (roofline, anchored)."""
         _check_tokens(n_tokens)
         return self._cpu_expert(n_tokens)
 
@@ -248,20 +266,22 @@ class CostModel:
         """For each cost, the formula or measured constant that produced it."""
         m = self.measured
         k = expert_kernels(self.model)
+        peak_key = "fp32" if self.model.dtype == "fp32" else "bf16"
         cpu = (
-            f"measured: n x {m.cpu_expert_ms} ms (measured.{self.model.name}.cpu_expert_ms; "
-            f"{m.source})"
+            f"anchored roofline: max({m.cpu_expert_ms} ms measured at one token "
+            f"(measured.{self.model.name}.cpu_expert_ms; {m.source}), "
+            f"2 x params x n / cpu.{peak_key}_gflops)"
             if m is not None
             else "roofline: max(expert_bytes / cpu.mem_bw_gbs, "
-            f"2 x params x n / cpu.{'fp32' if self.model.dtype == 'fp32' else 'bf16'}_gflops)"
+            f"2 x params x n / cpu.{peak_key}_gflops)"
         )
 
         def h2d(pinned: bool) -> str:
             mm = self._measured_load(pinned)
             if mm is not None:
                 return (
-                    f"measured: {mm.load_expert_ms} ms (measured.{self.model.name}.load_expert_ms, "
-                    f"{mm.load_path} path; {mm.source})"
+                    f"measured override: {mm.load_expert_ms} ms (measured.{self.model.name}."
+                    f"load_expert_ms, load_overrides_link = true, {mm.load_path} path; {mm.source})"
                 )
             rate = "h2d_pinned_gbs" if pinned else "h2d_pageable_gbs"
             return f"link: copy_overhead_us + expert_bytes / link.{rate}"

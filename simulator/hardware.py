@@ -69,25 +69,83 @@ class CpuSpec:
     fp32_gflops: float  # achieved FP32 GEMM throughput over cores_used, GFLOPS
 
 
+#: A GPU holding a CUDA context sits one DVFS step above bare idle: 26-66 W across the GPUs
+#: measured in arXiv 2605.23918 (A100 53.7 -> 80.0 W, H100 71.8 -> 121.7 W, L40S 35.6 -> 102.1 W).
+#: Without a measured ``gpu_active_idle_w`` a profile assumes a step of 40 W, at most half of its
+#: idle-to-busy span (small cards).
+CONTEXT_STEP_W = 40.0
+#: 80 PLUS Gold requires 90 % efficiency at 50 % load (115 V internal), the default for the wall.
+DEFAULT_PSU_EFFICIENCY = 0.90
+#: Assumptions where no measurement was found: the rest of the box (board, fans, storage) and the
+#: DRAM of a workstation with about four DIMMs at about 2.5 W each while in use.
+DEFAULT_PLATFORM_W = 30.0
+DEFAULT_DRAM_W = 10.0
+
+
 @dataclass(frozen=True)
 class PowerSpec:
-    """Idle and busy power of GPU and CPU, watts (for energy metrics)."""
+    """Power states of GPU, CPU package, DRAM and the platform, watts (for energy metrics).
+
+    ``gpu_idle_w``/``cpu_idle_w`` are bare idle; during a run the GPU holds a CUDA context and
+    waits at ``gpu_active_idle_w``, and the CPU package drives the GPU (threads spinning, the
+    Python thread dispatching) at ``cpu_wait_w``. Optional fields default by the rules in
+    :meth:`resolved` (documented in docs/hardware-profiles.md).
+    """
 
     gpu_idle_w: float
     gpu_busy_w: float
     cpu_idle_w: float
     cpu_busy_w: float
+    gpu_active_idle_w: float | None = None
+    cpu_wait_w: float | None = None
+    dram_w: float | None = None
+    platform_w: float | None = None
+    psu_efficiency: float | None = None
+
+    def resolved(self, cores_used: int) -> PowerSpec:
+        """A copy with every optional field filled by its documented default rule."""
+        gpu_active = self.gpu_active_idle_w
+        if gpu_active is None:
+            gpu_active = self.gpu_idle_w + min(
+                CONTEXT_STEP_W, (self.gpu_busy_w - self.gpu_idle_w) / 2
+            )
+        cpu_wait = self.cpu_wait_w
+        if cpu_wait is None:
+            # two of the used cores active: the thread driving the GPU and one spinning worker
+            share = min(1.0, 2.0 / max(1, cores_used))
+            cpu_wait = self.cpu_idle_w + (self.cpu_busy_w - self.cpu_idle_w) * share
+        return PowerSpec(
+            gpu_idle_w=self.gpu_idle_w,
+            gpu_busy_w=self.gpu_busy_w,
+            cpu_idle_w=self.cpu_idle_w,
+            cpu_busy_w=self.cpu_busy_w,
+            gpu_active_idle_w=gpu_active,
+            cpu_wait_w=cpu_wait,
+            dram_w=DEFAULT_DRAM_W if self.dram_w is None else self.dram_w,
+            platform_w=DEFAULT_PLATFORM_W if self.platform_w is None else self.platform_w,
+            psu_efficiency=(
+                DEFAULT_PSU_EFFICIENCY if self.psu_efficiency is None else self.psu_efficiency
+            ),
+        )
 
 
 @dataclass(frozen=True)
 class MeasuredModel:
-    """Per-model constants measured on this machine; they override the roofline where they apply."""
+    """Per-model constants measured on this machine.
+
+    ``cpu_expert_ms`` is an execution time: it anchors the CPU cost curve at one token.
+    ``load_expert_ms`` is what the measuring system's policy uses to DECIDE (DAOP's and Fiddler's
+    break-even rules); copies themselves are timed by the link model, unless
+    ``load_overrides_link`` says explicitly that this measured time is the copy's execution time
+    on ``load_path`` (give the reason in ``source``).
+    """
 
     cpu_expert_ms: float  # one expert, one token, on the CPU
-    load_expert_ms: float  # one expert host -> device, on ``load_path`` only
+    load_expert_ms: float  # one expert host -> device as measured, on ``load_path``
     load_path: str  # "pageable" | "pinned": the host memory the load was measured from
     source: str
     dtype: str = "bf16"  # expert precision the measurement was taken at
+    load_overrides_link: bool = False  # time copies on load_path with load_expert_ms
 
 
 @dataclass(frozen=True)
@@ -158,15 +216,22 @@ _POWER: _Schema = {
     "gpu_busy_w": "pos",
     "cpu_idle_w": "pos",
     "cpu_busy_w": "pos",
+    "gpu_active_idle_w": "pos",
+    "cpu_wait_w": "pos",
+    "dram_w": "pos",
+    "platform_w": "pos",
+    "psu_efficiency": "frac",
 }
+_POWER_OPTIONAL = {"gpu_active_idle_w", "cpu_wait_w", "dram_w", "platform_w", "psu_efficiency"}
 _MEASURED: _Schema = {
     "cpu_expert_ms": "pos",
     "load_expert_ms": "pos",
     "load_path": LOAD_PATHS,
     "source": "str",
     "dtype": "str",
+    "load_overrides_link": "bool",
 }
-_MEASURED_OPTIONAL = {"dtype"}
+_MEASURED_OPTIONAL = {"dtype", "load_overrides_link"}
 _SECTIONS = {"gpu", "link", "cpu", "power", "measured"}
 
 
@@ -181,6 +246,10 @@ def _check_value(path: Path, key: str, kind: Any, value: Any) -> Any:
             raise ProfileError(path, f"must be a string; got {type(value).__name__}", key)
         if not value.strip():
             raise ProfileError(path, "must not be empty", key)
+        return value
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise ProfileError(path, f"must be true or false; got {value!r}", key)
         return value
     if kind == "int+":
         if isinstance(value, bool) or not isinstance(value, int):
@@ -245,12 +314,24 @@ def parse_profile(data: dict[str, Any], path: str | os.PathLike[str]) -> Hardwar
     gpu = GpuSpec(**_section(p, data["gpu"], _GPU, "gpu."))
     link = LinkSpec(**_section(p, data["link"], _LINK, "link."))
     cpu = CpuSpec(**_section(p, data["cpu"], _CPU, "cpu."))
-    power = PowerSpec(**_section(p, data["power"], _POWER, "power.")) if "power" in data else None
+    power = (
+        PowerSpec(**_section(p, data["power"], _POWER, "power.", _POWER_OPTIONAL))
+        if "power" in data
+        else None
+    )
     if power is not None:
         if power.gpu_busy_w < power.gpu_idle_w:
             raise ProfileError(p, "busy power below idle power", "power.gpu_busy_w")
         if power.cpu_busy_w < power.cpu_idle_w:
             raise ProfileError(p, "busy power below idle power", "power.cpu_busy_w")
+        r = power.resolved(cpu.cores_used)
+        assert r.gpu_active_idle_w is not None and r.cpu_wait_w is not None
+        if not power.gpu_idle_w <= r.gpu_active_idle_w <= power.gpu_busy_w:
+            raise ProfileError(
+                p, "must lie between gpu_idle_w and gpu_busy_w", "power.gpu_active_idle_w"
+            )
+        if not power.cpu_idle_w <= r.cpu_wait_w <= power.cpu_busy_w:
+            raise ProfileError(p, "must lie between cpu_idle_w and cpu_busy_w", "power.cpu_wait_w")
     measured: dict[str, MeasuredModel] = {}
     raw = data.get("measured", {})
     if not isinstance(raw, dict):
@@ -279,19 +360,62 @@ def _check_dtype(path: Path, key: str, dtype: str) -> None:
         raise ProfileError(path, f"unknown dtype {dtype!r}; known: {', '.join(DTYPE_BYTES)}", key)
 
 
-def read_profile(path: str | os.PathLike[str]) -> HardwareProfile:
-    """Load and validate one TOML file."""
-    p = Path(path)
+def _read_toml(p: Path) -> dict[str, Any]:
     if not p.is_file():
         raise ProfileError(p, "no such profile file")
     try:
         with p.open("rb") as fh:
-            data = tomllib.load(fh)
+            return tomllib.load(fh)
     except tomllib.TOMLDecodeError as exc:
         raise ProfileError(p, f"not valid TOML: {exc}") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ProfileError(p, f"cannot read: {exc}") from None
-    return parse_profile(data, p)
+
+
+def _base_path(p: Path, base: Any) -> Path:
+    """The file ``extends = NAME`` names: a bundled profile, or a path relative to ``p``."""
+    if not isinstance(base, str) or not base.strip():
+        raise ProfileError(p, f"must name a profile; got {base!r}", "extends")
+    bundled = bundled_profiles()
+    if base in bundled:
+        return bundled[base]
+    candidate = Path(base).expanduser()
+    if not candidate.is_absolute():
+        candidate = p.parent / candidate
+    if candidate.suffix != ".toml":
+        candidate = candidate.with_suffix(".toml")
+    if not candidate.is_file():
+        raise ProfileError(
+            p, f"extends unknown profile {base!r} (not bundled, no file {candidate})", "extends"
+        )
+    return candidate
+
+
+def _resolved(p: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The TOML document with its ``extends`` chain merged in (child keys win, table by table)."""
+    data = _read_toml(p)
+    if "extends" not in data:
+        return data
+    base_path = _base_path(p, data.pop("extends"))
+    if base_path.resolve() in seen or base_path.resolve() == p.resolve():
+        raise ProfileError(p, f"extends chain loops back to {base_path}", "extends")
+    base = _resolved(base_path, (*seen, p.resolve()))
+    merged: dict[str, Any] = {k: v for k, v in base.items() if k not in ("name", "description")}
+    for key, value in data.items():
+        old = merged.get(key)
+        if key == "measured" and isinstance(old, dict) and isinstance(value, dict):
+            merged[key] = {**old, **value}  # per model: a child's model table replaces the base's
+        elif isinstance(old, dict) and isinstance(value, dict):
+            merged[key] = {**old, **value}
+        else:
+            merged[key] = value
+    return merged
+
+
+def read_profile(path: str | os.PathLike[str]) -> HardwareProfile:
+    """Load and validate one TOML file (following ``extends = "NAME"`` to its base profile)."""
+    p = Path(path)
+    return parse_profile(_resolved(p), p)
 
 
 def bundled_profiles() -> dict[str, Path]:

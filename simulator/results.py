@@ -61,6 +61,13 @@ METRIC_KEYS = (
     "gate_mass_preserved",
     "energy_j",
     "tokens_per_kj",
+    "energy_gpu_j",
+    "energy_cpu_j",
+    "energy_dram_j",
+    "energy_device_j",
+    "energy_wall_j",
+    "tokens_per_kj_device",
+    "tokens_per_kj_wall",
     "decode_tokens",
     "prefill_tokens",
     "sequences",
@@ -121,24 +128,58 @@ def compute_metrics(
         "sequences": int(c.sequences),
         "max_slots_held": int(c.max_occupancy),
     }
-    energy = energy_joules(hw, e2e, engine.gpu.busy, cpu_busy)
-    m["energy_j"] = energy
-    m["tokens_per_kj"] = _ratio(c.decode_tokens, energy / 1000.0) if energy == energy else energy
+    energy = energy_breakdown(hw, e2e, engine.gpu.busy, cpu_busy)
+    m.update(energy)
+    tokens = c.decode_tokens
+    m["tokens_per_kj"] = _ratio(tokens, energy["energy_j"] / 1000.0)
+    m["tokens_per_kj_device"] = _ratio(tokens, energy["energy_device_j"] / 1000.0)
+    m["tokens_per_kj_wall"] = _ratio(tokens, energy["energy_wall_j"] / 1000.0)
     return m
 
 
-def energy_joules(hw: HardwareProfile, e2e: float, gpu_busy: float, cpu_busy: float) -> float:
-    """GPU and CPU energy over the run from the profile's idle/busy watts (NaN without them).
+#: The energy keys of a run's metrics (all NaN when the profile has no [power] section).
+ENERGY_KEYS = (
+    "energy_gpu_j",
+    "energy_cpu_j",
+    "energy_dram_j",
+    "energy_j",
+    "energy_device_j",
+    "energy_wall_j",
+)
 
-    Each device draws its idle power for the whole run plus (busy - idle) while it computes;
-    CPU busy time is capped at the run time (parallel workers share one socket).
+
+def energy_breakdown(
+    hw: HardwareProfile, e2e: float, gpu_busy: float, cpu_busy: float
+) -> dict[str, float]:
+    """Energy over the run by part and level, joules (NaN everywhere without a [power] section).
+
+    - GPU: the context-holding active idle for the whole run, plus (busy - active idle) while a
+      kernel runs.
+    - CPU package: the driving/spinning level for the whole run, plus (busy - wait) while CPU
+      experts run (busy time capped at the run time: workers share one socket).
+    - DRAM: its average power over the run.
+    - ``energy_j`` = GPU + CPU package; ``energy_device_j`` adds DRAM; ``energy_wall_j`` adds
+      the platform and divides by the power supply's efficiency.
     """
     power = getattr(hw, "power", None)
     if power is None:
-        return float("nan")
-    gpu = power.gpu_idle_w * e2e + (power.gpu_busy_w - power.gpu_idle_w) * min(gpu_busy, e2e)
-    cpu = power.cpu_idle_w * e2e + (power.cpu_busy_w - power.cpu_idle_w) * min(cpu_busy, e2e)
-    return float(gpu + cpu)
+        return dict.fromkeys(ENERGY_KEYS, float("nan"))
+    p = power.resolved(hw.cpu.cores_used)
+    assert p.gpu_active_idle_w is not None and p.cpu_wait_w is not None
+    assert p.dram_w is not None and p.platform_w is not None and p.psu_efficiency is not None
+    gpu = p.gpu_active_idle_w * e2e + (p.gpu_busy_w - p.gpu_active_idle_w) * min(gpu_busy, e2e)
+    cpu = p.cpu_wait_w * e2e + (p.cpu_busy_w - p.cpu_wait_w) * min(cpu_busy, e2e)
+    dram = p.dram_w * e2e
+    device = gpu + cpu + dram
+    wall = (device + p.platform_w * e2e) / p.psu_efficiency
+    return {
+        "energy_gpu_j": float(gpu),
+        "energy_cpu_j": float(cpu),
+        "energy_dram_j": float(dram),
+        "energy_j": float(gpu + cpu),
+        "energy_device_j": float(device),
+        "energy_wall_j": float(wall),
+    }
 
 
 def atomic_write(path: str | os.PathLike[str], write: Callable[[str], None]) -> Path:
@@ -201,6 +242,13 @@ class RunResult:
         """The ``run --json`` object: configuration keys at top level, ``metrics`` inside."""
         out = {k: v for k, v in self.config.items()}
         out["metrics"] = {k: self.metrics[k] for k in METRIC_KEYS if k in self.metrics}
+        out["energy"] = {
+            "gpu_j": self.metrics.get("energy_gpu_j"),
+            "cpu_j": self.metrics.get("energy_cpu_j"),
+            "dram_j": self.metrics.get("energy_dram_j"),
+            "device_j": self.metrics.get("energy_device_j"),
+            "wall_j": self.metrics.get("energy_wall_j"),
+        }
         out["per_layer_hit_rate"] = self.per_layer_hit_rate
         return out
 

@@ -47,6 +47,10 @@ from simulator.errors import UserError
 
 #: Units a row may use.
 UNITS = ("tokens/s", "s/token", "hit rate", "ratio")
+#: What a row is for. A ``calibration`` row was looked at to choose a constant, preset or profile
+#: value (its ``calibrated`` field says which); a ``test`` row was not. Errors are reported over
+#: test rows only; calibration rows are listed separately.
+ROLES = ("calibration", "test")
 #: Keys of ``[row.sim]`` that are passed to :func:`simulator.runner.simulate`.
 SIM_KEYS = (
     "policy",
@@ -59,7 +63,17 @@ SIM_KEYS = (
     "seed",
     "dtype",
 )
-_REQUIRED = ("id", "source", "system", "hardware", "model", "precision", "workload", "unit")
+_REQUIRED = (
+    "id",
+    "source",
+    "system",
+    "hardware",
+    "model",
+    "precision",
+    "workload",
+    "unit",
+    "role",
+)
 _METRIC_RE = re.compile(r"^([a-z_0-9]+)(?:\[(\d+)\])?$")
 #: Markers around the generated table in docs/validation.md.
 TABLE_START = "<!-- validation-table:start -->"
@@ -93,6 +107,8 @@ class Row:
     published: float | None
     metric: str
     modelled: bool
+    role: str = "test"
+    calibrated: str = ""
     reason: str = ""
     note: str = ""
     published_range: tuple[float, float] | None = None
@@ -107,11 +123,17 @@ class Row:
 
 @dataclass
 class RowResult:
-    """A row with its simulated value and relative error (None when not modelled or failed)."""
+    """A row with its simulated value and relative error (None when not modelled or failed).
+
+    For a row run over several trace seeds, ``simulated`` is the mean and ``spread`` holds the
+    lowest and highest per-seed value.
+    """
 
     row: Row
     simulated: float | None = None
     error: str = ""
+    spread: tuple[float, float] | None = None
+    per_seed: list[float] = field(default_factory=list)
 
     @property
     def rel_error(self) -> float | None:
@@ -137,33 +159,52 @@ class RowResult:
             "simulated": self.simulated,
             "unit": r.unit,
             "metric": r.metric,
+            "spread": list(self.spread) if self.spread else None,
+            "per_seed": list(self.per_seed) or None,
             "rel_error": self.rel_error,
+            "role": r.role,
+            "calibrated": r.calibrated or None,
             "modelled": r.modelled and not self.error,
             "reason": r.reason if not r.modelled else self.error,
             "note": r.note,
         }
 
 
+def _summary(results: list[RowResult]) -> dict[str, Any]:
+    """Error summary of some rows: count, median and worst absolute error, the ids."""
+    errs = [abs(e) for e in (r.rel_error for r in results) if e is not None]
+    return {
+        "modelled": len(errs),
+        "median_abs_error": statistics.median(errs) if errs else None,
+        "max_abs_error": max(errs) if errs else None,
+        "ids": [r.row.id for r in results if r.rel_error is not None],
+    }
+
+
 @dataclass
 class Report:
-    """All rows of one validation run and the error summary over the modelled ones."""
+    """All rows of one validation run; the error summary is over the TEST rows that ran."""
 
     results: list[RowResult]
 
+    def by_role(self, role: str) -> list[RowResult]:
+        """The results of the rows with this role."""
+        return [r for r in self.results if r.row.role == role]
+
     @property
     def errors(self) -> list[float]:
-        """Absolute relative errors of the rows that ran."""
-        return [abs(e) for e in (r.rel_error for r in self.results) if e is not None]
+        """Absolute relative errors of the test rows that ran."""
+        return [abs(e) for e in (r.rel_error for r in self.by_role("test")) if e is not None]
 
     @property
     def median_abs_error(self) -> float | None:
-        """Median absolute relative error over the modelled rows."""
+        """Median absolute relative error over the test rows that ran."""
         errs = self.errors
         return statistics.median(errs) if errs else None
 
     @property
     def max_abs_error(self) -> float | None:
-        """Worst absolute relative error over the modelled rows."""
+        """Worst absolute relative error over the test rows that ran."""
         errs = self.errors
         return max(errs) if errs else None
 
@@ -172,18 +213,20 @@ class Report:
         """Rows without a simulated value (not modelled yet, or failed to run)."""
         return [r for r in self.results if r.simulated is None]
 
-    def worst(self, n: int = 3) -> list[RowResult]:
-        """The n rows furthest off."""
-        ran = [r for r in self.results if r.rel_error is not None]
+    def worst(self, n: int = 3, role: str = "test") -> list[RowResult]:
+        """The n rows of a role furthest off."""
+        ran = [r for r in self.by_role(role) if r.rel_error is not None]
         return sorted(ran, key=lambda r: -abs(r.rel_error or 0.0))[:n]
 
     def to_dict(self) -> dict[str, Any]:
-        """The ``--json`` object."""
+        """The ``--json`` object (top-level errors are over test rows only)."""
         return {
             "rows": [r.to_dict() for r in self.results],
             "median_abs_error": self.median_abs_error,
             "max_abs_error": self.max_abs_error,
             "modelled_rows": len(self.errors),
+            "test_rows": _summary(self.by_role("test")),
+            "calibration_rows": _summary(self.by_role("calibration")),
             "not_modelled": [
                 {"id": r.row.id, "reason": r.row.reason or r.error} for r in self.not_modelled
             ],
@@ -209,6 +252,15 @@ def _parse_row(raw: Any, i: int, path: Path) -> Row:
             raise UserError(f"{where}: missing or empty text field {key!r}")
     if raw["unit"] not in UNITS:
         raise UserError(f"{where}: unit {raw['unit']!r} is not one of {', '.join(UNITS)}")
+    if raw["role"] not in ROLES:
+        raise UserError(f"{where}: role {raw['role']!r} is not one of {', '.join(ROLES)}")
+    calibrated = raw.get("calibrated", "")
+    if not isinstance(calibrated, str):
+        raise UserError(f"{where}: 'calibrated' must be text")
+    if raw["role"] == "calibration" and not calibrated.strip():
+        raise UserError(
+            f"{where}: a calibration row needs 'calibrated': what was chosen by looking at it"
+        )
     modelled = raw.get("modelled", True)
     if not isinstance(modelled, bool):
         raise UserError(f"{where}: 'modelled' must be true or false")
@@ -241,6 +293,11 @@ def _parse_row(raw: Any, i: int, path: Path) -> Row:
         for key in list(sim) + list(base or {}):
             if key not in SIM_KEYS and key != "synth":
                 raise UserError(f"{where}: unknown simulator key {key!r}")
+    if modelled and "synth" in sim:
+        try:
+            trace_seeds(sim)
+        except UserError as exc:
+            raise UserError(f"{where}: {exc}") from None
     if (raw["unit"] == "ratio") != (base is not None) and modelled:
         raise UserError(f"{where}: a 'ratio' row needs [row.baseline], and only a ratio row")
     return Row(
@@ -255,6 +312,8 @@ def _parse_row(raw: Any, i: int, path: Path) -> Row:
         published=published,
         metric=str(metric),
         modelled=modelled,
+        role=raw["role"],
+        calibrated=calibrated.strip(),
         reason=reason,
         note=str(raw.get("note", "")),
         published_range=prange,
@@ -380,20 +439,56 @@ class _Runner:
         return self.memo[key]
 
 
+def trace_seeds(sim: dict[str, Any]) -> list[int] | None:
+    """The synthetic-trace seeds a row is run over (``[row.sim.synth] seeds = [...]``), or None."""
+    spec = sim.get("synth")
+    if not isinstance(spec, dict) or "seeds" not in spec:
+        return None
+    seeds = spec["seeds"]
+    if (
+        not isinstance(seeds, list)
+        or not seeds
+        or not all(isinstance(x, int) and not isinstance(x, bool) for x in seeds)
+    ):
+        raise UserError(
+            f"[row.sim.synth] seeds must be a non-empty list of integers, got {seeds!r}"
+        )
+    return list(seeds)
+
+
+def _with_seed(sim: dict[str, Any], seed: int) -> dict[str, Any]:
+    spec = {k: v for k, v in sim["synth"].items() if k != "seeds"}
+    return {**sim, "synth": {**spec, "seed": seed}}
+
+
+def _value(row: Row, sim: dict[str, Any], runner: _Runner) -> float:
+    value = _metric(runner.run(sim), row.metric)
+    if row.baseline is not None:
+        base = _metric(runner.run({**sim, **row.baseline}), row.metric)
+        value = value / base if base else float("nan")
+    return value
+
+
 def run_row(row: Row, runner: _Runner | None = None) -> RowResult:
-    """Simulate one row (a not-modelled row returns no value)."""
+    """Simulate one row (a not-modelled row returns no value).
+
+    A row whose synthetic trace lists several ``seeds`` runs once per seed: the value is the
+    mean, and the result carries the per-seed values and their range.
+    """
     if not row.modelled:
         return RowResult(row)
     runner = runner or _Runner(None)
     try:
-        value = _metric(runner.run(row.sim), row.metric)
-        if row.baseline is not None:
-            base = _metric(runner.run({**row.sim, **row.baseline}), row.metric)
-            value = value / base if base else float("nan")
+        seeds = trace_seeds(row.sim)
+        if seeds is None:
+            return RowResult(row, _value(row, row.sim, runner))
+        values = [_value(row, _with_seed(row.sim, s), runner) for s in seeds]
     except UserError as exc:
         # e.g. a policy another engineer has not added yet: say so, keep going
         return RowResult(row, None, f"not yet runnable: {exc}")
-    return RowResult(row, value)
+    return RowResult(
+        row, statistics.fmean(values), spread=(min(values), max(values)), per_seed=values
+    )
 
 
 def run_validation(
@@ -424,33 +519,58 @@ def _pct(v: float | None) -> str:
     return "-" if v is None else f"{100 * v:+.1f} %"
 
 
-TABLE_COLUMNS = ("id", "published", "simulated", "unit", "error", "source")
+TABLE_COLUMNS = ("id", "role", "published", "simulated", "unit", "error", "source")
+
+
+def _simulated_text(r: RowResult) -> str:
+    if r.simulated is None:
+        return "not modelled"
+    text = _fmt(r.simulated, r.row.unit)
+    if r.spread is not None:
+        lo, hi = r.spread
+        text += f" ({_fmt(lo, r.row.unit)}-{_fmt(hi, r.row.unit)}, {len(r.per_seed)} seeds)"
+    return text
 
 
 def table_rows(report: Report) -> list[list[str]]:
-    """Display rows: id, published, simulated, unit, relative error, source."""
+    """Display rows: id, role, published, simulated, unit, relative error, source."""
     out = []
     for r in report.results:
         pub = _fmt(r.row.published, r.row.unit)
         if r.row.published_range:
             lo, hi = r.row.published_range
             pub += f" ({_fmt(lo, r.row.unit)}-{_fmt(hi, r.row.unit)})"
-        sim = _fmt(r.simulated, r.row.unit) if r.simulated is not None else "not modelled"
-        out.append([r.row.id, pub, sim, r.row.unit, _pct(r.rel_error), r.row.source])
+        out.append(
+            [
+                r.row.id,
+                r.row.role,
+                pub,
+                _simulated_text(r),
+                r.row.unit,
+                _pct(r.rel_error),
+                r.row.source,
+            ]
+        )
     return out
 
 
+def _summary_line(report: Report, role: str) -> str:
+    summ = _summary(report.by_role(role))
+    what = "test rows (the reported error)" if role == "test" else "calibration rows (in-sample)"
+    return (
+        f"{what}: {summ['modelled']} modelled; median |error| "
+        f"{_pct(summ['median_abs_error']).lstrip('+')}, worst |error| "
+        f"{_pct(summ['max_abs_error']).lstrip('+')}"
+    )
+
+
 def summary_lines(report: Report) -> list[str]:
-    """Median/worst error and the rows not modelled with their reasons."""
-    n = len(report.errors)
-    lines = [
-        f"modelled rows: {n}; median |error| {_pct(report.median_abs_error).lstrip('+')}, "
-        f"worst |error| {_pct(report.max_abs_error).lstrip('+')}"
-    ]
+    """Median/worst error over test rows, calibration rows apart, and the rows not modelled."""
+    lines = [_summary_line(report, "test"), _summary_line(report, "calibration")]
     worst = report.worst(3)
     if worst:
         lines.append(
-            "furthest off: " + ", ".join(f"{r.row.id} ({_pct(r.rel_error)})" for r in worst)
+            "furthest off (test): " + ", ".join(f"{r.row.id} ({_pct(r.rel_error)})" for r in worst)
         )
     if report.not_modelled:
         lines.append(f"not modelled ({len(report.not_modelled)}):")
@@ -461,16 +581,28 @@ def summary_lines(report: Report) -> list[str]:
 
 def to_markdown(report: Report) -> str:
     """The table as markdown (docs/validation.md embeds it between markers)."""
-    head = "| row | published | simulated | unit | error | source |\n|---|---|---|---|---|---|\n"
+    head = (
+        "| row | role | published | simulated | unit | error | source |\n"
+        "|---|---|---|---|---|---|---|\n"
+    )
     body = "".join(
         "| " + " | ".join(c.replace("|", "\\|") for c in row) + " |\n" for row in table_rows(report)
     )
-    n = len(report.errors)
+    test = _summary(report.by_role("test"))
+    cal = _summary(report.by_role("calibration"))
     summ = (
-        f"\nModelled rows: {n}. Median absolute error "
-        f"**{_pct(report.median_abs_error).lstrip('+')}**, worst "
-        f"**{_pct(report.max_abs_error).lstrip('+')}**.\n"
+        f"\nTest rows (the reported error): {test['modelled']} modelled. Median absolute error "
+        f"**{_pct(test['median_abs_error']).lstrip('+')}**, worst "
+        f"**{_pct(test['max_abs_error']).lstrip('+')}**.\n"
+        f"\nCalibration rows (in-sample, not part of the reported error): {cal['modelled']} "
+        f"modelled. Median absolute error {_pct(cal['median_abs_error']).lstrip('+')}, worst "
+        f"{_pct(cal['max_abs_error']).lstrip('+')}.\n"
     )
+    calibrated = [r.row for r in report.by_role("calibration")]
+    if calibrated:
+        summ += "\nWhat each calibration row was used for:\n\n" + "".join(
+            f"- `{row.id}`: {row.calibrated}\n" for row in calibrated
+        )
     nm = report.not_modelled
     if nm:
         summ += "\nNot modelled yet:\n\n" + "".join(
@@ -483,7 +615,17 @@ def to_csv(report: Report) -> str:
     """The rows as CSV (numbers unformatted)."""
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    cols = ["id", "published", "simulated", "unit", "rel_error", "modelled", "reason", "source"]
+    cols = [
+        "id",
+        "role",
+        "published",
+        "simulated",
+        "unit",
+        "rel_error",
+        "modelled",
+        "reason",
+        "source",
+    ]
     w.writerow(cols)
     for r in report.results:
         d = r.to_dict()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
@@ -39,30 +40,50 @@ def test_gpu_token_on_a6000() -> None:
     assert t - 5 * 5e-6 == pytest.approx(roofline, rel=0.002)
 
 
-def test_a6000_measured_constants_apply_to_their_path_only() -> None:
-    """a6000: 8.5 ms CPU and 210 ms pageable load (measured); the pinned path uses the link."""
+def test_a6000_measured_load_is_a_decision_input_not_the_copy_time() -> None:
+    """a6000: 8.5 ms CPU (measured, anchors execution); 210 ms load is what DAOP believes only."""
     cm = cost_model("a6000-pcie4", MIXTRAL)
     assert cm.cpu_expert_s(1) == pytest.approx(8.5e-3)
-    assert cm.h2d_expert_s(pinned=False) == pytest.approx(210e-3)
+    assert cm.h2d_expert_s(pinned=False) == pytest.approx(6e-6 + 352_321_536 / 14.4e9)
     pinned = cm.h2d_expert_s(pinned=True)
     assert pinned == pytest.approx(6e-6 + 352_321_536 / 26.2e9)
     assert 13e-3 < pinned < 14e-3
+    assert cm.decision_load_s() == pytest.approx(210e-3)
+    assert cm.decision_cpu_expert_s() == pytest.approx(8.5e-3)
     used = cm.uses_measured()
-    assert used["cpu_expert"] and used["h2d_expert_pageable"]
+    assert used["cpu_expert"] and not used["h2d_expert_pageable"]
     assert not used["h2d_expert_pinned"] and not used["gpu_expert"]
-    assert "measured" in cm.sources()["h2d_expert_pageable"]
+    assert cm.sources()["h2d_expert_pageable"].startswith("link")
     assert cm.sources()["h2d_expert_pinned"].startswith("link")
 
 
-def test_measured_cpu_scales_linearly_and_breakeven_matches_daop() -> None:
-    """Measured CPU cost is n x constant; DAOP's break-even is about T_load / T_cpu = 25 tokens."""
+def test_daop_host_link_is_gen3() -> None:
+    """DAOP's i9-10980XE host has PCIe 3.0 lanes: the copy takes what a Gen3 x16 link takes."""
+    daop_host = cost_model("a6000-x299-pcie3", MIXTRAL)
+    assert daop_host.hw.link.h2d_pinned_gbs == pytest.approx(12.6)
+    assert daop_host.h2d_expert_s(True) == pytest.approx(6e-6 + 352_321_536 / 12.6e9)
+    # everything but the link comes from the base profile
+    base = cost_model("a6000-pcie4", MIXTRAL)
+    assert daop_host.hw.gpu == base.hw.gpu and daop_host.hw.cpu == base.hw.cpu
+    assert daop_host.decision_load_s() == pytest.approx(210e-3)
+
+
+def test_cpu_expert_is_one_batched_call_anchored_at_the_measured_token() -> None:
+    """n tokens: max(measured one-token time, 2 x params x n / CPU throughput), not n x 8.5 ms."""
     cm = cost_model("a6000-pcie4", MIXTRAL)
-    assert cm.cpu_expert_s(10) == pytest.approx(85e-3)
-    n = cm.breakeven_tokens(pinned=False)
-    assert 24.0 < n < 26.0
-    # at the break-even point both sides cost the same
-    assert cm._cpu_expert(n) == pytest.approx(cm.h2d_expert_s(False) + cm._gpu_expert(n), rel=1e-6)
-    assert cm.breakeven_tokens(pinned=True) < n
+    assert cm.cpu_expert_s(1) == pytest.approx(8.5e-3)
+    assert cm.cpu_expert_s(10) == pytest.approx(8.5e-3)  # still weight-stream bound
+    n = 256
+    assert cm.cpu_expert_s(n) == pytest.approx(2 * 176_160_768 * n / 864e9)
+    assert cm.cpu_expert_s(n) < n * 8.5e-3 / 10
+    # monotone in n, and a batch never costs more than running its tokens one by one
+    times = [cm.cpu_expert_s(k) for k in range(1, 300)]
+    assert all(b >= a for a, b in itertools.pairwise(times))
+    assert all(t <= k * 8.5e-3 + 1e-12 for k, t in enumerate(times, start=1))
+    nb = cm.breakeven_tokens(pinned=False)
+    copy_then_gpu = cm.h2d_expert_s(False) + cm._gpu_expert(nb)
+    assert cm._cpu_expert(nb) == pytest.approx(copy_then_gpu, rel=1e-6)
+    assert cm.breakeven_tokens(pinned=True) < nb
 
 
 def test_measured_constants_ignored_at_other_dtype() -> None:
@@ -77,14 +98,15 @@ def test_phi_on_a100_uses_its_row() -> None:
     """A100 host: Phi-3.5-MoE 2.5 ms CPU, 25 ms load; Mixtral-8x22B 16 / 86."""
     phi = cost_model("a100-40g-pcie4", "phi-3.5-moe")
     assert phi.cpu_expert_s(1) == pytest.approx(2.5e-3)
-    assert phi.h2d_expert_s(False) == pytest.approx(25e-3)
+    assert phi.decision_load_s() == pytest.approx(25e-3)
     big = cost_model("a100-40g-pcie4", "mixtral-8x22b")
-    assert big.cpu_expert_s(2) == pytest.approx(32e-3)
-    assert big.h2d_expert_s(False) == pytest.approx(86e-3)
+    assert big.cpu_expert_s(1) == pytest.approx(16e-3)
+    assert big.decision_cpu_expert_s() == pytest.approx(16e-3)
+    assert big.decision_load_s() == pytest.approx(86e-3)
 
 
 def test_user_profile_measured_pinned_load() -> None:
-    """A measured load on the pinned path replaces the pinned copy only."""
+    """A measured load with load_overrides_link = true replaces the pinned copy only."""
     hw = load_profile(FIXTURES / "valid-custom.toml")
     cm = cost_model(hw, MIXTRAL)
     assert cm.h2d_expert_s(True) == pytest.approx(20e-3)
@@ -203,7 +225,7 @@ def test_profiles_show_json(cli) -> None:
         "breakeven_tokens",
     ):
         assert key in c
-    assert c["h2d_expert_ms_pageable"] == pytest.approx(210.0)
+    assert c["h2d_expert_ms_pageable"] == pytest.approx(6e-3 + 352_321_536 / 14.4e9 * 1e3)
     assert c["cpu_expert_ms"] == pytest.approx(8.5)
     assert out["measured_costs"]["cpu_expert"] is True
     assert out["gpu"]["name"] == "NVIDIA RTX A6000"

@@ -19,6 +19,7 @@ from policies.daop import DAOPPolicy, swap_pairs
 from simulator.costs import cost_model
 from simulator.engine import Engine
 from simulator.hardware import load_profile
+from simulator.models import get_model
 from simulator.testing import make_trace, routing_from_experts, tiny_model
 
 GOLDEN = Path(__file__).parent / "golden" / "daop.json"
@@ -153,7 +154,8 @@ def test_prefill_swap_fetches_hot_evicts_cold_and_persists_across_sequences() ->
     pre0 = next(p for ph, s, _, layer, p in pol.log if ph == "prefill" and s == 0 and layer == 0)
     assert pre0.actions[4] == Action.FETCH and pre0.evict == [(0, 0)]
     assert pre0.actions[0] == Action.CPU  # the cold expert's 5 tokens: below break-even
-    assert eng.c.fetches == 1 and eng.c.d2h_expert_copies == 0  # no write-back
+    # the cold expert goes back to the host (.to("cpu")) before the hot one comes up
+    assert eng.c.fetches == 1 and eng.c.d2h_expert_copies == 1
     dec1 = next(p for ph, s, _, layer, p in pol.log if ph == "decode" and s == 1 and layer == 0)
     assert dec1.actions[4] == Action.GPU
 
@@ -204,6 +206,28 @@ def test_prefill_cpu_below_breakeven_temp_copy_at_or_above() -> None:
     v.n_tokens = above
     plan = pol.prefill_layer(v)
     assert plan.actions == {5: Action.TEMP, 4: Action.CPU, 0: Action.GPU}
+
+
+def test_decision_constants_are_options_not_execution_times() -> None:
+    """DAOP decides with its own constants; the engine's copy time is the link's."""
+    mixtral = get_model("mixtral-8x7b")
+    costs = cost_model(load_profile("a6000-x299-pcie3"), mixtral)
+    calib = np.ones((mixtral.moe_layers, mixtral.experts), dtype=np.int64)
+
+    def constants(**opt: Any) -> tuple[float, float]:
+        pol = DAOPPolicy(**opt)
+        pol.setup(SetupContext(mixtral, 120, costs, calib, None))
+        return pol.t_cpu, pol.t_load
+
+    # default: DAOP's measured table for the A6000 (8.5 ms, 210 ms): break-even about 25 tokens
+    assert constants() == pytest.approx((8.5e-3, 210e-3))
+    # 'model': what the simulator itself would charge (a Gen3 pageable copy)
+    t_cpu, t_load = constants(constants="model")
+    assert t_cpu == pytest.approx(costs.cpu_expert_s(1))
+    assert t_load == pytest.approx(costs.h2d_expert_s(pinned=False)) and t_load < 0.1
+    assert constants(t_cpu_ms=5.0, t_load_ms=40.0) == pytest.approx((5e-3, 40e-3))
+    # the engine never charges the 210 ms: copies are timed by the link
+    assert costs.h2d_expert_s(pinned=False) == pytest.approx(6e-6 + 352_321_536 / 6.9e9)
 
 
 # -- decode ----------------------------------------------------------------------------------------

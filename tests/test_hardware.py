@@ -212,3 +212,39 @@ def test_profiles_show_unknown_name(cli) -> None:
     result = cli("profiles", "show", "no-such-machine")
     assert result.exit_code == 2
     assert "a6000-pcie4" in result.stderr
+
+
+def test_extends_inherits_and_overrides_table_by_table(tmp_path: Path) -> None:
+    """``extends = NAME``: the base profile's keys, the child's overrides, a new name."""
+    child = tmp_path / "my-box.toml"
+    child.write_text(
+        'extends = "a6000-pcie4"\nname = "my-box"\ndescription = "an A6000 on a slow link"\n'
+        "[link]\nh2d_pinned_gbs = 10.0\n"
+    )
+    hw = load_profile(child)
+    base = load_profile("a6000-pcie4")
+    assert hw.name == "my-box" and hw.link.h2d_pinned_gbs == 10.0
+    assert hw.link.d2h_pinned_gbs == base.link.d2h_pinned_gbs
+    assert hw.gpu == base.gpu and hw.cpu == base.cpu and hw.measured == base.measured
+    # a chain of two, relative to the child's folder
+    grandchild = tmp_path / "gc.toml"
+    grandchild.write_text(
+        'extends = "my-box"\nname = "gc"\ndescription = "d"\n[cpu]\ncores_used = 4\n'
+    )
+    gc = load_profile(grandchild)
+    assert gc.link.h2d_pinned_gbs == 10.0 and gc.cpu.cores_used == 4
+
+
+def test_extends_errors_name_the_file(tmp_path: Path) -> None:
+    loop = tmp_path / "loop.toml"
+    loop.write_text('extends = "loop"\nname = "loop"\ndescription = "d"\n')
+    with pytest.raises(ProfileError, match="loops back"):
+        load_profile(loop)
+    missing = tmp_path / "m.toml"
+    missing.write_text('extends = "no-such-box"\nname = "m"\ndescription = "d"\n')
+    with pytest.raises(ProfileError, match=r"m\.toml.*extends.*no-such-box"):
+        load_profile(missing)
+    nameless = tmp_path / "n.toml"
+    nameless.write_text('extends = "a6000-pcie4"\n[link]\nh2d_pinned_gbs = 10.0\n')
+    with pytest.raises(ProfileError, match="name"):
+        load_profile(nameless)  # name and description are never inherited

@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from policies.base import SetupContext
 from policies.registry import available, make_policy
 from simulator.costs import cost_model
 from simulator.engine import Counters, Engine
@@ -113,10 +114,8 @@ def test_belady_is_clairvoyant_and_others_are_not() -> None:
 
 def test_fiddler_runs_misses_on_cpu_and_prefill_by_break_even() -> None:
     model = get_model("mixtral-8x7b")
-    costs = cost_model(HW, model)
-    t1, load = costs.cpu_expert_s(1), costs.h2d_expert_s(pinned=False)
-    n_even = int(load // t1)  # count * t1 < load  <=>  count <= n_even (not integral here)
-    assert n_even * t1 < load < (n_even + 1) * t1
+    # Fiddler's code constants decide: count x 7 < 70, so the CPU takes fewer than 10 tokens
+    n_even = 9  # count * t1 < load  <=>  count <= 9
     # prefill: expert 0 chosen by every token, expert 1 by n_even tokens, expert 2 by the rest
     p = n_even + 3
     pre = [[[0, 1 if i < n_even else 2]] * model.moe_layers for i in range(p)]
@@ -202,3 +201,23 @@ def test_stream_all_streams_whole_layers_or_selected_experts() -> None:
     with pytest.raises(UserError, match="gather=layer"):
         run("stream-all", m, rs, 7, {"gather": "layer"})
     assert make_policy("stream-all").host_memory == "pinned"
+
+
+def test_fiddler_decision_constants_option() -> None:
+    """Fiddler's prefill rule uses its code's 7/70 by default, or the profile/cost model."""
+    model = get_model("mixtral-8x7b")
+    costs = cost_model(HW, model)
+    calib = np.ones((model.moe_layers, model.experts), dtype=np.int64)
+
+    def constants(choice: str) -> tuple[float, float]:
+        pol = make_policy("fiddler", {"constants": choice})
+        pol.setup(SetupContext(model, 64, costs, calib, None))
+        return pol.t_cpu1, pol.t_load
+
+    assert constants("code") == (7.0, 70.0)
+    assert constants("measured") == pytest.approx((8.5e-3, 210e-3))
+    assert constants("model") == pytest.approx(
+        (costs.cpu_expert_s(1), costs.h2d_expert_s(pinned=False))
+    )
+    with pytest.raises(UserError, match="constants"):
+        make_policy("fiddler", {"constants": "guess"})

@@ -105,7 +105,7 @@ def test_cli_json_keys_and_out(tmp_path: Path) -> None:
     assert doc["median_abs_error"] == pytest.approx(
         abs(by_id["hybrimoe-lru-mixtral-25"]["rel_error"])
     )
-    assert (out / "validation.csv").read_text().startswith("id,published,simulated")
+    assert (out / "validation.csv").read_text().startswith("id,role,published,simulated")
     assert "| hybrimoe-lru-mixtral-25 |" in (out / "validation.md").read_text()
 
 
@@ -138,19 +138,43 @@ def test_markdown_splice(tmp_path: Path) -> None:
         ('[[row]]\nid = "a"\n', "missing or empty text field 'source'"),
         (
             '[[row]]\nid="a"\nsource="s"\nsystem="s"\nhardware="h"\nmodel="m"\nprecision="p"\n'
-            'workload="w"\nunit="tokens/s"\npublished=1.0\nmodelled=false\n',
+            'workload="w"\nunit="tokens/s"\npublished=1.0\nmodelled=false\nrole="test"\n',
             "needs a 'reason'",
         ),
         (
             '[[row]]\nid="a"\nsource="s"\nsystem="s"\nhardware="h"\nmodel="m"\nprecision="p"\n'
-            'workload="w"\nunit="furlongs"\npublished=1.0\n',
+            'workload="w"\nunit="furlongs"\npublished=1.0\nrole="test"\n',
             "unit 'furlongs'",
         ),
         (
             '[[row]]\nid="a"\nsource="s"\nsystem="s"\nhardware="h"\nmodel="m"\nprecision="p"\n'
-            'workload="w"\nunit="tokens/s"\npublished=1.0\nmetric="tokens_per_s"\n'
+            'workload="w"\nunit="tokens/s"\npublished=1.0\nmetric="tokens_per_s"\nrole="test"\n'
             '[row.sim]\npolicy="lru"\nhw="a6000-pcie4"\n',
             "needs 'trace'",
+        ),
+        (
+            '[[row]]\nid="a"\nsource="s"\nsystem="s"\nhardware="h"\nmodel="m"\nprecision="p"\n'
+            'workload="w"\nunit="tokens/s"\npublished=1.0\nmodelled=false\nreason="r"\n',
+            "missing or empty text field 'role'",
+        ),
+        (
+            '[[row]]\nid="a"\nsource="s"\nsystem="s"\nhardware="h"\nmodel="m"\nprecision="p"\n'
+            'workload="w"\nunit="tokens/s"\npublished=1.0\nmodelled=false\nreason="r"\n'
+            'role="holdout"\n',
+            "role 'holdout'",
+        ),
+        (
+            '[[row]]\nid="a"\nsource="s"\nsystem="s"\nhardware="h"\nmodel="m"\nprecision="p"\n'
+            'workload="w"\nunit="tokens/s"\npublished=1.0\nmodelled=false\nreason="r"\n'
+            'role="calibration"\n',
+            "needs 'calibrated'",
+        ),
+        (
+            '[[row]]\nid="a"\nsource="s"\nsystem="s"\nhardware="h"\nmodel="m"\nprecision="p"\n'
+            'workload="w"\nunit="hit rate"\npublished=0.5\nmetric="hit_rate"\nrole="test"\n'
+            '[row.sim]\npolicy="lru"\nhw="a6000-pcie4"\n'
+            '[row.sim.synth]\npreset="deepseek-v2-lite"\nseeds=[]\n',
+            "seeds must be a non-empty list",
         ),
     ],
 )
@@ -189,3 +213,82 @@ def test_synthetic_trace_cache_follows_generator_and_preset(
     )
     monkeypatch.setitem(synth.PRESETS, "deepseek-v2-lite", changed)
     assert synth_trace(spec) not in (first, edited)
+
+
+def test_error_summary_is_over_test_rows_only() -> None:
+    """Calibration rows are reported apart and never enter the headline error."""
+    from simulator.validation import Report, Row, RowResult
+
+    def row(rid: str, role: str) -> Row:
+        return Row(
+            id=rid,
+            source="s",
+            system="s",
+            hardware="h",
+            model="m",
+            precision="p",
+            workload="w",
+            unit="tokens/s",
+            published=1.0,
+            metric="tokens_per_s",
+            modelled=True,
+            role=role,
+            calibrated="x" if role == "calibration" else "",
+        )
+
+    report = Report(
+        [
+            RowResult(row("t1", "test"), 1.1),
+            RowResult(row("t2", "test"), 0.7),
+            RowResult(row("c1", "calibration"), 1.0),
+        ]
+    )
+    assert report.median_abs_error == pytest.approx(0.2)
+    assert report.max_abs_error == pytest.approx(0.3)
+    doc = report.to_dict()
+    assert doc["test_rows"]["ids"] == ["t1", "t2"] and doc["test_rows"]["modelled"] == 2
+    assert doc["calibration_rows"]["ids"] == ["c1"]
+    assert doc["calibration_rows"]["median_abs_error"] == pytest.approx(0.0)
+    assert [r["role"] for r in doc["rows"]] == ["test", "test", "calibration"]
+
+
+def test_every_row_has_a_role_and_calibration_rows_say_why() -> None:
+    rows = load_table()
+    assert {r.role for r in rows} <= {"test", "calibration"}
+    for r in rows:
+        if r.role == "calibration":
+            assert r.calibrated, r.id
+
+
+def test_synthetic_row_over_seeds_reports_mean_and_spread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from simulator.validation import Row, run_row
+
+    monkeypatch.setenv("DAOPSIM_CACHE", str(tmp_path))
+    spec = {"preset": "deepseek-v2-lite", "sequences": 2, "prompt_tokens": 4, "output_tokens": 8}
+    row = Row(
+        id="seeds",
+        source="s",
+        system="s",
+        hardware="h",
+        model="m",
+        precision="p",
+        workload="w",
+        unit="hit rate",
+        published=0.5,
+        metric="hit_rate",
+        modelled=True,
+        sim={
+            "policy": "lru",
+            "hw": "a6000-pcie4",
+            "cache_ratio": 0.25,
+            "synth": {**spec, "seeds": [0, 1, 2]},
+        },
+    )
+    res = run_row(row)
+    assert res.simulated is not None and len(res.per_seed) == 3
+    assert res.spread == (min(res.per_seed), max(res.per_seed))
+    assert res.simulated == pytest.approx(sum(res.per_seed) / 3)
+    assert len(set(res.per_seed)) > 1  # different trace seeds really differ
+    assert res.to_dict()["spread"] == list(res.spread)

@@ -14,9 +14,9 @@ from simulator.progress import lazy_progress
 def _render(report: Any) -> str:
     from simulator.validation import summary_lines, table_rows
 
-    rows = [r[:5] for r in table_rows(report)]
-    head = ["ROW", "PUBLISHED", "SIMULATED", "UNIT", "ERROR"]
-    widths = [max(len(head[i]), *(len(r[i]) for r in rows)) for i in range(5)]
+    rows = [r[:6] for r in table_rows(report)]
+    head = ["ROW", "ROLE", "PUBLISHED", "SIMULATED", "UNIT", "ERROR"]
+    widths = [max(len(head[i]), *(len(r[i]) for r in rows)) for i in range(6)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)).rstrip()]
     for r in rows:
         lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
