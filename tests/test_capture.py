@@ -25,6 +25,7 @@ from simulator.capture import (  # noqa: E402
     load_model,
     load_prompts,
     model_name,
+    random_config,
     random_model,
 )
 from simulator.cli import main  # noqa: E402
@@ -278,35 +279,15 @@ def test_bf16_batching_moves_only_near_tied_routing(tmp_path: Path):
 @pytest.fixture(scope="module")
 def deepseek32():
     """Tiny DeepSeek-V3: 32 routed experts in 4 groups (2 chosen), top-6, dense layer 0."""
-    from transformers import AutoModelForCausalLM, DeepseekV3Config
+    from transformers import AutoModelForCausalLM
 
-    cfg = DeepseekV3Config(
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=128,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        max_position_embeddings=256,
-        initializer_range=0.1,
-        n_routed_experts=32,
-        num_experts_per_tok=6,
-        n_group=4,
-        topk_group=2,
-        first_k_dense_replace=1,
-        n_shared_experts=1,
-        kv_lora_rank=16,
-        q_lora_rank=16,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=8,
-    )
+    cfg = random_config("deepseek_v3")  # hidden 32, 4 layers, multi-head latent attention
+    cfg.n_routed_experts, cfg.num_experts_per_tok = 32, 6
+    cfg.n_group, cfg.topk_group, cfg.moe_intermediate_size = 4, 2, 16
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg).eval()
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    assert model.model.layers[1].mlp.gate.weight.shape == (32, 32)
+    return model
 
 
 class RawRouter:
