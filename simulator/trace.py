@@ -704,16 +704,17 @@ def check_rank_order(path: object, r: _Rows, meta: TraceMeta) -> None:
     selection score. ``weights`` there: gate weights are non-increasing along rank. ``probs``
     there: the router probabilities of ``experts`` (when the weights were not checked) and of
     ``early_experts`` (layers >= 1) are non-increasing along rank; with top-m storage an expert
-    outside the stored m counts as at most the m-th probability. A column the trace does not
-    list is not checked: e.g. DeepSeek-V3 selects on sigmoid scores plus a bias correction that
-    neither the weights nor the probabilities carry, so nothing stored can confirm its order.
+    outside the stored m counts as the smallest stored probability (an upper bound on its
+    own). A column the trace does not list is not checked: e.g. DeepSeek-V3 selects on sigmoid
+    scores plus a bias correction that neither the weights nor the probabilities carry, so
+    nothing stored can confirm its order.
     """
     cols = meta.provenance.get("rank_order_columns", RANK_ORDER_COLUMNS)
     if not isinstance(cols, list | tuple) or not all(c in RANK_ORDER_COLUMNS for c in cols):
         raise TraceError(
             path,
-            "file metadata key 'provenance.rank_order_columns' must be a list of "
-            + " and ".join(repr(c) for c in RANK_ORDER_COLUMNS),
+            "file metadata key 'provenance.rank_order_columns' must be a list of column "
+            f"names out of {', '.join(repr(c) for c in RANK_ORDER_COLUMNS)}",
         )
     if meta.model.top_k < 2:
         return
@@ -748,7 +749,7 @@ def check_rank_order(path: object, r: _Rows, meta: TraceMeta) -> None:
 
 
 def _ranked_probs(experts: np.ndarray, probs: np.ndarray, ids: np.ndarray | None) -> np.ndarray:
-    """Each ranked expert's stored probability; outside a top-m, the m-th (an upper bound)."""
+    """Each ranked expert's stored probability; outside a top-m, the smallest stored one."""
     if ids is None:
         return np.take_along_axis(probs, np.clip(experts, 0, probs.shape[1] - 1), axis=1)
     match = ids[:, None, :] == experts[:, :, None]  # [rows, k, m]
