@@ -21,6 +21,7 @@ sequence short and every sequence has the same number of decode rows.
 
 from __future__ import annotations
 
+import datetime as _dt
 import hashlib
 import json
 import os
@@ -35,6 +36,8 @@ from simulator.errors import UserError
 from simulator.models import ModelShape
 from simulator.trace import (
     ALL_PROBS_MAX_EXPERTS,
+    DEFAULT_TOP_M,
+    RANK_ORDER_COLUMNS,
     SequenceRouting,
     TraceMeta,
     TraceWriter,
@@ -65,8 +68,6 @@ SUPPORTED_FAMILIES = (
 )
 #: Families ``--random-init`` can build (HF ``model_type`` names).
 RANDOM_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phimoe", "deepseek_v3", "gpt_oss")
-#: Router probabilities kept per row when a layer has more than 128 experts.
-DEFAULT_TOP_M = 32
 DTYPES = ("bf16", "fp16", "fp32")
 
 
@@ -315,6 +316,71 @@ def model_name(model_id: str) -> str:
 
 
 # --------------------------------------------------------------------------------------------
+# Rank order: rank 0 is the expert with the highest selection score
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankOrder:
+    """How captured top-k rows are ordered, for the trace provenance.
+
+    ``score`` says in words which score ranks the experts; ``columns`` lists the stored columns
+    that are non-increasing along rank under it (what ``trace validate`` can check).
+    """
+
+    score: str
+    columns: tuple[str, ...]
+
+
+def selection_score(router: Any, logits: Any) -> Any:
+    """The score ``router`` picked its top-k on, per expert (float32, ``[tokens, E]``).
+
+    Routers with an ``e_score_correction_bias`` (DeepSeek-V3, GLM-4-MoE) select on
+    ``sigmoid(logits) + bias``, computed here with the router's own operations; every other
+    supported router selects on a monotone function of the logits (softmax, or the logits
+    themselves), so the logits order the experts the same way.
+    """
+    torch = _torch()
+    logits = logits.reshape(-1, logits.shape[-1]).float()
+    bias = getattr(router, "e_score_correction_bias", None)
+    if bias is None:
+        return logits
+    return torch.sigmoid(logits) + bias.to(device=logits.device, dtype=torch.float32)
+
+
+def sort_by_score(router: Any, logits: Any, ids: Any, *paired: Any) -> tuple[Any, ...]:
+    """``ids`` (and tensors paired with them) reordered per row by descending selection score.
+
+    Routers that take their top-k with ``sorted=False`` (DeepSeek) return the experts in no
+    particular order; the trace promises rank 0 is the top expert. The sort is stable, so
+    rows that are already in order (``torch.topk`` with ``sorted=True``) stay as they are.
+    """
+    torch = _torch()
+    k = ids.shape[-1]
+    ids = ids.reshape(-1, k)
+    score = selection_score(router, logits).gather(1, ids.long())
+    order = torch.sort(score, dim=-1, descending=True, stable=True).indices
+    return ids.gather(1, order), *(t.reshape(-1, k).gather(1, order) for t in paired)
+
+
+def rank_order(moe: list[MoeLayer]) -> RankOrder:
+    """What a capture's rank order follows, given the model's routers."""
+    router = moe[0].router
+    if getattr(router, "e_score_correction_bias", None) is not None:
+        score = "selection score (sigmoid of router logits + e_score_correction_bias)"
+        if all(not bool(m.router.e_score_correction_bias.any()) for m in moe):
+            # a zero bias leaves the sigmoid order, which weights and probabilities follow
+            return RankOrder(f"{score}; the bias is zero in every layer", RANK_ORDER_COLUMNS)
+        return RankOrder(score, ())
+    if type(router).__name__ == "PhimoeTopKRouter":
+        # sparsemixer's weights come from differently masked softmaxes: not monotone in rank
+        return RankOrder("router logit (sparsemixer picks in descending logit order)", ("probs",))
+    return RankOrder(
+        "router logit (the router's top-k of its logits or softmax)", RANK_ORDER_COLUMNS
+    )
+
+
+# --------------------------------------------------------------------------------------------
 # Recording hooks
 # --------------------------------------------------------------------------------------------
 
@@ -394,6 +460,7 @@ class RoutingRecorder:
                 x = args[0]
                 x = x.reshape(-1, x.shape[-1])
                 logits, weights, idx = output[0], output[1], output[2]
+                idx, weights = sort_by_score(router, logits, idx, weights)
                 probs, prob_ids = self._probs(logits)
                 if j == 0 or self._prev_input is None:
                     e_idx = e_probs = e_ids = None
@@ -401,6 +468,7 @@ class RoutingRecorder:
                     dev = next(router.parameters()).device
                     prev = self._prev_input.to(dev)
                     e_logits, _, e_idx = router.forward(prev)
+                    (e_idx,) = sort_by_score(router, e_logits, e_idx)
                     e_probs, e_ids = self._probs(e_logits)
                 self._layer_parts.append((idx, weights, probs, prob_ids, e_idx, e_probs, e_ids))
                 self._prev_input = x
@@ -801,6 +869,23 @@ class CaptureResult:
     decode_tokens: list[int]
 
 
+def creation_date() -> str:
+    """Today's UTC date (``YYYY-MM-DD``), or that of ``SOURCE_DATE_EPOCH`` when it is set.
+
+    A date rather than a timestamp, so captures made the same day are byte-identical;
+    ``SOURCE_DATE_EPOCH`` (the reproducible-builds convention) pins it for any day.
+    """
+    epoch = os.environ.get("SOURCE_DATE_EPOCH", "").strip()
+    if epoch:
+        try:
+            when = _dt.datetime.fromtimestamp(int(epoch), _dt.UTC)
+        except (ValueError, OverflowError, OSError):
+            raise UserError(f"SOURCE_DATE_EPOCH={epoch!r} is not a Unix time in seconds") from None
+    else:
+        when = _dt.datetime.now(_dt.UTC)
+    return when.date().isoformat()
+
+
 def _file_sha256(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -859,7 +944,9 @@ def capture_model(
         pad = eos[0] if eos else 0
     m = top_m if shape.experts > ALL_PROBS_MAX_EXPERTS else shape.experts
     stored_m = min(m, shape.experts)
+    order = rank_order(moe)
     prov = dict(provenance or {})
+    prov.setdefault("created", creation_date())
     prov.update(
         {
             "source": "capture",
@@ -874,6 +961,8 @@ def capture_model(
             ),
             "early_view": "router of MoE layer l applied to the router input of MoE layer l-1, "
             "same forward pass",
+            "rank_order": order.score,
+            "rank_order_columns": list(order.columns),
             "shared_experts": shape.shared_experts,
             "tool_versions": tool_versions(),
         }
@@ -917,6 +1006,7 @@ def run_capture(cfg: CaptureConfig) -> CaptureResult:
         },
         "dtype": dtype,
         "device": cfg.device,
+        "created": creation_date(),  # before loading: a bad SOURCE_DATE_EPOCH fails at once
     }
     if cfg.random_init is not None:
         model = random_model(cfg.random_init, seed=cfg.seed, dtype=dtype)
@@ -983,12 +1073,17 @@ __all__ = [
     "GenerationSettings",
     "MoeLayer",
     "Prompt",
+    "RankOrder",
     "RoutingRecorder",
     "capture_model",
+    "creation_date",
     "find_moe_layers",
     "load_model",
     "load_prompts",
     "model_shape",
     "random_model",
+    "rank_order",
     "run_capture",
+    "selection_score",
+    "sort_by_score",
 ]

@@ -38,6 +38,7 @@ from simulator.models import ModelShape, get_model
 from simulator.stats import heldout_popularity_hit, trace_stats
 from simulator.trace import (
     ALL_PROBS_MAX_EXPERTS,
+    DEFAULT_TOP_M,
     SequenceRouting,
     TraceMeta,
     TraceWriter,
@@ -85,7 +86,7 @@ class SynthParams:
     phase_keep: float = 0.5  # squared correlation of the decode topic with the prefill one
     prefill_bias: float = 0.0  # std of a fixed extra logit bias on prompt tokens (added after v1)
     model_seed: int = 0  # draws router projections and popularity biases (the "model")
-    top_m: int = 32  # probabilities stored per row when experts > 128
+    top_m: int = DEFAULT_TOP_M  # probabilities stored per row when experts > 128
 
     def replace(self, **changes: Any) -> SynthParams:
         """A copy with some fields changed."""

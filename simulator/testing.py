@@ -17,14 +17,12 @@ import numpy as np
 from simulator.models import ModelShape, get_model
 from simulator.trace import (
     ALL_PROBS_MAX_EXPERTS,
+    DEFAULT_TOP_M,
     SequenceRouting,
     TraceMeta,
     blank_first_layer_view,
     write_trace,
 )
-
-#: Default top-m for models with more than ``ALL_PROBS_MAX_EXPERTS`` experts.
-DEFAULT_TOP_M = 16
 
 
 def tiny_model(

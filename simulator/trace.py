@@ -32,6 +32,8 @@ META_KEY = b"daopsim"
 PHASES = ("prefill", "decode")
 #: Above this many experts per layer, only the top ``m`` router probabilities are stored.
 ALL_PROBS_MAX_EXPERTS = 128
+#: Probabilities stored per row above ``ALL_PROBS_MAX_EXPERTS`` experts, unless a tool is told m.
+DEFAULT_TOP_M = 32
 
 _INT = pa.int16()
 _PROB = pa.float16()
@@ -685,6 +687,75 @@ def _check_rows(path: object, r: _Rows, meta: TraceMeta) -> None:
         bad_eid = checked[:, None] & ((r.early_prob_ids < -1) | (r.early_prob_ids >= n_exp))
         if bad_eid.any():
             fail(bad_eid, "early_prob_ids", f"expert id outside 0..{n_exp - 1}")
+    check_rank_order(path, r, meta)
+
+
+#: Stored columns that are non-increasing along rank when a trace does not say
+#: (``provenance.rank_order_columns``): rank 0 is the top expert by gate weight and probability.
+RANK_ORDER_COLUMNS = ("weights", "probs")
+#: Slack for float rounding: float32 weights (relative), float16 probabilities (absolute).
+_WEIGHT_RTOL, _PROB_ATOL = 1e-5, 1e-3
+
+
+def check_rank_order(path: object, r: _Rows, meta: TraceMeta) -> None:
+    """Rank 0 must be the top expert: check ``experts``/``early_experts`` order where possible.
+
+    ``provenance.rank_order_columns`` lists the stored columns that follow the router's
+    selection score. ``weights`` there: gate weights are non-increasing along rank. ``probs``
+    there: the router probabilities of ``experts`` (when the weights were not checked) and of
+    ``early_experts`` (layers >= 1) are non-increasing along rank; with top-m storage an expert
+    outside the stored m counts as the smallest stored probability (an upper bound on its
+    own). A column the trace does not list is not checked: e.g. DeepSeek-V3 selects on sigmoid
+    scores plus a bias correction that neither the weights nor the probabilities carry, so
+    nothing stored can confirm its order.
+    """
+    cols = meta.provenance.get("rank_order_columns", RANK_ORDER_COLUMNS)
+    if not isinstance(cols, list | tuple) or not all(c in RANK_ORDER_COLUMNS for c in cols):
+        raise TraceError(
+            path,
+            "file metadata key 'provenance.rank_order_columns' must be a list of column "
+            f"names out of {', '.join(repr(c) for c in RANK_ORDER_COLUMNS)}",
+        )
+    if meta.model.top_k < 2:
+        return
+
+    def check(
+        values: np.ndarray, rows: np.ndarray, column: str, what: str, tol: np.ndarray
+    ) -> None:
+        rises = rows[:, None] & (values[:, 1:] > values[:, :-1] + tol)
+        if rises.any():
+            i = int(np.flatnonzero(rises.any(axis=1))[0])
+            j = int(np.flatnonzero(rises[i])[0])
+            raise TraceError(
+                path,
+                f"not in rank order: {what} at rank {j + 1} ({values[i, j + 1]:.6g}) exceeds "
+                f"rank {j} ({values[i, j]:.6g}); rank 0 must be the top expert",
+                row=r.row0 + i,
+                column=column,
+            )
+
+    every = np.ones(r.layer.shape[0], dtype=bool)
+    if "weights" in cols:
+        w = r.weights
+        check(w, every, "weights", "gate weight", _WEIGHT_RTOL * np.abs(w[:, :-1]) + 1e-7)
+    if "probs" not in cols:
+        return
+    if "weights" not in cols:
+        p = _ranked_probs(r.experts, r.probs, r.prob_ids)
+        check(p, every, "experts", "router probability", np.float32(_PROB_ATOL))
+    later = r.layer > 0  # layer 0 has no one-layer-early view
+    ep = _ranked_probs(r.early_experts, r.early_probs, r.early_prob_ids)
+    check(ep, later, "early_experts", "router probability", np.float32(_PROB_ATOL))
+
+
+def _ranked_probs(experts: np.ndarray, probs: np.ndarray, ids: np.ndarray | None) -> np.ndarray:
+    """Each ranked expert's stored probability; outside a top-m, the smallest stored one."""
+    if ids is None:
+        return np.take_along_axis(probs, np.clip(experts, 0, probs.shape[1] - 1), axis=1)
+    match = ids[:, None, :] == experts[:, :, None]  # [rows, k, m]
+    found = match.any(axis=2)
+    at = np.take_along_axis(probs, match.argmax(axis=2), axis=1)
+    return np.where(found, at, probs.min(axis=1, keepdims=True))
 
 
 def _assemble(path: object, seq_id: int, parts: list[_Rows], meta: TraceMeta) -> SequenceRouting:

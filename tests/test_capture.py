@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -24,11 +25,12 @@ from simulator.capture import (  # noqa: E402
     load_model,
     load_prompts,
     model_name,
+    random_config,
     random_model,
 )
 from simulator.cli import main  # noqa: E402
-from simulator.errors import UserError  # noqa: E402
-from simulator.trace import load_sequences, read_meta, validate_trace  # noqa: E402
+from simulator.errors import TraceError, UserError  # noqa: E402
+from simulator.trace import load_sequences, read_meta, validate_trace, write_trace  # noqa: E402
 
 FAMILIES = ["mixtral", "qwen2_moe", "olmoe", "phimoe"]
 PROMPTS = [
@@ -106,6 +108,9 @@ def test_trace_validates_and_names_moe_layers(family, model, unbatched):
     assert meta.probs_stored == meta.model.experts == 8
     assert meta.provenance["generation"]["min_new_tokens"] == NEW
     assert "tool_versions" in meta.provenance
+    # sparsemixer's weights do not follow its (logit) rank order; the probabilities do
+    want = ["probs"] if family == "phimoe" else ["weights", "probs"]
+    assert meta.provenance["rank_order_columns"] == want
     if family == "qwen2_moe":  # layer 0 is dense in the tiny config; shared expert noted
         assert meta.moe_layer_ids == [1, 2, 3]
         assert meta.model.shared_experts == 1
@@ -220,10 +225,222 @@ def test_batched_equals_unbatched(model, unbatched, tmp_path: Path):
         assert (a.n_prefill, a.n_decode) == (b.n_prefill, b.n_decode)
         np.testing.assert_array_equal(a.positions, b.positions)
         np.testing.assert_array_equal(a.experts, b.experts)
-        np.testing.assert_allclose(a.weights, b.weights, atol=1e-4)
+        np.testing.assert_allclose(a.weights, b.weights, atol=1e-6)  # fp32: rounding only
         np.testing.assert_allclose(a.probs, b.probs, atol=2e-3)
         np.testing.assert_array_equal(a.early_experts, b.early_experts)
         np.testing.assert_allclose(a.early_probs, b.early_probs, atol=2e-3)
+
+
+def _differs_only_by_near_ties(
+    a: np.ndarray, b: np.ndarray, probs: np.ndarray, rows: np.ndarray, tol: float
+) -> None:
+    """Where rows of ``a`` and ``b`` differ, ``probs`` (of ``a``'s run) ranks both within tol."""
+    for t, layer in np.argwhere(rows):
+        p = probs[t, layer]
+        np.testing.assert_allclose(p[a[t, layer]], p[b[t, layer]], atol=tol)
+
+
+def test_bf16_batching_moves_only_near_tied_routing(tmp_path: Path):
+    # In bf16 the batched model really computes differently (other matmul shapes and
+    # reduction orders, rounded to 8 mantissa bits), unlike fp32 (test_batched_equals_unbatched).
+    model = random_model("qwen2_moe", seed=1, dtype="bf16")
+    runs = []
+    for b in (1, 3):
+        path = tmp_path / f"bf16-{b}.parquet"
+        settings = GenerationSettings(max_new_tokens=8, batch_size=b)
+        capture_model(model, PROMPTS, path, settings, "tiny", "bf16")
+        runs.append(load_sequences(path)[1])
+    rows = changed = 0
+    weights_moved = False
+    for one, three in zip(*runs, strict=True):
+        # same tokens generated, so the rows line up
+        assert (one.n_prefill, one.n_decode) == (three.n_prefill, three.n_decode)
+        diff = (one.experts != three.experts).any(axis=-1)
+        early = (one.early_experts != three.early_experts).any(axis=-1)
+        rows += diff.size
+        changed += int(diff.sum() + early.sum())
+        # a changed row swaps experts the unbatched router scored equal up to bf16 rounding
+        _differs_only_by_near_ties(one.experts, three.experts, one.probs, diff, tol=4e-3)
+        _differs_only_by_near_ties(
+            one.early_experts, three.early_experts, one.early_probs, early, tol=4e-3
+        )
+        same = ~diff
+        np.testing.assert_allclose(one.weights[same], three.weights[same], atol=1e-2)
+        weights_moved |= not np.array_equal(one.weights, three.weights)
+    assert changed <= 0.02 * rows  # a few rows at most
+    assert weights_moved  # bf16 batching is not bit-identical: the documented caveat
+
+
+# --------------------------------------------------------------------------------------------
+# DeepSeek-V3: experts come unsorted from the router (topk sorted=False); capture sorts them
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def deepseek32():
+    """Tiny DeepSeek-V3: 32 routed experts in 4 groups (2 chosen), top-6, dense layer 0."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = random_config("deepseek_v3")  # hidden 32, 4 layers, multi-head latent attention
+    cfg.n_routed_experts, cfg.num_experts_per_tok = 32, 6
+    cfg.n_group, cfg.topk_group, cfg.moe_intermediate_size = 4, 2, 16
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    assert model.model.layers[1].mlp.gate.weight.shape == (32, 32)
+    return model
+
+
+class RawRouter:
+    """Records every router call's raw output and input, per forward pass (batch 1 only)."""
+
+    def __init__(self, model) -> None:
+        self.moe = find_moe_layers(model)
+        self.calls: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self.inputs: list[torch.Tensor] = []
+
+    def __enter__(self) -> RawRouter:
+        def keep(module, args, output):
+            self.inputs.append(args[0].reshape(-1, args[0].shape[-1]).detach().clone())
+            logits, weights, idx = (t.detach().float().numpy() for t in output)
+            self.calls.append((logits, weights, idx.astype(np.int64)))
+
+        self.handles = [m.router.register_forward_hook(keep) for m in self.moe]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def per_layer(self, what: int) -> list[np.ndarray]:
+        """Field ``what`` (0 logits, 1 weights, 2 ids) of each layer, rows of all passes."""
+        n = len(self.moe)
+        return [np.concatenate([c[what] for c in self.calls[j::n]]) for j in range(n)]
+
+    def early(self, j: int) -> tuple[np.ndarray, np.ndarray]:
+        """Layer j's router applied to layer j-1's inputs of every pass: raw (logits, ids)."""
+        n = len(self.moe)
+        with torch.no_grad():
+            out = [self.moe[j].router(x) for x in self.inputs[j - 1 :: n]]
+        logits = np.concatenate([o[0].float().numpy() for o in out])
+        return logits, np.concatenate([o[2].numpy() for o in out]).astype(np.int64)
+
+
+def _ds_score(router, logits: np.ndarray) -> np.ndarray:
+    """DeepSeek-V3's selection score, written out: sigmoid of the logits plus the bias."""
+    bias = router.e_score_correction_bias.detach().numpy().astype(np.float64)
+    return 1.0 / (1.0 + np.exp(-logits.astype(np.float64))) + bias
+
+
+def _capture_raw(model, prompts, path: Path, new: int) -> tuple[list[RawRouter], list]:
+    """Capture each prompt alone (batch 1), recording the raw router calls of each."""
+    raws = []
+    for i, prompt in enumerate(prompts):
+        with RawRouter(model) as raw:
+            capture_model(
+                model,
+                [prompt],
+                path.with_suffix(f".{i}.parquet"),
+                GenerationSettings(max_new_tokens=new),
+                "ds",
+                "fp32",
+            )
+        raws.append(raw)
+    seqs = [load_sequences(path.with_suffix(f".{i}.parquet"))[1][0] for i in range(len(prompts))]
+    return raws, seqs
+
+
+def test_deepseek_rank_order_sorted_validated_and_in_stats(deepseek32, tmp_path: Path, cli):
+    from simulator.stats import trace_stats
+
+    new = 5
+    moe = find_moe_layers(deepseek32)
+    assert not any(bool(m.router.e_score_correction_bias.any()) for m in moe)  # as initialised
+    path = tmp_path / "ds.parquet"
+    capture_model(deepseek32, PROMPTS, path, GenerationSettings(max_new_tokens=new), "ds", "fp32")
+    meta, seqs = load_sequences(path)
+    assert (meta.model.experts, meta.model.top_k) == (32, 6)
+    assert "e_score_correction_bias" in meta.provenance["rank_order"]
+    assert meta.provenance["rank_order_columns"] == ["weights", "probs"]
+    result = cli("trace", "validate", path)
+    assert result.exit_code == 0, result.output
+
+    raws, alone = _capture_raw(deepseek32, PROMPTS, tmp_path / "alone.parquet", new)
+    unsorted_rows = 0
+    top1_raw: list[list[float]] = [[] for _ in moe]  # decode rows, rank 0 as the router gave it
+    top1_sorted: list[list[float]] = [[] for _ in moe]
+    for seq, single, raw in zip(seqs, alone, raws, strict=True):
+        np.testing.assert_array_equal(seq.experts, single.experts)  # batch 1 either way
+        assert len(raw.calls) == len(moe) * (1 + new)  # the prefill and one pass per token
+        logits, weights, ids = raw.per_layer(0), raw.per_layer(1), raw.per_layer(2)
+        for j, m in enumerate(moe):
+            score = np.take_along_axis(_ds_score(m.router, logits[j]), ids[j], axis=1)
+            unsorted_rows += int((score.argmax(axis=1) != 0).sum())
+            # same experts, now in descending selection score, each with its own weight
+            got = seq.experts[:, j].astype(np.int64)
+            np.testing.assert_array_equal(np.sort(got, axis=1), np.sort(ids[j], axis=1))
+            got_score = np.take_along_axis(_ds_score(m.router, logits[j]), got, axis=1)
+            assert (np.diff(got_score, axis=1) <= 1e-7).all()
+            pos = np.argmax(ids[j][:, None, :] == got[:, :, None], axis=2)
+            np.testing.assert_allclose(
+                seq.weights[:, j], np.take_along_axis(weights[j], pos, axis=1), rtol=1e-6
+            )
+            dec = slice(seq.n_prefill, None)
+            best = np.take_along_axis(weights[j], score.argmax(axis=1)[:, None], axis=1)[:, 0]
+            total = weights[j].sum(axis=1)
+            top1_sorted[j] += (best / total)[dec].tolist()
+            top1_raw[j] += (weights[j][:, 0] / total)[dec].tolist()
+            if j:  # the one-layer-early view is sorted the same way
+                e_logits, e_ids = raw.early(j)
+                e_got = seq.early_experts[:, j].astype(np.int64)
+                np.testing.assert_array_equal(np.sort(e_got, axis=1), np.sort(e_ids, axis=1))
+                e_score = np.take_along_axis(_ds_score(m.router, e_logits), e_got, axis=1)
+                assert (np.diff(e_score, axis=1) <= 1e-7).all()
+    assert unsorted_rows > 0  # the router really returns unsorted rows
+
+    expected = float(np.mean([np.mean(v) for v in top1_sorted]))
+    as_returned = float(np.mean([np.mean(v) for v in top1_raw]))
+    assert trace_stats(path)["mean_top1_weight"] == pytest.approx(expected, rel=1e-6)
+    assert expected > as_returned + 1e-3  # what stats reported before capture sorted
+    result = cli("trace", "stats", path, "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["mean_top1_weight"] == pytest.approx(expected, rel=1e-6)
+
+    # the check is live: the router's own order fails validation, naming row and column
+    first = seqs[0]
+    raw_ids = raws[0].per_layer(2)
+    raw_w = raws[0].per_layer(1)
+    first.experts = np.stack(raw_ids, axis=1).astype(np.int16)
+    first.weights = np.stack(raw_w, axis=1).astype(np.float32)
+    bad = write_trace(tmp_path / "raw.parquet", meta, [first])
+    with pytest.raises(TraceError, match=r"row \d+: column 'weights': not in rank order"):
+        validate_trace(bad)
+
+
+def test_deepseek_bias_correction_orders_rows(deepseek32, tmp_path: Path):
+    moe = find_moe_layers(deepseek32)
+    gen = torch.Generator().manual_seed(4)
+    # as a trained model has: a bias large enough to move experts past each other
+    biases = [0.05 * torch.randn(32, generator=gen) for _ in moe]
+    try:
+        for m, b in zip(moe, biases, strict=True):
+            m.router.e_score_correction_bias.copy_(b)
+        raws, (seq,) = _capture_raw(deepseek32, PROMPTS[:1], tmp_path / "b.parquet", 2)
+    finally:
+        for m in moe:
+            m.router.e_score_correction_bias.zero_()
+    meta = validate_trace(tmp_path / "b.0.parquet")
+    assert meta.provenance["rank_order"] == (
+        "selection score (sigmoid of router logits + e_score_correction_bias)"
+    )
+    assert meta.provenance["rank_order_columns"] == []  # nothing stored follows that score
+    logits = raws[0].per_layer(0)
+    weights_rise = False
+    for j, b in enumerate(biases):
+        score = 1.0 / (1.0 + np.exp(-logits[j].astype(np.float64))) + b.numpy()
+        got = np.take_along_axis(score, seq.experts[:, j].astype(np.int64), axis=1)
+        assert (np.diff(got, axis=1) <= 1e-7).all()
+        weights_rise |= bool((np.diff(seq.weights[:, j], axis=1) > 0).any())
+    assert weights_rise  # so the validator must not check weights for such a trace
 
 
 # --------------------------------------------------------------------------------------------
@@ -461,6 +678,48 @@ def test_cli_local_model_dir(tmp_path: Path, mixtral, monkeypatch: pytest.Monkey
     meta = read_meta(out)
     assert meta.model.name == "tiny-mixtral"
     assert meta.provenance["model_id"] == str(model_dir)
+
+
+def test_same_seed_same_day_gives_byte_identical_traces(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello world\nthe quick brown fox\n")
+
+    def capture(name: str, seed: int = 5) -> Path:
+        out = tmp_path / name
+        args = ["capture", "--random-init", "mixtral", "--prompts", str(prompts)]
+        args += ["--max-new-tokens", "3", "--seed", str(seed), "--no-progress", "-o", str(out)]
+        res = CliRunner().invoke(main, args)
+        assert res.exit_code == 0, res.output
+        return out
+
+    # created is a UTC date, not a timestamp: captures of one day are byte-identical
+    monkeypatch.delenv("SOURCE_DATE_EPOCH", raising=False)
+    created = read_meta(capture("today.parquet")).provenance["created"]
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", created)
+    # SOURCE_DATE_EPOCH pins the date (so this test cannot straddle midnight)
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
+    a, b = capture("a.parquet"), capture("b.parquet")
+    assert read_meta(a).provenance["created"] == "2023-11-14"
+    assert a.read_bytes() == b.read_bytes()
+    other = capture("c.parquet", seed=6)  # another seed is another model
+    assert other.read_bytes() != a.read_bytes()
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "yesterday")
+    res = CliRunner().invoke(
+        main,
+        [
+            "capture",
+            "--random-init",
+            "mixtral",
+            "--prompts",
+            str(prompts),
+            "-o",
+            str(tmp_path / "d.parquet"),
+        ],
+    )
+    assert res.exit_code == 2 and "SOURCE_DATE_EPOCH='yesterday'" in res.output
+    assert not (tmp_path / "d.parquet").exists()
 
 
 def test_cli_user_errors_exit_2(tmp_path: Path):

@@ -15,6 +15,7 @@ import pytest
 
 from simulator.testing import make_meta, make_trace, random_routing, tiny_model
 from simulator.trace import (
+    DEFAULT_TOP_M,
     META_KEY,
     SCHEMA_VERSION,
     TraceWriter,
@@ -69,18 +70,18 @@ def test_rows_are_sequence_position_layer_ordered(tmp_path: Path) -> None:
 def test_top_m_storage_above_128_experts(tmp_path: Path) -> None:
     model = tiny_model(experts=160, top_k=4, moe_layers=2)
     meta = make_meta(model)
-    assert meta.top_m and meta.probs_stored == 16
-    path = write_trace(tmp_path / "t.parquet", meta, _routings(model, 2, width=16))
+    assert meta.top_m and meta.probs_stored == DEFAULT_TOP_M == 32  # the one default
+    path = write_trace(tmp_path / "t.parquet", meta, _routings(model, 2, width=DEFAULT_TOP_M))
     schema = pq.read_schema(path)
     assert "prob_ids" in schema.names and "early_prob_ids" in schema.names
     r = next(iter_sequences(path))
-    assert r.prob_ids is not None and r.prob_ids.shape == (r.n_tokens, 2, 16)
+    assert r.prob_ids is not None and r.prob_ids.shape == (r.n_tokens, 2, DEFAULT_TOP_M)
     dense = r.full_probs(model.experts)
     assert dense.shape == (r.n_tokens, 2, 160)
     # the selected experts are among the stored top-m, with their stored probability
     chosen = np.take_along_axis(dense, r.experts.astype(np.int64), axis=-1)
     assert (chosen > 0).all()
-    assert validate_trace(path).probs_stored == 16
+    assert validate_trace(path).probs_stored == DEFAULT_TOP_M
 
 
 def test_all_probs_up_to_128_experts(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ import click
 
 from simulator.commands.common import echo_json, json_option
 from simulator.commands.outputs import check_output_file, output_errors
+from simulator.trace import ALL_PROBS_MAX_EXPERTS, DEFAULT_TOP_M
 
 
 @click.command("capture")
@@ -64,9 +65,10 @@ from simulator.commands.outputs import check_output_file, output_errors
 @click.option(
     "--top-m",
     type=int,
-    default=32,
+    default=DEFAULT_TOP_M,
     show_default=True,
-    help="Router probabilities kept per row when a layer has more than 128 experts.",
+    help=f"Router probabilities kept per row when a layer has more than "
+    f"{ALL_PROBS_MAX_EXPERTS} experts.",
 )
 @click.option("--revision", default=None, help="Model revision (branch, tag or commit).")
 @click.option(
