@@ -690,6 +690,8 @@ class RegressReport:
     seconds: float
     changes: list[Change]
     updated: bool = False
+    #: with ``updated``: there was no readable store of this format to diff against
+    fresh: bool = False
 
     @property
     def ok(self) -> bool:
@@ -701,6 +703,7 @@ class RegressReport:
         return {
             "ok": self.ok,
             "updated": self.updated,
+            "fresh": self.fresh,
             "baseline": self.baseline,
             "configurations": self.configurations,
             "compared": self.compared,
@@ -759,6 +762,7 @@ def regress(
         seconds=time.perf_counter() - t0,
         changes=changes,
         updated=update,
+        fresh=update and old is None,
     )
 
 

@@ -244,6 +244,9 @@ def test_old_or_foreign_store_is_rejected(setup: tuple[Path, Path], tmp_path: Pa
     old.write_text(json.dumps({"format": "daopsim-regress/1", "grid": {}, "configurations": {}}))
     res = cli("--grid", grid, "--baseline", old)
     assert res.exit_code == 2 and "regress --update" in res.stderr
+    res = cli("--grid", grid, "--baseline", old, "--update")
+    assert res.exit_code == 0 and "no readable store to compare with" in res.output
+    assert cli("--grid", grid, "--baseline", old).exit_code == 0
 
 
 def test_trace_option_needs_a_one_block_grid(setup: tuple[Path, Path], tmp_path: Path) -> None:

@@ -105,7 +105,9 @@ def regress(
             f"{report.configurations} configurations{subset}, {report.compared:,} values, "
             f"{report.seconds:.1f} s, tolerance {tol:g} (relative, floats); ints exact"
         )
-        if report.updated:
+        if report.fresh:
+            click.echo(f"wrote {path}: no readable store to compare with before ({what})")
+        elif report.updated:
             click.echo(f"updated {path}: {n_moved} changes in {n_cfg} configurations ({what})")
         elif report.ok:
             click.echo(f"regress OK against {path}: nothing moved ({what})")
