@@ -154,7 +154,7 @@ class GridBlock:
             "trace_sha256": _sha256(resolve_trace(self.trace)),
             "sequences": self.sequences,
             "seed": self.seed,
-            "policies": [s.label for s in self.specs()],
+            "policies": [s.name for s in self.specs() if not s.options],
             "variants": [s.describe() for s in self.variants],
             "profiles": list(self.profiles),
             "budgets": [b.label for b in self.budgets],
