@@ -39,7 +39,8 @@ from simulator.commands.common import echo_json, json_option
     "grid_file",
     default=None,
     metavar="FILE.toml",
-    help="A custom grid (trace, policies, cache_ratios, profiles, ...); see docs/regression.md.",
+    help="A custom grid: blocks of trace, policies, variants, budgets, profiles; "
+    "see docs/regression.md.",
 )
 @click.option(
     "--tolerance-time",
@@ -102,19 +103,27 @@ def regress(
         n_cfg = len({c.config for c in report.changes})
         subset = " (--only)" if only else ""
         what = (
-            f"{report.configurations} configurations{subset}, {report.compared:,} values, "
+            f"{_count(report.configurations, 'configuration')}{subset}, "
+            f"{report.compared:,} values, "
             f"{report.seconds:.1f} s, tolerance {tol:g} (relative, floats); ints exact"
         )
         if report.fresh:
             click.echo(f"wrote {path}: no readable store to compare with before ({what})")
         elif report.updated:
-            click.echo(f"updated {path}: {n_moved} changes in {n_cfg} configurations ({what})")
+            click.echo(
+                f"updated {path}: {_count(n_moved, 'change')} in "
+                f"{_count(n_cfg, 'configuration')} ({what})"
+            )
         elif report.ok:
             click.echo(f"regress OK against {path}: nothing moved ({what})")
         else:
             click.echo(
-                f"regress FAILED against {path}: {n_moved} changes in {n_cfg} "
-                f"configurations ({what}); if intended, run `daopsim regress --update` and "
-                "commit the store with the reason"
+                f"regress FAILED against {path}: {_count(n_moved, 'change')} in "
+                f"{_count(n_cfg, 'configuration')} ({what}); if intended, run "
+                "`daopsim regress --update` and commit the store with the reason"
             )
     sys.exit(0 if report.ok or report.updated else 1)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
