@@ -11,10 +11,12 @@ buffer. Subclasses implement ``choose_victim`` and, if they keep statistics, ``t
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
 from policies.base import Action, Param, Plan, Policy, SetupContext, Slot, View, per_layer_quota
+from simulator.errors import UserError
 
 GPU, FETCH, TEMP = Action.GPU, Action.FETCH, Action.TEMP
 
@@ -32,6 +34,11 @@ class CachingPolicy(Policy):
         ),
     }
 
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        # the runner builds calibration counts only for a policy that asks for them
+        self.needs_calibration = self.options.get("initial") == "popular"  # type: ignore[misc]
+
     def setup(self, ctx: SetupContext) -> Iterable[Slot]:
         """Fill each layer's quota with its first (or most popular) experts."""
         self.model = ctx.model
@@ -42,6 +49,8 @@ class CachingPolicy(Policy):
         mode = self.options.get("initial", "first")
         if mode == "empty":
             return []
+        if mode == "popular" and ctx.calibration is None:
+            raise UserError(f"policy {self.name!r}: initial='popular' needs calibration counts")
         slots: list[Slot] = []
         for layer in range(n_layers):
             q = min(self.quota[layer], n_exp)

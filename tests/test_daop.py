@@ -1,13 +1,12 @@
 """DAOP policy: each rule of DAOP's code (docs/daop.md) pinned on hand-made routing.
 
-Golden numbers for DAOP on the CI trace live in tests/golden/daop.json; after an intended
-change, rewrite them with ``python tests/test_daop.py --update`` and explain why in the commit.
+DAOP's numbers on the bundled traces (defaults, ``exact_fallback``, ``persist_placement=false``)
+live in the golden store with every other policy's (tests/test_golden.py, docs/regression.md).
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,27 +20,6 @@ from simulator.engine import Engine
 from simulator.hardware import load_profile
 from simulator.models import get_model
 from simulator.testing import make_trace, routing_from_experts, tiny_model
-
-GOLDEN = Path(__file__).parent / "golden" / "daop.json"
-GOLDEN_KEYS = (
-    "tokens_per_s",
-    "ttft_s",
-    "hit_rate",
-    "routing_replaced_frac",
-    "replaced_mispredicted_frac",
-    "replaced_degraded_frac",
-    "gate_mass_preserved",
-    "cpu_expert_evals",
-    "cpu_precalc_evals",
-    "fetches",
-    "temp_copies",
-    "energy_j",
-)
-GOLDEN_CASES: dict[str, dict[str, Any]] = {
-    "default": {},
-    "exact_fallback": {"exact_fallback": True},
-    "no_persist": {"persist_placement": False},
-}
 
 
 def calib_first_four(n_layers: int = 2, n_exp: int = 8) -> np.ndarray:
@@ -324,49 +302,6 @@ def test_bad_options_are_user_errors() -> None:
         DAOPPolicy(first_predict_layer=0)
     with pytest.raises(UserError, match="cpu_workers"):
         DAOPPolicy(cpu_workers=0)
-
-
-# -- golden numbers --------------------------------------------------------------------------------
-def golden_metrics() -> dict[str, dict[str, float]]:
-    """DAOP's metrics on the bundled CI trace (or a fixed synthetic one before it exists)."""
-    from simulator.data import bundled_traces
-    from simulator.runner import simulate
-
-    trace: Any = "ci-small" if "ci-small" in bundled_traces() else None
-    if trace is None:
-        import tempfile
-
-        trace = make_trace(
-            Path(tempfile.mkdtemp()) / "ci.parquet", sequences=4, prefill=16, decode=16, seed=11
-        )
-    out = {}
-    for case, opts in GOLDEN_CASES.items():
-        m = simulate(
-            "daop",
-            hw="a6000-pcie4",
-            trace=trace,
-            record=False,
-            cache_ratio=0.46875,
-            policy_options=opts,
-        ).metrics
-        out[case] = {k: m[k] for k in GOLDEN_KEYS}
-    return out
-
-
-def test_golden_numbers_on_ci_trace() -> None:
-    """Exact regression of DAOP's metrics (update: python tests/test_daop.py --update)."""
-    want = json.loads(GOLDEN.read_text())
-    got = golden_metrics()
-    for case, metrics in want.items():
-        for key, value in metrics.items():
-            assert got[case][key] == pytest.approx(value, rel=1e-9, abs=1e-12), (case, key)
-
-
-if __name__ == "__main__":
-    if "--update" in sys.argv:
-        GOLDEN.parent.mkdir(exist_ok=True)
-        GOLDEN.write_text(json.dumps(golden_metrics(), indent=2, sort_keys=True) + "\n")
-        print(f"wrote {GOLDEN}")
 
 
 # -- the paper's experiment (tiny version) ---------------------------------------------------------

@@ -1,177 +1,178 @@
-"""Golden numbers: every built-in policy on the bundled CI trace, compared exactly.
+"""The golden store (baselines/policy-metrics.json): exact numbers, and a grid that discriminates.
 
-For each policy (and a few option variants) at two cache ratios on ``a6000-pcie4`` over the
-bundled ``ci-small`` trace, the run's counts (hits and accesses, prefill and decode; H2D/D2H
-bytes; fetches, temporary copies, evictions, prefetches; CPU expert evaluations) must equal
-``tests/golden/policies.json`` exactly and its simulated times (end-to-end, tokens/s) to a
-relative 1e-9. The file also records the trace's SHA-256, so a regenerated trace is reported as
-such rather than as a policy change.
+The store is the one file of expected numbers: ``daopsim regress`` compares the whole grid with
+it (floats to a relative 1e-6), and these tests re-run a sample of its cells with a tight
+tolerance (integers exact: hit counts, accesses, bytes moved, copies; floats such as simulated
+time to a relative 1e-9). They also check that the store was made from the built-in grid on the
+bundled traces (their SHA-256), and that the grid can tell the policies and options apart: a
+cell where two policies agree on everything proves nothing about either.
 
-A changed number is a changed behaviour. When the change is intended, regenerate the file and
-commit it in the same commit as the change, saying in the commit message which numbers moved
-and why::
-
-    .venv/bin/python -m tests.test_golden --update      # or: DAOPSIM_UPDATE_GOLDEN=1 pytest ...
-
-A policy without golden numbers (e.g. a new one) fails until the file is regenerated.
+A changed number is a changed behaviour. When the change is intended, rewrite the store with
+``daopsim regress --update`` and commit it in the same commit as the change, saying in the
+commit message which numbers moved and why (docs/regression.md).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import sys
-from pathlib import Path
+import itertools
+from collections import defaultdict
 from typing import Any
 
 import pytest
 
-import simulator.runner as runner
-from policies.registry import available
 from simulator.data import resolve_trace
-from simulator.engine import Counters, Engine
-
-GOLDEN = Path(__file__).parent / "golden" / "policies.json"
-TRACE = "ci-small"
-HW = "a6000-pcie4"
-RATIOS = (0.25, 0.375)
-#: option variants worth pinning besides each policy's defaults
-VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
-    "mixtral-offloading+prefetch": ("mixtral-offloading", {"prefetch": True}),
-    "stream-all+selected": ("stream-all", {"gather": "selected"}),
-}
-COUNTS = (
-    "decode_hits",
-    "decode_accesses",
-    "prefill_hits",
-    "prefill_accesses",
-    "h2d_bytes",
-    "d2h_bytes",
-    "fetches",
-    "temp_copies",
-    "evictions",
-    "prefetches",
-    "cpu_expert_evals",
-    "cpu_precalc_evals",
+from simulator.errors import UserError
+from simulator.regress import (
+    BUILTIN_VARIANTS,
+    Cell,
+    compare,
+    default_grid,
+    default_store,
+    load_baseline,
+    render_changes,
+    run_cell,
 )
-TIMES = ("e2e_s", "tokens_per_s")
+from simulator.trace import read_meta
 
-
-def builtin_runs() -> dict[str, tuple[str, dict[str, Any]]]:
-    """Run key -> (policy, options): every built-in policy with defaults, plus VARIANTS."""
-    runs = {
-        name: (name, {})
-        for name, cls in available().items()
-        if cls.__module__.startswith("policies.")
-    }
-    runs.update(VARIANTS)
-    return runs
-
-
-def trace_sha256(path: Path) -> str:
-    """Fingerprint of the trace file the numbers were made on."""
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def measure(policy: str, options: dict[str, Any], ratio: float) -> dict[str, Any]:
-    """One run's golden fields (counts from the engine's counters, times from the metrics)."""
-    seen: list[Counters] = []
-
-    class Capturing(Engine):
-        def run(self, *args: Any, **kwargs: Any) -> Counters:
-            c = super().run(*args, **kwargs)
-            seen.append(c)
-            return c
-
-    saved = runner.Engine
-    runner.Engine = Capturing  # type: ignore[misc]
-    try:
-        res = runner.simulate(
-            policy, HW, TRACE, cache_ratio=ratio, policy_options=options, record=False
-        )
-    finally:
-        runner.Engine = saved  # type: ignore[misc]
-    c = seen[0]
-    out: dict[str, Any] = {k: int(getattr(c, k)) for k in COUNTS}
-    out.update({k: float(res.metrics[k]) for k in TIMES})
-    out["gpu_experts"] = int(res.config["gpu_experts"])
-    return out
-
-
-def generate() -> dict[str, Any]:
-    """Everything the golden file holds."""
-    path = resolve_trace(TRACE)
-    runs = {
-        f"{key}@{ratio}": measure(pol, opts, ratio)
-        for key, (pol, opts) in sorted(builtin_runs().items())
-        for ratio in RATIOS
-    }
-    return {"trace": TRACE, "trace_sha256": trace_sha256(path), "hw": HW, "runs": runs}
-
-
-def write(data: dict[str, Any]) -> None:
-    """Write the golden file atomically."""
-    GOLDEN.parent.mkdir(parents=True, exist_ok=True)
-    tmp = GOLDEN.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, GOLDEN)
+#: Floats re-run in-process on the same platform are bit-identical; 1e-9 only forgives the
+#: last digits a different numpy/libm build could change.
+TIGHT = 1e-9
+#: Replacement and placement policies; every pair must differ in decode hits somewhere.
+CACHING = ("lru", "lfu", "round-robin", "belady", "static", "fiddler", "daop")
+FIX = "run `daopsim regress --update` and commit the store with the reason"
+GRID = default_grid()
 
 
 @pytest.fixture(scope="module")
-def golden() -> dict[str, Any]:
-    """The committed golden numbers (regenerated first when DAOPSIM_UPDATE_GOLDEN is set)."""
-    if os.environ.get("DAOPSIM_UPDATE_GOLDEN"):
-        write(generate())
-    if not GOLDEN.exists():
-        pytest.fail(f"{GOLDEN} is missing: run python -m tests.test_golden --update")
-    data = json.loads(GOLDEN.read_text())
-    sha = trace_sha256(resolve_trace(TRACE))
-    if data["trace_sha256"] != sha:
-        pytest.fail(
-            f"bundled trace {TRACE!r} changed since the golden numbers were made; if that is "
-            "intended, run python -m tests.test_golden --update and commit both"
+def store() -> dict[str, Any]:
+    """The committed golden store."""
+    return load_baseline(default_store())
+
+
+def sample() -> list[Cell]:
+    """Per block, policy spec and machine, the first budget the store holds numbers for.
+
+    That re-runs every policy and option on every trace and machine (about 10 s) while the
+    full grid stays with ``daopsim regress``.
+    """
+    try:
+        confs = load_baseline(default_store())["configurations"]
+    except UserError:
+        confs = {}  # test_store_was_made_from_the_builtin_grid reports the damaged store
+    chosen: dict[tuple[str, str, str], Cell] = {}
+    for cell in GRID.cells():
+        group = (cell.block.label, cell.spec.label, cell.hw)
+        if group in chosen and "metrics" in confs.get(chosen[group].key, {}):
+            continue
+        chosen[group] = cell  # replaced until a cell that ran (else the last: a refusal)
+    return list(chosen.values())
+
+
+def test_store_was_made_from_the_builtin_grid(store: dict[str, Any]) -> None:
+    """Same blocks, policies, machines, budgets, sequences and trace bytes as default_grid()."""
+    for block in GRID.blocks:
+        want = block.describe()["trace_sha256"]
+        got = {b["trace"]: b["trace_sha256"] for b in store["grid"]["blocks"]}.get(block.label)
+        assert got == want, f"bundled trace {block.label!r} changed since the store was made; {FIX}"
+    assert store["grid"] == GRID.describe(), f"the built-in grid changed; {FIX}"
+    assert list(store["configurations"]) == [c.key for c in GRID.cells()], FIX
+
+
+@pytest.mark.parametrize("cell", sample(), ids=lambda c: c.key)
+def test_cell_matches_the_store_exactly(cell: Cell, store: dict[str, Any]) -> None:
+    want = store["configurations"].get(cell.key)
+    assert want is not None, f"{cell.key}: not in the store; {FIX}"
+    changes = compare({cell.key: want}, {cell.key: run_cell(cell)}, TIGHT)
+    assert not changes, f"{FIX}\n{render_changes(changes)}"
+
+
+def _by_situation(store: dict[str, Any]) -> dict[tuple[str, str, str], dict[str, dict]]:
+    """(trace, machine, budget) -> policy label -> metrics, for cells that ran."""
+    out: dict[tuple[str, str, str], dict[str, dict]] = defaultdict(dict)
+    for cell in GRID.cells():
+        rec = store["configurations"][cell.key]
+        if "metrics" in rec:
+            out[(cell.block.label, cell.hw, cell.budget.label)][cell.spec.label] = rec["metrics"]
+    return out
+
+
+def test_budgets_are_above_top_k() -> None:
+    """At <= k experts per layer every replacement policy keeps the same experts."""
+    for block in GRID.blocks:
+        k = read_meta(resolve_trace(block.trace)).model.top_k
+        for b in block.budgets:
+            assert b.per_layer and b.value > k, (block.label, b.label)
+
+
+def test_grid_spans_models_options_and_one_copy_engine() -> None:
+    """Mixtral plus OLMoE or Phi, every built-in variant, a machine with one copy engine."""
+    from simulator.hardware import load_profile
+
+    models = {read_meta(resolve_trace(b.trace)).model.name for b in GRID.blocks}
+    assert "mixtral-8x7b" in models and models & {"olmoe-1b-7b", "phi-3.5-moe"}
+    specs = {s for b in GRID.blocks for s in b.specs()}
+    assert set(BUILTIN_VARIANTS) <= specs
+    labels = {s.label for s in specs}
+    for must in ("daop(exact_fallback=true)", "mixtral-offloading(prefetch=true)"):
+        assert must in labels
+    assert any(s.options == (("initial", "popular"),) for s in specs)
+    engines = {load_profile(hw).link.copy_engines for b in GRID.blocks for hw in b.profiles}
+    assert engines >= {1, 2}
+
+
+def test_grid_tells_caching_policies_apart(store: dict[str, Any]) -> None:
+    """Every pair of caching policies differs in decode hits in at least one cell."""
+    cells = _by_situation(store).values()
+    for a, b in itertools.combinations(CACHING, 2):
+        assert any(
+            m[a]["decode_hits"] != m[b]["decode_hits"] for m in cells if a in m and b in m
+        ), f"{a} and {b} have the same hit count in every cell"
+    # mixtral-offloading replaces like lru (per-layer LRU); its write-back tells them apart
+    assert any(
+        m["lru"]["d2h_bytes"] != m["mixtral-offloading"]["d2h_bytes"]
+        for m in cells
+        if "lru" in m and "mixtral-offloading" in m
+    )
+
+
+def test_every_option_variant_changes_its_policy(store: dict[str, Any]) -> None:
+    """A variant equal to its defaults in every cell would not pin the option."""
+    cells = _by_situation(store).values()
+    for v in BUILTIN_VARIANTS:
+        assert any(m[v.label] != m[v.name] for m in cells if v.label in m and v.name in m), (
+            f"{v.label} gives the same numbers as {v.name} in every cell"
         )
-    return data
 
 
-def _cases() -> list[tuple[str, float]]:
-    return [(key, r) for key in sorted(builtin_runs()) for r in RATIOS]
+def test_one_copy_engine_changes_some_timing(store: dict[str, Any]) -> None:
+    """Same machine but one copy engine: some policy (DAOP's overlapped copies) gets slower."""
+    one, two = "a6000-1ce-pcie4", "a6000-pcie4"
+    by = _by_situation(store)
+    slower = [
+        (trace, budget, p)
+        for (trace, hw, budget), m in by.items()
+        if hw == one
+        for p, x in m.items()
+        if x["e2e_s"] > by[(trace, two, budget)][p]["e2e_s"]
+    ]
+    assert slower
+    faster = [
+        p
+        for (trace, hw, budget), m in by.items()
+        if hw == one
+        for p, x in m.items()
+        if x["e2e_s"] < by[(trace, two, budget)][p]["e2e_s"] * (1 - TIGHT)
+    ]
+    assert not faster, f"one copy engine made these faster: {faster}"
 
 
-@pytest.mark.parametrize(("key", "ratio"), _cases())
-def test_policy_matches_golden(key: str, ratio: float, golden: dict[str, Any]) -> None:
-    want = golden["runs"].get(f"{key}@{ratio}")
-    if want is None:
-        pytest.fail(
-            f"no golden numbers for {key}@{ratio}: run python -m tests.test_golden --update"
-        )
-    pol, opts = builtin_runs()[key]
-    got = measure(pol, opts, ratio)
-    counts = {k: got[k] for k in (*COUNTS, "gpu_experts")}
-    assert counts == {k: want[k] for k in counts}, key
-    for k in TIMES:
-        assert got[k] == pytest.approx(want[k], rel=1e-9, abs=0), (key, k)
-
-
-def test_golden_covers_only_known_runs(golden: dict[str, Any]) -> None:
-    """Stale entries (a removed or renamed policy) must be cleaned up with --update."""
-    assert set(golden["runs"]) == {f"{k}@{r}" for k, r in _cases()}
-
-
-def test_golden_numbers_tell_policies_apart(golden: dict[str, Any]) -> None:
-    """Sanity of the file itself: the bound is fastest, stream-all moves the most bytes."""
-    runs = golden["runs"]
-    for r in RATIOS:
-        fastest = min(runs[f"{k}@{r}"]["e2e_s"] for k in builtin_runs())
-        assert runs[f"all-gpu@{r}"]["e2e_s"] == fastest
-        most = max(runs[f"{k}@{r}"]["h2d_bytes"] for k in builtin_runs())
-        assert runs[f"stream-all@{r}"]["h2d_bytes"] == most
-        assert runs[f"all-gpu@{r}"]["decode_hits"] == runs[f"all-gpu@{r}"]["decode_accesses"]
-
-
-if __name__ == "__main__":
-    if "--update" not in sys.argv[1:]:
-        sys.exit("usage: python -m tests.test_golden --update")
-    write(generate())
-    print(f"wrote {GOLDEN}")
+def test_bounds_and_outcomes_are_sane(store: dict[str, Any]) -> None:
+    """all-gpu is fastest and hits everything; stream-all moves the most bytes; a refusal."""
+    for m in _by_situation(store).values():
+        if "all-gpu" in m:
+            assert m["all-gpu"]["e2e_s"] == min(x["e2e_s"] for x in m.values())
+            assert m["all-gpu"]["decode_hits"] == m["all-gpu"]["decode_accesses"]
+        if "stream-all" in m:
+            assert m["stream-all"]["h2d_bytes"] == max(x["h2d_bytes"] for x in m.values())
+    errors = [r["error"] for r in store["configurations"].values() if "error" in r]
+    assert errors and all("do not fit" in e for e in errors)

@@ -83,6 +83,21 @@ def test_lru_lfu_and_round_robin_pick_different_victims() -> None:
     assert evicted_order("round-robin", [1, 1, 0, 2]) == [1, 2]  # blind: hot 0 sits in slot 0
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu", "belady"])
+def test_initial_popular_starts_from_the_calibration_counts(policy: str) -> None:
+    """initial=popular asks the runner for calibration counts and starts with the top ones."""
+    assert not make_policy(policy, {}).needs_calibration
+    assert make_policy(policy, {"initial": "popular"}).needs_calibration
+    m = one_layer()
+    calib = np.array([[0, 1, 0, 9, 5]])  # experts 3 and 4 are the popular ones
+    r = routing_from_experts(m, [[[3]], [[4]]])
+    c, _tl, eng = run(policy, m, [r], 2, {"initial": "popular"}, calibration=calib)
+    assert (c.decode_hits, c.fetches) == (2, 0)
+    assert sorted(np.flatnonzero(eng.resident[0]).tolist()) == [3, 4]
+    c, _tl, _eng = run(policy, m, [r], 2, {"initial": "first"})
+    assert (c.decode_hits, c.fetches) == (0, 2)
+
+
 def test_round_robin_ignores_use() -> None:
     # slots [0, 1], hand at slot 0: 2 replaces 0, 3 replaces 1, 0 replaces 2 (slot 0 again)
     assert evicted_order("round-robin", [2, 3, 0]) == [0, 3]

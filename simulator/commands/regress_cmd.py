@@ -1,7 +1,7 @@
-"""``daopsim regress``: re-run the policy-metric grid and compare it with the committed baseline.
+"""``daopsim regress``: re-run the golden grid and compare it with the golden store.
 
 Exit 0 when nothing moved, 1 on any regression (a moved value, a new or missing configuration),
-2 for bad arguments or a missing/damaged baseline. ``--update`` rewrites the baseline
+2 for bad arguments or a missing/damaged store. ``--update`` rewrites the whole store
 atomically, prints what changed and exits 0. See docs/regression.md.
 """
 
@@ -19,16 +19,28 @@ from simulator.commands.common import echo_json, json_option
     "--baseline",
     default=None,
     metavar="FILE",
-    help="Baseline JSON [default: the grid file's 'baseline', else baselines/policy-metrics.json].",
+    help="Store JSON [default: the grid file's 'baseline', else the golden store "
+    "baselines/policy-metrics.json].",
 )
-@click.option("--update", is_flag=True, help="Rewrite the baseline with this run's results.")
-@click.option("--trace", default=None, help="Run the grid on this trace (bundled name or path).")
+@click.option(
+    "--update", is_flag=True, help="Rewrite the store (every configuration) with this run."
+)
+@click.option(
+    "--only",
+    multiple=True,
+    metavar="GLOB",
+    help="Run and compare only configurations whose key matches (repeatable), e.g. '* | lru | *'.",
+)
+@click.option(
+    "--trace", default=None, help="Run a one-block grid on this trace (bundled name or path)."
+)
 @click.option(
     "--grid",
     "grid_file",
     default=None,
     metavar="FILE.toml",
-    help="A custom grid (trace, policies, cache_ratios, profiles, ...); see docs/regression.md.",
+    help="A custom grid: blocks of trace, policies, variants, budgets, profiles; "
+    "see docs/regression.md.",
 )
 @click.option(
     "--tolerance-time",
@@ -42,42 +54,45 @@ from simulator.commands.common import echo_json, json_option
 def regress(
     baseline: str | None,
     update: bool,
+    only: tuple[str, ...],
     trace: str | None,
     grid_file: str | None,
     tolerance_time: float | None,
     no_progress: bool,
     as_json: bool,
 ) -> None:
-    """Run every built-in policy x cache ratio x machine on the CI trace; fail if metrics moved.
+    """Re-run the golden grid (policies x machines x budgets x traces); fail if a number moved.
 
     \b
     Examples:
-      daopsim regress                    # compare with baselines/policy-metrics.json
+      daopsim regress                    # compare with the golden store
       daopsim regress --update           # accept the new numbers (review the diff!)
+      daopsim regress --only '* | daop* | *'
       daopsim regress --grid ci/regress.toml --json
     """
     from simulator.regress import (
-        DEFAULT_BASELINE,
         DEFAULT_TOLERANCE,
-        RegressGrid,
         check_tolerance,
+        default_grid,
+        default_store,
         load_grid,
         render_changes,
+        with_trace,
     )
     from simulator.regress import regress as run_regress
 
-    grid = load_grid(grid_file) if grid_file is not None else RegressGrid()
+    grid = load_grid(grid_file) if grid_file is not None else default_grid()
     if trace is not None:
-        grid.trace = trace
+        grid = with_trace(grid, trace)
     tol = tolerance_time if tolerance_time is not None else grid.tolerance_time
     tol = check_tolerance(tol) if tol is not None else DEFAULT_TOLERANCE
-    path = baseline or grid.baseline or DEFAULT_BASELINE
+    path = baseline or grid.baseline or str(default_store())
 
     def progress(key: str) -> None:
         if not no_progress and not as_json:
             click.echo(f"  {key}", err=True)
 
-    report = run_regress(grid, path, tolerance=tol, update=update, progress=progress)
+    report = run_regress(grid, path, tolerance=tol, update=update, progress=progress, only=only)
     if as_json:
         echo_json(report.to_dict())
     else:
@@ -86,18 +101,29 @@ def regress(
             click.echo("")
         n_moved = len(report.changes)
         n_cfg = len({c.config for c in report.changes})
+        subset = " (--only)" if only else ""
         what = (
-            f"{report.configurations} configurations, {report.compared:,} values, "
+            f"{_count(report.configurations, 'configuration')}{subset}, "
+            f"{report.compared:,} values, "
             f"{report.seconds:.1f} s, tolerance {tol:g} (relative, floats); ints exact"
         )
-        if report.updated:
-            click.echo(f"updated {path}: {n_moved} changes in {n_cfg} configurations ({what})")
+        if report.fresh:
+            click.echo(f"wrote {path}: no readable store to compare with before ({what})")
+        elif report.updated:
+            click.echo(
+                f"updated {path}: {_count(n_moved, 'change')} in "
+                f"{_count(n_cfg, 'configuration')} ({what})"
+            )
         elif report.ok:
             click.echo(f"regress OK against {path}: nothing moved ({what})")
         else:
             click.echo(
-                f"regress FAILED against {path}: {n_moved} changes in {n_cfg} "
-                f"configurations ({what}); if intended, run `daopsim regress --update` and "
-                "commit the baseline"
+                f"regress FAILED against {path}: {_count(n_moved, 'change')} in "
+                f"{_count(n_cfg, 'configuration')} ({what}); if intended, run "
+                "`daopsim regress --update` and commit the store with the reason"
             )
     sys.exit(0 if report.ok or report.updated else 1)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
