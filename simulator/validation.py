@@ -12,7 +12,7 @@ Row format (docs/validation.md has the full description)::
     source = "efeslab/fiddler benchmarks/results/RTX-A6000/... (commit ebdded3)"
     system = "Mixtral-offloading"       # hardware, model, precision, workload: free text
     published = 0.695
-    unit = "tokens/s"                   # tokens/s | s/token | hit rate | ratio
+    unit = "tokens/s"                   # tokens/s | s/token | s | hit rate | ratio
     metric = "tokens_per_s"             # a RunResult metric, or per_layer_hit_rate[i]
     modelled = true
     [row.sim]                           # simulate() arguments
@@ -46,7 +46,8 @@ from simulator.data import bundled_dir
 from simulator.errors import UserError
 
 #: Units a row may use.
-UNITS = ("tokens/s", "s/token", "hit rate", "ratio")
+#: ``s`` is a duration in seconds, e.g. the time to the first token (``ttft_s``).
+UNITS = ("tokens/s", "s/token", "s", "hit rate", "ratio")
 #: What a row is for. A ``calibration`` row was looked at to choose a constant, preset or profile
 #: value (its ``calibrated`` field says which); a ``test`` row was not. Errors are reported over
 #: test rows only; calibration rows are listed separately.

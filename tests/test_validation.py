@@ -292,3 +292,55 @@ def test_synthetic_row_over_seeds_reports_mean_and_spread(
     assert res.simulated == pytest.approx(sum(res.per_seed) / 3)
     assert len(set(res.per_seed)) > 1  # different trace seeds really differ
     assert res.to_dict()["spread"] == list(res.spread)
+
+
+#: The units each run metric may be compared in: like with like (a prefill time is not a rate, a
+#: prefill-inclusive rate is not a per-token latency); any metric may feed a ratio row.
+_METRIC_UNITS = {
+    "tokens_per_s": {"tokens/s"},
+    "decode_tokens_per_s": {"tokens/s"},
+    "ttft_s": {"s"},
+    "e2e_s": {"s"},
+    "tpot_mean_s": {"s/token"},
+    "tpot_p50_s": {"s/token"},
+    "tpot_p99_s": {"s/token"},
+    "hit_rate": {"hit rate"},
+    "prefill_hit_rate": {"hit rate"},
+    "per_layer_hit_rate": {"hit rate"},
+}
+
+
+def test_every_modelled_row_compares_its_metric_in_a_matching_unit() -> None:
+    from simulator.results import METRIC_KEYS
+
+    for r in load_table():
+        if not r.modelled:
+            continue
+        name = r.metric.split("[")[0]
+        assert name in METRIC_KEYS or name == "per_layer_hit_rate", (r.id, r.metric)
+        if r.unit != "ratio":
+            assert r.unit in _METRIC_UNITS.get(name, set()), (r.id, r.metric, r.unit)
+
+
+def test_timing_rows_on_synthetic_traces_report_a_seed_spread() -> None:
+    for r in load_table():
+        if r.modelled and "synth" in r.sim and r.unit in ("tokens/s", "s/token", "s"):
+            assert len(r.sim["synth"].get("seeds", [])) >= 2, r.id
+
+
+def test_prefill_row_runs_and_respects_the_link_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from simulator.hardware import load_profile
+    from simulator.models import get_model
+
+    monkeypatch.setenv("DAOPSIM_CACHE", str(tmp_path))
+    (row,) = select(load_table(), "fiddler-ada6000-deepspeed-mii-prefill-256")
+    assert row.unit == "s" and row.metric == "ttft_s"
+    res = run_validation([row], max_sequences=1).results[0]
+    assert res.simulated is not None and math.isfinite(res.simulated), res.error
+    # stream-all gathers every expert of every layer once per prefill: the link bounds the time
+    model = get_model("mixtral-8x7b")
+    hw = load_profile(row.sim["hw"])
+    moved = model.moe_layers * model.experts * model.expert_bytes("bf16")
+    assert res.simulated >= moved / (hw.link.h2d_pinned_gbs * 1e9)
