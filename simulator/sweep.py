@@ -442,6 +442,8 @@ def run_config(cfg: Config) -> dict[str, Any]:
             "cache_ratio": cfg.cache_ratio if cfg.cache_ratio is not None else c["cache_ratio"],
             "gpu_experts": int(c["gpu_experts"]),
             "sequences": int(c["sequences"]),
+            "sequence_ids": ",".join(map(str, c["sequence_ids"])),
+            "calibration": c["calibration"],
             "bound": bool(c["bound"]),
             "status": "ok",
         }
@@ -537,6 +539,28 @@ def to_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
         if len(kinds) > 1:  # one option name, different types in different policies
             df[c] = [None if v is None else str(v) for v in df[c]]
     return df
+
+
+def seed_summary(
+    df: pd.DataFrame, metrics: tuple[str, ...] = ("tokens_per_s", "hit_rate")
+) -> pd.DataFrame:
+    """Mean, sample standard deviation and count over seeds of each configuration.
+
+    Rows that differ only in ``seed`` (and ``key``) form one group; failed rows are left out.
+    Columns: the configuration columns, ``seeds`` (how many), and ``METRIC_mean`` /
+    ``METRIC_std`` for each metric present.
+    """
+    ok = df[df["status"] == "ok"] if "status" in df else df
+    present = [m for m in metrics if m in ok]
+    keys = [
+        c for c in ("trace", "hw", "policy", "cache_ratio", "gpu_experts", "sequences") if c in ok
+    ] + sorted(c for c in ok.columns if c.startswith("opt."))
+    grouped = ok.groupby(keys, dropna=False, sort=False)
+    out = grouped["seed"].nunique().rename("seeds").to_frame()
+    for m in present:
+        out[f"{m}_mean"] = grouped[m].mean()
+        out[f"{m}_std"] = grouped[m].std()
+    return out.reset_index()
 
 
 def _isnan(v: Any) -> bool:

@@ -17,7 +17,6 @@ from simulator.testing import make_meta, make_trace, random_routing, tiny_model
 from simulator.trace import (
     DEFAULT_TOP_M,
     META_KEY,
-    SCHEMA_VERSION,
     TraceWriter,
     iter_sequences,
     load_sequences,
@@ -101,7 +100,7 @@ def test_metadata_keys(tmp_path: Path) -> None:
         "moe_layer_ids",
         "calibration_sequences",
     }
-    assert raw["schema_version"] == SCHEMA_VERSION
+    assert raw["schema_version"] == 1  # no version-2 feature used: written as version 1
     assert raw["counts"] == {"rows": 40, "sequences": 2, "prefill_tokens": 4, "decode_tokens": 6}
     assert raw["provenance"]["seed"] == 4
     assert "numpy" in raw["provenance"]["tool_versions"] and raw["provenance"]["created"]

@@ -144,6 +144,8 @@ def sweep(
             f"wrote {summary.out}: {summary.configurations} configurations, {summary.ok} ok, "
             f"{summary.failed} failed ({summary.resumed} resumed) in {summary.elapsed_s:.1f} s"
         )
+        if len(set(grid.seeds)) > 1:
+            _print_seed_table(summary.out)
         for e in summary.errors:
             if e.get("cache_ratio") is not None:
                 mem = f"cache ratio {e['cache_ratio']}"
@@ -156,3 +158,21 @@ def sweep(
                 err=True,
             )
     sys.exit(1 if summary.failed else 0)
+
+
+def _print_seed_table(out: object) -> None:
+    """Mean +- standard deviation over seeds of each configuration (the seeds axis)."""
+    from simulator.sweep import read_table, seed_summary
+
+    table = seed_summary(read_table(out))  # type: ignore[arg-type]
+    if table.empty:
+        return
+    click.echo("mean +- std over seeds:")
+    for row in table.to_dict("records"):
+        mem = row.get("cache_ratio")
+        cells = [f"{row['policy']} on {row['hw']} ({row['trace']}), cache ratio {mem}"]
+        for m in ("tokens_per_s", "hit_rate"):
+            if f"{m}_mean" in row:
+                cells.append(f"{m} {row[f'{m}_mean']:.4g} +- {row[f'{m}_std']:.2g}")
+        cells.append(f"{row['seeds']} seeds")
+        click.echo("  " + ", ".join(cells))
