@@ -434,7 +434,7 @@ def simulate(
     elif ext_cal is not None:
         cal_label = str(ext_cal) if wants_cal else f"{ext_cal} (not used)"
     elif not wants_cal:
-        cal_label = "none" if mode == "none" else f"{mode} (not used)"
+        cal_label = "none" if calibration == "none" else "not used"
     else:
         cal_label = mode
     config = {
