@@ -219,13 +219,13 @@ def test_torch_router_logits(tmp_path: Path) -> None:
     tp = np.take_along_axis(probs, r.experts.astype(np.int64), axis=-1)
     np.testing.assert_allclose(r.weights, tp / tp.sum(-1, keepdims=True), rtol=1e-5)
     assert r.n_prefill == 2
-    torch.save(tuple(torch.randn(6, E) for _ in range(ML - 1)) + (torch.randn(5, E),), src)
+    torch.save([*(torch.randn(6, E) for _ in range(ML - 1)), torch.randn(5, E)], src)
     code, text = _import("torch", src, out)
     assert code == 2 and f"error: {src}:router_logits layer 31: shape [5, 8]" in text, text
 
 
 def test_model_is_required_and_checked(tmp_path: Path) -> None:
-    np.save(tmp_path / "a.npy", np.zeros((3, 4, 2), dtype=np.int64) + [0, 1])
+    np.save(tmp_path / "a.npy", np.tile(np.array([0, 1]), (3, 4, 1)))
     code, text = _run("trace", "import", "npy", str(tmp_path / "a.npy"), "-o", str(tmp_path / "o"))
     assert code == 2 and "give --model PRESET" in text and "4 MoE layers" in text
     code, text = _import("npy", tmp_path / "a.npy", tmp_path / "o.parquet")

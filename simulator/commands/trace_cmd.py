@@ -42,7 +42,14 @@ def info_dict(path: str, meta: TraceMeta) -> dict[str, Any]:
         "provenance": meta.provenance,
         "counts": meta.counts,
         "probs_stored": meta.probs_stored,
-        "probs_storage": "top-m with ids" if meta.top_m else "all experts",
+        "probs_storage": (
+            "top-m with ids"
+            if meta.top_m
+            else ("all experts" if meta.probs_recorded else "not recorded")
+        ),
+        "early_view_recorded": meta.early_view_recorded,
+        "weights_recorded": meta.weights_recorded,
+        "filled_column": meta.filled_column,
         "moe_layer_ids": meta.moe_layer_ids,
         "calibration_sequences": meta.calibration_sequences,
     }
@@ -88,6 +95,18 @@ def info_cmd(path: str, as_json: bool) -> None:
         f" + {c.get('decode_tokens', '?')} decode tokens, {c.get('rows', '?')} rows",
         f"probs      {data['probs_storage']} ({meta.probs_stored} per row)",
     ]
+    missing = [
+        name
+        for name, ok in (
+            ("one-layer-early view", meta.early_view_recorded),
+            ("gate weights", meta.weights_recorded),
+        )
+        if not ok
+    ]
+    if missing:
+        lines.append(f"not recorded {', '.join(missing)}")
+    if meta.filled_column:
+        lines.append(f"filled     {c.get('missing_token_layers', '?')} missing token-layers")
     if meta.calibration_sequences:
         lines.append(f"calibration sequences {meta.calibration_sequences}")
     for key in sorted(meta.provenance):
