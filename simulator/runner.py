@@ -429,14 +429,12 @@ def simulate(
     if not meta.weights_recorded:
         # the trace has no gate weights: the 1/k stand-in would make this look measured
         metrics["gate_mass_preserved"] = None
-    if mode == "self":
-        cal_label = "self (in-sample)"
-    elif ext_cal is not None:
-        cal_label = str(ext_cal) if wants_cal else f"{ext_cal} (not used)"
-    elif not wants_cal:
+    if not wants_cal:
         cal_label = "none" if calibration == "none" else "not used"
+    elif mode == "self":
+        cal_label = "self (in-sample)"
     else:
-        cal_label = mode
+        cal_label = str(ext_cal) if ext_cal is not None else mode
     config = {
         "policy": pol.name,
         "policy_options": dict(pol.options),

@@ -60,6 +60,8 @@ EXTRA_COLUMNS = (
     "expert_bytes",
     "expert_memory_gb",
     "per_layer_hit_rate",
+    "sequence_ids",
+    "calibration",
 )
 EXECUTORS = ("local", "dask")
 _GRID_KEYS = {
@@ -191,7 +193,7 @@ def load_grid_file(path: str | os.PathLike[str]) -> tuple[Grid, str | None]:
     grid = Grid.from_dict(data, source=str(p))
     base = p.parent
     grid.traces = [_relative_to(base, t) for t in grid.traces]
-    if grid.calibration is not None:
+    if grid.calibration is not None and grid.calibration not in ("none", "self"):
         grid.calibration = _relative_to(base, grid.calibration)
     out = data.get("out")
     if out is not None:
@@ -316,7 +318,9 @@ def expand(grid: Grid) -> list[Config]:
         path = resolve_trace(t)
         traces[t] = (path, file_sha256(path))
     cal_sha = None
-    if grid.calibration is not None:
+    if grid.calibration in ("none", "self"):
+        cal_sha = grid.calibration  # a mode, not a file (docs/metrics.md)
+    elif grid.calibration is not None:
         cal_sha = file_sha256(resolve_trace(grid.calibration))
     memory: list[tuple[float | None, int | None]] = [(r, None) for r in grid.cache_ratios]
     memory += [(None, n) for n in grid.gpu_experts]

@@ -193,3 +193,26 @@ def test_decode_only_trace_is_reported(tmp_path: Path) -> None:
     )
     assert res.exit_code == 0, res.output
     assert "note: trace has no prefill: daop's prefill swaps" in res.output
+
+
+def test_sweep_over_seeds_with_self_calibration(tmp_path: Path) -> None:
+    from simulator.sweep import sweep
+
+    trace = make_trace(tmp_path / "t.parquet", sequences=6, prefill=2, decode=4, seed=4)
+    df = sweep(
+        {
+            "policies": ["fiddler", "lru"],
+            "hw": ["a6000-pcie4"],
+            "traces": [str(trace)],
+            "cache_ratios": [0.5],
+            "sequences": 2,
+            "seeds": [1, 2, 3],
+            "calibration": "self",
+        }
+    )
+    assert (df["status"] == "ok").all(), df["error"].tolist()
+    assert sorted(df["seed"].unique().tolist()) == [1, 2, 3]
+    assert df["sequence_ids"].nunique() > 1  # seeds pick different sequences
+    assert set(df["calibration"]) == {"self (in-sample)", "not used"}
+    summary = seed_summary(df)
+    assert (summary["seeds"] == 3).all() and len(summary) == 2

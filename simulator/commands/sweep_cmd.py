@@ -53,7 +53,11 @@ def _parses(kind: type, text: str) -> bool:
     help="A policy option; several values make an axis. Repeatable.",
 )
 @click.option("--seeds", help="Comma-separated seeds (default 0).")
-@click.option("--calibration", help="External calibration trace for every run.")
+@click.option(
+    "--calibration",
+    metavar="none|self|PATH",
+    help="Calibration data for every run, as for `daopsim run` (default: held-out sequences).",
+)
 @click.option("--dtype", help="Override the model dtype of every trace.")
 @click.option(
     "--out", "-o", "out", type=click.Path(dir_okay=False), help="Results table (.parquet)."
