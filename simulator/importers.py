@@ -18,7 +18,6 @@ Errors name the file and the line (JSON) or array element (NumPy/torch): ``FILE:
 from __future__ import annotations
 
 import datetime as _dt
-import hashlib
 import json
 import os
 from collections.abc import Iterator
@@ -30,6 +29,7 @@ import numpy as np
 
 from simulator.errors import UserError
 from simulator.models import ModelShape, get_model
+from simulator.sweep import file_sha256
 from simulator.trace import (
     ALL_PROBS_MAX_EXPERTS,
     MAX_POSITION,
@@ -540,15 +540,6 @@ def _resolve_model(opts: ImportOptions, seqs: list[_Seq], path: Path) -> ModelSh
     if top_id >= model.experts:
         raise UserError(f"{path}: expert id {top_id} outside 0..{model.experts - 1} ({model.name})")
     return model
-
-
-def file_sha256(path: Path) -> str:
-    """SHA-256 of a file's bytes (streamed)."""
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def import_trace(

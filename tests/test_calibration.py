@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from click.testing import CliRunner
+from click.testing import CliRunner, Result
 
 from simulator.cli import main
 from simulator.errors import UserError
@@ -23,6 +23,11 @@ from simulator.testing import (
     tiny_model,
 )
 from simulator.trace import read_meta, write_trace
+
+
+def _run_cli(*args: str) -> Result:
+    """``daopsim run ARGS --no-bounds`` through click (output and exit code)."""
+    return CliRunner().invoke(main, ["run", *args, "--no-bounds"])
 
 
 def _skewed(path: Path, sequences: int = 8, tokens: int = 24) -> Path:
@@ -68,20 +73,7 @@ def test_calibration_none_self_and_errors(tmp_path: Path) -> None:
     r = simulate(policy="static", trace=trace, calibration="self", cache_ratio=0.5, record=False)
     assert r.config["calibration"] == "self (in-sample)"
     assert r.config["sequences"] == 3 and r.config["calibration_sequences"] == 3
-    res = CliRunner().invoke(
-        main,
-        [
-            "run",
-            "--policy",
-            "lru",
-            "--trace",
-            str(trace),
-            "--calibration",
-            "none",
-            "--no-bounds",
-            "--json",
-        ],
-    )
+    res = _run_cli("--policy", "lru", "--trace", str(trace), "--calibration", "none", "--json")
     assert res.exit_code == 0, res.output
     assert '"sequences": 3' in res.output
 
@@ -174,22 +166,17 @@ def test_decode_only_trace_is_reported(tmp_path: Path) -> None:
     trace = _no_view_trace(tmp_path / "dec.parquet", prefill=0)
     r = simulate(policy="fiddler", trace=trace, calibration="self", cache_ratio=0.5, record=False)
     assert any("no prefill" in n and "fiddler's prefill break-even" in n for n in r.config["notes"])
-    res = CliRunner().invoke(
-        main,
-        [
-            "run",
-            "--policy",
-            "daop",
-            "--trace",
-            str(trace),
-            "--calibration",
-            "self",
-            "--lookahead",
-            "previous-token",
-            "--cache-ratio",
-            "0.5",
-            "--no-bounds",
-        ],
+    res = _run_cli(
+        "--policy",
+        "daop",
+        "--trace",
+        str(trace),
+        "--calibration",
+        "self",
+        "--lookahead",
+        "previous-token",
+        "--cache-ratio",
+        "0.5",
     )
     assert res.exit_code == 0, res.output
     assert "note: trace has no prefill: daop's prefill swaps" in res.output
