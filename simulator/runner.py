@@ -34,7 +34,7 @@ from simulator.trace import (
     iter_sequences,
     previous_token_view,
     read_meta,
-    sequence_ids,
+    sequence_ids,  # noqa: F401  (re-exported: simulator.runner.sequence_ids stays importable)
 )
 
 #: ``calibration=`` values that are not paths (see docs/metrics.md, "Calibration").
@@ -379,7 +379,8 @@ def simulate(
                     f"{cal_path}: calibration trace is for {cal_meta.model.name}, "
                     f"the evaluated trace for {model.name}"
                 )
-            calib, calib_pre = calibration_counts(cal_path, cal_meta, sequence_ids(cal_path))
+            cal_ids_ext = checked_sequence_ids(cal_path, cal_meta)
+            calib, calib_pre = calibration_counts(cal_path, cal_meta, cal_ids_ext)
         elif cal_ids:
             calib, calib_pre = calibration_counts(trace_path, meta, cal_ids)
         else:

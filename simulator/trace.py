@@ -1090,7 +1090,7 @@ def checked_sequence_ids(path: str | os.PathLike[str], meta: TraceMeta) -> list[
             found["prefill_tokens"] += int(np.count_nonzero(first & prefill))
             found["decode_tokens"] += int(np.count_nonzero(first & ~prefill))
             if meta.filled_column:
-                found[FILLED_KEY] += int(np.count_nonzero(batch.column(3).to_numpy()))
+                found[FILLED_KEY] += int(pc.sum(batch.column(3)).as_py() or 0)
             cuts = np.flatnonzero(np.diff(seq)) + 1
             for v in seq[np.concatenate(([0], cuts))].tolist():
                 if not ids or ids[-1] != v:

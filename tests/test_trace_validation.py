@@ -617,3 +617,20 @@ def test_version_2_without_early_view_or_weights(tmp_path: Path, cli: Callable[.
     result = cli("run", "--policy", "lru", "--trace", path, "--cache-ratio", "0.5", "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["metrics"]["gate_mass_preserved"] is None
+
+
+def test_filled_count_disagrees(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    """A version-2 file's missing_token_layers count is checked against its filled column."""
+
+    def mutate(d: dict[str, list[Any]]) -> None:
+        d["filled"] = [i == 5 for i in range(len(d["seq"]))]
+
+    def meta(m: dict[str, Any]) -> None:
+        m.update(schema_version=2, filled_column=True)
+        m["counts"]["missing_token_layers"] = 2
+
+    src = good_trace(tmp_path)
+    schema = pq.read_schema(src).remove_metadata().append(pa.field("filled", pa.bool_()))
+    path = rewrite(src, tmp_path / "bad.parquet", mutate, schema=schema, meta=meta)
+    expect_error(cli, path, words="counts.missing_token_layers = 2 but the file has 1")
+    _run_fails_like_validate(cli, path, "counts.missing_token_layers = 2 but the file has 1")
