@@ -75,6 +75,7 @@ _GRID_KEYS = {
     "options",
     "calibration",
     "dtype",
+    "lookahead",
     "out",
 }
 
@@ -111,6 +112,7 @@ class Grid:
     options: dict[str, list[Any]] = field(default_factory=dict)
     calibration: str | None = None
     dtype: str | None = None
+    lookahead: str = "recorded"
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str = "grid") -> Grid:
@@ -154,9 +156,15 @@ class Grid:
         for k, v in options.items():
             if not v:
                 raise UserError(f"{source}: option {k!r} has no values")
-        for key in ("calibration", "dtype"):
+        for key in ("calibration", "dtype", "lookahead"):
             if data.get(key) is not None and not isinstance(data[key], str):
                 raise UserError(f"{source}: key {key!r} must be a string")
+        lookahead = data.get("lookahead") or "recorded"
+        if lookahead not in ("recorded", "previous-token"):
+            raise UserError(
+                f"{source}: key 'lookahead' must be 'recorded' or 'previous-token', "
+                f"got {lookahead!r}"
+            )
         return cls(
             policies=lst("policies", str),
             hw=lst("hw", str, ["a6000-pcie4"]),
@@ -168,6 +176,7 @@ class Grid:
             options=options,
             calibration=data.get("calibration"),
             dtype=data.get("dtype"),
+            lookahead=lookahead,
         )
 
 
@@ -259,6 +268,7 @@ class Config:
     seed: int
     calibration: str | None
     dtype: str | None
+    lookahead: str = "recorded"
 
 
 def _option_axes(grid: Grid, policy_classes: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
@@ -349,6 +359,9 @@ def expand(grid: Grid) -> list[Config]:
                                 "dtype": grid.dtype,
                                 "daopsim": version,
                             }
+                            if grid.lookahead != "recorded":
+                                # only then, so the keys of earlier sweeps stay valid
+                                ident["lookahead"] = grid.lookahead
                             text = json.dumps(ident, sort_keys=True, default=str)
                             key = hashlib.sha256(text.encode()).hexdigest()[:32]
                             if key in seen:
@@ -372,6 +385,7 @@ def expand(grid: Grid) -> list[Config]:
                                     seed=seed,
                                     calibration=grid.calibration,
                                     dtype=grid.dtype,
+                                    lookahead=grid.lookahead,
                                 )
                             )
     return configs
@@ -433,6 +447,7 @@ def run_config(cfg: Config) -> dict[str, Any]:
             seed=cfg.seed,
             dtype=cfg.dtype,
             record=False,
+            lookahead=cfg.lookahead,
         )
     except Exception as exc:  # recorded, not raised: one bad configuration must not sink others
         row["error"] = _one_line(exc)

@@ -203,3 +203,23 @@ def test_sweep_over_seeds_with_self_calibration(tmp_path: Path) -> None:
     assert set(df["calibration"]) == {"self (in-sample)", "not used"}
     summary = seed_summary(df)
     assert (summary["seeds"] == 3).all() and len(summary) == 2
+
+
+def test_sweep_lookahead_reaches_the_runs(tmp_path: Path) -> None:
+    from simulator.sweep import Grid, expand, sweep
+
+    trace = _no_view_trace(tmp_path / "nv.parquet")
+    grid = {
+        "policies": ["daop"],
+        "traces": [str(trace)],
+        "cache_ratios": [0.5],
+        "calibration": "self",
+    }
+    df = sweep(grid)
+    assert df["status"].tolist() == ["error"] and "--lookahead" in df["error"][0]
+    df = sweep({**grid, "lookahead": "previous-token"})
+    assert df["status"].tolist() == ["ok"], df["error"].tolist()
+    # the default keeps the configuration keys of sweeps made before the option existed
+    plain = expand(Grid.from_dict(grid))[0]
+    stand_in = expand(Grid.from_dict({**grid, "lookahead": "previous-token"}))[0]
+    assert plain.key != stand_in.key and plain.lookahead == "recorded"

@@ -60,6 +60,12 @@ def _parses(kind: type, text: str) -> bool:
 )
 @click.option("--dtype", help="Override the model dtype of every trace.")
 @click.option(
+    "--lookahead",
+    type=click.Choice(["recorded", "previous-token"]),
+    default=None,
+    help="One-layer-early view for policies that read it, as for `daopsim run`.",
+)
+@click.option(
     "--out", "-o", "out", type=click.Path(dir_okay=False), help="Results table (.parquet)."
 )
 @click.option(
@@ -89,6 +95,7 @@ def sweep(
     retry_errors: bool,
     no_progress: bool,
     as_json: bool,
+    lookahead: str | None = None,
 ) -> None:
     """Run every combination of policies, machines, traces and memory budgets.
 
@@ -125,6 +132,8 @@ def sweep(
         grid.calibration = calibration
     if dtype is not None:
         grid.dtype = dtype
+    if lookahead is not None:
+        grid.lookahead = lookahead
     out = out or file_out
     if out is None:
         raise UserError("give --out RESULTS.parquet (or 'out' in the grid file)")
