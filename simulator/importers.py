@@ -124,9 +124,8 @@ def _check_ids(path: object, where: object, name: str, ids: Any, k: int | None) 
 
 
 def _check_range(path: object, where: object, name: str, ids: np.ndarray, experts: int) -> None:
-    """Ids in 0..E-1 and no expert twice in one token-layer's top-k (valid rows only)."""
-    valid = ids[..., 0] >= 0 if ids.ndim == 3 else np.ones(ids.shape[:-1], bool)
-    bad = valid[..., None] & ((ids < 0) | (ids >= experts))
+    """Ids in 0..E-1 and no expert twice in one token-layer's top-k."""
+    bad = (ids < 0) | (ids >= experts)
     if bad.any():
         idx = tuple(int(i) for i in np.argwhere(bad)[0])
         raise ImportFault(
@@ -134,7 +133,7 @@ def _check_range(path: object, where: object, name: str, ids: np.ndarray, expert
         )
     if ids.shape[-1] > 1:
         srt = np.sort(ids, axis=-1)
-        dup = valid & (srt[..., 1:] == srt[..., :-1]).any(axis=-1)
+        dup = (srt[..., 1:] == srt[..., :-1]).any(axis=-1)
         if dup.any():
             idx = [int(i) for i in np.argwhere(dup)[0]]
             raise ImportFault(path, where, f"{name}{idx}: an expert is repeated in one top-k")
@@ -360,7 +359,7 @@ def _npy_seq(
         _check_range(path, name, "", arr, model.experts)
     weights = None
     if w is not None:
-        weights = _weights(path, f"{name} weights", "", np.asarray(w, dtype=np.float64), arr.shape)
+        weights = _weights(path, name, "weights", np.asarray(w, dtype=np.float64), arr.shape)
     n_pre = min(opts.prefill, arr.shape[0])
     return _Seq(sid, arr, weights, n_pre, np.arange(arr.shape[0]))
 

@@ -72,6 +72,7 @@ def test_vllm_jsonl_and_json(tmp_path: Path) -> None:
         (lambda r: r["choices"][0]["routed_experts"][2].pop(), 2, "expected 32 layers, got 31"),
         (lambda r: r["choices"][0]["routed_experts"][1][3].append(5), 2, "expected 2 experts"),
         (lambda r: r["prompt_routed_experts"][0][0].__setitem__(0, 9), 2, "outside 0..7"),
+        (lambda r: r["prompt_routed_experts"][1][0].__setitem__(0, -1), 2, "id -1 outside 0..7"),
         (lambda r: r["prompt_routed_experts"][0][0].__setitem__(0, 1.5), 2, "not an integer"),
     ],
 )
