@@ -595,9 +595,11 @@ def import_trace(
         weights_recorded=has_weights,
         filled_column=n_filled > 0,
     )
-    write_trace(
-        out, meta, (_routing(s, m, model, width) for s, m in zip(done, filled, strict=True))
-    )
+    routings = (_routing(s, m, model, width) for s, m in zip(done, filled, strict=True))
+    try:
+        write_trace(out, meta, routings)
+    except OSError as exc:
+        raise UserError(f"-o {out}: cannot write the trace ({exc.strerror or exc})") from None
     return meta
 
 

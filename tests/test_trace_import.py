@@ -231,3 +231,12 @@ def test_model_is_required_and_checked(tmp_path: Path) -> None:
     assert code == 2 and "give --model PRESET" in text and "4 MoE layers" in text
     code, text = _import("npy", tmp_path / "a.npy", tmp_path / "o.parquet")
     assert code == 2 and "the data has 4 MoE layers" in text
+
+
+def test_unwritable_output_is_one_line(tmp_path: Path) -> None:
+    np.save(tmp_path / "a.npy", np.tile(np.array([0, 1]), (3, ML, 1)))
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    code, text = _import("npy", tmp_path / "a.npy", blocker / "out.parquet")
+    assert code == 2 and text.startswith("error: -o ") and "cannot write" in text, text
+    assert len(text.strip().splitlines()) == 1
