@@ -32,6 +32,7 @@ from simulator.models import ModelShape, get_model
 from simulator.sweep import file_sha256
 from simulator.trace import (
     ALL_PROBS_MAX_EXPERTS,
+    DEFAULT_TOP_M,
     MAX_POSITION,
     SequenceRouting,
     TraceMeta,
@@ -51,8 +52,6 @@ JSONL_FIELDS = {
     "weights": "weights",
     "phase": "phase",
 }
-#: Router probabilities kept per row for models with more experts than the format stores.
-TOP_M = 16
 
 
 class ImportFault(UserError):
@@ -569,7 +568,7 @@ def import_trace(
     has_probs = all(s.probs is not None for s in done)
     width = 0
     if has_probs:
-        width = model.experts if model.experts <= ALL_PROBS_MAX_EXPERTS else TOP_M
+        width = model.experts if model.experts <= ALL_PROBS_MAX_EXPERTS else DEFAULT_TOP_M
     has_weights = all(s.weights is not None for s in done)
     meta = TraceMeta(
         model=model,

@@ -843,6 +843,7 @@ def _check_rows(path: object, r: _Rows, meta: TraceMeta) -> None:
         bad_id = (r.prob_ids < -1) | (r.prob_ids >= n_exp)
         if bad_id.any():
             fail(bad_id, "prob_ids", f"expert id outside 0..{n_exp - 1}")
+    check_rank_order(path, r, meta)
     if not meta.early_view_recorded:
         return
     # Layer 0 has no earlier layer; whatever a capture stored there is ignored (and dropped
@@ -867,7 +868,6 @@ def _check_rows(path: object, r: _Rows, meta: TraceMeta) -> None:
         bad_eid = checked[:, None] & ((r.early_prob_ids < -1) | (r.early_prob_ids >= n_exp))
         if bad_eid.any():
             fail(bad_eid, "early_prob_ids", f"expert id outside 0..{n_exp - 1}")
-    check_rank_order(path, r, meta)
 
 
 #: Stored columns that are non-increasing along rank when a trace does not say
@@ -915,6 +915,11 @@ def check_rank_order(path: object, r: _Rows, meta: TraceMeta) -> None:
             )
 
     every = np.ones(r.layer.shape[0], dtype=bool)
+    # what a version-2 file does not record cannot confirm the order (its stand-ins are flat)
+    if not meta.weights_recorded:
+        cols = [c for c in cols if c != "weights"]
+    if not meta.probs_recorded:
+        cols = [c for c in cols if c != "probs"]
     if "weights" in cols:
         w = r.weights
         check(w, every, "weights", "gate weight", _WEIGHT_RTOL * np.abs(w[:, :-1]) + 1e-7)
@@ -923,6 +928,8 @@ def check_rank_order(path: object, r: _Rows, meta: TraceMeta) -> None:
     if "weights" not in cols:
         p = _ranked_probs(r.experts, r.probs, r.prob_ids)
         check(p, every, "experts", "router probability", np.float32(_PROB_ATOL))
+    if not meta.early_view_recorded:
+        return
     later = r.layer > 0  # layer 0 has no one-layer-early view
     ep = _ranked_probs(r.early_experts, r.early_probs, r.early_prob_ids)
     check(ep, later, "early_experts", "router probability", np.float32(_PROB_ATOL))

@@ -634,3 +634,23 @@ def test_filled_count_disagrees(tmp_path: Path, cli: Callable[..., Any]) -> None
     path = rewrite(src, tmp_path / "bad.parquet", mutate, schema=schema, meta=meta)
     expect_error(cli, path, words="counts.missing_token_layers = 2 but the file has 1")
     _run_fails_like_validate(cli, path, "counts.missing_token_layers = 2 but the file has 1")
+
+
+def test_rank_order_still_checked_without_early_view(
+    tmp_path: Path, cli: Callable[..., Any]
+) -> None:
+    """A version-2 file without the early view still has its recorded weights' order checked."""
+    drop = {"early_experts", "early_probs"}
+    src = good_trace(tmp_path)
+    schema = pq.read_schema(src).remove_metadata()
+    keep = pa.schema([f for f in schema if f.name not in drop])
+    row = row_of(0, 2, 1)
+
+    def mutate(d: dict[str, list[Any]]) -> None:
+        d["weights"][row] = list(reversed(d["weights"][row]))
+
+    def meta(m: dict[str, Any]) -> None:
+        m.update(schema_version=2, early_view_recorded=False)
+
+    path = rewrite(src, tmp_path / "v2.parquet", mutate, schema=keep, meta=meta)
+    expect_error(cli, path, row=row, column="weights", words="not in rank order")
