@@ -204,6 +204,27 @@ class Policy:
             out[key] = coerce_option(cls.name, key, cls.params[key], value)
         return out
 
+    # -- what the run must provide ------------------------------------------------------------
+    def uses_calibration(self) -> bool:
+        """True when this instance uses calibration counts (then the run provides them).
+
+        Defaults to ``needs_calibration``; a policy that uses them only with some options
+        (e.g. ``initial=popular``) overrides this. A policy that uses none is evaluated on
+        every sequence of the trace (nothing is held out for it).
+        """
+        return self.needs_calibration
+
+    def uses_lookahead(self) -> bool:
+        """True when this instance reads the one-layer-early view (``View.next_experts``).
+
+        A run on a trace without a recorded view then refuses, unless a stand-in is chosen
+        (``simulate(lookahead="previous-token")``, ``--lookahead``).
+        """
+        return False
+
+    #: what the policy does in prefill that a trace without prompt tokens skips (run notes)
+    prefill_note: ClassVar[str] = ""
+
     # -- hooks ---------------------------------------------------------------------------------
     def setup(self, ctx: SetupContext) -> Iterable[Slot]:
         """Initial placement: the (layer, expert) pairs resident at time 0 (at most budget)."""

@@ -169,6 +169,12 @@ class DAOPPolicy(Policy):
         "t_load_ms": Param(float, -1.0, "T_load of the prefill rule in ms (-1: from 'constants')"),
     }
 
+    prefill_note = "prefill swaps and CPU-or-copy rule"
+
+    def uses_lookahead(self) -> bool:
+        """The decode prediction reads the one-layer-early view."""
+        return True
+
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
         o = self.options

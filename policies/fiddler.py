@@ -51,6 +51,7 @@ class FiddlerPolicy(Policy):
     host_memory = "pageable"
     temp_buffers = 1
     cpu_workers = 1
+    prefill_note = "prefill break-even rule (CPU or temporary copy)"
     params = {
         "constants": Param(
             str,

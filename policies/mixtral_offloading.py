@@ -73,6 +73,10 @@ class MixtralOffloadingPolicy(LRUPolicy):
         ),
     }
 
+    def uses_lookahead(self) -> bool:
+        """Only the optional prefetch reads the one-layer-early view."""
+        return bool(self.options["prefetch"])
+
     def setup(self, ctx: SetupContext) -> Iterable[Slot]:
         """Every layer's group starts with its first experts (the code's initial offload)."""
         n = self.options["experts_per_layer"]

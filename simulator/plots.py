@@ -141,18 +141,32 @@ def _all_gpu_rate(df_all: pd.DataFrame, hw: str, trace: str, compute: bool) -> f
 
 
 def _policy_lines(ax: Any, rows: pd.DataFrame, metric: str, color_of: Callable[[Any], str]) -> None:
-    """One line per policy label: ``metric`` averaged per cache ratio; a bound is dashed."""
+    """One line per policy label: ``metric`` averaged per cache ratio; a bound is dashed.
+
+    With several seeds the line is the mean over seeds and a bar spans +- one standard
+    deviation (sample, ddof=1) at each point.
+    """
     for label, grp in rows.groupby("label", sort=False):
-        pts = grp.groupby("cache_ratio")[metric].mean().sort_index()
+        agg = grp.groupby("cache_ratio")[metric].agg(["mean", "std"]).sort_index()
         dashed = bool(_is_bound(grp).all())
+        color = color_of(label)
         ax.plot(
-            pts.index,
-            pts.values,
+            agg.index,
+            agg["mean"].values,
             marker="o",
             ls="--" if dashed else "-",
-            color=color_of(label),
+            color=color,
             label=f"{label} (bound)" if dashed else label,
         )
+        if "seed" in grp and grp["seed"].nunique() > 1:
+            ax.errorbar(
+                agg.index,
+                agg["mean"].values,
+                yerr=agg["std"].fillna(0).values,
+                fmt="none",
+                ecolor=color,
+                capsize=3,
+            )
 
 
 def plot_throughput(

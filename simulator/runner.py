@@ -27,7 +27,20 @@ from simulator.errors import PolicyError, UserError
 from simulator.hardware import HardwareProfile, load_profile
 from simulator.recorder import Recorder
 from simulator.results import RunResult, compute_metrics
-from simulator.trace import TraceMeta, iter_sequences, read_meta, sequence_ids
+from simulator.trace import (
+    SequenceRouting,
+    TraceMeta,
+    checked_sequence_ids,
+    iter_sequences,
+    previous_token_view,
+    read_meta,
+    sequence_ids,  # noqa: F401  (re-exported: simulator.runner.sequence_ids stays importable)
+)
+
+#: ``calibration=`` values that are not paths (see docs/metrics.md, "Calibration").
+CALIBRATION_MODES = ("none", "self")
+#: ``lookahead=`` choices: the trace's recorded view, or the previous-token stand-in.
+LOOKAHEAD_CHOICES = ("recorded", "previous-token")
 
 
 @dataclass
@@ -46,32 +59,53 @@ class RunConfig:
     dtype: str | None = None
 
 
-def split_sequences(
-    meta: TraceMeta, seq_ids: list[int], n_eval: int | None, external_calibration: bool
-) -> tuple[list[int], list[int]]:
-    """Evaluation ids (file order) and calibration ids (disjoint).
+def select_sequences(pool: list[int], n_eval: int | None, seed: int) -> list[int]:
+    """``n_eval`` ids of ``pool`` chosen by ``seed``, in file order.
 
-    The trace's declared ``calibration_sequences`` are never evaluated. Without a declaration
-    the last quarter of the sequences (at least one, when there are two or more) is held out
-    for calibration, unless an external calibration trace is given.
+    Seed 0 takes the first ``n_eval`` (the selection before seeds selected anything); another
+    seed takes a seeded random sample without replacement. ``None`` takes the whole pool.
+    """
+    if n_eval is None:
+        return list(pool)
+    if n_eval <= 0:
+        raise UserError(f"--sequences must be positive, got {n_eval}")
+    if n_eval > len(pool):
+        raise UserError(
+            f"--sequences {n_eval}: the trace has only {len(pool)} evaluation sequences"
+        )
+    if seed == 0 or n_eval == len(pool):
+        return pool[:n_eval]
+    picked = np.random.default_rng(seed).choice(len(pool), size=n_eval, replace=False)
+    return [pool[i] for i in sorted(picked.tolist())]
+
+
+def split_sequences(
+    meta: TraceMeta,
+    seq_ids: list[int],
+    n_eval: int | None,
+    external_calibration: bool,
+    hold_out: bool = True,
+    seed: int = 0,
+) -> tuple[list[int], list[int]]:
+    """Evaluation ids (file order) and held-out calibration ids (disjoint).
+
+    With ``hold_out`` (a policy that uses calibration counts from this trace), the trace's
+    declared ``calibration_sequences`` are never evaluated; without a declaration the last
+    quarter of the sequences (at least one, when there are two or more) is held out, unless
+    an external calibration trace is given. Without ``hold_out`` every sequence is in the
+    evaluation pool. ``n_eval`` and ``seed`` then pick from the pool (:func:`select_sequences`).
     """
     declared = [s for s in meta.calibration_sequences if s in set(seq_ids)]
-    if declared:
+    if not hold_out or external_calibration:
+        calib = []
+    elif declared:
         calib = declared
-    elif external_calibration or len(seq_ids) < 2:
+    elif len(seq_ids) < 2:
         calib = []
     else:
         calib = seq_ids[-max(1, len(seq_ids) // 4) :]
     held = set(calib)
-    evaluation = [s for s in seq_ids if s not in held]
-    if n_eval is not None:
-        if n_eval <= 0:
-            raise UserError(f"--sequences must be positive, got {n_eval}")
-        if n_eval > len(evaluation):
-            raise UserError(
-                f"--sequences {n_eval}: the trace has only {len(evaluation)} evaluation sequences"
-            )
-        evaluation = evaluation[:n_eval]
+    evaluation = select_sequences([s for s in seq_ids if s not in held], n_eval, seed)
     if not evaluation:
         raise UserError("the trace has no evaluation sequences (all are calibration)")
     return evaluation, calib
@@ -198,6 +232,35 @@ def _policy_faults(pol: Policy, engine: Engine | None) -> Iterator[None]:
         raise fault from exc
 
 
+def run_notes(
+    pol: Policy, meta: TraceMeta, no_prefill: int, evaluated: int, stand_in: bool
+) -> list[str]:
+    """One line per way this trace limits what the run models (shown with the results)."""
+    notes = []
+    if no_prefill:
+        which = (
+            "has no prefill"
+            if no_prefill == evaluated
+            else (f"has {no_prefill} of {evaluated} sequences without prefill")
+        )
+        does_prefill = type(pol).prefill_layer is not Policy.prefill_layer
+        what = pol.prefill_note or ("prefill_layer" if does_prefill else "")
+        if what:
+            notes.append(f"trace {which}: {pol.name}'s {what} did not run for those sequences")
+        else:
+            notes.append(f"trace {which}: time to first token covers no prompt")
+    if stand_in:
+        notes.append(
+            "look-ahead stand-in: the one-layer-early view is the previous token's experts at "
+            "the same layer (--lookahead previous-token)"
+        )
+    if not meta.weights_recorded:
+        notes.append(
+            "trace has no gate weights: policies saw 1/k per expert; gate mass not available"
+        )
+    return notes
+
+
 def _resolve_hw(hw: str | os.PathLike[str] | HardwareProfile) -> HardwareProfile:
     return hw if isinstance(hw, HardwareProfile) else load_profile(str(hw))
 
@@ -215,8 +278,20 @@ def simulate(
     dtype: str | None = None,
     record: bool = True,
     progress: Callable[[int, int], None] | None = None,
+    lookahead: str = "recorded",
+    evaluate: list[int] | None = None,
 ) -> RunResult:
-    """Run one policy on one machine over a trace; see docs/metrics.md for the result."""
+    """Run one policy on one machine over a trace; see docs/metrics.md for the result.
+
+    ``calibration``: None (default: held-out sequences of the trace, for a policy that uses
+    calibration counts), ``"none"`` (no calibration data), ``"self"`` (counts from the
+    evaluated sequences themselves: in-sample) or the path of another trace. ``seed`` picks
+    the evaluated sequences when ``sequences`` is fewer than the pool. ``lookahead``:
+    ``"recorded"`` (the trace's one-layer-early view) or ``"previous-token"`` (stand-in).
+    ``evaluate``: explicit sequence ids to evaluate (e.g. a bound on another run's ids).
+    """
+    if lookahead not in LOOKAHEAD_CHOICES:
+        raise UserError(f"--lookahead must be one of {list(LOOKAHEAD_CHOICES)}, got {lookahead!r}")
     trace_path = resolve_trace(trace)
     meta = read_meta(trace_path)
     model = meta.model if dtype is None else meta.model.with_dtype(dtype)
@@ -229,9 +304,31 @@ def simulate(
         pol = get_policy_class(policy)(**(policy_options or {}))
     costs: CostModel = cost_model(profile, model)
 
-    ids = sequence_ids(trace_path)
-    ext_cal = Path(calibration) if calibration is not None else None
-    eval_ids, cal_ids = split_sequences(meta, ids, sequences, ext_cal is not None)
+    # the metadata counts feed the memory budget below: check them against the rows first
+    ids = checked_sequence_ids(trace_path, meta)
+    wants_cal = pol.uses_calibration()
+    mode = "none" if calibration is None and not wants_cal else calibration
+    mode = "held-out" if mode is None else str(mode)
+    ext_cal = None if mode in ("held-out", *CALIBRATION_MODES) else Path(mode)
+    if evaluate is not None:
+        missing = sorted(set(evaluate) - set(ids))
+        if missing:
+            raise UserError(f"{trace_path}: no sequence {missing[0]} to evaluate")
+        eval_ids, cal_ids = [s for s in ids if s in set(evaluate)], []
+    else:
+        eval_ids, cal_ids = split_sequences(
+            meta, ids, sequences, ext_cal is not None, hold_out=mode == "held-out", seed=seed
+        )
+    if mode == "self":
+        cal_ids = list(eval_ids)
+
+    uses_view = pol.uses_lookahead()
+    if uses_view and lookahead == "recorded" and not meta.early_view_recorded:
+        raise UserError(
+            f"{trace_path}: the trace does not record the one-layer-early view, which policy "
+            f"{pol.name!r} needs; pass --lookahead previous-token to use the previous token's "
+            "experts at the same layer instead"
+        )
 
     context = int(
         max(1, meta.counts.get("prefill_tokens", 0) + meta.counts.get("decode_tokens", 0))
@@ -263,7 +360,14 @@ def simulate(
         )
 
     calib = calib_pre = None
-    if pol.needs_calibration:
+    if wants_cal and mode == "none":
+        raise UserError(
+            f"policy {pol.name!r}"
+            + (f" with initial={pol.options['initial']}" if "initial" in pol.options else "")
+            + " uses calibration data and --calibration none gives none; use held-out "
+            "sequences (the default), --calibration self or --calibration PATH"
+        )
+    if wants_cal:
         if ext_cal is not None:
             cal_path = resolve_trace(ext_cal)
             cal_meta = read_meta(cal_path)
@@ -275,13 +379,14 @@ def simulate(
                     f"{cal_path}: calibration trace is for {cal_meta.model.name}, "
                     f"the evaluated trace for {model.name}"
                 )
-            calib, calib_pre = calibration_counts(cal_path, cal_meta, sequence_ids(cal_path))
+            cal_ids_ext = checked_sequence_ids(cal_path, cal_meta)
+            calib, calib_pre = calibration_counts(cal_path, cal_meta, cal_ids_ext)
         elif cal_ids:
             calib, calib_pre = calibration_counts(trace_path, meta, cal_ids)
         else:
             raise UserError(
                 f"policy {pol.name!r} needs calibration data: the trace has no "
-                "calibration sequences; pass --calibration PATH"
+                "calibration sequences; pass --calibration PATH or --calibration self"
             )
 
     oracle = None
@@ -304,19 +409,33 @@ def simulate(
             seed=seed,
         )
     done = [0]
+    no_prefill = [0]
+    stand_in = uses_view and lookahead == "previous-token"
 
-    def seqs() -> Any:
+    def seqs() -> Iterator[SequenceRouting]:
         # stream in file order; evaluation order is file order too
-        yield from iter_sequences(trace_path, meta, sequences=set(eval_ids))
+        for r in iter_sequences(trace_path, meta, sequences=set(eval_ids)):
+            yield previous_token_view(r) if stand_in else r
 
-    def tick(_r: Any) -> None:
+    def tick(r: SequenceRouting) -> None:
         done[0] += 1
+        no_prefill[0] += r.n_prefill == 0
         if progress is not None:
             progress(done[0], len(eval_ids))
 
     with _policy_faults(pol, engine):
         counters = engine.run(seqs(), on_sequence=tick)
     metrics = compute_metrics(counters, engine, costs, profile)
+    notes = run_notes(pol, meta, no_prefill[0], len(eval_ids), stand_in)
+    if not meta.weights_recorded:
+        # the trace has no gate weights: the 1/k stand-in would make this look measured
+        metrics["gate_mass_preserved"] = None
+    if not wants_cal:
+        cal_label = "none" if calibration == "none" else "not used"
+    elif mode == "self":
+        cal_label = "self (in-sample)"
+    else:
+        cal_label = str(ext_cal) if ext_cal is not None else mode
     config = {
         "policy": pol.name,
         "policy_options": dict(pol.options),
@@ -329,8 +448,13 @@ def simulate(
         "total_experts": total,
         "max_gpu_experts": fit,
         "sequences": len(eval_ids),
-        "calibration_sequences": len(cal_ids) if ext_cal is None else None,
-        "calibration": str(ext_cal) if ext_cal is not None else "held-out",
+        "sequence_ids": list(eval_ids),
+        "calibration_sequences": len(cal_ids) if ext_cal is None and wants_cal else None,
+        "calibration": cal_label,
+        "lookahead": (
+            ("previous-token (stand-in)" if stand_in else "recorded") if uses_view else "not used"
+        ),
+        "notes": notes,
         "seed": seed,
         "bound": bool(pol.clairvoyant or pol.bound),
         "clairvoyant": bool(pol.clairvoyant),

@@ -199,15 +199,22 @@ def trace_stats(
     acc = _Acc(model.moe_layers, model.experts)
     counts = {"sequences": 0, "prefill_tokens": 0, "decode_tokens": 0}
     phase_tokens = 0
+    filled = 0
     for r in routings:
         if max_sequences is not None and counts["sequences"] >= max_sequences:
             break
         _add_sequence(acc, r, phase)
+        filled += 0 if r.filled is None else int(np.count_nonzero(r.filled))
         phase_tokens += {"decode": r.n_decode, "prefill": r.n_prefill}.get(phase, r.n_tokens)
         counts["sequences"] += 1
         counts["prefill_tokens"] += r.n_prefill
         counts["decode_tokens"] += r.n_decode
     per = _finish(acc)
+    # what the trace did not record is reported as such, never computed from a stand-in
+    if not meta.weights_recorded:
+        per["mean_top1_weight"][:] = np.nan
+    if not meta.early_view_recorded:
+        per["lookahead_precision"][:] = np.nan
     per_layer = []
     for layer in range(model.moe_layers):
         row: dict[str, Any] = {"layer": layer}
@@ -227,6 +234,16 @@ def trace_stats(
             "top_k": model.top_k,
             "phase_tokens": phase_tokens,
             "token_pairs": int(acc.pairs[0]) if model.moe_layers else 0,
+            "missing_token_layers": filled,
+            "not_recorded": [
+                name
+                for name, ok in (
+                    ("lookahead", meta.early_view_recorded),
+                    ("weights", meta.weights_recorded),
+                    ("probs", meta.probs_recorded),
+                )
+                if not ok
+            ],
             "uniform_baseline": uniform_baseline(model.experts, model.top_k),
             "per_layer": per_layer,
         }

@@ -60,6 +60,8 @@ EXTRA_COLUMNS = (
     "expert_bytes",
     "expert_memory_gb",
     "per_layer_hit_rate",
+    "sequence_ids",
+    "calibration",
 )
 EXECUTORS = ("local", "dask")
 _GRID_KEYS = {
@@ -73,6 +75,7 @@ _GRID_KEYS = {
     "options",
     "calibration",
     "dtype",
+    "lookahead",
     "out",
 }
 
@@ -109,6 +112,7 @@ class Grid:
     options: dict[str, list[Any]] = field(default_factory=dict)
     calibration: str | None = None
     dtype: str | None = None
+    lookahead: str = "recorded"
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str = "grid") -> Grid:
@@ -152,9 +156,15 @@ class Grid:
         for k, v in options.items():
             if not v:
                 raise UserError(f"{source}: option {k!r} has no values")
-        for key in ("calibration", "dtype"):
+        for key in ("calibration", "dtype", "lookahead"):
             if data.get(key) is not None and not isinstance(data[key], str):
                 raise UserError(f"{source}: key {key!r} must be a string")
+        lookahead = data.get("lookahead") or "recorded"
+        if lookahead not in ("recorded", "previous-token"):
+            raise UserError(
+                f"{source}: key 'lookahead' must be 'recorded' or 'previous-token', "
+                f"got {lookahead!r}"
+            )
         return cls(
             policies=lst("policies", str),
             hw=lst("hw", str, ["a6000-pcie4"]),
@@ -166,6 +176,7 @@ class Grid:
             options=options,
             calibration=data.get("calibration"),
             dtype=data.get("dtype"),
+            lookahead=lookahead,
         )
 
 
@@ -191,7 +202,7 @@ def load_grid_file(path: str | os.PathLike[str]) -> tuple[Grid, str | None]:
     grid = Grid.from_dict(data, source=str(p))
     base = p.parent
     grid.traces = [_relative_to(base, t) for t in grid.traces]
-    if grid.calibration is not None:
+    if grid.calibration is not None and grid.calibration not in ("none", "self"):
         grid.calibration = _relative_to(base, grid.calibration)
     out = data.get("out")
     if out is not None:
@@ -257,6 +268,7 @@ class Config:
     seed: int
     calibration: str | None
     dtype: str | None
+    lookahead: str = "recorded"
 
 
 def _option_axes(grid: Grid, policy_classes: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
@@ -316,7 +328,9 @@ def expand(grid: Grid) -> list[Config]:
         path = resolve_trace(t)
         traces[t] = (path, file_sha256(path))
     cal_sha = None
-    if grid.calibration is not None:
+    if grid.calibration in ("none", "self"):
+        cal_sha = grid.calibration  # a mode, not a file (docs/metrics.md)
+    elif grid.calibration is not None:
         cal_sha = file_sha256(resolve_trace(grid.calibration))
     memory: list[tuple[float | None, int | None]] = [(r, None) for r in grid.cache_ratios]
     memory += [(None, n) for n in grid.gpu_experts]
@@ -345,6 +359,9 @@ def expand(grid: Grid) -> list[Config]:
                                 "dtype": grid.dtype,
                                 "daopsim": version,
                             }
+                            if grid.lookahead != "recorded":
+                                # only then, so the keys of earlier sweeps stay valid
+                                ident["lookahead"] = grid.lookahead
                             text = json.dumps(ident, sort_keys=True, default=str)
                             key = hashlib.sha256(text.encode()).hexdigest()[:32]
                             if key in seen:
@@ -368,6 +385,7 @@ def expand(grid: Grid) -> list[Config]:
                                     seed=seed,
                                     calibration=grid.calibration,
                                     dtype=grid.dtype,
+                                    lookahead=grid.lookahead,
                                 )
                             )
     return configs
@@ -429,6 +447,7 @@ def run_config(cfg: Config) -> dict[str, Any]:
             seed=cfg.seed,
             dtype=cfg.dtype,
             record=False,
+            lookahead=cfg.lookahead,
         )
     except Exception as exc:  # recorded, not raised: one bad configuration must not sink others
         row["error"] = _one_line(exc)
@@ -442,6 +461,8 @@ def run_config(cfg: Config) -> dict[str, Any]:
             "cache_ratio": cfg.cache_ratio if cfg.cache_ratio is not None else c["cache_ratio"],
             "gpu_experts": int(c["gpu_experts"]),
             "sequences": int(c["sequences"]),
+            "sequence_ids": ",".join(map(str, c["sequence_ids"])),
+            "calibration": c["calibration"],
             "bound": bool(c["bound"]),
             "status": "ok",
         }
@@ -537,6 +558,28 @@ def to_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
         if len(kinds) > 1:  # one option name, different types in different policies
             df[c] = [None if v is None else str(v) for v in df[c]]
     return df
+
+
+def seed_summary(
+    df: pd.DataFrame, metrics: tuple[str, ...] = ("tokens_per_s", "hit_rate")
+) -> pd.DataFrame:
+    """Mean, sample standard deviation and count over seeds of each configuration.
+
+    Rows that differ only in ``seed`` (and ``key``) form one group; failed rows are left out.
+    Columns: the configuration columns, ``seeds`` (how many), and ``METRIC_mean`` /
+    ``METRIC_std`` for each metric present.
+    """
+    ok = df[df["status"] == "ok"] if "status" in df else df
+    present = [m for m in metrics if m in ok]
+    keys = [
+        c for c in ("trace", "hw", "policy", "cache_ratio", "gpu_experts", "sequences") if c in ok
+    ] + sorted(c for c in ok.columns if c.startswith("opt."))
+    grouped = ok.groupby(keys, dropna=False, sort=False)
+    out = grouped["seed"].nunique().rename("seeds").to_frame()
+    for m in present:
+        out[f"{m}_mean"] = grouped[m].mean()
+        out[f"{m}_std"] = grouped[m].std()
+    return out.reset_index()
 
 
 def _isnan(v: Any) -> bool:

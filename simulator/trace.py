@@ -9,6 +9,7 @@ layer, so a sequence reshapes to ``[tokens, layers, k]`` arrays without copying.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as _dt
 import itertools
 import json
@@ -27,7 +28,11 @@ import pyarrow.parquet as pq
 from simulator.errors import TraceError, UserError
 from simulator.models import ModelShape
 
-SCHEMA_VERSION = 1
+#: The newest format version this daopsim writes; a file that needs no version-2 feature is
+#: written as version 1, so old readers keep reading it (see docs/trace-format.md).
+SCHEMA_VERSION = 2
+#: Format versions this daopsim reads.
+READ_VERSIONS = (1, 2)
 META_KEY = b"daopsim"
 PHASES = ("prefill", "decode")
 #: Above this many experts per layer, only the top ``m`` router probabilities are stored.
@@ -35,32 +40,79 @@ ALL_PROBS_MAX_EXPERTS = 128
 #: Probabilities stored per row above ``ALL_PROBS_MAX_EXPERTS`` experts, unless a tool is told m.
 DEFAULT_TOP_M = 32
 
+#: Largest position the format stores (``pos`` is int32 in the schema).
+MAX_POSITION = 2**31 - 1
+#: Model-shape keys that must be at least 1, and the bound every integer key must stay under
+#: (beyond 2^53 byte counts stop being exact in float64 cost sums).
+_POSITIVE_MODEL_KEYS = (
+    "layers",
+    "moe_layers",
+    "hidden",
+    "expert_ffn",
+    "experts",
+    "top_k",
+    "expert_matrices",
+)
+_MAX_MODEL_INT = 2**53
+
 _INT = pa.int16()
 _PROB = pa.float16()
 
 
-def arrow_schema(top_m: bool) -> pa.Schema:
-    """The Arrow schema of a trace; ``top_m`` adds the id columns for partial distributions."""
+def arrow_schema(
+    top_m: bool,
+    *,
+    early: bool = True,
+    weights: bool = True,
+    probs: bool = True,
+    filled: bool = False,
+) -> pa.Schema:
+    """The Arrow schema of a trace; ``top_m`` adds the id columns for partial distributions.
+
+    The keyword flags drop the columns a version-2 file does not record (``early``: the
+    one-layer-early view, ``weights``: gate weights, ``probs``: router probabilities) and add
+    the ``filled`` column of a file whose missing token-layers were filled.
+    """
     fields = [
         pa.field("seq", pa.int32(), nullable=False),
         pa.field("pos", pa.int32(), nullable=False),
         pa.field("phase", pa.string(), nullable=False),
         pa.field("layer", pa.int16(), nullable=False),
         pa.field("experts", pa.list_(_INT), nullable=False),
-        pa.field("weights", pa.list_(pa.float32()), nullable=False),
-        pa.field("probs", pa.list_(_PROB), nullable=False),
-        pa.field("early_experts", pa.list_(_INT), nullable=True),
-        pa.field("early_probs", pa.list_(_PROB), nullable=True),
     ]
-    if top_m:
-        fields.insert(7, pa.field("prob_ids", pa.list_(_INT), nullable=False))
-        fields.append(pa.field("early_prob_ids", pa.list_(_INT), nullable=True))
+    if weights:
+        fields.append(pa.field("weights", pa.list_(pa.float32()), nullable=False))
+    if probs:
+        fields.append(pa.field("probs", pa.list_(_PROB), nullable=False))
+        if top_m:
+            fields.append(pa.field("prob_ids", pa.list_(_INT), nullable=False))
+    if early:
+        fields.append(pa.field("early_experts", pa.list_(_INT), nullable=True))
+        if probs:
+            fields.append(pa.field("early_probs", pa.list_(_PROB), nullable=True))
+            if top_m:
+                fields.append(pa.field("early_prob_ids", pa.list_(_INT), nullable=True))
+    if filled:
+        fields.append(pa.field("filled", pa.bool_(), nullable=False))
     return pa.schema(fields)
+
+
+def schema_for(meta: TraceMeta) -> pa.Schema:
+    """The columns a trace with this metadata has (what readers require and writers write)."""
+    return arrow_schema(
+        meta.top_m,
+        early=meta.early_view_recorded,
+        weights=meta.weights_recorded,
+        probs=meta.probs_stored > 0,
+        filled=meta.filled_column,
+    )
 
 
 REQUIRED_COLUMNS = tuple(arrow_schema(False).names)
 #: Keys of ``TraceMeta.counts`` that every trace carries and validation checks.
 COUNT_KEYS = ("rows", "sequences", "prefill_tokens", "decode_tokens")
+#: Count of token-layers filled by the missing-layer rule (version 2, with ``filled_column``).
+FILLED_KEY = "missing_token_layers"
 
 
 @dataclass
@@ -70,30 +122,55 @@ class TraceMeta:
     model: ModelShape
     provenance: dict[str, Any] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
-    probs_stored: int = 0  # experts per row in ``probs``: E (all) or m (top-m)
+    probs_stored: int = 0  # experts per row in ``probs``: E (all), m (top-m), 0 (none; v2)
     moe_layer_ids: list[int] = field(default_factory=list)
     calibration_sequences: list[int] = field(default_factory=list)
+    #: version 2: False when the one-layer-early view was not recorded (no early_* columns)
+    early_view_recorded: bool = True
+    #: version 2: False for ids-only routing (no ``weights`` column; readers use 1/k)
+    weights_recorded: bool = True
+    #: version 2: the file has a ``filled`` column marking token-layers filled by the
+    #: missing-layer rule (copied from the previous token at that layer)
+    filled_column: bool = False
     schema_version: int = SCHEMA_VERSION
 
     @property
     def top_m(self) -> bool:
         """True when only the top ``probs_stored`` probabilities (with ids) are stored."""
-        return self.probs_stored < self.model.experts
+        return 0 < self.probs_stored < self.model.experts
+
+    @property
+    def probs_recorded(self) -> bool:
+        """False when the file stores no router probabilities (``probs_stored`` = 0)."""
+        return self.probs_stored > 0
+
+    def format_version(self) -> int:
+        """The lowest format version that can express this file (what the writer records)."""
+        v2 = (
+            not self.early_view_recorded
+            or not self.weights_recorded
+            or not self.probs_recorded
+            or self.filled_column
+        )
+        return 2 if v2 else 1
 
     def to_json(self) -> str:
-        """Serialise for the Parquet footer."""
-        return json.dumps(
-            {
-                "schema_version": self.schema_version,
-                "model": self.model.to_dict(),
-                "provenance": self.provenance,
-                "counts": self.counts,
-                "probs_stored": self.probs_stored,
-                "moe_layer_ids": self.moe_layer_ids,
-                "calibration_sequences": self.calibration_sequences,
-            },
-            sort_keys=True,
-        )
+        """Serialise for the Parquet footer (version-2 keys only in version-2 files)."""
+        version = self.format_version()
+        data: dict[str, Any] = {
+            "schema_version": version,
+            "model": self.model.to_dict(),
+            "provenance": self.provenance,
+            "counts": self.counts,
+            "probs_stored": self.probs_stored,
+            "moe_layer_ids": self.moe_layer_ids,
+            "calibration_sequences": self.calibration_sequences,
+        }
+        if version >= 2:
+            data["early_view_recorded"] = self.early_view_recorded
+            data["weights_recorded"] = self.weights_recorded
+            data["filled_column"] = self.filled_column
+        return json.dumps(data, sort_keys=True)
 
     @classmethod
     def from_json(cls, path: object, text: str | bytes) -> TraceMeta:
@@ -107,11 +184,12 @@ class TraceMeta:
         for key in ("schema_version", "model", "provenance", "counts", "probs_stored"):
             if key not in data:
                 raise TraceError(path, f"file metadata is missing key {key!r}")
-        if data["schema_version"] != SCHEMA_VERSION:
+        version = data["schema_version"]
+        if not _is_int(version) or version not in READ_VERSIONS:
             raise TraceError(
                 path,
-                f"file metadata key 'schema_version': {data['schema_version']!r} is not "
-                f"supported (this daopsim reads {SCHEMA_VERSION})",
+                f"file metadata key 'schema_version': {version!r} is not "
+                f"supported (this daopsim reads {', '.join(map(str, READ_VERSIONS))})",
             )
         model = _model_from_meta(path, data["model"])
 
@@ -124,8 +202,19 @@ class TraceMeta:
         if not isinstance(counts, dict) or not all(_is_int(v) and v >= 0 for v in counts.values()):
             raise bad("counts", "an object of non-negative integers")
         probs_stored = data["probs_stored"]
-        if not _is_int(probs_stored) or not 0 < probs_stored <= model.experts:
-            raise bad("probs_stored", f"an integer in 1..{model.experts}")
+        low = 0 if version >= 2 else 1
+        if not _is_int(probs_stored) or not low <= probs_stored <= model.experts:
+            raise bad("probs_stored", f"an integer in {low}..{model.experts}")
+        flags = {}
+        for key in ("early_view_recorded", "weights_recorded", "filled_column"):
+            value = data.get(key, key != "filled_column")
+            if version < 2 and key in data:
+                raise TraceError(path, f"file metadata key {key!r} needs schema_version 2")
+            if not isinstance(value, bool):
+                raise bad(key, "true or false")
+            flags[key] = value
+        if flags["filled_column"] and not _is_int(counts.get(FILLED_KEY)):
+            raise TraceError(path, f"file metadata key 'counts' is missing {FILLED_KEY!r}")
         layer_ids = data.get("moe_layer_ids")
         if layer_ids is None or layer_ids == []:
             layer_ids = list(range(model.first_moe_layer, model.first_moe_layer + model.moe_layers))
@@ -148,6 +237,8 @@ class TraceMeta:
             probs_stored=int(probs_stored),
             moe_layer_ids=[int(i) for i in layer_ids],
             calibration_sequences=[int(s) for s in calib],
+            schema_version=int(version),
+            **flags,
         )
 
 
@@ -173,6 +264,12 @@ def _model_from_meta(path: object, data: object) -> ModelShape:
             )
         if want_int and value < 0:
             raise TraceError(path, f"file metadata key 'model.{name}' must not be negative")
+        if want_int and value > _MAX_MODEL_INT:
+            raise TraceError(
+                path, f"file metadata key 'model.{name}' is out of range (at most 2^53)"
+            )
+        if want_int and value < 1 and name in _POSITIVE_MODEL_KEYS:
+            raise TraceError(path, f"file metadata key 'model.{name}' must be at least 1")
     try:
         return ModelShape.from_dict(data)
     except (UserError, TypeError, ValueError) as exc:
@@ -188,6 +285,12 @@ class SequenceRouting:
     view); for layer 0 it is absent (``early_experts`` = -1, ``early_probs`` = NaN).
     When ``prob_ids`` is None, ``probs[..., e]`` is expert e's probability; otherwise
     ``probs[..., j]`` belongs to expert ``prob_ids[..., j]``.
+
+    What a file did not record is replaced by documented stand-ins when read (the flags say
+    which): no weights -> 1/k each; no probabilities -> ``probs`` = the weights with
+    ``prob_ids`` = the experts (zero elsewhere); no one-layer-early view -> -1 / NaN
+    everywhere (see :func:`previous_token_view` for the look-ahead stand-in). ``filled``
+    marks token-layers the missing-layer rule filled (None: nothing was filled).
     """
 
     seq_id: int
@@ -200,6 +303,10 @@ class SequenceRouting:
     early_probs: np.ndarray  # float32 [T, L, P]
     prob_ids: np.ndarray | None = None
     early_prob_ids: np.ndarray | None = None
+    early_recorded: bool = True
+    weights_recorded: bool = True
+    probs_recorded: bool = True
+    filled: np.ndarray | None = None  # bool [T, L]
 
     @property
     def n_tokens(self) -> int:
@@ -222,6 +329,26 @@ class SequenceRouting:
         t, l_, j = np.nonzero(valid)
         out[t, l_, ids[t, l_, j]] = probs[t, l_, j]
         return out
+
+
+def previous_token_view(r: SequenceRouting) -> SequenceRouting:
+    """The look-ahead stand-in: the previous token's routing at the same layer.
+
+    For a trace without a recorded one-layer-early view, the view of token t at layer l is
+    token t-1's experts (and probabilities) at layer l; the first token of a sequence has no
+    view (-1 / NaN), like layer 0. Returns a copy; ``r`` is not changed.
+    """
+    ee = np.full_like(r.experts, -1)
+    ep = np.full(r.probs.shape, np.nan, dtype=np.float32)
+    eids = None if r.prob_ids is None else np.full_like(r.prob_ids, -1)
+    if r.n_tokens > 1:
+        ee[1:] = r.experts[:-1]
+        ep[1:] = r.probs[:-1]
+        if eids is not None:
+            assert r.prob_ids is not None
+            eids[1:] = r.prob_ids[:-1]
+    blank_first_layer_view(ee, ep, eids)
+    return dataclasses.replace(r, early_experts=ee, early_probs=ep, early_prob_ids=eids)
 
 
 def blank_first_layer_view(
@@ -251,10 +378,10 @@ def _list_array(
 
 
 def sequence_table(routing: SequenceRouting, meta: TraceMeta) -> pa.Table:
-    """The rows of one sequence as an Arrow table in file order."""
+    """The rows of one sequence as an Arrow table in file order (the columns of ``meta``)."""
     t, n_layers, k = routing.experts.shape
     n = t * n_layers
-    width = routing.probs.shape[2]
+    width = meta.probs_stored
     layer = np.tile(np.arange(n_layers, dtype=np.int16), t)
     pos = np.repeat(routing.positions.astype(np.int32), n_layers)
     phase_idx = np.repeat((np.arange(t) >= routing.n_prefill).astype(np.int8), n_layers)
@@ -266,23 +393,35 @@ def sequence_table(routing: SequenceRouting, meta: TraceMeta) -> pa.Table:
         "phase": phase,
         "layer": pa.array(layer),
         "experts": _list_array(routing.experts.reshape(n, k).astype(np.int16), _INT),
-        "weights": _list_array(routing.weights.reshape(n, k).astype(np.float32), pa.float32()),
-        "probs": _list_array(routing.probs.reshape(n, width).astype(np.float16), _PROB),
     }
-    if meta.top_m:
-        assert routing.prob_ids is not None and routing.early_prob_ids is not None
+    if meta.weights_recorded:
+        cols["weights"] = _list_array(
+            routing.weights.reshape(n, k).astype(np.float32), pa.float32()
+        )
+    if width:
+        cols["probs"] = _list_array(routing.probs.reshape(n, width).astype(np.float16), _PROB)
+    if width and meta.top_m:
+        assert routing.prob_ids is not None
         cols["prob_ids"] = _list_array(routing.prob_ids.reshape(n, width).astype(np.int16), _INT)
-    cols["early_experts"] = _list_array(
-        routing.early_experts.reshape(n, k).astype(np.int16), _INT, early_null
-    )
-    cols["early_probs"] = _list_array(
-        np.nan_to_num(routing.early_probs.reshape(n, width)).astype(np.float16), _PROB, early_null
-    )
-    if meta.top_m:
+    if meta.early_view_recorded:
+        cols["early_experts"] = _list_array(
+            routing.early_experts.reshape(n, k).astype(np.int16), _INT, early_null
+        )
+    if meta.early_view_recorded and width:
+        cols["early_probs"] = _list_array(
+            np.nan_to_num(routing.early_probs.reshape(n, width)).astype(np.float16),
+            _PROB,
+            early_null,
+        )
+    if meta.early_view_recorded and width and meta.top_m:
+        assert routing.early_prob_ids is not None
         cols["early_prob_ids"] = _list_array(
             routing.early_prob_ids.reshape(n, width).astype(np.int16), _INT, early_null
         )
-    return pa.Table.from_pydict(cols, schema=arrow_schema(meta.top_m))
+    if meta.filled_column:
+        filled = routing.filled if routing.filled is not None else np.zeros((t, n_layers), bool)
+        cols["filled"] = pa.array(np.asarray(filled, dtype=bool).reshape(n))
+    return pa.Table.from_pydict(cols, schema=schema_for(meta))
 
 
 def tool_versions() -> dict[str, str]:
@@ -318,6 +457,8 @@ class TraceWriter:
         self.row_group_rows = max(1, int(row_group_rows))
         self.compression = compression
         self._counts = dict.fromkeys(COUNT_KEYS, 0)
+        if meta.filled_column:
+            self._counts[FILLED_KEY] = 0
         self._writer: pq.ParquetWriter | None = None
         self._tmp: str | None = None
         self._pending: list[pa.Table] = []
@@ -334,7 +475,7 @@ class TraceWriter:
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(self._tmp, 0o666 & ~umask)
-        schema = arrow_schema(self.meta.top_m)
+        schema = schema_for(self.meta)
         self._writer = pq.ParquetWriter(
             self._tmp, schema, compression=self.compression, use_dictionary=["phase"]
         )
@@ -346,19 +487,27 @@ class TraceWriter:
         t = routing.positions.shape[0]
         want_k = (t, m.moe_layers, m.top_k)
         want_p = (t, m.moe_layers, self.meta.probs_stored)
-        for name, arr, want in (
-            ("experts", routing.experts, want_k),
-            ("weights", routing.weights, want_k),
-            ("early_experts", routing.early_experts, want_k),
-            ("probs", routing.probs, want_p),
-            ("early_probs", routing.early_probs, want_p),
-        ):
+        checks = [("experts", routing.experts, want_k)]
+        if self.meta.weights_recorded:
+            checks.append(("weights", routing.weights, want_k))
+        if self.meta.early_view_recorded:
+            checks.append(("early_experts", routing.early_experts, want_k))
+        if self.meta.probs_recorded:
+            checks.append(("probs", routing.probs, want_p))
+        if self.meta.probs_recorded and self.meta.early_view_recorded:
+            checks.append(("early_probs", routing.early_probs, want_p))
+        if self.meta.filled_column and routing.filled is not None:
+            checks.append(("filled", routing.filled, want_k[:2]))
+        for name, arr, want in checks:
             if tuple(arr.shape) != want:
                 raise ValueError(
                     f"sequence {routing.seq_id}: {name} has shape "
                     f"{tuple(arr.shape)}, expected {want}"
                 )
-        if self.meta.top_m and (routing.prob_ids is None or routing.early_prob_ids is None):
+        if self.meta.top_m and (
+            routing.prob_ids is None
+            or (self.meta.early_view_recorded and routing.early_prob_ids is None)
+        ):
             raise ValueError(
                 f"sequence {routing.seq_id}: top-m storage needs prob_ids and early_prob_ids"
             )
@@ -383,6 +532,8 @@ class TraceWriter:
         self._counts["sequences"] += 1
         self._counts["prefill_tokens"] += routing.n_prefill
         self._counts["decode_tokens"] += routing.n_decode
+        if self.meta.filled_column and routing.filled is not None:
+            self._counts[FILLED_KEY] += int(np.count_nonzero(routing.filled))
 
     def _flush(self, final: bool) -> None:
         """Write whole row groups from the buffer; the remainder waits unless ``final``."""
@@ -491,7 +642,7 @@ def _column_type_ok(actual: pa.DataType, expected: pa.DataType) -> bool:
 
 def check_schema(path: object, schema: pa.Schema, meta: TraceMeta) -> None:
     """Every required column present with a compatible type; errors name the column."""
-    expected = arrow_schema(meta.top_m)
+    expected = schema_for(meta)
     for f in expected:
         idx = schema.get_field_index(f.name)
         if idx < 0:
@@ -558,6 +709,7 @@ class _Rows:
     early_experts: np.ndarray
     early_probs: np.ndarray
     early_prob_ids: np.ndarray | None
+    filled: np.ndarray | None
     row0: int
 
 
@@ -592,38 +744,56 @@ def _decode_batch(
             column="phase",
         )
     names = tbl.column_names
+    n = tbl.num_rows
+    early = meta.early_view_recorded
+    # what the file does not record is a placeholder here; _assemble makes the stand-ins
     return _Rows(
         seq=scalar("seq", np.int64),
         pos=scalar("pos", np.int64),
         decode=is_decode,
         layer=scalar("layer", np.int64),
         experts=_flat(tbl.column("experts"), k, np.int64, "experts", path, row0),
-        weights=_flat(tbl.column("weights"), k, np.float32, "weights", path, row0),
-        probs=_flat(tbl.column("probs"), width, np.float32, "probs", path, row0),
+        weights=(
+            _flat(tbl.column("weights"), k, np.float32, "weights", path, row0)
+            if meta.weights_recorded
+            else np.full((n, k), 1.0 / k, dtype=np.float32)
+        ),
+        probs=(
+            _flat(tbl.column("probs"), width, np.float32, "probs", path, row0)
+            if width
+            else np.zeros((n, 0), dtype=np.float32)
+        ),
         prob_ids=(
             _flat(tbl.column("prob_ids"), width, np.int64, "prob_ids", path, row0)
             if meta.top_m and "prob_ids" in names
             else None
         ),
-        early_experts=_flat(
-            tbl.column("early_experts"), k, np.int64, "early_experts", path, row0, fill=-1
+        early_experts=(
+            _flat(tbl.column("early_experts"), k, np.int64, "early_experts", path, row0, fill=-1)
+            if early
+            else np.full((n, k), -1, dtype=np.int64)
         ),
-        early_probs=_flat(
-            tbl.column("early_probs"),
-            width,
-            np.float32,
-            "early_probs",
-            path,
-            row0,
-            fill=float("nan"),
+        early_probs=(
+            _flat(
+                tbl.column("early_probs"),
+                width,
+                np.float32,
+                "early_probs",
+                path,
+                row0,
+                fill=float("nan"),
+            )
+            if early and width
+            else np.full((n, width), np.nan, dtype=np.float32)
         ),
         early_prob_ids=(
             _flat(
                 tbl.column("early_prob_ids"), width, np.int64, "early_prob_ids", path, row0, fill=-1
             )
-            if meta.top_m and "early_prob_ids" in names
-            else None
+            if early and meta.top_m and "early_prob_ids" in names
+            else (np.full((n, width), -1, dtype=np.int64) if meta.top_m else None)
         ),
+        filled=scalar("filled", bool) if meta.filled_column else None,
         row0=row0,
     )
 
@@ -645,6 +815,9 @@ def _check_rows(path: object, r: _Rows, meta: TraceMeta) -> None:
         fail(r.seq < 0, "seq", "sequence id is negative")
     if (r.pos < 0).any():
         fail(r.pos < 0, "pos", "position is negative")
+    if (r.pos > MAX_POSITION).any():
+        i = int(np.flatnonzero(r.pos > MAX_POSITION)[0])
+        fail(r.pos > MAX_POSITION, "pos", f"position {r.pos[i]} exceeds 2^31-1 (int32)")
     bad_layer = (r.layer < 0) | (r.layer >= n_layers)
     if bad_layer.any():
         i = int(np.flatnonzero(bad_layer)[0])
@@ -670,6 +843,9 @@ def _check_rows(path: object, r: _Rows, meta: TraceMeta) -> None:
         bad_id = (r.prob_ids < -1) | (r.prob_ids >= n_exp)
         if bad_id.any():
             fail(bad_id, "prob_ids", f"expert id outside 0..{n_exp - 1}")
+    check_rank_order(path, r, meta)
+    if not meta.early_view_recorded:
+        return
     # Layer 0 has no earlier layer; whatever a capture stored there is ignored (and dropped
     # by the reader), so only layers >= 1 are checked.
     checked = r.layer > 0
@@ -679,6 +855,11 @@ def _check_rows(path: object, r: _Rows, meta: TraceMeta) -> None:
     bad_ee = checked[:, None] & ((r.early_experts < 0) | (r.early_experts >= n_exp))
     if bad_ee.any():
         fail(bad_ee, "early_experts", f"expert id outside 0..{n_exp - 1}")
+    if m.top_k > 1:
+        srt = np.sort(r.early_experts, axis=1)
+        dup = checked & (srt[:, 1:] == srt[:, :-1]).any(axis=1)
+        if dup.any():
+            fail(dup, "early_experts", "an expert is repeated within one token's early top-k")
     ep = r.early_probs
     bad_ep = checked[:, None] & (~np.isfinite(ep) | (ep < 0) | (ep > 1.001))
     if bad_ep.any():
@@ -687,7 +868,6 @@ def _check_rows(path: object, r: _Rows, meta: TraceMeta) -> None:
         bad_eid = checked[:, None] & ((r.early_prob_ids < -1) | (r.early_prob_ids >= n_exp))
         if bad_eid.any():
             fail(bad_eid, "early_prob_ids", f"expert id outside 0..{n_exp - 1}")
-    check_rank_order(path, r, meta)
 
 
 #: Stored columns that are non-increasing along rank when a trace does not say
@@ -735,6 +915,11 @@ def check_rank_order(path: object, r: _Rows, meta: TraceMeta) -> None:
             )
 
     every = np.ones(r.layer.shape[0], dtype=bool)
+    # what a version-2 file does not record cannot confirm the order (its stand-ins are flat)
+    if not meta.weights_recorded:
+        cols = [c for c in cols if c != "weights"]
+    if not meta.probs_recorded:
+        cols = [c for c in cols if c != "probs"]
     if "weights" in cols:
         w = r.weights
         check(w, every, "weights", "gate weight", _WEIGHT_RTOL * np.abs(w[:, :-1]) + 1e-7)
@@ -743,6 +928,8 @@ def check_rank_order(path: object, r: _Rows, meta: TraceMeta) -> None:
     if "weights" not in cols:
         p = _ranked_probs(r.experts, r.probs, r.prob_ids)
         check(p, every, "experts", "router probability", np.float32(_PROB_ATOL))
+    if not meta.early_view_recorded:
+        return
     later = r.layer > 0  # layer 0 has no one-layer-early view
     ep = _ranked_probs(r.early_experts, r.early_probs, r.early_prob_ids)
     check(ep, later, "early_experts", "router probability", np.float32(_PROB_ATOL))
@@ -825,19 +1012,35 @@ def _assemble(path: object, seq_id: int, parts: list[_Rows], meta: TraceMeta) ->
     early_probs = cat("early_probs").reshape(t, n_layers, width)
     if eids is not None:
         eids = eids.astype(np.int16).reshape(t, n_layers, width)
+    experts = cat("experts").astype(np.int16).reshape(t, n_layers, k)
+    weights = cat("weights").reshape(t, n_layers, k)
+    probs = cat("probs").reshape(t, n_layers, width)
+    pids = None if ids is None else ids.astype(np.int16).reshape(t, n_layers, width)
+    if not meta.probs_recorded:
+        # stand-in: the (renormalised) gate weights on the selected experts, zero elsewhere
+        total = weights.sum(axis=2, keepdims=True)
+        probs = np.divide(weights, total, out=np.zeros_like(weights), where=total > 0)
+        pids = experts.copy()
+        eids = early_experts.copy()
+        early_probs = np.where(eids >= 0, np.float32(1.0 / k), np.float32(np.nan))
     # whatever a capture stored for layer 0's early view is dropped
     blank_first_layer_view(early_experts, early_probs, eids)
+    filled = cat("filled").reshape(t, n_layers) if parts[0].filled is not None else None
     return SequenceRouting(
         seq_id=seq_id,
         positions=positions.astype(np.int32),
         n_prefill=n_prefill,
-        experts=cat("experts").astype(np.int16).reshape(t, n_layers, k),
-        weights=cat("weights").reshape(t, n_layers, k),
-        probs=cat("probs").reshape(t, n_layers, width),
+        experts=experts,
+        weights=weights,
+        probs=probs,
         early_experts=early_experts,
         early_probs=early_probs,
-        prob_ids=None if ids is None else ids.astype(np.int16).reshape(t, n_layers, width),
+        prob_ids=pids,
         early_prob_ids=eids,
+        early_recorded=meta.early_view_recorded,
+        weights_recorded=meta.weights_recorded,
+        probs_recorded=meta.probs_recorded,
+        filled=filled,
     )
 
 
@@ -866,6 +1069,50 @@ def sequence_ids(path: str | os.PathLike[str]) -> list[int]:
     return ids
 
 
+def checked_sequence_ids(path: str | os.PathLike[str], meta: TraceMeta) -> list[int]:
+    """Sequence ids in file order, after checking the metadata counts against the rows.
+
+    Reads only the ``seq``, ``layer`` and ``phase`` (and ``filled``) columns, so it is cheap
+    next to a run; a count in the metadata that disagrees with the data is a ``TraceError``
+    naming the key (the metadata is never trusted over the rows).
+    """
+    pf = _open(path)
+    columns = ["seq", "layer", "phase"] + (["filled"] if meta.filled_column else [])
+    check_schema(path, pf.schema_arrow, meta)
+    ids: list[int] = []
+    found = dict.fromkeys(COUNT_KEYS, 0)
+    if meta.filled_column:
+        found[FILLED_KEY] = 0
+    try:
+        for batch in pf.iter_batches(columns=columns, batch_size=1 << 20):
+            seq = batch.column(0).to_numpy()
+            if seq.size == 0:
+                continue
+            first = batch.column(1).to_numpy() == 0
+            phase = batch.column(2)
+            if pa.types.is_dictionary(phase.type):
+                phase = phase.cast(pa.string())
+            prefill = np.asarray(pc.equal(phase, "prefill").to_numpy(zero_copy_only=False))
+            found["rows"] += int(seq.size)
+            found["prefill_tokens"] += int(np.count_nonzero(first & prefill))
+            found["decode_tokens"] += int(np.count_nonzero(first & ~prefill))
+            if meta.filled_column:
+                found[FILLED_KEY] += int(pc.sum(batch.column(3)).as_py() or 0)
+            cuts = np.flatnonzero(np.diff(seq)) + 1
+            for v in seq[np.concatenate(([0], cuts))].tolist():
+                if not ids or ids[-1] != v:
+                    ids.append(int(v))
+    except _READ_ERRORS as exc:
+        raise TraceError(path, f"unreadable data ({_first_line(exc)})") from None
+    found["sequences"] = len(ids)
+    for key, value in found.items():
+        if key in meta.counts and meta.counts[key] != value:
+            raise TraceError(
+                path, f"file metadata counts.{key} = {meta.counts[key]} but the file has {value}"
+            )
+    return ids
+
+
 def iter_sequences(
     path: str | os.PathLike[str],
     meta: TraceMeta | None = None,
@@ -880,7 +1127,7 @@ def iter_sequences(
     meta = meta or read_meta(path)
     pf = _open(path)
     check_schema(path, pf.schema_arrow, meta)
-    wanted = list(arrow_schema(meta.top_m).names)
+    wanted = list(schema_for(meta).names)
     parts: list[_Rows] = []
     current: int | None = None
     seen: set[int] = set()
@@ -939,6 +1186,7 @@ def _slice_rows(r: _Rows, a: int, b: int) -> _Rows:
         early_experts=r.early_experts[a:b],
         early_probs=r.early_probs[a:b],
         early_prob_ids=s(r.early_prob_ids),
+        filled=s(r.filled),
         row0=r.row0 + a,
     )
 
@@ -962,11 +1210,15 @@ def validate_trace(path: str | os.PathLike[str]) -> TraceMeta:
             f"file metadata counts.rows = {meta.counts['rows']} but the file has {file_rows} rows",
         )
     counts = dict.fromkeys(COUNT_KEYS, 0)
+    if meta.filled_column:
+        counts[FILLED_KEY] = 0
     for routing in iter_sequences(path, meta):
         counts["rows"] += routing.n_tokens * meta.model.moe_layers
         counts["sequences"] += 1
         counts["prefill_tokens"] += routing.n_prefill
         counts["decode_tokens"] += routing.n_decode
+        if routing.filled is not None:
+            counts[FILLED_KEY] += int(np.count_nonzero(routing.filled))
     for key, value in counts.items():
         if meta.counts[key] != value:
             raise TraceError(

@@ -33,7 +33,8 @@ Step = list[tuple[list[int], list[int]]]
 def eval_steps(path: Path) -> tuple[list[Step], list[bool]]:
     """Per step and layer: the needed experts in the engine's service order, and their weights."""
     meta = read_meta(path)
-    ids, _cal = split_sequences(meta, sequence_ids(path), None, False)
+    # lru, lfu and belady use no calibration data, so every sequence is evaluated
+    ids, _cal = split_sequences(meta, sequence_ids(path), None, False, hold_out=False)
     steps: list[Step] = []
     is_prefill: list[bool] = []
     for r in iter_sequences(path, meta, sequences=set(ids)):

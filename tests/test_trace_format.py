@@ -17,7 +17,6 @@ from simulator.testing import make_meta, make_trace, random_routing, tiny_model
 from simulator.trace import (
     DEFAULT_TOP_M,
     META_KEY,
-    SCHEMA_VERSION,
     TraceWriter,
     iter_sequences,
     load_sequences,
@@ -101,7 +100,7 @@ def test_metadata_keys(tmp_path: Path) -> None:
         "moe_layer_ids",
         "calibration_sequences",
     }
-    assert raw["schema_version"] == SCHEMA_VERSION
+    assert raw["schema_version"] == 1  # no version-2 feature used: written as version 1
     assert raw["counts"] == {"rows": 40, "sequences": 2, "prefill_tokens": 4, "decode_tokens": 6}
     assert raw["provenance"]["seed"] == 4
     assert "numpy" in raw["provenance"]["tool_versions"] and raw["provenance"]["created"]
@@ -238,3 +237,58 @@ def test_trace_commands_accept_bundled_names(
         assert str(path) in result.stdout
     missing = cli("trace", "info", "other")
     assert missing.exit_code == 2 and "other: no such file" in missing.stderr
+
+
+# --- version 2: what a trace may leave out ----------------------------------------------------
+
+
+def test_version_2_round_trip_without_view_weights_probs(tmp_path: Path) -> None:
+    import dataclasses
+
+    model = tiny_model()
+    meta = dataclasses.replace(
+        make_meta(model),
+        early_view_recorded=False,
+        weights_recorded=False,
+        probs_stored=0,
+        filled_column=True,
+    )
+    written = _routings(model, 2)
+    filled = np.zeros(written[0].experts.shape[:2], dtype=bool)
+    filled[1, 2] = True
+    written[0] = dataclasses.replace(written[0], filled=filled)
+    path = write_trace(tmp_path / "v2.parquet", meta, written)
+    cols = set(pq.read_schema(path).names)
+    assert cols == {"seq", "pos", "phase", "layer", "experts", "filled"}
+    raw = json.loads(pq.read_metadata(path).metadata[META_KEY])
+    assert raw["schema_version"] == 2 and raw["early_view_recorded"] is False
+    assert raw["counts"]["missing_token_layers"] == 1
+    back = validate_trace(path)
+    assert back.format_version() == 2 and not back.probs_recorded
+    r0, r1 = iter_sequences(path)
+    np.testing.assert_array_equal(r0.experts, written[0].experts)
+    assert r0.filled is not None and r0.filled.sum() == 1 and r0.filled[1, 2]
+    assert r1.filled is not None and not r1.filled.any()
+    assert not (r0.early_recorded or r0.weights_recorded or r0.probs_recorded)
+    np.testing.assert_allclose(r0.weights, 0.5)
+    dense = r0.full_probs(model.experts)
+    np.testing.assert_allclose(dense.sum(axis=-1), 1.0)
+    assert (np.take_along_axis(dense, r0.experts.astype(np.int64), axis=-1) == 0.5).all()
+
+
+def test_top_m_storage_accepted_for_small_models(tmp_path: Path) -> None:
+    # the docs and the validator agree: top-m with ids is valid for any E, not only E > 128
+    path = make_trace(tmp_path / "m.parquet", top_m=3, sequences=1)
+    meta = validate_trace(path)
+    assert meta.top_m and meta.probs_stored == 3 and meta.format_version() == 1
+
+
+def test_previous_token_view() -> None:
+    from simulator.trace import previous_token_view
+
+    r = _routings(tiny_model(), 1)[0]
+    v = previous_token_view(r)
+    assert (v.early_experts[0] == -1).all() and (v.early_experts[:, 0] == -1).all()
+    np.testing.assert_array_equal(v.early_experts[1:, 1:], r.experts[:-1, 1:])
+    np.testing.assert_array_equal(v.early_probs[1:, 1:], r.probs[:-1, 1:])
+    assert r.early_experts is not v.early_experts  # a copy: the input is unchanged

@@ -509,3 +509,148 @@ def test_random_damage_is_a_trace_error_or_a_valid_read(
         assert str(path) in str(err)
     else:
         assert read_meta(path).counts == meta.counts
+
+
+# --- whatever `trace validate` accepts, `run` runs; what it refuses, `run` refuses alike ----------
+
+
+def _run_fails_like_validate(cli: Callable[..., Any], path: Path, words: str) -> None:
+    """`run` on the file gives the same one-line trace error (not a crash, not the policy's)."""
+    result = cli("run", "--policy", "lru", "--trace", path, "--cache-ratio", "0.5", "--no-bounds")
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {path}"), result.stderr
+    assert words.lower() in lines[0].lower()
+
+
+def test_position_beyond_int32(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    big = 2**31 + 5
+
+    def mutate(d: dict[str, list[Any]]) -> None:
+        for i in range(len(d["pos"])):
+            if d["seq"][i] == 1:
+                d["pos"][i] += big
+
+    schema = pq.read_schema(good_trace(tmp_path)).remove_metadata()
+    schema = schema.set(schema.get_field_index("pos"), pa.field("pos", pa.int64()))
+    path = rewrite(good_trace(tmp_path), tmp_path / "bad.parquet", mutate, schema=schema)
+    expect_error(cli, path, row=row_of(1, 0, 0), column="pos", words="exceeds 2^31-1")
+    _run_fails_like_validate(cli, path, "exceeds 2^31-1")
+
+
+def test_repeated_expert_in_early_view(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    row = row_of(1, 4, 2)
+    path = rewrite(
+        good_trace(tmp_path), tmp_path / "bad.parquet", _set("early_experts", row, [3, 3])
+    )
+    expect_error(cli, path, row=row, column="early_experts", words="repeated")
+    result = cli("run", "--policy", "daop", "--trace", path, "--cache-ratio", "0.5", "--no-bounds")
+    assert result.exit_code == 2 and "early_experts" in result.stderr
+    assert "policy" not in result.stderr.split(":", 2)[1]
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("decode_tokens", 7), ("prefill_tokens", 2), ("sequences", 3), ("rows", 40)],
+)
+def test_run_cross_checks_metadata_counts(
+    tmp_path: Path, cli: Callable[..., Any], key: str, value: int
+) -> None:
+    def meta(m: dict[str, Any]) -> None:
+        m["counts"][key] = value
+
+    path = rewrite(good_trace(tmp_path), tmp_path / "bad.parquet", meta=meta)
+    _run_fails_like_validate(cli, path, f"counts.{key} = {value} but the file has")
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "words"),
+    [
+        ("expert_matrices", 0, "'model.expert_matrices' must be at least 1"),
+        ("hidden", 10**400, "'model.hidden' is out of range"),
+        ("expert_ffn", 0, "'model.expert_ffn' must be at least 1"),
+    ],
+)
+def test_metadata_model_ranges(
+    tmp_path: Path, cli: Callable[..., Any], key: str, value: int, words: str
+) -> None:
+    def meta(m: dict[str, Any]) -> None:
+        m["model"][key] = value
+
+    path = rewrite(good_trace(tmp_path), tmp_path / "bad.parquet", meta=meta)
+    expect_error(cli, path, words=words)
+    _run_fails_like_validate(cli, path, words)
+
+
+def test_version_1_file_with_version_2_key(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    def meta(m: dict[str, Any]) -> None:
+        m["early_view_recorded"] = False
+
+    path = rewrite(good_trace(tmp_path), tmp_path / "bad.parquet", meta=meta)
+    expect_error(cli, path, words="needs schema_version 2")
+
+
+def test_version_2_without_early_view_or_weights(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    """Absent columns and a metadata flag say "not recorded"; the reader's stand-ins apply."""
+    from simulator.trace import iter_sequences
+
+    drop = {"early_experts", "early_probs", "weights", "probs"}
+    src = good_trace(tmp_path)
+    schema = pq.read_schema(src).remove_metadata()
+    keep = pa.schema([f for f in schema if f.name not in drop])
+
+    def meta(m: dict[str, Any]) -> None:
+        m.update(schema_version=2, early_view_recorded=False, weights_recorded=False)
+        m["probs_stored"] = 0
+
+    path = rewrite(src, tmp_path / "v2.parquet", schema=keep, meta=meta)
+    assert validate_trace(path).format_version() == 2
+    r = next(iter_sequences(path))
+    assert (r.early_experts == -1).all() and not r.early_recorded
+    assert (r.weights == 0.5).all() and not r.weights_recorded
+    # probabilities stand-in: the weights on the selected experts
+    assert (r.prob_ids == r.experts).all() and (r.probs == 0.5).all()
+    result = cli("trace", "stats", path, "--json")
+    stats = json.loads(result.output)
+    assert stats["lookahead_precision"] is None and stats["mean_top1_weight"] is None
+    assert stats["not_recorded"] == ["lookahead", "weights", "probs"]
+    result = cli("run", "--policy", "lru", "--trace", path, "--cache-ratio", "0.5", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["metrics"]["gate_mass_preserved"] is None
+
+
+def test_filled_count_disagrees(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    """A version-2 file's missing_token_layers count is checked against its filled column."""
+
+    def mutate(d: dict[str, list[Any]]) -> None:
+        d["filled"] = [i == 5 for i in range(len(d["seq"]))]
+
+    def meta(m: dict[str, Any]) -> None:
+        m.update(schema_version=2, filled_column=True)
+        m["counts"]["missing_token_layers"] = 2
+
+    src = good_trace(tmp_path)
+    schema = pq.read_schema(src).remove_metadata().append(pa.field("filled", pa.bool_()))
+    path = rewrite(src, tmp_path / "bad.parquet", mutate, schema=schema, meta=meta)
+    expect_error(cli, path, words="counts.missing_token_layers = 2 but the file has 1")
+    _run_fails_like_validate(cli, path, "counts.missing_token_layers = 2 but the file has 1")
+
+
+def test_rank_order_still_checked_without_early_view(
+    tmp_path: Path, cli: Callable[..., Any]
+) -> None:
+    """A version-2 file without the early view still has its recorded weights' order checked."""
+    drop = {"early_experts", "early_probs"}
+    src = good_trace(tmp_path)
+    schema = pq.read_schema(src).remove_metadata()
+    keep = pa.schema([f for f in schema if f.name not in drop])
+    row = row_of(0, 2, 1)
+
+    def mutate(d: dict[str, list[Any]]) -> None:
+        d["weights"][row] = list(reversed(d["weights"][row]))
+
+    def meta(m: dict[str, Any]) -> None:
+        m.update(schema_version=2, early_view_recorded=False)
+
+    path = rewrite(src, tmp_path / "v2.parquet", mutate, schema=keep, meta=meta)
+    expect_error(cli, path, row=row, column="weights", words="not in rank order")

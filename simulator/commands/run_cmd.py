@@ -94,10 +94,12 @@ def compute_bounds(
     """
     from simulator.runner import simulate
 
+    # the bounds evaluate exactly the run's sequences (they use no calibration data, so
+    # their own default would evaluate every sequence)
     common = {
         "hw": hw,
         "trace": trace,
-        "sequences": sequences,
+        "evaluate": result.config["sequence_ids"],
         "dtype": dtype,
         "seed": seed,
         "record": False,
@@ -128,6 +130,9 @@ def render_table(doc: dict[str, Any]) -> str:
     )
     if doc.get("bound"):
         head += "\nthis result is a BOUND (clairvoyant or unlimited memory), not a real policy"
+    head += f"\ncalibration {doc.get('calibration')} | seed {doc.get('seed')}"
+    for note in doc.get("notes") or []:
+        head += f"\nnote: {note}"
     lines = [head, ""]
     for key, label, unit, scale in TABLE_ROWS:
         value = m.get(key)
@@ -181,12 +186,25 @@ def render_table(doc: dict[str, Any]) -> str:
     help="Resident expert slots (default: what fits in GPU memory).",
 )
 @click.option(
-    "--sequences", type=int, default=None, help="Evaluate only the first N evaluation sequences."
+    "--sequences",
+    type=int,
+    default=None,
+    help="Evaluate N sequences of the evaluation pool (seed 0: the first N; else a seeded sample).",
 )
 @click.option(
     "--calibration",
     default=None,
-    help="Trace to take popularity statistics from (default: held-out sequences).",
+    metavar="none|self|PATH",
+    help="Popularity data for policies that use it: none, self (the evaluated sequences, "
+    "in-sample) or a trace PATH (default: held-out sequences of the trace).",
+)
+@click.option(
+    "--lookahead",
+    type=click.Choice(["recorded", "previous-token"]),
+    default="recorded",
+    show_default=True,
+    help="One-layer-early view for policies that read it: the trace's, or the previous "
+    "token's experts at the same layer (a stand-in for traces that do not record it).",
 )
 @click.option(
     "--policy-opt",
@@ -196,7 +214,13 @@ def render_table(doc: dict[str, Any]) -> str:
     help="Policy option (repeatable).",
 )
 @click.option("--dtype", default=None, help="Expert precision (bf16, fp16, int8, int4, ...).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed for random choices.")
+@click.option(
+    "--seed",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Seed: which sequences --sequences N evaluates (0: the first N), and random choices.",
+)
 @click.option(
     "--out",
     "out_dir",
@@ -227,6 +251,7 @@ def run(
     no_progress: bool,
     bounds: bool,
     as_json: bool,
+    lookahead: str = "recorded",
 ) -> None:
     """Simulate one policy on one machine over a routing trace."""
     from simulator.runner import simulate
@@ -249,6 +274,7 @@ def run(
             dtype=dtype,
             record=out_dir is not None,
             progress=progress,
+            lookahead=lookahead,
         )
     if bounds:
         result.config["bounds"] = compute_bounds(result, hw, trace, sequences, dtype, seed)

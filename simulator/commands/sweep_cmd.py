@@ -53,8 +53,18 @@ def _parses(kind: type, text: str) -> bool:
     help="A policy option; several values make an axis. Repeatable.",
 )
 @click.option("--seeds", help="Comma-separated seeds (default 0).")
-@click.option("--calibration", help="External calibration trace for every run.")
+@click.option(
+    "--calibration",
+    metavar="none|self|PATH",
+    help="Calibration data for every run, as for `daopsim run` (default: held-out sequences).",
+)
 @click.option("--dtype", help="Override the model dtype of every trace.")
+@click.option(
+    "--lookahead",
+    type=click.Choice(["recorded", "previous-token"]),
+    default=None,
+    help="One-layer-early view for policies that read it, as for `daopsim run`.",
+)
 @click.option(
     "--out", "-o", "out", type=click.Path(dir_okay=False), help="Results table (.parquet)."
 )
@@ -85,6 +95,7 @@ def sweep(
     retry_errors: bool,
     no_progress: bool,
     as_json: bool,
+    lookahead: str | None = None,
 ) -> None:
     """Run every combination of policies, machines, traces and memory budgets.
 
@@ -121,6 +132,8 @@ def sweep(
         grid.calibration = calibration
     if dtype is not None:
         grid.dtype = dtype
+    if lookahead is not None:
+        grid.lookahead = lookahead
     out = out or file_out
     if out is None:
         raise UserError("give --out RESULTS.parquet (or 'out' in the grid file)")
@@ -144,6 +157,8 @@ def sweep(
             f"wrote {summary.out}: {summary.configurations} configurations, {summary.ok} ok, "
             f"{summary.failed} failed ({summary.resumed} resumed) in {summary.elapsed_s:.1f} s"
         )
+        if len(set(grid.seeds)) > 1:
+            _print_seed_table(summary.out)
         for e in summary.errors:
             if e.get("cache_ratio") is not None:
                 mem = f"cache ratio {e['cache_ratio']}"
@@ -156,3 +171,21 @@ def sweep(
                 err=True,
             )
     sys.exit(1 if summary.failed else 0)
+
+
+def _print_seed_table(out: object) -> None:
+    """Mean +- standard deviation over seeds of each configuration (the seeds axis)."""
+    from simulator.sweep import read_table, seed_summary
+
+    table = seed_summary(read_table(out))  # type: ignore[arg-type]
+    if table.empty:
+        return
+    click.echo("mean +- std over seeds:")
+    for row in table.to_dict("records"):
+        mem = row.get("cache_ratio")
+        cells = [f"{row['policy']} on {row['hw']} ({row['trace']}), cache ratio {mem}"]
+        for m in ("tokens_per_s", "hit_rate"):
+            if f"{m}_mean" in row:
+                cells.append(f"{m} {row[f'{m}_mean']:.4g} +- {row[f'{m}_std']:.2g}")
+        cells.append(f"{row['seeds']} seeds")
+        click.echo("  " + ", ".join(cells))

@@ -42,7 +42,14 @@ def info_dict(path: str, meta: TraceMeta) -> dict[str, Any]:
         "provenance": meta.provenance,
         "counts": meta.counts,
         "probs_stored": meta.probs_stored,
-        "probs_storage": "top-m with ids" if meta.top_m else "all experts",
+        "probs_storage": (
+            "top-m with ids"
+            if meta.top_m
+            else ("all experts" if meta.probs_recorded else "not recorded")
+        ),
+        "early_view_recorded": meta.early_view_recorded,
+        "weights_recorded": meta.weights_recorded,
+        "filled_column": meta.filled_column,
         "moe_layer_ids": meta.moe_layer_ids,
         "calibration_sequences": meta.calibration_sequences,
     }
@@ -88,6 +95,18 @@ def info_cmd(path: str, as_json: bool) -> None:
         f" + {c.get('decode_tokens', '?')} decode tokens, {c.get('rows', '?')} rows",
         f"probs      {data['probs_storage']} ({meta.probs_stored} per row)",
     ]
+    missing = [
+        name
+        for name, ok in (
+            ("one-layer-early view", meta.early_view_recorded),
+            ("gate weights", meta.weights_recorded),
+        )
+        if not ok
+    ]
+    if missing:
+        lines.append(f"not recorded {', '.join(missing)}")
+    if meta.filled_column:
+        lines.append(f"filled     {c.get('missing_token_layers', '?')} missing token-layers")
     if meta.calibration_sequences:
         lines.append(f"calibration sequences {meta.calibration_sequences}")
     for key in sorted(meta.provenance):
@@ -138,6 +157,11 @@ def stats_cmd(path: str, as_json: bool, max_sequences: int | None, phase: str) -
     if as_json:
         echo_json(s)
         return
+    if s.get("not_recorded"):
+        missing = ", ".join(s["not_recorded"])
+        click.echo(f"note: not recorded in this trace: {missing} (statistics of them show '-')")
+    if s.get("missing_token_layers"):
+        click.echo(f"note: {s['missing_token_layers']} missing token-layers were filled on import")
     if s["phase_tokens"] == 0 and s["sequences"]:
         click.echo(f"note: no {phase} tokens in the sequences read; see --phase")
     click.echo(
@@ -152,3 +176,76 @@ def stats_cmd(path: str, as_json: bool, max_sequences: int | None, phase: str) -
     base = s["uniform_baseline"]
     cells = " ".join(f"{_fmt(base[k]) if k in base else '':>10}" for k in STAT_KEYS)
     click.echo(("chance" + cells).rstrip())
+
+
+@trace.command("import")
+@click.argument("fmt", metavar="FORMAT", type=click.Choice(["vllm", "jsonl", "npy", "torch"]))
+@click.argument("src", type=click.Path(dir_okay=False, exists=False))
+@click.option(
+    "-o", "--out", "out", required=True, type=click.Path(dir_okay=False), help="Trace to write."
+)
+@click.option(
+    "--model", default=None, help="Model preset (shape and sizes; `daopsim models list`)."
+)
+@click.option(
+    "--top-k", type=int, default=None, help="torch: experts per token (default: --model's)."
+)
+@click.option(
+    "--field",
+    "fields",
+    multiple=True,
+    metavar="NAME=KEY",
+    help="jsonl: the JSON key of a field (seq, token, layer, experts, weights, phase); repeatable.",
+)
+@click.option(
+    "--missing-layers",
+    type=click.Choice(["fill", "skip"]),
+    default="fill",
+    show_default=True,
+    help="A token without some layers: fill them from the previous token, or drop the token.",
+)
+@click.option(
+    "--prefill",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="npy/torch: the first N tokens of each sequence are prompt tokens.",
+)
+@json_option
+def import_cmd(
+    fmt: str,
+    src: str,
+    out: str,
+    model: str | None,
+    top_k: int | None,
+    fields: tuple[str, ...],
+    missing_layers: str,
+    prefill: int,
+    as_json: bool,
+) -> None:
+    """Convert routing recorded by another tool (FORMAT: vllm, jsonl, npy, torch) to a trace.
+
+    See docs/trace-format.md, "Importing traces", for each format's accepted shape.
+    """
+    from simulator.errors import parse_key_values
+    from simulator.importers import ImportOptions, import_trace
+
+    opts = ImportOptions(
+        model=model,
+        top_k=top_k,
+        fields=parse_key_values(fields, "--field"),
+        missing_layers=missing_layers,
+        prefill=prefill,
+    )
+    meta = import_trace(fmt, src, out, opts)
+    c = meta.counts
+    if as_json:
+        echo_json({"path": out, "counts": c, "provenance": meta.provenance})
+        return
+    filled = c.get("missing_token_layers", 0)
+    click.echo(
+        f"wrote {out}: {meta.model.name}, {c['sequences']} sequences, {c['prefill_tokens']} "
+        f"prefill + {c['decode_tokens']} decode tokens"
+        + (f", {filled} missing token-layers filled" if filled else "")
+        + f" (from {fmt} {Path(src).name})"
+    )
