@@ -44,6 +44,8 @@ class RunConfig:
     policy_options: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
     dtype: str | None = None
+    host_dtype: str | None = None
+    nonexpert_dtype: str | None = None
 
 
 def split_sequences(
@@ -214,12 +216,14 @@ def simulate(
     seed: int = 0,
     dtype: str | None = None,
     record: bool = True,
+    host_dtype: str | None = None,
+    nonexpert_dtype: str | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> RunResult:
     """Run one policy on one machine over a trace; see docs/metrics.md for the result."""
     trace_path = resolve_trace(trace)
     meta = read_meta(trace_path)
-    model = meta.model if dtype is None else meta.model.with_dtype(dtype)
+    model = meta.model.with_precision(dtype, host_dtype, nonexpert_dtype)
     profile = _resolve_hw(hw)
     if isinstance(policy, Policy):
         pol = policy
@@ -323,6 +327,8 @@ def simulate(
         "hw": profile.name,
         "model": model.name,
         "dtype": model.dtype,
+        "host_dtype": model.host_precision,
+        "nonexpert_dtype": model.nonexpert_dtype,
         "trace": str(trace_path.stem if trace_path.parent.name == "traces" else trace_path),
         "gpu_experts": budget,
         "cache_ratio": budget / total,

@@ -73,6 +73,8 @@ _GRID_KEYS = {
     "options",
     "calibration",
     "dtype",
+    "host_dtype",
+    "nonexpert_dtype",
     "out",
 }
 
@@ -109,6 +111,8 @@ class Grid:
     options: dict[str, list[Any]] = field(default_factory=dict)
     calibration: str | None = None
     dtype: str | None = None
+    host_dtype: str | None = None
+    nonexpert_dtype: str | None = None
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str = "grid") -> Grid:
@@ -152,7 +156,7 @@ class Grid:
         for k, v in options.items():
             if not v:
                 raise UserError(f"{source}: option {k!r} has no values")
-        for key in ("calibration", "dtype"):
+        for key in ("calibration", "dtype", "host_dtype", "nonexpert_dtype"):
             if data.get(key) is not None and not isinstance(data[key], str):
                 raise UserError(f"{source}: key {key!r} must be a string")
         return cls(
@@ -166,6 +170,8 @@ class Grid:
             options=options,
             calibration=data.get("calibration"),
             dtype=data.get("dtype"),
+            host_dtype=data.get("host_dtype"),
+            nonexpert_dtype=data.get("nonexpert_dtype"),
         )
 
 
@@ -257,6 +263,8 @@ class Config:
     seed: int
     calibration: str | None
     dtype: str | None
+    host_dtype: str | None = None
+    nonexpert_dtype: str | None = None
 
 
 def _option_axes(grid: Grid, policy_classes: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
@@ -345,6 +353,10 @@ def expand(grid: Grid) -> list[Config]:
                                 "dtype": grid.dtype,
                                 "daopsim": version,
                             }
+                            # only when set, so keys of existing sweeps stay valid
+                            for extra in ("host_dtype", "nonexpert_dtype"):
+                                if getattr(grid, extra) is not None:
+                                    ident[extra] = getattr(grid, extra)
                             text = json.dumps(ident, sort_keys=True, default=str)
                             key = hashlib.sha256(text.encode()).hexdigest()[:32]
                             if key in seen:
@@ -368,6 +380,8 @@ def expand(grid: Grid) -> list[Config]:
                                     seed=seed,
                                     calibration=grid.calibration,
                                     dtype=grid.dtype,
+                                    host_dtype=grid.host_dtype,
+                                    nonexpert_dtype=grid.nonexpert_dtype,
                                 )
                             )
     return configs
@@ -429,13 +443,15 @@ def run_config(cfg: Config) -> dict[str, Any]:
             seed=cfg.seed,
             dtype=cfg.dtype,
             record=False,
+            host_dtype=cfg.host_dtype,
+            nonexpert_dtype=cfg.nonexpert_dtype,
         )
     except Exception as exc:  # recorded, not raised: one bad configuration must not sink others
         row["error"] = _one_line(exc)
         return row
     c = result.config
     meta = read_meta(path)
-    model = meta.model if cfg.dtype is None else meta.model.with_dtype(cfg.dtype)
+    model = meta.model.with_precision(cfg.dtype, cfg.host_dtype, cfg.nonexpert_dtype)
     expert_bytes = int(model.expert_bytes())
     row.update(
         {

@@ -54,7 +54,9 @@ def _parses(kind: type, text: str) -> bool:
 )
 @click.option("--seeds", help="Comma-separated seeds (default 0).")
 @click.option("--calibration", help="External calibration trace for every run.")
-@click.option("--dtype", help="Override the model dtype of every trace.")
+@click.option("--dtype", help="Override the GPU expert precision of every trace.")
+@click.option("--host-dtype", help="Precision of the host's expert copies (default: --dtype).")
+@click.option("--nonexpert-dtype", help="Precision of the non-expert weights (default: bf16).")
 @click.option(
     "--out", "-o", "out", type=click.Path(dir_okay=False), help="Results table (.parquet)."
 )
@@ -78,6 +80,8 @@ def sweep(
     seeds: str | None,
     calibration: str | None,
     dtype: str | None,
+    host_dtype: str | None,
+    nonexpert_dtype: str | None,
     out: str | None,
     executor: str,
     workers: int | None,
@@ -121,6 +125,10 @@ def sweep(
         grid.calibration = calibration
     if dtype is not None:
         grid.dtype = dtype
+    if host_dtype is not None:
+        grid.host_dtype = host_dtype
+    if nonexpert_dtype is not None:
+        grid.nonexpert_dtype = nonexpert_dtype
     out = out or file_out
     if out is None:
         raise UserError("give --out RESULTS.parquet (or 'out' in the grid file)")
