@@ -232,8 +232,16 @@ class ModelShape:
         return replace(self, **changes) if changes else self
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain dict (trace metadata, JSON output)."""
-        return asdict(self)
+        """Plain dict (trace metadata, JSON output).
+
+        The two precision fields are left out at their defaults, so a trace written before they
+        existed and the same trace written now carry byte-identical metadata.
+        """
+        data = asdict(self)
+        for key, default in _PRECISION_DEFAULTS.items():
+            if data[key] == default:
+                del data[key]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelShape:
@@ -258,6 +266,10 @@ class ModelShape:
             },
             "non_expert_bytes_bf16": self.non_expert_bytes("bf16"),
         }
+
+
+#: Precision fields :meth:`ModelShape.to_dict` omits when they hold these defaults.
+_PRECISION_DEFAULTS: dict[str, str | None] = {"host_dtype": None, "nonexpert_dtype": "bf16"}
 
 
 def _check_model_dtype(model: str, key: str, dtype: str) -> None:
