@@ -220,3 +220,22 @@ def test_precisions_round_trip_through_trace_metadata() -> None:
     assert (data["host_dtype"], data["nonexpert_dtype"]) == ("q4_k_m", "q8_0")
     assert ModelShape.from_dict(data) == split
     assert ModelShape.from_dict(model.to_dict()) == model
+
+
+def test_sweep_grid_carries_the_precisions(tmp_path: Path) -> None:
+    """A grid's host_dtype and nonexpert_dtype reach every run; keys differ from the default's."""
+    from simulator.sweep import Grid, run_sweep
+
+    trace = make_trace(tmp_path / "t.parquet", sequences=2, prefill=3, decode=4, seed=2)
+    base = {"policies": ["lru"], "hw": ["rtx4090-pcie4"], "traces": [str(trace)]}
+    base |= {"gpu_experts": [12], "dtype": "bf16"}
+    plain, _ = run_sweep(
+        Grid.from_dict(base), workers=1, out=tmp_path / "a.parquet", progress=False
+    )
+    split_grid = Grid.from_dict(base | {"host_dtype": "q8_0", "nonexpert_dtype": "fp8"})
+    split, _ = run_sweep(split_grid, workers=1, out=tmp_path / "b.parquet", progress=False)
+    assert (plain["status"] == "ok").all() and (split["status"] == "ok").all()
+    assert plain["key"][0] != split["key"][0]
+    assert split["h2d_bytes"][0] / plain["h2d_bytes"][0] == pytest.approx(8.5 / 16, rel=1e-3)
+    with pytest.raises(UserError, match="host_dtype"):
+        Grid.from_dict(base | {"host_dtype": 4})
