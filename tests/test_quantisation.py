@@ -239,3 +239,14 @@ def test_sweep_grid_carries_the_precisions(tmp_path: Path) -> None:
     assert split["h2d_bytes"][0] / plain["h2d_bytes"][0] == pytest.approx(8.5 / 16, rel=1e-3)
     with pytest.raises(UserError, match="host_dtype"):
         Grid.from_dict(base | {"host_dtype": 4})
+
+
+def test_models_dtypes_lists_every_precision(cli) -> None:
+    """`daopsim models dtypes --json` is the DTYPES table; the plain table has a row each."""
+    res = cli("models", "dtypes", "--json")
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.stdout)
+    assert [r["name"] for r in rows] == list(DTYPES)
+    assert {r["name"]: r["bits"] for r in rows} == {d.name: d.bits for d in DTYPES.values()}
+    table = cli("models", "dtypes")
+    assert table.exit_code == 0 and len(table.stdout.strip().splitlines()) == 1 + len(DTYPES)
