@@ -565,6 +565,8 @@ PRESETS: dict[str, ModelShape] = {
             kv_bytes_per_token=_kv(48, 8, 128),
             source=f"{_SRC}: Llama-4-Scout-17B-16E (meta-llama config.json text_config; every "
             "layer MoE, 1 shared expert; 109 B total with the vision encoder)",
+            notes="three of four layers attend within 8192-token chunks: the KV cache is counted "
+            "for every layer, an overestimate past 8192 tokens",
         ),
         ModelShape(
             name="llama-4-maverick",
@@ -584,6 +586,8 @@ PRESETS: dict[str, ModelShape] = {
             source=f"{_SRC}: Llama-4-Maverick-17B-128E (meta-llama config.json text_config; "
             "interleave_moe_layer_step 2: odd layers MoE, even layers dense FFN 16384; "
             "400 B total)",
+            notes="three of four layers attend within 8192-token chunks: the KV cache is counted "
+            "for every layer, an overestimate past 8192 tokens",
         ),
         ModelShape(
             name="kimi-k2",
