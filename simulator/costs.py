@@ -37,10 +37,6 @@ from simulator.models import ModelShape, dtype_bytes, get_model
 
 #: Bytes per activation element: hidden states travel and are computed in bf16.
 ACT_BYTES = 2
-#: Default precision of the non-expert weights (attention, norms, router, lm_head, shared
-#: experts): offloading runtimes quantise experts and keep these at bf16 (GPT-OSS ships so).
-#: ``ModelShape.nonexpert_dtype`` overrides it (a GGUF file quantises them too).
-NONEXPERT_DTYPE = "bf16"
 #: Eager kernels of one transformer block's non-expert part: 2 norms, q/k/v/o projections, RoPE,
 #: attention, 2 residual adds, router GEMM, softmax, top-k, renormalise and a few small copies.
 NONEXPERT_KERNELS_PER_BLOCK = 20

@@ -140,6 +140,8 @@ class ModelShape:
     source: str = ""
     first_moe_layer: int = 0
     host_dtype: str | None = None
+    # offloading runtimes quantise the experts and keep the rest at bf16 (GPT-OSS ships so); a
+    # GGUF file quantises it too
     nonexpert_dtype: str = "bf16"
     notes: str = field(default="", compare=False)
 
