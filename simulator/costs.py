@@ -1,19 +1,23 @@
 """The cost model: seconds and bytes of every operation the engine times. Pure functions, no SimPy.
 
 This is the one place where cost arithmetic lives. A :class:`CostModel` binds a hardware profile to
-a model shape (whose ``dtype`` is the expert precision) and answers questions such as "how long
-does one expert take on the GPU for n tokens" or "how long does one expert copy take from pinned
-memory". Formulas (docs/cost-model.md has them with worked examples):
+a model shape (whose ``dtype`` is the GPU expert precision, ``host_dtype`` the host copy's and
+``nonexpert_dtype`` the rest's) and answers questions such as "how long does one expert take on
+the GPU for n tokens" or "how long does one expert copy take from pinned memory". Every byte count
+is at the precision's real size, scales included (simulator.models.DTYPES). Formulas
+(docs/cost-model.md has them with worked examples):
 
 * GPU expert: roofline ``max(bytes / gpu.mem_bw, flops / gpu.bf16_tflops)`` plus one launch
   overhead per kernel of the expert's eager forward.
 * CPU expert for n tokens: one batched call, ``max(weight stream, 2 x params x n / cpu throughput)``
   where the weight stream is the profile's measured one-token time for this model and dtype
-  (``cpu_expert_ms``) when it has one, else ``expert bytes / cpu.mem_bw``. Linear ``n x
+  (``cpu_expert_ms``) when it has one, else ``host expert bytes / cpu.mem_bw``. Linear ``n x
   cpu_expert_ms`` is a decision rule of DAOP and Fiddler, not how a batched call runs.
-* Copies: ``copy_overhead + bytes / rate`` for the direction and host-memory kind. A measured load
-  time is a policy's decision input (:meth:`CostModel.decision_load_s`); it replaces the copy's
-  execution time only where the profile says so explicitly (``load_overrides_link = true``).
+* Copies: ``copy_overhead + bytes / rate`` for the direction and host-memory kind, at the host
+  precision; when the GPU holds another precision the copy also pays one GPU conversion pass. A
+  measured load time is a policy's decision input (:meth:`CostModel.decision_load_s`); it
+  replaces the copy's execution time only where the profile says so explicitly
+  (``load_overrides_link = true``).
 * Non-expert part of one MoE layer: roofline over the per-layer share of the non-expert weights
   (read once per call) and the KV cache (read for the context, written for the new tokens), plus
   launches.
@@ -33,9 +37,6 @@ from simulator.models import ModelShape, dtype_bytes, get_model
 
 #: Bytes per activation element: hidden states travel and are computed in bf16.
 ACT_BYTES = 2
-#: Precision of the non-expert weights (attention, norms, router, lm_head), whatever the experts'
-#: precision: offloading runtimes quantise experts and keep these at bf16 (GPT-OSS ships so).
-NONEXPERT_DTYPE = "bf16"
 #: Eager kernels of one transformer block's non-expert part: 2 norms, q/k/v/o projections, RoPE,
 #: attention, 2 residual adds, router GEMM, softmax, top-k, renormalise and a few small copies.
 NONEXPERT_KERNELS_PER_BLOCK = 20
@@ -61,9 +62,9 @@ def _check_tokens(n_tokens: float, what: str = "n_tokens") -> None:
 class CostModel:
     """Costs of one model's operations on one machine; built (and cached) by :func:`cost_model`.
 
-    ``model.dtype`` is the expert precision: expert bytes scale with it, compute uses the same
-    roofline (weights are dequantised into bf16 GEMMs, so the bf16 throughput applies; fp32 experts
-    use the fp32 throughput on the CPU).
+    ``model.dtype`` is the GPU expert precision and ``model.host_precision`` the host copy's:
+    expert bytes scale with them, compute uses the same roofline (weights are dequantised into
+    bf16 GEMMs, so the bf16 throughput applies; fp32 experts use the fp32 throughput on the CPU).
     """
 
     hw: HardwareProfile
@@ -72,13 +73,28 @@ class CostModel:
     # --- sizes -----------------------------------------------------------------------------------
     @cached_property
     def expert_bytes(self) -> int:
-        """Bytes of one routed expert at the model's dtype."""
+        """Bytes of one routed expert as the GPU holds it (``model.dtype``)."""
         return self.model.expert_bytes()
+
+    @cached_property
+    def host_expert_bytes(self) -> int:
+        """Bytes of one routed expert as the host holds it (``model.host_precision``)."""
+        return self.model.host_expert_bytes()
+
+    @property
+    def link_expert_bytes(self) -> int:
+        """Bytes one expert copy moves over the link: the host's copy, in either direction."""
+        return self.host_expert_bytes
+
+    @property
+    def split_precision(self) -> bool:
+        """True when the GPU and the host hold experts at different precisions."""
+        return self.model.host_precision != self.model.dtype
 
     @cached_property
     def nonexpert_layer_bytes(self) -> int:
         """Non-expert weight bytes one call of one MoE layer reads (lm_head spread over layers)."""
-        return round(self.model.non_expert_bytes_read_per_token(NONEXPERT_DTYPE) / self._moe)
+        return round(self.model.non_expert_bytes_read_per_token() / self._moe)
 
     @property
     def _moe(self) -> int:
@@ -97,7 +113,7 @@ class CostModel:
     def measured(self) -> MeasuredModel | None:
         """The profile's measured constants for this model at this dtype, if any."""
         m = self.hw.measured.get(self.model.name.lower())
-        if m is None or m.dtype != self.model.dtype:
+        if m is None or m.dtype != self.model.dtype or m.dtype != self.model.host_precision:
             return None
         return m
 
@@ -142,9 +158,11 @@ class CostModel:
         m = self.measured
         cpu = self.hw.cpu
         stream = (
-            m.cpu_expert_ms * 1e-3 if m is not None else self.expert_bytes / (cpu.mem_bw_gbs * 1e9)
+            m.cpu_expert_ms * 1e-3
+            if m is not None
+            else self.host_expert_bytes / (cpu.mem_bw_gbs * 1e9)
         )
-        peak = cpu.fp32_gflops if self.model.dtype == "fp32" else cpu.bf16_gflops
+        peak = cpu.fp32_gflops if self.model.host_precision == "fp32" else cpu.bf16_gflops
         return max(stream, self.expert_flops(n) / (peak * 1e9))
 
     def cpu_expert_s(self, n_tokens: int) -> float:
@@ -156,22 +174,31 @@ class CostModel:
     def _copy(self, nbytes: float, gbs: float) -> float:
         return self.hw.link.copy_overhead_us * 1e-6 + nbytes / (gbs * 1e9)
 
+    def convert_expert_s(self) -> float:
+        """Seconds to convert one expert between host and GPU precision on the GPU (0 if equal).
+
+        One kernel reads one format and writes the other at the GPU's memory bandwidth.
+        """
+        if not self.split_precision:
+            return 0.0
+        gpu = self.hw.gpu
+        moved = self.host_expert_bytes + self.expert_bytes
+        return moved / (gpu.mem_bw_gbs * 1e9) + gpu.launch_overhead_us * 1e-6
+
     def h2d_expert_s(self, pinned: bool) -> float:
         """Seconds to copy one expert host -> device from pinned or pageable memory."""
         m = self._measured_load(pinned)
         if m is not None:
             return m.load_expert_ms * 1e-3
         link = self.hw.link
-        return self._copy(
-            self.expert_bytes, link.h2d_pinned_gbs if pinned else link.h2d_pageable_gbs
-        )
+        rate = link.h2d_pinned_gbs if pinned else link.h2d_pageable_gbs
+        return self._copy(self.link_expert_bytes, rate) + self.convert_expert_s()
 
     def d2h_expert_s(self, pinned: bool = True) -> float:
         """Seconds to copy one expert device -> host into pinned or pageable memory."""
         link = self.hw.link
-        return self._copy(
-            self.expert_bytes, link.d2h_pinned_gbs if pinned else link.d2h_pageable_gbs
-        )
+        rate = link.d2h_pinned_gbs if pinned else link.d2h_pageable_gbs
+        return self._copy(self.link_expert_bytes, rate) + self.convert_expert_s()
 
     def activation_copy_s(self, n_tokens: int) -> float:
         """Seconds to move n hidden-state vectors one way (either direction costs the same)."""
@@ -238,7 +265,7 @@ class CostModel:
         free = (
             gpu.usable_bytes
             - gpu.workspace_gb * 1e9
-            - self.model.non_expert_bytes(NONEXPERT_DTYPE)
+            - self.model.non_expert_bytes()
             - self.model.kv_bytes_per_token * kv_tokens
         )
         return max(0, min(self.model.total_experts, int(free // self.expert_bytes)))
@@ -266,14 +293,16 @@ class CostModel:
         """For each cost, the formula or measured constant that produced it."""
         m = self.measured
         k = expert_kernels(self.model)
-        peak_key = "fp32" if self.model.dtype == "fp32" else "bf16"
+        peak_key = "fp32" if self.model.host_precision == "fp32" else "bf16"
+        # with a host/GPU precision split, copies and the CPU use the host copy's size
+        host_b = "host_expert_bytes" if self.split_precision else "expert_bytes"
+        conv = " + conversion on the GPU" if self.split_precision else ""
         cpu = (
             f"anchored roofline: max({m.cpu_expert_ms} ms measured at one token "
             f"(measured.{self.model.name}.cpu_expert_ms; {m.source}), "
             f"2 x params x n / cpu.{peak_key}_gflops)"
             if m is not None
-            else "roofline: max(expert_bytes / cpu.mem_bw_gbs, "
-            f"2 x params x n / cpu.{peak_key}_gflops)"
+            else f"roofline: max({host_b} / cpu.mem_bw_gbs, 2 x params x n / cpu.{peak_key}_gflops)"
         )
 
         def h2d(pinned: bool) -> str:
@@ -284,7 +313,7 @@ class CostModel:
                     f"load_expert_ms, load_overrides_link = true, {mm.load_path} path; {mm.source})"
                 )
             rate = "h2d_pinned_gbs" if pinned else "h2d_pageable_gbs"
-            return f"link: copy_overhead_us + expert_bytes / link.{rate}"
+            return f"link: copy_overhead_us + {host_b} / link.{rate}{conv}"
 
         return {
             "gpu_expert": (
@@ -294,8 +323,10 @@ class CostModel:
             "cpu_expert": cpu,
             "h2d_expert_pinned": h2d(True),
             "h2d_expert_pageable": h2d(False),
-            "d2h_expert_pinned": "link: copy_overhead_us + expert_bytes / link.d2h_pinned_gbs",
-            "d2h_expert_pageable": "link: copy_overhead_us + expert_bytes / link.d2h_pageable_gbs",
+            "d2h_expert_pinned": f"link: copy_overhead_us + {host_b} / link.d2h_pinned_gbs{conv}",
+            "d2h_expert_pageable": (
+                f"link: copy_overhead_us + {host_b} / link.d2h_pageable_gbs{conv}"
+            ),
             "activation_copy": (
                 "link: copy_overhead_us + n x hidden x 2 B / min(link.h2d_pinned_gbs, "
                 "link.d2h_pinned_gbs)"
@@ -340,7 +371,10 @@ class CostModel:
         return {
             "model": self.model.name,
             "dtype": self.model.dtype,
+            "host_dtype": self.model.host_precision,
+            "nonexpert_dtype": self.model.nonexpert_dtype,
             "expert_bytes": self.expert_bytes,
+            "host_expert_bytes": self.host_expert_bytes,
             "context_tokens": context_tokens,
             "gpu_expert_slots": self.gpu_expert_slots(),
             "costs": {

@@ -209,7 +209,7 @@ class Engine:
             accesses_per_layer=np.zeros(self.n_layers, dtype=np.int64),
         )
         self.pinned = policy.host_memory == "pinned"
-        self.expert_bytes = costs.expert_bytes
+        self.expert_bytes = costs.link_expert_bytes  # what one copy moves (host precision)
         self.t_h2d = costs.h2d_expert_s(self.pinned)
         self.t_d2h = costs.d2h_expert_s(self.pinned)
         self.t_act = costs.activation_copy_s(1)

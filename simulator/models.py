@@ -11,17 +11,89 @@ from typing import Any
 
 from simulator.errors import UserError
 
-#: Bytes per parameter for each supported precision (docs/references.md#models): int4 is 0.5 B
-#: excluding group scales, MXFP4 is 4.25 bits including its E8M0 scale per 32 values.
-DTYPE_BYTES: dict[str, float] = {
-    "fp32": 4.0,
-    "bf16": 2.0,
-    "fp16": 2.0,
-    "fp8": 1.0,
-    "int8": 1.0,
-    "int4": 0.5,
-    "mxfp4": 4.25 / 8.0,
-}
+
+@dataclass(frozen=True)
+class Dtype:
+    """One weight precision: its storage cost per weight, scales and zero points included.
+
+    ``bits`` is what one weight costs in memory and over the link, averaged over the format's
+    blocks (GGUF) or groups (AWQ/GPTQ, HQQ, MXFP4). ``kind`` groups the formats for tables.
+    docs/cost-model.md ("Quantisation") derives every entry from its block layout.
+    """
+
+    name: str
+    bits: float
+    kind: str
+    layout: str
+
+    @property
+    def bytes(self) -> float:
+        """Bytes per weight."""
+        return self.bits / 8.0
+
+
+# GGUF block sizes from ggml's block structs (ggml/src/ggml-common.h): QK_K = 256 weights per
+# super-block, 32 per legacy block; ggml_half is 2 bytes.
+_QK_K = 256
+_Q2_K = (_QK_K // 16 + _QK_K // 4 + 2 * 2) * 8 / _QK_K  # scales, quants, d + dmin: 2.625
+_Q3_K = (_QK_K // 8 + _QK_K // 4 + 12 + 2) * 8 / _QK_K  # hmask, quants, scales, d: 3.4375
+_Q4_K = (2 * 2 + 12 + _QK_K // 2) * 8 / _QK_K  # d + dmin, scales, quants: 4.5
+_Q5_K = (2 * 2 + 12 + _QK_K // 8 + _QK_K // 2) * 8 / _QK_K  # + high bits: 5.5
+_Q6_K = (_QK_K // 2 + _QK_K // 4 + _QK_K // 16 + 2) * 8 / _QK_K  # ql, qh, scales, d: 6.5625
+_Q4_0 = (2 + 32 // 2) * 8 / 32  # d, nibbles: 4.5
+_Q8_0 = (2 + 32) * 8 / 32  # d, int8 quants: 8.5
+
+
+def _expert_mix(gate_up: float, down: float) -> float:
+    """Bits per weight of an expert (gate, up, down: three equal matrices) in a GGUF mix."""
+    return (2 * gate_up + down) / 3
+
+
+# A GGUF "_S"/"_M" file mixes tensor types (llama.cpp src/llama-quant.cpp,
+# llama_tensor_get_type_impl). For routed experts only ffn_down is upgraded: Q4_K_M and Q5_K_M
+# use Q6_K in the half of the layers use_more_bits() picks (first and last eighth, every third
+# in between); Q4_K_S uses Q5_K in the first eighth; Q3_K_M uses Q5_K in the first sixteenth and
+# Q4_K elsewhere; Q2_K uses Q3_K. The average below is over an expert's three matrices.
+_HQQ_META = 32  # fp16 scale + fp16 zero of one group of 8-bit quantised scales
+
+
+def _hqq(nbits: int, group: int, scale_group: int) -> float:
+    """HQQ with quant_zero and quant_scale: 8-bit scale and zero per group, scales requantised."""
+    return nbits + 8 / group + 8 / group + _HQQ_META / (scale_group * group)
+
+
+_DTYPES: list[Dtype] = [
+    Dtype("fp32", 32.0, "float", "IEEE binary32"),
+    Dtype("bf16", 16.0, "float", "bfloat16"),
+    Dtype("fp16", 16.0, "float", "IEEE binary16"),
+    Dtype("fp8", 8.0, "float", "E4M3, per-tensor or 128x128-block scale (negligible)"),
+    Dtype("int8", 8.0, "int", "per-channel int8 (one scale per output row, negligible)"),
+    Dtype("int4", 4.0, "int", "bare 4-bit weights, scales not counted (idealised)"),
+    Dtype(
+        "int4_g128", 4.0 + (16 + 4) / 128, "int", "AWQ/GPTQ: 4-bit, fp16 scale + 4-bit zero / 128"
+    ),
+    Dtype("hqq2_g16", _hqq(2, 16, 128), "hqq", "HQQ 2-bit, group 16, 8-bit scale/zero"),
+    Dtype("hqq3_g64", _hqq(3, 64, 128), "hqq", "HQQ 3-bit, group 64, 8-bit scale/zero"),
+    Dtype("hqq4_g64", _hqq(4, 64, 256), "hqq", "HQQ 4-bit, group 64, 8-bit scale/zero"),
+    Dtype("mxfp4", (1 + 32 // 2) * 8 / 32, "mx", "OCP MXFP4: E2M1 x 32 + one E8M0 scale"),
+    Dtype("q2_k", _expert_mix(_Q2_K, _Q3_K), "gguf", "Q2_K gate/up, Q3_K down"),
+    Dtype("q3_k_s", _Q3_K, "gguf", "Q3_K"),
+    Dtype("q3_k_m", _expert_mix(_Q3_K, (_Q5_K + 15 * _Q4_K) / 16), "gguf", "Q3_K; down Q4_K/Q5_K"),
+    Dtype("q4_0", _Q4_0, "gguf", "Q4_0 (block 32, fp16 scale)"),
+    Dtype("q4_k_s", _expert_mix(_Q4_K, (_Q5_K + 7 * _Q4_K) / 8), "gguf", "Q4_K; down 1/8 Q5_K"),
+    Dtype("q4_k_m", _expert_mix(_Q4_K, (_Q6_K + _Q4_K) / 2), "gguf", "Q4_K; down 1/2 Q6_K"),
+    Dtype("q5_k_s", _Q5_K, "gguf", "Q5_K"),
+    Dtype("q5_k_m", _expert_mix(_Q5_K, (_Q6_K + _Q5_K) / 2), "gguf", "Q5_K; down 1/2 Q6_K"),
+    Dtype("q6_k", _Q6_K, "gguf", "Q6_K"),
+    Dtype("q8_0", _Q8_0, "gguf", "Q8_0 (block 32, fp16 scale)"),
+]
+
+#: Every supported precision by name (docs/cost-model.md, "Quantisation").
+DTYPES: dict[str, Dtype] = {d.name: d for d in _DTYPES}
+
+#: Bytes per weight of each precision, scales and zero points included (``int4`` alone is the
+#: bare 4 bits; ``int4_g128`` is AWQ/GPTQ as stored).
+DTYPE_BYTES: dict[str, float] = {d.name: d.bytes for d in _DTYPES}
 
 
 def dtype_bytes(dtype: str) -> float:
@@ -41,7 +113,12 @@ class ModelShape:
     ``moe_layers`` counts the layers that have routed experts; traces index those layers
     0..moe_layers-1 in model order. ``layers`` counts every transformer block (dense ones too).
     ``non_expert_params`` is everything that is not a routed expert (attention, embeddings,
-    lm_head, norms, routers, dense FFNs, shared experts); it always stays on the GPU.
+    lm_head, norms, routers, dense FFNs, shared experts); it always stays on the GPU, and a shared
+    expert is computed for every token as part of it.
+
+    Precisions: ``dtype`` is the routed experts' precision on the GPU; ``host_dtype`` the
+    precision of the host's copy (what the CPU computes with and what crosses the link; ``None``:
+    the same as ``dtype``); ``nonexpert_dtype`` that of the non-expert weights.
     """
 
     name: str
@@ -62,6 +139,10 @@ class ModelShape:
     dtype: str = "bf16"
     source: str = ""
     first_moe_layer: int = 0
+    host_dtype: str | None = None
+    # offloading runtimes quantise the experts and keep the rest at bf16 (GPT-OSS ships so); a
+    # GGUF file quantises it too
+    nonexpert_dtype: str = "bf16"
     notes: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -73,7 +154,26 @@ class ModelShape:
             raise UserError(f"model {self.name!r}: top_k {self.top_k} > experts {self.experts}")
         if self.moe_layers > self.layers:
             raise UserError(f"model {self.name!r}: moe_layers > layers")
-        dtype_bytes(self.dtype)
+        for key in ("dtype", "nonexpert_dtype"):
+            _check_model_dtype(self.name, key, getattr(self, key))
+        if self.host_dtype is not None:
+            _check_model_dtype(self.name, "host_dtype", self.host_dtype)
+        shared = self.shared_expert_params * self.moe_layers
+        if shared > self.non_expert_params:
+            raise UserError(
+                f"model {self.name!r}: non_expert_params {self.non_expert_params} is smaller "
+                f"than its shared experts ({shared} parameters)"
+            )
+
+    @property
+    def host_precision(self) -> str:
+        """Precision of the host's copy of an expert (``host_dtype``, else ``dtype``)."""
+        return self.host_dtype or self.dtype
+
+    @property
+    def shared_expert_params(self) -> int:
+        """Parameters of one MoE layer's shared experts (part of ``non_expert_params``)."""
+        return self.shared_experts * self.expert_matrices * self.hidden * self.shared_expert_ffn
 
     @property
     def params_per_expert(self) -> int:
@@ -85,27 +185,65 @@ class ModelShape:
         """Routed experts over all MoE layers."""
         return self.moe_layers * self.experts
 
+    @property
+    def total_params(self) -> int:
+        """Every parameter: routed experts plus the non-expert part."""
+        return self.total_experts * self.params_per_expert + self.non_expert_params
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token uses: its top-k routed experts per MoE layer, and the rest."""
+        return self.moe_layers * self.top_k * self.params_per_expert + self.non_expert_params
+
     def expert_bytes(self, dtype: str | None = None) -> int:
-        """Bytes of one routed expert's weights at ``dtype`` (default: the model's)."""
+        """Bytes of one routed expert's weights at ``dtype`` (default: the GPU precision)."""
         return round(self.params_per_expert * dtype_bytes(dtype or self.dtype))
 
+    def host_expert_bytes(self) -> int:
+        """Bytes of the host's copy of one routed expert (at ``host_precision``)."""
+        return self.expert_bytes(self.host_precision)
+
     def non_expert_bytes(self, dtype: str | None = None) -> int:
-        """Bytes of everything that is not a routed expert (resident on the GPU)."""
-        return round(self.non_expert_params * dtype_bytes(dtype or self.dtype))
+        """Bytes of everything that is not a routed expert (default: at ``nonexpert_dtype``)."""
+        return round(self.non_expert_params * dtype_bytes(dtype or self.nonexpert_dtype))
 
     def non_expert_bytes_read_per_token(self, dtype: str | None = None) -> int:
         """Non-expert weight bytes one decode token reads (the input embedding is a lookup)."""
         params = self.non_expert_params - self.embedding_params
-        return round(params * dtype_bytes(dtype or self.dtype))
+        return round(params * dtype_bytes(dtype or self.nonexpert_dtype))
 
     def with_dtype(self, dtype: str) -> ModelShape:
-        """The same model at another precision."""
-        dtype_bytes(dtype)
-        return replace(self, dtype=dtype)
+        """The same model with its GPU expert precision changed (the host copy follows it
+        unless ``host_dtype`` is set)."""
+        return self.with_precision(dtype=dtype)
+
+    def with_precision(
+        self,
+        dtype: str | None = None,
+        host_dtype: str | None = None,
+        nonexpert_dtype: str | None = None,
+    ) -> ModelShape:
+        """The same model with any of its three precisions changed (``None`` keeps one)."""
+        changes: dict[str, str] = {}
+        if dtype is not None:
+            changes["dtype"] = dtype
+        if host_dtype is not None:
+            changes["host_dtype"] = host_dtype
+        if nonexpert_dtype is not None:
+            changes["nonexpert_dtype"] = nonexpert_dtype
+        return replace(self, **changes) if changes else self
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain dict (trace metadata, JSON output)."""
-        return asdict(self)
+        """Plain dict (trace metadata, JSON output).
+
+        The two precision fields are left out at their defaults, so a trace written before they
+        existed and the same trace written now carry byte-identical metadata.
+        """
+        data = asdict(self)
+        for key, default in _PRECISION_DEFAULTS.items():
+            if data[key] == default:
+                del data[key]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelShape:
@@ -122,9 +260,26 @@ class ModelShape:
             **self.to_dict(),
             "params_per_expert": self.params_per_expert,
             "total_experts": self.total_experts,
-            "expert_bytes": {d: self.expert_bytes(d) for d in ("bf16", "int8", "int4")},
+            "shared_expert_params_per_layer": self.shared_expert_params,
+            "total_params": self.total_params,
+            "active_params": self.active_params,
+            "expert_bytes": {
+                d: self.expert_bytes(d) for d in dict.fromkeys(("bf16", "int8", "int4", self.dtype))
+            },
             "non_expert_bytes_bf16": self.non_expert_bytes("bf16"),
         }
+
+
+#: Precision fields :meth:`ModelShape.to_dict` omits when they hold these defaults.
+_PRECISION_DEFAULTS: dict[str, str | None] = {"host_dtype": None, "nonexpert_dtype": "bf16"}
+
+
+def _check_model_dtype(model: str, key: str, dtype: str) -> None:
+    if dtype not in DTYPE_BYTES:
+        raise UserError(
+            f"model {model!r}: {key} {dtype!r} is not a known dtype; "
+            f"known: {', '.join(sorted(DTYPE_BYTES))}"
+        )
 
 
 def _kv(layers: int, kv_heads: int, head_dim: int, bytes_per: int = 2) -> int:
@@ -132,7 +287,77 @@ def _kv(layers: int, kv_heads: int, head_dim: int, bytes_per: int = 2) -> int:
     return 2 * layers * kv_heads * head_dim * bytes_per
 
 
+def _gqa(hidden: int, heads: int, kv_heads: int, head_dim: int, q_gate: bool = False) -> int:
+    """Attention projections (q, k, v, o) of one grouped-query attention layer, no biases.
+
+    ``q_gate``: the query projection also emits an output gate (Qwen3-Next), doubling it.
+    """
+    q = hidden * heads * head_dim * (2 if q_gate else 1)
+    return q + 2 * hidden * kv_heads * head_dim + heads * head_dim * hidden
+
+
+def _mla(hidden: int, heads: int, q_lora: int, kv_lora: int, nope: int, rope: int, v: int) -> int:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2) projections of one layer."""
+    q = (
+        hidden * heads * (nope + rope)
+        if q_lora == 0
+        else hidden * q_lora + q_lora * heads * (nope + rope)
+    )
+    kv = hidden * (kv_lora + rope) + kv_lora * heads * (nope + v)
+    return q + kv + heads * v * hidden
+
+
+def _gated_deltanet(hidden: int, k_heads: int, v_heads: int, k_dim: int, v_dim: int) -> int:
+    """Qwen3-Next linear-attention (Gated DeltaNet) projections of one layer (conv ignored)."""
+    qkvz = hidden * (2 * k_heads * k_dim + 2 * v_heads * v_dim)
+    return qkvz + hidden * 2 * v_heads + v_heads * v_dim * hidden  # + beta/alpha, + out
+
+
+def _ffn(hidden: int, ffn: int) -> int:
+    """A gated (SwiGLU) feed-forward block: gate, up and down matrices."""
+    return 3 * hidden * ffn
+
+
+def _mla_kv(layers: int, kv_lora: int = 512, rope: int = 64) -> int:
+    """MLA cache bytes per token: the compressed latent plus the shared RoPE key, bf16."""
+    return 2 * layers * (kv_lora + rope)
+
+
 _SRC = "docs/references.md#models"
+
+# Non-expert parameters of the presets below, from each config.json (embeddings untied: input
+# embedding + lm_head; routers; shared experts; dense FFN layers; attention). Norms and biases
+# are below 0.01 % and left out.
+_DSV2_LAYERS, _DSV2_MOE = 60, 59
+_DSV2_NONEXPERT = (
+    2 * 102400 * 5120
+    + _DSV2_LAYERS * _mla(5120, 128, 1536, 512, 128, 64, 128)
+    + _ffn(5120, 12288)  # layer 0 is dense
+    + _DSV2_MOE * (2 * _ffn(5120, 1536) + 160 * 5120)  # 2 shared experts, router
+)
+_QWEN2_NONEXPERT = 2 * 151936 * 3584 + 28 * (
+    _gqa(3584, 28, 4, 128) + (3584 + 2 * 512) + _ffn(3584, 20480) + 64 * 3584 + 3584
+)  # q/k/v biases, one shared expert of FFN 20480 and its scalar gate, router
+_QWEN3_235_NONEXPERT = 2 * 151936 * 4096 + 94 * (_gqa(4096, 64, 4, 128) + 128 * 4096)
+_QWEN3_NEXT_NONEXPERT = (
+    2 * 151936 * 2048
+    + 48 * (_ffn(2048, 512) + 512 * 2048 + 2048)
+    + (12 * _gqa(2048, 16, 2, 256, q_gate=True) + 36 * _gated_deltanet(2048, 16, 32, 128, 128))
+)  # full attention in every 4th layer, Gated DeltaNet in the other three
+_LLAMA4_ATTN = 48 * _gqa(5120, 40, 8, 128)
+_LLAMA4_SCOUT_NONEXPERT = 2 * 202048 * 5120 + _LLAMA4_ATTN + 48 * (_ffn(5120, 8192) + 16 * 5120)
+_LLAMA4_MAVERICK_NONEXPERT = (
+    2 * 202048 * 5120
+    + _LLAMA4_ATTN
+    + 24 * (_ffn(5120, 8192) + 128 * 5120)  # MoE layers: shared expert, router
+    + 24 * _ffn(5120, 16384)  # the other 24 layers are dense (intermediate_size_mlp)
+)
+_KIMI_NONEXPERT = (
+    2 * 163840 * 7168
+    + 61 * _mla(7168, 64, 1536, 512, 128, 64, 128)
+    + _ffn(7168, 18432)  # layer 0 is dense
+    + 60 * (_ffn(7168, 2048) + 384 * 7168)  # one shared expert, router
+)
 
 PRESETS: dict[str, ModelShape] = {
     m.name: m
@@ -238,7 +463,7 @@ PRESETS: dict[str, ModelShape] = {
             shared_expert_ffn=1408,
             non_expert_params=1_310_000_000,
             embedding_params=102400 * 2048,
-            kv_bytes_per_token=2 * 27 * (512 + 64),
+            kv_bytes_per_token=_mla_kv(27),
             first_moe_layer=1,
             source=f"{_SRC}: DeepSeek-V2-Lite (layer 0 dense; MLA cache 512+64 per layer)",
         ),
@@ -255,9 +480,134 @@ PRESETS: dict[str, ModelShape] = {
             shared_expert_ffn=2048,
             non_expert_params=17_100_000_000,
             embedding_params=129280 * 7168,
-            kv_bytes_per_token=2 * 61 * (512 + 64),
+            kv_bytes_per_token=_mla_kv(61),
             first_moe_layer=3,
             source=f"{_SRC}: DeepSeek-V3 (first 3 layers dense; MLA cache 512+64 per layer)",
+        ),
+        ModelShape(
+            name="deepseek-v2",
+            family="deepseek_v2",
+            layers=_DSV2_LAYERS,
+            moe_layers=_DSV2_MOE,
+            hidden=5120,
+            expert_ffn=1536,
+            experts=160,
+            top_k=6,
+            shared_experts=2,
+            shared_expert_ffn=1536,
+            non_expert_params=_DSV2_NONEXPERT,
+            embedding_params=102400 * 5120,
+            kv_bytes_per_token=_mla_kv(_DSV2_LAYERS),
+            first_moe_layer=1,
+            source=f"{_SRC}: DeepSeek-V2 (deepseek-ai/DeepSeek-V2 config.json; layer 0 dense, "
+            "2 shared experts; 236 B total)",
+        ),
+        ModelShape(
+            name="qwen2-57b-a14b",
+            family="qwen2_moe",
+            layers=28,
+            moe_layers=28,
+            hidden=3584,
+            expert_ffn=2560,
+            experts=64,
+            top_k=8,
+            shared_experts=1,
+            shared_expert_ffn=20480,
+            non_expert_params=_QWEN2_NONEXPERT,
+            embedding_params=151936 * 3584,
+            kv_bytes_per_token=_kv(28, 4, 128),
+            source=f"{_SRC}: Qwen2-57B-A14B (Qwen/Qwen2-57B-A14B config.json; shared expert FFN "
+            "20480; 57 B total)",
+        ),
+        ModelShape(
+            name="qwen3-235b-a22b",
+            family="qwen3_moe",
+            layers=94,
+            moe_layers=94,
+            hidden=4096,
+            expert_ffn=1536,
+            experts=128,
+            top_k=8,
+            non_expert_params=_QWEN3_235_NONEXPERT,
+            embedding_params=151936 * 4096,
+            kv_bytes_per_token=_kv(94, 4, 128),
+            source=f"{_SRC}: Qwen3-235B-A22B (Qwen/Qwen3-235B-A22B config.json; 235 B total)",
+        ),
+        ModelShape(
+            name="qwen3-next-80b-a3b",
+            family="qwen3_next",
+            layers=48,
+            moe_layers=48,
+            hidden=2048,
+            expert_ffn=512,
+            experts=512,
+            top_k=10,
+            shared_experts=1,
+            shared_expert_ffn=512,
+            non_expert_params=_QWEN3_NEXT_NONEXPERT,
+            embedding_params=151936 * 2048,
+            kv_bytes_per_token=_kv(12, 2, 256),  # only the 12 full-attention layers cache K/V
+            source=f"{_SRC}: Qwen3-Next-80B-A3B (Qwen/Qwen3-Next-80B-A3B-Instruct config.json; "
+            "hybrid attention, 1 shared expert; 79.67 B total)",
+            notes="Gated DeltaNet layers keep a fixed-size state per sequence, not per token",
+        ),
+        ModelShape(
+            name="llama-4-scout",
+            family="llama4",
+            layers=48,
+            moe_layers=48,
+            hidden=5120,
+            expert_ffn=8192,
+            experts=16,
+            top_k=1,
+            shared_experts=1,
+            shared_expert_ffn=8192,
+            non_expert_params=_LLAMA4_SCOUT_NONEXPERT,
+            embedding_params=202048 * 5120,
+            kv_bytes_per_token=_kv(48, 8, 128),
+            source=f"{_SRC}: Llama-4-Scout-17B-16E (meta-llama config.json text_config; every "
+            "layer MoE, 1 shared expert; 109 B total with the vision encoder)",
+            notes="three of four layers attend within 8192-token chunks: the KV cache is counted "
+            "for every layer, an overestimate past 8192 tokens",
+        ),
+        ModelShape(
+            name="llama-4-maverick",
+            family="llama4",
+            layers=48,
+            moe_layers=24,
+            hidden=5120,
+            expert_ffn=8192,
+            experts=128,
+            top_k=1,
+            shared_experts=1,
+            shared_expert_ffn=8192,
+            non_expert_params=_LLAMA4_MAVERICK_NONEXPERT,
+            embedding_params=202048 * 5120,
+            kv_bytes_per_token=_kv(48, 8, 128),
+            first_moe_layer=1,
+            source=f"{_SRC}: Llama-4-Maverick-17B-128E (meta-llama config.json text_config; "
+            "interleave_moe_layer_step 2: odd layers MoE, even layers dense FFN 16384; "
+            "400 B total)",
+            notes="three of four layers attend within 8192-token chunks: the KV cache is counted "
+            "for every layer, an overestimate past 8192 tokens",
+        ),
+        ModelShape(
+            name="kimi-k2",
+            family="deepseek_v3",
+            layers=61,
+            moe_layers=60,
+            hidden=7168,
+            expert_ffn=2048,
+            experts=384,
+            top_k=8,
+            shared_experts=1,
+            shared_expert_ffn=2048,
+            non_expert_params=_KIMI_NONEXPERT,
+            embedding_params=163840 * 7168,
+            kv_bytes_per_token=_mla_kv(61),
+            first_moe_layer=1,
+            source=f"{_SRC}: Kimi-K2 (moonshotai/Kimi-K2-Instruct config.json; DeepSeek-V3 "
+            "architecture, 384 experts, layer 0 dense; 1.04 T total)",
         ),
         ModelShape(
             name="gpt-oss-20b",
@@ -272,6 +622,7 @@ PRESETS: dict[str, ModelShape] = {
             non_expert_params=1_800_000_000,
             embedding_params=201088 * 2880,
             kv_bytes_per_token=_kv(24, 8, 64),
+            dtype="mxfp4",
             source=f"{_SRC}: GPT-OSS-20B (fused gate_up 2x2880 plus biases; MXFP4 as shipped)",
         ),
         ModelShape(
@@ -287,7 +638,8 @@ PRESETS: dict[str, ModelShape] = {
             non_expert_params=2_100_000_000,
             embedding_params=201088 * 2880,
             kv_bytes_per_token=_kv(36, 8, 64),
-            source=f"{_SRC}: GPT-OSS-120B (GptOssConfig defaults)",
+            dtype="mxfp4",
+            source=f"{_SRC}: GPT-OSS-120B (GptOssConfig defaults; MXFP4 experts as shipped)",
         ),
         ModelShape(
             name="switch-base-128",

@@ -57,6 +57,8 @@ class RunConfig:
     policy_options: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
     dtype: str | None = None
+    host_dtype: str | None = None
+    nonexpert_dtype: str | None = None
 
 
 def select_sequences(pool: list[int], n_eval: int | None, seed: int) -> list[int]:
@@ -277,6 +279,8 @@ def simulate(
     seed: int = 0,
     dtype: str | None = None,
     record: bool = True,
+    host_dtype: str | None = None,
+    nonexpert_dtype: str | None = None,
     progress: Callable[[int, int], None] | None = None,
     lookahead: str = "recorded",
     evaluate: list[int] | None = None,
@@ -294,7 +298,7 @@ def simulate(
         raise UserError(f"--lookahead must be one of {list(LOOKAHEAD_CHOICES)}, got {lookahead!r}")
     trace_path = resolve_trace(trace)
     meta = read_meta(trace_path)
-    model = meta.model if dtype is None else meta.model.with_dtype(dtype)
+    model = meta.model.with_precision(dtype, host_dtype, nonexpert_dtype)
     profile = _resolve_hw(hw)
     if isinstance(policy, Policy):
         pol = policy
@@ -442,6 +446,8 @@ def simulate(
         "hw": profile.name,
         "model": model.name,
         "dtype": model.dtype,
+        "host_dtype": model.host_precision,
+        "nonexpert_dtype": model.nonexpert_dtype,
         "trace": str(trace_path.stem if trace_path.parent.name == "traces" else trace_path),
         "gpu_experts": budget,
         "cache_ratio": budget / total,

@@ -76,6 +76,8 @@ _GRID_KEYS = {
     "calibration",
     "dtype",
     "lookahead",
+    "host_dtype",
+    "nonexpert_dtype",
     "out",
 }
 
@@ -113,6 +115,8 @@ class Grid:
     calibration: str | None = None
     dtype: str | None = None
     lookahead: str = "recorded"
+    host_dtype: str | None = None
+    nonexpert_dtype: str | None = None
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str = "grid") -> Grid:
@@ -156,7 +160,7 @@ class Grid:
         for k, v in options.items():
             if not v:
                 raise UserError(f"{source}: option {k!r} has no values")
-        for key in ("calibration", "dtype", "lookahead"):
+        for key in ("calibration", "dtype", "host_dtype", "nonexpert_dtype", "lookahead"):
             if data.get(key) is not None and not isinstance(data[key], str):
                 raise UserError(f"{source}: key {key!r} must be a string")
         lookahead = data.get("lookahead") or "recorded"
@@ -177,6 +181,8 @@ class Grid:
             calibration=data.get("calibration"),
             dtype=data.get("dtype"),
             lookahead=lookahead,
+            host_dtype=data.get("host_dtype"),
+            nonexpert_dtype=data.get("nonexpert_dtype"),
         )
 
 
@@ -269,6 +275,8 @@ class Config:
     calibration: str | None
     dtype: str | None
     lookahead: str = "recorded"
+    host_dtype: str | None = None
+    nonexpert_dtype: str | None = None
 
 
 def _option_axes(grid: Grid, policy_classes: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
@@ -362,6 +370,9 @@ def expand(grid: Grid) -> list[Config]:
                             if grid.lookahead != "recorded":
                                 # only then, so the keys of earlier sweeps stay valid
                                 ident["lookahead"] = grid.lookahead
+                            for extra in ("host_dtype", "nonexpert_dtype"):
+                                if getattr(grid, extra) is not None:
+                                    ident[extra] = getattr(grid, extra)
                             text = json.dumps(ident, sort_keys=True, default=str)
                             key = hashlib.sha256(text.encode()).hexdigest()[:32]
                             if key in seen:
@@ -386,6 +397,8 @@ def expand(grid: Grid) -> list[Config]:
                                     calibration=grid.calibration,
                                     dtype=grid.dtype,
                                     lookahead=grid.lookahead,
+                                    host_dtype=grid.host_dtype,
+                                    nonexpert_dtype=grid.nonexpert_dtype,
                                 )
                             )
     return configs
@@ -448,13 +461,15 @@ def run_config(cfg: Config) -> dict[str, Any]:
             dtype=cfg.dtype,
             record=False,
             lookahead=cfg.lookahead,
+            host_dtype=cfg.host_dtype,
+            nonexpert_dtype=cfg.nonexpert_dtype,
         )
     except Exception as exc:  # recorded, not raised: one bad configuration must not sink others
         row["error"] = _one_line(exc)
         return row
     c = result.config
     meta = read_meta(path)
-    model = meta.model if cfg.dtype is None else meta.model.with_dtype(cfg.dtype)
+    model = meta.model.with_precision(cfg.dtype, cfg.host_dtype, cfg.nonexpert_dtype)
     expert_bytes = int(model.expert_bytes())
     row.update(
         {

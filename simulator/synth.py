@@ -314,6 +314,29 @@ _preset(
     )
 )
 
+# Larger relatives of the fitted presets. No routing statistics of these models are on file, so
+# none is fitted: each takes its family's fitted parameters and says so.
+_DEEPSEEK_FAMILY = _MIXTRAL_V1.replace(temporal_share=0.3928)
+_QWEN3_FAMILY = _MIXTRAL_V1.replace(
+    bias_std=1.3121, bias_first=0.2652, temporal_share=0.394, temporal_first=0.004666
+)
+for _name, _params, _family in (
+    ("deepseek-v2", _DEEPSEEK_FAMILY, "deepseek-v2-lite"),
+    ("deepseek-v3", _DEEPSEEK_FAMILY, "deepseek-v2-lite"),
+    ("kimi-k2", _DEEPSEEK_FAMILY, "deepseek-v2-lite"),
+    ("qwen3-235b-a22b", _QWEN3_FAMILY, "qwen3-30b-a3b"),
+):
+    _preset(
+        SynthPreset(
+            name=_name,
+            model=_name,
+            params=_params,
+            matches=f"no published {_name} routing figures are on file; none are fitted",
+            assumes=f"the {_family} preset's fitted parameters carry over to this larger model "
+            "of the same family (more experts and layers, the same router design)",
+        )
+    )
+
 
 def get_preset(name_or_path: str) -> SynthPreset:
     """A preset by name, or a JSON/TOML file written by ``synth fit`` (or by hand)."""

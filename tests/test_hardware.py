@@ -30,6 +30,25 @@ REQUIRED = {
     "rtx5090-pcie5",
     "t4-pcie3",
     "jetson-orin-64g",
+    # machines people own (issue 16): desktop GeForce cards on a dual-channel DDR5 host, and a
+    # 4090 with a newer desktop CPU, an AMX Xeon and a 12-channel EPYC
+    "rtx3060-pcie4",
+    "rtx4060ti-pcie4x8",
+    "rtx4070-pcie4",
+    "rtx4080-pcie4",
+    "rtx4090-9950x-pcie4",
+    "rtx4090-xeon6454s-pcie4",
+    "rtx4090-epyc9654-pcie4",
+}
+#: The new machines and what sets them apart from their base (GPU GiB, GPU GB/s, CPU, channels).
+OWNED = {
+    "rtx3060-pcie4": (12, 360.0, "7950X"),
+    "rtx4060ti-pcie4x8": (16, 288.0, "7950X"),
+    "rtx4070-pcie4": (12, 504.0, "7950X"),
+    "rtx4080-pcie4": (16, 716.8, "7950X"),
+    "rtx4090-9950x-pcie4": (24, 912.0, "9950X"),
+    "rtx4090-xeon6454s-pcie4": (24, 912.0, "6454S"),
+    "rtx4090-epyc9654-pcie4": (24, 912.0, "9654"),
 }
 
 
@@ -83,8 +102,57 @@ def test_jetson_is_unified() -> None:
             assert p.link.h2d_pinned_gbs < 15.75  # Gen3 x16 line rate
         if p.name.endswith("pcie4"):
             assert 15.75 < p.link.h2d_pinned_gbs < 31.5
+        if p.name.endswith("pcie4x8"):
+            assert 7.9 < p.link.h2d_pinned_gbs < 15.75
         if p.name.endswith(("pcie5", "sxm5")):
             assert 31.5 < p.link.h2d_pinned_gbs < 63.0
+
+
+@pytest.mark.parametrize("name", sorted(OWNED))
+def test_owned_machines_extend_a_bundled_profile(name: str) -> None:
+    """Each new machine is a few lines over ``extends`` and keeps its base's other tables."""
+    gib, bw, cpu = OWNED[name]
+    path = profiles_dir() / f"{name}.toml"
+    assert path.read_text().count('extends = "rtx4090-pcie4"') == 1
+    hw, base = load_profile(name), load_profile("rtx4090-pcie4")
+    assert hw.gpu.memory_gb == pytest.approx(gib * 2**30 / 1e9, abs=0.01)
+    assert hw.gpu.mem_bw_gbs == bw and cpu in hw.cpu.name
+    assert hw.gpu.usable_fraction == base.gpu.usable_fraction
+    if cpu == "7950X":
+        assert hw.cpu == base.cpu
+    else:
+        assert hw.gpu == base.gpu and hw.link == base.link
+
+
+def test_the_x8_card_copies_at_half_rate() -> None:
+    """The RTX 4060 Ti has a PCIe 4.0 x8 interface: below the x8 line rate of 15.75 GB/s."""
+    link = load_profile("rtx4060ti-pcie4x8").link
+    assert link.h2d_pinned_gbs < 15.75 < load_profile("rtx4070-pcie4").link.h2d_pinned_gbs
+
+
+def test_server_hosts_have_more_memory_bandwidth_than_desktops() -> None:
+    """8- and 12-channel servers stream experts 3-5x faster than a dual-channel desktop."""
+    desk = load_profile("rtx4090-pcie4").cpu.mem_bw_gbs
+    assert load_profile("rtx4090-xeon6454s-pcie4").cpu.mem_bw_gbs > 3 * desk
+    assert load_profile("rtx4090-epyc9654-pcie4").cpu.mem_bw_gbs > 5 * desk
+
+
+def test_every_profile_gives_finite_costs_for_every_model() -> None:
+    """All bundled machines x all model presets: finite, positive costs (expert slots >= 0)."""
+    import math
+
+    from simulator.costs import cost_model
+    from simulator.models import PRESETS
+
+    for hw in list_profiles():
+        for model in PRESETS.values():
+            summary = cost_model(hw, model).summary()
+            for key, value in summary["costs"].items():
+                if key.startswith("breakeven"):
+                    assert value >= 0, (hw.name, model.name, key)
+                else:
+                    assert math.isfinite(value) and value > 0, (hw.name, model.name, key)
+            assert summary["gpu_expert_slots"] >= 0
 
 
 def test_load_by_path_and_name_agree() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from simulator.commands.common import echo_json, json_option
-from simulator.models import PRESETS, get_model
+from simulator.models import DTYPES, PRESETS, get_model
 
 
 @click.group("models")
@@ -30,8 +30,11 @@ def list_cmd(as_json: bool) -> None:
             "TOP-K",
             "HIDDEN",
             "FFN",
+            "SHARED",
+            "DTYPE",
             "EXPERT MB (bf16)",
             "NON-EXPERT GB",
+            "TOTAL B",
         )
     ]
     for m in shapes:
@@ -44,13 +47,32 @@ def list_cmd(as_json: bool) -> None:
                 str(m.top_k),
                 str(m.hidden),
                 str(m.expert_ffn),
+                str(m.shared_experts),
+                m.dtype,
                 f"{m.expert_bytes('bf16') / 1e6:.1f}",
                 f"{m.non_expert_bytes('bf16') / 1e9:.2f}",
+                f"{m.total_params / 1e9:.1f}",
             )
         )
+    _echo_table(rows)
+
+
+def _echo_table(rows: list[tuple[str, ...]]) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+
+
+@models.command("dtypes")
+@json_option
+def dtypes_cmd(as_json: bool) -> None:
+    """List the weight precisions (--dtype, --host-dtype, --nonexpert-dtype) and their sizes."""
+    if as_json:
+        echo_json([{**vars(d), "bytes_per_weight": d.bytes} for d in DTYPES.values()])
+        return
+    rows = [("NAME", "BITS/WEIGHT", "KIND", "LAYOUT")]
+    rows += [(d.name, f"{d.bits:.4f}", d.kind, d.layout) for d in DTYPES.values()]
+    _echo_table(rows)
 
 
 @models.command("show")

@@ -70,7 +70,19 @@ def _print_table(rows: list[tuple[str, ...]]) -> None:
     "--dtype",
     type=click.Choice(sorted(DTYPE_BYTES)),
     default=None,
-    help="Expert precision (default: the model's).",
+    help="GPU expert precision (default: the model's).",
+)
+@click.option(
+    "--host-dtype",
+    type=click.Choice(sorted(DTYPE_BYTES)),
+    default=None,
+    help="Precision of the host's expert copies: CPU compute and link bytes (default: --dtype).",
+)
+@click.option(
+    "--nonexpert-dtype",
+    type=click.Choice(sorted(DTYPE_BYTES)),
+    default=None,
+    help="Precision of the non-expert weights (default: the model's, bf16).",
 )
 @click.option(
     "--context",
@@ -82,18 +94,31 @@ def _print_table(rows: list[tuple[str, ...]]) -> None:
 )
 @json_option
 def show_cmd(
-    name_or_path: str, model_name: str, dtype: str | None, context_tokens: int, as_json: bool
+    name_or_path: str,
+    model_name: str,
+    dtype: str | None,
+    host_dtype: str | None,
+    nonexpert_dtype: str | None,
+    context_tokens: int,
+    as_json: bool,
 ) -> None:
     """Show a profile (bundled NAME or a TOML PATH) and the model's derived costs on it."""
     hw = load_profile(name_or_path)
-    model = get_model(model_name)
-    if dtype is not None:
-        model = model.with_dtype(dtype)
+    model = get_model(model_name).with_precision(dtype, host_dtype, nonexpert_dtype)
     cm = cost_model(hw, model)
     summary = cm.summary(context_tokens)
     out = hw.to_dict() | {
         k: summary[k]
-        for k in ("model", "dtype", "expert_bytes", "context_tokens", "gpu_expert_slots")
+        for k in (
+            "model",
+            "dtype",
+            "host_dtype",
+            "nonexpert_dtype",
+            "expert_bytes",
+            "host_expert_bytes",
+            "context_tokens",
+            "gpu_expert_slots",
+        )
     }
     out |= {
         "costs": summary["costs"],
@@ -107,7 +132,12 @@ def show_cmd(
     click.echo("")
     click.echo(
         f"costs for {model.name} ({model.dtype} experts, {cm.expert_bytes:,} bytes each; "
-        f"decode context {context_tokens} tokens)"
+        + (
+            f"host copies {model.host_precision}, {cm.host_expert_bytes:,} bytes; "
+            if cm.split_precision
+            else ""
+        )
+        + f"non-expert weights {model.nonexpert_dtype}; decode context {context_tokens} tokens)"
     )
     c = summary["costs"]
     meas = summary["measured"]

@@ -103,6 +103,9 @@ def compute_bounds(
         "dtype": dtype,
         "seed": seed,
         "record": False,
+        # the bounds run at the result's precisions (host copies, non-expert weights)
+        "host_dtype": result.config.get("host_dtype"),
+        "nonexpert_dtype": result.config.get("nonexpert_dtype"),
     }
     out: dict[str, dict[str, float]] = {}
     own = result.config["policy"]
@@ -213,7 +216,17 @@ def render_table(doc: dict[str, Any]) -> str:
     metavar="KEY=VALUE",
     help="Policy option (repeatable).",
 )
-@click.option("--dtype", default=None, help="Expert precision (bf16, fp16, int8, int4, ...).")
+@click.option(
+    "--dtype", default=None, help="GPU expert precision (bf16, int4_g128, q4_k_m, mxfp4, ...)."
+)
+@click.option(
+    "--host-dtype",
+    default=None,
+    help="Precision of the host's expert copies: CPU compute and link bytes (default: --dtype).",
+)
+@click.option(
+    "--nonexpert-dtype", default=None, help="Precision of the non-expert weights (default: bf16)."
+)
 @click.option(
     "--seed",
     type=int,
@@ -246,6 +259,8 @@ def run(
     calibration: str | None,
     policy_opts: tuple[str, ...],
     dtype: str | None,
+    host_dtype: str | None,
+    nonexpert_dtype: str | None,
     seed: int,
     out_dir: str | None,
     no_progress: bool,
@@ -275,6 +290,8 @@ def run(
             record=out_dir is not None,
             progress=progress,
             lookahead=lookahead,
+            host_dtype=host_dtype,
+            nonexpert_dtype=nonexpert_dtype,
         )
     if bounds:
         result.config["bounds"] = compute_bounds(result, hw, trace, sequences, dtype, seed)

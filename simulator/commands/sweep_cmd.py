@@ -58,7 +58,9 @@ def _parses(kind: type, text: str) -> bool:
     metavar="none|self|PATH",
     help="Calibration data for every run, as for `daopsim run` (default: held-out sequences).",
 )
-@click.option("--dtype", help="Override the model dtype of every trace.")
+@click.option("--dtype", help="Override the GPU expert precision of every trace.")
+@click.option("--host-dtype", help="Precision of the host's expert copies (default: --dtype).")
+@click.option("--nonexpert-dtype", help="Precision of the non-expert weights (default: bf16).")
 @click.option(
     "--lookahead",
     type=click.Choice(["recorded", "previous-token"]),
@@ -88,6 +90,8 @@ def sweep(
     seeds: str | None,
     calibration: str | None,
     dtype: str | None,
+    host_dtype: str | None,
+    nonexpert_dtype: str | None,
     out: str | None,
     executor: str,
     workers: int | None,
@@ -134,6 +138,10 @@ def sweep(
         grid.dtype = dtype
     if lookahead is not None:
         grid.lookahead = lookahead
+    if host_dtype is not None:
+        grid.host_dtype = host_dtype
+    if nonexpert_dtype is not None:
+        grid.nonexpert_dtype = nonexpert_dtype
     out = out or file_out
     if out is None:
         raise UserError("give --out RESULTS.parquet (or 'out' in the grid file)")
