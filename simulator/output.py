@@ -55,9 +55,11 @@ def describe_os_error(exc: OSError, path: PathLike) -> str:
     """The reason part of an OSError, naming the other file when it is not ``path``."""
     detail = exc.strerror or str(exc) or type(exc).__name__
     other = exc.filename
-    if other is not None and os.fspath(other) != os.fspath(path):
-        detail += f" ({os.fspath(other)})"
-    return detail
+    if other is None or os.fspath(other) == os.fspath(path):
+        return detail
+    if Path(os.fspath(other)).name.startswith(f".{Path(path).name}."):
+        return detail  # our own temporary or staging name says nothing to the user
+    return f"{detail} ({os.fspath(other)})"
 
 
 @contextlib.contextmanager
@@ -106,7 +108,8 @@ def _same(a: Path, b: Path) -> bool:
 
 
 def _inputs(inputs: Iterable[PathLike | None]) -> list[Path]:
-    return [Path(p) for p in inputs if p is not None and str(p) != ""]
+    # only existing files can be clobbered; a bundled name such as "a6000-pcie4" is no path
+    return [Path(p) for p in inputs if p is not None and str(p) != "" and os.path.lexists(p)]
 
 
 def check_output_file(
@@ -173,7 +176,9 @@ def check_output_dir(
     return target
 
 
-def _refuse_non_regular(target: Path, where: str) -> None:
+def refuse_non_regular(target: Path, where: str) -> None:
+    """An OutputError when ``target`` exists and is not a regular file (checked just before a
+    rename, which would otherwise replace a device node, FIFO or socket)."""
     st = _stat(target)
     if st is not None and not stat.S_ISREG(st.st_mode):
         if stat.S_ISDIR(st.st_mode):
@@ -187,9 +192,7 @@ def _umask() -> int:
     return mask
 
 
-def write_file(
-    path: PathLike, write: Callable[[str], None], flag: str | None = None
-) -> Path:
+def write_file(path: PathLike, write: Callable[[str], None], flag: str | None = None) -> Path:
     """Call ``write(tmp)`` for a temporary file beside ``path``, then rename it into place.
 
     A non-regular target is refused (checked again here, not only before the work), no partial
@@ -197,7 +200,7 @@ def write_file(
     """
     target = Path(path)
     where = _where(path, flag)
-    _refuse_non_regular(target, where)
+    refuse_non_regular(target, where)
     with os_errors(path, flag):
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
@@ -206,7 +209,7 @@ def write_file(
             write(tmp)
             # mkstemp creates 0600; give the file the permissions a plain open() would
             os.chmod(tmp, 0o666 & ~_umask())
-            _refuse_non_regular(target, where)
+            refuse_non_regular(target, where)
             os.replace(tmp, target)
         finally:
             if os.path.exists(tmp):
@@ -354,7 +357,9 @@ def output_dir(
         target.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale_stages(target)
         stage = Path(
-            tempfile.mkdtemp(prefix=_STAGE.format(name=target.name, pid=os.getpid()), dir=target.parent)
+            tempfile.mkdtemp(
+                prefix=_STAGE.format(name=target.name, pid=os.getpid()), dir=target.parent
+            )
         )
     try:
         with os_errors(path, flag):
@@ -376,6 +381,7 @@ __all__ = [
     "os_errors",
     "output_dir",
     "output_format",
+    "refuse_non_regular",
     "safe_name",
     "write_figure",
     "write_file",

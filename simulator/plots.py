@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from simulator.errors import UserError
-from simulator.results import atomic_write_png
+from simulator.output import write_figure
 
 #: The plot kinds of ``daopsim plot --kind``.
 KINDS = ("throughput", "hit-rate", "breakdown", "heatmap", "pareto")
@@ -423,8 +423,8 @@ def plot(df: pd.DataFrame | str | os.PathLike[str], kind: str, **kwargs: Any) ->
 
 
 def save_figure(fig: Any, path: str | os.PathLike[str], dpi: int = 120) -> Path:
-    """Write a figure as PNG atomically and close it."""
-    return atomic_write_png(fig, path, dpi)
+    """Write a figure atomically (PNG, PDF or SVG by the suffix) and close it."""
+    return write_figure(fig, path, dpi)
 
 
 __all__ = [

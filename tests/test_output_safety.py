@@ -76,7 +76,9 @@ def test_run_outputs_are_built_beside_and_swapped_in_whole(
     }
     # every file was written in a hidden sibling staging folder, never in place
     assert {p.name for p in staged} == set(files) and len(staged) == 2 * len(files)
-    assert all(p.parent.parent == tmp_path and p.parent.name.startswith(".out.new-") for p in staged)
+    assert all(
+        p.parent.parent == tmp_path and p.parent.name.startswith(".out.new-") for p in staged
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging folder left
 
 
