@@ -341,6 +341,15 @@ def _remove_stale_stages(target: Path) -> None:
 
 
 @contextlib.contextmanager
+def _named_for_target(stage: Path, target: Path) -> Iterator[None]:
+    """Errors about a file in the staging folder name the file where the user will look."""
+    try:
+        yield
+    except OutputError as exc:
+        raise OutputError(str(exc).replace(str(stage), str(target))) from None
+
+
+@contextlib.contextmanager
 def output_dir(
     path: PathLike,
     names: Collection[str],
@@ -362,10 +371,9 @@ def output_dir(
             )
         )
     try:
-        with os_errors(path, flag):
+        with _named_for_target(stage, target), os_errors(path, flag):
             os.chmod(stage, 0o777 & ~_umask())
-        yield stage
-        with os_errors(path, flag):
+            yield stage
             _swap_in(stage, target)
     finally:
         if stage.exists():

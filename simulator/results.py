@@ -11,6 +11,7 @@ import gzip
 import json
 import math
 import os
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -230,7 +231,10 @@ def _write_json(path: str, doc: Any, compress: bool) -> None:
     """Compact JSON, gzipped (fixed header time, so equal runs give equal bytes) if asked."""
     data = json.dumps(doc, separators=(",", ":")).encode()
     if compress:
-        with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz:
+        with (
+            open(path, "wb") as raw,
+            gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0) as gz,
+        ):
             gz.write(data)
     else:
         with open(path, "wb") as fh:
@@ -383,10 +387,12 @@ class RunResult:
             ax.legend(uniq.values(), uniq.keys(), loc="upper right", fontsize=7, ncol=3)
         ax.set_yticks(range(len(resources)), resources)
         ax.set_xlabel("time since window start (ms)")
-        ax.set_title(
+        title = (
             f"{self.config.get('policy')} on {self.config.get('hw')}: sequence {seq},"
-            f" tokens {tokens[0]}-{tokens[1] - 1} ({self.config.get('trace')})"
+            f" tokens {tokens[0]}-{tokens[1] - 1}"
+            f" (trace {Path(str(self.config.get('trace'))).name})"
         )
+        ax.set_title(textwrap.fill(title, 100), fontsize=10)
         return ax
 
     def plot_hit_rate(self, ax: Any = None) -> Any:
@@ -395,15 +401,19 @@ class RunResult:
 
         if ax is None:
             _, ax = plt.subplots(figsize=(8, 3.2))
+        from simulator.plots import policy_color
+
         rates = self.per_layer_hit_rate
-        ax.bar(range(len(rates)), rates, color="#2f6fb0")
+        policy = str(self.config.get("policy"))
+        ax.bar(range(len(rates)), rates, color=policy_color(policy))
         ax.set_xlabel("MoE layer")
         ax.set_ylabel("hit rate (decode)")
         ax.set_ylim(0, 1)
-        ax.set_title(
-            f"{self.config.get('policy')} on {self.config.get('hw')}, "
-            f"{self.config.get('gpu_experts')} GPU experts ({self.config.get('trace')})"
+        title = (
+            f"{policy} on {self.config.get('hw')}, {self.config.get('gpu_experts')} GPU experts "
+            f"(trace {Path(str(self.config.get('trace'))).name})"
         )
+        ax.set_title(textwrap.fill(title, 70), fontsize=10)
         return ax
 
     def write(

@@ -79,7 +79,6 @@ from simulator.trace import ALL_PROBS_MAX_EXPERTS, DEFAULT_TOP_M
     "-o",
     "--output",
     required=True,
-    type=click.Path(dir_okay=False),
     help="Trace file to write (Parquet; written atomically).",
 )
 @json_option

@@ -65,7 +65,6 @@ def _resolve_params(
     "-o",
     "--output",
     "output",
-    type=click.Path(dir_okay=False),
     help="Trace file to write (.parquet).",
 )
 @click.option(
@@ -225,7 +224,6 @@ def _load_target(path: str) -> dict[str, Any]:
     "--output",
     "output",
     required=True,
-    type=click.Path(dir_okay=False),
     help="Preset file to write (JSON), usable with `synth --preset`.",
 )
 @json_option
