@@ -265,7 +265,7 @@ class ExperimentResult:
         tab = self.table
         sp = self.speedups()
         inputs = (self.experiment.path, *inputs)
-        with output_dir(target, EXPERIMENT_FILES.values(), flag=flag, inputs=inputs) as stage:
+        with output_dir(target, EXPERIMENT_REPLACES, flag=flag, inputs=inputs) as stage:
             write_file(stage / "results.csv", lambda t: tab.to_csv(t, index=False))
             write_file(stage / "results.parquet", lambda t: tab.to_parquet(t, index=False))
             write_file(stage / "speedups.csv", lambda t: sp.to_csv(t, index=False))
@@ -282,6 +282,14 @@ EXPERIMENT_FILES = {
     "summary": "summary.txt",
     "plot": "tokens_per_s.png",
 }
+#: What may be in an experiment folder that is replaced: its files, and the figures `daopsim
+#: plot` draws from them by default (results.<kind>.png), which are stale once results change.
+EXPERIMENT_REPLACES = (
+    *EXPERIMENT_FILES.values(),
+    "results.*.png",
+    "results.*.pdf",
+    "results.*.svg",
+)
 
 
 def run_experiment(

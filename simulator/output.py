@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fnmatch
 import os
 import re
 import shutil
@@ -145,8 +146,9 @@ def check_output_dir(
 ) -> Path:
     """Before any work: ``path`` can become a folder of ``names`` (swapped in whole later).
 
-    An existing folder may hold only files named in ``names`` (a previous output set), since
-    the swap replaces the folder as a whole; an input of the command may not be inside it.
+    An existing folder may hold only files matching ``names`` (file names or glob patterns: a
+    previous output set, or files derived from it), since the swap replaces the folder as a
+    whole; an input of the command may not be inside it.
     """
     target = Path(path)
     where = _where(path, flag)
@@ -158,7 +160,11 @@ def check_output_dir(
                 ", expected a folder"
             )
         try:
-            foreign = sorted(p.name for p in target.iterdir() if p.name not in names)
+            foreign = sorted(
+                p.name
+                for p in target.iterdir()
+                if not any(fnmatch.fnmatchcase(p.name, pattern) for pattern in names)
+            )
         except OSError as exc:
             raise OutputError(f"{where}: cannot read: {describe_os_error(exc, target)}") from None
         if foreign:

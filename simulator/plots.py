@@ -215,6 +215,7 @@ def _all_gpu_bound(ax: Any, bound: float, rows: pd.DataFrame) -> None:
     top = float(rows["tokens_per_s"].max()) if len(rows) else float("nan")
     if not np.isfinite(top) or bound <= 1.6 * top:
         ax.axhline(bound, color="black", ls=":", lw=1.5, label="all-gpu (bound)")
+        ax.set_ylim(0, max(ax.get_ylim()[1], bound * 1.08))  # the line inside, not on the edge
         return
     ax.set_ylim(0, top * 1.25)
     ax.annotate(

@@ -49,7 +49,7 @@ def experiment(
     expert budget does not fit in GPU memory are skipped and reported with the reason.
     """
     from simulator.experiments import (
-        EXPERIMENT_FILES,
+        EXPERIMENT_REPLACES,
         bundled_experiments,
         load_experiment,
         run_experiment,
@@ -66,7 +66,7 @@ def experiment(
     exp = load_experiment(name)
     out = out_dir if out_dir is not None else Path(f"{exp.name}-results")
     traces = [resolve_or_none(m.trace) for m in exp.models]
-    check_output_dir(out, EXPERIMENT_FILES.values(), "--out", [exp.path, exp.hw, *traces])
+    check_output_dir(out, EXPERIMENT_REPLACES, "--out", [exp.path, exp.hw, *traces])
 
     def progress(msg: str) -> None:
         if not as_json:
