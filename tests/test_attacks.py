@@ -64,6 +64,7 @@ def ws(tmp_path_factory: pytest.TempPathFactory) -> Path:
     stats = CliRunner().invoke(main, ["trace", "stats", str(trace), "--json"])
     assert stats.exit_code == 0, stats.output
     (root / "target.json").write_text(stats.stdout)
+    (root / "prompts.jsonl").write_text('{"prompt": "hello"}\n')
     return root
 
 
@@ -154,6 +155,15 @@ def _commands(ws: Path) -> dict[str, Callable[[Path], list[str]]]:
         "validate --out": lambda o: ["validate", "--out", str(o)],
         "validate --markdown": lambda o: ["validate", "--markdown", str(o)],
         "regress --update --baseline": lambda o: ["regress", "--update", "--baseline", str(o)],
+        "capture -o": lambda o: [
+            "capture",
+            "--random-init",
+            "mixtral",
+            "--prompts",
+            str(ws / "prompts.jsonl"),
+            "-o",
+            str(o),
+        ],
     }
 
 
@@ -167,9 +177,15 @@ COMMANDS = [
     "validate --out",
     "validate --markdown",
     "regress --update --baseline",
+    "capture -o",
 ]
 #: the suffix each command's output needs (so the refusal is about the target, not the name)
-SUFFIX = {"sweep --out": ".parquet", "synth -o": ".parquet", "plot -o": ".png"}
+SUFFIX = {
+    "sweep --out": ".parquet",
+    "synth -o": ".parquet",
+    "plot -o": ".png",
+    "capture -o": ".parquet",
+}
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -242,6 +258,23 @@ def test_unwritable_folder(ws: Path, tmp_path: Path, monkeypatch: pytest.MonkeyP
     res = CliRunner().invoke(main, _commands(ws)["synth -o"](ro / "s.parquet"))
     _one_error(res, OUTPUT, "not writable")
     assert list(ro.iterdir()) == []
+
+
+def test_staging_folders_of_killed_writers_are_cleaned(ws: Path, tmp_path: Path) -> None:
+    """A writer killed mid-way leaves .NAME.new-<pid>-*; the next write removes it (its pid is
+    gone) but never a live writer's."""
+    out = tmp_path / "out"
+    dead = tmp_path / ".out.new-999999999-abc"  # no such pid
+    live = tmp_path / f".out.new-{os.getpid()}-xyz"
+    for d in (dead, live):
+        d.mkdir()
+        (d / "metrics.json").write_text("{}")
+    res = CliRunner().invoke(
+        main, ["run", "--trace", str(ws / "t.parquet"), "--no-progress", "--out", str(out)]
+    )
+    assert res.exit_code == 0, res.output
+    assert not dead.exists() and live.exists()
+    assert json.loads((out / "metrics.json").read_text())["metrics"]
 
 
 # --- inputs are never outputs -----------------------------------------------------------------
