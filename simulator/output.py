@@ -368,6 +368,8 @@ def output_dir(
     folder is removed and ``path`` is untouched; OSErrors become OutputErrors.
     """
     target = check_output_dir(path, names, flag, inputs)
+    if target.is_symlink():
+        target = target.resolve()  # update the folder the link points at, keep the link
     with os_errors(path, flag):
         target.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale_stages(target)

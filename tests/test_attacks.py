@@ -277,6 +277,19 @@ def test_staging_folders_of_killed_writers_are_cleaned(ws: Path, tmp_path: Path)
     assert json.loads((out / "metrics.json").read_text())["metrics"]
 
 
+def test_folder_output_through_a_symlink_keeps_the_link(ws: Path, tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    real.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    res = CliRunner().invoke(
+        main, ["run", "--trace", str(ws / "t.parquet"), "--no-progress", "--out", str(link)]
+    )
+    assert res.exit_code == 0, res.output
+    assert link.is_symlink() and (real / "metrics.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]
+
+
 # --- inputs are never outputs -----------------------------------------------------------------
 
 

@@ -1,8 +1,9 @@
 """``daopsim regress``: re-run the golden grid and compare it with the golden store.
 
 Exit 0 when nothing moved, 1 on any regression (a moved value, a new or missing configuration),
-2 for bad arguments or a missing/damaged store. ``--update`` rewrites the whole store
-atomically, prints what changed and exits 0. See docs/regression.md.
+2 for bad arguments or a missing/damaged store, 3 when ``--update`` cannot write the store
+(docs/cli.md). ``--update`` rewrites the whole store atomically, prints what changed and exits
+0. See docs/regression.md.
 """
 
 from __future__ import annotations
