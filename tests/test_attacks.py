@@ -34,27 +34,28 @@ from simulator.testing import make_trace
 USAGE, OUTPUT = int(ExitCode.USAGE), int(ExitCode.OUTPUT)
 
 
+def _sweep(trace: Path | str, out: Path | str, *extra: str) -> list[str]:
+    """``daopsim sweep`` of lru over one trace into ``out``."""
+    return [
+        "sweep",
+        "--policies",
+        "lru",
+        "--traces",
+        str(trace),
+        "--no-progress",
+        *extra,
+        "--out",
+        str(out),
+    ]
+
+
 @pytest.fixture(scope="module")
 def ws(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A workspace with a tiny trace, a sweep results table, a grid and an experiment file."""
     root = tmp_path_factory.mktemp("attacks")
     trace = make_trace(root / "t.parquet", sequences=3, prefill=6, decode=10, seed=3)
     res = CliRunner().invoke(
-        main,
-        [
-            "sweep",
-            "--policies",
-            "lru",
-            "--traces",
-            str(trace),
-            "--cache-ratios",
-            "0.5",
-            "--workers",
-            "1",
-            "--no-progress",
-            "--out",
-            str(root / "results.parquet"),
-        ],
+        main, _sweep(trace, root / "results.parquet", "--cache-ratios", "0.5", "--workers", "1")
     )
     assert res.exit_code == 0, res.output
     (root / "exp.toml").write_text(
@@ -121,16 +122,7 @@ def _commands(ws: Path) -> dict[str, Callable[[Path], list[str]]]:
     t = str(ws / "t.parquet")
     return {
         "run --out": lambda o: ["run", "--trace", t, "--no-progress", "--out", str(o)],
-        "sweep --out": lambda o: [
-            "sweep",
-            "--policies",
-            "lru",
-            "--traces",
-            t,
-            "--no-progress",
-            "--out",
-            str(o),
-        ],
+        "sweep --out": lambda o: _sweep(t, o),
         "synth -o": lambda o: ["synth", "--model", "olmoe-1b-7b", "--sequences", "1", "-o", str(o)],
         "synth fit -o": lambda o: [
             "synth",
@@ -296,19 +288,7 @@ def test_folder_output_through_a_symlink_keeps_the_link(ws: Path, tmp_path: Path
 def test_sweep_output_is_its_input_trace(ws: Path, tmp_path: Path) -> None:
     trace = make_trace(tmp_path / "t.parquet", sequences=2, seed=1)
     before = trace.read_bytes()
-    res = CliRunner().invoke(
-        main,
-        [
-            "sweep",
-            "--policies",
-            "lru",
-            "--traces",
-            str(trace),
-            "--no-progress",
-            "--out",
-            str(trace),
-        ],
-    )
+    res = CliRunner().invoke(main, _sweep(trace, trace))
     _one_error(res, OUTPUT, "is also an input")
     assert trace.read_bytes() == before
     assert not (tmp_path / "t.parquet.parts").exists()
@@ -541,15 +521,7 @@ def test_sweep_csv_is_csv_and_plots(ws: Path, tmp_path: Path) -> None:
     [
         lambda ws, tmp: ["plot", str(ws / "results.parquet"), "-o", str(tmp / "x.gif")],
         lambda ws, tmp: ["plot", str(ws / "results.parquet"), "-o", str(tmp / "noext")],
-        lambda ws, tmp: [
-            "sweep",
-            "--policies",
-            "lru",
-            "--traces",
-            str(ws / "t.parquet"),
-            "--out",
-            str(tmp / "r.txt"),
-        ],
+        lambda ws, tmp: _sweep(ws / "t.parquet", tmp / "r.txt"),
     ],
 )
 def test_unknown_suffix_is_refused(
