@@ -13,6 +13,7 @@ import sys
 import click
 
 from simulator.commands.common import echo_json, json_option
+from simulator.errors import ExitCode
 
 
 @click.command("regress")
@@ -123,7 +124,7 @@ def regress(
                 f"{_count(n_cfg, 'configuration')} ({what}); if intended, run "
                 "`daopsim regress --update` and commit the store with the reason"
             )
-    sys.exit(0 if report.ok or report.updated else 1)
+    sys.exit(ExitCode.OK if report.ok or report.updated else ExitCode.FAILED)
 
 
 def _count(n: int, noun: str) -> str:
