@@ -152,6 +152,11 @@ def check_output_dir(
     """
     target = Path(path)
     where = _where(path, flag)
+    resolved = target.resolve()
+    cwd = Path.cwd().resolve()
+    if resolved == cwd or resolved in cwd.parents:
+        # swapping it would pull the folder out from under this process and the user's shell
+        raise OutputError(f"{where}: is the current folder or holds it; choose a subfolder")
     st = _stat(target)
     if st is not None:
         if not stat.S_ISDIR(st.st_mode):
@@ -173,7 +178,6 @@ def check_output_dir(
                 f"{where}: holds files this command does not write ({shown}); the folder is "
                 "replaced as a whole, so choose a new or empty folder"
             )
-    resolved = target.resolve()
     for inp in _inputs(inputs):
         r = inp.resolve()
         if r == resolved or resolved in r.parents:

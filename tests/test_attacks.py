@@ -231,6 +231,18 @@ def test_folder_output_never_replaces_a_folder_of_other_files(
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
+def test_folder_output_is_never_the_current_folder(
+    ws: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    for out in (".", str(here), str(tmp_path)):
+        res = CliRunner().invoke(main, _commands(ws)["run --out"](Path(out)))
+        _one_error(res, OUTPUT, "current folder")
+    assert list(here.iterdir()) == []
+
+
 def test_parent_is_a_file(ws: Path, tmp_path: Path) -> None:
     """Like /proc/x: the folder the output would go in cannot exist."""
     blocker = tmp_path / "plain-file"
