@@ -26,12 +26,14 @@ import pytest
 from click.testing import CliRunner, Result
 
 import simulator.experiments
+import simulator.output
 import simulator.results
 from simulator.cli import main
 from simulator.errors import ExitCode
 from simulator.testing import make_trace
 
 USAGE, OUTPUT = int(ExitCode.USAGE), int(ExitCode.OUTPUT)
+_REAL_WRITE_FILE = simulator.output.write_file
 
 
 def _sweep(trace: Path | str, out: Path | str, *extra: str) -> list[str]:
@@ -361,9 +363,7 @@ def test_experiment_name_cannot_leave_the_working_folder(
 
 def _raise_after(n: int, err: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every file write after the first ``n`` fails with ``err`` (a disk filling up)."""
-    import simulator.output as output
-
-    real = output.write_file
+    real = _REAL_WRITE_FILE
     calls = [0]
 
     def failing_os(path, write, flag=None):  # type: ignore[no-untyped-def]
@@ -377,7 +377,7 @@ def _raise_after(n: int, err: int, monkeypatch: pytest.MonkeyPatch) -> None:
         return real(path, write, flag)
 
     # every module that bound write_file at import (imported above, before any patch)
-    for mod in (output, simulator.results, simulator.experiments):
+    for mod in (simulator.output, simulator.results, simulator.experiments):
         monkeypatch.setattr(mod, "write_file", failing_os)
 
 
@@ -425,6 +425,27 @@ def test_full_disk_during_experiment_keeps_the_previous_set(
     res = CliRunner().invoke(main, ["experiment", str(ws / "exp.toml"), "--out", str(out)])
     _one_error(res, OUTPUT, "No space left on device")
     assert _snapshot(out) == before
+
+
+def test_failing_disk_during_validate_keeps_its_outputs(
+    ws: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    args = ["validate", "--rows", "fiddler-a6000-mixtral-offloading", "--sequences", "1"]
+    out, md = tmp_path / "val", tmp_path / "doc.md"
+    md.write_text("# doc\n<!-- validation-table:start -->\n<!-- validation-table:end -->\n")
+    first = CliRunner().invoke(main, [*args, "--no-progress", "--out", str(out)])
+    assert first.exit_code == 0, first.output
+    (out / "validation.md").write_text("the old set\n")
+    before, md_before = _snapshot(out), md.read_bytes()
+    _raise_after(1, errno.ENOSPC, monkeypatch)
+    res = CliRunner().invoke(main, [*args, "--no-progress", "--out", str(out)])
+    _one_error(res, OUTPUT, str(out), "No space left on device")
+    assert _snapshot(out) == before
+    _raise_after(0, errno.EROFS, monkeypatch)
+    res = CliRunner().invoke(main, [*args, "--no-progress", "--markdown", str(md)])
+    _one_error(res, OUTPUT, str(md), "Read-only file system")
+    assert md.read_bytes() == md_before
+    _no_leftovers(tmp_path)
 
 
 @pytest.mark.parametrize(
