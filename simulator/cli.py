@@ -2,18 +2,23 @@
 
 User mistakes (``UserError``, and click's usage errors in a subcommand) print one line,
 ``error: ...``, and exit 2; no traceback. A policy breaking the engine's rules (``PolicyError``)
-also exits 2 with its one line. Anything else is a bug and keeps its traceback.
+also exits 2 with its one line. An output that cannot be written (``OutputError``, or any
+``OSError`` a command did not handle) exits 3. With ``--json`` the same error is one JSON object
+``{"error": ..., "exit_code": ...}`` on stdout instead. Anything else is a bug and keeps its
+traceback. docs/cli.md lists the exit codes.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 import sys
 from typing import Any
 
 import click
 
-from simulator.errors import PolicyError, UserError
+from simulator.errors import ExitCode, PolicyError, UserError
+from simulator.output import describe_os_error
 
 #: (module under simulator.commands, attribute) for every subcommand; one line per command.
 COMMANDS: list[tuple[str, str]] = [
@@ -33,23 +38,41 @@ COMMANDS: list[tuple[str, str]] = [
 ]
 
 
+def fail(message: str, code: ExitCode, as_json: bool) -> None:
+    """Print one error (a line on stderr, or a JSON object on stdout) and exit with ``code``."""
+    message = " ".join(message.split())  # one line, whatever the exception text held
+    if as_json:
+        click.echo(json.dumps({"error": message, "exit_code": int(code)}, sort_keys=True))
+    else:
+        click.echo(f"error: {message}", err=True)
+    sys.exit(int(code))
+
+
 class _Group(click.Group):
-    """Turns user errors into one line and exit code 2."""
+    """Turns user and output errors into one line (or one JSON object) and their exit code."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        # the subcommand's own context is gone once it raises; remember its raw arguments
+        ctx.meta["daopsim.json"] = "--json" in args
+        return super().parse_args(ctx, args)
 
     def invoke(self, ctx: click.Context) -> Any:
+        as_json = bool(ctx.meta.get("daopsim.json"))
         try:
             return super().invoke(ctx)
         except (UserError, PolicyError) as exc:
-            click.echo(f"error: {exc}", err=True)
-            sys.exit(2)
+            fail(str(exc), getattr(exc, "exit_code", ExitCode.USAGE), as_json)
+        except OSError as exc:
+            # a read or write the command did not expect to fail: still one line, not a trace
+            where = exc.filename if exc.filename is not None else "daopsim"
+            fail(f"{where}: {describe_os_error(exc, where)}", ExitCode.OUTPUT, as_json)
         except click.UsageError as exc:
             if type(exc).__name__ == "NoArgsIsHelpError":
                 raise  # a bare group name: click prints the group's help
             # a subcommand's bad option value: one line too (click's own form is four)
             where = exc.ctx.command_path if exc.ctx is not None else "daopsim"
             text = " ".join(exc.format_message().split())
-            click.echo(f"error: {where}: {text} (see --help)", err=True)
-            sys.exit(2)
+            fail(f"{where}: {text} (see --help)", ExitCode.USAGE, as_json)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})

@@ -1,11 +1,31 @@
-"""Errors that reach users as one clear line and exit code 2 (never a traceback).
+"""Errors that reach users as one clear line (never a traceback), and the CLI's exit codes.
 
 ``UserError`` and its subclasses mean "the input is wrong"; the CLI prints ``error: <message>``
-and exits 2. ``PolicyError`` means a policy asked for something the engine refuses; it names the
-policy, sequence, token and layer so the plugin author can find the decision.
+and exits 2. ``OutputError`` means an output path cannot be used or written (exit 3).
+``PolicyError`` means a policy asked for something the engine refuses; it names the policy,
+sequence, token and layer so the plugin author can find the decision. docs/cli.md lists the
+exit codes.
 """
 
 from __future__ import annotations
+
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    """The exit codes of every ``daopsim`` command (docs/cli.md, "Exit codes")."""
+
+    OK = 0
+    #: the command ran but its verdict is negative: a sweep configuration failed, a regression
+    #: moved, a validation row is out of tolerance
+    FAILED = 1
+    #: a user mistake: bad option, unreadable or invalid input, a policy breaking the rules
+    USAGE = 2
+    #: an output path cannot be used or written (not a regular file, an input, read-only,
+    #: disk full, permission denied); nothing was replaced
+    OUTPUT = 3
+    #: interrupted (Ctrl-C); finished work is kept where the command says so
+    INTERRUPTED = 130
 
 
 def parse_key_values(
@@ -30,6 +50,14 @@ def parse_key_values(
 
 class UserError(Exception):
     """A mistake in user input (file, option, value). Printed as one line; exit code 2."""
+
+    exit_code: ExitCode = ExitCode.USAGE
+
+
+class OutputError(UserError):
+    """An output path cannot be used or written; printed as one line, exit code 3."""
+
+    exit_code = ExitCode.OUTPUT
 
 
 class TraceError(UserError):

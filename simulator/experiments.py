@@ -21,7 +21,7 @@ import pandas as pd
 from policies.registry import get_policy_class
 from simulator.data import bundled_dir
 from simulator.errors import UserError
-from simulator.results import atomic_write, atomic_write_png, atomic_write_text
+from simulator.output import output_dir, safe_name, write_figure, write_file, write_text
 from simulator.runner import simulate
 
 #: metrics kept per run in the results table
@@ -122,8 +122,11 @@ def load_experiment(name_or_path: str | os.PathLike[str]) -> Experiment:
     seqs = doc.get("sequences")
     if seqs is not None and (not isinstance(seqs, int) or seqs <= 0):
         raise UserError(f"{path}: 'sequences' must be a positive integer")
+    name = doc.get("name", path.stem)
+    if not isinstance(name, str):
+        raise UserError(f"{path}: key 'name' must be a string")
     return Experiment(
-        name=str(doc.get("name", path.stem)),
+        name=safe_name(name, f"{path}: experiment name"),
         description=str(doc.get("description", "")),
         hw=need("hw", str),
         dtype=doc.get("dtype"),
@@ -218,11 +221,14 @@ class ExperimentResult:
         return "\n".join(lines)
 
     def plot(self, path: str | os.PathLike[str]) -> Path:
-        """Tokens/s against expert cache ratio, one panel per model, one line per policy."""
+        """Tokens/s against expert cache ratio, one panel per model, one line per policy (each
+        policy in its fixed colour, ``plots.policy_color``); PNG, PDF or SVG by the suffix."""
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+
+        from simulator.plots import policy_color
 
         ok = self.ok
         models = list(dict.fromkeys(ok["model"])) or ["(none)"]
@@ -232,30 +238,58 @@ class ExperimentResult:
             for pol, grp in sub.groupby("policy", sort=False):
                 grp = grp.sort_values("cache_ratio")
                 style = "s" if bool(grp["fixed"].iloc[0]) else "o-"
-                ax.plot(grp["cache_ratio"] * 100, grp["tokens_per_s"], style, label=str(pol))
+                ax.plot(
+                    grp["cache_ratio"] * 100,
+                    grp["tokens_per_s"],
+                    style,
+                    color=policy_color(str(pol)),
+                    label=str(pol),
+                )
             ax.set_yscale("log")
             ax.set_xlabel("expert cache ratio (%)")
             ax.set_ylabel("tokens/s (prefill included)")
             ax.set_title(f"{model} on {self.experiment.hw}")
             ax.legend(fontsize=7)
         fig.tight_layout()
-        return atomic_write_png(fig, path, dpi=110)
+        return write_figure(fig, path, dpi=110)
 
-    def write(self, out_dir: str | os.PathLike[str]) -> dict[str, Path]:
-        """results.csv, results.parquet, speedups.csv, summary.txt and tokens_per_s.png."""
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
+    def write(
+        self,
+        out_dir: str | os.PathLike[str],
+        flag: str | None = None,
+        inputs: tuple[str | os.PathLike[str] | None, ...] = (),
+    ) -> dict[str, Path]:
+        """results.csv, results.parquet, speedups.csv, summary.txt and tokens_per_s.png, as one
+        set swapped in whole (simulator/output.py); ``out_dir`` may hold only these files."""
+        target = Path(out_dir)
         tab = self.table
         sp = self.speedups()
-        return {
-            "csv": atomic_write(out / "results.csv", lambda t: tab.to_csv(t, index=False)),
-            "parquet": atomic_write(
-                out / "results.parquet", lambda t: tab.to_parquet(t, index=False)
-            ),
-            "speedups": atomic_write(out / "speedups.csv", lambda t: sp.to_csv(t, index=False)),
-            "summary": atomic_write_text(out / "summary.txt", self.format_table() + "\n"),
-            "plot": self.plot(out / "tokens_per_s.png"),
-        }
+        inputs = (self.experiment.path, *inputs)
+        with output_dir(target, EXPERIMENT_REPLACES, flag=flag, inputs=inputs) as stage:
+            write_file(stage / "results.csv", lambda t: tab.to_csv(t, index=False))
+            write_file(stage / "results.parquet", lambda t: tab.to_parquet(t, index=False))
+            write_file(stage / "speedups.csv", lambda t: sp.to_csv(t, index=False))
+            write_text(stage / "summary.txt", self.format_table() + "\n")
+            self.plot(stage / "tokens_per_s.png")
+        return {k: target / v for k, v in EXPERIMENT_FILES.items()}
+
+
+#: The files ``ExperimentResult.write`` puts in its folder, by role.
+EXPERIMENT_FILES = {
+    "csv": "results.csv",
+    "parquet": "results.parquet",
+    "speedups": "speedups.csv",
+    "summary": "summary.txt",
+    "plot": "tokens_per_s.png",
+}
+#: What may be in an experiment folder that is replaced: its files, and the figures `daopsim
+#: plot` draws from them by default (results.<kind>.png), which are stale once results change.
+EXPERIMENT_REPLACES = (
+    *EXPERIMENT_FILES.values(),
+    "results.*.png",
+    "results.*.pdf",
+    "results.*.svg",
+)
 
 
 def run_experiment(
@@ -292,7 +326,12 @@ def run_experiment(
                         kwargs["gpu_experts"] = per * layers
                 else:
                     kwargs["cache_ratio"] = ratio
-                row: dict[str, Any] = {"trace": spec.trace, "policy": pname, "fixed": fixed}
+                row: dict[str, Any] = {
+                    "trace": spec.trace,
+                    "hw": exp.hw,
+                    "policy": pname,
+                    "fixed": fixed,
+                }
                 if progress is not None:
                     where = "fixed point" if fixed else f"ratio {ratio:.4g}"
                     progress(f"{spec.trace}: {pname} at {where}")
@@ -319,12 +358,13 @@ def run_experiment(
                     cache_ratio=res.config["cache_ratio"],
                     gpu_experts=res.config["gpu_experts"],
                     sequences=res.config["sequences"],
+                    bound=bool(res.config["bound"]),
                     status="ok",
                     reason="",
                 )
                 row.update({k: res.metrics.get(k) for k in METRICS})
                 rows.append(row)
-    cols = ["model", "trace", "cache_ratio", "policy", "fixed", "gpu_experts", "sequences"]
+    cols = ["model", "trace", "hw", "cache_ratio", "policy", "fixed", "gpu_experts", "sequences"]
     table = pd.DataFrame(rows)
     table = table[[c for c in cols if c in table] + [c for c in table if c not in cols]]
     return ExperimentResult(exp, table.reset_index(drop=True))

@@ -3,14 +3,19 @@ per-layer hit-rate heatmap and the GPU-memory vs throughput Pareto front.
 
 Each ``plot_*`` function takes the table (a DataFrame or a Parquet path), draws the rows of one
 trace (the first one in the table unless ``trace`` is given) and returns a matplotlib Figure;
-``save_figure`` writes it as a PNG atomically. Only rows with status "ok" are drawn. Repeated
-configurations (several seeds) are averaged. Bounds are drawn dashed: ``all-gpu`` as a
-horizontal line, ``belady`` (or any other clairvoyant policy) as a dashed curve.
+``save_figure`` writes it atomically (PNG, PDF or SVG by the suffix). Only rows with status
+"ok" are drawn. Repeated configurations (several seeds) are averaged. Every policy has one
+colour in every plot (``policy_color``). Bounds are black: ``belady`` (or any other
+clairvoyant policy) a dashed curve, ``all-gpu`` a dotted line, or a note in the corner when it
+is so far above the policies that a line would squash them into the bottom strip. The table
+may be a sweep's or an experiment's (results.parquet), Parquet or CSV.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,24 +24,46 @@ import numpy as np
 import pandas as pd
 
 from simulator.errors import UserError
-from simulator.results import atomic_write_png
+from simulator.output import write_figure
 
 #: The plot kinds of ``daopsim plot --kind``.
 KINDS = ("throughput", "hit-rate", "breakdown", "heatmap", "pareto")
 ALL_GPU = "all-gpu"
-_TAB10 = [
-    "#1f77b4",
-    "#ff7f0e",
-    "#2ca02c",
-    "#d62728",
-    "#9467bd",
-    "#8c564b",
-    "#e377c2",
-    "#7f7f7f",
-    "#bcbd22",
-    "#17becf",
-]
+#: One colour per built-in policy, the same in every plot (bounds are black: belady dashed,
+#: all-gpu dotted). Other policies get a colour from ``_EXTRA`` by a hash of their name, so a
+#: plugin policy also keeps its colour from plot to plot.
+POLICY_COLORS = {
+    "daop": "#d62728",
+    "fiddler": "#1f77b4",
+    "lru": "#2ca02c",
+    "lfu": "#ff7f0e",
+    "mixtral-offloading": "#9467bd",
+    "static": "#8c564b",
+    "round-robin": "#e377c2",
+    "stream-all": "#7f7f7f",
+    "belady": "#000000",
+    ALL_GPU: "#000000",
+}
+_EXTRA = ["#17becf", "#bcbd22", "#aec7e8", "#ffbb78", "#98df8a", "#c5b0d5", "#c49c94", "#f7b6d2"]
 _MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
+_STYLES = ["-", "-.", (0, (5, 1)), (0, (1, 1))]
+
+
+def policy_color(policy: str) -> str:
+    """The fixed colour of a policy in every daopsim plot."""
+    if policy in POLICY_COLORS:
+        return POLICY_COLORS[policy]
+    digest = hashlib.sha256(policy.encode()).digest()
+    return _EXTRA[digest[0] % len(_EXTRA)]
+
+
+def _title(fig: Any, text: str, note: str | None = None) -> None:
+    """A figure title wrapped to the figure's width (never cut off), an optional smaller note."""
+    width_chars = max(30, int(fig.get_figwidth() * 9))
+    lines = textwrap.wrap(text, width_chars)
+    if note:
+        lines.append(note)
+    fig.suptitle("\n".join(lines), fontsize=11 if len(lines) == 1 else 10)
 
 
 def _mpl() -> Any:
@@ -92,11 +119,23 @@ def _name(trace: str) -> str:
     return Path(trace).name if ("/" in trace or os.sep in trace) else trace
 
 
-def _colors(labels: list[str]) -> dict[str, str]:
-    return {lab: _TAB10[i % len(_TAB10)] for i, lab in enumerate(sorted(set(labels)))}
+def _styles(rows: pd.DataFrame) -> dict[str, tuple[str, Any, str]]:
+    """Colour, line style and marker per label: the policy's colour; variants of one policy
+    (different options) differ in line style and marker."""
+    out: dict[str, tuple[str, Any, str]] = {}
+    for pol, grp in rows.groupby("policy", sort=True):
+        for i, label in enumerate(sorted(set(grp["label"].astype(str)))):
+            out[label] = (
+                policy_color(str(pol)),
+                _STYLES[i % len(_STYLES)],
+                _MARKERS[i % len(_MARKERS)],
+            )
+    return out
 
 
 def _is_bound(df: pd.DataFrame) -> pd.Series:
+    if "bound" not in df:  # an older experiment table: bounds by name
+        return df["policy"].isin([ALL_GPU, "belady"])
     return df["bound"].fillna(False).astype(bool)
 
 
@@ -140,21 +179,22 @@ def _all_gpu_rate(df_all: pd.DataFrame, hw: str, trace: str, compute: bool) -> f
     return float(r.metrics["tokens_per_s"])
 
 
-def _policy_lines(ax: Any, rows: pd.DataFrame, metric: str, color_of: Callable[[Any], str]) -> None:
+def _policy_lines(ax: Any, rows: pd.DataFrame, metric: str) -> None:
     """One line per policy label: ``metric`` averaged per cache ratio; a bound is dashed.
 
-    With several seeds the line is the mean over seeds and a bar spans +- one standard
-    deviation (sample, ddof=1) at each point.
+    Each policy keeps its colour (``policy_color``). With several seeds the line is the mean
+    over seeds and a bar spans +- one standard deviation (sample, ddof=1) at each point.
     """
+    styles = _styles(rows)
     for label, grp in rows.groupby("label", sort=False):
         agg = grp.groupby("cache_ratio")[metric].agg(["mean", "std"]).sort_index()
         dashed = bool(_is_bound(grp).all())
-        color = color_of(label)
+        color, style, marker = styles[str(label)]
         ax.plot(
             agg.index,
             agg["mean"].values,
-            marker="o",
-            ls="--" if dashed else "-",
+            marker=marker,
+            ls="--" if dashed else style,
             color=color,
             label=f"{label} (bound)" if dashed else label,
         )
@@ -167,6 +207,26 @@ def _policy_lines(ax: Any, rows: pd.DataFrame, metric: str, color_of: Callable[[
                 ecolor=color,
                 capsize=3,
             )
+
+
+def _all_gpu_bound(ax: Any, bound: float, rows: pd.DataFrame) -> None:
+    """The all-gpu throughput as a dotted line when it is near the policies; far above them
+    (which would squash every policy into the bottom strip) as a note in the corner."""
+    top = float(rows["tokens_per_s"].max()) if len(rows) else float("nan")
+    if not np.isfinite(top) or bound <= 1.6 * top:
+        ax.axhline(bound, color="black", ls=":", lw=1.5, label="all-gpu (bound)")
+        ax.set_ylim(0, max(ax.get_ylim()[1], bound * 1.08))  # the line inside, not on the edge
+        return
+    ax.set_ylim(0, top * 1.25)
+    ax.annotate(
+        f"all-gpu bound: {bound:,.3g} tokens/s\n({bound / top:.1f}x the best run shown), "
+        "off the scale",
+        xy=(0.02, 0.97),
+        xycoords="axes fraction",
+        va="top",
+        fontsize=8,
+        bbox={"boxstyle": "round", "fc": "white", "ec": "0.6"},
+    )
 
 
 def plot_throughput(
@@ -183,20 +243,19 @@ def plot_throughput(
     sub, trace = select(df, trace)
     hws = list(dict.fromkeys(sub["hw"]))
     fig, axes = _panels(plt, len(hws))
-    colors = _colors(list(sub.loc[sub["policy"] != ALL_GPU, "label"]))
     for ax, hw in zip(axes, hws, strict=True):
         rows = sub[(sub["hw"] == hw) & (sub["policy"] != ALL_GPU)]
-        _policy_lines(ax, rows, "tokens_per_s", colors.__getitem__)
+        _policy_lines(ax, rows, "tokens_per_s")
+        ax.set_ylim(bottom=0)
         bound = _all_gpu_rate(sub, hw, trace, compute_bound)
         if bound is not None:
-            ax.axhline(bound, color="black", ls=":", lw=1.5, label="all-gpu (bound)")
+            _all_gpu_bound(ax, bound, rows)
         ax.set_title(f"{hw}")
         ax.set_xlabel("cache ratio (resident experts / all experts)")
         ax.set_ylabel("throughput (generated tokens/s)")
-        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(f"Throughput vs expert cache size: trace {_name(trace)} ({_model(sub)})")
+        ax.legend(fontsize=8, loc="lower right")
+    _title(fig, f"Throughput vs expert cache size: trace {_name(trace)} ({_model(sub)})")
     fig.tight_layout()
     return fig
 
@@ -210,24 +269,18 @@ def plot_hit_rate(df: pd.DataFrame | str | os.PathLike[str], trace: str | None =
         raise UserError(f"no runs with a memory budget for trace {_name(trace)!r}")
     hws = list(dict.fromkeys(sub["hw"]))
     fig, axes = _panels(plt, len(hws))
-    colors = _colors(list(sub["label"]))
     has_belady = bool((sub["policy"] == "belady").any())
     for ax, hw in zip(axes, hws, strict=True):
         rows = sub[sub["hw"] == hw]
-        _policy_lines(
-            ax,
-            rows,
-            "hit_rate",
-            lambda label: "black" if str(label).startswith("belady") else colors[label],
-        )
+        _policy_lines(ax, rows, "hit_rate")
         ax.set_title(hw)
         ax.set_xlabel("cache ratio (resident experts / all experts)")
         ax.set_ylabel("expert hit rate (decode)")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    note = "" if has_belady else " (belady bound not in this sweep)"
-    fig.suptitle(f"Expert-cache hit rate: trace {_name(trace)} ({_model(sub)}){note}")
+    note = None if has_belady else "(the belady bound is not in this sweep)"
+    _title(fig, f"Expert-cache hit rate: trace {_name(trace)} ({_model(sub)})", note)
     fig.tight_layout()
     return fig
 
@@ -300,7 +353,7 @@ def plot_breakdown(
         ax.set_title(hw)
         ax.grid(alpha=0.3, axis="y")
         ax.legend(fontsize=8)
-    fig.suptitle(f"Where the time goes: trace {_name(trace)} ({_model(sub)})")
+    _title(fig, f"Where the time goes: trace {_name(trace)} ({_model(sub)})")
     fig.tight_layout()
     return fig
 
@@ -341,7 +394,7 @@ def plot_heatmap(
         ax.set_xlabel("MoE layer")
         ax.set_title(h)
     fig.colorbar(im, ax=axes, label="decode hit rate")
-    fig.suptitle(f"Per-layer expert hit rate: trace {_name(trace)} ({_model(sub)})")
+    _title(fig, f"Per-layer expert hit rate: trace {_name(trace)} ({_model(sub)})")
     return fig
 
 
@@ -366,14 +419,14 @@ def plot_pareto(df: pd.DataFrame | str | os.PathLike[str], trace: str | None = N
     if sub.empty:
         raise UserError(f"no realisable (non-bound) runs for trace {_name(trace)!r}")
     fig, ax = plt.subplots(figsize=(8.0, 5.0))
-    colors = _colors(list(sub["label"]))
+    styles = _styles(sub)
     hws = list(dict.fromkeys(sub["hw"]))
     markers = {h: _MARKERS[i % len(_MARKERS)] for i, h in enumerate(hws)}
     for (label, h), grp in sub.groupby(["label", "hw"], sort=False):
         ax.scatter(
             grp["expert_memory_gb"],
             grp["tokens_per_s"],
-            color=colors[label],
+            color=styles[str(label)][0],
             marker=markers[h],
             s=42,
             label=f"{label} on {h}",
@@ -401,7 +454,7 @@ def plot_pareto(df: pd.DataFrame | str | os.PathLike[str], trace: str | None = N
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="best")
-    ax.set_title(f"Memory vs throughput: trace {_name(trace)} ({_model(sub)})")
+    ax.set_title(textwrap.fill(f"Memory vs throughput: trace {_name(trace)} ({_model(sub)})", 80))
     fig.tight_layout()
     return fig
 
@@ -419,12 +472,29 @@ def plot(df: pd.DataFrame | str | os.PathLike[str], kind: str, **kwargs: Any) ->
     """Draw one plot kind (see ``KINDS``); extra keyword arguments go to that plot function."""
     if kind not in _PLOTTERS:
         raise UserError(f"unknown plot kind {kind!r} (valid: {', '.join(KINDS)})")
+    df = _table(df)
+    missing = [c for c in _NEEDS.get(kind, ()) if c not in df]
+    if missing:
+        raise UserError(
+            f"plot kind {kind!r} needs column {missing[0]!r}, which this results table does not "
+            "have (an experiment table has throughput and hit rate; a sweep table has all)"
+        )
     return _PLOTTERS[kind](df, **kwargs)
 
 
+#: Columns a plot kind needs beyond the basic ones every results table has.
+_NEEDS = {
+    "hit-rate": ("hit_rate", "cache_ratio"),
+    "throughput": ("cache_ratio",),
+    "breakdown": ("gpu_expert_s", "gpu_nonexpert_s", "cpu_wait_s", "transfer_stall_s", "e2e_s"),
+    "heatmap": ("per_layer_hit_rate",),
+    "pareto": ("expert_memory_gb",),
+}
+
+
 def save_figure(fig: Any, path: str | os.PathLike[str], dpi: int = 120) -> Path:
-    """Write a figure as PNG atomically and close it."""
-    return atomic_write_png(fig, path, dpi)
+    """Write a figure atomically (PNG, PDF or SVG by the suffix) and close it."""
+    return write_figure(fig, path, dpi)
 
 
 __all__ = [
@@ -437,6 +507,7 @@ __all__ = [
     "plot_hit_rate",
     "plot_pareto",
     "plot_throughput",
+    "policy_color",
     "realisable",
     "save_figure",
     "select",

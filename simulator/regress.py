@@ -665,15 +665,10 @@ def baseline_text(grid: dict[str, Any], outcomes: dict[str, dict[str, Any]]) -> 
 
 def write_baseline(path: str | Path, grid: dict[str, Any], outcomes: dict[str, Any]) -> Path:
     """Rewrite the store atomically (temporary file in the same folder, then rename)."""
-    from simulator.results import atomic_write_text
+    from simulator.output import check_output_file, write_text
 
-    p = Path(path)
-    if p.is_dir():
-        raise UserError(f"{p}: is a directory, not a baseline file")
-    try:
-        return atomic_write_text(p, baseline_text(grid, outcomes))
-    except OSError as exc:
-        raise UserError(f"{p}: cannot write the baseline ({exc.strerror or exc})") from None
+    check_output_file(path, "--baseline")
+    return write_text(path, baseline_text(grid, outcomes), "--baseline")
 
 
 # --- one check --------------------------------------------------------------------------------
@@ -731,6 +726,10 @@ def regress(
         raise UserError("--update rewrites every configuration; it cannot be combined with --only")
     t0 = time.perf_counter()
     old: dict[str, Any] | None = None
+    if update:
+        from simulator.output import check_output_file
+
+        check_output_file(baseline, "--baseline")  # before reading it or running the grid
     if Path(baseline).is_dir():
         raise UserError(f"{baseline}: is a directory, not a baseline file")
     if not update:

@@ -2,22 +2,24 @@
 
 ``RunResult`` is what ``simulate()`` returns: ``.metrics`` (a flat dict), ``.timeline`` (one row
 per operation, pandas), ``.to_perfetto(path)`` (Chrome/Perfetto trace JSON), ``.plot_timeline()``
-and ``.plot_hit_rate()`` (matplotlib), ``.write(out_dir)`` (all of them, atomically).
+and ``.plot_hit_rate()`` (matplotlib), ``.write(out_dir)`` (all of them, swapped in as one set).
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
-import tempfile
-from collections.abc import Callable
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
+
+from simulator.output import output_dir, write_figure, write_file, write_text
 
 if TYPE_CHECKING:
     from simulator.costs import CostModel
@@ -190,43 +192,53 @@ def energy_breakdown(
     }
 
 
-def atomic_write(path: str | os.PathLike[str], write: Callable[[str], None]) -> Path:
-    """Call ``write(tmp_path)`` then rename into place; no partial file is ever visible."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        # mkstemp creates 0600; give the file the permissions a plain open() would
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+# One writer for every output (simulator/output.py); these names stay for existing callers.
+atomic_write = write_file
+atomic_write_text = write_text
+atomic_write_png = write_figure
+
+#: The files ``RunResult.write`` puts in its folder (and the older uncompressed Perfetto name,
+#: so a folder written by an earlier version can be replaced).
+RUN_FILES = (
+    "metrics.json",
+    "timeline.parquet",
+    "trace.perfetto.json.gz",
+    "gantt.png",
+    "hit_rate.png",
+    "trace.perfetto.json",
+)
+
+#: Perfetto timestamps are multiples of 1/TICKS_PER_US microseconds (about 1 ns): binary
+#: fractions, so every ts and dur is exact in floating point and ts + dur of one slice never
+#: passes the next slice's ts in any viewer, whether it rounds, truncates or adds floats.
+TICKS_PER_US = 1024
 
 
-def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
-    """Write text atomically."""
+def _lane_ticks(lanes: np.ndarray, start: np.ndarray, end: np.ndarray) -> tuple[Any, Any]:
+    """Start and end in ticks, each end clipped to the next start on the same lane."""
+    t0 = np.rint(start * 1e6 * TICKS_PER_US).astype(np.int64)
+    t1 = np.maximum(np.rint(end * 1e6 * TICKS_PER_US).astype(np.int64), t0)
+    order = np.lexsort((t1, t0, lanes))
+    s, e, lane = t0[order], t1[order], lanes[order]
+    same = lane[1:] == lane[:-1]
+    e[:-1] = np.where(same, np.minimum(e[:-1], s[1:]), e[:-1])
+    out0, out1 = np.empty_like(t0), np.empty_like(t1)
+    out0[order], out1[order] = s, e
+    return out0, out1
 
-    def _w(tmp: str) -> None:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(text)
 
-    return atomic_write(path, _w)
-
-
-def atomic_write_png(fig: Any, path: str | os.PathLike[str], dpi: int) -> Path:
-    """Write a matplotlib figure as PNG atomically, then close it."""
-    import matplotlib.pyplot as plt
-
-    try:
-        return atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format="png"))
-    finally:
-        plt.close(fig)
+def _write_json(path: str, doc: Any, compress: bool) -> None:
+    """Compact JSON, gzipped (fixed header time, so equal runs give equal bytes) if asked."""
+    data = json.dumps(doc, separators=(",", ":")).encode()
+    if compress:
+        with (
+            open(path, "wb") as raw,
+            gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0) as gz,
+        ):
+            gz.write(data)
+    else:
+        with open(path, "wb") as fh:
+            fh.write(data)
 
 
 @dataclass
@@ -265,7 +277,11 @@ class RunResult:
         return json.dumps(_json_safe(self.to_dict()), indent=2, sort_keys=True)
 
     def to_perfetto(self, path: str | os.PathLike[str]) -> Path:
-        """Write a Chrome/Perfetto trace: one track per resource, a slot-occupancy counter."""
+        """Write a Chrome/Perfetto trace: one track per resource, a slot-occupancy counter.
+
+        A path ending in ``.gz`` is written gzip-compressed (Perfetto and chrome://tracing open
+        it as is). Slices on one track never overlap (see ``TICKS_PER_US``).
+        """
         if self.timeline is None:
             raise ValueError("this run was made with record=False: no timeline")
         tl = self.timeline
@@ -280,11 +296,14 @@ class RunResult:
             )
         res = tl["resource"].astype(str).to_numpy()
         kind = tl["kind"].astype(str).to_numpy()
-        cols = [
-            tl[c].to_numpy() for c in ("seq", "token", "layer", "expert", "start", "end", "bytes")
-        ]
+        lanes = np.array([tids[r] for r in res], dtype=np.int64)
+        t0, t1 = _lane_ticks(
+            lanes, tl["start"].to_numpy(np.float64), tl["end"].to_numpy(np.float64)
+        )
+        cols = [tl[c].to_numpy() for c in ("seq", "token", "layer", "expert", "bytes")]
+        tick = float(TICKS_PER_US)
         for i in range(len(tl)):
-            seq, tok, layer, expert, start, end, nbytes = (col[i] for col in cols)
+            seq, tok, layer, expert, nbytes = (col[i] for col in cols)
             name = kind[i] if expert < 0 else f"{kind[i]} L{layer}E{expert}"
             events.append(
                 {
@@ -292,9 +311,9 @@ class RunResult:
                     "cat": kind[i],
                     "ph": "X",
                     "pid": 1,
-                    "tid": tids[res[i]],
-                    "ts": round(float(start) * 1e6, 3),
-                    "dur": round(float(end - start) * 1e6, 3),
+                    "tid": int(lanes[i]),
+                    "ts": int(t0[i]) / tick,
+                    "dur": int(t1[i] - t0[i]) / tick,
                     "args": {
                         "seq": int(seq),
                         "token": int(tok),
@@ -311,7 +330,7 @@ class RunResult:
                         "name": "gpu expert slots",
                         "ph": "C",
                         "pid": 1,
-                        "ts": round(float(t) * 1e6, 3),
+                        "ts": int(np.rint(float(t) * 1e6 * TICKS_PER_US)) / tick,
                         "args": {"slots": int(slots)},
                     }
                 )
@@ -320,7 +339,8 @@ class RunResult:
             "displayTimeUnit": "ms",
             "metadata": _json_safe({k: v for k, v in self.config.items() if k != "cost_sources"}),
         }
-        return atomic_write_text(path, json.dumps(doc))
+        compress = str(path).endswith(".gz")
+        return write_file(path, lambda tmp: _write_json(tmp, doc, compress))
 
     def plot_timeline(
         self, ax: Any = None, tokens: tuple[int, int] | None = None, seq: int | None = None
@@ -367,10 +387,12 @@ class RunResult:
             ax.legend(uniq.values(), uniq.keys(), loc="upper right", fontsize=7, ncol=3)
         ax.set_yticks(range(len(resources)), resources)
         ax.set_xlabel("time since window start (ms)")
-        ax.set_title(
+        title = (
             f"{self.config.get('policy')} on {self.config.get('hw')}: sequence {seq},"
-            f" tokens {tokens[0]}-{tokens[1] - 1} ({self.config.get('trace')})"
+            f" tokens {tokens[0]}-{tokens[1] - 1}"
+            f" (trace {Path(str(self.config.get('trace'))).name})"
         )
+        ax.set_title(textwrap.fill(title, 100), fontsize=10)
         return ax
 
     def plot_hit_rate(self, ax: Any = None) -> Any:
@@ -379,44 +401,61 @@ class RunResult:
 
         if ax is None:
             _, ax = plt.subplots(figsize=(8, 3.2))
+        from simulator.plots import policy_color
+
         rates = self.per_layer_hit_rate
-        ax.bar(range(len(rates)), rates, color="#2f6fb0")
+        policy = str(self.config.get("policy"))
+        ax.bar(range(len(rates)), rates, color=policy_color(policy))
         ax.set_xlabel("MoE layer")
         ax.set_ylabel("hit rate (decode)")
         ax.set_ylim(0, 1)
-        ax.set_title(
-            f"{self.config.get('policy')} on {self.config.get('hw')}, "
-            f"{self.config.get('gpu_experts')} GPU experts ({self.config.get('trace')})"
+        title = (
+            f"{policy} on {self.config.get('hw')}, {self.config.get('gpu_experts')} GPU experts "
+            f"(trace {Path(str(self.config.get('trace'))).name})"
         )
+        ax.set_title(textwrap.fill(title, 70), fontsize=10)
         return ax
 
-    def write(self, out_dir: str | os.PathLike[str], plots: bool = True) -> dict[str, Path]:
-        """metrics.json, timeline.parquet, trace.perfetto.json and PNG plots, each atomically."""
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        paths = {"metrics": atomic_write_text(out / "metrics.json", self.to_json() + "\n")}
-        if self.timeline is not None:
-            tl = self.timeline
-            paths["timeline"] = atomic_write(
-                out / "timeline.parquet", lambda tmp: tl.to_parquet(tmp, index=False)
-            )
-            paths["perfetto"] = self.to_perfetto(out / "trace.perfetto.json")
-        if plots:
-            import matplotlib
+    def write(
+        self,
+        out_dir: str | os.PathLike[str],
+        plots: bool = True,
+        flag: str | None = None,
+        inputs: tuple[str | os.PathLike[str] | None, ...] = (),
+    ) -> dict[str, Path]:
+        """metrics.json, timeline.parquet, trace.perfetto.json.gz and PNG plots, as one set.
 
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-
+        The files are written into a new sibling folder that then replaces ``out_dir`` whole
+        (simulator/output.py): a reader sees the previous set or this one, never a mix, and a
+        failure leaves the previous set as it was. ``out_dir`` may hold only files of this set.
+        """
+        target = Path(out_dir)
+        names: dict[str, str] = {"metrics": "metrics.json"}
+        with output_dir(target, RUN_FILES, flag=flag, inputs=inputs) as stage:
+            write_text(stage / "metrics.json", self.to_json() + "\n")
             if self.timeline is not None:
-                fig, ax = plt.subplots(figsize=(11, 3.6))
-                self.plot_timeline(ax=ax)
+                tl = self.timeline
+                write_file(stage / "timeline.parquet", lambda tmp: tl.to_parquet(tmp, index=False))
+                self.to_perfetto(stage / "trace.perfetto.json.gz")
+                names.update(timeline="timeline.parquet", perfetto="trace.perfetto.json.gz")
+            if plots:
+                import matplotlib
+
+                matplotlib.use("Agg")
+                import matplotlib.pyplot as plt
+
+                if self.timeline is not None:
+                    fig, ax = plt.subplots(figsize=(11, 3.6))
+                    self.plot_timeline(ax=ax)
+                    fig.tight_layout()
+                    write_figure(fig, stage / "gantt.png", dpi=110)
+                    names["gantt"] = "gantt.png"
+                fig, ax = plt.subplots(figsize=(8, 3.2))
+                self.plot_hit_rate(ax=ax)
                 fig.tight_layout()
-                paths["gantt"] = atomic_write_png(fig, out / "gantt.png", dpi=110)
-            fig, ax = plt.subplots(figsize=(8, 3.2))
-            self.plot_hit_rate(ax=ax)
-            fig.tight_layout()
-            paths["hit_rate"] = atomic_write_png(fig, out / "hit_rate.png", dpi=110)
-        return paths
+                write_figure(fig, stage / "hit_rate.png", dpi=110)
+                names["hit_rate"] = "hit_rate.png"
+        return {k: target / v for k, v in names.items()}
 
 
 def _resource_order(name: str) -> tuple[int, str]:

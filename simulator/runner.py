@@ -267,6 +267,17 @@ def _resolve_hw(hw: str | os.PathLike[str] | HardwareProfile) -> HardwareProfile
     return hw if isinstance(hw, HardwareProfile) else load_profile(str(hw))
 
 
+def provenance(trace_path: Path, profile: HardwareProfile) -> dict[str, str]:
+    """What a result was made from: the daopsim version and the trace and profile SHA-256."""
+    from simulator.sweep import daopsim_version, file_sha256, profile_sha256
+
+    return {
+        "daopsim_version": daopsim_version(),
+        "trace_sha256": file_sha256(trace_path),
+        "profile_sha256": profile_sha256(profile),
+    }
+
+
 def simulate(
     policy: str | Policy = "daop",
     hw: str | os.PathLike[str] | HardwareProfile = "a6000-pcie4",
@@ -465,6 +476,7 @@ def simulate(
         "bound": bool(pol.clairvoyant or pol.bound),
         "clairvoyant": bool(pol.clairvoyant),
         "cost_sources": costs.sources(),
+        **provenance(trace_path, profile),
     }
     return RunResult(
         config=config,

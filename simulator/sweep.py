@@ -28,14 +28,19 @@ import tomllib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
 from simulator.data import DEFAULT_TRACE, bundled_traces, resolve_trace
 from simulator.errors import PolicyError, UserError, parse_key_values
+from simulator.output import TABLE_FORMATS, check_output_file, output_format
+from simulator.output import write_table as _write_any_table
 from simulator.progress import Progress
-from simulator.results import METRIC_KEYS, atomic_write, atomic_write_text
+from simulator.results import METRIC_KEYS, atomic_write_text
+
+if TYPE_CHECKING:
+    from simulator.hardware import HardwareProfile
 
 #: Columns every sweep table has before the option and metric columns, in this order.
 BASE_COLUMNS = (
@@ -244,11 +249,11 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
     return _file_sha256(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
 
 
-def profile_sha256(hw: str) -> str:
+def profile_sha256(hw: str | HardwareProfile) -> str:
     """SHA-256 of a machine profile's resolved content (not its file name or location)."""
-    from simulator.hardware import load_profile
+    from simulator.hardware import HardwareProfile, load_profile
 
-    data = load_profile(hw).to_dict()
+    data = (hw if isinstance(hw, HardwareProfile) else load_profile(hw)).to_dict()
     data.pop("path", None)
     text = json.dumps(data, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()
@@ -602,23 +607,37 @@ def _isnan(v: Any) -> bool:
 
 
 def write_table(df: pd.DataFrame, out: str | os.PathLike[str]) -> Path:
-    """Write the sweep table as Parquet, atomically."""
-    return atomic_write(out, lambda tmp: df.to_parquet(tmp, index=False))
+    """Write the sweep table atomically: Parquet, or CSV for a ``.csv`` path."""
+    return _write_any_table(df, out, "--out")
 
 
 def read_table(path: str | os.PathLike[str]) -> pd.DataFrame:
-    """Read a sweep table (a clear error when the file is missing or not a sweep table)."""
+    """Read a results table (a sweep's or an experiment's, Parquet or CSV); a clear error when
+    the file is missing or not a results table."""
     p = Path(path)
     if not p.is_file():
         raise UserError(f"{p}: no such results file")
+    fmt = output_format(p, TABLE_FORMATS)
     try:
-        df = pd.read_parquet(p)
+        df = pd.read_csv(p) if fmt == "csv" else pd.read_parquet(p)
     except Exception as exc:
-        raise UserError(f"{p}: not a readable Parquet file ({_one_line(exc)})") from None
+        raise UserError(f"{p}: not a readable {fmt} file ({_one_line(exc)})") from None
     missing = [c for c in ("policy", "hw", "trace", "status", "tokens_per_s") if c not in df]
     if missing:
-        raise UserError(f"{p}: not a sweep table (missing column {missing[0]!r})")
+        raise UserError(f"{p}: not a results table (missing column {missing[0]!r})")
+    if fmt == "csv" and "per_layer_hit_rate" in df:
+        df["per_layer_hit_rate"] = [_list_cell(v) for v in df["per_layer_hit_rate"]]
     return df
+
+
+def _list_cell(value: Any) -> list[float] | None:
+    """A list column read back from CSV (written as ``[0.1, 0.2]``)."""
+    if not isinstance(value, str):
+        return None
+    try:
+        return [float(x) for x in json.loads(value.replace("nan", "NaN"))]
+    except (ValueError, TypeError):
+        return None
 
 
 # --- executors --------------------------------------------------------------------------------
@@ -743,6 +762,9 @@ def run_sweep(
     lock: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     folder = None
     if out is not None:
+        output_format(out, TABLE_FORMATS, "--out")
+        inputs = {c.trace_path for c in configs} | set(g.hw) | {g.calibration}
+        check_output_file(out, "--out", inputs=sorted(str(i) for i in inputs if i))
         folder = parts_dir(out)
         lock = _lock(folder, Path(out))
     with lock:

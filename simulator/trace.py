@@ -563,6 +563,9 @@ class TraceWriter:
                 self._writer.add_key_value_metadata({META_KEY: self.meta.to_json().encode()})
             self._writer.close()
             if exc_type is None:
+                from simulator.output import refuse_non_regular
+
+                refuse_non_regular(self.path, str(self.path))
                 os.replace(self._tmp, self.path)
         finally:
             self._pending = []

@@ -1,8 +1,10 @@
-"""Output safety: run outputs are written to temporary names and renamed; a failing run leaves
-no output; SIGKILL in the middle of rewriting a run's files leaves the previous files intact."""
+"""Output safety: run outputs are built in a sibling folder and swapped in whole; a failing run
+leaves no output; SIGKILL in the middle of rewriting a run's files leaves the previous set
+intact. The attack corpus (tests/test_attacks.py) covers hostile targets and OS errors."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import random
@@ -48,24 +50,36 @@ def fails_late(monkeypatch: pytest.MonkeyPatch) -> str:
     return FailsLate.name
 
 
-def test_every_output_file_goes_through_a_rename(
+def test_run_outputs_are_built_beside_and_swapped_in_whole(
     trace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    renamed: list[Path] = []
+    staged: list[Path] = []
     real = os.replace
 
     def spy(src: Any, dst: Any) -> None:
         assert Path(src).parent == Path(dst).parent  # same folder: rename is atomic
-        renamed.append(Path(dst))
+        staged.append(Path(dst))
         real(src, dst)
 
     monkeypatch.setattr(os, "replace", spy)
     res = simulate(policy="lru", trace=trace, cache_ratio=0.25, record=True)
     out = tmp_path / "out"
-    res.write(out)
-    files = sorted(p for p in out.iterdir())
-    assert {p.name for p in files} >= {"metrics.json", "timeline.parquet", "trace.perfetto.json"}
-    assert sorted(renamed) == files
+    for _ in range(2):  # the second write replaces the first set
+        res.write(out)
+    files = sorted(p.name for p in out.iterdir())
+    assert set(files) == {
+        "metrics.json",
+        "timeline.parquet",
+        "trace.perfetto.json.gz",
+        "gantt.png",
+        "hit_rate.png",
+    }
+    # every file was written in a hidden sibling staging folder, never in place
+    assert {p.name for p in staged} == set(files) and len(staged) == 2 * len(files)
+    assert all(
+        p.parent.parent == tmp_path and p.parent.name.startswith(".out.new-") for p in staged
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging folder left
 
 
 def test_failing_run_writes_nothing(trace: Path, tmp_path: Path, fails_late: str) -> None:
@@ -126,5 +140,6 @@ def test_sigkill_mid_write_leaves_previous_files_intact(trace: Path, tmp_path: P
         n = pq.read_metadata(out / "timeline.parquet").num_rows
         assert rows is None or n == rows
         rows = n
-        json.loads((out / "trace.perfetto.json").read_text())
+        with gzip.open(out / "trace.perfetto.json.gz") as fh:
+            json.load(fh)
     assert rows and rows > 1000  # a timeline big enough that a write takes a while

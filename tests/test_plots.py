@@ -128,3 +128,82 @@ def test_errors_only_table_is_a_clear_error(results: Path) -> None:
         plot(df, "throughput")
     with pytest.raises(UserError, match="unknown plot kind"):
         plot(df, "pie")
+
+
+def _line_colors(fig: object) -> dict[str, str]:
+    from matplotlib.colors import to_hex
+
+    return {
+        str(ln.get_label()): to_hex(ln.get_color())
+        for ax in fig.axes  # type: ignore[attr-defined]
+        for ln in ax.get_lines()
+        if not str(ln.get_label()).startswith("_")
+    }
+
+
+def test_a_policy_has_one_colour_in_every_plot(results: Path) -> None:
+    from simulator.plots import POLICY_COLORS, policy_color
+
+    df = pd.read_parquet(results)
+    thr = _line_colors(plot(df, "throughput"))
+    hit = _line_colors(plot(df, "hit-rate"))
+    only_lru = _line_colors(plot(df[df["policy"].isin(["lru", "all-gpu"])], "throughput"))
+    for colors in (thr, hit, only_lru):
+        assert colors["lru"] == POLICY_COLORS["lru"]
+    assert thr["static"] == hit["static"] == POLICY_COLORS["static"]
+    assert len(set(POLICY_COLORS[p] for p in POLICY_COLORS if p not in ("all-gpu", "belady"))) == 8
+    # a plugin policy gets the same colour every time, from its name alone
+    assert policy_color("my-plugin") == policy_color("my-plugin")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_titles_fit_in_the_figure(results: Path, kind: str) -> None:
+    df = pd.read_parquet(results)
+    long_name = "a-rather-long-trace-name-that-used-to-push-the-title-off-the-figure.parquet"
+    df["trace"] = "/some/deep/folder/" + long_name
+    fig = plot(df, kind)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    box = fig.bbox
+    texts = [fig._suptitle] if fig._suptitle is not None else []
+    texts += [ax.title for ax in fig.axes]
+    for t in texts:
+        if not t.get_text():
+            continue
+        ext = t.get_window_extent(renderer)
+        assert ext.x0 >= box.x0 - 1 and ext.x1 <= box.x1 + 1, (kind, t.get_text())
+        assert ext.y1 <= box.y1 + 1, (kind, t.get_text())
+
+
+def test_all_gpu_far_above_is_a_note_not_a_squashing_line(results: Path) -> None:
+    df = pd.read_parquet(results)
+    df.loc[df["policy"] == "all-gpu", "tokens_per_s"] *= 50
+    fig = plot_throughput(df)
+    ax = fig.axes[0]
+    assert not [ln for ln in ax.get_lines() if ln.get_label() == "all-gpu (bound)"]
+    notes = [t.get_text() for t in ax.texts]
+    assert any("all-gpu bound" in n for n in notes)
+    best = df[(df["policy"] != "all-gpu") & (df["hw"] == "a6000-pcie4")]["tokens_per_s"].max()
+    assert ax.get_ylim()[1] < 2 * best  # the policies use the height of the panel
+
+
+def test_plot_reads_an_experiment_table(tmp_path: Path, cli) -> None:  # type: ignore[no-untyped-def]
+    trace = make_trace(tmp_path / "t.parquet", sequences=3, prefill=6, decode=10, seed=5)
+    exp = tmp_path / "e.toml"
+    exp.write_text(
+        'name = "tiny"\nhw = "a6000-pcie4"\ncache_ratios = [0.25, 0.5]\ntarget = "lru"\n'
+        f'[policies.lru]\n[policies.static]\n[[models]]\ntrace = "{trace}"\n'
+    )
+    out = tmp_path / "exp"
+    res = cli("experiment", exp, "--out", out)
+    assert res.exit_code == 0, res.output
+    for kind in ("throughput", "hit-rate"):
+        res = cli("plot", out / "results.parquet", "--kind", kind, "--no-compute-bound")
+        assert res.exit_code == 0, res.output
+        _png_size(out / f"results.{kind}.png")
+    res = cli("plot", out / "results.parquet", "--kind", "breakdown")
+    assert res.exit_code == 2 and "needs column" in res.stderr
+    # the default figures beside the results do not block the next experiment run
+    res = cli("experiment", exp, "--out", out)
+    assert res.exit_code == 0, res.output
+    assert not (out / "results.throughput.png").exists()

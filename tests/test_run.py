@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 from pathlib import Path
@@ -111,15 +112,19 @@ def test_out_writes_metrics_timeline_perfetto_and_plots(tmp_path: Path) -> None:
         "hit_rate.png",
         "metrics.json",
         "timeline.parquet",
-        "trace.perfetto.json",
+        "trace.perfetto.json.gz",
     ]
     metrics = json.loads((out_dir / "metrics.json").read_text())
+    # what the result was made from
+    assert metrics["daopsim_version"] and metrics["policy_options"] is not None
+    assert len(metrics["trace_sha256"]) == 64 and len(metrics["profile_sha256"]) == 64
     timeline = pd.read_parquet(out_dir / "timeline.parquet")
     assert list(timeline.columns) == list(COLUMNS)
     assert metrics["metrics"]["cpu_expert_evals"] == int(
         (timeline["kind"].astype(str) == "cpu_expert").sum()
     )
-    perfetto = json.loads((out_dir / "trace.perfetto.json").read_text())
+    with gzip.open(out_dir / "trace.perfetto.json.gz") as fh:
+        perfetto = json.load(fh)
     tracks = {e["args"]["name"] for e in perfetto["traceEvents"] if e.get("name") == "thread_name"}
     assert {"gpu", "h2d", "d2h"} <= tracks and any(t.startswith("cpu") for t in tracks)
     spans = [e for e in perfetto["traceEvents"] if e.get("ph") == "X"]

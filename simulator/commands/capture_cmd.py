@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from simulator.commands.common import echo_json, json_option
-from simulator.commands.outputs import check_output_file, output_errors
+from simulator.output import check_output_file, os_errors
 from simulator.trace import ALL_PROBS_MAX_EXPERTS, DEFAULT_TOP_M
 
 
@@ -79,7 +79,6 @@ from simulator.trace import ALL_PROBS_MAX_EXPERTS, DEFAULT_TOP_M
     "-o",
     "--output",
     required=True,
-    type=click.Path(dir_okay=False),
     help="Trace file to write (Parquet; written atomically).",
 )
 @json_option
@@ -132,8 +131,8 @@ def capture(
         top_m=top_m,
         progress=not no_progress and not as_json,
     )
-    check_output_file(output, "-o")
-    with output_errors(output, "-o"):
+    check_output_file(output, "-o", inputs=[prompts])
+    with os_errors(output, "-o"):
         result = run_capture(cfg)
     if as_json:
         echo_json(result_summary(result))

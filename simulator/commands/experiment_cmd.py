@@ -7,6 +7,19 @@ from pathlib import Path
 import click
 
 from simulator.commands.common import echo_json, json_option
+from simulator.errors import UserError
+from simulator.output import check_output_dir
+
+
+def resolve_or_none(trace: str) -> Path | None:
+    """The file behind a trace name or path, or None when it does not resolve (the run will
+    report that)."""
+    from simulator.data import resolve_trace
+
+    try:
+        return resolve_trace(trace)
+    except UserError:
+        return None
 
 
 @click.command("experiment")
@@ -14,7 +27,7 @@ from simulator.commands.common import echo_json, json_option
 @click.option(
     "--out",
     "out_dir",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=click.Path(path_type=Path),
     default=None,
     help="Folder for results.csv/.parquet, speedups.csv, summary.txt and tokens_per_s.png "
     "(default: ./<experiment>-results).",
@@ -35,7 +48,12 @@ def experiment(
     Every policy runs on the same trace, hardware profile and cost model; points whose
     expert budget does not fit in GPU memory are skipped and reported with the reason.
     """
-    from simulator.experiments import bundled_experiments, load_experiment, run_experiment
+    from simulator.experiments import (
+        EXPERIMENT_REPLACES,
+        bundled_experiments,
+        load_experiment,
+        run_experiment,
+    )
 
     if list_only:
         names = {n: str(p) for n, p in bundled_experiments().items()}
@@ -46,14 +64,16 @@ def experiment(
                 click.echo(f"{n}  {p}")
         return
     exp = load_experiment(name)
+    out = out_dir if out_dir is not None else Path(f"{exp.name}-results")
+    traces = [resolve_or_none(m.trace) for m in exp.models]
+    check_output_dir(out, EXPERIMENT_REPLACES, "--out", [exp.path, exp.hw, *traces])
 
     def progress(msg: str) -> None:
         if not as_json:
             click.echo(f"  running {msg}", err=True)
 
     result = run_experiment(exp, sequences=sequences, progress=progress)
-    out = out_dir if out_dir is not None else Path(f"{exp.name}-results")
-    paths = result.write(out)
+    paths = result.write(out, flag="--out", inputs=(exp.hw, *traces))
     if as_json:
         doc = result.summary()
         doc["outputs"] = {k: str(v) for k, v in paths.items()}

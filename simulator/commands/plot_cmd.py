@@ -1,5 +1,5 @@
-"""``daopsim plot``: draw a sweep table as a PNG (throughput, hit rate, breakdown, heatmap,
-Pareto front)."""
+"""``daopsim plot``: draw a results table (a sweep's, or an experiment's results.parquet) as a
+PNG, PDF or SVG (throughput, hit rate, breakdown, heatmap, Pareto front)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ from pathlib import Path
 import click
 
 from simulator.commands.common import echo_json, json_option
+from simulator.output import FIGURE_FORMATS, check_output_file, output_format, write_figure
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("results", type=click.Path(dir_okay=False))
+@click.argument("results")
 @click.option(
     "--kind",
     type=click.Choice(["throughput", "hit-rate", "breakdown", "heatmap", "pareto"]),
@@ -21,8 +22,8 @@ from simulator.commands.common import echo_json, json_option
 @click.option(
     "-o",
     "--output",
-    type=click.Path(dir_okay=False),
-    help="PNG to write (default: RESULTS.<kind>.png beside the results).",
+    help="Figure to write: .png, .pdf or .svg, by suffix (default: RESULTS.<kind>.png beside "
+    "the results).",
 )
 @click.option("--trace", help="Which trace of the table to draw (default: the first).")
 @click.option("--hw", help="heatmap: one machine only.")
@@ -43,13 +44,17 @@ def plot(
     no_compute_bound: bool,
     as_json: bool,
 ) -> None:
-    """Plot a results table written by `daopsim sweep`."""
+    """Plot a results table written by `daopsim sweep` or `daopsim experiment`."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
     from simulator import plots
     from simulator.sweep import read_table
 
+    res = Path(results)
+    target = Path(output) if output else res.with_name(f"{res.stem}.{kind}.png")
+    output_format(target, FIGURE_FORMATS, "-o")
+    check_output_file(target, "-o", inputs=[results])
     df = read_table(results)
     kwargs: dict[str, object] = {"trace": trace}
     if kind == "heatmap":
@@ -59,9 +64,7 @@ def plot(
     if kind == "throughput":
         kwargs["compute_bound"] = not no_compute_bound
     fig = plots.plot(df, kind, **kwargs)
-    res = Path(results)
-    target = Path(output) if output else res.with_name(f"{res.stem}.{kind}.png")
-    path = plots.save_figure(fig, target)
+    path = write_figure(fig, target, dpi=120, flag="-o")
     if as_json:
         echo_json({"kind": kind, "path": str(path), "bytes": path.stat().st_size})
     else:

@@ -1,8 +1,9 @@
 """``daopsim regress``: re-run the golden grid and compare it with the golden store.
 
 Exit 0 when nothing moved, 1 on any regression (a moved value, a new or missing configuration),
-2 for bad arguments or a missing/damaged store. ``--update`` rewrites the whole store
-atomically, prints what changed and exits 0. See docs/regression.md.
+2 for bad arguments or a missing/damaged store, 3 when ``--update`` cannot write the store
+(docs/cli.md). ``--update`` rewrites the whole store atomically, prints what changed and exits
+0. See docs/regression.md.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import sys
 import click
 
 from simulator.commands.common import echo_json, json_option
+from simulator.errors import ExitCode
 
 
 @click.command("regress")
@@ -122,7 +124,7 @@ def regress(
                 f"{_count(n_cfg, 'configuration')} ({what}); if intended, run "
                 "`daopsim regress --update` and commit the store with the reason"
             )
-    sys.exit(0 if report.ok or report.updated else 1)
+    sys.exit(ExitCode.OK if report.ok or report.updated else ExitCode.FAILED)
 
 
 def _count(n: int, noun: str) -> str:

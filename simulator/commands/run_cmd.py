@@ -3,50 +3,21 @@
 from __future__ import annotations
 
 import math
-import os
-import shutil
 import sys
-from pathlib import Path
 from typing import Any
 
 import click
 
 from simulator.commands.common import echo_json, json_option
-from simulator.errors import UserError, parse_key_values
+from simulator.errors import parse_key_values
+from simulator.output import check_output_dir
 from simulator.progress import lazy_progress
+from simulator.results import RUN_FILES
 
 
 def parse_options(pairs: tuple[str, ...]) -> dict[str, str]:
     """``key=value`` strings to a dict (values stay strings; the policy coerces them)."""
     return parse_key_values(pairs, "--policy-opt")
-
-
-def check_out_dir(out_dir: str) -> None:
-    """Fail before simulating when --out cannot become a writable folder."""
-    p = Path(out_dir)
-    if p.exists() and not p.is_dir():
-        raise UserError(f"--out {p}: exists and is not a directory")
-    probe = p
-    while not probe.exists():
-        if probe.parent == probe:
-            break
-        probe = probe.parent
-    if not probe.is_dir():
-        raise UserError(f"--out {p}: {probe} is not a directory")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise UserError(f"--out {p}: {probe} is not writable")
-
-
-def write_outputs(result: Any, out_dir: str) -> None:
-    """Write the run's files; an OS error becomes one line and leaves no new folder behind."""
-    p = Path(out_dir)
-    created = not p.exists()
-    try:
-        result.write(p)
-    except OSError as exc:
-        if created:
-            shutil.rmtree(p, ignore_errors=True)
-        raise UserError(f"--out {p}: cannot write outputs ({exc.strerror or exc})") from None
 
 
 def _fmt(value: Any, unit: str = "") -> str:
@@ -237,7 +208,6 @@ def render_table(doc: dict[str, Any]) -> str:
 @click.option(
     "--out",
     "out_dir",
-    type=click.Path(file_okay=False),
     default=None,
     help="Write metrics.json, timeline.parquet, a Perfetto trace and plots here.",
 )
@@ -272,8 +242,9 @@ def run(
     from simulator.runner import simulate
 
     options = parse_options(policy_opts)
+    inputs = (trace, calibration, hw)
     if out_dir is not None:
-        check_out_dir(out_dir)
+        check_output_dir(out_dir, RUN_FILES, "--out", inputs)
     enabled = not no_progress and sys.stderr.isatty()
     with lazy_progress("sequences", enabled) as progress:
         result = simulate(
@@ -296,7 +267,7 @@ def run(
     if bounds:
         result.config["bounds"] = compute_bounds(result, hw, trace, sequences, dtype, seed)
     if out_dir is not None:
-        write_outputs(result, out_dir)
+        result.write(out_dir, flag="--out", inputs=inputs)
     doc = result.to_dict()
     if as_json:
         echo_json(doc)
@@ -304,6 +275,6 @@ def run(
         click.echo(render_table(doc))
         if out_dir is not None:
             click.echo(
-                f"\nwrote {out_dir}/: metrics.json timeline.parquet trace.perfetto.json "
+                f"\nwrote {out_dir}/: metrics.json timeline.parquet trace.perfetto.json.gz "
                 "gantt.png hit_rate.png"
             )

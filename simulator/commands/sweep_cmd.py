@@ -1,8 +1,9 @@
 """``daopsim sweep``: run a grid of simulations (from flags or a TOML grid file) into one table.
 
-Exit codes: 0 when every configuration ran, 1 when any failed (each failure is a row with
-status "error"), 2 for bad arguments (unknown policy, machine, trace or option; a locked
-results file).
+Exit codes (docs/cli.md): 0 when every configuration ran, 1 when any failed (each failure is
+a row with status "error"), 2 for bad arguments (unknown policy, machine, trace or option; a
+locked results file), 3 when the results file cannot be written (an input, a device, a
+read-only or full disk).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from typing import Any
 import click
 
 from simulator.commands.common import echo_json, json_option
-from simulator.errors import UserError
+from simulator.errors import ExitCode, UserError
+from simulator.output import check_output_file
 
 
 def _split(text: str | None, kind: type, flag: str) -> list[Any] | None:
@@ -68,7 +70,7 @@ def _parses(kind: type, text: str) -> bool:
     help="One-layer-early view for policies that read it, as for `daopsim run`.",
 )
 @click.option(
-    "--out", "-o", "out", type=click.Path(dir_okay=False), help="Results table (.parquet)."
+    "--out", "-o", "out", help="Results table: .parquet, or .csv (the format follows the suffix)."
 )
 @click.option(
     "--executor", type=click.Choice(["local", "dask"]), default="local", show_default=True
@@ -145,6 +147,7 @@ def sweep(
     out = out or file_out
     if out is None:
         raise UserError("give --out RESULTS.parquet (or 'out' in the grid file)")
+    check_output_file(out, "--out", inputs=[grid_file])
     try:
         _, summary = run_sweep(
             grid,
@@ -157,7 +160,7 @@ def sweep(
         )
     except KeyboardInterrupt:
         click.echo("interrupted: finished runs are kept; run the same command to resume", err=True)
-        sys.exit(130)
+        sys.exit(ExitCode.INTERRUPTED)
     if as_json:
         echo_json(summary.to_dict())
     else:
@@ -178,7 +181,7 @@ def sweep(
                 f"failed: {e['policy']} on {e['hw']} ({e['trace']}, {mem}): {e['error']}",
                 err=True,
             )
-    sys.exit(1 if summary.failed else 0)
+    sys.exit(ExitCode.FAILED if summary.failed else ExitCode.OK)
 
 
 def _print_seed_table(out: object) -> None:

@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import click
 
 from simulator.commands.common import dumps, echo_json, json_option
-from simulator.commands.outputs import check_output_file, output_errors
 from simulator.errors import UserError
 from simulator.models import get_model
+from simulator.output import check_output_file, os_errors, write_text
 from simulator.synth import (
     FIT_PARAMS,
     PRESETS,
@@ -66,7 +65,6 @@ def _resolve_params(
     "-o",
     "--output",
     "output",
-    type=click.Path(dir_okay=False),
     help="Trace file to write (.parquet).",
 )
 @click.option(
@@ -114,8 +112,8 @@ def synth(
     assert model is not None and sequences is not None and output is not None
     shape = get_model(model)
     p, preset_name = _resolve_params(shape.name, preset, params)
-    check_output_file(output, "-o")
-    with output_errors(output, "-o"):
+    check_output_file(output, "-o", inputs=[preset])
+    with os_errors(output, "-o"):
         meta = write_synthetic(
             output, shape, p, sequences, prompt_tokens, output_tokens, seed, preset=preset_name
         )
@@ -226,7 +224,6 @@ def _load_target(path: str) -> dict[str, Any]:
     "--output",
     "output",
     required=True,
-    type=click.Path(dir_okay=False),
     help="Preset file to write (JSON), usable with `synth --preset`.",
 )
 @json_option
@@ -253,7 +250,7 @@ def fit_cmd(
       daopsim synth --model mixtral-8x7b --preset twin.json --sequences 30 -o twin.parquet
     """
     data = _load_target(target)
-    check_output_file(output, "-o")
+    check_output_file(output, "-o", inputs=[target, preset])
     model_name = model or (data.get("model") if isinstance(data.get("model"), str) else None)
     if model_name is None and isinstance(data.get("model"), dict):
         model_name = data["model"].get("name")
@@ -295,17 +292,7 @@ def fit_cmd(
             "target_file": os.path.basename(target),
         }
     )
-    out = Path(output)
-    with output_errors(output, "-o"):
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-        try:
-            with os.fdopen(fd, "w") as fh:
-                fh.write(dumps(doc) + "\n")
-            os.replace(tmp, out)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+    write_text(output, dumps(doc) + "\n", "-o")
     if as_json:
         echo_json(doc)
     else:

@@ -23,6 +23,10 @@ def _render(report: Any) -> str:
     return "\n".join([*lines, "", *summary_lines(report)])
 
 
+#: The files ``validate --out`` writes (the folder is replaced as one set).
+OUT_FILES = ("validation.csv", "validation.md")
+
+
 @click.command("validate")
 @click.option(
     "--table",
@@ -40,14 +44,12 @@ def _render(report: Any) -> str:
 @click.option(
     "--out",
     "out_dir",
-    type=click.Path(file_okay=False),
     default=None,
     help="Write validation.csv and validation.md here.",
 )
 @click.option(
     "--markdown",
     "markdown_path",
-    type=click.Path(dir_okay=False),
     default=None,
     help="Regenerate the table between the markers of this markdown file (docs/validation.md).",
 )
@@ -64,7 +66,7 @@ def validate(
 ) -> None:
     """Run every modelled row of the validation table; print published vs simulated."""
     from simulator.errors import UserError
-    from simulator.results import atomic_write_text
+    from simulator.output import check_output_dir, check_output_file, output_dir, write_text
     from simulator.validation import (
         load_table,
         run_validation,
@@ -76,6 +78,11 @@ def validate(
 
     if sequences is not None and sequences <= 0:
         raise UserError(f"--sequences must be positive, got {sequences}")
+    if out_dir is not None:
+        check_output_dir(out_dir, OUT_FILES, "--out", inputs=[table, markdown_path])
+    if markdown_path is not None:
+        # rewritten in place on purpose, so it is not checked against the inputs
+        check_output_file(markdown_path, "--markdown", inputs=[table])
     rows = select(load_table(table), row_ids)
     doc_text = None
     if markdown_path is not None:
@@ -87,12 +94,11 @@ def validate(
     with lazy_progress("rows", enabled=not no_progress) as progress:
         report = run_validation(rows, max_sequences=sequences, progress=progress)
     if out_dir is not None:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out / "validation.csv", to_csv(report))
-        atomic_write_text(out / "validation.md", to_markdown(report))
+        with output_dir(out_dir, OUT_FILES, "--out", inputs=[table, markdown_path]) as stage:
+            write_text(stage / "validation.csv", to_csv(report))
+            write_text(stage / "validation.md", to_markdown(report))
     if markdown_path is not None and doc_text is not None:
-        atomic_write_text(markdown_path, splice_markdown(doc_text, to_markdown(report)))
+        write_text(markdown_path, splice_markdown(doc_text, to_markdown(report)), "--markdown")
     if as_json:
         echo_json(report.to_dict())
     else:

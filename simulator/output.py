@@ -1,0 +1,410 @@
+"""Safe output: every file or folder a daopsim command writes goes through this module.
+
+The rules (docs/cli.md, "Outputs"):
+
+* An existing target is replaced only when it is of the kind expected: a regular file for a
+  file output, a folder holding only files daopsim writes there for a folder output. Devices,
+  FIFOs, sockets and directories in place of a file are refused, never replaced.
+* An output may not be one of the same command's inputs (``sweep --traces t.parquet --out
+  t.parquet``), and a folder output may not contain one.
+* A file is written to a temporary name in its folder and renamed over the target; a folder
+  output is built as a new sibling folder and swapped in whole, so a reader sees the old set or
+  the new set, never a mix, and a failure half way leaves the old set intact.
+* Every ``OSError`` (missing parent, read-only file system, disk full, permission denied) is an
+  :class:`~simulator.errors.OutputError`: one line naming the path, exit code 3.
+* The file format follows the suffix (:func:`output_format`); an unknown suffix is refused.
+* Names read from files (an experiment's ``name``) become paths only via :func:`safe_name`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fnmatch
+import os
+import re
+import shutil
+import stat
+import tempfile
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from simulator.errors import OutputError, UserError
+
+PathLike = str | os.PathLike[str]
+
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def _where(path: PathLike, flag: str | None) -> str:
+    return f"{flag} {path}" if flag else str(path)
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def describe_os_error(exc: OSError, path: PathLike) -> str:
+    """The reason part of an OSError, naming the other file when it is not ``path``."""
+    detail = exc.strerror or str(exc) or type(exc).__name__
+    other = exc.filename
+    if other is None or os.fspath(other) == os.fspath(path):
+        return detail
+    if Path(os.fspath(other)).name.startswith(f".{Path(path).name}."):
+        return detail  # our own temporary or staging name says nothing to the user
+    return f"{detail} ({os.fspath(other)})"
+
+
+@contextlib.contextmanager
+def os_errors(path: PathLike, flag: str | None = None) -> Iterator[None]:
+    """Re-raise any OSError from the block as an OutputError about ``path`` (exit code 3)."""
+    try:
+        yield
+    except OutputError:
+        raise
+    except OSError as exc:
+        raise OutputError(
+            f"{_where(path, flag)}: cannot write: {describe_os_error(exc, path)}"
+        ) from None
+
+
+def _stat(path: Path) -> os.stat_result | None:
+    try:
+        return path.stat()
+    except FileNotFoundError:
+        return None
+    except NotADirectoryError:
+        return None  # a parent is a file: reported by the folder check
+
+
+def _nearest_existing(p: Path) -> Path:
+    probe = p
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    return probe
+
+
+def _check_parent(target: Path, where: str) -> None:
+    probe = _nearest_existing(target.parent)
+    if not probe.is_dir():
+        raise OutputError(f"{where}: {probe} is not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise OutputError(f"{where}: cannot write: {probe} is not writable")
+
+
+def _same(a: Path, b: Path) -> bool:
+    """The same file: by inode when both exist (hard links too), else by resolved path."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return a.resolve() == b.resolve()
+
+
+def _inputs(inputs: Iterable[PathLike | None]) -> list[Path]:
+    # only existing files can be clobbered; a bundled name such as "a6000-pcie4" is no path
+    return [Path(p) for p in inputs if p is not None and str(p) != "" and os.path.lexists(p)]
+
+
+def check_output_file(
+    path: PathLike,
+    flag: str | None = None,
+    inputs: Iterable[PathLike | None] = (),
+) -> Path:
+    """Before any work: ``path`` can become a regular file that no input of the command is.
+
+    Refuses an existing non-regular target (directory, device, FIFO, socket), an input of the
+    same command, and a folder that is missing and cannot be created or is not writable.
+    """
+    target = Path(path)
+    where = _where(path, flag)
+    st = _stat(target)
+    if st is not None:
+        if stat.S_ISDIR(st.st_mode):
+            raise OutputError(f"{where}: is a directory, expected a file path")
+        if not stat.S_ISREG(st.st_mode):
+            raise OutputError(f"{where}: is {_kind(st.st_mode)}; refusing to replace it")
+    for inp in _inputs(inputs):
+        if _same(target, inp):
+            raise OutputError(f"{where}: is also an input of this command; choose another path")
+    _check_parent(target, where)
+    return target
+
+
+def check_output_dir(
+    path: PathLike,
+    names: Collection[str],
+    flag: str | None = None,
+    inputs: Iterable[PathLike | None] = (),
+) -> Path:
+    """Before any work: ``path`` can become a folder of ``names`` (swapped in whole later).
+
+    An existing folder may hold only files matching ``names`` (file names or glob patterns: a
+    previous output set, or files derived from it), since the swap replaces the folder as a
+    whole; an input of the command may not be inside it.
+    """
+    target = Path(path)
+    where = _where(path, flag)
+    resolved = target.resolve()
+    cwd = Path.cwd().resolve()
+    if resolved == cwd or resolved in cwd.parents:
+        # swapping it would pull the folder out from under this process and the user's shell
+        raise OutputError(f"{where}: is the current folder or holds it; choose a subfolder")
+    st = _stat(target)
+    if st is not None:
+        if not stat.S_ISDIR(st.st_mode):
+            raise OutputError(
+                f"{where}: is {_kind(st.st_mode) if not stat.S_ISREG(st.st_mode) else 'a file'}"
+                ", expected a folder"
+            )
+        try:
+            foreign = sorted(
+                p.name
+                for p in target.iterdir()
+                if not any(fnmatch.fnmatchcase(p.name, pattern) for pattern in names)
+            )
+        except OSError as exc:
+            raise OutputError(f"{where}: cannot read: {describe_os_error(exc, target)}") from None
+        if foreign:
+            shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+            raise OutputError(
+                f"{where}: holds files this command does not write ({shown}); the folder is "
+                "replaced as a whole, so choose a new or empty folder"
+            )
+    for inp in _inputs(inputs):
+        r = inp.resolve()
+        if r == resolved or resolved in r.parents:
+            raise OutputError(f"{where}: contains an input of this command ({inp})")
+    _check_parent(target, where)
+    return target
+
+
+def refuse_non_regular(target: Path, where: str) -> None:
+    """An OutputError when ``target`` exists and is not a regular file (checked just before a
+    rename, which would otherwise replace a device node, FIFO or socket)."""
+    st = _stat(target)
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        if stat.S_ISDIR(st.st_mode):
+            raise OutputError(f"{where}: is a directory, expected a file path")
+        raise OutputError(f"{where}: is {_kind(st.st_mode)}; refusing to replace it")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def write_file(path: PathLike, write: Callable[[str], None], flag: str | None = None) -> Path:
+    """Call ``write(tmp)`` for a temporary file beside ``path``, then rename it into place.
+
+    A non-regular target is refused (checked again here, not only before the work), no partial
+    file is ever visible, and an OSError becomes an OutputError naming ``path``.
+    """
+    target = Path(path)
+    where = _where(path, flag)
+    refuse_non_regular(target, where)
+    with os_errors(path, flag):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        os.close(fd)
+        try:
+            write(tmp)
+            # mkstemp creates 0600; give the file the permissions a plain open() would
+            os.chmod(tmp, 0o666 & ~_umask())
+            refuse_non_regular(target, where)
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return target
+
+
+def write_text(path: PathLike, text: str, flag: str | None = None) -> Path:
+    """Write text (UTF-8) atomically; see :func:`write_file`."""
+
+    def _w(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+
+    return write_file(path, _w, flag)
+
+
+#: Figure formats by file suffix (matplotlib ``savefig`` format names).
+FIGURE_FORMATS = {".png": "png", ".pdf": "pdf", ".svg": "svg"}
+#: Table formats by file suffix.
+TABLE_FORMATS = {".parquet": "parquet", ".csv": "csv"}
+
+
+def output_format(path: PathLike, formats: Mapping[str, str], flag: str | None = None) -> str:
+    """The format named by ``path``'s suffix, or an OutputError listing the suffixes allowed."""
+    suffix = Path(path).suffix.lower()
+    if suffix not in formats:
+        valid = ", ".join(formats)
+        got = f"suffix {suffix!r}" if suffix else "no suffix"
+        raise UserError(f"{_where(path, flag)}: {got}; use one of {valid}")
+    return formats[suffix]
+
+
+def write_figure(fig: Any, path: PathLike, dpi: int = 120, flag: str | None = None) -> Path:
+    """Write a matplotlib figure atomically in the format of the suffix, then close it."""
+    import matplotlib.pyplot as plt
+
+    try:
+        fmt = output_format(path, FIGURE_FORMATS, flag)
+        return write_file(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format=fmt), flag)
+    finally:
+        plt.close(fig)
+
+
+def write_table(df: Any, path: PathLike, flag: str | None = None) -> Path:
+    """Write a DataFrame atomically as Parquet or CSV, chosen by the suffix."""
+    fmt = output_format(path, TABLE_FORMATS, flag)
+    if fmt == "csv":
+        return write_file(path, lambda tmp: df.to_csv(tmp, index=False), flag)
+    return write_file(path, lambda tmp: df.to_parquet(tmp, index=False), flag)
+
+
+_SAFE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def safe_name(name: str, what: str) -> str:
+    """``name`` when it is one plain file-name component, else a UserError saying why.
+
+    Names read from files become folder names; ``../x``, ``/abs`` or hidden names would write
+    outside the place the user chose.
+    """
+    if not _SAFE.fullmatch(name) or name in (".", ".."):
+        raise UserError(
+            f"{what} {name!r}: must be letters, digits, '.', '_' or '-' and not start with "
+            "'.' or '-' (it names an output folder)"
+        )
+    return name
+
+
+# --- folder outputs ---------------------------------------------------------------------------
+
+_STAGE = ".{name}.new-{pid}-"
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux renameat2 RENAME_EXCHANGE); False when unsupported."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False  # this file system cannot exchange: fall back to two renames
+    raise OSError(err, os.strerror(err), os.fspath(b))
+
+
+def _swap_in(stage: Path, target: Path) -> None:
+    """Put ``stage`` at ``target``; the old folder (if any) is removed afterwards."""
+    if not target.exists():
+        os.rename(stage, target)
+        return
+    if _exchange(stage, target):
+        shutil.rmtree(stage, ignore_errors=True)  # now holds the old set
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+    os.rmdir(old)
+    os.rename(target, old)
+    try:
+        os.rename(stage, target)
+    except OSError:
+        os.rename(old, target)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_stale_stages(target: Path) -> None:
+    """Staging folders of killed writers (their pid is gone) are removed."""
+    prefix = f".{target.name}.new-"
+    with contextlib.suppress(OSError):
+        for p in target.parent.iterdir():
+            if not p.name.startswith(prefix):
+                continue
+            pid = p.name[len(prefix) :].split("-", 1)[0]
+            if pid.isdigit() and not _pid_alive(int(pid)):
+                shutil.rmtree(p, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _named_for_target(stage: Path, target: Path) -> Iterator[None]:
+    """Errors about a file in the staging folder name the file where the user will look."""
+    try:
+        yield
+    except OutputError as exc:
+        raise OutputError(str(exc).replace(str(stage), str(target))) from None
+
+
+@contextlib.contextmanager
+def output_dir(
+    path: PathLike,
+    names: Collection[str],
+    flag: str | None = None,
+    inputs: Iterable[PathLike | None] = (),
+) -> Iterator[Path]:
+    """Yield a new staging folder; on success it replaces ``path`` as a whole.
+
+    Write every file of the set into the yielded folder. If the block raises, the staging
+    folder is removed and ``path`` is untouched; OSErrors become OutputErrors.
+    """
+    target = check_output_dir(path, names, flag, inputs)
+    if target.is_symlink():
+        target = target.resolve()  # update the folder the link points at, keep the link
+    with os_errors(path, flag):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_stages(target)
+        stage = Path(
+            tempfile.mkdtemp(
+                prefix=_STAGE.format(name=target.name, pid=os.getpid()), dir=target.parent
+            )
+        )
+    try:
+        with _named_for_target(stage, target), os_errors(path, flag):
+            os.chmod(stage, 0o777 & ~_umask())
+            yield stage
+            _swap_in(stage, target)
+    finally:
+        if stage.exists():
+            shutil.rmtree(stage, ignore_errors=True)
+
+
+__all__ = [
+    "FIGURE_FORMATS",
+    "TABLE_FORMATS",
+    "check_output_dir",
+    "check_output_file",
+    "describe_os_error",
+    "os_errors",
+    "output_dir",
+    "output_format",
+    "refuse_non_regular",
+    "safe_name",
+    "write_figure",
+    "write_file",
+    "write_table",
+    "write_text",
+]
