@@ -52,7 +52,8 @@ class ReferenceEngine(EngineBase):
         self._pool_res = simpy.PriorityResource(env, capacity=len(pool.lanes))
         self._idle = [True] * len(pool.lanes)
         res = self.res
-        self._slots = simpy.Container(env, capacity=res.cap, init=res.cap - res.occupancy)
+        # SimPy refuses an empty container; with no slot at all nothing is ever fetched
+        self._slots = simpy.Container(env, capacity=max(1, res.cap), init=res.cap - res.occupancy)
         self._buffers = simpy.Store(env)
         for i in range(m.buffers["temp"]):
             self._buffers.put(i)
