@@ -227,10 +227,7 @@ def test_simulate_and_cli_select_the_reference_engine(tmp_path: Path) -> None:
     b = simulate(policy="lru", trace=trace, gpu_experts=8, engine="reference")
     assert b.config["engine"] == "reference"
     assert a.metrics == pytest.approx(b.metrics, rel=1e-12, nan_ok=True)
-    res = CliRunner().invoke(
-        main,
-        ["run", "--policy", "lru", "--trace", str(trace), "--gpu-experts", "8"]
-        + ["--engine", "reference", "--no-bounds", "--json"],
-    )
+    args = ["run", "--policy", "lru", "--trace", str(trace), "--gpu-experts", "8"]
+    res = CliRunner().invoke(main, [*args, "--engine", "reference", "--no-bounds", "--json"])
     assert res.exit_code == 0, res.output
     assert '"engine": "reference"' in res.output
