@@ -75,6 +75,8 @@ class Hooks:
 
 def _pair(x: Any) -> Slot | None:
     """``x`` as an int (layer, expert) pair, or None when it is not one."""
+    if x.__class__ is tuple and len(x) == 2 and x[0].__class__ is int and x[1].__class__ is int:
+        return x  # the common case, cheaply
     try:
         a, b = x
     except (TypeError, ValueError):
@@ -157,6 +159,17 @@ def check_plan(
     """
     if plan.__class__ is not Plan and not isinstance(plan, Plan):
         raise hooks.error(f"returned {type(plan).__name__}, expected a Plan", layer)
+    actions = plan.actions
+    if not (plan.evict or plan.prefetch or plan.precalc or plan.victims) and (
+        actions is None or (actions.__class__ is dict and len(actions) == len(routed))
+    ):
+        # the common case, all routed experts resident and run on the GPU: nothing else to check
+        row = res.resident[layer]
+        if actions is None or all(actions.get(e) == _GPU for e in routed):
+            for e in routed:
+                if not row[e]:
+                    raise hooks.error(f"runs expert {e} on the GPU but it is not resident", layer)
+            return routed
     err = hooks.error
     n_layers, n_experts = res.n_layers, res.n_experts
     resident = res.resident

@@ -264,6 +264,10 @@ class EngineBase:
         m = self.machine
         return RunStats(counters=self.c, e2e=e2e, busy=m.busy(), workers=m.workers())
 
+    def _due(self, now: float) -> bool:
+        """Whether the executor must advance its clock to ``now`` before the decision."""
+        return True
+
     # -- the step loop ----------------------------------------------------------------------
     def steps(
         self, sequences: Iterable[SequenceRouting], on_sequence: Callable[[Any], None] | None
@@ -343,7 +347,8 @@ class EngineBase:
                 c.gpu_nonexpert_busy += d_ne
                 gpu_lane.busy += d_ne
                 now = start + d_ne
-                yield now  # serve everything submitted before the decision
+                if self._due(now):
+                    yield now  # serve everything submitted before the decision
                 v.layer = where.layer = layer
                 v.now = now
                 counts = None
@@ -487,6 +492,30 @@ class EngineBase:
         actions = plan.actions
         ready_at = res.ready_at
         gpu = w.gpu
+        if (
+            order is routed
+            and not (plan.evict or plan.prefetch or plan.precalc)
+            and (actions is None or all(actions[e] == _GPU for e in routed))
+        ):
+            # every routed expert resident and on the GPU (check_plan's common case)
+            pre, row = res.prefetched[layer], ready_at[layer]
+            for e in routed:
+                if pre[e]:
+                    pre[e] = False
+                    c.prefetch_used += 1
+                ready = row[e]
+                gpu.append((e, float(ready) if ready != INF else res.copying[(layer, e)]))
+            n = len(routed)
+            if prefill:
+                c.prefill_accesses += n
+                c.prefill_hits += n
+            else:
+                c.decode_accesses += n
+                c.decode_hits += n
+                c.hits_per_layer[layer] += n  # type: ignore[index]
+                c.accesses_per_layer[layer] += n  # type: ignore[index]
+            w.cpu_first = plan.cpu_first
+            return w
         if actions is None:
             needed = set(routed)
         else:
@@ -601,6 +630,10 @@ class Engine(EngineBase):
             self._serve()
         return self.stats(e2e)
 
+    def _due(self, now: float) -> bool:
+        heap = self._heap
+        return bool(heap) and heap[0][0] <= now
+
     # -- the request heap -------------------------------------------------------------------
     def _push(self, t: float, op: LayerOp) -> None:
         heapq.heappush(self._heap, (t, op.seq, next(self._uid), op))
@@ -608,6 +641,10 @@ class Engine(EngineBase):
     def _serve(self) -> None:
         """Serve the next submitted request (or stage of one) in queueing-rule order."""
         t, _, _, op = heapq.heappop(self._heap)
+        self._serve_op(t, op)
+
+    def _serve_op(self, t: float, op: LayerOp) -> None:
+        """Serve ``op`` (its current stage) submitted at ``t``; every earlier one was served."""
         kind = op.kind
         rec = self.recorder
         if kind == FETCH:
@@ -632,8 +669,10 @@ class Engine(EngineBase):
                 rec.op(link.lane.name, "temp", op.sid, op.token, op.layer, op.expert, s, e,
                        self.expert_bytes)  # fmt: skip
             op.end = e
-            heapq.heappush(self._gheap, (e, op.expert, op.buf))
-            self._waiting -= 1
+            if op.gpu:
+                op.gpu = False
+                heapq.heappush(self._gheap, (e, op.expert, op.buf))
+                self._waiting -= 1
         elif kind == CPU:
             self._cpu_stage(t, op)
         elif kind == WRITEBACK:
@@ -704,32 +743,56 @@ class Engine(EngineBase):
         """Time one layer's work; returns when the layer ends."""
         now = w.now
         c = self.c
+        if not w.ops and not w.results and not w.deferred:
+            # nothing submitted and nothing to wait for but copies already timed: the GPU
+            # stream runs the experts by (ready time, expert) without touching the heap
+            jobs = w.gpu
+            if all(src.__class__ is float for _, src in jobs):
+                g = now
+                busy = 0.0
+                rec = self.recorder
+                counts = w.counts
+                gpu_s = self.machine.gpu_s
+                for ready, e in sorted([(src, e) for e, src in jobs]):
+                    if ready > g:
+                        c.transfer_stall += ready - g
+                        g = ready
+                    d = gpu_s(int(counts[e]) if counts is not None else 1)
+                    if rec is not None:
+                        rec.op("gpu", "expert", w.sid, w.token, w.layer, e, g, g + d, 0)
+                    g += d
+                    busy += d
+                c.gpu_expert_busy += busy
+                self.machine.gpu.busy += busy
+                return g
         push = self._push
         n_temp = self.machine.buffers["temp"]
         tempq = self._tempq
         free_bufs = n_temp
         gheap: list[tuple[float, int, int]] = []
         waiting = 0
+        heap = self._heap
+        serve = self._serve_op
+        # Everything submitted before ``now`` has been served, so this layer's requests (all
+        # submitted at ``now``, in issue order) are served at once, without the heap.
         for op in w.ops:
             if op.kind == TEMP:
-                op.gpu = True
-                waiting += 1
                 if free_bufs:
                     free_bufs -= 1
                     op.buf = n_temp - free_bufs - 1
-                    push(now, op)
+                    serve(now, op)
                 else:
-                    tempq.append(op)
+                    tempq.append(op)  # submitted when a buffer frees up
             else:
-                push(now, op)
+                serve(now, op)
+            while heap and heap[0][0] <= now:  # a zero-length stage keeps its place
+                self._serve()
         for e, src in w.gpu:
             if src.__class__ is float:
                 gheap.append((src, e, -1))
-            elif src.kind == TEMP:
-                pass  # counted above
             elif src.end is not None:
-                gheap.append((src.end, e, -1))
-            else:
+                gheap.append((src.end, e, src.buf))
+            elif not src.gpu:
                 src.gpu = True
                 waiting += 1
         self._gheap = gheap
@@ -741,7 +804,6 @@ class Engine(EngineBase):
             if sync_end > now:
                 c.cpu_wait += sync_end - now
                 g = sync_end
-        heap = self._heap
         rec = self.recorder
         counts = w.counts
         gpu_s = self.machine.gpu_s
