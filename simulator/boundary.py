@@ -125,10 +125,10 @@ def check_route(hooks: Hooks, plan: Plan, n_experts: int, layer: int) -> list[in
     route = plan.route
     if route is None:
         return None
-    arr = np.asarray(route)
+    arr = route if route.__class__ is np.ndarray else np.asarray(route)
     if arr.ndim != 1:
         raise hooks.error("returns a malformed route (not one-dimensional)", layer)
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+    if arr.size and arr.dtype.kind not in "iu":
         raise hooks.error("returns a malformed route (expert ids must be integers)", layer)
     ids = arr.tolist()
     if ids and (min(ids) < 0 or max(ids) >= n_experts):
@@ -170,6 +170,13 @@ def check_plan(
                 if not row[e]:
                     raise hooks.error(f"runs expert {e} on the GPU but it is not resident", layer)
             return routed
+    if not (plan.evict or plan.prefetch or plan.victims) and actions.__class__ is dict:
+        # no slot changes (no evictions, fetches or prefetches): each action on its own
+        order = _simple_actions(hooks, actions, layer, routed, res, spec, precalc)
+        if order is not None:
+            if plan.precalc:
+                _check_precalc(hooks, plan.precalc, layer, res, precalc)
+            return order
     err = hooks.error
     n_layers, n_experts = res.n_layers, res.n_experts
     resident = res.resident
@@ -288,15 +295,70 @@ def check_plan(
             raise err(f"prefetches expert {pe} of layer {pl}, already resident", layer)
         fetch(slot, victim, "prefetches")
     if plan.precalc:
-        seen = set(precalc)
-        for item in plan.precalc:
-            slot = _pair(item)
-            if slot is None:
-                raise err(f"returned a malformed plan (precalc entry {item!r})", layer)
-            pl, pe = slot
-            if not (layer < pl < n_layers and 0 <= pe < n_experts):
-                raise err(f"pre-calculates ({pl}, {pe}): must be a coming layer", layer)
-            if slot in seen:
-                raise err(f"pre-calculates expert {pe} of layer {pl} twice", layer)
-            seen.add(slot)
+        _check_precalc(hooks, plan.precalc, layer, res, precalc)
     return order
+
+
+def _simple_actions(
+    hooks: Hooks,
+    actions: dict[int, Any],
+    layer: int,
+    routed: list[int],
+    res: Residency,
+    spec: ResourceSpec,
+    precalc: Iterable[Slot],
+) -> list[int] | None:
+    """Check actions that change no slot (GPU, TEMP, CPU, PRECOMPUTED); the GPU-first order.
+
+    None when an action is a FETCH or unknown (the general check handles those).
+    """
+    row = res.resident[layer]
+    gpu: list[int] = []
+    rest: list[int] = []
+    temps = 0
+    for e in routed:
+        a = actions.get(e)
+        if a == _GPU:
+            if not row[e]:
+                raise hooks.error(f"runs expert {e} on the GPU but it is not resident", layer)
+            gpu.append(e)
+            continue
+        if a == _CPU:
+            pass
+        elif a == _PRE:
+            if (layer, e) not in precalc:
+                raise hooks.error(
+                    f"uses a CPU pre-calculation of expert {e} that was never submitted", layer
+                )
+        elif a == _TEMP:
+            if row[e]:
+                raise hooks.error(
+                    f"copies expert {e} to a temporary buffer but it is resident", layer
+                )
+            temps += 1
+        else:
+            return None  # FETCH, unknown or missing: the general check reports it
+        rest.append(e)
+    if len(actions) != len(routed):
+        extra = sorted(set(actions) - set(routed))
+        raise hooks.error(f"gives actions for experts {extra} that are not routed", layer)
+    if temps and spec.temp_buffers < 1:
+        raise hooks.error("copies to a temporary buffer but declares temp_buffers = 0", layer)
+    return gpu + rest
+
+
+def _check_precalc(
+    hooks: Hooks, items: Any, layer: int, res: Residency, precalc: Iterable[Slot]
+) -> None:
+    """Pre-calculations must name coming layers of this token, each once."""
+    seen = set(precalc)
+    for item in items:
+        slot = _pair(item)
+        if slot is None:
+            raise hooks.error(f"returned a malformed plan (precalc entry {item!r})", layer)
+        pl, pe = slot
+        if not (layer < pl < res.n_layers and 0 <= pe < res.n_experts):
+            raise hooks.error(f"pre-calculates ({pl}, {pe}): must be a coming layer", layer)
+        if slot in seen:
+            raise hooks.error(f"pre-calculates expert {pe} of layer {pl} twice", layer)
+        seen.add(slot)
