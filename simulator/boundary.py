@@ -170,9 +170,9 @@ def check_plan(
                 if not row[e]:
                     raise hooks.error(f"runs expert {e} on the GPU but it is not resident", layer)
             return routed
-    if not (plan.evict or plan.prefetch or plan.victims) and actions.__class__ is dict:
-        # no slot changes (no evictions, fetches or prefetches): each action on its own
-        order = _simple_actions(hooks, actions, layer, routed, res, spec, precalc)
+    if not (plan.evict or plan.prefetch) and actions.__class__ is dict:
+        # no explicit evictions or prefetches: one pass without the general bookkeeping
+        order = _simple_actions(hooks, plan, layer, routed, res, spec, precalc, now)
         if order is not None:
             if plan.precalc:
                 _check_precalc(hooks, plan.precalc, layer, res, precalc)
@@ -301,44 +301,96 @@ def check_plan(
 
 def _simple_actions(
     hooks: Hooks,
-    actions: dict[int, Any],
+    plan: Plan,
     layer: int,
     routed: list[int],
     res: Residency,
     spec: ResourceSpec,
     precalc: Iterable[Slot],
+    now: float,
 ) -> list[int] | None:
-    """Check actions that change no slot (GPU, TEMP, CPU, PRECOMPUTED); the GPU-first order.
+    """``check_plan`` for a plan whose only slot changes are this layer's fetches (with victims
+    in this layer); returns the GPU-first order, or None to leave the plan to the general check.
 
-    None when an action is a FETCH or unknown (the general check handles those).
+    It checks in the same order and with the same messages as the general check: the GPU
+    experts first, then the others in routing order.
     """
+    actions = plan.actions
+    assert actions is not None
     row = res.resident[layer]
     gpu: list[int] = []
     rest: list[int] = []
-    temps = 0
     for e in routed:
         a = actions.get(e)
         if a == _GPU:
             if not row[e]:
                 raise hooks.error(f"runs expert {e} on the GPU but it is not resident", layer)
             gpu.append(e)
-            continue
+        elif a in _ACTIONS:
+            rest.append(e)
+        else:
+            return None  # unknown or missing: the general check reports it
+    temps = 0
+    gone: set[int] = set()  # evicted earlier in this plan
+    added: set[int] = set()  # fetched earlier in this plan
+    needed: set[int] | None = None
+    n_res = res.n_resident
+    victims = plan.victims
+    for e in rest:
+        a = actions[e]
         if a == _CPU:
-            pass
-        elif a == _PRE:
+            continue
+        if a == _PRE:
             if (layer, e) not in precalc:
                 raise hooks.error(
                     f"uses a CPU pre-calculation of expert {e} that was never submitted", layer
                 )
-        elif a == _TEMP:
-            if row[e]:
+            continue
+        here = e in added or (row[e] and e not in gone)
+        if a == _TEMP:
+            if here:
                 raise hooks.error(
                     f"copies expert {e} to a temporary buffer but it is resident", layer
                 )
             temps += 1
-        else:
-            return None  # FETCH, unknown or missing: the general check reports it
-        rest.append(e)
+            continue
+        # FETCH
+        if here:
+            raise hooks.error(f"fetches expert {e}, which is already resident", layer)
+        v = victims.get(e)
+        if v is not None:
+            if not (v.__class__ is tuple and len(v) == 2 and v[0] == layer):
+                return None  # another layer's slot or a malformed victim: the general check
+            ve = v[1]
+            if ve.__class__ is not int or not 0 <= ve < res.n_experts:
+                return None
+            if ve in added:
+                return None  # evicting what this plan fetches: the general check words it
+            if not row[ve] or ve in gone:
+                raise hooks.error(
+                    f"evicts expert {ve} of layer {layer}, which is not resident", layer
+                )
+            if needed is None:
+                needed = {x for x in routed if actions.get(x) in (_GPU, _FETCH)}
+            if ve in needed:
+                if not (spec.evicts_in_use and spec.writeback):
+                    raise hooks.error(
+                        f"evicts expert {ve} of layer {layer}, which this token needs", layer
+                    )
+            elif res.ready_at[layer, ve] > now:
+                raise hooks.error(
+                    f"evicts expert {ve} of layer {layer} while it is still being copied", layer
+                )
+            gone.add(ve)
+            n_res -= 1
+        if n_res >= res.budget:
+            raise hooks.error(
+                f"fetches expert {e} of layer {layer} with all {res.budget} slots full "
+                "and no victim",
+                layer,
+            )
+        added.add(e)
+        n_res += 1
     if len(actions) != len(routed):
         extra = sorted(set(actions) - set(routed))
         raise hooks.error(f"gives actions for experts {extra} that are not routed", layer)

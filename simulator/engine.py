@@ -43,7 +43,7 @@ from simulator.trace import SequenceRouting
 _GPU, _FETCH, _TEMP, _CPU, _PRE = (int(a) for a in Action)
 
 # operation kinds (LayerOp.kind)
-FREE, WRITEBACK, FETCH, TEMP, CPU = range(5)
+WRITEBACK, FETCH, TEMP, CPU = range(4)
 
 
 @dataclass
@@ -101,7 +101,7 @@ class RunStats:
 
 
 class LayerOp:
-    """One operation a plan asks for: a slot release, write-back, copy or CPU job.
+    """One operation a plan asks for: a write-back, a copy or a CPU job.
 
     ``seq`` is its issue number (the tie-break of the queueing rule). ``end`` is set once the
     executor has timed it. CPU jobs of a serial chain point to the next one with ``chain``.
@@ -267,6 +267,10 @@ class EngineBase:
     def _due(self, now: float) -> bool:
         """Whether the executor must advance its clock to ``now`` before the decision."""
         return True
+
+    def _free_slot(self, t: float) -> None:
+        """An evicted expert's slot (no write-back) is free at ``t``."""
+        raise NotImplementedError
 
     # -- the step loop ----------------------------------------------------------------------
     def steps(
@@ -447,8 +451,8 @@ class EngineBase:
             c.prefetch_wasted_bytes += self.expert_bytes
         if self.spec.writeback:
             w.ops.append(self._writeback(slot, w))
-        else:
-            w.ops.append(self._op(FREE, "", vl, ve, w))
+        else:  # the slot is free at once (nothing ever waits for one without write-back)
+            self._free_slot(w.now)
 
     def _writeback(self, slot: Slot, w: LayerWork) -> LayerOp:
         c = self.c
@@ -692,8 +696,9 @@ class Engine(EngineBase):
                 self._push(e, op)  # its slot is released when it ends
             else:
                 self._release(t)
-        else:  # FREE
-            self._release(t)
+
+    def _free_slot(self, t: float) -> None:
+        self._release(t)
 
     def _release(self, t: float) -> None:
         res = self.res

@@ -20,7 +20,6 @@ import simpy
 from simulator.engine import (
     CPU,
     FETCH,
-    FREE,
     TEMP,
     WRITEBACK,
     EngineBase,
@@ -111,6 +110,9 @@ class ReferenceEngine(EngineBase):
     def _record(self, lane: str, op: LayerOp, kind: str, s: float, e: float, nbytes: int) -> None:
         if self.recorder is not None:
             self.recorder.op(lane, kind, op.sid, op.token, op.layer, op.expert, s, e, nbytes)
+
+    def _free_slot(self, t: float) -> None:
+        self._slot_back()
 
     def _slot_back(self) -> None:
         """Give a slot back: to the first waiting fetch, else to the free pool."""
@@ -211,8 +213,6 @@ class ReferenceEngine(EngineBase):
                 env.process(self._cpu_chain(op))
             elif op.kind == WRITEBACK:
                 env.process(self._write_back(op))
-            elif op.kind == FREE:
-                self._slot_back()
         for op in w.results:
             if op.end is None:
                 self._event(op)
