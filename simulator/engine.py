@@ -463,7 +463,8 @@ class EngineBase:
     def _fetch(self, slot: Slot, kind: str, victim: Any, needed: set[int], w: LayerWork) -> LayerOp:
         if victim is not None:
             self._evict(victim, needed, w)
-        op = self._op(FETCH, kind, slot[0], slot[1], w)
+        self._seq += 1
+        op = LayerOp(FETCH, kind, self._seq, w.sid, w.token, slot[0], slot[1])
         self.res.insert(slot, op)
         c = self.c
         c.h2d_bytes += self.expert_bytes
@@ -652,15 +653,22 @@ class Engine(EngineBase):
         kind = op.kind
         rec = self.recorder
         if kind == FETCH:
-            if op.stage == 0 and not self.res.take(t):
-                self.res.waiters.append(op)  # waits for a slot
+            res = self.res
+            if op.stage == 0 and not res.take(t):
+                res.waiters.append(op)  # waits for a slot
                 return
             link = self._h2d
-            s, e = link.lane.serve(t, link.expert_s)
+            lane = link.lane
+            # Lane.serve, inlined (the hot path of copy-heavy policies)
+            s = t if t > lane.free_at else lane.free_at
+            e = lane.free_at = s + link.expert_s
+            lane.busy += link.expert_s
             if rec is not None:
-                rec.op(link.lane.name, op.rkind, op.sid, op.token, op.layer, op.expert, s, e,
+                rec.op(lane.name, op.rkind, op.sid, op.token, op.layer, op.expert, s, e,
                        self.expert_bytes)  # fmt: skip
-            self.res.copied((op.layer, op.expert), e)
+            slot = (op.layer, op.expert)
+            res.ready_at[slot] = e
+            del res.copying[slot]
             op.end = e
             if op.gpu:
                 op.gpu = False
@@ -698,7 +706,11 @@ class Engine(EngineBase):
                 self._release(t)
 
     def _free_slot(self, t: float) -> None:
-        self._release(t)
+        res = self.res
+        if res.waiters or res.recorder is not None:
+            self._release(t)
+        else:
+            res.occupancy -= 1
 
     def _release(self, t: float) -> None:
         res = self.res

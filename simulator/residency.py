@@ -94,13 +94,14 @@ class Residency:
 
     def take(self, t: float) -> bool:
         """Claim a free slot at ``t``; False when none is free (the caller waits)."""
-        if self.occupancy >= self.cap:
+        occ = self.occupancy
+        if occ >= self.cap:
             return False
-        self.occupancy += 1
-        if self.occupancy > self.max_occupancy:
-            self.max_occupancy = self.occupancy
+        self.occupancy = occ = occ + 1
+        if occ > self.max_occupancy:
+            self.max_occupancy = occ
         if self.recorder is not None:
-            self.recorder.occupancy(t, self.occupancy)
+            self.recorder.occupancy(t, occ)
         return True
 
     def free(self, t: float) -> None:
