@@ -430,6 +430,18 @@ class EngineBase:
             else:
                 c.replaced_mispredicted += 1
 
+    def _accesses(self, layer: int, n_routed: int, n_hits: int, prefill: bool) -> None:
+        """Count a layer's expert accesses and hits (per phase; per layer for decode)."""
+        c = self.c
+        if prefill:
+            c.prefill_accesses += n_routed
+            c.prefill_hits += n_hits
+        else:
+            c.decode_accesses += n_routed
+            c.decode_hits += n_hits
+            c.hits_per_layer[layer] += n_hits  # type: ignore[index]
+            c.accesses_per_layer[layer] += n_routed  # type: ignore[index]
+
     # -- a checked plan into operations ----------------------------------------------------
     def _op(self, kind: int, rkind: str, layer: int, expert: int, w: LayerWork) -> LayerOp:
         self._seq += 1
@@ -510,15 +522,7 @@ class EngineBase:
                     c.prefetch_used += 1
                 ready = row[e]
                 gpu.append((e, float(ready) if ready != INF else res.copying[(layer, e)]))
-            n = len(routed)
-            if prefill:
-                c.prefill_accesses += n
-                c.prefill_hits += n
-            else:
-                c.decode_accesses += n
-                c.decode_hits += n
-                c.hits_per_layer[layer] += n  # type: ignore[index]
-                c.accesses_per_layer[layer] += n  # type: ignore[index]
+            self._accesses(layer, len(routed), len(routed), prefill)
             w.cpu_first = plan.cpu_first
             return w
         if actions is None:
@@ -550,15 +554,7 @@ class EngineBase:
                 cpu_jobs.append(e)
             else:  # PRECOMPUTED
                 w.results.append(self.precalc.pop((layer, e)))
-        n_routed = len(routed)
-        if prefill:
-            c.prefill_accesses += n_routed
-            c.prefill_hits += n_hits
-        else:
-            c.decode_accesses += n_routed
-            c.decode_hits += n_hits
-            c.hits_per_layer[layer] += n_hits  # type: ignore[index]
-            c.accesses_per_layer[layer] += n_routed  # type: ignore[index]
+        self._accesses(layer, len(routed), n_hits, prefill)
         for e in temps:
             op = self._op(TEMP, "temp", layer, e, w)
             c.temp_copies += 1
