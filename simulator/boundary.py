@@ -145,7 +145,6 @@ def check_plan(
     plan: Any,
     layer: int,
     routed: list[int],
-    prefill: bool,
     res: Residency,
     spec: ResourceSpec,
     precalc: Iterable[Slot],

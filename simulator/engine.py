@@ -30,8 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from policies.base import Action, Plan, Policy, SetupContext, Slot
-from policies.base import View as View
+from policies.base import Action, Plan, Policy, SetupContext, Slot, View
 from simulator.boundary import Hooks, check_placement, check_plan, check_route
 from simulator.costs import CostModel
 from simulator.machine import Machine
@@ -388,7 +387,7 @@ class EngineBase:
                         route = check_route(hooks, plan, n_exp, layer)
                     routed = experts.tolist() if route is None else route
                 order = check_plan(
-                    hooks, plan, layer, routed, prefill, self.res, self.spec, self.precalc, now
+                    hooks, plan, layer, routed, self.res, self.spec, self.precalc, now
                 )
                 if not prefill:
                     self._fidelity(plan, route, experts, w_t[layer], ws_t[layer])
