@@ -55,8 +55,9 @@ class Hooks:
         w = self.where
         return PolicyError(self.name, message, seq=w.seq, token=w.token, layer=layer)
 
-    def call(self, hook: str, fn: Callable[..., Any], *args: Any, layer: int | None = None) -> Any:
-        """``fn(*args)``; its exception is the policy's fault, reported as hook ``hook``."""
+    def call(self, hook: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``; its exception is the policy's fault, reported as hook ``hook`` (with
+        the current token and layer for the layer hooks)."""
         try:
             return fn(*args)
         except (PolicyError, UserError):
@@ -64,12 +65,13 @@ class Hooks:
         except Exception as exc:
             text = " ".join(str(exc).split()) or "(no message)"
             w = self.where
+            per_layer = hook.endswith("_layer")
             raise PolicyError(
                 self.name,
                 f"{hook} raised {type(exc).__name__}: {text}",
                 seq=w.seq,
-                token=w.token if hook.endswith("_layer") else None,
-                layer=layer,
+                token=w.token if per_layer else None,
+                layer=w.layer if per_layer else None,
             ) from exc
 
 

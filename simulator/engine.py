@@ -374,7 +374,7 @@ class EngineBase:
                         v.next_probs = ep_t[layer + 1]
                     else:
                         v.next_experts = v.next_probs = None
-                plan = hooks.call(hook, decide, v, layer=layer)
+                plan = hooks.call(hook, decide, v)
                 if prefill:
                     if plan.__class__ is Plan and plan.route is not None:
                         raise hooks.error(
