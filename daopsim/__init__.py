@@ -12,9 +12,9 @@ from ``daopsim`` so code keeps working when they move.
 Running: :func:`simulate` (one run, a :class:`RunResult`), :func:`sweep` (a grid as a DataFrame),
 :func:`run_sweep` and :class:`Grid` (the same with a summary, resumable). Writing a policy:
 :class:`Policy` (or :class:`CachingPolicy` for fetch-on-miss caches), :func:`register`,
-:class:`Plan`, :class:`Action`, :class:`View`, :class:`SetupContext`, :class:`Param`. Looking up:
-:func:`policies`, :func:`load_profile`, :func:`get_model`. Nothing heavy is imported until a name
-is first used, so ``import daopsim`` is fast.
+:class:`Plan`, :class:`Action`, :class:`View`, :class:`SetupContext`, :class:`ResourceSpec`,
+:class:`Param`. Looking up: :func:`policies`, :func:`load_profile`, :func:`get_model`. Nothing
+heavy is imported until a name is first used, so ``import daopsim`` is fast.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the real objects, for type checkers and IDEs
-    from policies.base import Action, Param, Plan, Policy, SetupContext, View
+    from policies.base import Action, Param, Plan, Policy, ResourceSpec, SetupContext, View
     from policies.caching import CachingPolicy
     from policies.registry import available as policies
     from policies.registry import register
@@ -52,6 +52,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "Action": ("policies.base", "Action"),
     "View": ("policies.base", "View"),
     "SetupContext": ("policies.base", "SetupContext"),
+    "ResourceSpec": ("policies.base", "ResourceSpec"),
     "Param": ("policies.base", "Param"),
     "register": ("policies.registry", "register"),
     "policies": ("policies.registry", "available"),
@@ -66,6 +67,7 @@ __all__ = [
     "Param",
     "Plan",
     "Policy",
+    "ResourceSpec",
     "RunResult",
     "SetupContext",
     "View",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from policies.base import ALL_GPU_PLAN, Plan, Policy, SetupContext, Slot, View
+from policies.base import ALL_GPU_PLAN, Plan, Policy, ResourceSpec, SetupContext, Slot, View
 from policies.registry import register
 
 
@@ -20,8 +20,10 @@ class AllGPUPolicy(Policy):
     summary = "every expert resident on the GPU (upper bound)"
     source = "bound: no offloading"
     bound = True
-    unlimited_memory = True
-    temp_buffers = 0
+
+    def resources(self) -> ResourceSpec:
+        """Every expert placed whatever the budget; no temporary buffer needed."""
+        return ResourceSpec(unlimited_memory=True, temp_buffers=0)
 
     def setup(self, ctx: SetupContext) -> Iterable[Slot]:
         """Place every expert of every layer."""

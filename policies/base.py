@@ -53,8 +53,8 @@ class Plan:
     """A policy's decisions for one layer of one step (a decode token or a prefill pass).
 
     ``actions`` maps each routed expert to an :class:`Action`; ``None`` means "all on the GPU"
-    (every routed expert must then be resident). ``route``/``route_weights`` replace the
-    trace's routing (prediction, substitution); ``raw_route`` is the route before any
+    (every routed expert must then be resident). ``route`` replaces the trace's routing
+    (prediction, substitution); ``raw_route`` is the route before any
     degradation step, so the engine can split replaced routing into misprediction and
     degradation. ``victims`` names the slot a FETCH frees. ``prefetch`` entries are
     ``(layer, expert, victim or None)`` background copies into slots; ``precalc`` entries are
@@ -68,7 +68,6 @@ class Plan:
     actions: dict[int, Action] | None = None
     victims: dict[int, Slot] = field(default_factory=dict)
     route: np.ndarray | None = None
-    route_weights: np.ndarray | None = None
     raw_route: np.ndarray | None = None
     prefetch: list[tuple[int, int, Slot | None]] = field(default_factory=list)
     precalc: list[tuple[int, int]] = field(default_factory=list)
@@ -103,7 +102,6 @@ class View:
         "n_tokens",
         "next_experts",
         "next_probs",
-        "next_weights",
         "now",
         "phase",
         "position",
@@ -130,7 +128,6 @@ class View:
         self.counts: np.ndarray | None = None
         self.next_experts: np.ndarray | None = None
         self.next_probs: np.ndarray | None = None
-        self.next_weights: np.ndarray | None = None
         self.resident: np.ndarray = np.empty((0, 0), dtype=bool)
         self.budget = 0
         self.now = 0.0
@@ -142,6 +139,45 @@ class View:
     def is_prefill(self) -> bool:
         """True during a prefill pass (many tokens per expert)."""
         return self.phase == "prefill"
+
+
+@dataclass(frozen=True)
+class ResourceSpec:
+    """The resources of the modelled system a policy runs on (one per policy instance).
+
+    A policy returns it from :meth:`Policy.resources`; the engine builds the machine's
+    buffers and worker pools from it and the runner sizes the slot budget with it.
+    """
+
+    #: "pinned" or "pageable": the host memory expert copies come from
+    host_memory: str = "pinned"
+    #: an evicted expert is copied back to the host (D2H) before its slot is reused
+    writeback: bool = False
+    #: GPU buffers for TEMP copies (a TEMP copy waits for a free one)
+    temp_buffers: int = 1
+    #: extra expert-sized GPU slots (beyond the budget) so a fetch need not wait for a write-back
+    staging_buffers: int = 0
+    #: CPU worker threads that run experts (a pool of serial workers)
+    cpu_workers: int = 1
+    #: with ``writeback``: may evict an expert the current layer uses; its write-back is queued
+    #: after that expert's computation (Mixtral-offloading's single-stream swap)
+    evicts_in_use: bool = False
+    #: places every expert whatever the budget (the all-GPU bound)
+    unlimited_memory: bool = False
+
+    def __post_init__(self) -> None:
+        if self.host_memory not in ("pinned", "pageable"):
+            raise UserError(f"host_memory must be 'pinned' or 'pageable', got {self.host_memory!r}")
+        for key in ("temp_buffers", "staging_buffers"):
+            if getattr(self, key) < 0:
+                raise UserError(f"{key} must be >= 0, got {getattr(self, key)}")
+        if self.cpu_workers < 1:
+            raise UserError(f"cpu_workers must be >= 1, got {self.cpu_workers}")
+
+    @property
+    def pinned(self) -> bool:
+        """True when expert copies come from pinned host memory."""
+        return self.host_memory == "pinned"
 
 
 @dataclass(frozen=True)
@@ -164,11 +200,8 @@ class Policy:
     ``name`` (registry key), ``summary`` (one line), ``source`` (what it models),
     ``params`` (options: name -> :class:`Param`), ``clairvoyant`` (looks ahead in the trace;
     results are marked as a bound), ``bound`` (not realisable, e.g. all experts resident),
-    ``unlimited_memory`` (places every expert whatever the budget),
-    ``needs_calibration`` (wants popularity counts),
-    ``host_memory`` ("pinned" or "pageable": the host path its copies take),
-    ``writeback`` (an evicted expert is copied back to the host), ``temp_buffers`` (GPU buffers
-    for TEMP copies), ``cpu_workers`` (CPU worker threads it runs experts on).
+    ``needs_calibration`` (wants popularity counts). The resources the modelled system uses
+    (host memory kind, write-back, buffers, CPU workers) come from :meth:`resources`.
     """
 
     name: ClassVar[str] = ""
@@ -177,18 +210,7 @@ class Policy:
     params: ClassVar[dict[str, Param]] = {}
     clairvoyant: ClassVar[bool] = False
     bound: ClassVar[bool] = False
-    #: places every expert regardless of the memory budget (the all-GPU bound)
-    unlimited_memory: ClassVar[bool] = False
-    #: may evict an expert the current layer uses (with ``writeback``: the write-back is queued
-    #: after that expert's computation), as Mixtral-offloading's single-stream swap does
-    evicts_in_use: ClassVar[bool] = False
     needs_calibration: ClassVar[bool] = False
-    host_memory: str = "pinned"
-    writeback: bool = False
-    temp_buffers: int = 1
-    cpu_workers: int = 1
-    #: extra GPU slots (beyond the budget) this policy keeps as staging buffers for fetches
-    staging_buffers: int = 0
 
     def __init__(self, **options: Any) -> None:
         self.options = self.resolve_options(options)
@@ -224,6 +246,10 @@ class Policy:
 
     #: what the policy does in prefill that a trace without prompt tokens skips (run notes)
     prefill_note: ClassVar[str] = ""
+
+    def resources(self) -> ResourceSpec:
+        """The resources this policy's system uses (may depend on the options)."""
+        return ResourceSpec()
 
     # -- hooks ---------------------------------------------------------------------------------
     def setup(self, ctx: SetupContext) -> Iterable[Slot]:

@@ -42,6 +42,7 @@ class CachingPolicy(Policy):
     def setup(self, ctx: SetupContext) -> Iterable[Slot]:
         """Fill each layer's quota with its first (or most popular) experts."""
         self.model = ctx.model
+        self.evicts_in_use = self.resources().evicts_in_use
         n_layers, n_exp = ctx.model.moe_layers, ctx.model.experts
         self.quota = per_layer_quota(ctx.budget, n_layers)
         self.cache: list[list[int]] = [[] for _ in range(n_layers)]

@@ -29,6 +29,7 @@ from policies.base import (
     Param,
     Plan,
     Policy,
+    ResourceSpec,
     SetupContext,
     Slot,
     View,
@@ -49,13 +50,10 @@ GPU, FETCH, TEMP, CPU, PRE = (
 class _Prediction:
     """What DAOP decided at layer l-1 for layer l of the current token."""
 
-    __slots__ = ("precalc", "raw", "route", "weights")
+    __slots__ = ("precalc", "raw", "route")
 
-    def __init__(
-        self, route: np.ndarray, weights: np.ndarray, raw: np.ndarray, precalc: set[int]
-    ) -> None:
+    def __init__(self, route: np.ndarray, raw: np.ndarray, precalc: set[int]) -> None:
         self.route = route  # experts used (after degradation)
-        self.weights = weights  # their renormalised weights
         self.raw = raw  # the plain top-k prediction (before degradation)
         self.precalc = precalc  # CPU-resident experts submitted for pre-calculation
 
@@ -109,12 +107,6 @@ class DAOPPolicy(Policy):
     summary = "DAOP: prefill swaps, predicted routing with CPU pre-calculation, degradation"
     source = "DAOP (arXiv 2501.10375), code github.com/ecolab-nus/DAOP"
     needs_calibration = True
-    host_memory = "pageable"
-    #: A prefill swap moves the cold expert back with ``experts[cold].to("cpu")`` before the hot
-    #: one goes up with ``.to(dev)``, both on the current stream (ecolab-nus/DAOP commit 08fef33,
-    #: model/modeling_daop.py L404-405): a real device-to-host copy, into pageable memory.
-    writeback = True
-    temp_buffers = 1
     params = {
         "swap_num": Param(
             int, -1, "hot/cold pairs considered per layer at prefill (-1: half the experts, E/2)"
@@ -208,6 +200,16 @@ class DAOPPolicy(Policy):
         self.swaps: list[tuple[int, int, int]] = []
         self._restore = False
 
+    def resources(self) -> ResourceSpec:
+        """Pageable host memory (the code loads with load_state_dict), write-back of a prefill
+        swap's cold expert, one temporary buffer, the ``cpu_workers`` option's pool."""
+        # A prefill swap moves the cold expert back with ``experts[cold].to("cpu")`` before the
+        # hot one goes up with ``.to(dev)``, both on the current stream (ecolab-nus/DAOP commit
+        # 08fef33, model/modeling_daop.py L404-405): a real device-to-host copy, so write-back.
+        return ResourceSpec(
+            host_memory="pageable", writeback=True, temp_buffers=1, cpu_workers=self.cpu_workers
+        )
+
     # -- load ----------------------------------------------------------------------------------
     def setup(self, ctx: SetupContext) -> Iterable[Slot]:
         """Per-layer quota then global fill, by decode-time calibration popularity."""
@@ -290,14 +292,9 @@ class DAOPPolicy(Policy):
             gpu_ids = np.flatnonzero(on_gpu)
             sub = int(gpu_ids[np.argmax(probs[gpu_ids])])  # first id on ties
             route_l = [*route_l[:-1], sub]
-        # plain floats: this runs once per token-layer and numpy's overhead dominates at k <= 8
-        p = [float(npr[e]) for e in route_l]
-        p = [x if x == x else 0.0 for x in p]  # NaN -> 0
-        total = sum(p)
         route = np.asarray(route_l, dtype=np.int64)
-        weights = np.asarray(p) / total if total > 0 else np.full(route.size, 1.0 / route.size)
-        cpu = [int(e) for e in route if not on_gpu[e]]
-        return _Prediction(route, weights, raw, set(cpu))
+        cpu = [e for e in route_l if not on_gpu[e]]
+        return _Prediction(route, raw, set(cpu))
 
     def decode_layer(self, view: View) -> Plan:
         """Exact routing below first_predict_layer; the layer-early prediction from there on."""
@@ -323,7 +320,6 @@ class DAOPPolicy(Policy):
                 keep = [i for i, e in enumerate(pred.route.tolist()) if resident[e] or e in ready]
                 route = pred.route[keep]
                 plan.route = route
-                plan.route_weights = pred.weights[keep]
                 plan.raw_route = pred.raw
                 for e in route.tolist():
                     actions[e] = GPU if resident[e] else PRE

@@ -30,7 +30,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from policies.base import Action, Param, Plan, Policy, SetupContext, Slot, View, global_top
+from policies.base import (
+    Action,
+    Param,
+    Plan,
+    Policy,
+    ResourceSpec,
+    SetupContext,
+    Slot,
+    View,
+    global_top,
+)
 from policies.registry import register
 
 GPU, TEMP, CPU = Action.GPU, Action.TEMP, Action.CPU
@@ -48,9 +58,6 @@ class FiddlerPolicy(Policy):
     summary = "global popularity placement; CPU runs non-resident experts; prefill break-even"
     source = "Fiddler (ICLR'25, arXiv 2402.07033), efeslab/fiddler mixtral.py"
     needs_calibration = True
-    host_memory = "pageable"
-    temp_buffers = 1
-    cpu_workers = 1
     prefill_note = "prefill break-even rule (CPU or temporary copy)"
     params = {
         "constants": Param(
@@ -62,6 +69,10 @@ class FiddlerPolicy(Policy):
             choices=("code", "measured", "model"),
         ),
     }
+
+    def resources(self) -> ResourceSpec:
+        """Pageable host memory, one placeholder buffer, one CPU worker (see module doc)."""
+        return ResourceSpec(host_memory="pageable", temp_buffers=1, cpu_workers=1)
 
     def setup(self, ctx: SetupContext) -> Iterable[Slot]:
         """The globally most popular experts by decode-time calibration counts."""

@@ -44,7 +44,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
-from policies.base import Action, Param, Plan, SetupContext, Slot, View
+from policies.base import Action, Param, Plan, ResourceSpec, SetupContext, Slot, View
 from policies.lru import LRUPolicy
 from policies.registry import register
 from simulator.errors import UserError
@@ -59,10 +59,6 @@ class MixtralOffloadingPolicy(LRUPolicy):
     name = "mixtral-offloading"
     summary = "per-layer LRU groups, pinned copies, evicted expert written back, opt. prefetch"
     source = "Mixtral-offloading (arXiv 2312.17238), dvmazur/mixtral-offloading expert_cache.py"
-    host_memory = "pinned"
-    writeback = True
-    evicts_in_use = True
-    staging_buffers = 4
     params = {
         "experts_per_layer": Param(
             int, 0, "GPU slots per layer (0: the budget split evenly over the layers)"
@@ -76,6 +72,12 @@ class MixtralOffloadingPolicy(LRUPolicy):
     def uses_lookahead(self) -> bool:
         """Only the optional prefetch reads the one-layer-early view."""
         return bool(self.options["prefetch"])
+
+    def resources(self) -> ResourceSpec:
+        """Pinned copies, write-back of evicted experts, in-use evictions, 4 staging buffers."""
+        return ResourceSpec(
+            host_memory="pinned", writeback=True, evicts_in_use=True, staging_buffers=4
+        )
 
     def setup(self, ctx: SetupContext) -> Iterable[Slot]:
         """Every layer's group starts with its first experts (the code's initial offload)."""

@@ -15,6 +15,7 @@ from policies.base import (
     Param,
     Plan,
     Policy,
+    ResourceSpec,
     SetupContext,
     Slot,
     View,
@@ -32,7 +33,6 @@ class StaticPolicy(Policy):
     summary = "popularity placement; misses copied to a temp buffer, run, dropped (on-demand)"
     source = "DAOP's MoE-OnDemand baseline (arXiv 2501.10375)"
     needs_calibration = True
-    host_memory = "pageable"
     params = {
         "placement": Param(
             str,
@@ -47,7 +47,11 @@ class StaticPolicy(Policy):
 
     def __init__(self, **options: object) -> None:
         super().__init__(**options)
-        self.host_memory = self.options["host_memory"]
+        self.host_memory = str(self.options["host_memory"])
+
+    def resources(self) -> ResourceSpec:
+        """The ``host_memory`` option's copies, one temporary buffer."""
+        return ResourceSpec(host_memory=self.host_memory)
 
     def setup(self, ctx: SetupContext) -> Iterable[Slot]:
         """Most popular experts by decode-time calibration counts."""

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from policies.base import Action, Param, Plan, Policy, SetupContext, Slot, View
+from policies.base import Action, Param, Plan, Policy, ResourceSpec, SetupContext, Slot, View
 from policies.registry import register
 from simulator.errors import UserError
 
@@ -46,8 +46,6 @@ class StreamAllPolicy(Policy):
     name = "stream-all"
     summary = "DeepSpeed ZeRO-3 style: every expert streamed every time (nothing resident)"
     source = "DeepSpeed ZeRO-3 param offload as run by DAOP/Fiddler (DS-MII baseline)"
-    host_memory = "pinned"
-    temp_buffers = 1
     params = {
         "gather": Param(
             str,
@@ -57,6 +55,10 @@ class StreamAllPolicy(Policy):
             choices=("auto", "layer", "selected"),
         ),
     }
+
+    def resources(self) -> ResourceSpec:
+        """Pinned host memory (``pin_memory: true``), one temporary buffer."""
+        return ResourceSpec(host_memory="pinned", temp_buffers=1)
 
     def setup(self, ctx: SetupContext) -> Iterable[Slot]:
         """No initial placement; pick the gather mode."""

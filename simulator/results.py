@@ -22,8 +22,7 @@ import pandas as pd
 from simulator.output import output_dir, write_figure, write_file, write_text
 
 if TYPE_CHECKING:
-    from simulator.costs import CostModel
-    from simulator.engine import Counters, Engine
+    from simulator.engine import RunStats
     from simulator.hardware import HardwareProfile
 
 #: The metrics every run reports, in display order (docs/metrics.md defines each).
@@ -85,14 +84,14 @@ def _ratio(num: float, den: float) -> float:
     return float(num) / float(den) if den else float("nan")
 
 
-def compute_metrics(
-    c: Counters, engine: Engine, costs: CostModel, hw: HardwareProfile
-) -> dict[str, float]:
-    """Metrics from the engine's accumulators (no timeline needed)."""
-    e2e = float(engine.env.now)
+def compute_metrics(stats: RunStats, hw: HardwareProfile) -> dict[str, float]:
+    """Metrics from the run's statistics (counters and busy time per named resource)."""
+    c = stats.counters
+    e2e = float(stats.e2e)
     lat = np.asarray(c.token_latency, dtype=np.float64)
-    workers = len(engine.cpu.lanes)
-    cpu_busy = engine.cpu.busy
+    busy = stats.busy
+    workers = stats.workers["cpu"]
+    cpu_busy = busy["cpu"]
     m: dict[str, float] = {
         "tokens_per_s": _ratio(c.decode_tokens, e2e),
         "decode_tokens_per_s": _ratio(c.decode_tokens, c.decode_time),
@@ -109,10 +108,10 @@ def compute_metrics(
         "prefill_accesses": int(c.prefill_accesses),
         "h2d_bytes": int(c.h2d_bytes),
         "d2h_bytes": int(c.d2h_bytes),
-        "gpu_busy_frac": _ratio(engine.gpu.busy, e2e),
+        "gpu_busy_frac": _ratio(busy["gpu"], e2e),
         "cpu_busy_frac": _ratio(cpu_busy, workers * e2e),
-        "h2d_busy_frac": _ratio(engine.h2d.busy, e2e),
-        "d2h_busy_frac": _ratio(engine.d2h.busy, e2e),
+        "h2d_busy_frac": _ratio(busy["h2d"], e2e),
+        "d2h_busy_frac": _ratio(busy["d2h"], e2e),
         "stall_s": c.transfer_stall + c.cpu_wait,
         "transfer_stall_s": c.transfer_stall,
         "cpu_wait_s": c.cpu_wait,
@@ -138,7 +137,7 @@ def compute_metrics(
         "sequences": int(c.sequences),
         "max_slots_held": int(c.max_occupancy),
     }
-    energy = energy_breakdown(hw, e2e, engine.gpu.busy, cpu_busy)
+    energy = energy_breakdown(hw, e2e, busy["gpu"], cpu_busy)
     m.update(energy)
     tokens = c.decode_tokens
     m["tokens_per_kj"] = _ratio(tokens, energy["energy_j"] / 1000.0)

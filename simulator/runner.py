@@ -11,8 +11,6 @@ from __future__ import annotations
 import bisect
 import os
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +20,8 @@ from policies.base import Policy
 from policies.registry import get_policy_class
 from simulator.costs import CostModel, cost_model
 from simulator.data import resolve_trace
-from simulator.engine import Engine
-from simulator.errors import PolicyError, UserError
+from simulator.engine import Engine, EngineBase
+from simulator.errors import UserError
 from simulator.hardware import HardwareProfile, load_profile
 from simulator.recorder import Recorder
 from simulator.results import RunResult, compute_metrics
@@ -41,24 +39,6 @@ from simulator.trace import (
 CALIBRATION_MODES = ("none", "self")
 #: ``lookahead=`` choices: the trace's recorded view, or the previous-token stand-in.
 LOOKAHEAD_CHOICES = ("recorded", "previous-token")
-
-
-@dataclass
-class RunConfig:
-    """Everything that defines a run (the sweep key is a hash of this plus file contents)."""
-
-    policy: str = "daop"
-    hw: str = "a6000-pcie4"
-    trace: str | None = None
-    cache_ratio: float | None = None
-    gpu_experts: int | None = None
-    sequences: int | None = None
-    calibration: str | None = None
-    policy_options: dict[str, Any] = field(default_factory=dict)
-    seed: int = 0
-    dtype: str | None = None
-    host_dtype: str | None = None
-    nonexpert_dtype: str | None = None
 
 
 def select_sequences(pool: list[int], n_eval: int | None, seed: int) -> list[int]:
@@ -165,73 +145,15 @@ class Oracle:
         return float(lst[i]) if i < len(lst) else float("inf")
 
 
-#: Policy hooks the engine calls; an exception raised inside one is the policy's fault.
-_HOOKS = frozenset(
-    ("setup", "on_sequence_start", "on_sequence_end", "decode_layer", "prefill_layer")
-)
-#: Engine functions that apply a policy's decisions: a TypeError/ValueError there means the
-#: policy returned something malformed (a victim that is not a (layer, expert) pair, ...).
-_APPLY = frozenset(("_place", "_layer", "_evict", "_fetch", "_routing_fidelity"))
+def _engine_class(name: str) -> type[EngineBase]:
+    """The executor class for ``--engine``."""
+    if name == "fast":
+        return Engine
+    if name == "reference":
+        from simulator.reference import ReferenceEngine
 
-
-def _policy_fault(pol: Policy, exc: Exception, engine: Engine | None) -> PolicyError | None:
-    """A one-line PolicyError for an exception a policy caused, or None (an engine/IO bug).
-
-    The engine already wraps exceptions raised in ``decode_layer``/``prefill_layer``; this
-    covers the other hooks (``setup``, ``on_sequence_start``/``end``) and malformed return
-    values that fail while the engine applies them. Anything raised under the trace reader is
-    never blamed on the policy.
-    """
-    hook = None
-    applying = False
-    # the hooks' code objects, so a hook defined under another name (a lambda) is found too
-    codes = {getattr(getattr(type(pol), h, None), "__code__", None): h for h in _HOOKS}
-    tb = exc.__traceback__
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        if code.co_filename.endswith(os.path.join("simulator", "trace.py")):
-            return None
-        if hook is None and code in codes:
-            hook = codes[code]
-        elif hook is None and code.co_name in _HOOKS and tb.tb_frame.f_locals.get("self") is pol:
-            hook = code.co_name
-        if code.co_name in _APPLY and code.co_filename.endswith(
-            os.path.join("simulator", "engine.py")
-        ):
-            applying = True
-        tb = tb.tb_next
-    text = " ".join(str(exc).split()) or "(no message)"
-    what = f"{type(exc).__name__}: {text}"
-    name = pol.name or type(pol).__name__
-    if engine is None:
-        if hook == "setup":
-            return PolicyError(name, f"setup raised {what}")
-        return PolicyError(name, f"setup returned an invalid initial placement ({what})")
-    if hook in ("on_sequence_start", "on_sequence_end"):
-        return PolicyError(name, f"{hook} raised {what}", seq=engine.seq_id)
-    if hook is not None or applying:
-        return PolicyError(
-            name,
-            f"returned a malformed plan ({what})" if hook is None else f"{hook} raised {what}",
-            seq=engine.seq_id,
-            token=engine.token,
-            layer=engine.view.layer,
-        )
-    return None
-
-
-@contextmanager
-def _policy_faults(pol: Policy, engine: Engine | None) -> Iterator[None]:
-    """Re-raise an exception the policy caused as its one-line PolicyError (see above)."""
-    try:
-        yield
-    except (UserError, PolicyError):
-        raise
-    except Exception as exc:
-        fault = _policy_fault(pol, exc, engine)
-        if fault is None:
-            raise
-        raise fault from exc
+        return ReferenceEngine
+    raise UserError(f"unknown engine {name!r} (choose 'fast' or 'reference')")
 
 
 def run_notes(
@@ -295,6 +217,7 @@ def simulate(
     progress: Callable[[int, int], None] | None = None,
     lookahead: str = "recorded",
     evaluate: list[int] | None = None,
+    engine: str = "fast",
 ) -> RunResult:
     """Run one policy on one machine over a trace; see docs/metrics.md for the result.
 
@@ -304,9 +227,12 @@ def simulate(
     the evaluated sequences when ``sequences`` is fewer than the pool. ``lookahead``:
     ``"recorded"`` (the trace's one-layer-early view) or ``"previous-token"`` (stand-in).
     ``evaluate``: explicit sequence ids to evaluate (e.g. a bound on another run's ids).
+    ``engine``: ``"fast"`` (default) or ``"reference"`` (the plain-SimPy model of the same
+    rules, slower; docs/architecture.md).
     """
     if lookahead not in LOOKAHEAD_CHOICES:
         raise UserError(f"--lookahead must be one of {list(LOOKAHEAD_CHOICES)}, got {lookahead!r}")
+    engine_cls = _engine_class(engine)
     trace_path = resolve_trace(trace)
     meta = read_meta(trace_path)
     model = meta.model.with_precision(dtype, host_dtype, nonexpert_dtype)
@@ -349,8 +275,9 @@ def simulate(
         max(1, meta.counts.get("prefill_tokens", 0) + meta.counts.get("decode_tokens", 0))
         / max(1, meta.counts.get("sequences", 1))
     )
+    spec = pol.resources()
     # temporary and staging buffers are expert-sized and come out of the same memory
-    extra = pol.temp_buffers + pol.staging_buffers
+    extra = spec.temp_buffers + spec.staging_buffers
     fit = max(0, costs.gpu_expert_slots(context) - extra)
     total = model.total_experts
     if cache_ratio is not None and gpu_experts is not None:
@@ -365,7 +292,7 @@ def simulate(
         budget = gpu_experts
     else:
         budget = fit
-    if pol.unlimited_memory:
+    if spec.unlimited_memory:
         budget = total
     elif budget > fit:
         raise UserError(
@@ -411,18 +338,17 @@ def simulate(
             oracle.add(r)
 
     recorder = Recorder() if record else None
-    with _policy_faults(pol, None):
-        engine = Engine(
-            pol,
-            model,
-            costs,
-            budget,
-            calibration=calib,
-            calibration_prefill=calib_pre,
-            oracle=oracle,
-            recorder=recorder,
-            seed=seed,
-        )
+    sim = engine_cls(
+        pol,
+        model,
+        costs,
+        budget,
+        calibration=calib,
+        calibration_prefill=calib_pre,
+        oracle=oracle,
+        recorder=recorder,
+        seed=seed,
+    )
     done = [0]
     no_prefill = [0]
     stand_in = uses_view and lookahead == "previous-token"
@@ -438,9 +364,9 @@ def simulate(
         if progress is not None:
             progress(done[0], len(eval_ids))
 
-    with _policy_faults(pol, engine):
-        counters = engine.run(seqs(), on_sequence=tick)
-    metrics = compute_metrics(counters, engine, costs, profile)
+    stats = sim.run(seqs(), on_sequence=tick)
+    counters = stats.counters
+    metrics = compute_metrics(stats, profile)
     notes = run_notes(pol, meta, no_prefill[0], len(eval_ids), stand_in)
     if not meta.weights_recorded:
         # the trace has no gate weights: the 1/k stand-in would make this look measured
@@ -473,6 +399,7 @@ def simulate(
         ),
         "notes": notes,
         "seed": seed,
+        "engine": engine,
         "bound": bool(pol.clairvoyant or pol.bound),
         "clairvoyant": bool(pol.clairvoyant),
         "cost_sources": costs.sources(),

@@ -355,8 +355,10 @@ def expand(grid: Grid) -> list[Config]:
     for t, (path, tsha) in traces.items():
         for hw, hsha in hw_sha.items():
             for pol, cls in classes.items():
-                points = [(None, None)] if cls.unlimited_memory else memory
                 for opts in option_sets[pol]:
+                    # a policy that places every expert ignores the memory axis
+                    unlimited = cls(**opts).resources().unlimited_memory
+                    points = [(None, None)] if unlimited else memory
                     for ratio, n in points:
                         for seed in dict.fromkeys(grid.seeds):
                             ident = {

@@ -8,12 +8,13 @@ exact results. Randomness comes only from the ``seed`` argument, so fixtures are
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from policies.base import Action, Plan, Policy, ResourceSpec, SetupContext, Slot, View
 from simulator.models import ModelShape, get_model
 from simulator.trace import (
     ALL_PROBS_MAX_EXPERTS,
@@ -205,3 +206,129 @@ def make_trace(
         for s in range(sequences)
     )
     return write_trace(path, meta, routings, row_group_rows=row_group_rows)
+
+
+class ChaosPolicy(Policy):
+    """Random legal decisions (tests only): every action, prefetches, evictions, pre-calculations.
+
+    It reads the engine under test (``engine.ready_at``, ``engine.precalc``) to know which
+    copies have ended and which pre-calculations exist, so every plan it returns is legal.
+    """
+
+    name = "chaos"
+
+    def __init__(
+        self,
+        rng: np.random.Generator,
+        cpu_workers: int,
+        temp_buffers: int,
+        writeback: bool = False,
+        staging_buffers: int = 0,
+    ) -> None:
+        super().__init__()
+        self.rng = rng
+        self.spec = ResourceSpec(
+            cpu_workers=cpu_workers,
+            temp_buffers=temp_buffers,
+            writeback=writeback,
+            staging_buffers=staging_buffers,
+        )
+        self.engine: Any = None  # the engine under test, set by the test after building it
+        self.precomputed: list[tuple[int, int, int, int]] = []  # (seq, token, layer, expert)
+
+    def resources(self) -> ResourceSpec:
+        """The random worker and buffer counts."""
+        return self.spec
+
+    def setup(self, ctx: SetupContext) -> Iterable[Slot]:
+        """A random initial placement within the budget."""
+        n_l, n_e = ctx.model.moe_layers, ctx.model.experts
+        total = n_l * n_e
+        n = int(self.rng.integers(0, ctx.budget + 1))
+        picks = self.rng.choice(total, size=min(n, total), replace=False)
+        return [(int(i) // n_e, int(i) % n_e) for i in picks]
+
+    def _ready(self, slot: Slot, now: float) -> bool:
+        assert self.engine is not None
+        return bool(self.engine.ready_at[slot] <= now)
+
+    def decode_layer(self, view: View) -> Plan:
+        """Random legal plan."""
+        eng = self.engine
+        assert eng is not None
+        rng, layer, now = self.rng, view.layer, view.now
+        res = view.resident
+        routed = [int(e) for e in view.experts.tolist()]
+        held = int(res.sum())
+        budget = view.budget
+        taken: set[Slot] = set()  # slots evicted or newly filled in this plan
+
+        def victim(exclude_layer_experts: set[int]) -> Slot | None:
+            cands = [
+                (int(a), int(b))
+                for a, b in zip(*np.nonzero(res), strict=True)
+                if (int(a), int(b)) not in taken
+                and not (a == layer and int(b) in exclude_layer_experts)
+                and self._ready((int(a), int(b)), now)
+            ]
+            if not cands:
+                return None
+            return cands[int(rng.integers(len(cands)))]
+
+        plan = Plan(actions={})
+        assert plan.actions is not None
+        # explicit evictions of experts this layer does not route
+        if rng.random() < 0.2:
+            v = victim(set(routed))
+            if v is not None:
+                plan.evict.append(v)
+                taken.add(v)
+                held -= 1
+        for e in routed:
+            if res[layer, e] and (layer, e) not in taken:
+                opts = [Action.GPU, Action.CPU]
+            else:
+                opts = [Action.FETCH, Action.TEMP, Action.CPU]
+            if (layer, e) in eng.precalc:
+                opts.append(Action.PRECOMPUTED)
+            a = opts[int(rng.integers(len(opts)))]
+            if a == Action.FETCH:
+                if held < budget:
+                    held += 1
+                else:
+                    v = victim(set(routed))
+                    if v is None:
+                        a = Action.TEMP
+                    else:
+                        plan.victims[e] = v
+                        taken.add(v)
+                if a == Action.FETCH:
+                    taken.add((layer, e))
+            if a == Action.PRECOMPUTED:
+                self.precomputed.append((view.seq_id, view.token, layer, e))
+            plan.actions[e] = a
+        # background work
+        if rng.random() < 0.3:
+            free = [
+                (int(a), int(b))
+                for a, b in zip(*np.nonzero(~res), strict=True)
+                if (int(a), int(b)) not in taken and not (a == layer and int(b) in routed)
+            ]
+            if free:
+                slot = free[int(rng.integers(len(free)))]
+                if held < budget:
+                    plan.prefetch.append((slot[0], slot[1], None))
+                    held += 1
+                    taken.add(slot)
+                else:
+                    v = victim(set(routed))
+                    if v is not None:
+                        taken.add(v)
+                        taken.add(slot)
+                        plan.prefetch.append((slot[0], slot[1], v))
+        if layer + 1 < view.model.moe_layers and rng.random() < 0.3:  # type: ignore[union-attr]
+            pl = int(rng.integers(layer + 1, view.model.moe_layers))  # type: ignore[union-attr]
+            pe = int(rng.integers(view.model.experts))  # type: ignore[union-attr]
+            if (pl, pe) not in eng.precalc:
+                plan.precalc.append((pl, pe))
+        return plan

@@ -406,7 +406,7 @@ def test_budget_below_top_k_is_a_documented_fallback(policy: str, ws: WS) -> Non
     m = res.metrics
     # slots held = resident experts (the budget) plus the policy's declared staging buffers,
     # which hold an incoming expert while an evicted one is written back
-    assert m["max_slots_held"] <= 1 + max(1, get_policy_class(policy).staging_buffers)
+    assert m["max_slots_held"] <= 1 + max(1, get_policy_class(policy)().resources().staging_buffers)
     assert m["hit_rate"] < 0.5
     assert m["temp_copies"] + m["cpu_expert_evals"] + m["fetches"] > 0
 

@@ -209,7 +209,7 @@ def test_decision_constants_are_options_not_execution_times() -> None:
 
 
 # -- decode ----------------------------------------------------------------------------------------
-def test_degradation_picks_best_gpu_expert_by_router_probability_and_renormalises() -> None:
+def test_degradation_picks_best_gpu_expert_by_router_probability() -> None:
     """Both predicted experts on the CPU: the lower one gives way to the best GPU expert."""
     pol = make_policy(first_predict_layer=1)
     probs = np.array([0.05, 0.02, 0.12, 0.01, 0.05, 0.40, 0.30, 0.05])
@@ -225,7 +225,6 @@ def test_degradation_picks_best_gpu_expert_by_router_probability_and_renormalise
     v1 = view_for(pol, 1, experts=np.array([5, 6]))
     plan1 = pol.decode_layer(v1)
     assert plan1.route.tolist() == [5, 2]
-    np.testing.assert_allclose(plan1.route_weights, [0.40 / 0.52, 0.12 / 0.52])
     assert plan1.raw_route.tolist() == [5, 6]
     assert plan1.actions == {5: Action.PRECOMPUTED, 2: Action.GPU}
 

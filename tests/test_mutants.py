@@ -45,11 +45,10 @@ MUTANTS = (
         "        for e in reversed(self.order[layer]):\n            if e not in protected:",
         ("* | lru | *",),
     ),
-    # NOTE: the copy-lane rule lives in simulator/engine.py today; when the engine is split
-    # into modules, retarget this snippet at the code that builds the copy lanes.
+    # the copy lanes are built by the Machine (one lane for both directions with one engine)
     Mutant(
         "copy-engines-ignored",
-        "simulator/engine.py",
+        "simulator/machine.py",
         "        if costs.hw.link.copy_engines >= 2:",
         "        if True:  # mutant: always two copy lanes",
         ("* | * | a6000-1ce-pcie4 | *",),

@@ -43,7 +43,7 @@ def run(
         calibration = np.zeros((model.moe_layers, model.experts), dtype=np.int64)
     rec = Recorder()
     eng = Engine(pol, model, cost_model(HW, model), budget, calibration, calibration, oracle, rec)
-    c = eng.run(iter(routings))
+    c = eng.run(iter(routings)).counters
     return c, rec.timeline(), eng
 
 
@@ -146,7 +146,7 @@ def test_fiddler_runs_misses_on_cpu_and_prefill_by_break_even() -> None:
     assert set(dl[dl["kind"] == "cpu_expert"]["expert"]) == {3, 4, 6}
     assert set(dl[(dl["kind"] == "expert")]["expert"]) == {5}
     assert c.fetches == 0 and c.d2h_expert_copies == 0
-    assert make_policy("fiddler").host_memory == "pageable"
+    assert make_policy("fiddler").resources().host_memory == "pageable"
 
 
 def test_fiddler_cpu_work_is_synchronous() -> None:
@@ -172,7 +172,8 @@ def test_mixtral_offloading_writes_back_and_respects_experts_per_layer() -> None
     with pytest.raises(UserError, match="experts_per_layer"):
         run("mixtral-offloading", m, rs, 4, {"experts_per_layer": 3})
     pol = make_policy("mixtral-offloading")
-    assert pol.writeback and pol.host_memory == "pinned" and pol.staging_buffers == 4
+    spec = pol.resources()
+    assert spec.writeback and spec.host_memory == "pinned" and spec.staging_buffers == 4
 
 
 def test_mixtral_offloading_prefetch_with_a_perfect_view_turns_misses_into_hits() -> None:
@@ -215,7 +216,7 @@ def test_stream_all_streams_whole_layers_or_selected_experts() -> None:
     assert c2.decode_hits == 0
     with pytest.raises(UserError, match="gather=layer"):
         run("stream-all", m, rs, 7, {"gather": "layer"})
-    assert make_policy("stream-all").host_memory == "pinned"
+    assert make_policy("stream-all").resources().host_memory == "pinned"
 
 
 def test_fiddler_decision_constants_option() -> None:

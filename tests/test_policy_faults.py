@@ -220,3 +220,28 @@ def test_sweep_records_the_fault_and_carries_on(
     assert "sequence 1, token 5, layer 3" in by[RaisesLate.name]["error"]
     assert by[Temp.name]["status"] == "ok" and by["lru"]["status"] == "ok"
     assert summary.failed == 1 and summary.ok == 2
+
+
+def test_an_engine_fault_keeps_its_traceback(trace: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug inside the engine (here: the lane placement) is not blamed on the policy."""
+    import traceback
+
+    from simulator.machine import Lane
+
+    def broken(self: Lane, submitted: float, duration: float) -> tuple[float, float]:
+        raise ZeroDivisionError("engine bug")
+
+    monkeypatch.setattr(Lane, "serve", broken)
+    with pytest.raises(ZeroDivisionError, match="engine bug") as info:
+        simulate(policy="lru", trace=trace, gpu_experts=BUDGET)
+    assert not isinstance(info.value, PolicyError)
+    frames = [f.filename for f in traceback.extract_tb(info.value.__traceback__)]
+    assert any(f.endswith("engine.py") for f in frames)
+    assert frames[-1].endswith("test_policy_faults.py")  # raised where it happened
+
+
+def test_a_hook_fault_names_the_hook_and_keeps_the_cause(trace: Path) -> None:
+    """Every hook goes through one wrapper: the PolicyError chains the original exception."""
+    with pytest.raises(PolicyError, match="decode_layer raised KeyError") as info:
+        simulate(policy=RaisesLate(), trace=trace, gpu_experts=BUDGET)
+    assert isinstance(info.value.__cause__, KeyError)

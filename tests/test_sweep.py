@@ -96,16 +96,18 @@ def _test_policies(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two throw-away policies with options, registered for one test only."""
     from policies import registry
     from policies.all_gpu import AllGPUPolicy
-    from policies.base import Param
+    from policies.base import Param, ResourceSpec
 
     class A(AllGPUPolicy):
         name = "sweeptest-a"
-        unlimited_memory = False
+
+        def resources(self) -> ResourceSpec:
+            return ResourceSpec(temp_buffers=0)  # a budget like any other policy
+
         params = {"depth": Param(int, 1, "d"), "mode": Param(str, "x", "m", ("x", "y"))}
 
-    class B(AllGPUPolicy):
+    class B(A):
         name = "sweeptest-b"
-        unlimited_memory = False
         params = {"depth": Param(int, 1, "d")}
 
     registry.available()

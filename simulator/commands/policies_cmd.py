@@ -18,7 +18,8 @@ def describe(cls: Any) -> dict[str, Any]:
         "clairvoyant": bool(cls.clairvoyant),
         "bound": bool(cls.clairvoyant or cls.bound),
         "needs_calibration": bool(cls.needs_calibration),
-        "host_memory": cls.host_memory,
+        # with default options (an option may change it, e.g. static's host_memory)
+        "host_memory": cls().resources().host_memory,
         "params": {
             k: {
                 "type": p.type.__name__,

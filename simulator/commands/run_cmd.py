@@ -213,6 +213,13 @@ def render_table(doc: dict[str, Any]) -> str:
 )
 @click.option("--no-progress", is_flag=True, help="Do not show a progress bar.")
 @click.option(
+    "--engine",
+    type=click.Choice(["fast", "reference"]),
+    default="fast",
+    show_default=True,
+    help="Timing engine: the fast one, or the plain-SimPy reference (same rules, slower).",
+)
+@click.option(
     "--bounds/--no-bounds",
     default=True,
     show_default=True,
@@ -234,6 +241,7 @@ def run(
     seed: int,
     out_dir: str | None,
     no_progress: bool,
+    engine: str,
     bounds: bool,
     as_json: bool,
     lookahead: str = "recorded",
@@ -263,6 +271,7 @@ def run(
             lookahead=lookahead,
             host_dtype=host_dtype,
             nonexpert_dtype=nonexpert_dtype,
+            engine=engine,
         )
     if bounds:
         result.config["bounds"] = compute_bounds(result, hw, trace, sequences, dtype, seed)

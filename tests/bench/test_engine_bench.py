@@ -1,7 +1,7 @@
 """Engine speed and memory targets (run by `make bench`; results go in docs/performance.md).
 
-- At least 30,000 decode token-layers per second on one core for lru, fiddler and daop on the
-  bundled default trace; every other policy is measured and printed (the slowest is reported).
+- At least 100,000 decode token-layers per second on one core for every built-in policy on the
+  bundled default trace (each is measured and printed; the slowest is reported).
 - `daopsim run` on the default trace (the `make run` job) finishes in under 20 s.
 - A 10-million-row trace runs with peak memory under 1 GB (streaming).
 """
@@ -22,8 +22,7 @@ from simulator.runner import simulate
 
 pytestmark = pytest.mark.bench
 
-TARGET_TOKEN_LAYERS_PER_S = 30_000
-REQUIRED = ("lru", "fiddler", "daop")
+TARGET_TOKEN_LAYERS_PER_S = 100_000
 RESULTS = Path(__file__).with_name("results.json")
 
 
@@ -51,9 +50,13 @@ def test_decode_throughput_per_policy() -> None:
     slowest = min(rates, key=lambda n: rates[n]["token_layers_per_s"])
     print(f"slowest: {slowest} at {rates[slowest]['token_layers_per_s']:,} token-layers/s")
     _save("throughput", rates)
-    for name in REQUIRED:
-        if name in rates:
-            assert rates[name]["token_layers_per_s"] >= TARGET_TOKEN_LAYERS_PER_S, name
+    slow = {
+        name: r["token_layers_per_s"]
+        for name, r in rates.items()
+        if available()[name].__module__.startswith("policies.")
+        and r["token_layers_per_s"] < TARGET_TOKEN_LAYERS_PER_S
+    }
+    assert not slow, f"below {TARGET_TOKEN_LAYERS_PER_S:,} token-layers/s: {slow}"
 
 
 def test_make_run_under_20_s() -> None:

@@ -1,0 +1,233 @@
+"""The fast engine and the plain-SimPy reference engine give identical timelines.
+
+Both time the same plans under the queueing rule of docs/policy-api.md. For every built-in
+policy on three bundled traces (Mixtral via ``ci-small``, OLMoE top-8, Phi-3.5-MoE) at two
+budgets, every operation (resource, kind, layer, expert, start, end) and every counter must
+match. Further cases: a profile with one copy engine, a second profile, random legal plans
+(the chaos policy, with write-back and staging buffers), and a hand-built out-of-order case
+where a request decided later is submitted earlier than one booked ahead of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from policies.base import Action, Plan, Policy, SetupContext, Slot, View
+from policies.registry import available, get_policy_class
+from simulator.costs import cost_model
+from simulator.data import resolve_trace
+from simulator.engine import Engine, EngineBase
+from simulator.hardware import HardwareProfile, load_profile
+from simulator.recorder import Recorder
+from simulator.reference import ReferenceEngine
+from simulator.runner import Oracle, calibration_counts, simulate, split_sequences
+from simulator.testing import ChaosPolicy, random_routing, routing_from_experts, tiny_model
+from simulator.trace import SequenceRouting, iter_sequences, read_meta, sequence_ids
+
+TOL = 1e-9
+BUILTIN = sorted(n for n, c in available().items() if c.__module__.startswith("policies."))
+TRACES = ("ci-small", "olmoe-1b-7b", "phi-3.5-moe")
+RATIOS = (0.125, 0.375)
+DECODE = 10  # decode tokens kept per sequence (keeps the test fast)
+
+
+def _cut(r: SequenceRouting, decode: int) -> SequenceRouting:
+    """The sequence's prompt and its first ``decode`` generated tokens."""
+    n = r.n_prefill + decode
+    arrays = {
+        f.name: getattr(r, f.name)[:n]
+        for f in dataclasses.fields(r)
+        if isinstance(getattr(r, f.name), np.ndarray)
+    }
+    return dataclasses.replace(r, **arrays)
+
+
+@functools.cache
+def _inputs(trace: str) -> tuple[Any, list[SequenceRouting], np.ndarray, np.ndarray]:
+    """Model, two cut evaluation sequences and calibration counts of a bundled trace."""
+    path = resolve_trace(trace)
+    meta = read_meta(path)
+    ev, cal = split_sequences(meta, sequence_ids(path), None, False)
+    seqs = [_cut(r, DECODE) for r in iter_sequences(path, meta, sequences=set(ev[:2]))]
+    dec, pre = calibration_counts(path, meta, cal)
+    return meta.model, seqs, dec, pre
+
+
+def _run(
+    cls: type[EngineBase],
+    make: Any,
+    model: Any,
+    hw: HardwareProfile,
+    budget: int,
+    seqs: list[SequenceRouting],
+    calib: tuple[np.ndarray, np.ndarray] | tuple[None, None] = (None, None),
+) -> tuple[pd.DataFrame, Any, EngineBase]:
+    pol = make()
+    if pol.resources().unlimited_memory:
+        budget = model.total_experts
+    oracle = None
+    if pol.clairvoyant:
+        oracle = Oracle(model.moe_layers, model.experts)
+        for r in seqs:
+            oracle.add(r)
+    rec = Recorder()
+    eng = cls(pol, model, cost_model(hw, model), budget, calib[0], calib[1], oracle, rec)
+    if isinstance(pol, ChaosPolicy):
+        pol.engine = eng
+    stats = eng.run(iter(seqs))
+    return rec.timeline(), stats, eng
+
+
+def assert_same(a: pd.DataFrame, b: pd.DataFrame, sa: Any, sb: Any) -> None:
+    """Identical operations (within TOL seconds), counters and busy times."""
+    key = ["resource", "kind", "seq", "token", "layer", "expert", "start"]
+    a = a.astype({"resource": str, "kind": str}).sort_values(key, kind="stable")
+    b = b.astype({"resource": str, "kind": str}).sort_values(key, kind="stable")
+    assert len(a) == len(b)
+    cols = ["resource", "kind", "seq", "token", "layer", "expert", "bytes"]
+    assert (a[cols].to_numpy() == b[cols].to_numpy()).all()
+    np.testing.assert_allclose(a["start"].to_numpy(), b["start"].to_numpy(), rtol=0, atol=TOL)
+    np.testing.assert_allclose(a["end"].to_numpy(), b["end"].to_numpy(), rtol=0, atol=TOL)
+    ca, cb = dataclasses.asdict(sa.counters), dataclasses.asdict(sb.counters)
+    for k, va in ca.items():
+        np.testing.assert_allclose(np.asarray(va, float), np.asarray(cb[k], float), atol=TOL)
+    assert sa.e2e == pytest.approx(sb.e2e, abs=TOL, rel=0)
+    assert sa.busy == pytest.approx(sb.busy, abs=1e-6, rel=0)
+
+
+def _both(policy: str, trace: str, ratio: float, hw: HardwareProfile, **opts: Any) -> pd.DataFrame:
+    model, seqs, dec, pre = _inputs(trace)
+    budget = max(1, round(ratio * model.total_experts))
+    make = functools.partial(get_policy_class(policy), **opts)
+    ta, sa, _ = _run(Engine, make, model, hw, budget, seqs, (dec, pre))
+    tb, sb, _ = _run(ReferenceEngine, make, model, hw, budget, seqs, (dec, pre))
+    assert_same(ta, tb, sa, sb)
+    return ta
+
+
+@pytest.mark.parametrize("trace", TRACES)
+@pytest.mark.parametrize("ratio", RATIOS)
+@pytest.mark.parametrize("policy", BUILTIN)
+def test_fast_engine_matches_reference(policy: str, trace: str, ratio: float) -> None:
+    _both(policy, trace, ratio, load_profile("a6000-pcie4"))
+
+
+def one_copy_engine(name: str) -> HardwareProfile:
+    """A bundled profile with both copy directions on one engine."""
+    hw = load_profile(name)
+    return dataclasses.replace(hw, link=dataclasses.replace(hw.link, copy_engines=1))
+
+
+@pytest.mark.parametrize(
+    ("policy", "opts"),
+    [
+        ("daop", {}),
+        ("fiddler", {}),
+        ("mixtral-offloading", {"prefetch": True}),
+        ("stream-all", {}),
+        ("lru", {}),
+    ],
+)
+def test_one_copy_engine_and_another_profile(policy: str, opts: dict[str, Any]) -> None:
+    tl = _both(policy, "ci-small", 0.25, one_copy_engine("a6000-pcie4"), **opts)
+    assert "copy" in set(tl["resource"].astype(str))
+    _both(policy, "ci-small", 0.125, load_profile("rtx4090-pcie4"), **opts)
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    budget_frac=st.floats(0.0, 1.0),
+    writeback=st.booleans(),
+    staging=st.integers(0, 2),
+    copy_engines=st.sampled_from([1, 2]),
+)
+def test_random_plans_time_identically(
+    seed: int, budget_frac: float, writeback: bool, staging: int, copy_engines: int
+) -> None:
+    """Random legal plans (every action, prefetch, eviction, pre-calculation) on both."""
+    model = tiny_model(experts=6, top_k=2, moe_layers=3)
+    hw = load_profile("a6000-pcie4")
+    hw = dataclasses.replace(hw, link=dataclasses.replace(hw.link, copy_engines=copy_engines))
+    budget = round(budget_frac * 18)
+    out = []
+    for cls in (Engine, ReferenceEngine):
+        rng = np.random.default_rng(seed)
+        workers, bufs = int(rng.integers(1, 3)), int(rng.integers(1, 3))
+        seqs = [random_routing(model, s, 3, 5, rng) for s in range(2)]
+
+        def make(rng: np.random.Generator = rng, w: int = workers, b: int = bufs) -> Policy:
+            return ChaosPolicy(rng, w, b, writeback=writeback, staging_buffers=staging)
+
+        out.append(_run(cls, make, model, hw, budget, seqs))
+    (ta, sa, _), (tb, sb, _) = out
+    assert_same(ta, tb, sa, sb)
+
+
+class LateReturn(Policy):
+    """Layer 0 pre-calculates (1, 3) on the CPU; layer 1 fetches expert 1 while it runs.
+
+    The pre-calculation's return copy is decided at layer 0 but submitted only when the CPU
+    result exists; layer 1's fetch is decided later but submitted first, so it goes first.
+    """
+
+    name = "late-return"
+
+    def setup(self, ctx: SetupContext) -> Iterable[Slot]:
+        return [(0, 0), (0, 1)]
+
+    def decode_layer(self, view: View) -> Plan:
+        layer = view.layer
+        if layer == 0:
+            return Plan(actions={0: Action.GPU, 1: Action.GPU}, precalc=[(1, 3)])
+        return Plan(actions={1: Action.FETCH, 3: Action.PRECOMPUTED})
+
+
+def test_a_later_decision_submitted_earlier_goes_first() -> None:
+    model = tiny_model(experts=4, top_k=2, moe_layers=2)
+    r = routing_from_experts(model, [[[0, 1], [1, 3]]], seq_id=0, n_prefill=0)
+    hw = load_profile("a6000-pcie4")
+    # a slow CPU: the pre-calculation outlasts layer 1's decision
+    hw = dataclasses.replace(
+        hw, cpu=dataclasses.replace(hw.cpu, mem_bw_gbs=hw.cpu.mem_bw_gbs / 1e4)
+    )
+    ta, sa, _ = _run(Engine, LateReturn, model, hw, 3, [r])
+    tb, sb, _ = _run(ReferenceEngine, LateReturn, model, hw, 3, [r])
+    assert_same(ta, tb, sa, sb)
+    tl = ta.astype({"resource": str, "kind": str})
+    fetch = tl[tl["kind"] == "fetch"].iloc[0]
+    ret = tl[(tl["kind"] == "activation") & (tl["resource"] == "h2d")].iloc[0]
+    cpu = tl[tl["kind"] == "precalc"].iloc[0]
+    decision1 = tl[(tl["kind"] == "nonexpert") & (tl["layer"] == 1)].iloc[0]["end"]
+    assert decision1 < cpu["end"]  # the fetch is submitted before the CPU result exists
+    assert fetch["start"] == pytest.approx(decision1)  # ... and starts at once
+    assert ret["start"] == pytest.approx(max(cpu["end"], fetch["end"]))  # the return queues
+
+
+def test_simulate_and_cli_select_the_reference_engine(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from simulator.cli import main
+    from simulator.testing import make_trace
+
+    trace = make_trace(tmp_path / "t.parquet", sequences=3, prefill=3, decode=4, seed=2)
+    a = simulate(policy="lru", trace=trace, gpu_experts=8, engine="fast")
+    b = simulate(policy="lru", trace=trace, gpu_experts=8, engine="reference")
+    assert b.config["engine"] == "reference"
+    assert a.metrics == pytest.approx(b.metrics, rel=1e-12, nan_ok=True)
+    args = ["run", "--policy", "lru", "--trace", str(trace), "--gpu-experts", "8"]
+    res = CliRunner().invoke(main, [*args, "--engine", "reference", "--no-bounds", "--json"])
+    assert res.exit_code == 0, res.output
+    assert '"engine": "reference"' in res.output
