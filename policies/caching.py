@@ -3,12 +3,12 @@
 Two cache shapes: :class:`CachingPolicy` (one cache per layer, each with its quota of the budget)
 and :class:`GlobalCachingPolicy` (one cache over every ``(layer, expert)`` slot of the model).
 
-A per-layer caching policy keeps, per layer, a set of resident experts of fixed capacity (a per-layer
-quota of the budget). On a miss it fetches the expert into a slot, evicting a victim that the
-subclass picks with :meth:`CachingPolicy.choose_victim`; a victim is never one of the experts
-the same token needs in that layer (so the k experts of a token are served together). A layer
-whose quota is smaller than the experts it needs at once serves the overflow from a temporary
-buffer. Subclasses implement ``choose_victim`` and, if they keep statistics, ``touch``.
+A per-layer caching policy keeps, per layer, a set of resident experts of fixed capacity (a
+per-layer quota of the budget). On a miss it fetches the expert into a slot, evicting a victim
+that the subclass picks with :meth:`CachingPolicy.choose_victim`; a victim is never one of the
+experts the same token needs in that layer (so the k experts of a token are served together).
+A layer whose quota is smaller than the experts it needs at once serves the overflow from a
+temporary buffer. Subclasses implement ``choose_victim`` and, if they keep statistics, ``touch``.
 
 A global caching policy serves a token's experts by the same rule (hits judged before the
 layer's insertions, a victim never one of the experts the same token needs in this layer), but
