@@ -206,14 +206,18 @@ BUILTIN_VARIANTS = (
     PolicySpec.of("lru", initial="popular"),
     PolicySpec.of("lfu", initial="popular"),
     PolicySpec.of("belady", initial="popular"),
+    PolicySpec.of("global-lfu", initial="popular"),
     PolicySpec.of("static", placement="global"),
     PolicySpec.of("stream-all", gather="selected"),
 )
 #: Policies whose placement depends on the budget (all-gpu and stream-all do not).
 BUDGET_POLICIES = [
     "belady",
+    "belady-global",
     "daop",
     "fiddler",
+    "global-lfu",
+    "global-lru",
     "lfu",
     "lru",
     "mixtral-offloading",
