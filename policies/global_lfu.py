@@ -14,46 +14,21 @@ from __future__ import annotations
 
 import numpy as np
 
-from policies.base import Plan, SetupContext, Slot, View
+from policies.base import Slot
 from policies.caching import GlobalCachingPolicy
+from policies.lfu import LFUCounts
 from policies.registry import register
 
 _NEVER = np.iinfo(np.int64).max
 
 
 @register
-class GlobalLFUPolicy(GlobalCachingPolicy):
+class GlobalLFUPolicy(LFUCounts, GlobalCachingPolicy):
     """Evict the resident expert of any layer with the fewest accesses so far."""
 
     name = "global-lfu"
     summary = "one LFU cache over all layers' experts (persistent counts, LRU tie-break)"
     source = "generic cross-layer LFU (the per-layer lfu without its quota)"
-
-    def init_state(self, ctx: SetupContext) -> None:
-        """Access counts and last-use ticks of every slot."""
-        shape = (ctx.model.moe_layers, ctx.model.experts)
-        self.freq = np.zeros(shape, dtype=np.int64)
-        self.last = np.full(shape, -1, dtype=np.int64)
-        self.tick = 0
-
-    def decode_layer(self, view: View) -> Plan:
-        """Count this layer's accesses, then serve them like any global cache."""
-        counts = view.counts
-        if counts is None:
-            self.freq[view.layer, view.experts] += 1
-        else:
-            self.freq[view.layer, view.experts] += counts[view.experts]
-        return super().decode_layer(view)
-
-    def touch(self, layer: int, expert: int, step: int, weight: int) -> None:
-        """Record recency for the tie-break (counting happens in decode_layer)."""
-        self.tick += 1
-        self.last[layer, expert] = self.tick
-
-    def inserted(self, layer: int, expert: int, step: int) -> None:
-        """A new entry is as recent as now."""
-        self.tick += 1
-        self.last[layer, expert] = self.tick
 
     def choose_victim(self, layer: int, protected: set[int], step: int) -> Slot:
         """Fewest accesses over all layers; ties by least recent use (ticks are unique)."""
