@@ -1,11 +1,19 @@
 """Shared machinery for replacement-cache policies (LRU, LFU, round-robin, Belady, ...).
 
-A caching policy keeps, per layer, a set of resident experts of fixed capacity (a per-layer
-quota of the budget). On a miss it fetches the expert into a slot, evicting a victim that the
-subclass picks with :meth:`CachingPolicy.choose_victim`; a victim is never one of the experts
-the same token needs in that layer (so the k experts of a token are served together). A layer
-whose quota is smaller than the experts it needs at once serves the overflow from a temporary
-buffer. Subclasses implement ``choose_victim`` and, if they keep statistics, ``touch``.
+Two cache shapes: :class:`CachingPolicy` (one cache per layer, each with its quota of the budget)
+and :class:`GlobalCachingPolicy` (one cache over every ``(layer, expert)`` slot of the model).
+
+A per-layer caching policy keeps, per layer, a set of resident experts of fixed capacity (a
+per-layer quota of the budget). On a miss it fetches the expert into a slot, evicting a victim
+that the subclass picks with :meth:`CachingPolicy.choose_victim`; a victim is never one of the
+experts the same token needs in that layer (so the k experts of a token are served together).
+A layer whose quota is smaller than the experts it needs at once serves the overflow from a
+temporary buffer. Subclasses implement ``choose_victim`` and, if they keep statistics, ``touch``.
+
+A global caching policy serves a token's experts by the same rule (hits judged before the
+layer's insertions, a victim never one of the experts the same token needs in this layer), but
+its victim may be a resident expert of ANY layer, so a layer may hold anywhere from none to all
+of its experts.
 """
 
 from __future__ import annotations
@@ -21,8 +29,27 @@ from simulator.errors import UserError
 GPU, FETCH, TEMP = Action.GPU, Action.FETCH, Action.TEMP
 
 
-class CachingPolicy(Policy):
-    """Per-layer fetch-on-miss cache; subclasses choose victims."""
+def per_layer_initial(ctx: SetupContext, mode: str, quota: list[int]) -> list[Slot]:
+    """Each layer's quota of its first (or, ``popular``, most selected) experts, layer by layer.
+
+    ``popular`` ranks by the calibration counts, ties to the lower expert id.
+    """
+    if mode == "empty":
+        return []
+    n_exp = ctx.model.experts
+    slots: list[Slot] = []
+    for layer, q in enumerate(quota):
+        q = min(q, n_exp)
+        if mode == "popular" and ctx.calibration is not None:
+            order = np.lexsort((np.arange(n_exp), -ctx.calibration[layer]))[:q]
+        else:
+            order = np.arange(q)
+        slots.extend((layer, int(e)) for e in order.tolist())
+    return slots
+
+
+class _FetchOnMiss(Policy):
+    """What both cache shapes share: the ``initial`` option and when it needs calibration."""
 
     params = {
         "initial": Param(
@@ -39,30 +66,28 @@ class CachingPolicy(Policy):
         # the runner builds calibration counts only for a policy that asks for them
         self.needs_calibration = self.options.get("initial") == "popular"  # type: ignore[misc]
 
+    def _mode(self, ctx: SetupContext) -> str:
+        mode = str(self.options.get("initial", "first"))
+        if mode == "popular" and ctx.calibration is None:
+            raise UserError(f"policy {self.name!r}: initial='popular' needs calibration counts")
+        return mode
+
+
+class CachingPolicy(_FetchOnMiss):
+    """Per-layer fetch-on-miss cache; subclasses choose victims."""
+
     def setup(self, ctx: SetupContext) -> Iterable[Slot]:
         """Fill each layer's quota with its first (or most popular) experts."""
         self.model = ctx.model
         self.evicts_in_use = self.resources().evicts_in_use
-        n_layers, n_exp = ctx.model.moe_layers, ctx.model.experts
+        n_layers = ctx.model.moe_layers
         self.quota = per_layer_quota(ctx.budget, n_layers)
         self.cache: list[list[int]] = [[] for _ in range(n_layers)]
         self.init_state(ctx)
-        mode = self.options.get("initial", "first")
-        if mode == "empty":
-            return []
-        if mode == "popular" and ctx.calibration is None:
-            raise UserError(f"policy {self.name!r}: initial='popular' needs calibration counts")
-        slots: list[Slot] = []
-        for layer in range(n_layers):
-            q = min(self.quota[layer], n_exp)
-            if mode == "popular" and ctx.calibration is not None:
-                order = np.lexsort((np.arange(n_exp), -ctx.calibration[layer]))[:q]
-            else:
-                order = np.arange(q)
-            for e in order.tolist():
-                self.cache[layer].append(int(e))
-                self.inserted(layer, int(e), -1)
-                slots.append((layer, int(e)))
+        slots = per_layer_initial(ctx, self._mode(ctx), self.quota)
+        for layer, e in slots:
+            self.cache[layer].append(e)
+            self.inserted(layer, e, -1)
         return slots
 
     def init_state(self, ctx: SetupContext) -> None:
@@ -128,6 +153,111 @@ class CachingPolicy(Policy):
                 actions[e] = FETCH
                 plan.victims[e] = (layer, victim)
             cache.append(e)
+            self.inserted(layer, e, step)
+            self.touch(layer, e, step, 1 if counts is None else int(counts[e]))
+        return plan
+
+
+class GlobalCachingPolicy(_FetchOnMiss):
+    """One fetch-on-miss cache over every ``(layer, expert)`` slot; subclasses choose victims.
+
+    Capacity: the whole budget, shared by all layers (no per-layer quota). Initial contents:
+    ``first`` is the per-layer caches' placement (each layer's even share of its first experts,
+    so both shapes start alike); ``popular`` the ``budget`` slots with the highest calibration
+    counts over all layers (ties to the lower layer, then expert); ``empty`` nothing.
+
+    Serving rule, as for the per-layer caches: the token's resident experts of this layer are
+    hits (touched first); each miss is then fetched, evicting the slot ``choose_victim`` picks
+    once the cache is full. The victim may be in any layer but is never an expert this token
+    needs in this layer; when every resident slot is one of those, the miss goes through a
+    temporary buffer and is not cached. These policies never prefetch, so every resident expert
+    was copied for an earlier layer that waited for it: no victim is ever still in flight.
+
+    ``self.cached`` is the ``[layers, experts]`` membership mask subclasses may read.
+    """
+
+    params = {
+        "initial": Param(
+            str,
+            "first",
+            "initial contents: 'first' experts of each layer (an even share, data-blind), "
+            "'popular' = the budget's most selected slots over all layers by calibration counts",
+            choices=("first", "popular", "empty"),
+        ),
+    }
+
+    def setup(self, ctx: SetupContext) -> Iterable[Slot]:
+        """Place the initial contents (see the class docstring)."""
+        self.model = ctx.model
+        n_layers, n_exp = ctx.model.moe_layers, ctx.model.experts
+        self.capacity = int(ctx.budget)
+        self.cached = np.zeros((n_layers, n_exp), dtype=bool)
+        self.size = 0
+        self.init_state(ctx)
+        mode = self._mode(ctx)
+        if mode == "popular" and ctx.calibration is not None:
+            flat = np.asarray(ctx.calibration, dtype=np.float64).reshape(-1)
+            top = np.lexsort((np.arange(flat.size), -flat))[: min(self.capacity, flat.size)]
+            slots: list[Slot] = sorted((int(i) // n_exp, int(i) % n_exp) for i in top)
+        else:
+            slots = per_layer_initial(ctx, mode, per_layer_quota(self.capacity, n_layers))
+        for layer, e in slots:
+            self.cached[layer, e] = True
+            self.inserted(layer, e, -1)
+        self.size = len(slots)
+        return slots
+
+    def init_state(self, ctx: SetupContext) -> None:
+        """Create per-policy statistics (called once by setup)."""
+
+    def touch(self, layer: int, expert: int, step: int, weight: int) -> None:
+        """A resident expert was used (``weight`` tokens)."""
+
+    def inserted(self, layer: int, expert: int, step: int) -> None:
+        """An expert entered the cache."""
+
+    def removed(self, layer: int, expert: int) -> None:
+        """An expert left the cache."""
+
+    def choose_victim(self, layer: int, protected: set[int], step: int) -> Slot:
+        """The resident slot to evict: any layer's, but not ``(layer, e)`` for ``e`` in
+        ``protected`` (the caller guarantees one exists)."""
+        raise NotImplementedError
+
+    def decode_layer(self, view: View) -> Plan:
+        """Hits run on the GPU; misses are fetched (evicting a victim of any layer) or use a
+        temporary buffer when only this token's experts are resident."""
+        layer = view.layer
+        experts = view.experts.tolist()
+        step = view.step
+        counts = view.counts
+        cached = self.cached
+        actions: dict[int, Action] = {}
+        misses = []
+        for e in experts:
+            if cached[layer, e]:
+                actions[e] = GPU
+                self.touch(layer, e, step, 1 if counts is None else int(counts[e]))
+            else:
+                misses.append(e)
+        plan = Plan(actions=actions)
+        if not misses:
+            return plan
+        protected = set(experts)
+        row = cached[layer]
+        for e in misses:
+            if self.size < self.capacity:
+                self.size += 1
+            elif self.size == sum(1 for x in protected if row[x]):
+                actions[e] = TEMP  # every resident slot holds an expert this token needs
+                continue
+            else:
+                victim = self.choose_victim(layer, protected, step)
+                cached[victim] = False
+                self.removed(*victim)
+                plan.victims[e] = victim
+            actions[e] = FETCH
+            cached[layer, e] = True
             self.inserted(layer, e, step)
             self.touch(layer, e, step, 1 if counts is None else int(counts[e]))
         return plan

@@ -18,28 +18,27 @@ from __future__ import annotations
 
 import numpy as np
 
-from policies.base import Plan, SetupContext, View
+from policies.base import Plan, Policy, SetupContext, View
 from policies.caching import CachingPolicy
 from policies.registry import register
 
 
-@register
-class LFUPolicy(CachingPolicy):
-    """Evict the resident expert of the layer with the fewest accesses so far."""
+class LFUCounts(Policy):
+    """The LFU statistics ``lfu`` and ``global-lfu`` share (listed before the cache base class).
 
-    name = "lfu"
-    summary = "per-layer LFU cache (persistent counts, LRU tie-break), fetch on miss"
-    source = "LFU expert-cache baseline (LFU study arXiv 2511.05814; malmong/CECAR baselines)"
+    ``freq``: accesses per (layer, expert), counted in ``decode_layer`` before serving;
+    ``last``: a tick of the last hit or insertion, for the least-recent tie-break.
+    """
 
     def init_state(self, ctx: SetupContext) -> None:
-        """Per-layer access counts and last-use ticks."""
+        """Access counts and last-use ticks of every (layer, expert)."""
         n_layers, n_exp = ctx.model.moe_layers, ctx.model.experts
         self.freq = np.zeros((n_layers, n_exp), dtype=np.int64)
         self.last = np.full((n_layers, n_exp), -1, dtype=np.int64)
         self.tick = 0
 
     def decode_layer(self, view: View) -> Plan:
-        """Count this layer's accesses, then serve them like any per-layer cache."""
+        """Count this layer's accesses, then serve them like the cache base class does."""
         layer = view.layer
         counts = view.counts
         if counts is None:
@@ -57,6 +56,15 @@ class LFUPolicy(CachingPolicy):
         """A new entry is as recent as now."""
         self.tick += 1
         self.last[layer, expert] = self.tick
+
+
+@register
+class LFUPolicy(LFUCounts, CachingPolicy):
+    """Evict the resident expert of the layer with the fewest accesses so far."""
+
+    name = "lfu"
+    summary = "per-layer LFU cache (persistent counts, LRU tie-break), fetch on miss"
+    source = "LFU expert-cache baseline (LFU study arXiv 2511.05814; malmong/CECAR baselines)"
 
     def choose_victim(self, layer: int, protected: set[int], step: int) -> int:
         """Fewest accesses; ties by least recent use."""

@@ -206,14 +206,18 @@ BUILTIN_VARIANTS = (
     PolicySpec.of("lru", initial="popular"),
     PolicySpec.of("lfu", initial="popular"),
     PolicySpec.of("belady", initial="popular"),
+    PolicySpec.of("global-lfu", initial="popular"),
     PolicySpec.of("static", placement="global"),
     PolicySpec.of("stream-all", gather="selected"),
 )
 #: Policies whose placement depends on the budget (all-gpu and stream-all do not).
 BUDGET_POLICIES = [
     "belady",
+    "belady-global",
     "daop",
     "fiddler",
+    "global-lfu",
+    "global-lru",
     "lfu",
     "lru",
     "mixtral-offloading",
@@ -226,7 +230,7 @@ def default_grid() -> RegressGrid:
     """The built-in grid, whose outcomes are the golden store (docs/regression.md).
 
     Budgets are experts per layer above top-k: at <= k per layer every replacement policy keeps
-    the same experts. Few sequences keep the whole grid at about 20 s on one core.
+    the same experts. Few sequences keep the whole grid at about 30 s on one core.
     """
     per_layer = [Budget(n, per_layer=True) for n in (3, 4, 5, 6)]
     var_budget = [v for v in BUILTIN_VARIANTS if v.name in BUDGET_POLICIES]

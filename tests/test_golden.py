@@ -38,7 +38,18 @@ from simulator.trace import read_meta
 #: last digits a different numpy/libm build could change.
 TIGHT = 1e-9
 #: Replacement and placement policies; every pair must differ in decode hits somewhere.
-CACHING = ("lru", "lfu", "round-robin", "belady", "static", "fiddler", "daop")
+CACHING = (
+    "lru",
+    "lfu",
+    "round-robin",
+    "belady",
+    "global-lru",
+    "global-lfu",
+    "belady-global",
+    "static",
+    "fiddler",
+    "daop",
+)
 FIX = "run `daopsim regress --update` and commit the store with the reason"
 GRID = default_grid()
 

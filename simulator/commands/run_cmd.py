@@ -56,13 +56,18 @@ TABLE_ROWS = (
 
 def compute_bounds(
     result: Any, hw: str, trace: str | None, sequences: int | None, dtype: str | None, seed: int
-) -> dict[str, dict[str, float]]:
+) -> dict[str, dict[str, Any]]:
     """The bounds shown beside a result, on the same trace, machine and sequences.
 
     all-gpu: every expert resident (throughput no offloading policy can beat on this cost
-    model). belady: clairvoyant MIN replacement with the run's GPU expert budget (the best hit
-    rate of any exact-routing cache).
+    model). belady_per_layer: clairvoyant MIN replacement in per-layer caches sharing the run's
+    GPU expert budget evenly (the bound of ``lru``, ``lfu``, ``round-robin``). belady_global
+    (only beside a caching policy): clairvoyant MIN in one cache over all layers with the same
+    budget (the bound of ``global-lru``, ``global-lfu``). ``belady`` repeats belady_per_layer
+    for readers of older output.
     """
+    from policies.caching import CachingPolicy, GlobalCachingPolicy
+    from policies.registry import get_policy_class
     from simulator.runner import simulate
 
     # the bounds evaluate exactly the run's sequences (they use no calibration data, so
@@ -78,18 +83,22 @@ def compute_bounds(
         "host_dtype": result.config.get("host_dtype"),
         "nonexpert_dtype": result.config.get("nonexpert_dtype"),
     }
-    out: dict[str, dict[str, float]] = {}
+    out: dict[str, dict[str, Any]] = {}
     own = result.config["policy"]
     gpu = result if own == "all-gpu" else simulate(policy="all-gpu", **common)
     out["all-gpu"] = {
         k: gpu.metrics[k] for k in ("tokens_per_s", "decode_tokens_per_s", "tpot_p50_s", "e2e_s")
     }
-    bel = (
-        result
-        if own == "belady"
-        else simulate(policy="belady", gpu_experts=result.config["gpu_experts"], **common)
-    )
-    out["belady"] = {"hit_rate": bel.metrics["hit_rate"]}
+    budget = result.config["gpu_experts"]
+
+    def belady(name: str, scope: str) -> dict[str, Any]:
+        run = result if own == name else simulate(policy=name, gpu_experts=budget, **common)
+        return {"hit_rate": run.metrics["hit_rate"], "policy": name, "scope": scope}
+
+    out["belady_per_layer"] = belady("belady", "per layer")
+    out["belady"] = dict(out["belady_per_layer"])
+    if issubclass(get_policy_class(own), CachingPolicy | GlobalCachingPolicy):
+        out["belady_global"] = belady("belady-global", "global")
     return out
 
 
@@ -121,9 +130,17 @@ def render_table(doc: dict[str, Any]) -> str:
             "",
             "  bounds (same trace and machine)",
             f"  {'all-GPU tokens/s':<28} {_fmt(gpu_tps)}  (this run: {share:.1%} of it)",
-            f"  {'Belady hit rate':<28} {_fmt(b['belady']['hit_rate'])}"
-            f"  (clairvoyant, {doc['gpu_experts']} GPU experts)",
         ]
+        per_layer = b.get("belady_per_layer") or b["belady"]
+        lines.append(
+            f"  {'belady (per layer) hit rate':<28} {_fmt(per_layer['hit_rate'])}"
+            f"  (clairvoyant, per-layer caches sharing {doc['gpu_experts']} GPU experts)"
+        )
+        if "belady_global" in b:
+            lines.append(
+                f"  {'belady-global hit rate':<28} {_fmt(b['belady_global']['hit_rate'])}"
+                f"  (clairvoyant, one cache of {doc['gpu_experts']} GPU experts over all layers)"
+            )
     return "\n".join(lines)
 
 
@@ -223,7 +240,8 @@ def render_table(doc: dict[str, Any]) -> str:
     "--bounds/--no-bounds",
     default=True,
     show_default=True,
-    help="Also report the all-GPU throughput bound and the Belady hit-rate bound.",
+    help="Also report the all-GPU throughput bound and the Belady hit-rate bounds "
+    "(per layer; and global, beside a caching policy).",
 )
 @json_option
 def run(
