@@ -51,31 +51,6 @@ class Lane:
         return start, end
 
 
-class Pool:
-    """Identical serial workers; a request takes the one that became free first (lowest index
-    on ties), so a worker idle since longer is preferred."""
-
-    __slots__ = ("lanes", "name")
-
-    def __init__(self, name: str, size: int) -> None:
-        self.name = name
-        self.lanes = [Lane(f"{name}{i}") for i in range(max(1, size))]
-
-    def pick(self) -> Lane:
-        """The worker that becomes (or became) free first."""
-        lanes = self.lanes
-        best = lanes[0]
-        for lane in lanes[1:]:
-            if lane.free_at < best.free_at:
-                best = lane
-        return best
-
-    @property
-    def busy(self) -> float:
-        """Summed busy time of all workers."""
-        return sum(lane.busy for lane in self.lanes)
-
-
 #: A CPU job is done once its remaining work is below this fraction of its work (the rounding
 #: of piecewise progress; far below any duration the model resolves).
 DONE_EPS = 1e-9
@@ -263,7 +238,7 @@ class Machine:
             "d2h": Link("d2h", d2h_lane, costs.d2h_expert_s(pinned), act),
         }
         self.cpu = SharedCpu("cpu", spec.cpu_workers)
-        self.pools: dict[str, Pool | SharedCpu] = {"cpu": self.cpu}
+        self.pools: dict[str, SharedCpu] = {"cpu": self.cpu}
         self.buffers: dict[str, int] = {
             "temp": spec.temp_buffers,
             "staging": spec.staging_buffers,
