@@ -157,7 +157,7 @@ class ResourceSpec:
     temp_buffers: int = 1
     #: extra expert-sized GPU slots (beyond the budget) so a fetch need not wait for a write-back
     staging_buffers: int = 0
-    #: CPU worker threads that run experts (a pool of serial workers)
+    #: CPU worker threads that run experts (their running calls share the host socket)
     cpu_workers: int = 1
     #: with ``writeback``: may evict an expert the current layer uses; its write-back is queued
     #: after that expert's computation (Mixtral-offloading's single-stream swap)

@@ -142,9 +142,13 @@ class CostModel:
         if n <= 0:
             return 0.0
         gpu = self.hw.gpu
-        moved = self.expert_bytes + 2.0 * n * self.model.hidden * ACT_BYTES  # weights + x in, y out
+        moved = self._gpu_expert_moved(n)
         roof = max(moved / (gpu.mem_bw_gbs * 1e9), self.expert_flops(n) / (gpu.bf16_tflops * 1e12))
         return roof + expert_kernels(self.model) * gpu.launch_overhead_us * 1e-6
+
+    def _gpu_expert_moved(self, n: float) -> float:
+        """Bytes one GPU expert call moves: weights, activations in and out."""
+        return self.expert_bytes + 2.0 * n * self.model.hidden * ACT_BYTES
 
     def gpu_expert_s(self, n_tokens: int) -> float:
         """Seconds for one GPU-resident expert to process n tokens (0 tokens: 0 s)."""
@@ -169,6 +173,45 @@ class CostModel:
         """Seconds for one expert on the CPU for n tokens: one batched call (roofline, anchored)."""
         _check_tokens(n_tokens)
         return self._cpu_expert(n_tokens)
+
+    def cpu_share(self, n_tokens: int) -> float:
+        """Fraction of the host socket one CPU expert call over n tokens uses while it runs alone.
+
+        The larger of its weight stream over the socket's bandwidth (``cpu.socket_bw_gbs``,
+        default ``cpu.mem_bw_gbs``) and its FLOP/s over ``cpu.<dtype>_gflops``, at most 1.
+        Concurrent calls progress at ``min(1, 1 / sum of shares)`` of their alone speed
+        (docs/cost-model.md, "Shared host CPU").
+        """
+        d = self.cpu_expert_s(n_tokens)
+        if d <= 0:
+            return 0.0
+        cpu = self.hw.cpu
+        bw = (cpu.socket_bw_gbs or cpu.mem_bw_gbs) * 1e9
+        peak = (cpu.fp32_gflops if self.model.host_precision == "fp32" else cpu.bf16_gflops) * 1e9
+        share = max(self.host_expert_bytes / (d * bw), self.expert_flops(n_tokens) / (d * peak))
+        return min(1.0, share)
+
+    @property
+    def dram_bw_gbs(self) -> float:
+        """Unified memory: the one DRAM's bandwidth (``link.dram_bw_gbs``, else the GPU's)."""
+        return self.hw.link.dram_bw_gbs or self.hw.gpu.mem_bw_gbs
+
+    def cpu_dram_share(self, n_tokens: int) -> float:
+        """Unified memory: the fraction of the DRAM one CPU expert call streams alone (else 0)."""
+        d = self.cpu_expert_s(n_tokens)
+        if not self.unified_memory or d <= 0:
+            return 0.0
+        return min(1.0, self.host_expert_bytes / (d * self.dram_bw_gbs * 1e9))
+
+    def copy_dram_share(self, nbytes: float, seconds: float) -> float:
+        """Unified memory: the fraction of the DRAM a copy of ``nbytes`` over ``seconds`` takes.
+
+        A DRAM-to-DRAM copy reads and writes every byte: ``2 x nbytes / seconds / dram_bw``
+        (at most 1). 0 on a bus link, where a copy does not touch the host's DRAM budget here.
+        """
+        if not self.unified_memory or seconds <= 0:
+            return 0.0
+        return min(1.0, 2.0 * nbytes / (seconds * self.dram_bw_gbs * 1e9))
 
     # --- copies ----------------------------------------------------------------------------------
     def _copy(self, nbytes: float, gbs: float) -> float:
@@ -223,13 +266,35 @@ class CostModel:
             return 0.0
         m, gpu = self.model, self.hw.gpu
         blocks = m.layers / m.moe_layers  # transformer blocks per MoE layer (dense ones too)
-        kv = m.kv_bytes_per_token / m.moe_layers * (context + n_tokens)
-        moved = self.nonexpert_layer_bytes + kv
+        moved = self._nonexpert_moved(n_tokens, context)
         params = (m.non_expert_params - m.embedding_params) / m.moe_layers
         attn_pairs = n_tokens * context + n_tokens * (n_tokens + 1) / 2  # causal query-key pairs
         flops = 2.0 * params * n_tokens + 4.0 * attn_pairs * m.hidden * blocks
         roof = max(moved / (gpu.mem_bw_gbs * 1e9), flops / (gpu.bf16_tflops * 1e12))
         return roof + NONEXPERT_KERNELS_PER_BLOCK * blocks * gpu.launch_overhead_us * 1e-6
+
+    def _nonexpert_moved(self, n_tokens: int, context: int) -> float:
+        """Bytes one layer's non-expert part moves: its weights and the KV cache it touches."""
+        m = self.model
+        kv = m.kv_bytes_per_token / m.moe_layers * (context + n_tokens)
+        return self.nonexpert_layer_bytes + kv
+
+    def gpu_dram_share(self, n_tokens: int, context: int | None = None) -> float:
+        """Unified memory: the fraction of the DRAM a GPU kernel takes while it runs (else 0).
+
+        An expert call over n tokens (``context`` None) or one layer's non-expert part: its bytes
+        over its duration over ``dram_bw_gbs``, at most 1.
+        """
+        if not self.unified_memory or n_tokens <= 0:
+            return 0.0
+        if context is None:
+            moved, d = self._gpu_expert_moved(n_tokens), self._gpu_expert(n_tokens)
+        else:
+            moved, d = (
+                self._nonexpert_moved(n_tokens, context),
+                self.nonexpert_layer_s(n_tokens, context),
+            )
+        return min(1.0, moved / (d * self.dram_bw_gbs * 1e9))
 
     # --- decisions -------------------------------------------------------------------------------
     def breakeven_tokens(self, pinned: bool = False) -> float:

@@ -41,8 +41,8 @@ from simulator.trace import SequenceRouting
 
 _GPU, _FETCH, _TEMP, _CPU, _PRE = (int(a) for a in Action)
 
-# operation kinds (LayerOp.kind)
-WRITEBACK, FETCH, TEMP, CPU = range(4)
+# operation kinds (LayerOp.kind); WAKE is the shared CPU's next event, not an operation
+WRITEBACK, FETCH, TEMP, CPU, WAKE = range(5)
 
 
 @dataclass
@@ -271,6 +271,10 @@ class EngineBase:
         """An evicted expert's slot (no write-back) is free at ``t``."""
         raise NotImplementedError
 
+    def _rearm(self) -> None:
+        """The shared CPU changed outside the executor: schedule its next event again."""
+        raise NotImplementedError
+
     # -- the step loop ----------------------------------------------------------------------
     def steps(
         self, sequences: Iterable[SequenceRouting], on_sequence: Callable[[Any], None] | None
@@ -329,6 +333,7 @@ class EngineBase:
             tokens = range(r.n_prefill, r.n_tokens)
         nonexpert_s = m.nonexpert_s
         gpu_lane = m.gpu
+        unified = m.unified
         for t in tokens:
             t0 = self.now
             where.token = v.token = t
@@ -350,6 +355,10 @@ class EngineBase:
                 c.gpu_nonexpert_busy += d_ne
                 gpu_lane.busy += d_ne
                 now = start + d_ne
+                if unified:
+                    m.gpu_load(start, now, p if prefill else 1, context)
+                    if m.cpu.active:
+                        self._rearm()
                 if self._due(now):
                     yield now  # serve everything submitted before the decision
                 v.layer = where.layer = layer
@@ -601,7 +610,8 @@ class Engine(EngineBase):
         m = self.machine
         self._h2d = m.links["h2d"]
         self._d2h = m.links["d2h"]
-        self._pool = m.pools["cpu"]
+        self._host = m.cpu
+        self._unified = m.unified
         self._heap: list[tuple[float, int, int, LayerOp]] = []
         self._uid = count()
         self._gheap: list[tuple[float, int, int]] = []
@@ -664,6 +674,8 @@ class Engine(EngineBase):
             slot = (op.layer, op.expert)
             res.ready_at[slot] = e
             del res.copying[slot]
+            if self._unified:
+                self._mem(s, e, self.expert_bytes)
             op.end = e
             if op.gpu:
                 op.gpu = False
@@ -675,6 +687,8 @@ class Engine(EngineBase):
             if rec is not None:
                 rec.op(link.lane.name, "temp", op.sid, op.token, op.layer, op.expert, s, e,
                        self.expert_bytes)  # fmt: skip
+            if self._unified:
+                self._mem(s, e, self.expert_bytes)
             op.end = e
             if op.gpu:
                 op.gpu = False
@@ -682,6 +696,9 @@ class Engine(EngineBase):
                 self._waiting -= 1
         elif kind == CPU:
             self._cpu_stage(t, op)
+        elif kind == WAKE:
+            if op.n == self._host.version:  # else a later change re-timed it
+                self._cpu_wake(t)
         elif kind == WRITEBACK:
             if op.stage == 0:
                 # issued on the loads' stream: it holds the H2D lane and the D2H lane together
@@ -694,6 +711,8 @@ class Engine(EngineBase):
                 if rec is not None:
                     rec.op(d2h.name, "writeback", op.sid, op.token, op.layer, op.expert, s, e,
                            self.expert_bytes)  # fmt: skip
+                if self._unified:
+                    self._mem(s, e, self.expert_bytes)
                 op.end = e
                 op.stage = 1
                 self._push(e, op)  # its slot is released when it ends
@@ -721,19 +740,17 @@ class Engine(EngineBase):
         rec = self.recorder
         stage = op.stage
         n = op.n
-        if stage == 1:
-            lane = self._pool.pick()
-            s, e = lane.serve(t, self.machine.cpu_s(n))
-            if rec is not None:
-                rec.op(lane.name, op.rkind, op.sid, op.token, op.layer, op.expert, s, e, 0)
-            op.stage = 2
-            self._push(e, op)
+        if stage == 1:  # on the shared CPU; it ends when a wake-up says so
+            self._host.submit(t, self.machine.cpu_job(op, op.seq, t, n))
+            self._cpu_next()
             return
         link = self._d2h if stage == 0 else self._h2d
         s, e = link.lane.serve(t, link.activation_s(n))
         if rec is not None:
             rec.op(link.lane.name, "activation", op.sid, op.token, op.layer, op.expert, s, e,
                    self.act_bytes * n)  # fmt: skip
+        if self._unified:
+            self._mem(s, e, self.act_bytes * n)
         if stage == 0:
             op.stage = 1
             self._push(e, op)
@@ -741,6 +758,42 @@ class Engine(EngineBase):
         op.end = e
         if op.chain is not None:
             self._push(e, op.chain)
+
+    def _rearm(self) -> None:
+        self._cpu_next()
+
+    def _cpu_next(self) -> None:
+        """Schedule the shared CPU's next event (ahead of requests submitted at that time)."""
+        cpu = self._host
+        t = cpu.next_event()
+        if t != INF:
+            wake = LayerOp(WAKE, "wake", -1, 0, 0, 0, 0)
+            wake.n = cpu.version
+            heapq.heappush(self._heap, (t, -1, next(self._uid), wake))
+
+    def _cpu_wake(self, t: float) -> None:
+        """The shared CPU's event at ``t``: calls that end there return their results."""
+        rec = self.recorder
+        for job in self._host.wake(t):
+            op = job.op
+            if rec is not None:
+                name = self._host.lanes[job.worker].name
+                rec.op(name, op.rkind, op.sid, op.token, op.layer, op.expert, job.start, t, 0)
+            op.stage = 2
+            self._push(t, op)
+        self._cpu_next()
+
+    def _mem(self, s: float, e: float, nbytes: int) -> None:
+        """Unified memory: a copy from ``s`` to ``e`` takes its share of the DRAM."""
+        self.machine.copy_load(s, e, nbytes)
+        if self._host.active:
+            self._cpu_next()
+
+    def _gpu_mem(self, s: float, e: float, n: int) -> None:
+        """Unified memory: a GPU expert kernel takes its share of the DRAM."""
+        self.machine.gpu_load(s, e, n)
+        if self._host.active:
+            self._cpu_next()
 
     def _resolve(self, op: LayerOp) -> float:
         """Serve requests until ``op`` has its end time."""
@@ -769,9 +822,12 @@ class Engine(EngineBase):
                     if ready > g:
                         c.transfer_stall += ready - g
                         g = ready
-                    d = gpu_s(int(counts[e]) if counts is not None else 1)
+                    n = int(counts[e]) if counts is not None else 1
+                    d = gpu_s(n)
                     if rec is not None:
                         rec.op("gpu", "expert", w.sid, w.token, w.layer, e, g, g + d, 0)
+                    if self._unified:
+                        self._gpu_mem(g, g + d, n)
                     g += d
                     busy += d
                 c.gpu_expert_busy += busy
@@ -831,9 +887,12 @@ class Engine(EngineBase):
             if ready > g:
                 c.transfer_stall += ready - g
                 g = ready
-            d = gpu_s(int(counts[e]) if counts is not None else 1)
+            n = int(counts[e]) if counts is not None else 1
+            d = gpu_s(n)
             if rec is not None:
                 rec.op("gpu", "expert", w.sid, w.token, layer, e, g, g + d, 0)
+            if self._unified:
+                self._gpu_mem(g, g + d, n)
             g += d
             busy += d
             if deferred:

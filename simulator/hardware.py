@@ -51,6 +51,9 @@ class LinkSpec:
     d2h_pageable_gbs: float
     copy_overhead_us: float  # fixed cost per copy call
     copy_engines: int  # async copy engines; H2D and D2H overlap when >= 2
+    #: unified memory only: the one DRAM's bandwidth that copies and CPU experts share, GB/s
+    #: (None: the GPU's ``mem_bw_gbs``)
+    dram_bw_gbs: float | None = None
 
     @property
     def unified(self) -> bool:
@@ -67,6 +70,9 @@ class CpuSpec:
     mem_bw_gbs: float  # achieved by an expert kernel streaming weights, GB/s
     bf16_gflops: float  # achieved BF16 GEMM throughput over cores_used, GFLOPS
     fp32_gflops: float  # achieved FP32 GEMM throughput over cores_used, GFLOPS
+    #: DRAM bandwidth all of the CPU's threads together can stream, GB/s (None: ``mem_bw_gbs``,
+    #: i.e. one expert call already takes all the socket gives; docs/cost-model.md)
+    socket_bw_gbs: float | None = None
 
 
 #: A GPU holding a CUDA context sits one DVFS step above bare idle: 26-66 W across the GPUs
@@ -203,14 +209,18 @@ _LINK: _Schema = {
     "d2h_pageable_gbs": "pos",
     "copy_overhead_us": "pos",
     "copy_engines": "int+",
+    "dram_bw_gbs": "pos",
 }
+_LINK_OPTIONAL = {"dram_bw_gbs"}
 _CPU: _Schema = {
     "name": "str",
     "cores_used": "int+",
     "mem_bw_gbs": "pos",
     "bf16_gflops": "pos",
     "fp32_gflops": "pos",
+    "socket_bw_gbs": "pos",
 }
+_CPU_OPTIONAL = {"socket_bw_gbs"}
 _POWER: _Schema = {
     "gpu_idle_w": "pos",
     "gpu_busy_w": "pos",
@@ -312,8 +322,8 @@ def parse_profile(data: dict[str, Any], path: str | os.PathLike[str]) -> Hardwar
         if sect not in data:
             raise ProfileError(p, "missing section", sect)
     gpu = GpuSpec(**_section(p, data["gpu"], _GPU, "gpu."))
-    link = LinkSpec(**_section(p, data["link"], _LINK, "link."))
-    cpu = CpuSpec(**_section(p, data["cpu"], _CPU, "cpu."))
+    link = LinkSpec(**_section(p, data["link"], _LINK, "link.", _LINK_OPTIONAL))
+    cpu = CpuSpec(**_section(p, data["cpu"], _CPU, "cpu.", _CPU_OPTIONAL))
     power = (
         PowerSpec(**_section(p, data["power"], _POWER, "power.", _POWER_OPTIONAL))
         if "power" in data

@@ -6,7 +6,9 @@ A :class:`Machine` owns every resource an operation can occupy, each under a nam
 * links (``links["h2d"]``, ``links["d2h"]``): a transfer path between two memories, with the
   copy engine (lane) it runs on and its cost function. ``link.copy_engines = 1`` puts both
   directions on one lane named ``copy``; two or more give each direction its own lane;
-* pools (``pools["cpu"]``): identical serial workers (``cpu0``, ``cpu1``, ...);
+* pools (``pools["cpu"]``): the host CPU, a :class:`SharedCpu`: worker threads (``cpu0``,
+  ``cpu1``, ...) whose running expert calls share one socket by processor sharing (and, on
+  unified memory, share the DRAM with copies);
 * buffers (``buffers["temp"]``, ``buffers["slots"]``): counted GPU memory.
 
 The engines look resources up by name, so a new tier or device is a new entry here plus its
@@ -20,8 +22,11 @@ at ``max(submitted, free)`` and holds the lane for its duration, exactly like
 
 from __future__ import annotations
 
+import heapq
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from policies.base import ResourceSpec
 from simulator.costs import CostModel
@@ -46,29 +51,161 @@ class Lane:
         return start, end
 
 
-class Pool:
-    """Identical serial workers; a request takes the one that became free first (lowest index
-    on ties), so a worker idle since longer is preferred."""
+#: A CPU job is done once its remaining work is below this fraction of its work (the rounding
+#: of piecewise progress; far below any duration the model resolves).
+DONE_EPS = 1e-9
 
-    __slots__ = ("lanes", "name")
+
+class CpuJob:
+    """One CPU expert call on the shared host CPU: its work in alone-seconds and its shares."""
+
+    __slots__ = ("dram", "end", "op", "rem", "seq", "share", "start", "submitted", "work", "worker")
+
+    def __init__(
+        self, op: Any, seq: int, submitted: float, work: float, share: float, dram: float
+    ) -> None:
+        self.op = op
+        self.seq = seq
+        self.submitted = submitted
+        #: seconds the call takes alone on the whole socket
+        self.work = work
+        self.rem = work
+        #: fraction of the socket (cores or bandwidth) it uses alone
+        self.share = share
+        #: fraction of the unified DRAM it streams alone (0 on a bus-attached host)
+        self.dram = dram
+        self.start = math.nan
+        self.end = math.nan
+        self.worker = -1
+
+
+class SharedCpu:
+    """The host CPU: worker threads whose running calls share one socket (processor sharing).
+
+    At most ``size`` calls run at once (one per worker thread); more wait, served by
+    (submission time, issue number). The running calls progress at one common rate, a fraction
+    of their alone speed: ``min(1, 1 / sum(share))``, and on unified memory also at most
+    ``(1 - copies' DRAM share) / sum(dram share)`` (docs/cost-model.md, "Shared host CPU").
+    A lone call runs at its measured speed. A running call's end therefore depends on later
+    arrivals: the engines call :meth:`submit` and :meth:`load` when those happen and
+    :meth:`wake` at :meth:`next_event`, with stale wake-ups recognised by :attr:`version`.
+    Both engines drive this one object, so they share its arithmetic.
+    """
 
     def __init__(self, name: str, size: int) -> None:
         self.name = name
         self.lanes = [Lane(f"{name}{i}") for i in range(max(1, size))]
-
-    def pick(self) -> Lane:
-        """The worker that becomes (or became) free first."""
-        lanes = self.lanes
-        best = lanes[0]
-        for lane in lanes[1:]:
-            if lane.free_at < best.free_at:
-                best = lane
-        return best
+        self._idle = [True] * len(self.lanes)
+        self.active: list[CpuJob] = []
+        self._queue: list[tuple[float, int, CpuJob]] = []
+        #: DRAM load changes of unified memory: (time, order, delta share)
+        self._loads: list[tuple[float, int, float]] = []
+        self._nload = 0
+        self.ext = 0.0
+        self.rate = 1.0
+        self.t = 0.0
+        self.version = 0
 
     @property
     def busy(self) -> float:
-        """Summed busy time of all workers."""
+        """Summed seconds the workers held a running call."""
         return sum(lane.busy for lane in self.lanes)
+
+    def submit(self, t: float, job: CpuJob) -> None:
+        """A call is submitted at ``t`` (every earlier event has been applied)."""
+        self._advance(t)
+        heapq.heappush(self._queue, (job.submitted, job.seq, job))
+        self._admit(t)
+        self._changed()
+
+    def load(self, start: float, end: float, share: float) -> None:
+        """Unified memory: a copy takes ``share`` of the DRAM from ``start`` to ``end``."""
+        if share <= 0.0 or end <= start:
+            return
+        if start < self.t:
+            raise RuntimeError("shared CPU: a DRAM load was registered in its past")
+        self._nload += 1
+        heapq.heappush(self._loads, (start, self._nload, share))
+        self._nload += 1
+        heapq.heappush(self._loads, (end, self._nload, -share))
+        self._advance(self.t)
+        self._changed()
+
+    def next_event(self) -> float:
+        """When the next call ends or the rate changes (inf when nothing runs)."""
+        if not self.active:
+            return math.inf
+        nxt = self._loads[0][0] if self._loads else math.inf
+        if self.rate > 0.0:
+            rem = min(j.rem for j in self.active)
+            dep = self.t + (rem / self.rate if rem > 0.0 else 0.0)
+            if dep < nxt:
+                nxt = dep
+        return nxt
+
+    def wake(self, t: float) -> list[CpuJob]:
+        """Advance to ``t``; returns the calls that end there (in issue order)."""
+        self._advance(t)
+        done = [j for j in self.active if j.rem <= DONE_EPS * j.work]
+        if done:
+            for j in done:
+                self.active.remove(j)
+                j.end = t
+                lane = self.lanes[j.worker]
+                lane.busy += t - j.start
+                lane.free_at = t
+                self._idle[j.worker] = True
+            self._admit(t)  # re-rates
+        self._changed()
+        return done
+
+    def _admit(self, t: float) -> None:
+        """Start waiting calls on idle workers (the one free longest first, lowest index)."""
+        q = self._queue
+        while q and any(self._idle):
+            _, _, job = heapq.heappop(q)
+            lanes = self.lanes
+            i = min((k for k in range(len(lanes)) if self._idle[k]), key=lambda k: lanes[k].free_at)
+            self._idle[i] = False
+            job.worker = i
+            job.start = t
+            self.active.append(job)
+        self.active.sort(key=lambda j: j.seq)
+        self._rerate()
+
+    def _advance(self, t: float) -> None:
+        """Progress the running calls to ``t``, applying DRAM load changes on the way."""
+        loads = self._loads
+        while loads and loads[0][0] <= t:
+            b, _, delta = heapq.heappop(loads)
+            self._progress(b)
+            self.ext += delta
+            self._rerate()
+        self._progress(t)
+        self._rerate()
+
+    def _progress(self, t: float) -> None:
+        dt = t - self.t
+        if dt > 0.0:
+            r = self.rate
+            for j in self.active:
+                j.rem -= r * dt
+            self.t = t
+
+    def _rerate(self) -> None:
+        active = self.active
+        rate = 1.0
+        share = sum(j.share for j in active)
+        if share > 1.0:
+            rate = 1.0 / share
+        dram = sum(j.dram for j in active)
+        if dram > 0.0:
+            free = 1.0 - self.ext
+            rate = min(rate, max(0.0, free) / dram)
+        self.rate = rate
+
+    def _changed(self) -> None:
+        self.version += 1
 
 
 @dataclass
@@ -100,14 +237,41 @@ class Machine:
             "h2d": Link("h2d", h2d_lane, costs.h2d_expert_s(pinned), act),
             "d2h": Link("d2h", d2h_lane, costs.d2h_expert_s(pinned), act),
         }
-        self.pools: dict[str, Pool] = {"cpu": Pool("cpu", spec.cpu_workers)}
+        self.cpu = SharedCpu("cpu", spec.cpu_workers)
+        self.pools: dict[str, SharedCpu] = {"cpu": self.cpu}
         self.buffers: dict[str, int] = {
             "temp": spec.temp_buffers,
             "staging": spec.staging_buffers,
         }
         self.gpu_s = _memo(costs.gpu_expert_s)
         self.cpu_s = _memo(costs.cpu_expert_s)
+        self._cpu_share = _memo(costs.cpu_share)
+        self._cpu_dram = _memo(costs.cpu_dram_share)
+        #: unified memory: copies register their DRAM share with the CPU
+        self.unified = costs.unified_memory
+        self._gpu_dram = _memo(costs.gpu_dram_share)
+        self._ne_dram: dict[tuple[int, int], float] = {}
         self._ne: dict[tuple[int, int], float] = {}
+
+    def cpu_job(self, op: Any, seq: int, t: float, n: int) -> CpuJob:
+        """A CPU expert call over ``n`` tokens submitted at ``t``, with its costs bound."""
+        return CpuJob(op, seq, t, self.cpu_s(n), self._cpu_share(n), self._cpu_dram(n))
+
+    def copy_load(self, start: float, end: float, nbytes: int) -> None:
+        """Unified memory: a copy of ``nbytes`` from ``start`` to ``end`` loads the DRAM."""
+        self.cpu.load(start, end, self.costs.copy_dram_share(nbytes, end - start))
+
+    def gpu_load(self, start: float, end: float, n: int, context: int | None = None) -> None:
+        """Unified memory: a GPU kernel (an expert over ``n`` tokens, or with ``context`` a
+        layer's non-expert part) takes its share of the DRAM from ``start`` to ``end``."""
+        if context is None:
+            share = self._gpu_dram(n)
+        else:
+            key = (n, context)
+            share = self._ne_dram.get(key, -1.0)
+            if share < 0:
+                share = self._ne_dram[key] = self.costs.gpu_dram_share(n, context)
+        self.cpu.load(start, end, share)
 
     def nonexpert_s(self, n: int, context: int) -> float:
         """Non-expert GPU time of one layer for ``n`` tokens at ``context`` (memoised)."""

@@ -5,9 +5,13 @@ residency, counters; :class:`~simulator.engine.EngineBase`) and implements the q
 of docs/policy-api.md literally: every serial resource is a ``simpy.PriorityResource`` whose
 requests carry the key (submission time, issue number), every operation is a process that
 requests a resource at the moment its inputs are ready, slots are a ``simpy.Container`` and
-temporary buffers a ``simpy.Store``. It is slow (several events per operation) and exists to
-check the fast engine: tests/test_reference_engine.py asserts both give identical timelines.
-Select it with ``simulate(engine="reference")`` or ``daopsim run --engine reference``.
+temporary buffers a ``simpy.Store``. The shared host CPU (processor sharing: a running call's
+end moves when another starts) is one SimPy process per call waiting on its own event, and
+the CPU's next event is an urgent timeout re-armed on every change (stale ones are ignored),
+so it comes before requests submitted at the same moment. It is slow (several events per
+operation) and exists to check the fast engine: tests/test_reference_engine.py asserts both
+give identical timelines. Select it with ``simulate(engine="reference")`` or
+``daopsim run --engine reference``.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from simulator.engine import (
     LayerWork,
     RunStats,
 )
-from simulator.machine import Lane
+from simulator.machine import Lane, SharedCpu
 from simulator.trace import SequenceRouting
 
 Proc = Generator[simpy.Event, Any, Any]
@@ -46,10 +50,9 @@ class ReferenceEngine(EngineBase):
         }
         self._h2d = m.links["h2d"]
         self._d2h = m.links["d2h"]
-        pool = m.pools["cpu"]
-        self._pool = pool
-        self._pool_res = simpy.PriorityResource(env, capacity=len(pool.lanes))
-        self._idle = [True] * len(pool.lanes)
+        self._host: SharedCpu = m.cpu
+        self._unified = m.unified
+        self._cpu_done: dict[int, simpy.Event] = {}
         res = self.res
         # SimPy refuses an empty container; with no slot at all nothing is ever fetched
         self._slots = simpy.Container(env, capacity=max(1, res.cap), init=res.cap - res.occupancy)
@@ -96,16 +99,46 @@ class ReferenceEngine(EngineBase):
         self._event(op).succeed()
         del self._done[op]
 
-    def _hold(self, lane: Lane, key: tuple[float, int], dur: float) -> Proc:
-        """Request ``lane`` with ``key``, hold it for ``dur``; returns (start, end)."""
+    def _hold(self, lane: Lane, key: tuple[float, int], dur: float, nbytes: int) -> Proc:
+        """Request ``lane`` with ``key``, hold it for a copy of ``nbytes`` taking ``dur``;
+        returns (start, end)."""
         env = self.env
         with self._res[lane.name].request(priority=key) as req:
             yield req
             start = env.now
+            self._mem(start, dur, nbytes)
             yield env.timeout(dur)
         lane.busy += dur
         lane.free_at = env.now
         return start, env.now
+
+    def _mem(self, start: float, dur: float, nbytes: int) -> None:
+        """Unified memory: a copy starting now takes its share of the DRAM until it ends."""
+        if self._unified:
+            self.machine.copy_load(start, start + dur, nbytes)
+            if self._host.active:
+                self._cpu_arm()
+
+    def _rearm(self) -> None:
+        self._cpu_arm()
+
+    def _cpu_arm(self) -> None:
+        """Arm an urgent wake-up at the shared CPU's next event, tagged with its version."""
+        cpu, env = self._host, self.env
+        t = cpu.next_event()
+        if t == float("inf"):
+            return
+        version = cpu.version
+        ev = _Urgent(env, max(0.0, t - env.now))
+        ev.callbacks.append(lambda _ev: self._cpu_wake(version))
+
+    def _cpu_wake(self, version: int) -> None:
+        cpu = self._host
+        if version != cpu.version:
+            return  # a later change re-timed the CPU
+        for job in cpu.wake(self.env.now):
+            self._cpu_done.pop(job.seq).succeed()
+        self._cpu_arm()
 
     def _record(self, lane: str, op: LayerOp, kind: str, s: float, e: float, nbytes: int) -> None:
         if self.recorder is not None:
@@ -132,6 +165,7 @@ class ReferenceEngine(EngineBase):
             reqs.append(self._res[d2h.name].request(priority=key))
         yield simpy.AllOf(env, reqs)
         s = env.now
+        self._mem(s, dur, self.expert_bytes)
         yield env.timeout(dur)
         for lane, req in zip((h2d, d2h), reqs, strict=False):
             self._res[lane.name].release(req)
@@ -155,6 +189,7 @@ class ReferenceEngine(EngineBase):
             yield req
             s = env.now
             self.res.copied((op.layer, op.expert), s + link.expert_s)
+            self._mem(s, link.expert_s, self.expert_bytes)
             yield env.timeout(link.expert_s)
         link.lane.busy += link.expert_s
         self._record(link.lane.name, op, op.rkind, s, env.now, self.expert_bytes)
@@ -167,7 +202,7 @@ class ReferenceEngine(EngineBase):
             yield get
         op.buf = get.value
         link = self._h2d
-        s, e = yield from self._hold(link.lane, (env.now, op.seq), link.expert_s)
+        s, e = yield from self._hold(link.lane, (env.now, op.seq), link.expert_s, self.expert_bytes)
         self._record(link.lane.name, op, "temp", s, e, self.expert_bytes)
         self._finish(op, e)
 
@@ -177,23 +212,16 @@ class ReferenceEngine(EngineBase):
         while op is not None:
             n = op.n
             d2h, h2d = self._d2h, self._h2d
-            s, e = yield from self._hold(d2h.lane, (env.now, op.seq), d2h.activation_s(n))
+            act = self.act_bytes * n
+            s, e = yield from self._hold(d2h.lane, (env.now, op.seq), d2h.activation_s(n), act)
             self._record(d2h.lane.name, op, "activation", s, e, self.act_bytes * n)
-            with self._pool_res.request(priority=(env.now, op.seq)) as req:
-                yield req
-                # the idle worker that became free first (lowest index on ties)
-                lanes = self._pool.lanes
-                idle = [i for i in range(len(lanes)) if self._idle[i]]
-                i = min(idle, key=lambda j: (lanes[j].free_at, j))
-                self._idle[i] = False
-                s = env.now
-                dur = self.machine.cpu_s(n)
-                yield env.timeout(dur)
-                lanes[i].busy += dur
-                lanes[i].free_at = env.now
-                self._idle[i] = True
-            self._record(lanes[i].name, op, op.rkind, s, env.now, 0)
-            s, e = yield from self._hold(h2d.lane, (env.now, op.seq), h2d.activation_s(n))
+            job = self.machine.cpu_job(op, op.seq, env.now, n)
+            done = self._cpu_done[op.seq] = env.event()
+            self._host.submit(env.now, job)
+            self._cpu_arm()
+            yield done
+            self._record(self._host.lanes[job.worker].name, op, op.rkind, job.start, job.end, 0)
+            s, e = yield from self._hold(h2d.lane, (env.now, op.seq), h2d.activation_s(n), act)
             self._record(h2d.lane.name, op, "activation", s, e, self.act_bytes * n)
             self._finish(op, e)
             op = op.chain
@@ -282,7 +310,12 @@ class ReferenceEngine(EngineBase):
             g = state["g"]
             if s > g:
                 self.c.transfer_stall += s - g
-            d = self.machine.gpu_s(int(w.counts[e]) if w.counts is not None else 1)
+            n = int(w.counts[e]) if w.counts is not None else 1
+            d = self.machine.gpu_s(n)
+            if self._unified:
+                self.machine.gpu_load(s, s + d, n)
+                if self._host.active:
+                    self._cpu_arm()
             yield env.timeout(d)
             state["g"] = env.now
             state["busy"] += d
@@ -293,3 +326,13 @@ class ReferenceEngine(EngineBase):
             env.process(self._write_back(wb))
         if src is not None and src.kind == TEMP:
             self._buffers.put(src.buf)
+
+
+class _Urgent(simpy.events.Event):
+    """A timeout processed before every ordinary event scheduled for the same moment."""
+
+    def __init__(self, env: simpy.Environment, delay: float) -> None:
+        super().__init__(env)
+        self._ok = True
+        self._value = None
+        env.schedule(self, simpy.events.URGENT, delay)

@@ -3,7 +3,9 @@
 Both time the same plans under the queueing rule of docs/policy-api.md. For every built-in
 policy on three bundled traces (Mixtral via ``ci-small``, OLMoE top-8, Phi-3.5-MoE) at two
 budgets, every operation (resource, kind, layer, expert, start, end) and every counter must
-match. Further cases: a profile with one copy engine, a second profile, random legal plans
+match. Further cases: a profile with one copy engine, a second profile, the shared host CPU
+(several worker threads, partial socket shares) and unified memory (CPU calls re-timed by
+copies and GPU kernels taking DRAM), random legal plans
 (the chaos policy, with write-back and staging buffers), and a hand-built out-of-order case
 where a request decided later is submitted earlier than one booked ahead of it.
 """
@@ -144,6 +146,32 @@ def test_one_copy_engine_and_another_profile(policy: str, opts: dict[str, Any]) 
     _both(policy, "ci-small", 0.125, load_profile("rtx4090-pcie4"), **opts)
 
 
+def wide_socket(name: str, factor: float = 1.7) -> HardwareProfile:
+    """A bundled profile whose socket streams ``factor`` x what one CPU call takes (partial
+    shares: concurrent calls overlap before they slow each other down)."""
+    hw = load_profile(name)
+    return dataclasses.replace(
+        hw, cpu=dataclasses.replace(hw.cpu, socket_bw_gbs=hw.cpu.mem_bw_gbs * factor)
+    )
+
+
+@pytest.mark.parametrize(
+    ("policy", "opts"),
+    [
+        ("daop", {"cpu_workers": 2}),
+        ("daop", {"cpu_workers": 3}),
+        ("fiddler", {}),
+        ("stream-all", {}),
+        ("lru", {}),
+    ],
+)
+def test_shared_cpu_and_unified_memory(policy: str, opts: dict[str, Any]) -> None:
+    _both(policy, "ci-small", 0.25, wide_socket("a6000-pcie4"), **opts)
+    tl = _both(policy, "ci-small", 0.25, load_profile("jetson-orin-64g"), **opts)
+    assert len(tl)
+    _both(policy, "phi-3.5-moe", 0.125, wide_socket("jetson-orin-64g", 1.3), **opts)
+
+
 @settings(
     max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
 )
@@ -153,13 +181,24 @@ def test_one_copy_engine_and_another_profile(policy: str, opts: dict[str, Any]) 
     writeback=st.booleans(),
     staging=st.integers(0, 2),
     copy_engines=st.sampled_from([1, 2]),
+    host=st.sampled_from(["a6000-pcie4", "jetson-orin-64g"]),
+    socket=st.sampled_from([None, 1.5]),
 )
 def test_random_plans_time_identically(
-    seed: int, budget_frac: float, writeback: bool, staging: int, copy_engines: int
+    seed: int,
+    budget_frac: float,
+    writeback: bool,
+    staging: int,
+    copy_engines: int,
+    host: str,
+    socket: float | None,
 ) -> None:
-    """Random legal plans (every action, prefetch, eviction, pre-calculation) on both."""
+    """Random legal plans (every action, prefetch, eviction, pre-calculation) on both, on a
+    bus-attached and a unified-memory host, with whole and partial socket shares."""
     model = tiny_model(experts=6, top_k=2, moe_layers=3)
-    hw = load_profile("a6000-pcie4")
+    hw = load_profile(host) if socket is None else wide_socket(host, socket)
+    # a slow CPU so that calls overlap each other, copies and GPU kernels
+    hw = dataclasses.replace(hw, cpu=dataclasses.replace(hw.cpu, mem_bw_gbs=hw.cpu.mem_bw_gbs / 50))
     hw = dataclasses.replace(hw, link=dataclasses.replace(hw.link, copy_engines=copy_engines))
     budget = round(budget_frac * 18)
     out = []
