@@ -20,9 +20,9 @@ import pandas as pd
 
 from policies.registry import get_policy_class
 from simulator.data import bundled_dir
-from simulator.errors import UserError
+from simulator.errors import DoesNotFit, UserError
 from simulator.output import output_dir, safe_name, write_figure, write_file, write_text
-from simulator.runner import simulate
+from simulator.runner import keeps_nothing_resident, simulate
 
 #: metrics kept per run in the results table
 METRICS = (
@@ -312,6 +312,10 @@ def run_experiment(
                 points: list[tuple[float | None, dict[str, Any], bool]] = [
                     (None, {**base_opts, **spec.fixed[pname]}, True)
                 ]
+            elif keeps_nothing_resident(get_policy_class(pname)):
+                # the cache ratio means nothing to it: one run with the memory that fits,
+                # compared with the target at every ratio (never skipped as "does not fit")
+                points = [(None, dict(base_opts), True)]
             else:
                 points = [(r, dict(base_opts), False) for r in exp.cache_ratios]
             for ratio, opts, fixed in points:
@@ -346,9 +350,7 @@ def run_experiment(
                         record=False,
                         **kwargs,
                     )
-                except UserError as exc:
-                    if "do not fit" not in str(exc):
-                        raise
+                except DoesNotFit as exc:
                     row.update(model=spec.trace, cache_ratio=ratio, status="skipped")
                     row["reason"] = str(exc)
                     rows.append(row)

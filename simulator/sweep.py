@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from simulator.data import DEFAULT_TRACE, bundled_traces, resolve_trace
-from simulator.errors import PolicyError, UserError, parse_key_values
+from simulator.errors import DoesNotFit, PolicyError, UserError, parse_key_values
 from simulator.output import TABLE_FORMATS, check_output_file, output_format
 from simulator.output import write_table as _write_any_table
 from simulator.progress import Progress
@@ -441,7 +441,11 @@ def _base_row(cfg: Config) -> dict[str, Any]:
 
 
 def run_config(cfg: Config) -> dict[str, Any]:
-    """Run one configuration and return its row; a failure becomes a row with status "error"."""
+    """Run one configuration and return its row.
+
+    A failure becomes a row with status "error"; a memory point the machine cannot hold a row
+    with status "skipped" and error "does not fit (at most N)".
+    """
     from simulator.runner import simulate
     from simulator.trace import read_meta
 
@@ -471,6 +475,11 @@ def run_config(cfg: Config) -> dict[str, Any]:
             host_dtype=cfg.host_dtype,
             nonexpert_dtype=cfg.nonexpert_dtype,
         )
+    except DoesNotFit as exc:  # the machine is too small for this point: not a failure
+        row["status"] = "skipped"
+        row["error"] = f"does not fit (at most {exc.max_experts})"
+        row["max_gpu_experts"] = exc.max_experts
+        return row
     except Exception as exc:  # recorded, not raised: one bad configuration must not sink others
         row["error"] = _one_line(exc)
         return row
@@ -714,11 +723,16 @@ def _run_dask(
 
 @dataclass
 class SweepSummary:
-    """What a sweep did: counts and the failed configurations."""
+    """What a sweep did: counts and the failed configurations.
+
+    ``skipped`` counts configurations whose memory budget does not fit the machine (status
+    "skipped"); they are not failures.
+    """
 
     out: str | None
     configurations: int
     ok: int
+    skipped: int
     failed: int
     resumed: int
     elapsed_s: float
@@ -772,17 +786,17 @@ def run_sweep(
     with lock:
         done = _load_parts(folder, keys) if folder is not None else {}
         if retry_errors:
-            done = {k: r for k, r in done.items() if r.get("status") == "ok"}
+            done = {k: r for k, r in done.items() if r.get("status") != "error"}
         resumed = len(done)
         todo = [c for c in configs if c.key not in done]
         bar = Progress(len(configs), "sweep", initial=resumed, enabled=progress)
-        n_failed = [sum(1 for r in done.values() if r.get("status") != "ok")]
+        n_failed = [sum(1 for r in done.values() if r.get("status") == "error")]
 
         def on_row(row: dict[str, Any]) -> None:
             done[row["key"]] = row
             if folder is not None:
                 _save_part(folder, row)
-            n_failed[0] += row.get("status") != "ok"
+            n_failed[0] += row.get("status") == "error"
             bar.update(1, f"{n_failed[0]} failed" if n_failed[0] else None)
 
         with bar:
@@ -793,11 +807,12 @@ def run_sweep(
         df = to_frame([done[c.key] for c in configs])
         if out is not None:
             write_table(df, out)
-    failed = df[df["status"] != "ok"]
+    failed = df[df["status"] == "error"]
     summary = SweepSummary(
         out=str(out) if out is not None else None,
         configurations=len(configs),
         ok=int((df["status"] == "ok").sum()),
+        skipped=int((df["status"] == "skipped").sum()),
         failed=len(failed),
         resumed=resumed,
         elapsed_s=round(time.perf_counter() - t0, 3),
@@ -825,7 +840,8 @@ def sweep(
     """Run every configuration of ``grid`` and return one tidy row per configuration.
 
     ``grid`` is a :class:`Grid`, a dict with the same keys, or a TOML grid file. With ``out``
-    the sweep is resumable (see docs/sweeps.md). Failed configurations have status "error".
+    the sweep is resumable (see docs/sweeps.md). Failed configurations have status "error",
+    memory points that do not fit the machine status "skipped".
     """
     df, _ = run_sweep(
         grid,
