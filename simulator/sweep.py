@@ -3,10 +3,11 @@
 A :class:`Grid` (from Python, a dict, a TOML file or the ``daopsim sweep`` flags) expands into
 configurations in a fixed order (trace, machine, policy, option values, memory point, seed).
 Each configuration gets a key: a SHA-256 over the trace file's bytes, the machine profile's
-resolved content, the policy and its resolved options, the memory point, sequences, seed,
-calibration and the daopsim version. Finished rows are stored one JSON file per key in
-``RESULTS.parquet.parts/`` (written atomically as each run completes), so a sweep killed at any
-moment and run again skips what is done; the consolidated table is written atomically at the end.
+resolved content, the policy, the source files of its code and its resolved options, the memory
+point, sequences, seed, calibration and the daopsim version. Finished rows are stored one JSON
+file per key in ``RESULTS.parquet.parts/`` (written atomically as each run completes), so a
+sweep killed at any moment and run again skips what is done (and re-runs a policy whose code
+changed); the consolidated table is written atomically at the end.
 
 Executors: ``local`` (a process pool; ``workers=1`` runs in this process) and ``dask``
 (``dask.distributed``: a ``LocalCluster`` or a scheduler address). ``simulate(record=False)`` is
@@ -259,6 +260,47 @@ def profile_sha256(hw: str | HardwareProfile) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def _distribution_version(module: str) -> str | None:
+    """``name==version`` of the installed distribution that provides ``module``, if any."""
+    top = module.partition(".")[0]
+    for dist in importlib.metadata.packages_distributions().get(top, []):
+        try:
+            return f"{dist}=={importlib.metadata.version(dist)}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def policy_code_sha256(cls: type) -> str:
+    """SHA-256 naming the code of a policy class: the source files of every module in its class
+    hierarchy up to ``Policy`` (so an edit to a shared base such as ``policies/caching.py``
+    counts too). A module without a readable source file (a compiled or zipped plugin) is named
+    by its distribution's version instead."""
+    import inspect
+
+    from policies.base import Policy
+
+    parts: dict[str, str] = {}
+    for klass in cls.__mro__:
+        if not (isinstance(klass, type) and issubclass(klass, Policy)):
+            continue
+        mod = klass.__module__
+        if mod in parts:
+            continue
+        module = sys.modules.get(mod)
+        src = None
+        try:
+            src = inspect.getsourcefile(module) if module is not None else None
+        except TypeError:  # a built-in or a module without a file
+            src = None
+        if src is not None and os.path.isfile(src):
+            parts[mod] = "sha256:" + file_sha256(src)
+        else:
+            parts[mod] = _distribution_version(mod) or f"unknown:{daopsim_version()}"
+    text = json.dumps(parts, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 @dataclass(frozen=True)
 class Config:
     """One configuration of a sweep (picklable: it travels to worker processes)."""
@@ -334,6 +376,7 @@ def expand(grid: Grid) -> list[Config]:
             raise UserError(f"gpu experts {n} is negative")
     classes = {p: get_policy_class(p) for p in dict.fromkeys(grid.policies)}
     option_sets = _option_axes(grid, classes)
+    code_sha = {p: policy_code_sha256(cls) for p, cls in classes.items()}
     hw_sha = {h: profile_sha256(h) for h in dict.fromkeys(grid.hw)}
     bundled = bundled_traces()
     traces: dict[str, tuple[Path, str]] = {}
@@ -365,6 +408,7 @@ def expand(grid: Grid) -> list[Config]:
                                 "trace_sha256": tsha,
                                 "profile_sha256": hsha,
                                 "policy": pol,
+                                "policy_code_sha256": code_sha[pol],
                                 "options": opts,
                                 "cache_ratio": ratio,
                                 "gpu_experts": n,
@@ -653,6 +697,62 @@ def _list_cell(value: Any) -> list[float] | None:
 
 # --- executors --------------------------------------------------------------------------------
 
+#: Seconds between a worker's checks that the sweep process is still alive.
+WATCHDOG_INTERVAL_S = 0.5
+
+
+def _proc_identity(pid: int) -> str | None:
+    """Start time of a live process (Linux), "" where it cannot be read, None if it is gone.
+
+    A zombie (killed, not yet reaped) counts as gone; the start time tells a recycled pid
+    from the original process.
+    """
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        if Path("/proc/self/stat").exists():
+            return None  # Linux, and the process is gone
+    except OSError:
+        pass
+    else:
+        fields = stat.rpartition(")")[2].split()
+        return None if fields[0] in ("Z", "X") else fields[19]
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass
+    return ""
+
+
+def watch_parent(pid: int, interval: float = WATCHDOG_INTERVAL_S) -> None:
+    """Exit this worker process soon after process ``pid`` (the sweep) dies, however it dies.
+
+    A daemon thread polls ``pid``: SIGKILL or SIGTERM of the sweep leaves no cleanup code to
+    stop its workers (a process pool's or a Dask LocalCluster's), which would otherwise run on
+    for minutes. Safe to call more than once per process (the first watcher wins).
+    """
+    import threading
+
+    global _WATCHED
+    if _WATCHED is not None:
+        return
+    _WATCHED = pid
+    ident = _proc_identity(pid)
+
+    def loop() -> None:
+        while True:
+            time.sleep(interval)
+            now = _proc_identity(pid)
+            if now is None or (ident and now != ident):
+                os._exit(3)
+
+    threading.Thread(target=loop, name="daopsim-sweep-watchdog", daemon=True).start()
+
+
+_WATCHED: int | None = None
+
 
 def _run_local(todo: list[Config], workers: int, on_row: Callable[[dict[str, Any]], None]) -> None:
     if workers <= 1 or len(todo) <= 1:
@@ -668,7 +768,12 @@ def _run_local(todo: list[Config], workers: int, on_row: Callable[[dict[str, Any
         ctx.set_forkserver_preload(["simulator.sweep", "simulator.runner", "policies.registry"])
     else:
         ctx = mp.get_context("spawn")
-    with cf.ProcessPoolExecutor(max_workers=min(workers, len(todo)), mp_context=ctx) as pool:
+    with cf.ProcessPoolExecutor(
+        max_workers=min(workers, len(todo)),
+        mp_context=ctx,
+        initializer=watch_parent,
+        initargs=(os.getpid(),),
+    ) as pool:
         futures = [pool.submit(run_config, cfg) for cfg in todo]
         try:
             for fut in cf.as_completed(futures):
@@ -708,6 +813,11 @@ def _run_dask(
             silence_logs=logging.ERROR,
         )
         client = Client(cluster)
+        # the cluster's nannies and workers end themselves when this process dies
+        from simulator.dask_watchdog import WatchdogNannyPlugin, WatchdogWorkerPlugin
+
+        client.register_plugin(WatchdogNannyPlugin(os.getpid()))
+        client.register_plugin(WatchdogWorkerPlugin(os.getpid()))
     try:
         futures = [client.submit(run_config, cfg, pure=False) for cfg in todo]
         for fut in as_completed(futures):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import pandas.testing as pdt
@@ -356,3 +358,127 @@ def test_cli_exit_codes_and_json(trace: Path, tmp_path: Path, cli) -> None:  # t
     assert res.exit_code == 2 and "--out" in res.stderr
     res = cli(*base, "--policies", "lru", "--policy-opt", "bogus=1")
     assert res.exit_code == 2 and "bogus" in res.stderr
+
+
+PLUGIN_SRC = '''
+from policies.lru import LRUPolicy
+from policies.registry import register
+
+
+@register
+class EditedLRU(LRUPolicy):
+    """LRU under another name, in a module the test edits."""
+
+    name = "edited-lru"
+'''
+
+
+def test_resume_reruns_a_policy_whose_source_changed(
+    trace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a policy module outside the package, as a user's plugin would be
+    mod_dir = tmp_path / "mods"
+    mod_dir.mkdir()
+    module = mod_dir / "edited_lru_plugin.py"
+    module.write_text(PLUGIN_SRC)
+    monkeypatch.syspath_prepend(str(mod_dir))
+    import importlib
+
+    importlib.import_module("edited_lru_plugin")
+    out = tmp_path / "r.parquet"
+    g = _grid(trace, policies=["edited-lru", "lru"], hw=["a6000-pcie4"], cache_ratios=[0.5])
+    first, _ = run_sweep(g, workers=1, out=out, progress=False)
+    assert (first["status"] == "ok").all()
+    calls: list[str] = []
+
+    def counting(cfg: object) -> dict[str, object]:
+        calls.append(cfg.policy)  # type: ignore[attr-defined]
+        return run_config(cfg)  # type: ignore[arg-type]
+
+    monkeypatch.setattr("simulator.sweep.run_config", counting)
+    _, same = run_sweep(g, workers=1, out=out, progress=False)
+    assert calls == [] and same.resumed == 2
+    # the plugin's source changes (a comment is enough: the code identity is its bytes)
+    module.write_text(PLUGIN_SRC + "\n# tuned\n")
+    again, s = run_sweep(g, workers=1, out=out, progress=False)
+    assert calls == ["edited-lru"] and s.resumed == 1
+    assert again.loc[again["policy"] == "edited-lru", "key"].iloc[0] != first["key"].iloc[0]
+    assert again.loc[again["policy"] == "lru", "key"].iloc[0] == first["key"].iloc[1]
+
+
+def test_code_identity_covers_base_modules(monkeypatch: pytest.MonkeyPatch) -> None:
+    from policies.registry import get_policy_class
+    from simulator import sweep as sweep_mod
+
+    lru, all_gpu = get_policy_class("lru"), get_policy_class("all-gpu")
+    before = sweep_mod.policy_code_sha256(lru)
+    all_gpu_before = sweep_mod.policy_code_sha256(all_gpu)
+    real = sweep_mod.file_sha256
+
+    def edited_caching(path: str | os.PathLike[str]) -> str:
+        # pretend policies/caching.py (LRU's base class module) was edited
+        return "0" * 64 if Path(path).name == "caching.py" else real(path)
+
+    monkeypatch.setattr(sweep_mod, "file_sha256", edited_caching)
+    assert sweep_mod.policy_code_sha256(lru) != before
+    # a policy that does not derive from the caching base keeps its identity
+    assert sweep_mod.policy_code_sha256(all_gpu) == all_gpu_before
+
+
+def _descendants(pid: int) -> list[Any]:
+    psutil = pytest.importorskip("psutil")
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+@pytest.mark.parametrize(
+    ("executor", "sig"),
+    [("local", signal.SIGKILL), ("local", signal.SIGTERM), ("dask", signal.SIGKILL)],
+    ids=["local-kill", "local-term", "dask-kill"],
+)
+def test_workers_exit_when_the_sweep_dies(tmp_path: Path, executor: str, sig: int) -> None:
+    psutil = pytest.importorskip("psutil")
+    if executor == "dask":
+        pytest.importorskip("distributed")
+    big = make_trace(tmp_path / "mix.parquet", model="mixtral-8x7b", sequences=3, decode=48)
+    out = tmp_path / "r.parquet"
+    args = _cli_args(big, out)
+    args[args.index("--workers") + 1] = "2"
+    args += ["--executor", executor]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers: list[Any] = []
+    try:
+        # wait until the runs are under way: two workers busy (or a finished row)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            kids = _descendants(proc.pid)
+            busy = [k for k in kids if _cpu_seconds(k) > 0.5]
+            if len(busy) >= 2 or list(parts_dir(out).glob("*.json")):
+                workers = kids
+                break
+            time.sleep(0.1)
+        assert proc.poll() is None, "the sweep finished before it could be killed"
+        assert workers, "no worker processes found"
+        workers = _descendants(proc.pid)  # everything alive at the moment of the kill
+        proc.send_signal(sig)
+        proc.wait(timeout=30)
+        _gone, alive = psutil.wait_procs(workers, timeout=10)
+        assert not alive, f"{len(alive)} of {len(workers)} worker processes outlived the sweep"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for p in workers:  # never leave strays behind, even when the test fails
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+
+
+def _cpu_seconds(p: Any) -> float:
+    psutil = pytest.importorskip("psutil")
+    try:
+        t = p.cpu_times()
+    except psutil.NoSuchProcess:
+        return 0.0
+    return float(t.user + t.system)

@@ -1,0 +1,42 @@
+"""Dask plugins that end a sweep's LocalCluster processes when the sweep process dies.
+
+Imported only by the ``dask`` executor (it needs ``dask.distributed``). Each nanny and each
+worker, including workers a nanny restarts later, starts :func:`simulator.sweep.watch_parent`
+on the sweep's pid.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from distributed.diagnostics.plugin import NannyPlugin, WorkerPlugin
+
+
+class WatchdogWorkerPlugin(WorkerPlugin):
+    """Every worker exits soon after process ``pid`` dies."""
+
+    name = "daopsim-watchdog-worker"
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def setup(self, worker: Any) -> None:
+        """Start the watchdog thread in the worker process."""
+        from simulator.sweep import watch_parent
+
+        watch_parent(self.pid)
+
+
+class WatchdogNannyPlugin(NannyPlugin):
+    """Every nanny exits soon after process ``pid`` dies (so it cannot restart workers)."""
+
+    name = "daopsim-watchdog-nanny"
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def setup(self, nanny: Any) -> None:
+        """Start the watchdog thread in the nanny process."""
+        from simulator.sweep import watch_parent
+
+        watch_parent(self.pid)
