@@ -19,7 +19,7 @@ from typing import Any
 import pandas as pd
 
 from policies.registry import get_policy_class
-from simulator.data import bundled_dir
+from simulator.data import bundled_dir, check_input_file
 from simulator.errors import DoesNotFit, UserError
 from simulator.output import output_dir, safe_name, write_figure, write_file, write_text
 from simulator.runner import keeps_nothing_resident, simulate
@@ -84,6 +84,8 @@ def load_experiment(name_or_path: str | os.PathLike[str]) -> Experiment:
     text = str(name_or_path)
     bundled = bundled_experiments()
     path = bundled.get(text) or Path(text)
+    if path.exists():
+        check_input_file(path, "experiment")
     if not path.is_file():
         raise UserError(
             f"unknown experiment {text!r}: not a file and not bundled ({', '.join(bundled)})"

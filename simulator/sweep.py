@@ -24,6 +24,7 @@ import itertools
 import json
 import math
 import os
+import sys
 import time
 import tomllib
 from collections.abc import Callable, Iterator, Mapping
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from simulator.data import DEFAULT_TRACE, bundled_traces, resolve_trace
+from simulator.data import DEFAULT_TRACE, bundled_traces, check_input_file, resolve_trace
 from simulator.errors import DoesNotFit, PolicyError, UserError, parse_key_values
 from simulator.output import TABLE_FORMATS, check_output_file, output_format
 from simulator.output import write_table as _write_any_table
@@ -203,9 +204,7 @@ def _relative_to(base: Path, value: str) -> str:
 
 def load_grid_file(path: str | os.PathLike[str]) -> tuple[Grid, str | None]:
     """A grid TOML file and its optional ``out`` (both relative to the file's folder)."""
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"{p}: no such grid file")
+    p = check_input_file(path, "grid")
     try:
         with p.open("rb") as fh:
             data = tomllib.load(fh)
@@ -669,9 +668,7 @@ def write_table(df: pd.DataFrame, out: str | os.PathLike[str]) -> Path:
 def read_table(path: str | os.PathLike[str]) -> pd.DataFrame:
     """Read a results table (a sweep's or an experiment's, Parquet or CSV); a clear error when
     the file is missing or not a results table."""
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"{p}: no such results file")
+    p = check_input_file(path, "results")
     fmt = output_format(p, TABLE_FORMATS)
     try:
         df = pd.read_csv(p) if fmt == "csv" else pd.read_parquet(p)

@@ -482,3 +482,53 @@ def _cpu_seconds(p: Any) -> float:
     except psutil.NoSuchProcess:
         return 0.0
     return float(t.user + t.system)
+
+
+def test_budgets_that_do_not_fit_are_skipped_rows(tmp_path: Path, cli) -> None:  # type: ignore[no-untyped-def]
+    # Mixtral on the 24 GB RTX 4090: at most 54 of 256 experts fit, so 0.25 and 0.5 do not
+    mix = make_trace(tmp_path / "mix.parquet", model="mixtral-8x7b", sequences=2, decode=4)
+    g = Grid(
+        policies=["lru"],
+        hw=["a6000-pcie4", "rtx4090-pcie4"],
+        traces=[str(mix)],
+        cache_ratios=[0.125, 0.25, 0.5],
+        sequences=1,
+    )
+    df, summary = run_sweep(g, workers=1, out=tmp_path / "r.parquet", progress=False)
+    keys = zip(df["hw"], df["cache_ratio"], strict=True)
+    status = dict(zip(keys, df["status"], strict=True))
+    assert status == {
+        ("a6000-pcie4", 0.125): "ok",
+        ("a6000-pcie4", 0.25): "ok",
+        ("a6000-pcie4", 0.5): "skipped",
+        ("rtx4090-pcie4", 0.125): "ok",
+        ("rtx4090-pcie4", 0.25): "skipped",
+        ("rtx4090-pcie4", 0.5): "skipped",
+    }
+    skipped = df[df["status"] == "skipped"]
+    assert skipped["error"].str.fullmatch(r"does not fit \(at most \d+\)").all()
+    at_most = skipped.set_index("hw")["max_gpu_experts"]
+    assert int(at_most["a6000-pcie4"]) == int(
+        df.loc[(df["hw"] == "a6000-pcie4") & (df["status"] == "ok"), "max_gpu_experts"].iloc[0]
+    )
+    assert skipped["tokens_per_s"].isna().all()
+    assert (summary.skipped, summary.failed, summary.ok) == (3, 0, 3)
+    # the CLI: skipped points are reported but the sweep succeeds (exit 0)
+    res = cli(
+        "sweep", "--policies", "lru", "--hw", "a6000-pcie4,rtx4090-pcie4", "--traces", mix,
+        "--cache-ratios", "0.125,0.25,0.5", "--sequences", "1", "--out", tmp_path / "c.parquet",
+        "--no-progress",
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert "3 skipped" in res.stdout and "0 failed" in res.stdout
+
+
+def test_non_regular_trace_is_refused(tmp_path: Path, cli) -> None:  # type: ignore[no-untyped-def]
+    fifo = tmp_path / "t.parquet"
+    os.mkfifo(fifo)
+    res = cli("sweep", "--policies", "lru", "--traces", fifo, "--out", tmp_path / "r.parquet")
+    assert res.exit_code == 2 and "is a FIFO" in res.stderr
+    grid = tmp_path / "g.toml"
+    os.mkfifo(grid)
+    res = cli("sweep", grid, "--out", tmp_path / "r.parquet")
+    assert res.exit_code == 2 and "is a FIFO" in res.stderr
