@@ -12,31 +12,26 @@ from typing import Any
 from distributed.diagnostics.plugin import NannyPlugin, WorkerPlugin
 
 
-class WatchdogWorkerPlugin(WorkerPlugin):
+class _Watchdog:
+    """Starts the watchdog on process ``pid`` in whatever process ``setup`` runs in."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def setup(self, owner: Any) -> None:
+        """Start the watchdog thread (``owner``: the worker or nanny)."""
+        from simulator.sweep import watch_parent
+
+        watch_parent(self.pid)
+
+
+class WatchdogWorkerPlugin(_Watchdog, WorkerPlugin):
     """Every worker exits soon after process ``pid`` dies."""
 
     name = "daopsim-watchdog-worker"
 
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
 
-    def setup(self, worker: Any) -> None:
-        """Start the watchdog thread in the worker process."""
-        from simulator.sweep import watch_parent
-
-        watch_parent(self.pid)
-
-
-class WatchdogNannyPlugin(NannyPlugin):
+class WatchdogNannyPlugin(_Watchdog, NannyPlugin):
     """Every nanny exits soon after process ``pid`` dies (so it cannot restart workers)."""
 
     name = "daopsim-watchdog-nanny"
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-
-    def setup(self, nanny: Any) -> None:
-        """Start the watchdog thread in the nanny process."""
-        from simulator.sweep import watch_parent
-
-        watch_parent(self.pid)
