@@ -18,8 +18,8 @@ class _Watchdog:
     def __init__(self, pid: int) -> None:
         self.pid = pid
 
-    def setup(self, owner: Any) -> None:
-        """Start the watchdog thread (``owner``: the worker or nanny)."""
+    def setup(self, *_args: Any, **_kwargs: Any) -> None:
+        """Start the watchdog thread (Dask passes ``worker=`` or ``nanny=``)."""
         from simulator.sweep import watch_parent
 
         watch_parent(self.pid)
