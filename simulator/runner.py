@@ -229,11 +229,12 @@ class ExpertFit:
 
     def max_ratio(self, digits: int = 3) -> float:
         """The largest cache ratio (``digits`` decimals) whose budget fits, or 0 if none does."""
-        step = 10.0**-digits
-        r = math.floor((self.max_experts + 0.5) / self.total_experts / step) * step
-        while r > 0 and round(r * self.total_experts) > self.max_experts:
-            r -= step
-        return round(max(0.0, r), digits)
+        scale = 10**digits
+        k = math.floor((self.max_experts + 0.5) / self.total_experts * scale)
+        # checked the way simulate() turns a ratio into a budget: round(ratio x total)
+        while k > 0 and round(k / scale * self.total_experts) > self.max_experts:
+            k -= 1
+        return max(0, k) / scale
 
 
 def expert_fit(costs: CostModel, buffers: int, context_tokens: int) -> ExpertFit:

@@ -297,3 +297,17 @@ def test_profiles_show_and_run_agree_on_the_fit() -> None:
         shown = json.loads(res.stdout)
         r = simulate(policy, hw, "ci-small", sequences=1, record=False)
         assert shown["gpu_expert_slots"] == r.config["max_gpu_experts"] == r.config["gpu_experts"]
+
+
+@pytest.mark.parametrize("total", [7, 32, 256, 1024, 8192])
+def test_max_ratio_is_the_largest_three_decimal_ratio_that_fits(total: int) -> None:
+    from simulator.runner import ExpertFit
+
+    for fit in range(0, total + 1, max(1, total // 50)):
+        f = ExpertFit("m", total, expert_bytes=100, free_bytes=fit * 100.0, buffers=0,
+                      context_tokens=0)  # fmt: skip
+        r = f.max_ratio()
+        assert f.max_experts == fit
+        assert r == 0 or round(r * total) <= fit  # it fits ...
+        nxt = round(r + 0.001, 3)
+        assert nxt > 1 or round(nxt * total) > fit  # ... and the next one does not
