@@ -39,7 +39,8 @@ PYTHON = {"python", "py"}
 #: repository folders the examples read from the repository root (small; copied per document)
 ROOT_FOLDERS = ("experiments", "baselines", "validation", "hardware_profiles")
 MARKER = re.compile(r"^\s*<!--\s*not run\s*:(?P<reason>.*?)-->\s*$")
-LOOSE_MARKER = re.compile(r"<!--\s*not\s+run", re.IGNORECASE)
+#: a line that starts like a marker (prose quoting the marker in backticks is not one)
+LOOSE_MARKER = re.compile(r"^\s*<!--\s*not\s+run", re.IGNORECASE)
 FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>```+|~~~+)\s*(?P<lang>[\w+-]*)")
 #: seconds one block may take before it counts as hung
 TIMEOUT_S = 900
@@ -225,6 +226,7 @@ def test_marker_rules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         "<!-- not run: -->\n```sh\ntrue\n```\n"
         "<!-- not run: far away -->\n\n```python\npass\n```\n"
         "```console\n$ daopsim a \\\n  --b\noutput line\n$ daopsim c\n```\n"
+        "Prose may quote the marker, `<!-- not run: REASON -->`, without effect.\n"
     )
     blocks = parse_blocks(doc)
     assert [(b.line, b.skip_reason) for b in blocks] == [
