@@ -139,7 +139,7 @@ def test_server_hosts_have_more_memory_bandwidth_than_desktops() -> None:
 
 
 def test_every_profile_gives_finite_costs_for_every_model() -> None:
-    """All bundled machines x all model presets: finite, positive costs (expert slots >= 0)."""
+    """All bundled machines x all model presets: finite, positive costs and free memory."""
     import math
 
     from simulator.costs import cost_model
@@ -147,13 +147,14 @@ def test_every_profile_gives_finite_costs_for_every_model() -> None:
 
     for hw in list_profiles():
         for model in PRESETS.values():
-            summary = cost_model(hw, model).summary()
+            cm = cost_model(hw, model)
+            summary = cm.summary()
             for key, value in summary["costs"].items():
                 if key.startswith("breakeven"):
                     assert value >= 0, (hw.name, model.name, key)
                 else:
                     assert math.isfinite(value) and value > 0, (hw.name, model.name, key)
-            assert summary["gpu_expert_slots"] >= 0
+            assert math.isfinite(cm.free_expert_bytes()), (hw.name, model.name)
 
 
 def test_load_by_path_and_name_agree() -> None:
