@@ -324,15 +324,24 @@ class CostModel:
                 hi = mid
         return hi
 
-    def gpu_expert_slots(self, kv_tokens: int = 0) -> int:
-        """Experts that fit in GPU memory beside the non-expert weights, workspace and KV cache."""
+    def free_expert_bytes(self, kv_tokens: int = 0) -> float:
+        """GPU bytes left for experts and expert-sized buffers after the non-expert weights,
+        workspace and KV cache (negative when those alone do not fit)."""
         gpu = self.hw.gpu
-        free = (
+        return (
             gpu.usable_bytes
             - gpu.workspace_gb * 1e9
             - self.model.non_expert_bytes()
             - self.model.kv_bytes_per_token * kv_tokens
         )
+
+    def gpu_expert_slots(self, kv_tokens: int = 0) -> int:
+        """Expert-sized slots in the free GPU memory, capped at the model's experts.
+
+        Policy buffers are not subtracted here; ``simulator.runner.expert_fit`` does that and
+        is what ``run``, sweeps and ``profiles show`` report.
+        """
+        free = self.free_expert_bytes(kv_tokens)
         return max(0, min(self.model.total_experts, int(free // self.expert_bytes)))
 
     @property
@@ -441,7 +450,6 @@ class CostModel:
             "expert_bytes": self.expert_bytes,
             "host_expert_bytes": self.host_expert_bytes,
             "context_tokens": context_tokens,
-            "gpu_expert_slots": self.gpu_expert_slots(),
             "costs": {
                 "h2d_expert_ms_pinned": self.h2d_expert_s(True) * ms,
                 "h2d_expert_ms_pageable": self.h2d_expert_s(False) * ms,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import stat
 from importlib import resources
 from pathlib import Path
 
@@ -64,6 +65,42 @@ def bundled_traces() -> dict[str, Path]:
     return {p.stem: p for p in sorted(traces_dir().glob("*.parquet"))}
 
 
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def non_regular_kind(path: str | os.PathLike[str]) -> str | None:
+    """What an existing non-regular file is ("a FIFO", ...), or None for a regular or missing
+    file. Symbolic links are followed."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    return next((name for test, name in _KINDS if test(mode)), "a special file")
+
+
+def check_input_file(path: str | os.PathLike[str], what: str) -> Path:
+    """``path`` as a Path if it is an existing regular file; else a one-line UserError.
+
+    Reading a FIFO or a character device would block forever or never end, so every input
+    file (trace, profile, grid, table, baseline, preset) is refused unless it is regular.
+    """
+    p = Path(path).expanduser()
+    kind = non_regular_kind(p)
+    if kind is not None:
+        raise UserError(f"{p}: is {kind}, not a regular {what} file")
+    if not p.exists():
+        raise UserError(f"{p}: no such {what} file")
+    return p
+
+
 def resolve_trace(name_or_path: str | os.PathLike[str] | None) -> Path:
     """A bundled trace's short name, or a path; a clear error listing bundled names."""
     if name_or_path is None:
@@ -74,8 +111,6 @@ def resolve_trace(name_or_path: str | os.PathLike[str] | None) -> Path:
         return bundled[text]
     path = Path(text).expanduser()
     if path.exists() or text.endswith(".parquet") or os.sep in text:
-        if not path.exists():
-            raise UserError(f"{path}: no such trace file")
-        return path
+        return check_input_file(path, "trace")
     names = ", ".join(bundled) or "(none)"
     raise UserError(f"unknown trace {text!r}: not a file and not a bundled trace ({names})")

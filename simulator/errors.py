@@ -60,6 +60,18 @@ class OutputError(UserError):
     exit_code = ExitCode.OUTPUT
 
 
+class DoesNotFit(UserError):
+    """The requested experts (or the run itself) do not fit in the machine's GPU memory.
+
+    ``max_experts`` is how many resident experts do fit (0 when none can); sweeps report such a
+    configuration as skipped, not failed.
+    """
+
+    def __init__(self, max_experts: int, message: str) -> None:
+        super().__init__(message)
+        self.max_experts = max_experts
+
+
 class TraceError(UserError):
     """A trace file is missing, unreadable or invalid; names the file, row and column."""
 

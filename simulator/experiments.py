@@ -19,10 +19,10 @@ from typing import Any
 import pandas as pd
 
 from policies.registry import get_policy_class
-from simulator.data import bundled_dir
-from simulator.errors import UserError
+from simulator.data import bundled_dir, check_input_file
+from simulator.errors import DoesNotFit, UserError
 from simulator.output import output_dir, safe_name, write_figure, write_file, write_text
-from simulator.runner import simulate
+from simulator.runner import keeps_nothing_resident, simulate
 
 #: metrics kept per run in the results table
 METRICS = (
@@ -84,6 +84,8 @@ def load_experiment(name_or_path: str | os.PathLike[str]) -> Experiment:
     text = str(name_or_path)
     bundled = bundled_experiments()
     path = bundled.get(text) or Path(text)
+    if path.exists():
+        check_input_file(path, "experiment")
     if not path.is_file():
         raise UserError(
             f"unknown experiment {text!r}: not a file and not bundled ({', '.join(bundled)})"
@@ -312,6 +314,10 @@ def run_experiment(
                 points: list[tuple[float | None, dict[str, Any], bool]] = [
                     (None, {**base_opts, **spec.fixed[pname]}, True)
                 ]
+            elif keeps_nothing_resident(get_policy_class(pname)):
+                # the cache ratio means nothing to it: one run with the memory that fits,
+                # compared with the target at every ratio (never skipped as "does not fit")
+                points = [(None, dict(base_opts), True)]
             else:
                 points = [(r, dict(base_opts), False) for r in exp.cache_ratios]
             for ratio, opts, fixed in points:
@@ -346,9 +352,7 @@ def run_experiment(
                         record=False,
                         **kwargs,
                     )
-                except UserError as exc:
-                    if "do not fit" not in str(exc):
-                        raise
+                except DoesNotFit as exc:
                     row.update(model=spec.trace, cache_ratio=ratio, status="skipped")
                     row["reason"] = str(exc)
                     rows.append(row)

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from simulator.data import profiles_dir
+from simulator.data import non_regular_kind, profiles_dir
 from simulator.errors import ProfileError, UserError
 
 LINK_KINDS = ("pcie", "unified")
@@ -242,6 +242,50 @@ _MEASURED: _Schema = {
     "load_overrides_link": "bool",
 }
 _MEASURED_OPTIONAL = {"dtype", "load_overrides_link"}
+
+#: Largest accepted value per key: generous physical bounds, an order of magnitude or more above
+#: any machine built so far (docs/hardware-profiles.md, "Ranges"), so a typo such as
+#: ``memory_gb = 1e300`` is a one-line error instead of overflowing the cost model later.
+#: Measured constants are keyed ``measured.<field>`` whatever the model.
+MAX_VALUES: dict[str, float] = {
+    "gpu.memory_gb": 10_000,
+    "gpu.mem_bw_gbs": 100_000,
+    "gpu.bf16_tflops": 100_000,
+    "gpu.launch_overhead_us": 10_000,
+    "gpu.workspace_gb": 10_000,
+    "link.h2d_pinned_gbs": 10_000,
+    "link.d2h_pinned_gbs": 10_000,
+    "link.h2d_pageable_gbs": 10_000,
+    "link.d2h_pageable_gbs": 10_000,
+    "link.copy_overhead_us": 100_000,
+    "link.copy_engines": 8,
+    "cpu.cores_used": 4096,
+    "cpu.mem_bw_gbs": 10_000,
+    "cpu.bf16_gflops": 1_000_000,
+    "cpu.fp32_gflops": 1_000_000,
+    "power.gpu_idle_w": 100_000,
+    "power.gpu_busy_w": 100_000,
+    "power.cpu_idle_w": 100_000,
+    "power.cpu_busy_w": 100_000,
+    "power.gpu_active_idle_w": 100_000,
+    "power.cpu_wait_w": 100_000,
+    "power.dram_w": 100_000,
+    "power.platform_w": 100_000,
+    "measured.cpu_expert_ms": 1_000_000,
+    "measured.load_expert_ms": 1_000_000,
+}
+
+
+def _check_range(path: Path, key: str, value: Any) -> None:
+    """A number above its key's physical bound (MAX_VALUES) is a ProfileError."""
+    parts = key.split(".")
+    limit = MAX_VALUES.get(key)
+    if limit is None and parts[0] == "measured":
+        limit = MAX_VALUES.get(f"measured.{parts[-1]}")
+    if limit is not None and value > limit:
+        raise ProfileError(path, f"{value:g} is above the physical bound {limit:g}", key)
+
+
 _SECTIONS = {"gpu", "link", "cpu", "power", "measured"}
 
 
@@ -303,6 +347,8 @@ def _section(
                 continue
             raise ProfileError(path, "missing key", f"{prefix}{key}")
         out[key] = _check_value(path, f"{prefix}{key}", kind, data[key])
+        if not isinstance(out[key], str):
+            _check_range(path, f"{prefix}{key}", out[key])
     return out
 
 
@@ -371,6 +417,9 @@ def _check_dtype(path: Path, key: str, dtype: str) -> None:
 
 
 def _read_toml(p: Path) -> dict[str, Any]:
+    kind = non_regular_kind(p)
+    if kind is not None:  # reading a FIFO or a device would block or never end
+        raise ProfileError(p, f"is {kind}, not a regular profile file")
     if not p.is_file():
         raise ProfileError(p, "no such profile file")
     try:

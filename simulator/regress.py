@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from simulator.data import CI_TRACE, bundled_dir, bundled_traces, resolve_trace
+from simulator.data import CI_TRACE, bundled_dir, bundled_traces, check_input_file, resolve_trace
 from simulator.errors import PolicyError, UserError
 
 #: Cache ratios and machines of a grid file block that names neither (the old built-in grid's).
@@ -291,9 +291,7 @@ def load_grid(path: str | Path) -> RegressGrid:
     Without ``[[block]]`` tables the file's top level is the one block; with them, the
     top-level block keys are defaults that each block may override.
     """
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"{p}: no such grid file")
+    p = check_input_file(path, "grid")
     try:
         data = tomllib.loads(p.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as exc:
@@ -643,6 +641,7 @@ def load_baseline(path: str | Path) -> dict[str, Any]:
         raise UserError(f"{p}: is a directory, not a baseline file")
     if not p.exists():
         raise UserError(f"{p}: no such baseline file (create it with `daopsim regress --update`)")
+    check_input_file(p, "baseline")
     try:
         doc = json.loads(p.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as exc:

@@ -9,8 +9,10 @@ clairvoyant policies), runs the engine and returns a :class:`~simulator.results.
 from __future__ import annotations
 
 import bisect
+import math
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,7 @@ from policies.registry import get_policy_class
 from simulator.costs import CostModel, cost_model
 from simulator.data import resolve_trace
 from simulator.engine import Engine, EngineBase
-from simulator.errors import UserError
+from simulator.errors import DoesNotFit, UserError
 from simulator.hardware import HardwareProfile, load_profile
 from simulator.recorder import Recorder
 from simulator.results import RunResult, compute_metrics
@@ -185,6 +187,107 @@ def run_notes(
     return notes
 
 
+def policy_buffers(policy: Policy) -> int:
+    """Expert-sized GPU buffers a policy keeps beside its resident experts (temporary buffers
+    for TEMP copies plus staging slots for fetches); they come out of the same memory."""
+    spec = policy.resources()
+    return int(spec.temp_buffers) + int(spec.staging_buffers)
+
+
+def keeps_nothing_resident(policy: Policy | type[Policy]) -> bool:
+    """True for a policy that keeps no expert on the GPU between uses (stream-all): its
+    memory budget is scratch space, so a cache ratio means nothing to it."""
+    return bool(getattr(policy, "keeps_nothing_resident", False))
+
+
+def trace_context(meta: TraceMeta) -> int:
+    """KV-cache tokens a run reserves: the trace's mean tokens per sequence (at least 1)."""
+    tokens = meta.counts.get("prefill_tokens", 0) + meta.counts.get("decode_tokens", 0)
+    return int(max(1, tokens) / max(1, meta.counts.get("sequences", 1)))
+
+
+@dataclass(frozen=True)
+class ExpertFit:
+    """How many resident experts fit on a machine for a model, a policy and a KV context."""
+
+    model: str
+    total_experts: int
+    expert_bytes: int
+    free_bytes: float  #: GPU bytes left after non-expert weights, workspace and KV cache
+    buffers: int  #: the policy's expert-sized buffers, taken from ``free_bytes`` first
+    context_tokens: int
+
+    @property
+    def slots(self) -> int:
+        """Expert-sized slots in the free memory (negative when the weights do not fit)."""
+        return math.floor(self.free_bytes / self.expert_bytes)
+
+    @property
+    def max_experts(self) -> int:
+        """Resident experts that fit beside the buffers (0 when even those do not fit)."""
+        return max(0, min(self.total_experts, self.slots - self.buffers))
+
+    def max_ratio(self, digits: int = 3) -> float:
+        """The largest cache ratio (``digits`` decimals) whose budget fits, or 0 if none does."""
+        scale = 10**digits
+        k = math.floor((self.max_experts + 0.5) / self.total_experts * scale)
+        # checked the way simulate() turns a ratio into a budget: round(ratio x total)
+        while k > 0 and round(k / scale * self.total_experts) > self.max_experts:
+            k -= 1
+        return max(0, k) / scale
+
+
+def expert_fit(costs: CostModel, buffers: int, context_tokens: int) -> ExpertFit:
+    """The one place that decides how many experts fit (``run``, sweeps, ``profiles show``)."""
+    return ExpertFit(
+        model=costs.model.name,
+        total_experts=costs.model.total_experts,
+        expert_bytes=costs.expert_bytes,
+        free_bytes=costs.free_expert_bytes(context_tokens),
+        buffers=buffers,
+        context_tokens=context_tokens,
+    )
+
+
+def check_fit(fit: ExpertFit, machine: str, budget: int | None, by_ratio: bool = False) -> None:
+    """Raise :class:`DoesNotFit` when the weights, the buffers or ``budget`` experts do not fit.
+
+    ``budget=None`` asks only whether the run can start at all (non-expert weights, workspace,
+    KV cache and the policy's buffers).
+    """
+    gb = fit.expert_bytes / 1e9
+    if fit.free_bytes < 0:
+        raise DoesNotFit(
+            0,
+            f"{machine}'s GPU cannot hold {fit.model}'s non-expert weights, workspace and KV "
+            f"cache for {fit.context_tokens} tokens ({-fit.free_bytes / 1e9:.1f} GB short), "
+            "so no expert fits",
+        )
+    if fit.slots < fit.buffers:
+        raise DoesNotFit(
+            0,
+            f"{machine}'s GPU has room for {fit.slots} {fit.model} experts "
+            f"({gb:.2f} GB each) after the non-expert weights, workspace and KV cache, "
+            f"fewer than the policy's {_buffers(fit.buffers)}",
+        )
+    if budget is not None and budget > fit.max_experts:
+        limit = (
+            f"--cache-ratio <= {fit.max_ratio():.3f}"
+            if by_ratio
+            else f"--gpu-experts <= {fit.max_experts}"
+        )
+        raise DoesNotFit(
+            fit.max_experts,
+            f"{budget} resident experts of {fit.model} ({budget * gb:.1f} GB) do not fit in "
+            f"{machine}'s GPU memory: at most {fit.max_experts} experts fit ({limit}) after "
+            f"non-expert weights, KV cache and {_buffers(fit.buffers)}",
+        )
+
+
+def _buffers(n: int) -> str:
+    return f"{n} buffer" if n == 1 else f"{n} buffers"
+
+
 def _resolve_hw(hw: str | os.PathLike[str] | HardwareProfile) -> HardwareProfile:
     return hw if isinstance(hw, HardwareProfile) else load_profile(str(hw))
 
@@ -271,35 +374,26 @@ def simulate(
             "experts at the same layer instead"
         )
 
-    context = int(
-        max(1, meta.counts.get("prefill_tokens", 0) + meta.counts.get("decode_tokens", 0))
-        / max(1, meta.counts.get("sequences", 1))
-    )
-    spec = pol.resources()
-    # temporary and staging buffers are expert-sized and come out of the same memory
-    extra = spec.temp_buffers + spec.staging_buffers
-    fit = max(0, costs.gpu_expert_slots(context) - extra)
-    total = model.total_experts
+    context = trace_context(meta)
     if cache_ratio is not None and gpu_experts is not None:
         raise UserError("give --cache-ratio or --gpu-experts, not both")
+    total = model.total_experts
     if cache_ratio is not None:
         if not 0 < cache_ratio <= 1:
             raise UserError(f"--cache-ratio must be in (0, 1], got {cache_ratio}")
-        budget = round(cache_ratio * total)
+        budget: int | None = round(cache_ratio * total)
     elif gpu_experts is not None:
         if not 0 <= gpu_experts <= total:
             raise UserError(f"--gpu-experts must be in 0..{total}, got {gpu_experts}")
         budget = gpu_experts
     else:
-        budget = fit
-    if spec.unlimited_memory:
-        budget = total
-    elif budget > fit:
-        raise UserError(
-            f"{budget} resident experts of {model.name} ({budget * model.expert_bytes() / 1e9:.1f}"
-            f" GB) do not fit in {profile.name}'s GPU memory: at most {fit} fit after "
-            "non-expert weights, KV cache and buffers"
-        )
+        budget = None
+    fit = expert_fit(costs, policy_buffers(pol), context)
+    if pol.resources().unlimited_memory:
+        budget = total  # the all-GPU bound: memory is not modelled
+    else:
+        check_fit(fit, profile.name, budget, by_ratio=cache_ratio is not None)
+        budget = fit.max_experts if budget is None else budget
 
     calib = calib_pre = None
     if wants_cal and mode == "none":
@@ -389,7 +483,7 @@ def simulate(
         "gpu_experts": budget,
         "cache_ratio": budget / total,
         "total_experts": total,
-        "max_gpu_experts": fit,
+        "max_gpu_experts": fit.max_experts,
         "sequences": len(eval_ids),
         "sequence_ids": list(eval_ids),
         "calibration_sequences": len(cal_ids) if ext_cal is None and wants_cal else None,

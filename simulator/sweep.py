@@ -3,10 +3,11 @@
 A :class:`Grid` (from Python, a dict, a TOML file or the ``daopsim sweep`` flags) expands into
 configurations in a fixed order (trace, machine, policy, option values, memory point, seed).
 Each configuration gets a key: a SHA-256 over the trace file's bytes, the machine profile's
-resolved content, the policy and its resolved options, the memory point, sequences, seed,
-calibration and the daopsim version. Finished rows are stored one JSON file per key in
-``RESULTS.parquet.parts/`` (written atomically as each run completes), so a sweep killed at any
-moment and run again skips what is done; the consolidated table is written atomically at the end.
+resolved content, the policy, the source files of its code and its resolved options, the memory
+point, sequences, seed, calibration and the daopsim version. Finished rows are stored one JSON
+file per key in ``RESULTS.parquet.parts/`` (written atomically as each run completes), so a
+sweep killed at any moment and run again skips what is done (and re-runs a policy whose code
+changed); the consolidated table is written atomically at the end.
 
 Executors: ``local`` (a process pool; ``workers=1`` runs in this process) and ``dask``
 (``dask.distributed``: a ``LocalCluster`` or a scheduler address). ``simulate(record=False)`` is
@@ -23,6 +24,7 @@ import itertools
 import json
 import math
 import os
+import sys
 import time
 import tomllib
 from collections.abc import Callable, Iterator, Mapping
@@ -32,8 +34,8 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from simulator.data import DEFAULT_TRACE, bundled_traces, resolve_trace
-from simulator.errors import PolicyError, UserError, parse_key_values
+from simulator.data import DEFAULT_TRACE, bundled_traces, check_input_file, resolve_trace
+from simulator.errors import DoesNotFit, PolicyError, UserError, parse_key_values
 from simulator.output import TABLE_FORMATS, check_output_file, output_format
 from simulator.output import write_table as _write_any_table
 from simulator.progress import Progress
@@ -202,9 +204,7 @@ def _relative_to(base: Path, value: str) -> str:
 
 def load_grid_file(path: str | os.PathLike[str]) -> tuple[Grid, str | None]:
     """A grid TOML file and its optional ``out`` (both relative to the file's folder)."""
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"{p}: no such grid file")
+    p = check_input_file(path, "grid")
     try:
         with p.open("rb") as fh:
             data = tomllib.load(fh)
@@ -256,6 +256,47 @@ def profile_sha256(hw: str | HardwareProfile) -> str:
     data = (hw if isinstance(hw, HardwareProfile) else load_profile(hw)).to_dict()
     data.pop("path", None)
     text = json.dumps(data, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _distribution_version(module: str) -> str | None:
+    """``name==version`` of the installed distribution that provides ``module``, if any."""
+    top = module.partition(".")[0]
+    for dist in importlib.metadata.packages_distributions().get(top, []):
+        try:
+            return f"{dist}=={importlib.metadata.version(dist)}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def policy_code_sha256(cls: type) -> str:
+    """SHA-256 naming the code of a policy class: the source files of every module in its class
+    hierarchy up to ``Policy`` (so an edit to a shared base such as ``policies/caching.py``
+    counts too). A module without a readable source file (a compiled or zipped plugin) is named
+    by its distribution's version instead."""
+    import inspect
+
+    from policies.base import Policy
+
+    parts: dict[str, str] = {}
+    for klass in cls.__mro__:
+        if not (isinstance(klass, type) and issubclass(klass, Policy)):
+            continue
+        mod = klass.__module__
+        if mod in parts:
+            continue
+        module = sys.modules.get(mod)
+        src = None
+        try:
+            src = inspect.getsourcefile(module) if module is not None else None
+        except TypeError:  # a built-in or a module without a file
+            src = None
+        if src is not None and os.path.isfile(src):
+            parts[mod] = "sha256:" + file_sha256(src)
+        else:
+            parts[mod] = _distribution_version(mod) or f"unknown:{daopsim_version()}"
+    text = json.dumps(parts, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -334,6 +375,7 @@ def expand(grid: Grid) -> list[Config]:
             raise UserError(f"gpu experts {n} is negative")
     classes = {p: get_policy_class(p) for p in dict.fromkeys(grid.policies)}
     option_sets = _option_axes(grid, classes)
+    code_sha = {p: policy_code_sha256(cls) for p, cls in classes.items()}
     hw_sha = {h: profile_sha256(h) for h in dict.fromkeys(grid.hw)}
     bundled = bundled_traces()
     traces: dict[str, tuple[Path, str]] = {}
@@ -365,6 +407,7 @@ def expand(grid: Grid) -> list[Config]:
                                 "trace_sha256": tsha,
                                 "profile_sha256": hsha,
                                 "policy": pol,
+                                "policy_code_sha256": code_sha[pol],
                                 "options": opts,
                                 "cache_ratio": ratio,
                                 "gpu_experts": n,
@@ -441,7 +484,11 @@ def _base_row(cfg: Config) -> dict[str, Any]:
 
 
 def run_config(cfg: Config) -> dict[str, Any]:
-    """Run one configuration and return its row; a failure becomes a row with status "error"."""
+    """Run one configuration and return its row.
+
+    A failure becomes a row with status "error"; a memory point the machine cannot hold a row
+    with status "skipped" and error "does not fit (at most N)".
+    """
     from simulator.runner import simulate
     from simulator.trace import read_meta
 
@@ -471,6 +518,11 @@ def run_config(cfg: Config) -> dict[str, Any]:
             host_dtype=cfg.host_dtype,
             nonexpert_dtype=cfg.nonexpert_dtype,
         )
+    except DoesNotFit as exc:  # the machine is too small for this point: not a failure
+        row["status"] = "skipped"
+        row["error"] = f"does not fit (at most {exc.max_experts})"
+        row["max_gpu_experts"] = exc.max_experts
+        return row
     except Exception as exc:  # recorded, not raised: one bad configuration must not sink others
         row["error"] = _one_line(exc)
         return row
@@ -616,9 +668,7 @@ def write_table(df: pd.DataFrame, out: str | os.PathLike[str]) -> Path:
 def read_table(path: str | os.PathLike[str]) -> pd.DataFrame:
     """Read a results table (a sweep's or an experiment's, Parquet or CSV); a clear error when
     the file is missing or not a results table."""
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"{p}: no such results file")
+    p = check_input_file(path, "results")
     fmt = output_format(p, TABLE_FORMATS)
     try:
         df = pd.read_csv(p) if fmt == "csv" else pd.read_parquet(p)
@@ -644,6 +694,62 @@ def _list_cell(value: Any) -> list[float] | None:
 
 # --- executors --------------------------------------------------------------------------------
 
+#: Seconds between a worker's checks that the sweep process is still alive.
+WATCHDOG_INTERVAL_S = 0.5
+
+
+def _proc_identity(pid: int) -> str | None:
+    """Start time of a live process (Linux), "" where it cannot be read, None if it is gone.
+
+    A zombie (killed, not yet reaped) counts as gone; the start time tells a recycled pid
+    from the original process.
+    """
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        if Path("/proc/self/stat").exists():
+            return None  # Linux, and the process is gone
+    except OSError:
+        pass
+    else:
+        fields = stat.rpartition(")")[2].split()
+        return None if fields[0] in ("Z", "X") else fields[19]
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass
+    return ""
+
+
+def watch_parent(pid: int, interval: float = WATCHDOG_INTERVAL_S) -> None:
+    """Exit this worker process soon after process ``pid`` (the sweep) dies, however it dies.
+
+    A daemon thread polls ``pid``: SIGKILL or SIGTERM of the sweep leaves no cleanup code to
+    stop its workers (a process pool's or a Dask LocalCluster's), which would otherwise run on
+    for minutes. Safe to call more than once per process (the first watcher wins).
+    """
+    import threading
+
+    global _WATCHED
+    if _WATCHED is not None:
+        return
+    _WATCHED = pid
+    ident = _proc_identity(pid)
+
+    def loop() -> None:
+        while True:
+            time.sleep(interval)
+            now = _proc_identity(pid)
+            if now is None or (ident and now != ident):
+                os._exit(3)
+
+    threading.Thread(target=loop, name="daopsim-sweep-watchdog", daemon=True).start()
+
+
+_WATCHED: int | None = None
+
 
 def _run_local(todo: list[Config], workers: int, on_row: Callable[[dict[str, Any]], None]) -> None:
     if workers <= 1 or len(todo) <= 1:
@@ -659,7 +765,12 @@ def _run_local(todo: list[Config], workers: int, on_row: Callable[[dict[str, Any
         ctx.set_forkserver_preload(["simulator.sweep", "simulator.runner", "policies.registry"])
     else:
         ctx = mp.get_context("spawn")
-    with cf.ProcessPoolExecutor(max_workers=min(workers, len(todo)), mp_context=ctx) as pool:
+    with cf.ProcessPoolExecutor(
+        max_workers=min(workers, len(todo)),
+        mp_context=ctx,
+        initializer=watch_parent,
+        initargs=(os.getpid(),),
+    ) as pool:
         futures = [pool.submit(run_config, cfg) for cfg in todo]
         try:
             for fut in cf.as_completed(futures):
@@ -699,6 +810,11 @@ def _run_dask(
             silence_logs=logging.ERROR,
         )
         client = Client(cluster)
+        # the cluster's nannies and workers end themselves when this process dies
+        from simulator.dask_watchdog import WatchdogNannyPlugin, WatchdogWorkerPlugin
+
+        client.register_plugin(WatchdogNannyPlugin(os.getpid()))
+        client.register_plugin(WatchdogWorkerPlugin(os.getpid()))
     try:
         futures = [client.submit(run_config, cfg, pure=False) for cfg in todo]
         for fut in as_completed(futures):
@@ -714,11 +830,16 @@ def _run_dask(
 
 @dataclass
 class SweepSummary:
-    """What a sweep did: counts and the failed configurations."""
+    """What a sweep did: counts and the failed configurations.
+
+    ``skipped`` counts configurations whose memory budget does not fit the machine (status
+    "skipped"); they are not failures.
+    """
 
     out: str | None
     configurations: int
     ok: int
+    skipped: int
     failed: int
     resumed: int
     elapsed_s: float
@@ -772,17 +893,17 @@ def run_sweep(
     with lock:
         done = _load_parts(folder, keys) if folder is not None else {}
         if retry_errors:
-            done = {k: r for k, r in done.items() if r.get("status") == "ok"}
+            done = {k: r for k, r in done.items() if r.get("status") != "error"}
         resumed = len(done)
         todo = [c for c in configs if c.key not in done]
         bar = Progress(len(configs), "sweep", initial=resumed, enabled=progress)
-        n_failed = [sum(1 for r in done.values() if r.get("status") != "ok")]
+        n_failed = [sum(1 for r in done.values() if r.get("status") == "error")]
 
         def on_row(row: dict[str, Any]) -> None:
             done[row["key"]] = row
             if folder is not None:
                 _save_part(folder, row)
-            n_failed[0] += row.get("status") != "ok"
+            n_failed[0] += row.get("status") == "error"
             bar.update(1, f"{n_failed[0]} failed" if n_failed[0] else None)
 
         with bar:
@@ -793,11 +914,12 @@ def run_sweep(
         df = to_frame([done[c.key] for c in configs])
         if out is not None:
             write_table(df, out)
-    failed = df[df["status"] != "ok"]
+    failed = df[df["status"] == "error"]
     summary = SweepSummary(
         out=str(out) if out is not None else None,
         configurations=len(configs),
         ok=int((df["status"] == "ok").sum()),
+        skipped=int((df["status"] == "skipped").sum()),
         failed=len(failed),
         resumed=resumed,
         elapsed_s=round(time.perf_counter() - t0, 3),
@@ -825,7 +947,8 @@ def sweep(
     """Run every configuration of ``grid`` and return one tidy row per configuration.
 
     ``grid`` is a :class:`Grid`, a dict with the same keys, or a TOML grid file. With ``out``
-    the sweep is resumable (see docs/sweeps.md). Failed configurations have status "error".
+    the sweep is resumable (see docs/sweeps.md). Failed configurations have status "error",
+    memory points that do not fit the machine status "skipped".
     """
     df, _ = run_sweep(
         grid,

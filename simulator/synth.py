@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from simulator.data import check_input_file
 from simulator.errors import UserError, parse_key_values
 from simulator.models import ModelShape, get_model
 from simulator.stats import heldout_popularity_hit, trace_stats
@@ -107,6 +108,9 @@ class SynthParams:
 
     def check(self) -> None:
         """Raise UserError naming the first parameter out of range."""
+        from simulator.synth_checks import check_synth_params
+
+        check_synth_params(self)  # finite, and bounded so the logits cannot overflow
         unit = (
             "drift",
             "drift_first",
@@ -344,7 +348,9 @@ def get_preset(name_or_path: str) -> SynthPreset:
     if key in PRESETS:
         return PRESETS[key]
     path = Path(name_or_path).expanduser()
-    if not path.exists():
+    if path.exists():
+        check_input_file(path, "synth preset")
+    else:
         raise UserError(
             f"unknown synth preset {name_or_path!r}: not a file and not one of "
             f"{', '.join(sorted(PRESETS))}"

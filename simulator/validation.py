@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from simulator.data import bundled_dir
+from simulator.data import bundled_dir, check_input_file
 from simulator.errors import UserError
 
 #: Units a row may use.
@@ -326,6 +326,8 @@ def _parse_row(raw: Any, i: int, path: Path) -> Row:
 def load_table(path: str | os.PathLike[str] | None = None) -> list[Row]:
     """Parse and check the table; a mistake raises UserError naming the file and the row."""
     p = Path(path) if path is not None else default_table()
+    if p.exists():
+        check_input_file(p, "validation table")
     try:
         data = tomllib.loads(p.read_text())
     except FileNotFoundError:

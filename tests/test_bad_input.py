@@ -454,3 +454,27 @@ def test_random_corruption_never_tracebacks_through_run(
         lines = res.stderr.splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
         assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["run", "--trace", "{fifo}"],
+        ["run", "--trace", "ci-small", "--calibration", "{fifo}"],
+        ["trace", "stats", "{fifo}"],
+        ["trace", "validate", "{fifo}"],
+        ["validate", "--table", "{fifo}"],
+        ["regress", "--baseline", "{fifo}"],
+        ["plot", "{fifo}"],
+        ["experiment", "{fifo}"],
+    ],
+    ids=lambda a: "-".join(x for x in a if not x.startswith("{"))[:40],
+)
+def test_fifo_inputs_are_refused_not_read(tmp_path: Path, args: list[str]) -> None:
+    """Reading a FIFO would block forever: every input path must be a regular file."""
+    fifo = tmp_path / "input.parquet"
+    os.mkfifo(fifo)
+    res = CliRunner().invoke(main, [a.format(fifo=fifo) for a in args])
+    lines = res.stderr.strip().splitlines()
+    assert res.exit_code == 2 and len(lines) == 1, res.output
+    assert lines[0].startswith("error: ") and "is a FIFO" in lines[0] and str(fifo) in lines[0]

@@ -320,10 +320,15 @@ def test_experiment_cli_tiny(tmp_path: Path, cli: Any) -> None:
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     pols = {(r["policy"], round(r["cache_ratio"], 4)) for r in doc["rows"]}
-    for p in ("daop", "fiddler", "static", "stream-all"):
+    for p in ("daop", "fiddler", "static"):
         assert (p, 0.25) in pols
     assert ("mixtral-offloading", 0.375) in pols
     assert {s["cache_ratio"] for s in doc["skipped"]} == {0.625}
+    # stream-all keeps nothing resident: one run with the memory that fits, never skipped
+    stream = [r for r in doc["rows"] if r["policy"] == "stream-all"]
+    assert len(stream) == 1 and stream[0]["fixed"] and stream[0]["gpu_experts"] > 0
+    assert "stream-all" not in {s["policy"] for s in doc["skipped"]}
+    assert doc["speedups"][0]["vs_stream-all"] > 0
     assert all("do not fit" in s["reason"] for s in doc["skipped"])
     sp = doc["speedups"][0]
     daop = next(r for r in doc["rows"] if r["policy"] == "daop")

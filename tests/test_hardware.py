@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -138,7 +139,7 @@ def test_server_hosts_have_more_memory_bandwidth_than_desktops() -> None:
 
 
 def test_every_profile_gives_finite_costs_for_every_model() -> None:
-    """All bundled machines x all model presets: finite, positive costs (expert slots >= 0)."""
+    """All bundled machines x all model presets: finite, positive costs and free memory."""
     import math
 
     from simulator.costs import cost_model
@@ -146,13 +147,14 @@ def test_every_profile_gives_finite_costs_for_every_model() -> None:
 
     for hw in list_profiles():
         for model in PRESETS.values():
-            summary = cost_model(hw, model).summary()
+            cm = cost_model(hw, model)
+            summary = cm.summary()
             for key, value in summary["costs"].items():
                 if key.startswith("breakeven"):
                     assert value >= 0, (hw.name, model.name, key)
                 else:
                     assert math.isfinite(value) and value > 0, (hw.name, model.name, key)
-            assert summary["gpu_expert_slots"] >= 0
+            assert math.isfinite(cm.free_expert_bytes()), (hw.name, model.name)
 
 
 def test_load_by_path_and_name_agree() -> None:
@@ -316,3 +318,59 @@ def test_extends_errors_name_the_file(tmp_path: Path) -> None:
     nameless.write_text('extends = "a6000-pcie4"\n[link]\nh2d_pinned_gbs = 10.0\n')
     with pytest.raises(ProfileError, match="name"):
         load_profile(nameless)  # name and description are never inherited
+
+
+def _with_value(tmp_path: Path, key: str, value: str) -> Path:
+    """A copy of the bundled RTX 4090 profile with one ``key = value`` line replaced."""
+    src = (profiles_dir() / "rtx4090-pcie4.toml").read_text()
+    out, n = re.subn(rf"(?m)^{key}\s*=\s*[^#\n]*", f"{key} = {value} ", src, count=1)
+    assert n == 1, key
+    path = tmp_path / f"{key}.toml"
+    path.write_text(out)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "full_key"),
+    [
+        ("memory_gb", "1e300", "gpu.memory_gb"),
+        ("memory_gb", "10001", "gpu.memory_gb"),
+        ("h2d_pinned_gbs", "1e6", "link.h2d_pinned_gbs"),
+        ("copy_engines", "9", "link.copy_engines"),
+        ("cores_used", "100000", "cpu.cores_used"),
+        ("usable_fraction", "1.5", "gpu.usable_fraction"),
+    ],
+)
+def test_values_beyond_physical_bounds_are_refused(
+    cli, tmp_path: Path, key: str, value: str, full_key: str
+) -> None:
+    path = _with_value(tmp_path, key, value)
+    with pytest.raises(ProfileError) as err:
+        load_profile(path)
+    assert err.value.key == full_key
+    result = cli("run", "--hw", path, "--trace", "ci-small", "--sequences", "1")
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(path) in lines[0] and repr(full_key) in lines[0]
+
+
+def test_bounds_are_generous_and_documented() -> None:
+    from simulator.hardware import MAX_VALUES
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "hardware-profiles.md").read_text()
+    for key in MAX_VALUES:
+        assert f"`{key}`" in doc, key  # every bound is in the docs
+    for p in list_profiles():  # and no real machine comes near one
+        for section in ("gpu", "link", "cpu", "power"):
+            spec = getattr(p, section)
+            for k, v in (spec.__dict__ if spec else {}).items():
+                limit = MAX_VALUES.get(f"{section}.{k}")
+                if limit is not None and isinstance(v, int | float):
+                    assert v <= limit / 2 or k == "copy_engines", (p.name, k, v)
+
+
+def test_non_regular_profile_is_refused(cli, tmp_path: Path) -> None:
+    fifo = tmp_path / "box.toml"
+    os.mkfifo(fifo)
+    result = cli("run", "--hw", fifo)  # reading it would block forever
+    assert result.exit_code == 2 and "is a FIFO" in result.stderr

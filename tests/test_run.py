@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -12,6 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from simulator.cli import main
+from simulator.data import resolve_trace
 from simulator.recorder import COLUMNS
 from simulator.runner import simulate, split_sequences
 from simulator.testing import make_trace
@@ -204,3 +206,108 @@ def test_record_off_gives_the_same_metrics() -> None:
     assert a.to_json() == b.to_json()
     assert b.timeline is None
     assert all(math.isfinite(v) or math.isnan(v) for v in b.metrics.values())
+
+
+# -- how many experts fit ----------------------------------------------------------------------
+
+
+def _small_gpu(tmp_path: Path, memory_gb: float) -> Path:
+    """The bundled RTX 4090 profile with another memory size."""
+    from simulator.data import profiles_dir
+
+    text = (profiles_dir() / "rtx4090-pcie4.toml").read_text()
+    text = re.sub(r"(?m)^memory_gb\s*=\s*[^#\n]*", f"memory_gb = {memory_gb} ", text, count=1)
+    path = tmp_path / f"gpu-{memory_gb}.toml"
+    path.write_text(text)
+    return path
+
+
+def test_too_large_ratio_names_the_largest_that_fits() -> None:
+    code, _out, err = _run(
+        "--policy", "lru", "--hw", "rtx4090-pcie4", "--cache-ratio", "0.25", "--trace", "ci-small"
+    )
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1
+    m = re.search(r"at most (\d+) experts fit \(--cache-ratio <= ([0-9.]+)\)", lines[0])
+    assert m, lines[0]
+    n, ratio = int(m.group(1)), float(m.group(2))
+    # the named ratio is the largest 3-decimal one that runs, with exactly n experts
+    r = simulate("lru", "rtx4090-pcie4", "ci-small", cache_ratio=ratio, sequences=1, record=False)
+    assert r.config["gpu_experts"] == n == r.config["max_gpu_experts"]
+    code, _, err = _run(
+        "--policy", "lru", "--hw", "rtx4090-pcie4", "--trace", "ci-small",
+        "--cache-ratio", f"{ratio + 0.001:.3f}",
+    )  # fmt: skip
+    assert code == 2 and "do not fit" in err
+
+
+def test_cache_ratio_one_works_where_everything_fits(tmp_path: Path) -> None:
+    # the tiny model's 32 experts and a buffer fit easily: all 32 resident, not 31
+    trace = make_trace(tmp_path / "t.parquet", sequences=2, prefill=4, decode=4)
+    r = simulate("lru", "a6000-pcie4", trace, cache_ratio=1.0, sequences=1, record=False)
+    assert r.config["gpu_experts"] == r.config["total_experts"] == r.config["max_gpu_experts"]
+    assert r.metrics["hit_rate"] == pytest.approx(1.0)
+    # and the default budget is every expert too
+    d = simulate("lru", "a6000-pcie4", trace, sequences=1, record=False)
+    assert d.config["gpu_experts"] == d.config["total_experts"]
+
+
+def test_gpu_without_room_for_non_expert_weights_is_an_error(tmp_path: Path) -> None:
+    tiny_gpu = _small_gpu(tmp_path, 2.0)  # Mixtral's non-expert weights alone are ~3 GB
+    for policy in ("lru", "stream-all", "daop"):
+        code, _out, err = _run("--policy", policy, "--hw", str(tiny_gpu), "--trace", "ci-small")
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1, (policy, err)
+        assert "non-expert weights" in lines[0] and "GB short" in lines[0]
+    # the all-GPU bound does not model memory at all
+    r = simulate("all-gpu", tiny_gpu, "ci-small", sequences=1, record=False)
+    assert r.config["gpu_experts"] == r.config["total_experts"]
+
+
+def test_gpu_without_room_for_the_buffers_is_an_error(tmp_path: Path) -> None:
+    from simulator.costs import cost_model
+    from simulator.hardware import load_profile
+    from simulator.runner import expert_fit, trace_context
+
+    # find a memory size that holds the non-expert weights and 1 expert slot but not 5 buffers
+    meta = read_meta(resolve_trace("ci-small"))
+    for gb in (4.0, 4.2, 4.4, 4.6, 4.8, 5.0):
+        path = _small_gpu(tmp_path, gb)
+        fit = expert_fit(cost_model(load_profile(path), meta.model), 0, trace_context(meta))
+        if 1 <= fit.slots < 5:
+            break
+    else:
+        pytest.skip("no memory size in range gives 1..4 slots")
+    # mixtral-offloading needs 1 temporary and 4 staging buffers
+    code, _, err = _run("--policy", "mixtral-offloading", "--hw", str(path), "--trace", "ci-small")
+    assert code == 2 and "buffers" in err and "fewer than" in err
+
+
+def test_profiles_show_and_run_agree_on_the_fit() -> None:
+    meta = read_meta(resolve_trace("ci-small"))
+    context = meta.counts["prefill_tokens"] // meta.counts["sequences"] + (
+        meta.counts["decode_tokens"] // meta.counts["sequences"]
+    )
+    for policy, hw in (("lru", "a6000-pcie4"), ("mixtral-offloading", "rtx4090-pcie4")):
+        res = CliRunner().invoke(
+            main,
+            ["profiles", "show", hw, "--policy", policy, "--context", str(context), "--json"],
+        )
+        assert res.exit_code == 0, res.output
+        shown = json.loads(res.stdout)
+        r = simulate(policy, hw, "ci-small", sequences=1, record=False)
+        assert shown["gpu_expert_slots"] == r.config["max_gpu_experts"] == r.config["gpu_experts"]
+
+
+@pytest.mark.parametrize("total", [7, 32, 256, 1024, 8192])
+def test_max_ratio_is_the_largest_three_decimal_ratio_that_fits(total: int) -> None:
+    from simulator.runner import ExpertFit
+
+    for fit in range(0, total + 1, max(1, total // 50)):
+        f = ExpertFit("m", total, expert_bytes=100, free_bytes=fit * 100.0, buffers=0,
+                      context_tokens=0)  # fmt: skip
+        r = f.max_ratio()
+        assert f.max_experts == fit
+        assert r == 0 or round(r * total) <= fit  # it fits ...
+        nxt = round(r + 0.001, 3)
+        assert nxt > 1 or round(nxt * total) > fit  # ... and the next one does not

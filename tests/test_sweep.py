@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import pandas.testing as pdt
@@ -356,3 +358,177 @@ def test_cli_exit_codes_and_json(trace: Path, tmp_path: Path, cli) -> None:  # t
     assert res.exit_code == 2 and "--out" in res.stderr
     res = cli(*base, "--policies", "lru", "--policy-opt", "bogus=1")
     assert res.exit_code == 2 and "bogus" in res.stderr
+
+
+PLUGIN_SRC = '''
+from policies.lru import LRUPolicy
+from policies.registry import register
+
+
+@register
+class EditedLRU(LRUPolicy):
+    """LRU under another name, in a module the test edits."""
+
+    name = "edited-lru"
+'''
+
+
+def test_resume_reruns_a_policy_whose_source_changed(
+    trace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a policy module outside the package, as a user's plugin would be
+    mod_dir = tmp_path / "mods"
+    mod_dir.mkdir()
+    module = mod_dir / "edited_lru_plugin.py"
+    module.write_text(PLUGIN_SRC)
+    monkeypatch.syspath_prepend(str(mod_dir))
+    import importlib
+
+    importlib.import_module("edited_lru_plugin")
+    out = tmp_path / "r.parquet"
+    g = _grid(trace, policies=["edited-lru", "lru"], hw=["a6000-pcie4"], cache_ratios=[0.5])
+    first, _ = run_sweep(g, workers=1, out=out, progress=False)
+    assert (first["status"] == "ok").all()
+    calls: list[str] = []
+
+    def counting(cfg: object) -> dict[str, object]:
+        calls.append(cfg.policy)  # type: ignore[attr-defined]
+        return run_config(cfg)  # type: ignore[arg-type]
+
+    monkeypatch.setattr("simulator.sweep.run_config", counting)
+    _, same = run_sweep(g, workers=1, out=out, progress=False)
+    assert calls == [] and same.resumed == 2
+    # the plugin's source changes (a comment is enough: the code identity is its bytes)
+    module.write_text(PLUGIN_SRC + "\n# tuned\n")
+    again, s = run_sweep(g, workers=1, out=out, progress=False)
+    assert calls == ["edited-lru"] and s.resumed == 1
+    assert again.loc[again["policy"] == "edited-lru", "key"].iloc[0] != first["key"].iloc[0]
+    assert again.loc[again["policy"] == "lru", "key"].iloc[0] == first["key"].iloc[1]
+
+
+def test_code_identity_covers_base_modules(monkeypatch: pytest.MonkeyPatch) -> None:
+    from policies.registry import get_policy_class
+    from simulator import sweep as sweep_mod
+
+    lru, all_gpu = get_policy_class("lru"), get_policy_class("all-gpu")
+    before = sweep_mod.policy_code_sha256(lru)
+    all_gpu_before = sweep_mod.policy_code_sha256(all_gpu)
+    real = sweep_mod.file_sha256
+
+    def edited_caching(path: str | os.PathLike[str]) -> str:
+        # pretend policies/caching.py (LRU's base class module) was edited
+        return "0" * 64 if Path(path).name == "caching.py" else real(path)
+
+    monkeypatch.setattr(sweep_mod, "file_sha256", edited_caching)
+    assert sweep_mod.policy_code_sha256(lru) != before
+    # a policy that does not derive from the caching base keeps its identity
+    assert sweep_mod.policy_code_sha256(all_gpu) == all_gpu_before
+
+
+def _descendants(pid: int) -> list[Any]:
+    psutil = pytest.importorskip("psutil")
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+@pytest.mark.parametrize(
+    ("executor", "sig"),
+    [("local", signal.SIGKILL), ("local", signal.SIGTERM), ("dask", signal.SIGKILL)],
+    ids=["local-kill", "local-term", "dask-kill"],
+)
+def test_workers_exit_when_the_sweep_dies(tmp_path: Path, executor: str, sig: int) -> None:
+    psutil = pytest.importorskip("psutil")
+    if executor == "dask":
+        pytest.importorskip("distributed")
+    big = make_trace(tmp_path / "mix.parquet", model="mixtral-8x7b", sequences=3, decode=48)
+    out = tmp_path / "r.parquet"
+    args = _cli_args(big, out)
+    args[args.index("--workers") + 1] = "2"
+    args += ["--executor", executor]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers: list[Any] = []
+    try:
+        # wait until the runs are under way: two workers busy (or a finished row)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            kids = _descendants(proc.pid)
+            busy = [k for k in kids if _cpu_seconds(k) > 0.5]
+            if len(busy) >= 2 or list(parts_dir(out).glob("*.json")):
+                workers = kids
+                break
+            time.sleep(0.1)
+        assert proc.poll() is None, "the sweep finished before it could be killed"
+        assert workers, "no worker processes found"
+        workers = _descendants(proc.pid)  # everything alive at the moment of the kill
+        proc.send_signal(sig)
+        proc.wait(timeout=30)
+        _gone, alive = psutil.wait_procs(workers, timeout=10)
+        assert not alive, f"{len(alive)} of {len(workers)} worker processes outlived the sweep"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for p in workers:  # never leave strays behind, even when the test fails
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+
+
+def _cpu_seconds(p: Any) -> float:
+    psutil = pytest.importorskip("psutil")
+    try:
+        t = p.cpu_times()
+    except psutil.NoSuchProcess:
+        return 0.0
+    return float(t.user + t.system)
+
+
+def test_budgets_that_do_not_fit_are_skipped_rows(tmp_path: Path, cli) -> None:  # type: ignore[no-untyped-def]
+    # Mixtral on the 24 GB RTX 4090: at most 54 of 256 experts fit, so 0.25 and 0.5 do not
+    mix = make_trace(tmp_path / "mix.parquet", model="mixtral-8x7b", sequences=2, decode=4)
+    g = Grid(
+        policies=["lru"],
+        hw=["a6000-pcie4", "rtx4090-pcie4"],
+        traces=[str(mix)],
+        cache_ratios=[0.125, 0.25, 0.5],
+        sequences=1,
+    )
+    df, summary = run_sweep(g, workers=1, out=tmp_path / "r.parquet", progress=False)
+    keys = zip(df["hw"], df["cache_ratio"], strict=True)
+    status = dict(zip(keys, df["status"], strict=True))
+    assert status == {
+        ("a6000-pcie4", 0.125): "ok",
+        ("a6000-pcie4", 0.25): "ok",
+        ("a6000-pcie4", 0.5): "skipped",
+        ("rtx4090-pcie4", 0.125): "ok",
+        ("rtx4090-pcie4", 0.25): "skipped",
+        ("rtx4090-pcie4", 0.5): "skipped",
+    }
+    skipped = df[df["status"] == "skipped"]
+    assert skipped["error"].str.fullmatch(r"does not fit \(at most \d+\)").all()
+    at_most = skipped.set_index("hw")["max_gpu_experts"]
+    assert int(at_most["a6000-pcie4"]) == int(
+        df.loc[(df["hw"] == "a6000-pcie4") & (df["status"] == "ok"), "max_gpu_experts"].iloc[0]
+    )
+    assert skipped["tokens_per_s"].isna().all()
+    assert (summary.skipped, summary.failed, summary.ok) == (3, 0, 3)
+    # the CLI: skipped points are reported but the sweep succeeds (exit 0)
+    res = cli(
+        "sweep", "--policies", "lru", "--hw", "a6000-pcie4,rtx4090-pcie4", "--traces", mix,
+        "--cache-ratios", "0.125,0.25,0.5", "--sequences", "1", "--out", tmp_path / "c.parquet",
+        "--no-progress",
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert "3 skipped" in res.stdout and "0 failed" in res.stdout
+
+
+def test_non_regular_trace_is_refused(tmp_path: Path, cli) -> None:  # type: ignore[no-untyped-def]
+    fifo = tmp_path / "t.parquet"
+    os.mkfifo(fifo)
+    res = cli("sweep", "--policies", "lru", "--traces", fifo, "--out", tmp_path / "r.parquet")
+    assert res.exit_code == 2 and "is a FIFO" in res.stderr
+    grid = tmp_path / "g.toml"
+    os.mkfifo(grid)
+    res = cli("sweep", grid, "--out", tmp_path / "r.parquet")
+    assert res.exit_code == 2 and "is a FIFO" in res.stderr

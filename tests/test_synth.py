@@ -502,3 +502,65 @@ def test_ci_small_regenerates_identically(tmp_path: Path) -> None:
     else:  # other numpy/pyarrow: the rows and metadata must still agree
         assert recorded["synth"] == SYNTH_VERSION
         assert _content_hash(out) == _content_hash(committed)
+
+
+# --------------------------------------------------------------------------------------------
+# Parameter checks and the safety net
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("param", "words"),
+    [
+        ("temperature=nan", "must be finite"),
+        ("bias_std=1e308", "outside"),
+        ("prefill_bias=inf", "must be finite"),
+        ("model_seed=-1", "outside"),
+        ("temperature=0", "outside"),
+        ("drift=nan", "must be finite"),
+    ],
+)
+def test_cli_refuses_bad_parameter_values(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, param: str, words: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    args = ["synth", "--model", "mixtral-8x7b", "--sequences", "1", "--prompt-tokens", "4"]
+    args += ["--output-tokens", "4", "-o", "x.parquet", "--param", param]
+    res = CliRunner().invoke(main, args)
+    lines = res.stderr.strip().splitlines()
+    assert res.exit_code == 2 and len(lines) == 1, res.output
+    name = param.split("=")[0]
+    assert lines[0].startswith("error: ") and name in lines[0] and words in lines[0]
+    assert "Traceback" not in res.output
+    assert list(tmp_path.iterdir()) == []  # nothing written, not even a temporary file
+
+
+def test_every_preset_is_within_the_bounds() -> None:
+    from simulator.synth_checks import check_synth_params
+
+    for preset in PRESETS.values():
+        check_synth_params(preset.params)  # raises if a calibrated preset were out of range
+
+
+def test_safety_net_never_leaves_an_invalid_trace(tmp_path: Path) -> None:
+    from simulator.errors import UserError
+    from simulator.synth_checks import write_validated
+
+    out = tmp_path / "t.parquet"
+    out.write_bytes(b"the previous file")
+
+    def bad_writer(tmp: Path) -> None:
+        # a generator bug: a file that is not a valid trace
+        tmp.write_bytes(b"PAR1 not really a trace")
+
+    with pytest.raises(UserError, match="fails validation"):
+        write_validated(out, bad_writer)
+    assert out.read_bytes() == b"the previous file"  # untouched
+    assert [p.name for p in tmp_path.iterdir()] == ["t.parquet"]  # no temporary left
+
+    def good_writer(tmp: Path) -> str:
+        write_synthetic(tmp, "mixtral-8x7b", SynthParams(), 1, 4, 4, seed=0)
+        return "done"
+
+    assert write_validated(out, good_writer) == "done"
+    validate_trace(out)

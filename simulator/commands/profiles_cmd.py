@@ -92,6 +92,13 @@ def _print_table(rows: list[tuple[str, ...]]) -> None:
     show_default=True,
     help="KV-cache context for nonexpert_layer_ms (one decode token).",
 )
+@click.option(
+    "--policy",
+    "policy_name",
+    default="daop",
+    show_default=True,
+    help="Policy whose expert-sized buffers the GPU expert slots leave room for.",
+)
 @json_option
 def show_cmd(
     name_or_path: str,
@@ -100,13 +107,20 @@ def show_cmd(
     host_dtype: str | None,
     nonexpert_dtype: str | None,
     context_tokens: int,
+    policy_name: str,
     as_json: bool,
 ) -> None:
     """Show a profile (bundled NAME or a TOML PATH) and the model's derived costs on it."""
+    from policies.registry import get_policy_class
+    from simulator.runner import expert_fit, policy_buffers
+
     hw = load_profile(name_or_path)
     model = get_model(model_name).with_precision(dtype, host_dtype, nonexpert_dtype)
+    policy = get_policy_class(policy_name)()  # default options: the buffers it declares
     cm = cost_model(hw, model)
     summary = cm.summary(context_tokens)
+    # the same fit `daopsim run` applies (KV cache for --context tokens, the policy's buffers)
+    fit = expert_fit(cm, policy_buffers(policy), context_tokens)
     out = hw.to_dict() | {
         k: summary[k]
         for k in (
@@ -117,8 +131,13 @@ def show_cmd(
             "expert_bytes",
             "host_expert_bytes",
             "context_tokens",
-            "gpu_expert_slots",
         )
+    }
+    out |= {
+        "policy": policy.name,
+        "policy_buffers": fit.buffers,
+        "gpu_expert_slots": fit.max_experts,
+        "max_cache_ratio": fit.max_ratio(),
     }
     out |= {
         "costs": summary["costs"],
@@ -155,7 +174,11 @@ def show_cmd(
         ("non-expert part of a layer", f"{c['nonexpert_layer_ms']:.3f} ms", False),
         ("break-even tokens (pageable)", f"{c['breakeven_tokens']:.2f}", False),
         ("break-even tokens (pinned)", f"{c['breakeven_tokens_pinned']:.2f}", False),
-        ("GPU expert slots", str(summary["gpu_expert_slots"]), False),
+        (
+            f"GPU expert slots (for {policy.name})",
+            f"{fit.max_experts} (--cache-ratio <= {fit.max_ratio():.3f})",
+            False,
+        ),
     ]
     width = max(len(n) for n, _, _ in lines)
     for name, value, was_measured in lines:

@@ -1,9 +1,9 @@
 """``daopsim sweep``: run a grid of simulations (from flags or a TOML grid file) into one table.
 
-Exit codes (docs/cli.md): 0 when every configuration ran, 1 when any failed (each failure is
-a row with status "error"), 2 for bad arguments (unknown policy, machine, trace or option; a
-locked results file), 3 when the results file cannot be written (an input, a device, a
-read-only or full disk).
+Exit codes (docs/cli.md): 0 when every configuration ran or was skipped because its memory
+budget does not fit the machine (a row with status "skipped"), 1 when any failed (a row with
+status "error"), 2 for bad arguments (unknown policy, machine, trace or option; a locked results
+file), 3 when the results file cannot be written (an input, a device, a read-only or full disk).
 """
 
 from __future__ import annotations
@@ -166,7 +166,8 @@ def sweep(
     else:
         click.echo(
             f"wrote {summary.out}: {summary.configurations} configurations, {summary.ok} ok, "
-            f"{summary.failed} failed ({summary.resumed} resumed) in {summary.elapsed_s:.1f} s"
+            f"{summary.skipped} skipped (do not fit), {summary.failed} failed "
+            f"({summary.resumed} resumed) in {summary.elapsed_s:.1f} s"
         )
         if len(set(grid.seeds)) > 1:
             _print_seed_table(summary.out)

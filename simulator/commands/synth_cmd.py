@@ -31,6 +31,7 @@ from simulator.synth import (
     shape_from_stats,
     write_synthetic,
 )
+from simulator.synth_checks import write_validated
 
 
 def _resolve_params(
@@ -114,8 +115,12 @@ def synth(
     p, preset_name = _resolve_params(shape.name, preset, params)
     check_output_file(output, "-o", inputs=[preset])
     with os_errors(output, "-o"):
-        meta = write_synthetic(
-            output, shape, p, sequences, prompt_tokens, output_tokens, seed, preset=preset_name
+        # generated beside the output, validated, then renamed: never an invalid trace
+        meta = write_validated(
+            output,
+            lambda tmp: write_synthetic(
+                tmp, shape, p, sequences, prompt_tokens, output_tokens, seed, preset=preset_name
+            ),
         )
     summary = {
         "path": str(output),

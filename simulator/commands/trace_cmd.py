@@ -8,7 +8,8 @@ from typing import Any
 import click
 
 from simulator.commands.common import echo_json, json_option
-from simulator.data import bundled_traces
+from simulator.data import bundled_traces, non_regular_kind
+from simulator.errors import UserError
 from simulator.stats import PHASE_CHOICES, STAT_KEYS, trace_stats
 from simulator.trace import TraceMeta, read_meta, validate_trace
 
@@ -25,6 +26,9 @@ def _path_arg() -> Any:
 
 def _resolve(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
     """A bundled trace's short name (see `daopsim traces list`) also works as PATH."""
+    kind = non_regular_kind(value)
+    if kind is not None and kind != "a directory":  # reading a FIFO or a device never ends
+        raise UserError(f"{value}: is {kind}, not a regular trace file")
     if not Path(value).exists():
         bundled = bundled_traces()
         if value in bundled:
