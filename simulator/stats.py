@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from simulator.reuse import ReuseAccumulator
 from simulator.trace import SequenceRouting, TraceMeta, iter_sequences, read_meta
 
 #: The per-layer statistics, in the order they are reported.
@@ -177,6 +178,8 @@ def trace_stats(
     meta: TraceMeta | None = None,
     max_sequences: int | None = None,
     phase: str = "decode",
+    reuse: bool = True,
+    curves: bool = True,
 ) -> dict[str, Any]:
     """Routing statistics per layer and their mean over layers (see docs/trace-format.md).
 
@@ -185,6 +188,8 @@ def trace_stats(
     that many sequences. ``phase`` picks the tokens the popularity, pair, weight and look-ahead
     statistics use: ``decode`` (default), ``prefill`` or ``all``; ``prefill_decode_cosine``
     always compares the two phases. Undefined values (no tokens or pairs) are None.
+    ``reuse`` adds the reuse statistics of ``simulator.reuse`` (always over decode tokens, with
+    the sequences in the order given), and ``curves`` their LRU/Belady hit-rate curves.
     """
     if phase not in PHASE_CHOICES:
         raise ValueError(f"phase must be one of {PHASE_CHOICES}, got {phase!r}")
@@ -197,6 +202,7 @@ def trace_stats(
         routings = source
     model = meta.model
     acc = _Acc(model.moe_layers, model.experts)
+    reuse_acc = ReuseAccumulator(model.moe_layers, model.experts, model.top_k, curves=curves)
     counts = {"sequences": 0, "prefill_tokens": 0, "decode_tokens": 0}
     phase_tokens = 0
     filled = 0
@@ -205,6 +211,8 @@ def trace_stats(
             break
         _add_sequence(acc, r, phase)
         filled += 0 if r.filled is None else int(np.count_nonzero(r.filled))
+        if reuse:
+            reuse_acc.add(r)
         phase_tokens += {"decode": r.n_decode, "prefill": r.n_prefill}.get(phase, r.n_tokens)
         counts["sequences"] += 1
         counts["prefill_tokens"] += r.n_prefill
@@ -248,6 +256,11 @@ def trace_stats(
             "per_layer": per_layer,
         }
     )
+    if reuse:
+        extra = reuse_acc.finish()
+        for row, more in zip(per_layer, extra.pop("per_layer"), strict=True):
+            row.update(more)
+        out.update(extra)
     return out
 
 

@@ -1,0 +1,325 @@
+"""Reuse statistics of a trace: overlap against lag, reuse distances, working sets, and the
+per-layer LRU and Belady hit-rate curves under the engine's serving rule.
+
+``ReuseAccumulator`` takes sequences in order (the order ``daopsim run`` evaluates them) and
+keeps per-layer state, so ``simulator.stats.trace_stats`` can stream a trace through it. Every
+quantity is defined in docs/trace-format.md ("Reuse statistics").
+
+The hit-rate curves replay the rule of ``policies.caching.CachingPolicy`` exactly, for every
+per-layer capacity 1..E at once: one cache per (layer, capacity), starting with experts
+0..c-1 resident (the policies' default ``initial=first``), carried across sequences, updated by
+one prefill step per sequence (the experts its prompt tokens chose, in descending count order)
+and one step per decode token. In a step, hits are judged before any insertion; misses are
+fetched in routing order into a free slot or over a victim that this step does not need, and
+are served from a temporary buffer (not inserted) when every resident expert is needed. LRU's
+victim is the least recently touched (hits are touched in routing order before the misses are
+inserted); Belady's is the resident expert whose next use (the next step that routes to it at
+that layer) lies farthest ahead, ties to the lowest id.
+
+Why not one Mattson stack: with that rule the cache *contents* still nest across capacities
+(the inclusion property holds), but the recency order inside a step depends on which of its
+experts were hits, and a prefill step touches its hits in count order, so LRU is not a stack
+algorithm here and one stack-distance pass would be off by a little. The pass below advances all
+capacities together instead: one pass over the steps, vectorised over layers and capacities
+(cost per step proportional to layers x E^2 x k). The plain LRU stack distance (distinct
+experts since the last use) is reported too, as ``stack_distance``: it is Mattson's quantity and
+gives the curve of a textbook per-access LRU without the serving rule.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from simulator.trace import SequenceRouting
+
+#: Lags of ``overlap_by_lag`` (tokens back, same sequence and layer, decode tokens).
+LAGS = (1, 2, 4, 8, 16, 32, 64)
+#: Window lengths (decode tokens) of ``working_set``.
+WINDOWS = (8, 32, 128)
+#: Upper bin edges of the reuse-distance histogram (tokens); the last bin is open.
+DISTANCE_BINS = (1, 2, 4, 8, 16, 32, 64, 128)
+_QUANTILES = (0.25, 0.5, 0.75, 0.9)
+_NEVER = np.iinfo(np.int64).max // 4
+CURVE_POLICIES = ("lru", "belady")
+
+
+def _membership(experts: np.ndarray, n_exp: int) -> np.ndarray:
+    """``[T, L, k]`` expert ids -> ``[T, L, E]`` booleans."""
+    t, n_layers, _k = experts.shape
+    out = np.zeros((t, n_layers, n_exp), dtype=bool)
+    np.put_along_axis(out, experts.astype(np.int64), True, axis=2)
+    return out
+
+
+def _bin_labels() -> list[str]:
+    labels, lo = [], 1
+    for hi in DISTANCE_BINS:
+        labels.append(str(hi) if hi == lo else f"{lo}-{hi}")
+        lo = hi + 1
+    labels.append(f">{DISTANCE_BINS[-1]}")
+    return labels
+
+
+def _quantile(hist: np.ndarray, q: float) -> float | None:
+    """The q-quantile (lower) of a histogram of integer values 0..len-1."""
+    total = hist.sum()
+    if total == 0:
+        return None
+    cum = np.cumsum(hist)
+    return float(np.searchsorted(cum, q * total - 1e-9 * total, side="left"))
+
+
+def _num(x: float) -> float | None:
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def _layer_mean(values: np.ndarray) -> np.ndarray:
+    """Mean over layers (axis 0) of the finite values; NaN where a column has none."""
+    ok = np.isfinite(values)
+    n = ok.sum(axis=0)
+    total = np.where(ok, values, 0.0).sum(axis=0)
+    return np.where(n > 0, total / np.maximum(n, 1), np.nan)
+
+
+@dataclass
+class _Caches:
+    """One simulated cache per (layer, capacity) for one replacement rule."""
+
+    policy: str
+    layers: int
+    experts: int
+    resident: np.ndarray = field(init=False)  # [L, C, E]
+    key: np.ndarray = field(init=False)  # [L, C, E] LRU recency (larger = more recent)
+    count: np.ndarray = field(init=False)  # [L, C] residents
+    hits: np.ndarray = field(init=False)  # [L, C] decode hits
+    clock: int = 0
+
+    def __post_init__(self) -> None:
+        n_exp = self.experts
+        cap = np.arange(1, n_exp + 1)
+        self.cap = cap[None, :]
+        ids = np.arange(n_exp)
+        # initial=first: experts 0..c-1 resident, inserted in id order (0 the oldest)
+        first = ids[None, :] < cap[:, None]  # [C, E]
+        self.resident = np.broadcast_to(first, (self.layers, n_exp, n_exp)).copy()
+        self.key = np.broadcast_to(ids - n_exp, (self.layers, n_exp, n_exp)).astype(np.int64)
+        self.count = self.resident.sum(axis=2)
+        self.hits = np.zeros((self.layers, n_exp), dtype=np.int64)
+        self._ids = ids
+
+    def step(self, order: np.ndarray, valid: np.ndarray, nxt: np.ndarray | None, decode: bool) -> None:
+        """Serve one step: ``order`` [L, w] expert ids in routing order, ``valid`` [L, w]."""
+        n_layers, width = order.shape
+        res, key = self.resident, self.key
+        idx = np.broadcast_to(order[:, None, :], (n_layers, res.shape[1], width))
+        hit = np.take_along_axis(res, idx, axis=2) & valid[:, None, :]
+        if decode:
+            self.hits += hit.sum(axis=2)
+        base = self.clock
+        self.clock += 2 * width
+        # hits are touched in routing order, before any insertion
+        if self.policy == "lru" and hit.any():
+            old = np.take_along_axis(key, idx, axis=2)
+            np.put_along_axis(key, idx, np.where(hit, base + np.arange(width), old), axis=2)
+        protected = np.zeros((n_layers, 1, self.experts), dtype=bool)
+        # a step's ids are distinct (a decode top-k, or a permutation of all experts in
+        # prefill with the unused ones marked invalid)
+        np.put_along_axis(protected[:, 0], order, valid, axis=1)
+        miss_all = ~hit & valid[:, None, :]
+        for j in range(width):
+            miss = miss_all[:, :, j]
+            if not miss.any():
+                continue
+            room = self.count < self.cap
+            cand = res & ~protected
+            has = cand.any(axis=2)
+            evict = miss & ~room & has
+            insert = miss & (room | has)
+            if evict.any():
+                if self.policy == "lru":
+                    victim = np.where(cand, key, _NEVER).argmin(axis=2)
+                else:
+                    assert nxt is not None
+                    victim = np.where(cand, nxt[:, None, :], -1).argmax(axis=2)
+                gone = (self._ids == victim[:, :, None]) & evict[:, :, None]
+                res &= ~gone
+            new = (self._ids == order[:, j, None, None]) & insert[:, :, None]
+            res |= new
+            if self.policy == "lru":
+                key[new] = base + width + j
+            self.count += insert.astype(np.int64) - evict.astype(np.int64)
+
+
+class ReuseAccumulator:
+    """Reuse statistics over sequences given in order (decode tokens; see module doc)."""
+
+    def __init__(self, layers: int, experts: int, top_k: int, curves: bool = True) -> None:
+        self.layers, self.experts, self.top_k = layers, experts, top_k
+        self.lag_sum = np.zeros((layers, len(LAGS)))
+        self.lag_n = np.zeros(len(LAGS), dtype=np.int64)
+        self.dist_hist = np.zeros((layers, 1), dtype=np.int64)  # reuse distance in tokens
+        self.stack_hist = np.zeros((layers, experts), dtype=np.int64)  # distinct experts between
+        self.first_use = np.zeros(layers, dtype=np.int64)
+        self.accesses = np.zeros(layers, dtype=np.int64)
+        self.ws_sum = np.zeros((layers, len(WINDOWS)))
+        self.ws_n = np.zeros(len(WINDOWS), dtype=np.int64)
+        self.decode_tokens = 0
+        self.curves = curves
+        self._seqs: list[tuple[int, np.ndarray]] = []  # (prefill tokens, experts)
+
+    def add(self, r: SequenceRouting) -> None:
+        """One sequence (in evaluation order)."""
+        dec = r.experts[r.n_prefill :].astype(np.int64)
+        t = dec.shape[0]
+        self.decode_tokens += t
+        if t:
+            member = _membership(dec, self.experts)
+            k = dec.shape[2]
+            for i, lag in enumerate(LAGS):
+                if t > lag:
+                    shared = (member[lag:] & member[:-lag]).sum(axis=2)  # [T-lag, L]
+                    self.lag_sum[:, i] += shared.sum(axis=0) / k
+                    self.lag_n[i] += t - lag
+            self._distances(member)
+            cum = np.concatenate([np.zeros((1,) + member.shape[1:], np.int32), member.cumsum(0, dtype=np.int32)])
+            for i, w in enumerate(WINDOWS):
+                if t >= w:
+                    distinct = ((cum[w:] - cum[:-w]) > 0).sum(axis=2)  # [T-w+1, L]
+                    self.ws_sum[:, i] += distinct.sum(axis=0)
+                    self.ws_n[i] += t - w + 1
+        if self.curves:
+            # the caches need every step's next use (Belady): keep the sequences, replay later
+            self._seqs.append((r.n_prefill, r.experts))
+
+    def _distances(self, member: np.ndarray) -> None:
+        t, n_layers, n_exp = member.shape
+        self.accesses += member.sum(axis=(0, 2))
+        # reuse distance in tokens: gap to the previous use at the same layer (this sequence)
+        lay, exp, tok = np.nonzero(member.transpose(1, 2, 0))  # sorted by (layer, expert, token)
+        again = (lay[1:] == lay[:-1]) & (exp[1:] == exp[:-1])
+        gaps = (tok[1:] - tok[:-1])[again]
+        glay = lay[1:][again]
+        np.add.at(self.first_use, lay[np.concatenate([[True], ~again])], 1)
+        if gaps.size:
+            width = int(gaps.max()) + 1
+            if width > self.dist_hist.shape[1]:
+                grown = np.zeros((n_layers, width), dtype=np.int64)
+                grown[:, : self.dist_hist.shape[1]] = self.dist_hist
+                self.dist_hist = grown
+            np.add.at(self.dist_hist, (glay, gaps), 1)
+        # stack distance: distinct other experts of the layer used since the previous use
+        seen = np.full((n_layers, n_exp), -1, dtype=np.int64)  # last token each expert was used
+        for i in range(t):
+            cur = member[i]
+            prev = np.where(cur, seen, -1)
+            # experts used in (prev, i) for each (layer, expert) with prev >= 0
+            depth = (seen[:, None, :] > prev[:, :, None]).sum(axis=2)  # [L, E(access)]
+            ok = cur & (prev >= 0)
+            lay_i, exp_i = np.nonzero(ok)
+            np.add.at(self.stack_hist, (lay_i, depth[lay_i, exp_i]), 1)
+            seen[cur] = i
+
+    def _curves(self) -> dict[str, np.ndarray]:
+        """Per-layer decode hit rates [L, E] of LRU and Belady at capacities 1..E."""
+        n_layers, n_exp = self.layers, self.experts
+        steps: list[tuple[np.ndarray, np.ndarray, bool]] = []
+        for p, experts in self._seqs:
+            if p:
+                counts = np.zeros((n_layers, n_exp), dtype=np.int64)
+                lay = np.broadcast_to(np.arange(n_layers)[None, :, None], experts[:p].shape)
+                np.add.at(counts, (lay.ravel(), experts[:p].astype(np.int64).ravel()), 1)
+                # descending count, ties by id (the engine's stable sort of the used ids)
+                order = np.argsort(-counts, axis=1, kind="stable")
+                valid = np.take_along_axis(counts, order, axis=1) > 0
+                steps.append((order, valid, False))
+            ex = experts[p:].astype(np.int64)
+            ok = np.ones(ex.shape[1:], dtype=bool)
+            steps.extend((ex[i], ok, True) for i in range(ex.shape[0]))
+        # next use of every (layer, expert) after each step (Belady's oracle), built backwards
+        nexts: list[np.ndarray] = [np.empty(0)] * len(steps)
+        upcoming = np.full((n_layers, n_exp), _NEVER, dtype=np.int64)
+        for s in range(len(steps) - 1, -1, -1):
+            nexts[s] = upcoming.copy()
+            order, valid, _ = steps[s]
+            lay, col = np.nonzero(valid)
+            upcoming[lay, order[lay, col]] = s
+        out = {}
+        accesses = np.maximum(1, self.accesses)[:, None]
+        for policy in CURVE_POLICIES:
+            caches = _Caches(policy, n_layers, n_exp)
+            for s, (order, valid, decode) in enumerate(steps):
+                caches.step(order, valid, nexts[s] if policy == "belady" else None, decode)
+            out[policy] = caches.hits / accesses
+        return out
+
+    def finish(self) -> dict[str, Any]:
+        """The reuse statistics: top-level values and a ``per_layer`` list of rows."""
+        n_layers = self.layers
+        lags = self.lag_sum / np.where(self.lag_n > 0, self.lag_n, 1)[None, :]
+        lags[:, self.lag_n == 0] = np.nan
+        ws = self.ws_sum / np.where(self.ws_n > 0, self.ws_n, 1)[None, :]
+        ws[:, self.ws_n == 0] = np.nan
+        per: list[dict[str, Any]] = [{} for _ in range(n_layers)]
+        out: dict[str, Any] = {}
+
+        def lag_dict(row: np.ndarray) -> dict[str, float | None]:
+            return {str(lag): _num(v) for lag, v in zip(LAGS, row, strict=True)}
+
+        out["overlap_by_lag"] = lag_dict(_layer_mean(lags))
+        out["working_set"] = {
+            str(w): _num(v) for w, v in zip(WINDOWS, _layer_mean(ws), strict=True)
+        }
+        out["reuse_distance"] = self._distance_summary(self.dist_hist.sum(0), self.first_use.sum(), self.accesses.sum())
+        out["stack_distance"] = self._stack_summary(self.stack_hist.sum(0), self.first_use.sum(), self.accesses.sum())
+        for layer in range(n_layers):
+            row = per[layer]
+            row["overlap_by_lag"] = lag_dict(lags[layer])
+            row["working_set"] = {str(w): _num(v) for w, v in zip(WINDOWS, ws[layer], strict=True)}
+            row["reuse_distance"] = self._distance_summary(
+                self.dist_hist[layer], self.first_use[layer], self.accesses[layer]
+            )
+        if self.curves and self.decode_tokens:
+            curves = self._curves()
+            for policy, rates in curves.items():
+                out[f"{policy}_curve"] = [float(v) for v in rates.mean(axis=0)]
+                for layer in range(n_layers):
+                    per[layer][f"{policy}_curve"] = [float(v) for v in rates[layer]]
+        else:
+            for policy in CURVE_POLICIES:
+                out[f"{policy}_curve"] = None
+                for row in per:
+                    row[f"{policy}_curve"] = None
+        out["per_layer"] = per
+        return out
+
+    @staticmethod
+    def _distance_summary(hist: np.ndarray, first: int, accesses: int) -> dict[str, Any]:
+        """Shares of decode accesses by reuse distance bin, plus quantiles of the distance."""
+        total = max(1, int(accesses))
+        shares, lo = [], 1
+        for hi in DISTANCE_BINS:
+            shares.append(float(hist[lo : hi + 1].sum()) / total)
+            lo = hi + 1
+        shares.append(float(hist[lo:].sum()) / total)
+        reused = hist.sum()
+        mean = float((hist * np.arange(hist.size)).sum() / reused) if reused else None
+        return {
+            "bins": _bin_labels(),
+            "share": shares if accesses else None,
+            "first_use": float(first) / total if accesses else None,
+            "mean": mean,
+            **{f"p{round(q * 100)}": _quantile(hist, q) for q in _QUANTILES},
+        }
+
+    @staticmethod
+    def _stack_summary(hist: np.ndarray, first: int, accesses: int) -> dict[str, Any]:
+        total = max(1, int(accesses))
+        return {
+            "share": [float(v) / total for v in hist] if accesses else None,
+            "first_use": float(first) / total if accesses else None,
+        }
