@@ -110,55 +110,79 @@ class _Caches:
         self.key = np.broadcast_to(ids - n_exp, (self.layers, n_exp, n_exp)).astype(np.int64)
         self.count = self.resident.sum(axis=2)
         self.hits = np.zeros((self.layers, n_exp), dtype=np.int64)
+        self._lay = np.arange(self.layers)[:, None, None]
+        self._caps = np.arange(n_exp)[None, :, None]
+        self._lay1 = np.arange(self.layers)[:, None]
         self._ids = ids
 
-    def step(self, order: np.ndarray, valid: np.ndarray, nxt: np.ndarray | None, decode: bool) -> None:
-        """Serve one step: ``order`` [L, w] expert ids in routing order, ``valid`` [L, w]."""
-        n_layers, width = order.shape
+    def step(
+        self, order: np.ndarray, valid: np.ndarray, nxt: np.ndarray | None, decode: bool
+    ) -> None:
+        """Serve one step: ``order`` [L, w] expert ids in routing order, ``valid`` [L, w].
+
+        The engine handles a step's misses one by one; this does them at once, which gives
+        the same result: the first misses (routing order) take the free slots, each later
+        one evicts one candidate (a resident this step does not need), and the candidates go
+        in the order the policy's victim rule ranks them, since inserted experts are needed
+        by the step and so never become candidates. Misses beyond free slots plus candidates
+        are temporary copies.
+        """
+        width = order.shape[1]
         res, key = self.resident, self.key
-        idx = np.broadcast_to(order[:, None, :], (n_layers, res.shape[1], width))
-        hit = np.take_along_axis(res, idx, axis=2) & valid[:, None, :]
+        lay, caps = self._lay, self._caps
+        idx = order[:, None, :]
+        partial = not valid.all()
+        hit = res[lay, caps, idx]  # [L, C, w]
+        if partial:
+            hit &= valid[:, None, :]
         if decode:
             self.hits += hit.sum(axis=2)
         base = self.clock
         self.clock += 2 * width
-        # hits are touched in routing order, before any insertion
-        if self.policy == "lru" and hit.any():
-            old = np.take_along_axis(key, idx, axis=2)
-            np.put_along_axis(key, idx, np.where(hit, base + np.arange(width), old), axis=2)
-        protected = np.zeros((n_layers, 1, self.experts), dtype=bool)
+        lru = self.policy == "lru"
+        if lru:
+            # hits are touched in routing order, before any insertion
+            key[lay, caps, idx] = np.where(hit, base + np.arange(width), key[lay, caps, idx])
+        miss = ~hit
+        if partial:
+            miss &= valid[:, None, :]
+        n_miss = miss.sum(axis=2)
+        if not n_miss.any():
+            return
+        free_slots = self.cap - self.count
         # a step's ids are distinct (a decode top-k, or a permutation of all experts in
         # prefill with the unused ones marked invalid)
-        np.put_along_axis(protected[:, 0], order, valid, axis=1)
-        miss_all = ~hit & valid[:, None, :]
-        for j in range(width):
-            miss = miss_all[:, :, j]
-            if not miss.any():
-                continue
-            room = self.count < self.cap
-            cand = res & ~protected
-            has = cand.any(axis=2)
-            evict = miss & ~room & has
-            insert = miss & (room | has)
-            if evict.any():
-                if self.policy == "lru":
-                    victim = np.where(cand, key, _NEVER).argmin(axis=2)
-                else:
-                    assert nxt is not None
-                    victim = np.where(cand, nxt[:, None, :], -1).argmax(axis=2)
-                gone = (self._ids == victim[:, :, None]) & evict[:, :, None]
-                res &= ~gone
-            new = (self._ids == order[:, j, None, None]) & insert[:, :, None]
-            res |= new
-            if self.policy == "lru":
-                key[new] = base + width + j
-            self.count += insert.astype(np.int64) - evict.astype(np.int64)
+        needed = np.zeros((order.shape[0], self.experts), dtype=bool)
+        needed[self._lay1, order] = valid
+        cand = res & ~needed[:, None, :]
+        n_evict = np.minimum(np.maximum(n_miss - free_slots, 0), cand.sum(axis=2))
+        if n_evict.any():
+            if lru:
+                score = np.where(cand, key, _NEVER)
+            else:
+                assert nxt is not None
+                # farthest next use first, ties to the lowest id (stable sort)
+                score = np.where(cand, -nxt[:, None, :], _NEVER)
+            ranked = np.argsort(score, axis=2, kind="stable")
+            rank = np.empty_like(ranked)
+            np.put_along_axis(rank, ranked, np.broadcast_to(self._ids, ranked.shape), axis=2)
+            evict = cand & (rank < n_evict[:, :, None])
+            res &= ~evict
+        inserted = miss & (np.cumsum(miss, axis=2) <= (free_slots + n_evict)[:, :, None])
+        res[lay, caps, idx] |= inserted
+        if lru:
+            key[lay, caps, idx] = np.where(
+                inserted, base + width + np.arange(width), key[lay, caps, idx]
+            )
+        self.count += inserted.sum(axis=2) - n_evict
 
 
 class ReuseAccumulator:
     """Reuse statistics over sequences given in order (decode tokens; see module doc)."""
 
-    def __init__(self, layers: int, experts: int, top_k: int, curves: bool = True) -> None:
+    def __init__(
+        self, layers: int, experts: int, top_k: int, curves: bool | tuple[str, ...] = True
+    ) -> None:
         self.layers, self.experts, self.top_k = layers, experts, top_k
         self.lag_sum = np.zeros((layers, len(LAGS)))
         self.lag_n = np.zeros(len(LAGS), dtype=np.int64)
@@ -169,7 +193,8 @@ class ReuseAccumulator:
         self.ws_sum = np.zeros((layers, len(WINDOWS)))
         self.ws_n = np.zeros(len(WINDOWS), dtype=np.int64)
         self.decode_tokens = 0
-        self.curves = curves
+        #: which hit-rate curves to compute (True: all of CURVE_POLICIES)
+        self.curves = CURVE_POLICIES if curves is True else tuple(curves or ())
         self._seqs: list[tuple[int, np.ndarray]] = []  # (prefill tokens, experts)
 
     def add(self, r: SequenceRouting) -> None:
@@ -186,7 +211,9 @@ class ReuseAccumulator:
                     self.lag_sum[:, i] += shared.sum(axis=0) / k
                     self.lag_n[i] += t - lag
             self._distances(member)
-            cum = np.concatenate([np.zeros((1,) + member.shape[1:], np.int32), member.cumsum(0, dtype=np.int32)])
+            cum = np.concatenate(
+                [np.zeros((1, *member.shape[1:]), np.int32), member.cumsum(0, dtype=np.int32)]
+            )
             for i, w in enumerate(WINDOWS):
                 if t >= w:
                     distinct = ((cum[w:] - cum[:-w]) > 0).sum(axis=2)  # [T-w+1, L]
@@ -250,7 +277,7 @@ class ReuseAccumulator:
             upcoming[lay, order[lay, col]] = s
         out = {}
         accesses = np.maximum(1, self.accesses)[:, None]
-        for policy in CURVE_POLICIES:
+        for policy in self.curves:
             caches = _Caches(policy, n_layers, n_exp)
             for s, (order, valid, decode) in enumerate(steps):
                 caches.step(order, valid, nexts[s] if policy == "belady" else None, decode)
@@ -274,8 +301,12 @@ class ReuseAccumulator:
         out["working_set"] = {
             str(w): _num(v) for w, v in zip(WINDOWS, _layer_mean(ws), strict=True)
         }
-        out["reuse_distance"] = self._distance_summary(self.dist_hist.sum(0), self.first_use.sum(), self.accesses.sum())
-        out["stack_distance"] = self._stack_summary(self.stack_hist.sum(0), self.first_use.sum(), self.accesses.sum())
+        out["reuse_distance"] = self._distance_summary(
+            self.dist_hist.sum(0), self.first_use.sum(), self.accesses.sum()
+        )
+        out["stack_distance"] = self._stack_summary(
+            self.stack_hist.sum(0), self.first_use.sum(), self.accesses.sum()
+        )
         for layer in range(n_layers):
             row = per[layer]
             row["overlap_by_lag"] = lag_dict(lags[layer])
@@ -283,17 +314,12 @@ class ReuseAccumulator:
             row["reuse_distance"] = self._distance_summary(
                 self.dist_hist[layer], self.first_use[layer], self.accesses[layer]
             )
-        if self.curves and self.decode_tokens:
-            curves = self._curves()
-            for policy, rates in curves.items():
-                out[f"{policy}_curve"] = [float(v) for v in rates.mean(axis=0)]
-                for layer in range(n_layers):
-                    per[layer][f"{policy}_curve"] = [float(v) for v in rates[layer]]
-        else:
-            for policy in CURVE_POLICIES:
-                out[f"{policy}_curve"] = None
-                for row in per:
-                    row[f"{policy}_curve"] = None
+        curves = self._curves() if self.curves and self.decode_tokens else {}
+        for policy in CURVE_POLICIES:
+            rates = curves.get(policy)
+            out[f"{policy}_curve"] = None if rates is None else rates.mean(axis=0).tolist()
+            for layer in range(n_layers):
+                per[layer][f"{policy}_curve"] = None if rates is None else rates[layer].tolist()
         out["per_layer"] = per
         return out
 

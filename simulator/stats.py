@@ -179,7 +179,7 @@ def trace_stats(
     max_sequences: int | None = None,
     phase: str = "decode",
     reuse: bool = True,
-    curves: bool = True,
+    curves: bool | tuple[str, ...] = True,
 ) -> dict[str, Any]:
     """Routing statistics per layer and their mean over layers (see docs/trace-format.md).
 
@@ -189,7 +189,8 @@ def trace_stats(
     statistics use: ``decode`` (default), ``prefill`` or ``all``; ``prefill_decode_cosine``
     always compares the two phases. Undefined values (no tokens or pairs) are None.
     ``reuse`` adds the reuse statistics of ``simulator.reuse`` (always over decode tokens, with
-    the sequences in the order given), and ``curves`` their LRU/Belady hit-rate curves.
+    the sequences in the order given), and ``curves`` their LRU/Belady hit-rate curves (True
+    for both, or a tuple of ``"lru"``/``"belady"``).
     """
     if phase not in PHASE_CHOICES:
         raise ValueError(f"phase must be one of {PHASE_CHOICES}, got {phase!r}")
