@@ -78,6 +78,10 @@ def _num(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
+def _listed(values: np.ndarray) -> list[float | None]:
+    return [_num(v) for v in values]
+
+
 def _layer_mean(values: np.ndarray) -> np.ndarray:
     """Mean over layers (axis 0) of the finite values; NaN where a column has none."""
     ok = np.isfinite(values)
@@ -93,6 +97,7 @@ class _Caches:
     policy: str
     layers: int
     experts: int
+    capacities: tuple[int, ...] = ()  # per-layer capacities to simulate (default 1..E)
     resident: np.ndarray = field(init=False)  # [L, C, E]
     key: np.ndarray = field(init=False)  # [L, C, E] LRU recency (larger = more recent)
     count: np.ndarray = field(init=False)  # [L, C] residents
@@ -101,17 +106,18 @@ class _Caches:
 
     def __post_init__(self) -> None:
         n_exp = self.experts
-        cap = np.arange(1, n_exp + 1)
+        cap = np.array(self.capacities or range(1, n_exp + 1), dtype=np.int64)
+        n_cap = cap.size
         self.cap = cap[None, :]
         ids = np.arange(n_exp)
         # initial=first: experts 0..c-1 resident, inserted in id order (0 the oldest)
         first = ids[None, :] < cap[:, None]  # [C, E]
-        self.resident = np.broadcast_to(first, (self.layers, n_exp, n_exp)).copy()
-        self.key = np.broadcast_to(ids - n_exp, (self.layers, n_exp, n_exp)).astype(np.int64)
+        self.resident = np.broadcast_to(first, (self.layers, n_cap, n_exp)).copy()
+        self.key = np.broadcast_to(ids - n_exp, (self.layers, n_cap, n_exp)).astype(np.int64)
         self.count = self.resident.sum(axis=2)
-        self.hits = np.zeros((self.layers, n_exp), dtype=np.int64)
+        self.hits = np.zeros((self.layers, n_cap), dtype=np.int64)
         self._lay = np.arange(self.layers)[:, None, None]
-        self._caps = np.arange(n_exp)[None, :, None]
+        self._caps = np.arange(n_cap)[None, :, None]
         self._lay1 = np.arange(self.layers)[:, None]
         self._ids = ids
 
@@ -181,7 +187,12 @@ class ReuseAccumulator:
     """Reuse statistics over sequences given in order (decode tokens; see module doc)."""
 
     def __init__(
-        self, layers: int, experts: int, top_k: int, curves: bool | tuple[str, ...] = True
+        self,
+        layers: int,
+        experts: int,
+        top_k: int,
+        curves: bool | tuple[str, ...] = True,
+        capacities: tuple[int, ...] | None = None,
     ) -> None:
         self.layers, self.experts, self.top_k = layers, experts, top_k
         self.lag_sum = np.zeros((layers, len(LAGS)))
@@ -195,6 +206,10 @@ class ReuseAccumulator:
         self.decode_tokens = 0
         #: which hit-rate curves to compute (True: all of CURVE_POLICIES)
         self.curves = CURVE_POLICIES if curves is True else tuple(curves or ())
+        #: capacities the curves are computed at (others are None); default every one, 1..E
+        self.capacities = tuple(sorted(set(capacities or range(1, experts + 1))))
+        if not all(1 <= c <= experts for c in self.capacities):
+            raise ValueError(f"curve capacities must be within 1..{experts}")
         self._seqs: list[tuple[int, np.ndarray]] = []  # (prefill tokens, experts)
 
     def add(self, r: SequenceRouting) -> None:
@@ -252,7 +267,8 @@ class ReuseAccumulator:
             seen[cur] = i
 
     def _curves(self) -> dict[str, np.ndarray]:
-        """Per-layer decode hit rates [L, E] of LRU and Belady at capacities 1..E."""
+        """Per-layer decode hit rates [L, E] of LRU and Belady at capacities 1..E (NaN at
+        capacities not asked for)."""
         n_layers, n_exp = self.layers, self.experts
         steps: list[tuple[np.ndarray, np.ndarray, bool]] = []
         for p, experts in self._seqs:
@@ -278,10 +294,12 @@ class ReuseAccumulator:
         out = {}
         accesses = np.maximum(1, self.accesses)[:, None]
         for policy in self.curves:
-            caches = _Caches(policy, n_layers, n_exp)
+            caches = _Caches(policy, n_layers, n_exp, self.capacities)
             for s, (order, valid, decode) in enumerate(steps):
                 caches.step(order, valid, nexts[s] if policy == "belady" else None, decode)
-            out[policy] = caches.hits / accesses
+            rates = np.full((n_layers, n_exp), np.nan)
+            rates[:, np.array(self.capacities) - 1] = caches.hits / accesses
+            out[policy] = rates
         return out
 
     def finish(self) -> dict[str, Any]:
@@ -317,9 +335,9 @@ class ReuseAccumulator:
         curves = self._curves() if self.curves and self.decode_tokens else {}
         for policy in CURVE_POLICIES:
             rates = curves.get(policy)
-            out[f"{policy}_curve"] = None if rates is None else rates.mean(axis=0).tolist()
+            out[f"{policy}_curve"] = None if rates is None else _listed(rates.mean(axis=0))
             for layer in range(n_layers):
-                per[layer][f"{policy}_curve"] = None if rates is None else rates[layer].tolist()
+                per[layer][f"{policy}_curve"] = None if rates is None else _listed(rates[layer])
         out["per_layer"] = per
         return out
 

@@ -180,6 +180,7 @@ def trace_stats(
     phase: str = "decode",
     reuse: bool = True,
     curves: bool | tuple[str, ...] = True,
+    capacities: tuple[int, ...] | None = None,
 ) -> dict[str, Any]:
     """Routing statistics per layer and their mean over layers (see docs/trace-format.md).
 
@@ -190,7 +191,8 @@ def trace_stats(
     always compares the two phases. Undefined values (no tokens or pairs) are None.
     ``reuse`` adds the reuse statistics of ``simulator.reuse`` (always over decode tokens, with
     the sequences in the order given), and ``curves`` their LRU/Belady hit-rate curves (True
-    for both, or a tuple of ``"lru"``/``"belady"``).
+    for both, or a tuple of ``"lru"``/``"belady"``) at ``capacities`` (default 1..E; others
+    are None).
     """
     if phase not in PHASE_CHOICES:
         raise ValueError(f"phase must be one of {PHASE_CHOICES}, got {phase!r}")
@@ -203,7 +205,9 @@ def trace_stats(
         routings = source
     model = meta.model
     acc = _Acc(model.moe_layers, model.experts)
-    reuse_acc = ReuseAccumulator(model.moe_layers, model.experts, model.top_k, curves=curves)
+    reuse_acc = ReuseAccumulator(
+        model.moe_layers, model.experts, model.top_k, curves=curves, capacities=capacities
+    )
     counts = {"sequences": 0, "prefill_tokens": 0, "decode_tokens": 0}
     phase_tokens = 0
     filled = 0

@@ -678,3 +678,17 @@ def test_cli_fit_reports_error_per_target_and_ignores(tmp_path: Path) -> None:
     assert set(doc["errors"]) == set(doc["targets"])
     res = CliRunner().invoke(main, [*args[:-6], "--ignore", "bogus"])
     assert res.exit_code == 2 and "error: --ignore 'bogus'" in res.output
+
+
+def test_preset_calibration_rows_exist_and_are_marked() -> None:
+    from simulator.validation import load_table
+
+    rows = {r.id: r for r in load_table()}
+    listed = [(p.name, rid) for p in PRESETS.values() for rid in p.calibration_rows]
+    assert listed  # the Mixtral and DeepSeek presets were fitted to published rows
+    for name, rid in listed:
+        assert rid in rows, (name, rid)
+        assert rows[rid].role == "calibration" and name in rows[rid].calibrated, rid
+    res = CliRunner().invoke(main, ["synth", "presets", "--json"])
+    by_name = {p["name"]: p for p in json.loads(res.output)}
+    assert by_name["deepseek-v2-lite"]["calibration_rows"] == ["hybrimoe-lru-deepseek-v2-lite-25"]

@@ -150,6 +150,7 @@ def presets_cmd(as_json: bool) -> None:
             "model": p.model,
             "matches": p.matches,
             "assumes": p.assumes,
+            "calibration_rows": list(p.calibration_rows),
             "params": p.params.to_dict(),
         }
         for p in PRESETS.values()
@@ -162,6 +163,8 @@ def presets_cmd(as_json: bool) -> None:
             f"{r['name']:<22} model {r['model']}\n  matches: {r['matches']}\n"
             f"  assumes: {r['assumes']}"
         )
+        if r["calibration_rows"]:
+            click.echo("  fitted to validation rows: " + ", ".join(r["calibration_rows"]))
 
 
 def _load_target(path: str) -> dict[str, Any]:
