@@ -19,11 +19,12 @@ that layer) lies farthest ahead, ties to the lowest id.
 Why not one Mattson stack: with that rule the cache *contents* still nest across capacities
 (the inclusion property holds), but the recency order inside a step depends on which of its
 experts were hits, and a prefill step touches its hits in count order, so LRU is not a stack
-algorithm here and one stack-distance pass would be off by a little. The pass below advances all
-capacities together instead: one pass over the steps, vectorised over layers and capacities
-(cost per step proportional to layers x E^2 x k). The plain LRU stack distance (distinct
-experts since the last use) is reported too, as ``stack_distance``: it is Mattson's quantity and
-gives the curve of a textbook per-access LRU without the serving rule.
+algorithm here and one stack-distance pass would not reproduce the engine's hit counts exactly.
+The pass below advances all capacities together instead: one pass over the steps, vectorised
+over layers and capacities (cost per step proportional to layers x capacities x E log E). The
+plain LRU stack distance (distinct experts since the last use) is reported too, as
+``stack_distance``: it is Mattson's quantity and gives the curve of a textbook per-access LRU
+without the serving rule.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@ checked against the engine's own lru and belady runs at every per-layer capacity
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -116,3 +117,31 @@ def test_accumulator_without_decode_tokens() -> None:
     out = acc.finish()
     assert out["lru_curve"] is None
     assert all(v is None for v in out["overlap_by_lag"].values())
+
+
+def test_cli_stats_prints_reuse_and_skips_curves(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from simulator.cli import main
+
+    path, _ = _hand(tmp_path)
+    res = CliRunner().invoke(main, ["trace", "stats", str(path)])
+    assert res.exit_code == 0, res.output
+    assert "reuse over decode tokens" in res.output and "LRU hit rate" in res.output
+    res = CliRunner().invoke(main, ["trace", "stats", str(path), "--no-curves", "--json"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    assert data["lru_curve"] is None and data["overlap_by_lag"]["2"] == pytest.approx(1.5 / 4)
+    assert data["per_layer"][0]["reuse_distance"]["first_use"] == pytest.approx(0.5)
+
+
+def test_curves_at_chosen_capacities_only(tmp_path: Path) -> None:
+    path, _ = _hand(tmp_path)
+    full = trace_stats(path)
+    some = trace_stats(path, curves=("lru",), capacities=(2, 5))
+    assert some["belady_curve"] is None
+    assert some["lru_curve"][1] == full["lru_curve"][1]
+    assert some["lru_curve"][4] == full["lru_curve"][4]
+    assert some["lru_curve"][0] is None and some["lru_curve"][5] is None
+    with pytest.raises(ValueError, match="capacities"):
+        trace_stats(path, capacities=(0,))

@@ -217,10 +217,16 @@ def _echo_reuse(s: dict[str, Any]) -> None:
             f"median {_fmt(rd['p50'])}, p90 {_fmt(rd['p90'])}"
         )
     if s.get("lru_curve") is not None:
-        caps = range(1, len(s["lru_curve"]) + 1)
+        n_exp, k = len(s["lru_curve"]), s["top_k"]
+        # every capacity up to 16 experts, else a readable subset (--json has all of them)
+        caps = (
+            list(range(1, n_exp + 1))
+            if n_exp <= 16
+            else sorted({1, k, 2 * k, n_exp} | {n_exp * i // 8 for i in range(1, 8)})
+        )
         click.echo(_row("capacity per layer", []) + " ".join(f"{c:>7}" for c in caps))
-        click.echo(_row("LRU hit rate", s["lru_curve"]))
-        click.echo(_row("Belady hit rate", s["belady_curve"]))
+        for label, key in (("LRU hit rate", "lru_curve"), ("Belady hit rate", "belady_curve")):
+            click.echo(_row(label, [s[key][c - 1] for c in caps]))
 
 
 @trace.command("import")
