@@ -18,8 +18,10 @@ from simulator.testing import make_meta, routing_from_experts, tiny_model
 from simulator.trace import iter_sequences, read_meta, sequence_ids, write_trace
 
 
-def _engine_rates(path: Path, policy: str, capacity: int, layers: int) -> tuple[float, list]:
-    res = simulate(policy, trace=path, gpu_experts=capacity * layers, record=False)
+def _engine_rates(
+    path: Path, policy: str, capacity: int, layers: int, hw: str = "a6000-pcie4"
+) -> tuple[float, list]:
+    res = simulate(policy, hw=hw, trace=path, gpu_experts=capacity * layers, record=False)
     return res.metrics["hit_rate"], res.per_layer_hit_rate
 
 
@@ -145,3 +147,15 @@ def test_curves_at_chosen_capacities_only(tmp_path: Path) -> None:
     assert some["lru_curve"][0] is None and some["lru_curve"][5] is None
     with pytest.raises(ValueError, match="capacities"):
         trace_stats(path, capacities=(0,))
+
+
+@pytest.mark.parametrize("policy", ["lru", "belady"])
+def test_curves_equal_engine_on_bundled_ci_trace(policy: str) -> None:
+    """The bundled CI trace (Mixtral shape, 32 prompt tokens using all experts per layer)."""
+    from simulator.data import resolve_trace
+
+    path = resolve_trace("ci-small")
+    s = _eval_stats(path)
+    for capacity in (1, 3, 5):  # 5 x 32 Mixtral experts fit in 80 GB
+        rate, _ = _engine_rates(path, policy, capacity, 32, hw="a100-80g-pcie4")
+        assert s[f"{policy}_curve"][capacity - 1] == pytest.approx(rate, abs=1e-9), capacity
