@@ -45,6 +45,7 @@ WINDOWS = (8, 32, 128)
 DISTANCE_BINS = (1, 2, 4, 8, 16, 32, 64, 128)
 _QUANTILES = (0.25, 0.5, 0.75, 0.9)
 _NEVER = np.iinfo(np.int64).max // 4
+_NEVER32 = np.iinfo(np.int32).max  # "never used again" in the next-use arrays
 CURVE_POLICIES = ("lru", "belady")
 
 
@@ -123,9 +124,10 @@ class _Caches:
         self._ids = ids
 
     def step(
-        self, order: np.ndarray, valid: np.ndarray, nxt: np.ndarray | None, decode: bool
+        self, order: np.ndarray, valid: np.ndarray | None, nxt: np.ndarray | None, decode: bool
     ) -> None:
-        """Serve one step: ``order`` [L, w] expert ids in routing order, ``valid`` [L, w].
+        """Serve one step: ``order`` [L, w] expert ids in routing order, ``valid`` [L, w]
+        (None: all of them are used); ``nxt`` [L, E] is each expert's next use (Belady).
 
         The engine handles a step's misses one by one; this does them at once, which gives
         the same result: the first misses (routing order) take the free slots, each later
@@ -138,7 +140,7 @@ class _Caches:
         res, key = self.resident, self.key
         lay, caps = self._lay, self._caps
         idx = order[:, None, :]
-        partial = not valid.all()
+        partial = valid is not None and not valid.all()
         hit = res[lay, caps, idx]  # [L, C, w]
         if partial:
             hit &= valid[:, None, :]
@@ -160,7 +162,7 @@ class _Caches:
         # a step's ids are distinct (a decode top-k, or a permutation of all experts in
         # prefill with the unused ones marked invalid)
         needed = np.zeros((order.shape[0], self.experts), dtype=bool)
-        needed[self._lay1, order] = valid
+        needed[self._lay1, order] = True if valid is None else valid
         cand = res & ~needed[:, None, :]
         n_evict = np.minimum(np.maximum(n_miss - free_slots, 0), cand.sum(axis=2))
         if n_evict.any():
@@ -271,7 +273,8 @@ class ReuseAccumulator:
         """Per-layer decode hit rates [L, E] of LRU and Belady at capacities 1..E (NaN at
         capacities not asked for)."""
         n_layers, n_exp = self.layers, self.experts
-        steps: list[tuple[np.ndarray, np.ndarray, bool]] = []
+        # (ids in routing order [L, w], which are used [L, w] or None for all, decode step)
+        steps: list[tuple[np.ndarray, np.ndarray | None, bool]] = []
         for p, experts in self._seqs:
             if p:
                 counts = np.zeros((n_layers, n_exp), dtype=np.int64)
@@ -279,29 +282,45 @@ class ReuseAccumulator:
                 np.add.at(counts, (lay.ravel(), experts[:p].astype(np.int64).ravel()), 1)
                 # descending count, ties by id (the engine's stable sort of the used ids)
                 order = np.argsort(-counts, axis=1, kind="stable")
-                valid = np.take_along_axis(counts, order, axis=1) > 0
-                steps.append((order, valid, False))
-            ex = experts[p:].astype(np.int64)
-            ok = np.ones(ex.shape[1:], dtype=bool)
-            steps.extend((ex[i], ok, True) for i in range(ex.shape[0]))
-        # next use of every (layer, expert) after each step (Belady's oracle), built backwards
-        nexts: list[np.ndarray] = [np.empty(0)] * len(steps)
-        upcoming = np.full((n_layers, n_exp), _NEVER, dtype=np.int64)
-        for s in range(len(steps) - 1, -1, -1):
-            nexts[s] = upcoming.copy()
-            order, valid, _ = steps[s]
-            lay, col = np.nonzero(valid)
-            upcoming[lay, order[lay, col]] = s
+                steps.append((order, np.take_along_axis(counts, order, axis=1) > 0, False))
+            dec = experts[p:]  # stored ids (int16): no widened copy of the whole trace
+            steps.extend((dec[i], None, True) for i in range(dec.shape[0]))
         out = {}
         accesses = np.maximum(1, self.accesses)[:, None]
+        caps = np.array(self.capacities) - 1
         for policy in self.curves:
             caches = _Caches(policy, n_layers, n_exp, self.capacities)
-            for s, (order, valid, decode) in enumerate(steps):
-                caches.step(order, valid, nexts[s] if policy == "belady" else None, decode)
+            if policy == "belady":
+                self._replay_belady(caches, steps)
+            else:
+                for order, valid, decode in steps:
+                    caches.step(order, valid, None, decode)
             rates = np.full((n_layers, n_exp), np.nan)
-            rates[:, np.array(self.capacities) - 1] = caches.hits / accesses
+            rates[:, caps] = caches.hits / accesses
             out[policy] = rates
         return out
+
+    def _replay_belady(
+        self, caches: _Caches, steps: list[tuple[np.ndarray, np.ndarray | None, bool]]
+    ) -> None:
+        """Belady needs each resident's next use: per access, the next step that uses the
+        same (layer, expert), found in one backward pass (memory: one int32 per access)."""
+        lay1 = np.arange(self.layers)[:, None]
+        upcoming = np.full((self.layers, self.experts), _NEVER32, dtype=np.int32)
+        after: list[np.ndarray] = [upcoming] * len(steps)
+        for s in range(len(steps) - 1, -1, -1):
+            order, valid, _ = steps[s]
+            now = upcoming[lay1, order]
+            after[s] = now
+            upcoming[lay1, order] = s if valid is None else np.where(valid, s, now)
+        next_use = upcoming.astype(np.int64)  # first use of each (layer, expert)
+        for s, (order, valid, decode) in enumerate(steps):
+            # the step's own experts move on to their following use; the others keep theirs
+            if valid is None:
+                next_use[lay1, order] = after[s]
+            else:
+                next_use[lay1, order] = np.where(valid, after[s], next_use[lay1, order])
+            caches.step(order, valid, next_use, decode)
 
     def finish(self) -> dict[str, Any]:
         """The reuse statistics: top-level values and a ``per_layer`` list of rows."""
