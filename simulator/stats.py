@@ -1,9 +1,11 @@
 """Routing statistics of a trace: popularity, temporal locality, gate sharpness, look-ahead.
 
 ``trace_stats`` streams a trace sequence by sequence and keeps only per-layer accumulators, so
-memory does not grow with the file. Every quantity is defined in docs/trace-format.md
-("Statistics") exactly as computed here; ``uniform_baseline`` gives the values independent
-uniform top-k routing would have, to read real numbers against.
+memory does not grow with the file; the one exception is the LRU/Belady hit-rate replay of
+``simulator.reuse``, which keeps the stored expert ids (2 bytes per expert per row) until the
+end (``curves=False`` turns it off). Every quantity is defined in docs/trace-format.md
+("Statistics", "Reuse statistics") exactly as computed here; ``uniform_baseline`` gives the
+values independent uniform top-k routing would have, to read real numbers against.
 """
 
 from __future__ import annotations
