@@ -11,25 +11,36 @@ import pytest
 
 from simulator.models import ModelShape
 from simulator.reuse import LAGS, ReuseAccumulator
-from simulator.runner import simulate, split_sequences
+from simulator.runner import simulate
 from simulator.stats import trace_stats
 from simulator.synth import SynthParams, write_synthetic
 from simulator.testing import make_meta, routing_from_experts, tiny_model
 from simulator.trace import iter_sequences, read_meta, sequence_ids, write_trace
 
+#: The sequences both sides use: the engine evaluates exactly these (``evaluate=``), in file
+#: order, and the statistics read the same ones.
+EVAL_IDS = [0, 1, 2]
+
 
 def _engine_rates(
     path: Path, policy: str, capacity: int, layers: int, hw: str = "a6000-pcie4"
 ) -> tuple[float, list]:
-    res = simulate(policy, hw=hw, trace=path, gpu_experts=capacity * layers, record=False)
+    res = simulate(
+        policy,
+        hw=hw,
+        trace=path,
+        gpu_experts=capacity * layers,
+        evaluate=EVAL_IDS,
+        record=False,
+    )
     return res.metrics["hit_rate"], res.per_layer_hit_rate
 
 
 def _eval_stats(path: Path) -> dict:
-    """Stats over the sequences `daopsim run` evaluates, in its order."""
+    """Stats over the sequences the engine runs evaluate, in their order."""
     meta = read_meta(path)
-    eval_ids, _ = split_sequences(meta, sequence_ids(path), None, False)
-    seqs = list(iter_sequences(path, meta, sequences=set(eval_ids)))
+    assert set(EVAL_IDS) <= set(sequence_ids(path))
+    seqs = list(iter_sequences(path, meta, sequences=set(EVAL_IDS)))
     return trace_stats(seqs, meta=meta)
 
 
