@@ -1,9 +1,11 @@
 """Routing statistics of a trace: popularity, temporal locality, gate sharpness, look-ahead.
 
 ``trace_stats`` streams a trace sequence by sequence and keeps only per-layer accumulators, so
-memory does not grow with the file. Every quantity is defined in docs/trace-format.md
-("Statistics") exactly as computed here; ``uniform_baseline`` gives the values independent
-uniform top-k routing would have, to read real numbers against.
+memory does not grow with the file; the one exception is the LRU/Belady hit-rate replay of
+``simulator.reuse``, which keeps the stored expert ids (2 bytes per expert per row) until the
+end (``curves=False`` turns it off). Every quantity is defined in docs/trace-format.md
+("Statistics", "Reuse statistics") exactly as computed here; ``uniform_baseline`` gives the
+values independent uniform top-k routing would have, to read real numbers against.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from simulator.reuse import ReuseAccumulator
 from simulator.trace import SequenceRouting, TraceMeta, iter_sequences, read_meta
 
 #: The per-layer statistics, in the order they are reported.
@@ -177,6 +180,9 @@ def trace_stats(
     meta: TraceMeta | None = None,
     max_sequences: int | None = None,
     phase: str = "decode",
+    reuse: bool = True,
+    curves: bool | tuple[str, ...] = True,
+    capacities: tuple[int, ...] | None = None,
 ) -> dict[str, Any]:
     """Routing statistics per layer and their mean over layers (see docs/trace-format.md).
 
@@ -185,6 +191,10 @@ def trace_stats(
     that many sequences. ``phase`` picks the tokens the popularity, pair, weight and look-ahead
     statistics use: ``decode`` (default), ``prefill`` or ``all``; ``prefill_decode_cosine``
     always compares the two phases. Undefined values (no tokens or pairs) are None.
+    ``reuse`` adds the reuse statistics of ``simulator.reuse`` (always over decode tokens, with
+    the sequences in the order given), and ``curves`` their LRU/Belady hit-rate curves (True
+    for both, or a tuple of ``"lru"``/``"belady"``) at ``capacities`` (default 1..E; others
+    are None).
     """
     if phase not in PHASE_CHOICES:
         raise ValueError(f"phase must be one of {PHASE_CHOICES}, got {phase!r}")
@@ -197,6 +207,9 @@ def trace_stats(
         routings = source
     model = meta.model
     acc = _Acc(model.moe_layers, model.experts)
+    reuse_acc = ReuseAccumulator(
+        model.moe_layers, model.experts, model.top_k, curves=curves, capacities=capacities
+    )
     counts = {"sequences": 0, "prefill_tokens": 0, "decode_tokens": 0}
     phase_tokens = 0
     filled = 0
@@ -205,6 +218,8 @@ def trace_stats(
             break
         _add_sequence(acc, r, phase)
         filled += 0 if r.filled is None else int(np.count_nonzero(r.filled))
+        if reuse:
+            reuse_acc.add(r)
         phase_tokens += {"decode": r.n_decode, "prefill": r.n_prefill}.get(phase, r.n_tokens)
         counts["sequences"] += 1
         counts["prefill_tokens"] += r.n_prefill
@@ -248,6 +263,11 @@ def trace_stats(
             "per_layer": per_layer,
         }
     )
+    if reuse:
+        extra = reuse_acc.finish()
+        for row, more in zip(per_layer, extra.pop("per_layer"), strict=True):
+            row.update(more)
+        out.update(extra)
     return out
 
 

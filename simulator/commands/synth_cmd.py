@@ -150,6 +150,7 @@ def presets_cmd(as_json: bool) -> None:
             "model": p.model,
             "matches": p.matches,
             "assumes": p.assumes,
+            "calibration_rows": list(p.calibration_rows),
             "params": p.params.to_dict(),
         }
         for p in PRESETS.values()
@@ -162,6 +163,8 @@ def presets_cmd(as_json: bool) -> None:
             f"{r['name']:<22} model {r['model']}\n  matches: {r['matches']}\n"
             f"  assumes: {r['assumes']}"
         )
+        if r["calibration_rows"]:
+            click.echo("  fitted to validation rows: " + ", ".join(r["calibration_rows"]))
 
 
 def _load_target(path: str) -> dict[str, Any]:
@@ -222,6 +225,14 @@ def _load_target(path: str) -> dict[str, Any]:
     default=None,
     help="Generated tokens per sequence (default: from the stats, else 512).",
 )
+@click.option(
+    "--ignore",
+    default=None,
+    metavar="NAMES",
+    help="Comma-separated targets to leave out: keys or key prefixes (overlap_by_lag, "
+    "lru_curve, popularity_hit), labels (lru_curve[3]), per_layer, or short names "
+    "(lookahead, cosine, entropy, overlap, lags, lru, popularity).",
+)
 @click.option("--iterations", type=int, default=10, show_default=True)
 @click.option("--seed", type=int, default=12345, show_default=True)
 @click.option(
@@ -238,6 +249,7 @@ def fit_cmd(
     preset: str | None,
     params: tuple[str, ...],
     free: str | None,
+    ignore: str | None,
     sequences: int | None,
     prompt_tokens: int | None,
     output_tokens: int | None,
@@ -270,6 +282,7 @@ def fit_cmd(
             "synth fit: need --sequences >= 1, --prompt-tokens >= 1, --output-tokens >= 2"
         )
     free_list = [f.strip() for f in free.split(",") if f.strip()] if free else None
+    ignore_list = [f.strip() for f in ignore.split(",") if f.strip()] if ignore else None
 
     def progress(it: int, cost: float) -> None:
         if not as_json:
@@ -286,6 +299,7 @@ def fit_cmd(
         iterations=iterations,
         free=free_list,
         progress=progress,
+        ignore=ignore_list,
     )
     doc = result.to_dict(shape.name)
     doc["fit"].update(
@@ -302,5 +316,12 @@ def fit_cmd(
         echo_json(doc)
     else:
         click.echo(f"wrote {output}")
+        errors = result.errors
         for key, goal in result.targets.items():
-            click.echo(f"  {key:<36} target {goal:.4f}  achieved {result.achieved[key]:.4f}")
+            err = errors[key]
+            click.echo(
+                f"  {key:<36} target {goal:.4f}  achieved {result.achieved[key]:.4f}  error "
+                + ("-" if err is None else f"{err:+.4f}")
+            )
+        if result.ignored:
+            click.echo("  ignored: " + ", ".join(result.ignored))

@@ -155,9 +155,21 @@ _SHORT = {
     show_default=True,
     help="Tokens the popularity, pair, weight and look-ahead statistics use.",
 )
-def stats_cmd(path: str, as_json: bool, max_sequences: int | None, phase: str) -> None:
-    """Routing statistics of PATH per layer and mean over layers (see docs/trace-format.md)."""
-    s = trace_stats(path, max_sequences=max_sequences, phase=phase)
+@click.option(
+    "--curves/--no-curves",
+    default=True,
+    show_default=True,
+    help="Compute the per-layer LRU and Belady hit-rate curves (the slowest part).",
+)
+def stats_cmd(
+    path: str, as_json: bool, max_sequences: int | None, phase: str, curves: bool
+) -> None:
+    """Routing statistics of PATH per layer and mean over layers (see docs/trace-format.md).
+
+    Also reuse statistics over decode tokens: overlap against lag, reuse distances, working
+    sets, and the LRU and Belady hit rates at every per-layer capacity.
+    """
+    s = trace_stats(path, max_sequences=max_sequences, phase=phase, curves=curves)
     if as_json:
         echo_json(s)
         return
@@ -180,6 +192,41 @@ def stats_cmd(path: str, as_json: bool, max_sequences: int | None, phase: str) -
     base = s["uniform_baseline"]
     cells = " ".join(f"{_fmt(base[k]) if k in base else '':>10}" for k in STAT_KEYS)
     click.echo(("chance" + cells).rstrip())
+    _echo_reuse(s)
+
+
+def _row(label: str, values: list[float | None]) -> str:
+    return f"{label:<22}" + " ".join(f"{_fmt(v):>7}" for v in values)
+
+
+def _echo_reuse(s: dict[str, Any]) -> None:
+    """The reuse statistics as a few compact lines (means over layers)."""
+    lags = s["overlap_by_lag"]
+    click.echo("\nreuse over decode tokens (mean over layers)")
+    click.echo(_row("lag", []) + " ".join(f"{lag:>7}" for lag in lags))
+    click.echo(_row("overlap", list(lags.values())))
+    ws = s["working_set"]
+    click.echo(_row("window (tokens)", []) + " ".join(f"{w:>7}" for w in ws))
+    click.echo(_row("distinct experts", list(ws.values())))
+    rd = s["reuse_distance"]
+    if rd["share"] is not None:
+        click.echo(_row("reuse distance", []) + " ".join(f"{b:>7}" for b in rd["bins"]))
+        click.echo(_row("share of accesses", rd["share"]))
+        click.echo(
+            f"first use {_fmt(rd['first_use'])}, mean distance {_fmt(rd['mean'])} tokens, "
+            f"median {_fmt(rd['p50'])}, p90 {_fmt(rd['p90'])}"
+        )
+    if s.get("lru_curve") is not None:
+        n_exp, k = len(s["lru_curve"]), s["top_k"]
+        # every capacity up to 16 experts, else a readable subset (--json has all of them)
+        caps = (
+            list(range(1, n_exp + 1))
+            if n_exp <= 16
+            else sorted({1, k, 2 * k, n_exp} | {n_exp * i // 8 for i in range(1, 8)})
+        )
+        click.echo(_row("capacity per layer", []) + " ".join(f"{c:>7}" for c in caps))
+        for label, key in (("LRU hit rate", "lru_curve"), ("Belady hit rate", "belady_curve")):
+            click.echo(_row(label, [s[key][c - 1] for c in caps]))
 
 
 @trace.command("import")
