@@ -33,6 +33,7 @@ import numpy as np
 from policies.base import Action, Plan, Policy, SetupContext, Slot, View
 from simulator.boundary import Hooks, check_placement, check_plan, check_route
 from simulator.costs import CostModel
+from simulator.errors import PolicyError, UserError
 from simulator.machine import Machine
 from simulator.models import ModelShape
 from simulator.recorder import Recorder
@@ -215,6 +216,8 @@ class EngineBase:
             hits_per_layer=np.zeros(self.n_layers, dtype=np.int64),
             accesses_per_layer=np.zeros(self.n_layers, dtype=np.int64),
         )
+        self._hits = [0] * self.n_layers
+        self._acc = [0] * self.n_layers
         self.expert_bytes = costs.link_expert_bytes  # what one copy moves (host precision)
         self.act_bytes = model.hidden * 2
         self.now = 0.0
@@ -260,6 +263,8 @@ class EngineBase:
     def stats(self, e2e: float) -> RunStats:
         """The run's statistics once it is over."""
         self.c.max_occupancy = self.res.max_occupancy
+        self.c.hits_per_layer = np.array(self._hits, dtype=np.int64)
+        self.c.accesses_per_layer = np.array(self._acc, dtype=np.int64)
         m = self.machine
         return RunStats(counters=self.c, e2e=e2e, busy=m.busy(), workers=m.workers())
 
@@ -383,7 +388,12 @@ class EngineBase:
                         v.next_probs = ep_t[layer + 1]
                     else:
                         v.next_experts = v.next_probs = None
-                plan = hooks.call(hook, decide, v)
+                try:  # Hooks.call, inlined on the per-layer path
+                    plan = decide(v)
+                except (PolicyError, UserError):
+                    raise
+                except Exception as exc:
+                    raise hooks.fault(hook, exc) from exc
                 if prefill:
                     if plan.__class__ is Plan and plan.route is not None:
                         raise hooks.error(
@@ -399,7 +409,13 @@ class EngineBase:
                     hooks, plan, layer, routed, self.res, self.spec, self.precalc, now
                 )
                 if not prefill:
-                    self._fidelity(plan, route, experts, w_t[layer], ws_t[layer])
+                    if route is None:  # the trace's routing: all its gate mass is kept
+                        c.true_accesses += len(experts)
+                        ws = ws_t[layer]
+                        c.gate_mass_total += ws
+                        c.gate_mass_kept += ws
+                    else:
+                        self._fidelity(plan, route, experts, w_t[layer], ws_t[layer])
                 work = self._apply(plan, layer, order, routed, counts, now, prefill)
                 end = yield work
                 assert end is not None
@@ -447,8 +463,9 @@ class EngineBase:
         else:
             c.decode_accesses += n_routed
             c.decode_hits += n_hits
-            c.hits_per_layer[layer] += n_hits  # type: ignore[index]
-            c.accesses_per_layer[layer] += n_routed  # type: ignore[index]
+            # plain lists on the hot path; the counters' arrays are filled in by stats()
+            self._hits[layer] += n_hits
+            self._acc[layer] += n_routed
 
     # -- a checked plan into operations ----------------------------------------------------
     def _op(self, kind: int, rkind: str, layer: int, expert: int, w: LayerWork) -> LayerOp:
@@ -811,14 +828,20 @@ class Engine(EngineBase):
         if not w.ops and not w.results and not w.deferred:
             # nothing submitted and nothing to wait for but copies already timed: the GPU
             # stream runs the experts by (ready time, expert) without touching the heap
-            jobs = w.gpu
-            if all(src.__class__ is float for _, src in jobs):
+            jobs = []
+            for e, src in w.gpu:
+                if src.__class__ is not float:
+                    break
+                jobs.append((src, e))
+            else:
+                jobs.sort()
                 g = now
                 busy = 0.0
                 rec = self.recorder
                 counts = w.counts
                 gpu_s = self.machine.gpu_s
-                for ready, e in sorted([(src, e) for e, src in jobs]):
+                d = gpu_s(1)  # one decode token per expert
+                for ready, e in jobs:
                     if ready > g:
                         c.transfer_stall += ready - g
                         g = ready
