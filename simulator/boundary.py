@@ -213,7 +213,8 @@ def check_plan(
         vl, ve = slot
         if not (0 <= vl < n_layers and 0 <= ve < n_experts):
             raise err(f"evicts ({vl}, {ve}), outside the model", layer)
-        if not is_res(slot):
+        was = changed.get(slot)  # is_res, inlined (called for every eviction)
+        if not (resident[slot] if was is None else was):
             raise err(f"evicts expert {ve} of layer {vl}, which is not resident", layer)
         in_use = vl == layer and ve in needed
         if in_use and not in_use_ok:
