@@ -724,18 +724,40 @@ class Engine(EngineBase):
         c.decode_hits += n
         self._hits[layer] += n
         self._acc[layer] += n
+        where = self.hooks.where
+        return self._timed_gpu(jobs, now, None, where.seq or 0, where.token or 0, layer)
+
+    def _timed_gpu(
+        self,
+        jobs: list[tuple[float, int]],
+        now: float,
+        counts: np.ndarray | None,
+        sid: int,
+        token: int,
+        layer: int,
+    ) -> float:
+        """Run a layer's experts on the GPU stream by (ready time, expert) when every copy is
+        already timed and nothing else is pending; returns when the last one ends."""
         jobs.sort()
+        c = self.c
         g = now
         busy = 0.0
         rec = self.recorder
-        d = self.machine.gpu_s(1)  # one decode token per expert
-        where = self.hooks.where
+        gpu_s = self.machine.gpu_s
+        unified = self._unified
+        d = gpu_s(1)  # one decode token per expert
         for ready, e in jobs:
             if ready > g:
                 c.transfer_stall += ready - g
                 g = ready
+            n = 1
+            if counts is not None:
+                n = int(counts[e])
+                d = gpu_s(n)
             if rec is not None:
-                rec.op("gpu", "expert", where.seq or 0, where.token or 0, layer, e, g, g + d, 0)
+                rec.op("gpu", "expert", sid, token, layer, e, g, g + d, 0)
+            if unified:  # the expert's weight reads share DRAM bandwidth with CPU experts
+                self._gpu_mem(g, g + d, n)
             g += d
             busy += d
         c.gpu_expert_busy += busy
@@ -915,28 +937,7 @@ class Engine(EngineBase):
                     break
                 jobs.append((src, e))
             else:
-                jobs.sort()
-                g = now
-                busy = 0.0
-                rec = self.recorder
-                counts = w.counts
-                gpu_s = self.machine.gpu_s
-                d = gpu_s(1)  # one decode token per expert
-                for ready, e in jobs:
-                    if ready > g:
-                        c.transfer_stall += ready - g
-                        g = ready
-                    n = int(counts[e]) if counts is not None else 1
-                    d = gpu_s(n)
-                    if rec is not None:
-                        rec.op("gpu", "expert", w.sid, w.token, w.layer, e, g, g + d, 0)
-                    if self._unified:
-                        self._gpu_mem(g, g + d, n)
-                    g += d
-                    busy += d
-                c.gpu_expert_busy += busy
-                self.machine.gpu.busy += busy
-                return g
+                return self._timed_gpu(jobs, now, w.counts, w.sid, w.token, w.layer)
         push = self._push
         n_temp = self.machine.buffers["temp"]
         tempq = self._tempq
