@@ -63,16 +63,21 @@ class Hooks:
         except (PolicyError, UserError):
             raise
         except Exception as exc:
-            text = " ".join(str(exc).split()) or "(no message)"
-            w = self.where
-            per_layer = hook.endswith("_layer")
-            raise PolicyError(
-                self.name,
-                f"{hook} raised {type(exc).__name__}: {text}",
-                seq=w.seq,
-                token=w.token if per_layer else None,
-                layer=w.layer if per_layer else None,
-            ) from exc
+            raise self.fault(hook, exc) from exc
+
+    def fault(self, hook: str, exc: Exception) -> PolicyError:
+        """The PolicyError for ``exc`` raised by hook ``hook`` (callers that inline the call on
+        the per-layer hot path raise this ``from exc``)."""
+        text = " ".join(str(exc).split()) or "(no message)"
+        w = self.where
+        per_layer = hook.endswith("_layer")
+        return PolicyError(
+            self.name,
+            f"{hook} raised {type(exc).__name__}: {text}",
+            seq=w.seq,
+            token=w.token if per_layer else None,
+            layer=w.layer if per_layer else None,
+        )
 
 
 def _pair(x: Any) -> Slot | None:
@@ -208,7 +213,8 @@ def check_plan(
         vl, ve = slot
         if not (0 <= vl < n_layers and 0 <= ve < n_experts):
             raise err(f"evicts ({vl}, {ve}), outside the model", layer)
-        if not is_res(slot):
+        was = changed.get(slot)  # is_res, inlined (called for every eviction)
+        if not (resident[slot] if was is None else was):
             raise err(f"evicts expert {ve} of layer {vl}, which is not resident", layer)
         in_use = vl == layer and ve in needed
         if in_use and not in_use_ok:

@@ -33,6 +33,7 @@ import numpy as np
 from policies.base import Action, Plan, Policy, SetupContext, Slot, View
 from simulator.boundary import Hooks, check_placement, check_plan, check_route
 from simulator.costs import CostModel
+from simulator.errors import PolicyError, UserError
 from simulator.machine import Machine
 from simulator.models import ModelShape
 from simulator.recorder import Recorder
@@ -215,6 +216,9 @@ class EngineBase:
             hits_per_layer=np.zeros(self.n_layers, dtype=np.int64),
             accesses_per_layer=np.zeros(self.n_layers, dtype=np.int64),
         )
+        self._wb = self.spec.writeback
+        self._hits = [0] * self.n_layers
+        self._acc = [0] * self.n_layers
         self.expert_bytes = costs.link_expert_bytes  # what one copy moves (host precision)
         self.act_bytes = model.hidden * 2
         self.now = 0.0
@@ -260,12 +264,22 @@ class EngineBase:
     def stats(self, e2e: float) -> RunStats:
         """The run's statistics once it is over."""
         self.c.max_occupancy = self.res.max_occupancy
+        self.c.hits_per_layer = np.array(self._hits, dtype=np.int64)
+        self.c.accesses_per_layer = np.array(self._acc, dtype=np.int64)
         m = self.machine
         return RunStats(counters=self.c, e2e=e2e, busy=m.busy(), workers=m.workers())
 
     def _due(self, now: float) -> bool:
         """Whether the executor must advance its clock to ``now`` before the decision."""
         return True
+
+    def _hits_only(
+        self, layer: int, routed: list[int], actions: dict[int, Any] | None, now: float
+    ) -> float | None:
+        """Check, apply and time a decode plan that only runs resident experts whose copies
+        are timed, in one pass; returns when the layer ends, or None to take the general path
+        (the plan is then untouched). This executor always takes the general path."""
+        return None
 
     def _free_slot(self, t: float) -> None:
         """An evicted expert's slot (no write-back) is free at ``t``."""
@@ -383,7 +397,27 @@ class EngineBase:
                         v.next_probs = ep_t[layer + 1]
                     else:
                         v.next_experts = v.next_probs = None
-                plan = hooks.call(hook, decide, v)
+                try:  # Hooks.call, inlined on the per-layer path
+                    plan = decide(v)
+                except (PolicyError, UserError):
+                    raise
+                except Exception as exc:
+                    raise hooks.fault(hook, exc) from exc
+                if (
+                    not prefill
+                    and plan.__class__ is Plan
+                    and plan.route is None
+                    and not (plan.evict or plan.prefetch or plan.precalc or plan.victims)
+                ):
+                    # the common decode case: every routed expert resident and run on the GPU
+                    end = self._hits_only(layer, experts.tolist(), plan.actions, now)
+                    if end is not None:
+                        c.true_accesses += len(experts)
+                        ws = ws_t[layer]
+                        c.gate_mass_total += ws
+                        c.gate_mass_kept += ws
+                        self.now = end
+                        continue
                 if prefill:
                     if plan.__class__ is Plan and plan.route is not None:
                         raise hooks.error(
@@ -399,7 +433,13 @@ class EngineBase:
                     hooks, plan, layer, routed, self.res, self.spec, self.precalc, now
                 )
                 if not prefill:
-                    self._fidelity(plan, route, experts, w_t[layer], ws_t[layer])
+                    if route is None:  # the trace's routing: all its gate mass is kept
+                        c.true_accesses += len(experts)
+                        ws = ws_t[layer]
+                        c.gate_mass_total += ws
+                        c.gate_mass_kept += ws
+                    else:
+                        self._fidelity(plan, route, experts, w_t[layer], ws_t[layer])
                 work = self._apply(plan, layer, order, routed, counts, now, prefill)
                 end = yield work
                 assert end is not None
@@ -447,8 +487,9 @@ class EngineBase:
         else:
             c.decode_accesses += n_routed
             c.decode_hits += n_hits
-            c.hits_per_layer[layer] += n_hits  # type: ignore[index]
-            c.accesses_per_layer[layer] += n_routed  # type: ignore[index]
+            # plain lists on the hot path; the counters' arrays are filled in by stats()
+            self._hits[layer] += n_hits
+            self._acc[layer] += n_routed
 
     # -- a checked plan into operations ----------------------------------------------------
     def _op(self, kind: int, rkind: str, layer: int, expert: int, w: LayerWork) -> LayerOp:
@@ -458,18 +499,22 @@ class EngineBase:
     def _evict(self, slot: Any, needed: set[int], w: LayerWork) -> None:
         """Free a slot; with write-back the slot stays held until its D2H copy ends."""
         res, c = self.res, self.c
-        slot = (int(slot[0]), int(slot[1]))
         vl, ve = slot
-        res.remove(slot)
+        if vl.__class__ is not int or ve.__class__ is not int:  # numpy integers (checked)
+            vl, ve = int(vl), int(ve)
+        slot = (vl, ve)
+        res.resident[slot] = False  # Residency.remove, inlined
+        res.n_resident -= 1
         c.evictions += 1
         if vl == w.layer and ve in needed:
             # the victim still runs in this layer: written back after its computation
             w.deferred[ve] = self._writeback(slot, w)
             return
-        if res.prefetched[slot]:
-            res.prefetched[slot] = False
+        prefetched = res.prefetched
+        if prefetched[slot]:
+            prefetched[slot] = False
             c.prefetch_wasted_bytes += self.expert_bytes
-        if self.spec.writeback:
+        if self._wb:
             w.ops.append(self._writeback(slot, w))
         else:  # the slot is free at once (nothing ever waits for one without write-back)
             self._free_slot(w.now)
@@ -483,9 +528,13 @@ class EngineBase:
     def _fetch(self, slot: Slot, kind: str, victim: Any, needed: set[int], w: LayerWork) -> LayerOp:
         if victim is not None:
             self._evict(victim, needed, w)
-        self._seq += 1
-        op = LayerOp(FETCH, kind, self._seq, w.sid, w.token, slot[0], slot[1])
-        self.res.insert(slot, op)
+        self._seq = seq = self._seq + 1
+        op = LayerOp(FETCH, kind, seq, w.sid, w.token, slot[0], slot[1])
+        res = self.res
+        res.resident[slot] = True  # Residency.insert, inlined
+        res.ready_at[slot] = INF
+        res.copying[slot] = op
+        res.n_resident += 1
         c = self.c
         c.h2d_bytes += self.expert_bytes
         c.h2d_expert_copies += 1
@@ -643,6 +692,77 @@ class Engine(EngineBase):
     def _due(self, now: float) -> bool:
         heap = self._heap
         return bool(heap) and heap[0][0] <= now
+
+    def _hits_only(
+        self, layer: int, routed: list[int], actions: dict[int, Any] | None, now: float
+    ) -> float | None:
+        # check_plan's common case, _apply's all-hit branch and _layer's all-timed branch,
+        # fused: nothing is submitted, so nothing touches the heap
+        if actions is not None and (actions.__class__ is not dict or len(actions) != len(routed)):
+            return None
+        res = self.res
+        row = res.resident[layer]
+        ready_row = res.ready_at[layer]
+        jobs = []
+        for e in routed:
+            if actions is not None and actions.get(e) != _GPU:
+                return None
+            if not row[e]:
+                return None  # the general check words the error
+            ready = ready_row[e]
+            if ready == INF:
+                return None  # its copy is not timed yet
+            jobs.append((float(ready), e))
+        c = self.c
+        pre = res.prefetched[layer]
+        for e in routed:
+            if pre[e]:
+                pre[e] = False
+                c.prefetch_used += 1
+        n = len(routed)
+        c.decode_accesses += n
+        c.decode_hits += n
+        self._hits[layer] += n
+        self._acc[layer] += n
+        where = self.hooks.where
+        return self._timed_gpu(jobs, now, None, where.seq or 0, where.token or 0, layer)
+
+    def _timed_gpu(
+        self,
+        jobs: list[tuple[float, int]],
+        now: float,
+        counts: np.ndarray | None,
+        sid: int,
+        token: int,
+        layer: int,
+    ) -> float:
+        """Run a layer's experts on the GPU stream by (ready time, expert) when every copy is
+        already timed and nothing else is pending; returns when the last one ends."""
+        jobs.sort()
+        c = self.c
+        g = now
+        busy = 0.0
+        rec = self.recorder
+        gpu_s = self.machine.gpu_s
+        unified = self._unified
+        d = gpu_s(1)  # one decode token per expert
+        for ready, e in jobs:
+            if ready > g:
+                c.transfer_stall += ready - g
+                g = ready
+            n = 1
+            if counts is not None:
+                n = int(counts[e])
+                d = gpu_s(n)
+            if rec is not None:
+                rec.op("gpu", "expert", sid, token, layer, e, g, g + d, 0)
+            if unified:  # the expert's weight reads share DRAM bandwidth with CPU experts
+                self._gpu_mem(g, g + d, n)
+            g += d
+            busy += d
+        c.gpu_expert_busy += busy
+        self.machine.gpu.busy += busy
+        return g
 
     # -- the request heap -------------------------------------------------------------------
     def _push(self, t: float, op: LayerOp) -> None:
@@ -811,28 +931,13 @@ class Engine(EngineBase):
         if not w.ops and not w.results and not w.deferred:
             # nothing submitted and nothing to wait for but copies already timed: the GPU
             # stream runs the experts by (ready time, expert) without touching the heap
-            jobs = w.gpu
-            if all(src.__class__ is float for _, src in jobs):
-                g = now
-                busy = 0.0
-                rec = self.recorder
-                counts = w.counts
-                gpu_s = self.machine.gpu_s
-                for ready, e in sorted([(src, e) for e, src in jobs]):
-                    if ready > g:
-                        c.transfer_stall += ready - g
-                        g = ready
-                    n = int(counts[e]) if counts is not None else 1
-                    d = gpu_s(n)
-                    if rec is not None:
-                        rec.op("gpu", "expert", w.sid, w.token, w.layer, e, g, g + d, 0)
-                    if self._unified:
-                        self._gpu_mem(g, g + d, n)
-                    g += d
-                    busy += d
-                c.gpu_expert_busy += busy
-                self.machine.gpu.busy += busy
-                return g
+            jobs = []
+            for e, src in w.gpu:
+                if src.__class__ is not float:
+                    break
+                jobs.append((src, e))
+            else:
+                return self._timed_gpu(jobs, now, w.counts, w.sid, w.token, w.layer)
         push = self._push
         n_temp = self.machine.buffers["temp"]
         tempq = self._tempq
