@@ -114,8 +114,11 @@ def find_trace(model: str, trace: str | None) -> tuple[str, str]:
         if got != model:
             raise UserError(f"--trace {trace}: records model {got!r}, not {model!r}")
         return str(path), trace if trace in bundled_traces() else str(path.resolve())
-    for name, path in bundled_traces().items():
-        if name == model or read_meta(path).model.name == model and name != "ci-small":
+    bundled = bundled_traces()
+    if model in bundled:  # the trace named after the model first (not the small CI one)
+        return str(bundled[model]), model
+    for name, path in bundled.items():
+        if read_meta(path).model.name == model:
             return str(path), name
     presets = [p for p in PRESETS.values() if p.model == model]
     if not presets:

@@ -10,9 +10,7 @@ from simulator.commands.common import echo_json, json_option
 @click.command("advise", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--model", required=True, help="Model preset (see `daopsim models list`).")
 @click.option("--hw", required=True, help="Machine profile name or path to a profile TOML.")
-@click.option(
-    "--trace", default=None, help="Trace to search on (default: bundled or synthetic)."
-)
+@click.option("--trace", default=None, help="Trace to search on (default: bundled or synthetic).")
 @click.option(
     "--dtype",
     "dtypes",
