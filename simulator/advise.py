@@ -179,13 +179,12 @@ def advise(
     from simulator.hardware import load_profile
     from simulator.models import DTYPES, get_model
     from simulator.runner import keeps_nothing_resident
-    from simulator.sweep import Grid, run_sweep
+    from simulator.sweep import Grid, check_fidelity_floor, run_sweep
     from simulator.trace import read_meta
 
     shape = get_model(model)
     profile = load_profile(hw)
-    if min_gate_mass is not None and not 0 <= min_gate_mass <= 1:
-        raise UserError(f"--min-gate-mass must be in [0, 1], got {min_gate_mass}")
+    check_fidelity_floor(min_gate_mass)
     path, trace_arg = find_trace(shape.name, trace)
     own = read_meta(path).model.dtype
     for d in dtypes or []:
