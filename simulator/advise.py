@@ -169,12 +169,16 @@ def advise(
     trace: str | None = None,
     dtypes: list[str] | None = None,
     min_gate_mass: float | None = None,
+    policies: list[str] | None = None,
     executor: str = "local",
     workers: int | None = None,
     scheduler: str | None = None,
     progress: bool = False,
 ) -> Advice:
-    """Search policies, budgets, options and precisions; the rows ranked by tokens/s."""
+    """Search policies, budgets, options and precisions; the rows ranked by tokens/s.
+
+    ``policies`` narrows the search to those names (default: every registered policy).
+    """
     from policies.registry import available
     from simulator.hardware import load_profile
     from simulator.models import DTYPES, get_model
@@ -191,7 +195,11 @@ def advise(
         if d not in DTYPES:
             raise UserError(f"--dtype: unknown precision {d!r} (known: {', '.join(DTYPES)})")
     search_dtypes = list(dict.fromkeys(dtypes or [own, *DEFAULT_DTYPES]))
-    classes = available()
+    registered = available()
+    unknown = [p for p in policies or [] if p not in registered]
+    if unknown:
+        raise UserError(f"--policies: unknown policy {unknown[0]!r} (see `daopsim policies list`)")
+    classes = {p: registered[p] for p in policies} if policies else dict(registered)
     unified = profile.link.unified
     advice = Advice(shape.name, hw, trace_arg, SEQUENCES, min_gate_mass)
     rows: list[AdviceRow] = []
@@ -201,18 +209,20 @@ def advise(
             for pol, cls in classes.items():
                 for k, v in _option_values(pol, cls, shape).items():
                     options[f"{pol}.{k}"] = v
-            policies = list(classes)
+            names = list(classes)
             if ratio is not None:
                 # bounds are reference lines, and a policy that keeps nothing resident does
                 # not use the budget: both run at the largest budget only
-                policies = [
+                names = [
                     p
-                    for p in policies
+                    for p in names
                     if not is_bound(classes[p]) and not keeps_nothing_resident(classes[p])
                 ]
-                options = {k: v for k, v in options.items() if k.split(".")[0] in policies}
+                options = {k: v for k, v in options.items() if k.split(".")[0] in names}
+            if not names:
+                continue
             grid = Grid(
-                policies=policies,
+                policies=names,
                 hw=[hw],
                 traces=[path],
                 cache_ratios=[ratio] if ratio is not None else [],

@@ -17,6 +17,7 @@ from simulator.commands.common import echo_json, json_option
     default=None,
     help="Comma-separated expert precisions to try (default: the trace's, q4_k_m, int4_g128).",
 )
+@click.option("--policies", default=None, help="Comma-separated policies to search (default: all).")
 @click.option(
     "--min-gate-mass",
     type=float,
@@ -35,6 +36,7 @@ def advise(
     trace: str | None,
     dtypes: str | None,
     min_gate_mass: float | None,
+    policies: str | None,
     executor: str,
     workers: int | None,
     scheduler: str | None,
@@ -50,12 +52,18 @@ def advise(
         dtype_list = [d.strip() for d in dtypes.split(",") if d.strip()]
         if not dtype_list:
             raise UserError("--dtype: no values given")
+    policy_list = None
+    if policies is not None:
+        policy_list = [p.strip() for p in policies.split(",") if p.strip()]
+        if not policy_list:
+            raise UserError("--policies: no values given")
     result = run_advise(
         model,
         hw,
         trace=trace,
         dtypes=dtype_list,
         min_gate_mass=min_gate_mass,
+        policies=policy_list,
         executor=executor,
         workers=workers,
         scheduler=scheduler,
