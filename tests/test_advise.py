@@ -21,9 +21,8 @@ SMALL = ["--model", "mixtral-8x7b", "--hw", "a6000-pcie4", "--trace", "ci-small"
 SMALL += ["--policies", "lru,daop,all-gpu", "--dtype", "bf16,int4_g128", "--workers", "1"]
 
 
-@pytest.fixture(scope="module")
-def small() -> Advice:
-    """The small search, run once."""
+def _small_search(min_gate_mass: float | None = None) -> Advice:
+    """The search of SMALL, from Python."""
     return advise(
         "mixtral-8x7b",
         "a6000-pcie4",
@@ -31,7 +30,14 @@ def small() -> Advice:
         dtypes=["bf16", "int4_g128"],
         policies=["lru", "daop", "all-gpu"],
         workers=1,
+        min_gate_mass=min_gate_mass,
     )
+
+
+@pytest.fixture(scope="module")
+def small() -> Advice:
+    """The small search, run once."""
+    return _small_search()
 
 
 def test_ranked_by_tokens_per_s(small: Advice) -> None:
@@ -66,15 +72,7 @@ def test_fidelity_floor_drops_approximate_rows(small: Advice) -> None:
     daop = [r for r in small.rows if r.policy == "daop"]
     assert daop and all(r.gate_mass_preserved < 1 for r in daop)  # DAOP replaces routing
     floor = max(r.gate_mass_preserved for r in daop) + 1e-6
-    kept = advise(
-        "mixtral-8x7b",
-        "a6000-pcie4",
-        trace="ci-small",
-        dtypes=["bf16", "int4_g128"],
-        policies=["lru", "daop", "all-gpu"],
-        workers=1,
-        min_gate_mass=floor,
-    )
+    kept = _small_search(min_gate_mass=floor)
     assert not [r for r in kept.rows if r.policy == "daop"]
     assert kept.below_floor == len(daop)
     assert [r.command for r in kept.rows] == [r.command for r in small.rows if r.policy != "daop"]
