@@ -35,6 +35,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("plot_cmd", "plot"),
     ("regress_cmd", "regress"),
     ("validate_cmd", "validate"),
+    ("advise_cmd", "advise"),
 ]
 
 

@@ -186,6 +186,12 @@ class ExperimentResult:
         """The ``--json`` document: rows, skipped points, speed-ups and their means."""
         sp = self.speedups()
         means = {c: float(sp[c].mean()) for c in sp.columns if c.startswith("vs_")}
+        ok = self.ok
+        fidelity = {
+            str(p): float(g["gate_mass_preserved"].min())
+            for p, g in ok.groupby("policy", sort=False)
+            if "gate_mass_preserved" in g and g["gate_mass_preserved"].notna().any()
+        }
         return {
             "experiment": self.experiment.name,
             "hw": self.experiment.hw,
@@ -195,6 +201,7 @@ class ExperimentResult:
             ),
             "speedups": sp.to_dict(orient="records"),
             "mean_speedups": means,
+            "min_gate_mass_preserved": fidelity,
         }
 
     def format_table(self) -> str:
@@ -208,9 +215,14 @@ class ExperimentResult:
             kj = ok.pivot_table(
                 index=["model", "cache_ratio"], columns="policy", values="tokens_per_kj"
             )
+            fid = ok.pivot_table(
+                index=["model", "cache_ratio"], columns="policy", values="gate_mass_preserved"
+            )
             with pd.option_context("display.width", 200, "display.max_columns", 50):
                 lines += ["tokens/s", tps.round(3).to_string(), ""]
                 lines += ["tokens/kJ", kj.round(2).to_string(), ""]
+                # speed beside the routing it cost: 1 = exact routing (docs/metrics.md)
+                lines += ["routing fidelity (gate mass preserved)", fid.round(3).to_string(), ""]
                 sp = self.speedups()
                 if len(sp):
                     lines += [f"speed-up of {self.experiment.target}", sp.round(2).to_string()]
@@ -230,7 +242,7 @@ class ExperimentResult:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        from simulator.plots import policy_color
+        from simulator.plots import fidelity_note, policy_color
 
         ok = self.ok
         models = list(dict.fromkeys(ok["model"])) or ["(none)"]
@@ -245,7 +257,7 @@ class ExperimentResult:
                     grp["tokens_per_s"],
                     style,
                     color=policy_color(str(pol)),
-                    label=str(pol),
+                    label=str(pol) + fidelity_note(grp),
                 )
             ax.set_yscale("log")
             ax.set_xlabel("expert cache ratio (%)")

@@ -196,8 +196,10 @@ def _policy_lines(ax: Any, rows: pd.DataFrame, metric: str) -> None:
             marker=marker,
             ls="--" if dashed else style,
             color=color,
-            label=f"{label} (bound)" if dashed else label,
+            label=(f"{label} (bound)" if dashed else str(label)) + fidelity_note(grp),
         )
+        if metric == "tokens_per_s":
+            _ring_approximate(ax, grp, "cache_ratio", metric, color)
         if "seed" in grp and grp["seed"].nunique() > 1:
             ax.errorbar(
                 agg.index,
@@ -207,6 +209,34 @@ def _policy_lines(ax: Any, rows: pd.DataFrame, metric: str) -> None:
                 ecolor=color,
                 capsize=3,
             )
+
+
+#: Below this ``gate_mass_preserved`` a run is marked as approximate (it changed the routing).
+EXACT_FIDELITY = 0.9995
+
+
+def fidelity_note(rows: pd.DataFrame) -> str:
+    """`` (fidelity 0.937)`` when the rows' mean routing fidelity is below exact, else ``""``."""
+    if "gate_mass_preserved" not in rows or rows["gate_mass_preserved"].isna().all():
+        return ""
+    fid = float(rows["gate_mass_preserved"].mean())
+    return f" (fidelity {fid:.3f})" if fid < EXACT_FIDELITY else ""
+
+
+def any_approximate(rows: pd.DataFrame) -> bool:
+    """True when some row changed the routing (fidelity below 1)."""
+    if "gate_mass_preserved" not in rows:
+        return False
+    return bool((rows["gate_mass_preserved"] < EXACT_FIDELITY).any())
+
+
+def _ring_approximate(ax: Any, rows: pd.DataFrame, x: str, y: str, color: str) -> None:
+    """A hollow ring around each point whose routing was approximate (fidelity below 1)."""
+    if "gate_mass_preserved" not in rows:
+        return
+    approx = rows[rows["gate_mass_preserved"] < EXACT_FIDELITY]
+    if len(approx):
+        ax.scatter(approx[x], approx[y], s=160, facecolors="none", edgecolors=color, linewidths=1.2)
 
 
 def _all_gpu_bound(ax: Any, bound: float, rows: pd.DataFrame) -> None:
@@ -255,7 +285,13 @@ def plot_throughput(
         ax.set_ylabel("throughput (generated tokens/s)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="lower right")
-    _title(fig, f"Throughput vs expert cache size: trace {_name(trace)} ({_model(sub)})")
+    _title(
+        fig,
+        f"Throughput vs expert cache size: trace {_name(trace)} ({_model(sub)})",
+        "ringed points: approximate routing (gate mass preserved < 1)"
+        if any_approximate(sub)
+        else None,
+    )
     fig.tight_layout()
     return fig
 
@@ -429,9 +465,10 @@ def plot_pareto(df: pd.DataFrame | str | os.PathLike[str], trace: str | None = N
             color=styles[str(label)][0],
             marker=markers[h],
             s=42,
-            label=f"{label} on {h}",
+            label=f"{label} on {h}{fidelity_note(grp)}",
             alpha=0.85,
         )
+        _ring_approximate(ax, grp, "expert_memory_gb", "tokens_per_s", styles[str(label)][0])
     front = pareto_front(sub)
     ax.step(
         front["expert_memory_gb"],
@@ -442,8 +479,10 @@ def plot_pareto(df: pd.DataFrame | str | os.PathLike[str], trace: str | None = N
         label="Pareto front",
     )
     for _, r in front.iterrows():
+        fid = r.get("gate_mass_preserved")
+        approx = fid is not None and fid == fid and fid < EXACT_FIDELITY
         ax.annotate(
-            f"{r['label']}, {r['hw']}",
+            f"{r['label']}, {r['hw']}" + (f", fidelity {fid:.3f}" if approx else ""),
             (r["expert_memory_gb"], r["tokens_per_s"]),
             textcoords="offset points",
             xytext=(4, 4),
@@ -454,7 +493,9 @@ def plot_pareto(df: pd.DataFrame | str | os.PathLike[str], trace: str | None = N
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="best")
-    ax.set_title(textwrap.fill(f"Memory vs throughput: trace {_name(trace)} ({_model(sub)})", 80))
+    ringed = "; ringed: approximate routing (gate mass preserved < 1)"
+    title = f"Memory vs throughput: trace {_name(trace)} ({_model(sub)})"
+    ax.set_title(textwrap.fill(title + (ringed if any_approximate(sub) else ""), 80))
     fig.tight_layout()
     return fig
 

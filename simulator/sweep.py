@@ -660,6 +660,24 @@ def _isnan(v: Any) -> bool:
     return isinstance(v, float) and math.isnan(v)
 
 
+def check_fidelity_floor(min_gate_mass: float | None) -> None:
+    """A routing-fidelity floor is a fraction of the gate mass: in [0, 1]."""
+    if min_gate_mass is not None and not 0 <= min_gate_mass <= 1:
+        raise UserError(f"--min-gate-mass must be in [0, 1], got {min_gate_mass}")
+
+
+def fidelity_floor(df: pd.DataFrame, min_gate_mass: float | None) -> tuple[pd.DataFrame, int]:
+    """Drop the finished rows whose routing fidelity (``gate_mass_preserved``) is below the
+    floor; skipped and failed rows stay. Returns the table and how many rows were dropped."""
+    check_fidelity_floor(min_gate_mass)
+    if min_gate_mass is None:
+        return df, 0
+    if "gate_mass_preserved" not in df.columns:
+        return df, 0
+    below = (df["status"] == "ok") & (df["gate_mass_preserved"] < min_gate_mass)
+    return df[~below].reset_index(drop=True), int(below.sum())
+
+
 def write_table(df: pd.DataFrame, out: str | os.PathLike[str]) -> Path:
     """Write the sweep table atomically: Parquet, or CSV for a ``.csv`` path."""
     return _write_any_table(df, out, "--out")
@@ -844,6 +862,7 @@ class SweepSummary:
     resumed: int
     elapsed_s: float
     errors: list[dict[str, Any]]
+    below_floor: int = 0  #: finished rows dropped by ``min_gate_mass``
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly form (``daopsim sweep --json``)."""
@@ -867,8 +886,12 @@ def run_sweep(
     progress: bool = True,
     scheduler: str | None = None,
     retry_errors: bool = False,
+    min_gate_mass: float | None = None,
 ) -> tuple[pd.DataFrame, SweepSummary]:
-    """Run a sweep; returns the table and a summary (``sweep()`` returns just the table)."""
+    """Run a sweep; returns the table and a summary (``sweep()`` returns just the table).
+
+    ``min_gate_mass`` leaves out of the table the finished rows below that routing fidelity
+    (their parts stay, so a later run with another floor does not simulate them again)."""
     g, grid_out = _as_grid(grid)
     if out is None and grid_out is not None:
         out = grid_out
@@ -879,6 +902,7 @@ def run_sweep(
     if scheduler and executor != "dask":
         raise UserError("a scheduler address needs executor='dask'")
     n_workers = workers if workers is not None else (os.cpu_count() or 1)
+    check_fidelity_floor(min_gate_mass)  # before any run, not after
     configs = expand(g)
     keys = {c.key for c in configs}
     t0 = time.perf_counter()
@@ -911,18 +935,19 @@ def run_sweep(
                 _run_dask(todo, n_workers, scheduler, on_row)
             else:
                 _run_local(todo, n_workers, on_row)
-        df = to_frame([done[c.key] for c in configs])
+        df, below_floor = fidelity_floor(to_frame([done[c.key] for c in configs]), min_gate_mass)
         if out is not None:
             write_table(df, out)
     failed = df[df["status"] == "error"]
     summary = SweepSummary(
         out=str(out) if out is not None else None,
         configurations=len(configs),
-        ok=int((df["status"] == "ok").sum()),
+        ok=int((df["status"] == "ok").sum()) + below_floor,
         skipped=int((df["status"] == "skipped").sum()),
         failed=len(failed),
         resumed=resumed,
         elapsed_s=round(time.perf_counter() - t0, 3),
+        below_floor=below_floor,
         errors=[
             {
                 k: (None if _isnan(v) else v)
@@ -966,7 +991,9 @@ __all__ = [
     "Config",
     "Grid",
     "SweepSummary",
+    "check_fidelity_floor",
     "expand",
+    "fidelity_floor",
     "load_grid_file",
     "read_table",
     "run_config",

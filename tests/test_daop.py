@@ -336,6 +336,13 @@ def test_experiment_cli_tiny(tmp_path: Path, cli: Any) -> None:
     assert sp["vs_fiddler"] == pytest.approx(daop["tokens_per_s"] / fid["tokens_per_s"])
     for name in ("results.csv", "results.parquet", "speedups.csv", "tokens_per_s.png"):
         assert (out / name).stat().st_size > 0
+    # the routing cost beside the speed-up: DAOP's replaced routing, the exact baselines
+    fidelity = doc["min_gate_mass_preserved"]
+    assert fidelity["daop"] < 1 and fidelity["fiddler"] == 1
+    assert fidelity["daop"] == min(
+        r["gate_mass_preserved"] for r in doc["rows"] if r["policy"] == "daop"
+    )
+    assert "routing fidelity (gate mass preserved)" in (out / "summary.txt").read_text()
 
 
 def test_experiment_unknown_policy_fails_clearly(tmp_path: Path, cli: Any) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import pytest
@@ -18,7 +19,7 @@ from simulator.plots import (
     plot_throughput,
     save_figure,
 )
-from simulator.sweep import Grid, sweep
+from simulator.sweep import Grid, fidelity_floor, sweep
 from simulator.testing import make_trace
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -207,3 +208,28 @@ def test_plot_reads_an_experiment_table(tmp_path: Path, cli) -> None:  # type: i
     res = cli("experiment", exp, "--out", out)
     assert res.exit_code == 0, res.output
     assert not (out / "results.throughput.png").exists()
+
+
+def test_approximate_routing_is_marked(results: Path, cli: Any, tmp_path: Path) -> None:
+    """A run whose routing kept less than all the gate mass names its fidelity beside its speed,
+    and ``--min-gate-mass`` leaves it out of the plot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from simulator import plots
+    from simulator.sweep import read_table
+
+    df = read_table(results)
+    df.loc[df["policy"] == "static", "gate_mass_preserved"] = 0.9
+    for fig in (plots.plot_throughput(df, compute_bound=False), plots.plot_pareto(df)):
+        labels = [t.get_text() for ax in fig.axes for t in ax.get_legend().get_texts()]
+        assert any("static" in t and "fidelity 0.900" in t for t in labels)
+        assert not any("lru" in t and "fidelity" in t for t in labels)
+    table = tmp_path / "approx.parquet"
+    df.to_parquet(table)
+    out = tmp_path / "p.png"
+    res = cli("plot", table, "--kind", "pareto", "-o", out, "--min-gate-mass", "0.95")
+    assert res.exit_code == 0, res.output
+    kept, dropped = fidelity_floor(df, 0.95)
+    assert dropped == int(((df["policy"] == "static") & (df["status"] == "ok")).sum()) > 0
+    assert "static" not in set(kept[kept["status"] == "ok"]["policy"])

@@ -33,6 +33,12 @@ from simulator.output import FIGURE_FORMATS, check_output_file, output_format, w
     is_flag=True,
     help="throughput: do not simulate the all-gpu line when the table has no all-gpu row.",
 )
+@click.option(
+    "--min-gate-mass",
+    type=float,
+    default=None,
+    help="Leave out rows whose routing fidelity (gate_mass_preserved) is below this.",
+)
 @json_option
 def plot(
     results: str,
@@ -43,19 +49,20 @@ def plot(
     cache_ratio: float | None,
     no_compute_bound: bool,
     as_json: bool,
+    min_gate_mass: float | None = None,
 ) -> None:
     """Plot a results table written by `daopsim sweep` or `daopsim experiment`."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
     from simulator import plots
-    from simulator.sweep import read_table
+    from simulator.sweep import fidelity_floor, read_table
 
     res = Path(results)
     target = Path(output) if output else res.with_name(f"{res.stem}.{kind}.png")
     output_format(target, FIGURE_FORMATS, "-o")
     check_output_file(target, "-o", inputs=[results])
-    df = read_table(results)
+    df, _ = fidelity_floor(read_table(results), min_gate_mass)
     kwargs: dict[str, object] = {"trace": trace}
     if kind == "heatmap":
         kwargs["hw"] = hw

@@ -77,6 +77,12 @@ def _parses(kind: type, text: str) -> bool:
 )
 @click.option("--workers", type=int, help="Worker processes (default: number of CPUs).")
 @click.option("--scheduler", metavar="ADDRESS", help="Dask scheduler (tcp://host:8786).")
+@click.option(
+    "--min-gate-mass",
+    type=float,
+    default=None,
+    help="Leave out rows whose routing fidelity (gate_mass_preserved) is below this.",
+)
 @click.option("--retry-errors", is_flag=True, help="Re-run configurations that failed before.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @json_option
@@ -102,6 +108,7 @@ def sweep(
     no_progress: bool,
     as_json: bool,
     lookahead: str | None = None,
+    min_gate_mass: float | None = None,
 ) -> None:
     """Run every combination of policies, machines, traces and memory budgets.
 
@@ -157,6 +164,7 @@ def sweep(
             progress=not no_progress,
             scheduler=scheduler,
             retry_errors=retry_errors,
+            min_gate_mass=min_gate_mass,
         )
     except KeyboardInterrupt:
         click.echo("interrupted: finished runs are kept; run the same command to resume", err=True)
@@ -168,6 +176,11 @@ def sweep(
             f"wrote {summary.out}: {summary.configurations} configurations, {summary.ok} ok, "
             f"{summary.skipped} skipped (do not fit), {summary.failed} failed "
             f"({summary.resumed} resumed) in {summary.elapsed_s:.1f} s"
+            + (
+                f"; {summary.below_floor} below --min-gate-mass {min_gate_mass} left out"
+                if summary.below_floor
+                else ""
+            )
         )
         if len(set(grid.seeds)) > 1:
             _print_seed_table(summary.out)
