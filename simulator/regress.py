@@ -209,6 +209,10 @@ BUILTIN_VARIANTS = (
     PolicySpec.of("global-lfu", initial="popular"),
     PolicySpec.of("static", placement="global"),
     PolicySpec.of("stream-all", gather="selected"),
+    PolicySpec.of("llama-cpp-cpu-moe", n_cpu_moe=16),
+    PolicySpec.of("llama-cpp-cpu-moe", n_cpu_moe=16, prefill_offload=False),
+    PolicySpec.of("ktransformers", gpu_experts_per_layer=2, placement="frequency"),
+    PolicySpec.of("ktransformers", gpu_experts_ratio=0.25, placement="front-loading"),
 )
 #: Policies whose placement depends on the budget (all-gpu and stream-all do not).
 BUDGET_POLICIES = [
