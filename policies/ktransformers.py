@@ -140,7 +140,5 @@ class KTransformersPolicy(Policy):
         """Resident experts on the GPU, the others on the CPU, concurrently."""
         resident = view.resident[view.layer]
         return Plan(
-            actions={
-                e: (Action.GPU if resident[e] else Action.CPU) for e in view.experts.tolist()
-            }
+            actions={e: (Action.GPU if resident[e] else Action.CPU) for e in view.experts.tolist()}
         )
