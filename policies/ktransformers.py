@@ -128,8 +128,8 @@ class KTransformersPolicy(Policy):
         total = self.gpu_expert_count(m.moe_layers, m.experts)
         if total > ctx.budget:
             raise UserError(
-                f"policy {self.name!r}: {total} GPU experts requested, the budget holds "
-                f"{ctx.budget} ({ctx.budget // m.moe_layers} per layer); lower "
+                f"policy {self.name!r}: the {total} GPU experts requested do not fit in the "
+                f"budget of {ctx.budget} ({ctx.budget // m.moe_layers} per layer); lower "
                 "gpu_experts_per_layer/gpu_experts_ratio or raise --cache-ratio/--gpu-experts"
             )
         return place_gpu_experts(

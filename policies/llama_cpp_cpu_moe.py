@@ -117,10 +117,10 @@ class LlamaCppCpuMoePolicy(Policy):
             fits = ctx.budget // m.experts
             smallest = m.moe_layers - fits + (m.layers - m.moe_layers)
             raise UserError(
-                f"policy {self.name!r}: n_cpu_moe={self.n_cpu_moe} leaves the experts of "
-                f"{gpu_layers} layers ({need} experts) on the GPU, but the budget holds "
-                f"{ctx.budget} experts ({fits} whole layers); use n_cpu_moe >= {smallest} "
-                "or a larger --cache-ratio/--gpu-experts"
+                f"policy {self.name!r}: with n_cpu_moe={self.n_cpu_moe} the experts of "
+                f"{gpu_layers} GPU layers ({need}) do not fit in the budget of {ctx.budget} "
+                f"experts ({fits} whole layers); use n_cpu_moe >= {smallest} or a larger "
+                "--cache-ratio/--gpu-experts"
             )
         return [
             (layer, e) for layer in range(self.n_cpu_layers, m.moe_layers) for e in range(m.experts)

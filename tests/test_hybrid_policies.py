@@ -212,7 +212,7 @@ def test_random_is_fixed_and_distinct() -> None:
 def test_ratio_overrides_per_layer_and_budget_is_checked() -> None:
     pol = KTransformersPolicy(gpu_experts_per_layer=1, gpu_experts_ratio=0.5, placement="uniform")
     assert len(list(pol.setup(_ctx(3, 3, 4, budget=12)))) == 6
-    with pytest.raises(UserError, match="budget holds 5"):
+    with pytest.raises(UserError, match="do not fit in the budget of 5 "):
         pol.setup(_ctx(3, 3, 4, budget=5))
 
 
