@@ -8,6 +8,7 @@ four placement strategies on a hand-made calibration matrix, and its per-expert 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -242,3 +243,28 @@ def test_ktransformers_runs_on_qwen3(qwen3: Path) -> None:
     assert none.metrics["hit_rate"] == 0
     assert 0 < some.metrics["hit_rate"] < 1
     assert some.metrics["cpu_expert_evals"] < none.metrics["cpu_expert_evals"]
+
+
+def test_bounds_beside_a_policy_without_a_temporary_buffer(qwen3: Path) -> None:
+    """ktransformers may hold every expert (no temporary buffer); Belady then runs at what fits."""
+    res = CliRunner().invoke(
+        main,
+        [
+            "run",
+            "--no-progress",
+            "--json",
+            "--policy",
+            "ktransformers",
+            "--hw",
+            "rtx4090-pcie4",
+            "--trace",
+            str(qwen3),
+            "--dtype",
+            "q4_k_m",
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output)
+    bound = doc["bounds"]["belady_per_layer"]
+    assert doc["gpu_experts"] == 48 * 128  # every expert fits beside no buffer
+    assert bound["gpu_experts"] == doc["gpu_experts"] - 1  # one slot goes to Belady's buffer

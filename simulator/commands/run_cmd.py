@@ -103,7 +103,12 @@ def compute_bounds(
                 if "do not fit" not in str(exc):
                     raise
                 run = simulate(policy=name, **common)
-        return {"hit_rate": run.metrics["hit_rate"], "policy": name, "scope": scope}
+        return {
+            "hit_rate": run.metrics["hit_rate"],
+            "policy": name,
+            "scope": scope,
+            "gpu_experts": run.config["gpu_experts"],
+        }
 
     out["belady_per_layer"] = belady("belady", "per layer")
     out["belady"] = dict(out["belady_per_layer"])
@@ -144,12 +149,15 @@ def render_table(doc: dict[str, Any]) -> str:
         per_layer = b.get("belady_per_layer") or b["belady"]
         lines.append(
             f"  {'belady (per layer) hit rate':<28} {_fmt(per_layer['hit_rate'])}"
-            f"  (clairvoyant, per-layer caches sharing {doc['gpu_experts']} GPU experts)"
+            f"  (clairvoyant, per-layer caches sharing "
+            f"{per_layer.get('gpu_experts', doc['gpu_experts'])} GPU experts)"
         )
         if "belady_global" in b:
             lines.append(
                 f"  {'belady-global hit rate':<28} {_fmt(b['belady_global']['hit_rate'])}"
-                f"  (clairvoyant, one cache of {doc['gpu_experts']} GPU experts over all layers)"
+                f"  (clairvoyant, one cache of "
+                f"{b['belady_global'].get('gpu_experts', doc['gpu_experts'])} GPU experts over "
+                "all layers)"
             )
     return "\n".join(lines)
 
