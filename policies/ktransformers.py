@@ -40,7 +40,7 @@ from policies.base import (
     per_layer_quota,
 )
 from policies.registry import register
-from simulator.errors import UserError
+from simulator.errors import DoesNotFit, UserError
 
 #: experts-sched-Tutorial.md: the ``random`` strategy "randomly selects experts with fixed seed
 #: (42)"; daopsim's generator differs from torch's, so the same seed picks other experts.
@@ -127,10 +127,11 @@ class KTransformersPolicy(Policy):
         m = ctx.model
         total = self.gpu_expert_count(m.moe_layers, m.experts)
         if total > ctx.budget:
-            raise UserError(
+            raise DoesNotFit(
+                ctx.budget,
                 f"policy {self.name!r}: the {total} GPU experts requested do not fit in the "
                 f"budget of {ctx.budget} ({ctx.budget // m.moe_layers} per layer); lower "
-                "gpu_experts_per_layer/gpu_experts_ratio or raise --cache-ratio/--gpu-experts"
+                "gpu_experts_per_layer/gpu_experts_ratio or raise --cache-ratio/--gpu-experts",
             )
         return place_gpu_experts(
             str(self.options["placement"]), total, m.moe_layers, m.experts, ctx.calibration

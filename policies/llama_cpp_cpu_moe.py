@@ -40,7 +40,7 @@ from policies.base import (
     View,
 )
 from policies.registry import register
-from simulator.errors import UserError
+from simulator.errors import DoesNotFit, UserError
 
 #: ggml-cuda.cu (commit f6d77a1): the CUDA backend offloads an operation whose batch is at
 #: least this many tokens unless the ``GGML_OP_OFFLOAD_MIN_BATCH`` environment variable says
@@ -116,11 +116,12 @@ class LlamaCppCpuMoePolicy(Policy):
         if need > ctx.budget:
             fits = ctx.budget // m.experts
             smallest = m.moe_layers - fits + (m.layers - m.moe_layers)
-            raise UserError(
+            raise DoesNotFit(
+                ctx.budget,
                 f"policy {self.name!r}: with n_cpu_moe={self.n_cpu_moe} the experts of "
                 f"{gpu_layers} GPU layers ({need}) do not fit in the budget of {ctx.budget} "
                 f"experts ({fits} whole layers); use n_cpu_moe >= {smallest} or a larger "
-                "--cache-ratio/--gpu-experts"
+                "--cache-ratio/--gpu-experts",
             )
         return [
             (layer, e) for layer in range(self.n_cpu_layers, m.moe_layers) for e in range(m.experts)

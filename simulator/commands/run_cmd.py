@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from simulator.commands.common import echo_json, json_option
-from simulator.errors import UserError, parse_key_values
+from simulator.errors import DoesNotFit, parse_key_values
 from simulator.output import check_output_dir
 from simulator.progress import lazy_progress
 from simulator.results import RUN_FILES
@@ -97,12 +97,12 @@ def compute_bounds(
         else:
             try:
                 run = simulate(policy=name, gpu_experts=budget, **common)
-            except UserError as exc:
+            except DoesNotFit as exc:
                 # a policy without a temporary buffer (ktransformers) may hold one expert more
                 # than belady can: bound it at what fits beside belady's buffer instead
-                if "do not fit" not in str(exc):
+                if exc.max_experts <= 0:
                     raise
-                run = simulate(policy=name, **common)
+                run = simulate(policy=name, gpu_experts=exc.max_experts, **common)
         return {
             "hit_rate": run.metrics["hit_rate"],
             "policy": name,
