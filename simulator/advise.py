@@ -147,6 +147,17 @@ def _option_values(policy: str, cls: Any, model: Any) -> dict[str, list[Any]]:
     return axes
 
 
+def _declared_type(typ: type, value: Any) -> Any:
+    """A table cell back as the option's declared Python type (int, float, bool or str)."""
+    if typ is bool:
+        return bool(value)
+    if typ is int:
+        return int(value)
+    if typ is float:
+        return float(value)
+    return str(value)
+
+
 def is_bound(cls: Any) -> bool:
     """A clairvoyant or otherwise unrealisable policy: a reference line, not advice."""
     return bool(getattr(cls, "clairvoyant", False) or getattr(cls, "bound", False))
@@ -287,8 +298,11 @@ def _rows(
             if k.startswith("opt.") and not (isinstance(v, float) and v != v)
         }
         # only the options the search set (the rest are defaults; the command stays short)
-        searched = _option_values(rec["policy"], classes[rec["policy"]], shape)
-        opts = {k: v for k, v in opts.items() if k in searched}
+        cls = classes[rec["policy"]]
+        searched = _option_values(rec["policy"], cls, shape)
+        # a table column mixes policies, so pandas widens an int option to float: restore the
+        # option's declared type, or the reproduce command would say n_cpu_moe=24.0
+        opts = {k: _declared_type(cls.params[k].type, v) for k, v in opts.items() if k in searched}
         rec["_ratio"], rec["_options"] = ratio, opts
         out.append(
             AdviceRow(

@@ -166,3 +166,26 @@ def test_sweep_floor_keeps_skipped_and_failed_rows() -> None:
     assert fidelity_floor(df, None)[1] == 0
     with pytest.raises(UserError, match="min-gate-mass"):
         fidelity_floor(df, -0.1)
+
+
+def test_integer_options_keep_their_type_in_commands(cli: Callable[..., Any]) -> None:
+    """A table column shared by several policies comes back as float; commands must not."""
+    found = advise(
+        "mixtral-8x7b",
+        "a6000-pcie4",
+        trace="ci-small",
+        dtypes=["bf16"],
+        policies=["static", "llama-cpp-cpu-moe"],
+        workers=1,
+    )
+    rows = [r for r in found.rows if r.policy == "llama-cpp-cpu-moe"]
+    assert rows
+    for row in rows:
+        assert isinstance(row.options["n_cpu_moe"], int)
+        assert f"n_cpu_moe={row.options['n_cpu_moe']}" in row.command
+        assert ".0" not in row.command.split("n_cpu_moe=")[1].split()[0]
+        res = cli(*shlex.split(row.command)[1:], "--json", "--no-bounds")
+        assert res.exit_code == 0, res.output
+        assert json.loads(res.stdout)["metrics"]["tokens_per_s"] == pytest.approx(
+            row.tokens_per_s, rel=1e-12
+        )
