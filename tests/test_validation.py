@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -215,26 +216,33 @@ def test_synthetic_trace_cache_follows_generator_and_preset(
     assert synth_trace(spec) not in (first, edited)
 
 
+def _row(**fields: Any) -> Any:
+    """A modelled tokens/s test row with placeholder text fields; ``fields`` override."""
+    from simulator.validation import Row
+
+    base: dict[str, Any] = {
+        "id": "r",
+        "source": "s",
+        "system": "s",
+        "hardware": "h",
+        "model": "m",
+        "precision": "p",
+        "workload": "w",
+        "unit": "tokens/s",
+        "published": 1.0,
+        "metric": "tokens_per_s",
+        "modelled": True,
+        "role": "test",
+    }
+    return Row(**{**base, **fields})
+
+
 def test_error_summary_is_over_test_rows_only() -> None:
     """Calibration rows are reported apart and never enter the headline error."""
-    from simulator.validation import Report, Row, RowResult
+    from simulator.validation import Report, RowResult
 
-    def row(rid: str, role: str) -> Row:
-        return Row(
-            id=rid,
-            source="s",
-            system="s",
-            hardware="h",
-            model="m",
-            precision="p",
-            workload="w",
-            unit="tokens/s",
-            published=1.0,
-            metric="tokens_per_s",
-            modelled=True,
-            role=role,
-            calibrated="x" if role == "calibration" else "",
-        )
+    def row(rid: str, role: str) -> Any:
+        return _row(id=rid, role=role, calibrated="x" if role == "calibration" else "")
 
     report = Report(
         [
@@ -263,22 +271,15 @@ def test_every_row_has_a_role_and_calibration_rows_say_why() -> None:
 def test_synthetic_row_over_seeds_reports_mean_and_spread(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from simulator.validation import Row, run_row
+    from simulator.validation import run_row
 
     monkeypatch.setenv("DAOPSIM_CACHE", str(tmp_path))
     spec = {"preset": "deepseek-v2-lite", "sequences": 2, "prompt_tokens": 4, "output_tokens": 8}
-    row = Row(
+    row = _row(
         id="seeds",
-        source="s",
-        system="s",
-        hardware="h",
-        model="m",
-        precision="p",
-        workload="w",
         unit="hit rate",
         published=0.5,
         metric="hit_rate",
-        modelled=True,
         sim={
             "policy": "lru",
             "hw": "a6000-pcie4",
