@@ -192,22 +192,19 @@ class Report:
         """The results of the rows with this role."""
         return [r for r in self.results if r.row.role == role]
 
-    @property
-    def errors(self) -> list[float]:
-        """Absolute relative errors of the test rows that ran."""
-        return [abs(e) for e in (r.rel_error for r in self.by_role("test")) if e is not None]
+    def summary(self, role: str = "test") -> dict[str, Any]:
+        """Count, median and worst absolute error and ids of the rows of one role that ran."""
+        return _summary(self.by_role(role))
 
     @property
     def median_abs_error(self) -> float | None:
         """Median absolute relative error over the test rows that ran."""
-        errs = self.errors
-        return statistics.median(errs) if errs else None
+        return self.summary()["median_abs_error"]
 
     @property
     def max_abs_error(self) -> float | None:
         """Worst absolute relative error over the test rows that ran."""
-        errs = self.errors
-        return max(errs) if errs else None
+        return self.summary()["max_abs_error"]
 
     @property
     def not_modelled(self) -> list[RowResult]:
@@ -221,13 +218,14 @@ class Report:
 
     def to_dict(self) -> dict[str, Any]:
         """The ``--json`` object (top-level errors are over test rows only)."""
+        test = self.summary("test")
         return {
             "rows": [r.to_dict() for r in self.results],
-            "median_abs_error": self.median_abs_error,
-            "max_abs_error": self.max_abs_error,
-            "modelled_rows": len(self.errors),
-            "test_rows": _summary(self.by_role("test")),
-            "calibration_rows": _summary(self.by_role("calibration")),
+            "median_abs_error": test["median_abs_error"],
+            "max_abs_error": test["max_abs_error"],
+            "modelled_rows": test["modelled"],
+            "test_rows": test,
+            "calibration_rows": self.summary("calibration"),
             "not_modelled": [
                 {"id": r.row.id, "reason": r.row.reason or r.error} for r in self.not_modelled
             ],
@@ -558,7 +556,7 @@ def table_rows(report: Report) -> list[list[str]]:
 
 
 def _summary_line(report: Report, role: str) -> str:
-    summ = _summary(report.by_role(role))
+    summ = report.summary(role)
     what = "test rows (the reported error)" if role == "test" else "calibration rows (in-sample)"
     return (
         f"{what}: {summ['modelled']} modelled; median |error| "
@@ -591,8 +589,8 @@ def to_markdown(report: Report) -> str:
     body = "".join(
         "| " + " | ".join(c.replace("|", "\\|") for c in row) + " |\n" for row in table_rows(report)
     )
-    test = _summary(report.by_role("test"))
-    cal = _summary(report.by_role("calibration"))
+    test = report.summary("test")
+    cal = report.summary("calibration")
     summ = (
         f"\nTest rows (the reported error): {test['modelled']} modelled. Median absolute error "
         f"**{_pct(test['median_abs_error']).lstrip('+')}**, worst "
