@@ -462,9 +462,8 @@ def _resolved(p: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     merged: dict[str, Any] = {k: v for k, v in base.items() if k not in ("name", "description")}
     for key, value in data.items():
         old = merged.get(key)
-        if key == "measured" and isinstance(old, dict) and isinstance(value, dict):
-            merged[key] = {**old, **value}  # per model: a child's model table replaces the base's
-        elif isinstance(old, dict) and isinstance(value, dict):
+        if isinstance(old, dict) and isinstance(value, dict):
+            # one level deep: for [measured], a child's model table replaces the base's whole
             merged[key] = {**old, **value}
         else:
             merged[key] = value
