@@ -251,6 +251,9 @@ class RunResult:
     occupancy: pd.DataFrame | None = None
     token_latency: np.ndarray = field(default_factory=lambda: np.empty(0))
     ttft: np.ndarray = field(default_factory=lambda: np.empty(0))
+    #: serving runs (docs/serving.md): the ``serving`` summary and one row per request
+    serving: dict[str, Any] | None = None
+    requests: pd.DataFrame | None = None
 
     @property
     def bound(self) -> bool:
@@ -269,6 +272,8 @@ class RunResult:
             "wall_j": self.metrics.get("energy_wall_j"),
         }
         out["per_layer_hit_rate"] = self.per_layer_hit_rate
+        if self.serving is not None:
+            out["serving"] = self.serving
         return out
 
     def to_json(self) -> str:
