@@ -86,6 +86,45 @@ class ServingConfig:
         return self.arrival_rate is not None or self.arrivals is not None
 
 
+#: Most requests decoding together when requests arrive over time and no size is given.
+DEFAULT_MAX_BATCH = 8
+
+
+def serving_config(
+    batch: int | None,
+    max_batch: int | None,
+    arrival_rate: float | None,
+    arrivals: str | None,
+    kv_cache_gb: float | None,
+    slo_ttft: float | None,
+    slo_tpot: float | None,
+) -> ServingConfig | None:
+    """The serving configuration of ``run``'s options, or None when none is given.
+
+    ``--batch B``: static batches; ``--max-batch B``: continuous batching; neither: continuous
+    batching of up to :data:`DEFAULT_MAX_BATCH` when requests arrive over time, else one
+    request at a time.
+    """
+    given = (batch, max_batch, arrival_rate, arrivals, kv_cache_gb, slo_ttft, slo_tpot)
+    if all(v is None for v in given):
+        return None
+    if batch is not None and max_batch is not None:
+        raise UserError("give --batch (static batches) or --max-batch (continuous), not both")
+    timed = arrival_rate is not None or arrivals is not None
+    size = batch if batch is not None else max_batch
+    if size is None:
+        size = DEFAULT_MAX_BATCH if timed else 1
+    return ServingConfig(
+        batch=size,
+        continuous=batch is None and (max_batch is not None or timed),
+        arrival_rate=arrival_rate,
+        arrivals=arrivals,
+        kv_cache_gb=kv_cache_gb,
+        slo_ttft=slo_ttft,
+        slo_tpot=slo_tpot,
+    )
+
+
 @dataclass
 class Arrival:
     """One row of an arrival file."""
