@@ -355,6 +355,8 @@ def schedule_steps(
         for q in sched.admit(0.0):
             if q.prompt:
                 yield [(q, -1)]
+        if not sched.running:
+            raise UserError("a request can never be admitted (KV cache too small)")
         decoding = [q for q in sched.running if q.done < q.output]
         if decoding:
             yield [(q, q.prompt + q.done) for q in decoding]
@@ -363,8 +365,6 @@ def schedule_steps(
         for q in list(sched.running):
             if q.done >= q.output:
                 sched.leave(q)
-        if not sched.running and sched.queue and sched.admit(0.0) == []:
-            raise UserError("a request can never be admitted (KV cache too small)")
 
 
 def step_oracle(
