@@ -346,8 +346,14 @@ def serving_plan(
                         f"sequence {a.sequence} has ({have})"
                     )
             reqs.append(
-                Request(a.request_id, a.sequence, a.arrival_s, a.prompt_tokens, a.output_tokens,
-                        trim(r, a.prompt_tokens, a.output_tokens, a.request_id))  # fmt: skip
+                Request(
+                    a.request_id,
+                    a.sequence,
+                    a.arrival_s,
+                    a.prompt_tokens,
+                    a.output_tokens,
+                    trim(r, a.prompt_tokens, a.output_tokens, a.request_id),
+                )
             )
     else:
         times = (
@@ -540,9 +546,18 @@ def simulate(
     plan = None
     if serving is not None:
         plan = serving_plan(
-            serving, trace_path, meta, eval_ids, arrivals, fit, budget, kv_reserve,
-            pol.resources().unlimited_memory, stand_in, seed,
-        )  # fmt: skip
+            serving,
+            trace_path,
+            meta,
+            eval_ids,
+            arrivals,
+            fit,
+            budget,
+            kv_reserve,
+            pol.resources().unlimited_memory,
+            stand_in,
+            seed,
+        )
     oracle = None
     if pol.clairvoyant:
         oracle = Oracle(model.moe_layers, model.experts)
@@ -553,8 +568,13 @@ def simulate(
                     "step order depends on timing, so it has no oracle; use --batch without "
                     "--arrival-rate/--arrivals"
                 )
-            step_oracle(plan.requests, plan.config.batch, plan.config.continuous,
-                        plan.sched.kv_capacity, oracle)  # fmt: skip
+            step_oracle(
+                plan.requests,
+                plan.config.batch,
+                plan.config.continuous,
+                plan.sched.kv_capacity,
+                oracle,
+            )
         else:
             for r in iter_sequences(trace_path, meta, sequences=set(eval_ids)):
                 oracle.add(r)

@@ -212,9 +212,7 @@ def read_arrivals(path: str | Path) -> list[Arrival]:
                 raise UserError(f"{p}: row {i}: field {name}: empty")
         rid = _int_field(p, i, "request_id", rec["request_id"], 0)
         if rid in seen:
-            raise UserError(
-                f"{p}: row {i}: field request_id: {rid} repeats row {seen[rid]}'s id"
-            )
+            raise UserError(f"{p}: row {i}: field request_id: {rid} repeats row {seen[rid]}'s id")
         seen[rid] = i
         t = rec["arrival_s"]
         try:

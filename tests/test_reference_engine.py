@@ -229,14 +229,21 @@ def _run_serving(
     pol = get_policy_class(policy)()
     budget = model.total_experts if pol.resources().unlimited_memory else model.total_experts // 4
     reqs = [
-        Request(i, int(r.seq_id), t, r.n_prefill, r.n_decode,
-                trim(dense(r, model.experts), r.n_prefill, r.n_decode, i))  # fmt: skip
+        Request(
+            i,
+            int(r.seq_id),
+            t,
+            r.n_prefill,
+            r.n_decode,
+            trim(dense(r, model.experts), r.n_prefill, r.n_decode, i),
+        )
         for i, (r, t) in enumerate(zip(seqs * 2, arrivals, strict=True))
     ]
     oracle = None
     if pol.clairvoyant:
-        oracle = step_oracle(reqs, config.batch, config.continuous, None,
-                             Oracle(model.moe_layers, model.experts))  # fmt: skip
+        oracle = step_oracle(
+            reqs, config.batch, config.continuous, None, Oracle(model.moe_layers, model.experts)
+        )
     rec = Recorder()
     eng = cls(pol, model, cost_model(hw, model), budget, dec, pre, oracle, rec)
     eng.serving = Serving(reqs, config, None)

@@ -207,9 +207,11 @@ def test_a_small_kv_cache_limits_the_batch() -> None:
     longest = int(big.requests.eval("prompt_tokens + output_tokens").max())
     gb = 2.5 * longest * 131072 / 1e9
     small = simulate(
-        policy="lru", trace=TRACE, record=False,
+        policy="lru",
+        trace=TRACE,
+        record=False,
         serving=ServingConfig(batch=8, continuous=True, kv_cache_gb=gb),
-    )  # fmt: skip
+    )
     assert small.serving["kv_peak_tokens"] <= small.serving["kv_cache_tokens"]
     assert small.serving["mean_batch"] < big.serving["mean_batch"]
     assert small.requests["queue_s"].max() > 0
@@ -218,9 +220,11 @@ def test_a_small_kv_cache_limits_the_batch() -> None:
 def test_a_request_longer_than_the_kv_cache_is_refused() -> None:
     with pytest.raises(UserError, match=r"request 0 .* KV-cache tokens .*--kv-cache-gb"):
         simulate(
-            policy="lru", trace=TRACE, record=False,
+            policy="lru",
+            trace=TRACE,
+            record=False,
             serving=ServingConfig(batch=2, kv_cache_gb=0.001),
-        )  # fmt: skip
+        )
 
 
 # -- requests and time --------------------------------------------------------------------------
@@ -324,9 +328,7 @@ def test_slo_goodput_definitions() -> None:
     good = (res.requests["ttft_s"] <= ttft) & (res.requests["tpot_s"] <= tpot)
     assert res.serving["slo_attainment"] == pytest.approx(good.mean())
     assert 0 < res.serving["slo_attainment"] < 1
-    assert res.serving["goodput_requests_per_s"] == pytest.approx(
-        good.sum() / res.metrics["e2e_s"]
-    )
+    assert res.serving["goodput_requests_per_s"] == pytest.approx(good.sum() / res.metrics["e2e_s"])
     p = res.serving["ttft_s"]
     assert p["p50"] <= p["p90"] <= p["p99"]
     assert p["p50"] == pytest.approx(np.percentile(res.requests["ttft_s"], 50))
@@ -337,9 +339,11 @@ def test_clairvoyant_policies_need_a_fixed_schedule() -> None:
     assert ok.serving["batched_steps"] > 0
     with pytest.raises(UserError, match="clairvoyant"):
         simulate(
-            policy="belady", trace=TRACE, record=False,
+            policy="belady",
+            trace=TRACE,
+            record=False,
             serving=ServingConfig(batch=4, continuous=True, arrival_rate=1.0),
-        )  # fmt: skip
+        )
 
 
 @pytest.mark.parametrize(
@@ -376,9 +380,11 @@ def test_an_arrival_file_drives_the_run(tmp_path: Path) -> None:
         [_row(request_id=7, arrival_s=1.0), _row(request_id=3, arrival_s=0.0, sequence=1)],
     )
     res = simulate(
-        policy="lru", trace=TRACE, record=False,
+        policy="lru",
+        trace=TRACE,
+        record=False,
         serving=ServingConfig(batch=2, continuous=True, arrivals=str(f)),
-    )  # fmt: skip
+    )
     req = res.requests.set_index("request_id")
     assert list(res.requests["request_id"]) == [3, 7]  # by arrival
     assert req.loc[7, "arrival_s"] == 1.0 and req.loc[7, "output_tokens"] == 3
@@ -420,9 +426,20 @@ def test_a_bad_arrival_file_is_one_line_naming_row_and_field(
 def test_run_json_has_a_serving_object_and_writes_the_request_table(tmp_path: Path) -> None:
     out = tmp_path / "req.csv"
     r = _cli(
-        "run", "--policy", "fiddler", "--trace", TRACE, "--arrival-rate", "0.5",
-        "--slo-tpot", "0.5", "--requests-out", str(out), "--json", "--no-progress",
-    )  # fmt: skip
+        "run",
+        "--policy",
+        "fiddler",
+        "--trace",
+        TRACE,
+        "--arrival-rate",
+        "0.5",
+        "--slo-tpot",
+        "0.5",
+        "--requests-out",
+        str(out),
+        "--json",
+        "--no-progress",
+    )
     assert r.exit_code == 0, r.output
     doc = json.loads(r.output)
     sv = doc["serving"]

@@ -9,8 +9,7 @@ from typing import Any
 import click
 
 from simulator.commands.common import echo_json, json_option
-from simulator.errors import DoesNotFit, parse_key_values
-from simulator.errors import UserError
+from simulator.errors import DoesNotFit, UserError, parse_key_values
 from simulator.output import (
     TABLE_FORMATS,
     check_output_dir,
