@@ -481,3 +481,57 @@ def test_serving_config_rules() -> None:
     only_slo = serving_config(None, None, None, None, None, 1.0, None)
     assert only_slo is not None and only_slo.batch == 1 and not only_slo.continuous
     assert math.isnan(Request(0, 0, 0.0, 0, 1, None).tpot)  # type: ignore[arg-type]
+
+
+# -- sweeps and the latency-vs-load plot --------------------------------------------------------
+
+
+def test_an_arrival_rate_sweep_and_its_latency_load_plot(tmp_path: Path) -> None:
+    from simulator.plots import plot_latency_load
+    from simulator.sweep import Grid, expand, run_sweep
+
+    grid = Grid(
+        policies=["lru"],
+        traces=[TRACE],
+        arrival_rates=[0.05, 1.0],
+        max_batch=4,
+        slo_tpot=1.2,
+        sequences=3,
+    )
+    configs = expand(grid)
+    assert [c.arrival_rate for c in configs] == [0.05, 1.0]
+    plain = expand(Grid(policies=["lru"], traces=[TRACE], sequences=3))
+    assert plain[0].key not in {c.key for c in configs}  # serving keys differ from plain ones
+    df, _ = run_sweep(grid, workers=1, out=tmp_path / "s.parquet", progress=False)
+    assert list(df["arrival_rate"]) == [0.05, 1.0] and set(df["max_batch"]) == {4}
+    direct = simulate(
+        policy="lru",
+        trace=TRACE,
+        sequences=3,
+        record=False,
+        serving=ServingConfig(batch=4, continuous=True, arrival_rate=1.0, slo_tpot=1.2),
+    )
+    assert df["ttft_p90_s"].iloc[1] == pytest.approx(direct.serving["ttft_s"]["p90"])
+    assert df["goodput_requests_per_s"].iloc[1] == pytest.approx(
+        direct.serving["goodput_requests_per_s"]
+    )
+    # higher load: requests wait longer for their first token
+    assert df["ttft_p90_s"].iloc[1] > df["ttft_p90_s"].iloc[0]
+    fig = plot_latency_load(df)
+    assert len(fig.axes) == 3 and all(len(ax.lines) == 1 for ax in fig.axes)
+    out = tmp_path / "ll.png"
+    r = _cli("plot", str(tmp_path / "s.parquet"), "--kind", "latency-load", "-o", str(out))
+    assert r.exit_code == 0 and out.stat().st_size > 0
+
+
+def test_serving_grid_keys_are_checked() -> None:
+    from simulator.sweep import Grid, expand
+
+    with pytest.raises(UserError, match="max_batch needs an arrival_rate axis"):
+        expand(Grid(policies=["lru"], traces=[TRACE], max_batch=4))
+    with pytest.raises(UserError, match=r"arrival rate -1\.0"):
+        expand(Grid(policies=["lru"], traces=[TRACE], arrival_rates=[-1.0]))
+    with pytest.raises(UserError, match="max_batch"):
+        Grid.from_dict({"policies": ["lru"], "arrival_rate": [1.0], "max_batch": 0})
+    g = Grid.from_dict({"policies": ["lru"], "arrival_rate": 0.5, "slo_ttft": 2})
+    assert g.arrival_rates == [0.5] and g.slo_ttft == 2
