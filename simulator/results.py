@@ -205,6 +205,7 @@ RUN_FILES = (
     "gantt.png",
     "hit_rate.png",
     "trace.perfetto.json",
+    "requests.parquet",
 )
 
 #: Perfetto timestamps are multiples of 1/TICKS_PER_US microseconds (about 1 ns): binary
@@ -442,6 +443,10 @@ class RunResult:
                 write_file(stage / "timeline.parquet", lambda tmp: tl.to_parquet(tmp, index=False))
                 self.to_perfetto(stage / "trace.perfetto.json.gz")
                 names.update(timeline="timeline.parquet", perfetto="trace.perfetto.json.gz")
+            if self.requests is not None:
+                req = self.requests
+                write_file(stage / "requests.parquet", lambda tmp: req.to_parquet(tmp, index=False))
+                names["requests"] = "requests.parquet"
             if plots:
                 import matplotlib
 

@@ -458,6 +458,8 @@ def simulate(
     ext_cal = None if mode in ("held-out", *CALIBRATION_MODES) else Path(mode)
     arrivals = None
     if serving is not None and serving.arrivals is not None:
+        if sequences is not None:
+            raise UserError("give --sequences or --arrivals, not both (the file names them)")
         arrivals = read_arrivals(serving.arrivals)
     if evaluate is not None:
         missing = sorted(set(evaluate) - set(ids))

@@ -427,7 +427,7 @@ class Serving:
                 if nxt is None:
                     break
                 if nxt > eng.now:  # idle until the next request arrives
-                    eng.now = nxt
+                    eng.now = nxt = float(nxt)
                     yield nxt
                 elif not sched.running:
                     raise UserError(

@@ -21,6 +21,7 @@ from click.testing import CliRunner
 
 import simulator.runner as runner_mod
 from policies.lru import LRUPolicy
+from policies.registry import available
 from simulator.cli import main
 from simulator.costs import cost_model
 from simulator.engine import Engine
@@ -41,6 +42,7 @@ from simulator.serving import (
 from simulator.testing import routing_from_experts, tiny_model
 
 TRACE = "ci-small"
+BUILTIN = sorted(n for n, c in available().items() if c.__module__.startswith("policies."))
 
 
 def _cli(*args: str) -> Any:
@@ -77,11 +79,8 @@ def test_batch_one_reproduces_the_golden_numbers(cell: Any, monkeypatch: Any) ->
 
 
 def test_golden_cells_cover_every_builtin_policy() -> None:
-    from policies.registry import available
-
     names = {c.spec.name for c in _ci_small_cells()}
-    builtin = {n for n, c in available().items() if c.__module__.startswith("policies.")}
-    assert builtin <= names, builtin - names
+    assert set(BUILTIN) <= names, set(BUILTIN) - names
 
 
 # -- the batch union ----------------------------------------------------------------------------
@@ -346,14 +345,7 @@ def test_clairvoyant_policies_need_a_fixed_schedule() -> None:
         )
 
 
-@pytest.mark.parametrize(
-    "policy",
-    sorted(
-        n
-        for n in __import__("policies.registry", fromlist=["available"]).available()
-        if n not in ("belady", "belady-global")
-    ),
-)
+@pytest.mark.parametrize("policy", BUILTIN)
 def test_every_builtin_policy_runs_batched(policy: str) -> None:
     res = simulate(policy=policy, trace=TRACE, record=False, serving=ServingConfig(batch=8))
     assert res.serving["batched_steps"] > 0
@@ -535,3 +527,28 @@ def test_serving_grid_keys_are_checked() -> None:
         Grid.from_dict({"policies": ["lru"], "arrival_rate": [1.0], "max_batch": 0})
     g = Grid.from_dict({"policies": ["lru"], "arrival_rate": 0.5, "slo_ttft": 2})
     assert g.arrival_rates == [0.5] and g.slo_ttft == 2
+
+
+def test_run_out_writes_the_request_table_and_a_timeline_with_request_ids(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    r = _cli(
+        "run",
+        "--policy",
+        "lru",
+        "--trace",
+        TRACE,
+        "--sequences",
+        "3",
+        "--max-batch",
+        "2",
+        "--out",
+        str(out),
+        "--no-progress",
+    )
+    assert r.exit_code == 0, r.output
+    req = pd.read_parquet(out / "requests.parquet")
+    assert sorted(req["request_id"]) == [0, 1, 2]
+    tl = pd.read_parquet(out / "timeline.parquet")
+    ids = {i for cell in tl["requests"] for i in cell.split(",")}
+    assert ids == {"0", "1", "2"}
+    assert (tl.loc[tl["seq"] >= 0, "requests"] == tl.loc[tl["seq"] >= 0, "seq"].astype(str)).all()

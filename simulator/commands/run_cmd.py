@@ -423,4 +423,5 @@ def run(
             click.echo(
                 f"\nwrote {out_dir}/: metrics.json timeline.parquet trace.perfetto.json.gz "
                 "gantt.png hit_rate.png"
+                + (" requests.parquet" if result.requests is not None else "")
             )
