@@ -267,6 +267,33 @@ def test_batched_and_continuous_serving_time_identically(policy: str, host: str)
         assert_same(ta, tb, sa, sb)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_random_plans_in_batched_steps_time_identically(seed: int) -> None:
+    """The chaos policy's random legal plans over continuous batches with staggered arrivals
+    (write-back on odd seeds; a unified-memory host on seeds >= 3)."""
+    model = tiny_model(experts=6, top_k=2, moe_layers=3)
+    hw = load_profile("jetson-orin-64g" if seed >= 3 else "a6000-pcie4")
+    hw = dataclasses.replace(hw, cpu=dataclasses.replace(hw.cpu, mem_bw_gbs=hw.cpu.mem_bw_gbs / 50))
+    out = []
+    for cls in (Engine, ReferenceEngine):
+        rng = np.random.default_rng(seed)
+        seqs = [random_routing(model, s, 2, int(rng.integers(2, 6)), rng) for s in range(5)]
+        times = sorted(float(x) for x in rng.uniform(0, 2e-3, size=5))
+        reqs = [
+            Request(s, s, t, r.n_prefill, r.n_decode, dense(r, model.experts))
+            for s, (r, t) in enumerate(zip(seqs, times, strict=True))
+        ]
+        pol = ChaosPolicy(rng, 2, 2, writeback=bool(seed % 2), staging_buffers=seed % 2)
+        rec = Recorder()
+        eng = cls(pol, model, cost_model(hw, model), 8, None, None, None, rec)
+        pol.engine = eng
+        eng.serving = Serving(reqs, ServingConfig(batch=3, continuous=True), None)
+        out.append((rec, eng.run(iter(())), eng))
+    (ra, sa, ea), (rb, sb, _) = out
+    assert ea.serving.batch_steps > 0
+    assert_same(ra.timeline(), rb.timeline(), sa, sb)
+
+
 class LateReturn(Policy):
     """Layer 0 pre-calculates (1, 3) on the CPU; layer 1 fetches expert 1 while it runs.
 

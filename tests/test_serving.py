@@ -18,6 +18,8 @@ import numpy as np
 import pandas as pd
 import pytest
 from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import simulator.runner as runner_mod
 from policies.lru import LRUPolicy
@@ -39,7 +41,7 @@ from simulator.serving import (
     read_arrivals,
     serving_config,
 )
-from simulator.testing import routing_from_experts, tiny_model
+from simulator.testing import ChaosPolicy, routing_from_experts, tiny_model
 
 TRACE = "ci-small"
 BUILTIN = sorted(n for n, c in available().items() if c.__module__.startswith("policies."))
@@ -552,3 +554,62 @@ def test_run_out_writes_the_request_table_and_a_timeline_with_request_ids(tmp_pa
     ids = {i for cell in tl["requests"] for i in cell.split(",")}
     assert ids == {"0", "1", "2"}
     assert (tl.loc[tl["seq"] >= 0, "requests"] == tl.loc[tl["seq"] >= 0, "seq"].astype(str)).all()
+
+
+# -- random attacks -----------------------------------------------------------------------------
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    batch=st.integers(1, 4),
+    continuous=st.booleans(),
+    spread=st.sampled_from([0.0, 1e-4, 1e-2]),
+    kv_slack=st.sampled_from([None, 0, 5, 40]),
+    writeback=st.booleans(),
+)
+def test_random_plans_and_schedules_keep_every_invariant(
+    seed: int, batch: int, continuous: bool, spread: float, kv_slack: int | None, writeback: bool
+) -> None:
+    """Random legal plans (the chaos policy: every action, prefetches, evictions,
+    pre-calculations) over random requests, arrivals, batch sizes and KV caches."""
+    model = tiny_model(experts=6, top_k=2, moe_layers=3)
+    rng = np.random.default_rng(seed)
+    seqs = [_random_seq(model, rng, i) for i in range(int(rng.integers(1, 7)))]
+    arrivals = sorted(float(x) for x in rng.uniform(0, spread, size=len(seqs)))
+    longest = max(s.n_tokens for s in seqs)
+    kv = None if kv_slack is None else longest + kv_slack
+    pol = ChaosPolicy(rng, int(rng.integers(1, 3)), int(rng.integers(1, 3)), writeback=writeback)
+    config = ServingConfig(batch=batch, continuous=continuous)
+    model_costs = cost_model(load_profile("a6000-pcie4"), model)
+    rec = Recorder()
+    eng = Engine(pol, model, model_costs, int(rng.integers(2, 10)), recorder=rec)
+    pol.engine = eng
+    reqs = [
+        Request(int(r.seq_id), int(r.seq_id), t, r.n_prefill, r.n_decode, dense(r, model.experts))
+        for r, t in zip(seqs, arrivals, strict=True)
+    ]
+    plan = Serving(reqs, config, kv)
+    eng.serving = plan
+    stats = eng.run(iter(()))
+    # every request finishes exactly once, after it arrived, was admitted and got a token
+    assert [q.finished for q in reqs] == [1] * len(reqs)
+    for q in reqs:
+        assert q.arrival <= q.admitted <= q.first_token <= q.finish
+    assert stats.counters.sequences == len(reqs)
+    assert stats.counters.decode_tokens == sum(q.output for q in reqs)
+    # the KV cache and the batch size are never exceeded
+    if kv is not None:
+        assert plan.sched.kv_peak <= kv
+    for q in reqs:
+        running = [o for o in reqs if o.admitted <= q.admitted < o.finish]
+        assert len(running) <= batch
+    # within a batched step each expert of a layer is computed exactly once
+    tl = rec.timeline().astype({"resource": str, "kind": str})
+    done = tl[tl["kind"].isin(["expert", "cpu_expert"]) & (tl["seq"] == -1)]
+    assert not done.duplicated(["token", "layer", "expert"]).any()
+    # time never goes back: serial lanes serve one thing at a time
+    for lane in ("gpu", "h2d", "d2h"):
+        rows = tl[tl["resource"] == lane].sort_values("start", kind="stable")
+        assert (rows["start"].to_numpy()[1:] >= rows["end"].to_numpy()[:-1] - 1e-12).all()
+    assert stats.e2e == pytest.approx(max(q.finish for q in reqs))
