@@ -374,12 +374,17 @@ def serving_plan(
         left = fit.free_bytes - (budget + fit.buffers) * fit.expert_bytes
         capacity = kv_reserve + max(0, int(left // per_token))
     if capacity is not None:
+        fix = (
+            "raise --kv-cache-gb"
+            if serving.kv_cache_gb is not None
+            else "lower the expert budget or give --kv-cache-gb"
+        )
         for q in reqs:
             if q.kv_tokens > capacity:
                 raise UserError(
                     f"request {q.rid} (sequence {q.seq_id}) needs {q.kv_tokens} KV-cache tokens "
                     f"({q.kv_tokens * per_token / 1e9:.2f} GB), more than the cache holds "
-                    f"({capacity} tokens); raise --kv-cache-gb or lower the expert budget"
+                    f"({capacity} tokens); {fix}"
                 )
     return Serving(reqs, serving, capacity)
 
