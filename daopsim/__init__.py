@@ -10,7 +10,8 @@ from ``daopsim`` so code keeps working when they move.
 ['all-gpu', 'belady', 'daop']
 
 Running: :func:`simulate` (one run, a :class:`RunResult`), :func:`sweep` (a grid as a DataFrame),
-:func:`run_sweep` and :class:`Grid` (the same with a summary, resumable). Writing a policy:
+:func:`run_sweep` and :class:`Grid` (the same with a summary, resumable), :class:`ServingConfig`
+(batched and continuous serving for ``simulate(serving=...)``, docs/serving.md). Writing a policy:
 :class:`Policy` (or :class:`CachingPolicy` for fetch-on-miss caches), :func:`register`,
 :class:`Plan`, :class:`Action`, :class:`View`, :class:`SetupContext`, :class:`ResourceSpec`,
 :class:`Param`. Looking up: :func:`policies`, :func:`load_profile`, :func:`get_model`. Nothing
@@ -32,6 +33,7 @@ if TYPE_CHECKING:  # the real objects, for type checkers and IDEs
     from simulator.models import get_model
     from simulator.results import RunResult
     from simulator.runner import simulate
+    from simulator.serving import ServingConfig
     from simulator.sweep import Grid, run_sweep, sweep
 
 try:
@@ -42,6 +44,7 @@ except metadata.PackageNotFoundError:  # a source checkout on PYTHONPATH, never 
 #: public name -> (module, attribute), imported on first use
 _LAZY: dict[str, tuple[str, str]] = {
     "simulate": ("simulator.runner", "simulate"),
+    "ServingConfig": ("simulator.serving", "ServingConfig"),
     "RunResult": ("simulator.results", "RunResult"),
     "sweep": ("simulator.sweep", "sweep"),
     "run_sweep": ("simulator.sweep", "run_sweep"),
@@ -69,6 +72,7 @@ __all__ = [
     "Policy",
     "ResourceSpec",
     "RunResult",
+    "ServingConfig",
     "SetupContext",
     "View",
     "__version__",

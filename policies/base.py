@@ -267,6 +267,12 @@ class Policy:
         """Decide one layer of one decode token."""
         raise NotImplementedError
 
+    def batch_layer(self, view: View) -> Plan:
+        """Decide one layer of a batched decode step: one token of each of several sequences,
+        ``view.counts`` holding the batch's tokens per expert (the prefill view's shape, so
+        the default is :meth:`prefill_layer`)."""
+        return self.prefill_layer(view)
+
     def on_sequence_end(self, seq_id: int) -> None:
         """The sequence finished."""
 

@@ -264,14 +264,35 @@ class CostModel:
         _check_tokens(context, "context")
         if n_tokens == 0:
             return 0.0
+        moved = self._nonexpert_moved(n_tokens, context)
+        attn_pairs = n_tokens * context + n_tokens * (n_tokens + 1) / 2  # causal query-key pairs
+        return self._nonexpert_roof(n_tokens, moved, attn_pairs)
+
+    def _nonexpert_roof(self, n_tokens: int, moved: float, attn_pairs: float) -> float:
+        """Roofline of one layer's non-expert part moving ``moved`` bytes, plus launches."""
         m, gpu = self.model, self.hw.gpu
         blocks = m.layers / m.moe_layers  # transformer blocks per MoE layer (dense ones too)
-        moved = self._nonexpert_moved(n_tokens, context)
         params = (m.non_expert_params - m.embedding_params) / m.moe_layers
-        attn_pairs = n_tokens * context + n_tokens * (n_tokens + 1) / 2  # causal query-key pairs
         flops = 2.0 * params * n_tokens + 4.0 * attn_pairs * m.hidden * blocks
         roof = max(moved / (gpu.mem_bw_gbs * 1e9), flops / (gpu.bf16_tflops * 1e12))
         return roof + NONEXPERT_KERNELS_PER_BLOCK * blocks * gpu.launch_overhead_us * 1e-6
+
+    def nonexpert_batch_layer_s(self, n_tokens: int, kv_tokens: int) -> float:
+        """Seconds of one MoE layer's non-expert part for a batched decode step: ``n_tokens``
+        sequences, one new token each, whose KV caches hold ``kv_tokens`` tokens in all once
+        the new ones are written (the sum of each sequence's context + 1).
+
+        Weights are read once for the batch; each new token attends only to its own sequence,
+        so the KV bytes read and the query-key pairs both scale with ``kv_tokens``. With one
+        sequence this equals :meth:`nonexpert_layer_s` (1, context).
+        """
+        _check_tokens(n_tokens)
+        _check_tokens(kv_tokens, "kv_tokens")
+        if n_tokens == 0:
+            return 0.0
+        m = self.model
+        moved = self.nonexpert_layer_bytes + m.kv_bytes_per_token / m.moe_layers * kv_tokens
+        return self._nonexpert_roof(n_tokens, moved, kv_tokens)
 
     def _nonexpert_moved(self, n_tokens: int, context: int) -> float:
         """Bytes one layer's non-expert part moves: its weights and the KV cache it touches."""

@@ -224,6 +224,8 @@ class EngineBase:
         self.now = 0.0
         self.step = 0
         self._seq = 0
+        #: a ``simulator.serving.Serving`` when requests are batched (set by the runner)
+        self.serving: Any = None
         v = self.view = View()
         v.model = model
         v.costs = costs
@@ -294,6 +296,9 @@ class EngineBase:
         self, sequences: Iterable[SequenceRouting], on_sequence: Callable[[Any], None] | None
     ) -> Generator[Any, float | None, None]:
         """Every sequence: a prefill pass, then one step per decode token (see class doc)."""
+        if self.serving is not None:  # batched or continuous serving: its own loop
+            yield from self.serving.steps(self, sequences, on_sequence)
+            return
         hooks, pol, c = self.hooks, self.policy, self.c
         where = hooks.where
         for r in sequences:
@@ -315,8 +320,13 @@ class EngineBase:
             if on_sequence is not None:
                 on_sequence(r)
 
-    def _pass(self, r: SequenceRouting, prefill: bool) -> Generator[Any, float | None, None]:
-        """The prefill pass (all prompt tokens per layer) or the decode steps, layer by layer."""
+    def _pass(
+        self, r: SequenceRouting, prefill: bool, base: int = 0
+    ) -> Generator[Any, float | None, None]:
+        """The prefill pass (all prompt tokens per layer) or the decode steps, layer by layer.
+
+        ``base`` is added to decode token numbers (serving passes one token at a time).
+        """
         v, c, rec, m = self.view, self.c, self.recorder, self.machine
         hooks = self.hooks
         where = hooks.where
@@ -350,7 +360,7 @@ class EngineBase:
         unified = m.unified
         for t in tokens:
             t0 = self.now
-            where.token = v.token = t
+            where.token = v.token = t + base
             v.step = self.step
             if prefill:
                 context = 0

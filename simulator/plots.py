@@ -27,7 +27,7 @@ from simulator.errors import UserError
 from simulator.output import write_figure
 
 #: The plot kinds of ``daopsim plot --kind``.
-KINDS = ("throughput", "hit-rate", "breakdown", "heatmap", "pareto")
+KINDS = ("throughput", "hit-rate", "breakdown", "heatmap", "pareto", "latency-load")
 ALL_GPU = "all-gpu"
 #: One colour per built-in policy, the same in every plot (bounds are black: belady dashed,
 #: all-gpu dotted). Other policies get a colour from ``_EXTRA`` by a hash of their name, so a
@@ -500,12 +500,48 @@ def plot_pareto(df: pd.DataFrame | str | os.PathLike[str], trace: str | None = N
     return fig
 
 
+def plot_latency_load(
+    df: pd.DataFrame | str | os.PathLike[str], trace: str | None = None, percentile: int = 90
+) -> Any:
+    """Per-request latency against load (a sweep with an ``arrival_rate`` axis): time to first
+    token, time per output token and goodput against the arrival rate, one line per policy
+    (and machine, when the table has several)."""
+    plt = _mpl()
+    sub, trace = select(df, trace)
+    sub = sub[sub["arrival_rate"].notna()].copy()
+    if sub.empty:
+        raise UserError("latency-load needs serving rows (a sweep with --arrival-rates)")
+    if sub["hw"].nunique() > 1:
+        sub["label"] = sub["label"] + " on " + sub["hw"].astype(str)
+    styles = _styles(sub)
+    panels = (
+        (f"ttft_p{percentile}_s", f"time to first token p{percentile} (s)"),
+        (f"req_tpot_p{percentile}_s", f"time per output token p{percentile} (s)"),
+        ("goodput_requests_per_s", "goodput (requests/s meeting the SLOs)"),
+    )
+    fig, axes = _panels(plt, len(panels), width=4.6)
+    for ax, (metric, ylabel) in zip(axes, panels, strict=True):
+        for label, grp in sub.groupby("label", sort=False):
+            agg = grp.groupby("arrival_rate")[metric].mean().sort_index()
+            color, style, marker = styles[str(label)]
+            ax.plot(agg.index, agg.values, marker=marker, ls=style, color=color, label=label)
+        ax.set_xlabel("arrival rate (requests/s)")
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8, loc="upper left")
+    _title(fig, f"Latency vs load: trace {_name(trace)} ({_model(sub)})")
+    fig.tight_layout()
+    return fig
+
+
 _PLOTTERS: dict[str, Callable[..., Any]] = {
     "throughput": plot_throughput,
     "hit-rate": plot_hit_rate,
     "breakdown": plot_breakdown,
     "heatmap": plot_heatmap,
     "pareto": plot_pareto,
+    "latency-load": plot_latency_load,
 }
 
 
@@ -530,6 +566,7 @@ _NEEDS = {
     "breakdown": ("gpu_expert_s", "gpu_nonexpert_s", "cpu_wait_s", "transfer_stall_s", "e2e_s"),
     "heatmap": ("per_layer_hit_rate",),
     "pareto": ("expert_memory_gb",),
+    "latency-load": ("arrival_rate", "ttft_p90_s", "req_tpot_p90_s", "goodput_requests_per_s"),
 }
 
 

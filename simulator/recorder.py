@@ -2,7 +2,9 @@
 
 Rows are appended as tuples (cheap in the hot path) and turned into a pandas DataFrame once,
 at the end. Columns: resource, kind, seq, token, layer, expert, start, end, bytes. Times are
-simulated seconds.
+simulated seconds. A serving run (simulator/serving.py) adds a ``requests`` column: the
+request ids of each row's step (one id, or several comma-separated for a batched step, whose
+rows carry seq -1 and the step number as token).
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ COLUMNS = ("resource", "kind", "seq", "token", "layer", "expert", "start", "end"
 class Recorder:
     """Collects operation rows and occupancy samples during a run."""
 
-    __slots__ = ("_occ", "rows")
+    __slots__ = ("_occ", "batches", "rows")
 
     def __init__(self) -> None:
         self.rows: list[tuple] = []
         self._occ: list[tuple[float, int]] = []
+        #: serving runs: step number -> request ids of a batched step (None: not serving)
+        self.batches: dict[int, str] | None = None
 
     def op(
         self,
@@ -56,6 +60,12 @@ class Recorder:
                 "bytes": "int64",
             }
         )
+        if self.batches is not None:
+            batches = self.batches
+            df["requests"] = [
+                batches.get(tok, "") if seq == -1 else str(seq)
+                for seq, tok in zip(df["seq"].tolist(), df["token"].tolist(), strict=True)
+            ]
         return df.sort_values(["start", "end"], kind="stable").reset_index(drop=True)
 
     def occupancy_frame(self) -> pd.DataFrame:

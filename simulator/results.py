@@ -205,6 +205,7 @@ RUN_FILES = (
     "gantt.png",
     "hit_rate.png",
     "trace.perfetto.json",
+    "requests.parquet",
 )
 
 #: Perfetto timestamps are multiples of 1/TICKS_PER_US microseconds (about 1 ns): binary
@@ -251,6 +252,9 @@ class RunResult:
     occupancy: pd.DataFrame | None = None
     token_latency: np.ndarray = field(default_factory=lambda: np.empty(0))
     ttft: np.ndarray = field(default_factory=lambda: np.empty(0))
+    #: serving runs (docs/serving.md): the ``serving`` summary and one row per request
+    serving: dict[str, Any] | None = None
+    requests: pd.DataFrame | None = None
 
     @property
     def bound(self) -> bool:
@@ -269,6 +273,8 @@ class RunResult:
             "wall_j": self.metrics.get("energy_wall_j"),
         }
         out["per_layer_hit_rate"] = self.per_layer_hit_rate
+        if self.serving is not None:
+            out["serving"] = self.serving
         return out
 
     def to_json(self) -> str:
@@ -437,6 +443,10 @@ class RunResult:
                 write_file(stage / "timeline.parquet", lambda tmp: tl.to_parquet(tmp, index=False))
                 self.to_perfetto(stage / "trace.perfetto.json.gz")
                 names.update(timeline="timeline.parquet", perfetto="trace.perfetto.json.gz")
+            if self.requests is not None:
+                req = self.requests
+                write_file(stage / "requests.parquet", lambda tmp: req.to_parquet(tmp, index=False))
+                names["requests"] = "requests.parquet"
             if plots:
                 import matplotlib
 

@@ -27,6 +27,19 @@ from simulator.errors import DoesNotFit, UserError
 from simulator.hardware import HardwareProfile, load_profile
 from simulator.recorder import Recorder
 from simulator.results import RunResult, compute_metrics
+from simulator.serving import (
+    Arrival,
+    Request,
+    Serving,
+    ServingConfig,
+    dense,
+    poisson_arrivals,
+    read_arrivals,
+    request_table,
+    step_oracle,
+    summarise,
+    trim,
+)
 from simulator.trace import (
     SequenceRouting,
     TraceMeta,
@@ -284,6 +297,98 @@ def check_fit(fit: ExpertFit, machine: str, budget: int | None, by_ratio: bool =
         )
 
 
+def serving_kv_reserve(serving: ServingConfig, model: Any, context: int) -> int:
+    """KV-cache tokens reserved before the expert slots are sized (docs/serving.md, "GPU
+    memory"): ``--kv-cache-gb`` of them, else one mean-length sequence per batch place."""
+    per_token = model.kv_bytes_per_token
+    if serving.kv_cache_gb is not None:
+        if per_token <= 0:
+            raise UserError(f"--kv-cache-gb: model {model.name} has no KV-cache size per token")
+        return int(serving.kv_cache_gb * 1e9 // per_token)
+    return serving.batch * context
+
+
+def serving_plan(
+    serving: ServingConfig,
+    trace_path: Path,
+    meta: TraceMeta,
+    eval_ids: list[int],
+    arrivals: list[Arrival] | None,
+    fit: ExpertFit,
+    budget: int,
+    kv_reserve: int,
+    unlimited: bool,
+    stand_in: bool,
+    seed: int,
+) -> Serving:
+    """The requests of a serving run, their arrival times and the KV-cache capacity.
+
+    KV capacity: ``--kv-cache-gb`` exactly; otherwise the memory the expert slots and the
+    policy's buffers leave (at least the reserve); unbounded for a policy whose memory is not
+    modelled (all-gpu). Any request longer than the cache is refused before the run.
+    """
+    model = meta.model
+    routes: dict[int, SequenceRouting] = {}
+    for r in iter_sequences(trace_path, meta, sequences=set(eval_ids)):
+        r = previous_token_view(r) if stand_in else r
+        routes[int(r.seq_id)] = dense(r, model.experts)
+    reqs: list[Request] = []
+    if arrivals is not None:
+        for a in arrivals:
+            r = routes[a.sequence]
+            for name, got, have in (
+                ("prompt_tokens", a.prompt_tokens, r.n_prefill),
+                ("output_tokens", a.output_tokens, r.n_decode),
+            ):
+                if got > have:
+                    raise UserError(
+                        f"{serving.arrivals}: row {a.row}: field {name}: {got} is more than "
+                        f"sequence {a.sequence} has ({have})"
+                    )
+            reqs.append(
+                Request(
+                    a.request_id,
+                    a.sequence,
+                    a.arrival_s,
+                    a.prompt_tokens,
+                    a.output_tokens,
+                    trim(r, a.prompt_tokens, a.output_tokens, a.request_id),
+                )
+            )
+    else:
+        times = (
+            poisson_arrivals(len(eval_ids), serving.arrival_rate, seed).tolist()
+            if serving.arrival_rate is not None
+            else [0.0] * len(eval_ids)
+        )
+        for sid, t in zip(eval_ids, times, strict=True):
+            r = routes[sid]
+            reqs.append(Request(sid, sid, t, r.n_prefill, r.n_decode, r))
+    per_token = model.kv_bytes_per_token
+    capacity: int | None
+    if unlimited or per_token <= 0:
+        capacity = None
+    elif serving.kv_cache_gb is not None:
+        capacity = kv_reserve
+    else:
+        left = fit.free_bytes - (budget + fit.buffers) * fit.expert_bytes
+        capacity = kv_reserve + max(0, int(left // per_token))
+    if capacity is not None:
+        fix = (
+            "raise --kv-cache-gb"
+            if serving.kv_cache_gb is not None
+            else "lower the expert budget or give --kv-cache-gb"
+        )
+        for q in reqs:
+            if q.kv_tokens > capacity:
+                raise UserError(
+                    f"request {q.rid} (sequence {q.seq_id}) needs {q.kv_tokens} KV-cache tokens "
+                    f"({q.kv_tokens * per_token / 1e9:.2f} GB), more than the cache holds "
+                    f"({capacity} tokens); {fix}"
+                )
+    return Serving(reqs, serving, capacity)
+
+
 def _buffers(n: int) -> str:
     return f"{n} buffer" if n == 1 else f"{n} buffers"
 
@@ -321,6 +426,7 @@ def simulate(
     lookahead: str = "recorded",
     evaluate: list[int] | None = None,
     engine: str = "fast",
+    serving: ServingConfig | None = None,
 ) -> RunResult:
     """Run one policy on one machine over a trace; see docs/metrics.md for the result.
 
@@ -331,7 +437,8 @@ def simulate(
     ``"recorded"`` (the trace's one-layer-early view) or ``"previous-token"`` (stand-in).
     ``evaluate``: explicit sequence ids to evaluate (e.g. a bound on another run's ids).
     ``engine``: ``"fast"`` (default) or ``"reference"`` (the plain-SimPy model of the same
-    rules, slower; docs/architecture.md).
+    rules, slower; docs/architecture.md). ``serving``: requests batched and arriving over time
+    (docs/serving.md); None runs the sequences one after another.
     """
     if lookahead not in LOOKAHEAD_CHOICES:
         raise UserError(f"--lookahead must be one of {list(LOOKAHEAD_CHOICES)}, got {lookahead!r}")
@@ -354,6 +461,11 @@ def simulate(
     mode = "none" if calibration is None and not wants_cal else calibration
     mode = "held-out" if mode is None else str(mode)
     ext_cal = None if mode in ("held-out", *CALIBRATION_MODES) else Path(mode)
+    arrivals = None
+    if serving is not None and serving.arrivals is not None:
+        if sequences is not None:
+            raise UserError("give --sequences or --arrivals, not both (the file names them)")
+        arrivals = read_arrivals(serving.arrivals)
     if evaluate is not None:
         missing = sorted(set(evaluate) - set(ids))
         if missing:
@@ -363,6 +475,15 @@ def simulate(
         eval_ids, cal_ids = split_sequences(
             meta, ids, sequences, ext_cal is not None, hold_out=mode == "held-out", seed=seed
         )
+    if arrivals is not None:  # the file names the evaluated sequences
+        known, held = set(ids), set(cal_ids)
+        for a in arrivals:
+            if a.sequence not in known or a.sequence in held:
+                why = "is held out for calibration" if a.sequence in held else "is not in the trace"
+                raise UserError(
+                    f"{serving.arrivals}: row {a.row}: field sequence: sequence {a.sequence} {why}"
+                )
+        eval_ids = sorted({a.sequence for a in arrivals})
     if mode == "self":
         cal_ids = list(eval_ids)
 
@@ -375,6 +496,9 @@ def simulate(
         )
 
     context = trace_context(meta)
+    kv_reserve = context  # KV tokens reserved before the expert slots are sized
+    if serving is not None:
+        kv_reserve = serving_kv_reserve(serving, model, context)
     if cache_ratio is not None and gpu_experts is not None:
         raise UserError("give --cache-ratio or --gpu-experts, not both")
     total = model.total_experts
@@ -388,7 +512,7 @@ def simulate(
         budget = gpu_experts
     else:
         budget = None
-    fit = expert_fit(costs, policy_buffers(pol), context)
+    fit = expert_fit(costs, policy_buffers(pol), kv_reserve)
     if pol.resources().unlimited_memory:
         budget = total  # the all-GPU bound: memory is not modelled
     else:
@@ -425,11 +549,42 @@ def simulate(
                 "calibration sequences; pass --calibration PATH or --calibration self"
             )
 
+    stand_in = uses_view and lookahead == "previous-token"
+    plan = None
+    if serving is not None:
+        plan = serving_plan(
+            serving,
+            trace_path,
+            meta,
+            eval_ids,
+            arrivals,
+            fit,
+            budget,
+            kv_reserve,
+            pol.resources().unlimited_memory,
+            stand_in,
+            seed,
+        )
     oracle = None
     if pol.clairvoyant:
         oracle = Oracle(model.moe_layers, model.experts)
-        for r in iter_sequences(trace_path, meta, sequences=set(eval_ids)):
-            oracle.add(r)
+        if plan is not None:
+            if serving is not None and serving.timed_arrivals:
+                raise UserError(
+                    f"policy {pol.name!r} is clairvoyant: with requests arriving over time the "
+                    "step order depends on timing, so it has no oracle; use --batch without "
+                    "--arrival-rate/--arrivals"
+                )
+            step_oracle(
+                plan.requests,
+                plan.config.batch,
+                plan.config.continuous,
+                plan.sched.kv_capacity,
+                oracle,
+            )
+        else:
+            for r in iter_sequences(trace_path, meta, sequences=set(eval_ids)):
+                oracle.add(r)
 
     recorder = Recorder() if record else None
     sim = engine_cls(
@@ -443,9 +598,9 @@ def simulate(
         recorder=recorder,
         seed=seed,
     )
+    sim.serving = plan
     done = [0]
     no_prefill = [0]
-    stand_in = uses_view and lookahead == "previous-token"
 
     def seqs() -> Iterator[SequenceRouting]:
         # stream in file order; evaluation order is file order too
@@ -494,12 +649,19 @@ def simulate(
         "notes": notes,
         "seed": seed,
         "engine": engine,
+        "batch": serving.batch if serving is not None else None,
         "bound": bool(pol.clairvoyant or pol.bound),
         "clairvoyant": bool(pol.clairvoyant),
         "cost_sources": costs.sources(),
         **provenance(trace_path, profile),
     }
+    serving_doc = requests = None
+    if plan is not None:
+        serving_doc = summarise(plan, stats.e2e, plan.sched.kv_capacity, model.kv_bytes_per_token)
+        requests = request_table(plan.requests, plan.config)
     return RunResult(
+        serving=serving_doc,
+        requests=requests,
         config=config,
         metrics=metrics,
         per_layer_hit_rate=(

@@ -70,6 +70,23 @@ EXTRA_COLUMNS = (
     "sequence_ids",
     "calibration",
 )
+#: Columns of serving sweeps (an ``arrival_rate`` axis; docs/serving.md), after the metrics.
+SERVING_COLUMNS = (
+    "arrival_rate",
+    "max_batch",
+    "throughput_tokens_per_s",
+    "ttft_p50_s",
+    "ttft_p90_s",
+    "ttft_p99_s",
+    "req_tpot_p50_s",
+    "req_tpot_p90_s",
+    "req_tpot_p99_s",
+    "latency_p50_s",
+    "latency_p90_s",
+    "latency_p99_s",
+    "slo_attainment",
+    "goodput_requests_per_s",
+)
 EXECUTORS = ("local", "dask")
 _GRID_KEYS = {
     "policies",
@@ -86,6 +103,10 @@ _GRID_KEYS = {
     "host_dtype",
     "nonexpert_dtype",
     "out",
+    "arrival_rate",
+    "max_batch",
+    "slo_ttft",
+    "slo_tpot",
 }
 
 
@@ -124,6 +145,11 @@ class Grid:
     lookahead: str = "recorded"
     host_dtype: str | None = None
     nonexpert_dtype: str | None = None
+    #: serving axis: Poisson arrival rates (requests/s), continuous batching of ``max_batch``
+    arrival_rates: list[float] = field(default_factory=list)
+    max_batch: int | None = None
+    slo_ttft: float | None = None
+    slo_tpot: float | None = None
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str = "grid") -> Grid:
@@ -170,6 +196,13 @@ class Grid:
         for key in ("calibration", "dtype", "host_dtype", "nonexpert_dtype", "lookahead"):
             if data.get(key) is not None and not isinstance(data[key], str):
                 raise UserError(f"{source}: key {key!r} must be a string")
+        for key in ("slo_ttft", "slo_tpot"):
+            v = data.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)):
+                raise UserError(f"{source}: key {key!r} must be a number of seconds")
+        mb = data.get("max_batch")
+        if mb is not None and (not isinstance(mb, int) or isinstance(mb, bool) or mb < 1):
+            raise UserError(f"{source}: key 'max_batch' must be a positive integer, got {mb!r}")
         lookahead = data.get("lookahead") or "recorded"
         if lookahead not in ("recorded", "previous-token"):
             raise UserError(
@@ -190,6 +223,10 @@ class Grid:
             lookahead=lookahead,
             host_dtype=data.get("host_dtype"),
             nonexpert_dtype=data.get("nonexpert_dtype"),
+            arrival_rates=lst("arrival_rate", float),
+            max_batch=mb,
+            slo_ttft=data.get("slo_ttft"),
+            slo_tpot=data.get("slo_tpot"),
         )
 
 
@@ -323,6 +360,24 @@ class Config:
     lookahead: str = "recorded"
     host_dtype: str | None = None
     nonexpert_dtype: str | None = None
+    arrival_rate: float | None = None
+    max_batch: int | None = None
+    slo_ttft: float | None = None
+    slo_tpot: float | None = None
+
+    def serving(self) -> Any:
+        """The run's ``ServingConfig`` (continuous batching at ``arrival_rate``), or None."""
+        if self.arrival_rate is None:
+            return None
+        from simulator.serving import DEFAULT_MAX_BATCH, ServingConfig
+
+        return ServingConfig(
+            batch=self.max_batch or DEFAULT_MAX_BATCH,
+            continuous=True,
+            arrival_rate=self.arrival_rate,
+            slo_ttft=self.slo_ttft,
+            slo_tpot=self.slo_tpot,
+        )
 
 
 def _option_axes(grid: Grid, policy_classes: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
@@ -373,6 +428,17 @@ def expand(grid: Grid) -> list[Config]:
     for n in grid.gpu_experts:
         if n < 0:
             raise UserError(f"gpu experts {n} is negative")
+    for rate in grid.arrival_rates:
+        if not (math.isfinite(rate) and rate > 0):
+            raise UserError(f"arrival rate {rate} is not a positive number")
+    serving_extra = {
+        k: getattr(grid, k)
+        for k in ("max_batch", "slo_ttft", "slo_tpot")
+        if getattr(grid, k) is not None
+    }
+    if serving_extra and not grid.arrival_rates:
+        raise UserError(f"{next(iter(serving_extra))} needs an arrival_rate axis")
+    rates: list[float | None] = list(dict.fromkeys(grid.arrival_rates)) or [None]
     classes = {p: get_policy_class(p) for p in dict.fromkeys(grid.policies)}
     option_sets = _option_axes(grid, classes)
     code_sha = {p: policy_code_sha256(cls) for p, cls in classes.items()}
@@ -401,56 +467,63 @@ def expand(grid: Grid) -> list[Config]:
                     # a policy that places every expert ignores the memory axis
                     unlimited = cls(**opts).resources().unlimited_memory
                     points = [(None, None)] if unlimited else memory
-                    for ratio, n in points:
-                        for seed in dict.fromkeys(grid.seeds):
-                            ident = {
-                                "trace_sha256": tsha,
-                                "profile_sha256": hsha,
-                                "policy": pol,
-                                "policy_code_sha256": code_sha[pol],
-                                "options": opts,
-                                "cache_ratio": ratio,
-                                "gpu_experts": n,
-                                "sequences": grid.sequences,
-                                "seed": seed,
-                                "calibration_sha256": cal_sha,
-                                "dtype": grid.dtype,
-                                "daopsim": version,
-                            }
-                            if grid.lookahead != "recorded":
-                                # only then, so the keys of earlier sweeps stay valid
-                                ident["lookahead"] = grid.lookahead
-                            for extra in ("host_dtype", "nonexpert_dtype"):
-                                if getattr(grid, extra) is not None:
-                                    ident[extra] = getattr(grid, extra)
-                            text = json.dumps(ident, sort_keys=True, default=str)
-                            key = hashlib.sha256(text.encode()).hexdigest()[:32]
-                            if key in seen:
-                                continue
-                            seen.add(key)
-                            configs.append(
-                                Config(
-                                    index=len(configs),
-                                    key=key,
-                                    policy=pol,
-                                    options=tuple(sorted(opts.items())),
-                                    hw=hw,
-                                    hw_sha=hsha,
-                                    trace=t,
-                                    trace_path=str(path.resolve()),
-                                    trace_bundled=t in bundled,
-                                    trace_sha=tsha,
-                                    cache_ratio=ratio,
-                                    gpu_experts=n,
-                                    sequences=grid.sequences,
-                                    seed=seed,
-                                    calibration=grid.calibration,
-                                    dtype=grid.dtype,
-                                    lookahead=grid.lookahead,
-                                    host_dtype=grid.host_dtype,
-                                    nonexpert_dtype=grid.nonexpert_dtype,
-                                )
+                    for (ratio, n), rate, seed in itertools.product(
+                        points, rates, dict.fromkeys(grid.seeds)
+                    ):
+                        ident = {
+                            "trace_sha256": tsha,
+                            "profile_sha256": hsha,
+                            "policy": pol,
+                            "policy_code_sha256": code_sha[pol],
+                            "options": opts,
+                            "cache_ratio": ratio,
+                            "gpu_experts": n,
+                            "sequences": grid.sequences,
+                            "seed": seed,
+                            "calibration_sha256": cal_sha,
+                            "dtype": grid.dtype,
+                            "daopsim": version,
+                        }
+                        if grid.lookahead != "recorded":
+                            # only then, so the keys of earlier sweeps stay valid
+                            ident["lookahead"] = grid.lookahead
+                        for extra in ("host_dtype", "nonexpert_dtype"):
+                            if getattr(grid, extra) is not None:
+                                ident[extra] = getattr(grid, extra)
+                        if rate is not None:  # only then: earlier keys stay valid
+                            ident.update(arrival_rate=rate, **serving_extra)
+                        text = json.dumps(ident, sort_keys=True, default=str)
+                        key = hashlib.sha256(text.encode()).hexdigest()[:32]
+                        if key in seen:
+                            continue
+                        seen.add(key)
+                        configs.append(
+                            Config(
+                                index=len(configs),
+                                key=key,
+                                policy=pol,
+                                options=tuple(sorted(opts.items())),
+                                hw=hw,
+                                hw_sha=hsha,
+                                trace=t,
+                                trace_path=str(path.resolve()),
+                                trace_bundled=t in bundled,
+                                trace_sha=tsha,
+                                cache_ratio=ratio,
+                                gpu_experts=n,
+                                sequences=grid.sequences,
+                                seed=seed,
+                                calibration=grid.calibration,
+                                dtype=grid.dtype,
+                                lookahead=grid.lookahead,
+                                host_dtype=grid.host_dtype,
+                                nonexpert_dtype=grid.nonexpert_dtype,
+                                arrival_rate=rate,
+                                max_batch=grid.max_batch if rate is not None else None,
+                                slo_ttft=grid.slo_ttft if rate is not None else None,
+                                slo_tpot=grid.slo_tpot if rate is not None else None,
                             )
+                        )
     return configs
 
 
@@ -480,6 +553,9 @@ def _base_row(cfg: Config) -> dict[str, Any]:
     }
     for k, v in cfg.options:
         row[f"opt.{k}"] = v
+    if cfg.arrival_rate is not None:
+        row["arrival_rate"] = cfg.arrival_rate
+        row["max_batch"] = cfg.serving().batch
     return row
 
 
@@ -517,6 +593,7 @@ def run_config(cfg: Config) -> dict[str, Any]:
             lookahead=cfg.lookahead,
             host_dtype=cfg.host_dtype,
             nonexpert_dtype=cfg.nonexpert_dtype,
+            serving=cfg.serving(),
         )
     except DoesNotFit as exc:  # the machine is too small for this point: not a failure
         row["status"] = "skipped"
@@ -556,7 +633,22 @@ def run_config(cfg: Config) -> dict[str, Any]:
             "per_layer_hit_rate": [float(x) for x in result.per_layer_hit_rate],
         }
     )
+    if result.serving is not None:
+        row.update(serving_row(result.serving))
     return row
+
+
+def serving_row(sv: dict[str, Any]) -> dict[str, Any]:
+    """A serving run's summary as flat sweep columns (``SERVING_COLUMNS``)."""
+    out = {
+        "throughput_tokens_per_s": sv["throughput_tokens_per_s"],
+        "slo_attainment": sv["slo_attainment"],
+        "goodput_requests_per_s": sv["goodput_requests_per_s"],
+    }
+    for name, key in (("ttft", "ttft_s"), ("req_tpot", "tpot_s"), ("latency", "latency_s")):
+        for p, v in sv[key].items():
+            out[f"{name}_{p}_s"] = v
+    return out
 
 
 # --- storage ----------------------------------------------------------------------------------
@@ -614,8 +706,11 @@ def to_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     """Rows (in grid order) as the tidy sweep table with a stable column order."""
     opt_cols = sorted({k for r in rows for k in r if k.startswith("opt.")})
     # dict.fromkeys: "sequences" is both a configuration column and a metric
-    cols = list(dict.fromkeys([*BASE_COLUMNS, *opt_cols, *METRIC_KEYS, *EXTRA_COLUMNS]))
+    serving = [c for c in SERVING_COLUMNS if any(c in r for r in rows)]
+    cols = list(dict.fromkeys([*BASE_COLUMNS, *opt_cols, *METRIC_KEYS, *serving, *EXTRA_COLUMNS]))
     df = pd.DataFrame([{c: r.get(c) for c in cols} for r in rows], columns=cols)
+    for c in serving:
+        df[c] = pd.to_numeric(df[c], errors="coerce").astype("float64")
     ints = ("gpu_experts", "sequences", "seed", "total_experts", "max_gpu_experts")
     for c in METRIC_KEYS:
         if c in ints:

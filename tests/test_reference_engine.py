@@ -6,7 +6,8 @@ budgets, every operation (resource, kind, layer, expert, start, end) and every c
 match. Further cases: a profile with one copy engine, a second profile, the shared host CPU
 (several worker threads, partial socket shares) and unified memory (CPU calls re-timed by
 copies and GPU kernels taking DRAM), random legal plans
-(the chaos policy, with write-back and staging buffers), and a hand-built out-of-order case
+(the chaos policy, with write-back and staging buffers), batched serving steps (static and
+continuous batching, docs/serving.md), and a hand-built out-of-order case
 where a request decided later is submitted earlier than one booked ahead of it.
 """
 
@@ -33,6 +34,7 @@ from simulator.hardware import HardwareProfile, load_profile
 from simulator.recorder import Recorder
 from simulator.reference import ReferenceEngine
 from simulator.runner import Oracle, calibration_counts, simulate, split_sequences
+from simulator.serving import Request, Serving, ServingConfig, dense, step_oracle, trim
 from simulator.testing import ChaosPolicy, random_routing, routing_from_experts, tiny_model
 from simulator.trace import SequenceRouting, iter_sequences, read_meta, sequence_ids
 
@@ -213,6 +215,83 @@ def test_random_plans_time_identically(
         out.append(_run(cls, make, model, hw, budget, seqs))
     (ta, sa, _), (tb, sb, _) = out
     assert_same(ta, tb, sa, sb)
+
+
+def _run_serving(
+    cls: type[EngineBase],
+    policy: str,
+    hw: HardwareProfile,
+    config: ServingConfig,
+    arrivals: list[float],
+) -> tuple[pd.DataFrame, Any, EngineBase]:
+    """Batched steps (ci-small's two cut sequences, each replayed twice) on one engine."""
+    model, seqs, dec, pre = _inputs("ci-small")
+    pol = get_policy_class(policy)()
+    budget = model.total_experts if pol.resources().unlimited_memory else model.total_experts // 4
+    reqs = [
+        Request(
+            i,
+            int(r.seq_id),
+            t,
+            r.n_prefill,
+            r.n_decode,
+            trim(dense(r, model.experts), r.n_prefill, r.n_decode, i),
+        )
+        for i, (r, t) in enumerate(zip(seqs * 2, arrivals, strict=True))
+    ]
+    oracle = None
+    if pol.clairvoyant:
+        oracle = step_oracle(
+            reqs, config.batch, config.continuous, None, Oracle(model.moe_layers, model.experts)
+        )
+    rec = Recorder()
+    eng = cls(pol, model, cost_model(hw, model), budget, dec, pre, oracle, rec)
+    eng.serving = Serving(reqs, config, None)
+    stats = eng.run(iter(()))
+    return rec.timeline(), stats, eng
+
+
+@pytest.mark.parametrize("host", ["a6000-pcie4", "jetson-orin-64g"])
+@pytest.mark.parametrize("policy", BUILTIN)
+def test_batched_and_continuous_serving_time_identically(policy: str, host: str) -> None:
+    """Static batches (all requests at 0) and continuous batching with staggered arrivals:
+    batched steps (the union of the batch's experts) time the same on both engines."""
+    hw = load_profile(host)
+    cases = [(ServingConfig(batch=3), [0.0] * 4)]
+    if not get_policy_class(policy).clairvoyant:
+        cases.append((ServingConfig(batch=3, continuous=True), [0.0, 0.01, 0.5, 2.0]))
+    for config, arrivals in cases:
+        ta, sa, ea = _run_serving(Engine, policy, hw, config, arrivals)
+        tb, sb, _ = _run_serving(ReferenceEngine, policy, hw, config, arrivals)
+        assert ea.serving.batch_steps > 0
+        assert_same(ta, tb, sa, sb)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_plans_in_batched_steps_time_identically(seed: int) -> None:
+    """The chaos policy's random legal plans over continuous batches with staggered arrivals
+    (write-back on odd seeds; a unified-memory host on seeds >= 3)."""
+    model = tiny_model(experts=6, top_k=2, moe_layers=3)
+    hw = load_profile("jetson-orin-64g" if seed >= 3 else "a6000-pcie4")
+    hw = dataclasses.replace(hw, cpu=dataclasses.replace(hw.cpu, mem_bw_gbs=hw.cpu.mem_bw_gbs / 50))
+    out = []
+    for cls in (Engine, ReferenceEngine):
+        rng = np.random.default_rng(seed)
+        seqs = [random_routing(model, s, 2, int(rng.integers(2, 6)), rng) for s in range(5)]
+        times = sorted(float(x) for x in rng.uniform(0, 2e-3, size=5))
+        reqs = [
+            Request(s, s, t, r.n_prefill, r.n_decode, dense(r, model.experts))
+            for s, (r, t) in enumerate(zip(seqs, times, strict=True))
+        ]
+        pol = ChaosPolicy(rng, 2, 2, writeback=bool(seed % 2), staging_buffers=seed % 2)
+        rec = Recorder()
+        eng = cls(pol, model, cost_model(hw, model), 8, None, None, None, rec)
+        pol.engine = eng
+        eng.serving = Serving(reqs, ServingConfig(batch=3, continuous=True), None)
+        out.append((rec, eng.run(iter(())), eng))
+    (ra, sa, ea), (rb, sb, _) = out
+    assert ea.serving.batch_steps > 0
+    assert_same(ra.timeline(), rb.timeline(), sa, sb)
 
 
 class LateReturn(Policy):

@@ -1,5 +1,5 @@
 """``daopsim plot``: draw a results table (a sweep's, or an experiment's results.parquet) as a
-PNG, PDF or SVG (throughput, hit rate, breakdown, heatmap, Pareto front)."""
+PNG, PDF or SVG (throughput, hit rate, breakdown, heatmap, Pareto front, latency vs load)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from simulator.output import FIGURE_FORMATS, check_output_file, output_format, w
 @click.argument("results")
 @click.option(
     "--kind",
-    type=click.Choice(["throughput", "hit-rate", "breakdown", "heatmap", "pareto"]),
+    type=click.Choice(["throughput", "hit-rate", "breakdown", "heatmap", "pareto", "latency-load"]),
     default="throughput",
     show_default=True,
 )

@@ -9,8 +9,14 @@ from typing import Any
 import click
 
 from simulator.commands.common import echo_json, json_option
-from simulator.errors import DoesNotFit, parse_key_values
-from simulator.output import check_output_dir
+from simulator.errors import DoesNotFit, UserError, parse_key_values
+from simulator.output import (
+    TABLE_FORMATS,
+    check_output_dir,
+    check_output_file,
+    output_format,
+    write_table,
+)
 from simulator.progress import lazy_progress
 from simulator.results import RUN_FILES
 
@@ -137,6 +143,9 @@ def render_table(doc: dict[str, Any]) -> str:
         if isinstance(value, int | float) and not isinstance(value, bool) and scale != 1:
             value = value * scale
         lines.append(f"  {label:<28} {_fmt(value, unit)}")
+    sv = doc.get("serving")
+    if sv:
+        lines += ["", f"  serving: {render_serving(sv)}"]
     b = doc.get("bounds")
     if b:
         gpu_tps = b["all-gpu"]["tokens_per_s"]
@@ -160,6 +169,35 @@ def render_table(doc: dict[str, Any]) -> str:
                 "all layers)"
             )
     return "\n".join(lines)
+
+
+def render_serving(sv: dict[str, Any]) -> str:
+    """The serving section of the table: batching, per-request percentiles, goodput."""
+
+    def pcts(d: dict[str, Any], scale: float, unit: str) -> str:
+        return " / ".join(
+            _fmt(None if d[k] is None else d[k] * scale, unit) for k in ("p50", "p90", "p99")
+        )
+
+    slo = ", ".join(
+        f"{name} <= {sv[key]} s"
+        for name, key in (("TTFT", "slo_ttft_s"), ("TPOT", "slo_tpot_s"))
+        if sv.get(key) is not None
+    )
+    rows = [
+        f"{sv['mode']} batching, up to {sv['max_batch']} requests; arrivals {sv['arrivals']}",
+        f"  {'requests':<28} {sv['requests']} (mean batch {sv['mean_batch']:.2f})",
+        f"  {'generated tokens/s':<28} {_fmt(sv['throughput_tokens_per_s'])}",
+        f"  {'TTFT p50/p90/p99':<28} {pcts(sv['ttft_s'], 1.0, ' s')}",
+        f"  {'TPOT p50/p90/p99':<28} {pcts(sv['tpot_s'], 1e3, ' ms')}",
+        f"  {'latency p50/p90/p99':<28} {pcts(sv['latency_s'], 1.0, ' s')}",
+        f"  {'SLO attainment':<28} {_fmt(sv['slo_attainment'])}"
+        + (f" ({slo})" if slo else " (no SLO given)"),
+        f"  {'goodput':<28} {_fmt(sv['goodput_requests_per_s'])} requests/s",
+        f"  {'KV cache':<28} {_fmt(sv['kv_cache_tokens'])} tokens, peak "
+        f"{_fmt(sv['kv_peak_tokens'])}",
+    ]
+    return "\n".join(rows)
 
 
 @click.command("run")
@@ -261,6 +299,46 @@ def render_table(doc: dict[str, Any]) -> str:
     help="Also report the all-GPU throughput bound and the Belady hit-rate bounds "
     "(per layer; and global, beside a caching policy).",
 )
+@click.option(
+    "--batch",
+    type=int,
+    default=None,
+    help="Static batches of up to B requests (a batch starts when the previous one is done).",
+)
+@click.option(
+    "--max-batch",
+    type=int,
+    default=None,
+    help="Continuous batching of up to B requests (requests join and leave between steps).",
+)
+@click.option(
+    "--arrival-rate",
+    type=float,
+    default=None,
+    help="Requests arrive by a Poisson process of R per second (seeded by --seed).",
+)
+@click.option(
+    "--arrivals",
+    default=None,
+    metavar="FILE",
+    help="Arrival file (CSV/Parquet: request_id, arrival_s, prompt_tokens, output_tokens, "
+    "sequence).",
+)
+@click.option(
+    "--kv-cache-gb",
+    type=float,
+    default=None,
+    help="GPU memory reserved for the KV cache before expert slots are sized "
+    "(default: one mean-length sequence per batch place, plus what the slots leave).",
+)
+@click.option("--slo-ttft", type=float, default=None, help="Time-to-first-token SLO (s).")
+@click.option("--slo-tpot", type=float, default=None, help="Time-per-output-token SLO (s).")
+@click.option(
+    "--requests-out",
+    default=None,
+    metavar="FILE",
+    help="Write one row per request (.csv or .parquet) in a serving run.",
+)
 @json_option
 def run(
     policy: str,
@@ -281,12 +359,32 @@ def run(
     bounds: bool,
     as_json: bool,
     lookahead: str = "recorded",
+    batch: int | None = None,
+    max_batch: int | None = None,
+    arrival_rate: float | None = None,
+    arrivals: str | None = None,
+    kv_cache_gb: float | None = None,
+    slo_ttft: float | None = None,
+    slo_tpot: float | None = None,
+    requests_out: str | None = None,
 ) -> None:
     """Simulate one policy on one machine over a routing trace."""
     from simulator.runner import simulate
+    from simulator.serving import serving_config
 
     options = parse_options(policy_opts)
-    inputs = (trace, calibration, hw)
+    serving = serving_config(
+        batch, max_batch, arrival_rate, arrivals, kv_cache_gb, slo_ttft, slo_tpot
+    )
+    inputs = (trace, calibration, hw, arrivals)
+    if requests_out is not None:
+        if serving is None:
+            raise UserError(
+                "--requests-out needs a serving run (--batch, --max-batch, --arrival-rate, "
+                "--arrivals or an SLO)"
+            )
+        output_format(requests_out, TABLE_FORMATS, "--requests-out")
+        check_output_file(requests_out, "--requests-out", inputs)
     if out_dir is not None:
         check_output_dir(out_dir, RUN_FILES, "--out", inputs)
     enabled = not no_progress and sys.stderr.isatty()
@@ -308,11 +406,14 @@ def run(
             host_dtype=host_dtype,
             nonexpert_dtype=nonexpert_dtype,
             engine=engine,
+            serving=serving,
         )
-    if bounds:
+    if bounds and serving is None:  # the bounds are single-sequence runs
         result.config["bounds"] = compute_bounds(result, hw, trace, sequences, dtype, seed)
     if out_dir is not None:
         result.write(out_dir, flag="--out", inputs=inputs)
+    if requests_out is not None and result.requests is not None:
+        write_table(result.requests, requests_out, "--requests-out")
     doc = result.to_dict()
     if as_json:
         echo_json(doc)
@@ -322,4 +423,5 @@ def run(
             click.echo(
                 f"\nwrote {out_dir}/: metrics.json timeline.parquet trace.perfetto.json.gz "
                 "gantt.png hit_rate.png"
+                + (" requests.parquet" if result.requests is not None else "")
             )

@@ -83,6 +83,14 @@ def _parses(kind: type, text: str) -> bool:
     default=None,
     help="Leave out rows whose routing fidelity (gate_mass_preserved) is below this.",
 )
+@click.option(
+    "--arrival-rates",
+    help="Comma-separated Poisson arrival rates (requests/s): a serving axis, continuous "
+    "batching (docs/serving.md).",
+)
+@click.option("--max-batch", type=int, help="Serving axis: most requests per batch (default 8).")
+@click.option("--slo-ttft", type=float, help="Serving axis: time-to-first-token SLO (s).")
+@click.option("--slo-tpot", type=float, help="Serving axis: time-per-output-token SLO (s).")
 @click.option("--retry-errors", is_flag=True, help="Re-run configurations that failed before.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @json_option
@@ -109,6 +117,10 @@ def sweep(
     as_json: bool,
     lookahead: str | None = None,
     min_gate_mass: float | None = None,
+    arrival_rates: str | None = None,
+    max_batch: int | None = None,
+    slo_ttft: float | None = None,
+    slo_tpot: float | None = None,
 ) -> None:
     """Run every combination of policies, machines, traces and memory budgets.
 
@@ -125,6 +137,10 @@ def sweep(
         "cache_ratios": _split(cache_ratios, float, "--cache-ratios"),
         "gpu_experts": _split(gpu_experts, int, "--gpu-experts"),
         "seeds": _split(seeds, int, "--seeds"),
+        "arrival_rates": _split(arrival_rates, float, "--arrival-rates"),
+        "max_batch": max_batch,
+        "slo_ttft": slo_ttft,
+        "slo_tpot": slo_tpot,
     }
     if grid_file is not None:
         grid, file_out = load_grid_file(grid_file)

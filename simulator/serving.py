@@ -1,0 +1,620 @@
+"""Serving: requests that arrive over time, decoded in static or continuous batches.
+
+docs/serving.md describes each rule and its sources. In short:
+
+* a *request* replays one trace sequence (its prompt, then its generated tokens); requests
+  arrive all at time 0, by a seeded Poisson process (``--arrival-rate``) or at the times of an
+  arrival file (:func:`read_arrivals`);
+* the scheduler (:class:`Scheduler`) admits waiting requests first come, first served, while
+  the batch has room (``--batch``/``--max-batch``) and the KV cache can hold the request's
+  prompt plus output tokens; static batches admit only when the previous batch is done,
+  continuous batching admits between any two steps (iteration-level scheduling);
+* a newly admitted request's prompt runs as a prefill step of its own (the engine's prefill
+  pass); then every running request decodes one token per step. One running request decodes
+  through the engine's single-sequence path (so one request at a time reproduces an unbatched
+  run exactly); several decode in one batched step (:meth:`Serving._batch_step`) in which each
+  layer runs the union of the batch's experts, each over the number of tokens that chose it;
+* per request: time to first token (from its arrival), time per output token, end-to-end
+  latency; SLO attainment and goodput (:func:`summarise`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import deque
+from collections.abc import Callable, Generator, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+
+from policies.base import Plan
+from simulator.boundary import check_plan
+from simulator.errors import UserError
+from simulator.trace import SequenceRouting
+
+if TYPE_CHECKING:
+    from simulator.engine import EngineBase
+
+#: Columns of an arrival file (docs/serving.md, "Arrival file").
+ARRIVAL_COLUMNS = ("request_id", "arrival_s", "prompt_tokens", "output_tokens", "sequence")
+#: Percentiles reported for per-request latencies.
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """How requests arrive and are batched (``daopsim run`` serving options)."""
+
+    #: most requests decoding together
+    batch: int = 1
+    #: continuous (iteration-level) batching; False: static batches
+    continuous: bool = False
+    #: Poisson arrivals per second (None: every request at time 0, or the arrival file's times)
+    arrival_rate: float | None = None
+    #: CSV or Parquet arrival file (docs/serving.md)
+    arrivals: str | None = None
+    #: GPU memory reserved for the KV cache before expert slots are sized (None: the default rule)
+    kv_cache_gb: float | None = None
+    #: service-level objectives in seconds (None: no objective)
+    slo_ttft: float | None = None
+    slo_tpot: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.batch < 1:
+            raise UserError(f"--batch/--max-batch must be at least 1, got {self.batch}")
+        if self.arrival_rate is not None and not (
+            math.isfinite(self.arrival_rate) and self.arrival_rate > 0
+        ):
+            raise UserError(f"--arrival-rate must be a positive number, got {self.arrival_rate}")
+        if self.arrival_rate is not None and self.arrivals is not None:
+            raise UserError("give --arrival-rate or --arrivals, not both")
+        if self.kv_cache_gb is not None and not (
+            math.isfinite(self.kv_cache_gb) and self.kv_cache_gb > 0
+        ):
+            raise UserError(f"--kv-cache-gb must be a positive number, got {self.kv_cache_gb}")
+        for name, v in (("--slo-ttft", self.slo_ttft), ("--slo-tpot", self.slo_tpot)):
+            if v is not None and not (math.isfinite(v) and v > 0):
+                raise UserError(f"{name} must be a positive number of seconds, got {v}")
+
+    @property
+    def timed_arrivals(self) -> bool:
+        """Requests arrive over time (the schedule then depends on the simulated clock)."""
+        return self.arrival_rate is not None or self.arrivals is not None
+
+
+#: Most requests decoding together when requests arrive over time and no size is given.
+DEFAULT_MAX_BATCH = 8
+
+
+def serving_config(
+    batch: int | None,
+    max_batch: int | None,
+    arrival_rate: float | None,
+    arrivals: str | None,
+    kv_cache_gb: float | None,
+    slo_ttft: float | None,
+    slo_tpot: float | None,
+) -> ServingConfig | None:
+    """The serving configuration of ``run``'s options, or None when none is given.
+
+    ``--batch B``: static batches; ``--max-batch B``: continuous batching; neither: continuous
+    batching of up to :data:`DEFAULT_MAX_BATCH` when requests arrive over time, else one
+    request at a time.
+    """
+    given = (batch, max_batch, arrival_rate, arrivals, kv_cache_gb, slo_ttft, slo_tpot)
+    if all(v is None for v in given):
+        return None
+    if batch is not None and max_batch is not None:
+        raise UserError("give --batch (static batches) or --max-batch (continuous), not both")
+    timed = arrival_rate is not None or arrivals is not None
+    size = batch if batch is not None else max_batch
+    if size is None:
+        size = DEFAULT_MAX_BATCH if timed else 1
+    return ServingConfig(
+        batch=size,
+        continuous=batch is None and (max_batch is not None or timed),
+        arrival_rate=arrival_rate,
+        arrivals=arrivals,
+        kv_cache_gb=kv_cache_gb,
+        slo_ttft=slo_ttft,
+        slo_tpot=slo_tpot,
+    )
+
+
+@dataclass
+class Arrival:
+    """One row of an arrival file."""
+
+    request_id: int
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    sequence: int
+    row: int  #: 1-based data row, for error messages
+
+
+@dataclass
+class Request:
+    """One request and what happened to it (times in simulated seconds)."""
+
+    rid: int
+    seq_id: int
+    arrival: float
+    prompt: int
+    output: int
+    routing: SequenceRouting
+    admitted: float = math.nan
+    first_token: float = math.nan
+    finish: float = math.nan
+    #: decode tokens generated so far
+    done: int = 0
+    finished: int = 0  #: times it finished (the invariant: exactly once)
+
+    @property
+    def kv_tokens(self) -> int:
+        """KV-cache tokens it holds while admitted: its prompt and output (reserved whole)."""
+        return self.prompt + self.output
+
+    @property
+    def tpot(self) -> float:
+        """Time per output token after the first (NaN with fewer than two tokens)."""
+        after = self.output if self.prompt else self.output - 1
+        return (self.finish - self.first_token) / after if after > 0 else math.nan
+
+
+def poisson_arrivals(n: int, rate: float, seed: int) -> np.ndarray:
+    """``n`` arrival times of a Poisson process of ``rate`` per second (seeded; first > 0)."""
+    gaps = np.random.default_rng([seed, 17]).exponential(1.0 / rate, size=n)
+    return np.cumsum(gaps)
+
+
+def _int_field(path: Path, row: int, name: str, value: Any, low: int) -> int:
+    if isinstance(value, float | np.floating) and float(value).is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise UserError(f"{path}: row {row}: field {name}: expected an integer, got {value!r}")
+    if value < low:
+        raise UserError(f"{path}: row {row}: field {name}: must be >= {low}, got {value}")
+    return int(value)
+
+
+def read_arrivals(path: str | Path) -> list[Arrival]:
+    """Read and validate an arrival file (CSV or Parquet), sorted by arrival time then row."""
+    p = Path(path)
+    suffix = p.suffix.lower()
+    if suffix not in (".csv", ".parquet"):
+        raise UserError(f"{p}: arrival file must end in .csv or .parquet")
+    try:
+        df = pd.read_csv(p) if suffix == ".csv" else pd.read_parquet(p)
+    except FileNotFoundError:
+        raise UserError(f"{p}: no such arrival file") from None
+    except Exception as exc:  # unreadable: say so in one line
+        text = " ".join(str(exc).split())
+        raise UserError(f"{p}: cannot read arrival file: {type(exc).__name__}: {text}") from None
+    missing = [c for c in ARRIVAL_COLUMNS if c not in df.columns]
+    if missing:
+        raise UserError(
+            f"{p}: missing column {missing[0]!r} (an arrival file has {', '.join(ARRIVAL_COLUMNS)})"
+        )
+    if df.empty:
+        raise UserError(f"{p}: arrival file has no rows")
+    out: list[Arrival] = []
+    seen: dict[int, int] = {}
+    records = df[list(ARRIVAL_COLUMNS)].to_dict("records")
+    for i, rec in enumerate(records, start=1):
+        for name in ARRIVAL_COLUMNS:
+            v = rec[name]
+            if v is None or (isinstance(v, float) and math.isnan(v)):
+                raise UserError(f"{p}: row {i}: field {name}: empty")
+        rid = _int_field(p, i, "request_id", rec["request_id"], 0)
+        if rid in seen:
+            raise UserError(f"{p}: row {i}: field request_id: {rid} repeats row {seen[rid]}'s id")
+        seen[rid] = i
+        t = rec["arrival_s"]
+        try:
+            t = float(t)
+        except (TypeError, ValueError):
+            raise UserError(f"{p}: row {i}: field arrival_s: not a number: {t!r}") from None
+        if not math.isfinite(t) or t < 0:
+            raise UserError(f"{p}: row {i}: field arrival_s: must be finite and >= 0, got {t}")
+        out.append(
+            Arrival(
+                request_id=rid,
+                arrival_s=t,
+                prompt_tokens=_int_field(p, i, "prompt_tokens", rec["prompt_tokens"], 0),
+                output_tokens=_int_field(p, i, "output_tokens", rec["output_tokens"], 1),
+                sequence=_int_field(p, i, "sequence", rec["sequence"], 0),
+                row=i,
+            )
+        )
+    out.sort(key=lambda a: a.arrival_s)  # stable: file order on ties
+    return out
+
+
+def dense(r: SequenceRouting, n_experts: int) -> SequenceRouting:
+    """``r`` with dense probabilities (so one-token slices need no conversion)."""
+    if r.prob_ids is None and r.early_prob_ids is None:
+        return r
+    return dataclasses.replace(
+        r,
+        probs=r.full_probs(n_experts),
+        early_probs=r.full_probs(n_experts, early=True),
+        prob_ids=None,
+        early_prob_ids=None,
+    )
+
+
+def trim(r: SequenceRouting, prompt: int, output: int, rid: int) -> SequenceRouting:
+    """The first ``prompt`` prompt tokens and first ``output`` generated tokens of ``r``,
+    as sequence ``rid`` (a request's id names it to the policy and in the timeline)."""
+    p0 = r.n_prefill
+    if prompt == p0 and output == r.n_decode:
+        return dataclasses.replace(r, seq_id=rid)
+    idx = np.r_[0:prompt, p0 : p0 + output]
+
+    def take(a: np.ndarray | None) -> np.ndarray | None:
+        return None if a is None else a[idx]
+
+    return dataclasses.replace(
+        r,
+        seq_id=rid,
+        positions=r.positions[idx],
+        n_prefill=prompt,
+        experts=r.experts[idx],
+        weights=r.weights[idx],
+        probs=r.probs[idx],
+        early_experts=r.early_experts[idx],
+        early_probs=r.early_probs[idx],
+        prob_ids=take(r.prob_ids),
+        early_prob_ids=take(r.early_prob_ids),
+        filled=take(r.filled),
+    )
+
+
+def one_token(r: SequenceRouting, t: int) -> SequenceRouting:
+    """Token ``t`` of ``r`` as a one-token decode-only routing (views, no copies)."""
+    s = slice(t, t + 1)
+    return dataclasses.replace(
+        r,
+        positions=r.positions[s],
+        n_prefill=0,
+        experts=r.experts[s],
+        weights=r.weights[s],
+        probs=r.probs[s],
+        early_experts=r.early_experts[s],
+        early_probs=r.early_probs[s],
+        prob_ids=None if r.prob_ids is None else r.prob_ids[s],
+        early_prob_ids=None if r.early_prob_ids is None else r.early_prob_ids[s],
+        filled=None if r.filled is None else r.filled[s],
+    )
+
+
+class Scheduler:
+    """Admission: first come, first served, bounded by the batch size and the KV cache.
+
+    ``kv_capacity`` is the KV cache in tokens (None: unbounded). A request holds its prompt
+    plus output tokens from admission to its end. Static batches admit only when nothing is
+    running; continuous batching admits at every step boundary. The head of the queue is never
+    overtaken (a later, smaller request does not jump a waiting one).
+    """
+
+    def __init__(
+        self, requests: list[Request], batch: int, continuous: bool, kv_capacity: int | None
+    ) -> None:
+        self.queue: deque[Request] = deque(sorted(requests, key=lambda q: q.arrival))
+        self.running: list[Request] = []
+        self.batch = batch
+        self.continuous = continuous
+        self.kv_capacity = kv_capacity
+        self.kv_used = 0
+        #: most KV tokens ever held at once
+        self.kv_peak = 0
+
+    def admit(self, now: float) -> list[Request]:
+        """Requests admitted at ``now`` (they join ``running``)."""
+        if self.running and not self.continuous:
+            return []
+        out = []
+        q = self.queue
+        while q and q[0].arrival <= now and len(self.running) < self.batch:
+            need = q[0].kv_tokens
+            if self.kv_capacity is not None and self.kv_used + need > self.kv_capacity:
+                break
+            r = q.popleft()
+            self.kv_used += need
+            self.kv_peak = max(self.kv_peak, self.kv_used)
+            r.admitted = now
+            self.running.append(r)
+            out.append(r)
+        return out
+
+    def next_arrival(self) -> float | None:
+        """When the head of the queue arrives (None when the queue is empty)."""
+        return self.queue[0].arrival if self.queue else None
+
+    def leave(self, r: Request) -> None:
+        """``r`` finished: it leaves the batch and frees its KV cache."""
+        self.running.remove(r)
+        self.kv_used -= r.kv_tokens
+
+
+def schedule_steps(
+    requests: list[Request], batch: int, continuous: bool, kv_capacity: int | None
+) -> Iterable[list[tuple[Request, int]]]:
+    """The step sequence when every request is there at time 0 (so no step depends on
+    timing): each step is ``[(request, token index)]``, a prefill step being one request at
+    token -1. Clairvoyant policies get their oracle from it."""
+    sched = Scheduler([dataclasses.replace(q) for q in requests], batch, continuous, kv_capacity)
+    while sched.queue or sched.running:
+        for q in sched.admit(0.0):
+            if q.prompt:
+                yield [(q, -1)]
+        if not sched.running:
+            raise UserError("a request can never be admitted (KV cache too small)")
+        decoding = [q for q in sched.running if q.done < q.output]
+        if decoding:
+            yield [(q, q.prompt + q.done) for q in decoding]
+        for q in decoding:
+            q.done += 1
+        for q in list(sched.running):
+            if q.done >= q.output:
+                sched.leave(q)
+
+
+def step_oracle(
+    requests: list[Request], batch: int, continuous: bool, kv_capacity: int | None, oracle: Any
+) -> Any:
+    """Fill ``oracle`` (``simulator.runner.Oracle``) with the accesses of each step."""
+    for step in schedule_steps(requests, batch, continuous, kv_capacity):
+        n = oracle.n_steps
+        for q, t in step:
+            r = q.routing
+            rows = r.experts[: r.n_prefill] if t < 0 else r.experts[t : t + 1]
+            for layer in range(rows.shape[1]):
+                steps = oracle.steps[layer]
+                for e in np.unique(rows[:, layer, :]).tolist():
+                    lst = steps[e]
+                    if not lst or lst[-1] != n:
+                        lst.append(n)
+        oracle.n_steps = n + 1
+    return oracle
+
+
+class Serving:
+    """Drives an engine's step loop for a set of requests (``EngineBase.serving``)."""
+
+    def __init__(
+        self, requests: list[Request], config: ServingConfig, kv_capacity: int | None
+    ) -> None:
+        self.requests = requests
+        self.config = config
+        self.sched = Scheduler(requests, config.batch, config.continuous, kv_capacity)
+        self.batch_steps = 0
+        self.batched_tokens = 0
+
+    def steps(
+        self,
+        eng: EngineBase,
+        sequences: Iterable[SequenceRouting],
+        on_sequence: Callable[[Any], None] | None,
+    ) -> Generator[Any, float | None, None]:
+        """The serving loop (``sequences`` is unused: the requests carry their routing)."""
+        sched, hooks, pol, c = self.sched, eng.hooks, eng.policy, eng.c
+        where = hooks.where
+        rec = eng.recorder
+        if rec is not None:
+            rec.batches = {}
+        while sched.queue or sched.running:
+            for q in sched.admit(eng.now):
+                r = q.routing
+                where.seq, where.token, where.layer = q.rid, None, None
+                eng.view.seq_id = q.rid
+                hooks.call("on_sequence_start", pol.on_sequence_start, q.rid, q.prompt)
+                t0 = eng.now
+                if q.prompt:
+                    yield from eng._pass(r, True)
+                    q.first_token = eng.now
+                c.ttft.append(eng.now - t0)
+                if not q.output:  # nothing to generate beyond the prompt's token
+                    self._finish(eng, q, on_sequence)
+            decoding = [q for q in sched.running if q.done < q.output]
+            if not decoding:
+                nxt = sched.next_arrival()
+                if nxt is None:
+                    break
+                if nxt > eng.now:  # idle until the next request arrives
+                    eng.now = nxt = float(nxt)
+                    yield nxt
+                elif not sched.running:
+                    raise UserError(
+                        f"request {sched.queue[0].rid} needs {sched.queue[0].kv_tokens} KV "
+                        f"tokens, more than the KV cache holds ({sched.kv_capacity})"
+                    )
+                continue
+            if len(decoding) == 1:
+                q = decoding[0]
+                t = q.prompt + q.done
+                where.seq = eng.view.seq_id = q.rid
+                yield from eng._pass(one_token(q.routing, t), False, base=t)
+            else:
+                yield from self._batch_step(eng, decoding)
+            for q in decoding:
+                q.done += 1
+                if q.done == 1 and not q.prompt:
+                    q.first_token = eng.now
+            for q in decoding:
+                if q.done >= q.output:
+                    self._finish(eng, q, on_sequence)
+
+    def _finish(
+        self, eng: EngineBase, q: Request, on_sequence: Callable[[Any], None] | None
+    ) -> None:
+        hooks, c = eng.hooks, eng.c
+        hooks.where.seq, hooks.where.token = q.rid, None
+        hooks.call("on_sequence_end", eng.policy.on_sequence_end, q.rid)
+        c.precalc_wasted += len(eng.precalc)
+        eng.precalc.clear()
+        c.sequences += 1
+        q.finish = eng.now
+        q.finished += 1
+        self.sched.leave(q)
+        if on_sequence is not None:
+            on_sequence(q.routing)
+
+    def _batch_step(self, eng: EngineBase, batch: list[Request]) -> Generator[Any, Any, None]:
+        """One decode token of each request in ``batch``: each layer runs the union of their
+        experts, an expert over as many tokens as chose it."""
+        c, v, m, rec = eng.c, eng.view, eng.machine, eng.recorder
+        hooks, pol = eng.hooks, eng.policy
+        where = hooks.where
+        n_layers, n_exp = eng.n_layers, eng.n_experts
+        b = len(batch)
+        toks = [q.prompt + q.done for q in batch]
+        routes = [q.routing for q in batch]
+        ex = np.stack([r.experts[t] for r, t in zip(routes, toks, strict=True)])  # [B, L, k]
+        wt = np.stack([r.weights[t] for r, t in zip(routes, toks, strict=True)])
+        pr = np.stack([r.probs[t] for r, t in zip(routes, toks, strict=True)])
+        # tokens per (layer, expert) over the batch, all layers at once
+        flat = (np.arange(n_layers)[None, :, None] * n_exp + ex).reshape(-1)
+        counts_all = np.bincount(flat, minlength=n_layers * n_exp).reshape(n_layers, n_exp)
+        wsum = wt.sum(axis=(0, 2)).tolist()  # true gate mass per layer, summed over the batch
+        kv_tokens = sum(int(r.positions[t]) + 1 for r, t in zip(routes, toks, strict=True))
+        d_ne = eng.costs.nonexpert_batch_layer_s(b, kv_tokens)
+        step = eng.step
+        rid0, tok0 = batch[0].rid, toks[0]
+        if rec is not None and rec.batches is not None:
+            rec.batches[step] = ",".join(str(q.rid) for q in batch)
+        v.phase = "decode"
+        v.n_tokens = b
+        v.context = kv_tokens - b  # tokens already cached, over the batch
+        v.position = int(routes[0].positions[tok0])
+        v.seq_id, v.token, v.step = rid0, tok0, step
+        v.next_experts = v.next_probs = None
+        k = ex.shape[2]
+        t0 = eng.now
+        for layer in range(n_layers):
+            start = eng.now
+            if rec is not None:
+                rec.op("gpu", "nonexpert", -1, step, layer, -1, start, start + d_ne, 0)
+            c.gpu_nonexpert_busy += d_ne
+            m.gpu.busy += d_ne
+            now = start + d_ne
+            if m.unified:
+                m.gpu_load(start, now, b, kv_tokens // b)
+                if m.cpu.active:
+                    eng._rearm()
+            if eng._due(now):
+                yield now
+            where.seq, where.token = rid0, tok0
+            v.layer = where.layer = layer
+            v.now = now
+            counts = counts_all[layer]
+            experts = np.flatnonzero(counts)
+            experts = experts[np.argsort(-counts[experts], kind="stable")]
+            v.experts, v.counts = experts, counts
+            v.weights = wt[:, layer, :].mean(axis=0)
+            v.probs = pr[:, layer, :].mean(axis=0)
+            plan = hooks.call("batch_layer", pol.batch_layer, v)
+            if isinstance(plan, Plan) and plan.route is not None:
+                raise hooks.error("substitutes routing in a batched step (not supported)", layer)
+            routed = experts.tolist()
+            order = check_plan(hooks, plan, layer, routed, eng.res, eng.spec, eng.precalc, now)
+            c.true_accesses += b * k
+            c.gate_mass_total += wsum[layer]
+            c.gate_mass_kept += wsum[layer]
+            # the step's operations are labelled with the step, not one request
+            where.seq, where.token = -1, step
+            work = eng._apply(plan, layer, order, routed, counts, now, False)
+            end = yield work
+            assert end is not None
+            eng.now = end
+        eng.step += 1
+        if eng.precalc:
+            c.precalc_wasted += len(eng.precalc)
+            eng.precalc.clear()
+        lat = eng.now - t0
+        c.token_latency.extend([lat] * b)
+        c.decode_time += lat
+        c.decode_tokens += b
+        self.batch_steps += 1
+        self.batched_tokens += b
+
+
+def _pcts(values: list[float]) -> dict[str, float | None]:
+    arr = np.asarray([x for x in values if math.isfinite(x)], dtype=np.float64)
+    return {f"p{p}": (float(np.percentile(arr, p)) if arr.size else None) for p in PERCENTILES}
+
+
+def request_table(requests: list[Request], config: ServingConfig) -> pd.DataFrame:
+    """One row per request: arrival, admission, first token, finish, latencies, SLO outcome."""
+    rows = []
+    for q in requests:
+        ttft = q.first_token - q.arrival
+        tpot = q.tpot
+        rows.append(
+            {
+                "request_id": q.rid,
+                "sequence": q.seq_id,
+                "arrival_s": q.arrival,
+                "admitted_s": q.admitted,
+                "first_token_s": q.first_token,
+                "finish_s": q.finish,
+                "prompt_tokens": q.prompt,
+                "output_tokens": q.output,
+                "queue_s": q.admitted - q.arrival,
+                "ttft_s": ttft,
+                "tpot_s": tpot,
+                "latency_s": q.finish - q.arrival,
+                "meets_slo": meets_slo(ttft, tpot, config),
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def meets_slo(ttft: float, tpot: float, config: ServingConfig) -> bool:
+    """Both objectives met (an objective not given is met; a NaN TPOT, one output token after
+    no prompt, meets any TPOT objective)."""
+    if config.slo_ttft is not None and not ttft <= config.slo_ttft:
+        return False
+    return config.slo_tpot is None or math.isnan(tpot) or tpot <= config.slo_tpot
+
+
+def summarise(
+    serving: Serving, e2e: float, kv_capacity: int | None, kv_bytes_per_token: int
+) -> dict[str, Any]:
+    """The ``serving`` object of ``run --json`` (docs/serving.md defines each key)."""
+    cfg = serving.config
+    table = request_table(serving.requests, cfg)
+    n = len(table)
+    good = int(table["meets_slo"].sum()) if n else 0
+    out_tokens = int(table["output_tokens"].sum()) if n else 0
+    return {
+        "mode": "continuous" if cfg.continuous else "static",
+        "max_batch": cfg.batch,
+        "arrivals": (
+            f"poisson {cfg.arrival_rate}/s"
+            if cfg.arrival_rate is not None
+            else (cfg.arrivals if cfg.arrivals is not None else "all at 0")
+        ),
+        "requests": n,
+        "batched_steps": serving.batch_steps,
+        "mean_batch": (serving.batched_tokens / serving.batch_steps)
+        if serving.batch_steps
+        else 1.0,
+        "throughput_tokens_per_s": out_tokens / e2e if e2e > 0 else None,
+        "ttft_s": _pcts(table["ttft_s"].tolist()),
+        "tpot_s": _pcts(table["tpot_s"].tolist()),
+        "latency_s": _pcts(table["latency_s"].tolist()),
+        "queue_s": _pcts(table["queue_s"].tolist()),
+        "slo_ttft_s": cfg.slo_ttft,
+        "slo_tpot_s": cfg.slo_tpot,
+        "slo_attainment": good / n if n else None,
+        "goodput_requests_per_s": good / e2e if e2e > 0 else None,
+        "kv_cache_tokens": kv_capacity,
+        "kv_cache_gb": None if kv_capacity is None else kv_capacity * kv_bytes_per_token / 1e9,
+        "kv_peak_tokens": serving.sched.kv_peak,
+    }
