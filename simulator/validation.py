@@ -63,6 +63,8 @@ SIM_KEYS = (
     "policy_options",
     "seed",
     "dtype",
+    "host_dtype",
+    "nonexpert_dtype",
 )
 _REQUIRED = (
     "id",
