@@ -31,8 +31,8 @@ prefetch (docs/references.md#baselines).
   ``load_experts`` with every expert the prompt routes to, and each non-resident one is swapped
   in (``_swap``: H2D plus the write-back of the group's least recently used expert, the pipeline
   window being ``buffer_size - 1`` loads), so a prompt that needs all 8 experts with 3 resident
-  costs 5 swaps per layer, not 5 temporary copies. Known divergence: compute here may overlap the layer's
-  later copies; on the single stream it cannot (≲2 % at 3 experts per layer).
+  costs 5 swaps per layer, not 5 temporary copies. Known divergence: compute here may overlap
+  the layer's later copies; on the single stream it cannot (≲2 % at 3 experts per layer).
 - ``prefetch`` (default off, as in the released code): speculative loading from the
   one-layer-early view. At layer l the top ``prefetch_k`` experts of ``view.next_experts`` (layer
   l+1's router applied to layer l's input) that are not resident are copied into layer l+1's

@@ -85,7 +85,7 @@ class VllmCpuOffloadPolicy(Policy):
             # the streamed layers need two layers of buffer slots beside the resident ones
             fits = max(0, (ctx.budget - 2 * n_exp) // n_exp)
             need = n_layers - min(fits, n_layers)
-            if ctx.budget < 2 * n_exp or want and want < need:
+            if ctx.budget < 2 * n_exp or (want and want < need):
                 raise DoesNotFit(
                     f"policy {self.name!r}: {n_layers - max(want, need)} resident layers and "
                     f"2 layers of streaming buffers need more than {ctx.budget} GPU expert slots",
