@@ -87,9 +87,9 @@ class VllmCpuOffloadPolicy(Policy):
             need = n_layers - min(fits, n_layers)
             if ctx.budget < 2 * n_exp or (want and want < need):
                 raise DoesNotFit(
+                    ctx.budget,
                     f"policy {self.name!r}: {n_layers - max(want, need)} resident layers and "
-                    f"2 layers of streaming buffers need more than {ctx.budget} GPU expert slots",
-                    max_experts=ctx.budget,
+                    f"2 layers of streaming buffers do not fit in {ctx.budget} GPU expert slots",
                 )
             # at least two: the buffer rotation frees a layer's slots two streamed layers later,
             # when its copies are known to be done
