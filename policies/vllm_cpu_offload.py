@@ -62,7 +62,8 @@ class VllmCpuOffloadPolicy(Policy):
         "offload_layers": Param(
             int,
             0,
-            "MoE layers whose experts live in pinned host memory (0: the fewest that fit)",
+            "MoE layers whose experts live in pinned host memory (0: the fewest that fit; "
+            "more than the model has: all)",
         ),
     }
 
@@ -74,11 +75,10 @@ class VllmCpuOffloadPolicy(Policy):
         """Offload the leading layers; the others are resident with every expert."""
         n_layers, n_exp = ctx.model.moe_layers, ctx.model.experts
         want = self.options["offload_layers"]
-        if want < 0 or want > n_layers:
-            raise UserError(
-                f"policy {self.name!r}: option 'offload_layers' must be in 0..{n_layers}, "
-                f"got {want}"
-            )
+        if want < 0:
+            raise UserError(f"policy {self.name!r}: option 'offload_layers' must be >= 0")
+        # like a --cpu-offload-gb above the model's size: every layer is offloaded
+        want = min(want, n_layers)
         if ctx.budget >= n_layers * n_exp and want == 0:
             self.offload = 0
         else:

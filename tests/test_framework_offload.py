@@ -84,7 +84,9 @@ def test_vllm_offload_layers_option_and_refusals() -> None:
     with pytest.raises(DoesNotFit):
         VllmCpuOffloadPolicy(offload_layers=2).setup(_ctx(6, 4, 23))  # 4 resident do not fit
     with pytest.raises(UserError, match="offload_layers"):
-        VllmCpuOffloadPolicy(offload_layers=7).setup(_ctx(6, 4, 24))
+        VllmCpuOffloadPolicy(offload_layers=-1).setup(_ctx(6, 4, 24))
+    everything = VllmCpuOffloadPolicy(offload_layers=9)  # more than the model has
+    assert list(everything.setup(_ctx(6, 4, 24))) == [] and everything.offload == 6
 
 
 def test_mixtral_offloading_prefill_swaps_with_writeback() -> None:
