@@ -140,7 +140,7 @@ class CachingPolicy(_FetchOnMiss):
             else:
                 candidates = [x for x in cache if x not in protected]
                 guard = protected
-                if not candidates and self.evicts_in_use and counts is None:
+                if not candidates and self.evicts_in_use:
                     # swap out an expert this token already uses (computed before it leaves)
                     guard = set(extra) if extra else set()
                     candidates = [x for x in cache if x not in guard]

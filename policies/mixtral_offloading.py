@@ -27,9 +27,12 @@ prefetch (docs/references.md#baselines).
   if this layer already used it: that expert's computation is ordered before its write-back on
   the stream, and the last expert loaded stays resident. ``evicts_in_use = True`` asks the
   engine for exactly that (the write-back is queued after the victim's computation, and its
-  slot is held until then). Prefill (many experts per layer at once) still serves a group's
-  overflow from a temporary buffer. Known divergence: compute here may overlap the layer's
-  later copies; on the single stream it cannot (≲2 % at 3 experts per layer).
+  slot is held until then). Prefill takes the same path: ``SparseMoeWrapper`` calls
+  ``load_experts`` with every expert the prompt routes to, and each non-resident one is swapped
+  in (``_swap``: H2D plus the write-back of the group's least recently used expert, the pipeline
+  window being ``buffer_size - 1`` loads), so a prompt that needs all 8 experts with 3 resident
+  costs 5 swaps per layer, not 5 temporary copies. Known divergence: compute here may overlap
+  the layer's later copies; on the single stream it cannot (≲2 % at 3 experts per layer).
 - ``prefetch`` (default off, as in the released code): speculative loading from the
   one-layer-early view. At layer l the top ``prefetch_k`` experts of ``view.next_experts`` (layer
   l+1's router applied to layer l's input) that are not resident are copied into layer l+1's

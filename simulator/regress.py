@@ -213,9 +213,11 @@ BUILTIN_VARIANTS = (
     PolicySpec.of("llama-cpp-cpu-moe", n_cpu_moe=16, prefill_offload=False),
     PolicySpec.of("ktransformers", gpu_experts_per_layer=2, placement="frequency"),
     PolicySpec.of("ktransformers", gpu_experts_ratio=0.25, placement="front-loading"),
+    PolicySpec.of("vllm-cpu-offload", offload_layers=24),
 )
 #: Policies whose placement depends on the budget (all-gpu and stream-all do not).
 BUDGET_POLICIES = [
+    "accelerate",
     "belady",
     "belady-global",
     "daop",
@@ -227,6 +229,7 @@ BUDGET_POLICIES = [
     "mixtral-offloading",
     "round-robin",
     "static",
+    "vllm-cpu-offload",
 ]
 
 

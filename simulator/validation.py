@@ -63,6 +63,8 @@ SIM_KEYS = (
     "policy_options",
     "seed",
     "dtype",
+    "host_dtype",
+    "nonexpert_dtype",
 )
 _REQUIRED = (
     "id",
@@ -365,12 +367,27 @@ def _generator_digest() -> str:
 
 
 def synth_trace(spec: dict[str, Any]) -> Path:
-    """A cached synthetic trace for ``{preset, sequences, prompt_tokens, output_tokens, seed}``."""
-    from simulator import synth
-    from simulator.synth import get_preset, write_synthetic
+    """A cached synthetic trace for ``{preset, sequences, prompt_tokens, output_tokens, seed}``.
 
-    preset = str(spec.get("preset", ""))
-    p = get_preset(preset)
+    Instead of ``preset``, ``model`` names a catalogue model: its own preset if it has one, else
+    the generator's default parameters (for a row whose result does not depend on which experts
+    are routed, e.g. every routed expert on the CPU).
+    """
+    from simulator import synth
+    from simulator.models import get_model
+    from simulator.synth import SynthParams, SynthPreset, default_preset, get_preset
+
+    if "preset" in spec or "model" not in spec:
+        preset = str(spec.get("preset", ""))
+        p = get_preset(preset)
+        label: str | None = preset
+    else:
+        model = get_model(str(spec["model"])).name
+        p = default_preset(model) or SynthPreset(
+            name="", model=model, params=SynthParams(), matches="", assumes=""
+        )
+        preset = p.name or f"{model}-defaults"
+        label = p.name or None
     n = int(spec.get("sequences", 8))
     prompt = int(spec.get("prompt_tokens", 256))
     out = int(spec.get("output_tokens", 512))
@@ -396,7 +413,7 @@ def synth_trace(spec: dict[str, Any]) -> Path:
     path = cache_dir() / f"{preset}-{hashlib.sha256(key).hexdigest()[:16]}.parquet"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_synthetic(path, p.model, p.params, n, prompt, out, seed, preset=preset)
+        synth.write_synthetic(path, p.model, p.params, n, prompt, out, seed, preset=label)
     return path
 
 

@@ -216,6 +216,23 @@ def test_synthetic_trace_cache_follows_generator_and_preset(
     assert synth_trace(spec) not in (first, edited)
 
 
+def test_synthetic_trace_from_a_model_without_a_preset(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``model = NAME`` uses the model's preset if it has one, else the generator defaults."""
+    from simulator.trace import read_meta
+
+    monkeypatch.setenv("DAOPSIM_CACHE", str(tmp_path))
+    spec = {"model": "qwen2-57b-a14b", "sequences": 1, "prompt_tokens": 2, "output_tokens": 2}
+    path = synth_trace(spec)
+    assert path.name.startswith("qwen2-57b-a14b-defaults-")
+    assert read_meta(path).model.name == "qwen2-57b-a14b"
+    own = synth_trace({**spec, "model": "deepseek-v2-lite"})
+    assert own.name.startswith("deepseek-v2-lite-")  # the model's own preset
+    by_preset = {k: v for k, v in spec.items() if k != "model"} | {"preset": "deepseek-v2-lite"}
+    assert own == synth_trace(by_preset)
+
+
 def _row(**fields: Any) -> Any:
     """A modelled tokens/s test row with placeholder text fields; ``fields`` override."""
     from simulator.validation import Row
