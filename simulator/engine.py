@@ -283,6 +283,13 @@ class EngineBase:
         (the plan is then untouched). This executor always takes the general path."""
         return None
 
+    def _copies_only(self, layer: int, routed: list[int], plan: Plan, now: float) -> float | None:
+        """Check, apply and time in one pass a decode plan made of resident experts, fetches,
+        temporary copies, evictions and prefetches (no CPU work, no write-backs); returns when
+        the layer ends, or None to take the general path (the plan is then untouched). This
+        executor always takes the general path."""
+        return None
+
     def _free_slot(self, t: float) -> None:
         """An evicted expert's slot (no write-back) is free at ``t``."""
         raise NotImplementedError
@@ -417,10 +424,16 @@ class EngineBase:
                     not prefill
                     and plan.__class__ is Plan
                     and plan.route is None
-                    and not (plan.evict or plan.prefetch or plan.precalc or plan.victims)
+                    and not plan.precalc
                 ):
-                    # the common decode case: every routed expert resident and run on the GPU
-                    end = self._hits_only(layer, experts.tolist(), plan.actions, now)
+                    routed = experts.tolist()
+                    end = None
+                    if not (plan.evict or plan.prefetch or plan.victims):
+                        # the common decode case: every routed expert resident, on the GPU
+                        end = self._hits_only(layer, routed, plan.actions, now)
+                    if end is None:
+                        # copies, evictions and resident experts, nothing else pending
+                        end = self._copies_only(layer, routed, plan, now)
                     if end is not None:
                         c.true_accesses += len(experts)
                         ws = ws_t[layer]
@@ -736,6 +749,259 @@ class Engine(EngineBase):
         self._acc[layer] += n
         where = self.hooks.where
         return self._timed_gpu(jobs, now, None, where.seq or 0, where.token or 0, layer)
+
+    def _copies_only(self, layer: int, routed: list[int], plan: Plan, now: float) -> float | None:
+        # Why this is exact: without write-backs, CPU work or unified memory, such a plan's only
+        # requests are H2D copies submitted at ``now``. Everything submitted earlier has been
+        # served and nothing pending can touch the H2D lane before them, so the general path
+        # serves them at once in issue order (routed fetches, temporary copies, prefetches),
+        # then runs the GPU experts by (ready time, expert), exactly as below. A temporary copy
+        # waiting for a buffer is submitted when one frees up; that happens inside this layer,
+        # so it is only taken here when nothing else is pending at all.
+        actions = plan.actions
+        res = self.res
+        if (
+            self._wb
+            or self._unified
+            or res.waiters
+            or actions.__class__ is not dict
+            or len(actions) != len(routed)
+            or plan.evict.__class__ is not list
+            or plan.prefetch.__class__ is not list
+            or plan.victims.__class__ is not dict
+        ):
+            return None
+        resident, ready_at = res.resident, res.ready_at
+        row = resident[layer]
+        n_layers, n_exp = self.n_layers, self.n_experts
+        # -- the check: check_plan's rules in its order, against this plan's own changes;
+        # anything it would refuse (or that is unusual) returns None before any change
+        hits: list[int] = []
+        needed: set[int] = set()
+        for e in routed:
+            a = actions.get(e)
+            if a in (_GPU, _FETCH):
+                needed.add(e)
+            elif a != _TEMP:
+                return None  # CPU work, a pre-calculation or a malformed action
+        gone: set[Slot] = set()  # slots evicted by this plan, in order in ``evs``
+        added: set[Slot] = set()  # slots filled by this plan
+        evs: list[Slot] = []
+        n_res = res.n_resident
+
+        def evictable(item: Any) -> bool:
+            if item.__class__ is not tuple or len(item) != 2:
+                return False
+            vl, ve = item
+            if vl.__class__ is not int or ve.__class__ is not int:
+                return False
+            if not (0 <= vl < n_layers and 0 <= ve < n_exp):
+                return False
+            if item in gone or item in added or not resident[item]:
+                return False
+            if vl == layer and ve in needed:
+                return False  # in use, and no write-back to defer
+            return not ready_at[item] > now  # still being copied
+
+        for item in plan.evict:
+            if not evictable(item):
+                return None
+            gone.add(item)
+            evs.append(item)
+            n_res -= 1
+        for e in routed:
+            if actions[e] == _GPU:
+                if not row[e] or (layer, e) in gone or ready_at[layer, e] == INF:
+                    return None
+                hits.append(e)
+        budget = res.budget
+        victims = plan.victims
+        fetches: list[Slot] = []
+        temps: list[int] = []
+        for e in routed:
+            a = actions[e]
+            if a == _GPU:
+                continue
+            slot = (layer, e)
+            if slot in added or (row[e] and slot not in gone):
+                return None
+            if a == _TEMP:
+                temps.append(e)
+                continue
+            v = victims.get(e)
+            if v is not None:
+                if not evictable(v):
+                    return None
+                gone.add(v)
+                evs.append(v)
+                n_res -= 1
+            if n_res >= budget:
+                return None
+            added.add(slot)
+            fetches.append(slot)
+            n_res += 1
+        n_fetch = len(fetches)
+        for item in plan.prefetch:
+            if item.__class__ is not tuple or len(item) != 3:
+                return None
+            pl, pe, v = item
+            if pl.__class__ is not int or pe.__class__ is not int:
+                return None
+            slot = (pl, pe)
+            if not (0 <= pl < n_layers and 0 <= pe < n_exp) or slot in added:
+                return None
+            if resident[slot] and slot not in gone:
+                return None
+            if v is not None:
+                if not evictable(v):
+                    return None
+                gone.add(v)
+                evs.append(v)
+                n_res -= 1
+            if n_res >= budget:
+                return None
+            added.add(slot)
+            fetches.append(slot)
+            n_res += 1
+        n_temp = self.machine.buffers["temp"]
+        if temps and (n_temp < 1 or (len(temps) > n_temp and self._heap)):
+            return None
+        if res.occupancy - len(evs) + len(fetches) > res.cap:
+            return None  # a fetch would wait for a slot
+        # -- apply, in _apply's order: evictions free their slots, then the copies are issued
+        c = self.c
+        rec = self.recorder
+        eb = self.expert_bytes
+        pre = res.prefetched
+        for slot in evs:
+            resident[slot] = False
+            if pre[slot]:
+                pre[slot] = False
+                c.prefetch_wasted_bytes += eb
+        if evs:
+            c.evictions += len(evs)
+            if rec is None:
+                res.occupancy -= len(evs)
+            else:
+                for _ in evs:
+                    res.free(now)
+        res.n_resident = n_res
+        jobs: list[tuple[float, int, int]] = []
+        prow = pre[layer]
+        ready_row = ready_at[layer]
+        for e in hits:
+            if prow[e]:
+                prow[e] = False
+                c.prefetch_used += 1
+            jobs.append((float(ready_row[e]), e, -1))
+        n = len(routed)
+        c.decode_accesses += n
+        c.decode_hits += len(hits)
+        self._hits[layer] += len(hits)
+        self._acc[layer] += n
+        n_copies = len(fetches) + len(temps)
+        self._seq += n_copies  # issue numbers, as the general path's operations take them
+        c.h2d_bytes += eb * n_copies
+        c.h2d_expert_copies += n_copies
+        c.fetches += n_fetch
+        c.temp_copies += len(temps)
+        c.prefetches += len(fetches) - n_fetch
+        # -- time the copies on the H2D lane (Lane.serve inlined)
+        where = self.hooks.where
+        sid, token = where.seq or 0, where.token or 0
+        lane = self._h2d.lane
+        dur = self._h2d.expert_s
+        name = lane.name
+        free = lane.free_at
+        for i, slot in enumerate(fetches):
+            if i == n_fetch:  # temporary copies are issued between fetches and prefetches
+                free = self._temp_copies(temps[:n_temp], jobs, now, free, sid, token, layer)
+            occ = res.occupancy = res.occupancy + 1  # Residency.take, inlined
+            if occ > res.max_occupancy:
+                res.max_occupancy = occ
+            if rec is not None:
+                rec.occupancy(now, occ)
+            s = now if now > free else free
+            free = s + dur
+            resident[slot] = True
+            ready_at[slot] = free
+            if rec is not None:
+                kind = "fetch" if i < n_fetch else "prefetch"
+                rec.op(name, kind, sid, token, slot[0], slot[1], s, free, eb)
+            if i < n_fetch:
+                jobs.append((free, slot[1], -1))
+            else:
+                pre[slot] = True
+        if n_fetch == len(fetches) and temps:
+            free = self._temp_copies(temps[:n_temp], jobs, now, free, sid, token, layer)
+        lane.free_at = free
+        lane.busy += dur * (len(fetches) + min(len(temps), n_temp))
+        if len(temps) <= n_temp:
+            return self._timed_gpu([(r, e) for r, e, _ in jobs], now, None, sid, token, layer)
+        return self._gpu_with_buffers(jobs, deque(temps[n_temp:]), now, sid, token, layer)
+
+    def _temp_copies(
+        self,
+        temps: list[int],
+        jobs: list[tuple[float, int, int]],
+        now: float,
+        free: float,
+        sid: int,
+        token: int,
+        layer: int,
+    ) -> float:
+        """Serve temporary copies submitted at ``now`` on the H2D lane free at ``free``, one
+        buffer each (buffers 0, 1, ...); adds their GPU jobs; returns when the lane is free."""
+        rec = self.recorder
+        dur = self._h2d.expert_s
+        for buf, e in enumerate(temps):
+            s = now if now > free else free
+            free = s + dur
+            if rec is not None:
+                rec.op(self._h2d.lane.name, "temp", sid, token, layer, e, s, free,
+                       self.expert_bytes)  # fmt: skip
+            jobs.append((free, e, buf))
+        return free
+
+    def _gpu_with_buffers(
+        self,
+        jobs: list[tuple[float, int, int]],
+        waiting: deque[int],
+        now: float,
+        sid: int,
+        token: int,
+        layer: int,
+    ) -> float:
+        """The GPU experts of a decode layer by (ready time, expert) when temporary copies
+        wait for a buffer: each is copied when a computation frees its buffer. Exact only
+        when nothing else is pending (the copy then starts as the heap would start it)."""
+        heapq.heapify(jobs)
+        c = self.c
+        rec = self.recorder
+        link = self._h2d
+        lane = link.lane
+        d = self.machine.gpu_s(1)
+        g = now
+        busy = 0.0
+        while jobs:
+            ready, e, buf = heapq.heappop(jobs)
+            if ready > g:
+                c.transfer_stall += ready - g
+                g = ready
+            if rec is not None:
+                rec.op("gpu", "expert", sid, token, layer, e, g, g + d, 0)
+            g += d
+            busy += d
+            if buf >= 0 and waiting:
+                nxt = waiting.popleft()
+                s, end = lane.serve(g, link.expert_s)
+                if rec is not None:
+                    rec.op(lane.name, "temp", sid, token, layer, nxt, s, end,
+                           self.expert_bytes)  # fmt: skip
+                heapq.heappush(jobs, (end, nxt, buf))
+        c.gpu_expert_busy += busy
+        self.machine.gpu.busy += busy
+        return g
 
     def _timed_gpu(
         self,
