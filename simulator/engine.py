@@ -34,7 +34,7 @@ from policies.base import Action, Plan, Policy, SetupContext, Slot, View
 from simulator.boundary import Hooks, check_placement, check_plan, check_route
 from simulator.costs import CostModel
 from simulator.errors import PolicyError, UserError
-from simulator.machine import Machine
+from simulator.machine import CpuJob, Machine
 from simulator.models import ModelShape
 from simulator.recorder import Recorder
 from simulator.residency import INF, Residency
@@ -778,12 +778,17 @@ class Engine(EngineBase):
         # anything it would refuse (or that is unusual) returns None before any change
         hits: list[int] = []
         needed: set[int] = set()
+        cpu: list[int] = []
         for e in routed:
             a = actions.get(e)
             if a in (_GPU, _FETCH):
                 needed.add(e)
+            elif a == _CPU:
+                cpu.append(e)
             elif a != _TEMP:
-                return None  # CPU work, a pre-calculation or a malformed action
+                return None  # a pre-calculation or a malformed action
+        if cpu and (self._heap or not self._host.idle):
+            return None  # CPU calls that could queue behind or share with pending work
         gone: set[Slot] = set()  # slots evicted by this plan, in order in ``evs``
         added: set[Slot] = set()  # slots filled by this plan
         evs: list[Slot] = []
@@ -820,7 +825,7 @@ class Engine(EngineBase):
         temps: list[int] = []
         for e in routed:
             a = actions[e]
-            if a == _GPU:
+            if a in (_GPU, _CPU):
                 continue
             slot = (layer, e)
             if slot in added or (row[e] and slot not in gone):
@@ -864,7 +869,7 @@ class Engine(EngineBase):
             fetches.append(slot)
             n_res += 1
         n_temp = self.machine.buffers["temp"]
-        if temps and (n_temp < 1 or (len(temps) > n_temp and self._heap)):
+        if temps and (n_temp < 1 or (len(temps) > n_temp and (self._heap or cpu))):
             return None
         if res.occupancy - len(evs) + len(fetches) > res.cap:
             return None  # a fetch would wait for a slot
@@ -900,7 +905,7 @@ class Engine(EngineBase):
         self._hits[layer] += len(hits)
         self._acc[layer] += n
         n_copies = len(fetches) + len(temps)
-        self._seq += n_copies  # issue numbers, as the general path's operations take them
+        self._seq += n_copies + len(cpu)  # issue numbers, as the general path's take them
         c.h2d_bytes += eb * n_copies
         c.h2d_expert_copies += n_copies
         c.fetches += n_fetch
@@ -936,9 +941,98 @@ class Engine(EngineBase):
             free = self._temp_copies(temps[:n_temp], jobs, now, free, sid, token, layer)
         lane.free_at = free
         lane.busy += dur * (len(fetches) + min(len(temps), n_temp))
-        if len(temps) <= n_temp:
+        if len(temps) > n_temp:
+            return self._gpu_with_buffers(jobs, deque(temps[n_temp:]), now, sid, token, layer)
+        if not cpu:
             return self._timed_gpu([(r, e) for r, e, _ in jobs], now, None, sid, token, layer)
-        return self._gpu_with_buffers(jobs, deque(temps[n_temp:]), now, sid, token, layer)
+        if plan.cpu_serial or len(cpu) == 1:
+            done = self._cpu_calls(cpu, now, sid, token, layer)
+        else:
+            done = self._cpu_parallel(cpu, now, sid, token, layer)
+        g = now
+        if plan.cpu_first and done > now:  # the GPU experts wait for the CPU ones
+            c.cpu_wait += done - now
+            g = done
+        end = self._timed_gpu([(r, e) for r, e, _ in jobs], g, None, sid, token, layer)
+        if done > end:
+            c.cpu_wait += done - end
+            end = done
+        return end
+
+    def _cpu_parallel(
+        self, experts: list[int], now: float, sid: int, token: int, layer: int
+    ) -> float:
+        """A decode layer's CPU experts submitted together to an idle CPU with nothing else
+        pending: the activations go out in issue order, then the shared CPU's own
+        ``submit``/``wake`` run in the order the request heap would call them (a wake-up
+        before a submission at the same moment), each result coming back when its call ends;
+        returns when the last result is back."""
+        c = self.c
+        rec = self.recorder
+        host = self._host
+        d2h, h2d = self._d2h, self._h2d
+        act = self.act_bytes
+        n = len(experts)
+        c.cpu_expert_evals += n
+        c.d2h_bytes += act * n
+        c.h2d_bytes += act * n
+        cpu_job = self.machine.cpu_job
+        sent: list[tuple[float, CpuJob]] = []
+        for i, e in enumerate(experts):
+            s, t = d2h.lane.serve(now, d2h.activation_s(1))
+            if rec is not None:
+                rec.op(d2h.lane.name, "activation", sid, token, layer, e, s, t, act)
+            sent.append((t, cpu_job(e, i, t, 1)))  # the job's op is its expert here
+        done = now
+        i = 0
+        while True:
+            nxt = host.next_event()
+            if i < n and sent[i][0] < nxt:
+                host.submit(*sent[i])
+                i += 1
+            elif nxt != INF:
+                for job in host.wake(nxt):
+                    e = job.op
+                    if rec is not None:
+                        rec.op(host.lanes[job.worker].name, "cpu_expert", sid, token, layer, e,
+                               job.start, nxt, 0)  # fmt: skip
+                    s, t = h2d.lane.serve(nxt, h2d.activation_s(1))
+                    if rec is not None:
+                        rec.op(h2d.lane.name, "activation", sid, token, layer, e, s, t, act)
+                    if t > done:
+                        done = t
+            else:
+                return done
+
+    def _cpu_calls(self, experts: list[int], now: float, sid: int, token: int, layer: int) -> float:
+        """A decode layer's CPU experts run one after another (a serial chain, or a single
+        call) on an idle CPU with nothing else pending: each call's three stages (activations
+        to the host, the call, the result back) are timed directly, as the request heap would
+        serve them with nothing else in it; returns when the last result is back."""
+        c = self.c
+        rec = self.recorder
+        host = self._host
+        d2h, h2d = self._d2h, self._h2d
+        act = self.act_bytes
+        n = len(experts)
+        c.cpu_expert_evals += n
+        c.d2h_bytes += act * n
+        c.h2d_bytes += act * n
+        t = now
+        cpu_job = self.machine.cpu_job
+        for e in experts:
+            s, t = d2h.lane.serve(t, d2h.activation_s(1))
+            if rec is not None:
+                rec.op(d2h.lane.name, "activation", sid, token, layer, e, s, t, act)
+            job = cpu_job(None, 0, t, 1)
+            t = host.run_alone(t, job)
+            if rec is not None:
+                rec.op(host.lanes[job.worker].name, "cpu_expert", sid, token, layer, e,
+                       job.start, t, 0)  # fmt: skip
+            s, t = h2d.lane.serve(t, h2d.activation_s(1))
+            if rec is not None:
+                rec.op(h2d.lane.name, "activation", sid, token, layer, e, s, t, act)
+        return t
 
     def _temp_copies(
         self,

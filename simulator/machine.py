@@ -159,6 +159,50 @@ class SharedCpu:
         self._changed()
         return done
 
+    @property
+    def idle(self) -> bool:
+        """No call running or waiting and no DRAM load registered."""
+        return not self.active and not self._queue and not self._loads
+
+    def run_alone(self, t: float, job: CpuJob) -> float:
+        """Run ``job``, submitted at ``t`` to an :attr:`idle` CPU, to its end with nothing else
+        arriving meanwhile; returns its end.
+
+        A shortcut for ``submit(t, job)`` followed by ``wake`` at each ``next_event()`` until
+        the call returns, with the same arithmetic step by step (so the same end, to the last
+        bit, and the same state afterwards): the engines use it when they know no other call
+        or load can arrive before this one ends.
+        """
+        lanes = self.lanes
+        i = min(range(len(lanes)), key=lambda k: lanes[k].free_at)  # all idle: _admit's pick
+        job.worker = i
+        job.start = t
+        if t > self.t:
+            self.t = t
+        share, dram = job.share, job.dram  # _rerate over one call (sum() of one term is exact)
+        rate = 1.0 / share if share > 1.0 else 1.0
+        if dram > 0.0:
+            rate = min(rate, max(0.0, 1.0 - self.ext) / dram)
+        self.rate = rate
+        while True:  # next_event() then wake(), until the call is done
+            if rate <= 0.0:
+                raise RuntimeError("shared CPU: a lone call can never progress")
+            rem = job.rem
+            end = self.t + (rem / rate if rem > 0.0 else 0.0)
+            dt = end - self.t
+            if dt > 0.0:
+                job.rem -= rate * dt
+                self.t = end
+            if job.rem <= DONE_EPS * job.work:
+                break
+        job.end = end
+        lane = lanes[i]
+        lane.busy += end - t
+        lane.free_at = end
+        self.rate = 1.0  # _rerate over no call
+        self.version += 2
+        return end
+
     def _admit(self, t: float) -> None:
         """Start waiting calls on idle workers (the one free longest first, lowest index)."""
         q = self._queue
