@@ -79,6 +79,10 @@ class CpuJob:
         self.worker = -1
 
 
+def _by_seq(job: CpuJob) -> int:
+    return job.seq
+
+
 class SharedCpu:
     """The host CPU: worker threads whose running calls share one socket (processor sharing).
 
@@ -116,7 +120,7 @@ class SharedCpu:
         self._advance(t)
         heapq.heappush(self._queue, (job.submitted, job.seq, job))
         self._admit(t)
-        self._changed()
+        self.version += 1
 
     def load(self, start: float, end: float, share: float) -> None:
         """Unified memory: a copy takes ``share`` of the DRAM from ``start`` to ``end``."""
@@ -133,12 +137,14 @@ class SharedCpu:
 
     def next_event(self) -> float:
         """When the next call ends or the rate changes (inf when nothing runs)."""
-        if not self.active:
+        active = self.active
+        if not active:
             return math.inf
         nxt = self._loads[0][0] if self._loads else math.inf
-        if self.rate > 0.0:
-            rem = min(j.rem for j in self.active)
-            dep = self.t + (rem / self.rate if rem > 0.0 else 0.0)
+        rate = self.rate
+        if rate > 0.0:
+            rem = active[0].rem if len(active) == 1 else min(j.rem for j in active)
+            dep = self.t + (rem / rate if rem > 0.0 else 0.0)
             if dep < nxt:
                 nxt = dep
         return nxt
@@ -146,17 +152,18 @@ class SharedCpu:
     def wake(self, t: float) -> list[CpuJob]:
         """Advance to ``t``; returns the calls that end there (in issue order)."""
         self._advance(t)
-        done = [j for j in self.active if j.rem <= DONE_EPS * j.work]
+        active = self.active
+        done = [j for j in active if j.rem <= DONE_EPS * j.work]
         if done:
             for j in done:
-                self.active.remove(j)
+                active.remove(j)
                 j.end = t
                 lane = self.lanes[j.worker]
                 lane.busy += t - j.start
                 lane.free_at = t
                 self._idle[j.worker] = True
             self._admit(t)  # re-rates
-        self._changed()
+        self.version += 1
         return done
 
     @property
@@ -206,15 +213,22 @@ class SharedCpu:
     def _admit(self, t: float) -> None:
         """Start waiting calls on idle workers (the one free longest first, lowest index)."""
         q = self._queue
-        while q and any(self._idle):
-            _, _, job = heapq.heappop(q)
-            lanes = self.lanes
-            i = min((k for k in range(len(lanes)) if self._idle[k]), key=lambda k: lanes[k].free_at)
-            self._idle[i] = False
-            job.worker = i
-            job.start = t
-            self.active.append(job)
-        self.active.sort(key=lambda j: j.seq)
+        if q:
+            idle, lanes, active = self._idle, self.lanes, self.active
+            while q and True in idle:
+                _, _, job = heapq.heappop(q)
+                if len(lanes) == 1:
+                    i = 0
+                else:
+                    free = [k for k in range(len(lanes)) if idle[k]]
+                    i = min(free, key=lambda k: lanes[k].free_at)
+                idle[i] = False
+                job.worker = i
+                job.start = t
+                active.append(job)
+            if len(active) > 1:
+                active.sort(key=_by_seq)
+        # (without admissions the running calls keep their order: removals preserve it)
         self._rerate()
 
     def _advance(self, t: float) -> None:
@@ -225,8 +239,9 @@ class SharedCpu:
             self._progress(b)
             self.ext += delta
             self._rerate()
+        # the rate depends only on the running calls and the loads, and every change of
+        # either re-rates at once, so it needs no update here
         self._progress(t)
-        self._rerate()
 
     def _progress(self, t: float) -> None:
         dt = t - self.t
@@ -239,10 +254,13 @@ class SharedCpu:
     def _rerate(self) -> None:
         active = self.active
         rate = 1.0
-        share = sum(j.share for j in active)
+        if len(active) == 1:  # sum() of one term, without the generator
+            share, dram = active[0].share, active[0].dram
+        else:
+            share = sum(j.share for j in active)
+            dram = sum(j.dram for j in active)
         if share > 1.0:
             rate = 1.0 / share
-        dram = sum(j.dram for j in active)
         if dram > 0.0:
             free = 1.0 - self.ext
             rate = min(rate, max(0.0, free) / dram)
