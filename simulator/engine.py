@@ -911,23 +911,22 @@ class Engine(EngineBase):
         c.fetches += n_fetch
         c.temp_copies += len(temps)
         c.prefetches += len(fetches) - n_fetch
-        # -- time the copies on the H2D lane (Lane.serve inlined)
+        # -- time the copies on the H2D lane
         where = self.hooks.where
         sid, token = where.seq or 0, where.token or 0
         lane = self._h2d.lane
         dur = self._h2d.expert_s
         name = lane.name
-        free = lane.free_at
+        serve = lane.serve
         for i, slot in enumerate(fetches):
             if i == n_fetch:  # temporary copies are issued between fetches and prefetches
-                free = self._temp_copies(temps[:n_temp], jobs, now, free, sid, token, layer)
+                self._temp_copies(temps[:n_temp], jobs, now, sid, token, layer)
             occ = res.occupancy = res.occupancy + 1  # Residency.take, inlined
             if occ > res.max_occupancy:
                 res.max_occupancy = occ
             if rec is not None:
                 rec.occupancy(now, occ)
-            s = now if now > free else free
-            free = s + dur
+            s, free = serve(now, dur)
             resident[slot] = True
             ready_at[slot] = free
             if rec is not None:
@@ -938,9 +937,7 @@ class Engine(EngineBase):
             else:
                 pre[slot] = True
         if n_fetch == len(fetches) and temps:
-            free = self._temp_copies(temps[:n_temp], jobs, now, free, sid, token, layer)
-        lane.free_at = free
-        lane.busy += dur * (len(fetches) + min(len(temps), n_temp))
+            self._temp_copies(temps[:n_temp], jobs, now, sid, token, layer)
         if len(temps) > n_temp:
             return self._gpu_with_buffers(jobs, deque(temps[n_temp:]), now, sid, token, layer)
         if not cpu:
@@ -1039,23 +1036,20 @@ class Engine(EngineBase):
         temps: list[int],
         jobs: list[tuple[float, int, int]],
         now: float,
-        free: float,
         sid: int,
         token: int,
         layer: int,
-    ) -> float:
-        """Serve temporary copies submitted at ``now`` on the H2D lane free at ``free``, one
-        buffer each (buffers 0, 1, ...); adds their GPU jobs; returns when the lane is free."""
+    ) -> None:
+        """Serve temporary copies submitted at ``now`` on the H2D lane, one buffer each
+        (buffers 0, 1, ...), and add their GPU jobs."""
         rec = self.recorder
+        lane = self._h2d.lane
         dur = self._h2d.expert_s
         for buf, e in enumerate(temps):
-            s = now if now > free else free
-            free = s + dur
+            s, end = lane.serve(now, dur)
             if rec is not None:
-                rec.op(self._h2d.lane.name, "temp", sid, token, layer, e, s, free,
-                       self.expert_bytes)  # fmt: skip
-            jobs.append((free, e, buf))
-        return free
+                rec.op(lane.name, "temp", sid, token, layer, e, s, end, self.expert_bytes)
+            jobs.append((end, e, buf))
 
     def _gpu_with_buffers(
         self,
