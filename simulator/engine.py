@@ -44,6 +44,8 @@ _GPU, _FETCH, _TEMP, _CPU, _PRE = (int(a) for a in Action)
 
 # operation kinds (LayerOp.kind); WAKE is the shared CPU's next event, not an operation
 WRITEBACK, FETCH, TEMP, CPU, WAKE = range(5)
+# what a plan issues, as Engine._copies_only lists it (besides FETCH)
+_EVICT, _DEFER, _PREFETCH = -1, -2, -3
 
 
 @dataclass
@@ -751,18 +753,19 @@ class Engine(EngineBase):
         return self._timed_gpu(jobs, now, None, where.seq or 0, where.token or 0, layer)
 
     def _copies_only(self, layer: int, routed: list[int], plan: Plan, now: float) -> float | None:
-        # Why this is exact: without write-backs, CPU work or unified memory, such a plan's only
-        # requests are H2D copies submitted at ``now``. Everything submitted earlier has been
-        # served and nothing pending can touch the H2D lane before them, so the general path
-        # serves them at once in issue order (routed fetches, temporary copies, prefetches),
-        # then runs the GPU experts by (ready time, expert), exactly as below. A temporary copy
-        # waiting for a buffer is submitted when one frees up; that happens inside this layer,
-        # so it is only taken here when nothing else is pending at all.
+        # Why this is exact: without unified memory, such a plan's requests submitted at ``now``
+        # are copies (and write-backs). Everything submitted earlier has been served, and what
+        # is still pending was submitted later, so the general path serves this layer's
+        # requests at once in issue order (write-backs and fetches as the plan's evictions and
+        # routed fetches come, temporary copies, prefetches) and then runs the GPU experts by
+        # (ready time, expert), exactly as below; a write-back's slot release and an in-use
+        # victim's deferred write-back still go through the heap. A temporary copy waiting
+        # for a buffer, and CPU calls, are submitted after ``now``: they are only taken here
+        # when nothing else is pending at all (the heap then has nothing to serve first).
         actions = plan.actions
         res = self.res
         if (
-            self._wb
-            or self._unified
+            self._unified
             or res.waiters
             or actions.__class__ is not dict
             or len(actions) != len(routed)
@@ -774,9 +777,10 @@ class Engine(EngineBase):
         resident, ready_at = res.resident, res.ready_at
         row = resident[layer]
         n_layers, n_exp = self.n_layers, self.n_experts
+        wb = self._wb
+        in_use_ok = wb and self.spec.evicts_in_use
         # -- the check: check_plan's rules in its order, against this plan's own changes;
         # anything it would refuse (or that is unusual) returns None before any change
-        hits: list[int] = []
         needed: set[int] = set()
         cpu: list[int] = []
         for e in routed:
@@ -789,12 +793,15 @@ class Engine(EngineBase):
                 return None  # a pre-calculation or a malformed action
         if cpu and (self._heap or not self._host.idle):
             return None  # CPU calls that could queue behind or share with pending work
-        gone: set[Slot] = set()  # slots evicted by this plan, in order in ``evs``
+        gone: set[Slot] = set()  # slots evicted by this plan
         added: set[Slot] = set()  # slots filled by this plan
-        evs: list[Slot] = []
+        #: what the plan issues, in _apply's order: (kind, slot); kind EVICT, DEFER (an in-use
+        #: victim, written back after its computation), FETCH or PREFETCH
+        issue: list[tuple[int, Slot]] = []
+        n_evs = 0
         n_res = res.n_resident
 
-        def evictable(item: Any) -> bool:
+        def evict(item: Any) -> bool:
             if item.__class__ is not tuple or len(item) != 2:
                 return False
             vl, ve = item
@@ -805,15 +812,21 @@ class Engine(EngineBase):
             if item in gone or item in added or not resident[item]:
                 return False
             if vl == layer and ve in needed:
-                return False  # in use, and no write-back to defer
-            return not ready_at[item] > now  # still being copied
+                if not in_use_ok:
+                    return False
+                issue.append((_DEFER, item))
+            elif ready_at[item] > now:
+                return False  # still being copied
+            else:
+                issue.append((_EVICT, item))
+            gone.add(item)
+            return True
 
         for item in plan.evict:
-            if not evictable(item):
+            if not evict(item):
                 return None
-            gone.add(item)
-            evs.append(item)
             n_res -= 1
+        hits: list[int] = []
         for e in routed:
             if actions[e] == _GPU:
                 if not row[e] or (layer, e) in gone or ready_at[layer, e] == INF:
@@ -821,8 +834,8 @@ class Engine(EngineBase):
                 hits.append(e)
         budget = res.budget
         victims = plan.victims
-        fetches: list[Slot] = []
         temps: list[int] = []
+        n_fetch = 0
         for e in routed:
             a = actions[e]
             if a in (_GPU, _CPU):
@@ -835,17 +848,16 @@ class Engine(EngineBase):
                 continue
             v = victims.get(e)
             if v is not None:
-                if not evictable(v):
+                if not evict(v):
                     return None
-                gone.add(v)
-                evs.append(v)
                 n_res -= 1
             if n_res >= budget:
                 return None
             added.add(slot)
-            fetches.append(slot)
+            issue.append((FETCH, slot))
+            n_fetch += 1
             n_res += 1
-        n_fetch = len(fetches)
+        n_routed_issue = len(issue)  # temporary copies are issued here
         for item in plan.prefetch:
             if item.__class__ is not tuple or len(item) != 3:
                 return None
@@ -858,39 +870,67 @@ class Engine(EngineBase):
             if resident[slot] and slot not in gone:
                 return None
             if v is not None:
-                if not evictable(v):
+                if not evict(v):
                     return None
-                gone.add(v)
-                evs.append(v)
                 n_res -= 1
             if n_res >= budget:
                 return None
             added.add(slot)
-            fetches.append(slot)
+            issue.append((_PREFETCH, slot))
             n_res += 1
         n_temp = self.machine.buffers["temp"]
-        if temps and (n_temp < 1 or (len(temps) > n_temp and (self._heap or cpu))):
+        deferred = in_use_ok and any(k == _DEFER for k, _ in issue)
+        if temps and (n_temp < 1 or (len(temps) > n_temp and (self._heap or cpu or deferred))):
             return None
-        if res.occupancy - len(evs) + len(fetches) > res.cap:
+        n_evs = len(gone)
+        n_copies = len(added)
+        # without write-backs an evicted slot is free at once, else when its write-back ends
+        if res.occupancy - (0 if wb else n_evs) + n_copies > res.cap:
             return None  # a fetch would wait for a slot
-        # -- apply, in _apply's order: evictions free their slots, then the copies are issued
+        # -- apply, in _apply's order: residency, counters and issue numbers
         c = self.c
         rec = self.recorder
         eb = self.expert_bytes
         pre = res.prefetched
-        for slot in evs:
-            resident[slot] = False
-            if pre[slot]:
-                pre[slot] = False
-                c.prefetch_wasted_bytes += eb
-        if evs:
-            c.evictions += len(evs)
-            if rec is None:
-                res.occupancy -= len(evs)
+        where = self.hooks.where
+        sid, token = where.seq or 0, where.token or 0
+        seq = self._seq
+        ops: list[tuple[int, Slot, int]] = []  # (kind, slot, issue number)
+        late: dict[int, LayerOp] = {}  # in-use victims' write-backs by expert
+        temps_at = -1  # where the temporary copies come in ``ops``
+        for i, (kind, slot) in enumerate(issue):
+            if i == n_routed_issue:
+                seq += len(temps)  # the temporary copies' issue numbers
+                temps_at = len(ops)
+            seq += 1
+            if kind == _EVICT:
+                resident[slot] = False
+                if pre[slot]:
+                    pre[slot] = False
+                    c.prefetch_wasted_bytes += eb
+                if wb:
+                    ops.append((WRITEBACK, slot, seq))
+                else:
+                    seq -= 1  # no operation
+                    if rec is None:
+                        res.occupancy -= 1
+                    else:
+                        res.free(now)
+            elif kind == _DEFER:
+                resident[slot] = False
+                late[slot[1]] = LayerOp(WRITEBACK, "writeback", seq, sid, token, *slot)
             else:
-                for _ in evs:
-                    res.free(now)
+                ops.append((kind, slot, seq))
+        if temps_at < 0:
+            seq += len(temps)
+            temps_at = len(ops)
+        self._seq = seq + len(cpu)
         res.n_resident = n_res
+        if n_evs:
+            c.evictions += n_evs
+            if wb:
+                c.d2h_bytes += eb * n_evs
+                c.d2h_expert_copies += n_evs
         jobs: list[tuple[float, int, int]] = []
         prow = pre[layer]
         ready_row = ready_at[layer]
@@ -904,42 +944,42 @@ class Engine(EngineBase):
         c.decode_hits += len(hits)
         self._hits[layer] += len(hits)
         self._acc[layer] += n
-        n_copies = len(fetches) + len(temps)
-        self._seq += n_copies + len(cpu)  # issue numbers, as the general path's take them
+        n_copies += len(temps)
         c.h2d_bytes += eb * n_copies
         c.h2d_expert_copies += n_copies
         c.fetches += n_fetch
         c.temp_copies += len(temps)
-        c.prefetches += len(fetches) - n_fetch
-        # -- time the copies on the H2D lane
-        where = self.hooks.where
-        sid, token = where.seq or 0, where.token or 0
-        lane = self._h2d.lane
+        c.prefetches += len(added) - n_fetch
+        # -- serve this layer's requests at ``now`` in issue order
+        h2d = self._h2d.lane
         dur = self._h2d.expert_s
-        name = lane.name
-        serve = lane.serve
-        for i, slot in enumerate(fetches):
-            if i == n_fetch:  # temporary copies are issued between fetches and prefetches
+        serve = h2d.serve
+        for i, (kind, slot, op_seq) in enumerate(ops):
+            if i == temps_at and temps:
                 self._temp_copies(temps[:n_temp], jobs, now, sid, token, layer)
+            if kind == WRITEBACK:
+                op = LayerOp(WRITEBACK, "writeback", op_seq, sid, token, *slot)
+                self._serve_op(now, op)  # holds both lanes; its slot is released at its end
+                continue
             occ = res.occupancy = res.occupancy + 1  # Residency.take, inlined
             if occ > res.max_occupancy:
                 res.max_occupancy = occ
             if rec is not None:
                 rec.occupancy(now, occ)
-            s, free = serve(now, dur)
+            s, end = serve(now, dur)
             resident[slot] = True
-            ready_at[slot] = free
-            if rec is not None:
-                kind = "fetch" if i < n_fetch else "prefetch"
-                rec.op(name, kind, sid, token, slot[0], slot[1], s, free, eb)
-            if i < n_fetch:
-                jobs.append((free, slot[1], -1))
+            ready_at[slot] = end
+            if kind == FETCH:
+                jobs.append((end, slot[1], -1))
             else:
                 pre[slot] = True
-        if n_fetch == len(fetches) and temps:
+            if rec is not None:
+                rec.op(h2d.name, "fetch" if kind == FETCH else "prefetch", sid, token, *slot,
+                       s, end, eb)  # fmt: skip
+        if temps_at == len(ops) and temps:
             self._temp_copies(temps[:n_temp], jobs, now, sid, token, layer)
-        if len(temps) > n_temp:
-            return self._gpu_with_buffers(jobs, deque(temps[n_temp:]), now, sid, token, layer)
+        if len(temps) > n_temp or late:
+            return self._gpu_jobs(jobs, deque(temps[n_temp:]), late, now, sid, token, layer)
         if not cpu:
             return self._timed_gpu([(r, e) for r, e, _ in jobs], now, None, sid, token, layer)
         if plan.cpu_serial or len(cpu) == 1:
@@ -1051,18 +1091,21 @@ class Engine(EngineBase):
                 rec.op(lane.name, "temp", sid, token, layer, e, s, end, self.expert_bytes)
             jobs.append((end, e, buf))
 
-    def _gpu_with_buffers(
+    def _gpu_jobs(
         self,
         jobs: list[tuple[float, int, int]],
         waiting: deque[int],
+        late: dict[int, LayerOp],
         now: float,
         sid: int,
         token: int,
         layer: int,
     ) -> float:
-        """The GPU experts of a decode layer by (ready time, expert) when temporary copies
-        wait for a buffer: each is copied when a computation frees its buffer. Exact only
-        when nothing else is pending (the copy then starts as the heap would start it)."""
+        """The GPU experts of a decode layer by (ready time, expert), as ``_layer`` runs them:
+        an in-use victim's write-back (``late``) is submitted when its computation ends, and
+        a temporary copy waiting for a buffer (``waiting``) is copied when a computation frees
+        one, which is exact only when nothing else is pending (the copy then starts as the
+        heap would start it)."""
         heapq.heapify(jobs)
         c = self.c
         rec = self.recorder
@@ -1080,6 +1123,10 @@ class Engine(EngineBase):
                 rec.op("gpu", "expert", sid, token, layer, e, g, g + d, 0)
             g += d
             busy += d
+            if late:
+                wb = late.pop(e, None)
+                if wb is not None:
+                    self._push(g, wb)
             if buf >= 0 and waiting:
                 nxt = waiting.popleft()
                 s, end = lane.serve(g, link.expert_s)
