@@ -894,37 +894,47 @@ class Engine(EngineBase):
         pre = res.prefetched
         where = self.hooks.where
         sid, token = where.seq or 0, where.token or 0
-        seq = self._seq
-        ops: list[tuple[int, Slot, int]] = []  # (kind, slot, issue number)
         late: dict[int, LayerOp] = {}  # in-use victims' write-backs by expert
-        temps_at = -1  # where the temporary copies come in ``ops``
-        for i, (kind, slot) in enumerate(issue):
-            if i == n_routed_issue:
-                seq += len(temps)  # the temporary copies' issue numbers
-                temps_at = len(ops)
-            seq += 1
-            if kind == _EVICT:
-                resident[slot] = False
-                if pre[slot]:
-                    pre[slot] = False
-                    c.prefetch_wasted_bytes += eb
-                if wb:
-                    ops.append((WRITEBACK, slot, seq))
-                else:
-                    seq -= 1  # no operation
+        ops: list[tuple[Any, ...]]  # (kind, slot[, issue number]) in issue order
+        if not wb:
+            # evictions free their slots at once and issue nothing; the copies are numbered
+            for kind, slot in issue:
+                if kind == _EVICT:
+                    resident[slot] = False
+                    if pre[slot]:
+                        pre[slot] = False
+                        c.prefetch_wasted_bytes += eb
                     if rec is None:
                         res.occupancy -= 1
                     else:
                         res.free(now)
-            elif kind == _DEFER:
-                resident[slot] = False
-                late[slot[1]] = LayerOp(WRITEBACK, "writeback", seq, sid, token, *slot)
-            else:
-                ops.append((kind, slot, seq))
-        if temps_at < 0:
-            seq += len(temps)
-            temps_at = len(ops)
-        self._seq = seq + len(cpu)
+            self._seq += n_copies + len(temps) + len(cpu)
+            ops = issue  # _EVICT entries are skipped when serving
+            temps_at = n_routed_issue
+        else:
+            seq = self._seq
+            ops = []
+            temps_at = -1  # where the temporary copies come in ``ops``
+            for i, (kind, slot) in enumerate(issue):
+                if i == n_routed_issue:
+                    seq += len(temps)  # the temporary copies' issue numbers
+                    temps_at = len(ops)
+                seq += 1
+                if kind == _EVICT:
+                    resident[slot] = False
+                    if pre[slot]:
+                        pre[slot] = False
+                        c.prefetch_wasted_bytes += eb
+                    ops.append((WRITEBACK, slot, seq))
+                elif kind == _DEFER:
+                    resident[slot] = False
+                    late[slot[1]] = LayerOp(WRITEBACK, "writeback", seq, sid, token, *slot)
+                else:
+                    ops.append((kind, slot, seq))
+            if temps_at < 0:
+                seq += len(temps)
+                temps_at = len(ops)
+            self._seq = seq + len(cpu)
         res.n_resident = n_res
         if n_evs:
             c.evictions += n_evs
@@ -954,11 +964,14 @@ class Engine(EngineBase):
         h2d = self._h2d.lane
         dur = self._h2d.expert_s
         serve = h2d.serve
-        for i, (kind, slot, op_seq) in enumerate(ops):
+        for i, op in enumerate(ops):
             if i == temps_at and temps:
                 self._temp_copies(temps[:n_temp], jobs, now, sid, token, layer)
+            kind, slot = op[0], op[1]
+            if kind == _EVICT:
+                continue
             if kind == WRITEBACK:
-                op = LayerOp(WRITEBACK, "writeback", op_seq, sid, token, *slot)
+                op = LayerOp(WRITEBACK, "writeback", op[2], sid, token, *slot)
                 self._serve_op(now, op)  # holds both lanes; its slot is released at its end
                 continue
             occ = res.occupancy = res.occupancy + 1  # Residency.take, inlined
