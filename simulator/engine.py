@@ -1034,6 +1034,17 @@ class Engine(EngineBase):
                 rec.op(d2h.lane.name, "activation", sid, token, layer, e, s, t, act)
             sent.append((t, cpu_job(e, i, t, 1)))  # the job's op is its expert here
         done = now
+        if len(host.lanes) == 1:  # first come first served, each call alone on the CPU
+            host.run_queue([job for _, job in sent])
+            for _, job in sent:  # the calls end in issue order, so do their results
+                e = job.op
+                if rec is not None:
+                    rec.op(host.lanes[0].name, "cpu_expert", sid, token, layer, e, job.start,
+                           job.end, 0)  # fmt: skip
+                s, done = h2d.lane.serve(job.end, h2d.activation_s(1))
+                if rec is not None:
+                    rec.op(h2d.lane.name, "activation", sid, token, layer, e, s, done, act)
+            return done
         i = 0
         while True:
             nxt = host.next_event()

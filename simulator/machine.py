@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -186,11 +187,7 @@ class SharedCpu:
         job.start = t
         if t > self.t:
             self.t = t
-        share, dram = job.share, job.dram  # _rerate over one call (sum() of one term is exact)
-        rate = 1.0 / share if share > 1.0 else 1.0
-        if dram > 0.0:
-            rate = min(rate, max(0.0, 1.0 - self.ext) / dram)
-        self.rate = rate
+        self.rate = rate = self._lone_rate(job)
         while True:  # next_event() then wake(), until the call is done
             if rate <= 0.0:
                 raise RuntimeError("shared CPU: a lone call can never progress")
@@ -209,6 +206,70 @@ class SharedCpu:
         self.rate = 1.0  # _rerate over no call
         self.version += 2
         return end
+
+    def run_queue(self, jobs: list[CpuJob]) -> None:
+        """Run ``jobs`` (submitted at their ``submitted`` times, in issue order) on an
+        :attr:`idle` one-worker CPU with nothing else arriving, first come first served;
+        sets each job's ``start`` and ``end``.
+
+        A shortcut for driving :meth:`submit` and :meth:`wake` in the order the engines'
+        event queues call them (a wake-up before a submission at the same moment), with the
+        same arithmetic step by step: an arrival progresses the running call to its time, so
+        the running call's end is computed from there, exactly as ``next_event`` would.
+        """
+        assert len(self.lanes) == 1
+        lane = self.lanes[0]
+        t = self.t
+        running: CpuJob | None = None
+        rate = 1.0
+        waiting: deque[CpuJob] = deque()
+        i, n = 0, len(jobs)
+        while True:
+            nxt = math.inf  # next_event()
+            if running is not None and rate > 0.0:
+                rem = running.rem
+                nxt = t + (rem / rate if rem > 0.0 else 0.0)
+            if i < n and jobs[i].submitted < nxt:  # submit()
+                job = jobs[i]
+                i += 1
+                dt = job.submitted - t
+                if dt > 0.0:
+                    if running is not None:
+                        running.rem -= rate * dt
+                    t = job.submitted
+                if running is None:
+                    running = job
+                    job.worker, job.start = 0, t
+                    rate = self._lone_rate(job)
+                else:
+                    waiting.append(job)
+            elif nxt != math.inf:  # wake()
+                assert running is not None
+                dt = nxt - t
+                if dt > 0.0:
+                    running.rem -= rate * dt
+                    t = nxt
+                if running.rem <= DONE_EPS * running.work:
+                    running.end = t
+                    lane.busy += t - running.start
+                    lane.free_at = t
+                    running = waiting.popleft() if waiting else None
+                    if running is not None:
+                        running.worker, running.start = 0, t
+                        rate = self._lone_rate(running)
+            else:
+                break
+        self.t = t
+        self.rate = 1.0  # _rerate over no call
+        self.version += 2 * n
+
+    def _lone_rate(self, job: CpuJob) -> float:
+        """``_rerate`` with ``job`` the only running call (sum() of one term is exact)."""
+        share, dram = job.share, job.dram
+        rate = 1.0 / share if share > 1.0 else 1.0
+        if dram > 0.0:
+            rate = min(rate, max(0.0, 1.0 - self.ext) / dram)
+        return rate
 
     def _admit(self, t: float) -> None:
         """Start waiting calls on idle workers (the one free longest first, lowest index)."""
