@@ -802,6 +802,7 @@ class Engine(EngineBase):
         n_res = res.n_resident
 
         def evict(item: Any) -> bool:
+            nonlocal n_res
             if item.__class__ is not tuple or len(item) != 2:
                 return False
             vl, ve = item
@@ -820,19 +821,30 @@ class Engine(EngineBase):
             else:
                 issue.append((_EVICT, item))
             gone.add(item)
+            n_res -= 1
             return True
 
+        def fill(slot: Slot, victim: Any, kind: int) -> bool:
+            nonlocal n_res
+            if victim is not None and not evict(victim):
+                return False
+            if n_res >= budget:
+                return False  # all slots full and no victim
+            added.add(slot)
+            issue.append((kind, slot))
+            n_res += 1
+            return True
+
+        budget = res.budget
         for item in plan.evict:
             if not evict(item):
                 return None
-            n_res -= 1
         hits: list[int] = []
         for e in routed:
             if actions[e] == _GPU:
                 if not row[e] or (layer, e) in gone or ready_at[layer, e] == INF:
                     return None
                 hits.append(e)
-        budget = res.budget
         victims = plan.victims
         temps: list[int] = []
         n_fetch = 0
@@ -846,17 +858,9 @@ class Engine(EngineBase):
             if a == _TEMP:
                 temps.append(e)
                 continue
-            v = victims.get(e)
-            if v is not None:
-                if not evict(v):
-                    return None
-                n_res -= 1
-            if n_res >= budget:
+            if not fill(slot, victims.get(e), FETCH):
                 return None
-            added.add(slot)
-            issue.append((FETCH, slot))
             n_fetch += 1
-            n_res += 1
         n_routed_issue = len(issue)  # temporary copies are issued here
         for item in plan.prefetch:
             if item.__class__ is not tuple or len(item) != 3:
@@ -867,17 +871,8 @@ class Engine(EngineBase):
             slot = (pl, pe)
             if not (0 <= pl < n_layers and 0 <= pe < n_exp) or slot in added:
                 return None
-            if resident[slot] and slot not in gone:
+            if (resident[slot] and slot not in gone) or not fill(slot, v, _PREFETCH):
                 return None
-            if v is not None:
-                if not evict(v):
-                    return None
-                n_res -= 1
-            if n_res >= budget:
-                return None
-            added.add(slot)
-            issue.append((_PREFETCH, slot))
-            n_res += 1
         n_temp = self.machine.buffers["temp"]
         deferred = in_use_ok and any(k == _DEFER for k, _ in issue)
         if temps and (n_temp < 1 or (len(temps) > n_temp and (self._heap or cpu or deferred))):
