@@ -1012,35 +1012,20 @@ class Engine(EngineBase):
         ``submit``/``wake`` run in the order the request heap would call them (a wake-up
         before a submission at the same moment), each result coming back when its call ends;
         returns when the last result is back."""
-        c = self.c
-        rec = self.recorder
         host = self._host
-        d2h, h2d = self._d2h, self._h2d
-        act = self.act_bytes
-        n = len(experts)
-        c.cpu_expert_evals += n
-        c.d2h_bytes += act * n
-        c.h2d_bytes += act * n
+        self._count_cpu(len(experts))
         cpu_job = self.machine.cpu_job
         sent: list[tuple[float, CpuJob]] = []
         for i, e in enumerate(experts):
-            s, t = d2h.lane.serve(now, d2h.activation_s(1))
-            if rec is not None:
-                rec.op(d2h.lane.name, "activation", sid, token, layer, e, s, t, act)
+            t = self._activation_out(now, e, sid, token, layer)
             sent.append((t, cpu_job(e, i, t, 1)))  # the job's op is its expert here
         done = now
         if len(host.lanes) == 1:  # first come first served, each call alone on the CPU
             host.run_queue([job for _, job in sent])
             for _, job in sent:  # the calls end in issue order, so do their results
-                e = job.op
-                if rec is not None:
-                    rec.op(host.lanes[0].name, "cpu_expert", sid, token, layer, e, job.start,
-                           job.end, 0)  # fmt: skip
-                s, done = h2d.lane.serve(job.end, h2d.activation_s(1))
-                if rec is not None:
-                    rec.op(h2d.lane.name, "activation", sid, token, layer, e, s, done, act)
+                done = self._result_back(job, job.op, sid, token, layer)
             return done
-        i = 0
+        i, n = 0, len(sent)
         while True:
             nxt = host.next_event()
             if i < n and sent[i][0] < nxt:
@@ -1048,13 +1033,7 @@ class Engine(EngineBase):
                 i += 1
             elif nxt != INF:
                 for job in host.wake(nxt):
-                    e = job.op
-                    if rec is not None:
-                        rec.op(host.lanes[job.worker].name, "cpu_expert", sid, token, layer, e,
-                               job.start, nxt, 0)  # fmt: skip
-                    s, t = h2d.lane.serve(nxt, h2d.activation_s(1))
-                    if rec is not None:
-                        rec.op(h2d.lane.name, "activation", sid, token, layer, e, s, t, act)
+                    t = self._result_back(job, job.op, sid, token, layer)
                     if t > done:
                         done = t
             else:
@@ -1065,30 +1044,44 @@ class Engine(EngineBase):
         call) on an idle CPU with nothing else pending: each call's three stages (activations
         to the host, the call, the result back) are timed directly, as the request heap would
         serve them with nothing else in it; returns when the last result is back."""
-        c = self.c
-        rec = self.recorder
-        host = self._host
-        d2h, h2d = self._d2h, self._h2d
-        act = self.act_bytes
-        n = len(experts)
-        c.cpu_expert_evals += n
-        c.d2h_bytes += act * n
-        c.h2d_bytes += act * n
+        self._count_cpu(len(experts))
         t = now
         cpu_job = self.machine.cpu_job
         for e in experts:
-            s, t = d2h.lane.serve(t, d2h.activation_s(1))
-            if rec is not None:
-                rec.op(d2h.lane.name, "activation", sid, token, layer, e, s, t, act)
+            t = self._activation_out(t, e, sid, token, layer)
             job = cpu_job(None, 0, t, 1)
-            t = host.run_alone(t, job)
-            if rec is not None:
-                rec.op(host.lanes[job.worker].name, "cpu_expert", sid, token, layer, e,
-                       job.start, t, 0)  # fmt: skip
-            s, t = h2d.lane.serve(t, h2d.activation_s(1))
-            if rec is not None:
-                rec.op(h2d.lane.name, "activation", sid, token, layer, e, s, t, act)
+            self._host.run_alone(t, job)
+            t = self._result_back(job, e, sid, token, layer)
         return t
+
+    def _count_cpu(self, n: int) -> None:
+        """Count ``n`` one-token CPU expert calls (their activations go out and back)."""
+        c = self.c
+        c.cpu_expert_evals += n
+        c.d2h_bytes += self.act_bytes * n
+        c.h2d_bytes += self.act_bytes * n
+
+    def _activation_out(self, t: float, e: int, sid: int, token: int, layer: int) -> float:
+        """A CPU call's activations to the host, submitted at ``t``; returns when they arrive."""
+        d2h = self._d2h
+        s, end = d2h.lane.serve(t, d2h.activation_s(1))
+        if self.recorder is not None:
+            self.recorder.op(d2h.lane.name, "activation", sid, token, layer, e, s, end,
+                             self.act_bytes)  # fmt: skip
+        return end
+
+    def _result_back(self, job: CpuJob, e: int, sid: int, token: int, layer: int) -> float:
+        """A CPU call that has ended (recorded) sends its result back; returns when it is on
+        the GPU."""
+        rec = self.recorder
+        h2d = self._h2d
+        if rec is not None:
+            rec.op(self._host.lanes[job.worker].name, "cpu_expert", sid, token, layer, e,
+                   job.start, job.end, 0)  # fmt: skip
+        s, end = h2d.lane.serve(job.end, h2d.activation_s(1))
+        if rec is not None:
+            rec.op(h2d.lane.name, "activation", sid, token, layer, e, s, end, self.act_bytes)
+        return end
 
     def _temp_copies(
         self,
