@@ -12,32 +12,74 @@ tokens to the same number of experts.
 
 from __future__ import annotations
 
-import numpy as np
+import heapq
 
-from policies.base import Slot
+from policies.base import SetupContext, Slot
 from policies.caching import GlobalCachingPolicy
 from policies.lfu import LFUCounts
 from policies.registry import register
 
-_NEVER = np.iinfo(np.int64).max
-
 
 @register
 class GlobalLFUPolicy(LFUCounts, GlobalCachingPolicy):
-    """Evict the resident expert of any layer with the fewest accesses so far."""
+    """Evict the resident expert of any layer with the fewest accesses so far.
+
+    The victim search keeps a heap of ``(count, tick, layer, expert)`` entries, one pushed
+    whenever a cached slot is touched or inserted (both give it a new, unique tick); an entry
+    whose slot has left the cache or got a newer tick since is stale and dropped when it
+    surfaces. The smallest live entry is the unprotected cached slot with the fewest accesses,
+    ties to the least recently used (ticks are unique), as a scan of every slot would give.
+    """
 
     name = "global-lfu"
     summary = "one LFU cache over all layers' experts (persistent counts, LRU tie-break)"
     source = "generic cross-layer LFU (the per-layer lfu without its quota)"
 
+    def init_state(self, ctx: SetupContext) -> None:
+        """The LFU statistics and the victim heap."""
+        super().init_state(ctx)
+        self.heap: list[tuple[int, int, int, int]] = []
+
+    def _push(self, layer: int, expert: int) -> None:
+        heap = self.heap
+        if len(heap) > 64 + 8 * self.capacity:  # mostly stale: rebuild from the live slots
+            freq, last, cached = self.freq, self.last, self.cached
+            heap[:] = [
+                (freq[lay][e], last[lay][e], lay, e)
+                for lay, row in enumerate(cached.tolist())
+                for e, on in enumerate(row)
+                if on and (lay, e) != (layer, expert)
+            ]
+            heapq.heapify(heap)
+        heapq.heappush(heap, (self.freq[layer][expert], self.last[layer][expert], layer, expert))
+
+    def touch(self, layer: int, expert: int, step: int, weight: int) -> None:
+        """Record recency; the slot's heap entry is renewed."""
+        super().touch(layer, expert, step, weight)
+        self._push(layer, expert)
+
+    def inserted(self, layer: int, expert: int, step: int) -> None:
+        """A new entry is as recent as now."""
+        super().inserted(layer, expert, step)
+        self._push(layer, expert)
+
     def choose_victim(self, layer: int, protected: set[int], step: int) -> Slot:
         """Fewest accesses over all layers; ties by least recent use (ticks are unique)."""
-        cand = self.cached.copy()
-        cand[layer, list(protected)] = False
-        freq = np.where(cand, self.freq, _NEVER)
-        lowest = cand & (freq == freq.min())
-        flat = int(np.argmin(np.where(lowest, self.last, _NEVER)))
-        victim = divmod(flat, self.cached.shape[1])
-        if not cand[victim]:
+        heap, freq, last, cached = self.heap, self.freq, self.last, self.cached
+        kept = []  # live entries of protected slots, pushed back afterwards
+        victim = None
+        while heap:
+            entry = heapq.heappop(heap)
+            f, tick, lay, e = entry
+            if not cached[lay, e] or last[lay][e] != tick or freq[lay][e] != f:
+                continue  # stale
+            if lay == layer and e in protected:
+                kept.append(entry)
+                continue
+            victim = (lay, e)
+            break
+        for entry in kept:
+            heapq.heappush(heap, entry)
+        if victim is None:
             raise AssertionError("caller guarantees an unprotected resident expert")
         return victim

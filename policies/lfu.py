@@ -16,8 +16,6 @@ when counts are equal instead of to an arbitrary id order.
 
 from __future__ import annotations
 
-import numpy as np
-
 from policies.base import Plan, Policy, SetupContext, View
 from policies.caching import CachingPolicy
 from policies.registry import register
@@ -27,35 +25,39 @@ class LFUCounts(Policy):
     """The LFU statistics ``lfu`` and ``global-lfu`` share (listed before the cache base class).
 
     ``freq``: accesses per (layer, expert), counted in ``decode_layer`` before serving;
-    ``last``: a tick of the last hit or insertion, for the least-recent tie-break.
+    ``last``: a tick of the last hit or insertion, for the least-recent tie-break. Both are
+    per-layer lists of plain ints: they are read and written a few times per layer, where
+    numpy's per-call cost would dominate.
     """
 
     def init_state(self, ctx: SetupContext) -> None:
         """Access counts and last-use ticks of every (layer, expert)."""
         n_layers, n_exp = ctx.model.moe_layers, ctx.model.experts
-        self.freq = np.zeros((n_layers, n_exp), dtype=np.int64)
-        self.last = np.full((n_layers, n_exp), -1, dtype=np.int64)
+        self.freq: list[list[int]] = [[0] * n_exp for _ in range(n_layers)]
+        self.last: list[list[int]] = [[-1] * n_exp for _ in range(n_layers)]
         self.tick = 0
 
     def decode_layer(self, view: View) -> Plan:
         """Count this layer's accesses, then serve them like the cache base class does."""
-        layer = view.layer
+        freq = self.freq[view.layer]
         counts = view.counts
         if counts is None:
-            self.freq[layer, view.experts] += 1
+            for e in view.experts.tolist():
+                freq[e] += 1
         else:
-            self.freq[layer, view.experts] += counts[view.experts]
+            for e in view.experts.tolist():
+                freq[e] += int(counts[e])
         return super().decode_layer(view)
 
     def touch(self, layer: int, expert: int, step: int, weight: int) -> None:
         """Record recency for the tie-break (counting happens in decode_layer)."""
         self.tick += 1
-        self.last[layer, expert] = self.tick
+        self.last[layer][expert] = self.tick
 
     def inserted(self, layer: int, expert: int, step: int) -> None:
         """A new entry is as recent as now."""
         self.tick += 1
-        self.last[layer, expert] = self.tick
+        self.last[layer][expert] = self.tick
 
 
 @register

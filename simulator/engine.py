@@ -34,7 +34,7 @@ from policies.base import Action, Plan, Policy, SetupContext, Slot, View
 from simulator.boundary import Hooks, check_placement, check_plan, check_route
 from simulator.costs import CostModel
 from simulator.errors import PolicyError, UserError
-from simulator.machine import Machine
+from simulator.machine import CpuJob, Machine
 from simulator.models import ModelShape
 from simulator.recorder import Recorder
 from simulator.residency import INF, Residency
@@ -44,6 +44,8 @@ _GPU, _FETCH, _TEMP, _CPU, _PRE = (int(a) for a in Action)
 
 # operation kinds (LayerOp.kind); WAKE is the shared CPU's next event, not an operation
 WRITEBACK, FETCH, TEMP, CPU, WAKE = range(5)
+# what a plan issues, as Engine._copies_only lists it (besides FETCH)
+_EVICT, _DEFER, _PREFETCH = -1, -2, -3
 
 
 @dataclass
@@ -283,6 +285,13 @@ class EngineBase:
         (the plan is then untouched). This executor always takes the general path."""
         return None
 
+    def _copies_only(self, layer: int, routed: list[int], plan: Plan, now: float) -> float | None:
+        """Check, apply and time in one pass a decode plan made of resident experts, fetches,
+        temporary copies, evictions and prefetches (no CPU work, no write-backs); returns when
+        the layer ends, or None to take the general path (the plan is then untouched). This
+        executor always takes the general path."""
+        return None
+
     def _free_slot(self, t: float) -> None:
         """An evicted expert's slot (no write-back) is free at ``t``."""
         raise NotImplementedError
@@ -417,10 +426,16 @@ class EngineBase:
                     not prefill
                     and plan.__class__ is Plan
                     and plan.route is None
-                    and not (plan.evict or plan.prefetch or plan.precalc or plan.victims)
+                    and not plan.precalc
                 ):
-                    # the common decode case: every routed expert resident and run on the GPU
-                    end = self._hits_only(layer, experts.tolist(), plan.actions, now)
+                    routed = experts.tolist()
+                    end = None
+                    if not (plan.evict or plan.prefetch or plan.victims):
+                        # the common decode case: every routed expert resident, on the GPU
+                        end = self._hits_only(layer, routed, plan.actions, now)
+                    if end is None:
+                        # copies, evictions and resident experts, nothing else pending
+                        end = self._copies_only(layer, routed, plan, now)
                     if end is not None:
                         c.true_accesses += len(experts)
                         ws = ws_t[layer]
@@ -736,6 +751,404 @@ class Engine(EngineBase):
         self._acc[layer] += n
         where = self.hooks.where
         return self._timed_gpu(jobs, now, None, where.seq or 0, where.token or 0, layer)
+
+    def _copies_only(self, layer: int, routed: list[int], plan: Plan, now: float) -> float | None:
+        # Why this is exact: without unified memory, such a plan's requests submitted at ``now``
+        # are copies (and write-backs). Everything submitted earlier has been served, and what
+        # is still pending was submitted later, so the general path serves this layer's
+        # requests at once in issue order (write-backs and fetches as the plan's evictions and
+        # routed fetches come, temporary copies, prefetches) and then runs the GPU experts by
+        # (ready time, expert), exactly as below; a write-back's slot release and an in-use
+        # victim's deferred write-back still go through the heap. A temporary copy waiting
+        # for a buffer, and CPU calls, are submitted after ``now``: they are only taken here
+        # when nothing else is pending at all (the heap then has nothing to serve first).
+        actions = plan.actions
+        res = self.res
+        if (
+            self._unified
+            or res.waiters
+            or actions.__class__ is not dict
+            or len(actions) != len(routed)
+            or plan.evict.__class__ is not list
+            or plan.prefetch.__class__ is not list
+            or plan.victims.__class__ is not dict
+        ):
+            return None
+        resident, ready_at = res.resident, res.ready_at
+        row = resident[layer]
+        n_layers, n_exp = self.n_layers, self.n_experts
+        wb = self._wb
+        in_use_ok = wb and self.spec.evicts_in_use
+        # -- the check: check_plan's rules in its order, against this plan's own changes;
+        # anything it would refuse (or that is unusual) returns None before any change
+        needed: set[int] = set()
+        cpu: list[int] = []
+        for e in routed:
+            a = actions.get(e)
+            if a in (_GPU, _FETCH):
+                needed.add(e)
+            elif a == _CPU:
+                cpu.append(e)
+            elif a != _TEMP:
+                return None  # a pre-calculation or a malformed action
+        if cpu and (self._heap or not self._host.idle):
+            return None  # CPU calls that could queue behind or share with pending work
+        gone: set[Slot] = set()  # slots evicted by this plan
+        added: set[Slot] = set()  # slots filled by this plan
+        #: what the plan issues, in _apply's order: (kind, slot); kind EVICT, DEFER (an in-use
+        #: victim, written back after its computation), FETCH or PREFETCH
+        issue: list[tuple[int, Slot]] = []
+        n_evs = 0
+        n_res = res.n_resident
+
+        def evict(item: Any) -> bool:
+            nonlocal n_res
+            if item.__class__ is not tuple or len(item) != 2:
+                return False
+            vl, ve = item
+            if vl.__class__ is not int or ve.__class__ is not int:
+                return False
+            if not (0 <= vl < n_layers and 0 <= ve < n_exp):
+                return False
+            if item in gone or item in added or not resident[item]:
+                return False
+            if vl == layer and ve in needed:
+                if not in_use_ok:
+                    return False
+                issue.append((_DEFER, item))
+            elif ready_at[item] > now:
+                return False  # still being copied
+            else:
+                issue.append((_EVICT, item))
+            gone.add(item)
+            n_res -= 1
+            return True
+
+        def fill(slot: Slot, victim: Any, kind: int) -> bool:
+            nonlocal n_res
+            if victim is not None and not evict(victim):
+                return False
+            if n_res >= budget:
+                return False  # all slots full and no victim
+            added.add(slot)
+            issue.append((kind, slot))
+            n_res += 1
+            return True
+
+        budget = res.budget
+        for item in plan.evict:
+            if not evict(item):
+                return None
+        hits: list[int] = []
+        for e in routed:
+            if actions[e] == _GPU:
+                if not row[e] or (layer, e) in gone or ready_at[layer, e] == INF:
+                    return None
+                hits.append(e)
+        victims = plan.victims
+        temps: list[int] = []
+        n_fetch = 0
+        for e in routed:
+            a = actions[e]
+            if a in (_GPU, _CPU):
+                continue
+            slot = (layer, e)
+            if slot in added or (row[e] and slot not in gone):
+                return None
+            if a == _TEMP:
+                temps.append(e)
+                continue
+            if not fill(slot, victims.get(e), FETCH):
+                return None
+            n_fetch += 1
+        n_routed_issue = len(issue)  # temporary copies are issued here
+        for item in plan.prefetch:
+            if item.__class__ is not tuple or len(item) != 3:
+                return None
+            pl, pe, v = item
+            if pl.__class__ is not int or pe.__class__ is not int:
+                return None
+            slot = (pl, pe)
+            if not (0 <= pl < n_layers and 0 <= pe < n_exp) or slot in added:
+                return None
+            if (resident[slot] and slot not in gone) or not fill(slot, v, _PREFETCH):
+                return None
+        n_temp = self.machine.buffers["temp"]
+        deferred = in_use_ok and any(k == _DEFER for k, _ in issue)
+        if temps and (n_temp < 1 or (len(temps) > n_temp and (self._heap or cpu or deferred))):
+            return None
+        n_evs = len(gone)
+        n_copies = len(added)
+        # without write-backs an evicted slot is free at once, else when its write-back ends
+        if res.occupancy - (0 if wb else n_evs) + n_copies > res.cap:
+            return None  # a fetch would wait for a slot
+        # -- apply, in _apply's order: residency, counters and issue numbers
+        c = self.c
+        rec = self.recorder
+        eb = self.expert_bytes
+        pre = res.prefetched
+        where = self.hooks.where
+        sid, token = where.seq or 0, where.token or 0
+        late: dict[int, LayerOp] = {}  # in-use victims' write-backs by expert
+        ops: list[tuple[Any, ...]]  # (kind, slot[, issue number]) in issue order
+        if not wb:
+            # evictions free their slots at once and issue nothing; the copies are numbered
+            for kind, slot in issue:
+                if kind == _EVICT:
+                    resident[slot] = False
+                    if pre[slot]:
+                        pre[slot] = False
+                        c.prefetch_wasted_bytes += eb
+                    if rec is None:
+                        res.occupancy -= 1
+                    else:
+                        res.free(now)
+            self._seq += n_copies + len(temps) + len(cpu)
+            ops = issue  # _EVICT entries are skipped when serving
+            temps_at = n_routed_issue
+        else:
+            seq = self._seq
+            ops = []
+            temps_at = -1  # where the temporary copies come in ``ops``
+            for i, (kind, slot) in enumerate(issue):
+                if i == n_routed_issue:
+                    seq += len(temps)  # the temporary copies' issue numbers
+                    temps_at = len(ops)
+                seq += 1
+                if kind == _EVICT:
+                    resident[slot] = False
+                    if pre[slot]:
+                        pre[slot] = False
+                        c.prefetch_wasted_bytes += eb
+                    ops.append((WRITEBACK, slot, seq))
+                elif kind == _DEFER:
+                    resident[slot] = False
+                    late[slot[1]] = LayerOp(WRITEBACK, "writeback", seq, sid, token, *slot)
+                else:
+                    ops.append((kind, slot, seq))
+            if temps_at < 0:
+                seq += len(temps)
+                temps_at = len(ops)
+            self._seq = seq + len(cpu)
+        res.n_resident = n_res
+        if n_evs:
+            c.evictions += n_evs
+            if wb:
+                c.d2h_bytes += eb * n_evs
+                c.d2h_expert_copies += n_evs
+        jobs: list[tuple[float, int, int]] = []
+        prow = pre[layer]
+        ready_row = ready_at[layer]
+        for e in hits:
+            if prow[e]:
+                prow[e] = False
+                c.prefetch_used += 1
+            jobs.append((float(ready_row[e]), e, -1))
+        n = len(routed)
+        c.decode_accesses += n
+        c.decode_hits += len(hits)
+        self._hits[layer] += len(hits)
+        self._acc[layer] += n
+        n_copies += len(temps)
+        c.h2d_bytes += eb * n_copies
+        c.h2d_expert_copies += n_copies
+        c.fetches += n_fetch
+        c.temp_copies += len(temps)
+        c.prefetches += len(added) - n_fetch
+        # -- serve this layer's requests at ``now`` in issue order
+        h2d = self._h2d.lane
+        dur = self._h2d.expert_s
+        serve = h2d.serve
+        for i, op in enumerate(ops):
+            if i == temps_at and temps:
+                self._temp_copies(temps[:n_temp], jobs, now, sid, token, layer)
+            kind, slot = op[0], op[1]
+            if kind == _EVICT:
+                continue
+            if kind == WRITEBACK:
+                op = LayerOp(WRITEBACK, "writeback", op[2], sid, token, *slot)
+                self._serve_op(now, op)  # holds both lanes; its slot is released at its end
+                continue
+            occ = res.occupancy = res.occupancy + 1  # Residency.take, inlined
+            if occ > res.max_occupancy:
+                res.max_occupancy = occ
+            if rec is not None:
+                rec.occupancy(now, occ)
+            s, end = serve(now, dur)
+            resident[slot] = True
+            ready_at[slot] = end
+            if kind == FETCH:
+                jobs.append((end, slot[1], -1))
+            else:
+                pre[slot] = True
+            if rec is not None:
+                rec.op(h2d.name, "fetch" if kind == FETCH else "prefetch", sid, token, *slot,
+                       s, end, eb)  # fmt: skip
+        if temps_at == len(ops) and temps:
+            self._temp_copies(temps[:n_temp], jobs, now, sid, token, layer)
+        if len(temps) > n_temp or late:
+            return self._gpu_jobs(jobs, deque(temps[n_temp:]), late, now, sid, token, layer)
+        if not cpu:
+            return self._timed_gpu([(r, e) for r, e, _ in jobs], now, None, sid, token, layer)
+        if plan.cpu_serial or len(cpu) == 1:
+            done = self._cpu_calls(cpu, now, sid, token, layer)
+        else:
+            done = self._cpu_parallel(cpu, now, sid, token, layer)
+        g = now
+        if plan.cpu_first and done > now:  # the GPU experts wait for the CPU ones
+            c.cpu_wait += done - now
+            g = done
+        end = self._timed_gpu([(r, e) for r, e, _ in jobs], g, None, sid, token, layer)
+        if done > end:
+            c.cpu_wait += done - end
+            end = done
+        return end
+
+    def _cpu_parallel(
+        self, experts: list[int], now: float, sid: int, token: int, layer: int
+    ) -> float:
+        """A decode layer's CPU experts submitted together to an idle CPU with nothing else
+        pending: the activations go out in issue order, then the shared CPU's own
+        ``submit``/``wake`` run in the order the request heap would call them (a wake-up
+        before a submission at the same moment), each result coming back when its call ends;
+        returns when the last result is back."""
+        host = self._host
+        self._count_cpu(len(experts))
+        cpu_job = self.machine.cpu_job
+        sent: list[tuple[float, CpuJob]] = []
+        for i, e in enumerate(experts):
+            t = self._activation_out(now, e, sid, token, layer)
+            sent.append((t, cpu_job(e, i, t, 1)))  # the job's op is its expert here
+        done = now
+        if len(host.lanes) == 1:  # first come first served, each call alone on the CPU
+            host.run_queue([job for _, job in sent])
+            for _, job in sent:  # the calls end in issue order, so do their results
+                done = self._result_back(job, job.op, sid, token, layer)
+            return done
+        i, n = 0, len(sent)
+        while True:
+            nxt = host.next_event()
+            if i < n and sent[i][0] < nxt:
+                host.submit(*sent[i])
+                i += 1
+            elif nxt != INF:
+                for job in host.wake(nxt):
+                    t = self._result_back(job, job.op, sid, token, layer)
+                    if t > done:
+                        done = t
+            else:
+                return done
+
+    def _cpu_calls(self, experts: list[int], now: float, sid: int, token: int, layer: int) -> float:
+        """A decode layer's CPU experts run one after another (a serial chain, or a single
+        call) on an idle CPU with nothing else pending: each call's three stages (activations
+        to the host, the call, the result back) are timed directly, as the request heap would
+        serve them with nothing else in it; returns when the last result is back."""
+        self._count_cpu(len(experts))
+        t = now
+        cpu_job = self.machine.cpu_job
+        for e in experts:
+            t = self._activation_out(t, e, sid, token, layer)
+            job = cpu_job(None, 0, t, 1)
+            self._host.run_alone(t, job)
+            t = self._result_back(job, e, sid, token, layer)
+        return t
+
+    def _count_cpu(self, n: int) -> None:
+        """Count ``n`` one-token CPU expert calls (their activations go out and back)."""
+        c = self.c
+        c.cpu_expert_evals += n
+        c.d2h_bytes += self.act_bytes * n
+        c.h2d_bytes += self.act_bytes * n
+
+    def _activation_out(self, t: float, e: int, sid: int, token: int, layer: int) -> float:
+        """A CPU call's activations to the host, submitted at ``t``; returns when they arrive."""
+        d2h = self._d2h
+        s, end = d2h.lane.serve(t, d2h.activation_s(1))
+        if self.recorder is not None:
+            self.recorder.op(d2h.lane.name, "activation", sid, token, layer, e, s, end,
+                             self.act_bytes)  # fmt: skip
+        return end
+
+    def _result_back(self, job: CpuJob, e: int, sid: int, token: int, layer: int) -> float:
+        """A CPU call that has ended (recorded) sends its result back; returns when it is on
+        the GPU."""
+        rec = self.recorder
+        h2d = self._h2d
+        if rec is not None:
+            rec.op(self._host.lanes[job.worker].name, "cpu_expert", sid, token, layer, e,
+                   job.start, job.end, 0)  # fmt: skip
+        s, end = h2d.lane.serve(job.end, h2d.activation_s(1))
+        if rec is not None:
+            rec.op(h2d.lane.name, "activation", sid, token, layer, e, s, end, self.act_bytes)
+        return end
+
+    def _temp_copies(
+        self,
+        temps: list[int],
+        jobs: list[tuple[float, int, int]],
+        now: float,
+        sid: int,
+        token: int,
+        layer: int,
+    ) -> None:
+        """Serve temporary copies submitted at ``now`` on the H2D lane, one buffer each
+        (buffers 0, 1, ...), and add their GPU jobs."""
+        rec = self.recorder
+        lane = self._h2d.lane
+        dur = self._h2d.expert_s
+        for buf, e in enumerate(temps):
+            s, end = lane.serve(now, dur)
+            if rec is not None:
+                rec.op(lane.name, "temp", sid, token, layer, e, s, end, self.expert_bytes)
+            jobs.append((end, e, buf))
+
+    def _gpu_jobs(
+        self,
+        jobs: list[tuple[float, int, int]],
+        waiting: deque[int],
+        late: dict[int, LayerOp],
+        now: float,
+        sid: int,
+        token: int,
+        layer: int,
+    ) -> float:
+        """The GPU experts of a decode layer by (ready time, expert), as ``_layer`` runs them:
+        an in-use victim's write-back (``late``) is submitted when its computation ends, and
+        a temporary copy waiting for a buffer (``waiting``) is copied when a computation frees
+        one, which is exact only when nothing else is pending (the copy then starts as the
+        heap would start it)."""
+        heapq.heapify(jobs)
+        c = self.c
+        rec = self.recorder
+        link = self._h2d
+        lane = link.lane
+        d = self.machine.gpu_s(1)
+        g = now
+        busy = 0.0
+        while jobs:
+            ready, e, buf = heapq.heappop(jobs)
+            if ready > g:
+                c.transfer_stall += ready - g
+                g = ready
+            if rec is not None:
+                rec.op("gpu", "expert", sid, token, layer, e, g, g + d, 0)
+            g += d
+            busy += d
+            if late:
+                wb = late.pop(e, None)
+                if wb is not None:
+                    self._push(g, wb)
+            if buf >= 0 and waiting:
+                nxt = waiting.popleft()
+                s, end = lane.serve(g, link.expert_s)
+                if rec is not None:
+                    rec.op(lane.name, "temp", sid, token, layer, nxt, s, end,
+                           self.expert_bytes)  # fmt: skip
+                heapq.heappush(jobs, (end, nxt, buf))
+        c.gpu_expert_busy += busy
+        self.machine.gpu.busy += busy
+        return g
 
     def _timed_gpu(
         self,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -79,6 +80,10 @@ class CpuJob:
         self.worker = -1
 
 
+def _by_seq(job: CpuJob) -> int:
+    return job.seq
+
+
 class SharedCpu:
     """The host CPU: worker threads whose running calls share one socket (processor sharing).
 
@@ -116,7 +121,7 @@ class SharedCpu:
         self._advance(t)
         heapq.heappush(self._queue, (job.submitted, job.seq, job))
         self._admit(t)
-        self._changed()
+        self.version += 1
 
     def load(self, start: float, end: float, share: float) -> None:
         """Unified memory: a copy takes ``share`` of the DRAM from ``start`` to ``end``."""
@@ -133,12 +138,14 @@ class SharedCpu:
 
     def next_event(self) -> float:
         """When the next call ends or the rate changes (inf when nothing runs)."""
-        if not self.active:
+        active = self.active
+        if not active:
             return math.inf
         nxt = self._loads[0][0] if self._loads else math.inf
-        if self.rate > 0.0:
-            rem = min(j.rem for j in self.active)
-            dep = self.t + (rem / self.rate if rem > 0.0 else 0.0)
+        rate = self.rate
+        if rate > 0.0:
+            rem = active[0].rem if len(active) == 1 else min(j.rem for j in active)
+            dep = self.t + (rem / rate if rem > 0.0 else 0.0)
             if dep < nxt:
                 nxt = dep
         return nxt
@@ -146,31 +153,143 @@ class SharedCpu:
     def wake(self, t: float) -> list[CpuJob]:
         """Advance to ``t``; returns the calls that end there (in issue order)."""
         self._advance(t)
-        done = [j for j in self.active if j.rem <= DONE_EPS * j.work]
+        active = self.active
+        done = [j for j in active if j.rem <= DONE_EPS * j.work]
         if done:
             for j in done:
-                self.active.remove(j)
+                active.remove(j)
                 j.end = t
                 lane = self.lanes[j.worker]
                 lane.busy += t - j.start
                 lane.free_at = t
                 self._idle[j.worker] = True
             self._admit(t)  # re-rates
-        self._changed()
+        self.version += 1
         return done
+
+    @property
+    def idle(self) -> bool:
+        """No call running or waiting and no DRAM load registered."""
+        return not self.active and not self._queue and not self._loads
+
+    def run_alone(self, t: float, job: CpuJob) -> float:
+        """Run ``job``, submitted at ``t`` to an :attr:`idle` CPU, to its end with nothing else
+        arriving meanwhile; returns its end.
+
+        A shortcut for ``submit(t, job)`` followed by ``wake`` at each ``next_event()`` until
+        the call returns, with the same arithmetic step by step (so the same end, to the last
+        bit, and the same state afterwards): the engines use it when they know no other call
+        or load can arrive before this one ends.
+        """
+        lanes = self.lanes
+        i = min(range(len(lanes)), key=lambda k: lanes[k].free_at)  # all idle: _admit's pick
+        job.worker = i
+        job.start = t
+        if t > self.t:
+            self.t = t
+        self.rate = rate = self._lone_rate(job)
+        while True:  # next_event() then wake(), until the call is done
+            if rate <= 0.0:
+                raise RuntimeError("shared CPU: a lone call can never progress")
+            rem = job.rem
+            end = self.t + (rem / rate if rem > 0.0 else 0.0)
+            dt = end - self.t
+            if dt > 0.0:
+                job.rem -= rate * dt
+                self.t = end
+            if job.rem <= DONE_EPS * job.work:
+                break
+        job.end = end
+        lane = lanes[i]
+        lane.busy += end - t
+        lane.free_at = end
+        self.rate = 1.0  # _rerate over no call
+        self.version += 2
+        return end
+
+    def run_queue(self, jobs: list[CpuJob]) -> None:
+        """Run ``jobs`` (submitted at their ``submitted`` times, in issue order) on an
+        :attr:`idle` one-worker CPU with nothing else arriving, first come first served;
+        sets each job's ``start`` and ``end``.
+
+        A shortcut for driving :meth:`submit` and :meth:`wake` in the order the engines'
+        event queues call them (a wake-up before a submission at the same moment), with the
+        same arithmetic step by step: an arrival progresses the running call to its time, so
+        the running call's end is computed from there, exactly as ``next_event`` would.
+        """
+        assert len(self.lanes) == 1
+        lane = self.lanes[0]
+        t = self.t
+        running: CpuJob | None = None
+        rate = 1.0
+        waiting: deque[CpuJob] = deque()
+        i, n = 0, len(jobs)
+        while True:
+            nxt = math.inf  # next_event()
+            if running is not None and rate > 0.0:
+                rem = running.rem
+                nxt = t + (rem / rate if rem > 0.0 else 0.0)
+            if i < n and jobs[i].submitted < nxt:  # submit()
+                job = jobs[i]
+                i += 1
+                dt = job.submitted - t
+                if dt > 0.0:
+                    if running is not None:
+                        running.rem -= rate * dt
+                    t = job.submitted
+                if running is None:
+                    running = job
+                    job.worker, job.start = 0, t
+                    rate = self._lone_rate(job)
+                else:
+                    waiting.append(job)
+            elif nxt != math.inf:  # wake()
+                assert running is not None
+                dt = nxt - t
+                if dt > 0.0:
+                    running.rem -= rate * dt
+                    t = nxt
+                if running.rem <= DONE_EPS * running.work:
+                    running.end = t
+                    lane.busy += t - running.start
+                    lane.free_at = t
+                    running = waiting.popleft() if waiting else None
+                    if running is not None:
+                        running.worker, running.start = 0, t
+                        rate = self._lone_rate(running)
+            else:
+                break
+        self.t = t
+        self.rate = 1.0  # _rerate over no call
+        self.version += 2 * n
+
+    def _lone_rate(self, job: CpuJob) -> float:
+        """``_rerate`` with ``job`` the only running call (sum() of one term is exact)."""
+        share, dram = job.share, job.dram
+        rate = 1.0 / share if share > 1.0 else 1.0
+        if dram > 0.0:
+            rate = min(rate, max(0.0, 1.0 - self.ext) / dram)
+        return rate
 
     def _admit(self, t: float) -> None:
         """Start waiting calls on idle workers (the one free longest first, lowest index)."""
         q = self._queue
-        while q and any(self._idle):
-            _, _, job = heapq.heappop(q)
-            lanes = self.lanes
-            i = min((k for k in range(len(lanes)) if self._idle[k]), key=lambda k: lanes[k].free_at)
-            self._idle[i] = False
-            job.worker = i
-            job.start = t
-            self.active.append(job)
-        self.active.sort(key=lambda j: j.seq)
+        if q:
+            idle, lanes, active = self._idle, self.lanes, self.active
+            while q and True in idle:
+                _, _, job = heapq.heappop(q)
+                if len(lanes) == 1:
+                    i = 0
+                else:
+                    free = [k for k in range(len(lanes)) if idle[k]]
+                    i = min(free, key=lambda k: lanes[k].free_at)
+                idle[i] = False
+                job.worker = i
+                job.start = t
+                active.append(job)
+            if len(active) > 1:
+                active.sort(key=_by_seq)
+        # (without admissions the running calls keep their order: removals preserve it)
         self._rerate()
 
     def _advance(self, t: float) -> None:
@@ -181,8 +300,9 @@ class SharedCpu:
             self._progress(b)
             self.ext += delta
             self._rerate()
+        # the rate depends only on the running calls and the loads, and every change of
+        # either re-rates at once, so it needs no update here
         self._progress(t)
-        self._rerate()
 
     def _progress(self, t: float) -> None:
         dt = t - self.t
@@ -195,10 +315,13 @@ class SharedCpu:
     def _rerate(self) -> None:
         active = self.active
         rate = 1.0
-        share = sum(j.share for j in active)
+        if len(active) == 1:  # sum() of one term, without the generator
+            share, dram = active[0].share, active[0].dram
+        else:
+            share = sum(j.share for j in active)
+            dram = sum(j.dram for j in active)
         if share > 1.0:
             rate = 1.0 / share
-        dram = sum(j.dram for j in active)
         if dram > 0.0:
             free = 1.0 - self.ext
             rate = min(rate, max(0.0, free) / dram)

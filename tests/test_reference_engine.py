@@ -148,6 +148,19 @@ def test_one_copy_engine_and_another_profile(policy: str, opts: dict[str, Any]) 
     _both(policy, "ci-small", 0.125, load_profile("rtx4090-pcie4"), **opts)
 
 
+def test_in_use_victims_and_one_pass_layers() -> None:
+    """One slot per layer and top-2 routing: a layer's second miss evicts the expert it has
+    just run (write-back deferred until that computation ends), on the fast engine's one-pass
+    path (Engine._copies_only) as on the reference engine."""
+    for hw in (load_profile("a6000-pcie4"), one_copy_engine("a6000-pcie4")):
+        tl = _both("mixtral-offloading", "ci-small", 0.375, hw, experts_per_layer=1)
+        wb = tl[tl["kind"].astype(str) == "writeback"]
+        gpu = tl[(tl["resource"].astype(str) == "gpu") & (tl["kind"].astype(str) == "expert")]
+        same = wb.merge(gpu, on=["seq", "token", "layer", "expert"], suffixes=("_wb", "_gpu"))
+        assert len(same), "no expert was evicted in the layer that used it"
+        assert (same["start_wb"] >= same["end_gpu"] - TOL).all()
+
+
 def wide_socket(name: str, factor: float = 1.7) -> HardwareProfile:
     """A bundled profile whose socket streams ``factor`` x what one CPU call takes (partial
     shares: concurrent calls overlap before they slow each other down)."""
