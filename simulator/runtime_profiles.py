@@ -177,20 +177,8 @@ class HostThread:
         #: blocking syncs the thread made
         self.syncs = 0
 
-    def _segment(self, g: float, d: float, k: int) -> float:
-        """Issue ``k`` kernels (GPU time ``d``) onto a stream free from ``g``; returns the end."""
-        h = self.t
-        end = g + d
-        if k:
-            disp = self.dispatch
-            first = h + disp + d
-            last = h + k * disp + d / k
-            if first > end:
-                end = first
-            if last > end:
-                end = last
-            self.t = h + k * disp
-        return end
+    # The two methods below inline the segment rule (one per layer and one per GPU expert:
+    # they are on the engines' hot path).
 
     def nonexpert(self, g: float, d: float, first_layer: bool) -> tuple[float, float]:
         """A layer's non-expert part and router (GPU time ``d``) on a stream free from ``g``.
@@ -198,22 +186,49 @@ class HostThread:
         Returns (when its GPU work ends, when the routing is known to the host: the decision
         time). With routing syncs the thread waits for the GPU and pays ``sync`` for each.
         """
-        if first_layer:
-            self.t += self.step
-        end = self._segment(g, d, self.ne_k)
-        if not self.routing_syncs:
+        h = self.t + self.step if first_layer else self.t
+        end = g + d
+        k = self.ne_k
+        if k:
+            disp = self.dispatch
+            t = h + disp + d
+            if t > end:
+                end = t
+            h += k * disp
+            t = h + d / k
+            if t > end:
+                end = t
+        n = self.routing_syncs
+        if not n:
+            self.t = h
             return end, end
-        h = self.t if self.t > end else end
-        h += self.routing_syncs * self.sync
-        self.syncs += self.routing_syncs
+        if end > h:
+            h = end
+        h += n * self.sync
+        self.syncs += n
         self.t = h
         return end, h
 
     def expert(self, drained: float, start: float, d: float) -> float:
         """A GPU expert call of GPU time ``d`` that the stream could start at ``start`` (its
         weights there, ``drained`` the end of the stream's earlier work); returns its end."""
-        if self.expert_syncs:
-            h = self.t if self.t > drained else drained
-            self.t = h + self.expert_syncs * self.sync
-            self.syncs += self.expert_syncs
-        return self._segment(start, d, self.expert_k)
+        h = self.t
+        n = self.expert_syncs
+        if n:
+            if drained > h:
+                h = drained
+            h += n * self.sync
+            self.syncs += n
+        end = start + d
+        k = self.expert_k
+        if k:
+            disp = self.dispatch
+            t = h + disp + d
+            if t > end:
+                end = t
+            h += k * disp
+            t = h + d / k
+            if t > end:
+                end = t
+        self.t = h
+        return end
