@@ -63,11 +63,7 @@ class RuntimeProfile:
     @property
     def free(self) -> bool:
         """True when the host thread costs nothing: the engines then skip it entirely."""
-        return (
-            self.dispatch_us == 0.0
-            and self.step_us == 0.0
-            and (self.sync_us == 0.0 or not (self.routing_syncs or self.expert_syncs))
-        )
+        return self.dispatch_us == 0.0 and self.step_us == 0.0 and self.sync_us == 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """The profile as plain data (``run --json`` key ``runtime``, ``runtimes show``)."""
@@ -184,9 +180,17 @@ class HostThread:
         """A layer's non-expert part and router (GPU time ``d``) on a stream free from ``g``.
 
         Returns (when its GPU work ends, when the routing is known to the host: the decision
-        time). With routing syncs the thread waits for the GPU and pays ``sync`` for each.
+        time). With routing syncs the thread waits for the GPU and pays ``sync`` for each. The
+        first layer of a forward pass waits for the stream (the previous pass's output token)
+        and pays one sync and the per-pass ``step`` cost.
         """
-        h = self.t + self.step if first_layer else self.t
+        h = self.t
+        if first_layer:
+            # a forward pass starts once the previous one's sampled token is on the host
+            if g > h:
+                h = g
+            h += self.sync + self.step
+            self.syncs += 1
         end = g + d
         k = self.ne_k
         if k:

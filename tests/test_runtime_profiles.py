@@ -71,12 +71,16 @@ def test_syncs_wait_for_the_gpu_then_pay_their_cost() -> None:
     assert host.t == pytest.approx(316 * US) and host.syncs == 2
 
 
-def test_step_cost_is_paid_once_per_forward_pass() -> None:
-    host = HostThread(RuntimeProfile("t", dispatch_us=1.0, step_us=15.0, nonexpert_kernels=1))
-    end, _ = host.nonexpert(0.0, 1 * US, first_layer=True)
-    assert end == pytest.approx(15 * US + 1 * US + 1 * US)
+def test_a_forward_pass_waits_for_the_previous_one_then_pays_sync_and_step() -> None:
+    prof = RuntimeProfile("t", dispatch_us=1.0, sync_us=3.0, step_us=15.0, nonexpert_kernels=1)
+    host = HostThread(prof)
+    host.t = 5 * US  # the host ran ahead; the previous token ends on the GPU at 100 us
+    end, _ = host.nonexpert(100 * US, 1 * US, first_layer=True)
+    assert end == pytest.approx(100 * US + 3 * US + 15 * US + 1 * US + 1 * US)
+    assert host.syncs == 1
     end2, _ = host.nonexpert(end, 1 * US, first_layer=False)
-    assert end2 == pytest.approx(end + 1 * US)  # host at 16 us, stream free at 17 us
+    assert end2 == pytest.approx(end + 1 * US)  # host at 119 us, stream free at 120 us
+    assert host.syncs == 1
 
 
 # -- both engines, hand-computed -------------------------------------------------------------
@@ -99,8 +103,8 @@ def _by_hand(prof: RuntimeProfile, d_ne: float, d_e: float) -> float:
     k_ne, k_e = prof.nonexpert_kernels, prof.expert_kernels
     g = h = 0.0
     for layer in range(2):
-        if layer == 0:
-            h += prof.step_us * US
+        if layer == 0:  # the pass waits for the previous token, then syncs and steps
+            h = max(h, g) + sync + prof.step_us * US
         ne_end = max(g + d_ne, h + disp + d_ne, h + k_ne * disp + d_ne / k_ne)
         h += k_ne * disp
         g = ne_end
@@ -131,7 +135,7 @@ def test_layer_times_match_the_hand_computation(
     d_ne = eng.machine.nonexpert_s(1, ctx)
     d_e = eng.machine.gpu_s(1)
     assert stats.e2e == pytest.approx(_by_hand(prof, d_ne, d_e), rel=1e-12)
-    syncs = 2 * (prof.routing_syncs + 2 * prof.expert_syncs)
+    syncs = 1 + 2 * (prof.routing_syncs + 2 * prof.expert_syncs)
     assert stats.counters.host_syncs == syncs
 
 
