@@ -769,7 +769,7 @@ class Engine(EngineBase):
         rec = self.recorder
         gpu_s = self.machine.gpu_s
         unified = self._unified
-        host = self.machine.host
+        host = self.machine.host_experts  # None when GPU expert calls cost the host nothing
         d = gpu_s(1)  # one decode token per expert
         for ready, e in jobs:
             drained = g
@@ -1011,7 +1011,7 @@ class Engine(EngineBase):
         rec = self.recorder
         counts = w.counts
         gpu_s = self.machine.gpu_s
-        host = self.machine.host
+        host = self.machine.host_experts  # None when GPU expert calls cost the host nothing
         deferred = w.deferred
         layer = w.layer
         busy = 0.0

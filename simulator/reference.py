@@ -312,7 +312,7 @@ class ReferenceEngine(EngineBase):
                 self.c.transfer_stall += s - g
             n = int(w.counts[e]) if w.counts is not None else 1
             d = self.machine.gpu_s(n)
-            host = self.machine.host
+            host = self.machine.host_experts
             if host is not None:  # the stream waits for the host thread to issue the kernels
                 wait = host.expert(g, s, d) - d - s
                 if wait > 0.0:

@@ -152,6 +152,7 @@ class HostThread:
     __slots__ = (
         "dispatch",
         "expert_k",
+        "expert_sync",
         "expert_syncs",
         "ne_k",
         "routing_syncs",
@@ -169,9 +170,17 @@ class HostThread:
         self.expert_k = profile.expert_kernels
         self.routing_syncs = profile.routing_syncs
         self.expert_syncs = profile.expert_syncs
+        #: host time of one GPU expert call's syncs (precomputed: it is on the hot path)
+        self.expert_sync = profile.expert_syncs * self.sync
         self.t = 0.0
         #: blocking syncs the thread made
         self.syncs = 0
+
+    @property
+    def per_expert(self) -> bool:
+        """Whether a GPU expert call costs the host anything (else :meth:`expert` is a no-op
+        that returns ``start + d``, and the engines skip it)."""
+        return bool(self.expert_k or self.expert_syncs)
 
     # The two methods below inline the segment rule (one per layer and one per GPU expert:
     # they are on the engines' hot path).
@@ -221,7 +230,7 @@ class HostThread:
         if n:
             if drained > h:
                 h = drained
-            h += n * self.sync
+            h += self.expert_sync
             self.syncs += n
         end = start + d
         k = self.expert_k
