@@ -385,10 +385,7 @@ class EngineBase:
                 if host is None:
                     now = start + d_ne
                 else:  # the host thread issues the part's kernels, maybe syncs on routing
-                    ne_end, now = host.nonexpert(start, d_ne, layer == 0)
-                    if ne_end - d_ne > start:
-                        c.dispatch_stall += ne_end - d_ne - start
-                        start = ne_end - d_ne
+                    start, now = self._host_nonexpert(start, d_ne, layer == 0)
                 if rec is not None:
                     rec.op("gpu", "nonexpert", sid, t, layer, -1, start, start + d_ne, 0)
                 c.gpu_nonexpert_busy += d_ne
@@ -481,6 +478,16 @@ class EngineBase:
                 c.token_latency.append(lat)
                 c.decode_time += lat
                 c.decode_tokens += 1
+
+    def _host_nonexpert(self, start: float, d_ne: float, first: bool) -> tuple[float, float]:
+        """With a host thread: when a layer's non-expert part (GPU time ``d_ne``, stream free
+        from ``start``) starts on the GPU, and the decision time (docs/cost-model.md,
+        "Runtime profiles"). ``first``: the first layer of a forward pass."""
+        ne_end, now = self.machine.host.nonexpert(start, d_ne, first)  # type: ignore[union-attr]
+        if ne_end - d_ne > start:
+            self.c.dispatch_stall += ne_end - d_ne - start
+            start = ne_end - d_ne
+        return start, now
 
     def _fidelity(
         self, plan: Plan, route: list[int] | None, true_e: np.ndarray, true_w: Any, wsum: float

@@ -27,6 +27,7 @@ from simulator.errors import DoesNotFit, UserError
 from simulator.hardware import HardwareProfile, load_profile
 from simulator.recorder import Recorder
 from simulator.results import RunResult, compute_metrics
+from simulator.runtime_profiles import RuntimeProfile, get_runtime
 from simulator.serving import (
     Arrival,
     Request,
@@ -40,7 +41,6 @@ from simulator.serving import (
     summarise,
     trim,
 )
-from simulator.runtime_profiles import RuntimeProfile, get_runtime
 from simulator.trace import (
     SequenceRouting,
     TraceMeta,

@@ -36,8 +36,8 @@ from simulator.hardware import HardwareProfile, load_profile
 from simulator.recorder import Recorder
 from simulator.reference import ReferenceEngine
 from simulator.runner import Oracle, calibration_counts, simulate, split_sequences
-from simulator.serving import Request, Serving, ServingConfig, dense, step_oracle, trim
 from simulator.runtime_profiles import RuntimeProfile, get_runtime, runtime_names, with_costs
+from simulator.serving import Request, Serving, ServingConfig, dense, step_oracle, trim
 from simulator.testing import ChaosPolicy, random_routing, routing_from_experts, tiny_model
 from simulator.trace import SequenceRouting, iter_sequences, read_meta, sequence_ids
 
@@ -295,7 +295,8 @@ def _run_serving(
             reqs, config.batch, config.continuous, None, Oracle(model.moe_layers, model.experts)
         )
     rec = Recorder()
-    eng = cls(pol, model, cost_model(hw, model), budget, dec, pre, oracle, rec)
+    rt = get_runtime(pol.runtime_profile)  # the host thread in batched steps too
+    eng = cls(pol, model, cost_model(hw, model), budget, dec, pre, oracle, rec, runtime=rt)
     eng.serving = Serving(reqs, config, None)
     stats = eng.run(iter(()))
     return rec.timeline(), stats, eng
@@ -335,7 +336,8 @@ def test_random_plans_in_batched_steps_time_identically(seed: int) -> None:
         ]
         pol = ChaosPolicy(rng, 2, 2, writeback=bool(seed % 2), staging_buffers=seed % 2)
         rec = Recorder()
-        eng = cls(pol, model, cost_model(hw, model), 8, None, None, None, rec)
+        runtime = SLOW_HOST if seed % 3 == 0 else None  # a dispatch-bound host on some seeds
+        eng = cls(pol, model, cost_model(hw, model), 8, None, None, None, rec, runtime=runtime)
         pol.engine = eng
         eng.serving = Serving(reqs, ServingConfig(batch=3, continuous=True), None)
         out.append((rec, eng.run(iter(())), eng))

@@ -209,6 +209,8 @@ def test_policies_declare_the_runtime_of_the_system_they_model() -> None:
         "fiddler": "hf-eager",
         "mixtral-offloading": "hf-eager",
         "stream-all": "hf-eager",
+        "accelerate": "hf-eager",
+        "vllm-cpu-offload": "cuda-graph",
         "llama-cpp-cpu-moe": "llama.cpp",
         "ktransformers": "ktransformers",
         "lru": "ideal",
