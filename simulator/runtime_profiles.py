@@ -182,8 +182,22 @@ class HostThread:
         that returns ``start + d``, and the engines skip it)."""
         return bool(self.expert_k or self.expert_syncs)
 
-    # The two methods below inline the segment rule (one per layer and one per GPU expert:
-    # they are on the engines' hot path).
+    def issue(self, g: float, d: float, k: int) -> float:
+        """Issue ``k`` kernels (GPU time ``d``, split evenly) from the thread's clock onto a
+        stream free from ``g``; returns when they end on the GPU (the segment rule above)."""
+        end = g + d
+        if k:
+            h = self.t
+            disp = self.dispatch
+            t = h + disp + d
+            if t > end:
+                end = t
+            h += k * disp
+            t = h + d / k
+            if t > end:
+                end = t
+            self.t = h
+        return end
 
     def nonexpert(self, g: float, d: float, first_layer: bool) -> tuple[float, float]:
         """A layer's non-expert part and router (GPU time ``d``) on a stream free from ``g``.
@@ -193,55 +207,26 @@ class HostThread:
         first layer of a forward pass waits for the stream (the previous pass's output token)
         and pays one sync and the per-pass ``step`` cost.
         """
-        h = self.t
         if first_layer:
             # a forward pass starts once the previous one's sampled token is on the host
-            if g > h:
-                h = g
-            h += self.sync + self.step
+            h = g if g > self.t else self.t
+            self.t = h + (self.sync + self.step)
             self.syncs += 1
-        end = g + d
-        k = self.ne_k
-        if k:
-            disp = self.dispatch
-            t = h + disp + d
-            if t > end:
-                end = t
-            h += k * disp
-            t = h + d / k
-            if t > end:
-                end = t
+        end = self.issue(g, d, self.ne_k)
         n = self.routing_syncs
         if not n:
-            self.t = h
             return end, end
-        if end > h:
-            h = end
-        h += n * self.sync
+        h = end if end > self.t else self.t
+        self.t = h = h + n * self.sync
         self.syncs += n
-        self.t = h
         return end, h
 
     def expert(self, drained: float, start: float, d: float) -> float:
         """A GPU expert call of GPU time ``d`` that the stream could start at ``start`` (its
         weights there, ``drained`` the end of the stream's earlier work); returns its end."""
-        h = self.t
         n = self.expert_syncs
         if n:
-            if drained > h:
-                h = drained
-            h += self.expert_sync
+            h = drained if drained > self.t else self.t
+            self.t = h + self.expert_sync
             self.syncs += n
-        end = start + d
-        k = self.expert_k
-        if k:
-            disp = self.dispatch
-            t = h + disp + d
-            if t > end:
-                end = t
-            h += k * disp
-            t = h + d / k
-            if t > end:
-                end = t
-        self.t = h
-        return end
+        return self.issue(start, d, self.expert_k)
