@@ -44,6 +44,8 @@ class AcceleratePolicy(Policy):
         "HF accelerate device_map offload: leading layers resident, per-module pageable copies"
     )
     source = "huggingface/accelerate hooks.py AlignDevicesHook (commit 05daa80)"
+    # accelerate's hooks run inside an HF transformers model in PyTorch eager mode
+    runtime_profile = "hf-eager"
 
     def resources(self) -> ResourceSpec:
         """Pageable host memory (plain CPU state dict), one module's copy at a time."""

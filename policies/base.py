@@ -200,8 +200,10 @@ class Policy:
     ``name`` (registry key), ``summary`` (one line), ``source`` (what it models),
     ``params`` (options: name -> :class:`Param`), ``clairvoyant`` (looks ahead in the trace;
     results are marked as a bound), ``bound`` (not realisable, e.g. all experts resident),
-    ``needs_calibration`` (wants popularity counts). The resources the modelled system uses
-    (host memory kind, write-back, buffers, CPU workers) come from :meth:`resources`.
+    ``needs_calibration`` (wants popularity counts), ``runtime_profile`` (the framework the
+    modelled system runs on: its host overheads, docs/cost-model.md "Runtime profiles";
+    ``--runtime`` overrides it). The resources the modelled system uses (host memory kind,
+    write-back, buffers, CPU workers) come from :meth:`resources`.
     """
 
     name: ClassVar[str] = ""
@@ -211,6 +213,8 @@ class Policy:
     clairvoyant: ClassVar[bool] = False
     bound: ClassVar[bool] = False
     needs_calibration: ClassVar[bool] = False
+    #: the runtime profile of the modelled system (hardware_profiles/runtimes/NAME.toml)
+    runtime_profile: ClassVar[str] = "ideal"
 
     def __init__(self, **options: Any) -> None:
         self.options = self.resolve_options(options)

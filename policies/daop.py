@@ -106,6 +106,8 @@ class DAOPPolicy(Policy):
     name = "daop"
     summary = "DAOP: prefill swaps, predicted routing with CPU pre-calculation, degradation"
     source = "DAOP (arXiv 2501.10375), code github.com/ecolab-nus/DAOP"
+    # DAOP runs HF transformers models in PyTorch eager mode
+    runtime_profile = "hf-eager"
     needs_calibration = True
     params = {
         "swap_num": Param(

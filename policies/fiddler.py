@@ -57,6 +57,8 @@ class FiddlerPolicy(Policy):
     name = "fiddler"
     summary = "global popularity placement; CPU runs non-resident experts; prefill break-even"
     source = "Fiddler (ICLR'25, arXiv 2402.07033), efeslab/fiddler mixtral.py"
+    # Fiddler's mixtral.py drives HF transformers' Mixtral in eager mode
+    runtime_profile = "hf-eager"
     needs_calibration = True
     prefill_note = "prefill break-even rule (CPU or temporary copy)"
     params = {

@@ -74,6 +74,7 @@ class KTransformersPolicy(Policy):
     name = "ktransformers"
     summary = "routed experts on the CPU, optional GPU experts by strategy, run concurrently"
     source = "kTransformers (kvcache-ai/ktransformers), experts-sched tutorial, kt-kernel"
+    runtime_profile = "ktransformers"
     params = {
         "gpu_experts_per_layer": Param(
             int, 0, "GPU-resident experts per MoE layer (--kt-num-gpu-experts)"

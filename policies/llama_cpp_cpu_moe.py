@@ -67,6 +67,7 @@ class LlamaCppCpuMoePolicy(Policy):
     name = "llama-cpp-cpu-moe"
     summary = "llama.cpp --n-cpu-moe: first N layers' experts on the CPU, the rest resident"
     source = "llama.cpp --cpu-moe/--n-cpu-moe (ggml-org/llama.cpp PR #15077)"
+    runtime_profile = "llama.cpp"
     prefill_note = "prompt batches >= 32 tokens copy the CPU layers' experts to the GPU"
     params = {
         "n_cpu_moe": Param(

@@ -62,6 +62,8 @@ class MixtralOffloadingPolicy(LRUPolicy):
     name = "mixtral-offloading"
     summary = "per-layer LRU groups, pinned copies, evicted expert written back, opt. prefetch"
     source = "Mixtral-offloading (arXiv 2312.17238), dvmazur/mixtral-offloading expert_cache.py"
+    # Mixtral-offloading runs a PyTorch eager model (HF modules)
+    runtime_profile = "hf-eager"
     params = {
         "experts_per_layer": Param(
             int, 0, "GPU slots per layer (0: the budget split evenly over the layers)"

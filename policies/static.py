@@ -32,6 +32,8 @@ class StaticPolicy(Policy):
     name = "static"
     summary = "popularity placement; misses copied to a temp buffer, run, dropped (on-demand)"
     source = "DAOP's MoE-OnDemand baseline (arXiv 2501.10375)"
+    # DAOP's baseline, run in DAOP's HF eager harness
+    runtime_profile = "hf-eager"
     needs_calibration = True
     params = {
         "placement": Param(

@@ -46,6 +46,8 @@ class StreamAllPolicy(Policy):
     name = "stream-all"
     summary = "DeepSpeed ZeRO-3 style: every expert streamed every time (nothing resident)"
     source = "DeepSpeed ZeRO-3 param offload as run by DAOP/Fiddler (DS-MII baseline)"
+    # DeepSpeed ZeRO-3 wraps the HF model; it runs in eager mode
+    runtime_profile = "hf-eager"
     #: nothing stays on the GPU between uses: experiments run it once, not per cache ratio
     keeps_nothing_resident = True
     params = {

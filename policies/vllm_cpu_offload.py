@@ -58,6 +58,8 @@ class VllmCpuOffloadPolicy(Policy):
         "vLLM --cpu-offload-gb: the first layers' weights stream from pinned memory every pass"
     )
     source = "vllm-project/vllm model_executor/models/utils.py maybe_offload_to_cpu"
+    # vLLM replays decode steps as CUDA graphs by default (enforce_eager=False)
+    runtime_profile = "cuda-graph"
     params = {
         "offload_layers": Param(
             int,

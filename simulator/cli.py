@@ -25,6 +25,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("trace_cmd", "trace"),
     ("models_cmd", "models"),
     ("profiles_cmd", "profiles"),
+    ("runtimes_cmd", "runtimes"),
     ("synth_cmd", "synth"),
     ("traces_cmd", "traces"),
     ("run_cmd", "run"),

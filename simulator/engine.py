@@ -38,6 +38,7 @@ from simulator.machine import CpuJob, Machine
 from simulator.models import ModelShape
 from simulator.recorder import Recorder
 from simulator.residency import INF, Residency
+from simulator.runtime_profiles import RuntimeProfile
 from simulator.trace import SequenceRouting
 
 _GPU, _FETCH, _TEMP, _CPU, _PRE = (int(a) for a in Action)
@@ -66,6 +67,8 @@ class Counters:
     gpu_nonexpert_busy: float = 0.0
     transfer_stall: float = 0.0
     cpu_wait: float = 0.0
+    #: GPU stream idle because the runtime's host thread had not issued the kernels yet
+    dispatch_stall: float = 0.0
     cpu_expert_evals: int = 0
     cpu_precalc_evals: int = 0
     fetches: int = 0
@@ -87,6 +90,8 @@ class Counters:
     prefill_tokens: int = 0
     sequences: int = 0
     max_occupancy: int = 0
+    #: blocking host syncs of the runtime's host thread
+    host_syncs: int = 0
 
 
 @dataclass
@@ -198,6 +203,7 @@ class EngineBase:
         oracle: Any = None,
         recorder: Recorder | None = None,
         seed: int = 0,
+        runtime: RuntimeProfile | None = None,
     ) -> None:
         self.policy = policy
         self.hooks = Hooks(policy)
@@ -208,7 +214,7 @@ class EngineBase:
         self.n_layers = model.moe_layers
         self.n_experts = model.experts
         self.recorder = recorder
-        self.machine = Machine(costs, self.spec)
+        self.machine = Machine(costs, self.spec, runtime)
         self.res = Residency(
             self.n_layers, self.n_experts, self.budget, self.spec.staging_buffers, recorder
         )
@@ -271,6 +277,7 @@ class EngineBase:
         self.c.hits_per_layer = np.array(self._hits, dtype=np.int64)
         self.c.accesses_per_layer = np.array(self._acc, dtype=np.int64)
         m = self.machine
+        self.c.host_syncs = m.host.syncs if m.host is not None else 0
         return RunStats(counters=self.c, e2e=e2e, busy=m.busy(), workers=m.workers())
 
     def _due(self, now: float) -> bool:
@@ -367,6 +374,7 @@ class EngineBase:
         nonexpert_s = m.nonexpert_s
         gpu_lane = m.gpu
         unified = m.unified
+        host = m.host
         for t in tokens:
             t0 = self.now
             where.token = v.token = t + base
@@ -383,13 +391,16 @@ class EngineBase:
                 d_ne = nonexpert_s(1, context)
             for layer in range(n_layers):
                 start = self.now
+                if host is None:
+                    now = start + d_ne
+                else:  # the host thread issues the part's kernels, maybe syncs on routing
+                    start, now = self._host_nonexpert(start, d_ne, layer == 0)
                 if rec is not None:
                     rec.op("gpu", "nonexpert", sid, t, layer, -1, start, start + d_ne, 0)
                 c.gpu_nonexpert_busy += d_ne
                 gpu_lane.busy += d_ne
-                now = start + d_ne
                 if unified:
-                    m.gpu_load(start, now, p if prefill else 1, context)
+                    m.gpu_load(start, start + d_ne, p if prefill else 1, context)
                     if m.cpu.active:
                         self._rearm()
                 if self._due(now):
@@ -482,6 +493,16 @@ class EngineBase:
                 c.token_latency.append(lat)
                 c.decode_time += lat
                 c.decode_tokens += 1
+
+    def _host_nonexpert(self, start: float, d_ne: float, first: bool) -> tuple[float, float]:
+        """With a host thread: when a layer's non-expert part (GPU time ``d_ne``, stream free
+        from ``start``) starts on the GPU, and the decision time (docs/cost-model.md,
+        "Runtime profiles"). ``first``: the first layer of a forward pass."""
+        ne_end, now = self.machine.host.nonexpert(start, d_ne, first)  # type: ignore[union-attr]
+        if ne_end - d_ne > start:
+            self.c.dispatch_stall += ne_end - d_ne - start
+            start = ne_end - d_ne
+        return start, now
 
     def _fidelity(
         self, plan: Plan, route: list[int] | None, true_e: np.ndarray, true_w: Any, wsum: float
@@ -1168,8 +1189,10 @@ class Engine(EngineBase):
         rec = self.recorder
         gpu_s = self.machine.gpu_s
         unified = self._unified
+        host = self.machine.host_experts  # None when GPU expert calls cost the host nothing
         d = gpu_s(1)  # one decode token per expert
         for ready, e in jobs:
+            drained = g
             if ready > g:
                 c.transfer_stall += ready - g
                 g = ready
@@ -1177,6 +1200,11 @@ class Engine(EngineBase):
             if counts is not None:
                 n = int(counts[e])
                 d = gpu_s(n)
+            if host is not None:  # the stream may wait for the host thread to issue it
+                wait = host.expert(drained, g, d) - d - g
+                if wait > 0.0:
+                    c.dispatch_stall += wait
+                    g += wait  # the same sum as the reference engine's timeout
             if rec is not None:
                 rec.op("gpu", "expert", sid, token, layer, e, g, g + d, 0)
             if unified:  # the expert's weight reads share DRAM bandwidth with CPU experts
@@ -1403,6 +1431,7 @@ class Engine(EngineBase):
         rec = self.recorder
         counts = w.counts
         gpu_s = self.machine.gpu_s
+        host = self.machine.host_experts  # None when GPU expert calls cost the host nothing
         deferred = w.deferred
         layer = w.layer
         busy = 0.0
@@ -1412,11 +1441,17 @@ class Engine(EngineBase):
             if not gheap:
                 raise RuntimeError("engine: the GPU waits for a copy that can never start")
             ready, e, buf = heapq.heappop(gheap)
+            drained = g
             if ready > g:
                 c.transfer_stall += ready - g
                 g = ready
             n = int(counts[e]) if counts is not None else 1
             d = gpu_s(n)
+            if host is not None:  # the stream may wait for the host thread to issue it
+                wait = host.expert(drained, g, d) - d - g
+                if wait > 0.0:
+                    c.dispatch_stall += wait
+                    g += wait  # the same sum as the reference engine's timeout
             if rec is not None:
                 rec.op("gpu", "expert", w.sid, w.token, layer, e, g, g + d, 0)
             if self._unified:

@@ -9,7 +9,9 @@ A :class:`Machine` owns every resource an operation can occupy, each under a nam
 * pools (``pools["cpu"]``): the host CPU, a :class:`SharedCpu`: worker threads (``cpu0``,
   ``cpu1``, ...) whose running expert calls share one socket by processor sharing (and, on
   unified memory, share the DRAM with copies);
-* buffers (``buffers["temp"]``, ``buffers["slots"]``): counted GPU memory.
+* buffers (``buffers["temp"]``, ``buffers["slots"]``): counted GPU memory;
+* ``host``: the host thread that issues the runtime's kernels and blocks at its syncs
+  (:class:`~simulator.runtime_profiles.HostThread`), or None for a runtime with no overheads.
 
 The engines look resources up by name, so a new tier or device is a new entry here plus its
 cost function (docs/architecture.md, "How to add a resource").
@@ -31,6 +33,7 @@ from typing import Any
 
 from policies.base import ResourceSpec
 from simulator.costs import CostModel
+from simulator.runtime_profiles import HostThread, RuntimeProfile
 
 
 class Lane:
@@ -346,10 +349,16 @@ class Link:
 class Machine:
     """The resources of one run, by name, and their (memoised) cost functions."""
 
-    def __init__(self, costs: CostModel, spec: ResourceSpec) -> None:
+    def __init__(
+        self, costs: CostModel, spec: ResourceSpec, runtime: RuntimeProfile | None = None
+    ) -> None:
         self.costs = costs
         self.spec = spec
         self.gpu = Lane("gpu")
+        #: the runtime's host thread; None when it costs nothing (the engines then skip it)
+        self.host = HostThread(runtime) if runtime is not None and not runtime.free else None
+        #: the host thread when GPU expert calls cost it something (per-expert kernels or syncs)
+        self.host_experts = self.host if self.host is not None and self.host.per_expert else None
         pinned = spec.pinned
         act = _memo(costs.activation_copy_s)
         if costs.hw.link.copy_engines >= 2:

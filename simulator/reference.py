@@ -312,6 +312,13 @@ class ReferenceEngine(EngineBase):
                 self.c.transfer_stall += s - g
             n = int(w.counts[e]) if w.counts is not None else 1
             d = self.machine.gpu_s(n)
+            host = self.machine.host_experts
+            if host is not None:  # the stream waits for the host thread to issue the kernels
+                wait = host.expert(g, s, d) - d - s
+                if wait > 0.0:
+                    self.c.dispatch_stall += wait
+                    yield env.timeout(wait)
+                    s = env.now
             if self._unified:
                 self.machine.gpu_load(s, s + d, n)
                 if self._host.active:

@@ -27,6 +27,7 @@ from simulator.errors import DoesNotFit, UserError
 from simulator.hardware import HardwareProfile, load_profile
 from simulator.recorder import Recorder
 from simulator.results import RunResult, compute_metrics
+from simulator.runtime_profiles import RuntimeProfile, get_runtime
 from simulator.serving import (
     Arrival,
     Request,
@@ -427,6 +428,7 @@ def simulate(
     evaluate: list[int] | None = None,
     engine: str = "fast",
     serving: ServingConfig | None = None,
+    runtime: str | RuntimeProfile | None = None,
 ) -> RunResult:
     """Run one policy on one machine over a trace; see docs/metrics.md for the result.
 
@@ -438,7 +440,9 @@ def simulate(
     ``evaluate``: explicit sequence ids to evaluate (e.g. a bound on another run's ids).
     ``engine``: ``"fast"`` (default) or ``"reference"`` (the plain-SimPy model of the same
     rules, slower; docs/architecture.md). ``serving``: requests batched and arriving over time
-    (docs/serving.md); None runs the sequences one after another.
+    (docs/serving.md); None runs the sequences one after another. ``runtime``: the runtime
+    profile (a bundled name or a :class:`RuntimeProfile`); None takes the one the policy
+    declares.
     """
     if lookahead not in LOOKAHEAD_CHOICES:
         raise UserError(f"--lookahead must be one of {list(LOOKAHEAD_CHOICES)}, got {lookahead!r}")
@@ -453,6 +457,7 @@ def simulate(
             raise UserError("policy_options cannot be combined with a policy instance")
     else:
         pol = get_policy_class(policy)(**(policy_options or {}))
+    rt = get_runtime(pol.runtime_profile if runtime is None else runtime)
     costs: CostModel = cost_model(profile, model)
 
     # the metadata counts feed the memory budget below: check them against the rows first
@@ -597,6 +602,7 @@ def simulate(
         oracle=oracle,
         recorder=recorder,
         seed=seed,
+        runtime=rt,
     )
     sim.serving = plan
     done = [0]
@@ -650,6 +656,7 @@ def simulate(
         "seed": seed,
         "engine": engine,
         "batch": serving.batch if serving is not None else None,
+        "runtime": rt.to_dict(),
         "bound": bool(pol.clairvoyant or pol.bound),
         "clairvoyant": bool(pol.clairvoyant),
         "cost_sources": costs.sources(),

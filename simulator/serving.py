@@ -498,13 +498,16 @@ class Serving:
         t0 = eng.now
         for layer in range(n_layers):
             start = eng.now
+            if m.host is None:
+                now = start + d_ne
+            else:  # the runtime's host thread issues the part's kernels (docs/cost-model.md)
+                start, now = eng._host_nonexpert(start, d_ne, layer == 0)
             if rec is not None:
                 rec.op("gpu", "nonexpert", -1, step, layer, -1, start, start + d_ne, 0)
             c.gpu_nonexpert_busy += d_ne
             m.gpu.busy += d_ne
-            now = start + d_ne
             if m.unified:
-                m.gpu_load(start, now, b, kv_tokens // b)
+                m.gpu_load(start, start + d_ne, b, kv_tokens // b)
                 if m.cpu.active:
                     eng._rearm()
             if eng._due(now):

@@ -40,6 +40,7 @@ from simulator.output import TABLE_FORMATS, check_output_file, output_format
 from simulator.output import write_table as _write_any_table
 from simulator.progress import Progress
 from simulator.results import METRIC_KEYS, atomic_write_text
+from simulator.runtime_profiles import get_runtime
 
 if TYPE_CHECKING:
     from simulator.hardware import HardwareProfile
@@ -53,6 +54,7 @@ BASE_COLUMNS = (
     "gpu_experts",
     "sequences",
     "seed",
+    "runtime",
     "bound",
     "status",
     "error",
@@ -102,6 +104,7 @@ _GRID_KEYS = {
     "lookahead",
     "host_dtype",
     "nonexpert_dtype",
+    "runtimes",
     "out",
     "arrival_rate",
     "max_batch",
@@ -150,6 +153,8 @@ class Grid:
     max_batch: int | None = None
     slo_ttft: float | None = None
     slo_tpot: float | None = None
+    #: runtime profiles (an axis); empty: each policy's declared runtime
+    runtimes: list[str] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str = "grid") -> Grid:
@@ -227,6 +232,7 @@ class Grid:
             max_batch=mb,
             slo_ttft=data.get("slo_ttft"),
             slo_tpot=data.get("slo_tpot"),
+            runtimes=lst("runtimes", str),
         )
 
 
@@ -364,6 +370,8 @@ class Config:
     max_batch: int | None = None
     slo_ttft: float | None = None
     slo_tpot: float | None = None
+    #: the runtime profile asked for; None: the policy's declared one
+    runtime: str | None = None
 
     def serving(self) -> Any:
         """The run's ``ServingConfig`` (continuous batching at ``arrival_rate``), or None."""
@@ -440,6 +448,9 @@ def expand(grid: Grid) -> list[Config]:
         raise UserError(f"{next(iter(serving_extra))} needs an arrival_rate axis")
     rates: list[float | None] = list(dict.fromkeys(grid.arrival_rates)) or [None]
     classes = {p: get_policy_class(p) for p in dict.fromkeys(grid.policies)}
+    for name in grid.runtimes:
+        get_runtime(name)  # an unknown name fails before any run
+    runtimes: list[str | None] = list(dict.fromkeys(grid.runtimes)) or [None]
     option_sets = _option_axes(grid, classes)
     code_sha = {p: policy_code_sha256(cls) for p, cls in classes.items()}
     hw_sha = {h: profile_sha256(h) for h in dict.fromkeys(grid.hw)}
@@ -467,9 +478,10 @@ def expand(grid: Grid) -> list[Config]:
                     # a policy that places every expert ignores the memory axis
                     unlimited = cls(**opts).resources().unlimited_memory
                     points = [(None, None)] if unlimited else memory
-                    for (ratio, n), rate, seed in itertools.product(
-                        points, rates, dict.fromkeys(grid.seeds)
+                    for (ratio, n), rate, seed, runtime in itertools.product(
+                        points, rates, dict.fromkeys(grid.seeds), runtimes
                     ):
+                        rt = get_runtime(runtime or cls.runtime_profile)
                         ident = {
                             "trace_sha256": tsha,
                             "profile_sha256": hsha,
@@ -492,6 +504,8 @@ def expand(grid: Grid) -> list[Config]:
                                 ident[extra] = getattr(grid, extra)
                         if rate is not None:  # only then: earlier keys stay valid
                             ident.update(arrival_rate=rate, **serving_extra)
+                        # the profile's values, not its name: editing it re-runs the points
+                        ident["runtime"] = rt.to_dict()
                         text = json.dumps(ident, sort_keys=True, default=str)
                         key = hashlib.sha256(text.encode()).hexdigest()[:32]
                         if key in seen:
@@ -522,6 +536,7 @@ def expand(grid: Grid) -> list[Config]:
                                 max_batch=grid.max_batch if rate is not None else None,
                                 slo_ttft=grid.slo_ttft if rate is not None else None,
                                 slo_tpot=grid.slo_tpot if rate is not None else None,
+                                runtime=runtime,
                             )
                         )
     return configs
@@ -546,6 +561,7 @@ def _base_row(cfg: Config) -> dict[str, Any]:
         "gpu_experts": cfg.gpu_experts,
         "sequences": cfg.sequences,
         "seed": cfg.seed,
+        "runtime": cfg.runtime,
         "bound": None,
         "status": "error",
         "error": None,
@@ -594,6 +610,7 @@ def run_config(cfg: Config) -> dict[str, Any]:
             host_dtype=cfg.host_dtype,
             nonexpert_dtype=cfg.nonexpert_dtype,
             serving=cfg.serving(),
+            runtime=cfg.runtime,
         )
     except DoesNotFit as exc:  # the machine is too small for this point: not a failure
         row["status"] = "skipped"
@@ -614,6 +631,7 @@ def run_config(cfg: Config) -> dict[str, Any]:
             "sequences": int(c["sequences"]),
             "sequence_ids": ",".join(map(str, c["sequence_ids"])),
             "calibration": c["calibration"],
+            "runtime": c["runtime"]["name"],
             "bound": bool(c["bound"]),
             "status": "ok",
         }

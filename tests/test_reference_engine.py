@@ -3,7 +3,9 @@
 Both time the same plans under the queueing rule of docs/policy-api.md. For every built-in
 policy on three bundled traces (Mixtral via ``ci-small``, OLMoE top-8, Phi-3.5-MoE) at two
 budgets, every operation (resource, kind, layer, expert, start, end) and every counter must
-match. Further cases: a profile with one copy engine, a second profile, the shared host CPU
+match, each policy with the runtime profile it declares (its host thread: dispatch and
+syncs). Further cases: every runtime profile, a dispatch-bound one, a profile with one copy
+engine, a second profile, the shared host CPU
 (several worker threads, partial socket shares) and unified memory (CPU calls re-timed by
 copies and GPU kernels taking DRAM), random legal plans
 (the chaos policy, with write-back and staging buffers), batched serving steps (static and
@@ -34,6 +36,7 @@ from simulator.hardware import HardwareProfile, load_profile
 from simulator.recorder import Recorder
 from simulator.reference import ReferenceEngine
 from simulator.runner import Oracle, calibration_counts, simulate, split_sequences
+from simulator.runtime_profiles import RuntimeProfile, get_runtime, runtime_names, with_costs
 from simulator.serving import Request, Serving, ServingConfig, dense, step_oracle, trim
 from simulator.testing import ChaosPolicy, random_routing, routing_from_experts, tiny_model
 from simulator.trace import SequenceRouting, iter_sequences, read_meta, sequence_ids
@@ -75,8 +78,10 @@ def _run(
     budget: int,
     seqs: list[SequenceRouting],
     calib: tuple[np.ndarray, np.ndarray] | tuple[None, None] = (None, None),
+    runtime: str | RuntimeProfile | None = None,
 ) -> tuple[pd.DataFrame, Any, EngineBase]:
     pol = make()
+    rt = get_runtime(pol.runtime_profile if runtime is None else runtime)
     if pol.resources().unlimited_memory:
         budget = model.total_experts
     oracle = None
@@ -85,7 +90,9 @@ def _run(
         for r in seqs:
             oracle.add(r)
     rec = Recorder()
-    eng = cls(pol, model, cost_model(hw, model), budget, calib[0], calib[1], oracle, rec)
+    eng = cls(
+        pol, model, cost_model(hw, model), budget, calib[0], calib[1], oracle, rec, runtime=rt
+    )
     if isinstance(pol, ChaosPolicy):
         pol.engine = eng
     stats = eng.run(iter(seqs))
@@ -109,14 +116,55 @@ def assert_same(a: pd.DataFrame, b: pd.DataFrame, sa: Any, sb: Any) -> None:
     assert sa.busy == pytest.approx(sb.busy, abs=1e-6, rel=0)
 
 
-def _both(policy: str, trace: str, ratio: float, hw: HardwareProfile, **opts: Any) -> pd.DataFrame:
+def _both(
+    policy: str,
+    trace: str,
+    ratio: float,
+    hw: HardwareProfile,
+    runtime: str | RuntimeProfile | None = None,
+    **opts: Any,
+) -> pd.DataFrame:
     model, seqs, dec, pre = _inputs(trace)
     budget = max(1, round(ratio * model.total_experts))
     make = functools.partial(get_policy_class(policy), **opts)
-    ta, sa, _ = _run(Engine, make, model, hw, budget, seqs, (dec, pre))
-    tb, sb, _ = _run(ReferenceEngine, make, model, hw, budget, seqs, (dec, pre))
+    ta, sa, _ = _run(Engine, make, model, hw, budget, seqs, (dec, pre), runtime)
+    tb, sb, _ = _run(ReferenceEngine, make, model, hw, budget, seqs, (dec, pre), runtime)
     assert_same(ta, tb, sa, sb)
     return ta
+
+
+#: a runtime whose host thread is the bottleneck: dispatch far slower than the GPU kernels
+SLOW_HOST = with_costs(get_runtime("hf-eager"), name="slow-host", dispatch_us=60.0, sync_us=40.0)
+
+
+@pytest.mark.parametrize("runtime", [*runtime_names(), SLOW_HOST])
+@pytest.mark.parametrize(
+    ("policy", "trace"),
+    [
+        ("daop", "ci-small"),
+        ("fiddler", "ci-small"),
+        ("mixtral-offloading", "phi-3.5-moe"),
+        ("lru", "olmoe-1b-7b"),
+        ("ktransformers", "phi-3.5-moe"),
+        ("all-gpu", "olmoe-1b-7b"),
+    ],
+)
+def test_runtime_profiles_time_identically(
+    policy: str, trace: str, runtime: str | RuntimeProfile
+) -> None:
+    tl = _both(policy, trace, 0.25, load_profile("a6000-pcie4"), runtime)
+    assert len(tl)
+
+
+def test_a_slow_host_moves_the_timeline() -> None:
+    # the override reaches the engines: the same run is slower when the host is the bottleneck
+    model, seqs, dec, pre = _inputs("olmoe-1b-7b")
+    hw = load_profile("a6000-pcie4")
+    make = get_policy_class("all-gpu")
+    _, fast, _ = _run(Engine, make, model, hw, model.total_experts, seqs, (dec, pre), "ideal")
+    _, slow, _ = _run(Engine, make, model, hw, model.total_experts, seqs, (dec, pre), SLOW_HOST)
+    assert slow.e2e > fast.e2e
+    assert slow.counters.dispatch_stall > 0 and slow.counters.host_syncs > 0
 
 
 @pytest.mark.parametrize("trace", TRACES)
@@ -143,9 +191,9 @@ def one_copy_engine(name: str) -> HardwareProfile:
     ],
 )
 def test_one_copy_engine_and_another_profile(policy: str, opts: dict[str, Any]) -> None:
-    tl = _both(policy, "ci-small", 0.25, one_copy_engine("a6000-pcie4"), **opts)
+    tl = _both(policy, "ci-small", 0.25, one_copy_engine("a6000-pcie4"), None, **opts)
     assert "copy" in set(tl["resource"].astype(str))
-    _both(policy, "ci-small", 0.125, load_profile("rtx4090-pcie4"), **opts)
+    _both(policy, "ci-small", 0.125, load_profile("rtx4090-pcie4"), None, **opts)
 
 
 def test_in_use_victims_and_one_pass_layers() -> None:
@@ -181,10 +229,10 @@ def wide_socket(name: str, factor: float = 1.7) -> HardwareProfile:
     ],
 )
 def test_shared_cpu_and_unified_memory(policy: str, opts: dict[str, Any]) -> None:
-    _both(policy, "ci-small", 0.25, wide_socket("a6000-pcie4"), **opts)
-    tl = _both(policy, "ci-small", 0.25, load_profile("jetson-orin-64g"), **opts)
+    _both(policy, "ci-small", 0.25, wide_socket("a6000-pcie4"), None, **opts)
+    tl = _both(policy, "ci-small", 0.25, load_profile("jetson-orin-64g"), None, **opts)
     assert len(tl)
-    _both(policy, "phi-3.5-moe", 0.125, wide_socket("jetson-orin-64g", 1.3), **opts)
+    _both(policy, "phi-3.5-moe", 0.125, wide_socket("jetson-orin-64g", 1.3), SLOW_HOST, **opts)
 
 
 @settings(
@@ -198,6 +246,7 @@ def test_shared_cpu_and_unified_memory(policy: str, opts: dict[str, Any]) -> Non
     copy_engines=st.sampled_from([1, 2]),
     host=st.sampled_from(["a6000-pcie4", "jetson-orin-64g"]),
     socket=st.sampled_from([None, 1.5]),
+    runtime=st.sampled_from(["ideal", "hf-eager", "llama.cpp", SLOW_HOST]),
 )
 def test_random_plans_time_identically(
     seed: int,
@@ -207,6 +256,7 @@ def test_random_plans_time_identically(
     copy_engines: int,
     host: str,
     socket: float | None,
+    runtime: str | RuntimeProfile,
 ) -> None:
     """Random legal plans (every action, prefetch, eviction, pre-calculation) on both, on a
     bus-attached and a unified-memory host, with whole and partial socket shares."""
@@ -225,7 +275,7 @@ def test_random_plans_time_identically(
         def make(rng: np.random.Generator = rng, w: int = workers, b: int = bufs) -> Policy:
             return ChaosPolicy(rng, w, b, writeback=writeback, staging_buffers=staging)
 
-        out.append(_run(cls, make, model, hw, budget, seqs))
+        out.append(_run(cls, make, model, hw, budget, seqs, runtime=runtime))
     (ta, sa, _), (tb, sb, _) = out
     assert_same(ta, tb, sa, sb)
 
@@ -258,7 +308,8 @@ def _run_serving(
             reqs, config.batch, config.continuous, None, Oracle(model.moe_layers, model.experts)
         )
     rec = Recorder()
-    eng = cls(pol, model, cost_model(hw, model), budget, dec, pre, oracle, rec)
+    rt = get_runtime(pol.runtime_profile)  # the host thread in batched steps too
+    eng = cls(pol, model, cost_model(hw, model), budget, dec, pre, oracle, rec, runtime=rt)
     eng.serving = Serving(reqs, config, None)
     stats = eng.run(iter(()))
     return rec.timeline(), stats, eng
@@ -298,7 +349,8 @@ def test_random_plans_in_batched_steps_time_identically(seed: int) -> None:
         ]
         pol = ChaosPolicy(rng, 2, 2, writeback=bool(seed % 2), staging_buffers=seed % 2)
         rec = Recorder()
-        eng = cls(pol, model, cost_model(hw, model), 8, None, None, None, rec)
+        runtime = SLOW_HOST if seed % 3 == 0 else None  # a dispatch-bound host on some seeds
+        eng = cls(pol, model, cost_model(hw, model), 8, None, None, None, rec, runtime=runtime)
         pol.engine = eng
         eng.serving = Serving(reqs, ServingConfig(batch=3, continuous=True), None)
         out.append((rec, eng.run(iter(())), eng))

@@ -20,6 +20,7 @@ def describe(cls: Any) -> dict[str, Any]:
         "needs_calibration": bool(cls.needs_calibration),
         # with default options (an option may change it, e.g. static's host_memory)
         "host_memory": cls().resources().host_memory,
+        "runtime": cls.runtime_profile,
         "params": {
             k: {
                 "type": p.type.__name__,
@@ -81,7 +82,7 @@ def show_cmd(name: str, as_json: bool) -> None:
     click.echo(
         f"{d['name']}: {d['summary']}\nsource: {d['source']}\n"
         f"host memory: {d['host_memory']}; calibration: {d['needs_calibration']}; "
-        f"bound: {d['bound']}"
+        f"bound: {d['bound']}; runtime: {d['runtime']}"
     )
     for key, p in d["params"].items():
         click.echo(f"  {key} ({p['type']}, default {p['default']!r}): {p['help']}")

@@ -51,6 +51,8 @@ TABLE_ROWS = (
     ("cpu_busy_frac", "CPU busy", "", 1.0),
     ("h2d_busy_frac", "H2D link busy", "", 1.0),
     ("stall_s", "GPU stall (copies + CPU)", " s", 1.0),
+    ("dispatch_stall_s", "GPU waiting for dispatch", " s", 1.0),
+    ("host_syncs", "host syncs", "", 1.0),
     ("cpu_expert_evals", "CPU expert evaluations", "", 1.0),
     ("prefetch_precision", "prefetch precision", "", 1.0),
     ("routing_replaced_frac", "routing replaced", "", 1.0),
@@ -135,6 +137,8 @@ def render_table(doc: dict[str, Any]) -> str:
     if doc.get("bound"):
         head += "\nthis result is a BOUND (clairvoyant or unlimited memory), not a real policy"
     head += f"\ncalibration {doc.get('calibration')} | seed {doc.get('seed')}"
+    if doc.get("runtime"):
+        head += f" | runtime {doc['runtime']['name']}"
     for note in doc.get("notes") or []:
         head += f"\nnote: {note}"
     lines = [head, ""]
@@ -293,6 +297,13 @@ def render_serving(sv: dict[str, Any]) -> str:
     help="Timing engine: the fast one, or the plain-SimPy reference (same rules, slower).",
 )
 @click.option(
+    "--runtime",
+    default=None,
+    metavar="NAME",
+    help="Runtime profile (host dispatch and sync overheads; `daopsim runtimes list`). "
+    "Default: the one the policy declares.",
+)
+@click.option(
     "--bounds/--no-bounds",
     default=True,
     show_default=True,
@@ -367,6 +378,7 @@ def run(
     slo_ttft: float | None = None,
     slo_tpot: float | None = None,
     requests_out: str | None = None,
+    runtime: str | None = None,
 ) -> None:
     """Simulate one policy on one machine over a routing trace."""
     from simulator.runner import simulate
@@ -407,6 +419,7 @@ def run(
             nonexpert_dtype=nonexpert_dtype,
             engine=engine,
             serving=serving,
+            runtime=runtime,
         )
     if bounds and serving is None:  # the bounds are single-sequence runs
         result.config["bounds"] = compute_bounds(result, hw, trace, sequences, dtype, seed)

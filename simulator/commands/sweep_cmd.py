@@ -56,6 +56,10 @@ def _parses(kind: type, text: str) -> bool:
 )
 @click.option("--seeds", help="Comma-separated seeds (default 0).")
 @click.option(
+    "--runtimes",
+    help="Comma-separated runtime profiles, an axis (default: each policy's declared one).",
+)
+@click.option(
     "--calibration",
     metavar="none|self|PATH",
     help="Calibration data for every run, as for `daopsim run` (default: held-out sequences).",
@@ -121,6 +125,7 @@ def sweep(
     max_batch: int | None = None,
     slo_ttft: float | None = None,
     slo_tpot: float | None = None,
+    runtimes: str | None = None,
 ) -> None:
     """Run every combination of policies, machines, traces and memory budgets.
 
@@ -141,6 +146,7 @@ def sweep(
         "max_batch": max_batch,
         "slo_ttft": slo_ttft,
         "slo_tpot": slo_tpot,
+        "runtimes": _split(runtimes, str, "--runtimes"),
     }
     if grid_file is not None:
         grid, file_out = load_grid_file(grid_file)

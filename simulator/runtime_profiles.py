@@ -1,0 +1,232 @@
+"""Runtime profiles: a framework's host-side overheads (``--runtime hf-eager`` and friends).
+
+A runtime profile says what the host thread that drives the GPU pays, not what the machine
+has: how long it takes to issue one kernel, how many kernels it issues per MoE layer and per
+GPU expert call, and where it blocks until the GPU has drained (a *sync*). It is data: one
+TOML file per profile in ``hardware_profiles/runtimes/``, each field with its source
+(docs/cost-model.md, "Runtime profiles"). A policy declares the runtime of the system it
+models (``Policy.runtime_profile``); ``--runtime NAME`` overrides it.
+
+The host thread itself (:class:`HostThread`) is a resource of the machine
+(:mod:`simulator.machine`): both engines drive the same object, so they share its arithmetic.
+A profile with no costs builds no host thread, and the timeline is exactly the one of a machine
+without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from simulator.data import profiles_dir
+from simulator.errors import UserError
+
+
+def runtimes_dir() -> Path:
+    """Folder of the bundled runtime profiles (hardware_profiles/runtimes/*.toml)."""
+    return profiles_dir() / "runtimes"
+
+
+#: numeric fields of a profile: (name, type, meaning)
+FIELDS: tuple[tuple[str, type, str], ...] = (
+    ("dispatch_us", float, "host time to issue one kernel (framework dispatch + launch call)"),
+    ("sync_us", float, "host time from the GPU draining to the host thread running again"),
+    ("step_us", float, "host time once per forward pass (e.g. a CUDA-graph replay's fixed cost)"),
+    ("nonexpert_kernels", int, "kernels of one layer's non-expert part and router"),
+    ("expert_kernels", int, "kernels of one GPU expert call"),
+    ("routing_syncs", int, "syncs per layer once the router has run (routing to the host)"),
+    ("expert_syncs", int, "syncs per GPU expert call, before its kernels are issued"),
+)
+_NUMERIC = {name: typ for name, typ, _ in FIELDS}
+
+
+@dataclass(frozen=True)
+class RuntimeProfile:
+    """A framework's overhead profile (docs/cost-model.md, "Runtime profiles")."""
+
+    name: str
+    summary: str = ""
+    dispatch_us: float = 0.0
+    sync_us: float = 0.0
+    step_us: float = 0.0
+    nonexpert_kernels: int = 0
+    expert_kernels: int = 0
+    routing_syncs: int = 0
+    expert_syncs: int = 0
+    #: field -> where its value comes from
+    sources: dict[str, str] = field(default_factory=dict, compare=False)
+
+    @property
+    def free(self) -> bool:
+        """True when the host thread costs nothing: the engines then skip it entirely."""
+        return self.dispatch_us == 0.0 and self.step_us == 0.0 and self.sync_us == 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The profile as plain data (``run --json`` key ``runtime``, ``runtimes show``)."""
+        out: dict[str, Any] = {"name": self.name, "summary": self.summary}
+        for name, _, _ in FIELDS:
+            out[name] = getattr(self, name)
+        out["sources"] = dict(self.sources)
+        return out
+
+
+def parse_runtime(data: dict[str, Any], where: str) -> RuntimeProfile:
+    """A profile from a TOML table; a bad field is a one-line ``UserError`` naming it."""
+    known = {"name", "summary", "source", *_NUMERIC}
+    for key in data:
+        if key not in known:
+            raise UserError(f"{where}: unknown field {key!r} (known: {', '.join(sorted(known))})")
+    name = data.get("name")
+    if not isinstance(name, str) or not name:
+        raise UserError(f"{where}: field 'name' must be a non-empty string")
+    values: dict[str, Any] = {}
+    for key, typ in _NUMERIC.items():
+        v = data.get(key, 0)
+        if isinstance(v, bool) or not isinstance(v, int | float) or (typ is int and v != int(v)):
+            raise UserError(f"{where}: field {key!r} must be a {typ.__name__}, got {v!r}")
+        if v < 0:
+            raise UserError(f"{where}: field {key!r} must be >= 0, got {v!r}")
+        values[key] = typ(v)
+    sources = data.get("source", {})
+    if not isinstance(sources, dict) or not all(isinstance(s, str) for s in sources.values()):
+        raise UserError(f"{where}: [source] must map field names to strings")
+    for key in sources:
+        if key not in _NUMERIC:
+            raise UserError(f"{where}: [source] names unknown field {key!r}")
+    summary = data.get("summary", "")
+    if not isinstance(summary, str):
+        raise UserError(f"{where}: field 'summary' must be a string")
+    return RuntimeProfile(name=name, summary=summary, sources=dict(sources), **values)
+
+
+@cache
+def _bundled() -> dict[str, RuntimeProfile]:
+    out: dict[str, RuntimeProfile] = {}
+    for path in sorted(runtimes_dir().glob("*.toml")):
+        with path.open("rb") as f:
+            prof = parse_runtime(tomllib.load(f), str(path.name))
+        if prof.name != path.stem:
+            raise UserError(f"{path.name}: name {prof.name!r} differs from the file name")
+        out[prof.name] = prof
+    return out
+
+
+def runtime_names() -> list[str]:
+    """Names of the bundled runtime profiles."""
+    return list(_bundled())
+
+
+def get_runtime(name: str | RuntimeProfile) -> RuntimeProfile:
+    """A bundled profile by name (a profile passes through); unknown names are a UserError."""
+    if isinstance(name, RuntimeProfile):
+        return name
+    prof = _bundled().get(name)
+    if prof is None:
+        raise UserError(f"unknown runtime {name!r} (known: {', '.join(runtime_names())})")
+    return prof
+
+
+def with_costs(profile: RuntimeProfile, **changes: Any) -> RuntimeProfile:
+    """A copy of ``profile`` with some fields changed (tests, what-if studies)."""
+    return dataclasses.replace(profile, **changes)
+
+
+class HostThread:
+    """The host thread that issues a runtime's kernels and blocks at its syncs.
+
+    It holds one clock, ``t``: when the thread is free to issue the next kernel. The GPU runs
+    ahead of it until a sync, where the thread waits for the GPU to drain. Both engines call
+    the two methods below at the same points in the same order (docs/architecture.md,
+    "The host thread"), so they agree; each call is O(1) arithmetic.
+
+    A segment of ``k`` kernels with GPU time ``d`` (split evenly), issued from ``h`` at
+    ``dispatch`` seconds each onto a stream free from ``g``, ends at
+    ``max(g + d, h + dispatch + d, h + k * dispatch + d / k)``: GPU-bound, first-kernel-bound
+    or dispatch-bound (the last kernel issued, then run).
+    """
+
+    __slots__ = (
+        "dispatch",
+        "expert_k",
+        "expert_sync",
+        "expert_syncs",
+        "ne_k",
+        "routing_syncs",
+        "step",
+        "sync",
+        "syncs",
+        "t",
+    )
+
+    def __init__(self, profile: RuntimeProfile) -> None:
+        self.dispatch = profile.dispatch_us * 1e-6
+        self.sync = profile.sync_us * 1e-6
+        self.step = profile.step_us * 1e-6
+        self.ne_k = profile.nonexpert_kernels
+        self.expert_k = profile.expert_kernels
+        self.routing_syncs = profile.routing_syncs
+        self.expert_syncs = profile.expert_syncs
+        #: host time of one GPU expert call's syncs (precomputed: it is on the hot path)
+        self.expert_sync = profile.expert_syncs * self.sync
+        self.t = 0.0
+        #: blocking syncs the thread made
+        self.syncs = 0
+
+    @property
+    def per_expert(self) -> bool:
+        """Whether a GPU expert call costs the host anything (else :meth:`expert` is a no-op
+        that returns ``start + d``, and the engines skip it)."""
+        return bool(self.expert_k or self.expert_syncs)
+
+    def issue(self, g: float, d: float, k: int) -> float:
+        """Issue ``k`` kernels (GPU time ``d``, split evenly) from the thread's clock onto a
+        stream free from ``g``; returns when they end on the GPU (the segment rule above)."""
+        end = g + d
+        if k:
+            h = self.t
+            disp = self.dispatch
+            t = h + disp + d
+            if t > end:
+                end = t
+            h += k * disp
+            t = h + d / k
+            if t > end:
+                end = t
+            self.t = h
+        return end
+
+    def nonexpert(self, g: float, d: float, first_layer: bool) -> tuple[float, float]:
+        """A layer's non-expert part and router (GPU time ``d``) on a stream free from ``g``.
+
+        Returns (when its GPU work ends, when the routing is known to the host: the decision
+        time). With routing syncs the thread waits for the GPU and pays ``sync`` for each. The
+        first layer of a forward pass waits for the stream (the previous pass's output token)
+        and pays one sync and the per-pass ``step`` cost.
+        """
+        if first_layer:
+            # a forward pass starts once the previous one's sampled token is on the host
+            h = g if g > self.t else self.t
+            self.t = h + (self.sync + self.step)
+            self.syncs += 1
+        end = self.issue(g, d, self.ne_k)
+        n = self.routing_syncs
+        if not n:
+            return end, end
+        h = end if end > self.t else self.t
+        self.t = h = h + n * self.sync
+        self.syncs += n
+        return end, h
+
+    def expert(self, drained: float, start: float, d: float) -> float:
+        """A GPU expert call of GPU time ``d`` that the stream could start at ``start`` (its
+        weights there, ``drained`` the end of the stream's earlier work); returns its end."""
+        n = self.expert_syncs
+        if n:
+            h = drained if drained > self.t else self.t
+            self.t = h + self.expert_sync
+            self.syncs += n
+        return self.issue(start, d, self.expert_k)

@@ -1,0 +1,254 @@
+"""Runtime profiles: the host thread's arithmetic, both engines, the CLI and the bundled data.
+
+Layer times are checked against the rule of docs/cost-model.md ("Runtime profiles") written
+out by hand for a two-layer model whose experts are all resident: a dispatch-bound layer, a
+GPU-bound layer, routing and expert syncs, and a profile with no costs, which must reproduce
+the timeline of a machine without a host thread.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from policies.all_gpu import AllGPUPolicy
+from policies.registry import get_policy_class
+from simulator.cli import main
+from simulator.costs import cost_model
+from simulator.engine import Engine, EngineBase
+from simulator.errors import UserError
+from simulator.hardware import load_profile
+from simulator.recorder import Recorder
+from simulator.reference import ReferenceEngine
+from simulator.runtime_profiles import (
+    FIELDS,
+    HostThread,
+    RuntimeProfile,
+    get_runtime,
+    parse_runtime,
+    runtime_names,
+    runtimes_dir,
+)
+from simulator.sweep import Grid, expand
+from simulator.testing import routing_from_experts, tiny_model
+
+US = 1e-6
+
+
+def test_segment_is_gpu_bound_first_kernel_bound_or_dispatch_bound() -> None:
+    host = HostThread(RuntimeProfile("t", dispatch_us=10.0, nonexpert_kernels=4))
+    # GPU-bound: 4 kernels of 100 us each issued every 10 us keep the stream busy
+    end, decision = host.nonexpert(0.0, 400 * US, first_layer=False)
+    assert end == pytest.approx(10 * US + 400 * US)  # waits only for the first kernel
+    assert decision == end and host.t == pytest.approx(40 * US)
+    # dispatch-bound: 4 kernels of 1 us each; the last one is issued at h + 40 us
+    host.t = 0.0
+    end, _ = host.nonexpert(0.0, 4 * US, first_layer=False)
+    assert end == pytest.approx(40 * US + 1 * US)
+    # a stream busy with earlier work until 1 ms: the GPU side decides
+    host.t = 0.0
+    end, _ = host.nonexpert(1e-3, 4 * US, first_layer=False)
+    assert end == pytest.approx(1e-3 + 4 * US)
+
+
+def test_syncs_wait_for_the_gpu_then_pay_their_cost() -> None:
+    prof = RuntimeProfile("t", dispatch_us=1.0, sync_us=5.0, nonexpert_kernels=2, routing_syncs=1)
+    host = HostThread(prof)
+    end, decision = host.nonexpert(0.0, 100 * US, first_layer=False)
+    assert end == pytest.approx(101 * US)  # first kernel issued at 1 us, then 100 us of GPU
+    assert decision == pytest.approx(101 * US + 5 * US)  # the host waited for the router
+    assert host.t == decision and host.syncs == 1
+    # an expert sync: the host waits for the stream's earlier work (drained at 300 us)
+    host = HostThread(RuntimeProfile("t", dispatch_us=2.0, sync_us=5.0, expert_kernels=3,
+                                     expert_syncs=2))  # fmt: skip
+    end = host.expert(300 * US, 300 * US, 30 * US)
+    # issued from 310 us (two syncs): first kernel at 312 us, then 30 us of GPU
+    assert end == pytest.approx(312 * US + 30 * US)
+    assert host.t == pytest.approx(316 * US) and host.syncs == 2
+
+
+def test_a_forward_pass_waits_for_the_previous_one_then_pays_sync_and_step() -> None:
+    prof = RuntimeProfile("t", dispatch_us=1.0, sync_us=3.0, step_us=15.0, nonexpert_kernels=1)
+    host = HostThread(prof)
+    host.t = 5 * US  # the host ran ahead; the previous token ends on the GPU at 100 us
+    end, _ = host.nonexpert(100 * US, 1 * US, first_layer=True)
+    assert end == pytest.approx(100 * US + 3 * US + 15 * US + 1 * US + 1 * US)
+    assert host.syncs == 1
+    end2, _ = host.nonexpert(end, 1 * US, first_layer=False)
+    assert end2 == pytest.approx(end + 1 * US)  # host at 119 us, stream free at 120 us
+    assert host.syncs == 1
+
+
+# -- both engines, hand-computed -------------------------------------------------------------
+MODEL = tiny_model(experts=4, top_k=2, moe_layers=2)
+HW = load_profile("a6000-pcie4")
+
+
+def _engine(cls: type[EngineBase], runtime: RuntimeProfile | None) -> tuple[EngineBase, object]:
+    r = routing_from_experts(MODEL, [[[0, 1], [2, 3]]], seq_id=0, n_prefill=0)
+    rec = Recorder()
+    eng = cls(AllGPUPolicy(), MODEL, cost_model(HW, MODEL), MODEL.total_experts, recorder=rec,
+              runtime=runtime)  # fmt: skip
+    stats = eng.run(iter([r]))
+    return eng, (stats, rec.timeline(), int(r.positions[0]))
+
+
+def _by_hand(prof: RuntimeProfile, d_ne: float, d_e: float) -> float:
+    """Two layers, two resident experts each, one decode token, written out step by step."""
+    disp, sync = prof.dispatch_us * US, prof.sync_us * US
+    k_ne, k_e = prof.nonexpert_kernels, prof.expert_kernels
+    g = h = 0.0
+    for layer in range(2):
+        if layer == 0:  # the pass waits for the previous token, then syncs and steps
+            h = max(h, g) + sync + prof.step_us * US
+        ne_end = max(g + d_ne, h + disp + d_ne, h + k_ne * disp + d_ne / k_ne)
+        h += k_ne * disp
+        g = ne_end
+        if prof.routing_syncs:
+            h = max(h, ne_end) + prof.routing_syncs * sync
+            g = h  # the experts are issued once the routing is on the host
+        for _ in range(2):
+            if prof.expert_syncs:
+                h = max(h, g) + prof.expert_syncs * sync
+            g = max(g + d_e, h + disp + d_e, h + k_e * disp + d_e / k_e)
+            h += k_e * disp
+    return g
+
+
+DISPATCH_BOUND = RuntimeProfile(
+    "dispatch-bound", dispatch_us=50.0, sync_us=20.0, nonexpert_kernels=40, expert_kernels=10,
+    routing_syncs=1, expert_syncs=2,
+)  # fmt: skip
+GPU_BOUND = RuntimeProfile("gpu-bound", dispatch_us=0.01, nonexpert_kernels=2, expert_kernels=1)
+
+
+@pytest.mark.parametrize("cls", [Engine, ReferenceEngine])
+@pytest.mark.parametrize("prof", [DISPATCH_BOUND, GPU_BOUND, get_runtime("hf-eager")])
+def test_layer_times_match_the_hand_computation(
+    cls: type[EngineBase], prof: RuntimeProfile
+) -> None:
+    eng, (stats, _, ctx) = _engine(cls, prof)
+    d_ne = eng.machine.nonexpert_s(1, ctx)
+    d_e = eng.machine.gpu_s(1)
+    assert stats.e2e == pytest.approx(_by_hand(prof, d_ne, d_e), rel=1e-12)
+    syncs = 1 + 2 * (prof.routing_syncs + 2 * prof.expert_syncs)
+    assert stats.counters.host_syncs == syncs
+
+
+def test_dispatch_bound_is_slower_and_gpu_bound_is_not() -> None:
+    _, (ideal, _, _) = _engine(Engine, None)
+    _, (slow, _, _) = _engine(Engine, DISPATCH_BOUND)
+    _, (fast, _, _) = _engine(Engine, GPU_BOUND)
+    assert slow.e2e > ideal.e2e + 2 * 40 * 50 * US  # at least the non-expert dispatch
+    assert slow.counters.dispatch_stall > 0
+    assert fast.e2e == pytest.approx(ideal.e2e + 0.01 * US, rel=0, abs=1e-12)
+
+
+@pytest.mark.parametrize("cls", [Engine, ReferenceEngine])
+def test_a_profile_with_no_costs_reproduces_the_timeline(cls: type[EngineBase]) -> None:
+    _, (base, tl0, _) = _engine(cls, None)
+    free = RuntimeProfile("free", nonexpert_kernels=49, expert_kernels=11, routing_syncs=1)
+    for prof in (get_runtime("ideal"), free):
+        eng, (stats, tl, _) = _engine(cls, prof)
+        assert eng.machine.host is None  # nothing to pay: no host thread at all
+        assert stats.e2e == base.e2e
+        assert tl.equals(tl0)
+
+
+# -- simulate, run --json and --runtime ------------------------------------------------------
+def _run_json(*args: str) -> tuple[int, dict]:
+    res = CliRunner().invoke(
+        main, ["run", "--trace", "ci-small", "--sequences", "1", "--cache-ratio", "0.25",
+               "--no-bounds", "--json", *args],
+    )  # fmt: skip
+    return res.exit_code, json.loads(res.output)
+
+
+def test_run_json_reports_the_declared_runtime_and_the_override() -> None:
+    code, doc = _run_json("--policy", "fiddler")
+    assert code == 0
+    assert doc["runtime"]["name"] == "hf-eager"
+    assert doc["runtime"]["dispatch_us"] == get_runtime("hf-eager").dispatch_us
+    assert doc["runtime"]["sources"]["dispatch_us"]
+    assert doc["metrics"]["host_syncs"] > 0
+    code, over = _run_json("--policy", "fiddler", "--runtime", "ideal")
+    assert code == 0 and over["runtime"]["name"] == "ideal"
+    assert over["metrics"]["host_syncs"] == 0 and over["metrics"]["dispatch_stall_s"] == 0
+    assert over["metrics"]["e2e_s"] < doc["metrics"]["e2e_s"]
+
+
+def test_an_unknown_runtime_is_one_line_and_exit_2() -> None:
+    args = ["run", "--policy", "lru", "--trace", "ci-small", "--runtime", "pytorch-nightly"]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 2
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert lines == [
+        "error: unknown runtime 'pytorch-nightly' (known: " + ", ".join(runtime_names()) + ")"
+    ]
+
+
+def test_runtimes_list_and_show() -> None:
+    res = CliRunner().invoke(main, ["runtimes", "list", "--json"])
+    assert res.exit_code == 0
+    rows = {r["name"]: r for r in json.loads(res.output)}
+    assert {"ideal", "hf-eager", "cuda-graph", "llama.cpp", "ktransformers"} <= set(rows)
+    assert "daop" in rows["hf-eager"]["policies"]
+    res = CliRunner().invoke(main, ["runtimes", "show", "llama.cpp"])
+    assert res.exit_code == 0 and "source:" in res.output and "llama-cpp-cpu-moe" in res.output
+    res = CliRunner().invoke(main, ["runtimes", "show", "nope"])
+    assert res.exit_code == 2
+
+
+def test_policies_declare_the_runtime_of_the_system_they_model() -> None:
+    declared = {
+        "daop": "hf-eager",
+        "fiddler": "hf-eager",
+        "mixtral-offloading": "hf-eager",
+        "stream-all": "hf-eager",
+        "accelerate": "hf-eager",
+        "vllm-cpu-offload": "cuda-graph",
+        "llama-cpp-cpu-moe": "llama.cpp",
+        "ktransformers": "ktransformers",
+        "lru": "ideal",
+        "belady": "ideal",
+        "all-gpu": "ideal",
+    }
+    for policy, runtime in declared.items():
+        assert get_policy_class(policy).runtime_profile == runtime
+        get_runtime(runtime)
+
+
+def test_sweep_runtime_axis_multiplies_the_configurations() -> None:
+    one = expand(Grid(policies=["lru"], traces=["ci-small"], cache_ratios=[0.25]))
+    two = expand(
+        Grid(policies=["lru"], traces=["ci-small"], cache_ratios=[0.25],
+             runtimes=["ideal", "hf-eager"])
+    )  # fmt: skip
+    assert len(one) == 1 and [c.runtime for c in two] == ["ideal", "hf-eager"]
+    assert len({c.key for c in two}) == 2
+    with pytest.raises(UserError, match="unknown runtime"):
+        expand(Grid(policies=["lru"], traces=["ci-small"], runtimes=["nope"]))
+
+
+# -- the bundled data ------------------------------------------------------------------------
+@pytest.mark.parametrize("name", runtime_names())
+def test_every_cost_in_a_bundled_profile_names_its_source(name: str) -> None:
+    prof = get_runtime(name)
+    for field, _, _ in FIELDS:
+        if getattr(prof, field):
+            assert prof.sources.get(field), f"{name}: {field} has no source"
+
+
+def test_bad_profile_fields_are_one_line_errors(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="field 'dispatch_us' must be >= 0"):
+        parse_runtime({"name": "x", "dispatch_us": -1}, "x.toml")
+    with pytest.raises(UserError, match="unknown field 'dispatch'"):
+        parse_runtime({"name": "x", "dispatch": 1}, "x.toml")
+    with pytest.raises(UserError, match="'expert_kernels' must be a int"):
+        parse_runtime({"name": "x", "expert_kernels": 1.5}, "x.toml")
+    with open(runtimes_dir() / "hf-eager.toml", "rb") as f:
+        assert parse_runtime(tomllib.load(f), "hf-eager.toml") == get_runtime("hf-eager")
