@@ -112,8 +112,12 @@ class CachingPolicy(_FetchOnMiss):
 
     def decode_layer(self, view: View) -> Plan:
         """Hits run on the GPU; misses are fetched (evicting a victim) or use a temp buffer."""
+        return self.serve(view, view.experts.tolist())
+
+    def serve(self, view: View, experts: list[int]) -> Plan:
+        """:meth:`decode_layer` for ``experts`` of the layer (a subclass may serve the others
+        its own way): hits, then fetches with victims never among ``experts``, or TEMP."""
         layer = view.layer
-        experts = view.experts.tolist()
         cache = self.cache[layer]
         step = view.step
         counts = view.counts

@@ -63,8 +63,12 @@ def _inputs(trace: str) -> tuple[Any, list[SequenceRouting], np.ndarray, np.ndar
     meta = read_meta(path)
     ev, cal = split_sequences(meta, sequence_ids(path), None, False)
     seqs = [_cut(r, DECODE) for r in iter_sequences(path, meta, sequences=set(ev[:2]))]
-    dec, pre = calibration_counts(path, meta, cal)
+    dec, pre = calibration_counts(path, meta, cal, _EAMS.setdefault(trace, []))
     return meta.model, seqs, dec, pre
+
+
+#: per-sequence calibration matrices of each trace (filled by _inputs)
+_EAMS: dict[str, list[np.ndarray]] = {}
 
 
 def _run(
@@ -75,6 +79,7 @@ def _run(
     budget: int,
     seqs: list[SequenceRouting],
     calib: tuple[np.ndarray, np.ndarray] | tuple[None, None] = (None, None),
+    eams: tuple[np.ndarray, ...] | None = None,
 ) -> tuple[pd.DataFrame, Any, EngineBase]:
     pol = make()
     if pol.resources().unlimited_memory:
@@ -85,7 +90,10 @@ def _run(
         for r in seqs:
             oracle.add(r)
     rec = Recorder()
-    eng = cls(pol, model, cost_model(hw, model), budget, calib[0], calib[1], oracle, rec)
+    eng = cls(
+        pol, model, cost_model(hw, model), budget, calib[0], calib[1], oracle, rec,
+        calibration_sequences=eams,
+    )  # fmt: skip
     if isinstance(pol, ChaosPolicy):
         pol.engine = eng
     stats = eng.run(iter(seqs))
@@ -113,8 +121,9 @@ def _both(policy: str, trace: str, ratio: float, hw: HardwareProfile, **opts: An
     model, seqs, dec, pre = _inputs(trace)
     budget = max(1, round(ratio * model.total_experts))
     make = functools.partial(get_policy_class(policy), **opts)
-    ta, sa, _ = _run(Engine, make, model, hw, budget, seqs, (dec, pre))
-    tb, sb, _ = _run(ReferenceEngine, make, model, hw, budget, seqs, (dec, pre))
+    eams = tuple(_EAMS[trace])
+    ta, sa, _ = _run(Engine, make, model, hw, budget, seqs, (dec, pre), eams)
+    tb, sb, _ = _run(ReferenceEngine, make, model, hw, budget, seqs, (dec, pre), eams)
     assert_same(ta, tb, sa, sb)
     return ta
 
@@ -140,6 +149,8 @@ def one_copy_engine(name: str) -> HardwareProfile:
         ("mixtral-offloading", {"prefetch": True}),
         ("stream-all", {}),
         ("lru", {}),
+        ("moe-infinity", {}),
+        ("hobbit", {}),
     ],
 )
 def test_one_copy_engine_and_another_profile(policy: str, opts: dict[str, Any]) -> None:
@@ -165,6 +176,7 @@ def wide_socket(name: str, factor: float = 1.7) -> HardwareProfile:
         ("fiddler", {}),
         ("stream-all", {}),
         ("lru", {}),
+        ("hobbit", {}),
     ],
 )
 def test_shared_cpu_and_unified_memory(policy: str, opts: dict[str, Any]) -> None:
