@@ -31,18 +31,20 @@ forward). Facts and file names: docs/references.md#moe-infinity. The rules:
   ahead (0: every later layer, as the code). The code's prefetch thread takes the head of this
   queue whenever the link is idle and each layer re-sorts the queue; modelled as: at each
   decision, issue prefetches in that order while the link (as this policy's own ledger of the
-  copies it issued says) would be idle before the next decision, one layer later (the
-  previous decision gap). Copies are pinned (the runtime's host caching allocator).
+  copies it issued says) would be idle before the next decision could come: one layer's
+  non-expert part and k GPU experts later (the cost model's times; a layer that waits for a
+  copy only comes later). Copies are pinned (the runtime's host caching allocator).
 * **Caching.** One cache over all ``(layer, expert)`` slots (the code's GPU expert cache has no
   per-layer quota). Activation-aware replacement (paper v2, "expert caching"): an expert's
   priority is its activation count in the current request times ``1 - l / L`` (shallow layers
   first: their prefetch has the least lead time); the lowest goes, ties to the deeper layer,
   then the lower expert id. (The paper's ratio count/tokens ranks the same way within a token.)
-  A victim is never an expert this layer uses nor one whose prefetch copy is still in flight;
-  a prefetch evicts only the cache's lowest-priority expert, and only when the matched entry
-  does not predict it for the coming layers (the code protects its prefetch candidates with
-  ``replace_cache_candidates``); otherwise prefetching stops for this decision. A miss with no
-  evictable slot runs through a temporary buffer.
+  A victim is never an expert this layer uses nor one whose prefetch copy is still in flight,
+  and a prefetch never evicts an expert the matched entry predicts for the coming layers (the
+  code protects its prefetch candidates with ``replace_cache_candidates``). A prefetch looks at
+  most ``KEEP_SCAN`` (8) predicted experts past the cache's low end for a victim (a bound on
+  the work per decision, not from the source); with none, prefetching stops for this
+  decision. A miss with no evictable slot runs through a temporary buffer.
 
 Known differences from the released code: its C++ eviction for prefetches
 (``RemoveCachedSparseNode``, core/prefetch/task_scheduler.cpp) ranks by in-cache visit count,
@@ -74,6 +76,9 @@ from policies.registry import register
 from simulator.errors import UserError
 
 GPU, FETCH, TEMP = Action.GPU, Action.FETCH, Action.TEMP
+
+#: a prefetch looks this far past predicted experts at the cache's low end for a victim
+KEEP_SCAN = 8
 
 
 @register
@@ -151,7 +156,6 @@ class MoEInfinityPolicy(Policy):
         self.gap = ctx.costs.nonexpert_layer_s(1, 0) + m.top_k * ctx.costs.gpu_expert_s(1)
         self.link_free = 0.0  # when the copy link finishes the copies this policy issued
         self.inflight: dict[Slot, float] = {}  # prefetched slot -> its copy's end
-        self.last_now = -1.0
         self.capacity = int(ctx.budget)
         self.cached = [[False] * n_exp for _ in range(n_layers)]
         mode = str(self.options["initial"])
@@ -238,8 +242,7 @@ class MoEInfinityPolicy(Policy):
     def _victim(
         self, now: float, layer: int, protect: set[int], keep: frozenset[Slot] | None
     ) -> Slot | None:
-        """The lowest-priority evictable expert (None if none; with ``keep``: None when the
-        lowest one is predicted)."""
+        """The lowest-priority evictable expert, never one in ``keep`` (None if none)."""
         heap, cached, cnt = self.heap, self.cached, self.cnt
         inflight = self.inflight
         skipped = []
@@ -254,7 +257,9 @@ class MoEInfinityPolicy(Policy):
                 continue
             if keep is not None and (vl, e) in keep:
                 skipped.append(item)
-                break
+                if len(skipped) > KEEP_SCAN:
+                    break  # the cache's low end is all predicted: trading like for like
+                continue
             found = (vl, e)
             break
         for item in skipped:
@@ -273,9 +278,6 @@ class MoEInfinityPolicy(Policy):
         now = view.now
         if layer == 0:
             self._match()
-        if self.last_now >= 0.0 and now > self.last_now:
-            self.gap = now - self.last_now
-        self.last_now = now
         experts = view.experts.tolist()
         counts = view.counts
         cnt_l = self.cnt[layer]
