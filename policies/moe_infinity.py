@@ -250,8 +250,13 @@ class MoEInfinityPolicy(Policy):
         while heap:
             item = heapq.heappop(heap)
             key, w, e, vl = item
-            if not cached[vl][e] or cnt[vl][e] * w != key:
-                continue  # stale
+            if not cached[vl][e]:
+                continue  # evicted since
+            now_key = cnt[vl][e] * w
+            if now_key != key:
+                # priorities only grow within a request: requeue at the current one
+                heapq.heappush(heap, (now_key, w, e, vl))
+                continue
             if (vl == layer and e in protect) or inflight.get((vl, e), -1.0) > now:
                 skipped.append(item)
                 continue
@@ -282,25 +287,23 @@ class MoEInfinityPolicy(Policy):
         counts = view.counts
         cnt_l = self.cnt[layer]
         cached = self.cached[layer]
-        w = self.weight[layer]
-        heap = self.heap
+        # the heap keeps each cached expert's priority at insertion (or a later requeue): a
+        # count only grows within a request, so _victim requeues what it finds out of date
         if counts is None:
             self.pending.append(experts)
             for e in experts:
                 cnt_l[e] += 1
-                if cached[e]:
-                    heapq.heappush(heap, (cnt_l[e] * w, w, e, layer))
         else:
             c = np.asarray(counts, dtype=np.float64)
             self.cur[layer] += c
             self.dot[:, layer] += self.unit[:, layer, :] @ c
             for e in experts:
                 cnt_l[e] += int(counts[e])
-                if cached[e]:
-                    heapq.heappush(heap, (cnt_l[e] * w, w, e, layer))
         misses = [e for e in experts if not cached[e]]
         if not misses and (not self.do_prefetch or self.link_free >= now + self.gap):
             return ALL_GPU_PLAN
+        w = self.weight[layer]
+        heap = self.heap
         actions = {e: GPU for e in experts if cached[e]}
         plan = Plan(actions=actions)
         protect = set(experts)
