@@ -69,9 +69,8 @@ from policies.base import (
     SetupContext,
     Slot,
     View,
-    per_layer_quota,
 )
-from policies.caching import per_layer_initial
+from policies.caching import global_initial
 from policies.registry import register
 from simulator.errors import UserError
 
@@ -158,13 +157,7 @@ class MoEInfinityPolicy(Policy):
         self.inflight: dict[Slot, float] = {}  # prefetched slot -> its copy's end
         self.capacity = int(ctx.budget)
         self.cached = [[False] * n_exp for _ in range(n_layers)]
-        mode = str(self.options["initial"])
-        if mode == "popular" and ctx.calibration is not None:
-            flat = np.asarray(ctx.calibration, dtype=np.float64).reshape(-1)
-            top = np.lexsort((np.arange(flat.size), -flat))[: min(self.capacity, flat.size)]
-            slots = sorted((int(i) // n_exp, int(i) % n_exp) for i in top.tolist())
-        else:
-            slots = per_layer_initial(ctx, mode, per_layer_quota(self.capacity, n_layers))
+        slots = global_initial(ctx, str(self.options["initial"]), self.capacity)
         for layer, e in slots:
             self.cached[layer][e] = True
         self.size = len(slots)
