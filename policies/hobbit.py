@@ -26,7 +26,8 @@ separate low-precision pool); a low-precision expert takes the same GPU time as 
 HOBBIT's sequence-level multidimensional policy (a weighted mix of LRU, LFU, least
 high-precision used and layer distance) nor its layer-level prefetch. ``low_bit`` defaults to
 ``q4_0``, llama.cpp's 4-bit block format (HOBBIT is built on llama.cpp and uses 4-bit or
-2-bit low-precision experts). A prefill pass (many tokens per expert) follows plain LRU.
+2-bit low-precision experts). A prefill pass or a batched step (many tokens per expert, no
+per-token gate weights) follows plain LRU.
 """
 
 from __future__ import annotations

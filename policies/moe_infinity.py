@@ -49,7 +49,9 @@ forward). Facts and file names: docs/references.md#moe-infinity. The rules:
 Known differences from the released code: its C++ eviction for prefetches
 (``RemoveCachedSparseNode``, core/prefetch/task_scheduler.cpp) ranks by in-cache visit count,
 not by the paper's priority; it issues tasks per tensor on several threads. Prefill uses the
-same rules with the prompt's per-expert token counts.
+same rules with the prompt's per-expert token counts, and so does a batched step (the code keeps
+one EAM per request; here the EAM restarts when a request starts, so under batched serving it
+counts the whole batch since the latest admission).
 """
 
 from __future__ import annotations
