@@ -257,7 +257,10 @@ def _run_serving(
             reqs, config.batch, config.continuous, None, Oracle(model.moe_layers, model.experts)
         )
     rec = Recorder()
-    eng = cls(pol, model, cost_model(hw, model), budget, dec, pre, oracle, rec)
+    eng = cls(
+        pol, model, cost_model(hw, model), budget, dec, pre, oracle, rec,
+        calibration_sequences=tuple(_EAMS["ci-small"]),
+    )  # fmt: skip
     eng.serving = Serving(reqs, config, None)
     stats = eng.run(iter(()))
     return rec.timeline(), stats, eng
