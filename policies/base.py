@@ -62,7 +62,9 @@ class Plan:
     ``cpu_serial``: this plan's CPU experts (and, separately, its pre-calculations) run one
     after another as one task, not spread over the worker pool. ``cpu_first``: the GPU
     experts start only after this layer's ``CPU`` experts are done (the thread driving the GPU
-    computed them synchronously).
+    computed them synchronously). ``low_bit``: routed experts whose ``TEMP`` copy moves the
+    host's low-precision copy (``ResourceSpec.low_bit_dtype``) and which therefore run in low
+    precision (HOBBIT's mixed-precision loading).
     """
 
     actions: dict[int, Action] | None = None
@@ -74,6 +76,7 @@ class Plan:
     evict: list[Slot] = field(default_factory=list)
     cpu_serial: bool = False
     cpu_first: bool = False
+    low_bit: frozenset[int] | set[int] = frozenset()
 
 
 ALL_GPU_PLAN = Plan()
@@ -164,10 +167,17 @@ class ResourceSpec:
     evicts_in_use: bool = False
     #: places every expert whatever the budget (the all-GPU bound)
     unlimited_memory: bool = False
+    #: the host also holds every expert at this lower precision (a ``simulator.models`` dtype);
+    #: a ``TEMP`` copy named in ``Plan.low_bit`` moves that copy instead (HOBBIT)
+    low_bit_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.host_memory not in ("pinned", "pageable"):
             raise UserError(f"host_memory must be 'pinned' or 'pageable', got {self.host_memory!r}")
+        if self.low_bit_dtype is not None:
+            from simulator.models import dtype_bytes
+
+            dtype_bytes(self.low_bit_dtype)  # an unknown name is a one-line error
         for key in ("temp_buffers", "staging_buffers"):
             if getattr(self, key) < 0:
                 raise UserError(f"{key} must be >= 0, got {getattr(self, key)}")
@@ -191,6 +201,9 @@ class SetupContext:
     calibration_prefill: np.ndarray | None  #: prefill-time counts [layers, experts], or None
     oracle: Any = None  #: future accesses, given only to clairvoyant policies
     seed: int = 0
+    #: per calibration sequence, its [layers, experts] selection counts (prompt and decode
+    #: together, file order), or None; given with ``calibration``
+    calibration_sequences: tuple[np.ndarray, ...] | None = None
 
 
 class Policy:

@@ -48,6 +48,18 @@ def per_layer_initial(ctx: SetupContext, mode: str, quota: list[int]) -> list[Sl
     return slots
 
 
+def global_initial(ctx: SetupContext, mode: str, capacity: int) -> list[Slot]:
+    """A shared cache's initial contents: ``popular`` = the ``capacity`` slots with the highest
+    calibration counts over all layers (ties to the lower layer, then expert), otherwise the
+    per-layer placement of ``mode`` with the capacity split evenly over the layers."""
+    if mode == "popular" and ctx.calibration is not None:
+        n_exp = ctx.model.experts
+        flat = np.asarray(ctx.calibration, dtype=np.float64).reshape(-1)
+        top = np.lexsort((np.arange(flat.size), -flat))[: min(capacity, flat.size)]
+        return sorted((int(i) // n_exp, int(i) % n_exp) for i in top.tolist())
+    return per_layer_initial(ctx, mode, per_layer_quota(capacity, ctx.model.moe_layers))
+
+
 class _FetchOnMiss(Policy):
     """What both cache shapes share: the ``initial`` option and when it needs calibration."""
 
@@ -112,8 +124,12 @@ class CachingPolicy(_FetchOnMiss):
 
     def decode_layer(self, view: View) -> Plan:
         """Hits run on the GPU; misses are fetched (evicting a victim) or use a temp buffer."""
+        return self.serve(view, view.experts.tolist())
+
+    def serve(self, view: View, experts: list[int]) -> Plan:
+        """:meth:`decode_layer` for ``experts`` of the layer (a subclass may serve the others
+        its own way): hits, then fetches with victims never among ``experts``, or TEMP."""
         layer = view.layer
-        experts = view.experts.tolist()
         cache = self.cache[layer]
         step = view.step
         counts = view.counts
@@ -194,13 +210,7 @@ class GlobalCachingPolicy(_FetchOnMiss):
         self.cached = np.zeros((n_layers, n_exp), dtype=bool)
         self.size = 0
         self.init_state(ctx)
-        mode = self._mode(ctx)
-        if mode == "popular" and ctx.calibration is not None:
-            flat = np.asarray(ctx.calibration, dtype=np.float64).reshape(-1)
-            top = np.lexsort((np.arange(flat.size), -flat))[: min(self.capacity, flat.size)]
-            slots: list[Slot] = sorted((int(i) // n_exp, int(i) % n_exp) for i in top)
-        else:
-            slots = per_layer_initial(ctx, mode, per_layer_quota(self.capacity, n_layers))
+        slots = global_initial(ctx, self._mode(ctx), self.capacity)
         for layer, e in slots:
             self.cached[layer, e] = True
             self.inserted(layer, e, -1)

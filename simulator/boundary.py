@@ -165,6 +165,8 @@ def check_plan(
     """
     if plan.__class__ is not Plan and not isinstance(plan, Plan):
         raise hooks.error(f"returned {type(plan).__name__}, expected a Plan", layer)
+    if plan.low_bit:
+        _check_low_bit(hooks, plan, layer, routed, spec)
     actions = plan.actions
     if not (plan.evict or plan.prefetch or plan.precalc or plan.victims) and (
         actions is None or (actions.__class__ is dict and len(actions) == len(routed))
@@ -304,6 +306,23 @@ def check_plan(
     if plan.precalc:
         _check_precalc(hooks, plan.precalc, layer, res, precalc)
     return order
+
+
+def _check_low_bit(
+    hooks: Hooks, plan: Plan, layer: int, routed: list[int], spec: ResourceSpec
+) -> None:
+    """``Plan.low_bit`` names routed TEMP copies, on a system that holds low-bit copies."""
+    if spec.low_bit_dtype is None:
+        raise hooks.error(
+            "names low-bit copies (Plan.low_bit) but its resources declare no low_bit_dtype",
+            layer,
+        )
+    actions = plan.actions or {}
+    for e in plan.low_bit:
+        if e not in routed or actions.get(e) != _TEMP:
+            raise hooks.error(
+                f"names expert {e} as a low-bit copy but it is not a TEMP copy", layer
+            )
 
 
 def _simple_actions(

@@ -237,6 +237,17 @@ class CostModel:
         rate = link.h2d_pinned_gbs if pinned else link.h2d_pageable_gbs
         return self._copy(self.link_expert_bytes, rate) + self.convert_expert_s()
 
+    def low_bit_expert_bytes(self, dtype: str) -> int:
+        """Bytes of one expert's low-precision host copy (HOBBIT's mixed-precision loading)."""
+        return self.model.expert_bytes(dtype)
+
+    def h2d_low_bit_expert_s(self, dtype: str, pinned: bool) -> float:
+        """Seconds to copy one expert's ``dtype`` copy host -> device (run as stored: no
+        conversion kernel; the measured load constants are for the full copy, so never used)."""
+        link = self.hw.link
+        rate = link.h2d_pinned_gbs if pinned else link.h2d_pageable_gbs
+        return self._copy(self.low_bit_expert_bytes(dtype), rate)
+
     def d2h_expert_s(self, pinned: bool = True) -> float:
         """Seconds to copy one expert device -> host into pinned or pageable memory."""
         link = self.hw.link

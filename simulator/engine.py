@@ -83,6 +83,9 @@ class Counters:
     replaced_degraded: int = 0
     gate_mass_total: float = 0.0
     gate_mass_kept: float = 0.0
+    #: decode gate mass of experts computed from a low-precision copy (HOBBIT)
+    gate_mass_low_bit: float = 0.0
+    low_bit_copies: int = 0
     ttft: list[float] = field(default_factory=list)
     token_latency: list[float] = field(default_factory=list)
     decode_time: float = 0.0
@@ -122,6 +125,7 @@ class LayerOp:
         "gpu",
         "kind",
         "layer",
+        "low",
         "n",
         "rkind",
         "seq",
@@ -141,6 +145,7 @@ class LayerOp:
         self.layer = layer
         self.expert = expert
         self.n = 1
+        self.low = False  # a TEMP copy of the low-precision host copy (Plan.low_bit)
         self.buf = -1
         self.gpu = False  # a GPU computation of the current layer waits for this copy
         self.chain: LayerOp | None = None
@@ -204,6 +209,7 @@ class EngineBase:
         recorder: Recorder | None = None,
         seed: int = 0,
         runtime: RuntimeProfile | None = None,
+        calibration_sequences: tuple[np.ndarray, ...] | None = None,
     ) -> None:
         self.policy = policy
         self.hooks = Hooks(policy)
@@ -249,6 +255,7 @@ class EngineBase:
             calibration_prefill=calibration_prefill,
             oracle=oracle if policy.clairvoyant else None,
             seed=seed,
+            calibration_sequences=calibration_sequences,
         )
         placed = self.hooks.call("setup", policy.setup, ctx)
         slots = check_placement(self.hooks, placed, self.n_layers, self.n_experts, self.budget)
@@ -438,6 +445,7 @@ class EngineBase:
                     and plan.__class__ is Plan
                     and plan.route is None
                     and not plan.precalc
+                    and not plan.low_bit
                 ):
                     routed = experts.tolist()
                     end = None
@@ -476,6 +484,8 @@ class EngineBase:
                         c.gate_mass_kept += ws
                     else:
                         self._fidelity(plan, route, experts, w_t[layer], ws_t[layer])
+                    if plan.low_bit:
+                        self._low_bit_mass(plan.low_bit, experts, w_t[layer])
                 work = self._apply(plan, layer, order, routed, counts, now, prefill)
                 end = yield work
                 assert end is not None
@@ -523,6 +533,12 @@ class EngineBase:
                 c.replaced_degraded += 1
             else:
                 c.replaced_mispredicted += 1
+
+    def _low_bit_mass(self, low: Any, true_e: np.ndarray, true_w: Any) -> None:
+        """The true gate weight of experts computed from a low-precision copy."""
+        for e, w in zip(true_e.tolist(), true_w.tolist(), strict=True):
+            if e in low:
+                self.c.gate_mass_low_bit += w
 
     def _accesses(self, layer: int, n_routed: int, n_hits: int, prefill: bool) -> None:
         """Count a layer's expert accesses and hits (per phase; per layer for decode)."""
@@ -658,10 +674,16 @@ class EngineBase:
             else:  # PRECOMPUTED
                 w.results.append(self.precalc.pop((layer, e)))
         self._accesses(layer, len(routed), n_hits, prefill)
+        low = plan.low_bit
         for e in temps:
             op = self._op(TEMP, "temp", layer, e, w)
             c.temp_copies += 1
-            c.h2d_bytes += self.expert_bytes
+            if low and e in low:
+                op.low = True
+                c.low_bit_copies += 1
+                c.h2d_bytes += self.machine.low_bit_bytes
+            else:
+                c.h2d_bytes += self.expert_bytes
             c.h2d_expert_copies += 1
             w.ops.append(op)
             gpu.append((e, op))
@@ -1254,12 +1276,16 @@ class Engine(EngineBase):
                 self._waiting -= 1
         elif kind == TEMP:
             link = self._h2d
-            s, e = link.lane.serve(t, link.expert_s)
+            if op.low:
+                dur, nbytes = self.machine.low_bit_s, self.machine.low_bit_bytes
+            else:
+                dur, nbytes = link.expert_s, self.expert_bytes
+            s, e = link.lane.serve(t, dur)
             if rec is not None:
                 rec.op(link.lane.name, "temp", op.sid, op.token, op.layer, op.expert, s, e,
-                       self.expert_bytes)  # fmt: skip
+                       nbytes)  # fmt: skip
             if self._unified:
-                self._mem(s, e, self.expert_bytes)
+                self._mem(s, e, nbytes)
             op.end = e
             if op.gpu:
                 op.gpu = False

@@ -369,6 +369,10 @@ class Machine:
             "h2d": Link("h2d", h2d_lane, costs.h2d_expert_s(pinned), act),
             "d2h": Link("d2h", d2h_lane, costs.d2h_expert_s(pinned), act),
         }
+        #: HOBBIT's low-precision copies: seconds and bytes of one (0 without a low-bit dtype)
+        low = spec.low_bit_dtype
+        self.low_bit_s = costs.h2d_low_bit_expert_s(low, pinned) if low else 0.0
+        self.low_bit_bytes = costs.low_bit_expert_bytes(low) if low else 0
         self.cpu = SharedCpu("cpu", spec.cpu_workers)
         self.pools: dict[str, SharedCpu] = {"cpu": self.cpu}
         self.buffers: dict[str, int] = {

@@ -202,8 +202,12 @@ class ReferenceEngine(EngineBase):
             yield get
         op.buf = get.value
         link = self._h2d
-        s, e = yield from self._hold(link.lane, (env.now, op.seq), link.expert_s, self.expert_bytes)
-        self._record(link.lane.name, op, "temp", s, e, self.expert_bytes)
+        m = self.machine
+        dur, nbytes = (
+            (m.low_bit_s, m.low_bit_bytes) if op.low else (link.expert_s, self.expert_bytes)
+        )
+        s, e = yield from self._hold(link.lane, (env.now, op.seq), dur, nbytes)
+        self._record(link.lane.name, op, "temp", s, e, nbytes)
         self._finish(op, e)
 
     def _cpu_chain(self, op: LayerOp | None) -> Proc:

@@ -214,6 +214,8 @@ BUILTIN_VARIANTS = (
     PolicySpec.of("ktransformers", gpu_experts_per_layer=2, placement="frequency"),
     PolicySpec.of("ktransformers", gpu_experts_ratio=0.25, placement="front-loading"),
     PolicySpec.of("vllm-cpu-offload", offload_layers=24),
+    PolicySpec.of("moe-infinity", prefetch=False),
+    PolicySpec.of("hobbit", skip_threshold=1.0),
 )
 #: Policies whose placement depends on the budget (all-gpu and stream-all do not).
 BUDGET_POLICIES = [
@@ -224,9 +226,11 @@ BUDGET_POLICIES = [
     "fiddler",
     "global-lfu",
     "global-lru",
+    "hobbit",
     "lfu",
     "lru",
     "mixtral-offloading",
+    "moe-infinity",
     "round-robin",
     "static",
     "vllm-cpu-offload",

@@ -110,18 +110,30 @@ def split_sequences(
 
 
 def calibration_counts(
-    path: Path, meta: TraceMeta, ids: list[int]
+    path: Path,
+    meta: TraceMeta,
+    ids: list[int],
+    per_sequence: list[np.ndarray] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Decode-time and prefill-time selection counts [layers, experts] over ``ids``."""
+    """Decode-time and prefill-time selection counts [layers, experts] over ``ids``.
+
+    With ``per_sequence`` (a list), each sequence's own counts (prompt and decode together,
+    file order) are appended to it: the request-level activation matrices of MoE-Infinity.
+    """
     n_layers, n_exp = meta.model.moe_layers, meta.model.experts
     dec = np.zeros((n_layers, n_exp), dtype=np.int64)
     pre = np.zeros((n_layers, n_exp), dtype=np.int64)
     for r in iter_sequences(path, meta, sequences=set(ids)):
+        own = np.zeros((n_layers, n_exp), dtype=np.int64)
         for counts, part in ((pre, r.experts[: r.n_prefill]), (dec, r.experts[r.n_prefill :])):
             if part.size == 0:
                 continue
             flat = (np.arange(n_layers)[None, :, None] * n_exp + part).reshape(-1)
-            counts += np.bincount(flat, minlength=n_layers * n_exp).reshape(n_layers, n_exp)
+            sel = np.bincount(flat, minlength=n_layers * n_exp).reshape(n_layers, n_exp)
+            counts += sel
+            own += sel
+        if per_sequence is not None:
+            per_sequence.append(own)
     return dec, pre
 
 
@@ -525,6 +537,7 @@ def simulate(
         budget = fit.max_experts if budget is None else budget
 
     calib = calib_pre = None
+    cal_eams: list[np.ndarray] = []  # per calibration sequence (MoE-Infinity's trace collection)
     if wants_cal and mode == "none":
         raise UserError(
             f"policy {pol.name!r}"
@@ -545,9 +558,9 @@ def simulate(
                     f"the evaluated trace for {model.name}"
                 )
             cal_ids_ext = checked_sequence_ids(cal_path, cal_meta)
-            calib, calib_pre = calibration_counts(cal_path, cal_meta, cal_ids_ext)
+            calib, calib_pre = calibration_counts(cal_path, cal_meta, cal_ids_ext, cal_eams)
         elif cal_ids:
-            calib, calib_pre = calibration_counts(trace_path, meta, cal_ids)
+            calib, calib_pre = calibration_counts(trace_path, meta, cal_ids, cal_eams)
         else:
             raise UserError(
                 f"policy {pol.name!r} needs calibration data: the trace has no "
@@ -599,6 +612,7 @@ def simulate(
         budget,
         calibration=calib,
         calibration_prefill=calib_pre,
+        calibration_sequences=tuple(cal_eams) if wants_cal else None,
         oracle=oracle,
         recorder=recorder,
         seed=seed,
@@ -626,6 +640,7 @@ def simulate(
     if not meta.weights_recorded:
         # the trace has no gate weights: the 1/k stand-in would make this look measured
         metrics["gate_mass_preserved"] = None
+        metrics["low_precision_gate_mass"] = None
     if not wants_cal:
         cal_label = "none" if calibration == "none" else "not used"
     elif mode == "self":

@@ -66,8 +66,12 @@ def _inputs(trace: str) -> tuple[Any, list[SequenceRouting], np.ndarray, np.ndar
     meta = read_meta(path)
     ev, cal = split_sequences(meta, sequence_ids(path), None, False)
     seqs = [_cut(r, DECODE) for r in iter_sequences(path, meta, sequences=set(ev[:2]))]
-    dec, pre = calibration_counts(path, meta, cal)
+    dec, pre = calibration_counts(path, meta, cal, _EAMS.setdefault(trace, []))
     return meta.model, seqs, dec, pre
+
+
+#: per-sequence calibration matrices of each trace (filled by _inputs)
+_EAMS: dict[str, list[np.ndarray]] = {}
 
 
 def _run(
@@ -79,6 +83,7 @@ def _run(
     seqs: list[SequenceRouting],
     calib: tuple[np.ndarray, np.ndarray] | tuple[None, None] = (None, None),
     runtime: str | RuntimeProfile | None = None,
+    eams: tuple[np.ndarray, ...] | None = None,
 ) -> tuple[pd.DataFrame, Any, EngineBase]:
     pol = make()
     rt = get_runtime(pol.runtime_profile if runtime is None else runtime)
@@ -91,8 +96,9 @@ def _run(
             oracle.add(r)
     rec = Recorder()
     eng = cls(
-        pol, model, cost_model(hw, model), budget, calib[0], calib[1], oracle, rec, runtime=rt
-    )
+        pol, model, cost_model(hw, model), budget, calib[0], calib[1], oracle, rec,
+        runtime=rt, calibration_sequences=eams,
+    )  # fmt: skip
     if isinstance(pol, ChaosPolicy):
         pol.engine = eng
     stats = eng.run(iter(seqs))
@@ -127,8 +133,9 @@ def _both(
     model, seqs, dec, pre = _inputs(trace)
     budget = max(1, round(ratio * model.total_experts))
     make = functools.partial(get_policy_class(policy), **opts)
-    ta, sa, _ = _run(Engine, make, model, hw, budget, seqs, (dec, pre), runtime)
-    tb, sb, _ = _run(ReferenceEngine, make, model, hw, budget, seqs, (dec, pre), runtime)
+    eams = tuple(_EAMS[trace])
+    ta, sa, _ = _run(Engine, make, model, hw, budget, seqs, (dec, pre), runtime, eams)
+    tb, sb, _ = _run(ReferenceEngine, make, model, hw, budget, seqs, (dec, pre), runtime, eams)
     assert_same(ta, tb, sa, sb)
     return ta
 
@@ -188,6 +195,8 @@ def one_copy_engine(name: str) -> HardwareProfile:
         ("mixtral-offloading", {"prefetch": True}),
         ("stream-all", {}),
         ("lru", {}),
+        ("moe-infinity", {}),
+        ("hobbit", {}),
     ],
 )
 def test_one_copy_engine_and_another_profile(policy: str, opts: dict[str, Any]) -> None:
@@ -226,6 +235,7 @@ def wide_socket(name: str, factor: float = 1.7) -> HardwareProfile:
         ("fiddler", {}),
         ("stream-all", {}),
         ("lru", {}),
+        ("hobbit", {}),
     ],
 )
 def test_shared_cpu_and_unified_memory(policy: str, opts: dict[str, Any]) -> None:
@@ -309,7 +319,10 @@ def _run_serving(
         )
     rec = Recorder()
     rt = get_runtime(pol.runtime_profile)  # the host thread in batched steps too
-    eng = cls(pol, model, cost_model(hw, model), budget, dec, pre, oracle, rec, runtime=rt)
+    eng = cls(
+        pol, model, cost_model(hw, model), budget, dec, pre, oracle, rec,
+        runtime=rt, calibration_sequences=tuple(_EAMS["ci-small"]),
+    )  # fmt: skip
     eng.serving = Serving(reqs, config, None)
     stats = eng.run(iter(()))
     return rec.timeline(), stats, eng

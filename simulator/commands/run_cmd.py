@@ -57,6 +57,7 @@ TABLE_ROWS = (
     ("prefetch_precision", "prefetch precision", "", 1.0),
     ("routing_replaced_frac", "routing replaced", "", 1.0),
     ("gate_mass_preserved", "gate mass preserved", "", 1.0),
+    ("low_precision_gate_mass", "gate mass in low precision", "", 1.0),
     ("energy_j", "energy", " kJ", 1e-3),
     ("tokens_per_kj", "tokens per kJ", "", 1.0),
 )

@@ -1,0 +1,353 @@
+"""moe-infinity: request-level activation matching, prefetch and activation-aware caching.
+
+Source: Xue et al., "MoE-Infinity: Offloading-Efficient MoE Model Serving" (arXiv 2401.14361
+v2; v3 retitled "Efficient MoE Inference on Personal Machines with Sparsity-Aware Expert
+Cache"), and its code, github.com/EfficientMoE/MoE-Infinity (formerly TorchMoE) at commit
+87eacf7 ("Release dev to main", the first release whose models call the predictor on every
+forward). Facts and file names: docs/references.md#moe-infinity. The rules:
+
+* **Expert Activation Matrix (EAM).** Per request, a ``[layers, experts]`` count of how often
+  each expert was selected, prompt tokens included (``ExpertTracer.update_entry``,
+  memory/expert_tracer.py). It starts at zero with each sequence.
+* **EAM collection (EAMC).** The code loads a fixed collection of request EAMs recorded offline
+  (``load_trace``; ``finish_entry``, which would add served requests, is never called) of at
+  most ``trace_capacity`` = 1000 entries (utils/config.py). Here: the calibration sequences'
+  EAMs (``SetupContext.calibration_sequences``), the first ``eamc_capacity`` of them.
+* **Matching.** At each layer l the current EAM is matched to the collection by cosine
+  similarity per layer averaged over layers, and the nearest entry wins
+  (``find_most_similar``). The code overwrites the collection's layers ``<= l`` with a
+  constant before comparing, so only layers ``> l`` tell entries apart: the match compares
+  what this request did at the coming layers in its earlier tokens with each entry's counts
+  there. Those rows do not change within a token, so this module matches once per token (at
+  layer 0, for every layer) with the same result, keeping the dot products of the request's
+  rows with the normalised collection rows up to date instead of recomputing them. Ties go to
+  the first entry (``argmin``). During a prompt's pass the coming rows are still empty, so
+  every entry ties and the first is used, as in the code.
+* **Prefetch.** The matched entry's counts of the layers after l, weighted by layer proximity
+  ``1 - (x - l) / (L + 1)`` (``ExpertPredictor.layer_decay_func``), in descending order, ties
+  by layer then expert (``ExpertPrefetcher.prefetch_experts``' stable sort). Experts the entry
+  never selected are left out (the code queues them last with a 1e-8 score) and so is the
+  current layer (its experts are already being served). ``prefetch_depth`` limits the layers
+  ahead (0: every later layer, as the code). The code's prefetch thread takes the head of this
+  queue whenever the link is idle and each layer re-sorts the queue; modelled as: at each
+  decision, issue prefetches in that order while the link (as this policy's own ledger of the
+  copies it issued says) would be idle before the next decision could come: one layer's
+  non-expert part and k GPU experts later (the cost model's times; a layer that waits for a
+  copy only comes later). Copies are pinned (the runtime's host caching allocator).
+* **Caching.** One cache over all ``(layer, expert)`` slots (the code's GPU expert cache has no
+  per-layer quota). Activation-aware replacement (paper v2, "expert caching"): an expert's
+  priority is its activation count in the current request times ``1 - l / L`` (shallow layers
+  first: their prefetch has the least lead time); the lowest goes, ties to the deeper layer,
+  then the lower expert id. (The paper's ratio count/tokens ranks the same way within a token.)
+  A victim is never an expert this layer uses nor one whose prefetch copy is still in flight,
+  and a prefetch never evicts an expert the matched entry predicts for the coming layers (the
+  code protects its prefetch candidates with ``replace_cache_candidates``). A prefetch looks at
+  most ``KEEP_SCAN`` (8) predicted experts past the cache's low end for a victim (a bound on
+  the work per decision, not from the source); with none, prefetching stops for this
+  decision. A miss with no evictable slot runs through a temporary buffer.
+
+Known differences from the released code: its C++ eviction for prefetches
+(``RemoveCachedSparseNode``, core/prefetch/task_scheduler.cpp) ranks by in-cache visit count,
+not by the paper's priority; it issues tasks per tensor on several threads. Prefill uses the
+same rules with the prompt's per-expert token counts, and so does a batched step (the code keeps
+one EAM per request; here the EAM restarts when a request starts, so under batched serving it
+counts the whole batch since the latest admission).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from policies.base import (
+    ALL_GPU_PLAN,
+    Action,
+    Param,
+    Plan,
+    Policy,
+    SetupContext,
+    Slot,
+    View,
+)
+from policies.caching import global_initial
+from policies.registry import register
+from simulator.errors import UserError
+
+GPU, FETCH, TEMP = Action.GPU, Action.FETCH, Action.TEMP
+
+#: a prefetch looks this far past predicted experts at the cache's low end for a victim
+KEEP_SCAN = 8
+
+
+@register
+class MoEInfinityPolicy(Policy):
+    """Request-level EAM matching drives prefetch; activation-aware priority drives eviction."""
+
+    name = "moe-infinity"
+    summary = (
+        "MoE-Infinity: request EAM matched to a calibration EAMC (cosine), prefetch by matched "
+        "counts x layer proximity, activation-aware global cache"
+    )
+    source = "MoE-Infinity (arXiv 2401.14361), code EfficientMoE/MoE-Infinity commit 87eacf7"
+    needs_calibration = True
+    params = {
+        "eamc_capacity": Param(
+            int, 1000, "EAMs kept in the collection (the code's trace_capacity, 1000)"
+        ),
+        "prefetch": Param(bool, True, "prefetch the matched entry's experts of later layers"),
+        "prefetch_depth": Param(
+            int, 0, "layers ahead whose predicted experts are prefetched (0: all, as the code)"
+        ),
+        "initial": Param(
+            str,
+            "first",
+            "initial contents: 'first' experts of each layer (an even share), 'popular' = the "
+            "budget's most selected slots by calibration counts, or 'empty'",
+            choices=("first", "popular", "empty"),
+        ),
+    }
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        o = self.options
+        if o["eamc_capacity"] < 1:
+            raise UserError(
+                f"policy 'moe-infinity': option 'eamc_capacity' must be >= 1, "
+                f"got {o['eamc_capacity']}"
+            )
+        if o["prefetch_depth"] < 0:
+            raise UserError(
+                f"policy 'moe-infinity': option 'prefetch_depth' must be >= 0, "
+                f"got {o['prefetch_depth']}"
+            )
+        self.do_prefetch = bool(o["prefetch"])
+        self.depth = int(o["prefetch_depth"])
+
+    # -- load ----------------------------------------------------------------------------------
+    def setup(self, ctx: SetupContext) -> Iterable[Slot]:
+        """Build the EAMC from the calibration sequences; place the initial contents."""
+        eams = ctx.calibration_sequences
+        if not eams:
+            raise UserError(
+                "policy 'moe-infinity' needs calibration sequences (its EAM collection); "
+                "use held-out sequences, --calibration self or --calibration PATH"
+            )
+        m = ctx.model
+        n_layers, n_exp = m.moe_layers, m.experts
+        self.n_layers, self.n_exp = n_layers, n_exp
+        coll = np.stack(
+            [np.asarray(a, dtype=np.float64) for a in eams[: self.options["eamc_capacity"]]]
+        )
+        if coll.shape[1:] != (n_layers, n_exp):
+            raise UserError(
+                f"policy 'moe-infinity': calibration matrices are {coll.shape[1:]}, "
+                f"the model has {(n_layers, n_exp)}"
+            )
+        self.coll = coll
+        norms = np.sqrt((coll * coll).sum(axis=2, keepdims=True))
+        #: collection rows scaled to unit length (a zero row stays zero: cosine 0)
+        self.unit = np.divide(coll, norms, out=np.zeros_like(coll), where=norms > 0)
+        self.n_entries = coll.shape[0]
+        self.weight = [1.0 - layer / n_layers for layer in range(n_layers)]
+        self.cands: dict[tuple[int, int], tuple[list[Slot], frozenset[Slot]]] = {}
+        self.copy_s = ctx.costs.h2d_expert_s(pinned=True)
+        self.gap = ctx.costs.nonexpert_layer_s(1, 0) + m.top_k * ctx.costs.gpu_expert_s(1)
+        self.link_free = 0.0  # when the copy link finishes the copies this policy issued
+        self.inflight: dict[Slot, float] = {}  # prefetched slot -> its copy's end
+        self.capacity = int(ctx.budget)
+        self.cached = [[False] * n_exp for _ in range(n_layers)]
+        slots = global_initial(ctx, str(self.options["initial"]), self.capacity)
+        for layer, e in slots:
+            self.cached[layer][e] = True
+        self.size = len(slots)
+        self._reset_request()
+        return slots
+
+    def _reset_request(self) -> None:
+        """A new request: an empty EAM, and every cached expert back to priority 0."""
+        n_layers, n_exp = self.n_layers, self.n_exp
+        self.cnt = [[0] * n_exp for _ in range(n_layers)]
+        self.cur = np.zeros((n_layers, n_exp))
+        self.dot = np.zeros((self.n_entries, n_layers))
+        self.pending: list[list[int]] = []  # this step's decode selections, by layer
+        self.best = [0] * n_layers
+        w = self.weight
+        self.heap = [
+            (0.0, w[layer], e, layer)
+            for layer in range(n_layers)
+            for e in range(n_exp)
+            if self.cached[layer][e]
+        ]
+        heapq.heapify(self.heap)
+
+    def on_sequence_start(self, seq_id: int, n_prefill: int) -> None:
+        """Each request has its own EAM."""
+        self._reset_request()
+
+    # -- matching --------------------------------------------------------------------------------
+    def _match(self) -> None:
+        """The nearest collection entry for every layer of this step (see the module doc)."""
+        pend = self.pending
+        if pend:
+            if len(pend) == self.n_layers:
+                k = len(pend[0])
+                if all(len(p) == k for p in pend):
+                    es = np.asarray(pend, dtype=np.int64)
+                    ls = np.repeat(np.arange(self.n_layers), k)
+                    flat = es.reshape(-1)
+                    self.cur[ls, flat] += 1.0
+                    gathered = self.unit[:, ls, flat].reshape(self.n_entries, self.n_layers, k)
+                    self.dot += gathered.sum(axis=2)
+                    pend = []
+            for layer, exps in enumerate(pend):
+                for e in exps:
+                    self.cur[layer, e] += 1.0
+                    self.dot[:, layer] += self.unit[:, layer, e]
+            self.pending = []
+        if self.n_entries == 1:
+            return
+        norm = np.sqrt((self.cur * self.cur).sum(axis=1))
+        cos = np.divide(self.dot, norm, out=np.zeros_like(self.dot), where=norm > 0)
+        # score of entry c at layer l: sum of its cosines over layers > l
+        after = np.cumsum(cos[:, :0:-1], axis=1)[:, ::-1]
+        self.best = [*np.argmax(after, axis=0).tolist(), 0]
+
+    def _candidates(self, entry: int, layer: int) -> tuple[list[Slot], frozenset[Slot]]:
+        """The entry's experts of later layers in prefetch order, and the same as a set."""
+        key = (entry, layer)
+        got = self.cands.get(key)
+        if got is None:
+            n_layers = self.n_layers
+            last = n_layers - 1 if self.depth == 0 else min(n_layers - 1, layer + self.depth)
+            items = []
+            counts = self.coll[entry]
+            for x in range(layer + 1, last + 1):
+                decay = 1.0 - (x - layer) / (n_layers + 1)
+                for e in np.flatnonzero(counts[x]).tolist():
+                    items.append((-(counts[x, e] * decay), x, e))
+            items.sort()
+            order = [(x, e) for _, x, e in items]
+            got = self.cands[key] = (order, frozenset(order))
+        return got
+
+    # -- cache -----------------------------------------------------------------------------------
+    def _victim(
+        self, now: float, layer: int, protect: set[int], keep: frozenset[Slot] | None
+    ) -> Slot | None:
+        """The lowest-priority evictable expert, never one in ``keep`` (None if none)."""
+        heap, cached, cnt = self.heap, self.cached, self.cnt
+        inflight = self.inflight
+        skipped = []
+        found: Slot | None = None
+        while heap:
+            item = heapq.heappop(heap)
+            key, w, e, vl = item
+            if not cached[vl][e]:
+                continue  # evicted since
+            now_key = cnt[vl][e] * w
+            if now_key != key:
+                # priorities only grow within a request: requeue at the current one
+                heapq.heappush(heap, (now_key, w, e, vl))
+                continue
+            if (vl == layer and e in protect) or inflight.get((vl, e), -1.0) > now:
+                skipped.append(item)
+                continue
+            if keep is not None and (vl, e) in keep:
+                skipped.append(item)
+                if len(skipped) > KEEP_SCAN:
+                    break  # the cache's low end is all predicted: trading like for like
+                continue
+            found = (vl, e)
+            break
+        for item in skipped:
+            heapq.heappush(heap, item)
+        return found
+
+    def _copy(self, now: float) -> float:
+        """Book one copy on the link (FIFO after this policy's earlier copies); its end."""
+        start = now if now > self.link_free else self.link_free
+        self.link_free = end = start + self.copy_s
+        return end
+
+    def decode_layer(self, view: View) -> Plan:
+        """Count the step into the EAM, serve the layer from the cache, then prefetch."""
+        layer = view.layer
+        now = view.now
+        if layer == 0:
+            self._match()
+        experts = view.experts.tolist()
+        counts = view.counts
+        cnt_l = self.cnt[layer]
+        cached = self.cached[layer]
+        # the heap keeps each cached expert's priority at insertion (or a later requeue): a
+        # count only grows within a request, so _victim requeues what it finds out of date
+        if counts is None:
+            self.pending.append(experts)
+            for e in experts:
+                cnt_l[e] += 1
+        else:
+            c = np.asarray(counts, dtype=np.float64)
+            self.cur[layer] += c
+            self.dot[:, layer] += self.unit[:, layer, :] @ c
+            for e in experts:
+                cnt_l[e] += int(counts[e])
+        misses = [e for e in experts if not cached[e]]
+        if not misses and (not self.do_prefetch or self.link_free >= now + self.gap):
+            return ALL_GPU_PLAN
+        w = self.weight[layer]
+        heap = self.heap
+        actions = {e: GPU for e in experts if cached[e]}
+        plan = Plan(actions=actions)
+        protect = set(experts)
+        temp = False
+        for e in misses:
+            if self.size < self.capacity:
+                self.size += 1
+            else:
+                victim = self._victim(now, layer, protect, None)
+                if victim is None:
+                    actions[e] = TEMP
+                    temp = True
+                    self._copy(now)
+                    continue
+                self.cached[victim[0]][victim[1]] = False
+                plan.victims[e] = victim
+            actions[e] = FETCH
+            cached[e] = True
+            heapq.heappush(heap, (cnt_l[e] * w, w, e, layer))
+            self._copy(now)
+        # a temporary copy may wait for its buffer, so the link ledger is not exact: no prefetch
+        if self.do_prefetch and not temp and layer < self.n_layers - 1:
+            self._prefetch(plan, now, layer, protect)
+        return plan
+
+    def _prefetch(self, plan: Plan, now: float, layer: int, protect: set[int]) -> None:
+        horizon = now + self.gap
+        if self.link_free >= horizon:
+            return
+        order, keep = self._candidates(self.best[layer], layer)
+        cached, cnt, weight, heap = self.cached, self.cnt, self.weight, self.heap
+        for x, e in order:
+            if self.link_free >= horizon:
+                break
+            row = cached[x]
+            if row[e]:
+                continue
+            victim: Slot | None = None
+            if self.size < self.capacity:
+                self.size += 1
+            else:
+                victim = self._victim(now, layer, protect, keep)
+                if victim is None:
+                    break
+                cached[victim[0]][victim[1]] = False
+            row[e] = True
+            w = weight[x]
+            heapq.heappush(heap, (cnt[x][e] * w, w, e, x))
+            self.inflight[(x, e)] = self._copy(now)
+            plan.prefetch.append((x, e, victim))
+        if len(self.inflight) > 4 * self.n_layers:
+            self.inflight = {s: t for s, t in self.inflight.items() if t > now}

@@ -1,0 +1,157 @@
+"""moe-infinity's rules against independent oracles and hand-computed cases.
+
+* matching: the code's ``find_most_similar`` (EfficientMoE/MoE-Infinity 87eacf7,
+  memory/expert_tracer.py) transcribed literally (overwrite layers <= l, normalise rows, cosine
+  with eps, mean over layers, argmin) picks the same entry as the policy's incremental match
+  at every layer of every token;
+* prefetch order: the matched entry's counts x ``1 - (x - l) / (L + 1)``, hand-computed;
+* eviction: the lowest ``count x (1 - l / L)`` of the current request goes, hand-computed;
+* end to end: it prefetches on a bundled trace, and a run without calibration refuses.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from policies.base import SetupContext, View
+from policies.moe_infinity import MoEInfinityPolicy
+from simulator.costs import cost_model
+from simulator.errors import UserError
+from simulator.hardware import load_profile
+from simulator.runner import simulate
+from simulator.testing import tiny_model
+
+HW = load_profile("a6000-pcie4")
+
+
+def make(model: Any, coll: np.ndarray, budget: int, **opts: Any) -> MoEInfinityPolicy:
+    """A set-up policy whose EAM collection is ``coll``."""
+    pol = MoEInfinityPolicy(**opts)
+    calib = coll.sum(axis=0).astype(np.int64)
+    ctx = SetupContext(
+        model, budget, cost_model(HW, model), calib, None, calibration_sequences=tuple(coll)
+    )
+    pol.setup(ctx)
+    pol.on_sequence_start(0, 0)
+    return pol
+
+
+def view(model: Any, layer: int, experts: list[int], now: float) -> View:
+    """A decode view of one layer (the policy reads experts, weights, layer, now)."""
+    v = View()
+    v.model = model
+    v.layer = layer
+    v.experts = np.asarray(experts, dtype=np.int64)
+    v.weights = np.full(len(experts), 1.0 / len(experts), dtype=np.float32)
+    v.resident = np.zeros((model.moe_layers, model.experts), dtype=bool)
+    v.now = now
+    return v
+
+
+def code_match(coll: np.ndarray, matrix: np.ndarray, layer: int) -> int:
+    """``ExpertTracer.find_most_similar`` in numpy, step by step as the code does it."""
+    c = coll.astype(np.float64).copy()
+    c[:, : layer + 1, :] = 1e-9
+    c /= c.sum(axis=2, keepdims=True)
+    m = matrix.astype(np.float64).copy()
+    with np.errstate(invalid="ignore", divide="ignore"):
+        m /= m.sum(axis=1, keepdims=True)
+    m = np.nan_to_num(m)
+    # torch.nn.CosineSimilarity(dim=2, eps=1e-6): x.y / max(|x| |y|, eps)
+    num = (c * m[None]).sum(axis=2)
+    den = np.maximum(np.linalg.norm(c, axis=2) * np.linalg.norm(m, axis=1)[None], 1e-6)
+    dist = 1.0 - (num / den).mean(axis=1)
+    return int(np.argmin(dist))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_match_equals_the_codes_find_most_similar(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    model = tiny_model(experts=8, top_k=2, moe_layers=6)
+    n_layers, n_exp = model.moe_layers, model.experts
+    coll = rng.integers(0, 20, size=(7, n_layers, n_exp))
+    pol = make(model, coll, budget=10, prefetch=False)
+    matrix = np.zeros((n_layers, n_exp), dtype=np.int64)
+    now = 0.0
+    checked = 0
+    for _token in range(12):
+        for layer in range(n_layers):
+            experts = rng.choice(n_exp, size=2, replace=False).tolist()
+            matrix[layer, experts] += 1  # update_entry runs before the match
+            now += 1e-3
+            pol.decode_layer(view(model, layer, experts, now))
+            if layer < n_layers - 1:
+                assert pol.best[layer] == code_match(coll, matrix, layer), (_token, layer)
+                checked += 1
+    assert checked == 12 * (n_layers - 1)
+    assert len(set(pol.best[:-1])) > 1 or seed != 0  # the match does move between entries
+
+
+def test_prefetch_order_is_count_times_layer_proximity() -> None:
+    model = tiny_model(experts=4, top_k=1, moe_layers=4)
+    entry = np.zeros((4, 4), dtype=np.int64)
+    entry[0, 0] = 1
+    entry[1, 0], entry[1, 1] = 5, 1  # x 0.8 -> 4.0, 0.8
+    entry[2, 2], entry[2, 3] = 10, 5  # x 0.6 -> 6.0, 3.0
+    entry[3, 0] = 9  # x 0.4 -> 3.6
+    pol = make(model, entry[None], budget=16)
+    order, keep = pol._candidates(0, 0)
+    assert order == [(2, 2), (1, 0), (3, 0), (2, 3), (1, 1)]
+    assert keep == frozenset(order)
+    # from layer 1 the decay restarts: (2,2) 10 x 0.8, (2,3) 5 x 0.8 = 4.0, (3,0) 9 x 0.6 = 5.4
+    assert pol._candidates(0, 1)[0] == [(2, 2), (3, 0), (2, 3)]
+    shallow = make(model, entry[None], budget=16, prefetch_depth=1)
+    assert shallow._candidates(0, 0)[0] == [(1, 0), (1, 1)]
+    # with an idle link the first decision prefetches the head of the queue that is not
+    # cached, evicting the lowest-priority expert that is not predicted: (3, 1), not (3, 0)
+    full = make(model, entry[None], budget=8)  # experts 0 and 1 of every layer
+    plan = full.decode_layer(view(model, 0, [0], 0.0))
+    assert plan.prefetch[0] == (2, 2, (3, 1))
+
+
+def test_eviction_takes_the_lowest_count_times_layer_weight() -> None:
+    model = tiny_model(experts=4, top_k=1, moe_layers=4)  # weights 1, 0.75, 0.5, 0.25
+    coll = np.ones((1, 4, 4), dtype=np.int64)
+    pol = make(model, coll, budget=2, prefetch=False, initial="empty")
+    now = 0.0
+
+    def step(layer: int, e: int) -> tuple[int, int] | None:
+        nonlocal now
+        now += 1.0
+        plan = pol.decode_layer(view(model, layer, [e], now))
+        return plan.victims.get(e) if plan.actions else None
+
+    # token 0: expert 0 everywhere; the cache holds two
+    assert [step(layer, 0) for layer in range(4)] == [None, None, (1, 0), (2, 0)]
+    # now (0,0): 1 x 1 = 1.0 and (3,0): 1 x 0.25; token 1 hits (0,0) (2.0), then misses
+    assert step(0, 0) is None
+    assert step(1, 1) == (3, 0)  # 0.25 < 2.0
+    assert step(2, 1) == (1, 1)  # (1,1): 1 x 0.75 < (0,0): 2.0
+    # a new request resets the counts: every expert is back to 0, ties go to the deeper layer
+    pol.on_sequence_start(1, 0)
+    assert step(3, 3) == (2, 1)
+
+
+def test_runs_and_prefetches_on_a_bundled_trace() -> None:
+    r = simulate(policy="moe-infinity", trace="ci-small", sequences=1, record=False)
+    assert r.metrics["prefetches"] > 0
+    assert 0 < r.metrics["prefetch_precision"] <= 1
+    assert r.config["calibration"] == "held-out"
+    off = simulate(
+        policy="moe-infinity",
+        trace="ci-small",
+        sequences=1,
+        record=False,
+        policy_options={"prefetch": False},
+    )
+    assert off.metrics["prefetches"] == 0
+
+
+def test_needs_calibration_sequences() -> None:
+    with pytest.raises(UserError, match="calibration"):
+        simulate(policy="moe-infinity", trace="ci-small", sequences=1, calibration="none")
+    with pytest.raises(UserError, match="eamc_capacity"):
+        MoEInfinityPolicy(eamc_capacity=0)
