@@ -805,10 +805,13 @@ class Engine(EngineBase):
         # victim's deferred write-back still go through the heap. A temporary copy waiting
         # for a buffer, and CPU calls, are submitted after ``now``: they are only taken here
         # when nothing else is pending at all (the heap then has nothing to serve first).
+        # The host thread of a runtime profile (per-expert dispatch and syncs) is only timed by
+        # the general path and _hits_only, so a run with one never takes this path.
         actions = plan.actions
         res = self.res
         if (
             self._unified
+            or self.machine.host is not None
             or res.waiters
             or actions.__class__ is not dict
             or len(actions) != len(routed)
