@@ -46,6 +46,9 @@ class Param:
     default: Any
     help: str
     choices: tuple[Any, ...] | None = None
+    # bounds are checked once here, so a policy's __init__ does not repeat them
+    minimum: float | None = None
+    maximum: float | None = None
 
 
 @dataclass(slots=True)
@@ -316,6 +319,14 @@ def coerce_option(policy: str, key: str, param: Param, value: Any) -> Any:
     if param.choices is not None and value not in param.choices:
         raise UserError(
             f"policy {policy!r}: option {key!r} must be one of {list(param.choices)}, got {value!r}"
+        )
+    if param.minimum is not None and value < param.minimum:
+        raise UserError(
+            f"policy {policy!r}: option {key!r} must be >= {param.minimum:g}, got {value!r}"
+        )
+    if param.maximum is not None and value > param.maximum:
+        raise UserError(
+            f"policy {policy!r}: option {key!r} must be <= {param.maximum:g}, got {value!r}"
         )
     return value
 
