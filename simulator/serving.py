@@ -370,7 +370,7 @@ class Scheduler:
         self.kv_peak = 0
         #: KV allocated as tokens are written, with preemption (``ServingConfig.preempt``)
         self.incremental = incremental
-        #: preemptions so far, and the KV tokens they freed (to be prefilled again)
+        #: preemptions so far, and the KV tokens written then freed by them (prefilled again)
         self.preemptions = 0
         self.preempted_kv_tokens = 0
 
@@ -396,8 +396,12 @@ class Scheduler:
                 need = head.prompt + head.done
             else:
                 need = q[0].kv_tokens
-            if cap is not None and self.kv_used + need > cap:
-                break
+            if cap is not None:
+                # preemption: also room for the next token of every running request and its
+                # own (a one-step watermark, so an admission is not preempted at once)
+                grow = len(self.running) + 1 if self.incremental else 0
+                if self.kv_used + need + grow > cap:
+                    break
             r = q.popleft()
             self.kv_used += need
             self.kv_peak = max(self.kv_peak, self.kv_used)
@@ -410,6 +414,12 @@ class Scheduler:
             self.running.append(r)
             out.append(r)
         return out
+
+    def fits_empty(self) -> bool:
+        """The head of the queue fits in an empty KV cache (so an idle server admits it at the
+        next step boundary; a request that ended at admission left the server idle)."""
+        cap = self.kv_capacity
+        return bool(self.queue) and (cap is None or self.queue[0].kv_tokens <= cap)
 
     def grow(self, decoding: list[Request]) -> None:
         """Each request in ``decoding`` writes one more KV token (allocation as written)."""
@@ -424,7 +434,8 @@ class Scheduler:
         the tokens it generated again when readmitted."""
         r = self.running.pop()
         self.kv_used -= r.held
-        self.preempted_kv_tokens += r.held
+        # the tokens whose KV it had written (not prompt rows allocated but not yet prefilled)
+        self.preempted_kv_tokens += r.held - (r.prefill_target - r.prefilled)
         r.held = 0
         r.preemptions += 1
         self.preemptions += 1
@@ -505,7 +516,7 @@ def plan_steps(
                 break
             if nxt > clock():  # idle until the next request arrives
                 yield "idle", nxt
-            elif not running:
+            elif not running and not sched.fits_empty():
                 head = sched.queue[0]
                 raise UserError(
                     f"request {head.rid} needs {head.kv_tokens} KV tokens, more than the KV "
@@ -663,7 +674,7 @@ class Serving:
                 if nxt > eng.now:  # idle until the next request arrives
                     eng.now = nxt = float(nxt)
                     yield nxt
-                elif not sched.running:
+                elif not sched.running and not sched.fits_empty():
                     raise UserError(
                         f"request {sched.queue[0].rid} needs {sched.queue[0].kv_tokens} KV "
                         f"tokens, more than the KV cache holds ({sched.kv_capacity})"
