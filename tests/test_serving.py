@@ -768,6 +768,13 @@ def test_run_out_writes_the_request_table_and_a_timeline_with_request_ids(tmp_pa
     ids = {i for cell in tl["requests"] for i in cell.split(",")}
     assert ids == {"0", "1", "2"}
     assert (tl.loc[tl["seq"] >= 0, "requests"] == tl.loc[tl["seq"] >= 0, "seq"].astype(str)).all()
+    # the Perfetto trace's slices carry the same request ids
+    import gzip
+
+    doc = json.loads(gzip.decompress((out / "trace.perfetto.json.gz").read_bytes()))
+    slices = [e for e in doc["traceEvents"] if e.get("ph") == "X"]
+    assert len(slices) == len(tl)
+    assert sorted(e["args"]["requests"] for e in slices) == sorted(tl["requests"])
 
 
 # -- random attacks -----------------------------------------------------------------------------
