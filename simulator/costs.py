@@ -305,6 +305,31 @@ class CostModel:
         moved = self.nonexpert_layer_bytes + m.kv_bytes_per_token / m.moe_layers * kv_tokens
         return self._nonexpert_roof(n_tokens, moved, kv_tokens)
 
+    def nonexpert_mixed_layer_s(
+        self, chunk: int, chunk_context: int, n_decode: int, decode_kv: int
+    ) -> float:
+        """Seconds of one MoE layer's non-expert part for a step that carries ``chunk`` prompt
+        tokens of one request (``chunk_context`` of its tokens already cached) beside one new
+        token of each of ``n_decode`` decoding requests, whose caches hold ``decode_kv`` tokens
+        in all once the new ones are written (chunked prefill, docs/serving.md).
+
+        Weights are read once for all ``chunk + n_decode`` tokens; the KV bytes and query-key
+        pairs are the prefill chunk's (causal, over its context) plus the decode tokens'. With
+        no decode tokens this is :meth:`nonexpert_layer_s` (chunk, chunk_context); with no
+        chunk, :meth:`nonexpert_batch_layer_s` (n_decode, decode_kv).
+        """
+        _check_tokens(chunk, "chunk")
+        _check_tokens(chunk_context, "chunk_context")
+        _check_tokens(n_decode, "n_decode")
+        _check_tokens(decode_kv, "decode_kv")
+        n = chunk + n_decode
+        if n == 0:
+            return 0.0
+        m = self.model
+        kv = m.kv_bytes_per_token / m.moe_layers * (chunk_context + chunk + decode_kv)
+        pairs = chunk * chunk_context + chunk * (chunk + 1) / 2 + decode_kv
+        return self._nonexpert_roof(n, self.nonexpert_layer_bytes + kv, pairs)
+
     def _nonexpert_moved(self, n_tokens: int, context: int) -> float:
         """Bytes one layer's non-expert part moves: its weights and the KV cache it touches."""
         m = self.model

@@ -599,6 +599,7 @@ def simulate(
                 plan.config.continuous,
                 plan.sched.kv_capacity,
                 oracle,
+                plan.config,
             )
         else:
             for r in iter_sequences(trace_path, meta, sequences=set(eval_ids)):

@@ -427,3 +427,31 @@ def test_simulate_and_cli_select_the_reference_engine(tmp_path: Path) -> None:
     res = CliRunner().invoke(main, [*args, "--engine", "reference", "--no-bounds", "--json"])
     assert res.exit_code == 0, res.output
     assert '"engine": "reference"' in res.output
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_chunked_prefill_and_preemption_time_identically(seed: int) -> None:
+    """Mixed steps (prompt chunks beside decode tokens) and recompute preemption under a tight
+    KV cache, with the chaos policy's random legal plans: both engines time them the same."""
+    model = tiny_model(experts=6, top_k=2, moe_layers=3)
+    hw = load_profile("jetson-orin-64g" if seed >= 2 else "a6000-pcie4")
+    config = ServingConfig(batch=3, continuous=True, prefill_chunk=1 + seed % 3, preempt=True)
+    out = []
+    for cls in (Engine, ReferenceEngine):
+        rng = np.random.default_rng(100 + seed)
+        seqs = [random_routing(model, s, 4, int(rng.integers(2, 6)), rng) for s in range(5)]
+        times = sorted(float(x) for x in rng.uniform(0, 2e-3, size=5))
+        reqs = [
+            Request(s, s, t, r.n_prefill, r.n_decode, dense(r, model.experts))
+            for s, (r, t) in enumerate(zip(seqs, times, strict=True))
+        ]
+        kv = max(q.kv_tokens for q in reqs) + 2  # room for little more than one request
+        pol = ChaosPolicy(rng, 2, 2, writeback=bool(seed % 2))
+        rec = Recorder()
+        eng = cls(pol, model, cost_model(hw, model), 8, None, None, None, rec)
+        pol.engine = eng
+        eng.serving = Serving(reqs, config, kv)
+        out.append((rec, eng.run(iter(())), eng))
+    (ra, sa, ea), (rb, sb, _) = out
+    assert ea.serving.mixed_steps > 0 and ea.serving.sched.preemptions > 0
+    assert_same(ra.timeline(), rb.timeline(), sa, sb)

@@ -362,3 +362,38 @@ def test_prefill_row_runs_and_respects_the_link_bound(
     hw = load_profile(row.sim["hw"])
     moved = model.moe_layers * model.experts * model.expert_bytes("bf16")
     assert res.simulated >= moved / (hw.link.h2d_pinned_gbs * 1e9)
+
+
+def test_a_row_with_serving_keys_runs_batched(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``batch = 4`` in [row.sim] is ``--batch 4``: the row's value is the batched run's."""
+    from simulator.runner import simulate
+    from simulator.serving import ServingConfig
+    from simulator.validation import run_row
+
+    monkeypatch.setenv("DAOPSIM_CACHE", str(tmp_path))
+    spec = {"preset": "deepseek-v2-lite", "sequences": 4, "prompt_tokens": 4, "output_tokens": 6}
+    sim = {"policy": "lru", "hw": "a6000-pcie4", "cache_ratio": 0.25, "synth": spec}
+    one = run_row(_row(id="b1", published=1.0, metric="tokens_per_s", sim=sim))
+    four = run_row(_row(id="b4", published=1.0, metric="tokens_per_s", sim={**sim, "batch": 4}))
+    direct = simulate(
+        policy="lru",
+        hw="a6000-pcie4",
+        cache_ratio=0.25,
+        trace=str(synth_trace(spec)),
+        record=False,
+        serving=ServingConfig(batch=4),
+    )
+    assert four.simulated == pytest.approx(direct.metrics["tokens_per_s"])
+    assert one.simulated is not None and four.simulated is not None
+    assert four.simulated > one.simulated  # the batch shares each layer's expert loads
+    with pytest.raises(UserError, match="unknown simulator key 'batch_size'"):
+        table = tmp_path / "t.toml"
+        table.write_text(
+            '[[row]]\nid = "x"\nsource = "s"\nsystem = "s"\nhardware = "h"\nmodel = "m"\n'
+            'precision = "bf16"\nworkload = "w"\npublished = 1.0\nunit = "tokens/s"\n'
+            'metric = "tokens_per_s"\nrole = "test"\n[row.sim]\npolicy = "lru"\n'
+            'hw = "a6000-pcie4"\ntrace = "ci-small"\nbatch_size = 4\n'
+        )
+        load_table(table)

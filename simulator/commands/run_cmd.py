@@ -202,6 +202,16 @@ def render_serving(sv: dict[str, Any]) -> str:
         f"  {'KV cache':<28} {_fmt(sv['kv_cache_tokens'])} tokens, peak "
         f"{_fmt(sv['kv_peak_tokens'])}",
     ]
+    if sv.get("prefill_chunk") is not None:
+        rows.append(
+            f"  {'chunked prefill':<28} {sv['prefill_chunk']} tokens per step, "
+            f"{sv['mixed_steps']} mixed steps"
+        )
+    if sv.get("preemptions") or sv.get("kv_allocation", "").startswith("as written"):
+        rows.append(
+            f"  {'preemptions':<28} {sv['preemptions']} ({sv['preempted_kv_tokens']} KV "
+            "tokens recomputed)"
+        )
     return "\n".join(rows)
 
 
@@ -351,6 +361,21 @@ def render_serving(sv: dict[str, Any]) -> str:
     metavar="FILE",
     help="Write one row per request (.csv or .parquet) in a serving run.",
 )
+@click.option(
+    "--prefill-chunk",
+    type=int,
+    default=None,
+    metavar="N",
+    help="Chunked prefill: each step carries up to N prompt tokens of a joining request "
+    "beside the running requests' decode tokens.",
+)
+@click.option(
+    "--preempt",
+    is_flag=True,
+    default=False,
+    help="Allocate the KV cache as tokens are written and preempt the newest request "
+    "(recompute) when it runs out, instead of reserving prompt + output at admission.",
+)
 @json_option
 def run(
     policy: str,
@@ -380,6 +405,8 @@ def run(
     slo_tpot: float | None = None,
     requests_out: str | None = None,
     runtime: str | None = None,
+    prefill_chunk: int | None = None,
+    preempt: bool = False,
 ) -> None:
     """Simulate one policy on one machine over a routing trace."""
     from simulator.runner import simulate
@@ -387,7 +414,15 @@ def run(
 
     options = parse_options(policy_opts)
     serving = serving_config(
-        batch, max_batch, arrival_rate, arrivals, kv_cache_gb, slo_ttft, slo_tpot
+        batch,
+        max_batch,
+        arrival_rate,
+        arrivals,
+        kv_cache_gb,
+        slo_ttft,
+        slo_tpot,
+        prefill_chunk=prefill_chunk,
+        preempt=preempt,
     )
     inputs = (trace, calibration, hw, arrivals)
     if requests_out is not None:
