@@ -175,8 +175,16 @@ class ReferenceEngine(EngineBase):
         op.end = env.now
         self._slot_back()
 
+    def _ssd_wait(self, op: LayerOp) -> Proc:
+        """The SSD tier: wait until the operation's drive read has landed its weights."""
+        env = self.env
+        if op.ssd_at > env.now:
+            yield env.timeout(op.ssd_at - env.now)
+
     def _copy_in(self, op: LayerOp) -> Proc:
         env = self.env
+        if op.ssd_at > env.now:
+            yield from self._ssd_wait(op)
         # no yield between submission and request when nothing blocks: requests made at the
         # same moment reach a resource in issue order (the tie-break of the rule)
         get = self._slots.get(1)
@@ -185,6 +193,10 @@ class ReferenceEngine(EngineBase):
         else:
             yield get
         link = self._h2d
+        if op.gds:  # the drive wrote the slot already (GPUDirect Storage): no H2D copy
+            self.res.copied((op.layer, op.expert), env.now)
+            self._finish(op, env.now)
+            return
         with self._res[link.lane.name].request(priority=(env.now, op.seq)) as req:
             yield req
             s = env.now
@@ -201,6 +213,11 @@ class ReferenceEngine(EngineBase):
         if not get.triggered:
             yield get
         op.buf = get.value
+        if op.ssd_at > env.now:
+            yield from self._ssd_wait(op)
+        if op.gds:  # the drive wrote the buffer already (GPUDirect Storage): no H2D copy
+            self._finish(op, env.now)
+            return
         link = self._h2d
         m = self.machine
         dur, nbytes = (
@@ -214,6 +231,8 @@ class ReferenceEngine(EngineBase):
         """CPU jobs one after another: activations to the host, a worker, results back."""
         env = self.env
         while op is not None:
+            if op.ssd_at > env.now:  # its weights are still being read from the drive
+                yield from self._ssd_wait(op)
             n = op.n
             d2h, h2d = self._d2h, self._h2d
             act = self.act_bytes * n
