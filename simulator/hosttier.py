@@ -145,16 +145,15 @@ class HostTier:
         #: when each host copy is complete (a read in flight lands later than its issue)
         self.ready = np.zeros((n_layers, n_experts))
         self.lru: OrderedDict[tuple[int, int], None] = OrderedDict()
-        # at start the host holds the first experts in (layer, expert) order, as a loader that
-        # reads the checkpoint front to back leaves them
-        n = 0
-        for layer in range(n_layers):
-            for e in range(n_experts):
-                if n >= cfg.capacity:
-                    break
-                self.host[layer, e] = True
-                self.lru[(layer, e)] = None
-                n += 1
+        # at start the host holds the first ``capacity`` experts in (layer, expert) order, the
+        # first of them the most recently used: a larger budget then holds a superset with the
+        # same recency order, so LRU's inclusion property (a larger host never reads more from
+        # the drive for the same accesses) holds from the first access on
+        n = min(cfg.capacity, n_layers * n_experts)
+        first = [divmod(i, n_experts) for i in range(n)]
+        for slot in reversed(first):
+            self.host[slot] = True
+            self.lru[slot] = None
         self.n_host = n
         self.peak = n
         self.ssd_bytes = 0
@@ -183,13 +182,12 @@ class HostTier:
         self.ssd_reads += 1
         self.ssd_bytes += self.expert_bytes
         gds = self.gds and to_gpu
+        if not gds:  # the page cache makes room first (its evictions are recorded first)
+            self._insert(slot, e, op, now)
         if self.recorder is not None:
             self.recorder.op(SSD_LANE, "gds_read" if gds else "ssd_read", op.sid, op.token,
                              slot[0], slot[1], s, e, self.expert_bytes)  # fmt: skip
-        if gds:
-            return e, True
-        self._insert(slot, e, op, now)
-        return e, False
+        return e, gds
 
     def written_back(self, op: Any, now: float) -> None:
         """A GPU write-back lands a host copy of ``op``'s expert (no drive read)."""
@@ -198,6 +196,9 @@ class HostTier:
             self.lru.move_to_end(slot)
         else:
             self._insert(slot, now, op, now)
+            if self.recorder is not None:
+                self.recorder.op("pagecache", "host_insert", op.sid, op.token, slot[0], slot[1],
+                                 now, now, 0)  # fmt: skip
 
     def _insert(self, slot: tuple[int, int], ready: float, op: Any, t: float) -> None:
         """Take a host copy for ``slot``, evicting least recently used copies to make room."""
