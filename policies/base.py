@@ -100,6 +100,7 @@ class View:
         "costs",
         "counts",
         "experts",
+        "host_resident",
         "layer",
         "model",
         "n_tokens",
@@ -114,7 +115,6 @@ class View:
         "step",
         "token",
         "weights",
-        "host_resident",
     )
 
     def __init__(self) -> None:

@@ -44,4 +44,6 @@ class LlamaCppMmapPolicy(LlamaCppCpuMoePolicy):
     def resources(self) -> ResourceSpec:
         """Pageable host memory (the mapping's pages), mmap access, one copy buffer, one CPU
         worker."""
-        return ResourceSpec(host_memory="pageable", temp_buffers=1, cpu_workers=1, ssd_access="mmap")
+        return ResourceSpec(
+            host_memory="pageable", temp_buffers=1, cpu_workers=1, ssd_access="mmap"
+        )

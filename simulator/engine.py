@@ -126,6 +126,7 @@ class LayerOp:
         "chain",
         "end",
         "expert",
+        "gds",
         "gpu",
         "kind",
         "layer",
@@ -134,10 +135,9 @@ class LayerOp:
         "rkind",
         "seq",
         "sid",
+        "ssd_at",
         "stage",
         "token",
-        "ssd_at",
-        "gds",
     )
 
     def __init__(

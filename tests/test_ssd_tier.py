@@ -9,6 +9,7 @@ one-line errors.
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any
 
@@ -21,11 +22,11 @@ from policies.base import Plan, View
 from policies.lru import LRUPolicy
 from simulator.cli import main
 from simulator.costs import cost_model
+from simulator.data import resolve_trace
 from simulator.hardware import load_profile
 from simulator.recorder import Recorder
 from simulator.runner import simulate
 from simulator.trace import read_meta
-from simulator.data import resolve_trace
 
 HW = "rtx4090-990pro-pcie4"  # 64 GB host memory, a Samsung 990 PRO
 NOMEM = "rtx4090-pcie4"  # states no host memory and has no [ssd] table
@@ -87,7 +88,7 @@ def test_host_budget_never_exceeded_and_one_read_per_residency(
     resident = {divmod(i, n_exp) for i in range(cap)}
     peak = len(resident)
     reads = evicts = 0
-    for resource, kind, _sid, _tok, layer, expert, *_ in rows:
+    for _resource, kind, _sid, _tok, layer, expert, *_ in rows:
         slot = (layer, expert)
         if kind == "host_evict":
             assert slot in resident, f"evicted {slot} which the host does not hold"
@@ -148,7 +149,7 @@ def test_smaller_host_budget_reads_more(policy: str) -> None:
     budgets = [15.0, 25.0, 40.0, 60.0, 80.0, 95.0]
     got = [_run(policy, host_memory_gb=gb, record=False).metrics for gb in budgets]
     read = [m["ssd_bytes"] for m in got]
-    assert all(a >= b for a, b in zip(read, read[1:], strict=False)), read
+    assert all(a >= b for a, b in itertools.pairwise(read)), read
     assert read[0] > read[-2] > 0 and read[-1] == 0  # 95 GB holds all of Mixtral at bf16
     e2e = [m["e2e_s"] for m in got]
     assert e2e[0] > e2e[-1]
@@ -170,9 +171,13 @@ def test_gds_moves_no_host_memory_bytes(monkeypatch: pytest.MonkeyPatch) -> None
     # a GDS read replaces the H2D copy: the link carries only the host-resident experts
     tl = gds.timeline
     h2d = tl[(tl["resource"] == "h2d") & tl["kind"].isin(["fetch", "prefetch", "temp"])]
-    assert len(h2d) == gds.metrics["fetches"] + gds.metrics["temp_copies"] - gds.metrics[
-        "ssd_reads"
-    ] + gds.metrics["prefetches"]
+    assert (
+        len(h2d)
+        == gds.metrics["fetches"]
+        + gds.metrics["temp_copies"]
+        - gds.metrics["ssd_reads"]
+        + gds.metrics["prefetches"]
+    )
     # the page-cache path grows the cache instead (and evicts to stay in the budget)
     assert page.metrics["host_evictions"] > 0
     assert gds.metrics["e2e_s"] < page.metrics["e2e_s"]
