@@ -296,3 +296,34 @@ def test_model_without_trace_runs_on_an_nvme_workstation(
     assert 0 < m["host_memory_peak_bytes"] <= 128e9
     tl = pd.read_parquet(tmp_path / "out" / "timeline.parquet")
     assert (tl["resource"].astype(str) == "ssd").any()
+
+
+def test_read_time_follows_the_drive_and_the_access() -> None:
+    model = read_meta(resolve_trace("ci-small")).model
+    pro = cost_model(load_profile(HW), model)
+    t705 = cost_model(load_profile("rtx6000ada-t705-pcie4"), model)
+    eb = pro.host_expert_bytes
+    assert pro.ssd_expert_s("read") == pytest.approx(60e-6 + eb / 7.45e9)
+    assert pro.ssd_expert_s("mmap") == pytest.approx(60e-6 + eb / (1.4e6 * 4096))
+    assert t705.ssd_expert_s("read") < pro.ssd_expert_s("read") < pro.ssd_expert_s("mmap")
+    with pytest.raises(ValueError, match=r"\[ssd\]"):
+        cost_model(load_profile(NOMEM), model).ssd_expert_s()
+    # llama-cpp-mmap's faults go at the random-read rate, lru's reads at the sequential one
+    mm = _run("llama-cpp-mmap", host_memory_gb=25.0)
+    tl = mm.timeline[mm.timeline["resource"] == "ssd"]
+    assert len(tl) > 0
+    assert np.allclose(tl["end"] - tl["start"], pro.ssd_expert_s("mmap"), rtol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "mode", [{"batch": 2}, {"batch": 2, "continuous": True, "arrival_rate": 0.5}]
+)
+def test_engines_agree_on_batched_ssd_runs(mode: dict[str, Any]) -> None:
+    from simulator.serving import ServingConfig
+
+    kw = {"host_memory_gb": 30.0, "sequences": 3, "serving": ServingConfig(**mode)}
+    fast = _run("fiddler", **kw)
+    ref = _run("fiddler", engine="reference", **kw)
+    assert fast.metrics["ssd_reads"] > 0
+    _same_timeline(fast.timeline, ref.timeline)
+    assert fast.metrics["host_memory_peak_bytes"] <= 30e9
