@@ -136,6 +136,7 @@ class LayerOp:
         "seq",
         "sid",
         "ssd_at",
+        "ssd_read",
         "stage",
         "token",
     )
@@ -161,6 +162,9 @@ class LayerOp:
         self.ssd_at = 0.0
         #: the SSD tier: a GPUDirect Storage read already put the weights in GPU memory
         self.gds = False
+        #: the SSD tier: this operation issued the drive read it waits for (else it found a
+        #: host copy, maybe one still being read for an earlier operation)
+        self.ssd_read = False
 
 
 class LayerWork:
@@ -349,6 +353,7 @@ class EngineBase:
                     tier.written_back(op, now)
                 else:
                     op.ssd_at, op.gds = at, _ = tier.read(op, now, kind != CPU)
+                    op.ssd_read = tier.issued
                     if at > wait and op.rkind != "prefetch" and op.rkind != "precalc":
                         wait = at  # a routed expert of this layer waits for the drive
                 op = op.chain

@@ -16,11 +16,14 @@ the rest live on the profile's NVMe drive (``[ssd]``) and are read when an opera
 :class:`HostTier` is the state (which experts the host holds, their least-recently-used
 order, when an in-flight read lands) and the drive's lane: one lane per drive, named ``ssd``,
 serving one read at a time at the drive's full rate. Every read is submitted at the decision
-that issued its operation, in issue order, and decisions never go back in time, so the lane can
-be served at issue (exactly as ``simpy.Resource(capacity=1)`` fed in that order would serve it).
-Both engines then submit the operation's first stage (its H2D copy, or its activations' trip to
-the host) when the read ends: the fast engine through its request heap, the reference engine
-with a SimPy timeout (``LayerOp.ssd_at``); a GDS read replaces the H2D copy (``LayerOp.gds``).
+that issued its operation, in issue order, and decisions never go back in time, so the fast
+engine serves the lane at issue (exactly as ``simpy.Resource(capacity=1)`` fed in that order
+would serve it) and submits the operation's first stage (its H2D copy, or its activations' trip
+to the host) through its request heap when the read ends (``LayerOp.ssd_at``). The reference
+engine times the same reads itself, as SimPy processes on the drive's ``PriorityResource``, and
+each operation waits for its read's event (``LayerOp.ssd_read``; an operation that finds the
+expert still being read for an earlier one waits for that read). A GDS read replaces the H2D
+copy in both (``LayerOp.gds``).
 """
 
 from __future__ import annotations
@@ -161,6 +164,10 @@ class HostTier:
         self.ssd_stall = 0.0
         self.host_evictions = 0
         self._last = 0.0
+        #: whether the last :meth:`read` issued a drive read (else it found a host copy)
+        self.issued = False
+        #: record drive reads in the timeline (the reference engine records its own)
+        self.record_reads = True
 
     @property
     def peak_bytes(self) -> int:
@@ -172,9 +179,11 @@ class HostTier:
         stage reads them, and whether a GDS read put them in GPU memory already."""
         slot = (op.layer, op.expert)
         if self.host[slot]:
+            self.issued = False
             self.lru.move_to_end(slot)
             r = float(self.ready[slot])
             return (r if r > now else now), False
+        self.issued = True
         if now < self._last:  # the lane is served at issue: decisions must not go back
             raise RuntimeError("host tier: a read was issued before an earlier one")
         self._last = now
@@ -184,7 +193,7 @@ class HostTier:
         gds = self.gds and to_gpu
         if not gds:  # the page cache makes room first (its evictions are recorded first)
             self._insert(slot, e, op, now)
-        if self.recorder is not None:
+        if self.recorder is not None and self.record_reads:
             self.recorder.op(SSD_LANE, "gds_read" if gds else "ssd_read", op.sid, op.token,
                              slot[0], slot[1], s, e, self.expert_bytes)  # fmt: skip
         return e, gds
