@@ -103,6 +103,7 @@ class View:
         "costs",
         "counts",
         "experts",
+        "host_resident",
         "layer",
         "model",
         "n_tokens",
@@ -140,6 +141,10 @@ class View:
         self.model: ModelShape | None = None
         self.costs: CostModel | None = None
         self.calibration: np.ndarray | None = None
+        #: with a host-memory budget (docs/serving.md, "An SSD tier"): the ``[layers, experts]``
+        #: mask of experts host memory holds (the rest are on the SSD); None when the host
+        #: holds every expert
+        self.host_resident: np.ndarray | None = None
 
     @property
     def is_prefill(self) -> bool:
@@ -173,8 +178,14 @@ class ResourceSpec:
     #: the host also holds every expert at this lower precision (a ``simulator.models`` dtype);
     #: a ``TEMP`` copy named in ``Plan.low_bit`` moves that copy instead (HOBBIT)
     low_bit_dtype: str | None = None
+    #: how the system reads experts that live on the SSD (docs/serving.md, "An SSD tier"):
+    #: "read" (one large read each: the drive's sequential rate) or "mmap" (weights memory
+    #: mapped, pages faulted in on first touch: the 4 KiB random-read rate; llama.cpp)
+    ssd_access: str = "read"
 
     def __post_init__(self) -> None:
+        if self.ssd_access not in ("read", "mmap"):
+            raise UserError(f"ssd_access must be 'read' or 'mmap', got {self.ssd_access!r}")
         if self.host_memory not in ("pinned", "pageable"):
             raise UserError(f"host_memory must be 'pinned' or 'pageable', got {self.host_memory!r}")
         if self.low_bit_dtype is not None:

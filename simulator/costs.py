@@ -420,6 +420,30 @@ class CostModel:
             "nonexpert_layer": False,
         }
 
+    # --- the SSD tier (docs/serving.md, "An SSD tier") ------------------------------------------
+    def ssd_expert_s(self, access: str = "read") -> float:
+        """Seconds the NVMe drive takes to read one host-precision expert.
+
+        ``access="read"``: one large read (a file read into the page cache, or a GPUDirect
+        Storage read), at the drive's sequential read rate. ``access="mmap"``: the expert is
+        faulted in page by page through a memory map, at the 4 KiB random-read rate (IOPS x
+        4 KiB, never above the sequential rate). Both add one read command's latency.
+        """
+        ssd = self.hw.ssd
+        if ssd is None:
+            raise ValueError(f"profile {self.hw.name} has no [ssd] table")
+        rate = ssd.seq_read_gbps * 1e9
+        if access == "mmap":
+            rate = min(rate, ssd.rand4k_read_iops * 4096.0)
+        elif access != "read":
+            raise ValueError(f"unknown SSD access {access!r}")
+        return ssd.read_latency_us * 1e-6 + self.host_expert_bytes / rate
+
+    @property
+    def host_nonexpert_bytes(self) -> int:
+        """Host memory the non-expert weights take (the loader keeps them there)."""
+        return self.model.non_expert_bytes()
+
     def sources(self) -> dict[str, str]:
         """For each cost, the formula or measured constant that produced it."""
         m = self.measured

@@ -388,6 +388,9 @@ class Machine:
         self._gpu_dram = _memo(costs.gpu_dram_share)
         self._ne_dram: dict[tuple[int, int], float] = {}
         self._ne: dict[tuple[int, int], float] = {}
+        #: NVMe drives of the SSD tier, one lane each (``ssd``); registered by
+        #: :class:`simulator.hosttier.HostTier` when some experts live on a drive
+        self.drives: dict[str, Lane] = {}
 
     def cpu_job(self, op: Any, seq: int, t: float, n: int) -> CpuJob:
         """A CPU expert call over ``n`` tokens submitted at ``t``, with its costs bound."""
@@ -425,6 +428,7 @@ class Machine:
         for pool in self.pools.values():
             for lane in pool.lanes:
                 out[lane.name] = lane
+        out.update(self.drives)
         return out
 
     def busy(self) -> dict[str, float]:

@@ -81,6 +81,14 @@ METRIC_KEYS = (
     "prefill_tokens",
     "sequences",
     "max_slots_held",
+    # the SSD tier: only with a host-memory budget (docs/serving.md, "An SSD tier")
+    "ssd_bytes",
+    "ssd_reads",
+    "ssd_stall_s",
+    "ssd_busy_frac",
+    "host_evictions",
+    "host_memory_peak_bytes",
+    "host_memory_budget_bytes",
 )
 
 

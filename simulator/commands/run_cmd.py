@@ -58,9 +58,16 @@ TABLE_ROWS = (
     ("routing_replaced_frac", "routing replaced", "", 1.0),
     ("gate_mass_preserved", "gate mass preserved", "", 1.0),
     ("low_precision_gate_mass", "gate mass in low precision", "", 1.0),
+    ("ssd_bytes", "read from SSD", " GB", 1e-9),
+    ("ssd_stall_s", "waiting for SSD reads", " s", 1.0),
+    ("host_memory_peak_bytes", "host memory peak", " GB", 1e-9),
     ("energy_j", "energy", " kJ", 1e-3),
     ("tokens_per_kj", "tokens per kJ", "", 1.0),
 )
+
+
+#: rows shown only when the run has a host-memory budget (docs/serving.md, "An SSD tier")
+SSD_ROWS = ("ssd_bytes", "ssd_stall_s", "host_memory_peak_bytes")
 
 
 def compute_bounds(
@@ -145,6 +152,8 @@ def render_table(doc: dict[str, Any]) -> str:
     lines = [head, ""]
     for key, label, unit, scale in TABLE_ROWS:
         value = m.get(key)
+        if key not in m and key in SSD_ROWS:  # no host-memory budget: no SSD tier rows
+            continue
         if isinstance(value, int | float) and not isinstance(value, bool) and scale != 1:
             value = value * scale
         lines.append(f"  {label:<28} {_fmt(value, unit)}")
@@ -376,6 +385,28 @@ def render_serving(sv: dict[str, Any]) -> str:
     help="Allocate the KV cache as tokens are written and preempt the newest request "
     "(recompute) when it runs out, instead of reserving prompt + output at admission.",
 )
+@click.option(
+    "--host-memory-gb",
+    type=float,
+    default=None,
+    help="Host memory budget, GB: the non-expert weights and the experts that fit; the rest "
+    "are read from the profile's NVMe drive (default: the profile's cpu.memory_gb, or "
+    "unlimited).",
+)
+@click.option(
+    "--ssd-path",
+    default=None,
+    metavar="page-cache|gds",
+    help="How experts are read from the SSD: through the OS page cache (default) or "
+    "GPUDirect Storage (NVMe to GPU, no host copy).",
+)
+@click.option(
+    "--model",
+    "model",
+    default=None,
+    help="Without --trace: generate (and cache) a small synthetic trace of this catalogue "
+    "model (`daopsim models list`).",
+)
 @json_option
 def run(
     policy: str,
@@ -407,12 +438,19 @@ def run(
     runtime: str | None = None,
     prefill_chunk: int | None = None,
     preempt: bool = False,
+    host_memory_gb: float | None = None,
+    ssd_path: str | None = None,
+    model: str | None = None,
 ) -> None:
     """Simulate one policy on one machine over a routing trace."""
     from simulator.runner import simulate
     from simulator.serving import serving_config
 
     options = parse_options(policy_opts)
+    if model is not None:  # the synthetic trace, so the bounds below run on it too
+        from simulator.hosttier import model_trace
+
+        trace = model_trace(model, trace)
     serving = serving_config(
         batch,
         max_batch,
@@ -456,6 +494,8 @@ def run(
             engine=engine,
             serving=serving,
             runtime=runtime,
+            host_memory_gb=host_memory_gb,
+            ssd_path=ssd_path,
         )
     if bounds and serving is None:  # the bounds are single-sequence runs
         result.config["bounds"] = compute_bounds(result, hw, trace, sequences, dtype, seed)
