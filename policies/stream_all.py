@@ -23,6 +23,17 @@ How it is modelled (``gather`` option):
 - ``selected``: only the routed experts, each through a temporary buffer (TEMP), budget unused.
 - ``auto`` (default): ``layer`` when the budget has 2E slots and the model at least 3 MoE
   layers, else ``selected`` (the chosen mode is recorded in the run's policy options).
+The ``barrier`` option (default off, so earlier results stand) times the gather as ZeRO-3 runs
+it: ``PartitionedParameterCoordinator.fetch_sub_module`` (deepspeed/runtime/zero/
+partitioned_param_coordinator.py) issues the all-gather of every parameter of the module being
+entered, a leaf MoE block's included, and makes the compute stream wait for all of them before
+the module's forward runs; only then does it prefetch the next parameters in the recorded
+order, at most ``prefetch_bucket_size`` elements (default 50 M, less than one Mixtral expert's
+w1 of 58.7 M). So no expert of the block starts before the whole block has landed: with
+``barrier=true`` (in ``layer`` mode) the layer's GPU experts wait for every copy into the layer
+(``Plan.barrier``), instead of each starting when its own copy lands. The bucket's early fetch
+of the next layer's attention weights and of part of one expert is not modelled (the engine
+keeps the non-expert weights resident).
 Copies come from pinned memory (``pin_memory: true`` above). The non-expert weights (attention,
 norms, router; about 3.2 GB for Mixtral, ~3.5 % of the expert bytes) are also streamed by ZeRO-3;
 the engine keeps them resident, so stream-all is slightly optimistic.
@@ -58,6 +69,12 @@ class StreamAllPolicy(Policy):
             "'selected': only the routed ones; 'auto': layer if 2E slots fit",
             choices=("auto", "layer", "selected"),
         ),
+        "barrier": Param(
+            bool,
+            False,
+            "layer mode: the layer's experts start only once its whole gather has landed "
+            "(ZeRO-3 fetches a leaf module's parameters before its forward)",
+        ),
     }
 
     def resources(self) -> ResourceSpec:
@@ -79,6 +96,7 @@ class StreamAllPolicy(Policy):
             )
         self.options = {**self.options, "gather": mode}
         self.layer_mode = mode == "layer"
+        self.barrier = self.layer_mode and bool(self.options["barrier"])
         self.n_layers, self.n_exp = n_layers, n_exp
         return []
 
@@ -96,4 +114,5 @@ class StreamAllPolicy(Policy):
             actions=dict.fromkeys(routed, FETCH),
             evict=evict,
             prefetch=[(layer, e, None) for e in range(self.n_exp) if e not in want],
+            barrier=self.barrier,
         )
