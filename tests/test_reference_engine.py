@@ -194,7 +194,7 @@ def one_copy_engine(name: str) -> HardwareProfile:
         ("fiddler", {}),
         ("mixtral-offloading", {"prefetch": True}),
         ("stream-all", {}),
-        ("stream-all", {"barrier": True}),
+        ("stream-all", {"gather": "leaf"}),
         ("lru", {}),
         ("moe-infinity", {}),
         ("hobbit", {}),
@@ -223,12 +223,12 @@ def test_in_use_victims_and_one_pass_layers() -> None:
 def test_a_gather_barrier_holds_every_expert_until_the_layer_has_landed(
     runtime: RuntimeProfile | None,
 ) -> None:
-    """stream-all barrier=true (ZeRO-3's pre-forward gather): no GPU expert of a layer starts
-    before the last copy into that layer ends, in prefill and decode, on both engines; without
-    the barrier some do (a routed expert runs while the rest of its layer is copied)."""
+    """stream-all gather=leaf (ZeRO-3's pre-forward gather): no GPU expert of a layer starts
+    before the last copy into that layer ends, in prefill and decode, on both engines; with
+    gather=layer some do (a routed expert runs while the rest of its layer is copied)."""
     for barrier in (True, False):
         tl = _both("stream-all", "ci-small", 0.25, load_profile("rtx6000ada-pcie4"), runtime,
-                   barrier=barrier)  # fmt: skip
+                   gather="leaf" if barrier else "layer")  # fmt: skip
         kind = tl["kind"].astype(str)
         copies = tl[kind.isin(["fetch", "prefetch"])]
         last = copies.groupby(["seq", "token", "layer"])["end"].max().rename("landed")
@@ -255,7 +255,7 @@ def wide_socket(name: str, factor: float = 1.7) -> HardwareProfile:
         ("daop", {"cpu_workers": 3}),
         ("fiddler", {}),
         ("stream-all", {}),
-        ("stream-all", {"barrier": True}),
+        ("stream-all", {"gather": "leaf"}),
         ("lru", {}),
         ("hobbit", {}),
     ],
