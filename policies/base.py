@@ -67,7 +67,11 @@ class Plan:
     experts start only after this layer's ``CPU`` experts are done (the thread driving the GPU
     computed them synchronously). ``low_bit``: routed experts whose ``TEMP`` copy moves the
     host's low-precision copy (``ResourceSpec.low_bit_dtype``) and which therefore run in low
-    precision (HOBBIT's mixed-precision loading).
+    precision (HOBBIT's mixed-precision loading). ``barrier``: the layer's GPU experts start
+    only once every copy into a slot of this layer that the plan issues (its ``FETCH`` actions
+    and its prefetches into ``layer``) has landed: a gather before the layer's forward, as
+    DeepSpeed ZeRO-3 fetches a leaf module's parameters in its pre-forward hook. Temporary
+    (``TEMP``) copies are not part of it.
     """
 
     actions: dict[int, Action] | None = None
@@ -80,6 +84,7 @@ class Plan:
     cpu_serial: bool = False
     cpu_first: bool = False
     low_bit: frozenset[int] | set[int] = frozenset()
+    barrier: bool = False
 
 
 ALL_GPU_PLAN = Plan()

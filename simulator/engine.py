@@ -171,6 +171,7 @@ class LayerWork:
     """A checked plan as operations: everything one layer submits at its decision time."""
 
     __slots__ = (
+        "barrier",
         "counts",
         "cpu_first",
         "deferred",
@@ -201,6 +202,8 @@ class LayerWork:
         #: CPU results the layer needs (its CPU experts and consumed pre-calculations)
         self.results: list[LayerOp] = []
         self.cpu_first = False
+        #: the GPU experts wait for every copy into this layer's slots (Plan.barrier)
+        self.barrier = False
 
 
 class EngineBase:
@@ -718,6 +721,7 @@ class EngineBase:
                 gpu.append((e, float(ready) if ready != INF else res.copying[(layer, e)]))
             self._accesses(layer, len(routed), len(routed), prefill)
             w.cpu_first = plan.cpu_first
+            w.barrier = plan.barrier
             return w
         if actions is None:
             needed = set(routed)
@@ -791,6 +795,7 @@ class EngineBase:
                 w.ops.append(op)
             prev = op
         w.cpu_first = plan.cpu_first
+        w.barrier = plan.barrier
         if self._ssd is not None:
             self._ssd_stage(w)
         return w
@@ -896,6 +901,7 @@ class Engine(EngineBase):
             or plan.evict.__class__ is not list
             or plan.prefetch.__class__ is not list
             or plan.victims.__class__ is not dict
+            or plan.barrier  # a gather barrier is timed by the general path only
         ):
             return None
         resident, ready_at = res.resident, res.ready_at
@@ -1488,6 +1494,18 @@ class Engine(EngineBase):
             self._serve()
         return op.end
 
+    def _gather_barrier(self, w: LayerWork) -> float:
+        """When the last copy into a slot of ``w``'s layer that ``w`` issued lands (-1 if
+        none): the layer's GPU experts start no earlier (Plan.barrier)."""
+        bar = -1.0
+        layer = w.layer
+        for op in w.ops:
+            if op.kind == FETCH and op.layer == layer:
+                t = op.end if op.end is not None else self._resolve(op)
+                if t > bar:
+                    bar = t
+        return bar
+
     # -- one layer -------------------------------------------------------------------------
     def _layer(self, w: LayerWork) -> float:
         """Time one layer's work; returns when the layer ends."""
@@ -1530,7 +1548,17 @@ class Engine(EngineBase):
                 serve(now, op)
             while heap and heap[0][0] <= now:  # a zero-length stage keeps its place
                 self._serve()
-        for e, src in w.gpu:
+        if w.barrier:
+            bar = self._gather_barrier(w)
+            for e, src in w.gpu:
+                if src.__class__ is float:
+                    gheap.append((src if src > bar else bar, e, -1))
+                elif src.end is not None:
+                    gheap.append((src.end if src.end > bar else bar, e, src.buf))
+                elif not src.gpu:
+                    src.gpu = True
+                    waiting += 1
+        for e, src in () if w.barrier else w.gpu:
             if src.__class__ is float:
                 gheap.append((src, e, -1))
             elif src.end is not None:

@@ -356,7 +356,11 @@ class Machine:
         self.spec = spec
         self.gpu = Lane("gpu")
         #: the runtime's host thread; None when it costs nothing (the engines then skip it)
-        self.host = HostThread(runtime) if runtime is not None and not runtime.free else None
+        self.host = (
+            HostThread(runtime, costs.model.experts - costs.model.top_k)
+            if runtime is not None and not runtime.free
+            else None
+        )
         #: the host thread when GPU expert calls cost it something (per-expert kernels or syncs)
         self.host_experts = self.host if self.host is not None and self.host.per_expert else None
         pinned = spec.pinned

@@ -313,14 +313,24 @@ class ReferenceEngine(EngineBase):
         gate = None
         if w.cpu_first and w.sync:
             gate = env.all_of([self._event(op) for op in w.sync if op.end is None])
+        bar = -1.0  # no barrier: every ready time stands
+        if w.barrier:  # a gather: every copy into this layer's slots lands first
+            copies = [op for op in w.ops if op.kind == FETCH and op.layer == w.layer]
+            pending = [self._event(op) for op in copies if op.end is None]
+            if pending:
+                yield env.all_of(pending)
+            for op in copies:
+                assert op.end is not None
+                if op.end > bar:
+                    bar = op.end
         # resident experts first, by (ready time, expert); copies join when they arrive
         known: list[tuple[float, int, LayerOp | None]] = []
         waiting: list[tuple[int, LayerOp]] = []
         for e, src in w.gpu:
             if src.__class__ is float:
-                known.append((src, e, None))
+                known.append((max(src, bar), e, None))
             elif src.end is not None:
-                known.append((src.end, e, src))
+                known.append((max(src.end, bar), e, src))
             else:
                 waiting.append((e, src))
         known.sort(key=lambda x: (x[0], x[1]))

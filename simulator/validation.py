@@ -65,6 +65,7 @@ SIM_KEYS = (
     "dtype",
     "host_dtype",
     "nonexpert_dtype",
+    "runtime",
 )
 _REQUIRED = (
     "id",

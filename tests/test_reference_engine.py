@@ -194,6 +194,7 @@ def one_copy_engine(name: str) -> HardwareProfile:
         ("fiddler", {}),
         ("mixtral-offloading", {"prefetch": True}),
         ("stream-all", {}),
+        ("stream-all", {"gather": "leaf"}),
         ("lru", {}),
         ("moe-infinity", {}),
         ("hobbit", {}),
@@ -218,6 +219,26 @@ def test_in_use_victims_and_one_pass_layers() -> None:
         assert (same["start_wb"] >= same["end_gpu"] - TOL).all()
 
 
+@pytest.mark.parametrize("runtime", [None, SLOW_HOST])
+def test_a_gather_barrier_holds_every_expert_until_the_layer_has_landed(
+    runtime: RuntimeProfile | None,
+) -> None:
+    """stream-all gather=leaf (ZeRO-3's pre-forward gather): no GPU expert of a layer starts
+    before the last copy into that layer ends, in prefill and decode, on both engines; with
+    gather=layer some do (a routed expert runs while the rest of its layer is copied)."""
+    for barrier in (True, False):
+        tl = _both("stream-all", "ci-small", 0.25, load_profile("rtx6000ada-pcie4"), runtime,
+                   gather="leaf" if barrier else "layer")  # fmt: skip
+        kind = tl["kind"].astype(str)
+        copies = tl[kind.isin(["fetch", "prefetch"])]
+        last = copies.groupby(["seq", "token", "layer"])["end"].max().rename("landed")
+        gpu = tl[(tl["resource"].astype(str) == "gpu") & (kind == "expert")]
+        joined = gpu.join(last, on=["seq", "token", "layer"], how="inner")
+        assert len(joined) > 100
+        early = joined["start"] < joined["landed"] - TOL
+        assert not early.any() if barrier else early.any()
+
+
 def wide_socket(name: str, factor: float = 1.7) -> HardwareProfile:
     """A bundled profile whose socket streams ``factor`` x what one CPU call takes (partial
     shares: concurrent calls overlap before they slow each other down)."""
@@ -234,6 +255,7 @@ def wide_socket(name: str, factor: float = 1.7) -> HardwareProfile:
         ("daop", {"cpu_workers": 3}),
         ("fiddler", {}),
         ("stream-all", {}),
+        ("stream-all", {"gather": "leaf"}),
         ("lru", {}),
         ("hobbit", {}),
     ],

@@ -84,7 +84,7 @@ def test_cli_json_keys_and_out(tmp_path: Path) -> None:
             "--json",
             "--no-progress",
             "--rows",
-            "hybrimoe-lru-mixtral-25,qwen-speed-h20-qwen3-30b-a3b-sglang",
+            "hybrimoe-lru-mixtral-25,omlx-gemma4-residency-25",
             "--sequences",
             "1",
             "--out",
@@ -99,9 +99,9 @@ def test_cli_json_keys_and_out(tmp_path: Path) -> None:
         assert keys <= set(row)
     by_id = {r["id"]: r for r in doc["rows"]}
     assert by_id["hybrimoe-lru-mixtral-25"]["modelled"] is True
-    nm = by_id["qwen-speed-h20-qwen3-30b-a3b-sglang"]
+    nm = by_id["omlx-gemma4-residency-25"]
     assert nm["modelled"] is False and nm["simulated"] is None and nm["reason"]
-    assert [n["id"] for n in doc["not_modelled"]] == ["qwen-speed-h20-qwen3-30b-a3b-sglang"]
+    assert [n["id"] for n in doc["not_modelled"]] == ["omlx-gemma4-residency-25"]
     assert doc["not_modelled"][0]["reason"]
     assert doc["median_abs_error"] == pytest.approx(
         abs(by_id["hybrimoe-lru-mixtral-25"]["rel_error"])
