@@ -328,6 +328,54 @@ class CostModel:
             )
         return min(1.0, moved / (d * self.dram_bw_gbs * 1e9))
 
+    # --- CPU-resident layers (llama.cpp's -ngl split) ---------------------------------------------
+    @cached_property
+    def cpu_layer_weight_bytes(self) -> int:
+        """Non-expert weight bytes one MoE layer's transformer blocks hold themselves: the
+        non-expert part without the input embedding and the output matrix (taken to be the
+        embedding's size), spread over the MoE layers."""
+        m = self.model
+        params = max(0, m.non_expert_params - 2 * m.embedding_params)
+        return round(params / m.moe_layers * dtype_bytes(m.nonexpert_dtype))
+
+    def cpu_layer_host_bytes(self, kv_tokens: int) -> float:
+        """GPU bytes one CPU-resident layer leaves in host memory: its non-expert weights and
+        its share of the KV cache for ``kv_tokens`` (llama.cpp keeps a layer's KV cache on
+        the layer's device)."""
+        m = self.model
+        return self.cpu_layer_weight_bytes + m.kv_bytes_per_token / m.moe_layers * kv_tokens
+
+    def cpu_nonexpert_layer_s(self, n_tokens: int, context: int) -> float:
+        """Seconds of one MoE layer's non-expert part on the host CPU for n new tokens.
+
+        The GPU formula's bytes and FLOPs (:meth:`nonexpert_layer_s`) over the CPU's roofline:
+        ``max(bytes / cpu.mem_bw_gbs, flops / cpu peak)`` with the peak of the non-expert
+        precision's CPU kernels (:meth:`cpu_peak_gflops`); no kernel launches.
+        """
+        _check_tokens(n_tokens)
+        _check_tokens(context, "context")
+        if n_tokens == 0:
+            return 0.0
+        m, cpu = self.model, self.hw.cpu
+        moved = self._nonexpert_moved(n_tokens, context)
+        attn_pairs = n_tokens * context + n_tokens * (n_tokens + 1) / 2
+        blocks = m.layers / m.moe_layers
+        params = (m.non_expert_params - m.embedding_params) / m.moe_layers
+        flops = 2.0 * params * n_tokens + 4.0 * attn_pairs * m.hidden * blocks
+        peak = self.cpu_peak_gflops(m.nonexpert_dtype)
+        return max(moved / (cpu.mem_bw_gbs * 1e9), flops / (peak * 1e9))
+
+    def cpu_peak_gflops(self, dtype: str) -> float:
+        """The host CPU's achieved GEMM throughput for weights stored at ``dtype``, GFLOPS:
+        ``cpu.fp32_gflops`` for fp32, else ``cpu.bf16_gflops``."""
+        cpu = self.hw.cpu
+        return cpu.fp32_gflops if dtype == "fp32" else cpu.bf16_gflops
+
+    def cpu_layer_weights_h2d_s(self) -> float:
+        """Seconds to copy one CPU-resident layer's non-expert weights to the GPU from pinned
+        memory (llama.cpp's op offload of a prompt batch: once per micro-batch)."""
+        return self._copy(self.cpu_layer_weight_bytes, self.hw.link.h2d_pinned_gbs)
+
     # --- decisions -------------------------------------------------------------------------------
     def breakeven_tokens(self, pinned: bool = False) -> float:
         """Tokens per expert at which copying it (then running it on the GPU) beats the CPU.
