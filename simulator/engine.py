@@ -195,6 +195,18 @@ class LayerWork:
         self.cpu_first = False
 
 
+def cpu_layers_for(spec: Any, model: ModelShape, budget: int) -> int:
+    """Leading MoE layers a spec runs wholly on the CPU when the run did not size them from
+    memory (the runner does, :func:`simulator.runner.cpu_resident_layers`): N GPU blocks
+    leave ``moe_layers - N``; -1 leaves the fewest whose GPU layers' experts fit ``budget``."""
+    g = spec.gpu_blocks
+    if g is None:
+        return 0
+    if g >= 0:
+        return model.moe_layers - min(model.moe_layers, g)
+    return max(0, model.moe_layers - budget // model.experts)
+
+
 class EngineBase:
     """The step loop shared by both executors: views, hooks, checks, plans into operations.
 
@@ -216,7 +228,7 @@ class EngineBase:
         seed: int = 0,
         runtime: RuntimeProfile | None = None,
         calibration_sequences: tuple[np.ndarray, ...] | None = None,
-        cpu_layers: int = 0,
+        cpu_layers: int | None = None,
     ) -> None:
         self.policy = policy
         self.hooks = Hooks(policy)
@@ -254,6 +266,7 @@ class EngineBase:
         v.calibration = calibration
         v.resident = self.res.resident.view()
         v.resident.flags.writeable = False
+        n_cpu = cpu_layers_for(self.spec, model, self.budget) if cpu_layers is None else cpu_layers
         ctx = SetupContext(
             model=model,
             budget=self.budget,
@@ -263,10 +276,10 @@ class EngineBase:
             oracle=oracle if policy.clairvoyant else None,
             seed=seed,
             calibration_sequences=calibration_sequences,
-            cpu_layers=int(cpu_layers),
+            cpu_layers=n_cpu,
         )
         #: leading MoE layers run wholly on the CPU (ResourceSpec.gpu_blocks, resolved)
-        self.n_cpu_layers = int(cpu_layers)
+        self.n_cpu_layers = n_cpu
         #: the current layer runs on the CPU: its CPU experts need no activation copies
         self._cpu_layer_here = False
         placed = self.hooks.call("setup", policy.setup, ctx)
