@@ -582,6 +582,9 @@ def simulate(
     else:
         check_fit(fit, profile.name, budget, by_ratio=cache_ratio is not None)
         budget = fit.max_experts if budget is None else budget
+    if pol.resources().gpu_blocks == -1:
+        # as many whole GPU layers as fit: a given expert budget can hold fewer than memory
+        n_cpu_layers = max(n_cpu_layers, model.moe_layers - budget // model.experts)
 
     calib = calib_pre = None
     cal_eams: list[np.ndarray] = []  # per calibration sequence (MoE-Infinity's trace collection)
