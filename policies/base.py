@@ -179,6 +179,9 @@ class ResourceSpec:
     #: non-expert part on the GPU after copying its weights there (llama.cpp's op offload);
     #: 0 never does
     cpu_layer_offload_batch: int = 0
+    #: GPU memory the modelled runtime keeps free of weights for activations and compute
+    #: buffers, GB; None uses the hardware profile's ``gpu.workspace_gb`` (a PyTorch figure)
+    workspace_gb: float | None = None
 
     def __post_init__(self) -> None:
         if self.host_memory not in ("pinned", "pageable"):
@@ -198,6 +201,8 @@ class ResourceSpec:
             raise UserError(
                 f"cpu_layer_offload_batch must be >= 0, got {self.cpu_layer_offload_batch}"
             )
+        if self.workspace_gb is not None and not self.workspace_gb >= 0:
+            raise UserError(f"workspace_gb must be >= 0, got {self.workspace_gb}")
         if self.gpu_blocks is not None and self.writeback:
             # a CPU layer's timing assumes the links are idle when it starts (no background
             # copies); write-backs are background copies

@@ -14,6 +14,8 @@ to device assignment), ``ggml/src/ggml-cuda/ggml-cuda.cu`` and ``ggml/src/ggml-b
 - Default (``ngl=-1``): as many blocks on the GPU as their experts fit once the CPU blocks'
   non-expert weights and KV cache have moved to host memory (the runner sizes it; Ollama picks
   its ``num_gpu`` layer count from free VRAM the same way, by layer).
+- Memory: llama.cpp's compute buffers (about 0.24 GB for Mixtral at a 512-token context)
+  replace the profile's PyTorch workspace (``ResourceSpec.workspace_gb``).
 - Decode: a CPU layer runs its non-expert part and its selected experts on the CPU from host
   memory (one worker: ggml's threads all work on one operation at a time), with no activation
   copies; the hidden states cross the link once, at the split. A GPU layer runs all on the GPU.
@@ -41,6 +43,11 @@ from policies.base import (
 from policies.llama_cpp_cpu_moe import OFFLOAD_MIN_BATCH
 from policies.registry import register
 from simulator.errors import DoesNotFit, UserError
+
+#: GPU memory llama.cpp keeps beside the weights for one context, GB: its load log for
+#: Mixtral-8x7B at n_ctx 512 (ggml-org/llama.cpp issue #4381) reports a 117.85 MiB compute
+#: buffer and a 114.54 MiB scratch buffer (the KV cache, 64 MiB there, is counted apart)
+LLAMA_CPP_WORKSPACE_GB = (117.85 + 114.54) * 2**20 / 1e9
 
 
 def gpu_blocks_for_ngl(ngl: int) -> int:
@@ -99,13 +106,15 @@ class LlamaCppLayersPolicy(Policy):
         self.n_cpu_layers = 0
 
     def resources(self) -> ResourceSpec:
-        """Pinned host memory, one copy buffer, one CPU worker, the whole-layer split."""
+        """Pinned host memory, one copy buffer, one CPU worker, the whole-layer split and
+        llama.cpp's own compute-buffer workspace."""
         return ResourceSpec(
             host_memory="pinned",
             temp_buffers=1,
             cpu_workers=1,
             gpu_blocks=gpu_blocks_for_ngl(self.ngl),
             cpu_layer_offload_batch=self.min_batch if self.offload else 0,
+            workspace_gb=LLAMA_CPP_WORKSPACE_GB,
         )
 
     def setup(self, ctx: SetupContext) -> Iterable[Slot]:

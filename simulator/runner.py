@@ -566,6 +566,11 @@ def simulate(
     else:
         budget = None
     fit = expert_fit(costs, policy_buffers(pol), kv_reserve)
+    own_workspace = pol.resources().workspace_gb
+    if own_workspace is not None:  # the runtime's own compute buffers replace the profile's
+        fit = replace(
+            fit, free_bytes=fit.free_bytes + (profile.gpu.workspace_gb - own_workspace) * 1e9
+        )
     n_cpu_layers = cpu_resident_layers(pol.resources(), costs, fit, kv_reserve)
     if n_cpu_layers:
         if serving is not None:
