@@ -73,6 +73,9 @@ class CpuSpec:
     #: DRAM bandwidth all of the CPU's threads together can stream, GB/s (None: ``mem_bw_gbs``,
     #: i.e. one expert call already takes all the socket gives; docs/cost-model.md)
     socket_bw_gbs: float | None = None
+    #: achieved BF16 GEMM throughput of Intel AMX tile kernels over cores_used, GFLOPS (None: no
+    #: AMX); CPU experts in AMX formats use it as their compute roof (docs/cost-model.md)
+    amx_bf16_gflops: float | None = None
 
 
 #: A GPU holding a CUDA context sits one DVFS step above bare idle: 26-66 W across the GPUs
@@ -219,8 +222,9 @@ _CPU: _Schema = {
     "bf16_gflops": "pos",
     "fp32_gflops": "pos",
     "socket_bw_gbs": "pos",
+    "amx_bf16_gflops": "pos",
 }
-_CPU_OPTIONAL = {"socket_bw_gbs"}
+_CPU_OPTIONAL = {"socket_bw_gbs", "amx_bf16_gflops"}
 _POWER: _Schema = {
     "gpu_idle_w": "pos",
     "gpu_busy_w": "pos",
@@ -263,6 +267,7 @@ MAX_VALUES: dict[str, float] = {
     "cpu.mem_bw_gbs": 10_000,
     "cpu.bf16_gflops": 1_000_000,
     "cpu.fp32_gflops": 1_000_000,
+    "cpu.amx_bf16_gflops": 10_000_000,
     "power.gpu_idle_w": 100_000,
     "power.gpu_busy_w": 100_000,
     "power.cpu_idle_w": 100_000,
