@@ -573,10 +573,10 @@ def simulate(
         )
     n_cpu_layers = cpu_resident_layers(pol.resources(), costs, fit, kv_reserve)
     if n_cpu_layers:
-        if serving is not None:
+        if serving is not None and serving.batch > 1:
             raise UserError(
-                f"policy {pol.name!r} runs whole layers on the CPU, which batched serving "
-                "does not model; run it without --batch/--arrival-rate/--arrivals"
+                f"policy {pol.name!r} runs whole layers on the CPU, which a batched decode "
+                "step does not model; serve it with --batch 1"
             )
         # a CPU-resident layer's non-expert weights and KV cache live in host memory
         fit = replace(

@@ -468,6 +468,11 @@ class Serving:
     def _batch_step(self, eng: EngineBase, batch: list[Request]) -> Generator[Any, Any, None]:
         """One decode token of each request in ``batch``: each layer runs the union of their
         experts, an expert over as many tokens as chose it."""
+        if eng.n_cpu_layers:  # the batched step times every layer's non-expert part on the GPU
+            raise UserError(
+                f"policy {eng.policy.name!r} runs whole layers on the CPU, which a batched "
+                "decode step does not model; serve it with --batch 1"
+            )
         c, v, m, rec = eng.c, eng.view, eng.machine, eng.recorder
         hooks, pol = eng.hooks, eng.policy
         where = hooks.where

@@ -175,3 +175,24 @@ def test_cli_run_names_the_split() -> None:
 def test_bad_ngl_is_a_one_line_error() -> None:
     with pytest.raises(UserError, match="ngl"):
         LlamaCppLayersPolicy(ngl=-2)
+
+
+def test_batched_serving_is_refused_and_batch_one_is_the_plain_run() -> None:
+    from simulator.serving import ServingConfig
+
+    kw = dict(
+        policy="llama-cpp-layers",
+        trace="ci-small",
+        hw="rtx4090-pcie4",
+        dtype="q4_k_m",
+        sequences=1,
+        policy_options={"ngl": 16},
+        record=False,
+    )
+    with pytest.raises(UserError, match="--batch 1"):
+        simulate(**kw, serving=ServingConfig(batch=2))
+    one = simulate(**kw, serving=ServingConfig(batch=1))
+    plain = simulate(**kw)
+    assert one.metrics["decode_tokens_per_s"] == pytest.approx(
+        plain.metrics["decode_tokens_per_s"], rel=1e-9
+    )
