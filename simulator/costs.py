@@ -402,9 +402,24 @@ class CostModel:
         _check_tokens(context, "context")
         if n_tokens == 0:
             return 0.0
-        m, cpu = self.model, self.hw.cpu
         moved = self._nonexpert_moved(n_tokens, context)
         attn_pairs = n_tokens * context + n_tokens * (n_tokens + 1) / 2
+        return self._cpu_nonexpert_roof(n_tokens, moved, attn_pairs)
+
+    def cpu_nonexpert_batch_layer_s(self, n_tokens: int, kv_tokens: int) -> float:
+        """:meth:`cpu_nonexpert_layer_s` for a batched decode step (the bytes and query-key
+        pairs of :meth:`nonexpert_batch_layer_s`)."""
+        _check_tokens(n_tokens)
+        _check_tokens(kv_tokens, "kv_tokens")
+        if n_tokens == 0:
+            return 0.0
+        m = self.model
+        moved = self.nonexpert_layer_bytes + m.kv_bytes_per_token / m.moe_layers * kv_tokens
+        return self._cpu_nonexpert_roof(n_tokens, moved, kv_tokens)
+
+    def _cpu_nonexpert_roof(self, n_tokens: int, moved: float, attn_pairs: float) -> float:
+        """The CPU roofline of one layer's non-expert part moving ``moved`` bytes."""
+        m, cpu = self.model, self.hw.cpu
         blocks = m.layers / m.moe_layers
         params = (m.non_expert_params - m.embedding_params) / m.moe_layers
         flops = 2.0 * params * n_tokens + 4.0 * attn_pairs * m.hidden * blocks

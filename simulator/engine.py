@@ -554,7 +554,9 @@ class EngineBase:
         return start, now
 
     # -- CPU-resident layers (llama.cpp's -ngl split; docs/cost-model.md) ----------------------
-    def _cpu_layer_nonexpert(self, start: float, layer: int, n: int, context: int) -> float:
+    def _cpu_layer_nonexpert(
+        self, start: float, layer: int, n: int, context: int, d: float | None = None
+    ) -> float:
         """A CPU-resident layer's non-expert part on the host CPU from ``start``; returns when
         its routing is known (the decision time). CPU layers lead, so the hidden states are on
         the host already (the token's embedding is looked up there). Timed here, in the step
@@ -562,7 +564,8 @@ class EngineBase:
         (a spec with ``gpu_blocks`` has no write-backs, its plans no prefetches or
         pre-calculations)."""
         m = self.machine
-        d = m.cpu_layer_nonexpert_s(n, context)
+        if d is None:  # (a batched step passes its own duration)
+            d = m.cpu_layer_nonexpert_s(n, context)
         lane = m.cpu.lanes[0]
         lane.busy += d
         lane.free_at = start + d

@@ -573,11 +573,6 @@ def simulate(
         )
     n_cpu_layers = cpu_resident_layers(pol.resources(), costs, fit, kv_reserve)
     if n_cpu_layers:
-        if serving is not None and serving.batch > 1:
-            raise UserError(
-                f"policy {pol.name!r} runs whole layers on the CPU, which a batched decode "
-                "step does not model; serve it with --batch 1"
-            )
         # a CPU-resident layer's non-expert weights and KV cache live in host memory
         fit = replace(
             fit, free_bytes=fit.free_bytes + n_cpu_layers * costs.cpu_layer_host_bytes(kv_reserve)

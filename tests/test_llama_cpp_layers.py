@@ -177,7 +177,9 @@ def test_bad_ngl_is_a_one_line_error() -> None:
         LlamaCppLayersPolicy(ngl=-2)
 
 
-def test_batched_serving_is_refused_and_batch_one_is_the_plain_run() -> None:
+def test_batched_serving_runs_cpu_layers_and_batch_one_is_the_plain_run() -> None:
+    """Batch 1 goes through the per-token pass (the plain run's numbers); a batched step of
+    fewer than 32 tokens runs the CPU layers on the CPU, one CPU non-expert part per layer."""
     from simulator.serving import ServingConfig
 
     kw = dict(
@@ -187,12 +189,19 @@ def test_batched_serving_is_refused_and_batch_one_is_the_plain_run() -> None:
         dtype="q4_k_m",
         sequences=1,
         policy_options={"ngl": 16},
-        record=False,
+        record=True,
     )
-    with pytest.raises(UserError, match="--batch 1"):
-        simulate(**kw, serving=ServingConfig(batch=2))
     one = simulate(**kw, serving=ServingConfig(batch=1))
     plain = simulate(**kw)
     assert one.metrics["decode_tokens_per_s"] == pytest.approx(
         plain.metrics["decode_tokens_per_s"], rel=1e-9
     )
+    two = simulate(**{**kw, "sequences": 2}, serving=ServingConfig(batch=2))
+    assert two.serving["batched_steps"] > 0
+    tl = two.timeline
+    cpu_ne = tl[(tl["resource"].astype(str) == "cpu0") & (tl["kind"].astype(str) == "nonexpert")]
+    gpu_ne = tl[(tl["resource"].astype(str) == "gpu") & (tl["kind"].astype(str) == "nonexpert")]
+    step_ops = gpu_ne[gpu_ne["seq"] == -1]  # the batched steps' (prompts are offloaded)
+    assert len(step_ops) > 0
+    assert set(cpu_ne["layer"]) == set(range(17))  # ngl=16: MoE layers 0-16 on the CPU
+    assert set(step_ops["layer"]) == set(range(17, 32))

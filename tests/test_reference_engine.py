@@ -338,9 +338,6 @@ def test_batched_and_continuous_serving_time_identically(policy: str, host: str)
     """Static batches (all requests at 0) and continuous batching with staggered arrivals:
     batched steps (the union of the batch's experts) time the same on both engines."""
     hw = load_profile(host)
-    if get_policy_class(policy)().resources().gpu_blocks is not None:
-        # whole CPU layers are refused in batched steps (tests/test_llama_cpp_layers.py)
-        pytest.skip("batched decode steps do not model CPU-resident layers")
     cases = [(ServingConfig(batch=3), [0.0] * 4)]
     if not get_policy_class(policy).clairvoyant:
         cases.append((ServingConfig(batch=3, continuous=True), [0.0, 0.01, 0.5, 2.0]))
