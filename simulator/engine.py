@@ -287,6 +287,9 @@ class EngineBase:
         self.c.host_syncs = m.host.syncs if m.host is not None else 0
         return RunStats(counters=self.c, e2e=e2e, busy=m.busy(), workers=m.workers())
 
+    #: several GPUs: each layer's home GPU lane (simulator/multigpu.py); None for one GPU
+    _peer_home: list[Any] | None = None
+
     def _due(self, now: float) -> bool:
         """Whether the executor must advance its clock to ``now`` before the decision."""
         return True
@@ -380,6 +383,7 @@ class EngineBase:
             tokens = range(r.n_prefill, r.n_tokens)
         nonexpert_s = m.nonexpert_s
         gpu_lane = m.gpu
+        peer_home = self._peer_home
         unified = m.unified
         host = m.host
         for t in tokens:
@@ -398,12 +402,14 @@ class EngineBase:
                 d_ne = nonexpert_s(1, context)
             for layer in range(n_layers):
                 start = self.now
+                if peer_home is not None:  # several GPUs: the layer's home GPU (multigpu.py)
+                    gpu_lane = peer_home[layer]
                 if host is None:
                     now = start + d_ne
                 else:  # the host thread issues the part's kernels, maybe syncs on routing
                     start, now = self._host_nonexpert(start, d_ne, layer == 0)
                 if rec is not None:
-                    rec.op("gpu", "nonexpert", sid, t, layer, -1, start, start + d_ne, 0)
+                    rec.op(gpu_lane.name, "nonexpert", sid, t, layer, -1, start, start + d_ne, 0)
                 c.gpu_nonexpert_busy += d_ne
                 gpu_lane.busy += d_ne
                 if unified:

@@ -27,7 +27,7 @@ from simulator.errors import DoesNotFit, UserError
 from simulator.hardware import HardwareProfile, load_profile
 from simulator.recorder import Recorder
 from simulator.results import RunResult, compute_metrics
-from simulator.runtime_profiles import RuntimeProfile, get_runtime
+from simulator.runtime_profiles import HostThread, RuntimeProfile, get_runtime
 from simulator.serving import (
     Arrival,
     Request,
@@ -182,6 +182,35 @@ def _engine_class(name: str) -> type[EngineBase]:
 
         return ReferenceEngine
     raise UserError(f"unknown engine {name!r} (choose 'fast' or 'reference')")
+
+
+def _multi_gpu_config(
+    profile: HardwareProfile,
+    gpus: int,
+    mode: str | None,
+    pol: Policy,
+    rt: RuntimeProfile,
+    serving: ServingConfig | None,
+) -> Any:
+    """The run's multi-GPU setting (None for one GPU); refuses what it does not model."""
+    from simulator.multigpu import check_config
+
+    mg = check_config(profile, gpus, mode)
+    if mg is None:
+        return None
+    if serving is not None:
+        raise UserError("--batch/--arrival-rate with --gpus > 1 is not supported yet")
+    if pol.clairvoyant:
+        raise UserError(f"policy {pol.name!r} is clairvoyant: --gpus > 1 has no per-GPU oracle")
+    if profile.link.unified:
+        raise UserError(f"profile {profile.name!r} has unified memory: --gpus > 1 needs PCIe")
+    host = HostThread(rt) if not rt.free else None
+    if host is not None and host.per_expert:
+        raise UserError(
+            f"runtime {rt.name!r} issues kernels per expert on the host thread, which --gpus > 1 "
+            "does not model yet; pass --runtime ideal or cuda-graph"
+        )
+    return mg
 
 
 def run_notes(
@@ -441,6 +470,8 @@ def simulate(
     engine: str = "fast",
     serving: ServingConfig | None = None,
     runtime: str | RuntimeProfile | None = None,
+    gpus: int = 1,
+    multi_gpu: str | None = None,
 ) -> RunResult:
     """Run one policy on one machine over a trace; see docs/metrics.md for the result.
 
@@ -454,7 +485,9 @@ def simulate(
     rules, slower; docs/architecture.md). ``serving``: requests batched and arriving over time
     (docs/serving.md); None runs the sequences one after another. ``runtime``: the runtime
     profile (a bundled name or a :class:`RuntimeProfile`); None takes the one the policy
-    declares.
+    declares. ``gpus``/``multi_gpu``: several GPUs of a multi-GPU profile, ``"expert"``
+    (default) or ``"pipeline"`` placement (docs/serving.md, "Multiple GPUs"); the budget
+    (``cache_ratio``, ``gpu_experts`` or what fits) is then per GPU.
     """
     if lookahead not in LOOKAHEAD_CHOICES:
         raise UserError(f"--lookahead must be one of {list(LOOKAHEAD_CHOICES)}, got {lookahead!r}")
@@ -471,6 +504,7 @@ def simulate(
         pol = get_policy_class(policy)(**(policy_options or {}))
     rt = get_runtime(pol.runtime_profile if runtime is None else runtime)
     costs: CostModel = cost_model(profile, model)
+    mg = _multi_gpu_config(profile, gpus, multi_gpu, pol, rt, serving)
 
     # the metadata counts feed the memory budget below: check them against the rows first
     ids = checked_sequence_ids(trace_path, meta)
@@ -604,6 +638,16 @@ def simulate(
             for r in iter_sequences(trace_path, meta, sequences=set(eval_ids)):
                 oracle.add(r)
 
+    multi_kw: dict[str, Any] = {}
+    if mg is not None:  # several GPUs: per-GPU budgets, one policy instance per GPU
+        from simulator import multigpu
+
+        placement = multigpu.Placement(mg, model.moe_layers, model.experts)
+        budgets = multigpu.split_budget(placement, budget)
+        budget = sum(budgets)
+        pol = multigpu.ShardedPolicy(pol, placement, budgets)
+        engine_cls = multigpu.engine_for(engine)  # type: ignore[assignment]
+        multi_kw = {"placement": placement, "budgets": budgets}
     recorder = Recorder() if record else None
     sim = engine_cls(
         pol,
@@ -617,6 +661,7 @@ def simulate(
         recorder=recorder,
         seed=seed,
         runtime=rt,
+        **multi_kw,
     )
     sim.serving = plan
     done = [0]
@@ -675,6 +720,8 @@ def simulate(
         "bound": bool(pol.clairvoyant or pol.bound),
         "clairvoyant": bool(pol.clairvoyant),
         "cost_sources": costs.sources(),
+        "gpus": gpus,
+        "multi_gpu": sim.multi_metrics() if mg is not None else None,  # type: ignore[attr-defined]
         **provenance(trace_path, profile),
     }
     serving_doc = requests = None
