@@ -24,6 +24,7 @@ here (:class:`MultiGpuEngine`, :class:`MultiGpuReference`) and give identical ti
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import heapq
 from collections import deque
@@ -266,16 +267,23 @@ class ShardedPolicy(Policy):
         merged = Plan(actions={})
         actions = merged.actions
         assert actions is not None
+        routes: list[int] = []
+        raws: list[int] = []
+        substituted = False
         for k, pol in enumerate(self.inner):
             mine = [e for e in routed if row[e] == k]
             if not mine:
                 continue
             plan = getattr(pol, hook)(self._view(view, k, mine))
             layers, experts = pl.layers_of[k], pl.experts_of[k]
-            if plan.route is not None or plan.raw_route is not None:
-                raise UserError(
-                    f"policy {self.name!r} substitutes routing, which --gpus > 1 does not support"
-                )
+            # a substituted route names this GPU's experts: the layer's route is the union
+            if plan.route is not None:
+                routes.extend(experts[int(e)] for e in np.asarray(plan.route).tolist())
+                substituted = True
+            else:
+                routes.extend(mine)
+            raw = plan.raw_route if plan.raw_route is not None else plan.route
+            raws.extend(mine if raw is None else [experts[int(e)] for e in np.asarray(raw).tolist()])
 
             def g(s: Any, layers: list[int] = layers, experts: list[int] = experts) -> Slot:
                 return (layers[int(s[0])], experts[int(s[1])])
@@ -298,6 +306,9 @@ class ShardedPolicy(Policy):
             if plan.low_bit:
                 merged.low_bit = frozenset(merged.low_bit) | {experts[int(e)] for e in plan.low_bit}
             self._check_budget(view, k, plan)
+        if substituted:
+            merged.route = np.asarray(routes, dtype=np.int64)
+            merged.raw_route = np.asarray(raws, dtype=np.int64)
         return merged
 
     def _check_budget(self, view: View, k: int, plan: Plan) -> None:
@@ -404,7 +415,18 @@ class _MultiBase:
     def _peer_init(self, placement: Placement, budgets: list[int]) -> None:
         eng: Any = self
         self.pl = placement
+        old = eng.machine
         m = eng.machine = MultiMachine(eng.costs, eng.spec, None, placement)
+        m.host, m.host_experts = old.host, old.host_experts  # the same runtime's thread
+        #: the thread issuing each GPU's expert kernels: the main thread for GPU 0, one worker
+        #: thread of its own for every other GPU (None: expert calls cost the host nothing)
+        self._peer_hosts: list[Any] = [m.host_experts]
+        for _ in range(1, placement.n):
+            h = None
+            if m.host_experts is not None:
+                h = copy.copy(m.host_experts)
+                h.t, h.syncs = 0.0, 0
+            self._peer_hosts.append(h)
         n = placement.n
         staging = eng.spec.staging_buffers
         self._peer_cap = [b + staging for b in budgets]
@@ -487,6 +509,12 @@ class _MultiBase:
         ok = self.res.take(t)  # type: ignore[attr-defined]
         assert ok
         return True
+
+    def stats(self, e2e: float) -> Any:
+        """The run's statistics; host syncs include every GPU's worker thread."""
+        out = super().stats(e2e)  # type: ignore[misc]
+        out.counters.host_syncs += sum(h.syncs for h in self._peer_hosts[1:] if h is not None)
+        return out
 
     def multi_metrics(self) -> dict[str, Any]:
         """Per-GPU and per-peer-path figures for ``run --json``."""
@@ -709,6 +737,7 @@ class MultiGpuEngine(_MultiBase, Engine):
         gpu_s = m.gpu_s
         deferred = w.deferred
         layer = w.layer
+        hosts = self._peer_hosts
         busy = 0.0
         while gheap or self._waiting:
             while self._waiting and heap and (not gheap or heap[0][0] < gheap[0][0]):
@@ -716,11 +745,17 @@ class MultiGpuEngine(_MultiBase, Engine):
             if not gheap:
                 raise RuntimeError("engine: a GPU waits for a copy that can never start")
             _, ready, e, buf, k = heapq.heappop(gheap)
-            gk = max(g[k], st["base"][k])
+            gk = drained = max(g[k], st["base"][k])
             if ready > gk:
                 c.transfer_stall += ready - gk
                 gk = ready
             d = gpu_s(int(counts[e]) if counts is not None else 1)
+            host = hosts[k]
+            if host is not None:  # the stream may wait for its thread to issue the kernels
+                wait = host.expert(drained, gk, d) - d - gk
+                if wait > 0.0:
+                    c.dispatch_stall += wait
+                    gk += wait
             if rec is not None:
                 rec.op(m.gpus[k].name, "expert", w.sid, w.token, layer, e, gk, gk + d, 0)
             gk += d
@@ -1017,6 +1052,13 @@ class MultiGpuReference(_MultiBase, ReferenceEngine):
             if s > g:
                 self.c.transfer_stall += s - g
             d = self.machine.gpu_s(int(w.counts[e]) if w.counts is not None else 1)
+            host = self._peer_hosts[k]
+            if host is not None:  # the stream waits for its thread to issue the kernels
+                wait = host.expert(g, s, d) - d - s
+                if wait > 0.0:
+                    self.c.dispatch_stall += wait
+                    yield env.timeout(wait)
+                    s = env.now
             yield env.timeout(d)
             state["g"][k] = env.now
             state["busy"] += d

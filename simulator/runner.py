@@ -27,7 +27,7 @@ from simulator.errors import DoesNotFit, UserError
 from simulator.hardware import HardwareProfile, load_profile
 from simulator.recorder import Recorder
 from simulator.results import RunResult, compute_metrics
-from simulator.runtime_profiles import HostThread, RuntimeProfile, get_runtime
+from simulator.runtime_profiles import RuntimeProfile, get_runtime
 from simulator.serving import (
     Arrival,
     Request,
@@ -204,12 +204,6 @@ def _multi_gpu_config(
         raise UserError(f"policy {pol.name!r} is clairvoyant: --gpus > 1 has no per-GPU oracle")
     if profile.link.unified:
         raise UserError(f"profile {profile.name!r} has unified memory: --gpus > 1 needs PCIe")
-    host = HostThread(rt) if not rt.free else None
-    if host is not None and host.per_expert:
-        raise UserError(
-            f"runtime {rt.name!r} issues kernels per expert on the host thread, which --gpus > 1 "
-            "does not model yet; pass --runtime ideal or cuda-graph"
-        )
     return mg
 
 
