@@ -474,7 +474,9 @@ def _multi(p: Path, data: dict[str, Any]) -> MultiGpuSpec | None:
     if peer["kind"] != "host":
         for key in ("bandwidth_gbs", "latency_us"):
             if key not in peer:
-                raise ProfileError(p, f"missing key (needed for kind {peer['kind']!r})", f"peer.{key}")
+                raise ProfileError(
+                    p, f"missing key (needed for kind {peer['kind']!r})", f"peer.{key}"
+                )
     pairs = peer.get("pairs")
     if pairs is not None and any(b >= gpus["count"] for _, b in pairs):
         raise ProfileError(p, f"names a GPU beyond gpus.count = {gpus['count']}", "peer.pairs")

@@ -42,7 +42,6 @@ from simulator.errors import UserError
 from simulator.hardware import HardwareProfile
 from simulator.machine import Lane, Link, Machine, _memo
 from simulator.reference import ReferenceEngine
-from simulator.residency import INF
 from simulator.runtime_profiles import RuntimeProfile
 
 MODES = ("expert", "pipeline")
@@ -107,10 +106,10 @@ class Placement:
         self.gpu = gpu
         #: gpu_of[layer][expert], plain lists for the hot path
         self.gpu_of: list[list[int]] = gpu.tolist()
-        self.local_layer = {(k, lay): i for k in range(n) for i, lay in enumerate(self.layers_of[k])}
-        self.local_expert = [
-            {e: i for i, e in enumerate(self.experts_of[k])} for k in range(n)
-        ]
+        self.local_layer = {
+            (k, lay): i for k in range(n) for i, lay in enumerate(self.layers_of[k])
+        }
+        self.local_expert = [{e: i for i, e in enumerate(self.experts_of[k])} for k in range(n)]
 
     def capacity(self, k: int) -> int:
         """How many (layer, expert) slots GPU ``k`` can hold at most."""
@@ -283,7 +282,9 @@ class ShardedPolicy(Policy):
             else:
                 routes.extend(mine)
             raw = plan.raw_route if plan.raw_route is not None else plan.route
-            raws.extend(mine if raw is None else [experts[int(e)] for e in np.asarray(raw).tolist()])
+            raws.extend(
+                mine if raw is None else [experts[int(e)] for e in np.asarray(raw).tolist()]
+            )
 
             def g(s: Any, layers: list[int] = layers, experts: list[int] = experts) -> Slot:
                 return (layers[int(s[0])], experts[int(s[1])])
@@ -463,7 +464,9 @@ class _MultiBase:
         p = int(w.counts.sum()) // self.model.top_k  # type: ignore[attr-defined]
         return max(1, min(p, sum(int(w.counts[e]) for e in experts)))
 
-    def _peer_plan(self, w: LayerWork) -> tuple[dict[int, list[int]], dict[int, tuple[PeerOp, PeerOp]]]:
+    def _peer_plan(
+        self, w: LayerWork
+    ) -> tuple[dict[int, list[int]], dict[int, tuple[PeerOp, PeerOp]]]:
         """A layer's GPU experts per GPU and, for each GPU but the home one, its send and
         return transfers (issue numbers taken now, GPUs in order, in both executors)."""
         eng: Any = self
@@ -521,7 +524,7 @@ class _MultiBase:
         m = self.machine
         gpus = []
         for k, lane in enumerate(m.gpus):
-            h, d = m.uplinks[k]
+            h, _ = m.uplinks[k]
             gpus.append(
                 {
                     "gpu": k,
@@ -605,7 +608,9 @@ class MultiGpuEngine(_MultiBase, Engine):
         elif kind == TEMP:
             m = self.machine
             dur, nbytes = (
-                (m.low_bit_s, m.low_bit_bytes) if op.low else (self._h2d.expert_s, self.expert_bytes)
+                (m.low_bit_s, m.low_bit_bytes)
+                if op.low
+                else (self._h2d.expert_s, self.expert_bytes)
             )
             lane = self._h2d.lane
             s, e = lane.serve(t, dur)
@@ -706,7 +711,7 @@ class MultiGpuEngine(_MultiBase, Engine):
                 serve(now, op)
             while heap and heap[0][0] <= now:
                 self._serve()
-        for k, (send, _) in xfer.items():  # the activations leave the home GPU now
+        for send, _ in xfer.values():  # the activations leave the home GPU now
             send.gpu = True
             self._waiting += 1
             serve(now, send)
@@ -775,7 +780,7 @@ class MultiGpuEngine(_MultiBase, Engine):
             if left[k] == 0 and k in xfer:  # its results go back to the home GPU
                 push(gk, xfer[k][1])
         end = max(g[home], st["base"][home])
-        for k, (_, back) in xfer.items():
+        for _, back in xfer.values():
             t = back.end if back.end is not None else self._resolve(back)
             if t > end:
                 end = t
@@ -941,7 +946,7 @@ class MultiGpuReference(_MultiBase, ReferenceEngine):
         pl = self.pl
         n = pl.n
         home = pl.home[w.layer]
-        per, xfer = self._peer_plan(w)
+        _, xfer = self._peer_plan(w)
         for op in w.ops:
             self._event(op)
             if op.kind == FETCH:

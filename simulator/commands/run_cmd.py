@@ -351,6 +351,22 @@ def render_serving(sv: dict[str, Any]) -> str:
     metavar="FILE",
     help="Write one row per request (.csv or .parquet) in a serving run.",
 )
+@click.option(
+    "--gpus",
+    type=int,
+    default=1,
+    show_default=True,
+    help="GPUs of a multi-GPU profile to use (docs/serving.md, 'Multiple GPUs'); the expert "
+    "budget (--cache-ratio, --gpu-experts) is then per GPU.",
+)
+@click.option(
+    "--multi-gpu",
+    "multi_gpu",
+    type=str,
+    default=None,
+    help="With --gpus > 1: 'expert' (expert e on GPU e mod N, attention on GPU 0; default) "
+    "or 'pipeline' (contiguous layer stages).",
+)
 @json_option
 def run(
     policy: str,
@@ -380,6 +396,8 @@ def run(
     slo_tpot: float | None = None,
     requests_out: str | None = None,
     runtime: str | None = None,
+    gpus: int = 1,
+    multi_gpu: str | None = None,
 ) -> None:
     """Simulate one policy on one machine over a routing trace."""
     from simulator.runner import simulate
@@ -421,6 +439,8 @@ def run(
             engine=engine,
             serving=serving,
             runtime=runtime,
+            gpus=gpus,
+            multi_gpu=multi_gpu,
         )
     if bounds and serving is None:  # the bounds are single-sequence runs
         result.config["bounds"] = compute_bounds(result, hw, trace, sequences, dtype, seed)

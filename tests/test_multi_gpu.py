@@ -1,0 +1,221 @@
+"""Multiple GPUs (--gpus, --multi-gpu): placement, per-GPU slots, peer links, both executors.
+
+Each test tries to break one invariant of docs/serving.md, "Multiple GPUs".
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+
+from policies.registry import get_policy_class
+from simulator.cli import main
+from simulator.multigpu import MultiMachine, Placement
+from simulator.runner import simulate
+
+TRACE = "ci-small"
+
+
+def run(policy: str = "lru", hw: str = "2x-rtx4090-pcie4", **kw: object):  # type: ignore[no-untyped-def]
+    kw.setdefault("sequences", 1)
+    kw.setdefault("gpu_experts", 40)
+    return simulate(policy=policy, hw=hw, trace=TRACE, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("policy", ["lru", "daop"])
+@pytest.mark.parametrize("mode", ["expert", "pipeline"])
+@pytest.mark.parametrize("hw", ["2x-rtx4090-pcie4", "2x-rtx3090-nvlink"])
+def test_fast_and_reference_timelines_agree(policy: str, mode: str, hw: str) -> None:
+    """Every operation starts and ends at the same moment (1e-9 s) in both executors."""
+    fast = run(policy, hw, gpus=2, multi_gpu=mode)
+    ref = run(policy, hw, gpus=2, multi_gpu=mode, engine="reference")
+    keys = ["resource", "start", "end", "kind", "layer", "expert", "token"]
+    a = fast.timeline.sort_values(keys).reset_index(drop=True)
+    b = ref.timeline.sort_values(keys).reset_index(drop=True)
+    assert len(a) == len(b) > 0
+    assert (a["resource"] == b["resource"]).all() and (a["kind"] == b["kind"]).all()
+    assert np.abs(a["start"] - b["start"]).max() < 1e-9
+    assert np.abs(a["end"] - b["end"]).max() < 1e-9
+    assert fast.metrics["e2e_s"] == pytest.approx(ref.metrics["e2e_s"], abs=1e-9)
+
+
+def test_four_gpus_two_nvlink_pairs_agree() -> None:
+    """4x RTX 3090: pairs over NVLink, other pairs staged through the host; executors agree."""
+    fast = run("lfu", "4x-rtx3090-nvlink", gpus=4, gpu_experts=20)
+    ref = run("lfu", "4x-rtx3090-nvlink", gpus=4, gpu_experts=20, engine="reference")
+    assert fast.metrics["e2e_s"] == pytest.approx(ref.metrics["e2e_s"], abs=1e-9)
+    lanes = set(fast.timeline["resource"])
+    assert {"peer0>1", "peer1>0", "peer2>3", "peer3>2"} >= {x for x in lanes if "peer" in x}
+    assert "peer0>2" not in lanes  # no bridge between the pairs: through the host
+    peer_rows = fast.timeline[fast.timeline["kind"] == "peer"]
+    assert set(peer_rows["resource"]) & {"d2h0", "h2d0"}  # the staged transfers
+
+
+def test_one_gpu_is_todays_run() -> None:
+    """--gpus 1 gives exactly the single-GPU run (same metrics, same timeline)."""
+    a = simulate(policy="daop", hw="a6000-pcie4", trace=TRACE, sequences=1, cache_ratio=0.25)
+    b = simulate(
+        policy="daop", hw="a6000-pcie4", trace=TRACE, sequences=1, cache_ratio=0.25, gpus=1
+    )
+    assert json.dumps(a.metrics, sort_keys=True) == json.dumps(b.metrics, sort_keys=True)
+    pd.testing.assert_frame_equal(a.timeline, b.timeline)
+    assert b.config["multi_gpu"] is None
+
+
+def _held(tl: pd.DataFrame, pl: Placement) -> dict[int, list[tuple[float, int]]]:
+    """Slot events per GPU from the timeline: +1 at a fetch's start, -1 at a write-back's end."""
+    ev: dict[int, list[tuple[float, int]]] = {k: [] for k in range(pl.n)}
+    for r in tl.itertuples():
+        if r.kind in ("fetch", "prefetch"):
+            ev[pl.gpu_of[r.layer][r.expert]].append((r.start, 1))
+        elif r.kind == "writeback":
+            ev[pl.gpu_of[r.layer][r.expert]].append((r.end, -1))
+    return ev
+
+
+@pytest.mark.parametrize("mode", ["expert", "pipeline"])
+def test_slots_per_gpu_never_over_budget(mode: str) -> None:
+    """A write-back policy that starts with every slot full: the slots a GPU holds (copies
+    start holding one, write-backs release one when they end) never exceed its budget plus
+    its staging buffer, at any moment."""
+    res = run("mixtral-offloading", gpus=2, multi_gpu=mode, gpu_experts=24)
+    mg = res.config["multi_gpu"]
+    pl = Placement(_cfg(2, mode), 32, 8)
+    staging = get_policy_class("mixtral-offloading")().resources().staging_buffers
+    for k, events in _held(res.timeline, pl).items():
+        slots = mg["per_gpu"][k]["slots"]
+        assert mg["per_gpu"][k]["max_slots_used"] <= slots + staging
+        held = slots  # its initial placement fills the budget
+        # a write-back ending when a copy starts has freed its slot first
+        for _, delta in sorted(events, key=lambda x: (x[0], x[1])):
+            held += delta
+            assert held <= slots + staging
+        assert any(d == 1 for _, d in events)
+
+
+def _cfg(n: int, mode: str):  # type: ignore[no-untyped-def]
+    from simulator.multigpu import MultiGpuConfig
+
+    return MultiGpuConfig(n, mode)
+
+
+@pytest.mark.parametrize("mode", ["expert", "pipeline"])
+def test_experts_run_where_they_live_exactly_once(mode: str) -> None:
+    """Every routed decode expert is computed once per token and layer, on the GPU that holds
+    it (or on the CPU), never on another GPU."""
+    res = run("fiddler", gpus=2, multi_gpu=mode)
+    pl = Placement(_cfg(2, mode), 32, 8)
+    tl = res.timeline
+    gpu_rows = tl[(tl["kind"] == "expert") & tl["resource"].str.startswith("gpu")]
+    for r in gpu_rows.itertuples():
+        assert r.resource == f"gpu{pl.gpu_of[r.layer][r.expert]}"
+    comp = tl[tl["kind"].isin(["expert", "cpu_expert"])]
+    dup = comp.groupby(["seq", "token", "layer", "expert"]).size()
+    assert (dup == 1).all()
+    # every layer of every decode token computed its top-k experts (Mixtral: 2)
+    decode = comp[comp["token"] > 0]
+    per_layer = decode.groupby(["token", "layer"]).size()
+    assert (per_layer == 2).all()
+
+
+@pytest.mark.parametrize("hw", ["2x-rtx3090-nvlink", "8x-h100-sxm5"])
+def test_peer_lanes_one_copy_at_a_time_and_time_moves_forward(hw: str) -> None:
+    """Per direction a peer lane never holds two transfers at once; no operation ends before
+    it starts; each GPU stream is serial."""
+    res = run("lru", hw, gpus=2 if hw.startswith("2x") else 8, gpu_experts=16)
+    tl = res.timeline
+    assert (tl["end"] >= tl["start"]).all()
+    for lane, rows in tl.groupby("resource"):
+        if str(lane).startswith(("peer", "gpu")):
+            r = rows.sort_values("start")
+            assert (r["start"].to_numpy()[1:] >= r["end"].to_numpy()[:-1] - 1e-12).all(), lane
+    assert any(str(x).startswith("peer") for x in tl["resource"])
+
+
+def test_two_gpus_more_slots_fewer_misses() -> None:
+    """Same per-GPU memory: two GPUs hold twice the experts, so fewer copies than one."""
+    one = run("lru", "2x-rtx4090-pcie4", gpus=1, gpu_experts=30)
+    two = run("lru", "2x-rtx4090-pcie4", gpus=2, gpu_experts=30)
+    assert two.config["gpu_experts"] == 60
+    assert two.metrics["hit_rate"] > one.metrics["hit_rate"]
+    assert (
+        two.metrics["fetches"] + two.metrics["temp_copies"]
+        < one.metrics["fetches"] + one.metrics["temp_copies"]
+    )
+    per = two.config["multi_gpu"]["per_gpu"]
+    assert [g["slots"] for g in per] == [30, 30]
+    assert all(g["expert_computations"] > 0 for g in per)
+
+
+def test_pipeline_moves_activations_at_stage_boundaries_only() -> None:
+    """Pipeline over 2 GPUs of 32 layers: the hidden state crosses after layer 15 only."""
+    res = run("lru", "2x-rtx3090-nvlink", gpus=2, multi_gpu="pipeline")
+    tl = res.timeline
+    peer = tl[tl["kind"] == "peer"]
+    assert len(peer) > 0 and set(peer["layer"]) == {15}
+    assert set(peer["resource"]) == {"peer0>1"}
+    ne = tl[tl["kind"] == "nonexpert"]
+    assert set(ne[ne["layer"] < 16]["resource"]) == {"gpu0"}
+    assert set(ne[ne["layer"] >= 16]["resource"]) == {"gpu1"}
+    # the next stage's first layer starts only after the transfer ends
+    for token, rows in peer.groupby("token"):
+        nxt = ne[(ne["token"] == token) & (ne["layer"] == 16)]
+        assert nxt["start"].min() >= rows["end"].max() - 1e-12
+
+
+def test_expert_parallel_places_experts_on_both_gpus() -> None:
+    """The done-when check: the default policy on 2x RTX 4090 uses both GPUs, a lane each."""
+    res = simulate(hw="2x-rtx4090-pcie4", trace=TRACE, sequences=1, gpus=2)
+    lanes = set(res.timeline["resource"])
+    assert {"gpu0", "gpu1", "h2d0", "d2h0"} <= lanes
+    per = res.config["multi_gpu"]["per_gpu"]
+    assert all(g["busy_s"] > 0 for g in per)
+    assert res.config["multi_gpu"]["peer_bytes_total"] > 0
+
+
+def test_machine_lanes_per_gpu_and_uplink() -> None:
+    """Separate uplinks give lanes h2dK/d2hK per GPU; a shared uplink one pair."""
+    h100 = simulate(policy="lru", hw="8x-h100-sxm5", trace=TRACE, sequences=1, gpus=4,
+                    gpu_experts=8)  # fmt: skip
+    lanes = set(h100.timeline["resource"])
+    assert {"gpu0", "gpu1", "gpu2", "gpu3"} <= lanes
+    assert any(x.startswith("h2d") and x != "h2d0" for x in lanes)
+    assert MultiMachine.__doc__
+
+
+@pytest.mark.parametrize(
+    "args,msg",
+    [
+        (["--gpus", "3", "--hw", "2x-rtx4090-pcie4"], "has 2 GPUs"),
+        (["--gpus", "0"], "--gpus must be >= 1"),
+        (["--gpus", "2"], "has 1 GPU"),
+        (["--gpus", "2", "--hw", "2x-rtx4090-pcie4", "--multi-gpu", "ring"], "--multi-gpu"),
+        (["--multi-gpu", "pipeline"], "needs --gpus 2"),
+        (["--gpus", "2", "--hw", "2x-rtx4090-pcie4", "--batch", "4"], "not supported"),
+    ],
+)
+def test_bad_input_is_one_line(args: list[str], msg: str) -> None:
+    """Impossible GPU counts and modes are one-line errors with a non-zero exit."""
+    out = CliRunner().invoke(main, ["run", "--trace", TRACE, "--sequences", "1", *args])
+    assert out.exit_code != 0
+    text = out.output.strip()
+    assert msg in text and "Traceback" not in text and len(text.splitlines()) == 1
+
+
+def test_run_json_has_per_gpu_metrics() -> None:
+    """run --json: per-GPU busy time, slots and bytes, and the peer bytes."""
+    out = CliRunner().invoke(
+        main,
+        ["run", "--trace", TRACE, "--sequences", "1", "--hw", "2x-rtx3090-nvlink", "--gpus",
+         "2", "--policy", "lru", "--gpu-experts", "40", "--json"],
+    )  # fmt: skip
+    assert out.exit_code == 0, out.output
+    doc = json.loads(out.output)
+    mg = doc["multi_gpu"]
+    assert mg["gpus"] == 2 and mg["mode"] == "expert" and mg["peer_kind"] == "nvlink"
+    assert {"busy_s", "slots", "h2d_expert_bytes"} <= set(mg["per_gpu"][0])
+    assert mg["peer_bytes_total"] == sum(mg["peer_bytes"].values()) > 0
