@@ -270,9 +270,11 @@ class ShardedPolicy(Policy):
         raws: list[int] = []
         substituted = False
         for k, pol in enumerate(self.inner):
+            if (k, layer) not in pl.local_layer:
+                continue  # pipeline: another stage's layer
+            # asked even with no routed expert of its own: policies that prefetch or track
+            # their copies expect a call at every layer they hold
             mine = [e for e in routed if row[e] == k]
-            if not mine:
-                continue
             plan = getattr(pol, hook)(self._view(view, k, mine))
             layers, experts = pl.layers_of[k], pl.experts_of[k]
             # a substituted route names this GPU's experts: the layer's route is the union
