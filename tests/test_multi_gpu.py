@@ -219,3 +219,21 @@ def test_run_json_has_per_gpu_metrics() -> None:
     assert mg["gpus"] == 2 and mg["mode"] == "expert" and mg["peer_kind"] == "nvlink"
     assert {"busy_s", "slots", "h2d_expert_bytes"} <= set(mg["per_gpu"][0])
     assert mg["peer_bytes_total"] == sum(mg["peer_bytes"].values()) > 0
+
+
+def test_sweep_gpus_axis(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A sweep compares 1 and 2 GPUs (both placements); one-GPU rows read gpus = 1."""
+    from simulator.sweep import Grid, expand, run_sweep
+
+    grid = Grid(
+        policies=["lru"], hw=["2x-rtx3090-nvlink"], traces=[TRACE], gpu_experts=[30],
+        sequences=1, gpus=[1, 2], multi_gpu=["expert", "pipeline"],
+    )  # fmt: skip
+    cfgs = expand(grid)
+    assert [(c.gpus, c.multi_gpu) for c in cfgs] == [(1, None), (2, "expert"), (2, "pipeline")]
+    assert len({c.key for c in cfgs}) == 3
+    df, _ = run_sweep(grid, out=tmp_path / "s.parquet", progress=False)
+    assert list(df["gpus"]) == [1, 2, 2] and (df["status"] == "ok").all()
+    assert list(df["gpu_experts"]) == [30, 60, 60]  # the total over the GPUs
+    one = Grid(policies=["lru"], traces=[TRACE], gpu_experts=[30], sequences=1)
+    assert expand(one)[0].key == expand(Grid(**{**one.__dict__, "gpus": [1]}))[0].key
