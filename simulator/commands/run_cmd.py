@@ -442,7 +442,7 @@ def run(
             gpus=gpus,
             multi_gpu=multi_gpu,
         )
-    if bounds and serving is None:  # the bounds are single-sequence runs
+    if bounds and serving is None and gpus == 1:  # the bounds are single-sequence, one-GPU runs
         result.config["bounds"] = compute_bounds(result, hw, trace, sequences, dtype, seed)
     if out_dir is not None:
         result.write(out_dir, flag="--out", inputs=inputs)
