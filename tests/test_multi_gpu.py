@@ -12,8 +12,10 @@ import pandas as pd
 import pytest
 from click.testing import CliRunner
 
+from policies.base import Action, Plan, Policy, View
 from policies.registry import get_policy_class
 from simulator.cli import main
+from simulator.errors import UserError
 from simulator.multigpu import MultiMachine, Placement
 from simulator.runner import simulate
 
@@ -237,3 +239,28 @@ def test_sweep_gpus_axis(tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert list(df["gpu_experts"]) == [30, 60, 60]  # the total over the GPUs
     one = Grid(policies=["lru"], traces=[TRACE], gpu_experts=[30], sequences=1)
     assert expand(one)[0].key == expand(Grid(**{**one.__dict__, "gpus": [1]}))[0].key
+
+
+class _Hoarder(Policy):
+    """Fetches every miss and never evicts: goes over a GPU's budget once it is full."""
+
+    name = "hoarder"
+
+    def decode_layer(self, view: View) -> Plan:
+        """Every routed expert resident or fetched."""
+        res = view.resident[view.layer]
+        return Plan(actions={int(e): Action.GPU if res[e] else Action.FETCH for e in view.experts})
+
+
+def test_a_gpu_over_its_own_budget_is_refused() -> None:
+    """Global room is not enough: a GPU's instance going over its own budget is an error."""
+    with pytest.raises(UserError, match="over its budget"):
+        run(_Hoarder(), gpus=2, gpu_experts=4)
+
+
+def test_one_gpu_of_a_multi_gpu_profile_is_its_base_machine() -> None:
+    """--gpus 1 on 2x-rtx4090-pcie4 times exactly like rtx4090-pcie4 (the [gpu] it repeats)."""
+    a = run("lru", "rtx4090-pcie4", gpus=1)
+    b = run("lru", "2x-rtx4090-pcie4", gpus=1)
+    assert a.metrics["e2e_s"] == b.metrics["e2e_s"]
+    assert a.metrics["hit_rate"] == b.metrics["hit_rate"]
