@@ -182,7 +182,7 @@ class ShardedPolicy(Policy):
                 costs=ctx.costs,
                 calibration=self._cal[k],
                 calibration_prefill=self._slice(ctx.calibration_prefill, k),
-                oracle=None,
+                oracle=None if ctx.oracle is None else _LocalOracle(ctx.oracle, layers, experts),
                 seed=ctx.seed,
                 calibration_sequences=(
                     tuple(self._slice(s, k) for s in seqs)  # type: ignore[misc]
@@ -326,6 +326,18 @@ class ShardedPolicy(Policy):
                 f"policy {self.name!r}: GPU {k} would hold {after} experts at layer "
                 f"{view.layer}, over its budget of {self.budgets[k]}"
             )
+
+
+class _LocalOracle:
+    """A clairvoyant policy's oracle (``simulator.runner.Oracle``) seen from one GPU: local
+    (layer, expert) indices mapped to the model's; steps are the run's steps."""
+
+    def __init__(self, oracle: Any, layers: list[int], experts: list[int]) -> None:
+        self.oracle, self.layers, self.experts = oracle, layers, experts
+
+    def next_use(self, layer: int, expert: int, after: int) -> float:
+        """First step > ``after`` at which the local (layer, expert) is used, or infinity."""
+        return self.oracle.next_use(self.layers[layer], self.experts[expert], after)
 
 
 # -- the machine -------------------------------------------------------------------------------

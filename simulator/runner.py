@@ -200,8 +200,6 @@ def _multi_gpu_config(
         return None
     if serving is not None:
         raise UserError("--batch/--arrival-rate with --gpus > 1 is not supported yet")
-    if pol.clairvoyant:
-        raise UserError(f"policy {pol.name!r} is clairvoyant: --gpus > 1 has no per-GPU oracle")
     if profile.link.unified:
         raise UserError(f"profile {profile.name!r} has unified memory: --gpus > 1 needs PCIe")
     return mg

@@ -264,3 +264,17 @@ def test_one_gpu_of_a_multi_gpu_profile_is_its_base_machine() -> None:
     b = run("lru", "2x-rtx4090-pcie4", gpus=1)
     assert a.metrics["e2e_s"] == b.metrics["e2e_s"]
     assert a.metrics["hit_rate"] == b.metrics["hit_rate"]
+
+
+@pytest.mark.parametrize("mode", ["expert", "pipeline"])
+def test_per_gpu_belady_bounds_lru(mode: str) -> None:
+    """Each GPU's Belady instance sees its own experts' future: it never hits less than LRU
+    on the same per-GPU caches, and both executors agree on it."""
+    lru = run("lru", "2x-rtx3090-nvlink", gpus=2, multi_gpu=mode, gpu_experts=50, record=False)
+    bel = run("belady", "2x-rtx3090-nvlink", gpus=2, multi_gpu=mode, gpu_experts=50, record=False)
+    ref = run(
+        "belady", "2x-rtx3090-nvlink", gpus=2, multi_gpu=mode, gpu_experts=50, record=False,
+        engine="reference",
+    )  # fmt: skip
+    assert bel.metrics["hit_rate"] >= lru.metrics["hit_rate"]
+    assert bel.metrics["e2e_s"] == pytest.approx(ref.metrics["e2e_s"], abs=1e-9)
