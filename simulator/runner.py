@@ -190,7 +190,6 @@ def _multi_gpu_config(
     mode: str | None,
     pol: Policy,
     rt: RuntimeProfile,
-    serving: ServingConfig | None,
 ) -> Any:
     """The run's multi-GPU setting (None for one GPU); refuses what it does not model."""
     from simulator.multigpu import check_config
@@ -198,8 +197,6 @@ def _multi_gpu_config(
     mg = check_config(profile, gpus, mode)
     if mg is None:
         return None
-    if serving is not None:
-        raise UserError("--batch/--arrival-rate with --gpus > 1 is not supported yet")
     if profile.link.unified:
         raise UserError(f"profile {profile.name!r} has unified memory: --gpus > 1 needs PCIe")
     return mg
@@ -496,7 +493,7 @@ def simulate(
         pol = get_policy_class(policy)(**(policy_options or {}))
     rt = get_runtime(pol.runtime_profile if runtime is None else runtime)
     costs: CostModel = cost_model(profile, model)
-    mg = _multi_gpu_config(profile, gpus, multi_gpu, pol, rt, serving)
+    mg = _multi_gpu_config(profile, gpus, multi_gpu, pol, rt)
 
     # the metadata counts feed the memory budget below: check them against the rows first
     ids = checked_sequence_ids(trace_path, meta)

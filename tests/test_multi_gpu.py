@@ -197,7 +197,6 @@ def test_machine_lanes_per_gpu_and_uplink() -> None:
         (["--gpus", "2"], "has 1 GPU"),
         (["--gpus", "2", "--hw", "2x-rtx4090-pcie4", "--multi-gpu", "ring"], "--multi-gpu"),
         (["--multi-gpu", "pipeline"], "needs --gpus 2"),
-        (["--gpus", "2", "--hw", "2x-rtx4090-pcie4", "--batch", "4"], "not supported"),
     ],
 )
 def test_bad_input_is_one_line(args: list[str], msg: str) -> None:
@@ -278,3 +277,27 @@ def test_per_gpu_belady_bounds_lru(mode: str) -> None:
     )  # fmt: skip
     assert bel.metrics["hit_rate"] >= lru.metrics["hit_rate"]
     assert bel.metrics["e2e_s"] == pytest.approx(ref.metrics["e2e_s"], abs=1e-9)
+
+
+@pytest.mark.parametrize("mode", ["expert", "pipeline"])
+@pytest.mark.parametrize("batch,rate", [(4, None), (None, 0.5)])
+def test_batched_serving_on_two_gpus(mode: str, batch: int | None, rate: float | None) -> None:
+    """Static and continuous batching over two GPUs: both executors give the same timeline,
+    and the batched steps' non-expert parts run on the layers' home GPUs."""
+    from simulator.serving import serving_config
+
+    sv = serving_config(batch, 4 if rate else None, rate, None, None, None, None)
+    kw = {"gpus": 2, "multi_gpu": mode, "sequences": 4, "gpu_experts": 24, "serving": sv}
+    fast = run("fiddler", **kw)
+    ref = run("fiddler", engine="reference", **kw)
+    keys = ["resource", "start", "end", "kind", "layer", "expert", "token"]
+    a = fast.timeline.sort_values(keys).reset_index(drop=True)
+    b = ref.timeline.sort_values(keys).reset_index(drop=True)
+    assert len(a) == len(b) > 0 and (a["resource"] == b["resource"]).all()
+    assert np.abs(a["start"] - b["start"]).max() < 1e-9
+    assert np.abs(a["end"] - b["end"]).max() < 1e-9
+    ne = a[a["kind"] == "nonexpert"]
+    home = {0: "gpu0"} if mode == "expert" else {15: "gpu0", 16: "gpu1"}
+    for layer, lane in home.items():
+        assert set(ne[ne["layer"] == layer]["resource"]) == {lane}
+    assert fast.serving is not None
