@@ -395,6 +395,10 @@ class MultiMachine(Machine):
                 out[lane.name] = lane
         return out
 
+    def workers(self) -> dict[str, int]:
+        """Workers per pool, and the number of GPUs (``gpu``)."""
+        return {**super().workers(), "gpu": len(self.gpus)}
+
     def busy(self) -> dict[str, float]:
         """Busy seconds: ``gpu``/``h2d``/``d2h`` summed over the GPUs, then every lane."""
         out = {"gpu": sum(g.busy for g in self.gpus)}

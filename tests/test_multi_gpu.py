@@ -301,3 +301,20 @@ def test_batched_serving_on_two_gpus(mode: str, batch: int | None, rate: float |
     for layer, lane in home.items():
         assert set(ne[ne["layer"] == layer]["resource"]) == {lane}
     assert fast.serving is not None
+
+
+def test_busy_fraction_and_energy_count_every_gpu() -> None:
+    """gpu_busy_frac is a mean over the GPUs (never above 1); every GPU idles at its context
+    power for the whole run, so two GPUs cost at least twice one GPU's idle energy."""
+    from simulator.hardware import load_profile
+
+    res = run("lru", "8x-h100-sxm5", gpus=4, gpu_experts=16, record=False)
+    m = res.metrics
+    per = res.config["multi_gpu"]["per_gpu"]
+    assert 0 < m["gpu_busy_frac"] <= 1
+    assert m["gpu_busy_frac"] == pytest.approx(sum(g["busy_s"] for g in per) / (4 * m["e2e_s"]))
+    p = load_profile("8x-h100-sxm5").power
+    assert p is not None
+    idle = p.resolved(1).gpu_active_idle_w
+    assert idle is not None
+    assert m["energy_gpu_j"] >= 4 * idle * m["e2e_s"]
