@@ -318,3 +318,20 @@ def test_busy_fraction_and_energy_count_every_gpu() -> None:
     idle = p.resolved(1).gpu_active_idle_w
     assert idle is not None
     assert m["energy_gpu_j"] >= 4 * idle * m["e2e_s"]
+
+
+def test_peer_copy_cost_from_the_profile() -> None:
+    """A direct peer copy costs its latency plus the bytes at the per-direction bandwidth;
+    a profile without peer access has no direct path to cost."""
+    from simulator.costs import cost_model
+    from simulator.hardware import load_profile
+    from simulator.models import get_model
+
+    model = get_model("mixtral-8x7b")
+    nv = cost_model(load_profile("2x-rtx3090-nvlink"), model)
+    assert nv.peer_activation_s(1) == pytest.approx(6e-6 + model.hidden * 2 / 56.25e9)
+    assert nv.peer_activation_s(64) - nv.peer_activation_s(1) == pytest.approx(
+        63 * model.hidden * 2 / 56.25e9
+    )
+    with pytest.raises(ValueError):
+        cost_model(load_profile("2x-rtx4090-pcie4"), model).peer_activation_s(1)
