@@ -335,3 +335,29 @@ def test_peer_copy_cost_from_the_profile() -> None:
     )
     with pytest.raises(ValueError):
         cost_model(load_profile("2x-rtx4090-pcie4"), model).peer_activation_s(1)
+
+
+@pytest.mark.parametrize(
+    "tables,msg",
+    [
+        ("[gpus]\ncount = 2\nshared_uplink = false\n", "peer"),
+        ('[gpus]\ncount = 1\nshared_uplink = false\n[peer]\nkind = "host"\n', "at least 2"),
+        ('[gpus]\ncount = 2\nshared_uplink = false\n[peer]\nkind = "nvlink"\n', "bandwidth_gbs"),
+        (
+            '[gpus]\ncount = 2\nshared_uplink = true\n[peer]\nkind = "nvlink"\n'
+            "bandwidth_gbs = 50\nlatency_us = 5\npairs = [[0, 2]]\n",
+            "beyond gpus.count",
+        ),
+        ('[gpus]\ncount = 2\nshared_uplink = 1\n[peer]\nkind = "host"\n', "true or false"),
+        ('[gpus]\ncount = 2\nshared_uplink = true\n[peer]\nkind = "infiniband"\n', "one of"),
+    ],
+)
+def test_bad_multi_gpu_tables_are_one_line_profile_errors(tmp_path, tables: str, msg: str) -> None:  # type: ignore[no-untyped-def]
+    """[gpus] and [peer] are checked on load; a mistake names the file and the key."""
+    from simulator.errors import ProfileError
+    from simulator.hardware import load_profile
+
+    f = tmp_path / "box.toml"
+    f.write_text(f'extends = "rtx3090-pcie4"\nname = "box"\ndescription = "d"\n{tables}')
+    with pytest.raises(ProfileError, match=msg):
+        load_profile(str(f))
