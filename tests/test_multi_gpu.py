@@ -43,6 +43,14 @@ def test_fast_and_reference_timelines_agree(policy: str, mode: str, hw: str) -> 
     assert np.abs(a["start"] - b["start"]).max() < 1e-9
     assert np.abs(a["end"] - b["end"]).max() < 1e-9
     assert fast.metrics["e2e_s"] == pytest.approx(ref.metrics["e2e_s"], abs=1e-9)
+    # per-GPU busy time, slots held, bytes and peer bytes agree too
+    fm, rm = fast.config["multi_gpu"], ref.config["multi_gpu"]
+    assert fm["peer_bytes"] == rm["peer_bytes"]
+    for f, r in zip(fm["per_gpu"], rm["per_gpu"], strict=True):
+        assert f["busy_s"] == pytest.approx(r["busy_s"], rel=1e-12)
+        assert {k: v for k, v in f.items() if k != "busy_s"} == {
+            k: v for k, v in r.items() if k != "busy_s"
+        }
 
 
 def test_four_gpus_two_nvlink_pairs_agree() -> None:
