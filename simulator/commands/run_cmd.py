@@ -140,6 +140,15 @@ def render_table(doc: dict[str, Any]) -> str:
     head += f"\ncalibration {doc.get('calibration')} | seed {doc.get('seed')}"
     if doc.get("runtime"):
         head += f" | runtime {doc['runtime']['name']}"
+    mg = doc.get("multi_gpu")
+    if mg:  # several GPUs: placement, peer path and each GPU's share
+        shares = ", ".join(
+            f"gpu{g['gpu']} {g['slots']} slots, busy {g['busy_s']:.3g} s" for g in mg["per_gpu"]
+        )
+        head += (
+            f"\n{mg['gpus']} GPUs, {mg['mode']} placement, peer {mg['peer_kind']} "
+            f"({mg['peer_bytes_total'] / 1e6:.1f} MB between GPUs): {shares}"
+        )
     for note in doc.get("notes") or []:
         head += f"\nnote: {note}"
     lines = [head, ""]
