@@ -46,6 +46,9 @@ class Param:
     default: Any
     help: str
     choices: tuple[Any, ...] | None = None
+    # bounds are checked once here, so a policy's __init__ does not repeat them
+    minimum: float | None = None
+    maximum: float | None = None
 
 
 @dataclass(slots=True)
@@ -64,7 +67,11 @@ class Plan:
     experts start only after this layer's ``CPU`` experts are done (the thread driving the GPU
     computed them synchronously). ``low_bit``: routed experts whose ``TEMP`` copy moves the
     host's low-precision copy (``ResourceSpec.low_bit_dtype``) and which therefore run in low
-    precision (HOBBIT's mixed-precision loading).
+    precision (HOBBIT's mixed-precision loading). ``barrier``: the layer's GPU experts start
+    only once every copy into a slot of this layer that the plan issues (its ``FETCH`` actions
+    and its prefetches into ``layer``) has landed: a gather before the layer's forward, as
+    DeepSpeed ZeRO-3 fetches a leaf module's parameters in its pre-forward hook. Temporary
+    (``TEMP``) copies are not part of it.
     """
 
     actions: dict[int, Action] | None = None
@@ -77,6 +84,7 @@ class Plan:
     cpu_serial: bool = False
     cpu_first: bool = False
     low_bit: frozenset[int] | set[int] = frozenset()
+    barrier: bool = False
 
 
 ALL_GPU_PLAN = Plan()
@@ -100,6 +108,7 @@ class View:
         "costs",
         "counts",
         "experts",
+        "host_resident",
         "layer",
         "model",
         "n_tokens",
@@ -137,6 +146,10 @@ class View:
         self.model: ModelShape | None = None
         self.costs: CostModel | None = None
         self.calibration: np.ndarray | None = None
+        #: with a host-memory budget (docs/serving.md, "An SSD tier"): the ``[layers, experts]``
+        #: mask of experts host memory holds (the rest are on the SSD); None when the host
+        #: holds every expert
+        self.host_resident: np.ndarray | None = None
 
     @property
     def is_prefill(self) -> bool:
@@ -170,8 +183,14 @@ class ResourceSpec:
     #: the host also holds every expert at this lower precision (a ``simulator.models`` dtype);
     #: a ``TEMP`` copy named in ``Plan.low_bit`` moves that copy instead (HOBBIT)
     low_bit_dtype: str | None = None
+    #: how the system reads experts that live on the SSD (docs/serving.md, "An SSD tier"):
+    #: "read" (one large read each: the drive's sequential rate) or "mmap" (weights memory
+    #: mapped, pages faulted in on first touch: the 4 KiB random-read rate; llama.cpp)
+    ssd_access: str = "read"
 
     def __post_init__(self) -> None:
+        if self.ssd_access not in ("read", "mmap"):
+            raise UserError(f"ssd_access must be 'read' or 'mmap', got {self.ssd_access!r}")
         if self.host_memory not in ("pinned", "pageable"):
             raise UserError(f"host_memory must be 'pinned' or 'pageable', got {self.host_memory!r}")
         if self.low_bit_dtype is not None:
@@ -316,6 +335,14 @@ def coerce_option(policy: str, key: str, param: Param, value: Any) -> Any:
     if param.choices is not None and value not in param.choices:
         raise UserError(
             f"policy {policy!r}: option {key!r} must be one of {list(param.choices)}, got {value!r}"
+        )
+    if param.minimum is not None and value < param.minimum:
+        raise UserError(
+            f"policy {policy!r}: option {key!r} must be >= {param.minimum:g}, got {value!r}"
+        )
+    if param.maximum is not None and value > param.maximum:
+        raise UserError(
+            f"policy {policy!r}: option {key!r} must be <= {param.maximum:g}, got {value!r}"
         )
     return value
 

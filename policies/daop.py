@@ -111,10 +111,16 @@ class DAOPPolicy(Policy):
     needs_calibration = True
     params = {
         "swap_num": Param(
-            int, -1, "hot/cold pairs considered per layer at prefill (-1: half the experts, E/2)"
+            int,
+            -1,
+            "hot/cold pairs considered per layer at prefill (-1: half the experts, E/2)",
+            minimum=-1,
         ),
         "swap_threshold": Param(
-            float, 1.05, "swap when count(hot) > swap_threshold x count(cold) (SwapInOut)"
+            float,
+            1.05,
+            "swap when count(hot) > swap_threshold x count(cold) (SwapInOut)",
+            minimum=0,
         ),
         "swap_candidates": Param(
             str,
@@ -124,9 +130,15 @@ class DAOPPolicy(Policy):
             choices=("code", "filtered"),
         ),
         "first_predict_layer": Param(
-            int, 5, "decode layers below it route exactly; from it on the prediction is used"
+            int,
+            5,
+            "decode layers below it route exactly; from it on the prediction is used (>= 1: "
+            "layer 0 has no earlier layer to predict it)",
+            minimum=1,
         ),
-        "cpu_workers": Param(int, 2, "CPU worker threads for pre-calculation (and prefill)"),
+        "cpu_workers": Param(
+            int, 2, "CPU worker threads for pre-calculation (and prefill)", minimum=1
+        ),
         "graceful_degradation": Param(
             bool,
             True,
@@ -172,21 +184,6 @@ class DAOPPolicy(Policy):
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
         o = self.options
-        if o["cpu_workers"] < 1:
-            raise UserError(
-                f"policy 'daop': option 'cpu_workers' must be >= 1, got {o['cpu_workers']}"
-            )
-        if o["swap_num"] < -1:
-            raise UserError(f"policy 'daop': option 'swap_num' must be >= -1, got {o['swap_num']}")
-        if o["swap_threshold"] < 0:
-            raise UserError(
-                f"policy 'daop': option 'swap_threshold' must be >= 0, got {o['swap_threshold']}"
-            )
-        if o["first_predict_layer"] < 1:
-            raise UserError(
-                "policy 'daop': option 'first_predict_layer' must be >= 1 (layer 0 has no "
-                f"earlier layer to predict it), got {o['first_predict_layer']}"
-            )
         self.cpu_workers = int(o["cpu_workers"])
         self.swap_num_opt = int(o["swap_num"])
         self.threshold = float(o["swap_threshold"])

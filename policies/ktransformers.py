@@ -40,7 +40,7 @@ from policies.base import (
     per_layer_quota,
 )
 from policies.registry import register
-from simulator.errors import DoesNotFit, UserError
+from simulator.errors import DoesNotFit
 
 #: experts-sched-Tutorial.md: the ``random`` strategy "randomly selects experts with fixed seed
 #: (42)"; daopsim's generator differs from torch's, so the same seed picks other experts.
@@ -77,13 +77,15 @@ class KTransformersPolicy(Policy):
     runtime_profile = "ktransformers"
     params = {
         "gpu_experts_per_layer": Param(
-            int, 0, "GPU-resident experts per MoE layer (--kt-num-gpu-experts)"
+            int, 0, "GPU-resident experts per MoE layer (--kt-num-gpu-experts)", minimum=0
         ),
         "gpu_experts_ratio": Param(
             float,
             0.0,
             "share of all experts on the GPU (--kt-gpu-experts-ratio); > 0 overrides "
             "gpu_experts_per_layer",
+            minimum=0,
+            maximum=1,
         ),
         "placement": Param(
             str,
@@ -97,16 +99,6 @@ class KTransformersPolicy(Policy):
         super().__init__(**options)
         self.per_layer = int(self.options["gpu_experts_per_layer"])
         self.ratio = float(self.options["gpu_experts_ratio"])
-        if self.per_layer < 0:
-            raise UserError(
-                f"policy {self.name!r}: option 'gpu_experts_per_layer' must be >= 0, "
-                f"got {self.per_layer}"
-            )
-        if not 0.0 <= self.ratio <= 1.0:
-            raise UserError(
-                f"policy {self.name!r}: option 'gpu_experts_ratio' must be in [0, 1], "
-                f"got {self.ratio}"
-            )
 
     def uses_calibration(self) -> bool:
         """Only the ``frequency`` placement of some GPU experts reads calibration counts."""

@@ -83,7 +83,10 @@ class LlamaCppCpuMoePolicy(Policy):
             "tokens (llama.cpp's op offload); false = the CPU runs them",
         ),
         "offload_min_batch": Param(
-            int, OFFLOAD_MIN_BATCH, "tokens from which a prompt's expert products go to the GPU"
+            int,
+            OFFLOAD_MIN_BATCH,
+            "tokens from which a prompt's expert products go to the GPU",
+            minimum=1,
         ),
     }
 
@@ -96,11 +99,6 @@ class LlamaCppCpuMoePolicy(Policy):
                 f"got {self.n_cpu_moe}"
             )
         self.min_batch = int(self.options["offload_min_batch"])
-        if self.min_batch < 1:
-            raise UserError(
-                f"policy {self.name!r}: option 'offload_min_batch' must be >= 1, "
-                f"got {self.min_batch}"
-            )
         self.offload = bool(self.options["prefill_offload"])
         self.n_cpu_layers = 0
 

@@ -70,7 +70,10 @@ class MixtralOffloadingPolicy(LRUPolicy):
         ),
         "prefetch": Param(bool, False, "speculatively load layer l+1's experts at layer l"),
         "prefetch_k": Param(
-            int, 0, "experts of the one-layer-early view to prefetch (0: the model's top-k)"
+            int,
+            0,
+            "experts of the one-layer-early view to prefetch (0: the model's top-k)",
+            minimum=0,
         ),
     }
 
@@ -98,8 +101,6 @@ class MixtralOffloadingPolicy(LRUPolicy):
                 f"policy {self.name!r}: experts_per_layer={n} needs {n * n_layers} GPU experts, "
                 f"the budget is {ctx.budget}"
             )
-        if self.options["prefetch_k"] < 0:
-            raise UserError(f"policy {self.name!r}: option 'prefetch_k' must be >= 0")
         self.k_pre = self.options["prefetch_k"] or ctx.model.top_k
         self.options = {**self.options, "initial": "first"}
         if n:

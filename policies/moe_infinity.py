@@ -95,11 +95,14 @@ class MoEInfinityPolicy(Policy):
     needs_calibration = True
     params = {
         "eamc_capacity": Param(
-            int, 1000, "EAMs kept in the collection (the code's trace_capacity, 1000)"
+            int, 1000, "EAMs kept in the collection (the code's trace_capacity, 1000)", minimum=1
         ),
         "prefetch": Param(bool, True, "prefetch the matched entry's experts of later layers"),
         "prefetch_depth": Param(
-            int, 0, "layers ahead whose predicted experts are prefetched (0: all, as the code)"
+            int,
+            0,
+            "layers ahead whose predicted experts are prefetched (0: all, as the code)",
+            minimum=0,
         ),
         "initial": Param(
             str,
@@ -113,16 +116,6 @@ class MoEInfinityPolicy(Policy):
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
         o = self.options
-        if o["eamc_capacity"] < 1:
-            raise UserError(
-                f"policy 'moe-infinity': option 'eamc_capacity' must be >= 1, "
-                f"got {o['eamc_capacity']}"
-            )
-        if o["prefetch_depth"] < 0:
-            raise UserError(
-                f"policy 'moe-infinity': option 'prefetch_depth' must be >= 0, "
-                f"got {o['prefetch_depth']}"
-            )
         self.do_prefetch = bool(o["prefetch"])
         self.depth = int(o["prefetch_depth"])
 

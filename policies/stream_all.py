@@ -23,6 +23,17 @@ How it is modelled (``gather`` option):
 - ``selected``: only the routed experts, each through a temporary buffer (TEMP), budget unused.
 - ``auto`` (default): ``layer`` when the budget has 2E slots and the model at least 3 MoE
   layers, else ``selected`` (the chosen mode is recorded in the run's policy options).
+``gather=leaf`` (not the default, so earlier results stand) is ``layer`` with the gather timed
+as ZeRO-3 runs it: ``PartitionedParameterCoordinator.fetch_sub_module`` (deepspeed/runtime/zero/
+partitioned_param_coordinator.py) issues the all-gather of every parameter of the module being
+entered, a leaf MoE block's included, and makes the compute stream wait for all of them before
+the module's forward runs; only then does it prefetch the next parameters in the recorded
+order, at most ``prefetch_bucket_size`` elements (default 50 M, less than one Mixtral expert's
+w1 of 58.7 M). So no expert of the block starts before the whole block has landed: with
+``gather=leaf`` the layer's GPU experts wait for every copy into the layer
+(``Plan.barrier``), instead of each starting when its own copy lands. The bucket's early fetch
+of the next layer's attention weights and of part of one expert is not modelled (the engine
+keeps the non-expert weights resident).
 Copies come from pinned memory (``pin_memory: true`` above). The non-expert weights (attention,
 norms, router; about 3.2 GB for Mixtral, ~3.5 % of the expert bytes) are also streamed by ZeRO-3;
 the engine keeps them resident, so stream-all is slightly optimistic.
@@ -55,8 +66,9 @@ class StreamAllPolicy(Policy):
             str,
             "auto",
             "'layer': all E experts of a layer per use (ZeRO-3 leaf MoE block); "
+            "'leaf': as layer, and the experts start only once the whole gather has landed; "
             "'selected': only the routed ones; 'auto': layer if 2E slots fit",
-            choices=("auto", "layer", "selected"),
+            choices=("auto", "layer", "leaf", "selected"),
         ),
     }
 
@@ -71,14 +83,15 @@ class StreamAllPolicy(Policy):
         mode = self.options["gather"]
         if mode == "auto":
             mode = "layer" if fits else "selected"
-        elif mode == "layer" and not fits:
+        elif mode in ("layer", "leaf") and not fits:
             raise UserError(
-                f"policy {self.name!r}: gather=layer needs {2 * n_exp} GPU expert slots and at "
+                f"policy {self.name!r}: gather={mode} needs {2 * n_exp} GPU expert slots and at "
                 f"least 3 MoE layers (budget {ctx.budget}, {n_layers} layers); "
                 "use --policy-opt gather=selected"
             )
         self.options = {**self.options, "gather": mode}
-        self.layer_mode = mode == "layer"
+        self.layer_mode = mode in ("layer", "leaf")
+        self.barrier = mode == "leaf"
         self.n_layers, self.n_exp = n_layers, n_exp
         return []
 
@@ -96,4 +109,5 @@ class StreamAllPolicy(Policy):
             actions=dict.fromkeys(routed, FETCH),
             evict=evict,
             prefetch=[(layer, e, None) for e in range(self.n_exp) if e not in want],
+            barrier=self.barrier,
         )

@@ -44,7 +44,7 @@ from policies.base import (
     View,
 )
 from policies.registry import register
-from simulator.errors import DoesNotFit, UserError
+from simulator.errors import DoesNotFit
 
 FETCH = Action.FETCH
 
@@ -66,6 +66,7 @@ class VllmCpuOffloadPolicy(Policy):
             0,
             "MoE layers whose experts live in pinned host memory (0: the fewest that fit; "
             "more than the model has: all)",
+            minimum=0,
         ),
     }
 
@@ -77,8 +78,6 @@ class VllmCpuOffloadPolicy(Policy):
         """Offload the leading layers; the others are resident with every expert."""
         n_layers, n_exp = ctx.model.moe_layers, ctx.model.experts
         want = self.options["offload_layers"]
-        if want < 0:
-            raise UserError(f"policy {self.name!r}: option 'offload_layers' must be >= 0")
         # like a --cpu-offload-gb above the model's size: every layer is offloaded
         want = min(want, n_layers)
         if ctx.budget >= n_layers * n_exp and want == 0:

@@ -318,6 +318,31 @@ class CostModel:
         moved = self.nonexpert_layer_bytes + m.kv_bytes_per_token / m.moe_layers * kv_tokens
         return self._nonexpert_roof(n_tokens, moved, kv_tokens)
 
+    def nonexpert_mixed_layer_s(
+        self, chunk: int, chunk_context: int, n_decode: int, decode_kv: int
+    ) -> float:
+        """Seconds of one MoE layer's non-expert part for a step that carries ``chunk`` prompt
+        tokens of one request (``chunk_context`` of its tokens already cached) beside one new
+        token of each of ``n_decode`` decoding requests, whose caches hold ``decode_kv`` tokens
+        in all once the new ones are written (chunked prefill, docs/serving.md).
+
+        Weights are read once for all ``chunk + n_decode`` tokens; the KV bytes and query-key
+        pairs are the prefill chunk's (causal, over its context) plus the decode tokens'. With
+        no decode tokens this is :meth:`nonexpert_layer_s` (chunk, chunk_context); with no
+        chunk, :meth:`nonexpert_batch_layer_s` (n_decode, decode_kv).
+        """
+        _check_tokens(chunk, "chunk")
+        _check_tokens(chunk_context, "chunk_context")
+        _check_tokens(n_decode, "n_decode")
+        _check_tokens(decode_kv, "decode_kv")
+        n = chunk + n_decode
+        if n == 0:
+            return 0.0
+        m = self.model
+        kv = m.kv_bytes_per_token / m.moe_layers * (chunk_context + chunk + decode_kv)
+        pairs = chunk * chunk_context + chunk * (chunk + 1) / 2 + decode_kv
+        return self._nonexpert_roof(n, self.nonexpert_layer_bytes + kv, pairs)
+
     def _nonexpert_moved(self, n_tokens: int, context: int) -> float:
         """Bytes one layer's non-expert part moves: its weights and the KV cache it touches."""
         m = self.model
@@ -407,6 +432,30 @@ class CostModel:
             "activation_copy": False,
             "nonexpert_layer": False,
         }
+
+    # --- the SSD tier (docs/serving.md, "An SSD tier") ------------------------------------------
+    def ssd_expert_s(self, access: str = "read") -> float:
+        """Seconds the NVMe drive takes to read one host-precision expert.
+
+        ``access="read"``: one large read (a file read into the page cache, or a GPUDirect
+        Storage read), at the drive's sequential read rate. ``access="mmap"``: the expert is
+        faulted in page by page through a memory map, at the 4 KiB random-read rate (IOPS x
+        4 KiB, never above the sequential rate). Both add one read command's latency.
+        """
+        ssd = self.hw.ssd
+        if ssd is None:
+            raise ValueError(f"profile {self.hw.name} has no [ssd] table")
+        rate = ssd.seq_read_gbps * 1e9
+        if access == "mmap":
+            rate = min(rate, ssd.rand4k_read_iops * 4096.0)
+        elif access != "read":
+            raise ValueError(f"unknown SSD access {access!r}")
+        return ssd.read_latency_us * 1e-6 + self.host_expert_bytes / rate
+
+    @property
+    def host_nonexpert_bytes(self) -> int:
+        """Host memory the non-expert weights take (the loader keeps them there)."""
+        return self.model.non_expert_bytes()
 
     def sources(self) -> dict[str, str]:
         """For each cost, the formula or measured constant that produced it."""

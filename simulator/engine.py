@@ -34,6 +34,7 @@ from policies.base import Action, Plan, Policy, SetupContext, Slot, View
 from simulator.boundary import Hooks, check_placement, check_plan, check_route
 from simulator.costs import CostModel
 from simulator.errors import PolicyError, UserError
+from simulator.hosttier import HostTier, HostTierConfig
 from simulator.machine import CpuJob, Machine
 from simulator.models import ModelShape
 from simulator.recorder import Recorder
@@ -108,6 +109,9 @@ class RunStats:
     busy: dict[str, float]
     #: workers per pool (``cpu``)
     workers: dict[str, int]
+    #: with a host-memory budget: the SSD tier's totals (ssd_bytes, ssd_reads, ssd_stall_s,
+    #: host_memory_peak_bytes, host_evictions); None when host memory is not modelled
+    host_tier: dict[str, float] | None = None
 
 
 class LayerOp:
@@ -122,6 +126,7 @@ class LayerOp:
         "chain",
         "end",
         "expert",
+        "gds",
         "gpu",
         "kind",
         "layer",
@@ -130,6 +135,8 @@ class LayerOp:
         "rkind",
         "seq",
         "sid",
+        "ssd_at",
+        "ssd_read",
         "stage",
         "token",
     )
@@ -151,12 +158,20 @@ class LayerOp:
         self.chain: LayerOp | None = None
         self.end: float | None = None
         self.stage = 0
+        #: the SSD tier: its first stage is submitted no earlier than this (its drive read ends)
+        self.ssd_at = 0.0
+        #: the SSD tier: a GPUDirect Storage read already put the weights in GPU memory
+        self.gds = False
+        #: the SSD tier: this operation issued the drive read it waits for (else it found a
+        #: host copy, maybe one still being read for an earlier operation)
+        self.ssd_read = False
 
 
 class LayerWork:
     """A checked plan as operations: everything one layer submits at its decision time."""
 
     __slots__ = (
+        "barrier",
         "counts",
         "cpu_first",
         "deferred",
@@ -187,6 +202,8 @@ class LayerWork:
         #: CPU results the layer needs (its CPU experts and consumed pre-calculations)
         self.results: list[LayerOp] = []
         self.cpu_first = False
+        #: the GPU experts wait for every copy into this layer's slots (Plan.barrier)
+        self.barrier = False
 
 
 class EngineBase:
@@ -210,6 +227,7 @@ class EngineBase:
         seed: int = 0,
         runtime: RuntimeProfile | None = None,
         calibration_sequences: tuple[np.ndarray, ...] | None = None,
+        host_tier: HostTierConfig | None = None,
     ) -> None:
         self.policy = policy
         self.hooks = Hooks(policy)
@@ -247,6 +265,18 @@ class EngineBase:
         v.calibration = calibration
         v.resident = self.res.resident.view()
         v.resident.flags.writeable = False
+        #: the SSD tier's configuration (None: host memory not modelled) and, when some
+        #: experts live on the drive, its state (docs/serving.md, "An SSD tier")
+        self._ssd_cfg = host_tier
+        self._ssd: HostTier | None = None
+        if host_tier is not None:
+            tier = HostTier(host_tier, costs, self.n_layers, self.n_experts,
+                            self.spec.ssd_access, recorder)  # fmt: skip
+            v.host_resident = tier.host.view()
+            v.host_resident.flags.writeable = False
+            if host_tier.uses_ssd:
+                self._ssd = tier
+                self.machine.drives[tier.lane.name] = tier.lane
         ctx = SetupContext(
             model=model,
             budget=self.budget,
@@ -285,7 +315,55 @@ class EngineBase:
         self.c.accesses_per_layer = np.array(self._acc, dtype=np.int64)
         m = self.machine
         self.c.host_syncs = m.host.syncs if m.host is not None else 0
-        return RunStats(counters=self.c, e2e=e2e, busy=m.busy(), workers=m.workers())
+        stats = RunStats(counters=self.c, e2e=e2e, busy=m.busy(), workers=m.workers())
+        if self._ssd_cfg is not None:
+            stats.host_tier = self._ssd_totals(stats.busy)
+        return stats
+
+    def _ssd_totals(self, busy: dict[str, float]) -> dict[str, float]:
+        """The SSD tier's totals for the metrics (and the drive's busy time)."""
+        cfg, tier = self._ssd_cfg, self._ssd
+        assert cfg is not None
+        if tier is None:  # every expert fits: the host holds them all, the drive is idle
+            peak = cfg.nonexpert_bytes + cfg.total * cfg.expert_bytes
+            out = {"ssd_bytes": 0, "ssd_reads": 0, "ssd_stall_s": 0.0, "host_evictions": 0}
+            busy["ssd"] = 0.0
+        else:
+            peak = tier.peak_bytes
+            out = {
+                "ssd_bytes": tier.ssd_bytes,
+                "ssd_reads": tier.ssd_reads,
+                "ssd_stall_s": tier.ssd_stall,
+                "host_evictions": tier.host_evictions,
+            }
+            busy["ssd"] = tier.lane.busy
+        out["host_memory_peak_bytes"] = peak
+        out["host_memory_budget_bytes"] = cfg.budget_bytes
+        return out
+
+    def _ssd_stage(self, w: LayerWork) -> None:
+        """The SSD tier: each operation of ``w`` that reads an expert's host copy (a copy to
+        the GPU, a CPU expert) gets the time its weights are there, reading them from the
+        drive when host memory does not hold them; write-backs land host copies."""
+        tier = self._ssd
+        assert tier is not None
+        now = wait = w.now
+        for head in w.ops:
+            op: LayerOp | None = head
+            while op is not None:
+                kind = op.kind
+                if kind == WRITEBACK:
+                    tier.written_back(op, now)
+                else:
+                    op.ssd_at, op.gds = at, _ = tier.read(op, now, kind != CPU)
+                    op.ssd_read = tier.issued
+                    if at > wait and op.rkind != "prefetch" and op.rkind != "precalc":
+                        wait = at  # a routed expert of this layer waits for the drive
+                op = op.chain
+        for op in w.deferred.values():
+            tier.written_back(op, now)
+        # the layer's SSD stall: from the decision until its last routed expert is readable
+        tier.ssd_stall += wait - now
 
     #: several GPUs: each layer's home GPU lane (simulator/multigpu.py); None for one GPU
     _peer_home: list[Any] | None = None
@@ -649,6 +727,7 @@ class EngineBase:
                 gpu.append((e, float(ready) if ready != INF else res.copying[(layer, e)]))
             self._accesses(layer, len(routed), len(routed), prefill)
             w.cpu_first = plan.cpu_first
+            w.barrier = plan.barrier
             return w
         if actions is None:
             needed = set(routed)
@@ -722,6 +801,9 @@ class EngineBase:
                 w.ops.append(op)
             prev = op
         w.cpu_first = plan.cpu_first
+        w.barrier = plan.barrier
+        if self._ssd is not None:
+            self._ssd_stage(w)
         return w
 
 
@@ -818,12 +900,14 @@ class Engine(EngineBase):
         if (
             self._unified
             or self.machine.host is not None
+            or self._ssd is not None  # copies wait for drive reads: the general path times them
             or res.waiters
             or actions.__class__ is not dict
             or len(actions) != len(routed)
             or plan.evict.__class__ is not list
             or plan.prefetch.__class__ is not list
             or plan.victims.__class__ is not dict
+            or plan.barrier  # a gather barrier is timed by the general path only
         ):
             return None
         resident, ready_at = res.resident, res.ready_at
@@ -1266,17 +1350,20 @@ class Engine(EngineBase):
                 return
             link = self._h2d
             lane = link.lane
-            # Lane.serve, inlined (the hot path of copy-heavy policies)
-            s = t if t > lane.free_at else lane.free_at
-            e = lane.free_at = s + link.expert_s
-            lane.busy += link.expert_s
-            if rec is not None:
+            if op.gds:  # _ssd: the drive wrote the slot already (GPUDirect Storage)
+                s = e = t
+            else:
+                # Lane.serve, inlined (the hot path of copy-heavy policies)
+                s = t if t > lane.free_at else lane.free_at
+                e = lane.free_at = s + link.expert_s
+                lane.busy += link.expert_s
+            if rec is not None and not op.gds:
                 rec.op(lane.name, op.rkind, op.sid, op.token, op.layer, op.expert, s, e,
                        self.expert_bytes)  # fmt: skip
             slot = (op.layer, op.expert)
             res.ready_at[slot] = e
             del res.copying[slot]
-            if self._unified:
+            if self._unified and not op.gds:
                 self._mem(s, e, self.expert_bytes)
             op.end = e
             if op.gpu:
@@ -1289,11 +1376,14 @@ class Engine(EngineBase):
                 dur, nbytes = self.machine.low_bit_s, self.machine.low_bit_bytes
             else:
                 dur, nbytes = link.expert_s, self.expert_bytes
-            s, e = link.lane.serve(t, dur)
-            if rec is not None:
+            if op.gds:  # _ssd: the drive wrote the buffer already (GPUDirect Storage)
+                s = e = t
+            else:
+                s, e = link.lane.serve(t, dur)
+            if rec is not None and not op.gds:
                 rec.op(link.lane.name, "temp", op.sid, op.token, op.layer, op.expert, s, e,
                        nbytes)  # fmt: skip
-            if self._unified:
+            if self._unified and not op.gds:
                 self._mem(s, e, nbytes)
             op.end = e
             if op.gpu:
@@ -1363,7 +1453,8 @@ class Engine(EngineBase):
             return
         op.end = e
         if op.chain is not None:
-            self._push(e, op.chain)
+            nxt = op.chain  # _ssd: a chained CPU expert may still wait for its drive read
+            self._push(e if e >= nxt.ssd_at else nxt.ssd_at, nxt)
 
     def _rearm(self) -> None:
         self._cpu_next()
@@ -1409,6 +1500,18 @@ class Engine(EngineBase):
             self._serve()
         return op.end
 
+    def _gather_barrier(self, w: LayerWork) -> float:
+        """When the last copy into a slot of ``w``'s layer that ``w`` issued lands (-1 if
+        none): the layer's GPU experts start no earlier (Plan.barrier)."""
+        bar = -1.0
+        layer = w.layer
+        for op in w.ops:
+            if op.kind == FETCH and op.layer == layer:
+                t = op.end if op.end is not None else self._resolve(op)
+                if t > bar:
+                    bar = t
+        return bar
+
     # -- one layer -------------------------------------------------------------------------
     def _layer(self, w: LayerWork) -> float:
         """Time one layer's work; returns when the layer ends."""
@@ -1439,14 +1542,29 @@ class Engine(EngineBase):
                 if free_bufs:
                     free_bufs -= 1
                     op.buf = n_temp - free_bufs - 1
-                    serve(now, op)
+                    if op.ssd_at > now:  # _ssd: submitted when its drive read ends
+                        push(op.ssd_at, op)
+                    else:
+                        serve(now, op)
                 else:
                     tempq.append(op)  # submitted when a buffer frees up
+            elif op.ssd_at > now:  # _ssd: submitted when its drive read ends
+                push(op.ssd_at, op)
             else:
                 serve(now, op)
             while heap and heap[0][0] <= now:  # a zero-length stage keeps its place
                 self._serve()
-        for e, src in w.gpu:
+        if w.barrier:
+            bar = self._gather_barrier(w)
+            for e, src in w.gpu:
+                if src.__class__ is float:
+                    gheap.append((src if src > bar else bar, e, -1))
+                elif src.end is not None:
+                    gheap.append((src.end if src.end > bar else bar, e, src.buf))
+                elif not src.gpu:
+                    src.gpu = True
+                    waiting += 1
+        for e, src in () if w.barrier else w.gpu:
             if src.__class__ is float:
                 gheap.append((src, e, -1))
             elif src.end is not None:
@@ -1500,7 +1618,7 @@ class Engine(EngineBase):
             if buf >= 0 and tempq:  # the buffer is free again: copy the next one in
                 nxt = tempq.popleft()
                 nxt.buf = buf
-                push(g, nxt)
+                push(g if g >= nxt.ssd_at else nxt.ssd_at, nxt)
         end = g
         for op in w.results:
             t = op.end if op.end is not None else self._resolve(op)

@@ -75,6 +75,20 @@ class CpuSpec:
     #: DRAM bandwidth all of the CPU's threads together can stream, GB/s (None: ``mem_bw_gbs``,
     #: i.e. one expert call already takes all the socket gives; docs/cost-model.md)
     socket_bw_gbs: float | None = None
+    #: installed host memory, GB (decimal); None: not stated, so host memory is not modelled
+    #: unless ``--host-memory-gb`` gives a budget (docs/serving.md, "An SSD tier")
+    memory_gb: float | None = None
+
+
+@dataclass(frozen=True)
+class SsdSpec:
+    """An NVMe drive that holds the experts host memory cannot (docs/serving.md, "An SSD tier")."""
+
+    name: str
+    seq_read_gbps: float  # sequential read, GB/s (decimal; data sheets quote MB/s)
+    rand4k_read_iops: float  # 4 KiB random reads per second at the queue depth below
+    queue_depth: int  # the queue depth the IOPS figure is quoted at
+    read_latency_us: float  # one read's fixed cost (command, completion), µs
 
 
 #: A GPU holding a CUDA context sits one DVFS step above bare idle: 26-66 W across the GPUs
@@ -197,6 +211,8 @@ class HardwareProfile:
     power: PowerSpec | None = None
     measured: dict[str, MeasuredModel] = field(default_factory=dict)
     path: str = ""
+    #: the NVMe drive of the SSD tier (None: the profile has no ``[ssd]`` table)
+    ssd: SsdSpec | None = None
     #: several GPUs (``[gpus]`` and ``[peer]``); None: one GPU
     multi: MultiGpuSpec | None = None
 
@@ -211,6 +227,7 @@ class HardwareProfile:
                 self.power,
                 tuple(sorted(self.measured.items())),
                 self.path,
+                self.ssd,
                 self.multi,
             )
         )
@@ -253,8 +270,16 @@ _CPU: _Schema = {
     "bf16_gflops": "pos",
     "fp32_gflops": "pos",
     "socket_bw_gbs": "pos",
+    "memory_gb": "pos",
 }
-_CPU_OPTIONAL = {"socket_bw_gbs"}
+_CPU_OPTIONAL = {"socket_bw_gbs", "memory_gb"}
+_SSD: _Schema = {
+    "name": "str",
+    "seq_read_gbps": "pos",
+    "rand4k_read_iops": "pos",
+    "queue_depth": "int+",
+    "read_latency_us": "pos",
+}
 _POWER: _Schema = {
     "gpu_idle_w": "pos",
     "gpu_busy_w": "pos",
@@ -305,6 +330,11 @@ MAX_VALUES: dict[str, float] = {
     "power.cpu_wait_w": 100_000,
     "power.dram_w": 100_000,
     "power.platform_w": 100_000,
+    "cpu.memory_gb": 1_000_000,
+    "ssd.seq_read_gbps": 1_000,
+    "ssd.rand4k_read_iops": 1e9,
+    "ssd.queue_depth": 65_536,
+    "ssd.read_latency_us": 1e6,
     "measured.cpu_expert_ms": 1_000_000,
     "measured.load_expert_ms": 1_000_000,
 }
@@ -320,7 +350,7 @@ def _check_range(path: Path, key: str, value: Any) -> None:
         raise ProfileError(path, f"{value:g} is above the physical bound {limit:g}", key)
 
 
-_SECTIONS = {"gpu", "link", "cpu", "power", "measured", "gpus", "peer"}
+_SECTIONS = {"gpu", "link", "cpu", "power", "measured", "ssd", "gpus", "peer"}
 _GPUS: _Schema = {"count": "int+", "shared_uplink": "bool"}
 _PEER: _Schema = {"kind": PEER_KINDS, "bandwidth_gbs": "pos", "latency_us": "pos", "pairs": "pairs"}
 _PEER_OPTIONAL = {"bandwidth_gbs", "latency_us", "pairs"}
@@ -446,6 +476,7 @@ def parse_profile(data: dict[str, Any], path: str | os.PathLike[str]) -> Hardwar
         if "dtype" in fields:
             _check_dtype(p, f"measured.{model_name}.dtype", fields["dtype"])
         measured[model_name.lower()] = MeasuredModel(**fields)
+    ssd = SsdSpec(**_section(p, data["ssd"], _SSD, "ssd.")) if "ssd" in data else None
     multi = _multi(p, data)
     return HardwareProfile(
         name=top["name"],
@@ -456,6 +487,7 @@ def parse_profile(data: dict[str, Any], path: str | os.PathLike[str]) -> Hardwar
         power=power,
         measured=measured,
         path=str(p),
+        ssd=ssd,
         multi=multi,
     )
 

@@ -356,7 +356,11 @@ class Machine:
         self.spec = spec
         self.gpu = Lane("gpu")
         #: the runtime's host thread; None when it costs nothing (the engines then skip it)
-        self.host = HostThread(runtime) if runtime is not None and not runtime.free else None
+        self.host = (
+            HostThread(runtime, costs.model.experts - costs.model.top_k)
+            if runtime is not None and not runtime.free
+            else None
+        )
         #: the host thread when GPU expert calls cost it something (per-expert kernels or syncs)
         self.host_experts = self.host if self.host is not None and self.host.per_expert else None
         pinned = spec.pinned
@@ -388,6 +392,9 @@ class Machine:
         self._gpu_dram = _memo(costs.gpu_dram_share)
         self._ne_dram: dict[tuple[int, int], float] = {}
         self._ne: dict[tuple[int, int], float] = {}
+        #: NVMe drives of the SSD tier, one lane each (``ssd``); registered by
+        #: :class:`simulator.hosttier.HostTier` when some experts live on a drive
+        self.drives: dict[str, Lane] = {}
 
     def cpu_job(self, op: Any, seq: int, t: float, n: int) -> CpuJob:
         """A CPU expert call over ``n`` tokens submitted at ``t``, with its costs bound."""
@@ -425,6 +432,7 @@ class Machine:
         for pool in self.pools.values():
             for lane in pool.lanes:
                 out[lane.name] = lane
+        out.update(self.drives)
         return out
 
     def busy(self) -> dict[str, float]:

@@ -306,6 +306,7 @@ class ShardedPolicy(Policy):
             merged.evict.extend(g(s) for s in plan.evict)
             merged.cpu_serial = merged.cpu_serial or plan.cpu_serial
             merged.cpu_first = merged.cpu_first or plan.cpu_first
+            merged.barrier = merged.barrier or getattr(plan, "barrier", False)
             if plan.low_bit:
                 merged.low_bit = frozenset(merged.low_bit) | {experts[int(e)] for e in plan.low_bit}
             self._check_budget(view, k, plan)
@@ -742,13 +743,15 @@ class MultiGpuEngine(_MultiBase, Engine):
                 base = st["base"] = [max(b, sync_end) for b in st["base"]]
                 self._gheap = [(max(r, base[k]), r, e, b, k) for _, r, e, b, k in self._gheap]
                 heapq.heapify(self._gheap)
+        # a gather barrier (Plan.barrier): every copy into this layer's slots lands first
+        bar = self._gather_barrier(w) if getattr(w, "barrier", False) else -1.0
         row = pl.gpu_of[w.layer]
         for e, src in w.gpu:
             k = row[e]
             if src.__class__ is float:
-                self._peer_job(k, src, e, -1)
+                self._peer_job(k, max(src, bar), e, -1)
             elif src.end is not None:
-                self._peer_job(k, src.end, e, src.buf if src.kind == TEMP else -1)
+                self._peer_job(k, max(src.end, bar), e, src.buf if src.kind == TEMP else -1)
             elif not src.gpu:
                 src.gpu = True
                 self._waiting += 1
@@ -987,13 +990,22 @@ class MultiGpuReference(_MultiBase, ReferenceEngine):
             self._event(back)
             env.process(self._peer_wait_gpu(k, send, state))
             env.process(self._peer_move(send))
+        bar = -1.0  # no barrier: every ready time stands
+        if getattr(w, "barrier", False):  # a gather: every copy into this layer's slots lands
+            copies = [op for op in w.ops if op.kind == FETCH and op.layer == w.layer]
+            pending = [self._event(op) for op in copies if op.end is None]
+            if pending:
+                yield env.all_of(pending)
+            for op in copies:
+                assert op.end is not None
+                bar = max(bar, op.end)
         known: list[tuple[float, int, LayerOp | None]] = []
         waiting: list[tuple[int, LayerOp]] = []
         for e, src in w.gpu:
             if src.__class__ is float:
-                known.append((src, e, None))
+                known.append((max(src, bar), e, None))
             elif src.end is not None:
-                known.append((src.end, e, src))
+                known.append((max(src.end, bar), e, src))
             else:
                 waiting.append((e, src))
         known.sort(key=lambda x: (x[0], x[1]))

@@ -11,7 +11,9 @@ the CPU's next event is an urgent timeout re-armed on every change (stale ones a
 so it comes before requests submitted at the same moment. It is slow (several events per
 operation) and exists to check the fast engine: tests/test_reference_engine.py asserts both
 give identical timelines. Select it with ``simulate(engine="reference")`` or
-``daopsim run --engine reference``.
+``daopsim run --engine reference``. With an SSD tier (simulator/hosttier.py) the drive is one
+more ``PriorityResource``: each drive read is a process requesting it at its decision, and the
+operation that needs the weights waits for that process (``_ssd_*``).
 """
 
 from __future__ import annotations
@@ -60,6 +62,12 @@ class ReferenceEngine(EngineBase):
         for i in range(m.buffers["temp"]):
             self._buffers.put(i)
         self._done: dict[LayerOp, simpy.Event] = {}
+        #: the SSD tier: the drive read each operation issued, and the latest read that put
+        #: each expert in host memory (operations finding it there wait for that one)
+        self._ssd_reads: dict[LayerOp, simpy.Event] = {}
+        self._ssd_landing: dict[tuple[int, int], simpy.Event] = {}
+        if self._ssd is not None:
+            self._ssd.record_reads = False  # timed and recorded here, as SimPy processes
 
     def run(
         self, sequences: Iterable[SequenceRouting], on_sequence: Callable[[Any], None] | None = None
@@ -175,8 +183,43 @@ class ReferenceEngine(EngineBase):
         op.end = env.now
         self._slot_back()
 
+    def _ssd_issue(self, op: LayerOp) -> None:
+        """The SSD tier: the drive read ``op`` issued, as a process on the drive's resource
+        requested now (in issue order); it ends the event the operation waits for."""
+        ev = self._ssd_reads[op] = self.env.event()
+        if not op.gds:
+            self._ssd_landing[(op.layer, op.expert)] = ev
+        self.env.process(self._ssd_read_proc(op, ev))
+
+    def _ssd_read_proc(self, op: LayerOp, ev: simpy.Event) -> Proc:
+        tier = self._ssd
+        assert tier is not None
+        env = self.env
+        with self._res[tier.lane.name].request(priority=(env.now, op.seq)) as req:
+            yield req
+            s = env.now
+            yield env.timeout(tier.read_s)
+        kind = "gds_read" if op.gds else "ssd_read"
+        self._record(tier.lane.name, op, kind, s, env.now, tier.expert_bytes)
+        ev.succeed()
+
+    def _ssd_wait(self, op: LayerOp) -> Proc:
+        """The SSD tier: wait until the operation's weights are readable: its own drive read,
+        or the read of an earlier operation that is putting the expert in host memory."""
+        env = self.env
+        if op.ssd_read:
+            yield self._ssd_reads.pop(op)
+            return
+        ev = self._ssd_landing.get((op.layer, op.expert))
+        if ev is not None and not ev.processed:
+            yield ev
+        elif op.ssd_at > env.now:
+            yield env.timeout(op.ssd_at - env.now)
+
     def _copy_in(self, op: LayerOp) -> Proc:
         env = self.env
+        if op.ssd_read or op.ssd_at > env.now:
+            yield from self._ssd_wait(op)
         # no yield between submission and request when nothing blocks: requests made at the
         # same moment reach a resource in issue order (the tie-break of the rule)
         get = self._slots.get(1)
@@ -185,6 +228,10 @@ class ReferenceEngine(EngineBase):
         else:
             yield get
         link = self._h2d
+        if op.gds:  # the drive wrote the slot already (GPUDirect Storage): no H2D copy
+            self.res.copied((op.layer, op.expert), env.now)
+            self._finish(op, env.now)
+            return
         with self._res[link.lane.name].request(priority=(env.now, op.seq)) as req:
             yield req
             s = env.now
@@ -201,6 +248,11 @@ class ReferenceEngine(EngineBase):
         if not get.triggered:
             yield get
         op.buf = get.value
+        if op.ssd_read or op.ssd_at > env.now:
+            yield from self._ssd_wait(op)
+        if op.gds:  # the drive wrote the buffer already (GPUDirect Storage): no H2D copy
+            self._finish(op, env.now)
+            return
         link = self._h2d
         m = self.machine
         dur, nbytes = (
@@ -214,6 +266,8 @@ class ReferenceEngine(EngineBase):
         """CPU jobs one after another: activations to the host, a worker, results back."""
         env = self.env
         while op is not None:
+            if op.ssd_read or op.ssd_at > env.now:  # its weights are still being read
+                yield from self._ssd_wait(op)
             n = op.n
             d2h, h2d = self._d2h, self._h2d
             act = self.act_bytes * n
@@ -235,6 +289,13 @@ class ReferenceEngine(EngineBase):
         env = self.env
         c = self.c
         now = w.now
+        if self._ssd is not None:  # the layer's drive reads, requested now in issue order
+            for head in w.ops:
+                nxt: LayerOp | None = head
+                while nxt is not None:
+                    if nxt.ssd_read:
+                        self._ssd_issue(nxt)
+                    nxt = nxt.chain
         for op in w.ops:
             self._event(op)  # GPU computations may wait on it before it starts
             if op.kind == FETCH:
@@ -252,14 +313,24 @@ class ReferenceEngine(EngineBase):
         gate = None
         if w.cpu_first and w.sync:
             gate = env.all_of([self._event(op) for op in w.sync if op.end is None])
+        bar = -1.0  # no barrier: every ready time stands
+        if w.barrier:  # a gather: every copy into this layer's slots lands first
+            copies = [op for op in w.ops if op.kind == FETCH and op.layer == w.layer]
+            pending = [self._event(op) for op in copies if op.end is None]
+            if pending:
+                yield env.all_of(pending)
+            for op in copies:
+                assert op.end is not None
+                if op.end > bar:
+                    bar = op.end
         # resident experts first, by (ready time, expert); copies join when they arrive
         known: list[tuple[float, int, LayerOp | None]] = []
         waiting: list[tuple[int, LayerOp]] = []
         for e, src in w.gpu:
             if src.__class__ is float:
-                known.append((src, e, None))
+                known.append((max(src, bar), e, None))
             elif src.end is not None:
-                known.append((src.end, e, src))
+                known.append((max(src.end, bar), e, src))
             else:
                 waiting.append((e, src))
         known.sort(key=lambda x: (x[0], x[1]))

@@ -281,6 +281,16 @@ def default_grid() -> RegressGrid:
                 profiles=["a6000-pcie4"],
                 sequences=1,
             ),
+            # The SSD tier (docs/serving.md, "An SSD tier"): the profile's 64 GB of host memory
+            # hold about two thirds of Mixtral's experts at bf16, the rest are read from its
+            # NVMe drive through the page cache
+            GridBlock(
+                trace=CI_TRACE,
+                policies=["lru", "fiddler", "llama-cpp-mmap"],
+                budgets=[Budget(0.2)],
+                profiles=["rtx4090-990pro-pcie4"],
+                sequences=2,
+            ),
         ]
     )
 

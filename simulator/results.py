@@ -81,6 +81,14 @@ METRIC_KEYS = (
     "prefill_tokens",
     "sequences",
     "max_slots_held",
+    # the SSD tier: only with a host-memory budget (docs/serving.md, "An SSD tier")
+    "ssd_bytes",
+    "ssd_reads",
+    "ssd_stall_s",
+    "ssd_busy_frac",
+    "host_evictions",
+    "host_memory_peak_bytes",
+    "host_memory_budget_bytes",
 )
 
 
@@ -318,10 +326,21 @@ class RunResult:
             lanes, tl["start"].to_numpy(np.float64), tl["end"].to_numpy(np.float64)
         )
         cols = [tl[c].to_numpy() for c in ("seq", "token", "layer", "expert", "bytes")]
+        # a serving run's rows name the requests of their step (docs/serving.md, "The timeline")
+        served = tl["requests"].to_numpy() if "requests" in tl.columns else None
         tick = float(TICKS_PER_US)
         for i in range(len(tl)):
             seq, tok, layer, expert, nbytes = (col[i] for col in cols)
             name = kind[i] if expert < 0 else f"{kind[i]} L{layer}E{expert}"
+            args = {
+                "seq": int(seq),
+                "token": int(tok),
+                "layer": int(layer),
+                "expert": int(expert),
+                "bytes": int(nbytes),
+            }
+            if served is not None:
+                args["requests"] = str(served[i])
             events.append(
                 {
                     "name": name,
@@ -331,13 +350,7 @@ class RunResult:
                     "tid": int(lanes[i]),
                     "ts": int(t0[i]) / tick,
                     "dur": int(t1[i] - t0[i]) / tick,
-                    "args": {
-                        "seq": int(seq),
-                        "token": int(tok),
-                        "layer": int(layer),
-                        "expert": int(expert),
-                        "bytes": int(nbytes),
-                    },
+                    "args": args,
                 }
             )
         if self.occupancy is not None:

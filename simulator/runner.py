@@ -25,6 +25,7 @@ from simulator.data import resolve_trace
 from simulator.engine import Engine, EngineBase
 from simulator.errors import DoesNotFit, UserError
 from simulator.hardware import HardwareProfile, load_profile
+from simulator.hosttier import host_tier_config, host_tier_metrics, model_trace
 from simulator.recorder import Recorder
 from simulator.results import RunResult, compute_metrics
 from simulator.runtime_profiles import RuntimeProfile, get_runtime
@@ -459,6 +460,9 @@ def simulate(
     engine: str = "fast",
     serving: ServingConfig | None = None,
     runtime: str | RuntimeProfile | None = None,
+    host_memory_gb: float | None = None,
+    ssd_path: str | None = None,
+    model: str | None = None,
     gpus: int = 1,
     multi_gpu: str | None = None,
 ) -> RunResult:
@@ -474,6 +478,11 @@ def simulate(
     rules, slower; docs/architecture.md). ``serving``: requests batched and arriving over time
     (docs/serving.md); None runs the sequences one after another. ``runtime``: the runtime
     profile (a bundled name or a :class:`RuntimeProfile`); None takes the one the policy
+    declares. ``host_memory_gb``: the host-memory budget (None: the profile's
+    ``cpu.memory_gb``, or unlimited when it states none); experts that do not fit are read
+    from the profile's NVMe drive by ``ssd_path`` (``"page-cache"``, default, or ``"gds"``;
+    docs/serving.md, "An SSD tier"). ``model``: without ``trace``, a catalogue model whose
+    synthetic trace is generated (and cached outside the repository) for the run.
     declares. ``gpus``/``multi_gpu``: several GPUs of a multi-GPU profile, ``"expert"``
     (default) or ``"pipeline"`` placement (docs/serving.md, "Multiple GPUs"); the budget
     (``cache_ratio``, ``gpu_experts`` or what fits) is then per GPU.
@@ -481,6 +490,8 @@ def simulate(
     if lookahead not in LOOKAHEAD_CHOICES:
         raise UserError(f"--lookahead must be one of {list(LOOKAHEAD_CHOICES)}, got {lookahead!r}")
     engine_cls = _engine_class(engine)
+    if model is not None:
+        trace = model_trace(model, trace)
     trace_path = resolve_trace(trace)
     meta = read_meta(trace_path)
     model = meta.model.with_precision(dtype, host_dtype, nonexpert_dtype)
@@ -493,7 +504,15 @@ def simulate(
         pol = get_policy_class(policy)(**(policy_options or {}))
     rt = get_runtime(pol.runtime_profile if runtime is None else runtime)
     costs: CostModel = cost_model(profile, model)
+    host_tier = host_tier_config(
+        profile, costs, host_memory_gb, ssd_path, pol.resources().ssd_access
+    )
     mg = _multi_gpu_config(profile, gpus, multi_gpu, pol, rt)
+    if mg is not None and host_tier is not None:
+        raise UserError(
+            "a host-memory budget (the SSD tier) with --gpus > 1 is not supported yet; "
+            "give --gpus 1 or a profile without cpu.memory_gb"
+        )
 
     # the metadata counts feed the memory budget below: check them against the rows first
     ids = checked_sequence_ids(trace_path, meta)
@@ -622,6 +641,7 @@ def simulate(
                 plan.config.continuous,
                 plan.sched.kv_capacity,
                 oracle,
+                plan.config,
             )
         else:
             for r in iter_sequences(trace_path, meta, sequences=set(eval_ids)):
@@ -650,6 +670,7 @@ def simulate(
         recorder=recorder,
         seed=seed,
         runtime=rt,
+        host_tier=host_tier,
         **multi_kw,
     )
     sim.serving = plan
@@ -670,6 +691,8 @@ def simulate(
     stats = sim.run(seqs(), on_sequence=tick)
     counters = stats.counters
     metrics = compute_metrics(stats, profile)
+    if stats.host_tier is not None:
+        metrics.update(host_tier_metrics(stats))
     notes = run_notes(pol, meta, no_prefill[0], len(eval_ids), stand_in)
     if not meta.weights_recorded:
         # the trace has no gate weights: the 1/k stand-in would make this look measured
@@ -713,6 +736,11 @@ def simulate(
         "multi_gpu": sim.multi_metrics() if mg is not None else None,  # type: ignore[attr-defined]
         **provenance(trace_path, profile),
     }
+    if host_tier is not None:  # only then: runs without a host budget keep their config
+        config["host_memory_gb"] = host_tier.budget_bytes / 1e9
+        config["ssd_path"] = host_tier.path
+        config["host_expert_capacity"] = host_tier.capacity
+        config["ssd"] = profile.ssd.name if profile.ssd is not None else None
     serving_doc = requests = None
     if plan is not None:
         serving_doc = summarise(plan, stats.e2e, plan.sched.kv_capacity, model.kv_bytes_per_token)

@@ -40,6 +40,8 @@ FIELDS: tuple[tuple[str, type, str], ...] = (
     ("expert_kernels", int, "kernels of one GPU expert call"),
     ("routing_syncs", int, "syncs per layer once the router has run (routing to the host)"),
     ("expert_syncs", int, "syncs per GPU expert call, before its kernels are issued"),
+    ("idle_expert_kernels", int, "ops issued per expert the MoE loop visits with no token"),
+    ("idle_expert_syncs", int, "syncs per expert the MoE loop visits with no token"),
 )
 _NUMERIC = {name: typ for name, typ, _ in FIELDS}
 
@@ -57,6 +59,10 @@ class RuntimeProfile:
     expert_kernels: int = 0
     routing_syncs: int = 0
     expert_syncs: int = 0
+    #: a MoE block that loops over every expert of the layer (HF transformers 4.51's
+    #: Qwen3-MoE) also issues ops and syncs for the experts no token was routed to
+    idle_expert_kernels: int = 0
+    idle_expert_syncs: int = 0
     #: field -> where its value comes from
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
@@ -154,6 +160,8 @@ class HostThread:
         "expert_k",
         "expert_sync",
         "expert_syncs",
+        "idle_loop",
+        "idle_syncs",
         "ne_k",
         "routing_syncs",
         "step",
@@ -162,7 +170,7 @@ class HostThread:
         "t",
     )
 
-    def __init__(self, profile: RuntimeProfile) -> None:
+    def __init__(self, profile: RuntimeProfile, idle_experts: int = 0) -> None:
         self.dispatch = profile.dispatch_us * 1e-6
         self.sync = profile.sync_us * 1e-6
         self.step = profile.step_us * 1e-6
@@ -175,6 +183,14 @@ class HostThread:
         self.t = 0.0
         #: blocking syncs the thread made
         self.syncs = 0
+        # The loop over the experts no token was routed to (``idle_experts`` per layer pass:
+        # E - k for one decode token): host time and syncs, no GPU work. Charged at the
+        # routing point, before the routed experts' calls; with the loop's syncs the thread is
+        # busy for their sum either way, so the order within the loop does not change the end.
+        self.idle_syncs = idle_experts * profile.idle_expert_syncs
+        self.idle_loop = idle_experts * (
+            profile.idle_expert_kernels * self.dispatch + profile.idle_expert_syncs * self.sync
+        )
 
     @property
     def per_expert(self) -> bool:
@@ -215,11 +231,27 @@ class HostThread:
         end = self.issue(g, d, self.ne_k)
         n = self.routing_syncs
         if not n:
+            if self.idle_loop:
+                return end, self._idle(end)
             return end, end
         h = end if end > self.t else self.t
         self.t = h = h + n * self.sync
         self.syncs += n
+        if self.idle_loop:
+            return end, self._idle(h)
         return end, h
+
+    def _idle(self, ready: float) -> float:
+        """The MoE loop's passes over experts with no token, once the routing is ready at
+        ``ready`` (GPU time, or the host's after routing syncs). With syncs in the loop the
+        first one waits for the GPU; returns when the thread is free again (the decision)."""
+        h = self.t
+        if self.idle_syncs:
+            if ready > h:
+                h = ready
+            self.syncs += self.idle_syncs
+        self.t = h = h + self.idle_loop
+        return h if h > ready else ready
 
     def expert(self, drained: float, start: float, d: float) -> float:
         """A GPU expert call of GPU time ``d`` that the stream could start at ``start`` (its

@@ -62,6 +62,12 @@ class ServingConfig:
     #: service-level objectives in seconds (None: no objective)
     slo_ttft: float | None = None
     slo_tpot: float | None = None
+    #: chunked prefill: prompt tokens of one joining request carried per step beside the decode
+    #: tokens of the running requests (None: each prompt runs as a prefill step of its own)
+    prefill_chunk: int | None = None
+    #: KV cache allocated as tokens are written, the newest request preempted (recompute) when
+    #: it runs out; False: each request reserves its prompt plus output at admission
+    preempt: bool = False
 
     def __post_init__(self) -> None:
         if self.batch < 1:
@@ -79,6 +85,13 @@ class ServingConfig:
         for name, v in (("--slo-ttft", self.slo_ttft), ("--slo-tpot", self.slo_tpot)):
             if v is not None and not (math.isfinite(v) and v > 0):
                 raise UserError(f"{name} must be a positive number of seconds, got {v}")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise UserError(f"--prefill-chunk must be at least 1 token, got {self.prefill_chunk}")
+
+    @property
+    def extended(self) -> bool:
+        """Chunked prefill or preemption: the schedule of :func:`plan_steps`."""
+        return self.prefill_chunk is not None or self.preempt
 
     @property
     def timed_arrivals(self) -> bool:
@@ -98,6 +111,8 @@ def serving_config(
     kv_cache_gb: float | None,
     slo_ttft: float | None,
     slo_tpot: float | None,
+    prefill_chunk: int | None = None,
+    preempt: bool = False,
 ) -> ServingConfig | None:
     """The serving configuration of ``run``'s options, or None when none is given.
 
@@ -106,7 +121,7 @@ def serving_config(
     request at a time.
     """
     given = (batch, max_batch, arrival_rate, arrivals, kv_cache_gb, slo_ttft, slo_tpot)
-    if all(v is None for v in given):
+    if all(v is None for v in given) and prefill_chunk is None and not preempt:
         return None
     if batch is not None and max_batch is not None:
         raise UserError("give --batch (static batches) or --max-batch (continuous), not both")
@@ -122,6 +137,8 @@ def serving_config(
         kv_cache_gb=kv_cache_gb,
         slo_ttft=slo_ttft,
         slo_tpot=slo_tpot,
+        prefill_chunk=prefill_chunk,
+        preempt=preempt,
     )
 
 
@@ -153,6 +170,14 @@ class Request:
     #: decode tokens generated so far
     done: int = 0
     finished: int = 0  #: times it finished (the invariant: exactly once)
+    #: times it was preempted (its KV cache freed, its prefill redone on readmission)
+    preemptions: int = 0
+    #: KV-cache tokens it holds now (allocation as tokens are written, ``preempt``)
+    held: int = 0
+    #: prompt rows its current admission must prefill (prompt, plus generated tokens after a
+    #: preemption) and how many of them are done
+    prefill_target: int = 0
+    prefilled: int = 0
 
     @property
     def kv_tokens(self) -> int:
@@ -293,6 +318,31 @@ def one_token(r: SequenceRouting, t: int) -> SequenceRouting:
     )
 
 
+def prefix(r: SequenceRouting, n: int) -> SequenceRouting:
+    """The first ``n`` rows of ``r`` (its prompt, then generated tokens) as one prompt: what a
+    request preempted after generating ``n - prompt`` tokens prefills again (views)."""
+    if n == r.n_prefill:
+        return r
+    s = slice(0, n)
+
+    def take(a: np.ndarray | None) -> np.ndarray | None:
+        return None if a is None else a[s]
+
+    return dataclasses.replace(
+        r,
+        positions=r.positions[s],
+        n_prefill=n,
+        experts=r.experts[s],
+        weights=r.weights[s],
+        probs=r.probs[s],
+        early_experts=r.early_experts[s],
+        early_probs=r.early_probs[s],
+        prob_ids=take(r.prob_ids),
+        early_prob_ids=take(r.early_prob_ids),
+        filled=take(r.filled),
+    )
+
+
 class Scheduler:
     """Admission: first come, first served, bounded by the batch size and the KV cache.
 
@@ -303,7 +353,12 @@ class Scheduler:
     """
 
     def __init__(
-        self, requests: list[Request], batch: int, continuous: bool, kv_capacity: int | None
+        self,
+        requests: list[Request],
+        batch: int,
+        continuous: bool,
+        kv_capacity: int | None,
+        incremental: bool = False,
     ) -> None:
         self.queue: deque[Request] = deque(sorted(requests, key=lambda q: q.arrival))
         self.running: list[Request] = []
@@ -313,6 +368,11 @@ class Scheduler:
         self.kv_used = 0
         #: most KV tokens ever held at once
         self.kv_peak = 0
+        #: KV allocated as tokens are written, with preemption (``ServingConfig.preempt``)
+        self.incremental = incremental
+        #: preemptions so far, and the KV tokens written then freed by them (prefilled again)
+        self.preemptions = 0
+        self.preempted_kv_tokens = 0
 
     def admit(self, now: float) -> list[Request]:
         """Requests admitted at ``now`` (they join ``running``)."""
@@ -320,17 +380,67 @@ class Scheduler:
             return []
         out = []
         q = self.queue
+        cap = self.kv_capacity
         while q and q[0].arrival <= now and len(self.running) < self.batch:
-            need = q[0].kv_tokens
-            if self.kv_capacity is not None and self.kv_used + need > self.kv_capacity:
-                break
+            if self.incremental:
+                head = q[0]
+                if cap is not None and head.kv_tokens > cap:
+                    # it could never finish: alone it would preempt itself for ever
+                    raise UserError(
+                        f"request {head.rid} needs {head.kv_tokens} KV tokens (prompt "
+                        f"{head.prompt} + output {head.output}), more than the whole KV cache "
+                        f"holds ({cap})"
+                    )
+                # the prompt (and, after a preemption, the tokens generated so far) is written
+                # by its prefill; each decode token then allocates one more (vLLM, SOSP 2023)
+                need = head.prompt + head.done
+            else:
+                need = q[0].kv_tokens
+            if cap is not None:
+                # preemption: also room for the next token of every running request and its
+                # own (a one-step watermark, so an admission is not preempted at once)
+                grow = len(self.running) + 1 if self.incremental else 0
+                if self.kv_used + need + grow > cap:
+                    break
             r = q.popleft()
             self.kv_used += need
             self.kv_peak = max(self.kv_peak, self.kv_used)
-            r.admitted = now
+            if self.incremental:
+                r.held = need
+            if math.isnan(r.admitted):  # the first admission (queue_s is measured to it)
+                r.admitted = now
+            r.prefill_target = r.prompt + r.done
+            r.prefilled = 0
             self.running.append(r)
             out.append(r)
         return out
+
+    def fits_empty(self) -> bool:
+        """The head of the queue fits in an empty KV cache (so an idle server admits it at the
+        next step boundary; a request that ended at admission left the server idle)."""
+        cap = self.kv_capacity
+        return bool(self.queue) and (cap is None or self.queue[0].kv_tokens <= cap)
+
+    def grow(self, decoding: list[Request]) -> None:
+        """Each request in ``decoding`` writes one more KV token (allocation as written)."""
+        for r in decoding:
+            r.held += 1
+        self.kv_used += len(decoding)
+        self.kv_peak = max(self.kv_peak, self.kv_used)
+
+    def preempt(self) -> Request:
+        """Preempt the most recently admitted running request (vLLM's default, recompute): its
+        KV cache is freed and it goes back to the head of the queue, to prefill its prompt and
+        the tokens it generated again when readmitted."""
+        r = self.running.pop()
+        self.kv_used -= r.held
+        # the tokens whose KV it had written (not prompt rows allocated but not yet prefilled)
+        self.preempted_kv_tokens += r.held - (r.prefill_target - r.prefilled)
+        r.held = 0
+        r.preemptions += 1
+        self.preemptions += 1
+        self.queue.appendleft(r)
+        return r
 
     def next_arrival(self) -> float | None:
         """When the head of the queue arrives (None when the queue is empty)."""
@@ -339,7 +449,101 @@ class Scheduler:
     def leave(self, r: Request) -> None:
         """``r`` finished: it leaves the batch and frees its KV cache."""
         self.running.remove(r)
-        self.kv_used -= r.kv_tokens
+        if self.incremental:
+            self.kv_used -= r.held
+            r.held = 0
+        else:
+            self.kv_used -= r.kv_tokens
+
+
+@dataclass
+class Step:
+    """One step of the extended schedule (:func:`plan_steps`)."""
+
+    #: the request whose prompt rows ``[lo, hi)`` run in this step (None: decode tokens only)
+    prefill: Request | None
+    lo: int
+    hi: int
+    #: the requests decoding one token each in this step, and each one's token row
+    decoding: list[Request]
+    tokens: list[int]
+    #: the whole prompt as the engine's own prefill pass (no chunking)
+    whole: bool = False
+
+
+def plan_steps(
+    sched: Scheduler, chunk: int | None, clock: Callable[[], float]
+) -> Generator[tuple[str, Any], None, None]:
+    """The schedule with chunked prefill and/or preemption (docs/serving.md), as events:
+    ``("admit", request)``, ``("step", Step)``, ``("preempt", request)``, ``("idle", time)``
+    and ``("finish", request)``. ``clock()`` is the simulated time; it is read after each step
+    has run, so the simulation and the clairvoyant oracle (``clock`` always 0) share it.
+
+    With ``chunk`` a step carries up to ``chunk`` prompt rows of the earliest-admitted request
+    still prefilling, beside one decode token of every request that has finished its prefill
+    (Sarathi-Serve's stall-free batching); without it each admitted prompt runs as a prefill
+    step of its own, as in the plain schedule. With ``sched.incremental``, before each step the
+    newest request is preempted while the decoding tokens would not fit in the KV cache.
+    """
+    while sched.queue or sched.running:
+        for q in sched.admit(clock()):
+            yield "admit", q
+            if chunk is None and q.prefill_target:
+                yield "step", Step(q, 0, q.prefill_target, [], [], whole=True)
+                q.prefilled = q.prefill_target
+                if math.isnan(q.first_token):
+                    q.first_token = clock()
+            if q.done >= q.output and q.prefilled >= q.prefill_target:
+                yield "finish", q  # nothing to generate beyond the prompt's token
+                sched.leave(q)
+        running = sched.running
+        pre = next((q for q in running if q.prefilled < q.prefill_target), None)
+        decoding = [q for q in running if q.prefilled >= q.prefill_target and q.done < q.output]
+        cap = sched.kv_capacity
+        if sched.incremental and cap is not None:
+            # alone, a request always fits (admission refuses one larger than the cache), so
+            # this stops; the victim is the newest, so the oldest always makes progress
+            while decoding and sched.kv_used + len(decoding) > cap:
+                v = sched.preempt()
+                yield "preempt", v
+                decoding = [q for q in decoding if q is not v]
+                if pre is v:  # the newest; nobody after it is prefilling
+                    pre = None
+            sched.grow(decoding)
+        if pre is None and not decoding:
+            nxt = sched.next_arrival()
+            if nxt is None:
+                break
+            if nxt > clock():  # idle until the next request arrives
+                yield "idle", nxt
+            elif not running and not sched.fits_empty():
+                head = sched.queue[0]
+                raise UserError(
+                    f"request {head.rid} needs {head.kv_tokens} KV tokens, more than the KV "
+                    f"cache holds ({cap})"
+                )
+            continue
+        lo = hi = 0
+        if pre is not None:
+            lo = pre.prefilled
+            hi = min(pre.prefill_target, lo + (chunk or pre.prefill_target))
+        yield "step", Step(pre, lo, hi, decoding, [q.prompt + q.done for q in decoding])
+        now = clock()
+        for q in decoding:
+            q.done += 1
+            if math.isnan(q.first_token):  # no prompt: the first decode token is the first
+                q.first_token = now
+        ended = list(decoding)
+        if pre is not None:
+            pre.prefilled = hi
+            if hi == pre.prefill_target:
+                if math.isnan(pre.first_token):
+                    pre.first_token = now
+                ended.append(pre)
+        for q in ended:
+            if q.done >= q.output and q.prefilled >= q.prefill_target:
+                yield "finish", q
+                sched.leave(q)
 
 
 def schedule_steps(
@@ -365,15 +569,49 @@ def schedule_steps(
                 sched.leave(q)
 
 
+def extended_schedule_steps(
+    requests: list[Request], config: ServingConfig, kv_capacity: int | None
+) -> Iterable[list[tuple[Request, int | slice]]]:
+    """:func:`schedule_steps` for chunked prefill or preemption (every request at time 0): a
+    step's prompt rows are given as a slice."""
+    sched = Scheduler(
+        [dataclasses.replace(q) for q in requests],
+        config.batch,
+        config.continuous,
+        kv_capacity,
+        incremental=config.preempt,
+    )
+    for kind, x in plan_steps(sched, config.prefill_chunk, lambda: 0.0):
+        if kind == "step":
+            step: list[tuple[Request, int | slice]] = []
+            if x.prefill is not None:
+                step.append((x.prefill, slice(x.lo, x.hi)))
+            step.extend(zip(x.decoding, x.tokens, strict=True))
+            yield step
+
+
 def step_oracle(
-    requests: list[Request], batch: int, continuous: bool, kv_capacity: int | None, oracle: Any
+    requests: list[Request],
+    batch: int,
+    continuous: bool,
+    kv_capacity: int | None,
+    oracle: Any,
+    config: ServingConfig | None = None,
 ) -> Any:
     """Fill ``oracle`` (``simulator.runner.Oracle``) with the accesses of each step."""
-    for step in schedule_steps(requests, batch, continuous, kv_capacity):
+    steps: Iterable[list[tuple[Request, Any]]]
+    if config is not None and config.extended:
+        steps = extended_schedule_steps(requests, config, kv_capacity)
+    else:
+        steps = schedule_steps(requests, batch, continuous, kv_capacity)
+    for step in steps:
         n = oracle.n_steps
         for q, t in step:
             r = q.routing
-            rows = r.experts[: r.n_prefill] if t < 0 else r.experts[t : t + 1]
+            if isinstance(t, slice):
+                rows = r.experts[t]
+            else:
+                rows = r.experts[: r.n_prefill] if t < 0 else r.experts[t : t + 1]
             for layer in range(rows.shape[1]):
                 steps = oracle.steps[layer]
                 for e in np.unique(rows[:, layer, :]).tolist():
@@ -392,9 +630,13 @@ class Serving:
     ) -> None:
         self.requests = requests
         self.config = config
-        self.sched = Scheduler(requests, config.batch, config.continuous, kv_capacity)
+        self.sched = Scheduler(
+            requests, config.batch, config.continuous, kv_capacity, incremental=config.preempt
+        )
         self.batch_steps = 0
         self.batched_tokens = 0
+        #: steps that carried a prefill chunk beside decode tokens (``--prefill-chunk``)
+        self.mixed_steps = 0
 
     def steps(
         self,
@@ -403,6 +645,9 @@ class Serving:
         on_sequence: Callable[[Any], None] | None,
     ) -> Generator[Any, float | None, None]:
         """The serving loop (``sequences`` is unused: the requests carry their routing)."""
+        if self.config.extended:
+            yield from self._extended_steps(eng, on_sequence)
+            return
         sched, hooks, pol, c = self.sched, eng.hooks, eng.policy, eng.c
         where = hooks.where
         rec = eng.recorder
@@ -429,7 +674,7 @@ class Serving:
                 if nxt > eng.now:  # idle until the next request arrives
                     eng.now = nxt = float(nxt)
                     yield nxt
-                elif not sched.running:
+                elif not sched.running and not sched.fits_empty():
                     raise UserError(
                         f"request {sched.queue[0].rid} needs {sched.queue[0].kv_tokens} KV "
                         f"tokens, more than the KV cache holds ({sched.kv_capacity})"
@@ -450,8 +695,54 @@ class Serving:
                 if q.done >= q.output:
                     self._finish(eng, q, on_sequence)
 
+    def _extended_steps(
+        self, eng: EngineBase, on_sequence: Callable[[Any], None] | None
+    ) -> Generator[Any, float | None, None]:
+        """The serving loop with chunked prefill and/or preemption: runs :func:`plan_steps`."""
+        hooks, pol, c = eng.hooks, eng.policy, eng.c
+        where = hooks.where
+        rec = eng.recorder
+        if rec is not None:
+            rec.batches = {}
+        for kind, x in plan_steps(self.sched, self.config.prefill_chunk, lambda: eng.now):
+            if kind == "step":
+                yield from self._run_step(eng, x)
+            elif kind == "admit":
+                if not x.preemptions:  # a readmission continues the same sequence
+                    where.seq, where.token, where.layer = x.rid, None, None
+                    eng.view.seq_id = x.rid
+                    hooks.call("on_sequence_start", pol.on_sequence_start, x.rid, x.prompt)
+            elif kind == "idle":
+                eng.now = t = float(x)
+                yield t
+            elif kind == "finish":
+                c.ttft.append(x.first_token - x.admitted if x.prompt else 0.0)
+                self._finish(eng, x, on_sequence, leave=False)
+
+    def _run_step(self, eng: EngineBase, st: Step) -> Generator[Any, float | None, None]:
+        """One step of the extended schedule on the engine."""
+        where, v = eng.hooks.where, eng.view
+        if st.whole:
+            q = st.prefill
+            assert q is not None
+            where.seq, where.token, where.layer = q.rid, None, None
+            v.seq_id = q.rid
+            yield from eng._pass(prefix(q.routing, st.hi), True)
+        elif st.prefill is not None:
+            yield from self._mixed_step(eng, st)
+        elif len(st.decoding) == 1:
+            q, t = st.decoding[0], st.tokens[0]
+            where.seq = v.seq_id = q.rid
+            yield from eng._pass(one_token(q.routing, t), False, base=t)
+        else:
+            yield from self._batch_step(eng, st.decoding)
+
     def _finish(
-        self, eng: EngineBase, q: Request, on_sequence: Callable[[Any], None] | None
+        self,
+        eng: EngineBase,
+        q: Request,
+        on_sequence: Callable[[Any], None] | None,
+        leave: bool = True,
     ) -> None:
         hooks, c = eng.hooks, eng.c
         hooks.where.seq, hooks.where.token = q.rid, None
@@ -461,7 +752,8 @@ class Serving:
         c.sequences += 1
         q.finish = eng.now
         q.finished += 1
-        self.sched.leave(q)
+        if leave:
+            self.sched.leave(q)
         if on_sequence is not None:
             on_sequence(q.routing)
 
@@ -548,6 +840,109 @@ class Serving:
         self.batch_steps += 1
         self.batched_tokens += b
 
+    def _mixed_step(self, eng: EngineBase, st: Step) -> Generator[Any, Any, None]:
+        """Prompt rows ``[lo, hi)`` of one request beside one decode token of each request in
+        ``st.decoding`` (chunked prefill): each layer runs the union of all these tokens'
+        experts, an expert over as many of them as chose it."""
+        c, v, m, rec = eng.c, eng.view, eng.machine, eng.recorder
+        hooks, pol = eng.hooks, eng.policy
+        where = hooks.where
+        n_layers, n_exp = eng.n_layers, eng.n_experts
+        pre = st.prefill
+        assert pre is not None
+        batch, toks = st.decoding, st.tokens
+        b = len(batch)
+        chunk = st.hi - st.lo
+        pr_r = pre.routing
+        rows = slice(st.lo, st.hi)
+        routes = [q.routing for q in batch]
+        ex = np.concatenate(
+            [pr_r.experts[rows], *(r.experts[t : t + 1] for r, t in zip(routes, toks, strict=True))]
+        )  # [chunk + B, L, k]
+        wt = np.concatenate(
+            [pr_r.weights[rows], *(r.weights[t : t + 1] for r, t in zip(routes, toks, strict=True))]
+        )
+        pr = np.concatenate(
+            [pr_r.probs[rows], *(r.probs[t : t + 1] for r, t in zip(routes, toks, strict=True))]
+        )
+        flat = (np.arange(n_layers)[None, :, None] * n_exp + ex).reshape(-1)
+        counts_all = np.bincount(flat, minlength=n_layers * n_exp).reshape(n_layers, n_exp)
+        # gate mass and accesses count the decode tokens, as a prefill pass counts none
+        wsum = wt[chunk:].sum(axis=(0, 2)).tolist() if b else [0.0] * n_layers
+        decode_kv = sum(int(r.positions[t]) + 1 for r, t in zip(routes, toks, strict=True))
+        ctx = st.lo  # the request's rows already prefilled are in its KV cache
+        d_ne = eng.costs.nonexpert_mixed_layer_s(chunk, ctx, b, decode_kv)
+        n_tok = chunk + b
+        kv_all = ctx + chunk + decode_kv
+        step = eng.step
+        if rec is not None and rec.batches is not None:
+            rec.batches[step] = ",".join(str(q.rid) for q in (pre, *batch))
+        decoding = b > 0
+        v.phase = "decode" if decoding else "prefill"
+        v.n_tokens = n_tok
+        v.context = ctx + decode_kv - b  # tokens already cached, over the step
+        v.position = int(pr_r.positions[st.lo])
+        v.seq_id, v.token, v.step = pre.rid, st.lo, step
+        v.next_experts = v.next_probs = None
+        decide, hook = (
+            (pol.batch_layer, "batch_layer") if decoding else (pol.prefill_layer, "prefill_layer")
+        )
+        k = ex.shape[2]
+        t0 = eng.now
+        for layer in range(n_layers):
+            start = eng.now
+            if m.host is None:
+                now = start + d_ne
+            else:  # the runtime's host thread issues the part's kernels (docs/cost-model.md)
+                start, now = eng._host_nonexpert(start, d_ne, layer == 0)
+            # several GPUs: the layer's home GPU (simulator/multigpu.py)
+            lane = m.gpu if eng._peer_home is None else eng._peer_home[layer]
+            if rec is not None:
+                rec.op(lane.name, "nonexpert", -1, step, layer, -1, start, start + d_ne, 0)
+            c.gpu_nonexpert_busy += d_ne
+            lane.busy += d_ne
+            if m.unified:
+                m.gpu_load(start, start + d_ne, n_tok, kv_all // n_tok)
+                if m.cpu.active:
+                    eng._rearm()
+            if eng._due(now):
+                yield now
+            where.seq, where.token = pre.rid, st.lo
+            v.layer = where.layer = layer
+            v.now = now
+            counts = counts_all[layer]
+            experts = np.flatnonzero(counts)
+            experts = experts[np.argsort(-counts[experts], kind="stable")]
+            v.experts, v.counts = experts, counts
+            v.weights = wt[:, layer, :].mean(axis=0)
+            v.probs = pr[:, layer, :].mean(axis=0)
+            plan = hooks.call(hook, decide, v)
+            if isinstance(plan, Plan) and plan.route is not None:
+                raise hooks.error("substitutes routing in a mixed step (not supported)", layer)
+            routed = experts.tolist()
+            order = check_plan(hooks, plan, layer, routed, eng.res, eng.spec, eng.precalc, now)
+            c.true_accesses += b * k
+            c.gate_mass_total += wsum[layer]
+            c.gate_mass_kept += wsum[layer]
+            where.seq, where.token = -1, step  # the step's operations name the step
+            work = eng._apply(plan, layer, order, routed, counts, now, not decoding)
+            end = yield work
+            assert end is not None
+            eng.now = end
+        eng.step += 1
+        if eng.precalc:
+            c.precalc_wasted += len(eng.precalc)
+            eng.precalc.clear()
+        c.prefill_tokens += chunk
+        if decoding:
+            lat = eng.now - t0
+            c.token_latency.extend([lat] * b)
+            c.decode_time += lat
+            c.decode_tokens += b
+            self.mixed_steps += 1
+            self.batch_steps += 1
+            self.batched_tokens += b + 1
+
 
 def _pcts(values: list[float]) -> dict[str, float | None]:
     arr = np.asarray([x for x in values if math.isfinite(x)], dtype=np.float64)
@@ -575,6 +970,7 @@ def request_table(requests: list[Request], config: ServingConfig) -> pd.DataFram
                 "tpot_s": tpot,
                 "latency_s": q.finish - q.arrival,
                 "meets_slo": meets_slo(ttft, tpot, config),
+                "preemptions": q.preemptions,
             }
         )
     return pd.DataFrame(rows)
@@ -622,4 +1018,9 @@ def summarise(
         "kv_cache_tokens": kv_capacity,
         "kv_cache_gb": None if kv_capacity is None else kv_capacity * kv_bytes_per_token / 1e9,
         "kv_peak_tokens": serving.sched.kv_peak,
+        "prefill_chunk": cfg.prefill_chunk,
+        "mixed_steps": serving.mixed_steps,
+        "kv_allocation": "as written, preempt (recompute)" if cfg.preempt else "reserved whole",
+        "preemptions": serving.sched.preemptions,
+        "preempted_kv_tokens": serving.sched.preempted_kv_tokens,
     }

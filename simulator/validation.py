@@ -65,6 +65,7 @@ SIM_KEYS = (
     "dtype",
     "host_dtype",
     "nonexpert_dtype",
+    "runtime",
 )
 _REQUIRED = (
     "id",
@@ -292,7 +293,7 @@ def _parse_row(raw: Any, i: int, path: Path) -> Row:
         if "trace" not in sim and "synth" not in sim:
             raise UserError(f"{where}: [row.sim] needs 'trace' or a [row.sim.synth] table")
         for key in list(sim) + list(base or {}):
-            if key not in SIM_KEYS and key != "synth":
+            if key not in SIM_KEYS and key not in SERVING_SIM_KEYS and key != "synth":
                 raise UserError(f"{where}: unknown simulator key {key!r}")
     if modelled and "synth" in sim:
         try:
@@ -417,8 +418,35 @@ def synth_trace(spec: dict[str, Any]) -> Path:
     return path
 
 
+#: Keys of ``[row.sim]`` that make the run a serving run (``daopsim run``'s options of the same
+#: names, docs/serving.md): ``batch = 16`` is ``--batch 16``.
+SERVING_SIM_KEYS = ("batch", "max_batch", "kv_cache_gb", "prefill_chunk", "preempt")
+
+
+def _serving(sim: dict[str, Any]) -> Any:
+    """The ``ServingConfig`` of a row's serving keys (None without any)."""
+    from simulator.serving import serving_config
+
+    if not any(k in sim for k in SERVING_SIM_KEYS):
+        return None
+    return serving_config(
+        sim.get("batch"),
+        sim.get("max_batch"),
+        None,
+        None,
+        sim.get("kv_cache_gb"),
+        None,
+        None,
+        prefill_chunk=sim.get("prefill_chunk"),
+        preempt=bool(sim.get("preempt", False)),
+    )
+
+
 def _sim_kwargs(sim: dict[str, Any], max_sequences: int | None) -> dict[str, Any]:
     kw = {k: v for k, v in sim.items() if k in SIM_KEYS}
+    serving = _serving(sim)
+    if serving is not None:
+        kw["serving"] = serving
     if "synth" in sim:
         kw["trace"] = str(synth_trace(sim["synth"]))
     if max_sequences is not None and kw.get("sequences", max_sequences + 1) > max_sequences:

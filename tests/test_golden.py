@@ -22,6 +22,7 @@ import pytest
 
 from simulator.data import resolve_trace
 from simulator.errors import UserError
+from simulator.hardware import load_profile
 from simulator.regress import (
     BUILTIN_VARIANTS,
     Cell,
@@ -108,11 +109,21 @@ def _by_situation(store: dict[str, Any]) -> dict[tuple[str, str, str], dict[str,
 
 
 def test_budgets_are_above_top_k() -> None:
-    """At <= k experts per layer every replacement policy keeps the same experts."""
+    """At <= k experts per layer every replacement policy keeps the same experts.
+
+    The SSD-tier block is the exception: its profiles' host memory and drive are what it pins
+    (docs/serving.md, "An SSD tier"), and its 24 GB GPU holds under two Mixtral experts per
+    layer at bf16; its policies differ in placement, not in replacement.
+    """
+    ssd_blocks = 0
     for block in GRID.blocks:
+        if all(load_profile(hw).ssd is not None for hw in block.profiles):
+            ssd_blocks += 1
+            continue
         k = read_meta(resolve_trace(block.trace)).model.top_k
         for b in block.budgets:
             assert b.per_layer and b.value > k, (block.label, b.label)
+    assert ssd_blocks == 1
 
 
 def test_grid_spans_models_options_and_one_copy_engine() -> None:

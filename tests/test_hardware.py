@@ -374,3 +374,14 @@ def test_non_regular_profile_is_refused(cli, tmp_path: Path) -> None:
     os.mkfifo(fifo)
     result = cli("run", "--hw", fifo)  # reading it would block forever
     assert result.exit_code == 2 and "is a FIFO" in result.stderr
+
+
+def test_h20_profile_is_the_spec_card_on_the_h100_sxm5_host() -> None:
+    """h20-pcie5: NVIDIA's H20 spec (96 GB HBM3, 4.0 TB/s, 148 TFLOPS BF16 dense) on the
+    assumed h100-sxm5 host (its link and CPU), and more HBM but far less compute than the H100."""
+    h20, h100 = load_profile("h20-pcie5"), load_profile("h100-sxm5")
+    assert h20.gpu.memory_gb == pytest.approx(96 * 1.0737, abs=0.01)
+    assert h20.gpu.mem_bw_gbs == 4000.0 and h20.gpu.bf16_tflops == 148.0
+    assert h20.link == h100.link and h20.cpu == h100.cpu
+    assert h20.gpu.mem_bw_gbs > h100.gpu.mem_bw_gbs
+    assert h20.gpu.bf16_tflops < h100.gpu.bf16_tflops / 6

@@ -237,3 +237,42 @@ def test_fiddler_decision_constants_option() -> None:
     )
     with pytest.raises(UserError, match="constants"):
         make_policy("fiddler", {"constants": "guess"})
+
+
+_BOUNDED = [
+    (name, key, p)
+    for name, cls in sorted(available().items())
+    for key, p in cls.params.items()
+    if p.minimum is not None or p.maximum is not None
+]
+
+
+def test_the_bounded_options_are_the_ones_the_policies_need() -> None:
+    """The declared bounds cover the options whose __init__ used to check them by hand."""
+    got = {(n, k) for n, k, _ in _BOUNDED}
+    for want in [
+        ("daop", "cpu_workers"),
+        ("daop", "first_predict_layer"),
+        ("moe-infinity", "eamc_capacity"),
+        ("ktransformers", "gpu_experts_ratio"),
+        ("vllm-cpu-offload", "offload_layers"),
+        ("mixtral-offloading", "prefetch_k"),
+    ]:
+        assert want in got
+
+
+@pytest.mark.parametrize(
+    ("name", "key", "param"), _BOUNDED, ids=[f"{n}-{k}" for n, k, _ in _BOUNDED]
+)
+def test_an_option_outside_its_bounds_is_a_one_line_user_error(name: str, key: str, param) -> None:
+    """Just outside a bound is refused, naming the policy and option; the bound itself is fine."""
+    for bound, step, word in ((param.minimum, -1, ">="), (param.maximum, 1, "<=")):
+        if bound is None:
+            continue
+        bad = param.type(bound + step) if param.type is int else bound + 0.5 * step
+        with pytest.raises(
+            UserError, match=rf"policy '{name}': option '{key}' must be {word}"
+        ) as e:
+            make_policy(name, {key: bad})
+        assert "\n" not in str(e.value)
+        make_policy(name, {key: param.type(bound)})

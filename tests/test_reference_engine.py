@@ -194,6 +194,7 @@ def one_copy_engine(name: str) -> HardwareProfile:
         ("fiddler", {}),
         ("mixtral-offloading", {"prefetch": True}),
         ("stream-all", {}),
+        ("stream-all", {"gather": "leaf"}),
         ("lru", {}),
         ("moe-infinity", {}),
         ("hobbit", {}),
@@ -218,6 +219,26 @@ def test_in_use_victims_and_one_pass_layers() -> None:
         assert (same["start_wb"] >= same["end_gpu"] - TOL).all()
 
 
+@pytest.mark.parametrize("runtime", [None, SLOW_HOST])
+def test_a_gather_barrier_holds_every_expert_until_the_layer_has_landed(
+    runtime: RuntimeProfile | None,
+) -> None:
+    """stream-all gather=leaf (ZeRO-3's pre-forward gather): no GPU expert of a layer starts
+    before the last copy into that layer ends, in prefill and decode, on both engines; with
+    gather=layer some do (a routed expert runs while the rest of its layer is copied)."""
+    for barrier in (True, False):
+        tl = _both("stream-all", "ci-small", 0.25, load_profile("rtx6000ada-pcie4"), runtime,
+                   gather="leaf" if barrier else "layer")  # fmt: skip
+        kind = tl["kind"].astype(str)
+        copies = tl[kind.isin(["fetch", "prefetch"])]
+        last = copies.groupby(["seq", "token", "layer"])["end"].max().rename("landed")
+        gpu = tl[(tl["resource"].astype(str) == "gpu") & (kind == "expert")]
+        joined = gpu.join(last, on=["seq", "token", "layer"], how="inner")
+        assert len(joined) > 100
+        early = joined["start"] < joined["landed"] - TOL
+        assert not early.any() if barrier else early.any()
+
+
 def wide_socket(name: str, factor: float = 1.7) -> HardwareProfile:
     """A bundled profile whose socket streams ``factor`` x what one CPU call takes (partial
     shares: concurrent calls overlap before they slow each other down)."""
@@ -234,6 +255,7 @@ def wide_socket(name: str, factor: float = 1.7) -> HardwareProfile:
         ("daop", {"cpu_workers": 3}),
         ("fiddler", {}),
         ("stream-all", {}),
+        ("stream-all", {"gather": "leaf"}),
         ("lru", {}),
         ("hobbit", {}),
     ],
@@ -427,3 +449,31 @@ def test_simulate_and_cli_select_the_reference_engine(tmp_path: Path) -> None:
     res = CliRunner().invoke(main, [*args, "--engine", "reference", "--no-bounds", "--json"])
     assert res.exit_code == 0, res.output
     assert '"engine": "reference"' in res.output
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_chunked_prefill_and_preemption_time_identically(seed: int) -> None:
+    """Mixed steps (prompt chunks beside decode tokens) and recompute preemption under a tight
+    KV cache, with the chaos policy's random legal plans: both engines time them the same."""
+    model = tiny_model(experts=6, top_k=2, moe_layers=3)
+    hw = load_profile("jetson-orin-64g" if seed >= 2 else "a6000-pcie4")
+    config = ServingConfig(batch=3, continuous=True, prefill_chunk=1 + seed % 3, preempt=True)
+    out = []
+    for cls in (Engine, ReferenceEngine):
+        rng = np.random.default_rng(100 + seed)
+        seqs = [random_routing(model, s, 4, int(rng.integers(2, 6)), rng) for s in range(5)]
+        times = sorted(float(x) for x in rng.uniform(0, 2e-3, size=5))
+        reqs = [
+            Request(s, s, t, r.n_prefill, r.n_decode, dense(r, model.experts))
+            for s, (r, t) in enumerate(zip(seqs, times, strict=True))
+        ]
+        kv = max(q.kv_tokens for q in reqs) + 2  # room for little more than one request
+        pol = ChaosPolicy(rng, 2, 2, writeback=bool(seed % 2))
+        rec = Recorder()
+        eng = cls(pol, model, cost_model(hw, model), 8, None, None, None, rec)
+        pol.engine = eng
+        eng.serving = Serving(reqs, config, kv)
+        out.append((rec, eng.run(iter(())), eng))
+    (ra, sa, ea), (rb, sb, _) = out
+    assert ea.serving.mixed_steps > 0 and ea.serving.sched.preemptions > 0
+    assert_same(ra.timeline(), rb.timeline(), sa, sb)

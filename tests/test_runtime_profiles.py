@@ -111,6 +111,14 @@ def _by_hand(prof: RuntimeProfile, d_ne: float, d_e: float) -> float:
         if prof.routing_syncs:
             h = max(h, ne_end) + prof.routing_syncs * sync
             g = h  # the experts are issued once the routing is on the host
+        if prof.idle_expert_kernels or prof.idle_expert_syncs:
+            # the loop over the E - k experts with no token: ops and syncs, no GPU work
+            ready = g
+            if prof.idle_expert_syncs:
+                h = max(h, ready)
+            idle = MODEL.experts - MODEL.top_k
+            h += idle * (prof.idle_expert_kernels * disp + prof.idle_expert_syncs * sync)
+            g = max(h, ready)
         for _ in range(2):
             if prof.expert_syncs:
                 h = max(h, g) + prof.expert_syncs * sync
@@ -124,10 +132,19 @@ DISPATCH_BOUND = RuntimeProfile(
     routing_syncs=1, expert_syncs=2,
 )  # fmt: skip
 GPU_BOUND = RuntimeProfile("gpu-bound", dispatch_us=0.01, nonexpert_kernels=2, expert_kernels=1)
+#: a MoE loop over every expert, once with routing syncs and once without (hf-eager-all-experts)
+IDLE_LOOP = RuntimeProfile(
+    "idle-loop", dispatch_us=7.0, sync_us=11.0, nonexpert_kernels=5, expert_kernels=3,
+    routing_syncs=1, expert_syncs=1, idle_expert_kernels=13, idle_expert_syncs=2,
+)  # fmt: skip
 
 
 @pytest.mark.parametrize("cls", [Engine, ReferenceEngine])
-@pytest.mark.parametrize("prof", [DISPATCH_BOUND, GPU_BOUND, get_runtime("hf-eager")])
+@pytest.mark.parametrize(
+    "prof",
+    [DISPATCH_BOUND, GPU_BOUND, IDLE_LOOP, get_runtime("hf-eager"),
+     get_runtime("hf-eager-all-experts")],
+)  # fmt: skip
 def test_layer_times_match_the_hand_computation(
     cls: type[EngineBase], prof: RuntimeProfile
 ) -> None:
@@ -135,8 +152,37 @@ def test_layer_times_match_the_hand_computation(
     d_ne = eng.machine.nonexpert_s(1, ctx)
     d_e = eng.machine.gpu_s(1)
     assert stats.e2e == pytest.approx(_by_hand(prof, d_ne, d_e), rel=1e-12)
-    syncs = 1 + 2 * (prof.routing_syncs + 2 * prof.expert_syncs)
+    idle = (MODEL.experts - MODEL.top_k) * prof.idle_expert_syncs
+    syncs = 1 + 2 * (prof.routing_syncs + idle + 2 * prof.expert_syncs)
     assert stats.counters.host_syncs == syncs
+
+
+def test_the_loop_over_idle_experts_costs_the_host_their_ops_and_syncs() -> None:
+    """Each expert with no token adds its ops and syncs to the layer; no idle cost, no change."""
+    no_idle = RuntimeProfile("n", dispatch_us=4.0, sync_us=3.0, nonexpert_kernels=2)
+    idle = RuntimeProfile("i", dispatch_us=4.0, sync_us=3.0, nonexpert_kernels=2,
+                          idle_expert_kernels=11, idle_expert_syncs=1)  # fmt: skip
+    h0, h1 = HostThread(no_idle, idle_experts=120), HostThread(idle, idle_experts=120)
+    end0, dec0 = h0.nonexpert(0.0, 50 * US, first_layer=False)
+    end1, dec1 = h1.nonexpert(0.0, 50 * US, first_layer=False)
+    assert end1 == end0 and dec0 == end0  # the non-expert part itself is unchanged
+    # the first idle sync waits for the router's GPU work, then 120 x (11 ops + 1 sync)
+    assert dec1 == pytest.approx(end0 + 120 * (11 * 4.0 + 3.0) * US)
+    assert h1.syncs == 120 and h0.syncs == 0
+    # no expert left idle (E = k): nothing to pay even with the fields set
+    h2 = HostThread(idle, idle_experts=0)
+    assert h2.nonexpert(0.0, 50 * US, first_layer=False) == (end0, dec0)
+
+
+def test_hf_eager_all_experts_is_slower_than_hf_eager_on_many_experts() -> None:
+    """Mixtral (ci-small: 8 experts, top-2) all on the GPU: the loop over the 6 idle experts
+    per layer costs more than hf-eager's hit-only loop saves in routing syncs."""
+    from simulator.runner import simulate
+
+    kw = {"policy": "all-gpu", "hw": "h20-pcie5", "trace": "ci-small", "sequences": 1}
+    hit = simulate(**kw, runtime="hf-eager").metrics["tpot_mean_s"]
+    loop = simulate(**kw, runtime="hf-eager-all-experts").metrics["tpot_mean_s"]
+    assert loop > hit
 
 
 def test_dispatch_bound_is_slower_and_gpu_bound_is_not() -> None:

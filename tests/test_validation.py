@@ -84,7 +84,7 @@ def test_cli_json_keys_and_out(tmp_path: Path) -> None:
             "--json",
             "--no-progress",
             "--rows",
-            "hybrimoe-lru-mixtral-25,qwen-speed-h20-qwen3-30b-a3b-sglang",
+            "hybrimoe-lru-mixtral-25,omlx-gemma4-residency-25",
             "--sequences",
             "1",
             "--out",
@@ -99,9 +99,9 @@ def test_cli_json_keys_and_out(tmp_path: Path) -> None:
         assert keys <= set(row)
     by_id = {r["id"]: r for r in doc["rows"]}
     assert by_id["hybrimoe-lru-mixtral-25"]["modelled"] is True
-    nm = by_id["qwen-speed-h20-qwen3-30b-a3b-sglang"]
+    nm = by_id["omlx-gemma4-residency-25"]
     assert nm["modelled"] is False and nm["simulated"] is None and nm["reason"]
-    assert [n["id"] for n in doc["not_modelled"]] == ["qwen-speed-h20-qwen3-30b-a3b-sglang"]
+    assert [n["id"] for n in doc["not_modelled"]] == ["omlx-gemma4-residency-25"]
     assert doc["not_modelled"][0]["reason"]
     assert doc["median_abs_error"] == pytest.approx(
         abs(by_id["hybrimoe-lru-mixtral-25"]["rel_error"])
@@ -362,3 +362,38 @@ def test_prefill_row_runs_and_respects_the_link_bound(
     hw = load_profile(row.sim["hw"])
     moved = model.moe_layers * model.experts * model.expert_bytes("bf16")
     assert res.simulated >= moved / (hw.link.h2d_pinned_gbs * 1e9)
+
+
+def test_a_row_with_serving_keys_runs_batched(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``batch = 4`` in [row.sim] is ``--batch 4``: the row's value is the batched run's."""
+    from simulator.runner import simulate
+    from simulator.serving import ServingConfig
+    from simulator.validation import run_row
+
+    monkeypatch.setenv("DAOPSIM_CACHE", str(tmp_path))
+    spec = {"preset": "deepseek-v2-lite", "sequences": 4, "prompt_tokens": 4, "output_tokens": 6}
+    sim = {"policy": "lru", "hw": "a6000-pcie4", "cache_ratio": 0.25, "synth": spec}
+    one = run_row(_row(id="b1", published=1.0, metric="tokens_per_s", sim=sim))
+    four = run_row(_row(id="b4", published=1.0, metric="tokens_per_s", sim={**sim, "batch": 4}))
+    direct = simulate(
+        policy="lru",
+        hw="a6000-pcie4",
+        cache_ratio=0.25,
+        trace=str(synth_trace(spec)),
+        record=False,
+        serving=ServingConfig(batch=4),
+    )
+    assert four.simulated == pytest.approx(direct.metrics["tokens_per_s"])
+    assert one.simulated is not None and four.simulated is not None
+    assert four.simulated > one.simulated  # the batch shares each layer's expert loads
+    with pytest.raises(UserError, match="unknown simulator key 'batch_size'"):
+        table = tmp_path / "t.toml"
+        table.write_text(
+            '[[row]]\nid = "x"\nsource = "s"\nsystem = "s"\nhardware = "h"\nmodel = "m"\n'
+            'precision = "bf16"\nworkload = "w"\npublished = 1.0\nunit = "tokens/s"\n'
+            'metric = "tokens_per_s"\nrole = "test"\n[row.sim]\npolicy = "lru"\n'
+            'hw = "a6000-pcie4"\ntrace = "ci-small"\nbatch_size = 4\n'
+        )
+        load_table(table)

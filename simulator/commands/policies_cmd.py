@@ -27,6 +27,8 @@ def describe(cls: Any) -> dict[str, Any]:
                 "default": p.default,
                 "help": p.help,
                 "choices": list(p.choices) if p.choices else None,
+                "minimum": p.minimum,
+                "maximum": p.maximum,
             }
             for k, p in cls.params.items()
         },

@@ -191,7 +191,7 @@ def show_cmd(
 def _print_profile(hw: HardwareProfile) -> None:
     click.echo(f"{hw.name}: {hw.description}")
     click.echo(f"  file: {hw.path}")
-    for section in ("gpu", "link", "cpu", "power"):
+    for section in ("gpu", "link", "cpu", "power", "ssd"):
         spec = getattr(hw, section)
         if spec is None:
             continue

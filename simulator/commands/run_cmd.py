@@ -58,9 +58,16 @@ TABLE_ROWS = (
     ("routing_replaced_frac", "routing replaced", "", 1.0),
     ("gate_mass_preserved", "gate mass preserved", "", 1.0),
     ("low_precision_gate_mass", "gate mass in low precision", "", 1.0),
+    ("ssd_bytes", "read from SSD", " GB", 1e-9),
+    ("ssd_stall_s", "waiting for SSD reads", " s", 1.0),
+    ("host_memory_peak_bytes", "host memory peak", " GB", 1e-9),
     ("energy_j", "energy", " kJ", 1e-3),
     ("tokens_per_kj", "tokens per kJ", "", 1.0),
 )
+
+
+#: rows shown only when the run has a host-memory budget (docs/serving.md, "An SSD tier")
+SSD_ROWS = ("ssd_bytes", "ssd_stall_s", "host_memory_peak_bytes")
 
 
 def compute_bounds(
@@ -154,6 +161,8 @@ def render_table(doc: dict[str, Any]) -> str:
     lines = [head, ""]
     for key, label, unit, scale in TABLE_ROWS:
         value = m.get(key)
+        if key not in m and key in SSD_ROWS:  # no host-memory budget: no SSD tier rows
+            continue
         if isinstance(value, int | float) and not isinstance(value, bool) and scale != 1:
             value = value * scale
         lines.append(f"  {label:<28} {_fmt(value, unit)}")
@@ -211,6 +220,16 @@ def render_serving(sv: dict[str, Any]) -> str:
         f"  {'KV cache':<28} {_fmt(sv['kv_cache_tokens'])} tokens, peak "
         f"{_fmt(sv['kv_peak_tokens'])}",
     ]
+    if sv.get("prefill_chunk") is not None:
+        rows.append(
+            f"  {'chunked prefill':<28} {sv['prefill_chunk']} tokens per step, "
+            f"{sv['mixed_steps']} mixed steps"
+        )
+    if sv.get("preemptions") or sv.get("kv_allocation", "").startswith("as written"):
+        rows.append(
+            f"  {'preemptions':<28} {sv['preemptions']} ({sv['preempted_kv_tokens']} KV "
+            "tokens recomputed)"
+        )
     return "\n".join(rows)
 
 
@@ -361,6 +380,43 @@ def render_serving(sv: dict[str, Any]) -> str:
     help="Write one row per request (.csv or .parquet) in a serving run.",
 )
 @click.option(
+    "--prefill-chunk",
+    type=int,
+    default=None,
+    metavar="N",
+    help="Chunked prefill: each step carries up to N prompt tokens of a joining request "
+    "beside the running requests' decode tokens.",
+)
+@click.option(
+    "--preempt",
+    is_flag=True,
+    default=False,
+    help="Allocate the KV cache as tokens are written and preempt the newest request "
+    "(recompute) when it runs out, instead of reserving prompt + output at admission.",
+)
+@click.option(
+    "--host-memory-gb",
+    type=float,
+    default=None,
+    help="Host memory budget, GB: the non-expert weights and the experts that fit; the rest "
+    "are read from the profile's NVMe drive (default: the profile's cpu.memory_gb, or "
+    "unlimited).",
+)
+@click.option(
+    "--ssd-path",
+    default=None,
+    metavar="page-cache|gds",
+    help="How experts are read from the SSD: through the OS page cache (default) or "
+    "GPUDirect Storage (NVMe to GPU, no host copy).",
+)
+@click.option(
+    "--model",
+    "model",
+    default=None,
+    help="Without --trace: generate (and cache) a small synthetic trace of this catalogue "
+    "model (`daopsim models list`).",
+)
+@click.option(
     "--gpus",
     type=int,
     default=1,
@@ -405,6 +461,11 @@ def run(
     slo_tpot: float | None = None,
     requests_out: str | None = None,
     runtime: str | None = None,
+    prefill_chunk: int | None = None,
+    preempt: bool = False,
+    host_memory_gb: float | None = None,
+    ssd_path: str | None = None,
+    model: str | None = None,
     gpus: int = 1,
     multi_gpu: str | None = None,
 ) -> None:
@@ -413,8 +474,20 @@ def run(
     from simulator.serving import serving_config
 
     options = parse_options(policy_opts)
+    if model is not None:  # the synthetic trace, so the bounds below run on it too
+        from simulator.hosttier import model_trace
+
+        trace = model_trace(model, trace)
     serving = serving_config(
-        batch, max_batch, arrival_rate, arrivals, kv_cache_gb, slo_ttft, slo_tpot
+        batch,
+        max_batch,
+        arrival_rate,
+        arrivals,
+        kv_cache_gb,
+        slo_ttft,
+        slo_tpot,
+        prefill_chunk=prefill_chunk,
+        preempt=preempt,
     )
     inputs = (trace, calibration, hw, arrivals)
     if requests_out is not None:
@@ -448,6 +521,8 @@ def run(
             engine=engine,
             serving=serving,
             runtime=runtime,
+            host_memory_gb=host_memory_gb,
+            ssd_path=ssd_path,
             gpus=gpus,
             multi_gpu=multi_gpu,
         )
