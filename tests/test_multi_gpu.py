@@ -369,3 +369,19 @@ def test_bad_multi_gpu_tables_are_one_line_profile_errors(tmp_path, tables: str,
     f.write_text(f'extends = "rtx3090-pcie4"\nname = "box"\ndescription = "d"\n{tables}')
     with pytest.raises(ProfileError, match=msg):
         load_profile(str(f))
+
+
+@pytest.mark.parametrize("mode", ["expert", "pipeline"])
+def test_gather_barrier_on_two_gpus(mode: str) -> None:
+    """DeepSpeed's gather (stream-all gather=leaf, Plan.barrier): no GPU expert of a layer
+    starts before the layer's last copy lands, and both executors agree."""
+    kw = {"gpus": 2, "multi_gpu": mode, "policy_options": {"gather": "leaf"}}
+    fast = run("stream-all", **kw)
+    ref = run("stream-all", engine="reference", **kw)
+    assert fast.metrics["e2e_s"] == pytest.approx(ref.metrics["e2e_s"], abs=1e-9)
+    tl = fast.timeline
+    copies = tl[tl["kind"].isin(["fetch", "temp"])].groupby(["token", "layer"])["end"].max()
+    starts = tl[tl["kind"] == "expert"].groupby(["token", "layer"])["start"].min()
+    joined = pd.concat([copies.rename("copy"), starts.rename("start")], axis=1).dropna()
+    assert len(joined) > 0
+    assert (joined["start"] >= joined["copy"] - 1e-12).all()
