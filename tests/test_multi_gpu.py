@@ -205,7 +205,7 @@ def test_machine_lanes_per_gpu_and_uplink() -> None:
         (["--gpus", "2"], "has 1 GPU"),
         (["--gpus", "2", "--hw", "2x-rtx4090-pcie4", "--multi-gpu", "ring"], "--multi-gpu"),
         (["--multi-gpu", "pipeline"], "needs --gpus 2"),
-        (["--gpus", "2", "--hw", "2x-rtx4090-pcie4", "--host-memory-gb", "40"], "SSD tier"),
+        (["--gpus", "2", "--hw", "2x-rtx4090-pcie4", "--host-memory-gb", "400"], "SSD tier"),
     ],
 )
 def test_bad_input_is_one_line(args: list[str], msg: str) -> None:
