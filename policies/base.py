@@ -187,6 +187,18 @@ class ResourceSpec:
     #: "read" (one large read each: the drive's sequential rate) or "mmap" (weights memory
     #: mapped, pages faulted in on first touch: the 4 KiB random-read rate; llama.cpp)
     ssd_access: str = "read"
+    #: whole layers on the GPU (llama.cpp's ``-ngl``): None puts every layer there; N >= 0
+    #: runs only the last N transformer blocks on the GPU and the ones before wholly on the
+    #: CPU (non-expert part there too, experts from host memory; dense blocks taken to lead);
+    #: -1 puts as many blocks on the GPU as their experts, weights and KV cache fit
+    gpu_blocks: int | None = None
+    #: with ``gpu_blocks``: a prefill pass of at least this many tokens runs a CPU layer's
+    #: non-expert part on the GPU after copying its weights there (llama.cpp's op offload);
+    #: 0 never does
+    cpu_layer_offload_batch: int = 0
+    #: GPU memory the modelled runtime keeps free of weights for activations and compute
+    #: buffers, GB; None uses the hardware profile's ``gpu.workspace_gb`` (a PyTorch figure)
+    workspace_gb: float | None = None
 
     def __post_init__(self) -> None:
         if self.ssd_access not in ("read", "mmap"):
@@ -202,6 +214,18 @@ class ResourceSpec:
                 raise UserError(f"{key} must be >= 0, got {getattr(self, key)}")
         if self.cpu_workers < 1:
             raise UserError(f"cpu_workers must be >= 1, got {self.cpu_workers}")
+        if self.gpu_blocks is not None and self.gpu_blocks < -1:
+            raise UserError(f"gpu_blocks must be None, -1 or >= 0, got {self.gpu_blocks}")
+        if self.cpu_layer_offload_batch < 0:
+            raise UserError(
+                f"cpu_layer_offload_batch must be >= 0, got {self.cpu_layer_offload_batch}"
+            )
+        if self.workspace_gb is not None and not self.workspace_gb >= 0:
+            raise UserError(f"workspace_gb must be >= 0, got {self.workspace_gb}")
+        if self.gpu_blocks is not None and self.writeback:
+            # a CPU layer's timing assumes the links are idle when it starts (no background
+            # copies); write-backs are background copies
+            raise UserError("gpu_blocks (CPU-resident layers) cannot be combined with writeback")
 
     @property
     def pinned(self) -> bool:
@@ -223,6 +247,8 @@ class SetupContext:
     #: per calibration sequence, its [layers, experts] selection counts (prompt and decode
     #: together, file order), or None; given with ``calibration``
     calibration_sequences: tuple[np.ndarray, ...] | None = None
+    #: leading MoE layers that run wholly on the CPU (``ResourceSpec.gpu_blocks``, resolved)
+    cpu_layers: int = 0
 
 
 class Policy:

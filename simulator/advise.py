@@ -41,7 +41,7 @@ OPTION_HINTS: dict[str, dict[str, Callable[[Any], list[Any]] | str]] = {
         "n_cpu_moe": lambda m: sorted({m.layers, (3 * m.layers) // 4, m.layers // 2}),
     },
     "llama-cpp-layers": {
-        "n_gpu_layers": lambda m: sorted({0, m.layers // 4, m.layers // 2}),
+        "ngl": lambda m: sorted({0, m.layers // 4, m.layers // 2}),
     },
 }
 

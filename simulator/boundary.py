@@ -167,6 +167,13 @@ def check_plan(
         raise hooks.error(f"returned {type(plan).__name__}, expected a Plan", layer)
     if plan.low_bit:
         _check_low_bit(hooks, plan, layer, routed, spec)
+    if spec.gpu_blocks is not None and (plan.prefetch or plan.precalc):
+        # CPU-resident layers are timed as if nothing else used the CPU or the links then
+        raise hooks.error(
+            "asks for prefetches or pre-calculations, which a spec with gpu_blocks "
+            "(CPU-resident layers) does not model",
+            layer,
+        )
     actions = plan.actions
     if not (plan.evict or plan.prefetch or plan.precalc or plan.victims) and (
         actions is None or (actions.__class__ is dict and len(actions) == len(routed))

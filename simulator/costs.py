@@ -33,7 +33,7 @@ from functools import cached_property, lru_cache
 from typing import Any
 
 from simulator.hardware import HardwareProfile, MeasuredModel, load_profile
-from simulator.models import ModelShape, dtype_bytes, get_model
+from simulator.models import DTYPES, ModelShape, dtype_bytes, get_model
 
 #: Bytes per activation element: hidden states travel and are computed in bf16.
 ACT_BYTES = 2
@@ -42,6 +42,33 @@ ACT_BYTES = 2
 NONEXPERT_KERNELS_PER_BLOCK = 20
 #: Context length the CLI reports ``nonexpert_layer_ms`` at.
 DEFAULT_CONTEXT = 512
+
+# --- per-format kernels (docs/cost-model.md, "Quantisation", "Kernel efficiency") -----------------
+#: Share of a bf16 kernel's weight-streaming bandwidth a GPU expert kernel reaches, by weight
+#: format kind (``simulator.models.DTYPES[...].kind``); formats not listed stream like bf16.
+#: GGUF: llama.cpp's Q4_K_M decode on an RTX 4080 moves at least 0.78 of the card's bandwidth,
+#: a plain copy on an RTX 4090 0.90 of its: 0.78 / 0.90 = 0.87 (a lower bound).
+GPU_KERNEL_EFFICIENCY: dict[str, float] = {"gguf": 0.87}
+#: Extra GPU kernels one expert call launches to dequantise its quantised scales and zero
+#: points, by weight format kind. HQQ in Mixtral-offloading: each of the 3 linears dequantises
+#: its 8-bit scales and its 8-bit zero points in PyTorch before the fused Triton GEMM, at least
+#: two element-wise kernels each (subtract the zero, multiply by the scale): 3 x 2 x 2 = 12.
+DEQUANT_KERNELS: dict[str, int] = {"hqq": 12}
+#: Weight formats Intel AMX tiles multiply (BF16 and INT8); with ``cpu.amx_bf16_gflops`` their
+#: CPU experts get the AMX compute roof when a call has more than ``AMX_MAX_AVX512_TOKENS``
+#: tokens (kTransformers' AMX backend switches to AVX-512 kernels at 4 tokens or fewer).
+AMX_DTYPES = frozenset({"bf16", "int8"})
+AMX_MAX_AVX512_TOKENS = 4
+
+
+def gpu_kernel_efficiency(dtype: str) -> float:
+    """Share of bf16's weight-streaming bandwidth a GPU expert kernel at ``dtype`` reaches."""
+    return GPU_KERNEL_EFFICIENCY.get(DTYPES[dtype].kind, 1.0)
+
+
+def dequant_kernels(dtype: str) -> int:
+    """Extra GPU kernel launches per expert call to dequantise ``dtype``'s scales (0 if none)."""
+    return DEQUANT_KERNELS.get(DTYPES[dtype].kind, 0)
 
 
 def expert_kernels(model: ModelShape) -> int:
@@ -143,8 +170,18 @@ class CostModel:
             return 0.0
         gpu = self.hw.gpu
         moved = self._gpu_expert_moved(n)
-        roof = max(moved / (gpu.mem_bw_gbs * 1e9), self.expert_flops(n) / (gpu.bf16_tflops * 1e12))
-        return roof + expert_kernels(self.model) * gpu.launch_overhead_us * 1e-6
+        bw = gpu.mem_bw_gbs * 1e9 * self._gpu_efficiency
+        roof = max(moved / bw, self.expert_flops(n) / (gpu.bf16_tflops * 1e12))
+        return roof + self._gpu_expert_kernels * gpu.launch_overhead_us * 1e-6
+
+    @cached_property
+    def _gpu_efficiency(self) -> float:
+        return gpu_kernel_efficiency(self.model.dtype)
+
+    @cached_property
+    def _gpu_expert_kernels(self) -> int:
+        """Kernel launches of one GPU expert call: its eager forward plus any dequantisation."""
+        return expert_kernels(self.model) + dequant_kernels(self.model.dtype)
 
     def _gpu_expert_moved(self, n: float) -> float:
         """Bytes one GPU expert call moves: weights, activations in and out."""
@@ -166,8 +203,17 @@ class CostModel:
             if m is not None
             else self.host_expert_bytes / (cpu.mem_bw_gbs * 1e9)
         )
-        peak = cpu.fp32_gflops if self.model.host_precision == "fp32" else cpu.bf16_gflops
+        peak = self._cpu_expert_peak(n)
         return max(stream, self.expert_flops(n) / (peak * 1e9))
+
+    def _cpu_expert_peak(self, n: float) -> float:
+        """GFLOPS of a CPU expert call over n tokens: the host precision's kernels, with the AMX
+        roof for AMX formats above kTransformers' AVX-512 cut-off when the profile gives one."""
+        dtype = self.model.host_precision
+        amx = self.hw.cpu.amx_bf16_gflops
+        if amx is not None and dtype in AMX_DTYPES and n > AMX_MAX_AVX512_TOKENS:
+            return amx
+        return self.cpu_peak_gflops(dtype)
 
     def cpu_expert_s(self, n_tokens: int) -> float:
         """Seconds for one expert on the CPU for n tokens: one batched call (roofline, anchored)."""
@@ -187,7 +233,7 @@ class CostModel:
             return 0.0
         cpu = self.hw.cpu
         bw = (cpu.socket_bw_gbs or cpu.mem_bw_gbs) * 1e9
-        peak = (cpu.fp32_gflops if self.model.host_precision == "fp32" else cpu.bf16_gflops) * 1e9
+        peak = self._cpu_expert_peak(n_tokens) * 1e9
         share = max(self.host_expert_bytes / (d * bw), self.expert_flops(n_tokens) / (d * peak))
         return min(1.0, share)
 
@@ -366,6 +412,69 @@ class CostModel:
             )
         return min(1.0, moved / (d * self.dram_bw_gbs * 1e9))
 
+    # --- CPU-resident layers (llama.cpp's -ngl split) ---------------------------------------------
+    @cached_property
+    def cpu_layer_weight_bytes(self) -> int:
+        """Non-expert weight bytes one MoE layer's transformer blocks hold themselves: the
+        non-expert part without the input embedding and the output matrix (taken to be the
+        embedding's size), spread over the MoE layers."""
+        m = self.model
+        params = max(0, m.non_expert_params - 2 * m.embedding_params)
+        return round(params / m.moe_layers * dtype_bytes(m.nonexpert_dtype))
+
+    def cpu_layer_host_bytes(self, kv_tokens: int) -> float:
+        """GPU bytes one CPU-resident layer leaves in host memory: its non-expert weights and
+        its share of the KV cache for ``kv_tokens`` (llama.cpp keeps a layer's KV cache on
+        the layer's device)."""
+        m = self.model
+        return self.cpu_layer_weight_bytes + m.kv_bytes_per_token / m.moe_layers * kv_tokens
+
+    def cpu_nonexpert_layer_s(self, n_tokens: int, context: int) -> float:
+        """Seconds of one MoE layer's non-expert part on the host CPU for n new tokens.
+
+        The GPU formula's bytes and FLOPs (:meth:`nonexpert_layer_s`) over the CPU's roofline:
+        ``max(bytes / cpu.mem_bw_gbs, flops / cpu peak)`` with the peak of the non-expert
+        precision's CPU kernels (:meth:`cpu_peak_gflops`); no kernel launches.
+        """
+        _check_tokens(n_tokens)
+        _check_tokens(context, "context")
+        if n_tokens == 0:
+            return 0.0
+        moved = self._nonexpert_moved(n_tokens, context)
+        attn_pairs = n_tokens * context + n_tokens * (n_tokens + 1) / 2
+        return self._cpu_nonexpert_roof(n_tokens, moved, attn_pairs)
+
+    def cpu_nonexpert_batch_layer_s(self, n_tokens: int, kv_tokens: int) -> float:
+        """:meth:`cpu_nonexpert_layer_s` for a batched decode step (the bytes and query-key
+        pairs of :meth:`nonexpert_batch_layer_s`)."""
+        _check_tokens(n_tokens)
+        _check_tokens(kv_tokens, "kv_tokens")
+        if n_tokens == 0:
+            return 0.0
+        m = self.model
+        moved = self.nonexpert_layer_bytes + m.kv_bytes_per_token / m.moe_layers * kv_tokens
+        return self._cpu_nonexpert_roof(n_tokens, moved, kv_tokens)
+
+    def _cpu_nonexpert_roof(self, n_tokens: int, moved: float, attn_pairs: float) -> float:
+        """The CPU roofline of one layer's non-expert part moving ``moved`` bytes."""
+        m, cpu = self.model, self.hw.cpu
+        blocks = m.layers / m.moe_layers
+        params = (m.non_expert_params - m.embedding_params) / m.moe_layers
+        flops = 2.0 * params * n_tokens + 4.0 * attn_pairs * m.hidden * blocks
+        peak = self.cpu_peak_gflops(m.nonexpert_dtype)
+        return max(moved / (cpu.mem_bw_gbs * 1e9), flops / (peak * 1e9))
+
+    def cpu_peak_gflops(self, dtype: str) -> float:
+        """The host CPU's achieved GEMM throughput for weights stored at ``dtype``, GFLOPS:
+        ``cpu.fp32_gflops`` for fp32, else ``cpu.bf16_gflops``."""
+        cpu = self.hw.cpu
+        return cpu.fp32_gflops if dtype == "fp32" else cpu.bf16_gflops
+
+    def cpu_layer_weights_h2d_s(self) -> float:
+        """Seconds to copy one CPU-resident layer's non-expert weights to the GPU from pinned
+        memory (llama.cpp's op offload of a prompt batch: once per micro-batch)."""
+        return self._copy(self.cpu_layer_weight_bytes, self.hw.link.h2d_pinned_gbs)
+
     # --- decisions -------------------------------------------------------------------------------
     def breakeven_tokens(self, pinned: bool = False) -> float:
         """Tokens per expert at which copying it (then running it on the GPU) beats the CPU.
@@ -460,7 +569,6 @@ class CostModel:
     def sources(self) -> dict[str, str]:
         """For each cost, the formula or measured constant that produced it."""
         m = self.measured
-        k = expert_kernels(self.model)
         peak_key = "fp32" if self.model.host_precision == "fp32" else "bf16"
         # with a host/GPU precision split, copies and the CPU use the host copy's size
         host_b = "host_expert_bytes" if self.split_precision else "expert_bytes"
@@ -483,9 +591,12 @@ class CostModel:
             rate = "h2d_pinned_gbs" if pinned else "h2d_pageable_gbs"
             return f"link: copy_overhead_us + {host_b} / link.{rate}{conv}"
 
+        eff = self._gpu_efficiency
+        bw_s = "gpu.mem_bw_gbs" if eff == 1.0 else f"({eff} x gpu.mem_bw_gbs)"
+        k = self._gpu_expert_kernels
         return {
             "gpu_expert": (
-                "roofline: max((expert_bytes + activations) / gpu.mem_bw_gbs, 2 x params x n / "
+                f"roofline: max((expert_bytes + activations) / {bw_s}, 2 x params x n / "
                 f"gpu.bf16_tflops) + {k} x gpu.launch_overhead_us"
             ),
             "cpu_expert": cpu,

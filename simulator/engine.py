@@ -96,6 +96,10 @@ class Counters:
     max_occupancy: int = 0
     #: blocking host syncs of the runtime's host thread
     host_syncs: int = 0
+    #: seconds the host CPU ran CPU-resident layers' non-expert parts (ResourceSpec.gpu_blocks)
+    cpu_nonexpert_busy: float = 0.0
+    #: copies of a CPU-resident layer's non-expert weights to the GPU (prompt op offload)
+    cpu_layer_weight_copies: int = 0
 
 
 @dataclass
@@ -130,6 +134,7 @@ class LayerOp:
         "gpu",
         "kind",
         "layer",
+        "local",
         "low",
         "n",
         "rkind",
@@ -165,6 +170,7 @@ class LayerOp:
         #: the SSD tier: this operation issued the drive read it waits for (else it found a
         #: host copy, maybe one still being read for an earlier operation)
         self.ssd_read = False
+        self.local = False  # a CPU job of a CPU-resident layer: no activation copies
 
 
 class LayerWork:
@@ -206,6 +212,18 @@ class LayerWork:
         self.barrier = False
 
 
+def cpu_layers_for(spec: Any, model: ModelShape, budget: int) -> int:
+    """Leading MoE layers a spec runs wholly on the CPU when the run did not size them from
+    memory (the runner does, :func:`simulator.runner.cpu_resident_layers`): N GPU blocks
+    leave ``moe_layers - N``; -1 leaves the fewest whose GPU layers' experts fit ``budget``."""
+    g = spec.gpu_blocks
+    if g is None:
+        return 0
+    if g >= 0:
+        return model.moe_layers - min(model.moe_layers, g)
+    return max(0, model.moe_layers - budget // model.experts)
+
+
 class EngineBase:
     """The step loop shared by both executors: views, hooks, checks, plans into operations.
 
@@ -228,6 +246,7 @@ class EngineBase:
         runtime: RuntimeProfile | None = None,
         calibration_sequences: tuple[np.ndarray, ...] | None = None,
         host_tier: HostTierConfig | None = None,
+        cpu_layers: int | None = None,
     ) -> None:
         self.policy = policy
         self.hooks = Hooks(policy)
@@ -277,6 +296,7 @@ class EngineBase:
             if host_tier.uses_ssd:
                 self._ssd = tier
                 self.machine.drives[tier.lane.name] = tier.lane
+        n_cpu = cpu_layers_for(self.spec, model, self.budget) if cpu_layers is None else cpu_layers
         ctx = SetupContext(
             model=model,
             budget=self.budget,
@@ -286,7 +306,12 @@ class EngineBase:
             oracle=oracle if policy.clairvoyant else None,
             seed=seed,
             calibration_sequences=calibration_sequences,
+            cpu_layers=n_cpu,
         )
+        #: leading MoE layers run wholly on the CPU (ResourceSpec.gpu_blocks, resolved)
+        self.n_cpu_layers = n_cpu
+        #: the current layer runs on the CPU: its CPU experts need no activation copies
+        self._cpu_layer_here = False
         placed = self.hooks.call("setup", policy.setup, ctx)
         slots = check_placement(self.hooks, placed, self.n_layers, self.n_experts, self.budget)
         self.res.place(slots)
@@ -464,6 +489,11 @@ class EngineBase:
         peer_home = self._peer_home
         unified = m.unified
         host = m.host
+        n_cpu = self.n_cpu_layers
+        if n_cpu and prefill and 0 < self.spec.cpu_layer_offload_batch <= p:
+            n_cpu_run = 0  # op offload: the CPU layers' parts run on the GPU, weights copied
+        else:
+            n_cpu_run = n_cpu
         for t in tokens:
             t0 = self.now
             where.token = v.token = t + base
@@ -480,20 +510,30 @@ class EngineBase:
                 d_ne = nonexpert_s(1, context)
             for layer in range(n_layers):
                 start = self.now
-                if peer_home is not None:  # several GPUs: the layer's home GPU (multigpu.py)
-                    gpu_lane = peer_home[layer]
-                if host is None:
-                    now = start + d_ne
-                else:  # the host thread issues the part's kernels, maybe syncs on routing
-                    start, now = self._host_nonexpert(start, d_ne, layer == 0)
-                if rec is not None:
-                    rec.op(gpu_lane.name, "nonexpert", sid, t, layer, -1, start, start + d_ne, 0)
-                c.gpu_nonexpert_busy += d_ne
-                gpu_lane.busy += d_ne
-                if unified:
-                    m.gpu_load(start, start + d_ne, p if prefill else 1, context)
-                    if m.cpu.active:
-                        self._rearm()
+                cpu_here = self._cpu_layer_here = layer < n_cpu_run
+                if cpu_here:  # a CPU-resident layer (ResourceSpec.gpu_blocks)
+                    now = self._cpu_layer_nonexpert(start, layer, p if prefill else 1, context)
+                else:
+                    if peer_home is not None:  # several GPUs: the layer's home GPU (multigpu.py)
+                        gpu_lane = peer_home[layer]
+                    if n_cpu and layer < n_cpu:  # op offload: this layer's weights come first
+                        start = self._cpu_layer_weights_in(start, layer)
+                    elif layer and layer == n_cpu_run:  # the split: hidden states to the GPU
+                        start = self._cpu_layer_split(start, layer, p if prefill else 1, True)
+                    if host is None:
+                        now = start + d_ne
+                    else:  # the host thread issues the part's kernels, maybe syncs on routing
+                        start, now = self._host_nonexpert(start, d_ne, layer == 0)
+                    if rec is not None:
+                        rec.op(
+                            gpu_lane.name, "nonexpert", sid, t, layer, -1, start, start + d_ne, 0
+                        )
+                    c.gpu_nonexpert_busy += d_ne
+                    gpu_lane.busy += d_ne
+                    if unified:
+                        m.gpu_load(start, start + d_ne, p if prefill else 1, context)
+                        if m.cpu.active:
+                            self._rearm()
                 if self._due(now):
                     yield now  # serve everything submitted before the decision
                 v.layer = where.layer = layer
@@ -526,6 +566,7 @@ class EngineBase:
                     raise hooks.fault(hook, exc) from exc
                 if (
                     not prefill
+                    and not cpu_here
                     and plan.__class__ is Plan
                     and plan.route is None
                     and not plan.precalc
@@ -597,6 +638,64 @@ class EngineBase:
             self.c.dispatch_stall += ne_end - d_ne - start
             start = ne_end - d_ne
         return start, now
+
+    # -- CPU-resident layers (llama.cpp's -ngl split; docs/cost-model.md) ----------------------
+    def _cpu_layer_nonexpert(
+        self, start: float, layer: int, n: int, context: int, d: float | None = None
+    ) -> float:
+        """A CPU-resident layer's non-expert part on the host CPU from ``start``; returns when
+        its routing is known (the decision time). CPU layers lead, so the hidden states are on
+        the host already (the token's embedding is looked up there). Timed here, in the step
+        loop both engines share: nothing else runs on the CPU or the links at a layer's start
+        (a spec with ``gpu_blocks`` has no write-backs, its plans no prefetches or
+        pre-calculations)."""
+        m = self.machine
+        if d is None:  # (a batched step passes its own duration)
+            d = m.cpu_layer_nonexpert_s(n, context)
+        lane = m.cpu.lanes[0]
+        lane.busy += d
+        lane.free_at = start + d
+        self.c.cpu_nonexpert_busy += d
+        if self.recorder is not None:
+            w = self.hooks.where
+            self.recorder.op(lane.name, "nonexpert", w.seq or 0, w.token or 0, layer, -1,
+                             start, start + d, 0)  # fmt: skip
+        return start + d
+
+    def _cpu_layer_split(self, start: float, layer: int, n: int, to_gpu: bool) -> float:
+        """The hidden states of ``n`` tokens cross the link at the split; returns their arrival."""
+        m = self.machine
+        link = m.links["h2d" if to_gpu else "d2h"]
+        d = link.activation_s(n)
+        nbytes = self.act_bytes * n
+        link.lane.busy += d
+        link.lane.free_at = start + d
+        if to_gpu:
+            self.c.h2d_bytes += nbytes
+        else:
+            self.c.d2h_bytes += nbytes
+        if self.recorder is not None:
+            w = self.hooks.where
+            self.recorder.op(link.lane.name, "activation", w.seq or 0, w.token or 0, layer, -1,
+                             start, start + d, nbytes)  # fmt: skip
+        return start + d
+
+    def _cpu_layer_weights_in(self, start: float, layer: int) -> float:
+        """Op offload of a prompt batch: a CPU-resident layer's non-expert weights are copied
+        to the GPU before its part runs there; returns when they have arrived."""
+        m = self.machine
+        link = m.links["h2d"]
+        d = m.cpu_layer_weights_s
+        nbytes = self.costs.cpu_layer_weight_bytes
+        link.lane.busy += d
+        link.lane.free_at = start + d
+        self.c.h2d_bytes += nbytes
+        self.c.cpu_layer_weight_copies += 1
+        if self.recorder is not None:
+            w = self.hooks.where
+            self.recorder.op(link.lane.name, "weights", w.seq or 0, w.token or 0, layer, -1,
+                             start, start + d, nbytes)  # fmt: skip
+        return start + d
 
     def _fidelity(
         self, plan: Plan, route: list[int] | None, true_e: np.ndarray, true_w: Any, wsum: float
@@ -690,6 +789,9 @@ class EngineBase:
     def _cpu(self, layer: int, expert: int, n: int, kind: str, w: LayerWork) -> LayerOp:
         op = self._op(CPU, kind, layer, expert, w)
         op.n = n
+        if self._cpu_layer_here:  # the hidden states are already on the host
+            op.local = True
+            return op
         act = self.act_bytes * n
         c = self.c
         c.d2h_bytes += act
@@ -1434,6 +1536,14 @@ class Engine(EngineBase):
     def _cpu_stage(self, t: float, op: LayerOp) -> None:
         """Activations to the host, the expert on a CPU worker, the result back."""
         rec = self.recorder
+        if op.local and op.stage != 1:  # a CPU-resident layer's expert: no copies
+            if op.stage == 0:
+                op.stage = 1
+            else:
+                op.end = t
+                if op.chain is not None:
+                    self._push(t, op.chain)
+                return
         stage = op.stage
         n = op.n
         if stage == 1:  # on the shared CPU; it ends when a wake-up says so

@@ -78,6 +78,9 @@ class CpuSpec:
     #: installed host memory, GB (decimal); None: not stated, so host memory is not modelled
     #: unless ``--host-memory-gb`` gives a budget (docs/serving.md, "An SSD tier")
     memory_gb: float | None = None
+    #: achieved BF16 GEMM throughput of Intel AMX tile kernels over cores_used, GFLOPS (None: no
+    #: AMX); CPU experts in AMX formats use it as their compute roof (docs/cost-model.md)
+    amx_bf16_gflops: float | None = None
 
 
 @dataclass(frozen=True)
@@ -271,8 +274,9 @@ _CPU: _Schema = {
     "fp32_gflops": "pos",
     "socket_bw_gbs": "pos",
     "memory_gb": "pos",
+    "amx_bf16_gflops": "pos",
 }
-_CPU_OPTIONAL = {"socket_bw_gbs", "memory_gb"}
+_CPU_OPTIONAL = {"socket_bw_gbs", "memory_gb", "amx_bf16_gflops"}
 _SSD: _Schema = {
     "name": "str",
     "seq_read_gbps": "pos",
@@ -322,6 +326,7 @@ MAX_VALUES: dict[str, float] = {
     "cpu.mem_bw_gbs": 10_000,
     "cpu.bf16_gflops": 1_000_000,
     "cpu.fp32_gflops": 1_000_000,
+    "cpu.amx_bf16_gflops": 10_000_000,
     "power.gpu_idle_w": 100_000,
     "power.gpu_busy_w": 100_000,
     "power.cpu_idle_w": 100_000,

@@ -395,6 +395,10 @@ class Machine:
         #: NVMe drives of the SSD tier, one lane each (``ssd``); registered by
         #: :class:`simulator.hosttier.HostTier` when some experts live on a drive
         self.drives: dict[str, Lane] = {}
+        #: CPU-resident layers (ResourceSpec.gpu_blocks): the non-expert part on the host CPU
+        self._cpu_ne: dict[tuple[int, int], float] = {}
+        #: ... and the copy of one such layer's non-expert weights (prompt op offload)
+        self.cpu_layer_weights_s = costs.cpu_layer_weights_h2d_s()
 
     def cpu_job(self, op: Any, seq: int, t: float, n: int) -> CpuJob:
         """A CPU expert call over ``n`` tokens submitted at ``t``, with its costs bound."""
@@ -422,6 +426,14 @@ class Machine:
         t = self._ne.get(key)
         if t is None:
             t = self._ne[key] = self.costs.nonexpert_layer_s(n, context)
+        return t
+
+    def cpu_layer_nonexpert_s(self, n: int, context: int) -> float:
+        """Host-CPU time of a CPU-resident layer's non-expert part (memoised)."""
+        key = (n, context)
+        t = self._cpu_ne.get(key)
+        if t is None:
+            t = self._cpu_ne[key] = self.costs.cpu_nonexpert_layer_s(n, context)
         return t
 
     def lanes(self) -> dict[str, Lane]:

@@ -271,16 +271,20 @@ class ReferenceEngine(EngineBase):
             n = op.n
             d2h, h2d = self._d2h, self._h2d
             act = self.act_bytes * n
-            s, e = yield from self._hold(d2h.lane, (env.now, op.seq), d2h.activation_s(n), act)
-            self._record(d2h.lane.name, op, "activation", s, e, self.act_bytes * n)
+            if not op.local:  # a CPU-resident layer's hidden states are on the host already
+                s, e = yield from self._hold(d2h.lane, (env.now, op.seq), d2h.activation_s(n), act)
+                self._record(d2h.lane.name, op, "activation", s, e, self.act_bytes * n)
             job = self.machine.cpu_job(op, op.seq, env.now, n)
             done = self._cpu_done[op.seq] = env.event()
             self._host.submit(env.now, job)
             self._cpu_arm()
             yield done
             self._record(self._host.lanes[job.worker].name, op, op.rkind, job.start, job.end, 0)
-            s, e = yield from self._hold(h2d.lane, (env.now, op.seq), h2d.activation_s(n), act)
-            self._record(h2d.lane.name, op, "activation", s, e, self.act_bytes * n)
+            if op.local:
+                e = env.now
+            else:
+                s, e = yield from self._hold(h2d.lane, (env.now, op.seq), h2d.activation_s(n), act)
+                self._record(h2d.lane.name, op, "activation", s, e, self.act_bytes * n)
             self._finish(op, e)
             op = op.chain
 

@@ -211,6 +211,8 @@ BUILTIN_VARIANTS = (
     PolicySpec.of("stream-all", gather="selected"),
     PolicySpec.of("llama-cpp-cpu-moe", n_cpu_moe=16),
     PolicySpec.of("llama-cpp-cpu-moe", n_cpu_moe=16, prefill_offload=False),
+    PolicySpec.of("llama-cpp-layers", ngl=16),
+    PolicySpec.of("llama-cpp-layers", ngl=16, prefill_offload=False),
     PolicySpec.of("ktransformers", gpu_experts_per_layer=2, placement="frequency"),
     PolicySpec.of("ktransformers", gpu_experts_ratio=0.25, placement="front-loading"),
     PolicySpec.of("vllm-cpu-offload", offload_layers=24),

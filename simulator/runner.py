@@ -12,13 +12,13 @@ import bisect
 import math
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from policies.base import Policy
+from policies.base import Policy, ResourceSpec
 from policies.registry import get_policy_class
 from simulator.costs import CostModel, cost_model
 from simulator.data import resolve_trace
@@ -291,6 +291,42 @@ def expert_fit(costs: CostModel, buffers: int, context_tokens: int) -> ExpertFit
         free_bytes=costs.free_expert_bytes(context_tokens),
         buffers=buffers,
         context_tokens=context_tokens,
+    )
+
+
+def cpu_resident_layers(spec: ResourceSpec, costs: CostModel, fit: ExpertFit, kv: int) -> int:
+    """Leading MoE layers a spec runs wholly on the CPU (``ResourceSpec.gpu_blocks``).
+
+    N >= 0 GPU blocks leave the first ``moe_layers - N`` MoE layers on the CPU (dense blocks
+    are taken to lead, so the last blocks are MoE ones). -1: the fewest CPU layers such that
+    every GPU layer's experts fit beside the policy's buffers, once the CPU layers' non-expert
+    weights and KV cache (``kv`` tokens) have moved to the host.
+    """
+    m = costs.model
+    g = spec.gpu_blocks
+    if g is None:
+        return 0
+    if g >= 0:
+        return m.moe_layers - min(m.moe_layers, g)
+    per_layer = costs.cpu_layer_host_bytes(kv)
+    for n in range(m.moe_layers + 1):
+        slots = math.floor((fit.free_bytes + n * per_layer) / fit.expert_bytes) - fit.buffers
+        if (m.moe_layers - n) * m.experts <= slots:
+            return n
+    return m.moe_layers
+
+
+def cpu_layers_note(model: Any, n_cpu: int) -> str:
+    """The run note naming a whole-layer split (``ResourceSpec.gpu_blocks``)."""
+    n = model.moe_layers
+    if n_cpu == 0:
+        return f"layer split: all {n} MoE layers wholly on the GPU"
+    if n_cpu == n:
+        return f"layer split: all {n} MoE layers wholly on the CPU (non-expert part and experts)"
+    return (
+        f"layer split: MoE layers 0-{n_cpu - 1} wholly on the CPU (non-expert part and "
+        f"experts), {n_cpu}-{n - 1} wholly on the GPU; hidden states cross the link at layer "
+        f"{n_cpu}"
     )
 
 
@@ -572,11 +608,30 @@ def simulate(
     else:
         budget = None
     fit = expert_fit(costs, policy_buffers(pol), kv_reserve)
+    own_workspace = pol.resources().workspace_gb
+    if own_workspace is not None:  # the runtime's own compute buffers replace the profile's
+        fit = replace(
+            fit, free_bytes=fit.free_bytes + (profile.gpu.workspace_gb - own_workspace) * 1e9
+        )
+    n_cpu_layers = cpu_resident_layers(pol.resources(), costs, fit, kv_reserve)
+    if n_cpu_layers:
+        # a CPU-resident layer's non-expert weights and KV cache live in host memory
+        fit = replace(
+            fit, free_bytes=fit.free_bytes + n_cpu_layers * costs.cpu_layer_host_bytes(kv_reserve)
+        )
     if pol.resources().unlimited_memory:
         budget = total  # the all-GPU bound: memory is not modelled
     else:
         check_fit(fit, profile.name, budget, by_ratio=cache_ratio is not None)
         budget = fit.max_experts if budget is None else budget
+    if pol.resources().gpu_blocks == -1:
+        # as many whole GPU layers as fit: a given expert budget can hold fewer than memory
+        n_cpu_layers = max(n_cpu_layers, model.moe_layers - budget // model.experts)
+    if mg is not None and n_cpu_layers:
+        raise UserError(
+            f"policy {pol.name!r} keeps {n_cpu_layers} layers on the CPU, which --gpus > 1 does "
+            "not support yet"
+        )
 
     calib = calib_pre = None
     cal_eams: list[np.ndarray] = []  # per calibration sequence (MoE-Infinity's trace collection)
@@ -671,6 +726,7 @@ def simulate(
         seed=seed,
         runtime=rt,
         host_tier=host_tier,
+        cpu_layers=n_cpu_layers,
         **multi_kw,
     )
     sim.serving = plan
@@ -694,6 +750,8 @@ def simulate(
     if stats.host_tier is not None:
         metrics.update(host_tier_metrics(stats))
     notes = run_notes(pol, meta, no_prefill[0], len(eval_ids), stand_in)
+    if pol.resources().gpu_blocks is not None:
+        notes.append(cpu_layers_note(model, n_cpu_layers))
     if not meta.weights_recorded:
         # the trace has no gate weights: the 1/k stand-in would make this look measured
         metrics["gate_mass_preserved"] = None

@@ -788,22 +788,38 @@ class Serving:
         v.next_experts = v.next_probs = None
         k = ex.shape[2]
         t0 = eng.now
+        # CPU-resident layers (ResourceSpec.gpu_blocks): as in EngineBase._pass, a batch of at
+        # least the offload size runs them on the GPU after copying their weights
+        n_cpu = eng.n_cpu_layers
+        n_cpu_run = 0 if n_cpu and 0 < eng.spec.cpu_layer_offload_batch <= b else n_cpu
+        d_cpu = eng.costs.cpu_nonexpert_batch_layer_s(b, kv_tokens) if n_cpu_run else 0.0
         for layer in range(n_layers):
             start = eng.now
-            if m.host is None:
-                now = start + d_ne
-            else:  # the runtime's host thread issues the part's kernels (docs/cost-model.md)
-                start, now = eng._host_nonexpert(start, d_ne, layer == 0)
-            # several GPUs: the layer's home GPU (simulator/multigpu.py)
-            lane = m.gpu if eng._peer_home is None else eng._peer_home[layer]
-            if rec is not None:
-                rec.op(lane.name, "nonexpert", -1, step, layer, -1, start, start + d_ne, 0)
-            c.gpu_nonexpert_busy += d_ne
-            lane.busy += d_ne
-            if m.unified:
-                m.gpu_load(start, start + d_ne, b, kv_tokens // b)
-                if m.cpu.active:
-                    eng._rearm()
+            cpu_here = eng._cpu_layer_here = layer < n_cpu_run
+            if cpu_here:
+                where.seq, where.token = -1, step
+                now = eng._cpu_layer_nonexpert(start, layer, b, 0, d_cpu)
+            else:
+                if n_cpu and layer < n_cpu:
+                    where.seq, where.token = -1, step
+                    start = eng._cpu_layer_weights_in(start, layer)
+                elif layer and layer == n_cpu_run:
+                    where.seq, where.token = -1, step
+                    start = eng._cpu_layer_split(start, layer, b, True)
+                if m.host is None:
+                    now = start + d_ne
+                else:  # the runtime's host thread issues the part's kernels (docs/cost-model.md)
+                    start, now = eng._host_nonexpert(start, d_ne, layer == 0)
+                # several GPUs: the layer's home GPU (simulator/multigpu.py)
+                lane = m.gpu if eng._peer_home is None else eng._peer_home[layer]
+                if rec is not None:
+                    rec.op(lane.name, "nonexpert", -1, step, layer, -1, start, start + d_ne, 0)
+                c.gpu_nonexpert_busy += d_ne
+                lane.busy += d_ne
+                if m.unified:
+                    m.gpu_load(start, start + d_ne, b, kv_tokens // b)
+                    if m.cpu.active:
+                        eng._rearm()
             if eng._due(now):
                 yield now
             where.seq, where.token = rid0, tok0

@@ -8,7 +8,9 @@ syncs). Further cases: every runtime profile, a dispatch-bound one, a profile wi
 engine, a second profile, the shared host CPU
 (several worker threads, partial socket shares) and unified memory (CPU calls re-timed by
 copies and GPU kernels taking DRAM), random legal plans
-(the chaos policy, with write-back and staging buffers), batched serving steps (static and
+(the chaos policy, with write-back and staging buffers), whole layers on the CPU
+(llama-cpp-layers: a CPU-resident layer's non-expert part and experts, the split's copy and
+the prompt's weight copies), batched serving steps (static and
 continuous batching, docs/serving.md), and a hand-built out-of-order case
 where a request decided later is submitted earlier than one booked ahead of it.
 """
@@ -198,6 +200,7 @@ def one_copy_engine(name: str) -> HardwareProfile:
         ("lru", {}),
         ("moe-infinity", {}),
         ("hobbit", {}),
+        ("llama-cpp-layers", {"ngl": 3, "prefill_offload": False}),
     ],
 )
 def test_one_copy_engine_and_another_profile(policy: str, opts: dict[str, Any]) -> None:
@@ -258,6 +261,7 @@ def wide_socket(name: str, factor: float = 1.7) -> HardwareProfile:
         ("stream-all", {"gather": "leaf"}),
         ("lru", {}),
         ("hobbit", {}),
+        ("llama-cpp-layers", {}),
     ],
 )
 def test_shared_cpu_and_unified_memory(policy: str, opts: dict[str, Any]) -> None:
