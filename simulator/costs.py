@@ -310,6 +310,19 @@ class CostModel:
             self.activation_bytes(n_tokens), min(link.h2d_pinned_gbs, link.d2h_pinned_gbs)
         )
 
+    def peer_activation_s(self, n_tokens: int) -> float:
+        """Seconds to move n hidden-state vectors between two GPUs over the profile's direct
+        peer path (``[peer]``: its latency plus the bytes at its per-direction bandwidth)."""
+        _check_tokens(n_tokens)
+        multi = self.hw.multi
+        if multi is None or multi.peer_gbs is None or multi.peer_latency_us is None:
+            raise ValueError(f"{self.hw.name}: no direct peer path between GPUs")
+        if n_tokens == 0:
+            return 0.0
+        return multi.peer_latency_us * 1e-6 + self.activation_bytes(n_tokens) / (
+            multi.peer_gbs * 1e9
+        )
+
     # --- non-expert part -------------------------------------------------------------------------
     def nonexpert_layer_s(self, n_tokens: int, context: int) -> float:
         """Seconds of one MoE layer's non-expert part on the GPU for n new tokens.

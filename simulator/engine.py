@@ -390,6 +390,9 @@ class EngineBase:
         # the layer's SSD stall: from the decision until its last routed expert is readable
         tier.ssd_stall += wait - now
 
+    #: several GPUs: each layer's home GPU lane (simulator/multigpu.py); None for one GPU
+    _peer_home: list[Any] | None = None
+
     def _due(self, now: float) -> bool:
         """Whether the executor must advance its clock to ``now`` before the decision."""
         return True
@@ -483,6 +486,7 @@ class EngineBase:
             tokens = range(r.n_prefill, r.n_tokens)
         nonexpert_s = m.nonexpert_s
         gpu_lane = m.gpu
+        peer_home = self._peer_home
         unified = m.unified
         host = m.host
         n_cpu = self.n_cpu_layers
@@ -510,6 +514,8 @@ class EngineBase:
                 if cpu_here:  # a CPU-resident layer (ResourceSpec.gpu_blocks)
                     now = self._cpu_layer_nonexpert(start, layer, p if prefill else 1, context)
                 else:
+                    if peer_home is not None:  # several GPUs: the layer's home GPU (multigpu.py)
+                        gpu_lane = peer_home[layer]
                     if n_cpu and layer < n_cpu:  # op offload: this layer's weights come first
                         start = self._cpu_layer_weights_in(start, layer)
                     elif layer and layer == n_cpu_run:  # the split: hidden states to the GPU
@@ -519,7 +525,9 @@ class EngineBase:
                     else:  # the host thread issues the part's kernels, maybe syncs on routing
                         start, now = self._host_nonexpert(start, d_ne, layer == 0)
                     if rec is not None:
-                        rec.op("gpu", "nonexpert", sid, t, layer, -1, start, start + d_ne, 0)
+                        rec.op(
+                            gpu_lane.name, "nonexpert", sid, t, layer, -1, start, start + d_ne, 0
+                        )
                     c.gpu_nonexpert_busy += d_ne
                     gpu_lane.busy += d_ne
                     if unified:

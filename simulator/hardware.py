@@ -19,6 +19,8 @@ from simulator.data import non_regular_kind, profiles_dir
 from simulator.errors import ProfileError, UserError
 
 LINK_KINDS = ("pcie", "unified")
+#: how two GPUs of one machine exchange activations (docs/hardware-profiles.md, "[gpus] and [peer]")
+PEER_KINDS = ("nvlink", "pcie-p2p", "host")
 LOAD_PATHS = ("pageable", "pinned")
 
 
@@ -172,6 +174,35 @@ class MeasuredModel:
 
 
 @dataclass(frozen=True)
+class MultiGpuSpec:
+    """Several identical GPUs in one machine (``[gpus]``) and the path between them (``[peer]``).
+
+    Each GPU is a copy of ``[gpu]`` with its own host uplink of ``[link]``'s figures, unless
+    ``shared_uplink`` (the GPUs sit behind one PCIe switch or chipset link and take turns on
+    it). ``peer_kind``: ``nvlink`` and ``pcie-p2p`` move activations directly at
+    ``peer_gbs`` per direction plus ``peer_latency_us``; ``host`` (no peer access) stages them
+    through host memory (a D2H copy on the sender's uplink, then an H2D copy on the
+    receiver's). ``peer_pairs``: the GPU pairs the direct path joins (None: every pair);
+    other pairs go through the host.
+    """
+
+    count: int
+    shared_uplink: bool
+    peer_kind: str
+    peer_gbs: float | None = None
+    peer_latency_us: float | None = None
+    peer_pairs: tuple[tuple[int, int], ...] | None = None
+
+    def direct(self, a: int, b: int) -> bool:
+        """True when GPUs ``a`` and ``b`` exchange data over the direct peer path."""
+        if self.peer_kind == "host":
+            return False
+        if self.peer_pairs is None:
+            return True
+        return (min(a, b), max(a, b)) in self.peer_pairs
+
+
+@dataclass(frozen=True)
 class HardwareProfile:
     """One machine: GPU, link, CPU, optional power, measured per-model constants."""
 
@@ -185,6 +216,8 @@ class HardwareProfile:
     path: str = ""
     #: the NVMe drive of the SSD tier (None: the profile has no ``[ssd]`` table)
     ssd: SsdSpec | None = None
+    #: several GPUs (``[gpus]`` and ``[peer]``); None: one GPU
+    multi: MultiGpuSpec | None = None
 
     def __hash__(self) -> int:  # the dict field is not hashable; cost_model() caches on profiles
         return hash(
@@ -198,6 +231,7 @@ class HardwareProfile:
                 tuple(sorted(self.measured.items())),
                 self.path,
                 self.ssd,
+                self.multi,
             )
         )
 
@@ -321,7 +355,11 @@ def _check_range(path: Path, key: str, value: Any) -> None:
         raise ProfileError(path, f"{value:g} is above the physical bound {limit:g}", key)
 
 
-_SECTIONS = {"gpu", "link", "cpu", "power", "measured", "ssd"}
+_SECTIONS = {"gpu", "link", "cpu", "power", "measured", "ssd", "gpus", "peer"}
+_GPUS: _Schema = {"count": "int+", "shared_uplink": "bool"}
+_PEER: _Schema = {"kind": PEER_KINDS, "bandwidth_gbs": "pos", "latency_us": "pos", "pairs": "pairs"}
+_PEER_OPTIONAL = {"bandwidth_gbs", "latency_us", "pairs"}
+MAX_VALUES.update({"gpus.count": 64, "peer.bandwidth_gbs": 10_000, "peer.latency_us": 100_000})
 
 
 def _check_value(path: Path, key: str, kind: Any, value: Any) -> Any:
@@ -340,6 +378,17 @@ def _check_value(path: Path, key: str, kind: Any, value: Any) -> Any:
         if not isinstance(value, bool):
             raise ProfileError(path, f"must be true or false; got {value!r}", key)
         return value
+    if kind == "pairs":
+        ok = isinstance(value, list) and all(
+            isinstance(x, list)
+            and len(x) == 2
+            and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in x)
+            and x[0] != x[1]
+            for x in value
+        )
+        if not ok:
+            raise ProfileError(path, "must be a list of GPU index pairs, e.g. [[0, 1]]", key)
+        return tuple(sorted((min(a, b), max(a, b)) for a, b in value))
     if kind == "int+":
         if isinstance(value, bool) or not isinstance(value, int):
             raise ProfileError(path, f"must be an integer; got {type(value).__name__}", key)
@@ -382,7 +431,7 @@ def _section(
                 continue
             raise ProfileError(path, "missing key", f"{prefix}{key}")
         out[key] = _check_value(path, f"{prefix}{key}", kind, data[key])
-        if not isinstance(out[key], str):
+        if not isinstance(out[key], str | tuple | bool):
             _check_range(path, f"{prefix}{key}", out[key])
     return out
 
@@ -433,6 +482,7 @@ def parse_profile(data: dict[str, Any], path: str | os.PathLike[str]) -> Hardwar
             _check_dtype(p, f"measured.{model_name}.dtype", fields["dtype"])
         measured[model_name.lower()] = MeasuredModel(**fields)
     ssd = SsdSpec(**_section(p, data["ssd"], _SSD, "ssd.")) if "ssd" in data else None
+    multi = _multi(p, data)
     return HardwareProfile(
         name=top["name"],
         description=top["description"],
@@ -443,6 +493,37 @@ def parse_profile(data: dict[str, Any], path: str | os.PathLike[str]) -> Hardwar
         measured=measured,
         path=str(p),
         ssd=ssd,
+        multi=multi,
+    )
+
+
+def _multi(p: Path, data: dict[str, Any]) -> MultiGpuSpec | None:
+    """The ``[gpus]`` and ``[peer]`` tables, checked together (both or neither)."""
+    if "gpus" not in data and "peer" not in data:
+        return None
+    for sect in ("gpus", "peer"):
+        if sect not in data:
+            raise ProfileError(p, "missing section (give [gpus] and [peer] together)", sect)
+    gpus = _section(p, data["gpus"], _GPUS, "gpus.")
+    peer = _section(p, data["peer"], _PEER, "peer.", _PEER_OPTIONAL)
+    if gpus["count"] < 2:
+        raise ProfileError(p, "a multi-GPU profile has at least 2 GPUs", "gpus.count")
+    if peer["kind"] != "host":
+        for key in ("bandwidth_gbs", "latency_us"):
+            if key not in peer:
+                raise ProfileError(
+                    p, f"missing key (needed for kind {peer['kind']!r})", f"peer.{key}"
+                )
+    pairs = peer.get("pairs")
+    if pairs is not None and any(b >= gpus["count"] for _, b in pairs):
+        raise ProfileError(p, f"names a GPU beyond gpus.count = {gpus['count']}", "peer.pairs")
+    return MultiGpuSpec(
+        count=gpus["count"],
+        shared_uplink=gpus["shared_uplink"],
+        peer_kind=peer["kind"],
+        peer_gbs=peer.get("bandwidth_gbs"),
+        peer_latency_us=peer.get("latency_us"),
+        peer_pairs=pairs,
     )
 
 

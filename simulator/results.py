@@ -103,6 +103,7 @@ def compute_metrics(stats: RunStats, hw: HardwareProfile) -> dict[str, float]:
     lat = np.asarray(c.token_latency, dtype=np.float64)
     busy = stats.busy
     workers = stats.workers["cpu"]
+    n_gpus = stats.workers.get("gpu", 1)  # several GPUs (simulator/multigpu.py)
     cpu_busy = busy["cpu"]
     m: dict[str, float] = {
         "tokens_per_s": _ratio(c.decode_tokens, e2e),
@@ -120,7 +121,7 @@ def compute_metrics(stats: RunStats, hw: HardwareProfile) -> dict[str, float]:
         "prefill_accesses": int(c.prefill_accesses),
         "h2d_bytes": int(c.h2d_bytes),
         "d2h_bytes": int(c.d2h_bytes),
-        "gpu_busy_frac": _ratio(busy["gpu"], e2e),
+        "gpu_busy_frac": _ratio(busy["gpu"], n_gpus * e2e),
         "cpu_busy_frac": _ratio(cpu_busy, workers * e2e),
         "h2d_busy_frac": _ratio(busy["h2d"], e2e),
         "d2h_busy_frac": _ratio(busy["d2h"], e2e),
@@ -153,7 +154,7 @@ def compute_metrics(stats: RunStats, hw: HardwareProfile) -> dict[str, float]:
         "sequences": int(c.sequences),
         "max_slots_held": int(c.max_occupancy),
     }
-    energy = energy_breakdown(hw, e2e, busy["gpu"], cpu_busy)
+    energy = energy_breakdown(hw, e2e, busy["gpu"], cpu_busy, n_gpus)
     m.update(energy)
     tokens = c.decode_tokens
     m["tokens_per_kj"] = _ratio(tokens, energy["energy_j"] / 1000.0)
@@ -174,12 +175,13 @@ ENERGY_KEYS = (
 
 
 def energy_breakdown(
-    hw: HardwareProfile, e2e: float, gpu_busy: float, cpu_busy: float
+    hw: HardwareProfile, e2e: float, gpu_busy: float, cpu_busy: float, gpus: int = 1
 ) -> dict[str, float]:
     """Energy over the run by part and level, joules (NaN everywhere without a [power] section).
 
     - GPU: the context-holding active idle for the whole run, plus (busy - active idle) while a
-      kernel runs.
+      kernel runs; with ``gpus`` GPUs, each idles for the whole run and ``gpu_busy`` is their
+      summed busy time.
     - CPU package: the driving/spinning level for the whole run, plus (busy - wait) while CPU
       experts run (busy time capped at the run time: workers share one socket).
     - DRAM: its average power over the run.
@@ -192,7 +194,9 @@ def energy_breakdown(
     p = power.resolved(hw.cpu.cores_used)
     assert p.gpu_active_idle_w is not None and p.cpu_wait_w is not None
     assert p.dram_w is not None and p.platform_w is not None and p.psu_efficiency is not None
-    gpu = p.gpu_active_idle_w * e2e + (p.gpu_busy_w - p.gpu_active_idle_w) * min(gpu_busy, e2e)
+    gpu = gpus * p.gpu_active_idle_w * e2e + (p.gpu_busy_w - p.gpu_active_idle_w) * min(
+        gpu_busy, gpus * e2e
+    )
     cpu = p.cpu_wait_w * e2e + (p.cpu_busy_w - p.cpu_wait_w) * min(cpu_busy, e2e)
     dram = p.dram_w * e2e
     device = gpu + cpu + dram

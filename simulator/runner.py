@@ -185,6 +185,24 @@ def _engine_class(name: str) -> type[EngineBase]:
     raise UserError(f"unknown engine {name!r} (choose 'fast' or 'reference')")
 
 
+def _multi_gpu_config(
+    profile: HardwareProfile,
+    gpus: int,
+    mode: str | None,
+    pol: Policy,
+    rt: RuntimeProfile,
+) -> Any:
+    """The run's multi-GPU setting (None for one GPU); refuses what it does not model."""
+    from simulator.multigpu import check_config
+
+    mg = check_config(profile, gpus, mode)
+    if mg is None:
+        return None
+    if profile.link.unified:
+        raise UserError(f"profile {profile.name!r} has unified memory: --gpus > 1 needs PCIe")
+    return mg
+
+
 def run_notes(
     pol: Policy, meta: TraceMeta, no_prefill: int, evaluated: int, stand_in: bool
 ) -> list[str]:
@@ -481,6 +499,8 @@ def simulate(
     host_memory_gb: float | None = None,
     ssd_path: str | None = None,
     model: str | None = None,
+    gpus: int = 1,
+    multi_gpu: str | None = None,
 ) -> RunResult:
     """Run one policy on one machine over a trace; see docs/metrics.md for the result.
 
@@ -499,6 +519,9 @@ def simulate(
     from the profile's NVMe drive by ``ssd_path`` (``"page-cache"``, default, or ``"gds"``;
     docs/serving.md, "An SSD tier"). ``model``: without ``trace``, a catalogue model whose
     synthetic trace is generated (and cached outside the repository) for the run.
+    declares. ``gpus``/``multi_gpu``: several GPUs of a multi-GPU profile, ``"expert"``
+    (default) or ``"pipeline"`` placement (docs/serving.md, "Multiple GPUs"); the budget
+    (``cache_ratio``, ``gpu_experts`` or what fits) is then per GPU.
     """
     if lookahead not in LOOKAHEAD_CHOICES:
         raise UserError(f"--lookahead must be one of {list(LOOKAHEAD_CHOICES)}, got {lookahead!r}")
@@ -520,6 +543,12 @@ def simulate(
     host_tier = host_tier_config(
         profile, costs, host_memory_gb, ssd_path, pol.resources().ssd_access
     )
+    mg = _multi_gpu_config(profile, gpus, multi_gpu, pol, rt)
+    if mg is not None and host_tier is not None:
+        raise UserError(
+            "a host-memory budget (the SSD tier) with --gpus > 1 is not supported yet; "
+            "give --gpus 1 or a profile without cpu.memory_gb"
+        )
 
     # the metadata counts feed the memory budget below: check them against the rows first
     ids = checked_sequence_ids(trace_path, meta)
@@ -598,6 +627,11 @@ def simulate(
     if pol.resources().gpu_blocks == -1:
         # as many whole GPU layers as fit: a given expert budget can hold fewer than memory
         n_cpu_layers = max(n_cpu_layers, model.moe_layers - budget // model.experts)
+    if mg is not None and n_cpu_layers:
+        raise UserError(
+            f"policy {pol.name!r} keeps {n_cpu_layers} layers on the CPU, which --gpus > 1 does "
+            "not support yet"
+        )
 
     calib = calib_pre = None
     cal_eams: list[np.ndarray] = []  # per calibration sequence (MoE-Infinity's trace collection)
@@ -668,6 +702,16 @@ def simulate(
             for r in iter_sequences(trace_path, meta, sequences=set(eval_ids)):
                 oracle.add(r)
 
+    multi_kw: dict[str, Any] = {}
+    if mg is not None:  # several GPUs: per-GPU budgets, one policy instance per GPU
+        from simulator import multigpu
+
+        placement = multigpu.Placement(mg, model.moe_layers, model.experts)
+        budgets = multigpu.split_budget(placement, budget)
+        budget = sum(budgets)
+        pol = multigpu.ShardedPolicy(pol, placement, budgets)
+        engine_cls = multigpu.engine_for(engine)  # type: ignore[assignment]
+        multi_kw = {"placement": placement, "budgets": budgets}
     recorder = Recorder() if record else None
     sim = engine_cls(
         pol,
@@ -683,6 +727,7 @@ def simulate(
         runtime=rt,
         host_tier=host_tier,
         cpu_layers=n_cpu_layers,
+        **multi_kw,
     )
     sim.serving = plan
     done = [0]
@@ -745,6 +790,8 @@ def simulate(
         "bound": bool(pol.clairvoyant or pol.bound),
         "clairvoyant": bool(pol.clairvoyant),
         "cost_sources": costs.sources(),
+        "gpus": gpus,
+        "multi_gpu": sim.multi_metrics() if mg is not None else None,  # type: ignore[attr-defined]
         **provenance(trace_path, profile),
     }
     if host_tier is not None:  # only then: runs without a host budget keep their config

@@ -810,10 +810,12 @@ class Serving:
                     now = start + d_ne
                 else:  # the runtime's host thread issues the part's kernels (docs/cost-model.md)
                     start, now = eng._host_nonexpert(start, d_ne, layer == 0)
+                # several GPUs: the layer's home GPU (simulator/multigpu.py)
+                lane = m.gpu if eng._peer_home is None else eng._peer_home[layer]
                 if rec is not None:
-                    rec.op("gpu", "nonexpert", -1, step, layer, -1, start, start + d_ne, 0)
+                    rec.op(lane.name, "nonexpert", -1, step, layer, -1, start, start + d_ne, 0)
                 c.gpu_nonexpert_busy += d_ne
-                m.gpu.busy += d_ne
+                lane.busy += d_ne
                 if m.unified:
                     m.gpu_load(start, start + d_ne, b, kv_tokens // b)
                     if m.cpu.active:
@@ -909,10 +911,12 @@ class Serving:
                 now = start + d_ne
             else:  # the runtime's host thread issues the part's kernels (docs/cost-model.md)
                 start, now = eng._host_nonexpert(start, d_ne, layer == 0)
+            # several GPUs: the layer's home GPU (simulator/multigpu.py)
+            lane = m.gpu if eng._peer_home is None else eng._peer_home[layer]
             if rec is not None:
-                rec.op("gpu", "nonexpert", -1, step, layer, -1, start, start + d_ne, 0)
+                rec.op(lane.name, "nonexpert", -1, step, layer, -1, start, start + d_ne, 0)
             c.gpu_nonexpert_busy += d_ne
-            m.gpu.busy += d_ne
+            lane.busy += d_ne
             if m.unified:
                 m.gpu_load(start, start + d_ne, n_tok, kv_all // n_tok)
                 if m.cpu.active:

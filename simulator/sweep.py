@@ -110,6 +110,8 @@ _GRID_KEYS = {
     "max_batch",
     "slo_ttft",
     "slo_tpot",
+    "gpus",
+    "multi_gpu",
 }
 
 
@@ -155,6 +157,10 @@ class Grid:
     slo_tpot: float | None = None
     #: runtime profiles (an axis); empty: each policy's declared runtime
     runtimes: list[str] = field(default_factory=list)
+    #: GPU counts (an axis; docs/serving.md, "Multiple GPUs"); empty: one GPU
+    gpus: list[int] = field(default_factory=list)
+    #: multi-GPU placements (an axis for the counts above 1); empty: expert parallel
+    multi_gpu: list[str] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str = "grid") -> Grid:
@@ -233,6 +239,8 @@ class Grid:
             slo_ttft=data.get("slo_ttft"),
             slo_tpot=data.get("slo_tpot"),
             runtimes=lst("runtimes", str),
+            gpus=lst("gpus", int),
+            multi_gpu=lst("multi_gpu", str),
         )
 
 
@@ -372,6 +380,9 @@ class Config:
     slo_tpot: float | None = None
     #: the runtime profile asked for; None: the policy's declared one
     runtime: str | None = None
+    #: GPUs of a multi-GPU profile, and their placement (None: the default, expert parallel)
+    gpus: int = 1
+    multi_gpu: str | None = None
 
     def serving(self) -> Any:
         """The run's ``ServingConfig`` (continuous batching at ``arrival_rate``), or None."""
@@ -451,6 +462,18 @@ def expand(grid: Grid) -> list[Config]:
     for name in grid.runtimes:
         get_runtime(name)  # an unknown name fails before any run
     runtimes: list[str | None] = list(dict.fromkeys(grid.runtimes)) or [None]
+    from simulator.multigpu import MODES
+
+    for g in grid.gpus:
+        if g < 1:
+            raise UserError(f"gpus {g} is not a positive count")
+    for mode in grid.multi_gpu:
+        if mode not in MODES:
+            raise UserError(f"multi_gpu {mode!r} is not one of {list(MODES)}")
+    modes: list[str | None] = list(dict.fromkeys(grid.multi_gpu)) or [None]
+    gpu_axis: list[tuple[int, str | None]] = [
+        (g, m) for g in dict.fromkeys(grid.gpus or [1]) for m in (modes if g > 1 else [None])
+    ]
     option_sets = _option_axes(grid, classes)
     code_sha = {p: policy_code_sha256(cls) for p, cls in classes.items()}
     hw_sha = {h: profile_sha256(h) for h in dict.fromkeys(grid.hw)}
@@ -478,8 +501,8 @@ def expand(grid: Grid) -> list[Config]:
                     # a policy that places every expert ignores the memory axis
                     unlimited = cls(**opts).resources().unlimited_memory
                     points = [(None, None)] if unlimited else memory
-                    for (ratio, n), rate, seed, runtime in itertools.product(
-                        points, rates, dict.fromkeys(grid.seeds), runtimes
+                    for (ratio, n), rate, seed, runtime, (gpus, mg) in itertools.product(
+                        points, rates, dict.fromkeys(grid.seeds), runtimes, gpu_axis
                     ):
                         rt = get_runtime(runtime or cls.runtime_profile)
                         ident = {
@@ -506,6 +529,8 @@ def expand(grid: Grid) -> list[Config]:
                             ident.update(arrival_rate=rate, **serving_extra)
                         # the profile's values, not its name: editing it re-runs the points
                         ident["runtime"] = rt.to_dict()
+                        if gpus > 1:  # only then: earlier keys stay valid
+                            ident.update(gpus=gpus, multi_gpu=mg or "expert")
                         text = json.dumps(ident, sort_keys=True, default=str)
                         key = hashlib.sha256(text.encode()).hexdigest()[:32]
                         if key in seen:
@@ -537,6 +562,8 @@ def expand(grid: Grid) -> list[Config]:
                                 slo_ttft=grid.slo_ttft if rate is not None else None,
                                 slo_tpot=grid.slo_tpot if rate is not None else None,
                                 runtime=runtime,
+                                gpus=gpus,
+                                multi_gpu=mg,
                             )
                         )
     return configs
@@ -569,6 +596,9 @@ def _base_row(cfg: Config) -> dict[str, Any]:
     }
     for k, v in cfg.options:
         row[f"opt.{k}"] = v
+    if cfg.gpus > 1:  # multi-GPU columns (absent from single-GPU sweeps)
+        row["gpus"] = cfg.gpus
+        row["multi_gpu"] = cfg.multi_gpu or "expert"
     if cfg.arrival_rate is not None:
         row["arrival_rate"] = cfg.arrival_rate
         row["max_batch"] = cfg.serving().batch
@@ -611,6 +641,8 @@ def run_config(cfg: Config) -> dict[str, Any]:
             nonexpert_dtype=cfg.nonexpert_dtype,
             serving=cfg.serving(),
             runtime=cfg.runtime,
+            gpus=cfg.gpus,
+            multi_gpu=cfg.multi_gpu,
         )
     except DoesNotFit as exc:  # the machine is too small for this point: not a failure
         row["status"] = "skipped"
@@ -725,8 +757,14 @@ def to_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     opt_cols = sorted({k for r in rows for k in r if k.startswith("opt.")})
     # dict.fromkeys: "sequences" is both a configuration column and a metric
     serving = [c for c in SERVING_COLUMNS if any(c in r for r in rows)]
-    cols = list(dict.fromkeys([*BASE_COLUMNS, *opt_cols, *METRIC_KEYS, *serving, *EXTRA_COLUMNS]))
+    # a gpus axis: the columns appear, one-GPU rows read gpus = 1
+    multi = ["gpus", "multi_gpu"] if any("gpus" in r for r in rows) else []
+    cols = list(
+        dict.fromkeys([*BASE_COLUMNS, *opt_cols, *multi, *METRIC_KEYS, *serving, *EXTRA_COLUMNS])
+    )
     df = pd.DataFrame([{c: r.get(c) for c in cols} for r in rows], columns=cols)
+    if multi:
+        df["gpus"] = df["gpus"].fillna(1).astype("int64")
     for c in serving:
         df[c] = pd.to_numeric(df[c], errors="coerce").astype("float64")
     ints = ("gpu_experts", "sequences", "seed", "total_experts", "max_gpu_experts")
@@ -759,7 +797,9 @@ def seed_summary(
     ok = df[df["status"] == "ok"] if "status" in df else df
     present = [m for m in metrics if m in ok]
     keys = [
-        c for c in ("trace", "hw", "policy", "cache_ratio", "gpu_experts", "sequences") if c in ok
+        c
+        for c in ("trace", "hw", "policy", "cache_ratio", "gpu_experts", "sequences", "gpus")
+        if c in ok
     ] + sorted(c for c in ok.columns if c.startswith("opt."))
     grouped = ok.groupby(keys, dropna=False, sort=False)
     out = grouped["seed"].nunique().rename("seeds").to_frame()

@@ -23,6 +23,7 @@ def _brief(p: HardwareProfile) -> dict[str, Any]:
     d = p.to_dict()
     return {k: d[k] for k in ("name", "description", "gpu", "link", "cpu", "power", "path")} | {
         "measured_models": sorted(p.measured),
+        "multi_gpu": d["multi"],
     }
 
 
@@ -39,7 +40,8 @@ def list_cmd(as_json: bool) -> None:
         table.append(
             (
                 p.name,
-                p.gpu.name.replace("NVIDIA ", ""),
+                (f"{p.multi.count}x " if p.multi is not None else "")
+                + p.gpu.name.replace("NVIDIA ", ""),
                 f"{p.gpu.memory_gb:.1f}",
                 f"{p.gpu.mem_bw_gbs:g}",
                 p.link.kind,
@@ -195,6 +197,17 @@ def _print_profile(hw: HardwareProfile) -> None:
             continue
         items = ", ".join(f"{k}={v}" for k, v in spec.__dict__.items())
         click.echo(f"  [{section}] {items}")
+    multi = hw.multi
+    if multi is not None:  # several GPUs (docs/hardware-profiles.md, "[gpus] and [peer]")
+        click.echo(
+            f"  [gpus] count={multi.count}, shared_uplink={str(multi.shared_uplink).lower()}"
+        )
+        peer = f"  [peer] kind={multi.peer_kind}"
+        if multi.peer_gbs is not None:
+            peer += f", bandwidth_gbs={multi.peer_gbs:g}, latency_us={multi.peer_latency_us:g}"
+        if multi.peer_pairs is not None:
+            peer += f", pairs={[list(x) for x in multi.peer_pairs]}"
+        click.echo(peer)
     for model, m in sorted(hw.measured.items()):
         click.echo(
             f"  [measured.{model}] cpu_expert_ms={m.cpu_expert_ms}, "

@@ -147,6 +147,15 @@ def render_table(doc: dict[str, Any]) -> str:
     head += f"\ncalibration {doc.get('calibration')} | seed {doc.get('seed')}"
     if doc.get("runtime"):
         head += f" | runtime {doc['runtime']['name']}"
+    mg = doc.get("multi_gpu")
+    if mg:  # several GPUs: placement, peer path and each GPU's share
+        shares = ", ".join(
+            f"gpu{g['gpu']} {g['slots']} slots, busy {g['busy_s']:.3g} s" for g in mg["per_gpu"]
+        )
+        head += (
+            f"\n{mg['gpus']} GPUs, {mg['mode']} placement, peer {mg['peer_kind']} "
+            f"({mg['peer_bytes_total'] / 1e6:.1f} MB between GPUs): {shares}"
+        )
     for note in doc.get("notes") or []:
         head += f"\nnote: {note}"
     lines = [head, ""]
@@ -407,6 +416,22 @@ def render_serving(sv: dict[str, Any]) -> str:
     help="Without --trace: generate (and cache) a small synthetic trace of this catalogue "
     "model (`daopsim models list`).",
 )
+@click.option(
+    "--gpus",
+    type=int,
+    default=1,
+    show_default=True,
+    help="GPUs of a multi-GPU profile to use (docs/serving.md, 'Multiple GPUs'); the expert "
+    "budget (--cache-ratio, --gpu-experts) is then per GPU.",
+)
+@click.option(
+    "--multi-gpu",
+    "multi_gpu",
+    type=str,
+    default=None,
+    help="With --gpus > 1: 'expert' (expert e on GPU e mod N, attention on GPU 0; default) "
+    "or 'pipeline' (contiguous layer stages).",
+)
 @json_option
 def run(
     policy: str,
@@ -441,6 +466,8 @@ def run(
     host_memory_gb: float | None = None,
     ssd_path: str | None = None,
     model: str | None = None,
+    gpus: int = 1,
+    multi_gpu: str | None = None,
 ) -> None:
     """Simulate one policy on one machine over a routing trace."""
     from simulator.runner import simulate
@@ -496,8 +523,10 @@ def run(
             runtime=runtime,
             host_memory_gb=host_memory_gb,
             ssd_path=ssd_path,
+            gpus=gpus,
+            multi_gpu=multi_gpu,
         )
-    if bounds and serving is None:  # the bounds are single-sequence runs
+    if bounds and serving is None and gpus == 1:  # the bounds are single-sequence, one-GPU runs
         result.config["bounds"] = compute_bounds(result, hw, trace, sequences, dtype, seed)
     if out_dir is not None:
         result.write(out_dir, flag="--out", inputs=inputs)

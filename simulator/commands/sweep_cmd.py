@@ -97,6 +97,16 @@ def _parses(kind: type, text: str) -> bool:
 @click.option("--slo-tpot", type=float, help="Serving axis: time-per-output-token SLO (s).")
 @click.option("--retry-errors", is_flag=True, help="Re-run configurations that failed before.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.option(
+    "--gpus",
+    "gpus",
+    help="Comma-separated GPU counts, an axis (a multi-GPU profile; default: 1).",
+)
+@click.option(
+    "--multi-gpu",
+    "multi_gpu",
+    help="Comma-separated placements for the counts above 1: expert, pipeline (default: expert).",
+)
 @json_option
 def sweep(
     grid_file: str | None,
@@ -126,6 +136,8 @@ def sweep(
     slo_ttft: float | None = None,
     slo_tpot: float | None = None,
     runtimes: str | None = None,
+    gpus: str | None = None,
+    multi_gpu: str | None = None,
 ) -> None:
     """Run every combination of policies, machines, traces and memory budgets.
 
@@ -147,6 +159,8 @@ def sweep(
         "slo_ttft": slo_ttft,
         "slo_tpot": slo_tpot,
         "runtimes": _split(runtimes, str, "--runtimes"),
+        "gpus": _split(gpus, int, "--gpus"),
+        "multi_gpu": _split(multi_gpu, str, "--multi-gpu"),
     }
     if grid_file is not None:
         grid, file_out = load_grid_file(grid_file)

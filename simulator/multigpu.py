@@ -1,0 +1,1131 @@
+"""Several GPUs in one machine: expert-parallel or pipeline placement over peer links.
+
+``daopsim run --gpus N --multi-gpu expert|pipeline`` (docs/serving.md, "Multiple GPUs"):
+
+* **expert parallel**: expert ``e`` of every layer lives on GPU ``e mod N``; the non-expert
+  part (attention, router) of every layer runs on GPU 0, which sends the layer's activations to
+  each other GPU holding one of the routed experts and waits for the results to come back
+  (the dispatch / combine of expert parallelism);
+* **pipeline**: the MoE layers are split into ``N`` contiguous stages (earlier stages take the
+  remainder); a layer's experts and its non-expert part run on its stage's GPU, and the hidden
+  state crosses to the next stage's GPU after a stage's last layer.
+
+Each GPU has its own stream (lane ``gpuK``), slot pool (the per-GPU budget), temporary buffers
+and host uplink (lanes ``h2dK``/``d2hK``, or one uplink ``h2d0``/``d2h0`` all GPUs share when the
+profile says so). Activations between GPUs use the profile's ``[peer]`` path: a direct lane per
+direction (``peerA>B``) for NVLink or PCIe peer-to-peer, or, without peer access, a copy to host
+memory on the sender's uplink and one from it on the receiver's.
+
+Policies are unchanged: :class:`ShardedPolicy` runs one instance of the policy per GPU, each
+seeing only that GPU's experts (a smaller model: its layers, its experts, its budget) with
+local indices, and merges their plans into one for the engine. Both executors are extended
+here (:class:`MultiGpuEngine`, :class:`MultiGpuReference`) and give identical timelines.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import heapq
+from collections import deque
+from collections.abc import Generator, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import simpy
+
+from policies.base import Action, Plan, Policy, ResourceSpec, SetupContext, Slot, View
+from simulator.costs import CostModel
+from simulator.engine import CPU, FETCH, TEMP, WAKE, WRITEBACK, Engine, LayerOp, LayerWork
+from simulator.errors import UserError
+from simulator.hardware import HardwareProfile
+from simulator.machine import Lane, Link, Machine, _memo
+from simulator.reference import ReferenceEngine
+from simulator.runtime_profiles import RuntimeProfile
+
+MODES = ("expert", "pipeline")
+#: operation kind of an activation transfer between two GPUs (after the engine's kinds)
+PEER = 5
+
+Proc = Generator[simpy.Event, Any, Any]
+
+
+@dataclass(frozen=True)
+class MultiGpuConfig:
+    """How many GPUs a run uses and how the model is split over them."""
+
+    gpus: int
+    mode: str = "expert"
+
+
+def check_config(profile: HardwareProfile, gpus: int, mode: str | None) -> MultiGpuConfig | None:
+    """The run's multi-GPU setting from ``--gpus``/``--multi-gpu``; None for one GPU."""
+    if gpus < 1:
+        raise UserError(f"--gpus must be >= 1, got {gpus}")
+    if mode is not None and mode not in MODES:
+        raise UserError(f"--multi-gpu must be one of {list(MODES)}, got {mode!r}")
+    have = profile.multi.count if profile.multi is not None else 1
+    if gpus > have:
+        raise UserError(
+            f"--gpus {gpus}: profile {profile.name!r} has {have} GPU{'s' if have > 1 else ''}"
+        )
+    if gpus == 1:
+        if mode is not None:
+            raise UserError("--multi-gpu needs --gpus 2 or more")
+        return None
+    return MultiGpuConfig(gpus, mode or "expert")
+
+
+class Placement:
+    """Which GPU holds each (layer, expert) and on which GPU each layer's non-expert part runs."""
+
+    def __init__(self, cfg: MultiGpuConfig, n_layers: int, n_experts: int) -> None:
+        n = self.n = cfg.gpus
+        self.mode = cfg.mode
+        if cfg.mode == "expert":
+            if n > n_experts:
+                raise UserError(f"--gpus {n}: the model has only {n_experts} experts per layer")
+            self.layers_of = [list(range(n_layers)) for _ in range(n)]
+            self.experts_of = [list(range(k, n_experts, n)) for k in range(n)]
+            self.home = [0] * n_layers
+        else:
+            if n > n_layers:
+                raise UserError(f"--gpus {n}: the model has only {n_layers} MoE layers")
+            base, extra = divmod(n_layers, n)
+            self.layers_of, a = [], 0
+            for k in range(n):
+                b = a + base + (1 if k < extra else 0)
+                self.layers_of.append(list(range(a, b)))
+                a = b
+            self.experts_of = [list(range(n_experts)) for _ in range(n)]
+            self.home = [k for k in range(n) for _ in self.layers_of[k]]
+        gpu = np.zeros((n_layers, n_experts), dtype=np.int64)
+        for k in range(n):
+            gpu[np.ix_(self.layers_of[k], self.experts_of[k])] = k
+        self.gpu = gpu
+        #: gpu_of[layer][expert], plain lists for the hot path
+        self.gpu_of: list[list[int]] = gpu.tolist()
+        self.local_layer = {
+            (k, lay): i for k in range(n) for i, lay in enumerate(self.layers_of[k])
+        }
+        self.local_expert = [{e: i for i, e in enumerate(self.experts_of[k])} for k in range(n)]
+
+    def capacity(self, k: int) -> int:
+        """How many (layer, expert) slots GPU ``k`` can hold at most."""
+        return len(self.layers_of[k]) * len(self.experts_of[k])
+
+
+# -- the policy side -------------------------------------------------------------------------
+
+
+class ShardedPolicy(Policy):
+    """One instance of a policy per GPU, each deciding for its GPU's experts only.
+
+    Instance ``k`` sees a model of GPU ``k``'s layers and experts (local indices), its budget,
+    the matching slices of the resident mask, the router probabilities and the calibration
+    counts; the routed experts it is asked about are those of this layer that live on GPU
+    ``k``. A GPU none of whose experts is routed in a layer is not asked for that layer. The
+    plans are mapped back to global indices and merged (GPU 0's decisions first).
+    """
+
+    def __init__(self, inner: Policy, placement: Placement, budgets: list[int]) -> None:
+        self.inner = [inner] + [type(inner)(**inner.options) for _ in range(placement.n - 1)]
+        self.options = inner.options
+        self.name = inner.name  # type: ignore[misc]
+        self.summary = inner.summary  # type: ignore[misc]
+        self.clairvoyant = inner.clairvoyant  # type: ignore[misc]
+        self.bound = inner.bound  # type: ignore[misc]
+        self.needs_calibration = inner.needs_calibration  # type: ignore[misc]
+        self.runtime_profile = inner.runtime_profile  # type: ignore[misc]
+        self.prefill_note = inner.prefill_note  # type: ignore[misc]
+        self.pl = placement
+        self.budgets = budgets
+        self._cal: list[np.ndarray | None] = [None] * placement.n
+        self._models: list[Any] = [None] * placement.n
+
+    def uses_calibration(self) -> bool:
+        """As the wrapped policy."""
+        return self.inner[0].uses_calibration()
+
+    def uses_lookahead(self) -> bool:
+        """As the wrapped policy."""
+        return self.inner[0].uses_lookahead()
+
+    def resources(self) -> ResourceSpec:
+        """The wrapped policy's resources (each GPU gets its own buffers of this spec)."""
+        return self.inner[0].resources()
+
+    def _slice(self, a: np.ndarray | None, k: int) -> np.ndarray | None:
+        if a is None:
+            return None
+        return np.ascontiguousarray(a[np.ix_(self.pl.layers_of[k], self.pl.experts_of[k])])
+
+    def setup(self, ctx: SetupContext) -> list[Slot]:
+        """Each instance places its GPU's initial experts; mapped back to global slots."""
+        pl = self.pl
+        out: list[Slot] = []
+        for k, pol in enumerate(self.inner):
+            layers, experts = pl.layers_of[k], pl.experts_of[k]
+            model = dataclasses.replace(
+                ctx.model,
+                moe_layers=len(layers),
+                experts=len(experts),
+                top_k=min(ctx.model.top_k, len(experts)),
+            )
+            self._models[k] = model
+            self._cal[k] = self._slice(ctx.calibration, k)
+            seqs = ctx.calibration_sequences
+            sub = SetupContext(
+                model=model,
+                budget=self.budgets[k],
+                costs=ctx.costs,
+                calibration=self._cal[k],
+                calibration_prefill=self._slice(ctx.calibration_prefill, k),
+                oracle=None if ctx.oracle is None else _LocalOracle(ctx.oracle, layers, experts),
+                seed=ctx.seed,
+                calibration_sequences=(
+                    tuple(self._slice(s, k) for s in seqs)  # type: ignore[misc]
+                    if seqs is not None
+                    else None
+                ),
+            )
+            placed = list(pol.setup(sub))
+            if len(placed) > self.budgets[k]:
+                raise UserError(
+                    f"policy {self.name!r}: GPU {k} placed {len(placed)} experts, over its "
+                    f"budget of {self.budgets[k]}"
+                )
+            out.extend((layers[int(ll)], experts[int(le)]) for ll, le in placed)
+        return out
+
+    def on_sequence_start(self, seq_id: int, n_prefill: int) -> None:
+        """Every instance is told."""
+        for pol in self.inner:
+            pol.on_sequence_start(seq_id, n_prefill)
+
+    def on_sequence_end(self, seq_id: int) -> None:
+        """Every instance is told."""
+        for pol in self.inner:
+            pol.on_sequence_end(seq_id)
+
+    def decode_layer(self, view: View) -> Plan:
+        """Ask each GPU holding a routed expert of this layer; merge the plans."""
+        return self._decide(view, "decode_layer")
+
+    def prefill_layer(self, view: View) -> Plan:
+        """As :meth:`decode_layer`, with the prefill hook."""
+        return self._decide(view, "prefill_layer")
+
+    def batch_layer(self, view: View) -> Plan:
+        """As :meth:`decode_layer`, with the batch hook."""
+        return self._decide(view, "batch_layer")
+
+    def _view(self, view: View, k: int, mine: list[int]) -> View:
+        """GPU ``k``'s view of this layer: its experts in local indices."""
+        pl = self.pl
+        experts_k = pl.experts_of[k]
+        local = pl.local_expert[k]
+        layer = view.layer
+        v = View()
+        for name in ("seq_id", "step", "token", "position", "phase", "n_tokens", "context", "now"):
+            setattr(v, name, getattr(view, name))
+        v.layer = pl.local_layer[(k, layer)]
+        v.model = self._models[k]
+        v.costs = view.costs
+        v.budget = self.budgets[k]
+        v.calibration = self._cal[k]
+        v.experts = np.array([local[e] for e in mine], dtype=np.int64)
+        ex = view.experts.tolist()
+        weights = np.asarray(view.weights)
+        # decode: one gate weight per routed expert; prefill: the mean top-k weights, kept
+        v.weights = weights[[ex.index(e) for e in mine]] if len(weights) == len(ex) else weights
+        v.probs = np.asarray(view.probs)[experts_k]
+        v.counts = None if view.counts is None else np.asarray(view.counts)[experts_k]
+        resident = view.resident[np.ix_(pl.layers_of[k], experts_k)]
+        resident.flags.writeable = False
+        v.resident = resident
+        nxt = view.next_experts
+        if nxt is not None and (k, layer + 1) in pl.local_layer:
+            v.next_experts = np.array(
+                [local[int(e)] for e in np.asarray(nxt).tolist() if int(e) in local],
+                dtype=np.int64,
+            )
+            v.next_probs = (
+                None if view.next_probs is None else np.asarray(view.next_probs)[experts_k]
+            )
+        else:
+            v.next_experts = v.next_probs = None
+        return v
+
+    def _decide(self, view: View, hook: str) -> Plan:
+        pl = self.pl
+        layer = view.layer
+        row = pl.gpu_of[layer]
+        routed = [int(e) for e in view.experts.tolist()]
+        merged = Plan(actions={})
+        actions = merged.actions
+        assert actions is not None
+        routes: list[int] = []
+        raws: list[int] = []
+        substituted = False
+        for k, pol in enumerate(self.inner):
+            if (k, layer) not in pl.local_layer:
+                continue  # pipeline: another stage's layer
+            # asked even with no routed expert of its own: policies that prefetch or track
+            # their copies expect a call at every layer they hold
+            mine = [e for e in routed if row[e] == k]
+            plan = getattr(pol, hook)(self._view(view, k, mine))
+            layers, experts = pl.layers_of[k], pl.experts_of[k]
+            # a substituted route names this GPU's experts: the layer's route is the union
+            if plan.route is not None:
+                routes.extend(experts[int(e)] for e in np.asarray(plan.route).tolist())
+                substituted = True
+            else:
+                routes.extend(mine)
+            raw = plan.raw_route if plan.raw_route is not None else plan.route
+            raws.extend(
+                mine if raw is None else [experts[int(e)] for e in np.asarray(raw).tolist()]
+            )
+
+            def g(s: Any, layers: list[int] = layers, experts: list[int] = experts) -> Slot:
+                return (layers[int(s[0])], experts[int(s[1])])
+
+            if plan.actions is None:
+                for e in mine:
+                    actions[e] = Action.GPU
+            else:
+                for le, a in plan.actions.items():
+                    actions[experts[int(le)]] = a
+            for le, victim in plan.victims.items():
+                merged.victims[experts[int(le)]] = g(victim)
+            merged.prefetch.extend(
+                (*g((pl_, pe)), None if v is None else g(v)) for pl_, pe, v in plan.prefetch
+            )
+            merged.precalc.extend(g(s) for s in plan.precalc)
+            merged.evict.extend(g(s) for s in plan.evict)
+            merged.cpu_serial = merged.cpu_serial or plan.cpu_serial
+            merged.cpu_first = merged.cpu_first or plan.cpu_first
+            merged.barrier = merged.barrier or getattr(plan, "barrier", False)
+            if plan.low_bit:
+                merged.low_bit = frozenset(merged.low_bit) | {experts[int(e)] for e in plan.low_bit}
+            self._check_budget(view, k, plan)
+        if substituted:
+            merged.route = np.asarray(routes, dtype=np.int64)
+            merged.raw_route = np.asarray(raws, dtype=np.int64)
+        return merged
+
+    def _check_budget(self, view: View, k: int, plan: Plan) -> None:
+        """A GPU's resident experts after its plan stay within its own budget."""
+        pl = self.pl
+        held = int(view.resident[np.ix_(pl.layers_of[k], pl.experts_of[k])].sum())
+        fetched = sum(1 for a in (plan.actions or {}).values() if a == Action.FETCH)
+        after = held + fetched + len(plan.prefetch) - len(plan.victims) - len(plan.evict)
+        after += sum(1 for *_, v in plan.prefetch if v is not None) * -1
+        if after > self.budgets[k]:
+            raise UserError(
+                f"policy {self.name!r}: GPU {k} would hold {after} experts at layer "
+                f"{view.layer}, over its budget of {self.budgets[k]}"
+            )
+
+
+class _LocalOracle:
+    """A clairvoyant policy's oracle (``simulator.runner.Oracle``) seen from one GPU: local
+    (layer, expert) indices mapped to the model's; steps are the run's steps."""
+
+    def __init__(self, oracle: Any, layers: list[int], experts: list[int]) -> None:
+        self.oracle, self.layers, self.experts = oracle, layers, experts
+
+    def next_use(self, layer: int, expert: int, after: int) -> float:
+        """First step > ``after`` at which the local (layer, expert) is used, or infinity."""
+        return self.oracle.next_use(self.layers[layer], self.experts[expert], after)
+
+
+# -- the machine -------------------------------------------------------------------------------
+
+
+class MultiMachine(Machine):
+    """A :class:`Machine` with one stream, uplink and slot pool per GPU and the peer lanes."""
+
+    def __init__(
+        self,
+        costs: CostModel,
+        spec: ResourceSpec,
+        runtime: RuntimeProfile | None,
+        placement: Placement,
+    ) -> None:
+        super().__init__(costs, spec, runtime)
+        multi = costs.hw.multi
+        assert multi is not None
+        self.multi = multi
+        n = placement.n
+        self.gpus = [Lane(f"gpu{k}") for k in range(n)]
+        self.gpu = self.gpus[0]
+        act = _memo(costs.activation_copy_s)
+        h2d_s, d2h_s = self.links["h2d"].expert_s, self.links["d2h"].expert_s
+        ups: list[tuple[Link, Link]] = []
+        for k in range(1 if multi.shared_uplink else n):
+            if costs.hw.link.copy_engines >= 2:
+                hl, dl = Lane(f"h2d{k}"), Lane(f"d2h{k}")
+            else:
+                hl = dl = Lane(f"copy{k}")
+            ups.append((Link(f"h2d{k}", hl, h2d_s, act), Link(f"d2h{k}", dl, d2h_s, act)))
+        #: each GPU's (h2d, d2h) uplink (the same objects for every GPU on a shared uplink)
+        self.uplinks = [ups[0 if multi.shared_uplink else k] for k in range(n)]
+        self.links = {"h2d": self.uplinks[0][0], "d2h": self.uplinks[0][1]}
+        #: direct peer lanes by (source, destination)
+        self.peers: dict[tuple[int, int], Link] = {}
+        if multi.peer_kind != "host":
+            peer_s = _memo(costs.peer_activation_s)
+            for a in range(n):
+                for b in range(n):
+                    if a != b and multi.direct(a, b):
+                        name = f"peer{a}>{b}"
+                        self.peers[(a, b)] = Link(name, Lane(name), 0.0, peer_s)
+
+    def lanes(self) -> dict[str, Lane]:
+        """Every distinct lane by name: GPU streams, uplinks, peer lanes, CPU workers."""
+        out: dict[str, Lane] = {lane.name: lane for lane in self.gpus}
+        for h, d in self.uplinks:
+            out[h.lane.name] = h.lane
+            out[d.lane.name] = d.lane
+        for link in self.peers.values():
+            out[link.lane.name] = link.lane
+        for pool in self.pools.values():
+            for lane in pool.lanes:
+                out[lane.name] = lane
+        return out
+
+    def workers(self) -> dict[str, int]:
+        """Workers per pool, and the number of GPUs (``gpu``)."""
+        return {**super().workers(), "gpu": len(self.gpus)}
+
+    def busy(self) -> dict[str, float]:
+        """Busy seconds: ``gpu``/``h2d``/``d2h`` summed over the GPUs, then every lane."""
+        out = {"gpu": sum(g.busy for g in self.gpus)}
+        ups = {id(h.lane): h.lane for h, _ in self.uplinks}
+        downs = {id(d.lane): d.lane for _, d in self.uplinks}
+        out["h2d"] = sum(lane.busy for lane in ups.values())
+        out["d2h"] = sum(lane.busy for lane in downs.values())
+        for name, pool in self.pools.items():
+            out[name] = pool.busy
+        for name, lane in self.lanes().items():
+            out.setdefault(name, lane.busy)
+        return out
+
+
+class PeerOp(LayerOp):
+    """An activation transfer from GPU ``src`` to GPU ``dst`` (``n`` tokens)."""
+
+    __slots__ = ("dst", "src")
+
+    def __init__(self, seq: int, w: LayerWork, src: int, dst: int, n: int) -> None:
+        super().__init__(PEER, "peer", seq, w.sid, w.token, w.layer, -1)
+        self.src, self.dst, self.n = src, dst, n
+
+
+class _MultiBase:
+    """What both multi-GPU executors share: placement, per-GPU slots, peer operations."""
+
+    # set by the executors' __init__
+    pl: Placement
+    machine: MultiMachine
+    _peer_home: list[Lane] | None
+
+    def _peer_init(self, placement: Placement, budgets: list[int]) -> None:
+        eng: Any = self
+        self.pl = placement
+        old = eng.machine
+        m = eng.machine = MultiMachine(eng.costs, eng.spec, None, placement)
+        m.host, m.host_experts = old.host, old.host_experts  # the same runtime's thread
+        #: the thread issuing each GPU's expert kernels: the main thread for GPU 0, one worker
+        #: thread of its own for every other GPU (None: expert calls cost the host nothing)
+        self._peer_hosts: list[Any] = [m.host_experts]
+        for _ in range(1, placement.n):
+            h = None
+            if m.host_experts is not None:
+                h = copy.copy(m.host_experts)
+                h.t, h.syncs = 0.0, 0
+            self._peer_hosts.append(h)
+        n = placement.n
+        staging = eng.spec.staging_buffers
+        self._peer_cap = [b + staging for b in budgets]
+        self._peer_budgets = list(budgets)
+        res = eng.res
+        res.cap = sum(self._peer_cap)
+        occ = [0] * n
+        for lay, e in zip(*np.nonzero(res.resident), strict=True):
+            occ[placement.gpu_of[int(lay)][int(e)]] += 1
+        self._peer_occ = occ
+        self._peer_max = list(occ)
+        self._peer_k = 0
+        self._peer_home = [m.gpus[k] for k in placement.home]
+        #: per-GPU bytes: expert copies in, write-backs out; and bytes per peer path
+        self.peer_h2d_bytes = [0] * n
+        self.peer_d2h_bytes = [0] * n
+        self.peer_experts = [0] * n
+        self.peer_bytes: dict[str, int] = {}
+        self._peer_n = 0
+
+    def _peer_gpu(self, op: LayerOp) -> int:
+        if op.kind == CPU:  # activations leave from (and return to) the layer's home GPU
+            return self.pl.home[op.layer]
+        return self.pl.gpu_of[op.layer][op.expert]
+
+    def _evict(self, slot: Any, needed: set[int], w: LayerWork) -> None:
+        self._peer_k = self.pl.gpu_of[int(slot[0])][int(slot[1])]
+        super()._evict(slot, needed, w)  # type: ignore[misc]
+
+    def _peer_tokens(self, w: LayerWork, experts: list[int]) -> int:
+        """Tokens whose activations go to a GPU computing ``experts`` of this layer."""
+        if w.counts is None:
+            return 1
+        p = int(w.counts.sum()) // self.model.top_k  # type: ignore[attr-defined]
+        return max(1, min(p, sum(int(w.counts[e]) for e in experts)))
+
+    def _peer_plan(
+        self, w: LayerWork
+    ) -> tuple[dict[int, list[int]], dict[int, tuple[PeerOp, PeerOp]]]:
+        """A layer's GPU experts per GPU and, for each GPU but the home one, its send and
+        return transfers (issue numbers taken now, GPUs in order, in both executors)."""
+        eng: Any = self
+        home = self.pl.home[w.layer]
+        row = self.pl.gpu_of[w.layer]
+        per: dict[int, list[int]] = {}
+        for e, _ in w.gpu:
+            per.setdefault(row[e], []).append(e)
+        xfer: dict[int, tuple[PeerOp, PeerOp]] = {}
+        for k in sorted(per):
+            if k == home:
+                continue
+            n = self._peer_tokens(w, per[k])
+            eng._seq += 1
+            send = PeerOp(eng._seq, w, home, k, n)
+            eng._seq += 1
+            back = PeerOp(eng._seq, w, k, home, n)
+            xfer[k] = (send, back)
+        return per, xfer
+
+    def _peer_cross(self, w: LayerWork) -> PeerOp | None:
+        """Pipeline: the hidden state's transfer to the next stage after a stage's last layer."""
+        eng: Any = self
+        home = self.pl.home
+        if w.layer + 1 >= len(home) or home[w.layer + 1] == home[w.layer]:
+            return None
+        n = 1 if w.counts is None else max(1, int(w.counts.sum()) // eng.model.top_k)
+        eng._seq += 1
+        return PeerOp(eng._seq, w, home[w.layer], home[w.layer + 1], n)
+
+    def _peer_record(self, lane: Lane, op: LayerOp, s: float, e: float, nbytes: int) -> None:
+        rec = getattr(self, "recorder", None)
+        if rec is not None:
+            rec.op(lane.name, "peer", op.sid, op.token, op.layer, op.expert, s, e, nbytes)
+        self.peer_bytes[lane.name] = self.peer_bytes.get(lane.name, 0) + nbytes
+
+    def _peer_take(self, k: int, t: float) -> bool:
+        if self._peer_occ[k] >= self._peer_cap[k]:
+            return False
+        self._peer_occ[k] += 1
+        if self._peer_occ[k] > self._peer_max[k]:
+            self._peer_max[k] = self._peer_occ[k]
+        ok = self.res.take(t)  # type: ignore[attr-defined]
+        assert ok
+        return True
+
+    def stats(self, e2e: float) -> Any:
+        """The run's statistics; host syncs include every GPU's worker thread."""
+        out = super().stats(e2e)  # type: ignore[misc]
+        out.counters.host_syncs += sum(h.syncs for h in self._peer_hosts[1:] if h is not None)
+        return out
+
+    def multi_metrics(self) -> dict[str, Any]:
+        """Per-GPU and per-peer-path figures for ``run --json``."""
+        m = self.machine
+        gpus = []
+        for k, lane in enumerate(m.gpus):
+            h, _ = m.uplinks[k]
+            gpus.append(
+                {
+                    "gpu": k,
+                    "busy_s": lane.busy,
+                    "slots": self._peer_budgets[k],
+                    "max_slots_used": self._peer_max[k],
+                    "expert_computations": self.peer_experts[k],
+                    "h2d_expert_bytes": self.peer_h2d_bytes[k],
+                    "d2h_expert_bytes": self.peer_d2h_bytes[k],
+                    "uplink": h.lane.name,
+                    "layers": self.pl.layers_of[k][:1] + self.pl.layers_of[k][-1:],
+                    "experts_per_layer": len(self.pl.experts_of[k]),
+                }
+            )
+        return {
+            "gpus": self.pl.n,
+            "mode": self.pl.mode,
+            "peer_kind": m.multi.peer_kind,
+            "per_gpu": gpus,
+            "peer_bytes": dict(sorted(self.peer_bytes.items())),
+            "peer_bytes_total": sum(self.peer_bytes.values()),
+        }
+
+
+class MultiGpuEngine(_MultiBase, Engine):
+    """The fast executor over several GPUs (the queueing rule of docs/policy-api.md)."""
+
+    def __init__(self, *args: Any, placement: Placement, budgets: list[int], **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self._peer_init(placement, budgets)
+        m = self.machine
+        self._h2d, self._d2h = m.uplinks[0]
+        self._host = m.cpu
+        self._peer_wait: list[deque[LayerOp]] = [deque() for _ in range(placement.n)]
+
+    def _hits_only(self, *args: Any) -> float | None:
+        return None  # the general path times every GPU's stream
+
+    def _copies_only(self, *args: Any) -> float | None:
+        return None
+
+    def _free_slot(self, t: float) -> None:
+        self._peer_release(self._peer_k, t)
+
+    def _peer_release(self, k: int, t: float) -> None:
+        """GPU ``k``'s slot is released at ``t``: to its first waiting fetch, else free."""
+        q = self._peer_wait[k]
+        if q:
+            op = q.popleft()
+            op.stage = 1
+            self._push(t, op)
+        else:
+            self._peer_occ[k] -= 1
+            self.res.free(t)
+
+    def _serve_op(self, t: float, op: LayerOp) -> None:
+        kind = op.kind
+        if kind == WAKE:
+            super()._serve_op(t, op)
+            return
+        if kind == PEER:
+            self._peer_serve(t, op)  # type: ignore[arg-type]
+            return
+        k = self._peer_gpu(op)
+        self._h2d, self._d2h = self.machine.uplinks[k]
+        if kind == FETCH:
+            if op.stage == 0:
+                if not self._peer_take(k, t):
+                    self._peer_wait[k].append(op)
+                    return
+                op.stage = 1
+            lane = self._h2d.lane
+            s, e = lane.serve(t, self._h2d.expert_s)
+            self._record_copy(lane, op, op.rkind, s, e, self.expert_bytes)
+            slot = (op.layer, op.expert)
+            self.res.ready_at[slot] = e
+            del self.res.copying[slot]
+            self.peer_h2d_bytes[k] += self.expert_bytes
+            op.end = e
+            self._peer_ready(op)
+        elif kind == TEMP:
+            m = self.machine
+            dur, nbytes = (
+                (m.low_bit_s, m.low_bit_bytes)
+                if op.low
+                else (self._h2d.expert_s, self.expert_bytes)
+            )
+            lane = self._h2d.lane
+            s, e = lane.serve(t, dur)
+            self._record_copy(lane, op, "temp", s, e, nbytes)
+            self.peer_h2d_bytes[k] += nbytes
+            op.end = e
+            self._peer_ready(op)
+        elif kind == WRITEBACK and op.stage == 1:
+            self._peer_release(k, t)
+        else:
+            if kind == WRITEBACK:
+                self.peer_d2h_bytes[k] += self.expert_bytes
+            super()._serve_op(t, op)
+
+    def _record_copy(self, lane: Lane, op: LayerOp, kind: str, s: float, e: float, nb: int) -> None:
+        if self.recorder is not None:
+            self.recorder.op(lane.name, kind, op.sid, op.token, op.layer, op.expert, s, e, nb)
+
+    def _peer_serve(self, t: float, op: PeerOp) -> None:
+        m = self.machine
+        nbytes = self.act_bytes * op.n
+        direct = m.peers.get((op.src, op.dst))
+        if direct is not None:
+            lane = direct.lane
+            s, e = lane.serve(t, direct.activation_s(op.n))
+        elif op.stage == 0:  # staged through host memory: out on the sender's uplink ...
+            d2h = m.uplinks[op.src][1]
+            s, e = d2h.lane.serve(t, d2h.activation_s(op.n))
+            self._peer_record(d2h.lane, op, s, e, nbytes)
+            op.stage = 1
+            self._push(e, op)
+            return
+        else:  # ... and in on the receiver's
+            h2d = m.uplinks[op.dst][0]
+            lane = h2d.lane
+            s, e = lane.serve(t, h2d.activation_s(op.n))
+        self._peer_record(lane, op, s, e, nbytes)
+        op.end = e
+        self._peer_ready(op)
+
+    def _peer_ready(self, op: LayerOp) -> None:
+        """A copy or a send the current layer's GPU work waits for has ended."""
+        if not op.gpu:
+            return
+        op.gpu = False
+        self._waiting -= 1
+        st = self._peer_state
+        if op.kind == PEER:
+            k = op.dst  # type: ignore[attr-defined]
+            base = st["base"]
+            base[k] = max(base[k], op.end)  # type: ignore[type-var]
+            for ready, e, buf in st["held"][k]:
+                heapq.heappush(self._gheap, (max(ready, base[k]), ready, e, buf, k))  # type: ignore[arg-type]
+            st["held"][k] = None
+            return
+        k = self.pl.gpu_of[op.layer][op.expert]
+        self._peer_job(k, op.end, op.expert, op.buf if op.kind == TEMP else -1)  # type: ignore[arg-type]
+
+    def _peer_job(self, k: int, ready: float, e: int, buf: int) -> None:
+        st = self._peer_state
+        held = st["held"][k]
+        if held is not None:  # its GPU's activations are not there yet
+            held.append((ready, e, buf))
+        else:
+            base = st["base"][k]
+            heapq.heappush(self._gheap, (max(ready, base), ready, e, buf, k))  # type: ignore[arg-type]
+
+    def _layer(self, w: LayerWork) -> float:
+        now = w.now
+        c = self.c
+        pl, m = self.pl, self.machine
+        n = pl.n
+        home = pl.home[w.layer]
+        push = self._push
+        heap = self._heap
+        serve = self._serve_op
+        n_temp = m.buffers["temp"]
+        free_bufs = [n_temp] * n
+        tempq: list[deque[LayerOp]] = [deque() for _ in range(n)]
+        per, xfer = self._peer_plan(w)
+        # every GPU stream starts no earlier than now (the gate below may delay them further)
+        st: dict[str, Any] = {"base": [now] * n, "held": [None] * n}
+        self._peer_state = st
+        self._gheap = []
+        self._waiting = 0
+        for k in xfer:
+            st["held"][k] = []
+        for op in w.ops:
+            if op.kind == TEMP:
+                k = self._peer_gpu(op)
+                if free_bufs[k]:
+                    free_bufs[k] -= 1
+                    op.buf = n_temp - free_bufs[k] - 1
+                    serve(now, op)
+                else:
+                    tempq[k].append(op)
+            else:
+                serve(now, op)
+            while heap and heap[0][0] <= now:
+                self._serve()
+        for send, _ in xfer.values():  # the activations leave the home GPU now
+            send.gpu = True
+            self._waiting += 1
+            serve(now, send)
+            while heap and heap[0][0] <= now:
+                self._serve()
+        if w.cpu_first and w.sync:
+            sync_end = max(self._resolve(op) for op in w.sync)
+            if sync_end > now:
+                c.cpu_wait += sync_end - now
+                base = st["base"] = [max(b, sync_end) for b in st["base"]]
+                self._gheap = [(max(r, base[k]), r, e, b, k) for _, r, e, b, k in self._gheap]
+                heapq.heapify(self._gheap)
+        # a gather barrier (Plan.barrier): every copy into this layer's slots lands first
+        bar = self._gather_barrier(w) if getattr(w, "barrier", False) else -1.0
+        row = pl.gpu_of[w.layer]
+        for e, src in w.gpu:
+            k = row[e]
+            if src.__class__ is float:
+                self._peer_job(k, max(src, bar), e, -1)
+            elif src.end is not None:
+                self._peer_job(k, max(src.end, bar), e, src.buf if src.kind == TEMP else -1)
+            elif not src.gpu:
+                src.gpu = True
+                self._waiting += 1
+        gheap = self._gheap
+        g = list(st["base"])
+        left = {k: len(v) for k, v in per.items()}
+        rec = self.recorder
+        counts = w.counts
+        gpu_s = m.gpu_s
+        deferred = w.deferred
+        layer = w.layer
+        hosts = self._peer_hosts
+        busy = 0.0
+        while gheap or self._waiting:
+            while self._waiting and heap and (not gheap or heap[0][0] < gheap[0][0]):
+                self._serve()
+            if not gheap:
+                raise RuntimeError("engine: a GPU waits for a copy that can never start")
+            _, ready, e, buf, k = heapq.heappop(gheap)
+            gk = drained = max(g[k], st["base"][k])
+            if ready > gk:
+                c.transfer_stall += ready - gk
+                gk = ready
+            d = gpu_s(int(counts[e]) if counts is not None else 1)
+            host = hosts[k]
+            if host is not None:  # the stream may wait for its thread to issue the kernels
+                wait = host.expert(drained, gk, d) - d - gk
+                if wait > 0.0:
+                    c.dispatch_stall += wait
+                    gk += wait
+            if rec is not None:
+                rec.op(m.gpus[k].name, "expert", w.sid, w.token, layer, e, gk, gk + d, 0)
+            gk += d
+            g[k] = gk
+            busy += d
+            m.gpus[k].busy += d
+            self.peer_experts[k] += 1
+            if deferred:
+                wb = deferred.pop(e, None)
+                if wb is not None:
+                    push(gk, wb)
+            if buf >= 0 and tempq[k]:  # the buffer is free again: copy the next one in
+                nxt = tempq[k].popleft()
+                nxt.buf = buf
+                push(gk, nxt)
+            left[k] -= 1
+            if left[k] == 0 and k in xfer:  # its results go back to the home GPU
+                push(gk, xfer[k][1])
+        end = max(g[home], st["base"][home])
+        for _, back in xfer.values():
+            t = back.end if back.end is not None else self._resolve(back)
+            if t > end:
+                end = t
+        g_end = end
+        for op in w.results:
+            t = op.end if op.end is not None else self._resolve(op)
+            if t > end:
+                end = t
+        if end > g_end:
+            c.cpu_wait += end - g_end
+        c.gpu_expert_busy += busy
+        cross = self._peer_cross(w)
+        if cross is not None:
+            push(end, cross)
+            end = self._resolve(cross)
+        return end
+
+
+class MultiGpuReference(_MultiBase, ReferenceEngine):
+    """The reference executor over several GPUs: the same rules as plain SimPy processes."""
+
+    def __init__(self, *args: Any, placement: Placement, budgets: list[int], **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self._peer_init(placement, budgets)
+        m, env = self.machine, self.env
+        self._res = {name: simpy.PriorityResource(env, capacity=1) for name in m.lanes()}
+        self._h2d, self._d2h = m.uplinks[0]
+        self._host = m.cpu
+        self._kslots = [
+            simpy.Container(env, capacity=max(1, cap), init=cap - occ)
+            for cap, occ in zip(self._peer_cap, self._peer_occ, strict=True)
+        ]
+        self._kbufs = []
+        for _ in range(placement.n):
+            store = simpy.Store(env)
+            for i in range(m.buffers["temp"]):
+                store.put(i)
+            self._kbufs.append(store)
+
+    def _free_slot(self, t: float) -> None:
+        self._peer_back(self._peer_k)
+
+    def _peer_back(self, k: int) -> None:
+        """Give GPU ``k``'s slot back: to its first waiting fetch, else to its free pool."""
+        if not self._kslots[k].get_queue:
+            self._peer_occ[k] -= 1
+            self.res.free(self.env.now)
+        self._kslots[k].put(1)
+
+    def _write_back(self, op: LayerOp) -> Proc:
+        env = self.env
+        k = self._peer_gpu(op)
+        key = (env.now, op.seq)
+        hl, dl = self.machine.uplinks[k]
+        h2d, d2h = hl.lane, dl.lane
+        dur = dl.expert_s
+        reqs = [self._res[h2d.name].request(priority=key)]
+        if d2h is not h2d:
+            reqs.append(self._res[d2h.name].request(priority=key))
+        yield simpy.AllOf(env, reqs)
+        s = env.now
+        yield env.timeout(dur)
+        for lane, req in zip((h2d, d2h), reqs, strict=False):
+            self._res[lane.name].release(req)
+        d2h.busy += dur
+        h2d.free_at = d2h.free_at = env.now
+        self._record(d2h.name, op, "writeback", s, env.now, self.expert_bytes)
+        self.peer_d2h_bytes[k] += self.expert_bytes
+        op.end = env.now
+        self._peer_back(k)
+
+    def _copy_in(self, op: LayerOp) -> Proc:
+        env = self.env
+        k = self._peer_gpu(op)
+        get = self._kslots[k].get(1)
+        if get.triggered:
+            self._peer_occ[k] += 1
+            if self._peer_occ[k] > self._peer_max[k]:
+                self._peer_max[k] = self._peer_occ[k]
+            self.res.take(env.now)
+        else:
+            yield get
+        link = self.machine.uplinks[k][0]
+        with self._res[link.lane.name].request(priority=(env.now, op.seq)) as req:
+            yield req
+            s = env.now
+            self.res.copied((op.layer, op.expert), s + link.expert_s)
+            yield env.timeout(link.expert_s)
+        link.lane.busy += link.expert_s
+        self._record(link.lane.name, op, op.rkind, s, env.now, self.expert_bytes)
+        self.peer_h2d_bytes[k] += self.expert_bytes
+        self._finish(op, env.now)
+
+    def _temp_in(self, op: LayerOp) -> Proc:
+        env = self.env
+        k = self._peer_gpu(op)
+        get = self._kbufs[k].get()
+        if not get.triggered:
+            yield get
+        op.buf = get.value
+        link = self.machine.uplinks[k][0]
+        m = self.machine
+        dur, nbytes = (
+            (m.low_bit_s, m.low_bit_bytes) if op.low else (link.expert_s, self.expert_bytes)
+        )
+        s, e = yield from self._hold(link.lane, (env.now, op.seq), dur, nbytes)
+        self._record(link.lane.name, op, "temp", s, e, nbytes)
+        self.peer_h2d_bytes[k] += nbytes
+        self._finish(op, e)
+
+    def _cpu_chain(self, op: LayerOp | None) -> Proc:
+        env = self.env
+        while op is not None:
+            n = op.n
+            h2d, d2h = self.machine.uplinks[self._peer_gpu(op)]
+            act = self.act_bytes * n
+            s, e = yield from self._hold(d2h.lane, (env.now, op.seq), d2h.activation_s(n), act)
+            self._record(d2h.lane.name, op, "activation", s, e, act)
+            job = self.machine.cpu_job(op, op.seq, env.now, n)
+            done = self._cpu_done[op.seq] = env.event()
+            self._host.submit(env.now, job)
+            self._cpu_arm()
+            yield done
+            self._record(self._host.lanes[job.worker].name, op, op.rkind, job.start, job.end, 0)
+            s, e = yield from self._hold(h2d.lane, (env.now, op.seq), h2d.activation_s(n), act)
+            self._record(h2d.lane.name, op, "activation", s, e, act)
+            self._finish(op, e)
+            op = op.chain
+
+    def _peer_move(self, op: PeerOp, after: simpy.Event | None = None) -> Proc:
+        """An activation transfer, submitted now (or once ``after`` has fired)."""
+        env = self.env
+        if after is not None:
+            yield after
+        m = self.machine
+        nbytes = self.act_bytes * op.n
+        direct = m.peers.get((op.src, op.dst))
+        if direct is not None:
+            lane = direct.lane
+            s, e = yield from self._hold(lane, (env.now, op.seq), direct.activation_s(op.n), 0)
+        else:
+            d2h = m.uplinks[op.src][1]
+            s, e = yield from self._hold(d2h.lane, (env.now, op.seq), d2h.activation_s(op.n), 0)
+            self._peer_record(d2h.lane, op, s, e, nbytes)
+            lane = m.uplinks[op.dst][0].lane
+            s, e = yield from self._hold(
+                lane, (env.now, op.seq), m.uplinks[op.dst][0].activation_s(op.n), 0
+            )
+        self._peer_record(lane, op, s, e, nbytes)
+        self._finish(op, e)
+
+    def _peer_wait_gpu(self, k: int, send: PeerOp, state: dict[str, Any]) -> Proc:
+        """GPU ``k``'s stream waits for the layer's activations (held from now until then)."""
+        with self._res[self.machine.gpus[k].name].request(priority=(-1.0, -1)) as req:
+            yield req
+            yield self._event(send)
+            state["g"][k] = max(state["g"][k], self.env.now)
+
+    def _layer(self, w: LayerWork) -> Proc:
+        env = self.env
+        c = self.c
+        now = w.now
+        pl = self.pl
+        n = pl.n
+        home = pl.home[w.layer]
+        _, xfer = self._peer_plan(w)
+        for op in w.ops:
+            self._event(op)
+            if op.kind == FETCH:
+                env.process(self._copy_in(op))
+            elif op.kind == TEMP:
+                env.process(self._temp_in(op))
+            elif op.kind == CPU:
+                env.process(self._cpu_chain(op))
+            elif op.kind == WRITEBACK:
+                env.process(self._write_back(op))
+        for op in w.results:
+            if op.end is None:
+                self._event(op)
+        state: dict[str, Any] = {"g": [now] * n, "busy": 0.0}
+        gate = None
+        if w.cpu_first and w.sync:
+            gate = env.all_of([self._event(op) for op in w.sync if op.end is None])
+        for k, (send, back) in xfer.items():
+            self._event(send)
+            self._event(back)
+            env.process(self._peer_wait_gpu(k, send, state))
+            env.process(self._peer_move(send))
+        bar = -1.0  # no barrier: every ready time stands
+        if getattr(w, "barrier", False):  # a gather: every copy into this layer's slots lands
+            copies = [op for op in w.ops if op.kind == FETCH and op.layer == w.layer]
+            pending = [self._event(op) for op in copies if op.end is None]
+            if pending:
+                yield env.all_of(pending)
+            for op in copies:
+                assert op.end is not None
+                bar = max(bar, op.end)
+        known: list[tuple[float, int, LayerOp | None]] = []
+        waiting: list[tuple[int, LayerOp]] = []
+        for e, src in w.gpu:
+            if src.__class__ is float:
+                known.append((max(src, bar), e, None))
+            elif src.end is not None:
+                known.append((max(src.end, bar), e, src))
+            else:
+                waiting.append((e, src))
+        known.sort(key=lambda x: (x[0], x[1]))
+        row = pl.gpu_of[w.layer]
+        procs: dict[int, list[simpy.Process]] = {}
+        for r, e, src in known:
+            procs.setdefault(row[e], []).append(
+                env.process(self._peer_gpu_job(w, row[e], e, r, src, gate, state))
+            )
+        for e, src in waiting:
+            procs.setdefault(row[e], []).append(
+                env.process(self._peer_gpu_job(w, row[e], e, None, src, gate, state))
+            )
+        for k, (_, back) in xfer.items():
+            env.process(self._peer_move(back, env.all_of(procs[k])))
+        if gate is not None:
+            yield gate
+            sync_end = max(op.end for op in w.sync)  # type: ignore[type-var]
+            if sync_end > now:
+                c.cpu_wait += sync_end - now
+                state["g"] = [max(x, sync_end) for x in state["g"]]
+        everything = [p for ps in procs.values() for p in ps]
+        yield env.all_of(everything)
+        g = state["g"][home]
+        backs = [self._event(b) for _, b in xfer.values() if b.end is None]
+        if backs:
+            yield env.all_of(backs)
+        for _, back in xfer.values():
+            assert back.end is not None
+            g = max(g, back.end)
+        pending = [self._event(op) for op in w.results if op.end is None]
+        if pending:
+            yield env.all_of(pending)
+        end = g
+        for op in w.results:
+            assert op.end is not None
+            if op.end > end:
+                end = op.end
+        if end > g:
+            c.cpu_wait += end - g
+        c.gpu_expert_busy += state["busy"]
+        cross = self._peer_cross(w)
+        if cross is not None:
+            if end > env.now:
+                yield env.timeout(end - env.now)
+            ev = self._event(cross)
+            env.process(self._peer_move(cross))
+            yield ev
+            end = cross.end  # type: ignore[assignment]
+        return end
+
+    def _peer_gpu_job(
+        self,
+        w: LayerWork,
+        k: int,
+        e: int,
+        ready: float | None,
+        src: LayerOp | None,
+        gate: simpy.Event | None,
+        state: dict[str, Any],
+    ) -> Proc:
+        """One expert on GPU ``k``'s stream, requested when its weights are there."""
+        env = self.env
+        if ready is None:
+            assert src is not None
+            if src.end is None:
+                yield self._event(src)
+            ready = src.end
+        assert ready is not None
+        if gate is not None and not gate.processed:
+            yield gate
+        if ready > env.now:
+            yield env.timeout(ready - env.now)
+        lane = self.machine.gpus[k]
+        with self._res[lane.name].request(priority=(ready, e)) as req:
+            yield req
+            s = env.now
+            g = state["g"][k]
+            if s > g:
+                self.c.transfer_stall += s - g
+            d = self.machine.gpu_s(int(w.counts[e]) if w.counts is not None else 1)
+            host = self._peer_hosts[k]
+            if host is not None:  # the stream waits for its thread to issue the kernels
+                wait = host.expert(g, s, d) - d - s
+                if wait > 0.0:
+                    self.c.dispatch_stall += wait
+                    yield env.timeout(wait)
+                    s = env.now
+            yield env.timeout(d)
+            state["g"][k] = env.now
+            state["busy"] += d
+        lane.busy += d
+        self.peer_experts[k] += 1
+        if self.recorder is not None:
+            self.recorder.op(lane.name, "expert", w.sid, w.token, w.layer, e, s, env.now, 0)
+        wb = w.deferred.pop(e, None)
+        if wb is not None:
+            env.process(self._write_back(wb))
+        if src is not None and src.kind == TEMP:
+            self._kbufs[k].put(src.buf)
+
+
+def split_budget(placement: Placement, per_gpu: int) -> list[int]:
+    """Each GPU's slot budget: ``per_gpu`` (one GPU's memory), at most what it can hold."""
+    return [min(per_gpu, placement.capacity(k)) for k in range(placement.n)]
+
+
+def engine_for(name: str) -> type[Engine] | type[ReferenceEngine]:
+    """The multi-GPU executor for ``--engine NAME``."""
+    return MultiGpuReference if name == "reference" else MultiGpuEngine
+
+
+__all__: Iterable[str] = (
+    "MODES",
+    "MultiGpuConfig",
+    "MultiGpuEngine",
+    "MultiGpuReference",
+    "Placement",
+    "ShardedPolicy",
+    "check_config",
+    "engine_for",
+    "split_budget",
+)
