@@ -805,13 +805,13 @@ class Engine(EngineBase):
         # victim's deferred write-back still go through the heap. A temporary copy waiting
         # for a buffer, and CPU calls, are submitted after ``now``: they are only taken here
         # when nothing else is pending at all (the heap then has nothing to serve first).
-        # The host thread of a runtime profile (per-expert dispatch and syncs) is only timed by
-        # the general path and _hits_only, so a run with one never takes this path.
+        # The host thread of a runtime profile (per-expert dispatch and syncs) only touches the
+        # GPU experts, which _timed_gpu and _gpu_jobs time as _layer does (in the same order,
+        # from the same stream and host clocks), so it needs nothing more here.
         actions = plan.actions
         res = self.res
         if (
             self._unified
-            or self.machine.host is not None
             or res.waiters
             or actions.__class__ is not dict
             or len(actions) != len(routed)
@@ -1170,13 +1170,20 @@ class Engine(EngineBase):
         link = self._h2d
         lane = link.lane
         d = self.machine.gpu_s(1)
+        host = self.machine.host_experts  # None when GPU expert calls cost the host nothing
         g = now
         busy = 0.0
         while jobs:
             ready, e, buf = heapq.heappop(jobs)
+            drained = g
             if ready > g:
                 c.transfer_stall += ready - g
                 g = ready
+            if host is not None:  # the stream may wait for the host thread to issue it
+                wait = host.expert(drained, g, d) - d - g
+                if wait > 0.0:
+                    c.dispatch_stall += wait
+                    g += wait  # the same sum as _layer's
             if rec is not None:
                 rec.op("gpu", "expert", sid, token, layer, e, g, g + d, 0)
             g += d
