@@ -820,6 +820,11 @@ class Engine(EngineBase):
             or plan.victims.__class__ is not dict
         ):
             return None
+        if not self._wb and len(plan.prefetch) + len(routed) == self.n_experts:
+            # maybe a whole layer streamed in (stream-all, vllm-cpu-offload): checked in bulk
+            end = self._whole_layer_copies(layer, routed, plan, now)
+            if end is not None:
+                return end
         resident, ready_at = res.resident, res.ready_at
         row = resident[layer]
         n_layers, n_exp = self.n_layers, self.n_experts
@@ -1049,6 +1054,134 @@ class Engine(EngineBase):
             c.cpu_wait += done - end
             end = done
         return end
+
+    #: per layer, its (layer, expert) slots and (layer, expert, None) prefetch entries in
+    #: expert order (built on first use by _whole_layer_copies)
+    _whole_layer_lists: tuple[list[list[Slot]], list[list[tuple[int, int, None]]]] | None = None
+
+    def _whole_layer_copies(
+        self, layer: int, routed: list[int], plan: Plan, now: float
+    ) -> float | None:
+        """``_copies_only`` for a plan that streams a whole layer in (no write-back): it evicts
+        every resident expert of one other layer (expert order), fetches the routed experts
+        and prefetches all the others (expert order, no victims) into a layer with nothing
+        resident. Checked in bulk against rows of the residency, applied and timed exactly as
+        ``_copies_only`` does item by item (same issue order, same sums); returns when the
+        layer ends, or None (nothing changed) to let ``_copies_only`` check item by item."""
+        actions = plan.actions
+        assert actions is not None
+        if plan.victims:
+            return None
+        for e in routed:
+            if actions[e] != _FETCH:
+                return None
+        n_layers, n_exp = self.n_layers, self.n_experts
+        lists = self._whole_layer_lists
+        if lists is None:
+            lists = self._whole_layer_lists = (
+                [[(ll, e) for e in range(n_exp)] for ll in range(n_layers)],
+                [[(ll, e, None) for e in range(n_exp)] for ll in range(n_layers)],
+            )
+        res = self.res
+        resident, ready_at = res.resident, res.ready_at
+        if True in resident[layer].tolist():
+            return None
+        want = set(routed)
+        pf = plan.prefetch
+        if pf != [t for t in lists[1][layer] if t[1] not in want]:
+            return None
+        for item in pf:  # equal values; the general check also wants these exact types
+            if item.__class__ is not tuple or item[1].__class__ is not int or item[2] is not None:
+                return None
+        if layer.__class__ is not int or (pf and pf[0][0].__class__ is not int):
+            return None
+        ev = plan.evict
+        vl = -1
+        if ev:
+            first = ev[0]
+            if first.__class__ is not tuple or len(first) != 2:
+                return None
+            vl = first[0]
+            if vl.__class__ is not int or not 0 <= vl < n_layers or vl == layer:
+                return None
+            rrow = resident[vl].tolist()
+            if ev != [s for s, r in zip(lists[0][vl], rrow, strict=True) if r]:
+                return None
+            arow = ready_at[vl].tolist()
+            for item in ev:
+                if item.__class__ is not tuple or item[0].__class__ is not int:
+                    return None
+                ve = item[1]
+                if ve.__class__ is not int or arow[ve] > now:
+                    return None  # still being copied (or not a plain int)
+        n_ev = len(ev)
+        n_copies = n_exp
+        n_res = res.n_resident - n_ev + n_copies
+        if n_res > res.budget or res.occupancy - n_ev + n_copies > res.cap:
+            return None  # a fill with all slots full, or a fetch waiting for a slot
+        # -- apply, as _copies_only: evictions free their slots at once (no write-back)
+        c = self.c
+        rec = self.recorder
+        eb = self.expert_bytes
+        pre = res.prefetched
+        if ev:
+            rrow_v = resident[vl]
+            prow_v = pre[vl]
+            plist = prow_v.tolist()
+            if n_ev == n_exp:  # the whole row goes (one call instead of one write each)
+                rrow_v.fill(False)
+            for _, ve in ev:
+                if n_ev != n_exp:
+                    rrow_v[ve] = False
+                if plist[ve]:
+                    prow_v[ve] = False
+                    c.prefetch_wasted_bytes += eb
+                if rec is not None:
+                    res.free(now)
+            if rec is None:
+                res.occupancy -= n_ev
+            c.evictions += n_ev
+        self._seq += n_copies
+        res.n_resident = n_res
+        n = len(routed)
+        c.decode_accesses += n
+        self._acc[layer] += n
+        c.h2d_bytes += eb * n_copies
+        c.h2d_expert_copies += n_copies
+        c.fetches += n
+        c.prefetches += n_copies - n
+        where = self.hooks.where
+        sid, token = where.seq or 0, where.token or 0
+        # -- serve the copies at ``now`` in issue order: the routed fetches, the prefetches
+        link = self._h2d
+        lane = link.lane
+        dur = link.expert_s
+        free, busy = lane.free_at, lane.busy
+        rrow, arow_w, prow = resident[layer], ready_at[layer], pre[layer]
+        occ, max_occ = res.occupancy, res.max_occupancy
+        jobs: list[tuple[float, int]] = []
+        kind = "fetch"
+        rrow.fill(True)  # every expert of the layer is copied in below
+        for e in [*routed, *(t[1] for t in pf)]:
+            occ += 1
+            if rec is not None:
+                rec.occupancy(now, occ)
+            s = now if now > free else free  # Lane.serve, inlined
+            free = s + dur
+            busy += dur
+            arow_w[e] = free
+            if e in want:
+                jobs.append((free, e))
+            else:
+                prow[e] = True
+                kind = "prefetch"
+            if rec is not None:
+                rec.op(lane.name, kind, sid, token, layer, e, s, free, eb)
+        lane.free_at, lane.busy = free, busy
+        res.occupancy = occ
+        if occ > max_occ:
+            res.max_occupancy = occ
+        return self._timed_gpu(jobs, now, None, sid, token, layer)
 
     def _cpu_parallel(
         self, experts: list[int], now: float, sid: int, token: int, layer: int
