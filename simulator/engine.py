@@ -820,11 +820,17 @@ class Engine(EngineBase):
             or plan.victims.__class__ is not dict
         ):
             return None
-        if not self._wb and len(plan.prefetch) + len(routed) == self.n_experts:
-            # maybe a whole layer streamed in (stream-all, vllm-cpu-offload): checked in bulk
-            end = self._whole_layer_copies(layer, routed, plan, now)
-            if end is not None:
-                return end
+        if not self._wb:
+            if not (plan.evict or plan.prefetch):
+                # hits and fetches with victims (the caching policies' miss layers)
+                end = self._victim_fetches(layer, routed, plan, now)
+                if end is not None:
+                    return end
+            elif len(plan.prefetch) + len(routed) == self.n_experts:
+                # maybe a whole layer streamed in (stream-all, vllm-cpu-offload)
+                end = self._whole_layer_copies(layer, routed, plan, now)
+                if end is not None:
+                    return end
         resident, ready_at = res.resident, res.ready_at
         row = resident[layer]
         n_layers, n_exp = self.n_layers, self.n_experts
@@ -1055,6 +1061,159 @@ class Engine(EngineBase):
             end = done
         return end
 
+    def _victim_fetches(
+        self, layer: int, routed: list[int], plan: Plan, now: float
+    ) -> float | None:
+        """``_copies_only`` for a plan of resident experts, CPU experts and fetches, each
+        fetch with or without a victim (no evict list, no prefetches, no temporary copies, no
+        write-back): the same checks in the same order, applied and timed as
+        ``_copies_only`` does, without its general bookkeeping; returns when the layer ends,
+        or None (nothing changed) to let ``_copies_only`` go on."""
+        actions = plan.actions
+        assert actions is not None
+        res = self.res
+        resident, ready_at = res.resident, res.ready_at
+        row = resident[layer]
+        hits: list[int] = []
+        fetch: list[int] = []
+        cpu: list[int] = []
+        temps: list[int] = []
+        for e in routed:
+            a = actions.get(e)
+            if a == _GPU:
+                hits.append(e)
+            elif a == _FETCH:
+                fetch.append(e)
+            elif a == _CPU:
+                cpu.append(e)
+            elif a == _TEMP:
+                temps.append(e)
+            else:
+                return None
+        if cpu and (self._heap or not self._host.idle):
+            return None  # CPU calls that could queue behind or share with pending work
+        n_temp = self.machine.buffers["temp"]
+        if temps:
+            if n_temp < 1 or (len(temps) > n_temp and (self._heap or cpu)):
+                return None  # as _copies_only: a copy waiting for a buffer needs a quiet heap
+            for e in temps:
+                if row[e]:
+                    return None  # a temporary copy of a resident expert
+        ready_row = ready_at[layer]
+        for e in hits:  # resident and timed (no evictions come before them)
+            if not row[e] or ready_row[e] == INF:
+                return None
+        victims = plan.victims
+        n_layers, n_exp = self.n_layers, self.n_experts
+        n_res = res.n_resident
+        budget = res.budget
+        gone: list[Slot] = []  # victims, in issue order
+        if len(fetch) > 1 and len(set(fetch)) != len(fetch):
+            return None  # an expert fetched twice
+        for e in fetch:
+            if row[e]:
+                return None  # already resident
+            v = victims.get(e)
+            if v is not None:
+                # _copies_only's evict(): a resident, timed expert nobody uses in this layer
+                if v.__class__ is not tuple or len(v) != 2:
+                    return None
+                vl, ve = v
+                if vl.__class__ is not int or ve.__class__ is not int:
+                    return None
+                if not (0 <= vl < n_layers and 0 <= ve < n_exp) or v in gone:
+                    return None
+                if vl == layer and (ve in routed or ve in fetch):
+                    return None  # in use (or filled by this plan): needs write-back rules
+                if not resident[v] or ready_at[v] > now:
+                    return None
+                gone.append(v)
+                n_res -= 1
+            if n_res >= budget:
+                return None  # all slots full and no victim
+            n_res += 1
+        n_evs = len(gone)
+        n_copies = len(fetch)
+        if res.occupancy - n_evs + n_copies > res.cap:
+            return None  # a fetch would wait for a slot
+        # -- apply, as _copies_only: evictions free their slots at once (no write-back)
+        c = self.c
+        rec = self.recorder
+        eb = self.expert_bytes
+        pre = res.prefetched
+        for v in gone:
+            resident[v] = False
+            if pre[v]:
+                pre[v] = False
+                c.prefetch_wasted_bytes += eb
+            if rec is None:
+                res.occupancy -= 1
+            else:
+                res.free(now)
+        self._seq += n_copies + len(temps) + len(cpu)
+        res.n_resident = n_res
+        if n_evs:
+            c.evictions += n_evs
+        jobs: list[tuple[float, int]] = []
+        prow = pre[layer]
+        for e in hits:
+            if prow[e]:
+                prow[e] = False
+                c.prefetch_used += 1
+            jobs.append((float(ready_row[e]), e))
+        n = len(routed)
+        n_hits = len(hits)
+        c.decode_accesses += n
+        c.decode_hits += n_hits
+        self._hits[layer] += n_hits
+        self._acc[layer] += n
+        n_h2d = n_copies + len(temps)
+        c.h2d_bytes += eb * n_h2d
+        c.h2d_expert_copies += n_h2d
+        c.fetches += n_copies
+        c.temp_copies += len(temps)
+        where = self.hooks.where
+        sid, token = where.seq or 0, where.token or 0
+        if fetch:
+            lane = self._h2d.lane
+            dur = self._h2d.expert_s
+            for e in fetch:
+                occ = res.occupancy = res.occupancy + 1  # Residency.take, inlined
+                if occ > res.max_occupancy:
+                    res.max_occupancy = occ
+                if rec is not None:
+                    rec.occupancy(now, occ)
+                s = now if now > lane.free_at else lane.free_at  # Lane.serve, inlined
+                end = lane.free_at = s + dur
+                lane.busy += dur
+                row[e] = True
+                ready_row[e] = end
+                jobs.append((end, e))
+                if rec is not None:
+                    rec.op(lane.name, "fetch", sid, token, layer, e, s, end, eb)
+        if temps:  # issued after the routed fetches, one buffer each, as _copies_only does
+            tjobs = [(r, e, -1) for r, e in jobs]
+            self._temp_copies(temps[:n_temp], tjobs, now, sid, token, layer)
+            if len(temps) > n_temp:
+                return self._gpu_jobs(tjobs, deque(temps[n_temp:]), {}, now, sid, token, layer)
+            jobs = [(r, e) for r, e, _ in tjobs]
+        if not cpu:
+            return self._timed_gpu(jobs, now, None, sid, token, layer)
+        # the CPU experts, as _copies_only times them
+        if plan.cpu_serial or len(cpu) == 1:
+            done = self._cpu_calls(cpu, now, sid, token, layer)
+        else:
+            done = self._cpu_parallel(cpu, now, sid, token, layer)
+        g = now
+        if plan.cpu_first and done > now:  # the GPU experts wait for the CPU ones
+            c.cpu_wait += done - now
+            g = done
+        end = self._timed_gpu(jobs, g, None, sid, token, layer)
+        if done > end:
+            c.cpu_wait += done - end
+            end = done
+        return end
+
     #: per layer, its (layer, expert) slots and (layer, expert, None) prefetch entries in
     #: expert order (built on first use by _whole_layer_copies)
     _whole_layer_lists: tuple[list[list[Slot]], list[list[tuple[int, int, None]]]] | None = None
@@ -1193,11 +1352,11 @@ class Engine(EngineBase):
         returns when the last result is back."""
         host = self._host
         self._count_cpu(len(experts))
-        cpu_job = self.machine.cpu_job
+        work, share, dram = self._one_token_cpu_job()
         sent: list[tuple[float, CpuJob]] = []
         for i, e in enumerate(experts):
             t = self._activation_out(now, e, sid, token, layer)
-            sent.append((t, cpu_job(e, i, t, 1)))  # the job's op is its expert here
+            sent.append((t, CpuJob(e, i, t, work, share, dram)))  # its op is its expert here
         done = now
         if len(host.lanes) == 1:  # first come first served, each call alone on the CPU
             host.run_queue([job for _, job in sent])
@@ -1225,13 +1384,29 @@ class Engine(EngineBase):
         serve them with nothing else in it; returns when the last result is back."""
         self._count_cpu(len(experts))
         t = now
-        cpu_job = self.machine.cpu_job
+        work, share, dram = self._one_token_cpu_job()
         for e in experts:
             t = self._activation_out(t, e, sid, token, layer)
-            job = cpu_job(None, 0, t, 1)
+            job = CpuJob(None, 0, t, work, share, dram)
             self._host.run_alone(t, job)
             t = self._result_back(job, e, sid, token, layer)
         return t
+
+    #: a one-token CPU expert call's (work, share, dram) and the activations' D2H and H2D
+    #: seconds, from the machine's memoised costs (built on first use)
+    _one_token_cpu: tuple[tuple[float, float, float], float, float] | None = None
+
+    def _one_token_cpu_job(self) -> tuple[float, float, float]:
+        """What ``Machine.cpu_job`` gives a one-token call: (work, share, dram)."""
+        one = self._one_token_cpu
+        if one is None:
+            job = self.machine.cpu_job(None, 0, 0.0, 1)
+            one = self._one_token_cpu = (
+                (job.work, job.share, job.dram),
+                self._d2h.activation_s(1),
+                self._h2d.activation_s(1),
+            )
+        return one[0]
 
     def _count_cpu(self, n: int) -> None:
         """Count ``n`` one-token CPU expert calls (their activations go out and back)."""
@@ -1243,7 +1418,8 @@ class Engine(EngineBase):
     def _activation_out(self, t: float, e: int, sid: int, token: int, layer: int) -> float:
         """A CPU call's activations to the host, submitted at ``t``; returns when they arrive."""
         d2h = self._d2h
-        s, end = d2h.lane.serve(t, d2h.activation_s(1))
+        one = self._one_token_cpu  # set by _one_token_cpu_job before any call comes here
+        s, end = d2h.lane.serve(t, d2h.activation_s(1) if one is None else one[1])
         if self.recorder is not None:
             self.recorder.op(d2h.lane.name, "activation", sid, token, layer, e, s, end,
                              self.act_bytes)  # fmt: skip
@@ -1257,7 +1433,8 @@ class Engine(EngineBase):
         if rec is not None:
             rec.op(self._host.lanes[job.worker].name, "cpu_expert", sid, token, layer, e,
                    job.start, job.end, 0)  # fmt: skip
-        s, end = h2d.lane.serve(job.end, h2d.activation_s(1))
+        one = self._one_token_cpu
+        s, end = h2d.lane.serve(job.end, h2d.activation_s(1) if one is None else one[2])
         if rec is not None:
             rec.op(h2d.lane.name, "activation", sid, token, layer, e, s, end, self.act_bytes)
         return end
