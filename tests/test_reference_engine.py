@@ -427,3 +427,36 @@ def test_simulate_and_cli_select_the_reference_engine(tmp_path: Path) -> None:
     res = CliRunner().invoke(main, [*args, "--engine", "reference", "--no-bounds", "--json"])
     assert res.exit_code == 0, res.output
     assert '"engine": "reference"' in res.output
+
+
+@pytest.mark.parametrize(
+    ("policy", "helper", "ratio"),
+    [
+        ("stream-all", "_whole_layer_copies", 0.25),
+        ("vllm-cpu-offload", "_whole_layer_copies", 0.25),
+        ("lru", "_victim_fetches", 0.25),
+        ("static", "_victim_fetches", 0.125),
+        ("fiddler", "_victim_fetches", 0.25),
+        ("ktransformers", "_victim_fetches", 0.25),
+    ],
+)
+def test_bulk_one_pass_paths_are_taken_and_time_identically(
+    policy: str, helper: str, ratio: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fast engine's narrower one-pass helpers (a whole layer streamed in; hits, fetches
+    with victims, temporary copies and CPU experts) are really taken by the policies they are
+    for, with and without a costly host thread, and time exactly as the reference engine."""
+    taken: list[float] = []
+    orig = getattr(Engine, helper)
+
+    def counting(self: Engine, *args: Any) -> float | None:
+        end = orig(self, *args)
+        if end is not None:
+            taken.append(end)
+        return end
+
+    monkeypatch.setattr(Engine, helper, counting)
+    for runtime in (None, SLOW_HOST):
+        taken.clear()
+        _both(policy, "ci-small", ratio, load_profile("a6000-pcie4"), runtime)
+        assert taken, f"{policy} never took Engine.{helper}"
