@@ -820,17 +820,16 @@ class Engine(EngineBase):
             or plan.victims.__class__ is not dict
         ):
             return None
-        if not self._wb:
-            if not (plan.evict or plan.prefetch):
-                # hits and fetches with victims (the caching policies' miss layers)
-                end = self._victim_fetches(layer, routed, plan, now)
-                if end is not None:
-                    return end
-            elif len(plan.prefetch) + len(routed) == self.n_experts:
-                # maybe a whole layer streamed in (stream-all, vllm-cpu-offload)
-                end = self._whole_layer_copies(layer, routed, plan, now)
-                if end is not None:
-                    return end
+        if not (plan.evict or plan.prefetch):
+            # hits and fetches with victims (the caching policies' miss layers)
+            end = self._victim_fetches(layer, routed, plan, now)
+            if end is not None:
+                return end
+        elif not self._wb and len(plan.prefetch) + len(routed) == self.n_experts:
+            # maybe a whole layer streamed in (stream-all, vllm-cpu-offload)
+            end = self._whole_layer_copies(layer, routed, plan, now)
+            if end is not None:
+                return end
         resident, ready_at = res.resident, res.ready_at
         row = resident[layer]
         n_layers, n_exp = self.n_layers, self.n_experts
@@ -934,6 +933,8 @@ class Engine(EngineBase):
         deferred = in_use_ok and any(k == _DEFER for k, _ in issue)
         if temps and (n_temp < 1 or (len(temps) > n_temp and (self._heap or cpu or deferred))):
             return None
+        if cpu and deferred:
+            return None  # the GPU loop below with in-use victims does not time CPU experts
         n_evs = len(gone)
         n_copies = len(added)
         # without write-backs an evicted slot is free at once, else when its write-back ends
@@ -1107,7 +1108,13 @@ class Engine(EngineBase):
         n_layers, n_exp = self.n_layers, self.n_experts
         n_res = res.n_resident
         budget = res.budget
+        wb = self._wb
+        in_use_ok = wb and self.spec.evicts_in_use
         gone: list[Slot] = []  # victims, in issue order
+        #: with write-back, what the plan issues in order: (kind, slot), kind _EVICT, _DEFER
+        #: (an in-use victim, written back after its computation) or FETCH
+        issue: list[tuple[int, Slot]] = []
+        n_defer = 0
         if len(fetch) > 1 and len(set(fetch)) != len(fetch):
             return None  # an expert fetched twice
         for e in fetch:
@@ -1115,7 +1122,8 @@ class Engine(EngineBase):
                 return None  # already resident
             v = victims.get(e)
             if v is not None:
-                # _copies_only's evict(): a resident, timed expert nobody uses in this layer
+                # _copies_only's evict(): a resident, timed expert nobody uses in this layer,
+                # or with in-use evictions one of this layer's hits
                 if v.__class__ is not tuple or len(v) != 2:
                     return None
                 vl, ve = v
@@ -1123,37 +1131,75 @@ class Engine(EngineBase):
                     return None
                 if not (0 <= vl < n_layers and 0 <= ve < n_exp) or v in gone:
                     return None
-                if vl == layer and (ve in routed or ve in fetch):
-                    return None  # in use (or filled by this plan): needs write-back rules
-                if not resident[v] or ready_at[v] > now:
+                if not resident[v]:
                     return None
+                if vl == layer and ve in routed:
+                    if not (in_use_ok and ve in hits):
+                        return None  # in use without in-use evictions (or not a hit)
+                    kind = _DEFER
+                    n_defer += 1
+                elif ready_at[v] > now:
+                    return None  # still being copied
+                else:
+                    kind = _EVICT
                 gone.append(v)
+                if wb:
+                    issue.append((kind, v))
                 n_res -= 1
             if n_res >= budget:
                 return None  # all slots full and no victim
             n_res += 1
+            if wb:
+                issue.append((FETCH, (layer, e)))
         n_evs = len(gone)
         n_copies = len(fetch)
-        if res.occupancy - n_evs + n_copies > res.cap:
+        if n_defer and len(temps) > n_temp:
+            return None  # as _copies_only: a copy waiting for a buffer needs a quiet heap
+        if n_defer and cpu:
+            return None  # CPU experts beside an in-use victim: the general path times both
+        # without write-backs an evicted slot is free at once, else when its write-back ends
+        if res.occupancy - (0 if wb else n_evs) + n_copies > res.cap:
             return None  # a fetch would wait for a slot
-        # -- apply, as _copies_only: evictions free their slots at once (no write-back)
+        # -- apply, as _copies_only: residency, counters and issue numbers
         c = self.c
         rec = self.recorder
         eb = self.expert_bytes
         pre = res.prefetched
-        for v in gone:
-            resident[v] = False
-            if pre[v]:
-                pre[v] = False
-                c.prefetch_wasted_bytes += eb
-            if rec is None:
-                res.occupancy -= 1
-            else:
-                res.free(now)
-        self._seq += n_copies + len(temps) + len(cpu)
+        where = self.hooks.where
+        sid, token = where.seq or 0, where.token or 0
+        late: dict[int, LayerOp] = {}  # in-use victims' write-backs by expert
+        wbs: dict[Slot, int] = {}  # write-backs' issue numbers by slot
+        if not wb:  # evictions free their slots at once and issue nothing
+            for v in gone:
+                resident[v] = False
+                if pre[v]:
+                    pre[v] = False
+                    c.prefetch_wasted_bytes += eb
+                if rec is None:
+                    res.occupancy -= 1
+                else:
+                    res.free(now)
+            self._seq += n_copies + len(temps) + len(cpu)
+        else:
+            seq = self._seq
+            for kind, slot in issue:
+                seq += 1
+                if kind == _EVICT:
+                    resident[slot] = False
+                    if pre[slot]:
+                        pre[slot] = False
+                        c.prefetch_wasted_bytes += eb
+                    wbs[slot] = seq
+                elif kind == _DEFER:
+                    resident[slot] = False
+                    late[slot[1]] = LayerOp(WRITEBACK, "writeback", seq, sid, token, *slot)
+            self._seq = seq + len(temps) + len(cpu)
         res.n_resident = n_res
         if n_evs:
             c.evictions += n_evs
+            if wb:
+                c.d2h_bytes += eb * n_evs
+                c.d2h_expert_copies += n_evs
         jobs: list[tuple[float, int]] = []
         prow = pre[layer]
         for e in hits:
@@ -1172,8 +1218,31 @@ class Engine(EngineBase):
         c.h2d_expert_copies += n_h2d
         c.fetches += n_copies
         c.temp_copies += len(temps)
-        where = self.hooks.where
-        sid, token = where.seq or 0, where.token or 0
+        if wbs:
+            # write-backs and fetches interleaved in issue order: a write-back holds both
+            # lanes and releases its slot (through the heap) when it ends
+            lane = self._h2d.lane
+            dur = self._h2d.expert_s
+            for kind, slot in issue:
+                if kind == _EVICT:
+                    op = LayerOp(WRITEBACK, "writeback", wbs[slot], sid, token, *slot)
+                    self._serve_op(now, op)
+                elif kind == FETCH:
+                    e = slot[1]
+                    occ = res.occupancy = res.occupancy + 1  # Residency.take, inlined
+                    if occ > res.max_occupancy:
+                        res.max_occupancy = occ
+                    if rec is not None:
+                        rec.occupancy(now, occ)
+                    s = now if now > lane.free_at else lane.free_at  # Lane.serve, inlined
+                    end = lane.free_at = s + dur
+                    lane.busy += dur
+                    row[e] = True
+                    ready_row[e] = end
+                    jobs.append((end, e))
+                    if rec is not None:
+                        rec.op(lane.name, "fetch", sid, token, layer, e, s, end, eb)
+            fetch = []  # served
         if fetch:
             lane = self._h2d.lane
             dur = self._h2d.expert_s
@@ -1191,11 +1260,13 @@ class Engine(EngineBase):
                 jobs.append((end, e))
                 if rec is not None:
                     rec.op(lane.name, "fetch", sid, token, layer, e, s, end, eb)
-        if temps:  # issued after the routed fetches, one buffer each, as _copies_only does
+        if temps or late:
+            # temporary copies are issued after the routed fetches, one buffer each
             tjobs = [(r, e, -1) for r, e in jobs]
-            self._temp_copies(temps[:n_temp], tjobs, now, sid, token, layer)
-            if len(temps) > n_temp:
-                return self._gpu_jobs(tjobs, deque(temps[n_temp:]), {}, now, sid, token, layer)
+            if temps:
+                self._temp_copies(temps[:n_temp], tjobs, now, sid, token, layer)
+            if len(temps) > n_temp or late:
+                return self._gpu_jobs(tjobs, deque(temps[n_temp:]), late, now, sid, token, layer)
             jobs = [(r, e) for r, e, _ in tjobs]
         if not cpu:
             return self._timed_gpu(jobs, now, None, sid, token, layer)

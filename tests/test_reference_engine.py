@@ -27,7 +27,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from policies.base import Action, Plan, Policy, SetupContext, Slot, View
+from policies.base import Action, Plan, Policy, ResourceSpec, SetupContext, Slot, View
 from policies.registry import available, get_policy_class
 from simulator.costs import cost_model
 from simulator.data import resolve_trace
@@ -460,3 +460,41 @@ def test_bulk_one_pass_paths_are_taken_and_time_identically(
         taken.clear()
         _both(policy, "ci-small", ratio, load_profile("a6000-pcie4"), runtime)
         assert taken, f"{policy} never took Engine.{helper}"
+
+
+class InUseVictimBesideCpu(Policy):
+    """Each layer: a hit on the GPU, a miss fetched over that hit (an in-use victim, written
+    back after its computation) and a miss on the CPU, all in one plan."""
+
+    name = "in-use-victim-beside-cpu"
+
+    def resources(self) -> ResourceSpec:
+        return ResourceSpec(writeback=True, evicts_in_use=True, cpu_workers=1, staging_buffers=2)
+
+    def setup(self, ctx: SetupContext) -> Iterable[Slot]:
+        return [(layer, e) for layer in range(ctx.model.moe_layers) for e in (0, 3)]
+
+    def decode_layer(self, view: View) -> Plan:
+        layer = view.layer
+        res = view.resident[layer]
+        routed = view.experts.tolist()
+        hit = next(e for e in routed if res[e])
+        fetch, cpu = (e for e in routed if not res[e])
+        return Plan(
+            actions={hit: Action.GPU, fetch: Action.FETCH, cpu: Action.CPU},
+            victims={fetch: (layer, hit)},
+        )
+
+
+def test_an_in_use_victim_beside_a_cpu_expert() -> None:
+    """A plan with CPU experts and an in-use victim: its CPU calls are timed (the one-pass
+    copy paths leave it to the general path) exactly as on the reference engine."""
+    model = tiny_model(experts=6, top_k=3, moe_layers=2)
+    tokens = [[[0, 1, 2]] * 2, [[1, 0, 2]] * 2] * 3
+    seqs = [routing_from_experts(model, tokens)]
+    hw = load_profile("a6000-pcie4")
+    out = [_run(cls, InUseVictimBesideCpu, model, hw, 4, seqs) for cls in (Engine, ReferenceEngine)]
+    (ta, sa, _), (tb, sb, _) = out
+    assert_same(ta, tb, sa, sb)
+    assert sa.counters.cpu_expert_evals == 12
+    assert (ta["kind"].astype(str) == "writeback").sum() == 12
