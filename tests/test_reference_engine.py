@@ -438,6 +438,7 @@ def test_simulate_and_cli_select_the_reference_engine(tmp_path: Path) -> None:
         ("static", "_victim_fetches", 0.125),
         ("fiddler", "_victim_fetches", 0.25),
         ("ktransformers", "_victim_fetches", 0.25),
+        ("mixtral-offloading", "_victim_fetches", 0.25),
     ],
 )
 def test_bulk_one_pass_paths_are_taken_and_time_identically(
