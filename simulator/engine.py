@@ -766,15 +766,17 @@ class Engine(EngineBase):
     ) -> float | None:
         # check_plan's common case, _apply's all-hit branch and _layer's all-timed branch,
         # fused: nothing is submitted, so nothing touches the heap
-        if actions is not None and (actions.__class__ is not dict or len(actions) != len(routed)):
-            return None
+        if actions is not None:
+            if actions.__class__ is not dict or len(actions) != len(routed):
+                return None
+            for e in routed:  # before any row is read: most refusals are here (a miss)
+                if actions.get(e) != _GPU:
+                    return None
         res = self.res
         row = res.resident[layer]
         ready_row = res.ready_at[layer]
         jobs = []
         for e in routed:
-            if actions is not None and actions.get(e) != _GPU:
-                return None
             if not row[e]:
                 return None  # the general check words the error
             ready = ready_row[e]
@@ -1260,7 +1262,16 @@ class Engine(EngineBase):
                 jobs.append((end, e))
                 if rec is not None:
                     rec.op(lane.name, "fetch", sid, token, layer, e, s, end, eb)
-        if temps or late:
+        if temps and not late and len(temps) <= n_temp:
+            # issued after the routed fetches, one buffer each (_temp_copies, inlined)
+            lane = self._h2d.lane
+            dur = self._h2d.expert_s
+            for e in temps:
+                s, end = lane.serve(now, dur)
+                if rec is not None:
+                    rec.op(lane.name, "temp", sid, token, layer, e, s, end, eb)
+                jobs.append((end, e))
+        elif temps or late:
             # temporary copies are issued after the routed fetches, one buffer each
             tjobs = [(r, e, -1) for r, e in jobs]
             if temps:
