@@ -1067,11 +1067,11 @@ class Engine(EngineBase):
     def _victim_fetches(
         self, layer: int, routed: list[int], plan: Plan, now: float
     ) -> float | None:
-        """``_copies_only`` for a plan of resident experts, CPU experts and fetches, each
-        fetch with or without a victim (no evict list, no prefetches, no temporary copies, no
-        write-back): the same checks in the same order, applied and timed as
-        ``_copies_only`` does, without its general bookkeeping; returns when the layer ends,
-        or None (nothing changed) to let ``_copies_only`` go on."""
+        """``_copies_only`` for a plan of resident experts, fetches (each with or without a
+        victim, written back or not, in use or not), temporary copies and CPU experts, with
+        no evict list and no prefetches: the same checks in the same order, applied and timed
+        as ``_copies_only`` does, without its general bookkeeping; returns when the layer
+        ends, or None (nothing changed) to let ``_copies_only`` go on."""
         actions = plan.actions
         assert actions is not None
         res = self.res
