@@ -93,6 +93,10 @@ class StreamAllPolicy(Policy):
         self.layer_mode = mode in ("layer", "leaf")
         self.barrier = mode == "leaf"
         self.n_layers, self.n_exp = n_layers, n_exp
+        # each layer's (layer, expert) slots and prefetch entries, built once (tuples are
+        # immutable, so plans may share them)
+        self._slots = [[(ll, e) for e in range(n_exp)] for ll in range(n_layers)]
+        self._entries = [[(ll, e, None) for e in range(n_exp)] for ll in range(n_layers)]
         return []
 
     def decode_layer(self, view: View) -> Plan:
@@ -102,12 +106,12 @@ class StreamAllPolicy(Policy):
             return Plan(actions=dict.fromkeys(routed, TEMP))
         layer = view.layer
         old = (layer - 2) % self.n_layers
-        res_old = view.resident[old]
-        evict = [(old, e) for e in range(self.n_exp) if res_old[e]]
+        res_old = view.resident[old].tolist()
+        evict = [s for s, r in zip(self._slots[old], res_old, strict=True) if r]
         want = set(routed)
         return Plan(
             actions=dict.fromkeys(routed, FETCH),
             evict=evict,
-            prefetch=[(layer, e, None) for e in range(self.n_exp) if e not in want],
+            prefetch=[t for t in self._entries[layer] if t[1] not in want],
             barrier=self.barrier,
         )

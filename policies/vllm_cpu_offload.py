@@ -97,6 +97,10 @@ class VllmCpuOffloadPolicy(Policy):
             self.offload = min(n_layers, max(want, need, 2))
         self.n_layers, self.n_exp = n_layers, n_exp
         self.live: list[int] = []  # streamed layers whose copies hold buffer slots, oldest first
+        # each layer's (layer, expert) slots and prefetch entries, built once (tuples are
+        # immutable, so plans may share them)
+        self._slots = [[(ll, e) for e in range(n_exp)] for ll in range(n_layers)]
+        self._entries = [[(ll, e, None) for e in range(n_exp)] for ll in range(n_layers)]
         return [(layer, e) for layer in range(self.offload, n_layers) for e in range(n_exp)]
 
     def decode_layer(self, view: View) -> Plan:
@@ -108,13 +112,13 @@ class VllmCpuOffloadPolicy(Policy):
         live = self.live
         if len(live) >= 2:
             old = live.pop(0)
-            res_old = view.resident[old]
-            evict = [(old, e) for e in range(self.n_exp) if res_old[e]]
+            res_old = view.resident[old].tolist()
+            evict = [s for s, r in zip(self._slots[old], res_old, strict=True) if r]
         live.append(layer)
         routed = view.experts.tolist()
         want = set(routed)
         return Plan(
             actions=dict.fromkeys(routed, FETCH),
             evict=evict,
-            prefetch=[(layer, e, None) for e in range(self.n_exp) if e not in want],
+            prefetch=[t for t in self._entries[layer] if t[1] not in want],
         )

@@ -956,15 +956,17 @@ class Engine(EngineBase):
     ) -> float | None:
         # check_plan's common case, _apply's all-hit branch and _layer's all-timed branch,
         # fused: nothing is submitted, so nothing touches the heap
-        if actions is not None and (actions.__class__ is not dict or len(actions) != len(routed)):
-            return None
+        if actions is not None:
+            if actions.__class__ is not dict or len(actions) != len(routed):
+                return None
+            for e in routed:  # before any row is read: most refusals are here (a miss)
+                if actions.get(e) != _GPU:
+                    return None
         res = self.res
         row = res.resident[layer]
         ready_row = res.ready_at[layer]
         jobs = []
         for e in routed:
-            if actions is not None and actions.get(e) != _GPU:
-                return None
             if not row[e]:
                 return None  # the general check words the error
             ready = ready_row[e]
@@ -995,13 +997,13 @@ class Engine(EngineBase):
         # victim's deferred write-back still go through the heap. A temporary copy waiting
         # for a buffer, and CPU calls, are submitted after ``now``: they are only taken here
         # when nothing else is pending at all (the heap then has nothing to serve first).
-        # The host thread of a runtime profile (per-expert dispatch and syncs) is only timed by
-        # the general path and _hits_only, so a run with one never takes this path.
+        # The host thread of a runtime profile (per-expert dispatch and syncs) only touches the
+        # GPU experts, which _timed_gpu and _gpu_jobs time as _layer does (in the same order,
+        # from the same stream and host clocks), so it needs nothing more here.
         actions = plan.actions
         res = self.res
         if (
             self._unified
-            or self.machine.host is not None
             or self._ssd is not None  # copies wait for drive reads: the general path times them
             or res.waiters
             or actions.__class__ is not dict
@@ -1012,6 +1014,16 @@ class Engine(EngineBase):
             or plan.barrier  # a gather barrier is timed by the general path only
         ):
             return None
+        if not (plan.evict or plan.prefetch):
+            # hits and fetches with victims (the caching policies' miss layers)
+            end = self._victim_fetches(layer, routed, plan, now)
+            if end is not None:
+                return end
+        elif not self._wb and len(plan.prefetch) + len(routed) == self.n_experts:
+            # maybe a whole layer streamed in (stream-all, vllm-cpu-offload)
+            end = self._whole_layer_copies(layer, routed, plan, now)
+            if end is not None:
+                return end
         resident, ready_at = res.resident, res.ready_at
         row = resident[layer]
         n_layers, n_exp = self.n_layers, self.n_experts
@@ -1115,6 +1127,8 @@ class Engine(EngineBase):
         deferred = in_use_ok and any(k == _DEFER for k, _ in issue)
         if temps and (n_temp < 1 or (len(temps) > n_temp and (self._heap or cpu or deferred))):
             return None
+        if cpu and deferred:
+            return None  # the GPU loop below with in-use victims does not time CPU experts
         n_evs = len(gone)
         n_copies = len(added)
         # without write-backs an evicted slot is free at once, else when its write-back ends
@@ -1242,6 +1256,366 @@ class Engine(EngineBase):
             end = done
         return end
 
+    def _victim_fetches(
+        self, layer: int, routed: list[int], plan: Plan, now: float
+    ) -> float | None:
+        """``_copies_only`` for a plan of resident experts, fetches (each with or without a
+        victim, written back or not, in use or not), temporary copies and CPU experts, with
+        no evict list and no prefetches: the same checks in the same order, applied and timed
+        as ``_copies_only`` does, without its general bookkeeping; returns when the layer
+        ends, or None (nothing changed) to let ``_copies_only`` go on."""
+        actions = plan.actions
+        assert actions is not None
+        res = self.res
+        resident, ready_at = res.resident, res.ready_at
+        row = resident[layer]
+        hits: list[int] = []
+        fetch: list[int] = []
+        cpu: list[int] = []
+        temps: list[int] = []
+        for e in routed:
+            a = actions.get(e)
+            if a == _GPU:
+                hits.append(e)
+            elif a == _FETCH:
+                fetch.append(e)
+            elif a == _CPU:
+                cpu.append(e)
+            elif a == _TEMP:
+                temps.append(e)
+            else:
+                return None
+        if cpu and (self._heap or not self._host.idle):
+            return None  # CPU calls that could queue behind or share with pending work
+        n_temp = self.machine.buffers["temp"]
+        if temps:
+            if n_temp < 1 or (len(temps) > n_temp and (self._heap or cpu)):
+                return None  # as _copies_only: a copy waiting for a buffer needs a quiet heap
+            for e in temps:
+                if row[e]:
+                    return None  # a temporary copy of a resident expert
+        ready_row = ready_at[layer]
+        for e in hits:  # resident and timed (no evictions come before them)
+            if not row[e] or ready_row[e] == INF:
+                return None
+        victims = plan.victims
+        n_layers, n_exp = self.n_layers, self.n_experts
+        n_res = res.n_resident
+        budget = res.budget
+        wb = self._wb
+        in_use_ok = wb and self.spec.evicts_in_use
+        gone: list[Slot] = []  # victims, in issue order
+        #: with write-back, what the plan issues in order: (kind, slot), kind _EVICT, _DEFER
+        #: (an in-use victim, written back after its computation) or FETCH
+        issue: list[tuple[int, Slot]] = []
+        n_defer = 0
+        if len(fetch) > 1 and len(set(fetch)) != len(fetch):
+            return None  # an expert fetched twice
+        for e in fetch:
+            if row[e]:
+                return None  # already resident
+            v = victims.get(e)
+            if v is not None:
+                # _copies_only's evict(): a resident, timed expert nobody uses in this layer,
+                # or with in-use evictions one of this layer's hits
+                if v.__class__ is not tuple or len(v) != 2:
+                    return None
+                vl, ve = v
+                if vl.__class__ is not int or ve.__class__ is not int:
+                    return None
+                if not (0 <= vl < n_layers and 0 <= ve < n_exp) or v in gone:
+                    return None
+                if not resident[v]:
+                    return None
+                if vl == layer and ve in routed:
+                    if not (in_use_ok and ve in hits):
+                        return None  # in use without in-use evictions (or not a hit)
+                    kind = _DEFER
+                    n_defer += 1
+                elif ready_at[v] > now:
+                    return None  # still being copied
+                else:
+                    kind = _EVICT
+                gone.append(v)
+                if wb:
+                    issue.append((kind, v))
+                n_res -= 1
+            if n_res >= budget:
+                return None  # all slots full and no victim
+            n_res += 1
+            if wb:
+                issue.append((FETCH, (layer, e)))
+        n_evs = len(gone)
+        n_copies = len(fetch)
+        if n_defer and len(temps) > n_temp:
+            return None  # as _copies_only: a copy waiting for a buffer needs a quiet heap
+        if n_defer and cpu:
+            return None  # CPU experts beside an in-use victim: the general path times both
+        # without write-backs an evicted slot is free at once, else when its write-back ends
+        if res.occupancy - (0 if wb else n_evs) + n_copies > res.cap:
+            return None  # a fetch would wait for a slot
+        # -- apply, as _copies_only: residency, counters and issue numbers
+        c = self.c
+        rec = self.recorder
+        eb = self.expert_bytes
+        pre = res.prefetched
+        where = self.hooks.where
+        sid, token = where.seq or 0, where.token or 0
+        late: dict[int, LayerOp] = {}  # in-use victims' write-backs by expert
+        wbs: dict[Slot, int] = {}  # write-backs' issue numbers by slot
+        if not wb:  # evictions free their slots at once and issue nothing
+            for v in gone:
+                resident[v] = False
+                if pre[v]:
+                    pre[v] = False
+                    c.prefetch_wasted_bytes += eb
+                if rec is None:
+                    res.occupancy -= 1
+                else:
+                    res.free(now)
+            self._seq += n_copies + len(temps) + len(cpu)
+        else:
+            seq = self._seq
+            for kind, slot in issue:
+                seq += 1
+                if kind == _EVICT:
+                    resident[slot] = False
+                    if pre[slot]:
+                        pre[slot] = False
+                        c.prefetch_wasted_bytes += eb
+                    wbs[slot] = seq
+                elif kind == _DEFER:
+                    resident[slot] = False
+                    late[slot[1]] = LayerOp(WRITEBACK, "writeback", seq, sid, token, *slot)
+            self._seq = seq + len(temps) + len(cpu)
+        res.n_resident = n_res
+        if n_evs:
+            c.evictions += n_evs
+            if wb:
+                c.d2h_bytes += eb * n_evs
+                c.d2h_expert_copies += n_evs
+        jobs: list[tuple[float, int]] = []
+        prow = pre[layer]
+        for e in hits:
+            if prow[e]:
+                prow[e] = False
+                c.prefetch_used += 1
+            jobs.append((float(ready_row[e]), e))
+        n = len(routed)
+        n_hits = len(hits)
+        c.decode_accesses += n
+        c.decode_hits += n_hits
+        self._hits[layer] += n_hits
+        self._acc[layer] += n
+        n_h2d = n_copies + len(temps)
+        c.h2d_bytes += eb * n_h2d
+        c.h2d_expert_copies += n_h2d
+        c.fetches += n_copies
+        c.temp_copies += len(temps)
+        if wbs:
+            # write-backs and fetches interleaved in issue order: a write-back holds both
+            # lanes and releases its slot (through the heap) when it ends
+            lane = self._h2d.lane
+            dur = self._h2d.expert_s
+            for kind, slot in issue:
+                if kind == _EVICT:
+                    op = LayerOp(WRITEBACK, "writeback", wbs[slot], sid, token, *slot)
+                    self._serve_op(now, op)
+                elif kind == FETCH:
+                    e = slot[1]
+                    occ = res.occupancy = res.occupancy + 1  # Residency.take, inlined
+                    if occ > res.max_occupancy:
+                        res.max_occupancy = occ
+                    if rec is not None:
+                        rec.occupancy(now, occ)
+                    s = now if now > lane.free_at else lane.free_at  # Lane.serve, inlined
+                    end = lane.free_at = s + dur
+                    lane.busy += dur
+                    row[e] = True
+                    ready_row[e] = end
+                    jobs.append((end, e))
+                    if rec is not None:
+                        rec.op(lane.name, "fetch", sid, token, layer, e, s, end, eb)
+            fetch = []  # served
+        if fetch:
+            lane = self._h2d.lane
+            dur = self._h2d.expert_s
+            for e in fetch:
+                occ = res.occupancy = res.occupancy + 1  # Residency.take, inlined
+                if occ > res.max_occupancy:
+                    res.max_occupancy = occ
+                if rec is not None:
+                    rec.occupancy(now, occ)
+                s = now if now > lane.free_at else lane.free_at  # Lane.serve, inlined
+                end = lane.free_at = s + dur
+                lane.busy += dur
+                row[e] = True
+                ready_row[e] = end
+                jobs.append((end, e))
+                if rec is not None:
+                    rec.op(lane.name, "fetch", sid, token, layer, e, s, end, eb)
+        if temps and not late and len(temps) <= n_temp:
+            # issued after the routed fetches, one buffer each (_temp_copies, inlined)
+            lane = self._h2d.lane
+            dur = self._h2d.expert_s
+            for e in temps:
+                s, end = lane.serve(now, dur)
+                if rec is not None:
+                    rec.op(lane.name, "temp", sid, token, layer, e, s, end, eb)
+                jobs.append((end, e))
+        elif temps or late:
+            # temporary copies are issued after the routed fetches, one buffer each
+            tjobs = [(r, e, -1) for r, e in jobs]
+            if temps:
+                self._temp_copies(temps[:n_temp], tjobs, now, sid, token, layer)
+            if len(temps) > n_temp or late:
+                return self._gpu_jobs(tjobs, deque(temps[n_temp:]), late, now, sid, token, layer)
+            jobs = [(r, e) for r, e, _ in tjobs]
+        if not cpu:
+            return self._timed_gpu(jobs, now, None, sid, token, layer)
+        # the CPU experts, as _copies_only times them
+        if plan.cpu_serial or len(cpu) == 1:
+            done = self._cpu_calls(cpu, now, sid, token, layer)
+        else:
+            done = self._cpu_parallel(cpu, now, sid, token, layer)
+        g = now
+        if plan.cpu_first and done > now:  # the GPU experts wait for the CPU ones
+            c.cpu_wait += done - now
+            g = done
+        end = self._timed_gpu(jobs, g, None, sid, token, layer)
+        if done > end:
+            c.cpu_wait += done - end
+            end = done
+        return end
+
+    #: per layer, its (layer, expert) slots and (layer, expert, None) prefetch entries in
+    #: expert order (built on first use by _whole_layer_copies)
+    _whole_layer_lists: tuple[list[list[Slot]], list[list[tuple[int, int, None]]]] | None = None
+
+    def _whole_layer_copies(
+        self, layer: int, routed: list[int], plan: Plan, now: float
+    ) -> float | None:
+        """``_copies_only`` for a plan that streams a whole layer in (no write-back): it evicts
+        every resident expert of one other layer (expert order), fetches the routed experts
+        and prefetches all the others (expert order, no victims) into a layer with nothing
+        resident. Checked in bulk against rows of the residency, applied and timed exactly as
+        ``_copies_only`` does item by item (same issue order, same sums); returns when the
+        layer ends, or None (nothing changed) to let ``_copies_only`` check item by item."""
+        actions = plan.actions
+        assert actions is not None
+        if plan.victims:
+            return None
+        for e in routed:
+            if actions[e] != _FETCH:
+                return None
+        n_layers, n_exp = self.n_layers, self.n_experts
+        lists = self._whole_layer_lists
+        if lists is None:
+            lists = self._whole_layer_lists = (
+                [[(ll, e) for e in range(n_exp)] for ll in range(n_layers)],
+                [[(ll, e, None) for e in range(n_exp)] for ll in range(n_layers)],
+            )
+        res = self.res
+        resident, ready_at = res.resident, res.ready_at
+        if True in resident[layer].tolist():
+            return None
+        want = set(routed)
+        pf = plan.prefetch
+        if pf != [t for t in lists[1][layer] if t[1] not in want]:
+            return None
+        for item in pf:  # equal values; the general check also wants these exact types
+            if item.__class__ is not tuple or item[1].__class__ is not int or item[2] is not None:
+                return None
+        if layer.__class__ is not int or (pf and pf[0][0].__class__ is not int):
+            return None
+        ev = plan.evict
+        vl = -1
+        if ev:
+            first = ev[0]
+            if first.__class__ is not tuple or len(first) != 2:
+                return None
+            vl = first[0]
+            if vl.__class__ is not int or not 0 <= vl < n_layers or vl == layer:
+                return None
+            rrow = resident[vl].tolist()
+            if ev != [s for s, r in zip(lists[0][vl], rrow, strict=True) if r]:
+                return None
+            arow = ready_at[vl].tolist()
+            for item in ev:
+                if item.__class__ is not tuple or item[0].__class__ is not int:
+                    return None
+                ve = item[1]
+                if ve.__class__ is not int or arow[ve] > now:
+                    return None  # still being copied (or not a plain int)
+        n_ev = len(ev)
+        n_copies = n_exp
+        n_res = res.n_resident - n_ev + n_copies
+        if n_res > res.budget or res.occupancy - n_ev + n_copies > res.cap:
+            return None  # a fill with all slots full, or a fetch waiting for a slot
+        # -- apply, as _copies_only: evictions free their slots at once (no write-back)
+        c = self.c
+        rec = self.recorder
+        eb = self.expert_bytes
+        pre = res.prefetched
+        if ev:
+            rrow_v = resident[vl]
+            prow_v = pre[vl]
+            plist = prow_v.tolist()
+            if n_ev == n_exp:  # the whole row goes (one call instead of one write each)
+                rrow_v.fill(False)
+            for _, ve in ev:
+                if n_ev != n_exp:
+                    rrow_v[ve] = False
+                if plist[ve]:
+                    prow_v[ve] = False
+                    c.prefetch_wasted_bytes += eb
+                if rec is not None:
+                    res.free(now)
+            if rec is None:
+                res.occupancy -= n_ev
+            c.evictions += n_ev
+        self._seq += n_copies
+        res.n_resident = n_res
+        n = len(routed)
+        c.decode_accesses += n
+        self._acc[layer] += n
+        c.h2d_bytes += eb * n_copies
+        c.h2d_expert_copies += n_copies
+        c.fetches += n
+        c.prefetches += n_copies - n
+        where = self.hooks.where
+        sid, token = where.seq or 0, where.token or 0
+        # -- serve the copies at ``now`` in issue order: the routed fetches, the prefetches
+        link = self._h2d
+        lane = link.lane
+        dur = link.expert_s
+        free, busy = lane.free_at, lane.busy
+        rrow, arow_w, prow = resident[layer], ready_at[layer], pre[layer]
+        occ, max_occ = res.occupancy, res.max_occupancy
+        jobs: list[tuple[float, int]] = []
+        kind = "fetch"
+        rrow.fill(True)  # every expert of the layer is copied in below
+        for e in [*routed, *(t[1] for t in pf)]:
+            occ += 1
+            if rec is not None:
+                rec.occupancy(now, occ)
+            s = now if now > free else free  # Lane.serve, inlined
+            free = s + dur
+            busy += dur
+            arow_w[e] = free
+            if e in want:
+                jobs.append((free, e))
+            else:
+                prow[e] = True
+                kind = "prefetch"
+            if rec is not None:
+                rec.op(lane.name, kind, sid, token, layer, e, s, free, eb)
+        lane.free_at, lane.busy = free, busy
+        res.occupancy = occ
+        if occ > max_occ:
+            res.max_occupancy = occ
+        return self._timed_gpu(jobs, now, None, sid, token, layer)
+
     def _cpu_parallel(
         self, experts: list[int], now: float, sid: int, token: int, layer: int
     ) -> float:
@@ -1252,11 +1626,11 @@ class Engine(EngineBase):
         returns when the last result is back."""
         host = self._host
         self._count_cpu(len(experts))
-        cpu_job = self.machine.cpu_job
+        work, share, dram = self._one_token_cpu_job()
         sent: list[tuple[float, CpuJob]] = []
         for i, e in enumerate(experts):
             t = self._activation_out(now, e, sid, token, layer)
-            sent.append((t, cpu_job(e, i, t, 1)))  # the job's op is its expert here
+            sent.append((t, CpuJob(e, i, t, work, share, dram)))  # its op is its expert here
         done = now
         if len(host.lanes) == 1:  # first come first served, each call alone on the CPU
             host.run_queue([job for _, job in sent])
@@ -1284,13 +1658,29 @@ class Engine(EngineBase):
         serve them with nothing else in it; returns when the last result is back."""
         self._count_cpu(len(experts))
         t = now
-        cpu_job = self.machine.cpu_job
+        work, share, dram = self._one_token_cpu_job()
         for e in experts:
             t = self._activation_out(t, e, sid, token, layer)
-            job = cpu_job(None, 0, t, 1)
+            job = CpuJob(None, 0, t, work, share, dram)
             self._host.run_alone(t, job)
             t = self._result_back(job, e, sid, token, layer)
         return t
+
+    #: a one-token CPU expert call's (work, share, dram) and the activations' D2H and H2D
+    #: seconds, from the machine's memoised costs (built on first use)
+    _one_token_cpu: tuple[tuple[float, float, float], float, float] | None = None
+
+    def _one_token_cpu_job(self) -> tuple[float, float, float]:
+        """What ``Machine.cpu_job`` gives a one-token call: (work, share, dram)."""
+        one = self._one_token_cpu
+        if one is None:
+            job = self.machine.cpu_job(None, 0, 0.0, 1)
+            one = self._one_token_cpu = (
+                (job.work, job.share, job.dram),
+                self._d2h.activation_s(1),
+                self._h2d.activation_s(1),
+            )
+        return one[0]
 
     def _count_cpu(self, n: int) -> None:
         """Count ``n`` one-token CPU expert calls (their activations go out and back)."""
@@ -1302,7 +1692,8 @@ class Engine(EngineBase):
     def _activation_out(self, t: float, e: int, sid: int, token: int, layer: int) -> float:
         """A CPU call's activations to the host, submitted at ``t``; returns when they arrive."""
         d2h = self._d2h
-        s, end = d2h.lane.serve(t, d2h.activation_s(1))
+        one = self._one_token_cpu  # set by _one_token_cpu_job before any call comes here
+        s, end = d2h.lane.serve(t, d2h.activation_s(1) if one is None else one[1])
         if self.recorder is not None:
             self.recorder.op(d2h.lane.name, "activation", sid, token, layer, e, s, end,
                              self.act_bytes)  # fmt: skip
@@ -1316,7 +1707,8 @@ class Engine(EngineBase):
         if rec is not None:
             rec.op(self._host.lanes[job.worker].name, "cpu_expert", sid, token, layer, e,
                    job.start, job.end, 0)  # fmt: skip
-        s, end = h2d.lane.serve(job.end, h2d.activation_s(1))
+        one = self._one_token_cpu
+        s, end = h2d.lane.serve(job.end, h2d.activation_s(1) if one is None else one[2])
         if rec is not None:
             rec.op(h2d.lane.name, "activation", sid, token, layer, e, s, end, self.act_bytes)
         return end
@@ -1362,13 +1754,20 @@ class Engine(EngineBase):
         link = self._h2d
         lane = link.lane
         d = self.machine.gpu_s(1)
+        host = self.machine.host_experts  # None when GPU expert calls cost the host nothing
         g = now
         busy = 0.0
         while jobs:
             ready, e, buf = heapq.heappop(jobs)
+            drained = g
             if ready > g:
                 c.transfer_stall += ready - g
                 g = ready
+            if host is not None:  # the stream may wait for the host thread to issue it
+                wait = host.expert(drained, g, d) - d - g
+                if wait > 0.0:
+                    c.dispatch_stall += wait
+                    g += wait  # the same sum as _layer's
             if rec is not None:
                 rec.op("gpu", "expert", sid, token, layer, e, g, g + d, 0)
             g += d

@@ -185,7 +185,10 @@ class SharedCpu:
         or load can arrive before this one ends.
         """
         lanes = self.lanes
-        i = min(range(len(lanes)), key=lambda k: lanes[k].free_at)  # all idle: _admit's pick
+        if len(lanes) == 1:
+            i = 0
+        else:  # all idle: _admit's pick
+            i = min(range(len(lanes)), key=lambda k: lanes[k].free_at)
         job.worker = i
         job.start = t
         if t > self.t:

@@ -29,7 +29,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from policies.base import Action, Plan, Policy, SetupContext, Slot, View
+from policies.base import Action, Plan, Policy, ResourceSpec, SetupContext, Slot, View
 from policies.registry import available, get_policy_class
 from simulator.costs import cost_model
 from simulator.data import resolve_trace
@@ -481,3 +481,75 @@ def test_chunked_prefill_and_preemption_time_identically(seed: int) -> None:
     (ra, sa, ea), (rb, sb, _) = out
     assert ea.serving.mixed_steps > 0 and ea.serving.sched.preemptions > 0
     assert_same(ra.timeline(), rb.timeline(), sa, sb)
+
+
+@pytest.mark.parametrize(
+    ("policy", "helper", "ratio"),
+    [
+        ("stream-all", "_whole_layer_copies", 0.25),
+        ("vllm-cpu-offload", "_whole_layer_copies", 0.25),
+        ("lru", "_victim_fetches", 0.25),
+        ("static", "_victim_fetches", 0.125),
+        ("fiddler", "_victim_fetches", 0.25),
+        ("ktransformers", "_victim_fetches", 0.25),
+        ("mixtral-offloading", "_victim_fetches", 0.25),
+    ],
+)
+def test_bulk_one_pass_paths_are_taken_and_time_identically(
+    policy: str, helper: str, ratio: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fast engine's narrower one-pass helpers (a whole layer streamed in; hits, fetches
+    with victims, temporary copies and CPU experts) are really taken by the policies they are
+    for, with and without a costly host thread, and time exactly as the reference engine."""
+    taken: list[float] = []
+    orig = getattr(Engine, helper)
+
+    def counting(self: Engine, *args: Any) -> float | None:
+        end = orig(self, *args)
+        if end is not None:
+            taken.append(end)
+        return end
+
+    monkeypatch.setattr(Engine, helper, counting)
+    for runtime in (None, SLOW_HOST):
+        taken.clear()
+        _both(policy, "ci-small", ratio, load_profile("a6000-pcie4"), runtime)
+        assert taken, f"{policy} never took Engine.{helper}"
+
+
+class InUseVictimBesideCpu(Policy):
+    """Each layer: a hit on the GPU, a miss fetched over that hit (an in-use victim, written
+    back after its computation) and a miss on the CPU, all in one plan."""
+
+    name = "in-use-victim-beside-cpu"
+
+    def resources(self) -> ResourceSpec:
+        return ResourceSpec(writeback=True, evicts_in_use=True, cpu_workers=1, staging_buffers=2)
+
+    def setup(self, ctx: SetupContext) -> Iterable[Slot]:
+        return [(layer, e) for layer in range(ctx.model.moe_layers) for e in (0, 3)]
+
+    def decode_layer(self, view: View) -> Plan:
+        layer = view.layer
+        res = view.resident[layer]
+        routed = view.experts.tolist()
+        hit = next(e for e in routed if res[e])
+        fetch, cpu = (e for e in routed if not res[e])
+        return Plan(
+            actions={hit: Action.GPU, fetch: Action.FETCH, cpu: Action.CPU},
+            victims={fetch: (layer, hit)},
+        )
+
+
+def test_an_in_use_victim_beside_a_cpu_expert() -> None:
+    """A plan with CPU experts and an in-use victim: its CPU calls are timed (the one-pass
+    copy paths leave it to the general path) exactly as on the reference engine."""
+    model = tiny_model(experts=6, top_k=3, moe_layers=2)
+    tokens = [[[0, 1, 2]] * 2, [[1, 0, 2]] * 2] * 3
+    seqs = [routing_from_experts(model, tokens)]
+    hw = load_profile("a6000-pcie4")
+    out = [_run(cls, InUseVictimBesideCpu, model, hw, 4, seqs) for cls in (Engine, ReferenceEngine)]
+    (ta, sa, _), (tb, sb, _) = out
+    assert_same(ta, tb, sa, sb)
+    assert sa.counters.cpu_expert_evals == 12
+    assert (ta["kind"].astype(str) == "writeback").sum() == 12
