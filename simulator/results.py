@@ -90,6 +90,9 @@ METRIC_KEYS = (
     "host_memory_peak_bytes",
     "host_memory_budget_bytes",
 )
+#: metrics a run reports only when their mechanism is on (a host-memory budget): a sweep table
+#: has their columns only if some row has them
+OPTIONAL_METRIC_KEYS = frozenset(METRIC_KEYS[METRIC_KEYS.index("ssd_bytes") :])
 
 
 def _ratio(num: float, den: float) -> float:

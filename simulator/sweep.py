@@ -39,7 +39,7 @@ from simulator.errors import DoesNotFit, PolicyError, UserError, parse_key_value
 from simulator.output import TABLE_FORMATS, check_output_file, output_format
 from simulator.output import write_table as _write_any_table
 from simulator.progress import Progress
-from simulator.results import METRIC_KEYS, atomic_write_text
+from simulator.results import METRIC_KEYS, OPTIONAL_METRIC_KEYS, atomic_write_text
 from simulator.runtime_profiles import get_runtime
 
 if TYPE_CHECKING:
@@ -759,8 +759,9 @@ def to_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     serving = [c for c in SERVING_COLUMNS if any(c in r for r in rows)]
     # a gpus axis: the columns appear, one-GPU rows read gpus = 1
     multi = ["gpus", "multi_gpu"] if any("gpus" in r for r in rows) else []
+    metrics = [k for k in METRIC_KEYS if k not in OPTIONAL_METRIC_KEYS or any(k in r for r in rows)]
     cols = list(
-        dict.fromkeys([*BASE_COLUMNS, *opt_cols, *multi, *METRIC_KEYS, *serving, *EXTRA_COLUMNS])
+        dict.fromkeys([*BASE_COLUMNS, *opt_cols, *multi, *metrics, *serving, *EXTRA_COLUMNS])
     )
     df = pd.DataFrame([{c: r.get(c) for c in cols} for r in rows], columns=cols)
     if multi:
@@ -768,7 +769,7 @@ def to_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     for c in serving:
         df[c] = pd.to_numeric(df[c], errors="coerce").astype("float64")
     ints = ("gpu_experts", "sequences", "seed", "total_experts", "max_gpu_experts")
-    for c in METRIC_KEYS:
+    for c in metrics:
         if c in ints:
             continue
         df[c] = pd.to_numeric(df[c], errors="coerce").astype("float64")

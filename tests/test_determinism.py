@@ -64,7 +64,9 @@ def _sweep_metrics(trace: Path, tmp: Path, **kw: object) -> list[str]:
     df, summary = run_sweep(grid, progress=False, out=tmp / "s.parquet", **kw)
     assert summary.failed == 0
     rows = sorted(df.to_dict("records"), key=lambda r: (r["policy"], r["cache_ratio"]))
-    return [json.dumps({k: r[k] for k in METRIC_KEYS}, sort_keys=True, default=str) for r in rows]
+    return [
+        json.dumps({k: r.get(k) for k in METRIC_KEYS}, sort_keys=True, default=str) for r in rows
+    ]
 
 
 def test_sweep_identical_across_workers_and_executors(trace: Path, tmp_path: Path) -> None:
