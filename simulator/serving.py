@@ -700,6 +700,13 @@ class Serving:
     ) -> Generator[Any, float | None, None]:
         """The serving loop with chunked prefill and/or preemption: runs :func:`plan_steps`."""
         hooks, pol, c = eng.hooks, eng.policy, eng.c
+        if self.config.prefill_chunk is not None and eng.n_cpu_layers:
+            # a mixed step's non-expert part is timed on the GPU only (_mixed_step)
+            raise UserError(
+                f"--prefill-chunk is not modelled with CPU-resident layers (policy "
+                f"{pol.name!r} runs {eng.n_cpu_layers} layers wholly on the CPU); drop "
+                "--prefill-chunk or put every layer on the GPU"
+            )
         where = hooks.where
         rec = eng.recorder
         if rec is not None:

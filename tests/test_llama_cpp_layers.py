@@ -205,3 +205,28 @@ def test_batched_serving_runs_cpu_layers_and_batch_one_is_the_plain_run() -> Non
     assert len(step_ops) > 0
     assert set(cpu_ne["layer"]) == set(range(17))  # ngl=16: MoE layers 0-16 on the CPU
     assert set(step_ops["layer"]) == set(range(17, 32))
+
+
+def test_chunked_prefill_with_cpu_layers_is_refused_and_preemption_runs() -> None:
+    """A mixed step times its non-expert part on the GPU only, so CPU-resident layers with
+    --prefill-chunk are a one-line user error; preemption alone uses the per-layer CPU rules."""
+    from simulator.serving import ServingConfig
+
+    kw = dict(
+        policy="llama-cpp-layers",
+        trace="ci-small",
+        hw="rtx4090-pcie4",
+        dtype="q4_k_m",
+        sequences=2,
+        policy_options={"ngl": 16},
+        record=False,
+    )
+    with pytest.raises(UserError, match="--prefill-chunk is not modelled with CPU-resident") as e:
+        simulate(**kw, serving=ServingConfig(batch=2, prefill_chunk=8))
+    assert "\n" not in str(e.value)
+    res = simulate(**kw, serving=ServingConfig(batch=2, preempt=True))
+    assert res.metrics["decode_tokens_per_s"] > 0
+    # every layer on the GPU (an 80 GB card holds them): chunked prefill is fine
+    whole = {**kw, "hw": "h100-pcie5", "policy_options": {"ngl": -1}}
+    ok = simulate(**whole, serving=ServingConfig(batch=2, prefill_chunk=8))
+    assert ok.serving["mixed_steps"] > 0
