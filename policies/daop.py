@@ -19,6 +19,7 @@ paper differ. In short:
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -37,6 +38,8 @@ from policies.base import (
 )
 from policies.registry import register
 from simulator.errors import UserError
+
+_INF = float("inf")
 
 GPU, FETCH, TEMP, CPU, PRE = (
     Action.GPU,
@@ -284,13 +287,19 @@ class DAOPPolicy(Policy):
         if not raw_l or min(raw_l) < 0:
             return None
         raw = np.asarray(raw_l, dtype=np.int64)
-        on_gpu = view.resident[nxt]
+        on_gpu = view.resident[nxt].tolist()  # a list: k lookups cost less than numpy scalars
         route_l = list(raw_l)
-        if self.degrade and not any(on_gpu[e] for e in route_l) and on_gpu.any():
-            probs = np.nan_to_num(np.asarray(npr, dtype=np.float64), nan=0.0)
-            gpu_ids = np.flatnonzero(on_gpu)
-            sub = int(gpu_ids[np.argmax(probs[gpu_ids])])  # first id on ties
-            route_l = [*route_l[:-1], sub]
+        if self.degrade and not any(on_gpu[e] for e in route_l) and True in on_gpu:
+            gpu_ids = [e for e, r in enumerate(on_gpu) if r]
+            probs = np.asarray(npr, dtype=np.float64)[gpu_ids].tolist()
+            # np.nan_to_num(nan=0.0) on the few GPU entries: NaN -> 0, +-inf -> +-max float
+            big = sys.float_info.max
+            vals = [
+                0.0 if p != p else (big if p == _INF else (-big if p == -_INF else p))
+                for p in probs
+            ]
+            best = max(range(len(vals)), key=vals.__getitem__)  # np.argmax: first id on ties
+            route_l = [*route_l[:-1], gpu_ids[best]]
         route = np.asarray(route_l, dtype=np.int64)
         cpu = [e for e in route_l if not on_gpu[e]]
         return _Prediction(route, raw, set(cpu))
@@ -300,7 +309,7 @@ class DAOPPolicy(Policy):
         layer = view.layer
         if layer == 0:
             self.pred.clear()
-        resident = view.resident[layer]
+        resident = view.resident[layer].tolist()  # a list: per-expert lookups stay cheap
         plan = Plan(actions={}, cpu_serial=True, cpu_first=True)
         actions = plan.actions
         assert actions is not None
@@ -316,8 +325,10 @@ class DAOPPolicy(Policy):
                 for e in view.experts.tolist():
                     actions[e] = GPU if resident[e] else (PRE if e in ready else CPU)
             else:
-                keep = [i for i, e in enumerate(pred.route.tolist()) if resident[e] or e in ready]
-                route = pred.route[keep]
+                route_l = pred.route.tolist()
+                keep = [i for i, e in enumerate(route_l) if resident[e] or e in ready]
+                # every entry kept (the common case): a plain copy, the same array as indexing
+                route = pred.route.copy() if len(keep) == len(route_l) else pred.route[keep]
                 plan.route = route
                 plan.raw_route = pred.raw
                 for e in route.tolist():

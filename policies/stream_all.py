@@ -97,6 +97,8 @@ class StreamAllPolicy(Policy):
         # immutable, so plans may share them)
         self._slots = [[(ll, e) for e in range(n_exp)] for ll in range(n_layers)]
         self._entries = [[(ll, e, None) for e in range(n_exp)] for ll in range(n_layers)]
+        #: (layer, routed experts) -> that layer's prefetch entries (decode_layer)
+        self._prefetch_lists: dict[tuple[int, ...], list[tuple[int, int, None]]] = {}
         return []
 
     def decode_layer(self, view: View) -> Plan:
@@ -107,11 +109,20 @@ class StreamAllPolicy(Policy):
         layer = view.layer
         old = (layer - 2) % self.n_layers
         res_old = view.resident[old].tolist()
-        evict = [s for s, r in zip(self._slots[old], res_old, strict=True) if r]
-        want = set(routed)
+        if False in res_old:
+            evict = [s for s, r in zip(self._slots[old], res_old, strict=True) if r]
+        else:  # every expert of that layer resident (each visit streams the whole layer)
+            evict = self._slots[old][:]
+        # the prefetch list depends on the layer and its routed experts only: made once each
+        key = (layer, *routed)
+        prefetch = self._prefetch_lists.get(key)
+        if prefetch is None:
+            want = set(routed)
+            prefetch = [t for t in self._entries[layer] if t[1] not in want]
+            self._prefetch_lists[key] = prefetch
         return Plan(
             actions=dict.fromkeys(routed, FETCH),
             evict=evict,
-            prefetch=[t for t in self._entries[layer] if t[1] not in want],
+            prefetch=prefetch[:],  # a list of the plan's own
             barrier=self.barrier,
         )

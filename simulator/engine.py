@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass, field
 from itertools import count
+from operator import is_
 from typing import Any
 
 import numpy as np
@@ -1021,7 +1022,7 @@ class Engine(EngineBase):
                 return end
         elif not self._wb and len(plan.prefetch) + len(routed) == self.n_experts:
             # maybe a whole layer streamed in (stream-all, vllm-cpu-offload)
-            end = self._whole_layer_copies(layer, routed, plan, now)
+            end = self._whole_layer_repeat(layer, routed, plan, now)
             if end is not None:
                 return end
         resident, ready_at = res.resident, res.ready_at
@@ -1615,6 +1616,142 @@ class Engine(EngineBase):
         if occ > max_occ:
             res.max_occupancy = occ
         return self._timed_gpu(jobs, now, None, sid, token, layer)
+
+    #: _whole_layer_repeat's memo of plan items already checked by _whole_layer_copies:
+    #: (layer, routed experts) -> (the prefetch list's tuples, the copies' expert order), and
+    #: victim layer -> its full evict list's slot tuples (kept alive, so identity proves them)
+    _repeat_prefetch: dict[tuple[int, ...], tuple[list[Any], list[int]]] | None = None
+    _repeat_evict: dict[int, list[Any]] | None = None
+
+    def _whole_layer_repeat(
+        self, layer: int, routed: list[int], plan: Plan, now: float
+    ) -> float | None:
+        """``_whole_layer_copies`` for a plan made of the very objects of one it has already
+        checked (stream-all builds each layer's plan from the same tuples every token): the
+        item-by-item value and type checks are proven by identity with the memo, the rest
+        (residency rows, victims' ready times, slot budget) is checked as there, and it is
+        applied with the same issue order and sums. Without a recorder only; anything else
+        (a first sight, a partial evict list) goes to ``_whole_layer_copies``, whose
+        successful checks fill the memo."""
+        res = self.res
+        pf = plan.prefetch
+        ev = plan.evict
+        n_exp = self.n_experts
+        if self.recorder is not None or plan.victims:
+            return self._whole_layer_copies(layer, routed, plan, now)
+        memo_pf, memo_ev = self._repeat_prefetch, self._repeat_evict
+        if memo_pf is None or memo_ev is None:
+            memo_pf, memo_ev = self._repeat_prefetch, self._repeat_evict = {}, {}
+        key = (layer, *routed)
+        known = memo_pf.get(key)
+        resident, ready_at = res.resident, res.ready_at
+        vl = -1
+        first = ev[0] if ev else None
+        if first is not None and first.__class__ is tuple and len(first) == 2:
+            vl = first[0]
+        known_ev = memo_ev.get(vl) if vl.__class__ is int else None
+        if (
+            known is None
+            or (ev and known_ev is None)
+            or layer.__class__ is not int
+            or len(pf) != len(known[0])
+            or not all(map(is_, pf, known[0]))
+            or (ev and (len(ev) != n_exp or not all(map(is_, ev, known_ev))))
+        ):
+            return self._whole_layer_copies_memo(layer, routed, plan, now, key)
+        actions = plan.actions
+        assert actions is not None
+        for e in routed:
+            if actions[e] != _FETCH:
+                return None
+        if True in resident[layer].tolist():
+            return None
+        n_layers = self.n_layers
+        if ev:
+            if not 0 <= vl < n_layers or vl == layer or False in resident[vl].tolist():
+                return self._whole_layer_copies_memo(layer, routed, plan, now, key)
+            for x in ready_at[vl].tolist():
+                if x > now:
+                    return None  # still being copied
+        n_ev = len(ev)
+        n_res = res.n_resident - n_ev + n_exp
+        if n_res > res.budget or res.occupancy - n_ev + n_exp > res.cap:
+            return None  # a fill with all slots full, or a fetch waiting for a slot
+        # -- apply, as _whole_layer_copies with every resident expert of layer vl evicted
+        c = self.c
+        eb = self.expert_bytes
+        pre = res.prefetched
+        if ev:
+            resident[vl].fill(False)
+            prow_v = pre[vl]
+            n_wasted = prow_v.tolist().count(True)
+            if n_wasted:
+                prow_v.fill(False)
+                for _ in range(n_wasted):  # the same sum, one addition per victim
+                    c.prefetch_wasted_bytes += eb
+            res.occupancy -= n_ev
+            c.evictions += n_ev
+        self._seq += n_exp
+        res.n_resident = n_res
+        n = len(routed)
+        c.decode_accesses += n
+        self._acc[layer] += n
+        c.h2d_bytes += eb * n_exp
+        c.h2d_expert_copies += n_exp
+        c.fetches += n
+        c.prefetches += n_exp - n
+        where = self.hooks.where
+        # -- serve the copies at ``now`` in issue order: the routed fetches, the prefetches
+        link = self._h2d
+        lane = link.lane
+        dur = link.expert_s
+        free, busy = lane.free_at, lane.busy
+        prow = pre[layer]
+        jobs: list[tuple[float, int]] = []
+        ready = [0.0] * n_exp  # every expert of the layer is written below
+        order = known[1]
+        for e in order[:n]:
+            s = now if now > free else free  # Lane.serve, inlined
+            free = s + dur
+            busy += dur
+            ready[e] = free
+            jobs.append((free, e))
+        for e in order[n:]:
+            s = now if now > free else free
+            free = s + dur
+            busy += dur
+            ready[e] = free
+            prow[e] = True
+        ready_at[layer] = ready
+        resident[layer].fill(True)
+        lane.free_at, lane.busy = free, busy
+        occ = res.occupancy + n_exp
+        res.occupancy = occ
+        if occ > res.max_occupancy:
+            res.max_occupancy = occ
+        return self._timed_gpu(jobs, now, None, where.seq or 0, where.token or 0, layer)
+
+    def _whole_layer_copies_memo(
+        self, layer: int, routed: list[int], plan: Plan, now: float, key: tuple[int, ...]
+    ) -> float | None:
+        """``_whole_layer_copies``, remembering the plan's items for ``_whole_layer_repeat``
+        when its checks pass (a full evict list only)."""
+        ev = plan.evict
+        full_row = False
+        if ev:
+            f = ev[0]
+            if f.__class__ is tuple and len(f) == 2:
+                vl = f[0]
+                if vl.__class__ is int and 0 <= vl < self.n_layers:
+                    full_row = False not in self.res.resident[vl].tolist()
+        end = self._whole_layer_copies(layer, routed, plan, now)
+        if end is not None:
+            assert self._repeat_prefetch is not None and self._repeat_evict is not None
+            order = [*routed, *(t[1] for t in plan.prefetch)]
+            self._repeat_prefetch[key] = (list(plan.prefetch), order)
+            if full_row and len(ev) == self.n_experts:
+                self._repeat_evict[vl] = list(ev)
+        return end
 
     def _cpu_parallel(
         self, experts: list[int], now: float, sid: int, token: int, layer: int
