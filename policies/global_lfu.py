@@ -115,11 +115,12 @@ class GlobalLFUPolicy(LFUCounts, GlobalCachingPolicy):
         if not misses:
             return plan
         protected = set(experts)
+        n_protected = len(protected)  # more resident slots than this: one is not protected
         cached = self.cached
         for e in misses:
             if self.size < self.capacity:
                 self.size += 1
-            elif self.size == sum(1 for x in protected if on[x]):
+            elif self.size <= n_protected and self.size == sum(1 for x in protected if on[x]):
                 actions[e] = TEMP  # every resident slot holds an expert this token needs
                 continue
             else:
