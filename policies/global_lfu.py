@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import heapq
 
-from policies.base import SetupContext, Slot
-from policies.caching import GlobalCachingPolicy
+from policies.base import Plan, SetupContext, Slot, View
+from policies.caching import FETCH, GPU, TEMP, GlobalCachingPolicy
 from policies.lfu import LFUCounts
 from policies.registry import register
 
@@ -39,6 +39,16 @@ class GlobalLFUPolicy(LFUCounts, GlobalCachingPolicy):
         """The LFU statistics and the victim heap."""
         super().init_state(ctx)
         self.heap: list[tuple[int, int, int, int]] = []
+        # a plain-list mirror of ``self.cached`` for the per-layer loops (numpy's per-element
+        # reads cost more than the rest of a layer's bookkeeping); set() fills it
+        self._on: list[list[bool]] = [[False] * ctx.model.experts for _ in self.freq]
+
+    def setup(self, ctx: SetupContext) -> list[Slot]:
+        """Place the initial contents as the base class does; mirror them in plain lists."""
+        slots = list(super().setup(ctx))
+        for layer, e in slots:
+            self._on[layer][e] = True
+        return slots
 
     def _push(self, layer: int, expert: int) -> None:
         heap = self.heap
@@ -62,6 +72,95 @@ class GlobalLFUPolicy(LFUCounts, GlobalCachingPolicy):
         """A new entry is as recent as now."""
         super().inserted(layer, expert, step)
         self._push(layer, expert)
+
+    def decode_layer(self, view: View) -> Plan:
+        """Count, then serve like ``LFUCounts`` + ``GlobalCachingPolicy``, fused into one loop.
+
+        The same decisions, counts, ticks and victims as the two base classes' methods called
+        in turn (hits touched first, then each miss inserted and touched, a victim chosen from
+        the heap); only the per-call overhead is gone. The heap entry the base ``inserted``
+        pushes just before ``touch`` pushes a newer one is skipped: it is stale at once, and
+        stale entries never change which live entry is smallest.
+        """
+        layer = view.layer
+        experts = view.experts.tolist()
+        counts = view.counts
+        freq, last, on = self.freq[layer], self.last[layer], self._on[layer]
+        heap = self.heap
+        limit = 64 + 8 * self.capacity
+        push = heapq.heappush
+        if counts is None:
+            for e in experts:
+                freq[e] += 1
+        else:
+            for e in experts:
+                freq[e] += int(counts[e])
+        actions: dict = {}
+        misses = []
+        tick = self.tick
+        for e in experts:
+            if on[e]:
+                actions[e] = GPU
+                tick += 1
+                last[e] = tick
+                if len(heap) > limit:
+                    self.tick = tick
+                    self._push(layer, e)
+                else:
+                    push(heap, (freq[e], tick, layer, e))
+            else:
+                misses.append(e)
+        self.tick = tick
+        plan = Plan(actions=actions)
+        if not misses:
+            return plan
+        protected = set(experts)
+        n_protected = len(protected)  # more resident slots than this: one is not protected
+        cached = self.cached
+        for e in misses:
+            if self.size < self.capacity:
+                self.size += 1
+            elif self.size <= n_protected and self.size == sum(1 for x in protected if on[x]):
+                actions[e] = TEMP  # every resident slot holds an expert this token needs
+                continue
+            else:
+                victim = self._victim(layer, protected)
+                cached[victim] = False
+                self._on[victim[0]][victim[1]] = False
+                plan.victims[e] = victim
+            actions[e] = FETCH
+            cached[layer, e] = True
+            on[e] = True
+            tick = self.tick + 2  # inserted, then touched: one tick each
+            self.tick = tick
+            last[e] = tick
+            if len(heap) > limit:
+                self._push(layer, e)
+            else:
+                push(heap, (freq[e], tick, layer, e))
+        return plan
+
+    def _victim(self, layer: int, protected: set[int]) -> Slot:
+        """``choose_victim`` on the plain-list mirror of the cache."""
+        heap, freq, last, on = self.heap, self.freq, self.last, self._on
+        pop = heapq.heappop
+        kept = []  # live entries of protected slots, pushed back afterwards
+        victim = None
+        while heap:
+            entry = pop(heap)
+            f, tick, lay, e = entry
+            if not on[lay][e] or last[lay][e] != tick or freq[lay][e] != f:
+                continue  # stale
+            if lay == layer and e in protected:
+                kept.append(entry)
+                continue
+            victim = (lay, e)
+            break
+        for entry in kept:
+            heapq.heappush(heap, entry)
+        if victim is None:
+            raise AssertionError("caller guarantees an unprotected resident expert")
+        return victim
 
     def choose_victim(self, layer: int, protected: set[int], step: int) -> Slot:
         """Fewest accesses over all layers; ties by least recent use (ticks are unique)."""
