@@ -656,6 +656,55 @@ PRESETS: dict[str, ModelShape] = {
             kv_bytes_per_token=_kv(12, 12, 64),
             source=f"{_SRC}: Switch-base-128 (6 enc + 6 dec sparse layers, ReLU FFN, 2 matrices)",
         ),
+        # Switch-large-128 (flaxformer switch_large.gin): 24 encoder + 24 decoder blocks, every
+        # other FFN sparse (12 + 12 MoE layers), d_model 1024, MLP 4096, 16 heads of 64.
+        # Non-expert: encoder 24 x 4 x 1024^2 attention + 12 dense FFNs of 2 x 1024 x 4096;
+        # decoder 24 x 8 x 1024^2 (self + cross attention) + 12 dense FFNs; 24 routers of
+        # 1024 x 128; one tied 32128 x 1024 embedding (as switch-base-128) = 539.4 M.
+        ModelShape(
+            name="switch-large-128",
+            family="switch",
+            layers=48,
+            moe_layers=24,
+            hidden=1024,
+            expert_ffn=4096,
+            experts=128,
+            top_k=1,
+            expert_matrices=2,
+            non_expert_params=24 * 4 * 1024**2
+            + 24 * 8 * 1024**2
+            + 24 * 2 * 1024 * 4096
+            + 24 * 1024 * 128
+            + 32128 * 1024,
+            embedding_params=32128 * 1024,
+            kv_bytes_per_token=_kv(24, 16, 64),
+            source=f"{_SRC}: Switch-large-128 (12 enc + 12 dec sparse layers, ReLU FFN)",
+        ),
+        # The simulator runs one stack of layers for every token, so an encoder-decoder's decode
+        # step is its decoder alone: the encoder runs once over the prompt and its output is
+        # reused. This preset is that decoder (24 blocks, 12 MoE layers, the decoder's attention,
+        # dense FFNs and routers plus the tied embedding = 336.5 M) for decode-time rows.
+        ModelShape(
+            name="switch-large-128-decoder",
+            family="switch",
+            layers=24,
+            moe_layers=12,
+            hidden=1024,
+            expert_ffn=4096,
+            experts=128,
+            top_k=1,
+            expert_matrices=2,
+            non_expert_params=24 * 8 * 1024**2
+            + 12 * 2 * 1024 * 4096
+            + 12 * 1024 * 128
+            + 32128 * 1024,
+            embedding_params=32128 * 1024,
+            kv_bytes_per_token=_kv(24, 16, 64),
+            source=(
+                f"{_SRC}: Switch-large-128's decoder only (12 sparse layers): the decode step "
+                "of the encoder-decoder; the encoder is not modelled"
+            ),
+        ),
     ]
 }
 

@@ -385,3 +385,19 @@ def test_h20_profile_is_the_spec_card_on_the_h100_sxm5_host() -> None:
     assert h20.link == h100.link and h20.cpu == h100.cpu
     assert h20.gpu.mem_bw_gbs > h100.gpu.mem_bw_gbs
     assert h20.gpu.bf16_tflops < h100.gpu.bf16_tflops / 6
+
+
+def test_hybrimoe_host_follows_the_bundled_derivation_rules() -> None:
+    """a6000-xeon5220r-pcie3: the 5220R's ARK figures (6 ch DDR4-2667, 2.2 GHz, one AVX-512 FMA
+    unit, PCIe 3.0) through the rules of docs/hardware-profiles.md, on 10 cores; the A6000 as in
+    a6000-pcie4 and the Gen3 link of a6000-x299-pcie3; no measured constants of another CPU."""
+    p = load_profile("a6000-xeon5220r-pcie3")
+    assert p.cpu.cores_used == 10
+    assert p.cpu.mem_bw_gbs == pytest.approx(0.40 * 6 * 2666.67 * 8 / 1000, abs=0.05)
+    assert p.cpu.fp32_gflops == pytest.approx(0.5 * 10 * 32 * 2.2)
+    assert p.cpu.bf16_gflops == pytest.approx(0.5 * p.cpu.fp32_gflops)
+    assert p.gpu == load_profile("a6000-pcie4").gpu
+    assert p.link == load_profile("a6000-x299-pcie3").link
+    assert not p.measured
+    # ten one-FMA cores compute far less than DAOP's 18 two-FMA cores on the same card
+    assert p.cpu.fp32_gflops < load_profile("a6000-pcie4").cpu.fp32_gflops / 4

@@ -21,6 +21,8 @@ REQUIRED = {
     "gpt-oss-20b",
     "gpt-oss-120b",
     "switch-base-128",
+    "switch-large-128",
+    "switch-large-128-decoder",
     "deepseek-v2",
     "qwen2-57b-a14b",
     "qwen3-235b-a22b",
@@ -43,6 +45,9 @@ CONFIGS = {
     "gpt-oss-20b": (24, 24, 0, 2880, 2880, 32, 4, 0, 0),
     "gpt-oss-120b": (36, 36, 0, 2880, 2880, 128, 4, 0, 0),
     "kimi-k2": (61, 60, 1, 7168, 2048, 384, 8, 1, 2048),
+    # flaxformer switch_large.gin: 24 + 24 blocks, every other FFN sparse, 1024 / 4096, 128 x top-1
+    "switch-large-128": (48, 24, 0, 1024, 4096, 128, 1, 0, 0),
+    "switch-large-128-decoder": (24, 12, 0, 1024, 4096, 128, 1, 0, 0),
 }
 #: Published total parameters (billions) and the tolerance the preset must meet: the model
 #: cards' and papers' figures (docs/references.md#models). Llama-4-Scout's 109 B includes its
@@ -79,6 +84,8 @@ def test_required_presets() -> None:
         ("deepseek-v3", 88.1),
         ("gpt-oss-20b", 49.8),
         ("switch-base-128", 9.4),
+        ("switch-large-128", 16.8),
+        ("switch-large-128-decoder", 16.8),
     ],
 )
 def test_expert_bytes_match_reference(name: str, mb: float) -> None:
@@ -176,3 +183,13 @@ def test_models_show_unknown(cli) -> None:
     result = cli("models", "show", "nope")
     assert result.exit_code == 2
     assert result.stderr.startswith("error: unknown model")
+
+
+def test_switch_large_decoder_is_the_decoder_half() -> None:
+    """The decode-time preset: the same experts, half the MoE layers, less of the rest."""
+    whole, dec = get_model("switch-large-128"), get_model("switch-large-128-decoder")
+    assert dec.expert_bytes() == whole.expert_bytes()
+    assert 2 * dec.total_experts == whole.total_experts
+    # the decoder holds the embedding and more attention (self + cross) than the encoder
+    assert whole.non_expert_params / 2 < dec.non_expert_params < whole.non_expert_params
+    assert dec.kv_bytes_per_token == whole.kv_bytes_per_token

@@ -41,7 +41,8 @@ def test_table_parses_and_rows_are_complete() -> None:
         else:
             assert r.reason.strip(), r.id
     assert sum(r.modelled for r in rows) >= 10
-    assert sum(not r.modelled for r in rows) >= 5
+    # some rows stay not modelled (the reporting path is exercised); issue 16 caps them at 4
+    assert 1 <= sum(not r.modelled for r in rows) <= 4
 
 
 def test_profiles_and_policies_named_by_rows_exist() -> None:
