@@ -54,6 +54,13 @@ GPU_KERNEL_EFFICIENCY: dict[str, float] = {"gguf": 0.87}
 #: its 8-bit scales and its 8-bit zero points in PyTorch before the fused Triton GEMM, at least
 #: two element-wise kernels each (subtract the zero, multiply by the scale): 3 x 2 x 2 = 12.
 DEQUANT_KERNELS: dict[str, int] = {"hqq": 12}
+#: GPU kernels of one layer's fused MoE call under a runtime with ``fused_moe`` (vLLM's and
+#: SGLang's Triton ``fused_moe``; docs/cost-model.md, "Fused MoE"): the block alignment of the
+#: routed tokens by expert, the grouped gate/up GEMM over every selected expert, the activation,
+#: the grouped down GEMM, and the sum over the top-k outputs. Router kernels (softmax, top-k,
+#: renormalise) are part of the non-expert launches. Quantised weights are dequantised inside
+#: the grouped GEMMs, so no extra kernels.
+FUSED_MOE_KERNELS = 5
 #: Weight formats Intel AMX tiles multiply (BF16 and INT8); with ``cpu.amx_bf16_gflops`` their
 #: CPU experts get the AMX compute roof when a call has more than ``AMX_MAX_AVX512_TOKENS``
 #: tokens (kTransformers' AMX backend switches to AVX-512 kernels at 4 tokens or fewer).
@@ -168,11 +175,17 @@ class CostModel:
     def _gpu_expert(self, n: float) -> float:
         if n <= 0:
             return 0.0
+        return (
+            self._gpu_expert_roof(n)
+            + self._gpu_expert_kernels * self.hw.gpu.launch_overhead_us * 1e-6
+        )
+
+    def _gpu_expert_roof(self, n: float) -> float:
+        """Roofline of one GPU expert over n tokens: its weights streamed, its GEMM FLOPs."""
         gpu = self.hw.gpu
         moved = self._gpu_expert_moved(n)
         bw = gpu.mem_bw_gbs * 1e9 * self._gpu_efficiency
-        roof = max(moved / bw, self.expert_flops(n) / (gpu.bf16_tflops * 1e12))
-        return roof + self._gpu_expert_kernels * gpu.launch_overhead_us * 1e-6
+        return max(moved / bw, self.expert_flops(n) / (gpu.bf16_tflops * 1e12))
 
     @cached_property
     def _gpu_efficiency(self) -> float:
@@ -191,6 +204,22 @@ class CostModel:
         """Seconds for one GPU-resident expert to process n tokens (0 tokens: 0 s)."""
         _check_tokens(n_tokens)
         return self._gpu_expert(n_tokens)
+
+    def fused_gpu_expert_s(self, n_tokens: int) -> float:
+        """One GPU expert's share of a fused MoE call over n tokens: its roofline only (its
+        weights are still streamed); the call's launches are :meth:`fused_moe_layer_s`."""
+        _check_tokens(n_tokens)
+        return self._gpu_expert_roof(n_tokens) if n_tokens > 0 else 0.0
+
+    def fused_moe_layer_s(self) -> float:
+        """Device-visible launch cost of one layer's fused MoE call, paid once per layer
+        whatever the number of GPU experts it serves (``FUSED_MOE_KERNELS`` launches)."""
+        return FUSED_MOE_KERNELS * self.hw.gpu.launch_overhead_us * 1e-6
+
+    def fused_nonexpert_layer_s(self, n_tokens: int, context: int) -> float:
+        """:meth:`nonexpert_layer_s` plus the layer's fused MoE launches (runtimes with
+        ``fused_moe``: the experts' GPU calls then carry no launches of their own)."""
+        return self.nonexpert_layer_s(n_tokens, context) + self.fused_moe_layer_s()
 
     # --- CPU -------------------------------------------------------------------------------------
     def _cpu_expert(self, n: float) -> float:

@@ -386,7 +386,13 @@ class Machine:
             "temp": spec.temp_buffers,
             "staging": spec.staging_buffers,
         }
-        self.gpu_s = _memo(costs.gpu_expert_s)
+        #: a fused-MoE runtime: each GPU expert costs its roofline, the layer's call its
+        #: launches once (charged with the layer's non-expert part, see nonexpert_s)
+        self.fused_moe = runtime is not None and runtime.fused_moe
+        self.gpu_s = _memo(costs.fused_gpu_expert_s if self.fused_moe else costs.gpu_expert_s)
+        #: the fused MoE call's launches of one layer (0 on other runtimes); the batched
+        #: serving steps add it to their non-expert part, as nonexpert_s does
+        self.fused_launch_s = costs.fused_moe_layer_s() if self.fused_moe else 0.0
         self.cpu_s = _memo(costs.cpu_expert_s)
         self._cpu_share = _memo(costs.cpu_share)
         self._cpu_dram = _memo(costs.cpu_dram_share)
@@ -428,7 +434,12 @@ class Machine:
         key = (n, context)
         t = self._ne.get(key)
         if t is None:
-            t = self._ne[key] = self.costs.nonexpert_layer_s(n, context)
+            ne = (
+                self.costs.fused_nonexpert_layer_s
+                if self.fused_moe
+                else self.costs.nonexpert_layer_s
+            )
+            t = self._ne[key] = ne(n, context)
         return t
 
     def cpu_layer_nonexpert_s(self, n: int, context: int) -> float:

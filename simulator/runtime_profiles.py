@@ -65,6 +65,9 @@ class RuntimeProfile:
     idle_expert_syncs: int = 0
     #: field -> where its value comes from
     sources: dict[str, str] = field(default_factory=dict, compare=False)
+    #: the GPU experts of a layer run as one fused MoE call (vLLM/SGLang ``fused_moe``): the
+    #: device pays that call's launches once per layer, not each expert's eager kernels
+    fused_moe: bool = False
 
     @property
     def free(self) -> bool:
@@ -77,12 +80,13 @@ class RuntimeProfile:
         for name, _, _ in FIELDS:
             out[name] = getattr(self, name)
         out["sources"] = dict(self.sources)
+        out["fused_moe"] = self.fused_moe
         return out
 
 
 def parse_runtime(data: dict[str, Any], where: str) -> RuntimeProfile:
     """A profile from a TOML table; a bad field is a one-line ``UserError`` naming it."""
-    known = {"name", "summary", "source", *_NUMERIC}
+    known = {"name", "summary", "source", "fused_moe", *_NUMERIC}
     for key in data:
         if key not in known:
             raise UserError(f"{where}: unknown field {key!r} (known: {', '.join(sorted(known))})")
@@ -101,8 +105,12 @@ def parse_runtime(data: dict[str, Any], where: str) -> RuntimeProfile:
     if not isinstance(sources, dict) or not all(isinstance(s, str) for s in sources.values()):
         raise UserError(f"{where}: [source] must map field names to strings")
     for key in sources:
-        if key not in _NUMERIC:
+        if key not in _NUMERIC and key != "fused_moe":
             raise UserError(f"{where}: [source] names unknown field {key!r}")
+    fused = data.get("fused_moe", False)
+    if not isinstance(fused, bool):
+        raise UserError(f"{where}: field 'fused_moe' must be true or false, got {fused!r}")
+    values["fused_moe"] = fused
     summary = data.get("summary", "")
     if not isinstance(summary, str):
         raise UserError(f"{where}: field 'summary' must be a string")

@@ -298,3 +298,51 @@ def test_bad_profile_fields_are_one_line_errors(tmp_path: Path) -> None:
         parse_runtime({"name": "x", "expert_kernels": 1.5}, "x.toml")
     with open(runtimes_dir() / "hf-eager.toml", "rb") as f:
         assert parse_runtime(tomllib.load(f), "hf-eager.toml") == get_runtime("hf-eager")
+
+
+# -- fused MoE (docs/cost-model.md, "Fused MoE") ---------------------------------------------
+@pytest.mark.parametrize("cls", [Engine, ReferenceEngine])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_a_fused_runtime_charges_one_launch_set_per_layer_an_eager_one_per_expert(
+    cls: type[EngineBase], k: int
+) -> None:
+    # k resident experts per layer, one decode token, no host costs: the GPU stream alone
+    model = tiny_model(experts=4, top_k=k, moe_layers=2)
+    costs = cost_model(HW, model)
+    launch = HW.gpu.launch_overhead_us * US
+    k_e = 2 * model.expert_matrices - 1  # the eager forward: one GEMM per matrix + element-wise
+    moved = model.expert_bytes() + 2 * model.hidden * 2  # weights, activation in and out
+    roof = max(
+        moved / (HW.gpu.mem_bw_gbs * 1e9),
+        2.0 * model.params_per_expert / (HW.gpu.bf16_tflops * 1e12),
+    )
+
+    def run(fused: bool) -> tuple[EngineBase, float]:
+        r = routing_from_experts(model, [[list(range(k)), list(range(k))]], seq_id=0, n_prefill=0)
+        prof = RuntimeProfile("fused" if fused else "eager", fused_moe=fused)
+        eng = cls(AllGPUPolicy(), model, costs, model.total_experts, runtime=prof)
+        return eng, eng.run(iter([r])).e2e
+
+    eager, t_eager = run(False)
+    fused, t_fused = run(True)
+    assert eager.machine.gpu_s(1) == pytest.approx(roof + k_e * launch, rel=1e-12)
+    assert fused.machine.gpu_s(1) == pytest.approx(roof, rel=1e-12)  # weights still streamed
+    ctx = 0
+    ne = costs.nonexpert_layer_s(1, ctx)
+    assert fused.machine.nonexpert_s(1, ctx) == pytest.approx(ne + 5 * launch, rel=1e-12)
+    # per layer: the eager runtime launches k x k_e kernels, the fused one 5 whatever k is
+    assert t_eager - t_fused == pytest.approx(2 * (k * k_e - 5) * launch, rel=1e-9)
+    assert t_fused == pytest.approx(2 * (ne + 5 * launch + k * roof), rel=1e-9)
+
+
+def test_only_the_cuda_graph_profile_is_fused_and_says_why() -> None:
+    fused = {n for n in runtime_names() if get_runtime(n).fused_moe}
+    assert fused == {"cuda-graph"}
+    assert "fused_moe.py" in get_runtime("cuda-graph").sources["fused_moe"]
+    assert get_runtime("cuda-graph").to_dict()["fused_moe"] is True
+
+
+def test_fused_moe_must_be_a_boolean() -> None:
+    with pytest.raises(UserError, match="'fused_moe' must be true or false"):
+        parse_runtime({"name": "x", "fused_moe": 1}, "x.toml")
+    assert parse_runtime({"name": "x", "fused_moe": True}, "x.toml").fused_moe
