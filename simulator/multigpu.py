@@ -245,6 +245,13 @@ class ShardedPolicy(Policy):
         resident = view.resident[np.ix_(pl.layers_of[k], experts_k)]
         resident.flags.writeable = False
         v.resident = resident
+        # the runtime's own view of which copies are still in flight: on a shared uplink (or one
+        # carrying peer activations) a policy's private ledger of its copies under-predicts
+        ready = view.ready
+        if ready is not None:
+            ready = ready[np.ix_(pl.layers_of[k], experts_k)]
+            ready.flags.writeable = False
+        v.ready = ready
         nxt = view.next_experts
         if nxt is not None and (k, layer + 1) in pl.local_layer:
             v.next_experts = np.array(
@@ -460,6 +467,11 @@ class _MultiBase:
         self._peer_max = list(occ)
         self._peer_k = 0
         self._peer_home = [m.gpus[k] for k in placement.home]
+        #: policies see when each copy lands (View.ready): with several GPUs the copies of one
+        #: GPU's policy instance share lanes with the others' copies and peer activations
+        ready = res.ready_at.view()
+        ready.flags.writeable = False
+        eng.view.ready = ready
         #: per-GPU bytes: expert copies in, write-backs out; and bytes per peer path
         self.peer_h2d_bytes = [0] * n
         self.peer_d2h_bytes = [0] * n
