@@ -118,12 +118,12 @@ class View:
         "phase",
         "position",
         "probs",
+        "ready",
         "resident",
         "seq_id",
         "step",
         "token",
         "weights",
-        "ready",
     )
 
     def __init__(self) -> None:

@@ -199,7 +199,10 @@ def _multi_gpu_config(
     if mg is None:
         return None
     if profile.link.unified:
-        raise UserError(f"profile {profile.name!r} has unified memory: --gpus > 1 needs PCIe")
+        raise UserError(
+            f"profile {profile.name!r} has unified memory: --gpus > 1 needs a multi-GPU PCIe "
+            "profile (--hw), or give --gpus 1"
+        )
     return mg
 
 
@@ -546,8 +549,9 @@ def simulate(
     mg = _multi_gpu_config(profile, gpus, multi_gpu, pol, rt)
     if mg is not None and host_tier is not None:
         raise UserError(
-            "a host-memory budget (the SSD tier) with --gpus > 1 is not supported yet; "
-            "give --gpus 1 or a profile without cpu.memory_gb"
+            "a host-memory budget (--host-memory-gb or the profile's cpu.memory_gb: the SSD "
+            "tier) with --gpus > 1 is not supported yet; give --gpus 1 or a profile without "
+            "cpu.memory_gb"
         )
 
     # the metadata counts feed the memory budget below: check them against the rows first
@@ -630,7 +634,8 @@ def simulate(
     if mg is not None and n_cpu_layers:
         raise UserError(
             f"policy {pol.name!r} keeps {n_cpu_layers} layers on the CPU, which --gpus > 1 does "
-            "not support yet"
+            "not support yet; give --gpus 1, or --gpu-experts / --cache-ratio for every layer "
+            "where they fit"
         )
 
     calib = calib_pre = None
