@@ -484,3 +484,86 @@ def test_cpu_layers_and_host_budget_refusals_name_the_option() -> None:
         text = out.output.strip()
         assert out.exit_code != 0 and "Traceback" not in text and len(text.splitlines()) == 1
         assert want in text and "--gpus" in text
+
+
+def _skewed_trace(path):  # type: ignore[no-untyped-def]
+    """Tiny model (8 experts, top-2): experts 0 and 2 (both GPU 0 under ``mod``) are picked
+    by most tokens of every layer, the rest at random."""
+    from simulator.testing import make_meta, routing_from_experts, tiny_model
+    from simulator.trace import write_trace
+
+    model = tiny_model()
+    rng = np.random.default_rng(3)
+    seqs = []
+    for s in range(8):
+        ex = np.empty((12, model.moe_layers, 2), dtype=np.int64)
+        for t in range(12):
+            for lay in range(model.moe_layers):
+                hot = rng.random() < 0.7
+                ex[t, lay] = (0, 2) if hot else rng.choice(model.experts, 2, replace=False)
+        seqs.append(routing_from_experts(model, ex, n_prefill=4, seq_id=s))
+    return write_trace(path, make_meta(model), seqs)
+
+
+def test_balanced_expert_placement_evens_routed_traffic(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``--expert-placement balanced`` splits the two hot experts over the GPUs, so the busiest
+    GPU computes fewer experts than under ``mod``; both executors agree; slots unchanged."""
+    trace = _skewed_trace(tmp_path / "skew.parquet")
+    got = {}
+    for rule in ("mod", "balanced"):
+        kw = dict(policy="lru", hw="2x-rtx4090-pcie4", trace=trace, gpu_experts=8, gpus=2,
+                  expert_placement=rule, calibration=None)  # fmt: skip
+        fast = simulate(**kw)  # type: ignore[arg-type]
+        ref = simulate(engine="reference", **kw)  # type: ignore[arg-type]
+        assert fast.metrics["e2e_s"] == pytest.approx(ref.metrics["e2e_s"], abs=1e-9)
+        mg = fast.config["multi_gpu"]
+        assert mg["expert_placement"] == rule
+        per = mg["per_gpu"]
+        assert sorted(e for g in per for e in g["experts"]) == list(range(8))
+        assert [len(g["experts"]) for g in per] == [4, 4]
+        got[rule] = (max(g["expert_computations"] for g in per), per)
+    assert got["mod"][1][0]["experts"] == [0, 2, 4, 6]
+    hot_gpus = {k for k, g in enumerate(got["balanced"][1]) for e in (0, 2) if e in g["experts"]}
+    assert hot_gpus == {0, 1}
+    assert got["balanced"][0] < got["mod"][0]
+
+
+def test_balanced_packing_largest_first_onto_least_loaded() -> None:
+    """The greedy packing by hand: equal expert counts, hottest experts on different GPUs."""
+    from simulator.multigpu import balanced_experts
+
+    pop = np.array([100, 1, 90, 1, 50, 40, 1, 1])
+    # 0, 2, 4 (to GPU 1: 90 < 100), 5 (to GPU 0: 100 < 140), then the 1s alternate on ties
+    assert balanced_experts(pop, 2) == [[0, 1, 5, 6], [2, 3, 4, 7]]
+    # more GPUs than the counts split evenly: every expert placed once, counts as under mod
+    out = balanced_experts(np.arange(7), 3)
+    assert sorted(e for x in out for e in x) == list(range(7))
+    assert [len(x) for x in out] == [3, 2, 2]
+
+
+@pytest.mark.parametrize(
+    "args,msg",
+    [
+        (["--gpus", "2", "--hw", "2x-rtx4090-pcie4", "--expert-placement", "even"], "mod"),
+        (
+            [
+                "--gpus",
+                "2",
+                "--hw",
+                "2x-rtx4090-pcie4",
+                "--multi-gpu",
+                "pipeline",
+                "--expert-placement",
+                "balanced",
+            ],
+            "--multi-gpu expert",
+        ),
+        (["--expert-placement", "balanced"], "--gpus 2"),
+    ],
+)
+def test_bad_expert_placement_is_one_line(args: list[str], msg: str) -> None:
+    """An unknown rule, or a rule without expert parallelism, is a one-line error."""
+    out = CliRunner().invoke(main, ["run", "--trace", TRACE, "--sequences", "1", *args])
+    text = out.output.strip()
+    assert out.exit_code != 0 and "Traceback" not in text and len(text.splitlines()) == 1
+    assert msg in text and "--expert-placement" in text
