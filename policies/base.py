@@ -118,6 +118,7 @@ class View:
         "phase",
         "position",
         "probs",
+        "ready",
         "resident",
         "seq_id",
         "step",
@@ -150,6 +151,11 @@ class View:
         #: mask of experts host memory holds (the rest are on the SSD); None when the host
         #: holds every expert
         self.host_resident: np.ndarray | None = None
+        #: the ``[layers, experts]`` times at which each resident expert's weights land (a time
+        #: <= ``now`` once landed, infinity while its copy waits to start): what a runtime knows
+        #: by querying its copies' events; None when the executor does not provide it (the
+        #: one-GPU executors do not; the multi-GPU ones do, docs/serving.md "Multiple GPUs")
+        self.ready: np.ndarray | None = None
 
     @property
     def is_prefill(self) -> bool:

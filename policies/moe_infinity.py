@@ -150,6 +150,8 @@ class MoEInfinityPolicy(Policy):
         self.gap = ctx.costs.nonexpert_layer_s(1, 0) + m.top_k * ctx.costs.gpu_expert_s(1)
         self.link_free = 0.0  # when the copy link finishes the copies this policy issued
         self.inflight: dict[Slot, float] = {}  # prefetched slot -> its copy's end
+        #: the runtime's landing times (View.ready) of the current decision, when it gives them
+        self.ready: np.ndarray | None = None
         self.capacity = int(ctx.budget)
         self.cached = [[False] * n_exp for _ in range(n_layers)]
         slots = global_initial(ctx, str(self.options["initial"]), self.capacity)
@@ -233,6 +235,7 @@ class MoEInfinityPolicy(Policy):
         """The lowest-priority evictable expert, never one in ``keep`` (None if none)."""
         heap, cached, cnt = self.heap, self.cached, self.cnt
         inflight = self.inflight
+        ready = self.ready
         skipped = []
         found: Slot | None = None
         while heap:
@@ -246,6 +249,11 @@ class MoEInfinityPolicy(Policy):
                 heapq.heappush(heap, (now_key, w, e, vl))
                 continue
             if (vl == layer and e in protect) or inflight.get((vl, e), -1.0) > now:
+                skipped.append(item)
+                continue
+            if ready is not None and ready[vl, e] > now:
+                # still in flight by the runtime's account: the ledger missed other copies on
+                # the link (several GPUs on one uplink); never evict an expert being copied
                 skipped.append(item)
                 continue
             if keep is not None and (vl, e) in keep:
@@ -269,6 +277,7 @@ class MoEInfinityPolicy(Policy):
         """Count the step into the EAM, serve the layer from the cache, then prefetch."""
         layer = view.layer
         now = view.now
+        self.ready = view.ready
         if layer == 0:
             self._match()
         experts = view.experts.tolist()

@@ -45,6 +45,8 @@ from simulator.reference import ReferenceEngine
 from simulator.runtime_profiles import RuntimeProfile
 
 MODES = ("expert", "pipeline")
+#: expert-parallel placement rules (``--expert-placement``)
+EXPERT_PLACEMENTS = ("mod", "balanced")
 #: operation kind of an activation transfer between two GPUs (after the engine's kinds)
 PEER = 5
 
@@ -57,10 +59,23 @@ class MultiGpuConfig:
 
     gpus: int
     mode: str = "expert"
+    #: expert parallel: ``mod`` (expert e on GPU e mod N) or ``balanced`` (by calibration
+    #: popularity, :func:`balanced_experts`)
+    placement: str = "mod"
 
 
-def check_config(profile: HardwareProfile, gpus: int, mode: str | None) -> MultiGpuConfig | None:
-    """The run's multi-GPU setting from ``--gpus``/``--multi-gpu``; None for one GPU."""
+def check_config(
+    profile: HardwareProfile, gpus: int, mode: str | None, placement: str | None = None
+) -> MultiGpuConfig | None:
+    """The run's multi-GPU setting from ``--gpus``/``--multi-gpu``/``--expert-placement``;
+    None for one GPU."""
+    if placement is not None:
+        if placement not in EXPERT_PLACEMENTS:
+            raise UserError(
+                f"--expert-placement must be one of {list(EXPERT_PLACEMENTS)}, got {placement!r}"
+            )
+        if gpus < 2 or (mode or "expert") != "expert":
+            raise UserError("--expert-placement needs --gpus 2 or more and --multi-gpu expert")
     if gpus < 1:
         raise UserError(f"--gpus must be >= 1, got {gpus}")
     if mode is not None and mode not in MODES:
@@ -74,20 +89,57 @@ def check_config(profile: HardwareProfile, gpus: int, mode: str | None) -> Multi
         if mode is not None:
             raise UserError("--multi-gpu needs --gpus 2 or more")
         return None
-    return MultiGpuConfig(gpus, mode or "expert")
+    return MultiGpuConfig(gpus, mode or "expert", placement or "mod")
+
+
+def balanced_experts(popularity: np.ndarray, n: int) -> list[list[int]]:
+    """Experts per GPU, spreading routed traffic: largest-first onto the least-loaded GPU.
+
+    ``popularity`` is each expert's calibration selection count summed over the layers (one
+    assignment serves every layer, as ``mod`` does). Each GPU takes as many experts as under
+    ``mod`` (so the slot capacity per GPU is unchanged); experts go in descending popularity
+    (ties: lower index) to the GPU with the least assigned traffic that still has room (ties:
+    lower GPU). This is the greedy balanced packing of expert-parallel load balancers
+    (DeepSeek's EPLB, docs/references.md#multiple-gpus), without replicating experts.
+    """
+    e_total = len(popularity)
+    room = [len(range(k, e_total, n)) for k in range(n)]
+    load = [0.0] * n
+    out: list[list[int]] = [[] for _ in range(n)]
+    for e in sorted(range(e_total), key=lambda x: (-float(popularity[x]), x)):
+        k = min((k for k in range(n) if room[k] > 0), key=lambda k: (load[k], k))
+        out[k].append(e)
+        load[k] += float(popularity[e])
+        room[k] -= 1
+    return [sorted(x) for x in out]
 
 
 class Placement:
     """Which GPU holds each (layer, expert) and on which GPU each layer's non-expert part runs."""
 
-    def __init__(self, cfg: MultiGpuConfig, n_layers: int, n_experts: int) -> None:
+    def __init__(
+        self,
+        cfg: MultiGpuConfig,
+        n_layers: int,
+        n_experts: int,
+        popularity: np.ndarray | None = None,
+    ) -> None:
         n = self.n = cfg.gpus
         self.mode = cfg.mode
+        self.rule = cfg.placement if cfg.mode == "expert" else "stages"
         if cfg.mode == "expert":
             if n > n_experts:
                 raise UserError(f"--gpus {n}: the model has only {n_experts} experts per layer")
             self.layers_of = [list(range(n_layers)) for _ in range(n)]
-            self.experts_of = [list(range(k, n_experts, n)) for k in range(n)]
+            if cfg.placement == "balanced":
+                if popularity is None:
+                    raise UserError(
+                        "--expert-placement balanced needs calibration counts; use held-out "
+                        "sequences (the default), --calibration self or --calibration PATH"
+                    )
+                self.experts_of = balanced_experts(np.asarray(popularity), n)
+            else:
+                self.experts_of = [list(range(k, n_experts, n)) for k in range(n)]
             self.home = [0] * n_layers
         else:
             if n > n_layers:
@@ -245,6 +297,13 @@ class ShardedPolicy(Policy):
         resident = view.resident[np.ix_(pl.layers_of[k], experts_k)]
         resident.flags.writeable = False
         v.resident = resident
+        # the runtime's own view of which copies are still in flight: on a shared uplink (or one
+        # carrying peer activations) a policy's private ledger of its copies under-predicts
+        ready = view.ready
+        if ready is not None:
+            ready = ready[np.ix_(pl.layers_of[k], experts_k)]
+            ready.flags.writeable = False
+        v.ready = ready
         nxt = view.next_experts
         if nxt is not None and (k, layer + 1) in pl.local_layer:
             v.next_experts = np.array(
@@ -460,6 +519,11 @@ class _MultiBase:
         self._peer_max = list(occ)
         self._peer_k = 0
         self._peer_home = [m.gpus[k] for k in placement.home]
+        #: policies see when each copy lands (View.ready): with several GPUs the copies of one
+        #: GPU's policy instance share lanes with the others' copies and peer activations
+        ready = res.ready_at.view()
+        ready.flags.writeable = False
+        eng.view.ready = ready
         #: per-GPU bytes: expert copies in, write-backs out; and bytes per peer path
         self.peer_h2d_bytes = [0] * n
         self.peer_d2h_bytes = [0] * n
@@ -556,11 +620,13 @@ class _MultiBase:
                     "uplink": h.lane.name,
                     "layers": self.pl.layers_of[k][:1] + self.pl.layers_of[k][-1:],
                     "experts_per_layer": len(self.pl.experts_of[k]),
+                    "experts": list(self.pl.experts_of[k]),
                 }
             )
         return {
             "gpus": self.pl.n,
             "mode": self.pl.mode,
+            "expert_placement": self.pl.rule,
             "peer_kind": m.multi.peer_kind,
             "per_gpu": gpus,
             "peer_bytes": dict(sorted(self.peer_bytes.items())),
@@ -1119,12 +1185,14 @@ def engine_for(name: str) -> type[Engine] | type[ReferenceEngine]:
 
 
 __all__: Iterable[str] = (
+    "EXPERT_PLACEMENTS",
     "MODES",
     "MultiGpuConfig",
     "MultiGpuEngine",
     "MultiGpuReference",
     "Placement",
     "ShardedPolicy",
+    "balanced_experts",
     "check_config",
     "engine_for",
     "split_budget",

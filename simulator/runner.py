@@ -191,15 +191,19 @@ def _multi_gpu_config(
     mode: str | None,
     pol: Policy,
     rt: RuntimeProfile,
+    placement: str | None = None,
 ) -> Any:
     """The run's multi-GPU setting (None for one GPU); refuses what it does not model."""
     from simulator.multigpu import check_config
 
-    mg = check_config(profile, gpus, mode)
+    mg = check_config(profile, gpus, mode, placement)
     if mg is None:
         return None
     if profile.link.unified:
-        raise UserError(f"profile {profile.name!r} has unified memory: --gpus > 1 needs PCIe")
+        raise UserError(
+            f"profile {profile.name!r} has unified memory: --gpus > 1 needs a multi-GPU PCIe "
+            "profile (--hw), or give --gpus 1"
+        )
     return mg
 
 
@@ -501,6 +505,7 @@ def simulate(
     model: str | None = None,
     gpus: int = 1,
     multi_gpu: str | None = None,
+    expert_placement: str | None = None,
 ) -> RunResult:
     """Run one policy on one machine over a trace; see docs/metrics.md for the result.
 
@@ -521,7 +526,8 @@ def simulate(
     synthetic trace is generated (and cached outside the repository) for the run.
     declares. ``gpus``/``multi_gpu``: several GPUs of a multi-GPU profile, ``"expert"``
     (default) or ``"pipeline"`` placement (docs/serving.md, "Multiple GPUs"); the budget
-    (``cache_ratio``, ``gpu_experts`` or what fits) is then per GPU.
+    (``cache_ratio``, ``gpu_experts`` or what fits) is then per GPU. ``expert_placement``:
+    expert parallel's rule, ``"mod"`` (default) or ``"balanced"`` (by calibration popularity).
     """
     if lookahead not in LOOKAHEAD_CHOICES:
         raise UserError(f"--lookahead must be one of {list(LOOKAHEAD_CHOICES)}, got {lookahead!r}")
@@ -543,17 +549,20 @@ def simulate(
     host_tier = host_tier_config(
         profile, costs, host_memory_gb, ssd_path, pol.resources().ssd_access
     )
-    mg = _multi_gpu_config(profile, gpus, multi_gpu, pol, rt)
+    mg = _multi_gpu_config(profile, gpus, multi_gpu, pol, rt, expert_placement)
     if mg is not None and host_tier is not None:
         raise UserError(
-            "a host-memory budget (the SSD tier) with --gpus > 1 is not supported yet; "
-            "give --gpus 1 or a profile without cpu.memory_gb"
+            "a host-memory budget (--host-memory-gb or the profile's cpu.memory_gb: the SSD "
+            "tier) with --gpus > 1 is not supported yet; give --gpus 1 or a profile without "
+            "cpu.memory_gb"
         )
 
     # the metadata counts feed the memory budget below: check them against the rows first
     ids = checked_sequence_ids(trace_path, meta)
     wants_cal = pol.uses_calibration()
-    mode = "none" if calibration is None and not wants_cal else calibration
+    # a balanced expert placement needs popularity counts: held-out sequences by default
+    wants_pop = mg is not None and mg.placement == "balanced"
+    mode = "none" if calibration is None and not (wants_cal or wants_pop) else calibration
     mode = "held-out" if mode is None else str(mode)
     ext_cal = None if mode in ("held-out", *CALIBRATION_MODES) else Path(mode)
     arrivals = None
@@ -630,7 +639,8 @@ def simulate(
     if mg is not None and n_cpu_layers:
         raise UserError(
             f"policy {pol.name!r} keeps {n_cpu_layers} layers on the CPU, which --gpus > 1 does "
-            "not support yet"
+            "not support yet; give --gpus 1, or --gpu-experts / --cache-ratio for every layer "
+            "where they fit"
         )
 
     calib = calib_pre = None
@@ -706,7 +716,20 @@ def simulate(
     if mg is not None:  # several GPUs: per-GPU budgets, one policy instance per GPU
         from simulator import multigpu
 
-        placement = multigpu.Placement(mg, model.moe_layers, model.experts)
+        popularity = None
+        if wants_pop:
+            pop, pop_pre = calib, calib_pre
+            if pop is None:  # the policy itself takes no calibration: count them here only
+                if ext_cal is not None:
+                    p_path = resolve_trace(ext_cal)
+                    p_meta = read_meta(p_path)
+                    p_ids = checked_sequence_ids(p_path, p_meta)
+                    pop, pop_pre = calibration_counts(p_path, p_meta, p_ids)
+                elif cal_ids:
+                    pop, pop_pre = calibration_counts(trace_path, meta, cal_ids)
+            if pop is not None:
+                popularity = (pop + (0 if pop_pre is None else pop_pre)).sum(axis=0)
+        placement = multigpu.Placement(mg, model.moe_layers, model.experts, popularity)
         budgets = multigpu.split_budget(placement, budget)
         budget = sum(budgets)
         pol = multigpu.ShardedPolicy(pol, placement, budgets)

@@ -386,3 +386,184 @@ def test_gather_barrier_on_two_gpus(mode: str) -> None:
     joined = pd.concat([copies.rename("copy"), starts.rename("start")], axis=1).dropna()
     assert len(joined) > 0
     assert (joined["start"] >= joined["copy"] - 1e-12).all()
+
+
+def _agree(policy: str, hw: str, mode: str) -> None:
+    """Both executors run ``policy`` on two GPUs to the same end (1e-9 s) and timeline."""
+    fast = run(policy, hw, gpus=2, multi_gpu=mode)
+    ref = run(policy, hw, gpus=2, multi_gpu=mode, engine="reference")
+    assert fast.metrics["e2e_s"] == pytest.approx(ref.metrics["e2e_s"], abs=1e-9)
+    assert len(fast.timeline) == len(ref.timeline) > 0
+
+
+def test_moe_infinity_on_a_shared_uplink_never_evicts_a_copy_in_flight() -> None:
+    """Two GPUs on one uplink: each instance's own link ledger misses the other's copies (and
+    the peer activations), so it once picked a victim still being copied and the engine
+    refused the run; with View.ready every victim it names has landed."""
+    victims: list[float] = []
+
+    class Spy(get_policy_class("moe-infinity")):  # type: ignore[misc,valid-type]
+        name = "moe-infinity"
+
+        def decode_layer(self, view: View) -> Plan:
+            plan = super().decode_layer(view)
+            assert view.ready is not None
+            gone = list(plan.victims.values()) + [v for *_, v in plan.prefetch if v is not None]
+            victims.extend(float(view.ready[v]) - view.now for v in gone)
+            return plan
+
+    for mode in ("expert", "pipeline"):
+        simulate(policy=Spy(), hw="2x-rtx4090-pcie4", trace=TRACE, sequences=1,
+                 gpu_experts=40, gpus=2, multi_gpu=mode)  # fmt: skip
+        _agree("moe-infinity", "2x-rtx4090-pcie4", mode)
+    assert victims and max(victims) <= 0.0
+
+
+def test_sharded_view_tells_each_gpu_when_its_copies_land() -> None:
+    """ShardedPolicy hands each instance the landing times of its own GPU's slots only."""
+    seen: list[tuple[int, tuple[int, int]]] = []
+
+    class Spy(get_policy_class("lru")):  # type: ignore[misc,valid-type]
+        name = "lru"
+
+        def decode_layer(self, view: View) -> Plan:
+            assert view.ready is not None and not view.ready.flags.writeable
+            assert view.ready.shape == view.resident.shape
+            # a slot not resident may hold a stale time; a resident one is known
+            seen.append((id(self), view.ready.shape))
+            return super().decode_layer(view)
+
+    simulate(policy=Spy(), hw="2x-rtx4090-pcie4", trace=TRACE, sequences=1, gpu_experts=40,
+             gpus=2)  # fmt: skip
+    assert {shape for _, shape in seen} == {(32, 4)}
+    assert len({i for i, _ in seen}) == 2
+
+
+@pytest.mark.parametrize("mode", ["expert", "pipeline"])
+def test_every_builtin_policy_runs_on_a_shared_uplink(mode: str) -> None:
+    """Every registered built-in policy runs on 2x RTX 4090 (one uplink, peers via host) and
+    both executors agree; the only refusal is a policy keeping layers on the CPU."""
+    from policies.registry import available
+
+    for name in sorted(available()):
+        if name == "llama-cpp-layers":  # CPU-resident layers: a one-line refusal (below)
+            with pytest.raises(UserError, match="--gpus 1"):
+                run(name, gpus=2, multi_gpu=mode)
+            continue
+        _agree(name, "2x-rtx4090-pcie4", mode)
+
+
+def test_unified_memory_refused_in_one_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A unified-memory profile with a [gpus] table: --gpus 2 is a one-line error naming --hw."""
+    from pathlib import Path
+
+    base = Path(__file__).parent.parent / "hardware_profiles" / "jetson-orin-64g.toml"
+    prof = tmp_path / "two-jetsons.toml"
+    prof.write_text(
+        base.read_text() + '\n[gpus]\ncount = 2\nshared_uplink = true\n\n[peer]\nkind = "host"\n'
+    )
+    out = CliRunner().invoke(
+        main, ["run", "--trace", TRACE, "--sequences", "1", "--gpus", "2", "--hw", str(prof)]
+    )
+    text = out.output.strip()
+    assert out.exit_code != 0 and "Traceback" not in text and len(text.splitlines()) == 1
+    assert "unified memory" in text and "--hw" in text and "--gpus 1" in text
+
+
+def test_cpu_layers_and_host_budget_refusals_name_the_option() -> None:
+    """CPU-resident layers and a host-memory budget: one line each, naming what to change."""
+    for args, want in (
+        (["--policy", "llama-cpp-layers"], "--gpu-experts"),
+        (["--host-memory-gb", "400"], "--host-memory-gb"),
+    ):
+        out = CliRunner().invoke(
+            main,
+            ["run", "--trace", TRACE, "--sequences", "1", "--gpus", "2", "--hw",
+             "2x-rtx4090-pcie4", "--gpu-experts", "40", *args],
+        )  # fmt: skip
+        text = out.output.strip()
+        assert out.exit_code != 0 and "Traceback" not in text and len(text.splitlines()) == 1
+        assert want in text and "--gpus" in text
+
+
+def _skewed_trace(path):  # type: ignore[no-untyped-def]
+    """Tiny model (8 experts, top-2): experts 0 and 2 (both GPU 0 under ``mod``) are picked
+    by most tokens of every layer, the rest at random."""
+    from simulator.testing import make_meta, routing_from_experts, tiny_model
+    from simulator.trace import write_trace
+
+    model = tiny_model()
+    rng = np.random.default_rng(3)
+    seqs = []
+    for s in range(8):
+        ex = np.empty((12, model.moe_layers, 2), dtype=np.int64)
+        for t in range(12):
+            for lay in range(model.moe_layers):
+                hot = rng.random() < 0.7
+                ex[t, lay] = (0, 2) if hot else rng.choice(model.experts, 2, replace=False)
+        seqs.append(routing_from_experts(model, ex, n_prefill=4, seq_id=s))
+    return write_trace(path, make_meta(model), seqs)
+
+
+def test_balanced_expert_placement_evens_routed_traffic(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``--expert-placement balanced`` splits the two hot experts over the GPUs, so the busiest
+    GPU computes fewer experts than under ``mod``; both executors agree; slots unchanged."""
+    trace = _skewed_trace(tmp_path / "skew.parquet")
+    got = {}
+    for rule in ("mod", "balanced"):
+        kw = dict(policy="lru", hw="2x-rtx4090-pcie4", trace=trace, gpu_experts=8, gpus=2,
+                  expert_placement=rule, calibration=None)  # fmt: skip
+        fast = simulate(**kw)  # type: ignore[arg-type]
+        ref = simulate(engine="reference", **kw)  # type: ignore[arg-type]
+        assert fast.metrics["e2e_s"] == pytest.approx(ref.metrics["e2e_s"], abs=1e-9)
+        mg = fast.config["multi_gpu"]
+        assert mg["expert_placement"] == rule
+        per = mg["per_gpu"]
+        assert sorted(e for g in per for e in g["experts"]) == list(range(8))
+        assert [len(g["experts"]) for g in per] == [4, 4]
+        got[rule] = (max(g["expert_computations"] for g in per), per)
+    assert got["mod"][1][0]["experts"] == [0, 2, 4, 6]
+    hot_gpus = {k for k, g in enumerate(got["balanced"][1]) for e in (0, 2) if e in g["experts"]}
+    assert hot_gpus == {0, 1}
+    assert got["balanced"][0] < got["mod"][0]
+
+
+def test_balanced_packing_largest_first_onto_least_loaded() -> None:
+    """The greedy packing by hand: equal expert counts, hottest experts on different GPUs."""
+    from simulator.multigpu import balanced_experts
+
+    pop = np.array([100, 1, 90, 1, 50, 40, 1, 1])
+    # 0, 2, 4 (to GPU 1: 90 < 100), 5 (to GPU 0: 100 < 140), then the 1s alternate on ties
+    assert balanced_experts(pop, 2) == [[0, 1, 5, 6], [2, 3, 4, 7]]
+    # more GPUs than the counts split evenly: every expert placed once, counts as under mod
+    out = balanced_experts(np.arange(7), 3)
+    assert sorted(e for x in out for e in x) == list(range(7))
+    assert [len(x) for x in out] == [3, 2, 2]
+
+
+@pytest.mark.parametrize(
+    "args,msg",
+    [
+        (["--gpus", "2", "--hw", "2x-rtx4090-pcie4", "--expert-placement", "even"], "mod"),
+        (
+            [
+                "--gpus",
+                "2",
+                "--hw",
+                "2x-rtx4090-pcie4",
+                "--multi-gpu",
+                "pipeline",
+                "--expert-placement",
+                "balanced",
+            ],
+            "--multi-gpu expert",
+        ),
+        (["--expert-placement", "balanced"], "--gpus 2"),
+    ],
+)
+def test_bad_expert_placement_is_one_line(args: list[str], msg: str) -> None:
+    """An unknown rule, or a rule without expert parallelism, is a one-line error."""
+    out = CliRunner().invoke(main, ["run", "--trace", TRACE, "--sequences", "1", *args])
+    text = out.output.strip()
+    assert out.exit_code != 0 and "Traceback" not in text and len(text.splitlines()) == 1
+    assert msg in text and "--expert-placement" in text

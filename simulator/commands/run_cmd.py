@@ -432,6 +432,14 @@ def render_serving(sv: dict[str, Any]) -> str:
     help="With --gpus > 1: 'expert' (expert e on GPU e mod N, attention on GPU 0; default) "
     "or 'pipeline' (contiguous layer stages).",
 )
+@click.option(
+    "--expert-placement",
+    "expert_placement",
+    type=str,
+    default=None,
+    help="With --multi-gpu expert: 'mod' (expert e on GPU e mod N; default) or 'balanced' "
+    "(calibration popularity spread evenly: largest first onto the least-loaded GPU).",
+)
 @json_option
 def run(
     policy: str,
@@ -468,6 +476,7 @@ def run(
     model: str | None = None,
     gpus: int = 1,
     multi_gpu: str | None = None,
+    expert_placement: str | None = None,
 ) -> None:
     """Simulate one policy on one machine over a routing trace."""
     from simulator.runner import simulate
@@ -525,6 +534,7 @@ def run(
             ssd_path=ssd_path,
             gpus=gpus,
             multi_gpu=multi_gpu,
+            expert_placement=expert_placement,
         )
     if bounds and serving is None and gpus == 1:  # the bounds are single-sequence, one-GPU runs
         result.config["bounds"] = compute_bounds(result, hw, trace, sequences, dtype, seed)
