@@ -406,6 +406,10 @@ class EngineBase:
         (the plan is then untouched). This executor always takes the general path."""
         return None
 
+    #: whether ``_pass`` offers plans with a substituted route or low-bit copies to the
+    #: one-pass paths (``_hits_only``, ``_copies_only``); the general path otherwise
+    _one_pass_low_bit_or_skips = False
+
     def _copies_only(self, layer: int, routed: list[int], plan: Plan, now: float) -> float | None:
         """Check, apply and time in one pass a decode plan made of resident experts, fetches,
         temporary copies, evictions and prefetches (no CPU work, no write-backs); returns when
@@ -586,6 +590,34 @@ class EngineBase:
                         ws = ws_t[layer]
                         c.gate_mass_total += ws
                         c.gate_mass_kept += ws
+                        self.now = end
+                        continue
+                elif (
+                    not prefill
+                    and not cpu_here
+                    and plan.__class__ is Plan
+                    and not plan.precalc
+                    and self._one_pass_low_bit_or_skips
+                ):
+                    # low-bit temporary copies or skipped experts (hobbit): the same one-pass
+                    # paths, then the general path's gate-mass accounting in its order
+                    route = check_route(hooks, plan, n_exp, layer)
+                    routed = experts.tolist() if route is None else route
+                    end = None
+                    if not (plan.low_bit or plan.evict or plan.prefetch or plan.victims):
+                        end = self._hits_only(layer, routed, plan.actions, now)
+                    if end is None:
+                        end = self._copies_only(layer, routed, plan, now)
+                    if end is not None:
+                        if route is None:  # the trace's routing: all its gate mass is kept
+                            c.true_accesses += len(experts)
+                            ws = ws_t[layer]
+                            c.gate_mass_total += ws
+                            c.gate_mass_kept += ws
+                        else:
+                            self._fidelity(plan, route, experts, w_t[layer], ws_t[layer])
+                        if plan.low_bit:
+                            self._low_bit_mass(plan.low_bit, experts, w_t[layer])
                         self.now = end
                         continue
                 if prefill:
@@ -913,6 +945,8 @@ class EngineBase:
 class Engine(EngineBase):
     """The fast executor: a heap of submitted requests served lazily in queueing-rule order."""
 
+    _one_pass_low_bit_or_skips = True
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         m = self.machine
@@ -1020,6 +1054,8 @@ class Engine(EngineBase):
             end = self._victim_fetches(layer, routed, plan, now)
             if end is not None:
                 return end
+        if plan.low_bit:
+            return None  # the general one-pass check below times full-precision copies only
         elif not self._wb and len(plan.prefetch) + len(routed) == self.n_experts:
             # maybe a whole layer streamed in (stream-all, vllm-cpu-offload)
             end = self._whole_layer_repeat(layer, routed, plan, now)
@@ -1295,6 +1331,14 @@ class Engine(EngineBase):
             for e in temps:
                 if row[e]:
                     return None  # a temporary copy of a resident expert
+        low = plan.low_bit
+        if low:
+            # check_plan's _check_low_bit: routed TEMP copies on a system with low-bit copies
+            if self.spec.low_bit_dtype is None or len(temps) > n_temp:
+                return None  # (a copy waiting for a buffer: the general path times it)
+            for e in low:
+                if e not in temps:
+                    return None
         ready_row = ready_at[layer]
         for e in hits:  # resident and timed (no evictions come before them)
             if not row[e] or ready_row[e] == INF:
@@ -1352,6 +1396,8 @@ class Engine(EngineBase):
             return None  # as _copies_only: a copy waiting for a buffer needs a quiet heap
         if n_defer and cpu:
             return None  # CPU experts beside an in-use victim: the general path times both
+        if n_defer and low:
+            return None  # low-bit copies beside an in-use victim: the general path times both
         # without write-backs an evicted slot is free at once, else when its write-back ends
         if res.occupancy - (0 if wb else n_evs) + n_copies > res.cap:
             return None  # a fetch would wait for a slot
@@ -1409,7 +1455,12 @@ class Engine(EngineBase):
         self._hits[layer] += n_hits
         self._acc[layer] += n
         n_h2d = n_copies + len(temps)
-        c.h2d_bytes += eb * n_h2d
+        if low:  # as _apply: a low-bit copy moves the host's low-precision copy
+            n_low = sum(1 for e in temps if e in low)
+            c.low_bit_copies += n_low
+            c.h2d_bytes += eb * (n_h2d - n_low) + self.machine.low_bit_bytes * n_low
+        else:
+            c.h2d_bytes += eb * n_h2d
         c.h2d_expert_copies += n_h2d
         c.fetches += n_copies
         c.temp_copies += len(temps)
@@ -1460,9 +1511,15 @@ class Engine(EngineBase):
             lane = self._h2d.lane
             dur = self._h2d.expert_s
             for e in temps:
-                s, end = lane.serve(now, dur)
-                if rec is not None:
-                    rec.op(lane.name, "temp", sid, token, layer, e, s, end, eb)
+                if low and e in low:  # as _serve_op: the low-bit copy's bytes and time
+                    m = self.machine
+                    s, end = lane.serve(now, m.low_bit_s)
+                    if rec is not None:
+                        rec.op(lane.name, "temp", sid, token, layer, e, s, end, m.low_bit_bytes)
+                else:
+                    s, end = lane.serve(now, dur)
+                    if rec is not None:
+                        rec.op(lane.name, "temp", sid, token, layer, e, s, end, eb)
                 jobs.append((end, e))
         elif temps or late:
             # temporary copies are issued after the routed fetches, one buffer each

@@ -209,6 +209,39 @@ def test_one_copy_engine_and_another_profile(policy: str, opts: dict[str, Any]) 
     _both(policy, "ci-small", 0.125, load_profile("rtx4090-pcie4"), None, **opts)
 
 
+@pytest.mark.parametrize(("low_t", "skip_t"), [(0.0, 1.0), (0.0, 0.0), (0.3, 0.5), (0.0, 0.4)])
+def test_low_bit_copies_and_skips_on_the_one_pass_path(
+    low_t: float, skip_t: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """hobbit's low-bit temporary copies and skipped experts (Plan.low_bit, a substituted
+    route) are timed and counted on the fast engine's one-pass paths as the reference engine
+    times them (the low-bit copy's own time and bytes, the gate-mass accounting), with a
+    cache of a fifth of the experts on the default machine and on one copy engine with a
+    slow host; the fast engine must really take the one-pass path (only prefill layers go
+    through the general path's _apply)."""
+    general = [0]
+    apply = Engine._apply
+
+    def counted(self: Engine, *args: Any, **kwargs: Any) -> Any:
+        general[0] += 1
+        return apply(self, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "_apply", counted)
+    opts = {"low_bit_threshold": low_t, "skip_threshold": skip_t}
+    for hw, runtime in (
+        (load_profile("a6000-pcie4"), None),
+        (one_copy_engine("a6000-pcie4"), SLOW_HOST),
+    ):
+        tl = _both("hobbit", "ci-small", 0.2, hw, runtime, **opts)
+        kind = tl["kind"].astype(str)
+        decode = tl[(tl["resource"].astype(str) == "gpu") & (kind == "expert")]
+        temps = tl[kind == "temp"]
+        if skip_t > low_t:
+            assert len(temps), "no low-bit copy was made"
+    n_decode_layers = len(decode.groupby(["seq", "token", "layer"]))
+    assert general[0] < n_decode_layers, "the one-pass path was not taken"
+
+
 def test_in_use_victims_and_one_pass_layers() -> None:
     """One slot per layer and top-2 routing: a layer's second miss evicts the expert it has
     just run (write-back deferred until that computation ends), on the fast engine's one-pass
