@@ -1079,11 +1079,11 @@ class MultiGpuReference(_MultiBase, ReferenceEngine):
         procs: dict[int, list[simpy.Process]] = {}
         for r, e, src in known:
             procs.setdefault(row[e], []).append(
-                env.process(self._peer_gpu_job(w, row[e], e, r, src, gate, state))
+                env.process(self._gpu(w, e, r, src, gate, state, row[e]))
             )
         for e, src in waiting:
             procs.setdefault(row[e], []).append(
-                env.process(self._peer_gpu_job(w, row[e], e, None, src, gate, state))
+                env.process(self._gpu(w, e, None, src, gate, state, row[e]))
             )
         for k, (_, back) in xfer.items():
             env.process(self._peer_move(back, env.all_of(procs[k])))
@@ -1123,55 +1123,28 @@ class MultiGpuReference(_MultiBase, ReferenceEngine):
             end = cross.end  # type: ignore[assignment]
         return end
 
-    def _peer_gpu_job(
-        self,
-        w: LayerWork,
-        k: int,
-        e: int,
-        ready: float | None,
-        src: LayerOp | None,
-        gate: simpy.Event | None,
-        state: dict[str, Any],
-    ) -> Proc:
-        """One expert on GPU ``k``'s stream, requested when its weights are there."""
-        env = self.env
-        if ready is None:
-            assert src is not None
-            if src.end is None:
-                yield self._event(src)
-            ready = src.end
-        assert ready is not None
-        if gate is not None and not gate.processed:
-            yield gate
-        if ready > env.now:
-            yield env.timeout(ready - env.now)
-        lane = self.machine.gpus[k]
-        with self._res[lane.name].request(priority=(ready, e)) as req:
-            yield req
-            s = env.now
-            g = state["g"][k]
-            if s > g:
-                self.c.transfer_stall += s - g
-            d = self.machine.gpu_s(int(w.counts[e]) if w.counts is not None else 1)
-            host = self._peer_hosts[k]
-            if host is not None:  # the stream waits for its thread to issue the kernels
-                wait = host.expert(g, s, d) - d - s
-                if wait > 0.0:
-                    self.c.dispatch_stall += wait
-                    yield env.timeout(wait)
-                    s = env.now
-            yield env.timeout(d)
-            state["g"][k] = env.now
-            state["busy"] += d
+    # -- ReferenceEngine._gpu's per-GPU hooks: GPU k's lane, clock, thread, buffers --------
+    def _gpu_lane(self, k: int) -> Lane:
+        return self.machine.gpus[k]
+
+    def _gpu_clock(self, state: dict[str, Any], k: int) -> float:
+        return state["g"][k]
+
+    def _gpu_set_clock(self, state: dict[str, Any], k: int, t: float) -> None:
+        state["g"][k] = t
+
+    def _gpu_host(self, k: int) -> Any:
+        return self._peer_hosts[k]
+
+    def _gpu_load(self, k: int, s: float, d: float, n: int) -> None:
+        pass  # the multi-GPU executors do not model unified-memory DRAM load of experts
+
+    def _gpu_done(self, k: int, lane: Lane, d: float) -> None:
         lane.busy += d
         self.peer_experts[k] += 1
-        if self.recorder is not None:
-            self.recorder.op(lane.name, "expert", w.sid, w.token, w.layer, e, s, env.now, 0)
-        wb = w.deferred.pop(e, None)
-        if wb is not None:
-            env.process(self._write_back(wb))
-        if src is not None and src.kind == TEMP:
-            self._kbufs[k].put(src.buf)
+
+    def _gpu_buffers(self, k: int) -> simpy.Store:
+        return self._kbufs[k]
 
 
 def split_budget(placement: Placement, per_gpu: int) -> list[int]:

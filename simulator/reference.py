@@ -369,9 +369,10 @@ class ReferenceEngine(EngineBase):
         ready: float | None,
         src: LayerOp | None,
         gate: simpy.Event | None,
-        state: dict[str, float],
+        state: dict[str, Any],
+        k: int = 0,
     ) -> Proc:
-        """One expert on the GPU stream, requested when its weights are there."""
+        """One expert on GPU ``k``'s stream, requested when its weights are there."""
         env = self.env
         if ready is None:
             assert src is not None
@@ -383,35 +384,65 @@ class ReferenceEngine(EngineBase):
             yield gate
         if ready > env.now:
             yield env.timeout(ready - env.now)
-        with self._res["gpu"].request(priority=(ready, e)) as req:
+        lane = self._gpu_lane(k)
+        with self._res[lane.name].request(priority=(ready, e)) as req:
             yield req
             s = env.now
-            g = state["g"]
+            g = self._gpu_clock(state, k)
             if s > g:
                 self.c.transfer_stall += s - g
             n = int(w.counts[e]) if w.counts is not None else 1
             d = self.machine.gpu_s(n)
-            host = self.machine.host_experts
+            host = self._gpu_host(k)
             if host is not None:  # the stream waits for the host thread to issue the kernels
                 wait = host.expert(g, s, d) - d - s
                 if wait > 0.0:
                     self.c.dispatch_stall += wait
                     yield env.timeout(wait)
                     s = env.now
-            if self._unified:
-                self.machine.gpu_load(s, s + d, n)
-                if self._host.active:
-                    self._cpu_arm()
+            self._gpu_load(k, s, d, n)
             yield env.timeout(d)
-            state["g"] = env.now
+            self._gpu_set_clock(state, k, env.now)
             state["busy"] += d
+        self._gpu_done(k, lane, d)
         if self.recorder is not None:
-            self.recorder.op("gpu", "expert", w.sid, w.token, w.layer, e, s, env.now, 0)
+            self.recorder.op(lane.name, "expert", w.sid, w.token, w.layer, e, s, env.now, 0)
         wb = w.deferred.pop(e, None)
         if wb is not None:  # evicted while in use: written back after its compute
             env.process(self._write_back(wb))
         if src is not None and src.kind == TEMP:
-            self._buffers.put(src.buf)
+            self._gpu_buffers(k).put(src.buf)
+
+    # -- per-GPU hooks of _gpu: one GPU here; simulator/multigpu.py overrides them ----------
+    def _gpu_lane(self, k: int) -> Lane:
+        """GPU ``k``'s stream lane."""
+        return self.machine.gpu
+
+    def _gpu_clock(self, state: dict[str, Any], k: int) -> float:
+        """When GPU ``k``'s stream is free in this layer."""
+        return state["g"]
+
+    def _gpu_set_clock(self, state: dict[str, Any], k: int, t: float) -> None:
+        """GPU ``k``'s stream is free from ``t``."""
+        state["g"] = t
+
+    def _gpu_host(self, k: int) -> Any:
+        """The host thread issuing GPU ``k``'s expert kernels (None: free)."""
+        return self.machine.host_experts
+
+    def _gpu_load(self, k: int, s: float, d: float, n: int) -> None:
+        """An expert computes on GPU ``k`` over [s, s+d): on unified memory it loads the DRAM."""
+        if self._unified:
+            self.machine.gpu_load(s, s + d, n)
+            if self._host.active:
+                self._cpu_arm()
+
+    def _gpu_done(self, k: int, lane: Lane, d: float) -> None:
+        """Per-GPU counters after an expert ran ``d`` seconds (one GPU: counted per layer)."""
+
+    def _gpu_buffers(self, k: int) -> simpy.Store:
+        """GPU ``k``'s temporary buffers."""
+        return self._buffers
 
 
 class _Urgent(simpy.events.Event):

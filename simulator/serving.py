@@ -767,7 +767,7 @@ class Serving:
     def _batch_step(self, eng: EngineBase, batch: list[Request]) -> Generator[Any, Any, None]:
         """One decode token of each request in ``batch``: each layer runs the union of their
         experts, an expert over as many tokens as chose it."""
-        c, v, m, rec = eng.c, eng.view, eng.machine, eng.recorder
+        c, v, rec = eng.c, eng.view, eng.recorder
         hooks, pol = eng.hooks, eng.policy
         where = hooks.where
         n_layers, n_exp = eng.n_layers, eng.n_experts
@@ -813,20 +813,7 @@ class Serving:
                 elif layer and layer == n_cpu_run:
                     where.seq, where.token = -1, step
                     start = eng._cpu_layer_split(start, layer, b, True)
-                if m.host is None:
-                    now = start + d_ne
-                else:  # the runtime's host thread issues the part's kernels (docs/cost-model.md)
-                    start, now = eng._host_nonexpert(start, d_ne, layer == 0)
-                # several GPUs: the layer's home GPU (simulator/multigpu.py)
-                lane = m.gpu if eng._peer_home is None else eng._peer_home[layer]
-                if rec is not None:
-                    rec.op(lane.name, "nonexpert", -1, step, layer, -1, start, start + d_ne, 0)
-                c.gpu_nonexpert_busy += d_ne
-                lane.busy += d_ne
-                if m.unified:
-                    m.gpu_load(start, start + d_ne, b, kv_tokens // b)
-                    if m.cpu.active:
-                        eng._rearm()
+                now = _gpu_nonexpert(eng, start, d_ne, layer, step, b, kv_tokens)
             if eng._due(now):
                 yield now
             where.seq, where.token = rid0, tok0
@@ -867,7 +854,7 @@ class Serving:
         """Prompt rows ``[lo, hi)`` of one request beside one decode token of each request in
         ``st.decoding`` (chunked prefill): each layer runs the union of all these tokens'
         experts, an expert over as many of them as chose it."""
-        c, v, m, rec = eng.c, eng.view, eng.machine, eng.recorder
+        c, v, rec = eng.c, eng.view, eng.recorder
         hooks, pol = eng.hooks, eng.policy
         where = hooks.where
         n_layers, n_exp = eng.n_layers, eng.n_experts
@@ -916,20 +903,7 @@ class Serving:
         t0 = eng.now
         for layer in range(n_layers):
             start = eng.now
-            if m.host is None:
-                now = start + d_ne
-            else:  # the runtime's host thread issues the part's kernels (docs/cost-model.md)
-                start, now = eng._host_nonexpert(start, d_ne, layer == 0)
-            # several GPUs: the layer's home GPU (simulator/multigpu.py)
-            lane = m.gpu if eng._peer_home is None else eng._peer_home[layer]
-            if rec is not None:
-                rec.op(lane.name, "nonexpert", -1, step, layer, -1, start, start + d_ne, 0)
-            c.gpu_nonexpert_busy += d_ne
-            lane.busy += d_ne
-            if m.unified:
-                m.gpu_load(start, start + d_ne, n_tok, kv_all // n_tok)
-                if m.cpu.active:
-                    eng._rearm()
+            now = _gpu_nonexpert(eng, start, d_ne, layer, step, n_tok, kv_all)
             if eng._due(now):
                 yield now
             where.seq, where.token = pre.rid, st.lo
@@ -967,6 +941,29 @@ class Serving:
             self.mixed_steps += 1
             self.batch_steps += 1
             self.batched_tokens += b + 1
+
+
+def _gpu_nonexpert(
+    eng: EngineBase, start: float, d_ne: float, layer: int, step: int, n_tok: int, kv: int
+) -> float:
+    """A step's GPU non-expert part of ``layer`` (``d_ne`` seconds over ``n_tok`` tokens and
+    ``kv`` cached tokens) from ``start``; returns when it ends."""
+    c, m, rec = eng.c, eng.machine, eng.recorder
+    if m.host is None:
+        now = start + d_ne
+    else:  # the runtime's host thread issues the part's kernels (docs/cost-model.md)
+        start, now = eng._host_nonexpert(start, d_ne, layer == 0)
+    # several GPUs: the layer's home GPU (simulator/multigpu.py)
+    lane = m.gpu if eng._peer_home is None else eng._peer_home[layer]
+    if rec is not None:
+        rec.op(lane.name, "nonexpert", -1, step, layer, -1, start, start + d_ne, 0)
+    c.gpu_nonexpert_busy += d_ne
+    lane.busy += d_ne
+    if m.unified:
+        m.gpu_load(start, start + d_ne, n_tok, kv // n_tok)
+        if m.cpu.active:
+            eng._rearm()
+    return now
 
 
 def _pcts(values: list[float]) -> dict[str, float | None]:
