@@ -391,6 +391,9 @@ class ReferenceEngine(EngineBase):
                 self.c.transfer_stall += s - g
             n = int(w.counts[e]) if w.counts is not None else 1
             d = self.machine.gpu_s(n)
+            if not state.get("fused"):  # the layer's fused call, with its first GPU expert
+                d += self.machine.fused_launch_s
+                state["fused"] = 1.0
             host = self.machine.host_experts
             if host is not None:  # the stream waits for the host thread to issue the kernels
                 wait = host.expert(g, s, d) - d - s
