@@ -1161,6 +1161,7 @@ class MultiGpuReference(_MultiBase, ReferenceEngine):
             if k not in fused:  # the fused call of this layer on GPU k, with its first expert
                 fused.add(k)
                 d += self.machine.fused_launch_s
+            host = self._peer_hosts[k]
             if host is not None:  # the stream waits for its thread to issue the kernels
                 wait = host.expert(g, s, d) - d - s
                 if wait > 0.0:
