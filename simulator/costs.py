@@ -212,14 +212,9 @@ class CostModel:
         return self._gpu_expert_roof(n_tokens) if n_tokens > 0 else 0.0
 
     def fused_moe_layer_s(self) -> float:
-        """Device-visible launch cost of one layer's fused MoE call, paid once per layer
-        whatever the number of GPU experts it serves (``FUSED_MOE_KERNELS`` launches)."""
+        """Device-visible launch cost of one layer's fused MoE call, paid once per layer that
+        runs a GPU expert, whatever their number (``FUSED_MOE_KERNELS`` launches)."""
         return FUSED_MOE_KERNELS * self.hw.gpu.launch_overhead_us * 1e-6
-
-    def fused_nonexpert_layer_s(self, n_tokens: int, context: int) -> float:
-        """:meth:`nonexpert_layer_s` plus the layer's fused MoE launches (runtimes with
-        ``fused_moe``: the experts' GPU calls then carry no launches of their own)."""
-        return self.nonexpert_layer_s(n_tokens, context) + self.fused_moe_layer_s()
 
     # --- CPU -------------------------------------------------------------------------------------
     def _cpu_expert(self, n: float) -> float:

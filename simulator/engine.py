@@ -1947,12 +1947,15 @@ class Engine(EngineBase):
         rec = self.recorder
         link = self._h2d
         lane = link.lane
-        d = self.machine.gpu_s(1)
+        d1 = self.machine.gpu_s(1)
+        fused = self.machine.fused_launch_s  # the layer's fused call, with its first expert
         host = self.machine.host_experts  # None when GPU expert calls cost the host nothing
         g = now
         busy = 0.0
         while jobs:
             ready, e, buf = heapq.heappop(jobs)
+            d = d1 + fused
+            fused = 0.0
             drained = g
             if ready > g:
                 c.transfer_stall += ready - g
@@ -2000,7 +2003,8 @@ class Engine(EngineBase):
         gpu_s = self.machine.gpu_s
         unified = self._unified
         host = self.machine.host_experts  # None when GPU expert calls cost the host nothing
-        d = gpu_s(1)  # one decode token per expert
+        d1 = gpu_s(1)  # one decode token per expert
+        fused = self.machine.fused_launch_s  # the layer's fused call, with its first expert
         for ready, e in jobs:
             drained = g
             if ready > g:
@@ -2009,7 +2013,10 @@ class Engine(EngineBase):
             n = 1
             if counts is not None:
                 n = int(counts[e])
-                d = gpu_s(n)
+                d = gpu_s(n) + fused
+            else:
+                d = d1 + fused
+            fused = 0.0
             if host is not None:  # the stream may wait for the host thread to issue it
                 wait = host.expert(drained, g, d) - d - g
                 if wait > 0.0:
@@ -2287,6 +2294,7 @@ class Engine(EngineBase):
         rec = self.recorder
         counts = w.counts
         gpu_s = self.machine.gpu_s
+        fused = self.machine.fused_launch_s  # the layer's fused call, with its first expert
         host = self.machine.host_experts  # None when GPU expert calls cost the host nothing
         deferred = w.deferred
         layer = w.layer
@@ -2302,7 +2310,8 @@ class Engine(EngineBase):
                 c.transfer_stall += ready - g
                 g = ready
             n = int(counts[e]) if counts is not None else 1
-            d = gpu_s(n)
+            d = gpu_s(n) + fused
+            fused = 0.0
             if host is not None:  # the stream may wait for the host thread to issue it
                 wait = host.expert(drained, g, d) - d - g
                 if wait > 0.0:

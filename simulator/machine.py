@@ -387,11 +387,12 @@ class Machine:
             "staging": spec.staging_buffers,
         }
         #: a fused-MoE runtime: each GPU expert costs its roofline, the layer's call its
-        #: launches once (charged with the layer's non-expert part, see nonexpert_s)
+        #: launches once, with the first GPU expert the layer runs on a GPU (a layer whose
+        #: experts all run on the CPU launches no fused call)
         self.fused_moe = runtime is not None and runtime.fused_moe
         self.gpu_s = _memo(costs.fused_gpu_expert_s if self.fused_moe else costs.gpu_expert_s)
-        #: the fused MoE call's launches of one layer (0 on other runtimes); the batched
-        #: serving steps add it to their non-expert part, as nonexpert_s does
+        #: the fused MoE call's launches of one layer (0 on other runtimes), added to the
+        #: first GPU expert call of the layer on each GPU stream
         self.fused_launch_s = costs.fused_moe_layer_s() if self.fused_moe else 0.0
         self.cpu_s = _memo(costs.cpu_expert_s)
         self._cpu_share = _memo(costs.cpu_share)
@@ -434,12 +435,7 @@ class Machine:
         key = (n, context)
         t = self._ne.get(key)
         if t is None:
-            ne = (
-                self.costs.fused_nonexpert_layer_s
-                if self.fused_moe
-                else self.costs.nonexpert_layer_s
-            )
-            t = self._ne[key] = ne(n, context)
+            t = self._ne[key] = self.costs.nonexpert_layer_s(n, context)
         return t
 
     def cpu_layer_nonexpert_s(self, n: int, context: int) -> float:

@@ -827,6 +827,7 @@ class MultiGpuEngine(_MultiBase, Engine):
         rec = self.recorder
         counts = w.counts
         gpu_s = m.gpu_s
+        unfused = set(per)  # GPUs whose fused call is still to be charged (first expert)
         deferred = w.deferred
         layer = w.layer
         hosts = self._peer_hosts
@@ -842,6 +843,9 @@ class MultiGpuEngine(_MultiBase, Engine):
                 c.transfer_stall += ready - gk
                 gk = ready
             d = gpu_s(int(counts[e]) if counts is not None else 1)
+            if k in unfused:  # the fused call of this layer on GPU k, with its first expert
+                unfused.discard(k)
+                d += m.fused_launch_s
             host = hosts[k]
             if host is not None:  # the stream may wait for its thread to issue the kernels
                 wait = host.expert(drained, gk, d) - d - gk

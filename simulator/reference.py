@@ -393,6 +393,10 @@ class ReferenceEngine(EngineBase):
                 self.c.transfer_stall += s - g
             n = int(w.counts[e]) if w.counts is not None else 1
             d = self.machine.gpu_s(n)
+            fused = f"fused{k}"
+            if not state.get(fused):  # the layer's fused call on GPU k, with its first expert
+                d += self.machine.fused_launch_s
+                state[fused] = 1.0
             host = self._gpu_host(k)
             if host is not None:  # the stream waits for the host thread to issue the kernels
                 wait = host.expert(g, s, d) - d - s

@@ -65,8 +65,9 @@ class RuntimeProfile:
     idle_expert_syncs: int = 0
     #: field -> where its value comes from
     sources: dict[str, str] = field(default_factory=dict, compare=False)
-    #: the GPU experts of a layer run as one fused MoE call (vLLM/SGLang ``fused_moe``): the
-    #: device pays that call's launches once per layer, not each expert's eager kernels
+    #: the GPU experts of a layer run as one fused MoE call (vLLM/SGLang ``fused_moe``,
+    #: llama.cpp ``mul_mat_id``): the device pays that call's launches once per layer that runs
+    #: a GPU expert, not each expert's eager kernels
     fused_moe: bool = False
 
     @property

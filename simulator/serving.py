@@ -782,7 +782,7 @@ class Serving:
         counts_all = np.bincount(flat, minlength=n_layers * n_exp).reshape(n_layers, n_exp)
         wsum = wt.sum(axis=(0, 2)).tolist()  # true gate mass per layer, summed over the batch
         kv_tokens = sum(int(r.positions[t]) + 1 for r, t in zip(routes, toks, strict=True))
-        d_ne = eng.costs.nonexpert_batch_layer_s(b, kv_tokens) + eng.machine.fused_launch_s
+        d_ne = eng.costs.nonexpert_batch_layer_s(b, kv_tokens)
         step = eng.step
         rid0, tok0 = batch[0].rid, toks[0]
         if rec is not None and rec.batches is not None:
@@ -881,9 +881,7 @@ class Serving:
         wsum = wt[chunk:].sum(axis=(0, 2)).tolist() if b else [0.0] * n_layers
         decode_kv = sum(int(r.positions[t]) + 1 for r, t in zip(routes, toks, strict=True))
         ctx = st.lo  # the request's rows already prefilled are in its KV cache
-        d_ne = (
-            eng.costs.nonexpert_mixed_layer_s(chunk, ctx, b, decode_kv) + eng.machine.fused_launch_s
-        )
+        d_ne = eng.costs.nonexpert_mixed_layer_s(chunk, ctx, b, decode_kv)
         n_tok = chunk + b
         kv_all = ctx + chunk + decode_kv
         step = eng.step

@@ -329,16 +329,40 @@ def test_a_fused_runtime_charges_one_launch_set_per_layer_an_eager_one_per_exper
     assert fused.machine.gpu_s(1) == pytest.approx(roof, rel=1e-12)  # weights still streamed
     ctx = 0
     ne = costs.nonexpert_layer_s(1, ctx)
-    assert fused.machine.nonexpert_s(1, ctx) == pytest.approx(ne + 5 * launch, rel=1e-12)
+    # the fused call is charged with the layer's first GPU expert, not its non-expert part
+    assert fused.machine.nonexpert_s(1, ctx) == pytest.approx(ne, rel=1e-12)
     # per layer: the eager runtime launches k x k_e kernels, the fused one 5 whatever k is
     assert t_eager - t_fused == pytest.approx(2 * (k * k_e - 5) * launch, rel=1e-9)
     assert t_fused == pytest.approx(2 * (ne + 5 * launch + k * roof), rel=1e-9)
 
 
-def test_only_the_cuda_graph_profile_is_fused_and_says_why() -> None:
+@pytest.mark.parametrize("cls", [Engine, ReferenceEngine])
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_layer_without_a_gpu_expert_launches_no_fused_call(cls: type[EngineBase], k: int) -> None:
+    # llama-cpp-cpu-moe: layer 0's experts run on the CPU, layer 1's on the GPU (decode)
+    model = tiny_model(experts=4, top_k=k, moe_layers=2)
+    costs = cost_model(HW, model)
+    launch = HW.gpu.launch_overhead_us * US
+    k_e = 2 * model.expert_matrices - 1
+    policy = get_policy_class("llama-cpp-cpu-moe")
+
+    def e2e(fused: bool, n_cpu_moe: int) -> float:
+        r = routing_from_experts(model, [[list(range(k)), list(range(k))]], seq_id=0, n_prefill=0)
+        prof = RuntimeProfile("fused" if fused else "eager", fused_moe=fused)
+        eng = cls(policy(n_cpu_moe=n_cpu_moe), model, costs, model.total_experts, runtime=prof)
+        return eng.run(iter([r])).e2e
+
+    # one GPU layer: it alone swaps k x k_e expert launches for the fused call's 5
+    assert e2e(False, 1) - e2e(True, 1) == pytest.approx((k * k_e - 5) * launch, rel=1e-9)
+    # no GPU layer: nothing is fused, nothing is launched for the experts on the GPU
+    assert e2e(True, 2) == pytest.approx(e2e(False, 2), rel=1e-12)
+
+
+def test_only_the_cuda_graph_and_llama_cpp_profiles_are_fused_and_say_why() -> None:
     fused = {n for n in runtime_names() if get_runtime(n).fused_moe}
-    assert fused == {"cuda-graph"}
+    assert fused == {"cuda-graph", "llama.cpp"}
     assert "fused_moe.py" in get_runtime("cuda-graph").sources["fused_moe"]
+    assert "ggml_cuda_mul_mat_id" in get_runtime("llama.cpp").sources["fused_moe"]
     assert get_runtime("cuda-graph").to_dict()["fused_moe"] is True
 
 
