@@ -60,8 +60,34 @@ def cpu_moe_layers(n_cpu_moe: int, layers: int, moe_layers: int) -> int:
     return max(0, min(moe_layers, n_cpu_moe - dense))
 
 
+class LeadingCpuLayers:
+    """The plans of llama.cpp's two splits (``--n-cpu-moe`` and ``-ngl``): the routed experts of
+    the first ``n_cpu_layers`` MoE layers run on the CPU, except that a prompt of at least
+    ``min_batch`` tokens copies them to the GPU when ``offload`` is set (op offload); the
+    other layers keep every expert resident."""
+
+    n_cpu_layers: int
+    offload: bool
+    min_batch: int
+
+    def decode_layer(self, view: View) -> Plan:
+        """A GPU layer: all on the GPU; a CPU layer: its experts on the CPU."""
+        if view.layer >= self.n_cpu_layers:
+            return Plan()
+        return Plan(actions=dict.fromkeys(view.experts.tolist(), Action.CPU))
+
+    def prefill_layer(self, view: View) -> Plan:
+        """A CPU layer's experts are copied to the GPU when the prompt reaches the batch floor."""
+        if view.layer >= self.n_cpu_layers:
+            return Plan()
+        on_gpu = self.offload and view.n_tokens >= self.min_batch
+        return Plan(
+            actions=dict.fromkeys(view.experts.tolist(), Action.TEMP if on_gpu else Action.CPU)
+        )
+
+
 @register
-class LlamaCppCpuMoePolicy(Policy):
+class LlamaCppCpuMoePolicy(LeadingCpuLayers, Policy):
     """Routed experts of the first N layers on the CPU, the other layers' experts all resident."""
 
     name = "llama-cpp-cpu-moe"
@@ -125,18 +151,3 @@ class LlamaCppCpuMoePolicy(Policy):
         return [
             (layer, e) for layer in range(self.n_cpu_layers, m.moe_layers) for e in range(m.experts)
         ]
-
-    def decode_layer(self, view: View) -> Plan:
-        """A GPU layer: all on the GPU; a CPU layer: its experts on the CPU."""
-        if view.layer >= self.n_cpu_layers:
-            return Plan()
-        return Plan(actions=dict.fromkeys(view.experts.tolist(), Action.CPU))
-
-    def prefill_layer(self, view: View) -> Plan:
-        """A CPU layer's experts are copied to the GPU when the prompt reaches the batch floor."""
-        if view.layer >= self.n_cpu_layers:
-            return Plan()
-        on_gpu = self.offload and view.n_tokens >= self.min_batch
-        return Plan(
-            actions=dict.fromkeys(view.experts.tolist(), Action.TEMP if on_gpu else Action.CPU)
-        )

@@ -31,16 +31,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from policies.base import (
-    Action,
     Param,
-    Plan,
     Policy,
     ResourceSpec,
     SetupContext,
     Slot,
-    View,
 )
-from policies.llama_cpp_cpu_moe import OFFLOAD_MIN_BATCH
+from policies.llama_cpp_cpu_moe import OFFLOAD_MIN_BATCH, LeadingCpuLayers
 from policies.registry import register
 from simulator.errors import DoesNotFit, UserError
 
@@ -61,7 +58,7 @@ def gpu_blocks_for_ngl(ngl: int) -> int:
 
 
 @register
-class LlamaCppLayersPolicy(Policy):
+class LlamaCppLayersPolicy(LeadingCpuLayers, Policy):
     """The first layers wholly on the CPU, the last ``ngl - 1`` wholly on the GPU."""
 
     name = "llama-cpp-layers"
@@ -85,7 +82,10 @@ class LlamaCppLayersPolicy(Policy):
             "offload_min_batch tokens (llama.cpp's op offload); false = the CPU runs them",
         ),
         "offload_min_batch": Param(
-            int, OFFLOAD_MIN_BATCH, "tokens from which a prompt's weight products go to the GPU"
+            int,
+            OFFLOAD_MIN_BATCH,
+            "tokens from which a prompt's weight products go to the GPU",
+            minimum=1,
         ),
     }
 
@@ -97,11 +97,6 @@ class LlamaCppLayersPolicy(Policy):
                 f"policy {self.name!r}: option 'ngl' must be -1 (fit) or >= 0, got {self.ngl}"
             )
         self.min_batch = int(self.options["offload_min_batch"])
-        if self.min_batch < 1:
-            raise UserError(
-                f"policy {self.name!r}: option 'offload_min_batch' must be >= 1, "
-                f"got {self.min_batch}"
-            )
         self.offload = bool(self.options["prefill_offload"])
         self.n_cpu_layers = 0
 
@@ -134,18 +129,3 @@ class LlamaCppLayersPolicy(Policy):
         return [
             (layer, e) for layer in range(self.n_cpu_layers, m.moe_layers) for e in range(m.experts)
         ]
-
-    def decode_layer(self, view: View) -> Plan:
-        """A GPU layer: all on the GPU; a CPU layer: its experts on the CPU."""
-        if view.layer >= self.n_cpu_layers:
-            return Plan()
-        return Plan(actions=dict.fromkeys(view.experts.tolist(), Action.CPU))
-
-    def prefill_layer(self, view: View) -> Plan:
-        """A CPU layer's used experts are copied to the GPU when the prompt reaches the floor."""
-        if view.layer >= self.n_cpu_layers:
-            return Plan()
-        on_gpu = self.offload and view.n_tokens >= self.min_batch
-        return Plan(
-            actions=dict.fromkeys(view.experts.tolist(), Action.TEMP if on_gpu else Action.CPU)
-        )
