@@ -71,7 +71,13 @@ class GlobalLFUPolicy(LFUCounts, GlobalCachingPolicy):
     def inserted(self, layer: int, expert: int, step: int) -> None:
         """A new entry is as recent as now."""
         super().inserted(layer, expert, step)
+        self._on[layer][expert] = True
         self._push(layer, expert)
+
+    def removed(self, layer: int, expert: int) -> None:
+        """Keep the plain-list mirror in step with ``self.cached``."""
+        super().removed(layer, expert)
+        self._on[layer][expert] = False
 
     def decode_layer(self, view: View) -> Plan:
         """Count, then serve like ``LFUCounts`` + ``GlobalCachingPolicy``, fused into one loop.
@@ -141,7 +147,7 @@ class GlobalLFUPolicy(LFUCounts, GlobalCachingPolicy):
         return plan
 
     def _victim(self, layer: int, protected: set[int]) -> Slot:
-        """``choose_victim`` on the plain-list mirror of the cache."""
+        """The smallest live heap entry outside ``protected``, read on the plain-list mirror."""
         heap, freq, last, on = self.heap, self.freq, self.last, self._on
         pop = heapq.heappop
         kept = []  # live entries of protected slots, pushed back afterwards
@@ -164,21 +170,4 @@ class GlobalLFUPolicy(LFUCounts, GlobalCachingPolicy):
 
     def choose_victim(self, layer: int, protected: set[int], step: int) -> Slot:
         """Fewest accesses over all layers; ties by least recent use (ticks are unique)."""
-        heap, freq, last, cached = self.heap, self.freq, self.last, self.cached
-        kept = []  # live entries of protected slots, pushed back afterwards
-        victim = None
-        while heap:
-            entry = heapq.heappop(heap)
-            f, tick, lay, e = entry
-            if not cached[lay, e] or last[lay][e] != tick or freq[lay][e] != f:
-                continue  # stale
-            if lay == layer and e in protected:
-                kept.append(entry)
-                continue
-            victim = (lay, e)
-            break
-        for entry in kept:
-            heapq.heappush(heap, entry)
-        if victim is None:
-            raise AssertionError("caller guarantees an unprotected resident expert")
-        return victim
+        return self._victim(layer, protected)
