@@ -1106,16 +1106,7 @@ class MultiGpuReference(_MultiBase, ReferenceEngine):
         for _, back in xfer.values():
             assert back.end is not None
             g = max(g, back.end)
-        pending = [self._event(op) for op in w.results if op.end is None]
-        if pending:
-            yield env.all_of(pending)
-        end = g
-        for op in w.results:
-            assert op.end is not None
-            if op.end > end:
-                end = op.end
-        if end > g:
-            c.cpu_wait += end - g
+        end = yield from self._results_end(w, g)
         c.gpu_expert_busy += state["busy"]
         cross = self._peer_cross(w)
         if cross is not None:

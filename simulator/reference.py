@@ -347,19 +347,24 @@ class ReferenceEngine(EngineBase):
                 c.cpu_wait += sync_end - now
                 state["g"] = sync_end
         yield env.all_of(procs)
-        g = state["g"]
+        end = yield from self._results_end(w, state["g"])
+        c.gpu_expert_busy += state["busy"]
+        self.machine.gpu.busy += state["busy"]
+        return end
+
+    def _results_end(self, w: LayerWork, g: float) -> Proc:
+        """Wait for the layer's CPU results; the layer ends at the later of them and ``g``
+        (the GPU's end), and the GPU's wait for the CPU counts as ``cpu_wait``."""
         pending = [self._event(op) for op in w.results if op.end is None]
         if pending:
-            yield env.all_of(pending)
+            yield self.env.all_of(pending)
         end = g
         for op in w.results:
             assert op.end is not None
             if op.end > end:
                 end = op.end
         if end > g:
-            c.cpu_wait += end - g
-        c.gpu_expert_busy += state["busy"]
-        self.machine.gpu.busy += state["busy"]
+            self.c.cpu_wait += end - g
         return end
 
     def _gpu(
