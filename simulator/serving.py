@@ -273,22 +273,17 @@ def dense(r: SequenceRouting, n_experts: int) -> SequenceRouting:
     )
 
 
-def trim(r: SequenceRouting, prompt: int, output: int, rid: int) -> SequenceRouting:
-    """The first ``prompt`` prompt tokens and first ``output`` generated tokens of ``r``,
-    as sequence ``rid`` (a request's id names it to the policy and in the timeline)."""
-    p0 = r.n_prefill
-    if prompt == p0 and output == r.n_decode:
-        return dataclasses.replace(r, seq_id=rid)
-    idx = np.r_[0:prompt, p0 : p0 + output]
+def _rows(r: SequenceRouting, idx: slice | np.ndarray, n_prefill: int) -> SequenceRouting:
+    """The token rows ``idx`` of every per-token array of ``r``, of which the first
+    ``n_prefill`` are prompt (a slice gives views, an index array copies)."""
 
     def take(a: np.ndarray | None) -> np.ndarray | None:
         return None if a is None else a[idx]
 
     return dataclasses.replace(
         r,
-        seq_id=rid,
         positions=r.positions[idx],
-        n_prefill=prompt,
+        n_prefill=n_prefill,
         experts=r.experts[idx],
         weights=r.weights[idx],
         probs=r.probs[idx],
@@ -300,22 +295,18 @@ def trim(r: SequenceRouting, prompt: int, output: int, rid: int) -> SequenceRout
     )
 
 
+def trim(r: SequenceRouting, prompt: int, output: int, rid: int) -> SequenceRouting:
+    """The first ``prompt`` prompt tokens and first ``output`` generated tokens of ``r``,
+    as sequence ``rid`` (a request's id names it to the policy and in the timeline)."""
+    p0 = r.n_prefill
+    if prompt == p0 and output == r.n_decode:
+        return dataclasses.replace(r, seq_id=rid)
+    return dataclasses.replace(_rows(r, np.r_[0:prompt, p0 : p0 + output], prompt), seq_id=rid)
+
+
 def one_token(r: SequenceRouting, t: int) -> SequenceRouting:
     """Token ``t`` of ``r`` as a one-token decode-only routing (views, no copies)."""
-    s = slice(t, t + 1)
-    return dataclasses.replace(
-        r,
-        positions=r.positions[s],
-        n_prefill=0,
-        experts=r.experts[s],
-        weights=r.weights[s],
-        probs=r.probs[s],
-        early_experts=r.early_experts[s],
-        early_probs=r.early_probs[s],
-        prob_ids=None if r.prob_ids is None else r.prob_ids[s],
-        early_prob_ids=None if r.early_prob_ids is None else r.early_prob_ids[s],
-        filled=None if r.filled is None else r.filled[s],
-    )
+    return _rows(r, slice(t, t + 1), 0)
 
 
 def prefix(r: SequenceRouting, n: int) -> SequenceRouting:
@@ -323,24 +314,7 @@ def prefix(r: SequenceRouting, n: int) -> SequenceRouting:
     request preempted after generating ``n - prompt`` tokens prefills again (views)."""
     if n == r.n_prefill:
         return r
-    s = slice(0, n)
-
-    def take(a: np.ndarray | None) -> np.ndarray | None:
-        return None if a is None else a[s]
-
-    return dataclasses.replace(
-        r,
-        positions=r.positions[s],
-        n_prefill=n,
-        experts=r.experts[s],
-        weights=r.weights[s],
-        probs=r.probs[s],
-        early_experts=r.early_experts[s],
-        early_probs=r.early_probs[s],
-        prob_ids=take(r.prob_ids),
-        early_prob_ids=take(r.early_prob_ids),
-        filled=take(r.filled),
-    )
+    return _rows(r, slice(0, n), n)
 
 
 class Scheduler:
