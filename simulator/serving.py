@@ -791,28 +791,20 @@ class Serving:
             if eng._due(now):
                 yield now
             where.seq, where.token = rid0, tok0
-            v.layer = where.layer = layer
-            v.now = now
-            counts = counts_all[layer]
-            experts = np.flatnonzero(counts)
-            experts = experts[np.argsort(-counts[experts], kind="stable")]
-            v.experts, v.counts = experts, counts
-            v.weights = wt[:, layer, :].mean(axis=0)
-            v.probs = pr[:, layer, :].mean(axis=0)
-            plan = hooks.call("batch_layer", pol.batch_layer, v)
-            if isinstance(plan, Plan) and plan.route is not None:
-                raise hooks.error("substitutes routing in a batched step (not supported)", layer)
-            routed = experts.tolist()
-            order = check_plan(hooks, plan, layer, routed, eng.res, eng.spec, eng.precalc, now)
-            c.true_accesses += b * k
-            c.gate_mass_total += wsum[layer]
-            c.gate_mass_kept += wsum[layer]
-            # the step's operations are labelled with the step, not one request
-            where.seq, where.token = -1, step
-            work = eng._apply(plan, layer, order, routed, counts, now, False)
-            end = yield work
-            assert end is not None
-            eng.now = end
+            yield from _expert_layer(
+                eng,
+                layer,
+                now,
+                counts_all[layer],
+                wt,
+                pr,
+                "batch_layer",
+                pol.batch_layer,
+                b * k,
+                wsum[layer],
+                False,
+                "a batched step",
+            )
         eng.step += 1
         if eng.precalc:
             c.precalc_wasted += len(eng.precalc)
@@ -879,27 +871,20 @@ class Serving:
             if eng._due(now):
                 yield now
             where.seq, where.token = pre.rid, st.lo
-            v.layer = where.layer = layer
-            v.now = now
-            counts = counts_all[layer]
-            experts = np.flatnonzero(counts)
-            experts = experts[np.argsort(-counts[experts], kind="stable")]
-            v.experts, v.counts = experts, counts
-            v.weights = wt[:, layer, :].mean(axis=0)
-            v.probs = pr[:, layer, :].mean(axis=0)
-            plan = hooks.call(hook, decide, v)
-            if isinstance(plan, Plan) and plan.route is not None:
-                raise hooks.error("substitutes routing in a mixed step (not supported)", layer)
-            routed = experts.tolist()
-            order = check_plan(hooks, plan, layer, routed, eng.res, eng.spec, eng.precalc, now)
-            c.true_accesses += b * k
-            c.gate_mass_total += wsum[layer]
-            c.gate_mass_kept += wsum[layer]
-            where.seq, where.token = -1, step  # the step's operations name the step
-            work = eng._apply(plan, layer, order, routed, counts, now, not decoding)
-            end = yield work
-            assert end is not None
-            eng.now = end
+            yield from _expert_layer(
+                eng,
+                layer,
+                now,
+                counts_all[layer],
+                wt,
+                pr,
+                hook,
+                decide,
+                b * k,
+                wsum[layer],
+                not decoding,
+                "a mixed step",
+            )
         eng.step += 1
         if eng.precalc:
             c.precalc_wasted += len(eng.precalc)
@@ -913,6 +898,47 @@ class Serving:
             self.mixed_steps += 1
             self.batch_steps += 1
             self.batched_tokens += b + 1
+
+
+def _expert_layer(
+    eng: EngineBase,
+    layer: int,
+    now: float,
+    counts: np.ndarray,
+    wt: np.ndarray,
+    pr: np.ndarray,
+    hook: str,
+    decide: Any,
+    accesses: int,
+    mass: float,
+    prefill: bool,
+    what: str,
+) -> Generator[Any, Any, None]:
+    """A step's expert part of ``layer``: the policy's plan over the union of the step's
+    experts (``counts`` tokens each, the most chosen first), checked, then applied; ``wt`` and
+    ``pr`` are the step's ``[tokens, layers, k]`` gate weights and probabilities."""
+    c, v, hooks = eng.c, eng.view, eng.hooks
+    where = hooks.where
+    v.layer = where.layer = layer
+    v.now = now
+    experts = np.flatnonzero(counts)
+    experts = experts[np.argsort(-counts[experts], kind="stable")]
+    v.experts, v.counts = experts, counts
+    v.weights = wt[:, layer, :].mean(axis=0)
+    v.probs = pr[:, layer, :].mean(axis=0)
+    plan = hooks.call(hook, decide, v)
+    if isinstance(plan, Plan) and plan.route is not None:
+        raise hooks.error(f"substitutes routing in {what} (not supported)", layer)
+    routed = experts.tolist()
+    order = check_plan(hooks, plan, layer, routed, eng.res, eng.spec, eng.precalc, now)
+    c.true_accesses += accesses
+    c.gate_mass_total += mass
+    c.gate_mass_kept += mass
+    # the step's operations are labelled with the step, not one request
+    where.seq, where.token = -1, eng.step
+    end = yield eng._apply(plan, layer, order, routed, counts, now, prefill)
+    assert end is not None
+    eng.now = end
 
 
 def _gpu_nonexpert(
