@@ -14,15 +14,18 @@ and ``attach_align_device_hook``; the placement rule of ``infer_auto_device_map`
   module's weights from the CPU state dict (plain, pageable tensors) to the GPU with
   ``set_module_tensor_to_device`` before the module runs, and ``post_forward`` puts them back
   on the ``meta`` device: nothing stays resident. So an offloaded expert is copied only when
-  the model calls it, which in transformers' MoE blocks (the loop over ``expert_hit``) is when
-  it is routed.
+  the model calls it. Transformers' Mixtral block calls only the routed experts in 4.37-4.39
+  (it skips experts with no tokens) and again from the ``expert_hit`` loop (by 4.54); 4.40 to
+  at least 4.51 call all 8 (docs/references.md#accelerate). This policy copies the routed
+  experts.
 - Timing. A copy from pageable memory goes through the driver's staging buffer and returns to
   the host only when done, and the module runs after it: one expert is copied, run and dropped
   before the next one's copy starts (one temporary buffer, pageable host memory).
 - Not modelled: the offloaded layers' attention weights are copied on every pass as well
   (about 84 MB per Mixtral layer in fp16, against 2 x 352 MB of routed experts); the engine
   keeps non-expert weights resident. A transformers version whose MoE loop calls every expert
-  (or a fused experts module) would copy all E experts of each offloaded layer.
+  (Mixtral under 4.40-4.51, or a fused experts module) would copy all E experts of each
+  offloaded layer; the engine has no copy without compute to model that.
 """
 
 from __future__ import annotations

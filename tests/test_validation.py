@@ -398,3 +398,36 @@ def test_a_row_with_serving_keys_runs_batched(
             'hw = "a6000-pcie4"\ntrace = "ci-small"\nbatch_size = 4\n'
         )
         load_table(table)
+
+
+def test_moe_infinity_rows_follow_the_timing_script_and_cache_rule() -> None:
+    """MoE-Infinity's own A5000 rows use its timing script's protocol (512-token prompts, 32
+    generated) and its cache rule: device_memory_ratio 0.85 x GPU memory - dense weights
+    (docs/validation.md, "MoE-Infinity's timing protocol")."""
+    from simulator.costs import cost_model
+    from simulator.hardware import load_profile
+    from simulator.models import get_model
+
+    rows = [r for r in load_table() if r.id.startswith("moe-infinity-a5000")]
+    own = [r for r in rows if r.sim.get("policy") == "moe-infinity"]
+    assert {r.id for r in own} == {
+        "moe-infinity-a5000-mixtral",
+        "moe-infinity-a5000-deepseek-v2-lite",
+    }
+    for r in own:
+        synth = r.sim["synth"]
+        assert (synth["prompt_tokens"], synth["output_tokens"]) == (512, 32), r.id
+        model = get_model(synth["preset"])
+        hw = load_profile(r.sim["hw"])
+        cache = 0.85 * hw.gpu.memory_gb * 1e9 - model.non_expert_bytes()
+        assert r.sim["gpu_experts"] == math.floor(cache / model.expert_bytes("bf16")), r.id
+        assert f"{r.sim['gpu_experts']} " in r.note, r.id  # the note states the count it runs
+        # the code's 0.85 cap is below what fits at the profile's usable fraction (so the row
+        # runs the code's cache, not a clipped one)
+        fits = cost_model(hw, model).gpu_expert_slots(synth["prompt_tokens"] + 32)
+        assert r.sim["gpu_experts"] < fits, (r.id, fits)
+    # the rows whose figures came with the script's commits take the same prompt lengths
+    later = [r for r in rows if "interface_example.py" in r.note and "synth" in r.sim]
+    assert len(later) >= 6
+    for r in later:
+        assert (r.sim["synth"]["prompt_tokens"], r.sim["synth"]["output_tokens"]) == (512, 32)
