@@ -28,6 +28,7 @@ Units: seconds out, bytes as ints, rates from the profile in GB/s (1e9), TFLOPS 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import Any
@@ -50,10 +51,17 @@ DEFAULT_CONTEXT = 512
 #: a plain copy on an RTX 4090 0.90 of its: 0.78 / 0.90 = 0.87 (a lower bound).
 GPU_KERNEL_EFFICIENCY: dict[str, float] = {"gguf": 0.87}
 #: Extra GPU kernels one expert call launches to dequantise its quantised scales and zero
-#: points, by weight format kind. HQQ in Mixtral-offloading: each of the 3 linears dequantises
-#: its 8-bit scales and its 8-bit zero points in PyTorch before the fused Triton GEMM, at least
-#: two element-wise kernels each (subtract the zero, multiply by the scale): 3 x 2 x 2 = 12.
-DEQUANT_KERNELS: dict[str, int] = {"hqq": 12}
+#: points, by weight format kind. HQQ in Mixtral-offloading: on every forward, each of the 3
+#: linears dequantises its 8-bit scales and its 8-bit zero points in PyTorch before the fused
+#: Triton GEMM, three element-wise kernels each (HQQ's ``Quantizer.dequantize``: cast to fp16,
+#: subtract the zero, multiply by the scale): 3 x 2 x 3 = 18.
+DEQUANT_KERNELS: dict[str, int] = {"hqq": 18}
+#: Extra bytes one expert call moves per quantisation group to dequantise its metadata, by
+#: weight format kind (the 8-bit scale and zero are already in the format's bytes). HQQ: for the
+#: scale and for the zero point, the fp16 cast writes 2 B, the subtraction reads and writes 2 B
+#: each, the multiplication too (2 x 10 B), and the fused GEMM reads the fp16 scale and zero
+#: back (4 B, a lower bound: each is read once): 24 B per group of weights.
+DEQUANT_BYTES_PER_GROUP: dict[str, int] = {"hqq": 24}
 #: GPU kernels of one layer's fused MoE call under a runtime with ``fused_moe`` (vLLM's and
 #: SGLang's Triton ``fused_moe``; docs/cost-model.md, "Fused MoE"): the block alignment of the
 #: routed tokens by expert, the grouped gate/up GEMM over every selected expert, the activation,
@@ -76,6 +84,20 @@ def gpu_kernel_efficiency(dtype: str) -> float:
 def dequant_kernels(dtype: str) -> int:
     """Extra GPU kernel launches per expert call to dequantise ``dtype``'s scales (0 if none)."""
     return DEQUANT_KERNELS.get(DTYPES[dtype].kind, 0)
+
+
+def dequant_bytes_per_weight(dtype: str) -> float:
+    """Extra bytes per weight one expert call moves to dequantise ``dtype``'s scales (0 if none).
+
+    The group size is the ``_g<N>`` of the format's name (``hqq2_g16``: 16 weights per group).
+    """
+    per_group = DEQUANT_BYTES_PER_GROUP.get(DTYPES[dtype].kind, 0)
+    if not per_group:
+        return 0.0
+    m = re.search(r"_g(\d+)$", dtype)
+    if m is None:
+        raise ValueError(f"dtype {dtype!r} has per-group dequantisation but no _g<N> group size")
+    return per_group / int(m.group(1))
 
 
 def expert_kernels(model: ModelShape) -> int:
@@ -197,8 +219,14 @@ class CostModel:
         return expert_kernels(self.model) + dequant_kernels(self.model.dtype)
 
     def _gpu_expert_moved(self, n: float) -> float:
-        """Bytes one GPU expert call moves: weights, activations in and out."""
-        return self.expert_bytes + 2.0 * n * self.model.hidden * ACT_BYTES
+        """Bytes one GPU expert call moves: weights, any per-call dequantisation of their
+        scales, activations in and out."""
+        return self.expert_bytes + self._dequant_bytes + 2.0 * n * self.model.hidden * ACT_BYTES
+
+    @cached_property
+    def _dequant_bytes(self) -> float:
+        """Bytes one GPU expert call moves to dequantise its scales and zeros (HQQ; else 0)."""
+        return self.model.params_per_expert * dequant_bytes_per_weight(self.model.dtype)
 
     def gpu_expert_s(self, n_tokens: int) -> float:
         """Seconds for one GPU-resident expert to process n tokens (0 tokens: 0 s)."""
@@ -618,9 +646,11 @@ class CostModel:
         eff = self._gpu_efficiency
         bw_s = "gpu.mem_bw_gbs" if eff == 1.0 else f"({eff} x gpu.mem_bw_gbs)"
         k = self._gpu_expert_kernels
+        dq = dequant_bytes_per_weight(self.model.dtype)
+        dq_s = f" + {dq:g} B x params (scale dequantisation)" if dq else ""
         return {
             "gpu_expert": (
-                f"roofline: max((expert_bytes + activations) / {bw_s}, 2 x params x n / "
+                f"roofline: max((expert_bytes{dq_s} + activations) / {bw_s}, 2 x params x n / "
                 f"gpu.bf16_tflops) + {k} x gpu.launch_overhead_us"
             ),
             "cpu_expert": cpu,

@@ -131,6 +131,18 @@ def test_the_x8_card_copies_at_half_rate() -> None:
     assert link.h2d_pinned_gbs < 15.75 < load_profile("rtx4070-pcie4").link.h2d_pinned_gbs
 
 
+def test_the_gen3_rtx3060_differs_from_the_gen4_one_only_in_its_link() -> None:
+    """The Mixtral-offloading paper's RTX 3060 desktop runs PCIe 3.0: below the Gen3 x16 line
+    rate (15.75 GB/s) in both directions, the Gen3 rate the other Gen3 hosts use, and the same
+    card, CPU and power as the Gen4 profile it extends."""
+    gen3, gen4 = load_profile("rtx3060-pcie3"), load_profile("rtx3060-pcie4")
+    assert gen3.link.h2d_pinned_gbs == load_profile("t4-pcie3").link.h2d_pinned_gbs
+    for rate in ("h2d_pinned_gbs", "d2h_pinned_gbs", "h2d_pageable_gbs", "d2h_pageable_gbs"):
+        assert getattr(gen3.link, rate) < 15.75 < gen4.link.h2d_pinned_gbs
+        assert getattr(gen3.link, rate) < getattr(gen4.link, rate)
+    assert gen3.gpu == gen4.gpu and gen3.cpu == gen4.cpu and gen3.power == gen4.power
+
+
 def test_server_hosts_have_more_memory_bandwidth_than_desktops() -> None:
     """8- and 12-channel servers stream experts 3-5x faster than a dual-channel desktop."""
     desk = load_profile("rtx4090-pcie4").cpu.mem_bw_gbs
