@@ -27,7 +27,9 @@ HOBBIT's sequence-level multidimensional policy (a weighted mix of LRU, LFU, lea
 high-precision used and layer distance) nor its layer-level prefetch. ``low_bit`` defaults to
 ``q4_0``, llama.cpp's 4-bit block format (HOBBIT is built on llama.cpp and uses 4-bit or
 2-bit low-precision experts). A prefill pass or a batched step (many tokens per expert, no
-per-token gate weights) follows plain LRU.
+per-token gate weights) follows plain LRU. Runtime: ``llama.cpp`` (the paper's section 4: HOBBIT
+is 8,000 lines of C/C++ on top of llama.cpp); the host work its expert scorer and loader add to
+llama.cpp's loop is not modelled (docs/cost-model.md, "Runtime profiles").
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ class HobbitPolicy(LRUPolicy):
         "loads a low-bit copy through a temp buffer, above skip_threshold it is skipped"
     )
     source = "HOBBIT (arXiv 2411.01433), token-level dynamic expert loading"
+    #: HOBBIT is built on llama.cpp (arXiv 2411.01433, abstract and section 4)
+    runtime_profile = "llama.cpp"
     params = {
         **LRUPolicy.params,
         "low_bit": Param(

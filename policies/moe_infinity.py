@@ -52,6 +52,11 @@ not by the paper's priority; it issues tasks per tensor on several threads. Pref
 same rules with the prompt's per-expert token counts, and so does a batched step (the code keeps
 one EAM per request; here the EAM restarts when a request starts, so under batched serving it
 counts the whole batch since the latest admission).
+
+Runtime: ``moe-infinity`` (hardware_profiles/runtimes/moe-infinity.toml), counted from the
+release whose README gives the A5000 figures (cca059c to d617801): an HF eager model whose MoE
+block syncs once for the routing, runs each routed expert through the C++ expert dispatcher
+and adds its output in with boolean-mask indexing, five syncs per expert in all.
 """
 
 from __future__ import annotations
@@ -93,6 +98,8 @@ class MoEInfinityPolicy(Policy):
     )
     source = "MoE-Infinity (arXiv 2401.14361), code EfficientMoE/MoE-Infinity commit 87eacf7"
     needs_calibration = True
+    #: HF eager model, experts through the C++ dispatcher (hardware_profiles/runtimes/)
+    runtime_profile = "moe-infinity"
     params = {
         "eamc_capacity": Param(
             int, 1000, "EAMs kept in the collection (the code's trace_capacity, 1000)", minimum=1

@@ -143,7 +143,7 @@ IDLE_LOOP = RuntimeProfile(
 @pytest.mark.parametrize(
     "prof",
     [DISPATCH_BOUND, GPU_BOUND, IDLE_LOOP, get_runtime("hf-eager"),
-     get_runtime("hf-eager-all-experts")],
+     get_runtime("hf-eager-all-experts"), get_runtime("moe-infinity")],
 )  # fmt: skip
 def test_layer_times_match_the_hand_computation(
     cls: type[EngineBase], prof: RuntimeProfile
@@ -183,6 +183,23 @@ def test_hf_eager_all_experts_is_slower_than_hf_eager_on_many_experts() -> None:
     hit = simulate(**kw, runtime="hf-eager").metrics["tpot_mean_s"]
     loop = simulate(**kw, runtime="hf-eager-all-experts").metrics["tpot_mean_s"]
     assert loop > hit
+
+
+def test_moe_infinity_costs_the_host_more_per_expert_call_than_hf_eager() -> None:
+    """MoE-Infinity's block runs the router like HF's and then, per routed expert, a masked
+    gather in the dispatcher, the expert's forward with a stream sync, and three masked reads
+    and writes: more ops and syncs per expert call than HF's loop, so an all-GPU run of OLMoE
+    (eight expert calls per layer) is slower with it."""
+    from simulator.runner import simulate
+
+    mi, hf = get_runtime("moe-infinity"), get_runtime("hf-eager")
+    assert mi.expert_syncs > hf.expert_syncs and mi.expert_kernels > hf.expert_kernels
+    assert (mi.dispatch_us, mi.sync_us) == (hf.dispatch_us, hf.sync_us)  # same framework
+    kw = {"policy": "all-gpu", "hw": "a6000-pcie4", "trace": "olmoe-1b-7b", "sequences": 1}
+    tpot = {
+        r: simulate(**kw, runtime=r).metrics["tpot_mean_s"] for r in ("hf-eager", "moe-infinity")
+    }
+    assert tpot["moe-infinity"] > tpot["hf-eager"]
 
 
 def test_dispatch_bound_is_slower_and_gpu_bound_is_not() -> None:
@@ -259,6 +276,8 @@ def test_policies_declare_the_runtime_of_the_system_they_model() -> None:
         "vllm-cpu-offload": "cuda-graph",
         "llama-cpp-cpu-moe": "llama.cpp",
         "ktransformers": "ktransformers",
+        "hobbit": "llama.cpp",
+        "moe-infinity": "moe-infinity",
         "lru": "ideal",
         "belady": "ideal",
         "all-gpu": "ideal",
