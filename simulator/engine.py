@@ -410,6 +410,17 @@ class EngineBase:
     #: one-pass paths (``_hits_only``, ``_copies_only``); the general path otherwise
     _one_pass_low_bit_or_skips = False
 
+    #: whether ``_pass`` offers decode plans to ``_precalc_layer`` before the general path
+    _one_pass_cpu_plans = False
+
+    def _precalc_layer(
+        self, layer: int, experts: np.ndarray, plan: Plan, now: float, w_t: Any, ws_t: list[float]
+    ) -> float | None:
+        """Check, apply and time in one pass a decode plan of resident experts, CPU experts
+        and pre-calculations; returns when the layer ends, or None to take the general path
+        (the plan is then untouched). This executor always takes the general path."""
+        return None
+
     def _copies_only(self, layer: int, routed: list[int], plan: Plan, now: float) -> float | None:
         """Check, apply and time in one pass a decode plan made of resident experts, fetches,
         temporary copies, evictions and prefetches (no CPU work, no write-backs); returns when
@@ -618,6 +629,12 @@ class EngineBase:
                             self._fidelity(plan, route, experts, w_t[layer], ws_t[layer])
                         if plan.low_bit:
                             self._low_bit_mass(plan.low_bit, experts, w_t[layer])
+                        self.now = end
+                        continue
+                if not prefill and not cpu_here and self._one_pass_cpu_plans:
+                    # resident experts, CPU experts and pre-calculations (daop's decode plans)
+                    end = self._precalc_layer(layer, experts, plan, now, w_t, ws_t)
+                    if end is not None:
                         self.now = end
                         continue
                 if prefill:
@@ -946,6 +963,7 @@ class Engine(EngineBase):
     """The fast executor: a heap of submitted requests served lazily in queueing-rule order."""
 
     _one_pass_low_bit_or_skips = True
+    _one_pass_cpu_plans = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -983,8 +1001,12 @@ class Engine(EngineBase):
         return self.stats(e2e)
 
     def _due(self, now: float) -> bool:
+        # serves here what run() would serve for the yielded time (the same requests in the
+        # same order), sparing the step loop a generator round trip per layer
         heap = self._heap
-        return bool(heap) and heap[0][0] <= now
+        while heap and heap[0][0] <= now:
+            self._serve()
+        return False
 
     def _hits_only(
         self, layer: int, routed: list[int], actions: dict[int, Any] | None, now: float
@@ -2031,6 +2053,191 @@ class Engine(EngineBase):
         c.gpu_expert_busy += busy
         self.machine.gpu.busy += busy
         return g
+
+    # -- decode plans with CPU experts and pre-calculations (daop) ------------------------------
+    def _precalc_layer(
+        self, layer: int, experts: np.ndarray, plan: Plan, now: float, w_t: Any, ws_t: list[float]
+    ) -> float | None:
+        # check_route, check_plan (its _simple_actions and _check_precalc), _fidelity, _apply
+        # and _layer fused for a plan of resident experts whose copies are timed, CPU experts
+        # and consumed pre-calculations, maybe with a substituted route and new
+        # pre-calculations: the same rules in the same order, the same issue numbers, the
+        # same sums, the CPU work submitted to the request heap exactly as _layer submits it.
+        # Anything unusual, or anything a check would refuse, returns None before any change
+        # (the general path then words the error).
+        actions = plan.actions
+        evict, prefetch, items = plan.evict, plan.prefetch, plan.precalc
+        if (
+            plan.__class__ is not Plan
+            or actions.__class__ is not dict
+            or evict.__class__ is not list
+            or evict
+            or prefetch.__class__ is not list
+            or prefetch
+            or items.__class__ is not list
+            or plan.low_bit
+            or plan.barrier
+            or self._unified
+            or self._ssd is not None
+            or self.recorder is not None
+            or self._peer_home is not None
+            or self.spec.gpu_blocks is not None
+        ):
+            return None
+        n_exp = self.n_experts
+        route = plan.route
+        if route is None:
+            routed = experts.tolist()
+        else:  # check_route's rules
+            if route.__class__ is not np.ndarray or route.ndim != 1:
+                return None
+            if route.size and route.dtype.kind not in "iu":
+                return None
+            routed = route.tolist()
+            if routed and (min(routed) < 0 or max(routed) >= n_exp):
+                return None
+            if len(set(routed)) != len(routed):
+                return None
+            raw = plan.raw_route
+            if raw is not None and (raw.__class__ is not np.ndarray or raw.ndim != 1):
+                return None
+        n = len(routed)
+        if len(actions) != n:
+            return None
+        res = self.res
+        row = res.resident[layer]
+        ready_row = res.ready_at[layer]
+        pc = self.precalc
+        jobs: list[tuple[float, int]] = []
+        gpu: list[int] = []
+        cpu: list[int] = []
+        pre: list[int] = []
+        for e in routed:
+            a = actions.get(e)
+            if a == _GPU:
+                if not row[e]:
+                    return None
+                ready = ready_row[e]
+                if ready == INF:
+                    return None  # its copy is not timed yet
+                jobs.append((float(ready), e))
+                gpu.append(e)
+            elif a == _CPU:
+                cpu.append(e)
+            elif a == _PRE:
+                if (layer, e) not in pc:
+                    return None
+                pre.append(e)
+            else:
+                return None
+        if items:  # _check_precalc's rules
+            n_layers = self.n_layers
+            seen = set(pc)
+            for item in items:
+                if item.__class__ is not tuple or len(item) != 2:
+                    return None
+                pl, pe = item
+                if pl.__class__ is not int or pe.__class__ is not int:
+                    return None
+                if not (layer < pl < n_layers and 0 <= pe < n_exp) or item in seen:
+                    return None
+                seen.add(item)
+        # -- the plan is accepted: _fidelity, then _apply
+        c = self.c
+        if route is None:
+            c.true_accesses += len(experts)
+            ws = ws_t[layer]
+            c.gate_mass_total += ws
+            c.gate_mass_kept += ws
+        else:
+            self._fidelity(plan, routed, experts, w_t[layer], ws_t[layer])
+        pflag = res.prefetched[layer]
+        for e in gpu:
+            if pflag[e]:
+                pflag[e] = False
+                c.prefetch_used += 1
+        results = [pc.pop((layer, e)) for e in pre]
+        n_hits = len(gpu)
+        c.decode_accesses += n
+        c.decode_hits += n_hits
+        self._hits[layer] += n_hits
+        self._acc[layer] += n
+        where = self.hooks.where
+        sid, token = where.seq or 0, where.token or 0
+        ops: list[LayerOp] = []
+        serial = plan.cpu_serial
+        act = self.act_bytes
+        prev: LayerOp | None = None
+        for e in cpu:
+            self._seq = seq = self._seq + 1
+            op = LayerOp(CPU, "cpu_expert", seq, sid, token, layer, e)
+            c.d2h_bytes += act
+            c.h2d_bytes += act
+            c.cpu_expert_evals += 1
+            results.append(op)
+            if serial and prev is not None:
+                prev.chain = op
+            else:
+                ops.append(op)
+            prev = op
+        sync = results[len(pre) :]
+        prev = None
+        for item in items:
+            self._seq = seq = self._seq + 1
+            op = LayerOp(CPU, "precalc", seq, sid, token, item[0], item[1])
+            c.d2h_bytes += act
+            c.h2d_bytes += act
+            c.cpu_precalc_evals += 1
+            pc[item] = op
+            if serial and prev is not None:
+                prev.chain = op
+            else:
+                ops.append(op)
+            prev = op
+        # -- _layer: this layer's requests at once in issue order, then the GPU stream
+        if ops:
+            heap = self._heap
+            serve = self._serve_op
+            for op in ops:
+                serve(now, op)
+                while heap and heap[0][0] <= now:  # a zero-length stage keeps its place
+                    self._serve()
+        g = now
+        if sync and plan.cpu_first:
+            sync_end = max(self._resolve(op) for op in sync)
+            if sync_end > now:
+                c.cpu_wait += sync_end - now
+                g = sync_end
+        jobs.sort()
+        m = self.machine
+        d1 = m.gpu_s(1)  # one decode token per expert
+        fused = m.fused_launch_s  # the layer's fused call, with its first expert
+        host = m.host_experts  # None when GPU expert calls cost the host nothing
+        busy = 0.0
+        for ready, _e in jobs:
+            drained = g
+            if ready > g:
+                c.transfer_stall += ready - g
+                g = ready
+            d = d1 + fused
+            fused = 0.0
+            if host is not None:  # the stream may wait for the host thread to issue it
+                wait = host.expert(drained, g, d) - d - g
+                if wait > 0.0:
+                    c.dispatch_stall += wait
+                    g += wait
+            g += d
+            busy += d
+        end = g
+        for op in results:
+            t = op.end if op.end is not None else self._resolve(op)
+            if t > end:
+                end = t
+        if end > g:
+            c.cpu_wait += end - g
+        c.gpu_expert_busy += busy
+        m.gpu.busy += busy
+        return end
 
     # -- the request heap -------------------------------------------------------------------
     def _push(self, t: float, op: LayerOp) -> None:
