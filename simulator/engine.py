@@ -213,6 +213,17 @@ class LayerWork:
         self.barrier = False
 
 
+class _Wake:
+    """The shared CPU's next event in the request heap: ``n`` is the CPU's version when it
+    was scheduled (a later change makes it stale). Only ``kind`` and ``n`` are read."""
+
+    __slots__ = ("n",)
+    kind = WAKE
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+
 def cpu_layers_for(spec: Any, model: ModelShape, budget: int) -> int:
     """Leading MoE layers a spec runs wholly on the CPU when the run did not size them from
     memory (the runner does, :func:`simulator.runner.cpu_resident_layers`): N GPU blocks
@@ -593,6 +604,18 @@ class EngineBase:
                     if not (plan.evict or plan.prefetch or plan.victims):
                         # the common decode case: every routed expert resident, on the GPU
                         end = self._hits_only(layer, routed, plan.actions, now)
+                    if (
+                        end is None
+                        and plan.cpu_first
+                        and self._one_pass_cpu_plans
+                        and (self._heap or not self._host.idle)
+                    ):
+                        # CPU experts the GPU waits for, with CPU work pending: the one-pass
+                        # copy paths would refuse them (daop's first layers)
+                        end = self._precalc_layer(layer, experts, plan, now, w_t, ws_t)
+                        if end is not None:
+                            self.now = end
+                            continue
                     if end is None:
                         # copies, evictions and resident experts, nothing else pending
                         end = self._copies_only(layer, routed, plan, now)
@@ -1004,9 +1027,82 @@ class Engine(EngineBase):
         # serves here what run() would serve for the yielded time (the same requests in the
         # same order), sparing the step loop a generator round trip per layer
         heap = self._heap
-        while heap and heap[0][0] <= now:
-            self._serve()
+        if heap and heap[0][0] <= now:
+            if self._plain_heap():
+                self._serve_plain(None, now)
+            else:
+                while heap and heap[0][0] <= now:
+                    self._serve()
         return False
+
+    def _plain_heap(self) -> bool:
+        """Whether ``_serve_plain`` may serve the heap: one GPU, no recorder, no unified
+        memory, no SSD tier."""
+        return (
+            self.recorder is None
+            and not self._unified
+            and self._ssd is None
+            and self._peer_home is None
+        )
+
+    def _serve_plain(self, op: LayerOp | None, limit: float) -> None:
+        """``_serve`` in a loop, until ``op`` has its end time (``op`` given) or while a
+        request is submitted at or before ``limit``, with a one-token CPU call's stages and
+        the shared CPU's wake-ups served inline (``_cpu_stage``, ``_cpu_wake`` and
+        ``_cpu_next`` without a recorder, unified memory or an SSD tier: the same lanes, the
+        same arithmetic, the same pushes in the same order); any other request goes to
+        ``_serve_op``. Only when :meth:`_plain_heap` holds."""
+        heap = self._heap
+        host = self._host
+        push, pop = heapq.heappush, heapq.heappop
+        uid = self._uid
+        work, share, dram = self._one_token_cpu_job()
+        one = self._one_token_cpu
+        assert one is not None
+        a_out, a_in = one[1], one[2]
+        d2h, h2d = self._d2h.lane, self._h2d.lane
+        while True:
+            if op is not None:
+                if op.end is not None:
+                    return
+                if not heap:
+                    raise RuntimeError(f"engine: operation {op.rkind} can never complete")
+            elif not heap or heap[0][0] > limit:
+                return
+            t, _, _, x = pop(heap)
+            kind = x.kind
+            if kind == CPU and x.n == 1 and not x.local:
+                stage = x.stage
+                if stage == 0:  # the activations to the host (Lane.serve, inlined)
+                    s = t if t > d2h.free_at else d2h.free_at
+                    e = d2h.free_at = s + a_out
+                    d2h.busy += a_out
+                    x.stage = 1
+                    push(heap, (e, x.seq, next(uid), x))
+                    continue
+                if stage != 1:  # the result back
+                    s = t if t > h2d.free_at else h2d.free_at
+                    e = h2d.free_at = s + a_in
+                    h2d.busy += a_in
+                    x.end = e
+                    nxt = x.chain
+                    if nxt is not None:
+                        push(heap, (e if e >= nxt.ssd_at else nxt.ssd_at, nxt.seq, next(uid), nxt))
+                    continue
+                host.submit(t, CpuJob(x, x.seq, t, work, share, dram))
+            elif kind == WAKE:
+                if x.n != host.version:
+                    continue  # a later change re-timed it
+                for job in host.wake(t):
+                    j = job.op
+                    j.stage = 2
+                    push(heap, (t, j.seq, next(uid), j))
+            else:
+                self._serve_op(t, x)
+                continue
+            nt = host.next_event()  # _cpu_next
+            if nt != INF:
+                push(heap, (nt, -1, next(uid), _Wake(host.version)))
 
     def _hits_only(
         self, layer: int, routed: list[int], actions: dict[int, Any] | None, now: float
@@ -2149,8 +2245,18 @@ class Engine(EngineBase):
             ws = ws_t[layer]
             c.gate_mass_total += ws
             c.gate_mass_kept += ws
-        else:
-            self._fidelity(plan, routed, experts, w_t[layer], ws_t[layer])
+        else:  # _fidelity, with list lookups in place of its sets (k is small)
+            c.true_accesses += len(experts)
+            c.gate_mass_total += ws_t[layer]
+            raw = plan.raw_route
+            raw_l = raw.tolist() if raw is not None else ()
+            for e, w in zip(experts.tolist(), w_t[layer].tolist(), strict=True):
+                if e in routed:
+                    c.gate_mass_kept += w
+                elif e in raw_l:
+                    c.replaced_degraded += 1
+                else:
+                    c.replaced_mispredicted += 1
         pflag = res.prefetched[layer]
         for e in gpu:
             if pflag[e]:
@@ -2195,16 +2301,17 @@ class Engine(EngineBase):
                 ops.append(op)
             prev = op
         # -- _layer: this layer's requests at once in issue order, then the GPU stream
+        resolve = self._resolve_plain
         if ops:
             heap = self._heap
             serve = self._serve_op
             for op in ops:
                 serve(now, op)
-                while heap and heap[0][0] <= now:  # a zero-length stage keeps its place
-                    self._serve()
+                if heap and heap[0][0] <= now:  # a zero-length stage keeps its place
+                    self._serve_plain(None, now)
         g = now
         if sync and plan.cpu_first:
-            sync_end = max(self._resolve(op) for op in sync)
+            sync_end = max(resolve(op) for op in sync)
             if sync_end > now:
                 c.cpu_wait += sync_end - now
                 g = sync_end
@@ -2230,7 +2337,7 @@ class Engine(EngineBase):
             busy += d
         end = g
         for op in results:
-            t = op.end if op.end is not None else self._resolve(op)
+            t = op.end if op.end is not None else resolve(op)
             if t > end:
                 end = t
         if end > g:
@@ -2238,6 +2345,12 @@ class Engine(EngineBase):
         c.gpu_expert_busy += busy
         m.gpu.busy += busy
         return end
+
+    def _resolve_plain(self, op: LayerOp) -> float:
+        """``_resolve`` through ``_serve_plain``."""
+        if op.end is None:
+            self._serve_plain(op, INF)
+        return op.end  # type: ignore[return-value]
 
     # -- the request heap -------------------------------------------------------------------
     def _push(self, t: float, op: LayerOp) -> None:
@@ -2381,9 +2494,7 @@ class Engine(EngineBase):
         cpu = self._host
         t = cpu.next_event()
         if t != INF:
-            wake = LayerOp(WAKE, "wake", -1, 0, 0, 0, 0)
-            wake.n = cpu.version
-            heapq.heappush(self._heap, (t, -1, next(self._uid), wake))
+            heapq.heappush(self._heap, (t, -1, next(self._uid), _Wake(cpu.version)))
 
     def _cpu_wake(self, t: float) -> None:
         """The shared CPU's event at ``t``: calls that end there return their results."""
