@@ -2213,10 +2213,10 @@ class Engine(EngineBase):
             if a == _GPU:
                 if not row[e]:
                     return None
-                ready = ready_row[e]
+                ready = ready_row.item(e)  # a float, as float(ready_row[e])
                 if ready == INF:
                     return None  # its copy is not timed yet
-                jobs.append((float(ready), e))
+                jobs.append((ready, e))
                 gpu.append(e)
             elif a == _CPU:
                 cpu.append(e)
@@ -2304,10 +2304,19 @@ class Engine(EngineBase):
         resolve = self._resolve_plain
         if ops:
             heap = self._heap
-            serve = self._serve_op
+            self._one_token_cpu_job()
+            one = self._one_token_cpu
+            assert one is not None
+            a_out = one[1]
+            d2h = self._d2h.lane
             for op in ops:
-                serve(now, op)
-                if heap and heap[0][0] <= now:  # a zero-length stage keeps its place
+                # _cpu_stage's first stage at ``now``: the activations to the host
+                s = now if now > d2h.free_at else d2h.free_at
+                e = d2h.free_at = s + a_out
+                d2h.busy += a_out
+                op.stage = 1
+                heapq.heappush(heap, (e, op.seq, next(self._uid), op))
+                if heap[0][0] <= now:  # a zero-length stage keeps its place
                     self._serve_plain(None, now)
         g = now
         if sync and plan.cpu_first:
