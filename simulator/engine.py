@@ -1045,6 +1045,9 @@ class Engine(EngineBase):
             and self._peer_home is None
         )
 
+    #: ``_serve_plain``'s one-token CPU call: (work, share, dram, activations out, back)
+    _plain_cfg: tuple[float, float, float, float, float] | None = None
+
     def _serve_plain(self, op: LayerOp | None, limit: float) -> None:
         """``_serve`` in a loop, until ``op`` has its end time (``op`` given) or while a
         request is submitted at or before ``limit``, with a one-token CPU call's stages and
@@ -1052,14 +1055,17 @@ class Engine(EngineBase):
         ``_cpu_next`` without a recorder, unified memory or an SSD tier: the same lanes, the
         same arithmetic, the same pushes in the same order); any other request goes to
         ``_serve_op``. Only when :meth:`_plain_heap` holds."""
+        cfg = self._plain_cfg
+        if cfg is None:
+            work, share, dram = self._one_token_cpu_job()
+            one = self._one_token_cpu
+            assert one is not None
+            cfg = self._plain_cfg = (work, share, dram, one[1], one[2])
+        work, share, dram, a_out, a_in = cfg
         heap = self._heap
         host = self._host
         push, pop = heapq.heappush, heapq.heappop
         uid = self._uid
-        work, share, dram = self._one_token_cpu_job()
-        one = self._one_token_cpu
-        assert one is not None
-        a_out, a_in = one[1], one[2]
         d2h, h2d = self._d2h.lane, self._h2d.lane
         while True:
             if op is not None:
@@ -2304,10 +2310,7 @@ class Engine(EngineBase):
         resolve = self._resolve_plain
         if ops:
             heap = self._heap
-            self._one_token_cpu_job()
-            one = self._one_token_cpu
-            assert one is not None
-            a_out = one[1]
+            a_out = self._d2h.activation_s(1)  # the memoised one-token duration
             d2h = self._d2h.lane
             for op in ops:
                 # _cpu_stage's first stage at ``now``: the activations to the host
@@ -2346,7 +2349,11 @@ class Engine(EngineBase):
             busy += d
         end = g
         for op in results:
-            t = op.end if op.end is not None else resolve(op)
+            t = op.end
+            if t is None:
+                self._serve_plain(op, INF)
+                t = op.end
+                assert t is not None
             if t > end:
                 end = t
         if end > g:
