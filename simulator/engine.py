@@ -2167,11 +2167,12 @@ class Engine(EngineBase):
         # same sums, the CPU work submitted to the request heap exactly as _layer submits it.
         # Anything unusual, or anything a check would refuse, returns None before any change
         # (the general path then words the error).
+        if plan.__class__ is not Plan:
+            return None  # the general check words what it is
         actions = plan.actions
         evict, prefetch, items = plan.evict, plan.prefetch, plan.precalc
         if (
-            plan.__class__ is not Plan
-            or actions.__class__ is not dict
+            actions.__class__ is not dict
             or evict.__class__ is not list
             or evict
             or prefetch.__class__ is not list
