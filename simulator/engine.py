@@ -1036,14 +1036,9 @@ class Engine(EngineBase):
         return False
 
     def _plain_heap(self) -> bool:
-        """Whether ``_serve_plain`` may serve the heap: one GPU, no recorder, no unified
-        memory, no SSD tier."""
-        return (
-            self.recorder is None
-            and not self._unified
-            and self._ssd is None
-            and self._peer_home is None
-        )
+        """Whether ``_serve_plain`` may serve the heap: one GPU, no unified memory, no SSD
+        tier."""
+        return not self._unified and self._ssd is None and self._peer_home is None
 
     #: ``_serve_plain``'s one-token CPU call: (work, share, dram, activations out, back)
     _plain_cfg: tuple[float, float, float, float, float] | None = None
@@ -1052,8 +1047,8 @@ class Engine(EngineBase):
         """``_serve`` in a loop, until ``op`` has its end time (``op`` given) or while a
         request is submitted at or before ``limit``, with a one-token CPU call's stages and
         the shared CPU's wake-ups served inline (``_cpu_stage``, ``_cpu_wake`` and
-        ``_cpu_next`` without a recorder, unified memory or an SSD tier: the same lanes, the
-        same arithmetic, the same pushes in the same order); any other request goes to
+        ``_cpu_next`` without unified memory or an SSD tier: the same lanes, the same
+        arithmetic, the same records and pushes in the same order); any other request goes to
         ``_serve_op``. Only when :meth:`_plain_heap` holds."""
         cfg = self._plain_cfg
         if cfg is None:
@@ -1067,6 +1062,7 @@ class Engine(EngineBase):
         push, pop = heapq.heappush, heapq.heappop
         uid = self._uid
         d2h, h2d = self._d2h.lane, self._h2d.lane
+        rec = self.recorder
         while True:
             if op is not None:
                 if op.end is not None:
@@ -1083,6 +1079,9 @@ class Engine(EngineBase):
                     s = t if t > d2h.free_at else d2h.free_at
                     e = d2h.free_at = s + a_out
                     d2h.busy += a_out
+                    if rec is not None:
+                        rec.op(d2h.name, "activation", x.sid, x.token, x.layer, x.expert, s, e,
+                               self.act_bytes)  # fmt: skip
                     x.stage = 1
                     push(heap, (e, x.seq, next(uid), x))
                     continue
@@ -1090,6 +1089,9 @@ class Engine(EngineBase):
                     s = t if t > h2d.free_at else h2d.free_at
                     e = h2d.free_at = s + a_in
                     h2d.busy += a_in
+                    if rec is not None:
+                        rec.op(h2d.name, "activation", x.sid, x.token, x.layer, x.expert, s, e,
+                               self.act_bytes)  # fmt: skip
                     x.end = e
                     nxt = x.chain
                     if nxt is not None:
@@ -1101,6 +1103,9 @@ class Engine(EngineBase):
                     continue  # a later change re-timed it
                 for job in host.wake(t):
                     j = job.op
+                    if rec is not None:
+                        rec.op(host.lanes[job.worker].name, j.rkind, j.sid, j.token, j.layer,
+                               j.expert, job.start, t, 0)  # fmt: skip
                     j.stage = 2
                     push(heap, (t, j.seq, next(uid), j))
             else:
@@ -2182,7 +2187,6 @@ class Engine(EngineBase):
             or plan.barrier
             or self._unified
             or self._ssd is not None
-            or self.recorder is not None
             or self._peer_home is not None
             or self.spec.gpu_blocks is not None
         ):
@@ -2309,6 +2313,7 @@ class Engine(EngineBase):
             prev = op
         # -- _layer: this layer's requests at once in issue order, then the GPU stream
         resolve = self._resolve_plain
+        rec = self.recorder
         if ops:
             heap = self._heap
             a_out = self._d2h.activation_s(1)  # the memoised one-token duration
@@ -2318,6 +2323,8 @@ class Engine(EngineBase):
                 s = now if now > d2h.free_at else d2h.free_at
                 e = d2h.free_at = s + a_out
                 d2h.busy += a_out
+                if rec is not None:
+                    rec.op(d2h.name, "activation", sid, token, op.layer, op.expert, s, e, act)
                 op.stage = 1
                 heapq.heappush(heap, (e, op.seq, next(self._uid), op))
                 if heap[0][0] <= now:  # a zero-length stage keeps its place
@@ -2334,7 +2341,7 @@ class Engine(EngineBase):
         fused = m.fused_launch_s  # the layer's fused call, with its first expert
         host = m.host_experts  # None when GPU expert calls cost the host nothing
         busy = 0.0
-        for ready, _e in jobs:
+        for ready, e in jobs:
             drained = g
             if ready > g:
                 c.transfer_stall += ready - g
@@ -2346,6 +2353,8 @@ class Engine(EngineBase):
                 if wait > 0.0:
                     c.dispatch_stall += wait
                     g += wait
+            if rec is not None:
+                rec.op("gpu", "expert", sid, token, layer, e, g, g + d, 0)
             g += d
             busy += d
         end = g
