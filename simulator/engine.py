@@ -2162,6 +2162,10 @@ class Engine(EngineBase):
         return g
 
     # -- decode plans with CPU experts and pre-calculations (daop) ------------------------------
+    #: whether this run's fixed conditions let ``_precalc_layer`` take a plan (None: not
+    #: looked up yet)
+    _precalc_ok: bool | None = None
+
     def _precalc_layer(
         self, layer: int, experts: np.ndarray, plan: Plan, now: float, w_t: Any, ws_t: list[float]
     ) -> float | None:
@@ -2185,11 +2189,12 @@ class Engine(EngineBase):
             or items.__class__ is not list
             or plan.low_bit
             or plan.barrier
-            or self._unified
-            or self._ssd is not None
-            or self._peer_home is not None
-            or self.spec.gpu_blocks is not None
         ):
+            return None
+        ok = self._precalc_ok
+        if ok is None:  # the run's fixed conditions, looked up once
+            ok = self._precalc_ok = self._plain_heap() and self.spec.gpu_blocks is None
+        if not ok:
             return None
         n_exp = self.n_experts
         route = plan.route

@@ -122,8 +122,29 @@ class SharedCpu:
     def submit(self, t: float, job: CpuJob) -> None:
         """A call is submitted at ``t`` (every earlier event has been applied)."""
         self._advance(t)
-        heapq.heappush(self._queue, (job.submitted, job.seq, job))
-        self._admit(t)
+        q = self._queue
+        idle = self._idle
+        if not q and True in idle:
+            # nothing waits and a worker is idle: _admit would pop this very job at once
+            lanes, active = self.lanes, self.active
+            i = -1
+            best = 0.0
+            for k, free in enumerate(idle):  # the idle worker free longest, the first on ties
+                if free and (i < 0 or lanes[k].free_at < best):
+                    i, best = k, lanes[k].free_at
+            idle[i] = False
+            job.worker = i
+            job.start = t
+            active.append(job)
+            if len(active) == 2:  # _admit's sort() of two calls with distinct issue numbers
+                if active[0].seq > active[1].seq:
+                    active.reverse()
+            elif len(active) > 2:
+                active.sort(key=_by_seq)
+            self._rerate()
+        else:
+            heapq.heappush(q, (job.submitted, job.seq, job))
+            self._admit(t)
         self.version += 1
 
     def load(self, start: float, end: float, share: float) -> None:
