@@ -290,7 +290,10 @@ class DAOPPolicy(Policy):
             return None
         raw = np.asarray(raw_l, dtype=np.int64)
         on_gpu = view.resident[view.layer + 1].tolist()  # a list: k lookups cost less than numpy
-        cpu = [e for e in raw_l if not on_gpu[e]]
+        cpu = []  # (plain loops: a comprehension's own frame costs more than k = 2 appends)
+        for e in raw_l:
+            if not on_gpu[e]:
+                cpu.append(e)
         if len(cpu) == len(raw_l) and self.degrade and True in on_gpu:
             # graceful degradation: no predicted expert on the GPU
             gpu_ids = [e for e, r in enumerate(on_gpu) if r]
@@ -352,5 +355,7 @@ class DAOPPolicy(Policy):
             nxt = self._predict(view)
             if nxt is not None:
                 self.pred[layer + 1] = nxt
-                plan.precalc = [(layer + 1, e) for e in nxt.route_l if e in nxt.precalc]
+                pre = nxt.precalc
+                if pre:
+                    plan.precalc = [(layer + 1, e) for e in nxt.route_l if e in pre]
         return plan

@@ -2278,7 +2278,9 @@ class Engine(EngineBase):
             if pflag[e]:
                 pflag[e] = False
                 c.prefetch_used += 1
-        results = [pc.pop((layer, e)) for e in pre]
+        results: list[LayerOp] = []
+        for e in pre:
+            results.append(pc.pop((layer, e)))
         n_hits = len(gpu)
         c.decode_accesses += n
         c.decode_hits += n_hits
