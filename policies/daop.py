@@ -53,12 +53,15 @@ GPU, FETCH, TEMP, CPU, PRE = (
 class _Prediction:
     """What DAOP decided at layer l-1 for layer l of the current token."""
 
-    __slots__ = ("precalc", "raw", "route")
+    __slots__ = ("precalc", "raw", "route", "route_l")
 
-    def __init__(self, route: np.ndarray, raw: np.ndarray, precalc: set[int]) -> None:
+    def __init__(
+        self, route: np.ndarray, raw: np.ndarray, precalc: set[int], route_l: list[int]
+    ) -> None:
         self.route = route  # experts used (after degradation)
         self.raw = raw  # the plain top-k prediction (before degradation)
         self.precalc = precalc  # CPU-resident experts submitted for pre-calculation
+        self.route_l = route_l  # ``route`` as a list (read once per layer)
 
 
 def swap_pairs(
@@ -279,19 +282,22 @@ class DAOPPolicy(Policy):
     # -- decode ----------------------------------------------------------------------------------
     def _predict(self, view: View) -> _Prediction | None:
         """The prediction for layer+1 from the one-layer-early router view."""
-        nxt = view.layer + 1
-        ne, npr = view.next_experts, view.next_probs
-        if ne is None or npr is None:
+        ne = view.next_experts
+        if ne is None or view.next_probs is None:
             return None
         raw_l = ne[: self.k].tolist()
         if not raw_l or min(raw_l) < 0:
             return None
         raw = np.asarray(raw_l, dtype=np.int64)
-        on_gpu = view.resident[nxt].tolist()  # a list: k lookups cost less than numpy scalars
-        route_l = list(raw_l)
-        if self.degrade and not any(on_gpu[e] for e in route_l) and True in on_gpu:
+        on_gpu = view.resident[view.layer + 1].tolist()  # a list: k lookups cost less than numpy
+        cpu = []  # (plain loops: a comprehension's own frame costs more than k = 2 appends)
+        for e in raw_l:
+            if not on_gpu[e]:
+                cpu.append(e)
+        if len(cpu) == len(raw_l) and self.degrade and True in on_gpu:
+            # graceful degradation: no predicted expert on the GPU
             gpu_ids = [e for e, r in enumerate(on_gpu) if r]
-            probs = np.asarray(npr, dtype=np.float64)[gpu_ids].tolist()
+            probs = np.asarray(view.next_probs, dtype=np.float64)[gpu_ids].tolist()
             # np.nan_to_num(nan=0.0) on the few GPU entries: NaN -> 0, +-inf -> +-max float
             big = sys.float_info.max
             vals = [
@@ -299,10 +305,12 @@ class DAOPPolicy(Policy):
                 for p in probs
             ]
             best = max(range(len(vals)), key=vals.__getitem__)  # np.argmax: first id on ties
-            route_l = [*route_l[:-1], gpu_ids[best]]
-        route = np.asarray(route_l, dtype=np.int64)
-        cpu = [e for e in route_l if not on_gpu[e]]
-        return _Prediction(route, raw, set(cpu))
+            route_l = [*raw_l[:-1], gpu_ids[best]]
+            route = np.asarray(route_l, dtype=np.int64)
+            cpu = [e for e in route_l if not on_gpu[e]]
+        else:  # the route is the raw prediction (read-only to both; the plan gets a copy)
+            route_l, route = raw_l, raw
+        return _Prediction(route, raw, set(cpu), route_l)
 
     def decode_layer(self, view: View) -> Plan:
         """Exact routing below first_predict_layer; the layer-early prediction from there on."""
@@ -325,18 +333,29 @@ class DAOPPolicy(Policy):
                 for e in view.experts.tolist():
                     actions[e] = GPU if resident[e] else (PRE if e in ready else CPU)
             else:
-                route_l = pred.route.tolist()
-                keep = [i for i, e in enumerate(route_l) if resident[e] or e in ready]
-                # every entry kept (the common case): a plain copy, the same array as indexing
-                route = pred.route.copy() if len(keep) == len(route_l) else pred.route[keep]
+                route_l = pred.route_l
+                for e in route_l:
+                    if resident[e]:
+                        actions[e] = GPU
+                    elif e in ready:
+                        actions[e] = PRE
+                    else:  # an entry neither resident nor pre-calculated: dropped
+                        keep = [i for i, e in enumerate(route_l) if resident[e] or e in ready]
+                        route = pred.route[keep]
+                        actions.clear()
+                        for x in route.tolist():
+                            actions[x] = GPU if resident[x] else PRE
+                        break
+                else:  # every entry kept (the common case): a plain copy, as indexing gives
+                    route = pred.route.copy()
                 plan.route = route
                 plan.raw_route = pred.raw
-                for e in route.tolist():
-                    actions[e] = GPU if resident[e] else PRE
         # prediction for layer+1, issued before this layer's experts run
         if self.fpl - 1 <= layer <= self.n_layers - 2:
             nxt = self._predict(view)
             if nxt is not None:
                 self.pred[layer + 1] = nxt
-                plan.precalc = [(layer + 1, e) for e in nxt.route.tolist() if e in nxt.precalc]
+                pre = nxt.precalc
+                if pre:
+                    plan.precalc = [(layer + 1, e) for e in nxt.route_l if e in pre]
         return plan

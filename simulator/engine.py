@@ -213,6 +213,17 @@ class LayerWork:
         self.barrier = False
 
 
+class _Wake:
+    """The shared CPU's next event in the request heap: ``n`` is the CPU's version when it
+    was scheduled (a later change makes it stale). Only ``kind`` and ``n`` are read."""
+
+    __slots__ = ("n",)
+    kind = WAKE
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+
 def cpu_layers_for(spec: Any, model: ModelShape, budget: int) -> int:
     """Leading MoE layers a spec runs wholly on the CPU when the run did not size them from
     memory (the runner does, :func:`simulator.runner.cpu_resident_layers`): N GPU blocks
@@ -410,6 +421,17 @@ class EngineBase:
     #: one-pass paths (``_hits_only``, ``_copies_only``); the general path otherwise
     _one_pass_low_bit_or_skips = False
 
+    #: whether ``_pass`` offers decode plans to ``_precalc_layer`` before the general path
+    _one_pass_cpu_plans = False
+
+    def _precalc_layer(
+        self, layer: int, experts: np.ndarray, plan: Plan, now: float, w_t: Any, ws_t: list[float]
+    ) -> float | None:
+        """Check, apply and time in one pass a decode plan of resident experts, CPU experts
+        and pre-calculations; returns when the layer ends, or None to take the general path
+        (the plan is then untouched). This executor always takes the general path."""
+        return None
+
     def _copies_only(self, layer: int, routed: list[int], plan: Plan, now: float) -> float | None:
         """Check, apply and time in one pass a decode plan made of resident experts, fetches,
         temporary copies, evictions and prefetches (no CPU work, no write-backs); returns when
@@ -582,6 +604,18 @@ class EngineBase:
                     if not (plan.evict or plan.prefetch or plan.victims):
                         # the common decode case: every routed expert resident, on the GPU
                         end = self._hits_only(layer, routed, plan.actions, now)
+                    if (
+                        end is None
+                        and plan.cpu_first
+                        and self._one_pass_cpu_plans
+                        and (self._heap or not self._host.idle)
+                    ):
+                        # CPU experts the GPU waits for, with CPU work pending: the one-pass
+                        # copy paths would refuse them (daop's first layers)
+                        end = self._precalc_layer(layer, experts, plan, now, w_t, ws_t)
+                        if end is not None:
+                            self.now = end
+                            continue
                     if end is None:
                         # copies, evictions and resident experts, nothing else pending
                         end = self._copies_only(layer, routed, plan, now)
@@ -618,6 +652,12 @@ class EngineBase:
                             self._fidelity(plan, route, experts, w_t[layer], ws_t[layer])
                         if plan.low_bit:
                             self._low_bit_mass(plan.low_bit, experts, w_t[layer])
+                        self.now = end
+                        continue
+                if not prefill and not cpu_here and self._one_pass_cpu_plans:
+                    # resident experts, CPU experts and pre-calculations (daop's decode plans)
+                    end = self._precalc_layer(layer, experts, plan, now, w_t, ws_t)
+                    if end is not None:
                         self.now = end
                         continue
                 if prefill:
@@ -946,6 +986,7 @@ class Engine(EngineBase):
     """The fast executor: a heap of submitted requests served lazily in queueing-rule order."""
 
     _one_pass_low_bit_or_skips = True
+    _one_pass_cpu_plans = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -983,8 +1024,96 @@ class Engine(EngineBase):
         return self.stats(e2e)
 
     def _due(self, now: float) -> bool:
+        # serves here what run() would serve for the yielded time (the same requests in the
+        # same order), sparing the step loop a generator round trip per layer
         heap = self._heap
-        return bool(heap) and heap[0][0] <= now
+        if heap and heap[0][0] <= now:
+            if self._plain_heap():
+                self._serve_plain(None, now)
+            else:
+                while heap and heap[0][0] <= now:
+                    self._serve()
+        return False
+
+    def _plain_heap(self) -> bool:
+        """Whether ``_serve_plain`` may serve the heap: one GPU, no unified memory, no SSD
+        tier."""
+        return not self._unified and self._ssd is None and self._peer_home is None
+
+    #: ``_serve_plain``'s one-token CPU call: (work, share, dram, activations out, back)
+    _plain_cfg: tuple[float, float, float, float, float] | None = None
+
+    def _serve_plain(self, op: LayerOp | None, limit: float) -> None:
+        """``_serve`` in a loop, until ``op`` has its end time (``op`` given) or while a
+        request is submitted at or before ``limit``, with a one-token CPU call's stages and
+        the shared CPU's wake-ups served inline (``_cpu_stage``, ``_cpu_wake`` and
+        ``_cpu_next`` without unified memory or an SSD tier: the same lanes, the same
+        arithmetic, the same records and pushes in the same order); any other request goes to
+        ``_serve_op``. Only when :meth:`_plain_heap` holds."""
+        cfg = self._plain_cfg
+        if cfg is None:
+            work, share, dram = self._one_token_cpu_job()
+            one = self._one_token_cpu
+            assert one is not None
+            cfg = self._plain_cfg = (work, share, dram, one[1], one[2])
+        work, share, dram, a_out, a_in = cfg
+        heap = self._heap
+        host = self._host
+        push, pop = heapq.heappush, heapq.heappop
+        uid = self._uid
+        d2h, h2d = self._d2h.lane, self._h2d.lane
+        rec = self.recorder
+        while True:
+            if op is not None:
+                if op.end is not None:
+                    return
+                if not heap:
+                    raise RuntimeError(f"engine: operation {op.rkind} can never complete")
+            elif not heap or heap[0][0] > limit:
+                return
+            t, _, _, x = pop(heap)
+            kind = x.kind
+            if kind == CPU and x.n == 1 and not x.local:
+                stage = x.stage
+                if stage == 0:  # the activations to the host (Lane.serve, inlined)
+                    s = t if t > d2h.free_at else d2h.free_at
+                    e = d2h.free_at = s + a_out
+                    d2h.busy += a_out
+                    if rec is not None:
+                        rec.op(d2h.name, "activation", x.sid, x.token, x.layer, x.expert, s, e,
+                               self.act_bytes)  # fmt: skip
+                    x.stage = 1
+                    push(heap, (e, x.seq, next(uid), x))
+                    continue
+                if stage != 1:  # the result back
+                    s = t if t > h2d.free_at else h2d.free_at
+                    e = h2d.free_at = s + a_in
+                    h2d.busy += a_in
+                    if rec is not None:
+                        rec.op(h2d.name, "activation", x.sid, x.token, x.layer, x.expert, s, e,
+                               self.act_bytes)  # fmt: skip
+                    x.end = e
+                    nxt = x.chain
+                    if nxt is not None:
+                        push(heap, (e if e >= nxt.ssd_at else nxt.ssd_at, nxt.seq, next(uid), nxt))
+                    continue
+                host.submit(t, CpuJob(x, x.seq, t, work, share, dram))
+            elif kind == WAKE:
+                if x.n != host.version:
+                    continue  # a later change re-timed it
+                for job in host.wake(t):
+                    j = job.op
+                    if rec is not None:
+                        rec.op(host.lanes[job.worker].name, j.rkind, j.sid, j.token, j.layer,
+                               j.expert, job.start, t, 0)  # fmt: skip
+                    j.stage = 2
+                    push(heap, (t, j.seq, next(uid), j))
+            else:
+                self._serve_op(t, x)
+                continue
+            nt = host.next_event()  # _cpu_next
+            if nt != INF:
+                push(heap, (nt, -1, next(uid), _Wake(host.version)))
 
     def _hits_only(
         self, layer: int, routed: list[int], actions: dict[int, Any] | None, now: float
@@ -2032,6 +2161,230 @@ class Engine(EngineBase):
         self.machine.gpu.busy += busy
         return g
 
+    # -- decode plans with CPU experts and pre-calculations (daop) ------------------------------
+    #: whether this run's fixed conditions let ``_precalc_layer`` take a plan (None: not
+    #: looked up yet)
+    _precalc_ok: bool | None = None
+
+    def _precalc_layer(
+        self, layer: int, experts: np.ndarray, plan: Plan, now: float, w_t: Any, ws_t: list[float]
+    ) -> float | None:
+        # check_route, check_plan (its _simple_actions and _check_precalc), _fidelity, _apply
+        # and _layer fused for a plan of resident experts whose copies are timed, CPU experts
+        # and consumed pre-calculations, maybe with a substituted route and new
+        # pre-calculations: the same rules in the same order, the same issue numbers, the
+        # same sums, the CPU work submitted to the request heap exactly as _layer submits it.
+        # Anything unusual, or anything a check would refuse, returns None before any change
+        # (the general path then words the error).
+        if plan.__class__ is not Plan:
+            return None  # the general check words what it is
+        actions = plan.actions
+        evict, prefetch, items = plan.evict, plan.prefetch, plan.precalc
+        if (
+            actions.__class__ is not dict
+            or evict.__class__ is not list
+            or evict
+            or prefetch.__class__ is not list
+            or prefetch
+            or items.__class__ is not list
+            or plan.low_bit
+            or plan.barrier
+        ):
+            return None
+        ok = self._precalc_ok
+        if ok is None:  # the run's fixed conditions, looked up once
+            ok = self._precalc_ok = self._plain_heap() and self.spec.gpu_blocks is None
+        if not ok:
+            return None
+        n_exp = self.n_experts
+        route = plan.route
+        if route is None:
+            routed = experts.tolist()
+        else:  # check_route's rules
+            if route.__class__ is not np.ndarray or route.ndim != 1:
+                return None
+            if route.size and route.dtype.kind not in "iu":
+                return None
+            routed = route.tolist()
+            if routed and (min(routed) < 0 or max(routed) >= n_exp):
+                return None
+            if len(set(routed)) != len(routed):
+                return None
+            raw = plan.raw_route
+            if raw is not None and (raw.__class__ is not np.ndarray or raw.ndim != 1):
+                return None
+        n = len(routed)
+        if len(actions) != n:
+            return None
+        res = self.res
+        row = res.resident[layer]
+        ready_row = res.ready_at[layer]
+        pc = self.precalc
+        jobs: list[tuple[float, int]] = []
+        gpu: list[int] = []
+        cpu: list[int] = []
+        pre: list[int] = []
+        for e in routed:
+            a = actions.get(e)
+            if a == _GPU:
+                if not row[e]:
+                    return None
+                ready = ready_row.item(e)  # a float, as float(ready_row[e])
+                if ready == INF:
+                    return None  # its copy is not timed yet
+                jobs.append((ready, e))
+                gpu.append(e)
+            elif a == _CPU:
+                cpu.append(e)
+            elif a == _PRE:
+                if (layer, e) not in pc:
+                    return None
+                pre.append(e)
+            else:
+                return None
+        if items:  # _check_precalc's rules
+            n_layers = self.n_layers
+            seen = set(pc)
+            for item in items:
+                if item.__class__ is not tuple or len(item) != 2:
+                    return None
+                pl, pe = item
+                if pl.__class__ is not int or pe.__class__ is not int:
+                    return None
+                if not (layer < pl < n_layers and 0 <= pe < n_exp) or item in seen:
+                    return None
+                seen.add(item)
+        # -- the plan is accepted: _fidelity, then _apply
+        c = self.c
+        if route is None:
+            c.true_accesses += len(experts)
+            ws = ws_t[layer]
+            c.gate_mass_total += ws
+            c.gate_mass_kept += ws
+        else:  # _fidelity, with list lookups in place of its sets (k is small)
+            c.true_accesses += len(experts)
+            c.gate_mass_total += ws_t[layer]
+            raw = plan.raw_route
+            raw_l = raw.tolist() if raw is not None else ()
+            for e, w in zip(experts.tolist(), w_t[layer].tolist(), strict=True):
+                if e in routed:
+                    c.gate_mass_kept += w
+                elif e in raw_l:
+                    c.replaced_degraded += 1
+                else:
+                    c.replaced_mispredicted += 1
+        pflag = res.prefetched[layer]
+        for e in gpu:
+            if pflag[e]:
+                pflag[e] = False
+                c.prefetch_used += 1
+        results: list[LayerOp] = []
+        for e in pre:
+            results.append(pc.pop((layer, e)))
+        n_hits = len(gpu)
+        c.decode_accesses += n
+        c.decode_hits += n_hits
+        self._hits[layer] += n_hits
+        self._acc[layer] += n
+        where = self.hooks.where
+        sid, token = where.seq or 0, where.token or 0
+        ops: list[LayerOp] = []
+        serial = plan.cpu_serial
+        act = self.act_bytes
+        prev: LayerOp | None = None
+        for e in cpu:
+            self._seq = seq = self._seq + 1
+            op = LayerOp(CPU, "cpu_expert", seq, sid, token, layer, e)
+            c.d2h_bytes += act
+            c.h2d_bytes += act
+            c.cpu_expert_evals += 1
+            results.append(op)
+            if serial and prev is not None:
+                prev.chain = op
+            else:
+                ops.append(op)
+            prev = op
+        sync = results[len(pre) :]
+        prev = None
+        for item in items:
+            self._seq = seq = self._seq + 1
+            op = LayerOp(CPU, "precalc", seq, sid, token, item[0], item[1])
+            c.d2h_bytes += act
+            c.h2d_bytes += act
+            c.cpu_precalc_evals += 1
+            pc[item] = op
+            if serial and prev is not None:
+                prev.chain = op
+            else:
+                ops.append(op)
+            prev = op
+        # -- _layer: this layer's requests at once in issue order, then the GPU stream
+        resolve = self._resolve_plain
+        rec = self.recorder
+        if ops:
+            heap = self._heap
+            a_out = self._d2h.activation_s(1)  # the memoised one-token duration
+            d2h = self._d2h.lane
+            for op in ops:
+                # _cpu_stage's first stage at ``now``: the activations to the host
+                s = now if now > d2h.free_at else d2h.free_at
+                e = d2h.free_at = s + a_out
+                d2h.busy += a_out
+                if rec is not None:
+                    rec.op(d2h.name, "activation", sid, token, op.layer, op.expert, s, e, act)
+                op.stage = 1
+                heapq.heappush(heap, (e, op.seq, next(self._uid), op))
+                if heap[0][0] <= now:  # a zero-length stage keeps its place
+                    self._serve_plain(None, now)
+        g = now
+        if sync and plan.cpu_first:
+            sync_end = max(resolve(op) for op in sync)
+            if sync_end > now:
+                c.cpu_wait += sync_end - now
+                g = sync_end
+        jobs.sort()
+        m = self.machine
+        d1 = m.gpu_s(1)  # one decode token per expert
+        fused = m.fused_launch_s  # the layer's fused call, with its first expert
+        host = m.host_experts  # None when GPU expert calls cost the host nothing
+        busy = 0.0
+        for ready, e in jobs:
+            drained = g
+            if ready > g:
+                c.transfer_stall += ready - g
+                g = ready
+            d = d1 + fused
+            fused = 0.0
+            if host is not None:  # the stream may wait for the host thread to issue it
+                wait = host.expert(drained, g, d) - d - g
+                if wait > 0.0:
+                    c.dispatch_stall += wait
+                    g += wait
+            if rec is not None:
+                rec.op("gpu", "expert", sid, token, layer, e, g, g + d, 0)
+            g += d
+            busy += d
+        end = g
+        for op in results:
+            t = op.end
+            if t is None:
+                self._serve_plain(op, INF)
+                t = op.end
+                assert t is not None
+            if t > end:
+                end = t
+        if end > g:
+            c.cpu_wait += end - g
+        c.gpu_expert_busy += busy
+        m.gpu.busy += busy
+        return end
+
+    def _resolve_plain(self, op: LayerOp) -> float:
+        """``_resolve`` through ``_serve_plain``."""
+        if op.end is None:
+            self._serve_plain(op, INF)
+        return op.end  # type: ignore[return-value]
+
     # -- the request heap -------------------------------------------------------------------
     def _push(self, t: float, op: LayerOp) -> None:
         heapq.heappush(self._heap, (t, op.seq, next(self._uid), op))
@@ -2174,9 +2527,7 @@ class Engine(EngineBase):
         cpu = self._host
         t = cpu.next_event()
         if t != INF:
-            wake = LayerOp(WAKE, "wake", -1, 0, 0, 0, 0)
-            wake.n = cpu.version
-            heapq.heappush(self._heap, (t, -1, next(self._uid), wake))
+            heapq.heappush(self._heap, (t, -1, next(self._uid), _Wake(cpu.version)))
 
     def _cpu_wake(self, t: float) -> None:
         """The shared CPU's event at ``t``: calls that end there return their results."""

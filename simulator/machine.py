@@ -122,8 +122,29 @@ class SharedCpu:
     def submit(self, t: float, job: CpuJob) -> None:
         """A call is submitted at ``t`` (every earlier event has been applied)."""
         self._advance(t)
-        heapq.heappush(self._queue, (job.submitted, job.seq, job))
-        self._admit(t)
+        q = self._queue
+        idle = self._idle
+        if not q and True in idle:
+            # nothing waits and a worker is idle: _admit would pop this very job at once
+            lanes, active = self.lanes, self.active
+            i = -1
+            best = 0.0
+            for k, free in enumerate(idle):  # the idle worker free longest, the first on ties
+                if free and (i < 0 or lanes[k].free_at < best):
+                    i, best = k, lanes[k].free_at
+            idle[i] = False
+            job.worker = i
+            job.start = t
+            active.append(job)
+            if len(active) == 2:  # _admit's sort() of two calls with distinct issue numbers
+                if active[0].seq > active[1].seq:
+                    active.reverse()
+            elif len(active) > 2:
+                active.sort(key=_by_seq)
+            self._rerate()
+        else:
+            heapq.heappush(q, (job.submitted, job.seq, job))
+            self._admit(t)
         self.version += 1
 
     def load(self, start: float, end: float, share: float) -> None:
@@ -147,7 +168,10 @@ class SharedCpu:
         nxt = self._loads[0][0] if self._loads else math.inf
         rate = self.rate
         if rate > 0.0:
-            rem = active[0].rem if len(active) == 1 else min(j.rem for j in active)
+            rem = active[0].rem
+            for j in active:  # min(), without the generator: the first smallest
+                if j.rem < rem:
+                    rem = j.rem
             dep = self.t + (rem / rate if rem > 0.0 else 0.0)
             if dep < nxt:
                 nxt = dep
@@ -284,16 +308,21 @@ class SharedCpu:
             idle, lanes, active = self._idle, self.lanes, self.active
             while q and True in idle:
                 _, _, job = heapq.heappop(q)
-                if len(lanes) == 1:
-                    i = 0
-                else:
-                    free = [k for k in range(len(lanes)) if idle[k]]
-                    i = min(free, key=lambda k: lanes[k].free_at)
+                i = 0
+                if len(lanes) > 1:  # min() over the idle workers by free_at: the first smallest
+                    i = -1
+                    best = 0.0
+                    for k, free in enumerate(idle):
+                        if free and (i < 0 or lanes[k].free_at < best):
+                            i, best = k, lanes[k].free_at
                 idle[i] = False
                 job.worker = i
                 job.start = t
                 active.append(job)
-            if len(active) > 1:
+            if len(active) == 2:  # sort() of two calls with distinct issue numbers
+                if active[0].seq > active[1].seq:
+                    active.reverse()
+            elif len(active) > 2:
                 active.sort(key=_by_seq)
         # (without admissions the running calls keep their order: removals preserve it)
         self._rerate()
@@ -323,6 +352,9 @@ class SharedCpu:
         rate = 1.0
         if len(active) == 1:  # sum() of one term, without the generator
             share, dram = active[0].share, active[0].dram
+        elif len(active) == 2:  # sum() of two terms (0 + a + b), without the generator
+            a, b = active
+            share, dram = a.share + b.share, a.dram + b.dram
         else:
             share = sum(j.share for j in active)
             dram = sum(j.dram for j in active)

@@ -526,13 +526,15 @@ def test_chunked_prefill_and_preemption_time_identically(seed: int) -> None:
         ("fiddler", "_victim_fetches", 0.25),
         ("ktransformers", "_victim_fetches", 0.25),
         ("mixtral-offloading", "_victim_fetches", 0.25),
+        ("daop", "_precalc_layer", 0.25),
     ],
 )
 def test_bulk_one_pass_paths_are_taken_and_time_identically(
     policy: str, helper: str, ratio: float, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The fast engine's narrower one-pass helpers (a whole layer streamed in; hits, fetches
-    with victims, temporary copies and CPU experts) are really taken by the policies they are
+    with victims, temporary copies and CPU experts; resident experts beside CPU experts and
+    pre-calculations, with a substituted route) are really taken by the policies they are
     for, with and without a costly host thread, and time exactly as the reference engine."""
     taken: list[float] = []
     orig = getattr(Engine, helper)
