@@ -58,6 +58,8 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable
+from itertools import compress
+from operator import not_
 from typing import Any
 
 import numpy as np
@@ -145,7 +147,9 @@ class MoEInfinityPolicy(Policy):
         self.unit = np.divide(coll, norms, out=np.zeros_like(coll), where=norms > 0)
         self.n_entries = coll.shape[0]
         self.weight = [1.0 - layer / n_layers for layer in range(n_layers)]
-        self.cands: dict[tuple[int, int], tuple[list[Slot], frozenset[Slot]]] = {}
+        self.cands: dict[tuple[int, int], tuple[list[Slot], frozenset[Slot], list[int]]] = {}
+        #: per top-k, each decode selection's flat offset layer * experts (``_match``)
+        self.offsets: dict[int, np.ndarray] = {}
         self.copy_s = ctx.costs.h2d_expert_s(pinned=True)
         self.gap = ctx.costs.nonexpert_layer_s(1, 0) + m.top_k * ctx.costs.gpu_expert_s(1)
         self.link_free = 0.0  # when the copy link finishes the copies this policy issued
@@ -154,9 +158,13 @@ class MoEInfinityPolicy(Policy):
         self.ready: np.ndarray | None = None
         self.capacity = int(ctx.budget)
         self.cached = [[False] * n_exp for _ in range(n_layers)]
+        #: ``cached`` flattened (index layer * experts + expert), kept in step with it: the
+        #: prefetch queue is scanned through it at C speed
+        self.cflat = [False] * (n_layers * n_exp)
         slots = global_initial(ctx, str(self.options["initial"]), self.capacity)
         for layer, e in slots:
             self.cached[layer][e] = True
+            self.cflat[layer * n_exp + e] = True
         self.size = len(slots)
         self._reset_request()
         return slots
@@ -190,12 +198,17 @@ class MoEInfinityPolicy(Policy):
             if len(pend) == self.n_layers:
                 k = len(pend[0])
                 if all(len(p) == k for p in pend):
-                    es = np.asarray(pend, dtype=np.int64)
-                    ls = np.repeat(np.arange(self.n_layers), k)
-                    flat = es.reshape(-1)
-                    self.cur[ls, flat] += 1.0
-                    gathered = self.unit[:, ls, flat].reshape(self.n_entries, self.n_layers, k)
-                    self.dot += gathered.sum(axis=2)
+                    # the same element updates and sums as indexing [layers, experts] with
+                    # (layer, expert) pairs, through the flat index layer * experts + expert
+                    off = self.offsets.get(k)
+                    if off is None:
+                        off = self.offsets[k] = np.repeat(
+                            np.arange(self.n_layers, dtype=np.int64) * self.n_exp, k
+                        )
+                    idx = np.asarray(pend, dtype=np.int64).reshape(-1) + off
+                    self.cur.reshape(-1)[idx] += 1.0
+                    gathered = self.unit.reshape(self.n_entries, -1)[:, idx]
+                    self.dot += gathered.reshape(self.n_entries, self.n_layers, k).sum(axis=2)
                     pend = []
             for layer, exps in enumerate(pend):
                 for e in exps:
@@ -212,6 +225,11 @@ class MoEInfinityPolicy(Policy):
 
     def _candidates(self, entry: int, layer: int) -> tuple[list[Slot], frozenset[Slot]]:
         """The entry's experts of later layers in prefetch order, and the same as a set."""
+        order, keep, _ = self._queue(entry, layer)
+        return order, keep
+
+    def _queue(self, entry: int, layer: int) -> tuple[list[Slot], frozenset[Slot], list[int]]:
+        """:meth:`_candidates` and the queue's flat indices (layer * experts + expert)."""
         key = (entry, layer)
         got = self.cands.get(key)
         if got is None:
@@ -225,7 +243,8 @@ class MoEInfinityPolicy(Policy):
                     items.append((-(counts[x, e] * decay), x, e))
             items.sort()
             order = [(x, e) for _, x, e in items]
-            got = self.cands[key] = (order, frozenset(order))
+            flat = [x * self.n_exp + e for x, e in order]
+            got = self.cands[key] = (order, frozenset(order), flat)
         return got
 
     # -- cache -----------------------------------------------------------------------------------
@@ -286,41 +305,55 @@ class MoEInfinityPolicy(Policy):
         cached = self.cached[layer]
         # the heap keeps each cached expert's priority at insertion (or a later requeue): a
         # count only grows within a request, so _victim requeues what it finds out of date
+        misses = []
         if counts is None:
             self.pending.append(experts)
             for e in experts:
                 cnt_l[e] += 1
+                if not cached[e]:
+                    misses.append(e)
         else:
             c = np.asarray(counts, dtype=np.float64)
             self.cur[layer] += c
             self.dot[:, layer] += self.unit[:, layer, :] @ c
             for e in experts:
                 cnt_l[e] += int(counts[e])
-        misses = [e for e in experts if not cached[e]]
-        if not misses and (not self.do_prefetch or self.link_free >= now + self.gap):
+            misses = [e for e in experts if not cached[e]]
+        link_free = self.link_free
+        if not misses and (not self.do_prefetch or link_free >= now + self.gap):
             return ALL_GPU_PLAN
-        w = self.weight[layer]
-        heap = self.heap
         actions = {e: GPU for e in experts if cached[e]}
         plan = Plan(actions=actions)
         protect = set(experts)
         temp = False
-        for e in misses:
-            if self.size < self.capacity:
-                self.size += 1
-            else:
-                victim = self._victim(now, layer, protect, None)
-                if victim is None:
-                    actions[e] = TEMP
-                    temp = True
-                    self._copy(now)
-                    continue
-                self.cached[victim[0]][victim[1]] = False
-                plan.victims[e] = victim
-            actions[e] = FETCH
-            cached[e] = True
-            heapq.heappush(heap, (cnt_l[e] * w, w, e, layer))
-            self._copy(now)
+        if misses:
+            w = self.weight[layer]
+            heap = self.heap
+            cflat = self.cflat
+            base = layer * self.n_exp
+            n_exp = self.n_exp
+            copy_s = self.copy_s
+            for e in misses:
+                if self.size < self.capacity:
+                    self.size += 1
+                else:
+                    victim = self._victim(now, layer, protect, None)
+                    if victim is None:
+                        actions[e] = TEMP
+                        temp = True
+                        # _copy, written out: FIFO after this policy's earlier copies
+                        link_free = (now if now > link_free else link_free) + copy_s
+                        continue
+                    vl, ve = victim
+                    self.cached[vl][ve] = False
+                    cflat[vl * n_exp + ve] = False
+                    plan.victims[e] = victim
+                actions[e] = FETCH
+                cached[e] = True
+                cflat[base + e] = True
+                heapq.heappush(heap, (cnt_l[e] * w, w, e, layer))
+                link_free = (now if now > link_free else link_free) + copy_s
+            self.link_free = link_free
         # a temporary copy may wait for its buffer, so the link ledger is not exact: no prefetch
         if self.do_prefetch and not temp and layer < self.n_layers - 1:
             self._prefetch(plan, now, layer, protect)
@@ -330,14 +363,14 @@ class MoEInfinityPolicy(Policy):
         horizon = now + self.gap
         if self.link_free >= horizon:
             return
-        order, keep = self._candidates(self.best[layer], layer)
+        order, keep, flat = self._queue(self.best[layer], layer)
         cached, cnt, weight, heap = self.cached, self.cnt, self.weight, self.heap
-        for x, e in order:
-            if self.link_free >= horizon:
-                break
-            row = cached[x]
-            if row[e]:
-                continue
+        cflat = self.cflat
+        n_exp = self.n_exp
+        # the queue's entries not cached, in order; each is read from ``cflat`` when the scan
+        # reaches it (after the changes of the prefetches before it), as a loop testing
+        # ``cached[x][e]`` would
+        for x, e in compress(order, map(not_, map(cflat.__getitem__, flat))):
             victim: Slot | None = None
             if self.size < self.capacity:
                 self.size += 1
@@ -345,11 +378,16 @@ class MoEInfinityPolicy(Policy):
                 victim = self._victim(now, layer, protect, keep)
                 if victim is None:
                     break
-                cached[victim[0]][victim[1]] = False
-            row[e] = True
+                vl, ve = victim
+                cached[vl][ve] = False
+                cflat[vl * n_exp + ve] = False
+            cached[x][e] = True
+            cflat[x * n_exp + e] = True
             w = weight[x]
             heapq.heappush(heap, (cnt[x][e] * w, w, e, x))
             self.inflight[(x, e)] = self._copy(now)
             plan.prefetch.append((x, e, victim))
+            if self.link_free >= horizon:
+                break
         if len(self.inflight) > 4 * self.n_layers:
             self.inflight = {s: t for s, t in self.inflight.items() if t > now}
