@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable
-from itertools import compress
+from itertools import chain, compress
 from operator import not_
 from typing import Any
 
@@ -205,7 +205,7 @@ class MoEInfinityPolicy(Policy):
                         off = self.offsets[k] = np.repeat(
                             np.arange(self.n_layers, dtype=np.int64) * self.n_exp, k
                         )
-                    idx = np.asarray(pend, dtype=np.int64).reshape(-1) + off
+                    idx = np.fromiter(chain.from_iterable(pend), np.int64, off.size) + off
                     self.cur.reshape(-1)[idx] += 1.0
                     gathered = self.unit.reshape(self.n_entries, -1)[:, idx]
                     self.dot += gathered.reshape(self.n_entries, self.n_layers, k).sum(axis=2)
@@ -218,7 +218,10 @@ class MoEInfinityPolicy(Policy):
         if self.n_entries == 1:
             return
         norm = np.sqrt((self.cur * self.cur).sum(axis=1))
-        cos = np.divide(self.dot, norm, out=np.zeros_like(self.dot), where=norm > 0)
+        if norm.all():  # no empty row to skip: the same quotients, without the mask
+            cos = self.dot / norm
+        else:
+            cos = np.divide(self.dot, norm, out=np.zeros_like(self.dot), where=norm > 0)
         # score of entry c at layer l: sum of its cosines over layers > l
         after = np.cumsum(cos[:, :0:-1], axis=1)[:, ::-1]
         self.best = [*np.argmax(after, axis=0).tolist(), 0]

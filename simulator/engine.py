@@ -1712,11 +1712,28 @@ class Engine(EngineBase):
         dur = self._h2d.expert_s
         if wbs:
             # write-backs and fetches interleaved in issue order: a write-back holds both
-            # lanes and releases its slot (through the heap) when it ends
+            # lanes and releases its slot (through the heap) when it ends (_serve_op's first
+            # stage of a write-back and _push, inlined: no unified memory here)
+            d2h = self._d2h.lane
+            wb_s = self._d2h.expert_s
+            heap = self._heap
+            uid = self._uid
             for kind, slot in issue:
                 if kind == _EVICT:
                     op = LayerOp(WRITEBACK, "writeback", wbs[slot], sid, token, *slot)
-                    self._serve_op(now, op)
+                    s = lane.free_at
+                    if d2h.free_at > s:
+                        s = d2h.free_at
+                    if now > s:
+                        s = now  # max(now, both lanes' free times)
+                    end = s + wb_s
+                    lane.free_at = d2h.free_at = end
+                    d2h.busy += wb_s
+                    if rec is not None:
+                        rec.op(d2h.name, "writeback", sid, token, *slot, s, end, eb)
+                    op.end = end
+                    op.stage = 1
+                    heapq.heappush(heap, (end, op.seq, next(uid), op))
                 else:
                     e = slot[1]
                     occ = res.occupancy = res.occupancy + 1  # Residency.take, inlined
