@@ -258,19 +258,24 @@ class MoEInfinityPolicy(Policy):
         heap, cached, cnt = self.heap, self.cached, self.cnt
         inflight = self.inflight
         ready = self.ready
+        pop, push = heapq.heappop, heapq.heappush
         skipped = []
         found: Slot | None = None
         while heap:
-            item = heapq.heappop(heap)
+            item = pop(heap)
             key, w, e, vl = item
             if not cached[vl][e]:
                 continue  # evicted since
             now_key = cnt[vl][e] * w
             if now_key != key:
                 # priorities only grow within a request: requeue at the current one
-                heapq.heappush(heap, (now_key, w, e, vl))
+                push(heap, (now_key, w, e, vl))
                 continue
-            if (vl == layer and e in protect) or inflight.get((vl, e), -1.0) > now:
+            if vl == layer and e in protect:
+                skipped.append(item)
+                continue
+            slot = (vl, e)
+            if inflight.get(slot, -1.0) > now:
                 skipped.append(item)
                 continue
             if ready is not None and ready[vl, e] > now:
@@ -278,15 +283,15 @@ class MoEInfinityPolicy(Policy):
                 # the link (several GPUs on one uplink); never evict an expert being copied
                 skipped.append(item)
                 continue
-            if keep is not None and (vl, e) in keep:
+            if keep is not None and slot in keep:
                 skipped.append(item)
                 if len(skipped) > KEEP_SCAN:
                     break  # the cache's low end is all predicted: trading like for like
                 continue
-            found = (vl, e)
+            found = slot
             break
         for item in skipped:
-            heapq.heappush(heap, item)
+            push(heap, item)
         return found
 
     def _copy(self, now: float) -> float:
@@ -323,7 +328,13 @@ class MoEInfinityPolicy(Policy):
                 cnt_l[e] += int(counts[e])
             misses = [e for e in experts if not cached[e]]
         link_free = self.link_free
-        if not misses and (not self.do_prefetch or link_free >= now + self.gap):
+        if not misses:
+            if self.do_prefetch and link_free < now + self.gap and layer < self.n_layers - 1:
+                # the plan is made when a prefetch is issued: until then every routed expert
+                # runs on the GPU, which the shared all-GPU plan says as well
+                plan = self._prefetch(None, now, layer, set(experts), experts)
+                if plan is not None:
+                    return plan
             return ALL_GPU_PLAN
         actions = {e: GPU for e in experts if cached[e]}
         plan = Plan(actions=actions)
@@ -359,13 +370,17 @@ class MoEInfinityPolicy(Policy):
             self.link_free = link_free
         # a temporary copy may wait for its buffer, so the link ledger is not exact: no prefetch
         if self.do_prefetch and not temp and layer < self.n_layers - 1:
-            self._prefetch(plan, now, layer, protect)
+            self._prefetch(plan, now, layer, protect, experts)
         return plan
 
-    def _prefetch(self, plan: Plan, now: float, layer: int, protect: set[int]) -> None:
+    def _prefetch(
+        self, plan: Plan | None, now: float, layer: int, protect: set[int], experts: list[int]
+    ) -> Plan | None:
+        """Issue prefetches into ``plan`` (None: a plan of ``experts`` on the GPU, made at the
+        first prefetch); returns the plan, None if it was None and nothing was issued."""
         horizon = now + self.gap
         if self.link_free >= horizon:
-            return
+            return plan
         order, keep, flat = self._queue(self.best[layer], layer)
         cached, cnt, weight, heap = self.cached, self.cnt, self.weight, self.heap
         cflat = self.cflat
@@ -389,8 +404,11 @@ class MoEInfinityPolicy(Policy):
             w = weight[x]
             heapq.heappush(heap, (cnt[x][e] * w, w, e, x))
             self.inflight[(x, e)] = self._copy(now)
+            if plan is None:
+                plan = Plan(actions={r: GPU for r in experts})
             plan.prefetch.append((x, e, victim))
             if self.link_free >= horizon:
                 break
         if len(self.inflight) > 4 * self.n_layers:
             self.inflight = {s: t for s, t in self.inflight.items() if t > now}
+        return plan
