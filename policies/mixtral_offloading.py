@@ -125,6 +125,13 @@ class MixtralOffloadingPolicy(LRUPolicy):
 
     def decode_layer(self, view: View) -> Plan:
         """LRU service of this layer, then (optionally) prefetch for the next one."""
+        if not self.do_prefetch and view.counts is None:
+            # without prefetch nothing is ever pending and the copy numbers are never read:
+            # one decode token is LRU's service alone (its hooks written out)
+            layer = view.layer
+            return self.serve_token(
+                layer, view.experts.tolist(), view.resident[layer], shared_hit_plan=True
+            )
         if self.pending:
             # the previous layer waited for its demand copies and for the experts it ran
             done = self.demand_no
