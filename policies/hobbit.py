@@ -132,7 +132,7 @@ class HobbitPolicy(LRUPolicy):
         if view.counts is not None:
             return self.serve(view, experts)
         layer = view.layer
-        resident = view.resident[layer]
+        resident = view.resident[layer].tolist()  # a list: cheaper to index than numpy
         for e in experts:
             if not resident[e]:
                 break

@@ -130,7 +130,7 @@ class MixtralOffloadingPolicy(LRUPolicy):
             # one decode token is LRU's service alone (its hooks written out)
             layer = view.layer
             return self.serve_token(
-                layer, view.experts.tolist(), view.resident[layer], shared_hit_plan=True
+                layer, view.experts.tolist(), view.resident[layer].tolist(), shared_hit_plan=True
             )
         if self.pending:
             # the previous layer waited for its demand copies and for the experts it ran
