@@ -1630,12 +1630,13 @@ class Engine(EngineBase):
                         return None
                     if not (0 <= vl < n_layers and 0 <= ve < n_exp) or v in gone:
                         return None
-                    if not resident[v]:
-                        return None
-                    if vl == layer and ve in routed:
-                        return None  # an in-use victim: _victim_fetches decides
-                    if ready_at[v] > now:
-                        return None  # still being copied
+                    if vl == layer:  # (the layer's rows: cheaper to index)
+                        if ve in routed:
+                            return None  # an in-use victim: _victim_fetches decides
+                        if not row[ve] or ready_row[ve] > now:
+                            return None  # not resident, or still being copied
+                    elif not resident[v] or ready_at[v] > now:
+                        return None  # not resident, or still being copied
                     gone.append(v)
                     if wb:
                         issue.append((_EVICT, v))
@@ -1776,7 +1777,27 @@ class Engine(EngineBase):
                 if rec is not None:
                     rec.op(lane.name, "temp", sid, token, layer, e, s, end, eb)
             jobs.append((end, e))
-        return self._timed_gpu(jobs, now, None, sid, token, layer)
+        m = self.machine
+        if rec is not None or m.host_experts is not None or self._unified:
+            return self._timed_gpu(jobs, now, None, sid, token, layer)
+        # _timed_gpu without a recorder, host thread or unified memory, written out: the
+        # experts by (ready time, expert) on the GPU stream, the same sums in the same order
+        jobs.sort()
+        g = now
+        busy = 0.0
+        d1 = m.gpu_s(1)
+        fused = m.fused_launch_s  # the layer's fused call, with its first expert
+        for ready, _e in jobs:
+            if ready > g:
+                c.transfer_stall += ready - g
+                g = ready
+            d = d1 + fused
+            fused = 0.0
+            g += d
+            busy += d
+        c.gpu_expert_busy += busy
+        m.gpu.busy += busy
+        return g
 
     #: per layer, its (layer, expert) slots and (layer, expert, None) prefetch entries in
     #: expert order (built on first use by _whole_layer_copies)
