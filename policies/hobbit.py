@@ -135,14 +135,18 @@ class HobbitPolicy(LRUPolicy):
         experts = view.experts.tolist()
         if view.counts is not None:
             return self.serve(view, experts)
-        resident = view.resident[view.layer]
-        if all(resident[e] for e in experts):
-            return self.serve(view, experts)
+        layer = view.layer
+        resident = view.resident[layer].tolist()  # a list: cheaper to index than numpy
+        for e in experts:
+            if not resident[e]:
+                break
+        else:  # every expert resident (nothing changes the plan below)
+            return self.serve_token(layer, experts, resident, shared_hit_plan=True)
         low, skip = self.classify(experts, view.weights.tolist(), resident)
         if not low and not skip:
-            return self.serve(view, experts)
+            return self.serve_token(layer, experts, resident)
         dropped = set(low) | set(skip)
-        plan = self.serve(view, [e for e in experts if e not in dropped])
+        plan = self.serve_token(layer, [e for e in experts if e not in dropped], resident)
         actions = plan.actions
         assert actions is not None
         for e in low:

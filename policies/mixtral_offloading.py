@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
+from typing import Any
 
 from policies.base import Action, Param, Plan, ResourceSpec, SetupContext, Slot, View
 from policies.lru import LRUPolicy
@@ -76,6 +77,11 @@ class MixtralOffloadingPolicy(LRUPolicy):
             minimum=0,
         ),
     }
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        #: a decode plan may be changed after LRU's service (prefetches appended to it)
+        self.do_prefetch = bool(self.options["prefetch"])
 
     def uses_lookahead(self) -> bool:
         """Only the optional prefetch reads the one-layer-early view."""
@@ -119,6 +125,13 @@ class MixtralOffloadingPolicy(LRUPolicy):
 
     def decode_layer(self, view: View) -> Plan:
         """LRU service of this layer, then (optionally) prefetch for the next one."""
+        if not self.do_prefetch and view.counts is None:
+            # without prefetch nothing is ever pending and the copy numbers are never read:
+            # one decode token is LRU's service alone (its hooks written out)
+            layer = view.layer
+            return self.serve_token(
+                layer, view.experts.tolist(), view.resident[layer].tolist(), shared_hit_plan=True
+            )
         if self.pending:
             # the previous layer waited for its demand copies and for the experts it ran
             done = self.demand_no
@@ -127,11 +140,17 @@ class MixtralOffloadingPolicy(LRUPolicy):
             self.pending = {s: n for s, n in self.pending.items() if n > done}
         self.used = []
         layer = view.layer
+        experts = view.experts.tolist()
         if self.pending:
-            for e in view.experts.tolist():
+            for e in experts:
                 if (layer, e) in self.pending:
                     self.used.append((layer, e))
-        plan = super().decode_layer(view)
+        if view.counts is None:  # one decode token: LRU's serve() with its hooks written out
+            plan = self.serve_token(
+                layer, experts, view.resident[layer], shared_hit_plan=not self.do_prefetch
+            )
+        else:
+            plan = self.serve(view, experts)
         if plan.actions:
             for a in plan.actions.values():
                 if a in (FETCH, TEMP):

@@ -63,6 +63,8 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable
+from itertools import chain, compress
+from operator import not_
 from typing import Any
 
 import numpy as np
@@ -152,7 +154,9 @@ class MoEInfinityPolicy(Policy):
         self.unit = np.divide(coll, norms, out=np.zeros_like(coll), where=norms > 0)
         self.n_entries = coll.shape[0]
         self.weight = [1.0 - layer / n_layers for layer in range(n_layers)]
-        self.cands: dict[tuple[int, int], tuple[list[Slot], frozenset[Slot]]] = {}
+        self.cands: dict[tuple[int, int], tuple[list[Slot], frozenset[Slot], list[int]]] = {}
+        #: per top-k, each decode selection's flat offset layer * experts (``_match``)
+        self.offsets: dict[int, np.ndarray] = {}
         self.copy_s = ctx.costs.h2d_expert_s(pinned=True)
         self.gap = ctx.costs.nonexpert_layer_s(1, 0) + m.top_k * ctx.costs.gpu_expert_s(1)
         self.link_free = 0.0  # when the copy link finishes the copies this policy issued
@@ -161,9 +165,13 @@ class MoEInfinityPolicy(Policy):
         self.ready: np.ndarray | None = None
         self.capacity = int(ctx.budget)
         self.cached = [[False] * n_exp for _ in range(n_layers)]
+        #: ``cached`` flattened (index layer * experts + expert), kept in step with it: the
+        #: prefetch queue is scanned through it at C speed
+        self.cflat = [False] * (n_layers * n_exp)
         slots = global_initial(ctx, str(self.options["initial"]), self.capacity)
         for layer, e in slots:
             self.cached[layer][e] = True
+            self.cflat[layer * n_exp + e] = True
         self.size = len(slots)
         self._reset_request()
         return slots
@@ -197,12 +205,17 @@ class MoEInfinityPolicy(Policy):
             if len(pend) == self.n_layers:
                 k = len(pend[0])
                 if all(len(p) == k for p in pend):
-                    es = np.asarray(pend, dtype=np.int64)
-                    ls = np.repeat(np.arange(self.n_layers), k)
-                    flat = es.reshape(-1)
-                    self.cur[ls, flat] += 1.0
-                    gathered = self.unit[:, ls, flat].reshape(self.n_entries, self.n_layers, k)
-                    self.dot += gathered.sum(axis=2)
+                    # the same element updates and sums as indexing [layers, experts] with
+                    # (layer, expert) pairs, through the flat index layer * experts + expert
+                    off = self.offsets.get(k)
+                    if off is None:
+                        off = self.offsets[k] = np.repeat(
+                            np.arange(self.n_layers, dtype=np.int64) * self.n_exp, k
+                        )
+                    idx = np.fromiter(chain.from_iterable(pend), np.int64, off.size) + off
+                    self.cur.reshape(-1)[idx] += 1.0
+                    gathered = self.unit.reshape(self.n_entries, -1)[:, idx]
+                    self.dot += gathered.reshape(self.n_entries, self.n_layers, k).sum(axis=2)
                     pend = []
             for layer, exps in enumerate(pend):
                 for e in exps:
@@ -212,13 +225,21 @@ class MoEInfinityPolicy(Policy):
         if self.n_entries == 1:
             return
         norm = np.sqrt((self.cur * self.cur).sum(axis=1))
-        cos = np.divide(self.dot, norm, out=np.zeros_like(self.dot), where=norm > 0)
+        if norm.all():  # no empty row to skip: the same quotients, without the mask
+            cos = self.dot / norm
+        else:
+            cos = np.divide(self.dot, norm, out=np.zeros_like(self.dot), where=norm > 0)
         # score of entry c at layer l: sum of its cosines over layers > l
         after = np.cumsum(cos[:, :0:-1], axis=1)[:, ::-1]
         self.best = [*np.argmax(after, axis=0).tolist(), 0]
 
     def _candidates(self, entry: int, layer: int) -> tuple[list[Slot], frozenset[Slot]]:
         """The entry's experts of later layers in prefetch order, and the same as a set."""
+        order, keep, _ = self._queue(entry, layer)
+        return order, keep
+
+    def _queue(self, entry: int, layer: int) -> tuple[list[Slot], frozenset[Slot], list[int]]:
+        """:meth:`_candidates` and the queue's flat indices (layer * experts + expert)."""
         key = (entry, layer)
         got = self.cands.get(key)
         if got is None:
@@ -232,7 +253,8 @@ class MoEInfinityPolicy(Policy):
                     items.append((-(counts[x, e] * decay), x, e))
             items.sort()
             order = [(x, e) for _, x, e in items]
-            got = self.cands[key] = (order, frozenset(order))
+            flat = [x * self.n_exp + e for x, e in order]
+            got = self.cands[key] = (order, frozenset(order), flat)
         return got
 
     # -- cache -----------------------------------------------------------------------------------
@@ -243,19 +265,24 @@ class MoEInfinityPolicy(Policy):
         heap, cached, cnt = self.heap, self.cached, self.cnt
         inflight = self.inflight
         ready = self.ready
+        pop, push = heapq.heappop, heapq.heappush
         skipped = []
         found: Slot | None = None
         while heap:
-            item = heapq.heappop(heap)
+            item = pop(heap)
             key, w, e, vl = item
             if not cached[vl][e]:
                 continue  # evicted since
             now_key = cnt[vl][e] * w
             if now_key != key:
                 # priorities only grow within a request: requeue at the current one
-                heapq.heappush(heap, (now_key, w, e, vl))
+                push(heap, (now_key, w, e, vl))
                 continue
-            if (vl == layer and e in protect) or inflight.get((vl, e), -1.0) > now:
+            if vl == layer and e in protect:
+                skipped.append(item)
+                continue
+            slot = (vl, e)
+            if inflight.get(slot, -1.0) > now:
                 skipped.append(item)
                 continue
             if ready is not None and ready[vl, e] > now:
@@ -263,15 +290,15 @@ class MoEInfinityPolicy(Policy):
                 # the link (several GPUs on one uplink); never evict an expert being copied
                 skipped.append(item)
                 continue
-            if keep is not None and (vl, e) in keep:
+            if keep is not None and slot in keep:
                 skipped.append(item)
                 if len(skipped) > KEEP_SCAN:
                     break  # the cache's low end is all predicted: trading like for like
                 continue
-            found = (vl, e)
+            found = slot
             break
         for item in skipped:
-            heapq.heappush(heap, item)
+            push(heap, item)
         return found
 
     def _copy(self, now: float) -> float:
@@ -293,58 +320,82 @@ class MoEInfinityPolicy(Policy):
         cached = self.cached[layer]
         # the heap keeps each cached expert's priority at insertion (or a later requeue): a
         # count only grows within a request, so _victim requeues what it finds out of date
+        misses = []
         if counts is None:
             self.pending.append(experts)
             for e in experts:
                 cnt_l[e] += 1
+                if not cached[e]:
+                    misses.append(e)
         else:
             c = np.asarray(counts, dtype=np.float64)
             self.cur[layer] += c
             self.dot[:, layer] += self.unit[:, layer, :] @ c
             for e in experts:
                 cnt_l[e] += int(counts[e])
-        misses = [e for e in experts if not cached[e]]
-        if not misses and (not self.do_prefetch or self.link_free >= now + self.gap):
+            misses = [e for e in experts if not cached[e]]
+        link_free = self.link_free
+        if not misses:
+            if self.do_prefetch and link_free < now + self.gap and layer < self.n_layers - 1:
+                # the plan is made when a prefetch is issued: until then every routed expert
+                # runs on the GPU, which the shared all-GPU plan says as well
+                plan = self._prefetch(None, now, layer, set(experts), experts)
+                if plan is not None:
+                    return plan
             return ALL_GPU_PLAN
-        w = self.weight[layer]
-        heap = self.heap
         actions = {e: GPU for e in experts if cached[e]}
         plan = Plan(actions=actions)
         protect = set(experts)
         temp = False
-        for e in misses:
-            if self.size < self.capacity:
-                self.size += 1
-            else:
-                victim = self._victim(now, layer, protect, None)
-                if victim is None:
-                    actions[e] = TEMP
-                    temp = True
-                    self._copy(now)
-                    continue
-                self.cached[victim[0]][victim[1]] = False
-                plan.victims[e] = victim
-            actions[e] = FETCH
-            cached[e] = True
-            heapq.heappush(heap, (cnt_l[e] * w, w, e, layer))
-            self._copy(now)
+        if misses:
+            w = self.weight[layer]
+            heap = self.heap
+            cflat = self.cflat
+            base = layer * self.n_exp
+            n_exp = self.n_exp
+            copy_s = self.copy_s
+            for e in misses:
+                if self.size < self.capacity:
+                    self.size += 1
+                else:
+                    victim = self._victim(now, layer, protect, None)
+                    if victim is None:
+                        actions[e] = TEMP
+                        temp = True
+                        # _copy, written out: FIFO after this policy's earlier copies
+                        link_free = (now if now > link_free else link_free) + copy_s
+                        continue
+                    vl, ve = victim
+                    self.cached[vl][ve] = False
+                    cflat[vl * n_exp + ve] = False
+                    plan.victims[e] = victim
+                actions[e] = FETCH
+                cached[e] = True
+                cflat[base + e] = True
+                heapq.heappush(heap, (cnt_l[e] * w, w, e, layer))
+                link_free = (now if now > link_free else link_free) + copy_s
+            self.link_free = link_free
         # a temporary copy may wait for its buffer, so the link ledger is not exact: no prefetch
         if self.do_prefetch and not temp and layer < self.n_layers - 1:
-            self._prefetch(plan, now, layer, protect)
+            self._prefetch(plan, now, layer, protect, experts)
         return plan
 
-    def _prefetch(self, plan: Plan, now: float, layer: int, protect: set[int]) -> None:
+    def _prefetch(
+        self, plan: Plan | None, now: float, layer: int, protect: set[int], experts: list[int]
+    ) -> Plan | None:
+        """Issue prefetches into ``plan`` (None: a plan of ``experts`` on the GPU, made at the
+        first prefetch); returns the plan, None if it was None and nothing was issued."""
         horizon = now + self.gap
         if self.link_free >= horizon:
-            return
-        order, keep = self._candidates(self.best[layer], layer)
+            return plan
+        order, keep, flat = self._queue(self.best[layer], layer)
         cached, cnt, weight, heap = self.cached, self.cnt, self.weight, self.heap
-        for x, e in order:
-            if self.link_free >= horizon:
-                break
-            row = cached[x]
-            if row[e]:
-                continue
+        cflat = self.cflat
+        n_exp = self.n_exp
+        # the queue's entries not cached, in order; each is read from ``cflat`` when the scan
+        # reaches it (after the changes of the prefetches before it), as a loop testing
+        # ``cached[x][e]`` would
+        for x, e in compress(order, map(not_, map(cflat.__getitem__, flat))):
             victim: Slot | None = None
             if self.size < self.capacity:
                 self.size += 1
@@ -352,11 +403,19 @@ class MoEInfinityPolicy(Policy):
                 victim = self._victim(now, layer, protect, keep)
                 if victim is None:
                     break
-                cached[victim[0]][victim[1]] = False
-            row[e] = True
+                vl, ve = victim
+                cached[vl][ve] = False
+                cflat[vl * n_exp + ve] = False
+            cached[x][e] = True
+            cflat[x * n_exp + e] = True
             w = weight[x]
             heapq.heappush(heap, (cnt[x][e] * w, w, e, x))
             self.inflight[(x, e)] = self._copy(now)
+            if plan is None:
+                plan = Plan(actions={r: GPU for r in experts})
             plan.prefetch.append((x, e, victim))
+            if self.link_free >= horizon:
+                break
         if len(self.inflight) > 4 * self.n_layers:
             self.inflight = {s: t for s, t in self.inflight.items() if t > now}
+        return plan

@@ -1164,6 +1164,9 @@ class Engine(EngineBase):
         # The host thread of a runtime profile (per-expert dispatch and syncs) only touches the
         # GPU experts, which _timed_gpu and _gpu_jobs time as _layer does (in the same order,
         # from the same stream and host clocks), so it needs nothing more here.
+        end = self._plain_fetches(layer, routed, plan, now)  # the commonest plans first
+        if end is not None:
+            return end
         actions = plan.actions
         res = self.res
         if (
@@ -1674,6 +1677,256 @@ class Engine(EngineBase):
             c.cpu_wait += done - end
             end = done
         return end
+
+    def _plain_fetches(self, layer: int, routed: list[int], plan: Plan, now: float) -> float | None:
+        """``_copies_only`` by way of ``_victim_fetches`` for their commonest plans, without
+        ``_copies_only``'s preamble and ``_victim_fetches``' rarer branches: resident experts,
+        fetches (each with or without a victim that no routed expert is, written back or not)
+        and at most one temporary copy per buffer (maybe low-bit); no CPU experts, evict list,
+        prefetches or barrier (the moe-infinity, hobbit and mixtral-offloading miss layers).
+        The checks are theirs (anything else, or anything they would refuse, returns None
+        before any change, and ``_copies_only`` goes on as before); the plan is applied and
+        timed as ``_victim_fetches`` does it: the same issue numbers, counters and sums in the
+        same order."""
+        evict, prefetch = plan.evict, plan.prefetch
+        if evict or prefetch or plan.barrier:
+            return None
+        actions = plan.actions
+        res = self.res
+        victims = plan.victims
+        if (
+            actions.__class__ is not dict
+            or len(actions) != len(routed)
+            or victims.__class__ is not dict
+            or evict.__class__ is not list
+            or prefetch.__class__ is not list
+            or res.waiters
+            or self._unified
+            or self._ssd is not None
+        ):
+            return None
+        resident, ready_at = res.resident, res.ready_at
+        row = resident[layer]
+        ready_row = ready_at[layer]
+        hits: list[int] = []
+        fetch: list[int] = []
+        temps: list[int] = []
+        for e in routed:
+            a = actions.get(e)
+            if a == _GPU:
+                if not row[e] or ready_row[e] == INF:
+                    return None  # not resident, or its copy not timed yet
+                hits.append(e)
+            elif a == _FETCH:
+                if row[e]:
+                    return None  # already resident
+                fetch.append(e)
+            elif a == _TEMP:
+                if row[e]:
+                    return None  # a temporary copy of a resident expert
+                temps.append(e)
+            else:
+                return None  # CPU experts, pre-calculations, malformed actions
+        n_temp = self.machine.buffers["temp"]
+        if len(temps) > n_temp:
+            return None  # a copy waiting for a buffer (or no buffer at all)
+        low = plan.low_bit
+        if low:
+            # check_plan's _check_low_bit: routed TEMP copies on a system with low-bit copies
+            if self.spec.low_bit_dtype is None:
+                return None
+            for e in low:
+                if e not in temps:
+                    return None
+        wb = self._wb
+        n_copies = len(fetch)
+        gone: list[Slot] = []  # victims, in issue order
+        #: with write-back, what the plan issues in order: (_EVICT, victim) or (FETCH, slot)
+        issue: list[tuple[int, Slot]] = []
+        if n_copies:
+            if n_copies > 1 and len(set(fetch)) != n_copies:
+                return None  # an expert fetched twice
+            n_layers, n_exp = self.n_layers, self.n_experts
+            n_res = res.n_resident
+            budget = res.budget
+            for e in fetch:
+                v = victims.get(e)
+                if v is not None:
+                    if v.__class__ is not tuple or len(v) != 2:
+                        return None
+                    vl, ve = v
+                    if vl.__class__ is not int or ve.__class__ is not int:
+                        return None
+                    if not (0 <= vl < n_layers and 0 <= ve < n_exp) or v in gone:
+                        return None
+                    if vl == layer:  # (the layer's rows: cheaper to index)
+                        if ve in routed:
+                            return None  # an in-use victim: _victim_fetches decides
+                        if not row[ve] or ready_row[ve] > now:
+                            return None  # not resident, or still being copied
+                    elif not resident[v] or ready_at[v] > now:
+                        return None  # not resident, or still being copied
+                    gone.append(v)
+                    if wb:
+                        issue.append((_EVICT, v))
+                    n_res -= 1
+                if n_res >= budget:
+                    return None  # all slots full and no victim
+                n_res += 1
+                if wb:
+                    issue.append((FETCH, (layer, e)))
+            # without write-backs an evicted slot is free at once, else when its write-back ends
+            if res.occupancy - (0 if wb else len(gone)) + n_copies > res.cap:
+                return None  # a fetch would wait for a slot
+            res.n_resident = n_res
+        # -- apply, as _victim_fetches: residency, counters and issue numbers
+        c = self.c
+        rec = self.recorder
+        eb = self.expert_bytes
+        pre = res.prefetched
+        where = self.hooks.where
+        sid, token = where.seq or 0, where.token or 0
+        n_evs = len(gone)
+        wbs: dict[Slot, int] = {}  # write-backs' issue numbers by slot
+        if not wb:  # evictions free their slots at once and issue nothing
+            for v in gone:
+                resident[v] = False
+                if pre[v]:
+                    pre[v] = False
+                    c.prefetch_wasted_bytes += eb
+                if rec is None:
+                    res.occupancy -= 1
+                else:
+                    res.free(now)
+            self._seq += n_copies + len(temps)
+        else:
+            seq = self._seq
+            for kind, slot in issue:
+                seq += 1
+                if kind == _EVICT:
+                    resident[slot] = False
+                    if pre[slot]:
+                        pre[slot] = False
+                        c.prefetch_wasted_bytes += eb
+                    wbs[slot] = seq
+            self._seq = seq + len(temps)
+        if n_evs:
+            c.evictions += n_evs
+            if wb:
+                c.d2h_bytes += eb * n_evs
+                c.d2h_expert_copies += n_evs
+        jobs: list[tuple[float, int]] = []
+        prow = pre[layer]
+        for e in hits:
+            if prow[e]:
+                prow[e] = False
+                c.prefetch_used += 1
+            jobs.append((float(ready_row[e]), e))
+        n = len(routed)
+        n_hits = len(hits)
+        c.decode_accesses += n
+        c.decode_hits += n_hits
+        self._hits[layer] += n_hits
+        self._acc[layer] += n
+        n_h2d = n_copies + len(temps)
+        if low:  # as _apply: a low-bit copy moves the host's low-precision copy
+            n_low = sum(1 for e in temps if e in low)
+            c.low_bit_copies += n_low
+            c.h2d_bytes += eb * (n_h2d - n_low) + self.machine.low_bit_bytes * n_low
+        else:
+            c.h2d_bytes += eb * n_h2d
+        c.h2d_expert_copies += n_h2d
+        c.fetches += n_copies
+        c.temp_copies += len(temps)
+        lane = self._h2d.lane
+        dur = self._h2d.expert_s
+        if wbs:
+            # write-backs and fetches interleaved in issue order: a write-back holds both
+            # lanes and releases its slot (through the heap) when it ends (_serve_op's first
+            # stage of a write-back and _push, inlined: no unified memory here)
+            d2h = self._d2h.lane
+            wb_s = self._d2h.expert_s
+            heap = self._heap
+            uid = self._uid
+            for kind, slot in issue:
+                if kind == _EVICT:
+                    op = LayerOp(WRITEBACK, "writeback", wbs[slot], sid, token, *slot)
+                    s = lane.free_at
+                    if d2h.free_at > s:
+                        s = d2h.free_at
+                    if now > s:
+                        s = now  # max(now, both lanes' free times)
+                    end = s + wb_s
+                    lane.free_at = d2h.free_at = end
+                    d2h.busy += wb_s
+                    if rec is not None:
+                        rec.op(d2h.name, "writeback", sid, token, *slot, s, end, eb)
+                    op.end = end
+                    op.stage = 1
+                    heapq.heappush(heap, (end, op.seq, next(uid), op))
+                else:
+                    e = slot[1]
+                    occ = res.occupancy = res.occupancy + 1  # Residency.take, inlined
+                    if occ > res.max_occupancy:
+                        res.max_occupancy = occ
+                    if rec is not None:
+                        rec.occupancy(now, occ)
+                    s = now if now > lane.free_at else lane.free_at  # Lane.serve, inlined
+                    end = lane.free_at = s + dur
+                    lane.busy += dur
+                    row[e] = True
+                    ready_row[e] = end
+                    jobs.append((end, e))
+                    if rec is not None:
+                        rec.op(lane.name, "fetch", sid, token, layer, e, s, end, eb)
+        else:
+            for e in fetch:
+                occ = res.occupancy = res.occupancy + 1  # Residency.take, inlined
+                if occ > res.max_occupancy:
+                    res.max_occupancy = occ
+                if rec is not None:
+                    rec.occupancy(now, occ)
+                s = now if now > lane.free_at else lane.free_at  # Lane.serve, inlined
+                end = lane.free_at = s + dur
+                lane.busy += dur
+                row[e] = True
+                ready_row[e] = end
+                jobs.append((end, e))
+                if rec is not None:
+                    rec.op(lane.name, "fetch", sid, token, layer, e, s, end, eb)
+        # issued after the routed fetches, one buffer each (_temp_copies, inlined)
+        for e in temps:
+            if low and e in low:  # as _serve_op: the low-bit copy's bytes and time
+                m = self.machine
+                s, end = lane.serve(now, m.low_bit_s)
+                if rec is not None:
+                    rec.op(lane.name, "temp", sid, token, layer, e, s, end, m.low_bit_bytes)
+            else:
+                s, end = lane.serve(now, dur)
+                if rec is not None:
+                    rec.op(lane.name, "temp", sid, token, layer, e, s, end, eb)
+            jobs.append((end, e))
+        m = self.machine
+        if rec is not None or m.host_experts is not None or self._unified:
+            return self._timed_gpu(jobs, now, None, sid, token, layer)
+        # _timed_gpu without a recorder, host thread or unified memory, written out: the
+        # experts by (ready time, expert) on the GPU stream, the same sums in the same order
+        jobs.sort()
+        g = now
+        busy = 0.0
+        d1 = m.gpu_s(1)
+        fused = m.fused_launch_s  # the layer's fused call, with its first expert
+        for ready, _e in jobs:
+            if ready > g:
+                c.transfer_stall += ready - g
+                g = ready
+            d = d1 + fused
+            fused = 0.0
+            g += d
+            busy += d
+        c.gpu_expert_busy += busy
+        m.gpu.busy += busy
+        return g
 
     #: per layer, its (layer, expert) slots and (layer, expert, None) prefetch entries in
     #: expert order (built on first use by _whole_layer_copies)

@@ -517,25 +517,30 @@ def test_chunked_prefill_and_preemption_time_identically(seed: int) -> None:
 
 
 @pytest.mark.parametrize(
-    ("policy", "helper", "ratio"),
+    ("policy", "helper", "ratio", "opts"),
     [
-        ("stream-all", "_whole_layer_copies", 0.25),
-        ("vllm-cpu-offload", "_whole_layer_copies", 0.25),
-        ("lru", "_victim_fetches", 0.25),
-        ("static", "_victim_fetches", 0.125),
-        ("fiddler", "_victim_fetches", 0.25),
-        ("ktransformers", "_victim_fetches", 0.25),
-        ("mixtral-offloading", "_victim_fetches", 0.25),
-        ("daop", "_precalc_layer", 0.25),
+        ("stream-all", "_whole_layer_copies", 0.25, {}),
+        ("vllm-cpu-offload", "_whole_layer_copies", 0.25, {}),
+        ("lru", "_plain_fetches", 0.25, {}),
+        ("hobbit", "_plain_fetches", 0.25, {}),  # low-bit temporary copies beside fetches
+        ("moe-infinity", "_plain_fetches", 0.25, {}),  # victims of other layers
+        ("mixtral-offloading", "_plain_fetches", 0.25, {}),  # write-backs
+        ("static", "_victim_fetches", 0.125, {}),
+        ("fiddler", "_victim_fetches", 0.25, {}),
+        ("ktransformers", "_victim_fetches", 0.25, {}),
+        ("daop", "_precalc_layer", 0.25, {}),
+        # one slot per layer for top-2: in-use victims, which _plain_fetches leaves alone
+        ("mixtral-offloading", "_victim_fetches", 0.25, {"experts_per_layer": 1}),
     ],
 )
 def test_bulk_one_pass_paths_are_taken_and_time_identically(
-    policy: str, helper: str, ratio: float, monkeypatch: pytest.MonkeyPatch
+    policy: str, helper: str, ratio: float, opts: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The fast engine's narrower one-pass helpers (a whole layer streamed in; hits, fetches
-    with victims, temporary copies and CPU experts; resident experts beside CPU experts and
-    pre-calculations, with a substituted route) are really taken by the policies they are
-    for, with and without a costly host thread, and time exactly as the reference engine."""
+    with victims, temporary copies and CPU experts; the commonest of those without CPU
+    experts; resident experts beside CPU experts and pre-calculations, with a substituted
+    route) are really taken by the policies they are for, with and without a costly host
+    thread, and time exactly as the reference engine."""
     taken: list[float] = []
     orig = getattr(Engine, helper)
 
@@ -548,7 +553,7 @@ def test_bulk_one_pass_paths_are_taken_and_time_identically(
     monkeypatch.setattr(Engine, helper, counting)
     for runtime in (None, SLOW_HOST):
         taken.clear()
-        _both(policy, "ci-small", ratio, load_profile("a6000-pcie4"), runtime)
+        _both(policy, "ci-small", ratio, load_profile("a6000-pcie4"), runtime, **opts)
         assert taken, f"{policy} never took Engine.{helper}"
 
 
