@@ -417,6 +417,15 @@ class EngineBase:
         executor always takes the general path."""
         return None
 
+    def _cpu_layer_decode(
+        self, layer: int, routed: list[int], plan: Plan, now: float
+    ) -> float | None:
+        """Check, apply and time in one pass a CPU-resident layer's decode plan that runs
+        every routed expert on the CPU; returns when the layer ends, or None to take the
+        general path (the plan is then untouched). This executor always takes the general
+        path."""
+        return None
+
     def _free_slot(self, t: float) -> None:
         """An evicted expert's slot (no write-back) is free at ``t``."""
         raise NotImplementedError
@@ -569,6 +578,23 @@ class EngineBase:
                     raise
                 except Exception as exc:
                     raise hooks.fault(hook, exc) from exc
+                if (
+                    cpu_here
+                    and not prefill
+                    and plan.__class__ is Plan
+                    and plan.route is None
+                    and not plan.precalc
+                    and not plan.low_bit
+                ):
+                    # a CPU-resident layer running its experts on the CPU (llama-cpp-layers)
+                    end = self._cpu_layer_decode(layer, experts.tolist(), plan, now)
+                    if end is not None:
+                        c.true_accesses += len(experts)
+                        ws = ws_t[layer]
+                        c.gate_mass_total += ws
+                        c.gate_mass_kept += ws
+                        self.now = end
+                        continue
                 if (
                     not prefill
                     and not cpu_here
@@ -1808,6 +1834,61 @@ class Engine(EngineBase):
             self._repeat_prefetch[key] = (list(plan.prefetch), order)
             if full_row and len(ev) == self.n_experts:
                 self._repeat_evict[vl] = list(ev)
+        return end
+
+    def _cpu_layer_decode(
+        self, layer: int, routed: list[int], plan: Plan, now: float
+    ) -> float | None:
+        # A CPU-resident layer (ResourceSpec.gpu_blocks) whose plan runs every routed expert on
+        # the CPU, nothing else (llama-cpp-layers' and llama-cpp-cpu-moe's LeadingCpuLayers).
+        # check_plan accepts such a plan as it is (every action is CPU, one per routed expert).
+        # The general path submits one local call per expert at ``now`` in issue order (no
+        # activation copies: the hidden states are on the host) and serves the heap until the
+        # last one returns; with nothing pending and an idle one-worker CPU that is the shared
+        # CPU's run_queue over calls all submitted at ``now``, with the same arithmetic. The
+        # layer has no GPU expert, so it ends when the last call does.
+        actions = plan.actions
+        host = self._host
+        if (
+            not routed
+            or actions.__class__ is not dict
+            or len(actions) != len(routed)
+            or plan.evict
+            or plan.prefetch
+            or plan.victims
+            or (plan.cpu_serial and len(routed) > 1)  # a chain: each call waits for the last
+            or self._heap
+            or self._unified
+            or self._ssd is not None
+            or self._peer_home is not None
+            or len(host.lanes) != 1
+            or not host.idle
+            or host.t > now
+        ):
+            return None
+        for e in routed:
+            if actions.get(e) != _CPU:
+                return None
+        c = self.c
+        n = len(routed)
+        self._seq += n  # one issue number per call, as _apply's
+        c.cpu_expert_evals += n
+        c.decode_accesses += n  # _accesses with no hit
+        self._acc[layer] += n
+        work, share, dram = self._one_token_cpu_job()
+        jobs = [CpuJob(e, i, now, work, share, dram) for i, e in enumerate(routed)]
+        host.run_queue(jobs)
+        rec = self.recorder
+        end = now
+        for job in jobs:  # one worker, first come first served: they end in issue order
+            if rec is not None:
+                where = self.hooks.where
+                rec.op(host.lanes[0].name, "cpu_expert", where.seq or 0, where.token or 0,
+                       layer, job.op, job.start, job.end, 0)  # fmt: skip
+            if job.end > end:
+                end = job.end
+        if end > now:  # _layer's wait for the results, with no GPU expert before them
+            c.cpu_wait += end - now
         return end
 
     def _cpu_parallel(
