@@ -1701,10 +1701,42 @@ class Engine(EngineBase):
         return self._timed_gpu(jobs, now, None, sid, token, layer)
 
     #: _whole_layer_repeat's memo of plan items already checked by _whole_layer_copies:
-    #: (layer, routed experts) -> (the prefetch list's tuples, the copies' expert order), and
-    #: victim layer -> its full evict list's slot tuples (kept alive, so identity proves them)
-    _repeat_prefetch: dict[tuple[int, ...], tuple[list[Any], list[int]]] | None = None
+    #: (layer, routed experts) -> (the prefetch list's tuples, the routed experts' actions,
+    #: the prefetched experts in issue order), and victim layer -> its full evict list's slot
+    #: tuples (kept alive, so identity proves them)
+    _repeat_prefetch: dict[tuple[int, ...], tuple[list[Any], dict[int, Any], list[int]]] | None
+    _repeat_prefetch = None
     _repeat_evict: dict[int, list[Any]] | None = None
+    #: _whole_layer_repeat's flat views of the residency arrays and its two row patterns
+    #: (see _repeat_rows)
+    _repeat_views: tuple[Any, ...] | None = None
+
+    def _repeat_rows(self) -> tuple[Any, ...]:
+        """Flat memoryviews of the residency mask (bytes), the ready times (doubles) and the
+        prefetched flags (bytes), row ``l`` at ``[l * E, (l + 1) * E)``, and a row of zero
+        and of one bytes: reading a row, or writing one element, through them costs a
+        fraction of a numpy row view. They alias the arrays (made again if the arrays were
+        ever replaced)."""
+        res = self.res
+        v = self._repeat_views
+        if (
+            v is None
+            or v[0] is not res.resident
+            or v[1] is not res.ready_at
+            or v[2] is not res.prefetched
+        ):
+            n = self.n_experts
+            v = self._repeat_views = (
+                res.resident,
+                res.ready_at,
+                res.prefetched,
+                memoryview(res.resident).cast("B"),
+                memoryview(res.ready_at).cast("B").cast("d"),
+                memoryview(res.prefetched).cast("B"),
+                bytes(n),
+                bytes((1,)) * n,
+            )
+        return v
 
     def _whole_layer_repeat(
         self, layer: int, routed: list[int], plan: Plan, now: float
@@ -1712,14 +1744,13 @@ class Engine(EngineBase):
         """``_whole_layer_copies`` for a plan made of the very objects of one it has already
         checked (stream-all builds each layer's plan from the same tuples every token): the
         item-by-item value and type checks are proven by identity with the memo, the rest
-        (residency rows, victims' ready times, slot budget) is checked as there, and it is
-        applied with the same issue order and sums. Without a recorder only; anything else
-        (a first sight, a partial evict list) goes to ``_whole_layer_copies``, whose
+        (the routed experts' actions, residency rows, victims' ready times, slot budget) is
+        checked as there, and it is applied with the same issue order and sums, through flat
+        views of the residency arrays (``_repeat_rows``). Without a recorder only; anything
+        else (a first sight, a partial evict list) goes to ``_whole_layer_copies``, whose
         successful checks fill the memo."""
-        res = self.res
         pf = plan.prefetch
         ev = plan.evict
-        n_exp = self.n_experts
         if self.recorder is not None or plan.victims:
             return self._whole_layer_copies(layer, routed, plan, now)
         memo_pf, memo_ev = self._repeat_prefetch, self._repeat_evict
@@ -1727,35 +1758,43 @@ class Engine(EngineBase):
             memo_pf, memo_ev = self._repeat_prefetch, self._repeat_evict = {}, {}
         key = (layer, *routed)
         known = memo_pf.get(key)
-        resident, ready_at = res.resident, res.ready_at
+        n_exp = self.n_experts
         vl = -1
-        first = ev[0] if ev else None
-        if first is not None and first.__class__ is tuple and len(first) == 2:
-            vl = first[0]
-        known_ev = memo_ev.get(vl) if vl.__class__ is int else None
+        if ev:
+            first = ev[0]
+            if first.__class__ is tuple and len(first) == 2:
+                vl = first[0]
+            known_ev = memo_ev.get(vl) if vl.__class__ is int else None
+            if known_ev is None or len(ev) != n_exp or not all(map(is_, ev, known_ev)):
+                return self._whole_layer_copies_memo(layer, routed, plan, now, key)
         if (
             known is None
-            or (ev and known_ev is None)
             or layer.__class__ is not int
             or len(pf) != len(known[0])
             or not all(map(is_, pf, known[0]))
-            or (ev and (len(ev) != n_exp or not all(map(is_, ev, known_ev))))
         ):
             return self._whole_layer_copies_memo(layer, routed, plan, now, key)
-        actions = plan.actions
-        assert actions is not None
-        for e in routed:
-            if actions[e] != _FETCH:
-                return None
-        if True in resident[layer].tolist():
+        # every routed expert is a FETCH (the same comparisons as _whole_layer_copies'; a
+        # dict naming other experts is not equal either)
+        if plan.actions != known[1]:
             return None
-        n_layers = self.n_layers
+        res = self.res
+        _, _, _, mres, mready, mpre, none, every = self._repeat_rows()
+        lo = layer * n_exp
+        hi = lo + n_exp
+        if mres[lo:hi] != none:
+            return None  # something of the layer is resident
+        vlo = vhi = 0
         if ev:
-            if not 0 <= vl < n_layers or vl == layer or False in resident[vl].tolist():
+            if not 0 <= vl < self.n_layers or vl == layer:
                 return self._whole_layer_copies_memo(layer, routed, plan, now, key)
-            for x in ready_at[vl].tolist():
-                if x > now:
-                    return None  # still being copied
+            vlo = vl * n_exp
+            vhi = vlo + n_exp
+            if mres[vlo:vhi] != every:  # not every expert of the victim layer is resident
+                return self._whole_layer_copies_memo(layer, routed, plan, now, key)
+            # (no ready time is NaN: they are sums of finite durations, or inf)
+            if max(mready[vlo:vhi]) > now:
+                return None  # still being copied
         n_ev = len(ev)
         n_res = res.n_resident - n_ev + n_exp
         if n_res > res.budget or res.occupancy - n_ev + n_exp > res.cap:
@@ -1763,15 +1802,12 @@ class Engine(EngineBase):
         # -- apply, as _whole_layer_copies with every resident expert of layer vl evicted
         c = self.c
         eb = self.expert_bytes
-        pre = res.prefetched
         if ev:
-            resident[vl].fill(False)
-            prow_v = pre[vl]
-            n_wasted = prow_v.tolist().count(True)
+            mres[vlo:vhi] = none
+            n_wasted = mpre[vlo:vhi].tobytes().count(1)
             if n_wasted:
-                prow_v.fill(False)
-                for _ in range(n_wasted):  # the same sum, one addition per victim
-                    c.prefetch_wasted_bytes += eb
+                mpre[vlo:vhi] = none
+                c.prefetch_wasted_bytes += eb * n_wasted  # whole numbers: any order
             res.occupancy -= n_ev
             c.evictions += n_ev
         self._seq += n_exp
@@ -1784,30 +1820,27 @@ class Engine(EngineBase):
         c.fetches += n
         c.prefetches += n_exp - n
         where = self.hooks.where
-        # -- serve the copies at ``now`` in issue order: the routed fetches, the prefetches
-        link = self._h2d
-        lane = link.lane
-        dur = link.expert_s
+        # -- serve the copies at ``now`` in issue order, the routed fetches then the
+        # prefetches, back to back on the lane (Lane.serve's sums: once the first has
+        # started, no earlier than ``now``, each starts when the one before it ends)
+        lane = self._h2d.lane
+        dur = self._h2d.expert_s
         free, busy = lane.free_at, lane.busy
-        prow = pre[layer]
+        if now > free:
+            free = now
         jobs: list[tuple[float, int]] = []
-        ready = [0.0] * n_exp  # every expert of the layer is written below
-        order = known[1]
-        for e in order[:n]:
-            s = now if now > free else free  # Lane.serve, inlined
-            free = s + dur
+        for e in routed:
+            free += dur
             busy += dur
-            ready[e] = free
+            mready[lo + e] = free
             jobs.append((free, e))
-        for e in order[n:]:
-            s = now if now > free else free
-            free = s + dur
+        for e in known[2]:
+            free += dur
             busy += dur
-            ready[e] = free
-            prow[e] = True
-        ready_at[layer] = ready
-        resident[layer].fill(True)
+            mready[lo + e] = free
+            mpre[lo + e] = 1
         lane.free_at, lane.busy = free, busy
+        mres[lo:hi] = every
         occ = res.occupancy + n_exp
         res.occupancy = occ
         if occ > res.max_occupancy:
@@ -1830,8 +1863,11 @@ class Engine(EngineBase):
         end = self._whole_layer_copies(layer, routed, plan, now)
         if end is not None:
             assert self._repeat_prefetch is not None and self._repeat_evict is not None
-            order = [*routed, *(t[1] for t in plan.prefetch)]
-            self._repeat_prefetch[key] = (list(plan.prefetch), order)
+            self._repeat_prefetch[key] = (
+                list(plan.prefetch),
+                dict.fromkeys(routed, Action.FETCH),
+                [t[1] for t in plan.prefetch],
+            )
             if full_row and len(ev) == self.n_experts:
                 self._repeat_evict[vl] = list(ev)
         return end
