@@ -1819,7 +1819,6 @@ class Engine(EngineBase):
         c.h2d_expert_copies += n_exp
         c.fetches += n
         c.prefetches += n_exp - n
-        where = self.hooks.where
         # -- serve the copies at ``now`` in issue order, the routed fetches then the
         # prefetches, back to back on the lane (Lane.serve's sums: once the first has
         # started, no earlier than ``now``, each starts when the one before it ends)
@@ -1845,7 +1844,43 @@ class Engine(EngineBase):
         res.occupancy = occ
         if occ > res.max_occupancy:
             res.max_occupancy = occ
-        return self._timed_gpu(jobs, now, None, where.seq or 0, where.token or 0, layer)
+        return self._repeat_gpu(jobs, now)
+
+    #: _repeat_gpu's GPU time of a layer's first one-token expert call (with the layer's
+    #: fused launches) and of the others, as _timed_gpu sums them
+    _repeat_d: tuple[float, float] | None = None
+
+    def _repeat_gpu(self, jobs: list[tuple[float, int]], now: float) -> float:
+        """``_timed_gpu(jobs, now, None, ...)`` for ``_whole_layer_repeat``: one token per
+        expert, no recorder and no unified memory (``_copies_only`` leaves unified memory to
+        the general path), so the same sums in the same order without their branches."""
+        jobs.sort()
+        ds = self._repeat_d
+        if ds is None:
+            m = self.machine
+            d1 = m.gpu_s(1)
+            ds = self._repeat_d = (d1 + m.fused_launch_s, d1 + 0.0)
+        d, rest = ds
+        c = self.c
+        host = self.machine.host_experts  # None when GPU expert calls cost the host nothing
+        g = now
+        busy = 0.0
+        for ready, _ in jobs:
+            drained = g
+            if ready > g:
+                c.transfer_stall += ready - g
+                g = ready
+            if host is not None:  # the stream may wait for the host thread to issue it
+                wait = host.expert(drained, g, d) - d - g
+                if wait > 0.0:
+                    c.dispatch_stall += wait
+                    g += wait
+            g += d
+            busy += d
+            d = rest
+        c.gpu_expert_busy += busy
+        self.machine.gpu.busy += busy
+        return g
 
     def _whole_layer_copies_memo(
         self, layer: int, routed: list[int], plan: Plan, now: float, key: tuple[int, ...]
