@@ -1779,7 +1779,15 @@ class Engine(EngineBase):
         if plan.actions != known[1]:
             return None
         res = self.res
-        _, _, _, mres, mready, mpre, none, every = self._repeat_rows()
+        views = self._repeat_views
+        if (
+            views is None
+            or views[0] is not res.resident
+            or views[1] is not res.ready_at
+            or views[2] is not res.prefetched
+        ):
+            views = self._repeat_rows()
+        _, _, _, mres, mready, mpre, none, every = views
         lo = layer * n_exp
         hi = lo + n_exp
         if mres[lo:hi] != none:
