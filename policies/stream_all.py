@@ -99,6 +99,13 @@ class StreamAllPolicy(Policy):
         self._entries = [[(ll, e, None) for e in range(n_exp)] for ll in range(n_layers)]
         #: (layer, routed experts) -> that layer's prefetch entries (decode_layer)
         self._prefetch_lists: dict[tuple[int, ...], list[tuple[int, int, None]]] = {}
+        #: (layer, routed experts) -> the plan made when every expert of the victim layer was
+        #: resident (each visit streams a whole layer in, so that is every visit but the first
+        #: two layers' first): the same decisions every time, so one plan object is returned
+        #: again (the engine never changes a plan; it checks each one it is given)
+        self._plans: dict[tuple[int, ...], Plan] = {}
+        #: each layer's victim layer, the one two back (its slots are freed first)
+        self._victim_layer = [(ll - 2) % n_layers for ll in range(n_layers)]
         return []
 
     def decode_layer(self, view: View) -> Plan:
@@ -107,22 +114,29 @@ class StreamAllPolicy(Policy):
         if not self.layer_mode:
             return Plan(actions=dict.fromkeys(routed, TEMP))
         layer = view.layer
-        old = (layer - 2) % self.n_layers
+        old = self._victim_layer[layer]
         res_old = view.resident[old].tolist()
-        if False in res_old:
-            evict = [s for s, r in zip(self._slots[old], res_old, strict=True) if r]
-        else:  # every expert of that layer resident (each visit streams the whole layer)
-            evict = self._slots[old][:]
-        # the prefetch list depends on the layer and its routed experts only: made once each
         key = (layer, *routed)
+        full = False not in res_old  # every expert of that layer resident
+        if full:
+            plan = self._plans.get(key)
+            if plan is not None:
+                return plan
+            evict = self._slots[old][:]
+        else:
+            evict = [s for s, r in zip(self._slots[old], res_old, strict=True) if r]
+        # the prefetch list depends on the layer and its routed experts only: made once each
         prefetch = self._prefetch_lists.get(key)
         if prefetch is None:
             want = set(routed)
             prefetch = [t for t in self._entries[layer] if t[1] not in want]
             self._prefetch_lists[key] = prefetch
-        return Plan(
+        plan = Plan(
             actions=dict.fromkeys(routed, FETCH),
             evict=evict,
             prefetch=prefetch[:],  # a list of the plan's own
             barrier=self.barrier,
         )
+        if full:
+            self._plans[key] = plan
+        return plan

@@ -439,6 +439,15 @@ class EngineBase:
         executor always takes the general path."""
         return None
 
+    def _cpu_layer_decode(
+        self, layer: int, routed: list[int], plan: Plan, now: float
+    ) -> float | None:
+        """Check, apply and time in one pass a CPU-resident layer's decode plan that runs
+        every routed expert on the CPU; returns when the layer ends, or None to take the
+        general path (the plan is then untouched). This executor always takes the general
+        path."""
+        return None
+
     def _free_slot(self, t: float) -> None:
         """An evicted expert's slot (no write-back) is free at ``t``."""
         raise NotImplementedError
@@ -591,6 +600,23 @@ class EngineBase:
                     raise
                 except Exception as exc:
                     raise hooks.fault(hook, exc) from exc
+                if (
+                    cpu_here
+                    and not prefill
+                    and plan.__class__ is Plan
+                    and plan.route is None
+                    and not plan.precalc
+                    and not plan.low_bit
+                ):
+                    # a CPU-resident layer running its experts on the CPU (llama-cpp-layers)
+                    end = self._cpu_layer_decode(layer, experts.tolist(), plan, now)
+                    if end is not None:
+                        c.true_accesses += len(experts)
+                        ws = ws_t[layer]
+                        c.gate_mass_total += ws
+                        c.gate_mass_kept += ws
+                        self.now = end
+                        continue
                 if (
                     not prefill
                     and not cpu_here
@@ -2057,10 +2083,42 @@ class Engine(EngineBase):
         return self._timed_gpu(jobs, now, None, sid, token, layer)
 
     #: _whole_layer_repeat's memo of plan items already checked by _whole_layer_copies:
-    #: (layer, routed experts) -> (the prefetch list's tuples, the copies' expert order), and
-    #: victim layer -> its full evict list's slot tuples (kept alive, so identity proves them)
-    _repeat_prefetch: dict[tuple[int, ...], tuple[list[Any], list[int]]] | None = None
+    #: (layer, routed experts) -> (the prefetch list's tuples, the routed experts' actions,
+    #: the prefetched experts in issue order), and victim layer -> its full evict list's slot
+    #: tuples (kept alive, so identity proves them)
+    _repeat_prefetch: dict[tuple[int, ...], tuple[list[Any], dict[int, Any], list[int]]] | None
+    _repeat_prefetch = None
     _repeat_evict: dict[int, list[Any]] | None = None
+    #: _whole_layer_repeat's flat views of the residency arrays and its two row patterns
+    #: (see _repeat_rows)
+    _repeat_views: tuple[Any, ...] | None = None
+
+    def _repeat_rows(self) -> tuple[Any, ...]:
+        """Flat memoryviews of the residency mask (bytes), the ready times (doubles) and the
+        prefetched flags (bytes), row ``l`` at ``[l * E, (l + 1) * E)``, and a row of zero
+        and of one bytes: reading a row, or writing one element, through them costs a
+        fraction of a numpy row view. They alias the arrays (made again if the arrays were
+        ever replaced)."""
+        res = self.res
+        v = self._repeat_views
+        if (
+            v is None
+            or v[0] is not res.resident
+            or v[1] is not res.ready_at
+            or v[2] is not res.prefetched
+        ):
+            n = self.n_experts
+            v = self._repeat_views = (
+                res.resident,
+                res.ready_at,
+                res.prefetched,
+                memoryview(res.resident).cast("B"),
+                memoryview(res.ready_at).cast("B").cast("d"),
+                memoryview(res.prefetched).cast("B"),
+                bytes(n),
+                bytes((1,)) * n,
+            )
+        return v
 
     def _whole_layer_repeat(
         self, layer: int, routed: list[int], plan: Plan, now: float
@@ -2068,14 +2126,13 @@ class Engine(EngineBase):
         """``_whole_layer_copies`` for a plan made of the very objects of one it has already
         checked (stream-all builds each layer's plan from the same tuples every token): the
         item-by-item value and type checks are proven by identity with the memo, the rest
-        (residency rows, victims' ready times, slot budget) is checked as there, and it is
-        applied with the same issue order and sums. Without a recorder only; anything else
-        (a first sight, a partial evict list) goes to ``_whole_layer_copies``, whose
+        (the routed experts' actions, residency rows, victims' ready times, slot budget) is
+        checked as there, and it is applied with the same issue order and sums, through flat
+        views of the residency arrays (``_repeat_rows``). Without a recorder only; anything
+        else (a first sight, a partial evict list) goes to ``_whole_layer_copies``, whose
         successful checks fill the memo."""
-        res = self.res
         pf = plan.prefetch
         ev = plan.evict
-        n_exp = self.n_experts
         if self.recorder is not None or plan.victims:
             return self._whole_layer_copies(layer, routed, plan, now)
         memo_pf, memo_ev = self._repeat_prefetch, self._repeat_evict
@@ -2083,35 +2140,51 @@ class Engine(EngineBase):
             memo_pf, memo_ev = self._repeat_prefetch, self._repeat_evict = {}, {}
         key = (layer, *routed)
         known = memo_pf.get(key)
-        resident, ready_at = res.resident, res.ready_at
+        n_exp = self.n_experts
         vl = -1
-        first = ev[0] if ev else None
-        if first is not None and first.__class__ is tuple and len(first) == 2:
-            vl = first[0]
-        known_ev = memo_ev.get(vl) if vl.__class__ is int else None
+        if ev:
+            first = ev[0]
+            if first.__class__ is tuple and len(first) == 2:
+                vl = first[0]
+            known_ev = memo_ev.get(vl) if vl.__class__ is int else None
+            if known_ev is None or len(ev) != n_exp or not all(map(is_, ev, known_ev)):
+                return self._whole_layer_copies_memo(layer, routed, plan, now, key)
         if (
             known is None
-            or (ev and known_ev is None)
             or layer.__class__ is not int
             or len(pf) != len(known[0])
             or not all(map(is_, pf, known[0]))
-            or (ev and (len(ev) != n_exp or not all(map(is_, ev, known_ev))))
         ):
             return self._whole_layer_copies_memo(layer, routed, plan, now, key)
-        actions = plan.actions
-        assert actions is not None
-        for e in routed:
-            if actions[e] != _FETCH:
-                return None
-        if True in resident[layer].tolist():
+        # every routed expert is a FETCH (the same comparisons as _whole_layer_copies'; a
+        # dict naming other experts is not equal either)
+        if plan.actions != known[1]:
             return None
-        n_layers = self.n_layers
+        res = self.res
+        views = self._repeat_views
+        if (
+            views is None
+            or views[0] is not res.resident
+            or views[1] is not res.ready_at
+            or views[2] is not res.prefetched
+        ):
+            views = self._repeat_rows()
+        _, _, _, mres, mready, mpre, none, every = views
+        lo = layer * n_exp
+        hi = lo + n_exp
+        if mres[lo:hi] != none:
+            return None  # something of the layer is resident
+        vlo = vhi = 0
         if ev:
-            if not 0 <= vl < n_layers or vl == layer or False in resident[vl].tolist():
+            if not 0 <= vl < self.n_layers or vl == layer:
                 return self._whole_layer_copies_memo(layer, routed, plan, now, key)
-            for x in ready_at[vl].tolist():
-                if x > now:
-                    return None  # still being copied
+            vlo = vl * n_exp
+            vhi = vlo + n_exp
+            if mres[vlo:vhi] != every:  # not every expert of the victim layer is resident
+                return self._whole_layer_copies_memo(layer, routed, plan, now, key)
+            # (no ready time is NaN: they are sums of finite durations, or inf)
+            if max(mready[vlo:vhi]) > now:
+                return None  # still being copied
         n_ev = len(ev)
         n_res = res.n_resident - n_ev + n_exp
         if n_res > res.budget or res.occupancy - n_ev + n_exp > res.cap:
@@ -2119,15 +2192,12 @@ class Engine(EngineBase):
         # -- apply, as _whole_layer_copies with every resident expert of layer vl evicted
         c = self.c
         eb = self.expert_bytes
-        pre = res.prefetched
         if ev:
-            resident[vl].fill(False)
-            prow_v = pre[vl]
-            n_wasted = prow_v.tolist().count(True)
+            mres[vlo:vhi] = none
+            n_wasted = mpre[vlo:vhi].tobytes().count(1)
             if n_wasted:
-                prow_v.fill(False)
-                for _ in range(n_wasted):  # the same sum, one addition per victim
-                    c.prefetch_wasted_bytes += eb
+                mpre[vlo:vhi] = none
+                c.prefetch_wasted_bytes += eb * n_wasted  # whole numbers: any order
             res.occupancy -= n_ev
             c.evictions += n_ev
         self._seq += n_exp
@@ -2139,36 +2209,68 @@ class Engine(EngineBase):
         c.h2d_expert_copies += n_exp
         c.fetches += n
         c.prefetches += n_exp - n
-        where = self.hooks.where
-        # -- serve the copies at ``now`` in issue order: the routed fetches, the prefetches
-        link = self._h2d
-        lane = link.lane
-        dur = link.expert_s
+        # -- serve the copies at ``now`` in issue order, the routed fetches then the
+        # prefetches, back to back on the lane (Lane.serve's sums: once the first has
+        # started, no earlier than ``now``, each starts when the one before it ends)
+        lane = self._h2d.lane
+        dur = self._h2d.expert_s
         free, busy = lane.free_at, lane.busy
-        prow = pre[layer]
+        if now > free:
+            free = now
         jobs: list[tuple[float, int]] = []
-        ready = [0.0] * n_exp  # every expert of the layer is written below
-        order = known[1]
-        for e in order[:n]:
-            s = now if now > free else free  # Lane.serve, inlined
-            free = s + dur
+        for e in routed:
+            free += dur
             busy += dur
-            ready[e] = free
+            mready[lo + e] = free
             jobs.append((free, e))
-        for e in order[n:]:
-            s = now if now > free else free
-            free = s + dur
+        for e in known[2]:
+            free += dur
             busy += dur
-            ready[e] = free
-            prow[e] = True
-        ready_at[layer] = ready
-        resident[layer].fill(True)
+            mready[lo + e] = free
+            mpre[lo + e] = 1
         lane.free_at, lane.busy = free, busy
+        mres[lo:hi] = every
         occ = res.occupancy + n_exp
         res.occupancy = occ
         if occ > res.max_occupancy:
             res.max_occupancy = occ
-        return self._timed_gpu(jobs, now, None, where.seq or 0, where.token or 0, layer)
+        return self._repeat_gpu(jobs, now)
+
+    #: _repeat_gpu's GPU time of a layer's first one-token expert call (with the layer's
+    #: fused launches) and of the others, as _timed_gpu sums them
+    _repeat_d: tuple[float, float] | None = None
+
+    def _repeat_gpu(self, jobs: list[tuple[float, int]], now: float) -> float:
+        """``_timed_gpu(jobs, now, None, ...)`` for ``_whole_layer_repeat``: one token per
+        expert, no recorder and no unified memory (``_copies_only`` leaves unified memory to
+        the general path), so the same sums in the same order without their branches."""
+        jobs.sort()
+        ds = self._repeat_d
+        if ds is None:
+            m = self.machine
+            d1 = m.gpu_s(1)
+            ds = self._repeat_d = (d1 + m.fused_launch_s, d1 + 0.0)
+        d, rest = ds
+        c = self.c
+        host = self.machine.host_experts  # None when GPU expert calls cost the host nothing
+        g = now
+        busy = 0.0
+        for ready, _ in jobs:
+            drained = g
+            if ready > g:
+                c.transfer_stall += ready - g
+                g = ready
+            if host is not None:  # the stream may wait for the host thread to issue it
+                wait = host.expert(drained, g, d) - d - g
+                if wait > 0.0:
+                    c.dispatch_stall += wait
+                    g += wait
+            g += d
+            busy += d
+            d = rest
+        c.gpu_expert_busy += busy
+        self.machine.gpu.busy += busy
+        return g
 
     def _whole_layer_copies_memo(
         self, layer: int, routed: list[int], plan: Plan, now: float, key: tuple[int, ...]
@@ -2186,10 +2288,68 @@ class Engine(EngineBase):
         end = self._whole_layer_copies(layer, routed, plan, now)
         if end is not None:
             assert self._repeat_prefetch is not None and self._repeat_evict is not None
-            order = [*routed, *(t[1] for t in plan.prefetch)]
-            self._repeat_prefetch[key] = (list(plan.prefetch), order)
+            self._repeat_prefetch[key] = (
+                list(plan.prefetch),
+                dict.fromkeys(routed, Action.FETCH),
+                [t[1] for t in plan.prefetch],
+            )
             if full_row and len(ev) == self.n_experts:
                 self._repeat_evict[vl] = list(ev)
+        return end
+
+    def _cpu_layer_decode(
+        self, layer: int, routed: list[int], plan: Plan, now: float
+    ) -> float | None:
+        # A CPU-resident layer (ResourceSpec.gpu_blocks) whose plan runs every routed expert on
+        # the CPU, nothing else (llama-cpp-layers' and llama-cpp-cpu-moe's LeadingCpuLayers).
+        # check_plan accepts such a plan as it is (every action is CPU, one per routed expert).
+        # The general path submits one local call per expert at ``now`` in issue order (no
+        # activation copies: the hidden states are on the host) and serves the heap until the
+        # last one returns; with nothing pending and an idle one-worker CPU that is the shared
+        # CPU's run_queue over calls all submitted at ``now``, with the same arithmetic. The
+        # layer has no GPU expert, so it ends when the last call does.
+        actions = plan.actions
+        host = self._host
+        if (
+            not routed
+            or actions.__class__ is not dict
+            or len(actions) != len(routed)
+            or plan.evict
+            or plan.prefetch
+            or plan.victims
+            or (plan.cpu_serial and len(routed) > 1)  # a chain: each call waits for the last
+            or self._heap
+            or self._unified
+            or self._ssd is not None
+            or self._peer_home is not None
+            or len(host.lanes) != 1
+            or not host.idle
+            or host.t > now
+        ):
+            return None
+        for e in routed:
+            if actions.get(e) != _CPU:
+                return None
+        c = self.c
+        n = len(routed)
+        self._seq += n  # one issue number per call, as _apply's
+        c.cpu_expert_evals += n
+        c.decode_accesses += n  # _accesses with no hit
+        self._acc[layer] += n
+        work, share, dram = self._one_token_cpu_job()
+        jobs = [CpuJob(e, i, now, work, share, dram) for i, e in enumerate(routed)]
+        host.run_queue(jobs)
+        rec = self.recorder
+        end = now
+        for job in jobs:  # one worker, first come first served: they end in issue order
+            if rec is not None:
+                where = self.hooks.where
+                rec.op(host.lanes[0].name, "cpu_expert", where.seq or 0, where.token or 0,
+                       layer, job.op, job.start, job.end, 0)  # fmt: skip
+            if job.end > end:
+                end = job.end
+        if end > now:  # _layer's wait for the results, with no GPU expert before them
+            c.cpu_wait += end - now
         return end
 
     def _cpu_parallel(

@@ -34,6 +34,7 @@ from policies.registry import available, get_policy_class
 from simulator.costs import cost_model
 from simulator.data import resolve_trace
 from simulator.engine import Engine, EngineBase
+from simulator.errors import PolicyError
 from simulator.hardware import HardwareProfile, load_profile
 from simulator.recorder import Recorder
 from simulator.reference import ReferenceEngine
@@ -593,3 +594,97 @@ def test_an_in_use_victim_beside_a_cpu_expert() -> None:
     assert_same(ta, tb, sa, sb)
     assert sa.counters.cpu_expert_evals == 12
     assert (ta["kind"].astype(str) == "writeback").sum() == 12
+
+
+def _run_unrecorded(
+    cls: type[EngineBase], make: Any, model: Any, hw: HardwareProfile, budget: int, seqs: list
+) -> Any:
+    """``_run`` without a recorder (the fast engine's recorder-less one-pass paths)."""
+    pol = make()
+    eng = cls(pol, model, cost_model(hw, model), budget, runtime=get_runtime(pol.runtime_profile))
+    return eng.run(iter(seqs))
+
+
+@pytest.mark.parametrize(
+    ("policy", "opts", "trace"),
+    [
+        ("stream-all", {}, "olmoe-1b-7b"),
+        ("stream-all", {}, "phi-3.5-moe"),
+        ("vllm-cpu-offload", {}, "phi-3.5-moe"),
+        ("llama-cpp-layers", {"ngl": 3}, "ci-small"),
+        ("llama-cpp-layers", {"ngl": 0, "prefill_offload": False}, "olmoe-1b-7b"),
+    ],
+)
+def test_recorderless_paths_match_recorded_and_reference(
+    policy: str, opts: dict[str, Any], trace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without a recorder the fast engine streams whole layers through
+    Engine._whole_layer_repeat (flat views of the residency, checks by identity with what it
+    checked before) and times CPU-resident layers' experts through Engine._cpu_layer_decode;
+    its counters, token latencies and end are bit-identical to a recorded run (which checks
+    each plan item by item) and agree with the reference engine. The repeat path must really
+    be taken."""
+    repeats = [0]
+    repeat = Engine._whole_layer_repeat
+
+    def counted(self: Engine, *args: Any) -> Any:
+        repeats[0] += 1
+        return repeat(self, *args)
+
+    monkeypatch.setattr(Engine, "_whole_layer_repeat", counted)
+    model, seqs, _, _ = _inputs(trace)
+    budget = max(2 * model.experts, round(0.5 * model.total_experts))
+    hw = load_profile("a6000-pcie4")
+    make = functools.partial(get_policy_class(policy), **opts)
+    quiet = _run_unrecorded(Engine, make, model, hw, budget, seqs)
+    _, loud, _ = _run(Engine, make, model, hw, budget, seqs)
+    _, ref, _ = _run(ReferenceEngine, make, model, hw, budget, seqs)
+    cq, cl = dataclasses.asdict(quiet.counters), dataclasses.asdict(loud.counters)
+    for k, v in cq.items():
+        assert repr(np.asarray(v).tolist()) == repr(np.asarray(cl[k]).tolist()), k
+    assert quiet.e2e == loud.e2e and quiet.busy == loud.busy
+    cr = dataclasses.asdict(ref.counters)  # the reference engine: within TOL, as above
+    for k, v in cq.items():
+        np.testing.assert_allclose(np.asarray(v, float), np.asarray(cr[k], float), atol=TOL)
+    assert quiet.e2e == pytest.approx(ref.e2e, abs=TOL, rel=0)
+    if policy != "llama-cpp-layers":
+        assert repeats[0] > 0
+
+
+class MutatingStreamAll(get_policy_class("stream-all")):  # type: ignore[misc]
+    """stream-all that, after a while, changes the plans it keeps returning in place: one
+    evict entry becomes an equal pair of other types (``(layer, True)`` for ``(layer, 1)``),
+    which makes the plan malformed."""
+
+    calls = 0
+
+    def decode_layer(self, view: View) -> Plan:
+        MutatingStreamAll.calls += 1
+        if MutatingStreamAll.calls == 20:
+            for plan in self._plans.values():
+                for i, (vl, ve) in enumerate(plan.evict):
+                    if ve == 1:
+                        plan.evict[i] = (vl, True)
+        return super().decode_layer(view)
+
+
+def test_a_reused_plan_changed_in_place_is_refused_as_on_the_general_path() -> None:
+    """The repeat path proves a reused plan's items by identity, not equality: an evict entry
+    replaced in place by an equal pair of other types is refused with the general check's
+    message, with or without a recorder and on the reference engine (every token routes
+    alike, so the plans are reused)."""
+    model = tiny_model(experts=4, top_k=2, moe_layers=4)
+    seqs = [routing_from_experts(model, [[[0, 1]] * 4] * 12)]
+    hw = load_profile("a6000-pcie4")
+    msgs = []
+    for run in (
+        lambda: _run_unrecorded(Engine, MutatingStreamAll, model, hw, 8, seqs),
+        lambda: _run(Engine, MutatingStreamAll, model, hw, 8, seqs),
+        lambda: _run(ReferenceEngine, MutatingStreamAll, model, hw, 8, seqs),
+    ):
+        MutatingStreamAll.calls = 0
+        with pytest.raises(PolicyError) as err:
+            run()
+        msgs.append(str(err.value))
+    assert "malformed plan" in msgs[0]
+    assert msgs[0] == msgs[1] == msgs[2]
