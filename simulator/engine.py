@@ -44,6 +44,10 @@ from simulator.runtime_profiles import RuntimeProfile
 from simulator.trace import SequenceRouting
 
 _GPU, _FETCH, _TEMP, _CPU, _PRE = (int(a) for a in Action)
+#: plans ``_copies_only`` offers ``_plain_fetches`` before giving up on it for a run in which
+#: it has served none (its refusal changes nothing, so when it stops being asked only speed
+#: changes)
+_PLAIN_PROBES = 512
 
 # operation kinds (LayerOp.kind); WAKE is the shared CPU's next event, not an operation
 WRITEBACK, FETCH, TEMP, CPU, WAKE = range(5)
@@ -1177,6 +1181,10 @@ class Engine(EngineBase):
         where = self.hooks.where
         return self._timed_gpu(jobs, now, None, where.seq or 0, where.token or 0, layer)
 
+    #: ``_plain_fetches`` has served a plan of this run / refused one (see ``_copies_only``)
+    _plain_taken = False
+    _plain_refused = 0
+
     def _copies_only(self, layer: int, routed: list[int], plan: Plan, now: float) -> float | None:
         # Why this is exact: without unified memory, such a plan's requests submitted at ``now``
         # are copies (and write-backs). Everything submitted earlier has been served, and what
@@ -1190,9 +1198,14 @@ class Engine(EngineBase):
         # The host thread of a runtime profile (per-expert dispatch and syncs) only touches the
         # GPU experts, which _timed_gpu and _gpu_jobs time as _layer does (in the same order,
         # from the same stream and host clocks), so it needs nothing more here.
-        end = self._plain_fetches(layer, routed, plan, now)  # the commonest plans first
-        if end is not None:
-            return end
+        if self._plain_taken or self._plain_refused < _PLAIN_PROBES:
+            # the commonest plans first; a run whose first plans never qualify (CPU experts
+            # in every layer: fiddler, llama-cpp-cpu-moe) stops paying for the probe
+            end = self._plain_fetches(layer, routed, plan, now)
+            if end is not None:
+                self._plain_taken = True
+                return end
+            self._plain_refused += 1
         actions = plan.actions
         res = self.res
         if (

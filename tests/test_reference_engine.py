@@ -558,6 +558,23 @@ def test_bulk_one_pass_paths_are_taken_and_time_identically(
         assert taken, f"{policy} never took Engine.{helper}"
 
 
+@pytest.mark.parametrize("policy", ["lru", "hobbit", "fiddler", "llama-cpp-cpu-moe"])
+def test_plain_fetches_probe_limit_changes_no_result(
+    policy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``_copies_only`` stops offering plans to ``_plain_fetches`` in a run where its first
+    probes were all refused; whether it is asked never (0 probes), briefly (3) or always, every
+    metric is the same, so the limit only trades speed."""
+    import simulator.engine as engine_module
+
+    runs = []
+    for probes in (0, 3, 10**9):
+        monkeypatch.setattr(engine_module, "_PLAIN_PROBES", probes)
+        r = simulate(policy=policy, trace="ci-small", hw="a6000-pcie4", cache_ratio=0.25)
+        runs.append({k: repr(v) for k, v in r.metrics.items()})
+    assert runs[0] == runs[1] == runs[2]
+
+
 class InUseVictimBesideCpu(Policy):
     """Each layer: a hit on the GPU, a miss fetched over that hit (an in-use victim, written
     back after its computation) and a miss on the CPU, all in one plan."""
