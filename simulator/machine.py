@@ -126,21 +126,8 @@ class SharedCpu:
         idle = self._idle
         if not q and True in idle:
             # nothing waits and a worker is idle: _admit would pop this very job at once
-            lanes, active = self.lanes, self.active
-            i = -1
-            best = 0.0
-            for k, free in enumerate(idle):  # the idle worker free longest, the first on ties
-                if free and (i < 0 or lanes[k].free_at < best):
-                    i, best = k, lanes[k].free_at
-            idle[i] = False
-            job.worker = i
-            job.start = t
-            active.append(job)
-            if len(active) == 2:  # _admit's sort() of two calls with distinct issue numbers
-                if active[0].seq > active[1].seq:
-                    active.reverse()
-            elif len(active) > 2:
-                active.sort(key=_by_seq)
+            self._start(job, t)
+            self._order_active()
             self._rerate()
         else:
             heapq.heappush(q, (job.submitted, job.seq, job))
@@ -301,29 +288,38 @@ class SharedCpu:
             rate = min(rate, max(0.0, 1.0 - self.ext) / dram)
         return rate
 
+    def _start(self, job: CpuJob, t: float) -> None:
+        """Start ``job`` at ``t`` on the idle worker free longest (the lowest index on ties)."""
+        idle, lanes = self._idle, self.lanes
+        i = 0
+        if len(lanes) > 1:  # min() over the idle workers by free_at, without the generator
+            i = -1
+            best = 0.0
+            for k, free in enumerate(idle):
+                if free and (i < 0 or lanes[k].free_at < best):
+                    i, best = k, lanes[k].free_at
+        idle[i] = False
+        job.worker = i
+        job.start = t
+        self.active.append(job)
+
+    def _order_active(self) -> None:
+        """The running calls in issue order (removals keep it; only admissions disturb it)."""
+        active = self.active
+        if len(active) == 2:  # sort() of two calls with distinct issue numbers
+            if active[0].seq > active[1].seq:
+                active.reverse()
+        elif len(active) > 2:
+            active.sort(key=_by_seq)
+
     def _admit(self, t: float) -> None:
         """Start waiting calls on idle workers (the one free longest first, lowest index)."""
         q = self._queue
         if q:
-            idle, lanes, active = self._idle, self.lanes, self.active
+            idle = self._idle
             while q and True in idle:
-                _, _, job = heapq.heappop(q)
-                i = 0
-                if len(lanes) > 1:  # min() over the idle workers by free_at: the first smallest
-                    i = -1
-                    best = 0.0
-                    for k, free in enumerate(idle):
-                        if free and (i < 0 or lanes[k].free_at < best):
-                            i, best = k, lanes[k].free_at
-                idle[i] = False
-                job.worker = i
-                job.start = t
-                active.append(job)
-            if len(active) == 2:  # sort() of two calls with distinct issue numbers
-                if active[0].seq > active[1].seq:
-                    active.reverse()
-            elif len(active) > 2:
-                active.sort(key=_by_seq)
+                self._start(heapq.heappop(q)[2], t)
+            self._order_active()
         # (without admissions the running calls keep their order: removals preserve it)
         self._rerate()
 
