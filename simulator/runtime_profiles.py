@@ -237,20 +237,7 @@ class HostThread:
             h = g if g > self.t else self.t
             self.t = h + (self.sync + self.step)
             self.syncs += 1
-        # issue(g, d, self.ne_k), inlined (once per layer on every engine path)
-        end = g + d
-        k = self.ne_k
-        if k:
-            h = self.t
-            disp = self.dispatch
-            t = h + disp + d
-            if t > end:
-                end = t
-            h += k * disp
-            t = h + d / k
-            if t > end:
-                end = t
-            self.t = h
+        end = self.issue(g, d, self.ne_k)
         n = self.routing_syncs
         if not n:
             if self.idle_loop:
@@ -283,18 +270,4 @@ class HostThread:
             h = drained if drained > self.t else self.t
             self.t = h + self.expert_sync
             self.syncs += n
-        # issue(start, d, self.expert_k), inlined (once per GPU expert call)
-        end = start + d
-        k = self.expert_k
-        if k:
-            h = self.t
-            disp = self.dispatch
-            t = h + disp + d
-            if t > end:
-                end = t
-            h += k * disp
-            t = h + d / k
-            if t > end:
-                end = t
-            self.t = h
-        return end
+        return self.issue(start, d, self.expert_k)
