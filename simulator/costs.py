@@ -412,8 +412,7 @@ class CostModel:
         _check_tokens(kv_tokens, "kv_tokens")
         if n_tokens == 0:
             return 0.0
-        m = self.model
-        moved = self.nonexpert_layer_bytes + m.kv_bytes_per_token / m.moe_layers * kv_tokens
+        moved = self._nonexpert_moved(0, kv_tokens)  # kv_tokens: cached and new, all sequences
         return self._nonexpert_roof(n_tokens, moved, kv_tokens)
 
     def nonexpert_mixed_layer_s(
@@ -503,8 +502,7 @@ class CostModel:
         _check_tokens(kv_tokens, "kv_tokens")
         if n_tokens == 0:
             return 0.0
-        m = self.model
-        moved = self.nonexpert_layer_bytes + m.kv_bytes_per_token / m.moe_layers * kv_tokens
+        moved = self._nonexpert_moved(0, kv_tokens)  # kv_tokens: cached and new, all sequences
         return self._cpu_nonexpert_roof(n_tokens, moved, kv_tokens)
 
     def _cpu_nonexpert_roof(self, n_tokens: int, moved: float, attn_pairs: float) -> float:
