@@ -1060,25 +1060,7 @@ class MultiGpuReference(_MultiBase, ReferenceEngine):
             self._event(back)
             env.process(self._peer_wait_gpu(k, send, state))
             env.process(self._peer_move(send))
-        bar = -1.0  # no barrier: every ready time stands
-        if getattr(w, "barrier", False):  # a gather: every copy into this layer's slots lands
-            copies = [op for op in w.ops if op.kind == FETCH and op.layer == w.layer]
-            pending = [self._event(op) for op in copies if op.end is None]
-            if pending:
-                yield env.all_of(pending)
-            for op in copies:
-                assert op.end is not None
-                bar = max(bar, op.end)
-        known: list[tuple[float, int, LayerOp | None]] = []
-        waiting: list[tuple[int, LayerOp]] = []
-        for e, src in w.gpu:
-            if src.__class__ is float:
-                known.append((max(src, bar), e, None))
-            elif src.end is not None:
-                known.append((max(src.end, bar), e, src))
-            else:
-                waiting.append((e, src))
-        known.sort(key=lambda x: (x[0], x[1]))
+        known, waiting = yield from self._gpu_order(w)
         row = pl.gpu_of[w.layer]
         procs: dict[int, list[simpy.Process]] = {}
         for r, e, src in known:

@@ -317,27 +317,7 @@ class ReferenceEngine(EngineBase):
         gate = None
         if w.cpu_first and w.sync:
             gate = env.all_of([self._event(op) for op in w.sync if op.end is None])
-        bar = -1.0  # no barrier: every ready time stands
-        if w.barrier:  # a gather: every copy into this layer's slots lands first
-            copies = [op for op in w.ops if op.kind == FETCH and op.layer == w.layer]
-            pending = [self._event(op) for op in copies if op.end is None]
-            if pending:
-                yield env.all_of(pending)
-            for op in copies:
-                assert op.end is not None
-                if op.end > bar:
-                    bar = op.end
-        # resident experts first, by (ready time, expert); copies join when they arrive
-        known: list[tuple[float, int, LayerOp | None]] = []
-        waiting: list[tuple[int, LayerOp]] = []
-        for e, src in w.gpu:
-            if src.__class__ is float:
-                known.append((max(src, bar), e, None))
-            elif src.end is not None:
-                known.append((max(src.end, bar), e, src))
-            else:
-                waiting.append((e, src))
-        known.sort(key=lambda x: (x[0], x[1]))
+        known, waiting = yield from self._gpu_order(w)
         procs = [env.process(self._gpu(w, e, r, src, gate, state)) for r, e, src in known]
         procs += [env.process(self._gpu(w, e, None, src, gate, state)) for e, src in waiting]
         if gate is not None:
@@ -351,6 +331,33 @@ class ReferenceEngine(EngineBase):
         c.gpu_expert_busy += state["busy"]
         self.machine.gpu.busy += state["busy"]
         return end
+
+    def _gpu_order(self, w: LayerWork) -> Proc:
+        """The layer's GPU experts in stream order: ``(ready, expert, copy)`` for those whose
+        ready time is known, by (ready time, expert), and ``(expert, copy)`` for those whose
+        copy is not timed yet (they join when it lands). A gather barrier first waits for
+        every copy into the layer's slots and holds every ready time to the last of them."""
+        bar = -1.0  # no barrier: every ready time stands
+        if w.barrier:
+            copies = [op for op in w.ops if op.kind == FETCH and op.layer == w.layer]
+            pending = [self._event(op) for op in copies if op.end is None]
+            if pending:
+                yield self.env.all_of(pending)
+            for op in copies:
+                assert op.end is not None
+                if op.end > bar:
+                    bar = op.end
+        known: list[tuple[float, int, LayerOp | None]] = []
+        waiting: list[tuple[int, LayerOp]] = []
+        for e, src in w.gpu:
+            if src.__class__ is float:
+                known.append((max(src, bar), e, None))
+            elif src.end is not None:
+                known.append((max(src.end, bar), e, src))
+            else:
+                waiting.append((e, src))
+        known.sort(key=lambda x: (x[0], x[1]))
+        return known, waiting
 
     def _results_end(self, w: LayerWork, g: float) -> Proc:
         """Wait for the layer's CPU results; the layer ends at the later of them and ``g``
