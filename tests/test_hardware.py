@@ -413,3 +413,22 @@ def test_hybrimoe_host_follows_the_bundled_derivation_rules() -> None:
     assert not p.measured
     # ten one-FMA cores compute far less than DAOP's 18 two-FMA cores on the same card
     assert p.cpu.fp32_gflops < load_profile("a6000-pcie4").cpu.fp32_gflops / 4
+
+
+def test_the_p40_box_follows_its_sources() -> None:
+    """p40-xeon2683v4-pcie3 (ggml-org/llama.cpp issue #5484's machine): the t4-pcie3 Gen3 link,
+    a 24 GiB P40 at its 346 GB/s datasheet rate, and a 16-core E5-2683 v4 whose figures are the
+    derived rules on 4 ch DDR4-2133 and AVX2 at 2.1 GHz, below the theoretical peaks."""
+    path = profiles_dir() / "p40-xeon2683v4-pcie3.toml"
+    assert path.read_text().count('extends = "t4-pcie3"') == 1
+    hw = load_profile("p40-xeon2683v4-pcie3")
+    assert hw.link == load_profile("t4-pcie3").link
+    assert hw.gpu.memory_gb == pytest.approx(24 * 2**30 / 1e9, abs=0.01)
+    assert (hw.gpu.mem_bw_gbs, hw.gpu.bf16_tflops) == (346.0, 11.76)
+    theoretical_bw = 4 * 8 * 2.133  # 4 channels x 8 B x 2133 MT/s
+    peak_fp32 = 16 * 32 * 2.1  # cores x FLOP/clk (two 256-bit FMA units) x GHz
+    assert hw.cpu.cores_used == 16 and "E5-2683 v4" in hw.cpu.name
+    assert hw.cpu.mem_bw_gbs == pytest.approx(0.40 * theoretical_bw, abs=0.05)
+    assert hw.cpu.fp32_gflops == pytest.approx(0.5 * peak_fp32)
+    assert hw.cpu.bf16_gflops == pytest.approx(0.5 * hw.cpu.fp32_gflops)
+    assert hw.cpu.mem_bw_gbs < theoretical_bw and hw.cpu.fp32_gflops < peak_fp32
