@@ -32,8 +32,11 @@ forward). Facts and file names: docs/references.md#moe-infinity. The rules:
   queue whenever the link is idle and each layer re-sorts the queue; modelled as: at each
   decision, issue prefetches in that order while the link (as this policy's own ledger of the
   copies it issued says) would be idle before the next decision could come: one layer's
-  non-expert part and k GPU experts later (the cost model's times; a layer that waits for a
-  copy only comes later). Copies are pinned (the runtime's host caching allocator).
+  non-expert part and k GPU experts after this layer can run, which is after its own misses
+  have landed (the code's one copy thread per GPU, ``ArcherTaskPool::GPUThreadFunc``, takes the
+  next queued prefetch as soon as they are done, so the next layer's misses wait for that copy;
+  a layer that waits for an earlier prefetch still in flight comes later still, not counted).
+  Copies are pinned (the runtime's host caching allocator).
 * **Caching.** One cache over all ``(layer, expert)`` slots (the code's GPU expert cache has no
   per-layer quota). Activation-aware replacement (paper v2, "expert caching"): an expert's
   priority is its activation count in the current request times ``1 - l / L`` (shallow layers
@@ -377,15 +380,24 @@ class MoEInfinityPolicy(Policy):
             self.link_free = link_free
         # a temporary copy may wait for its buffer, so the link ledger is not exact: no prefetch
         if self.do_prefetch and not temp and layer < self.n_layers - 1:
-            self._prefetch(plan, now, layer, protect, experts)
+            # the layer runs once its last miss lands (FIFO on the link: ``link_free``)
+            self._prefetch(plan, now, layer, protect, experts, self.link_free)
         return plan
 
     def _prefetch(
-        self, plan: Plan | None, now: float, layer: int, protect: set[int], experts: list[int]
+        self,
+        plan: Plan | None,
+        now: float,
+        layer: int,
+        protect: set[int],
+        experts: list[int],
+        runs_at: float = 0.0,
     ) -> Plan | None:
         """Issue prefetches into ``plan`` (None: a plan of ``experts`` on the GPU, made at the
-        first prefetch); returns the plan, None if it was None and nothing was issued."""
-        horizon = now + self.gap
+        first prefetch) until the link is busy past the next decision, one gap after the layer
+        runs (``runs_at``, when its misses land; ``now`` if earlier); returns the plan, None if
+        it was None and nothing was issued."""
+        horizon = (runs_at if runs_at > now else now) + self.gap
         if self.link_free >= horizon:
             return plan
         order, keep, flat = self._queue(self.best[layer], layer)

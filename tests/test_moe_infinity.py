@@ -6,11 +6,14 @@
   at every layer of every token;
 * prefetch order: the matched entry's counts x ``1 - (x - l) / (L + 1)``, hand-computed;
 * eviction: the lowest ``count x (1 - l / L)`` of the current request goes, hand-computed;
+* prefetch timing: the code's one copy thread takes the next queued prefetch once a layer's
+  misses have landed, so a layer with a miss still prefetches when its copy outlasts the gap;
 * end to end: it prefetches on a bundled trace, and a run without calibration refuses.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -110,6 +113,24 @@ def test_prefetch_order_is_count_times_layer_proximity() -> None:
     full = make(model, entry[None], budget=8)  # experts 0 and 1 of every layer
     plan = full.decode_layer(view(model, 0, [0], 0.0))
     assert plan.prefetch[0] == (2, 2, (3, 1))
+
+
+def test_a_layer_with_a_miss_prefetches_once_its_misses_land() -> None:
+    """Mixtral-sized experts: a copy outlasts a layer's gap. The layer with a miss runs only
+    when the miss lands, and the copy thread then takes the queue's head, so one prefetch is
+    issued behind the miss (FIFO); a decision whose link is busy past its gap issues none."""
+    model = replace(tiny_model(experts=4, top_k=1, moe_layers=4), hidden=4096, expert_ffn=14336)
+    entry = np.zeros((4, 4), dtype=np.int64)
+    entry[1, 2], entry[2, 3], entry[3, 1] = 5, 4, 3
+    pol = make(model, entry[None], budget=8)  # experts 0 and 1 of every layer
+    copy = pol.copy_s
+    assert copy > 2 * pol.gap  # the case where the layer's own wait decides
+    plan = pol.decode_layer(view(model, 0, [3], 0.0))
+    assert plan.actions[3].name == "FETCH"
+    assert [p[:2] for p in plan.prefetch] == [(1, 2)]  # one copy: then busy past the horizon
+    assert pol.inflight[(1, 2)] == pytest.approx(2 * copy)  # behind the miss on the link
+    # the next decision comes before the prefetch lands and hits: the link is busy past its gap
+    assert not pol.decode_layer(view(model, 1, [0], copy + pol.gap)).prefetch
 
 
 def test_eviction_takes_the_lowest_count_times_layer_weight() -> None:

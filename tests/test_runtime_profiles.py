@@ -143,7 +143,8 @@ IDLE_LOOP = RuntimeProfile(
 @pytest.mark.parametrize(
     "prof",
     [DISPATCH_BOUND, GPU_BOUND, IDLE_LOOP, get_runtime("hf-eager"),
-     get_runtime("hf-eager-all-experts"), get_runtime("moe-infinity")],
+     get_runtime("hf-eager-all-experts"), get_runtime("moe-infinity"),
+     get_runtime("moe-infinity-2024")],
 )  # fmt: skip
 def test_layer_times_match_the_hand_computation(
     cls: type[EngineBase], prof: RuntimeProfile
@@ -200,6 +201,26 @@ def test_moe_infinity_costs_the_host_more_per_expert_call_than_hf_eager() -> Non
         r: simulate(**kw, runtime=r).metrics["tpot_mean_s"] for r in ("hf-eager", "moe-infinity")
     }
     assert tpot["moe-infinity"] > tpot["hf-eager"]
+
+
+def test_moe_infinity_2024_pays_for_every_expert_of_the_layer() -> None:
+    """The 2024 release loops in Python over every expert (two syncs even without a token) and
+    runs the EAM predictor each layer; the 2025 release hands only the routed experts to its C++
+    dispatcher. All on the GPU, the 2024 runtime is slower, and more so with more idle experts
+    per layer: OLMoE (64 experts, top-8: 56 idle) against Mixtral-shaped ci-small (8, top-2)."""
+    from simulator.runner import simulate
+
+    old, new = get_runtime("moe-infinity-2024"), get_runtime("moe-infinity")
+    assert old.idle_expert_syncs > 0 and new.idle_expert_syncs == 0
+    assert old.routing_syncs > new.routing_syncs
+    assert (old.dispatch_us, old.sync_us) == (new.dispatch_us, new.sync_us)  # same framework
+    excess = {}
+    for trace in ("ci-small", "olmoe-1b-7b"):
+        kw = {"policy": "all-gpu", "hw": "a6000-pcie4", "trace": trace, "sequences": 1}
+        t = {r: simulate(**kw, runtime=r).metrics["tpot_mean_s"] for r in (old.name, new.name)}
+        assert t[old.name] > t[new.name]
+        excess[trace] = t[old.name] / t[new.name]
+    assert excess["olmoe-1b-7b"] > excess["ci-small"]
 
 
 def test_dispatch_bound_is_slower_and_gpu_bound_is_not() -> None:
