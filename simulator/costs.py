@@ -11,7 +11,8 @@ is at the precision's real size, scales included (simulator.models.DTYPES). Form
   overhead per kernel of the expert's eager forward.
 * CPU expert for n tokens: one batched call, ``max(weight stream, 2 x params x n / cpu throughput)``
   where the weight stream is the profile's measured one-token time for this model and dtype
-  (``cpu_expert_ms``) when it has one, else ``host expert bytes / cpu.mem_bw``. Linear ``n x
+  (``cpu_expert_ms``) when it has one, else ``host expert bytes / cpu.mem_bw`` (``cpu.ggml_bw``
+  for GGUF and MXFP4 host copies on a profile that measured ggml's CPU kernels). Linear ``n x
   cpu_expert_ms`` is a decision rule of DAOP and Fiddler, not how a batched call runs.
 * Copies: ``copy_overhead + bytes / rate`` for the direction and host-memory kind, at the host
   precision; when the GPU holds another precision the copy also pays one GPU conversion pass. A
@@ -74,6 +75,12 @@ FUSED_MOE_KERNELS = 5
 #: tokens (kTransformers' AMX backend switches to AVX-512 kernels at 4 tokens or fewer).
 AMX_DTYPES = frozenset({"bf16", "int8"})
 AMX_MAX_AVX512_TOKENS = 4
+#: Weight format kinds whose CPU kernels in the modelled systems are ggml's block-quantised
+#: mat-vec kernels (llama.cpp, ik_llama.cpp; kTransformers' llamafile backend for GGUF): on a
+#: profile with ``cpu.ggml_bw_gbs`` their CPU weight stream runs at that measured rate instead of
+#: ``cpu.mem_bw_gbs``, whose derived 0.40 rule was read off PyTorch's bf16 CPU experts
+#: (docs/cost-model.md, "Kernel efficiency").
+GGML_CPU_KINDS = frozenset({"gguf", "mx"})
 
 
 def gpu_kernel_efficiency(dtype: str) -> float:
@@ -249,11 +256,10 @@ class CostModel:
         if n <= 0:
             return 0.0
         m = self.measured
-        cpu = self.hw.cpu
         stream = (
             m.cpu_expert_ms * 1e-3
             if m is not None
-            else self.host_expert_bytes / (cpu.mem_bw_gbs * 1e9)
+            else self.host_expert_bytes / (self.cpu_stream_gbs(self.model.host_precision) * 1e9)
         )
         peak = self._cpu_expert_peak(n)
         return max(stream, self.expert_flops(n) / (peak * 1e9))
@@ -267,6 +273,20 @@ class CostModel:
             return amx
         return self.cpu_peak_gflops(dtype)
 
+    def _ggml_stream(self, dtype: str) -> bool:
+        """True when weights at ``dtype`` stream at the profile's measured ggml rate."""
+        return self.hw.cpu.ggml_bw_gbs is not None and DTYPES[dtype].kind in GGML_CPU_KINDS
+
+    def cpu_stream_gbs(self, dtype: str) -> float:
+        """GB/s at which the host CPU's kernels stream weights stored at ``dtype``:
+        ``cpu.ggml_bw_gbs`` for ggml's block formats (GGUF, MXFP4) when the profile measured
+        it, else ``cpu.mem_bw_gbs``."""
+        cpu = self.hw.cpu
+        if self._ggml_stream(dtype):
+            assert cpu.ggml_bw_gbs is not None
+            return cpu.ggml_bw_gbs
+        return cpu.mem_bw_gbs
+
     def cpu_expert_s(self, n_tokens: int) -> float:
         """Seconds for one expert on the CPU for n tokens: one batched call (roofline, anchored)."""
         _check_tokens(n_tokens)
@@ -276,7 +296,8 @@ class CostModel:
         """Fraction of the host socket one CPU expert call over n tokens uses while it runs alone.
 
         The larger of its weight stream over the socket's bandwidth (``cpu.socket_bw_gbs``,
-        default ``cpu.mem_bw_gbs``) and its FLOP/s over ``cpu.<dtype>_gflops``, at most 1.
+        default the call's own weight-stream rate, :meth:`cpu_stream_gbs`) and its FLOP/s over
+        ``cpu.<dtype>_gflops``, at most 1.
         Concurrent calls progress at ``min(1, 1 / sum of shares)`` of their alone speed
         (docs/cost-model.md, "Shared host CPU").
         """
@@ -284,7 +305,7 @@ class CostModel:
         if d <= 0:
             return 0.0
         cpu = self.hw.cpu
-        bw = (cpu.socket_bw_gbs or cpu.mem_bw_gbs) * 1e9
+        bw = (cpu.socket_bw_gbs or self.cpu_stream_gbs(self.model.host_precision)) * 1e9
         peak = self._cpu_expert_peak(n_tokens) * 1e9
         share = max(self.host_expert_bytes / (d * bw), self.expert_flops(n_tokens) / (d * peak))
         return min(1.0, share)
@@ -484,8 +505,9 @@ class CostModel:
         """Seconds of one MoE layer's non-expert part on the host CPU for n new tokens.
 
         The GPU formula's bytes and FLOPs (:meth:`nonexpert_layer_s`) over the CPU's roofline:
-        ``max(bytes / cpu.mem_bw_gbs, flops / cpu peak)`` with the peak of the non-expert
-        precision's CPU kernels (:meth:`cpu_peak_gflops`); no kernel launches.
+        ``max(bytes / cpu stream, flops / cpu peak)`` with the weight-stream rate
+        (:meth:`cpu_stream_gbs`) and the peak of the non-expert precision's CPU kernels
+        (:meth:`cpu_peak_gflops`); no kernel launches.
         """
         _check_tokens(n_tokens)
         _check_tokens(context, "context")
@@ -507,12 +529,13 @@ class CostModel:
 
     def _cpu_nonexpert_roof(self, n_tokens: int, moved: float, attn_pairs: float) -> float:
         """The CPU roofline of one layer's non-expert part moving ``moved`` bytes."""
-        m, cpu = self.model, self.hw.cpu
+        m = self.model
         blocks = m.layers / m.moe_layers
         params = (m.non_expert_params - m.embedding_params) / m.moe_layers
         flops = 2.0 * params * n_tokens + 4.0 * attn_pairs * m.hidden * blocks
         peak = self.cpu_peak_gflops(m.nonexpert_dtype)
-        return max(moved / (cpu.mem_bw_gbs * 1e9), flops / (peak * 1e9))
+        bw = self.cpu_stream_gbs(m.nonexpert_dtype)
+        return max(moved / (bw * 1e9), flops / (peak * 1e9))
 
     def cpu_peak_gflops(self, dtype: str) -> float:
         """The host CPU's achieved GEMM throughput for weights stored at ``dtype``, GFLOPS:
@@ -620,6 +643,8 @@ class CostModel:
         """For each cost, the formula or measured constant that produced it."""
         m = self.measured
         peak_key = "fp32" if self.model.host_precision == "fp32" else "bf16"
+        ggml = self._ggml_stream(self.model.host_precision)
+        stream_key = "ggml_bw_gbs" if ggml else "mem_bw_gbs"
         # with a host/GPU precision split, copies and the CPU use the host copy's size
         host_b = "host_expert_bytes" if self.split_precision else "expert_bytes"
         conv = " + conversion on the GPU" if self.split_precision else ""
@@ -628,7 +653,10 @@ class CostModel:
             f"(measured.{self.model.name}.cpu_expert_ms; {m.source}), "
             f"2 x params x n / cpu.{peak_key}_gflops)"
             if m is not None
-            else f"roofline: max({host_b} / cpu.mem_bw_gbs, 2 x params x n / cpu.{peak_key}_gflops)"
+            else (
+                f"roofline: max({host_b} / cpu.{stream_key}, "
+                f"2 x params x n / cpu.{peak_key}_gflops)"
+            )
         )
 
         def h2d(pinned: bool) -> str:

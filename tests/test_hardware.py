@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -120,7 +121,8 @@ def test_owned_machines_extend_a_bundled_profile(name: str) -> None:
     assert hw.gpu.mem_bw_gbs == bw and cpu in hw.cpu.name
     assert hw.gpu.usable_fraction == base.gpu.usable_fraction
     if cpu == "7950X":
-        assert hw.cpu == base.cpu
+        # the RTX 4080 box alone adds a measured ggml weight stream (ik_llama.cpp's machine)
+        assert dataclasses.replace(hw.cpu, ggml_bw_gbs=None) == base.cpu
     else:
         assert hw.gpu == base.gpu and hw.link == base.link
 

@@ -9,6 +9,7 @@ the AMX compute roof on a profile that has one, above 4 tokens only, and no othe
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +20,7 @@ from simulator.costs import (
     dequant_kernels,
     gpu_kernel_efficiency,
 )
+from simulator.errors import ProfileError
 from simulator.hardware import load_profile
 from simulator.models import get_model
 
@@ -93,3 +95,73 @@ def test_amx_roof_only_for_amx_formats_above_four_tokens() -> None:
     slow = cost_model(no_amx, get_model("mixtral-8x7b"))
     assert slow.cpu_expert_s(n) > bf16.cpu_expert_s(n)
     assert slow.cpu_expert_s(1) == bf16.cpu_expert_s(1)
+
+
+# --- ggml's CPU weight stream (cpu.ggml_bw_gbs) -----------------------------------------------
+
+
+def test_ggml_stream_times_block_formats_only() -> None:
+    """On the RTX 4080 box (ik_llama.cpp's machine) GGUF and MXFP4 CPU experts stream at the
+    measured ggml rate; bf16 and int4_g128 keep cpu.mem_bw_gbs, and a profile without the field
+    times every format at cpu.mem_bw_gbs."""
+    hw, plain = load_profile("rtx4080-pcie4"), load_profile("rtx4090-pcie4")
+    assert hw.cpu.ggml_bw_gbs == 62.1 and plain.cpu.ggml_bw_gbs is None
+    assert hw.cpu.mem_bw_gbs == plain.cpu.mem_bw_gbs == 33.3
+    cases = [
+        ("gpt-oss-20b", "mxfp4", 62.1),
+        ("mixtral-8x7b", "q4_k_m", 62.1),
+        ("mixtral-8x7b", "q8_0", 62.1),
+        ("mixtral-8x7b", "bf16", 33.3),
+        ("mixtral-8x7b", "int4_g128", 33.3),
+    ]
+    for name, dtype, bw in cases:
+        model = get_model(name).with_dtype(dtype)
+        c = cost_model(hw, model)
+        assert c.cpu_expert_s(1) == pytest.approx(c.host_expert_bytes / (bw * 1e9)), dtype
+        base = cost_model(plain, model)
+        assert base.cpu_expert_s(1) == pytest.approx(base.host_expert_bytes / 33.3e9), dtype
+        # alone, one call takes the whole socket whatever rate times it
+        assert c.cpu_share(1) == pytest.approx(1.0) and base.cpu_share(1) == pytest.approx(1.0)
+        key = "ggml_bw_gbs" if bw == 62.1 else "mem_bw_gbs"
+        assert f"cpu.{key}" in c.sources()["cpu_expert"]
+
+
+def test_ggml_stream_keeps_the_compute_roof() -> None:
+    """A faster weight stream cannot lift the CPU's FLOP roof: a large call stays compute-bound
+    at cpu.bf16_gflops, and no call gets slower than on the same box without the field."""
+    hw = load_profile("rtx4080-pcie4")
+    no_ggml = dataclasses.replace(hw, cpu=dataclasses.replace(hw.cpu, ggml_bw_gbs=None))
+    model = get_model("gpt-oss-20b")
+    fast, slow = cost_model(hw, model), cost_model(no_ggml, model)
+    for n in (1, 2, 8, 64, 512):
+        assert fast.cpu_expert_s(n) <= slow.cpu_expert_s(n)
+    flops = 2.0 * model.params_per_expert * 512
+    assert fast.cpu_expert_s(512) == pytest.approx(flops / (hw.cpu.bf16_gflops * 1e9))
+    assert fast.cpu_expert_s(512) == slow.cpu_expert_s(512)
+    # the decision input a policy reads follows the same rate
+    assert fast.decision_cpu_expert_s() == fast.cpu_expert_s(1) < slow.decision_cpu_expert_s()
+
+
+def test_ggml_stream_times_cpu_layers_of_block_formats() -> None:
+    """llama.cpp's CPU-resident layers: GGUF non-expert weights stream at the ggml rate, bf16
+    ones at cpu.mem_bw_gbs (a decode token is bandwidth-bound either way)."""
+    hw = load_profile("rtx4080-pcie4")
+    q8 = cost_model(hw, get_model("gpt-oss-20b").with_precision(nonexpert_dtype="q8_0"))
+    bf = cost_model(hw, get_model("gpt-oss-20b"))
+    for c, bw in ((q8, 62.1), (bf, 33.3)):
+        moved = c.nonexpert_layer_bytes + c.model.kv_bytes_per_token / c.model.moe_layers * 17
+        assert c.cpu_nonexpert_layer_s(1, 16) == pytest.approx(moved / (bw * 1e9))
+
+
+def test_ggml_stream_is_validated(tmp_path: Path) -> None:
+    """The ggml rate is positive and, one call already using every thread, never above the
+    socket's all-core bandwidth when the profile gives one."""
+    base = 'extends = "rtx4090-pcie4"\nname = "bad"\ndescription = "x"\n[cpu]\n'
+    for body in ("ggml_bw_gbs = -1\n", "ggml_bw_gbs = 70.0\nsocket_bw_gbs = 60.0\n"):
+        p = tmp_path / "bad.toml"
+        p.write_text(base + body)
+        with pytest.raises(ProfileError, match="ggml_bw_gbs"):
+            load_profile(str(p))
+    ok = tmp_path / "ok.toml"
+    ok.write_text(base + "ggml_bw_gbs = 60.0\nsocket_bw_gbs = 60.0\n")
+    assert load_profile(str(ok)).cpu.ggml_bw_gbs == 60.0
