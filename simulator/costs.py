@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import Any
 
+from simulator.errors import UserError
 from simulator.hardware import HardwareProfile, MeasuredModel, load_profile
 from simulator.models import DTYPES, ModelShape, dtype_bytes, get_model
 
@@ -44,6 +45,14 @@ ACT_BYTES = 2
 NONEXPERT_KERNELS_PER_BLOCK = 20
 #: Context length the CLI reports ``nonexpert_layer_ms`` at.
 DEFAULT_CONTEXT = 512
+#: Device-memory bytes per attention score (one head, one query-key pair) that transformers'
+#: eager attention moves on a bf16 model (docs/cost-model.md, "Eager attention"; a lower bound):
+#: QK^T writes the bf16 score (2), the 1/sqrt(d) scaling reads and writes it (4), the mask add
+#: too (4; the mask's own reads not counted), softmax(dtype=float32) on a bf16 input first
+#: converts it to fp32 (2 + 4: ATen's fused half-to-float softmax is for fp16 only) then reads
+#: and writes fp32 once (8), ``.to(bf16)`` reads fp32 and writes bf16 (6), and the PV matmul
+#: reads the bf16 weights (2): 32 B. Dropout is a no-op at inference.
+EAGER_ATTENTION_BYTES_PER_SCORE = 32
 
 # --- per-format kernels (docs/cost-model.md, "Quantisation", "Kernel efficiency") -----------------
 #: Share of a bf16 kernel's weight-streaming bandwidth a GPU expert kernel reaches, by weight
@@ -397,19 +406,42 @@ class CostModel:
         )
 
     # --- non-expert part -------------------------------------------------------------------------
-    def nonexpert_layer_s(self, n_tokens: int, context: int) -> float:
+    def nonexpert_layer_s(
+        self, n_tokens: int, context: int, eager_attention: bool = False
+    ) -> float:
         """Seconds of one MoE layer's non-expert part on the GPU for n new tokens.
 
         ``context`` counts the tokens already in the KV cache before this call (decode at position
         p: n_tokens=1, context=p; a prefill of S tokens: n_tokens=S, context=0).
+        ``eager_attention``: the runtime materialises the scores (a runtime profile with
+        ``attention = "eager"``): every head's ``n x (context + n)`` scores, the masked half
+        included, cost :data:`EAGER_ATTENTION_BYTES_PER_SCORE` bytes each and their FLOPs.
         """
         _check_tokens(n_tokens)
         _check_tokens(context, "context")
         if n_tokens == 0:
             return 0.0
         moved = self._nonexpert_moved(n_tokens, context)
-        attn_pairs = n_tokens * context + n_tokens * (n_tokens + 1) / 2  # causal query-key pairs
+        if eager_attention:
+            scores = self.eager_attention_scores(n_tokens, context)
+            moved += scores * EAGER_ATTENTION_BYTES_PER_SCORE
+            attn_pairs = n_tokens * (context + n_tokens)  # the full rectangle is computed
+        else:
+            attn_pairs = n_tokens * context + n_tokens * (n_tokens + 1) / 2  # causal pairs
         return self._nonexpert_roof(n_tokens, moved, attn_pairs)
+
+    def eager_attention_scores(self, n_tokens: int, context: int) -> float:
+        """Scores one MoE layer's eager attention writes for n new tokens at ``context``: per
+        transformer block, every query head scores each new token against every key,
+        ``heads x n x (context + n)`` (the causal mask is added to the full matrix)."""
+        m = self.model
+        if m.attention_heads <= 0:
+            raise UserError(
+                f"model {m.name!r} has no attention_heads: a runtime with eager attention needs "
+                "its query-head count (set it on the model shape)"
+            )
+        blocks = m.layers / m.moe_layers
+        return m.attention_heads * n_tokens * (context + n_tokens) * blocks
 
     def _nonexpert_roof(self, n_tokens: int, moved: float, attn_pairs: float) -> float:
         """Roofline of one layer's non-expert part moving ``moved`` bytes, plus launches."""

@@ -430,6 +430,9 @@ class Machine:
         self._gpu_dram = _memo(costs.gpu_dram_share)
         self._ne_dram: dict[tuple[int, int], float] = {}
         self._ne: dict[tuple[int, int], float] = {}
+        #: a runtime with eager attention writes every head's scores to device memory: the
+        #: non-expert part pays that traffic (costs.nonexpert_layer_s)
+        self.eager_attention = runtime is not None and runtime.attention == "eager"
         #: NVMe drives of the SSD tier, one lane each (``ssd``); registered by
         #: :class:`simulator.hosttier.HostTier` when some experts live on a drive
         self.drives: dict[str, Lane] = {}
@@ -463,7 +466,9 @@ class Machine:
         key = (n, context)
         t = self._ne.get(key)
         if t is None:
-            t = self._ne[key] = self.costs.nonexpert_layer_s(n, context)
+            t = self._ne[key] = self.costs.nonexpert_layer_s(
+                n, context, eager_attention=self.eager_attention
+            )
         return t
 
     def cpu_layer_nonexpert_s(self, n: int, context: int) -> float:

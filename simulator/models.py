@@ -143,6 +143,9 @@ class ModelShape:
     # offloading runtimes quantise the experts and keep the rest at bf16 (GPT-OSS ships so); a
     # GGUF file quantises it too
     nonexpert_dtype: str = "bf16"
+    #: query heads of one attention block (0: not recorded); only a runtime with eager attention
+    #: (scores materialised per head, docs/cost-model.md "Eager attention") needs it
+    attention_heads: int = 0
     notes: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -243,6 +246,9 @@ class ModelShape:
         for key, default in _PRECISION_DEFAULTS.items():
             if data[key] == default:
                 del data[key]
+        # the head count is left out when it is the preset's (or 0), for the same reason
+        if data["attention_heads"] == _preset_heads(self.name):
+            del data["attention_heads"]
         return data
 
     @classmethod
@@ -252,6 +258,8 @@ class ModelShape:
         unknown = sorted(set(data) - known)
         if unknown:
             raise UserError(f"model shape: unknown key {unknown[0]!r}")
+        if "attention_heads" not in data:  # written before the field, or the preset's value
+            data = {**data, "attention_heads": _preset_heads(str(data.get("name", "")))}
         return cls(**data)
 
     def summary(self) -> dict[str, Any]:
@@ -374,6 +382,7 @@ PRESETS: dict[str, ModelShape] = {
             non_expert_params=1_610_000_000,
             embedding_params=32000 * 4096,
             kv_bytes_per_token=_kv(32, 8, 128),
+            attention_heads=32,
             source=f"{_SRC}: Mixtral-8x7B (mistralai/Mixtral-8x7B-v0.1 config.json; "
             "352.3 MB per bf16 expert)",
         ),
@@ -389,6 +398,7 @@ PRESETS: dict[str, ModelShape] = {
             non_expert_params=5_330_000_000,
             embedding_params=32000 * 6144,
             kv_bytes_per_token=_kv(56, 8, 128),
+            attention_heads=48,
             source=f"{_SRC}: Mixtral-8x22B (Cerebras modelzoo params_mixtral_8x22b.yaml)",
         ),
         ModelShape(
@@ -403,6 +413,7 @@ PRESETS: dict[str, ModelShape] = {
             non_expert_params=1_610_000_000,
             embedding_params=32064 * 4096,
             kv_bytes_per_token=_kv(32, 8, 128),
+            attention_heads=32,
             source=f"{_SRC}: Phi-3.5-MoE (microsoft/Phi-3.5-MoE-instruct config.json; "
             "157.3 MB per bf16 expert)",
         ),
@@ -418,6 +429,7 @@ PRESETS: dict[str, ModelShape] = {
             non_expert_params=480_000_000,
             embedding_params=50304 * 2048,
             kv_bytes_per_token=_kv(16, 16, 128),
+            attention_heads=16,
             source=f"{_SRC}: OLMoE-1B-7B-0924 config.json",
         ),
         ModelShape(
@@ -707,6 +719,12 @@ PRESETS: dict[str, ModelShape] = {
         ),
     ]
 }
+
+
+def _preset_heads(name: str) -> int:
+    """The attention heads of the preset called ``name`` (0 for a model that is not one)."""
+    preset = PRESETS.get(name.strip().lower())
+    return preset.attention_heads if preset is not None else 0
 
 
 def get_model(name: str) -> ModelShape:

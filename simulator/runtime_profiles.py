@@ -44,6 +44,8 @@ FIELDS: tuple[tuple[str, type, str], ...] = (
     ("idle_expert_syncs", int, "syncs per expert the MoE loop visits with no token"),
 )
 _NUMERIC = {name: typ for name, typ, _ in FIELDS}
+#: values of a profile's ``attention`` field
+ATTENTION_KINDS = ("fused", "eager")
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,11 @@ class RuntimeProfile:
     #: llama.cpp ``mul_mat_id``): the device pays that call's launches once per layer that runs
     #: a GPU expert, not each expert's eager kernels
     fused_moe: bool = False
+    #: how the framework runs attention: ``"fused"`` (SDPA / flash kernels: the scores never
+    #: reach device memory) or ``"eager"`` (transformers' eager attention: the scores of every
+    #: head are written to device memory and passed over several times; docs/cost-model.md,
+    #: "Eager attention")
+    attention: str = "fused"
 
     @property
     def free(self) -> bool:
@@ -82,12 +89,13 @@ class RuntimeProfile:
             out[name] = getattr(self, name)
         out["sources"] = dict(self.sources)
         out["fused_moe"] = self.fused_moe
+        out["attention"] = self.attention
         return out
 
 
 def parse_runtime(data: dict[str, Any], where: str) -> RuntimeProfile:
     """A profile from a TOML table; a bad field is a one-line ``UserError`` naming it."""
-    known = {"name", "summary", "source", "fused_moe", *_NUMERIC}
+    known = {"name", "summary", "source", "fused_moe", "attention", *_NUMERIC}
     for key in data:
         if key not in known:
             raise UserError(f"{where}: unknown field {key!r} (known: {', '.join(sorted(known))})")
@@ -106,12 +114,19 @@ def parse_runtime(data: dict[str, Any], where: str) -> RuntimeProfile:
     if not isinstance(sources, dict) or not all(isinstance(s, str) for s in sources.values()):
         raise UserError(f"{where}: [source] must map field names to strings")
     for key in sources:
-        if key not in _NUMERIC and key != "fused_moe":
+        if key not in _NUMERIC and key not in ("fused_moe", "attention"):
             raise UserError(f"{where}: [source] names unknown field {key!r}")
     fused = data.get("fused_moe", False)
     if not isinstance(fused, bool):
         raise UserError(f"{where}: field 'fused_moe' must be true or false, got {fused!r}")
     values["fused_moe"] = fused
+    attention = data.get("attention", "fused")
+    if attention not in ATTENTION_KINDS:
+        raise UserError(
+            f"{where}: field 'attention' must be one of {', '.join(ATTENTION_KINDS)}, "
+            f"got {attention!r}"
+        )
+    values["attention"] = attention
     summary = data.get("summary", "")
     if not isinstance(summary, str):
         raise UserError(f"{where}: field 'summary' must be a string")

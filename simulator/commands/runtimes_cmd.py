@@ -61,5 +61,13 @@ def show_cmd(name: str, as_json: bool) -> None:
         click.echo(f"  {field:<18} {getattr(prof, field):>8}  {meaning}")
         if field in prof.sources:
             click.echo(f"  {'':<18} {'':>8}  source: {prof.sources[field]}")
+    # the two non-numeric fields: fused MoE calls and the attention implementation
+    for field, meaning in (
+        ("fused_moe", "the GPU experts of a layer run as one fused MoE call"),
+        ("attention", "fused (scores stay on chip) or eager (scores in device memory)"),
+    ):
+        click.echo(f"  {field:<18} {getattr(prof, field)!s:>8}  {meaning}")
+        if field in prof.sources:
+            click.echo(f"  {'':<18} {'':>8}  source: {prof.sources[field]}")
     if doc["policies"]:
         click.echo(f"declared by: {', '.join(doc['policies'])}")

@@ -1,0 +1,152 @@
+"""Eager attention (runtime profiles with ``attention = "eager"``) and the measured GEMM rate.
+
+transformers' eager attention writes every head's ``n x (context + n)`` scores to device memory
+and passes over them several times (docs/cost-model.md, "Eager attention"); a fused runtime never
+does. These tests try to break the charge: it must be exactly the documented bytes when the
+non-expert part is memory-bound, quadratic in the prompt, never negative, and only where the
+runtime says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from simulator.costs import EAGER_ATTENTION_BYTES_PER_SCORE, CostModel, cost_model
+from simulator.errors import UserError
+from simulator.hardware import load_profile
+from simulator.machine import Machine
+from simulator.models import PRESETS, ModelShape, get_model
+from simulator.runtime_profiles import get_runtime, parse_runtime, runtime_names
+
+MIXTRAL = get_model("mixtral-8x7b")
+
+
+def _memory_bound(hw: str = "rtx6000ada-pcie4") -> CostModel:
+    """The profile with a compute roof so high that every non-expert call is memory-bound."""
+    prof = load_profile(hw)
+    gpu = dataclasses.replace(prof.gpu, bf16_tflops=1e9)
+    return CostModel(dataclasses.replace(prof, gpu=gpu), MIXTRAL)
+
+
+@pytest.mark.parametrize("n, context", [(1, 0), (256, 0), (4096, 0), (1, 4095), (512, 1024)])
+def test_eager_adds_the_documented_bytes(n: int, context: int) -> None:
+    """Memory-bound, eager minus fused is heads x n x (context + n) x 32 B over the bandwidth."""
+    cm = _memory_bound()
+    extra = cm.nonexpert_layer_s(n, context, eager_attention=True) - cm.nonexpert_layer_s(
+        n, context
+    )
+    blocks = MIXTRAL.layers / MIXTRAL.moe_layers
+    scores = MIXTRAL.attention_heads * n * (context + n) * blocks
+    assert EAGER_ATTENTION_BYTES_PER_SCORE == 32  # the op-by-op count in costs.py and the docs
+    want = scores * EAGER_ATTENTION_BYTES_PER_SCORE / (cm.hw.gpu.mem_bw_gbs * 1e9)
+    assert extra == pytest.approx(want, rel=1e-9)
+
+
+def test_eager_prefill_is_quadratic() -> None:
+    """Doubling a prompt (no context) quadruples the eager score traffic when memory-bound."""
+    cm = _memory_bound()
+
+    def extra(n: int) -> float:
+        return cm.nonexpert_layer_s(n, 0, eager_attention=True) - cm.nonexpert_layer_s(n, 0)
+
+    assert extra(8192) / extra(4096) == pytest.approx(4.0, rel=1e-6)
+    assert extra(4096) / extra(2048) == pytest.approx(4.0, rel=1e-6)
+
+
+def test_eager_4096_prompt_on_ada() -> None:
+    """A 4096-token Mixtral prefill on the RTX 6000 Ada: 32 heads x 4096^2 scores x 32 B = 17.2 GB
+    per layer, 17.9 ms at 960 GB/s: the layer turns memory-bound, about 0.57 s over 32 layers
+    (plus the weights and KV), against ~0.05 s fused (compute-bound)."""
+    cm = cost_model("rtx6000ada-pcie4", MIXTRAL)
+    fused = 32 * cm.nonexpert_layer_s(4096, 0)
+    eager = 32 * cm.nonexpert_layer_s(4096, 0, eager_attention=True)
+    assert fused < 0.06
+    assert eager == pytest.approx(32 * 32 * 4096**2 * 32 / 960e9, rel=0.05)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(min_value=1, max_value=20_000),
+    context=st.integers(min_value=0, max_value=50_000),
+    hw=st.sampled_from(["rtx6000ada-pcie4", "a6000-pcie4", "l4-pcie4", "h100-sxm5"]),
+)
+def test_eager_never_cheaper(n: int, context: int, hw: str) -> None:
+    """Eager attention never costs less than fused, and grows with the context."""
+    cm = cost_model(hw, MIXTRAL)
+    eager = cm.nonexpert_layer_s(n, context, eager_attention=True)
+    assert eager >= cm.nonexpert_layer_s(n, context)
+    assert cm.nonexpert_layer_s(n, context + 1000, eager_attention=True) > eager
+
+
+def test_eager_needs_the_head_count() -> None:
+    """A model without ``attention_heads`` cannot be charged eager attention (no silent 0)."""
+    headless = dataclasses.replace(MIXTRAL, name="headless", attention_heads=0)
+    cm = CostModel(load_profile("a6000-pcie4"), headless)
+    assert cm.nonexpert_layer_s(16, 0) > 0  # fused needs no head count
+    with pytest.raises(UserError, match="attention_heads"):
+        cm.nonexpert_layer_s(16, 0, eager_attention=True)
+
+
+def test_machine_charges_eager_only_under_an_eager_runtime() -> None:
+    """The machine's non-expert time follows its runtime's ``attention`` field."""
+    from policies.base import ResourceSpec
+
+    cm = cost_model("rtx6000ada-pcie4", MIXTRAL)
+    spec = ResourceSpec()
+    eager = Machine(cm, spec, get_runtime("hf-eager-attn"))
+    fused = Machine(cm, spec, get_runtime("hf-eager"))
+    none = Machine(cm, spec, None)
+    assert eager.nonexpert_s(2048, 0) == cm.nonexpert_layer_s(2048, 0, eager_attention=True)
+    assert fused.nonexpert_s(2048, 0) == cm.nonexpert_layer_s(2048, 0)
+    assert none.nonexpert_s(2048, 0) == fused.nonexpert_s(2048, 0)
+    assert eager.nonexpert_s(2048, 0) > 5 * fused.nonexpert_s(2048, 0)
+
+
+def test_runtime_attention_field() -> None:
+    """Only hf-eager-attn declares eager attention; it keeps hf-eager's host costs and says why."""
+    eager = {n for n in runtime_names() if get_runtime(n).attention == "eager"}
+    assert eager == {"hf-eager-attn"}
+    prof, base = get_runtime("hf-eager-attn"), get_runtime("hf-eager")
+    for f in ("dispatch_us", "sync_us", "expert_kernels", "routing_syncs", "expert_syncs"):
+        assert getattr(prof, f) == getattr(base, f)
+    assert prof.nonexpert_kernels == base.nonexpert_kernels - 1 + 7  # SDPA -> 7 eager ops
+    assert "4.36.1" in prof.sources["attention"]
+    assert prof.to_dict()["attention"] == "eager"
+    with pytest.raises(UserError, match="attention"):
+        parse_runtime({"name": "x", "attention": "flash"}, "x.toml")
+
+
+def test_model_heads_round_trip() -> None:
+    """Preset trace metadata stays byte-identical (no new key) and round-trips to the preset,
+    metadata written before the field gets the preset's heads, and a custom count survives."""
+    for m in PRESETS.values():
+        d = m.to_dict()
+        assert "attention_heads" not in d
+        assert ModelShape.from_dict(d) == m
+    assert ModelShape.from_dict(MIXTRAL.to_dict()).attention_heads == 32
+    custom = dataclasses.replace(MIXTRAL, attention_heads=16)
+    assert custom.to_dict()["attention_heads"] == 16
+    assert ModelShape.from_dict(custom.to_dict()) == custom
+    other = dataclasses.replace(MIXTRAL, name="not-a-preset")
+    assert ModelShape.from_dict(other.to_dict()).attention_heads == 32
+
+
+def test_runtimes_show_prints_the_attention_field() -> None:
+    """``runtimes show`` prints the attention implementation and its source; JSON carries it."""
+    import json
+
+    from click.testing import CliRunner
+
+    from simulator.cli import main
+
+    res = CliRunner().invoke(main, ["runtimes", "show", "hf-eager-attn"])
+    assert res.exit_code == 0
+    line = next(x for x in res.output.splitlines() if x.strip().startswith("attention"))
+    assert line.split()[1] == "eager"
+    assert "4.36.1" in res.output
+    res = CliRunner().invoke(main, ["runtimes", "show", "hf-eager", "--json"])
+    assert res.exit_code == 0 and json.loads(res.output)["attention"] == "fused"
