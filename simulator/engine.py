@@ -1049,6 +1049,8 @@ class Engine(EngineBase):
         except StopIteration:
             pass
         e2e = self.now
+        if self._rel:
+            self._flush_releases()
         while heap:  # background work still running when the last token is out
             self._serve()
         return self.stats(e2e)
@@ -1056,6 +1058,8 @@ class Engine(EngineBase):
     def _due(self, now: float) -> bool:
         # serves here what run() would serve for the yielded time (the same requests in the
         # same order), sparing the step loop a generator round trip per layer
+        if self._rel:
+            self._settle_releases(now)
         heap = self._heap
         if heap and heap[0][0] <= now:
             if self._plain_heap():
@@ -1887,9 +1891,9 @@ class Engine(EngineBase):
             wb_s = self._d2h.expert_s
             heap = self._heap
             uid = self._uid
+            rel = self._releases()  # None: slot releases go through the heap
             for kind, slot in issue:
                 if kind == _EVICT:
-                    op = LayerOp(WRITEBACK, "writeback", wbs[slot], sid, token, *slot)
                     s = lane.free_at
                     if d2h.free_at > s:
                         s = d2h.free_at
@@ -1900,6 +1904,11 @@ class Engine(EngineBase):
                     d2h.busy += wb_s
                     if rec is not None:
                         rec.op(d2h.name, "writeback", sid, token, *slot, s, end, eb)
+                    if rel is not None and (not rel or rel[-1][0] <= end):
+                        # its slot release, held back until the next decision (see _releases)
+                        rel.append((end, wbs[slot], sid, token, *slot))
+                        continue
+                    op = LayerOp(WRITEBACK, "writeback", wbs[slot], sid, token, *slot)
                     op.end = end
                     op.stage = 1
                     heapq.heappush(heap, (end, op.seq, next(uid), op))
@@ -1966,6 +1975,65 @@ class Engine(EngineBase):
         c.gpu_expert_busy += busy
         m.gpu.busy += busy
         return g
+
+    # -- write-backs' slot releases without the heap (mixtral-offloading's miss layers) ---------
+    #: write-back slot releases ``_plain_fetches`` has not put on the heap, in heap order:
+    #: (end, issue number, sid, token, layer, expert); empty outside a decode layer's gap
+    _rel: deque[tuple[float, int, int, int, int, int]] | tuple[()] = ()
+    #: whether this run may hold releases back (None: not decided yet)
+    _rel_ok: bool | None = None
+
+    def _releases(self) -> deque[tuple[float, int, int, int, int, int]] | None:
+        """The queue of held-back slot releases, or None when this run must push them on the
+        heap. Why holding them back is exact: a release is the heap's second stage of a
+        write-back, served at its end time as ``_release``. Between the layer that issues it
+        and the next decision nothing reads the heap or the slots (one GPU, no unified memory
+        or SSD tier, no CPU-resident layers, no serving loop: only the step loop's own
+        arithmetic runs there), and the next decision's ``_due`` settles the queue first:
+        with nothing else pending it releases the due slots in the heap's (end, issue number)
+        order through the same ``_release``, else it pushes every entry on the heap with the
+        same key, so any later serving sees exactly the heap it would have seen. Entries are
+        appended with non-decreasing ends (the write-backs share the copy stream) and issue
+        numbers, so the queue's order is the heap's; an entry that would break that order
+        goes on the heap instead (``_plain_fetches``)."""
+        ok = self._rel_ok
+        if ok is None:
+            ok = self._rel_ok = (
+                self.serving is None
+                and self._plain_heap()
+                and not self.n_cpu_layers
+                and self.__class__ is Engine
+            )
+            if ok:
+                self._rel = deque()
+        return self._rel if ok else None  # type: ignore[return-value]
+
+    def _settle_releases(self, now: float) -> None:
+        """Before the decision at ``now``: serve the held-back releases due by then as the
+        heap would (in order, each through ``_release``) when nothing else is pending; else,
+        or for any entry not yet due, put them on the heap with their heap keys."""
+        rel = self._rel
+        assert isinstance(rel, deque)
+        if not (self._heap or self.res.waiters):
+            release = self._release
+            while rel and rel[0][0] <= now:
+                release(rel.popleft()[0])  # no waiter: res.free, nothing pushed
+            if not rel:
+                return
+        self._flush_releases()
+
+    def _flush_releases(self) -> None:
+        """Put every held-back release on the heap as the write-back's second stage, with
+        the key ``_plain_fetches`` would have pushed it with (end, issue number)."""
+        rel = self._rel
+        assert isinstance(rel, deque)
+        heap, uid = self._heap, self._uid
+        for end, seq, sid, token, layer, expert in rel:
+            op = LayerOp(WRITEBACK, "writeback", seq, sid, token, layer, expert)
+            op.end = end
+            op.stage = 1
+            heapq.heappush(heap, (end, seq, next(uid), op))
+        rel.clear()
 
     #: per layer, its (layer, expert) slots and (layer, expert, None) prefetch entries in
     #: expert order (built on first use by _whole_layer_copies)
