@@ -376,7 +376,12 @@ class MoEInfinityPolicy(Policy):
                 link_free = (now if now > link_free else link_free) + copy_s
             self.link_free = link_free
         # a temporary copy may wait for its buffer, so the link ledger is not exact: no prefetch
-        if self.do_prefetch and not temp and layer < self.n_layers - 1:
+        if (
+            self.do_prefetch
+            and not temp
+            and layer < self.n_layers - 1
+            and self.link_free < now + self.gap  # (else _prefetch returns at once)
+        ):
             self._prefetch(plan, now, layer, protect, experts)
         return plan
 

@@ -1873,7 +1873,7 @@ class Engine(EngineBase):
         self._acc[layer] += n
         n_h2d = n_copies + len(temps)
         if low:  # as _apply: a low-bit copy moves the host's low-precision copy
-            n_low = sum(1 for e in temps if e in low)
+            n_low = len(low)  # each low-bit expert is one of the temporary copies (distinct)
             c.low_bit_copies += n_low
             c.h2d_bytes += eb * (n_h2d - n_low) + self.machine.low_bit_bytes * n_low
         else:
@@ -1891,7 +1891,8 @@ class Engine(EngineBase):
             wb_s = self._d2h.expert_s
             heap = self._heap
             uid = self._uid
-            rel = self._releases()  # None: slot releases go through the heap
+            # None: slot releases go through the heap
+            rel = self._rel if self._rel_ok else self._releases()
             for kind, slot in issue:
                 if kind == _EVICT:
                     s = lane.free_at
@@ -2012,12 +2013,12 @@ class Engine(EngineBase):
         """Before the decision at ``now``: serve the held-back releases due by then as the
         heap would (in order, each through ``_release``) when nothing else is pending; else,
         or for any entry not yet due, put them on the heap with their heap keys."""
-        rel = self._rel
-        assert isinstance(rel, deque)
-        if not (self._heap or self.res.waiters):
-            release = self._release
+        rel: deque[Any] = self._rel  # type: ignore[assignment]
+        res = self.res
+        if not (self._heap or res.waiters):
+            free = res.free  # _release with no waiter (releasing one adds none)
             while rel and rel[0][0] <= now:
-                release(rel.popleft()[0])  # no waiter: res.free, nothing pushed
+                free(rel.popleft()[0])
             if not rel:
                 return
         self._flush_releases()
@@ -2025,8 +2026,7 @@ class Engine(EngineBase):
     def _flush_releases(self) -> None:
         """Put every held-back release on the heap as the write-back's second stage, with
         the key ``_plain_fetches`` would have pushed it with (end, issue number)."""
-        rel = self._rel
-        assert isinstance(rel, deque)
+        rel: deque[Any] = self._rel  # type: ignore[assignment]
         heap, uid = self._heap, self._uid
         for end, seq, sid, token, layer, expert in rel:
             op = LayerOp(WRITEBACK, "writeback", seq, sid, token, layer, expert)
