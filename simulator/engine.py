@@ -1956,7 +1956,9 @@ class Engine(EngineBase):
                     rec.op(lane.name, "temp", sid, token, layer, e, s, end, eb)
             jobs.append((end, e))
         m = self.machine
-        if rec is not None or m.host_experts is not None or self._unified:
+        if m.host_experts is not None:  # (no unified memory here)
+            return self._timed_gpu_one(jobs, now, sid, token, layer)
+        if rec is not None:
             return self._timed_gpu(jobs, now, None, sid, token, layer)
         # _timed_gpu without a recorder, host thread or unified memory, written out: the
         # experts by (ready time, expert) on the GPU stream, the same sums in the same order
@@ -1971,6 +1973,40 @@ class Engine(EngineBase):
                 g = ready
             d = d1 + fused
             fused = 0.0
+            g += d
+            busy += d
+        c.gpu_expert_busy += busy
+        m.gpu.busy += busy
+        return g
+
+    def _timed_gpu_one(
+        self, jobs: list[tuple[float, int]], now: float, sid: int, token: int, layer: int
+    ) -> float:
+        """``_timed_gpu`` for one decode token without unified memory (no per-expert counts,
+        no DRAM sharing): the same host-thread calls, records and sums in the same order."""
+        jobs.sort()
+        c = self.c
+        g = now
+        busy = 0.0
+        rec = self.recorder
+        m = self.machine
+        host = m.host_experts
+        d1 = m.gpu_s(1)  # one decode token per expert
+        fused = m.fused_launch_s  # the layer's fused call, with its first expert
+        for ready, e in jobs:
+            drained = g
+            if ready > g:
+                c.transfer_stall += ready - g
+                g = ready
+            d = d1 + fused
+            fused = 0.0
+            if host is not None:  # the stream may wait for the host thread to issue it
+                wait = host.expert(drained, g, d) - d - g
+                if wait > 0.0:
+                    c.dispatch_stall += wait
+                    g += wait  # the same sum as the reference engine's timeout
+            if rec is not None:
+                rec.op("gpu", "expert", sid, token, layer, e, g, g + d, 0)
             g += d
             busy += d
         c.gpu_expert_busy += busy
