@@ -142,6 +142,13 @@ class HobbitPolicy(LRUPolicy):
                 break
         else:  # every expert resident (nothing changes the plan below)
             return self.serve_token(layer, experts, resident, shared_hit_plan=True)
+        for e in experts[1:]:
+            if not resident[e]:
+                break
+        else:
+            # only the top expert missed: its share is 0, never above either threshold (both
+            # are >= 0), so classify would find nothing to load low-bit or skip
+            return self.serve_token(layer, experts, resident)
         low, skip = self.classify(experts, view.weights.tolist(), resident)
         if not low and not skip:
             return self.serve_token(layer, experts, resident)

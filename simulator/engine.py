@@ -1049,6 +1049,8 @@ class Engine(EngineBase):
         except StopIteration:
             pass
         e2e = self.now
+        if self._rel:
+            self._flush_releases()
         while heap:  # background work still running when the last token is out
             self._serve()
         return self.stats(e2e)
@@ -1056,6 +1058,8 @@ class Engine(EngineBase):
     def _due(self, now: float) -> bool:
         # serves here what run() would serve for the yielded time (the same requests in the
         # same order), sparing the step loop a generator round trip per layer
+        if self._rel:
+            self._settle_releases(now)
         heap = self._heap
         if heap and heap[0][0] <= now:
             if self._plain_heap():
@@ -1869,7 +1873,7 @@ class Engine(EngineBase):
         self._acc[layer] += n
         n_h2d = n_copies + len(temps)
         if low:  # as _apply: a low-bit copy moves the host's low-precision copy
-            n_low = sum(1 for e in temps if e in low)
+            n_low = len(low)  # each low-bit expert is one of the temporary copies (distinct)
             c.low_bit_copies += n_low
             c.h2d_bytes += eb * (n_h2d - n_low) + self.machine.low_bit_bytes * n_low
         else:
@@ -1887,9 +1891,10 @@ class Engine(EngineBase):
             wb_s = self._d2h.expert_s
             heap = self._heap
             uid = self._uid
+            # None: slot releases go through the heap
+            rel = self._rel if self._rel_ok else self._releases()
             for kind, slot in issue:
                 if kind == _EVICT:
-                    op = LayerOp(WRITEBACK, "writeback", wbs[slot], sid, token, *slot)
                     s = lane.free_at
                     if d2h.free_at > s:
                         s = d2h.free_at
@@ -1900,6 +1905,11 @@ class Engine(EngineBase):
                     d2h.busy += wb_s
                     if rec is not None:
                         rec.op(d2h.name, "writeback", sid, token, *slot, s, end, eb)
+                    if rel is not None and (not rel or rel[-1][0] <= end):
+                        # its slot release, held back until the next decision (see _releases)
+                        rel.append((end, wbs[slot], sid, token, *slot))
+                        continue
+                    op = LayerOp(WRITEBACK, "writeback", wbs[slot], sid, token, *slot)
                     op.end = end
                     op.stage = 1
                     heapq.heappush(heap, (end, op.seq, next(uid), op))
@@ -1946,7 +1956,9 @@ class Engine(EngineBase):
                     rec.op(lane.name, "temp", sid, token, layer, e, s, end, eb)
             jobs.append((end, e))
         m = self.machine
-        if rec is not None or m.host_experts is not None or self._unified:
+        if m.host_experts is not None:  # (no unified memory here)
+            return self._timed_gpu_one(jobs, now, sid, token, layer)
+        if rec is not None:
             return self._timed_gpu(jobs, now, None, sid, token, layer)
         # _timed_gpu without a recorder, host thread or unified memory, written out: the
         # experts by (ready time, expert) on the GPU stream, the same sums in the same order
@@ -1966,6 +1978,98 @@ class Engine(EngineBase):
         c.gpu_expert_busy += busy
         m.gpu.busy += busy
         return g
+
+    def _timed_gpu_one(
+        self, jobs: list[tuple[float, int]], now: float, sid: int, token: int, layer: int
+    ) -> float:
+        """``_timed_gpu`` for one decode token without unified memory (no per-expert counts,
+        no DRAM sharing): the same host-thread calls, records and sums in the same order."""
+        jobs.sort()
+        c = self.c
+        g = now
+        busy = 0.0
+        rec = self.recorder
+        m = self.machine
+        host = m.host_experts
+        d1 = m.gpu_s(1)  # one decode token per expert
+        fused = m.fused_launch_s  # the layer's fused call, with its first expert
+        for ready, e in jobs:
+            drained = g
+            if ready > g:
+                c.transfer_stall += ready - g
+                g = ready
+            d = d1 + fused
+            fused = 0.0
+            if host is not None:  # the stream may wait for the host thread to issue it
+                wait = host.expert(drained, g, d) - d - g
+                if wait > 0.0:
+                    c.dispatch_stall += wait
+                    g += wait  # the same sum as the reference engine's timeout
+            if rec is not None:
+                rec.op("gpu", "expert", sid, token, layer, e, g, g + d, 0)
+            g += d
+            busy += d
+        c.gpu_expert_busy += busy
+        m.gpu.busy += busy
+        return g
+
+    # -- write-backs' slot releases without the heap (mixtral-offloading's miss layers) ---------
+    #: write-back slot releases ``_plain_fetches`` has not put on the heap, in heap order:
+    #: (end, issue number, sid, token, layer, expert); empty outside a decode layer's gap
+    _rel: deque[tuple[float, int, int, int, int, int]] | tuple[()] = ()
+    #: whether this run may hold releases back (None: not decided yet)
+    _rel_ok: bool | None = None
+
+    def _releases(self) -> deque[tuple[float, int, int, int, int, int]] | None:
+        """The queue of held-back slot releases, or None when this run must push them on the
+        heap. Why holding them back is exact: a release is the heap's second stage of a
+        write-back, served at its end time as ``_release``. Between the layer that issues it
+        and the next decision nothing reads the heap or the slots (one GPU, no unified memory
+        or SSD tier, no CPU-resident layers, no serving loop: only the step loop's own
+        arithmetic runs there), and the next decision's ``_due`` settles the queue first:
+        with nothing else pending it releases the due slots in the heap's (end, issue number)
+        order through the same ``_release``, else it pushes every entry on the heap with the
+        same key, so any later serving sees exactly the heap it would have seen. Entries are
+        appended with non-decreasing ends (the write-backs share the copy stream) and issue
+        numbers, so the queue's order is the heap's; an entry that would break that order
+        goes on the heap instead (``_plain_fetches``)."""
+        ok = self._rel_ok
+        if ok is None:
+            ok = self._rel_ok = (
+                self.serving is None
+                and self._plain_heap()
+                and not self.n_cpu_layers
+                and self.__class__ is Engine
+            )
+            if ok:
+                self._rel = deque()
+        return self._rel if ok else None  # type: ignore[return-value]
+
+    def _settle_releases(self, now: float) -> None:
+        """Before the decision at ``now``: serve the held-back releases due by then as the
+        heap would (in order, each through ``_release``) when nothing else is pending; else,
+        or for any entry not yet due, put them on the heap with their heap keys."""
+        rel: deque[Any] = self._rel  # type: ignore[assignment]
+        res = self.res
+        if not (self._heap or res.waiters):
+            free = res.free  # _release with no waiter (releasing one adds none)
+            while rel and rel[0][0] <= now:
+                free(rel.popleft()[0])
+            if not rel:
+                return
+        self._flush_releases()
+
+    def _flush_releases(self) -> None:
+        """Put every held-back release on the heap as the write-back's second stage, with
+        the key ``_plain_fetches`` would have pushed it with (end, issue number)."""
+        rel: deque[Any] = self._rel  # type: ignore[assignment]
+        heap, uid = self._heap, self._uid
+        for end, seq, sid, token, layer, expert in rel:
+            op = LayerOp(WRITEBACK, "writeback", seq, sid, token, layer, expert)
+            op.end = end
+            op.stage = 1
+            heapq.heappush(heap, (end, seq, next(uid), op))
+        rel.clear()
 
     #: per layer, its (layer, expert) slots and (layer, expert, None) prefetch entries in
     #: expert order (built on first use by _whole_layer_copies)
