@@ -56,11 +56,13 @@ class _Prediction:
     __slots__ = ("precalc", "raw", "route", "route_l")
 
     def __init__(
-        self, route: np.ndarray, raw: np.ndarray, precalc: set[int], route_l: list[int]
+        self, route: np.ndarray, raw: np.ndarray, precalc: list[int], route_l: list[int]
     ) -> None:
         self.route = route  # experts used (after degradation)
         self.raw = raw  # the plain top-k prediction (before degradation)
-        self.precalc = precalc  # CPU-resident experts submitted for pre-calculation
+        #: CPU-resident experts submitted for pre-calculation, in route order (k is small:
+        #: a list's ``in`` costs no more than a set's)
+        self.precalc = precalc
         self.route_l = route_l  # ``route`` as a list (read once per layer)
 
 
@@ -308,32 +310,35 @@ class DAOPPolicy(Policy):
             route_l = [*raw_l[:-1], gpu_ids[best]]
             route = np.asarray(route_l, dtype=np.int64)
             cpu = [e for e in route_l if not on_gpu[e]]
-        else:  # the route is the raw prediction (read-only to both; the plan gets a copy)
+        else:  # the route is the raw prediction (read-only to the plan that consumes it)
             route_l, route = raw_l, raw
-        return _Prediction(route, raw, set(cpu), route_l)
+        # ``cpu`` is in route order: the pre-calculations are issued in that order
+        return _Prediction(route, raw, cpu, route_l)
 
     def decode_layer(self, view: View) -> Plan:
         """Exact routing below first_predict_layer; the layer-early prediction from there on."""
         layer = view.layer
+        preds = self.pred
         if layer == 0:
-            self.pred.clear()
+            preds.clear()
         resident = view.resident[layer].tolist()  # a list: per-expert lookups stay cheap
-        plan = Plan(actions={}, cpu_serial=True, cpu_first=True)
-        actions = plan.actions
-        assert actions is not None
-        pred = self.pred.pop(layer, None) if layer >= self.fpl else None
+        actions: dict[int, Action] = {}
+        route = raw = None
+        pred = preds.pop(layer, None) if layer >= self.fpl else None
         if pred is None:
             for e in view.experts.tolist():
                 actions[e] = GPU if resident[e] else CPU
         else:
-            quirk = self.quirk and layer == self.n_layers - 1
             # with the quirk the pre-calculated result is reset before it is received
-            ready = set() if quirk else pred.precalc
+            ready = () if self.quirk and layer == self.n_layers - 1 else pred.precalc
             if self.exact_fallback:
                 for e in view.experts.tolist():
                     actions[e] = GPU if resident[e] else (PRE if e in ready else CPU)
             else:
                 route_l = pred.route_l
+                # every entry kept (the common case): the prediction's own array, which the
+                # policy no longer holds once the prediction is popped
+                route = pred.route
                 for e in route_l:
                     if resident[e]:
                         actions[e] = GPU
@@ -341,21 +346,25 @@ class DAOPPolicy(Policy):
                         actions[e] = PRE
                     else:  # an entry neither resident nor pre-calculated: dropped
                         keep = [i for i, e in enumerate(route_l) if resident[e] or e in ready]
-                        route = pred.route[keep]
+                        route = route[keep]
                         actions.clear()
                         for x in route.tolist():
                             actions[x] = GPU if resident[x] else PRE
                         break
-                else:  # every entry kept (the common case): a plain copy, as indexing gives
-                    route = pred.route.copy()
-                plan.route = route
-                plan.raw_route = pred.raw
+                raw = pred.raw
+        precalc: list[tuple[int, int]] = []
         # prediction for layer+1, issued before this layer's experts run
         if self.fpl - 1 <= layer <= self.n_layers - 2:
             nxt = self._predict(view)
             if nxt is not None:
-                self.pred[layer + 1] = nxt
-                pre = nxt.precalc
-                if pre:
-                    plan.precalc = [(layer + 1, e) for e in nxt.route_l if e in pre]
-        return plan
+                preds[layer + 1] = nxt
+                for e in nxt.precalc:
+                    precalc.append((layer + 1, e))
+        return Plan(
+            actions=actions,
+            route=route,
+            raw_route=raw,
+            precalc=precalc,
+            cpu_serial=True,
+            cpu_first=True,
+        )
