@@ -299,7 +299,17 @@ class DAOPPolicy(Policy):
         if len(cpu) == len(raw_l) and self.degrade and True in on_gpu:
             # graceful degradation: no predicted expert on the GPU
             gpu_ids = [e for e, r in enumerate(on_gpu) if r]
-            probs = np.asarray(view.next_probs, dtype=np.float64)[gpu_ids].tolist()
+            nprobs = view.next_probs
+            if (
+                nprobs.__class__ is np.ndarray
+                and nprobs.ndim == 1
+                and nprobs.dtype.kind == "f"
+                and nprobs.itemsize <= 8
+            ):
+                p_l = nprobs.tolist()  # a float16/32 widens to the same float64 as asarray's
+                probs = [p_l[e] for e in gpu_ids]
+            else:
+                probs = np.asarray(nprobs, dtype=np.float64)[gpu_ids].tolist()
             # np.nan_to_num(nan=0.0) on the few GPU entries: NaN -> 0, +-inf -> +-max float
             big = sys.float_info.max
             vals = [

@@ -1096,7 +1096,8 @@ class Engine(EngineBase):
 
         The request pushed last is held beside the heap (``cx``) and served from there when
         it comes first anyway, sparing a push and a pop; it enters the heap when another push
-        comes or the loop ends. Why this is exact: the heap's order is (time, issue number,
+        comes or the loop ends, unless it is a wake-up made stale meanwhile (which the heap
+        would skip). Why this is exact: the heap's order is (time, issue number,
         push number), and two requests never share a time and an issue number (an issue
         number is one request's, and a request waits in one place at a time) except two
         wake-ups of the shared CPU, of which at most one is current (the other is skipped
@@ -1141,7 +1142,7 @@ class Engine(EngineBase):
                         rec.op(d2h.name, "activation", x.sid, x.token, x.layer, x.expert, s, e,
                                self.act_bytes)  # fmt: skip
                     x.stage = 1
-                    if cx is not None:
+                    if cx is not None and (cs != -1 or cx.n == host.version):
                         push(heap, (ct, cs, next(uid), cx))
                     ct, cs, cx = e, x.seq, x
                     continue
@@ -1155,7 +1156,7 @@ class Engine(EngineBase):
                     x.end = e
                     nxt = x.chain
                     if nxt is not None:
-                        if cx is not None:
+                        if cx is not None and (cs != -1 or cx.n == host.version):
                             push(heap, (ct, cs, next(uid), cx))
                         ct = e if e >= nxt.ssd_at else nxt.ssd_at
                         cs, cx = nxt.seq, nxt
@@ -1170,7 +1171,7 @@ class Engine(EngineBase):
                         rec.op(host.lanes[job.worker].name, j.rkind, j.sid, j.token, j.layer,
                                j.expert, job.start, t, 0)  # fmt: skip
                     j.stage = 2
-                    if cx is not None:
+                    if cx is not None and (cs != -1 or cx.n == host.version):
                         push(heap, (ct, cs, next(uid), cx))
                     ct, cs, cx = t, j.seq, j
             else:
@@ -1178,10 +1179,10 @@ class Engine(EngineBase):
                 continue
             nt = host.next_event()  # _cpu_next
             if nt != INF:
-                if cx is not None:
+                if cx is not None and cs != -1:  # a held wake-up is stale by now
                     push(heap, (ct, cs, next(uid), cx))
                 ct, cs, cx = nt, -1, _Wake(host.version)
-        if cx is not None:
+        if cx is not None and (cs != -1 or cx.n == host.version):
             push(heap, (ct, cs, next(uid), cx))
 
     def _hits_only(
@@ -2762,38 +2763,48 @@ class Engine(EngineBase):
         serial = plan.cpu_serial
         act = self.act_bytes
         prev: LayerOp | None = None
-        for e in cpu:
-            self._seq = seq = self._seq + 1
-            op = LayerOp(CPU, "cpu_expert", seq, sid, token, layer, e)
-            c.d2h_bytes += act
-            c.h2d_bytes += act
-            c.cpu_expert_evals += 1
-            results.append(op)
-            if serial and prev is not None:
-                prev.chain = op
-            else:
-                ops.append(op)
-            prev = op
-        sync = results[len(pre) :]
-        prev = None
-        for item in items:
-            self._seq = seq = self._seq + 1
-            op = LayerOp(CPU, "precalc", seq, sid, token, item[0], item[1])
-            c.d2h_bytes += act
-            c.h2d_bytes += act
-            c.cpu_precalc_evals += 1
-            pc[item] = op
-            if serial and prev is not None:
-                prev.chain = op
-            else:
-                ops.append(op)
-            prev = op
+        seq = self._seq
+        if cpu:
+            for e in cpu:
+                seq += 1
+                op = LayerOp(CPU, "cpu_expert", seq, sid, token, layer, e)
+                results.append(op)
+                if serial and prev is not None:
+                    prev.chain = op
+                else:
+                    ops.append(op)
+                prev = op
+            k = len(cpu)
+            # whole byte counts: a sum of k equal terms is their product, to the last bit
+            c.d2h_bytes += act * k
+            c.h2d_bytes += act * k
+            c.cpu_expert_evals += k
+            sync = results[len(pre) :]
+        else:
+            sync = ()
+        if items:
+            prev = None
+            for item in items:
+                seq += 1
+                op = LayerOp(CPU, "precalc", seq, sid, token, item[0], item[1])
+                pc[item] = op
+                if serial and prev is not None:
+                    prev.chain = op
+                else:
+                    ops.append(op)
+                prev = op
+            k = len(items)
+            c.d2h_bytes += act * k
+            c.h2d_bytes += act * k
+            c.cpu_precalc_evals += k
+        self._seq = seq
         # -- _layer: this layer's requests at once in issue order, then the GPU stream
         resolve = self._resolve_plain
         rec = self.recorder
         if ops:
             heap = self._heap
-            a_out = self._plain_config()[3]  # the memoised one-token duration
+            cfg = self._plain_cfg
+            a_out = (cfg or self._plain_config())[3]  # the memoised one-token duration
             d2h = self._d2h.lane
             for op in ops:
                 # _cpu_stage's first stage at ``now``: the activations to the host
@@ -2808,7 +2819,13 @@ class Engine(EngineBase):
                     self._serve_plain(None, now)
         g = now
         if sync and plan.cpu_first:
-            sync_end = max(resolve(op) for op in sync)
+            sync_end = -INF
+            for op in sync:  # max() over their ends, without the generator
+                t = op.end
+                if t is None:
+                    t = resolve(op)
+                if t > sync_end:
+                    sync_end = t
             if sync_end > now:
                 c.cpu_wait += sync_end - now
                 g = sync_end
