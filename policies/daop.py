@@ -19,6 +19,7 @@ paper differ. In short:
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Iterable
 from typing import Any
@@ -41,6 +42,24 @@ from simulator.errors import UserError
 
 _INF = float("inf")
 
+#: the field order decode_layer builds its Plan in
+_PLAN_FIELDS = (
+    "actions",
+    "victims",
+    "route",
+    "raw_route",
+    "prefetch",
+    "precalc",
+    "evict",
+    "cpu_serial",
+    "cpu_first",
+    "low_bit",
+    "barrier",
+)
+if tuple(f.name for f in dataclasses.fields(Plan)) != _PLAN_FIELDS:  # pragma: no cover
+    raise ImportError("policies/daop.py: Plan's fields changed; update decode_layer")
+_NO_LOW_BIT: frozenset[int] = frozenset()
+
 GPU, FETCH, TEMP, CPU, PRE = (
     Action.GPU,
     Action.FETCH,
@@ -50,20 +69,11 @@ GPU, FETCH, TEMP, CPU, PRE = (
 )
 
 
-class _Prediction:
-    """What DAOP decided at layer l-1 for layer l of the current token."""
-
-    __slots__ = ("precalc", "raw", "route", "route_l")
-
-    def __init__(
-        self, route: np.ndarray, raw: np.ndarray, precalc: list[int], route_l: list[int]
-    ) -> None:
-        self.route = route  # experts used (after degradation)
-        self.raw = raw  # the plain top-k prediction (before degradation)
-        #: CPU-resident experts submitted for pre-calculation, in route order (k is small:
-        #: a list's ``in`` costs no more than a set's)
-        self.precalc = precalc
-        self.route_l = route_l  # ``route`` as a list (read once per layer)
+#: What DAOP decided at layer l-1 for layer l of the current token (a tuple: cheaper to make
+#: than an object): the route used (after degradation), the plain top-k prediction (before
+#: degradation), the CPU-resident experts submitted for pre-calculation (in route order; k is
+#: small, so a list's ``in`` costs no more than a set's) and the route as a list.
+_Prediction = tuple[np.ndarray, np.ndarray, list[int], list[int]]
 
 
 def swap_pairs(
@@ -323,7 +333,7 @@ class DAOPPolicy(Policy):
         else:  # the route is the raw prediction (read-only to the plan that consumes it)
             route_l, route = raw_l, raw
         # ``cpu`` is in route order: the pre-calculations are issued in that order
-        return _Prediction(route, raw, cpu, route_l)
+        return route, raw, cpu, route_l
 
     def decode_layer(self, view: View) -> Plan:
         """Exact routing below first_predict_layer; the layer-early prediction from there on."""
@@ -339,16 +349,16 @@ class DAOPPolicy(Policy):
             for e in view.experts.tolist():
                 actions[e] = GPU if resident[e] else CPU
         else:
-            # with the quirk the pre-calculated result is reset before it is received
-            ready = () if self.quirk and layer == self.n_layers - 1 else pred.precalc
-            if self.exact_fallback:
+            route, raw, ready, route_l = pred
+            if self.quirk and layer == self.n_layers - 1:
+                ready = []  # with the quirk the pre-calculated result is reset before use
+            if self.exact_fallback:  # the trace's routing: no route of the plan's own
+                route = raw = None
                 for e in view.experts.tolist():
                     actions[e] = GPU if resident[e] else (PRE if e in ready else CPU)
             else:
-                route_l = pred.route_l
                 # every entry kept (the common case): the prediction's own array, which the
                 # policy no longer holds once the prediction is popped
-                route = pred.route
                 for e in route_l:
                     if resident[e]:
                         actions[e] = GPU
@@ -361,20 +371,14 @@ class DAOPPolicy(Policy):
                         for x in route.tolist():
                             actions[x] = GPU if resident[x] else PRE
                         break
-                raw = pred.raw
         precalc: list[tuple[int, int]] = []
         # prediction for layer+1, issued before this layer's experts run
         if self.fpl - 1 <= layer <= self.n_layers - 2:
             nxt = self._predict(view)
             if nxt is not None:
                 preds[layer + 1] = nxt
-                for e in nxt.precalc:
+                for e in nxt[2]:
                     precalc.append((layer + 1, e))
-        return Plan(
-            actions=actions,
-            route=route,
-            raw_route=raw,
-            precalc=precalc,
-            cpu_serial=True,
-            cpu_first=True,
-        )
+        # positional (half the cost of keywords; _PLAN_FIELDS checks the order at import):
+        # no victims, prefetches or evictions, serial and synchronous CPU work
+        return Plan(actions, {}, route, raw, [], precalc, [], True, True, _NO_LOW_BIT, False)

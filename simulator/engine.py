@@ -1103,7 +1103,7 @@ class Engine(EngineBase):
         wake-ups of the shared CPU, of which at most one is current (the other is skipped
         whichever comes first); so the push number never decides, and a later push changes
         nothing."""
-        work, share, dram, a_out, a_in = self._plain_config()
+        work, share, dram, a_out, a_in = self._plain_cfg or self._plain_config()
         heap = self._heap
         host = self._host
         push, pop = heapq.heappush, heapq.heappop
