@@ -1061,12 +1061,18 @@ class Engine(EngineBase):
         # same order), sparing the step loop a generator round trip per layer
         heap = self._heap
         if heap and heap[0][0] <= now:
-            if self._plain_heap():
+            plain = self._plain_ok
+            if plain is None:  # the run's fixed conditions, looked up once
+                plain = self._plain_ok = self._plain_heap()
+            if plain:
                 self._serve_plain(None, now)
             else:
                 while heap and heap[0][0] <= now:
                     self._serve()
         return False
+
+    #: ``_plain_heap()`` once known (it depends on the run's fixed set-up only)
+    _plain_ok: bool | None = None
 
     def _plain_heap(self) -> bool:
         """Whether ``_serve_plain`` may serve the heap: one GPU, no unified memory, no SSD
