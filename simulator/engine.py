@@ -2689,8 +2689,8 @@ class Engine(EngineBase):
         if len(actions) != n:
             return None
         res = self.res
-        row = res.resident[layer]
-        ready_row = res.ready_at[layer]
+        # 2-D item reads: no row views for k lookups
+        resident_at, ready_item = res.resident.item, res.ready_at.item
         pc = self.precalc
         jobs: list[tuple[float, int]] = []
         gpu: list[int] = []
@@ -2701,9 +2701,9 @@ class Engine(EngineBase):
                 return None  # check_route's range rule (a trace's own ids are in range)
             a = actions.get(e)
             if a == _GPU:
-                if not row[e]:
+                if not resident_at(layer, e):
                     return None
-                ready = ready_row.item(e)  # a float, as float(ready_row[e])
+                ready = ready_item(layer, e)  # a float, as float(ready_at[layer, e])
                 if ready == INF:
                     return None  # its copy is not timed yet
                 jobs.append((ready, e))
@@ -2739,7 +2739,14 @@ class Engine(EngineBase):
             c.true_accesses += len(experts)
             c.gate_mass_total += ws_t[layer]
             raw_l = None
-            for e, w in zip(experts.tolist(), w_t[layer].tolist(), strict=True):
+            ex_l, w_l = experts.tolist(), w_t[layer].tolist()
+            # zip's strict keyword only when it matters (the keyword alone costs more than the
+            # loop; the trace gives as many weights as experts)
+            if len(ex_l) == len(w_l):
+                pairs = zip(ex_l, w_l)  # noqa: B905 (equal lengths: strict changes nothing)
+            else:
+                pairs = zip(ex_l, w_l, strict=True)
+            for e, w in pairs:
                 if e in routed:
                     c.gate_mass_kept += w
                 else:
@@ -2750,10 +2757,10 @@ class Engine(EngineBase):
                         c.replaced_degraded += 1
                     else:
                         c.replaced_mispredicted += 1
-        pflag = res.prefetched[layer]
+        pflags = res.prefetched
         for e in gpu:
-            if pflag[e]:
-                pflag[e] = False
+            if pflags.item(layer, e):
+                pflags[layer, e] = False
                 c.prefetch_used += 1
         results: list[LayerOp] = []
         for e in pre:
