@@ -19,6 +19,7 @@ paper differ. In short:
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Iterable
 from typing import Any
@@ -41,6 +42,24 @@ from simulator.errors import UserError
 
 _INF = float("inf")
 
+#: the field order decode_layer builds its Plan in
+_PLAN_FIELDS = (
+    "actions",
+    "victims",
+    "route",
+    "raw_route",
+    "prefetch",
+    "precalc",
+    "evict",
+    "cpu_serial",
+    "cpu_first",
+    "low_bit",
+    "barrier",
+)
+if tuple(f.name for f in dataclasses.fields(Plan)) != _PLAN_FIELDS:  # pragma: no cover
+    raise ImportError("policies/daop.py: Plan's fields changed; update decode_layer")
+_NO_LOW_BIT: frozenset[int] = frozenset()
+
 GPU, FETCH, TEMP, CPU, PRE = (
     Action.GPU,
     Action.FETCH,
@@ -50,18 +69,11 @@ GPU, FETCH, TEMP, CPU, PRE = (
 )
 
 
-class _Prediction:
-    """What DAOP decided at layer l-1 for layer l of the current token."""
-
-    __slots__ = ("precalc", "raw", "route", "route_l")
-
-    def __init__(
-        self, route: np.ndarray, raw: np.ndarray, precalc: set[int], route_l: list[int]
-    ) -> None:
-        self.route = route  # experts used (after degradation)
-        self.raw = raw  # the plain top-k prediction (before degradation)
-        self.precalc = precalc  # CPU-resident experts submitted for pre-calculation
-        self.route_l = route_l  # ``route`` as a list (read once per layer)
+#: What DAOP decided at layer l-1 for layer l of the current token (a tuple: cheaper to make
+#: than an object): the route used (after degradation), the plain top-k prediction (before
+#: degradation), the CPU-resident experts submitted for pre-calculation (in route order; k is
+#: small, so a list's ``in`` costs no more than a set's) and the route as a list.
+_Prediction = tuple[np.ndarray, np.ndarray, list[int], list[int]]
 
 
 def swap_pairs(
@@ -297,7 +309,17 @@ class DAOPPolicy(Policy):
         if len(cpu) == len(raw_l) and self.degrade and True in on_gpu:
             # graceful degradation: no predicted expert on the GPU
             gpu_ids = [e for e, r in enumerate(on_gpu) if r]
-            probs = np.asarray(view.next_probs, dtype=np.float64)[gpu_ids].tolist()
+            nprobs = view.next_probs
+            if (
+                nprobs.__class__ is np.ndarray
+                and nprobs.ndim == 1
+                and nprobs.dtype.kind == "f"
+                and nprobs.itemsize <= 8
+            ):
+                p_l = nprobs.tolist()  # a float16/32 widens to the same float64 as asarray's
+                probs = [p_l[e] for e in gpu_ids]
+            else:
+                probs = np.asarray(nprobs, dtype=np.float64)[gpu_ids].tolist()
             # np.nan_to_num(nan=0.0) on the few GPU entries: NaN -> 0, +-inf -> +-max float
             big = sys.float_info.max
             vals = [
@@ -308,32 +330,35 @@ class DAOPPolicy(Policy):
             route_l = [*raw_l[:-1], gpu_ids[best]]
             route = np.asarray(route_l, dtype=np.int64)
             cpu = [e for e in route_l if not on_gpu[e]]
-        else:  # the route is the raw prediction (read-only to both; the plan gets a copy)
+        else:  # the route is the raw prediction (read-only to the plan that consumes it)
             route_l, route = raw_l, raw
-        return _Prediction(route, raw, set(cpu), route_l)
+        # ``cpu`` is in route order: the pre-calculations are issued in that order
+        return route, raw, cpu, route_l
 
     def decode_layer(self, view: View) -> Plan:
         """Exact routing below first_predict_layer; the layer-early prediction from there on."""
         layer = view.layer
+        preds = self.pred
         if layer == 0:
-            self.pred.clear()
+            preds.clear()
         resident = view.resident[layer].tolist()  # a list: per-expert lookups stay cheap
-        plan = Plan(actions={}, cpu_serial=True, cpu_first=True)
-        actions = plan.actions
-        assert actions is not None
-        pred = self.pred.pop(layer, None) if layer >= self.fpl else None
+        actions: dict[int, Action] = {}
+        route = raw = None
+        pred = preds.pop(layer, None) if layer >= self.fpl else None
         if pred is None:
             for e in view.experts.tolist():
                 actions[e] = GPU if resident[e] else CPU
         else:
-            quirk = self.quirk and layer == self.n_layers - 1
-            # with the quirk the pre-calculated result is reset before it is received
-            ready = set() if quirk else pred.precalc
-            if self.exact_fallback:
+            route, raw, ready, route_l = pred
+            if self.quirk and layer == self.n_layers - 1:
+                ready = []  # with the quirk the pre-calculated result is reset before use
+            if self.exact_fallback:  # the trace's routing: no route of the plan's own
+                route = raw = None
                 for e in view.experts.tolist():
                     actions[e] = GPU if resident[e] else (PRE if e in ready else CPU)
             else:
-                route_l = pred.route_l
+                # every entry kept (the common case): the prediction's own array, which the
+                # policy no longer holds once the prediction is popped
                 for e in route_l:
                     if resident[e]:
                         actions[e] = GPU
@@ -341,21 +366,19 @@ class DAOPPolicy(Policy):
                         actions[e] = PRE
                     else:  # an entry neither resident nor pre-calculated: dropped
                         keep = [i for i, e in enumerate(route_l) if resident[e] or e in ready]
-                        route = pred.route[keep]
+                        route = route[keep]
                         actions.clear()
                         for x in route.tolist():
                             actions[x] = GPU if resident[x] else PRE
                         break
-                else:  # every entry kept (the common case): a plain copy, as indexing gives
-                    route = pred.route.copy()
-                plan.route = route
-                plan.raw_route = pred.raw
+        precalc: list[tuple[int, int]] = []
         # prediction for layer+1, issued before this layer's experts run
         if self.fpl - 1 <= layer <= self.n_layers - 2:
             nxt = self._predict(view)
             if nxt is not None:
-                self.pred[layer + 1] = nxt
-                pre = nxt.precalc
-                if pre:
-                    plan.precalc = [(layer + 1, e) for e in nxt.route_l if e in pre]
-        return plan
+                preds[layer + 1] = nxt
+                for e in nxt[2]:
+                    precalc.append((layer + 1, e))
+        # positional (half the cost of keywords; _PLAN_FIELDS checks the order at import):
+        # no victims, prefetches or evictions, serial and synchronous CPU work
+        return Plan(actions, {}, route, raw, [], precalc, [], True, True, _NO_LOW_BIT, False)

@@ -662,6 +662,9 @@ class EngineBase:
                     and plan.__class__ is Plan
                     and not plan.precalc
                     and self._one_pass_low_bit_or_skips
+                    # a consumed pre-calculation (daop): these paths refuse it, _precalc_layer
+                    # below takes it
+                    and (plan.actions.__class__ is not dict or _PRE not in plan.actions.values())
                 ):
                     # low-bit temporary copies or skipped experts (hobbit): the same one-pass
                     # paths, then the general path's gate-mass accounting in its order
@@ -1062,12 +1065,18 @@ class Engine(EngineBase):
             self._settle_releases(now)
         heap = self._heap
         if heap and heap[0][0] <= now:
-            if self._plain_heap():
+            plain = self._plain_ok
+            if plain is None:  # the run's fixed conditions, looked up once
+                plain = self._plain_ok = self._plain_heap()
+            if plain:
                 self._serve_plain(None, now)
             else:
                 while heap and heap[0][0] <= now:
                     self._serve()
         return False
+
+    #: ``_plain_heap()`` once known (it depends on the run's fixed set-up only)
+    _plain_ok: bool | None = None
 
     def _plain_heap(self) -> bool:
         """Whether ``_serve_plain`` may serve the heap: one GPU, no unified memory, no SSD
@@ -1077,35 +1086,61 @@ class Engine(EngineBase):
     #: ``_serve_plain``'s one-token CPU call: (work, share, dram, activations out, back)
     _plain_cfg: tuple[float, float, float, float, float] | None = None
 
-    def _serve_plain(self, op: LayerOp | None, limit: float) -> None:
-        """``_serve`` in a loop, until ``op`` has its end time (``op`` given) or while a
-        request is submitted at or before ``limit``, with a one-token CPU call's stages and
-        the shared CPU's wake-ups served inline (``_cpu_stage``, ``_cpu_wake`` and
-        ``_cpu_next`` without unified memory or an SSD tier: the same lanes, the same
-        arithmetic, the same records and pushes in the same order); any other request goes to
-        ``_serve_op``. Only when :meth:`_plain_heap` holds."""
+    def _plain_config(self) -> tuple[float, float, float, float, float]:
+        """``_plain_cfg``, looked up once (the memoised one-token call and copies)."""
         cfg = self._plain_cfg
         if cfg is None:
             work, share, dram = self._one_token_cpu_job()
             one = self._one_token_cpu
             assert one is not None
             cfg = self._plain_cfg = (work, share, dram, one[1], one[2])
-        work, share, dram, a_out, a_in = cfg
+        return cfg
+
+    def _serve_plain(self, op: LayerOp | None, limit: float) -> None:
+        """``_serve`` in a loop, until ``op`` has its end time (``op`` given) or while a
+        request is submitted at or before ``limit``, with a one-token CPU call's stages and
+        the shared CPU's wake-ups served inline (``_cpu_stage``, ``_cpu_wake`` and
+        ``_cpu_next`` without unified memory or an SSD tier: the same lanes, the same
+        arithmetic, the same records and pushes in the same order); any other request goes to
+        ``_serve_op``. Only when :meth:`_plain_heap` holds.
+
+        The request pushed last is held beside the heap (``cx``) and served from there when
+        it comes first anyway, sparing a push and a pop; it enters the heap when another push
+        comes or the loop ends, unless it is a wake-up made stale meanwhile (which the heap
+        would skip). Why this is exact: the heap's order is (time, issue number,
+        push number), and two requests never share a time and an issue number (an issue
+        number is one request's, and a request waits in one place at a time) except two
+        wake-ups of the shared CPU, of which at most one is current (the other is skipped
+        whichever comes first); so the push number never decides, and a later push changes
+        nothing."""
+        work, share, dram, a_out, a_in = self._plain_cfg or self._plain_config()
         heap = self._heap
         host = self._host
         push, pop = heapq.heappush, heapq.heappop
         uid = self._uid
         d2h, h2d = self._d2h.lane, self._h2d.lane
         rec = self.recorder
+        cx: Any = None  # the held request (time ct, issue number cs), or None
+        ct = 0.0
+        cs = 0
         while True:
             if op is not None:
                 if op.end is not None:
-                    return
-                if not heap:
+                    break
+                if not heap and cx is None:
                     raise RuntimeError(f"engine: operation {op.rkind} can never complete")
-            elif not heap or heap[0][0] > limit:
-                return
-            t, _, _, x = pop(heap)
+            elif cx is None:
+                if not heap or heap[0][0] > limit:
+                    return
+            elif ct > limit and (not heap or heap[0][0] > limit):
+                break
+            if cx is not None and (
+                not heap or ct < (h0 := heap[0])[0] or (ct == h0[0] and cs < h0[1])
+            ):
+                t, x = ct, cx
+                cx = None
+            else:
+                t, _, _, x = pop(heap)
             kind = x.kind
             if kind == CPU and x.n == 1 and not x.local:
                 stage = x.stage
@@ -1117,7 +1152,9 @@ class Engine(EngineBase):
                         rec.op(d2h.name, "activation", x.sid, x.token, x.layer, x.expert, s, e,
                                self.act_bytes)  # fmt: skip
                     x.stage = 1
-                    push(heap, (e, x.seq, next(uid), x))
+                    if cx is not None and (cs != -1 or cx.n == host.version):
+                        push(heap, (ct, cs, next(uid), cx))
+                    ct, cs, cx = e, x.seq, x
                     continue
                 if stage != 1:  # the result back
                     s = t if t > h2d.free_at else h2d.free_at
@@ -1129,7 +1166,10 @@ class Engine(EngineBase):
                     x.end = e
                     nxt = x.chain
                     if nxt is not None:
-                        push(heap, (e if e >= nxt.ssd_at else nxt.ssd_at, nxt.seq, next(uid), nxt))
+                        if cx is not None and (cs != -1 or cx.n == host.version):
+                            push(heap, (ct, cs, next(uid), cx))
+                        ct = e if e >= nxt.ssd_at else nxt.ssd_at
+                        cs, cx = nxt.seq, nxt
                     continue
                 host.submit(t, CpuJob(x, x.seq, t, work, share, dram))
             elif kind == WAKE:
@@ -1141,13 +1181,19 @@ class Engine(EngineBase):
                         rec.op(host.lanes[job.worker].name, j.rkind, j.sid, j.token, j.layer,
                                j.expert, job.start, t, 0)  # fmt: skip
                     j.stage = 2
-                    push(heap, (t, j.seq, next(uid), j))
+                    if cx is not None and (cs != -1 or cx.n == host.version):
+                        push(heap, (ct, cs, next(uid), cx))
+                    ct, cs, cx = t, j.seq, j
             else:
                 self._serve_op(t, x)
                 continue
             nt = host.next_event()  # _cpu_next
             if nt != INF:
-                push(heap, (nt, -1, next(uid), _Wake(host.version)))
+                if cx is not None and cs != -1:  # a held wake-up is stale by now
+                    push(heap, (ct, cs, next(uid), cx))
+                ct, cs, cx = nt, -1, _Wake(host.version)
+        if cx is not None and (cs != -1 or cx.n == host.version):
+            push(heap, (ct, cs, next(uid), cx))
 
     def _hits_only(
         self, layer: int, routed: list[int], actions: dict[int, Any] | None, now: float
@@ -2736,10 +2782,10 @@ class Engine(EngineBase):
             if route.size and route.dtype.kind not in "iu":
                 return None
             routed = route.tolist()
-            if routed and (min(routed) < 0 or max(routed) >= n_exp):
-                return None
-            if len(set(routed)) != len(routed):
-                return None
+            # (expert ids in range are checked in the loop below, before any row is read)
+            n = len(routed)
+            if n > 1 and (routed[0] == routed[1] if n == 2 else len(set(routed)) != n):
+                return None  # a repeated expert
             raw = plan.raw_route
             if raw is not None and (raw.__class__ is not np.ndarray or raw.ndim != 1):
                 return None
@@ -2747,19 +2793,21 @@ class Engine(EngineBase):
         if len(actions) != n:
             return None
         res = self.res
-        row = res.resident[layer]
-        ready_row = res.ready_at[layer]
+        # 2-D item reads: no row views for k lookups
+        resident_at, ready_item = res.resident.item, res.ready_at.item
         pc = self.precalc
         jobs: list[tuple[float, int]] = []
         gpu: list[int] = []
         cpu: list[int] = []
         pre: list[int] = []
         for e in routed:
+            if not 0 <= e < n_exp:
+                return None  # check_route's range rule (a trace's own ids are in range)
             a = actions.get(e)
             if a == _GPU:
-                if not row[e]:
+                if not resident_at(layer, e):
                     return None
-                ready = ready_row.item(e)  # a float, as float(ready_row[e])
+                ready = ready_item(layer, e)  # a float, as float(ready_at[layer, e])
                 if ready == INF:
                     return None  # its copy is not timed yet
                 jobs.append((ready, e))
@@ -2774,16 +2822,16 @@ class Engine(EngineBase):
                 return None
         if items:  # _check_precalc's rules
             n_layers = self.n_layers
-            seen = set(pc)
             for item in items:
                 if item.__class__ is not tuple or len(item) != 2:
                     return None
                 pl, pe = item
                 if pl.__class__ is not int or pe.__class__ is not int:
                     return None
-                if not (layer < pl < n_layers and 0 <= pe < n_exp) or item in seen:
+                if not (layer < pl < n_layers and 0 <= pe < n_exp) or item in pc:
                     return None
-                seen.add(item)
+            if len(items) > 1 and len(set(items)) != len(items):
+                return None  # an item twice in the plan
         # -- the plan is accepted: _fidelity, then _apply
         c = self.c
         if route is None:
@@ -2794,19 +2842,29 @@ class Engine(EngineBase):
         else:  # _fidelity, with list lookups in place of its sets (k is small)
             c.true_accesses += len(experts)
             c.gate_mass_total += ws_t[layer]
-            raw = plan.raw_route
-            raw_l = raw.tolist() if raw is not None else ()
-            for e, w in zip(experts.tolist(), w_t[layer].tolist(), strict=True):
+            raw_l = None
+            ex_l, w_l = experts.tolist(), w_t[layer].tolist()
+            # zip's strict keyword only when it matters (the keyword alone costs more than the
+            # loop; the trace gives as many weights as experts)
+            if len(ex_l) == len(w_l):
+                pairs = zip(ex_l, w_l)  # noqa: B905 (equal lengths: strict changes nothing)
+            else:
+                pairs = zip(ex_l, w_l, strict=True)
+            for e, w in pairs:
                 if e in routed:
                     c.gate_mass_kept += w
-                elif e in raw_l:
-                    c.replaced_degraded += 1
                 else:
-                    c.replaced_mispredicted += 1
-        pflag = res.prefetched[layer]
+                    if raw_l is None:  # read only when an expert was replaced
+                        raw = plan.raw_route
+                        raw_l = raw.tolist() if raw is not None else ()
+                    if e in raw_l:
+                        c.replaced_degraded += 1
+                    else:
+                        c.replaced_mispredicted += 1
+        pflags = res.prefetched
         for e in gpu:
-            if pflag[e]:
-                pflag[e] = False
+            if pflags.item(layer, e):
+                pflags[layer, e] = False
                 c.prefetch_used += 1
         results: list[LayerOp] = []
         for e in pre:
@@ -2822,38 +2880,48 @@ class Engine(EngineBase):
         serial = plan.cpu_serial
         act = self.act_bytes
         prev: LayerOp | None = None
-        for e in cpu:
-            self._seq = seq = self._seq + 1
-            op = LayerOp(CPU, "cpu_expert", seq, sid, token, layer, e)
-            c.d2h_bytes += act
-            c.h2d_bytes += act
-            c.cpu_expert_evals += 1
-            results.append(op)
-            if serial and prev is not None:
-                prev.chain = op
-            else:
-                ops.append(op)
-            prev = op
-        sync = results[len(pre) :]
-        prev = None
-        for item in items:
-            self._seq = seq = self._seq + 1
-            op = LayerOp(CPU, "precalc", seq, sid, token, item[0], item[1])
-            c.d2h_bytes += act
-            c.h2d_bytes += act
-            c.cpu_precalc_evals += 1
-            pc[item] = op
-            if serial and prev is not None:
-                prev.chain = op
-            else:
-                ops.append(op)
-            prev = op
+        seq = self._seq
+        if cpu:
+            for e in cpu:
+                seq += 1
+                op = LayerOp(CPU, "cpu_expert", seq, sid, token, layer, e)
+                results.append(op)
+                if serial and prev is not None:
+                    prev.chain = op
+                else:
+                    ops.append(op)
+                prev = op
+            k = len(cpu)
+            # whole byte counts: a sum of k equal terms is their product, to the last bit
+            c.d2h_bytes += act * k
+            c.h2d_bytes += act * k
+            c.cpu_expert_evals += k
+            sync = results[len(pre) :]
+        else:
+            sync = ()
+        if items:
+            prev = None
+            for item in items:
+                seq += 1
+                op = LayerOp(CPU, "precalc", seq, sid, token, item[0], item[1])
+                pc[item] = op
+                if serial and prev is not None:
+                    prev.chain = op
+                else:
+                    ops.append(op)
+                prev = op
+            k = len(items)
+            c.d2h_bytes += act * k
+            c.h2d_bytes += act * k
+            c.cpu_precalc_evals += k
+        self._seq = seq
         # -- _layer: this layer's requests at once in issue order, then the GPU stream
         resolve = self._resolve_plain
         rec = self.recorder
         if ops:
             heap = self._heap
-            a_out = self._d2h.activation_s(1)  # the memoised one-token duration
+            cfg = self._plain_cfg
+            a_out = (cfg or self._plain_config())[3]  # the memoised one-token duration
             d2h = self._d2h.lane
             for op in ops:
                 # _cpu_stage's first stage at ``now``: the activations to the host
@@ -2868,7 +2936,13 @@ class Engine(EngineBase):
                     self._serve_plain(None, now)
         g = now
         if sync and plan.cpu_first:
-            sync_end = max(resolve(op) for op in sync)
+            sync_end = -INF
+            for op in sync:  # max() over their ends, without the generator
+                t = op.end
+                if t is None:
+                    t = resolve(op)
+                if t > sync_end:
+                    sync_end = t
             if sync_end > now:
                 c.cpu_wait += sync_end - now
                 g = sync_end
