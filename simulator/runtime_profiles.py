@@ -44,6 +44,10 @@ FIELDS: tuple[tuple[str, type, str], ...] = (
     ("idle_expert_syncs", int, "syncs per expert the MoE loop visits with no token"),
 )
 _NUMERIC = {name: typ for name, typ, _ in FIELDS}
+#: CPU kernel families a runtime can declare (``cpu_kernels``): ``default`` (the 0.40 rule's
+#: streaming rate, read off PyTorch's CPU experts) or ``ggml`` (llama.cpp's CPU backend, whose
+#: weight stream follows ggml's own rule; docs/cost-model.md, "Kernel efficiency")
+CPU_KERNELS = ("default", "ggml")
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,9 @@ class RuntimeProfile:
     #: llama.cpp ``mul_mat_id``): the device pays that call's launches once per layer that runs
     #: a GPU expert, not each expert's eager kernels
     fused_moe: bool = False
+    #: the kernels the runtime runs CPU work with (one of ``CPU_KERNELS``): ``ggml`` streams
+    #: CPU weights at ggml's rate (``simulator.costs.CostModel.cpu_stream_gbs``)
+    cpu_kernels: str = "default"
 
     @property
     def free(self) -> bool:
@@ -82,12 +89,13 @@ class RuntimeProfile:
             out[name] = getattr(self, name)
         out["sources"] = dict(self.sources)
         out["fused_moe"] = self.fused_moe
+        out["cpu_kernels"] = self.cpu_kernels
         return out
 
 
 def parse_runtime(data: dict[str, Any], where: str) -> RuntimeProfile:
     """A profile from a TOML table; a bad field is a one-line ``UserError`` naming it."""
-    known = {"name", "summary", "source", "fused_moe", *_NUMERIC}
+    known = {"name", "summary", "source", "fused_moe", "cpu_kernels", *_NUMERIC}
     for key in data:
         if key not in known:
             raise UserError(f"{where}: unknown field {key!r} (known: {', '.join(sorted(known))})")
@@ -106,12 +114,18 @@ def parse_runtime(data: dict[str, Any], where: str) -> RuntimeProfile:
     if not isinstance(sources, dict) or not all(isinstance(s, str) for s in sources.values()):
         raise UserError(f"{where}: [source] must map field names to strings")
     for key in sources:
-        if key not in _NUMERIC and key != "fused_moe":
+        if key not in _NUMERIC and key not in ("fused_moe", "cpu_kernels"):
             raise UserError(f"{where}: [source] names unknown field {key!r}")
     fused = data.get("fused_moe", False)
     if not isinstance(fused, bool):
         raise UserError(f"{where}: field 'fused_moe' must be true or false, got {fused!r}")
     values["fused_moe"] = fused
+    kernels = data.get("cpu_kernels", "default")
+    if kernels not in CPU_KERNELS:
+        raise UserError(
+            f"{where}: field 'cpu_kernels' must be one of {', '.join(CPU_KERNELS)}, got {kernels!r}"
+        )
+    values["cpu_kernels"] = kernels
     summary = data.get("summary", "")
     if not isinstance(summary, str):
         raise UserError(f"{where}: field 'summary' must be a string")
