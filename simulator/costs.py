@@ -11,8 +11,8 @@ is at the precision's real size, scales included (simulator.models.DTYPES). Form
   overhead per kernel of the expert's eager forward.
 * CPU expert for n tokens: one batched call, ``max(weight stream, 2 x params x n / cpu throughput)``
   where the weight stream is the profile's measured one-token time for this model and dtype
-  (``cpu_expert_ms``) when it has one, else ``host expert bytes / cpu.mem_bw`` (``cpu.ggml_bw``
-  for GGUF and MXFP4 host copies on a profile that measured ggml's CPU kernels). Linear ``n x
+  (``cpu_expert_ms``) when it has one, else ``host expert bytes / cpu.mem_bw`` (under a ggml
+  runtime, ``/ (GGML_STREAM_FRACTION x cpu.dram_gbs)`` for the formats ggml runs). Linear ``n x
   cpu_expert_ms`` is a decision rule of DAOP and Fiddler, not how a batched call runs.
 * Copies: ``copy_overhead + bytes / rate`` for the direction and host-memory kind, at the host
   precision; when the GPU holds another precision the copy also pays one GPU conversion pass. A
@@ -84,12 +84,19 @@ FUSED_MOE_KERNELS = 5
 #: tokens (kTransformers' AMX backend switches to AVX-512 kernels at 4 tokens or fewer).
 AMX_DTYPES = frozenset({"bf16", "int8"})
 AMX_MAX_AVX512_TOKENS = 4
-#: Weight format kinds whose CPU kernels in the modelled systems are ggml's block-quantised
-#: mat-vec kernels (llama.cpp, ik_llama.cpp; kTransformers' llamafile backend for GGUF): on a
-#: profile with ``cpu.ggml_bw_gbs`` their CPU weight stream runs at that measured rate instead of
-#: ``cpu.mem_bw_gbs``, whose derived 0.40 rule was read off PyTorch's bf16 CPU experts
-#: (docs/cost-model.md, "Kernel efficiency").
+#: ggml's CPU weight stream as a share of the socket's theoretical DRAM bandwidth (the
+#: "ggml rule", docs/cost-model.md "Kernel efficiency"; the 0.40 rule of ``cpu.mem_bw_gbs`` was
+#: read off PyTorch's bf16 CPU experts). ik_llama.cpp's author measured LLaMA-3.1-8B Q8_0 tg128
+#: at 7.79 t/s on his Ryzen-7950X, 7.97 GB of weights per token: 62.1 GB/s (ik_llama.cpp PR
+#: #54), on a machine he gives 64 GB/s of theoretical bandwidth (PR #232, PR #180).
+GGML_STREAM_MEASURED_GBS = 62.1
+GGML_STREAM_HOST_DRAM_GBS = 64.0
+GGML_STREAM_FRACTION = GGML_STREAM_MEASURED_GBS / GGML_STREAM_HOST_DRAM_GBS
+#: Weight formats ggml stores and streams on the CPU (the rule applies to them on a runtime with
+#: ``cpu_kernels = "ggml"``): its block formats (GGUF kinds, MXFP4) and its float types; ggml
+#: has no CPU type for fp8, bare int8/int4, AWQ/GPTQ or HQQ, which keep ``cpu.mem_bw_gbs``.
 GGML_CPU_KINDS = frozenset({"gguf", "mx"})
+GGML_CPU_DTYPES = frozenset({"fp32", "fp16", "bf16"})
 
 
 def gpu_kernel_efficiency(dtype: str) -> float:
@@ -141,6 +148,9 @@ class CostModel:
 
     hw: HardwareProfile
     model: ModelShape
+    #: the runtime's CPU kernels (``RuntimeProfile.cpu_kernels``): ``ggml`` streams CPU weights
+    #: by ggml's rule (:meth:`cpu_stream_gbs`), ``default`` at ``cpu.mem_bw_gbs``
+    cpu_kernels: str = "default"
 
     # --- sizes -----------------------------------------------------------------------------------
     @cached_property
@@ -283,17 +293,24 @@ class CostModel:
         return self.cpu_peak_gflops(dtype)
 
     def _ggml_stream(self, dtype: str) -> bool:
-        """True when weights at ``dtype`` stream at the profile's measured ggml rate."""
-        return self.hw.cpu.ggml_bw_gbs is not None and DTYPES[dtype].kind in GGML_CPU_KINDS
+        """True when weights at ``dtype`` stream at ggml's rate: a ggml runtime, a format ggml
+        runs on the CPU and a profile that states its theoretical DRAM bandwidth."""
+        return (
+            self.cpu_kernels == "ggml"
+            and self.hw.cpu.dram_gbs is not None
+            and (dtype in GGML_CPU_DTYPES or DTYPES[dtype].kind in GGML_CPU_KINDS)
+        )
 
     def cpu_stream_gbs(self, dtype: str) -> float:
-        """GB/s at which the host CPU's kernels stream weights stored at ``dtype``:
-        ``cpu.ggml_bw_gbs`` for ggml's block formats (GGUF, MXFP4) when the profile measured
-        it, else ``cpu.mem_bw_gbs``."""
+        """GB/s at which the host CPU's kernels stream weights stored at ``dtype``: ggml's rule,
+        ``GGML_STREAM_FRACTION x cpu.dram_gbs`` (at most ``cpu.socket_bw_gbs``), for the formats
+        ggml runs under a ggml runtime; else ``cpu.mem_bw_gbs`` (the 0.40 rule)."""
         cpu = self.hw.cpu
         if self._ggml_stream(dtype):
-            assert cpu.ggml_bw_gbs is not None
-            return cpu.ggml_bw_gbs
+            assert cpu.dram_gbs is not None
+            bw = GGML_STREAM_FRACTION * cpu.dram_gbs
+            # one ggml call uses every thread: it cannot beat the socket's all-core stream
+            return min(bw, cpu.socket_bw_gbs) if cpu.socket_bw_gbs is not None else bw
         return cpu.mem_bw_gbs
 
     def cpu_expert_s(self, n_tokens: int) -> float:
@@ -676,7 +693,7 @@ class CostModel:
         m = self.measured
         peak_key = "fp32" if self.model.host_precision == "fp32" else "bf16"
         ggml = self._ggml_stream(self.model.host_precision)
-        stream_key = "ggml_bw_gbs" if ggml else "mem_bw_gbs"
+        stream_key = f"dram_gbs x {GGML_STREAM_FRACTION:.3f} (ggml)" if ggml else "mem_bw_gbs"
         # with a host/GPU precision split, copies and the CPU use the host copy's size
         host_b = "host_expert_bytes" if self.split_precision else "expert_bytes"
         conv = " + conversion on the GPU" if self.split_precision else ""
@@ -784,13 +801,18 @@ class CostModel:
 
 
 @lru_cache(maxsize=256)
-def _cached(hw: HardwareProfile, model: ModelShape) -> CostModel:
-    return CostModel(hw=hw, model=model)
+def _cached(hw: HardwareProfile, model: ModelShape, cpu_kernels: str) -> CostModel:
+    return CostModel(hw=hw, model=model, cpu_kernels=cpu_kernels)
 
 
-def cost_model(hw: HardwareProfile | str, model: ModelShape | str) -> CostModel:
-    """The cost model of a profile (or its name/path) and a model shape (or preset name); cached."""
+def cost_model(
+    hw: HardwareProfile | str, model: ModelShape | str, cpu_kernels: str = "default"
+) -> CostModel:
+    """The cost model of a profile (or its name/path) and a model shape (or preset name), with
+    the runtime's CPU kernels (``RuntimeProfile.cpu_kernels``); cached."""
     profile = load_profile(hw) if isinstance(hw, str) else hw
     shape = get_model(model) if isinstance(model, str) else model
     dtype_bytes(shape.dtype)
-    return _cached(profile, shape)
+    if cpu_kernels not in ("default", "ggml"):
+        raise ValueError(f"cpu_kernels must be 'default' or 'ggml', got {cpu_kernels!r}")
+    return _cached(profile, shape, cpu_kernels)

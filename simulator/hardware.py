@@ -81,11 +81,10 @@ class CpuSpec:
     #: achieved BF16 GEMM throughput of Intel AMX tile kernels over cores_used, GFLOPS (None: no
     #: AMX); CPU experts in AMX formats use it as their compute roof (docs/cost-model.md)
     amx_bf16_gflops: float | None = None
-    #: weight stream of ggml's CPU mat-vec kernels on block-quantised weights (GGUF, MXFP4),
-    #: GB/s, from a CPU-only llama.cpp-family token-generation measurement on this CPU (None:
-    #: ``mem_bw_gbs``); CPU experts and CPU layers at those formats stream at it
-    #: (docs/cost-model.md, "Kernel efficiency")
-    ggml_bw_gbs: float | None = None
+    #: theoretical DRAM bandwidth of one socket (channels x MT/s x 8 B), GB/s (None: not
+    #: stated). ggml's CPU kernels (llama.cpp-family runtimes) stream weights at a fixed share of
+    #: it, ``simulator.costs.GGML_STREAM_FRACTION`` (docs/cost-model.md, "Kernel efficiency")
+    dram_gbs: float | None = None
 
 
 @dataclass(frozen=True)
@@ -280,9 +279,9 @@ _CPU: _Schema = {
     "socket_bw_gbs": "pos",
     "memory_gb": "pos",
     "amx_bf16_gflops": "pos",
-    "ggml_bw_gbs": "pos",
+    "dram_gbs": "pos",
 }
-_CPU_OPTIONAL = {"socket_bw_gbs", "memory_gb", "amx_bf16_gflops", "ggml_bw_gbs"}
+_CPU_OPTIONAL = {"socket_bw_gbs", "memory_gb", "amx_bf16_gflops", "dram_gbs"}
 _SSD: _Schema = {
     "name": "str",
     "seq_read_gbps": "pos",
@@ -333,7 +332,7 @@ MAX_VALUES: dict[str, float] = {
     "cpu.bf16_gflops": 1_000_000,
     "cpu.fp32_gflops": 1_000_000,
     "cpu.amx_bf16_gflops": 10_000_000,
-    "cpu.ggml_bw_gbs": 10_000,
+    "cpu.dram_gbs": 10_000,
     "power.gpu_idle_w": 100_000,
     "power.gpu_busy_w": 100_000,
     "power.cpu_idle_w": 100_000,
@@ -461,10 +460,12 @@ def parse_profile(data: dict[str, Any], path: str | os.PathLike[str]) -> Hardwar
     gpu = GpuSpec(**_section(p, data["gpu"], _GPU, "gpu."))
     link = LinkSpec(**_section(p, data["link"], _LINK, "link.", _LINK_OPTIONAL))
     cpu = CpuSpec(**_section(p, data["cpu"], _CPU, "cpu.", _CPU_OPTIONAL))
-    # one ggml call already uses every thread: the socket cannot stream less than it does
-    ggml, socket = cpu.ggml_bw_gbs, cpu.socket_bw_gbs
-    if ggml is not None and socket is not None and ggml > socket:
-        raise ProfileError(p, "must not exceed cpu.socket_bw_gbs", "cpu.ggml_bw_gbs")
+    # an achieved stream cannot beat the DRAM's theoretical bandwidth
+    if cpu.dram_gbs is not None:
+        for key in ("mem_bw_gbs", "socket_bw_gbs"):
+            got = getattr(cpu, key)
+            if got is not None and got > cpu.dram_gbs:
+                raise ProfileError(p, "must not exceed cpu.dram_gbs (theoretical)", f"cpu.{key}")
     power = (
         PowerSpec(**_section(p, data["power"], _POWER, "power.", _POWER_OPTIONAL))
         if "power" in data

@@ -545,7 +545,7 @@ def simulate(
     else:
         pol = get_policy_class(policy)(**(policy_options or {}))
     rt = get_runtime(pol.runtime_profile if runtime is None else runtime)
-    costs: CostModel = cost_model(profile, model)
+    costs: CostModel = cost_model(profile, model, rt.cpu_kernels)
     host_tier = host_tier_config(
         profile, costs, host_memory_gb, ssd_path, pol.resources().ssd_access
     )

@@ -46,6 +46,10 @@ FIELDS: tuple[tuple[str, type, str], ...] = (
 _NUMERIC = {name: typ for name, typ, _ in FIELDS}
 #: values of a profile's ``attention`` field
 ATTENTION_KINDS = ("fused", "eager")
+#: CPU kernel families a runtime can declare (``cpu_kernels``): ``default`` (the 0.40 rule's
+#: streaming rate, read off PyTorch's CPU experts) or ``ggml`` (llama.cpp's CPU backend, whose
+#: weight stream follows ggml's own rule; docs/cost-model.md, "Kernel efficiency")
+CPU_KERNELS = ("default", "ggml")
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,9 @@ class RuntimeProfile:
     #: head are written to device memory and passed over several times; docs/cost-model.md,
     #: "Eager attention")
     attention: str = "fused"
+    #: the kernels the runtime runs CPU work with (one of ``CPU_KERNELS``): ``ggml`` streams
+    #: CPU weights at ggml's rate (``simulator.costs.CostModel.cpu_stream_gbs``)
+    cpu_kernels: str = "default"
 
     @property
     def free(self) -> bool:
@@ -90,12 +97,13 @@ class RuntimeProfile:
         out["sources"] = dict(self.sources)
         out["fused_moe"] = self.fused_moe
         out["attention"] = self.attention
+        out["cpu_kernels"] = self.cpu_kernels
         return out
 
 
 def parse_runtime(data: dict[str, Any], where: str) -> RuntimeProfile:
     """A profile from a TOML table; a bad field is a one-line ``UserError`` naming it."""
-    known = {"name", "summary", "source", "fused_moe", "attention", *_NUMERIC}
+    known = {"name", "summary", "source", "fused_moe", "attention", "cpu_kernels", *_NUMERIC}
     for key in data:
         if key not in known:
             raise UserError(f"{where}: unknown field {key!r} (known: {', '.join(sorted(known))})")
@@ -114,7 +122,7 @@ def parse_runtime(data: dict[str, Any], where: str) -> RuntimeProfile:
     if not isinstance(sources, dict) or not all(isinstance(s, str) for s in sources.values()):
         raise UserError(f"{where}: [source] must map field names to strings")
     for key in sources:
-        if key not in _NUMERIC and key not in ("fused_moe", "attention"):
+        if key not in _NUMERIC and key not in ("fused_moe", "attention", "cpu_kernels"):
             raise UserError(f"{where}: [source] names unknown field {key!r}")
     fused = data.get("fused_moe", False)
     if not isinstance(fused, bool):
@@ -127,6 +135,12 @@ def parse_runtime(data: dict[str, Any], where: str) -> RuntimeProfile:
             f"got {attention!r}"
         )
     values["attention"] = attention
+    kernels = data.get("cpu_kernels", "default")
+    if kernels not in CPU_KERNELS:
+        raise UserError(
+            f"{where}: field 'cpu_kernels' must be one of {', '.join(CPU_KERNELS)}, got {kernels!r}"
+        )
+    values["cpu_kernels"] = kernels
     summary = data.get("summary", "")
     if not isinstance(summary, str):
         raise UserError(f"{where}: field 'summary' must be a string")

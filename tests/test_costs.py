@@ -196,7 +196,12 @@ def test_every_profile_and_model_gives_finite_positive_costs() -> None:
             cm = cost_model(hw, model)
             s = cm.summary()
             for key, value in s["costs"].items():
-                assert value > 0 and math.isfinite(value), (hw.name, model.name, key)
+                if key.startswith("breakeven_tokens"):
+                    # 0.0 is documented: a copy wins at any count (a slow host CPU, e.g. a
+                    # two-channel DDR4 desktop beside a Gen4 link)
+                    assert value >= 0 and math.isfinite(value), (hw.name, model.name, key)
+                else:
+                    assert value > 0 and math.isfinite(value), (hw.name, model.name, key)
             assert set(cm.uses_measured()) == set(cm.sources())
             assert cm.gpu_busy_w is not None and cm.gpu_busy_w > cm.gpu_idle_w
 
