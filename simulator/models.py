@@ -266,6 +266,8 @@ class ModelShape:
         """Derived sizes users look at (``daopsim models show``)."""
         return {
             **self.to_dict(),
+            # trace metadata leaves a preset's head count out; a user still wants to see it
+            "attention_heads": self.attention_heads,
             "params_per_expert": self.params_per_expert,
             "total_experts": self.total_experts,
             "shared_expert_params_per_layer": self.shared_expert_params,

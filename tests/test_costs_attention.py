@@ -229,3 +229,22 @@ def test_mixtral_offloading_defaults_to_eager_attention_on_any_catalogue_trace(t
     fused = simulate(**kw, runtime="hf-eager")
     assert eager.metrics["ttft_s"] > fused.metrics["ttft_s"]
     assert eager.metrics["gpu_nonexpert_s"] > fused.metrics["gpu_nonexpert_s"]
+
+
+def test_mixtral_offloading_on_a_headless_trace_is_one_line_error(tmp_path) -> None:
+    """A trace whose model records no heads (hand-built, or captured before the field) is refused
+    by mixtral-offloading's eager default with one error line naming the field, exit 2; the
+    fused runtime still runs it."""
+    from click.testing import CliRunner
+
+    from simulator.cli import main
+    from simulator.testing import make_trace, tiny_model
+
+    headless = dataclasses.replace(tiny_model(), name="headless", attention_heads=0)
+    path = str(make_trace(tmp_path / "headless.parquet", headless))
+    args = ["run", "--policy", "mixtral-offloading", "--trace", path, "--no-bounds"]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 2
+    assert "attention_heads" in res.output and "Traceback" not in res.output
+    assert len([ln for ln in res.output.splitlines() if ln.startswith("error")]) == 1
+    assert CliRunner().invoke(main, [*args, "--runtime", "hf-eager"]).exit_code == 0
