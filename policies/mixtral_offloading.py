@@ -5,6 +5,12 @@ arXiv 2312.17238, code dvmazur/mixtral-offloading (``expert_cache.py``); as DAOP
 ran it: 3 of 8 experts per layer, 4 pinned buffers, evicted expert copied back, no speculative
 prefetch (docs/references.md#baselines).
 
+Runtime ``hf-eager-attn``: the repository's requirements pin transformers 4.36.1 (and Fiddler's
+copy of it for its baselines), whose Mixtral has no SDPA class, so a model built as the code
+builds it runs transformers' eager attention: every head's scores are written to device memory
+and softmaxed there (docs/cost-model.md "Eager attention"). It needs the model's
+``attention_heads``, which every catalogue preset records.
+
 - Each layer is an LRU "eviction group" of ``experts_per_layer`` GPU slots (default: the budget
   split evenly over the layers; the Colab default was 4 of 8, DAOP's runs 3 of 8).
 - A miss swaps payloads: the expert is copied host -> device from pinned host memory and the
@@ -63,8 +69,8 @@ class MixtralOffloadingPolicy(LRUPolicy):
     name = "mixtral-offloading"
     summary = "per-layer LRU groups, pinned copies, evicted expert written back, opt. prefetch"
     source = "Mixtral-offloading (arXiv 2312.17238), dvmazur/mixtral-offloading expert_cache.py"
-    # Mixtral-offloading runs a PyTorch eager model (HF modules)
-    runtime_profile = "hf-eager"
+    # a PyTorch eager model (HF modules) on transformers 4.36.1, which has eager attention only
+    runtime_profile = "hf-eager-attn"
     params = {
         "experts_per_layer": Param(
             int, 0, "GPU slots per layer (0: the budget split evenly over the layers)"

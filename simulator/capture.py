@@ -303,6 +303,8 @@ def model_shape(model: Any, moe: list[MoeLayer], name: str, dtype: str) -> Model
         embedding_params=int(emb.weight.numel()) if emb is not None else 0,
         kv_bytes_per_token=_kv_bytes_per_token(config, layers, dtype_bytes(dtype)),
         dtype=dtype,
+        # query heads, so a runtime with eager attention can charge a captured model's scores
+        attention_heads=int(getattr(config, "num_attention_heads", 0) or 0),
         source=f"captured ({first.family}; HF config and weight sizes)",
         first_moe_layer=moe[0].layer_id,
         notes="; ".join(notes),

@@ -266,6 +266,8 @@ class ModelShape:
         """Derived sizes users look at (``daopsim models show``)."""
         return {
             **self.to_dict(),
+            # trace metadata leaves a preset's head count out; a user still wants to see it
+            "attention_heads": self.attention_heads,
             "params_per_expert": self.params_per_expert,
             "total_experts": self.total_experts,
             "shared_expert_params_per_layer": self.shared_expert_params,
@@ -446,6 +448,7 @@ PRESETS: dict[str, ModelShape] = {
             non_expert_params=1_860_000_000,
             embedding_params=151936 * 2048,
             kv_bytes_per_token=_kv(24, 16, 128),
+            attention_heads=16,
             source=f"{_SRC}: Qwen1.5-MoE-A2.7B (shared expert FFN 5632, counted as non-expert)",
         ),
         ModelShape(
@@ -460,6 +463,7 @@ PRESETS: dict[str, ModelShape] = {
             non_expert_params=1_540_000_000,
             embedding_params=151936 * 2048,
             kv_bytes_per_token=_kv(48, 4, 128),
+            attention_heads=32,
             source=f"{_SRC}: Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B config.json)",
         ),
         ModelShape(
@@ -476,6 +480,7 @@ PRESETS: dict[str, ModelShape] = {
             non_expert_params=1_310_000_000,
             embedding_params=102400 * 2048,
             kv_bytes_per_token=_mla_kv(27),
+            attention_heads=16,
             first_moe_layer=1,
             source=f"{_SRC}: DeepSeek-V2-Lite (layer 0 dense; MLA cache 512+64 per layer)",
         ),
@@ -493,6 +498,7 @@ PRESETS: dict[str, ModelShape] = {
             non_expert_params=17_100_000_000,
             embedding_params=129280 * 7168,
             kv_bytes_per_token=_mla_kv(61),
+            attention_heads=128,
             first_moe_layer=3,
             source=f"{_SRC}: DeepSeek-V3 (first 3 layers dense; MLA cache 512+64 per layer)",
         ),
@@ -510,6 +516,7 @@ PRESETS: dict[str, ModelShape] = {
             non_expert_params=_DSV2_NONEXPERT,
             embedding_params=102400 * 5120,
             kv_bytes_per_token=_mla_kv(_DSV2_LAYERS),
+            attention_heads=128,
             first_moe_layer=1,
             source=f"{_SRC}: DeepSeek-V2 (deepseek-ai/DeepSeek-V2 config.json; layer 0 dense, "
             "2 shared experts; 236 B total)",
@@ -528,6 +535,7 @@ PRESETS: dict[str, ModelShape] = {
             non_expert_params=_QWEN2_NONEXPERT,
             embedding_params=151936 * 3584,
             kv_bytes_per_token=_kv(28, 4, 128),
+            attention_heads=28,
             source=f"{_SRC}: Qwen2-57B-A14B (Qwen/Qwen2-57B-A14B config.json; shared expert FFN "
             "20480; 57 B total)",
         ),
@@ -543,6 +551,7 @@ PRESETS: dict[str, ModelShape] = {
             non_expert_params=_QWEN3_235_NONEXPERT,
             embedding_params=151936 * 4096,
             kv_bytes_per_token=_kv(94, 4, 128),
+            attention_heads=64,
             source=f"{_SRC}: Qwen3-235B-A22B (Qwen/Qwen3-235B-A22B config.json; 235 B total)",
         ),
         ModelShape(
@@ -559,6 +568,7 @@ PRESETS: dict[str, ModelShape] = {
             non_expert_params=_QWEN3_NEXT_NONEXPERT,
             embedding_params=151936 * 2048,
             kv_bytes_per_token=_kv(12, 2, 256),  # only the 12 full-attention layers cache K/V
+            attention_heads=16,
             source=f"{_SRC}: Qwen3-Next-80B-A3B (Qwen/Qwen3-Next-80B-A3B-Instruct config.json; "
             "hybrid attention, 1 shared expert; 79.67 B total)",
             notes="Gated DeltaNet layers keep a fixed-size state per sequence, not per token",
@@ -577,6 +587,7 @@ PRESETS: dict[str, ModelShape] = {
             non_expert_params=_LLAMA4_SCOUT_NONEXPERT,
             embedding_params=202048 * 5120,
             kv_bytes_per_token=_kv(48, 8, 128),
+            attention_heads=40,
             source=f"{_SRC}: Llama-4-Scout-17B-16E (meta-llama config.json text_config; every "
             "layer MoE, 1 shared expert; 109 B total with the vision encoder)",
             notes="three of four layers attend within 8192-token chunks: the KV cache is counted "
@@ -596,6 +607,7 @@ PRESETS: dict[str, ModelShape] = {
             non_expert_params=_LLAMA4_MAVERICK_NONEXPERT,
             embedding_params=202048 * 5120,
             kv_bytes_per_token=_kv(48, 8, 128),
+            attention_heads=40,
             first_moe_layer=1,
             source=f"{_SRC}: Llama-4-Maverick-17B-128E (meta-llama config.json text_config; "
             "interleave_moe_layer_step 2: odd layers MoE, even layers dense FFN 16384; "
@@ -617,6 +629,7 @@ PRESETS: dict[str, ModelShape] = {
             non_expert_params=_KIMI_NONEXPERT,
             embedding_params=163840 * 7168,
             kv_bytes_per_token=_mla_kv(61),
+            attention_heads=64,
             first_moe_layer=1,
             source=f"{_SRC}: Kimi-K2 (moonshotai/Kimi-K2-Instruct config.json; DeepSeek-V3 "
             "architecture, 384 experts, layer 0 dense; 1.04 T total)",
@@ -634,6 +647,7 @@ PRESETS: dict[str, ModelShape] = {
             non_expert_params=1_800_000_000,
             embedding_params=201088 * 2880,
             kv_bytes_per_token=_kv(24, 8, 64),
+            attention_heads=64,
             dtype="mxfp4",
             source=f"{_SRC}: GPT-OSS-20B (fused gate_up 2x2880 plus biases; MXFP4 as shipped)",
         ),
@@ -650,6 +664,7 @@ PRESETS: dict[str, ModelShape] = {
             non_expert_params=2_100_000_000,
             embedding_params=201088 * 2880,
             kv_bytes_per_token=_kv(36, 8, 64),
+            attention_heads=64,
             dtype="mxfp4",
             source=f"{_SRC}: GPT-OSS-120B (GptOssConfig defaults; MXFP4 experts as shipped)",
         ),
@@ -666,6 +681,7 @@ PRESETS: dict[str, ModelShape] = {
             non_expert_params=170_000_000,
             embedding_params=32128 * 768,
             kv_bytes_per_token=_kv(12, 12, 64),
+            attention_heads=12,
             source=f"{_SRC}: Switch-base-128 (6 enc + 6 dec sparse layers, ReLU FFN, 2 matrices)",
         ),
         # Switch-large-128 (flaxformer switch_large.gin): 24 encoder + 24 decoder blocks, every
@@ -690,6 +706,7 @@ PRESETS: dict[str, ModelShape] = {
             + 32128 * 1024,
             embedding_params=32128 * 1024,
             kv_bytes_per_token=_kv(24, 16, 64),
+            attention_heads=16,
             source=f"{_SRC}: Switch-large-128 (12 enc + 12 dec sparse layers, ReLU FFN)",
         ),
         # The simulator runs one stack of layers for every token, so an encoder-decoder's decode
@@ -712,6 +729,7 @@ PRESETS: dict[str, ModelShape] = {
             + 32128 * 1024,
             embedding_params=32128 * 1024,
             kv_bytes_per_token=_kv(24, 16, 64),
+            attention_heads=16,
             source=(
                 f"{_SRC}: Switch-large-128's decoder only (12 sparse layers): the decode step "
                 "of the encoder-decoder; the encoder is not modelled"

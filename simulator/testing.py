@@ -41,6 +41,7 @@ def tiny_model(
         top_k=top_k,
         non_expert_params=100_000,
         kv_bytes_per_token=1024,
+        attention_heads=4,  # 4 heads of 16, so runtimes with eager attention run on it too
         source="simulator.testing.tiny_model",
     )
 

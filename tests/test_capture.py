@@ -548,6 +548,8 @@ def test_model_shape_from_config_and_weights(mixtral):
     assert shape.embedding_params == c.vocab_size * c.hidden_size
     assert shape.kv_bytes_per_token == 2 * 4 * 2 * (32 // 4) * 2
     assert (shape.experts, shape.top_k, shape.layers) == (8, 2, 4)
+    # the query heads come from the config, so an eager runtime can charge a captured model
+    assert shape.attention_heads == c.num_attention_heads > 0
 
 
 @pytest.mark.parametrize("fam", ["qwen3_moe", "deepseek_v3", "gpt_oss"])

@@ -150,3 +150,101 @@ def test_runtimes_show_prints_the_attention_field() -> None:
     assert "4.36.1" in res.output
     res = CliRunner().invoke(main, ["runtimes", "show", "hf-eager", "--json"])
     assert res.exit_code == 0 and json.loads(res.output)["attention"] == "fused"
+
+
+#: ``num_attention_heads`` (T5-style configs: ``num_heads``) of each preset's config.json, as
+#: docs/references.md ("Models", Query heads) cites them; a new preset must be added here
+CONFIG_QUERY_HEADS = {
+    "mixtral-8x7b": 32,
+    "mixtral-8x22b": 48,
+    "phi-3.5-moe": 32,
+    "olmoe-1b-7b": 16,
+    "qwen1.5-moe-a2.7b": 16,
+    "qwen3-30b-a3b": 32,
+    "deepseek-v2-lite": 16,
+    "deepseek-v3": 128,
+    "deepseek-v2": 128,
+    "qwen2-57b-a14b": 28,
+    "qwen3-235b-a22b": 64,
+    "qwen3-next-80b-a3b": 16,
+    "llama-4-scout": 40,
+    "llama-4-maverick": 40,
+    "kimi-k2": 64,
+    "gpt-oss-20b": 64,
+    "gpt-oss-120b": 64,
+    "switch-base-128": 12,
+    "switch-large-128": 16,
+    "switch-large-128-decoder": 16,
+}
+
+
+def test_every_preset_has_its_configs_query_heads() -> None:
+    """Every catalogue model records a positive head count, its config's, that splits its hidden
+    size into whole heads (GPT-OSS and Qwen3 set head_dim apart, but it still divides)."""
+    assert set(PRESETS) == set(CONFIG_QUERY_HEADS)
+    for name, m in PRESETS.items():
+        assert m.attention_heads == CONFIG_QUERY_HEADS[name] > 0, name
+        assert m.hidden % m.attention_heads == 0, name
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_an_eager_runtime_charges_every_preset(name: str) -> None:
+    """No preset is refused or charged nothing: a 512-token prompt's eager scores are exactly
+    heads x n x n per block, and the eager non-expert part is slower than the fused one.
+    MLA models (DeepSeek, Kimi) included: each query head still scores every key."""
+    m = get_model(name)
+    prof = load_profile("a100-80g-pcie4")
+    cm = CostModel(prof, m)
+    blocks = m.layers / m.moe_layers
+    assert cm.eager_attention_scores(512, 0) == pytest.approx(
+        m.attention_heads * 512 * 512 * blocks
+    )
+    assert cm.nonexpert_layer_s(512, 0, eager_attention=True) > cm.nonexpert_layer_s(512, 0)
+
+
+def test_trace_metadata_written_before_the_heads_gets_the_presets() -> None:
+    """A DeepSeek-V3 shape written without the field (every trace before it) loads with the
+    preset's 128 heads, and the preset still writes no new key (committed traces unchanged)."""
+    dsv3 = get_model("deepseek-v3")
+    old = {k: v for k, v in dsv3.to_dict().items() if k != "attention_heads"}
+    assert "attention_heads" not in dsv3.to_dict()
+    assert ModelShape.from_dict(old).attention_heads == 128
+    assert ModelShape.from_dict(old) == dsv3
+
+
+def test_mixtral_offloading_defaults_to_eager_attention_on_any_catalogue_trace(tmp_path) -> None:
+    """mixtral-offloading declares hf-eager-attn (transformers 4.36.1, its pin) and so runs on a
+    non-Mixtral trace (DeepSeek-V2-Lite: MLA, 64 experts) without an error; the same run on the
+    fused hf-eager pays less for the prompt, since only the attention charge differs."""
+    from policies.registry import get_policy_class
+    from simulator.runner import simulate
+    from simulator.testing import make_trace
+
+    assert get_policy_class("mixtral-offloading").runtime_profile == "hf-eager-attn"
+    path = make_trace(tmp_path / "dsv2lite.parquet", "deepseek-v2-lite", prefill=64, decode=4)
+    kw = dict(policy="mixtral-offloading", hw="a6000-pcie4", trace=path, gpu_experts=26 * 8,
+              calibration="none", record=False)  # fmt: skip
+    eager = simulate(**kw)
+    assert eager.config["runtime"]["name"] == "hf-eager-attn"
+    fused = simulate(**kw, runtime="hf-eager")
+    assert eager.metrics["ttft_s"] > fused.metrics["ttft_s"]
+    assert eager.metrics["gpu_nonexpert_s"] > fused.metrics["gpu_nonexpert_s"]
+
+
+def test_mixtral_offloading_on_a_headless_trace_is_one_line_error(tmp_path) -> None:
+    """A trace whose model records no heads (hand-built, or captured before the field) is refused
+    by mixtral-offloading's eager default with one error line naming the field, exit 2; the
+    fused runtime still runs it."""
+    from click.testing import CliRunner
+
+    from simulator.cli import main
+    from simulator.testing import make_trace, tiny_model
+
+    headless = dataclasses.replace(tiny_model(), name="headless", attention_heads=0)
+    path = str(make_trace(tmp_path / "headless.parquet", headless))
+    args = ["run", "--policy", "mixtral-offloading", "--trace", path, "--no-bounds"]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 2
+    assert "attention_heads" in res.output and "Traceback" not in res.output
+    assert len([ln for ln in res.output.splitlines() if ln.startswith("error")]) == 1
+    assert CliRunner().invoke(main, [*args, "--runtime", "hf-eager"]).exit_code == 0

@@ -174,6 +174,7 @@ def test_models_show(cli) -> None:
     result = cli("models", "show", "phi-3.5-moe", "--json")
     assert result.exit_code == 0
     assert json.loads(result.stdout) == json.loads(json.dumps(get_model("phi-3.5-moe").summary()))
+    assert json.loads(result.stdout)["attention_heads"] == 32  # shown although metadata omits it
     table = cli("models", "show", "Phi-3.5-MoE")
     assert table.exit_code == 0 and "157,286,400" in table.stdout
 

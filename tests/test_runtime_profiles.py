@@ -291,7 +291,7 @@ def test_policies_declare_the_runtime_of_the_system_they_model() -> None:
     declared = {
         "daop": "hf-eager",
         "fiddler": "hf-eager",
-        "mixtral-offloading": "hf-eager",
+        "mixtral-offloading": "hf-eager-attn",
         "stream-all": "hf-eager",
         "accelerate": "hf-eager",
         "vllm-cpu-offload": "cuda-graph",
