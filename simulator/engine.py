@@ -452,6 +452,16 @@ class EngineBase:
         path."""
         return None
 
+    #: ``_gpu_cpu_layer`` has served a plan of this run / refused one (see ``_pass``)
+    _split_taken = False
+    _split_refused = 0
+
+    def _gpu_cpu_layer(self, layer: int, routed: list[int], plan: Plan, now: float) -> float | None:
+        """Check, apply and time in one pass a decode plan of resident experts and CPU
+        experts only; returns when the layer ends, or None to take the general path (the plan
+        is then untouched). This executor always takes the general path."""
+        return None
+
     def _free_slot(self, t: float) -> None:
         """An evicted expert's slot (no write-back) is free at ``t``."""
         raise NotImplementedError
@@ -634,6 +644,16 @@ class EngineBase:
                     if not (plan.evict or plan.prefetch or plan.victims):
                         # the common decode case: every routed expert resident, on the GPU
                         end = self._hits_only(layer, routed, plan.actions, now)
+                        if end is None and (
+                            self._split_taken or self._split_refused < _PLAIN_PROBES
+                        ):
+                            # resident and CPU experts, nothing else (ktransformers, fiddler);
+                            # a run whose first such plans never qualify stops probing
+                            end = self._gpu_cpu_layer(layer, routed, plan, now)
+                            if end is None:
+                                self._split_refused += 1
+                            else:
+                                self._split_taken = True
                     if (
                         end is None
                         and plan.cpu_first
@@ -2363,6 +2383,132 @@ class Engine(EngineBase):
                 end = job.end
         if end > now:  # _layer's wait for the results, with no GPU expert before them
             c.cpu_wait += end - now
+        return end
+
+    def _gpu_cpu_layer(self, layer: int, routed: list[int], plan: Plan, now: float) -> float | None:
+        """``_copies_only`` by way of ``_victim_fetches`` for a decode plan of resident, timed
+        experts and CPU experts only (at least one), nothing else (ktransformers, fiddler,
+        llama-cpp-cpu-moe and -mmap, and the CPU layers of static-like placements): the same
+        checks in the same order (anything else, or anything they would refuse, returns None
+        before any change and the general chain goes on as before), applied and timed as
+        ``_victim_fetches`` with ``_cpu_calls``/``_cpu_parallel`` and ``_timed_gpu`` do it:
+        the same issue numbers, counters and sums in the same order."""
+        actions = plan.actions
+        res = self.res
+        if (
+            actions.__class__ is not dict
+            or len(actions) != len(routed)
+            or plan.evict.__class__ is not list
+            or plan.prefetch.__class__ is not list
+            or plan.victims.__class__ is not dict
+            or plan.barrier
+            or self._unified
+            or self._ssd is not None
+            or res.waiters
+        ):
+            return None
+        hits: list[int] = []
+        cpu: list[int] = []
+        for e in routed:
+            a = actions.get(e)
+            if a == _GPU:
+                hits.append(e)
+            elif a == _CPU:
+                cpu.append(e)
+            else:
+                return None
+        host = self._host
+        if not cpu or self._heap or not host.idle:
+            return None  # all on the GPU, or CPU calls that could queue behind pending work
+        if res.occupancy > res.cap:
+            return None  # _victim_fetches' slot check (no copy here)
+        if hits:
+            row = res.resident[layer]
+            ready_row = res.ready_at[layer]
+            for e in hits:
+                if not row[e] or ready_row[e] == INF:
+                    return None
+        # -- apply, as _victim_fetches: issue numbers, counters (no copy, no eviction)
+        c = self.c
+        n_cpu = len(cpu)
+        self._seq += n_cpu
+        jobs: list[tuple[float, int]] = []
+        if hits:
+            prow = res.prefetched[layer]
+            for e in hits:
+                if prow[e]:
+                    prow[e] = False
+                    c.prefetch_used += 1
+                jobs.append((float(ready_row[e]), e))
+        n = len(routed)
+        n_hits = len(hits)
+        c.decode_accesses += n
+        c.decode_hits += n_hits
+        self._hits[layer] += n_hits
+        self._acc[layer] += n
+        rec = self.recorder
+        serial = plan.cpu_serial or n_cpu == 1
+        if rec is not None or not (serial or len(host.lanes) == 1):
+            # recorded runs and several workers: the calls as _victim_fetches makes them
+            where = self.hooks.where
+            sid, token = where.seq or 0, where.token or 0
+            if serial:
+                done = self._cpu_calls(cpu, now, sid, token, layer)
+            else:
+                done = self._cpu_parallel(cpu, now, sid, token, layer)
+        else:
+            # _count_cpu, then _cpu_calls' or _cpu_parallel's one-worker branch with
+            # _activation_out, _result_back and Lane.serve written out (no recorder)
+            act = self.act_bytes * n_cpu
+            c.cpu_expert_evals += n_cpu
+            c.d2h_bytes += act
+            c.h2d_bytes += act
+            work, share, dram = self._one_token_cpu_job()
+            one = self._one_token_cpu
+            assert one is not None
+            d_out, d_back = one[1], one[2]
+            d2h = self._d2h.lane
+            h2d = self._h2d.lane
+            if serial:  # each call's three stages, one after another
+                t = now
+                for _ in cpu:
+                    if d2h.free_at > t:
+                        t = d2h.free_at
+                    t = d2h.free_at = t + d_out
+                    d2h.busy += d_out
+                    job = CpuJob(None, 0, t, work, share, dram)
+                    t = host.run_alone(t, job)
+                    if h2d.free_at > t:
+                        t = h2d.free_at
+                    t = h2d.free_at = t + d_back
+                    h2d.busy += d_back
+                done = t
+            else:  # one worker, first come first served
+                sent: list[CpuJob] = []
+                for i, e in enumerate(cpu):
+                    t = now if now > d2h.free_at else d2h.free_at
+                    t = d2h.free_at = t + d_out
+                    d2h.busy += d_out
+                    sent.append(CpuJob(e, i, t, work, share, dram))
+                host.run_queue(sent)
+                done = now
+                for job in sent:  # they end in issue order, so do their results
+                    t = job.end
+                    if h2d.free_at > t:
+                        t = h2d.free_at
+                    done = h2d.free_at = t + d_back
+                    h2d.busy += d_back
+        g = now
+        if plan.cpu_first and done > now:  # the GPU experts wait for the CPU ones
+            c.cpu_wait += done - now
+            g = done
+        if rec is None:
+            end = self._repeat_gpu(jobs, g)
+        else:
+            end = self._timed_gpu(jobs, g, None, sid, token, layer)
+        if done > end:
+            c.cpu_wait += done - end
+            end = done
         return end
 
     def _cpu_parallel(
