@@ -644,16 +644,6 @@ class EngineBase:
                     if not (plan.evict or plan.prefetch or plan.victims):
                         # the common decode case: every routed expert resident, on the GPU
                         end = self._hits_only(layer, routed, plan.actions, now)
-                        if end is None and (
-                            self._split_taken or self._split_refused < _PLAIN_PROBES
-                        ):
-                            # resident and CPU experts, nothing else (ktransformers, fiddler);
-                            # a run whose first such plans never qualify stops probing
-                            end = self._gpu_cpu_layer(layer, routed, plan, now)
-                            if end is None:
-                                self._split_refused += 1
-                            else:
-                                self._split_taken = True
                     if (
                         end is None
                         and plan.cpu_first
@@ -666,6 +656,15 @@ class EngineBase:
                         if end is not None:
                             self.now = end
                             continue
+                    if end is None and (self._split_taken or self._split_refused < _PLAIN_PROBES):
+                        # resident experts with CPU experts, or with fetches and temporary
+                        # copies (ktransformers, fiddler, the caching policies' misses); a run
+                        # whose first such plans never qualify stops probing
+                        end = self._gpu_cpu_layer(layer, routed, plan, now)
+                        if end is None:
+                            self._split_refused += 1
+                        else:
+                            self._split_taken = True
                     if end is None:
                         # copies, evictions and resident experts, nothing else pending
                         end = self._copies_only(layer, routed, plan, now)
@@ -1198,6 +1197,8 @@ class Engine(EngineBase):
         c.decode_hits += n
         self._hits[layer] += n
         self._acc[layer] += n
+        if self.recorder is None and not self._unified:
+            return self._repeat_gpu(jobs, now)  # _timed_gpu's sums without its branches
         where = self.hooks.where
         return self._timed_gpu(jobs, now, None, where.seq or 0, where.token or 0, layer)
 
@@ -2388,11 +2389,12 @@ class Engine(EngineBase):
     def _gpu_cpu_layer(self, layer: int, routed: list[int], plan: Plan, now: float) -> float | None:
         """``_copies_only`` by way of ``_victim_fetches`` for a decode plan of resident, timed
         experts and CPU experts only (at least one), nothing else (ktransformers, fiddler,
-        llama-cpp-cpu-moe and -mmap, and the CPU layers of static-like placements): the same
-        checks in the same order (anything else, or anything they would refuse, returns None
-        before any change and the general chain goes on as before), applied and timed as
-        ``_victim_fetches`` with ``_cpu_calls``/``_cpu_parallel`` and ``_timed_gpu`` do it:
-        the same issue numbers, counters and sums in the same order."""
+        llama-cpp-cpu-moe and -mmap): the same checks in the same order (anything else, or
+        anything they would refuse, returns None before any change and the general chain goes
+        on as before), applied and timed as ``_victim_fetches`` with
+        ``_cpu_calls``/``_cpu_parallel`` and ``_timed_gpu`` do it: the same issue numbers,
+        counters and sums in the same order. A plan of resident experts, fetches and
+        temporary copies goes to ``_copy_layer``."""
         actions = plan.actions
         res = self.res
         if (
@@ -2401,24 +2403,34 @@ class Engine(EngineBase):
             or plan.evict.__class__ is not list
             or plan.prefetch.__class__ is not list
             or plan.victims.__class__ is not dict
+            or plan.evict
+            or plan.prefetch
             or plan.barrier
             or self._unified
             or self._ssd is not None
+            or self._peer_home is not None  # several GPUs: the general path times each stream
             or res.waiters
         ):
             return None
         hits: list[int] = []
         cpu: list[int] = []
+        copies = False
         for e in routed:
             a = actions.get(e)
             if a == _GPU:
                 hits.append(e)
             elif a == _CPU:
                 cpu.append(e)
+            elif a in (_FETCH, _TEMP):
+                copies = True
             else:
                 return None
+        if copies:
+            if cpu:
+                return None
+            return self._copy_layer(layer, routed, plan, now)
         host = self._host
-        if not cpu or self._heap or not host.idle:
+        if not cpu or plan.victims or self._heap or not host.idle:
             return None  # all on the GPU, or CPU calls that could queue behind pending work
         if res.occupancy > res.cap:
             return None  # _victim_fetches' slot check (no copy here)
@@ -2510,6 +2522,135 @@ class Engine(EngineBase):
             c.cpu_wait += done - end
             end = done
         return end
+
+    def _copy_layer(self, layer: int, routed: list[int], plan: Plan, now: float) -> float | None:
+        """``_plain_fetches`` without a recorder or write-backs, for a decode plan of resident
+        experts, fetches (each with or without a victim that no routed expert is) and at most
+        one temporary copy per buffer (the miss layers of lfu, global-lfu, belady-global,
+        static): its checks in its order (anything else, or anything it would refuse, returns
+        None before any change and the general chain goes on as before), applied and timed
+        as it does (the same issue numbers, counters and sums in the same order), reading and
+        writing the residency, ready times and prefetched flags through ``_repeat_rows``'
+        flat views instead of numpy scalars. ``_gpu_cpu_layer`` has checked the plan's
+        shape."""
+        if self.recorder is not None or self._wb or plan.low_bit:
+            return None
+        actions = plan.actions
+        victims = plan.victims
+        res = self.res
+        views = self._repeat_views
+        if (
+            views is None
+            or views[0] is not res.resident
+            or views[1] is not res.ready_at
+            or views[2] is not res.prefetched
+        ):
+            views = self._repeat_rows()
+        _, _, _, mres, mready, mpre, _, _ = views
+        n_exp = self.n_experts
+        lo = layer * n_exp
+        hits: list[int] = []
+        fetch: list[int] = []
+        temps: list[int] = []
+        for e in routed:
+            a = actions[e]
+            if a == _GPU:
+                if not mres[lo + e] or mready[lo + e] == INF:
+                    return None  # not resident, or its copy not timed yet
+                hits.append(e)
+            elif a == _FETCH:
+                if mres[lo + e]:
+                    return None  # already resident
+                fetch.append(e)
+            else:  # TEMP
+                if mres[lo + e]:
+                    return None  # a temporary copy of a resident expert
+                temps.append(e)
+        n_temp = self.machine.buffers["temp"]
+        if len(temps) > n_temp:
+            return None  # a copy waiting for a buffer (or no buffer at all)
+        n_copies = len(fetch)
+        gone: list[int] = []  # victims' flat indices, in issue order
+        if n_copies:
+            if n_copies > 1 and len(set(fetch)) != n_copies:
+                return None  # an expert fetched twice
+            n_layers = self.n_layers
+            n_res = res.n_resident
+            budget = res.budget
+            for e in fetch:
+                v = victims.get(e)
+                if v is not None:
+                    if v.__class__ is not tuple or len(v) != 2:
+                        return None
+                    vl, ve = v
+                    if vl.__class__ is not int or ve.__class__ is not int:
+                        return None
+                    if not (0 <= vl < n_layers and 0 <= ve < n_exp):
+                        return None
+                    i = vl * n_exp + ve
+                    if i in gone:
+                        return None
+                    if vl == layer and ve in routed:
+                        return None  # an in-use victim: _victim_fetches decides
+                    if not mres[i] or mready[i] > now:
+                        return None  # not resident, or still being copied
+                    gone.append(i)
+                    n_res -= 1
+                if n_res >= budget:
+                    return None  # all slots full and no victim
+                n_res += 1
+            # without write-backs an evicted slot is free at once
+            if res.occupancy - len(gone) + n_copies > res.cap:
+                return None  # a fetch would wait for a slot
+            res.n_resident = n_res
+        # -- apply, as _plain_fetches: residency, counters and issue numbers
+        c = self.c
+        eb = self.expert_bytes
+        for i in gone:  # evictions free their slots at once and issue nothing
+            mres[i] = 0
+            if mpre[i]:
+                mpre[i] = 0
+                c.prefetch_wasted_bytes += eb
+            res.occupancy -= 1
+        self._seq += n_copies + len(temps)
+        if gone:
+            c.evictions += len(gone)
+        jobs: list[tuple[float, int]] = []
+        for e in hits:
+            if mpre[lo + e]:
+                mpre[lo + e] = 0
+                c.prefetch_used += 1
+            jobs.append((mready[lo + e], e))
+        n = len(routed)
+        n_hits = len(hits)
+        c.decode_accesses += n
+        c.decode_hits += n_hits
+        self._hits[layer] += n_hits
+        self._acc[layer] += n
+        n_h2d = n_copies + len(temps)
+        c.h2d_bytes += eb * n_h2d
+        c.h2d_expert_copies += n_h2d
+        c.fetches += n_copies
+        c.temp_copies += len(temps)
+        lane = self._h2d.lane
+        dur = self._h2d.expert_s
+        for e in fetch:
+            occ = res.occupancy = res.occupancy + 1  # Residency.take, inlined
+            if occ > res.max_occupancy:
+                res.max_occupancy = occ
+            s = now if now > lane.free_at else lane.free_at  # Lane.serve, inlined
+            end = lane.free_at = s + dur
+            lane.busy += dur
+            mres[lo + e] = 1
+            mready[lo + e] = end
+            jobs.append((end, e))
+        # issued after the routed fetches, one buffer each (_temp_copies, inlined)
+        for e in temps:
+            s = now if now > lane.free_at else lane.free_at
+            end = lane.free_at = s + dur
+            lane.busy += dur
+            jobs.append((end, e))
+        return self._repeat_gpu(jobs, now)
 
     def _cpu_parallel(
         self, experts: list[int], now: float, sid: int, token: int, layer: int
