@@ -127,11 +127,12 @@ class BeladyGlobalPolicy(GlobalCachingPolicy):
         actions = {e: gpu for e in experts if e not in misses}
         plan = Plan(actions=actions)
         protected = set(experts)
+        n_protected = len(protected)  # more resident slots than this: one is not protected
         cached = self.cached
         for e in misses:
             if self.size < self.capacity:
                 self.size += 1
-            elif self.size == sum(1 for x in protected if on[x]):
+            elif self.size <= n_protected and self.size == sum(1 for x in protected if on[x]):
                 actions[e] = Action.TEMP  # every resident slot holds an expert this token needs
                 continue
             else:

@@ -72,6 +72,10 @@ class FiddlerPolicy(Policy):
         ),
     }
 
+    def __init__(self, **options: object) -> None:
+        super().__init__(**options)
+        self._plans: dict[tuple[int, ...], Plan] = {}  # (layer, *experts) -> the decode plan
+
     def resources(self) -> ResourceSpec:
         """Pageable host memory, one placeholder buffer, one CPU worker (see module doc)."""
         return ResourceSpec(host_memory="pageable", temp_buffers=1, cpu_workers=1)
@@ -79,7 +83,7 @@ class FiddlerPolicy(Policy):
     def setup(self, ctx: SetupContext) -> Iterable[Slot]:
         """The globally most popular experts by decode-time calibration counts."""
         assert ctx.calibration is not None
-        self._plans: dict[tuple[int, ...], Plan] = {}  # (layer, *experts) -> the decode plan
+        self._plans = {}  # a new run: a new placement
         choice, costs = self.options["constants"], ctx.costs
         if choice == "code":
             self.t_cpu1, self.t_load = CODE_LATENCY_CPU, CODE_LATENCY_GPU

@@ -99,6 +99,7 @@ class KTransformersPolicy(Policy):
         super().__init__(**options)
         self.per_layer = int(self.options["gpu_experts_per_layer"])
         self.ratio = float(self.options["gpu_experts_ratio"])
+        self._plans: dict[tuple[int, ...], Plan] = {}  # (layer, *experts) -> the plan
 
     def uses_calibration(self) -> bool:
         """Only the ``frequency`` placement of some GPU experts reads calibration counts."""
@@ -118,7 +119,7 @@ class KTransformersPolicy(Policy):
     def setup(self, ctx: SetupContext) -> Iterable[Slot]:
         """The strategy's GPU experts; they must fit the budget."""
         m = ctx.model
-        self._plans: dict[tuple[int, ...], Plan] = {}  # (layer, *experts) -> the plan
+        self._plans = {}  # a new run: a new placement
         total = self.gpu_expert_count(m.moe_layers, m.experts)
         if total > ctx.budget:
             raise DoesNotFit(

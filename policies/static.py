@@ -51,6 +51,7 @@ class StaticPolicy(Policy):
     def __init__(self, **options: object) -> None:
         super().__init__(**options)
         self.host_memory = str(self.options["host_memory"])
+        self._plans: dict[tuple[int, ...], Plan] = {}  # (layer, *experts) -> the plan
 
     def resources(self) -> ResourceSpec:
         """The ``host_memory`` option's copies, one temporary buffer."""
@@ -59,7 +60,7 @@ class StaticPolicy(Policy):
     def setup(self, ctx: SetupContext) -> Iterable[Slot]:
         """Most popular experts by decode-time calibration counts."""
         assert ctx.calibration is not None
-        self._plans: dict[tuple[int, ...], Plan] = {}  # (layer, *experts) -> the plan
+        self._plans = {}  # a new run: a new placement
         if self.options["placement"] == "global":
             return global_top(ctx.calibration, ctx.budget)
         return quota_then_global(ctx.calibration, ctx.budget)

@@ -1176,21 +1176,30 @@ class Engine(EngineBase):
                 if actions.get(e) != _GPU:
                     return None
         res = self.res
-        row = res.resident[layer]
-        ready_row = res.ready_at[layer]
+        # the residency, ready times and prefetched flags through _repeat_rows' flat views
+        # (a fraction of a numpy row view and scalar each)
+        views = self._repeat_views
+        if (
+            views is None
+            or views[0] is not res.resident
+            or views[1] is not res.ready_at
+            or views[2] is not res.prefetched
+        ):
+            views = self._repeat_rows()
+        mres, mready, mpre = views[3], views[4], views[5]
+        lo = layer * self.n_experts
         jobs = []
         for e in routed:
-            if not row[e]:
+            if not mres[lo + e]:
                 return None  # the general check words the error
-            ready = ready_row[e]
+            ready = mready[lo + e]
             if ready == INF:
                 return None  # its copy is not timed yet
-            jobs.append((float(ready), e))
+            jobs.append((ready, e))
         c = self.c
-        pre = res.prefetched[layer]
         for e in routed:
-            if pre[e]:
-                pre[e] = False
+            if mpre[lo + e]:
+                mpre[lo + e] = 0
                 c.prefetch_used += 1
         n = len(routed)
         c.decode_accesses += n
