@@ -22,9 +22,10 @@ and kept in a heap (stale entries skipped), not recomputed for every resident sl
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_right
 from typing import Any
 
-from policies.base import SetupContext, Slot
+from policies.base import ALL_GPU_PLAN, Action, Plan, SetupContext, Slot, View
 from policies.caching import GlobalCachingPolicy
 from policies.registry import register
 
@@ -46,8 +47,18 @@ class BeladyGlobalPolicy(GlobalCachingPolicy):
         if ctx.oracle is None:
             raise AssertionError("belady-global is clairvoyant: the engine must pass the oracle")
         self.oracle: Any = ctx.oracle
+        from simulator.runner import Oracle  # here: the runner imports the policies
+
+        #: the run's per-slot access steps when the oracle is the runner's own (the decode
+        #: loop reads them as ``Oracle.next_use`` does); None: ask the oracle
+        self._steps = ctx.oracle.steps if type(ctx.oracle) is Oracle else None
         self.key: dict[Slot, Key] = {}
         self.heap: list[Key] = []
+        # a plain-list mirror of ``self.cached`` for the decode loop (numpy's per-element
+        # reads cost more than the rest of a layer's bookkeeping); inserted/removed keep it
+        self._on: list[list[bool]] = [
+            [False] * ctx.model.experts for _ in range(ctx.model.moe_layers)
+        ]
 
     def _renew(self, layer: int, expert: int, step: int) -> None:
         t = self.oracle.next_use(layer, expert, step)
@@ -65,11 +76,85 @@ class BeladyGlobalPolicy(GlobalCachingPolicy):
 
     def inserted(self, layer: int, expert: int, step: int) -> None:
         """A new slot's next use (from setup, step -1: its first use)."""
+        self._on[layer][expert] = True
         self._renew(layer, expert, step)
 
     def removed(self, layer: int, expert: int) -> None:
         """Its heap entry becomes stale."""
+        self._on[layer][expert] = False
         del self.key[layer, expert]
+
+    def decode_layer(self, view: View) -> Plan:
+        """``GlobalCachingPolicy.decode_layer`` with this class's hooks written out, for a
+        decode token: the same hits, victims, heap pushes (one per touch and insertion, in
+        the same order) and rebuilds; the residency read from the plain-list mirror. A token
+        whose experts all hit gets the shared all-on-the-GPU plan (the same plan for the
+        engine). Prefill and batched views, and subclasses, take the base class's method.
+        """
+        if (
+            view.counts is not None
+            or self._steps is None
+            or self.__class__ is not BeladyGlobalPolicy
+        ):
+            return super().decode_layer(view)
+        layer = view.layer
+        experts = view.experts.tolist()
+        step = view.step
+        on = self._on[layer]
+        steps = self._steps[layer]
+        keys = self.key
+        inf = float("inf")
+        push = heapq.heappush
+        misses = []
+        heap = self.heap
+        limit = 4 * len(keys) + 64  # a hit's slot has its key already: the size holds
+        for e in experts:
+            if on[e]:  # a hit: touch() -> _renew()
+                lst = steps[e]
+                i = bisect_right(lst, step)
+                t = float(lst[i]) if i < len(lst) else inf
+                key = (-t, 0 if t == inf else -layer, layer, e)
+                keys[layer, e] = key
+                push(heap, key)
+                if len(heap) > limit:
+                    heap = self.heap = list(keys.values())
+                    heapq.heapify(heap)
+            else:
+                misses.append(e)
+        if not misses:
+            return ALL_GPU_PLAN
+        gpu = Action.GPU
+        actions = {e: gpu for e in experts if e not in misses}
+        plan = Plan(actions=actions)
+        protected = set(experts)
+        n_protected = len(protected)  # more resident slots than this: one is not protected
+        cached = self.cached
+        for e in misses:
+            if self.size < self.capacity:
+                self.size += 1
+            elif self.size <= n_protected and self.size == sum(1 for x in protected if on[x]):
+                actions[e] = Action.TEMP  # every resident slot holds an expert this token needs
+                continue
+            else:
+                victim = self.choose_victim(layer, protected, step)
+                cached[victim] = False
+                self.removed(*victim)
+                plan.victims[e] = victim
+            actions[e] = Action.FETCH
+            cached[layer, e] = True
+            on[e] = True
+            # inserted() then touch(): two _renew() calls, the same key pushed twice
+            lst = steps[e]
+            i = bisect_right(lst, step)
+            t = float(lst[i]) if i < len(lst) else inf
+            key = (-t, 0 if t == inf else -layer, layer, e)
+            for _ in range(2):
+                keys[layer, e] = key
+                push(self.heap, key)
+                if len(self.heap) > 4 * len(keys) + 64:
+                    self.heap = list(keys.values())
+                    heapq.heapify(self.heap)
+        return plan
 
     def choose_victim(self, layer: int, protected: set[int], step: int) -> Slot:
         """Farthest next use over all layers (ties: see the module docstring)."""

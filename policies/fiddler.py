@@ -72,6 +72,10 @@ class FiddlerPolicy(Policy):
         ),
     }
 
+    def __init__(self, **options: object) -> None:
+        super().__init__(**options)
+        self._plans: dict[tuple[int, ...], Plan] = {}  # (layer, *experts) -> the decode plan
+
     def resources(self) -> ResourceSpec:
         """Pageable host memory, one placeholder buffer, one CPU worker (see module doc)."""
         return ResourceSpec(host_memory="pageable", temp_buffers=1, cpu_workers=1)
@@ -79,6 +83,7 @@ class FiddlerPolicy(Policy):
     def setup(self, ctx: SetupContext) -> Iterable[Slot]:
         """The globally most popular experts by decode-time calibration counts."""
         assert ctx.calibration is not None
+        self._plans = {}  # a new run: a new placement
         choice, costs = self.options["constants"], ctx.costs
         if choice == "code":
             self.t_cpu1, self.t_load = CODE_LATENCY_CPU, CODE_LATENCY_GPU
@@ -90,9 +95,17 @@ class FiddlerPolicy(Policy):
 
     def decode_layer(self, view: View) -> Plan:
         """Resident experts on the GPU, the rest on the CPU, synchronously."""
-        resident = view.resident[view.layer]
-        actions = {e: (GPU if resident[e] else CPU) for e in view.experts.tolist()}
-        return Plan(actions=actions, cpu_serial=True, cpu_first=True)
+        # The residency never changes after setup (no plan of this policy fetches or
+        # evicts), so one plan per (layer, experts) is made and returned again (the engine
+        # never changes a plan).
+        ex = view.experts.tolist()
+        key = (view.layer, *ex)
+        plan = self._plans.get(key)
+        if plan is None:
+            resident = view.resident[view.layer]
+            actions = {e: (GPU if resident[e] else CPU) for e in ex}
+            plan = self._plans[key] = Plan(actions=actions, cpu_serial=True, cpu_first=True)
+        return plan
 
     def prefill_layer(self, view: View) -> Plan:
         """Per non-resident expert: CPU if count x cpu(1) < load time, else a temporary copy."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import heapq
 
-from policies.base import Plan, SetupContext, Slot, View
+from policies.base import ALL_GPU_PLAN, Plan, SetupContext, Slot, View
 from policies.caching import FETCH, GPU, TEMP, GlobalCachingPolicy
 from policies.lfu import LFUCounts
 from policies.registry import register
@@ -117,9 +117,11 @@ class GlobalLFUPolicy(LFUCounts, GlobalCachingPolicy):
             else:
                 misses.append(e)
         self.tick = tick
-        plan = Plan(actions=actions)
         if not misses:
-            return plan
+            # a decode token whose experts all hit: the shared all-on-the-GPU plan (the same
+            # plan for the engine)
+            return ALL_GPU_PLAN if counts is None else Plan(actions=actions)
+        plan = Plan(actions=actions)
         protected = set(experts)
         n_protected = len(protected)  # more resident slots than this: one is not protected
         cached = self.cached

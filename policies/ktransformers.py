@@ -99,6 +99,7 @@ class KTransformersPolicy(Policy):
         super().__init__(**options)
         self.per_layer = int(self.options["gpu_experts_per_layer"])
         self.ratio = float(self.options["gpu_experts_ratio"])
+        self._plans: dict[tuple[int, ...], Plan] = {}  # (layer, *experts) -> the plan
 
     def uses_calibration(self) -> bool:
         """Only the ``frequency`` placement of some GPU experts reads calibration counts."""
@@ -118,6 +119,7 @@ class KTransformersPolicy(Policy):
     def setup(self, ctx: SetupContext) -> Iterable[Slot]:
         """The strategy's GPU experts; they must fit the budget."""
         m = ctx.model
+        self._plans = {}  # a new run: a new placement
         total = self.gpu_expert_count(m.moe_layers, m.experts)
         if total > ctx.budget:
             raise DoesNotFit(
@@ -132,7 +134,16 @@ class KTransformersPolicy(Policy):
 
     def decode_layer(self, view: View) -> Plan:
         """Resident experts on the GPU, the others on the CPU, concurrently."""
-        resident = view.resident[view.layer]
-        return Plan(
-            actions={e: (Action.GPU if resident[e] else Action.CPU) for e in view.experts.tolist()}
-        )
+        # The plan depends on the layer, the selected experts and the residency only, and the
+        # residency never changes after setup (no plan of this policy fetches or evicts), so
+        # one plan per (layer, experts) is made and returned again (the engine never changes
+        # a plan).
+        ex = view.experts.tolist()
+        key = (view.layer, *ex)
+        plan = self._plans.get(key)
+        if plan is None:
+            resident = view.resident[view.layer]
+            plan = self._plans[key] = Plan(
+                actions={e: (Action.GPU if resident[e] else Action.CPU) for e in ex}
+            )
+        return plan

@@ -16,7 +16,7 @@ when counts are equal instead of to an arbitrary id order.
 
 from __future__ import annotations
 
-from policies.base import Plan, Policy, SetupContext, View
+from policies.base import ALL_GPU_PLAN, Action, Plan, Policy, SetupContext, View
 from policies.caching import CachingPolicy
 from policies.registry import register
 
@@ -67,6 +67,71 @@ class LFUPolicy(LFUCounts, CachingPolicy):
     name = "lfu"
     summary = "per-layer LFU cache (persistent counts, LRU tie-break), fetch on miss"
     source = "LFU expert-cache baseline (LFU study arXiv 2511.05814; malmong/CECAR baselines)"
+
+    def decode_layer(self, view: View) -> Plan:
+        """Count, then serve like ``LFUCounts`` + ``CachingPolicy.serve``, fused into one loop.
+
+        The same decisions, counts, ticks and victims as the base classes' methods called in
+        turn (hits touched first, then each miss inserted and touched, the victim the first
+        resident with the smallest (count, tick) outside the token's experts); only the
+        per-call overhead is gone. A decode token whose experts all hit gets the shared
+        all-on-the-GPU plan (the same plan for the engine). Prefill and batched views, and
+        subclasses, take the base classes' methods.
+        """
+        if view.counts is not None or self.__class__ is not LFUPolicy:
+            return super().decode_layer(view)
+        layer = view.layer
+        experts = view.experts.tolist()
+        freq, last = self.freq[layer], self.last[layer]
+        for e in experts:
+            freq[e] += 1
+        resident = view.resident[layer]
+        tick = self.tick
+        misses = []
+        for e in experts:
+            if resident[e]:
+                tick += 1  # touch
+                last[e] = tick
+            else:
+                misses.append(e)
+        if not misses:
+            self.tick = tick
+            return ALL_GPU_PLAN
+        gpu = Action.GPU
+        actions = {e: gpu for e in experts if e not in misses}
+        plan = Plan(actions=actions)
+        cache = self.cache[layer]
+        capacity = self.quota[layer]
+        for e in misses:
+            if len(cache) < capacity:
+                actions[e] = Action.FETCH
+            else:
+                # choose_victim over the unprotected residents; with none, and in-use
+                # evictions allowed, over every resident (serve's fallback, nothing guarded)
+                best = -1
+                fb = lb = 0
+                for x in cache:
+                    if x in experts:
+                        continue
+                    fx, lx = freq[x], last[x]
+                    if best < 0 or fx < fb or (fx == fb and lx < lb):
+                        best, fb, lb = x, fx, lx
+                if best < 0 and self.evicts_in_use:
+                    for x in cache:
+                        fx, lx = freq[x], last[x]
+                        if best < 0 or fx < fb or (fx == fb and lx < lb):
+                            best, fb, lb = x, fx, lx
+                if best < 0:
+                    actions[e] = Action.TEMP  # the quota cannot hold all the token's experts
+                    continue
+                cache.remove(best)
+                actions[e] = Action.FETCH
+                plan.victims[e] = (layer, best)
+            cache.append(e)
+            tick += 2  # inserted, then touched: one tick each
+            last[e] = tick
+        self.tick = tick
+        return plan
 
     def choose_victim(self, layer: int, protected: set[int], step: int) -> int:
         """Fewest accesses; ties by least recent use."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from policies.base import (
+    ALL_GPU_PLAN,
     Action,
     Param,
     Plan,
@@ -69,12 +70,24 @@ class LeadingCpuLayers:
     n_cpu_layers: int
     offload: bool
     min_batch: int
+    #: a CPU layer's decode plan by selected experts (made on first use)
+    _cpu_plans: dict[tuple[int, ...], Plan]
 
     def decode_layer(self, view: View) -> Plan:
         """A GPU layer: all on the GPU; a CPU layer: its experts on the CPU."""
         if view.layer >= self.n_cpu_layers:
-            return Plan()
-        return Plan(actions=dict.fromkeys(view.experts.tolist(), Action.CPU))
+            return ALL_GPU_PLAN
+        # a CPU layer's plan depends on the selected experts only: one plan per selection,
+        # returned again (the engine never changes a plan)
+        key = tuple(view.experts.tolist())
+        try:
+            plans = self._cpu_plans
+        except AttributeError:
+            plans = self._cpu_plans = {}
+        plan = plans.get(key)
+        if plan is None:
+            plan = plans[key] = Plan(actions=dict.fromkeys(key, Action.CPU))
+        return plan
 
     def prefill_layer(self, view: View) -> Plan:
         """A CPU layer's experts are copied to the GPU when the prompt reaches the batch floor."""

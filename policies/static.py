@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from policies.base import (
+    ALL_GPU_PLAN,
     Action,
     Param,
     Plan,
@@ -50,6 +51,7 @@ class StaticPolicy(Policy):
     def __init__(self, **options: object) -> None:
         super().__init__(**options)
         self.host_memory = str(self.options["host_memory"])
+        self._plans: dict[tuple[int, ...], Plan] = {}  # (layer, *experts) -> the plan
 
     def resources(self) -> ResourceSpec:
         """The ``host_memory`` option's copies, one temporary buffer."""
@@ -58,13 +60,25 @@ class StaticPolicy(Policy):
     def setup(self, ctx: SetupContext) -> Iterable[Slot]:
         """Most popular experts by decode-time calibration counts."""
         assert ctx.calibration is not None
+        self._plans = {}  # a new run: a new placement
         if self.options["placement"] == "global":
             return global_top(ctx.calibration, ctx.budget)
         return quota_then_global(ctx.calibration, ctx.budget)
 
     def decode_layer(self, view: View) -> Plan:
         """Resident experts on the GPU, the others through the temporary buffer."""
-        resident = view.resident[view.layer]
-        return Plan(
-            actions={e: (Action.GPU if resident[e] else Action.TEMP) for e in view.experts.tolist()}
-        )
+        # The residency never changes after setup (temporary copies only), so one plan per
+        # (layer, experts) is made and returned again (the engine never changes a plan); all
+        # resident: the shared all-on-the-GPU plan (the same plan for the engine).
+        ex = view.experts.tolist()
+        key = (view.layer, *ex)
+        plan = self._plans.get(key)
+        if plan is None:
+            resident = view.resident[view.layer]
+            actions = {e: (Action.GPU if resident[e] else Action.TEMP) for e in ex}
+            if Action.TEMP in actions.values() or view.counts is not None:
+                plan = Plan(actions=actions)
+            else:
+                plan = ALL_GPU_PLAN
+            self._plans[key] = plan
+        return plan

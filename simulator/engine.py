@@ -452,6 +452,16 @@ class EngineBase:
         path."""
         return None
 
+    #: ``_gpu_cpu_layer`` has served a plan of this run / refused one (see ``_pass``)
+    _split_taken = False
+    _split_refused = 0
+
+    def _gpu_cpu_layer(self, layer: int, routed: list[int], plan: Plan, now: float) -> float | None:
+        """Check, apply and time in one pass a decode plan of resident experts and CPU
+        experts only; returns when the layer ends, or None to take the general path (the plan
+        is then untouched). This executor always takes the general path."""
+        return None
+
     def _free_slot(self, t: float) -> None:
         """An evicted expert's slot (no write-back) is free at ``t``."""
         raise NotImplementedError
@@ -646,6 +656,15 @@ class EngineBase:
                         if end is not None:
                             self.now = end
                             continue
+                    if end is None and (self._split_taken or self._split_refused < _PLAIN_PROBES):
+                        # resident experts with CPU experts, or with fetches and temporary
+                        # copies (ktransformers, fiddler, the caching policies' misses); a run
+                        # whose first such plans never qualify stops probing
+                        end = self._gpu_cpu_layer(layer, routed, plan, now)
+                        if end is None:
+                            self._split_refused += 1
+                        else:
+                            self._split_taken = True
                     if end is None:
                         # copies, evictions and resident experts, nothing else pending
                         end = self._copies_only(layer, routed, plan, now)
@@ -1207,27 +1226,38 @@ class Engine(EngineBase):
                 if actions.get(e) != _GPU:
                     return None
         res = self.res
-        row = res.resident[layer]
-        ready_row = res.ready_at[layer]
+        # the residency, ready times and prefetched flags through _repeat_rows' flat views
+        # (a fraction of a numpy row view and scalar each)
+        views = self._repeat_views
+        if (
+            views is None
+            or views[0] is not res.resident
+            or views[1] is not res.ready_at
+            or views[2] is not res.prefetched
+        ):
+            views = self._repeat_rows()
+        mres, mready, mpre = views[3], views[4], views[5]
+        lo = layer * self.n_experts
         jobs = []
         for e in routed:
-            if not row[e]:
+            if not mres[lo + e]:
                 return None  # the general check words the error
-            ready = ready_row[e]
+            ready = mready[lo + e]
             if ready == INF:
                 return None  # its copy is not timed yet
-            jobs.append((float(ready), e))
+            jobs.append((ready, e))
         c = self.c
-        pre = res.prefetched[layer]
         for e in routed:
-            if pre[e]:
-                pre[e] = False
+            if mpre[lo + e]:
+                mpre[lo + e] = 0
                 c.prefetch_used += 1
         n = len(routed)
         c.decode_accesses += n
         c.decode_hits += n
         self._hits[layer] += n
         self._acc[layer] += n
+        if self.recorder is None and not self._unified:
+            return self._repeat_gpu(jobs, now)  # _timed_gpu's sums without its branches
         where = self.hooks.where
         return self._timed_gpu(jobs, now, None, where.seq or 0, where.token or 0, layer)
 
@@ -2514,6 +2544,272 @@ class Engine(EngineBase):
         if end > now:  # _layer's wait for the results, with no GPU expert before them
             c.cpu_wait += end - now
         return end
+
+    def _gpu_cpu_layer(self, layer: int, routed: list[int], plan: Plan, now: float) -> float | None:
+        """``_copies_only`` by way of ``_victim_fetches`` for a decode plan of resident, timed
+        experts and CPU experts only (at least one), nothing else (ktransformers, fiddler,
+        llama-cpp-cpu-moe and -mmap): the same checks in the same order (anything else, or
+        anything they would refuse, returns None before any change and the general chain goes
+        on as before), applied and timed as ``_victim_fetches`` with
+        ``_cpu_calls``/``_cpu_parallel`` and ``_timed_gpu`` do it: the same issue numbers,
+        counters and sums in the same order. A plan of resident experts, fetches and
+        temporary copies goes to ``_copy_layer``."""
+        actions = plan.actions
+        res = self.res
+        if (
+            actions.__class__ is not dict
+            or len(actions) != len(routed)
+            or plan.evict.__class__ is not list
+            or plan.prefetch.__class__ is not list
+            or plan.victims.__class__ is not dict
+            or plan.evict
+            or plan.prefetch
+            or plan.barrier
+            or self._unified
+            or self._ssd is not None
+            or self._peer_home is not None  # several GPUs: the general path times each stream
+            or res.waiters
+        ):
+            return None
+        hits: list[int] = []
+        cpu: list[int] = []
+        copies = False
+        for e in routed:
+            a = actions.get(e)
+            if a == _GPU:
+                hits.append(e)
+            elif a == _CPU:
+                cpu.append(e)
+            elif a in (_FETCH, _TEMP):
+                copies = True
+            else:
+                return None
+        if copies:
+            if cpu:
+                return None
+            return self._copy_layer(layer, routed, plan, now)
+        host = self._host
+        if not cpu or plan.victims or self._heap or not host.idle:
+            return None  # all on the GPU, or CPU calls that could queue behind pending work
+        if res.occupancy > res.cap:
+            return None  # _victim_fetches' slot check (no copy here)
+        if hits:
+            row = res.resident[layer]
+            ready_row = res.ready_at[layer]
+            for e in hits:
+                if not row[e] or ready_row[e] == INF:
+                    return None
+        # -- apply, as _victim_fetches: issue numbers, counters (no copy, no eviction)
+        c = self.c
+        n_cpu = len(cpu)
+        self._seq += n_cpu
+        jobs: list[tuple[float, int]] = []
+        if hits:
+            prow = res.prefetched[layer]
+            for e in hits:
+                if prow[e]:
+                    prow[e] = False
+                    c.prefetch_used += 1
+                jobs.append((float(ready_row[e]), e))
+        n = len(routed)
+        n_hits = len(hits)
+        c.decode_accesses += n
+        c.decode_hits += n_hits
+        self._hits[layer] += n_hits
+        self._acc[layer] += n
+        rec = self.recorder
+        serial = plan.cpu_serial or n_cpu == 1
+        if rec is not None or not (serial or len(host.lanes) == 1):
+            # recorded runs and several workers: the calls as _victim_fetches makes them
+            where = self.hooks.where
+            sid, token = where.seq or 0, where.token or 0
+            if serial:
+                done = self._cpu_calls(cpu, now, sid, token, layer)
+            else:
+                done = self._cpu_parallel(cpu, now, sid, token, layer)
+        else:
+            # _count_cpu, then _cpu_calls' or _cpu_parallel's one-worker branch with
+            # _activation_out, _result_back and Lane.serve written out (no recorder)
+            act = self.act_bytes * n_cpu
+            c.cpu_expert_evals += n_cpu
+            c.d2h_bytes += act
+            c.h2d_bytes += act
+            work, share, dram = self._one_token_cpu_job()
+            one = self._one_token_cpu
+            assert one is not None
+            d_out, d_back = one[1], one[2]
+            d2h = self._d2h.lane
+            h2d = self._h2d.lane
+            if serial:  # each call's three stages, one after another
+                t = now
+                for _ in cpu:
+                    if d2h.free_at > t:
+                        t = d2h.free_at
+                    t = d2h.free_at = t + d_out
+                    d2h.busy += d_out
+                    job = CpuJob(None, 0, t, work, share, dram)
+                    t = host.run_alone(t, job)
+                    if h2d.free_at > t:
+                        t = h2d.free_at
+                    t = h2d.free_at = t + d_back
+                    h2d.busy += d_back
+                done = t
+            else:  # one worker, first come first served
+                sent: list[CpuJob] = []
+                for i, e in enumerate(cpu):
+                    t = now if now > d2h.free_at else d2h.free_at
+                    t = d2h.free_at = t + d_out
+                    d2h.busy += d_out
+                    sent.append(CpuJob(e, i, t, work, share, dram))
+                host.run_queue(sent)
+                done = now
+                for job in sent:  # they end in issue order, so do their results
+                    t = job.end
+                    if h2d.free_at > t:
+                        t = h2d.free_at
+                    done = h2d.free_at = t + d_back
+                    h2d.busy += d_back
+        g = now
+        if plan.cpu_first and done > now:  # the GPU experts wait for the CPU ones
+            c.cpu_wait += done - now
+            g = done
+        if rec is None:
+            end = self._repeat_gpu(jobs, g)
+        else:
+            end = self._timed_gpu(jobs, g, None, sid, token, layer)
+        if done > end:
+            c.cpu_wait += done - end
+            end = done
+        return end
+
+    def _copy_layer(self, layer: int, routed: list[int], plan: Plan, now: float) -> float | None:
+        """``_plain_fetches`` without a recorder or write-backs, for a decode plan of resident
+        experts, fetches (each with or without a victim that no routed expert is) and at most
+        one temporary copy per buffer (the miss layers of lfu, global-lfu, belady-global,
+        static): its checks in its order (anything else, or anything it would refuse, returns
+        None before any change and the general chain goes on as before), applied and timed
+        as it does (the same issue numbers, counters and sums in the same order), reading and
+        writing the residency, ready times and prefetched flags through ``_repeat_rows``'
+        flat views instead of numpy scalars. ``_gpu_cpu_layer`` has checked the plan's
+        shape."""
+        if self.recorder is not None or self._wb or plan.low_bit:
+            return None
+        actions = plan.actions
+        victims = plan.victims
+        res = self.res
+        views = self._repeat_views
+        if (
+            views is None
+            or views[0] is not res.resident
+            or views[1] is not res.ready_at
+            or views[2] is not res.prefetched
+        ):
+            views = self._repeat_rows()
+        _, _, _, mres, mready, mpre, _, _ = views
+        n_exp = self.n_experts
+        lo = layer * n_exp
+        hits: list[int] = []
+        fetch: list[int] = []
+        temps: list[int] = []
+        for e in routed:
+            a = actions[e]
+            if a == _GPU:
+                if not mres[lo + e] or mready[lo + e] == INF:
+                    return None  # not resident, or its copy not timed yet
+                hits.append(e)
+            elif a == _FETCH:
+                if mres[lo + e]:
+                    return None  # already resident
+                fetch.append(e)
+            else:  # TEMP
+                if mres[lo + e]:
+                    return None  # a temporary copy of a resident expert
+                temps.append(e)
+        n_temp = self.machine.buffers["temp"]
+        if len(temps) > n_temp:
+            return None  # a copy waiting for a buffer (or no buffer at all)
+        n_copies = len(fetch)
+        gone: list[int] = []  # victims' flat indices, in issue order
+        if n_copies:
+            if n_copies > 1 and len(set(fetch)) != n_copies:
+                return None  # an expert fetched twice
+            n_layers = self.n_layers
+            n_res = res.n_resident
+            budget = res.budget
+            for e in fetch:
+                v = victims.get(e)
+                if v is not None:
+                    if v.__class__ is not tuple or len(v) != 2:
+                        return None
+                    vl, ve = v
+                    if vl.__class__ is not int or ve.__class__ is not int:
+                        return None
+                    if not (0 <= vl < n_layers and 0 <= ve < n_exp):
+                        return None
+                    i = vl * n_exp + ve
+                    if i in gone:
+                        return None
+                    if vl == layer and ve in routed:
+                        return None  # an in-use victim: _victim_fetches decides
+                    if not mres[i] or mready[i] > now:
+                        return None  # not resident, or still being copied
+                    gone.append(i)
+                    n_res -= 1
+                if n_res >= budget:
+                    return None  # all slots full and no victim
+                n_res += 1
+            # without write-backs an evicted slot is free at once
+            if res.occupancy - len(gone) + n_copies > res.cap:
+                return None  # a fetch would wait for a slot
+            res.n_resident = n_res
+        # -- apply, as _plain_fetches: residency, counters and issue numbers
+        c = self.c
+        eb = self.expert_bytes
+        for i in gone:  # evictions free their slots at once and issue nothing
+            mres[i] = 0
+            if mpre[i]:
+                mpre[i] = 0
+                c.prefetch_wasted_bytes += eb
+            res.occupancy -= 1
+        self._seq += n_copies + len(temps)
+        if gone:
+            c.evictions += len(gone)
+        jobs: list[tuple[float, int]] = []
+        for e in hits:
+            if mpre[lo + e]:
+                mpre[lo + e] = 0
+                c.prefetch_used += 1
+            jobs.append((mready[lo + e], e))
+        n = len(routed)
+        n_hits = len(hits)
+        c.decode_accesses += n
+        c.decode_hits += n_hits
+        self._hits[layer] += n_hits
+        self._acc[layer] += n
+        n_h2d = n_copies + len(temps)
+        c.h2d_bytes += eb * n_h2d
+        c.h2d_expert_copies += n_h2d
+        c.fetches += n_copies
+        c.temp_copies += len(temps)
+        lane = self._h2d.lane
+        dur = self._h2d.expert_s
+        for e in fetch:
+            occ = res.occupancy = res.occupancy + 1  # Residency.take, inlined
+            if occ > res.max_occupancy:
+                res.max_occupancy = occ
+            s = now if now > lane.free_at else lane.free_at  # Lane.serve, inlined
+            end = lane.free_at = s + dur
+            lane.busy += dur
+            mres[lo + e] = 1
+            mready[lo + e] = end
+            jobs.append((end, e))
+        # issued after the routed fetches, one buffer each (_temp_copies, inlined)
+        for e in temps:
+            s = now if now > lane.free_at else lane.free_at
+            end = lane.free_at = s + dur
+            lane.busy += dur
+            jobs.append((end, e))
+        return self._repeat_gpu(jobs, now)
 
     def _cpu_parallel(
         self, experts: list[int], now: float, sid: int, token: int, layer: int

@@ -160,12 +160,20 @@ class Oracle:
                     self.steps[layer][e].append(self.n_steps)
             self.n_steps += 1
         dec = r.experts[p:]
-        for t in range(dec.shape[0]):
-            step = self.n_steps + t
-            for layer, row in enumerate(dec[t].tolist()):
-                for e in row:
-                    self.steps[layer][e].append(step)
-        self.n_steps += dec.shape[0]
+        n_dec, n_layers, k = dec.shape
+        if n_dec:
+            # each slot's decode steps in (step, layer, rank) order, as a loop over the
+            # tokens appending them would: a stable sort of the slots of the flattened rows
+            n_exp = len(self.steps[0])
+            slot = (np.arange(n_layers)[None, :, None] * n_exp + dec).reshape(-1)
+            order = np.argsort(slot, kind="stable")
+            steps = (order // (n_layers * k) + self.n_steps).tolist()
+            pos = 0
+            for i, n in enumerate(np.bincount(slot, minlength=n_layers * n_exp).tolist()):
+                if n:
+                    self.steps[i // n_exp][i % n_exp].extend(steps[pos : pos + n])
+                    pos += n
+        self.n_steps += n_dec
 
     def next_use(self, layer: int, expert: int, after: int) -> float:
         """First step > ``after`` at which (layer, expert) is used, or infinity."""

@@ -527,8 +527,9 @@ def test_chunked_prefill_and_preemption_time_identically(seed: int) -> None:
         ("moe-infinity", "_plain_fetches", 0.25, {}),  # victims of other layers
         ("mixtral-offloading", "_plain_fetches", 0.25, {}),  # write-backs
         ("static", "_victim_fetches", 0.125, {}),
-        ("fiddler", "_victim_fetches", 0.25, {}),
-        ("ktransformers", "_victim_fetches", 0.25, {}),
+        ("fiddler", "_gpu_cpu_layer", 0.25, {}),  # resident and CPU experts only
+        ("ktransformers", "_gpu_cpu_layer", 0.25, {"gpu_experts_per_layer": 1}),
+        ("llama-cpp-cpu-moe", "_gpu_cpu_layer", 0.25, {}),
         ("daop", "_precalc_layer", 0.25, {}),
         # one slot per layer for top-2: in-use victims, which _plain_fetches leaves alone
         ("mixtral-offloading", "_victim_fetches", 0.25, {"experts_per_layer": 1}),
@@ -666,6 +667,85 @@ def test_recorderless_paths_match_recorded_and_reference(
     assert quiet.e2e == pytest.approx(ref.e2e, abs=TOL, rel=0)
     if policy != "llama-cpp-layers":
         assert repeats[0] > 0
+
+
+def _run_quiet_and_recorded(
+    policy: str, trace: str, ratio: float, runtime: str | RuntimeProfile | None, **opts: Any
+) -> tuple[Any, Any, Any]:
+    """One policy's run on the fast engine without and with a recorder, and on the reference
+    engine (calibration counts and, for a clairvoyant policy, the oracle as ``_run`` gives
+    them)."""
+    model, seqs, dec, pre = _inputs(trace)
+    budget = max(1, round(ratio * model.total_experts))
+    hw = load_profile("a6000-pcie4")
+    make = functools.partial(get_policy_class(policy), **opts)
+    pol = make()
+    rt = get_runtime(pol.runtime_profile if runtime is None else runtime)
+    oracle = None
+    if pol.clairvoyant:
+        oracle = Oracle(model.moe_layers, model.experts)
+        for r in seqs:
+            oracle.add(r)
+    eng = Engine(pol, model, cost_model(hw, model), budget, dec, pre, oracle, runtime=rt,
+                 calibration_sequences=tuple(_EAMS[trace]))  # fmt: skip
+    quiet = eng.run(iter(seqs))
+    _, loud, _ = _run(
+        Engine, make, model, hw, budget, seqs, (dec, pre), runtime, tuple(_EAMS[trace])
+    )
+    _, ref, _ = _run(
+        ReferenceEngine, make, model, hw, budget, seqs, (dec, pre), runtime, tuple(_EAMS[trace])
+    )
+    return quiet, loud, ref
+
+
+@pytest.mark.parametrize(
+    ("policy", "helper", "trace", "ratio", "opts"),
+    [
+        ("lfu", "_copy_layer", "olmoe-1b-7b", 0.25, {}),
+        ("global-lfu", "_copy_layer", "ci-small", 0.25, {}),  # victims of other layers
+        ("belady-global", "_copy_layer", "phi-3.5-moe", 0.25, {}),
+        ("static", "_copy_layer", "ci-small", 0.25, {}),  # temporary copies
+        ("lru", "_copy_layer", "ci-small", 0.25, {"initial": "empty"}),  # fills, no victim
+        ("ktransformers", "_gpu_cpu_layer", "phi-3.5-moe", 0.25, {"gpu_experts_per_layer": 1}),
+        ("fiddler", "_gpu_cpu_layer", "ci-small", 0.25, {}),  # one after another
+        ("llama-cpp-cpu-moe", "_gpu_cpu_layer", "olmoe-1b-7b", 0.25, {}),
+    ],
+)
+@pytest.mark.parametrize("runtime", [None, "ideal", SLOW_HOST])
+def test_narrow_recorderless_paths_match_recorded_and_reference(
+    policy: str,
+    helper: str,
+    trace: str,
+    ratio: float,
+    opts: dict[str, Any],
+    runtime: str | RuntimeProfile | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Engine._gpu_cpu_layer (resident and CPU experts) and Engine._copy_layer (resident
+    experts, fetches with or without victims, temporary copies; no recorder) are really
+    taken, and a run without a recorder has bit-identical counters, token latencies, end and
+    busy times to a recorded run (which takes the other one-pass paths) and agrees with the
+    reference engine."""
+    taken = [0]
+    orig = getattr(Engine, helper)
+
+    def counting(self: Engine, *args: Any) -> float | None:
+        end = orig(self, *args)
+        if end is not None:
+            taken[0] += 1
+        return end
+
+    monkeypatch.setattr(Engine, helper, counting)
+    quiet, loud, ref = _run_quiet_and_recorded(policy, trace, ratio, runtime, **opts)
+    assert taken[0] > 0, f"{policy} never took Engine.{helper}"
+    cq, cl = dataclasses.asdict(quiet.counters), dataclasses.asdict(loud.counters)
+    for k, v in cq.items():
+        assert repr(np.asarray(v).tolist()) == repr(np.asarray(cl[k]).tolist()), k
+    assert quiet.e2e == loud.e2e and quiet.busy == loud.busy
+    cr = dataclasses.asdict(ref.counters)
+    for k, v in cq.items():
+        np.testing.assert_allclose(np.asarray(v, float), np.asarray(cr[k], float), atol=TOL)
+    assert quiet.e2e == pytest.approx(ref.e2e, abs=TOL, rel=0)
 
 
 class MutatingStreamAll(get_policy_class("stream-all")):  # type: ignore[misc]
