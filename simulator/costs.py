@@ -12,7 +12,8 @@ is at the precision's real size, scales included (simulator.models.DTYPES). Form
 * CPU expert for n tokens: one batched call, ``max(weight stream, 2 x params x n / cpu throughput)``
   where the weight stream is the profile's measured one-token time for this model and dtype
   (``cpu_expert_ms``) when it has one, else ``host expert bytes / cpu.mem_bw`` (under a ggml
-  runtime, ``/ (GGML_STREAM_FRACTION x cpu.dram_gbs)`` for the formats ggml runs). Linear ``n x
+  runtime, ``/ (GGML_STREAM_FRACTION x cpu.dram_gbs)``, or the host's measured
+  ``cpu.ggml_stream_gbs``, for the formats ggml runs). Linear ``n x
   cpu_expert_ms`` is a decision rule of DAOP and Fiddler, not how a batched call runs.
 * Copies: ``copy_overhead + bytes / rate`` for the direction and host-memory kind, at the host
   precision; when the GPU holds another precision the copy also pays one GPU conversion pass. A
@@ -294,21 +295,28 @@ class CostModel:
 
     def _ggml_stream(self, dtype: str) -> bool:
         """True when weights at ``dtype`` stream at ggml's rate: a ggml runtime, a format ggml
-        runs on the CPU and a profile that states its theoretical DRAM bandwidth."""
+        runs on the CPU and a profile that states its theoretical DRAM bandwidth or a measured
+        ggml stream."""
+        cpu = self.hw.cpu
         return (
             self.cpu_kernels == "ggml"
-            and self.hw.cpu.dram_gbs is not None
+            and (cpu.dram_gbs is not None or cpu.ggml_stream_gbs is not None)
             and (dtype in GGML_CPU_DTYPES or DTYPES[dtype].kind in GGML_CPU_KINDS)
         )
 
     def cpu_stream_gbs(self, dtype: str) -> float:
         """GB/s at which the host CPU's kernels stream weights stored at ``dtype``: ggml's rule,
-        ``GGML_STREAM_FRACTION x cpu.dram_gbs`` (at most ``cpu.socket_bw_gbs``), for the formats
-        ggml runs under a ggml runtime; else ``cpu.mem_bw_gbs`` (the 0.40 rule)."""
+        ``GGML_STREAM_FRACTION x cpu.dram_gbs``, or the host's measured ``cpu.ggml_stream_gbs``
+        where the profile has one (at most ``cpu.socket_bw_gbs``), for the formats ggml runs under
+        a ggml runtime; else ``cpu.mem_bw_gbs`` (the 0.40 rule)."""
         cpu = self.hw.cpu
         if self._ggml_stream(dtype):
-            assert cpu.dram_gbs is not None
-            bw = GGML_STREAM_FRACTION * cpu.dram_gbs
+            if cpu.ggml_stream_gbs is not None:
+                # a measurement on this host overrides the rule read off another one
+                bw = cpu.ggml_stream_gbs
+            else:
+                assert cpu.dram_gbs is not None
+                bw = GGML_STREAM_FRACTION * cpu.dram_gbs
             # one ggml call uses every thread: it cannot beat the socket's all-core stream
             return min(bw, cpu.socket_bw_gbs) if cpu.socket_bw_gbs is not None else bw
         return cpu.mem_bw_gbs
@@ -693,7 +701,15 @@ class CostModel:
         m = self.measured
         peak_key = "fp32" if self.model.host_precision == "fp32" else "bf16"
         ggml = self._ggml_stream(self.model.host_precision)
-        stream_key = f"dram_gbs x {GGML_STREAM_FRACTION:.3f} (ggml)" if ggml else "mem_bw_gbs"
+        stream_key = (
+            (
+                "ggml_stream_gbs (measured ggml)"
+                if self.hw.cpu.ggml_stream_gbs is not None
+                else f"dram_gbs x {GGML_STREAM_FRACTION:.3f} (ggml)"
+            )
+            if ggml
+            else "mem_bw_gbs"
+        )
         # with a host/GPU precision split, copies and the CPU use the host copy's size
         host_b = "host_expert_bytes" if self.split_precision else "expert_bytes"
         conv = " + conversion on the GPU" if self.split_precision else ""

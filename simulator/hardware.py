@@ -85,6 +85,10 @@ class CpuSpec:
     #: stated). ggml's CPU kernels (llama.cpp-family runtimes) stream weights at a fixed share of
     #: it, ``simulator.costs.GGML_STREAM_FRACTION`` (docs/cost-model.md, "Kernel efficiency")
     dram_gbs: float | None = None
+    #: ggml's weight stream measured on this host (a llama.cpp CPU-only token-generation figure:
+    #: weight bytes read per token x tokens/s), GB/s (None: not measured). Where given it replaces
+    #: the ggml rule's ``GGML_STREAM_FRACTION x dram_gbs`` (docs/cost-model.md, "Kernel efficiency")
+    ggml_stream_gbs: float | None = None
 
 
 @dataclass(frozen=True)
@@ -280,8 +284,9 @@ _CPU: _Schema = {
     "memory_gb": "pos",
     "amx_bf16_gflops": "pos",
     "dram_gbs": "pos",
+    "ggml_stream_gbs": "pos",
 }
-_CPU_OPTIONAL = {"socket_bw_gbs", "memory_gb", "amx_bf16_gflops", "dram_gbs"}
+_CPU_OPTIONAL = {"socket_bw_gbs", "memory_gb", "amx_bf16_gflops", "dram_gbs", "ggml_stream_gbs"}
 _SSD: _Schema = {
     "name": "str",
     "seq_read_gbps": "pos",
@@ -333,6 +338,7 @@ MAX_VALUES: dict[str, float] = {
     "cpu.fp32_gflops": 1_000_000,
     "cpu.amx_bf16_gflops": 10_000_000,
     "cpu.dram_gbs": 10_000,
+    "cpu.ggml_stream_gbs": 10_000,
     "power.gpu_idle_w": 100_000,
     "power.gpu_busy_w": 100_000,
     "power.cpu_idle_w": 100_000,
@@ -462,7 +468,7 @@ def parse_profile(data: dict[str, Any], path: str | os.PathLike[str]) -> Hardwar
     cpu = CpuSpec(**_section(p, data["cpu"], _CPU, "cpu.", _CPU_OPTIONAL))
     # an achieved stream cannot beat the DRAM's theoretical bandwidth
     if cpu.dram_gbs is not None:
-        for key in ("mem_bw_gbs", "socket_bw_gbs"):
+        for key in ("mem_bw_gbs", "socket_bw_gbs", "ggml_stream_gbs"):
             got = getattr(cpu, key)
             if got is not None and got > cpu.dram_gbs:
                 raise ProfileError(p, "must not exceed cpu.dram_gbs (theoretical)", f"cpu.{key}")
