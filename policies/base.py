@@ -90,6 +90,10 @@ class Plan:
 ALL_GPU_PLAN = Plan()
 
 
+#: a ``View`` row not built yet (see ``View._rows``)
+_LAZY: Any = object()
+
+
 class View:
     """What a real runtime knows when a layer's router has run (read-only for policies).
 
@@ -102,6 +106,11 @@ class View:
     """
 
     __slots__ = (
+        "_next_experts",
+        "_next_probs",
+        "_probs",
+        "_rows",
+        "_weights",
         "budget",
         "calibration",
         "context",
@@ -112,18 +121,14 @@ class View:
         "layer",
         "model",
         "n_tokens",
-        "next_experts",
-        "next_probs",
         "now",
         "phase",
         "position",
-        "probs",
         "ready",
         "resident",
         "seq_id",
         "step",
         "token",
-        "weights",
     )
 
     def __init__(self) -> None:
@@ -136,11 +141,15 @@ class View:
         self.n_tokens = 1
         self.context = 0
         self.experts: np.ndarray = np.empty(0, dtype=np.int64)
-        self.weights: np.ndarray = np.empty(0, dtype=np.float32)
-        self.probs: np.ndarray = np.empty(0, dtype=np.float32)
+        self._weights: Any = np.empty(0, dtype=np.float32)
+        self._probs: Any = np.empty(0, dtype=np.float32)
         self.counts: np.ndarray | None = None
-        self.next_experts: np.ndarray | None = None
-        self.next_probs: np.ndarray | None = None
+        self._next_experts: Any = None
+        self._next_probs: Any = None
+        #: a decode token's ``[layers, k]``/``[layers, E]`` rows (gate weights, router
+        #: probabilities, layer-early experts and probabilities): the engine marks the four
+        #: attributes ``_LAZY`` each layer and a row view is built only when a policy reads it
+        self._rows: tuple[Any, Any, Any, Any] | None = None
         self.resident: np.ndarray = np.empty((0, 0), dtype=bool)
         self.budget = 0
         self.now = 0.0
@@ -156,6 +165,58 @@ class View:
         #: by querying its copies' events; None when the executor does not provide it (the
         #: one-GPU executors do not; the multi-GPU ones do, docs/serving.md "Multiple GPUs")
         self.ready: np.ndarray | None = None
+
+    @property
+    def weights(self) -> np.ndarray:
+        """This token's gate weights for ``experts`` (decode) or their prompt mean (prefill)."""
+        x = self._weights
+        if x is _LAZY:
+            x = self._weights = self._rows[0][self.layer]  # type: ignore[index]
+        return x  # type: ignore[no-any-return]
+
+    @weights.setter
+    def weights(self, value: np.ndarray) -> None:
+        self._weights = value
+
+    @property
+    def probs(self) -> np.ndarray:
+        """The dense router distribution of ``layer`` (decode) or its prompt mean (prefill)."""
+        x = self._probs
+        if x is _LAZY:
+            x = self._probs = self._rows[1][self.layer]  # type: ignore[index]
+        return x  # type: ignore[no-any-return]
+
+    @probs.setter
+    def probs(self, value: np.ndarray) -> None:
+        self._probs = value
+
+    @property
+    def next_experts(self) -> np.ndarray | None:
+        """The one-layer-early top-k of layer+1, or None (the last layer, prefill)."""
+        x = self._next_experts
+        if x is _LAZY:
+            rows = self._rows[2]  # type: ignore[index]
+            nl = self.layer + 1
+            x = self._next_experts = rows[nl] if nl < len(rows) else None
+        return x  # type: ignore[no-any-return]
+
+    @next_experts.setter
+    def next_experts(self, value: np.ndarray | None) -> None:
+        self._next_experts = value
+
+    @property
+    def next_probs(self) -> np.ndarray | None:
+        """The one-layer-early router distribution of layer+1, or None."""
+        x = self._next_probs
+        if x is _LAZY:
+            rows = self._rows[3]  # type: ignore[index]
+            nl = self.layer + 1
+            x = self._next_probs = rows[nl] if nl < len(rows) else None
+        return x  # type: ignore[no-any-return]
+
+    @next_probs.setter
+    def next_probs(self, value: np.ndarray | None) -> None:
+        self._next_probs = value
 
     @property
     def is_prefill(self) -> bool:

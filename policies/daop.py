@@ -301,12 +301,17 @@ class DAOPPolicy(Policy):
         if not raw_l or min(raw_l) < 0:
             return None
         raw = np.asarray(raw_l, dtype=np.int64)
-        on_gpu = view.resident[view.layer + 1].tolist()  # a list: k lookups cost less than numpy
+        nl = view.layer + 1
+        res_at = view.resident.item  # k item reads cost less than a row view and its list
         cpu = []  # (plain loops: a comprehension's own frame costs more than k = 2 appends)
         for e in raw_l:
-            if not on_gpu[e]:
+            if not res_at(nl, e):
                 cpu.append(e)
-        if len(cpu) == len(raw_l) and self.degrade and True in on_gpu:
+        if (
+            len(cpu) == len(raw_l)
+            and self.degrade
+            and True in (on_gpu := view.resident[nl].tolist())
+        ):
             # graceful degradation: no predicted expert on the GPU
             gpu_ids = [e for e, r in enumerate(on_gpu) if r]
             nprobs = view.next_probs
@@ -341,13 +346,13 @@ class DAOPPolicy(Policy):
         preds = self.pred
         if layer == 0:
             preds.clear()
-        resident = view.resident[layer].tolist()  # a list: per-expert lookups stay cheap
+        res_at = view.resident.item  # per-expert item reads: no row view, no list
         actions: dict[int, Action] = {}
         route = raw = None
         pred = preds.pop(layer, None) if layer >= self.fpl else None
         if pred is None:
             for e in view.experts.tolist():
-                actions[e] = GPU if resident[e] else CPU
+                actions[e] = GPU if res_at(layer, e) else CPU
         else:
             route, raw, ready, route_l = pred
             if self.quirk and layer == self.n_layers - 1:
@@ -355,21 +360,21 @@ class DAOPPolicy(Policy):
             if self.exact_fallback:  # the trace's routing: no route of the plan's own
                 route = raw = None
                 for e in view.experts.tolist():
-                    actions[e] = GPU if resident[e] else (PRE if e in ready else CPU)
+                    actions[e] = GPU if res_at(layer, e) else (PRE if e in ready else CPU)
             else:
                 # every entry kept (the common case): the prediction's own array, which the
                 # policy no longer holds once the prediction is popped
                 for e in route_l:
-                    if resident[e]:
+                    if res_at(layer, e):
                         actions[e] = GPU
                     elif e in ready:
                         actions[e] = PRE
                     else:  # an entry neither resident nor pre-calculated: dropped
-                        keep = [i for i, e in enumerate(route_l) if resident[e] or e in ready]
+                        keep = [i for i, e in enumerate(route_l) if res_at(layer, e) or e in ready]
                         route = route[keep]
                         actions.clear()
                         for x in route.tolist():
-                            actions[x] = GPU if resident[x] else PRE
+                            actions[x] = GPU if res_at(layer, x) else PRE
                         break
         precalc: list[tuple[int, int]] = []
         # prediction for layer+1, issued before this layer's experts run

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from policies.base import Action, Plan, Policy, SetupContext, Slot, View
+from policies.base import _LAZY, Action, Plan, Policy, SetupContext, Slot, View
 from simulator.boundary import Hooks, check_placement, check_plan, check_route
 from simulator.costs import CostModel
 from simulator.errors import PolicyError, UserError
@@ -510,7 +510,6 @@ class EngineBase:
         hooks = self.hooks
         where = hooks.where
         n_layers = self.n_layers
-        last = n_layers - 1
         n_exp = self.n_experts
         sid = where.seq
         if prefill:
@@ -556,6 +555,7 @@ class EngineBase:
                 v.context = context
                 ex_t, w_t, p_t = r.experts[t], r.weights[t], probs[t]
                 ee_t, ep_t = r.early_experts[t], eprobs[t]
+                v._rows = (w_t, p_t, ee_t, ep_t)  # the rows a policy reads (View's properties)
                 ws_t = wsums[t]
                 d_ne = nonexpert_s(1, context)
             for layer in range(n_layers):
@@ -601,13 +601,9 @@ class EngineBase:
                 else:
                     experts = ex_t[layer]
                     v.experts = experts
-                    v.weights = w_t[layer]
-                    v.probs = p_t[layer]
-                    if layer < last:
-                        v.next_experts = ee_t[layer + 1]
-                        v.next_probs = ep_t[layer + 1]
-                    else:
-                        v.next_experts = v.next_probs = None
+                    # the other rows are built only when the policy reads them (lazy views:
+                    # stream-all reads none of them, daop two of four)
+                    v._weights = v._probs = v._next_experts = v._next_probs = _LAZY
                 try:  # Hooks.call, inlined on the per-layer path
                     plan = decide(v)
                 except (PolicyError, UserError):

@@ -54,6 +54,9 @@ from simulator.trace import (
 
 #: ``calibration=`` values that are not paths (see docs/metrics.md, "Calibration").
 CALIBRATION_MODES = ("none", "self")
+#: a trace of at most this many rows has its evaluation sequences assembled by the calibration
+#: read and kept in memory for the run (a few tens of MB at most), instead of read twice
+_STASH_ROWS = 1 << 20
 #: ``lookahead=`` choices: the trace's recorded view, or the previous-token stand-in.
 LOOKAHEAD_CHOICES = ("recorded", "previous-token")
 
@@ -115,16 +118,29 @@ def calibration_counts(
     meta: TraceMeta,
     ids: list[int],
     per_sequence: list[np.ndarray] | None = None,
+    keep: dict[int, SequenceRouting] | None = None,
+    keep_ids: set[int] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Decode-time and prefill-time selection counts [layers, experts] over ``ids``.
 
     With ``per_sequence`` (a list), each sequence's own counts (prompt and decode together,
     file order) are appended to it: the request-level activation matrices of MoE-Infinity.
+    With ``keep`` and ``keep_ids``, the sequences of ``keep_ids`` are stored in ``keep`` as
+    this read assembles them (file order): the same pass over the file serves a later read
+    of them (the evaluation sequences of a small trace; see ``_STASH_ROWS``).
     """
     n_layers, n_exp = meta.model.moe_layers, meta.model.experts
     dec = np.zeros((n_layers, n_exp), dtype=np.int64)
     pre = np.zeros((n_layers, n_exp), dtype=np.int64)
-    for r in iter_sequences(path, meta, sequences=set(ids)):
+    wanted = set(ids)
+    kept = keep_ids if keep is not None and keep_ids else set()
+    for r in iter_sequences(path, meta, sequences=wanted | kept):
+        sid = int(r.seq_id)
+        if sid in kept:
+            assert keep is not None
+            keep[sid] = r
+        if sid not in wanted:
+            continue
         own = np.zeros((n_layers, n_exp), dtype=np.int64)
         for counts, part in ((pre, r.experts[: r.n_prefill]), (dec, r.experts[r.n_prefill :])):
             if part.size == 0:
@@ -652,6 +668,17 @@ def simulate(
         )
 
     calib = calib_pre = None
+    # the evaluation sequences, kept by the calibration read of a small trace (one pass over
+    # the file instead of two; None: read them from the file)
+    stash: dict[int, SequenceRouting] | None = None
+
+    def eval_sequences() -> Iterator[SequenceRouting]:
+        # file order, as iter_sequences yields them (the arrays are only read)
+        if stash is not None:
+            yield from stash.values()
+        else:
+            yield from iter_sequences(trace_path, meta, sequences=set(eval_ids))
+
     cal_eams: list[np.ndarray] = []  # per calibration sequence (MoE-Infinity's trace collection)
     if wants_cal and mode == "none":
         raise UserError(
@@ -675,7 +702,11 @@ def simulate(
             cal_ids_ext = checked_sequence_ids(cal_path, cal_meta)
             calib, calib_pre = calibration_counts(cal_path, cal_meta, cal_ids_ext, cal_eams)
         elif cal_ids:
-            calib, calib_pre = calibration_counts(trace_path, meta, cal_ids, cal_eams)
+            if serving is None and meta.counts.get("rows", _STASH_ROWS + 1) <= _STASH_ROWS:
+                stash = {}  # this pass also assembles the evaluation sequences
+            calib, calib_pre = calibration_counts(
+                trace_path, meta, cal_ids, cal_eams, stash, set(eval_ids)
+            )
         else:
             raise UserError(
                 f"policy {pol.name!r} needs calibration data: the trace has no "
@@ -717,7 +748,7 @@ def simulate(
                 plan.config,
             )
         else:
-            for r in iter_sequences(trace_path, meta, sequences=set(eval_ids)):
+            for r in eval_sequences():
                 oracle.add(r)
 
     multi_kw: dict[str, Any] = {}
@@ -766,7 +797,7 @@ def simulate(
 
     def seqs() -> Iterator[SequenceRouting]:
         # stream in file order; evaluation order is file order too
-        for r in iter_sequences(trace_path, meta, sequences=set(eval_ids)):
+        for r in eval_sequences():
             yield previous_token_view(r) if stand_in else r
 
     def tick(r: SequenceRouting) -> None:
