@@ -2574,6 +2574,14 @@ class Engine(EngineBase):
             or res.waiters
         ):
             return None
+        if self._wb and self.recorder is None:
+            # write-back runs (mixtral-offloading's miss layers): a plan of resident experts,
+            # fetches and temporary copies goes to _copy_layer_wb at once, as it would by way
+            # of _copy_layer (and a plan of resident experts alone as by way of _copies_only
+            # and _plain_fetches); a plan it refuses goes on below
+            end = self._copy_layer_wb(layer, routed, plan, now)
+            if end is not None:
+                return end
         hits: list[int] = []
         cpu: list[int] = []
         copies = False
@@ -3023,7 +3031,62 @@ class Engine(EngineBase):
             end = lane.free_at = s + d
             lane.busy += d
             jobs.append((end, e))
-        return self._repeat_gpu(jobs, now)  # _timed_gpu_one's sums without a recorder
+        # _repeat_gpu (_timed_gpu_one's sums without a recorder) with the host thread's
+        # HostThread.expert and issue written out: the same sums in the same order
+        jobs.sort()
+        ds = self._repeat_d
+        if ds is None:
+            d1 = m.gpu_s(1)
+            ds = self._repeat_d = (d1 + m.fused_launch_s, d1 + 0.0)
+        d, rest = ds
+        host = m.host_experts
+        g = now
+        busy = 0.0
+        if host is None:
+            for ready, _ in jobs:
+                if ready > g:
+                    c.transfer_stall += ready - g
+                    g = ready
+                g += d
+                busy += d
+                d = rest
+        else:
+            n_sync = host.expert_syncs
+            k_exp = host.expert_k
+            for ready, _ in jobs:
+                drained = g
+                if ready > g:
+                    c.transfer_stall += ready - g
+                    g = ready
+                # the stream may wait for the host thread to issue it (HostThread.expert)
+                if n_sync:
+                    h = host.t
+                    if drained > h:
+                        h = drained
+                    host.t = h + host.expert_sync
+                    host.syncs += n_sync
+                end = g + d  # HostThread.issue(g, d, k_exp)
+                if k_exp:
+                    h = host.t
+                    disp = host.dispatch
+                    t = h + disp + d
+                    if t > end:
+                        end = t
+                    h += k_exp * disp
+                    t = h + d / k_exp
+                    if t > end:
+                        end = t
+                    host.t = h
+                wait = end - d - g
+                if wait > 0.0:
+                    c.dispatch_stall += wait
+                    g += wait
+                g += d
+                busy += d
+                d = rest
+        c.gpu_expert_busy += busy
+        m.gpu.busy += busy
+        return g
 
     def _cpu_parallel(
         self, experts: list[int], now: float, sid: int, token: int, layer: int
