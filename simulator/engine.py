@@ -2548,6 +2548,10 @@ class Engine(EngineBase):
             c.cpu_wait += end - now
         return end
 
+    #: ``_copy_layer_wb`` has taken a plan offered by ``_gpu_cpu_layer`` / refused one
+    _cwb_taken = False
+    _cwb_refused = 0
+
     def _gpu_cpu_layer(self, layer: int, routed: list[int], plan: Plan, now: float) -> float | None:
         """``_copies_only`` by way of ``_victim_fetches`` for a decode plan of resident, timed
         experts and CPU experts only (at least one), nothing else (ktransformers, fiddler,
@@ -2574,14 +2578,16 @@ class Engine(EngineBase):
             or res.waiters
         ):
             return None
-        if self._wb and self.recorder is None:
-            # write-back runs (mixtral-offloading's miss layers): a plan of resident experts,
-            # fetches and temporary copies goes to _copy_layer_wb at once, as it would by way
-            # of _copy_layer (and a plan of resident experts alone as by way of _copies_only
-            # and _plain_fetches); a plan it refuses goes on below
+        if self.recorder is None and (self._cwb_taken or self._cwb_refused < _PLAIN_PROBES):
+            # a plan of resident experts, fetches and temporary copies goes to _copy_layer_wb
+            # at once, as it would by way of _copy_layer (and one of resident experts alone as
+            # by way of _copies_only and _plain_fetches); a plan it refuses goes on below. A
+            # run whose first plans all have CPU experts (ktransformers) stops trying.
             end = self._copy_layer_wb(layer, routed, plan, now)
             if end is not None:
+                self._cwb_taken = True
                 return end
+            self._cwb_refused += 1
         hits: list[int] = []
         cpu: list[int] = []
         copies = False
