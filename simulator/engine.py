@@ -1806,7 +1806,7 @@ class Engine(EngineBase):
         The checks are theirs (anything else, or anything they would refuse, returns None
         before any change, and ``_copies_only`` goes on as before); the plan is applied and
         timed as ``_victim_fetches`` does it: the same issue numbers, counters and sums in the
-        same order."""
+        same order. Without a recorder ``_copy_layer_wb`` does the same through flat views."""
         evict, prefetch = plan.evict, plan.prefetch
         if evict or prefetch or plan.barrier:
             return None
@@ -2560,7 +2560,8 @@ class Engine(EngineBase):
         on as before), applied and timed as ``_victim_fetches`` with
         ``_cpu_calls``/``_cpu_parallel`` and ``_timed_gpu`` do it: the same issue numbers,
         counters and sums in the same order. A plan of resident experts, fetches and
-        temporary copies goes to ``_copy_layer``."""
+        temporary copies goes to ``_copy_layer_wb`` without a recorder (first, while it takes
+        plans), or to ``_copy_layer``."""
         actions = plan.actions
         res = self.res
         if (
