@@ -2131,9 +2131,16 @@ class Engine(EngineBase):
         rel: deque[Any] = self._rel  # type: ignore[assignment]
         res = self.res
         if not (self._heap or res.waiters):
-            free = res.free  # _release with no waiter (releasing one adds none)
-            while rel and rel[0][0] <= now:
-                free(rel.popleft()[0])
+            if res.recorder is None:  # Residency.free without a recorder: one slot each
+                n = 0
+                while rel and rel[0][0] <= now:
+                    rel.popleft()
+                    n += 1
+                res.occupancy -= n
+            else:
+                free = res.free  # _release with no waiter (releasing one adds none)
+                while rel and rel[0][0] <= now:
+                    free(rel.popleft()[0])
             if not rel:
                 return
         self._flush_releases()
