@@ -8,6 +8,7 @@ its buffers, write-back and optional speculative prefetch.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from typing import Any
 
@@ -16,6 +17,10 @@ from policies.caching import CachingPolicy
 from policies.registry import register
 
 GPU, FETCH, TEMP = Action.GPU, Action.FETCH, Action.TEMP
+
+# serve_token builds its Plan positionally (half the cost of a keyword): actions comes first
+if dataclasses.fields(Plan)[0].name != "actions":  # pragma: no cover
+    raise ImportError("policies.lru: Plan's first field is no longer 'actions'")
 
 
 @register
@@ -76,8 +81,8 @@ class LRUPolicy(CachingPolicy):
             else:
                 misses.append(e)
         if not misses:
-            return ALL_GPU_PLAN if shared_hit_plan else Plan(actions=actions)
-        plan = Plan(actions=actions)
+            return ALL_GPU_PLAN if shared_hit_plan else Plan(actions)
+        plan = Plan(actions)  # positional: cheaper than a keyword (actions is Plan's first field)
         protected = set(experts)
         extra = self.unevictable(layer)
         if extra:

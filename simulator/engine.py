@@ -1802,7 +1802,7 @@ class Engine(EngineBase):
         The checks are theirs (anything else, or anything they would refuse, returns None
         before any change, and ``_copies_only`` goes on as before); the plan is applied and
         timed as ``_victim_fetches`` does it: the same issue numbers, counters and sums in the
-        same order."""
+        same order. Without a recorder ``_copy_layer_wb`` does the same through flat views."""
         evict, prefetch = plan.evict, plan.prefetch
         if evict or prefetch or plan.barrier:
             return None
@@ -1820,6 +1820,9 @@ class Engine(EngineBase):
             or self._ssd is not None
         ):
             return None
+        if self.recorder is None:
+            # the same rules through flat views (write-backs and low-bit copies included)
+            return self._copy_layer_wb(layer, routed, plan, now)
         resident, ready_at = res.resident, res.ready_at
         row = resident[layer]
         ready_row = ready_at[layer]
@@ -2124,9 +2127,16 @@ class Engine(EngineBase):
         rel: deque[Any] = self._rel  # type: ignore[assignment]
         res = self.res
         if not (self._heap or res.waiters):
-            free = res.free  # _release with no waiter (releasing one adds none)
-            while rel and rel[0][0] <= now:
-                free(rel.popleft()[0])
+            if res.recorder is None:  # Residency.free without a recorder: one slot each
+                n = 0
+                while rel and rel[0][0] <= now:
+                    rel.popleft()
+                    n += 1
+                res.occupancy -= n
+            else:
+                free = res.free  # _release with no waiter (releasing one adds none)
+                while rel and rel[0][0] <= now:
+                    free(rel.popleft()[0])
             if not rel:
                 return
         self._flush_releases()
@@ -2541,6 +2551,10 @@ class Engine(EngineBase):
             c.cpu_wait += end - now
         return end
 
+    #: ``_copy_layer_wb`` has taken a plan offered by ``_gpu_cpu_layer`` / refused one
+    _cwb_taken = False
+    _cwb_refused = 0
+
     def _gpu_cpu_layer(self, layer: int, routed: list[int], plan: Plan, now: float) -> float | None:
         """``_copies_only`` by way of ``_victim_fetches`` for a decode plan of resident, timed
         experts and CPU experts only (at least one), nothing else (ktransformers, fiddler,
@@ -2549,7 +2563,8 @@ class Engine(EngineBase):
         on as before), applied and timed as ``_victim_fetches`` with
         ``_cpu_calls``/``_cpu_parallel`` and ``_timed_gpu`` do it: the same issue numbers,
         counters and sums in the same order. A plan of resident experts, fetches and
-        temporary copies goes to ``_copy_layer``."""
+        temporary copies goes to ``_copy_layer_wb`` without a recorder (first, while it takes
+        plans), or to ``_copy_layer``."""
         actions = plan.actions
         res = self.res
         if (
@@ -2567,6 +2582,16 @@ class Engine(EngineBase):
             or res.waiters
         ):
             return None
+        if self.recorder is None and (self._cwb_taken or self._cwb_refused < _PLAIN_PROBES):
+            # a plan of resident experts, fetches and temporary copies goes to _copy_layer_wb
+            # at once, as it would by way of _copy_layer (and one of resident experts alone as
+            # by way of _copies_only and _plain_fetches); a plan it refuses goes on below. A
+            # run whose first plans all have CPU experts (ktransformers) stops trying.
+            end = self._copy_layer_wb(layer, routed, plan, now)
+            if end is not None:
+                self._cwb_taken = True
+                return end
+            self._cwb_refused += 1
         hits: list[int] = []
         cpu: list[int] = []
         copies = False
@@ -2688,8 +2713,10 @@ class Engine(EngineBase):
         writing the residency, ready times and prefetched flags through ``_repeat_rows``'
         flat views instead of numpy scalars. ``_gpu_cpu_layer`` has checked the plan's
         shape."""
-        if self.recorder is not None or self._wb or plan.low_bit:
+        if self.recorder is not None:
             return None
+        if self._wb or plan.low_bit:
+            return self._copy_layer_wb(layer, routed, plan, now)
         actions = plan.actions
         victims = plan.victims
         res = self.res
@@ -2806,6 +2833,270 @@ class Engine(EngineBase):
             lane.busy += dur
             jobs.append((end, e))
         return self._repeat_gpu(jobs, now)
+
+    def _copy_layer_wb(self, layer: int, routed: list[int], plan: Plan, now: float) -> float | None:
+        """``_plain_fetches`` without a recorder, with write-backs and low-bit temporary copies
+        too (mixtral-offloading's and hobbit's miss layers; ``_copy_layer`` covers the rest):
+        its checks in its order (anything else, or anything it would refuse, returns None
+        before any change), applied and timed as it does (the same issue numbers, counters,
+        held-back or heap slot releases and sums in the same order), reading and writing the
+        residency, ready times and prefetched flags through ``_repeat_rows``' flat views
+        instead of numpy scalars. Its callers (``_plain_fetches``, ``_copy_layer``) have
+        checked the plan's shape: dict actions, one per routed expert, dict victims, no evict
+        list, prefetch or barrier, no unified memory, SSD tier or slot waiter."""
+        actions = plan.actions
+        victims = plan.victims
+        res = self.res
+        views = self._repeat_views
+        if (
+            views is None
+            or views[0] is not res.resident
+            or views[1] is not res.ready_at
+            or views[2] is not res.prefetched
+        ):
+            views = self._repeat_rows()
+        mres, mready, mpre = views[3], views[4], views[5]
+        n_exp = self.n_experts
+        lo = layer * n_exp
+        hits: list[int] = []
+        fetch: list[int] = []
+        temps: list[int] = []
+        get = actions.get
+        for e in routed:
+            a = get(e)
+            if a == _GPU:
+                if not mres[lo + e] or mready[lo + e] == INF:
+                    return None  # not resident, or its copy not timed yet
+                hits.append(e)
+            elif a == _FETCH:
+                if mres[lo + e]:
+                    return None  # already resident
+                fetch.append(e)
+            elif a == _TEMP:
+                if mres[lo + e]:
+                    return None  # a temporary copy of a resident expert
+                temps.append(e)
+            else:
+                return None  # CPU experts, pre-calculations, malformed actions
+        m = self.machine
+        n_temp = m.buffers["temp"]
+        if len(temps) > n_temp:
+            return None  # a copy waiting for a buffer (or no buffer at all)
+        low = plan.low_bit
+        if low:
+            # check_plan's _check_low_bit: routed TEMP copies on a system with low-bit copies
+            if self.spec.low_bit_dtype is None:
+                return None
+            for e in low:
+                if e not in temps:
+                    return None
+        wb = self._wb
+        n_copies = len(fetch)
+        gone: list[int] = []  # victims' flat indices, in issue order
+        #: the victim's flat index issued before each fetch (-1: none), in fetch order
+        before: list[int] = []
+        if n_copies:
+            if n_copies > 1 and len(set(fetch)) != n_copies:
+                return None  # an expert fetched twice
+            n_layers = self.n_layers
+            n_res = res.n_resident
+            budget = res.budget
+            for e in fetch:
+                v = victims.get(e)
+                if v is not None:
+                    if v.__class__ is not tuple or len(v) != 2:
+                        return None
+                    vl, ve = v
+                    if vl.__class__ is not int or ve.__class__ is not int:
+                        return None
+                    if not (0 <= vl < n_layers and 0 <= ve < n_exp):
+                        return None
+                    i = vl * n_exp + ve
+                    if i in gone:
+                        return None
+                    if vl == layer and ve in routed:
+                        return None  # an in-use victim: _victim_fetches decides
+                    if not mres[i] or mready[i] > now:
+                        return None  # not resident, or still being copied
+                    gone.append(i)
+                    before.append(i)
+                    n_res -= 1
+                else:
+                    before.append(-1)
+                if n_res >= budget:
+                    return None  # all slots full and no victim
+                n_res += 1
+            # without write-backs an evicted slot is free at once, else when its write-back ends
+            if res.occupancy - (0 if wb else len(gone)) + n_copies > res.cap:
+                return None  # a fetch would wait for a slot
+            res.n_resident = n_res
+        # -- apply, as _plain_fetches: residency, counters and issue numbers
+        c = self.c
+        eb = self.expert_bytes
+        n_evs = len(gone)
+        wbs: list[int] = []  # write-backs' issue numbers, in issue order
+        if not wb:  # evictions free their slots at once and issue nothing
+            for i in gone:
+                mres[i] = 0
+                if mpre[i]:
+                    mpre[i] = 0
+                    c.prefetch_wasted_bytes += eb
+                res.occupancy -= 1
+            self._seq += n_copies + len(temps)
+        else:
+            seq = self._seq
+            for i in before:
+                seq += 1
+                if i >= 0:  # the victim's write-back, then the fetch
+                    mres[i] = 0
+                    if mpre[i]:
+                        mpre[i] = 0
+                        c.prefetch_wasted_bytes += eb
+                    wbs.append(seq)
+                    seq += 1
+            self._seq = seq + len(temps)
+        if n_evs:
+            c.evictions += n_evs
+            if wb:
+                c.d2h_bytes += eb * n_evs
+                c.d2h_expert_copies += n_evs
+        jobs: list[tuple[float, int]] = []
+        for e in hits:
+            if mpre[lo + e]:
+                mpre[lo + e] = 0
+                c.prefetch_used += 1
+            jobs.append((mready[lo + e], e))
+        n = len(routed)
+        n_hits = len(hits)
+        c.decode_accesses += n
+        c.decode_hits += n_hits
+        self._hits[layer] += n_hits
+        self._acc[layer] += n
+        n_h2d = n_copies + len(temps)
+        if low:  # as _apply: a low-bit copy moves the host's low-precision copy
+            n_low = len(low)  # each low-bit expert is one of the temporary copies (distinct)
+            c.low_bit_copies += n_low
+            c.h2d_bytes += eb * (n_h2d - n_low) + m.low_bit_bytes * n_low
+        else:
+            c.h2d_bytes += eb * n_h2d
+        c.h2d_expert_copies += n_h2d
+        c.fetches += n_copies
+        c.temp_copies += len(temps)
+        lane = self._h2d.lane
+        dur = self._h2d.expert_s
+        if wbs:
+            # write-backs and fetches interleaved in issue order, as _plain_fetches: a
+            # write-back holds both lanes and its slot release is held back (_releases) or
+            # pushed on the heap
+            d2h = self._d2h.lane
+            wb_s = self._d2h.expert_s
+            rel = self._rel if self._rel_ok else self._releases()
+            where = self.hooks.where
+            sid, token = where.seq or 0, where.token or 0
+            k = 0
+            for e, i in zip(fetch, before, strict=True):
+                if i >= 0:
+                    s = lane.free_at
+                    if d2h.free_at > s:
+                        s = d2h.free_at
+                    if now > s:
+                        s = now  # max(now, both lanes' free times)
+                    end = s + wb_s
+                    lane.free_at = d2h.free_at = end
+                    d2h.busy += wb_s
+                    seq = wbs[k]
+                    k += 1
+                    vl, ve = divmod(i, n_exp)
+                    if rel is not None and (not rel or rel[-1][0] <= end):
+                        rel.append((end, seq, sid, token, vl, ve))
+                    else:
+                        op = LayerOp(WRITEBACK, "writeback", seq, sid, token, vl, ve)
+                        op.end = end
+                        op.stage = 1
+                        heapq.heappush(self._heap, (end, seq, next(self._uid), op))
+                occ = res.occupancy = res.occupancy + 1  # Residency.take, inlined
+                if occ > res.max_occupancy:
+                    res.max_occupancy = occ
+                s = now if now > lane.free_at else lane.free_at  # Lane.serve, inlined
+                end = lane.free_at = s + dur
+                lane.busy += dur
+                mres[lo + e] = 1
+                mready[lo + e] = end
+                jobs.append((end, e))
+        else:
+            for e in fetch:
+                occ = res.occupancy = res.occupancy + 1  # Residency.take, inlined
+                if occ > res.max_occupancy:
+                    res.max_occupancy = occ
+                s = now if now > lane.free_at else lane.free_at  # Lane.serve, inlined
+                end = lane.free_at = s + dur
+                lane.busy += dur
+                mres[lo + e] = 1
+                mready[lo + e] = end
+                jobs.append((end, e))
+        # issued after the routed fetches, one buffer each (_temp_copies, inlined)
+        for e in temps:
+            d = m.low_bit_s if low and e in low else dur  # as _serve_op: a low-bit copy's time
+            s = now if now > lane.free_at else lane.free_at
+            end = lane.free_at = s + d
+            lane.busy += d
+            jobs.append((end, e))
+        # _repeat_gpu (_timed_gpu_one's sums without a recorder) with the host thread's
+        # HostThread.expert and issue written out: the same sums in the same order
+        jobs.sort()
+        ds = self._repeat_d
+        if ds is None:
+            d1 = m.gpu_s(1)
+            ds = self._repeat_d = (d1 + m.fused_launch_s, d1 + 0.0)
+        d, rest = ds
+        host = m.host_experts
+        g = now
+        busy = 0.0
+        if host is None:
+            for ready, _ in jobs:
+                if ready > g:
+                    c.transfer_stall += ready - g
+                    g = ready
+                g += d
+                busy += d
+                d = rest
+        else:
+            n_sync = host.expert_syncs
+            k_exp = host.expert_k
+            for ready, _ in jobs:
+                drained = g
+                if ready > g:
+                    c.transfer_stall += ready - g
+                    g = ready
+                # the stream may wait for the host thread to issue it (HostThread.expert)
+                if n_sync:
+                    h = host.t
+                    if drained > h:
+                        h = drained
+                    host.t = h + host.expert_sync
+                    host.syncs += n_sync
+                end = g + d  # HostThread.issue(g, d, k_exp)
+                if k_exp:
+                    h = host.t
+                    disp = host.dispatch
+                    t = h + disp + d
+                    if t > end:
+                        end = t
+                    h += k_exp * disp
+                    t = h + d / k_exp
+                    if t > end:
+                        end = t
+                    host.t = h
+                wait = end - d - g
+                if wait > 0.0:
+                    c.dispatch_stall += wait
+                    g += wait
+                g += d
+                busy += d
+                d = rest
+        c.gpu_expert_busy += busy
+        m.gpu.busy += busy
+        return g
 
     def _cpu_parallel(
         self, experts: list[int], now: float, sid: int, token: int, layer: int

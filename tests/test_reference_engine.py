@@ -701,11 +701,11 @@ def _run_quiet_and_recorded(
 @pytest.mark.parametrize(
     ("policy", "helper", "trace", "ratio", "opts"),
     [
-        ("lfu", "_copy_layer", "olmoe-1b-7b", 0.25, {}),
-        ("global-lfu", "_copy_layer", "ci-small", 0.25, {}),  # victims of other layers
-        ("belady-global", "_copy_layer", "phi-3.5-moe", 0.25, {}),
-        ("static", "_copy_layer", "ci-small", 0.25, {}),  # temporary copies
-        ("lru", "_copy_layer", "ci-small", 0.25, {"initial": "empty"}),  # fills, no victim
+        ("lfu", "_copy_layer_wb", "olmoe-1b-7b", 0.25, {}),
+        ("global-lfu", "_copy_layer_wb", "ci-small", 0.25, {}),  # victims of other layers
+        ("belady-global", "_copy_layer_wb", "phi-3.5-moe", 0.25, {}),
+        ("static", "_copy_layer_wb", "ci-small", 0.25, {}),  # temporary copies
+        ("lru", "_copy_layer_wb", "ci-small", 0.25, {"initial": "empty"}),  # fills, no victim
         ("ktransformers", "_gpu_cpu_layer", "phi-3.5-moe", 0.25, {"gpu_experts_per_layer": 1}),
         ("fiddler", "_gpu_cpu_layer", "ci-small", 0.25, {}),  # one after another
         ("llama-cpp-cpu-moe", "_gpu_cpu_layer", "olmoe-1b-7b", 0.25, {}),
@@ -721,7 +721,7 @@ def test_narrow_recorderless_paths_match_recorded_and_reference(
     runtime: str | RuntimeProfile | None,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Engine._gpu_cpu_layer (resident and CPU experts) and Engine._copy_layer (resident
+    """Engine._gpu_cpu_layer (resident and CPU experts) and Engine._copy_layer_wb (resident
     experts, fetches with or without victims, temporary copies; no recorder) are really
     taken, and a run without a recorder has bit-identical counters, token latencies, end and
     busy times to a recorded run (which takes the other one-pass paths) and agrees with the
@@ -738,6 +738,56 @@ def test_narrow_recorderless_paths_match_recorded_and_reference(
     monkeypatch.setattr(Engine, helper, counting)
     quiet, loud, ref = _run_quiet_and_recorded(policy, trace, ratio, runtime, **opts)
     assert taken[0] > 0, f"{policy} never took Engine.{helper}"
+    cq, cl = dataclasses.asdict(quiet.counters), dataclasses.asdict(loud.counters)
+    for k, v in cq.items():
+        assert repr(np.asarray(v).tolist()) == repr(np.asarray(cl[k]).tolist()), k
+    assert quiet.e2e == loud.e2e and quiet.busy == loud.busy
+    cr = dataclasses.asdict(ref.counters)
+    for k, v in cq.items():
+        np.testing.assert_allclose(np.asarray(v, float), np.asarray(cr[k], float), atol=TOL)
+    assert quiet.e2e == pytest.approx(ref.e2e, abs=TOL, rel=0)
+
+
+@pytest.mark.parametrize(
+    ("policy", "trace", "ratio", "opts"),
+    [
+        ("mixtral-offloading", "ci-small", 0.25, {}),  # write-backs, held-back releases
+        ("mixtral-offloading", "phi-3.5-moe", 0.25, {"experts_per_layer": 3}),
+        ("hobbit", "ci-small", 0.25, {"low_bit_threshold": 0.2, "skip_threshold": 0.7}),
+        ("hobbit", "olmoe-1b-7b", 0.25, {"low_bit_threshold": 0.3, "skip_threshold": 1.0}),
+    ],
+)
+@pytest.mark.parametrize("runtime", [None, "ideal", SLOW_HOST])
+def test_write_back_and_low_bit_layers_take_copy_layer_wb(
+    policy: str,
+    trace: str,
+    ratio: float,
+    opts: dict[str, Any],
+    runtime: str | RuntimeProfile | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Engine._copy_layer_wb takes mixtral-offloading's miss layers (each victim written
+    back) and hobbit's low-bit copies without a recorder, and those runs are bit-identical to
+    recorded runs (which go through _plain_fetches' numpy-row code and _timed_gpu_one) and
+    agree with the reference engine; the write-backs and low-bit copies really happen."""
+    taken = {"wb": 0, "low": 0}
+    orig = Engine._copy_layer_wb
+
+    def counting(self: Engine, layer: int, routed: list[int], plan: Plan, now: float) -> Any:
+        end = orig(self, layer, routed, plan, now)
+        if end is not None:
+            if plan.victims and self._wb:
+                taken["wb"] += 1
+            if plan.low_bit:
+                taken["low"] += 1
+        return end
+
+    monkeypatch.setattr(Engine, "_copy_layer_wb", counting)
+    quiet, loud, ref = _run_quiet_and_recorded(policy, trace, ratio, runtime, **opts)
+    if policy == "mixtral-offloading":
+        assert taken["wb"] > 0 and quiet.counters.d2h_expert_copies > 0
+    else:
+        assert taken["low"] > 0 and quiet.counters.low_bit_copies > 0
     cq, cl = dataclasses.asdict(quiet.counters), dataclasses.asdict(loud.counters)
     for k, v in cq.items():
         assert repr(np.asarray(v).tolist()) == repr(np.asarray(cl[k]).tolist()), k
