@@ -2886,41 +2886,10 @@ class Engine(EngineBase):
         added: list[int] = []  # copies' flat indices, in issue order
         n_res = res.n_resident
         budget = res.budget
-
-        def evict(v: Any) -> bool:
-            # _copies_only's evict() without write-backs (an in-use victim is refused)
-            if v.__class__ is not tuple or len(v) != 2:
-                return False
-            vl, ve = v
-            if vl.__class__ is not int or ve.__class__ is not int:
-                return False
-            if not (0 <= vl < n_layers and 0 <= ve < n_exp):
-                return False
-            i = vl * n_exp + ve
-            if i in gone or i in added or not mres[i]:
-                return False
-            if vl == layer and ve in fetch_or_hit:
-                return False
-            if mready[i] > now:
-                return False  # still being copied
-            gone.append(i)
-            return True
-
-        fetch_or_hit = hits + fetch if fetch else hits
-        for e in fetch:
-            i = lo + e
-            if i in added or (mres[i] and i not in gone):
-                return None
-            v = victims.get(e)
-            if v is not None:
-                if not evict(v):
-                    return None
-                n_res -= 1
-            if n_res >= budget:
-                return None  # all slots full and no victim
-            added.append(i)
-            n_res += 1
-        n_fetch = len(added)
+        # the routed fetches, then the prefetches, each as (flat index, victim); a victim is
+        # checked as _copies_only's evict() does without write-backs (one in use is refused)
+        copies = [(lo + e, victims.get(e)) for e in fetch]
+        n_fetch = len(copies)
         for item in prefetch:
             if item.__class__ is not tuple or len(item) != 3:
                 return None
@@ -2929,15 +2898,29 @@ class Engine(EngineBase):
                 return None
             if not (0 <= pl < n_layers and 0 <= pe < n_exp):
                 return None
-            i = pl * n_exp + pe
+            copies.append((pl * n_exp + pe, v))
+        for i, v in copies:
             if i in added or (mres[i] and i not in gone):
                 return None
             if v is not None:
-                if not evict(v):
+                if v.__class__ is not tuple or len(v) != 2:
                     return None
+                vl, ve = v
+                if vl.__class__ is not int or ve.__class__ is not int:
+                    return None
+                if not (0 <= vl < n_layers and 0 <= ve < n_exp):
+                    return None
+                j = vl * n_exp + ve
+                if j in gone or j in added or not mres[j]:
+                    return None
+                if vl == layer and ve in routed:
+                    return None  # in use (every routed expert is a hit or a fetch here)
+                if mready[j] > now:
+                    return None  # still being copied
+                gone.append(j)
                 n_res -= 1
             if n_res >= budget:
-                return None
+                return None  # all slots full and no victim
             added.append(i)
             n_res += 1
         n_evs = len(gone)
