@@ -2564,6 +2564,10 @@ class Engine(EngineBase):
         ``_cpu_calls``/``_cpu_parallel`` and ``_timed_gpu`` do it: the same issue numbers,
         counters and sums in the same order. A plan of resident experts, fetches and
         temporary copies goes to ``_copy_layer``."""
+        if plan.prefetch and self._pf_taken:
+            # with prefetches: _prefetch_layer at once (None: _copies_only asks it again, as
+            # it would have anyway, and goes on)
+            return self._prefetch_layer(layer, routed, plan, now)
         actions = plan.actions
         res = self.res
         if (
