@@ -274,7 +274,11 @@ class MoEInfinityPolicy(Policy):
 
     # -- cache -----------------------------------------------------------------------------------
     def _victim(
-        self, now: float, layer: int, protect: set[int], keep: frozenset[int] | None
+        self,
+        now: float,
+        layer: int,
+        protect: set[int] | list[int],
+        keep: frozenset[int] | None,
     ) -> Slot | None:
         """The lowest-priority evictable expert, never one in ``keep`` (flat indices; None if
         none); its entry leaves ``order``.
@@ -361,14 +365,14 @@ class MoEInfinityPolicy(Policy):
             if self.do_prefetch and link_free < now + self.gap and layer < self.n_layers - 1:
                 # the plan is made when a prefetch is issued: until then every routed expert
                 # runs on the GPU, which the shared all-GPU plan says as well
-                plan = self._prefetch(None, now, layer, set(experts), experts)
+                plan = self._prefetch(None, now, layer, experts, experts)
                 if plan is not None:
                     return plan
             return ALL_GPU_PLAN
         actions = {e: GPU for e in experts if cflat[base + e]}
         victims: dict[int, Slot] = {}
         plan = Plan(actions, victims)
-        protect = set(experts)
+        protect = experts  # (a list of two or so: ``in`` is as quick as a set's)
         temp = False
         w = self.weight[layer]
         order = self.order
@@ -410,7 +414,7 @@ class MoEInfinityPolicy(Policy):
         plan: Plan | None,
         now: float,
         layer: int,
-        protect: set[int],
+        protect: set[int] | list[int],
         experts: list[int],
         runs_at: float = 0.0,
     ) -> Plan | None:
@@ -421,7 +425,9 @@ class MoEInfinityPolicy(Policy):
         horizon = (runs_at if runs_at > now else now) + self.gap
         if self.link_free >= horizon:
             return plan
-        queue, keep, flat = self._queue(self.best[layer], layer)
+        entry = self.best[layer]
+        got = self.cands.get((entry, layer))  # _queue, its cache looked up here
+        queue, keep, flat = self._queue(entry, layer) if got is None else got
         cflat, cntf, weight, order = self.cflat, self.cntf, self.weight, self.order
         pend, inflight = self.pend, self.inflight
         n_exp = self.n_exp
