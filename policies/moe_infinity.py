@@ -64,7 +64,7 @@ and adds its output in with boolean-mask indexing, five syncs per expert in all.
 
 from __future__ import annotations
 
-import heapq
+from bisect import insort
 from collections.abc import Iterable
 from itertools import chain, compress
 from operator import not_
@@ -90,6 +90,9 @@ GPU, FETCH, TEMP = Action.GPU, Action.FETCH, Action.TEMP
 
 #: a prefetch looks this far past predicted experts at the cache's low end for a victim
 KEEP_SCAN = 8
+
+#: a prefetch queue (``MoEInfinityPolicy._queue``)
+_Queue = tuple[list[tuple[int, int, int]], frozenset[int], list[int]]
 
 
 @register
@@ -157,23 +160,25 @@ class MoEInfinityPolicy(Policy):
         self.unit = np.divide(coll, norms, out=np.zeros_like(coll), where=norms > 0)
         self.n_entries = coll.shape[0]
         self.weight = [1.0 - layer / n_layers for layer in range(n_layers)]
-        self.cands: dict[tuple[int, int], tuple[list[Slot], frozenset[Slot], list[int]]] = {}
+        #: (entry, layer) -> the prefetch queue as (layer, expert, flat index), its flat
+        #: indices as a set and as a list (``_queue``)
+        self.cands: dict[tuple[int, int], _Queue] = {}
         #: per top-k, each decode selection's flat offset layer * experts (``_match``)
         self.offsets: dict[int, np.ndarray] = {}
         self.copy_s = ctx.costs.h2d_expert_s(pinned=True)
         self.gap = ctx.costs.nonexpert_layer_s(1, 0) + m.top_k * ctx.costs.gpu_expert_s(1)
         self.link_free = 0.0  # when the copy link finishes the copies this policy issued
         self.inflight: dict[Slot, float] = {}  # prefetched slot -> its copy's end
+        #: ``inflight`` by flat index (-1.0: none), kept in step with it for ``_victim``
+        self.pend = [-1.0] * (n_layers * n_exp)
         #: the runtime's landing times (View.ready) of the current decision, when it gives them
         self.ready: np.ndarray | None = None
         self.capacity = int(ctx.budget)
-        self.cached = [[False] * n_exp for _ in range(n_layers)]
-        #: ``cached`` flattened (index layer * experts + expert), kept in step with it: the
-        #: prefetch queue is scanned through it at C speed
+        #: whether each expert is cached, by flat index layer * experts + expert (the prefetch
+        #: queue is scanned through it at C speed)
         self.cflat = [False] * (n_layers * n_exp)
         slots = global_initial(ctx, str(self.options["initial"]), self.capacity)
         for layer, e in slots:
-            self.cached[layer][e] = True
             self.cflat[layer * n_exp + e] = True
         self.size = len(slots)
         self._reset_request()
@@ -182,19 +187,23 @@ class MoEInfinityPolicy(Policy):
     def _reset_request(self) -> None:
         """A new request: an empty EAM, and every cached expert back to priority 0."""
         n_layers, n_exp = self.n_layers, self.n_exp
-        self.cnt = [[0] * n_exp for _ in range(n_layers)]
+        #: this request's activation count of each expert, by flat index
+        self.cntf = [0] * (n_layers * n_exp)
         self.cur = np.zeros((n_layers, n_exp))
         self.dot = np.zeros((self.n_entries, n_layers))
         self.pending: list[list[int]] = []  # this step's decode selections, by layer
         self.best = [0] * n_layers
         w = self.weight
-        self.heap = [
-            (0.0, w[layer], e, layer)
+        cflat = self.cflat
+        #: the eviction order: one entry (priority, layer weight, expert, layer, flat index)
+        #: per cached expert, sorted; an entry's priority is the one at its insertion (or a
+        #: later requeue) and is brought up to date lazily (``_victim``)
+        self.order = sorted(
+            (0.0, w[layer], e, layer, layer * n_exp + e)
             for layer in range(n_layers)
             for e in range(n_exp)
-            if self.cached[layer][e]
-        ]
-        heapq.heapify(self.heap)
+            if cflat[layer * n_exp + e]
+        )
 
     def on_sequence_start(self, seq_id: int, n_prefill: int) -> None:
         """Each request has its own EAM."""
@@ -238,11 +247,13 @@ class MoEInfinityPolicy(Policy):
 
     def _candidates(self, entry: int, layer: int) -> tuple[list[Slot], frozenset[Slot]]:
         """The entry's experts of later layers in prefetch order, and the same as a set."""
-        order, keep, _ = self._queue(entry, layer)
-        return order, keep
+        items, _, _ = self._queue(entry, layer)
+        order = [(x, e) for x, e, _ in items]
+        return order, frozenset(order)
 
-    def _queue(self, entry: int, layer: int) -> tuple[list[Slot], frozenset[Slot], list[int]]:
-        """:meth:`_candidates` and the queue's flat indices (layer * experts + expert)."""
+    def _queue(self, entry: int, layer: int) -> _Queue:
+        """:meth:`_candidates` as (layer, expert, flat index layer * experts + expert) in
+        prefetch order, the flat indices as a set, and as a list in that order."""
         key = (entry, layer)
         got = self.cands.get(key)
         if got is None:
@@ -255,54 +266,64 @@ class MoEInfinityPolicy(Policy):
                 for e in np.flatnonzero(counts[x]).tolist():
                     items.append((-(counts[x, e] * decay), x, e))
             items.sort()
-            order = [(x, e) for _, x, e in items]
-            flat = [x * self.n_exp + e for x, e in order]
-            got = self.cands[key] = (order, frozenset(order), flat)
+            n_exp = self.n_exp
+            queue = [(x, e, x * n_exp + e) for _, x, e in items]
+            flat = [i for _, _, i in queue]
+            got = self.cands[key] = (queue, frozenset(flat), flat)
         return got
 
     # -- cache -----------------------------------------------------------------------------------
     def _victim(
-        self, now: float, layer: int, protect: set[int], keep: frozenset[Slot] | None
+        self,
+        now: float,
+        layer: int,
+        protect: set[int] | list[int],
+        keep: frozenset[int] | None,
     ) -> Slot | None:
-        """The lowest-priority evictable expert, never one in ``keep`` (None if none)."""
-        heap, cached, cnt = self.heap, self.cached, self.cnt
-        inflight = self.inflight
+        """The lowest-priority evictable expert, never one in ``keep`` (flat indices; None if
+        none); its entry leaves ``order``.
+
+        ``order`` is scanned from its low end as a lazy min-heap of the same entries would pop
+        them: an entry whose priority is out of date (a count only grows within a request) is
+        moved to its current one and the scan goes on from the same place, an entry skipped
+        (in use, in flight, or predicted) stays where it is. The entries are the heap's, so the
+        victim and the number of entries skipped before it are too (ties included:
+        tests/test_moe_infinity.py checks this against the heap)."""
+        order, cntf, cflat = self.order, self.cntf, self.cflat
+        pend = self.pend
         ready = self.ready
-        pop, push = heapq.heappop, heapq.heappush
-        skipped = []
-        found: Slot | None = None
-        while heap:
-            item = pop(heap)
-            key, w, e, vl = item
-            if not cached[vl][e]:
-                continue  # evicted since
-            now_key = cnt[vl][e] * w
+        j = 0
+        skipped = 0
+        while j < len(order):
+            key, w, e, vl, i = order[j]
+            if not cflat[i]:
+                del order[j]  # evicted since (a heap would drop it when popped)
+                continue
+            now_key = cntf[i] * w
             if now_key != key:
                 # priorities only grow within a request: requeue at the current one
-                push(heap, (now_key, w, e, vl))
+                del order[j]
+                insort(order, (now_key, w, e, vl, i))
                 continue
-            if vl == layer and e in protect:
-                skipped.append(item)
-                continue
-            slot = (vl, e)
-            if inflight.get(slot, -1.0) > now:
-                skipped.append(item)
-                continue
-            if ready is not None and ready[vl, e] > now:
+            if (
+                (vl == layer and e in protect)
+                or pend[i] > now
                 # still in flight by the runtime's account: the ledger missed other copies on
                 # the link (several GPUs on one uplink); never evict an expert being copied
-                skipped.append(item)
+                or (ready is not None and ready[vl, e] > now)
+            ):
+                skipped += 1
+                j += 1
                 continue
-            if keep is not None and slot in keep:
-                skipped.append(item)
-                if len(skipped) > KEEP_SCAN:
-                    break  # the cache's low end is all predicted: trading like for like
+            if keep is not None and i in keep:
+                skipped += 1
+                if skipped > KEEP_SCAN:
+                    return None  # the cache's low end is all predicted: trading like for like
+                j += 1
                 continue
-            found = slot
-            break
-        for item in skipped:
-            push(heap, item)
-        return found
+            del order[j]
+            return (vl, e)
+        return None
 
     def _copy(self, now: float) -> float:
         """Book one copy on the link (FIFO after this policy's earlier copies); its end."""
@@ -319,69 +340,73 @@ class MoEInfinityPolicy(Policy):
             self._match()
         experts = view.experts.tolist()
         counts = view.counts
-        cnt_l = self.cnt[layer]
-        cached = self.cached[layer]
-        # the heap keeps each cached expert's priority at insertion (or a later requeue): a
+        cntf = self.cntf
+        cflat = self.cflat
+        n_exp = self.n_exp
+        base = layer * n_exp
+        # ``order`` keeps each cached expert's priority at insertion (or a later requeue): a
         # count only grows within a request, so _victim requeues what it finds out of date
         misses = []
         if counts is None:
             self.pending.append(experts)
             for e in experts:
-                cnt_l[e] += 1
-                if not cached[e]:
+                cntf[base + e] += 1
+                if not cflat[base + e]:
                     misses.append(e)
         else:
             c = np.asarray(counts, dtype=np.float64)
             self.cur[layer] += c
             self.dot[:, layer] += self.unit[:, layer, :] @ c
             for e in experts:
-                cnt_l[e] += int(counts[e])
-            misses = [e for e in experts if not cached[e]]
+                cntf[base + e] += int(counts[e])
+            misses = [e for e in experts if not cflat[base + e]]
         link_free = self.link_free
         if not misses:
             if self.do_prefetch and link_free < now + self.gap and layer < self.n_layers - 1:
                 # the plan is made when a prefetch is issued: until then every routed expert
                 # runs on the GPU, which the shared all-GPU plan says as well
-                plan = self._prefetch(None, now, layer, set(experts), experts)
+                plan = self._prefetch(None, now, layer, experts, experts)
                 if plan is not None:
                     return plan
             return ALL_GPU_PLAN
-        actions = {e: GPU for e in experts if cached[e]}
-        plan = Plan(actions=actions)
-        protect = set(experts)
+        actions = {e: GPU for e in experts if cflat[base + e]}
+        victims: dict[int, Slot] = {}
+        plan = Plan(actions, victims)
+        protect = experts  # (a list of two or so: ``in`` is as quick as a set's)
         temp = False
-        if misses:
-            w = self.weight[layer]
-            heap = self.heap
-            cflat = self.cflat
-            base = layer * self.n_exp
-            n_exp = self.n_exp
-            copy_s = self.copy_s
-            for e in misses:
-                if self.size < self.capacity:
-                    self.size += 1
-                else:
-                    victim = self._victim(now, layer, protect, None)
-                    if victim is None:
-                        actions[e] = TEMP
-                        temp = True
-                        # _copy, written out: FIFO after this policy's earlier copies
-                        link_free = (now if now > link_free else link_free) + copy_s
-                        continue
-                    vl, ve = victim
-                    self.cached[vl][ve] = False
-                    cflat[vl * n_exp + ve] = False
-                    plan.victims[e] = victim
-                actions[e] = FETCH
-                cached[e] = True
-                cflat[base + e] = True
-                heapq.heappush(heap, (cnt_l[e] * w, w, e, layer))
-                link_free = (now if now > link_free else link_free) + copy_s
-            self.link_free = link_free
+        w = self.weight[layer]
+        order = self.order
+        copy_s = self.copy_s
+        for e in misses:
+            if self.size < self.capacity:
+                self.size += 1
+            else:
+                victim = self._victim(now, layer, protect, None)
+                if victim is None:
+                    actions[e] = TEMP
+                    temp = True
+                    # _copy, written out: FIFO after this policy's earlier copies
+                    link_free = (now if now > link_free else link_free) + copy_s
+                    continue
+                vl, ve = victim
+                cflat[vl * n_exp + ve] = False
+                victims[e] = victim
+            actions[e] = FETCH
+            i = base + e
+            cflat[i] = True
+            insort(order, (cntf[i] * w, w, e, layer, i))
+            link_free = (now if now > link_free else link_free) + copy_s
+        self.link_free = link_free
         # a temporary copy may wait for its buffer, so the link ledger is not exact: no prefetch
-        if self.do_prefetch and not temp and layer < self.n_layers - 1:
-            # the layer runs once its last miss lands (FIFO on the link: ``link_free``)
-            self._prefetch(plan, now, layer, protect, experts, self.link_free)
+        if (
+            self.do_prefetch
+            and not temp
+            and layer < self.n_layers - 1
+            # _prefetch's horizon test, before the call: the layer runs once its last miss
+            # lands (FIFO on the link: ``link_free``), not before ``now``
+            and link_free < (link_free if link_free > now else now) + self.gap
+        ):
+            self._prefetch(plan, now, layer, protect, experts, link_free)
         return plan
 
     def _prefetch(
@@ -389,7 +414,7 @@ class MoEInfinityPolicy(Policy):
         plan: Plan | None,
         now: float,
         layer: int,
-        protect: set[int],
+        protect: set[int] | list[int],
         experts: list[int],
         runs_at: float = 0.0,
     ) -> Plan | None:
@@ -400,14 +425,17 @@ class MoEInfinityPolicy(Policy):
         horizon = (runs_at if runs_at > now else now) + self.gap
         if self.link_free >= horizon:
             return plan
-        order, keep, flat = self._queue(self.best[layer], layer)
-        cached, cnt, weight, heap = self.cached, self.cnt, self.weight, self.heap
-        cflat = self.cflat
+        entry = self.best[layer]
+        got = self.cands.get((entry, layer))  # _queue, its cache looked up here
+        queue, keep, flat = self._queue(entry, layer) if got is None else got
+        cflat, cntf, weight, order = self.cflat, self.cntf, self.weight, self.order
+        pend, inflight = self.pend, self.inflight
         n_exp = self.n_exp
+        copy_s = self.copy_s
         # the queue's entries not cached, in order; each is read from ``cflat`` when the scan
         # reaches it (after the changes of the prefetches before it), as a loop testing
-        # ``cached[x][e]`` would
-        for x, e in compress(order, map(not_, map(cflat.__getitem__, flat))):
+        # ``cflat[i]`` would
+        for x, e, i in compress(queue, map(not_, map(cflat.__getitem__, flat))):
             victim: Slot | None = None
             if self.size < self.capacity:
                 self.size += 1
@@ -416,18 +444,22 @@ class MoEInfinityPolicy(Policy):
                 if victim is None:
                     break
                 vl, ve = victim
-                cached[vl][ve] = False
                 cflat[vl * n_exp + ve] = False
-            cached[x][e] = True
-            cflat[x * n_exp + e] = True
+            cflat[i] = True
             w = weight[x]
-            heapq.heappush(heap, (cnt[x][e] * w, w, e, x))
-            self.inflight[(x, e)] = self._copy(now)
+            insort(order, (cntf[i] * w, w, e, x, i))
+            # _copy, written out: FIFO after this policy's earlier copies
+            link_free = self.link_free
+            self.link_free = link_free = (now if now > link_free else link_free) + copy_s
+            inflight[(x, e)] = pend[i] = link_free
             if plan is None:
-                plan = Plan(actions={r: GPU for r in experts})
+                plan = Plan({r: GPU for r in experts})
             plan.prefetch.append((x, e, victim))
-            if self.link_free >= horizon:
+            if link_free >= horizon:
                 break
-        if len(self.inflight) > 4 * self.n_layers:
-            self.inflight = {s: t for s, t in self.inflight.items() if t > now}
+        if len(inflight) > 4 * self.n_layers:
+            self.inflight = {s: t for s, t in inflight.items() if t > now}
+            for (x, e), t in inflight.items():
+                if t <= now:
+                    pend[x * n_exp + e] = -1.0
         return plan

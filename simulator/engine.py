@@ -1260,6 +1260,9 @@ class Engine(EngineBase):
     #: ``_plain_fetches`` has served a plan of this run / refused one (see ``_copies_only``)
     _plain_taken = False
     _plain_refused = 0
+    #: ``_prefetch_layer`` likewise
+    _pf_taken = False
+    _pf_refused = 0
 
     def _copies_only(self, layer: int, routed: list[int], plan: Plan, now: float) -> float | None:
         # Why this is exact: without unified memory, such a plan's requests submitted at ``now``
@@ -1282,6 +1285,13 @@ class Engine(EngineBase):
                 self._plain_taken = True
                 return end
             self._plain_refused += 1
+        if plan.prefetch and (self._pf_taken or self._pf_refused < _PLAIN_PROBES):
+            # hits, fetches and prefetches without write-backs (moe-infinity), probed alike
+            end = self._prefetch_layer(layer, routed, plan, now)
+            if end is not None:
+                self._pf_taken = True
+                return end
+            self._pf_refused += 1
         actions = plan.actions
         res = self.res
         if (
@@ -2565,6 +2575,10 @@ class Engine(EngineBase):
         counters and sums in the same order. A plan of resident experts, fetches and
         temporary copies goes to ``_copy_layer_wb`` without a recorder (first, while it takes
         plans), or to ``_copy_layer``."""
+        if plan.prefetch and self._pf_taken:
+            # with prefetches: _prefetch_layer at once (None: _copies_only asks it again, as
+            # it would have anyway, and goes on)
+            return self._prefetch_layer(layer, routed, plan, now)
         actions = plan.actions
         res = self.res
         if (
@@ -2832,6 +2846,161 @@ class Engine(EngineBase):
             end = lane.free_at = s + dur
             lane.busy += dur
             jobs.append((end, e))
+        return self._repeat_gpu(jobs, now)
+
+    def _prefetch_layer(
+        self, layer: int, routed: list[int], plan: Plan, now: float
+    ) -> float | None:
+        """``_copies_only``'s general one-pass path for a decode plan of resident experts,
+        fetches and prefetches (each with or without a victim), with no evict list, temporary
+        copies, CPU experts, low-bit copies or barrier, without a recorder, write-backs,
+        unified memory, SSD tier or several GPUs (moe-infinity's layers that prefetch): its
+        checks in its order (anything else, or anything it would refuse, returns None before
+        any change and ``_copies_only`` goes on as before), applied and timed as it does (the
+        same issue numbers, counters and sums in the same order), reading and writing the
+        residency, ready times and prefetched flags through ``_repeat_rows``' flat views."""
+        if (
+            self.recorder is not None
+            or self._wb
+            or self._unified
+            or self._ssd is not None
+            or self._peer_home is not None
+        ):
+            return None
+        actions = plan.actions
+        victims = plan.victims
+        prefetch = plan.prefetch
+        res = self.res
+        if (
+            actions.__class__ is not dict
+            or len(actions) != len(routed)
+            or victims.__class__ is not dict
+            or prefetch.__class__ is not list
+            or plan.evict.__class__ is not list
+            or plan.evict
+            or plan.barrier
+            or plan.low_bit
+            or res.waiters
+        ):
+            return None
+        views = self._repeat_views
+        if (
+            views is None
+            or views[0] is not res.resident
+            or views[1] is not res.ready_at
+            or views[2] is not res.prefetched
+        ):
+            views = self._repeat_rows()
+        _, _, _, mres, mready, mpre, _, _ = views
+        n_layers, n_exp = self.n_layers, self.n_experts
+        lo = layer * n_exp
+        # -- the check: _copies_only's rules in its order (the routed actions, the hits, the
+        # fetches with their victims, the prefetches with theirs), on flat indices
+        hits: list[int] = []
+        fetch: list[int] = []
+        for e in routed:
+            a = actions.get(e)
+            if a == _GPU:
+                hits.append(e)
+            elif a == _FETCH:
+                fetch.append(e)
+            else:
+                return None  # temporary copies, CPU experts, pre-calculations: the general path
+        for e in hits:
+            if not mres[lo + e] or mready[lo + e] == INF:
+                return None
+        gone: list[int] = []  # victims' flat indices, in issue order
+        added: list[int] = []  # copies' flat indices, in issue order
+        n_res = res.n_resident
+        budget = res.budget
+        # the routed fetches, then the prefetches, each as (flat index, victim); a victim is
+        # checked as _copies_only's evict() does without write-backs (one in use is refused)
+        copies = [(lo + e, victims.get(e)) for e in fetch]
+        n_fetch = len(copies)
+        for item in prefetch:
+            if item.__class__ is not tuple or len(item) != 3:
+                return None
+            pl, pe, v = item
+            if pl.__class__ is not int or pe.__class__ is not int:
+                return None
+            if not (0 <= pl < n_layers and 0 <= pe < n_exp):
+                return None
+            copies.append((pl * n_exp + pe, v))
+        for i, v in copies:
+            if i in added or (mres[i] and i not in gone):
+                return None
+            if v is not None:
+                if v.__class__ is not tuple or len(v) != 2:
+                    return None
+                vl, ve = v
+                if vl.__class__ is not int or ve.__class__ is not int:
+                    return None
+                if not (0 <= vl < n_layers and 0 <= ve < n_exp):
+                    return None
+                j = vl * n_exp + ve
+                if j in gone or j in added or not mres[j]:
+                    return None
+                if vl == layer and ve in routed:
+                    return None  # in use (every routed expert is a hit or a fetch here)
+                if mready[j] > now:
+                    return None  # still being copied
+                gone.append(j)
+                n_res -= 1
+            if n_res >= budget:
+                return None  # all slots full and no victim
+            added.append(i)
+            n_res += 1
+        n_evs = len(gone)
+        n_copies = len(added)
+        # without write-backs an evicted slot is free at once
+        if res.occupancy - n_evs + n_copies > res.cap:
+            return None  # a copy would wait for a slot
+        # -- apply, as _copies_only: residency, counters and issue numbers
+        c = self.c
+        eb = self.expert_bytes
+        for i in gone:  # evictions free their slots at once and issue nothing
+            mres[i] = 0
+            if mpre[i]:
+                mpre[i] = 0
+                c.prefetch_wasted_bytes += eb
+            res.occupancy -= 1
+        self._seq += n_copies
+        res.n_resident = n_res
+        if n_evs:
+            c.evictions += n_evs
+        jobs: list[tuple[float, int]] = []
+        for e in hits:
+            if mpre[lo + e]:
+                mpre[lo + e] = 0
+                c.prefetch_used += 1
+            jobs.append((mready[lo + e], e))
+        n = len(routed)
+        n_hits = len(hits)
+        c.decode_accesses += n
+        c.decode_hits += n_hits
+        self._hits[layer] += n_hits
+        self._acc[layer] += n
+        c.h2d_bytes += eb * n_copies
+        c.h2d_expert_copies += n_copies
+        c.fetches += n_fetch
+        c.prefetches += n_copies - n_fetch
+        # -- this layer's copies at ``now`` in issue order (the routed fetches, then the
+        # prefetches; evictions issue nothing)
+        lane = self._h2d.lane
+        dur = self._h2d.expert_s
+        for k, i in enumerate(added):
+            occ = res.occupancy = res.occupancy + 1  # Residency.take, inlined
+            if occ > res.max_occupancy:
+                res.max_occupancy = occ
+            s = now if now > lane.free_at else lane.free_at  # Lane.serve, inlined
+            end = lane.free_at = s + dur
+            lane.busy += dur
+            mres[i] = 1
+            mready[i] = end
+            if k < n_fetch:
+                jobs.append((end, i - lo))
+            else:
+                mpre[i] = 1
         return self._repeat_gpu(jobs, now)
 
     def _copy_layer_wb(self, layer: int, routed: list[int], plan: Plan, now: float) -> float | None:

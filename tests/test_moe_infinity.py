@@ -6,6 +6,8 @@
   at every layer of every token;
 * prefetch order: the matched entry's counts x ``1 - (x - l) / (L + 1)``, hand-computed;
 * eviction: the lowest ``count x (1 - l / L)`` of the current request goes, hand-computed;
+  the sorted-list victim search returns the former lazy heap's victim (kept here) in random
+  cases, ties, in-flight copies and the predicted-experts scan limit included;
 * prefetch timing: the code's one copy thread takes the next queued prefetch once a layer's
   misses have landed, so a layer with a miss still prefetches when its copy outlasts the gap;
 * end to end: it prefetches on a bundled trace, and a run without calibration refuses.
@@ -13,6 +15,8 @@
 
 from __future__ import annotations
 
+import heapq
+from bisect import insort
 from dataclasses import replace
 from typing import Any
 
@@ -176,3 +180,116 @@ def test_needs_calibration_sequences() -> None:
         simulate(policy="moe-infinity", trace="ci-small", sequences=1, calibration="none")
     with pytest.raises(UserError, match="eamc_capacity"):
         MoEInfinityPolicy(eamc_capacity=0)
+
+
+def heap_victim(
+    heap: list[tuple[float, float, int, int]],
+    cached: list[list[bool]],
+    cnt: list[list[int]],
+    inflight: dict[tuple[int, int], float],
+    ready: np.ndarray | None,
+    now: float,
+    layer: int,
+    protect: set[int],
+    keep: frozenset[tuple[int, int]] | None,
+) -> tuple[int, int] | None:
+    """The policy's former victim search, a lazy min-heap, kept here as the oracle."""
+    skipped = []
+    found = None
+    while heap:
+        item = heapq.heappop(heap)
+        key, w, e, vl = item
+        if not cached[vl][e]:
+            continue
+        now_key = cnt[vl][e] * w
+        if now_key != key:
+            heapq.heappush(heap, (now_key, w, e, vl))
+            continue
+        if vl == layer and e in protect:
+            skipped.append(item)
+            continue
+        slot = (vl, e)
+        if inflight.get(slot, -1.0) > now:
+            skipped.append(item)
+            continue
+        if ready is not None and ready[vl, e] > now:
+            skipped.append(item)
+            continue
+        if keep is not None and slot in keep:
+            skipped.append(item)
+            if len(skipped) > 8:
+                break
+            continue
+        found = slot
+        break
+    for item in skipped:
+        heapq.heappush(heap, item)
+    return found
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_victim_search_equals_the_lazy_heap(seed: int) -> None:
+    """Random counts, fills, in-flight copies, runtime ready times, protected and predicted
+    sets (many ties: small counts, few layers): the sorted-list search returns the heap's
+    victim every time and holds the heap's entries."""
+    rng = np.random.default_rng(seed)
+    n_layers, n_exp = 4, 6
+    model = tiny_model(experts=n_exp, top_k=2, moe_layers=n_layers)
+    coll = np.ones((1, n_layers, n_exp), dtype=np.int64)
+    budget = int(rng.integers(4, 16))
+    pol = make(model, coll, budget=budget, prefetch=False, initial="first")
+    w = pol.weight
+    cached = [[pol.cflat[x * n_exp + e] for e in range(n_exp)] for x in range(n_layers)]
+    cnt = [[0] * n_exp for _ in range(n_layers)]
+    heap = [(0.0, w[x], e, x) for x in range(n_layers) for e in range(n_exp) if cached[x][e]]
+    heapq.heapify(heap)
+    inflight: dict[tuple[int, int], float] = {}
+    found = {"some": 0, "none": 0}
+    for step in range(400):
+        now = float(step)
+        op = rng.random()
+        if op < 0.3:  # counts grow (a routed expert, cached or not)
+            for _ in range(int(rng.integers(1, 4))):
+                x, e = int(rng.integers(n_layers)), int(rng.integers(n_exp))
+                cnt[x][e] += int(rng.integers(1, 3))
+                pol.cntf[x * n_exp + e] = cnt[x][e]
+            continue
+        if op < 0.35:  # a new request: every count back to 0
+            pol.on_sequence_start(step, 0)
+            cnt = [[0] * n_exp for _ in range(n_layers)]
+            heap = [
+                (0.0, w[x], e, x) for x in range(n_layers) for e in range(n_exp) if cached[x][e]
+            ]
+            heapq.heapify(heap)
+            continue
+        layer = int(rng.integers(n_layers))
+        protect = set(rng.choice(n_exp, size=2, replace=False).tolist())
+        keep = None
+        if rng.random() < 0.6:
+            slots = [(int(x), int(e)) for x in range(n_layers) for e in range(n_exp)]
+            pick = rng.random(len(slots)) < rng.uniform(0.3, 0.95)
+            keep = frozenset(s for s, p in zip(slots, pick, strict=True) if p)
+        ready = None
+        if rng.random() < 0.3:
+            ready = rng.choice([0.0, now + 1.0], size=(n_layers, n_exp), p=[0.8, 0.2])
+        pol.ready = ready
+        keep_flat = None if keep is None else frozenset(x * n_exp + e for x, e in keep)
+        want = heap_victim(heap, cached, cnt, inflight, ready, now, layer, protect, keep)
+        got = pol._victim(now, layer, protect, keep_flat)
+        assert got == want, step
+        found["none" if got is None else "some"] += 1
+        if got is not None:  # evict it, and cache an uncached expert in its place
+            cached[got[0]][got[1]] = False
+            pol.cflat[got[0] * n_exp + got[1]] = False
+            free = [(x, e) for x in range(n_layers) for e in range(n_exp) if not cached[x][e]]
+            x, e = free[int(rng.integers(len(free)))]
+            cached[x][e] = True
+            i = x * n_exp + e
+            pol.cflat[i] = True
+            heapq.heappush(heap, (cnt[x][e] * w[x], w[x], e, x))
+            insort(pol.order, (cnt[x][e] * w[x], w[x], e, x, i))
+            if rng.random() < 0.4:  # a prefetch copy still in flight
+                inflight[(x, e)] = pol.pend[i] = now + float(rng.integers(1, 4))
+        # the same entries: the list is the heap in sorted order
+        assert [t[:4] for t in pol.order] == sorted(heap), step
+    assert found["some"] > 50 and found["none"] > 5
