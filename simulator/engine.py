@@ -3230,32 +3230,13 @@ class Engine(EngineBase):
                 busy += d
                 d = rest
         else:
-            n_sync = host.expert_syncs
-            k_exp = host.expert_k
             for ready, _ in jobs:
                 drained = g
                 if ready > g:
                     c.transfer_stall += ready - g
                     g = ready
-                # the stream may wait for the host thread to issue it (HostThread.expert)
-                if n_sync:
-                    h = host.t
-                    if drained > h:
-                        h = drained
-                    host.t = h + host.expert_sync
-                    host.syncs += n_sync
-                end = g + d  # HostThread.issue(g, d, k_exp)
-                if k_exp:
-                    h = host.t
-                    disp = host.dispatch
-                    t = h + disp + d
-                    if t > end:
-                        end = t
-                    h += k_exp * disp
-                    t = h + d / k_exp
-                    if t > end:
-                        end = t
-                    host.t = h
+                # the stream may wait for the host thread to issue it
+                end = host.expert(drained, g, d)
                 wait = end - d - g
                 if wait > 0.0:
                     c.dispatch_stall += wait
