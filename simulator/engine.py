@@ -2573,8 +2573,7 @@ class Engine(EngineBase):
         on as before), applied and timed as ``_victim_fetches`` with
         ``_cpu_calls``/``_cpu_parallel`` and ``_timed_gpu`` do it: the same issue numbers,
         counters and sums in the same order. A plan of resident experts, fetches and
-        temporary copies goes to ``_copy_layer_wb`` without a recorder (first, while it takes
-        plans), or to ``_copy_layer``."""
+        temporary copies goes to ``_copy_layer_wb`` without a recorder."""
         if plan.prefetch and self._pf_taken:
             # with prefetches: _prefetch_layer at once (None: _copies_only asks it again, as
             # it would have anyway, and goes on)
@@ -2598,8 +2597,8 @@ class Engine(EngineBase):
             return None
         if self.recorder is None and (self._cwb_taken or self._cwb_refused < _PLAIN_PROBES):
             # a plan of resident experts, fetches and temporary copies goes to _copy_layer_wb
-            # at once, as it would by way of _copy_layer (and one of resident experts alone as
-            # by way of _copies_only and _plain_fetches); a plan it refuses goes on below. A
+            # at once (and one of resident experts alone as by way of _copies_only and
+            # _plain_fetches); a plan it refuses goes on below. A
             # run whose first plans all have CPU experts (ktransformers) stops trying.
             end = self._copy_layer_wb(layer, routed, plan, now)
             if end is not None:
@@ -2620,9 +2619,9 @@ class Engine(EngineBase):
             else:
                 return None
         if copies:
-            if cpu:
+            if cpu or self.recorder is not None:
                 return None
-            return self._copy_layer(layer, routed, plan, now)
+            return self._copy_layer_wb(layer, routed, plan, now)
         host = self._host
         if not cpu or plan.victims or self._heap or not host.idle:
             return None  # all on the GPU, or CPU calls that could queue behind pending work
@@ -2716,137 +2715,6 @@ class Engine(EngineBase):
             c.cpu_wait += done - end
             end = done
         return end
-
-    def _copy_layer(self, layer: int, routed: list[int], plan: Plan, now: float) -> float | None:
-        """``_plain_fetches`` without a recorder or write-backs, for a decode plan of resident
-        experts, fetches (each with or without a victim that no routed expert is) and at most
-        one temporary copy per buffer (the miss layers of lfu, global-lfu, belady-global,
-        static): its checks in its order (anything else, or anything it would refuse, returns
-        None before any change and the general chain goes on as before), applied and timed
-        as it does (the same issue numbers, counters and sums in the same order), reading and
-        writing the residency, ready times and prefetched flags through ``_repeat_rows``'
-        flat views instead of numpy scalars. ``_gpu_cpu_layer`` has checked the plan's
-        shape."""
-        if self.recorder is not None:
-            return None
-        if self._wb or plan.low_bit:
-            return self._copy_layer_wb(layer, routed, plan, now)
-        actions = plan.actions
-        victims = plan.victims
-        res = self.res
-        views = self._repeat_views
-        if (
-            views is None
-            or views[0] is not res.resident
-            or views[1] is not res.ready_at
-            or views[2] is not res.prefetched
-        ):
-            views = self._repeat_rows()
-        _, _, _, mres, mready, mpre, _, _ = views
-        n_exp = self.n_experts
-        lo = layer * n_exp
-        hits: list[int] = []
-        fetch: list[int] = []
-        temps: list[int] = []
-        for e in routed:
-            a = actions[e]
-            if a == _GPU:
-                if not mres[lo + e] or mready[lo + e] == INF:
-                    return None  # not resident, or its copy not timed yet
-                hits.append(e)
-            elif a == _FETCH:
-                if mres[lo + e]:
-                    return None  # already resident
-                fetch.append(e)
-            else:  # TEMP
-                if mres[lo + e]:
-                    return None  # a temporary copy of a resident expert
-                temps.append(e)
-        n_temp = self.machine.buffers["temp"]
-        if len(temps) > n_temp:
-            return None  # a copy waiting for a buffer (or no buffer at all)
-        n_copies = len(fetch)
-        gone: list[int] = []  # victims' flat indices, in issue order
-        if n_copies:
-            if n_copies > 1 and len(set(fetch)) != n_copies:
-                return None  # an expert fetched twice
-            n_layers = self.n_layers
-            n_res = res.n_resident
-            budget = res.budget
-            for e in fetch:
-                v = victims.get(e)
-                if v is not None:
-                    if v.__class__ is not tuple or len(v) != 2:
-                        return None
-                    vl, ve = v
-                    if vl.__class__ is not int or ve.__class__ is not int:
-                        return None
-                    if not (0 <= vl < n_layers and 0 <= ve < n_exp):
-                        return None
-                    i = vl * n_exp + ve
-                    if i in gone:
-                        return None
-                    if vl == layer and ve in routed:
-                        return None  # an in-use victim: _victim_fetches decides
-                    if not mres[i] or mready[i] > now:
-                        return None  # not resident, or still being copied
-                    gone.append(i)
-                    n_res -= 1
-                if n_res >= budget:
-                    return None  # all slots full and no victim
-                n_res += 1
-            # without write-backs an evicted slot is free at once
-            if res.occupancy - len(gone) + n_copies > res.cap:
-                return None  # a fetch would wait for a slot
-            res.n_resident = n_res
-        # -- apply, as _plain_fetches: residency, counters and issue numbers
-        c = self.c
-        eb = self.expert_bytes
-        for i in gone:  # evictions free their slots at once and issue nothing
-            mres[i] = 0
-            if mpre[i]:
-                mpre[i] = 0
-                c.prefetch_wasted_bytes += eb
-            res.occupancy -= 1
-        self._seq += n_copies + len(temps)
-        if gone:
-            c.evictions += len(gone)
-        jobs: list[tuple[float, int]] = []
-        for e in hits:
-            if mpre[lo + e]:
-                mpre[lo + e] = 0
-                c.prefetch_used += 1
-            jobs.append((mready[lo + e], e))
-        n = len(routed)
-        n_hits = len(hits)
-        c.decode_accesses += n
-        c.decode_hits += n_hits
-        self._hits[layer] += n_hits
-        self._acc[layer] += n
-        n_h2d = n_copies + len(temps)
-        c.h2d_bytes += eb * n_h2d
-        c.h2d_expert_copies += n_h2d
-        c.fetches += n_copies
-        c.temp_copies += len(temps)
-        lane = self._h2d.lane
-        dur = self._h2d.expert_s
-        for e in fetch:
-            occ = res.occupancy = res.occupancy + 1  # Residency.take, inlined
-            if occ > res.max_occupancy:
-                res.max_occupancy = occ
-            s = now if now > lane.free_at else lane.free_at  # Lane.serve, inlined
-            end = lane.free_at = s + dur
-            lane.busy += dur
-            mres[lo + e] = 1
-            mready[lo + e] = end
-            jobs.append((end, e))
-        # issued after the routed fetches, one buffer each (_temp_copies, inlined)
-        for e in temps:
-            s = now if now > lane.free_at else lane.free_at
-            end = lane.free_at = s + dur
-            lane.busy += dur
-            jobs.append((end, e))
-        return self._repeat_gpu(jobs, now)
 
     def _prefetch_layer(
         self, layer: int, routed: list[int], plan: Plan, now: float
@@ -3005,12 +2873,12 @@ class Engine(EngineBase):
 
     def _copy_layer_wb(self, layer: int, routed: list[int], plan: Plan, now: float) -> float | None:
         """``_plain_fetches`` without a recorder, with write-backs and low-bit temporary copies
-        too (mixtral-offloading's and hobbit's miss layers; ``_copy_layer`` covers the rest):
+        too (the miss layers of the caching policies, mixtral-offloading and hobbit):
         its checks in its order (anything else, or anything it would refuse, returns None
         before any change), applied and timed as it does (the same issue numbers, counters,
         held-back or heap slot releases and sums in the same order), reading and writing the
         residency, ready times and prefetched flags through ``_repeat_rows``' flat views
-        instead of numpy scalars. Its callers (``_plain_fetches``, ``_copy_layer``) have
+        instead of numpy scalars. Its callers (``_plain_fetches``, ``_gpu_cpu_layer``) have
         checked the plan's shape: dict actions, one per routed expert, dict victims, no evict
         list, prefetch or barrier, no unified memory, SSD tier or slot waiter."""
         actions = plan.actions
