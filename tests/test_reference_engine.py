@@ -669,6 +669,19 @@ def test_recorderless_paths_match_recorded_and_reference(
         assert repeats[0] > 0
 
 
+def _assert_quiet_matches(quiet: Any, loud: Any, ref: Any) -> None:
+    """A run without a recorder has bit-identical counters, end and busy times to the
+    recorded run, and agrees with the reference engine within TOL."""
+    cq, cl = dataclasses.asdict(quiet.counters), dataclasses.asdict(loud.counters)
+    for k, v in cq.items():
+        assert repr(np.asarray(v).tolist()) == repr(np.asarray(cl[k]).tolist()), k
+    assert quiet.e2e == loud.e2e and quiet.busy == loud.busy
+    cr = dataclasses.asdict(ref.counters)
+    for k, v in cq.items():
+        np.testing.assert_allclose(np.asarray(v, float), np.asarray(cr[k], float), atol=TOL)
+    assert quiet.e2e == pytest.approx(ref.e2e, abs=TOL, rel=0)
+
+
 def _run_quiet_and_recorded(
     policy: str, trace: str, ratio: float, runtime: str | RuntimeProfile | None, **opts: Any
 ) -> tuple[Any, Any, Any]:
@@ -738,14 +751,7 @@ def test_narrow_recorderless_paths_match_recorded_and_reference(
     monkeypatch.setattr(Engine, helper, counting)
     quiet, loud, ref = _run_quiet_and_recorded(policy, trace, ratio, runtime, **opts)
     assert taken[0] > 0, f"{policy} never took Engine.{helper}"
-    cq, cl = dataclasses.asdict(quiet.counters), dataclasses.asdict(loud.counters)
-    for k, v in cq.items():
-        assert repr(np.asarray(v).tolist()) == repr(np.asarray(cl[k]).tolist()), k
-    assert quiet.e2e == loud.e2e and quiet.busy == loud.busy
-    cr = dataclasses.asdict(ref.counters)
-    for k, v in cq.items():
-        np.testing.assert_allclose(np.asarray(v, float), np.asarray(cr[k], float), atol=TOL)
-    assert quiet.e2e == pytest.approx(ref.e2e, abs=TOL, rel=0)
+    _assert_quiet_matches(quiet, loud, ref)
 
 
 @pytest.mark.parametrize(
@@ -788,14 +794,7 @@ def test_write_back_and_low_bit_layers_take_copy_layer_wb(
         assert taken["wb"] > 0 and quiet.counters.d2h_expert_copies > 0
     else:
         assert taken["low"] > 0 and quiet.counters.low_bit_copies > 0
-    cq, cl = dataclasses.asdict(quiet.counters), dataclasses.asdict(loud.counters)
-    for k, v in cq.items():
-        assert repr(np.asarray(v).tolist()) == repr(np.asarray(cl[k]).tolist()), k
-    assert quiet.e2e == loud.e2e and quiet.busy == loud.busy
-    cr = dataclasses.asdict(ref.counters)
-    for k, v in cq.items():
-        np.testing.assert_allclose(np.asarray(v, float), np.asarray(cr[k], float), atol=TOL)
-    assert quiet.e2e == pytest.approx(ref.e2e, abs=TOL, rel=0)
+    _assert_quiet_matches(quiet, loud, ref)
 
 
 class MutatingStreamAll(get_policy_class("stream-all")):  # type: ignore[misc]
