@@ -70,11 +70,23 @@ class StreamAllPolicy(Policy):
             "'selected': only the routed ones; 'auto': layer if 2E slots fit",
             choices=("auto", "layer", "leaf", "selected"),
         ),
+        "stream_nonexpert": Param(
+            bool,
+            True,
+            "the non-expert weights live in host memory and are copied in before each layer "
+            "(and embedding/lm_head once per pass), as ZeRO-3 does; false keeps them on the GPU",
+        ),
     }
 
     def resources(self) -> ResourceSpec:
-        """Pinned host memory (``pin_memory: true``), one temporary buffer."""
-        return ResourceSpec(host_memory="pinned", temp_buffers=1)
+        """Pinned host memory (``pin_memory: true``), one temporary buffer, and the
+        non-expert weights streamed from the host on every forward pass (ZeRO-3 partitions
+        every parameter above ``stage3_param_persistence_threshold``, 1e5 elements)."""
+        return ResourceSpec(
+            host_memory="pinned",
+            temp_buffers=1,
+            nonexpert_streamed=self.options["stream_nonexpert"],
+        )
 
     def setup(self, ctx: SetupContext) -> Iterable[Slot]:
         """No initial placement; pick the gather mode."""
