@@ -266,6 +266,15 @@ class ResourceSpec:
     #: GPU memory the modelled runtime keeps free of weights for activations and compute
     #: buffers, GB; None uses the hardware profile's ``gpu.workspace_gb`` (a PyTorch figure)
     workspace_gb: float | None = None
+    #: the non-expert weights live in host memory and are copied to the GPU on every forward
+    #: pass (DeepSpeed ZeRO-3 with ``offload_param``, docs/cost-model.md "Streamed non-expert
+    #: weights"): before each layer's non-expert part its weights cross the host-to-device link,
+    #: and the input embedding and the output matrix once per pass; a parameter of at most
+    #: ``nonexpert_persist_numel`` elements stays on the GPU (norms, small routers)
+    nonexpert_streamed: bool = False
+    #: with ``nonexpert_streamed``: the largest parameter (elements) kept on the GPU
+    #: (ZeRO-3's ``stage3_param_persistence_threshold``, default 1e5)
+    nonexpert_persist_numel: int = 100_000
 
     def __post_init__(self) -> None:
         if self.ssd_access not in ("read", "mmap"):
@@ -289,6 +298,13 @@ class ResourceSpec:
             )
         if self.workspace_gb is not None and not self.workspace_gb >= 0:
             raise UserError(f"workspace_gb must be >= 0, got {self.workspace_gb}")
+        if self.nonexpert_persist_numel < 0:
+            raise UserError(
+                f"nonexpert_persist_numel must be >= 0, got {self.nonexpert_persist_numel}"
+            )
+        if self.nonexpert_streamed and self.gpu_blocks is not None:
+            # both decide where the non-expert weights live; no modelled system does both
+            raise UserError("nonexpert_streamed cannot be combined with gpu_blocks")
         if self.gpu_blocks is not None and self.writeback:
             # a CPU layer's timing assumes the links are idle when it starts (no background
             # copies); write-backs are background copies

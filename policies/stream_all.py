@@ -31,12 +31,23 @@ the module's forward runs; only then does it prefetch the next parameters in the
 order, at most ``prefetch_bucket_size`` elements (default 50 M, less than one Mixtral expert's
 w1 of 58.7 M). So no expert of the block starts before the whole block has landed: with
 ``gather=leaf`` the layer's GPU experts wait for every copy into the layer
-(``Plan.barrier``), instead of each starting when its own copy lands. The bucket's early fetch
-of the next layer's attention weights and of part of one expert is not modelled (the engine
-keeps the non-expert weights resident).
-Copies come from pinned memory (``pin_memory: true`` above). The non-expert weights (attention,
-norms, router; about 3.2 GB for Mixtral, ~3.5 % of the expert bytes) are also streamed by ZeRO-3;
-the engine keeps them resident, so stream-all is slightly optimistic.
+(``Plan.barrier``), instead of each starting when its own copy lands.
+Copies come from pinned memory (``pin_memory: true`` above).
+
+The non-expert weights (``stream_nonexpert``, default true, in every gather mode: each mode is
+ZeRO-3's expert traffic, and ZeRO-3 partitions every parameter, not only the leaf block's). ZeRO-3
+keeps on the GPU only parameters of at most ``stage3_param_persistence_threshold`` elements
+(default 1e5: norms, Mixtral's 32,768-element routers) and fetches every other one in its
+module's pre-forward hook on every forward pass. So the policy declares
+``ResourceSpec(nonexpert_streamed=True)``: the engine copies each layer's non-expert weights
+(Mixtral: the attention projections, 84.2 MB in bf16) over the host-to-device link before the
+layer's non-expert part, and the input embedding and the output matrix (262.1 MB each) once per
+forward pass; 3.22 GB per pass for Mixtral, about 3.6 % of the whole-layer expert bytes
+(docs/cost-model.md, "Streamed non-expert weights (ZeRO-3)"; sources in
+docs/references.md#deepspeed-zero-3-parameter-offload). Not modelled: the prefetch bucket's early
+fetch, during a layer's attention, of the first expert matrix of its MoE block (at most one
+matrix per layer, so slightly pessimistic there). ``stream_nonexpert=false`` keeps them resident
+(the model before this mechanism; runs on several GPUs need it).
 """
 
 from __future__ import annotations
@@ -70,11 +81,23 @@ class StreamAllPolicy(Policy):
             "'selected': only the routed ones; 'auto': layer if 2E slots fit",
             choices=("auto", "layer", "leaf", "selected"),
         ),
+        "stream_nonexpert": Param(
+            bool,
+            True,
+            "the non-expert weights live in host memory and are copied in before each layer "
+            "(and embedding/lm_head once per pass), as ZeRO-3 does; false keeps them on the GPU",
+        ),
     }
 
     def resources(self) -> ResourceSpec:
-        """Pinned host memory (``pin_memory: true``), one temporary buffer."""
-        return ResourceSpec(host_memory="pinned", temp_buffers=1)
+        """Pinned host memory (``pin_memory: true``), one temporary buffer, and the
+        non-expert weights streamed from the host on every forward pass (ZeRO-3 partitions
+        every parameter above ``stage3_param_persistence_threshold``, 1e5 elements)."""
+        return ResourceSpec(
+            host_memory="pinned",
+            temp_buffers=1,
+            nonexpert_streamed=self.options["stream_nonexpert"],
+        )
 
     def setup(self, ctx: SetupContext) -> Iterable[Slot]:
         """No initial placement; pick the gather mode."""

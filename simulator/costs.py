@@ -605,6 +605,38 @@ class CostModel:
         memory (llama.cpp's op offload of a prompt batch: once per micro-batch)."""
         return self._copy(self.cpu_layer_weight_bytes, self.hw.link.h2d_pinned_gbs)
 
+    # --- streamed non-expert weights (DeepSpeed ZeRO-3 parameter offload) -------------------
+    def streamed_layer_weight_bytes(self, persist_numel: int) -> int:
+        """Non-expert weight bytes ZeRO-3 copies to the GPU before one MoE layer's non-expert
+        part (ResourceSpec.nonexpert_streamed): the layer's share of the non-expert part
+        without the input embedding and the output matrix (:attr:`cpu_layer_weight_bytes`'s
+        share), less the router when it has at most ``persist_numel`` elements (ZeRO-3 keeps
+        a parameter that small on the GPU; norms and biases, as small, are not in the
+        catalogue's counts), at the non-expert precision."""
+        m = self.model
+        params = max(0, m.non_expert_params - 2 * m.embedding_params) / m.moe_layers
+        router = m.hidden * m.experts
+        if router <= persist_numel:
+            params = max(0.0, params - router)
+        return round(params * dtype_bytes(m.nonexpert_dtype))
+
+    def streamed_embedding_bytes(self, persist_numel: int) -> int:
+        """Bytes of the input embedding ZeRO-3 copies to the GPU once per forward pass (the
+        output matrix, taken to be its size, likewise); 0 when it has at most
+        ``persist_numel`` elements (kept on the GPU)."""
+        m = self.model
+        if m.embedding_params <= persist_numel:
+            return 0
+        return round(m.embedding_params * dtype_bytes(m.nonexpert_dtype))
+
+    def weights_h2d_s(self, nbytes: int, pinned: bool) -> float:
+        """Seconds of one host-to-device copy of ``nbytes`` of weights from pinned or
+        pageable memory (the link's rate and per-copy overhead); 0 for no bytes."""
+        if nbytes <= 0:
+            return 0.0
+        link = self.hw.link
+        return self._copy(nbytes, link.h2d_pinned_gbs if pinned else link.h2d_pageable_gbs)
+
     # --- decisions -------------------------------------------------------------------------------
     def breakeven_tokens(self, pinned: bool = False) -> float:
         """Tokens per expert at which copying it (then running it on the GPU) beats the CPU.

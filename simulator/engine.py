@@ -105,6 +105,10 @@ class Counters:
     cpu_nonexpert_busy: float = 0.0
     #: copies of a CPU-resident layer's non-expert weights to the GPU (prompt op offload)
     cpu_layer_weight_copies: int = 0
+    #: streamed non-expert weights (ResourceSpec.nonexpert_streamed): copies and their bytes
+    #: (also counted in ``h2d_bytes``)
+    nonexpert_weight_copies: int = 0
+    nonexpert_weight_bytes: int = 0
 
 
 @dataclass
@@ -215,6 +219,28 @@ class LayerWork:
         self.cpu_first = False
         #: the GPU experts wait for every copy into this layer's slots (Plan.barrier)
         self.barrier = False
+
+
+class WeightCopy:
+    """Non-expert weights the step loop copies to the GPU before a layer's non-expert part
+    (ResourceSpec.nonexpert_streamed): submitted at ``t`` with issue number ``seq``, it queues
+    on the host-to-device lane behind everything submitted before it. The step loop yields it;
+    the executor times it and sends back when it lands."""
+
+    __slots__ = ("dur", "layer", "nbytes", "rkind", "seq", "sid", "t", "token")
+
+    def __init__(
+        self, t: float, seq: int, nbytes: int, dur: float, rkind: str, sid: int, token: int,
+        layer: int,
+    ) -> None:  # fmt: skip
+        self.t = t
+        self.seq = seq
+        self.nbytes = nbytes
+        self.dur = dur
+        self.rkind = rkind  # the timeline's "kind": "weights" (a layer's) or "embedding"
+        self.sid = sid
+        self.token = token
+        self.layer = layer
 
 
 class _Wake:
@@ -538,6 +564,7 @@ class EngineBase:
         peer_home = self._peer_home
         unified = m.unified
         host = m.host
+        streamed = m.streamed  # ZeRO-3's streamed non-expert weights, or None
         n_cpu = self.n_cpu_layers
         if n_cpu and prefill and 0 < self.spec.cpu_layer_offload_batch <= p:
             n_cpu_run = 0  # op offload: the CPU layers' parts run on the GPU, weights copied
@@ -570,6 +597,8 @@ class EngineBase:
                         start = self._cpu_layer_weights_in(start, layer)
                     elif layer and layer == n_cpu_run:  # the split: hidden states to the GPU
                         start = self._cpu_layer_split(start, layer, p if prefill else 1, True)
+                    if streamed is not None:  # the layer's weights land first (ZeRO-3)
+                        start = yield from self._weights_in(start, layer, streamed)
                     if host is None:
                         now = start + d_ne
                     else:  # the host thread issues the part's kernels, maybe syncs on routing
@@ -736,6 +765,8 @@ class EngineBase:
                 end = yield work
                 assert end is not None
                 self.now = end
+            if streamed is not None:  # the output matrix, after the last layer (ZeRO-3)
+                self.now = yield from self._weights_in(self.now, -1, streamed)
             self.step += 1
             if prefill:
                 c.prefill_tokens += p
@@ -749,6 +780,39 @@ class EngineBase:
                 c.token_latency.append(lat)
                 c.decode_time += lat
                 c.decode_tokens += 1
+
+    def _weights_in(
+        self, start: float, layer: int, streamed: tuple[tuple[int, float], tuple[int, float]]
+    ) -> Generator[Any, float | None, float]:
+        """ZeRO-3's streamed non-expert weights (ResourceSpec.nonexpert_streamed,
+        docs/cost-model.md "Streamed non-expert weights"): the copies issued at ``start``
+        before ``layer``'s non-expert part (at layer 0 the input embedding's first), or with
+        ``layer`` -1 the output matrix's after the last layer; returns when the last lands.
+        Each is yielded to the executor, which queues it on the host-to-device lane behind
+        everything submitted before it."""
+        c = self.c
+        w = self.hooks.where
+        sid, token = w.seq or 0, w.token or 0
+        (lb, ls), (eb, es) = streamed
+        if layer < 0:
+            items = [("embedding", eb, es, self.n_layers - 1)]
+        elif layer == 0:
+            items = [("embedding", eb, es, 0), ("weights", lb, ls, 0)]
+        else:
+            items = [("weights", lb, ls, layer)]
+        end = start
+        for rkind, nbytes, dur, ll in items:
+            if nbytes <= 0:
+                continue
+            op = WeightCopy(start, self._seq, nbytes, dur, rkind, sid, token, ll)
+            self._seq += 1
+            c.h2d_bytes += nbytes
+            c.nonexpert_weight_copies += 1
+            c.nonexpert_weight_bytes += nbytes
+            landed = yield op  # type: ignore[misc]
+            assert landed is not None
+            end = landed
+        return end
 
     def _host_nonexpert(self, start: float, d_ne: float, first: bool) -> tuple[float, float]:
         """With a host thread: when a layer's non-expert part (GPU time ``d_ne``, stream free
@@ -1062,6 +1126,8 @@ class Engine(EngineBase):
                     while heap and heap[0][0] <= item:
                         self._serve()
                     item = gen.send(None)
+                elif item.__class__ is WeightCopy:
+                    item = gen.send(self._weights_copy(item))
                 else:
                     item = gen.send(self._layer(item))
         except StopIteration:
@@ -1072,6 +1138,23 @@ class Engine(EngineBase):
         while heap:  # background work still running when the last token is out
             self._serve()
         return self.stats(e2e)
+
+    def _weights_copy(self, op: WeightCopy) -> float:
+        """Time a streamed weight copy (``EngineBase._weights_in``): everything submitted
+        before it is served first (so the lane's ledger holds every earlier copy), then it
+        takes the host-to-device lane after them; returns when it lands."""
+        t = op.t
+        self._due(t)
+        link = self._h2d
+        lane = link.lane
+        s = t if t > lane.free_at else lane.free_at
+        e = lane.free_at = s + op.dur
+        lane.busy += op.dur
+        if self._unified:
+            self._mem(s, e, op.nbytes)
+        if self.recorder is not None:
+            self.recorder.op(lane.name, op.rkind, op.sid, op.token, op.layer, -1, s, e, op.nbytes)
+        return e
 
     def _due(self, now: float) -> bool:
         # serves here what run() would serve for the yielded time (the same requests in the

@@ -443,6 +443,18 @@ class Machine:
         self._cpu_ne: dict[tuple[int, int], float] = {}
         #: ... and the copy of one such layer's non-expert weights (prompt op offload)
         self.cpu_layer_weights_s = costs.cpu_layer_weights_h2d_s()
+        #: ZeRO-3's streamed non-expert weights (ResourceSpec.nonexpert_streamed): (bytes,
+        #: seconds) of one layer's copy and of the input embedding's (the output matrix is
+        #: taken to be its size); None when the weights stay on the GPU
+        self.streamed: tuple[tuple[int, float], tuple[int, float]] | None = None
+        if spec.nonexpert_streamed:
+            keep = spec.nonexpert_persist_numel
+            lb = costs.streamed_layer_weight_bytes(keep)
+            eb = costs.streamed_embedding_bytes(keep)
+            self.streamed = (
+                (lb, costs.weights_h2d_s(lb, pinned)),
+                (eb, costs.weights_h2d_s(eb, pinned)),
+            )
 
     def cpu_job(self, op: Any, seq: int, t: float, n: int) -> CpuJob:
         """A CPU expert call over ``n`` tokens submitted at ``t``, with its costs bound."""

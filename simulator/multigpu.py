@@ -493,6 +493,13 @@ class _MultiBase:
 
     def _peer_init(self, placement: Placement, budgets: list[int]) -> None:
         eng: Any = self
+        if eng.spec.nonexpert_streamed:
+            # the streamed weights would cross the home GPU's uplink; not modelled here
+            raise UserError(
+                f"policy {eng.policy.name!r} streams its non-expert weights "
+                "(ResourceSpec.nonexpert_streamed), which several GPUs do not model; "
+                "run it on one GPU (stream-all: --policy-opt stream_nonexpert=false)"
+            )
         self.pl = placement
         old = eng.machine
         m = eng.machine = MultiMachine(eng.costs, eng.spec, None, placement)

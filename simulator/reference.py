@@ -32,6 +32,7 @@ from simulator.engine import (
     LayerOp,
     LayerWork,
     RunStats,
+    WeightCopy,
 )
 from simulator.machine import Lane, SharedCpu
 from simulator.trace import SequenceRouting
@@ -89,6 +90,9 @@ class ReferenceEngine(EngineBase):
                     if item > env.now:
                         yield env.timeout(item - env.now)
                     item = gen.send(None)
+                elif item.__class__ is WeightCopy:
+                    end = yield from self._weights_copy(item)
+                    item = gen.send(end)
                 else:
                     end = yield from self._layer(item)
                     item = gen.send(end)
@@ -119,6 +123,18 @@ class ReferenceEngine(EngineBase):
         lane.busy += dur
         lane.free_at = env.now
         return start, env.now
+
+    def _weights_copy(self, op: WeightCopy) -> Proc:
+        """A streamed weight copy (``EngineBase._weights_in``): requests the host-to-device
+        lane at its submission time with its key, like any copy; returns when it lands."""
+        env = self.env
+        if op.t > env.now:
+            yield env.timeout(op.t - env.now)
+        lane = self._h2d.lane
+        s, e = yield from self._hold(lane, (op.t, op.seq), op.dur, op.nbytes)
+        if self.recorder is not None:
+            self.recorder.op(lane.name, op.rkind, op.sid, op.token, op.layer, -1, s, e, op.nbytes)
+        return e
 
     def _mem(self, start: float, dur: float, nbytes: int) -> None:
         """Unified memory: a copy starting now takes its share of the DRAM until it ends."""

@@ -405,6 +405,8 @@ class RunResult:
             "activation": "#27ae60",
             "cpu_expert": "#16a085",
             "precalc": "#1abc9c",
+            "weights": "#6c7a89",  # non-expert weight copies (ZeRO-3, op offload)
+            "embedding": "#4b5563",
         }
         t0 = float(win["start"].min()) if len(win) else 0.0
         for y, r in enumerate(resources):

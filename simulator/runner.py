@@ -666,6 +666,12 @@ def simulate(
             "not support yet; give --gpus 1, or --gpu-experts / --cache-ratio for every layer "
             "where they fit"
         )
+    if mg is not None and pol.resources().nonexpert_streamed:
+        off = " or --policy-opt stream_nonexpert=false" if "stream_nonexpert" in pol.params else ""
+        raise UserError(
+            f"policy {pol.name!r} streams its non-expert weights from the host (ZeRO-3), which "
+            f"--gpus > 1 does not model; give --gpus 1{off}"
+        )
 
     calib = calib_pre = None
     # the evaluation sequences, kept by the calibration read of a small trace (one pass over

@@ -774,6 +774,7 @@ class Serving:
         n_cpu = eng.n_cpu_layers
         n_cpu_run = 0 if n_cpu and 0 < eng.spec.cpu_layer_offload_batch <= b else n_cpu
         d_cpu = eng.costs.cpu_nonexpert_batch_layer_s(b, kv_tokens) if n_cpu_run else 0.0
+        streamed = eng.machine.streamed  # ZeRO-3's streamed non-expert weights, or None
         for layer in range(n_layers):
             start = eng.now
             cpu_here = eng._cpu_layer_here = layer < n_cpu_run
@@ -787,6 +788,9 @@ class Serving:
                 elif layer and layer == n_cpu_run:
                     where.seq, where.token = -1, step
                     start = eng._cpu_layer_split(start, layer, b, True)
+                if streamed is not None:  # ZeRO-3: the layer's weights land first
+                    where.seq, where.token = -1, step
+                    start = yield from eng._weights_in(start, layer, streamed)
                 now = _gpu_nonexpert(eng, start, d_ne, layer, step, b, kv_tokens)
             if eng._due(now):
                 yield now
@@ -805,6 +809,9 @@ class Serving:
                 False,
                 "a batched step",
             )
+        if streamed is not None:  # ZeRO-3: the output matrix, after the last layer
+            where.seq, where.token = -1, step
+            eng.now = yield from eng._weights_in(eng.now, -1, streamed)
         eng.step += 1
         if eng.precalc:
             c.precalc_wasted += len(eng.precalc)
@@ -865,8 +872,12 @@ class Serving:
         )
         k = ex.shape[2]
         t0 = eng.now
+        streamed = eng.machine.streamed  # ZeRO-3's streamed non-expert weights, or None
         for layer in range(n_layers):
             start = eng.now
+            if streamed is not None:  # ZeRO-3: the layer's weights land first
+                where.seq, where.token = -1, step
+                start = yield from eng._weights_in(start, layer, streamed)
             now = _gpu_nonexpert(eng, start, d_ne, layer, step, n_tok, kv_all)
             if eng._due(now):
                 yield now
@@ -885,6 +896,9 @@ class Serving:
                 not decoding,
                 "a mixed step",
             )
+        if streamed is not None:  # ZeRO-3: the output matrix, after the last layer
+            where.seq, where.token = -1, step
+            eng.now = yield from eng._weights_in(eng.now, -1, streamed)
         eng.step += 1
         if eng.precalc:
             c.precalc_wasted += len(eng.precalc)

@@ -376,7 +376,12 @@ def test_bad_multi_gpu_tables_are_one_line_profile_errors(tmp_path, tables: str,
 def test_gather_barrier_on_two_gpus(mode: str) -> None:
     """DeepSpeed's gather (stream-all gather=leaf, Plan.barrier): no GPU expert of a layer
     starts before the layer's last copy lands, and both executors agree."""
-    kw = {"gpus": 2, "multi_gpu": mode, "policy_options": {"gather": "leaf"}}
+    # (the streamed non-expert weights are a one-GPU mechanism: kept resident here)
+    kw = {
+        "gpus": 2,
+        "multi_gpu": mode,
+        "policy_options": {"gather": "leaf", "stream_nonexpert": False},
+    }
     fast = run("stream-all", **kw)
     ref = run("stream-all", engine="reference", **kw)
     assert fast.metrics["e2e_s"] == pytest.approx(ref.metrics["e2e_s"], abs=1e-9)
@@ -442,13 +447,22 @@ def test_sharded_view_tells_each_gpu_when_its_copies_land() -> None:
 @pytest.mark.parametrize("mode", ["expert", "pipeline"])
 def test_every_builtin_policy_runs_on_a_shared_uplink(mode: str) -> None:
     """Every registered built-in policy runs on 2x RTX 4090 (one uplink, peers via host) and
-    both executors agree; the only refusal is a policy keeping layers on the CPU."""
+    both executors agree; the only refusals are a policy keeping layers on the CPU and one
+    streaming its non-expert weights (stream-all, which runs with them kept resident)."""
     from policies.registry import available
 
     for name in sorted(available()):
         if name == "llama-cpp-layers":  # CPU-resident layers: a one-line refusal (below)
             with pytest.raises(UserError, match="--gpus 1"):
                 run(name, gpus=2, multi_gpu=mode)
+            continue
+        if name == "stream-all":  # ZeRO-3's streamed non-expert weights: one GPU only
+            with pytest.raises(UserError, match="stream_nonexpert=false"):
+                run(name, gpus=2, multi_gpu=mode)
+            kw = {"policy_options": {"stream_nonexpert": False}}
+            fast = run(name, "2x-rtx4090-pcie4", gpus=2, multi_gpu=mode, **kw)
+            ref = run(name, "2x-rtx4090-pcie4", gpus=2, multi_gpu=mode, engine="reference", **kw)
+            assert fast.metrics["e2e_s"] == pytest.approx(ref.metrics["e2e_s"], abs=1e-9)
             continue
         _agree(name, "2x-rtx4090-pcie4", mode)
 
