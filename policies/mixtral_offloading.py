@@ -82,6 +82,12 @@ class MixtralOffloadingPolicy(LRUPolicy):
             "experts of the one-layer-early view to prefetch (0: the model's top-k)",
             minimum=0,
         ),
+        "copy_stream": Param(
+            str,
+            "default",
+            "stream of the copies: 'default' (the kernels' stream, as released) or 'side'",
+            choices=("default", "side"),
+        ),
     }
 
     def __init__(self, **options: Any) -> None:
@@ -94,9 +100,14 @@ class MixtralOffloadingPolicy(LRUPolicy):
         return bool(self.options["prefetch"])
 
     def resources(self) -> ResourceSpec:
-        """Pinned copies, write-back of evicted experts, in-use evictions, 4 staging buffers."""
+        """Pinned copies, write-back of evicted experts, in-use evictions, 4 staging buffers,
+        copies and kernels on one stream."""
         return ResourceSpec(
-            host_memory="pinned", writeback=True, evicts_in_use=True, staging_buffers=4
+            host_memory="pinned",
+            writeback=True,
+            evicts_in_use=True,
+            staging_buffers=4,
+            one_stream=self.options["copy_stream"] == "default",
         )
 
     def setup(self, ctx: SetupContext) -> Iterable[Slot]:

@@ -493,6 +493,12 @@ class _MultiBase:
 
     def _peer_init(self, placement: Placement, budgets: list[int]) -> None:
         eng: Any = self
+        if eng.spec.one_stream:
+            # the per-GPU streams here are timed without that serialization
+            raise UserError(
+                f"policy {eng.policy.name!r} issues its copies on its kernels' stream "
+                "(one_stream); the multi-GPU executors do not model that"
+            )
         self.pl = placement
         old = eng.machine
         m = eng.machine = MultiMachine(eng.costs, eng.spec, None, placement)

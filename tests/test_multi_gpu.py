@@ -22,7 +22,7 @@ from simulator.runner import simulate
 TRACE = "ci-small"
 
 
-def run(policy: str = "lru", hw: str = "2x-rtx4090-pcie4", **kw: object):  # type: ignore[no-untyped-def]
+def run(policy: str | Policy = "lru", hw: str = "2x-rtx4090-pcie4", **kw: object):  # type: ignore[no-untyped-def]
     kw.setdefault("sequences", 1)
     kw.setdefault("gpu_experts", 40)
     return simulate(policy=policy, hw=hw, trace=TRACE, **kw)  # type: ignore[arg-type]
@@ -87,12 +87,21 @@ def _held(tl: pd.DataFrame, pl: Placement) -> dict[int, list[tuple[float, int]]]
     return ev
 
 
+def test_one_stream_is_refused_on_several_gpus() -> None:
+    """mixtral-offloading as released (copies on its kernels' stream) is not modelled on the
+    multi-GPU executors: a one-line error, not a silently different timing."""
+    with pytest.raises(UserError, match="one_stream"):
+        run("mixtral-offloading", gpus=2, multi_gpu="expert", gpu_experts=24)
+
+
 @pytest.mark.parametrize("mode", ["expert", "pipeline"])
 def test_slots_per_gpu_never_over_budget(mode: str) -> None:
     """A write-back policy that starts with every slot full: the slots a GPU holds (copies
     start holding one, write-backs release one when they end) never exceed its budget plus
     its staging buffer, at any moment."""
-    res = run("mixtral-offloading", gpus=2, multi_gpu=mode, gpu_experts=24)
+    # copies on a side stream: the multi-GPU executors refuse the one-stream declaration
+    pol = get_policy_class("mixtral-offloading")(copy_stream="side")
+    res = run(pol, gpus=2, multi_gpu=mode, gpu_experts=24)
     mg = res.config["multi_gpu"]
     pl = Placement(_cfg(2, mode), 32, 8)
     staging = get_policy_class("mixtral-offloading")().resources().staging_buffers

@@ -525,14 +525,20 @@ def test_chunked_prefill_and_preemption_time_identically(seed: int) -> None:
         ("lru", "_plain_fetches", 0.25, {}),
         ("hobbit", "_plain_fetches", 0.25, {}),  # low-bit temporary copies beside fetches
         ("moe-infinity", "_plain_fetches", 0.25, {}),  # victims of other layers
-        ("mixtral-offloading", "_plain_fetches", 0.25, {}),  # write-backs
+        # write-backs (on a side stream: one stream refuses the one-pass paths)
+        ("mixtral-offloading", "_plain_fetches", 0.25, {"copy_stream": "side"}),
         ("static", "_victim_fetches", 0.125, {}),
         ("fiddler", "_gpu_cpu_layer", 0.25, {}),  # resident and CPU experts only
         ("ktransformers", "_gpu_cpu_layer", 0.25, {"gpu_experts_per_layer": 1}),
         ("llama-cpp-cpu-moe", "_gpu_cpu_layer", 0.25, {}),
         ("daop", "_precalc_layer", 0.25, {}),
         # one slot per layer for top-2: in-use victims, which _plain_fetches leaves alone
-        ("mixtral-offloading", "_victim_fetches", 0.25, {"experts_per_layer": 1}),
+        (
+            "mixtral-offloading",
+            "_victim_fetches",
+            0.25,
+            {"experts_per_layer": 1, "copy_stream": "side"},
+        ),
     ],
 )
 def test_bulk_one_pass_paths_are_taken_and_time_identically(
@@ -757,8 +763,14 @@ def test_narrow_recorderless_paths_match_recorded_and_reference(
 @pytest.mark.parametrize(
     ("policy", "trace", "ratio", "opts"),
     [
-        ("mixtral-offloading", "ci-small", 0.25, {}),  # write-backs, held-back releases
-        ("mixtral-offloading", "phi-3.5-moe", 0.25, {"experts_per_layer": 3}),
+        # write-backs, held-back releases (on a side stream: one stream refuses the path)
+        ("mixtral-offloading", "ci-small", 0.25, {"copy_stream": "side"}),
+        (
+            "mixtral-offloading",
+            "phi-3.5-moe",
+            0.25,
+            {"experts_per_layer": 3, "copy_stream": "side"},
+        ),
         ("hobbit", "ci-small", 0.25, {"low_bit_threshold": 0.2, "skip_threshold": 0.7}),
         ("hobbit", "olmoe-1b-7b", 0.25, {"low_bit_threshold": 0.3, "skip_threshold": 1.0}),
     ],
