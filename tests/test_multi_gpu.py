@@ -397,10 +397,10 @@ def test_gather_barrier_on_two_gpus(mode: str) -> None:
     assert (joined["start"] >= joined["copy"] - 1e-12).all()
 
 
-def _agree(policy: str, hw: str, mode: str) -> None:
+def _agree(policy: str, hw: str, mode: str, **options: object) -> None:
     """Both executors run ``policy`` on two GPUs to the same end (1e-9 s) and timeline."""
-    fast = run(policy, hw, gpus=2, multi_gpu=mode)
-    ref = run(policy, hw, gpus=2, multi_gpu=mode, engine="reference")
+    fast = run(policy, hw, gpus=2, multi_gpu=mode, policy_options=options)
+    ref = run(policy, hw, gpus=2, multi_gpu=mode, engine="reference", policy_options=options)
     assert fast.metrics["e2e_s"] == pytest.approx(ref.metrics["e2e_s"], abs=1e-9)
     assert len(fast.timeline) == len(ref.timeline) > 0
 
@@ -451,13 +451,20 @@ def test_sharded_view_tells_each_gpu_when_its_copies_land() -> None:
 @pytest.mark.parametrize("mode", ["expert", "pipeline"])
 def test_every_builtin_policy_runs_on_a_shared_uplink(mode: str) -> None:
     """Every registered built-in policy runs on 2x RTX 4090 (one uplink, peers via host) and
-    both executors agree; the only refusal is a policy keeping layers on the CPU."""
+    both executors agree; the only refusals are a policy keeping layers on the CPU and one
+    issuing its copies on its kernels' stream (mixtral-offloading as released; it runs with
+    its copies on a side stream)."""
     from policies.registry import available
 
     for name in sorted(available()):
         if name == "llama-cpp-layers":  # CPU-resident layers: a one-line refusal (below)
             with pytest.raises(UserError, match="--gpus 1"):
                 run(name, gpus=2, multi_gpu=mode)
+            continue
+        if name == "mixtral-offloading":
+            with pytest.raises(UserError, match="one_stream"):
+                run(name, gpus=2, multi_gpu=mode)
+            _agree(name, "2x-rtx4090-pcie4", mode, copy_stream="side")
             continue
         _agree(name, "2x-rtx4090-pcie4", mode)
 
