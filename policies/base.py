@@ -247,6 +247,11 @@ class ResourceSpec:
     evicts_in_use: bool = False
     #: places every expert whatever the budget (the all-GPU bound)
     unlimited_memory: bool = False
+    #: the system issues its expert copies on the same CUDA stream as its kernels (PyTorch's
+    #: default stream): the stream runs them in issue order, so no GPU computation overlaps a
+    #: copy, and a layer ends only once every copy it issued has ended (Mixtral-offloading;
+    #: docs/cost-model.md "One stream")
+    one_stream: bool = False
     #: the host also holds every expert at this lower precision (a ``simulator.models`` dtype);
     #: a ``TEMP`` copy named in ``Plan.low_bit`` moves that copy instead (HOBBIT)
     low_bit_dtype: str | None = None
@@ -305,6 +310,12 @@ class ResourceSpec:
         if self.nonexpert_streamed and self.gpu_blocks is not None:
             # both decide where the non-expert weights live; no modelled system does both
             raise UserError("nonexpert_streamed cannot be combined with gpu_blocks")
+        if self.gpu_blocks is not None and self.one_stream:
+            # CPU-resident layers run no GPU stream of their own to serialize with
+            raise UserError("gpu_blocks (CPU-resident layers) cannot be combined with one_stream")
+        if self.one_stream and self.nonexpert_streamed:
+            # the streamed weights' copies are timed on the link alone, not on the one stream
+            raise UserError("one_stream cannot be combined with nonexpert_streamed")
         if self.gpu_blocks is not None and self.writeback:
             # a CPU layer's timing assumes the links are idle when it starts (no background
             # copies); write-backs are background copies

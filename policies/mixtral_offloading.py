@@ -23,11 +23,17 @@ and softmaxed there (docs/cost-model.md "Eager attention"). It needs the model's
   two ``copy_(..., non_blocking=True)`` calls: host -> device from pinned storage into one of the
   4 device buffers, then device -> host of the evicted expert into a pinned host buffer (the
   write-back happens even though weights never change). Both go on the current (default)
-  stream, in that order, behind each other and behind the layer's kernels. There is no explicit
-  ``synchronize`` in the loop, but ``.unique().tolist()`` after the router and
+  stream, in that order, behind each other and behind the layer's kernels: the code creates no
+  stream or event (docs/references.md, "Which stream its copies and kernels run on"). There is
+  no explicit ``synchronize`` in the loop, but ``.unique().tolist()`` after the router and
   ``torch.where(...)`` + ``.tolist()`` per expert make the host wait for the stream, so the next
   layer's copies are issued only after this layer's work. This module models that: one pinned
-  H2D + one pinned D2H per miss, sharing one FIFO (engine.py ``_evict``).
+  H2D + one pinned D2H per miss, sharing one FIFO (engine.py ``_evict``), and
+  ``ResourceSpec.one_stream``: no expert kernel overlaps a copy and a layer ends once its copies
+  have (docs/cost-model.md "One stream").
+- ``copy_stream`` (default ``"default"``, as released): ``"side"`` is a what-if with the copies
+  on a stream of their own, overlapping the kernels (and the only setting the multi-GPU
+  executors accept).
 - The code swaps on *every* miss. When a decode layer needs more experts than its group holds
   (top-2 with ``experts_per_layer = 1``), it evicts the group's least recently used expert even
   if this layer already used it: that expert's computation is ordered before its write-back on
@@ -37,9 +43,11 @@ and softmaxed there (docs/cost-model.md "Eager attention"). It needs the model's
   ``load_experts`` with every expert the prompt routes to, and each non-resident one is swapped
   in (``_swap``: H2D plus the write-back of the group's least recently used expert, the pipeline
   window being ``buffer_size - 1`` loads), so a prompt that needs all 8 experts with 3 resident
-  costs 5 swaps per layer, not 5 temporary copies. Known divergence: compute here may overlap
-  the layer's later copies; on the single stream it cannot (≲2 % at 3 experts per layer).
-- ``prefetch`` (default off, as in the released code): speculative loading from the
+  costs 5 swaps per layer, not 5 temporary copies. The engine issues a layer's swaps before its
+  expert kernels (the code issues 3 first and the rest between kernels; on one stream the sum
+  is the same).
+- ``prefetch`` (default off, as in the released code, which has none; its pre-loads go on the
+  same stream unless ``copy_stream = "side"``): speculative loading from the
   one-layer-early view. At layer l the top ``prefetch_k`` experts of ``view.next_experts`` (layer
   l+1's router applied to layer l's input) that are not resident are copied into layer l+1's
   group, evicting its least recently used expert that is not itself in ``view.next_experts`` and
@@ -82,6 +90,12 @@ class MixtralOffloadingPolicy(LRUPolicy):
             "experts of the one-layer-early view to prefetch (0: the model's top-k)",
             minimum=0,
         ),
+        "copy_stream": Param(
+            str,
+            "default",
+            "stream of the copies: 'default' (the kernels' stream, as released) or 'side'",
+            choices=("default", "side"),
+        ),
     }
 
     def __init__(self, **options: Any) -> None:
@@ -94,9 +108,14 @@ class MixtralOffloadingPolicy(LRUPolicy):
         return bool(self.options["prefetch"])
 
     def resources(self) -> ResourceSpec:
-        """Pinned copies, write-back of evicted experts, in-use evictions, 4 staging buffers."""
+        """Pinned copies, write-back of evicted experts, in-use evictions, 4 staging buffers,
+        copies and kernels on one stream."""
         return ResourceSpec(
-            host_memory="pinned", writeback=True, evicts_in_use=True, staging_buffers=4
+            host_memory="pinned",
+            writeback=True,
+            evicts_in_use=True,
+            staging_buffers=4,
+            one_stream=self.options["copy_stream"] == "default",
         )
 
     def setup(self, ctx: SetupContext) -> Iterable[Slot]:

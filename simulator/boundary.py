@@ -175,6 +175,15 @@ def check_plan(
             layer,
         )
     actions = plan.actions
+    if spec.one_stream and (
+        plan.precalc
+        or (actions.__class__ is dict and any(a in (_CPU, _PRE) for a in actions.values()))
+    ):
+        # one stream orders the expert copies and kernels; CPU work and its activation
+        # copies beside it are not modelled
+        raise hooks.error(
+            "runs experts on the CPU, which a spec with one_stream does not model", layer
+        )
     if not (plan.evict or plan.prefetch or plan.precalc or plan.victims) and (
         actions is None or (actions.__class__ is dict and len(actions) == len(routed))
     ):

@@ -1112,6 +1112,9 @@ class Engine(EngineBase):
         self._gheap: list[tuple[float, int, int]] = []
         self._waiting = 0
         self._tempq: deque[LayerOp] = deque()
+        #: copies and kernels share one stream (ResourceSpec.one_stream): _layer serializes
+        #: them and the one-pass copy paths refuse every plan
+        self._one_stream = self.spec.one_stream
 
     def run(
         self, sequences: Iterable[SequenceRouting], on_sequence: Callable[[Any], None] | None = None
@@ -1348,6 +1351,8 @@ class Engine(EngineBase):
     _pf_refused = 0
 
     def _copies_only(self, layer: int, routed: list[int], plan: Plan, now: float) -> float | None:
+        if self._one_stream:
+            return None  # one stream (ResourceSpec.one_stream): only _layer serializes it
         # Why this is exact: without unified memory, such a plan's requests submitted at ``now``
         # are copies (and write-backs). Everything submitted earlier has been served, and what
         # is still pending was submitted later, so the general path serves this layer's
@@ -2657,6 +2662,8 @@ class Engine(EngineBase):
         ``_cpu_calls``/``_cpu_parallel`` and ``_timed_gpu`` do it: the same issue numbers,
         counters and sums in the same order. A plan of resident experts, fetches and
         temporary copies goes to ``_copy_layer_wb`` without a recorder."""
+        if self._one_stream:
+            return None  # one stream (ResourceSpec.one_stream): only _layer serializes it
         if plan.prefetch and self._pf_taken:
             # with prefetches: _prefetch_layer at once (None: _copies_only asks it again, as
             # it would have anyway, and goes on)
@@ -3436,7 +3443,8 @@ class Engine(EngineBase):
         # same sums, the CPU work submitted to the request heap exactly as _layer submits it.
         # Anything unusual, or anything a check would refuse, returns None before any change
         # (the general path then words the error).
-        if plan.__class__ is not Plan:
+        if plan.__class__ is not Plan or self._one_stream:
+            # (one stream, ResourceSpec.one_stream: only _layer serializes it)
             return None  # the general check words what it is
         actions = plan.actions
         evict, prefetch, items = plan.evict, plan.prefetch, plan.precalc
@@ -3938,6 +3946,10 @@ class Engine(EngineBase):
         deferred = w.deferred
         layer = w.layer
         busy = 0.0
+        one = self._one_stream
+        if one:  # copies and kernels on one stream: the lanes the copies run on
+            h2d_lane, d2h_lane = self._h2d.lane, self._d2h.lane
+            late = list(deferred.values())  # copies issued after a computation
         while gheap or self._waiting:
             while self._waiting and heap and (not gheap or heap[0][0] < gheap[0][0]):
                 self._serve()
@@ -3945,6 +3957,17 @@ class Engine(EngineBase):
                 raise RuntimeError("engine: the GPU waits for a copy that can never start")
             ready, e, buf = heapq.heappop(gheap)
             drained = g
+            if one:
+                # the kernel is issued once its weights are there: every copy issued before
+                # it (submitted by then) runs first, and it holds the copy lanes while it runs
+                at = ready if ready > g else g
+                while heap and heap[0][0] <= at:
+                    self._serve()
+                ready = at
+                if h2d_lane.free_at > ready:
+                    ready = h2d_lane.free_at
+                if d2h_lane.free_at > ready:
+                    ready = d2h_lane.free_at
             if ready > g:
                 c.transfer_stall += ready - g
                 g = ready
@@ -3962,6 +3985,8 @@ class Engine(EngineBase):
                 self._gpu_mem(g, g + d, n)
             g += d
             busy += d
+            if one:
+                h2d_lane.free_at = d2h_lane.free_at = g
             if deferred:
                 wb = deferred.pop(e, None)
                 if wb is not None:  # evicted while in use: written back after its compute
@@ -3970,6 +3995,22 @@ class Engine(EngineBase):
                 nxt = tempq.popleft()
                 nxt.buf = buf
                 push(g if g >= nxt.ssd_at else nxt.ssd_at, nxt)
+        if one:
+            # the stream runs the layer's copies before the next layer's kernels: the layer
+            # ends once every copy it issued has ended
+            last = g
+            for op in w.ops:
+                if op.kind != CPU:
+                    t = op.end if op.end is not None else self._resolve(op)
+                    if t > last:
+                        last = t
+            for op in late:
+                t = op.end if op.end is not None else self._resolve(op)
+                if t > last:
+                    last = t
+            if last > g:
+                c.transfer_stall += last - g
+                g = last
         end = g
         for op in w.results:
             t = op.end if op.end is not None else self._resolve(op)

@@ -500,6 +500,12 @@ class _MultiBase:
                 "(ResourceSpec.nonexpert_streamed), which several GPUs do not model; "
                 "run it on one GPU (stream-all: --policy-opt stream_nonexpert=false)"
             )
+        if eng.spec.one_stream:
+            # the per-GPU streams here are timed without that serialization
+            raise UserError(
+                f"policy {eng.policy.name!r} issues its copies on its kernels' stream "
+                "(one_stream); the multi-GPU executors do not model that"
+            )
         self.pl = placement
         old = eng.machine
         m = eng.machine = MultiMachine(eng.costs, eng.spec, None, placement)

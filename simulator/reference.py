@@ -197,6 +197,9 @@ class ReferenceEngine(EngineBase):
         h2d.free_at = d2h.free_at = env.now
         self._record(d2h.name, op, "writeback", s, env.now, self.expert_bytes)
         op.end = env.now
+        ev = self._done.pop(op, None)
+        if ev is not None:  # a one-stream layer's end waits for it (_stream_drained)
+            ev.succeed()
         self._slot_back()
 
     def _ssd_issue(self, op: LayerOp) -> None:
@@ -329,6 +332,11 @@ class ReferenceEngine(EngineBase):
         for op in w.results:
             if op.end is None:
                 self._event(op)
+        late = []
+        if self.spec.one_stream:  # the in-use victims' write-backs, issued after a computation
+            late = list(w.deferred.values())
+            for op in late:
+                self._event(op)
         state = {"g": now, "busy": 0.0}
         gate = None
         if w.cpu_first and w.sync:
@@ -343,6 +351,8 @@ class ReferenceEngine(EngineBase):
                 c.cpu_wait += sync_end - now
                 state["g"] = sync_end
         yield env.all_of(procs)
+        if self.spec.one_stream:
+            yield from self._stream_drained(w, late, state)
         end = yield from self._results_end(w, state["g"])
         c.gpu_expert_busy += state["busy"]
         self.machine.gpu.busy += state["busy"]
@@ -374,6 +384,22 @@ class ReferenceEngine(EngineBase):
                 waiting.append((e, src))
         known.sort(key=lambda x: (x[0], x[1]))
         return known, waiting
+
+    def _stream_drained(self, w: LayerWork, late: list[LayerOp], state: dict[str, Any]) -> Proc:
+        """One stream (ResourceSpec.one_stream): the layer ends once every copy it issued has
+        ended (the next layer's kernels queue behind them); the wait is a transfer stall."""
+        copies = [op for op in w.ops if op.kind != CPU] + late
+        pending = [self._event(op) for op in copies if op.end is None]
+        if pending:
+            yield self.env.all_of(pending)
+        g = last = state["g"]
+        for op in copies:
+            assert op.end is not None
+            if op.end > last:
+                last = op.end
+        if last > g:
+            self.c.transfer_stall += last - g
+            state["g"] = last
 
     def _results_end(self, w: LayerWork, g: float) -> Proc:
         """Wait for the layer's CPU results; the layer ends at the later of them and ``g``
@@ -415,6 +441,12 @@ class ReferenceEngine(EngineBase):
         lane = self._gpu_lane(k)
         with self._res[lane.name].request(priority=(ready, e)) as req:
             yield req
+            held = None
+            if self.spec.one_stream:
+                # one stream: the kernel is issued now, after every copy submitted by now (the
+                # key sorts after theirs), and holds the copy lanes while it runs
+                held = self._stream_hold()
+                yield simpy.AllOf(env, [r for _, r in held])
             s = env.now
             g = self._gpu_clock(state, k)
             if s > g:
@@ -436,6 +468,16 @@ class ReferenceEngine(EngineBase):
             yield env.timeout(d)
             self._gpu_set_clock(state, k, env.now)
             state["busy"] += d
+            if held is not None:
+                for name, r in held:
+                    self._res[name].release(r)
+                for link in (self._h2d, self._d2h):
+                    link.lane.free_at = env.now
+                if src is not None and src.kind == TEMP:
+                    # the next temporary copy is issued before the stream's next kernel (the
+                    # fast engine pushes it before serving that kernel)
+                    self._gpu_buffers(k).put(src.buf)
+                    src = None
         self._gpu_done(k, lane, d)
         if self.recorder is not None:
             self.recorder.op(lane.name, "expert", w.sid, w.token, w.layer, e, s, env.now, 0)
@@ -444,6 +486,12 @@ class ReferenceEngine(EngineBase):
             env.process(self._write_back(wb))
         if src is not None and src.kind == TEMP:
             self._gpu_buffers(k).put(src.buf)
+
+    def _stream_hold(self) -> list[tuple[str, simpy.Event]]:
+        """Requests for every copy lane, keyed after each copy submitted by now."""
+        key = (self.env.now, float("inf"))
+        names = dict.fromkeys(link.lane.name for link in (self._h2d, self._d2h))
+        return [(name, self._res[name].request(priority=key)) for name in names]
 
     # -- per-GPU hooks of _gpu: one GPU here; simulator/multigpu.py overrides them ----------
     def _gpu_lane(self, k: int) -> Lane:

@@ -225,6 +225,7 @@ class ChaosPolicy(Policy):
         temp_buffers: int,
         writeback: bool = False,
         staging_buffers: int = 0,
+        one_stream: bool = False,
     ) -> None:
         super().__init__()
         self.rng = rng
@@ -233,6 +234,7 @@ class ChaosPolicy(Policy):
             temp_buffers=temp_buffers,
             writeback=writeback,
             staging_buffers=staging_buffers,
+            one_stream=one_stream,
         )
         self.engine: Any = None  # the engine under test, set by the test after building it
         self.precomputed: list[tuple[int, int, int, int]] = []  # (seq, token, layer, expert)
@@ -290,7 +292,9 @@ class ChaosPolicy(Policy):
                 opts = [Action.GPU, Action.CPU]
             else:
                 opts = [Action.FETCH, Action.TEMP, Action.CPU]
-            if (layer, e) in eng.precalc:
+            if self.spec.one_stream:  # a one-stream spec runs no expert on the CPU
+                opts.pop()
+            elif (layer, e) in eng.precalc:
                 opts.append(Action.PRECOMPUTED)
             a = opts[int(rng.integers(len(opts)))]
             if a == Action.FETCH:
@@ -330,6 +334,6 @@ class ChaosPolicy(Policy):
         if layer + 1 < view.model.moe_layers and rng.random() < 0.3:  # type: ignore[union-attr]
             pl = int(rng.integers(layer + 1, view.model.moe_layers))  # type: ignore[union-attr]
             pe = int(rng.integers(view.model.experts))  # type: ignore[union-attr]
-            if (pl, pe) not in eng.precalc:
+            if (pl, pe) not in eng.precalc and not self.spec.one_stream:
                 plan.precalc.append((pl, pe))
         return plan

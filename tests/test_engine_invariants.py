@@ -11,6 +11,7 @@ layer. Finally the FIFO ``Lane`` is checked against ``simpy.Resource``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
@@ -347,3 +348,116 @@ def test_in_use_eviction_is_refused_without_the_declaration() -> None:
     eng = Engine(Greedy(), model, costs, budget=2)
     with pytest.raises(PolicyError, match="which this token needs"):
         eng.run([routing])
+
+
+# -- one stream (ResourceSpec.one_stream): copies and kernels in issue order -------------------
+
+COPY_LANES = ("h2d", "d2h", "copy")
+
+
+def _stream_overlaps(tl: pd.DataFrame) -> int:
+    """GPU operations (non-expert parts and experts) that overlap some copy by more than EPS."""
+    res = tl["resource"].astype(str)
+    gpu = tl[res == "gpu"]
+    cp = tl[res.isin(COPY_LANES)].sort_values("start", kind="stable")
+    if not len(gpu) or not len(cp):
+        return 0
+    starts = cp["start"].to_numpy()
+    last_end = np.maximum.accumulate(cp["end"].to_numpy())  # of the copies started so far
+    n = 0
+    for s, e in gpu[["start", "end"]].itertuples(index=False):
+        i = int(np.searchsorted(starts, e - EPS, side="left"))  # copies starting before e
+        if i and last_end[i - 1] > s + EPS:
+            n += 1
+    return n
+
+
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    budget_frac=st.floats(0.0, 1.0),
+    writeback=st.booleans(),
+    staging=st.integers(0, 2),
+    copy_engines=st.integers(1, 2),
+    slow_host=st.booleans(),
+)
+def test_one_stream_never_runs_a_kernel_beside_a_copy(
+    seed: int, budget_frac: float, writeback: bool, staging: int, copy_engines: int, slow_host: bool
+) -> None:
+    """Random legal plans (fetches with victims, temporary copies into few buffers, prefetches,
+    explicit evictions, write-backs, a slow host thread) under a one-stream spec: no GPU
+    operation overlaps any copy, and each layer's non-expert part starts after every copy
+    issued before it has ended."""
+    from simulator.runtime_profiles import get_runtime, with_costs
+
+    rng = np.random.default_rng(seed)
+    model = tiny_model(experts=6, top_k=2, moe_layers=3)
+    hw = dataclasses.replace(HW, link=dataclasses.replace(HW.link, copy_engines=copy_engines))
+    pol = ChaosPolicy(
+        rng,
+        cpu_workers=1,
+        temp_buffers=int(rng.integers(1, 3)),
+        writeback=writeback,
+        staging_buffers=staging,
+        one_stream=True,
+    )
+    runtime = with_costs(get_runtime("hf-eager"), name="slow", dispatch_us=60.0, sync_us=40.0)
+    rec = Recorder()
+    eng = Engine(
+        pol,
+        model,
+        cost_model(hw, model),
+        round(budget_frac * 18),
+        recorder=rec,
+        seed=seed,
+        runtime=runtime if slow_host else None,
+    )
+    pol.engine = eng
+    routings = [random_routing(model, s, 3, 5, rng) for s in range(2)]
+    eng.run(iter(routings))
+    tl = rec.timeline()
+    assert _stream_overlaps(tl) == 0
+    copies = tl[tl["resource"].astype(str).isin(COPY_LANES)]
+    assert len(copies), "no copy was made: nothing was tested"
+    for resource in ("h2d", "d2h", "copy", "gpu"):
+        _no_overlap(tl, resource)
+
+
+@pytest.mark.parametrize(
+    ("hw", "opts", "gpu_experts"),
+    [
+        ("a6000-pcie4", {}, 96),
+        ("a6000-pcie4", {"prefetch": True}, 96),
+        ("a6000-1ce-pcie4", {"experts_per_layer": 1}, 32),
+        ("rtx4090-pcie4", {"experts_per_layer": 1, "prefetch": True}, 32),
+    ],
+)
+def test_one_stream_is_never_faster_than_a_side_stream(
+    hw: str, opts: dict[str, Any], gpu_experts: int
+) -> None:
+    """mixtral-offloading as released (copies on the kernels' stream) against the same plans
+    with the copies on a side stream: never faster (end to end, first token), the same
+    copies, no kernel beside a copy, while the side-stream run does overlap them."""
+    from simulator.runner import simulate
+
+    runs = {
+        s: simulate(
+            policy="mixtral-offloading",
+            hw=hw,
+            trace="ci-small",
+            gpu_experts=gpu_experts,
+            sequences=2,
+            policy_options={**opts, "copy_stream": s},
+            record=True,
+        )
+        for s in ("default", "side")
+    }
+    one, side = runs["default"], runs["side"]
+    assert _stream_overlaps(one.timeline) == 0
+    assert _stream_overlaps(side.timeline) > 0
+    for key in ("h2d_bytes", "d2h_bytes", "fetches", "decode_hits", "prefill_hits"):
+        assert one.metrics[key] == side.metrics[key]
+    assert one.metrics["e2e_s"] >= side.metrics["e2e_s"] - 1e-9
+    assert one.metrics["ttft_s"] >= side.metrics["ttft_s"] - 1e-9

@@ -22,7 +22,7 @@ from simulator.runner import simulate
 TRACE = "ci-small"
 
 
-def run(policy: str = "lru", hw: str = "2x-rtx4090-pcie4", **kw: object):  # type: ignore[no-untyped-def]
+def run(policy: str | Policy = "lru", hw: str = "2x-rtx4090-pcie4", **kw: object):  # type: ignore[no-untyped-def]
     kw.setdefault("sequences", 1)
     kw.setdefault("gpu_experts", 40)
     return simulate(policy=policy, hw=hw, trace=TRACE, **kw)  # type: ignore[arg-type]
@@ -87,12 +87,21 @@ def _held(tl: pd.DataFrame, pl: Placement) -> dict[int, list[tuple[float, int]]]
     return ev
 
 
+def test_one_stream_is_refused_on_several_gpus() -> None:
+    """mixtral-offloading as released (copies on its kernels' stream) is not modelled on the
+    multi-GPU executors: a one-line error, not a silently different timing."""
+    with pytest.raises(UserError, match="one_stream"):
+        run("mixtral-offloading", gpus=2, multi_gpu="expert", gpu_experts=24)
+
+
 @pytest.mark.parametrize("mode", ["expert", "pipeline"])
 def test_slots_per_gpu_never_over_budget(mode: str) -> None:
     """A write-back policy that starts with every slot full: the slots a GPU holds (copies
     start holding one, write-backs release one when they end) never exceed its budget plus
     its staging buffer, at any moment."""
-    res = run("mixtral-offloading", gpus=2, multi_gpu=mode, gpu_experts=24)
+    # copies on a side stream: the multi-GPU executors refuse the one-stream declaration
+    pol = get_policy_class("mixtral-offloading")(copy_stream="side")
+    res = run(pol, gpus=2, multi_gpu=mode, gpu_experts=24)
     mg = res.config["multi_gpu"]
     pl = Placement(_cfg(2, mode), 32, 8)
     staging = get_policy_class("mixtral-offloading")().resources().staging_buffers
@@ -393,10 +402,10 @@ def test_gather_barrier_on_two_gpus(mode: str) -> None:
     assert (joined["start"] >= joined["copy"] - 1e-12).all()
 
 
-def _agree(policy: str, hw: str, mode: str) -> None:
+def _agree(policy: str, hw: str, mode: str, **options: object) -> None:
     """Both executors run ``policy`` on two GPUs to the same end (1e-9 s) and timeline."""
-    fast = run(policy, hw, gpus=2, multi_gpu=mode)
-    ref = run(policy, hw, gpus=2, multi_gpu=mode, engine="reference")
+    fast = run(policy, hw, gpus=2, multi_gpu=mode, policy_options=options)
+    ref = run(policy, hw, gpus=2, multi_gpu=mode, engine="reference", policy_options=options)
     assert fast.metrics["e2e_s"] == pytest.approx(ref.metrics["e2e_s"], abs=1e-9)
     assert len(fast.timeline) == len(ref.timeline) > 0
 
@@ -447,8 +456,10 @@ def test_sharded_view_tells_each_gpu_when_its_copies_land() -> None:
 @pytest.mark.parametrize("mode", ["expert", "pipeline"])
 def test_every_builtin_policy_runs_on_a_shared_uplink(mode: str) -> None:
     """Every registered built-in policy runs on 2x RTX 4090 (one uplink, peers via host) and
-    both executors agree; the only refusals are a policy keeping layers on the CPU and one
-    streaming its non-expert weights (stream-all, which runs with them kept resident)."""
+    both executors agree; the only refusals are a policy keeping layers on the CPU, one
+    streaming its non-expert weights (stream-all, which runs with them kept resident) and one
+    issuing its copies on its kernels' stream (mixtral-offloading as released; it runs with
+    its copies on a side stream)."""
     from policies.registry import available
 
     for name in sorted(available()):
@@ -463,6 +474,11 @@ def test_every_builtin_policy_runs_on_a_shared_uplink(mode: str) -> None:
             fast = run(name, "2x-rtx4090-pcie4", gpus=2, multi_gpu=mode, **kw)
             ref = run(name, "2x-rtx4090-pcie4", gpus=2, multi_gpu=mode, engine="reference", **kw)
             assert fast.metrics["e2e_s"] == pytest.approx(ref.metrics["e2e_s"], abs=1e-9)
+            continue
+        if name == "mixtral-offloading":
+            with pytest.raises(UserError, match="one_stream"):
+                run(name, gpus=2, multi_gpu=mode)
+            _agree(name, "2x-rtx4090-pcie4", mode, copy_stream="side")
             continue
         _agree(name, "2x-rtx4090-pcie4", mode)
 

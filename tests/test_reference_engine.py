@@ -350,6 +350,36 @@ def test_random_plans_time_identically(
     assert_same(ta, tb, sa, sb)
 
 
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("copy_engines", [1, 2])
+@pytest.mark.parametrize("runtime", ["ideal", SLOW_HOST])
+def test_one_stream_random_plans_time_identically(
+    seed: int, copy_engines: int, runtime: str | RuntimeProfile
+) -> None:
+    """A one-stream spec (ResourceSpec.one_stream: copies and kernels in issue order) under
+    random legal plans (fetches with victims, temporary copies into few buffers, prefetches,
+    evictions, with and without write-back and staging slots): both engines give the same
+    timeline, with kernels waiting for copies and copies for kernels."""
+    model = tiny_model(experts=6, top_k=2, moe_layers=3)
+    hw = load_profile("a6000-pcie4")
+    hw = dataclasses.replace(hw, link=dataclasses.replace(hw.link, copy_engines=copy_engines))
+    out = []
+    for cls in (Engine, ReferenceEngine):
+        rng = np.random.default_rng(seed)
+        bufs = int(rng.integers(1, 3))
+        seqs = [random_routing(model, s, 3, 5, rng) for s in range(2)]
+
+        def make(rng: np.random.Generator = rng, b: int = bufs) -> Policy:
+            return ChaosPolicy(
+                rng, 1, b, writeback=bool(seed % 2), staging_buffers=seed % 3, one_stream=True
+            )
+
+        out.append(_run(cls, make, model, hw, 2 + 3 * seed, seqs, runtime=runtime))
+    (ta, sa, _), (tb, sb, _) = out
+    assert sa.counters.h2d_expert_copies > 0
+    assert_same(ta, tb, sa, sb)
+
+
 def _run_serving(
     cls: type[EngineBase],
     policy: str,
@@ -525,14 +555,20 @@ def test_chunked_prefill_and_preemption_time_identically(seed: int) -> None:
         ("lru", "_plain_fetches", 0.25, {}),
         ("hobbit", "_plain_fetches", 0.25, {}),  # low-bit temporary copies beside fetches
         ("moe-infinity", "_plain_fetches", 0.25, {}),  # victims of other layers
-        ("mixtral-offloading", "_plain_fetches", 0.25, {}),  # write-backs
+        # write-backs (on a side stream: one stream refuses the one-pass paths)
+        ("mixtral-offloading", "_plain_fetches", 0.25, {"copy_stream": "side"}),
         ("static", "_victim_fetches", 0.125, {}),
         ("fiddler", "_gpu_cpu_layer", 0.25, {}),  # resident and CPU experts only
         ("ktransformers", "_gpu_cpu_layer", 0.25, {"gpu_experts_per_layer": 1}),
         ("llama-cpp-cpu-moe", "_gpu_cpu_layer", 0.25, {}),
         ("daop", "_precalc_layer", 0.25, {}),
         # one slot per layer for top-2: in-use victims, which _plain_fetches leaves alone
-        ("mixtral-offloading", "_victim_fetches", 0.25, {"experts_per_layer": 1}),
+        (
+            "mixtral-offloading",
+            "_victim_fetches",
+            0.25,
+            {"experts_per_layer": 1, "copy_stream": "side"},
+        ),
     ],
 )
 def test_bulk_one_pass_paths_are_taken_and_time_identically(
@@ -757,8 +793,14 @@ def test_narrow_recorderless_paths_match_recorded_and_reference(
 @pytest.mark.parametrize(
     ("policy", "trace", "ratio", "opts"),
     [
-        ("mixtral-offloading", "ci-small", 0.25, {}),  # write-backs, held-back releases
-        ("mixtral-offloading", "phi-3.5-moe", 0.25, {"experts_per_layer": 3}),
+        # write-backs, held-back releases (on a side stream: one stream refuses the path)
+        ("mixtral-offloading", "ci-small", 0.25, {"copy_stream": "side"}),
+        (
+            "mixtral-offloading",
+            "phi-3.5-moe",
+            0.25,
+            {"experts_per_layer": 3, "copy_stream": "side"},
+        ),
         ("hobbit", "ci-small", 0.25, {"low_bit_threshold": 0.2, "skip_threshold": 0.7}),
         ("hobbit", "olmoe-1b-7b", 0.25, {"low_bit_threshold": 0.3, "skip_threshold": 1.0}),
     ],

@@ -20,12 +20,14 @@ from simulator.engine import Engine
 
 
 def _result(record: bool, runtime: str | None, **opts: Any) -> tuple[Any, ...]:
+    # copies on a side stream: a one-stream spec (the policy's default) never takes
+    # _plain_fetches, which holds the releases back
     r = simulate(
         policy="mixtral-offloading",
         trace="ci-small",
         hw="a6000-pcie4",
         cache_ratio=0.25,
-        policy_options=opts or None,
+        policy_options={**opts, "copy_stream": "side"},
         record=record,
         runtime=runtime,
     )
