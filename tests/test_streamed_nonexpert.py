@@ -156,11 +156,13 @@ def test_random_plans_with_streamed_weights(seed: int) -> None:
 
 
 def test_refusals() -> None:
-    """One-line errors: a negative threshold, streaming beside CPU-resident layers, and
-    several GPUs."""
+    """One-line errors: a negative threshold, streaming beside CPU-resident layers or on one
+    stream with the kernels, and several GPUs."""
     with pytest.raises(UserError, match="nonexpert_persist_numel"):
         ResourceSpec(nonexpert_streamed=True, nonexpert_persist_numel=-1)
     with pytest.raises(UserError, match="gpu_blocks"):
         ResourceSpec(nonexpert_streamed=True, gpu_blocks=4)
+    with pytest.raises(UserError, match="one_stream cannot be combined"):
+        ResourceSpec(nonexpert_streamed=True, one_stream=True)
     with pytest.raises(UserError, match="--gpus 1"):
         _run(hw="2x-rtx4090-pcie4", gpus=2, multi_gpu="pipeline", gpu_experts=40, record=False)
