@@ -59,6 +59,8 @@ _PLAN_FIELDS = (
 if tuple(f.name for f in dataclasses.fields(Plan)) != _PLAN_FIELDS:  # pragma: no cover
     raise ImportError("policies/daop.py: Plan's fields changed; update decode_layer")
 _NO_LOW_BIT: frozenset[int] = frozenset()
+#: a plan without pre-calculations (shared: the engine never changes a plan)
+_NO_PRECALC: list[tuple[int, int]] = []
 
 GPU, FETCH, TEMP, CPU, PRE = (
     Action.GPU,
@@ -72,8 +74,20 @@ GPU, FETCH, TEMP, CPU, PRE = (
 #: What DAOP decided at layer l-1 for layer l of the current token (a tuple: cheaper to make
 #: than an object): the route used (after degradation), the plain top-k prediction (before
 #: degradation), the CPU-resident experts submitted for pre-calculation (in route order; k is
-#: small, so a list's ``in`` costs no more than a set's) and the route as a list.
-_Prediction = tuple[np.ndarray, np.ndarray, list[int], list[int]]
+#: small, so a list's ``in`` costs no more than a set's), the route as a list, and, for a
+#: prediction made without degradation (the ones ``_predict`` memoises), the residency
+#: snapshot it was made under (``DAOPPolicy._memo_res``, compared by identity), layer l's
+#: actions for it (what ``decode_layer`` would build from that residency) and the
+#: pre-calculation items of layer l-1's plan; None, None, None otherwise.
+_Prediction = tuple[
+    np.ndarray,
+    np.ndarray,
+    list[int],
+    list[int],
+    bytes | None,
+    dict[int, Action] | None,
+    list[tuple[int, int]] | None,
+]
 
 
 def swap_pairs(
@@ -213,6 +227,11 @@ class DAOPPolicy(Policy):
         self.exact_fallback = bool(o["exact_fallback"])
         #: predictions for layers of the current decode token, by layer
         self.pred: dict[int, _Prediction] = {}
+        #: predictions made without degradation, by (layer, dtype code, raw top-k), valid
+        #: for the residency ``_memo_res`` (the mask's bytes at the current decode_layer
+        #: call) they were made under: see _predict and decode_layer
+        self._pmemo: dict[tuple[int, ...], _Prediction] = {}
+        self._memo_res = b""
         #: prefill swaps made so far: (layer, hot, cold)
         self.swaps: list[tuple[int, int, int]] = []
         self._restore = False
@@ -298,6 +317,14 @@ class DAOPPolicy(Policy):
         if ne is None or view.next_probs is None:
             return None
         raw_l = ne[: self.k].tolist()
+        # a prediction without degradation depends on the layer, the top-k and the residency
+        # only: memoised for the residency of this decode_layer call (``_memo_res``); the
+        # dtype's code is in the key because tolist() of another dtype gives other Python
+        # types with equal hashes (1.0 == 1)
+        key = (view.layer, ne.dtype.char, *raw_l)
+        memo = self._pmemo.get(key)
+        if memo is not None:
+            return memo
         if not raw_l or min(raw_l) < 0:
             return None
         raw = np.asarray(raw_l, dtype=np.int64)
@@ -335,10 +362,21 @@ class DAOPPolicy(Policy):
             route_l = [*raw_l[:-1], gpu_ids[best]]
             route = np.asarray(route_l, dtype=np.int64)
             cpu = [e for e in route_l if not on_gpu[e]]
-        else:  # the route is the raw prediction (read-only to the plan that consumes it)
-            route_l, route = raw_l, raw
-        # ``cpu`` is in route order: the pre-calculations are issued in that order
-        return route, raw, cpu, route_l
+            # ``cpu`` is in route order: the pre-calculations are issued in that order
+            return route, raw, cpu, route_l, None, None, None
+        # the route is the raw prediction (read-only to the plans that consume it). Layer
+        # nl's actions as decode_layer builds them: every entry is resident or in ``cpu``
+        # (pre-calculated), so none is dropped; the plan never changes (the engine never
+        # changes a plan), so the memo shares them
+        actions: dict[int, Action] | None = None
+        if not self.exact_fallback:
+            actions = {}
+            for e in raw_l:
+                actions[e] = PRE if e in cpu else GPU
+        items = [(nl, e) for e in cpu]
+        pred = raw, raw, cpu, raw_l, self._memo_res, actions, items
+        self._pmemo[key] = pred
+        return pred
 
     def decode_layer(self, view: View) -> Plan:
         """Exact routing below first_predict_layer; the layer-early prediction from there on."""
@@ -346,44 +384,60 @@ class DAOPPolicy(Policy):
         preds = self.pred
         if layer == 0:
             preds.clear()
+        # the memoised predictions hold for one residency: a new one (a prefill's swaps)
+        # forgets them (a fresh snapshot object, so no earlier prediction matches it)
+        snap = view.resident.tobytes()
+        if snap != self._memo_res:
+            self._pmemo.clear()
+            self._memo_res = snap
         res_at = view.resident.item  # per-expert item reads: no row view, no list
-        actions: dict[int, Action] = {}
         route = raw = None
         pred = preds.pop(layer, None) if layer >= self.fpl else None
         if pred is None:
+            actions: dict[int, Action] = {}
             for e in view.experts.tolist():
                 actions[e] = GPU if res_at(layer, e) else CPU
         else:
-            route, raw, ready, route_l = pred
-            if self.quirk and layer == self.n_layers - 1:
-                ready = []  # with the quirk the pre-calculated result is reset before use
-            if self.exact_fallback:  # the trace's routing: no route of the plan's own
-                route = raw = None
-                for e in view.experts.tolist():
-                    actions[e] = GPU if res_at(layer, e) else (PRE if e in ready else CPU)
+            route, raw, ready, route_l, made_under, memo_actions, _ = pred
+            last = self.quirk and layer == self.n_layers - 1
+            if memo_actions is not None and made_under is self._memo_res and not last:
+                # made under this very residency: the actions the loop below would build
+                actions = memo_actions
             else:
-                # every entry kept (the common case): the prediction's own array, which the
-                # policy no longer holds once the prediction is popped
-                for e in route_l:
-                    if res_at(layer, e):
-                        actions[e] = GPU
-                    elif e in ready:
-                        actions[e] = PRE
-                    else:  # an entry neither resident nor pre-calculated: dropped
-                        keep = [i for i, e in enumerate(route_l) if res_at(layer, e) or e in ready]
-                        route = route[keep]
-                        actions.clear()
-                        for x in route.tolist():
-                            actions[x] = GPU if res_at(layer, x) else PRE
-                        break
-        precalc: list[tuple[int, int]] = []
+                actions = {}
+                if last:
+                    ready = []  # with the quirk the pre-calculated result is reset before use
+                if self.exact_fallback:  # the trace's routing: no route of the plan's own
+                    route = raw = None
+                    for e in view.experts.tolist():
+                        actions[e] = GPU if res_at(layer, e) else (PRE if e in ready else CPU)
+                else:
+                    # every entry kept (the common case): the prediction's own array, which
+                    # the plan only reads
+                    for e in route_l:
+                        if res_at(layer, e):
+                            actions[e] = GPU
+                        elif e in ready:
+                            actions[e] = PRE
+                        else:  # an entry neither resident nor pre-calculated: dropped
+                            keep = [
+                                i for i, e in enumerate(route_l) if res_at(layer, e) or e in ready
+                            ]
+                            route = route[keep]
+                            actions.clear()
+                            for x in route.tolist():
+                                actions[x] = GPU if res_at(layer, x) else PRE
+                            break
+        precalc: list[tuple[int, int]] = _NO_PRECALC
         # prediction for layer+1, issued before this layer's experts run
         if self.fpl - 1 <= layer <= self.n_layers - 2:
             nxt = self._predict(view)
             if nxt is not None:
                 preds[layer + 1] = nxt
-                for e in nxt[2]:
-                    precalc.append((layer + 1, e))
+                items = nxt[6]
+                if items is None:
+                    items = [(layer + 1, e) for e in nxt[2]]
+                precalc = items
         # positional (half the cost of keywords; _PLAN_FIELDS checks the order at import):
         # no victims, prefetches or evictions, serial and synchronous CPU work
         return Plan(actions, {}, route, raw, [], precalc, [], True, True, _NO_LOW_BIT, False)
