@@ -3342,6 +3342,8 @@ class Engine(EngineBase):
     #: whether this run's fixed conditions let ``_precalc_layer`` take a plan (None: not
     #: looked up yet)
     _precalc_ok: bool | None = None
+    #: the current token's gate weights (its ``[layers, k]`` row) and the same as lists
+    _w_lists: tuple[Any, list[list[float]]] | None = None
 
     def _precalc_layer(
         self, layer: int, experts: np.ndarray, plan: Plan, now: float, w_t: Any, ws_t: list[float]
@@ -3394,8 +3396,17 @@ class Engine(EngineBase):
         if len(actions) != n:
             return None
         res = self.res
-        # 2-D item reads: no row views for k lookups
-        resident_at, ready_item = res.resident.item, res.ready_at.item
+        # the residency, ready times and prefetched flags through _repeat_rows' flat views
+        views = self._repeat_views
+        if (
+            views is None
+            or views[0] is not res.resident
+            or views[1] is not res.ready_at
+            or views[2] is not res.prefetched
+        ):
+            views = self._repeat_rows()
+        mres, mready = views[3], views[4]
+        lo = layer * n_exp
         pc = self.precalc
         jobs: list[tuple[float, int]] = []
         gpu: list[int] = []
@@ -3406,9 +3417,9 @@ class Engine(EngineBase):
                 return None  # check_route's range rule (a trace's own ids are in range)
             a = actions.get(e)
             if a == _GPU:
-                if not resident_at(layer, e):
+                if not mres[lo + e]:
                     return None
-                ready = ready_item(layer, e)  # a float, as float(ready_at[layer, e])
+                ready = mready[lo + e]  # a float, as float(ready_at[layer, e])
                 if ready == INF:
                     return None  # its copy is not timed yet
                 jobs.append((ready, e))
@@ -3444,7 +3455,12 @@ class Engine(EngineBase):
             c.true_accesses += len(experts)
             c.gate_mass_total += ws_t[layer]
             raw_l = None
-            ex_l, w_l = experts.tolist(), w_t[layer].tolist()
+            # the token's gate weights as lists, made once per token (the same floats as a
+            # row's tolist())
+            wl = self._w_lists
+            if wl is None or wl[0] is not w_t:
+                wl = self._w_lists = (w_t, w_t.tolist())
+            ex_l, w_l = experts.tolist(), wl[1][layer]
             # zip's strict keyword only when it matters (the keyword alone costs more than the
             # loop; the trace gives as many weights as experts)
             if len(ex_l) == len(w_l):
@@ -3462,10 +3478,10 @@ class Engine(EngineBase):
                         c.replaced_degraded += 1
                     else:
                         c.replaced_mispredicted += 1
-        pflags = res.prefetched
+        mpre = views[5]
         for e in gpu:
-            if pflags.item(layer, e):
-                pflags[layer, e] = False
+            if mpre[lo + e]:
+                mpre[lo + e] = 0
                 c.prefetch_used += 1
         results: list[LayerOp] = []
         for e in pre:
@@ -3547,28 +3563,11 @@ class Engine(EngineBase):
             if sync_end > now:
                 c.cpu_wait += sync_end - now
                 g = sync_end
-        jobs.sort()
-        m = self.machine
-        d1 = m.gpu_s(1)  # one decode token per expert
-        fused = m.fused_launch_s  # the layer's fused call, with its first expert
-        host = m.host_experts  # None when GPU expert calls cost the host nothing
-        busy = 0.0
-        for ready, e in jobs:
-            drained = g
-            if ready > g:
-                c.transfer_stall += ready - g
-                g = ready
-            d = d1 + fused
-            fused = 0.0
-            if host is not None:  # the stream may wait for the host thread to issue it
-                wait = host.expert(drained, g, d) - d - g
-                if wait > 0.0:
-                    c.dispatch_stall += wait
-                    g += wait
-            if rec is not None:
-                rec.op("gpu", "expert", sid, token, layer, e, g, g + d, 0)
-            g += d
-            busy += d
+        # the GPU experts by (ready time, expert), as _layer's all-timed branch runs them
+        if rec is None:
+            g = self._repeat_gpu(jobs, g)
+        else:
+            g = self._timed_gpu(jobs, g, None, sid, token, layer)
         end = g
         for op in results:
             t = op.end
@@ -3580,8 +3579,6 @@ class Engine(EngineBase):
                 end = t
         if end > g:
             c.cpu_wait += end - g
-        c.gpu_expert_busy += busy
-        m.gpu.busy += busy
         return end
 
     def _resolve_plain(self, op: LayerOp) -> float:
