@@ -1111,6 +1111,22 @@ class Engine(EngineBase):
             cfg = self._plain_cfg = (work, share, dram, one[1], one[2])
         return cfg
 
+    #: ``_serve_plain``'s fixed locals: ``_plain_cfg``, the request heap, the shared CPU, the
+    #: push counter and the D2H and H2D lanes
+    _plain_locals: tuple[Any, ...] | None = None
+
+    def _plain_locals_init(self) -> tuple[Any, ...]:
+        """``_plain_locals``, gathered once (none of these objects is ever replaced)."""
+        v = self._plain_locals = (
+            *(self._plain_cfg or self._plain_config()),
+            self._heap,
+            self._host,
+            self._uid,
+            self._d2h.lane,
+            self._h2d.lane,
+        )
+        return v
+
     def _serve_plain(self, op: LayerOp | None, limit: float) -> None:
         """``_serve`` in a loop, until ``op`` has its end time (``op`` given) or while a
         request is submitted at or before ``limit``, with a one-token CPU call's stages and
@@ -1128,12 +1144,10 @@ class Engine(EngineBase):
         wake-ups of the shared CPU, of which at most one is current (the other is skipped
         whichever comes first); so the push number never decides, and a later push changes
         nothing."""
-        work, share, dram, a_out, a_in = self._plain_cfg or self._plain_config()
-        heap = self._heap
-        host = self._host
+        work, share, dram, a_out, a_in, heap, host, uid, d2h, h2d = (
+            self._plain_locals or self._plain_locals_init()
+        )
         push, pop = heapq.heappush, heapq.heappop
-        uid = self._uid
-        d2h, h2d = self._d2h.lane, self._h2d.lane
         rec = self.recorder
         cx: Any = None  # the held request (time ct, issue number cs), or None
         ct = 0.0
