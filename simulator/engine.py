@@ -1048,6 +1048,7 @@ class Engine(EngineBase):
         self._gheap: list[tuple[float, int, int]] = []
         self._waiting = 0
         self._tempq: deque[LayerOp] = deque()
+        self._held_wake = _Wake(0)
 
     def run(
         self, sequences: Iterable[SequenceRouting], on_sequence: Callable[[Any], None] | None = None
@@ -1115,6 +1116,9 @@ class Engine(EngineBase):
     #: push counter and the D2H and H2D lanes
     _plain_locals: tuple[Any, ...] | None = None
 
+    #: the wake-up ``_serve_plain`` holds (see there)
+    _held_wake: _Wake
+
     def _plain_locals_init(self) -> tuple[Any, ...]:
         """``_plain_locals``, gathered once (none of these objects is ever replaced)."""
         v = self._plain_locals = (
@@ -1149,6 +1153,9 @@ class Engine(EngineBase):
         )
         push, pop = heapq.heappush, heapq.heappop
         rec = self.recorder
+        # a held wake-up is this engine's one reusable _Wake, its version set when it is
+        # held (one is held at a time; a copy enters the heap when it must)
+        held_wake = self._held_wake
         cx: Any = None  # the held request (time ct, issue number cs), or None
         ct = 0.0
         cs = 0
@@ -1182,7 +1189,7 @@ class Engine(EngineBase):
                                self.act_bytes)  # fmt: skip
                     x.stage = 1
                     if cx is not None and (cs != -1 or cx.n == host.version):
-                        push(heap, (ct, cs, next(uid), cx))
+                        push(heap, (ct, cs, next(uid), cx if cs != -1 else _Wake(cx.n)))
                     ct, cs, cx = e, x.seq, x
                     continue
                 if stage != 1:  # the result back
@@ -1196,7 +1203,7 @@ class Engine(EngineBase):
                     nxt = x.chain
                     if nxt is not None:
                         if cx is not None and (cs != -1 or cx.n == host.version):
-                            push(heap, (ct, cs, next(uid), cx))
+                            push(heap, (ct, cs, next(uid), cx if cs != -1 else _Wake(cx.n)))
                         ct = e if e >= nxt.ssd_at else nxt.ssd_at
                         cs, cx = nxt.seq, nxt
                     continue
@@ -1211,7 +1218,7 @@ class Engine(EngineBase):
                                j.expert, job.start, t, 0)  # fmt: skip
                     j.stage = 2
                     if cx is not None and (cs != -1 or cx.n == host.version):
-                        push(heap, (ct, cs, next(uid), cx))
+                        push(heap, (ct, cs, next(uid), cx if cs != -1 else _Wake(cx.n)))
                     ct, cs, cx = t, j.seq, j
             else:
                 self._serve_op(t, x)
@@ -1220,9 +1227,10 @@ class Engine(EngineBase):
             if nt != INF:
                 if cx is not None and cs != -1:  # a held wake-up is stale by now
                     push(heap, (ct, cs, next(uid), cx))
-                ct, cs, cx = nt, -1, _Wake(host.version)
+                held_wake.n = host.version
+                ct, cs, cx = nt, -1, held_wake
         if cx is not None and (cs != -1 or cx.n == host.version):
-            push(heap, (ct, cs, next(uid), cx))
+            push(heap, (ct, cs, next(uid), cx if cs != -1 else _Wake(cx.n)))
 
     def _hits_only(
         self, layer: int, routed: list[int], actions: dict[int, Any] | None, now: float
