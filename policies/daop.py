@@ -360,12 +360,15 @@ class DAOPPolicy(Policy):
             probs = [p_l[e] for e in gpu_ids]
         else:
             probs = np.asarray(nprobs, dtype=np.float64)[gpu_ids].tolist()
-        # np.nan_to_num(nan=0.0) on the few GPU entries: NaN -> 0, +-inf -> +-max float
+        # np.argmax of np.nan_to_num(nan=0.0) over the few GPU entries (NaN -> 0, +-inf ->
+        # +-max float), first id on ties: one loop, a strictly larger value replaces the best
         big = sys.float_info.max
-        vals = [
-            0.0 if p != p else (big if p == _INF else (-big if p == -_INF else p)) for p in probs
-        ]
-        best = gpu_ids[max(range(len(vals)), key=vals.__getitem__)]  # np.argmax: first on ties
+        best = -1
+        top = 0.0
+        for e, p in zip(gpu_ids, probs):  # noqa: B905 (one probability per GPU expert)
+            v = 0.0 if p != p else (big if p == _INF else (-big if p == -_INF else p))
+            if best < 0 or v > top:
+                best, top = e, v
         dkey = (*key, best)
         pred = self._dmemo.get(dkey)
         if pred is None:
