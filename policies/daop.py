@@ -265,6 +265,11 @@ class DAOPPolicy(Policy):
         t_load = costs.decision_load_s() if measured else costs.h2d_expert_s(pinned=False)
         self.t_cpu = o["t_cpu_ms"] * 1e-3 if o["t_cpu_ms"] >= 0 else t_cpu
         self.t_load = o["t_load_ms"] * 1e-3 if o["t_load_ms"] >= 0 else t_load
+        # a memo from an earlier set-up (another model's mask may have the same bytes)
+        self._pmemo.clear()
+        self._gmemo.clear()
+        self._dmemo.clear()
+        self._memo_res = b""
         slots = quota_then_global(ctx.calibration, ctx.budget)
         self.initial = np.zeros((self.n_layers, self.n_experts), dtype=bool)
         for layer, e in slots:
