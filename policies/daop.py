@@ -59,6 +59,8 @@ _PLAN_FIELDS = (
 if tuple(f.name for f in dataclasses.fields(Plan)) != _PLAN_FIELDS:  # pragma: no cover
     raise ImportError("policies/daop.py: Plan's fields changed; update decode_layer")
 _NO_LOW_BIT: frozenset[int] = frozenset()
+#: a plan without pre-calculations (shared: the engine never changes a plan)
+_NO_PRECALC: list[tuple[int, int]] = []
 
 GPU, FETCH, TEMP, CPU, PRE = (
     Action.GPU,
@@ -72,8 +74,19 @@ GPU, FETCH, TEMP, CPU, PRE = (
 #: What DAOP decided at layer l-1 for layer l of the current token (a tuple: cheaper to make
 #: than an object): the route used (after degradation), the plain top-k prediction (before
 #: degradation), the CPU-resident experts submitted for pre-calculation (in route order; k is
-#: small, so a list's ``in`` costs no more than a set's) and the route as a list.
-_Prediction = tuple[np.ndarray, np.ndarray, list[int], list[int]]
+#: small, so a list's ``in`` costs no more than a set's), the route as a list, the residency
+#: snapshot it was made under (``DAOPPolicy._memo_res``, compared by identity), layer l's
+#: actions for it (what ``decode_layer`` would build from that residency; None with
+#: ``exact_fallback``) and the pre-calculation items of layer l-1's plan.
+_Prediction = tuple[
+    np.ndarray,
+    np.ndarray,
+    list[int],
+    list[int],
+    bytes,
+    dict[int, Action] | None,
+    list[tuple[int, int]],
+]
 
 
 def swap_pairs(
@@ -213,6 +226,15 @@ class DAOPPolicy(Policy):
         self.exact_fallback = bool(o["exact_fallback"])
         #: predictions for layers of the current decode token, by layer
         self.pred: dict[int, _Prediction] = {}
+        #: predictions made without degradation, by (layer, dtype code, raw top-k), valid
+        #: for the residency ``_memo_res`` (the mask's bytes at the current decode_layer
+        #: call) they were made under: see _predict and decode_layer
+        self._pmemo: dict[tuple[Any, ...], _Prediction] = {}
+        #: the GPU experts of layer+1 for a top-k that degrades (same keys and validity)
+        self._gmemo: dict[tuple[Any, ...], list[int]] = {}
+        #: degraded predictions by (the same key, the GPU expert chosen)
+        self._dmemo: dict[tuple[Any, ...], _Prediction] = {}
+        self._memo_res = b""
         #: prefill swaps made so far: (layer, hot, cold)
         self.swaps: list[tuple[int, int, int]] = []
         self._restore = False
@@ -243,6 +265,11 @@ class DAOPPolicy(Policy):
         t_load = costs.decision_load_s() if measured else costs.h2d_expert_s(pinned=False)
         self.t_cpu = o["t_cpu_ms"] * 1e-3 if o["t_cpu_ms"] >= 0 else t_cpu
         self.t_load = o["t_load_ms"] * 1e-3 if o["t_load_ms"] >= 0 else t_load
+        # a memo from an earlier set-up (another model's mask may have the same bytes)
+        self._pmemo.clear()
+        self._gmemo.clear()
+        self._dmemo.clear()
+        self._memo_res = b""
         slots = quota_then_global(ctx.calibration, ctx.budget)
         self.initial = np.zeros((self.n_layers, self.n_experts), dtype=bool)
         for layer, e in slots:
@@ -298,47 +325,81 @@ class DAOPPolicy(Policy):
         if ne is None or view.next_probs is None:
             return None
         raw_l = ne[: self.k].tolist()
-        if not raw_l or min(raw_l) < 0:
-            return None
-        raw = np.asarray(raw_l, dtype=np.int64)
+        # A prediction depends on the layer, the top-k, the residency and, when degraded,
+        # on which GPU expert the probabilities pick: memoised for the residency of this
+        # decode_layer call (``_memo_res``). The dtype's code is in the key because tolist()
+        # of another dtype gives other Python types with equal hashes (1.0 == 1).
+        key = (view.layer, ne.dtype.char, *raw_l)
+        pred = self._pmemo.get(key)
+        if pred is not None:
+            return pred
         nl = view.layer + 1
-        res_at = view.resident.item  # k item reads cost less than a row view and its list
-        cpu = []  # (plain loops: a comprehension's own frame costs more than k = 2 appends)
-        for e in raw_l:
-            if not res_at(nl, e):
-                cpu.append(e)
-        if (
-            len(cpu) == len(raw_l)
-            and self.degrade
-            and True in (on_gpu := view.resident[nl].tolist())
-        ):
-            # graceful degradation: no predicted expert on the GPU
-            gpu_ids = [e for e, r in enumerate(on_gpu) if r]
-            nprobs = view.next_probs
-            if (
-                nprobs.__class__ is np.ndarray
-                and nprobs.ndim == 1
-                and nprobs.dtype.kind == "f"
-                and nprobs.itemsize <= 8
+        gpu_ids = self._gmemo.get(key)  # the GPU experts, when this top-k degrades
+        if gpu_ids is None:
+            if not raw_l or min(raw_l) < 0:
+                return None
+            res_at = view.resident.item  # k item reads cost less than a row view and a list
+            cpu = []  # (plain loops: a comprehension's own frame costs more than k = 2 appends)
+            for e in raw_l:
+                if not res_at(nl, e):
+                    cpu.append(e)
+            if not (
+                len(cpu) == len(raw_l)
+                and self.degrade
+                and True in (on_gpu := view.resident[nl].tolist())
             ):
-                p_l = nprobs.tolist()  # a float16/32 widens to the same float64 as asarray's
-                probs = [p_l[e] for e in gpu_ids]
-            else:
-                probs = np.asarray(nprobs, dtype=np.float64)[gpu_ids].tolist()
-            # np.nan_to_num(nan=0.0) on the few GPU entries: NaN -> 0, +-inf -> +-max float
-            big = sys.float_info.max
-            vals = [
-                0.0 if p != p else (big if p == _INF else (-big if p == -_INF else p))
-                for p in probs
-            ]
-            best = max(range(len(vals)), key=vals.__getitem__)  # np.argmax: first id on ties
-            route_l = [*raw_l[:-1], gpu_ids[best]]
+                # the route is the raw prediction (read-only to the plans that consume it)
+                raw = np.asarray(raw_l, dtype=np.int64)
+                pred = self._pmemo[key] = self._prediction(nl, raw, raw, cpu, raw_l)
+                return pred
+            gpu_ids = self._gmemo[key] = [e for e, r in enumerate(on_gpu) if r]
+        # graceful degradation: no predicted expert on the GPU
+        nprobs = view.next_probs
+        if (
+            nprobs.__class__ is np.ndarray
+            and nprobs.ndim == 1
+            and nprobs.dtype.kind == "f"
+            and nprobs.itemsize <= 8
+        ):
+            p_l = nprobs.tolist()  # a float16/32 widens to the same float64 as asarray's
+            probs = [p_l[e] for e in gpu_ids]
+        else:
+            probs = np.asarray(nprobs, dtype=np.float64)[gpu_ids].tolist()
+        # np.argmax of np.nan_to_num(nan=0.0) over the few GPU entries (NaN -> 0, +-inf ->
+        # +-max float), first id on ties: one loop, a strictly larger value replaces the best
+        big = sys.float_info.max
+        best = -1
+        top = 0.0
+        for e, p in zip(gpu_ids, probs):  # noqa: B905 (one probability per GPU expert)
+            v = 0.0 if p != p else (big if p == _INF else (-big if p == -_INF else p))
+            if best < 0 or v > top:
+                best, top = e, v
+        dkey = (*key, best)
+        pred = self._dmemo.get(dkey)
+        if pred is None:
+            route_l = [*raw_l[:-1], best]
+            res_at = view.resident.item
+            cpu = [e for e in route_l if not res_at(nl, e)]
+            raw = np.asarray(raw_l, dtype=np.int64)
             route = np.asarray(route_l, dtype=np.int64)
-            cpu = [e for e in route_l if not on_gpu[e]]
-        else:  # the route is the raw prediction (read-only to the plan that consumes it)
-            route_l, route = raw_l, raw
-        # ``cpu`` is in route order: the pre-calculations are issued in that order
-        return route, raw, cpu, route_l
+            pred = self._dmemo[dkey] = self._prediction(nl, route, raw, cpu, route_l)
+        return pred
+
+    def _prediction(
+        self, nl: int, route: np.ndarray, raw: np.ndarray, cpu: list[int], route_l: list[int]
+    ) -> _Prediction:
+        """A memoised prediction for layer ``nl``, with layer nl's actions as decode_layer
+        builds them (every entry is resident or in ``cpu``, pre-calculated, so none is
+        dropped) and layer nl-1's pre-calculation items. ``cpu`` is in route order: the
+        pre-calculations are issued in that order. Plans share these objects (the engine
+        never changes a plan)."""
+        actions: dict[int, Action] | None = None
+        if not self.exact_fallback:
+            actions = {}
+            for e in route_l:
+                actions[e] = PRE if e in cpu else GPU
+        items = [(nl, e) for e in cpu]
+        return route, raw, cpu, route_l, self._memo_res, actions, items
 
     def decode_layer(self, view: View) -> Plan:
         """Exact routing below first_predict_layer; the layer-early prediction from there on."""
@@ -346,44 +407,59 @@ class DAOPPolicy(Policy):
         preds = self.pred
         if layer == 0:
             preds.clear()
+        # the memoised predictions hold for one residency: a new one (a prefill's swaps)
+        # forgets them (a fresh snapshot object, so no earlier prediction matches it)
+        snap = view.resident.tobytes()
+        if snap != self._memo_res:
+            self._pmemo.clear()
+            self._gmemo.clear()
+            self._dmemo.clear()
+            self._memo_res = snap
         res_at = view.resident.item  # per-expert item reads: no row view, no list
-        actions: dict[int, Action] = {}
         route = raw = None
         pred = preds.pop(layer, None) if layer >= self.fpl else None
         if pred is None:
+            actions: dict[int, Action] = {}
             for e in view.experts.tolist():
                 actions[e] = GPU if res_at(layer, e) else CPU
         else:
-            route, raw, ready, route_l = pred
-            if self.quirk and layer == self.n_layers - 1:
-                ready = []  # with the quirk the pre-calculated result is reset before use
-            if self.exact_fallback:  # the trace's routing: no route of the plan's own
-                route = raw = None
-                for e in view.experts.tolist():
-                    actions[e] = GPU if res_at(layer, e) else (PRE if e in ready else CPU)
+            route, raw, ready, route_l, made_under, memo_actions, _ = pred
+            last = self.quirk and layer == self.n_layers - 1
+            if memo_actions is not None and made_under is self._memo_res and not last:
+                # made under this very residency: the actions the loop below would build
+                actions = memo_actions
             else:
-                # every entry kept (the common case): the prediction's own array, which the
-                # policy no longer holds once the prediction is popped
-                for e in route_l:
-                    if res_at(layer, e):
-                        actions[e] = GPU
-                    elif e in ready:
-                        actions[e] = PRE
-                    else:  # an entry neither resident nor pre-calculated: dropped
-                        keep = [i for i, e in enumerate(route_l) if res_at(layer, e) or e in ready]
-                        route = route[keep]
-                        actions.clear()
-                        for x in route.tolist():
-                            actions[x] = GPU if res_at(layer, x) else PRE
-                        break
-        precalc: list[tuple[int, int]] = []
+                actions = {}
+                if last:
+                    ready = []  # with the quirk the pre-calculated result is reset before use
+                if self.exact_fallback:  # the trace's routing: no route of the plan's own
+                    route = raw = None
+                    for e in view.experts.tolist():
+                        actions[e] = GPU if res_at(layer, e) else (PRE if e in ready else CPU)
+                else:
+                    # every entry kept (the common case): the prediction's own array, which
+                    # the plan only reads
+                    for e in route_l:
+                        if res_at(layer, e):
+                            actions[e] = GPU
+                        elif e in ready:
+                            actions[e] = PRE
+                        else:  # an entry neither resident nor pre-calculated: dropped
+                            keep = [
+                                i for i, e in enumerate(route_l) if res_at(layer, e) or e in ready
+                            ]
+                            route = route[keep]
+                            actions.clear()
+                            for x in route.tolist():
+                                actions[x] = GPU if res_at(layer, x) else PRE
+                            break
+        precalc: list[tuple[int, int]] = _NO_PRECALC
         # prediction for layer+1, issued before this layer's experts run
         if self.fpl - 1 <= layer <= self.n_layers - 2:
             nxt = self._predict(view)
             if nxt is not None:
                 preds[layer + 1] = nxt
-                for e in nxt[2]:
-                    precalc.append((layer + 1, e))
+                precalc = nxt[6]
         # positional (half the cost of keywords; _PLAN_FIELDS checks the order at import):
         # no victims, prefetches or evictions, serial and synchronous CPU work
         return Plan(actions, {}, route, raw, [], precalc, [], True, True, _NO_LOW_BIT, False)

@@ -1115,6 +1115,7 @@ class Engine(EngineBase):
         #: copies and kernels share one stream (ResourceSpec.one_stream): _layer serializes
         #: them and the one-pass copy paths refuse every plan
         self._one_stream = self.spec.one_stream
+        self._held_wake = _Wake(0)
 
     def run(
         self, sequences: Iterable[SequenceRouting], on_sequence: Callable[[Any], None] | None = None
@@ -1197,6 +1198,25 @@ class Engine(EngineBase):
             cfg = self._plain_cfg = (work, share, dram, one[1], one[2])
         return cfg
 
+    #: ``_serve_plain``'s fixed locals: ``_plain_cfg``, the request heap, the shared CPU, the
+    #: push counter and the D2H and H2D lanes
+    _plain_locals: tuple[Any, ...] | None = None
+
+    #: the wake-up ``_serve_plain`` holds (see there)
+    _held_wake: _Wake
+
+    def _plain_locals_init(self) -> tuple[Any, ...]:
+        """``_plain_locals``, gathered once (none of these objects is ever replaced)."""
+        v = self._plain_locals = (
+            *(self._plain_cfg or self._plain_config()),
+            self._heap,
+            self._host,
+            self._uid,
+            self._d2h.lane,
+            self._h2d.lane,
+        )
+        return v
+
     def _serve_plain(self, op: LayerOp | None, limit: float) -> None:
         """``_serve`` in a loop, until ``op`` has its end time (``op`` given) or while a
         request is submitted at or before ``limit``, with a one-token CPU call's stages and
@@ -1214,13 +1234,14 @@ class Engine(EngineBase):
         wake-ups of the shared CPU, of which at most one is current (the other is skipped
         whichever comes first); so the push number never decides, and a later push changes
         nothing."""
-        work, share, dram, a_out, a_in = self._plain_cfg or self._plain_config()
-        heap = self._heap
-        host = self._host
+        work, share, dram, a_out, a_in, heap, host, uid, d2h, h2d = (
+            self._plain_locals or self._plain_locals_init()
+        )
         push, pop = heapq.heappush, heapq.heappop
-        uid = self._uid
-        d2h, h2d = self._d2h.lane, self._h2d.lane
         rec = self.recorder
+        # a held wake-up is this engine's one reusable _Wake, its version set when it is
+        # held (one is held at a time; a copy enters the heap when it must)
+        held_wake = self._held_wake
         cx: Any = None  # the held request (time ct, issue number cs), or None
         ct = 0.0
         cs = 0
@@ -1254,7 +1275,7 @@ class Engine(EngineBase):
                                self.act_bytes)  # fmt: skip
                     x.stage = 1
                     if cx is not None and (cs != -1 or cx.n == host.version):
-                        push(heap, (ct, cs, next(uid), cx))
+                        push(heap, (ct, cs, next(uid), cx if cs != -1 else _Wake(cx.n)))
                     ct, cs, cx = e, x.seq, x
                     continue
                 if stage != 1:  # the result back
@@ -1268,7 +1289,7 @@ class Engine(EngineBase):
                     nxt = x.chain
                     if nxt is not None:
                         if cx is not None and (cs != -1 or cx.n == host.version):
-                            push(heap, (ct, cs, next(uid), cx))
+                            push(heap, (ct, cs, next(uid), cx if cs != -1 else _Wake(cx.n)))
                         ct = e if e >= nxt.ssd_at else nxt.ssd_at
                         cs, cx = nxt.seq, nxt
                     continue
@@ -1283,7 +1304,7 @@ class Engine(EngineBase):
                                j.expert, job.start, t, 0)  # fmt: skip
                     j.stage = 2
                     if cx is not None and (cs != -1 or cx.n == host.version):
-                        push(heap, (ct, cs, next(uid), cx))
+                        push(heap, (ct, cs, next(uid), cx if cs != -1 else _Wake(cx.n)))
                     ct, cs, cx = t, j.seq, j
             else:
                 self._serve_op(t, x)
@@ -1292,9 +1313,10 @@ class Engine(EngineBase):
             if nt != INF:
                 if cx is not None and cs != -1:  # a held wake-up is stale by now
                     push(heap, (ct, cs, next(uid), cx))
-                ct, cs, cx = nt, -1, _Wake(host.version)
+                held_wake.n = host.version
+                ct, cs, cx = nt, -1, held_wake
         if cx is not None and (cs != -1 or cx.n == host.version):
-            push(heap, (ct, cs, next(uid), cx))
+            push(heap, (ct, cs, next(uid), cx if cs != -1 else _Wake(cx.n)))
 
     def _hits_only(
         self, layer: int, routed: list[int], actions: dict[int, Any] | None, now: float
@@ -3432,6 +3454,8 @@ class Engine(EngineBase):
     #: whether this run's fixed conditions let ``_precalc_layer`` take a plan (None: not
     #: looked up yet)
     _precalc_ok: bool | None = None
+    #: the current token's gate weights (its ``[layers, k]`` row) and the same as lists
+    _w_lists: tuple[Any, list[list[float]]] | None = None
 
     def _precalc_layer(
         self, layer: int, experts: np.ndarray, plan: Plan, now: float, w_t: Any, ws_t: list[float]
@@ -3485,8 +3509,17 @@ class Engine(EngineBase):
         if len(actions) != n:
             return None
         res = self.res
-        # 2-D item reads: no row views for k lookups
-        resident_at, ready_item = res.resident.item, res.ready_at.item
+        # the residency, ready times and prefetched flags through _repeat_rows' flat views
+        views = self._repeat_views
+        if (
+            views is None
+            or views[0] is not res.resident
+            or views[1] is not res.ready_at
+            or views[2] is not res.prefetched
+        ):
+            views = self._repeat_rows()
+        mres, mready = views[3], views[4]
+        lo = layer * n_exp
         pc = self.precalc
         jobs: list[tuple[float, int]] = []
         gpu: list[int] = []
@@ -3497,9 +3530,9 @@ class Engine(EngineBase):
                 return None  # check_route's range rule (a trace's own ids are in range)
             a = actions.get(e)
             if a == _GPU:
-                if not resident_at(layer, e):
+                if not mres[lo + e]:
                     return None
-                ready = ready_item(layer, e)  # a float, as float(ready_at[layer, e])
+                ready = mready[lo + e]  # a float, as float(ready_at[layer, e])
                 if ready == INF:
                     return None  # its copy is not timed yet
                 jobs.append((ready, e))
@@ -3535,7 +3568,12 @@ class Engine(EngineBase):
             c.true_accesses += len(experts)
             c.gate_mass_total += ws_t[layer]
             raw_l = None
-            ex_l, w_l = experts.tolist(), w_t[layer].tolist()
+            # the token's gate weights as lists, made once per token (the same floats as a
+            # row's tolist())
+            wl = self._w_lists
+            if wl is None or wl[0] is not w_t:
+                wl = self._w_lists = (w_t, w_t.tolist())
+            ex_l, w_l = experts.tolist(), wl[1][layer]
             # zip's strict keyword only when it matters (the keyword alone costs more than the
             # loop; the trace gives as many weights as experts)
             if len(ex_l) == len(w_l):
@@ -3553,10 +3591,10 @@ class Engine(EngineBase):
                         c.replaced_degraded += 1
                     else:
                         c.replaced_mispredicted += 1
-        pflags = res.prefetched
+        mpre = views[5]
         for e in gpu:
-            if pflags.item(layer, e):
-                pflags[layer, e] = False
+            if mpre[lo + e]:
+                mpre[lo + e] = 0
                 c.prefetch_used += 1
         results: list[LayerOp] = []
         for e in pre:
@@ -3638,28 +3676,11 @@ class Engine(EngineBase):
             if sync_end > now:
                 c.cpu_wait += sync_end - now
                 g = sync_end
-        jobs.sort()
-        m = self.machine
-        d1 = m.gpu_s(1)  # one decode token per expert
-        fused = m.fused_launch_s  # the layer's fused call, with its first expert
-        host = m.host_experts  # None when GPU expert calls cost the host nothing
-        busy = 0.0
-        for ready, e in jobs:
-            drained = g
-            if ready > g:
-                c.transfer_stall += ready - g
-                g = ready
-            d = d1 + fused
-            fused = 0.0
-            if host is not None:  # the stream may wait for the host thread to issue it
-                wait = host.expert(drained, g, d) - d - g
-                if wait > 0.0:
-                    c.dispatch_stall += wait
-                    g += wait
-            if rec is not None:
-                rec.op("gpu", "expert", sid, token, layer, e, g, g + d, 0)
-            g += d
-            busy += d
+        # the GPU experts by (ready time, expert), as _layer's all-timed branch runs them
+        if rec is None:
+            g = self._repeat_gpu(jobs, g)
+        else:
+            g = self._timed_gpu(jobs, g, None, sid, token, layer)
         end = g
         for op in results:
             t = op.end
@@ -3671,8 +3692,6 @@ class Engine(EngineBase):
                 end = t
         if end > g:
             c.cpu_wait += end - g
-        c.gpu_expert_busy += busy
-        m.gpu.busy += busy
         return end
 
     def _resolve_plain(self, op: LayerOp) -> float:

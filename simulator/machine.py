@@ -121,13 +121,17 @@ class SharedCpu:
 
     def submit(self, t: float, job: CpuJob) -> None:
         """A call is submitted at ``t`` (every earlier event has been applied)."""
-        self._advance(t)
+        if self._loads:
+            self._advance(t)
+        else:  # _advance with no DRAM load change to apply
+            self._progress(t)
         q = self._queue
         idle = self._idle
         if not q and True in idle:
             # nothing waits and a worker is idle: _admit would pop this very job at once
             self._start(job, t)
-            self._order_active()
+            if len(self.active) > 1:  # (one running call is in order)
+                self._order_active()
             self._rerate()
         else:
             heapq.heappush(q, (job.submitted, job.seq, job))
@@ -166,7 +170,10 @@ class SharedCpu:
 
     def wake(self, t: float) -> list[CpuJob]:
         """Advance to ``t``; returns the calls that end there (in issue order)."""
-        self._advance(t)
+        if self._loads:
+            self._advance(t)
+        else:  # _advance with no DRAM load change to apply
+            self._progress(t)
         active = self.active
         done = []  # (a loop: a comprehension's own frame costs more over one or two calls)
         for j in active:
@@ -180,7 +187,10 @@ class SharedCpu:
                 lane.busy += t - j.start
                 lane.free_at = t
                 self._idle[j.worker] = True
-            self._admit(t)  # re-rates
+            if self._queue:
+                self._admit(t)  # re-rates
+            else:  # _admit with nothing waiting: it only re-rates
+                self._rerate()
         self.version += 1
         return done
 

@@ -236,6 +236,69 @@ def test_without_degradation_both_cpu_experts_are_precalculated() -> None:
     assert pol.decode_layer(v0).precalc == [(1, 5), (1, 6)]
 
 
+def _decode_pair(
+    pol: DAOPPolicy, resident: np.ndarray, nxt: list[int], probs: np.ndarray
+) -> tuple[Plan, Plan]:
+    """Layer 0 predicting layer 1 as ``nxt``, then layer 1 consuming it, on ``resident``."""
+    v0 = view_for(pol, 0, experts=np.array([0, 1]), next_experts=np.array(nxt), next_probs=probs)
+    v0.resident = resident
+    p0 = pol.decode_layer(v0)
+    v1 = view_for(pol, 1, experts=np.array(nxt))
+    v1.resident = resident
+    return p0, pol.decode_layer(v1)
+
+
+def test_memoised_predictions_follow_the_residency_and_the_probabilities() -> None:
+    """The same top-k gives the same plans while the residency stays, other plans once it
+    changes (the memo is dropped), and a degraded top-k follows the probabilities each time."""
+    pol = make_policy(first_predict_layer=1)
+    fresh = make_policy(first_predict_layer=1)  # one call each, nothing memoised before
+    res = np.zeros((2, 8), dtype=bool)
+    res[:, :4] = True
+    probs = np.array([0.05, 0.02, 0.12, 0.01, 0.05, 0.40, 0.30, 0.05])
+    # not degraded (expert 1 on the GPU): the second call is served from the memo
+    a0, a1 = _decode_pair(pol, res, [5, 1], probs)
+    b0, b1 = _decode_pair(pol, res, [5, 1], probs)
+    assert a0.precalc == b0.precalc == [(1, 5)] and a1.actions == b1.actions
+    assert b1.actions == {5: Action.PRECOMPUTED, 1: Action.GPU} and b1.route.tolist() == [5, 1]
+    # expert 5 moves to the GPU (a prefill swap would do this): no pre-calculation any more
+    res2 = res.copy()
+    res2[1, 5] = True
+    c0, c1 = _decode_pair(pol, res2, [5, 1], probs)
+    f0, f1 = _decode_pair(fresh, res2, [5, 1], probs)
+    assert c0.precalc == f0.precalc == []
+    assert c1.actions == f1.actions == {5: Action.GPU, 1: Action.GPU}
+    # degraded: both predicted on the CPU; the GPU expert picked follows the probabilities
+    d0, d1 = _decode_pair(pol, res, [5, 6], probs)
+    assert d1.route.tolist() == [5, 2] and d0.precalc == [(1, 5)]
+    probs2 = probs.copy()
+    probs2[3] = 0.2
+    e0, e1 = _decode_pair(pol, res, [5, 6], probs2)
+    assert e1.route.tolist() == [5, 3] and e1.raw_route.tolist() == [5, 6]
+    assert e0.precalc == [(1, 5)] and e1.actions == {5: Action.PRECOMPUTED, 3: Action.GPU}
+
+
+@pytest.mark.parametrize(
+    ("gpu_probs", "picked"),
+    [
+        ([0.1, 0.3, 0.3, 0.2], 1),  # a tie: the first of the best
+        ([np.nan, -0.5, -0.2, -0.1], 0),  # NaN counts as 0, above the negatives
+        ([0.1, np.inf, 0.2, np.inf], 1),  # +inf is the largest float; first of two
+        ([-np.inf, -np.inf, np.nan, -1.0], 2),  # -inf below everything, NaN -> 0
+    ],
+)
+def test_degradation_argmax_matches_numpy(gpu_probs: list[float], picked: int) -> None:
+    """The GPU expert chosen is np.argmax(np.nan_to_num(p, nan=0.0)) over GPU experts."""
+    probs = np.array([*gpu_probs, 0.0, 0.0, 0.0, 0.0])
+    assert int(np.argmax(np.nan_to_num(probs[:4], nan=0.0))) == picked
+    pol = make_policy(first_predict_layer=1)
+    res = np.zeros((2, 8), dtype=bool)
+    res[:, :4] = True
+    for _ in range(2):  # the second time through the memo
+        _, plan1 = _decode_pair(pol, res, [5, 6], probs)
+        assert plan1.route.tolist() == [5, picked]
+
+
 def test_prediction_is_the_routing_from_first_predict_layer_on() -> None:
     """Layer >= first_predict_layer uses the early view; below it routes exactly."""
     model = tiny_model(moe_layers=4)
