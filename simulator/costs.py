@@ -537,7 +537,9 @@ class CostModel:
             return 0.0
         moved = self._nonexpert_moved(n, 0)
         if eager_attention:
-            moved += n_seqs * self.eager_attention_scores(length, 0) * EAGER_ATTENTION_BYTES_PER_SCORE
+            moved += (
+                n_seqs * self.eager_attention_scores(length, 0) * EAGER_ATTENTION_BYTES_PER_SCORE
+            )
             pairs = n_seqs * length * length
         else:
             pairs = n_seqs * length * (length + 1) / 2
