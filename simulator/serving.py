@@ -618,7 +618,8 @@ def step_oracle(
     if config is not None and config.extended:
         steps = extended_schedule_steps(requests, config, kv_capacity)
     else:
-        batched = config.batched_prefill if config is not None else False
+        # without a config: the default of ServingConfig(batch, continuous)
+        batched = config.batched_prefill if config is not None else not continuous
         steps = schedule_steps(requests, batch, continuous, kv_capacity, batched)
     for step in steps:
         n = oracle.n_steps
