@@ -385,6 +385,30 @@ def test_stream_all_streams_one_pass_for_a_batched_prefill() -> None:
     assert runs["batched"].serving["batched_prefills"] == 1
 
 
+def test_the_clairvoyant_oracle_follows_the_batched_prefill() -> None:
+    """The oracle's steps are the engine's: one step for a static batch's prompts."""
+    from simulator.serving import schedule_steps
+
+    model = tiny_model()
+    prompts = [[[5, 1], [5, 2]], [[5, 6]], [[5, 7], [6, 1]], [[3, 4]]]
+    seqs = _prompted(model, prompts, decode=2)
+    for cfg in (ServingConfig(batch=3), ServingConfig(batch=3, static_prefill="per-request")):
+        rec = Recorder()
+        eng = Engine(LRUPolicy(), model, cost_model(load_profile("a6000-pcie4"), model), 8,
+                     recorder=rec)  # fmt: skip
+        reqs = [
+            Request(int(r.seq_id), int(r.seq_id), 0.0, r.n_prefill, r.n_decode, r) for r in seqs
+        ]
+        fresh = [dataclasses.replace(q) for q in reqs]
+        eng.serving = Serving(reqs, cfg, None)
+        eng.run(iter(()))
+        steps = list(schedule_steps(fresh, 3, False, None, cfg.batched_prefill))
+        assert len(steps) == eng.step
+        prefills = [s for s in steps if all(t == -1 for _, t in s)]
+        want = [[0, 1, 2], [3]] if cfg.batched_prefill else [[0], [1], [2], [3]]
+        assert [[q.rid for q, _ in s] for s in prefills] == want
+
+
 def test_the_batched_prefill_cost_reduces_to_one_prompt_and_reads_the_weights_once() -> None:
     from simulator.data import resolve_trace
     from simulator.trace import read_meta
