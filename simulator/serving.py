@@ -9,11 +9,14 @@ docs/serving.md describes each rule and its sources. In short:
   the batch has room (``--batch``/``--max-batch``) and the KV cache can hold the request's
   prompt plus output tokens; static batches admit only when the previous batch is done,
   continuous batching admits between any two steps (iteration-level scheduling);
-* a newly admitted request's prompt runs as a prefill step of its own (the engine's prefill
-  pass); then every running request decodes one token per step. One running request decodes
-  through the engine's single-sequence path (so one request at a time reproduces an unbatched
-  run exactly); several decode in one batched step (:meth:`Serving._batch_step`) in which each
-  layer runs the union of the batch's experts, each over the number of tokens that chose it;
+* with continuous batching a newly admitted request's prompt runs as a prefill step of its own
+  (the engine's prefill pass); the requests of a static batch prefill together in one step
+  (:meth:`Serving._prefill_batch_step`, as Hugging Face ``generate`` runs a batch), unless
+  ``static_prefill="per-request"``; then every running request decodes one token per step.
+  One running request decodes through the engine's single-sequence path (so one request at a
+  time reproduces an unbatched run exactly); several decode in one batched step
+  (:meth:`Serving._batch_step`) in which each layer runs the union of the batch's experts,
+  each over the number of tokens that chose it;
 * per request: time to first token (from its arrival), time per output token, end-to-end
   latency; SLO attainment and goodput (:func:`summarise`).
 """
