@@ -518,6 +518,44 @@ class CostModel:
         pairs = chunk * chunk_context + chunk * (chunk + 1) / 2 + decode_kv
         return self._nonexpert_roof(n, self.nonexpert_layer_bytes + kv, pairs)
 
+    def nonexpert_prefill_batch_layer_s(
+        self, n_seqs: int, length: int, eager_attention: bool = False
+    ) -> float:
+        """Seconds of one MoE layer's non-expert part for a static batch's prefill: ``n_seqs``
+        prompts padded to ``length`` rows each, in one forward pass (Hugging Face ``generate``
+        over a ``n_seqs x length`` input, docs/serving.md "Static batches prefill together").
+
+        Weights are read once for all ``n_seqs x length`` rows (padding included: the kernels
+        run over the padded tensor); each prompt writes ``length`` KV rows and attends causally
+        within itself only. ``eager_attention`` as in :meth:`nonexpert_layer_s`, per prompt.
+        With one prompt this is :meth:`nonexpert_layer_s` (length, 0).
+        """
+        _check_tokens(n_seqs, "n_seqs")
+        _check_tokens(length, "length")
+        n = n_seqs * length
+        if n == 0:
+            return 0.0
+        moved = self._nonexpert_moved(n, 0)
+        if eager_attention:
+            moved += (
+                n_seqs * self.eager_attention_scores(length, 0) * EAGER_ATTENTION_BYTES_PER_SCORE
+            )
+            pairs = n_seqs * length * length
+        else:
+            pairs = n_seqs * length * (length + 1) / 2
+        return self._nonexpert_roof(n, moved, pairs)
+
+    def cpu_nonexpert_prefill_batch_layer_s(self, n_seqs: int, length: int) -> float:
+        """:meth:`cpu_nonexpert_layer_s` for a static batch's prefill (the bytes and query-key
+        pairs of :meth:`nonexpert_prefill_batch_layer_s`)."""
+        _check_tokens(n_seqs, "n_seqs")
+        _check_tokens(length, "length")
+        n = n_seqs * length
+        if n == 0:
+            return 0.0
+        moved = self._nonexpert_moved(n, 0)
+        return self._cpu_nonexpert_roof(n, moved, n_seqs * length * (length + 1) / 2)
+
     def _nonexpert_moved(self, n_tokens: int, context: int) -> float:
         """Bytes one layer's non-expert part moves: its weights and the KV cache it touches."""
         m = self.model

@@ -9,11 +9,14 @@ docs/serving.md describes each rule and its sources. In short:
   the batch has room (``--batch``/``--max-batch``) and the KV cache can hold the request's
   prompt plus output tokens; static batches admit only when the previous batch is done,
   continuous batching admits between any two steps (iteration-level scheduling);
-* a newly admitted request's prompt runs as a prefill step of its own (the engine's prefill
-  pass); then every running request decodes one token per step. One running request decodes
-  through the engine's single-sequence path (so one request at a time reproduces an unbatched
-  run exactly); several decode in one batched step (:meth:`Serving._batch_step`) in which each
-  layer runs the union of the batch's experts, each over the number of tokens that chose it;
+* with continuous batching a newly admitted request's prompt runs as a prefill step of its own
+  (the engine's prefill pass); the requests of a static batch prefill together in one step
+  (:meth:`Serving._prefill_batch_step`, as Hugging Face ``generate`` runs a batch), unless
+  ``static_prefill="per-request"``; then every running request decodes one token per step.
+  One running request decodes through the engine's single-sequence path (so one request at a
+  time reproduces an unbatched run exactly); several decode in one batched step
+  (:meth:`Serving._batch_step`) in which each layer runs the union of the batch's experts,
+  each over the number of tokens that chose it;
 * per request: time to first token (from its arrival), time per output token, end-to-end
   latency; SLO attainment and goodput (:func:`summarise`).
 """
@@ -68,6 +71,10 @@ class ServingConfig:
     #: KV cache allocated as tokens are written, the newest request preempted (recompute) when
     #: it runs out; False: each request reserves its prompt plus output at admission
     preempt: bool = False
+    #: static batches: "batched" (a batch's prompts prefill together in one step, as Hugging
+    #: Face generate runs a batch) or "per-request" (each prompt in a prefill step of its own);
+    #: None: batched for static batches without chunked prefill or preemption
+    static_prefill: str | None = None
 
     def __post_init__(self) -> None:
         if self.batch < 1:
@@ -87,6 +94,23 @@ class ServingConfig:
                 raise UserError(f"{name} must be a positive number of seconds, got {v}")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise UserError(f"--prefill-chunk must be at least 1 token, got {self.prefill_chunk}")
+        if self.static_prefill is not None:
+            if self.static_prefill not in STATIC_PREFILL:
+                raise UserError(
+                    f"--static-prefill must be one of {', '.join(STATIC_PREFILL)}, got "
+                    f"{self.static_prefill!r}"
+                )
+            if self.continuous:
+                raise UserError(
+                    "--static-prefill applies to static batches (--batch), not to continuous "
+                    "batching"
+                )
+            if self.static_prefill == "batched" and self.extended:
+                raise UserError(
+                    "--static-prefill batched is not modelled with --prefill-chunk or --preempt "
+                    "(their prompts prefill one request at a time); use --static-prefill "
+                    "per-request or drop them"
+                )
 
     @property
     def extended(self) -> bool:
@@ -94,10 +118,18 @@ class ServingConfig:
         return self.prefill_chunk is not None or self.preempt
 
     @property
+    def batched_prefill(self) -> bool:
+        """A static batch's prompts prefill together in one step (docs/serving.md)."""
+        return not self.continuous and not self.extended and self.static_prefill != "per-request"
+
+    @property
     def timed_arrivals(self) -> bool:
         """Requests arrive over time (the schedule then depends on the simulated clock)."""
         return self.arrival_rate is not None or self.arrivals is not None
 
+
+#: The ``--static-prefill`` choices (docs/serving.md, "Static batches prefill together").
+STATIC_PREFILL = ("batched", "per-request")
 
 #: Most requests decoding together when requests arrive over time and no size is given.
 DEFAULT_MAX_BATCH = 8
@@ -113,6 +145,7 @@ def serving_config(
     slo_tpot: float | None,
     prefill_chunk: int | None = None,
     preempt: bool = False,
+    static_prefill: str | None = None,
 ) -> ServingConfig | None:
     """The serving configuration of ``run``'s options, or None when none is given.
 
@@ -122,6 +155,8 @@ def serving_config(
     """
     given = (batch, max_batch, arrival_rate, arrivals, kv_cache_gb, slo_ttft, slo_tpot)
     if all(v is None for v in given) and prefill_chunk is None and not preempt:
+        if static_prefill is not None:
+            raise UserError("--static-prefill needs static batches (--batch B)")
         return None
     if batch is not None and max_batch is not None:
         raise UserError("give --batch (static batches) or --max-batch (continuous), not both")
@@ -139,6 +174,7 @@ def serving_config(
         slo_tpot=slo_tpot,
         prefill_chunk=prefill_chunk,
         preempt=preempt,
+        static_prefill=static_prefill,
     )
 
 
@@ -521,15 +557,23 @@ def plan_steps(
 
 
 def schedule_steps(
-    requests: list[Request], batch: int, continuous: bool, kv_capacity: int | None
+    requests: list[Request],
+    batch: int,
+    continuous: bool,
+    kv_capacity: int | None,
+    batched_prefill: bool = False,
 ) -> Iterable[list[tuple[Request, int]]]:
     """The step sequence when every request is there at time 0 (so no step depends on
     timing): each step is ``[(request, token index)]``, a prefill step being one request at
-    token -1. Clairvoyant policies get their oracle from it."""
+    token -1, or with ``batched_prefill`` every admitted request with a prompt at token -1.
+    Clairvoyant policies get their oracle from it."""
     sched = Scheduler([dataclasses.replace(q) for q in requests], batch, continuous, kv_capacity)
     while sched.queue or sched.running:
-        for q in sched.admit(0.0):
-            if q.prompt:
+        admitted = [q for q in sched.admit(0.0) if q.prompt]
+        if batched_prefill and admitted:
+            yield [(q, -1) for q in admitted]
+        else:
+            for q in admitted:
                 yield [(q, -1)]
         if not sched.running:
             raise UserError("a request can never be admitted (KV cache too small)")
@@ -577,7 +621,9 @@ def step_oracle(
     if config is not None and config.extended:
         steps = extended_schedule_steps(requests, config, kv_capacity)
     else:
-        steps = schedule_steps(requests, batch, continuous, kv_capacity)
+        # without a config: the default of ServingConfig(batch, continuous)
+        batched = config.batched_prefill if config is not None else not continuous
+        steps = schedule_steps(requests, batch, continuous, kv_capacity, batched)
     for step in steps:
         n = oracle.n_steps
         for q, t in step:
@@ -611,6 +657,8 @@ class Serving:
         self.batched_tokens = 0
         #: steps that carried a prefill chunk beside decode tokens (``--prefill-chunk``)
         self.mixed_steps = 0
+        #: static batches whose prompts prefilled together in one step
+        self.batched_prefills = 0
 
     def steps(
         self,
@@ -627,8 +675,28 @@ class Serving:
         rec = eng.recorder
         if rec is not None:
             rec.batches = {}
+        batched = self.config.batched_prefill
         while sched.queue or sched.running:
-            for q in sched.admit(eng.now):
+            admitted = sched.admit(eng.now)
+            prompts = [q for q in admitted if q.prompt]
+            if batched and len(prompts) > 1:
+                # a static batch's prompts prefill together in one step (Hugging Face
+                # generate's first forward pass over the batch's input_ids)
+                for q in admitted:
+                    where.seq, where.token, where.layer = q.rid, None, None
+                    eng.view.seq_id = q.rid
+                    hooks.call("on_sequence_start", pol.on_sequence_start, q.rid, q.prompt)
+                t0 = eng.now
+                yield from self._prefill_batch_step(eng, prompts)
+                for q in admitted:
+                    if q.prompt:
+                        q.first_token = eng.now
+                    c.ttft.append(eng.now - t0 if q.prompt else 0.0)
+                for q in admitted:
+                    if not q.output:  # nothing to generate beyond the prompt's token
+                        self._finish(eng, q, on_sequence)
+                admitted = []
+            for q in admitted:
                 r = q.routing
                 where.seq, where.token, where.layer = q.rid, None, None
                 eng.view.seq_id = q.rid
@@ -822,6 +890,90 @@ class Serving:
         c.decode_tokens += b
         self.batch_steps += 1
         self.batched_tokens += b
+
+    def _prefill_batch_step(
+        self, eng: EngineBase, batch: list[Request]
+    ) -> Generator[Any, Any, None]:
+        """The prompts of a static batch in one prefill step (docs/serving.md, "Static batches
+        prefill together"): each layer runs the union of all the prompt tokens' experts, an
+        expert over as many of them as chose it; the non-expert part runs over the prompts
+        padded to the longest (only real tokens are routed)."""
+        c, v, rec = eng.c, eng.view, eng.recorder
+        hooks, pol = eng.hooks, eng.policy
+        where = hooks.where
+        n_layers, n_exp = eng.n_layers, eng.n_experts
+        b = len(batch)
+        lens = [q.prompt for q in batch]
+        padded = max(lens)
+        routes = [q.routing for q in batch]
+        ex = np.concatenate([r.experts[:p] for r, p in zip(routes, lens, strict=True)])
+        wt = np.concatenate([r.weights[:p] for r, p in zip(routes, lens, strict=True)])
+        pr = np.concatenate([r.probs[:p] for r, p in zip(routes, lens, strict=True)])
+        flat = (np.arange(n_layers)[None, :, None] * n_exp + ex).reshape(-1)
+        counts_all = np.bincount(flat, minlength=n_layers * n_exp).reshape(n_layers, n_exp)
+        n_real = int(sum(lens))
+        n_rows = b * padded  # the padded input the non-expert kernels run over
+        costs = eng.costs
+        d_ne = costs.nonexpert_prefill_batch_layer_s(b, padded, eng.machine.eager_attention)
+        step = eng.step
+        rid0 = batch[0].rid
+        if rec is not None and rec.batches is not None:
+            rec.batches[step] = ",".join(str(q.rid) for q in batch)
+        v.phase = "prefill"
+        v.n_tokens = n_real
+        v.context = 0
+        v.position = int(routes[0].positions[0])
+        v.seq_id, v.token, v.step = rid0, 0, step
+        v.next_experts = v.next_probs = None
+        # CPU-resident layers (ResourceSpec.gpu_blocks): as in EngineBase._pass, a prefill of
+        # at least the offload size runs them on the GPU after copying their weights
+        n_cpu = eng.n_cpu_layers
+        n_cpu_run = 0 if n_cpu and 0 < eng.spec.cpu_layer_offload_batch <= n_real else n_cpu
+        d_cpu = costs.cpu_nonexpert_prefill_batch_layer_s(b, padded) if n_cpu_run else 0.0
+        streamed = eng.machine.streamed  # ZeRO-3's streamed non-expert weights, or None
+        for layer in range(n_layers):
+            start = eng.now
+            cpu_here = eng._cpu_layer_here = layer < n_cpu_run
+            if cpu_here:
+                where.seq, where.token = -1, step
+                now = eng._cpu_layer_nonexpert(start, layer, n_rows, 0, d_cpu)
+            else:
+                if n_cpu and layer < n_cpu:
+                    where.seq, where.token = -1, step
+                    start = eng._cpu_layer_weights_in(start, layer)
+                elif layer and layer == n_cpu_run:
+                    where.seq, where.token = -1, step
+                    start = eng._cpu_layer_split(start, layer, n_rows, True)
+                if streamed is not None:  # ZeRO-3: the layer's weights land first
+                    where.seq, where.token = -1, step
+                    start = yield from eng._weights_in(start, layer, streamed)
+                now = _gpu_nonexpert(eng, start, d_ne, layer, step, n_rows, 0)
+            if eng._due(now):
+                yield now
+            where.seq, where.token = rid0, 0
+            yield from _expert_layer(
+                eng,
+                layer,
+                now,
+                counts_all[layer],
+                wt,
+                pr,
+                "prefill_layer",
+                pol.prefill_layer,
+                0,
+                0.0,
+                True,
+                "a batched prefill",
+            )
+        if streamed is not None:  # ZeRO-3: the output matrix, after the last layer
+            where.seq, where.token = -1, step
+            eng.now = yield from eng._weights_in(eng.now, -1, streamed)
+        eng.step += 1
+        if eng.precalc:
+            c.precalc_wasted += len(eng.precalc)
+            eng.precalc.clear()
+        c.prefill_tokens += n_real
+        self.batched_prefills += 1
 
     def _mixed_step(self, eng: EngineBase, st: Step) -> Generator[Any, Any, None]:
         """Prompt rows ``[lo, hi)`` of one request beside one decode token of each request in
@@ -1054,6 +1206,10 @@ def summarise(
         "kv_peak_tokens": serving.sched.kv_peak,
         "prefill_chunk": cfg.prefill_chunk,
         "mixed_steps": serving.mixed_steps,
+        "static_prefill": None
+        if cfg.continuous
+        else ("batched" if cfg.batched_prefill else "per-request"),
+        "batched_prefills": serving.batched_prefills,
         "kv_allocation": "as written, preempt (recompute)" if cfg.preempt else "reserved whole",
         "preemptions": serving.sched.preemptions,
         "preempted_kv_tokens": serving.sched.preempted_kv_tokens,

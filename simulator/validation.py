@@ -420,7 +420,14 @@ def synth_trace(spec: dict[str, Any]) -> Path:
 
 #: Keys of ``[row.sim]`` that make the run a serving run (``daopsim run``'s options of the same
 #: names, docs/serving.md): ``batch = 16`` is ``--batch 16``.
-SERVING_SIM_KEYS = ("batch", "max_batch", "kv_cache_gb", "prefill_chunk", "preempt")
+SERVING_SIM_KEYS = (
+    "batch",
+    "max_batch",
+    "kv_cache_gb",
+    "prefill_chunk",
+    "preempt",
+    "static_prefill",
+)
 
 
 def _serving(sim: dict[str, Any]) -> Any:
@@ -439,6 +446,7 @@ def _serving(sim: dict[str, Any]) -> Any:
         None,
         prefill_chunk=sim.get("prefill_chunk"),
         preempt=bool(sim.get("preempt", False)),
+        static_prefill=sim.get("static_prefill"),
     )
 
 

@@ -386,10 +386,11 @@ def _run_serving(
     hw: HardwareProfile,
     config: ServingConfig,
     arrivals: list[float],
+    options: dict[str, Any] | None = None,
 ) -> tuple[pd.DataFrame, Any, EngineBase]:
     """Batched steps (ci-small's two cut sequences, each replayed twice) on one engine."""
     model, seqs, dec, pre = _inputs("ci-small")
-    pol = get_policy_class(policy)()
+    pol = get_policy_class(policy)(**(options or {}))
     budget = model.total_experts if pol.resources().unlimited_memory else model.total_experts // 4
     reqs = [
         Request(
@@ -432,6 +433,20 @@ def test_batched_and_continuous_serving_time_identically(policy: str, host: str)
         tb, sb, _ = _run_serving(ReferenceEngine, policy, hw, config, arrivals)
         assert ea.serving.batch_steps > 0
         assert_same(ta, tb, sa, sb)
+
+
+@pytest.mark.parametrize(
+    "options", [{"ngl": 8}, {"ngl": 8, "prefill_offload": False}], ids=["offload", "on-cpu"]
+)
+def test_a_static_batch_prefill_with_cpu_layers_times_identically(options: dict[str, Any]) -> None:
+    """A static batch's prompts in one prefill step, with CPU-resident layers (run on the CPU,
+    or on the GPU after their weights are copied): both engines time it the same."""
+    hw = load_profile("a6000-pcie4")
+    config = ServingConfig(batch=3)
+    ta, sa, ea = _run_serving(Engine, "llama-cpp-layers", hw, config, [0.0] * 4, options)
+    tb, sb, _ = _run_serving(ReferenceEngine, "llama-cpp-layers", hw, config, [0.0] * 4, options)
+    assert ea.n_cpu_layers > 0 and ea.serving.batched_prefills == 1
+    assert_same(ta, tb, sa, sb)
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -274,6 +274,212 @@ def test_a_mixed_step_runs_the_union_of_prompt_chunk_and_decode_tokens() -> None
     assert q1.prefilled == 6 and q1.first_token <= q1.finish
 
 
+# -- a static batch's prompts prefill together --------------------------------------------------
+
+
+def _prompted(model: Any, prompts: list[list[list[int]]], decode: int = 1) -> list[Any]:
+    """One sequence per prompt (``[prompt tokens][k]`` experts at every layer), each followed by
+    ``decode`` decode tokens on experts 0 and 1."""
+    n = model.moe_layers
+    out = []
+    for i, rows in enumerate(prompts):
+        ex = [[row] * n for row in rows] + [[[0, 1]] * n] * decode
+        out.append(routing_from_experts(model, ex, n_prefill=len(rows), seq_id=i))
+    return out
+
+
+def test_a_static_batch_prefills_in_one_step_each_expert_once_with_its_token_count() -> None:
+    model = tiny_model()
+    n = model.moe_layers
+    # prompts of 3, 1 and 2 tokens: expert 5 chosen by four prompt tokens of three requests
+    prompts = [[[5, 1], [5, 2], [3, 4]], [[5, 6]], [[5, 7], [6, 1]]]
+    tl, stats, plan, costs = _serve(
+        _prompted(model, prompts),
+        ServingConfig(batch=3),
+        budget=n * model.experts,
+        policy=LRUPolicy(initial="empty"),
+    )
+    assert plan.batched_prefills == 1
+    assert stats.counters.prefill_tokens == 6
+    first = tl[tl["requests"] == "0,1,2"]["token"].min()
+    step = tl[(tl["seq"] == -1) & (tl["token"] == first)]
+    counts = {5: 4, 1: 2, 2: 1, 3: 1, 4: 1, 6: 2, 7: 1}
+    for layer in range(n):
+        at = step[step["layer"] == layer]
+        fetched = at[at["kind"] == "fetch"]["expert"].tolist()
+        assert sorted(fetched) == sorted(counts)  # the union, each expert once
+        for e, k in counts.items():
+            run = at[(at["kind"] == "expert") & (at["expert"] == e)]
+            assert len(run) == 1
+            assert (run["end"] - run["start"]).iloc[0] == pytest.approx(costs.gpu_expert_s(k))
+        ne = at[at["kind"] == "nonexpert"]
+        # the prompts padded to the longest (3 rows each), in one pass over the weights
+        assert len(ne) == 1
+        assert (ne["end"] - ne["start"]).iloc[0] == pytest.approx(
+            costs.nonexpert_prefill_batch_layer_s(3, 3)
+        )
+    # every request's first token is the batched prefill's end
+    end = step["end"].max()
+    assert [q.first_token for q in plan.requests] == [pytest.approx(end)] * 3
+    # and the decode tokens come after it, batched
+    assert tl[tl["token"] > first]["start"].min() >= end - 1e-12
+    assert plan.batch_steps == 1
+
+
+def test_per_request_static_prefill_keeps_the_old_schedule() -> None:
+    model = tiny_model()
+    prompts = [[[5, 1], [5, 2]], [[5, 6]], [[5, 7], [6, 1]]]
+    seqs = _prompted(model, prompts)
+    _, _, per, _ = _serve(seqs, ServingConfig(batch=3, static_prefill="per-request"), 8)
+    _, _, bat, _ = _serve(seqs, ServingConfig(batch=3), 8)
+    assert per.batched_prefills == 0 and bat.batched_prefills == 1
+    # one prefill after the other: the first tokens are distinct and in admission order
+    per_first = [q.first_token for q in per.requests]
+    assert per_first == sorted(per_first) and len(set(per_first)) == 3
+    assert len({q.first_token for q in bat.requests}) == 1
+    assert max(q.first_token for q in bat.requests) < max(per_first)
+
+
+def test_a_batched_prefill_wider_than_the_budget_keeps_every_invariant() -> None:
+    """Prompts that route to every expert of every layer, two slots: the union cannot be
+    resident at once; each expert still runs exactly once per layer in the prefill step."""
+    model = tiny_model(experts=6, top_k=2, moe_layers=3)
+    prompts = [[[0, 1], [2, 3]], [[4, 5], [0, 2]], [[1, 3], [4, 0], [5, 2]]]
+    seqs = _prompted(model, prompts, decode=2)
+    for seed in range(4):
+        rng = np.random.default_rng(seed)
+        pol = ChaosPolicy(rng, 1, 1, writeback=bool(seed % 2))
+        tl, stats, plan, _ = _serve(seqs, ServingConfig(batch=3), 2, None, pol, model=model)
+        _check_invariants(plan.requests, plan, stats, tl, 3, None)
+        assert plan.batched_prefills == 1
+        first = tl[tl["requests"] == "0,1,2"]["token"].min()
+        step = tl[(tl["seq"] == -1) & (tl["token"] == first)]
+        run = step[step["kind"].isin(["expert", "cpu_expert"])]
+        for layer in range(model.moe_layers):
+            assert sorted(run[run["layer"] == layer]["expert"]) == list(range(6))
+        assert [q.first_token for q in plan.requests] == [pytest.approx(step["end"].max())] * 3
+
+
+def test_stream_all_streams_one_pass_for_a_batched_prefill() -> None:
+    """ZeRO-3 (stream-all, gather=leaf) moves the same bytes every pass: a static batch of
+    three makes 1 + decode passes batched, 3 + decode one prompt at a time."""
+    runs = {
+        sp: simulate(
+            policy="stream-all",
+            policy_options={"gather": "leaf"},
+            trace=TRACE,
+            sequences=3,
+            record=False,
+            serving=ServingConfig(batch=3, static_prefill=sp),
+        )
+        for sp in ("batched", "per-request")
+    }
+    decode = int(runs["batched"].requests["output_tokens"].max())
+    bat = runs["batched"].metrics["h2d_bytes"]
+    per = runs["per-request"].metrics["h2d_bytes"]
+    one_pass = (per - bat) / 2  # the two prefill passes batching saves
+    assert one_pass > 0
+    assert bat == pytest.approx((1 + decode) * one_pass, rel=1e-9)
+    assert per == pytest.approx((3 + decode) * one_pass, rel=1e-9)
+    assert runs["batched"].serving["static_prefill"] == "batched"
+    assert runs["batched"].serving["batched_prefills"] == 1
+
+
+def test_the_clairvoyant_oracle_follows_the_batched_prefill() -> None:
+    """The oracle's steps are the engine's: one step for a static batch's prompts."""
+    from simulator.serving import schedule_steps
+
+    model = tiny_model()
+    prompts = [[[5, 1], [5, 2]], [[5, 6]], [[5, 7], [6, 1]], [[3, 4]]]
+    seqs = _prompted(model, prompts, decode=2)
+    for cfg in (ServingConfig(batch=3), ServingConfig(batch=3, static_prefill="per-request")):
+        rec = Recorder()
+        eng = Engine(LRUPolicy(), model, cost_model(load_profile("a6000-pcie4"), model), 8,
+                     recorder=rec)  # fmt: skip
+        reqs = [
+            Request(int(r.seq_id), int(r.seq_id), 0.0, r.n_prefill, r.n_decode, r) for r in seqs
+        ]
+        fresh = [dataclasses.replace(q) for q in reqs]
+        eng.serving = Serving(reqs, cfg, None)
+        eng.run(iter(()))
+        steps = list(schedule_steps(fresh, 3, False, None, cfg.batched_prefill))
+        assert len(steps) == eng.step
+        prefills = [s for s in steps if all(t == -1 for _, t in s)]
+        want = [[0, 1, 2], [3]] if cfg.batched_prefill else [[0], [1], [2], [3]]
+        assert [[q.rid for q, _ in s] for s in prefills] == want
+
+
+def test_the_batched_prefill_cost_reduces_to_one_prompt_and_reads_the_weights_once() -> None:
+    from simulator.data import resolve_trace
+    from simulator.trace import read_meta
+
+    model = read_meta(resolve_trace(TRACE)).model
+    c = cost_model(load_profile("a6000-pcie4"), model)
+    for length in (1, 64, 512):
+        assert c.nonexpert_prefill_batch_layer_s(1, length) == pytest.approx(
+            c.nonexpert_layer_s(length, 0), rel=1e-12
+        )
+        if model.attention_heads > 0:
+            assert c.nonexpert_prefill_batch_layer_s(1, length, True) == pytest.approx(
+                c.nonexpert_layer_s(length, 0, eager_attention=True), rel=1e-12
+            )
+        assert c.cpu_nonexpert_prefill_batch_layer_s(1, length) == pytest.approx(
+            c.cpu_nonexpert_layer_s(length, 0), rel=1e-12
+        )
+        batch = c.nonexpert_prefill_batch_layer_s(16, length)
+        assert c.nonexpert_layer_s(length, 0) < batch < 16 * c.nonexpert_layer_s(length, 0)
+    with pytest.raises(ValueError):
+        c.nonexpert_prefill_batch_layer_s(-1, 4)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"batch": 2, "static_prefill": "whole"}, "must be one of"),
+        ({"batch": 2, "continuous": True, "static_prefill": "batched"}, "static batches"),
+        ({"batch": 2, "prefill_chunk": 4, "static_prefill": "batched"}, "not modelled"),
+        ({"batch": 2, "preempt": True, "static_prefill": "batched"}, "not modelled"),
+    ],
+)
+def test_bad_static_prefill_is_refused(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(UserError, match=match):
+        ServingConfig(**kwargs)
+
+
+def test_static_prefill_cli(tmp_path: Path) -> None:
+    r = _cli(
+        "run",
+        "--policy",
+        "lru",
+        "--trace",
+        TRACE,
+        "--sequences",
+        "2",
+        "--static-prefill",
+        "batched",
+        "--no-progress",
+    )
+    assert r.exit_code != 0 and "needs static batches" in r.output
+    r = _cli(
+        "run",
+        "--policy",
+        "lru",
+        "--trace",
+        TRACE,
+        "--sequences",
+        "2",
+        "--batch",
+        "2",
+        "--static-prefill",
+        "per-request",
+        "--json",
+        "--no-progress",
+    )
+    assert r.exit_code == 0, r.output
+    sv = json.loads(r.output)["serving"]
+    assert sv["static_prefill"] == "per-request" and sv["batched_prefills"] == 0
+
+
 def test_the_mixed_cost_reduces_to_prefill_and_to_batched_decode() -> None:
     from simulator.data import resolve_trace
     from simulator.trace import read_meta

@@ -220,6 +220,11 @@ def render_serving(sv: dict[str, Any]) -> str:
         f"  {'KV cache':<28} {_fmt(sv['kv_cache_tokens'])} tokens, peak "
         f"{_fmt(sv['kv_peak_tokens'])}",
     ]
+    if sv.get("static_prefill") is not None:
+        rows.append(
+            f"  {'static-batch prefill':<28} {sv['static_prefill']} "
+            f"({sv.get('batched_prefills', 0)} batched prefill steps)"
+        )
     if sv.get("prefill_chunk") is not None:
         rows.append(
             f"  {'chunked prefill':<28} {sv['prefill_chunk']} tokens per step, "
@@ -388,6 +393,15 @@ def render_serving(sv: dict[str, Any]) -> str:
     "beside the running requests' decode tokens.",
 )
 @click.option(
+    "--static-prefill",
+    "static_prefill",
+    type=str,
+    default=None,
+    metavar="batched|per-request",
+    help="With --batch: a batch's prompts prefill together in one step (batched, the default, "
+    "as Hugging Face generate runs a batch) or each in a step of its own (per-request).",
+)
+@click.option(
     "--preempt",
     is_flag=True,
     default=False,
@@ -471,6 +485,7 @@ def run(
     runtime: str | None = None,
     prefill_chunk: int | None = None,
     preempt: bool = False,
+    static_prefill: str | None = None,
     host_memory_gb: float | None = None,
     ssd_path: str | None = None,
     model: str | None = None,
@@ -497,6 +512,7 @@ def run(
         slo_tpot,
         prefill_chunk=prefill_chunk,
         preempt=preempt,
+        static_prefill=static_prefill,
     )
     inputs = (trace, calibration, hw, arrivals)
     if requests_out is not None:
