@@ -66,7 +66,7 @@ from __future__ import annotations
 
 from bisect import insort
 from collections.abc import Iterable
-from itertools import chain, compress
+from itertools import chain, compress, islice
 from operator import not_
 from typing import Any
 
@@ -90,6 +90,9 @@ GPU, FETCH, TEMP = Action.GPU, Action.FETCH, Action.TEMP
 
 #: a prefetch looks this far past predicted experts at the cache's low end for a victim
 KEEP_SCAN = 8
+
+#: the predicted set of a search without one (``MoEInfinityPolicy._victim``)
+_NOTHING: frozenset[int] = frozenset()
 
 #: a prefetch queue (``MoEInfinityPolicy._queue``)
 _Queue = tuple[list[tuple[int, int, int]], frozenset[int], list[int]]
@@ -292,38 +295,43 @@ class MoEInfinityPolicy(Policy):
         order, cntf, cflat = self.order, self.cntf, self.cflat
         pend = self.pend
         ready = self.ready
+        if keep is None:
+            keep = _NOTHING
+        # ``j``: where the scan is, and as every entry before it was skipped (a change to
+        # ``order`` moves or drops an entry without passing it), the number skipped so far
         j = 0
-        skipped = 0
-        while j < len(order):
-            key, w, e, vl, i = order[j]
-            if not cflat[i]:
-                del order[j]  # evicted since (a heap would drop it when popped)
-                continue
-            now_key = cntf[i] * w
-            if now_key != key:
-                # priorities only grow within a request: requeue at the current one
+        while True:
+            # a for loop over the entries from ``j`` (cheaper than indexing ``order[j]``); a
+            # change to ``order`` ends it and the scan goes on from the same place
+            for key, w, e, vl, i in order if j == 0 else islice(order, j, None):
+                if not cflat[i]:
+                    del order[j]  # evicted since (a heap would drop it when popped)
+                    break
+                now_key = cntf[i] * w
+                if now_key != key:
+                    # priorities only grow within a request: requeue at the current one
+                    del order[j]
+                    insort(order, (now_key, w, e, vl, i))
+                    break
+                if (
+                    (vl == layer and e in protect)
+                    or pend[i] > now
+                    # still in flight by the runtime's account: the ledger missed other copies
+                    # on the link (several GPUs on one uplink); never evict an expert being
+                    # copied
+                    or (ready is not None and ready[vl, e] > now)
+                ):
+                    j += 1
+                    continue
+                if i in keep:
+                    j += 1
+                    if j > KEEP_SCAN:
+                        return None  # the cache's low end is all predicted: like for like
+                    continue
                 del order[j]
-                insort(order, (now_key, w, e, vl, i))
-                continue
-            if (
-                (vl == layer and e in protect)
-                or pend[i] > now
-                # still in flight by the runtime's account: the ledger missed other copies on
-                # the link (several GPUs on one uplink); never evict an expert being copied
-                or (ready is not None and ready[vl, e] > now)
-            ):
-                skipped += 1
-                j += 1
-                continue
-            if keep is not None and i in keep:
-                skipped += 1
-                if skipped > KEEP_SCAN:
-                    return None  # the cache's low end is all predicted: trading like for like
-                j += 1
-                continue
-            del order[j]
-            return (vl, e)
-        return None
+                return (vl, e)
+            else:
+                return None
 
     def _copy(self, now: float) -> float:
         """Book one copy on the link (FIFO after this policy's earlier copies); its end."""
@@ -369,7 +377,10 @@ class MoEInfinityPolicy(Policy):
                 if plan is not None:
                     return plan
             return ALL_GPU_PLAN
-        actions = {e: GPU for e in experts if cflat[base + e]}
+        actions: dict[int, Action] = {}
+        for e in experts:  # the hits first, in routing order (a loop: cheaper than a comprehension)
+            if cflat[base + e]:
+                actions[e] = GPU
         victims: dict[int, Slot] = {}
         plan = Plan(actions, victims)
         protect = experts  # (a list of two or so: ``in`` is as quick as a set's)
@@ -453,7 +464,7 @@ class MoEInfinityPolicy(Policy):
             self.link_free = link_free = (now if now > link_free else link_free) + copy_s
             inflight[(x, e)] = pend[i] = link_free
             if plan is None:
-                plan = Plan({r: GPU for r in experts})
+                plan = Plan(dict.fromkeys(experts, GPU))
             plan.prefetch.append((x, e, victim))
             if link_free >= horizon:
                 break

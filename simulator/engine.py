@@ -904,9 +904,10 @@ class EngineBase:
 
     def _low_bit_mass(self, low: Any, true_e: np.ndarray, true_w: Any) -> None:
         """The true gate weight of experts computed from a low-precision copy."""
+        c = self.c
         for e, w in zip(true_e.tolist(), true_w.tolist(), strict=True):
             if e in low:
-                self.c.gate_mass_low_bit += w
+                c.gate_mass_low_bit += w
 
     def _accesses(self, layer: int, n_routed: int, n_hits: int, prefill: bool) -> None:
         """Count a layer's expert accesses and hits (per phase; per layer for decode)."""
@@ -2878,25 +2879,21 @@ class Engine(EngineBase):
         # fetches with their victims, the prefetches with theirs), on flat indices
         hits: list[int] = []
         fetch: list[int] = []
+        #: the routed fetches, then the prefetches, each as (flat index, victim)
+        copies: list[tuple[int, Any]] = []
+        get = actions.get
         for e in routed:
-            a = actions.get(e)
+            a = get(e)
             if a == _GPU:
+                if not mres[lo + e] or mready[lo + e] == INF:
+                    return None  # not resident, or its copy not timed yet
                 hits.append(e)
             elif a == _FETCH:
                 fetch.append(e)
+                copies.append((lo + e, victims.get(e)))
             else:
                 return None  # temporary copies, CPU experts, pre-calculations: the general path
-        for e in hits:
-            if not mres[lo + e] or mready[lo + e] == INF:
-                return None
-        gone: list[int] = []  # victims' flat indices, in issue order
-        added: list[int] = []  # copies' flat indices, in issue order
-        n_res = res.n_resident
-        budget = res.budget
-        # the routed fetches, then the prefetches, each as (flat index, victim); a victim is
-        # checked as _copies_only's evict() does without write-backs (one in use is refused)
-        copies = [(lo + e, victims.get(e)) for e in fetch]
-        n_fetch = len(copies)
+        n_fetch = len(fetch)
         for item in prefetch:
             if item.__class__ is not tuple or len(item) != 3:
                 return None
@@ -2906,6 +2903,12 @@ class Engine(EngineBase):
             if not (0 <= pl < n_layers and 0 <= pe < n_exp):
                 return None
             copies.append((pl * n_exp + pe, v))
+        gone: list[int] = []  # victims' flat indices, in issue order
+        added: list[int] = []  # copies' flat indices, in issue order
+        n_res = res.n_resident
+        budget = res.budget
+        # a victim is checked as _copies_only's evict() does without write-backs (one in use
+        # is refused)
         for i, v in copies:
             if i in added or (mres[i] and i not in gone):
                 return None
@@ -2943,7 +2946,6 @@ class Engine(EngineBase):
             if mpre[i]:
                 mpre[i] = 0
                 c.prefetch_wasted_bytes += eb
-            res.occupancy -= 1
         self._seq += n_copies
         res.n_resident = n_res
         if n_evs:
@@ -2966,21 +2968,21 @@ class Engine(EngineBase):
         c.prefetches += n_copies - n_fetch
         # -- this layer's copies at ``now`` in issue order (the routed fetches, then the
         # prefetches; evictions issue nothing)
+        res.swap_slots(n_evs, n_copies)
         lane = self._h2d.lane
         dur = self._h2d.expert_s
+        free, busy = lane.free_at, lane.busy
         for k, i in enumerate(added):
-            occ = res.occupancy = res.occupancy + 1  # Residency.take, inlined
-            if occ > res.max_occupancy:
-                res.max_occupancy = occ
-            s = now if now > lane.free_at else lane.free_at  # Lane.serve, inlined
-            end = lane.free_at = s + dur
-            lane.busy += dur
+            s = now if now > free else free  # Lane.serve, inlined (the same sums)
+            end = free = s + dur
+            busy += dur
             mres[i] = 1
             mready[i] = end
             if k < n_fetch:
                 jobs.append((end, i - lo))
             else:
                 mpre[i] = 1
+        lane.free_at, lane.busy = free, busy
         return self._repeat_gpu(jobs, now)
 
     def _copy_layer_wb(self, layer: int, routed: list[int], plan: Plan, now: float) -> float | None:
@@ -3028,8 +3030,7 @@ class Engine(EngineBase):
             else:
                 return None  # CPU experts, pre-calculations, malformed actions
         m = self.machine
-        n_temp = m.buffers["temp"]
-        if len(temps) > n_temp:
+        if temps and len(temps) > m.buffers["temp"]:
             return None  # a copy waiting for a buffer (or no buffer at all)
         low = plan.low_bit
         if low:
@@ -3083,27 +3084,16 @@ class Engine(EngineBase):
         c = self.c
         eb = self.expert_bytes
         n_evs = len(gone)
-        wbs: list[int] = []  # write-backs' issue numbers, in issue order
         if not wb:  # evictions free their slots at once and issue nothing
             for i in gone:
                 mres[i] = 0
                 if mpre[i]:
                     mpre[i] = 0
                     c.prefetch_wasted_bytes += eb
-                res.occupancy -= 1
+        # (with write-backs the victims' slots are freed when their write-backs end)
+        res.swap_slots(0 if wb else n_evs, n_copies)
+        if not (wb and n_evs):  # one issue number per copy (write-backs: below)
             self._seq += n_copies + len(temps)
-        else:
-            seq = self._seq
-            for i in before:
-                seq += 1
-                if i >= 0:  # the victim's write-back, then the fetch
-                    mres[i] = 0
-                    if mpre[i]:
-                        mpre[i] = 0
-                        c.prefetch_wasted_bytes += eb
-                    wbs.append(seq)
-                    seq += 1
-            self._seq = seq + len(temps)
         if n_evs:
             c.evictions += n_evs
             if wb:
@@ -3130,21 +3120,28 @@ class Engine(EngineBase):
             c.h2d_bytes += eb * n_h2d
         c.h2d_expert_copies += n_h2d
         c.fetches += n_copies
-        c.temp_copies += len(temps)
+        if temps:
+            c.temp_copies += len(temps)
         lane = self._h2d.lane
         dur = self._h2d.expert_s
-        if wbs:
-            # write-backs and fetches interleaved in issue order, as _plain_fetches: a
-            # write-back holds both lanes and its slot release is held back (_releases) or
-            # pushed on the heap
+        if wb and n_evs:
+            # write-backs and fetches interleaved in issue order, as _plain_fetches: each
+            # victim's write-back takes the issue number before its fetch, frees the slot's
+            # residency, holds both lanes, and its slot release is held back (_releases) or
+            # pushed on the heap (the victims are never routed experts: checked above)
             d2h = self._d2h.lane
             wb_s = self._d2h.expert_s
             rel = self._rel if self._rel_ok else self._releases()
             where = self.hooks.where
             sid, token = where.seq or 0, where.token or 0
-            k = 0
+            seq = self._seq
             for e, i in zip(fetch, before, strict=True):
-                if i >= 0:
+                seq += 1
+                if i >= 0:  # the victim's write-back (issue number ``seq``), then the fetch
+                    mres[i] = 0
+                    if mpre[i]:
+                        mpre[i] = 0
+                        c.prefetch_wasted_bytes += eb
                     s = lane.free_at
                     if d2h.free_at > s:
                         s = d2h.free_at
@@ -3153,8 +3150,6 @@ class Engine(EngineBase):
                     end = s + wb_s
                     lane.free_at = d2h.free_at = end
                     d2h.busy += wb_s
-                    seq = wbs[k]
-                    k += 1
                     vl, ve = divmod(i, n_exp)
                     if rel is not None and (not rel or rel[-1][0] <= end):
                         rel.append((end, seq, sid, token, vl, ve))
@@ -3163,33 +3158,32 @@ class Engine(EngineBase):
                         op.end = end
                         op.stage = 1
                         heapq.heappush(self._heap, (end, seq, next(self._uid), op))
-                occ = res.occupancy = res.occupancy + 1  # Residency.take, inlined
-                if occ > res.max_occupancy:
-                    res.max_occupancy = occ
+                    seq += 1
                 s = now if now > lane.free_at else lane.free_at  # Lane.serve, inlined
                 end = lane.free_at = s + dur
                 lane.busy += dur
                 mres[lo + e] = 1
                 mready[lo + e] = end
                 jobs.append((end, e))
-        else:
+            self._seq = seq + len(temps)
+            fetch = []  # issued
+        if fetch or temps:
+            free, busy = lane.free_at, lane.busy
             for e in fetch:
-                occ = res.occupancy = res.occupancy + 1  # Residency.take, inlined
-                if occ > res.max_occupancy:
-                    res.max_occupancy = occ
-                s = now if now > lane.free_at else lane.free_at  # Lane.serve, inlined
-                end = lane.free_at = s + dur
-                lane.busy += dur
+                s = now if now > free else free  # Lane.serve, inlined (the same sums)
+                end = free = s + dur
+                busy += dur
                 mres[lo + e] = 1
                 mready[lo + e] = end
                 jobs.append((end, e))
-        # issued after the routed fetches, one buffer each (_temp_copies, inlined)
-        for e in temps:
-            d = m.low_bit_s if low and e in low else dur  # as _serve_op: a low-bit copy's time
-            s = now if now > lane.free_at else lane.free_at
-            end = lane.free_at = s + d
-            lane.busy += d
-            jobs.append((end, e))
+            # issued after the routed fetches, one buffer each (_temp_copies, inlined)
+            for e in temps:
+                d = m.low_bit_s if low and e in low else dur  # as _serve_op: a low-bit copy
+                s = now if now > free else free
+                end = free = s + d
+                busy += d
+                jobs.append((end, e))
+            lane.free_at, lane.busy = free, busy
         # _repeat_gpu (_timed_gpu_one's sums without a recorder) with the host thread's
         # HostThread.expert and issue written out: the same sums in the same order
         jobs.sort()

@@ -104,6 +104,14 @@ class Residency:
             self.recorder.occupancy(t, occ)
         return True
 
+    def swap_slots(self, freed: int, taken: int) -> None:
+        """Without a recorder: ``freed`` slots released, then ``taken`` taken one by one (each
+        a :meth:`take` the caller has checked there is room for), in one step. The occupancy
+        only grows while they are taken, so its peak is the final value."""
+        occ = self.occupancy = self.occupancy - freed + taken
+        if taken and occ > self.max_occupancy:
+            self.max_occupancy = occ
+
     def free(self, t: float) -> None:
         """A slot is released at ``t`` (no waiter takes it)."""
         self.occupancy -= 1
