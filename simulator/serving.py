@@ -810,8 +810,7 @@ class Serving:
         """One decode token of each request in ``batch``: each layer runs the union of their
         experts, an expert over as many tokens as chose it."""
         c, v, rec = eng.c, eng.view, eng.recorder
-        hooks, pol = eng.hooks, eng.policy
-        where = hooks.where
+        pol = eng.policy
         n_layers, n_exp = eng.n_layers, eng.n_experts
         b = len(batch)
         toks = [q.prompt + q.done for q in batch]
@@ -842,44 +841,10 @@ class Serving:
         n_cpu = eng.n_cpu_layers
         n_cpu_run = 0 if n_cpu and 0 < eng.spec.cpu_layer_offload_batch <= b else n_cpu
         d_cpu = eng.costs.cpu_nonexpert_batch_layer_s(b, kv_tokens) if n_cpu_run else 0.0
-        streamed = eng.machine.streamed  # ZeRO-3's streamed non-expert weights, or None
-        for layer in range(n_layers):
-            start = eng.now
-            cpu_here = eng._cpu_layer_here = layer < n_cpu_run
-            if cpu_here:
-                where.seq, where.token = -1, step
-                now = eng._cpu_layer_nonexpert(start, layer, b, 0, d_cpu)
-            else:
-                if n_cpu and layer < n_cpu:
-                    where.seq, where.token = -1, step
-                    start = eng._cpu_layer_weights_in(start, layer)
-                elif layer and layer == n_cpu_run:
-                    where.seq, where.token = -1, step
-                    start = eng._cpu_layer_split(start, layer, b, True)
-                if streamed is not None:  # ZeRO-3: the layer's weights land first
-                    where.seq, where.token = -1, step
-                    start = yield from eng._weights_in(start, layer, streamed)
-                now = _gpu_nonexpert(eng, start, d_ne, layer, step, b, kv_tokens)
-            if eng._due(now):
-                yield now
-            where.seq, where.token = rid0, tok0
-            yield from _expert_layer(
-                eng,
-                layer,
-                now,
-                counts_all[layer],
-                wt,
-                pr,
-                "batch_layer",
-                pol.batch_layer,
-                b * k,
-                wsum[layer],
-                False,
-                "a batched step",
-            )
-        if streamed is not None:  # ZeRO-3: the output matrix, after the last layer
-            where.seq, where.token = -1, step
-            eng.now = yield from eng._weights_in(eng.now, -1, streamed)
+        yield from _step_layers(
+            eng, step, n_cpu_run, d_cpu, d_ne, b, kv_tokens, counts_all, wt, pr, rid0, tok0,
+            "batch_layer", pol.batch_layer, b * k, wsum, False, "a batched step",
+        )  # fmt: skip
         eng.step += 1
         if eng.precalc:
             c.precalc_wasted += len(eng.precalc)
@@ -899,8 +864,7 @@ class Serving:
         expert over as many of them as chose it; the non-expert part runs over the prompts
         padded to the longest (only real tokens are routed)."""
         c, v, rec = eng.c, eng.view, eng.recorder
-        hooks, pol = eng.hooks, eng.policy
-        where = hooks.where
+        pol = eng.policy
         n_layers, n_exp = eng.n_layers, eng.n_experts
         b = len(batch)
         lens = [q.prompt for q in batch]
@@ -930,44 +894,10 @@ class Serving:
         n_cpu = eng.n_cpu_layers
         n_cpu_run = 0 if n_cpu and 0 < eng.spec.cpu_layer_offload_batch <= n_real else n_cpu
         d_cpu = costs.cpu_nonexpert_prefill_batch_layer_s(b, padded) if n_cpu_run else 0.0
-        streamed = eng.machine.streamed  # ZeRO-3's streamed non-expert weights, or None
-        for layer in range(n_layers):
-            start = eng.now
-            cpu_here = eng._cpu_layer_here = layer < n_cpu_run
-            if cpu_here:
-                where.seq, where.token = -1, step
-                now = eng._cpu_layer_nonexpert(start, layer, n_rows, 0, d_cpu)
-            else:
-                if n_cpu and layer < n_cpu:
-                    where.seq, where.token = -1, step
-                    start = eng._cpu_layer_weights_in(start, layer)
-                elif layer and layer == n_cpu_run:
-                    where.seq, where.token = -1, step
-                    start = eng._cpu_layer_split(start, layer, n_rows, True)
-                if streamed is not None:  # ZeRO-3: the layer's weights land first
-                    where.seq, where.token = -1, step
-                    start = yield from eng._weights_in(start, layer, streamed)
-                now = _gpu_nonexpert(eng, start, d_ne, layer, step, n_rows, 0)
-            if eng._due(now):
-                yield now
-            where.seq, where.token = rid0, 0
-            yield from _expert_layer(
-                eng,
-                layer,
-                now,
-                counts_all[layer],
-                wt,
-                pr,
-                "prefill_layer",
-                pol.prefill_layer,
-                0,
-                0.0,
-                True,
-                "a batched prefill",
-            )
-        if streamed is not None:  # ZeRO-3: the output matrix, after the last layer
-            where.seq, where.token = -1, step
-            eng.now = yield from eng._weights_in(eng.now, -1, streamed)
+        yield from _step_layers(
+            eng, step, n_cpu_run, d_cpu, d_ne, n_rows, 0, counts_all, wt, pr, rid0, 0,
+            "prefill_layer", pol.prefill_layer, 0, None, True, "a batched prefill",
+        )  # fmt: skip
         eng.step += 1
         if eng.precalc:
             c.precalc_wasted += len(eng.precalc)
@@ -1064,6 +994,74 @@ class Serving:
             self.mixed_steps += 1
             self.batch_steps += 1
             self.batched_tokens += b + 1
+
+
+def _step_layers(
+    eng: EngineBase,
+    step: int,
+    n_cpu_run: int,
+    d_cpu: float,
+    d_ne: float,
+    n: int,
+    kv: int,
+    counts_all: np.ndarray,
+    wt: np.ndarray,
+    pr: np.ndarray,
+    rid0: int,
+    tok0: int,
+    hook: str,
+    call: Callable[..., Any],
+    n_sel: int,
+    wsum: list[float] | None,
+    prefill: bool,
+    what: str,
+) -> Generator[Any, Any, None]:
+    """Every layer of a batched step (a decode batch or a static batch's prefill): the
+    non-expert part over ``n`` rows at ``kv`` cached tokens (on the CPU for the first
+    ``n_cpu_run`` CPU-resident layers, after their weights or the hidden states cross when
+    they run on the GPU, after ZeRO-3's streamed weights where they are declared), then the
+    union of the step's experts through ``call``; the output matrix's weights after the last
+    layer."""
+    where = eng.hooks.where
+    n_cpu = eng.n_cpu_layers
+    streamed = eng.machine.streamed  # ZeRO-3's streamed non-expert weights, or None
+    for layer in range(eng.n_layers):
+        start = eng.now
+        cpu_here = eng._cpu_layer_here = layer < n_cpu_run
+        if cpu_here:
+            where.seq, where.token = -1, step
+            now = eng._cpu_layer_nonexpert(start, layer, n, 0, d_cpu)
+        else:
+            if n_cpu and layer < n_cpu:
+                where.seq, where.token = -1, step
+                start = eng._cpu_layer_weights_in(start, layer)
+            elif layer and layer == n_cpu_run:
+                where.seq, where.token = -1, step
+                start = eng._cpu_layer_split(start, layer, n, True)
+            if streamed is not None:  # ZeRO-3: the layer's weights land first
+                where.seq, where.token = -1, step
+                start = yield from eng._weights_in(start, layer, streamed)
+            now = _gpu_nonexpert(eng, start, d_ne, layer, step, n, kv)
+        if eng._due(now):
+            yield now
+        where.seq, where.token = rid0, tok0
+        yield from _expert_layer(
+            eng,
+            layer,
+            now,
+            counts_all[layer],
+            wt,
+            pr,
+            hook,
+            call,
+            n_sel,
+            0.0 if wsum is None else wsum[layer],
+            prefill,
+            what,
+        )
+    if streamed is not None:  # ZeRO-3: the output matrix, after the last layer
+        where.seq, where.token = -1, step
+        eng.now = yield from eng._weights_in(eng.now, -1, streamed)
 
 
 def _expert_layer(
