@@ -1353,10 +1353,24 @@ class Engine(EngineBase):
 
     def _copies_only(self, layer: int, routed: list[int], plan: Plan, now: float) -> float | None:
         one = self._one_stream
-        if one and (self.recorder is not None or self._heap):
-            # one stream (ResourceSpec.one_stream): the paths below time it (_one_stream_gpu)
-            # only without a recorder and with nothing pending; else the general path does
-            return None
+        if one:
+            if self.recorder is not None or self._heap:
+                # one stream (ResourceSpec.one_stream): the paths below time it
+                # (_one_stream_gpu) only without a recorder and with nothing pending
+                return None
+            victims, actions = plan.victims, plan.actions
+            if victims and victims.__class__ is dict and actions.__class__ is dict:
+                for v in victims.values():
+                    if (
+                        v.__class__ is tuple
+                        and len(v) == 2
+                        and v[0] == layer
+                        and actions.get(v[1]) == _FETCH
+                    ):
+                        # a victim this very plan fetches (top-2 with one slot per layer):
+                        # every check below refuses it, after its work; the general path
+                        # times it
+                        return None
         # Why this is exact: without unified memory, such a plan's requests submitted at ``now``
         # are copies (and write-backs). Everything submitted earlier has been served, and what
         # is still pending was submitted later, so the general path serves this layer's
