@@ -1114,7 +1114,8 @@ class Engine(EngineBase):
         self._waiting = 0
         self._tempq: deque[LayerOp] = deque()
         #: copies and kernels share one stream (ResourceSpec.one_stream): _layer serializes
-        #: them and the one-pass copy paths refuse every plan
+        #: them; of the one-pass paths only _copies_only's copy paths take such a plan (timed
+        #: by _one_stream_gpu, without a recorder and with nothing pending)
         self._one_stream = self.spec.one_stream
         self._held_wake = _Wake(0)
 
@@ -1374,8 +1375,25 @@ class Engine(EngineBase):
     _pf_refused = 0
 
     def _copies_only(self, layer: int, routed: list[int], plan: Plan, now: float) -> float | None:
-        if self._one_stream:
-            return None  # one stream (ResourceSpec.one_stream): only _layer serializes it
+        one = self._one_stream
+        if one:
+            if self.recorder is not None or self._heap:
+                # one stream (ResourceSpec.one_stream): the paths below time it
+                # (_one_stream_gpu) only without a recorder and with nothing pending
+                return None
+            victims, actions = plan.victims, plan.actions
+            if victims and victims.__class__ is dict and actions.__class__ is dict:
+                for v in victims.values():
+                    if (
+                        v.__class__ is tuple
+                        and len(v) == 2
+                        and v[0] == layer
+                        and actions.get(v[1]) == _FETCH
+                    ):
+                        # a victim this very plan fetches (top-2 with one slot per layer):
+                        # every check below refuses it, after its work; the general path
+                        # times it
+                        return None
         # Why this is exact: without unified memory, such a plan's requests submitted at ``now``
         # are copies (and write-backs). Everything submitted earlier has been served, and what
         # is still pending was submitted later, so the general path serves this layer's
@@ -1396,7 +1414,7 @@ class Engine(EngineBase):
                 self._plain_taken = True
                 return end
             self._plain_refused += 1
-        if plan.prefetch and (self._pf_taken or self._pf_refused < _PLAIN_PROBES):
+        if plan.prefetch and not one and (self._pf_taken or self._pf_refused < _PLAIN_PROBES):
             # hits, fetches and prefetches without write-backs (moe-infinity), probed alike
             end = self._prefetch_layer(layer, routed, plan, now)
             if end is not None:
@@ -1424,7 +1442,7 @@ class Engine(EngineBase):
                 return end
         if plan.low_bit:
             return None  # the general one-pass check below times full-precision copies only
-        elif not self._wb and len(plan.prefetch) + len(routed) == self.n_experts:
+        elif not self._wb and not one and len(plan.prefetch) + len(routed) == self.n_experts:
             # maybe a whole layer streamed in (stream-all, vllm-cpu-offload)
             end = self._whole_layer_repeat(layer, routed, plan, now)
             if end is not None:
@@ -1446,8 +1464,10 @@ class Engine(EngineBase):
                 cpu.append(e)
             elif a != _TEMP:
                 return None  # a pre-calculation or a malformed action
-        if cpu and (self._heap or not self._host.idle):
-            return None  # CPU calls that could queue behind or share with pending work
+        if cpu and (one or self._heap or not self._host.idle):
+            # CPU calls that could queue behind or share with pending work (a one-stream
+            # spec's CPU experts: the general path words the refusal)
+            return None
         gone: set[Slot] = set()  # slots evicted by this plan
         added: set[Slot] = set()  # slots filled by this plan
         #: what the plan issues, in _apply's order: (kind, slot); kind EVICT, DEFER (an in-use
@@ -1530,8 +1550,10 @@ class Engine(EngineBase):
                 return None
         n_temp = self.machine.buffers["temp"]
         deferred = in_use_ok and any(k == _DEFER for k, _ in issue)
-        if temps and (n_temp < 1 or (len(temps) > n_temp and (self._heap or cpu or deferred))):
-            return None
+        if temps and (
+            n_temp < 1 or (len(temps) > n_temp and (one or self._heap or cpu or deferred))
+        ):
+            return None  # (one stream: a copy waiting for a buffer is _layer's to time)
         if cpu and deferred:
             return None  # the GPU loop below with in-use victims does not time CPU experts
         n_evs = len(gone)
@@ -1643,6 +1665,8 @@ class Engine(EngineBase):
                        s, end, eb)  # fmt: skip
         if temps_at == len(ops) and temps:
             self._temp_copies(temps[:n_temp], jobs, now, sid, token, layer)
+        if one:
+            return self._one_stream_gpu([(r, e) for r, e, _ in jobs], late, now)
         if len(temps) > n_temp or late:
             return self._gpu_jobs(jobs, deque(temps[n_temp:]), late, now, sid, token, layer)
         if not cpu:
@@ -1690,11 +1714,12 @@ class Engine(EngineBase):
                 temps.append(e)
             else:
                 return None
-        if cpu and (self._heap or not self._host.idle):
+        one = self._one_stream
+        if cpu and (one or self._heap or not self._host.idle):
             return None  # CPU calls that could queue behind or share with pending work
         n_temp = self.machine.buffers["temp"]
         if temps:
-            if n_temp < 1 or (len(temps) > n_temp and (self._heap or cpu)):
+            if n_temp < 1 or (len(temps) > n_temp and (one or self._heap or cpu)):
                 return None  # as _copies_only: a copy waiting for a buffer needs a quiet heap
             for e in temps:
                 if row[e]:
@@ -1894,9 +1919,11 @@ class Engine(EngineBase):
             tjobs = [(r, e, -1) for r, e in jobs]
             if temps:
                 self._temp_copies(temps[:n_temp], tjobs, now, sid, token, layer)
-            if len(temps) > n_temp or late:
+            if (len(temps) > n_temp or late) and not one:
                 return self._gpu_jobs(tjobs, deque(temps[n_temp:]), late, now, sid, token, layer)
             jobs = [(r, e) for r, e, _ in tjobs]
+        if one:
+            return self._one_stream_gpu(jobs, late, now)
         if not cpu:
             return self._timed_gpu(jobs, now, None, sid, token, layer)
         # the CPU experts, as _copies_only times them
@@ -3184,6 +3211,8 @@ class Engine(EngineBase):
                 busy += d
                 jobs.append((end, e))
             lane.free_at, lane.busy = free, busy
+        if self._one_stream:  # copies and kernels on one stream (ResourceSpec.one_stream)
+            return self._one_stream_gpu(jobs, None, now)
         # _repeat_gpu (_timed_gpu_one's sums without a recorder) with the host thread's
         # HostThread.expert and issue written out: the same sums in the same order
         jobs.sort()
@@ -3394,6 +3423,70 @@ class Engine(EngineBase):
                 heapq.heappush(jobs, (end, nxt, buf))
         c.gpu_expert_busy += busy
         self.machine.gpu.busy += busy
+        return g
+
+    def _one_stream_gpu(
+        self, jobs: list[tuple[float, int]], late: dict[int, LayerOp] | None, now: float
+    ) -> float:
+        """The GPU experts of a decode layer on one stream (ResourceSpec.one_stream), for the
+        one-pass copy paths once they have served the layer's copies at ``now``, with no
+        recorder, unified memory, CPU experts or copy waiting for a buffer, and nothing
+        pending but slot releases: ``_layer``'s one-stream loop with the same sums in the same
+        order. Each expert by (ready time, expert) starts once its weights are there, the
+        stream is free and both copy lanes are (every copy submitted before it has ended),
+        and holds the lanes while it runs; an in-use victim's write-back (``late``) is served
+        when its computation ends, before the next expert, as ``_layer`` serves it from the
+        heap (the releases pending beside it touch no lane and are due to no waiter, so
+        serving them later changes nothing); the layer ends once the last copy it issued
+        has, the wait counted as transfer stall. Returns when the layer ends."""
+        jobs.sort()
+        m = self.machine
+        ds = self._repeat_d
+        if ds is None:
+            d1 = m.gpu_s(1)
+            ds = self._repeat_d = (d1 + m.fused_launch_s, d1 + 0.0)
+        d, rest = ds  # the first expert with the layer's fused call, then one token each
+        c = self.c
+        host = m.host_experts  # None when GPU expert calls cost the host nothing
+        h2d, d2h = self._h2d.lane, self._d2h.lane
+        # when both copy lanes are free: an expert holds them (sets both), so one local
+        # stands for both until a write-back reads them or the loop ends
+        lanes = h2d.free_at if h2d.free_at > d2h.free_at else d2h.free_at
+        g = now
+        busy = 0.0
+        for ready, e in jobs:
+            drained = g
+            if lanes > ready:
+                ready = lanes
+            if g > ready:
+                ready = g  # max(ready, stream, lanes): the same float as _layer's
+            if ready > g:
+                c.transfer_stall += ready - g
+                g = ready
+            if host is not None:  # the stream may wait for the host thread to issue it
+                wait = host.expert(drained, g, d) - d - g
+                if wait > 0.0:
+                    c.dispatch_stall += wait
+                    g += wait
+            g += d
+            busy += d
+            d = rest
+            lanes = g
+            if late:
+                wb = late.pop(e, None)
+                if wb is not None:  # evicted while in use: written back after its compute
+                    h2d.free_at = d2h.free_at = g
+                    self._serve_op(g, wb)  # it holds both lanes
+                    lanes = h2d.free_at
+        if jobs:
+            h2d.free_at = d2h.free_at = lanes
+        # every copy of the layer has ended by the lanes' free time (the last expert set
+        # it, a write-back after it moved it on)
+        if lanes > g:
+            c.transfer_stall += lanes - g
+            g = lanes
+        c.gpu_expert_busy += busy
+        m.gpu.busy += busy
         return g
 
     def _timed_gpu(

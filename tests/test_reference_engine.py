@@ -570,7 +570,7 @@ def test_chunked_prefill_and_preemption_time_identically(seed: int) -> None:
         ("lru", "_plain_fetches", 0.25, {}),
         ("hobbit", "_plain_fetches", 0.25, {}),  # low-bit temporary copies beside fetches
         ("moe-infinity", "_plain_fetches", 0.25, {}),  # victims of other layers
-        # write-backs (on a side stream: one stream refuses the one-pass paths)
+        # write-backs (on a side stream: a recorded one-stream run takes the general path)
         ("mixtral-offloading", "_plain_fetches", 0.25, {"copy_stream": "side"}),
         ("static", "_victim_fetches", 0.125, {}),
         ("fiddler", "_gpu_cpu_layer", 0.25, {}),  # resident and CPU experts only
@@ -808,7 +808,8 @@ def test_narrow_recorderless_paths_match_recorded_and_reference(
 @pytest.mark.parametrize(
     ("policy", "trace", "ratio", "opts"),
     [
-        # write-backs, held-back releases (on a side stream: one stream refuses the path)
+        # write-backs, held-back releases (on a side stream; one stream's layers:
+        # test_one_stream_miss_layers_take_the_one_pass_paths)
         ("mixtral-offloading", "ci-small", 0.25, {"copy_stream": "side"}),
         (
             "mixtral-offloading",
@@ -851,6 +852,92 @@ def test_write_back_and_low_bit_layers_take_copy_layer_wb(
         assert taken["wb"] > 0 and quiet.counters.d2h_expert_copies > 0
     else:
         assert taken["low"] > 0 and quiet.counters.low_bit_copies > 0
+    _assert_quiet_matches(quiet, loud, ref)
+
+
+@pytest.mark.parametrize(
+    ("trace", "ratio", "opts", "kind"),
+    [
+        # victims written back, none in use: _plain_fetches' _copy_layer_wb
+        ("ci-small", 0.25, {}, "plain"),
+        ("olmoe-1b-7b", 0.125, {}, "plain"),  # top-8: eight copies before the first kernel
+        # one slot per layer for top-2: in-use victims' write-backs (_victim_fetches)
+        ("phi-3.5-moe", 0.25, {"experts_per_layer": 1}, "late"),
+        # prefetches for the next layer on the same stream (_copies_only's general check)
+        ("ci-small", 0.25, {"prefetch": True}, "prefetch"),
+    ],
+)
+@pytest.mark.parametrize("runtime", [None, "ideal", SLOW_HOST])
+def test_one_stream_miss_layers_take_the_one_pass_paths(
+    trace: str,
+    ratio: float,
+    opts: dict[str, Any],
+    kind: str,
+    runtime: str | RuntimeProfile | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without a recorder, mixtral-offloading's miss layers on one stream (its default,
+    ResourceSpec.one_stream) go through the one-pass copy paths and Engine._one_stream_gpu
+    (which a recorded run leaves to _layer's general one-stream loop), and the runs are
+    bit-identical to recorded runs and agree with the reference engine."""
+    seen = {"plain": 0, "late": 0, "prefetch": 0}
+    gpu, copies = Engine._one_stream_gpu, Engine._copies_only
+
+    def counting_gpu(self: Engine, jobs: Any, late: Any, now: float) -> float:
+        seen["late" if late else "plain"] += 1
+        return gpu(self, jobs, late, now)
+
+    def counting_copies(self: Engine, layer: int, routed: Any, plan: Plan, now: float) -> Any:
+        end = copies(self, layer, routed, plan, now)
+        if end is not None and plan.prefetch:
+            seen["prefetch"] += 1
+        return end
+
+    monkeypatch.setattr(Engine, "_one_stream_gpu", counting_gpu)
+    monkeypatch.setattr(Engine, "_copies_only", counting_copies)
+    quiet, loud, ref = _run_quiet_and_recorded("mixtral-offloading", trace, ratio, runtime, **opts)
+    assert seen[kind] > 0, f"no one-stream {kind} layer took the one-pass paths"
+    assert quiet.counters.d2h_expert_copies > 0 and quiet.counters.transfer_stall > 0
+    _assert_quiet_matches(quiet, loud, ref)
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("copy_engines", [1, 2])
+def test_one_stream_random_plans_without_a_recorder(
+    seed: int, copy_engines: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Random legal one-stream plans (fetches with victims, evictions, temporary copies into
+    few buffers, prefetches, with and without write-back and staging slots) on the fast
+    engine without a recorder, where Engine._one_stream_gpu times the layers the one-pass
+    paths take, give bit-identical counters, end and busy times to the recorded run (the
+    general path throughout) and agree with the reference engine."""
+    taken = [0]
+    gpu = Engine._one_stream_gpu
+
+    def counting(self: Engine, jobs: Any, late: Any, now: float) -> float:
+        taken[0] += 1
+        return gpu(self, jobs, late, now)
+
+    monkeypatch.setattr(Engine, "_one_stream_gpu", counting)
+    model = tiny_model(experts=6, top_k=2, moe_layers=3)
+    hw = load_profile("a6000-pcie4")
+    hw = dataclasses.replace(hw, link=dataclasses.replace(hw.link, copy_engines=copy_engines))
+    budget = 2 + 3 * (seed % 4)
+    out = []
+    for recorded, cls in ((False, Engine), (True, Engine), (True, ReferenceEngine)):
+        rng = np.random.default_rng(seed)
+        bufs = int(rng.integers(1, 3))
+        seqs = [random_routing(model, s, 3, 6, rng) for s in range(2)]
+        pol = ChaosPolicy(
+            rng, 1, bufs, writeback=bool(seed % 2), staging_buffers=seed % 3, one_stream=True
+        )
+        eng = cls(pol, model, cost_model(hw, model), budget, None, None, None,
+                  Recorder() if recorded else None, runtime=get_runtime(SLOW_HOST))  # fmt: skip
+        pol.engine = eng
+        out.append(eng.run(iter(seqs)))
+    quiet, loud, ref = out
+    assert taken[0] > 0, "no layer took Engine._one_stream_gpu"
+    assert quiet.counters.h2d_expert_copies > 0
     _assert_quiet_matches(quiet, loud, ref)
 
 

@@ -20,14 +20,14 @@ from simulator.engine import Engine
 
 
 def _result(record: bool, runtime: str | None, **opts: Any) -> tuple[Any, ...]:
-    # copies on a side stream: a one-stream spec (the policy's default) never takes
-    # _plain_fetches, which holds the releases back
+    # copies on a side stream unless a case asks for the default (one stream, whose recorded
+    # runs never take _plain_fetches, which holds the releases back)
     r = simulate(
         policy="mixtral-offloading",
         trace="ci-small",
         hw="a6000-pcie4",
         cache_ratio=0.25,
-        policy_options={**opts, "copy_stream": "side"},
+        policy_options={"copy_stream": "side", **opts},
         record=record,
         runtime=runtime,
     )
@@ -46,6 +46,11 @@ CASES = [
     (True, None, {"experts_per_layer": 1}),
     # prefetch plans take the general one-pass path, whose write-backs go on the heap
     (False, None, {"prefetch": True}),
+    # one stream without a recorder: the same paths, timed by Engine._one_stream_gpu (an
+    # in-use victim's write-back is served there and its release goes on the heap)
+    (False, None, {"copy_stream": "default"}),
+    (False, "ideal", {"copy_stream": "default", "experts_per_layer": 1}),
+    (False, None, {"copy_stream": "default", "prefetch": True}),
 ]
 
 
