@@ -196,15 +196,28 @@ def test_batched_serving_runs_cpu_layers_and_batch_one_is_the_plain_run() -> Non
     assert one.metrics["decode_tokens_per_s"] == pytest.approx(
         plain.metrics["decode_tokens_per_s"], rel=1e-9
     )
-    two = simulate(**{**kw, "sequences": 2}, serving=ServingConfig(batch=2))
+    # prompts one by one (each is offloaded to the GPU): only decode steps are batched
+    two = simulate(
+        **{**kw, "sequences": 2}, serving=ServingConfig(batch=2, static_prefill="per-request")
+    )
     assert two.serving["batched_steps"] > 0
     tl = two.timeline
     cpu_ne = tl[(tl["resource"].astype(str) == "cpu0") & (tl["kind"].astype(str) == "nonexpert")]
     gpu_ne = tl[(tl["resource"].astype(str) == "gpu") & (tl["kind"].astype(str) == "nonexpert")]
-    step_ops = gpu_ne[gpu_ne["seq"] == -1]  # the batched steps' (prompts are offloaded)
+    step_ops = gpu_ne[gpu_ne["seq"] == -1]  # the batched decode steps'
     assert len(step_ops) > 0
     assert set(cpu_ne["layer"]) == set(range(17))  # ngl=16: MoE layers 0-16 on the CPU
     assert set(step_ops["layer"]) == set(range(17, 32))
+    # the default static batch prefills both prompts in one (offloaded) step: that step runs
+    # every layer's non-expert part on the GPU, the decode steps only layers 17-31
+    both = simulate(**{**kw, "sequences": 2}, serving=ServingConfig(batch=2))
+    assert both.serving["batched_prefills"] == 1
+    tl = both.timeline
+    gpu_ne = tl[(tl["resource"].astype(str) == "gpu") & (tl["kind"].astype(str) == "nonexpert")]
+    steps = gpu_ne[gpu_ne["seq"] == -1]
+    first = steps["token"].min()  # the batched prefill is the batch's first step
+    assert set(steps[steps["token"] == first]["layer"]) == set(range(32))
+    assert set(steps[steps["token"] > first]["layer"]) == set(range(17, 32))
 
 
 def test_chunked_prefill_with_cpu_layers_is_refused_and_preemption_runs() -> None:
