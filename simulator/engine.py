@@ -1358,10 +1358,7 @@ class Engine(EngineBase):
                 mpre[lo + e] = 0
                 c.prefetch_used += 1
         n = len(routed)
-        c.decode_accesses += n
-        c.decode_hits += n
-        self._hits[layer] += n
-        self._acc[layer] += n
+        self._accesses(layer, n, n, False)
         if self.recorder is None and not self._unified:
             return self._repeat_gpu(jobs, now)  # _timed_gpu's sums without its branches
         where = self.hooks.where
@@ -1624,10 +1621,7 @@ class Engine(EngineBase):
                 c.prefetch_used += 1
             jobs.append((float(ready_row[e]), e, -1))
         n = len(routed)
-        c.decode_accesses += n
-        c.decode_hits += len(hits)
-        self._hits[layer] += len(hits)
-        self._acc[layer] += n
+        self._accesses(layer, n, len(hits), False)
         n_copies += len(temps)
         c.h2d_bytes += eb * n_copies
         c.h2d_expert_copies += n_copies
@@ -1843,10 +1837,7 @@ class Engine(EngineBase):
             jobs.append((float(ready_row[e]), e))
         n = len(routed)
         n_hits = len(hits)
-        c.decode_accesses += n
-        c.decode_hits += n_hits
-        self._hits[layer] += n_hits
-        self._acc[layer] += n
+        self._accesses(layer, n, n_hits, False)
         n_h2d = n_copies + len(temps)
         if low:  # as _apply: a low-bit copy moves the host's low-precision copy
             n_low = sum(1 for e in temps if e in low)
@@ -2090,10 +2081,7 @@ class Engine(EngineBase):
             jobs.append((float(ready_row[e]), e))
         n = len(routed)
         n_hits = len(hits)
-        c.decode_accesses += n
-        c.decode_hits += n_hits
-        self._hits[layer] += n_hits
-        self._acc[layer] += n
+        self._accesses(layer, n, n_hits, False)
         n_h2d = n_copies + len(temps)
         if low:  # as _apply: a low-bit copy moves the host's low-precision copy
             n_low = len(low)  # each low-bit expert is one of the temporary copies (distinct)
@@ -2390,8 +2378,7 @@ class Engine(EngineBase):
         self._seq += n_copies
         res.n_resident = n_res
         n = len(routed)
-        c.decode_accesses += n
-        self._acc[layer] += n
+        self._accesses(layer, n, 0, False)  # no hit
         c.h2d_bytes += eb * n_copies
         c.h2d_expert_copies += n_copies
         c.fetches += n
@@ -2550,8 +2537,7 @@ class Engine(EngineBase):
         self._seq += n_exp
         res.n_resident = n_res
         n = len(routed)
-        c.decode_accesses += n
-        self._acc[layer] += n
+        self._accesses(layer, n, 0, False)  # no hit
         c.h2d_bytes += eb * n_exp
         c.h2d_expert_copies += n_exp
         c.fetches += n
@@ -2681,8 +2667,7 @@ class Engine(EngineBase):
         n = len(routed)
         self._seq += n  # one issue number per call, as _apply's
         c.cpu_expert_evals += n
-        c.decode_accesses += n  # _accesses with no hit
-        self._acc[layer] += n
+        self._accesses(layer, n, 0, False)  # no hit
         work, share, dram = self._one_token_cpu_job()
         jobs = [CpuJob(e, i, now, work, share, dram) for i, e in enumerate(routed)]
         host.run_queue(jobs)
@@ -2787,10 +2772,7 @@ class Engine(EngineBase):
                 jobs.append((float(ready_row[e]), e))
         n = len(routed)
         n_hits = len(hits)
-        c.decode_accesses += n
-        c.decode_hits += n_hits
-        self._hits[layer] += n_hits
-        self._acc[layer] += n
+        self._accesses(layer, n, n_hits, False)
         rec = self.recorder
         serial = plan.cpu_serial or n_cpu == 1
         if rec is not None or not (serial or len(host.lanes) == 1):
@@ -2985,10 +2967,7 @@ class Engine(EngineBase):
             jobs.append((mready[lo + e], e))
         n = len(routed)
         n_hits = len(hits)
-        c.decode_accesses += n
-        c.decode_hits += n_hits
-        self._hits[layer] += n_hits
-        self._acc[layer] += n
+        self._accesses(layer, n, n_hits, False)
         c.h2d_bytes += eb * n_copies
         c.h2d_expert_copies += n_copies
         c.fetches += n_fetch
@@ -3134,10 +3113,7 @@ class Engine(EngineBase):
             jobs.append((mready[lo + e], e))
         n = len(routed)
         n_hits = len(hits)
-        c.decode_accesses += n
-        c.decode_hits += n_hits
-        self._hits[layer] += n_hits
-        self._acc[layer] += n
+        self._accesses(layer, n, n_hits, False)
         n_h2d = n_copies + len(temps)
         if low:  # as _apply: a low-bit copy moves the host's low-precision copy
             n_low = len(low)  # each low-bit expert is one of the temporary copies (distinct)
@@ -3687,10 +3663,7 @@ class Engine(EngineBase):
         for e in pre:
             results.append(pc.pop((layer, e)))
         n_hits = len(gpu)
-        c.decode_accesses += n
-        c.decode_hits += n_hits
-        self._hits[layer] += n_hits
-        self._acc[layer] += n
+        self._accesses(layer, n, n_hits, False)
         where = self.hooks.where
         sid, token = where.seq or 0, where.token or 0
         ops: list[LayerOp] = []
