@@ -910,8 +910,7 @@ class Serving:
         ``st.decoding`` (chunked prefill): each layer runs the union of all these tokens'
         experts, an expert over as many of them as chose it."""
         c, v, rec = eng.c, eng.view, eng.recorder
-        hooks, pol = eng.hooks, eng.policy
-        where = hooks.where
+        pol = eng.policy
         n_layers, n_exp = eng.n_layers, eng.n_experts
         pre = st.prefill
         assert pre is not None
@@ -954,33 +953,11 @@ class Serving:
         )
         k = ex.shape[2]
         t0 = eng.now
-        streamed = eng.machine.streamed  # ZeRO-3's streamed non-expert weights, or None
-        for layer in range(n_layers):
-            start = eng.now
-            if streamed is not None:  # ZeRO-3: the layer's weights land first
-                where.seq, where.token = -1, step
-                start = yield from eng._weights_in(start, layer, streamed)
-            now = _gpu_nonexpert(eng, start, d_ne, layer, step, n_tok, kv_all)
-            if eng._due(now):
-                yield now
-            where.seq, where.token = pre.rid, st.lo
-            yield from _expert_layer(
-                eng,
-                layer,
-                now,
-                counts_all[layer],
-                wt,
-                pr,
-                hook,
-                decide,
-                b * k,
-                wsum[layer],
-                not decoding,
-                "a mixed step",
-            )
-        if streamed is not None:  # ZeRO-3: the output matrix, after the last layer
-            where.seq, where.token = -1, step
-            eng.now = yield from eng._weights_in(eng.now, -1, streamed)
+        # no CPU-resident layers here (refused with --prefill-chunk, _extended_steps)
+        yield from _step_layers(
+            eng, step, 0, 0.0, d_ne, n_tok, kv_all, counts_all, wt, pr, pre.rid, st.lo,
+            hook, decide, b * k, wsum, not decoding, "a mixed step",
+        )  # fmt: skip
         eng.step += 1
         if eng.precalc:
             c.precalc_wasted += len(eng.precalc)
@@ -1016,12 +993,12 @@ def _step_layers(
     prefill: bool,
     what: str,
 ) -> Generator[Any, Any, None]:
-    """Every layer of a batched step (a decode batch or a static batch's prefill): the
-    non-expert part over ``n`` rows at ``kv`` cached tokens (on the CPU for the first
-    ``n_cpu_run`` CPU-resident layers, after their weights or the hidden states cross when
-    they run on the GPU, after ZeRO-3's streamed weights where they are declared), then the
-    union of the step's experts through ``call``; the output matrix's weights after the last
-    layer."""
+    """Every layer of a batched step (a decode batch, a static batch's prefill or a mixed
+    step): the non-expert part over ``n`` rows at ``kv`` cached tokens (on the CPU for the
+    first ``n_cpu_run`` CPU-resident layers, after their weights or the hidden states cross
+    when they run on the GPU, after ZeRO-3's streamed weights where they are declared), then
+    the union of the step's experts through ``call``; the output matrix's weights after the
+    last layer."""
     where = eng.hooks.where
     n_cpu = eng.n_cpu_layers
     streamed = eng.machine.streamed  # ZeRO-3's streamed non-expert weights, or None
