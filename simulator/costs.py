@@ -152,6 +152,10 @@ class CostModel:
     #: the runtime's CPU kernels (``RuntimeProfile.cpu_kernels``): ``ggml`` streams CPU weights
     #: by ggml's rule (:meth:`cpu_stream_gbs`), ``default`` at ``cpu.mem_bw_gbs``
     cpu_kernels: str = "default"
+    #: device-visible µs of one kernel node in a CUDA-graph replay (``RuntimeProfile.
+    #: graph_kernel_us``) when the run's one-token steps are replayed as graphs; 0: every
+    #: kernel costs ``gpu.launch_overhead_us`` (docs/cost-model.md, "CUDA-graph decode")
+    graph_kernel_us: float = 0.0
 
     # --- sizes -----------------------------------------------------------------------------------
     @cached_property
@@ -221,13 +225,17 @@ class CostModel:
         return m.load_expert_ms * 1e-3 if m is not None else self.h2d_expert_s(pinned=False)
 
     # --- GPU -------------------------------------------------------------------------------------
+    def kernel_s(self, n_tokens: float) -> float:
+        """Device-visible seconds of one kernel over ``n_tokens``: a graph replay's node cost
+        for one-token calls of a graph-replayed run, else ``gpu.launch_overhead_us``."""
+        if self.graph_kernel_us > 0.0 and n_tokens <= 1:
+            return self.graph_kernel_us * 1e-6
+        return self.hw.gpu.launch_overhead_us * 1e-6
+
     def _gpu_expert(self, n: float) -> float:
         if n <= 0:
             return 0.0
-        return (
-            self._gpu_expert_roof(n)
-            + self._gpu_expert_kernels * self.hw.gpu.launch_overhead_us * 1e-6
-        )
+        return self._gpu_expert_roof(n) + self._gpu_expert_kernels * self.kernel_s(n)
 
     def _gpu_expert_roof(self, n: float) -> float:
         """Roofline of one GPU expert over n tokens: its weights streamed, its GEMM FLOPs."""
@@ -268,8 +276,11 @@ class CostModel:
 
     def fused_moe_layer_s(self) -> float:
         """Device-visible launch cost of one layer's fused MoE call, paid once per layer that
-        runs a GPU expert, whatever their number (``FUSED_MOE_KERNELS`` launches)."""
-        return FUSED_MOE_KERNELS * self.hw.gpu.launch_overhead_us * 1e-6
+        runs a GPU expert, whatever their number (``FUSED_MOE_KERNELS`` launches). In a
+        graph-replayed run each launch is a graph node (:meth:`kernel_s` of one token), for the
+        prompt pass too: the engines add this one figure to every step (docs/cost-model.md,
+        "CUDA-graph decode", for the bound on the prompt pass)."""
+        return FUSED_MOE_KERNELS * self.kernel_s(1)
 
     # --- CPU -------------------------------------------------------------------------------------
     def _cpu_expert(self, n: float) -> float:
@@ -475,7 +486,7 @@ class CostModel:
         params = (m.non_expert_params - m.embedding_params) / m.moe_layers
         flops = 2.0 * params * n_tokens + 4.0 * attn_pairs * m.hidden * blocks
         roof = max(moved / (gpu.mem_bw_gbs * 1e9), flops / (gpu.bf16_tflops * 1e12))
-        return roof + NONEXPERT_KERNELS_PER_BLOCK * blocks * gpu.launch_overhead_us * 1e-6
+        return roof + NONEXPERT_KERNELS_PER_BLOCK * blocks * self.kernel_s(n_tokens)
 
     def nonexpert_batch_layer_s(self, n_tokens: int, kv_tokens: int) -> float:
         """Seconds of one MoE layer's non-expert part for a batched decode step: ``n_tokens``
@@ -634,8 +645,16 @@ class CostModel:
 
     def cpu_peak_gflops(self, dtype: str) -> float:
         """The host CPU's achieved GEMM throughput for weights stored at ``dtype``, GFLOPS:
-        ``cpu.fp32_gflops`` for fp32, else ``cpu.bf16_gflops``."""
+        the host's measured ggml rate for ggml's block formats under a ggml runtime
+        (``cpu.ggml_gemm_gflops``, where the profile has one), ``cpu.fp32_gflops`` for fp32,
+        else ``cpu.bf16_gflops``."""
         cpu = self.hw.cpu
+        if (
+            cpu.ggml_gemm_gflops is not None
+            and self.cpu_kernels == "ggml"
+            and DTYPES[dtype].kind in GGML_CPU_KINDS
+        ):
+            return cpu.ggml_gemm_gflops
         return cpu.fp32_gflops if dtype == "fp32" else cpu.bf16_gflops
 
     def cpu_layer_weights_h2d_s(self) -> float:
@@ -887,18 +906,26 @@ class CostModel:
 
 
 @lru_cache(maxsize=256)
-def _cached(hw: HardwareProfile, model: ModelShape, cpu_kernels: str) -> CostModel:
-    return CostModel(hw=hw, model=model, cpu_kernels=cpu_kernels)
+def _cached(
+    hw: HardwareProfile, model: ModelShape, cpu_kernels: str, graph_kernel_us: float
+) -> CostModel:
+    return CostModel(hw=hw, model=model, cpu_kernels=cpu_kernels, graph_kernel_us=graph_kernel_us)
 
 
 def cost_model(
-    hw: HardwareProfile | str, model: ModelShape | str, cpu_kernels: str = "default"
+    hw: HardwareProfile | str,
+    model: ModelShape | str,
+    cpu_kernels: str = "default",
+    graph_kernel_us: float = 0.0,
 ) -> CostModel:
     """The cost model of a profile (or its name/path) and a model shape (or preset name), with
-    the runtime's CPU kernels (``RuntimeProfile.cpu_kernels``); cached."""
+    the runtime's CPU kernels (``RuntimeProfile.cpu_kernels``) and, for a run whose one-token
+    steps are CUDA-graph replays, the graph's per-kernel cost; cached."""
     profile = load_profile(hw) if isinstance(hw, str) else hw
     shape = get_model(model) if isinstance(model, str) else model
     dtype_bytes(shape.dtype)
     if cpu_kernels not in ("default", "ggml"):
         raise ValueError(f"cpu_kernels must be 'default' or 'ggml', got {cpu_kernels!r}")
-    return _cached(profile, shape, cpu_kernels)
+    if graph_kernel_us < 0 or not math.isfinite(graph_kernel_us):
+        raise ValueError(f"graph_kernel_us must be a finite number >= 0, got {graph_kernel_us}")
+    return _cached(profile, shape, cpu_kernels, float(graph_kernel_us))

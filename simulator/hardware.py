@@ -89,6 +89,11 @@ class CpuSpec:
     #: weight bytes read per token x tokens/s), GB/s (None: not measured). Where given it replaces
     #: the ggml rule's ``GGML_STREAM_FRACTION x dram_gbs`` (docs/cost-model.md, "Kernel efficiency")
     ggml_stream_gbs: float | None = None
+    #: ggml's achieved matrix-multiply rate for its block formats measured on this host (a
+    #: llama.cpp-family CPU prompt-processing figure: FLOPs per token x tokens/s), GFLOPS (None:
+    #: not measured). Where given, CPU work on GGUF/MX weights under a ggml runtime takes it as
+    #: its compute roof instead of ``bf16_gflops`` (docs/cost-model.md, "Kernel efficiency")
+    ggml_gemm_gflops: float | None = None
 
 
 @dataclass(frozen=True)
@@ -285,8 +290,16 @@ _CPU: _Schema = {
     "amx_bf16_gflops": "pos",
     "dram_gbs": "pos",
     "ggml_stream_gbs": "pos",
+    "ggml_gemm_gflops": "pos",
 }
-_CPU_OPTIONAL = {"socket_bw_gbs", "memory_gb", "amx_bf16_gflops", "dram_gbs", "ggml_stream_gbs"}
+_CPU_OPTIONAL = {
+    "socket_bw_gbs",
+    "memory_gb",
+    "amx_bf16_gflops",
+    "dram_gbs",
+    "ggml_stream_gbs",
+    "ggml_gemm_gflops",
+}
 _SSD: _Schema = {
     "name": "str",
     "seq_read_gbps": "pos",
@@ -339,6 +352,7 @@ MAX_VALUES: dict[str, float] = {
     "cpu.amx_bf16_gflops": 10_000_000,
     "cpu.dram_gbs": 10_000,
     "cpu.ggml_stream_gbs": 10_000,
+    "cpu.ggml_gemm_gflops": 1_000_000,
     "power.gpu_idle_w": 100_000,
     "power.gpu_busy_w": 100_000,
     "power.cpu_idle_w": 100_000,

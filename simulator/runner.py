@@ -344,6 +344,29 @@ def cpu_resident_layers(spec: ResourceSpec, costs: CostModel, fit: ExpertFit, kv
     return m.moe_layers
 
 
+def graph_replays(
+    rt: RuntimeProfile,
+    spec: ResourceSpec,
+    n_cpu_layers: int,
+    budget: int,
+    total: int,
+    mg: object | None,
+    serving: object | None,
+) -> bool:
+    """Whether a run's one-token steps are CUDA-graph replays (docs/cost-model.md, "CUDA-graph
+    decode"): a runtime that replays graphs, a whole-layer split (llama.cpp ``-ngl``) with every
+    layer and expert on one GPU (so the forward pass is one GPU split whose graph does not
+    change between tokens) and one sequence at a time (no serving batch)."""
+    return (
+        rt.replays_graphs
+        and spec.gpu_blocks is not None
+        and n_cpu_layers == 0
+        and budget >= total
+        and mg is None
+        and serving is None
+    )
+
+
 def cpu_layers_note(model: Any, n_cpu: int) -> str:
     """The run note naming a whole-layer split (``ResourceSpec.gpu_blocks``)."""
     n = model.moe_layers
@@ -660,6 +683,10 @@ def simulate(
     if pol.resources().gpu_blocks == -1:
         # as many whole GPU layers as fit: a given expert budget can hold fewer than memory
         n_cpu_layers = max(n_cpu_layers, model.moe_layers - budget // model.experts)
+    if graph_replays(rt, pol.resources(), n_cpu_layers, budget, total, mg, serving):
+        # one GPU split, one sequence: llama.cpp captures the one-token step as a CUDA graph
+        costs = cost_model(profile, model, rt.cpu_kernels, rt.graph_kernel_us)
+        rt = rt.graph_replayed()
     if mg is not None and n_cpu_layers:
         raise UserError(
             f"policy {pol.name!r} keeps {n_cpu_layers} layers on the CPU, which --gpus > 1 does "

@@ -42,6 +42,13 @@ FIELDS: tuple[tuple[str, type, str], ...] = (
     ("expert_syncs", int, "syncs per GPU expert call, before its kernels are issued"),
     ("idle_expert_kernels", int, "ops issued per expert the MoE loop visits with no token"),
     ("idle_expert_syncs", int, "syncs per expert the MoE loop visits with no token"),
+    (
+        "graph_kernel_us",
+        float,
+        "device-visible cost of one kernel node when a whole-GPU one-token step is replayed "
+        "as a CUDA graph (0: the runtime replays no graph)",
+    ),
+    ("graph_step_us", float, "fixed cost of one CUDA-graph replay (with graph_kernel_us)"),
 )
 _NUMERIC = {name: typ for name, typ, _ in FIELDS}
 #: values of a profile's ``attention`` field
@@ -69,6 +76,13 @@ class RuntimeProfile:
     #: Qwen3-MoE) also issues ops and syncs for the experts no token was routed to
     idle_expert_kernels: int = 0
     idle_expert_syncs: int = 0
+    #: llama.cpp-family CUDA graphs (docs/cost-model.md, "CUDA-graph decode"): when the whole
+    #: model runs on one GPU, its one-token decode steps are captured once and replayed, so each
+    #: kernel costs the device (and the host) ``graph_kernel_us`` instead of the profile's
+    #: ``gpu.launch_overhead_us`` and ``dispatch_us``, plus ``graph_step_us`` per replay; 0: no
+    #: graph replay
+    graph_kernel_us: float = 0.0
+    graph_step_us: float = 0.0
     #: field -> where its value comes from
     sources: dict[str, str] = field(default_factory=dict, compare=False)
     #: the GPU experts of a layer run as one fused MoE call (vLLM/SGLang ``fused_moe``,
@@ -88,6 +102,20 @@ class RuntimeProfile:
     def free(self) -> bool:
         """True when the host thread costs nothing: the engines then skip it entirely."""
         return self.dispatch_us == 0.0 and self.step_us == 0.0 and self.sync_us == 0.0
+
+    @property
+    def replays_graphs(self) -> bool:
+        """True when the runtime replays whole-GPU one-token steps as CUDA graphs."""
+        return self.graph_kernel_us > 0.0
+
+    def graph_replayed(self) -> RuntimeProfile:
+        """The profile of a run whose steps are graph replays: the host pays each kernel node
+        ``graph_kernel_us`` (not ``dispatch_us``) and each forward pass ``graph_step_us``."""
+        if not self.replays_graphs:
+            raise ValueError(f"runtime {self.name!r} replays no CUDA graphs (graph_kernel_us = 0)")
+        return dataclasses.replace(
+            self, dispatch_us=self.graph_kernel_us, step_us=self.step_us + self.graph_step_us
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """The profile as plain data (``run --json`` key ``runtime``, ``runtimes show``)."""

@@ -122,13 +122,18 @@ def test_owned_machines_extend_a_bundled_profile(name: str) -> None:
     assert hw.gpu.usable_fraction == base.gpu.usable_fraction
     if cpu == "7950X":
         # the RTX 4080 box is ik_llama.cpp's author's machine: his stated 64 GB/s theoretical
-        # DRAM bandwidth, and the 0.40 rule over it; everything else as the base
+        # DRAM bandwidth, the 0.40 rule over it and ggml's GEMM rate measured on it (repacked
+        # Q4_0 prompt processing, ik_llama.cpp PR #119); everything else as the base
         if name == "rtx4080-pcie4":
             assert (hw.cpu.dram_gbs, hw.cpu.mem_bw_gbs) == (64.0, 25.6)
+            assert hw.cpu.ggml_gemm_gflops is not None and base.cpu.ggml_gemm_gflops is None
             hw = dataclasses.replace(
                 hw,
                 cpu=dataclasses.replace(
-                    hw.cpu, dram_gbs=base.cpu.dram_gbs, mem_bw_gbs=base.cpu.mem_bw_gbs
+                    hw.cpu,
+                    dram_gbs=base.cpu.dram_gbs,
+                    mem_bw_gbs=base.cpu.mem_bw_gbs,
+                    ggml_gemm_gflops=None,
                 ),
             )
         assert hw.cpu == base.cpu

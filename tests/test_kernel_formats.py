@@ -192,8 +192,11 @@ def test_3700x_ggml_stream_is_its_measurement() -> None:
 
 def test_ggml_stream_keeps_the_compute_roof() -> None:
     """A faster weight stream cannot lift the CPU's FLOP roof: a large call stays compute-bound
-    at cpu.bf16_gflops, and no call gets slower than under the default CPU kernels."""
+    at cpu.bf16_gflops, and no call gets slower than under the default CPU kernels. (The
+    profile's measured ggml GEMM rate, a different roof, is set aside here: see
+    tests/test_ggml_gemm_rate.py.)"""
     hw = load_profile("rtx4080-pcie4")
+    hw = dataclasses.replace(hw, cpu=dataclasses.replace(hw.cpu, ggml_gemm_gflops=None))
     model = get_model("gpt-oss-20b")
     fast, slow = cost_model(hw, model, "ggml"), cost_model(hw, model)
     for n in (1, 2, 8, 64, 512):
