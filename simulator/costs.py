@@ -8,7 +8,8 @@ is at the precision's real size, scales included (simulator.models.DTYPES). Form
 (docs/cost-model.md has them with worked examples):
 
 * GPU expert: roofline ``max(bytes / gpu.mem_bw, flops / gpu.bf16_tflops)`` plus one launch
-  overhead per kernel of the expert's eager forward.
+  overhead per kernel of the expert's eager forward; ``gpu.mem_bw`` is scaled by the lower of
+  the format's kernel efficiency and the runtime's GPU stream efficiency.
 * CPU expert for n tokens: one batched call, ``max(weight stream, 2 x params x n / cpu throughput)``
   where the weight stream is the profile's measured one-token time for this model and dtype
   (``cpu_expert_ms``) when it has one, else ``host expert bytes / cpu.mem_bw`` (under a ggml
@@ -21,8 +22,8 @@ is at the precision's real size, scales included (simulator.models.DTYPES). Form
   replaces the copy's execution time only where the profile says so explicitly
   (``load_overrides_link = true``).
 * Non-expert part of one MoE layer: roofline over the per-layer share of the non-expert weights
-  (read once per call) and the KV cache (read for the context, written for the new tokens), plus
-  launches.
+  (read once per call) and the KV cache (read for the context, written for the new tokens), at
+  ``gpu.mem_bw x`` the runtime's GPU stream efficiency, plus launches.
 
 Units: seconds out, bytes as ints, rates from the profile in GB/s (1e9), TFLOPS and GFLOPS.
 """
@@ -156,6 +157,11 @@ class CostModel:
     #: graph_kernel_us``) when the run's one-token steps are replayed as graphs; 0: every
     #: kernel costs ``gpu.launch_overhead_us`` (docs/cost-model.md, "CUDA-graph decode")
     graph_kernel_us: float = 0.0
+    #: share of ``gpu.mem_bw_gbs`` the runtime's GPU kernels stream weights and KV cache at
+    #: (``RuntimeProfile.gpu_stream_efficiency``, docs/cost-model.md "GPU stream efficiency"):
+    #: the memory-bound term of every GPU expert call and non-expert part divides by
+    #: ``gpu.mem_bw_gbs x`` this; 1.0 (every runtime but ``llama.cpp``) leaves it unchanged
+    gpu_stream_efficiency: float = 1.0
 
     # --- sizes -----------------------------------------------------------------------------------
     @cached_property
@@ -246,7 +252,11 @@ class CostModel:
 
     @cached_property
     def _gpu_efficiency(self) -> float:
-        return gpu_kernel_efficiency(self.model.dtype)
+        """Share of ``gpu.mem_bw_gbs`` a GPU expert call streams at: the lower of the format's
+        rule (GGUF 0.87) and the runtime's measured stream efficiency. Not their product: the
+        runtime's figure was measured end to end on a GGUF model (docs/cost-model.md, "GPU
+        stream efficiency"), so it already holds the format's share."""
+        return min(gpu_kernel_efficiency(self.model.dtype), self.gpu_stream_efficiency)
 
     @cached_property
     def _gpu_expert_kernels(self) -> int:
@@ -485,7 +495,8 @@ class CostModel:
         blocks = m.layers / m.moe_layers  # transformer blocks per MoE layer (dense ones too)
         params = (m.non_expert_params - m.embedding_params) / m.moe_layers
         flops = 2.0 * params * n_tokens + 4.0 * attn_pairs * m.hidden * blocks
-        roof = max(moved / (gpu.mem_bw_gbs * 1e9), flops / (gpu.bf16_tflops * 1e12))
+        bw = gpu.mem_bw_gbs * 1e9 * self.gpu_stream_efficiency
+        roof = max(moved / bw, flops / (gpu.bf16_tflops * 1e12))
         return roof + NONEXPERT_KERNELS_PER_BLOCK * blocks * self.kernel_s(n_tokens)
 
     def nonexpert_batch_layer_s(self, n_tokens: int, kv_tokens: int) -> float:
@@ -825,6 +836,8 @@ class CostModel:
 
         eff = self._gpu_efficiency
         bw_s = "gpu.mem_bw_gbs" if eff == 1.0 else f"({eff} x gpu.mem_bw_gbs)"
+        ne_eff = self.gpu_stream_efficiency
+        ne_bw_s = "gpu.mem_bw_gbs" if ne_eff == 1.0 else f"({ne_eff} x gpu.mem_bw_gbs)"
         k = self._gpu_expert_kernels
         dq = dequant_bytes_per_weight(self.model.dtype)
         dq_s = f" + {dq:g} B x params (scale dequantisation)" if dq else ""
@@ -846,7 +859,7 @@ class CostModel:
             ),
             "nonexpert_layer": (
                 "roofline: max((non-expert bytes / moe_layers + KV bytes x (context + n)) / "
-                "gpu.mem_bw_gbs, flops / gpu.bf16_tflops) + "
+                f"{ne_bw_s}, flops / gpu.bf16_tflops) + "
                 f"{NONEXPERT_KERNELS_PER_BLOCK} x blocks/layer x gpu.launch_overhead_us"
             ),
         }
@@ -907,9 +920,19 @@ class CostModel:
 
 @lru_cache(maxsize=256)
 def _cached(
-    hw: HardwareProfile, model: ModelShape, cpu_kernels: str, graph_kernel_us: float
+    hw: HardwareProfile,
+    model: ModelShape,
+    cpu_kernels: str,
+    graph_kernel_us: float,
+    gpu_stream_efficiency: float,
 ) -> CostModel:
-    return CostModel(hw=hw, model=model, cpu_kernels=cpu_kernels, graph_kernel_us=graph_kernel_us)
+    return CostModel(
+        hw=hw,
+        model=model,
+        cpu_kernels=cpu_kernels,
+        graph_kernel_us=graph_kernel_us,
+        gpu_stream_efficiency=gpu_stream_efficiency,
+    )
 
 
 def cost_model(
@@ -917,10 +940,12 @@ def cost_model(
     model: ModelShape | str,
     cpu_kernels: str = "default",
     graph_kernel_us: float = 0.0,
+    gpu_stream_efficiency: float = 1.0,
 ) -> CostModel:
     """The cost model of a profile (or its name/path) and a model shape (or preset name), with
-    the runtime's CPU kernels (``RuntimeProfile.cpu_kernels``) and, for a run whose one-token
-    steps are CUDA-graph replays, the graph's per-kernel cost; cached."""
+    the runtime's CPU kernels (``RuntimeProfile.cpu_kernels``), for a run whose one-token
+    steps are CUDA-graph replays the graph's per-kernel cost, and the runtime's GPU stream
+    efficiency (``RuntimeProfile.gpu_stream_efficiency``); cached."""
     profile = load_profile(hw) if isinstance(hw, str) else hw
     shape = get_model(model) if isinstance(model, str) else model
     dtype_bytes(shape.dtype)
@@ -928,4 +953,7 @@ def cost_model(
         raise ValueError(f"cpu_kernels must be 'default' or 'ggml', got {cpu_kernels!r}")
     if graph_kernel_us < 0 or not math.isfinite(graph_kernel_us):
         raise ValueError(f"graph_kernel_us must be a finite number >= 0, got {graph_kernel_us}")
-    return _cached(profile, shape, cpu_kernels, float(graph_kernel_us))
+    eff = gpu_stream_efficiency
+    if not math.isfinite(eff) or not 0.0 < eff <= 1.0:
+        raise ValueError(f"gpu_stream_efficiency must be in (0, 1], got {eff}")
+    return _cached(profile, shape, cpu_kernels, float(graph_kernel_us), float(eff))

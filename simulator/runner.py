@@ -592,7 +592,9 @@ def simulate(
     else:
         pol = get_policy_class(policy)(**(policy_options or {}))
     rt = get_runtime(pol.runtime_profile if runtime is None else runtime)
-    costs: CostModel = cost_model(profile, model, rt.cpu_kernels)
+    costs: CostModel = cost_model(
+        profile, model, rt.cpu_kernels, gpu_stream_efficiency=rt.gpu_stream_efficiency
+    )
     host_tier = host_tier_config(
         profile, costs, host_memory_gb, ssd_path, pol.resources().ssd_access
     )
@@ -685,7 +687,9 @@ def simulate(
         n_cpu_layers = max(n_cpu_layers, model.moe_layers - budget // model.experts)
     if graph_replays(rt, pol.resources(), n_cpu_layers, budget, total, mg, serving):
         # one GPU split, one sequence: llama.cpp captures the one-token step as a CUDA graph
-        costs = cost_model(profile, model, rt.cpu_kernels, rt.graph_kernel_us)
+        costs = cost_model(
+            profile, model, rt.cpu_kernels, rt.graph_kernel_us, rt.gpu_stream_efficiency
+        )
         rt = rt.graph_replayed()
     if mg is not None and n_cpu_layers:
         raise UserError(

@@ -16,6 +16,7 @@ without it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass, field
 from functools import cache
@@ -51,6 +52,12 @@ FIELDS: tuple[tuple[str, type, str], ...] = (
     ("graph_step_us", float, "fixed cost of one CUDA-graph replay (with graph_kernel_us)"),
 )
 _NUMERIC = {name: typ for name, typ, _ in FIELDS}
+#: meaning of ``gpu_stream_efficiency`` (a share in (0, 1], default 1: not one of the
+#: zero-default ``FIELDS``)
+STREAM_EFFICIENCY_MEANING = (
+    "share of gpu.mem_bw_gbs the runtime's GPU kernels stream weights and KV cache at "
+    "(1: the profile's bandwidth)"
+)
 #: values of a profile's ``attention`` field
 ATTENTION_KINDS = ("fused", "eager")
 #: CPU kernel families a runtime can declare (``cpu_kernels``): ``default`` (the 0.40 rule's
@@ -83,6 +90,10 @@ class RuntimeProfile:
     #: graph replay
     graph_kernel_us: float = 0.0
     graph_step_us: float = 0.0
+    #: share of ``gpu.mem_bw_gbs`` the runtime's GPU kernels stream weights and KV bytes at, in
+    #: (0, 1] (docs/cost-model.md, "GPU stream efficiency"): the memory-bound term of its GPU
+    #: work divides by ``gpu.mem_bw_gbs x gpu_stream_efficiency``; 1.0 leaves it as it was
+    gpu_stream_efficiency: float = 1.0
     #: field -> where its value comes from
     sources: dict[str, str] = field(default_factory=dict, compare=False)
     #: the GPU experts of a layer run as one fused MoE call (vLLM/SGLang ``fused_moe``,
@@ -122,6 +133,7 @@ class RuntimeProfile:
         out: dict[str, Any] = {"name": self.name, "summary": self.summary}
         for name, _, _ in FIELDS:
             out[name] = getattr(self, name)
+        out["gpu_stream_efficiency"] = self.gpu_stream_efficiency
         out["sources"] = dict(self.sources)
         out["fused_moe"] = self.fused_moe
         out["attention"] = self.attention
@@ -131,7 +143,8 @@ class RuntimeProfile:
 
 def parse_runtime(data: dict[str, Any], where: str) -> RuntimeProfile:
     """A profile from a TOML table; a bad field is a one-line ``UserError`` naming it."""
-    known = {"name", "summary", "source", "fused_moe", "attention", "cpu_kernels", *_NUMERIC}
+    others = ("fused_moe", "attention", "cpu_kernels", "gpu_stream_efficiency")
+    known = {"name", "summary", "source", *others, *_NUMERIC}
     for key in data:
         if key not in known:
             raise UserError(f"{where}: unknown field {key!r} (known: {', '.join(sorted(known))})")
@@ -150,7 +163,7 @@ def parse_runtime(data: dict[str, Any], where: str) -> RuntimeProfile:
     if not isinstance(sources, dict) or not all(isinstance(s, str) for s in sources.values()):
         raise UserError(f"{where}: [source] must map field names to strings")
     for key in sources:
-        if key not in _NUMERIC and key not in ("fused_moe", "attention", "cpu_kernels"):
+        if key not in _NUMERIC and key not in others:
             raise UserError(f"{where}: [source] names unknown field {key!r}")
     fused = data.get("fused_moe", False)
     if not isinstance(fused, bool):
@@ -169,6 +182,17 @@ def parse_runtime(data: dict[str, Any], where: str) -> RuntimeProfile:
             f"{where}: field 'cpu_kernels' must be one of {', '.join(CPU_KERNELS)}, got {kernels!r}"
         )
     values["cpu_kernels"] = kernels
+    eff = data.get("gpu_stream_efficiency", 1.0)
+    if (
+        isinstance(eff, bool)
+        or not isinstance(eff, int | float)
+        or not math.isfinite(eff)
+        or not 0.0 < eff <= 1.0
+    ):
+        raise UserError(
+            f"{where}: field 'gpu_stream_efficiency' must be a number in (0, 1], got {eff!r}"
+        )
+    values["gpu_stream_efficiency"] = float(eff)
     summary = data.get("summary", "")
     if not isinstance(summary, str):
         raise UserError(f"{where}: field 'summary' must be a string")

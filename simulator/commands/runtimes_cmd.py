@@ -5,7 +5,12 @@ from __future__ import annotations
 import click
 
 from simulator.commands.common import echo_json, json_option
-from simulator.runtime_profiles import FIELDS, get_runtime, runtime_names
+from simulator.runtime_profiles import (
+    FIELDS,
+    STREAM_EFFICIENCY_MEANING,
+    get_runtime,
+    runtime_names,
+)
 
 
 @click.group("runtimes")
@@ -61,8 +66,9 @@ def show_cmd(name: str, as_json: bool) -> None:
         click.echo(f"  {field:<18} {getattr(prof, field):>8}  {meaning}")
         if field in prof.sources:
             click.echo(f"  {'':<18} {'':>8}  source: {prof.sources[field]}")
-    # the two non-numeric fields: fused MoE calls and the attention implementation
+    # the share field and the two non-numeric ones: fused MoE calls and the attention
     for field, meaning in (
+        ("gpu_stream_efficiency", STREAM_EFFICIENCY_MEANING),
         ("fused_moe", "the GPU experts of a layer run as one fused MoE call"),
         ("attention", "fused (scores stay on chip) or eager (scores in device memory)"),
     ):
