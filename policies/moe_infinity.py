@@ -64,10 +64,10 @@ and adds its output in with boolean-mask indexing, five syncs per expert in all.
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
+from bisect import insort
 from collections.abc import Iterable
 from itertools import chain, compress, islice
-from operator import itemgetter, not_
+from operator import not_
 from typing import Any
 
 import numpy as np
@@ -91,10 +91,8 @@ GPU, FETCH, TEMP = Action.GPU, Action.FETCH, Action.TEMP
 #: a prefetch looks this far past predicted experts at the cache's low end for a victim
 KEEP_SCAN = 8
 
-#: an ``order`` entry's flat index, and the positions of ``KEEP_SCAN`` entries
-#: (``MoEInfinityPolicy._victim``)
-_FLAT = itemgetter(4)
-_POSITIONS = range(KEEP_SCAN)
+#: the predicted set of a search without one (``MoEInfinityPolicy._victim``)
+_NOTHING: frozenset[int] = frozenset()
 
 #: a prefetch queue (``MoEInfinityPolicy._queue``)
 _Queue = tuple[list[tuple[int, int, int]], frozenset[int], list[int]]
@@ -182,8 +180,6 @@ class MoEInfinityPolicy(Policy):
         #: whether each expert is cached, by flat index layer * experts + expert (the prefetch
         #: queue is scanned through it at C speed)
         self.cflat = [False] * (n_layers * n_exp)
-        #: each flat index's (layer, expert) slot, made once (victims and in-flight keys)
-        self.slots: list[Slot] = [(x, e) for x in range(n_layers) for e in range(n_exp)]
         slots = global_initial(ctx, str(self.options["initial"]), self.capacity)
         for layer, e in slots:
             self.cflat[layer * n_exp + e] = True
@@ -203,8 +199,8 @@ class MoEInfinityPolicy(Policy):
         w = self.weight
         cflat = self.cflat
         #: the eviction order: one entry (priority, layer weight, expert, layer, flat index)
-        #: per cached expert, sorted; an entry's priority is the current one (``_count``
-        #: moves it when the count grows)
+        #: per cached expert, sorted; an entry's priority is the one at its insertion (or a
+        #: later requeue) and is brought up to date lazily (``_victim``)
         self.order = sorted(
             (0.0, w[layer], e, layer, layer * n_exp + e)
             for layer in range(n_layers)
@@ -280,68 +276,62 @@ class MoEInfinityPolicy(Policy):
         return got
 
     # -- cache -----------------------------------------------------------------------------------
-    def _count(self, i: int, n: int) -> None:
-        """Add ``n`` to flat expert ``i``'s count in this request, moving a cached expert's
-        entry of ``order`` to its new priority."""
-        cntf = self.cntf
-        c = cntf[i]
-        cntf[i] = c + n
-        if self.cflat[i]:
-            n_exp = self.n_exp
-            layer = i // n_exp
-            e = i - layer * n_exp
-            w = self.weight[layer]
-            order = self.order
-            del order[bisect_left(order, (c * w, w, e, layer, i))]
-            insort(order, ((c + n) * w, w, e, layer, i))
-
     def _victim(
         self,
         now: float,
-        protect: list[int],
+        layer: int,
+        protect: set[int] | list[int],
         keep: frozenset[int] | None,
-    ) -> int | None:
-        """The lowest-priority evictable expert's flat index, never one in ``protect`` (this
-        layer's routed experts, flat), in flight or in ``keep`` (flat; None if none); its entry
-        leaves ``order``.
+    ) -> Slot | None:
+        """The lowest-priority evictable expert, never one in ``keep`` (flat indices; None if
+        none); its entry leaves ``order``.
 
-        ``order`` holds each cached expert's current priority (``_count`` moves an entry when
-        a count grows), so it is scanned from its low end as the former lazy min-heap popped
-        its entries (tests/test_moe_infinity.py keeps it as the oracle): an entry in use or in
-        flight is skipped, and so is a predicted one (``keep``) while fewer than ``KEEP_SCAN``
-        entries were skipped before it; past that, a predicted entry ends the search (the
-        cache's low end is all predicted: like for like). Every entry before the scan's place
-        was skipped, so the place is the count."""
-        order = self.order
+        ``order`` is scanned from its low end as a lazy min-heap of the same entries would pop
+        them: an entry whose priority is out of date (a count only grows within a request) is
+        moved to its current one and the scan goes on from the same place, an entry skipped
+        (in use, in flight, or predicted) stays where it is. The entries are the heap's, so the
+        victim and the number of entries skipped before it are too (ties included:
+        tests/test_moe_infinity.py checks this against the heap)."""
+        order, cntf, cflat = self.order, self.cntf, self.cflat
         pend = self.pend
         ready = self.ready
-        flat = None if ready is None else ready.reshape(-1)
-        start = 0
-        if keep is not None:
-            # the first KEEP_SCAN entries: a predicted one is skipped, so the victim is the
-            # first of the others neither in use nor in flight (found at C speed: the
-            # predicted ones are filtered out by their positions)
-            head = list(map(_FLAT, order[:KEEP_SCAN]))
-            for p in compress(_POSITIONS, map(not_, map(keep.__contains__, head))):
-                i = head[p]
-                if i in protect or pend[i] > now or (flat is not None and flat[i] > now):
+        if keep is None:
+            keep = _NOTHING
+        # ``j``: where the scan is, and as every entry before it was skipped (a change to
+        # ``order`` moves or drops an entry without passing it), the number skipped so far
+        j = 0
+        while True:
+            # a for loop over the entries from ``j`` (cheaper than indexing ``order[j]``); a
+            # change to ``order`` ends it and the scan goes on from the same place
+            for key, w, e, vl, i in order if j == 0 else islice(order, j, None):
+                if not cflat[i]:
+                    del order[j]  # evicted since (a heap would drop it when popped)
+                    break
+                now_key = cntf[i] * w
+                if now_key != key:
+                    # priorities only grow within a request: requeue at the current one
+                    del order[j]
+                    insort(order, (now_key, w, e, vl, i))
+                    break
+                if (
+                    (vl == layer and e in protect)
+                    or pend[i] > now
+                    # still in flight by the runtime's account: the ledger missed other copies
+                    # on the link (several GPUs on one uplink); never evict an expert being
+                    # copied
+                    or (ready is not None and ready[vl, e] > now)
+                ):
+                    j += 1
                     continue
-                del order[p]
-                return i
-            start = len(head)
-        p = start
-        # past KEEP_SCAN (or every entry without ``keep``): in use or in flight is skipped, a
-        # predicted one ends the search, anything else is the victim
-        for t in order if p == 0 else islice(order, p, None):
-            i = t[4]
-            if i in protect or pend[i] > now or (flat is not None and flat[i] > now):
-                p += 1
-                continue
-            if keep is not None and i in keep:
+                if i in keep:
+                    j += 1
+                    if j > KEEP_SCAN:
+                        return None  # the cache's low end is all predicted: like for like
+                    continue
+                del order[j]
+                return (vl, e)
+            else:
                 return None
-            del order[p]
-            return i
-        return None
 
     def _copy(self, now: float) -> float:
         """Book one copy on the link (FIFO after this policy's earlier copies); its end."""
@@ -360,36 +350,30 @@ class MoEInfinityPolicy(Policy):
         counts = view.counts
         cntf = self.cntf
         cflat = self.cflat
-        base = layer * self.n_exp
+        n_exp = self.n_exp
+        base = layer * n_exp
+        # ``order`` keeps each cached expert's priority at insertion (or a later requeue): a
+        # count only grows within a request, so _victim requeues what it finds out of date
         misses = []
         if counts is None:
             self.pending.append(experts)
-            # _count, written out: a cached expert's entry of ``order`` moves to its new
-            # priority (the same tuples: the same float products)
-            w = self.weight[layer]
-            order = self.order
             for e in experts:
-                i = base + e
-                c = cntf[i]
-                cntf[i] = c + 1
-                if cflat[i]:
-                    del order[bisect_left(order, (c * w, w, e, layer, i))]
-                    insort(order, ((c + 1) * w, w, e, layer, i))
-                else:
+                cntf[base + e] += 1
+                if not cflat[base + e]:
                     misses.append(e)
         else:
             c = np.asarray(counts, dtype=np.float64)
             self.cur[layer] += c
             self.dot[:, layer] += self.unit[:, layer, :] @ c
             for e in experts:
-                self._count(base + e, int(counts[e]))
+                cntf[base + e] += int(counts[e])
             misses = [e for e in experts if not cflat[base + e]]
         link_free = self.link_free
         if not misses:
             if self.do_prefetch and link_free < now + self.gap and layer < self.n_layers - 1:
                 # the plan is made when a prefetch is issued: until then every routed expert
                 # runs on the GPU, which the shared all-GPU plan says as well
-                plan = self._prefetch(None, now, layer, [base + e for e in experts], experts)
+                plan = self._prefetch(None, now, layer, experts, experts)
                 if plan is not None:
                     return plan
             return ALL_GPU_PLAN
@@ -399,27 +383,25 @@ class MoEInfinityPolicy(Policy):
                 actions[e] = GPU
         victims: dict[int, Slot] = {}
         plan = Plan(actions, victims)
-        protect = [
-            base + e for e in experts
-        ]  # (a list of two or so: ``in`` is as quick as a set's)
+        protect = experts  # (a list of two or so: ``in`` is as quick as a set's)
         temp = False
         w = self.weight[layer]
         order = self.order
         copy_s = self.copy_s
-        slots = self.slots
         for e in misses:
             if self.size < self.capacity:
                 self.size += 1
             else:
-                j = self._victim(now, protect, None)
-                if j is None:
+                victim = self._victim(now, layer, protect, None)
+                if victim is None:
                     actions[e] = TEMP
                     temp = True
                     # _copy, written out: FIFO after this policy's earlier copies
                     link_free = (now if now > link_free else link_free) + copy_s
                     continue
-                cflat[j] = False
-                victims[e] = slots[j]
+                vl, ve = victim
+                cflat[vl * n_exp + ve] = False
+                victims[e] = victim
             actions[e] = FETCH
             i = base + e
             cflat[i] = True
@@ -443,14 +425,14 @@ class MoEInfinityPolicy(Policy):
         plan: Plan | None,
         now: float,
         layer: int,
-        protect: list[int],
+        protect: set[int] | list[int],
         experts: list[int],
         runs_at: float = 0.0,
     ) -> Plan | None:
         """Issue prefetches into ``plan`` (None: a plan of ``experts`` on the GPU, made at the
         first prefetch) until the link is busy past the next decision, one gap after the layer
         runs (``runs_at``, when its misses land; ``now`` if earlier); returns the plan, None if
-        it was None and nothing was issued. ``protect``: the routed experts' flat indices."""
+        it was None and nothing was issued."""
         horizon = (runs_at if runs_at > now else now) + self.gap
         if self.link_free >= horizon:
             return plan
@@ -459,9 +441,8 @@ class MoEInfinityPolicy(Policy):
         queue, keep, flat = self._queue(entry, layer) if got is None else got
         cflat, cntf, weight, order = self.cflat, self.cntf, self.weight, self.order
         pend, inflight = self.pend, self.inflight
-        slots = self.slots
+        n_exp = self.n_exp
         copy_s = self.copy_s
-        link_free = self.link_free
         # the queue's entries not cached, in order; each is read from ``cflat`` when the scan
         # reaches it (after the changes of the prefetches before it), as a loop testing
         # ``cflat[i]`` would
@@ -470,26 +451,26 @@ class MoEInfinityPolicy(Policy):
             if self.size < self.capacity:
                 self.size += 1
             else:
-                j = self._victim(now, protect, keep)
-                if j is None:
+                victim = self._victim(now, layer, protect, keep)
+                if victim is None:
                     break
-                cflat[j] = False
-                victim = slots[j]
+                vl, ve = victim
+                cflat[vl * n_exp + ve] = False
             cflat[i] = True
             w = weight[x]
             insort(order, (cntf[i] * w, w, e, x, i))
             # _copy, written out: FIFO after this policy's earlier copies
-            link_free = (now if now > link_free else link_free) + copy_s
-            inflight[slots[i]] = pend[i] = link_free
+            link_free = self.link_free
+            self.link_free = link_free = (now if now > link_free else link_free) + copy_s
+            inflight[(x, e)] = pend[i] = link_free
             if plan is None:
                 plan = Plan(dict.fromkeys(experts, GPU))
             plan.prefetch.append((x, e, victim))
             if link_free >= horizon:
                 break
-        self.link_free = link_free
         if len(inflight) > 4 * self.n_layers:
             self.inflight = {s: t for s, t in inflight.items() if t > now}
             for (x, e), t in inflight.items():
                 if t <= now:
-                    pend[x * self.n_exp + e] = -1.0
+                    pend[x * n_exp + e] = -1.0
         return plan
