@@ -88,6 +88,8 @@ from simulator.errors import UserError
 
 GPU, FETCH, TEMP = Action.GPU, Action.FETCH, Action.TEMP
 
+_add, _and = np.add, np.logical_and
+
 #: a prefetch looks this far past predicted experts at the cache's low end for a victim
 KEEP_SCAN = 8
 
@@ -232,7 +234,10 @@ class MoEInfinityPolicy(Policy):
                     idx = np.fromiter(chain.from_iterable(pend), np.int64, off.size) + off
                     self.cur.reshape(-1)[idx] += 1.0
                     gathered = self.unit.reshape(self.n_entries, -1)[:, idx]
-                    self.dot += gathered.reshape(self.n_entries, self.n_layers, k).sum(axis=2)
+                    # ``sum(axis=2)``: the same ufunc reduction, without its Python wrapper
+                    self.dot += _add.reduce(
+                        gathered.reshape(self.n_entries, self.n_layers, k), axis=2
+                    )
                     pend = []
             for layer, exps in enumerate(pend):
                 for e in exps:
@@ -241,14 +246,20 @@ class MoEInfinityPolicy(Policy):
             self.pending = []
         if self.n_entries == 1:
             return
-        norm = np.sqrt((self.cur * self.cur).sum(axis=1))
-        if norm.all():  # no empty row to skip: the same quotients, without the mask
+        # the ufuncs that ``sum``, ``all``, ``cumsum`` and ``np.argmax`` call, called directly
+        # (the same reductions without the Python wrappers)
+        cur = self.cur
+        norm = np.sqrt(_add.reduce(cur * cur, axis=1))
+        if _and.reduce(norm):  # no empty row to skip: the same quotients, without the mask
             cos = self.dot / norm
         else:
             cos = np.divide(self.dot, norm, out=np.zeros_like(self.dot), where=norm > 0)
-        # score of entry c at layer l: sum of its cosines over layers > l
-        after = np.cumsum(cos[:, :0:-1], axis=1)[:, ::-1]
-        self.best = [*np.argmax(after, axis=0).tolist(), 0]
+        # score of entry c at layer l: sum of its cosines over layers > l (accumulated from
+        # the last layer; the argmax of each column, read back in layer order)
+        best = _add.accumulate(cos[:, :0:-1], axis=1).argmax(axis=0).tolist()
+        best.reverse()
+        best.append(0)
+        self.best = best
 
     def _candidates(self, entry: int, layer: int) -> tuple[list[Slot], frozenset[Slot]]:
         """The entry's experts of later layers in prefetch order, and the same as a set."""
