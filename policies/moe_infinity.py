@@ -88,6 +88,8 @@ from simulator.errors import UserError
 
 GPU, FETCH, TEMP = Action.GPU, Action.FETCH, Action.TEMP
 
+_add, _and = np.add, np.logical_and
+
 #: a prefetch looks this far past predicted experts at the cache's low end for a victim
 KEEP_SCAN = 8
 
@@ -165,7 +167,7 @@ class MoEInfinityPolicy(Policy):
         self.weight = [1.0 - layer / n_layers for layer in range(n_layers)]
         #: (entry, layer) -> the prefetch queue as (layer, expert, flat index), its flat
         #: indices as a set and as a list (``_queue``)
-        self.cands: dict[tuple[int, int], _Queue] = {}
+        self.cands: dict[int, _Queue] = {}  # by entry * layers + layer
         #: per top-k, each decode selection's flat offset layer * experts (``_match``)
         self.offsets: dict[int, np.ndarray] = {}
         self.copy_s = ctx.costs.h2d_expert_s(pinned=True)
@@ -180,6 +182,8 @@ class MoEInfinityPolicy(Policy):
         #: whether each expert is cached, by flat index layer * experts + expert (the prefetch
         #: queue is scanned through it at C speed)
         self.cflat = [False] * (n_layers * n_exp)
+        #: each flat index's (layer, expert) slot, made once (victims and in-flight keys)
+        self.slots: list[Slot] = [(x, e) for x in range(n_layers) for e in range(n_exp)]
         slots = global_initial(ctx, str(self.options["initial"]), self.capacity)
         for layer, e in slots:
             self.cflat[layer * n_exp + e] = True
@@ -230,7 +234,10 @@ class MoEInfinityPolicy(Policy):
                     idx = np.fromiter(chain.from_iterable(pend), np.int64, off.size) + off
                     self.cur.reshape(-1)[idx] += 1.0
                     gathered = self.unit.reshape(self.n_entries, -1)[:, idx]
-                    self.dot += gathered.reshape(self.n_entries, self.n_layers, k).sum(axis=2)
+                    # ``sum(axis=2)``: the same ufunc reduction, without its Python wrapper
+                    self.dot += _add.reduce(
+                        gathered.reshape(self.n_entries, self.n_layers, k), axis=2
+                    )
                     pend = []
             for layer, exps in enumerate(pend):
                 for e in exps:
@@ -239,14 +246,20 @@ class MoEInfinityPolicy(Policy):
             self.pending = []
         if self.n_entries == 1:
             return
-        norm = np.sqrt((self.cur * self.cur).sum(axis=1))
-        if norm.all():  # no empty row to skip: the same quotients, without the mask
+        # the ufuncs that ``sum``, ``all``, ``cumsum`` and ``np.argmax`` call, called directly
+        # (the same reductions without the Python wrappers)
+        cur = self.cur
+        norm = np.sqrt(_add.reduce(cur * cur, axis=1))
+        if _and.reduce(norm):  # no empty row to skip: the same quotients, without the mask
             cos = self.dot / norm
         else:
             cos = np.divide(self.dot, norm, out=np.zeros_like(self.dot), where=norm > 0)
-        # score of entry c at layer l: sum of its cosines over layers > l
-        after = np.cumsum(cos[:, :0:-1], axis=1)[:, ::-1]
-        self.best = [*np.argmax(after, axis=0).tolist(), 0]
+        # score of entry c at layer l: sum of its cosines over layers > l (accumulated from
+        # the last layer; the argmax of each column, read back in layer order)
+        best = _add.accumulate(cos[:, :0:-1], axis=1).argmax(axis=0).tolist()
+        best.reverse()
+        best.append(0)
+        self.best = best
 
     def _candidates(self, entry: int, layer: int) -> tuple[list[Slot], frozenset[Slot]]:
         """The entry's experts of later layers in prefetch order, and the same as a set."""
@@ -257,7 +270,7 @@ class MoEInfinityPolicy(Policy):
     def _queue(self, entry: int, layer: int) -> _Queue:
         """:meth:`_candidates` as (layer, expert, flat index layer * experts + expert) in
         prefetch order, the flat indices as a set, and as a list in that order."""
-        key = (entry, layer)
+        key = entry * self.n_layers + layer
         got = self.cands.get(key)
         if got is None:
             n_layers = self.n_layers
@@ -329,7 +342,7 @@ class MoEInfinityPolicy(Policy):
                         return None  # the cache's low end is all predicted: like for like
                     continue
                 del order[j]
-                return (vl, e)
+                return self.slots[i]
             else:
                 return None
 
@@ -388,11 +401,27 @@ class MoEInfinityPolicy(Policy):
         w = self.weight[layer]
         order = self.order
         copy_s = self.copy_s
+        pend, ready, slots = self.pend, self.ready, self.slots
         for e in misses:
             if self.size < self.capacity:
                 self.size += 1
             else:
-                victim = self._victim(now, layer, protect, None)
+                # _victim's first step, written out: the lowest entry, when it is the victim
+                # (cached, at its current priority, not in use, not in flight)
+                first = False
+                if ready is None and order:
+                    key, vw, ve, vl, vi = order[0]
+                    first = (
+                        cflat[vi]
+                        and cntf[vi] * vw == key
+                        and not (vl == layer and ve in protect)
+                        and not pend[vi] > now
+                    )
+                if first:
+                    del order[0]
+                    victim = slots[vi]
+                else:
+                    victim = self._victim(now, layer, protect, None)
                 if victim is None:
                     actions[e] = TEMP
                     temp = True
@@ -437,10 +466,11 @@ class MoEInfinityPolicy(Policy):
         if self.link_free >= horizon:
             return plan
         entry = self.best[layer]
-        got = self.cands.get((entry, layer))  # _queue, its cache looked up here
+        got = self.cands.get(entry * self.n_layers + layer)  # _queue, its cache looked up here
         queue, keep, flat = self._queue(entry, layer) if got is None else got
         cflat, cntf, weight, order = self.cflat, self.cntf, self.weight, self.order
         pend, inflight = self.pend, self.inflight
+        slots = self.slots
         n_exp = self.n_exp
         copy_s = self.copy_s
         # the queue's entries not cached, in order; each is read from ``cflat`` when the scan
@@ -462,7 +492,7 @@ class MoEInfinityPolicy(Policy):
             # _copy, written out: FIFO after this policy's earlier copies
             link_free = self.link_free
             self.link_free = link_free = (now if now > link_free else link_free) + copy_s
-            inflight[(x, e)] = pend[i] = link_free
+            inflight[slots[i]] = pend[i] = link_free
             if plan is None:
                 plan = Plan(dict.fromkeys(experts, GPU))
             plan.prefetch.append((x, e, victim))

@@ -40,7 +40,7 @@ from simulator.machine import CpuJob, Machine
 from simulator.models import ModelShape
 from simulator.recorder import Recorder
 from simulator.residency import INF, Residency
-from simulator.runtime_profiles import RuntimeProfile
+from simulator.runtime_profiles import HostThread, RuntimeProfile
 from simulator.trace import SequenceRouting
 
 _GPU, _FETCH, _TEMP, _CPU, _PRE = (int(a) for a in Action)
@@ -2884,50 +2884,79 @@ class Engine(EngineBase):
         _, _, _, mres, mready, mpre, _, _ = views
         n_layers, n_exp = self.n_layers, self.n_experts
         lo = layer * n_exp
-        # -- the check: _copies_only's rules in its order (the routed actions, the hits, the
-        # fetches with their victims, the prefetches with theirs), on flat indices
+        # -- the check: _copies_only's rules (the routed actions, the hits, the fetches with
+        # their victims, the prefetches with theirs), on flat indices. Every refusal returns
+        # before any change, so a fetch's copy is checked where the routed loop meets it: the
+        # copies are still checked in issue order (the routed fetches, then the prefetches).
         hits: list[int] = []
-        fetch: list[int] = []
-        #: the routed fetches, then the prefetches, each as (flat index, victim)
-        copies: list[tuple[int, Any]] = []
-        get = actions.get
-        for e in routed:
-            a = get(e)
-            if a == _GPU:
-                if not mres[lo + e] or mready[lo + e] == INF:
-                    return None  # not resident, or its copy not timed yet
-                hits.append(e)
-            elif a == _FETCH:
-                fetch.append(e)
-                copies.append((lo + e, victims.get(e)))
-            else:
-                return None  # temporary copies, CPU experts, pre-calculations: the general path
-        n_fetch = len(fetch)
-        for item in prefetch:
-            if item.__class__ is not tuple or len(item) != 3:
-                return None
-            pl, pe, v = item
-            if pl.__class__ is not int or pe.__class__ is not int:
-                return None
-            if not (0 <= pl < n_layers and 0 <= pe < n_exp):
-                return None
-            copies.append((pl * n_exp + pe, v))
         gone: list[int] = []  # victims' flat indices, in issue order
         added: list[int] = []  # copies' flat indices, in issue order
         n_res = res.n_resident
         budget = res.budget
+        get = actions.get
+        vget = victims.get
         # a victim is checked as _copies_only's evict() does without write-backs (one in use
-        # is refused)
-        for i, v in copies:
+        # is refused); the fetches' and the prefetches' loops below check a copy alike
+        for e in routed:
+            a = get(e)
+            if a == _GPU:
+                i = lo + e
+                if not mres[i] or mready[i] == INF:
+                    return None  # not resident, or its copy not timed yet
+                hits.append(e)
+                continue
+            if a != _FETCH:
+                return None  # temporary copies, CPU experts, pre-calculations: the general path
+            i = lo + e
+            if i in added or (mres[i] and i not in gone):
+                return None
+            v = vget(e)
+            if v is not None:
+                if v.__class__ is not tuple or len(v) != 2:
+                    return None
+                vl, ve = v
+                if (
+                    vl.__class__ is not int
+                    or ve.__class__ is not int
+                    or not (0 <= vl < n_layers and 0 <= ve < n_exp)
+                ):
+                    return None
+                j = vl * n_exp + ve
+                if j in gone or j in added or not mres[j]:
+                    return None
+                if vl == layer and ve in routed:
+                    return None  # in use (every routed expert is a hit or a fetch here)
+                if mready[j] > now:
+                    return None  # still being copied
+                gone.append(j)
+                n_res -= 1
+            if n_res >= budget:
+                return None  # all slots full and no victim
+            added.append(i)
+            n_res += 1
+        n_fetch = len(added)
+        for item in prefetch:
+            if item.__class__ is not tuple or len(item) != 3:
+                return None
+            pl, pe, v = item
+            if (
+                pl.__class__ is not int
+                or pe.__class__ is not int
+                or not (0 <= pl < n_layers and 0 <= pe < n_exp)
+            ):
+                return None
+            i = pl * n_exp + pe
             if i in added or (mres[i] and i not in gone):
                 return None
             if v is not None:
                 if v.__class__ is not tuple or len(v) != 2:
                     return None
                 vl, ve = v
-                if vl.__class__ is not int or ve.__class__ is not int:
-                    return None
-                if not (0 <= vl < n_layers and 0 <= ve < n_exp):
+                if (
+                    vl.__class__ is not int
+                    or ve.__class__ is not int
+                    or not (0 <= vl < n_layers and 0 <= ve < n_exp)
+                ):
                     return None
                 j = vl * n_exp + ve
                 if j in gone or j in added or not mres[j]:
@@ -2945,7 +2974,8 @@ class Engine(EngineBase):
         n_evs = len(gone)
         n_copies = len(added)
         # without write-backs an evicted slot is free at once
-        if res.occupancy - n_evs + n_copies > res.cap:
+        occ = res.occupancy - n_evs + n_copies
+        if occ > res.cap:
             return None  # a copy would wait for a slot
         # -- apply, as _copies_only: residency, counters and issue numbers
         c = self.c
@@ -2961,20 +2991,21 @@ class Engine(EngineBase):
             c.evictions += n_evs
         jobs: list[tuple[float, int]] = []
         for e in hits:
-            if mpre[lo + e]:
-                mpre[lo + e] = 0
+            i = lo + e
+            if mpre[i]:
+                mpre[i] = 0
                 c.prefetch_used += 1
-            jobs.append((mready[lo + e], e))
-        n = len(routed)
-        n_hits = len(hits)
-        self._accesses(layer, n, n_hits, False)
+            jobs.append((mready[i], e))
+        self._accesses(layer, len(routed), len(hits), False)
         c.h2d_bytes += eb * n_copies
         c.h2d_expert_copies += n_copies
         c.fetches += n_fetch
         c.prefetches += n_copies - n_fetch
         # -- this layer's copies at ``now`` in issue order (the routed fetches, then the
-        # prefetches; evictions issue nothing)
-        res.swap_slots(n_evs, n_copies)
+        # prefetches; evictions issue nothing); Residency.swap_slots, inlined
+        res.occupancy = occ
+        if n_copies and occ > res.max_occupancy:
+            res.max_occupancy = occ
         lane = self._h2d.lane
         dur = self._h2d.expert_s
         free, busy = lane.free_at, lane.busy
@@ -2989,7 +3020,54 @@ class Engine(EngineBase):
             else:
                 mpre[i] = 1
         lane.free_at, lane.busy = free, busy
-        return self._repeat_gpu(jobs, now)
+        m = self.machine
+        host = m.host_experts
+        if host is None or host.__class__ is not HostThread:
+            return self._repeat_gpu(jobs, now)
+        # _repeat_gpu with the host thread's HostThread.expert and issue written out (the
+        # moe-infinity runtime's per-expert syncs and kernels): the same sums in the same order
+        jobs.sort()
+        ds = self._repeat_d
+        if ds is None:
+            d1 = m.gpu_s(1)
+            ds = self._repeat_d = (d1 + m.fused_launch_s, d1 + 0.0)
+        d, rest = ds
+        g = now
+        busy = 0.0
+        ht = host.t
+        n_sync = host.expert_syncs
+        e_sync = host.expert_sync
+        k = host.expert_k
+        disp = host.dispatch
+        for ready, _ in jobs:
+            drained = g
+            if ready > g:
+                c.transfer_stall += ready - g
+                g = ready
+            if n_sync:  # HostThread.expert's syncs
+                ht = (drained if drained > ht else ht) + e_sync
+            end = g + d  # HostThread.issue
+            if k:
+                t = ht + disp + d
+                if t > end:
+                    end = t
+                ht += k * disp
+                t = ht + d / k
+                if t > end:
+                    end = t
+            wait = end - d - g
+            if wait > 0.0:
+                c.dispatch_stall += wait
+                g += wait
+            g += d
+            busy += d
+            d = rest
+        host.t = ht
+        if n_sync:
+            host.syncs += n_sync * len(jobs)
+        c.gpu_expert_busy += busy
+        m.gpu.busy += busy
+        return g
 
     def _copy_layer_wb(self, layer: int, routed: list[int], plan: Plan, now: float) -> float | None:
         """``_plain_fetches`` without a recorder, with write-backs and low-bit temporary copies
