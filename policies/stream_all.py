@@ -54,8 +54,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import numpy as np
-
 from policies.base import Action, Param, Plan, Policy, ResourceSpec, SetupContext, Slot, View
 from policies.registry import register
 from simulator.errors import UserError
@@ -129,10 +127,6 @@ class StreamAllPolicy(Policy):
         #: two layers' first): the same decisions every time, so one plan object is returned
         #: again (the engine never changes a plan; it checks each one it is given)
         self._plans: dict[tuple[int, ...], Plan] = {}
-        #: decode_layer's flat byte view of the residency mask it was handed last
-        self._mask: object = None
-        self._mask_bytes: memoryview | None = None
-        self._all_resident = bytes((1,)) * n_exp  # a mask row with every expert resident
         #: each layer's victim layer, the one two back (its slots are freed first)
         self._victim_layer = [(ll - 2) % n_layers for ll in range(n_layers)]
         return []
@@ -144,33 +138,13 @@ class StreamAllPolicy(Policy):
             return Plan(actions=dict.fromkeys(routed, TEMP))
         layer = view.layer
         old = self._victim_layer[layer]
-        key = (layer, *routed)
-        plan = self._plans.get(key)
-        if plan is not None:
-            # the plan made before, if every expert of the victim layer is resident: read
-            # through a flat byte view of the mask (made again if the engine hands another
-            # array), the same answer as the row's list below
-            resident = view.resident
-            if resident is not self._mask:
-                self._mask = resident
-                self._mask_bytes = (
-                    memoryview(resident).cast("B")
-                    if resident.__class__ is np.ndarray
-                    and resident.dtype == np.bool_
-                    and resident.shape == (self.n_layers, self.n_exp)
-                    and resident.flags.c_contiguous
-                    else None
-                )
-            mb = self._mask_bytes
-            if mb is not None:
-                lo = old * self.n_exp
-                if mb[lo : lo + self.n_exp] == self._all_resident:
-                    return plan
-            elif False not in resident[old].tolist():
-                return plan
         res_old = view.resident[old].tolist()
+        key = (layer, *routed)
         full = False not in res_old  # every expert of that layer resident
         if full:
+            plan = self._plans.get(key)
+            if plan is not None:
+                return plan
             evict = self._slots[old][:]
         else:
             evict = [s for s, r in zip(self._slots[old], res_old, strict=True) if r]

@@ -1474,8 +1474,7 @@ class Engine(EngineBase):
         # The host thread of a runtime profile (per-expert dispatch and syncs) only touches the
         # GPU experts, which _timed_gpu and _gpu_jobs time as _layer does (in the same order,
         # from the same stream and host clocks), so it needs nothing more here.
-        # (both probes refuse an evict list: stream-all's plans skip them)
-        if not plan.evict and (self._plain_taken or self._plain_refused < _PLAIN_PROBES):
+        if self._plain_taken or self._plain_refused < _PLAIN_PROBES:
             # the commonest plans first; a run whose first plans never qualify (CPU experts
             # in every layer: fiddler, llama-cpp-cpu-moe) stops paying for the probe
             end = self._plain_fetches(layer, routed, plan, now)
@@ -1483,12 +1482,7 @@ class Engine(EngineBase):
                 self._plain_taken = True
                 return end
             self._plain_refused += 1
-        if (
-            plan.prefetch
-            and not plan.evict
-            and not one
-            and (self._pf_taken or self._pf_refused < _PLAIN_PROBES)
-        ):
+        if plan.prefetch and not one and (self._pf_taken or self._pf_refused < _PLAIN_PROBES):
             # hits, fetches and prefetches without write-backs (moe-infinity), probed alike
             end = self._prefetch_layer(layer, routed, plan, now)
             if end is not None:
