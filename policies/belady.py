@@ -13,6 +13,7 @@ expert id.
 
 from __future__ import annotations
 
+import dataclasses
 from bisect import bisect_right
 from typing import Any
 
@@ -24,6 +25,10 @@ from policies.registry import register
 
 GPU, FETCH, TEMP = Action.GPU, Action.FETCH, Action.TEMP
 INF = float("inf")
+
+# decode_layer builds its Plan positionally (cheaper than a keyword): actions comes first
+if dataclasses.fields(Plan)[0].name != "actions":  # pragma: no cover
+    raise ImportError("policies.belady: Plan's first field is no longer 'actions'")
 
 
 @register

@@ -21,6 +21,7 @@ and kept in a heap (stale entries skipped), not recomputed for every resident sl
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from bisect import bisect_right
 from typing import Any
@@ -28,6 +29,10 @@ from typing import Any
 from policies.base import ALL_GPU_PLAN, Action, Plan, SetupContext, Slot, View
 from policies.caching import GlobalCachingPolicy
 from policies.registry import register
+
+# decode_layer builds its Plan positionally (cheaper than a keyword): actions comes first
+if dataclasses.fields(Plan)[0].name != "actions":  # pragma: no cover
+    raise ImportError("policies.belady_global: Plan's first field is no longer 'actions'")
 
 #: heap key: (-next step, -its layer, layer, expert); never used again: -inf and layer 0
 Key = tuple[float, int, int, int]
@@ -125,7 +130,7 @@ class BeladyGlobalPolicy(GlobalCachingPolicy):
             return ALL_GPU_PLAN
         gpu = Action.GPU
         actions = {e: gpu for e in experts if e not in misses}
-        plan = Plan(actions=actions)
+        plan = Plan(actions)  # positional: actions is Plan's first field
         protected = set(experts)
         n_protected = len(protected)  # more resident slots than this: one is not protected
         cached = self.cached

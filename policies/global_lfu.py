@@ -12,12 +12,17 @@ tokens to the same number of experts.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 
 from policies.base import ALL_GPU_PLAN, Plan, SetupContext, Slot, View
 from policies.caching import FETCH, GPU, TEMP, GlobalCachingPolicy
 from policies.lfu import LFUCounts
 from policies.registry import register
+
+# decode_layer builds its Plan positionally (cheaper than a keyword): actions comes first
+if dataclasses.fields(Plan)[0].name != "actions":  # pragma: no cover
+    raise ImportError("policies.global_lfu: Plan's first field is no longer 'actions'")
 
 
 @register
@@ -121,7 +126,7 @@ class GlobalLFUPolicy(LFUCounts, GlobalCachingPolicy):
             # a decode token whose experts all hit: the shared all-on-the-GPU plan (the same
             # plan for the engine)
             return ALL_GPU_PLAN if counts is None else Plan(actions=actions)
-        plan = Plan(actions=actions)
+        plan = Plan(actions)  # positional: actions is Plan's first field
         protected = set(experts)
         n_protected = len(protected)  # more resident slots than this: one is not protected
         cached = self.cached
