@@ -21,13 +21,18 @@ and kept in a heap (stale entries skipped), not recomputed for every resident sl
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from bisect import bisect_right
 from typing import Any
 
 from policies.base import ALL_GPU_PLAN, Action, Plan, SetupContext, Slot, View
-from policies.caching import GlobalCachingPolicy
+from policies.caching import GlobalCachingPolicy, flat_bool_view
 from policies.registry import register
+
+# decode_layer builds its Plan positionally (cheaper than a keyword): actions comes first
+if dataclasses.fields(Plan)[0].name != "actions":  # pragma: no cover
+    raise ImportError("policies.belady_global: Plan's first field is no longer 'actions'")
 
 #: heap key: (-next step, -its layer, layer, expert); never used again: -inf and layer 0
 Key = tuple[float, int, int, int]
@@ -59,6 +64,9 @@ class BeladyGlobalPolicy(GlobalCachingPolicy):
         self._on: list[list[bool]] = [
             [False] * ctx.model.experts for _ in range(ctx.model.moe_layers)
         ]
+        #: decode_layer's flat byte view of ``self.cached`` (made again if it is replaced)
+        self._cached_bytes: Any = None
+        self._cached_of: object = None
 
     def _renew(self, layer: int, expert: int, step: int) -> None:
         t = self.oracle.next_use(layer, expert, step)
@@ -125,10 +133,18 @@ class BeladyGlobalPolicy(GlobalCachingPolicy):
             return ALL_GPU_PLAN
         gpu = Action.GPU
         actions = {e: gpu for e in experts if e not in misses}
-        plan = Plan(actions=actions)
+        plan = Plan(actions)  # positional: actions is Plan's first field
         protected = set(experts)
         n_protected = len(protected)  # more resident slots than this: one is not protected
+        # ``self.cached`` written through a flat byte view (the same 0/1 values as numpy's
+        # scalar stores, at a fraction of their cost)
         cached = self.cached
+        cm = self._cached_bytes
+        if self._cached_of is not cached:
+            self._cached_of = cached
+            cm = self._cached_bytes = flat_bool_view(cached)
+        n_exp = len(on)
+        lo = layer * n_exp
         for e in misses:
             if self.size < self.capacity:
                 self.size += 1
@@ -137,11 +153,11 @@ class BeladyGlobalPolicy(GlobalCachingPolicy):
                 continue
             else:
                 victim = self.choose_victim(layer, protected, step)
-                cached[victim] = False
+                cm[victim[0] * n_exp + victim[1]] = 0
                 self.removed(*victim)
                 plan.victims[e] = victim
             actions[e] = Action.FETCH
-            cached[layer, e] = True
+            cm[lo + e] = 1
             on[e] = True
             # inserted() then touch(): two _renew() calls, the same key pushed twice
             lst = steps[e]

@@ -60,6 +60,15 @@ def global_initial(ctx: SetupContext, mode: str, capacity: int) -> list[Slot]:
     return per_layer_initial(ctx, mode, per_layer_quota(capacity, ctx.model.moe_layers))
 
 
+def flat_bool_view(mask: np.ndarray) -> Any:
+    """Element ``layer * experts + expert`` of a ``[layers, experts]`` boolean mask, read and
+    written as 0/1 through a flat byte view (a fraction of numpy's scalar access), or through
+    ``mask.flat`` when the array is not a plain contiguous boolean one; writes reach ``mask``."""
+    if mask.__class__ is np.ndarray and mask.dtype == np.bool_ and mask.flags.c_contiguous:
+        return memoryview(mask).cast("B")
+    return mask.flat
+
+
 class _FetchOnMiss(Policy):
     """What both cache shapes share: the ``initial`` option and when it needs calibration."""
 

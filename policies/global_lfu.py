@@ -12,12 +12,18 @@ tokens to the same number of experts.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
+from typing import Any
 
 from policies.base import ALL_GPU_PLAN, Plan, SetupContext, Slot, View
-from policies.caching import FETCH, GPU, TEMP, GlobalCachingPolicy
+from policies.caching import FETCH, GPU, TEMP, GlobalCachingPolicy, flat_bool_view
 from policies.lfu import LFUCounts
 from policies.registry import register
+
+# decode_layer builds its Plan positionally (cheaper than a keyword): actions comes first
+if dataclasses.fields(Plan)[0].name != "actions":  # pragma: no cover
+    raise ImportError("policies.global_lfu: Plan's first field is no longer 'actions'")
 
 
 @register
@@ -42,6 +48,9 @@ class GlobalLFUPolicy(LFUCounts, GlobalCachingPolicy):
         # a plain-list mirror of ``self.cached`` for the per-layer loops (numpy's per-element
         # reads cost more than the rest of a layer's bookkeeping); set() fills it
         self._on: list[list[bool]] = [[False] * ctx.model.experts for _ in self.freq]
+        #: decode_layer's flat byte view of ``self.cached`` (made again if it is replaced)
+        self._cached_bytes: Any = None
+        self._cached_of: object = None
 
     def setup(self, ctx: SetupContext) -> list[Slot]:
         """Place the initial contents as the base class does; mirror them in plain lists."""
@@ -121,10 +130,18 @@ class GlobalLFUPolicy(LFUCounts, GlobalCachingPolicy):
             # a decode token whose experts all hit: the shared all-on-the-GPU plan (the same
             # plan for the engine)
             return ALL_GPU_PLAN if counts is None else Plan(actions=actions)
-        plan = Plan(actions=actions)
+        plan = Plan(actions)  # positional: actions is Plan's first field
         protected = set(experts)
         n_protected = len(protected)  # more resident slots than this: one is not protected
+        # ``self.cached`` written through a flat byte view (the same 0/1 values as numpy's
+        # scalar stores, at a fraction of their cost)
         cached = self.cached
+        cm = self._cached_bytes
+        if self._cached_of is not cached:
+            self._cached_of = cached
+            cm = self._cached_bytes = flat_bool_view(cached)
+        n_exp = len(on)
+        lo = layer * n_exp
         for e in misses:
             if self.size < self.capacity:
                 self.size += 1
@@ -133,11 +150,12 @@ class GlobalLFUPolicy(LFUCounts, GlobalCachingPolicy):
                 continue
             else:
                 victim = self._victim(layer, protected)
-                cached[victim] = False
-                self._on[victim[0]][victim[1]] = False
+                vl, ve = victim
+                cm[vl * n_exp + ve] = 0
+                self._on[vl][ve] = False
                 plan.victims[e] = victim
             actions[e] = FETCH
-            cached[layer, e] = True
+            cm[lo + e] = 1
             on[e] = True
             tick = self.tick + 2  # inserted, then touched: one tick each
             self.tick = tick

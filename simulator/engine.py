@@ -565,6 +565,9 @@ class EngineBase:
         unified = m.unified
         host = m.host
         streamed = m.streamed  # ZeRO-3's streamed non-expert weights, or None
+        # the executor's own timing of those copies (Engine._weights_now), or None: each is
+        # then yielded to the executor (_weights_in)
+        weights_now = self._weights_now if streamed is not None and self._weights_inline else None
         n_cpu = self.n_cpu_layers
         if n_cpu and prefill and 0 < self.spec.cpu_layer_offload_batch <= p:
             n_cpu_run = 0  # op offload: the CPU layers' parts run on the GPU, weights copied
@@ -598,7 +601,10 @@ class EngineBase:
                     elif layer and layer == n_cpu_run:  # the split: hidden states to the GPU
                         start = self._cpu_layer_split(start, layer, p if prefill else 1, True)
                     if streamed is not None:  # the layer's weights land first (ZeRO-3)
-                        start = yield from self._weights_in(start, layer, streamed)
+                        if weights_now is not None:
+                            start = weights_now(start, layer, streamed)
+                        else:
+                            start = yield from self._weights_in(start, layer, streamed)
                     if host is None:
                         now = start + d_ne
                     else:  # the host thread issues the part's kernels, maybe syncs on routing
@@ -766,7 +772,10 @@ class EngineBase:
                 assert end is not None
                 self.now = end
             if streamed is not None:  # the output matrix, after the last layer (ZeRO-3)
-                self.now = yield from self._weights_in(self.now, -1, streamed)
+                if weights_now is not None:
+                    self.now = weights_now(self.now, -1, streamed)
+                else:
+                    self.now = yield from self._weights_in(self.now, -1, streamed)
             self.step += 1
             if prefill:
                 c.prefill_tokens += p
@@ -813,6 +822,17 @@ class EngineBase:
             assert landed is not None
             end = landed
         return end
+
+    #: whether ``_pass`` times the streamed weight copies itself through ``_weights_now``
+    #: instead of yielding each one to the executor (``_weights_in``)
+    _weights_inline = False
+
+    def _weights_now(
+        self, start: float, layer: int, streamed: tuple[tuple[int, float], tuple[int, float]]
+    ) -> float:
+        """``_weights_in`` timed by the executor without a generator round trip (an executor
+        that sets ``_weights_inline`` overrides it)."""
+        raise NotImplementedError
 
     def _host_nonexpert(self, start: float, d_ne: float, first: bool) -> tuple[float, float]:
         """With a host thread: when a layer's non-expert part (GPU time ``d_ne``, stream free
@@ -1161,6 +1181,57 @@ class Engine(EngineBase):
         if self.recorder is not None:
             self.recorder.op(lane.name, op.rkind, op.sid, op.token, op.layer, -1, s, e, op.nbytes)
         return e
+
+    _weights_inline = True
+
+    def _weights_now(
+        self, start: float, layer: int, streamed: tuple[tuple[int, float], tuple[int, float]]
+    ) -> float:
+        """``_weights_in`` and ``_weights_copy`` fused (the step loop's streamed weights,
+        ResourceSpec.nonexpert_streamed): the same copies with the same issue numbers and
+        counters, each timed as ``run`` times the yielded copy (``_due`` serves everything
+        submitted before it, then it takes the host-to-device lane), in the same order, with
+        no generator round trip; returns when the last lands."""
+        c = self.c
+        (lb, ls), (eb, es) = streamed
+        if layer < 0:
+            items = (("embedding", eb, es, self.n_layers - 1),)
+        elif layer == 0:
+            items = (("embedding", eb, es, 0), ("weights", lb, ls, 0))
+        elif lb > 0:  # the common case: one layer's weights
+            self._seq += 1
+            c.h2d_bytes += lb
+            c.nonexpert_weight_copies += 1
+            c.nonexpert_weight_bytes += lb
+            if self._rel or (self._heap and self._heap[0][0] <= start):
+                self._due(start)
+            lane = self._h2d.lane
+            free = lane.free_at
+            s = start if start > free else free
+            e = lane.free_at = s + ls
+            lane.busy += ls
+            if self._unified:
+                self._mem(s, e, lb)
+            if self.recorder is not None:
+                w = self.hooks.where
+                self.recorder.op(lane.name, "weights", w.seq or 0, w.token or 0, layer, -1, s, e,
+                                 lb)  # fmt: skip
+            return e
+        else:
+            return start
+        end = start
+        for rkind, nbytes, dur, ll in items:
+            if nbytes <= 0:
+                continue
+            op = WeightCopy(start, self._seq, nbytes, dur, rkind, 0, 0, ll)
+            w = self.hooks.where
+            op.sid, op.token = w.seq or 0, w.token or 0
+            self._seq += 1
+            c.h2d_bytes += nbytes
+            c.nonexpert_weight_copies += 1
+            c.nonexpert_weight_bytes += nbytes
+            end = self._weights_copy(op)
+        return end
 
     def _due(self, now: float) -> bool:
         # serves here what run() would serve for the yielded time (the same requests in the

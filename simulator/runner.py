@@ -785,6 +785,12 @@ def simulate(
                 plan.config,
             )
         else:
+            if stash is None and meta.counts.get("rows", _STASH_ROWS + 1) <= _STASH_ROWS:
+                # a small trace: this read also keeps the evaluation sequences for the run
+                # (one pass over the file instead of two, as the calibration read does)
+                stash = {}
+                for r in iter_sequences(trace_path, meta, sequences=set(eval_ids)):
+                    stash[int(r.seq_id)] = r
             for r in eval_sequences():
                 oracle.add(r)
 
