@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from policies.base import (
+    _LAZY,
     Action,
     Param,
     Plan,
@@ -235,6 +236,11 @@ class DAOPPolicy(Policy):
         #: degraded predictions by (the same key, the GPU expert chosen)
         self._dmemo: dict[tuple[Any, ...], _Prediction] = {}
         self._memo_res = b""
+        #: the token's layer-early experts (View._rows[2]) the lists ``_ee_l`` (each row's
+        #: first k) and dtype code ``_ee_char`` were made from
+        self._ee_src: Any = None
+        self._ee_l: list[list[Any]] = []
+        self._ee_char = ""
         #: prefill swaps made so far: (layer, hot, cold)
         self.swaps: list[tuple[int, int, int]] = []
         self._restore = False
@@ -321,19 +327,36 @@ class DAOPPolicy(Policy):
     # -- decode ----------------------------------------------------------------------------------
     def _predict(self, view: View) -> _Prediction | None:
         """The prediction for layer+1 from the one-layer-early router view."""
-        ne = view.next_experts
-        if ne is None or view.next_probs is None:
-            return None
-        raw_l = ne[: self.k].tolist()
+        nl = view.layer + 1
+        if view._next_experts is _LAZY and view._next_probs is _LAZY:
+            # the fast engine's lazy rows (View._rows): the token's layer-early top-k as
+            # lists, made once per token (the same values as each row's tolist()); the
+            # properties would give None exactly past the rows' last layer
+            rows = view._rows
+            assert rows is not None
+            ee = rows[2]
+            if ee is not self._ee_src:
+                self._ee_src = ee
+                self._ee_l = ee[:, : self.k].tolist()
+                self._ee_char = ee.dtype.char
+            if nl >= len(ee) or nl >= len(rows[3]):
+                return None
+            raw_l = self._ee_l[nl]
+            char = self._ee_char
+        else:
+            ne = view.next_experts
+            if ne is None or view.next_probs is None:
+                return None
+            raw_l = ne[: self.k].tolist()
+            char = ne.dtype.char
         # A prediction depends on the layer, the top-k, the residency and, when degraded,
         # on which GPU expert the probabilities pick: memoised for the residency of this
         # decode_layer call (``_memo_res``). The dtype's code is in the key because tolist()
         # of another dtype gives other Python types with equal hashes (1.0 == 1).
-        key = (view.layer, ne.dtype.char, *raw_l)
+        key = (nl, char, *raw_l)
         pred = self._pmemo.get(key)
         if pred is not None:
             return pred
-        nl = view.layer + 1
         gpu_ids = self._gmemo.get(key)  # the GPU experts, when this top-k degrades
         if gpu_ids is None:
             if not raw_l or min(raw_l) < 0:
@@ -456,7 +479,22 @@ class DAOPPolicy(Policy):
         precalc: list[tuple[int, int]] = _NO_PRECALC
         # prediction for layer+1, issued before this layer's experts run
         if self.fpl - 1 <= layer <= self.n_layers - 2:
-            nxt = self._predict(view)
+            nl = layer + 1
+            rows = view._rows
+            if (
+                view._next_experts is _LAZY
+                and view._next_probs is _LAZY
+                and rows is not None
+                and rows[2] is self._ee_src
+                and nl < len(self._ee_l)
+                and nl < len(rows[3])
+            ):
+                # _predict's memo lookup, inline (a memoised prediction is the common case)
+                nxt = self._pmemo.get((nl, self._ee_char, *self._ee_l[nl]))
+                if nxt is None:
+                    nxt = self._predict(view)
+            else:
+                nxt = self._predict(view)
             if nxt is not None:
                 preds[layer + 1] = nxt
                 precalc = nxt[6]

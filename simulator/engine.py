@@ -1295,11 +1295,13 @@ class Engine(EngineBase):
                         ct = e if e >= nxt.ssd_at else nxt.ssd_at
                         cs, cx = nxt.seq, nxt
                     continue
-                host.submit(t, CpuJob(x, x.seq, t, work, share, dram))
+                # submit, then _cpu_next's next_event, in one call
+                nt = host.submit_next(t, CpuJob(x, x.seq, t, work, share, dram))
             elif kind == WAKE:
                 if x.n != host.version:
                     continue  # a later change re-timed it
-                for job in host.wake(t):
+                done, nt = host.wake_next(t)  # wake, then _cpu_next's next_event
+                for job in done:
                     j = job.op
                     if rec is not None:
                         rec.op(host.lanes[job.worker].name, j.rkind, j.sid, j.token, j.layer,
@@ -1311,7 +1313,6 @@ class Engine(EngineBase):
             else:
                 self._serve_op(t, x)
                 continue
-            nt = host.next_event()  # _cpu_next
             if nt != INF:
                 if cx is not None and cs != -1:  # a held wake-up is stale by now
                     push(heap, (ct, cs, next(uid), cx))

@@ -138,6 +138,113 @@ class SharedCpu:
             self._admit(t)
         self.version += 1
 
+    def submit_next(self, t: float, job: CpuJob) -> float:
+        """:meth:`submit` then :meth:`next_event`, in one call: the same arithmetic in the
+        same order (progress, the worker pick, the issue order, the rate), written out for
+        the commonest case (no DRAM load registered, nothing waiting, a worker idle); any
+        other case calls the two."""
+        idle = self._idle
+        if self._loads or self._queue or True not in idle:
+            self.submit(t, job)
+            return self.next_event()
+        active = self.active
+        dt = t - self.t
+        if dt > 0.0:  # _progress
+            r = self.rate
+            for j in active:
+                j.rem -= r * dt
+            self.t = t
+        lanes = self.lanes
+        i = 0
+        if len(lanes) > 1:  # _start's pick: the idle worker free longest, lowest index
+            i = -1
+            best = 0.0
+            for k, free in enumerate(idle):
+                if free and (i < 0 or lanes[k].free_at < best):
+                    i, best = k, lanes[k].free_at
+        idle[i] = False
+        job.worker = i
+        job.start = t
+        active.append(job)
+        n = len(active)
+        if n == 1:  # _rerate's sums (see there)
+            share, dram = job.share, job.dram
+        elif n == 2:
+            a, b = active
+            if a.seq > b.seq:  # _order_active
+                active.reverse()
+            share, dram = a.share + b.share, a.dram + b.dram
+        else:
+            active.sort(key=_by_seq)
+            share = sum(j.share for j in active)
+            dram = sum(j.dram for j in active)
+        rate = 1.0 / share if share > 1.0 else 1.0
+        if dram > 0.0:
+            rate = min(rate, max(0.0, 1.0 - self.ext) / dram)
+        self.rate = rate
+        self.version += 1
+        if rate > 0.0:  # next_event without a DRAM load
+            rem = active[0].rem
+            for j in active:
+                if j.rem < rem:
+                    rem = j.rem
+            dep = self.t + (rem / rate if rem > 0.0 else 0.0)
+            if dep < math.inf:
+                return dep
+        return math.inf
+
+    def wake_next(self, t: float) -> tuple[list[CpuJob], float]:
+        """:meth:`wake` then :meth:`next_event`, in one call (the same arithmetic), written
+        out when no DRAM load is registered and nothing waits; else it calls the two."""
+        if self._loads or self._queue:
+            done = self.wake(t)
+            return done, self.next_event()
+        active = self.active
+        dt = t - self.t
+        if dt > 0.0:  # _progress
+            r = self.rate
+            for j in active:
+                j.rem -= r * dt
+            self.t = t
+        done = []
+        for j in active:
+            if j.rem <= DONE_EPS * j.work:
+                done.append(j)
+        rate = self.rate
+        if done:
+            lanes, idle = self.lanes, self._idle
+            for j in done:
+                active.remove(j)
+                j.end = t
+                lane = lanes[j.worker]
+                lane.busy += t - j.start
+                lane.free_at = t
+                idle[j.worker] = True
+            n = len(active)  # _rerate (nothing waits, so _admit only re-rates)
+            if n == 1:
+                a = active[0]
+                share, dram = a.share, a.dram
+            elif n == 2:
+                a, b = active
+                share, dram = a.share + b.share, a.dram + b.dram
+            else:
+                share = sum(j.share for j in active)
+                dram = sum(j.dram for j in active)
+            rate = 1.0 / share if share > 1.0 else 1.0
+            if dram > 0.0:
+                rate = min(rate, max(0.0, 1.0 - self.ext) / dram)
+            self.rate = rate
+        self.version += 1
+        if active and rate > 0.0:  # next_event without a DRAM load
+            rem = active[0].rem
+            for j in active:
+                if j.rem < rem:
+                    rem = j.rem
+            dep = self.t + (rem / rate if rem > 0.0 else 0.0)
+            if dep < math.inf:
+                return done, dep
+        return done, math.inf
+
     def load(self, start: float, end: float, share: float) -> None:
         """Unified memory: a copy takes ``share`` of the DRAM from ``start`` to ``end``."""
         if share <= 0.0 or end <= start:
