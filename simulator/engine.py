@@ -3709,6 +3709,18 @@ class Engine(EngineBase):
         # -- _layer: this layer's requests at once in issue order, then the GPU stream
         resolve = self._resolve_plain
         rec = self.recorder
+        # the commonest wait (one pre-calculated result, at most one new pre-calculation, no
+        # recorder): _precalc_wait serves it without the request heap's loop
+        wait1 = (
+            rec is None
+            and not cpu
+            and len(results) == 1
+            and results[0].end is None
+            and len(ops) <= 1
+            and (not ops or ops[0].chain is None)
+        )
+        p1: LayerOp | None = None
+        e1 = 0.0
         if ops:
             heap = self._heap
             cfg = self._plain_cfg
@@ -3722,9 +3734,17 @@ class Engine(EngineBase):
                 if rec is not None:
                     rec.op(d2h.name, "activation", sid, token, op.layer, op.expert, s, e, act)
                 op.stage = 1
+                if wait1:  # (the only one) handed to _precalc_wait below
+                    p1, e1 = op, e
+                    break
                 heapq.heappush(heap, (e, op.seq, next(self._uid), op))
                 if heap[0][0] <= now:  # a zero-length stage keeps its place
                     self._serve_plain(None, now)
+        if wait1 and not self._precalc_wait(results[0], p1, e1) and p1 is not None:
+            heap = self._heap  # not taken: p1 enters the heap as above
+            heapq.heappush(heap, (e1, p1.seq, next(self._uid), p1))
+            if heap[0][0] <= now:
+                self._serve_plain(None, now)
         g = now
         if sync and plan.cpu_first:
             sync_end = -INF
@@ -3754,6 +3774,70 @@ class Engine(EngineBase):
         if end > g:
             c.cpu_wait += end - g
         return end
+
+    def _precalc_wait(self, o: LayerOp, p1: LayerOp | None, e1: float) -> bool:
+        """``_serve_plain(o, INF)`` for the commonest state of a daop layer, without the heap's
+        loop: ``o`` (a pre-calculation this layer consumes) is the shared CPU's only running
+        call and the heap holds nothing but its current wake-up; ``p1`` (this layer's one new
+        pre-calculation, or None) has its activations on the host at ``e1`` and is not in the
+        heap yet. The same events are served in the same order with the same arithmetic: p1's
+        call arrives first when ``e1`` is before the wake-up (at the same moment the wake-up
+        goes first), then the CPU's next event; when it ends ``o``'s call, ``o``'s result
+        goes back (it comes before any other request left: the other calls that end there
+        were issued later, the next wake-up is later). What is left enters the heap as
+        ``_serve_plain`` leaves it (the stale wake-up it would skip is dropped); push numbers
+        never decide the heap's order. Returns False, changing nothing, when the state is
+        another; any other outcome on the way goes to ``_serve_plain``."""
+        heap = self._heap
+        if len(heap) != 1 or o.stage != 1 or o.chain is not None:
+            return False
+        t, sq, _, w = heap[0]
+        host = self._host
+        if sq != -1 or w.n != host.version:
+            return False
+        active = host.active
+        if len(active) != 1 or active[0].op is not o:
+            return False
+        work, share, dram, _, a_in, _, _, uid, _, h2d = (
+            self._plain_locals or self._plain_locals_init()
+        )
+        heap.clear()  # the wake-up: served below, or stale once p1's call arrives
+        if p1 is not None and e1 < t:
+            t = host.submit_next(e1, CpuJob(p1, p1.seq, e1, work, share, dram))
+            p1 = None
+        push = heapq.heappush
+        if t == INF:  # (nothing can progress: _serve_plain words it)
+            done: list[CpuJob] = []
+            nt = INF
+        else:
+            done, nt = host.wake_next(t)
+        if not done or done[0].op is not o or nt <= t:
+            # another outcome: into the heap as _serve_plain leaves it, and on from there
+            for job in done:
+                j = job.op
+                j.stage = 2
+                push(heap, (t, j.seq, next(uid), j))
+            if nt != INF:
+                push(heap, (nt, -1, next(uid), _Wake(host.version)))
+            if p1 is not None:
+                push(heap, (e1, p1.seq, next(uid), p1))
+            self._serve_plain(o, INF)
+            return True
+        for job in done:
+            job.op.stage = 2
+        # o's result back (Lane.serve, inlined as in _serve_plain)
+        s = t if t > h2d.free_at else h2d.free_at
+        e = h2d.free_at = s + a_in
+        h2d.busy += a_in
+        o.end = e
+        for job in done[1:]:
+            j = job.op
+            push(heap, (t, j.seq, next(uid), j))
+        if nt != INF:
+            push(heap, (nt, -1, next(uid), _Wake(host.version)))
+        if p1 is not None:
+            push(heap, (e1, p1.seq, next(uid), p1))
+        return True
 
     def _resolve_plain(self, op: LayerOp) -> float:
         """``_resolve`` through ``_serve_plain``."""
