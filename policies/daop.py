@@ -241,6 +241,9 @@ class DAOPPolicy(Policy):
         self._ee_src: Any = None
         self._ee_l: list[list[Any]] = []
         self._ee_char = ""
+        self._ee_n = 0
+        #: the layers decode_layer predicts the next one at (set up in setup)
+        self._pred_lo, self._pred_hi = 0, -1
         #: prefill swaps made so far: (layer, hot, cold)
         self.swaps: list[tuple[int, int, int]] = []
         self._restore = False
@@ -263,6 +266,7 @@ class DAOPPolicy(Policy):
         m = ctx.model
         self.n_layers, self.n_experts, self.k = m.moe_layers, m.experts, m.top_k
         self.swap_num = self.n_experts // 2 if self.swap_num_opt == -1 else self.swap_num_opt
+        self._pred_lo, self._pred_hi = self.fpl - 1, self.n_layers - 2
         # Decision inputs, not execution times: the engine times the copy from the link model
         # and the CPU expert from the batched cost curve, whatever DAOP believes here.
         o, costs = self.options, ctx.costs
@@ -339,7 +343,9 @@ class DAOPPolicy(Policy):
                 self._ee_src = ee
                 self._ee_l = ee[:, : self.k].tolist()
                 self._ee_char = ee.dtype.char
-            if nl >= len(ee) or nl >= len(rows[3]):
+                # the layers with a layer-early view (both properties not None below it)
+                self._ee_n = min(len(ee), len(rows[3]))
+            if nl >= self._ee_n:
                 return None
             raw_l = self._ee_l[nl]
             char = self._ee_char
@@ -432,16 +438,17 @@ class DAOPPolicy(Policy):
             preds.clear()
         # the memoised predictions hold for one residency: a new one (a prefill's swaps)
         # forgets them (a fresh snapshot object, so no earlier prediction matches it)
-        snap = view.resident.tobytes()
+        resident = view.resident
+        snap = resident.tobytes()
         if snap != self._memo_res:
             self._pmemo.clear()
             self._gmemo.clear()
             self._dmemo.clear()
             self._memo_res = snap
-        res_at = view.resident.item  # per-expert item reads: no row view, no list
         route = raw = None
         pred = preds.pop(layer, None) if layer >= self.fpl else None
         if pred is None:
+            res_at = resident.item  # per-expert item reads: no row view, no list
             actions: dict[int, Action] = {}
             for e in view.experts.tolist():
                 actions[e] = GPU if res_at(layer, e) else CPU
@@ -452,6 +459,7 @@ class DAOPPolicy(Policy):
                 # made under this very residency: the actions the loop below would build
                 actions = memo_actions
             else:
+                res_at = resident.item
                 actions = {}
                 if last:
                     ready = []  # with the quirk the pre-calculated result is reset before use
@@ -478,16 +486,13 @@ class DAOPPolicy(Policy):
                             break
         precalc: list[tuple[int, int]] = _NO_PRECALC
         # prediction for layer+1, issued before this layer's experts run
-        if self.fpl - 1 <= layer <= self.n_layers - 2:
+        if self._pred_lo <= layer <= self._pred_hi:
             nl = layer + 1
-            rows = view._rows
             if (
                 view._next_experts is _LAZY
                 and view._next_probs is _LAZY
-                and rows is not None
-                and rows[2] is self._ee_src
-                and nl < len(self._ee_l)
-                and nl < len(rows[3])
+                and view._rows[2] is self._ee_src  # type: ignore[index]
+                and nl < self._ee_n
             ):
                 # _predict's memo lookup, inline (a memoised prediction is the common case)
                 nxt = self._pmemo.get((nl, self._ee_char, *self._ee_l[nl]))

@@ -3535,7 +3535,9 @@ class Engine(EngineBase):
             # (one stream, ResourceSpec.one_stream: only _layer serializes it)
             return None  # the general check words what it is
         actions = plan.actions
-        evict, prefetch, items = plan.evict, plan.prefetch, plan.precalc
+        evict = plan.evict
+        prefetch = plan.prefetch
+        items = plan.precalc
         if (
             actions.__class__ is not dict
             or evict.__class__ is not list
@@ -3641,7 +3643,12 @@ class Engine(EngineBase):
             # zip's strict keyword only when it matters (the keyword alone costs more than the
             # loop; the trace gives as many weights as experts)
             if len(ex_l) == len(w_l):
-                pairs = zip(ex_l, w_l)  # noqa: B905 (equal lengths: strict changes nothing)
+                if ex_l == routed:  # the route is the trace's (the loop's every test holds)
+                    for w in w_l:
+                        c.gate_mass_kept += w
+                    pairs = ()
+                else:
+                    pairs = zip(ex_l, w_l)  # noqa: B905 (equal lengths: strict changes nothing)
             else:
                 pairs = zip(ex_l, w_l, strict=True)
             for e, w in pairs:

@@ -58,6 +58,7 @@ class Lane:
 #: A CPU job is done once its remaining work is below this fraction of its work (the rounding
 #: of piecewise progress; far below any duration the model resolves).
 DONE_EPS = 1e-9
+_NAN = math.nan
 
 
 class CpuJob:
@@ -78,8 +79,8 @@ class CpuJob:
         self.share = share
         #: fraction of the unified DRAM it streams alone (0 on a bus-attached host)
         self.dram = dram
-        self.start = math.nan
-        self.end = math.nan
+        self.start = _NAN
+        self.end = _NAN
         self.worker = -1
 
 
@@ -144,7 +145,22 @@ class SharedCpu:
         the commonest case (no DRAM load registered, nothing waiting, a worker idle); any
         other case calls the two."""
         idle = self._idle
-        if self._loads or self._queue or True not in idle:
+        lanes = self.lanes
+        # _start's pick: the idle worker free longest, the lowest index on ties (-1: none)
+        if len(lanes) == 2:
+            if idle[0]:
+                i = 1 if idle[1] and lanes[1].free_at < lanes[0].free_at else 0
+            else:
+                i = 1 if idle[1] else -1
+        elif len(lanes) == 1:
+            i = 0 if idle[0] else -1
+        else:
+            i = -1
+            best = 0.0
+            for k, free in enumerate(idle):
+                if free and (i < 0 or lanes[k].free_at < best):
+                    i, best = k, lanes[k].free_at
+        if i < 0 or self._loads or self._queue:
             self.submit(t, job)
             return self.next_event()
         active = self.active
@@ -154,14 +170,6 @@ class SharedCpu:
             for j in active:
                 j.rem -= r * dt
             self.t = t
-        lanes = self.lanes
-        i = 0
-        if len(lanes) > 1:  # _start's pick: the idle worker free longest, lowest index
-            i = -1
-            best = 0.0
-            for k, free in enumerate(idle):
-                if free and (i < 0 or lanes[k].free_at < best):
-                    i, best = k, lanes[k].free_at
         idle[i] = False
         job.worker = i
         job.start = t
