@@ -3809,12 +3809,22 @@ class Engine(EngineBase):
             self._plain_locals or self._plain_locals_init()
         )
         heap.clear()  # the wake-up: served below, or stale once p1's call arrives
-        if p1 is not None and e1 < t:
-            t = host.submit_next(e1, CpuJob(p1, p1.seq, e1, work, share, dram))
-            p1 = None
         push = heapq.heappush
-        if t == INF:  # (nothing can progress: _serve_plain words it)
-            done: list[CpuJob] = []
+        done: list[CpuJob] | None = None
+        if p1 is not None and e1 < t:
+            job = CpuJob(p1, p1.seq, e1, work, share, dram)
+            j0 = active[0]
+            step = host.arrive_then_end(e1, job)  # the commonest outcome, in one pass
+            if step is None:
+                t = host.submit_next(e1, job)
+            else:
+                t, nt = step
+                done = [j0]
+            p1 = None
+        if done is not None:
+            pass
+        elif t == INF:  # (nothing can progress: _serve_plain words it)
+            done = []
             nt = INF
         else:
             done, nt = host.wake_next(t)
