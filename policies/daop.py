@@ -60,6 +60,8 @@ _PLAN_FIELDS = (
 if tuple(f.name for f in dataclasses.fields(Plan)) != _PLAN_FIELDS:  # pragma: no cover
     raise ImportError("policies/daop.py: Plan's fields changed; update decode_layer")
 _NO_LOW_BIT: frozenset[int] = frozenset()
+#: a bare Plan (decode_layer sets every field itself)
+_new = object.__new__
 #: a plan without pre-calculations (shared: the engine never changes a plan)
 _NO_PRECALC: list[tuple[int, int]] = []
 
@@ -503,6 +505,19 @@ class DAOPPolicy(Policy):
             if nxt is not None:
                 preds[layer + 1] = nxt
                 precalc = nxt[6]
-        # positional (half the cost of keywords; _PLAN_FIELDS checks the order at import):
+        # every field set directly on a bare instance (what Plan's generated __init__ does,
+        # without its default-factory tests; _PLAN_FIELDS checks the field list at import):
         # no victims, prefetches or evictions, serial and synchronous CPU work
-        return Plan(actions, {}, route, raw, [], precalc, [], True, True, _NO_LOW_BIT, False)
+        plan = _new(Plan)
+        plan.actions = actions
+        plan.victims = {}
+        plan.route = route
+        plan.raw_route = raw
+        plan.prefetch = []
+        plan.precalc = precalc
+        plan.evict = []
+        plan.cpu_serial = True
+        plan.cpu_first = True
+        plan.low_bit = _NO_LOW_BIT
+        plan.barrier = False
+        return plan
