@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from policies.base import (
+    _LAZY,
     Action,
     Param,
     Plan,
@@ -59,6 +60,8 @@ _PLAN_FIELDS = (
 if tuple(f.name for f in dataclasses.fields(Plan)) != _PLAN_FIELDS:  # pragma: no cover
     raise ImportError("policies/daop.py: Plan's fields changed; update decode_layer")
 _NO_LOW_BIT: frozenset[int] = frozenset()
+#: a bare Plan (decode_layer sets every field itself)
+_new = object.__new__
 #: a plan without pre-calculations (shared: the engine never changes a plan)
 _NO_PRECALC: list[tuple[int, int]] = []
 
@@ -235,6 +238,14 @@ class DAOPPolicy(Policy):
         #: degraded predictions by (the same key, the GPU expert chosen)
         self._dmemo: dict[tuple[Any, ...], _Prediction] = {}
         self._memo_res = b""
+        #: the token's layer-early experts (View._rows[2]) the lists ``_ee_l`` (each row's
+        #: first k) and dtype code ``_ee_char`` were made from
+        self._ee_src: Any = None
+        self._ee_l: list[list[Any]] = []
+        self._ee_char = ""
+        self._ee_n = 0
+        #: the layers decode_layer predicts the next one at (set up in setup)
+        self._pred_lo, self._pred_hi = 0, -1
         #: prefill swaps made so far: (layer, hot, cold)
         self.swaps: list[tuple[int, int, int]] = []
         self._restore = False
@@ -257,6 +268,7 @@ class DAOPPolicy(Policy):
         m = ctx.model
         self.n_layers, self.n_experts, self.k = m.moe_layers, m.experts, m.top_k
         self.swap_num = self.n_experts // 2 if self.swap_num_opt == -1 else self.swap_num_opt
+        self._pred_lo, self._pred_hi = self.fpl - 1, self.n_layers - 2
         # Decision inputs, not execution times: the engine times the copy from the link model
         # and the CPU expert from the batched cost curve, whatever DAOP believes here.
         o, costs = self.options, ctx.costs
@@ -321,19 +333,38 @@ class DAOPPolicy(Policy):
     # -- decode ----------------------------------------------------------------------------------
     def _predict(self, view: View) -> _Prediction | None:
         """The prediction for layer+1 from the one-layer-early router view."""
-        ne = view.next_experts
-        if ne is None or view.next_probs is None:
-            return None
-        raw_l = ne[: self.k].tolist()
+        nl = view.layer + 1
+        if view._next_experts is _LAZY and view._next_probs is _LAZY:
+            # the fast engine's lazy rows (View._rows): the token's layer-early top-k as
+            # lists, made once per token (the same values as each row's tolist()); the
+            # properties would give None exactly past the rows' last layer
+            rows = view._rows
+            assert rows is not None
+            ee = rows[2]
+            if ee is not self._ee_src:
+                self._ee_src = ee
+                self._ee_l = ee[:, : self.k].tolist()
+                self._ee_char = ee.dtype.char
+                # the layers with a layer-early view (both properties not None below it)
+                self._ee_n = min(len(ee), len(rows[3]))
+            if nl >= self._ee_n:
+                return None
+            raw_l = self._ee_l[nl]
+            char = self._ee_char
+        else:
+            ne = view.next_experts
+            if ne is None or view.next_probs is None:
+                return None
+            raw_l = ne[: self.k].tolist()
+            char = ne.dtype.char
         # A prediction depends on the layer, the top-k, the residency and, when degraded,
         # on which GPU expert the probabilities pick: memoised for the residency of this
         # decode_layer call (``_memo_res``). The dtype's code is in the key because tolist()
         # of another dtype gives other Python types with equal hashes (1.0 == 1).
-        key = (view.layer, ne.dtype.char, *raw_l)
+        key = (nl, char, *raw_l)
         pred = self._pmemo.get(key)
         if pred is not None:
             return pred
-        nl = view.layer + 1
         gpu_ids = self._gmemo.get(key)  # the GPU experts, when this top-k degrades
         if gpu_ids is None:
             if not raw_l or min(raw_l) < 0:
@@ -409,16 +440,17 @@ class DAOPPolicy(Policy):
             preds.clear()
         # the memoised predictions hold for one residency: a new one (a prefill's swaps)
         # forgets them (a fresh snapshot object, so no earlier prediction matches it)
-        snap = view.resident.tobytes()
+        resident = view.resident
+        snap = resident.tobytes()
         if snap != self._memo_res:
             self._pmemo.clear()
             self._gmemo.clear()
             self._dmemo.clear()
             self._memo_res = snap
-        res_at = view.resident.item  # per-expert item reads: no row view, no list
         route = raw = None
         pred = preds.pop(layer, None) if layer >= self.fpl else None
         if pred is None:
+            res_at = resident.item  # per-expert item reads: no row view, no list
             actions: dict[int, Action] = {}
             for e in view.experts.tolist():
                 actions[e] = GPU if res_at(layer, e) else CPU
@@ -429,6 +461,7 @@ class DAOPPolicy(Policy):
                 # made under this very residency: the actions the loop below would build
                 actions = memo_actions
             else:
+                res_at = resident.item
                 actions = {}
                 if last:
                     ready = []  # with the quirk the pre-calculated result is reset before use
@@ -455,11 +488,36 @@ class DAOPPolicy(Policy):
                             break
         precalc: list[tuple[int, int]] = _NO_PRECALC
         # prediction for layer+1, issued before this layer's experts run
-        if self.fpl - 1 <= layer <= self.n_layers - 2:
-            nxt = self._predict(view)
+        if self._pred_lo <= layer <= self._pred_hi:
+            nl = layer + 1
+            if (
+                view._next_experts is _LAZY
+                and view._next_probs is _LAZY
+                and view._rows[2] is self._ee_src  # type: ignore[index]
+                and nl < self._ee_n
+            ):
+                # _predict's memo lookup, inline (a memoised prediction is the common case)
+                nxt = self._pmemo.get((nl, self._ee_char, *self._ee_l[nl]))
+                if nxt is None:
+                    nxt = self._predict(view)
+            else:
+                nxt = self._predict(view)
             if nxt is not None:
                 preds[layer + 1] = nxt
                 precalc = nxt[6]
-        # positional (half the cost of keywords; _PLAN_FIELDS checks the order at import):
+        # every field set directly on a bare instance (what Plan's generated __init__ does,
+        # without its default-factory tests; _PLAN_FIELDS checks the field list at import):
         # no victims, prefetches or evictions, serial and synchronous CPU work
-        return Plan(actions, {}, route, raw, [], precalc, [], True, True, _NO_LOW_BIT, False)
+        plan = _new(Plan)
+        plan.actions = actions
+        plan.victims = {}
+        plan.route = route
+        plan.raw_route = raw
+        plan.prefetch = []
+        plan.precalc = precalc
+        plan.evict = []
+        plan.cpu_serial = True
+        plan.cpu_first = True
+        plan.low_bit = _NO_LOW_BIT
+        plan.barrier = False
+        return plan

@@ -1366,11 +1366,13 @@ class Engine(EngineBase):
                         ct = e if e >= nxt.ssd_at else nxt.ssd_at
                         cs, cx = nxt.seq, nxt
                     continue
-                host.submit(t, CpuJob(x, x.seq, t, work, share, dram))
+                # submit, then _cpu_next's next_event, in one call
+                nt = host.submit_next(t, CpuJob(x, x.seq, t, work, share, dram))
             elif kind == WAKE:
                 if x.n != host.version:
                     continue  # a later change re-timed it
-                for job in host.wake(t):
+                done, nt = host.wake_next(t)  # wake, then _cpu_next's next_event
+                for job in done:
                     j = job.op
                     if rec is not None:
                         rec.op(host.lanes[job.worker].name, j.rkind, j.sid, j.token, j.layer,
@@ -1382,7 +1384,6 @@ class Engine(EngineBase):
             else:
                 self._serve_op(t, x)
                 continue
-            nt = host.next_event()  # _cpu_next
             if nt != INF:
                 if cx is not None and cs != -1:  # a held wake-up is stale by now
                     push(heap, (ct, cs, next(uid), cx))
@@ -3683,7 +3684,9 @@ class Engine(EngineBase):
             # (one stream, ResourceSpec.one_stream: only _layer serializes it)
             return None  # the general check words what it is
         actions = plan.actions
-        evict, prefetch, items = plan.evict, plan.prefetch, plan.precalc
+        evict = plan.evict
+        prefetch = plan.prefetch
+        items = plan.precalc
         if (
             actions.__class__ is not dict
             or evict.__class__ is not list
@@ -3789,7 +3792,12 @@ class Engine(EngineBase):
             # zip's strict keyword only when it matters (the keyword alone costs more than the
             # loop; the trace gives as many weights as experts)
             if len(ex_l) == len(w_l):
-                pairs = zip(ex_l, w_l)  # noqa: B905 (equal lengths: strict changes nothing)
+                if ex_l == routed:  # the route is the trace's (the loop's every test holds)
+                    for w in w_l:
+                        c.gate_mass_kept += w
+                    pairs = ()
+                else:
+                    pairs = zip(ex_l, w_l)  # noqa: B905 (equal lengths: strict changes nothing)
             else:
                 pairs = zip(ex_l, w_l, strict=True)
             for e, w in pairs:
@@ -3857,6 +3865,18 @@ class Engine(EngineBase):
         # -- _layer: this layer's requests at once in issue order, then the GPU stream
         resolve = self._resolve_plain
         rec = self.recorder
+        # the commonest wait (one pre-calculated result, at most one new pre-calculation, no
+        # recorder): _precalc_wait serves it without the request heap's loop
+        wait1 = (
+            rec is None
+            and not cpu
+            and len(results) == 1
+            and results[0].end is None
+            and len(ops) <= 1
+            and (not ops or ops[0].chain is None)
+        )
+        p1: LayerOp | None = None
+        e1 = 0.0
         if ops:
             heap = self._heap
             cfg = self._plain_cfg
@@ -3870,9 +3890,17 @@ class Engine(EngineBase):
                 if rec is not None:
                     rec.op(d2h.name, "activation", sid, token, op.layer, op.expert, s, e, act)
                 op.stage = 1
+                if wait1:  # (the only one) handed to _precalc_wait below
+                    p1, e1 = op, e
+                    break
                 heapq.heappush(heap, (e, op.seq, next(self._uid), op))
                 if heap[0][0] <= now:  # a zero-length stage keeps its place
                     self._serve_plain(None, now)
+        if wait1 and not self._precalc_wait(results[0], p1, e1) and p1 is not None:
+            heap = self._heap  # not taken: p1 enters the heap as above
+            heapq.heappush(heap, (e1, p1.seq, next(self._uid), p1))
+            if heap[0][0] <= now:
+                self._serve_plain(None, now)
         g = now
         if sync and plan.cpu_first:
             sync_end = -INF
@@ -3902,6 +3930,80 @@ class Engine(EngineBase):
         if end > g:
             c.cpu_wait += end - g
         return end
+
+    def _precalc_wait(self, o: LayerOp, p1: LayerOp | None, e1: float) -> bool:
+        """``_serve_plain(o, INF)`` for the commonest state of a daop layer, without the heap's
+        loop: ``o`` (a pre-calculation this layer consumes) is the shared CPU's only running
+        call and the heap holds nothing but its current wake-up; ``p1`` (this layer's one new
+        pre-calculation, or None) has its activations on the host at ``e1`` and is not in the
+        heap yet. The same events are served in the same order with the same arithmetic: p1's
+        call arrives first when ``e1`` is before the wake-up (at the same moment the wake-up
+        goes first), then the CPU's next event; when it ends ``o``'s call, ``o``'s result
+        goes back (it comes before any other request left: the other calls that end there
+        were issued later, the next wake-up is later). What is left enters the heap as
+        ``_serve_plain`` leaves it (the stale wake-up it would skip is dropped); push numbers
+        never decide the heap's order. Returns False, changing nothing, when the state is
+        another; any other outcome on the way goes to ``_serve_plain``."""
+        heap = self._heap
+        if len(heap) != 1 or o.stage != 1 or o.chain is not None:
+            return False
+        t, sq, _, w = heap[0]
+        host = self._host
+        if sq != -1 or w.n != host.version:
+            return False
+        active = host.active
+        if len(active) != 1 or active[0].op is not o:
+            return False
+        work, share, dram, _, a_in, _, _, uid, _, h2d = (
+            self._plain_locals or self._plain_locals_init()
+        )
+        heap.clear()  # the wake-up: served below, or stale once p1's call arrives
+        push = heapq.heappush
+        done: list[CpuJob] | None = None
+        if p1 is not None and e1 < t:
+            job = CpuJob(p1, p1.seq, e1, work, share, dram)
+            j0 = active[0]
+            step = host.arrive_then_end(e1, job)  # the commonest outcome, in one pass
+            if step is None:
+                t = host.submit_next(e1, job)
+            else:
+                t, nt = step
+                done = [j0]
+            p1 = None
+        if done is not None:
+            pass
+        elif t == INF:  # (nothing can progress: _serve_plain words it)
+            done = []
+            nt = INF
+        else:
+            done, nt = host.wake_next(t)
+        if not done or done[0].op is not o or nt <= t:
+            # another outcome: into the heap as _serve_plain leaves it, and on from there
+            for job in done:
+                j = job.op
+                j.stage = 2
+                push(heap, (t, j.seq, next(uid), j))
+            if nt != INF:
+                push(heap, (nt, -1, next(uid), _Wake(host.version)))
+            if p1 is not None:
+                push(heap, (e1, p1.seq, next(uid), p1))
+            self._serve_plain(o, INF)
+            return True
+        for job in done:
+            job.op.stage = 2
+        # o's result back (Lane.serve, inlined as in _serve_plain)
+        s = t if t > h2d.free_at else h2d.free_at
+        e = h2d.free_at = s + a_in
+        h2d.busy += a_in
+        o.end = e
+        for job in done[1:]:
+            j = job.op
+            push(heap, (t, j.seq, next(uid), j))
+        if nt != INF:
+            push(heap, (nt, -1, next(uid), _Wake(host.version)))
+        if p1 is not None:
+            push(heap, (e1, p1.seq, next(uid), p1))
+        return True
 
     def _resolve_plain(self, op: LayerOp) -> float:
         """``_resolve`` through ``_serve_plain``."""

@@ -58,6 +58,7 @@ class Lane:
 #: A CPU job is done once its remaining work is below this fraction of its work (the rounding
 #: of piecewise progress; far below any duration the model resolves).
 DONE_EPS = 1e-9
+_NAN = math.nan
 
 
 class CpuJob:
@@ -78,8 +79,8 @@ class CpuJob:
         self.share = share
         #: fraction of the unified DRAM it streams alone (0 on a bus-attached host)
         self.dram = dram
-        self.start = math.nan
-        self.end = math.nan
+        self.start = _NAN
+        self.end = _NAN
         self.worker = -1
 
 
@@ -137,6 +138,201 @@ class SharedCpu:
             heapq.heappush(q, (job.submitted, job.seq, job))
             self._admit(t)
         self.version += 1
+
+    def submit_next(self, t: float, job: CpuJob) -> float:
+        """:meth:`submit` then :meth:`next_event`, in one call: the same arithmetic in the
+        same order (progress, the worker pick, the issue order, the rate), written out for
+        the commonest case (no DRAM load registered, nothing waiting, a worker idle); any
+        other case calls the two."""
+        idle = self._idle
+        lanes = self.lanes
+        # _start's pick: the idle worker free longest, the lowest index on ties (-1: none)
+        if len(lanes) == 2:
+            if idle[0]:
+                i = 1 if idle[1] and lanes[1].free_at < lanes[0].free_at else 0
+            else:
+                i = 1 if idle[1] else -1
+        elif len(lanes) == 1:
+            i = 0 if idle[0] else -1
+        else:
+            i = -1
+            best = 0.0
+            for k, free in enumerate(idle):
+                if free and (i < 0 or lanes[k].free_at < best):
+                    i, best = k, lanes[k].free_at
+        if i < 0 or self._loads or self._queue:
+            self.submit(t, job)
+            return self.next_event()
+        active = self.active
+        dt = t - self.t
+        if dt > 0.0:  # _progress
+            r = self.rate
+            for j in active:
+                j.rem -= r * dt
+            self.t = t
+        idle[i] = False
+        job.worker = i
+        job.start = t
+        active.append(job)
+        n = len(active)
+        if n == 1:  # _rerate's sums (see there)
+            share, dram = job.share, job.dram
+        elif n == 2:
+            a, b = active
+            if a.seq > b.seq:  # _order_active
+                active.reverse()
+            share, dram = a.share + b.share, a.dram + b.dram
+        else:
+            active.sort(key=_by_seq)
+            share = sum(j.share for j in active)
+            dram = sum(j.dram for j in active)
+        rate = 1.0 / share if share > 1.0 else 1.0
+        if dram > 0.0:
+            rate = min(rate, max(0.0, 1.0 - self.ext) / dram)
+        self.rate = rate
+        self.version += 1
+        if rate > 0.0:  # next_event without a DRAM load
+            rem = active[0].rem
+            for j in active:
+                if j.rem < rem:
+                    rem = j.rem
+            dep = self.t + (rem / rate if rem > 0.0 else 0.0)
+            if dep < math.inf:
+                return dep
+        return math.inf
+
+    def arrive_then_end(self, t1: float, job: CpuJob) -> tuple[float, float] | None:
+        """``submit_next(t1, job)`` then ``wake_next`` at the time it returns, in one pass,
+        when that wake-up ends the one call running before ``job`` and not ``job``: the
+        commonest step of daop's pre-calculation chains (one call running, the next one
+        arriving before it ends). Returns (the wake-up's time, the next event's time), with
+        the state both calls leave; returns None, changing nothing, in any other case (more
+        or fewer running calls, a waiting call, a DRAM load, no idle worker, another
+        outcome). The same arithmetic in the same order: progress to ``t1``, the worker
+        pick, the two calls' rate (``_rerate``'s sum of two terms), the next event, progress
+        to it, the done test, the lone call's rate, the next event."""
+        active = self.active
+        if len(active) != 1 or self._loads or self._queue:
+            return None
+        idle, lanes = self._idle, self.lanes
+        if len(lanes) == 2:  # submit_next's pick
+            if idle[0]:
+                i = 1 if idle[1] and lanes[1].free_at < lanes[0].free_at else 0
+            else:
+                i = 1 if idle[1] else -1
+        elif len(lanes) == 1:
+            i = 0 if idle[0] else -1
+        else:
+            return None
+        if i < 0:
+            return None
+        j0 = active[0]
+        rate = self.rate
+        t = self.t
+        rem0 = j0.rem
+        dt = t1 - t
+        if dt > 0.0:  # _progress to t1
+            rem0 -= rate * dt
+            t = t1
+        rem1 = job.work  # job.rem as CpuJob sets it
+        share = j0.share + job.share  # _rerate over two calls (a sum of two is either order)
+        dram = j0.dram + job.dram
+        rate = 1.0 / share if share > 1.0 else 1.0
+        if dram > 0.0:
+            rate = min(rate, max(0.0, 1.0 - self.ext) / dram)
+        if not rate > 0.0:
+            return None
+        if j0.seq < job.seq:  # next_event's first smallest, in issue order
+            rem = rem0 if not rem1 < rem0 else rem1
+        else:
+            rem = rem1 if not rem0 < rem1 else rem0
+        te = t + (rem / rate if rem > 0.0 else 0.0)
+        if not te < math.inf:
+            return None
+        dt = te - t
+        if dt > 0.0:  # wake: _progress to te
+            rem0 -= rate * dt
+            rem1 -= rate * dt
+            t = te
+        if not rem0 <= DONE_EPS * j0.work or rem1 <= DONE_EPS * job.work:
+            return None  # another outcome: submit_next and wake_next take it
+        share1, dram1 = job.share, job.dram  # _rerate over the lone call
+        rate1 = 1.0 / share1 if share1 > 1.0 else 1.0
+        if dram1 > 0.0:
+            rate1 = min(rate1, max(0.0, 1.0 - self.ext) / dram1)
+        # -- the outcome is the common one: the state submit_next and wake_next leave
+        j0.rem = rem0
+        job.rem = rem1
+        idle[i] = False
+        job.worker = i
+        job.start = t1
+        active[0] = job
+        j0.end = te
+        w0 = j0.worker
+        lane = lanes[w0]
+        lane.busy += te - j0.start
+        lane.free_at = te
+        idle[w0] = True
+        self.t = t
+        self.rate = rate1
+        self.version += 2
+        if rate1 > 0.0:  # next_event over the lone call
+            dep = t + (rem1 / rate1 if rem1 > 0.0 else 0.0)
+            if dep < math.inf:
+                return te, dep
+        return te, math.inf
+
+    def wake_next(self, t: float) -> tuple[list[CpuJob], float]:
+        """:meth:`wake` then :meth:`next_event`, in one call (the same arithmetic), written
+        out when no DRAM load is registered and nothing waits; else it calls the two."""
+        if self._loads or self._queue:
+            done = self.wake(t)
+            return done, self.next_event()
+        active = self.active
+        dt = t - self.t
+        if dt > 0.0:  # _progress
+            r = self.rate
+            for j in active:
+                j.rem -= r * dt
+            self.t = t
+        done = []
+        for j in active:
+            if j.rem <= DONE_EPS * j.work:
+                done.append(j)
+        rate = self.rate
+        if done:
+            lanes, idle = self.lanes, self._idle
+            for j in done:
+                active.remove(j)
+                j.end = t
+                lane = lanes[j.worker]
+                lane.busy += t - j.start
+                lane.free_at = t
+                idle[j.worker] = True
+            n = len(active)  # _rerate (nothing waits, so _admit only re-rates)
+            if n == 1:
+                a = active[0]
+                share, dram = a.share, a.dram
+            elif n == 2:
+                a, b = active
+                share, dram = a.share + b.share, a.dram + b.dram
+            else:
+                share = sum(j.share for j in active)
+                dram = sum(j.dram for j in active)
+            rate = 1.0 / share if share > 1.0 else 1.0
+            if dram > 0.0:
+                rate = min(rate, max(0.0, 1.0 - self.ext) / dram)
+            self.rate = rate
+        self.version += 1
+        if active and rate > 0.0:  # next_event without a DRAM load
+            rem = active[0].rem
+            for j in active:
+                if j.rem < rem:
+                    rem = j.rem
+            dep = self.t + (rem / rate if rem > 0.0 else 0.0)
+            if dep < math.inf:
+                return done, dep
+        return done, math.inf
 
     def load(self, start: float, end: float, share: float) -> None:
         """Unified memory: a copy takes ``share`` of the DRAM from ``start`` to ``end``."""
