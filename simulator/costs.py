@@ -157,10 +157,11 @@ class CostModel:
     #: graph_kernel_us``) when the run's one-token steps are replayed as graphs; 0: every
     #: kernel costs ``gpu.launch_overhead_us`` (docs/cost-model.md, "CUDA-graph decode")
     graph_kernel_us: float = 0.0
-    #: share of ``gpu.mem_bw_gbs`` the runtime's GPU kernels stream weights and KV cache at
-    #: (``RuntimeProfile.gpu_stream_efficiency``, docs/cost-model.md "GPU stream efficiency"):
-    #: the memory-bound term of every GPU expert call and non-expert part divides by
-    #: ``gpu.mem_bw_gbs x`` this; 1.0 (every runtime but ``llama.cpp``) leaves it unchanged
+    #: share of the GPU's spec bandwidth (``gpu.spec_mem_bw_gbs``, else ``gpu.mem_bw_gbs``) the
+    #: runtime's GPU kernels stream weights and KV cache at (``RuntimeProfile.
+    #: gpu_stream_efficiency``, docs/cost-model.md "GPU stream efficiency"): the memory-bound
+    #: term of every GPU expert call and non-expert part divides by ``min(gpu.mem_bw_gbs,
+    #: this x spec)``; 1.0 (every runtime but ``llama.cpp``) leaves it unchanged
     gpu_stream_efficiency: float = 1.0
 
     # --- sizes -----------------------------------------------------------------------------------
@@ -247,16 +248,34 @@ class CostModel:
         """Roofline of one GPU expert over n tokens: its weights streamed, its GEMM FLOPs."""
         gpu = self.hw.gpu
         moved = self._gpu_expert_moved(n)
-        bw = gpu.mem_bw_gbs * 1e9 * self._gpu_efficiency
-        return max(moved / bw, self.expert_flops(n) / (gpu.bf16_tflops * 1e12))
+        return max(moved / self._gpu_expert_bw, self.expert_flops(n) / (gpu.bf16_tflops * 1e12))
+
+    def _gpu_stream_bw(self, format_share: float) -> float:
+        """Bytes/s GPU work streams at: ``format_share x gpu.mem_bw_gbs``, capped by the
+        runtime's achieved rate ``gpu_stream_efficiency x`` the spec bandwidth
+        (``HardwareProfile.gpu.spec_bw_gbs``). The efficiency is a share of the spec figure,
+        as it was derived (docs/cost-model.md, "GPU stream efficiency"), so a profile whose
+        ``mem_bw_gbs`` is a measured rate is not discounted twice. With efficiency 1.0 the cap
+        never binds (spec >= mem_bw_gbs) and the rate is the profile's, bit for bit."""
+        gpu = self.hw.gpu
+        own = gpu.mem_bw_gbs * 1e9 * format_share
+        eff = self.gpu_stream_efficiency
+        if eff == 1.0:
+            return own
+        return min(own, gpu.spec_bw_gbs * 1e9 * eff)
 
     @cached_property
-    def _gpu_efficiency(self) -> float:
-        """Share of ``gpu.mem_bw_gbs`` a GPU expert call streams at: the lower of the format's
-        rule (GGUF 0.87) and the runtime's measured stream efficiency. Not their product: the
-        runtime's figure was measured end to end on a GGUF model (docs/cost-model.md, "GPU
-        stream efficiency"), so it already holds the format's share."""
-        return min(gpu_kernel_efficiency(self.model.dtype), self.gpu_stream_efficiency)
+    def _gpu_expert_bw(self) -> float:
+        """Bytes/s a GPU expert call streams at: the lower of the format's rule (GGUF 0.87 of
+        ``gpu.mem_bw_gbs``) and the runtime's achieved rate. Not their product: the runtime's
+        figure was measured end to end on a GGUF model (docs/cost-model.md, "GPU stream
+        efficiency"), so it already holds the format's share."""
+        return self._gpu_stream_bw(gpu_kernel_efficiency(self.model.dtype))
+
+    @cached_property
+    def _nonexpert_bw(self) -> float:
+        """Bytes/s a layer's non-expert part streams weights and KV cache at."""
+        return self._gpu_stream_bw(1.0)
 
     @cached_property
     def _gpu_expert_kernels(self) -> int:
@@ -495,8 +514,7 @@ class CostModel:
         blocks = m.layers / m.moe_layers  # transformer blocks per MoE layer (dense ones too)
         params = (m.non_expert_params - m.embedding_params) / m.moe_layers
         flops = 2.0 * params * n_tokens + 4.0 * attn_pairs * m.hidden * blocks
-        bw = gpu.mem_bw_gbs * 1e9 * self.gpu_stream_efficiency
-        roof = max(moved / bw, flops / (gpu.bf16_tflops * 1e12))
+        roof = max(moved / self._nonexpert_bw, flops / (gpu.bf16_tflops * 1e12))
         return roof + NONEXPERT_KERNELS_PER_BLOCK * blocks * self.kernel_s(n_tokens)
 
     def nonexpert_batch_layer_s(self, n_tokens: int, kv_tokens: int) -> float:
@@ -834,10 +852,17 @@ class CostModel:
             rate = "h2d_pinned_gbs" if pinned else "h2d_pageable_gbs"
             return f"link: copy_overhead_us + {host_b} / link.{rate}{conv}"
 
-        eff = self._gpu_efficiency
-        bw_s = "gpu.mem_bw_gbs" if eff == 1.0 else f"({eff} x gpu.mem_bw_gbs)"
-        ne_eff = self.gpu_stream_efficiency
-        ne_bw_s = "gpu.mem_bw_gbs" if ne_eff == 1.0 else f"({ne_eff} x gpu.mem_bw_gbs)"
+        share = gpu_kernel_efficiency(self.model.dtype)
+        eff = self.gpu_stream_efficiency
+
+        def stream(own: float) -> str:
+            low = min(own, eff)
+            if self.hw.gpu.spec_mem_bw_gbs is None or eff == 1.0:  # spec is mem_bw_gbs
+                return "gpu.mem_bw_gbs" if low == 1.0 else f"({low} x gpu.mem_bw_gbs)"
+            own_s = "gpu.mem_bw_gbs" if own == 1.0 else f"{own} x gpu.mem_bw_gbs"
+            return f"min({own_s}, {eff} x gpu.spec_mem_bw_gbs)"
+
+        bw_s, ne_bw_s = stream(share), stream(1.0)
         k = self._gpu_expert_kernels
         dq = dequant_bytes_per_weight(self.model.dtype)
         dq_s = f" + {dq:g} B x params (scale dequantisation)" if dq else ""

@@ -35,6 +35,15 @@ class GpuSpec:
     bf16_tflops: float  # dense BF16 (FP32-accumulate) tensor throughput, TFLOPS
     launch_overhead_us: float  # device-visible cost of one eager kernel launch, µs
     workspace_gb: float  # activations and allocator reserve kept free of weights, GB
+    #: the vendor's (spec) memory bandwidth, GB/s, where ``mem_bw_gbs`` is a measured rate below
+    #: it; None: ``mem_bw_gbs`` is the spec figure itself. A runtime's ``gpu_stream_efficiency``
+    #: is a share of this figure (docs/cost-model.md, "GPU stream efficiency")
+    spec_mem_bw_gbs: float | None = None
+
+    @property
+    def spec_bw_gbs(self) -> float:
+        """The vendor's memory bandwidth, GB/s: ``spec_mem_bw_gbs``, else ``mem_bw_gbs``."""
+        return self.mem_bw_gbs if self.spec_mem_bw_gbs is None else self.spec_mem_bw_gbs
 
     @property
     def usable_bytes(self) -> float:
@@ -267,7 +276,9 @@ _GPU: _Schema = {
     "bf16_tflops": "pos",
     "launch_overhead_us": "pos",
     "workspace_gb": "pos",
+    "spec_mem_bw_gbs": "pos",
 }
+_GPU_OPTIONAL = {"spec_mem_bw_gbs"}
 _LINK: _Schema = {
     "kind": LINK_KINDS,
     "h2d_pinned_gbs": "pos",
@@ -336,6 +347,7 @@ _MEASURED_OPTIONAL = {"dtype", "load_overrides_link"}
 MAX_VALUES: dict[str, float] = {
     "gpu.memory_gb": 10_000,
     "gpu.mem_bw_gbs": 100_000,
+    "gpu.spec_mem_bw_gbs": 100_000,
     "gpu.bf16_tflops": 100_000,
     "gpu.launch_overhead_us": 10_000,
     "gpu.workspace_gb": 10_000,
@@ -477,7 +489,15 @@ def parse_profile(data: dict[str, Any], path: str | os.PathLike[str]) -> Hardwar
     for sect in ("gpu", "link", "cpu"):
         if sect not in data:
             raise ProfileError(p, "missing section", sect)
-    gpu = GpuSpec(**_section(p, data["gpu"], _GPU, "gpu."))
+    gpu = GpuSpec(**_section(p, data["gpu"], _GPU, "gpu.", _GPU_OPTIONAL))
+    # a measured rate cannot beat the vendor's figure it is measured against
+    if gpu.spec_mem_bw_gbs is not None and gpu.spec_mem_bw_gbs < gpu.mem_bw_gbs:
+        raise ProfileError(
+            p,
+            f"must be >= gpu.mem_bw_gbs ({gpu.mem_bw_gbs:g}): the vendor figure bounds a "
+            f"measured rate; got {gpu.spec_mem_bw_gbs:g}",
+            "gpu.spec_mem_bw_gbs",
+        )
     link = LinkSpec(**_section(p, data["link"], _LINK, "link.", _LINK_OPTIONAL))
     cpu = CpuSpec(**_section(p, data["cpu"], _CPU, "cpu.", _CPU_OPTIONAL))
     # an achieved stream cannot beat the DRAM's theoretical bandwidth
@@ -610,6 +630,16 @@ def _resolved(p: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
         raise ProfileError(p, f"extends chain loops back to {base_path}", "extends")
     base = _resolved(base_path, (*seen, p.resolve()))
     merged: dict[str, Any] = {k: v for k, v in base.items() if k not in ("name", "description")}
+    gpu_base, gpu_child = merged.get("gpu"), data.get("gpu")
+    if (
+        isinstance(gpu_base, dict)
+        and isinstance(gpu_child, dict)
+        and "mem_bw_gbs" in gpu_child
+        and "spec_mem_bw_gbs" not in gpu_child
+    ):
+        # the spec figure qualifies the base's own mem_bw_gbs: a child naming another card's
+        # bandwidth (rtx4080-pcie4 over rtx4090-pcie4) must not inherit it
+        merged["gpu"] = {k: v for k, v in gpu_base.items() if k != "spec_mem_bw_gbs"}
     for key, value in data.items():
         old = merged.get(key)
         if isinstance(old, dict) and isinstance(value, dict):

@@ -55,7 +55,8 @@ _NUMERIC = {name: typ for name, typ, _ in FIELDS}
 #: meaning of ``gpu_stream_efficiency`` (a share in (0, 1], default 1: not one of the
 #: zero-default ``FIELDS``)
 STREAM_EFFICIENCY_MEANING = (
-    "share of gpu.mem_bw_gbs the runtime's GPU kernels stream weights and KV cache at "
+    "share of the GPU's spec bandwidth (gpu.spec_mem_bw_gbs, else gpu.mem_bw_gbs) the "
+    "runtime's GPU kernels stream weights and KV cache at, capped at gpu.mem_bw_gbs "
     "(1: the profile's bandwidth)"
 )
 #: values of a profile's ``attention`` field
@@ -90,9 +91,10 @@ class RuntimeProfile:
     #: graph replay
     graph_kernel_us: float = 0.0
     graph_step_us: float = 0.0
-    #: share of ``gpu.mem_bw_gbs`` the runtime's GPU kernels stream weights and KV bytes at, in
-    #: (0, 1] (docs/cost-model.md, "GPU stream efficiency"): the memory-bound term of its GPU
-    #: work divides by ``gpu.mem_bw_gbs x gpu_stream_efficiency``; 1.0 leaves it as it was
+    #: share of the GPU's spec bandwidth (``gpu.spec_mem_bw_gbs``, else ``gpu.mem_bw_gbs``) the
+    #: runtime's GPU kernels stream weights and KV bytes at, in (0, 1] (docs/cost-model.md,
+    #: "GPU stream efficiency"): the memory-bound term of its GPU work divides by
+    #: ``min(gpu.mem_bw_gbs, gpu_stream_efficiency x spec)``; 1.0 leaves it as it was
     gpu_stream_efficiency: float = 1.0
     #: field -> where its value comes from
     sources: dict[str, str] = field(default_factory=dict, compare=False)
