@@ -118,7 +118,7 @@ class HobbitPolicy(LRUPolicy):
         low: list[int] = []
         skip: list[int] = []
         above = 0.0
-        for e, w in zip(experts, weights, strict=True):
+        for e, w in zip(experts, weights, strict=False):
             share = above / total
             above += w
             if resident[e]:
