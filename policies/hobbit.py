@@ -141,7 +141,7 @@ class HobbitPolicy(LRUPolicy):
             if not resident[e]:
                 break
         else:  # every expert resident (nothing changes the plan below)
-            return self.serve_token(layer, experts, resident, shared_hit_plan=True)
+            return self.serve_token(layer, experts, resident, True)  # shared_hit_plan
         for e in experts[1:]:
             if not resident[e]:
                 break
