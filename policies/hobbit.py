@@ -118,7 +118,7 @@ class HobbitPolicy(LRUPolicy):
         low: list[int] = []
         skip: list[int] = []
         above = 0.0
-        for e, w in zip(experts, weights, strict=True):
+        for e, w in zip(experts, weights, strict=False):
             share = above / total
             above += w
             if resident[e]:
@@ -141,7 +141,7 @@ class HobbitPolicy(LRUPolicy):
             if not resident[e]:
                 break
         else:  # every expert resident (nothing changes the plan below)
-            return self.serve_token(layer, experts, resident, shared_hit_plan=True)
+            return self.serve_token(layer, experts, resident, True)  # shared_hit_plan
         for e in experts[1:]:
             if not resident[e]:
                 break

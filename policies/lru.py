@@ -83,9 +83,11 @@ class LRUPolicy(CachingPolicy):
         if not misses:
             return ALL_GPU_PLAN if shared_hit_plan else Plan(actions)
         plan = Plan(actions)  # positional: cheaper than a keyword (actions is Plan's first field)
-        protected = set(experts)
         extra = self.unevictable(layer)
+        # the token's experts (a short list: membership as in a set, without building one)
+        protected: Any = experts
         if extra:
+            protected = set(experts)
             protected |= extra
         cache = self.cache[layer]
         capacity = self.quota[layer]

@@ -154,8 +154,9 @@ class MixtralOffloadingPolicy(LRUPolicy):
             # without prefetch nothing is ever pending and the copy numbers are never read:
             # one decode token is LRU's service alone (its hooks written out)
             layer = view.layer
+            # shared_hit_plan=True, positional (cheaper than a keyword)
             return self.serve_token(
-                layer, view.experts.tolist(), view.resident[layer].tolist(), shared_hit_plan=True
+                layer, view.experts.tolist(), view.resident[layer].tolist(), True
             )
         if self.pending:
             # the previous layer waited for its demand copies and for the experts it ran

@@ -914,7 +914,7 @@ class EngineBase:
             return
         used = set(route)
         raw = set(np.asarray(plan.raw_route).tolist()) if plan.raw_route is not None else set()
-        for e, w in zip(true_e.tolist(), true_w.tolist(), strict=True):
+        for e, w in zip(true_e.tolist(), true_w.tolist(), strict=False):
             if e in used:
                 c.gate_mass_kept += w
             elif e in raw:
@@ -925,7 +925,7 @@ class EngineBase:
     def _low_bit_mass(self, low: Any, true_e: np.ndarray, true_w: Any) -> None:
         """The true gate weight of experts computed from a low-precision copy."""
         c = self.c
-        for e, w in zip(true_e.tolist(), true_w.tolist(), strict=True):
+        for e, w in zip(true_e.tolist(), true_w.tolist(), strict=False):
             if e in low:
                 c.gate_mass_low_bit += w
 
@@ -1445,11 +1445,33 @@ class Engine(EngineBase):
 
     def _copies_only(self, layer: int, routed: list[int], plan: Plan, now: float) -> float | None:
         one = self._one_stream
+        if one and (self.recorder is not None or self._heap):
+            # one stream (ResourceSpec.one_stream): the paths below time it
+            # (_one_stream_gpu) only without a recorder and with nothing pending
+            return None
+        # Why this is exact: without unified memory, such a plan's requests submitted at ``now``
+        # are copies (and write-backs). Everything submitted earlier has been served, and what
+        # is still pending was submitted later, so the general path serves this layer's
+        # requests at once in issue order (write-backs and fetches as the plan's evictions and
+        # routed fetches come, temporary copies, prefetches) and then runs the GPU experts by
+        # (ready time, expert), exactly as below; a write-back's slot release and an in-use
+        # victim's deferred write-back still go through the heap. A temporary copy waiting
+        # for a buffer, and CPU calls, are submitted after ``now``: they are only taken here
+        # when nothing else is pending at all (the heap then has nothing to serve first).
+        # The host thread of a runtime profile (per-expert dispatch and syncs) only touches the
+        # GPU experts, which _timed_gpu and _gpu_jobs time as _layer does (in the same order,
+        # from the same stream and host clocks), so it needs nothing more here.
+        probe = self._plain_taken or self._plain_refused < _PLAIN_PROBES
+        if probe:
+            # the commonest plans first; a run whose first plans never qualify (CPU experts
+            # in every layer: fiddler, llama-cpp-cpu-moe) stops paying for the probe.
+            # On one stream it refuses, changing nothing, every plan the check below refuses
+            # (a victim it fetches is a routed expert), so that check can wait for a refusal
+            end = self._plain_fetches(layer, routed, plan, now)
+            if end is not None:
+                self._plain_taken = True
+                return end
         if one:
-            if self.recorder is not None or self._heap:
-                # one stream (ResourceSpec.one_stream): the paths below time it
-                # (_one_stream_gpu) only without a recorder and with nothing pending
-                return None
             victims, actions = plan.victims, plan.actions
             if victims and victims.__class__ is dict and actions.__class__ is dict:
                 for v in victims.values():
@@ -1463,25 +1485,7 @@ class Engine(EngineBase):
                         # every check below refuses it, after its work; the general path
                         # times it
                         return None
-        # Why this is exact: without unified memory, such a plan's requests submitted at ``now``
-        # are copies (and write-backs). Everything submitted earlier has been served, and what
-        # is still pending was submitted later, so the general path serves this layer's
-        # requests at once in issue order (write-backs and fetches as the plan's evictions and
-        # routed fetches come, temporary copies, prefetches) and then runs the GPU experts by
-        # (ready time, expert), exactly as below; a write-back's slot release and an in-use
-        # victim's deferred write-back still go through the heap. A temporary copy waiting
-        # for a buffer, and CPU calls, are submitted after ``now``: they are only taken here
-        # when nothing else is pending at all (the heap then has nothing to serve first).
-        # The host thread of a runtime profile (per-expert dispatch and syncs) only touches the
-        # GPU experts, which _timed_gpu and _gpu_jobs time as _layer does (in the same order,
-        # from the same stream and host clocks), so it needs nothing more here.
-        if self._plain_taken or self._plain_refused < _PLAIN_PROBES:
-            # the commonest plans first; a run whose first plans never qualify (CPU experts
-            # in every layer: fiddler, llama-cpp-cpu-moe) stops paying for the probe
-            end = self._plain_fetches(layer, routed, plan, now)
-            if end is not None:
-                self._plain_taken = True
-                return end
+        if probe:
             self._plain_refused += 1
         if plan.prefetch and not one and (self._pf_taken or self._pf_refused < _PLAIN_PROBES):
             # hits, fetches and prefetches without write-backs (moe-infinity), probed alike
@@ -3171,16 +3175,17 @@ class Engine(EngineBase):
         get = actions.get
         for e in routed:
             a = get(e)
+            i = lo + e
             if a == _GPU:
-                if not mres[lo + e] or mready[lo + e] == INF:
+                if not mres[i] or mready[i] == INF:
                     return None  # not resident, or its copy not timed yet
                 hits.append(e)
             elif a == _FETCH:
-                if mres[lo + e]:
+                if mres[i]:
                     return None  # already resident
                 fetch.append(e)
             elif a == _TEMP:
-                if mres[lo + e]:
+                if mres[i]:
                     return None  # a temporary copy of a resident expert
                 temps.append(e)
             else:
@@ -3202,7 +3207,9 @@ class Engine(EngineBase):
         #: the victim's flat index issued before each fetch (-1: none), in fetch order
         before: list[int] = []
         if n_copies:
-            if n_copies > 1 and len(set(fetch)) != n_copies:
+            if n_copies > 1 and (
+                fetch[0] == fetch[1] if n_copies == 2 else len(set(fetch)) != n_copies
+            ):
                 return None  # an expert fetched twice
             n_layers = self.n_layers
             n_res = res.n_resident
@@ -3246,8 +3253,11 @@ class Engine(EngineBase):
                 if mpre[i]:
                     mpre[i] = 0
                     c.prefetch_wasted_bytes += eb
-        # (with write-backs the victims' slots are freed when their write-backs end)
-        res.swap_slots(0 if wb else n_evs, n_copies)
+        # (with write-backs the victims' slots are freed when their write-backs end);
+        # Residency.swap_slots written out (the same sums)
+        occ = res.occupancy = res.occupancy - (0 if wb else n_evs) + n_copies
+        if n_copies and occ > res.max_occupancy:
+            res.max_occupancy = occ
         if not (wb and n_evs):  # one issue number per copy (write-backs: below)
             self._seq += n_copies + len(temps)
         if n_evs:
@@ -3257,13 +3267,18 @@ class Engine(EngineBase):
                 c.d2h_expert_copies += n_evs
         jobs: list[tuple[float, int]] = []
         for e in hits:
-            if mpre[lo + e]:
-                mpre[lo + e] = 0
+            i = lo + e
+            if mpre[i]:
+                mpre[i] = 0
                 c.prefetch_used += 1
-            jobs.append((mready[lo + e], e))
+            jobs.append((mready[i], e))
+        # _accesses for a decode layer, written out (the same sums)
         n = len(routed)
         n_hits = len(hits)
-        self._accesses(layer, n, n_hits, False)
+        c.decode_accesses += n
+        c.decode_hits += n_hits
+        self._hits[layer] += n_hits
+        self._acc[layer] += n
         n_h2d = n_copies + len(temps)
         if low:  # as _apply: a low-bit copy moves the host's low-precision copy
             n_low = len(low)  # each low-bit expert is one of the temporary copies (distinct)
@@ -3288,20 +3303,22 @@ class Engine(EngineBase):
             where = self.hooks.where
             sid, token = where.seq or 0, where.token or 0
             seq = self._seq
-            for e, i in zip(fetch, before, strict=True):
+            # the lanes' free times as locals (h2d's last: with one copy engine both are one
+            # lane, whose free time is then h2d's, never below d2h's local)
+            hf, df = lane.free_at, d2h.free_at
+            for e, i in zip(fetch, before, strict=False):
                 seq += 1
                 if i >= 0:  # the victim's write-back (issue number ``seq``), then the fetch
                     mres[i] = 0
                     if mpre[i]:
                         mpre[i] = 0
                         c.prefetch_wasted_bytes += eb
-                    s = lane.free_at
-                    if d2h.free_at > s:
-                        s = d2h.free_at
+                    s = hf
+                    if df > s:
+                        s = df
                     if now > s:
                         s = now  # max(now, both lanes' free times)
-                    end = s + wb_s
-                    lane.free_at = d2h.free_at = end
+                    hf = df = end = s + wb_s
                     d2h.busy += wb_s
                     vl, ve = divmod(i, n_exp)
                     if rel is not None and (not rel or rel[-1][0] <= end):
@@ -3312,12 +3329,53 @@ class Engine(EngineBase):
                         op.stage = 1
                         heapq.heappush(self._heap, (end, seq, next(self._uid), op))
                     seq += 1
-                s = now if now > lane.free_at else lane.free_at  # Lane.serve, inlined
-                end = lane.free_at = s + dur
+                s = now if now > hf else hf  # Lane.serve, inlined
+                hf = end = s + dur
                 lane.busy += dur
                 mres[lo + e] = 1
                 mready[lo + e] = end
                 jobs.append((end, e))
+            if not temps and self._one_stream:
+                # _one_stream_gpu with late None, written out: the lanes are free from
+                # max(hf, df), each expert holds both, and the layer ends once they are free
+                self._seq = seq
+                jobs.sort()
+                ds = self._repeat_d
+                if ds is None:
+                    d1 = m.gpu_s(1)
+                    ds = self._repeat_d = (d1 + m.fused_launch_s, d1 + 0.0)
+                d, rest = ds
+                host = m.host_experts
+                lanes = hf if hf > df else df
+                g = now
+                busy = 0.0
+                for ready, _ in jobs:
+                    drained = g
+                    if lanes > ready:
+                        ready = lanes
+                    if g > ready:
+                        ready = g
+                    if ready > g:
+                        c.transfer_stall += ready - g
+                        g = ready
+                    if host is not None:
+                        wait = host.expert(drained, g, d) - d - g
+                        if wait > 0.0:
+                            c.dispatch_stall += wait
+                            g += wait
+                    g += d
+                    busy += d
+                    d = rest
+                    lanes = g
+                d2h.free_at = lane.free_at = lanes
+                if lanes > g:
+                    c.transfer_stall += lanes - g
+                    g = lanes
+                c.gpu_expert_busy += busy
+                m.gpu.busy += busy
+                return g
+            d2h.free_at = df
+            lane.free_at = hf
             self._seq = seq + len(temps)
             fetch = []  # issued
         if fetch or temps:

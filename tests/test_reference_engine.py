@@ -878,14 +878,21 @@ def test_one_stream_miss_layers_take_the_one_pass_paths(
 ) -> None:
     """Without a recorder, mixtral-offloading's miss layers on one stream (its default,
     ResourceSpec.one_stream) go through the one-pass copy paths and Engine._one_stream_gpu
-    (which a recorded run leaves to _layer's general one-stream loop), and the runs are
-    bit-identical to recorded runs and agree with the reference engine."""
+    (or its loop written out in _copy_layer_wb; a recorded run leaves them to _layer's
+    general one-stream loop), and the runs are bit-identical to recorded runs and agree with
+    the reference engine."""
     seen = {"plain": 0, "late": 0, "prefetch": 0}
-    gpu, copies = Engine._one_stream_gpu, Engine._copies_only
+    gpu, copies, cwb = Engine._one_stream_gpu, Engine._copies_only, Engine._copy_layer_wb
 
     def counting_gpu(self: Engine, jobs: Any, late: Any, now: float) -> float:
         seen["late" if late else "plain"] += 1
         return gpu(self, jobs, late, now)
+
+    def counting_cwb(self: Engine, layer: int, routed: Any, plan: Plan, now: float) -> Any:
+        end = cwb(self, layer, routed, plan, now)
+        if end is not None and self._one_stream and plan.victims:
+            seen["plain"] += 1  # written back and timed on the one stream in one pass
+        return end
 
     def counting_copies(self: Engine, layer: int, routed: Any, plan: Plan, now: float) -> Any:
         end = copies(self, layer, routed, plan, now)
@@ -895,6 +902,7 @@ def test_one_stream_miss_layers_take_the_one_pass_paths(
 
     monkeypatch.setattr(Engine, "_one_stream_gpu", counting_gpu)
     monkeypatch.setattr(Engine, "_copies_only", counting_copies)
+    monkeypatch.setattr(Engine, "_copy_layer_wb", counting_cwb)
     quiet, loud, ref = _run_quiet_and_recorded("mixtral-offloading", trace, ratio, runtime, **opts)
     assert seen[kind] > 0, f"no one-stream {kind} layer took the one-pass paths"
     assert quiet.counters.d2h_expert_copies > 0 and quiet.counters.transfer_stall > 0
