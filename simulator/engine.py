@@ -564,6 +564,8 @@ class EngineBase:
         peer_home = self._peer_home
         unified = m.unified
         host = m.host
+        # the host thread's non-expert step (_host_nonexpert without its own call)
+        host_ne = host.nonexpert_start if host is not None else None
         streamed = m.streamed  # ZeRO-3's streamed non-expert weights, or None
         # the executor's own timing of those copies (Engine._weights_now), or None: each is
         # then yielded to the executor (_weights_in)
@@ -605,10 +607,10 @@ class EngineBase:
                             start = weights_now(start, layer, streamed)
                         else:
                             start = yield from self._weights_in(start, layer, streamed)
-                    if host is None:
+                    if host_ne is None:
                         now = start + d_ne
                     else:  # the host thread issues the part's kernels, maybe syncs on routing
-                        start, now = self._host_nonexpert(start, d_ne, layer == 0)
+                        start, now = host_ne(start, d_ne, layer == 0, c)
                     if rec is not None:
                         rec.op(
                             gpu_lane.name, "nonexpert", sid, t, layer, -1, start, start + d_ne, 0
@@ -838,11 +840,7 @@ class EngineBase:
         """With a host thread: when a layer's non-expert part (GPU time ``d_ne``, stream free
         from ``start``) starts on the GPU, and the decision time (docs/cost-model.md,
         "Runtime profiles"). ``first``: the first layer of a forward pass."""
-        ne_end, now = self.machine.host.nonexpert(start, d_ne, first)  # type: ignore[union-attr]
-        if ne_end - d_ne > start:
-            self.c.dispatch_stall += ne_end - d_ne - start
-            start = ne_end - d_ne
-        return start, now
+        return self.machine.host.nonexpert_start(start, d_ne, first, self.c)  # type: ignore[union-attr]
 
     # -- CPU-resident layers (llama.cpp's -ngl split; docs/cost-model.md) ----------------------
     def _cpu_layer_nonexpert(
@@ -1443,7 +1441,36 @@ class Engine(EngineBase):
     _pf_taken = False
     _pf_refused = 0
 
+    #: ``_copies_only`` goes straight to ``_whole_layer_repeat`` (set once that path has
+    #: served a plan with the probes before it spent and never taken, and the run's fixed
+    #: conditions for it: no unified memory, SSD tier, write-back or single stream)
+    _wlr_direct = False
+
     def _copies_only(self, layer: int, routed: list[int], plan: Plan, now: float) -> float | None:
+        tried = False  # _whole_layer_repeat has refused this plan already
+        if self._wlr_direct:
+            # the checks the path below makes before _whole_layer_repeat, less the run's
+            # fixed ones and the spent probes (which it would skip); a refusal continues
+            # below without calling it again
+            actions = plan.actions
+            pf = plan.prefetch
+            if (
+                pf.__class__ is list
+                and plan.evict.__class__ is list
+                and plan.victims.__class__ is dict
+                and actions.__class__ is dict
+                and len(actions) == len(routed)
+                and plan.evict
+                and pf
+                and not plan.barrier
+                and not plan.low_bit
+                and not self.res.waiters
+                and len(pf) + len(routed) == self.n_experts
+            ):
+                end = self._whole_layer_repeat(layer, routed, plan, now)
+                if end is not None:
+                    return end
+                tried = True
         one = self._one_stream
         if one:
             if self.recorder is not None or self._heap:
@@ -1511,10 +1538,22 @@ class Engine(EngineBase):
                 return end
         if plan.low_bit:
             return None  # the general one-pass check below times full-precision copies only
-        elif not self._wb and not one and len(plan.prefetch) + len(routed) == self.n_experts:
+        elif (
+            not tried
+            and not self._wb
+            and not one
+            and len(plan.prefetch) + len(routed) == self.n_experts
+        ):
             # maybe a whole layer streamed in (stream-all, vllm-cpu-offload)
             end = self._whole_layer_repeat(layer, routed, plan, now)
             if end is not None:
+                if (
+                    not self._plain_taken
+                    and self._plain_refused >= _PLAIN_PROBES
+                    and not self._pf_taken
+                    and self._pf_refused >= _PLAIN_PROBES
+                ):
+                    self._wlr_direct = True  # (the run's fixed conditions held here)
                 return end
         resident, ready_at = res.resident, res.ready_at
         row = resident[layer]
@@ -2609,7 +2648,9 @@ class Engine(EngineBase):
         self._seq += n_exp
         res.n_resident = n_res
         n = len(routed)
-        self._accesses(layer, n, 0, False)  # no hit
+        # _accesses(layer, n, 0, False), written out (no hit: the hit counts stay)
+        c.decode_accesses += n
+        self._acc[layer] += n
         c.h2d_bytes += eb * n_exp
         c.h2d_expert_copies += n_exp
         c.fetches += n
@@ -2622,12 +2663,12 @@ class Engine(EngineBase):
         free, busy = lane.free_at, lane.busy
         if now > free:
             free = now
-        jobs: list[tuple[float, int]] = []
+        readies: list[float] = []
         for e in routed:
             free += dur
             busy += dur
             mready[lo + e] = free
-            jobs.append((free, e))
+            readies.append(free)
         for e in known[2]:
             free += dur
             busy += dur
@@ -2639,7 +2680,31 @@ class Engine(EngineBase):
         res.occupancy = occ
         if occ > res.max_occupancy:
             res.max_occupancy = occ
-        return self._repeat_gpu(jobs, now)
+        # -- the GPU experts (_repeat_gpu's sums; the routed copies land back to back, so
+        # their ready times never decrease and come in (ready, expert) order already)
+        ds = self._repeat_d
+        if ds is None:
+            m = self.machine
+            d1 = m.gpu_s(1)
+            ds = self._repeat_d = (d1 + m.fused_launch_s, d1 + 0.0)
+        d, rest = ds
+        m = self.machine
+        host = m.host_experts  # None when GPU expert calls cost the host nothing
+        if host is not None:  # the host thread's calls in one loop
+            g, busy = host.experts_run(readies, now, d, rest, c)
+        else:
+            g = now
+            busy = 0.0
+            for ready in readies:
+                if ready > g:
+                    c.transfer_stall += ready - g
+                    g = ready
+                g += d
+                busy += d
+                d = rest
+        c.gpu_expert_busy += busy
+        m.gpu.busy += busy
+        return g
 
     #: _repeat_gpu's GPU time of a layer's first one-token expert call (with the layer's
     #: fused launches) and of the others, as _timed_gpu sums them
