@@ -1191,17 +1191,16 @@ class Engine(EngineBase):
         submitted before it, then it takes the host-to-device lane), in the same order, with
         no generator round trip; returns when the last lands."""
         c = self.c
-        (lb, ls), (eb, es) = streamed
-        if layer < 0:
-            items = (("embedding", eb, es, self.n_layers - 1),)
-        elif layer == 0:
-            items = (("embedding", eb, es, 0), ("weights", lb, ls, 0))
-        elif lb > 0:  # the common case: one layer's weights
+        if layer > 0:  # the common case: one layer's weights
+            lb, ls = streamed[0]
+            if lb <= 0:
+                return start
             self._seq += 1
             c.h2d_bytes += lb
             c.nonexpert_weight_copies += 1
             c.nonexpert_weight_bytes += lb
-            if self._rel or (self._heap and self._heap[0][0] <= start):
+            heap = self._heap
+            if self._rel or (heap and heap[0][0] <= start):
                 self._due(start)
             lane = self._h2d.lane
             free = lane.free_at
@@ -1215,8 +1214,13 @@ class Engine(EngineBase):
                 self.recorder.op(lane.name, "weights", w.seq or 0, w.token or 0, layer, -1, s, e,
                                  lb)  # fmt: skip
             return e
+        (lb, ls), (eb, es) = streamed
+        if layer < 0:
+            items: tuple[tuple[str, int, float, int], ...] = (
+                ("embedding", eb, es, self.n_layers - 1),
+            )
         else:
-            return start
+            items = (("embedding", eb, es, 0), ("weights", lb, ls, 0))
         end = start
         for rkind, nbytes, dur, ll in items:
             if nbytes <= 0:
