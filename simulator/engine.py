@@ -564,6 +564,8 @@ class EngineBase:
         peer_home = self._peer_home
         unified = m.unified
         host = m.host
+        # the host thread's non-expert step (_host_nonexpert without its own call)
+        host_ne = host.nonexpert_start if host is not None else None
         streamed = m.streamed  # ZeRO-3's streamed non-expert weights, or None
         # the executor's own timing of those copies (Engine._weights_now), or None: each is
         # then yielded to the executor (_weights_in)
@@ -605,10 +607,10 @@ class EngineBase:
                             start = weights_now(start, layer, streamed)
                         else:
                             start = yield from self._weights_in(start, layer, streamed)
-                    if host is None:
+                    if host_ne is None:
                         now = start + d_ne
                     else:  # the host thread issues the part's kernels, maybe syncs on routing
-                        start, now = self._host_nonexpert(start, d_ne, layer == 0)
+                        start, now = host_ne(start, d_ne, layer == 0, c)
                     if rec is not None:
                         rec.op(
                             gpu_lane.name, "nonexpert", sid, t, layer, -1, start, start + d_ne, 0
@@ -838,11 +840,7 @@ class EngineBase:
         """With a host thread: when a layer's non-expert part (GPU time ``d_ne``, stream free
         from ``start``) starts on the GPU, and the decision time (docs/cost-model.md,
         "Runtime profiles"). ``first``: the first layer of a forward pass."""
-        ne_end, now = self.machine.host.nonexpert(start, d_ne, first)  # type: ignore[union-attr]
-        if ne_end - d_ne > start:
-            self.c.dispatch_stall += ne_end - d_ne - start
-            start = ne_end - d_ne
-        return start, now
+        return self.machine.host.nonexpert_start(start, d_ne, first, self.c)  # type: ignore[union-attr]
 
     # -- CPU-resident layers (llama.cpp's -ngl split; docs/cost-model.md) ----------------------
     def _cpu_layer_nonexpert(
@@ -1193,17 +1191,16 @@ class Engine(EngineBase):
         submitted before it, then it takes the host-to-device lane), in the same order, with
         no generator round trip; returns when the last lands."""
         c = self.c
-        (lb, ls), (eb, es) = streamed
-        if layer < 0:
-            items = (("embedding", eb, es, self.n_layers - 1),)
-        elif layer == 0:
-            items = (("embedding", eb, es, 0), ("weights", lb, ls, 0))
-        elif lb > 0:  # the common case: one layer's weights
+        if layer > 0:  # the common case: one layer's weights
+            lb, ls = streamed[0]
+            if lb <= 0:
+                return start
             self._seq += 1
             c.h2d_bytes += lb
             c.nonexpert_weight_copies += 1
             c.nonexpert_weight_bytes += lb
-            if self._rel or (self._heap and self._heap[0][0] <= start):
+            heap = self._heap
+            if self._rel or (heap and heap[0][0] <= start):
                 self._due(start)
             lane = self._h2d.lane
             free = lane.free_at
@@ -1217,8 +1214,13 @@ class Engine(EngineBase):
                 self.recorder.op(lane.name, "weights", w.seq or 0, w.token or 0, layer, -1, s, e,
                                  lb)  # fmt: skip
             return e
+        (lb, ls), (eb, es) = streamed
+        if layer < 0:
+            items: tuple[tuple[str, int, float, int], ...] = (
+                ("embedding", eb, es, self.n_layers - 1),
+            )
         else:
-            return start
+            items = (("embedding", eb, es, 0), ("weights", lb, ls, 0))
         end = start
         for rkind, nbytes, dur, ll in items:
             if nbytes <= 0:
@@ -1443,7 +1445,36 @@ class Engine(EngineBase):
     _pf_taken = False
     _pf_refused = 0
 
+    #: ``_copies_only`` goes straight to ``_whole_layer_repeat`` (set once that path has
+    #: served a plan with the probes before it spent and never taken, and the run's fixed
+    #: conditions for it: no unified memory, SSD tier, write-back or single stream)
+    _wlr_direct = False
+
     def _copies_only(self, layer: int, routed: list[int], plan: Plan, now: float) -> float | None:
+        tried = False  # _whole_layer_repeat has refused this plan already
+        if self._wlr_direct:
+            # the checks the path below makes before _whole_layer_repeat, less the run's
+            # fixed ones and the spent probes (which it would skip); a refusal continues
+            # below without calling it again
+            actions = plan.actions
+            pf = plan.prefetch
+            if (
+                pf.__class__ is list
+                and plan.evict.__class__ is list
+                and plan.victims.__class__ is dict
+                and actions.__class__ is dict
+                and len(actions) == len(routed)
+                and plan.evict
+                and pf
+                and not plan.barrier
+                and not plan.low_bit
+                and not self.res.waiters
+                and len(pf) + len(routed) == self.n_experts
+            ):
+                end = self._whole_layer_repeat(layer, routed, plan, now)
+                if end is not None:
+                    return end
+                tried = True
         one = self._one_stream
         if one and (self.recorder is not None or self._heap):
             # one stream (ResourceSpec.one_stream): the paths below time it
@@ -1515,10 +1546,22 @@ class Engine(EngineBase):
                 return end
         if plan.low_bit:
             return None  # the general one-pass check below times full-precision copies only
-        elif not self._wb and not one and len(plan.prefetch) + len(routed) == self.n_experts:
+        elif (
+            not tried
+            and not self._wb
+            and not one
+            and len(plan.prefetch) + len(routed) == self.n_experts
+        ):
             # maybe a whole layer streamed in (stream-all, vllm-cpu-offload)
             end = self._whole_layer_repeat(layer, routed, plan, now)
             if end is not None:
+                if (
+                    not self._plain_taken
+                    and self._plain_refused >= _PLAIN_PROBES
+                    and not self._pf_taken
+                    and self._pf_refused >= _PLAIN_PROBES
+                ):
+                    self._wlr_direct = True  # (the run's fixed conditions held here)
                 return end
         resident, ready_at = res.resident, res.ready_at
         row = resident[layer]
@@ -2582,7 +2625,10 @@ class Engine(EngineBase):
         _, _, _, mres, mready, mpre, none, every = views
         lo = layer * n_exp
         hi = lo + n_exp
-        if mres[lo:hi] != none:
+        # the mask's bytes, copied once: two bytes slices compare faster than two
+        # memoryview slices (the same bytes either way)
+        rb = mres.tobytes()
+        if rb[lo:hi] != none:
             return None  # something of the layer is resident
         vlo = vhi = 0
         if ev:
@@ -2590,7 +2636,7 @@ class Engine(EngineBase):
                 return self._whole_layer_copies_memo(layer, routed, plan, now, key)
             vlo = vl * n_exp
             vhi = vlo + n_exp
-            if mres[vlo:vhi] != every:  # not every expert of the victim layer is resident
+            if rb[vlo:vhi] != every:  # not every expert of the victim layer is resident
                 return self._whole_layer_copies_memo(layer, routed, plan, now, key)
             # (no ready time is NaN: they are sums of finite durations, or inf)
             if max(mready[vlo:vhi]) > now:
@@ -2604,7 +2650,7 @@ class Engine(EngineBase):
         eb = self.expert_bytes
         if ev:
             mres[vlo:vhi] = none
-            n_wasted = mpre[vlo:vhi].tobytes().count(1)
+            n_wasted = mpre.tobytes().count(1, vlo, vhi)
             if n_wasted:
                 mpre[vlo:vhi] = none
                 c.prefetch_wasted_bytes += eb * n_wasted  # whole numbers: any order
@@ -2613,7 +2659,9 @@ class Engine(EngineBase):
         self._seq += n_exp
         res.n_resident = n_res
         n = len(routed)
-        self._accesses(layer, n, 0, False)  # no hit
+        # _accesses(layer, n, 0, False), written out (no hit: the hit counts stay)
+        c.decode_accesses += n
+        self._acc[layer] += n
         c.h2d_bytes += eb * n_exp
         c.h2d_expert_copies += n_exp
         c.fetches += n
@@ -2626,12 +2674,12 @@ class Engine(EngineBase):
         free, busy = lane.free_at, lane.busy
         if now > free:
             free = now
-        jobs: list[tuple[float, int]] = []
+        readies: list[float] = []
         for e in routed:
             free += dur
             busy += dur
             mready[lo + e] = free
-            jobs.append((free, e))
+            readies.append(free)
         for e in known[2]:
             free += dur
             busy += dur
@@ -2643,7 +2691,31 @@ class Engine(EngineBase):
         res.occupancy = occ
         if occ > res.max_occupancy:
             res.max_occupancy = occ
-        return self._repeat_gpu(jobs, now)
+        # -- the GPU experts (_repeat_gpu's sums; the routed copies land back to back, so
+        # their ready times never decrease and come in (ready, expert) order already)
+        ds = self._repeat_d
+        if ds is None:
+            m = self.machine
+            d1 = m.gpu_s(1)
+            ds = self._repeat_d = (d1 + m.fused_launch_s, d1 + 0.0)
+        d, rest = ds
+        m = self.machine
+        host = m.host_experts  # None when GPU expert calls cost the host nothing
+        if host is not None:  # the host thread's calls in one loop
+            g, busy = host.experts_run(readies, now, d, rest, c)
+        else:
+            g = now
+            busy = 0.0
+            for ready in readies:
+                if ready > g:
+                    c.transfer_stall += ready - g
+                    g = ready
+                g += d
+                busy += d
+                d = rest
+        c.gpu_expert_busy += busy
+        m.gpu.busy += busy
+        return g
 
     #: _repeat_gpu's GPU time of a layer's first one-token expert call (with the layer's
     #: fused launches) and of the others, as _timed_gpu sums them

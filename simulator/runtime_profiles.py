@@ -320,7 +320,20 @@ class HostThread:
             h = g if g > self.t else self.t
             self.t = h + (self.sync + self.step)
             self.syncs += 1
-        end = self.issue(g, d, self.ne_k)
+        # issue(g, d, ne_k), written out (one call fewer on the per-layer path)
+        end = g + d
+        k = self.ne_k
+        if k:
+            h = self.t
+            disp = self.dispatch
+            t = h + disp + d
+            if t > end:
+                end = t
+            h += k * disp
+            t = h + d / k
+            if t > end:
+                end = t
+            self.t = h
         n = self.routing_syncs
         if not n:
             if self.idle_loop:
@@ -333,6 +346,41 @@ class HostThread:
             return end, self._idle(h)
         return end, h
 
+    def nonexpert_start(self, g: float, d: float, first_layer: bool, c: Any) -> tuple[float, float]:
+        """:meth:`nonexpert` with the engine's bookkeeping around it in one call: returns
+        (when the part starts on the GPU, the decision time), the start moved past ``g`` by
+        the wait for the thread to issue it, which is added to ``c.dispatch_stall``."""
+        if first_layer:
+            h = g if g > self.t else self.t
+            self.t = h + (self.sync + self.step)
+            self.syncs += 1
+        # issue(g, d, ne_k), written out
+        end = g + d
+        k = self.ne_k
+        if k:
+            h = self.t
+            disp = self.dispatch
+            t = h + disp + d
+            if t > end:
+                end = t
+            h += k * disp
+            t = h + d / k
+            if t > end:
+                end = t
+            self.t = h
+        n = self.routing_syncs
+        if not n:
+            now = self._idle(end) if self.idle_loop else end
+        else:
+            h = end if end > self.t else self.t
+            self.t = h = h + n * self.sync
+            self.syncs += n
+            now = self._idle(h) if self.idle_loop else h
+        if end - d > g:
+            c.dispatch_stall += end - d - g
+            g = end - d
+        return g, now
+
     def _idle(self, ready: float) -> float:
         """The MoE loop's passes over experts with no token, once the routing is ready at
         ``ready`` (GPU time, or the host's after routing syncs). With syncs in the loop the
@@ -344,6 +392,53 @@ class HostThread:
             self.syncs += self.idle_syncs
         self.t = h = h + self.idle_loop
         return h if h > ready else ready
+
+    def experts_run(
+        self, readies: list[float], g: float, d: float, rest: float, c: Any
+    ) -> tuple[float, float]:
+        """One-token GPU expert calls back to back on one stream free from ``g``, the first
+        of GPU time ``d``, the others ``rest``, each startable once its weights are there
+        (``readies``, in call order): :meth:`expert` per call, with the engine's waits
+        around it, in one loop. Adds each call's wait for its weights to
+        ``c.transfer_stall`` and for the host thread to ``c.dispatch_stall`` (in call order,
+        so the sums are the same); returns when the last call ends and the GPU time of all
+        of them (summed in call order)."""
+        n = self.expert_syncs
+        k = self.expert_k
+        sync = self.expert_sync
+        disp = self.dispatch
+        kd = k * disp
+        t = self.t
+        busy = 0.0
+        for ready in readies:
+            drained = g
+            if ready > g:
+                c.transfer_stall += ready - g
+                g = ready
+            # expert(drained, g, d): its syncs, then issue(g, d, k)
+            if n:
+                h = drained if drained > t else t
+                t = h + sync
+            end = g + d
+            if k:
+                x = t + disp + d
+                if x > end:
+                    end = x
+                t += kd
+                x = t + d / k
+                if x > end:
+                    end = x
+            wait = end - d - g
+            if wait > 0.0:
+                c.dispatch_stall += wait
+                g += wait
+            g += d
+            busy += d
+            d = rest
+        self.t = t
+        if n:
+            self.syncs += n * len(readies)
+        return g, busy
 
     def expert(self, drained: float, start: float, d: float) -> float:
         """A GPU expert call of GPU time ``d`` that the stream could start at ``start`` (its

@@ -410,3 +410,67 @@ def test_fused_moe_must_be_a_boolean() -> None:
     with pytest.raises(UserError, match="'fused_moe' must be true or false"):
         parse_runtime({"name": "x", "fused_moe": 1}, "x.toml")
     assert parse_runtime({"name": "x", "fused_moe": True}, "x.toml").fused_moe
+
+
+class _Stalls:
+    """The two counters HostThread's one-call methods add to."""
+
+    def __init__(self) -> None:
+        self.transfer_stall = 0.0
+        self.dispatch_stall = 0.0
+
+
+@pytest.mark.parametrize("name", ["hf-eager", "moe-infinity", "ideal", "cuda-graph"])
+@pytest.mark.parametrize("seed", range(6))
+def test_one_call_host_methods_equal_the_per_call_ones_to_the_last_bit(
+    name: str, seed: int
+) -> None:
+    """``nonexpert_start`` equals ``nonexpert`` plus the engine's stall step, and
+    ``experts_run`` equals ``expert`` per call with the engine's waits (the loop
+    ``Engine._repeat_gpu`` runs): the same floats, thread clock and sync count, over random
+    layers; a changed sum (e.g. the stall added in another order) fails it."""
+    import random
+
+    rng = random.Random(seed)
+    prof = get_runtime(name)
+    idle = rng.choice([0, 6])
+    a, b = HostThread(prof, idle), HostThread(prof, idle)
+    ca, cb = _Stalls(), _Stalls()
+    g = 0.0
+    for layer in range(40):
+        d_ne = rng.uniform(1, 400) * US
+        first = layer % 8 == 0
+        # per call: nonexpert, then _host_nonexpert's stall step
+        end, now_a = a.nonexpert(g, d_ne, first)
+        start_a = g
+        if end - d_ne > start_a:
+            ca.dispatch_stall += end - d_ne - start_a
+            start_a = end - d_ne
+        start_b, now_b = b.nonexpert_start(g, d_ne, first, cb)
+        assert (start_a, now_a) == (start_b, now_b)
+        # a layer's GPU experts, ready times in call order (some before the stream is free)
+        now = now_a
+        n = rng.randint(0, 4)
+        readies, t = [], now + rng.uniform(-50, 50) * US
+        for _ in range(n):
+            t += rng.uniform(0, 80) * US
+            readies.append(t)
+        d, rest = rng.uniform(1, 90) * US, rng.uniform(1, 90) * US
+        ga, busy_a, dd = now, 0.0, d
+        for ready in readies:
+            drained = ga
+            if ready > ga:
+                ca.transfer_stall += ready - ga
+                ga = ready
+            wait = a.expert(drained, ga, dd) - dd - ga
+            if wait > 0.0:
+                ca.dispatch_stall += wait
+                ga += wait
+            ga += dd
+            busy_a += dd
+            dd = rest
+        gb, busy_b = b.experts_run(readies, now, d, rest, cb)
+        assert (ga, busy_a) == (gb, busy_b)
+        assert (a.t, a.syncs) == (b.t, b.syncs)
+        assert (ca.transfer_stall, ca.dispatch_stall) == (cb.transfer_stall, cb.dispatch_stall)
+        g = ga
