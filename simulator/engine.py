@@ -3172,47 +3172,16 @@ class Engine(EngineBase):
         host = m.host_experts
         if host is None or host.__class__ is not HostThread:
             return self._repeat_gpu(jobs, now)
-        # _repeat_gpu with the host thread's HostThread.expert and issue written out (the
-        # moe-infinity runtime's per-expert syncs and kernels): the same sums in the same order
+        # _repeat_gpu with the host thread's per-expert calls in HostThread.experts_run's one
+        # loop (the moe-infinity runtime's per-expert syncs and kernels): the same sums in the
+        # same order, and the host-thread rule stays in one place
         jobs.sort()
         ds = self._repeat_d
         if ds is None:
             d1 = m.gpu_s(1)
             ds = self._repeat_d = (d1 + m.fused_launch_s, d1 + 0.0)
         d, rest = ds
-        g = now
-        busy = 0.0
-        ht = host.t
-        n_sync = host.expert_syncs
-        e_sync = host.expert_sync
-        k = host.expert_k
-        disp = host.dispatch
-        for ready, _ in jobs:
-            drained = g
-            if ready > g:
-                c.transfer_stall += ready - g
-                g = ready
-            if n_sync:  # HostThread.expert's syncs
-                ht = (drained if drained > ht else ht) + e_sync
-            end = g + d  # HostThread.issue
-            if k:
-                t = ht + disp + d
-                if t > end:
-                    end = t
-                ht += k * disp
-                t = ht + d / k
-                if t > end:
-                    end = t
-            wait = end - d - g
-            if wait > 0.0:
-                c.dispatch_stall += wait
-                g += wait
-            g += d
-            busy += d
-            d = rest
-        host.t = ht
-        if n_sync:
-            host.syncs += n_sync * len(jobs)
+        g, busy = host.experts_run([r for r, _ in jobs], now, d, rest, c)
         c.gpu_expert_busy += busy
         m.gpu.busy += busy
         return g
