@@ -3044,7 +3044,9 @@ class Engine(EngineBase):
         get = actions.get
         vget = victims.get
         # a victim is checked as _copies_only's evict() does without write-backs (one in use
-        # is refused); the fetches' and the prefetches' loops below check a copy alike
+        # is refused); the routed fetches' and the prefetches' copies are checked alike, in
+        # issue order
+        copies: list[tuple[int, Any]] = []  # (flat index, victim) per copy
         for e in routed:
             a = get(e)
             if a == _GPU:
@@ -3055,34 +3057,8 @@ class Engine(EngineBase):
                 continue
             if a != _FETCH:
                 return None  # temporary copies, CPU experts, pre-calculations: the general path
-            i = lo + e
-            if i in added or (mres[i] and i not in gone):
-                return None
-            v = vget(e)
-            if v is not None:
-                if v.__class__ is not tuple or len(v) != 2:
-                    return None
-                vl, ve = v
-                if (
-                    vl.__class__ is not int
-                    or ve.__class__ is not int
-                    or not (0 <= vl < n_layers and 0 <= ve < n_exp)
-                ):
-                    return None
-                j = vl * n_exp + ve
-                if j in gone or j in added or not mres[j]:
-                    return None
-                if vl == layer and ve in routed:
-                    return None  # in use (every routed expert is a hit or a fetch here)
-                if mready[j] > now:
-                    return None  # still being copied
-                gone.append(j)
-                n_res -= 1
-            if n_res >= budget:
-                return None  # all slots full and no victim
-            added.append(i)
-            n_res += 1
-        n_fetch = len(added)
+            copies.append((lo + e, vget(e)))
+        n_fetch = len(copies)
         for item in prefetch:
             if item.__class__ is not tuple or len(item) != 3:
                 return None
@@ -3093,7 +3069,8 @@ class Engine(EngineBase):
                 or not (0 <= pl < n_layers and 0 <= pe < n_exp)
             ):
                 return None
-            i = pl * n_exp + pe
+            copies.append((pl * n_exp + pe, v))
+        for i, v in copies:
             if i in added or (mres[i] and i not in gone):
                 return None
             if v is not None:

@@ -320,20 +320,7 @@ class HostThread:
             h = g if g > self.t else self.t
             self.t = h + (self.sync + self.step)
             self.syncs += 1
-        # issue(g, d, ne_k), written out (one call fewer on the per-layer path)
-        end = g + d
-        k = self.ne_k
-        if k:
-            h = self.t
-            disp = self.dispatch
-            t = h + disp + d
-            if t > end:
-                end = t
-            h += k * disp
-            t = h + d / k
-            if t > end:
-                end = t
-            self.t = h
+        end = self.issue(g, d, self.ne_k)
         n = self.routing_syncs
         if not n:
             if self.idle_loop:
@@ -350,32 +337,7 @@ class HostThread:
         """:meth:`nonexpert` with the engine's bookkeeping around it in one call: returns
         (when the part starts on the GPU, the decision time), the start moved past ``g`` by
         the wait for the thread to issue it, which is added to ``c.dispatch_stall``."""
-        if first_layer:
-            h = g if g > self.t else self.t
-            self.t = h + (self.sync + self.step)
-            self.syncs += 1
-        # issue(g, d, ne_k), written out
-        end = g + d
-        k = self.ne_k
-        if k:
-            h = self.t
-            disp = self.dispatch
-            t = h + disp + d
-            if t > end:
-                end = t
-            h += k * disp
-            t = h + d / k
-            if t > end:
-                end = t
-            self.t = h
-        n = self.routing_syncs
-        if not n:
-            now = self._idle(end) if self.idle_loop else end
-        else:
-            h = end if end > self.t else self.t
-            self.t = h = h + n * self.sync
-            self.syncs += n
-            now = self._idle(h) if self.idle_loop else h
+        end, now = self.nonexpert(g, d, first_layer)
         if end - d > g:
             c.dispatch_stall += end - d - g
             g = end - d
