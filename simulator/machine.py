@@ -145,21 +145,7 @@ class SharedCpu:
         the commonest case (no DRAM load registered, nothing waiting, a worker idle); any
         other case calls the two."""
         idle = self._idle
-        lanes = self.lanes
-        # _start's pick: the idle worker free longest, the lowest index on ties (-1: none)
-        if len(lanes) == 2:
-            if idle[0]:
-                i = 1 if idle[1] and lanes[1].free_at < lanes[0].free_at else 0
-            else:
-                i = 1 if idle[1] else -1
-        elif len(lanes) == 1:
-            i = 0 if idle[0] else -1
-        else:
-            i = -1
-            best = 0.0
-            for k, free in enumerate(idle):
-                if free and (i < 0 or lanes[k].free_at < best):
-                    i, best = k, lanes[k].free_at
+        i = self._idle_worker()
         if i < 0 or self._loads or self._queue:
             self.submit(t, job)
             return self.next_event()
@@ -215,15 +201,9 @@ class SharedCpu:
         if len(active) != 1 or self._loads or self._queue:
             return None
         idle, lanes = self._idle, self.lanes
-        if len(lanes) == 2:  # submit_next's pick
-            if idle[0]:
-                i = 1 if idle[1] and lanes[1].free_at < lanes[0].free_at else 0
-            else:
-                i = 1 if idle[1] else -1
-        elif len(lanes) == 1:
-            i = 0 if idle[0] else -1
-        else:
+        if len(lanes) > 2:
             return None
+        i = self._idle_worker()
         if i < 0:
             return None
         j0 = active[0]
@@ -497,17 +477,26 @@ class SharedCpu:
             rate = min(rate, max(0.0, 1.0 - self.ext) / dram)
         return rate
 
+    def _idle_worker(self) -> int:
+        """The idle worker free longest, the lowest index on ties; -1 if none is idle."""
+        idle, lanes = self._idle, self.lanes
+        if len(lanes) == 2:
+            if idle[0]:
+                return 1 if idle[1] and lanes[1].free_at < lanes[0].free_at else 0
+            return 1 if idle[1] else -1
+        if len(lanes) == 1:
+            return 0 if idle[0] else -1
+        i = -1
+        best = 0.0
+        for k, free in enumerate(idle):
+            if free and (i < 0 or lanes[k].free_at < best):
+                i, best = k, lanes[k].free_at
+        return i
+
     def _start(self, job: CpuJob, t: float) -> None:
         """Start ``job`` at ``t`` on the idle worker free longest (the lowest index on ties)."""
-        idle, lanes = self._idle, self.lanes
-        i = 0
-        if len(lanes) > 1:  # min() over the idle workers by free_at, without the generator
-            i = -1
-            best = 0.0
-            for k, free in enumerate(idle):
-                if free and (i < 0 or lanes[k].free_at < best):
-                    i, best = k, lanes[k].free_at
-        idle[i] = False
+        i = self._idle_worker()
+        self._idle[i] = False
         job.worker = i
         job.start = t
         self.active.append(job)
