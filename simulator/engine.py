@@ -40,7 +40,7 @@ from simulator.machine import CpuJob, Machine
 from simulator.models import ModelShape
 from simulator.recorder import Recorder
 from simulator.residency import INF, Residency
-from simulator.runtime_profiles import HostThread, RuntimeProfile
+from simulator.runtime_profiles import RuntimeProfile
 from simulator.trace import SequenceRouting
 
 _GPU, _FETCH, _TEMP, _CPU, _PRE = (int(a) for a in Action)
@@ -2734,21 +2734,18 @@ class Engine(EngineBase):
         d, rest = ds
         c = self.c
         host = self.machine.host_experts  # None when GPU expert calls cost the host nothing
-        g = now
-        busy = 0.0
-        for ready, _ in jobs:
-            drained = g
-            if ready > g:
-                c.transfer_stall += ready - g
-                g = ready
-            if host is not None:  # the stream may wait for the host thread to issue it
-                wait = host.expert(drained, g, d) - d - g
-                if wait > 0.0:
-                    c.dispatch_stall += wait
-                    g += wait
-            g += d
-            busy += d
-            d = rest
+        if host is not None:  # the host thread's calls in one loop (HostThread.experts_run)
+            g, busy = host.experts_run([r for r, _ in jobs], now, d, rest, c)
+        else:
+            g = now
+            busy = 0.0
+            for ready, _ in jobs:
+                if ready > g:
+                    c.transfer_stall += ready - g
+                    g = ready
+                g += d
+                busy += d
+                d = rest
         c.gpu_expert_busy += busy
         self.machine.gpu.busy += busy
         return g
@@ -3145,23 +3142,7 @@ class Engine(EngineBase):
             else:
                 mpre[i] = 1
         lane.free_at, lane.busy = free, busy
-        m = self.machine
-        host = m.host_experts
-        if host is None or host.__class__ is not HostThread:
-            return self._repeat_gpu(jobs, now)
-        # _repeat_gpu with the host thread's per-expert calls in HostThread.experts_run's one
-        # loop (the moe-infinity runtime's per-expert syncs and kernels): the same sums in the
-        # same order, and the host-thread rule stays in one place
-        jobs.sort()
-        ds = self._repeat_d
-        if ds is None:
-            d1 = m.gpu_s(1)
-            ds = self._repeat_d = (d1 + m.fused_launch_s, d1 + 0.0)
-        d, rest = ds
-        g, busy = host.experts_run([r for r, _ in jobs], now, d, rest, c)
-        c.gpu_expert_busy += busy
-        m.gpu.busy += busy
-        return g
+        return self._repeat_gpu(jobs, now)
 
     def _copy_layer_wb(self, layer: int, routed: list[int], plan: Plan, now: float) -> float | None:
         """``_plain_fetches`` without a recorder, with write-backs and low-bit temporary copies
