@@ -1144,7 +1144,11 @@ def split_budget(placement: Placement, per_gpu: int) -> list[int]:
 
 def engine_for(name: str) -> type[Engine] | type[ReferenceEngine]:
     """The multi-GPU executor for ``--engine NAME``."""
-    return MultiGpuReference if name == "reference" else MultiGpuEngine
+    if name == "reference":
+        return MultiGpuReference
+    from simulator.core.loop import Engine as CoreEngine
+
+    return CoreEngine  # type: ignore[return-value]
 
 
 __all__: Iterable[str] = (

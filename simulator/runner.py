@@ -22,7 +22,8 @@ from policies.base import Policy, ResourceSpec
 from policies.registry import get_policy_class
 from simulator.costs import CostModel, cost_model
 from simulator.data import resolve_trace
-from simulator.engine import Engine, EngineBase
+from simulator.core.loop import Engine as CoreEngine
+from simulator.engine import EngineBase
 from simulator.errors import DoesNotFit, UserError
 from simulator.hardware import HardwareProfile, load_profile
 from simulator.hosttier import host_tier_config, host_tier_metrics, model_trace
@@ -201,7 +202,7 @@ class Oracle:
 def _engine_class(name: str) -> type[EngineBase]:
     """The executor class for ``--engine``."""
     if name == "fast":
-        return Engine
+        return CoreEngine  # type: ignore[return-value]
     if name == "reference":
         from simulator.reference import ReferenceEngine
 

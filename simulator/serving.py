@@ -35,12 +35,13 @@ import numpy as np
 import pandas as pd
 
 from policies.base import Plan
-from simulator.boundary import check_plan
+from simulator.core.loop import Step as CoreStep
 from simulator.errors import UserError
 from simulator.trace import SequenceRouting
 
 if TYPE_CHECKING:
-    from simulator.engine import EngineBase
+    from policies.base import View
+    from simulator.core.loop import Engine
 
 #: Columns of an arrival file (docs/serving.md, "Arrival file").
 ARRIVAL_COLUMNS = ("request_id", "arrival_s", "prompt_tokens", "output_tokens", "sequence")
@@ -643,7 +644,7 @@ def step_oracle(
 
 
 class Serving:
-    """Drives an engine's step loop for a set of requests (``EngineBase.serving``)."""
+    """Runs a set of requests through an engine's step loop (``Engine.serving``)."""
 
     def __init__(
         self, requests: list[Request], config: ServingConfig, kv_capacity: int | None
@@ -660,75 +661,31 @@ class Serving:
         #: static batches whose prompts prefilled together in one step
         self.batched_prefills = 0
 
-    def steps(
-        self,
-        eng: EngineBase,
-        sequences: Iterable[SequenceRouting],
-        on_sequence: Callable[[Any], None] | None,
-    ) -> Generator[Any, float | None, None]:
-        """The serving loop (``sequences`` is unused: the requests carry their routing)."""
+    def run(self, eng: Engine, on_sequence: Callable[[Any], None] | None) -> None:
+        """The serving loop: admissions, prefill steps, then decode steps of the running
+        requests (one request alone on the single-sequence path), until all have finished."""
+        if eng.recorder is not None:
+            eng.recorder.batches = {}
         if self.config.extended:
-            yield from self._extended_steps(eng, on_sequence)
+            self._run_extended(eng, on_sequence)
             return
-        sched, hooks, pol, c = self.sched, eng.hooks, eng.policy, eng.c
-        where = hooks.where
-        rec = eng.recorder
-        if rec is not None:
-            rec.batches = {}
-        batched = self.config.batched_prefill
+        sched = self.sched
         while sched.queue or sched.running:
-            admitted = sched.admit(eng.now)
-            prompts = [q for q in admitted if q.prompt]
-            if batched and len(prompts) > 1:
-                # a static batch's prompts prefill together in one step (Hugging Face
-                # generate's first forward pass over the batch's input_ids)
-                for q in admitted:
-                    where.seq, where.token, where.layer = q.rid, None, None
-                    eng.view.seq_id = q.rid
-                    hooks.call("on_sequence_start", pol.on_sequence_start, q.rid, q.prompt)
-                t0 = eng.now
-                yield from self._prefill_batch_step(eng, prompts)
-                for q in admitted:
-                    if q.prompt:
-                        q.first_token = eng.now
-                    c.ttft.append(eng.now - t0 if q.prompt else 0.0)
-                for q in admitted:
-                    if not q.output:  # nothing to generate beyond the prompt's token
-                        self._finish(eng, q, on_sequence)
-                admitted = []
-            for q in admitted:
-                r = q.routing
-                where.seq, where.token, where.layer = q.rid, None, None
-                eng.view.seq_id = q.rid
-                hooks.call("on_sequence_start", pol.on_sequence_start, q.rid, q.prompt)
-                t0 = eng.now
-                if q.prompt:
-                    yield from eng._pass(r, True)
-                    q.first_token = eng.now
-                c.ttft.append(eng.now - t0)
-                if not q.output:  # nothing to generate beyond the prompt's token
-                    self._finish(eng, q, on_sequence)
+            self._admit(eng, sched.admit(eng.now), on_sequence)
             decoding = [q for q in sched.running if q.done < q.output]
             if not decoding:
                 nxt = sched.next_arrival()
                 if nxt is None:
                     break
                 if nxt > eng.now:  # idle until the next request arrives
-                    eng.now = nxt = float(nxt)
-                    yield nxt
+                    eng.idle_until(float(nxt))
                 elif not sched.running and not sched.fits_empty():
                     raise UserError(
                         f"request {sched.queue[0].rid} needs {sched.queue[0].kv_tokens} KV "
                         f"tokens, more than the KV cache holds ({sched.kv_capacity})"
                     )
                 continue
-            if len(decoding) == 1:
-                q = decoding[0]
-                t = q.prompt + q.done
-                where.seq = eng.view.seq_id = q.rid
-                yield from eng._pass(one_token(q.routing, t), False, base=t)
-            else:
-                yield from self._batch_step(eng, decoding)
+            self._decode_step(eng, decoding)
             for q in decoding:
                 q.done += 1
                 if q.done == 1 and not q.prompt:
@@ -737,372 +694,274 @@ class Serving:
                 if q.done >= q.output:
                     self._finish(eng, q, on_sequence)
 
-    def _extended_steps(
-        self, eng: EngineBase, on_sequence: Callable[[Any], None] | None
-    ) -> Generator[Any, float | None, None]:
+    def _admit(
+        self, eng: Engine, admitted: list[Request], on_sequence: Callable[[Any], None] | None
+    ) -> None:
+        """Admitted requests start and run their prompts: a static batch's prompts in one
+        step (Hugging Face generate's first forward pass over the batch), else each alone."""
+        prompts = [q for q in admitted if q.prompt]
+        if self.config.batched_prefill and len(prompts) > 1:
+            for q in admitted:
+                eng.start_sequence(q.rid, q.prompt)
+            t0 = eng.now
+            eng.forward(BatchStep.prefill_batch(eng, prompts))
+            self.batched_prefills += 1
+            for q in admitted:
+                if q.prompt:
+                    q.first_token = eng.now
+                eng.c.ttft.append(eng.now - t0 if q.prompt else 0.0)
+            for q in admitted:
+                if not q.output:  # nothing to generate beyond the prompt's token
+                    self._finish(eng, q, on_sequence)
+            return
+        for q in admitted:
+            eng.start_sequence(q.rid, q.prompt)
+            t0 = eng.now
+            if q.prompt:
+                eng.prefill(q.routing)
+                q.first_token = eng.now
+            eng.c.ttft.append(eng.now - t0)
+            if not q.output:
+                self._finish(eng, q, on_sequence)
+
+    def _decode_step(self, eng: Engine, decoding: list[Request]) -> None:
+        """One decode token of each running request: alone on the single-sequence path,
+        several in one batched step."""
+        if len(decoding) == 1:
+            q = decoding[0]
+            t = q.prompt + q.done
+            eng.hooks.where.seq = eng.view.seq_id = q.rid
+            eng.decode(one_token(q.routing, t), base=t)
+            return
+        eng.forward(BatchStep.decode_batch(eng, decoding, [q.prompt + q.done for q in decoding]))
+        self.batch_steps += 1
+        self.batched_tokens += len(decoding)
+
+    def _run_extended(self, eng: Engine, on_sequence: Callable[[Any], None] | None) -> None:
         """The serving loop with chunked prefill and/or preemption: runs :func:`plan_steps`."""
-        hooks, pol, c = eng.hooks, eng.policy, eng.c
         if self.config.prefill_chunk is not None and eng.n_cpu_layers:
-            # a mixed step's non-expert part is timed on the GPU only (_mixed_step)
+            # a mixed step's non-expert part is timed on the GPU only
             raise UserError(
                 f"--prefill-chunk is not modelled with CPU-resident layers (policy "
-                f"{pol.name!r} runs {eng.n_cpu_layers} layers wholly on the CPU); drop "
+                f"{eng.policy.name!r} runs {eng.n_cpu_layers} layers wholly on the CPU); drop "
                 "--prefill-chunk or put every layer on the GPU"
             )
-        where = hooks.where
-        rec = eng.recorder
-        if rec is not None:
-            rec.batches = {}
         for kind, x in plan_steps(self.sched, self.config.prefill_chunk, lambda: eng.now):
             if kind == "step":
-                yield from self._run_step(eng, x)
+                self._run_step(eng, x)
             elif kind == "admit":
                 if not x.preemptions:  # a readmission continues the same sequence
-                    where.seq, where.token, where.layer = x.rid, None, None
-                    eng.view.seq_id = x.rid
-                    hooks.call("on_sequence_start", pol.on_sequence_start, x.rid, x.prompt)
+                    eng.start_sequence(x.rid, x.prompt)
             elif kind == "idle":
-                eng.now = t = float(x)
-                yield t
+                eng.idle_until(float(x))
             elif kind == "finish":
-                c.ttft.append(x.first_token - x.admitted if x.prompt else 0.0)
+                eng.c.ttft.append(x.first_token - x.admitted if x.prompt else 0.0)
                 self._finish(eng, x, on_sequence, leave=False)
 
-    def _run_step(self, eng: EngineBase, st: Step) -> Generator[Any, float | None, None]:
+    def _run_step(self, eng: Engine, st: Step) -> None:
         """One step of the extended schedule on the engine."""
-        where, v = eng.hooks.where, eng.view
         if st.whole:
             q = st.prefill
             assert q is not None
+            where = eng.hooks.where
             where.seq, where.token, where.layer = q.rid, None, None
-            v.seq_id = q.rid
-            yield from eng._pass(prefix(q.routing, st.hi), True)
+            eng.view.seq_id = q.rid
+            eng.prefill(prefix(q.routing, st.hi))
         elif st.prefill is not None:
-            yield from self._mixed_step(eng, st)
+            eng.forward(BatchStep.mixed(eng, st))
+            if st.decoding:
+                self.mixed_steps += 1
+                self.batch_steps += 1
+                self.batched_tokens += len(st.decoding) + 1
         elif len(st.decoding) == 1:
             q, t = st.decoding[0], st.tokens[0]
-            where.seq = v.seq_id = q.rid
-            yield from eng._pass(one_token(q.routing, t), False, base=t)
+            eng.hooks.where.seq = eng.view.seq_id = q.rid
+            eng.decode(one_token(q.routing, t), base=t)
         else:
-            yield from self._batch_step(eng, st.decoding)
+            eng.forward(BatchStep.decode_batch(eng, st.decoding, st.tokens))
+            self.batch_steps += 1
+            self.batched_tokens += len(st.decoding)
 
     def _finish(
         self,
-        eng: EngineBase,
+        eng: Engine,
         q: Request,
         on_sequence: Callable[[Any], None] | None,
         leave: bool = True,
     ) -> None:
-        hooks, c = eng.hooks, eng.c
-        hooks.where.seq, hooks.where.token = q.rid, None
-        hooks.call("on_sequence_end", eng.policy.on_sequence_end, q.rid)
-        c.precalc_wasted += len(eng.precalc)
-        eng.precalc.clear()
-        c.sequences += 1
+        eng.end_sequence(q.rid, on_sequence, q.routing)
         q.finish = eng.now
         q.finished += 1
         if leave:
             self.sched.leave(q)
-        if on_sequence is not None:
-            on_sequence(q.routing)
 
-    def _batch_step(self, eng: EngineBase, batch: list[Request]) -> Generator[Any, Any, None]:
-        """One decode token of each request in ``batch``: each layer runs the union of their
-        experts, an expert over as many tokens as chose it."""
-        c, v, rec = eng.c, eng.view, eng.recorder
-        pol = eng.policy
+
+class BatchStep(CoreStep):
+    """A batched step on the engine: a decode batch, a static batch's prompts, or a mixed
+    step (a prompt chunk beside decode tokens). Each layer runs the union of the step's
+    experts, an expert over as many of its tokens as chose it; its rows carry sequence -1
+    and the step number, and ``recorder.batches`` maps the step to its requests."""
+
+    def __init__(
+        self,
+        eng: Engine,
+        rows: tuple[np.ndarray, np.ndarray, np.ndarray],
+        n: int,
+        kv: int,
+        d_ne: float,
+        who: tuple[int, int],
+        rids: list[int],
+        n_decode: int,
+        what: str,
+    ) -> None:
+        super().__init__(n, kv, d_ne)
+        ex, self.wt, self.pr = rows  # [tokens, layers, k]
         n_layers, n_exp = eng.n_layers, eng.n_experts
-        b = len(batch)
-        toks = [q.prompt + q.done for q in batch]
-        routes = [q.routing for q in batch]
-        ex = np.stack([r.experts[t] for r, t in zip(routes, toks, strict=True)])  # [B, L, k]
-        wt = np.stack([r.weights[t] for r, t in zip(routes, toks, strict=True)])
-        pr = np.stack([r.probs[t] for r, t in zip(routes, toks, strict=True)])
-        # tokens per (layer, expert) over the batch, all layers at once
         flat = (np.arange(n_layers)[None, :, None] * n_exp + ex).reshape(-1)
-        counts_all = np.bincount(flat, minlength=n_layers * n_exp).reshape(n_layers, n_exp)
-        wsum = wt.sum(axis=(0, 2)).tolist()  # true gate mass per layer, summed over the batch
-        kv_tokens = sum(int(r.positions[t]) + 1 for r, t in zip(routes, toks, strict=True))
-        d_ne = eng.costs.nonexpert_batch_layer_s(b, kv_tokens)
-        step = eng.step
-        rid0, tok0 = batch[0].rid, toks[0]
-        if rec is not None and rec.batches is not None:
-            rec.batches[step] = ",".join(str(q.rid) for q in batch)
-        v.phase = "decode"
-        v.n_tokens = b
-        v.context = kv_tokens - b  # tokens already cached, over the batch
-        v.position = int(routes[0].positions[tok0])
-        v.seq_id, v.token, v.step = rid0, tok0, step
-        v.next_experts = v.next_probs = None
-        k = ex.shape[2]
-        t0 = eng.now
-        # CPU-resident layers (ResourceSpec.gpu_blocks): as in EngineBase._pass, a batch of at
-        # least the offload size runs them on the GPU after copying their weights
+        #: tokens per (layer, expert) over the step, all layers at once
+        self.counts = np.bincount(flat, minlength=n_layers * n_exp).reshape(n_layers, n_exp)
+        #: accesses and true gate mass per layer counted as decode (the decode tokens' rows)
+        self.accesses = n_decode * ex.shape[2]
+        self.mass = (
+            self.wt[ex.shape[0] - n_decode :].sum(axis=(0, 2)).tolist() if n_decode else None
+        )
+        self.prefill = n_decode == 0
+        self.hook = "prefill_layer" if self.prefill else "batch_layer"
+        self.load = (n, kv // n)
+        self.part = self.ne = self.ops = (-1, eng.step)
+        self.who = who
+        self.what = what
+        if eng.recorder is not None and eng.recorder.batches is not None:
+            eng.recorder.batches[eng.step] = ",".join(str(r) for r in rids)
+
+    @classmethod
+    def decode_batch(cls, eng: Engine, batch: list[Request], toks: list[int]) -> BatchStep:
+        """One decode token of each request in ``batch`` (``toks``: each one's token row)."""
+        routes = [q.routing for q in batch]
+        pairs = list(zip(routes, toks, strict=True))
+        rows = (
+            np.stack([r.experts[t] for r, t in pairs]),
+            np.stack([r.weights[t] for r, t in pairs]),
+            np.stack([r.probs[t] for r, t in pairs]),
+        )
+        b = len(batch)
+        kv = sum(int(r.positions[t]) + 1 for r, t in pairs)
+        st = cls(eng, rows, b, kv, eng.costs.nonexpert_batch_layer_s(b, kv),
+                 (batch[0].rid, toks[0]), [q.rid for q in batch], b, "a batched step")  # fmt: skip
+        st.position = int(routes[0].positions[toks[0]])
+        st.view_context = kv - b
         n_cpu = eng.n_cpu_layers
-        n_cpu_run = 0 if n_cpu and 0 < eng.spec.cpu_layer_offload_batch <= b else n_cpu
-        d_cpu = eng.costs.cpu_nonexpert_batch_layer_s(b, kv_tokens) if n_cpu_run else 0.0
-        yield from _step_layers(
-            eng, step, n_cpu_run, d_cpu, d_ne, b, kv_tokens, counts_all, wt, pr, rid0, tok0,
-            "batch_layer", pol.batch_layer, b * k, wsum, False, "a batched step",
-        )  # fmt: skip
-        eng.step += 1
-        if eng.precalc:
-            c.precalc_wasted += len(eng.precalc)
-            eng.precalc.clear()
-        lat = eng.now - t0
-        c.token_latency.extend([lat] * b)
-        c.decode_time += lat
-        c.decode_tokens += b
-        self.batch_steps += 1
-        self.batched_tokens += b
+        st.n_cpu_run = 0 if n_cpu and 0 < eng.spec.cpu_layer_offload_batch <= b else n_cpu
+        st.d_cpu = eng.costs.cpu_nonexpert_batch_layer_s(b, kv) if st.n_cpu_run else 0.0
+        st.t0_latency = b
+        return st
 
-    def _prefill_batch_step(
-        self, eng: EngineBase, batch: list[Request]
-    ) -> Generator[Any, Any, None]:
-        """The prompts of a static batch in one prefill step (docs/serving.md, "Static batches
-        prefill together"): each layer runs the union of all the prompt tokens' experts, an
-        expert over as many of them as chose it; the non-expert part runs over the prompts
-        padded to the longest (only real tokens are routed)."""
-        c, v, rec = eng.c, eng.view, eng.recorder
-        pol = eng.policy
-        n_layers, n_exp = eng.n_layers, eng.n_experts
-        b = len(batch)
+    @classmethod
+    def prefill_batch(cls, eng: Engine, batch: list[Request]) -> BatchStep:
+        """The prompts of a static batch in one step (docs/serving.md, "Static batches
+        prefill together"): the non-expert part runs over the prompts padded to the longest
+        (only real tokens are routed)."""
         lens = [q.prompt for q in batch]
-        padded = max(lens)
         routes = [q.routing for q in batch]
-        ex = np.concatenate([r.experts[:p] for r, p in zip(routes, lens, strict=True)])
-        wt = np.concatenate([r.weights[:p] for r, p in zip(routes, lens, strict=True)])
-        pr = np.concatenate([r.probs[:p] for r, p in zip(routes, lens, strict=True)])
-        flat = (np.arange(n_layers)[None, :, None] * n_exp + ex).reshape(-1)
-        counts_all = np.bincount(flat, minlength=n_layers * n_exp).reshape(n_layers, n_exp)
-        n_real = int(sum(lens))
-        n_rows = b * padded  # the padded input the non-expert kernels run over
+        pairs = list(zip(routes, lens, strict=True))
+        rows = (
+            np.concatenate([r.experts[:p] for r, p in pairs]),
+            np.concatenate([r.weights[:p] for r, p in pairs]),
+            np.concatenate([r.probs[:p] for r, p in pairs]),
+        )
+        b, padded, n_real = len(batch), max(lens), int(sum(lens))
         costs = eng.costs
         d_ne = costs.nonexpert_prefill_batch_layer_s(b, padded, eng.machine.eager_attention)
-        step = eng.step
-        rid0 = batch[0].rid
-        if rec is not None and rec.batches is not None:
-            rec.batches[step] = ",".join(str(q.rid) for q in batch)
-        v.phase = "prefill"
-        v.n_tokens = n_real
-        v.context = 0
-        v.position = int(routes[0].positions[0])
-        v.seq_id, v.token, v.step = rid0, 0, step
-        v.next_experts = v.next_probs = None
-        # CPU-resident layers (ResourceSpec.gpu_blocks): as in EngineBase._pass, a prefill of
-        # at least the offload size runs them on the GPU after copying their weights
+        st = cls(eng, rows, b * padded, 0, d_ne, (batch[0].rid, 0), [q.rid for q in batch], 0,
+                 "a batched prefill")  # fmt: skip
+        st.position = int(routes[0].positions[0])
+        st.view_context = 0
+        st.view_tokens = n_real
         n_cpu = eng.n_cpu_layers
-        n_cpu_run = 0 if n_cpu and 0 < eng.spec.cpu_layer_offload_batch <= n_real else n_cpu
-        d_cpu = costs.cpu_nonexpert_prefill_batch_layer_s(b, padded) if n_cpu_run else 0.0
-        yield from _step_layers(
-            eng, step, n_cpu_run, d_cpu, d_ne, n_rows, 0, counts_all, wt, pr, rid0, 0,
-            "prefill_layer", pol.prefill_layer, 0, None, True, "a batched prefill",
-        )  # fmt: skip
-        eng.step += 1
-        if eng.precalc:
-            c.precalc_wasted += len(eng.precalc)
-            eng.precalc.clear()
-        c.prefill_tokens += n_real
-        self.batched_prefills += 1
+        st.n_cpu_run = 0 if n_cpu and 0 < eng.spec.cpu_layer_offload_batch <= n_real else n_cpu
+        st.d_cpu = costs.cpu_nonexpert_prefill_batch_layer_s(b, padded) if st.n_cpu_run else 0.0
+        st.prefill_tokens = n_real
+        return st
 
-    def _mixed_step(self, eng: EngineBase, st: Step) -> Generator[Any, Any, None]:
+    @classmethod
+    def mixed(cls, eng: Engine, s: Step) -> BatchStep:
         """Prompt rows ``[lo, hi)`` of one request beside one decode token of each request in
-        ``st.decoding`` (chunked prefill): each layer runs the union of all these tokens'
-        experts, an expert over as many of them as chose it."""
-        c, v, rec = eng.c, eng.view, eng.recorder
-        pol = eng.policy
-        n_layers, n_exp = eng.n_layers, eng.n_experts
-        pre = st.prefill
+        ``s.decoding`` (chunked prefill); gate mass and accesses count the decode tokens."""
+        pre = s.prefill
         assert pre is not None
-        batch, toks = st.decoding, st.tokens
-        b = len(batch)
-        chunk = st.hi - st.lo
-        pr_r = pre.routing
-        rows = slice(st.lo, st.hi)
-        routes = [q.routing for q in batch]
-        ex = np.concatenate(
-            [pr_r.experts[rows], *(r.experts[t : t + 1] for r, t in zip(routes, toks, strict=True))]
-        )  # [chunk + B, L, k]
-        wt = np.concatenate(
-            [pr_r.weights[rows], *(r.weights[t : t + 1] for r, t in zip(routes, toks, strict=True))]
+        pr_r, rows_ = pre.routing, slice(s.lo, s.hi)
+        pairs = list(zip([q.routing for q in s.decoding], s.tokens, strict=True))
+        rows = tuple(
+            np.concatenate([getattr(pr_r, f)[rows_], *(getattr(r, f)[t : t + 1] for r, t in pairs)])
+            for f in ("experts", "weights", "probs")
         )
-        pr = np.concatenate(
-            [pr_r.probs[rows], *(r.probs[t : t + 1] for r, t in zip(routes, toks, strict=True))]
-        )
-        flat = (np.arange(n_layers)[None, :, None] * n_exp + ex).reshape(-1)
-        counts_all = np.bincount(flat, minlength=n_layers * n_exp).reshape(n_layers, n_exp)
-        # gate mass and accesses count the decode tokens, as a prefill pass counts none
-        wsum = wt[chunk:].sum(axis=(0, 2)).tolist() if b else [0.0] * n_layers
-        decode_kv = sum(int(r.positions[t]) + 1 for r, t in zip(routes, toks, strict=True))
-        ctx = st.lo  # the request's rows already prefilled are in its KV cache
+        b, chunk = len(s.decoding), s.hi - s.lo
+        decode_kv = sum(int(r.positions[t]) + 1 for r, t in pairs)
+        ctx = s.lo  # the request's rows already prefilled are in its KV cache
         d_ne = eng.costs.nonexpert_mixed_layer_s(chunk, ctx, b, decode_kv)
-        n_tok = chunk + b
-        kv_all = ctx + chunk + decode_kv
-        step = eng.step
-        if rec is not None and rec.batches is not None:
-            rec.batches[step] = ",".join(str(q.rid) for q in (pre, *batch))
-        decoding = b > 0
-        v.phase = "decode" if decoding else "prefill"
-        v.n_tokens = n_tok
-        v.context = ctx + decode_kv - b  # tokens already cached, over the step
-        v.position = int(pr_r.positions[st.lo])
-        v.seq_id, v.token, v.step = pre.rid, st.lo, step
+        st = cls(eng, rows, chunk + b, ctx + chunk + decode_kv, d_ne, (pre.rid, s.lo),  # type: ignore[arg-type]
+                 [pre.rid, *(q.rid for q in s.decoding)], b, "a mixed step")  # fmt: skip
+        st.position = int(pr_r.positions[s.lo])
+        st.view_context = ctx + decode_kv - b
+        st.prefill_tokens = chunk
+        st.t0_latency = b
+        return st
+
+    #: view fields: the first token's position, the cached tokens over the step, the tokens
+    position = 0
+    view_context = 0
+    view_tokens = -1
+    #: prompt tokens the step prefills; decode tokens whose latency it is
+    prefill_tokens = 0
+    t0_latency = 0
+
+    def decide(self, eng: Engine) -> Callable[[View], Any]:
+        pol = eng.policy
+        return pol.prefill_layer if self.prefill else pol.batch_layer  # type: ignore[no-any-return]
+
+    def begin(self, eng: Engine) -> None:
+        v = eng.view
+        v.phase = "prefill" if self.prefill else "decode"
+        v.n_tokens = self.n if self.view_tokens < 0 else self.view_tokens
+        v.context = self.view_context
+        v.position = self.position
+        v.seq_id, v.token, v.step = self.who[0], self.who[1], eng.step
         v.next_experts = v.next_probs = None
-        decide, hook = (
-            (pol.batch_layer, "batch_layer") if decoding else (pol.prefill_layer, "prefill_layer")
-        )
-        k = ex.shape[2]
-        t0 = eng.now
-        # no CPU-resident layers here (refused with --prefill-chunk, _extended_steps)
-        yield from _step_layers(
-            eng, step, 0, 0.0, d_ne, n_tok, kv_all, counts_all, wt, pr, pre.rid, st.lo,
-            hook, decide, b * k, wsum, not decoding, "a mixed step",
-        )  # fmt: skip
-        eng.step += 1
-        if eng.precalc:
-            c.precalc_wasted += len(eng.precalc)
-            eng.precalc.clear()
-        c.prefill_tokens += chunk
-        if decoding:
+
+    def enter(self, eng: Engine, layer: int) -> tuple[np.ndarray, Any]:
+        v = eng.view
+        counts = self.counts[layer]
+        experts = np.flatnonzero(counts)
+        experts = experts[np.argsort(-counts[experts], kind="stable")]
+        v.experts, v.counts = experts, counts
+        v.weights = self.wt[:, layer, :].mean(axis=0)
+        v.probs = self.pr[:, layer, :].mean(axis=0)
+        return experts, counts
+
+    def route(self, eng: Engine, plan: Any, experts: np.ndarray, layer: int) -> list[int] | None:
+        if isinstance(plan, Plan) and plan.route is not None:
+            raise eng.hooks.error(f"substitutes routing in {self.what} (not supported)", layer)
+        return None
+
+    def account(
+        self, eng: Engine, plan: Any, route: list[int] | None, experts: np.ndarray, layer: int
+    ) -> None:
+        c = eng.c
+        mass = 0.0 if self.mass is None else self.mass[layer]
+        c.true_accesses += self.accesses
+        c.gate_mass_total += mass
+        c.gate_mass_kept += mass
+
+    def finish(self, eng: Engine, t0: float) -> None:
+        c = eng.c
+        eng.discard_precalc()
+        c.prefill_tokens += self.prefill_tokens
+        b = self.t0_latency
+        if b:
             lat = eng.now - t0
             c.token_latency.extend([lat] * b)
             c.decode_time += lat
             c.decode_tokens += b
-            self.mixed_steps += 1
-            self.batch_steps += 1
-            self.batched_tokens += b + 1
-
-
-def _step_layers(
-    eng: EngineBase,
-    step: int,
-    n_cpu_run: int,
-    d_cpu: float,
-    d_ne: float,
-    n: int,
-    kv: int,
-    counts_all: np.ndarray,
-    wt: np.ndarray,
-    pr: np.ndarray,
-    rid0: int,
-    tok0: int,
-    hook: str,
-    call: Callable[..., Any],
-    n_sel: int,
-    wsum: list[float] | None,
-    prefill: bool,
-    what: str,
-) -> Generator[Any, Any, None]:
-    """Every layer of a batched step (a decode batch, a static batch's prefill or a mixed
-    step): the non-expert part over ``n`` rows at ``kv`` cached tokens (on the CPU for the
-    first ``n_cpu_run`` CPU-resident layers, after their weights or the hidden states cross
-    when they run on the GPU, after ZeRO-3's streamed weights where they are declared), then
-    the union of the step's experts through ``call``; the output matrix's weights after the
-    last layer."""
-    where = eng.hooks.where
-    n_cpu = eng.n_cpu_layers
-    streamed = eng.machine.streamed  # ZeRO-3's streamed non-expert weights, or None
-    for layer in range(eng.n_layers):
-        start = eng.now
-        cpu_here = eng._cpu_layer_here = layer < n_cpu_run
-        if cpu_here:
-            where.seq, where.token = -1, step
-            now = eng._cpu_layer_nonexpert(start, layer, n, 0, d_cpu)
-        else:
-            if n_cpu and layer < n_cpu:
-                where.seq, where.token = -1, step
-                start = eng._cpu_layer_weights_in(start, layer)
-            elif layer and layer == n_cpu_run:
-                where.seq, where.token = -1, step
-                start = eng._cpu_layer_split(start, layer, n, True)
-            if streamed is not None:  # ZeRO-3: the layer's weights land first
-                where.seq, where.token = -1, step
-                start = yield from eng._weights_in(start, layer, streamed)
-            now = _gpu_nonexpert(eng, start, d_ne, layer, step, n, kv)
-        if eng._due(now):
-            yield now
-        where.seq, where.token = rid0, tok0
-        yield from _expert_layer(
-            eng,
-            layer,
-            now,
-            counts_all[layer],
-            wt,
-            pr,
-            hook,
-            call,
-            n_sel,
-            0.0 if wsum is None else wsum[layer],
-            prefill,
-            what,
-        )
-    if streamed is not None:  # ZeRO-3: the output matrix, after the last layer
-        where.seq, where.token = -1, step
-        eng.now = yield from eng._weights_in(eng.now, -1, streamed)
-
-
-def _expert_layer(
-    eng: EngineBase,
-    layer: int,
-    now: float,
-    counts: np.ndarray,
-    wt: np.ndarray,
-    pr: np.ndarray,
-    hook: str,
-    decide: Any,
-    accesses: int,
-    mass: float,
-    prefill: bool,
-    what: str,
-) -> Generator[Any, Any, None]:
-    """A step's expert part of ``layer``: the policy's plan over the union of the step's
-    experts (``counts`` tokens each, the most chosen first), checked, then applied; ``wt`` and
-    ``pr`` are the step's ``[tokens, layers, k]`` gate weights and probabilities."""
-    c, v, hooks = eng.c, eng.view, eng.hooks
-    where = hooks.where
-    v.layer = where.layer = layer
-    v.now = now
-    experts = np.flatnonzero(counts)
-    experts = experts[np.argsort(-counts[experts], kind="stable")]
-    v.experts, v.counts = experts, counts
-    v.weights = wt[:, layer, :].mean(axis=0)
-    v.probs = pr[:, layer, :].mean(axis=0)
-    plan = hooks.call(hook, decide, v)
-    if isinstance(plan, Plan) and plan.route is not None:
-        raise hooks.error(f"substitutes routing in {what} (not supported)", layer)
-    routed = experts.tolist()
-    order = check_plan(hooks, plan, layer, routed, eng.res, eng.spec, eng.precalc, now)
-    c.true_accesses += accesses
-    c.gate_mass_total += mass
-    c.gate_mass_kept += mass
-    # the step's operations are labelled with the step, not one request
-    where.seq, where.token = -1, eng.step
-    end = yield eng._apply(plan, layer, order, routed, counts, now, prefill)
-    assert end is not None
-    eng.now = end
-
-
-def _gpu_nonexpert(
-    eng: EngineBase, start: float, d_ne: float, layer: int, step: int, n_tok: int, kv: int
-) -> float:
-    """A step's GPU non-expert part of ``layer`` (``d_ne`` seconds over ``n_tok`` tokens and
-    ``kv`` cached tokens) from ``start``; returns when it ends."""
-    c, m, rec = eng.c, eng.machine, eng.recorder
-    if m.host is None:
-        now = start + d_ne
-    else:  # the runtime's host thread issues the part's kernels (docs/cost-model.md)
-        start, now = eng._host_nonexpert(start, d_ne, layer == 0)
-    # several GPUs: the layer's home GPU (simulator/multigpu.py)
-    lane = m.gpu if eng._peer_home is None else eng._peer_home[layer]
-    if rec is not None:
-        rec.op(lane.name, "nonexpert", -1, step, layer, -1, start, start + d_ne, 0)
-    c.gpu_nonexpert_busy += d_ne
-    lane.busy += d_ne
-    if m.unified:
-        m.gpu_load(start, start + d_ne, n_tok, kv // n_tok)
-        if m.cpu.active:
-            eng._rearm()
-    return now
 
 
 def _pcts(values: list[float]) -> dict[str, float | None]:

@@ -1,0 +1,257 @@
+"""A checked plan into operations, in issue order (docs/policy-api.md, "How a plan is applied").
+
+The plan was checked first (``simulator.boundary.check_plan``), so nothing here refuses it.
+In issue order: the explicit evictions, then the routed experts (resident ones first: hits are
+judged before the layer's insertions) as hits, fetches (each evicting its victim first),
+temporary copies, CPU experts and consumed pre-calculations, then the prefetches and the
+pre-calculations for coming layers. An evicted expert written back keeps its slot until its
+copy to the host ends; one still running in this layer is written back after its computation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from policies.base import Action, Plan
+from simulator.core.executor import Executor
+from simulator.core.ops import CPU, FETCH, TEMP, WRITEBACK, Counters, GpuJob, LayerWork, Op
+from simulator.core.resources import INF, Residency
+
+_GPU, _FETCH, _TEMP, _CPU, _PRE = (int(a) for a in Action)
+
+
+class Applier:
+    """Turns checked plans into a :class:`LayerWork` and keeps the residency and the
+    counters of what the plans ask for."""
+
+    def __init__(
+        self,
+        ex: Executor,
+        res: Residency,
+        counters: Counters,
+        n_layers: int,
+        expert_bytes: int,
+        act_bytes: int,
+        writeback: bool,
+        ssd: Any,
+    ) -> None:
+        self.ex = ex
+        self.res = res
+        self.c = counters
+        self.m = ex.m
+        self.expert_bytes = expert_bytes
+        self.act_bytes = act_bytes
+        #: evicted experts are copied back to the host (ResourceSpec.writeback)
+        self.writeback = writeback
+        #: the SSD tier when some experts live on a drive (simulator.hosttier.HostTier)
+        self.ssd = ssd
+        #: submitted CPU pre-calculations not consumed yet: (layer, expert) -> the job
+        self.precalc: dict[tuple[int, int], Op] = {}
+        #: decode hits and accesses per layer (plain lists; RunStats gets arrays)
+        self.hits = [0] * n_layers
+        self.accesses = [0] * n_layers
+
+    def apply(
+        self,
+        plan: Plan,
+        layer: int,
+        order: list[int],
+        routed: list[int],
+        counts: Any,
+        now: float,
+        prefill: bool,
+        label: tuple[int, int],
+        cpu_layer: bool,
+    ) -> LayerWork:
+        """A checked plan as operations; ``label`` (sequence, token) names them in the
+        timeline, ``cpu_layer`` says the layer runs on the CPU (its CPU experts need no
+        activation copies)."""
+        w = LayerWork(now, layer, label[0], label[1], counts)
+        actions = plan.actions
+        if actions is None:
+            needed = set(routed)
+        else:
+            needed = {e for e in routed if actions[e] in (_GPU, _FETCH)}
+        for slot in plan.evict:
+            self._evict((int(slot[0]), int(slot[1])), needed, w)
+        temps: list[int] = []
+        cpu_jobs: list[int] = []
+        hits = 0
+        for e in order:
+            a = _GPU if actions is None else int(actions[e])
+            if a == _GPU:
+                hits += 1
+                w.gpu.append(self._hit(layer, e))
+            elif a == _FETCH:
+                op = self._fetch((layer, e), "fetch", plan.victims.get(e), needed, w)
+                self.c.fetches += 1
+                w.gpu.append(GpuJob(e, 0.0, op))
+            elif a == _TEMP:
+                temps.append(e)
+            elif a == _CPU:
+                cpu_jobs.append(e)
+            else:  # a consumed pre-calculation
+                w.results.append(self.precalc.pop((layer, e)))
+        self._count_accesses(layer, len(routed), hits, prefill)
+        for e in temps:
+            w.gpu.append(GpuJob(e, 0.0, self._temp(layer, e, plan.low_bit, w)))
+        for pl, pe, victim in plan.prefetch:
+            slot = (int(pl), int(pe))
+            self._fetch(slot, "prefetch", victim, needed, w)
+            self.res.prefetched[slot] = True
+            self.c.prefetches += 1
+        self._cpu_work(plan, layer, cpu_jobs, counts, cpu_layer, w)
+        w.cpu_first = plan.cpu_first
+        w.barrier = plan.barrier
+        if self.ssd is not None:
+            self._ssd_stage(w)
+        return w
+
+    def _hit(self, layer: int, e: int) -> GpuJob:
+        """A resident expert runs on the GPU: once its copy ends, or now if it has."""
+        res = self.res
+        if res.prefetched[layer, e]:
+            res.prefetched[layer, e] = False
+            self.c.prefetch_used += 1
+        ready = float(res.ready_at[layer, e])
+        if ready != INF:
+            return GpuJob(e, ready, None)
+        return GpuJob(e, 0.0, res.copying[(layer, e)])
+
+    def _count_accesses(self, layer: int, n_routed: int, n_hits: int, prefill: bool) -> None:
+        """Count a layer's expert accesses and hits (per phase; per layer for decode)."""
+        c = self.c
+        if prefill:
+            c.prefill_accesses += n_routed
+            c.prefill_hits += n_hits
+        else:
+            c.decode_accesses += n_routed
+            c.decode_hits += n_hits
+            self.hits[layer] += n_hits
+            self.accesses[layer] += n_routed
+
+    def _op(self, kind: int, rkind: str, layer: int, expert: int, w: LayerWork) -> Op:
+        op = Op(kind, rkind, self.ex.next_seq(), w.sid, w.token, layer, expert)
+        if kind == CPU:  # activations leave from, and return to, the layer's home GPU
+            op.dev = 0 if self.m.home is None else self.m.home[layer]
+        elif self.m.gpu_of is not None:
+            op.dev = self.m.gpu_of[layer][expert]
+        return op
+
+    def _evict(self, slot: tuple[int, int], needed: set[int], w: LayerWork) -> None:
+        """Evict a resident expert; with write-back its slot stays held until its copy to
+        the host ends (an expert still needed in this layer: after its computation)."""
+        res, c = self.res, self.c
+        res.resident[slot] = False
+        res.n_resident -= 1
+        c.evictions += 1
+        if slot[0] == w.layer and slot[1] in needed:
+            w.deferred[slot[1]] = self._writeback_op(slot, w)
+            return
+        if res.prefetched[slot]:
+            res.prefetched[slot] = False
+            c.prefetch_wasted_bytes += self.expert_bytes
+        if self.writeback:
+            w.ops.append(self._writeback_op(slot, w))
+        else:  # the slot is free at once (nothing ever waits for one without write-back)
+            k = 0 if self.m.gpu_of is None else self.m.gpu_of[slot[0]][slot[1]]
+            self.ex.release(k, w.now)
+
+    def _writeback_op(self, slot: tuple[int, int], w: LayerWork) -> Op:
+        self.c.d2h_bytes += self.expert_bytes
+        self.c.d2h_expert_copies += 1
+        return self._op(WRITEBACK, "writeback", slot[0], slot[1], w)
+
+    def _fetch(
+        self, slot: tuple[int, int], kind: str, victim: Any, needed: set[int], w: LayerWork
+    ) -> Op:
+        """Copy an expert into a slot (``kind``: a fetch or a prefetch), after its victim."""
+        if victim is not None:
+            self._evict((int(victim[0]), int(victim[1])), needed, w)
+        op = self._op(FETCH, kind, slot[0], slot[1], w)
+        res = self.res
+        res.resident[slot] = True
+        res.ready_at[slot] = INF
+        res.copying[slot] = op
+        res.n_resident += 1
+        self.c.h2d_bytes += self.expert_bytes
+        self.c.h2d_expert_copies += 1
+        w.ops.append(op)
+        return op
+
+    def _temp(self, layer: int, e: int, low: Any, w: LayerWork) -> Op:
+        """A copy into a temporary buffer (of the low-precision host copy if ``low`` names
+        the expert); the buffer is free again once the computation ends."""
+        op = self._op(TEMP, "temp", layer, e, w)
+        c = self.c
+        c.temp_copies += 1
+        if low and e in low:
+            op.low = True
+            c.low_bit_copies += 1
+            c.h2d_bytes += self.m.low_bit_bytes
+        else:
+            c.h2d_bytes += self.expert_bytes
+        c.h2d_expert_copies += 1
+        w.ops.append(op)
+        return op
+
+    def _cpu_work(
+        self, plan: Plan, layer: int, experts: list[int], counts: Any, local: bool, w: LayerWork
+    ) -> None:
+        """The layer's CPU experts (the layer needs their results), then the
+        pre-calculations of coming layers; a serial plan chains each kind one after another."""
+        prev: Op | None = None
+        for e in experts:
+            op = self._cpu_op(layer, e, 1 if counts is None else int(counts[e]), "cpu_expert",
+                              local, w)  # fmt: skip
+            self.c.cpu_expert_evals += 1
+            w.sync.append(op)
+            w.results.append(op)
+            prev = self._chain(plan.cpu_serial, prev, op, w)
+        prev = None
+        for pl, pe in plan.precalc:
+            slot = (int(pl), int(pe))
+            op = self._cpu_op(slot[0], slot[1], 1, "precalc", local, w)
+            self.c.cpu_precalc_evals += 1
+            self.precalc[slot] = op
+            prev = self._chain(plan.cpu_serial, prev, op, w)
+
+    def _chain(self, serial: bool, prev: Op | None, op: Op, w: LayerWork) -> Op:
+        """Submit ``op`` now, or after ``prev`` in a serial chain; returns ``op``."""
+        if serial and prev is not None:
+            prev.chain = op
+        else:
+            w.ops.append(op)
+        return op
+
+    def _cpu_op(self, layer: int, e: int, n: int, kind: str, local: bool, w: LayerWork) -> Op:
+        op = self._op(CPU, kind, layer, e, w)
+        op.n = n
+        if local:  # the hidden states are already on the host
+            op.local = True
+            return op
+        self.c.d2h_bytes += self.act_bytes * n
+        self.c.h2d_bytes += self.act_bytes * n
+        return op
+
+    def _ssd_stage(self, w: LayerWork) -> None:
+        """The SSD tier: each operation that reads an expert's host copy (a copy to the GPU,
+        a CPU expert) gets the time its weights are there, read from the drive when host
+        memory does not hold them; write-backs land host copies. The layer's SSD stall runs
+        from the decision until its last routed expert is readable."""
+        tier = self.ssd
+        now = wait = w.now
+        for head in w.ops:
+            op: Op | None = head
+            while op is not None:
+                if op.kind == WRITEBACK:
+                    tier.written_back(op, now)
+                else:
+                    op.ssd_at, op.gds = tier.read(op, now, op.kind != CPU)
+                    op.ssd_read = tier.issued
+                    if op.ssd_at > wait and op.rkind != "prefetch" and op.rkind != "precalc":
+                        wait = op.ssd_at
+                op = op.chain
+        for op in w.deferred.values():
+            tier.written_back(op, now)
+        tier.ssd_stall += wait - now

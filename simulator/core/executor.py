@@ -1,0 +1,575 @@
+"""The executor: times a layer's operations on the machine by one queueing rule.
+
+Every serial resource serves requests in the order they are submitted in simulated time, ties
+broken by issue number, without preemption (docs/policy-api.md, "Timing rules"). Submitted
+requests wait in one heap keyed by (submission time, issue number) and are served lazily: only
+as far as a layer needs a result. A request of several stages (a CPU expert: activations out,
+the call, the result back; a write-back: the copy, then its slot's release) is pushed back
+keyed by the time its next stage is submitted.
+
+Within a layer, each GPU's stream runs that layer's expert computations in (ready time, expert)
+order, each once its weights are there (its copy ended) and the stream is free; the time it
+waits for a copy is transfer stall, for the runtime's host thread dispatch stall. The layer
+ends when every GPU's computations, the results sent back to the layer's home GPU and the CPU
+results it consumes are done.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from typing import Any
+
+from simulator.core.machine import Link, Machine
+from simulator.core.ops import CPU, FETCH, PEER, TEMP, WAKE, WRITEBACK, Counters, LayerWork, Op
+from simulator.core.resources import Residency
+
+#: a GPU job in the stream heap: (start key, ready, expert, temporary buffer or -1, GPU)
+Job = tuple[float, float, int, int, int]
+
+
+class Executor:
+    """Serves requests on the machine's resources and times each layer's GPU work."""
+
+    def __init__(
+        self,
+        machine: Machine,
+        res: Residency,
+        counters: Counters,
+        recorder: Any,
+        expert_bytes: int,
+        act_bytes: int,
+        one_stream: bool,
+    ) -> None:
+        self.m = machine
+        self.res = res
+        self.c = counters
+        self.rec = recorder
+        self.expert_bytes = expert_bytes
+        self.act_bytes = act_bytes
+        #: copies and kernels share one stream (ResourceSpec.one_stream)
+        self.one_stream = one_stream
+        self.heap: list[tuple[float, int, int, Op]] = []
+        self._uid = 0
+        #: issue numbers: the queueing rule's tie-break, taken as operations are created
+        self.seq = 0
+        # the current layer: the GPU jobs ready to run, sources still pending, per GPU the
+        # earliest start (its activations' arrival) and jobs held until then
+        self.jobs: list[Job] = []
+        self.waiting = 0
+        self.base: list[float] = []
+        self.held: list[list[tuple[float, int, int]] | None] = []
+        #: per GPU: expert computations, expert bytes copied in and written back
+        n = machine.n_gpus
+        self.gpu_experts = [0] * n
+        self.h2d_bytes = [0] * n
+        self.d2h_bytes = [0] * n
+        #: bytes moved per peer lane
+        self.peer_bytes: dict[str, int] = {}
+
+    # -- the request heap ---------------------------------------------------------------------
+    def next_seq(self) -> int:
+        """A new issue number."""
+        self.seq += 1
+        return self.seq
+
+    def push(self, t: float, op: Op) -> None:
+        """Submit ``op`` (its next stage) at ``t``."""
+        heapq.heappush(self.heap, (t, op.seq, self._uid, op))
+        self._uid += 1
+
+    def advance(self, now: float) -> None:
+        """Serve every request submitted at or before ``now``."""
+        heap = self.heap
+        while heap and heap[0][0] <= now:
+            self.serve_next()
+
+    def serve_next(self) -> None:
+        """Serve the next submitted request (or stage of one) in queueing-rule order."""
+        t, _, _, op = heapq.heappop(self.heap)
+        self.serve(t, op)
+
+    def drain(self) -> None:
+        """Serve everything still submitted (background work after the last token)."""
+        while self.heap:
+            self.serve_next()
+
+    def resolve(self, op: Op) -> float:
+        """Serve requests until ``op`` has its end time; returns it."""
+        while op.end < 0.0:
+            if not self.heap:
+                raise RuntimeError(f"engine: operation {op.rkind} can never complete")
+            self.serve_next()
+        return op.end
+
+    def serve(self, t: float, op: Op) -> None:
+        """Serve ``op`` (its current stage) submitted at ``t``; every earlier one was served."""
+        kind = op.kind
+        if kind == FETCH:
+            self._copy_in(t, op)
+        elif kind == TEMP:
+            self._temp_in(t, op)
+        elif kind == CPU:
+            self._cpu_stage(t, op)
+        elif kind == WAKE:
+            if op.n == self.m.cpu.version:  # else a later change re-timed it
+                self._cpu_wake(t)
+        elif kind == WRITEBACK:
+            self._write_back(t, op)
+        else:
+            self._peer(t, op)
+
+    # -- copies and slots -----------------------------------------------------------------------
+    def _copy_in(self, t: float, op: Op) -> None:
+        """An expert's copy into a GPU slot: it claims a slot (or waits for one), then holds
+        its GPU's host-to-device lane (a GPUDirect Storage read already put it there)."""
+        k = op.dev
+        res = self.res
+        if op.stage == 0:
+            if not res.take(k, t):
+                res.waiters[k].append(op)
+                return
+            op.stage = 1
+        link = self.m.uplinks[k][0]
+        s, e = self._copy(t, op, link, link.expert_s, self.expert_bytes, op.rkind)
+        slot = (op.layer, op.expert)
+        res.ready_at[slot] = e
+        del res.copying[slot]
+        self._landed(op, e)
+
+    def _temp_in(self, t: float, op: Op) -> None:
+        """A copy into a temporary buffer (a low-bit copy when ``op.low``)."""
+        link = self.m.uplinks[op.dev][0]
+        if op.low:
+            dur, nbytes = self.m.low_bit_s, self.m.low_bit_bytes
+        else:
+            dur, nbytes = link.expert_s, self.expert_bytes
+        self._copy(t, op, link, dur, nbytes, "temp")
+        self._landed(op, op.end)
+
+    def _copy(
+        self, t: float, op: Op, link: Link, dur: float, nbytes: int, kind: str
+    ) -> tuple[float, float]:
+        """Serve a host-to-device copy of ``op`` submitted at ``t``; returns (start, end)."""
+        if op.gds:  # the drive wrote the weights into GPU memory already (GPUDirect Storage)
+            op.end = t
+            return t, t
+        s, e = link.lane.serve(t, dur)
+        if self.rec is not None:
+            self.rec.op(link.lane.name, kind, op.sid, op.token, op.layer, op.expert, s, e, nbytes)
+        if self.m.unified:
+            self.mem(s, e, nbytes)
+        self.h2d_bytes[op.dev] += nbytes
+        op.end = e
+        return s, e
+
+    def _landed(self, op: Op, end: float) -> None:
+        """A copy a GPU computation of the current layer waits for has ended."""
+        if op.gpu:
+            op.gpu = False
+            self.waiting -= 1
+            buf = op.buf if op.kind == TEMP else -1
+            self.add_job(op.dev, end, op.expert, buf)
+
+    def _write_back(self, t: float, op: Op) -> None:
+        """An evicted expert's copy back to the host, issued on the loads' stream (it holds
+        both copy lanes of its GPU together); its slot is released when it ends."""
+        if op.stage == 1:
+            self.release(op.dev, t)
+            return
+        up_h, up_d = self.m.uplinks[op.dev]
+        h2d, d2h = up_h.lane, up_d.lane
+        s = max(t, h2d.free_at, d2h.free_at)
+        dur = up_d.expert_s
+        e = s + dur
+        h2d.free_at = d2h.free_at = e
+        d2h.busy += dur
+        if self.rec is not None:
+            self.rec.op(d2h.name, "writeback", op.sid, op.token, op.layer, op.expert, s, e,
+                        self.expert_bytes)  # fmt: skip
+        if self.m.unified:
+            self.mem(s, e, self.expert_bytes)
+        self.d2h_bytes[op.dev] += self.expert_bytes
+        op.end = e
+        op.stage = 1
+        self.push(e, op)
+
+    def release(self, k: int, t: float) -> None:
+        """A slot of GPU ``k`` is released at ``t``: its first waiting fetch takes it."""
+        op = self.res.release(k, t)
+        if op is not None:
+            op.stage = 1
+            self.push(t, op)
+
+    # -- the shared CPU -------------------------------------------------------------------------
+    def _cpu_stage(self, t: float, op: Op) -> None:
+        """Activations to the host, the expert on a CPU worker, the result back (a
+        CPU-resident layer's expert has its activations on the host already)."""
+        if op.local and op.stage != 1:
+            if op.stage == 0:
+                op.stage = 1
+            else:
+                op.end = t
+                if op.chain is not None:
+                    self.push(t, op.chain)
+                return
+        if op.stage == 1:  # on the shared CPU; it ends when a wake-up says so
+            self.m.cpu.submit(t, self.m.cpu_job(op, op.seq, t, op.n))
+            self.cpu_next()
+            return
+        up_h, up_d = self.m.uplinks[op.dev]
+        link = up_d if op.stage == 0 else up_h
+        nbytes = self.act_bytes * op.n
+        s, e = link.lane.serve(t, link.activation_s(op.n))
+        if self.rec is not None:
+            self.rec.op(link.lane.name, "activation", op.sid, op.token, op.layer, op.expert, s,
+                        e, nbytes)  # fmt: skip
+        if self.m.unified:
+            self.mem(s, e, nbytes)
+        if op.stage == 0:
+            op.stage = 1
+            self.push(e, op)
+            return
+        op.end = e
+        nxt = op.chain
+        if nxt is not None:  # a chained CPU expert may still wait for its drive read
+            self.push(e if e >= nxt.ssd_at else nxt.ssd_at, nxt)
+
+    def cpu_next(self) -> None:
+        """Schedule the shared CPU's next event (ahead of requests submitted at that time)."""
+        cpu = self.m.cpu
+        t = cpu.next_event()
+        if t != float("inf"):
+            wake = Op(WAKE, "wake", -1, 0, 0, 0, 0)
+            wake.n = cpu.version
+            heapq.heappush(self.heap, (t, -1, self._uid, wake))
+            self._uid += 1
+
+    def _cpu_wake(self, t: float) -> None:
+        """The shared CPU's event at ``t``: calls that end there return their results."""
+        cpu = self.m.cpu
+        for job in cpu.wake(t):
+            op = job.op
+            if self.rec is not None:
+                name = cpu.lanes[job.worker].name
+                self.rec.op(name, op.rkind, op.sid, op.token, op.layer, op.expert, job.start, t, 0)
+            op.stage = 2
+            self.push(t, op)
+        self.cpu_next()
+
+    def mem(self, s: float, e: float, nbytes: int) -> None:
+        """Unified memory: a copy from ``s`` to ``e`` takes its share of the DRAM."""
+        self.m.copy_load(s, e, nbytes)
+        if self.m.cpu.active:
+            self.cpu_next()
+
+    def gpu_mem(self, s: float, e: float, n: int, context: int | None = None) -> None:
+        """Unified memory: a GPU kernel takes its share of the DRAM."""
+        self.m.gpu_load(s, e, n, context)
+        if self.m.cpu.active:
+            self.cpu_next()
+
+    # -- between GPUs ---------------------------------------------------------------------------
+    def _peer(self, t: float, op: Op) -> None:
+        """Activations from GPU ``op.src`` to ``op.dst``: over a direct peer lane, or staged
+        through host memory (out on the sender's uplink, then in on the receiver's)."""
+        m = self.m
+        nbytes = self.act_bytes * op.n
+        direct = m.peers.get((op.src, op.dst))
+        if direct is not None:
+            link = direct
+        elif op.stage == 0:
+            link = m.uplinks[op.src][1]
+        else:
+            link = m.uplinks[op.dst][0]
+        s, e = link.lane.serve(t, link.activation_s(op.n))
+        if self.rec is not None:
+            self.rec.op(link.lane.name, "peer", op.sid, op.token, op.layer, op.expert, s, e,
+                        nbytes)  # fmt: skip
+        name = link.lane.name
+        self.peer_bytes[name] = self.peer_bytes.get(name, 0) + nbytes
+        if direct is None and op.stage == 0:
+            op.stage = 1
+            self.push(e, op)
+            return
+        op.end = e
+        if op.gpu:  # the sent activations: the receiving GPU's computations may start
+            op.gpu = False
+            self.waiting -= 1
+            k = op.dst
+            if e > self.base[k]:
+                self.base[k] = e
+            held = self.held[k]
+            self.held[k] = None
+            for ready, expert, buf in held or ():
+                self.add_job(k, ready, expert, buf)
+
+    def peer_op(self, w: LayerWork, src: int, dst: int, n: int) -> Op:
+        """An activation transfer of ``n`` tokens of ``w``'s layer between two GPUs."""
+        op = Op(PEER, "peer", self.next_seq(), w.sid, w.token, w.layer, -1)
+        op.src, op.dst, op.n = src, dst, n
+        return op
+
+    # -- one layer ------------------------------------------------------------------------------
+    def add_job(self, k: int, ready: float, expert: int, buf: int) -> None:
+        """A GPU computation of the current layer on GPU ``k``, startable from ``ready``."""
+        held = self.held[k]
+        if held is not None:  # its GPU's activations are not there yet
+            held.append((ready, expert, buf))
+        else:
+            base = self.base[k]
+            heapq.heappush(self.jobs, (ready if ready > base else base, ready, expert, buf, k))
+
+    def run_layer(self, w: LayerWork) -> float:
+        """Time one layer's work; returns when the layer ends."""
+        m = self.m
+        layer = w.layer
+        home = 0 if m.home is None else m.home[layer]
+        gpu_of = m.gpu_of
+        self.base = [w.now] * m.n_gpus
+        self.held = [None] * m.n_gpus
+        self.jobs = []
+        self.waiting = 0
+        per: dict[int, int] = {}  # GPU -> its computations in this layer
+        for job in w.gpu:
+            k = 0 if gpu_of is None else gpu_of[layer][job.expert]
+            per[k] = per.get(k, 0) + 1
+        sends = self._sends(w, per, home)
+        tempq = self._submit(w, sends)
+        self._wait_cpu_first(w)
+        self._gpu_sources(w, gpu_of)
+        g, late = self._run_gpu(w, per, sends, tempq)
+        end = g[home] if g[home] > self.base[home] else self.base[home]
+        if self.one_stream:
+            end = self._one_stream_tail(w, late, end)
+        for _, back in sends.values():
+            t = back.end if back.end >= 0.0 else self.resolve(back)
+            if t > end:
+                end = t
+        gpu_end = end
+        for op in w.results:
+            t = op.end if op.end >= 0.0 else self.resolve(op)
+            if t > end:
+                end = t
+        if end > gpu_end:
+            self.c.cpu_wait += end - gpu_end
+        return self._cross(w, end)
+
+    def _sends(self, w: LayerWork, per: dict[int, int], home: int) -> dict[int, tuple[Op, Op]]:
+        """Several GPUs: for each GPU but the layer's home one that computes experts of it,
+        the activations' trip there and the results' trip back (issue numbers taken now)."""
+        sends: dict[int, tuple[Op, Op]] = {}
+        if self.m.n_gpus == 1:
+            return sends
+        for k in sorted(per):
+            if k != home:
+                n = self._peer_tokens(w, k)
+                sends[k] = (self.peer_op(w, home, k, n), self.peer_op(w, k, home, n))
+                self.held[k] = []
+        return sends
+
+    def _peer_tokens(self, w: LayerWork, k: int) -> int:
+        """Tokens whose activations go to GPU ``k`` for its experts of ``w``'s layer."""
+        counts: Any = w.counts
+        if counts is None:
+            return 1
+        gpu_of = self.m.gpu_of
+        assert gpu_of is not None
+        row = gpu_of[w.layer]
+        p = int(counts.sum()) // self.m.costs.model.top_k
+        mine = sum(int(counts[j.expert]) for j in w.gpu if row[j.expert] == k)
+        return max(1, min(p, mine))
+
+    def _submit(self, w: LayerWork, sends: dict[int, tuple[Op, Op]]) -> list[deque[Op]]:
+        """Submit the layer's operations at its decision time in issue order (a temporary
+        copy takes a free buffer of its GPU, else waits for one), then the sends; returns
+        the temporary copies waiting for a buffer, per GPU."""
+        now = w.now
+        n_temp = self.m.temp_buffers
+        free = [n_temp] * self.m.n_gpus
+        tempq: list[deque[Op]] = [deque() for _ in free]
+        for op in w.ops:
+            if op.kind == TEMP and not free[op.dev]:
+                tempq[op.dev].append(op)  # submitted when a buffer frees up
+                continue
+            if op.kind == TEMP:
+                free[op.dev] -= 1
+                op.buf = n_temp - free[op.dev] - 1
+            if op.ssd_at > now:  # submitted when its drive read ends
+                self.push(op.ssd_at, op)
+            else:
+                self.serve(now, op)
+            self.advance(now)  # a zero-length stage keeps its place
+        for send, _ in sends.values():  # the activations leave the home GPU now
+            send.gpu = True
+            self.waiting += 1
+            self.serve(now, send)
+            self.advance(now)
+        return tempq
+
+    def _wait_cpu_first(self, w: LayerWork) -> None:
+        """``Plan.cpu_first``: the GPU streams start once the layer's CPU experts are done."""
+        if not (w.cpu_first and w.sync):
+            return
+        sync_end = max(self.resolve(op) for op in w.sync)
+        if sync_end > w.now:
+            self.c.cpu_wait += sync_end - w.now
+            self.base = [b if b > sync_end else sync_end for b in self.base]
+            self.jobs = [(max(r, self.base[k]), r, e, b, k) for _, r, e, b, k in self.jobs]
+            heapq.heapify(self.jobs)
+
+    def _gpu_sources(self, w: LayerWork, gpu_of: list[list[int]] | None) -> None:
+        """Each GPU computation is startable once its weights are there; with a gather
+        barrier (``Plan.barrier``) no earlier than the last copy into the layer's slots."""
+        bar = self._barrier(w) if w.barrier else -1.0
+        for job in w.gpu:
+            k = 0 if gpu_of is None else gpu_of[w.layer][job.expert]
+            src = job.src
+            if src is None:
+                self.add_job(k, job.ready if job.ready > bar else bar, job.expert, -1)
+            elif src.end >= 0.0:
+                buf = src.buf if src.kind == TEMP else -1
+                self.add_job(k, src.end if src.end > bar else bar, job.expert, buf)
+            elif not src.gpu:
+                src.gpu = True
+                self.waiting += 1
+
+    def _barrier(self, w: LayerWork) -> float:
+        """When the last copy into a slot of ``w``'s layer that ``w`` issued lands (-1 if
+        none)."""
+        bar = -1.0
+        for op in w.ops:
+            if op.kind == FETCH and op.layer == w.layer:
+                t = op.end if op.end >= 0.0 else self.resolve(op)
+                if t > bar:
+                    bar = t
+        return bar
+
+    def _run_gpu(
+        self,
+        w: LayerWork,
+        per: dict[int, int],
+        sends: dict[int, tuple[Op, Op]],
+        tempq: list[deque[Op]],
+    ) -> tuple[list[float], list[Op]]:
+        """Run the layer's GPU computations: each GPU's stream by (ready time, expert).
+
+        An in-use victim's write-back is submitted when its computation ends, a temporary
+        copy waiting for a buffer when a computation frees one, and a GPU's results are sent
+        back to the home GPU after its last computation. Returns each stream's end and the
+        write-backs submitted after a computation."""
+        m, c, rec = self.m, self.c, self.rec
+        heap = self.heap
+        counts: Any = w.counts
+        late = list(w.deferred.values())
+        g = list(self.base)
+        busy = [0.0] * m.n_gpus
+        unfused = [True] * m.n_gpus  # the fused call is charged with a GPU's first expert
+        left = dict(per)
+        total = 0.0
+        while self.jobs or self.waiting:
+            while self.waiting and heap and (not self.jobs or heap[0][0] < self.jobs[0][0]):
+                self.serve_next()
+            if not self.jobs:
+                raise RuntimeError("engine: the GPU waits for a copy that can never start")
+            _, ready, e, buf, k = heapq.heappop(self.jobs)
+            drained = gk = g[k] if g[k] > self.base[k] else self.base[k]
+            if self.one_stream:
+                ready = self._one_stream_ready(ready, gk, k)
+            if ready > gk:
+                c.transfer_stall += ready - gk
+                gk = ready
+            n = 1 if counts is None else int(counts[e])
+            d = m.gpu_s(n)
+            if unfused[k]:
+                unfused[k] = False
+                d += m.fused_launch_s
+            host = m.hosts[k]
+            if host is not None:  # the stream may wait for its thread to issue the kernels
+                wait = host.expert(drained, gk, d) - d - gk
+                if wait > 0.0:
+                    c.dispatch_stall += wait
+                    gk += wait
+            if rec is not None:
+                rec.op(m.gpus[k].name, "expert", w.sid, w.token, w.layer, e, gk, gk + d, 0)
+            if m.unified:
+                self.gpu_mem(gk, gk + d, n)
+            gk += d
+            g[k] = gk
+            busy[k] += d
+            total += d
+            self.gpu_experts[k] += 1
+            if self.one_stream:
+                up_h, up_d = m.uplinks[k]
+                up_h.lane.free_at = up_d.lane.free_at = gk
+            self._after_job(w, e, buf, k, gk, tempq[k])
+            left[k] -= 1
+            if left[k] == 0 and k in sends:  # its results go back to the home GPU
+                self.push(gk, sends[k][1])
+        c.gpu_expert_busy += total
+        for k, lane in enumerate(m.gpus):
+            lane.busy += busy[k]
+        return g, late
+
+    def _after_job(self, w: LayerWork, e: int, buf: int, k: int, g: float, q: deque[Op]) -> None:
+        """What a finished computation submits: its expert's deferred write-back, and the
+        next temporary copy into the buffer it frees."""
+        if w.deferred:
+            wb = w.deferred.pop(e, None)
+            if wb is not None:  # evicted while in use: written back after its computation
+                self.push(g, wb)
+        if buf >= 0 and q:
+            nxt = q.popleft()
+            nxt.buf = buf
+            self.push(g if g >= nxt.ssd_at else nxt.ssd_at, nxt)
+
+    def _one_stream_ready(self, ready: float, g: float, k: int) -> float:
+        """One stream for copies and kernels: a kernel is issued once its weights are
+        there, after every copy issued before it (submitted by then) has run, and holds the
+        copy lanes while it runs."""
+        at = ready if ready > g else g
+        self.advance(at)
+        up_h, up_d = self.m.uplinks[k]
+        ready = at
+        if up_h.lane.free_at > ready:
+            ready = up_h.lane.free_at
+        if up_d.lane.free_at > ready:
+            ready = up_d.lane.free_at
+        return ready
+
+    def _one_stream_tail(self, w: LayerWork, late: list[Op], g: float) -> float:
+        """One stream: the layer ends once every copy it issued has ended (the wait is
+        transfer stall)."""
+        last = g
+        for op in [o for o in w.ops if o.kind != CPU] + late:
+            t = op.end if op.end >= 0.0 else self.resolve(op)
+            if t > last:
+                last = t
+        if last > g:
+            self.c.transfer_stall += last - g
+        return last
+
+    def _cross(self, w: LayerWork, end: float) -> float:
+        """Pipeline: after a stage's last layer the hidden states cross to the next GPU."""
+        home = self.m.home
+        if home is None or w.layer + 1 >= len(home) or home[w.layer + 1] == home[w.layer]:
+            return end
+        counts: Any = w.counts
+        n = 1 if counts is None else max(1, int(counts.sum()) // self.m.costs.model.top_k)
+        cross = self.peer_op(w, home[w.layer], home[w.layer + 1], n)
+        self.push(end, cross)
+        return self.resolve(cross)
+
+    # -- streamed weights -----------------------------------------------------------------------
+    def weights(self, t: float, nbytes: int, dur: float, kind: str, sid: int, token: int,
+                layer: int) -> float:  # fmt: skip
+        """A copy of non-expert weights submitted at ``t``: it queues on the host-to-device
+        lane behind everything submitted before it; returns when it lands."""
+        self.advance(t)
+        lane = self.m.links["h2d"].lane
+        s, e = lane.serve(t, dur)
+        if self.m.unified:
+            self.mem(s, e, nbytes)
+        if self.rec is not None:
+            self.rec.op(lane.name, kind, sid, token, layer, -1, s, e, nbytes)
+        return e

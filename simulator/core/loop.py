@@ -1,0 +1,586 @@
+"""The step loop: sequences into forward passes, passes into layers, layers into decisions.
+
+Every forward pass is a :class:`Step` (a sequence's prefill, one decode token, or, from
+``simulator.serving``, a batch): layer by layer, the non-expert part runs (on the GPU, or on
+the CPU for a CPU-resident layer), everything submitted before the routing is known is
+served, the policy decides from a :class:`~policies.base.View` (``simulator.boundary`` calls
+the hook and checks the plan), the plan becomes operations (``simulator.core.apply``) and the
+executor times them (``simulator.core.executor``); the layer ends when its last result is in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+
+from policies.base import _LAZY, Plan, Policy, SetupContext, View
+from simulator.boundary import Hooks, check_placement, check_plan, check_route
+from simulator.core.apply import Applier
+from simulator.core.executor import Executor
+from simulator.core.machine import Machine
+from simulator.core.ops import Counters, RunStats
+from simulator.core.resources import Residency
+from simulator.errors import UserError
+
+
+def cpu_layers_for(spec: Any, n_layers: int, n_experts: int, budget: int) -> int:
+    """Leading MoE layers a spec runs wholly on the CPU when the run did not size them from
+    memory: N GPU blocks leave ``n_layers - N``; -1 leaves the fewest whose GPU layers'
+    experts fit ``budget``."""
+    g = spec.gpu_blocks
+    if g is None:
+        return 0
+    if g >= 0:
+        return n_layers - min(n_layers, g)
+    return max(0, n_layers - budget // n_experts)
+
+
+class Step:
+    """One forward pass through every layer: what its non-expert parts cost, what each
+    layer's view holds, and how its decisions are counted.
+
+    ``n``/``context`` size the non-expert part (``d_ne`` GPU seconds a layer, ``d_cpu`` on
+    the CPU for a CPU-resident layer, negative: the machine's memoised cost); the first
+    ``n_cpu_run`` layers run on the CPU. Labels (sequence, token) name the step's rows in
+    the timeline: ``part`` its weight copies and CPU-layer parts, ``ne`` its non-expert
+    rows, ``ops`` its operations; ``who`` is where its decisions' errors point.
+    """
+
+    prefill = False
+    hook = "decode_layer"
+
+    def __init__(self, n: int, context: int, d_ne: float) -> None:
+        self.n = n
+        self.context = context
+        self.d_ne = d_ne
+        self.d_cpu = -1.0
+        self.n_cpu_run = 0
+        self.load = (n, context)  # unified memory: the non-expert kernel's DRAM share key
+        self.part = self.ne = self.ops = self.who = (0, 0)
+
+    def decide(self, eng: Engine) -> Callable[[View], Any]:
+        """The policy hook deciding this step's layers."""
+        return eng.policy.decode_layer  # type: ignore[no-any-return]
+
+    def begin(self, eng: Engine) -> None:
+        """Set the view's step-wide fields."""
+
+    def enter(self, eng: Engine, layer: int) -> tuple[np.ndarray, Any]:
+        """Fill the view for ``layer``; returns its routed experts and per-expert counts."""
+        raise NotImplementedError
+
+    def route(self, eng: Engine, plan: Any, experts: np.ndarray, layer: int) -> list[int] | None:
+        """The plan's substituted route (checked), or None for the trace's routing."""
+        if isinstance(plan, Plan) and plan.route is not None:
+            raise eng.hooks.error("substitutes routing during prefill (not supported)", layer)
+        return None
+
+    def account(
+        self, eng: Engine, plan: Any, route: list[int] | None, experts: np.ndarray, layer: int
+    ) -> None:
+        """Count the routing the layer's plan kept (decode steps)."""
+
+    def finish(self, eng: Engine, t0: float) -> None:
+        """Bookkeeping once every layer has run (the step started at ``t0``)."""
+
+
+class PrefillStep(Step):
+    """A sequence's prompt in one pass: each layer runs the union of its tokens' experts."""
+
+    prefill = True
+    hook = "prefill_layer"
+
+    def __init__(self, eng: Engine, r: Any, base: int) -> None:
+        p = r.n_prefill
+        super().__init__(p, 0, eng.machine.nonexpert_s(p, 0))
+        self.r = r
+        spec = eng.spec
+        offload = eng.n_cpu_layers and 0 < spec.cpu_layer_offload_batch <= p
+        self.n_cpu_run = 0 if offload else eng.n_cpu_layers
+        sid = eng.hooks.where.seq or 0
+        self.part = self.ops = self.who = (sid, base)
+        self.ne = (sid, 0)
+
+    def decide(self, eng: Engine) -> Callable[[View], Any]:
+        return eng.policy.prefill_layer  # type: ignore[no-any-return]
+
+    def begin(self, eng: Engine) -> None:
+        v = eng.view
+        v.phase = "prefill"
+        v.n_tokens = self.n
+        v.context = 0
+        v.position = int(self.r.positions[0])
+        v.next_experts = v.next_probs = None
+
+    def enter(self, eng: Engine, layer: int) -> tuple[np.ndarray, Any]:
+        r, p, v = self.r, self.n, eng.view
+        counts = np.bincount(r.experts[:p, layer, :].reshape(-1), minlength=eng.n_experts)
+        experts = np.flatnonzero(counts)
+        experts = experts[np.argsort(-counts[experts], kind="stable")]
+        v.experts = experts
+        v.counts = counts
+        v.weights = r.weights[:p, layer, :].mean(axis=0)
+        v.probs = r.probs[:p, layer, :].mean(axis=0)
+        return experts, counts
+
+    def finish(self, eng: Engine, t0: float) -> None:
+        eng.c.prefill_tokens += self.n
+
+
+class DecodePass:
+    """A sequence's decode rows, prepared once: dense probabilities and gate-weight sums."""
+
+    def __init__(self, r: Any, n_experts: int) -> None:
+        self.r = r
+        full = r.prob_ids is not None
+        self.probs = r.full_probs(n_experts) if full else r.probs
+        self.eprobs = r.full_probs(n_experts, early=True) if full else r.early_probs
+        #: the true gate mass of each token-layer
+        self.wsums: list[list[float]] = r.weights.sum(axis=2).tolist()
+
+
+class DecodeStep(Step):
+    """One generated token of one sequence."""
+
+    def __init__(self, eng: Engine, dp: DecodePass, t: int, base: int) -> None:
+        context = int(dp.r.positions[t])
+        super().__init__(1, context, eng.machine.nonexpert_s(1, context))
+        self.dp, self.t = dp, t
+        self.n_cpu_run = eng.n_cpu_layers
+        sid = eng.hooks.where.seq or 0
+        self.part = self.ops = self.who = (sid, t + base)
+        self.ne = (sid, t)
+        r = dp.r
+        self.experts_t = r.experts[t]
+        self.weights_t = r.weights[t]
+        self.wsums_t = dp.wsums[t]
+
+    def begin(self, eng: Engine) -> None:
+        v, r, t = eng.view, self.dp.r, self.t
+        v.phase = "decode"
+        v.n_tokens = 1
+        v.counts = None
+        v.position = v.context = self.context
+        # the rows a policy may read, built into arrays only when it reads them (View)
+        v._rows = (self.weights_t, self.dp.probs[t], r.early_experts[t], self.dp.eprobs[t])
+
+    def enter(self, eng: Engine, layer: int) -> tuple[np.ndarray, Any]:
+        v = eng.view
+        experts = self.experts_t[layer]
+        v.experts = experts
+        v._weights = v._probs = v._next_experts = v._next_probs = _LAZY
+        return experts, None
+
+    def route(self, eng: Engine, plan: Any, experts: np.ndarray, layer: int) -> list[int] | None:
+        if isinstance(plan, Plan):
+            return check_route(eng.hooks, plan, eng.n_experts, layer)
+        return None
+
+    def account(
+        self, eng: Engine, plan: Any, route: list[int] | None, experts: np.ndarray, layer: int
+    ) -> None:
+        c = eng.c
+        ws = self.wsums_t[layer]
+        c.true_accesses += len(experts)
+        c.gate_mass_total += ws
+        true_w = self.weights_t[layer].tolist()
+        if route is None:
+            c.gate_mass_kept += ws
+        else:  # how much of the true routing the substituted route kept or replaced
+            used = set(route)
+            raw = set(np.asarray(plan.raw_route).tolist()) if plan.raw_route is not None else set()
+            for e, w in zip(experts.tolist(), true_w, strict=False):
+                if e in used:
+                    c.gate_mass_kept += w
+                elif e in raw:
+                    c.replaced_degraded += 1
+                else:
+                    c.replaced_mispredicted += 1
+        if plan.low_bit:  # the true gate weight of experts computed from a low-bit copy
+            for e, w in zip(experts.tolist(), true_w, strict=False):
+                if e in plan.low_bit:
+                    c.gate_mass_low_bit += w
+
+    def finish(self, eng: Engine, t0: float) -> None:
+        c = eng.c
+        eng.discard_precalc()
+        lat = eng.now - t0
+        c.token_latency.append(lat)
+        c.decode_time += lat
+        c.decode_tokens += 1
+
+
+class Engine:
+    """Replays sequences through one host under one policy (docs/architecture.md).
+
+    ``placement`` and ``budgets`` (several GPUs, ``simulator.multigpu``): which GPU holds each
+    expert and runs each layer's non-expert part, and each GPU's slot budget.
+    """
+
+    def __init__(
+        self,
+        policy: Policy,
+        model: Any,
+        costs: Any,
+        budget: int,
+        calibration: np.ndarray | None = None,
+        calibration_prefill: np.ndarray | None = None,
+        oracle: Any = None,
+        recorder: Any = None,
+        seed: int = 0,
+        runtime: Any = None,
+        calibration_sequences: tuple[np.ndarray, ...] | None = None,
+        host_tier: Any = None,
+        cpu_layers: int | None = None,
+        placement: Any = None,
+        budgets: list[int] | None = None,
+    ) -> None:
+        self.policy = policy
+        self.hooks = Hooks(policy)
+        self.spec = spec = self.hooks.call("resources", policy.resources)
+        self.model, self.costs, self.recorder = model, costs, recorder
+        self.budget = int(budget)
+        self.n_layers, self.n_experts = model.moe_layers, model.experts
+        if placement is not None:
+            _check_multi(policy, spec)
+        self.placement = placement
+        self.machine = m = Machine(costs, spec, runtime, placement)
+        caps = [int(b) + spec.staging_buffers for b in (budgets or [self.budget])]
+        self.res = Residency(self.n_layers, self.n_experts, self.budget, caps, recorder)
+        self.c = Counters()
+        self.expert_bytes: int = costs.link_expert_bytes  # what one copy moves
+        self.act_bytes: int = model.hidden * 2
+        self.ex = Executor(
+            m, self.res, self.c, recorder, self.expert_bytes, self.act_bytes, spec.one_stream
+        )
+        self.now = 0.0
+        self.step = 0
+        #: a ``simulator.serving.Serving`` when requests are batched (set by the runner)
+        self.serving: Any = None
+        self.view = v = View()
+        v.model, v.costs, v.budget, v.calibration = model, costs, self.budget, calibration
+        v.resident = self.res.resident.view()
+        v.resident.flags.writeable = False
+        if placement is not None:  # each GPU's copies share lanes with the others' work
+            v.ready = self.res.ready_at.view()
+            v.ready.flags.writeable = False
+        self.ssd_cfg, ssd = host_tier, None
+        if host_tier is not None:
+            from simulator.hosttier import HostTier
+
+            tier = HostTier(host_tier, costs, self.n_layers, self.n_experts, spec.ssd_access,
+                            recorder)  # fmt: skip
+            v.host_resident = tier.host.view()
+            v.host_resident.flags.writeable = False
+            if host_tier.uses_ssd:
+                ssd = tier
+                m.drives[tier.lane.name] = tier.lane
+        self.ssd = ssd
+        self.applier = Applier(self.ex, self.res, self.c, self.n_layers, self.expert_bytes,
+                               self.act_bytes, spec.writeback, ssd)  # fmt: skip
+        if cpu_layers is None:
+            cpu_layers = cpu_layers_for(spec, self.n_layers, self.n_experts, self.budget)
+        #: leading MoE layers run wholly on the CPU (ResourceSpec.gpu_blocks, resolved)
+        self.n_cpu_layers = cpu_layers
+        ctx = SetupContext(
+            model=model, budget=self.budget, costs=costs, calibration=calibration,
+            calibration_prefill=calibration_prefill,
+            oracle=oracle if policy.clairvoyant else None, seed=seed,
+            calibration_sequences=calibration_sequences, cpu_layers=cpu_layers,
+        )  # fmt: skip
+        placed = self.hooks.call("setup", policy.setup, ctx)
+        slots = check_placement(self.hooks, placed, self.n_layers, self.n_experts, self.budget)
+        self.res.place(slots, m.gpu_of)
+
+    # -- views of the state (tests and tools read these) -------------------------------------
+    @property
+    def ready_at(self) -> np.ndarray:
+        """When each resident expert's copy ends (inf while not started)."""
+        return self.res.ready_at
+
+    @property
+    def resident(self) -> np.ndarray:
+        """The residency mask."""
+        return self.res.resident
+
+    @property
+    def precalc(self) -> dict[tuple[int, int], Any]:
+        """Submitted CPU pre-calculations not consumed yet."""
+        return self.applier.precalc
+
+    # -- the run -----------------------------------------------------------------------------
+    def run(
+        self, sequences: Iterable[Any], on_sequence: Callable[[Any], None] | None = None
+    ) -> RunStats:
+        """Simulate the sequences (or the serving plan's requests); returns the statistics."""
+        if self.serving is not None:  # batched or continuous serving: its schedule of steps
+            self.serving.run(self, on_sequence)
+        else:
+            for r in sequences:
+                self.sequence(r, on_sequence)
+        e2e = self.now
+        self.ex.drain()  # background work still running when the last token is out
+        return self.stats(e2e)
+
+    def sequence(self, r: Any, on_sequence: Callable[[Any], None] | None) -> None:
+        """A sequence on its own: its prefill pass, then one step per decode token."""
+        sid = int(r.seq_id)
+        self.start_sequence(sid, r.n_prefill)
+        t0 = self.now
+        if r.n_prefill:
+            self.forward(PrefillStep(self, r, 0))
+        self.c.ttft.append(self.now - t0)
+        self.decode(r)
+        self.end_sequence(sid, on_sequence, r)
+
+    def start_sequence(self, sid: int, n_prefill: int) -> None:
+        """The policy learns that sequence ``sid`` starts (``n_prefill`` prompt tokens)."""
+        where = self.hooks.where
+        where.seq, where.token, where.layer = sid, None, None
+        self.view.seq_id = sid
+        self.hooks.call("on_sequence_start", self.policy.on_sequence_start, sid, n_prefill)
+
+    def end_sequence(self, sid: int, on_sequence: Callable[[Any], None] | None, r: Any) -> None:
+        """The policy learns that sequence ``sid`` ended; its pre-calculations are wasted."""
+        self.hooks.where.seq, self.hooks.where.token = sid, None
+        self.hooks.call("on_sequence_end", self.policy.on_sequence_end, sid)
+        self.c.precalc_wasted += len(self.precalc)
+        self.precalc.clear()
+        self.c.sequences += 1
+        if on_sequence is not None:
+            on_sequence(r)
+
+    def decode(self, r: Any, base: int = 0) -> None:
+        """The decode tokens of ``r``, one step each (``base`` is added to token numbers)."""
+        dp = DecodePass(r, self.n_experts)
+        for t in range(r.n_prefill, r.n_tokens):
+            self.forward(DecodeStep(self, dp, t, base))
+
+    def prefill(self, r: Any) -> None:
+        """The prompt of ``r`` in one step."""
+        self.forward(PrefillStep(self, r, 0))
+
+    def idle_until(self, t: float) -> None:
+        """Nothing to run until ``t`` (serving: the next arrival); the clock moves there."""
+        self.now = t
+        self.ex.advance(t)
+
+    def discard_precalc(self) -> None:
+        """A token ended: pre-calculations of it nobody consumed are wasted."""
+        if self.precalc:
+            self.c.precalc_wasted += len(self.precalc)
+            self.precalc.clear()
+
+    def forward(self, st: Step) -> None:
+        """One forward pass through every layer."""
+        t0 = self.now
+        where = self.hooks.where
+        where.seq, where.token = st.who
+        self.view.token = st.who[1]
+        self.view.step = self.step
+        st.begin(self)
+        for layer in range(self.n_layers):
+            now = self._nonexpert(st, layer)
+            self.ex.advance(now)  # serve everything submitted before the decision
+            self._decide(st, layer, now)
+        if self.machine.streamed is not None:  # the output matrix, after the last layer
+            self.now = self._weights(st, self.now, -1)
+        self.step += 1
+        st.finish(self, t0)
+
+    def _decide(self, st: Step, layer: int, now: float) -> None:
+        """The layer's decision from its view, checked, applied and timed."""
+        v, where, hooks = self.view, self.hooks.where, self.hooks
+        where.seq, where.token = st.who
+        v.layer = where.layer = layer
+        v.now = now
+        experts, counts = st.enter(self, layer)
+        plan = hooks.call(st.hook, st.decide(self), v)
+        route = st.route(self, plan, experts, layer)
+        routed = experts.tolist() if route is None else route
+        order = check_plan(hooks, plan, layer, routed, self.res, self.spec, self.precalc, now)
+        st.account(self, plan, route, experts, layer)
+        where.seq, where.token = st.ops
+        work = self.applier.apply(plan, layer, order, routed, counts, now, st.prefill, st.ops,
+                                  layer < st.n_cpu_run)  # fmt: skip
+        self.now = self.ex.run_layer(work)
+
+    # -- the non-expert part of a layer ------------------------------------------------------
+    def _nonexpert(self, st: Step, layer: int) -> float:
+        """A layer's non-expert part from the current time; returns the decision time."""
+        start = self.now
+        n_cpu = self.n_cpu_layers
+        self.hooks.where.seq, self.hooks.where.token = st.part
+        if layer < st.n_cpu_run:  # a CPU-resident layer (ResourceSpec.gpu_blocks)
+            return self._cpu_layer_part(st, start, layer)
+        if n_cpu and layer < n_cpu:  # op offload: this layer's weights come first
+            start = self._host_copy(st, start, layer, "weights")
+        elif layer and layer == st.n_cpu_run:  # the split: hidden states to the GPU
+            start = self._host_copy(st, start, layer, "activation")
+        if self.machine.streamed is not None:  # the layer's weights land first (ZeRO-3)
+            start = self._weights(st, start, layer)
+        return self._gpu_part(st, start, layer)
+
+    def _gpu_part(self, st: Step, start: float, layer: int) -> float:
+        """The part on the layer's home GPU; the runtime's host thread issues its kernels
+        (and may wait for the routing: a sync) before the decision."""
+        m, c, d = self.machine, self.c, st.d_ne
+        lane = m.gpus[0 if m.home is None else m.home[layer]]
+        host = m.host
+        if host is None:
+            now = start + d
+        else:
+            end, now = host.nonexpert(start, d, layer == 0)
+            if end - d > start:  # the stream waited for the thread to issue the part
+                c.dispatch_stall += end - d - start
+                start = end - d
+        if self.recorder is not None:
+            self.recorder.op(lane.name, "nonexpert", st.ne[0], st.ne[1], layer, -1, start,
+                             start + d, 0)  # fmt: skip
+        c.gpu_nonexpert_busy += d
+        lane.busy += d
+        if m.unified:
+            m.gpu_load(start, start + d, st.load[0], st.load[1])
+            if m.cpu.active:
+                self.ex.cpu_next()
+        return now
+
+    def _cpu_layer_part(self, st: Step, start: float, layer: int) -> float:
+        """A CPU-resident layer's non-expert part on the host CPU's first worker; returns
+        when its routing is known. CPU layers lead and a spec with ``gpu_blocks`` has no
+        write-backs, prefetches or pre-calculations, so nothing else uses the CPU or the
+        links when such a layer starts: timing it here, outside the executor, is exact."""
+        m = self.machine
+        d = st.d_cpu if st.d_cpu >= 0.0 else m.cpu_layer_nonexpert_s(st.n, st.context)
+        lane = m.cpu.lanes[0]
+        lane.busy += d
+        lane.free_at = start + d
+        self.c.cpu_nonexpert_busy += d
+        if self.recorder is not None:
+            self.recorder.op(lane.name, "nonexpert", st.part[0], st.part[1], layer, -1, start,
+                             start + d, 0)  # fmt: skip
+        return start + d
+
+    def _host_copy(self, st: Step, start: float, layer: int, kind: str) -> float:
+        """Around CPU-resident layers: a prompt's copy of a CPU layer's weights to the GPU
+        (op offload, ``weights``), or the hidden states' copy at the split (``activation``);
+        returns when it has landed (the link is idle then, as for ``_cpu_layer_part``)."""
+        m, c = self.machine, self.c
+        link = m.links["h2d"]
+        if kind == "weights":
+            d, nbytes = m.cpu_layer_weights_s, self.costs.cpu_layer_weight_bytes
+            c.cpu_layer_weight_copies += 1
+        else:
+            d, nbytes = link.activation_s(st.n), self.act_bytes * st.n
+        link.lane.busy += d
+        link.lane.free_at = start + d
+        c.h2d_bytes += nbytes
+        if self.recorder is not None:
+            self.recorder.op(link.lane.name, kind, st.part[0], st.part[1], layer, -1, start,
+                             start + d, nbytes)  # fmt: skip
+        return start + d
+
+    def _weights(self, st: Step, start: float, layer: int) -> float:
+        """ZeRO-3's streamed non-expert weights (ResourceSpec.nonexpert_streamed): the copies
+        issued at ``start`` before ``layer``'s part (at layer 0 the input embedding's first),
+        or with ``layer`` -1 the output matrix's; returns when the last lands."""
+        streamed = self.machine.streamed
+        assert streamed is not None
+        (lb, ls), (eb, es) = streamed
+        if layer < 0:
+            items = [("embedding", eb, es, self.n_layers - 1)]
+        elif layer == 0:
+            items = [("embedding", eb, es, 0), ("weights", lb, ls, 0)]
+        else:
+            items = [("weights", lb, ls, layer)]
+        c, end = self.c, start
+        for kind, nbytes, dur, lay in items:
+            if nbytes <= 0:
+                continue
+            self.ex.next_seq()
+            c.h2d_bytes += nbytes
+            c.nonexpert_weight_copies += 1
+            c.nonexpert_weight_bytes += nbytes
+            end = self.ex.weights(start, nbytes, dur, kind, st.part[0], st.part[1], lay)
+        return end
+
+    # -- results -----------------------------------------------------------------------------
+    def stats(self, e2e: float) -> RunStats:
+        """The run's statistics once it is over."""
+        c, m = self.c, self.machine
+        c.max_occupancy = self.res.max_occupancy
+        c.hits_per_layer = np.array(self.applier.hits, dtype=np.int64)
+        c.accesses_per_layer = np.array(self.applier.accesses, dtype=np.int64)
+        c.host_syncs = m.host.syncs if m.host is not None else 0
+        c.host_syncs += sum(h.syncs for h in m.hosts[1:] if h is not None)
+        stats = RunStats(counters=c, e2e=e2e, busy=m.busy(), workers=m.workers())
+        if self.ssd_cfg is not None:
+            stats.host_tier = self._ssd_totals(stats.busy)
+        return stats
+
+    def _ssd_totals(self, busy: dict[str, float]) -> dict[str, float]:
+        """The SSD tier's totals for the metrics (and the drive's busy time)."""
+        cfg, tier = self.ssd_cfg, self.ssd
+        if tier is None:  # every expert fits: the host holds them all, the drive is idle
+            peak = cfg.nonexpert_bytes + cfg.total * cfg.expert_bytes
+            out = {"ssd_bytes": 0, "ssd_reads": 0, "ssd_stall_s": 0.0, "host_evictions": 0}
+            busy["ssd"] = 0.0
+        else:
+            peak = tier.peak_bytes
+            out = {
+                "ssd_bytes": tier.ssd_bytes,
+                "ssd_reads": tier.ssd_reads,
+                "ssd_stall_s": tier.ssd_stall,
+                "host_evictions": tier.host_evictions,
+            }
+            busy["ssd"] = tier.lane.busy
+        out["host_memory_peak_bytes"] = peak
+        out["host_memory_budget_bytes"] = cfg.budget_bytes
+        return out
+
+    def multi_metrics(self) -> dict[str, Any]:
+        """Per-GPU and per-peer-path figures of a run on several GPUs (``run --json``)."""
+        m, pl, ex, res = self.machine, self.placement, self.ex, self.res
+        gpus = []
+        for k, lane in enumerate(m.gpus):
+            gpus.append(
+                {
+                    "gpu": k,
+                    "busy_s": lane.busy,
+                    "slots": res.cap[k] - self.spec.staging_buffers,
+                    "max_slots_used": res.peak[k],
+                    "expert_computations": ex.gpu_experts[k],
+                    "h2d_expert_bytes": ex.h2d_bytes[k],
+                    "d2h_expert_bytes": ex.d2h_bytes[k],
+                    "uplink": m.uplinks[k][0].lane.name,
+                    "layers": pl.layers_of[k][:1] + pl.layers_of[k][-1:],
+                    "experts_per_layer": len(pl.experts_of[k]),
+                    "experts": list(pl.experts_of[k]),
+                }
+            )
+        return {
+            "gpus": pl.n,
+            "mode": pl.mode,
+            "expert_placement": pl.rule,
+            "peer_kind": m.multi.peer_kind,
+            "per_gpu": gpus,
+            "peer_bytes": dict(sorted(ex.peer_bytes.items())),
+            "peer_bytes_total": sum(ex.peer_bytes.values()),
+        }
+
+
+def _check_multi(policy: Policy, spec: Any) -> None:
+    """What several GPUs do not model, refused with the policy's name."""
+    if spec.nonexpert_streamed:
+        raise UserError(
+            f"policy {policy.name!r} streams its non-expert weights "
+            "(ResourceSpec.nonexpert_streamed), which several GPUs do not model; "
+            "run it on one GPU (stream-all: --policy-opt stream_nonexpert=false)"
+        )
+    if spec.one_stream:
+        raise UserError(
+            f"policy {policy.name!r} issues its copies on its kernels' stream "
+            "(one_stream); the multi-GPU executors do not model that"
+        )

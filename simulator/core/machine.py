@@ -1,0 +1,217 @@
+"""The modelled machine: its named resources, built from a hardware profile and a policy's spec.
+
+One resource set per GPU (its stream ``gpu``/``gpuK``, its host uplink of two copy lanes, its
+slots and temporary buffers, the runtime's thread issuing its expert kernels), plus what the
+GPUs share: the host CPU (``cpu``, a :class:`SharedCpu`), the lanes of direct peer paths
+(``peerA>B``) and the NVMe drives of the SSD tier (``ssd``). With one copy engine a GPU's two
+directions share one lane (``copy``). Every duration comes from the cost model
+(``simulator.costs``), bound here once per run and memoised; the executor never computes a
+cost itself.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+from simulator.core.resources import CpuJob, HostThread, Lane, SharedCpu
+
+
+class Link:
+    """A transfer path between two memories: the lane it runs on and what a copy costs."""
+
+    __slots__ = ("activation_s", "expert_s", "lane", "name")
+
+    def __init__(
+        self, name: str, lane: Lane, expert_s: float, activation_s: Callable[[int], float]
+    ) -> None:
+        self.name = name
+        self.lane = lane
+        #: seconds to move one expert's weights over this link
+        self.expert_s = expert_s
+        #: seconds to move the activations of n tokens
+        self.activation_s = activation_s
+
+
+class Machine:
+    """The resources of one run, by name, and their (memoised) cost functions.
+
+    ``placement`` (several GPUs; ``simulator.multigpu.Placement``) says how many GPUs there
+    are, which holds each expert (``gpu_of``) and where each layer's non-expert part runs
+    (``home``); None is one GPU holding everything.
+    """
+
+    def __init__(self, costs: Any, spec: Any, runtime: Any = None, placement: Any = None) -> None:
+        self.costs = costs
+        self.spec = spec
+        n = 1 if placement is None else placement.n
+        self.n_gpus = n
+        self.home: list[int] | None = None if placement is None else list(placement.home)
+        self.gpu_of: list[list[int]] | None = None if placement is None else placement.gpu_of
+        self.gpus = [Lane("gpu")] if n == 1 else [Lane(f"gpu{k}") for k in range(n)]
+        self.gpu = self.gpus[0]
+        multi = costs.hw.multi if n > 1 else None
+        self.multi = multi
+        pinned = spec.pinned
+        act = _memo(costs.activation_copy_s)
+        h2d_s, d2h_s = costs.h2d_expert_s(pinned), costs.d2h_expert_s(pinned)
+        ups: list[tuple[Link, Link]] = []
+        for k in range(1 if n == 1 or multi.shared_uplink else n):
+            sfx = "" if n == 1 else str(k)
+            if costs.hw.link.copy_engines >= 2:
+                hl, dl = Lane(f"h2d{sfx}"), Lane(f"d2h{sfx}")
+            else:  # one copy engine: both directions share one FIFO lane
+                hl = dl = Lane(f"copy{sfx}")
+            ups.append((Link(f"h2d{sfx}", hl, h2d_s, act), Link(f"d2h{sfx}", dl, d2h_s, act)))
+        #: each GPU's (h2d, d2h) uplink (the same objects for every GPU on a shared uplink)
+        self.uplinks = [ups[0 if len(ups) == 1 else k] for k in range(n)]
+        self.links = {"h2d": self.uplinks[0][0], "d2h": self.uplinks[0][1]}
+        #: direct peer lanes by (source, destination)
+        self.peers: dict[tuple[int, int], Link] = {}
+        if multi is not None and multi.peer_kind != "host":
+            peer_s = _memo(costs.peer_activation_s)
+            for a in range(n):
+                for b in range(n):
+                    if a != b and multi.direct(a, b):
+                        name = f"peer{a}>{b}"
+                        self.peers[(a, b)] = Link(name, Lane(name), 0.0, peer_s)
+        #: the runtime's host thread; None when it costs nothing
+        self.host = (
+            HostThread(runtime, costs.model.experts - costs.model.top_k)
+            if runtime is not None and not runtime.free
+            else None
+        )
+        host_experts = self.host if self.host is not None and self.host.per_expert else None
+        #: the thread issuing each GPU's expert kernels: the main thread for GPU 0, a worker
+        #: thread of its own for every other GPU (None: expert calls cost the host nothing)
+        self.hosts: list[HostThread | None] = [host_experts]
+        for _ in range(1, n):
+            h = None
+            if host_experts is not None:
+                h = copy.copy(host_experts)
+                h.t, h.syncs = 0.0, 0
+            self.hosts.append(h)
+        #: HOBBIT's low-precision copies: seconds and bytes of one (0 without a low-bit dtype)
+        low = spec.low_bit_dtype
+        self.low_bit_s = costs.h2d_low_bit_expert_s(low, pinned) if low else 0.0
+        self.low_bit_bytes = costs.low_bit_expert_bytes(low) if low else 0
+        self.cpu = SharedCpu("cpu", spec.cpu_workers)
+        self.temp_buffers: int = spec.temp_buffers
+        #: a fused-MoE runtime: the layer's call launches once, with the first GPU expert the
+        #: layer runs on each GPU stream
+        fused = runtime is not None and runtime.fused_moe
+        self.gpu_s = _memo(costs.fused_gpu_expert_s if fused else costs.gpu_expert_s)
+        self.fused_launch_s = costs.fused_moe_layer_s() if fused else 0.0
+        self.cpu_s = _memo(costs.cpu_expert_s)
+        self._cpu_share = _memo(costs.cpu_share)
+        self._cpu_dram = _memo(costs.cpu_dram_share)
+        #: unified memory: copies and GPU kernels register their DRAM share with the CPU
+        self.unified: bool = costs.unified_memory
+        self._gpu_dram = _memo(costs.gpu_dram_share)
+        self._ne_dram: dict[tuple[int, int], float] = {}
+        self._ne: dict[tuple[int, int], float] = {}
+        #: eager attention writes every head's scores to device memory (costs.nonexpert_layer_s)
+        self.eager_attention = runtime is not None and runtime.attention == "eager"
+        #: NVMe drives of the SSD tier, one lane each (registered by the host tier)
+        self.drives: dict[str, Lane] = {}
+        self._cpu_ne: dict[tuple[int, int], float] = {}
+        #: the copy of one CPU-resident layer's non-expert weights (prompt op offload)
+        self.cpu_layer_weights_s = costs.cpu_layer_weights_h2d_s()
+        #: ZeRO-3's streamed non-expert weights: (bytes, seconds) of one layer's copy and of the
+        #: input embedding's (the output matrix is taken to be its size); None: they stay put
+        self.streamed: tuple[tuple[int, float], tuple[int, float]] | None = None
+        if spec.nonexpert_streamed:
+            keep = spec.nonexpert_persist_numel
+            lb = costs.streamed_layer_weight_bytes(keep)
+            eb = costs.streamed_embedding_bytes(keep)
+            self.streamed = (
+                (lb, costs.weights_h2d_s(lb, pinned)),
+                (eb, costs.weights_h2d_s(eb, pinned)),
+            )
+
+    def cpu_job(self, op: Any, seq: int, t: float, n: int) -> CpuJob:
+        """A CPU expert call over ``n`` tokens submitted at ``t``, with its costs bound."""
+        return CpuJob(op, seq, t, self.cpu_s(n), self._cpu_share(n), self._cpu_dram(n))
+
+    def copy_load(self, start: float, end: float, nbytes: int) -> None:
+        """Unified memory: a copy of ``nbytes`` from ``start`` to ``end`` loads the DRAM."""
+        self.cpu.load(start, end, self.costs.copy_dram_share(nbytes, end - start))
+
+    def gpu_load(self, start: float, end: float, n: int, context: int | None = None) -> None:
+        """Unified memory: a GPU kernel (an expert over ``n`` tokens, or with ``context`` a
+        layer's non-expert part) takes its share of the DRAM from ``start`` to ``end``."""
+        if context is None:
+            share = self._gpu_dram(n)
+        else:
+            key = (n, context)
+            share = self._ne_dram.get(key, -1.0)
+            if share < 0:
+                share = self._ne_dram[key] = self.costs.gpu_dram_share(n, context)
+        self.cpu.load(start, end, share)
+
+    def nonexpert_s(self, n: int, context: int) -> float:
+        """Non-expert GPU time of one layer for ``n`` tokens at ``context`` (memoised)."""
+        key = (n, context)
+        t = self._ne.get(key)
+        if t is None:
+            t = self._ne[key] = self.costs.nonexpert_layer_s(
+                n, context, eager_attention=self.eager_attention
+            )
+        return t
+
+    def cpu_layer_nonexpert_s(self, n: int, context: int) -> float:
+        """Host-CPU time of a CPU-resident layer's non-expert part (memoised)."""
+        key = (n, context)
+        t = self._cpu_ne.get(key)
+        if t is None:
+            t = self._cpu_ne[key] = self.costs.cpu_nonexpert_layer_s(n, context)
+        return t
+
+    def lanes(self) -> dict[str, Lane]:
+        """Every distinct lane by name: GPU streams, uplinks, peer lanes, CPU workers, drives."""
+        out: dict[str, Lane] = {lane.name: lane for lane in self.gpus}
+        for h, d in self.uplinks:
+            out[h.lane.name] = h.lane
+            out[d.lane.name] = d.lane
+        for link in self.peers.values():
+            out[link.lane.name] = link.lane
+        for lane in self.cpu.lanes:
+            out[lane.name] = lane
+        out.update(self.drives)
+        return out
+
+    def busy(self) -> dict[str, float]:
+        """Busy seconds: ``gpu``, ``h2d``, ``d2h`` (summed over GPUs and distinct lanes),
+        ``cpu`` (summed workers), then every other lane by name."""
+        ups = {id(h.lane): h.lane for h, _ in self.uplinks}
+        downs = {id(d.lane): d.lane for _, d in self.uplinks}
+        out = {
+            "gpu": sum(g.busy for g in self.gpus) if self.n_gpus > 1 else self.gpu.busy,
+            "h2d": sum(lane.busy for lane in ups.values()),
+            "d2h": sum(lane.busy for lane in downs.values()),
+            "cpu": self.cpu.busy,
+        }
+        for name, lane in self.lanes().items():
+            out.setdefault(name, lane.busy)
+        return out
+
+    def workers(self) -> dict[str, int]:
+        """Workers per pool (``cpu``), and with several GPUs their number (``gpu``)."""
+        out = {"cpu": len(self.cpu.lanes)}
+        if self.n_gpus > 1:
+            out["gpu"] = self.n_gpus
+        return out
+
+
+def _memo(fn: Callable[[int], float]) -> Callable[[int], float]:
+    """``fn`` memoised on its integer argument (a dict lookup on the hot path)."""
+    cache: dict[int, float] = {}
+
+    def get(n: int) -> float:
+        t = cache.get(n)
+        if t is None:
+            t = cache[n] = fn(n)
+        return t
+
+    return get

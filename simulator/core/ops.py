@@ -1,0 +1,211 @@
+"""Operations and counters: what a layer's plan submits, and what a run counts.
+
+An :class:`Op` is one request on the machine (an expert copy, a write-back, a CPU expert call,
+an activation transfer between GPUs); a :class:`LayerWork` is everything one layer's plan
+submits at its decision time, in issue order. :class:`Counters` and :class:`RunStats` are what
+a run hands to ``simulator.results``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Final
+
+import numpy as np
+
+# operation kinds (Op.kind); WAKE is the shared CPU's next event, not an operation
+WRITEBACK: Final = 0
+FETCH: Final = 1
+TEMP: Final = 2
+CPU: Final = 3
+WAKE: Final = 4
+PEER: Final = 5
+
+
+@dataclass
+class Counters:
+    """Accumulators the metrics are computed from (no timeline needed)."""
+
+    decode_accesses: int = 0
+    decode_hits: int = 0
+    prefill_accesses: int = 0
+    prefill_hits: int = 0
+    hits_per_layer: np.ndarray | None = None
+    accesses_per_layer: np.ndarray | None = None
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    h2d_expert_copies: int = 0
+    d2h_expert_copies: int = 0
+    gpu_expert_busy: float = 0.0
+    gpu_nonexpert_busy: float = 0.0
+    transfer_stall: float = 0.0
+    cpu_wait: float = 0.0
+    #: GPU stream idle because the runtime's host thread had not issued the kernels yet
+    dispatch_stall: float = 0.0
+    cpu_expert_evals: int = 0
+    cpu_precalc_evals: int = 0
+    fetches: int = 0
+    temp_copies: int = 0
+    evictions: int = 0
+    prefetches: int = 0
+    prefetch_used: int = 0
+    prefetch_wasted_bytes: int = 0
+    precalc_wasted: int = 0
+    true_accesses: int = 0
+    replaced_mispredicted: int = 0
+    replaced_degraded: int = 0
+    gate_mass_total: float = 0.0
+    gate_mass_kept: float = 0.0
+    #: decode gate mass of experts computed from a low-precision copy (HOBBIT)
+    gate_mass_low_bit: float = 0.0
+    low_bit_copies: int = 0
+    ttft: list[float] = field(default_factory=list)
+    token_latency: list[float] = field(default_factory=list)
+    decode_time: float = 0.0
+    decode_tokens: int = 0
+    prefill_tokens: int = 0
+    sequences: int = 0
+    max_occupancy: int = 0
+    #: blocking host syncs of the runtime's host threads
+    host_syncs: int = 0
+    #: seconds the host CPU ran CPU-resident layers' non-expert parts (ResourceSpec.gpu_blocks)
+    cpu_nonexpert_busy: float = 0.0
+    #: copies of a CPU-resident layer's non-expert weights to the GPU (prompt op offload)
+    cpu_layer_weight_copies: int = 0
+    #: streamed non-expert weights (ResourceSpec.nonexpert_streamed): copies and their bytes
+    #: (also counted in ``h2d_bytes``)
+    nonexpert_weight_copies: int = 0
+    nonexpert_weight_bytes: int = 0
+
+
+@dataclass
+class RunStats:
+    """What a run returns to results.py: counters, end-to-end time and busy time per resource."""
+
+    counters: Counters
+    #: simulated seconds until the last token is out (background work does not extend it)
+    e2e: float
+    #: busy seconds per named resource: ``gpu``, each link (``h2d``, ``d2h``), each pool (``cpu``)
+    busy: dict[str, float]
+    #: workers per pool (``cpu``)
+    workers: dict[str, int]
+    #: with a host-memory budget: the SSD tier's totals (ssd_bytes, ssd_reads, ssd_stall_s,
+    #: host_memory_peak_bytes, host_evictions); None when host memory is not modelled
+    host_tier: dict[str, float] | None = None
+
+
+class Op:
+    """One request a plan submits: a write-back, a copy, a CPU job or an activation transfer.
+
+    ``seq`` is its issue number (the tie-break of the queueing rule); ``dev`` the GPU whose
+    slots, buffers and uplink it uses. ``end`` is negative until the executor has timed it.
+    CPU jobs of a serial chain point to the next one with ``chain``.
+    """
+
+    __slots__ = (
+        "buf",
+        "chain",
+        "dev",
+        "dst",
+        "end",
+        "expert",
+        "gds",
+        "gpu",
+        "kind",
+        "layer",
+        "local",
+        "low",
+        "n",
+        "rkind",
+        "seq",
+        "sid",
+        "ssd_at",
+        "ssd_read",
+        "src",
+        "stage",
+        "token",
+    )
+
+    def __init__(
+        self, kind: int, rkind: str, seq: int, sid: int, token: int, layer: int, expert: int
+    ) -> None:
+        self.kind = kind
+        self.rkind = rkind  # the timeline's "kind" column
+        self.seq = seq
+        self.sid = sid
+        self.token = token
+        self.layer = layer
+        self.expert = expert
+        self.n = 1
+        self.dev = 0
+        self.low = False  # a TEMP copy of the low-precision host copy (Plan.low_bit)
+        self.buf = -1
+        self.gpu = False  # a GPU computation of the current layer waits for this
+        self.chain: Op | None = None
+        self.end = -1.0
+        self.stage = 0
+        #: the SSD tier: its first stage is submitted no earlier than this (its drive read ends)
+        self.ssd_at = 0.0
+        #: the SSD tier: a GPUDirect Storage read already put the weights in GPU memory
+        self.gds = False
+        #: the SSD tier: this operation issued the drive read it waits for
+        self.ssd_read = False
+        self.local = False  # a CPU job of a CPU-resident layer: no activation copies
+        self.src = 0  # PEER: the sending GPU
+        self.dst = 0  # PEER: the receiving GPU
+
+    @property
+    def done(self) -> bool:
+        """Whether the executor has timed this operation to its end."""
+        return self.end >= 0.0
+
+
+class GpuJob:
+    """A GPU expert computation of the current layer: its expert, the time its weights are
+    there (``ready``) or the operation it waits for (``src``)."""
+
+    __slots__ = ("expert", "ready", "src")
+
+    def __init__(self, expert: int, ready: float, src: Op | None) -> None:
+        self.expert = expert
+        self.ready = ready
+        self.src = src
+
+
+class LayerWork:
+    """A checked plan as operations: everything one layer submits at its decision time."""
+
+    __slots__ = (
+        "barrier",
+        "counts",
+        "cpu_first",
+        "deferred",
+        "gpu",
+        "layer",
+        "now",
+        "ops",
+        "results",
+        "sid",
+        "sync",
+        "token",
+    )
+
+    def __init__(self, now: float, layer: int, sid: int, token: int, counts: object) -> None:
+        self.now = now
+        self.layer = layer
+        self.sid = sid
+        self.token = token
+        self.counts = counts  # tokens per expert (prefill, batches); None: one token
+        #: operations submitted at ``now``, in issue order
+        self.ops: list[Op] = []
+        #: GPU computations in issue order
+        self.gpu: list[GpuJob] = []
+        #: in-use victims: expert -> its write-back, submitted when its computation ends
+        self.deferred: dict[int, Op] = {}
+        #: this layer's CPU experts (``cpu_first`` waits for them before the GPU starts)
+        self.sync: list[Op] = []
+        #: CPU results the layer needs (its CPU experts and consumed pre-calculations)
+        self.results: list[Op] = []
+        self.cpu_first = False
+        #: the GPU experts wait for every copy into this layer's slots (Plan.barrier)
+        self.barrier = False

@@ -1,0 +1,403 @@
+"""The machine's resources and how each serves a request (each rule written once).
+
+* :class:`Lane`: a serial resource (a GPU stream, a copy engine, a drive), first come first
+  served in the order the executor submits requests (docs/policy-api.md, "Timing rules");
+* :class:`SharedCpu`: the host CPU, worker threads whose running calls share one socket by
+  processor sharing (and, on unified memory, the DRAM with copies and GPU kernels);
+* :class:`HostThread`: the runtime's thread that issues the GPU's kernels and blocks at its
+  syncs (docs/cost-model.md, "Runtime profiles");
+* :class:`Residency`: which experts are resident, when their copies end, and the GPU slots
+  they hold (one pool per GPU, with the fetches waiting for a slot).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from typing import Any, Final
+
+import numpy as np
+
+from simulator.core.ops import Op
+
+INF: Final = math.inf
+#: A CPU job is done once its remaining work is below this fraction of its work (the rounding
+#: of piecewise progress; far below any duration the model resolves).
+DONE_EPS: Final = 1e-9
+
+
+class Lane:
+    """A serial resource holding one request at a time (first come, first served)."""
+
+    __slots__ = ("busy", "free_at", "name")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.free_at = 0.0
+        self.busy = 0.0
+
+    def serve(self, submitted: float, duration: float) -> tuple[float, float]:
+        """Serve a request submitted at ``submitted``; every earlier one was served first."""
+        start = submitted if submitted > self.free_at else self.free_at
+        end = start + duration
+        self.free_at = end
+        self.busy += duration
+        return start, end
+
+
+class CpuJob:
+    """One CPU expert call on the shared host CPU: its work in alone-seconds and its shares."""
+
+    __slots__ = ("dram", "end", "op", "rem", "seq", "share", "start", "submitted", "work", "worker")
+
+    def __init__(
+        self, op: Any, seq: int, submitted: float, work: float, share: float, dram: float
+    ) -> None:
+        self.op = op
+        self.seq = seq
+        self.submitted = submitted
+        #: seconds the call takes alone on the whole socket
+        self.work = work
+        self.rem = work
+        #: fraction of the socket (cores or bandwidth) it uses alone
+        self.share = share
+        #: fraction of the unified DRAM it streams alone (0 on a bus-attached host)
+        self.dram = dram
+        self.start = math.nan
+        self.end = math.nan
+        self.worker = -1
+
+
+class SharedCpu:
+    """The host CPU: worker threads whose running calls share one socket (processor sharing).
+
+    At most one call runs per worker; more wait, served by (submission time, issue number).
+    The running calls progress at one common rate, ``min(1, 1 / sum(share))`` of their alone
+    speed, and on unified memory at most ``(1 - others' DRAM share) / sum(dram share)``
+    (docs/cost-model.md, "Shared host CPU"). A running call's end depends on later arrivals,
+    so the executor calls :meth:`submit` and :meth:`load` when those happen and :meth:`wake`
+    at :meth:`next_event`, recognising stale wake-ups by :attr:`version`.
+    """
+
+    def __init__(self, name: str, size: int) -> None:
+        self.name = name
+        self.lanes = [Lane(f"{name}{i}") for i in range(max(1, size))]
+        self._idle = [True] * len(self.lanes)
+        self.active: list[CpuJob] = []
+        self._queue: list[tuple[float, int, CpuJob]] = []
+        #: DRAM load changes of unified memory: (time, order, delta share)
+        self._loads: list[tuple[float, int, float]] = []
+        self._nload = 0
+        self.ext = 0.0
+        self.rate = 1.0
+        self.t = 0.0
+        self.version = 0
+
+    @property
+    def busy(self) -> float:
+        """Summed seconds the workers held a running call."""
+        return sum(lane.busy for lane in self.lanes)
+
+    def submit(self, t: float, job: CpuJob) -> None:
+        """A call is submitted at ``t`` (every earlier event has been applied)."""
+        self._advance(t)
+        heapq.heappush(self._queue, (job.submitted, job.seq, job))
+        self._admit(t)
+        self.version += 1
+
+    def load(self, start: float, end: float, share: float) -> None:
+        """Unified memory: a copy or a kernel takes ``share`` of the DRAM from start to end."""
+        if share <= 0.0 or end <= start:
+            return
+        if start < self.t:
+            raise RuntimeError("shared CPU: a DRAM load was registered in its past")
+        self._nload += 1
+        heapq.heappush(self._loads, (start, self._nload, share))
+        self._nload += 1
+        heapq.heappush(self._loads, (end, self._nload, -share))
+        self._advance(self.t)
+        self.version += 1
+
+    def next_event(self) -> float:
+        """When the next call ends or the rate changes (inf when nothing runs)."""
+        if not self.active:
+            return INF
+        nxt = self._loads[0][0] if self._loads else INF
+        rate = self.rate
+        if rate > 0.0:
+            rem = self.active[0].rem
+            for j in self.active:  # the first smallest
+                if j.rem < rem:
+                    rem = j.rem
+            dep = self.t + (rem / rate if rem > 0.0 else 0.0)
+            if dep < nxt:
+                nxt = dep
+        return nxt
+
+    def wake(self, t: float) -> list[CpuJob]:
+        """Advance to ``t``; returns the calls that end there (in issue order)."""
+        self._advance(t)
+        done = [j for j in self.active if j.rem <= DONE_EPS * j.work]
+        if done:
+            for j in done:
+                self.active.remove(j)
+                j.end = t
+                lane = self.lanes[j.worker]
+                lane.busy += t - j.start
+                lane.free_at = t
+                self._idle[j.worker] = True
+            self._admit(t)
+        self.version += 1
+        return done
+
+    @property
+    def idle(self) -> bool:
+        """No call running or waiting and no DRAM load registered."""
+        return not self.active and not self._queue and not self._loads
+
+    def _admit(self, t: float) -> None:
+        """Start waiting calls on idle workers (the one free longest first, lowest index),
+        keep the running calls in issue order, and re-rate."""
+        q = self._queue
+        while q and True in self._idle:
+            job = heapq.heappop(q)[2]
+            i = self._idle_worker()
+            self._idle[i] = False
+            job.worker = i
+            job.start = t
+            self.active.append(job)
+        self.active.sort(key=_by_seq)
+        self._rerate()
+
+    def _idle_worker(self) -> int:
+        """The idle worker free longest, the lowest index on ties (-1 if none is idle)."""
+        i = -1
+        best = 0.0
+        for k, free in enumerate(self._idle):
+            if free and (i < 0 or self.lanes[k].free_at < best):
+                i, best = k, self.lanes[k].free_at
+        return i
+
+    def _advance(self, t: float) -> None:
+        """Progress the running calls to ``t``, applying DRAM load changes on the way."""
+        loads = self._loads
+        while loads and loads[0][0] <= t:
+            b, _, delta = heapq.heappop(loads)
+            self._progress(b)
+            self.ext += delta
+            self._rerate()
+        self._progress(t)
+
+    def _progress(self, t: float) -> None:
+        dt = t - self.t
+        if dt > 0.0:
+            r = self.rate
+            for j in self.active:
+                j.rem -= r * dt
+            self.t = t
+
+    def _rerate(self) -> None:
+        share = dram = 0.0
+        for j in self.active:
+            share += j.share
+            dram += j.dram
+        rate = 1.0 / share if share > 1.0 else 1.0
+        if dram > 0.0:
+            rate = min(rate, max(0.0, 1.0 - self.ext) / dram)
+        self.rate = rate
+
+
+def _by_seq(job: CpuJob) -> int:
+    return job.seq
+
+
+class HostThread:
+    """The host thread that issues a runtime's kernels and blocks at its syncs.
+
+    It holds one clock, ``t``: when the thread is free to issue the next kernel. The GPU runs
+    ahead of it until a sync, where the thread waits for the GPU to drain.
+
+    A segment of ``k`` kernels with GPU time ``d`` (split evenly), issued from ``h`` at
+    ``dispatch`` seconds each onto a stream free from ``g``, ends at
+    ``max(g + d, h + dispatch + d, h + k * dispatch + d / k)``: GPU-bound, first-kernel-bound
+    or dispatch-bound (the last kernel issued, then run).
+    """
+
+    __slots__ = (
+        "dispatch",
+        "expert_k",
+        "expert_sync",
+        "expert_syncs",
+        "idle_loop",
+        "idle_syncs",
+        "ne_k",
+        "routing_syncs",
+        "step",
+        "sync",
+        "syncs",
+        "t",
+    )
+
+    def __init__(self, profile: Any, idle_experts: int = 0) -> None:
+        self.dispatch = profile.dispatch_us * 1e-6
+        self.sync = profile.sync_us * 1e-6
+        self.step = profile.step_us * 1e-6
+        self.ne_k: int = profile.nonexpert_kernels
+        self.expert_k: int = profile.expert_kernels
+        self.routing_syncs: int = profile.routing_syncs
+        self.expert_syncs: int = profile.expert_syncs
+        #: host time of one GPU expert call's syncs
+        self.expert_sync = profile.expert_syncs * self.sync
+        self.t = 0.0
+        #: blocking syncs the thread made
+        self.syncs = 0
+        # The loop over the experts no token was routed to (``idle_experts`` per layer pass:
+        # E - k for one decode token): host time and syncs, no GPU work, charged at the
+        # routing point before the routed experts' calls.
+        self.idle_syncs: int = idle_experts * profile.idle_expert_syncs
+        self.idle_loop = idle_experts * (
+            profile.idle_expert_kernels * self.dispatch + profile.idle_expert_syncs * self.sync
+        )
+
+    @property
+    def per_expert(self) -> bool:
+        """Whether a GPU expert call costs the host anything."""
+        return bool(self.expert_k or self.expert_syncs)
+
+    def issue(self, g: float, d: float, k: int) -> float:
+        """Issue ``k`` kernels (GPU time ``d``, split evenly) from the thread's clock onto a
+        stream free from ``g``; returns when they end on the GPU (the segment rule above)."""
+        end = g + d
+        if k:
+            h = self.t
+            disp = self.dispatch
+            t = h + disp + d
+            if t > end:
+                end = t
+            h += k * disp
+            t = h + d / k
+            if t > end:
+                end = t
+            self.t = h
+        return end
+
+    def nonexpert(self, g: float, d: float, first_layer: bool) -> tuple[float, float]:
+        """A layer's non-expert part and router (GPU time ``d``) on a stream free from ``g``.
+
+        Returns (when its GPU work ends, when the routing is known to the host: the decision
+        time). With routing syncs the thread waits for the GPU and pays ``sync`` for each. The
+        first layer of a forward pass waits for the stream (the previous pass's output token)
+        and pays one sync and the per-pass ``step`` cost.
+        """
+        if first_layer:
+            h = g if g > self.t else self.t
+            self.t = h + (self.sync + self.step)
+            self.syncs += 1
+        end = self.issue(g, d, self.ne_k)
+        n = self.routing_syncs
+        ready = end
+        if n:
+            h = end if end > self.t else self.t
+            self.t = ready = h + n * self.sync
+            self.syncs += n
+        if self.idle_loop:
+            return end, self._idle(ready)
+        return end, ready
+
+    def _idle(self, ready: float) -> float:
+        """The MoE loop's passes over experts with no token, once the routing is ready at
+        ``ready``; with syncs in the loop the first one waits for the GPU. Returns when the
+        thread is free again (the decision)."""
+        h = self.t
+        if self.idle_syncs:
+            if ready > h:
+                h = ready
+            self.syncs += self.idle_syncs
+        self.t = h = h + self.idle_loop
+        return h if h > ready else ready
+
+    def expert(self, drained: float, start: float, d: float) -> float:
+        """A GPU expert call of GPU time ``d`` that the stream could start at ``start`` (its
+        weights there, ``drained`` the end of the stream's earlier work); returns its end."""
+        n = self.expert_syncs
+        if n:
+            h = drained if drained > self.t else self.t
+            self.t = h + self.expert_sync
+            self.syncs += n
+        return self.issue(start, d, self.expert_k)
+
+
+class Residency:
+    """Which experts are resident and when their copies end; the GPU slots they hold.
+
+    The policy-visible state (``resident``, experts in flight counting as resident) changes
+    at decision time; the timed state (``ready_at``, slot occupancy) when the executor serves
+    the copies. Each GPU has ``cap`` slots (its expert budget plus staging buffers): a fetch
+    claims one when one is free, else waits (first come, first served) for the next release;
+    an evicted expert keeps its slot until its write-back ends.
+    """
+
+    def __init__(
+        self,
+        n_layers: int,
+        n_experts: int,
+        budget: int,
+        caps: list[int],
+        recorder: Any = None,
+    ) -> None:
+        self.n_layers, self.n_experts = n_layers, n_experts
+        self.budget = budget
+        self.resident = np.zeros((n_layers, n_experts), dtype=bool)
+        #: when each resident expert's copy ends (INF while its copy has not started)
+        self.ready_at = np.zeros((n_layers, n_experts), dtype=np.float64)
+        self.prefetched = np.zeros((n_layers, n_experts), dtype=bool)
+        #: experts whose copy into a slot has been issued but not yet started -> the copy
+        self.copying: dict[tuple[int, int], Op] = {}
+        self.n_resident = 0
+        #: per GPU: slots, slots held (resident experts whose copy has its slot, plus evicted
+        #: ones being written back), the most held, fetches waiting for a slot
+        self.cap = list(caps)
+        self.held = [0] * len(caps)
+        self.peak = [0] * len(caps)
+        self.waiters: list[deque[Op]] = [deque() for _ in caps]
+        #: slots held over every GPU, and the most at once
+        self.occupancy = 0
+        self.max_occupancy = 0
+        self.recorder = recorder
+
+    def place(self, slots: list[tuple[int, int]], gpu_of: list[list[int]] | None) -> None:
+        """The initial placement (already checked): resident and ready at time 0."""
+        for slot in slots:
+            self.resident[slot] = True
+            k = 0 if gpu_of is None else gpu_of[slot[0]][slot[1]]
+            self.held[k] += 1
+        self.peak = list(self.held)
+        self.n_resident = self.occupancy = self.max_occupancy = len(slots)
+        if self.recorder is not None:
+            self.recorder.occupancy(0.0, self.occupancy)
+
+    def take(self, k: int, t: float) -> bool:
+        """Claim a free slot of GPU ``k`` at ``t``; False when none is free (then wait)."""
+        if self.held[k] >= self.cap[k]:
+            return False
+        self.held[k] += 1
+        if self.held[k] > self.peak[k]:
+            self.peak[k] = self.held[k]
+        self.occupancy += 1
+        if self.occupancy > self.max_occupancy:
+            self.max_occupancy = self.occupancy
+        if self.recorder is not None:
+            self.recorder.occupancy(t, self.occupancy)
+        return True
+
+    def release(self, k: int, t: float) -> Op | None:
+        """A slot of GPU ``k`` is released at ``t``: returns the first fetch waiting for one
+        (the slot passes to it), else frees the slot and returns None."""
+        if self.waiters[k]:
+            return self.waiters[k].popleft()
+        self.held[k] -= 1
+        self.occupancy -= 1
+        if self.recorder is not None:
+            self.recorder.occupancy(t, self.occupancy)
+        return None
