@@ -10,6 +10,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from simulator import native as _native
+
+# the engine core runs compiled when a current build is present, else from its sources
+_native.install()
+
 __version__ = "0.1.0"
 
 __all__ = [

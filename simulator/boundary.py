@@ -11,16 +11,16 @@ traceback.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from policies.base import Action, Plan, Policy, ResourceSpec, Slot
+from policies.base import Action, Plan, Policy, Slot
 from simulator.errors import PolicyError, UserError
 
 if TYPE_CHECKING:
-    from simulator.residency import Residency
+    from simulator.core.resources import Residency
 
 _GPU, _FETCH, _TEMP, _CPU, _PRE = (int(a) for a in Action)
 _ACTIONS = frozenset(int(a) for a in Action)
@@ -127,7 +127,7 @@ def check_placement(
     return out
 
 
-def check_route(hooks: Hooks, plan: Plan, n_experts: int, layer: int) -> list[int] | None:
+def check_route(hooks: Hooks, plan: Any, n_experts: int, layer: int) -> list[int] | None:
     """A substituted decode route as a list of expert ids (None: the trace's routing)."""
     route = plan.route
     if route is None:
@@ -153,20 +153,36 @@ def check_plan(
     layer: int,
     routed: list[int],
     res: Residency,
-    spec: ResourceSpec,
-    precalc: Iterable[Slot],
+    spec: Any,
+    precalc: Collection[Slot],
     now: float,
 ) -> list[int]:
     """Refuse a plan the engine cannot apply; returns the routed experts in GPU-first order.
 
     The plan is checked in the order the engine applies it (evictions, then the routed experts
     with resident ones first, temporary copies, prefetches, pre-calculations) against a private
-    copy of the residency changes, so a later step sees the effect of an earlier one.
+    record of its residency changes, so a later step sees the effect of an earlier one.
     """
-    if plan.__class__ is not Plan and not isinstance(plan, Plan):
+    if not isinstance(plan, Plan):
         raise hooks.error(f"returned {type(plan).__name__}, expected a Plan", layer)
     if plan.low_bit:
         _check_low_bit(hooks, plan, layer, routed, spec)
+    _check_spec(hooks, plan, layer, spec)
+    check = _PlanCheck(hooks, plan, layer, routed, res, spec, now)
+    if not isinstance(plan.evict, list) or not isinstance(plan.prefetch, list):
+        raise hooks.error("returned a malformed plan (evict and prefetch must be lists)", layer)
+    for victim in plan.evict:
+        check.evict(victim, "evict entry")
+    order = check.check_routed(precalc)
+    for entry in plan.prefetch:
+        check.prefetch(entry)
+    if plan.precalc:
+        _check_precalc(hooks, plan.precalc, layer, res, precalc)
+    return order
+
+
+def _check_spec(hooks: Hooks, plan: Any, layer: int, spec: Any) -> None:
+    """Work a system's resources cannot model."""
     if spec.gpu_blocks is not None and (plan.prefetch or plan.precalc):
         # CPU-resident layers are timed as if nothing else used the CPU or the links then
         raise hooks.error(
@@ -177,156 +193,143 @@ def check_plan(
     actions = plan.actions
     if spec.one_stream and (
         plan.precalc
-        or (actions.__class__ is dict and any(a in (_CPU, _PRE) for a in actions.values()))
+        or (isinstance(actions, dict) and any(a in (_CPU, _PRE) for a in actions.values()))
     ):
-        # one stream orders the expert copies and kernels; CPU work and its activation
-        # copies beside it are not modelled
+        # one stream orders the expert copies and kernels; CPU work beside it is not modelled
         raise hooks.error(
             "runs experts on the CPU, which a spec with one_stream does not model", layer
         )
-    if not (plan.evict or plan.prefetch or plan.precalc or plan.victims) and (
-        actions is None or (actions.__class__ is dict and len(actions) == len(routed))
-    ):
-        # the common case, all routed experts resident and run on the GPU: nothing else to check
-        row = res.resident[layer]
-        if actions is None or all(actions.get(e) == _GPU for e in routed):
-            for e in routed:
-                if not row[e]:
-                    raise hooks.error(f"runs expert {e} on the GPU but it is not resident", layer)
-            return routed
-    if not (plan.evict or plan.prefetch) and actions.__class__ is dict:
-        # no explicit evictions or prefetches: one pass without the general bookkeeping
-        order = _simple_actions(hooks, plan, layer, routed, res, spec, precalc, now)
-        if order is not None:
-            if plan.precalc:
-                _check_precalc(hooks, plan.precalc, layer, res, precalc)
-            return order
-    err = hooks.error
-    n_layers, n_experts = res.n_layers, res.n_experts
-    resident = res.resident
-    changed: dict[Slot, bool] = {}  # residency changes made earlier in this plan
-    n_res = res.n_resident
-    budget = res.budget
-    actions = plan.actions
 
-    def is_res(slot: Slot) -> bool:
-        v = changed.get(slot)
-        return bool(resident[slot]) if v is None else v
 
-    if actions is None:
-        needed = set(routed)
-    else:
-        if not isinstance(actions, dict):
-            raise err(f"returned a malformed plan (actions is {type(actions).__name__})", layer)
-        needed = {e for e in routed if actions.get(e) in (_GPU, _FETCH)}
-    in_use_ok = spec.evicts_in_use and spec.writeback
+class _PlanCheck:
+    """One plan's check: the residency as the plan changes it, step by step. A plan is
+    whatever the policy returned (typed ``Any``: its fields may hold any objects)."""
 
-    def evict(item: Any, what: str) -> None:
-        nonlocal n_res
+    def __init__(
+        self,
+        hooks: Hooks,
+        plan: Any,
+        layer: int,
+        routed: list[int],
+        res: Residency,
+        spec: Any,
+        now: float,
+    ) -> None:
+        self.hooks, self.plan, self.layer, self.routed = hooks, plan, layer, routed
+        self.res, self.spec, self.now = res, spec, now
+        #: residency changes made earlier in this plan
+        self.changed: dict[Slot, bool] = {}
+        self.n_res = res.n_resident
+        actions = plan.actions
+        if actions is None:
+            self.needed = set(routed)
+        elif not isinstance(actions, dict):
+            raise self.err(f"returned a malformed plan (actions is {type(actions).__name__})")
+        else:
+            self.needed = {e for e in routed if actions.get(e) in (_GPU, _FETCH)}
+
+    def err(self, message: str) -> PolicyError:
+        return self.hooks.error(message, self.layer)
+
+    def is_res(self, slot: Slot) -> bool:
+        v = self.changed.get(slot)
+        return bool(self.res.mask[slot[0] * self.res.n_experts + slot[1]]) if v is None else v
+
+    def evict(self, item: Any, what: str) -> None:
+        """An eviction (or a fetch's victim): resident, not in flight, not needed now."""
         slot = _pair(item)
         if slot is None:
-            raise err(
-                f"returned a malformed plan ({what} {item!r} is not a (layer, expert) pair)", layer
+            raise self.err(
+                f"returned a malformed plan ({what} {item!r} is not a (layer, expert) pair)"
             )
         vl, ve = slot
-        if not (0 <= vl < n_layers and 0 <= ve < n_experts):
-            raise err(f"evicts ({vl}, {ve}), outside the model", layer)
-        was = changed.get(slot)  # is_res, inlined (called for every eviction)
-        if not (resident[slot] if was is None else was):
-            raise err(f"evicts expert {ve} of layer {vl}, which is not resident", layer)
-        in_use = vl == layer and ve in needed
-        if in_use and not in_use_ok:
-            raise err(f"evicts expert {ve} of layer {vl}, which this token needs", layer)
-        if not in_use and (slot in changed or res.ready_at[slot] > now):
-            raise err(f"evicts expert {ve} of layer {vl} while it is still being copied", layer)
-        changed[slot] = False
-        n_res -= 1
+        if not (0 <= vl < self.res.n_layers and 0 <= ve < self.res.n_experts):
+            raise self.err(f"evicts ({vl}, {ve}), outside the model")
+        if not self.is_res(slot):
+            raise self.err(f"evicts expert {ve} of layer {vl}, which is not resident")
+        in_use = vl == self.layer and ve in self.needed
+        if in_use and not (self.spec.evicts_in_use and self.spec.writeback):
+            raise self.err(f"evicts expert {ve} of layer {vl}, which this token needs")
+        ready = self.res.ready[vl * self.res.n_experts + ve]
+        if not in_use and (slot in self.changed or ready > self.now):
+            raise self.err(f"evicts expert {ve} of layer {vl} while it is still being copied")
+        self.changed[slot] = False
+        self.n_res -= 1
 
-    def fetch(slot: Slot, victim: Any, what: str) -> None:
-        nonlocal n_res
+    def fetch(self, slot: Slot, victim: Any, what: str) -> None:
+        """A copy into a slot, after its victim's eviction; the budget must hold it."""
         if victim is not None:
-            evict(victim, "victim")
-        if n_res >= budget:
-            raise err(
+            self.evict(victim, "victim")
+        budget = self.res.budget
+        if self.n_res >= budget:
+            raise self.err(
                 f"{what} expert {slot[1]} of layer {slot[0]} with all {budget} slots full "
-                "and no victim",
-                layer,
+                "and no victim"
             )
-        changed[slot] = True
-        n_res += 1
+        self.changed[slot] = True
+        self.n_res += 1
 
-    if not isinstance(plan.evict, list) or not isinstance(plan.prefetch, list):
-        raise err("returned a malformed plan (evict and prefetch must be lists)", layer)
-    for item in plan.evict:
-        evict(item, "evict entry")
-    if actions is None:
-        order = routed
-        for e in routed:
-            if not is_res((layer, e)):
-                raise err(f"runs expert {e} on the GPU but it is not resident", layer)
-    else:
-        for a in actions.values():
-            if a not in _ACTIONS:
-                bad = next(e for e, x in actions.items() if x is a)
-                raise err(f"returns unknown action {a!r} for expert {bad}", layer)
+    def check_routed(self, precalc: Collection[Slot]) -> list[int]:
+        """Each routed expert's action, resident experts first; returns that order."""
+        actions, layer = self.plan.actions, self.layer
+        if actions is None:
+            for e in self.routed:
+                if not self.is_res((layer, e)):
+                    raise self.err(f"runs expert {e} on the GPU but it is not resident")
+            return self.routed
+        for value in actions.values():
+            if value not in _ACTIONS:
+                bad = next(e for e, x in actions.items() if x is value)
+                raise self.err(f"returns unknown action {value!r} for expert {bad}")
         # hits are judged before this layer's insertions: resident experts first
-        order = [e for e in routed if actions.get(e) == _GPU] + [
-            e for e in routed if actions.get(e) != _GPU
-        ]
-        victims = plan.victims
-        pre = set(precalc)
+        order = [e for e in self.routed if actions.get(e) == _GPU]
+        order += [e for e in self.routed if actions.get(e) != _GPU]
         temps = 0
         for e in order:
             a = actions.get(e)
-            if a is None:
-                raise err(f"gives no action for routed expert {e}", layer)
             slot = (layer, e)
-            if a == _GPU:
-                if not is_res(slot):
-                    raise err(f"runs expert {e} on the GPU but it is not resident", layer)
-            elif a == _FETCH:
-                if is_res(slot):
-                    raise err(f"fetches expert {e}, which is already resident", layer)
-                fetch(slot, victims.get(e), "fetches")
+            if a is None:
+                raise self.err(f"gives no action for routed expert {e}")
+            if a == _GPU and not self.is_res(slot):
+                raise self.err(f"runs expert {e} on the GPU but it is not resident")
+            if a == _FETCH:
+                if self.is_res(slot):
+                    raise self.err(f"fetches expert {e}, which is already resident")
+                self.fetch(slot, self.plan.victims.get(e), "fetches")
             elif a == _TEMP:
-                if is_res(slot):
-                    raise err(f"copies expert {e} to a temporary buffer but it is resident", layer)
+                if self.is_res(slot):
+                    raise self.err(f"copies expert {e} to a temporary buffer but it is resident")
                 temps += 1
-            elif a == _PRE and slot not in pre:
-                raise err(
-                    f"uses a CPU pre-calculation of expert {e} that was never submitted", layer
-                )
-        if len(actions) != len(routed):
-            extra = sorted(set(actions) - set(routed))
-            raise err(f"gives actions for experts {extra} that are not routed", layer)
-        if temps and spec.temp_buffers < 1:
-            raise err("copies to a temporary buffer but declares temp_buffers = 0", layer)
-    for item in plan.prefetch:
+            elif a == _PRE and slot not in precalc:
+                raise self.err(f"uses a CPU pre-calculation of expert {e} that was never submitted")
+        if len(actions) != len(self.routed):
+            extra = sorted(set(actions) - set(self.routed))
+            raise self.err(f"gives actions for experts {extra} that are not routed")
+        if temps and self.spec.temp_buffers < 1:
+            raise self.err("copies to a temporary buffer but declares temp_buffers = 0")
+        return order
+
+    def prefetch(self, item: Any) -> None:
+        """A prefetch: (layer, expert, victim) of an expert not resident yet."""
         try:
             pl, pe, victim = item
         except (TypeError, ValueError):
-            raise err(
+            raise self.err(
                 f"returned a malformed plan (prefetch entry {item!r} is not "
-                "(layer, expert, victim))",
-                layer,
+                "(layer, expert, victim))"
             ) from None
         slot = _pair((pl, pe))
         if slot is None:
-            raise err(f"returned a malformed plan (prefetch entry {item!r})", layer)
+            raise self.err(f"returned a malformed plan (prefetch entry {item!r})")
         pl, pe = slot
-        if not (0 <= pl < n_layers and 0 <= pe < n_experts):
-            raise err(f"prefetches ({pl}, {pe}), outside the model", layer)
-        if is_res(slot):
-            raise err(f"prefetches expert {pe} of layer {pl}, already resident", layer)
-        fetch(slot, victim, "prefetches")
-    if plan.precalc:
-        _check_precalc(hooks, plan.precalc, layer, res, precalc)
-    return order
+        if not (0 <= pl < self.res.n_layers and 0 <= pe < self.res.n_experts):
+            raise self.err(f"prefetches ({pl}, {pe}), outside the model")
+        if self.is_res(slot):
+            raise self.err(f"prefetches expert {pe} of layer {pl}, already resident")
+        self.fetch(slot, victim, "prefetches")
 
 
-def _check_low_bit(
-    hooks: Hooks, plan: Plan, layer: int, routed: list[int], spec: ResourceSpec
-) -> None:
+def _check_low_bit(hooks: Hooks, plan: Any, layer: int, routed: list[int], spec: Any) -> None:
     """``Plan.low_bit`` names routed TEMP copies, on a system that holds low-bit copies."""
     if spec.low_bit_dtype is None:
         raise hooks.error(
@@ -339,106 +342,6 @@ def _check_low_bit(
             raise hooks.error(
                 f"names expert {e} as a low-bit copy but it is not a TEMP copy", layer
             )
-
-
-def _simple_actions(
-    hooks: Hooks,
-    plan: Plan,
-    layer: int,
-    routed: list[int],
-    res: Residency,
-    spec: ResourceSpec,
-    precalc: Iterable[Slot],
-    now: float,
-) -> list[int] | None:
-    """``check_plan`` for a plan whose only slot changes are this layer's fetches (with victims
-    in this layer); returns the GPU-first order, or None to leave the plan to the general check.
-
-    It checks in the same order and with the same messages as the general check: the GPU
-    experts first, then the others in routing order.
-    """
-    actions = plan.actions
-    assert actions is not None
-    row = res.resident[layer]
-    gpu: list[int] = []
-    rest: list[int] = []
-    for e in routed:
-        a = actions.get(e)
-        if a == _GPU:
-            if not row[e]:
-                raise hooks.error(f"runs expert {e} on the GPU but it is not resident", layer)
-            gpu.append(e)
-        elif a in _ACTIONS:
-            rest.append(e)
-        else:
-            return None  # unknown or missing: the general check reports it
-    temps = 0
-    gone: set[int] = set()  # evicted earlier in this plan
-    added: set[int] = set()  # fetched earlier in this plan
-    needed: set[int] | None = None
-    n_res = res.n_resident
-    victims = plan.victims
-    for e in rest:
-        a = actions[e]
-        if a == _CPU:
-            continue
-        if a == _PRE:
-            if (layer, e) not in precalc:
-                raise hooks.error(
-                    f"uses a CPU pre-calculation of expert {e} that was never submitted", layer
-                )
-            continue
-        here = e in added or (row[e] and e not in gone)
-        if a == _TEMP:
-            if here:
-                raise hooks.error(
-                    f"copies expert {e} to a temporary buffer but it is resident", layer
-                )
-            temps += 1
-            continue
-        # FETCH
-        if here:
-            raise hooks.error(f"fetches expert {e}, which is already resident", layer)
-        v = victims.get(e)
-        if v is not None:
-            if not (v.__class__ is tuple and len(v) == 2 and v[0] == layer):
-                return None  # another layer's slot or a malformed victim: the general check
-            ve = v[1]
-            if ve.__class__ is not int or not 0 <= ve < res.n_experts:
-                return None
-            if ve in added:
-                return None  # evicting what this plan fetches: the general check words it
-            if not row[ve] or ve in gone:
-                raise hooks.error(
-                    f"evicts expert {ve} of layer {layer}, which is not resident", layer
-                )
-            if needed is None:
-                needed = {x for x in routed if actions.get(x) in (_GPU, _FETCH)}
-            if ve in needed:
-                if not (spec.evicts_in_use and spec.writeback):
-                    raise hooks.error(
-                        f"evicts expert {ve} of layer {layer}, which this token needs", layer
-                    )
-            elif res.ready_at[layer, ve] > now:
-                raise hooks.error(
-                    f"evicts expert {ve} of layer {layer} while it is still being copied", layer
-                )
-            gone.add(ve)
-            n_res -= 1
-        if n_res >= res.budget:
-            raise hooks.error(
-                f"fetches expert {e} of layer {layer} with all {res.budget} slots full "
-                "and no victim",
-                layer,
-            )
-        added.add(e)
-        n_res += 1
-    if len(actions) != len(routed):
-        extra = sorted(set(actions) - set(routed))
-        raise hooks.error(f"gives actions for experts {extra} that are not routed", layer)
-    if temps and spec.temp_buffers < 1:
-        raise hooks.error("copies to a temporary buffer but declares temp_buffers = 0", layer)
-    return gpu + rest
 
 
 def _check_precalc(

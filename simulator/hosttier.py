@@ -37,7 +37,7 @@ import numpy as np
 from simulator.costs import CostModel
 from simulator.errors import UserError
 from simulator.hardware import HardwareProfile
-from simulator.machine import Lane
+from simulator.core.resources import Lane
 from simulator.recorder import Recorder
 
 #: ``--ssd-path`` choices

@@ -12,7 +12,8 @@ import pytest
 from policies.base import SetupContext
 from policies.registry import available, make_policy
 from simulator.costs import cost_model
-from simulator.engine import Counters, Engine
+from simulator.core.loop import Engine
+from simulator.core.ops import Counters
 from simulator.errors import UserError
 from simulator.hardware import load_profile
 from simulator.models import get_model

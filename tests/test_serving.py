@@ -27,7 +27,7 @@ from policies.lru import LRUPolicy
 from policies.registry import available
 from simulator.cli import main
 from simulator.costs import cost_model
-from simulator.engine import Engine
+from simulator.core.loop import Engine
 from simulator.errors import UserError
 from simulator.hardware import load_profile
 from simulator.recorder import Recorder

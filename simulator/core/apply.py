@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from policies.base import Action, Plan
+from policies.base import Action
 from simulator.core.executor import Executor
 from simulator.core.ops import CPU, FETCH, TEMP, WRITEBACK, Counters, GpuJob, LayerWork, Op
 from simulator.core.resources import INF, Residency
@@ -53,7 +53,7 @@ class Applier:
 
     def apply(
         self,
-        plan: Plan,
+        plan: Any,
         layer: int,
         order: list[int],
         routed: list[int],
@@ -98,7 +98,7 @@ class Applier:
         for pl, pe, victim in plan.prefetch:
             slot = (int(pl), int(pe))
             self._fetch(slot, "prefetch", victim, needed, w)
-            self.res.prefetched[slot] = True
+            self.res.prefetched[slot[0] * self.res.n_experts + slot[1]] = 1
             self.c.prefetches += 1
         self._cpu_work(plan, layer, cpu_jobs, counts, cpu_layer, w)
         w.cpu_first = plan.cpu_first
@@ -110,13 +110,14 @@ class Applier:
     def _hit(self, layer: int, e: int) -> GpuJob:
         """A resident expert runs on the GPU: once its copy ends, or now if it has."""
         res = self.res
-        if res.prefetched[layer, e]:
-            res.prefetched[layer, e] = False
+        i = layer * res.n_experts + e
+        if res.prefetched[i]:
+            res.prefetched[i] = 0
             self.c.prefetch_used += 1
-        ready = float(res.ready_at[layer, e])
+        ready = res.ready[i]
         if ready != INF:
             return GpuJob(e, ready, None)
-        return GpuJob(e, 0.0, res.copying[(layer, e)])
+        return GpuJob(e, 0.0, res.copying[i])
 
     def _count_accesses(self, layer: int, n_routed: int, n_hits: int, prefill: bool) -> None:
         """Count a layer's expert accesses and hits (per phase; per layer for decode)."""
@@ -142,14 +143,14 @@ class Applier:
         """Evict a resident expert; with write-back its slot stays held until its copy to
         the host ends (an expert still needed in this layer: after its computation)."""
         res, c = self.res, self.c
-        res.resident[slot] = False
-        res.n_resident -= 1
+        i = slot[0] * res.n_experts + slot[1]
+        res.remove(i)
         c.evictions += 1
         if slot[0] == w.layer and slot[1] in needed:
             w.deferred[slot[1]] = self._writeback_op(slot, w)
             return
-        if res.prefetched[slot]:
-            res.prefetched[slot] = False
+        if res.prefetched[i]:
+            res.prefetched[i] = 0
             c.prefetch_wasted_bytes += self.expert_bytes
         if self.writeback:
             w.ops.append(self._writeback_op(slot, w))
@@ -169,11 +170,7 @@ class Applier:
         if victim is not None:
             self._evict((int(victim[0]), int(victim[1])), needed, w)
         op = self._op(FETCH, kind, slot[0], slot[1], w)
-        res = self.res
-        res.resident[slot] = True
-        res.ready_at[slot] = INF
-        res.copying[slot] = op
-        res.n_resident += 1
+        self.res.insert(slot[0] * self.res.n_experts + slot[1], op)
         self.c.h2d_bytes += self.expert_bytes
         self.c.h2d_expert_copies += 1
         w.ops.append(op)
@@ -196,7 +193,7 @@ class Applier:
         return op
 
     def _cpu_work(
-        self, plan: Plan, layer: int, experts: list[int], counts: Any, local: bool, w: LayerWork
+        self, plan: Any, layer: int, experts: list[int], counts: Any, local: bool, w: LayerWork
     ) -> None:
         """The layer's CPU experts (the layer needs their results), then the
         pre-calculations of coming layers; a serial plan chains each kind one after another."""

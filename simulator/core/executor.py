@@ -53,14 +53,22 @@ class Executor:
         self._uid = 0
         #: issue numbers: the queueing rule's tie-break, taken as operations are created
         self.seq = 0
-        # the current layer: the GPU jobs ready to run, sources still pending, per GPU the
-        # earliest start (its activations' arrival) and jobs held until then
+        # the current layer: the GPU jobs ready to run and the sources still pending; per GPU
+        # the earliest start (its activations' arrival), jobs held until then, its stream's
+        # clock, busy time, whether its fused call is still to charge, computations left,
+        # free temporary buffers and the copies waiting for one
+        n = machine.n_gpus
         self.jobs: list[Job] = []
         self.waiting = 0
-        self.base: list[float] = []
-        self.held: list[list[tuple[float, int, int]] | None] = []
+        self.base = [0.0] * n
+        self.held: list[list[tuple[float, int, int]] | None] = [None] * n
+        self.g = [0.0] * n
+        self.busy = [0.0] * n
+        self.unfused = [True] * n
+        self.left = [0] * n
+        self.free_bufs = [0] * n
+        self.tempq: list[deque[Op]] = [deque() for _ in range(n)]
         #: per GPU: expert computations, expert bytes copied in and written back
-        n = machine.n_gpus
         self.gpu_experts = [0] * n
         self.h2d_bytes = [0] * n
         self.d2h_bytes = [0] * n
@@ -131,10 +139,8 @@ class Executor:
                 return
             op.stage = 1
         link = self.m.uplinks[k][0]
-        s, e = self._copy(t, op, link, link.expert_s, self.expert_bytes, op.rkind)
-        slot = (op.layer, op.expert)
-        res.ready_at[slot] = e
-        del res.copying[slot]
+        e = self._copy(t, op, link, link.expert_s, self.expert_bytes, op.rkind)[1]
+        res.copied(op.layer * res.n_experts + op.expert, e)
         self._landed(op, e)
 
     def _temp_in(self, t: float, op: Op) -> None:
@@ -323,26 +329,21 @@ class Executor:
     def run_layer(self, w: LayerWork) -> float:
         """Time one layer's work; returns when the layer ends."""
         m = self.m
-        layer = w.layer
-        home = 0 if m.home is None else m.home[layer]
-        gpu_of = m.gpu_of
-        self.base = [w.now] * m.n_gpus
-        self.held = [None] * m.n_gpus
-        self.jobs = []
+        home = 0 if m.home is None else m.home[w.layer]
+        for k in range(m.n_gpus):
+            self.base[k] = w.now
+            self.held[k] = None
         self.waiting = 0
-        per: dict[int, int] = {}  # GPU -> its computations in this layer
-        for job in w.gpu:
-            k = 0 if gpu_of is None else gpu_of[layer][job.expert]
-            per[k] = per.get(k, 0) + 1
-        sends = self._sends(w, per, home)
-        tempq = self._submit(w, sends)
+        sends = self._sends(w, home) if m.n_gpus > 1 else None
+        self._submit(w, sends)
         self._wait_cpu_first(w)
-        self._gpu_sources(w, gpu_of)
-        g, late = self._run_gpu(w, per, sends, tempq)
+        self._gpu_sources(w)
+        late = list(w.deferred.values()) if self.one_stream else []
+        g = self._run_gpu(w, sends)
         end = g[home] if g[home] > self.base[home] else self.base[home]
         if self.one_stream:
             end = self._one_stream_tail(w, late, end)
-        for _, back in sends.values():
+        for _, back in sends.values() if sends is not None else ():
             t = back.end if back.end >= 0.0 else self.resolve(back)
             if t > end:
                 end = t
@@ -355,14 +356,21 @@ class Executor:
             self.c.cpu_wait += end - gpu_end
         return self._cross(w, end)
 
-    def _sends(self, w: LayerWork, per: dict[int, int], home: int) -> dict[int, tuple[Op, Op]]:
+    def _sends(self, w: LayerWork, home: int) -> dict[int, tuple[Op, Op]]:
         """Several GPUs: for each GPU but the layer's home one that computes experts of it,
-        the activations' trip there and the results' trip back (issue numbers taken now)."""
+        the activations' trip there and the results' trip back (issue numbers taken now);
+        ``left`` counts each GPU's computations still to run."""
+        gpu_of = self.m.gpu_of
+        assert gpu_of is not None
+        row = gpu_of[w.layer]
+        left = self.left
+        for k in range(self.m.n_gpus):
+            left[k] = 0
+        for job in w.gpu:
+            left[row[job.expert]] += 1
         sends: dict[int, tuple[Op, Op]] = {}
-        if self.m.n_gpus == 1:
-            return sends
-        for k in sorted(per):
-            if k != home:
+        for k in range(self.m.n_gpus):
+            if left[k] and k != home:
                 n = self._peer_tokens(w, k)
                 sends[k] = (self.peer_op(w, home, k, n), self.peer_op(w, k, home, n))
                 self.held[k] = []
@@ -380,17 +388,18 @@ class Executor:
         mine = sum(int(counts[j.expert]) for j in w.gpu if row[j.expert] == k)
         return max(1, min(p, mine))
 
-    def _submit(self, w: LayerWork, sends: dict[int, tuple[Op, Op]]) -> list[deque[Op]]:
+    def _submit(self, w: LayerWork, sends: dict[int, tuple[Op, Op]] | None) -> None:
         """Submit the layer's operations at its decision time in issue order (a temporary
-        copy takes a free buffer of its GPU, else waits for one), then the sends; returns
-        the temporary copies waiting for a buffer, per GPU."""
+        copy takes a free buffer of its GPU, else waits in ``tempq`` for one), then the
+        activations sent to other GPUs."""
         now = w.now
         n_temp = self.m.temp_buffers
-        free = [n_temp] * self.m.n_gpus
-        tempq: list[deque[Op]] = [deque() for _ in free]
+        free = self.free_bufs
+        for k in range(self.m.n_gpus):
+            free[k] = n_temp
         for op in w.ops:
             if op.kind == TEMP and not free[op.dev]:
-                tempq[op.dev].append(op)  # submitted when a buffer frees up
+                self.tempq[op.dev].append(op)  # submitted when a buffer frees up
                 continue
             if op.kind == TEMP:
                 free[op.dev] -= 1
@@ -400,12 +409,11 @@ class Executor:
             else:
                 self.serve(now, op)
             self.advance(now)  # a zero-length stage keeps its place
-        for send, _ in sends.values():  # the activations leave the home GPU now
-            send.gpu = True
+        for send, _ in sends.values() if sends is not None else ():
+            send.gpu = True  # the activations leave the home GPU now
             self.waiting += 1
             self.serve(now, send)
             self.advance(now)
-        return tempq
 
     def _wait_cpu_first(self, w: LayerWork) -> None:
         """``Plan.cpu_first``: the GPU streams start once the layer's CPU experts are done."""
@@ -414,14 +422,20 @@ class Executor:
         sync_end = max(self.resolve(op) for op in w.sync)
         if sync_end > w.now:
             self.c.cpu_wait += sync_end - w.now
-            self.base = [b if b > sync_end else sync_end for b in self.base]
-            self.jobs = [(max(r, self.base[k]), r, e, b, k) for _, r, e, b, k in self.jobs]
-            heapq.heapify(self.jobs)
+            base = self.base
+            for k in range(self.m.n_gpus):
+                if sync_end > base[k]:
+                    base[k] = sync_end
+            jobs = [(max(r, base[k]), r, e, b, k) for _, r, e, b, k in self.jobs]
+            self.jobs.clear()
+            for job in jobs:
+                heapq.heappush(self.jobs, job)
 
-    def _gpu_sources(self, w: LayerWork, gpu_of: list[list[int]] | None) -> None:
+    def _gpu_sources(self, w: LayerWork) -> None:
         """Each GPU computation is startable once its weights are there; with a gather
         barrier (``Plan.barrier``) no earlier than the last copy into the layer's slots."""
         bar = self._barrier(w) if w.barrier else -1.0
+        gpu_of = self.m.gpu_of
         for job in w.gpu:
             k = 0 if gpu_of is None else gpu_of[w.layer][job.expert]
             src = job.src
@@ -445,34 +459,27 @@ class Executor:
                     bar = t
         return bar
 
-    def _run_gpu(
-        self,
-        w: LayerWork,
-        per: dict[int, int],
-        sends: dict[int, tuple[Op, Op]],
-        tempq: list[deque[Op]],
-    ) -> tuple[list[float], list[Op]]:
+    def _run_gpu(self, w: LayerWork, sends: dict[int, tuple[Op, Op]] | None) -> list[float]:
         """Run the layer's GPU computations: each GPU's stream by (ready time, expert).
 
         An in-use victim's write-back is submitted when its computation ends, a temporary
         copy waiting for a buffer when a computation frees one, and a GPU's results are sent
-        back to the home GPU after its last computation. Returns each stream's end and the
-        write-backs submitted after a computation."""
+        back to the home GPU after its last computation. Returns each stream's end."""
         m, c, rec = self.m, self.c, self.rec
-        heap = self.heap
+        heap, jobs = self.heap, self.jobs
         counts: Any = w.counts
-        late = list(w.deferred.values())
-        g = list(self.base)
-        busy = [0.0] * m.n_gpus
-        unfused = [True] * m.n_gpus  # the fused call is charged with a GPU's first expert
-        left = dict(per)
+        g, busy, unfused = self.g, self.busy, self.unfused
+        for k in range(m.n_gpus):
+            g[k] = self.base[k]
+            busy[k] = 0.0
+            unfused[k] = True  # the fused call is charged with a GPU's first expert
         total = 0.0
-        while self.jobs or self.waiting:
-            while self.waiting and heap and (not self.jobs or heap[0][0] < self.jobs[0][0]):
+        while jobs or self.waiting:
+            while self.waiting and heap and (not jobs or heap[0][0] < jobs[0][0]):
                 self.serve_next()
-            if not self.jobs:
+            if not jobs:
                 raise RuntimeError("engine: the GPU waits for a copy that can never start")
-            _, ready, e, buf, k = heapq.heappop(self.jobs)
+            _, ready, e, buf, k = heapq.heappop(jobs)
             drained = gk = g[k] if g[k] > self.base[k] else self.base[k]
             if self.one_stream:
                 ready = self._one_stream_ready(ready, gk, k)
@@ -502,22 +509,24 @@ class Executor:
             if self.one_stream:
                 up_h, up_d = m.uplinks[k]
                 up_h.lane.free_at = up_d.lane.free_at = gk
-            self._after_job(w, e, buf, k, gk, tempq[k])
-            left[k] -= 1
-            if left[k] == 0 and k in sends:  # its results go back to the home GPU
-                self.push(gk, sends[k][1])
+            self._after_job(w, e, buf, k, gk)
+            if sends is not None and k in sends:
+                self.left[k] -= 1
+                if self.left[k] == 0:  # its results go back to the home GPU
+                    self.push(gk, sends[k][1])
         c.gpu_expert_busy += total
         for k, lane in enumerate(m.gpus):
             lane.busy += busy[k]
-        return g, late
+        return g
 
-    def _after_job(self, w: LayerWork, e: int, buf: int, k: int, g: float, q: deque[Op]) -> None:
+    def _after_job(self, w: LayerWork, e: int, buf: int, k: int, g: float) -> None:
         """What a finished computation submits: its expert's deferred write-back, and the
         next temporary copy into the buffer it frees."""
         if w.deferred:
             wb = w.deferred.pop(e, None)
             if wb is not None:  # evicted while in use: written back after its computation
                 self.push(g, wb)
+        q = self.tempq[k]
         if buf >= 0 and q:
             nxt = q.popleft()
             nxt.buf = buf

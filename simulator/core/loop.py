@@ -185,13 +185,12 @@ class DecodeStep(Step):
         ws = self.wsums_t[layer]
         c.true_accesses += len(experts)
         c.gate_mass_total += ws
-        true_w = self.weights_t[layer].tolist()
         if route is None:
             c.gate_mass_kept += ws
         else:  # how much of the true routing the substituted route kept or replaced
             used = set(route)
             raw = set(np.asarray(plan.raw_route).tolist()) if plan.raw_route is not None else set()
-            for e, w in zip(experts.tolist(), true_w, strict=False):
+            for e, w in zip(experts.tolist(), self.weights_t[layer].tolist(), strict=False):
                 if e in used:
                     c.gate_mass_kept += w
                 elif e in raw:
@@ -199,7 +198,7 @@ class DecodeStep(Step):
                 else:
                     c.replaced_mispredicted += 1
         if plan.low_bit:  # the true gate weight of experts computed from a low-bit copy
-            for e, w in zip(experts.tolist(), true_w, strict=False):
+            for e, w in zip(experts.tolist(), self.weights_t[layer].tolist(), strict=False):
                 if e in plan.low_bit:
                     c.gate_mass_low_bit += w
 
@@ -381,23 +380,24 @@ class Engine:
         self.view.token = st.who[1]
         self.view.step = self.step
         st.begin(self)
+        decide = st.decide(self)
         for layer in range(self.n_layers):
             now = self._nonexpert(st, layer)
             self.ex.advance(now)  # serve everything submitted before the decision
-            self._decide(st, layer, now)
+            self._decide(st, decide, layer, now)
         if self.machine.streamed is not None:  # the output matrix, after the last layer
             self.now = self._weights(st, self.now, -1)
         self.step += 1
         st.finish(self, t0)
 
-    def _decide(self, st: Step, layer: int, now: float) -> None:
+    def _decide(self, st: Step, decide: Callable[[View], Any], layer: int, now: float) -> None:
         """The layer's decision from its view, checked, applied and timed."""
         v, where, hooks = self.view, self.hooks.where, self.hooks
         where.seq, where.token = st.who
         v.layer = where.layer = layer
         v.now = now
         experts, counts = st.enter(self, layer)
-        plan = hooks.call(st.hook, st.decide(self), v)
+        plan = hooks.call(st.hook, decide, v)
         route = st.route(self, plan, experts, layer)
         routed = experts.tolist() if route is None else route
         order = check_plan(hooks, plan, layer, routed, self.res, self.spec, self.precalc, now)
@@ -564,7 +564,7 @@ class Engine:
             "gpus": pl.n,
             "mode": pl.mode,
             "expert_placement": pl.rule,
-            "peer_kind": m.multi.peer_kind,
+            "peer_kind": m.multi.peer_kind if m.multi is not None else None,
             "per_gpu": gpus,
             "peer_bytes": dict(sorted(ex.peer_bytes.items())),
             "peer_bytes_total": sum(ex.peer_bytes.values()),

@@ -11,7 +11,6 @@ cost itself.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -57,7 +56,7 @@ class Machine:
         act = _memo(costs.activation_copy_s)
         h2d_s, d2h_s = costs.h2d_expert_s(pinned), costs.d2h_expert_s(pinned)
         ups: list[tuple[Link, Link]] = []
-        for k in range(1 if n == 1 or multi.shared_uplink else n):
+        for k in range(1 if multi is None or multi.shared_uplink else n):
             sfx = "" if n == 1 else str(k)
             if costs.hw.link.copy_engines >= 2:
                 hl, dl = Lane(f"h2d{sfx}"), Lane(f"d2h{sfx}")
@@ -77,21 +76,15 @@ class Machine:
                         name = f"peer{a}>{b}"
                         self.peers[(a, b)] = Link(name, Lane(name), 0.0, peer_s)
         #: the runtime's host thread; None when it costs nothing
-        self.host = (
-            HostThread(runtime, costs.model.experts - costs.model.top_k)
-            if runtime is not None and not runtime.free
-            else None
-        )
-        host_experts = self.host if self.host is not None and self.host.per_expert else None
+        idle = costs.model.experts - costs.model.top_k
+        free = runtime is None or runtime.free
+        self.host = None if free else HostThread(runtime, idle)
+        per_expert = self.host is not None and self.host.per_expert
         #: the thread issuing each GPU's expert kernels: the main thread for GPU 0, a worker
         #: thread of its own for every other GPU (None: expert calls cost the host nothing)
-        self.hosts: list[HostThread | None] = [host_experts]
+        self.hosts: list[HostThread | None] = [self.host if per_expert else None]
         for _ in range(1, n):
-            h = None
-            if host_experts is not None:
-                h = copy.copy(host_experts)
-                h.t, h.syncs = 0.0, 0
-            self.hosts.append(h)
+            self.hosts.append(HostThread(runtime, idle) if per_expert else None)
         #: HOBBIT's low-precision copies: seconds and bytes of one (0 without a low-bit dtype)
         low = spec.low_bit_dtype
         self.low_bit_s = costs.h2d_low_bit_expert_s(low, pinned) if low else 0.0

@@ -119,9 +119,9 @@ class Op:
         "rkind",
         "seq",
         "sid",
+        "src",
         "ssd_at",
         "ssd_read",
-        "src",
         "stage",
         "token",
     )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from array import array
 from collections import deque
 from typing import Any, Final
 
@@ -333,9 +334,11 @@ class Residency:
 
     The policy-visible state (``resident``, experts in flight counting as resident) changes
     at decision time; the timed state (``ready_at``, slot occupancy) when the executor serves
-    the copies. Each GPU has ``cap`` slots (its expert budget plus staging buffers): a fetch
-    claims one when one is free, else waits (first come, first served) for the next release;
-    an evicted expert keeps its slot until its write-back ends.
+    the copies. Each is stored once, flat (index ``layer * n_experts + expert``), and shown as
+    a ``[layers, experts]`` numpy array over the same memory. Each GPU has ``cap`` slots (its
+    expert budget plus staging buffers): a fetch claims one when one is free, else waits
+    (first come, first served) for the next release; an evicted expert keeps its slot until
+    its write-back ends.
     """
 
     def __init__(
@@ -348,12 +351,17 @@ class Residency:
     ) -> None:
         self.n_layers, self.n_experts = n_layers, n_experts
         self.budget = budget
-        self.resident = np.zeros((n_layers, n_experts), dtype=bool)
-        #: when each resident expert's copy ends (INF while its copy has not started)
-        self.ready_at = np.zeros((n_layers, n_experts), dtype=np.float64)
-        self.prefetched = np.zeros((n_layers, n_experts), dtype=bool)
+        size = n_layers * n_experts
+        #: resident flags, flat; ``resident`` is the same memory as a [layers, experts] array
+        self.mask = bytearray(size)
+        self.resident = np.frombuffer(self.mask, dtype=np.bool_).reshape(n_layers, n_experts)
+        #: when each resident expert's copy ends (INF while its copy has not started), flat
+        self.ready = array("d", bytes(8 * size))
+        self.ready_at = np.frombuffer(self.ready, dtype=np.float64).reshape(n_layers, n_experts)
+        #: resident experts a prefetch brought that no layer has used yet, flat
+        self.prefetched = bytearray(size)
         #: experts whose copy into a slot has been issued but not yet started -> the copy
-        self.copying: dict[tuple[int, int], Op] = {}
+        self.copying: dict[int, Op] = {}
         self.n_resident = 0
         #: per GPU: slots, slots held (resident experts whose copy has its slot, plus evicted
         #: ones being written back), the most held, fetches waiting for a slot
@@ -368,14 +376,30 @@ class Residency:
 
     def place(self, slots: list[tuple[int, int]], gpu_of: list[list[int]] | None) -> None:
         """The initial placement (already checked): resident and ready at time 0."""
-        for slot in slots:
-            self.resident[slot] = True
-            k = 0 if gpu_of is None else gpu_of[slot[0]][slot[1]]
-            self.held[k] += 1
+        for layer, e in slots:
+            self.mask[layer * self.n_experts + e] = 1
+            self.held[0 if gpu_of is None else gpu_of[layer][e]] += 1
         self.peak = list(self.held)
         self.n_resident = self.occupancy = self.max_occupancy = len(slots)
         if self.recorder is not None:
             self.recorder.occupancy(0.0, self.occupancy)
+
+    def insert(self, i: int, copy: Op) -> None:
+        """Expert ``i`` is resident from now on; its copy is issued, not started yet."""
+        self.mask[i] = 1
+        self.ready[i] = INF
+        self.copying[i] = copy
+        self.n_resident += 1
+
+    def remove(self, i: int) -> None:
+        """Expert ``i`` is no longer resident (its slot may stay held by a write-back)."""
+        self.mask[i] = 0
+        self.n_resident -= 1
+
+    def copied(self, i: int, end: float) -> None:
+        """The copy into expert ``i``'s slot has started and ends at ``end``."""
+        self.ready[i] = end
+        del self.copying[i]
 
     def take(self, k: int, t: float) -> bool:
         """Claim a free slot of GPU ``k`` at ``t``; False when none is free (then wait)."""

@@ -1,0 +1,115 @@
+"""The compiled build of the engine core, and its pure-Python fallback.
+
+The modules in :data:`COMPILED` are typed for mypyc, which compiles them to C extensions when
+the package is built on a machine with a C compiler (``setup.py``; as mypy and black ship
+themselves). The same sources always run uncompiled too: an import of one of them takes its
+``.py`` source instead of the extension when
+
+* the environment sets ``DAOPSIM_PURE_PYTHON=1`` (to check or debug the fallback), or
+* the build did not produce every extension, or a source changed since the build (the
+  recorded SHA-256 of each source no longer matches), so a stale extension never runs.
+
+Both give identical results to the last bit (tests/test_compiled.py). The choice is made once
+per process, for all the modules together; :func:`status` tells which one was made and why.
+This module imports nothing outside the standard library: ``setup.py`` reads it at build time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+
+#: the modules mypyc compiles, in one group (their extension shares one runtime library)
+COMPILED = (
+    "simulator.core.ops",
+    "simulator.core.resources",
+    "simulator.core.machine",
+    "simulator.core.executor",
+    "simulator.core.apply",
+    "simulator.core.loop",
+    "simulator.boundary",
+)
+#: the group's shared library (a module inside the package, so the wheel adds no top name)
+GROUP = "simulator.core.native"
+#: the build's record of each compiled source's SHA-256, beside the extensions
+MANIFEST = "native-build.json"
+#: set to 1 to run the pure-Python sources even when a compiled build is present
+ENV = "DAOPSIM_PURE_PYTHON"
+
+_ROOT = Path(__file__).resolve().parent.parent
+_choice: tuple[bool, str] | None = None
+
+
+def source_path(module: str) -> Path:
+    """The ``.py`` source of a compiled module (relative to the repository or site root)."""
+    return _ROOT.joinpath(*module.split(".")).with_suffix(".py")
+
+
+def source_hashes() -> dict[str, str]:
+    """SHA-256 of each compiled module's source, as the build records them."""
+    return {m: hashlib.sha256(source_path(m).read_bytes()).hexdigest() for m in COMPILED}
+
+
+def _extension(module: str) -> Path | None:
+    parent = source_path(module).parent
+    stem = module.rsplit(".", 1)[1]
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        p = parent / (stem + suffix)
+        if p.exists():
+            return p
+    return None
+
+
+def _decide() -> tuple[bool, str]:
+    """Whether to import the extensions, and why (or why not)."""
+    if os.environ.get(ENV, "") not in ("", "0"):
+        return False, f"{ENV} is set"
+    manifest = source_path(COMPILED[0]).parent / MANIFEST
+    if not manifest.exists():
+        return False, "no compiled build (pure Python)"
+    missing = [m for m in (*COMPILED, GROUP + "__mypyc") if _extension(m) is None]
+    if missing:
+        return False, f"compiled build incomplete (no extension for {missing[0]})"
+    try:
+        recorded = json.loads(manifest.read_text())
+    except (OSError, ValueError):
+        return False, "compiled build record unreadable"
+    if recorded != source_hashes():
+        return False, "sources changed since the compiled build (run `make native`)"
+    return True, "compiled (mypyc)"
+
+
+def status() -> tuple[bool, str]:
+    """(whether the compiled extensions run, a short reason), decided once per process."""
+    global _choice
+    if _choice is None:
+        _choice = _decide()
+    return _choice
+
+
+class _PureFinder(importlib.abc.MetaPathFinder):
+    """Imports the compiled modules from their sources when the extensions are not used."""
+
+    def find_spec(
+        self,
+        fullname: str,
+        path: Sequence[str] | None = None,
+        target: ModuleType | None = None,
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in COMPILED or status()[0]:
+            return None
+        return importlib.util.spec_from_file_location(fullname, source_path(fullname))
+
+
+def install() -> None:
+    """Put the fallback's finder ahead of the default import machinery (once)."""
+    if not any(isinstance(f, _PureFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PureFinder())
