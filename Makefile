@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --upgrade pip
 	# torch is pinned: an unpinned torch pulls a multi-GB CUDA build.
 	$(PIP) install -q "torch==2.13.0"
-	$(PIP) install -q -e ".[capture,dask,dev]"
+	$(PIP) install -q -e ".[capture,dask,dev,gym]"
 	touch $(STAMP)
 
 install: $(STAMP)
