@@ -37,6 +37,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("regress_cmd", "regress"),
     ("validate_cmd", "validate"),
     ("advise_cmd", "advise"),
+    ("learn_cmd", "learn"),
 ]
 
 
