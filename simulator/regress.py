@@ -229,6 +229,7 @@ BUDGET_POLICIES = [
     "global-lfu",
     "global-lru",
     "hobbit",
+    "learned",
     "lfu",
     "lru",
     "mixtral-offloading",
