@@ -285,3 +285,62 @@ def learn(config: LearnConfig, progress: Progress | None = None) -> LearnResult:
 def a_share(part: int, whole: int) -> float:
     """``part / whole``, NaN for an empty whole."""
     return part / whole if whole else float("nan")
+
+
+def evaluate(
+    trace: str,
+    sequences: list[int],
+    budgets: list[int],
+    policies: tuple[str, ...] = ("lru", "lfu", "learned", "belady"),
+    hw: str = "a100-80g-pcie4",
+    model: str = "",
+    progress: Progress | None = None,
+) -> Any:
+    """One run per policy, budget (experts per layer) and sequence: a DataFrame of each run's
+    hit rate and tokens/s (``model``: the ``learned`` policy's model file, '' the bundled)."""
+    import pandas as pd
+
+    from simulator.data import resolve_trace
+    from simulator.runner import simulate
+    from simulator.trace import read_meta
+
+    n_layers = read_meta(resolve_trace(trace)).model.moe_layers
+    rows = []
+    total = len(policies) * len(budgets) * len(sequences)
+    for b in budgets:
+        for pol in policies:
+            opts = {"model": model} if pol == "learned" else None
+            for seq in sequences:
+                r = simulate(
+                    policy=pol,
+                    trace=trace,
+                    hw=hw,
+                    gpu_experts=b * n_layers,
+                    evaluate=[seq],
+                    policy_options=opts,
+                    record=False,
+                )
+                m = r.metrics
+                rows.append(
+                    {
+                        "trace": trace,
+                        "budget": b,
+                        "policy": pol,
+                        "sequence": seq,
+                        "hit_rate": m["hit_rate"],
+                        "tokens_per_s": m["tokens_per_s"],
+                    }
+                )
+                if progress is not None:
+                    progress(len(rows), total, f"{trace} {b}/layer {pol} sequence {seq}")
+    return pd.DataFrame(rows)
+
+
+def summarise(runs: Any) -> Any:
+    """Mean and standard deviation over sequences of :func:`evaluate`'s runs, per trace,
+    budget and policy (the sample standard deviation, ddof=1)."""
+    g = runs.groupby(["trace", "budget", "policy"], sort=False)[["hit_rate", "tokens_per_s"]]
+    out = g.agg(["mean", "std"])
+    out.columns = [f"{a}_{b}" for a, b in out.columns]
+    out["sequences"] = g.size()
+    return out.reset_index()

@@ -227,6 +227,10 @@ def test_wheel_installs_and_runs_from_an_empty_directory(tmp_path: Path) -> None
         run(exe, "run", "--policy", "lru", "--sequences", "1", "--no-progress", "--json").stdout
     )
     assert result["policy"] == "lru" and result["metrics"]["tokens_per_s"] > 0
+    # the learned policy's bundled model file is package data
+    args = ("--trace", "ci-small", "--sequences", "1", "--no-progress", "--json")
+    learned = json.loads(run(exe, "run", "--policy", "learned", *args).stdout)
+    assert learned["policy"] == "learned" and learned["metrics"]["hit_rate"] > 0
     version = run(str(py), "-c", "import daopsim; print(daopsim.__version__)")
     assert version.stdout.strip() == "0.1.0"
     assert list(empty.iterdir()) == []  # nothing written into the working directory
