@@ -20,6 +20,7 @@ def test_notebooks_exist() -> None:
         "01-quickstart.ipynb",
         "02-parameter-sweep.ipynb",
         "03-capture-and-replay.ipynb",
+        "04-learned-policy.ipynb",
     ):
         assert want in names
 
@@ -35,9 +36,11 @@ def test_notebooks_committed_without_outputs(path: Path) -> None:
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebooks_execute(path: Path, tmp_path: Path) -> None:
+def test_notebooks_execute(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from nbclient import NotebookClient
 
+    # a notebook whose full run takes minutes (04: training) has a quick setting for the tests
+    monkeypatch.setenv("DAOPSIM_NOTEBOOK_QUICK", "1")
     if path.name.startswith("03-"):
         pytest.importorskip("torch")
         pytest.importorskip("transformers")
