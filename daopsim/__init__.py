@@ -15,7 +15,9 @@ Running: :func:`simulate` (one run, a :class:`RunResult`), :func:`sweep` (a grid
 :class:`Policy` (or :class:`CachingPolicy` for fetch-on-miss caches), :func:`register`,
 :class:`Plan`, :class:`Action`, :class:`View`, :class:`SetupContext`, :class:`ResourceSpec`,
 :class:`Param`. Looking up: :func:`policies`, :func:`load_profile`, :func:`get_model`. Nothing
-heavy is imported until a name is first used, so ``import daopsim`` is fast.
+heavy is imported until a name is first used, so ``import daopsim`` is fast. Learning a policy:
+the submodule ``daopsim.gym`` (the ``gym`` extra) is a Gymnasium environment over the simulator
+and trains the ``learned`` policy (docs/learned-policies.md).
 """
 
 from __future__ import annotations

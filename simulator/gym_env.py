@@ -19,7 +19,9 @@ environments one after another.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -159,6 +161,13 @@ class _Episode:
         if self.pending:
             self._switch(stop=True)
 
+    def abandon(self) -> None:
+        """:meth:`stop` for an environment being collected: a suspended greenlet is invisible
+        to the garbage collector (its frames would keep the run alive), so it must be ended;
+        from another thread it cannot be, and is left."""
+        with contextlib.suppress(greenlet.error):
+            self.stop()
+
 
 def _finished() -> tuple[str, Any]:
     raise RuntimeError("the episode is over")
@@ -281,6 +290,7 @@ class ExpertCacheEnv(gym.Env):  # type: ignore[misc]
         self.result: RunResult | None = None
         self.sequences: list[int] = []
         self._episode: _Episode | None = None
+        self._finalizer: weakref.finalize | None = None
         self._policy: AgentCache | None = None
         self._last: dict[str, Any] | None = None
         self._oracles: dict[tuple[int, ...], Oracle] = {}
@@ -319,15 +329,19 @@ class ExpertCacheEnv(gym.Env):  # type: ignore[misc]
         self.sequences = ids
         oracle = self._oracle(ids) if self.use_oracle else None
         kwargs = {**self.run_kwargs, "evaluate": ids}
+        initial = self.initial
         holder: list[AgentCache] = []
 
+        # the run must not reference the environment: its suspended frames would keep it alive
         def run(ask: Callable[[dict[str, Any]], int]) -> RunResult:
-            policy = AgentCache(ask, oracle, initial=self.initial)
+            policy = AgentCache(ask, oracle, initial=initial)
             holder.append(policy)
             return simulate(policy=policy, **kwargs)
 
         episode = _Episode(run)
         self._episode = episode
+        # ends the run if the environment is dropped mid-episode (see _Episode.abandon)
+        self._finalizer = weakref.finalize(self, episode.abandon)
         try:
             kind, payload = episode.start()
         except BaseException:
@@ -400,6 +414,9 @@ class ExpertCacheEnv(gym.Env):  # type: ignore[misc]
 
     def _end_episode(self) -> None:
         episode, self._episode = self._episode, None
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
         if episode is not None:
             episode.stop()
 

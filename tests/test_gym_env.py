@@ -7,8 +7,10 @@ suspended; seeds pick sequences as ``daopsim run --sequences N --seed S`` does.
 
 from __future__ import annotations
 
+import gc
 import math
 import warnings
+import weakref
 from typing import Any
 
 import gymnasium as gym
@@ -156,6 +158,18 @@ def test_close_ends_the_run_and_steps_need_a_reset() -> None:
     assert n > 0
     with pytest.raises(gym.error.ResetNeeded):
         env.step(0)  # the episode is over
+
+
+def test_a_dropped_env_ends_its_suspended_run() -> None:
+    # a suspended greenlet is invisible to the garbage collector: the environment's finaliser
+    # must end the run, or its frames (and the whole simulation) would stay in memory
+    env = _env()
+    env.reset(seed=0)
+    assert env._episode is not None
+    run = weakref.ref(env._episode.glet)
+    del env
+    gc.collect()
+    assert run() is None
 
 
 def test_an_error_in_the_run_surfaces_and_the_env_recovers() -> None:
