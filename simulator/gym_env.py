@@ -342,6 +342,7 @@ class ExpertCacheEnv(gym.Env):  # type: ignore[misc]
         self._episode = episode
         # ends the run if the environment is dropped mid-episode (see _Episode.abandon)
         self._finalizer = weakref.finalize(self, episode.abandon)
+        self._finalizer.atexit = False  # at exit the process ends the run anyway
         try:
             kind, payload = episode.start()
         except BaseException:
