@@ -20,9 +20,11 @@ from simulator.errors import UserError
 from simulator.models import get_model
 from simulator.output import check_output_file, os_errors, write_text
 from simulator.synth import (
+    COLD_FIT_SEQUENCES,
     FIT_PARAMS,
     PRESETS,
     SynthParams,
+    curve_rule,
     default_preset,
     fit_params,
     get_preset,
@@ -211,7 +213,8 @@ def _load_target(path: str) -> dict[str, Any]:
     "--sequences",
     type=int,
     default=None,
-    help="Sequences per fitting trace (default: from the stats, at most 12).",
+    help="Sequences per fitting trace (default: 32 when the fit targets the cold-start "
+    "curves, else from the stats, at most 12).",
 )
 @click.option(
     "--prompt-tokens",
@@ -274,7 +277,9 @@ def fit_cmd(
     shape = get_model(model_name or "mixtral-8x7b")
     start, _ = _resolve_params(shape.name, preset, params)
     recorded = shape_from_stats(data)
-    n_seq = sequences or min(recorded.get("sequences", 12), 12)
+    n_seq = sequences or (
+        COLD_FIT_SEQUENCES if curve_rule(data) == "cold" else min(recorded.get("sequences", 12), 12)
+    )
     p_tok = prompt_tokens or recorded.get("prompt_tokens", 256)
     o_tok = output_tokens or recorded.get("output_tokens", 512)
     if n_seq < 1 or p_tok < 1 or o_tok < 2:
@@ -305,6 +310,7 @@ def fit_cmd(
     doc["fit"].update(
         {
             "sequences": n_seq,
+            "curve_rule": curve_rule(data),
             "prompt_tokens": p_tok,
             "output_tokens": o_tok,
             "seed": seed,
