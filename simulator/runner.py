@@ -356,10 +356,11 @@ def graph_replays(
     """Whether a run's one-token steps are CUDA-graph replays (docs/cost-model.md, "CUDA-graph
     decode"): a runtime that replays graphs, a whole-layer split (llama.cpp ``-ngl``) with every
     layer and expert on one GPU (so the forward pass is one GPU split whose graph does not
-    change between tokens) and one sequence at a time (no serving batch)."""
+    change between tokens) and one sequence at a time (no serving batch). The all-GPU bound
+    (``unlimited_memory``: every expert resident, nothing ever moves) is such a run too."""
     return (
         rt.replays_graphs
-        and spec.gpu_blocks is not None
+        and (spec.gpu_blocks is not None or spec.unlimited_memory)
         and n_cpu_layers == 0
         and budget >= total
         and mg is None

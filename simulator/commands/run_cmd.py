@@ -75,8 +75,9 @@ def compute_bounds(
 ) -> dict[str, dict[str, Any]]:
     """The bounds shown beside a result, on the same trace, machine and sequences.
 
-    all-gpu: every expert resident (throughput no offloading policy can beat on this cost
-    model). belady_per_layer: clairvoyant MIN replacement in per-layer caches sharing the run's
+    all-gpu: every expert resident, at the run's precisions on its machine, under the fastest
+    of the run's runtime and the bundled ones (:mod:`simulator.bounds`; docs/metrics.md,
+    "Bounds"). belady_per_layer: clairvoyant MIN replacement in per-layer caches sharing the run's
     GPU expert budget evenly (the bound of ``lru``, ``lfu``, ``round-robin``). belady_global
     (only beside a caching policy): clairvoyant MIN in one cache over all layers with the same
     budget (the bound of ``global-lru``, ``global-lfu``). ``belady`` repeats belady_per_layer
@@ -84,6 +85,7 @@ def compute_bounds(
     """
     from policies.caching import CachingPolicy, GlobalCachingPolicy
     from policies.registry import get_policy_class
+    from simulator.bounds import bound_for_result
     from simulator.runner import simulate
 
     # the bounds evaluate exactly the run's sequences (they use no calibration data, so
@@ -101,10 +103,7 @@ def compute_bounds(
     }
     out: dict[str, dict[str, Any]] = {}
     own = result.config["policy"]
-    gpu = result if own == "all-gpu" else simulate(policy="all-gpu", **common)
-    out["all-gpu"] = {
-        k: gpu.metrics[k] for k in ("tokens_per_s", "decode_tokens_per_s", "tpot_p50_s", "e2e_s")
-    }
+    out["all-gpu"] = bound_for_result(result, hw, trace).to_dict()
     budget = result.config["gpu_experts"]
 
     def belady(name: str, scope: str) -> dict[str, Any]:
@@ -171,13 +170,22 @@ def render_table(doc: dict[str, Any]) -> str:
         lines += ["", f"  serving: {render_serving(sv)}"]
     b = doc.get("bounds")
     if b:
-        gpu_tps = b["all-gpu"]["tokens_per_s"]
+        ag = b["all-gpu"]
+        gpu_tps = ag["tokens_per_s"]
         share = m["tokens_per_s"] / gpu_tps if gpu_tps else float("nan")
         lines += [
             "",
-            "  bounds (same trace and machine)",
+            "  bounds (same trace, machine and precisions)",
             f"  {'all-GPU tokens/s':<28} {_fmt(gpu_tps)}  (this run: {share:.1%} of it)",
         ]
+        if "runtime" in ag:  # which runtime the bound ran on (docs/metrics.md, "Bounds")
+            how = f"every expert resident, runtime {ag['runtime']}"
+            if ag.get("own_runtime") not in (None, ag["runtime"]):
+                how += (
+                    f" (the fastest; on this run's runtime {ag['own_runtime']}: "
+                    f"{_fmt(ag['own_tokens_per_s'])})"
+                )
+            lines.append(f"  {'':<28} {how}")
         per_layer = b.get("belady_per_layer") or b["belady"]
         lines.append(
             f"  {'belady (per layer) hit rate':<28} {_fmt(per_layer['hit_rate'])}"
