@@ -141,6 +141,11 @@ def load_experiment(name_or_path: str | os.PathLike[str]) -> Experiment:
     )
 
 
+def _ratio_text(ratio: Any) -> str:
+    """A cache ratio for a note (a fixed point has none)."""
+    return "its fixed point" if ratio is None or ratio != ratio else f"{float(ratio):.4g}"
+
+
 @dataclass
 class ExperimentResult:
     """Rows of one experiment: one per (model, cache ratio, policy), skipped ones included."""
@@ -236,17 +241,21 @@ class ExperimentResult:
 
     def plot(self, path: str | os.PathLike[str]) -> Path:
         """Tokens/s against expert cache ratio, one panel per model, one line per policy (each
-        policy in its fixed colour, ``plots.policy_color``); PNG, PDF or SVG by the suffix."""
+        policy in its fixed colour, ``plots.policy_color``), on a log axis with plain-number
+        ticks; the skipped points are named under their panel. PNG, PDF or SVG by the suffix."""
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-        from simulator.plots import fidelity_note, policy_color
+        from simulator.plots import _finish, _legend, _note_under, fidelity_note, policy_color
 
         ok = self.ok
-        models = list(dict.fromkeys(ok["model"])) or ["(none)"]
-        fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 3.8), squeeze=False)
+        models = list(dict.fromkeys([*ok["model"], *self.skipped["model"]])) or ["(none)"]
+        fig, axes = plt.subplots(
+            1, len(models), figsize=(5.5 * len(models), 3.8), squeeze=False, layout="constrained"
+        )
         for ax, model in zip(axes[0], models, strict=True):
             sub = ok[ok["model"] == model]
             for pol, grp in sub.groupby("policy", sort=False):
@@ -259,12 +268,27 @@ class ExperimentResult:
                     color=policy_color(str(pol)),
                     label=str(pol) + fidelity_note(grp),
                 )
-            ax.set_yscale("log")
-            ax.set_xlabel("expert cache ratio (%)")
-            ax.set_ylabel("tokens/s (prefill included)")
+            if len(sub):
+                ax.set_yscale("log")
+                # 1-2-5 ticks as plain numbers ("0.5", "2"), not powers of ten
+                ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+                ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+                ax.yaxis.set_minor_formatter(NullFormatter())
+            else:
+                ax.text(0.5, 0.5, "no point ran", ha="center", va="center", transform=ax.transAxes)
+            ax.set_xlabel("expert cache ratio (% of all experts)")
+            ax.set_ylabel("tokens/s, prefill included (simulated)")
             ax.set_title(f"{model} on {self.experiment.hw}")
-            ax.legend(fontsize=7)
-        fig.tight_layout()
+            skipped = self.skipped[self.skipped["model"] == model]
+            _note_under(
+                ax,
+                [
+                    f"skipped: {r['policy']} @ {_ratio_text(r['cache_ratio'])}: {r['reason']}"
+                    for _, r in skipped.iterrows()
+                ],
+            )
+        _legend(fig, list(axes[0]))
+        _finish(fig, 3.8)
         return write_figure(fig, path, dpi=110)
 
     def write(

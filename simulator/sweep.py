@@ -956,20 +956,33 @@ def watch_parent(pid: int, interval: float = WATCHDOG_INTERVAL_S) -> None:
 _WATCHED: int | None = None
 
 
+def pool_context() -> Any:
+    """The multiprocessing context of the local executor.
+
+    On Linux, ``fork``: a worker starts as a copy of the sweep process, so it never re-runs the
+    calling script (``spawn`` and ``forkserver`` import ``__main__`` again in every worker, and a
+    script that calls ``sweep()`` at top level, without an ``if __name__ == "__main__":`` guard,
+    would then start a sweep inside each worker and fail). The copy also keeps policies
+    registered by the script or notebook. The pool starts all its workers before its manager
+    thread (``ProcessPoolExecutor`` does so for ``fork``), and a run is deterministic
+    (``simulate(record=False)``), so the table is the same as with one worker. Elsewhere (macOS,
+    Windows: ``fork`` is unsafe or missing) ``spawn``, which needs the guard in scripts.
+    """
+    import multiprocessing as mp
+
+    if sys.platform.startswith("linux") and "fork" in mp.get_all_start_methods():
+        return mp.get_context("fork")
+    return mp.get_context("spawn")
+
+
 def _run_local(todo: list[Config], workers: int, on_row: Callable[[dict[str, Any]], None]) -> None:
     if workers <= 1 or len(todo) <= 1:
         for cfg in todo:
             on_row(run_config(cfg))
         return
     import concurrent.futures as cf
-    import multiprocessing as mp
 
-    if "forkserver" in mp.get_all_start_methods():
-        ctx = mp.get_context("forkserver")
-        # workers fork from a server that has already imported the simulator
-        ctx.set_forkserver_preload(["simulator.sweep", "simulator.runner", "policies.registry"])
-    else:
-        ctx = mp.get_context("spawn")
+    ctx = pool_context()
     with cf.ProcessPoolExecutor(
         max_workers=min(workers, len(todo)),
         mp_context=ctx,

@@ -180,6 +180,8 @@ def render_table(doc: dict[str, Any]) -> str:
         ]
         if "runtime" in ag:  # which runtime the bound ran on (docs/metrics.md, "Bounds")
             how = f"every expert resident, runtime {ag['runtime']}"
+            if ag.get("dtype") not in (None, doc["dtype"]):
+                how += f", experts at {ag['dtype']} (the host copies' precision)"
             if ag.get("own_runtime") not in (None, ag["runtime"]):
                 how += (
                     f" (the fastest; on this run's runtime {ag['own_runtime']}: "
