@@ -257,16 +257,33 @@ def _relative_to(base: Path, value: str) -> str:
     return value
 
 
+def bundled_grids() -> dict[str, Path]:
+    """Grid files bundled with daopsim, by name (``example-grid``): ``sweep NAME`` runs one."""
+    from simulator.data import bundled_dir
+
+    return {p.stem: p for p in sorted(bundled_dir("experiments").glob("*grid*.toml"))}
+
+
 def load_grid_file(path: str | os.PathLike[str]) -> tuple[Grid, str | None]:
-    """A grid TOML file and its optional ``out`` (both relative to the file's folder)."""
+    """A grid TOML file and its optional ``out`` (both relative to the file's folder), or a
+    bundled grid by name (``example-grid``), whose relative paths are relative to the current
+    folder (the bundled copy's folder is inside the installed package)."""
+    text = str(path)
+    bundled = bundled_grids()
+    if not Path(text).exists() and text.removesuffix(".toml") in bundled:
+        grid, out = _read_grid(bundled[text.removesuffix(".toml")], Path.cwd())
+        return grid, out
     p = check_input_file(path, "grid")
+    return _read_grid(p, p.parent)
+
+
+def _read_grid(p: Path, base: Path) -> tuple[Grid, str | None]:
     try:
         with p.open("rb") as fh:
             data = tomllib.load(fh)
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"{p}: not valid TOML: {exc}") from None
     grid = Grid.from_dict(data, source=str(p))
-    base = p.parent
     grid.traces = [_relative_to(base, t) for t in grid.traces]
     if grid.calibration is not None and grid.calibration not in ("none", "self"):
         grid.calibration = _relative_to(base, grid.calibration)
