@@ -19,10 +19,11 @@ from typing import Any
 import pandas as pd
 
 from policies.registry import get_policy_class
-from simulator.data import bundled_dir, check_input_file
+from simulator.data import bundled_dir, check_input_file, resolve_trace
 from simulator.errors import DoesNotFit, UserError
 from simulator.output import output_dir, safe_name, write_figure, write_file, write_text
 from simulator.runner import keeps_nothing_resident, simulate
+from simulator.trace import read_meta
 
 #: metrics kept per run in the results table
 METRICS = (
@@ -240,19 +241,24 @@ class ExperimentResult:
         return "\n".join(lines)
 
     def plot(self, path: str | os.PathLike[str]) -> Path:
-        """Tokens/s against expert cache ratio, one panel per model, one line per policy (each
-        policy in its fixed colour, ``plots.policy_color``), on a log axis with plain-number
-        ticks; the skipped points are named under their panel. PNG, PDF or SVG by the suffix."""
+        """Write :meth:`figure` (PNG, PDF or SVG by the suffix)."""
         import matplotlib
 
         matplotlib.use("Agg")
+        return write_figure(self.figure(), path, dpi=110)
+
+    def figure(self) -> Any:
+        """Tokens/s against expert cache ratio, one panel per model, one line per policy (each
+        policy in its fixed colour, ``plots.policy_color``), on a log axis with plain-number
+        ticks; the skipped points are named under their panel."""
         import matplotlib.pyplot as plt
         from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
         from simulator.plots import _finish, _legend, _note_under, fidelity_note, policy_color
 
         ok = self.ok
-        models = list(dict.fromkeys([*ok["model"], *self.skipped["model"]])) or ["(none)"]
+        named = [m for m in [*ok["model"], *self.skipped["model"]] if isinstance(m, str)]
+        models = list(dict.fromkeys(named)) or ["(none)"]
         fig, axes = plt.subplots(
             1, len(models), figsize=(5.5 * len(models), 3.8), squeeze=False, layout="constrained"
         )
@@ -288,8 +294,7 @@ class ExperimentResult:
                 ],
             )
         _legend(fig, list(axes[0]))
-        _finish(fig, 3.8)
-        return write_figure(fig, path, dpi=110)
+        return _finish(fig, 3.8)
 
     def write(
         self,
@@ -361,9 +366,6 @@ def run_experiment(
                 if fixed:
                     per = int(opts.get("experts_per_layer", 0))
                     if per:
-                        from simulator.data import resolve_trace
-                        from simulator.trace import read_meta
-
                         layers = read_meta(resolve_trace(spec.trace)).model.moe_layers
                         kwargs["gpu_experts"] = per * layers
                 else:
@@ -389,7 +391,9 @@ def run_experiment(
                         **kwargs,
                     )
                 except DoesNotFit as exc:
-                    row.update(model=spec.trace, cache_ratio=ratio, status="skipped")
+                    # the model's name, as the rows that ran have it (the trace records it)
+                    model = read_meta(resolve_trace(spec.trace)).model.name
+                    row.update(model=model, cache_ratio=ratio, status="skipped")
                     row["reason"] = str(exc)
                     rows.append(row)
                     continue

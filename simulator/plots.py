@@ -216,7 +216,10 @@ def _note_under(ax: Any, lines: list[str]) -> None:
     """Notes under a panel (below its x label), wrapped to the panel; in the layout."""
     if not lines:
         return
-    text = "\n".join(textwrap.fill(ln, _NOTE_CHARS, subsequent_indent="  ") for ln in lines)
+    text = "\n".join(
+        textwrap.fill(ln, _NOTE_CHARS, subsequent_indent="  ", break_on_hyphens=False)
+        for ln in lines
+    )
     fig = ax.figure
     fig._daopsim_note_lines = max(getattr(fig, "_daopsim_note_lines", 0), text.count("\n") + 1)
     ax.annotate(
@@ -237,7 +240,7 @@ def _empty(ax: Any, what: str, rows: pd.DataFrame) -> None:
     """A panel with nothing to draw: why, in its middle, and no meaningless axes."""
     lines = missing_points(rows) or ["no rows"]
     text = f"nothing to draw ({what}):\n" + "\n".join(
-        textwrap.fill(ln, 48, subsequent_indent="  ") for ln in lines
+        textwrap.fill(ln, 48, subsequent_indent="  ", break_on_hyphens=False) for ln in lines
     )
     ax.text(0.5, 0.5, text, ha="center", va="center", fontsize=8, transform=ax.transAxes, wrap=True)
     ax.set_xticks([])
@@ -580,7 +583,7 @@ def plot_breakdown(
         mine = rows[rows["hw"] == hw]
         ok = mine[mine["status"] == "ok"]
         ax.set_title(hw)
-        ax.set_xlabel("policy @ cache ratio")
+        ax.set_xlabel("policy @ cache ratio (resident experts / all experts)")
         ax.set_ylabel("latency (ms per generated token)")
         if ok.empty:
             _empty(ax, "no finished run", mine)
