@@ -396,25 +396,40 @@ def render(advice: Advice, top: int | None = DEFAULT_TOP, width: int | None = No
 
     width = max(80, width or shutil.get_terminal_size((DEFAULT_WIDTH, 24)).columns)
     shown = advice.rows[:top] if top else list(advice.rows)
-    fixed = "{:>3}  {:>9}  {:>6}  {:>7}  {:>8}  {:<10}  {:<18}  {:<9}  {:>7}  "
-    opt_width = max(8, width - len(fixed.format(*[""] * 9)))
+    listed = [*shown, *advice.references]
+
+    def share(r: AdviceRow) -> str:
+        return f"{r.of_bound:.0%}" if r.of_bound is not None else "n/a"
+
+    # (header, width, alignment, cell): the policy and dtype columns as wide as their values
+    cols: list[tuple[str, int, str, Callable[[AdviceRow], str]]] = [
+        ("tokens/s", 9, ">", lambda r: f"{r.tokens_per_s:.2f}"),
+        ("%bound", 6, ">", share),
+        ("TTFT s", 7, ">", lambda r: f"{r.ttft_s:.3f}"),
+        ("fidelity", 8, ">", lambda r: f"{r.gate_mass_preserved:.3f}"),
+        ("bottleneck", 10, "<", lambda r: r.bottleneck),
+        ("policy", max([6, *(len(r.policy) for r in listed)]), "<", lambda r: r.policy),
+        ("dtype", max([5, *(len(r.dtype) for r in listed)]), "<", lambda r: r.dtype),
+        ("experts", 7, ">", lambda r: str(r.gpu_experts)),
+    ]
+    min_options = 12
+    for drop in ("TTFT s", "bottleneck"):  # narrow terminals: --json/--csv keep them
+        if 5 + sum(w + 2 for _, w, _, _ in cols) + min_options <= width:
+            break
+        cols = [c for c in cols if c[0] != drop]
+    opt_width = max(min_options, width - 5 - sum(w + 2 for _, w, _, _ in cols))
 
     def cut(text: str, n: int) -> str:
         return text if len(text) <= n else text[: n - 1] + "~"
 
+    def row_text(tag: str, cells: list[str], options: str) -> str:
+        parts = [f"{tag:>3}"] + [
+            f"{cut(c, w):{a}{w}}" for c, (_, w, a, _) in zip(cells, cols, strict=True)
+        ]
+        return ("  ".join(parts) + "  " + cut(options, opt_width)).rstrip()
+
     def line(tag: str, r: AdviceRow) -> str:
-        share = f"{r.of_bound:.0%}" if r.of_bound is not None else "n/a"
-        return fixed.format(
-            tag,
-            f"{r.tokens_per_s:.2f}",
-            share,
-            f"{r.ttft_s:.3f}",
-            f"{r.gate_mass_preserved:.3f}",
-            r.bottleneck,
-            cut(r.policy, 18),
-            cut(r.dtype, 9),
-            r.gpu_experts,
-        ) + cut(r.options_text, opt_width)
+        return row_text(tag, [f(r) for _, _, _, f in cols], r.options_text)
 
     trace = advice.trace if advice.trace_synth else Path(advice.trace).name
     lines = textwrap.wrap(
@@ -423,28 +438,16 @@ def render(advice: Advice, top: int | None = DEFAULT_TOP, width: int | None = No
         "precision (docs/metrics.md)",
         width,
     )
-    lines.append(
-        fixed.format(
-            "#",
-            "tokens/s",
-            "%bound",
-            "TTFT s",
-            "fidelity",
-            "bottleneck",
-            "policy",
-            "dtype",
-            "experts",
-        )
-        + "options"
-    )
+    lines.append(row_text("#", [h for h, _, _, _ in cols], "options"))
     lines += [line(str(r.rank), r) for r in shown]
     if not advice.rows:
         lines.append("  (no configuration fits this machine or passes the fidelity floor)")
     hidden = len(advice.rows) - len(shown)
     if hidden:
-        lines.append(
+        lines += textwrap.wrap(
             f"  ... {_count(hidden, 'more ranked row')} (--top 0 shows all; --json or --csv "
-            "has every row)"
+            "has every row)",
+            width,
         )
     if advice.references:
         lines.append("reference lines (bounds, not realisable):")
@@ -454,20 +457,23 @@ def render(advice: Advice, top: int | None = DEFAULT_TOP, width: int | None = No
         if r.bound_tokens_per_s is not None:
             bounds.setdefault(r.dtype, (r.bound_tokens_per_s, r.bound_runtime))
     for dtype, (tps, rt) in bounds.items():
-        lines.append(
-            f"all-GPU bound at {dtype}: {tps:.2f} tokens/s (every expert resident, runtime {rt})"
+        lines += textwrap.wrap(
+            f"all-GPU bound at {dtype}: {tps:.2f} tokens/s (every expert resident, runtime {rt})",
+            width,
         )
     notes = [f"{_count(advice.skipped, 'budget')} skipped (do not fit)"]
     if advice.below_floor:
         notes.append(f"{advice.below_floor} below --min-gate-mass {advice.min_gate_mass}")
     if advice.failed:
         notes.append(f"{advice.failed} failed")
-    lines.append("; ".join(notes))
+    lines += textwrap.wrap("; ".join(notes), width)
     if advice.trace_synth:
-        lines.append(
-            f"the trace is synthetic: `--model {advice.model}` makes it again on any machine, "
-            f"or write it to a file with: {advice.trace_synth}"
+        lines += textwrap.wrap(
+            f"the trace is synthetic: `--model {advice.model}` (in the commands below) makes "
+            "the same one on any machine; to write it to a file:",
+            width,
         )
+        lines += _wrap_command("    ", advice.trace_synth, width)
     lines.append("commands:")
     for tag, r in [*((str(r.rank), r) for r in shown), *(("-", r) for r in advice.references)]:
         lines += _wrap_command(f"{tag:>3}  ", r.command, width)
