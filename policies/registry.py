@@ -207,8 +207,8 @@ def get_policy_class(name: str) -> type[Policy]:
     failure = _FAILED.get(name)
     if failure is not None:
         raise UserError(failure.message())
-    hint = did_you_mean(name, _REGISTRY) or " (see `daopsim policies list`)"
-    raise UserError(f"unknown policy {name!r}{hint}")
+    hint = did_you_mean(name, _REGISTRY)
+    raise UserError(f"unknown policy {name!r}{hint}; available: {', '.join(sorted(_REGISTRY))}")
 
 
 def make_policy(name: str, options: dict[str, object] | None = None) -> Policy:

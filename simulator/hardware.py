@@ -671,9 +671,9 @@ def load_profile(name_or_path: str | os.PathLike[str]) -> HardwareProfile:
         return read_profile(bundled[text.lower()])
     if text.endswith(".toml") or os.sep in text or Path(text).expanduser().exists():
         return read_profile(Path(text).expanduser())
-    hint = did_you_mean(text, bundled) or " (see `daopsim profiles list`)"
     raise UserError(
-        f"unknown hardware profile {text!r}: not a file and not a bundled profile{hint}"
+        f"unknown hardware profile {text!r}: not a file and not a bundled profile"
+        f"{did_you_mean(text, bundled)} (valid: {', '.join(bundled) or '(none)'})"
     )
 
 

@@ -750,5 +750,5 @@ def get_model(name: str) -> ModelShape:
     key = name.strip().lower()
     if key in PRESETS:
         return PRESETS[key]
-    hint = did_you_mean(key, PRESETS) or " (see `daopsim models list`)"
-    raise UserError(f"unknown model {name!r}{hint}")
+    hint = did_you_mean(key, PRESETS)
+    raise UserError(f"unknown model {name!r}{hint} (known: {', '.join(sorted(PRESETS))})")
