@@ -403,10 +403,7 @@ AWKWARD = {
             "daop",
             "belady",
             "round-robin",
-            "global-lru",
-            "hobbit",
             "stream-all",
-            "mixtral-offloading",
             "all-gpu",
         ],
         "hw": ["a6000-pcie4"],
@@ -425,7 +422,7 @@ def awkward(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pd.DataFrame]
     out = {}
     for name, grid in AWKWARD.items():
         out[name] = sweep(
-            {**grid, "traces": [str(trace)], "sequences": 1}, workers=2, progress=False
+            {**grid, "traces": [str(trace)], "sequences": 1}, workers=1, progress=False
         )
     many = out["many policies"]
     failed = many.iloc[[0]].copy()
