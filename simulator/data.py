@@ -16,7 +16,7 @@ import stat
 from importlib import resources
 from pathlib import Path
 
-from simulator.errors import UserError
+from simulator.errors import UserError, did_you_mean
 
 #: The bundled trace ``daopsim run`` uses when ``--trace`` is not given.
 DEFAULT_TRACE = "mixtral-8x7b"
@@ -113,4 +113,5 @@ def resolve_trace(name_or_path: str | os.PathLike[str] | None) -> Path:
     if path.exists() or text.endswith(".parquet") or os.sep in text:
         return check_input_file(path, "trace")
     names = ", ".join(bundled) or "(none)"
-    raise UserError(f"unknown trace {text!r}: not a file and not a bundled trace ({names})")
+    hint = did_you_mean(text, bundled)
+    raise UserError(f"unknown trace {text!r}: not a file and not a bundled trace{hint} ({names})")

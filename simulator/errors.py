@@ -9,6 +9,7 @@ exit codes.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from enum import IntEnum
 
 
@@ -125,3 +126,18 @@ class PolicyError(Exception):
         self.seq = seq
         self.token = token
         self.layer = layer
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """``"; did you mean 'x'?"`` naming the known names closest to ``name`` (at most three),
+    or ``""`` when none is close: the tail of an "unknown name" error."""
+    import difflib
+
+    pool = list(known)
+    close = difflib.get_close_matches(name, pool, n=3, cutoff=0.6)
+    if not close:  # a prefix or a part of the name: "4090" for "rtx4090-pcie4"
+        low = name.lower()
+        close = [k for k in pool if low and (k.lower().startswith(low) or low in k.lower())][:3]
+    if not close:
+        return ""
+    return "; did you mean " + " or ".join(repr(c) for c in close) + "?"

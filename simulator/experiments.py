@@ -19,10 +19,11 @@ from typing import Any
 import pandas as pd
 
 from policies.registry import get_policy_class
-from simulator.data import bundled_dir, check_input_file
+from simulator.data import bundled_dir, check_input_file, resolve_trace
 from simulator.errors import DoesNotFit, UserError
 from simulator.output import output_dir, safe_name, write_figure, write_file, write_text
 from simulator.runner import keeps_nothing_resident, simulate
+from simulator.trace import read_meta
 
 #: metrics kept per run in the results table
 METRICS = (
@@ -141,6 +142,11 @@ def load_experiment(name_or_path: str | os.PathLike[str]) -> Experiment:
     )
 
 
+def _ratio_text(ratio: Any) -> str:
+    """A cache ratio for a note (a fixed point has none)."""
+    return "its fixed point" if ratio is None or ratio != ratio else f"{float(ratio):.4g}"
+
+
 @dataclass
 class ExperimentResult:
     """Rows of one experiment: one per (model, cache ratio, policy), skipped ones included."""
@@ -235,18 +241,27 @@ class ExperimentResult:
         return "\n".join(lines)
 
     def plot(self, path: str | os.PathLike[str]) -> Path:
-        """Tokens/s against expert cache ratio, one panel per model, one line per policy (each
-        policy in its fixed colour, ``plots.policy_color``); PNG, PDF or SVG by the suffix."""
+        """Write :meth:`figure` (PNG, PDF or SVG by the suffix)."""
         import matplotlib
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        return write_figure(self.figure(), path, dpi=110)
 
-        from simulator.plots import fidelity_note, policy_color
+    def figure(self) -> Any:
+        """Tokens/s against expert cache ratio, one panel per model, one line per policy (each
+        policy in its fixed colour, ``plots.policy_color``), on a log axis with plain-number
+        ticks; the skipped points are named under their panel."""
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+        from simulator.plots import _finish, _legend, _note_under, fidelity_note, policy_color
 
         ok = self.ok
-        models = list(dict.fromkeys(ok["model"])) or ["(none)"]
-        fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 3.8), squeeze=False)
+        named = [m for m in [*ok["model"], *self.skipped["model"]] if isinstance(m, str)]
+        models = list(dict.fromkeys(named)) or ["(none)"]
+        fig, axes = plt.subplots(
+            1, len(models), figsize=(5.5 * len(models), 3.8), squeeze=False, layout="constrained"
+        )
         for ax, model in zip(axes[0], models, strict=True):
             sub = ok[ok["model"] == model]
             for pol, grp in sub.groupby("policy", sort=False):
@@ -259,13 +274,27 @@ class ExperimentResult:
                     color=policy_color(str(pol)),
                     label=str(pol) + fidelity_note(grp),
                 )
-            ax.set_yscale("log")
-            ax.set_xlabel("expert cache ratio (%)")
-            ax.set_ylabel("tokens/s (prefill included)")
+            if len(sub):
+                ax.set_yscale("log")
+                # 1-2-5 ticks as plain numbers ("0.5", "2"), not powers of ten
+                ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+                ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+                ax.yaxis.set_minor_formatter(NullFormatter())
+            else:
+                ax.text(0.5, 0.5, "no point ran", ha="center", va="center", transform=ax.transAxes)
+            ax.set_xlabel("expert cache ratio (% of all experts)")
+            ax.set_ylabel("tokens/s, prefill included (simulated)")
             ax.set_title(f"{model} on {self.experiment.hw}")
-            ax.legend(fontsize=7)
-        fig.tight_layout()
-        return write_figure(fig, path, dpi=110)
+            skipped = self.skipped[self.skipped["model"] == model]
+            _note_under(
+                ax,
+                [
+                    f"skipped: {r['policy']} @ {_ratio_text(r['cache_ratio'])}: {r['reason']}"
+                    for _, r in skipped.iterrows()
+                ],
+            )
+        _legend(fig, list(axes[0]))
+        return _finish(fig, 3.8)
 
     def write(
         self,
@@ -337,9 +366,6 @@ def run_experiment(
                 if fixed:
                     per = int(opts.get("experts_per_layer", 0))
                     if per:
-                        from simulator.data import resolve_trace
-                        from simulator.trace import read_meta
-
                         layers = read_meta(resolve_trace(spec.trace)).model.moe_layers
                         kwargs["gpu_experts"] = per * layers
                 else:
@@ -365,7 +391,9 @@ def run_experiment(
                         **kwargs,
                     )
                 except DoesNotFit as exc:
-                    row.update(model=spec.trace, cache_ratio=ratio, status="skipped")
+                    # the model's name, as the rows that ran have it (the trace records it)
+                    model = read_meta(resolve_trace(spec.trace)).model.name
+                    row.update(model=model, cache_ratio=ratio, status="skipped")
                     row["reason"] = str(exc)
                     rows.append(row)
                     continue

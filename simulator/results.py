@@ -403,7 +403,7 @@ class RunResult:
             tokens = (first, first + 3)
         win = sub[(sub["token"] >= tokens[0]) & (sub["token"] < tokens[1])]
         if ax is None:
-            _, ax = plt.subplots(figsize=(11, 3.6))
+            _, ax = plt.subplots(figsize=(11, 4.0), layout="constrained")
         resources = sorted(win["resource"].astype(str).unique(), key=_resource_order)
         colors = {
             "nonexpert": "#9aa5b1",
@@ -428,10 +428,18 @@ class RunResult:
                 ax.broken_barh(spans, (y - 0.4, 0.8), color=colors.get(kind, "#555"), label=kind)
         handles, labels = ax.get_legend_handles_labels()
         uniq = dict(zip(labels, handles, strict=True))
-        if uniq:
-            ax.legend(uniq.values(), uniq.keys(), loc="upper right", fontsize=7, ncol=3)
+        if uniq:  # under the axes: over the bars it would hide operations
+            ax.legend(
+                uniq.values(),
+                uniq.keys(),
+                loc="upper center",
+                bbox_to_anchor=(0.5, -0.22),
+                fontsize=7,
+                ncol=min(len(uniq), 8),
+                frameon=False,
+            )
         ax.set_yticks(range(len(resources)), resources)
-        ax.set_xlabel("time since window start (ms)")
+        ax.set_xlabel("simulated time since window start (ms)")
         title = (
             f"{self.config.get('policy')} on {self.config.get('hw')}: sequence {seq},"
             f" tokens {tokens[0]}-{tokens[1] - 1}"
@@ -445,15 +453,15 @@ class RunResult:
         import matplotlib.pyplot as plt
 
         if ax is None:
-            _, ax = plt.subplots(figsize=(8, 3.2))
+            _, ax = plt.subplots(figsize=(8, 3.2), layout="constrained")
         from simulator.plots import policy_color
 
         rates = self.per_layer_hit_rate
         policy = str(self.config.get("policy"))
         ax.bar(range(len(rates)), rates, color=policy_color(policy))
-        ax.set_xlabel("MoE layer")
-        ax.set_ylabel("hit rate (decode)")
-        ax.set_ylim(0, 1)
+        ax.set_xlabel("MoE layer (index)")
+        ax.set_ylabel("hit rate, decode (share of accesses)")
+        ax.set_ylim(0, 1.04)
         title = (
             f"{policy} on {self.config.get('hw')}, {self.config.get('gpu_experts')} GPU experts "
             f"(trace {Path(str(self.config.get('trace'))).name})"
@@ -491,17 +499,12 @@ class RunResult:
                 import matplotlib
 
                 matplotlib.use("Agg")
-                import matplotlib.pyplot as plt
 
                 if self.timeline is not None:
-                    fig, ax = plt.subplots(figsize=(11, 3.6))
-                    self.plot_timeline(ax=ax)
-                    fig.tight_layout()
-                    write_figure(fig, stage / "gantt.png", dpi=110)
+                    ax = self.plot_timeline()
+                    write_figure(ax.figure, stage / "gantt.png", dpi=110)
                     names["gantt"] = "gantt.png"
-                fig, ax = plt.subplots(figsize=(8, 3.2))
-                self.plot_hit_rate(ax=ax)
-                fig.tight_layout()
+                fig = self.plot_hit_rate().figure
                 write_figure(fig, stage / "hit_rate.png", dpi=110)
                 names["hit_rate"] = "hit_rate.png"
         return {k: target / v for k, v in names.items()}

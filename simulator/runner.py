@@ -372,11 +372,12 @@ def graph_replays(
     """Whether a run's one-token steps are CUDA-graph replays (docs/cost-model.md, "CUDA-graph
     decode"): a runtime that replays graphs, every layer and expert on one GPU (so the forward
     pass is one GPU split whose graph does not change between tokens), one sequence at a time
-    (no serving batch), and either a whole-layer split (llama.cpp ``-ngl``) or a runtime that
-    graphs every policy's decode (``graph_all_policies``: vLLM, SGLang)."""
+    (no serving batch), and either a whole-layer split (llama.cpp ``-ngl``), a runtime that
+    graphs every policy's decode (``graph_all_policies``: vLLM, SGLang), or the all-GPU bound
+    (``unlimited_memory``: every expert resident, nothing ever moves)."""
     return (
         rt.replays_graphs
-        and (spec.gpu_blocks is not None or rt.graph_all_policies)
+        and (spec.gpu_blocks is not None or rt.graph_all_policies or spec.unlimited_memory)
         and n_cpu_layers == 0
         and budget >= total
         and mg is None

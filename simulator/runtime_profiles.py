@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from simulator.data import profiles_dir
-from simulator.errors import UserError
+from simulator.errors import UserError, did_you_mean
 
 
 def runtimes_dir() -> Path:
@@ -262,7 +262,8 @@ def get_runtime(name: str | RuntimeProfile) -> RuntimeProfile:
         return name
     prof = _bundled().get(name)
     if prof is None:
-        raise UserError(f"unknown runtime {name!r} (known: {', '.join(runtime_names())})")
+        hint = did_you_mean(name, runtime_names())
+        raise UserError(f"unknown runtime {name!r}{hint} (known: {', '.join(runtime_names())})")
     return prof
 
 

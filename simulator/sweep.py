@@ -72,6 +72,10 @@ EXTRA_COLUMNS = (
     "sequence_ids",
     "calibration",
 )
+#: The all-GPU bound of each row (docs/metrics.md, "Bounds"): its tokens/s and the runtime it
+#: ran on; empty for rows that did not finish, serving rows and multi-GPU rows (whose
+#: throughput a one-sequence, one-GPU bound does not cap).
+BOUND_COLUMNS = ("bound_tokens_per_s", "bound_runtime")
 #: Columns of serving sweeps (an ``arrival_rate`` axis; docs/serving.md), after the metrics.
 SERVING_COLUMNS = (
     "arrival_rate",
@@ -253,16 +257,33 @@ def _relative_to(base: Path, value: str) -> str:
     return value
 
 
+def bundled_grids() -> dict[str, Path]:
+    """Grid files bundled with daopsim, by name (``example-grid``): ``sweep NAME`` runs one."""
+    from simulator.data import bundled_dir
+
+    return {p.stem: p for p in sorted(bundled_dir("experiments").glob("*grid*.toml"))}
+
+
 def load_grid_file(path: str | os.PathLike[str]) -> tuple[Grid, str | None]:
-    """A grid TOML file and its optional ``out`` (both relative to the file's folder)."""
+    """A grid TOML file and its optional ``out`` (both relative to the file's folder), or a
+    bundled grid by name (``example-grid``), whose relative paths are relative to the current
+    folder (the bundled copy's folder is inside the installed package)."""
+    text = str(path)
+    bundled = bundled_grids()
+    if not Path(text).exists() and text.removesuffix(".toml") in bundled:
+        grid, out = _read_grid(bundled[text.removesuffix(".toml")], Path.cwd())
+        return grid, out
     p = check_input_file(path, "grid")
+    return _read_grid(p, p.parent)
+
+
+def _read_grid(p: Path, base: Path) -> tuple[Grid, str | None]:
     try:
         with p.open("rb") as fh:
             data = tomllib.load(fh)
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"{p}: not valid TOML: {exc}") from None
     grid = Grid.from_dict(data, source=str(p))
-    base = p.parent
     grid.traces = [_relative_to(base, t) for t in grid.traces]
     if grid.calibration is not None and grid.calibration not in ("none", "self"):
         grid.calibration = _relative_to(base, grid.calibration)
@@ -688,6 +709,33 @@ def run_config(cfg: Config) -> dict[str, Any]:
     return row
 
 
+def add_bounds(rows: list[dict[str, Any]], configs: list[Config]) -> None:
+    """Fill each finished one-sequence-at-a-time, one-GPU row's all-GPU bound (in place).
+
+    The bound runs on the row's machine, trace, evaluated sequences and precisions, under the
+    fastest of its runtime and the bundled ones (:func:`simulator.bounds.all_gpu_bound`, which
+    caches: rows sharing all of these cost one set of runs)."""
+    from simulator.bounds import all_gpu_bound
+
+    for row, cfg in zip(rows, configs, strict=True):
+        row["bound_tokens_per_s"], row["bound_runtime"] = None, None
+        if row.get("status") != "ok" or cfg.arrival_rate is not None or cfg.gpus > 1:
+            continue
+        ids = [int(x) for x in str(row["sequence_ids"]).split(",") if x]
+        path = resolve_trace(cfg.trace) if cfg.trace_bundled else Path(cfg.trace_path)
+        b = all_gpu_bound(
+            cfg.hw,
+            path,
+            ids,
+            cfg.dtype,
+            cfg.host_dtype,
+            cfg.nonexpert_dtype,
+            str(row["runtime"]),
+            seed=cfg.seed,
+        )
+        row["bound_tokens_per_s"], row["bound_runtime"] = b.tokens_per_s, b.runtime
+
+
 def serving_row(sv: dict[str, Any]) -> dict[str, Any]:
     """A serving run's summary as flat sweep columns (``SERVING_COLUMNS``)."""
     out = {
@@ -761,7 +809,9 @@ def to_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     multi = ["gpus", "multi_gpu"] if any("gpus" in r for r in rows) else []
     metrics = [k for k in METRIC_KEYS if k not in OPTIONAL_METRIC_KEYS or any(k in r for r in rows)]
     cols = list(
-        dict.fromkeys([*BASE_COLUMNS, *opt_cols, *multi, *metrics, *serving, *EXTRA_COLUMNS])
+        dict.fromkeys(
+            [*BASE_COLUMNS, *opt_cols, *multi, *metrics, *BOUND_COLUMNS, *serving, *EXTRA_COLUMNS]
+        )
     )
     df = pd.DataFrame([{c: r.get(c) for c in cols} for r in rows], columns=cols)
     if multi:
@@ -773,7 +823,7 @@ def to_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
         if c in ints:
             continue
         df[c] = pd.to_numeric(df[c], errors="coerce").astype("float64")
-    for c in ("cache_ratio", "expert_memory_gb"):
+    for c in ("cache_ratio", "expert_memory_gb", "bound_tokens_per_s"):
         df[c] = pd.to_numeric(df[c], errors="coerce").astype("float64")
     for c in ints:
         df[c] = pd.array(df[c].tolist(), dtype="Int64")
@@ -923,20 +973,33 @@ def watch_parent(pid: int, interval: float = WATCHDOG_INTERVAL_S) -> None:
 _WATCHED: int | None = None
 
 
+def pool_context() -> Any:
+    """The multiprocessing context of the local executor.
+
+    On Linux, ``fork``: a worker starts as a copy of the sweep process, so it never re-runs the
+    calling script (``spawn`` and ``forkserver`` import ``__main__`` again in every worker, and a
+    script that calls ``sweep()`` at top level, without an ``if __name__ == "__main__":`` guard,
+    would then start a sweep inside each worker and fail). The copy also keeps policies
+    registered by the script or notebook. The pool starts all its workers before its manager
+    thread (``ProcessPoolExecutor`` does so for ``fork``), and a run is deterministic
+    (``simulate(record=False)``), so the table is the same as with one worker. Elsewhere (macOS,
+    Windows: ``fork`` is unsafe or missing) ``spawn``, which needs the guard in scripts.
+    """
+    import multiprocessing as mp
+
+    if sys.platform.startswith("linux") and "fork" in mp.get_all_start_methods():
+        return mp.get_context("fork")
+    return mp.get_context("spawn")
+
+
 def _run_local(todo: list[Config], workers: int, on_row: Callable[[dict[str, Any]], None]) -> None:
     if workers <= 1 or len(todo) <= 1:
         for cfg in todo:
             on_row(run_config(cfg))
         return
     import concurrent.futures as cf
-    import multiprocessing as mp
 
-    if "forkserver" in mp.get_all_start_methods():
-        ctx = mp.get_context("forkserver")
-        # workers fork from a server that has already imported the simulator
-        ctx.set_forkserver_preload(["simulator.sweep", "simulator.runner", "policies.registry"])
-    else:
-        ctx = mp.get_context("spawn")
+    ctx = pool_context()
     with cf.ProcessPoolExecutor(
         max_workers=min(workers, len(todo)),
         mp_context=ctx,
@@ -1041,11 +1104,14 @@ def run_sweep(
     scheduler: str | None = None,
     retry_errors: bool = False,
     min_gate_mass: float | None = None,
+    bounds: bool = True,
 ) -> tuple[pd.DataFrame, SweepSummary]:
     """Run a sweep; returns the table and a summary (``sweep()`` returns just the table).
 
     ``min_gate_mass`` leaves out of the table the finished rows below that routing fidelity
-    (their parts stay, so a later run with another floor does not simulate them again)."""
+    (their parts stay, so a later run with another floor does not simulate them again).
+    ``bounds``: fill the all-GPU bound columns (:data:`BOUND_COLUMNS`; a few all-GPU runs per
+    machine, trace, sequences and precision, in this process)."""
     g, grid_out = _as_grid(grid)
     if out is None and grid_out is not None:
         out = grid_out
@@ -1089,6 +1155,8 @@ def run_sweep(
                 _run_dask(todo, n_workers, scheduler, on_row)
             else:
                 _run_local(todo, n_workers, on_row)
+        if bounds:
+            add_bounds([done[c.key] for c in configs], configs)
         df, below_floor = fidelity_floor(to_frame([done[c.key] for c in configs]), min_gate_mass)
         if out is not None:
             write_table(df, out)
@@ -1122,12 +1190,14 @@ def sweep(
     progress: bool = True,
     scheduler: str | None = None,
     retry_errors: bool = False,
+    bounds: bool = True,
 ) -> pd.DataFrame:
     """Run every configuration of ``grid`` and return one tidy row per configuration.
 
     ``grid`` is a :class:`Grid`, a dict with the same keys, or a TOML grid file. With ``out``
     the sweep is resumable (see docs/sweeps.md). Failed configurations have status "error",
-    memory points that do not fit the machine status "skipped".
+    memory points that do not fit the machine status "skipped". ``bounds``: fill each row's
+    all-GPU bound (``bound_tokens_per_s``, ``bound_runtime``; docs/metrics.md, "Bounds").
     """
     df, _ = run_sweep(
         grid,
@@ -1137,6 +1207,7 @@ def sweep(
         progress=progress,
         scheduler=scheduler,
         retry_errors=retry_errors,
+        bounds=bounds,
     )
     return df
 

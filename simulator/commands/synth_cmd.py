@@ -18,7 +18,7 @@ import click
 from simulator.commands.common import dumps, echo_json, json_option
 from simulator.errors import UserError
 from simulator.models import get_model
-from simulator.output import check_output_file, os_errors, write_text
+from simulator.output import check_output_file, write_text
 from simulator.synth import (
     COLD_FIT_SEQUENCES,
     FIT_PARAMS,
@@ -31,9 +31,8 @@ from simulator.synth import (
     params_from_dict,
     parse_param_overrides,
     shape_from_stats,
-    write_synthetic,
 )
-from simulator.synth_checks import write_validated
+from simulator.synth_checks import synth as write_trace_file
 
 
 def _resolve_params(
@@ -114,16 +113,18 @@ def synth(
         raise UserError(f"synth: missing option {', '.join(missing)} (see `daopsim synth --help`)")
     assert model is not None and sequences is not None and output is not None
     shape = get_model(model)
-    p, preset_name = _resolve_params(shape.name, preset, params)
-    check_output_file(output, "-o", inputs=[preset])
-    with os_errors(output, "-o"):
-        # generated beside the output, validated, then renamed: never an invalid trace
-        meta = write_validated(
-            output,
-            lambda tmp: write_synthetic(
-                tmp, shape, p, sequences, prompt_tokens, output_tokens, seed, preset=preset_name
-            ),
-        )
+    chosen = get_preset(preset) if preset else default_preset(shape.name)
+    preset_name = chosen.name if chosen else None
+    meta = write_trace_file(
+        output,
+        shape.name,
+        sequences,
+        prompt_tokens,
+        output_tokens,
+        seed,
+        preset=preset,
+        params=parse_param_overrides(params),
+    )
     summary = {
         "path": str(output),
         "model": shape.name,

@@ -54,6 +54,7 @@ OUT_FILES = ("validation.csv", "validation.md")
 )
 @click.option(
     "--out",
+    "-o",
     "out_dir",
     default=None,
     help="Write validation.csv and validation.md here.",
