@@ -18,7 +18,13 @@ import click
 from simulator.commands.common import dumps, echo_json, json_option
 from simulator.errors import UserError
 from simulator.models import get_model
-from simulator.output import check_output_file, os_errors, write_text
+from simulator.output import (
+    TRACE_FORMATS,
+    check_output_file,
+    os_errors,
+    output_format,
+    write_text,
+)
 from simulator.synth import (
     FIT_PARAMS,
     PRESETS,
@@ -113,6 +119,7 @@ def synth(
     assert model is not None and sequences is not None and output is not None
     shape = get_model(model)
     p, preset_name = _resolve_params(shape.name, preset, params)
+    output_format(output, TRACE_FORMATS, "-o")
     check_output_file(output, "-o", inputs=[preset])
     with os_errors(output, "-o"):
         # generated beside the output, validated, then renamed: never an invalid trace
