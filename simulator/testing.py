@@ -337,3 +337,16 @@ class ChaosPolicy(Policy):
             if (pl, pe) not in eng.precalc and not self.spec.one_stream:
                 plan.precalc.append((pl, pe))
         return plan
+
+
+def one_row_table(path: str | os.PathLike[str], row_id: str) -> Path:
+    """A validation table file at ``path`` holding only row ``row_id`` of the bundled table
+    (``validate --table``: a subset whose ``--markdown`` is the whole of its table)."""
+    from simulator.validation import default_table
+
+    blocks = default_table().read_text(encoding="utf-8").split("[[row]]")
+    block = next(b for b in blocks[1:] if f'id = "{row_id}"' in b)
+    out = Path(path)
+    out.write_text("[[row]]" + block, encoding="utf-8")
+    return out
+

@@ -30,7 +30,7 @@ import simulator.output
 import simulator.results
 from simulator.cli import main
 from simulator.errors import ExitCode
-from simulator.testing import make_trace
+from simulator.testing import make_trace, one_row_table
 
 USAGE, OUTPUT = int(ExitCode.USAGE), int(ExitCode.OUTPUT)
 _REAL_WRITE_FILE = simulator.output.write_file
@@ -442,7 +442,11 @@ def test_failing_disk_during_validate_keeps_its_outputs(
     _one_error(res, OUTPUT, str(out), "No space left on device")
     assert _snapshot(out) == before
     _raise_after(0, errno.EROFS, monkeypatch)
-    res = CliRunner().invoke(main, [*args, "--no-progress", "--markdown", str(md)])
+    # --markdown writes a whole table: a one-row table file, not --rows
+    table = one_row_table(tmp_path / "one.toml", "fiddler-a6000-mixtral-offloading")
+    res = CliRunner().invoke(
+        main, ["validate", "--table", str(table), "--no-progress", "--markdown", str(md)]
+    )
     _one_error(res, OUTPUT, str(md), "Read-only file system")
     assert md.read_bytes() == md_before
     _no_leftovers(tmp_path)
