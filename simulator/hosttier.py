@@ -80,6 +80,13 @@ def host_tier_config(
     path = "page-cache" if ssd_path is None else ssd_path
     if path not in SSD_PATHS:
         raise UserError(f"--ssd-path must be one of {', '.join(SSD_PATHS)}; got {ssd_path!r}")
+    if profile.link.unified and (host_memory_gb is not None or profile.cpu.memory_gb is not None):
+        # the host's copies share the device memory, which already bounds them
+        raise UserError(
+            f"profile {profile.name} has unified memory: the host's expert copies live in the "
+            "device memory (gpu.memory_gb), which bounds them; a separate host-memory budget "
+            "(--host-memory-gb, cpu.memory_gb) does not apply"
+        )
     if host_memory_gb is None:
         host_memory_gb = profile.cpu.memory_gb
         if host_memory_gb is None:

@@ -289,6 +289,8 @@ class ExpertFit:
     free_bytes: float  #: GPU bytes left after non-expert weights, workspace and KV cache
     buffers: int  #: the policy's expert-sized buffers, taken from ``free_bytes`` first
     context_tokens: int
+    #: unified memory: the host's holdings already taken from ``free_bytes`` (0 otherwise)
+    host_bytes: int = 0
 
     @property
     def slots(self) -> int:
@@ -319,6 +321,7 @@ def expert_fit(costs: CostModel, buffers: int, context_tokens: int) -> ExpertFit
         free_bytes=costs.free_expert_bytes(context_tokens),
         buffers=buffers,
         context_tokens=context_tokens,
+        host_bytes=costs.unified_host_bytes,
     )
 
 
@@ -336,7 +339,7 @@ def cpu_resident_layers(spec: ResourceSpec, costs: CostModel, fit: ExpertFit, kv
         return 0
     if g >= 0:
         return m.moe_layers - min(m.moe_layers, g)
-    per_layer = costs.cpu_layer_host_bytes(kv)
+    per_layer = costs.cpu_layer_freed_bytes(kv)
     for n in range(m.moe_layers + 1):
         slots = math.floor((fit.free_bytes + n * per_layer) / fit.expert_bytes) - fit.buffers
         if (m.moe_layers - n) * m.experts <= slots:
@@ -388,12 +391,18 @@ def check_fit(fit: ExpertFit, machine: str, budget: int | None, by_ratio: bool =
     KV cache and the policy's buffers).
     """
     gb = fit.expert_bytes / 1e9
+    host = (
+        f", beside the host's weights and expert copies ({fit.host_bytes / 1e9:.1f} GB) in the "
+        "same unified memory"
+        if fit.host_bytes
+        else ""
+    )
     if fit.free_bytes < 0:
         raise DoesNotFit(
             0,
             f"{machine}'s GPU cannot hold {fit.model}'s non-expert weights, workspace and KV "
-            f"cache for {fit.context_tokens} tokens ({-fit.free_bytes / 1e9:.1f} GB short), "
-            "so no expert fits",
+            f"cache for {fit.context_tokens} tokens{host} ({-fit.free_bytes / 1e9:.1f} GB "
+            "short), so no expert fits",
         )
     if fit.slots < fit.buffers:
         raise DoesNotFit(
@@ -675,7 +684,7 @@ def simulate(
     if n_cpu_layers:
         # a CPU-resident layer's non-expert weights and KV cache live in host memory
         fit = replace(
-            fit, free_bytes=fit.free_bytes + n_cpu_layers * costs.cpu_layer_host_bytes(kv_reserve)
+            fit, free_bytes=fit.free_bytes + n_cpu_layers * costs.cpu_layer_freed_bytes(kv_reserve)
         )
     if pol.resources().unlimited_memory:
         budget = total  # the all-GPU bound: memory is not modelled
