@@ -384,6 +384,15 @@ def cpu_layers_note(model: Any, n_cpu: int) -> str:
     )
 
 
+def same_content(a: Path, b: Path) -> bool:
+    """Whether two trace files hold the same bytes (a copy under another name counts)."""
+    from simulator.sweep import file_sha256
+
+    if os.path.getsize(a) != os.path.getsize(b):
+        return False
+    return file_sha256(a) == file_sha256(b)
+
+
 def check_fit(fit: ExpertFit, machine: str, budget: int | None, by_ratio: bool = False) -> None:
     """Raise :class:`DoesNotFit` when the weights, the buffers or ``budget`` experts do not fit.
 
@@ -733,9 +742,11 @@ def simulate(
             + " uses calibration data and --calibration none gives none; use held-out "
             "sequences (the default), --calibration self or --calibration PATH"
         )
+    in_sample = False
     if wants_cal:
         if ext_cal is not None:
             cal_path = resolve_trace(ext_cal)
+            in_sample = same_content(cal_path, trace_path)
             cal_meta = read_meta(cal_path)
             if (cal_meta.model.moe_layers, cal_meta.model.experts) != (
                 model.moe_layers,
@@ -874,6 +885,13 @@ def simulate(
         cal_label = "none" if calibration == "none" else "not used"
     elif mode == "self":
         cal_label = "self (in-sample)"
+    elif in_sample:
+        # the "other" trace is this trace's bytes: its counts include the evaluated sequences
+        cal_label = f"{ext_cal} (in-sample: the evaluated trace itself)"
+        notes.append(
+            f"--calibration {ext_cal} has the evaluated trace's content: its counts include the "
+            "evaluated sequences (in-sample, like --calibration self)"
+        )
     else:
         cal_label = str(ext_cal) if ext_cal is not None else mode
     config = {
