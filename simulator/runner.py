@@ -23,7 +23,7 @@ from policies.registry import get_policy_class
 from simulator.costs import CostModel, cost_model
 from simulator.data import resolve_trace
 from simulator.engine import Engine, EngineBase
-from simulator.errors import DoesNotFit, UserError
+from simulator.errors import DoesNotFit, UserError, check_seed
 from simulator.hardware import HardwareProfile, load_profile
 from simulator.hosttier import host_tier_config, host_tier_metrics, model_trace
 from simulator.recorder import Recorder
@@ -596,6 +596,7 @@ def simulate(
     """
     if lookahead not in LOOKAHEAD_CHOICES:
         raise UserError(f"--lookahead must be one of {list(LOOKAHEAD_CHOICES)}, got {lookahead!r}")
+    seed = check_seed(seed)
     engine_cls = _engine_class(engine)
     if model is not None:
         trace = model_trace(model, trace)

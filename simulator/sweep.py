@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from simulator.data import DEFAULT_TRACE, bundled_traces, check_input_file, resolve_trace
-from simulator.errors import DoesNotFit, PolicyError, UserError, parse_key_values
+from simulator.errors import DoesNotFit, PolicyError, UserError, check_seed, parse_key_values
 from simulator.output import TABLE_FORMATS, check_output_file, output_format
 from simulator.output import write_table as _write_any_table
 from simulator.progress import Progress
@@ -461,6 +461,11 @@ def expand(grid: Grid) -> list[Config]:
     for rate in grid.arrival_rates:
         if not (math.isfinite(rate) and rate > 0):
             raise UserError(f"arrival rate {rate} is not a positive number")
+    for seed in grid.seeds:
+        check_seed(seed, "--seeds")
+    mb = grid.max_batch
+    if mb is not None and (isinstance(mb, bool) or not isinstance(mb, int) or mb < 1):
+        raise UserError(f"--max-batch must be a positive integer, got {mb!r}")
     serving_extra = {
         k: getattr(grid, k)
         for k in ("max_batch", "slo_ttft", "slo_tpot")
