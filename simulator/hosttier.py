@@ -252,9 +252,13 @@ def model_trace(model: str, trace: str | Any | None) -> str:
     return str(synth_trace({"model": name, **MODEL_TRACE}))
 
 
-def host_tier_metrics(stats: Any) -> dict[str, float]:
-    """The SSD tier's metrics (docs/metrics.md) from a run's statistics."""
+def host_tier_metrics(stats: Any, after_end: float = 0.0) -> dict[str, float]:
+    """The SSD tier's metrics (docs/metrics.md) from a run's statistics; ``after_end`` is the
+    drive's work after the run's end (background reads), left out of ``ssd_busy_frac``."""
+    from simulator.results import busy_frac
+
     tier = dict(stats.host_tier)
     e2e = stats.e2e
-    tier["ssd_busy_frac"] = stats.busy.get("ssd", 0.0) / e2e if e2e > 0 else 0.0
+    busy = stats.busy.get("ssd", 0.0)
+    tier["ssd_busy_frac"] = busy_frac(busy, after_end, 1, e2e) if e2e > 0 else 0.0
     return tier

@@ -384,6 +384,31 @@ def cpu_layers_note(model: Any, n_cpu: int) -> str:
     )
 
 
+def window_work(machine: Any, e2e: float) -> tuple[dict[str, float], dict[str, int]]:
+    """Work each serial resource did after the run's end, and the lanes behind each copy
+    direction, for the busy fractions (``results.busy_frac``, docs/metrics.md).
+
+    A copy lane, a CPU worker or the drive may still serve work issued before the last token
+    ended (a prefetch for a next token that never comes). Every request is issued by then, and
+    a lane serves its queue back to back, so a lane busy at ``e2e`` stays busy until its
+    ``free_at``: its work after the end is ``max(0, free_at - e2e)``.
+    """
+    uplinks = getattr(machine, "uplinks", None)
+    groups: dict[str, list[Any]] = {}
+    if uplinks:  # several GPUs: one lane per uplink and direction (shared ones once)
+        groups["h2d"] = list({id(h.lane): h.lane for h, _ in uplinks}.values())
+        groups["d2h"] = list({id(d.lane): d.lane for _, d in uplinks}.values())
+    else:
+        groups = {name: [link.lane] for name, link in machine.links.items()}
+    for name, pool in machine.pools.items():
+        groups[name] = list(pool.lanes)
+    for name, lane in machine.drives.items():
+        groups[name] = [lane]
+    after = {n: sum(max(0.0, lane.free_at - e2e) for lane in ls) for n, ls in groups.items()}
+    servers = {n: len(groups[n]) for n in ("h2d", "d2h") if n in groups}
+    return after, servers
+
+
 def same_content(a: Path, b: Path) -> bool:
     """Whether two trace files hold the same bytes (a copy under another name counts)."""
     from simulator.sweep import file_sha256
@@ -872,9 +897,10 @@ def simulate(
 
     stats = sim.run(seqs(), on_sequence=tick)
     counters = stats.counters
-    metrics = compute_metrics(stats, profile)
+    after_end, servers = window_work(sim.machine, stats.e2e)
+    metrics = compute_metrics(stats, profile, after_end, servers)
     if stats.host_tier is not None:
-        metrics.update(host_tier_metrics(stats))
+        metrics.update(host_tier_metrics(stats, after_end.get("ssd", 0.0)))
     notes = run_notes(pol, meta, no_prefill[0], len(eval_ids), stand_in)
     if pol.resources().gpu_blocks is not None:
         notes.append(cpu_layers_note(model, n_cpu_layers))
