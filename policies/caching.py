@@ -310,4 +310,3 @@ def _slot(x: object, shape: tuple[int, ...]) -> tuple[int, int] | None:
     except TypeError:
         return None
     return (i, j) if 0 <= i < shape[0] and 0 <= j < shape[1] else None
-
