@@ -104,6 +104,14 @@ def _unknown(path: Path, where: str, keys: object, known: tuple[str, ...]) -> No
             raise UserError(f"{path}: {where}unknown key {key!r}{hint} (valid: {', '.join(known)})")
 
 
+def _check_options(path: Path, where: str, policy: str, options: dict[str, Any]) -> None:
+    """The policy's own option check (names, types, ranges), its error naming the file."""
+    try:
+        get_policy_class(policy).resolve_options(options)
+    except UserError as exc:
+        raise UserError(f"{path}: {where}: {exc}") from None
+
+
 def load_experiment(name_or_path: str | os.PathLike[str]) -> Experiment:
     """A bundled experiment by name or a TOML path; a UserError names the file and key."""
     text = str(name_or_path)
@@ -144,7 +152,7 @@ def load_experiment(name_or_path: str | os.PathLike[str]) -> Experiment:
         if not isinstance(opts, dict):
             raise UserError(f"{path}: policies.{pname} must be a table of options")
         # the options are checked now (names, types, ranges), not at the first run
-        get_policy_class(pname).resolve_options(opts)
+        _check_options(path, f"policies.{pname}", pname, opts)
     target = need("target", str)
     if target not in policies:
         raise UserError(f"{path}: target {target!r} is not under [policies]")
@@ -160,7 +168,7 @@ def load_experiment(name_or_path: str | os.PathLike[str]) -> Experiment:
             if not isinstance(point, dict):
                 raise UserError(f"{path}: models[{i}].fixed.{pname} must be a table")
             # the point's options run as the policy's options (experts_per_layer too)
-            get_policy_class(pname).resolve_options({**policies[pname], **point})
+            _check_options(path, f"models[{i}].fixed.{pname}", pname, {**policies[pname], **point})
         models.append(ModelSpec(trace=m["trace"], fixed=fixed))
     if not models:
         raise UserError(f"{path}: no [[models]] (give at least one, with its trace)")

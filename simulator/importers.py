@@ -681,7 +681,10 @@ def import_trace(
     filled: list[np.ndarray] = []
     done: list[_Seq] = []
     for s in seqs:
-        s2, mask = fill_missing(s, opts.missing_layers)
+        try:
+            s2, mask = fill_missing(s, opts.missing_layers)
+        except UserError as exc:
+            raise UserError(f"{path}: {exc}") from None
         done.append(s2)
         filled.append(mask)
     _check_sequences(path, done, f"after --missing-layers {opts.missing_layers}")
