@@ -760,7 +760,7 @@ def regress(
         from simulator.output import check_output_file
 
         # before reading it or running the grid
-        traces = [b.trace for b in grid.blocks]
+        traces = [_trace_path(b.trace) for b in grid.blocks]
         check_output_file(baseline, "--baseline", inputs=[*inputs, *traces])
         check_golden_update(grid, baseline)
     if Path(baseline).is_dir():
@@ -796,6 +796,14 @@ def regress(
         updated=update,
         fresh=update and old is None,
     )
+
+
+def _trace_path(trace: str) -> str:
+    """The file behind a block's trace (a bundled name resolves), or the text as given."""
+    try:
+        return str(resolve_trace(trace))
+    except UserError:
+        return trace
 
 
 def check_golden_update(grid: RegressGrid, baseline: str | os.PathLike[str]) -> None:
