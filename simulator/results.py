@@ -184,7 +184,8 @@ def compute_metrics(
         "sequences": int(c.sequences),
         "max_slots_held": int(c.max_occupancy),
     }
-    energy = energy_breakdown(hw, e2e, busy["gpu"], cpu_busy, n_gpus)
+    cpu_calls = int(c.cpu_expert_evals + c.cpu_precalc_evals)
+    energy = energy_breakdown(hw, e2e, busy["gpu"], cpu_busy, n_gpus, cpu_calls)
     m.update(energy)
     tokens = c.decode_tokens
     m["tokens_per_kj"] = _ratio(tokens, energy["energy_j"] / 1000.0)
@@ -205,7 +206,12 @@ ENERGY_KEYS = (
 
 
 def energy_breakdown(
-    hw: HardwareProfile, e2e: float, gpu_busy: float, cpu_busy: float, gpus: int = 1
+    hw: HardwareProfile,
+    e2e: float,
+    gpu_busy: float,
+    cpu_busy: float,
+    gpus: int = 1,
+    cpu_calls: int = 0,
 ) -> dict[str, float]:
     """Energy over the run by part and level, joules (NaN everywhere without a [power] section).
 
@@ -213,7 +219,9 @@ def energy_breakdown(
       kernel runs; with ``gpus`` GPUs, each idles for the whole run and ``gpu_busy`` is their
       summed busy time.
     - CPU package: the driving/spinning level for the whole run, plus (busy - wait) while CPU
-      experts run (busy time capped at the run time: workers share one socket).
+      experts run and while their worker threads spin afterwards: ``cpu_calls`` calls each
+      followed by up to ``cpu_spin_ms`` of spinning (capped at the run time: workers share one
+      socket, and a spin that the next call cuts short is busy time already).
     - DRAM: its average power over the run.
     - ``energy_j`` = GPU + CPU package; ``energy_device_j`` adds DRAM; ``energy_wall_j`` adds
       the platform and divides by the power supply's efficiency.
@@ -227,7 +235,9 @@ def energy_breakdown(
     gpu = gpus * p.gpu_active_idle_w * e2e + (p.gpu_busy_w - p.gpu_active_idle_w) * min(
         gpu_busy, gpus * e2e
     )
-    cpu = p.cpu_wait_w * e2e + (p.cpu_busy_w - p.cpu_wait_w) * min(cpu_busy, e2e)
+    assert p.cpu_spin_ms is not None
+    active = min(cpu_busy + cpu_calls * p.cpu_spin_ms * 1e-3, e2e)
+    cpu = p.cpu_wait_w * e2e + (p.cpu_busy_w - p.cpu_wait_w) * active
     dram = p.dram_w * e2e
     device = gpu + cpu + dram
     wall = (device + p.platform_w * e2e) / p.psu_efficiency

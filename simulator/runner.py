@@ -347,6 +347,22 @@ def cpu_resident_layers(spec: ResourceSpec, costs: CostModel, fit: ExpertFit, kv
     return m.moe_layers
 
 
+def runtime_cost_model(
+    profile: HardwareProfile, model: Any, rt: RuntimeProfile, graph: bool = False
+) -> CostModel:
+    """The run's cost model: the profile and model with the runtime's CPU kernels, GPU stream
+    efficiency and fixed CPU costs, and (``graph``) its CUDA-graph node cost."""
+    return cost_model(
+        profile,
+        model,
+        rt.cpu_kernels,
+        rt.graph_kernel_us if graph else 0.0,
+        rt.gpu_stream_efficiency,
+        rt.cpu_expert_call_us,
+        rt.cpu_layer_us if rt.cpu_kernels == "ggml" else 0.0,
+    )
+
+
 def graph_replays(
     rt: RuntimeProfile,
     spec: ResourceSpec,
@@ -357,12 +373,13 @@ def graph_replays(
     serving: object | None,
 ) -> bool:
     """Whether a run's one-token steps are CUDA-graph replays (docs/cost-model.md, "CUDA-graph
-    decode"): a runtime that replays graphs, a whole-layer split (llama.cpp ``-ngl``) with every
-    layer and expert on one GPU (so the forward pass is one GPU split whose graph does not
-    change between tokens) and one sequence at a time (no serving batch)."""
+    decode"): a runtime that replays graphs, every layer and expert on one GPU (so the forward
+    pass is one GPU split whose graph does not change between tokens), one sequence at a time
+    (no serving batch), and either a whole-layer split (llama.cpp ``-ngl``) or a runtime that
+    graphs every policy's decode (``graph_all_policies``: vLLM, SGLang)."""
     return (
         rt.replays_graphs
-        and spec.gpu_blocks is not None
+        and (spec.gpu_blocks is not None or rt.graph_all_policies)
         and n_cpu_layers == 0
         and budget >= total
         and mg is None
@@ -636,9 +653,7 @@ def simulate(
     else:
         pol = get_policy_class(policy)(**(policy_options or {}))
     rt = get_runtime(pol.runtime_profile if runtime is None else runtime)
-    costs: CostModel = cost_model(
-        profile, model, rt.cpu_kernels, gpu_stream_efficiency=rt.gpu_stream_efficiency
-    )
+    costs: CostModel = runtime_cost_model(profile, model, rt)
     host_tier = host_tier_config(
         profile, costs, host_memory_gb, ssd_path, pol.resources().ssd_access
     )
@@ -730,10 +745,8 @@ def simulate(
         # as many whole GPU layers as fit: a given expert budget can hold fewer than memory
         n_cpu_layers = max(n_cpu_layers, model.moe_layers - budget // model.experts)
     if graph_replays(rt, pol.resources(), n_cpu_layers, budget, total, mg, serving):
-        # one GPU split, one sequence: llama.cpp captures the one-token step as a CUDA graph
-        costs = cost_model(
-            profile, model, rt.cpu_kernels, rt.graph_kernel_us, rt.gpu_stream_efficiency
-        )
+        # one GPU split, one sequence: the one-token step is captured as a CUDA graph
+        costs = runtime_cost_model(profile, model, rt, graph=True)
         rt = rt.graph_replayed()
     if mg is not None and n_cpu_layers:
         raise UserError(

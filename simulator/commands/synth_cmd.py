@@ -27,10 +27,12 @@ from simulator.output import (
     write_text,
 )
 from simulator.synth import (
+    COLD_FIT_SEQUENCES,
     FIT_PARAMS,
     PRESETS,
     SynthParams,
     check_stats_model,
+    curve_rule,
     default_preset,
     fit_params,
     get_preset,
@@ -222,7 +224,8 @@ def _load_target(path: str) -> dict[str, Any]:
     "--sequences",
     type=click.IntRange(min=1),
     default=None,
-    help="Sequences per fitting trace (default: from the stats, at most 12).",
+    help="Sequences per fitting trace (default: 32 when the fit targets the cold-start "
+    "curves, else from the stats, at most 12).",
 )
 @click.option(
     "--prompt-tokens",
@@ -294,7 +297,12 @@ def fit_cmd(
     start, _ = _resolve_params(shape.name, preset, params)
     recorded = shape_from_stats(data)
     # `is None`, not `or`: an explicit 0 is refused by the option's range, never a default
-    n_seq = sequences if sequences is not None else min(recorded.get("sequences", 12), 12)
+    if sequences is not None:
+        n_seq = sequences
+    elif curve_rule(data) == "cold":
+        n_seq = COLD_FIT_SEQUENCES
+    else:
+        n_seq = min(recorded.get("sequences", 12), 12)
     p_tok = prompt_tokens if prompt_tokens is not None else recorded.get("prompt_tokens", 256)
     o_tok = output_tokens if output_tokens is not None else recorded.get("output_tokens", 512)
     if n_seq < 1 or p_tok < 1 or o_tok < 2:
@@ -325,6 +333,7 @@ def fit_cmd(
     doc["fit"].update(
         {
             "sequences": n_seq,
+            "curve_rule": curve_rule(data),
             "prompt_tokens": p_tok,
             "output_tokens": o_tok,
             "seed": seed,

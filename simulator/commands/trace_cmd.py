@@ -225,8 +225,18 @@ def _echo_reuse(s: dict[str, Any]) -> None:
             else sorted({1, k, 2 * k, n_exp} | {n_exp * i // 8 for i in range(1, 8)})
         )
         click.echo(_row("capacity per layer", []) + " ".join(f"{c:>7}" for c in caps))
-        for label, key in (("LRU hit rate", "lru_curve"), ("Belady hit rate", "belady_curve")):
-            click.echo(_row(label, [s[key][c - 1] for c in caps]))
+        for label, key in (
+            ("LRU hit rate (warm)", "lru_curve"),
+            ("Belady hit rate (warm)", "belady_curve"),
+            ("LRU hit rate (cold)", "lru_curve_cold"),
+            ("Belady hit rate (cold)", "belady_curve_cold"),
+        ):
+            if s.get(key) is not None:
+                click.echo(_row(label, [s[key][c - 1] for c in caps]))
+        click.echo(
+            "warm: one cache per layer carried across the sequences, hits pooled; cold: each "
+            "sequence from an empty cache, averaged over sequences and layers"
+        )
 
 
 @trace.command("import")

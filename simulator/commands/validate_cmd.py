@@ -11,15 +11,26 @@ from simulator.commands.common import echo_json, json_option
 from simulator.progress import lazy_progress
 
 
-def _render(report: Any) -> str:
-    from simulator.validation import summary_lines, table_rows
-
-    rows = [r[:6] for r in table_rows(report)]
-    head = ["ROW", "ROLE", "PUBLISHED", "SIMULATED", "UNIT", "ERROR"]
-    widths = [max(len(head[i]), *(len(r[i]) for r in rows)) for i in range(6)]
+def _columns(head: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(head[i]), *(len(r[i]) for r in rows)) for i in range(len(head))]
     lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)).rstrip()]
     for r in rows:
         lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    return lines
+
+
+def _render(report: Any) -> str:
+    from simulator.validation import ranking_rows, summary_lines, table_rows
+
+    rows = [r[:7] for r in table_rows(report)]
+    head = ["ROW", "ROLE", "SETTING", "PUBLISHED", "SIMULATED", "UNIT", "ERROR"]
+    lines = _columns(head, rows) if rows else []
+    ranks = [r[:6] for r in ranking_rows(report)]
+    if ranks:
+        lines += [
+            "",
+            *_columns(["RANKING", "ROLE", "SETTING", "PAIRS", "PUBLISHED", "SIMULATED"], ranks),
+        ]
     return "\n".join([*lines, "", *summary_lines(report)])
 
 
