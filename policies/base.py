@@ -11,6 +11,7 @@ See docs/policy-api.md for the full contract and a worked example.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -452,6 +453,9 @@ def coerce_option(policy: str, key: str, param: Param, value: Any) -> Any:
         raise UserError(
             f"policy {policy!r}: option {key!r} must be {typ.__name__}, got {value!r}"
         ) from None
+    if typ is float and not math.isfinite(value):
+        # NaN passes every range comparison and inf every lower bound: refuse both
+        raise UserError(f"policy {policy!r}: option {key!r} must be a finite number, got {value!r}")
     if param.choices is not None and value not in param.choices:
         raise UserError(
             f"policy {policy!r}: option {key!r} must be one of {list(param.choices)}, got {value!r}"

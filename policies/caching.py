@@ -18,6 +18,7 @@ of its experts.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 from typing import Any
 
@@ -173,6 +174,12 @@ class CachingPolicy(_FetchOnMiss):
                     actions[e] = TEMP  # the quota cannot hold all experts this token needs
                     continue
                 victim = self.choose_victim(layer, guard, step)
+                if victim not in candidates:
+                    # a plugin's choose_victim broke its contract: say so, not "list.remove"
+                    raise ValueError(
+                        f"choose_victim returned expert {victim!r} of layer {layer}, which is "
+                        f"not an evictable resident expert (candidates: {sorted(candidates)})"
+                    )
                 cache.remove(victim)
                 self.removed(layer, victim)
                 actions[e] = FETCH
@@ -272,6 +279,14 @@ class GlobalCachingPolicy(_FetchOnMiss):
                 continue
             else:
                 victim = self.choose_victim(layer, protected, step)
+                ok = _slot(victim, cached.shape)
+                if ok is None or not cached[ok] or (ok[0] == layer and ok[1] in protected):
+                    raise ValueError(
+                        f"choose_victim returned {victim!r} for layer {layer}, which is not an "
+                        "evictable resident (layer, expert) slot (resident, and not one of this "
+                        "token's experts at this layer)"
+                    )
+                victim = ok
                 cached[victim] = False
                 self.removed(*victim)
                 plan.victims[e] = victim
@@ -280,3 +295,18 @@ class GlobalCachingPolicy(_FetchOnMiss):
             self.inserted(layer, e, step)
             self.touch(layer, e, step, 1 if counts is None else int(counts[e]))
         return plan
+
+
+def _slot(x: object, shape: tuple[int, ...]) -> tuple[int, int] | None:
+    """``x`` as a (layer, expert) pair inside ``shape``, or None when it is not one."""
+    try:
+        a, b = x  # type: ignore[misc]
+    except (TypeError, ValueError):
+        return None
+    if isinstance(a, bool) or isinstance(b, bool):
+        return None
+    try:
+        i, j = operator.index(a), operator.index(b)
+    except TypeError:
+        return None
+    return (i, j) if 0 <= i < shape[0] and 0 <= j < shape[1] else None

@@ -9,6 +9,7 @@ exit codes.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 from enum import IntEnum
 
@@ -47,6 +48,18 @@ def parse_key_values(
             raise UserError(f"{flag} {item!r}: expected {form}")
         out[key.strip()] = value.strip()
     return out
+
+
+def check_seed(seed: object, flag: str = "--seed") -> int:
+    """``seed`` when it is a non-negative integer (what NumPy's generators take), else a
+    UserError naming ``flag``: the one check behind every seed option."""
+    try:
+        value = operator.index(seed)  # type: ignore[call-overload]
+    except TypeError:
+        value = -1
+    if isinstance(seed, bool) or value < 0:
+        raise UserError(f"{flag} must be a non-negative integer, got {seed!r}")
+    return value
 
 
 class UserError(Exception):

@@ -9,6 +9,7 @@ runs on the same trace, profile and cost model. :func:`run_experiment` returns a
 
 from __future__ import annotations
 
+import difflib
 import os
 import tomllib
 from collections.abc import Callable
@@ -80,6 +81,38 @@ class Experiment:
         return [p for p in self.policies if p != self.target]
 
 
+#: Keys of an experiment file and of each ``[[models]]`` table: anything else is a typo.
+EXPERIMENT_KEYS = (
+    "name",
+    "description",
+    "hw",
+    "dtype",
+    "sequences",
+    "cache_ratios",
+    "target",
+    "policies",
+    "models",
+)
+MODEL_KEYS = ("trace", "fixed")
+
+
+def _unknown(path: Path, where: str, keys: object, known: tuple[str, ...]) -> None:
+    """A UserError for the first key not in ``known``, with the closest known one."""
+    for key in keys:  # type: ignore[attr-defined]
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise UserError(f"{path}: {where}unknown key {key!r}{hint} (valid: {', '.join(known)})")
+
+
+def _check_options(path: Path, where: str, policy: str, options: dict[str, Any]) -> None:
+    """The policy's own option check (names, types, ranges), its error naming the file."""
+    try:
+        get_policy_class(policy).resolve_options(options)
+    except UserError as exc:
+        raise UserError(f"{path}: {where}: {exc}") from None
+
+
 def load_experiment(name_or_path: str | os.PathLike[str]) -> Experiment:
     """A bundled experiment by name or a TOML path; a UserError names the file and key."""
     text = str(name_or_path)
@@ -95,6 +128,10 @@ def load_experiment(name_or_path: str | os.PathLike[str]) -> Experiment:
         doc = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"{path}: not valid TOML: {exc}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path}: cannot read: {exc}") from None
+    # a schema like the grids': a misspelt key would otherwise be ignored and the default run
+    _unknown(path, "", doc, EXPERIMENT_KEYS)
 
     def need(key: str, typ: type | tuple[type, ...]) -> Any:
         if key not in doc:
@@ -104,13 +141,19 @@ def load_experiment(name_or_path: str | os.PathLike[str]) -> Experiment:
         return doc[key]
 
     ratios = need("cache_ratios", list)
+    if not ratios:
+        raise UserError(f"{path}: cache_ratios is empty (give at least one ratio in (0, 1])")
     for r in ratios:
-        if not isinstance(r, int | float) or not 0 < r <= 1:
+        if isinstance(r, bool) or not isinstance(r, int | float) or not 0 < r <= 1:
             raise UserError(f"{path}: cache_ratios must be numbers in (0, 1], got {r!r}")
     policies = need("policies", dict)
+    if not policies:
+        raise UserError(f"{path}: [policies] is empty (name at least the target)")
     for pname, opts in policies.items():
         if not isinstance(opts, dict):
             raise UserError(f"{path}: policies.{pname} must be a table of options")
+        # the options are checked now (names, types, ranges), not at the first run
+        _check_options(path, f"policies.{pname}", pname, opts)
     target = need("target", str)
     if target not in policies:
         raise UserError(f"{path}: target {target!r} is not under [policies]")
@@ -118,16 +161,33 @@ def load_experiment(name_or_path: str | os.PathLike[str]) -> Experiment:
     for i, m in enumerate(need("models", list)):
         if not isinstance(m, dict) or not isinstance(m.get("trace"), str):
             raise UserError(f"{path}: models[{i}] needs a 'trace' string")
+        _unknown(path, f"models[{i}]: ", m, MODEL_KEYS)
         fixed = m.get("fixed", {})
         if not isinstance(fixed, dict) or any(p not in policies for p in fixed):
             raise UserError(f"{path}: models[{i}].fixed must name policies under [policies]")
+        for pname, point in fixed.items():
+            if not isinstance(point, dict):
+                raise UserError(f"{path}: models[{i}].fixed.{pname} must be a table")
+            # the point's options run as the policy's options (experts_per_layer too)
+            _check_options(path, f"models[{i}].fixed.{pname}", pname, {**policies[pname], **point})
         models.append(ModelSpec(trace=m["trace"], fixed=fixed))
+    if not models:
+        raise UserError(f"{path}: no [[models]] (give at least one, with its trace)")
     seqs = doc.get("sequences")
     if seqs is not None and (not isinstance(seqs, int) or seqs <= 0):
         raise UserError(f"{path}: 'sequences' must be a positive integer")
     name = doc.get("name", path.stem)
     if not isinstance(name, str):
         raise UserError(f"{path}: key 'name' must be a string")
+    for key in ("description", "dtype"):
+        if key in doc and not isinstance(doc[key], str):
+            raise UserError(f"{path}: key {key!r} must be a string")
+    from simulator.models import DTYPES
+
+    if doc.get("dtype") is not None and doc["dtype"] not in DTYPES:
+        raise UserError(
+            f"{path}: key 'dtype': unknown precision {doc['dtype']!r} (known: {', '.join(DTYPES)})"
+        )
     return Experiment(
         name=safe_name(name, f"{path}: experiment name"),
         description=str(doc.get("description", "")),

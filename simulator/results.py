@@ -12,6 +12,7 @@ import json
 import math
 import os
 import textwrap
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -99,10 +100,36 @@ def _ratio(num: float, den: float) -> float:
     return float(num) / float(den) if den else float("nan")
 
 
-def compute_metrics(stats: RunStats, hw: HardwareProfile) -> dict[str, float]:
-    """Metrics from the run's statistics (counters and busy time per named resource)."""
+def busy_frac(busy: float, after_end: float, servers: int, e2e: float) -> float:
+    """A busy fraction: busy time within the run's window ``[0, e2e]`` over ``servers x e2e``.
+
+    ``after_end`` is the work done after the last token ended (prefetches issued for a next
+    token that never came); it is left out, so the fraction is at most 1. The clamp to [0, 1]
+    only absorbs float rounding of sums of durations (docs/metrics.md, "Busy fractions").
+    """
+    den = float(servers) * float(e2e)
+    if not den:
+        return float("nan")
+    return min(1.0, max(0.0, (float(busy) - float(after_end)) / den))
+
+
+def compute_metrics(
+    stats: RunStats,
+    hw: HardwareProfile,
+    after_end: Mapping[str, float] | None = None,
+    servers: Mapping[str, int] | None = None,
+) -> dict[str, float]:
+    """Metrics from the run's statistics (counters and busy time per named resource).
+
+    ``after_end``: seconds of work each copy direction (``h2d``, ``d2h``) and the CPU pool
+    (``cpu``) did after the run's end; ``servers``: how many lanes serve a copy direction (one
+    per uplink with several GPUs). They default to none and one
+    (``simulator.runner.window_work`` computes them).
+    """
     c = stats.counters
     e2e = float(stats.e2e)
+    late = dict(after_end or {})
+    lanes = dict(servers or {})
     lat = np.asarray(c.token_latency, dtype=np.float64)
     busy = stats.busy
     workers = stats.workers["cpu"]
@@ -124,10 +151,10 @@ def compute_metrics(stats: RunStats, hw: HardwareProfile) -> dict[str, float]:
         "prefill_accesses": int(c.prefill_accesses),
         "h2d_bytes": int(c.h2d_bytes),
         "d2h_bytes": int(c.d2h_bytes),
-        "gpu_busy_frac": _ratio(busy["gpu"], n_gpus * e2e),
-        "cpu_busy_frac": _ratio(cpu_busy, workers * e2e),
-        "h2d_busy_frac": _ratio(busy["h2d"], e2e),
-        "d2h_busy_frac": _ratio(busy["d2h"], e2e),
+        "gpu_busy_frac": busy_frac(busy["gpu"], 0.0, n_gpus, e2e),
+        "cpu_busy_frac": busy_frac(cpu_busy, late.get("cpu", 0.0), workers, e2e),
+        "h2d_busy_frac": busy_frac(busy["h2d"], late.get("h2d", 0.0), lanes.get("h2d", 1), e2e),
+        "d2h_busy_frac": busy_frac(busy["d2h"], late.get("d2h", 0.0), lanes.get("d2h", 1), e2e),
         "stall_s": c.transfer_stall + c.cpu_wait,
         "transfer_stall_s": c.transfer_stall,
         "cpu_wait_s": c.cpu_wait,

@@ -193,8 +193,8 @@ def parse_runtime(data: dict[str, Any], where: str) -> RuntimeProfile:
         v = data.get(key, 0)
         if isinstance(v, bool) or not isinstance(v, int | float) or (typ is int and v != int(v)):
             raise UserError(f"{where}: field {key!r} must be a {typ.__name__}, got {v!r}")
-        if v < 0:
-            raise UserError(f"{where}: field {key!r} must be >= 0, got {v!r}")
+        if not math.isfinite(v) or v < 0:
+            raise UserError(f"{where}: field {key!r} must be a finite number >= 0, got {v!r}")
         values[key] = typ(v)
     sources = data.get("source", {})
     if not isinstance(sources, dict) or not all(isinstance(s, str) for s in sources.values()):

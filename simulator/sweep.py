@@ -4,7 +4,8 @@ A :class:`Grid` (from Python, a dict, a TOML file or the ``daopsim sweep`` flags
 configurations in a fixed order (trace, machine, policy, option values, memory point, seed).
 Each configuration gets a key: a SHA-256 over the trace file's bytes, the machine profile's
 resolved content, the policy, the source files of its code and its resolved options, the memory
-point, sequences, seed, calibration and the daopsim version. Finished rows are stored one JSON
+point, sequences, seed, calibration, the daopsim version and the source of the simulator
+package (so an edited cost model or engine re-runs rows). Finished rows are stored one JSON
 file per key in ``RESULTS.parquet.parts/`` (written atomically as each run completes), so a
 sweep killed at any moment and run again skips what is done (and re-runs a policy whose code
 changed); the consolidated table is written atomically at the end.
@@ -35,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from simulator.data import DEFAULT_TRACE, bundled_traces, check_input_file, resolve_trace
-from simulator.errors import DoesNotFit, PolicyError, UserError, parse_key_values
+from simulator.errors import DoesNotFit, PolicyError, UserError, check_seed, parse_key_values
 from simulator.output import TABLE_FORMATS, check_output_file, output_format
 from simulator.output import write_table as _write_any_table
 from simulator.progress import Progress
@@ -372,6 +373,16 @@ def policy_code_sha256(cls: type) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def simulator_code_sha256() -> str:
+    """SHA-256 naming the simulator's code: the source of every module of the ``simulator``
+    package (the engines, the cost model, the runner, the metrics). Part of every key, so a
+    sweep resumed after an edit to any of them re-runs its rows instead of reusing rows the
+    old code computed (policies are keyed by their own code, :func:`policy_code_sha256`)."""
+    here = Path(__file__).resolve().parent
+    parts = {p.name: file_sha256(p) for p in sorted(here.glob("*.py"))}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
 @dataclass(frozen=True)
 class Config:
     """One configuration of a sweep (picklable: it travels to worker processes)."""
@@ -471,6 +482,11 @@ def expand(grid: Grid) -> list[Config]:
     for rate in grid.arrival_rates:
         if not (math.isfinite(rate) and rate > 0):
             raise UserError(f"arrival rate {rate} is not a positive number")
+    for seed in grid.seeds:
+        check_seed(seed, "--seeds")
+    mb = grid.max_batch
+    if mb is not None and (isinstance(mb, bool) or not isinstance(mb, int) or mb < 1):
+        raise UserError(f"--max-batch must be a positive integer, got {mb!r}")
     serving_extra = {
         k: getattr(grid, k)
         for k in ("max_batch", "slo_ttft", "slo_tpot")
@@ -513,8 +529,9 @@ def expand(grid: Grid) -> list[Config]:
     if not memory:
         memory = [(None, None)]
     version = daopsim_version()
+    code = simulator_code_sha256()
     configs: list[Config] = []
-    seen: set[str] = set()
+    seen: dict[str, Config] = {}
     for t, (path, tsha) in traces.items():
         for hw, hsha in hw_sha.items():
             for pol, cls in classes.items():
@@ -539,6 +556,7 @@ def expand(grid: Grid) -> list[Config]:
                             "calibration_sha256": cal_sha,
                             "dtype": grid.dtype,
                             "daopsim": version,
+                            "simulator_code_sha256": code,
                         }
                         if grid.lookahead != "recorded":
                             # only then, so the keys of earlier sweeps stay valid
@@ -554,40 +572,67 @@ def expand(grid: Grid) -> list[Config]:
                             ident.update(gpus=gpus, multi_gpu=mg or "expert")
                         text = json.dumps(ident, sort_keys=True, default=str)
                         key = hashlib.sha256(text.encode()).hexdigest()[:32]
-                        if key in seen:
-                            continue
-                        seen.add(key)
-                        configs.append(
-                            Config(
-                                index=len(configs),
-                                key=key,
-                                policy=pol,
-                                options=tuple(sorted(opts.items())),
-                                hw=hw,
-                                hw_sha=hsha,
-                                trace=t,
-                                trace_path=str(path.resolve()),
-                                trace_bundled=t in bundled,
-                                trace_sha=tsha,
-                                cache_ratio=ratio,
-                                gpu_experts=n,
-                                sequences=grid.sequences,
-                                seed=seed,
-                                calibration=grid.calibration,
-                                dtype=grid.dtype,
-                                lookahead=grid.lookahead,
-                                host_dtype=grid.host_dtype,
-                                nonexpert_dtype=grid.nonexpert_dtype,
-                                arrival_rate=rate,
-                                max_batch=grid.max_batch if rate is not None else None,
-                                slo_ttft=grid.slo_ttft if rate is not None else None,
-                                slo_tpot=grid.slo_tpot if rate is not None else None,
-                                runtime=runtime,
-                                gpus=gpus,
-                                multi_gpu=mg,
-                            )
+                        cfg = Config(
+                            index=len(configs),
+                            key=key,
+                            policy=pol,
+                            options=tuple(sorted(opts.items())),
+                            hw=hw,
+                            hw_sha=hsha,
+                            trace=t,
+                            trace_path=str(path.resolve()),
+                            trace_bundled=t in bundled,
+                            trace_sha=tsha,
+                            cache_ratio=ratio,
+                            gpu_experts=n,
+                            sequences=grid.sequences,
+                            seed=seed,
+                            calibration=grid.calibration,
+                            dtype=grid.dtype,
+                            lookahead=grid.lookahead,
+                            host_dtype=grid.host_dtype,
+                            nonexpert_dtype=grid.nonexpert_dtype,
+                            arrival_rate=rate,
+                            max_batch=grid.max_batch if rate is not None else None,
+                            slo_ttft=grid.slo_ttft if rate is not None else None,
+                            slo_tpot=grid.slo_tpot if rate is not None else None,
+                            runtime=runtime,
+                            gpus=gpus,
+                            multi_gpu=mg,
                         )
+                        if key in seen:
+                            raise _duplicate(seen[key], cfg)
+                        seen[key] = cfg
+                        configs.append(cfg)
     return configs
+
+
+#: Config fields that name a configuration, with the flag that sets each (for messages).
+_LABELS = (
+    ("trace", "--traces"),
+    ("hw", "--hw"),
+    ("policy", "--policies"),
+    ("options", "--policy-opt"),
+    ("cache_ratio", "--cache-ratios"),
+    ("gpu_experts", "--gpu-experts"),
+    ("seed", "--seeds"),
+    ("runtime", "--runtimes"),
+    ("arrival_rate", "--arrival-rates"),
+)
+
+
+def _duplicate(first: Config, again: Config) -> UserError:
+    """The one-line error for two requested configurations with one key (the same run)."""
+    differ = [
+        f"{flag} {getattr(first, name)!r} and {getattr(again, name)!r}"
+        for name, flag in _LABELS
+        if getattr(first, name) != getattr(again, name)
+    ]
+    what = "; ".join(differ) if differ else f"{again.policy} on {again.hw}, {again.trace}, twice"
+    return UserError(
+        f"the sweep asks for the same configuration twice ({what}): the same trace bytes, "
+        "profile content, policy, options and point; give it once"
+    )
 
 
 # --- one run ----------------------------------------------------------------------------------
@@ -624,6 +669,11 @@ def _base_row(cfg: Config) -> dict[str, Any]:
         row["arrival_rate"] = cfg.arrival_rate
         row["max_batch"] = cfg.serving().batch
     return row
+
+
+def _labels(cfg: Config) -> dict[str, Any]:
+    """The columns of a row that name what was asked for rather than what ran."""
+    return {"hw": cfg.hw, "trace": cfg.trace, "runtime": cfg.runtime}
 
 
 def run_config(cfg: Config) -> dict[str, Any]:
@@ -1157,7 +1207,10 @@ def run_sweep(
                 _run_local(todo, n_workers, on_row)
         if bounds:
             add_bounds([done[c.key] for c in configs], configs)
-        df, below_floor = fidelity_floor(to_frame([done[c.key] for c in configs]), min_gate_mass)
+        # a stored row keeps its numbers but takes this request's labels (a key is content: the
+        # same run may have been asked for under another file name or profile name before)
+        rows = [{**done[c.key], **_labels(c)} for c in configs]
+        df, below_floor = fidelity_floor(to_frame(rows), min_gate_mass)
         if out is not None:
             write_table(df, out)
     failed = df[df["status"] == "error"]

@@ -13,8 +13,8 @@ from simulator.commands.common import echo_json, json_option
 from simulator.errors import DoesNotFit, UserError, parse_key_values
 from simulator.output import (
     TABLE_FORMATS,
-    check_output_dir,
-    check_output_file,
+    Output,
+    check_outputs,
     output_format,
     write_table,
 )
@@ -664,9 +664,15 @@ def run(
                 "--arrivals or an SLO)"
             )
         output_format(requests_out, TABLE_FORMATS, "--requests-out")
-        check_output_file(requests_out, "--requests-out", inputs)
-    if out_dir is not None:
-        check_output_dir(out_dir, RUN_FILES, "--out", inputs)
+    # every output before the run: never an input, never one inside the other (--out is
+    # replaced as a whole, and already holds requests.parquet in a serving run)
+    check_outputs(
+        [
+            Output(out_dir, "--out", RUN_FILES) if out_dir is not None else None,
+            Output(requests_out, "--requests-out") if requests_out is not None else None,
+        ],
+        inputs,
+    )
     enabled = not no_progress and sys.stderr.isatty()
     with lazy_progress("sequences", enabled) as progress:
         result = simulate(
