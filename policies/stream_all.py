@@ -54,6 +54,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from policies._mypyc import mypyc_attr
 from policies.base import Action, Param, Plan, Policy, ResourceSpec, SetupContext, Slot, View
 from policies.registry import register
 from simulator.errors import UserError
@@ -61,7 +62,7 @@ from simulator.errors import UserError
 FETCH, TEMP = Action.FETCH, Action.TEMP
 
 
-@register
+@mypyc_attr(allow_interpreted_subclasses=True)
 class StreamAllPolicy(Policy):
     """Nothing stays on the GPU; every use of a layer streams its experts from the host."""
 
@@ -119,9 +120,11 @@ class StreamAllPolicy(Policy):
         # each layer's (layer, expert) slots and prefetch entries, built once (tuples are
         # immutable, so plans may share them)
         self._slots = [[(ll, e) for e in range(n_exp)] for ll in range(n_layers)]
-        self._entries = [[(ll, e, None) for e in range(n_exp)] for ll in range(n_layers)]
+        self._entries: list[list[tuple[int, int, Slot | None]]] = [
+            [(ll, e, None) for e in range(n_exp)] for ll in range(n_layers)
+        ]
         #: (layer, routed experts) -> that layer's prefetch entries (decode_layer)
-        self._prefetch_lists: dict[tuple[int, ...], list[tuple[int, int, None]]] = {}
+        self._prefetch_lists: dict[tuple[int, ...], list[tuple[int, int, Slot | None]]] = {}
         #: (layer, routed experts) -> the plan made when every expert of the victim layer was
         #: resident (each visit streams a whole layer in, so that is every visit but the first
         #: two layers' first): the same decisions every time, so one plan object is returned
@@ -163,3 +166,6 @@ class StreamAllPolicy(Policy):
         if full:
             self._plans[key] = plan
         return plan
+
+
+register(StreamAllPolicy)

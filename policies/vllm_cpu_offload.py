@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from policies._mypyc import mypyc_attr
 from policies.base import (
     ALL_GPU_PLAN,
     Action,
@@ -49,7 +50,7 @@ from simulator.errors import DoesNotFit
 FETCH = Action.FETCH
 
 
-@register
+@mypyc_attr(allow_interpreted_subclasses=True)
 class VllmCpuOffloadPolicy(Policy):
     """The first layers' experts live in pinned host memory and are copied at every pass."""
 
@@ -122,3 +123,6 @@ class VllmCpuOffloadPolicy(Policy):
             evict=evict,
             prefetch=[t for t in self._entries[layer] if t[1] not in want],
         )
+
+
+register(VllmCpuOffloadPolicy)
