@@ -113,7 +113,7 @@ class CachingPolicy(_FetchOnMiss):
         self.init_state(ctx)
         slots = per_layer_initial(ctx, self._mode(ctx), self.quota)
         for layer, e in slots:
-            self.admit(layer, e, -1)
+            self._admit(layer, e, -1)
         return slots
 
     def init_state(self, ctx: SetupContext) -> None:
@@ -136,12 +136,12 @@ class CachingPolicy(_FetchOnMiss):
         """Resident experts of ``layer`` that must not be evicted now (e.g. still in flight)."""
         return None
 
-    def admit(self, layer: int, expert: int, step: int) -> None:
+    def _admit(self, layer: int, expert: int, step: int) -> None:
         """Put ``expert`` in the layer's cache (then :meth:`inserted`)."""
         self.cache[layer].append(expert)
         self.inserted(layer, expert, step)
 
-    def evict(self, layer: int, expert: int) -> None:
+    def _evict(self, layer: int, expert: int) -> None:
         """Take ``expert`` out of the layer's cache (then :meth:`removed`)."""
         self.cache[layer].remove(expert)
         self.removed(layer, expert)
@@ -180,10 +180,10 @@ class CachingPolicy(_FetchOnMiss):
                 if victim is None:
                     actions[e] = TEMP  # the quota cannot hold all experts this token needs
                     continue
-                self.evict(layer, victim)
+                self._evict(layer, victim)
                 plan.victims[e] = (layer, victim)
             actions[e] = FETCH
-            self.admit(layer, e, step)
+            self._admit(layer, e, step)
             self.touch(layer, e, step, 1 if counts is None else int(counts[e]))
         return plan
 

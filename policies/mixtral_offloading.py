@@ -199,9 +199,9 @@ class MixtralOffloadingPolicy(LRUPolicy):
                 if protected.issuperset(cache):
                     break
                 out = self.choose_victim(nl, protected, view.step)
-                self.evict(nl, out)
+                self._evict(nl, out)
                 victim = (nl, out)
-            self.admit(nl, e, view.step)
+            self._admit(nl, e, view.step)
             self.copy_no += 1
             self.pending[(nl, e)] = self.copy_no
             plan.prefetch.append((nl, e, victim))
