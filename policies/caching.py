@@ -221,7 +221,8 @@ class GlobalCachingPolicy(_FetchOnMiss):
 
     ``self.cached`` is the ``[layers, experts]`` membership mask subclasses may read, ``size``
     the number of cached slots and ``capacity`` the budget. The hooks: :meth:`init_state`,
-    :meth:`touch`, :meth:`inserted`, :meth:`removed` and :meth:`choose_victim`.
+    :meth:`touch`, :meth:`inserted`, :meth:`removed`, :meth:`choose_victim`, and :meth:`serve`
+    for a subclass that serves some experts its own way.
     """
 
     params = {
@@ -238,6 +239,9 @@ class GlobalCachingPolicy(_FetchOnMiss):
     capacity: int
     cached: np.ndarray
     size: int
+    #: ``cached`` as per-layer lists of bools (read per expert, where numpy's scalar reads
+    #: would cost more than the rest of a layer's bookkeeping); _admit and _evict keep both
+    _on: list[list[bool]]
 
     def setup(self, ctx: SetupContext) -> Iterable[Slot]:
         """Place the initial contents (see the class docstring)."""
@@ -245,12 +249,12 @@ class GlobalCachingPolicy(_FetchOnMiss):
         n_layers, n_exp = ctx.model.moe_layers, ctx.model.experts
         self.capacity = int(ctx.budget)
         self.cached = np.zeros((n_layers, n_exp), dtype=bool)
+        self._on = [[False] * n_exp for _ in range(n_layers)]
         self.size = 0
         self.init_state(ctx)
         slots = global_initial(ctx, self._mode(ctx), self.capacity)
         for layer, e in slots:
-            self.cached[layer, e] = True
-            self.inserted(layer, e, -1)
+            self._admit(layer, e, -1)
         self.size = len(slots)
         return slots
 
@@ -271,19 +275,34 @@ class GlobalCachingPolicy(_FetchOnMiss):
         ``protected`` (the caller guarantees one exists)."""
         raise NotImplementedError
 
+    def _admit(self, layer: int, expert: int, step: int) -> None:
+        """Put (layer, expert) in the cache (then :meth:`inserted`)."""
+        self.cached[layer, expert] = True
+        self._on[layer][expert] = True
+        self.inserted(layer, expert, step)
+
+    def _evict(self, slot: Slot) -> None:
+        """Take ``slot`` out of the cache (then :meth:`removed`)."""
+        layer, expert = slot
+        self.cached[layer, expert] = False
+        self._on[layer][expert] = False
+        self.removed(layer, expert)
+
     def decode_layer(self, view: View) -> Plan:
         """Hits run on the GPU; misses are fetched (evicting a victim of any layer) or use a
         temporary buffer when only this token's experts are resident."""
+        return self.serve(view, view.experts.tolist())
+
+    def serve(self, view: View, experts: list[int]) -> Plan:
+        """:meth:`decode_layer` for ``experts`` of the layer (see the class docstring)."""
         layer = view.layer
-        experts: list[int] = view.experts.tolist()
         step = view.step
         counts = view.counts
-        cached = self.cached
-        on: list[bool] = cached[layer].tolist()  # hits are judged before any insertion
+        row = self._on[layer]
         actions: dict[int, Action] = {}
         misses: list[int] = []
         for e in experts:
-            if on[e]:
+            if row[e]:
                 actions[e] = GPU
                 self.touch(layer, e, step, 1 if counts is None else int(counts[e]))
             else:
@@ -295,16 +314,14 @@ class GlobalCachingPolicy(_FetchOnMiss):
         for e in misses:
             if self.size < self.capacity:
                 self.size += 1
-            elif self.size == sum(1 for x in protected if cached[layer, x]):
+            elif self.size == sum(1 for x in protected if row[x]):
                 actions[e] = TEMP  # every resident slot holds an expert this token needs
                 continue
             else:
                 victim = self.choose_victim(layer, protected, step)
-                cached[victim] = False
-                self.removed(victim[0], victim[1])
+                self._evict(victim)
                 plan.victims[e] = victim
             actions[e] = FETCH
-            cached[layer, e] = True
-            self.inserted(layer, e, step)
+            self._admit(layer, e, step)
             self.touch(layer, e, step, 1 if counts is None else int(counts[e]))
         return plan

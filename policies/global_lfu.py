@@ -38,21 +38,17 @@ class GlobalLFUPolicy(GlobalCachingPolicy):
 
     stats: LFUCounts
     heap: list[tuple[int, int, int, int]]
-    #: a plain-list mirror of ``self.cached`` (the heap's liveness test reads it per entry,
-    #: where numpy's per-element reads would cost more than the rest of the search)
-    _on: list[list[bool]]
 
     def init_state(self, ctx: SetupContext) -> None:
         """The LFU statistics and the victim heap."""
-        n_layers, n_exp = ctx.model.moe_layers, ctx.model.experts
-        self.stats = LFUCounts(n_layers, n_exp)
+        self.stats = LFUCounts(ctx.model.moe_layers, ctx.model.experts)
         self.heap = []
-        self._on = [[False] * n_exp for _ in range(n_layers)]
 
     def decode_layer(self, view: View) -> Plan:
         """Count this layer's accesses, then serve them as the cache base class does."""
-        self.stats.count(view)
-        return super().decode_layer(view)
+        experts: list[int] = view.experts.tolist()
+        self.stats.count(view.layer, experts, view.counts)
+        return self.serve(view, experts)
 
     def _push(self, layer: int, expert: int) -> None:
         heap = self.heap
@@ -76,12 +72,7 @@ class GlobalLFUPolicy(GlobalCachingPolicy):
     def inserted(self, layer: int, expert: int, step: int) -> None:
         """A new entry is as recent as now."""
         self.stats.stamp(layer, expert)
-        self._on[layer][expert] = True
         self._push(layer, expert)
-
-    def removed(self, layer: int, expert: int) -> None:
-        """Keep the plain-list mirror in step with ``self.cached``."""
-        self._on[layer][expert] = False
 
     def choose_victim(self, layer: int, protected: set[int], step: int) -> Slot:
         """Fewest accesses over all layers; ties by least recent use (ticks are unique): the

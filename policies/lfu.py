@@ -16,6 +16,8 @@ when counts are equal instead of to an arbitrary id order.
 
 from __future__ import annotations
 
+import numpy as np
+
 from policies._mypyc import mypyc_attr
 from policies.base import Plan, SetupContext, View
 from policies.caching import CachingPolicy
@@ -36,11 +38,10 @@ class LFUCounts:
         self.last: list[list[int]] = [[-1] * n_experts for _ in range(n_layers)]
         self.tick = 0
 
-    def count(self, view: View) -> None:
-        """Count this layer's accesses: one per routed expert, or its prompt (batch) tokens."""
-        freq = self.freq[view.layer]
-        counts = view.counts
-        experts: list[int] = view.experts.tolist()
+    def count(self, layer: int, experts: list[int], counts: np.ndarray | None) -> None:
+        """Count a layer's accesses: one per routed expert, or (``counts``, a prefill pass or
+        a batched step) the tokens that chose it."""
+        freq = self.freq[layer]
         if counts is None:
             for e in experts:
                 freq[e] += 1
@@ -70,8 +71,9 @@ class LFUPolicy(CachingPolicy):
 
     def decode_layer(self, view: View) -> Plan:
         """Count this layer's accesses, then serve them as the cache base class does."""
-        self.stats.count(view)
-        return super().decode_layer(view)
+        experts: list[int] = view.experts.tolist()
+        self.stats.count(view.layer, experts, view.counts)
+        return self.serve(view, experts)
 
     def touch(self, layer: int, expert: int, step: int, weight: int) -> None:
         """Record recency for the tie-break (counting happens in decode_layer)."""
