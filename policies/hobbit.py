@@ -34,7 +34,6 @@ llama.cpp's loop is not modelled (docs/cost-model.md, "Runtime profiles").
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -111,10 +110,11 @@ class HobbitPolicy(LRUPolicy):
         return list(super().setup(ctx))
 
     def classify(
-        self, experts: list[int], weights: Sequence[float], resident: Sequence[bool]
+        self, experts: list[int], weights: list[float], resident: Any
     ) -> tuple[list[int], list[int]]:
         """The token's misses that load a low-bit copy, and those it skips (rank order);
-        ``resident`` is the layer's residency row (``resident[e]``: expert e is resident)."""
+        ``resident`` is the layer's residency row (a list or an array: ``resident[e]`` is true
+        when expert e is resident)."""
         total = sum(weights)
         if total <= 0.0:
             return [], []
