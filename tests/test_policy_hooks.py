@@ -457,7 +457,7 @@ def test_hobbit_classify_decides_every_decode_token(low_all: bool, trace: Path) 
 
     class Classify(cls):  # type: ignore[valid-type,misc]
         def classify(
-            self, experts: list[int], weights: list[float], resident: list[bool]
+            self, experts: list[int], weights: list[float], resident: Any
         ) -> tuple[list[int], list[int]]:
             log.add(self, "classify")
             if low_all:
