@@ -314,7 +314,7 @@ class GlobalCachingPolicy(_FetchOnMiss):
         for e in misses:
             if self.size < self.capacity:
                 self.size += 1
-            elif self.size == sum(1 for x in protected if row[x]):
+            elif self.size <= len(protected) and self.size == sum(1 for x in protected if row[x]):
                 actions[e] = TEMP  # every resident slot holds an expert this token needs
                 continue
             else:
