@@ -29,11 +29,12 @@ Traces: :func:`bundled_traces`, :func:`trace_path`, :func:`read_meta`, :func:`it
 
 Machines, models and costs: :func:`load_profile`, :func:`list_profiles`, :func:`get_runtime`,
 :func:`runtime_names`, :func:`get_model`, :data:`DTYPES`, :func:`cost_model`,
-:func:`expert_fit`. Writing a policy: :class:`Policy` (or :class:`CachingPolicy`),
-:func:`register`, :func:`policy_class`, :func:`load_policy_file`, :class:`Plan`,
-:class:`Action`, :class:`View`, :class:`SetupContext`, :class:`ResourceSpec`, :class:`Param`;
-:func:`policies` lists them. Writing outputs safely: :func:`output_dir`, :func:`write_text`,
-:func:`write_file`, :func:`check_output_file`. Errors: :class:`UserError`, :class:`PolicyError`.
+:func:`runtime_cost_model` (with a runtime's per-call costs), :func:`expert_fit`. Writing a policy:
+:class:`Policy` (or :class:`CachingPolicy`), :func:`register`, :func:`policy_class`,
+:func:`load_policy_file`, :class:`Plan`, :class:`Action`, :class:`View`, :class:`SetupContext`,
+:class:`ResourceSpec`, :class:`Param`; :func:`policies` lists them. Writing outputs safely:
+:func:`output_dir`, :func:`write_text`, :func:`write_file`, :func:`check_output_file`. Errors:
+:class:`UserError`, :class:`PolicyError`.
 
 Learning a policy: the submodule ``daopsim.gym`` (the ``gym`` extra) is a Gymnasium environment
 over the simulator and trains the ``learned`` policy (docs/learned-policies.md).
@@ -86,7 +87,7 @@ if TYPE_CHECKING:  # the real objects, for type checkers and IDEs
         save_figure,
     )
     from simulator.results import RunResult
-    from simulator.runner import expert_fit, simulate
+    from simulator.runner import expert_fit, runtime_cost_model, simulate
     from simulator.runtime_profiles import get_runtime, runtime_names
     from simulator.serving import ServingConfig
     from simulator.stats import trace_stats
@@ -179,6 +180,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     **_names("simulator.runtime_profiles", "get_runtime", "runtime_names"),
     **_names("simulator.models", "get_model", "DTYPES"),
     **_names("simulator.costs", "cost_model"),
+    **_names("simulator.runner", "runtime_cost_model"),
     # writing a policy
     **_names(
         "policies.base", "Policy", "Plan", "Action", "View", "SetupContext", "ResourceSpec", "Param"
@@ -250,6 +252,7 @@ __all__ = [
     "register",
     "run_capture",
     "run_sweep",
+    "runtime_cost_model",
     "runtime_names",
     "save_figure",
     "seed_summary",

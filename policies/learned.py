@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from policies._mypyc import mypyc_attr
 from policies.base import Param
 from policies.observed import FEATURES, ObservedCache
 from policies.registry import register
@@ -98,7 +99,7 @@ class Scorer:
         return cls(**arrays, b2=float(b2), trained=trained if isinstance(trained, dict) else {})
 
 
-@register
+@mypyc_attr(allow_interpreted_subclasses=True)
 class LearnedPolicy(ObservedCache):
     """Evict the resident expert a trained scorer rates highest (imitating Belady's MIN)."""
 
@@ -121,3 +122,6 @@ class LearnedPolicy(ObservedCache):
             return candidates[0]
         s = self.scorer.scores(self.feature_matrix(layer)[candidates])
         return candidates[int(np.argmax(s))]
+
+
+register(LearnedPolicy)

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from policies._mypyc import mypyc_attr
 from policies.base import Plan, SetupContext, View
 from policies.caching import CachingPolicy
 
@@ -43,6 +44,7 @@ FEATURES = (
 )
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class ObservedCache(CachingPolicy):
     """Per-layer fetch-on-miss cache whose victim :meth:`decide` picks from its statistics."""
 
