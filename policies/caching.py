@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
@@ -347,8 +348,9 @@ class GlobalCachingPolicy(_FetchOnMiss):
 
 def _slot(x: object, shape: tuple[int, ...]) -> tuple[int, int] | None:
     """``x`` as a (layer, expert) pair inside ``shape``, or None when it is not one."""
+    pair: Any = x
     try:
-        a, b = x  # type: ignore[misc]
+        a, b = pair
     except (TypeError, ValueError):
         return None
     if isinstance(a, bool) or isinstance(b, bool):

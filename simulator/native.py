@@ -27,7 +27,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
-#: the modules mypyc compiles, in one group (their extension shares one runtime library)
+_ROOT = Path(__file__).resolve().parent.parent
+#: policy modules that stay interpreted: the registry (plugins, entry points) and the shim
+_INTERPRETED_POLICIES = ("__init__", "_mypyc", "registry")
+#: the modules mypyc compiles, in one group (their extension shares one runtime library): the
+#: engine core, the policy boundary and every built-in policy with the policy API they share
 COMPILED = (
     "simulator.core.ops",
     "simulator.core.resources",
@@ -36,6 +40,11 @@ COMPILED = (
     "simulator.core.apply",
     "simulator.core.loop",
     "simulator.boundary",
+    *sorted(
+        f"policies.{p.stem}"
+        for p in (_ROOT / "policies").glob("*.py")
+        if p.stem not in _INTERPRETED_POLICIES
+    ),
 )
 #: the group's shared library (a module inside the package, so the wheel adds no top name)
 GROUP = "simulator.core.native"
@@ -44,7 +53,6 @@ MANIFEST = "native-build.json"
 #: set to 1 to run the pure-Python sources even when a compiled build is present
 ENV = "DAOPSIM_PURE_PYTHON"
 
-_ROOT = Path(__file__).resolve().parent.parent
 _choice: tuple[bool, str] | None = None
 
 

@@ -48,6 +48,45 @@ def tiny_model(
     )
 
 
+def setup_context(
+    moe_layers: int,
+    experts: int,
+    budget: int,
+    calibration: np.ndarray | None = None,
+    layers: int | None = None,
+    top_k: int = 2,
+    hw: str = "a6000-pcie4",
+) -> SetupContext:
+    """A policy's set-up context for a tiny model of this shape (to call ``setup`` directly)."""
+    from simulator.costs import cost_model
+    from simulator.hardware import load_profile
+
+    model = dataclasses.replace(
+        tiny_model(experts=experts, top_k=min(top_k, experts), moe_layers=moe_layers),
+        layers=moe_layers if layers is None else layers,
+    )
+    costs = cost_model(load_profile(hw), model)
+    return SetupContext(
+        model=model, budget=budget, costs=costs, calibration=calibration, calibration_prefill=None
+    )
+
+
+def decode_view(
+    layer: int,
+    experts: Sequence[int],
+    resident: np.ndarray | None = None,
+    n_tokens: int = 1,
+) -> View:
+    """A policy's view of one layer's routing (to call ``decode_layer`` directly)."""
+    v = View()
+    v.layer = layer
+    v.experts = np.asarray(experts, dtype=np.int64)
+    v.n_tokens = n_tokens
+    if resident is not None:
+        v.resident = resident
+    return v
+
+
 def _resolve_model(model: str | ModelShape) -> ModelShape:
     return model if isinstance(model, ModelShape) else get_model(model)
 

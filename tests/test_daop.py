@@ -15,8 +15,8 @@ import pytest
 
 from policies.base import Action, Plan, SetupContext, View
 from policies.daop import DAOPPolicy, swap_pairs
-from simulator.costs import cost_model
 from simulator.core.loop import Engine
+from simulator.costs import cost_model
 from simulator.hardware import load_profile
 from simulator.models import get_model
 from simulator.testing import make_trace, routing_from_experts, tiny_model

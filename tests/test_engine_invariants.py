@@ -23,11 +23,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from policies.base import Action, Plan, Policy, SetupContext, Slot, View
-from simulator.costs import cost_model
 from simulator.core.loop import Engine
+from simulator.core.resources import Lane
+from simulator.costs import cost_model
 from simulator.errors import PolicyError
 from simulator.hardware import load_profile
-from simulator.core.resources import Lane
 from simulator.recorder import Recorder
 from simulator.testing import ChaosPolicy, random_routing, routing_from_experts, tiny_model
 from simulator.trace import SequenceRouting

@@ -9,27 +9,25 @@ layers earlier freed first. Also Mixtral-offloading's prefill swap with write-ba
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 
 from policies.accelerate import AcceleratePolicy
-from policies.base import Action
+from policies.base import Action, SetupContext, View
 from policies.vllm_cpu_offload import VllmCpuOffloadPolicy
 from simulator.errors import DoesNotFit, UserError
 from simulator.runner import simulate
+from simulator.testing import decode_view, setup_context
 
 FETCH, TEMP = Action.FETCH, Action.TEMP
 
 
-def _ctx(moe_layers: int, experts: int, budget: int) -> SimpleNamespace:
-    model = SimpleNamespace(moe_layers=moe_layers, experts=experts)
-    return SimpleNamespace(model=model, budget=budget, calibration=None)
+def _ctx(moe_layers: int, experts: int, budget: int) -> SetupContext:
+    return setup_context(moe_layers, experts, budget)
 
 
-def _view(layer: int, experts: list[int], resident: np.ndarray) -> SimpleNamespace:
-    return SimpleNamespace(layer=layer, experts=np.array(experts), resident=resident)
+def _view(layer: int, experts: list[int], resident: np.ndarray) -> View:
+    return decode_view(layer, experts, resident)
 
 
 def test_accelerate_keeps_leading_layers_and_copies_routed_experts() -> None:

@@ -16,9 +16,9 @@ import pytest
 
 from policies.base import Action, Plan, Policy, ResourceSpec
 from policies.hobbit import HobbitPolicy
-from simulator.costs import cost_model
 from simulator.core.loop import Engine
 from simulator.core.ops import Counters
+from simulator.costs import cost_model
 from simulator.errors import PolicyError, UserError
 from simulator.hardware import load_profile
 from simulator.models import DTYPE_BYTES

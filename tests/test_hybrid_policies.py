@@ -9,31 +9,31 @@ four placement strategies on a hand-made calibration matrix, and its per-expert 
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from policies.base import Action, Plan
+from policies.base import Action, Plan, SetupContext, View
 from policies.ktransformers import KTransformersPolicy, place_gpu_experts
 from policies.llama_cpp_cpu_moe import LlamaCppCpuMoePolicy, cpu_moe_layers
 from simulator.cli import main
 from simulator.errors import DoesNotFit, UserError
 from simulator.runner import simulate
+from simulator.testing import decode_view, setup_context
 
 GPU, TEMP, CPU = Action.GPU, Action.TEMP, Action.CPU
 
 
-def _ctx(layers: int, moe_layers: int, experts: int, budget: int, calibration=None):
-    model = SimpleNamespace(layers=layers, moe_layers=moe_layers, experts=experts)
-    return SimpleNamespace(model=model, budget=budget, calibration=calibration)
+def _ctx(
+    layers: int, moe_layers: int, experts: int, budget: int, calibration: Any = None
+) -> SetupContext:
+    return setup_context(moe_layers, experts, budget, calibration, layers=layers)
 
 
-def _view(layer: int, experts: list[int], n_tokens: int = 1, resident=None):
-    return SimpleNamespace(
-        layer=layer, experts=np.array(experts), n_tokens=n_tokens, resident=resident
-    )
+def _view(layer: int, experts: list[int], n_tokens: int = 1, resident: Any = None) -> View:
+    return decode_view(layer, experts, resident, n_tokens)
 
 
 @pytest.fixture(scope="module")

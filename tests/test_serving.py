@@ -26,8 +26,8 @@ import simulator.runner as runner_mod
 from policies.lru import LRUPolicy
 from policies.registry import available
 from simulator.cli import main
-from simulator.costs import cost_model
 from simulator.core.loop import Engine
+from simulator.costs import cost_model
 from simulator.errors import UserError
 from simulator.hardware import load_profile
 from simulator.recorder import Recorder
