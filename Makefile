@@ -5,8 +5,13 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 DAOPSIM := $(VENV)/bin/daopsim
+# the compiled engine core (mypyc, simulator/native.py): rebuilt when a compiled source changes
+NATIVE := $(VENV)/.native
+NATIVE_SOURCES := setup.py simulator/native.py simulator/boundary.py $(wildcard simulator/core/*.py) $(wildcard policies/*.py)
+# tests run on both cores: pytest-xdist spreads them over the cores
+JOBS ?= 2
 
-.PHONY: install run test lint format bench notebooks notebook regress validate docs-validation clean
+.PHONY: install native run test lint format bench notebooks notebook regress validate docs-validation clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,11 +19,19 @@ $(STAMP): pyproject.toml
 	# torch is pinned: an unpinned torch pulls a multi-GB CUDA build.
 	$(PIP) install -q "torch==2.13.0"
 	$(PIP) install -q -e ".[capture,dask,dev,gym]"
-	touch $(STAMP)
+	touch $(STAMP) $(NATIVE)
 
 install: $(STAMP)
 
-run: $(STAMP)
+# compiles the engine core and the policies in place (falls back to pure Python without a C
+# compiler); `install` does it too, this redoes it after their sources change
+$(NATIVE): $(STAMP) $(NATIVE_SOURCES)
+	$(PIP) install -q --no-build-isolation --no-deps -e .
+	touch $(NATIVE)
+
+native: $(NATIVE)
+
+run: $(NATIVE)
 	$(DAOPSIM) run --policy daop --hw a6000-pcie4
 
 lint: $(STAMP)
@@ -29,9 +42,12 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-# lint, then every test (the notebooks are executed by tests/test_notebooks.py)
-test: $(STAMP) lint
-	$(PY) -m pytest
+# lint, then every test on the installed (compiled) core, then the tests that patch the core's
+# classes on the interpreted core (marker `pure`), then the golden store. The notebooks are
+# executed by tests/test_notebooks.py.
+test: $(NATIVE) lint
+	$(PY) -m pytest -n $(JOBS)
+	DAOPSIM_PURE_PYTHON=1 $(PY) -m pytest -n $(JOBS) -m "pure and not bench"
 	$(DAOPSIM) regress --no-progress
 
 notebooks: $(STAMP)
@@ -42,10 +58,10 @@ notebook: $(STAMP)
 	$(PIP) install -q -e ".[notebook]"
 	$(VENV)/bin/jupyter lab notebooks/
 
-bench: $(STAMP)
+bench: $(NATIVE)
 	$(PY) -m pytest tests/bench -m bench -q --override-ini addopts=
 
-regress: $(STAMP)
+regress: $(NATIVE)
 	$(DAOPSIM) regress
 
 validate: $(STAMP)

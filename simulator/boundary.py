@@ -203,7 +203,8 @@ def _check_spec(hooks: Hooks, plan: Any, layer: int, spec: Any) -> None:
 
 class _PlanCheck:
     """One plan's check: the residency as the plan changes it, step by step. A plan is
-    whatever the policy returned (typed ``Any``: its fields may hold any objects)."""
+    whatever the policy returned (typed ``Any``: its fields may hold any objects). Experts
+    are named by their flat index ``layer * n_experts + expert``, as the residency stores them."""
 
     def __init__(
         self,
@@ -217,8 +218,9 @@ class _PlanCheck:
     ) -> None:
         self.hooks, self.plan, self.layer, self.routed = hooks, plan, layer, routed
         self.res, self.spec, self.now = res, spec, now
+        self.n_experts = res.n_experts
         #: residency changes made earlier in this plan
-        self.changed: dict[Slot, bool] = {}
+        self.changed: dict[int, bool] = {}
         self.n_res = res.n_resident
         actions = plan.actions
         if actions is None:
@@ -231,9 +233,9 @@ class _PlanCheck:
     def err(self, message: str) -> PolicyError:
         return self.hooks.error(message, self.layer)
 
-    def is_res(self, slot: Slot) -> bool:
-        v = self.changed.get(slot)
-        return bool(self.res.mask[slot[0] * self.res.n_experts + slot[1]]) if v is None else v
+    def is_res(self, i: int) -> bool:
+        v = self.changed.get(i)
+        return bool(self.res.mask[i]) if v is None else v
 
     def evict(self, item: Any, what: str) -> None:
         """An eviction (or a fetch's victim): resident, not in flight, not needed now."""
@@ -243,38 +245,38 @@ class _PlanCheck:
                 f"returned a malformed plan ({what} {item!r} is not a (layer, expert) pair)"
             )
         vl, ve = slot
-        if not (0 <= vl < self.res.n_layers and 0 <= ve < self.res.n_experts):
+        if not (0 <= vl < self.res.n_layers and 0 <= ve < self.n_experts):
             raise self.err(f"evicts ({vl}, {ve}), outside the model")
-        if not self.is_res(slot):
+        i = vl * self.n_experts + ve
+        if not self.is_res(i):
             raise self.err(f"evicts expert {ve} of layer {vl}, which is not resident")
         in_use = vl == self.layer and ve in self.needed
         if in_use and not (self.spec.evicts_in_use and self.spec.writeback):
             raise self.err(f"evicts expert {ve} of layer {vl}, which this token needs")
-        ready = self.res.ready[vl * self.res.n_experts + ve]
-        if not in_use and (slot in self.changed or ready > self.now):
+        if not in_use and (i in self.changed or self.res.ready[i] > self.now):
             raise self.err(f"evicts expert {ve} of layer {vl} while it is still being copied")
-        self.changed[slot] = False
+        self.changed[i] = False
         self.n_res -= 1
 
-    def fetch(self, slot: Slot, victim: Any, what: str) -> None:
+    def fetch(self, layer: int, e: int, victim: Any, what: str) -> None:
         """A copy into a slot, after its victim's eviction; the budget must hold it."""
         if victim is not None:
             self.evict(victim, "victim")
         budget = self.res.budget
         if self.n_res >= budget:
             raise self.err(
-                f"{what} expert {slot[1]} of layer {slot[0]} with all {budget} slots full "
-                "and no victim"
+                f"{what} expert {e} of layer {layer} with all {budget} slots full and no victim"
             )
-        self.changed[slot] = True
+        self.changed[layer * self.n_experts + e] = True
         self.n_res += 1
 
     def check_routed(self, precalc: Collection[Slot]) -> list[int]:
         """Each routed expert's action, resident experts first; returns that order."""
         actions, layer = self.plan.actions, self.layer
+        row = layer * self.n_experts
         if actions is None:
             for e in self.routed:
-                if not self.is_res((layer, e)):
+                if not self.is_res(row + e):
                     raise self.err(f"runs expert {e} on the GPU but it is not resident")
             return self.routed
         for value in actions.values():
@@ -287,20 +289,19 @@ class _PlanCheck:
         temps = 0
         for e in order:
             a = actions.get(e)
-            slot = (layer, e)
             if a is None:
                 raise self.err(f"gives no action for routed expert {e}")
-            if a == _GPU and not self.is_res(slot):
+            if a == _GPU and not self.is_res(row + e):
                 raise self.err(f"runs expert {e} on the GPU but it is not resident")
             if a == _FETCH:
-                if self.is_res(slot):
+                if self.is_res(row + e):
                     raise self.err(f"fetches expert {e}, which is already resident")
-                self.fetch(slot, self.plan.victims.get(e), "fetches")
+                self.fetch(layer, e, self.plan.victims.get(e), "fetches")
             elif a == _TEMP:
-                if self.is_res(slot):
+                if self.is_res(row + e):
                     raise self.err(f"copies expert {e} to a temporary buffer but it is resident")
                 temps += 1
-            elif a == _PRE and slot not in precalc:
+            elif a == _PRE and (layer, e) not in precalc:
                 raise self.err(f"uses a CPU pre-calculation of expert {e} that was never submitted")
         if len(actions) != len(self.routed):
             extra = sorted(set(actions) - set(self.routed))
@@ -322,11 +323,11 @@ class _PlanCheck:
         if slot is None:
             raise self.err(f"returned a malformed plan (prefetch entry {item!r})")
         pl, pe = slot
-        if not (0 <= pl < self.res.n_layers and 0 <= pe < self.res.n_experts):
+        if not (0 <= pl < self.res.n_layers and 0 <= pe < self.n_experts):
             raise self.err(f"prefetches ({pl}, {pe}), outside the model")
-        if self.is_res(slot):
+        if self.is_res(pl * self.n_experts + pe):
             raise self.err(f"prefetches expert {pe} of layer {pl}, already resident")
-        self.fetch(slot, victim, "prefetches")
+        self.fetch(pl, pe, victim, "prefetches")
 
 
 def _check_low_bit(hooks: Hooks, plan: Any, layer: int, routed: list[int], spec: Any) -> None:

@@ -828,7 +828,7 @@ class BatchStep(CoreStep):
         self.prefill = n_decode == 0
         self.hook = "prefill_layer" if self.prefill else "batch_layer"
         self.load = (n, kv // n)
-        self.part = self.ne = self.ops = (-1, eng.step)
+        self.part = self.ops = (-1, eng.step)
         self.who = who
         self.what = what
         if eng.recorder is not None and eng.recorder.batches is not None:

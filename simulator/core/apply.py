@@ -72,8 +72,8 @@ class Applier:
             needed = set(routed)
         else:
             needed = {e for e in routed if actions[e] in (_GPU, _FETCH)}
-        for slot in plan.evict:
-            self._evict((int(slot[0]), int(slot[1])), needed, w)
+        for victim in plan.evict:
+            self._evict(int(victim[0]), int(victim[1]), needed, w)
         temps: list[int] = []
         cpu_jobs: list[int] = []
         hits = 0
@@ -83,7 +83,7 @@ class Applier:
                 hits += 1
                 w.gpu.append(self._hit(layer, e))
             elif a == _FETCH:
-                op = self._fetch((layer, e), "fetch", plan.victims.get(e), needed, w)
+                op = self._fetch(layer, e, "fetch", plan.victims.get(e), needed, w)
                 self.c.fetches += 1
                 w.gpu.append(GpuJob(e, 0.0, op))
             elif a == _TEMP:
@@ -96,9 +96,8 @@ class Applier:
         for e in temps:
             w.gpu.append(GpuJob(e, 0.0, self._temp(layer, e, plan.low_bit, w)))
         for pl, pe, victim in plan.prefetch:
-            slot = (int(pl), int(pe))
-            self._fetch(slot, "prefetch", victim, needed, w)
-            self.res.prefetched[slot[0] * self.res.n_experts + slot[1]] = 1
+            self._fetch(int(pl), int(pe), "prefetch", victim, needed, w)
+            self.res.prefetched[int(pl) * self.res.n_experts + int(pe)] = 1
             self.c.prefetches += 1
         self._cpu_work(plan, layer, cpu_jobs, counts, cpu_layer, w)
         w.cpu_first = plan.cpu_first
@@ -139,38 +138,38 @@ class Applier:
             op.dev = self.m.gpu_of[layer][expert]
         return op
 
-    def _evict(self, slot: tuple[int, int], needed: set[int], w: LayerWork) -> None:
+    def _evict(self, layer: int, expert: int, needed: set[int], w: LayerWork) -> None:
         """Evict a resident expert; with write-back its slot stays held until its copy to
         the host ends (an expert still needed in this layer: after its computation)."""
         res, c = self.res, self.c
-        i = slot[0] * res.n_experts + slot[1]
+        i = layer * res.n_experts + expert
         res.remove(i)
         c.evictions += 1
-        if slot[0] == w.layer and slot[1] in needed:
-            w.deferred[slot[1]] = self._writeback_op(slot, w)
+        if layer == w.layer and expert in needed:
+            w.deferred[expert] = self._writeback_op(layer, expert, w)
             return
         if res.prefetched[i]:
             res.prefetched[i] = 0
             c.prefetch_wasted_bytes += self.expert_bytes
         if self.writeback:
-            w.ops.append(self._writeback_op(slot, w))
+            w.ops.append(self._writeback_op(layer, expert, w))
         else:  # the slot is free at once (nothing ever waits for one without write-back)
-            k = 0 if self.m.gpu_of is None else self.m.gpu_of[slot[0]][slot[1]]
+            k = 0 if self.m.gpu_of is None else self.m.gpu_of[layer][expert]
             self.ex.release(k, w.now)
 
-    def _writeback_op(self, slot: tuple[int, int], w: LayerWork) -> Op:
+    def _writeback_op(self, layer: int, expert: int, w: LayerWork) -> Op:
         self.c.d2h_bytes += self.expert_bytes
         self.c.d2h_expert_copies += 1
-        return self._op(WRITEBACK, "writeback", slot[0], slot[1], w)
+        return self._op(WRITEBACK, "writeback", layer, expert, w)
 
     def _fetch(
-        self, slot: tuple[int, int], kind: str, victim: Any, needed: set[int], w: LayerWork
+        self, layer: int, expert: int, kind: str, victim: Any, needed: set[int], w: LayerWork
     ) -> Op:
         """Copy an expert into a slot (``kind``: a fetch or a prefetch), after its victim."""
         if victim is not None:
-            self._evict((int(victim[0]), int(victim[1])), needed, w)
-        op = self._op(FETCH, kind, slot[0], slot[1], w)
-        self.res.insert(slot[0] * self.res.n_experts + slot[1], op)
+            self._evict(int(victim[0]), int(victim[1]), needed, w)
+        op = self._op(FETCH, kind, layer, expert, w)
+        self.res.insert(layer * self.res.n_experts + expert, op)
         self.c.h2d_bytes += self.expert_bytes
         self.c.h2d_expert_copies += 1
         w.ops.append(op)

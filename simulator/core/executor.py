@@ -16,16 +16,24 @@ results it consumes are done.
 
 from __future__ import annotations
 
-import heapq
 from collections import deque
 from typing import Any
 
 from simulator.core.machine import Link, Machine
-from simulator.core.ops import CPU, FETCH, PEER, TEMP, WAKE, WRITEBACK, Counters, LayerWork, Op
-from simulator.core.resources import Residency
-
-#: a GPU job in the stream heap: (start key, ready, expert, temporary buffer or -1, GPU)
-Job = tuple[float, float, int, int, int]
+from simulator.core.ops import (
+    CPU,
+    FETCH,
+    PEER,
+    TEMP,
+    WAKE,
+    WRITEBACK,
+    Counters,
+    GpuJob,
+    Heap,
+    LayerWork,
+    Op,
+)
+from simulator.core.resources import INF, Residency
 
 
 class Executor:
@@ -49,7 +57,8 @@ class Executor:
         self.act_bytes = act_bytes
         #: copies and kernels share one stream (ResourceSpec.one_stream)
         self.one_stream = one_stream
-        self.heap: list[tuple[float, int, int, Op]] = []
+        #: submitted requests keyed (submission time, issue number, submission number)
+        self.heap = Heap()
         self._uid = 0
         #: issue numbers: the queueing rule's tie-break, taken as operations are created
         self.seq = 0
@@ -58,10 +67,10 @@ class Executor:
         # clock, busy time, whether its fused call is still to charge, computations left,
         # free temporary buffers and the copies waiting for one
         n = machine.n_gpus
-        self.jobs: list[Job] = []
+        self.jobs = Heap()
         self.waiting = 0
         self.base = [0.0] * n
-        self.held: list[list[tuple[float, int, int]] | None] = [None] * n
+        self.held: list[list[GpuJob] | None] = [None] * n
         self.g = [0.0] * n
         self.busy = [0.0] * n
         self.unfused = [True] * n
@@ -83,29 +92,35 @@ class Executor:
 
     def push(self, t: float, op: Op) -> None:
         """Submit ``op`` (its next stage) at ``t``."""
-        heapq.heappush(self.heap, (t, op.seq, self._uid, op))
+        op.k1, op.k2, op.k3, op.k4 = t, 0.0, op.seq, self._uid
         self._uid += 1
+        self.heap.push(op)
+
+    def next_time(self) -> float:
+        """When the next submitted request was submitted (inf: none)."""
+        items = self.heap.items
+        return items[0].k1 if items else INF
 
     def advance(self, now: float) -> None:
         """Serve every request submitted at or before ``now``."""
-        heap = self.heap
-        while heap and heap[0][0] <= now:
+        while self.next_time() <= now:
             self.serve_next()
 
     def serve_next(self) -> None:
         """Serve the next submitted request (or stage of one) in queueing-rule order."""
-        t, _, _, op = heapq.heappop(self.heap)
-        self.serve(t, op)
+        op = self.heap.pop()
+        assert isinstance(op, Op)
+        self.serve(op.k1, op)
 
     def drain(self) -> None:
         """Serve everything still submitted (background work after the last token)."""
-        while self.heap:
+        while self.heap.items:
             self.serve_next()
 
     def resolve(self, op: Op) -> float:
         """Serve requests until ``op`` has its end time; returns it."""
         while op.end < 0.0:
-            if not self.heap:
+            if not self.heap.items:
                 raise RuntimeError(f"engine: operation {op.rkind} can never complete")
             self.serve_next()
         return op.end
@@ -171,11 +186,13 @@ class Executor:
 
     def _landed(self, op: Op, end: float) -> None:
         """A copy a GPU computation of the current layer waits for has ended."""
-        if op.gpu:
+        job = op.job
+        if op.gpu and job is not None:
             op.gpu = False
             self.waiting -= 1
-            buf = op.buf if op.kind == TEMP else -1
-            self.add_job(op.dev, end, op.expert, buf)
+            job.ready = end
+            job.buf = op.buf if op.kind == TEMP else -1
+            self.add_job(job)
 
     def _write_back(self, t: float, op: Op) -> None:
         """An evicted expert's copy back to the host, issued on the loads' stream (it holds
@@ -216,8 +233,7 @@ class Executor:
                 op.stage = 1
             else:
                 op.end = t
-                if op.chain is not None:
-                    self.push(t, op.chain)
+                self._chain_next(op, t)
                 return
         if op.stage == 1:  # on the shared CPU; it ends when a wake-up says so
             self.m.cpu.submit(t, self.m.cpu_job(op, op.seq, t, op.n))
@@ -237,19 +253,23 @@ class Executor:
             self.push(e, op)
             return
         op.end = e
+        self._chain_next(op, e)
+
+    def _chain_next(self, op: Op, t: float) -> None:
+        """A serial CPU chain: the next call is submitted once ``op``'s result is in (at
+        ``t``), and no earlier than its own drive read ends (the SSD tier)."""
         nxt = op.chain
-        if nxt is not None:  # a chained CPU expert may still wait for its drive read
-            self.push(e if e >= nxt.ssd_at else nxt.ssd_at, nxt)
+        if nxt is not None:
+            self.push(t if t >= nxt.ssd_at else nxt.ssd_at, nxt)
 
     def cpu_next(self) -> None:
         """Schedule the shared CPU's next event (ahead of requests submitted at that time)."""
         cpu = self.m.cpu
         t = cpu.next_event()
-        if t != float("inf"):
+        if t != INF:  # ahead of requests submitted at the same time (issue number -1)
             wake = Op(WAKE, "wake", -1, 0, 0, 0, 0)
             wake.n = cpu.version
-            heapq.heappush(self.heap, (t, -1, self._uid, wake))
-            self._uid += 1
+            self.push(t, wake)
 
     def _cpu_wake(self, t: float) -> None:
         """The shared CPU's event at ``t``: calls that end there return their results."""
@@ -307,8 +327,8 @@ class Executor:
                 self.base[k] = e
             held = self.held[k]
             self.held[k] = None
-            for ready, expert, buf in held or ():
-                self.add_job(k, ready, expert, buf)
+            for job in held or ():
+                self.add_job(job)
 
     def peer_op(self, w: LayerWork, src: int, dst: int, n: int) -> Op:
         """An activation transfer of ``n`` tokens of ``w``'s layer between two GPUs."""
@@ -317,14 +337,17 @@ class Executor:
         return op
 
     # -- one layer ------------------------------------------------------------------------------
-    def add_job(self, k: int, ready: float, expert: int, buf: int) -> None:
-        """A GPU computation of the current layer on GPU ``k``, startable from ``ready``."""
-        held = self.held[k]
+    def add_job(self, job: GpuJob) -> None:
+        """A GPU computation of the current layer, startable from ``job.ready`` on its GPU
+        (and no earlier than the GPU's ``base``)."""
+        held = self.held[job.dev]
         if held is not None:  # its GPU's activations are not there yet
-            held.append((ready, expert, buf))
-        else:
-            base = self.base[k]
-            heapq.heappush(self.jobs, (ready if ready > base else base, ready, expert, buf, k))
+            held.append(job)
+            return
+        base = self.base[job.dev]
+        job.k1 = job.ready if job.ready > base else base
+        job.k2, job.k3 = job.ready, job.expert
+        self.jobs.push(job)
 
     def run_layer(self, w: LayerWork) -> float:
         """Time one layer's work; returns when the layer ends."""
@@ -426,10 +449,10 @@ class Executor:
             for k in range(self.m.n_gpus):
                 if sync_end > base[k]:
                     base[k] = sync_end
-            jobs = [(max(r, base[k]), r, e, b, k) for _, r, e, b, k in self.jobs]
-            self.jobs.clear()
-            for job in jobs:
-                heapq.heappush(self.jobs, job)
+            for job in self.jobs.items:
+                assert isinstance(job, GpuJob)
+                job.k1 = max(job.ready, base[job.dev])
+            self.jobs.rebuild()
 
     def _gpu_sources(self, w: LayerWork) -> None:
         """Each GPU computation is startable once its weights are there; with a gather
@@ -437,15 +460,19 @@ class Executor:
         bar = self._barrier(w) if w.barrier else -1.0
         gpu_of = self.m.gpu_of
         for job in w.gpu:
-            k = 0 if gpu_of is None else gpu_of[w.layer][job.expert]
+            job.dev = 0 if gpu_of is None else gpu_of[w.layer][job.expert]
             src = job.src
             if src is None:
-                self.add_job(k, job.ready if job.ready > bar else bar, job.expert, -1)
+                if bar > job.ready:
+                    job.ready = bar
+                self.add_job(job)
             elif src.end >= 0.0:
-                buf = src.buf if src.kind == TEMP else -1
-                self.add_job(k, src.end if src.end > bar else bar, job.expert, buf)
+                job.ready = src.end if src.end > bar else bar
+                job.buf = src.buf if src.kind == TEMP else -1
+                self.add_job(job)
             elif not src.gpu:
                 src.gpu = True
+                src.job = job
                 self.waiting += 1
 
     def _barrier(self, w: LayerWork) -> float:
@@ -466,7 +493,7 @@ class Executor:
         copy waiting for a buffer when a computation frees one, and a GPU's results are sent
         back to the home GPU after its last computation. Returns each stream's end."""
         m, c, rec = self.m, self.c, self.rec
-        heap, jobs = self.heap, self.jobs
+        jobs = self.jobs.items
         counts: Any = w.counts
         g, busy, unfused = self.g, self.busy, self.unfused
         for k in range(m.n_gpus):
@@ -474,12 +501,14 @@ class Executor:
             busy[k] = 0.0
             unfused[k] = True  # the fused call is charged with a GPU's first expert
         total = 0.0
-        while jobs or self.waiting:
-            while self.waiting and heap and (not jobs or heap[0][0] < jobs[0][0]):
+        while self.jobs.items or self.waiting:
+            while self.waiting and self.next_time() < (jobs[0].k1 if jobs else INF):
                 self.serve_next()
             if not jobs:
                 raise RuntimeError("engine: the GPU waits for a copy that can never start")
-            _, ready, e, buf, k = heapq.heappop(jobs)
+            job = self.jobs.pop()
+            assert isinstance(job, GpuJob)
+            ready, e, buf, k = job.ready, job.expert, job.buf, job.dev
             drained = gk = g[k] if g[k] > self.base[k] else self.base[k]
             if self.one_stream:
                 ready = self._one_stream_ready(ready, gk, k)

@@ -44,8 +44,8 @@ class Step:
     ``n``/``context`` size the non-expert part (``d_ne`` GPU seconds a layer, ``d_cpu`` on
     the CPU for a CPU-resident layer, negative: the machine's memoised cost); the first
     ``n_cpu_run`` layers run on the CPU. Labels (sequence, token) name the step's rows in
-    the timeline: ``part`` its weight copies and CPU-layer parts, ``ne`` its non-expert
-    rows, ``ops`` its operations; ``who`` is where its decisions' errors point.
+    the timeline: ``part`` its non-expert parts and weight copies, ``ops`` its operations;
+    ``who`` is where its decisions' errors point.
     """
 
     prefill = False
@@ -58,7 +58,7 @@ class Step:
         self.d_cpu = -1.0
         self.n_cpu_run = 0
         self.load = (n, context)  # unified memory: the non-expert kernel's DRAM share key
-        self.part = self.ne = self.ops = self.who = (0, 0)
+        self.part = self.ops = self.who = (0, 0)
 
     def decide(self, eng: Engine) -> Callable[[View], Any]:
         """The policy hook deciding this step's layers."""
@@ -101,7 +101,6 @@ class PrefillStep(Step):
         self.n_cpu_run = 0 if offload else eng.n_cpu_layers
         sid = eng.hooks.where.seq or 0
         self.part = self.ops = self.who = (sid, base)
-        self.ne = (sid, 0)
 
     def decide(self, eng: Engine) -> Callable[[View], Any]:
         return eng.policy.prefill_layer  # type: ignore[no-any-return]
@@ -151,7 +150,6 @@ class DecodeStep(Step):
         self.n_cpu_run = eng.n_cpu_layers
         sid = eng.hooks.where.seq or 0
         self.part = self.ops = self.who = (sid, t + base)
-        self.ne = (sid, t)
         r = dp.r
         self.experts_t = r.experts[t]
         self.weights_t = r.weights[t]
@@ -437,7 +435,7 @@ class Engine:
                 c.dispatch_stall += end - d - start
                 start = end - d
         if self.recorder is not None:
-            self.recorder.op(lane.name, "nonexpert", st.ne[0], st.ne[1], layer, -1, start,
+            self.recorder.op(lane.name, "nonexpert", st.part[0], st.part[1], layer, -1, start,
                              start + d, 0)  # fmt: skip
         c.gpu_nonexpert_busy += d
         lane.busy += d

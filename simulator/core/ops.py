@@ -94,7 +94,82 @@ class RunStats:
     host_tier: dict[str, float] | None = None
 
 
-class Op:
+class Keyed:
+    """An item of a :class:`Heap`, ordered by its keys ``(k1, k2, k3, k4)``, smallest first."""
+
+    __slots__ = ("k1", "k2", "k3", "k4")
+
+    def __init__(self) -> None:
+        self.k1 = 0.0
+        self.k2 = 0.0
+        self.k3 = 0
+        self.k4 = 0
+
+
+def _before(a: Keyed, b: Keyed) -> bool:
+    if a.k1 != b.k1:
+        return a.k1 < b.k1
+    if a.k2 != b.k2:
+        return a.k2 < b.k2
+    if a.k3 != b.k3:
+        return a.k3 < b.k3
+    return a.k4 < b.k4
+
+
+class Heap:
+    """A binary min-heap of :class:`Keyed` items on their own keys (heapq's algorithm
+    without building a tuple per entry). Keys are unique, so the order is total."""
+
+    __slots__ = ("items",)
+
+    def __init__(self) -> None:
+        self.items: list[Keyed] = []
+
+    def push(self, x: Keyed) -> None:
+        """Add ``x``."""
+        items = self.items
+        items.append(x)
+        i = len(items) - 1
+        while i > 0:
+            parent = (i - 1) >> 1
+            p = items[parent]
+            if not _before(x, p):
+                break
+            items[i] = p
+            i = parent
+        items[i] = x
+
+    def pop(self) -> Keyed:
+        """Remove and return the smallest item."""
+        items = self.items
+        last = items.pop()
+        if not items:
+            return last
+        top = items[0]
+        n = len(items)
+        i = 0
+        while True:
+            child = 2 * i + 1
+            if child >= n:
+                break
+            if child + 1 < n and _before(items[child + 1], items[child]):
+                child += 1
+            if not _before(items[child], last):
+                break
+            items[i] = items[child]
+            i = child
+        items[i] = last
+        return top
+
+    def rebuild(self) -> None:
+        """Restore the order after keys changed in place (the same list object)."""
+        old = list(self.items)
+        self.items.clear()
+        for x in old:
+            self.push(x)
+
+
+class Op(Keyed):
     """One request a plan submits: a write-back, a copy, a CPU job or an activation transfer.
 
     ``seq`` is its issue number (the tie-break of the queueing rule); ``dev`` the GPU whose
@@ -111,6 +186,7 @@ class Op:
         "expert",
         "gds",
         "gpu",
+        "job",
         "kind",
         "layer",
         "local",
@@ -129,6 +205,7 @@ class Op:
     def __init__(
         self, kind: int, rkind: str, seq: int, sid: int, token: int, layer: int, expert: int
     ) -> None:
+        super().__init__()
         self.kind = kind
         self.rkind = rkind  # the timeline's "kind" column
         self.seq = seq
@@ -141,6 +218,7 @@ class Op:
         self.low = False  # a TEMP copy of the low-precision host copy (Plan.low_bit)
         self.buf = -1
         self.gpu = False  # a GPU computation of the current layer waits for this
+        self.job: GpuJob | None = None  # ... that computation
         self.chain: Op | None = None
         self.end = -1.0
         self.stage = 0
@@ -160,16 +238,21 @@ class Op:
         return self.end >= 0.0
 
 
-class GpuJob:
+class GpuJob(Keyed):
     """A GPU expert computation of the current layer: its expert, the time its weights are
-    there (``ready``) or the operation it waits for (``src``)."""
+    there (``ready``) or the operation it waits for (``src``), the temporary buffer it frees
+    (``buf``, -1: none) and its GPU (``dev``). In a GPU's stream it is keyed (start, ready,
+    expert): streams run their computations by (ready time, expert)."""
 
-    __slots__ = ("expert", "ready", "src")
+    __slots__ = ("buf", "dev", "expert", "ready", "src")
 
     def __init__(self, expert: int, ready: float, src: Op | None) -> None:
+        super().__init__()
         self.expert = expert
         self.ready = ready
         self.src = src
+        self.buf = -1
+        self.dev = 0
 
 
 class LayerWork:
