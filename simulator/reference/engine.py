@@ -19,8 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import simpy
 
-from policies.base import Action, Plan, Policy, SetupContext, Slot
-from policies.base import View
+from policies.base import Action, Plan, Policy, SetupContext, Slot, View
 from simulator.boundary import Hooks, check_placement, check_plan, check_route
 from simulator.costs import CostModel
 from simulator.engine import Counters, RunStats

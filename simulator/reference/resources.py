@@ -340,10 +340,13 @@ class IssueThread:
         if k == 0:
             return stream_free + gpu_s
         each = gpu_s / k
-        end = stream_free
-        for _ in range(k):
-            self.h += self.dispatch
-            end = max(end, self.h) + each
+        h = self.h
+        # kernel i is issued at h + i * dispatch and the stream runs them back to back, so the
+        # last ends when the latest of "issued, then it and every later one run" does
+        end = stream_free + gpu_s
+        for i in range(1, k + 1):
+            end = max(end, h + i * self.dispatch + (k - i + 1) * each)
+        self.h = h + k * self.dispatch
         return end
 
     def nonexpert(self, stream_free: float, gpu_s: float, first: bool) -> tuple[float, float]:
