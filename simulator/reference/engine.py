@@ -955,7 +955,9 @@ class ReferenceEngine:
         env = self.env
         yield from self._wait_read(op)
         dev = self.devices[op.device]
-        yield dev.slots.take((env.now, op.seq))
+        got = dev.slots.take((env.now, op.seq))
+        if not got.triggered:  # every slot is held: wait for a write-back to end
+            yield got
         slot = (op.layer, op.expert)
         if op.gds:  # GPUDirect Storage: the drive wrote the slot already
             self.ledger.ready_at[slot] = env.now
@@ -980,7 +982,9 @@ class ReferenceEngine:
         """A copy into a temporary buffer: a buffer, its weights readable, the H2D lane."""
         env = self.env
         dev = self.devices[op.device]
-        yield dev.buffers.take((env.now, op.seq))
+        got = dev.buffers.take((env.now, op.seq))
+        if not got.triggered:  # every buffer is in use: wait for a computation to end
+            yield got
         yield from self._wait_read(op)
         if op.gds:
             self._finish(op)
