@@ -100,7 +100,7 @@ def assert_same(a: pd.DataFrame | None, b: pd.DataFrame | None, sa: Any, sb: Any
         key = ["resource", "kind", "seq", "token", "layer", "expert", "start"]
         a = a.astype({"resource": str, "kind": str}).sort_values(key, kind="stable")
         b = b.astype({"resource": str, "kind": str}).sort_values(key, kind="stable")
-        assert len(a) == len(b)
+        assert len(a) == len(b) > 0
         cols = ["resource", "kind", "seq", "token", "layer", "expert", "bytes"]
         assert (a[cols].to_numpy() == b[cols].to_numpy()).all()
         np.testing.assert_allclose(a["start"].to_numpy(), b["start"].to_numpy(), rtol=0, atol=TOL)
@@ -185,8 +185,9 @@ def chaos(
 
 def chaos_both(seed: int, hw: HardwareProfile, budget: int, **kw: Any) -> Any:
     """``chaos`` on both engines; they must agree. Returns the fast engine's statistics."""
-    (ta, sa, _), (tb, sb, _) = (chaos(cls, seed, hw, budget, **kw) for cls in ENGINES)
+    (ta, sa, ea), (tb, sb, eb) = (chaos(cls, seed, hw, budget, **kw) for cls in ENGINES)
     assert_same(ta, tb, sa, sb)
+    assert (ea.resident == eb.resident).all()  # the same experts resident at the end
     return sa
 
 

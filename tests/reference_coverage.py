@@ -9,8 +9,10 @@ entry of :data:`MEASURED`, the share of its executable lines that ran:
     .venv/bin/python tests/reference_coverage.py --fail-under 0  # the report only
     .venv/bin/python tests/reference_coverage.py -- -k chaos     # extra pytest arguments
 
-(``make reference-coverage`` runs the first.) When the engine moves (the core rewrite), point
-:data:`MEASURED` at the new modules and functions: it is the one list to change.
+(``make reference-coverage`` runs the first.) The share counts the lines of :data:`MEASURED`
+but those of :data:`NOT_GENERAL` (the figure with them is printed too). When the engine moves
+(the core rewrite), point :data:`MEASURED` at the new modules and functions (and empty
+:data:`NOT_GENERAL`): they are the lists to change.
 """
 
 from __future__ import annotations
@@ -40,6 +42,32 @@ MEASURED: tuple[str, ...] = (
     "simulator/runtime_profiles.py:HostThread",
 )
 
+#: functions inside MEASURED that are not today's general path, left out of the share: the
+#: base class's stubs the fast engine overrides, SharedCpu's written-out copies of its own
+#: arithmetic for the one-pass paths, and Residency methods nothing calls any more
+NOT_GENERAL: tuple[str, ...] = (
+    "simulator/engine.py:EngineBase.run",
+    "simulator/engine.py:EngineBase._due",
+    "simulator/engine.py:EngineBase._hits_only",
+    "simulator/engine.py:EngineBase._precalc_layer",
+    "simulator/engine.py:EngineBase._copies_only",
+    "simulator/engine.py:EngineBase._cpu_layer_decode",
+    "simulator/engine.py:EngineBase._gpu_cpu_layer",
+    "simulator/engine.py:EngineBase._free_slot",
+    "simulator/engine.py:EngineBase._rearm",
+    "simulator/engine.py:EngineBase._weights_now",
+    "simulator/machine.py:SharedCpu.submit_next",
+    "simulator/machine.py:SharedCpu.arrive_then_end",
+    "simulator/machine.py:SharedCpu.wake_next",
+    "simulator/machine.py:SharedCpu.run_alone",
+    "simulator/machine.py:SharedCpu.run_queue",
+    "simulator/machine.py:SharedCpu._lone_rate",
+    "simulator/residency.py:Residency.insert",
+    "simulator/residency.py:Residency.remove",
+    "simulator/residency.py:Residency.copied",
+    "simulator/residency.py:Residency.swap_slots",
+)
+
 #: the reference-equivalence tests: every test marked ``reference``
 MARKER = "reference"
 
@@ -67,8 +95,11 @@ def _span(path: Path, name: str) -> tuple[int, int]:
     return first, node.end_lineno or node.lineno
 
 
-def measure(data_file: Path) -> list[tuple[str, int, int, list[int]]]:
-    """(entry, executable lines, lines run, lines not run) for every entry of MEASURED."""
+def measure(
+    data_file: Path, leave_out: tuple[str, ...] = NOT_GENERAL
+) -> list[tuple[str, int, int, list[int]]]:
+    """(entry, executable lines, lines run, lines not run) for every entry of MEASURED,
+    without the lines of the functions in ``leave_out``."""
     import coverage
 
     cov = coverage.Coverage(data_file=str(data_file))
@@ -79,8 +110,14 @@ def measure(data_file: Path) -> list[tuple[str, int, int, list[int]]]:
         path = REPO / rel
         _, statements, _, missing, _ = cov.analysis2(str(path))
         lo, hi = _span(path, name) if name else (1, 10**9)
-        lines = [n for n in statements if lo <= n <= hi]
-        miss = [n for n in missing if lo <= n <= hi]
+        skip: set[int] = set()
+        for other in leave_out:
+            orel, _, oname = other.partition(":")
+            if orel == rel:
+                a, b = _span(path, oname)
+                skip.update(range(a, b + 1))
+        lines = [n for n in statements if lo <= n <= hi and n not in skip]
+        miss = [n for n in missing if lo <= n <= hi and n not in skip]
         out.append((entry, len(lines), len(lines) - len(miss), miss))
     return out
 
@@ -105,16 +142,23 @@ def main(argv: list[str] | None = None) -> int:
             print("reference_coverage: the equivalence tests failed", file=sys.stderr)
             return res.returncode
         rows = measure(data)
-    total = sum(r[1] for r in rows)
-    ran = sum(r[2] for r in rows)
+        raw = measure(data, ())
     width = max(len(r[0]) for r in rows)
     for entry, n, k, miss in rows:
         print(f"{entry:<{width}}  {k:5d}/{n:<5d} {100 * k / max(1, n):6.1f} %")
         if args.show_missing and miss:
             print(f"{'':<{width}}  not run: {', '.join(map(str, miss))}")
-    share = 100 * ran / max(1, total)
-    print(f"{'total':<{width}}  {ran:5d}/{total:<5d} {share:6.1f} %")
+    share = _total(rows, width, "total (general path)")
+    _total(raw, width, f"(with the {len(NOT_GENERAL)} NOT_GENERAL functions)")
     return 0 if share >= args.fail_under else 1
+
+
+def _total(rows: list[tuple[str, int, int, list[int]]], width: int, label: str) -> float:
+    total = sum(r[1] for r in rows)
+    ran = sum(r[2] for r in rows)
+    share = 100 * ran / max(1, total)
+    print(f"{label:<{width}}  {ran:5d}/{total:<5d} {share:6.1f} %")
+    return share
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ from policies.base import Action, Plan, Policy, ResourceSpec, SetupContext, Slot
 from policies.registry import available, get_policy_class
 from simulator.costs import cost_model
 from simulator.engine import Engine
-from simulator.errors import PolicyError
+from simulator.errors import PolicyError, UserError
 from simulator.hardware import load_profile
 from simulator.recorder import Recorder
 from simulator.reference import ReferenceEngine
@@ -255,6 +255,33 @@ def test_random_plans_on_an_ssd_tier_time_identically(seed: int, path: str) -> N
     assert stats.host_tier["ssd_reads"] > 0
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_random_plans_with_every_flag_time_identically(seed: int) -> None:
+    """Random legal plans that also draw ``cpu_serial``, ``cpu_first``, ``barrier``,
+    ``actions=None`` and numpy-integer slots, on hosts that vary with the seed: write-back,
+    staging slots, two copy engines or one, unified memory, a wide socket, an SSD tier, one
+    stream."""
+    model = tiny_model(experts=6, top_k=2, moe_layers=3)
+    host = ("a6000-pcie4", "jetson-orin-64g", "rtx4090-990pro-pcie4")[seed % 3]
+    hw = slow_cpu(wide_socket(host, 1.4) if seed % 4 == 1 else load_profile(host))
+    if seed % 4 == 3:
+        hw = dataclasses.replace(hw, link=dataclasses.replace(hw.link, copy_engines=1))
+    tier = host_tier(model, hw, 3, "gds" if seed % 2 else "page-cache") if seed % 3 == 2 else None
+    chaos_both(seed, hw, 4 + 2 * seed, runtime=(SLOW_HOST, "hf-eager", "ideal")[seed % 3],
+               host_tier=tier, flags=True, writeback=seed % 2 == 0, staging_buffers=seed % 3,
+               one_stream=seed == 5)  # fmt: skip
+
+
+def test_a_host_budget_that_holds_every_expert_reads_nothing() -> None:
+    """With a host-memory budget that holds every expert the drive is never read, and both
+    engines report the same host-tier figures (no reads, the whole model's peak)."""
+    model = tiny_model(experts=6, top_k=2, moe_layers=3)
+    hw = load_profile("rtx4090-990pro-pcie4")
+    stats = chaos_both(3, hw, 8, host_tier=host_tier(model, hw, 18, "page-cache"),
+                       writeback=True)  # fmt: skip
+    assert stats.host_tier["ssd_reads"] == 0 and stats.busy["ssd"] == 0.0
+
+
 # -- serving -------------------------------------------------------------------------------
 @pytest.mark.parametrize("host", ["a6000-pcie4", "jetson-orin-64g"])
 @pytest.mark.parametrize("policy", BUILTIN)
@@ -305,7 +332,8 @@ def _chaos_serving(seed: int, config: ServingConfig, kv_room: int | None, hw: An
         eng = cls(pol, model, cost_model(hw, model), 8, None, None, None, rec, runtime=runtime)
         pol.engine = eng
         eng.serving = Serving(reqs, config, kv)
-        out.append((rec.timeline(), eng.run(iter(())), eng))
+        stats = eng.run(iter(()))
+        out.append((rec.timeline(), stats, eng))
     (ta, sa, ea), (tb, sb, eb) = out
     assert ea.serving.batch_steps > 0
     assert ea.serving.batch_steps == eb.serving.batch_steps
@@ -329,6 +357,35 @@ def test_chunked_prefill_and_preemption_time_identically(seed: int) -> None:
     hw = load_profile("jetson-orin-64g" if seed >= 2 else "a6000-pcie4")
     config = ServingConfig(batch=3, continuous=True, prefill_chunk=1 + seed % 3, preempt=True)
     _chaos_serving(100 + seed, config, 2, hw)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_plans_with_streamed_weights_in_batched_steps(seed: int) -> None:
+    """ZeRO-3's streamed non-expert weights in batched and mixed steps, with random legal
+    plans keeping the H2D lane busy; the embedding is small enough to stay on the GPU
+    (ResourceSpec.nonexpert_persist_numel), so only the layers' weights cross."""
+    model = dataclasses.replace(tiny_model(experts=6, top_k=2, moe_layers=3),
+                                non_expert_params=2_000_000, embedding_params=50_000)  # fmt: skip
+    config = ServingConfig(batch=3, continuous=True, prefill_chunk=2 if seed else None)
+    out = []
+    for cls in ENGINES:
+        rng = np.random.default_rng(seed)
+        seqs = [random_routing(model, s, 3, int(rng.integers(2, 5)), rng) for s in range(4)]
+        reqs = [Request(s, s, 1e-4 * s, r.n_prefill, r.n_decode, dense(r, model.experts))
+                for s, r in enumerate(seqs)]  # fmt: skip
+        pol = ChaosPolicy(rng, 2, 1, writeback=bool(seed % 2), flags=True)
+        pol.spec = dataclasses.replace(pol.spec, nonexpert_streamed=True)
+        rec = Recorder()
+        eng = cls(pol, model, cost_model(A6000, model), 8, None, None, None, rec,
+                  runtime=SLOW_HOST)  # fmt: skip
+        pol.engine = eng
+        eng.serving = Serving(reqs, config, None)
+        stats = eng.run(iter(()))
+        out.append((rec.timeline(), stats))
+    (ta, sa), (tb, sb) = out
+    assert (ta["kind"].astype(str) == "weights").any()
+    assert not (ta["kind"].astype(str) == "embedding").any()
+    assert_same(ta, tb, sa, sb)
 
 
 def test_streamed_weights_in_serving_steps_time_identically() -> None:
@@ -491,6 +548,8 @@ class Faulty(Policy):
             return Plan(actions=dict.fromkeys(experts, Action.TEMP))
         if self.mode == "raise":
             raise ValueError("no plan today")
+        if self.mode == "user-error":  # a UserError passes through the seam unchanged
+            raise UserError("option 'x' is wrong")
         return Plan(actions=dict.fromkeys(experts, Action.TEMP), precalc=[(0, 2)])
 
 
@@ -503,6 +562,7 @@ def test_refusals_are_the_same_on_both_engines() -> None:
     cases: list[tuple[Any, str]] = [(MutatingStreamAll, "malformed plan")]
     cases += [(functools.partial(Faulty, mode), word) for mode, word in (
         ("raise", "no plan today"), ("fetch-resident", "already resident"),
+        ("user-error", "option 'x' is wrong"),
         ("precalc-past", "coming layer"),
     )]  # fmt: skip
     pre = [routing_from_experts(model, [[[0, 1]] * 4] * 4, n_prefill=2)]
@@ -513,7 +573,7 @@ def test_refusals_are_the_same_on_both_engines() -> None:
             for cls in ENGINES:
                 MutatingStreamAll.calls = 0
                 runs = pre if "prefill" in word else seqs
-                with pytest.raises(PolicyError) as err:
+                with pytest.raises((PolicyError, UserError)) as err:
                     run_engine(cls, make, model, A6000, 8, runs, record=record)
                 msgs.append(str(err.value))
         assert word in msgs[0]
