@@ -18,8 +18,9 @@ memory on the sender's uplink and one from it on the receiver's.
 
 Policies are unchanged: :class:`ShardedPolicy` runs one instance of the policy per GPU, each
 seeing only that GPU's experts (a smaller model: its layers, its experts, its budget) with
-local indices, and merges their plans into one for the engine. Both executors are extended
-here (:class:`MultiGpuEngine`, :class:`MultiGpuReference`) and give identical timelines.
+local indices, and merges their plans into one for the engine. The fast executor is extended
+here (:class:`MultiGpuEngine`); the reference engine (:mod:`simulator.reference`) models
+several GPUs itself, and the two give identical timelines.
 """
 
 from __future__ import annotations

@@ -342,11 +342,18 @@ class ChaosPolicy(Policy):
             if (pl, pe) not in eng.precalc and not self.spec.one_stream:
                 plan.precalc.append((pl, pe))
         if self.flags:
-            self._draw_flags(plan)
+            self._draw_flags(plan, layer, view.model)
         return plan
 
-    def _draw_flags(self, plan: Plan) -> None:
+    def _draw_flags(self, plan: Plan, layer: int, model: Any) -> None:
         rng = self.rng
+        eng = self.engine
+        n_layers = model.moe_layers
+        if layer + 1 < n_layers and not self.spec.one_stream and rng.random() < 0.3:
+            # a second pre-calculation (a serial task chains the two)
+            slot = (int(rng.integers(layer + 1, n_layers)), int(rng.integers(model.experts)))
+            if slot not in eng.precalc and slot not in plan.precalc:
+                plan.precalc.append(slot)
         plan.cpu_serial = bool(rng.random() < 0.5)
         plan.cpu_first = bool(rng.random() < 0.3)
         plan.barrier = bool(rng.random() < 0.3)

@@ -167,13 +167,16 @@ def chaos(
     runtime: str | RuntimeProfile | None = "ideal",
     record: bool = True,
     host_tier: HostTierConfig | None = None,
+    workers: int | None = None,
     **spec: Any,
 ) -> tuple[pd.DataFrame | None, Any, Any]:
     """Random legal plans (``ChaosPolicy``: every action, prefetch, eviction, pre-calculation)
-    on a 3-layer, 6-expert model, seeded: workers and buffers drawn from ``seed``."""
+    on a 3-layer, 6-expert model, seeded: workers (unless given) and buffers drawn from
+    ``seed``."""
     model = tiny_model(experts=6, top_k=2, moe_layers=3)
     rng = np.random.default_rng(seed)
-    workers, bufs = int(rng.integers(1, 3)), int(rng.integers(1, 3))
+    drawn, bufs = int(rng.integers(1, 3)), int(rng.integers(1, 3))
+    workers = drawn if workers is None else workers
     seqs = [random_routing(model, s, 3, 5, rng) for s in range(2)]
 
     def make() -> Policy:

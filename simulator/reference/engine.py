@@ -534,6 +534,9 @@ class ReferenceEngine:
                 v.position = v.context = context
             d_ne = self.nonexpert_s(n, context)
             for layer in range(self.n_layers):
+                # the non-expert row carries the routing's own token index (without ``base``;
+                # a serving step's one-token routing records token 0 there): the fast
+                # engine's timeline convention, which the equivalence tests compare
                 now = yield from self.front(
                     layer, n, cpu_run, self.costs.cpu_nonexpert_layer_s, (n, context), d_ne,
                     (sid or 0, t), (n, context), layer == 0,
