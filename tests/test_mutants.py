@@ -1,12 +1,18 @@
-"""Mutation check of the golden store: ``daopsim regress`` must fail on each known mutant.
+"""Mutation checks: the golden store and the reference engine must each catch known mutants.
 
-Each mutant is one exact edit of the source (file, old snippet, new snippet) that a plausible
-bug would make. The test copies the source packages to a temporary folder, applies one mutant,
-and runs ``daopsim regress`` from the copy (``PYTHONPATH`` pointing at it) against the real
-golden store, on the configurations that concern the mutant. Regress must exit 1 and report
-moved values; the unmutated copy must pass on the same configurations, so the check can fail.
+Each mutant is one exact edit of the source (old snippet, new snippet) that a plausible bug
+would make. Two kinds:
 
-A mutant whose old snippet is no longer in its file fails loudly: after a refactor, retarget
+* ``MUTANTS`` (the golden store): the test copies the source packages to a temporary folder,
+  applies one mutant, and runs ``daopsim regress`` from the copy (``PYTHONPATH`` pointing at
+  it) against the real golden store, on the configurations that concern the mutant. Regress
+  must exit 1 and report moved values; the unmutated copy must pass on the same
+  configurations, so the check can fail.
+* ``ENGINE_MUTANTS`` (the reference engine): one edit of one function of the fast engine's
+  shared rules, compiled and monkeypatched in-process; the reference-equivalence check it
+  names (``CHECKS``, built on tests/equivalence.py) must then fail, and pass unmutated.
+
+A mutant whose old snippet is no longer in its source fails loudly: after a refactor, retarget
 the snippet at the code that now holds the rule rather than letting the mutant pass silently.
 """
 
