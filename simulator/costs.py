@@ -794,14 +794,37 @@ class CostModel:
 
     def free_expert_bytes(self, kv_tokens: int = 0) -> float:
         """GPU bytes left for experts and expert-sized buffers after the non-expert weights,
-        workspace and KV cache (negative when those alone do not fit)."""
+        workspace and KV cache (negative when those alone do not fit); on unified memory also
+        after the host's holdings (:attr:`unified_host_bytes`), which live in the same DRAM."""
         gpu = self.hw.gpu
         return (
             gpu.usable_bytes
             - gpu.workspace_gb * 1e9
             - self.model.non_expert_bytes()
             - self.model.kv_bytes_per_token * kv_tokens
+            - self.unified_host_bytes
         )
+
+    @cached_property
+    def unified_host_bytes(self) -> int:
+        """What the host side holds in the device's own memory on a unified-memory machine: the
+        non-expert weights the loader keeps (:attr:`host_nonexpert_bytes`) and a host copy of
+        every routed expert, which the offloading runtimes copy (or compute) from. The one
+        DRAM bounds these and the GPU's allocations together; 0 on a bus-attached host, whose
+        host memory is separate (``cpu.memory_gb``, ``--host-memory-gb``)."""
+        if not self.unified_memory:
+            return 0
+        m = self.model
+        return self.host_nonexpert_bytes + m.total_experts * self.host_expert_bytes
+
+    def cpu_layer_freed_bytes(self, kv_tokens: int) -> float:
+        """GPU memory one CPU-resident layer frees: :meth:`cpu_layer_host_bytes` on a
+        bus-attached host; on unified memory only its non-expert weights (the host already
+        holds a copy, counted in :attr:`unified_host_bytes`), since its KV cache stays in
+        the same DRAM."""
+        if self.unified_memory:
+            return float(self.cpu_layer_weight_bytes)
+        return self.cpu_layer_host_bytes(kv_tokens)
 
     def gpu_expert_slots(self, kv_tokens: int = 0) -> int:
         """Expert-sized slots in the free GPU memory, capped at the model's experts.

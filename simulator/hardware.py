@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from simulator.data import non_regular_kind, profiles_dir
-from simulator.errors import ProfileError, UserError
+from simulator.errors import ProfileError, UserError, did_you_mean
 
 LINK_KINDS = ("pcie", "unified")
 #: how two GPUs of one machine exchange activations (docs/hardware-profiles.md, "[gpus] and [peer]")
@@ -690,8 +690,8 @@ def load_profile(name_or_path: str | os.PathLike[str]) -> HardwareProfile:
     if text.endswith(".toml") or os.sep in text or Path(text).expanduser().exists():
         return read_profile(Path(text).expanduser())
     raise UserError(
-        f"unknown hardware profile {text!r}: not a file and not a bundled profile "
-        f"(valid: {', '.join(bundled) or '(none)'})"
+        f"unknown hardware profile {text!r}: not a file and not a bundled profile"
+        f"{did_you_mean(text, bundled)} (valid: {', '.join(bundled) or '(none)'})"
     )
 
 

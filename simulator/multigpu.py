@@ -974,6 +974,7 @@ class MultiGpuReference(_MultiBase, ReferenceEngine):
             self.res.copied((op.layer, op.expert), s + link.expert_s)
             yield env.timeout(link.expert_s)
         link.lane.busy += link.expert_s
+        link.lane.free_at = env.now  # the busy fractions' window (runner.window_work)
         self._record(link.lane.name, op, op.rkind, s, env.now, self.expert_bytes)
         self.peer_h2d_bytes[k] += self.expert_bytes
         self._finish(op, env.now)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from simulator.data import profiles_dir
-from simulator.errors import UserError
+from simulator.errors import UserError, did_you_mean
 
 
 def runtimes_dir() -> Path:
@@ -212,8 +212,8 @@ def parse_runtime(data: dict[str, Any], where: str) -> RuntimeProfile:
         v = data.get(key, 0)
         if isinstance(v, bool) or not isinstance(v, int | float) or (typ is int and v != int(v)):
             raise UserError(f"{where}: field {key!r} must be a {typ.__name__}, got {v!r}")
-        if v < 0:
-            raise UserError(f"{where}: field {key!r} must be >= 0, got {v!r}")
+        if not math.isfinite(v) or v < 0:
+            raise UserError(f"{where}: field {key!r} must be a finite number >= 0, got {v!r}")
         values[key] = typ(v)
     sources = data.get("source", {})
     if not isinstance(sources, dict) or not all(isinstance(s, str) for s in sources.values()):
@@ -286,7 +286,8 @@ def get_runtime(name: str | RuntimeProfile) -> RuntimeProfile:
         return name
     prof = _bundled().get(name)
     if prof is None:
-        raise UserError(f"unknown runtime {name!r} (known: {', '.join(runtime_names())})")
+        hint = did_you_mean(name, runtime_names())
+        raise UserError(f"unknown runtime {name!r}{hint} (known: {', '.join(runtime_names())})")
     return prof
 
 

@@ -34,7 +34,7 @@ import numpy as np
 import pyarrow as pa
 
 from simulator.data import check_input_file
-from simulator.errors import UserError, parse_key_values
+from simulator.errors import UserError, check_seed, parse_key_values
 from simulator.models import ModelShape, get_model
 from simulator.reuse import CURVE_POLICIES
 from simulator.stats import heldout_popularity_hit, trace_stats
@@ -652,6 +652,7 @@ def iter_synthetic(
     seed: int,
 ) -> Iterator[SequenceRouting]:
     """Sequences 0..sequences-1 (each independent of how many are asked for)."""
+    check_seed(seed)
     p.check()
     router = _router(model, p)
     for s in range(sequences):
@@ -1165,6 +1166,29 @@ def fit_params(
         evaluations=evals,
         ignored=[t.label for t in all_targets if t not in kept],
     )
+
+
+def check_stats_model(model: ModelShape, target: dict[str, Any], where: str) -> None:
+    """A UserError when the stats in ``target`` (``trace stats --json``) describe a model of
+    another shape than ``model``: their per-layer and per-capacity lists would not line up."""
+    name = target.get("model")
+    facts = {
+        "MoE layers": (
+            len(target["per_layer"]) if isinstance(target.get("per_layer"), list) else None,
+            model.moe_layers,
+        ),
+        "experts": (target.get("experts"), model.experts),
+        "top-k": (target.get("top_k"), model.top_k),
+    }
+    if isinstance(target.get("lru_curve"), list):
+        facts["LRU capacities"] = (len(target["lru_curve"]), model.experts)
+    for what, (got, want) in facts.items():
+        if isinstance(got, int) and not isinstance(got, bool) and got != want:
+            of = f" ({name})" if isinstance(name, str) else ""
+            raise UserError(
+                f"{where}: the statistics are of a model with {got} {what}{of}, but "
+                f"{model.name} has {want}; give --model a model of that shape"
+            )
 
 
 def shape_from_stats(target: dict[str, Any]) -> dict[str, int]:

@@ -667,10 +667,13 @@ def load_table(path: str | os.PathLike[str] | None = None) -> list[Row]:
 
 
 def select(rows: list[Row], ids: str | None) -> list[Row]:
-    """Rows whose id is in the comma-separated list (all when None)."""
-    if not ids:
+    """Rows whose id is in the comma-separated list (all when None; an empty list is a
+    mistake, not "all")."""
+    if ids is None:
         return rows
     want = [s.strip() for s in ids.split(",") if s.strip()]
+    if not want:
+        raise UserError(f"--rows {ids!r}: no row id given (leave --rows out to run every row)")
     known = {r.id for r in rows}
     bad = [w for w in want if w not in known]
     if bad:

@@ -446,7 +446,7 @@ def test_cli_synth_and_fit_round_trip(tmp_path: Path) -> None:
             ],
             "unknown synth preset",
         ),
-        (["synth", "fit", "--target", "missing.json", "-o", "p.json"], "no such file"),
+        (["synth", "fit", "--target", "missing.json", "-o", "p.json"], "no such stats file"),
     ],
 )
 def test_cli_user_errors(

@@ -12,6 +12,7 @@ from click.testing import CliRunner
 
 from simulator.cli import main
 from simulator.errors import UserError
+from simulator.testing import one_row_table
 from simulator.validation import (
     TABLE_END,
     TABLE_START,
@@ -133,9 +134,9 @@ def test_cli_text_summary_lists_not_modelled() -> None:
 def test_markdown_splice(tmp_path: Path) -> None:
     doc = tmp_path / "v.md"
     doc.write_text(f"# t\n{TABLE_START}\nold\n{TABLE_END}\ntail\n")
+    table = one_row_table(tmp_path / "one.toml", "omlx-gemma4-residency-25")
     res = CliRunner().invoke(
-        main,
-        ["validate", "--no-progress", "--rows", "omlx-gemma4-residency-25", "--markdown", str(doc)],
+        main, ["validate", "--no-progress", "--table", str(table), "--markdown", str(doc)]
     )
     assert res.exit_code == 0, res.output
     text = doc.read_text()

@@ -1,4 +1,5 @@
-"""``daopsim trace``: validate a routing trace, show its metadata, compute routing statistics."""
+"""``daopsim trace``: validate a routing trace, show its metadata, compute routing statistics,
+import one from another format (``trace list``, the bundled traces, is in traces_cmd.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from simulator.trace import TraceMeta, read_meta, validate_trace
 
 @click.group("trace")
 def trace() -> None:
-    """Check and inspect routing traces (Parquet; see docs/trace-format.md)."""
+    """Routing traces: list the bundled ones, check, inspect and import (docs/trace-format.md)."""
 
 
 def _path_arg() -> Any:
@@ -25,7 +26,7 @@ def _path_arg() -> Any:
 
 
 def _resolve(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
-    """A bundled trace's short name (see `daopsim traces list`) also works as PATH."""
+    """A bundled trace's short name (see `daopsim trace list`) also works as PATH."""
     kind = non_regular_kind(value)
     if kind is not None and kind != "a directory":  # reading a FIFO or a device never ends
         raise UserError(f"{value}: is {kind}, not a regular trace file")

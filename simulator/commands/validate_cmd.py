@@ -54,6 +54,7 @@ OUT_FILES = ("validation.csv", "validation.md")
 )
 @click.option(
     "--out",
+    "-o",
     "out_dir",
     default=None,
     help="Write validation.csv and validation.md here.",
@@ -89,6 +90,15 @@ def validate(
 
     if sequences is not None and sequences <= 0:
         raise UserError(f"--sequences must be positive, got {sequences}")
+    if markdown_path is not None and (row_ids is not None or sequences is not None):
+        # the page's table is the whole of --table at its own sequence counts; a subset
+        # would silently replace it (docs/validation.md is regenerated this way)
+        given = "--rows" if row_ids is not None else "--sequences"
+        raise UserError(
+            f"--markdown {markdown_path}: regenerates the file's whole table from every row of "
+            f"the validation table at its own sequence counts, so {given} cannot be combined "
+            "with it; write a subset with --out DIR, or give --table a file of just those rows"
+        )
     if out_dir is not None:
         check_output_dir(out_dir, OUT_FILES, "--out", inputs=[table, markdown_path])
     if markdown_path is not None:
