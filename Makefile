@@ -11,7 +11,8 @@ NATIVE_SOURCES := setup.py simulator/native.py simulator/boundary.py $(wildcard 
 # tests run on both cores: pytest-xdist spreads them over the cores
 JOBS ?= 2
 
-.PHONY: install native run test lint format bench notebooks notebook regress validate docs-validation clean
+.PHONY: install native run test lint format bench notebooks notebook regress validate docs-validation \
+	clean reference-coverage
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +61,11 @@ notebook: $(STAMP)
 
 bench: $(NATIVE)
 	$(PY) -m pytest tests/bench -m bench -q --override-ini addopts=
+
+# how much of the engine core the reference-equivalence tests run (>= 95 %; the interpreted
+# core, since a compiled one reports no lines)
+reference-coverage: $(STAMP)
+	DAOPSIM_PURE_PYTHON=1 $(PY) tests/reference_coverage.py
 
 regress: $(NATIVE)
 	$(DAOPSIM) regress
