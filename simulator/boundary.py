@@ -20,7 +20,7 @@ from policies.base import Action, Plan, Policy, Slot
 from simulator.errors import PolicyError, UserError
 
 if TYPE_CHECKING:
-    from simulator.core.resources import Residency
+    pass
 
 _GPU, _FETCH, _TEMP, _CPU, _PRE = (int(a) for a in Action)
 _ACTIONS = frozenset(int(a) for a in Action)
@@ -152,12 +152,16 @@ def check_plan(
     plan: Any,
     layer: int,
     routed: list[int],
-    res: Residency,
+    res: Any,
     spec: Any,
     precalc: Collection[Slot],
     now: float,
 ) -> list[int]:
     """Refuse a plan the engine cannot apply; returns the routed experts in GPU-first order.
+
+    ``res`` is the engine's residency as policies see it: ``n_layers``, ``n_experts``,
+    ``budget``, ``n_resident``, ``mask`` (per expert, flat index ``layer * n_experts +
+    expert``: resident or not) and ``ready`` (the same: when its copy ends).
 
     The plan is checked in the order the engine applies it (evictions, then the routed experts
     with resident ones first, temporary copies, prefetches, pre-calculations) against a private
@@ -212,13 +216,15 @@ class _PlanCheck:
         plan: Any,
         layer: int,
         routed: list[int],
-        res: Residency,
+        res: Any,
         spec: Any,
         now: float,
     ) -> None:
         self.hooks, self.plan, self.layer, self.routed = hooks, plan, layer, routed
         self.res, self.spec, self.now = res, spec, now
-        self.n_experts = res.n_experts
+        self.n_experts: int = res.n_experts
+        self.mask: Any = res.mask
+        self.ready: Any = res.ready
         #: residency changes made earlier in this plan
         self.changed: dict[int, bool] = {}
         self.n_res = res.n_resident
@@ -235,7 +241,7 @@ class _PlanCheck:
 
     def is_res(self, i: int) -> bool:
         v = self.changed.get(i)
-        return bool(self.res.mask[i]) if v is None else v
+        return bool(self.mask[i]) if v is None else v
 
     def evict(self, item: Any, what: str) -> None:
         """An eviction (or a fetch's victim): resident, not in flight, not needed now."""
@@ -253,7 +259,7 @@ class _PlanCheck:
         in_use = vl == self.layer and ve in self.needed
         if in_use and not (self.spec.evicts_in_use and self.spec.writeback):
             raise self.err(f"evicts expert {ve} of layer {vl}, which this token needs")
-        if not in_use and (i in self.changed or self.res.ready[i] > self.now):
+        if not in_use and (i in self.changed or self.ready[i] > self.now):
             raise self.err(f"evicts expert {ve} of layer {vl} while it is still being copied")
         self.changed[i] = False
         self.n_res -= 1
@@ -345,9 +351,7 @@ def _check_low_bit(hooks: Hooks, plan: Any, layer: int, routed: list[int], spec:
             )
 
 
-def _check_precalc(
-    hooks: Hooks, items: Any, layer: int, res: Residency, precalc: Iterable[Slot]
-) -> None:
+def _check_precalc(hooks: Hooks, items: Any, layer: int, res: Any, precalc: Iterable[Slot]) -> None:
     """Pre-calculations must name coming layers of this token, each once."""
     seen = set(precalc)
     for item in items:

@@ -32,10 +32,10 @@ from typing import Any
 
 import numpy as np
 
+from simulator.core.resources import Lane
 from simulator.costs import CostModel
 from simulator.errors import UserError
 from simulator.hardware import HardwareProfile
-from simulator.core.resources import Lane
 from simulator.recorder import Recorder
 
 #: ``--ssd-path`` choices

@@ -23,7 +23,7 @@ import pandas as pd
 from simulator.output import output_dir, write_figure, write_file, write_text
 
 if TYPE_CHECKING:
-    from simulator.engine import RunStats
+    from simulator.core.ops import RunStats
     from simulator.hardware import HardwareProfile
 
 #: The metrics every run reports, in display order (docs/metrics.md defines each).
@@ -124,7 +124,7 @@ def compute_metrics(
     ``after_end``: seconds of work each copy direction (``h2d``, ``d2h``) and the CPU pool
     (``cpu``) did after the run's end; ``servers``: how many lanes serve a copy direction (one
     per uplink with several GPUs). They default to none and one
-    (``simulator.runner.window_work`` computes them).
+    (each engine reports them in ``RunStats.after``).
     """
     c = stats.counters
     e2e = float(stats.e2e)

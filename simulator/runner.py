@@ -20,10 +20,9 @@ import numpy as np
 
 from policies.base import Policy, ResourceSpec
 from policies.registry import get_policy_class
+from simulator.core.loop import Engine
 from simulator.costs import CostModel, cost_model
 from simulator.data import resolve_trace
-from simulator.core.loop import Engine as CoreEngine
-from simulator.engine import EngineBase
 from simulator.errors import DoesNotFit, UserError, check_seed
 from simulator.hardware import HardwareProfile, load_profile
 from simulator.hosttier import host_tier_config, host_tier_metrics, model_trace
@@ -199,14 +198,14 @@ class Oracle:
         return float(lst[i]) if i < len(lst) else float("inf")
 
 
-def _engine_class(name: str) -> type[EngineBase]:
-    """The executor class for ``--engine``."""
+def _engine_class(name: str, several_gpus: bool = False) -> Any:
+    """The engine class for ``--engine``: the core (``fast``) or the SimPy reference."""
     if name == "fast":
-        return CoreEngine  # type: ignore[return-value]
+        return Engine
     if name == "reference":
-        from simulator.reference import ReferenceEngine
+        from simulator.reference import MultiGpuReference, ReferenceEngine
 
-        return ReferenceEngine
+        return MultiGpuReference if several_gpus else ReferenceEngine
     raise UserError(f"unknown engine {name!r} (choose 'fast' or 'reference')")
 
 
@@ -404,30 +403,6 @@ def cpu_layers_note(model: Any, n_cpu: int) -> str:
         f"experts), {n_cpu}-{n - 1} wholly on the GPU; hidden states cross the link at layer "
         f"{n_cpu}"
     )
-
-
-def window_work(machine: Any, e2e: float) -> tuple[dict[str, float], dict[str, int]]:
-    """Work each serial resource did after the run's end, and the lanes behind each copy
-    direction, for the busy fractions (``results.busy_frac``, docs/metrics.md).
-
-    A copy lane, a CPU worker or the drive may still serve work issued before the last token
-    ended (a prefetch for a next token that never comes). Every request is issued by then, and
-    a lane serves its queue back to back, so a lane busy at ``e2e`` stays busy until its
-    ``free_at``: its work after the end is ``max(0, free_at - e2e)``.
-    """
-    uplinks = getattr(machine, "uplinks", None)
-    groups: dict[str, list[Any]] = {}
-    if uplinks:  # several GPUs: one lane per uplink and direction (shared ones once)
-        groups["h2d"] = list({id(h.lane): h.lane for h, _ in uplinks}.values())
-        groups["d2h"] = list({id(d.lane): d.lane for _, d in uplinks}.values())
-    else:
-        groups = {name: [link.lane] for name, link in machine.links.items()}
-    groups["cpu"] = list(machine.cpu.lanes)
-    for name, lane in machine.drives.items():
-        groups[name] = [lane]
-    after = {n: sum(max(0.0, lane.free_at - e2e) for lane in ls) for n, ls in groups.items()}
-    servers = {n: len(groups[n]) for n in ("h2d", "d2h") if n in groups}
-    return after, servers
 
 
 def same_content(a: Path, b: Path) -> bool:
@@ -878,7 +853,7 @@ def simulate(
         budgets = multigpu.split_budget(placement, budget)
         budget = sum(budgets)
         pol = multigpu.ShardedPolicy(pol, placement, budgets)
-        engine_cls = multigpu.engine_for(engine)  # type: ignore[assignment]
+        engine_cls = _engine_class(engine, several_gpus=True)
         multi_kw = {"placement": placement, "budgets": budgets}
     recorder = Recorder() if record else None
     sim = engine_cls(
@@ -914,10 +889,9 @@ def simulate(
 
     stats = sim.run(seqs(), on_sequence=tick)
     counters = stats.counters
-    after_end, servers = window_work(sim.machine, stats.e2e)
-    metrics = compute_metrics(stats, profile, after_end, servers)
+    metrics = compute_metrics(stats, profile, stats.after, stats.servers)
     if stats.host_tier is not None:
-        metrics.update(host_tier_metrics(stats, after_end.get("ssd", 0.0)))
+        metrics.update(host_tier_metrics(stats, stats.after.get("ssd", 0.0)))
     notes = run_notes(pol, meta, no_prefill[0], len(eval_ids), stand_in)
     if pol.resources().gpu_blocks is not None:
         notes.append(cpu_layers_note(model, n_cpu_layers))

@@ -14,9 +14,9 @@ import pytest
 
 from policies.base import Policy
 from policies.registry import get_policy_class
+from simulator.core.loop import Engine
 from simulator.costs import cost_model
 from simulator.data import resolve_trace
-from simulator.engine import Engine
 from simulator.hardware import HardwareProfile, load_profile
 from simulator.hosttier import HostTierConfig
 from simulator.recorder import Recorder

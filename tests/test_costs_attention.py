@@ -15,10 +15,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from simulator.core.machine import Machine
 from simulator.costs import EAGER_ATTENTION_BYTES_PER_SCORE, CostModel, cost_model
 from simulator.errors import UserError
 from simulator.hardware import load_profile
-from simulator.machine import Machine
 from simulator.models import PRESETS, ModelShape, get_model
 from simulator.runtime_profiles import get_runtime, parse_runtime, runtime_names
 

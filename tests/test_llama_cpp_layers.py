@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from policies.llama_cpp_layers import LlamaCppLayersPolicy, gpu_blocks_for_ngl
+from simulator.core.loop import Engine, cpu_layers_for
 from simulator.costs import cost_model
-from simulator.engine import Engine, cpu_layers_for
 from simulator.errors import PolicyError, UserError
 from simulator.hardware import load_profile
 from simulator.recorder import Recorder

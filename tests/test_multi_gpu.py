@@ -16,9 +16,8 @@ from policies.base import Action, Plan, Policy, View
 from policies.registry import get_policy_class
 from simulator.cli import main
 from simulator.errors import UserError
-from simulator.multigpu import MultiMachine, Placement
+from simulator.multigpu import Placement
 from simulator.runner import simulate
-from simulator.runtime_profiles import RuntimeProfile, get_runtime, with_costs
 
 TRACE = "ci-small"
 
@@ -206,7 +205,6 @@ def test_machine_lanes_per_gpu_and_uplink() -> None:
     lanes = set(h100.timeline["resource"])
     assert {"gpu0", "gpu1", "gpu2", "gpu3"} <= lanes
     assert any(x.startswith("h2d") and x != "h2d0" for x in lanes)
-    assert MultiMachine.__doc__
 
 
 @pytest.mark.parametrize(
@@ -408,18 +406,9 @@ def test_gather_barrier_on_two_gpus(mode: str) -> None:
     assert (joined["start"] >= joined["copy"] - 1e-12).all()
 
 
-def _kept_on_two_gpus(policy: str) -> RuntimeProfile:
-    """``policy``'s runtime without a fused MoE call or eager attention: the fast multi-GPU
-    executor leaves both out (a disagreement with docs/cost-model.md that the reference
-    engine shows: test_several_gpus_keep_fused_moe_and_eager_attention)."""
-    rt = get_runtime(get_policy_class(policy).runtime_profile)
-    return with_costs(rt, fused_moe=False, attention="fused")
-
-
 def _agree(policy: str, hw: str, mode: str, **options: object) -> None:
     """Both executors run ``policy`` on two GPUs to the same end (1e-9 s) and timeline."""
     kw = {"gpus": 2, "multi_gpu": mode, "policy_options": options}
-    kw["runtime"] = _kept_on_two_gpus(policy)
     fast = run(policy, hw, **kw)
     ref = run(policy, hw, engine="reference", **kw)
     assert fast.metrics["e2e_s"] == pytest.approx(ref.metrics["e2e_s"], abs=1e-9)
@@ -427,12 +416,6 @@ def _agree(policy: str, hw: str, mode: str, **options: object) -> None:
 
 
 @pytest.mark.reference
-@pytest.mark.xfail(
-    strict=True,
-    reason="the fast multi-GPU executor builds its machine without the runtime profile, so "
-    "it charges neither the runtime's fused MoE call (llama.cpp: hobbit) nor eager attention "
-    "(hf-eager-attn: mixtral-offloading); the reference applies both, as on one GPU",
-)
 @pytest.mark.parametrize(("policy", "options"), [("hobbit", {}), ("mixtral-offloading",
                                                   {"copy_stream": "side"})])  # fmt: skip
 def test_several_gpus_keep_fused_moe_and_eager_attention(

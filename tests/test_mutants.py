@@ -8,9 +8,10 @@ would make. Two kinds:
   it) against the real golden store, on the configurations that concern the mutant. Regress
   must exit 1 and report moved values; the unmutated copy must pass on the same
   configurations, so the check can fail.
-* ``ENGINE_MUTANTS`` (the reference engine): one edit of one function of the fast engine's
-  shared rules, compiled and monkeypatched in-process; the reference-equivalence check it
-  names (``CHECKS``, built on tests/equivalence.py) must then fail, and pass unmutated.
+* ``ENGINE_MUTANTS`` (the reference engine): one edit of one function of the engine core,
+  compiled and monkeypatched in-process (on the interpreted core); the reference-equivalence
+  check it names (``CHECKS``, built on tests/equivalence.py) must then fail, and pass
+  unmutated.
 
 A mutant whose old snippet is no longer in its source fails loudly: after a refactor, retarget
 the snippet at the code that now holds the rule rather than letting the mutant pass silently.
@@ -60,9 +61,9 @@ MUTANTS = (
     # the copy lanes are built by the Machine (one lane for both directions with one engine)
     Mutant(
         "copy-engines-ignored",
-        "simulator/machine.py",
-        "        if costs.hw.link.copy_engines >= 2:",
-        "        if True:  # mutant: always two copy lanes",
+        "simulator/core/machine.py",
+        "            if costs.hw.link.copy_engines >= 2:",
+        "            if True:  # mutant: always two copy lanes",
         ("* | * | a6000-1ce-pcie4 | *",),
     ),
     Mutant(
@@ -160,14 +161,13 @@ def test_regress_kills_the_mutant(mutant: Mutant, tmp_path: Path) -> None:
     assert "regress FAILED" in res.stdout and "metrics." in res.stdout, res.stdout
 
 
-# -- mutants of the fast engine's shared rules, caught by the reference-equivalence check ----
+# -- mutants of the engine core's rules, caught by the reference-equivalence check ----------
 # The reference engine (simulator/reference/) re-implements the timing rules, so a bug in one
-# of the fast engine's shared rules must make the equivalence check (tests/equivalence.py)
-# fail. Each mutant below is one exact edit of one function of the fast engine, compiled and
-# monkeypatched in-process (fast: no copy of the tree, no subprocess); the check it names must
-# then fail with an AssertionError, and pass unmutated (test_equivalence_checks_pass). After
-# the engine moves (the core rewrite), retarget ``target`` and the snippets at the code that
-# holds each rule now.
+# of the core's rules must make the equivalence check (tests/equivalence.py) fail. Each mutant
+# below is one exact edit of one function of the core, compiled and monkeypatched in-process
+# (fast: no copy of the tree, no subprocess) on the interpreted core (marker ``pure``); the
+# check it names must then fail with an AssertionError, and pass unmutated
+# (test_equivalence_checks_pass).
 
 
 @dataclass(frozen=True)
@@ -240,110 +240,108 @@ CHECKS: dict[str, Callable[[], None]] = {
 ENGINE_MUTANTS = (
     EngineMutant(
         "transfer-stall-halved",
-        "simulator.engine:Engine._layer",
-        "                c.transfer_stall += ready - g\n                g = ready",
-        "                c.transfer_stall += 0.5 * (ready - g)\n                g = ready",
+        "simulator.core.executor:Executor._run_gpu",
+        "                c.transfer_stall += ready - gk",
+        "                c.transfer_stall += 0.5 * (ready - gk)",
         "chaos",
     ),
     EngineMutant(
         "gpu-stream-by-expert-only",
-        "simulator.engine:Engine._layer",
-        "            ready, e, buf = heapq.heappop(gheap)",
-        "            ready, e, buf = min(gheap, key=lambda x: (x[1], x[0]))\n"
-        "            gheap.remove((ready, e, buf))\n"
-        "            heapq.heapify(gheap)",
+        "simulator.core.executor:Executor.add_job",
+        "        job.k1 = job.ready if job.ready > base else base\n"
+        "        job.k2, job.k3 = job.ready, job.expert",
+        "        job.k1 = job.k2 = 0.0\n        job.k3 = job.expert",
         "chaos",
     ),
     EngineMutant(
         "slot-released-when-write-back-starts",
-        "simulator.engine:Engine._serve_op",
-        "                self._push(e, op)  # its slot is released when it ends",
-        "                self._push(s, op)",
+        "simulator.core.executor:Executor._write_back",
+        "        op.stage = 1\n        self.push(e, op)",
+        "        op.stage = 1\n        self.push(s, op)",
         "chaos",
     ),
     EngineMutant(
         "one-slot-too-many",
-        "simulator.residency:Residency.take",
-        "        if occ >= self.cap:",
-        "        if occ > self.cap:",
+        "simulator.core.resources:Residency.take",
+        "        if self.held[k] >= self.cap[k]:",
+        "        if self.held[k] > self.cap[k]:",
         "chaos",
     ),
     EngineMutant(
         "cpu-calls-do-not-share-the-socket",
-        "simulator.machine:SharedCpu._rerate",
-        "        if share > 1.0:\n            rate = 1.0 / share",
-        "        if share > 2.0:\n            rate = 2.0 / share",
+        "simulator.core.resources:SharedCpu._rerate",
+        "        rate = 1.0 / share if share > 1.0 else 1.0",
+        "        rate = 2.0 / share if share > 2.0 else 1.0",
         "chaos",
     ),
     EngineMutant(
         "cpu-worker-lowest-index",
-        "simulator.machine:SharedCpu._idle_worker",
-        "                return 1 if idle[1] and lanes[1].free_at < lanes[0].free_at else 0",
-        "                return 0",
+        "simulator.core.resources:SharedCpu._idle_worker",
+        "            if free and (i < 0 or self.lanes[k].free_at < best):",
+        "            if free and i < 0:",
         "chaos",
     ),
     EngineMutant(
         "expert-sync-does-not-wait-for-the-stream",
-        "simulator.runtime_profiles:HostThread.expert",
+        "simulator.core.resources:HostThread.expert",
         "            h = drained if drained > self.t else self.t",
         "            h = self.t",
         "fiddler",
     ),
     EngineMutant(
         "fused-call-charged-per-expert",
-        "simulator.engine:Engine._layer",
-        "            d = gpu_s(n) + fused\n            fused = 0.0",
-        "            d = gpu_s(n) + fused",
+        "simulator.core.executor:Executor._run_gpu",
+        "            if unfused[k]:\n                unfused[k] = False",
+        "            if True:\n                unfused[k] = False",
         "fused-runtime",
     ),
     EngineMutant(
         "cpu-first-ignored",
-        "simulator.engine:Engine._layer",
-        "        if w.cpu_first and w.sync:",
-        "        if False:",
+        "simulator.core.executor:Executor._wait_cpu_first",
+        "        if not (w.cpu_first and w.sync):",
+        "        if True:",
         "fiddler",
     ),
     EngineMutant(
         "gather-barrier-ignored",
-        "simulator.engine:Engine._gather_barrier",
+        "simulator.core.executor:Executor._barrier",
         "                if t > bar:",
         "                if False:",
         "gather",
     ),
     EngineMutant(
         "in-use-victim-written-back-at-once",
-        "simulator.engine:EngineBase._evict",
-        "        if vl == w.layer and ve in needed:",
+        "simulator.core.apply:Applier._evict",
+        "        if layer == w.layer and expert in needed:",
         "        if False:",
         "in-use-victims",
     ),
     EngineMutant(
         "unified-copies-take-no-dram",
-        "simulator.engine:Engine._mem",
-        "        self.machine.copy_load(s, e, nbytes)",
+        "simulator.core.executor:Executor.mem",
+        "        self.m.copy_load(s, e, nbytes)",
         "        pass",
         "daop-unified",
     ),
     EngineMutant(
         "one-stream-kernel-beside-copies",
-        "simulator.engine:Engine._layer",
-        "                if h2d_lane.free_at > ready:\n"
-        "                    ready = h2d_lane.free_at",
-        "                pass",
+        "simulator.core.executor:Executor._one_stream_ready",
+        "        if up_h.lane.free_at > ready:\n            ready = up_h.lane.free_at",
+        "        pass",
         "chaos-one-stream",
     ),
     EngineMutant(
         "ssd-stall-not-counted",
-        "simulator.engine:EngineBase._ssd_stage",
+        "simulator.core.apply:Applier._ssd_stage",
         "        tier.ssd_stall += wait - now",
         "        tier.ssd_stall += 0.0",
         "ssd",
     ),
     EngineMutant(
         "pipeline-hand-over-of-every-selection",
-        "simulator.multigpu:_MultiBase._peer_cross",
-        "        n = 1 if w.counts is None else max(1, int(w.counts.sum()) // eng.model.top_k)",
-        "        n = 1 if w.counts is None else max(1, int(w.counts.sum()))",
+        "simulator.core.executor:Executor._cross",
+        "int(counts.sum()) // self.m.costs.model.top_k)",
+        "int(counts.sum()))",
         "two-gpus",
     ),
 )
@@ -392,6 +390,7 @@ def test_equivalence_checks_pass(check: str) -> None:
     CHECKS[check]()
 
 
+@pytest.mark.pure  # patches the engine core's functions: needs the interpreted core
 @pytest.mark.parametrize("mutant", ENGINE_MUTANTS, ids=lambda m: m.name)
 def test_the_equivalence_check_kills_the_mutant(
     mutant: EngineMutant, monkeypatch: pytest.MonkeyPatch

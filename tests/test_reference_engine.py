@@ -48,8 +48,8 @@ from hypothesis import strategies as st
 
 from policies.base import Action, Plan, Policy, ResourceSpec, SetupContext, Slot, View
 from policies.registry import available, get_policy_class
+from simulator.core.loop import Engine
 from simulator.costs import cost_model
-from simulator.engine import Engine
 from simulator.errors import PolicyError, UserError
 from simulator.hardware import load_profile
 from simulator.recorder import Recorder
@@ -613,7 +613,7 @@ def test_the_reference_engine_imports_none_of_the_fast_engines_timing() -> None:
         "policies.base": None,
         "simulator.boundary": None,
         "simulator.costs": None,
-        "simulator.engine": {"Counters", "RunStats"},
+        "simulator.core.ops": {"Counters", "RunStats"},
         "simulator.errors": None,
         "simulator.hosttier": {"HostTierConfig"},
         "simulator.models": None,
@@ -668,12 +668,6 @@ class SerialCpuLayers(Policy):
         return Plan(actions=dict.fromkeys(experts, Action.TEMP))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the fast engine submits the next call of a serial CPU task on a CPU-resident layer "
-    "when the previous one ends, without waiting for its weights' drive read (Engine._cpu_stage, "
-    "local calls); docs/serving.md: an operation's first stage is submitted when its read ends",
-)
 def test_a_serial_cpu_task_on_a_cpu_layer_waits_for_its_drive_reads() -> None:
     model = tiny_model(experts=6, top_k=2, moe_layers=3)
     rng = np.random.default_rng(5)

@@ -1,32 +1,60 @@
-"""Residency's bulk slot move against its one-slot methods."""
+"""Residency: one flat store shown as numpy arrays, and each GPU's slots with their waiters."""
 
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
-from simulator.residency import Residency
+from simulator.core.ops import FETCH, Op
+from simulator.core.resources import INF, Residency
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_swap_slots_equals_frees_then_takes_one_by_one(seed: int) -> None:
-    """``swap_slots(freed, taken)`` leaves the occupancy and its peak where ``freed`` calls
-    of ``free`` and then ``taken`` calls of ``take`` leave them, from random states (peaks
-    above, at and below the current occupancy included)."""
-    rng = np.random.default_rng(seed)
-    for _ in range(300):
-        budget = int(rng.integers(1, 12))
-        a = Residency(2, 8, budget, 2)
-        b = Residency(2, 8, budget, 2)
-        occ = int(rng.integers(0, a.cap + 1))
-        peak = max(0, occ + int(rng.integers(-2, 3)))
-        for r in (a, b):
-            r.occupancy, r.max_occupancy = occ, peak
-        freed = int(rng.integers(0, occ + 1))
-        taken = int(rng.integers(0, a.cap - (occ - freed) + 1))
-        for _ in range(freed):
-            a.free(0.0)
-        for _ in range(taken):
-            assert a.take(0.0)
-        b.swap_slots(freed, taken)
-        assert (b.occupancy, b.max_occupancy) == (a.occupancy, a.max_occupancy)
+def test_the_flat_state_and_the_arrays_policies_read_are_one_memory() -> None:
+    """A change through the engine's flat index shows in the [layers, experts] arrays a
+    policy reads, and a write through an array shows in the flat store."""
+    res = Residency(3, 4, budget=5, caps=[6])
+    op = Op(FETCH, "fetch", 1, 0, 0, 2, 1)
+    res.insert(2 * 4 + 1, op)
+    assert res.resident[2, 1] and res.n_resident == 1
+    assert res.ready_at[2, 1] == INF and res.copying[9] is op
+    res.copied(9, 0.25)
+    assert res.ready_at[2, 1] == 0.25 and 9 not in res.copying
+    res.remove(9)
+    assert not res.resident.any() and res.n_resident == 0
+    res.resident[0, 3] = True
+    assert res.mask[3] == 1
+    assert res.resident.shape == res.ready_at.shape == (3, 4)
+
+
+def test_a_full_gpu_hands_its_next_released_slot_to_the_first_waiter() -> None:
+    """Slots are per GPU: a take beyond a GPU's cap fails (the caller queues the fetch), a
+    release passes the slot to the first waiting fetch (occupancy unchanged), and only a
+    release with nobody waiting frees it; the peak counts every GPU together."""
+    res = Residency(2, 4, budget=3, caps=[2, 1])
+    res.place([(0, 0)], [[0, 0, 1, 1], [0, 0, 1, 1]])
+    assert res.held == [1, 0] and res.occupancy == 1
+    assert res.take(0, 0.1) and not res.take(0, 0.2)  # GPU 0 is full
+    assert res.take(1, 0.2) and not res.take(1, 0.3)
+    waiting = [Op(FETCH, "fetch", i, 0, 0, 0, 1) for i in range(2)]
+    res.waiters[0].extend(waiting)
+    assert res.release(0, 0.5) is waiting[0]  # the slot passes on: nothing freed
+    assert res.held == [2, 1] and res.occupancy == 3 and res.max_occupancy == 3
+    assert res.release(0, 0.6) is waiting[1]
+    assert res.release(0, 0.7) is None and res.held == [1, 1] and res.occupancy == 2
+    assert res.peak == [2, 1]
+
+
+def test_the_recorder_hears_every_change_of_occupancy() -> None:
+    class Rec:
+        def __init__(self) -> None:
+            self.samples: list[tuple[float, int]] = []
+
+        def occupancy(self, t: float, n: int) -> None:
+            self.samples.append((t, n))
+
+    rec = Rec()
+    res = Residency(1, 4, budget=2, caps=[2], recorder=rec)
+    res.place([(0, 0)], None)
+    res.take(0, 1.0)
+    res.release(0, 2.0)
+    assert rec.samples == [(0.0, 1), (1.0, 2), (2.0, 1)]
+    assert np.array_equal(res.resident[0], [True, False, False, False])

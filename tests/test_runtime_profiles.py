@@ -19,15 +19,15 @@ from click.testing import CliRunner
 from policies.all_gpu import AllGPUPolicy
 from policies.registry import get_policy_class
 from simulator.cli import main
+from simulator.core.loop import Engine
+from simulator.core.resources import HostThread
 from simulator.costs import cost_model
-from simulator.engine import Engine, EngineBase
 from simulator.errors import UserError
 from simulator.hardware import load_profile
 from simulator.recorder import Recorder
 from simulator.reference import ReferenceEngine
 from simulator.runtime_profiles import (
     FIELDS,
-    HostThread,
     RuntimeProfile,
     get_runtime,
     parse_runtime,
@@ -104,7 +104,7 @@ def _host_thread(eng: Any) -> Any:
     return eng.machine.host if isinstance(eng, Engine) else eng.thread
 
 
-def _engine(cls: type[EngineBase], runtime: RuntimeProfile | None) -> tuple[EngineBase, object]:
+def _engine(cls: type[Any], runtime: RuntimeProfile | None) -> tuple[Any, object]:
     r = routing_from_experts(MODEL, [[[0, 1], [2, 3]]], seq_id=0, n_prefill=0)
     rec = Recorder()
     eng = cls(AllGPUPolicy(), MODEL, cost_model(HW, MODEL), MODEL.total_experts, recorder=rec,
@@ -162,9 +162,7 @@ IDLE_LOOP = RuntimeProfile(
      get_runtime("hf-eager-all-experts"), get_runtime("moe-infinity"),
      get_runtime("moe-infinity-2024")],
 )  # fmt: skip
-def test_layer_times_match_the_hand_computation(
-    cls: type[EngineBase], prof: RuntimeProfile
-) -> None:
+def test_layer_times_match_the_hand_computation(cls: type[Any], prof: RuntimeProfile) -> None:
     eng, (stats, _, ctx) = _engine(cls, prof)
     d_ne = _nonexpert_s(eng)(1, ctx)
     d_e = _gpu_s(eng)(1)
@@ -249,7 +247,7 @@ def test_dispatch_bound_is_slower_and_gpu_bound_is_not() -> None:
 
 
 @pytest.mark.parametrize("cls", [Engine, ReferenceEngine])
-def test_a_profile_with_no_costs_reproduces_the_timeline(cls: type[EngineBase]) -> None:
+def test_a_profile_with_no_costs_reproduces_the_timeline(cls: type[Any]) -> None:
     _, (base, tl0, _) = _engine(cls, None)
     free = RuntimeProfile("free", nonexpert_kernels=49, expert_kernels=11, routing_syncs=1)
     for prof in (get_runtime("ideal"), free):
@@ -360,7 +358,7 @@ def test_bad_profile_fields_are_one_line_errors(tmp_path: Path) -> None:
 @pytest.mark.parametrize("cls", [Engine, ReferenceEngine])
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_a_fused_runtime_charges_one_launch_set_per_layer_an_eager_one_per_expert(
-    cls: type[EngineBase], k: int
+    cls: type[Any], k: int
 ) -> None:
     # k resident experts per layer, one decode token, no host costs: the GPU stream alone
     model = tiny_model(experts=4, top_k=k, moe_layers=2)
@@ -373,7 +371,7 @@ def test_a_fused_runtime_charges_one_launch_set_per_layer_an_eager_one_per_exper
         2.0 * model.params_per_expert / (HW.gpu.bf16_tflops * 1e12),
     )
 
-    def run(fused: bool) -> tuple[EngineBase, float]:
+    def run(fused: bool) -> tuple[Any, float]:
         r = routing_from_experts(model, [[list(range(k)), list(range(k))]], seq_id=0, n_prefill=0)
         prof = RuntimeProfile("fused" if fused else "eager", fused_moe=fused)
         eng = cls(AllGPUPolicy(), model, costs, model.total_experts, runtime=prof)
@@ -394,7 +392,7 @@ def test_a_fused_runtime_charges_one_launch_set_per_layer_an_eager_one_per_exper
 
 @pytest.mark.parametrize("cls", [Engine, ReferenceEngine])
 @pytest.mark.parametrize("k", [1, 2])
-def test_a_layer_without_a_gpu_expert_launches_no_fused_call(cls: type[EngineBase], k: int) -> None:
+def test_a_layer_without_a_gpu_expert_launches_no_fused_call(cls: type[Any], k: int) -> None:
     # llama-cpp-cpu-moe: layer 0's experts run on the CPU, layer 1's on the GPU (decode)
     model = tiny_model(experts=4, top_k=k, moe_layers=2)
     costs = cost_model(HW, model)
@@ -426,67 +424,3 @@ def test_fused_moe_must_be_a_boolean() -> None:
     with pytest.raises(UserError, match="'fused_moe' must be true or false"):
         parse_runtime({"name": "x", "fused_moe": 1}, "x.toml")
     assert parse_runtime({"name": "x", "fused_moe": True}, "x.toml").fused_moe
-
-
-class _Stalls:
-    """The two counters HostThread's one-call methods add to."""
-
-    def __init__(self) -> None:
-        self.transfer_stall = 0.0
-        self.dispatch_stall = 0.0
-
-
-@pytest.mark.parametrize("name", ["hf-eager", "moe-infinity", "ideal", "cuda-graph"])
-@pytest.mark.parametrize("seed", range(6))
-def test_one_call_host_methods_equal_the_per_call_ones_to_the_last_bit(
-    name: str, seed: int
-) -> None:
-    """``nonexpert_start`` equals ``nonexpert`` plus the engine's stall step, and
-    ``experts_run`` equals ``expert`` per call with the engine's waits (the loop
-    ``Engine._repeat_gpu`` runs): the same floats, thread clock and sync count, over random
-    layers; a changed sum (e.g. the stall added in another order) fails it."""
-    import random
-
-    rng = random.Random(seed)
-    prof = get_runtime(name)
-    idle = rng.choice([0, 6])
-    a, b = HostThread(prof, idle), HostThread(prof, idle)
-    ca, cb = _Stalls(), _Stalls()
-    g = 0.0
-    for layer in range(40):
-        d_ne = rng.uniform(1, 400) * US
-        first = layer % 8 == 0
-        # per call: nonexpert, then _host_nonexpert's stall step
-        end, now_a = a.nonexpert(g, d_ne, first)
-        start_a = g
-        if end - d_ne > start_a:
-            ca.dispatch_stall += end - d_ne - start_a
-            start_a = end - d_ne
-        start_b, now_b = b.nonexpert_start(g, d_ne, first, cb)
-        assert (start_a, now_a) == (start_b, now_b)
-        # a layer's GPU experts, ready times in call order (some before the stream is free)
-        now = now_a
-        n = rng.randint(0, 4)
-        readies, t = [], now + rng.uniform(-50, 50) * US
-        for _ in range(n):
-            t += rng.uniform(0, 80) * US
-            readies.append(t)
-        d, rest = rng.uniform(1, 90) * US, rng.uniform(1, 90) * US
-        ga, busy_a, dd = now, 0.0, d
-        for ready in readies:
-            drained = ga
-            if ready > ga:
-                ca.transfer_stall += ready - ga
-                ga = ready
-            wait = a.expert(drained, ga, dd) - dd - ga
-            if wait > 0.0:
-                ca.dispatch_stall += wait
-                ga += wait
-            ga += dd
-            busy_a += dd
-            dd = rest
-        gb, busy_b = b.experts_run(readies, now, d, rest, cb)
-        assert (ga, busy_a) == (gb, busy_b)
-        assert (a.t, a.syncs) == (b.t, b.syncs)
-        assert (ca.transfer_stall, ca.dispatch_stall) == (cb.transfer_stall, cb.dispatch_stall)
-        g = ga

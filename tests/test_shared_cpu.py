@@ -1,11 +1,10 @@
 """The host CPU is one shared machine: concurrent CPU experts share its socket and DRAM.
 
-Unit tests of :class:`~simulator.machine.SharedCpu` (processor sharing, re-timing on arrivals,
-the worker limit, DRAM taken by copies on unified memory), engine-level checks that two
-concurrent CPU experts finish later than one alone and no earlier than the bandwidth bound,
-that DAOP gains next to nothing from a second worker thread on a socket one call saturates,
-and that a unified-memory profile no longer times like a PCIe copy of itself.
-"""
+Unit tests of :class:`~simulator.core.resources.SharedCpu` (processor sharing, re-timing on
+arrivals, the worker limit, DRAM taken by copies on unified memory), engine-level checks that
+two concurrent CPU experts finish later than one alone and no earlier than the bandwidth bound,
+that DAOP gains next to nothing from a second worker thread on a socket one call saturates, and
+that a unified-memory profile no longer times like a PCIe copy of itself."""
 
 from __future__ import annotations
 
@@ -17,11 +16,11 @@ import pandas as pd
 import pytest
 
 from policies.base import Action, Plan, Policy, ResourceSpec, SetupContext, Slot, View
+from simulator.core.loop import Engine
+from simulator.core.resources import CpuJob, SharedCpu
 from simulator.costs import cost_model
-from simulator.engine import Engine
 from simulator.errors import ProfileError
 from simulator.hardware import HardwareProfile, load_profile
-from simulator.machine import CpuJob, SharedCpu
 from simulator.recorder import Recorder
 from simulator.reference import ReferenceEngine
 from simulator.runner import simulate
@@ -228,70 +227,3 @@ def test_socket_bandwidth_is_validated(tmp_path: Path) -> None:
     )
     with pytest.raises(ProfileError, match="socket_bw_gbs"):
         load_profile(str(p))
-
-
-def _state(cpu: SharedCpu) -> tuple[object, ...]:
-    """Everything a fused step must leave as the plain calls do (jobs by issue number)."""
-    return (
-        cpu.t,
-        cpu.rate,
-        cpu.version,
-        list(cpu._idle),
-        [(lane.busy, lane.free_at) for lane in cpu.lanes],
-        [(j.seq, j.rem, j.worker, j.start) for j in cpu.active],
-        [(q[1], q[2].rem) for q in sorted(cpu._queue)],
-    )
-
-
-@pytest.mark.parametrize("workers", [1, 2, 3])
-@pytest.mark.parametrize("seed", range(6))
-def test_fused_steps_equal_the_plain_calls(workers: int, seed: int) -> None:
-    """``submit_next``, ``wake_next`` and ``arrive_then_end`` (the engine's one-call steps)
-    leave the same state, ends and event times, to the last bit, as ``submit``/``wake``
-    followed by ``next_event``, over random arrivals: odd works and shares, simultaneous
-    arrivals, queues, a new call that would end first (``arrive_then_end`` refuses it)."""
-    import random
-
-    rng = random.Random(seed)
-    plain, fused = SharedCpu("cpu", workers), SharedCpu("cpu", workers)
-    works = [rng.choice([1e-3, 3e-3, 0.1 / 3, 7e-4]) for _ in range(3)]
-    shares = [rng.choice([0.3, 0.7, 1.0, 1.7]) for _ in range(3)]
-    jobs: list[tuple[CpuJob, CpuJob]] = []
-    taken = refused = 0
-    t = 0.0
-    for seq in range(80):
-        w, s = rng.choice(works), rng.choice(shares)
-        nxt = plain.next_event()
-        assert nxt == fused.next_event()
-        # arrivals mostly while at most one call runs (daop's chains), wake-ups otherwise
-        if nxt == float("inf") or rng.random() < (0.8 if len(plain.active) < 2 else 0.2):
-            t = max(t, plain.t) + rng.choice([0.0, 1e-4, 5e-4, 2e-3])
-            if t >= nxt:
-                t = max(plain.t, nxt - rng.choice([0.0, 1e-5]))
-                if t >= nxt:
-                    continue
-            jp, jf = _job(seq, t, w, s), _job(seq, t, w, s)
-            jobs.append((jp, jf))
-            running = [j.seq for j in plain.active]
-            plain.submit(t, jp)
-            step = fused.arrive_then_end(t, jf) if rng.random() < 0.7 else None
-            if step is None:
-                assert fused.submit_next(t, jf) == plain.next_event()
-                refused += len(running) == 1
-            else:
-                taken += 1
-                te = plain.next_event()
-                assert [j.seq for j in plain.wake(te)] == running  # the running call ended
-                assert step == (te, plain.next_event())
-        else:
-            done_p = plain.wake(nxt)
-            done_f, nt = fused.wake_next(nxt)
-            assert [j.seq for j in done_p] == [j.seq for j in done_f]
-            assert nt == plain.next_event()
-        assert _state(plain) == _state(fused)
-    for jp, jf in jobs:
-        assert repr((jp.start, jp.end, jp.rem, jp.worker)) == repr(
-            (jf.start, jf.end, jf.rem, jf.worker)
-        )
-    if workers == 2:
-        assert taken  # the one-pass step was exercised

@@ -17,8 +17,8 @@ import pandas as pd
 import pytest
 
 from policies.base import ResourceSpec
+from simulator.core.loop import Engine
 from simulator.costs import cost_model
-from simulator.engine import Engine, EngineBase
 from simulator.errors import UserError
 from simulator.hardware import load_profile
 from simulator.models import get_model
@@ -120,7 +120,7 @@ def test_nonexpert_never_starts_before_its_weights(gather: str) -> None:
         assert waited > 0
 
 
-def _chaos(cls: type[EngineBase], seed: int, record: bool = True) -> tuple[Any, Any]:
+def _chaos(cls: type[Any], seed: int, record: bool = True) -> tuple[Any, Any]:
     model = dataclasses.replace(
         tiny_model(experts=6, top_k=2, moe_layers=3), non_expert_params=2_000_000,
         embedding_params=300_000,
@@ -135,43 +135,6 @@ def _chaos(cls: type[EngineBase], seed: int, record: bool = True) -> tuple[Any, 
     pol.engine = eng
     stats = eng.run(seqs)
     return (rec.timeline() if rec is not None else None), stats
-
-
-class _InlineOnly(Engine):
-    """The fast engine, failing if its step loop ever yields a streamed weight copy."""
-
-    def _weights_in(self, *args: Any, **kwargs: Any) -> Any:
-        raise AssertionError("the step loop yielded a streamed weight copy")
-
-
-class _Yielded(Engine):
-    """The fast engine with each streamed weight copy yielded to ``run``, which times it
-    (``EngineBase._weights_in`` and ``Engine._weights_copy``: the path before
-    ``Engine._weights_now``)."""
-
-    _weights_inline = False
-
-
-@pytest.mark.parametrize("record", [True, False])
-@pytest.mark.parametrize("seed", range(4))
-def test_weights_timed_in_the_step_loop_equal_the_yielded_copies(seed: int, record: bool) -> None:
-    """``Engine._weights_now`` times the copies in the step loop (no generator round trip):
-    under random plans that keep the link busy (pending copies, write-backs, CPU calls) every
-    counter, the end time and the timeline are the same, bit for bit, as when each copy is
-    yielded to the executor."""
-    ta, sa = _chaos(_InlineOnly, seed, record)
-    tb, sb = _chaos(_Yielded, seed, record)
-    assert sa.counters.nonexpert_weight_copies > 0
-    for f in dataclasses.fields(sa.counters):
-        a, b = getattr(sa.counters, f.name), getattr(sb.counters, f.name)
-        if isinstance(a, np.ndarray):
-            assert a.dtype == b.dtype and np.array_equal(a, b), f.name
-        else:
-            assert a == b, f.name
-    assert sa.e2e == sb.e2e
-    assert sa.busy == sb.busy
-    if record:
-        pd.testing.assert_frame_equal(ta, tb, check_exact=True)
 
 
 @pytest.mark.reference

@@ -25,16 +25,17 @@ from simulator.core.resources import Residency
 from simulator.errors import UserError
 
 
-def cpu_layers_for(spec: Any, n_layers: int, n_experts: int, budget: int) -> int:
+def cpu_layers_for(spec: Any, model: Any, budget: int) -> int:
     """Leading MoE layers a spec runs wholly on the CPU when the run did not size them from
-    memory: N GPU blocks leave ``n_layers - N``; -1 leaves the fewest whose GPU layers'
-    experts fit ``budget``."""
+    memory (the runner does, ``simulator.runner.cpu_resident_layers``): N GPU blocks leave
+    ``moe_layers - N``; -1 leaves the fewest whose GPU layers' experts fit ``budget``."""
     g = spec.gpu_blocks
+    n_layers: int = model.moe_layers
     if g is None:
         return 0
     if g >= 0:
         return n_layers - min(n_layers, g)
-    return max(0, n_layers - budget // n_experts)
+    return max(0, n_layers - budget // model.experts)
 
 
 class Step:
@@ -78,9 +79,10 @@ class Step:
         return None
 
     def account(
-        self, eng: Engine, plan: Any, route: list[int] | None, experts: np.ndarray, layer: int
+        self, eng: Engine, plan: Any, route: list[int] | None, experts: list[int], layer: int
     ) -> None:
-        """Count the routing the layer's plan kept (decode steps)."""
+        """Count the routing the layer's plan kept (decode steps); ``experts`` is the trace's
+        routing of the layer."""
 
     def finish(self, eng: Engine, t0: float) -> None:
         """Bookkeeping once every layer has run (the step started at ``t0``)."""
@@ -153,6 +155,7 @@ class DecodeStep(Step):
         r = dp.r
         self.experts_t = r.experts[t]
         self.weights_t = r.weights[t]
+        self.weights_l: list[list[float]] | None = None
         self.wsums_t = dp.wsums[t]
 
     def begin(self, eng: Engine) -> None:
@@ -177,7 +180,7 @@ class DecodeStep(Step):
         return None
 
     def account(
-        self, eng: Engine, plan: Any, route: list[int] | None, experts: np.ndarray, layer: int
+        self, eng: Engine, plan: Any, route: list[int] | None, experts: list[int], layer: int
     ) -> None:
         c = eng.c
         ws = self.wsums_t[layer]
@@ -188,7 +191,7 @@ class DecodeStep(Step):
         else:  # how much of the true routing the substituted route kept or replaced
             used = set(route)
             raw = set(np.asarray(plan.raw_route).tolist()) if plan.raw_route is not None else set()
-            for e, w in zip(experts.tolist(), self.weights_t[layer].tolist(), strict=False):
+            for e, w in zip(experts, self._weights(layer), strict=False):
                 if e in used:
                     c.gate_mass_kept += w
                 elif e in raw:
@@ -196,9 +199,15 @@ class DecodeStep(Step):
                 else:
                     c.replaced_mispredicted += 1
         if plan.low_bit:  # the true gate weight of experts computed from a low-bit copy
-            for e, w in zip(experts.tolist(), self.weights_t[layer].tolist(), strict=False):
+            for e, w in zip(experts, self._weights(layer), strict=False):
                 if e in plan.low_bit:
                     c.gate_mass_low_bit += w
+
+    def _weights(self, layer: int) -> list[float]:
+        """The token's true gate weights of ``layer`` (the token's rows as lists, once)."""
+        if self.weights_l is None:
+            self.weights_l = self.weights_t.tolist()
+        return self.weights_l[layer]
 
     def finish(self, eng: Engine, t0: float) -> None:
         c = eng.c
@@ -278,7 +287,7 @@ class Engine:
         self.applier = Applier(self.ex, self.res, self.c, self.n_layers, self.expert_bytes,
                                self.act_bytes, spec.writeback, ssd)  # fmt: skip
         if cpu_layers is None:
-            cpu_layers = cpu_layers_for(spec, self.n_layers, self.n_experts, self.budget)
+            cpu_layers = cpu_layers_for(spec, model, self.budget)
         #: leading MoE layers run wholly on the CPU (ResourceSpec.gpu_blocks, resolved)
         self.n_cpu_layers = cpu_layers
         ctx = SetupContext(
@@ -397,9 +406,10 @@ class Engine:
         experts, counts = st.enter(self, layer)
         plan = hooks.call(st.hook, decide, v)
         route = st.route(self, plan, experts, layer)
-        routed = experts.tolist() if route is None else route
+        true = experts.tolist()
+        routed = true if route is None else route
         order = check_plan(hooks, plan, layer, routed, self.res, self.spec, self.precalc, now)
-        st.account(self, plan, route, experts, layer)
+        st.account(self, plan, route, true, layer)
         where.seq, where.token = st.ops
         work = self.applier.apply(plan, layer, order, routed, counts, now, st.prefill, st.ops,
                                   layer < st.n_cpu_run)  # fmt: skip
@@ -514,6 +524,7 @@ class Engine:
         c.host_syncs = m.host.syncs if m.host is not None else 0
         c.host_syncs += sum(h.syncs for h in m.hosts[1:] if h is not None)
         stats = RunStats(counters=c, e2e=e2e, busy=m.busy(), workers=m.workers())
+        stats.after, stats.servers = m.work_after(e2e)
         if self.ssd_cfg is not None:
             stats.host_tier = self._ssd_totals(stats.busy)
         return stats

@@ -175,19 +175,35 @@ class Machine:
         return out
 
     def busy(self) -> dict[str, float]:
-        """Busy seconds: ``gpu``, ``h2d``, ``d2h`` (summed over GPUs and distinct lanes),
-        ``cpu`` (summed workers), then every other lane by name."""
+        """Busy seconds: ``gpu``, ``h2d``, ``d2h`` (summed over GPUs and distinct lanes) and
+        ``cpu`` (summed workers); with several GPUs also every lane by its own name."""
         ups = {id(h.lane): h.lane for h, _ in self.uplinks}
         downs = {id(d.lane): d.lane for _, d in self.uplinks}
         out = {
-            "gpu": sum(g.busy for g in self.gpus) if self.n_gpus > 1 else self.gpu.busy,
+            "gpu": sum(g.busy for g in self.gpus),
             "h2d": sum(lane.busy for lane in ups.values()),
             "d2h": sum(lane.busy for lane in downs.values()),
             "cpu": self.cpu.busy,
         }
-        for name, lane in self.lanes().items():
-            out.setdefault(name, lane.busy)
+        if self.n_gpus > 1:
+            for name, lane in self.lanes().items():
+                out.setdefault(name, lane.busy)
         return out
+
+    def work_after(self, e2e: float) -> tuple[dict[str, float], dict[str, int]]:
+        """Busy seconds each copy direction, the CPU workers and the drive spend after the
+        run's end ``e2e``, and the lanes behind each copy direction. Every request is issued
+        by the end and a lane serves its queue back to back, so a lane busy at ``e2e`` stays
+        busy until its ``free_at``: its work after the end is ``max(0, free_at - e2e)``."""
+        groups = {
+            "h2d": list({id(h.lane): h.lane for h, _ in self.uplinks}.values()),
+            "d2h": list({id(d.lane): d.lane for _, d in self.uplinks}.values()),
+            "cpu": list(self.cpu.lanes),
+        }
+        for name, lane in self.drives.items():
+            groups[name] = [lane]
+        after = {n: sum(max(0.0, lane.free_at - e2e) for lane in ls) for n, ls in groups.items()}
+        return after, {"h2d": len(groups["h2d"]), "d2h": len(groups["d2h"])}
 
     def workers(self) -> dict[str, int]:
         """Workers per pool (``cpu``), and with several GPUs their number (``gpu``)."""

@@ -92,6 +92,12 @@ class RunStats:
     #: with a host-memory budget: the SSD tier's totals (ssd_bytes, ssd_reads, ssd_stall_s,
     #: host_memory_peak_bytes, host_evictions); None when host memory is not modelled
     host_tier: dict[str, float] | None = None
+    #: busy seconds after ``e2e`` of the copy directions (``h2d``, ``d2h``), the CPU workers
+    #: (``cpu``) and the drive (``ssd``): work issued before the last token that ends after it,
+    #: left out of the busy fractions (docs/metrics.md, "Busy fractions")
+    after: dict[str, float] = field(default_factory=dict)
+    #: lanes behind each copy direction (``h2d``, ``d2h``): one per GPU uplink
+    servers: dict[str, int] = field(default_factory=dict)
 
 
 class Keyed:

@@ -21,8 +21,8 @@ import simpy
 
 from policies.base import Action, Plan, Policy, SetupContext, Slot, View
 from simulator.boundary import Hooks, check_placement, check_plan, check_route
+from simulator.core.ops import Counters, RunStats
 from simulator.costs import CostModel
-from simulator.engine import Counters, RunStats
 from simulator.errors import UserError
 from simulator.models import ModelShape
 from simulator.recorder import Recorder
@@ -450,6 +450,7 @@ class ReferenceEngine:
                 busy.setdefault(name, b)
             workers = {"cpu": len(self.cpu.names), "gpu": len(self.devices)}
         stats = RunStats(counters=c, e2e=e2e, busy=busy, workers=workers)
+        stats.after, stats.servers = self._work_after(e2e)
         if self._tier is not None:
             mem = self.host_memory
             if mem is None:  # every expert fits in host memory: the drive is never read
@@ -464,6 +465,21 @@ class ReferenceEngine:
                 stats.host_tier = mem.totals()
                 busy["ssd"] = mem.drive.busy
         return stats
+
+    def _work_after(self, e2e: float) -> tuple[dict[str, float], dict[str, int]]:
+        """Work after the run's end: each copy direction's lanes, the CPU workers and the
+        drive (``RunStats.after``), a lane busy at the end staying busy until its last hold
+        ends; and the lanes behind each copy direction."""
+        ups = list({id(d.h2d): d.h2d for d in self.devices}.values())
+        downs = list({id(d.d2h): d.d2h for d in self.devices}.values())
+        after = {
+            "h2d": sum(max(0.0, lane.free_at - e2e) for lane in ups),
+            "d2h": sum(max(0.0, lane.free_at - e2e) for lane in downs),
+            "cpu": sum(max(0.0, t - e2e) for t in self.cpu.free_at),
+        }
+        if self.host_memory is not None:
+            after["ssd"] = max(0.0, self.host_memory.drive.free_at - e2e)
+        return after, {"h2d": len(ups), "d2h": len(downs)}
 
     def multi_metrics(self) -> dict[str, Any]:
         """Per-GPU and per-peer-path figures for ``run --json`` (several GPUs)."""
@@ -534,12 +550,9 @@ class ReferenceEngine:
                 v.position = v.context = context
             d_ne = self.nonexpert_s(n, context)
             for layer in range(self.n_layers):
-                # the non-expert row carries the routing's own token index (without ``base``;
-                # a serving step's one-token routing records token 0 there): the fast
-                # engine's timeline convention, which the equivalence tests compare
                 now = yield from self.front(
                     layer, n, cpu_run, self.costs.cpu_nonexpert_layer_s, (n, context), d_ne,
-                    (sid or 0, t), (n, context), layer == 0,
+                    (sid or 0, t + base), (n, context), layer == 0,
                 )  # fmt: skip
                 yield from self.until(now)  # the decision: the routing is known
                 v.layer = where.layer = layer

@@ -37,10 +37,12 @@ class Ledger:
     __slots__ = (
         "budget",
         "copy",
+        "mask",
         "n_experts",
         "n_layers",
         "n_resident",
         "prefetched",
+        "ready",
         "ready_at",
         "resident",
     )
@@ -53,6 +55,9 @@ class Ledger:
         self.ready_at = np.zeros((n_layers, n_experts), dtype=np.float64)
         #: copied by a prefetch and not used or evicted since
         self.prefetched = np.zeros((n_layers, n_experts), dtype=bool)
+        #: the same two arrays flat (``layer * n_experts + expert``), as the plan checks read them
+        self.mask = self.resident.reshape(-1)
+        self.ready = self.ready_at.reshape(-1)
         self.n_resident = 0
         #: the latest copy into each slot (an ``Op``); absent for the initial placement
         self.copy: dict[Slot, Any] = {}

@@ -80,6 +80,8 @@ class Lane:
         self.name = name
         #: seconds it held a timed transfer or kernel (what ``RunStats.busy`` reports)
         self.busy = 0.0
+        #: when its last hold ended (the work after the run's end: ``RunStats.after``)
+        self.free_at = 0.0
         self._waiting: list[tuple[Any, int, simpy.Event]] = []
         self._held = False
         self._armed = False
@@ -94,6 +96,7 @@ class Lane:
     def release(self) -> None:
         """The holder is done."""
         self._held = False
+        self.free_at = self.env.now
         self._arm()
 
     def _arm(self) -> None:
