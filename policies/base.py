@@ -74,17 +74,24 @@ class Plan:
     (``TEMP``) copies are not part of it.
     """
 
-    actions: dict[int, Action] | None = None
-    victims: dict[int, Slot] = field(default_factory=dict)
-    route: np.ndarray | None = None
-    raw_route: np.ndarray | None = None
-    prefetch: list[tuple[int, int, Slot | None]] = field(default_factory=list)
-    precalc: list[tuple[int, int]] = field(default_factory=list)
-    evict: list[Slot] = field(default_factory=list)
-    cpu_serial: bool = False
-    cpu_first: bool = False
-    low_bit: frozenset[int] | set[int] = frozenset()
-    barrier: bool = False
+    # Each field is typed Any: a plan holds whatever the policy put in it, and the engine's
+    # plan checks (simulator/boundary.py) refuse a malformed one with a message naming the
+    # policy, the layer and the field (a compiled Plan must not refuse it first, and
+    # differently). The intended types: actions dict[int, Action] | None, victims
+    # dict[int, (layer, expert)], route and raw_route 1-D integer arrays (or sequences) or
+    # None, prefetch list of (layer, expert, victim or None), precalc list of (layer, expert),
+    # evict list of (layer, expert), low_bit a set of experts, the three flags bool.
+    actions: Any = None
+    victims: Any = field(default_factory=dict)
+    route: Any = None
+    raw_route: Any = None
+    prefetch: Any = field(default_factory=list)
+    precalc: Any = field(default_factory=list)
+    evict: Any = field(default_factory=list)
+    cpu_serial: Any = False
+    cpu_first: Any = False
+    low_bit: Any = frozenset()
+    barrier: Any = False
 
 
 ALL_GPU_PLAN = Plan()

@@ -206,14 +206,14 @@ def _check_spec(hooks: Hooks, plan: Any, layer: int, spec: Any) -> None:
 
 
 class _PlanCheck:
-    """One plan's check: the residency as the plan changes it, step by step. A plan is
-    whatever the policy returned (typed ``Any``: its fields may hold any objects). Experts
-    are named by their flat index ``layer * n_experts + expert``, as the residency stores them."""
+    """One plan's check: the residency as the plan changes it, step by step. A plan's fields
+    may hold any objects (``Plan``'s fields are typed ``Any``). Experts are named by their
+    flat index ``layer * n_experts + expert``, as the residency stores them."""
 
     def __init__(
         self,
         hooks: Hooks,
-        plan: Any,
+        plan: Plan,
         layer: int,
         routed: list[int],
         res: Any,

@@ -944,7 +944,7 @@ class BatchStep(CoreStep):
         return None
 
     def account(
-        self, eng: Engine, plan: Any, route: list[int] | None, experts: list[int], layer: int
+        self, eng: Engine, plan: Plan, route: list[int] | None, experts: list[int], layer: int
     ) -> None:
         c = eng.c
         mass = 0.0 if self.mass is None else self.mass[layer]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from policies.base import Action
+from policies.base import Action, Plan
 from simulator.core.executor import Executor
 from simulator.core.ops import CPU, FETCH, TEMP, WRITEBACK, Counters, GpuJob, LayerWork, Op
 from simulator.core.resources import INF, Residency
@@ -53,7 +53,7 @@ class Applier:
 
     def apply(
         self,
-        plan: Any,
+        plan: Plan,
         layer: int,
         order: list[int],
         routed: list[int],
@@ -192,7 +192,7 @@ class Applier:
         return op
 
     def _cpu_work(
-        self, plan: Any, layer: int, experts: list[int], counts: Any, local: bool, w: LayerWork
+        self, plan: Plan, layer: int, experts: list[int], counts: Any, local: bool, w: LayerWork
     ) -> None:
         """The layer's CPU experts (the layer needs their results), then the
         pre-calculations of coming layers; a serial plan chains each kind one after another."""

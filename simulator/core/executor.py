@@ -36,6 +36,43 @@ from simulator.core.ops import (
 from simulator.core.resources import INF, Residency
 
 
+class Stream:
+    """One GPU's stream within the current layer, and its totals over the run.
+
+    ``base``: no computation starts earlier (the layer's decision, then its activations'
+    arrival from the home GPU); ``held``: computations waiting for those activations (None
+    once they are there); ``g``: when the stream is free; ``fused``: the layer's fused call is
+    still to be charged (with its first computation); ``left``: computations still to run;
+    ``free_bufs`` and ``tempq``: temporary buffers free, and copies waiting for one.
+    """
+
+    __slots__ = ("base", "busy", "d2h_bytes", "experts", "free_bufs", "fused", "g",
+                 "h2d_bytes", "held", "left", "tempq")  # fmt: skip
+
+    def __init__(self) -> None:
+        self.base = 0.0
+        self.held: list[GpuJob] | None = None
+        self.g = 0.0
+        self.busy = 0.0
+        self.fused = True
+        self.left = 0
+        self.free_bufs = 0
+        self.tempq: deque[Op] = deque()
+        #: over the run: expert computations, expert bytes copied in and written back
+        self.experts = 0
+        self.h2d_bytes = 0
+        self.d2h_bytes = 0
+
+    def begin(self, now: float, buffers: int) -> None:
+        """A new layer decided at ``now``."""
+        self.base = self.g = now
+        self.held = None
+        self.busy = 0.0
+        self.fused = True
+        self.left = 0
+        self.free_bufs = buffers
+
+
 class Executor:
     """Serves requests on the machine's resources and times each layer's GPU work."""
 
@@ -62,25 +99,11 @@ class Executor:
         self._uid = 0
         #: issue numbers: the queueing rule's tie-break, taken as operations are created
         self.seq = 0
-        # the current layer: the GPU jobs ready to run and the sources still pending; per GPU
-        # the earliest start (its activations' arrival), jobs held until then, its stream's
-        # clock, busy time, whether its fused call is still to charge, computations left,
-        # free temporary buffers and the copies waiting for one
-        n = machine.n_gpus
+        # the current layer: the GPU jobs ready to run and the sources still pending
         self.jobs = Heap()
         self.waiting = 0
-        self.base = [0.0] * n
-        self.held: list[list[GpuJob] | None] = [None] * n
-        self.g = [0.0] * n
-        self.busy = [0.0] * n
-        self.unfused = [True] * n
-        self.left = [0] * n
-        self.free_bufs = [0] * n
-        self.tempq: list[deque[Op]] = [deque() for _ in range(n)]
-        #: per GPU: expert computations, expert bytes copied in and written back
-        self.gpu_experts = [0] * n
-        self.h2d_bytes = [0] * n
-        self.d2h_bytes = [0] * n
+        #: each GPU's stream
+        self.streams = [Stream() for _ in range(machine.n_gpus)]
         #: bytes moved per peer lane
         self.peer_bytes: dict[str, int] = {}
 
@@ -180,7 +203,7 @@ class Executor:
             self.rec.op(link.lane.name, kind, op.sid, op.token, op.layer, op.expert, s, e, nbytes)
         if self.m.unified:
             self.mem(s, e, nbytes)
-        self.h2d_bytes[op.dev] += nbytes
+        self.streams[op.dev].h2d_bytes += nbytes
         op.end = e
         return s, e
 
@@ -212,7 +235,7 @@ class Executor:
                         self.expert_bytes)  # fmt: skip
         if self.m.unified:
             self.mem(s, e, self.expert_bytes)
-        self.d2h_bytes[op.dev] += self.expert_bytes
+        self.streams[op.dev].d2h_bytes += self.expert_bytes
         op.end = e
         op.stage = 1
         self.push(e, op)
@@ -322,11 +345,11 @@ class Executor:
         if op.gpu:  # the sent activations: the receiving GPU's computations may start
             op.gpu = False
             self.waiting -= 1
-            k = op.dst
-            if e > self.base[k]:
-                self.base[k] = e
-            held = self.held[k]
-            self.held[k] = None
+            st = self.streams[op.dst]
+            if e > st.base:
+                st.base = e
+            held = st.held
+            st.held = None
             for job in held or ():
                 self.add_job(job)
 
@@ -340,11 +363,11 @@ class Executor:
     def add_job(self, job: GpuJob) -> None:
         """A GPU computation of the current layer, startable from ``job.ready`` on its GPU
         (and no earlier than the GPU's ``base``)."""
-        held = self.held[job.dev]
-        if held is not None:  # its GPU's activations are not there yet
-            held.append(job)
+        st = self.streams[job.dev]
+        if st.held is not None:  # its GPU's activations are not there yet
+            st.held.append(job)
             return
-        base = self.base[job.dev]
+        base = st.base
         job.k1 = job.ready if job.ready > base else base
         job.k2, job.k3 = job.ready, job.expert
         self.jobs.push(job)
@@ -353,17 +376,17 @@ class Executor:
         """Time one layer's work; returns when the layer ends."""
         m = self.m
         home = 0 if m.home is None else m.home[w.layer]
-        for k in range(m.n_gpus):
-            self.base[k] = w.now
-            self.held[k] = None
+        for st in self.streams:
+            st.begin(w.now, m.temp_buffers)
         self.waiting = 0
         sends = self._sends(w, home) if m.n_gpus > 1 else None
         self._submit(w, sends)
         self._wait_cpu_first(w)
         self._gpu_sources(w)
         late = list(w.deferred.values()) if self.one_stream else []
-        g = self._run_gpu(w, sends)
-        end = g[home] if g[home] > self.base[home] else self.base[home]
+        self._run_gpu(w, sends)
+        st = self.streams[home]
+        end = st.g if st.g > st.base else st.base
         if self.one_stream:
             end = self._one_stream_tail(w, late, end)
         for _, back in sends.values() if sends is not None else ():
@@ -386,17 +409,14 @@ class Executor:
         gpu_of = self.m.gpu_of
         assert gpu_of is not None
         row = gpu_of[w.layer]
-        left = self.left
-        for k in range(self.m.n_gpus):
-            left[k] = 0
         for job in w.gpu:
-            left[row[job.expert]] += 1
+            self.streams[row[job.expert]].left += 1
         sends: dict[int, tuple[Op, Op]] = {}
-        for k in range(self.m.n_gpus):
-            if left[k] and k != home:
+        for k, st in enumerate(self.streams):
+            if st.left and k != home:
                 n = self._peer_tokens(w, k)
                 sends[k] = (self.peer_op(w, home, k, n), self.peer_op(w, k, home, n))
-                self.held[k] = []
+                st.held = []
         return sends
 
     def _peer_tokens(self, w: LayerWork, k: int) -> int:
@@ -417,16 +437,14 @@ class Executor:
         activations sent to other GPUs."""
         now = w.now
         n_temp = self.m.temp_buffers
-        free = self.free_bufs
-        for k in range(self.m.n_gpus):
-            free[k] = n_temp
         for op in w.ops:
-            if op.kind == TEMP and not free[op.dev]:
-                self.tempq[op.dev].append(op)  # submitted when a buffer frees up
-                continue
             if op.kind == TEMP:
-                free[op.dev] -= 1
-                op.buf = n_temp - free[op.dev] - 1
+                st = self.streams[op.dev]
+                if not st.free_bufs:
+                    st.tempq.append(op)  # submitted when a buffer frees up
+                    continue
+                st.free_bufs -= 1
+                op.buf = n_temp - st.free_bufs - 1
             if op.ssd_at > now:  # submitted when its drive read ends
                 self.push(op.ssd_at, op)
             else:
@@ -445,13 +463,12 @@ class Executor:
         sync_end = max(self.resolve(op) for op in w.sync)
         if sync_end > w.now:
             self.c.cpu_wait += sync_end - w.now
-            base = self.base
-            for k in range(self.m.n_gpus):
-                if sync_end > base[k]:
-                    base[k] = sync_end
+            for st in self.streams:
+                if sync_end > st.base:
+                    st.base = st.g = sync_end
             for job in self.jobs.items:
                 assert isinstance(job, GpuJob)
-                job.k1 = max(job.ready, base[job.dev])
+                job.k1 = max(job.ready, self.streams[job.dev].base)
             self.jobs.rebuild()
 
     def _gpu_sources(self, w: LayerWork) -> None:
@@ -486,30 +503,26 @@ class Executor:
                     bar = t
         return bar
 
-    def _run_gpu(self, w: LayerWork, sends: dict[int, tuple[Op, Op]] | None) -> list[float]:
+    def _run_gpu(self, w: LayerWork, sends: dict[int, tuple[Op, Op]] | None) -> None:
         """Run the layer's GPU computations: each GPU's stream by (ready time, expert).
 
         An in-use victim's write-back is submitted when its computation ends, a temporary
         copy waiting for a buffer when a computation frees one, and a GPU's results are sent
-        back to the home GPU after its last computation. Returns each stream's end."""
+        back to the home GPU after its last computation."""
         m, c, rec = self.m, self.c, self.rec
         jobs = self.jobs.items
         counts: Any = w.counts
-        g, busy, unfused = self.g, self.busy, self.unfused
-        for k in range(m.n_gpus):
-            g[k] = self.base[k]
-            busy[k] = 0.0
-            unfused[k] = True  # the fused call is charged with a GPU's first expert
         total = 0.0
-        while self.jobs.items or self.waiting:
+        while jobs or self.waiting:
             while self.waiting and self.next_time() < (jobs[0].k1 if jobs else INF):
                 self.serve_next()
             if not jobs:
                 raise RuntimeError("engine: the GPU waits for a copy that can never start")
             job = self.jobs.pop()
             assert isinstance(job, GpuJob)
-            ready, e, buf, k = job.ready, job.expert, job.buf, job.dev
-            drained = gk = g[k] if g[k] > self.base[k] else self.base[k]
+            ready, e, k = job.ready, job.expert, job.dev
+            st = self.streams[k]
+            drained = gk = st.g if st.g > st.base else st.base
             if self.one_stream:
                 ready = self._one_stream_ready(ready, gk, k)
             if ready > gk:
@@ -517,8 +530,8 @@ class Executor:
                 gk = ready
             n = 1 if counts is None else int(counts[e])
             d = m.gpu_s(n)
-            if unfused[k]:
-                unfused[k] = False
+            if st.fused:  # the layer's fused call, charged with the GPU's first expert
+                st.fused = False
                 d += m.fused_launch_s
             host = m.hosts[k]
             if host is not None:  # the stream may wait for its thread to issue the kernels
@@ -531,35 +544,33 @@ class Executor:
             if m.unified:
                 self.gpu_mem(gk, gk + d, n)
             gk += d
-            g[k] = gk
-            busy[k] += d
+            st.g = gk
+            st.busy += d
             total += d
-            self.gpu_experts[k] += 1
+            st.experts += 1
             if self.one_stream:
                 up_h, up_d = m.uplinks[k]
                 up_h.lane.free_at = up_d.lane.free_at = gk
-            self._after_job(w, e, buf, k, gk)
+            self._after_job(w, job, st)
             if sends is not None and k in sends:
-                self.left[k] -= 1
-                if self.left[k] == 0:  # its results go back to the home GPU
+                st.left -= 1
+                if st.left == 0:  # its results go back to the home GPU
                     self.push(gk, sends[k][1])
         c.gpu_expert_busy += total
         for k, lane in enumerate(m.gpus):
-            lane.busy += busy[k]
-        return g
+            lane.busy += self.streams[k].busy
 
-    def _after_job(self, w: LayerWork, e: int, buf: int, k: int, g: float) -> None:
+    def _after_job(self, w: LayerWork, job: GpuJob, st: Stream) -> None:
         """What a finished computation submits: its expert's deferred write-back, and the
         next temporary copy into the buffer it frees."""
         if w.deferred:
-            wb = w.deferred.pop(e, None)
+            wb = w.deferred.pop(job.expert, None)
             if wb is not None:  # evicted while in use: written back after its computation
-                self.push(g, wb)
-        q = self.tempq[k]
-        if buf >= 0 and q:
-            nxt = q.popleft()
-            nxt.buf = buf
-            self.push(g if g >= nxt.ssd_at else nxt.ssd_at, nxt)
+                self.push(st.g, wb)
+        if job.buf >= 0 and st.tempq:
+            nxt = st.tempq.popleft()
+            nxt.buf = job.buf
+            self.push(st.g if st.g >= nxt.ssd_at else nxt.ssd_at, nxt)
 
     def _one_stream_ready(self, ready: float, g: float, k: int) -> float:
         """One stream for copies and kernels: a kernel is issued once its weights are

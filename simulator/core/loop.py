@@ -79,7 +79,7 @@ class Step:
         return None
 
     def account(
-        self, eng: Engine, plan: Any, route: list[int] | None, experts: list[int], layer: int
+        self, eng: Engine, plan: Plan, route: list[int] | None, experts: list[int], layer: int
     ) -> None:
         """Count the routing the layer's plan kept (decode steps); ``experts`` is the trace's
         routing of the layer."""
@@ -180,7 +180,7 @@ class DecodeStep(Step):
         return None
 
     def account(
-        self, eng: Engine, plan: Any, route: list[int] | None, experts: list[int], layer: int
+        self, eng: Engine, plan: Plan, route: list[int] | None, experts: list[int], layer: int
     ) -> None:
         c = eng.c
         ws = self.wsums_t[layer]
@@ -409,9 +409,10 @@ class Engine:
         true = experts.tolist()
         routed = true if route is None else route
         order = check_plan(hooks, plan, layer, routed, self.res, self.spec, self.precalc, now)
-        st.account(self, plan, route, true, layer)
+        checked: Plan = plan  # check_plan refuses anything else
+        st.account(self, checked, route, true, layer)
         where.seq, where.token = st.ops
-        work = self.applier.apply(plan, layer, order, routed, counts, now, st.prefill, st.ops,
+        work = self.applier.apply(checked, layer, order, routed, counts, now, st.prefill, st.ops,
                                   layer < st.n_cpu_run)  # fmt: skip
         self.now = self.ex.run_layer(work)
 
@@ -560,9 +561,9 @@ class Engine:
                     "busy_s": lane.busy,
                     "slots": res.cap[k] - self.spec.staging_buffers,
                     "max_slots_used": res.peak[k],
-                    "expert_computations": ex.gpu_experts[k],
-                    "h2d_expert_bytes": ex.h2d_bytes[k],
-                    "d2h_expert_bytes": ex.d2h_bytes[k],
+                    "expert_computations": ex.streams[k].experts,
+                    "h2d_expert_bytes": ex.streams[k].h2d_bytes,
+                    "d2h_expert_bytes": ex.streams[k].d2h_bytes,
                     "uplink": m.uplinks[k][0].lane.name,
                     "layers": pl.layers_of[k][:1] + pl.layers_of[k][-1:],
                     "experts_per_layer": len(pl.experts_of[k]),
