@@ -162,13 +162,256 @@ class Placement:
             (k, lay): i for k in range(n) for i, lay in enumerate(self.layers_of[k])
         }
         self.local_expert = [{e: i for i, e in enumerate(self.experts_of[k])} for k in range(n)]
+        #: layer_at[k][layer] / expert_at[k][expert]: GPU k's local index, -1 where it holds none
+        self.layer_at = [_local_index(self.layers_of[k], n_layers) for k in range(n)]
+        self.expert_at = [_local_index(self.experts_of[k], n_experts) for k in range(n)]
+        #: GPU k's rows and columns of a [layers, experts] array: a slice where they are
+        #: evenly spaced (every placement rule but ``balanced``), else an index array
+        self.layer_cut = [_cut(self.layers_of[k]) for k in range(n)]
+        self.expert_cut = [_cut(self.experts_of[k]) for k in range(n)]
+        #: GPU k's experts as an index array (a fancy index: a contiguous copy)
+        self.expert_idx = [np.asarray(self.experts_of[k], dtype=np.intp) for k in range(n)]
 
     def capacity(self, k: int) -> int:
         """How many (layer, expert) slots GPU ``k`` can hold at most."""
         return len(self.layers_of[k]) * len(self.experts_of[k])
 
+    def window(self, a: np.ndarray, k: int) -> np.ndarray:
+        """GPU ``k``'s part of a ``[layers, experts]`` array: a view of ``a`` (no copy) when
+        its rows and columns are slices, else a copy."""
+        rows, cols = self.layer_cut[k], self.expert_cut[k]
+        if isinstance(rows, slice) and isinstance(cols, slice):
+            return a[rows, cols]
+        return a[np.ix_(self.layers_of[k], self.experts_of[k])]
+
+
+def _local_index(members: list[int], total: int) -> list[int]:
+    """Position of each of ``range(total)`` in ``members``, -1 for the others."""
+    at = [-1] * total
+    for i, x in enumerate(members):
+        at[x] = i
+    return at
+
+
+def _cut(members: list[int]) -> slice | np.ndarray:
+    """``members`` (ascending) as a slice when evenly spaced, else as an index array."""
+    if len(members) == 1:
+        return slice(members[0], members[0] + 1)
+    if members:
+        step = members[1] - members[0]
+        if step > 0 and members == list(range(members[0], members[-1] + 1, step)):
+            return slice(members[0], members[-1] + 1, step)
+    return np.asarray(members, dtype=np.intp)
+
 
 # -- the policy side -------------------------------------------------------------------------
+
+
+#: a :class:`_ShardView` attribute not built yet in this decision
+_UNSET: Any = object()
+
+
+class _Window:
+    """GPU ``k``'s part of one engine-owned ``[layers, experts]`` array (the residency mask or
+    the copies' landing times), handed to its policy instance without a copy per layer.
+
+    When the GPU's rows and columns are slices (every placement but ``balanced``) it is a live
+    read-only view of the engine's array, made once: the engine changes the array only between
+    decisions, so during a decision the view holds what a copy would. Otherwise it is a buffer
+    of the window's shape, refilled in place when a decision reads it (:meth:`get`).
+    """
+
+    __slots__ = ("_buf", "_cols", "_out", "_rows", "_src", "_take")
+
+    def __init__(self, placement: Placement, k: int) -> None:
+        self._rows = placement.layer_cut[k]
+        self._cols = placement.expert_cut[k]
+        self._take = not (isinstance(self._rows, slice) and isinstance(self._cols, slice))
+        self._src: np.ndarray | None = None
+        self._out: np.ndarray | None = None
+        self._buf: np.ndarray | None = None
+
+    def get(self, a: np.ndarray) -> np.ndarray:
+        """The window of ``a`` as it is now (a refill of the buffer, if there is one)."""
+        if a is not self._src:
+            self._src = a
+            if self._take:
+                n_rows = len(np.arange(a.shape[0])[self._rows])
+                n_cols = len(np.arange(a.shape[1])[self._cols])
+                self._buf = np.empty((n_rows, n_cols), dtype=a.dtype)
+                out = self._buf.view()
+            else:
+                out = a[self._rows, self._cols]
+            out.flags.writeable = False
+            self._out = out
+        buf = self._buf
+        if buf is not None:
+            rows, cols = self._rows, self._cols
+            if isinstance(rows, slice):
+                np.take(a[rows], cols, axis=1, out=buf, mode="clip")
+            elif isinstance(cols, slice):
+                np.take(a[:, cols], rows, axis=0, out=buf, mode="clip")
+            else:
+                buf[...] = a[np.ix_(rows, cols)]
+        assert self._out is not None
+        return self._out
+
+
+class _ShardView(View):
+    """One GPU's :class:`View` of a layer, reused from decision to decision.
+
+    :meth:`ShardedPolicy._decide` sets the scalars and the GPU's routed experts (local
+    indices); everything else is built from the engine's view only when the policy reads it,
+    at most once per decision: the gate weights of its experts, the router probabilities and
+    prefill counts of its experts, the one-layer-early view when layer+1 is also on this GPU,
+    and the windows of the residency mask and landing times (:class:`_Window`).
+    """
+
+    __slots__ = (
+        "_counts_k",
+        "_k",
+        "_mine",
+        "_next_experts_k",
+        "_next_probs_k",
+        "_pl",
+        "_probs_k",
+        "_ready_k",
+        "_ready_win",
+        "_res_k",
+        "_res_win",
+        "_src",
+        "_weights_k",
+    )
+
+    def __init__(self, placement: Placement, k: int) -> None:
+        self._pl = placement
+        self._k = k
+        self._src: View = View()
+        self._mine: list[int] = []
+        self._res_win = _Window(placement, k)
+        self._ready_win = _Window(placement, k)
+        super().__init__()
+        self._clear()
+
+    def _clear(self) -> None:
+        self._weights_k = self._probs_k = self._counts_k = _UNSET
+        self._next_experts_k = self._next_probs_k = _UNSET
+        self._res_k = self._ready_k = _UNSET
+
+    @property
+    def weights(self) -> np.ndarray:
+        """Decode: the gate weights of this GPU's routed experts; prefill: the mean top-k
+        weights, unchanged."""
+        x = self._weights_k
+        if x is _UNSET:
+            src = self._src
+            ex = src.experts.tolist()
+            weights = np.asarray(src.weights)
+            x = weights
+            if len(weights) == len(ex):
+                x = weights[[ex.index(e) for e in self._mine]]
+            self._weights_k = x
+        return x  # type: ignore[no-any-return]
+
+    @weights.setter
+    def weights(self, value: np.ndarray) -> None:
+        self._weights_k = value
+
+    @property
+    def probs(self) -> np.ndarray:
+        """The router probabilities of this GPU's experts."""
+        x = self._probs_k
+        if x is _UNSET:
+            x = self._probs_k = np.asarray(self._src.probs)[self._pl.expert_idx[self._k]]
+        return x  # type: ignore[no-any-return]
+
+    @probs.setter
+    def probs(self, value: np.ndarray) -> None:
+        self._probs_k = value
+
+    @property
+    def counts(self) -> np.ndarray | None:  # type: ignore[override]
+        """Prefill: the prompt tokens that chose each of this GPU's experts (decode: None)."""
+        x = self._counts_k
+        if x is _UNSET:
+            c = self._src.counts
+            x = None if c is None else np.asarray(c)[self._pl.expert_idx[self._k]]
+            self._counts_k = x
+        return x  # type: ignore[no-any-return]
+
+    @counts.setter
+    def counts(self, value: np.ndarray | None) -> None:
+        self._counts_k = value
+
+    def _next_here(self) -> bool:
+        at = self._pl.layer_at[self._k]
+        nl = self._src.layer + 1
+        return nl < len(at) and at[nl] >= 0
+
+    @property
+    def next_experts(self) -> np.ndarray | None:
+        """The layer-early top-k of layer+1 that are this GPU's (local indices), or None when
+        layer+1 is not on this GPU or has no layer-early view."""
+        x = self._next_experts_k
+        if x is _UNSET:
+            nxt = self._src.next_experts
+            x = None
+            if nxt is not None and self._next_here():
+                local = self._pl.local_expert[self._k]
+                x = np.array(
+                    [local[int(e)] for e in np.asarray(nxt).tolist() if int(e) in local],
+                    dtype=np.int64,
+                )
+            self._next_experts_k = x
+        return x  # type: ignore[no-any-return]
+
+    @next_experts.setter
+    def next_experts(self, value: np.ndarray | None) -> None:
+        self._next_experts_k = value
+
+    @property
+    def next_probs(self) -> np.ndarray | None:
+        """The layer-early router probabilities of layer+1 for this GPU's experts, or None
+        (as ``next_experts``)."""
+        x = self._next_probs_k
+        if x is _UNSET:
+            x = None
+            # None with next_experts: the shard sees no layer-early view of another GPU's layer
+            if self._src.next_experts is not None and self._next_here():
+                nprobs = self._src.next_probs
+                if nprobs is not None:
+                    x = np.asarray(nprobs)[self._pl.expert_idx[self._k]]
+            self._next_probs_k = x
+        return x  # type: ignore[no-any-return]
+
+    @next_probs.setter
+    def next_probs(self, value: np.ndarray | None) -> None:
+        self._next_probs_k = value
+
+    @property
+    def resident(self) -> np.ndarray:  # type: ignore[override]
+        """The residency mask of this GPU's layers and experts (read-only)."""
+        x = self._res_k
+        if x is _UNSET:
+            x = self._res_k = self._res_win.get(self._src.resident)
+        return x  # type: ignore[no-any-return]
+
+    @resident.setter
+    def resident(self, value: np.ndarray) -> None:
+        self._res_k = value
+
+    @property
+    def ready(self) -> np.ndarray | None:  # type: ignore[override]
+        """When each of this GPU's resident experts lands (read-only), or None."""
+        x = self._ready_k
+        if x is _UNSET:
+            r = self._src.ready
+            x = self._ready_k = None if r is None else self._ready_win.get(r)
+        return x  # type: ignore[no-any-return]
+
+    @ready.setter
+    def ready(self, value: np.ndarray | None) -> None:
+        self._ready_k = value
 
 
 class ShardedPolicy(Policy):
@@ -179,6 +422,9 @@ class ShardedPolicy(Policy):
     counts; the routed experts it is asked about are those of this layer that live on GPU
     ``k``. A GPU none of whose experts is routed in a layer is not asked for that layer. The
     plans are mapped back to global indices and merged (GPU 0's decisions first).
+
+    Each instance keeps one :class:`_ShardView`, updated per decision and built lazily from
+    the engine's view, so a layer costs no copies of arrays the policy does not read.
     """
 
     def __init__(self, inner: Policy, placement: Placement, budgets: list[int]) -> None:
@@ -195,6 +441,16 @@ class ShardedPolicy(Policy):
         self.budgets = budgets
         self._cal: list[np.ndarray | None] = [None] * placement.n
         self._models: list[Any] = [None] * placement.n
+        self._views = [_ShardView(placement, k) for k in range(placement.n)]
+        #: per hook name: each instance's bound method (looked up once)
+        self._hooks: dict[str, list[Any]] = {}
+        #: per layer: the GPUs whose policy instance is asked (pipeline: the stage's GPU)
+        self._asked = [
+            [k for k in range(placement.n) if placement.layer_at[k][lay] >= 0]
+            for lay in range(len(placement.gpu_of))
+        ]
+        #: per GPU: routed experts (global ids) -> the view's local ``experts`` array
+        self._experts: list[dict[tuple[int, ...], np.ndarray]] = [{} for _ in range(placement.n)]
 
     def uses_calibration(self) -> bool:
         """As the wrapped policy."""
@@ -227,6 +483,13 @@ class ShardedPolicy(Policy):
             )
             self._models[k] = model
             self._cal[k] = self._slice(ctx.calibration, k)
+            v = self._views[k]
+            v.model, v.costs, v.budget, v.calibration = (
+                model,
+                ctx.costs,
+                self.budgets[k],
+                self._cal[k],
+            )
             seqs = ctx.calibration_sequences
             sub = SetupContext(
                 model=model,
@@ -274,117 +537,130 @@ class ShardedPolicy(Policy):
         return self._decide(view, "batch_layer")
 
     def _view(self, view: View, k: int, mine: list[int]) -> View:
-        """GPU ``k``'s view of this layer: its experts in local indices."""
-        pl = self.pl
-        experts_k = pl.experts_of[k]
-        local = pl.local_expert[k]
-        layer = view.layer
-        v = View()
-        for name in ("seq_id", "step", "token", "position", "phase", "n_tokens", "context", "now"):
-            setattr(v, name, getattr(view, name))
-        v.layer = pl.local_layer[(k, layer)]
-        v.model = self._models[k]
+        """GPU ``k``'s view of this layer (its experts in local indices): the instance's
+        reused :class:`_ShardView`, pointed at ``view``."""
+        v = self._views[k]
+        v._src = view
+        v._mine = mine
+        v._weights_k = v._probs_k = v._counts_k = _UNSET
+        v._next_experts_k = v._next_probs_k = v._res_k = v._ready_k = _UNSET
+        v.seq_id = view.seq_id
+        v.step = view.step
+        v.token = view.token
+        v.position = view.position
+        v.phase = view.phase
+        v.n_tokens = view.n_tokens
+        v.context = view.context
+        v.now = view.now
+        v.layer = self.pl.layer_at[k][view.layer]
         v.costs = view.costs
-        v.budget = self.budgets[k]
-        v.calibration = self._cal[k]
-        v.experts = np.array([local[e] for e in mine], dtype=np.int64)
-        ex = view.experts.tolist()
-        weights = np.asarray(view.weights)
-        # decode: one gate weight per routed expert; prefill: the mean top-k weights, kept
-        v.weights = weights[[ex.index(e) for e in mine]] if len(weights) == len(ex) else weights
-        v.probs = np.asarray(view.probs)[experts_k]
-        v.counts = None if view.counts is None else np.asarray(view.counts)[experts_k]
-        resident = view.resident[np.ix_(pl.layers_of[k], experts_k)]
-        resident.flags.writeable = False
-        v.resident = resident
-        # the runtime's own view of which copies are still in flight: on a shared uplink (or one
-        # carrying peer activations) a policy's private ledger of its copies under-predicts
-        ready = view.ready
-        if ready is not None:
-            ready = ready[np.ix_(pl.layers_of[k], experts_k)]
-            ready.flags.writeable = False
-        v.ready = ready
-        nxt = view.next_experts
-        if nxt is not None and (k, layer + 1) in pl.local_layer:
-            v.next_experts = np.array(
-                [local[int(e)] for e in np.asarray(nxt).tolist() if int(e) in local],
-                dtype=np.int64,
-            )
-            v.next_probs = (
-                None if view.next_probs is None else np.asarray(view.next_probs)[experts_k]
-            )
-        else:
-            v.next_experts = v.next_probs = None
+        # the local expert ids, one read-only array per set of routed experts (a few per GPU)
+        memo = self._experts[k]
+        key = tuple(mine)
+        ex = memo.get(key)
+        if ex is None:
+            at = self.pl.expert_at[k]
+            ex = memo[key] = np.array([at[e] for e in mine], dtype=np.int64)
+            ex.flags.writeable = False
+        v.experts = ex
         return v
 
     def _decide(self, view: View, hook: str) -> Plan:
         pl = self.pl
         layer = view.layer
         row = pl.gpu_of[layer]
-        routed = [int(e) for e in view.experts.tolist()]
+        routed: list[int] = view.experts.tolist()
+        calls = self._hooks.get(hook)
+        if calls is None:
+            calls = self._hooks[hook] = [getattr(pol, hook) for pol in self.inner]
+        mines: list[list[int]] = [[] for _ in calls]
+        for e in routed:
+            mines[row[e]].append(e)
         merged = Plan(actions={})
         actions = merged.actions
         assert actions is not None
-        routes: list[int] = []
-        raws: list[int] = []
+        asked: list[tuple[list[int], Plan, list[int]]] = []
         substituted = False
-        for k, pol in enumerate(self.inner):
-            if (k, layer) not in pl.local_layer:
-                continue  # pipeline: another stage's layer
+        gpu = Action.GPU
+        for k in self._asked[layer]:
             # asked even with no routed expert of its own: policies that prefetch or track
             # their copies expect a call at every layer they hold
-            mine = [e for e in routed if row[e] == k]
-            plan = getattr(pol, hook)(self._view(view, k, mine))
-            layers, experts = pl.layers_of[k], pl.experts_of[k]
-            # a substituted route names this GPU's experts: the layer's route is the union
+            mine = mines[k]
+            v = self._view(view, k, mine)
+            plan = calls[k](v)
+            experts = pl.experts_of[k]
+            asked.append((mine, plan, experts))
             if plan.route is not None:
-                routes.extend(experts[int(e)] for e in np.asarray(plan.route).tolist())
                 substituted = True
-            else:
-                routes.extend(mine)
-            raw = plan.raw_route if plan.raw_route is not None else plan.route
-            raws.extend(
-                mine if raw is None else [experts[int(e)] for e in np.asarray(raw).tolist()]
-            )
-
-            def g(s: Any, layers: list[int] = layers, experts: list[int] = experts) -> Slot:
-                return (layers[int(s[0])], experts[int(s[1])])
-
             if plan.actions is None:
                 for e in mine:
-                    actions[e] = Action.GPU
+                    actions[e] = gpu
             else:
                 for le, a in plan.actions.items():
                     actions[experts[int(le)]] = a
-            for le, victim in plan.victims.items():
-                merged.victims[experts[int(le)]] = g(victim)
-            merged.prefetch.extend(
-                (*g((pl_, pe)), None if v is None else g(v)) for pl_, pe, v in plan.prefetch
-            )
-            merged.precalc.extend(g(s) for s in plan.precalc)
-            merged.evict.extend(g(s) for s in plan.evict)
-            merged.cpu_serial = merged.cpu_serial or plan.cpu_serial
-            merged.cpu_first = merged.cpu_first or plan.cpu_first
-            merged.barrier = merged.barrier or getattr(plan, "barrier", False)
+            if plan.victims or plan.prefetch or plan.precalc or plan.evict:
+                self._merge_slots(merged, plan, pl.layers_of[k], experts)
+            if plan.cpu_serial:
+                merged.cpu_serial = True
+            if plan.cpu_first:
+                merged.cpu_first = True
+            if getattr(plan, "barrier", False):
+                merged.barrier = True
             if plan.low_bit:
                 merged.low_bit = frozenset(merged.low_bit) | {experts[int(e)] for e in plan.low_bit}
-            self._check_budget(view, k, plan)
+            self._check_budget(v, k, plan)
         if substituted:
+            # a substituted route names its GPU's experts: the layer's route is the union
+            routes: list[int] = []
+            raws: list[int] = []
+            for mine, plan, experts in asked:
+                if plan.route is not None:
+                    routes.extend(experts[int(e)] for e in np.asarray(plan.route).tolist())
+                else:
+                    routes.extend(mine)
+                raw = plan.raw_route if plan.raw_route is not None else plan.route
+                raws.extend(
+                    mine if raw is None else [experts[int(e)] for e in np.asarray(raw).tolist()]
+                )
             merged.route = np.asarray(routes, dtype=np.int64)
             merged.raw_route = np.asarray(raws, dtype=np.int64)
         return merged
 
-    def _check_budget(self, view: View, k: int, plan: Plan) -> None:
-        """A GPU's resident experts after its plan stay within its own budget."""
-        pl = self.pl
-        held = int(view.resident[np.ix_(pl.layers_of[k], pl.experts_of[k])].sum())
-        fetched = sum(1 for a in (plan.actions or {}).values() if a == Action.FETCH)
+    @staticmethod
+    def _merge_slots(merged: Plan, plan: Plan, layers: list[int], experts: list[int]) -> None:
+        """Append a GPU's victims, prefetches, pre-calculations and evictions to the merged
+        plan, in global indices."""
+        for le, (vl, ve) in plan.victims.items():
+            merged.victims[experts[int(le)]] = (layers[int(vl)], experts[int(ve)])
+        merged.prefetch.extend(
+            (
+                layers[int(pl_)],
+                experts[int(pe)],
+                None if vv is None else (layers[int(vv[0])], experts[int(vv[1])]),
+            )
+            for pl_, pe, vv in plan.prefetch
+        )
+        merged.precalc.extend((layers[int(a)], experts[int(b)]) for a, b in plan.precalc)
+        merged.evict.extend((layers[int(a)], experts[int(b)]) for a, b in plan.evict)
+
+    def _check_budget(self, v: View, k: int, plan: Plan) -> None:
+        """A GPU's resident experts after its plan stay within its own budget (``v``: the
+        GPU's view of the layer)."""
+        fetched = 0
+        if plan.actions:
+            for a in plan.actions.values():
+                if a == Action.FETCH:
+                    fetched += 1
+        if not fetched and not plan.prefetch:
+            return  # a plan that adds no expert leaves the GPU within its budget
+        held = int(np.count_nonzero(v.resident))
         after = held + fetched + len(plan.prefetch) - len(plan.victims) - len(plan.evict)
-        after += sum(1 for *_, v in plan.prefetch if v is not None) * -1
+        if plan.prefetch:
+            after -= sum(1 for *_, vv in plan.prefetch if vv is not None)
         if after > self.budgets[k]:
             raise UserError(
                 f"policy {self.name!r}: GPU {k} would hold {after} experts at layer "
-                f"{view.layer}, over its budget of {self.budgets[k]}"
+                f"{v._src.layer}, over its budget of {self.budgets[k]}"
             )
 
 
