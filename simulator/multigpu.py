@@ -581,7 +581,7 @@ class ShardedPolicy(Policy):
         assert actions is not None
         asked: list[tuple[list[int], Plan, list[int]]] = []
         substituted = False
-        gpu = Action.GPU
+        gpu, fetch = Action.GPU, Action.FETCH
         for k in self._asked[layer]:
             # asked even with no routed expert of its own: policies that prefetch or track
             # their copies expect a call at every layer they hold
@@ -592,12 +592,16 @@ class ShardedPolicy(Policy):
             asked.append((mine, plan, experts))
             if plan.route is not None:
                 substituted = True
-            if plan.actions is None:
+            acts = plan.actions
+            fetched = 0
+            if acts is None:
                 for e in mine:
                     actions[e] = gpu
             else:
-                for le, a in plan.actions.items():
+                for le, a in acts.items():
                     actions[experts[int(le)]] = a
+                    if a == fetch:
+                        fetched += 1
             if plan.victims or plan.prefetch or plan.precalc or plan.evict:
                 self._merge_slots(merged, plan, pl.layers_of[k], experts)
             if plan.cpu_serial:
@@ -608,7 +612,8 @@ class ShardedPolicy(Policy):
                 merged.barrier = True
             if plan.low_bit:
                 merged.low_bit = frozenset(merged.low_bit) | {experts[int(e)] for e in plan.low_bit}
-            self._check_budget(v, k, plan)
+            if fetched or plan.prefetch:  # a plan adding no expert keeps its GPU within budget
+                self._check_budget(v, k, plan, fetched)
         if substituted:
             # a substituted route names its GPU's experts: the layer's route is the union
             routes: list[int] = []
@@ -643,16 +648,9 @@ class ShardedPolicy(Policy):
         merged.precalc.extend((layers[int(a)], experts[int(b)]) for a, b in plan.precalc)
         merged.evict.extend((layers[int(a)], experts[int(b)]) for a, b in plan.evict)
 
-    def _check_budget(self, v: View, k: int, plan: Plan) -> None:
-        """A GPU's resident experts after its plan stay within its own budget (``v``: the
-        GPU's view of the layer)."""
-        fetched = 0
-        if plan.actions:
-            for a in plan.actions.values():
-                if a == Action.FETCH:
-                    fetched += 1
-        if not fetched and not plan.prefetch:
-            return  # a plan that adds no expert leaves the GPU within its budget
+    def _check_budget(self, v: View, k: int, plan: Plan, fetched: int) -> None:
+        """A GPU's resident experts after its plan (``fetched`` FETCH actions and its
+        prefetches) stay within its own budget (``v``: the GPU's view of the layer)."""
         held = int(np.count_nonzero(v.resident))
         after = held + fetched + len(plan.prefetch) - len(plan.victims) - len(plan.evict)
         if plan.prefetch:
