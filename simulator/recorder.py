@@ -180,7 +180,7 @@ class Recorder:
             schema = pa.schema(
                 [(c, pa.from_numpy_dtype(run[c].dtype)) for c in ("resource", "kind", *COLUMNS[2:])]
             )
-            self._runs_writer = pq.ParquetWriter(self._runs_file, schema, compression="none")
+            self._runs_writer = pq.ParquetWriter(self._runs_file, schema, compression="snappy")
         first = sum(n for _, n in self._runs)
         n = 0
         for a in range(0, len(run["start"]), self.chunk_rows):
