@@ -9,7 +9,7 @@ rows that tie keep the order they were recorded in).
 The engines call :meth:`Recorder.op` on their hot paths, so it only extends a flat staging list
 by the row's nine values (no object per row survives the call, so the row costs the garbage
 collector nothing). Every ``CHUNK_ROWS`` rows the list becomes one columnar chunk (a numpy array
-per column, about 38 bytes a row instead of about 400 as tuples). Without a destination the chunks
+per column, 40 bytes a row instead of about 400 as tuples). Without a destination the chunks
 stay in memory and :meth:`Recorder.timeline` builds the DataFrame at the end. With one
 (``Recorder(path)``, ``simulate(record=path)``, ``daopsim run --out``) memory stays flat: every
 ``RUN_ROWS`` rows the chunks are sorted and appended to a temporary Parquet file as row groups
@@ -65,7 +65,7 @@ class Recorder:
         "_names",
         "_occ",
         "_occ_buf",
-        "_path",
+        "_open",
         "_runs",
         "_runs_file",
         "_runs_writer",
@@ -97,7 +97,7 @@ class Recorder:
         self.batches: dict[int, str] | None = None
         #: the destination of a streamed timeline (None: in memory)
         self.path: Path | None = None if path is None else Path(path)
-        self._path = self.path
+        self._open = self.path is not None  # a streamed timeline not finished yet
         self._runs: list[tuple[int, int]] = []  # each sorted run: (first row group, count)
         self._runs_file: str | None = None
         self._runs_writer: Any = None
@@ -134,7 +134,7 @@ class Recorder:
         names = self._names[column]
         for name in set(values) - names.keys():
             names[name] = len(names)
-        return np.fromiter(map(names.__getitem__, values), dtype=np.int32, count=len(values))
+        return np.fromiter(map(names.__getitem__, values), dtype=np.int16, count=len(values))
 
     def _flush(self) -> None:
         """The staged rows as one columnar chunk (types as pandas would infer, then cast)."""
@@ -175,8 +175,8 @@ class Recorder:
         self._chunks, self._held = [], 0
         run = _take(run, np.lexsort((run["end"], run["start"])))
         if self._runs_writer is None:
-            assert self._path is not None
-            self._runs_file = _temp_beside(self._path, "runs")
+            assert self.path is not None
+            self._runs_file = _temp_beside(self.path, "runs")
             schema = pa.schema(
                 [(c, pa.from_numpy_dtype(run[c].dtype)) for c in ("resource", "kind", *COLUMNS[2:])]
             )
@@ -235,7 +235,7 @@ class Recorder:
         temporary name, then renamed) and return its path. Idempotent."""
         if self.path is None:
             raise ValueError("this recorder keeps its timeline in memory")
-        if self._path is None:
+        if not self._open:
             return self.path  # finished already
         self._flush()
         self._spill()
@@ -251,7 +251,7 @@ class Recorder:
                 if os.path.exists(final):
                     os.unlink(final)
                 self._drop_runs()
-        self._path = None
+        self._open = False
         return self.path
 
     def discard(self) -> None:
@@ -321,7 +321,7 @@ class Recorder:
 
 
 def _empty() -> Chunk:
-    chunk: Chunk = {"resource": np.empty(0, np.int32), "kind": np.empty(0, np.int32)}
+    chunk: Chunk = {"resource": np.empty(0, np.int16), "kind": np.empty(0, np.int16)}
     chunk.update({c: np.empty(0, DTYPES[c]) for c in COLUMNS[2:]})
     return chunk
 
