@@ -27,15 +27,16 @@ from __future__ import annotations
 import copy
 import dataclasses
 import heapq
+import sys
 from collections import deque
-from collections.abc import Generator, Iterable
+from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import simpy
 
-from policies.base import Action, Plan, Policy, ResourceSpec, SetupContext, Slot, View
+from policies.base import _LAZY, Action, Plan, Policy, ResourceSpec, SetupContext, Slot, View
 from simulator.costs import CostModel
 from simulator.engine import CPU, FETCH, TEMP, WAKE, WRITEBACK, Engine, LayerOp, LayerWork
 from simulator.errors import UserError
@@ -207,10 +208,6 @@ def _cut(members: list[int]) -> slice | np.ndarray:
 # -- the policy side -------------------------------------------------------------------------
 
 
-#: a :class:`_ShardView` attribute not built yet in this decision
-_UNSET: Any = object()
-
-
 class _Window:
     """GPU ``k``'s part of one engine-owned ``[layers, experts]`` array (the residency mask or
     the copies' landing times), handed to its policy instance without a copy per layer.
@@ -218,7 +215,7 @@ class _Window:
     When the GPU's rows and columns are slices (every placement but ``balanced``) it is a live
     read-only view of the engine's array, made once: the engine changes the array only between
     decisions, so during a decision the view holds what a copy would. Otherwise it is a buffer
-    of the window's shape, refilled in place when a decision reads it (:meth:`get`).
+    of the window's shape, refilled in place at each decision (:meth:`get`).
     """
 
     __slots__ = ("_buf", "_cols", "_out", "_rows", "_src", "_take")
@@ -257,161 +254,68 @@ class _Window:
         return self._out
 
 
-class _ShardView(View):
-    """One GPU's :class:`View` of a layer, reused from decision to decision.
+class _Shard:
+    """GPU ``k``'s side of the current decision: the engine's view and the routed experts that
+    live on the GPU. Its methods build the GPU's gate weights, router probabilities and
+    layer-early experts, which its :class:`View` reads through ``View._rows`` only when the
+    policy asks (:class:`_LazyRow`)."""
 
-    :meth:`ShardedPolicy._decide` sets the scalars and the GPU's routed experts (local
-    indices); everything else is built from the engine's view only when the policy reads it,
-    at most once per decision: the gate weights of its experts, the router probabilities and
-    prefill counts of its experts, the one-layer-early view when layer+1 is also on this GPU,
-    and the windows of the residency mask and landing times (:class:`_Window`).
-    """
-
-    __slots__ = (
-        "_counts_k",
-        "_k",
-        "_mine",
-        "_next_experts_k",
-        "_next_probs_k",
-        "_pl",
-        "_probs_k",
-        "_ready_k",
-        "_ready_win",
-        "_res_k",
-        "_res_win",
-        "_src",
-        "_weights_k",
-    )
+    __slots__ = ("k", "mine", "pl", "src")
 
     def __init__(self, placement: Placement, k: int) -> None:
-        self._pl = placement
-        self._k = k
-        self._src: View = View()
-        self._mine: list[int] = []
-        self._res_win = _Window(placement, k)
-        self._ready_win = _Window(placement, k)
-        super().__init__()
-        self._clear()
+        self.pl, self.k = placement, k
+        self.src = View()
+        self.mine: list[int] = []
 
-    def _clear(self) -> None:
-        self._weights_k = self._probs_k = self._counts_k = _UNSET
-        self._next_experts_k = self._next_probs_k = _UNSET
-        self._res_k = self._ready_k = _UNSET
-
-    @property
     def weights(self) -> np.ndarray:
         """Decode: the gate weights of this GPU's routed experts; prefill: the mean top-k
         weights, unchanged."""
-        x = self._weights_k
-        if x is _UNSET:
-            src = self._src
-            ex = src.experts.tolist()
-            weights = np.asarray(src.weights)
-            x = weights
-            if len(weights) == len(ex):
-                x = weights[[ex.index(e) for e in self._mine]]
-            self._weights_k = x
-        return x  # type: ignore[no-any-return]
+        ex = self.src.experts.tolist()
+        weights = np.asarray(self.src.weights)
+        if len(weights) == len(ex):
+            return weights[[ex.index(e) for e in self.mine]]
+        return weights
 
-    @weights.setter
-    def weights(self, value: np.ndarray) -> None:
-        self._weights_k = value
-
-    @property
     def probs(self) -> np.ndarray:
         """The router probabilities of this GPU's experts."""
-        x = self._probs_k
-        if x is _UNSET:
-            x = self._probs_k = np.asarray(self._src.probs)[self._pl.expert_idx[self._k]]
-        return x  # type: ignore[no-any-return]
+        return np.asarray(self.src.probs)[self.pl.expert_idx[self.k]]
 
-    @probs.setter
-    def probs(self, value: np.ndarray) -> None:
-        self._probs_k = value
+    def next_here(self) -> bool:
+        """Whether layer+1 has a layer-early view and is on this GPU."""
+        at = self.pl.layer_at[self.k]
+        nl = self.src.layer + 1
+        return nl < len(at) and at[nl] >= 0 and self.src.next_experts is not None
 
-    @property
-    def counts(self) -> np.ndarray | None:  # type: ignore[override]
-        """Prefill: the prompt tokens that chose each of this GPU's experts (decode: None)."""
-        x = self._counts_k
-        if x is _UNSET:
-            c = self._src.counts
-            x = None if c is None else np.asarray(c)[self._pl.expert_idx[self._k]]
-            self._counts_k = x
-        return x  # type: ignore[no-any-return]
-
-    @counts.setter
-    def counts(self, value: np.ndarray | None) -> None:
-        self._counts_k = value
-
-    def _next_here(self) -> bool:
-        at = self._pl.layer_at[self._k]
-        nl = self._src.layer + 1
-        return nl < len(at) and at[nl] >= 0
-
-    @property
     def next_experts(self) -> np.ndarray | None:
-        """The layer-early top-k of layer+1 that are this GPU's (local indices), or None when
-        layer+1 is not on this GPU or has no layer-early view."""
-        x = self._next_experts_k
-        if x is _UNSET:
-            nxt = self._src.next_experts
-            x = None
-            if nxt is not None and self._next_here():
-                local = self._pl.local_expert[self._k]
-                x = np.array(
-                    [local[int(e)] for e in np.asarray(nxt).tolist() if int(e) in local],
-                    dtype=np.int64,
-                )
-            self._next_experts_k = x
-        return x  # type: ignore[no-any-return]
+        """The layer-early top-k of layer+1 that are this GPU's (local ids), or None."""
+        if not self.next_here():
+            return None
+        local = self.pl.local_expert[self.k]
+        nxt = np.asarray(self.src.next_experts).tolist()
+        return np.array([local[int(e)] for e in nxt if int(e) in local], dtype=np.int64)
 
-    @next_experts.setter
-    def next_experts(self, value: np.ndarray | None) -> None:
-        self._next_experts_k = value
-
-    @property
     def next_probs(self) -> np.ndarray | None:
-        """The layer-early router probabilities of layer+1 for this GPU's experts, or None
-        (as ``next_experts``)."""
-        x = self._next_probs_k
-        if x is _UNSET:
-            x = None
-            # None with next_experts: the shard sees no layer-early view of another GPU's layer
-            if self._src.next_experts is not None and self._next_here():
-                nprobs = self._src.next_probs
-                if nprobs is not None:
-                    x = np.asarray(nprobs)[self._pl.expert_idx[self._k]]
-            self._next_probs_k = x
-        return x  # type: ignore[no-any-return]
+        """The layer-early router probabilities of this GPU's experts, or None."""
+        if not self.next_here():
+            return None
+        nprobs = self.src.next_probs
+        return None if nprobs is None else np.asarray(nprobs)[self.pl.expert_idx[self.k]]
 
-    @next_probs.setter
-    def next_probs(self, value: np.ndarray | None) -> None:
-        self._next_probs_k = value
 
-    @property
-    def resident(self) -> np.ndarray:  # type: ignore[override]
-        """The residency mask of this GPU's layers and experts (read-only)."""
-        x = self._res_k
-        if x is _UNSET:
-            x = self._res_k = self._res_win.get(self._src.resident)
-        return x  # type: ignore[no-any-return]
+class _LazyRow:
+    """A stand-in for one of ``View._rows``' arrays: indexing it (as the view's lazy
+    properties do, by layer) builds the value for the current decision."""
 
-    @resident.setter
-    def resident(self, value: np.ndarray) -> None:
-        self._res_k = value
+    __slots__ = ("_make",)
 
-    @property
-    def ready(self) -> np.ndarray | None:  # type: ignore[override]
-        """When each of this GPU's resident experts lands (read-only), or None."""
-        x = self._ready_k
-        if x is _UNSET:
-            r = self._src.ready
-            x = self._ready_k = None if r is None else self._ready_win.get(r)
-        return x  # type: ignore[no-any-return]
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self._make = make
 
-    @ready.setter
-    def ready(self, value: np.ndarray | None) -> None:
-        self._ready_k = value
+    def __getitem__(self, layer: int) -> Any:
+        return self._make()
+
+    def __len__(self) -> int:
+        return sys.maxsize  # every layer has a value (None where the view has none)
 
 
 class ShardedPolicy(Policy):
@@ -423,8 +327,11 @@ class ShardedPolicy(Policy):
     ``k``. A GPU none of whose experts is routed in a layer is not asked for that layer. The
     plans are mapped back to global indices and merged (GPU 0's decisions first).
 
-    Each instance keeps one :class:`_ShardView`, updated per decision and built lazily from
-    the engine's view, so a layer costs no copies of arrays the policy does not read.
+    Each instance keeps one :class:`View`, updated per decision: the residency and landing
+    times are windows of the engine's arrays (:class:`_Window`), and the gate weights, router
+    probabilities and layer-early experts are built only when the policy reads them, through
+    the view's own lazy rows (:class:`_LazyRow`), so a layer costs no copy the policy does not
+    read and the view is a plain :class:`View` (a compiled one, too).
     """
 
     def __init__(self, inner: Policy, placement: Placement, budgets: list[int]) -> None:
@@ -441,7 +348,14 @@ class ShardedPolicy(Policy):
         self.budgets = budgets
         self._cal: list[np.ndarray | None] = [None] * placement.n
         self._models: list[Any] = [None] * placement.n
-        self._views = [_ShardView(placement, k) for k in range(placement.n)]
+        #: per GPU: its side of the current decision, its view (one object, updated per
+        #: decision), and its windows of the residency mask and landing times
+        self._shards = [_Shard(placement, k) for k in range(placement.n)]
+        self._views = [View() for _ in range(placement.n)]
+        for sh, v in zip(self._shards, self._views, strict=True):
+            # weights, probs and next_experts are built when read (View's lazy rows)
+            v._rows = (_LazyRow(sh.weights), _LazyRow(sh.probs), _LazyRow(sh.next_experts), None)
+        self._windows = [(_Window(placement, k), _Window(placement, k)) for k in range(placement.n)]
         #: per hook name: each instance's bound method (looked up once)
         self._hooks: dict[str, list[Any]] = {}
         #: per layer: the GPUs whose policy instance is asked (pipeline: the stage's GPU)
@@ -538,12 +452,11 @@ class ShardedPolicy(Policy):
 
     def _view(self, view: View, k: int, mine: list[int]) -> View:
         """GPU ``k``'s view of this layer (its experts in local indices): the instance's
-        reused :class:`_ShardView`, pointed at ``view``."""
+        reused :class:`View`, pointed at ``view``."""
+        sh = self._shards[k]
+        sh.src = view
+        sh.mine = mine
         v = self._views[k]
-        v._src = view
-        v._mine = mine
-        v._weights_k = v._probs_k = v._counts_k = _UNSET
-        v._next_experts_k = v._next_probs_k = v._res_k = v._ready_k = _UNSET
         v.seq_id = view.seq_id
         v.step = view.step
         v.token = view.token
@@ -563,6 +476,16 @@ class ShardedPolicy(Policy):
             ex = memo[key] = np.array([at[e] for e in mine], dtype=np.int64)
             ex.flags.writeable = False
         v.experts = ex
+        res_win, ready_win = self._windows[k]
+        v.resident = res_win.get(view.resident)
+        ready = view.ready
+        v.ready = None if ready is None else ready_win.get(ready)
+        counts = view.counts
+        v.counts = None if counts is None else np.asarray(counts)[self.pl.expert_idx[k]]
+        v._weights = v._probs = v._next_experts = _LAZY
+        # next_probs is built here, not lazily: with both layer-early rows lazy a policy may
+        # read View._rows as the engine's arrays (daop's shortcut)
+        v._next_probs = sh.next_probs()
         return v
 
     def _decide(self, view: View, hook: str) -> Plan:
@@ -658,7 +581,7 @@ class ShardedPolicy(Policy):
         if after > self.budgets[k]:
             raise UserError(
                 f"policy {self.name!r}: GPU {k} would hold {after} experts at layer "
-                f"{v._src.layer}, over its budget of {self.budgets[k]}"
+                f"{self._shards[k].src.layer}, over its budget of {self.budgets[k]}"
             )
 
 
