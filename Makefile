@@ -6,14 +6,14 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 DAOPSIM := $(VENV)/bin/daopsim
 
-.PHONY: install run test lint format bench notebooks regress validate docs-validation clean
+.PHONY: install run test lint format bench notebooks notebook regress validate docs-validation clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# torch is pinned: an unpinned torch pulls a multi-GB CUDA build.
 	$(PIP) install -q "torch==2.13.0"
-	$(PIP) install -q -e ".[capture,dask,dev]"
+	$(PIP) install -q -e ".[capture,dask,dev,gym]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -36,6 +36,11 @@ test: $(STAMP) lint
 
 notebooks: $(STAMP)
 	$(PY) -m pytest tests/test_notebooks.py
+
+# JupyterLab (the `notebook` extra) on the notebooks: run them yourself
+notebook: $(STAMP)
+	$(PIP) install -q -e ".[notebook]"
+	$(VENV)/bin/jupyter lab notebooks/
 
 bench: $(STAMP)
 	$(PY) -m pytest tests/bench -m bench -q --override-ini addopts=

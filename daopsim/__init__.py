@@ -1,21 +1,45 @@
 """daopsim: a trace-driven discrete-event simulator for MoE expert-offloading policies.
 
-This package is the stable public API. The modules under ``simulator``, ``policies``,
-``hardware_profiles`` and ``traces`` are the implementation (see README, "Python API"); import
-from ``daopsim`` so code keeps working when they move.
+This package is the stable public API: every workflow of the README, docs/ and the notebooks
+is reachable from here. The modules under ``simulator``, ``policies``, ``hardware_profiles`` and
+``traces`` are the implementation (they may move between releases); import from ``daopsim``.
 
 >>> import daopsim
 >>> r = daopsim.simulate(policy="lru", hw="a6000-pcie4", trace="ci-small", sequences=1)
 >>> sorted(daopsim.policies())[:3]
 ['all-gpu', 'belady', 'daop']
 
-Running: :func:`simulate` (one run, a :class:`RunResult`), :func:`sweep` (a grid as a DataFrame),
-:func:`run_sweep` and :class:`Grid` (the same with a summary, resumable), :class:`ServingConfig`
-(batched and continuous serving for ``simulate(serving=...)``, docs/serving.md). Writing a policy:
-:class:`Policy` (or :class:`CachingPolicy` for fetch-on-miss caches), :func:`register`,
-:class:`Plan`, :class:`Action`, :class:`View`, :class:`SetupContext`, :class:`ResourceSpec`,
-:class:`Param`. Looking up: :func:`policies`, :func:`load_profile`, :func:`get_model`. Nothing
-heavy is imported until a name is first used, so ``import daopsim`` is fast.
+Running: :func:`simulate` (one run, a :class:`RunResult`), :func:`all_gpu_bound` (its all-GPU
+bound), :func:`sweep` (a grid as a DataFrame), :func:`run_sweep` and :class:`Grid` (the same
+with a :class:`SweepSummary`, resumable), :func:`read_table`, :func:`seed_summary`,
+:func:`advise`, :class:`ServingConfig` (``simulate(serving=...)``, docs/serving.md).
+
+Plots of a sweep table: :func:`plot` (by kind, :data:`PLOT_KINDS`), :func:`plot_throughput`,
+:func:`plot_hit_rate`, :func:`plot_breakdown`, :func:`plot_heatmap`, :func:`plot_pareto`,
+:func:`plot_latency_load`, :func:`pareto_front`, :func:`realisable`, :func:`policy_color`,
+:func:`save_figure`.
+
+Traces: :func:`bundled_traces`, :func:`trace_path`, :func:`read_meta`, :func:`iter_sequences`,
+:func:`validate_trace`, :func:`write_trace`, :class:`TraceWriter`, :func:`trace_stats`,
+:func:`import_trace` (:class:`ImportOptions`), :func:`make_trace` (a small random trace),
+:func:`synth` (a calibrated synthetic trace; :class:`SynthParams`, :func:`write_synthetic`,
+:func:`synth_presets`). Capture (the ``capture`` extra: torch and transformers):
+:func:`capture_model`, :func:`run_capture`, :class:`CaptureConfig`,
+:class:`GenerationSettings`, :class:`Prompt`, :func:`load_prompts`.
+
+Machines, models and costs: :func:`load_profile`, :func:`list_profiles`, :func:`get_runtime`,
+:func:`runtime_names`, :func:`get_model`, :data:`DTYPES`, :func:`cost_model`,
+:func:`runtime_cost_model` (with a runtime's per-call costs), :func:`expert_fit`. Writing a policy:
+:class:`Policy` (or :class:`CachingPolicy`), :func:`register`, :func:`policy_class`,
+:func:`load_policy_file`, :class:`Plan`, :class:`Action`, :class:`View`, :class:`SetupContext`,
+:class:`ResourceSpec`, :class:`Param`; :func:`policies` lists them. Writing outputs safely:
+:func:`output_dir`, :func:`write_text`, :func:`write_file`, :func:`check_output_file`. Errors:
+:class:`UserError`, :class:`PolicyError`.
+
+Learning a policy: the submodule ``daopsim.gym`` (the ``gym`` extra) is a Gymnasium environment
+over the simulator and trains the ``learned`` policy (docs/learned-policies.md).
+
+Nothing heavy is imported until a name is first used, so ``import daopsim`` is fast.
 """
 
 from __future__ import annotations
@@ -28,61 +52,221 @@ if TYPE_CHECKING:  # the real objects, for type checkers and IDEs
     from policies.base import Action, Param, Plan, Policy, ResourceSpec, SetupContext, View
     from policies.caching import CachingPolicy
     from policies.registry import available as policies
-    from policies.registry import register
-    from simulator.hardware import load_profile
-    from simulator.models import get_model
+    from policies.registry import get_policy_class as policy_class
+    from policies.registry import load_policy_file, register
+    from simulator.advise import advise
+    from simulator.bounds import all_gpu_bound
+    from simulator.capture import (
+        CaptureConfig,
+        GenerationSettings,
+        Prompt,
+        capture_model,
+        load_prompts,
+        run_capture,
+    )
+    from simulator.costs import cost_model
+    from simulator.data import bundled_traces
+    from simulator.data import resolve_trace as trace_path
+    from simulator.errors import PolicyError, UserError
+    from simulator.hardware import list_profiles, load_profile
+    from simulator.importers import ImportOptions, import_trace
+    from simulator.models import DTYPES, get_model
+    from simulator.output import check_output_file, output_dir, write_file, write_text
+    from simulator.plots import KINDS as PLOT_KINDS
+    from simulator.plots import (
+        pareto_front,
+        plot,
+        plot_breakdown,
+        plot_heatmap,
+        plot_hit_rate,
+        plot_latency_load,
+        plot_pareto,
+        plot_throughput,
+        policy_color,
+        realisable,
+        save_figure,
+    )
     from simulator.results import RunResult
-    from simulator.runner import simulate
+    from simulator.runner import expert_fit, runtime_cost_model, simulate
+    from simulator.runtime_profiles import get_runtime, runtime_names
     from simulator.serving import ServingConfig
-    from simulator.sweep import Grid, run_sweep, sweep
+    from simulator.stats import trace_stats
+    from simulator.sweep import Grid, SweepSummary, read_table, run_sweep, seed_summary, sweep
+    from simulator.synth import PRESETS as synth_presets
+    from simulator.synth import SynthParams, write_synthetic
+    from simulator.synth_checks import synth
+    from simulator.testing import make_trace
+    from simulator.trace import (
+        TraceWriter,
+        iter_sequences,
+        read_meta,
+        validate_trace,
+        write_trace,
+    )
 
 try:
     __version__ = metadata.version("daopsim")
 except metadata.PackageNotFoundError:  # a source checkout on PYTHONPATH, never installed
     __version__ = "0+unknown"
 
+
+def _names(module: str, *names: str) -> dict[str, tuple[str, str]]:
+    """``public name -> (module, attribute)`` for names that keep their attribute name."""
+    return {n: (module, n) for n in names}
+
+
 #: public name -> (module, attribute), imported on first use
 _LAZY: dict[str, tuple[str, str]] = {
-    "simulate": ("simulator.runner", "simulate"),
-    "ServingConfig": ("simulator.serving", "ServingConfig"),
-    "RunResult": ("simulator.results", "RunResult"),
-    "sweep": ("simulator.sweep", "sweep"),
-    "run_sweep": ("simulator.sweep", "run_sweep"),
-    "Grid": ("simulator.sweep", "Grid"),
-    "Policy": ("policies.base", "Policy"),
-    "CachingPolicy": ("policies.caching", "CachingPolicy"),
-    "Plan": ("policies.base", "Plan"),
-    "Action": ("policies.base", "Action"),
-    "View": ("policies.base", "View"),
-    "SetupContext": ("policies.base", "SetupContext"),
-    "ResourceSpec": ("policies.base", "ResourceSpec"),
-    "Param": ("policies.base", "Param"),
-    "register": ("policies.registry", "register"),
+    # running
+    **_names("simulator.runner", "simulate", "expert_fit"),
+    **_names("simulator.serving", "ServingConfig"),
+    **_names("simulator.results", "RunResult"),
+    **_names("simulator.bounds", "all_gpu_bound"),
+    **_names(
+        "simulator.sweep",
+        "sweep",
+        "run_sweep",
+        "Grid",
+        "SweepSummary",
+        "read_table",
+        "seed_summary",
+    ),
+    **_names("simulator.advise", "advise"),
+    # plots of a sweep table
+    **_names(
+        "simulator.plots",
+        "plot",
+        "plot_throughput",
+        "plot_hit_rate",
+        "plot_breakdown",
+        "plot_heatmap",
+        "plot_pareto",
+        "plot_latency_load",
+        "pareto_front",
+        "realisable",
+        "policy_color",
+        "save_figure",
+    ),
+    "PLOT_KINDS": ("simulator.plots", "KINDS"),
+    # traces
+    **_names("simulator.data", "bundled_traces"),
+    "trace_path": ("simulator.data", "resolve_trace"),
+    **_names(
+        "simulator.trace",
+        "read_meta",
+        "iter_sequences",
+        "validate_trace",
+        "write_trace",
+        "TraceWriter",
+    ),
+    **_names("simulator.stats", "trace_stats"),
+    **_names("simulator.importers", "import_trace", "ImportOptions"),
+    **_names("simulator.testing", "make_trace"),
+    **_names("simulator.synth_checks", "synth"),
+    **_names("simulator.synth", "SynthParams", "write_synthetic"),
+    "synth_presets": ("simulator.synth", "PRESETS"),
+    # capture (the `capture` extra)
+    **_names(
+        "simulator.capture",
+        "capture_model",
+        "run_capture",
+        "CaptureConfig",
+        "GenerationSettings",
+        "Prompt",
+        "load_prompts",
+    ),
+    # machines, models, runtimes and costs
+    **_names("simulator.hardware", "load_profile", "list_profiles"),
+    **_names("simulator.runtime_profiles", "get_runtime", "runtime_names"),
+    **_names("simulator.models", "get_model", "DTYPES"),
+    **_names("simulator.costs", "cost_model"),
+    **_names("simulator.runner", "runtime_cost_model"),
+    # writing a policy
+    **_names(
+        "policies.base", "Policy", "Plan", "Action", "View", "SetupContext", "ResourceSpec", "Param"
+    ),
+    **_names("policies.caching", "CachingPolicy"),
+    **_names("policies.registry", "register", "load_policy_file"),
     "policies": ("policies.registry", "available"),
-    "load_profile": ("simulator.hardware", "load_profile"),
-    "get_model": ("simulator.models", "get_model"),
+    "policy_class": ("policies.registry", "get_policy_class"),
+    # outputs and errors
+    **_names("simulator.output", "output_dir", "write_text", "write_file", "check_output_file"),
+    **_names("simulator.errors", "UserError", "PolicyError"),
 }
 
 __all__ = [
+    "DTYPES",
+    "PLOT_KINDS",
     "Action",
     "CachingPolicy",
+    "CaptureConfig",
+    "GenerationSettings",
     "Grid",
+    "ImportOptions",
     "Param",
     "Plan",
     "Policy",
+    "PolicyError",
+    "Prompt",
     "ResourceSpec",
     "RunResult",
     "ServingConfig",
     "SetupContext",
+    "SweepSummary",
+    "SynthParams",
+    "TraceWriter",
+    "UserError",
     "View",
     "__version__",
+    "advise",
+    "all_gpu_bound",
+    "bundled_traces",
+    "capture_model",
+    "check_output_file",
+    "cost_model",
+    "expert_fit",
     "get_model",
+    "get_runtime",
+    "import_trace",
+    "iter_sequences",
+    "list_profiles",
+    "load_policy_file",
     "load_profile",
+    "load_prompts",
+    "make_trace",
+    "output_dir",
+    "pareto_front",
+    "plot",
+    "plot_breakdown",
+    "plot_heatmap",
+    "plot_hit_rate",
+    "plot_latency_load",
+    "plot_pareto",
+    "plot_throughput",
     "policies",
+    "policy_class",
+    "policy_color",
+    "read_meta",
+    "read_table",
+    "realisable",
     "register",
+    "run_capture",
     "run_sweep",
+    "runtime_cost_model",
+    "runtime_names",
+    "save_figure",
+    "seed_summary",
     "simulate",
     "sweep",
+    "synth",
+    "synth_presets",
+    "trace_path",
+    "trace_stats",
+    "validate_trace",
+    "write_file",
+    "write_synthetic",
+    "write_text",
+    "write_trace",
 ]
 
 

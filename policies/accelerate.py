@@ -32,13 +32,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from policies._mypyc import mypyc_attr
 from policies.base import ALL_GPU_PLAN, Action, Plan, Policy, ResourceSpec, SetupContext, Slot, View
 from policies.registry import register
 
 TEMP = Action.TEMP
 
 
-@register
+@mypyc_attr(allow_interpreted_subclasses=True)
 class AcceleratePolicy(Policy):
     """Leading layers resident; offloaded layers copy each called expert (pageable) and drop it."""
 
@@ -66,3 +67,6 @@ class AcceleratePolicy(Policy):
         if view.layer < self.gpu_layers:
             return ALL_GPU_PLAN
         return Plan(actions=dict.fromkeys(view.experts.tolist(), TEMP))
+
+
+register(AcceleratePolicy)

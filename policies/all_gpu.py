@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from policies._mypyc import mypyc_attr
 from policies.base import ALL_GPU_PLAN, Plan, Policy, ResourceSpec, SetupContext, Slot, View
 from policies.registry import register
 
 
-@register
+@mypyc_attr(allow_interpreted_subclasses=True)
 class AllGPUPolicy(Policy):
     """All experts resident: every access is a hit."""
 
@@ -34,3 +35,6 @@ class AllGPUPolicy(Policy):
     def decode_layer(self, view: View) -> Plan:
         """Everything runs on the GPU."""
         return ALL_GPU_PLAN
+
+
+register(AllGPUPolicy)

@@ -11,18 +11,18 @@ See docs/policy-api.md for the full contract and a worked example.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
+from policies._mypyc import mypyc_attr
+from simulator.costs import CostModel  # at run time: a compiled dataclass resolves its fields
 from simulator.errors import UserError
-
-if TYPE_CHECKING:
-    from simulator.costs import CostModel
-    from simulator.models import ModelShape
+from simulator.models import ModelShape
 
 
 class Action(IntEnum):
@@ -149,7 +149,7 @@ class View:
         #: a decode token's ``[layers, k]``/``[layers, E]`` rows (gate weights, router
         #: probabilities, layer-early experts and probabilities): the engine marks the four
         #: attributes ``_LAZY`` each layer and a row view is built only when a policy reads it
-        self._rows: tuple[Any, Any, Any, Any] | None = None
+        self._rows: Any = None
         self.resident: np.ndarray = np.empty((0, 0), dtype=bool)
         self.budget = 0
         self.now = 0.0
@@ -171,8 +171,8 @@ class View:
         """This token's gate weights for ``experts`` (decode) or their prompt mean (prefill)."""
         x = self._weights
         if x is _LAZY:
-            x = self._weights = self._rows[0][self.layer]  # type: ignore[index]
-        return x  # type: ignore[no-any-return]
+            x = self._weights = self._rows[0][self.layer]
+        return x
 
     @weights.setter
     def weights(self, value: np.ndarray) -> None:
@@ -183,8 +183,8 @@ class View:
         """The dense router distribution of ``layer`` (decode) or its prompt mean (prefill)."""
         x = self._probs
         if x is _LAZY:
-            x = self._probs = self._rows[1][self.layer]  # type: ignore[index]
-        return x  # type: ignore[no-any-return]
+            x = self._probs = self._rows[1][self.layer]
+        return x
 
     @probs.setter
     def probs(self, value: np.ndarray) -> None:
@@ -195,10 +195,10 @@ class View:
         """The one-layer-early top-k of layer+1, or None (the last layer, prefill)."""
         x = self._next_experts
         if x is _LAZY:
-            rows = self._rows[2]  # type: ignore[index]
+            rows = self._rows[2]
             nl = self.layer + 1
             x = self._next_experts = rows[nl] if nl < len(rows) else None
-        return x  # type: ignore[no-any-return]
+        return x
 
     @next_experts.setter
     def next_experts(self, value: np.ndarray | None) -> None:
@@ -209,10 +209,10 @@ class View:
         """The one-layer-early router distribution of layer+1, or None."""
         x = self._next_probs
         if x is _LAZY:
-            rows = self._rows[3]  # type: ignore[index]
+            rows = self._rows[3]
             nl = self.layer + 1
             x = self._next_probs = rows[nl] if nl < len(rows) else None
-        return x  # type: ignore[no-any-return]
+        return x
 
     @next_probs.setter
     def next_probs(self, value: np.ndarray | None) -> None:
@@ -327,6 +327,14 @@ class ResourceSpec:
         return self.host_memory == "pinned"
 
 
+class FutureAccesses(Protocol):
+    """The oracle a clairvoyant policy gets as ``SetupContext.oracle``."""
+
+    def next_use(self, layer: int, expert: int, after: int) -> float:
+        """The first step after ``after`` that uses (layer, expert), or infinity."""
+        ...
+
+
 @dataclass(frozen=True)
 class SetupContext:
     """What a policy knows at load time: shapes, budget, costs, calibration statistics."""
@@ -336,7 +344,7 @@ class SetupContext:
     costs: CostModel
     calibration: np.ndarray | None  #: decode-time selection counts [layers, experts], or None
     calibration_prefill: np.ndarray | None  #: prefill-time counts [layers, experts], or None
-    oracle: Any = None  #: future accesses, given only to clairvoyant policies
+    oracle: FutureAccesses | None = None  #: future accesses, given only to clairvoyant policies
     seed: int = 0
     #: per calibration sequence, its [layers, experts] selection counts (prompt and decode
     #: together, file order), or None; given with ``calibration``
@@ -345,6 +353,7 @@ class SetupContext:
     cpu_layers: int = 0
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class Policy:
     """Base class of every policy. Subclasses set ``name`` and override the hooks they need.
 
@@ -452,6 +461,9 @@ def coerce_option(policy: str, key: str, param: Param, value: Any) -> Any:
         raise UserError(
             f"policy {policy!r}: option {key!r} must be {typ.__name__}, got {value!r}"
         ) from None
+    if typ is float and not math.isfinite(value):
+        # NaN passes every range comparison and inf every lower bound: refuse both
+        raise UserError(f"policy {policy!r}: option {key!r} must be a finite number, got {value!r}")
     if param.choices is not None and value not in param.choices:
         raise UserError(
             f"policy {policy!r}: option {key!r} must be one of {list(param.choices)}, got {value!r}"

@@ -18,13 +18,15 @@ of its experts.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
-from typing import Any
 
 import numpy as np
 
+from policies._mypyc import mypyc_attr
 from policies.base import Action, Param, Plan, Policy, SetupContext, Slot, View, per_layer_quota
 from simulator.errors import UserError
+from simulator.models import ModelShape
 
 GPU, FETCH, TEMP = Action.GPU, Action.FETCH, Action.TEMP
 
@@ -60,15 +62,7 @@ def global_initial(ctx: SetupContext, mode: str, capacity: int) -> list[Slot]:
     return per_layer_initial(ctx, mode, per_layer_quota(capacity, ctx.model.moe_layers))
 
 
-def flat_bool_view(mask: np.ndarray) -> Any:
-    """Element ``layer * experts + expert`` of a ``[layers, experts]`` boolean mask, read and
-    written as 0/1 through a flat byte view (a fraction of numpy's scalar access), or through
-    ``mask.flat`` when the array is not a plain contiguous boolean one; writes reach ``mask``."""
-    if mask.__class__ is np.ndarray and mask.dtype == np.bool_ and mask.flags.c_contiguous:
-        return memoryview(mask).cast("B")
-    return mask.flat
-
-
+@mypyc_attr(allow_interpreted_subclasses=True)
 class _FetchOnMiss(Policy):
     """What both cache shapes share: the ``initial`` option and when it needs calibration."""
 
@@ -82,10 +76,10 @@ class _FetchOnMiss(Policy):
         ),
     }
 
-    def __init__(self, **options: Any) -> None:
-        super().__init__(**options)
-        # the runner builds calibration counts only for a policy that asks for them
-        self.needs_calibration = self.options.get("initial") == "popular"  # type: ignore[misc]
+    def uses_calibration(self) -> bool:
+        """Calibration counts are read only for ``initial='popular'`` (or when the class says
+        it always needs them)."""
+        return self.needs_calibration or self.options.get("initial") == "popular"
 
     def _mode(self, ctx: SetupContext) -> str:
         mode = str(self.options.get("initial", "first"))
@@ -94,8 +88,21 @@ class _FetchOnMiss(Policy):
         return mode
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class CachingPolicy(_FetchOnMiss):
-    """Per-layer fetch-on-miss cache; subclasses choose victims."""
+    """Per-layer fetch-on-miss cache; subclasses choose victims.
+
+    State subclasses may read: ``cache[layer]`` (the layer's resident experts, in insertion
+    order), ``quota[layer]`` (its capacity) and ``evicts_in_use`` (the spec's flag). The hooks
+    (docs/policy-api.md, "Hooks of the cache base classes"): :meth:`init_state`,
+    :meth:`touch`, :meth:`inserted`, :meth:`removed`, :meth:`choose_victim`,
+    :meth:`unevictable`, and :meth:`serve` for a subclass that serves some experts its own way.
+    """
+
+    model: ModelShape
+    evicts_in_use: bool
+    quota: list[int]
+    cache: list[list[int]]
 
     def setup(self, ctx: SetupContext) -> Iterable[Slot]:
         """Fill each layer's quota with its first (or most popular) experts."""
@@ -103,16 +110,15 @@ class CachingPolicy(_FetchOnMiss):
         self.evicts_in_use = self.resources().evicts_in_use
         n_layers = ctx.model.moe_layers
         self.quota = per_layer_quota(ctx.budget, n_layers)
-        self.cache: list[list[int]] = [[] for _ in range(n_layers)]
+        self.cache = [[] for _ in range(n_layers)]
         self.init_state(ctx)
         slots = per_layer_initial(ctx, self._mode(ctx), self.quota)
         for layer, e in slots:
-            self.cache[layer].append(e)
-            self.inserted(layer, e, -1)
+            self._admit(layer, e, -1)
         return slots
 
     def init_state(self, ctx: SetupContext) -> None:
-        """Create per-policy statistics (called once by setup)."""
+        """Create per-policy statistics (called once by setup, before the initial placement)."""
 
     def touch(self, layer: int, expert: int, step: int, weight: int) -> None:
         """A resident expert was used (``weight`` tokens)."""
@@ -131,6 +137,16 @@ class CachingPolicy(_FetchOnMiss):
         """Resident experts of ``layer`` that must not be evicted now (e.g. still in flight)."""
         return None
 
+    def _admit(self, layer: int, expert: int, step: int) -> None:
+        """Put ``expert`` in the layer's cache (then :meth:`inserted`)."""
+        self.cache[layer].append(expert)
+        self.inserted(layer, expert, step)
+
+    def _evict(self, layer: int, expert: int) -> None:
+        """Take ``expert`` out of the layer's cache (then :meth:`removed`)."""
+        self.cache[layer].remove(expert)
+        self.removed(layer, expert)
+
     def decode_layer(self, view: View) -> Plan:
         """Hits run on the GPU; misses are fetched (evicting a victim) or use a temp buffer."""
         return self.serve(view, view.experts.tolist())
@@ -139,50 +155,64 @@ class CachingPolicy(_FetchOnMiss):
         """:meth:`decode_layer` for ``experts`` of the layer (a subclass may serve the others
         its own way): hits, then fetches with victims never among ``experts``, or TEMP."""
         layer = view.layer
-        cache = self.cache[layer]
         step = view.step
         counts = view.counts
-        resident = view.resident[layer]
+        resident: list[bool] = view.resident[layer].tolist()
         actions: dict[int, Action] = {}
-        misses = []
+        misses: list[int] = []
         for e in experts:
             if resident[e]:
                 actions[e] = GPU
                 self.touch(layer, e, step, 1 if counts is None else int(counts[e]))
             else:
                 misses.append(e)
-        if not misses:
-            return Plan(actions=actions)
         plan = Plan(actions=actions)
+        if not misses:
+            return plan
         protected = set(experts)
         extra = self.unevictable(layer)
         if extra:
             protected |= extra
+        cache = self.cache[layer]
         capacity = self.quota[layer]
         for e in misses:
-            if len(cache) < capacity:
-                actions[e] = FETCH
-            else:
-                candidates = [x for x in cache if x not in protected]
-                guard = protected
-                if not candidates and self.evicts_in_use:
-                    # swap out an expert this token already uses (computed before it leaves)
-                    guard = set(extra) if extra else set()
-                    candidates = [x for x in cache if x not in guard]
-                if not candidates:
+            if len(cache) >= capacity:
+                victim = self._victim(layer, protected, extra, step)
+                if victim is None:
                     actions[e] = TEMP  # the quota cannot hold all experts this token needs
                     continue
-                victim = self.choose_victim(layer, guard, step)
-                cache.remove(victim)
-                self.removed(layer, victim)
-                actions[e] = FETCH
+                self._evict(layer, victim)
                 plan.victims[e] = (layer, victim)
-            cache.append(e)
-            self.inserted(layer, e, step)
+            actions[e] = FETCH
+            self._admit(layer, e, step)
             self.touch(layer, e, step, 1 if counts is None else int(counts[e]))
         return plan
 
+    def _victim(
+        self, layer: int, protected: set[int], extra: set[int] | None, step: int
+    ) -> int | None:
+        """:meth:`choose_victim` among the residents outside ``protected``; with none, and
+        in-use evictions allowed, among those outside ``extra`` (the swap-out of an expert this
+        token already uses, computed before it leaves); None when there is no candidate."""
+        cache = self.cache[layer]
+        if protected.issuperset(cache):
+            if not self.evicts_in_use:
+                return None
+            protected = set(extra) if extra else set()
+            if protected.issuperset(cache):
+                return None
+        victim = self.choose_victim(layer, protected, step)
+        if victim not in cache or victim in protected:
+            # a plugin's choose_victim broke its contract: say so, not "list.remove"
+            candidates = sorted(x for x in cache if x not in protected)
+            raise ValueError(
+                f"choose_victim returned expert {victim!r} of layer {layer}, which is not an "
+                f"evictable resident expert (candidates: {candidates})"
+            )
+        return victim
 
+
+@mypyc_attr(allow_interpreted_subclasses=True)
 class GlobalCachingPolicy(_FetchOnMiss):
     """One fetch-on-miss cache over every ``(layer, expert)`` slot; subclasses choose victims.
 
@@ -198,7 +228,10 @@ class GlobalCachingPolicy(_FetchOnMiss):
     temporary buffer and is not cached. These policies never prefetch, so every resident expert
     was copied for an earlier layer that waited for it: no victim is ever still in flight.
 
-    ``self.cached`` is the ``[layers, experts]`` membership mask subclasses may read.
+    ``self.cached`` is the ``[layers, experts]`` membership mask subclasses may read, ``size``
+    the number of cached slots and ``capacity`` the budget. The hooks: :meth:`init_state`,
+    :meth:`touch`, :meth:`inserted`, :meth:`removed`, :meth:`choose_victim`, and :meth:`serve`
+    for a subclass that serves some experts its own way.
     """
 
     params = {
@@ -211,23 +244,31 @@ class GlobalCachingPolicy(_FetchOnMiss):
         ),
     }
 
+    model: ModelShape
+    capacity: int
+    cached: np.ndarray
+    size: int
+    #: ``cached`` as per-layer lists of bools (read per expert, where numpy's scalar reads
+    #: would cost more than the rest of a layer's bookkeeping); _admit and _evict keep both
+    _on: list[list[bool]]
+
     def setup(self, ctx: SetupContext) -> Iterable[Slot]:
         """Place the initial contents (see the class docstring)."""
         self.model = ctx.model
         n_layers, n_exp = ctx.model.moe_layers, ctx.model.experts
         self.capacity = int(ctx.budget)
         self.cached = np.zeros((n_layers, n_exp), dtype=bool)
+        self._on = [[False] * n_exp for _ in range(n_layers)]
         self.size = 0
         self.init_state(ctx)
         slots = global_initial(ctx, self._mode(ctx), self.capacity)
         for layer, e in slots:
-            self.cached[layer, e] = True
-            self.inserted(layer, e, -1)
+            self._admit(layer, e, -1)
         self.size = len(slots)
         return slots
 
     def init_state(self, ctx: SetupContext) -> None:
-        """Create per-policy statistics (called once by setup)."""
+        """Create per-policy statistics (called once by setup, before the initial placement)."""
 
     def touch(self, layer: int, expert: int, step: int, weight: int) -> None:
         """A resident expert was used (``weight`` tokens)."""
@@ -243,18 +284,34 @@ class GlobalCachingPolicy(_FetchOnMiss):
         ``protected`` (the caller guarantees one exists)."""
         raise NotImplementedError
 
+    def _admit(self, layer: int, expert: int, step: int) -> None:
+        """Put (layer, expert) in the cache (then :meth:`inserted`)."""
+        self.cached[layer, expert] = True
+        self._on[layer][expert] = True
+        self.inserted(layer, expert, step)
+
+    def _evict(self, slot: Slot) -> None:
+        """Take ``slot`` out of the cache (then :meth:`removed`)."""
+        layer, expert = slot
+        self.cached[layer, expert] = False
+        self._on[layer][expert] = False
+        self.removed(layer, expert)
+
     def decode_layer(self, view: View) -> Plan:
         """Hits run on the GPU; misses are fetched (evicting a victim of any layer) or use a
         temporary buffer when only this token's experts are resident."""
+        return self.serve(view, view.experts.tolist())
+
+    def serve(self, view: View, experts: list[int]) -> Plan:
+        """:meth:`decode_layer` for ``experts`` of the layer (see the class docstring)."""
         layer = view.layer
-        experts = view.experts.tolist()
         step = view.step
         counts = view.counts
-        cached = self.cached
+        row = self._on[layer]
         actions: dict[int, Action] = {}
-        misses = []
+        misses: list[int] = []
         for e in experts:
-            if cached[layer, e]:
+            if row[e]:
                 actions[e] = GPU
                 self.touch(layer, e, step, 1 if counts is None else int(counts[e]))
             else:
@@ -263,20 +320,41 @@ class GlobalCachingPolicy(_FetchOnMiss):
         if not misses:
             return plan
         protected = set(experts)
-        row = cached[layer]
         for e in misses:
             if self.size < self.capacity:
                 self.size += 1
-            elif self.size == sum(1 for x in protected if row[x]):
+            elif self.size <= len(protected) and self.size == sum(1 for x in protected if row[x]):
                 actions[e] = TEMP  # every resident slot holds an expert this token needs
                 continue
             else:
                 victim = self.choose_victim(layer, protected, step)
-                cached[victim] = False
-                self.removed(*victim)
+                ok = _slot(victim, self.cached.shape)
+                if ok is None or not self.cached[ok] or (ok[0] == layer and ok[1] in protected):
+                    # a plugin's choose_victim broke its contract: say so, not a KeyError later
+                    raise ValueError(
+                        f"choose_victim returned {victim!r} for layer {layer}, which is not an "
+                        "evictable resident (layer, expert) slot (resident, and not one of this "
+                        "token's experts at this layer)"
+                    )
+                victim = ok
+                self._evict(victim)
                 plan.victims[e] = victim
             actions[e] = FETCH
-            cached[layer, e] = True
-            self.inserted(layer, e, step)
+            self._admit(layer, e, step)
             self.touch(layer, e, step, 1 if counts is None else int(counts[e]))
         return plan
+
+
+def _slot(x: object, shape: tuple[int, ...]) -> tuple[int, int] | None:
+    """``x`` as a (layer, expert) pair inside ``shape``, or None when it is not one."""
+    try:
+        a, b = x  # type: ignore[misc]
+    except (TypeError, ValueError):
+        return None
+    if isinstance(a, bool) or isinstance(b, bool):
+        return None
+    try:
+        i, j = operator.index(a), operator.index(b)
+    except TypeError:
+        return None
+    return (i, j) if 0 <= i < shape[0] and 0 <= j < shape[1] else None

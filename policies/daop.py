@@ -19,15 +19,14 @@ paper differ. In short:
 
 from __future__ import annotations
 
-import dataclasses
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 
+from policies._mypyc import mypyc_attr
 from policies.base import (
-    _LAZY,
     Action,
     Param,
     Plan,
@@ -42,28 +41,6 @@ from policies.registry import register
 from simulator.errors import UserError
 
 _INF = float("inf")
-
-#: the field order decode_layer builds its Plan in
-_PLAN_FIELDS = (
-    "actions",
-    "victims",
-    "route",
-    "raw_route",
-    "prefetch",
-    "precalc",
-    "evict",
-    "cpu_serial",
-    "cpu_first",
-    "low_bit",
-    "barrier",
-)
-if tuple(f.name for f in dataclasses.fields(Plan)) != _PLAN_FIELDS:  # pragma: no cover
-    raise ImportError("policies/daop.py: Plan's fields changed; update decode_layer")
-_NO_LOW_BIT: frozenset[int] = frozenset()
-#: a bare Plan (decode_layer sets every field itself)
-_new = object.__new__
-#: a plan without pre-calculations (shared: the engine never changes a plan)
-_NO_PRECALC: list[tuple[int, int]] = []
 
 GPU, FETCH, TEMP, CPU, PRE = (
     Action.GPU,
@@ -133,7 +110,22 @@ def swap_pairs(
     return pairs
 
 
-@register
+def degraded_expert(gpu_ids: list[int], probs: np.ndarray) -> int:
+    """Graceful degradation's substitute: the GPU-resident expert of ``gpu_ids`` with the
+    highest router probability (NaN as 0, +-infinity as the largest finite float, the first id
+    on ties: np.argmax of np.nan_to_num over those entries)."""
+    values: list[float] = np.asarray(probs, dtype=np.float64)[gpu_ids].tolist()
+    big = sys.float_info.max
+    best = -1
+    top = 0.0
+    for e, p in zip(gpu_ids, values, strict=True):
+        v = 0.0 if p != p else (big if p == _INF else (-big if p == -_INF else p))
+        if best < 0 or v > top:
+            best, top = e, v
+    return best
+
+
+@mypyc_attr(allow_interpreted_subclasses=True)
 class DAOPPolicy(Policy):
     """Data-aware placement with prefill swaps, one-layer-early prediction and CPU pre-calc."""
 
@@ -238,14 +230,6 @@ class DAOPPolicy(Policy):
         #: degraded predictions by (the same key, the GPU expert chosen)
         self._dmemo: dict[tuple[Any, ...], _Prediction] = {}
         self._memo_res = b""
-        #: the token's layer-early experts (View._rows[2]) the lists ``_ee_l`` (each row's
-        #: first k) and dtype code ``_ee_char`` were made from
-        self._ee_src: Any = None
-        self._ee_l: list[list[Any]] = []
-        self._ee_char = ""
-        self._ee_n = 0
-        #: the layers decode_layer predicts the next one at (set up in setup)
-        self._pred_lo, self._pred_hi = 0, -1
         #: prefill swaps made so far: (layer, hot, cold)
         self.swaps: list[tuple[int, int, int]] = []
         self._restore = False
@@ -268,7 +252,6 @@ class DAOPPolicy(Policy):
         m = ctx.model
         self.n_layers, self.n_experts, self.k = m.moe_layers, m.experts, m.top_k
         self.swap_num = self.n_experts // 2 if self.swap_num_opt == -1 else self.swap_num_opt
-        self._pred_lo, self._pred_hi = self.fpl - 1, self.n_layers - 2
         # Decision inputs, not execution times: the engine times the copy from the link model
         # and the CPU expert from the batched cost curve, whatever DAOP believes here.
         o, costs = self.options, ctx.costs
@@ -334,103 +317,88 @@ class DAOPPolicy(Policy):
     def _predict(self, view: View) -> _Prediction | None:
         """The prediction for layer+1 from the one-layer-early router view."""
         nl = view.layer + 1
-        if view._next_experts is _LAZY and view._next_probs is _LAZY:
-            # the fast engine's lazy rows (View._rows): the token's layer-early top-k as
-            # lists, made once per token (the same values as each row's tolist()); the
-            # properties would give None exactly past the rows' last layer
-            rows = view._rows
-            assert rows is not None
-            ee = rows[2]
-            if ee is not self._ee_src:
-                self._ee_src = ee
-                self._ee_l = ee[:, : self.k].tolist()
-                self._ee_char = ee.dtype.char
-                # the layers with a layer-early view (both properties not None below it)
-                self._ee_n = min(len(ee), len(rows[3]))
-            if nl >= self._ee_n:
-                return None
-            raw_l = self._ee_l[nl]
-            char = self._ee_char
-        else:
-            ne = view.next_experts
-            if ne is None or view.next_probs is None:
-                return None
-            raw_l = ne[: self.k].tolist()
-            char = ne.dtype.char
+        ahead, ahead_probs = view.next_experts, view.next_probs
+        if ahead is None or ahead_probs is None:
+            return None
+        raw_l: list[int] = ahead[: self.k].tolist()
         # A prediction depends on the layer, the top-k, the residency and, when degraded,
         # on which GPU expert the probabilities pick: memoised for the residency of this
         # decode_layer call (``_memo_res``). The dtype's code is in the key because tolist()
         # of another dtype gives other Python types with equal hashes (1.0 == 1).
-        key = (nl, char, *raw_l)
+        key = (nl, ahead.dtype.char, *raw_l)
         pred = self._pmemo.get(key)
         if pred is not None:
             return pred
+        res_at = view.resident.item  # k item reads cost less than a row view and a list
         gpu_ids = self._gmemo.get(key)  # the GPU experts, when this top-k degrades
         if gpu_ids is None:
             if not raw_l or min(raw_l) < 0:
                 return None
-            res_at = view.resident.item  # k item reads cost less than a row view and a list
-            cpu = []  # (plain loops: a comprehension's own frame costs more than k = 2 appends)
-            for e in raw_l:
-                if not res_at(nl, e):
-                    cpu.append(e)
-            if not (
-                len(cpu) == len(raw_l)
-                and self.degrade
-                and True in (on_gpu := view.resident[nl].tolist())
-            ):
+            cpu = [e for e in raw_l if not res_at(nl, e)]
+            on_gpu: list[bool] = view.resident[nl].tolist()
+            if not (len(cpu) == len(raw_l) and self.degrade and True in on_gpu):
                 # the route is the raw prediction (read-only to the plans that consume it)
                 raw = np.asarray(raw_l, dtype=np.int64)
-                pred = self._pmemo[key] = self._prediction(nl, raw, raw, cpu, raw_l)
+                pred = self._pmemo[key] = self._prediction(nl, raw, raw, cpu, raw_l, res_at)
                 return pred
             gpu_ids = self._gmemo[key] = [e for e, r in enumerate(on_gpu) if r]
         # graceful degradation: no predicted expert on the GPU
-        nprobs = view.next_probs
-        if (
-            nprobs.__class__ is np.ndarray
-            and nprobs.ndim == 1
-            and nprobs.dtype.kind == "f"
-            and nprobs.itemsize <= 8
-        ):
-            p_l = nprobs.tolist()  # a float16/32 widens to the same float64 as asarray's
-            probs = [p_l[e] for e in gpu_ids]
-        else:
-            probs = np.asarray(nprobs, dtype=np.float64)[gpu_ids].tolist()
-        # np.argmax of np.nan_to_num(nan=0.0) over the few GPU entries (NaN -> 0, +-inf ->
-        # +-max float), first id on ties: one loop, a strictly larger value replaces the best
-        big = sys.float_info.max
-        best = -1
-        top = 0.0
-        for e, p in zip(gpu_ids, probs):  # noqa: B905 (one probability per GPU expert)
-            v = 0.0 if p != p else (big if p == _INF else (-big if p == -_INF else p))
-            if best < 0 or v > top:
-                best, top = e, v
+        best = degraded_expert(gpu_ids, ahead_probs)
         dkey = (*key, best)
         pred = self._dmemo.get(dkey)
         if pred is None:
             route_l = [*raw_l[:-1], best]
-            res_at = view.resident.item
             cpu = [e for e in route_l if not res_at(nl, e)]
             raw = np.asarray(raw_l, dtype=np.int64)
             route = np.asarray(route_l, dtype=np.int64)
-            pred = self._dmemo[dkey] = self._prediction(nl, route, raw, cpu, route_l)
+            pred = self._dmemo[dkey] = self._prediction(nl, route, raw, cpu, route_l, res_at)
         return pred
 
     def _prediction(
-        self, nl: int, route: np.ndarray, raw: np.ndarray, cpu: list[int], route_l: list[int]
+        self,
+        nl: int,
+        route: np.ndarray,
+        raw: np.ndarray,
+        cpu: list[int],
+        route_l: list[int],
+        res_at: Callable[[int, int], Any],
     ) -> _Prediction:
-        """A memoised prediction for layer ``nl``, with layer nl's actions as decode_layer
-        builds them (every entry is resident or in ``cpu``, pre-calculated, so none is
-        dropped) and layer nl-1's pre-calculation items. ``cpu`` is in route order: the
-        pre-calculations are issued in that order. Plans share these objects (the engine
-        never changes a plan)."""
+        """A memoised prediction for layer ``nl``: with layer nl's route and actions as
+        decode_layer builds them under the current residency (every entry is resident or in
+        ``cpu``, pre-calculated, so none is dropped) and layer nl-1's pre-calculation items.
+        ``cpu`` is in route order: the pre-calculations are issued in that order. Plans share
+        these objects (the engine never changes a plan)."""
         actions: dict[int, Action] | None = None
         if not self.exact_fallback:
-            actions = {}
-            for e in route_l:
-                actions[e] = PRE if e in cpu else GPU
+            route, actions = self._route_actions(nl, route, route_l, cpu, res_at)
         items = [(nl, e) for e in cpu]
         return route, raw, cpu, route_l, self._memo_res, actions, items
+
+    @staticmethod
+    def _route_actions(
+        layer: int,
+        route: np.ndarray,
+        route_l: list[int],
+        ready: list[int],
+        res_at: Callable[[int, int], Any],
+    ) -> tuple[np.ndarray, dict[int, Action]]:
+        """A predicted route's actions at its layer: resident entries on the GPU, entries
+        pre-calculated (in ``ready``) as PRECOMPUTED; an entry that is neither is dropped from
+        the route (returned with them; the prediction's own array when nothing is dropped)."""
+        actions: dict[int, Action] = {}
+        for e in route_l:
+            if res_at(layer, e):
+                actions[e] = GPU
+            elif e in ready:
+                actions[e] = PRE
+            else:
+                keep = [i for i, x in enumerate(route_l) if res_at(layer, x) or x in ready]
+                route = route[keep]
+                actions.clear()
+                for x in route.tolist():
+                    actions[x] = GPU if res_at(layer, x) else PRE
+                break
+        return route, actions
 
     def decode_layer(self, view: View) -> Plan:
         """Exact routing below first_predict_layer; the layer-early prediction from there on."""
@@ -447,77 +415,44 @@ class DAOPPolicy(Policy):
             self._gmemo.clear()
             self._dmemo.clear()
             self._memo_res = snap
-        route = raw = None
+        res_at = resident.item  # per-expert item reads: no row view, no list
+        route: np.ndarray | None = None
+        raw: np.ndarray | None = None
+        actions: dict[int, Action] | None
         pred = preds.pop(layer, None) if layer >= self.fpl else None
         if pred is None:
-            res_at = resident.item  # per-expert item reads: no row view, no list
-            actions: dict[int, Action] = {}
+            actions = {}
             for e in view.experts.tolist():
                 actions[e] = GPU if res_at(layer, e) else CPU
         else:
-            route, raw, ready, route_l, made_under, memo_actions, _ = pred
+            route, raw, ready, route_l, made_under, actions, _ = pred
             last = self.quirk and layer == self.n_layers - 1
-            if memo_actions is not None and made_under is self._memo_res and not last:
-                # made under this very residency: the actions the loop below would build
-                actions = memo_actions
-            else:
-                res_at = resident.item
+            if last:
+                ready = []  # with the quirk the pre-calculated result is reset before use
+            if self.exact_fallback:  # the trace's routing: no route of the plan's own
+                route = raw = None
                 actions = {}
-                if last:
-                    ready = []  # with the quirk the pre-calculated result is reset before use
-                if self.exact_fallback:  # the trace's routing: no route of the plan's own
-                    route = raw = None
-                    for e in view.experts.tolist():
-                        actions[e] = GPU if res_at(layer, e) else (PRE if e in ready else CPU)
-                else:
-                    # every entry kept (the common case): the prediction's own array, which
-                    # the plan only reads
-                    for e in route_l:
-                        if res_at(layer, e):
-                            actions[e] = GPU
-                        elif e in ready:
-                            actions[e] = PRE
-                        else:  # an entry neither resident nor pre-calculated: dropped
-                            keep = [
-                                i for i, e in enumerate(route_l) if res_at(layer, e) or e in ready
-                            ]
-                            route = route[keep]
-                            actions.clear()
-                            for x in route.tolist():
-                                actions[x] = GPU if res_at(layer, x) else PRE
-                            break
-        precalc: list[tuple[int, int]] = _NO_PRECALC
+                for e in view.experts.tolist():
+                    actions[e] = GPU if res_at(layer, e) else (PRE if e in ready else CPU)
+            elif actions is None or made_under is not self._memo_res or last:
+                # made under another residency: the actions are made again under this one
+                route, actions = self._route_actions(layer, route, route_l, ready, res_at)
+        precalc: list[tuple[int, int]] = []
         # prediction for layer+1, issued before this layer's experts run
-        if self._pred_lo <= layer <= self._pred_hi:
-            nl = layer + 1
-            if (
-                view._next_experts is _LAZY
-                and view._next_probs is _LAZY
-                and view._rows[2] is self._ee_src  # type: ignore[index]
-                and nl < self._ee_n
-            ):
-                # _predict's memo lookup, inline (a memoised prediction is the common case)
-                nxt = self._pmemo.get((nl, self._ee_char, *self._ee_l[nl]))
-                if nxt is None:
-                    nxt = self._predict(view)
-            else:
-                nxt = self._predict(view)
+        if self.fpl - 1 <= layer <= self.n_layers - 2:
+            nxt = self._predict(view)
             if nxt is not None:
                 preds[layer + 1] = nxt
                 precalc = nxt[6]
-        # every field set directly on a bare instance (what Plan's generated __init__ does,
-        # without its default-factory tests; _PLAN_FIELDS checks the field list at import):
-        # no victims, prefetches or evictions, serial and synchronous CPU work
-        plan = _new(Plan)
-        plan.actions = actions
-        plan.victims = {}
-        plan.route = route
-        plan.raw_route = raw
-        plan.prefetch = []
-        plan.precalc = precalc
-        plan.evict = []
-        plan.cpu_serial = True
-        plan.cpu_first = True
-        plan.low_bit = _NO_LOW_BIT
-        plan.barrier = False
-        return plan
+        # no victims, prefetches or evictions; serial and synchronous CPU work
+        return Plan(
+            actions=actions,
+            route=route,
+            raw_route=raw,
+            precalc=precalc,
+            cpu_serial=True,
+            cpu_first=True,
+        )
+
+
+register(DAOPPolicy)

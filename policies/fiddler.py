@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from policies._mypyc import mypyc_attr
 from policies.base import (
     Action,
     Param,
@@ -50,7 +51,7 @@ CODE_LATENCY_CPU = 7.0
 CODE_LATENCY_GPU = 70.0
 
 
-@register
+@mypyc_attr(allow_interpreted_subclasses=True)
 class FiddlerPolicy(Policy):
     """Global top-B placement; misses run on the CPU; prefill by the break-even rule."""
 
@@ -119,3 +120,6 @@ class FiddlerPolicy(Policy):
             else:
                 actions[e] = CPU if int(counts[e]) * self.t_cpu1 < self.t_load else TEMP
         return Plan(actions=actions, cpu_serial=True, cpu_first=True)
+
+
+register(FiddlerPolicy)

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from policies._mypyc import mypyc_attr
 from policies.base import SetupContext, Slot
 from policies.caching import GlobalCachingPolicy
 from policies.registry import register
 
 
-@register
+@mypyc_attr(allow_interpreted_subclasses=True)
 class GlobalLRUPolicy(GlobalCachingPolicy):
     """Evict the least recently used resident expert of any layer."""
 
@@ -48,3 +49,6 @@ class GlobalLRUPolicy(GlobalCachingPolicy):
             if slot[0] != layer or slot[1] not in protected:
                 return slot
         raise AssertionError("caller guarantees an unprotected resident expert")
+
+
+register(GlobalLRUPolicy)

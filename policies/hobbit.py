@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from policies._mypyc import mypyc_attr
 from policies.base import Action, Param, Plan, ResourceSpec, SetupContext, Slot, View
 from policies.lru import LRUPolicy
 from policies.registry import register
@@ -47,7 +48,7 @@ from simulator.models import DTYPES
 TEMP = Action.TEMP
 
 
-@register
+@mypyc_attr(allow_interpreted_subclasses=True)
 class HobbitPolicy(LRUPolicy):
     """Per-layer LRU; a less important miss loads a low-bit copy (or is skipped)."""
 
@@ -111,7 +112,9 @@ class HobbitPolicy(LRUPolicy):
     def classify(
         self, experts: list[int], weights: list[float], resident: Any
     ) -> tuple[list[int], list[int]]:
-        """The token's misses that load a low-bit copy, and those it skips (rank order)."""
+        """The token's misses that load a low-bit copy, and those it skips (rank order);
+        ``resident`` is the layer's residency row (a list or an array: ``resident[e]`` is true
+        when expert e is resident)."""
         total = sum(weights)
         if total <= 0.0:
             return [], []
@@ -132,33 +135,14 @@ class HobbitPolicy(LRUPolicy):
     def decode_layer(self, view: View) -> Plan:
         """Full-precision service for hits and important misses; low-bit copies or skips for
         the others (see the module doc)."""
-        experts = view.experts.tolist()
-        if view.counts is not None:
+        experts: list[int] = view.experts.tolist()
+        if view.counts is not None:  # prefill or a batched step: plain LRU
             return self.serve(view, experts)
-        layer = view.layer
-        resident = view.resident[layer].tolist()  # a list: cheaper to index than numpy
-        for e in experts:
-            if not resident[e]:
-                break
-        else:  # every expert resident (nothing changes the plan below)
-            return self.serve_token(layer, experts, resident, True)  # shared_hit_plan
-        for e in experts[1:]:
-            if not resident[e]:
-                break
-        else:
-            # only the top expert missed: its share is 0, never above either threshold (both
-            # are >= 0), so classify would find nothing to load low-bit or skip
-            return self.serve_token(layer, experts, resident)
+        resident: list[bool] = view.resident[view.layer].tolist()
         low, skip = self.classify(experts, view.weights.tolist(), resident)
         if not low and not skip:
-            return self.serve_token(layer, experts, resident)
-        # the experts served at full precision (a loop over two or so: cheaper than sets and
-        # a comprehension)
-        kept = []
-        for e in experts:
-            if e not in low and e not in skip:
-                kept.append(e)
-        plan = self.serve_token(layer, kept, resident)
+            return self.serve(view, experts)
+        plan = self.serve(view, [e for e in experts if e not in low and e not in skip])
         actions = plan.actions
         assert actions is not None
         for e in low:
@@ -169,3 +153,6 @@ class HobbitPolicy(LRUPolicy):
             plan.route = np.asarray([e for e in experts if e not in skip], dtype=np.int64)
             plan.raw_route = np.asarray(experts, dtype=np.int64)
         return plan
+
+
+register(HobbitPolicy)

@@ -27,6 +27,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from policies._mypyc import mypyc_attr
 from policies.base import (
     Action,
     Param,
@@ -67,7 +68,7 @@ def place_gpu_experts(
     return [(int(i) // n_experts, int(i) % n_experts) for i in picked]
 
 
-@register
+@mypyc_attr(allow_interpreted_subclasses=True)
 class KTransformersPolicy(Policy):
     """CPU experts with GPU-resident experts placed by a strategy; both run concurrently."""
 
@@ -147,3 +148,6 @@ class KTransformersPolicy(Policy):
                 actions={e: (Action.GPU if resident[e] else Action.CPU) for e in ex}
             )
         return plan
+
+
+register(KTransformersPolicy)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from policies._mypyc import mypyc_attr
 from policies.base import (
     ALL_GPU_PLAN,
     Action,
@@ -61,11 +62,12 @@ def cpu_moe_layers(n_cpu_moe: int, layers: int, moe_layers: int) -> int:
     return max(0, min(moe_layers, n_cpu_moe - dense))
 
 
-class LeadingCpuLayers:
+@mypyc_attr(allow_interpreted_subclasses=True)
+class LeadingCpuLayers(Policy):
     """The plans of llama.cpp's two splits (``--n-cpu-moe`` and ``-ngl``): the routed experts of
     the first ``n_cpu_layers`` MoE layers run on the CPU, except that a prompt of at least
     ``min_batch`` tokens copies them to the GPU when ``offload`` is set (op offload); the
-    other layers keep every expert resident."""
+    other layers keep every expert resident. Subclasses set the three in ``__init__``/``setup``."""
 
     n_cpu_layers: int
     offload: bool
@@ -73,20 +75,23 @@ class LeadingCpuLayers:
     #: a CPU layer's decode plan by selected experts (made on first use)
     _cpu_plans: dict[tuple[int, ...], Plan]
 
+    def __init__(self, **options: object) -> None:
+        super().__init__(**options)
+        self.n_cpu_layers = 0
+        self.offload = False
+        self.min_batch = OFFLOAD_MIN_BATCH
+        self._cpu_plans = {}
+
     def decode_layer(self, view: View) -> Plan:
         """A GPU layer: all on the GPU; a CPU layer: its experts on the CPU."""
         if view.layer >= self.n_cpu_layers:
             return ALL_GPU_PLAN
         # a CPU layer's plan depends on the selected experts only: one plan per selection,
         # returned again (the engine never changes a plan)
-        key = tuple(view.experts.tolist())
-        try:
-            plans = self._cpu_plans
-        except AttributeError:
-            plans = self._cpu_plans = {}
-        plan = plans.get(key)
+        key: tuple[int, ...] = tuple(view.experts.tolist())
+        plan = self._cpu_plans.get(key)
         if plan is None:
-            plan = plans[key] = Plan(actions=dict.fromkeys(key, Action.CPU))
+            plan = self._cpu_plans[key] = Plan(actions=dict.fromkeys(key, Action.CPU))
         return plan
 
     def prefill_layer(self, view: View) -> Plan:
@@ -99,8 +104,8 @@ class LeadingCpuLayers:
         )
 
 
-@register
-class LlamaCppCpuMoePolicy(LeadingCpuLayers, Policy):
+@mypyc_attr(allow_interpreted_subclasses=True)
+class LlamaCppCpuMoePolicy(LeadingCpuLayers):
     """Routed experts of the first N layers on the CPU, the other layers' experts all resident."""
 
     name = "llama-cpp-cpu-moe"
@@ -139,7 +144,6 @@ class LlamaCppCpuMoePolicy(LeadingCpuLayers, Policy):
             )
         self.min_batch = int(self.options["offload_min_batch"])
         self.offload = bool(self.options["prefill_offload"])
-        self.n_cpu_layers = 0
 
     def resources(self) -> ResourceSpec:
         """Pinned host memory (llama.cpp's CUDA host buffers), one copy buffer, one CPU worker."""
@@ -164,3 +168,6 @@ class LlamaCppCpuMoePolicy(LeadingCpuLayers, Policy):
         return [
             (layer, e) for layer in range(self.n_cpu_layers, m.moe_layers) for e in range(m.experts)
         ]
+
+
+register(LlamaCppCpuMoePolicy)

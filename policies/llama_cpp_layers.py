@@ -30,9 +30,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from policies._mypyc import mypyc_attr
 from policies.base import (
     Param,
-    Policy,
     ResourceSpec,
     SetupContext,
     Slot,
@@ -57,8 +57,8 @@ def gpu_blocks_for_ngl(ngl: int) -> int:
     return max(0, ngl - 1)
 
 
-@register
-class LlamaCppLayersPolicy(LeadingCpuLayers, Policy):
+@mypyc_attr(allow_interpreted_subclasses=True)
+class LlamaCppLayersPolicy(LeadingCpuLayers):
     """The first layers wholly on the CPU, the last ``ngl - 1`` wholly on the GPU."""
 
     name = "llama-cpp-layers"
@@ -98,7 +98,6 @@ class LlamaCppLayersPolicy(LeadingCpuLayers, Policy):
             )
         self.min_batch = int(self.options["offload_min_batch"])
         self.offload = bool(self.options["prefill_offload"])
-        self.n_cpu_layers = 0
 
     def resources(self) -> ResourceSpec:
         """Pinned host memory, one copy buffer, one CPU worker, the whole-layer split and
@@ -129,3 +128,6 @@ class LlamaCppLayersPolicy(LeadingCpuLayers, Policy):
         return [
             (layer, e) for layer in range(self.n_cpu_layers, m.moe_layers) for e in range(m.experts)
         ]
+
+
+register(LlamaCppLayersPolicy)

@@ -24,12 +24,13 @@ are in docs/serving.md, "An SSD tier", and docs/references.md#llama-cpp-mmap.
 
 from __future__ import annotations
 
+from policies._mypyc import mypyc_attr
 from policies.base import ResourceSpec
 from policies.llama_cpp_cpu_moe import LlamaCppCpuMoePolicy
 from policies.registry import register
 
 
-@register
+@mypyc_attr(allow_interpreted_subclasses=True)
 class LlamaCppMmapPolicy(LlamaCppCpuMoePolicy):
     """llama.cpp with mmapped weights: CPU experts read from the page cache, faulted in from
     the SSD on first touch; the GPU layers' experts resident."""
@@ -47,3 +48,6 @@ class LlamaCppMmapPolicy(LlamaCppCpuMoePolicy):
         return ResourceSpec(
             host_memory="pageable", temp_buffers=1, cpu_workers=1, ssd_access="mmap"
         )
+
+
+register(LlamaCppMmapPolicy)

@@ -62,6 +62,7 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
+from policies._mypyc import mypyc_attr
 from policies.base import Action, Param, Plan, ResourceSpec, SetupContext, Slot, View
 from policies.lru import LRUPolicy
 from policies.registry import register
@@ -70,7 +71,7 @@ from simulator.errors import UserError
 FETCH, TEMP = Action.FETCH, Action.TEMP
 
 
-@register
+@mypyc_attr(allow_interpreted_subclasses=True)
 class MixtralOffloadingPolicy(LRUPolicy):
     """Per-layer LRU eviction groups, pinned swaps with write-back, optional prefetch."""
 
@@ -150,14 +151,11 @@ class MixtralOffloadingPolicy(LRUPolicy):
 
     def decode_layer(self, view: View) -> Plan:
         """LRU service of this layer, then (optionally) prefetch for the next one."""
-        if not self.do_prefetch and view.counts is None:
-            # without prefetch nothing is ever pending and the copy numbers are never read:
-            # one decode token is LRU's service alone (its hooks written out)
-            layer = view.layer
-            # shared_hit_plan=True, positional (cheaper than a keyword)
-            return self.serve_token(
-                layer, view.experts.tolist(), view.resident[layer].tolist(), True
-            )
+        layer = view.layer
+        experts: list[int] = view.experts.tolist()
+        if not self.do_prefetch:
+            # nothing is ever pending and the copy numbers are never read: LRU's service alone
+            return self.serve(view, experts)
         if self.pending:
             # the previous layer waited for its demand copies and for the experts it ran
             done = self.demand_no
@@ -165,48 +163,48 @@ class MixtralOffloadingPolicy(LRUPolicy):
                 self.pending.pop(slot, None)
             self.pending = {s: n for s, n in self.pending.items() if n > done}
         self.used = []
-        layer = view.layer
-        experts = view.experts.tolist()
         if self.pending:
             for e in experts:
                 if (layer, e) in self.pending:
                     self.used.append((layer, e))
-        if view.counts is None:  # one decode token: LRU's serve() with its hooks written out
-            plan = self.serve_token(
-                layer, experts, view.resident[layer], shared_hit_plan=not self.do_prefetch
-            )
-        else:
-            plan = self.serve(view, experts)
+        plan = self.serve(view, experts)
         if plan.actions:
             for a in plan.actions.values():
                 if a in (FETCH, TEMP):
                     self.copy_no += 1
                     self.demand_no = self.copy_no
-        if self.options["prefetch"] and view.next_experts is not None:
+        if view.next_experts is not None:
             self._prefetch(view, plan)
         return plan
 
     def _prefetch(self, view: View, plan: Plan) -> None:
+        """Copy the top ``prefetch_k`` experts of the one-layer-early view of layer+1 into its
+        group, each evicting the victim :meth:`choose_victim` picks among the experts neither
+        in that view nor still in flight; stops when there is none."""
         nl = view.layer + 1
-        nxt = [int(e) for e in view.next_experts if e >= 0]  # type: ignore[union-attr]
-        keep = set(nxt)
-        resident = view.resident[nl]
-        cache, order, cap = self.cache[nl], self.order[nl], self.quota[nl]
+        ahead = view.next_experts
+        assert ahead is not None
+        nxt = [e for e in ahead.tolist() if e >= 0]
+        protected = set(nxt)
+        pending = self.unevictable(nl)
+        if pending:
+            protected |= pending
+        resident: list[bool] = view.resident[nl].tolist()
+        cache, cap = self.cache[nl], self.quota[nl]
         for e in nxt[: self.k_pre]:
             if resident[e] or e in cache:
                 continue
             victim: Slot | None = None
             if len(cache) >= cap:
-                cand = next(
-                    (x for x in order if x not in keep and (nl, x) not in self.pending), None
-                )
-                if cand is None:
+                if protected.issuperset(cache):
                     break
-                cache.remove(cand)
-                self.removed(nl, cand)
-                victim = (nl, cand)
-            cache.append(e)
-            self.inserted(nl, e, view.step)
+                out = self.choose_victim(nl, protected, view.step)
+                self._evict(nl, out)
+                victim = (nl, out)
+            self._admit(nl, e, view.step)
             self.copy_no += 1
             self.pending[(nl, e)] = self.copy_no
             plan.prefetch.append((nl, e, victim))
+
+
+register(MixtralOffloadingPolicy)

@@ -72,6 +72,7 @@ from typing import Any
 
 import numpy as np
 
+from policies._mypyc import mypyc_attr
 from policies.base import (
     ALL_GPU_PLAN,
     Action,
@@ -100,7 +101,7 @@ _NOTHING: frozenset[int] = frozenset()
 _Queue = tuple[list[tuple[int, int, int]], frozenset[int], list[int]]
 
 
-@register
+@mypyc_attr(allow_interpreted_subclasses=True)
 class MoEInfinityPolicy(Policy):
     """Request-level EAM matching drives prefetch; activation-aware priority drives eviction."""
 
@@ -352,6 +353,50 @@ class MoEInfinityPolicy(Policy):
         self.link_free = end = start + self.copy_s
         return end
 
+    def _make_room(
+        self,
+        now: float,
+        layer: int,
+        protect: set[int] | list[int],
+        keep: frozenset[int] | None,
+    ) -> tuple[bool, Slot | None]:
+        """A slot for one more cached expert: (True, None) while the cache has room, (True,
+        victim) once :meth:`_victim` found one (it leaves the cache), (False, None) when none
+        may go."""
+        if self.size < self.capacity:
+            self.size += 1
+            return True, None
+        victim = self._victim(now, layer, protect, keep)
+        if victim is None:
+            return False, None
+        self.cflat[victim[0] * self.n_exp + victim[1]] = False
+        return True, victim
+
+    def _cache(self, layer: int, expert: int) -> None:
+        """``expert`` of ``layer`` enters the cache at its current priority."""
+        i = layer * self.n_exp + expert
+        self.cflat[i] = True
+        w = self.weight[layer]
+        insort(self.order, (self.cntf[i] * w, w, expert, layer, i))
+
+    def _count(self, view: View, experts: list[int]) -> None:
+        """This step's selections of the layer into the request's EAM (a decode token's are
+        added to the match's rows at the next token's layer 0, ``_match``)."""
+        layer = view.layer
+        counts = view.counts
+        cntf = self.cntf
+        base = layer * self.n_exp
+        if counts is None:
+            self.pending.append(experts)
+            for e in experts:
+                cntf[base + e] += 1
+        else:
+            c = np.asarray(counts, dtype=np.float64)
+            self.cur[layer] += c
+            self.dot[:, layer] += self.unit[:, layer, :] @ c
+            for e in experts:
+                cntf[base + e] += int(counts[e])
+
     def decode_layer(self, view: View) -> Plan:
         """Count the step into the EAM, serve the layer from the cache, then prefetch."""
         layer = view.layer
@@ -359,94 +404,39 @@ class MoEInfinityPolicy(Policy):
         self.ready = view.ready
         if layer == 0:
             self._match()
-        experts = view.experts.tolist()
-        counts = view.counts
-        cntf = self.cntf
+        experts: list[int] = view.experts.tolist()
+        self._count(view, experts)
         cflat = self.cflat
-        n_exp = self.n_exp
-        base = layer * n_exp
-        # ``order`` keeps each cached expert's priority at insertion (or a later requeue): a
-        # count only grows within a request, so _victim requeues what it finds out of date
-        misses = []
-        if counts is None:
-            self.pending.append(experts)
-            for e in experts:
-                cntf[base + e] += 1
-                if not cflat[base + e]:
-                    misses.append(e)
-        else:
-            c = np.asarray(counts, dtype=np.float64)
-            self.cur[layer] += c
-            self.dot[:, layer] += self.unit[:, layer, :] @ c
-            for e in experts:
-                cntf[base + e] += int(counts[e])
-            misses = [e for e in experts if not cflat[base + e]]
-        link_free = self.link_free
+        base = layer * self.n_exp
+        prefetch = self.do_prefetch and layer < self.n_layers - 1
+        misses = [e for e in experts if not cflat[base + e]]
         if not misses:
-            if self.do_prefetch and link_free < now + self.gap and layer < self.n_layers - 1:
+            if prefetch:
                 # the plan is made when a prefetch is issued: until then every routed expert
                 # runs on the GPU, which the shared all-GPU plan says as well
                 plan = self._prefetch(None, now, layer, experts, experts)
                 if plan is not None:
                     return plan
             return ALL_GPU_PLAN
-        actions: dict[int, Action] = {}
-        for e in experts:  # the hits first, in routing order (a loop: cheaper than a comprehension)
-            if cflat[base + e]:
-                actions[e] = GPU
-        victims: dict[int, Slot] = {}
-        plan = Plan(actions, victims)
-        protect = experts  # (a list of two or so: ``in`` is as quick as a set's)
+        # the hits first, in routing order
+        actions: dict[int, Action] = {e: GPU for e in experts if cflat[base + e]}
+        plan = Plan(actions=actions)
         temp = False
-        w = self.weight[layer]
-        order = self.order
-        copy_s = self.copy_s
-        pend, ready, slots = self.pend, self.ready, self.slots
         for e in misses:
-            if self.size < self.capacity:
-                self.size += 1
-            else:
-                # _victim's first step, written out: the lowest entry, when it is the victim
-                # (cached, at its current priority, not in use, not in flight)
-                first = False
-                if ready is None and order:
-                    key, vw, ve, vl, vi = order[0]
-                    first = (
-                        cflat[vi]
-                        and cntf[vi] * vw == key
-                        and not (vl == layer and ve in protect)
-                        and not pend[vi] > now
-                    )
-                if first:
-                    del order[0]
-                    victim = slots[vi]
-                else:
-                    victim = self._victim(now, layer, protect, None)
-                if victim is None:
-                    actions[e] = TEMP
-                    temp = True
-                    # _copy, written out: FIFO after this policy's earlier copies
-                    link_free = (now if now > link_free else link_free) + copy_s
-                    continue
-                vl, ve = victim
-                cflat[vl * n_exp + ve] = False
-                victims[e] = victim
+            room, victim = self._make_room(now, layer, experts, None)
+            self._copy(now)
+            if not room:
+                actions[e] = TEMP
+                temp = True
+                continue
+            if victim is not None:
+                plan.victims[e] = victim
             actions[e] = FETCH
-            i = base + e
-            cflat[i] = True
-            insort(order, (cntf[i] * w, w, e, layer, i))
-            link_free = (now if now > link_free else link_free) + copy_s
-        self.link_free = link_free
+            self._cache(layer, e)
         # a temporary copy may wait for its buffer, so the link ledger is not exact: no prefetch
-        if (
-            self.do_prefetch
-            and not temp
-            and layer < self.n_layers - 1
-            # _prefetch's horizon test, before the call: the layer runs once its last miss
-            # lands (FIFO on the link: ``link_free``), not before ``now``
-            and link_free < (link_free if link_free > now else now) + self.gap
-        ):
-            self._prefetch(plan, now, layer, protect, experts, link_free)
+        if prefetch and not temp:
+            # the layer runs once its last miss lands (FIFO on the link: ``link_free``)
+            self._prefetch(plan, now, layer, experts, experts, self.link_free)
         return plan
 
     def _prefetch(
@@ -465,42 +455,29 @@ class MoEInfinityPolicy(Policy):
         horizon = (runs_at if runs_at > now else now) + self.gap
         if self.link_free >= horizon:
             return plan
-        entry = self.best[layer]
-        got = self.cands.get(entry * self.n_layers + layer)  # _queue, its cache looked up here
-        queue, keep, flat = self._queue(entry, layer) if got is None else got
-        cflat, cntf, weight, order = self.cflat, self.cntf, self.weight, self.order
-        pend, inflight = self.pend, self.inflight
-        slots = self.slots
-        n_exp = self.n_exp
-        copy_s = self.copy_s
+        queue, keep, flat = self._queue(self.best[layer], layer)
+        cflat, pend, inflight, slots = self.cflat, self.pend, self.inflight, self.slots
         # the queue's entries not cached, in order; each is read from ``cflat`` when the scan
         # reaches it (after the changes of the prefetches before it), as a loop testing
         # ``cflat[i]`` would
         for x, e, i in compress(queue, map(not_, map(cflat.__getitem__, flat))):
-            victim: Slot | None = None
-            if self.size < self.capacity:
-                self.size += 1
-            else:
-                victim = self._victim(now, layer, protect, keep)
-                if victim is None:
-                    break
-                vl, ve = victim
-                cflat[vl * n_exp + ve] = False
-            cflat[i] = True
-            w = weight[x]
-            insort(order, (cntf[i] * w, w, e, x, i))
-            # _copy, written out: FIFO after this policy's earlier copies
-            link_free = self.link_free
-            self.link_free = link_free = (now if now > link_free else link_free) + copy_s
-            inflight[slots[i]] = pend[i] = link_free
+            room, victim = self._make_room(now, layer, protect, keep)
+            if not room:
+                break
+            self._cache(x, e)
+            inflight[slots[i]] = pend[i] = end = self._copy(now)
             if plan is None:
-                plan = Plan(dict.fromkeys(experts, GPU))
+                plan = Plan(actions=dict.fromkeys(experts, GPU))
             plan.prefetch.append((x, e, victim))
-            if link_free >= horizon:
+            if end >= horizon:
                 break
         if len(inflight) > 4 * self.n_layers:
+            n_exp = self.n_exp
             self.inflight = {s: t for s, t in inflight.items() if t > now}
             for (x, e), t in inflight.items():
                 if t <= now:
                     pend[x * n_exp + e] = -1.0
         return plan
+
+
+register(MoEInfinityPolicy)

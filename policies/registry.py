@@ -12,14 +12,19 @@ name gives one line naming the plugin and why it failed.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.metadata as md
+import importlib.util
 import pkgutil
+import re
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 from policies.base import Policy
-from simulator.errors import UserError
+from simulator.errors import UserError, did_you_mean
 
 ENTRY_POINT_GROUP = "daopsim.policies"
 _REGISTRY: dict[str, type[Policy]] = {}
@@ -132,8 +137,68 @@ def failed_plugins() -> dict[str, PluginFailure]:
     return dict(sorted(_FAILED.items()))
 
 
+def is_policy_file(name: str) -> bool:
+    """True for a ``PATH.py:CLASS`` policy name (a one-file policy, :func:`load_policy_file`)."""
+    path, sep, cls = name.rpartition(":")
+    return bool(sep) and path.endswith(".py") and cls.isidentifier()
+
+
+def load_policy_file(spec: str) -> type[Policy]:
+    """The policy class ``CLASS`` of the Python file ``PATH`` (``spec`` is ``PATH.py:CLASS``),
+    imported once per process and registered under its ``name`` (``--policy PATH.py:CLASS``).
+
+    The file needs no package and no ``@register`` line (one is harmless). A missing file or
+    class, an import error, a class that is not a :class:`Policy` or a name already taken by
+    another policy is a one-line :class:`UserError`."""
+    path_text, _, cls_name = spec.rpartition(":")
+    path = Path(path_text).expanduser()
+    if not path.is_file():
+        raise UserError(f"--policy {spec}: no such file {path_text!r}")
+    path = path.resolve()
+    digest = hashlib.sha256(str(path).encode()).hexdigest()[:12]
+    mod_name = f"daopsim_policy_{re.sub(r'[^A-Za-z0-9_]', '_', path.stem)}_{digest}"
+    module = sys.modules.get(mod_name)
+    if module is None:
+        loader_spec = importlib.util.spec_from_file_location(mod_name, path)
+        if loader_spec is None or loader_spec.loader is None:
+            raise UserError(f"{path}: not an importable Python file")
+        module = importlib.util.module_from_spec(loader_spec)
+        sys.modules[mod_name] = module  # before running it: dataclasses and pickling look here
+        _load()  # built-ins first, so a file taking a built-in's name is refused below
+        try:
+            loader_spec.loader.exec_module(module)
+        except (Exception, SystemExit) as exc:
+            del sys.modules[mod_name]
+            raise UserError(f"{path}: failed to import: {_one_line(exc)}") from None
+    cls = getattr(module, cls_name, None)
+    if cls is None:
+        found = [
+            k
+            for k, v in vars(module).items()
+            if isinstance(v, type) and issubclass(v, Policy) and v.__module__ == mod_name
+        ]
+        raise UserError(
+            f"{path}: no class {cls_name!r}" + (did_you_mean(cls_name, found) if found else "")
+        )
+    if not (isinstance(cls, type) and issubclass(cls, Policy)):
+        raise UserError(f"{path}: {cls_name} is not a Policy subclass (got {cls!r})")
+    if not cls.name:
+        raise UserError(f"{path}: {cls_name} needs a class attribute 'name'")
+    _load()
+    taken = _REGISTRY.get(cls.name)
+    if taken is not None and taken is not cls:
+        raise UserError(
+            f"{path}: {cls_name} takes the name {cls.name!r}, which {_qualname(taken)} has"
+        )
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
 def get_policy_class(name: str) -> type[Policy]:
-    """A policy class by name; a clear error naming a broken plugin or listing the valid names."""
+    """A policy class by name (or ``PATH.py:CLASS``, :func:`load_policy_file`); a clear error
+    naming a broken plugin, or the closest valid names."""
+    if is_policy_file(name):
+        return load_policy_file(name)
     _load()
     try:
         return _REGISTRY[name]
@@ -142,7 +207,8 @@ def get_policy_class(name: str) -> type[Policy]:
     failure = _FAILED.get(name)
     if failure is not None:
         raise UserError(failure.message())
-    raise UserError(f"unknown policy {name!r}; available: {', '.join(sorted(_REGISTRY))}")
+    hint = did_you_mean(name, _REGISTRY)
+    raise UserError(f"unknown policy {name!r}{hint}; available: {', '.join(sorted(_REGISTRY))}")
 
 
 def make_policy(name: str, options: dict[str, object] | None = None) -> Policy:

@@ -14,12 +14,13 @@ same token needs) and the hand moves on. The hand never looks at usage.
 
 from __future__ import annotations
 
+from policies._mypyc import mypyc_attr
 from policies.base import SetupContext
 from policies.caching import CachingPolicy
 from policies.registry import register
 
 
-@register
+@mypyc_attr(allow_interpreted_subclasses=True)
 class RoundRobinPolicy(CachingPolicy):
     """Replace the expert in the next slot of the layer's ring, whatever its use."""
 
@@ -58,3 +59,6 @@ class RoundRobinPolicy(CachingPolicy):
                 self.hand[layer] = (pos + 1) % n
                 return ring[pos]
         raise AssertionError("caller guarantees an unprotected resident expert")
+
+
+register(RoundRobinPolicy)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from policies._mypyc import mypyc_attr
 from policies.base import (
     ALL_GPU_PLAN,
     Action,
@@ -26,7 +27,7 @@ from policies.base import (
 from policies.registry import register
 
 
-@register
+@mypyc_attr(allow_interpreted_subclasses=True)
 class StaticPolicy(Policy):
     """Fixed placement by calibration popularity; misses stream through a temporary buffer."""
 
@@ -82,3 +83,6 @@ class StaticPolicy(Policy):
                 plan = ALL_GPU_PLAN
             self._plans[key] = plan
         return plan
+
+
+register(StaticPolicy)

@@ -53,7 +53,9 @@ matrix per layer, so slightly pessimistic there). ``stream_nonexpert=false`` kee
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
+from policies._mypyc import mypyc_attr
 from policies.base import Action, Param, Plan, Policy, ResourceSpec, SetupContext, Slot, View
 from policies.registry import register
 from simulator.errors import UserError
@@ -61,7 +63,7 @@ from simulator.errors import UserError
 FETCH, TEMP = Action.FETCH, Action.TEMP
 
 
-@register
+@mypyc_attr(allow_interpreted_subclasses=True)
 class StreamAllPolicy(Policy):
     """Nothing stays on the GPU; every use of a layer streams its experts from the host."""
 
@@ -118,10 +120,14 @@ class StreamAllPolicy(Policy):
         self.n_layers, self.n_exp = n_layers, n_exp
         # each layer's (layer, expert) slots and prefetch entries, built once (tuples are
         # immutable, so plans may share them)
-        self._slots = [[(ll, e) for e in range(n_exp)] for ll in range(n_layers)]
-        self._entries = [[(ll, e, None) for e in range(n_exp)] for ll in range(n_layers)]
+        # typed Any: a compiled build would rebuild a typed tuple at each read, and the engine
+        # recognises the items of a plan it has seen before by their identity
+        self._slots: list[list[Any]] = [[(ll, e) for e in range(n_exp)] for ll in range(n_layers)]
+        self._entries: list[list[Any]] = [
+            [(ll, e, None) for e in range(n_exp)] for ll in range(n_layers)
+        ]
         #: (layer, routed experts) -> that layer's prefetch entries (decode_layer)
-        self._prefetch_lists: dict[tuple[int, ...], list[tuple[int, int, None]]] = {}
+        self._prefetch_lists: dict[tuple[int, ...], list[Any]] = {}
         #: (layer, routed experts) -> the plan made when every expert of the victim layer was
         #: resident (each visit streams a whole layer in, so that is every visit but the first
         #: two layers' first): the same decisions every time, so one plan object is returned
@@ -163,3 +169,6 @@ class StreamAllPolicy(Policy):
         if full:
             self._plans[key] = plan
         return plan
+
+
+register(StreamAllPolicy)

@@ -31,7 +31,9 @@ and ``maybe_offload_to_cpu``, the version before UVA offloading); docs/reference
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
+from policies._mypyc import mypyc_attr
 from policies.base import (
     ALL_GPU_PLAN,
     Action,
@@ -49,7 +51,7 @@ from simulator.errors import DoesNotFit
 FETCH = Action.FETCH
 
 
-@register
+@mypyc_attr(allow_interpreted_subclasses=True)
 class VllmCpuOffloadPolicy(Policy):
     """The first layers' experts live in pinned host memory and are copied at every pass."""
 
@@ -99,8 +101,12 @@ class VllmCpuOffloadPolicy(Policy):
         self.live: list[int] = []  # streamed layers whose copies hold buffer slots, oldest first
         # each layer's (layer, expert) slots and prefetch entries, built once (tuples are
         # immutable, so plans may share them)
-        self._slots = [[(ll, e) for e in range(n_exp)] for ll in range(n_layers)]
-        self._entries = [[(ll, e, None) for e in range(n_exp)] for ll in range(n_layers)]
+        # typed Any: a compiled build would rebuild a typed tuple at each read, and the engine
+        # recognises the items of a plan it has seen before by their identity
+        self._slots: list[list[Any]] = [[(ll, e) for e in range(n_exp)] for ll in range(n_layers)]
+        self._entries: list[list[Any]] = [
+            [(ll, e, None) for e in range(n_exp)] for ll in range(n_layers)
+        ]
         return [(layer, e) for layer in range(self.offload, n_layers) for e in range(n_exp)]
 
     def decode_layer(self, view: View) -> Plan:
@@ -122,3 +128,6 @@ class VllmCpuOffloadPolicy(Policy):
             evict=evict,
             prefetch=[t for t in self._entries[layer] if t[1] not in want],
         )
+
+
+register(VllmCpuOffloadPolicy)

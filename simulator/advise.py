@@ -63,6 +63,21 @@ class AdviceRow:
     bottleneck: str
     reference: bool
     command: str
+    #: the row's all-GPU bound (docs/metrics.md, "Bounds"): tokens/s and the runtime it ran on
+    bound_tokens_per_s: float | None = None
+    bound_runtime: str | None = None
+
+    @property
+    def of_bound(self) -> float | None:
+        """``tokens_per_s`` as a share of the all-GPU bound (at most 1)."""
+        if not self.bound_tokens_per_s:
+            return None
+        return self.tokens_per_s / self.bound_tokens_per_s
+
+    @property
+    def options_text(self) -> str:
+        """The searched options as ``k=v`` (``-`` for none)."""
+        return ",".join(f"{k}={v}" for k, v in sorted(self.options.items())) or "-"
 
 
 @dataclass
@@ -74,6 +89,9 @@ class Advice:
     trace: str
     sequences: int
     min_gate_mass: float | None
+    #: how to get the trace on another machine: ``None`` for a bundled trace or a file the user
+    #: gave, else the ``daopsim synth`` command that writes the same synthetic trace
+    trace_synth: str | None = None
     rows: list[AdviceRow] = field(default_factory=list)
     references: list[AdviceRow] = field(default_factory=list)
     skipped: int = 0
@@ -101,33 +119,57 @@ def bottleneck(row: dict[str, Any], unified: bool) -> str:
     return name
 
 
-def find_trace(model: str, trace: str | None) -> tuple[str, str]:
-    """The trace to search on and the name or path a ``daopsim run`` command gives for it."""
+def find_trace(model: str, trace: str | None) -> tuple[str, list[str]]:
+    """The trace to search on, and the ``daopsim run`` arguments that name it as a user would
+    on any machine: ``--trace NAME`` for a bundled trace, ``--trace PATH`` as given for a file,
+    ``--model M`` for the model's synthetic trace (``run --model`` makes the same file)."""
     from simulator.data import bundled_traces, resolve_trace
+    from simulator.hosttier import model_trace
     from simulator.synth import PRESETS
     from simulator.trace import read_meta
-    from simulator.validation import synth_trace
 
     if trace is not None:
         path = resolve_trace(trace)
         got = read_meta(path).model.name
         if got != model:
             raise UserError(f"--trace {trace}: records model {got!r}, not {model!r}")
-        return str(path), trace if trace in bundled_traces() else str(path.resolve())
+        return str(path), ["--trace", trace]
     bundled = bundled_traces()
     if model in bundled:  # the trace named after the model first (not the small CI one)
-        return str(bundled[model]), model
+        return str(bundled[model]), ["--trace", model]
     for name, path in bundled.items():
         if read_meta(path).model.name == model:
-            return str(path), name
-    presets = [p for p in PRESETS.values() if p.model == model]
-    if not presets:
+            return str(path), ["--trace", name]
+    if not [p for p in PRESETS.values() if p.model == model]:
         raise UserError(
             f"no bundled trace or synth preset for model {model!r}; give --trace PATH "
             "(record one with `daopsim capture` or make one with `daopsim synth`)"
         )
-    path = synth_trace({"preset": presets[0].name, **SYNTH})
-    return str(path), str(path)
+    return model_trace(model, None), ["--model", model]
+
+
+def synth_command(model: str) -> str:
+    """The ``daopsim synth`` command that writes the synthetic trace ``--model M`` runs on."""
+    from simulator.hosttier import MODEL_TRACE
+
+    return shlex.join(
+        [
+            "daopsim",
+            "synth",
+            "--model",
+            model,
+            "--sequences",
+            str(MODEL_TRACE["sequences"]),
+            "--prompt-tokens",
+            str(MODEL_TRACE["prompt_tokens"]),
+            "--output-tokens",
+            str(MODEL_TRACE["output_tokens"]),
+            "--seed",
+            str(MODEL_TRACE["seed"]),
+            "-o",
+            f"{model}.parquet",
+        ]
+    )
 
 
 def _option_values(policy: str, cls: Any, model: Any) -> dict[str, list[Any]]:
@@ -163,9 +205,9 @@ def is_bound(cls: Any) -> bool:
     return bool(getattr(cls, "clairvoyant", False) or getattr(cls, "bound", False))
 
 
-def command_for(row: dict[str, Any], hw: str, trace_arg: str, sequences: int) -> str:
+def command_for(row: dict[str, Any], hw: str, trace_args: list[str], sequences: int) -> str:
     """The ``daopsim run`` command that reproduces one sweep row."""
-    parts = ["daopsim", "run", "--policy", row["policy"], "--hw", hw, "--trace", trace_arg]
+    parts = ["daopsim", "run", "--policy", row["policy"], "--hw", hw, *trace_args]
     parts += ["--sequences", str(sequences), "--dtype", str(row["dtype"])]
     if row.get("_ratio") is not None:
         parts += ["--cache-ratio", repr(float(row["_ratio"]))]
@@ -200,7 +242,7 @@ def advise(
     shape = get_model(model)
     profile = load_profile(hw)
     check_fidelity_floor(min_gate_mass)
-    path, trace_arg = find_trace(shape.name, trace)
+    path, trace_args = find_trace(shape.name, trace)
     own = read_meta(path).model.dtype
     for d in dtypes or []:
         if d not in DTYPES:
@@ -212,7 +254,14 @@ def advise(
         raise UserError(f"--policies: unknown policy {unknown[0]!r} (see `daopsim policies list`)")
     classes = {p: registered[p] for p in policies} if policies else dict(registered)
     unified = profile.link.unified
-    advice = Advice(shape.name, hw, trace_arg, SEQUENCES, min_gate_mass)
+    advice = Advice(
+        shape.name,
+        hw,
+        trace_args[1] if trace_args[0] == "--trace" else f"synthetic ({shape.name})",
+        SEQUENCES,
+        min_gate_mass,
+        trace_synth=synth_command(shape.name) if trace_args[0] == "--model" else None,
+    )
     rows: list[AdviceRow] = []
     for dtype in search_dtypes:
         for ratio in (None, *SMALL_RATIOS):
@@ -246,7 +295,7 @@ def advise(
             )
             advice.skipped += summary.skipped
             advice.failed += summary.failed
-            rows += _rows(df, ratio, hw, trace_arg, unified, classes, shape)
+            rows += _rows(df, ratio, hw, trace_args, unified, classes, shape)
     # the largest budget and a ratio can land on the same expert count: keep the first
     seen: set[tuple[Any, ...]] = set()
     unique = []
@@ -284,7 +333,7 @@ def _rows(
     df: pd.DataFrame,
     ratio: float | None,
     hw: str,
-    trace_arg: str,
+    trace_args: list[str],
     unified: bool,
     classes: dict[str, Any],
     shape: Any,
@@ -318,40 +367,156 @@ def _rows(
                 hit_rate=float(rec["hit_rate"]),
                 bottleneck=bottleneck(rec, unified),
                 reference=is_bound(classes[rec["policy"]]),
-                command=command_for(rec, hw, trace_arg, SEQUENCES),
+                command=command_for(rec, hw, trace_args, SEQUENCES),
+                bound_tokens_per_s=_float_or_none(rec.get("bound_tokens_per_s")),
+                bound_runtime=rec.get("bound_runtime"),
             )
         )
     return out
 
 
-def render(advice: Advice) -> str:
-    """The ranked table as text."""
-    head = (
-        f"{'#':>3}  {'tokens/s':>9}  {'TTFT s':>7}  {'fidelity':>8}  {'bottleneck':<10}  "
-        f"{'policy':<20} {'dtype':<10} {'experts':>7}  command"
-    )
-    lines = [
-        f"advise: {advice.model} on {advice.hw}, trace {Path(advice.trace).name}, "
-        f"{advice.sequences} sequences (ranked by tokens/s)",
-        head,
+def _float_or_none(value: Any) -> float | None:
+    if value is None or (isinstance(value, float) and value != value):
+        return None
+    return float(value)
+
+
+#: Ranked rows ``daopsim advise`` prints unless ``--top`` says otherwise.
+DEFAULT_TOP = 10
+#: Width of the text table when the terminal's is not known.
+DEFAULT_WIDTH = 100
+
+
+def render(advice: Advice, top: int | None = DEFAULT_TOP, width: int | None = None) -> str:
+    """The ranked table as text: the best ``top`` rows (``None`` or 0: all), then the reference
+    lines and each row's command, at most ``width`` characters a line (default: the
+    terminal's). ``--json``/``--csv`` have every row and column."""
+    import shutil
+    import textwrap
+
+    width = max(80, width or shutil.get_terminal_size((DEFAULT_WIDTH, 24)).columns)
+    shown = advice.rows[:top] if top else list(advice.rows)
+    listed = [*shown, *advice.references]
+
+    def share(r: AdviceRow) -> str:
+        return f"{r.of_bound:.0%}" if r.of_bound is not None else "n/a"
+
+    # (header, width, alignment, cell): the policy and dtype columns as wide as their values
+    cols: list[tuple[str, int, str, Callable[[AdviceRow], str]]] = [
+        ("tokens/s", 9, ">", lambda r: f"{r.tokens_per_s:.2f}"),
+        ("%bound", 6, ">", share),
+        ("TTFT s", 7, ">", lambda r: f"{r.ttft_s:.3f}"),
+        ("fidelity", 8, ">", lambda r: f"{r.gate_mass_preserved:.3f}"),
+        ("bottleneck", 10, "<", lambda r: r.bottleneck),
+        ("policy", max([6, *(len(r.policy) for r in listed)]), "<", lambda r: r.policy),
+        ("dtype", max([5, *(len(r.dtype) for r in listed)]), "<", lambda r: r.dtype),
+        ("experts", 7, ">", lambda r: str(r.gpu_experts)),
     ]
+    min_options = 12
+    for drop in ("TTFT s", "bottleneck"):  # narrow terminals: --json/--csv keep them
+        if 5 + sum(w + 2 for _, w, _, _ in cols) + min_options <= width:
+            break
+        cols = [c for c in cols if c[0] != drop]
+    opt_width = max(min_options, width - 5 - sum(w + 2 for _, w, _, _ in cols))
+
+    def cut(text: str, n: int) -> str:
+        return text if len(text) <= n else text[: n - 1] + "~"
+
+    def row_text(tag: str, cells: list[str], options: str) -> str:
+        parts = [f"{tag:>3}"] + [
+            f"{cut(c, w):{a}{w}}" for c, (_, w, a, _) in zip(cells, cols, strict=True)
+        ]
+        return ("  ".join(parts) + "  " + cut(options, opt_width)).rstrip()
 
     def line(tag: str, r: AdviceRow) -> str:
-        return (
-            f"{tag:>3}  {r.tokens_per_s:>9.2f}  {r.ttft_s:>7.3f}  {r.gate_mass_preserved:>8.3f}  "
-            f"{r.bottleneck:<10}  {r.policy:<20} {r.dtype:<10} {r.gpu_experts:>7}  {r.command}"
-        )
+        return row_text(tag, [f(r) for _, _, _, f in cols], r.options_text)
 
-    lines += [line(str(r.rank), r) for r in advice.rows]
+    trace = advice.trace if advice.trace_synth else Path(advice.trace).name
+    lines = textwrap.wrap(
+        f"advise: {advice.model} on {advice.hw}, trace {trace}, {advice.sequences} sequences "
+        "each, ranked by tokens/s (simulated); % bound: share of the all-GPU bound at the same "
+        "precision (docs/metrics.md)",
+        width,
+    )
+    lines.append(row_text("#", [h for h, _, _, _ in cols], "options"))
+    lines += [line(str(r.rank), r) for r in shown]
     if not advice.rows:
         lines.append("  (no configuration fits this machine or passes the fidelity floor)")
+    hidden = len(advice.rows) - len(shown)
+    if hidden:
+        lines += textwrap.wrap(
+            f"  ... {_count(hidden, 'more ranked row')} (--top 0 shows all; --json or --csv "
+            "has every row)",
+            width,
+        )
     if advice.references:
         lines.append("reference lines (bounds, not realisable):")
         lines += [line("-", r) for r in advice.references]
-    notes = [f"{advice.skipped} budgets skipped (do not fit)"]
+    bounds = {}
+    for r in [*advice.rows, *advice.references]:
+        if r.bound_tokens_per_s is not None:
+            bounds.setdefault(r.dtype, (r.bound_tokens_per_s, r.bound_runtime))
+    for dtype, (tps, rt) in bounds.items():
+        lines += textwrap.wrap(
+            f"all-GPU bound at {dtype}: {tps:.2f} tokens/s (every expert resident, runtime {rt})",
+            width,
+        )
+    notes = [f"{_count(advice.skipped, 'budget')} skipped (do not fit)"]
     if advice.below_floor:
         notes.append(f"{advice.below_floor} below --min-gate-mass {advice.min_gate_mass}")
     if advice.failed:
         notes.append(f"{advice.failed} failed")
-    lines.append("; ".join(notes))
+    lines += textwrap.wrap("; ".join(notes), width)
+    if advice.trace_synth:
+        lines += textwrap.wrap(
+            f"the trace is synthetic: `--model {advice.model}` (in the commands below) makes "
+            "the same one on any machine; to write it to a file:",
+            width,
+        )
+        lines += _wrap_command("    ", advice.trace_synth, width)
+    lines.append("commands:")
+    for tag, r in [*((str(r.rank), r) for r in shown), *(("-", r) for r in advice.references)]:
+        lines += _wrap_command(f"{tag:>3}  ", r.command, width)
     return "\n".join(lines)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _wrap_command(prefix: str, command: str, width: int) -> list[str]:
+    """A shell command over several lines (``\\`` continuations), each at most ``width``
+    characters when its pieces allow; an option stays on the line of its value."""
+    words = [shlex.quote(w) for w in shlex.split(command)]
+    pieces: list[str] = []
+    for w in words:
+        if pieces and pieces[-1].startswith("--") and " " not in pieces[-1] and w[0] != "-":
+            pieces[-1] += " " + w
+        else:
+            pieces.append(w)
+    out: list[str] = []
+    cur = prefix
+    indent = " " * (len(prefix) + 4)
+    for piece in pieces:
+        if cur.strip() and cur not in (prefix, indent) and len(cur) + len(piece) + 2 > width:
+            out.append(cur.rstrip() + " \\")
+            cur = indent
+        cur += piece + " "
+    out.append(cur.rstrip())
+    return out
+
+
+def to_csv(advice: Advice) -> str:
+    """Every row (ranked, then the reference lines) as CSV, every column (``advise --csv``)."""
+    import io
+
+    cols = [f for f in AdviceRow.__dataclass_fields__ if f not in ("options",)]
+    recs = []
+    for r in [*advice.rows, *advice.references]:
+        rec = {c: getattr(r, c) for c in cols}
+        rec["options"] = r.options_text if r.options else ""
+        rec["of_bound"] = r.of_bound
+        recs.append(rec)
+    buf = io.StringIO()
+    pd.DataFrame(recs, columns=[*cols, "options", "of_bound"]).to_csv(buf, index=False)
+    return buf.getvalue()

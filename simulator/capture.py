@@ -42,6 +42,7 @@ from simulator.trace import (
     TraceMeta,
     TraceWriter,
     tool_versions,
+    write_valid_trace,
 )
 
 #: Router module class name -> family label, for every router this module knows how to read.
@@ -908,6 +909,14 @@ def _check_settings(cfg: CaptureConfig) -> None:
         raise UserError("--limit must be at least 1")
     if cfg.device not in ("cpu", "cuda"):
         raise UserError(f"--device must be cpu or cuda, not {cfg.device!r}")
+    if cfg.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():  # a CPU-only build, or no GPU visible
+            raise UserError(
+                "--device cuda: no CUDA device is available to this PyTorch "
+                f"({torch.__version__}); use --device cpu"
+            )
     if (cfg.model is None) == (cfg.random_init is None):
         raise UserError("give exactly one of --model and --random-init")
     if cfg.top_m < 1:
@@ -976,19 +985,24 @@ def capture_model(
         moe_layer_ids=[layer.layer_id for layer in moe],
     )
     decode_tokens: list[int] = []
-    with TraceWriter(output, meta) as writer:
-        for cap in iter_captures(
-            model,
-            moe,
-            token_lists,
-            settings,
-            int(pad),
-            top_m=stored_m if stored_m < shape.experts else None,
-            lines=[p.line for p in prompts],
-            on_batch=progress,
-        ):
-            writer.write_sequence(cap.routing)
-            decode_tokens.append(cap.routing.n_decode)
+
+    def fill(tmp: Path) -> None:
+        with TraceWriter(tmp, meta) as writer:
+            for cap in iter_captures(
+                model,
+                moe,
+                token_lists,
+                settings,
+                int(pad),
+                top_m=stored_m if stored_m < shape.experts else None,
+                lines=[p.line for p in prompts],
+                on_batch=progress,
+            ):
+                writer.write_sequence(cap.routing)
+                decode_tokens.append(cap.routing.n_decode)
+
+    # what capture writes, `trace validate` accepts (the check import and synth share)
+    write_valid_trace(output, fill, flag=None, what="captured")
     return CaptureResult(path=Path(output), meta=meta, decode_tokens=decode_tokens)
 
 

@@ -4,7 +4,8 @@ User mistakes (``UserError``, and click's usage errors in a subcommand) print on
 ``error: ...``, and exit 2; no traceback. A policy breaking the engine's rules (``PolicyError``)
 also exits 2 with its one line. An output that cannot be written (``OutputError``, or any
 ``OSError`` a command did not handle) exits 3. With ``--json`` the same error is one JSON object
-``{"error": ..., "exit_code": ...}`` on stdout instead. Anything else is a bug and keeps its
+``{"error": ..., "exit_code": ...}`` on stdout instead. A reader that closes the pipe early
+(``| head -1``) ends the command quietly with exit 0. Anything else is a bug and keeps its
 traceback. docs/cli.md lists the exit codes.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 from typing import Any
 
@@ -22,12 +24,12 @@ from simulator.output import describe_os_error
 
 #: (module under simulator.commands, attribute) for every subcommand; one line per command.
 COMMANDS: list[tuple[str, str]] = [
-    ("trace_cmd", "trace"),
+    ("traces_cmd", "trace"),  # the trace group, with `trace list` added by traces_cmd
     ("models_cmd", "models"),
     ("profiles_cmd", "profiles"),
     ("runtimes_cmd", "runtimes"),
     ("synth_cmd", "synth"),
-    ("traces_cmd", "traces"),
+    ("traces_cmd", "traces"),  # hidden alias of `trace`
     ("run_cmd", "run"),
     ("policies_cmd", "policies"),
     ("experiment_cmd", "experiment"),
@@ -37,6 +39,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("regress_cmd", "regress"),
     ("validate_cmd", "validate"),
     ("advise_cmd", "advise"),
+    ("learn_cmd", "learn"),
 ]
 
 
@@ -61,7 +64,11 @@ class _Group(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         as_json = bool(ctx.meta.get("daopsim.json"))
         try:
-            return super().invoke(ctx)
+            out = super().invoke(ctx)
+            sys.stdout.flush()  # a reader that left early (`| head`) shows up here, not at exit
+            return out
+        except BrokenPipeError:
+            _quiet_closed_pipe()
         except (UserError, PolicyError) as exc:
             fail(str(exc), getattr(exc, "exit_code", ExitCode.USAGE), as_json)
         except OSError as exc:
@@ -75,6 +82,16 @@ class _Group(click.Group):
             where = exc.ctx.command_path if exc.ctx is not None else "daopsim"
             text = " ".join(exc.format_message().split())
             fail(f"{where}: {text} (see --help)", ExitCode.USAGE, as_json)
+
+
+def _quiet_closed_pipe() -> None:
+    """Exit 0 without a word when the reader of stdout has gone (``daopsim ... | head -1``):
+    what was wanted was read. stdout is pointed at /dev/null first, so the interpreter's own
+    flush at exit does not fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    sys.exit(0)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})

@@ -57,11 +57,14 @@ DEFAULT_CONTEXT = 512
 EAGER_ATTENTION_BYTES_PER_SCORE = 32
 
 # --- per-format kernels (docs/cost-model.md, "Quantisation", "Kernel efficiency") -----------------
-#: Share of a bf16 kernel's weight-streaming bandwidth a GPU expert kernel reaches, by weight
-#: format kind (``simulator.models.DTYPES[...].kind``); formats not listed stream like bf16.
-#: GGUF: llama.cpp's Q4_K_M decode on an RTX 4080 moves at least 0.78 of the card's bandwidth,
-#: a plain copy on an RTX 4090 0.90 of its: 0.78 / 0.90 = 0.87 (a lower bound).
-GPU_KERNEL_EFFICIENCY: dict[str, float] = {"gguf": 0.87}
+#: Share of the GPU's SPEC bandwidth (``gpu.spec_mem_bw_gbs``, else ``gpu.mem_bw_gbs``) a GPU
+#: expert kernel streams weights at, by weight format kind (``simulator.models.DTYPES[...].
+#: kind``), capped at ``gpu.mem_bw_gbs``; formats not listed stream like bf16 (at
+#: ``gpu.mem_bw_gbs``). GGUF: llama.cpp's Q4_K_M decode on an RTX 4080 moves at least 561 GB/s,
+#: 0.78 of the card's 716.8 GB/s spec (a lower bound). Until issue 30 this was 0.87 of
+#: ``gpu.mem_bw_gbs`` (0.78 over a plain copy's 0.90 of spec), which discounted a profile whose
+#: ``mem_bw_gbs`` is the spec figure by the copy's share a second time.
+GPU_KERNEL_EFFICIENCY: dict[str, float] = {"gguf": 0.78}
 #: Extra GPU kernels one expert call launches to dequantise its quantised scales and zero
 #: points, by weight format kind. HQQ in Mixtral-offloading: on every forward, each of the 3
 #: linears dequantises its 8-bit scales and its 8-bit zero points in PyTorch before the fused
@@ -102,7 +105,8 @@ GGML_CPU_DTYPES = frozenset({"fp32", "fp16", "bf16"})
 
 
 def gpu_kernel_efficiency(dtype: str) -> float:
-    """Share of bf16's weight-streaming bandwidth a GPU expert kernel at ``dtype`` reaches."""
+    """Share of the GPU's spec bandwidth a GPU expert kernel at ``dtype`` streams at (1.0: the
+    profile's ``gpu.mem_bw_gbs``, like bf16)."""
     return GPU_KERNEL_EFFICIENCY.get(DTYPES[dtype].kind, 1.0)
 
 
@@ -161,8 +165,15 @@ class CostModel:
     #: runtime's GPU kernels stream weights and KV cache at (``RuntimeProfile.
     #: gpu_stream_efficiency``, docs/cost-model.md "GPU stream efficiency"): the memory-bound
     #: term of every GPU expert call and non-expert part divides by ``min(gpu.mem_bw_gbs,
-    #: this x spec)``; 1.0 (every runtime but ``llama.cpp``) leaves it unchanged
+    #: this x spec)``; 1.0 leaves it unchanged
     gpu_stream_efficiency: float = 1.0
+    #: fixed host seconds of one CPU expert call beyond its weight stream and FLOPs, on the
+    #: formula path (``RuntimeProfile.cpu_expert_call_us``: PyTorch's module calls and op
+    #: dispatch for an eager expert); a measured ``cpu_expert_ms`` already holds it
+    cpu_call_us: float = 0.0
+    #: fixed seconds of one CPU-resident layer's graph on the CPU backend, per forward pass
+    #: (``RuntimeProfile.cpu_node_us`` x its nodes per layer: ggml's per-node thread barrier)
+    cpu_layer_us: float = 0.0
 
     # --- sizes -----------------------------------------------------------------------------------
     @cached_property
@@ -251,25 +262,26 @@ class CostModel:
         return max(moved / self._gpu_expert_bw, self.expert_flops(n) / (gpu.bf16_tflops * 1e12))
 
     def _gpu_stream_bw(self, format_share: float) -> float:
-        """Bytes/s GPU work streams at: ``format_share x gpu.mem_bw_gbs``, capped by the
-        runtime's achieved rate ``gpu_stream_efficiency x`` the spec bandwidth
-        (``HardwareProfile.gpu.spec_bw_gbs``). The efficiency is a share of the spec figure,
-        as it was derived (docs/cost-model.md, "GPU stream efficiency"), so a profile whose
-        ``mem_bw_gbs`` is a measured rate is not discounted twice. With efficiency 1.0 the cap
-        never binds (spec >= mem_bw_gbs) and the rate is the profile's, bit for bit."""
+        """Bytes/s GPU work streams at: ``min(gpu.mem_bw_gbs, share x spec)`` with ``share``
+        the lower of the format's share (GGUF's 0.78) and the runtime's
+        ``gpu_stream_efficiency``, both shares of the spec bandwidth
+        (``HardwareProfile.gpu.spec_bw_gbs``) as they were derived (docs/cost-model.md, "GPU
+        stream efficiency"), so a profile whose ``mem_bw_gbs`` is a measured rate is not
+        discounted twice. With both 1.0 the cap never binds (spec >= mem_bw_gbs) and the rate
+        is the profile's, bit for bit. Not the product of the two: the runtime's figure was
+        measured end to end on the framework's own kernels, so it already holds the format's
+        share where its source ran that format."""
         gpu = self.hw.gpu
-        own = gpu.mem_bw_gbs * 1e9 * format_share
-        eff = self.gpu_stream_efficiency
-        if eff == 1.0:
+        own = gpu.mem_bw_gbs * 1e9
+        share = min(format_share, self.gpu_stream_efficiency)
+        if share == 1.0:
             return own
-        return min(own, gpu.spec_bw_gbs * 1e9 * eff)
+        return min(own, gpu.spec_bw_gbs * 1e9 * share)
 
     @cached_property
     def _gpu_expert_bw(self) -> float:
-        """Bytes/s a GPU expert call streams at: the lower of the format's rule (GGUF 0.87 of
-        ``gpu.mem_bw_gbs``) and the runtime's achieved rate. Not their product: the runtime's
-        figure was measured end to end on a GGUF model (docs/cost-model.md, "GPU stream
-        efficiency"), so it already holds the format's share."""
+        """Bytes/s a GPU expert call streams at: the lower of the format's share (GGUF 0.78)
+        and the runtime's, of the spec bandwidth, capped at ``gpu.mem_bw_gbs``."""
         return self._gpu_stream_bw(gpu_kernel_efficiency(self.model.dtype))
 
     @cached_property
@@ -316,13 +328,13 @@ class CostModel:
         if n <= 0:
             return 0.0
         m = self.measured
-        stream = (
-            m.cpu_expert_ms * 1e-3
-            if m is not None
-            else self.host_expert_bytes / (self.cpu_stream_gbs(self.model.host_precision) * 1e9)
-        )
         peak = self._cpu_expert_peak(n)
-        return max(stream, self.expert_flops(n) / (peak * 1e9))
+        compute = self.expert_flops(n) / (peak * 1e9)
+        if m is not None:
+            # the measured one-token time holds the call's fixed costs already
+            return max(m.cpu_expert_ms * 1e-3, compute)
+        stream = self.host_expert_bytes / (self.cpu_stream_gbs(self.model.host_precision) * 1e9)
+        return self.cpu_call_us * 1e-6 + max(stream, compute)
 
     def _cpu_expert_peak(self, n: float) -> float:
         """GFLOPS of a CPU expert call over n tokens: the host precision's kernels, with the AMX
@@ -379,6 +391,8 @@ class CostModel:
         if d <= 0:
             return 0.0
         cpu = self.hw.cpu
+        # the call's fixed host time is neither bandwidth nor FLOPs: the shares use the rest
+        d -= 0.0 if self.measured is not None else self.cpu_call_us * 1e-6
         bw = (cpu.socket_bw_gbs or self.cpu_stream_gbs(self.model.host_precision)) * 1e9
         peak = self._cpu_expert_peak(n_tokens) * 1e9
         share = max(self.host_expert_bytes / (d * bw), self.expert_flops(n_tokens) / (d * peak))
@@ -670,7 +684,7 @@ class CostModel:
         flops = 2.0 * params * n_tokens + 4.0 * attn_pairs * m.hidden * blocks
         peak = self.cpu_peak_gflops(m.nonexpert_dtype)
         bw = self.cpu_stream_gbs(m.nonexpert_dtype)
-        return max(moved / (bw * 1e9), flops / (peak * 1e9))
+        return self.cpu_layer_us * 1e-6 + max(moved / (bw * 1e9), flops / (peak * 1e9))
 
     def cpu_peak_gflops(self, dtype: str) -> float:
         """The host CPU's achieved GEMM throughput for weights stored at ``dtype``, GFLOPS:
@@ -753,14 +767,37 @@ class CostModel:
 
     def free_expert_bytes(self, kv_tokens: int = 0) -> float:
         """GPU bytes left for experts and expert-sized buffers after the non-expert weights,
-        workspace and KV cache (negative when those alone do not fit)."""
+        workspace and KV cache (negative when those alone do not fit); on unified memory also
+        after the host's holdings (:attr:`unified_host_bytes`), which live in the same DRAM."""
         gpu = self.hw.gpu
         return (
             gpu.usable_bytes
             - gpu.workspace_gb * 1e9
             - self.model.non_expert_bytes()
             - self.model.kv_bytes_per_token * kv_tokens
+            - self.unified_host_bytes
         )
+
+    @cached_property
+    def unified_host_bytes(self) -> int:
+        """What the host side holds in the device's own memory on a unified-memory machine: the
+        non-expert weights the loader keeps (:attr:`host_nonexpert_bytes`) and a host copy of
+        every routed expert, which the offloading runtimes copy (or compute) from. The one
+        DRAM bounds these and the GPU's allocations together; 0 on a bus-attached host, whose
+        host memory is separate (``cpu.memory_gb``, ``--host-memory-gb``)."""
+        if not self.unified_memory:
+            return 0
+        m = self.model
+        return self.host_nonexpert_bytes + m.total_experts * self.host_expert_bytes
+
+    def cpu_layer_freed_bytes(self, kv_tokens: int) -> float:
+        """GPU memory one CPU-resident layer frees: :meth:`cpu_layer_host_bytes` on a
+        bus-attached host; on unified memory only its non-expert weights (the host already
+        holds a copy, counted in :attr:`unified_host_bytes`), since its KV cache stays in
+        the same DRAM."""
+        if self.unified_memory:
+            return float(self.cpu_layer_weight_bytes)
+        return self.cpu_layer_host_bytes(kv_tokens)
 
     def gpu_expert_slots(self, kv_tokens: int = 0) -> int:
         """Expert-sized slots in the free GPU memory, capped at the model's experts.
@@ -837,6 +874,7 @@ class CostModel:
             f"2 x params x n / cpu.{peak_key}_gflops)"
             if m is not None
             else (
+                f"{self.cpu_call_us:g} us per call (runtime cpu_expert_call_us) + "
                 f"roofline: max({host_b} / cpu.{stream_key}, "
                 f"2 x params x n / cpu.{peak_key}_gflops)"
             )
@@ -857,10 +895,10 @@ class CostModel:
 
         def stream(own: float) -> str:
             low = min(own, eff)
-            if self.hw.gpu.spec_mem_bw_gbs is None or eff == 1.0:  # spec is mem_bw_gbs
-                return "gpu.mem_bw_gbs" if low == 1.0 else f"({low} x gpu.mem_bw_gbs)"
-            own_s = "gpu.mem_bw_gbs" if own == 1.0 else f"{own} x gpu.mem_bw_gbs"
-            return f"min({own_s}, {eff} x gpu.spec_mem_bw_gbs)"
+            if low == 1.0:
+                return "gpu.mem_bw_gbs"
+            spec = "gpu.spec_mem_bw_gbs" if self.hw.gpu.spec_mem_bw_gbs is not None else "spec"
+            return f"min(gpu.mem_bw_gbs, {low} x {spec})"
 
         bw_s, ne_bw_s = stream(share), stream(1.0)
         k = self._gpu_expert_kernels
@@ -950,6 +988,8 @@ def _cached(
     cpu_kernels: str,
     graph_kernel_us: float,
     gpu_stream_efficiency: float,
+    cpu_call_us: float,
+    cpu_layer_us: float,
 ) -> CostModel:
     return CostModel(
         hw=hw,
@@ -957,6 +997,8 @@ def _cached(
         cpu_kernels=cpu_kernels,
         graph_kernel_us=graph_kernel_us,
         gpu_stream_efficiency=gpu_stream_efficiency,
+        cpu_call_us=cpu_call_us,
+        cpu_layer_us=cpu_layer_us,
     )
 
 
@@ -966,11 +1008,15 @@ def cost_model(
     cpu_kernels: str = "default",
     graph_kernel_us: float = 0.0,
     gpu_stream_efficiency: float = 1.0,
+    cpu_call_us: float = 0.0,
+    cpu_layer_us: float = 0.0,
 ) -> CostModel:
     """The cost model of a profile (or its name/path) and a model shape (or preset name), with
     the runtime's CPU kernels (``RuntimeProfile.cpu_kernels``), for a run whose one-token
-    steps are CUDA-graph replays the graph's per-kernel cost, and the runtime's GPU stream
-    efficiency (``RuntimeProfile.gpu_stream_efficiency``); cached."""
+    steps are CUDA-graph replays the graph's per-kernel cost, the runtime's GPU stream
+    efficiency (``RuntimeProfile.gpu_stream_efficiency``), its fixed host time per CPU expert
+    call and per CPU-resident layer (``RuntimeProfile.cpu_call_s``/``cpu_layer_s``, µs);
+    cached."""
     profile = load_profile(hw) if isinstance(hw, str) else hw
     shape = get_model(model) if isinstance(model, str) else model
     dtype_bytes(shape.dtype)
@@ -981,4 +1027,15 @@ def cost_model(
     eff = gpu_stream_efficiency
     if not math.isfinite(eff) or not 0.0 < eff <= 1.0:
         raise ValueError(f"gpu_stream_efficiency must be in (0, 1], got {eff}")
-    return _cached(profile, shape, cpu_kernels, float(graph_kernel_us), float(eff))
+    for name, v in (("cpu_call_us", cpu_call_us), ("cpu_layer_us", cpu_layer_us)):
+        if v < 0 or not math.isfinite(v):
+            raise ValueError(f"{name} must be a finite number >= 0, got {v}")
+    return _cached(
+        profile,
+        shape,
+        cpu_kernels,
+        float(graph_kernel_us),
+        float(eff),
+        float(cpu_call_us),
+        float(cpu_layer_us),
+    )

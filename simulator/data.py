@@ -10,13 +10,14 @@ current directory (which Python may see as a namespace package) does not hide th
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import os
 import stat
 from importlib import resources
 from pathlib import Path
 
-from simulator.errors import UserError
+from simulator.errors import UserError, did_you_mean
 
 #: The bundled trace ``daopsim run`` uses when ``--trace`` is not given.
 DEFAULT_TRACE = "mixtral-8x7b"
@@ -93,6 +94,11 @@ def check_input_file(path: str | os.PathLike[str], what: str) -> Path:
     file (trace, profile, grid, table, baseline, preset) is refused unless it is regular.
     """
     p = Path(path).expanduser()
+    try:
+        os.stat(p)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UserError(f"{p}: is a symbolic link loop, not a {what} file") from None
     kind = non_regular_kind(p)
     if kind is not None:
         raise UserError(f"{p}: is {kind}, not a regular {what} file")
@@ -110,7 +116,8 @@ def resolve_trace(name_or_path: str | os.PathLike[str] | None) -> Path:
     if text in bundled:
         return bundled[text]
     path = Path(text).expanduser()
-    if path.exists() or text.endswith(".parquet") or os.sep in text:
+    if os.path.lexists(path) or text.endswith(".parquet") or os.sep in text:
         return check_input_file(path, "trace")
     names = ", ".join(bundled) or "(none)"
-    raise UserError(f"unknown trace {text!r}: not a file and not a bundled trace ({names})")
+    hint = did_you_mean(text, bundled)
+    raise UserError(f"unknown trace {text!r}: not a file and not a bundled trace{hint} ({names})")

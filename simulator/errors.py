@@ -9,6 +9,8 @@ exit codes.
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Iterable
 from enum import IntEnum
 
 
@@ -46,6 +48,18 @@ def parse_key_values(
             raise UserError(f"{flag} {item!r}: expected {form}")
         out[key.strip()] = value.strip()
     return out
+
+
+def check_seed(seed: object, flag: str = "--seed") -> int:
+    """``seed`` when it is a non-negative integer (what NumPy's generators take), else a
+    UserError naming ``flag``: the one check behind every seed option."""
+    try:
+        value = operator.index(seed)  # type: ignore[call-overload]
+    except TypeError:
+        value = -1
+    if isinstance(seed, bool) or value < 0:
+        raise UserError(f"{flag} must be a non-negative integer, got {seed!r}")
+    return value
 
 
 class UserError(Exception):
@@ -125,3 +139,18 @@ class PolicyError(Exception):
         self.seq = seq
         self.token = token
         self.layer = layer
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """``"; did you mean 'x'?"`` naming the known names closest to ``name`` (at most three),
+    or ``""`` when none is close: the tail of an "unknown name" error."""
+    import difflib
+
+    pool = list(known)
+    close = difflib.get_close_matches(name, pool, n=3, cutoff=0.6)
+    if not close:  # a prefix or a part of the name: "4090" for "rtx4090-pcie4"
+        low = name.lower()
+        close = [k for k in pool if low and (k.lower().startswith(low) or low in k.lower())][:3]
+    if not close:
+        return ""
+    return "; did you mean " + " or ".join(repr(c) for c in close) + "?"

@@ -9,6 +9,7 @@ runs on the same trace, profile and cost model. :func:`run_experiment` returns a
 
 from __future__ import annotations
 
+import difflib
 import os
 import tomllib
 from collections.abc import Callable
@@ -19,10 +20,11 @@ from typing import Any
 import pandas as pd
 
 from policies.registry import get_policy_class
-from simulator.data import bundled_dir, check_input_file
+from simulator.data import bundled_dir, check_input_file, resolve_trace
 from simulator.errors import DoesNotFit, UserError
 from simulator.output import output_dir, safe_name, write_figure, write_file, write_text
 from simulator.runner import keeps_nothing_resident, simulate
+from simulator.trace import read_meta
 
 #: metrics kept per run in the results table
 METRICS = (
@@ -79,6 +81,38 @@ class Experiment:
         return [p for p in self.policies if p != self.target]
 
 
+#: Keys of an experiment file and of each ``[[models]]`` table: anything else is a typo.
+EXPERIMENT_KEYS = (
+    "name",
+    "description",
+    "hw",
+    "dtype",
+    "sequences",
+    "cache_ratios",
+    "target",
+    "policies",
+    "models",
+)
+MODEL_KEYS = ("trace", "fixed")
+
+
+def _unknown(path: Path, where: str, keys: object, known: tuple[str, ...]) -> None:
+    """A UserError for the first key not in ``known``, with the closest known one."""
+    for key in keys:  # type: ignore[attr-defined]
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise UserError(f"{path}: {where}unknown key {key!r}{hint} (valid: {', '.join(known)})")
+
+
+def _check_options(path: Path, where: str, policy: str, options: dict[str, Any]) -> None:
+    """The policy's own option check (names, types, ranges), its error naming the file."""
+    try:
+        get_policy_class(policy).resolve_options(options)
+    except UserError as exc:
+        raise UserError(f"{path}: {where}: {exc}") from None
+
+
 def load_experiment(name_or_path: str | os.PathLike[str]) -> Experiment:
     """A bundled experiment by name or a TOML path; a UserError names the file and key."""
     text = str(name_or_path)
@@ -94,6 +128,10 @@ def load_experiment(name_or_path: str | os.PathLike[str]) -> Experiment:
         doc = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"{path}: not valid TOML: {exc}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path}: cannot read: {exc}") from None
+    # a schema like the grids': a misspelt key would otherwise be ignored and the default run
+    _unknown(path, "", doc, EXPERIMENT_KEYS)
 
     def need(key: str, typ: type | tuple[type, ...]) -> Any:
         if key not in doc:
@@ -103,13 +141,19 @@ def load_experiment(name_or_path: str | os.PathLike[str]) -> Experiment:
         return doc[key]
 
     ratios = need("cache_ratios", list)
+    if not ratios:
+        raise UserError(f"{path}: cache_ratios is empty (give at least one ratio in (0, 1])")
     for r in ratios:
-        if not isinstance(r, int | float) or not 0 < r <= 1:
+        if isinstance(r, bool) or not isinstance(r, int | float) or not 0 < r <= 1:
             raise UserError(f"{path}: cache_ratios must be numbers in (0, 1], got {r!r}")
     policies = need("policies", dict)
+    if not policies:
+        raise UserError(f"{path}: [policies] is empty (name at least the target)")
     for pname, opts in policies.items():
         if not isinstance(opts, dict):
             raise UserError(f"{path}: policies.{pname} must be a table of options")
+        # the options are checked now (names, types, ranges), not at the first run
+        _check_options(path, f"policies.{pname}", pname, opts)
     target = need("target", str)
     if target not in policies:
         raise UserError(f"{path}: target {target!r} is not under [policies]")
@@ -117,16 +161,33 @@ def load_experiment(name_or_path: str | os.PathLike[str]) -> Experiment:
     for i, m in enumerate(need("models", list)):
         if not isinstance(m, dict) or not isinstance(m.get("trace"), str):
             raise UserError(f"{path}: models[{i}] needs a 'trace' string")
+        _unknown(path, f"models[{i}]: ", m, MODEL_KEYS)
         fixed = m.get("fixed", {})
         if not isinstance(fixed, dict) or any(p not in policies for p in fixed):
             raise UserError(f"{path}: models[{i}].fixed must name policies under [policies]")
+        for pname, point in fixed.items():
+            if not isinstance(point, dict):
+                raise UserError(f"{path}: models[{i}].fixed.{pname} must be a table")
+            # the point's options run as the policy's options (experts_per_layer too)
+            _check_options(path, f"models[{i}].fixed.{pname}", pname, {**policies[pname], **point})
         models.append(ModelSpec(trace=m["trace"], fixed=fixed))
+    if not models:
+        raise UserError(f"{path}: no [[models]] (give at least one, with its trace)")
     seqs = doc.get("sequences")
     if seqs is not None and (not isinstance(seqs, int) or seqs <= 0):
         raise UserError(f"{path}: 'sequences' must be a positive integer")
     name = doc.get("name", path.stem)
     if not isinstance(name, str):
         raise UserError(f"{path}: key 'name' must be a string")
+    for key in ("description", "dtype"):
+        if key in doc and not isinstance(doc[key], str):
+            raise UserError(f"{path}: key {key!r} must be a string")
+    from simulator.models import DTYPES
+
+    if doc.get("dtype") is not None and doc["dtype"] not in DTYPES:
+        raise UserError(
+            f"{path}: key 'dtype': unknown precision {doc['dtype']!r} (known: {', '.join(DTYPES)})"
+        )
     return Experiment(
         name=safe_name(name, f"{path}: experiment name"),
         description=str(doc.get("description", "")),
@@ -139,6 +200,11 @@ def load_experiment(name_or_path: str | os.PathLike[str]) -> Experiment:
         models=models,
         path=path,
     )
+
+
+def _ratio_text(ratio: Any) -> str:
+    """A cache ratio for a note (a fixed point has none)."""
+    return "its fixed point" if ratio is None or ratio != ratio else f"{float(ratio):.4g}"
 
 
 @dataclass
@@ -235,18 +301,27 @@ class ExperimentResult:
         return "\n".join(lines)
 
     def plot(self, path: str | os.PathLike[str]) -> Path:
-        """Tokens/s against expert cache ratio, one panel per model, one line per policy (each
-        policy in its fixed colour, ``plots.policy_color``); PNG, PDF or SVG by the suffix."""
+        """Write :meth:`figure` (PNG, PDF or SVG by the suffix)."""
         import matplotlib
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        return write_figure(self.figure(), path, dpi=110)
 
-        from simulator.plots import fidelity_note, policy_color
+    def figure(self) -> Any:
+        """Tokens/s against expert cache ratio, one panel per model, one line per policy (each
+        policy in its fixed colour, ``plots.policy_color``), on a log axis with plain-number
+        ticks; the skipped points are named under their panel."""
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+        from simulator.plots import _finish, _legend, _note_under, fidelity_note, policy_color
 
         ok = self.ok
-        models = list(dict.fromkeys(ok["model"])) or ["(none)"]
-        fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 3.8), squeeze=False)
+        named = [m for m in [*ok["model"], *self.skipped["model"]] if isinstance(m, str)]
+        models = list(dict.fromkeys(named)) or ["(none)"]
+        fig, axes = plt.subplots(
+            1, len(models), figsize=(5.5 * len(models), 3.8), squeeze=False, layout="constrained"
+        )
         for ax, model in zip(axes[0], models, strict=True):
             sub = ok[ok["model"] == model]
             for pol, grp in sub.groupby("policy", sort=False):
@@ -259,13 +334,27 @@ class ExperimentResult:
                     color=policy_color(str(pol)),
                     label=str(pol) + fidelity_note(grp),
                 )
-            ax.set_yscale("log")
-            ax.set_xlabel("expert cache ratio (%)")
-            ax.set_ylabel("tokens/s (prefill included)")
+            if len(sub):
+                ax.set_yscale("log")
+                # 1-2-5 ticks as plain numbers ("0.5", "2"), not powers of ten
+                ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+                ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+                ax.yaxis.set_minor_formatter(NullFormatter())
+            else:
+                ax.text(0.5, 0.5, "no point ran", ha="center", va="center", transform=ax.transAxes)
+            ax.set_xlabel("expert cache ratio (% of all experts)")
+            ax.set_ylabel("tokens/s, prefill included (simulated)")
             ax.set_title(f"{model} on {self.experiment.hw}")
-            ax.legend(fontsize=7)
-        fig.tight_layout()
-        return write_figure(fig, path, dpi=110)
+            skipped = self.skipped[self.skipped["model"] == model]
+            _note_under(
+                ax,
+                [
+                    f"skipped: {r['policy']} @ {_ratio_text(r['cache_ratio'])}: {r['reason']}"
+                    for _, r in skipped.iterrows()
+                ],
+            )
+        _legend(fig, list(axes[0]))
+        return _finish(fig, 3.8)
 
     def write(
         self,
@@ -337,9 +426,6 @@ def run_experiment(
                 if fixed:
                     per = int(opts.get("experts_per_layer", 0))
                     if per:
-                        from simulator.data import resolve_trace
-                        from simulator.trace import read_meta
-
                         layers = read_meta(resolve_trace(spec.trace)).model.moe_layers
                         kwargs["gpu_experts"] = per * layers
                 else:
@@ -365,7 +451,9 @@ def run_experiment(
                         **kwargs,
                     )
                 except DoesNotFit as exc:
-                    row.update(model=spec.trace, cache_ratio=ratio, status="skipped")
+                    # the model's name, as the rows that ran have it (the trace records it)
+                    model = read_meta(resolve_trace(spec.trace)).model.name
+                    row.update(model=model, cache_ratio=ratio, status="skipped")
                     row["reason"] = str(exc)
                     rows.append(row)
                     continue

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from simulator.data import non_regular_kind, profiles_dir
-from simulator.errors import ProfileError, UserError
+from simulator.errors import ProfileError, UserError, did_you_mean
 
 LINK_KINDS = ("pcie", "unified")
 #: how two GPUs of one machine exchange activations (docs/hardware-profiles.md, "[gpus] and [peer]")
@@ -127,6 +127,13 @@ DEFAULT_PSU_EFFICIENCY = 0.90
 #: DRAM of a workstation with about four DIMMs at about 2.5 W each while in use.
 DEFAULT_PLATFORM_W = 30.0
 DEFAULT_DRAM_W = 10.0
+#: How long a CPU worker thread keeps spinning after its work ends before it sleeps, ms (the
+#: package stays at its busy power meanwhile): GNU libgomp, which PyTorch's Linux wheels run
+#: their intra-op threads on, busy-waits GOMP_SPINCOUNT = 300,000 iterations of its PAUSE loop
+#: before blocking when OMP_WAIT_POLICY is unset (GCC libgomp manual, "GOMP_SPINCOUNT"), and one
+#: PAUSE takes about 140 cycles on Intel cores since Skylake (about 10 before, 10 to 50 on AMD;
+#: MariaDB commit 042fc29, citing Intel): 300,000 x 140 / 3.0 GHz = 14 ms.
+DEFAULT_CPU_SPIN_MS = 300_000 * 140 / 3.0e9 * 1e3
 
 
 @dataclass(frozen=True)
@@ -148,6 +155,7 @@ class PowerSpec:
     dram_w: float | None = None
     platform_w: float | None = None
     psu_efficiency: float | None = None
+    cpu_spin_ms: float | None = None
 
     def resolved(self, cores_used: int) -> PowerSpec:
         """A copy with every optional field filled by its documented default rule."""
@@ -173,6 +181,7 @@ class PowerSpec:
             psu_efficiency=(
                 DEFAULT_PSU_EFFICIENCY if self.psu_efficiency is None else self.psu_efficiency
             ),
+            cpu_spin_ms=DEFAULT_CPU_SPIN_MS if self.cpu_spin_ms is None else self.cpu_spin_ms,
         )
 
 
@@ -328,8 +337,16 @@ _POWER: _Schema = {
     "dram_w": "pos",
     "platform_w": "pos",
     "psu_efficiency": "frac",
+    "cpu_spin_ms": "pos",
 }
-_POWER_OPTIONAL = {"gpu_active_idle_w", "cpu_wait_w", "dram_w", "platform_w", "psu_efficiency"}
+_POWER_OPTIONAL = {
+    "gpu_active_idle_w",
+    "cpu_wait_w",
+    "dram_w",
+    "platform_w",
+    "psu_efficiency",
+    "cpu_spin_ms",
+}
 _MEASURED: _Schema = {
     "cpu_expert_ms": "pos",
     "load_expert_ms": "pos",
@@ -373,6 +390,7 @@ MAX_VALUES: dict[str, float] = {
     "power.cpu_wait_w": 100_000,
     "power.dram_w": 100_000,
     "power.platform_w": 100_000,
+    "power.cpu_spin_ms": 10_000,
     "cpu.memory_gb": 1_000_000,
     "ssd.seq_read_gbps": 1_000,
     "ssd.rand4k_read_iops": 1e9,
@@ -672,8 +690,8 @@ def load_profile(name_or_path: str | os.PathLike[str]) -> HardwareProfile:
     if text.endswith(".toml") or os.sep in text or Path(text).expanduser().exists():
         return read_profile(Path(text).expanduser())
     raise UserError(
-        f"unknown hardware profile {text!r}: not a file and not a bundled profile "
-        f"(valid: {', '.join(bundled) or '(none)'})"
+        f"unknown hardware profile {text!r}: not a file and not a bundled profile"
+        f"{did_you_mean(text, bundled)} (valid: {', '.join(bundled) or '(none)'})"
     )
 
 

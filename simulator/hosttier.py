@@ -80,6 +80,13 @@ def host_tier_config(
     path = "page-cache" if ssd_path is None else ssd_path
     if path not in SSD_PATHS:
         raise UserError(f"--ssd-path must be one of {', '.join(SSD_PATHS)}; got {ssd_path!r}")
+    if profile.link.unified and (host_memory_gb is not None or profile.cpu.memory_gb is not None):
+        # the host's copies share the device memory, which already bounds them
+        raise UserError(
+            f"profile {profile.name} has unified memory: the host's expert copies live in the "
+            "device memory (gpu.memory_gb), which bounds them; a separate host-memory budget "
+            "(--host-memory-gb, cpu.memory_gb) does not apply"
+        )
     if host_memory_gb is None:
         host_memory_gb = profile.cpu.memory_gb
         if host_memory_gb is None:
@@ -245,9 +252,13 @@ def model_trace(model: str, trace: str | Any | None) -> str:
     return str(synth_trace({"model": name, **MODEL_TRACE}))
 
 
-def host_tier_metrics(stats: Any) -> dict[str, float]:
-    """The SSD tier's metrics (docs/metrics.md) from a run's statistics."""
+def host_tier_metrics(stats: Any, after_end: float = 0.0) -> dict[str, float]:
+    """The SSD tier's metrics (docs/metrics.md) from a run's statistics; ``after_end`` is the
+    drive's work after the run's end (background reads), left out of ``ssd_busy_frac``."""
+    from simulator.results import busy_frac
+
     tier = dict(stats.host_tier)
     e2e = stats.e2e
-    tier["ssd_busy_frac"] = stats.busy.get("ssd", 0.0) / e2e if e2e > 0 else 0.0
+    busy = stats.busy.get("ssd", 0.0)
+    tier["ssd_busy_frac"] = busy_frac(busy, after_end, 1, e2e) if e2e > 0 else 0.0
     return tier

@@ -20,6 +20,8 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import zipfile
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +38,9 @@ from simulator.trace import (
     MAX_POSITION,
     SequenceRouting,
     TraceMeta,
+    weight_rises,
     write_trace,
+    write_valid_trace,
 )
 
 FORMATS = ("vllm", "jsonl", "npy", "torch")
@@ -89,8 +93,20 @@ class ImportOptions:
 # --------------------------------------------------------------------------------------------
 
 
+#: Largest expert id a trace can store (``experts`` is int16).
+MAX_EXPERT_ID = 2**15 - 1
+#: Most MoE layers a file may claim without ``--model`` (the largest catalogue model has <100).
+MAX_LAYERS = 1024
+
+
 def _id_rows(
-    path: object, where: object, name: str, value: Any, layers: int | None, k: int | None
+    path: object,
+    where: object,
+    name: str,
+    value: Any,
+    layers: int | None,
+    k: int | None,
+    experts: int | None = None,
 ) -> np.ndarray:
     """``[tokens][layers][k]`` nested lists of ints to an int64 array, or an ImportFault."""
     if not isinstance(value, list):
@@ -99,27 +115,36 @@ def _id_rows(
         )
     rows = []
     for t, tok in enumerate(value):
-        if not isinstance(tok, list) or (layers is not None and len(tok) != layers):
+        if not isinstance(tok, list) or not tok or (layers is not None and len(tok) != layers):
             got = len(tok) if isinstance(tok, list) else type(tok).__name__
-            raise ImportFault(path, where, f"{name}[{t}]: expected {layers} layers, got {got}")
+            want = layers if layers is not None else "one or more"
+            raise ImportFault(path, where, f"{name}[{t}]: expected {want} layers, got {got}")
+        if len(tok) > MAX_LAYERS:
+            raise ImportFault(path, where, f"{name}[{t}]: {len(tok)} layers (at most {MAX_LAYERS})")
         for layer, ids in enumerate(tok):
-            _check_ids(path, where, f"{name}[{t}][{layer}]", ids, k)
+            _check_ids(path, where, f"{name}[{t}][{layer}]", ids, k, experts)
+            k = len(ids)  # every layer of every token has the same top-k
         layers = len(tok)
-        k = len(tok[0]) if tok else k
         rows.append(tok)
     if not rows:
         return np.zeros((0, layers or 0, k or 0), dtype=np.int64)
     return np.asarray(rows, dtype=np.int64)
 
 
-def _check_ids(path: object, where: object, name: str, ids: Any, k: int | None) -> None:
+def _check_ids(
+    path: object, where: object, name: str, ids: Any, k: int | None, experts: int | None = None
+) -> None:
     if not isinstance(ids, list) or not ids:
         raise ImportFault(path, where, f"{name}: expected a list of expert ids, got {ids!r:.40}")
     if k is not None and len(ids) != k:
         raise ImportFault(path, where, f"{name}: expected {k} experts, got {len(ids)}")
+    top = MAX_EXPERT_ID if experts is None else experts - 1
     for e in ids:
         if not isinstance(e, int) or isinstance(e, bool):
             raise ImportFault(path, where, f"{name}: expert id {e!r:.20} is not an integer")
+        if not 0 <= e <= top:
+            shown = str(e) if len(str(e)) <= 20 else f"{str(e)[:17]}..."
+            raise ImportFault(path, where, f"{name}: expert id {shown} outside 0..{top}")
 
 
 def _check_range(path: object, where: object, name: str, ids: np.ndarray, experts: int) -> None:
@@ -138,18 +163,35 @@ def _check_range(path: object, where: object, name: str, ids: np.ndarray, expert
             raise ImportFault(path, where, f"{name}{idx}: an expert is repeated in one top-k")
 
 
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
 def _weights(
     path: object, where: object, name: str, value: Any, shape: tuple[int, ...]
 ) -> np.ndarray:
+    """Gate weights as float32 ``shape``: finite in float32, >= 0, non-increasing along rank
+    (the checks `trace validate` makes of the weights column), or an ImportFault."""
     try:
         w = np.asarray(value, dtype=np.float64)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ImportFault(path, where, f"{name}: not a list of numbers") from None
     if w.shape != shape:
         raise ImportFault(path, where, f"{name}: shape {list(w.shape)}, expected {list(shape)}")
-    if not np.isfinite(w).all() or (w < 0).any():
-        raise ImportFault(path, where, f"{name}: weights must be finite and >= 0")
-    return w.astype(np.float32)
+    if not np.isfinite(w).all() or (w < 0).any() or (w > _F32_MAX).any():
+        raise ImportFault(
+            path, where, f"{name}: weights must be finite, >= 0 and at most {_F32_MAX:.3g}"
+        )
+    w32 = w.astype(np.float32)
+    rises = weight_rises(w32)
+    if rises.any():
+        idx = [int(i) for i in np.argwhere(rises)[0]]
+        raise ImportFault(
+            path,
+            where,
+            f"{name}{idx[:-1]}: weight at rank {idx[-1] + 1} exceeds rank {idx[-1]}; list each "
+            "token's experts from the largest weight down (rank 0 is the top expert)",
+        )
+    return w32
 
 
 def _json_docs(path: Path) -> Iterator[tuple[int, Any]]:
@@ -174,22 +216,33 @@ def _json_docs(path: Path) -> Iterator[tuple[int, Any]]:
                 obj, i = dec.raw_decode(text, i)
             except json.JSONDecodeError as exc:
                 raise ImportFault(path, exc.lineno, f"malformed JSON ({exc.msg})") from None
+            except RecursionError:
+                raise ImportFault(path, line, "JSON nested too deeply") from None
             yield line, obj
     lines = text.splitlines()
     if stripped.startswith("{") and len([ln for ln in lines if ln.strip()]) > 1:
         # one pretty-printed object, or JSONL: try the whole text first
         try:
-            yield text[: len(text) - len(stripped)].count("\n") + 1, json.loads(text)
-            return
-        except json.JSONDecodeError:
+            doc = json.loads(text)
+        except (json.JSONDecodeError, RecursionError):
             pass
+        else:
+            yield text[: len(text) - len(stripped)].count("\n") + 1, doc
+            return
     for n, ln in enumerate(lines, start=1):
         if not ln.strip():
             continue
-        try:
-            yield n, json.loads(ln)
-        except json.JSONDecodeError as exc:
-            raise ImportFault(path, n, f"malformed JSON line ({exc.msg})") from None
+        yield n, _json_line(path, n, ln)
+
+
+def _json_line(path: Path, n: int, line: str) -> Any:
+    """One JSON document on line ``n``, or an ImportFault naming the line."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ImportFault(path, n, f"malformed JSON line ({exc.msg})") from None
+    except RecursionError:
+        raise ImportFault(path, n, "JSON nested too deeply") from None
 
 
 def text_line(path: Path, offset: int) -> int:
@@ -225,16 +278,21 @@ def _read_vllm(path: Path, opts: ImportOptions, model: ModelShape | None) -> lis
                     f"choices[{c}] has neither 'prompt_routed_experts' nor 'routed_experts' "
                     "(was the server started with routed-experts return enabled?)",
                 )
-            prompt = _id_rows(path, line, "prompt_routed_experts", p_raw or [], layers, k)
+            n_exp = model.experts if model else None
+            p_raw = [] if p_raw is None else p_raw
+            g_raw = [] if g_raw is None else g_raw
+            prompt = _id_rows(path, line, "prompt_routed_experts", p_raw, layers, k, n_exp)
             if prompt.size:
                 layers, k = prompt.shape[1], prompt.shape[2]
-            gen = _id_rows(path, line, "routed_experts", g_raw or [], layers, k)
+            gen = _id_rows(path, line, "routed_experts", g_raw, layers, k, n_exp)
             if gen.size:
                 layers, k = gen.shape[1], gen.shape[2]
             if prompt.size and gen.size and prompt.shape[1:] != gen.shape[1:]:
                 raise ImportFault(path, line, "prompt and generated routing differ in shape")
             parts = [a for a in (prompt, gen) if a.size]
-            ex = np.concatenate(parts) if parts else np.zeros((0, layers or 0, k or 0), np.int64)
+            if not parts:
+                raise ImportFault(path, line, f"choices[{c}]: no routed tokens (empty lists)")
+            ex = np.concatenate(parts)
             if model is not None:
                 _check_range(path, line, f"choices[{c}] routing", ex, model.experts)
             seqs.append(
@@ -259,57 +317,57 @@ def _read_jsonl(path: Path, opts: ImportOptions, model: ModelShape | None) -> li
     data: dict[int, dict[int, dict[int, tuple[list[int], Any, Any, int]]]] = {}
     has_weights: bool | None = None
     try:
-        fh = path.open(encoding="utf-8")
+        raw = path.read_bytes()
     except OSError as exc:
         raise UserError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    with fh:
-        for n, ln in enumerate(fh, start=1):
-            if not ln.strip():
-                continue
-            try:
-                row = json.loads(ln)
-            except json.JSONDecodeError as exc:
-                raise ImportFault(path, n, f"malformed JSON line ({exc.msg})") from None
-            if not isinstance(row, dict):
-                raise ImportFault(path, n, "expected a JSON object")
-            vals = {}
-            for key in ("seq", "token", "layer"):
-                v = row.get(f[key], 0 if key == "seq" else None)
-                if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                    raise ImportFault(
-                        path, n, f"field {f[key]!r} must be a non-negative integer, got {v!r:.30}"
-                    )
-                vals[key] = v
-            if vals["token"] > MAX_POSITION:
-                raise ImportFault(path, n, f"token index {vals['token']} exceeds 2^31-1")
-            ids = row.get(f["experts"])
-            _check_ids(path, n, f"field {f['experts']!r}", ids, k)
-            k = len(ids)
-            w = row.get(f["weights"])
-            if has_weights is None:
-                has_weights = w is not None
-            elif has_weights != (w is not None):
-                raise ImportFault(path, n, f"field {f['weights']!r} is on some rows only")
-            if w is not None:
-                w = _weights(path, n, f"field {f['weights']!r}", w, (k,)).tolist()
-            phase = row.get(f["phase"], "decode")
-            if phase not in ("prefill", "decode"):
-                raise ImportFault(path, n, f"field {f['phase']!r}: {phase!r} is not prefill/decode")
-            if model is not None:
-                if vals["layer"] >= model.moe_layers:
-                    raise ImportFault(
-                        path, n, f"layer {vals['layer']} outside 0..{model.moe_layers - 1}"
-                    )
-                _check_range(path, n, f"field {f['experts']!r}", np.asarray([ids]), model.experts)
-            toks = data.setdefault(vals["seq"], {}).setdefault(vals["token"], {})
-            if vals["layer"] in toks:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ImportFault(path, raw[: exc.start].count(b"\n") + 1, "not UTF-8 text") from None
+    for n, ln in enumerate(text.split("\n"), start=1):
+        if not ln.strip():
+            continue
+        row = _json_line(path, n, ln)
+        if not isinstance(row, dict):
+            raise ImportFault(path, n, "expected a JSON object")
+        vals = {}
+        for key in ("seq", "token", "layer"):
+            v = row.get(f[key], 0 if key == "seq" else None)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ImportFault(
-                    path,
-                    n,
-                    f"sequence {vals['seq']} token {vals['token']} layer {vals['layer']} "
-                    f"repeats line {toks[vals['layer']][3]}",
+                    path, n, f"field {f[key]!r} must be a non-negative integer, got {v!r:.30}"
                 )
-            toks[vals["layer"]] = (ids, w, phase, n)
+            vals[key] = v
+        for key in ("seq", "token"):
+            if vals[key] > MAX_POSITION:
+                raise ImportFault(path, n, f"field {f[key]!r}: {vals[key]} exceeds 2^31-1")
+        if vals["layer"] >= (model.moe_layers if model else MAX_LAYERS):
+            top = model.moe_layers if model else MAX_LAYERS
+            raise ImportFault(path, n, f"layer {vals['layer']} outside 0..{top - 1}")
+        ids = row.get(f["experts"])
+        _check_ids(path, n, f"field {f['experts']!r}", ids, k, model.experts if model else None)
+        k = len(ids)
+        w = row.get(f["weights"])
+        if has_weights is None:
+            has_weights = w is not None
+        elif has_weights != (w is not None):
+            raise ImportFault(path, n, f"field {f['weights']!r} is on some rows only")
+        if w is not None:
+            w = _weights(path, n, f"field {f['weights']!r}", w, (k,)).tolist()
+        phase = row.get(f["phase"], "decode")
+        if not isinstance(phase, str) or phase not in ("prefill", "decode"):
+            raise ImportFault(path, n, f"field {f['phase']!r}: {phase!r} is not prefill/decode")
+        if model is not None:
+            _check_range(path, n, f"field {f['experts']!r}", np.asarray([ids]), model.experts)
+        toks = data.setdefault(vals["seq"], {}).setdefault(vals["token"], {})
+        if vals["layer"] in toks:
+            raise ImportFault(
+                path,
+                n,
+                f"sequence {vals['seq']} token {vals['token']} layer {vals['layer']} "
+                f"repeats line {toks[vals['layer']][3]}",
+            )
+        toks[vals["layer"]] = (ids, w, phase, n)
     if not data:
         raise UserError(f"{path}: no rows")
     n_layers = (
@@ -349,55 +407,88 @@ def _npy_seq(
     path: Path, name: str, ex: Any, w: Any, sid: int, opts: ImportOptions, model: ModelShape | None
 ) -> _Seq:
     arr = np.asarray(ex)
-    if arr.ndim != 3:
-        raise ImportFault(path, name, f"expected [tokens, layers, k], got shape {list(arr.shape)}")
+    if arr.ndim != 3 or 0 in arr.shape[1:]:
+        raise ImportFault(
+            path, name, f"expected [tokens, layers >= 1, k >= 1], got shape {list(arr.shape)}"
+        )
     if not np.issubdtype(arr.dtype, np.integer):
         raise ImportFault(path, name, f"expert ids must be integers, got {arr.dtype}")
+    if arr.shape[1] > MAX_LAYERS:
+        raise ImportFault(path, name, f"{arr.shape[1]} layers (at most {MAX_LAYERS})")
+    if arr.size and (arr.min() < 0 or arr.max() > MAX_EXPERT_ID):
+        bad = int(arr.min()) if arr.min() < 0 else int(arr.max())
+        raise ImportFault(path, name, f"expert id {bad} outside 0..{MAX_EXPERT_ID}")
     arr = arr.astype(np.int64)
     if model is not None:
         _check_range(path, name, "", arr, model.experts)
     weights = None
     if w is not None:
-        weights = _weights(path, name, "weights", np.asarray(w, dtype=np.float64), arr.shape)
+        weights = _weights(path, name, "weights", w, arr.shape)
     n_pre = min(opts.prefill, arr.shape[0])
     return _Seq(sid, arr, weights, n_pre, np.arange(arr.shape[0]))
+
+
+#: What NumPy raises for a damaged or foreign .npy/.npz (an .npz member is read lazily).
+_NPY_ERRORS = (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error, KeyError)
 
 
 def _read_npy(path: Path, opts: ImportOptions, model: ModelShape | None) -> list[_Seq]:
     try:
         data = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as exc:
-        raise UserError(
-            f"{path}: not a NumPy .npy/.npz file ({str(exc).splitlines()[0]})"
-        ) from None
+    except _NPY_ERRORS as exc:
+        raise UserError(f"{path}: not a NumPy .npy/.npz file ({_first_line(exc)})") from None
     if isinstance(data, np.ndarray):
         return [_npy_seq(path, "array", data, None, 0, opts, model)]
-    with data:
-        names = list(data.files)
-        if "experts" in names:
-            ex = data["experts"]
-            w = data["weights"] if "weights" in names else None
-            if "seq" not in names:
-                return [_npy_seq(path, "experts", ex, w, 0, opts, model)]
-            seq = np.asarray(data["seq"])
-            if seq.ndim != 1 or seq.shape[0] != np.asarray(ex).shape[0]:
-                raise ImportFault(path, "seq", "must be one sequence id per token of 'experts'")
-            cuts = np.flatnonzero(np.diff(seq)) + 1
-            out = []
-            for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), seq.shape[0]], strict=True):
-                sid = int(seq[a])
-                if any(s.seq_id == sid for s in out):
-                    raise ImportFault(path, f"seq[{a}]", f"sequence {sid} is not contiguous")
-                sub_w = None if w is None else w[a:b]
-                out.append(_npy_seq(path, f"experts[{a}:{b}]", ex[a:b], sub_w, sid, opts, model))
-            return out
+    try:
+        with data:
+            return _read_npz(path, data, opts, model)
+    except _NPY_ERRORS as exc:
+        raise UserError(f"{path}: not a readable .npz file ({_first_line(exc)})") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:160] if text else type(exc).__name__
+
+
+def _read_npz(path: Path, data: Any, opts: ImportOptions, model: ModelShape | None) -> list[_Seq]:
+    """The arrays of an open .npz: ``experts`` (+ ``weights``, ``seq``), or one per sequence."""
+    names = list(data.files)
+    if "experts" in names:
+        ex = data["experts"]
+        w = data["weights"] if "weights" in names else None
+        if "seq" not in names:
+            return [_npy_seq(path, "experts", ex, w, 0, opts, model)]
+        seq = np.asarray(data["seq"])
+        if seq.ndim != 1 or np.asarray(ex).ndim < 1 or seq.shape[0] != np.asarray(ex).shape[0]:
+            raise ImportFault(path, "seq", "must be one sequence id per token of 'experts'")
+        if not np.issubdtype(seq.dtype, np.integer):
+            raise ImportFault(path, "seq", f"sequence ids must be integers, got {seq.dtype}")
+        if not seq.size:
+            raise ImportFault(path, "experts", "no tokens")
+        if seq.size and (seq.min() < 0 or seq.max() > MAX_POSITION):
+            at = int(np.flatnonzero((seq < 0) | (seq > MAX_POSITION))[0])
+            raise ImportFault(
+                path, f"seq[{at}]", f"sequence id {seq[at]} outside 0..{MAX_POSITION}"
+            )
+        if w is not None and np.asarray(w).shape[:1] != seq.shape:
+            raise ImportFault(path, "weights", "must have one row per token of 'experts'")
+        cuts = np.flatnonzero(np.diff(seq)) + 1
         out = []
-        for name in names:
-            if name.endswith("_weights"):
-                continue
-            w = data[f"{name}_weights"] if f"{name}_weights" in names else None
-            out.append(_npy_seq(path, name, data[name], w, len(out), opts, model))
+        for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), seq.shape[0]], strict=True):
+            sid = int(seq[a])
+            if any(s.seq_id == sid for s in out):
+                raise ImportFault(path, f"seq[{a}]", f"sequence {sid} is not contiguous")
+            sub_w = None if w is None else w[a:b]
+            out.append(_npy_seq(path, f"experts[{a}:{b}]", ex[a:b], sub_w, sid, opts, model))
         return out
+    out = []
+    for name in names:
+        if name.endswith("_weights"):
+            continue
+        w = data[f"{name}_weights"] if f"{name}_weights" in names else None
+        out.append(_npy_seq(path, name, data[name], w, len(out), opts, model))
+    return out
 
 
 def _read_torch(path: Path, opts: ImportOptions, model: ModelShape | None) -> list[_Seq]:
@@ -417,11 +508,12 @@ def _read_torch(path: Path, opts: ImportOptions, model: ModelShape | None) -> li
         n_pre = opts.prefill
         logits = item
         where = f"sequence {s}" if len(items) > 1 else "router_logits"
+        file_pre = None
         if isinstance(item, dict):
             if "router_logits" in item:
                 logits = item["router_logits"]
-                top_k = top_k or _int_or_none(item.get("top_k"))
-                n_pre = _int_or_none(item.get("n_prefill")) or n_pre
+                top_k = top_k or _count(path, where, "top_k", item.get("top_k"), 1)
+                file_pre = _count(path, where, "n_prefill", item.get("n_prefill"), 0)
             else:  # {layer name: tensor}, in insertion order
                 logits = list(item.values())
         top_k = top_k or (model.top_k if model else None)
@@ -429,9 +521,11 @@ def _read_torch(path: Path, opts: ImportOptions, model: ModelShape | None) -> li
             raise UserError(f"{path}: give --top-k (or --model, or 'top_k' in the file)")
         if not isinstance(logits, list | tuple) or not logits:
             raise ImportFault(path, where, "expected a list/tuple of per-layer logit tensors")
+        if len(logits) > MAX_LAYERS:
+            raise ImportFault(path, where, f"{len(logits)} layers (at most {MAX_LAYERS})")
         mats = []
         for layer, t in enumerate(logits):
-            if not isinstance(t, torch.Tensor) or t.ndim not in (2, 3):
+            if not isinstance(t, torch.Tensor) or t.ndim not in (2, 3) or t.shape[-1] == 0:
                 raise ImportFault(path, f"{where} layer {layer}", "expected a [tokens, E] tensor")
             t = t.reshape(-1, t.shape[-1]) if t.ndim == 3 else t
             if mats and t.shape != mats[0].shape:
@@ -440,8 +534,16 @@ def _read_torch(path: Path, opts: ImportOptions, model: ModelShape | None) -> li
                     f"{where} layer {layer}",
                     f"shape {list(t.shape)} differs from layer 0's {list(mats[0].shape)}",
                 )
+            if t.is_complex() or t.layout != torch.strided:
+                raise ImportFault(path, f"{where} layer {layer}", "expected dense real logits")
             mats.append(t.to(torch.float64))
         x = torch.stack(mats, dim=1)  # [T, L, E]
+        if file_pre is not None:
+            if file_pre > x.shape[0]:
+                raise ImportFault(
+                    path, where, f"n_prefill {file_pre} exceeds the {x.shape[0]} tokens"
+                )
+            n_pre = file_pre
         if not torch.isfinite(x).all():
             raise ImportFault(path, where, "router logits contain NaN or infinity")
         n_exp = x.shape[-1]
@@ -467,8 +569,14 @@ def _read_torch(path: Path, opts: ImportOptions, model: ModelShape | None) -> li
     return out
 
 
-def _int_or_none(v: Any) -> int | None:
-    return int(v) if isinstance(v, int) and not isinstance(v, bool) else None
+def _count(path: object, where: object, key: str, v: Any, low: int) -> int | None:
+    """An optional integer field of a torch file (``top_k``, ``n_prefill``): None when absent,
+    else an int >= ``low``, or an ImportFault naming the key."""
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise ImportFault(path, where, f"'{key}' must be an integer >= {low}, got {v!r:.30}")
+    return v
 
 
 _READERS = {"vllm": _read_vllm, "jsonl": _read_jsonl, "npy": _read_npy, "torch": _read_torch}
@@ -543,27 +651,43 @@ def _resolve_model(opts: ImportOptions, seqs: list[_Seq], path: Path) -> ModelSh
 def import_trace(
     fmt: str, src: str | os.PathLike[str], out: str | os.PathLike[str], opts: ImportOptions
 ) -> TraceMeta:
-    """Convert ``src`` (format ``fmt``) to a daopsim trace at ``out`` (written atomically)."""
+    """Convert ``src`` (format ``fmt``) to a daopsim trace at ``out``.
+
+    The output goes through the output rules (``simulator.output``: never the source file, a
+    special file or a link loop; ``.parquet`` only) and the trace is validated before it is
+    renamed into place (``simulator.trace.write_valid_trace``), so what ``trace import``
+    writes, ``trace validate`` accepts; anything else is one error and no file.
+    """
+    from simulator.data import check_input_file
+    from simulator.output import TRACE_FORMATS, check_output_file, output_format
+
     if fmt not in FORMATS:
         raise UserError(f"unknown import format {fmt!r} (formats: {', '.join(FORMATS)})")
     if opts.missing_layers not in MISSING_RULES:
         raise UserError(f"--missing-layers must be one of {list(MISSING_RULES)}")
-    path = Path(src)
-    if not path.is_file():
-        raise UserError(f"{path}: no such file")
+    path = check_input_file(src, f"{fmt} source")
     if opts.prefill < 0:
         raise UserError(f"--prefill must be >= 0, got {opts.prefill}")
+    if opts.top_k is not None and opts.top_k < 1:
+        raise UserError(f"--top-k must be >= 1, got {opts.top_k}")
+    output_format(out, TRACE_FORMATS, "-o")
+    check_output_file(out, "-o", inputs=[path])
     preset = get_model(opts.model) if opts.model is not None else None
     seqs = _READERS[fmt](path, opts, preset)
     if not seqs:
         raise UserError(f"{path}: no sequences")
+    _check_sequences(path, seqs, "in the file")
     model = _resolve_model(opts, seqs, path)
     filled: list[np.ndarray] = []
     done: list[_Seq] = []
     for s in seqs:
-        s2, mask = fill_missing(s, opts.missing_layers)
+        try:
+            s2, mask = fill_missing(s, opts.missing_layers)
+        except UserError as exc:
+            raise UserError(f"{path}: {exc}") from None
         done.append(s2)
         filled.append(mask)
+    _check_sequences(path, done, f"after --missing-layers {opts.missing_layers}")
     n_filled = int(sum(int(m.sum()) for m in filled))
     has_probs = all(s.probs is not None for s in done)
     width = 0
@@ -595,11 +719,27 @@ def import_trace(
         filled_column=n_filled > 0,
     )
     routings = (_routing(s, m, model, width) for s, m in zip(done, filled, strict=True))
-    try:
-        write_trace(out, meta, routings)
-    except OSError as exc:
-        raise UserError(f"-o {out}: cannot write the trace ({exc.strerror or exc})") from None
+    write_valid_trace(out, lambda tmp: write_trace(tmp, meta, routings), flag="-o", what="imported")
     return meta
+
+
+def _check_sequences(path: Path, seqs: list[_Seq], when: str) -> None:
+    """What a trace needs of each sequence, named by source sequence: tokens, a prompt length
+    within them, a storable and unique id."""
+    seen: set[int] = set()
+    for s in seqs:
+        t = s.experts.shape[0]
+        if t == 0:
+            raise UserError(f"{path}: sequence {s.seq_id} has no tokens {when}")
+        if not 0 <= s.n_prefill <= t:
+            raise UserError(
+                f"{path}: sequence {s.seq_id}: {s.n_prefill} prompt tokens outside 0..{t}"
+            )
+        if not 0 <= s.seq_id <= MAX_POSITION:
+            raise UserError(f"{path}: sequence id {s.seq_id} outside 0..{MAX_POSITION}")
+        if s.seq_id in seen:
+            raise UserError(f"{path}: sequence id {s.seq_id} appears twice")
+        seen.add(s.seq_id)
 
 
 def _routing(s: _Seq, filled: np.ndarray, model: ModelShape, width: int) -> SequenceRouting:

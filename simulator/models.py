@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from simulator.errors import UserError
+from simulator.errors import UserError, did_you_mean
 
 
 @dataclass(frozen=True)
@@ -750,4 +750,5 @@ def get_model(name: str) -> ModelShape:
     key = name.strip().lower()
     if key in PRESETS:
         return PRESETS[key]
-    raise UserError(f"unknown model {name!r}; known: {', '.join(sorted(PRESETS))}")
+    hint = did_you_mean(key, PRESETS)
+    raise UserError(f"unknown model {name!r}{hint} (known: {', '.join(sorted(PRESETS))})")

@@ -257,7 +257,7 @@ class _Window:
 class _Shard:
     """GPU ``k``'s side of the current decision: the engine's view and the routed experts that
     live on the GPU. Its methods build the GPU's gate weights, router probabilities and
-    layer-early experts, which its :class:`View` reads through ``View._rows`` only when the
+    layer-early view, which its :class:`View` reads through ``View._rows`` only when the
     policy asks (:class:`_LazyRow`)."""
 
     __slots__ = ("k", "mine", "pl", "src")
@@ -329,7 +329,7 @@ class ShardedPolicy(Policy):
 
     Each instance keeps one :class:`View`, updated per decision: the residency and landing
     times are windows of the engine's arrays (:class:`_Window`), and the gate weights, router
-    probabilities and layer-early experts are built only when the policy reads them, through
+    probabilities and layer-early view are built only when the policy reads them, through
     the view's own lazy rows (:class:`_LazyRow`), so a layer costs no copy the policy does not
     read and the view is a plain :class:`View` (a compiled one, too).
     """
@@ -353,8 +353,14 @@ class ShardedPolicy(Policy):
         self._shards = [_Shard(placement, k) for k in range(placement.n)]
         self._views = [View() for _ in range(placement.n)]
         for sh, v in zip(self._shards, self._views, strict=True):
-            # weights, probs and next_experts are built when read (View's lazy rows)
-            v._rows = (_LazyRow(sh.weights), _LazyRow(sh.probs), _LazyRow(sh.next_experts), None)
+            # the gate weights, probabilities and layer-early view are built when read, through
+            # View's lazy rows
+            v._rows = (
+                _LazyRow(sh.weights),
+                _LazyRow(sh.probs),
+                _LazyRow(sh.next_experts),
+                _LazyRow(sh.next_probs),
+            )
         self._windows = [(_Window(placement, k), _Window(placement, k)) for k in range(placement.n)]
         #: per hook name: each instance's bound method (looked up once)
         self._hooks: dict[str, list[Any]] = {}
@@ -482,10 +488,7 @@ class ShardedPolicy(Policy):
         v.ready = None if ready is None else ready_win.get(ready)
         counts = view.counts
         v.counts = None if counts is None else np.asarray(counts)[self.pl.expert_idx[k]]
-        v._weights = v._probs = v._next_experts = _LAZY
-        # next_probs is built here, not lazily: with both layer-early rows lazy a policy may
-        # read View._rows as the engine's arrays (daop's shortcut)
-        v._next_probs = sh.next_probs()
+        v._weights = v._probs = v._next_experts = v._next_probs = _LAZY
         return v
 
     def _decide(self, view: View, hook: str) -> Plan:
@@ -1171,6 +1174,7 @@ class MultiGpuReference(_MultiBase, ReferenceEngine):
             self.res.copied((op.layer, op.expert), s + link.expert_s)
             yield env.timeout(link.expert_s)
         link.lane.busy += link.expert_s
+        link.lane.free_at = env.now  # the busy fractions' window (runner.window_work)
         self._record(link.lane.name, op, op.rkind, s, env.now, self.expert_bytes)
         self.peer_h2d_bytes[k] += self.expert_bytes
         self._finish(op, env.now)

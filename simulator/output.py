@@ -6,7 +6,9 @@ The rules (docs/cli.md, "Outputs"):
   file output, a folder holding only files daopsim writes there for a folder output. Devices,
   FIFOs, sockets and directories in place of a file are refused, never replaced.
 * An output may not be one of the same command's inputs (``sweep --traces t.parquet --out
-  t.parquet``), and a folder output may not contain one.
+  t.parquet``), and a folder output may not contain one. Two outputs of one command may not be
+  the same file, and no output may lie inside another's folder (:func:`check_outputs`).
+* A path through a symbolic link loop is refused with one line, never a ``RuntimeError``.
 * A file is written to a temporary name in its folder and renamed over the target; a folder
   output is built as a new sibling folder and swapped in whole, so a reader sees the old set or
   the new set, never a mix, and a failure half way leaves the old set intact.
@@ -28,6 +30,7 @@ import shutil
 import stat
 import tempfile
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +86,23 @@ def _stat(path: Path) -> os.stat_result | None:
         return None
     except NotADirectoryError:
         return None  # a parent is a file: reported by the folder check
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return None  # a link loop: reported by the folder check, with the flag
+        raise
+
+
+def _loop_error(where: str) -> OutputError:
+    return OutputError(f"{where}: is a symbolic link loop, or runs through one")
+
+
+def resolved(path: PathLike, where: str | None = None) -> Path:
+    """``path`` made absolute with every symbolic link followed; a link loop is an
+    :class:`OutputError` naming ``where`` (``Path.resolve`` raises ``RuntimeError`` there)."""
+    try:
+        return Path(path).resolve()
+    except (RuntimeError, OSError):
+        raise _loop_error(where or str(path)) from None
 
 
 def _nearest_existing(p: Path) -> Path:
@@ -93,6 +113,7 @@ def _nearest_existing(p: Path) -> Path:
 
 
 def _check_parent(target: Path, where: str) -> None:
+    resolved(target, where)  # a loop anywhere on the way is refused here, in one line
     probe = _nearest_existing(target.parent)
     if not probe.is_dir():
         raise OutputError(f"{where}: {probe} is not a directory")
@@ -105,7 +126,16 @@ def _same(a: Path, b: Path) -> bool:
     try:
         return os.path.samefile(a, b)
     except OSError:
-        return a.resolve() == b.resolve()
+        return _lenient(a) == _lenient(b)
+
+
+def _lenient(p: Path) -> Path:
+    """``p`` resolved, or made absolute when a link loop stops that (an input through a loop
+    cannot be read, and the reader says so; it cannot be the same file as an output)."""
+    try:
+        return p.resolve()
+    except (RuntimeError, OSError):
+        return Path(os.path.abspath(p))
 
 
 def _inputs(inputs: Iterable[PathLike | None]) -> list[Path]:
@@ -152,9 +182,9 @@ def check_output_dir(
     """
     target = Path(path)
     where = _where(path, flag)
-    resolved = target.resolve()
+    real = resolved(target, where)
     cwd = Path.cwd().resolve()
-    if resolved == cwd or resolved in cwd.parents:
+    if real == cwd or real in cwd.parents:
         # swapping it would pull the folder out from under this process and the user's shell
         raise OutputError(f"{where}: is the current folder or holds it; choose a subfolder")
     st = _stat(target)
@@ -179,11 +209,60 @@ def check_output_dir(
                 "replaced as a whole, so choose a new or empty folder"
             )
     for inp in _inputs(inputs):
-        r = inp.resolve()
-        if r == resolved or resolved in r.parents:
+        r = _lenient(inp)
+        if r == real or real in r.parents:
             raise OutputError(f"{where}: contains an input of this command ({inp})")
     _check_parent(target, where)
     return target
+
+
+@dataclass(frozen=True)
+class Output:
+    """One output of a command, for :func:`check_outputs`: a file (``names`` None) or a folder
+    of ``names`` (file names or glob patterns) that is replaced as a whole."""
+
+    path: PathLike
+    flag: str | None = None
+    names: Collection[str] | None = None
+
+    @property
+    def where(self) -> str:
+        """How errors name it: the flag and the path."""
+        return _where(self.path, self.flag)
+
+
+def check_outputs(
+    outputs: Iterable[Output | None], inputs: Iterable[PathLike | None] = ()
+) -> list[Path]:
+    """Before any work: every output of one command, checked alone and against each other.
+
+    Each passes :func:`check_output_file` or :func:`check_output_dir` (never an input, never a
+    special file, never through a link loop); and no two collide: two outputs may not be the
+    same file, and nothing may be written inside a folder output (that folder is replaced as a
+    whole, so the other output would vanish with the old set, or stop the next run). ``None``
+    entries (options not given) are skipped. Returns the checked paths in order.
+    """
+    given = [o for o in outputs if o is not None]
+    ins = list(inputs)
+    real = [_lenient(Path(o.path)) for o in given]
+    for i, a in enumerate(given):
+        for j, b in enumerate(given):
+            if i == j:
+                continue
+            if i < j and real[i] == real[j]:
+                raise OutputError(f"{b.where}: is also {a.where}; give each output its own path")
+            if b.names is not None and real[j] in real[i].parents:
+                raise OutputError(
+                    f"{a.where}: is inside {b.where}, a folder this command replaces as a "
+                    "whole; choose a path outside it"
+                )
+    paths = []
+    for o in given:
+        if o.names is None:
+            paths.append(check_output_file(o.path, o.flag, ins))
+        else:
+            paths.append(check_output_dir(o.path, o.names, o.flag, ins))
+    return paths
 
 
 def refuse_non_regular(target: Path, where: str) -> None:
@@ -241,6 +320,8 @@ def write_text(path: PathLike, text: str, flag: str | None = None) -> Path:
 FIGURE_FORMATS = {".png": "png", ".pdf": "pdf", ".svg": "svg"}
 #: Table formats by file suffix.
 TABLE_FORMATS = {".parquet": "parquet", ".csv": "csv"}
+#: Routing traces are Parquet only (``synth -o``, ``trace import -o``, ``capture -o``).
+TRACE_FORMATS = {".parquet": "parquet"}
 
 
 def output_format(path: PathLike, formats: Mapping[str, str], flag: str | None = None) -> str:
@@ -373,7 +454,8 @@ def output_dir(
     """
     target = check_output_dir(path, names, flag, inputs)
     if target.is_symlink():
-        target = target.resolve()  # update the folder the link points at, keep the link
+        # update the folder the link points at, keep the link
+        target = resolved(target, _where(path, flag))
     with os_errors(path, flag):
         target.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale_stages(target)
@@ -414,13 +496,17 @@ def scratch_dir(path: PathLike, flag: str | None = None) -> Iterator[Path]:
 __all__ = [
     "FIGURE_FORMATS",
     "TABLE_FORMATS",
+    "TRACE_FORMATS",
+    "Output",
     "check_output_dir",
     "check_output_file",
+    "check_outputs",
     "describe_os_error",
     "os_errors",
     "output_dir",
     "output_format",
     "refuse_non_regular",
+    "resolved",
     "safe_name",
     "scratch_dir",
     "write_figure",

@@ -258,6 +258,7 @@ class ReferenceEngine(EngineBase):
             self._mem(s, link.expert_s, self.expert_bytes)
             yield env.timeout(link.expert_s)
         link.lane.busy += link.expert_s
+        link.lane.free_at = env.now  # the busy fractions' window (runner.window_work)
         self._record(link.lane.name, op, op.rkind, s, env.now, self.expert_bytes)
         self._finish(op, env.now)
 

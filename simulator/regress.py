@@ -19,6 +19,7 @@ import fnmatch
 import hashlib
 import json
 import math
+import os
 import time
 import tomllib
 from collections.abc import Callable, Iterable, Iterator
@@ -229,6 +230,7 @@ BUDGET_POLICIES = [
     "global-lfu",
     "global-lru",
     "hobbit",
+    "learned",
     "lfu",
     "lru",
     "mixtral-offloading",
@@ -741,11 +743,14 @@ def regress(
     update: bool = False,
     progress: Callable[[str], None] | None = None,
     only: Iterable[str] = (),
+    inputs: Iterable[str | os.PathLike[str] | None] = (),
 ) -> RegressReport:
     """Run the grid and compare with (or, with ``update``, rewrite) the store.
 
     ``only`` (globs over configuration keys) runs a subset and compares just those cells; it
-    cannot be combined with ``update``, which always rewrites every cell.
+    cannot be combined with ``update``, which always rewrites every cell. ``inputs`` (the grid
+    file) are never the store ``update`` writes; nor is the golden store ever rewritten from
+    a grid other than the built-in one.
     """
     only = list(only)
     if update and only:
@@ -755,7 +760,10 @@ def regress(
     if update:
         from simulator.output import check_output_file
 
-        check_output_file(baseline, "--baseline")  # before reading it or running the grid
+        # before reading it or running the grid
+        traces = [_trace_path(b.trace) for b in grid.blocks]
+        check_output_file(baseline, "--baseline", inputs=[*inputs, *traces])
+        check_golden_update(grid, baseline)
     if Path(baseline).is_dir():
         raise UserError(f"{baseline}: is a directory, not a baseline file")
     if not update:
@@ -789,6 +797,33 @@ def regress(
         updated=update,
         fresh=update and old is None,
     )
+
+
+def _trace_path(trace: str) -> str:
+    """The file behind a block's trace (a bundled name resolves), or the text as given."""
+    try:
+        return str(resolve_trace(trace))
+    except UserError:
+        return trace
+
+
+def check_golden_update(grid: RegressGrid, baseline: str | os.PathLike[str]) -> None:
+    """A UserError when ``--update`` would rewrite the golden store from another grid.
+
+    The golden store holds the built-in grid's outcomes (docs/regression.md); a custom grid
+    (``--grid`` without a ``baseline``, or ``--trace``) writes its own store instead.
+    """
+    golden = default_store()
+    try:
+        same = os.path.samefile(baseline, golden)
+    except OSError:
+        same = Path(baseline).absolute() == golden.absolute()
+    if same and grid.describe() != default_grid().describe():
+        raise UserError(
+            f"--update would replace the golden store {golden} (the built-in grid's "
+            "configurations) with a custom grid's; give --baseline FILE, or a 'baseline' key "
+            "in the grid file, for this grid's own store"
+        )
 
 
 def with_trace(grid: RegressGrid, trace: str) -> RegressGrid:

@@ -13,6 +13,7 @@ import math
 import os
 import shutil
 import textwrap
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -101,10 +102,36 @@ def _ratio(num: float, den: float) -> float:
     return float(num) / float(den) if den else float("nan")
 
 
-def compute_metrics(stats: RunStats, hw: HardwareProfile) -> dict[str, float]:
-    """Metrics from the run's statistics (counters and busy time per named resource)."""
+def busy_frac(busy: float, after_end: float, servers: int, e2e: float) -> float:
+    """A busy fraction: busy time within the run's window ``[0, e2e]`` over ``servers x e2e``.
+
+    ``after_end`` is the work done after the last token ended (prefetches issued for a next
+    token that never came); it is left out, so the fraction is at most 1. The clamp to [0, 1]
+    only absorbs float rounding of sums of durations (docs/metrics.md, "Busy fractions").
+    """
+    den = float(servers) * float(e2e)
+    if not den:
+        return float("nan")
+    return min(1.0, max(0.0, (float(busy) - float(after_end)) / den))
+
+
+def compute_metrics(
+    stats: RunStats,
+    hw: HardwareProfile,
+    after_end: Mapping[str, float] | None = None,
+    servers: Mapping[str, int] | None = None,
+) -> dict[str, float]:
+    """Metrics from the run's statistics (counters and busy time per named resource).
+
+    ``after_end``: seconds of work each copy direction (``h2d``, ``d2h``) and the CPU pool
+    (``cpu``) did after the run's end; ``servers``: how many lanes serve a copy direction (one
+    per uplink with several GPUs). They default to none and one
+    (``simulator.runner.window_work`` computes them).
+    """
     c = stats.counters
     e2e = float(stats.e2e)
+    late = dict(after_end or {})
+    lanes = dict(servers or {})
     lat = np.asarray(c.token_latency, dtype=np.float64)
     busy = stats.busy
     workers = stats.workers["cpu"]
@@ -126,10 +153,10 @@ def compute_metrics(stats: RunStats, hw: HardwareProfile) -> dict[str, float]:
         "prefill_accesses": int(c.prefill_accesses),
         "h2d_bytes": int(c.h2d_bytes),
         "d2h_bytes": int(c.d2h_bytes),
-        "gpu_busy_frac": _ratio(busy["gpu"], n_gpus * e2e),
-        "cpu_busy_frac": _ratio(cpu_busy, workers * e2e),
-        "h2d_busy_frac": _ratio(busy["h2d"], e2e),
-        "d2h_busy_frac": _ratio(busy["d2h"], e2e),
+        "gpu_busy_frac": busy_frac(busy["gpu"], 0.0, n_gpus, e2e),
+        "cpu_busy_frac": busy_frac(cpu_busy, late.get("cpu", 0.0), workers, e2e),
+        "h2d_busy_frac": busy_frac(busy["h2d"], late.get("h2d", 0.0), lanes.get("h2d", 1), e2e),
+        "d2h_busy_frac": busy_frac(busy["d2h"], late.get("d2h", 0.0), lanes.get("d2h", 1), e2e),
         "stall_s": c.transfer_stall + c.cpu_wait,
         "transfer_stall_s": c.transfer_stall,
         "cpu_wait_s": c.cpu_wait,
@@ -159,7 +186,8 @@ def compute_metrics(stats: RunStats, hw: HardwareProfile) -> dict[str, float]:
         "sequences": int(c.sequences),
         "max_slots_held": int(c.max_occupancy),
     }
-    energy = energy_breakdown(hw, e2e, busy["gpu"], cpu_busy, n_gpus)
+    cpu_calls = int(c.cpu_expert_evals + c.cpu_precalc_evals)
+    energy = energy_breakdown(hw, e2e, busy["gpu"], cpu_busy, n_gpus, cpu_calls)
     m.update(energy)
     tokens = c.decode_tokens
     m["tokens_per_kj"] = _ratio(tokens, energy["energy_j"] / 1000.0)
@@ -180,7 +208,12 @@ ENERGY_KEYS = (
 
 
 def energy_breakdown(
-    hw: HardwareProfile, e2e: float, gpu_busy: float, cpu_busy: float, gpus: int = 1
+    hw: HardwareProfile,
+    e2e: float,
+    gpu_busy: float,
+    cpu_busy: float,
+    gpus: int = 1,
+    cpu_calls: int = 0,
 ) -> dict[str, float]:
     """Energy over the run by part and level, joules (NaN everywhere without a [power] section).
 
@@ -188,7 +221,9 @@ def energy_breakdown(
       kernel runs; with ``gpus`` GPUs, each idles for the whole run and ``gpu_busy`` is their
       summed busy time.
     - CPU package: the driving/spinning level for the whole run, plus (busy - wait) while CPU
-      experts run (busy time capped at the run time: workers share one socket).
+      experts run and while their worker threads spin afterwards: ``cpu_calls`` calls each
+      followed by up to ``cpu_spin_ms`` of spinning (capped at the run time: workers share one
+      socket, and a spin that the next call cuts short is busy time already).
     - DRAM: its average power over the run.
     - ``energy_j`` = GPU + CPU package; ``energy_device_j`` adds DRAM; ``energy_wall_j`` adds
       the platform and divides by the power supply's efficiency.
@@ -202,7 +237,9 @@ def energy_breakdown(
     gpu = gpus * p.gpu_active_idle_w * e2e + (p.gpu_busy_w - p.gpu_active_idle_w) * min(
         gpu_busy, gpus * e2e
     )
-    cpu = p.cpu_wait_w * e2e + (p.cpu_busy_w - p.cpu_wait_w) * min(cpu_busy, e2e)
+    assert p.cpu_spin_ms is not None
+    active = min(cpu_busy + cpu_calls * p.cpu_spin_ms * 1e-3, e2e)
+    cpu = p.cpu_wait_w * e2e + (p.cpu_busy_w - p.cpu_wait_w) * active
     dram = p.dram_w * e2e
     device = gpu + cpu + dram
     wall = (device + p.platform_w * e2e) / p.psu_efficiency
@@ -382,7 +419,7 @@ class RunResult:
 
         win, tokens, seq = self._timeline_window(tokens, seq)
         if ax is None:
-            _, ax = plt.subplots(figsize=(11, 3.6))
+            _, ax = plt.subplots(figsize=(11, 4.0), layout="constrained")
         resources = sorted(win["resource"].astype(str).unique(), key=_resource_order)
         colors = {
             "nonexpert": "#9aa5b1",
@@ -407,10 +444,18 @@ class RunResult:
                 ax.broken_barh(spans, (y - 0.4, 0.8), color=colors.get(kind, "#555"), label=kind)
         handles, labels = ax.get_legend_handles_labels()
         uniq = dict(zip(labels, handles, strict=True))
-        if uniq:
-            ax.legend(uniq.values(), uniq.keys(), loc="upper right", fontsize=7, ncol=3)
+        if uniq:  # under the axes: over the bars it would hide operations
+            ax.legend(
+                uniq.values(),
+                uniq.keys(),
+                loc="upper center",
+                bbox_to_anchor=(0.5, -0.22),
+                fontsize=7,
+                ncol=min(len(uniq), 8),
+                frameon=False,
+            )
         ax.set_yticks(range(len(resources)), resources)
-        ax.set_xlabel("time since window start (ms)")
+        ax.set_xlabel("simulated time since window start (ms)")
         title = (
             f"{self.config.get('policy')} on {self.config.get('hw')}: sequence {seq},"
             f" tokens {tokens[0]}-{tokens[1] - 1}"
@@ -424,15 +469,15 @@ class RunResult:
         import matplotlib.pyplot as plt
 
         if ax is None:
-            _, ax = plt.subplots(figsize=(8, 3.2))
+            _, ax = plt.subplots(figsize=(8, 3.2), layout="constrained")
         from simulator.plots import policy_color
 
         rates = self.per_layer_hit_rate
         policy = str(self.config.get("policy"))
         ax.bar(range(len(rates)), rates, color=policy_color(policy))
-        ax.set_xlabel("MoE layer")
-        ax.set_ylabel("hit rate (decode)")
-        ax.set_ylim(0, 1)
+        ax.set_xlabel("MoE layer (index)")
+        ax.set_ylabel("hit rate, decode (share of accesses)")
+        ax.set_ylim(0, 1.04)
         title = (
             f"{policy} on {self.config.get('hw')}, {self.config.get('gpu_experts')} GPU experts "
             f"(trace {Path(str(self.config.get('trace'))).name})"
@@ -476,17 +521,12 @@ class RunResult:
                 import matplotlib
 
                 matplotlib.use("Agg")
-                import matplotlib.pyplot as plt
 
                 if source is not None:
-                    fig, ax = plt.subplots(figsize=(11, 3.6))
-                    self.plot_timeline(ax=ax)
-                    fig.tight_layout()
-                    write_figure(fig, stage / "gantt.png", dpi=110)
+                    ax = self.plot_timeline()
+                    write_figure(ax.figure, stage / "gantt.png", dpi=110)
                     names["gantt"] = "gantt.png"
-                fig, ax = plt.subplots(figsize=(8, 3.2))
-                self.plot_hit_rate(ax=ax)
-                fig.tight_layout()
+                fig = self.plot_hit_rate().figure
                 write_figure(fig, stage / "hit_rate.png", dpi=110)
                 names["hit_rate"] = "hit_rate.png"
         if isinstance(self.__dict__.get("_timeline"), Path):

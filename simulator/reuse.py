@@ -47,6 +47,10 @@ _QUANTILES = (0.25, 0.5, 0.75, 0.9)
 _NEVER = np.iinfo(np.int64).max // 4
 _NEVER32 = np.iinfo(np.int32).max  # "never used again" in the next-use arrays
 CURVE_POLICIES = ("lru", "belady")
+#: The two counting rules of the hit-rate curves: ``warm`` (one cache per layer carried across
+#: the sequences in order, pooled) and ``cold`` (each sequence alone from an empty cache,
+#: averaged over sequences); docs/trace-format.md, "Reuse statistics".
+CURVE_RULES = ("warm", "cold")
 
 
 def _membership(experts: np.ndarray, n_exp: int) -> np.ndarray:
@@ -100,6 +104,7 @@ class _Caches:
     layers: int
     experts: int
     capacities: tuple[int, ...] = ()  # per-layer capacities to simulate (default 1..E)
+    cold: bool = False  # start empty (the cold-start rule) instead of experts 0..c-1 resident
     resident: np.ndarray = field(init=False)  # [L, C, E]
     key: np.ndarray = field(init=False)  # [L, C, E] LRU recency (larger = more recent)
     count: np.ndarray = field(init=False)  # [L, C] residents
@@ -112,8 +117,9 @@ class _Caches:
         n_cap = cap.size
         self.cap = cap[None, :]
         ids = np.arange(n_exp)
-        # initial=first: experts 0..c-1 resident, inserted in id order (0 the oldest)
-        first = ids[None, :] < cap[:, None]  # [C, E]
+        # initial=first: experts 0..c-1 resident, inserted in id order (0 the oldest); cold:
+        # nothing resident
+        first = (ids[None, :] < cap[:, None]) & (not self.cold)  # [C, E]
         self.resident = np.broadcast_to(first, (self.layers, n_cap, n_exp)).copy()
         self.key = np.broadcast_to(ids - n_exp, (self.layers, n_cap, n_exp)).astype(np.int64)
         self.count = self.resident.sum(axis=2)
@@ -196,8 +202,16 @@ class ReuseAccumulator:
         top_k: int,
         curves: bool | tuple[str, ...] = True,
         capacities: tuple[int, ...] | None = None,
+        rules: tuple[str, ...] = ("warm", "cold"),
+        stack: bool = True,
     ) -> None:
         self.layers, self.experts, self.top_k = layers, experts, top_k
+        #: whether to count LRU stack distances (a loop over tokens; a fit needs none)
+        self.stack = stack
+        #: the counting rules the curves are computed by (``warm``, ``cold``; both by default)
+        self.rules = tuple(rules)
+        if not set(self.rules) <= set(CURVE_RULES):
+            raise ValueError(f"curve rules must be among {CURVE_RULES}, got {rules!r}")
         self.lag_sum = np.zeros((layers, len(LAGS)))
         self.lag_n = np.zeros(len(LAGS), dtype=np.int64)
         self.dist_hist = np.zeros((layers, 1), dtype=np.int64)  # reuse distance in tokens
@@ -257,6 +271,8 @@ class ReuseAccumulator:
                 grown[:, : self.dist_hist.shape[1]] = self.dist_hist
                 self.dist_hist = grown
             np.add.at(self.dist_hist, (glay, gaps), 1)
+        if not self.stack:
+            return
         # stack distance: distinct other experts of the layer used since the previous use
         seen = np.full((n_layers, n_exp), -1, dtype=np.int64)  # last token each expert was used
         for i in range(t):
@@ -269,44 +285,107 @@ class ReuseAccumulator:
             np.add.at(self.stack_hist, (lay_i, depth[lay_i, exp_i]), 1)
             seen[cur] = i
 
+    def _steps(
+        self, p: int, experts: np.ndarray
+    ) -> list[tuple[np.ndarray, np.ndarray | None, bool]]:
+        """One sequence's cache steps: (ids in routing order [L, w], which are used [L, w] or
+        None for all, decode step): its prompt as one step (experts in descending count), then
+        one step per decode token."""
+        n_layers, n_exp = self.layers, self.experts
+        steps: list[tuple[np.ndarray, np.ndarray | None, bool]] = []
+        if p:
+            counts = np.zeros((n_layers, n_exp), dtype=np.int64)
+            lay = np.broadcast_to(np.arange(n_layers)[None, :, None], experts[:p].shape)
+            np.add.at(counts, (lay.ravel(), experts[:p].astype(np.int64).ravel()), 1)
+            # descending count, ties by id (the engine's stable sort of the used ids)
+            order = np.argsort(-counts, axis=1, kind="stable")
+            steps.append((order, np.take_along_axis(counts, order, axis=1) > 0, False))
+        dec = experts[p:]  # stored ids (int16): no widened copy of the whole trace
+        steps.extend((dec[i], None, True) for i in range(dec.shape[0]))
+        return steps
+
+    def _replay(
+        self,
+        policy: str,
+        steps: list[tuple[np.ndarray, np.ndarray | None, bool]],
+        cold: bool,
+        rows: int | None = None,
+    ) -> np.ndarray:
+        """Decode hits [rows, C] of one cache per (row, capacity) replaying ``steps``; a row is
+        a layer (``rows`` None) or, for the cold rule's batched replay, a (sequence, layer)."""
+        caches = _Caches(policy, rows or self.layers, self.experts, self.capacities, cold)
+        if policy == "belady":
+            self._replay_belady(caches, steps)
+        else:
+            for order, valid, decode in steps:
+                caches.step(order, valid, None, decode)
+        return caches.hits
+
+    def _cold(self, policy: str) -> np.ndarray | None:
+        """Per-layer cold-start hit rates [L, C], averaged over the sequences with decode
+        tokens (None without any). Sequences of the same shape (a prompt or not, the same
+        decode length) replay together, each (sequence, layer) its own cache row, so the
+        replay costs one pass per shape rather than one per sequence."""
+        n_layers, k = self.layers, self.top_k
+        groups: dict[tuple[bool, int], list[int]] = {}
+        for i, (p, experts) in enumerate(self._seqs):
+            n_dec = experts.shape[0] - p
+            if n_dec > 0:
+                groups.setdefault((p > 0, n_dec), []).append(i)
+        if not groups:
+            return None
+        total = np.zeros((n_layers, len(self.capacities)))
+        count = 0
+        for (_, n_dec), members in groups.items():
+            per = [self._steps(*self._seqs[i]) for i in members]
+            stacked: list[tuple[np.ndarray, np.ndarray | None, bool]] = []
+            for j, (_, valid, decode) in enumerate(per[0]):
+                order = np.concatenate([seq[j][0] for seq in per])
+                used = None
+                if valid is not None:
+                    used = np.concatenate([np.asarray(seq[j][1]) for seq in per])
+                stacked.append((order, used, decode))
+            hits = self._replay(policy, stacked, cold=True, rows=len(members) * n_layers)
+            # a decode token routes to k distinct experts per layer
+            rates = hits.reshape(len(members), n_layers, -1) / (n_dec * k)
+            total += rates.sum(axis=0)
+            count += len(members)
+        return total / count
+
     def _curves(self) -> dict[str, np.ndarray]:
         """Per-layer decode hit rates [L, E] of LRU and Belady at capacities 1..E (NaN at
-        capacities not asked for)."""
+        capacities not asked for), by the counting rules asked for: ``<policy>`` is the warm,
+        pooled rule (one cache per layer carried across the sequences in order, starting with
+        experts 0..c-1 resident, hits over all decode accesses), ``<policy>_cold`` the
+        per-sequence cold-start rule (each sequence alone from an empty cache, its prompt step
+        first; the hit rate of each sequence and layer, averaged over the sequences)."""
         n_layers, n_exp = self.layers, self.experts
-        # (ids in routing order [L, w], which are used [L, w] or None for all, decode step)
-        steps: list[tuple[np.ndarray, np.ndarray | None, bool]] = []
-        for p, experts in self._seqs:
-            if p:
-                counts = np.zeros((n_layers, n_exp), dtype=np.int64)
-                lay = np.broadcast_to(np.arange(n_layers)[None, :, None], experts[:p].shape)
-                np.add.at(counts, (lay.ravel(), experts[:p].astype(np.int64).ravel()), 1)
-                # descending count, ties by id (the engine's stable sort of the used ids)
-                order = np.argsort(-counts, axis=1, kind="stable")
-                steps.append((order, np.take_along_axis(counts, order, axis=1) > 0, False))
-            dec = experts[p:]  # stored ids (int16): no widened copy of the whole trace
-            steps.extend((dec[i], None, True) for i in range(dec.shape[0]))
         out = {}
         accesses = np.maximum(1, self.accesses)[:, None]
         caps = np.array(self.capacities) - 1
         for policy in self.curves:
-            caches = _Caches(policy, n_layers, n_exp, self.capacities)
-            if policy == "belady":
-                self._replay_belady(caches, steps)
-            else:
-                for order, valid, decode in steps:
-                    caches.step(order, valid, None, decode)
-            rates = np.full((n_layers, n_exp), np.nan)
-            rates[:, caps] = caches.hits / accesses
-            out[policy] = rates
+            if "warm" in self.rules:
+                steps = [st for p, experts in self._seqs for st in self._steps(p, experts)]
+                rates = np.full((n_layers, n_exp), np.nan)
+                rates[:, caps] = self._replay(policy, steps, cold=False) / accesses
+                out[policy] = rates
+            if "cold" in self.rules:
+                cold = self._cold(policy)
+                if cold is not None:
+                    rates = np.full((n_layers, n_exp), np.nan)
+                    rates[:, caps] = cold
+                    out[f"{policy}_cold"] = rates
         return out
 
     def _replay_belady(
         self, caches: _Caches, steps: list[tuple[np.ndarray, np.ndarray | None, bool]]
     ) -> None:
         """Belady needs each resident's next use: per access, the next step that uses the
-        same (layer, expert), found in one backward pass (memory: one int32 per access)."""
-        lay1 = np.arange(self.layers)[:, None]
-        upcoming = np.full((self.layers, self.experts), _NEVER32, dtype=np.int32)
+        same (layer, expert), found in one backward pass (memory: one int32 per access).
+        A row of ``caches`` is a layer, or a (sequence, layer) of the cold rule's batch."""
+        rows = caches.layers
+        lay1 = np.arange(rows)[:, None]
+        upcoming = np.full((rows, self.experts), _NEVER32, dtype=np.int32)
         after: list[np.ndarray] = [upcoming] * len(steps)
         for s in range(len(steps) - 1, -1, -1):
             order, valid, _ = steps[s]
@@ -342,8 +421,10 @@ class ReuseAccumulator:
         out["reuse_distance"] = self._distance_summary(
             self.dist_hist.sum(0), self.first_use.sum(), self.accesses.sum()
         )
-        out["stack_distance"] = self._stack_summary(
-            self.stack_hist.sum(0), self.first_use.sum(), self.accesses.sum()
+        out["stack_distance"] = (
+            self._stack_summary(self.stack_hist.sum(0), self.first_use.sum(), self.accesses.sum())
+            if self.stack
+            else None
         )
         for layer in range(n_layers):
             row = per[layer]
@@ -354,10 +435,12 @@ class ReuseAccumulator:
             )
         curves = self._curves() if self.curves and self.decode_tokens else {}
         for policy in CURVE_POLICIES:
-            rates = curves.get(policy)
-            out[f"{policy}_curve"] = None if rates is None else _listed(rates.mean(axis=0))
-            for layer in range(n_layers):
-                per[layer][f"{policy}_curve"] = None if rates is None else _listed(rates[layer])
+            for suffix in ("", "_cold"):
+                rates = curves.get(policy + suffix)
+                key = f"{policy}_curve{suffix}"
+                out[key] = None if rates is None else _listed(rates.mean(axis=0))
+                for layer in range(n_layers):
+                    per[layer][key] = None if rates is None else _listed(rates[layer])
         out["per_layer"] = per
         return out
 

@@ -23,7 +23,7 @@ from policies.registry import get_policy_class
 from simulator.costs import CostModel, cost_model
 from simulator.data import resolve_trace
 from simulator.engine import Engine, EngineBase
-from simulator.errors import DoesNotFit, UserError
+from simulator.errors import DoesNotFit, UserError, check_seed
 from simulator.hardware import HardwareProfile, load_profile
 from simulator.hosttier import host_tier_config, host_tier_metrics, model_trace
 from simulator.output import check_output_file
@@ -290,6 +290,8 @@ class ExpertFit:
     free_bytes: float  #: GPU bytes left after non-expert weights, workspace and KV cache
     buffers: int  #: the policy's expert-sized buffers, taken from ``free_bytes`` first
     context_tokens: int
+    #: unified memory: the host's holdings already taken from ``free_bytes`` (0 otherwise)
+    host_bytes: int = 0
 
     @property
     def slots(self) -> int:
@@ -320,6 +322,7 @@ def expert_fit(costs: CostModel, buffers: int, context_tokens: int) -> ExpertFit
         free_bytes=costs.free_expert_bytes(context_tokens),
         buffers=buffers,
         context_tokens=context_tokens,
+        host_bytes=costs.unified_host_bytes,
     )
 
 
@@ -337,12 +340,28 @@ def cpu_resident_layers(spec: ResourceSpec, costs: CostModel, fit: ExpertFit, kv
         return 0
     if g >= 0:
         return m.moe_layers - min(m.moe_layers, g)
-    per_layer = costs.cpu_layer_host_bytes(kv)
+    per_layer = costs.cpu_layer_freed_bytes(kv)
     for n in range(m.moe_layers + 1):
         slots = math.floor((fit.free_bytes + n * per_layer) / fit.expert_bytes) - fit.buffers
         if (m.moe_layers - n) * m.experts <= slots:
             return n
     return m.moe_layers
+
+
+def runtime_cost_model(
+    profile: HardwareProfile, model: Any, rt: RuntimeProfile, graph: bool = False
+) -> CostModel:
+    """The run's cost model: the profile and model with the runtime's CPU kernels, GPU stream
+    efficiency and fixed CPU costs, and (``graph``) its CUDA-graph node cost."""
+    return cost_model(
+        profile,
+        model,
+        rt.cpu_kernels,
+        rt.graph_kernel_us if graph else 0.0,
+        rt.gpu_stream_efficiency,
+        rt.cpu_expert_call_us,
+        rt.cpu_layer_us if rt.cpu_kernels == "ggml" else 0.0,
+    )
 
 
 def graph_replays(
@@ -355,12 +374,14 @@ def graph_replays(
     serving: object | None,
 ) -> bool:
     """Whether a run's one-token steps are CUDA-graph replays (docs/cost-model.md, "CUDA-graph
-    decode"): a runtime that replays graphs, a whole-layer split (llama.cpp ``-ngl``) with every
-    layer and expert on one GPU (so the forward pass is one GPU split whose graph does not
-    change between tokens) and one sequence at a time (no serving batch)."""
+    decode"): a runtime that replays graphs, every layer and expert on one GPU (so the forward
+    pass is one GPU split whose graph does not change between tokens), one sequence at a time
+    (no serving batch), and either a whole-layer split (llama.cpp ``-ngl``), a runtime that
+    graphs every policy's decode (``graph_all_policies``: vLLM, SGLang), or the all-GPU bound
+    (``unlimited_memory``: every expert resident, nothing ever moves)."""
     return (
         rt.replays_graphs
-        and spec.gpu_blocks is not None
+        and (spec.gpu_blocks is not None or rt.graph_all_policies or spec.unlimited_memory)
         and n_cpu_layers == 0
         and budget >= total
         and mg is None
@@ -382,6 +403,40 @@ def cpu_layers_note(model: Any, n_cpu: int) -> str:
     )
 
 
+def window_work(machine: Any, e2e: float) -> tuple[dict[str, float], dict[str, int]]:
+    """Work each serial resource did after the run's end, and the lanes behind each copy
+    direction, for the busy fractions (``results.busy_frac``, docs/metrics.md).
+
+    A copy lane, a CPU worker or the drive may still serve work issued before the last token
+    ended (a prefetch for a next token that never comes). Every request is issued by then, and
+    a lane serves its queue back to back, so a lane busy at ``e2e`` stays busy until its
+    ``free_at``: its work after the end is ``max(0, free_at - e2e)``.
+    """
+    uplinks = getattr(machine, "uplinks", None)
+    groups: dict[str, list[Any]] = {}
+    if uplinks:  # several GPUs: one lane per uplink and direction (shared ones once)
+        groups["h2d"] = list({id(h.lane): h.lane for h, _ in uplinks}.values())
+        groups["d2h"] = list({id(d.lane): d.lane for _, d in uplinks}.values())
+    else:
+        groups = {name: [link.lane] for name, link in machine.links.items()}
+    for name, pool in machine.pools.items():
+        groups[name] = list(pool.lanes)
+    for name, lane in machine.drives.items():
+        groups[name] = [lane]
+    after = {n: sum(max(0.0, lane.free_at - e2e) for lane in ls) for n, ls in groups.items()}
+    servers = {n: len(groups[n]) for n in ("h2d", "d2h") if n in groups}
+    return after, servers
+
+
+def same_content(a: Path, b: Path) -> bool:
+    """Whether two trace files hold the same bytes (a copy under another name counts)."""
+    from simulator.sweep import file_sha256
+
+    if os.path.getsize(a) != os.path.getsize(b):
+        return False
+    return file_sha256(a) == file_sha256(b)
+
+
 def check_fit(fit: ExpertFit, machine: str, budget: int | None, by_ratio: bool = False) -> None:
     """Raise :class:`DoesNotFit` when the weights, the buffers or ``budget`` experts do not fit.
 
@@ -389,12 +444,18 @@ def check_fit(fit: ExpertFit, machine: str, budget: int | None, by_ratio: bool =
     KV cache and the policy's buffers).
     """
     gb = fit.expert_bytes / 1e9
+    host = (
+        f", beside the host's weights and expert copies ({fit.host_bytes / 1e9:.1f} GB) in the "
+        "same unified memory"
+        if fit.host_bytes
+        else ""
+    )
     if fit.free_bytes < 0:
         raise DoesNotFit(
             0,
             f"{machine}'s GPU cannot hold {fit.model}'s non-expert weights, workspace and KV "
-            f"cache for {fit.context_tokens} tokens ({-fit.free_bytes / 1e9:.1f} GB short), "
-            "so no expert fits",
+            f"cache for {fit.context_tokens} tokens{host} ({-fit.free_bytes / 1e9:.1f} GB "
+            "short), so no expert fits",
         )
     if fit.slots < fit.buffers:
         raise DoesNotFit(
@@ -601,6 +662,7 @@ def simulate(
     """
     if lookahead not in LOOKAHEAD_CHOICES:
         raise UserError(f"--lookahead must be one of {list(LOOKAHEAD_CHOICES)}, got {lookahead!r}")
+    seed = check_seed(seed)
     engine_cls = _engine_class(engine)
     if model is not None:
         trace = model_trace(model, trace)
@@ -615,9 +677,7 @@ def simulate(
     else:
         pol = get_policy_class(policy)(**(policy_options or {}))
     rt = get_runtime(pol.runtime_profile if runtime is None else runtime)
-    costs: CostModel = cost_model(
-        profile, model, rt.cpu_kernels, gpu_stream_efficiency=rt.gpu_stream_efficiency
-    )
+    costs: CostModel = runtime_cost_model(profile, model, rt)
     host_tier = host_tier_config(
         profile, costs, host_memory_gb, ssd_path, pol.resources().ssd_access
     )
@@ -698,7 +758,7 @@ def simulate(
     if n_cpu_layers:
         # a CPU-resident layer's non-expert weights and KV cache live in host memory
         fit = replace(
-            fit, free_bytes=fit.free_bytes + n_cpu_layers * costs.cpu_layer_host_bytes(kv_reserve)
+            fit, free_bytes=fit.free_bytes + n_cpu_layers * costs.cpu_layer_freed_bytes(kv_reserve)
         )
     if pol.resources().unlimited_memory:
         budget = total  # the all-GPU bound: memory is not modelled
@@ -709,10 +769,8 @@ def simulate(
         # as many whole GPU layers as fit: a given expert budget can hold fewer than memory
         n_cpu_layers = max(n_cpu_layers, model.moe_layers - budget // model.experts)
     if graph_replays(rt, pol.resources(), n_cpu_layers, budget, total, mg, serving):
-        # one GPU split, one sequence: llama.cpp captures the one-token step as a CUDA graph
-        costs = cost_model(
-            profile, model, rt.cpu_kernels, rt.graph_kernel_us, rt.gpu_stream_efficiency
-        )
+        # one GPU split, one sequence: the one-token step is captured as a CUDA graph
+        costs = runtime_cost_model(profile, model, rt, graph=True)
         rt = rt.graph_replayed()
     if mg is not None and n_cpu_layers:
         raise UserError(
@@ -747,9 +805,11 @@ def simulate(
             + " uses calibration data and --calibration none gives none; use held-out "
             "sequences (the default), --calibration self or --calibration PATH"
         )
+    in_sample = False
     if wants_cal:
         if ext_cal is not None:
             cal_path = resolve_trace(ext_cal)
+            in_sample = same_content(cal_path, trace_path)
             cal_meta = read_meta(cal_path)
             if (cal_meta.model.moe_layers, cal_meta.model.experts) != (
                 model.moe_layers,
@@ -880,9 +940,10 @@ def simulate(
             recorder.discard()  # a failed run leaves no timeline file, nor its parts
         raise
     counters = stats.counters
-    metrics = compute_metrics(stats, profile)
+    after_end, servers = window_work(sim.machine, stats.e2e)
+    metrics = compute_metrics(stats, profile, after_end, servers)
     if stats.host_tier is not None:
-        metrics.update(host_tier_metrics(stats))
+        metrics.update(host_tier_metrics(stats, after_end.get("ssd", 0.0)))
     notes = run_notes(pol, meta, no_prefill[0], len(eval_ids), stand_in)
     if pol.resources().gpu_blocks is not None:
         notes.append(cpu_layers_note(model, n_cpu_layers))
@@ -894,6 +955,13 @@ def simulate(
         cal_label = "none" if calibration == "none" else "not used"
     elif mode == "self":
         cal_label = "self (in-sample)"
+    elif in_sample:
+        # the "other" trace is this trace's bytes: its counts include the evaluated sequences
+        cal_label = f"{ext_cal} (in-sample: the evaluated trace itself)"
+        notes.append(
+            f"--calibration {ext_cal} has the evaluated trace's content: its counts include the "
+            "evaluated sequences (in-sample, like --calibration self)"
+        )
     else:
         cal_label = str(ext_cal) if ext_cal is not None else mode
     config = {

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from simulator.data import profiles_dir
-from simulator.errors import UserError
+from simulator.errors import UserError, did_you_mean
 
 
 def runtimes_dir() -> Path:
@@ -50,6 +50,18 @@ FIELDS: tuple[tuple[str, type, str], ...] = (
         "as a CUDA graph (0: the runtime replays no graph)",
     ),
     ("graph_step_us", float, "fixed cost of one CUDA-graph replay (with graph_kernel_us)"),
+    (
+        "cpu_expert_call_us",
+        float,
+        "fixed host time of one CPU expert call beyond its weight stream and FLOPs (PyTorch's "
+        "module calls and op dispatch for an eager expert on the CPU)",
+    ),
+    (
+        "cpu_node_us",
+        float,
+        "host time per graph node the CPU backend runs (ggml's thread barrier), charged "
+        "nonexpert_kernels times per CPU-resident layer and forward pass",
+    ),
 )
 _NUMERIC = {name: typ for name, typ, _ in FIELDS}
 #: meaning of ``gpu_stream_efficiency`` (a share in (0, 1], default 1: not one of the
@@ -91,6 +103,16 @@ class RuntimeProfile:
     #: graph replay
     graph_kernel_us: float = 0.0
     graph_step_us: float = 0.0
+    #: with ``graph_kernel_us``: every one-token step whose experts all stay on one GPU is a
+    #: replay, whatever the policy's split (vLLM and SGLang capture decode steps as graphs by
+    #: default); false: only llama.cpp's whole-layer split with every layer on the GPU
+    graph_all_policies: bool = False
+    #: fixed host time of one CPU expert call beyond its stream and FLOPs (docs/cost-model.md,
+    #: "Per-call costs of a CPU expert"); a measured ``cpu_expert_ms`` already holds it
+    cpu_expert_call_us: float = 0.0
+    #: host time per graph node of the CPU backend (ggml's per-node thread barrier): a
+    #: CPU-resident layer pays ``nonexpert_kernels`` of them per forward pass
+    cpu_node_us: float = 0.0
     #: share of the GPU's spec bandwidth (``gpu.spec_mem_bw_gbs``, else ``gpu.mem_bw_gbs``) the
     #: runtime's GPU kernels stream weights and KV bytes at, in (0, 1] (docs/cost-model.md,
     #: "GPU stream efficiency"): the memory-bound term of its GPU work divides by
@@ -138,14 +160,27 @@ class RuntimeProfile:
         out["gpu_stream_efficiency"] = self.gpu_stream_efficiency
         out["sources"] = dict(self.sources)
         out["fused_moe"] = self.fused_moe
+        out["graph_all_policies"] = self.graph_all_policies
         out["attention"] = self.attention
         out["cpu_kernels"] = self.cpu_kernels
         return out
 
+    @property
+    def cpu_layer_us(self) -> float:
+        """Fixed µs of one CPU-resident layer's graph on the CPU backend per forward pass:
+        ``cpu_node_us`` per node, ``nonexpert_kernels`` nodes (the layer's graph nodes)."""
+        return self.cpu_node_us * self.nonexpert_kernels
+
 
 def parse_runtime(data: dict[str, Any], where: str) -> RuntimeProfile:
     """A profile from a TOML table; a bad field is a one-line ``UserError`` naming it."""
-    others = ("fused_moe", "attention", "cpu_kernels", "gpu_stream_efficiency")
+    others = (
+        "fused_moe",
+        "graph_all_policies",
+        "attention",
+        "cpu_kernels",
+        "gpu_stream_efficiency",
+    )
     known = {"name", "summary", "source", *others, *_NUMERIC}
     for key in data:
         if key not in known:
@@ -158,8 +193,8 @@ def parse_runtime(data: dict[str, Any], where: str) -> RuntimeProfile:
         v = data.get(key, 0)
         if isinstance(v, bool) or not isinstance(v, int | float) or (typ is int and v != int(v)):
             raise UserError(f"{where}: field {key!r} must be a {typ.__name__}, got {v!r}")
-        if v < 0:
-            raise UserError(f"{where}: field {key!r} must be >= 0, got {v!r}")
+        if not math.isfinite(v) or v < 0:
+            raise UserError(f"{where}: field {key!r} must be a finite number >= 0, got {v!r}")
         values[key] = typ(v)
     sources = data.get("source", {})
     if not isinstance(sources, dict) or not all(isinstance(s, str) for s in sources.values()):
@@ -167,10 +202,13 @@ def parse_runtime(data: dict[str, Any], where: str) -> RuntimeProfile:
     for key in sources:
         if key not in _NUMERIC and key not in others:
             raise UserError(f"{where}: [source] names unknown field {key!r}")
-    fused = data.get("fused_moe", False)
-    if not isinstance(fused, bool):
-        raise UserError(f"{where}: field 'fused_moe' must be true or false, got {fused!r}")
-    values["fused_moe"] = fused
+    for flag in ("fused_moe", "graph_all_policies"):
+        v = data.get(flag, False)
+        if not isinstance(v, bool):
+            raise UserError(f"{where}: field {flag!r} must be true or false, got {v!r}")
+        values[flag] = v
+    if values["graph_all_policies"] and not values["graph_kernel_us"]:
+        raise UserError(f"{where}: field 'graph_all_policies' needs graph_kernel_us > 0")
     attention = data.get("attention", "fused")
     if attention not in ATTENTION_KINDS:
         raise UserError(
@@ -224,7 +262,8 @@ def get_runtime(name: str | RuntimeProfile) -> RuntimeProfile:
         return name
     prof = _bundled().get(name)
     if prof is None:
-        raise UserError(f"unknown runtime {name!r} (known: {', '.join(runtime_names())})")
+        hint = did_you_mean(name, runtime_names())
+        raise UserError(f"unknown runtime {name!r}{hint} (known: {', '.join(runtime_names())})")
     return prof
 
 

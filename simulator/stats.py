@@ -183,6 +183,8 @@ def trace_stats(
     reuse: bool = True,
     curves: bool | tuple[str, ...] = True,
     capacities: tuple[int, ...] | None = None,
+    curve_rules: tuple[str, ...] = ("warm", "cold"),
+    stack_distance: bool = True,
 ) -> dict[str, Any]:
     """Routing statistics per layer and their mean over layers (see docs/trace-format.md).
 
@@ -194,7 +196,10 @@ def trace_stats(
     ``reuse`` adds the reuse statistics of ``simulator.reuse`` (always over decode tokens, with
     the sequences in the order given), and ``curves`` their LRU/Belady hit-rate curves (True
     for both, or a tuple of ``"lru"``/``"belady"``) at ``capacities`` (default 1..E; others
-    are None).
+    are None), by the counting rules in ``curve_rules``: ``warm`` (``lru_curve``: pooled, one
+    cache carried across the sequences) and ``cold`` (``lru_curve_cold``: each sequence from
+    an empty cache, averaged over sequences and layers). ``stack_distance=False`` skips the
+    LRU stack-distance histogram (a loop over tokens; ``stack_distance`` is then None).
     """
     if phase not in PHASE_CHOICES:
         raise ValueError(f"phase must be one of {PHASE_CHOICES}, got {phase!r}")
@@ -208,7 +213,13 @@ def trace_stats(
     model = meta.model
     acc = _Acc(model.moe_layers, model.experts)
     reuse_acc = ReuseAccumulator(
-        model.moe_layers, model.experts, model.top_k, curves=curves, capacities=capacities
+        model.moe_layers,
+        model.experts,
+        model.top_k,
+        curves=curves,
+        capacities=capacities,
+        rules=curve_rules,
+        stack=stack_distance,
     )
     counts = {"sequences": 0, "prefill_tokens": 0, "decode_tokens": 0}
     phase_tokens = 0

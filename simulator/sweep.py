@@ -4,7 +4,8 @@ A :class:`Grid` (from Python, a dict, a TOML file or the ``daopsim sweep`` flags
 configurations in a fixed order (trace, machine, policy, option values, memory point, seed).
 Each configuration gets a key: a SHA-256 over the trace file's bytes, the machine profile's
 resolved content, the policy, the source files of its code and its resolved options, the memory
-point, sequences, seed, calibration and the daopsim version. Finished rows are stored one JSON
+point, sequences, seed, calibration, the daopsim version and the source of the simulator
+package (so an edited cost model or engine re-runs rows). Finished rows are stored one JSON
 file per key in ``RESULTS.parquet.parts/`` (written atomically as each run completes), so a
 sweep killed at any moment and run again skips what is done (and re-runs a policy whose code
 changed); the consolidated table is written atomically at the end.
@@ -35,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from simulator.data import DEFAULT_TRACE, bundled_traces, check_input_file, resolve_trace
-from simulator.errors import DoesNotFit, PolicyError, UserError, parse_key_values
+from simulator.errors import DoesNotFit, PolicyError, UserError, check_seed, parse_key_values
 from simulator.output import TABLE_FORMATS, check_output_file, output_format
 from simulator.output import write_table as _write_any_table
 from simulator.progress import Progress
@@ -72,6 +73,10 @@ EXTRA_COLUMNS = (
     "sequence_ids",
     "calibration",
 )
+#: The all-GPU bound of each row (docs/metrics.md, "Bounds"): its tokens/s and the runtime it
+#: ran on; empty for rows that did not finish, serving rows and multi-GPU rows (whose
+#: throughput a one-sequence, one-GPU bound does not cap).
+BOUND_COLUMNS = ("bound_tokens_per_s", "bound_runtime")
 #: Columns of serving sweeps (an ``arrival_rate`` axis; docs/serving.md), after the metrics.
 SERVING_COLUMNS = (
     "arrival_rate",
@@ -253,16 +258,33 @@ def _relative_to(base: Path, value: str) -> str:
     return value
 
 
+def bundled_grids() -> dict[str, Path]:
+    """Grid files bundled with daopsim, by name (``example-grid``): ``sweep NAME`` runs one."""
+    from simulator.data import bundled_dir
+
+    return {p.stem: p for p in sorted(bundled_dir("experiments").glob("*grid*.toml"))}
+
+
 def load_grid_file(path: str | os.PathLike[str]) -> tuple[Grid, str | None]:
-    """A grid TOML file and its optional ``out`` (both relative to the file's folder)."""
+    """A grid TOML file and its optional ``out`` (both relative to the file's folder), or a
+    bundled grid by name (``example-grid``), whose relative paths are relative to the current
+    folder (the bundled copy's folder is inside the installed package)."""
+    text = str(path)
+    bundled = bundled_grids()
+    if not Path(text).exists() and text.removesuffix(".toml") in bundled:
+        grid, out = _read_grid(bundled[text.removesuffix(".toml")], Path.cwd())
+        return grid, out
     p = check_input_file(path, "grid")
+    return _read_grid(p, p.parent)
+
+
+def _read_grid(p: Path, base: Path) -> tuple[Grid, str | None]:
     try:
         with p.open("rb") as fh:
             data = tomllib.load(fh)
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"{p}: not valid TOML: {exc}") from None
     grid = Grid.from_dict(data, source=str(p))
-    base = p.parent
     grid.traces = [_relative_to(base, t) for t in grid.traces]
     if grid.calibration is not None and grid.calibration not in ("none", "self"):
         grid.calibration = _relative_to(base, grid.calibration)
@@ -349,6 +371,16 @@ def policy_code_sha256(cls: type) -> str:
             parts[mod] = _distribution_version(mod) or f"unknown:{daopsim_version()}"
     text = json.dumps(parts, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def simulator_code_sha256() -> str:
+    """SHA-256 naming the simulator's code: the source of every module of the ``simulator``
+    package (the engines, the cost model, the runner, the metrics). Part of every key, so a
+    sweep resumed after an edit to any of them re-runs its rows instead of reusing rows the
+    old code computed (policies are keyed by their own code, :func:`policy_code_sha256`)."""
+    here = Path(__file__).resolve().parent
+    parts = {p.name: file_sha256(p) for p in sorted(here.glob("*.py"))}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -450,6 +482,11 @@ def expand(grid: Grid) -> list[Config]:
     for rate in grid.arrival_rates:
         if not (math.isfinite(rate) and rate > 0):
             raise UserError(f"arrival rate {rate} is not a positive number")
+    for seed in grid.seeds:
+        check_seed(seed, "--seeds")
+    mb = grid.max_batch
+    if mb is not None and (isinstance(mb, bool) or not isinstance(mb, int) or mb < 1):
+        raise UserError(f"--max-batch must be a positive integer, got {mb!r}")
     serving_extra = {
         k: getattr(grid, k)
         for k in ("max_batch", "slo_ttft", "slo_tpot")
@@ -492,8 +529,9 @@ def expand(grid: Grid) -> list[Config]:
     if not memory:
         memory = [(None, None)]
     version = daopsim_version()
+    code = simulator_code_sha256()
     configs: list[Config] = []
-    seen: set[str] = set()
+    seen: dict[str, Config] = {}
     for t, (path, tsha) in traces.items():
         for hw, hsha in hw_sha.items():
             for pol, cls in classes.items():
@@ -518,6 +556,7 @@ def expand(grid: Grid) -> list[Config]:
                             "calibration_sha256": cal_sha,
                             "dtype": grid.dtype,
                             "daopsim": version,
+                            "simulator_code_sha256": code,
                         }
                         if grid.lookahead != "recorded":
                             # only then, so the keys of earlier sweeps stay valid
@@ -533,40 +572,67 @@ def expand(grid: Grid) -> list[Config]:
                             ident.update(gpus=gpus, multi_gpu=mg or "expert")
                         text = json.dumps(ident, sort_keys=True, default=str)
                         key = hashlib.sha256(text.encode()).hexdigest()[:32]
-                        if key in seen:
-                            continue
-                        seen.add(key)
-                        configs.append(
-                            Config(
-                                index=len(configs),
-                                key=key,
-                                policy=pol,
-                                options=tuple(sorted(opts.items())),
-                                hw=hw,
-                                hw_sha=hsha,
-                                trace=t,
-                                trace_path=str(path.resolve()),
-                                trace_bundled=t in bundled,
-                                trace_sha=tsha,
-                                cache_ratio=ratio,
-                                gpu_experts=n,
-                                sequences=grid.sequences,
-                                seed=seed,
-                                calibration=grid.calibration,
-                                dtype=grid.dtype,
-                                lookahead=grid.lookahead,
-                                host_dtype=grid.host_dtype,
-                                nonexpert_dtype=grid.nonexpert_dtype,
-                                arrival_rate=rate,
-                                max_batch=grid.max_batch if rate is not None else None,
-                                slo_ttft=grid.slo_ttft if rate is not None else None,
-                                slo_tpot=grid.slo_tpot if rate is not None else None,
-                                runtime=runtime,
-                                gpus=gpus,
-                                multi_gpu=mg,
-                            )
+                        cfg = Config(
+                            index=len(configs),
+                            key=key,
+                            policy=pol,
+                            options=tuple(sorted(opts.items())),
+                            hw=hw,
+                            hw_sha=hsha,
+                            trace=t,
+                            trace_path=str(path.resolve()),
+                            trace_bundled=t in bundled,
+                            trace_sha=tsha,
+                            cache_ratio=ratio,
+                            gpu_experts=n,
+                            sequences=grid.sequences,
+                            seed=seed,
+                            calibration=grid.calibration,
+                            dtype=grid.dtype,
+                            lookahead=grid.lookahead,
+                            host_dtype=grid.host_dtype,
+                            nonexpert_dtype=grid.nonexpert_dtype,
+                            arrival_rate=rate,
+                            max_batch=grid.max_batch if rate is not None else None,
+                            slo_ttft=grid.slo_ttft if rate is not None else None,
+                            slo_tpot=grid.slo_tpot if rate is not None else None,
+                            runtime=runtime,
+                            gpus=gpus,
+                            multi_gpu=mg,
                         )
+                        if key in seen:
+                            raise _duplicate(seen[key], cfg)
+                        seen[key] = cfg
+                        configs.append(cfg)
     return configs
+
+
+#: Config fields that name a configuration, with the flag that sets each (for messages).
+_LABELS = (
+    ("trace", "--traces"),
+    ("hw", "--hw"),
+    ("policy", "--policies"),
+    ("options", "--policy-opt"),
+    ("cache_ratio", "--cache-ratios"),
+    ("gpu_experts", "--gpu-experts"),
+    ("seed", "--seeds"),
+    ("runtime", "--runtimes"),
+    ("arrival_rate", "--arrival-rates"),
+)
+
+
+def _duplicate(first: Config, again: Config) -> UserError:
+    """The one-line error for two requested configurations with one key (the same run)."""
+    differ = [
+        f"{flag} {getattr(first, name)!r} and {getattr(again, name)!r}"
+        for name, flag in _LABELS
+        if getattr(first, name) != getattr(again, name)
+    ]
+    what = "; ".join(differ) if differ else f"{again.policy} on {again.hw}, {again.trace}, twice"
+    return UserError(
+        f"the sweep asks for the same configuration twice ({what}): the same trace bytes, "
+        "profile content, policy, options and point; give it once"
+    )
 
 
 # --- one run ----------------------------------------------------------------------------------
@@ -603,6 +669,11 @@ def _base_row(cfg: Config) -> dict[str, Any]:
         row["arrival_rate"] = cfg.arrival_rate
         row["max_batch"] = cfg.serving().batch
     return row
+
+
+def _labels(cfg: Config) -> dict[str, Any]:
+    """The columns of a row that name what was asked for rather than what ran."""
+    return {"hw": cfg.hw, "trace": cfg.trace, "runtime": cfg.runtime}
 
 
 def run_config(cfg: Config) -> dict[str, Any]:
@@ -688,6 +759,33 @@ def run_config(cfg: Config) -> dict[str, Any]:
     return row
 
 
+def add_bounds(rows: list[dict[str, Any]], configs: list[Config]) -> None:
+    """Fill each finished one-sequence-at-a-time, one-GPU row's all-GPU bound (in place).
+
+    The bound runs on the row's machine, trace, evaluated sequences and precisions, under the
+    fastest of its runtime and the bundled ones (:func:`simulator.bounds.all_gpu_bound`, which
+    caches: rows sharing all of these cost one set of runs)."""
+    from simulator.bounds import all_gpu_bound
+
+    for row, cfg in zip(rows, configs, strict=True):
+        row["bound_tokens_per_s"], row["bound_runtime"] = None, None
+        if row.get("status") != "ok" or cfg.arrival_rate is not None or cfg.gpus > 1:
+            continue
+        ids = [int(x) for x in str(row["sequence_ids"]).split(",") if x]
+        path = resolve_trace(cfg.trace) if cfg.trace_bundled else Path(cfg.trace_path)
+        b = all_gpu_bound(
+            cfg.hw,
+            path,
+            ids,
+            cfg.dtype,
+            cfg.host_dtype,
+            cfg.nonexpert_dtype,
+            str(row["runtime"]),
+            seed=cfg.seed,
+        )
+        row["bound_tokens_per_s"], row["bound_runtime"] = b.tokens_per_s, b.runtime
+
+
 def serving_row(sv: dict[str, Any]) -> dict[str, Any]:
     """A serving run's summary as flat sweep columns (``SERVING_COLUMNS``)."""
     out = {
@@ -761,7 +859,9 @@ def to_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     multi = ["gpus", "multi_gpu"] if any("gpus" in r for r in rows) else []
     metrics = [k for k in METRIC_KEYS if k not in OPTIONAL_METRIC_KEYS or any(k in r for r in rows)]
     cols = list(
-        dict.fromkeys([*BASE_COLUMNS, *opt_cols, *multi, *metrics, *serving, *EXTRA_COLUMNS])
+        dict.fromkeys(
+            [*BASE_COLUMNS, *opt_cols, *multi, *metrics, *BOUND_COLUMNS, *serving, *EXTRA_COLUMNS]
+        )
     )
     df = pd.DataFrame([{c: r.get(c) for c in cols} for r in rows], columns=cols)
     if multi:
@@ -773,7 +873,7 @@ def to_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
         if c in ints:
             continue
         df[c] = pd.to_numeric(df[c], errors="coerce").astype("float64")
-    for c in ("cache_ratio", "expert_memory_gb"):
+    for c in ("cache_ratio", "expert_memory_gb", "bound_tokens_per_s"):
         df[c] = pd.to_numeric(df[c], errors="coerce").astype("float64")
     for c in ints:
         df[c] = pd.array(df[c].tolist(), dtype="Int64")
@@ -923,20 +1023,33 @@ def watch_parent(pid: int, interval: float = WATCHDOG_INTERVAL_S) -> None:
 _WATCHED: int | None = None
 
 
+def pool_context() -> Any:
+    """The multiprocessing context of the local executor.
+
+    On Linux, ``fork``: a worker starts as a copy of the sweep process, so it never re-runs the
+    calling script (``spawn`` and ``forkserver`` import ``__main__`` again in every worker, and a
+    script that calls ``sweep()`` at top level, without an ``if __name__ == "__main__":`` guard,
+    would then start a sweep inside each worker and fail). The copy also keeps policies
+    registered by the script or notebook. The pool starts all its workers before its manager
+    thread (``ProcessPoolExecutor`` does so for ``fork``), and a run is deterministic
+    (``simulate(record=False)``), so the table is the same as with one worker. Elsewhere (macOS,
+    Windows: ``fork`` is unsafe or missing) ``spawn``, which needs the guard in scripts.
+    """
+    import multiprocessing as mp
+
+    if sys.platform.startswith("linux") and "fork" in mp.get_all_start_methods():
+        return mp.get_context("fork")
+    return mp.get_context("spawn")
+
+
 def _run_local(todo: list[Config], workers: int, on_row: Callable[[dict[str, Any]], None]) -> None:
     if workers <= 1 or len(todo) <= 1:
         for cfg in todo:
             on_row(run_config(cfg))
         return
     import concurrent.futures as cf
-    import multiprocessing as mp
 
-    if "forkserver" in mp.get_all_start_methods():
-        ctx = mp.get_context("forkserver")
-        # workers fork from a server that has already imported the simulator
-        ctx.set_forkserver_preload(["simulator.sweep", "simulator.runner", "policies.registry"])
-    else:
-        ctx = mp.get_context("spawn")
+    ctx = pool_context()
     with cf.ProcessPoolExecutor(
         max_workers=min(workers, len(todo)),
         mp_context=ctx,
@@ -1041,11 +1154,14 @@ def run_sweep(
     scheduler: str | None = None,
     retry_errors: bool = False,
     min_gate_mass: float | None = None,
+    bounds: bool = True,
 ) -> tuple[pd.DataFrame, SweepSummary]:
     """Run a sweep; returns the table and a summary (``sweep()`` returns just the table).
 
     ``min_gate_mass`` leaves out of the table the finished rows below that routing fidelity
-    (their parts stay, so a later run with another floor does not simulate them again)."""
+    (their parts stay, so a later run with another floor does not simulate them again).
+    ``bounds``: fill the all-GPU bound columns (:data:`BOUND_COLUMNS`; a few all-GPU runs per
+    machine, trace, sequences and precision, in this process)."""
     g, grid_out = _as_grid(grid)
     if out is None and grid_out is not None:
         out = grid_out
@@ -1089,7 +1205,12 @@ def run_sweep(
                 _run_dask(todo, n_workers, scheduler, on_row)
             else:
                 _run_local(todo, n_workers, on_row)
-        df, below_floor = fidelity_floor(to_frame([done[c.key] for c in configs]), min_gate_mass)
+        if bounds:
+            add_bounds([done[c.key] for c in configs], configs)
+        # a stored row keeps its numbers but takes this request's labels (a key is content: the
+        # same run may have been asked for under another file name or profile name before)
+        rows = [{**done[c.key], **_labels(c)} for c in configs]
+        df, below_floor = fidelity_floor(to_frame(rows), min_gate_mass)
         if out is not None:
             write_table(df, out)
     failed = df[df["status"] == "error"]
@@ -1122,12 +1243,14 @@ def sweep(
     progress: bool = True,
     scheduler: str | None = None,
     retry_errors: bool = False,
+    bounds: bool = True,
 ) -> pd.DataFrame:
     """Run every configuration of ``grid`` and return one tidy row per configuration.
 
     ``grid`` is a :class:`Grid`, a dict with the same keys, or a TOML grid file. With ``out``
     the sweep is resumable (see docs/sweeps.md). Failed configurations have status "error",
-    memory points that do not fit the machine status "skipped".
+    memory points that do not fit the machine status "skipped". ``bounds``: fill each row's
+    all-GPU bound (``bound_tokens_per_s``, ``bound_runtime``; docs/metrics.md, "Bounds").
     """
     df, _ = run_sweep(
         grid,
@@ -1137,6 +1260,7 @@ def sweep(
         progress=progress,
         scheduler=scheduler,
         retry_errors=retry_errors,
+        bounds=bounds,
     )
     return df
 

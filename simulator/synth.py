@@ -34,8 +34,9 @@ import numpy as np
 import pyarrow as pa
 
 from simulator.data import check_input_file
-from simulator.errors import UserError, parse_key_values
+from simulator.errors import UserError, check_seed, parse_key_values
 from simulator.models import ModelShape, get_model
+from simulator.reuse import CURVE_POLICIES
 from simulator.stats import heldout_popularity_hit, trace_stats
 from simulator.trace import (
     ALL_PROBS_MAX_EXPERTS,
@@ -651,6 +652,7 @@ def iter_synthetic(
     seed: int,
 ) -> Iterator[SequenceRouting]:
     """Sequences 0..sequences-1 (each independent of how many are asked for)."""
+    check_seed(seed)
     p.check()
     router = _router(model, p)
     for s in range(sequences):
@@ -769,6 +771,8 @@ def routing_stats(
     reuse: bool = True,
     curves: Any = False,
     capacities: tuple[int, ...] | None = None,
+    curve_rules: tuple[str, ...] = ("warm", "cold"),
+    stack_distance: bool = True,
 ) -> dict[str, Any]:
     """``trace_stats`` of in-memory sequences (no file round trip), plus ``traffic95_experts``
     (mean over layers of ``traffic_concentration``, also given per layer) and the held-out
@@ -778,7 +782,15 @@ def routing_stats(
     ``curves`` and ``capacities`` are passed to ``trace_stats``; the hit-rate curves are off
     by default here (they are the slow part for many-expert models)."""
     meta = TraceMeta(model=model, probs_stored=seqs[0].probs.shape[2] if seqs else 1)
-    stats = trace_stats(seqs, meta=meta, reuse=reuse, curves=curves, capacities=capacities)
+    stats = trace_stats(
+        seqs,
+        meta=meta,
+        reuse=reuse,
+        curves=curves,
+        capacities=capacities,
+        curve_rules=curve_rules,
+        stack_distance=stack_distance,
+    )
     conc = traffic_concentration(model, seqs)
     finite = conc[np.isfinite(conc)]
     stats["traffic95_experts"] = float(finite.mean()) if finite.size else None
@@ -818,9 +830,27 @@ FIT_PARAMS: dict[str, str] = {
 #: has reuse targets (overlap_by_lag, lru_curve), starting from these values if they are off.
 REUSE_PARAMS = {"repeat_prob": 0.1, "topic_drift": 0.01}
 #: Vector-valued reuse statistics the fit can target (one target per lag or capacity).
-REUSE_TARGETS = ("overlap_by_lag", "lru_curve")
+REUSE_TARGETS = ("overlap_by_lag", "lru_curve", "lru_curve_cold", "belady_curve_cold")
+#: Hit-rate curves by counting rule (docs/trace-format.md, "Reuse statistics"): the warm,
+#: pooled rule (``lru_curve``) and the per-sequence cold-start rule (``*_cold``). A fit targets
+#: the cold-start curves when the target has them: that rule replays each sequence alone from
+#: an empty cache, so its value depends on the sequences' length, which the fit reproduces, and
+#: not on how many sequences the recording has or on the cache's arbitrary first residents,
+#: which the warm rule's value for a short recording does.
+CURVE_RULES = {"warm": ("lru_curve",), "cold": ("lru_curve_cold", "belady_curve_cold")}
+#: Sequences a cold-start fit draws at least (``synth fit`` without ``--sequences``): the rule
+#: averages over sequences, so drawing more than a short recording has lowers the fit sample's
+#: own noise without changing what it measures (a warm fit keeps the recording's count).
+COLD_FIT_SEQUENCES = 32
 #: How far off a statistic may be before it counts as one unit of misfit.
-FIT_SCALE = {"entropy_bits": 0.02, "max_share": 0.01, "overlap_by_lag": 0.005, "lru_curve": 0.005}
+FIT_SCALE = {
+    "entropy_bits": 0.02,
+    "max_share": 0.01,
+    "overlap_by_lag": 0.005,
+    "lru_curve": 0.005,
+    "lru_curve_cold": 0.005,
+    "belady_curve_cold": 0.005,
+}
 _EPS = 1e-4
 
 
@@ -872,6 +902,14 @@ def _curve_capacities(n_exp: int, top_k: int) -> list[int]:
     return list(range(top_k, n_exp, step))
 
 
+def curve_rule(target: dict[str, Any]) -> str:
+    """The counting rule a fit targets the hit-rate curves by: ``cold`` (per-sequence cold
+    start, ``lru_curve_cold`` and ``belady_curve_cold``) when the stats have it, else ``warm``
+    (the pooled ``lru_curve``, e.g. published points)."""
+    cold = target.get("lru_curve_cold")
+    return "cold" if isinstance(cold, list) and any(_finite(v) for v in cold) else "warm"
+
+
 def _target_vector(target: dict[str, Any]) -> list[_Target]:
     """Every usable target in a `trace stats` JSON."""
     out: list[_Target] = []
@@ -886,15 +924,17 @@ def _target_vector(target: dict[str, Any]) -> list[_Target]:
             for lag, v in lags.items()
             if _finite(v)
         )
-    curve = target.get("lru_curve")
-    if isinstance(curve, list) and curve:
+    for key in CURVE_RULES[curve_rule(target)]:
+        curve = target.get(key)
+        if not (isinstance(curve, list) and curve):
+            continue
         k = target.get("top_k") if isinstance(target.get("top_k"), int) else 1
         # a curve with gaps (published points only) is taken as given
         partial = any(not _finite(v) for v in curve[:-1])
         caps = range(1, len(curve)) if partial else _curve_capacities(len(curve), k)
         for cap in caps:
             if _finite(curve[cap - 1]):
-                out.append(_Target("lru_curve", float(curve[cap - 1]), sub=cap - 1))
+                out.append(_Target(key, float(curve[cap - 1]), sub=cap - 1))
     per = target.get("per_layer")
     if isinstance(per, list) and len(per) > 2:
         first = per[0] if isinstance(per[0], dict) else {}
@@ -924,6 +964,7 @@ IGNORE_ALIASES = {
     "entropy": "entropy_bits",
     "lags": "overlap_by_lag",
     "lru": "lru_curve",
+    "belady": "belady_curve",
     "popularity": "popularity_hit",
 }
 
@@ -1047,8 +1088,13 @@ def fit_params(
     start = start.replace(
         **{n: v for n, v in REUSE_PARAMS.items() if n in free and getattr(start, n) == 0}
     )
-    caps = tuple(int(t.sub) + 1 for t in targets if t.key == "lru_curve" and t.sub is not None)
-    curves = ("lru",) if caps else False
+    curve_keys = {t.key for t in targets if t.key.endswith(("_curve", "_curve_cold"))}
+    caps = tuple(
+        sorted({int(t.sub) + 1 for t in targets if t.key in curve_keys and t.sub is not None})
+    )
+    policies = tuple(p for p in CURVE_POLICIES if any(k.startswith(p) for k in curve_keys))
+    curves = policies if caps else False
+    rules = ("cold",) if any(k.endswith("_cold") for k in curve_keys) else ("warm",)
     goal = np.array([t.value for t in targets])
     scale = np.array([FIT_SCALE.get(t.key, 0.01) for t in targets])
     x0 = np.array([_to_free(n, getattr(start, n)) for n in free])
@@ -1064,7 +1110,13 @@ def fit_params(
     def stats_at(p: SynthParams) -> np.ndarray:
         seqs = list(iter_synthetic(model, p, sequences, prompt_tokens, output_tokens, seed))
         stats = routing_stats(
-            model, seqs, reuse=reuse_targets, curves=curves, capacities=caps or None
+            model,
+            seqs,
+            reuse=reuse_targets,
+            curves=curves,
+            capacities=caps or None,
+            curve_rules=rules,
+            stack_distance=False,
         )
         return _measure(stats, targets)
 
@@ -1114,6 +1166,29 @@ def fit_params(
         evaluations=evals,
         ignored=[t.label for t in all_targets if t not in kept],
     )
+
+
+def check_stats_model(model: ModelShape, target: dict[str, Any], where: str) -> None:
+    """A UserError when the stats in ``target`` (``trace stats --json``) describe a model of
+    another shape than ``model``: their per-layer and per-capacity lists would not line up."""
+    name = target.get("model")
+    facts = {
+        "MoE layers": (
+            len(target["per_layer"]) if isinstance(target.get("per_layer"), list) else None,
+            model.moe_layers,
+        ),
+        "experts": (target.get("experts"), model.experts),
+        "top-k": (target.get("top_k"), model.top_k),
+    }
+    if isinstance(target.get("lru_curve"), list):
+        facts["LRU capacities"] = (len(target["lru_curve"]), model.experts)
+    for what, (got, want) in facts.items():
+        if isinstance(got, int) and not isinstance(got, bool) and got != want:
+            of = f" ({name})" if isinstance(name, str) else ""
+            raise UserError(
+                f"{where}: the statistics are of a model with {got} {what}{of}, but "
+                f"{model.name} has {want}; give --model a model of that shape"
+            )
 
 
 def shape_from_stats(target: dict[str, Any]) -> dict[str, int]:

@@ -4,23 +4,24 @@
 trace: non-finite numbers, magnitudes that overflow the router logits, seeds NumPy rejects.
 :func:`write_validated` is the safety net behind it: the trace is generated into a temporary
 file beside the output, read back through ``validate_trace`` (the check ``daopsim trace
-validate`` runs), and only then renamed into place, so ``synth`` never leaves a trace that
+validate`` runs), and only then renamed into place (``simulator.trace.write_valid_trace``,
+shared with ``trace import`` and ``capture``), so ``synth`` never leaves a trace that
 validation would reject. The ranges are documented in docs/synthetic-traces.md.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from simulator.errors import TraceError, UserError
+from simulator.errors import UserError
 
 if TYPE_CHECKING:
     from simulator.synth import SynthParams
+    from simulator.trace import TraceMeta
 
 T = TypeVar("T")
 
@@ -77,24 +78,46 @@ def _num(x: float) -> str:
 def write_validated(path: str | os.PathLike[str], write: Callable[[Path], T]) -> T:
     """Run ``write(tmp)`` into a temporary sibling of ``path``, validate it, then rename it.
 
-    A trace that fails validation is deleted and reported as a UserError; ``path`` is left as
-    it was. Returns what ``write`` returned.
+    The synthetic generator's use of :func:`simulator.trace.write_valid_trace` (shared with
+    ``trace import`` and ``capture``): a trace that fails validation is deleted and reported
+    as a UserError; ``path`` is left as it was. Returns what ``write`` returned.
     """
-    from simulator.trace import validate_trace
+    from simulator.trace import write_valid_trace
 
-    out = Path(path)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.unchecked.parquet")
-    try:
-        result = write(tmp)
-        try:
-            validate_trace(tmp)
-        except TraceError as exc:
-            raise UserError(
-                f"{out}: the generated trace fails validation ({exc.detail}); "
-                "nothing was written (check the --param values)"
-            ) from None
-        os.replace(tmp, out)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-    return result
+    return write_valid_trace(
+        path, write, flag=None, what="generated", hint=" (check the --param values)"
+    )
+
+
+def synth(
+    path: str | os.PathLike[str],
+    model: str,
+    sequences: int,
+    prompt_tokens: int = 256,
+    output_tokens: int = 512,
+    seed: int = 0,
+    preset: str | None = None,
+    params: dict[str, object] | None = None,
+) -> TraceMeta:
+    """Write a synthetic trace, as ``daopsim synth`` does: the model's own preset (or
+    ``preset``, a name or a file of ``synth fit``) with ``params`` overriding single generator
+    parameters, validated, then renamed into place. Returns the trace's metadata."""
+    from simulator.models import get_model
+    from simulator.output import TRACE_FORMATS, check_output_file, os_errors, output_format
+    from simulator.synth import SynthParams, default_preset, get_preset, params_from_dict
+    from simulator.synth import write_synthetic as _write
+
+    shape = get_model(model)
+    chosen = get_preset(preset) if preset else default_preset(shape.name)
+    base = chosen.params if chosen else SynthParams()
+    p = params_from_dict(dict(params or {}), base=base, where="--param")
+    output_format(path, TRACE_FORMATS, "-o")
+    check_output_file(path, "-o", inputs=[preset])
+    name = chosen.name if chosen else None
+    with os_errors(path, "-o"):
+        return write_validated(
+            path,
+            lambda tmp: _write(
+                tmp, shape, p, sequences, prompt_tokens, output_tokens, seed, preset=name
+            ),
+        )

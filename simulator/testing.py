@@ -7,6 +7,7 @@ exact results. Randomness comes only from the ``seed`` argument, so fixtures are
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from policies.base import Action, Plan, Policy, ResourceSpec, SetupContext, Slot, View
+from simulator.hardware import HardwareProfile
 from simulator.models import ModelShape, get_model
 from simulator.trace import (
     ALL_PROBS_MAX_EXPERTS,
@@ -397,3 +399,25 @@ def perfetto_reference(timeline: Any, occupancy: Any, metadata: dict[str, Any]) 
                 }
             )
     return {"traceEvents": events, "displayTimeUnit": "ms", "metadata": metadata}
+
+
+def one_row_table(path: str | os.PathLike[str], row_id: str) -> Path:
+    """A validation table file at ``path`` holding only row ``row_id`` of the bundled table
+    (``validate --table``: a subset whose ``--markdown`` is the whole of its table)."""
+    from simulator.validation import default_table
+
+    blocks = default_table().read_text(encoding="utf-8").split("[[row]]")
+    block = next(b for b in blocks[1:] if f'id = "{row_id}"' in b)
+    out = Path(path)
+    out.write_text("[[row]]" + block, encoding="utf-8")
+    return out
+
+
+def roomy(profile: str | HardwareProfile, memory_gb: float = 256.0) -> HardwareProfile:
+    """A profile with ``memory_gb`` of device memory: a unified-memory machine (whose device
+    memory also bounds the host's copies) on which a bf16 test model fits, for tests of its
+    timing rather than its capacity."""
+    from simulator.hardware import load_profile
+
+    hw = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
+    return dataclasses.replace(hw, gpu=dataclasses.replace(hw.gpu, memory_gb=memory_gb))

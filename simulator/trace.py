@@ -15,10 +15,10 @@ import itertools
 import json
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -27,6 +27,8 @@ import pyarrow.parquet as pq
 
 from simulator.errors import TraceError, UserError
 from simulator.models import ModelShape
+
+T = TypeVar("T")
 
 #: The newest format version this daopsim writes; a file that needs no version-2 feature is
 #: written as version 1, so old readers keep reading it (see docs/trace-format.md).
@@ -586,6 +588,44 @@ def write_trace(
     return Path(path)
 
 
+def write_valid_trace(
+    path: str | os.PathLike[str],
+    write: Callable[[Path], T],
+    flag: str | None = "-o",
+    what: str = "written",
+    hint: str = "",
+) -> T:
+    """The one way a command writes a trace for the user (``synth``, ``trace import``,
+    ``capture``): ``write(tmp)`` fills a temporary file beside ``path``, :func:`validate_trace`
+    (what ``daopsim trace validate`` runs) reads it back, and only a valid trace is renamed into
+    place (``simulator.output.write_file``: a special file at ``path`` is refused, an OSError
+    is one line with exit code 3). An invalid one is deleted and reported as one UserError
+    naming ``path`` and the first problem; ``path`` is left as it was. Returns what ``write``
+    returned.
+    """
+    from simulator.output import write_file
+
+    out: list[T] = []
+
+    def _write(tmp: str) -> None:
+        out.append(write(Path(tmp)))
+        try:
+            validate_trace(tmp)
+        except TraceError as exc:
+            where = "".join(
+                (f"row {exc.row}: " if exc.row is not None else "")
+                + (f"column {exc.column!r}: " if exc.column is not None else "")
+            )
+            label = f"{flag} {path}" if flag else str(path)
+            raise UserError(
+                f"{label}: the {what} trace fails validation ({where}{exc.detail}); "
+                f"nothing was written{hint}"
+            ) from None
+
+    write_file(path, _write, flag)
+    return out[0]
+
+
 # --------------------------------------------------------------------------------------------
 # Reading
 # --------------------------------------------------------------------------------------------
@@ -878,6 +918,13 @@ def _check_rows(path: object, r: _Rows, meta: TraceMeta) -> None:
 RANK_ORDER_COLUMNS = ("weights", "probs")
 #: Slack for float rounding: float32 weights (relative), float16 probabilities (absolute).
 _WEIGHT_RTOL, _PROB_ATOL = 1e-5, 1e-3
+
+
+def weight_rises(w: np.ndarray) -> np.ndarray:
+    """Where gate weights ``[..., k]`` rise along rank beyond float rounding (the rank-order
+    check of ``weights``; importers use it to refuse data before writing it): a bool mask
+    ``[..., k - 1]``, True at rank ``j + 1`` when it exceeds rank ``j``."""
+    return w[..., 1:] > w[..., :-1] + (_WEIGHT_RTOL * np.abs(w[..., :-1]) + 1e-7)
 
 
 def check_rank_order(path: object, r: _Rows, meta: TraceMeta) -> None:

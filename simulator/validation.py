@@ -21,6 +21,12 @@ Row format (docs/validation.md has the full description)::
     trace = "mixtral-8x7b"              # bundled name, or [row.sim.synth]
     [row.baseline]                      # ratio rows: overrides of [row.sim] for the denominator
 
+Each test row says how complete its setting is: ``setting = "published"`` when the source states
+every input the simulator needs, or ``setting = "assumed"`` with ``assumed = [...]`` naming each
+input the row had to assume. A row of ``kind = "ranking"`` is a set of systems one source measured
+on one machine (``[[row.member]]``, each a row id or an inline setting); it is scored by whether
+the simulator orders them as the source does (docs/validation.md, "Ranking rows").
+
 Synthetic traces (``[row.sim.synth]``: preset, sequences, prompt_tokens, output_tokens, seed) are
 generated on first use into a user cache folder (``$DAOPSIM_CACHE`` or
 ``~/.cache/daopsim/validation``) and reused; they are never written into the repository.
@@ -47,7 +53,19 @@ from simulator.errors import UserError
 
 #: Units a row may use.
 #: ``s`` is a duration in seconds, e.g. the time to the first token (``ttft_s``).
-UNITS = ("tokens/s", "s/token", "s", "hit rate", "ratio")
+UNITS = ("tokens/s", "s/token", "s", "hit rate", "ratio", "tokens/kJ")
+#: Units whose larger value is the better one (a ranking orders its members by this).
+HIGHER_IS_BETTER = frozenset({"tokens/s", "hit rate", "ratio", "tokens/kJ"})
+#: What a row's setting is: every input the simulator needs stated by the source, or not.
+SETTINGS = ("published", "assumed")
+#: Row kinds: one published number, or a ranking of systems measured together.
+KINDS = ("measurement", "ranking")
+#: What a ``tokens/kJ`` row's energy covers (``energy``), and the run metric that measures it.
+ENERGY_METRICS = {
+    "wall": "tokens_per_kj_wall",
+    "device": "tokens_per_kj_device",
+    "gpu+cpu": "tokens_per_kj",
+}
 #: What a row is for. A ``calibration`` row was looked at to choose a constant, preset or profile
 #: value (its ``calibrated`` field says which); a ``test`` row was not. Errors are reported over
 #: test rows only; calibration rows are listed separately.
@@ -97,6 +115,22 @@ def cache_dir() -> Path:
 
 
 @dataclass
+class Member:
+    """One system of a ranking row: its published value and the setting that reproduces it.
+
+    ``ref`` names the measurement row it was taken from (its ``sim``, or ``{**sim, **baseline}``
+    for ``side = "baseline"``), or is empty for a member given inline.
+    """
+
+    name: str
+    published: float
+    sim: dict[str, Any]
+    metric: str
+    ref: str = ""
+    setting: str = ""
+
+
+@dataclass
 class Row:
     """One published measurement and the simulator setting that reproduces it."""
 
@@ -118,11 +152,26 @@ class Row:
     published_range: tuple[float, float] | None = None
     sim: dict[str, Any] = field(default_factory=dict)
     baseline: dict[str, Any] | None = None
+    kind: str = "measurement"
+    setting: str = ""
+    assumed: tuple[str, ...] = ()
+    energy: str = ""
+    members: list[Member] = field(default_factory=list)
 
     @property
     def is_ratio(self) -> bool:
         """True when the value is sim / baseline of two runs."""
         return self.baseline is not None
+
+    @property
+    def is_ranking(self) -> bool:
+        """True for a ranking row (scored by order, not by one value)."""
+        return self.kind == "ranking"
+
+    @property
+    def higher_is_better(self) -> bool:
+        """Whether a larger value ranks first (by the row's unit)."""
+        return self.unit in HIGHER_IS_BETTER
 
 
 @dataclass
@@ -138,6 +187,56 @@ class RowResult:
     error: str = ""
     spread: tuple[float, float] | None = None
     per_seed: list[float] = field(default_factory=list)
+    #: a ranking row's simulated value of each member, in the row's member order
+    member_values: list[float] = field(default_factory=list)
+
+    @property
+    def ran(self) -> bool:
+        """True when the row produced a result (a value, or every member of a ranking)."""
+        if self.row.is_ranking:
+            return bool(self.member_values) and not self.error
+        return self.simulated is not None
+
+    def ranking(self) -> dict[str, Any] | None:
+        """A ranking row's score: its pairs ordered as published, each member's ratio to the
+        first member against the published ratio, and both orders (None for other rows)."""
+        row = self.row
+        if not row.is_ranking or not self.ran:
+            return None
+        pubs = [m.published for m in row.members]
+        sims = self.member_values
+        pairs = agree = 0
+        wrong: list[list[str]] = []
+        for i in range(len(pubs)):
+            for j in range(i + 1, len(pubs)):
+                if pubs[i] == pubs[j]:
+                    continue  # the source gives no order
+                pairs += 1
+                if (sims[i] - sims[j]) * (pubs[i] - pubs[j]) > 0:
+                    agree += 1
+                else:
+                    wrong.append([row.members[i].name, row.members[j].name])
+        sign = -1.0 if row.higher_is_better else 1.0
+
+        def order(values: list[float]) -> list[str]:
+            ranked = sorted(range(len(values)), key=lambda k: sign * values[k])
+            return [row.members[k].name for k in ranked]
+
+        ratios: dict[str, float | None] = {}
+        for m, pub, sim in zip(row.members[1:], pubs[1:], sims[1:], strict=True):
+            base_pub, base_sim = pubs[0], sims[0]
+            if base_sim == 0 or base_pub == 0 or pub == 0 or not math.isfinite(sim):
+                ratios[m.name] = None
+            else:
+                ratios[m.name] = (sim / base_sim) / (pub / base_pub) - 1.0
+        return {
+            "pairs": pairs,
+            "agree": agree,
+            "disagree": wrong,
+            "published_order": order(pubs),
+            "simulated_order": order(sims),
+            "ratio_errors": ratios,
+        }
 
     @property
     def rel_error(self) -> float | None:
@@ -149,6 +248,23 @@ class RowResult:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form of one row."""
+        r = self.row
+        out = self._base_dict()
+        if r.is_ranking:
+            out["members"] = [
+                {
+                    "name": m.name,
+                    "row": m.ref or None,
+                    "published": m.published,
+                    "simulated": self.member_values[i] if self.ran else None,
+                    "setting": m.setting or None,
+                }
+                for i, m in enumerate(r.members)
+            ]
+            out["ranking"] = self.ranking()
+        return out
+
+    def _base_dict(self) -> dict[str, Any]:
         r = self.row
         return {
             "id": r.id,
@@ -167,6 +283,10 @@ class RowResult:
             "per_seed": list(self.per_seed) or None,
             "rel_error": self.rel_error,
             "role": r.role,
+            "kind": r.kind,
+            "setting": r.setting or None,
+            "assumed": list(r.assumed),
+            "energy": r.energy or None,
             "calibrated": r.calibrated or None,
             "modelled": r.modelled and not self.error,
             "reason": r.reason if not r.modelled else self.error,
@@ -192,12 +312,40 @@ class Report:
     results: list[RowResult]
 
     def by_role(self, role: str) -> list[RowResult]:
-        """The results of the rows with this role."""
-        return [r for r in self.results if r.row.role == role]
+        """The results of the measurement rows with this role (ranking rows apart)."""
+        return [r for r in self.results if r.row.role == role and not r.row.is_ranking]
 
     def summary(self, role: str = "test") -> dict[str, Any]:
         """Count, median and worst absolute error and ids of the rows of one role that ran."""
         return _summary(self.by_role(role))
+
+    def published_setting_summary(self) -> dict[str, Any]:
+        """The error summary over the test rows whose source states every input
+        (``setting = "published"``)."""
+        return _summary([r for r in self.by_role("test") if r.row.setting == "published"])
+
+    def rankings(self, role: str = "test") -> list[RowResult]:
+        """The ranking rows of one role."""
+        return [r for r in self.results if r.row.role == role and r.row.is_ranking]
+
+    def ranking_summary(self, role: str = "test", setting: str | None = None) -> dict[str, Any]:
+        """Pairs ordered as published over the ranking rows of one role that ran (only those
+        of one ``setting`` when given): groups, pairs, agreeing pairs and their share."""
+        groups = [
+            r
+            for r in self.rankings(role)
+            if r.ran and (setting is None or r.row.setting == setting)
+        ]
+        scores = [r.ranking() or {} for r in groups]
+        pairs = sum(int(sc.get("pairs", 0)) for sc in scores)
+        agree = sum(int(sc.get("agree", 0)) for sc in scores)
+        return {
+            "groups": len(groups),
+            "pairs": pairs,
+            "agree": agree,
+            "agreement": agree / pairs if pairs else None,
+            "ids": [r.row.id for r in groups],
+        }
 
     @property
     def median_abs_error(self) -> float | None:
@@ -210,9 +358,14 @@ class Report:
         return self.summary()["max_abs_error"]
 
     @property
+    def ranking_agreement(self) -> float | None:
+        """Pairs ordered as published / pairs, over the test ranking rows that ran."""
+        return self.ranking_summary()["agreement"]
+
+    @property
     def not_modelled(self) -> list[RowResult]:
-        """Rows without a simulated value (not modelled yet, or failed to run)."""
-        return [r for r in self.results if r.simulated is None]
+        """Rows without a result (not modelled yet, or failed to run)."""
+        return [r for r in self.results if not r.ran]
 
     def worst(self, n: int = 3, role: str = "test") -> list[RowResult]:
         """The n rows of a role furthest off."""
@@ -222,13 +375,18 @@ class Report:
     def to_dict(self) -> dict[str, Any]:
         """The ``--json`` object (top-level errors are over test rows only)."""
         test = self.summary("test")
+        ranks = self.ranking_summary("test")
         return {
             "rows": [r.to_dict() for r in self.results],
             "median_abs_error": test["median_abs_error"],
             "max_abs_error": test["max_abs_error"],
             "modelled_rows": test["modelled"],
             "test_rows": test,
+            "published_setting_rows": self.published_setting_summary(),
             "calibration_rows": self.summary("calibration"),
+            "ranking_agreement": ranks["agreement"],
+            "rankings": ranks,
+            "rankings_published_setting": self.ranking_summary("test", "published"),
             "not_modelled": [
                 {"id": r.row.id, "reason": r.row.reason or r.error} for r in self.not_modelled
             ],
@@ -263,12 +421,30 @@ def _parse_row(raw: Any, i: int, path: Path) -> Row:
         raise UserError(
             f"{where}: a calibration row needs 'calibrated': what was chosen by looking at it"
         )
+    kind = raw.get("kind", "measurement")
+    if kind not in KINDS:
+        raise UserError(f"{where}: kind {kind!r} is not one of {', '.join(KINDS)}")
+    energy = raw.get("energy", "")
+    if raw["unit"] == "tokens/kJ":
+        if energy not in ENERGY_METRICS:
+            raise UserError(
+                f"{where}: a tokens/kJ row needs 'energy', what the figure covers: "
+                + ", ".join(ENERGY_METRICS)
+            )
+        if raw.get("metric", ENERGY_METRICS[energy]) != ENERGY_METRICS[energy]:
+            raise UserError(
+                f"{where}: energy {energy!r} is measured by metric {ENERGY_METRICS[energy]!r}"
+            )
+    elif energy:
+        raise UserError(f"{where}: 'energy' belongs to tokens/kJ rows only")
     modelled = raw.get("modelled", True)
     if not isinstance(modelled, bool):
         raise UserError(f"{where}: 'modelled' must be true or false")
     reason = str(raw.get("reason", ""))
     if not modelled and not reason.strip():
         raise UserError(f"{where}: a row with modelled = false needs a 'reason'")
+    if kind == "ranking":
+        return _parse_ranking(raw, where, calibrated, modelled, reason)
     pub = raw.get("published")
     published = None if pub is None else _num(pub, f"{where}: 'published'")
     if modelled and published is None:
@@ -282,6 +458,8 @@ def _parse_row(raw: Any, i: int, path: Path) -> Row:
     metric = raw.get("metric", "")
     if modelled and (not isinstance(metric, str) or not _METRIC_RE.match(metric)):
         raise UserError(f"{where}: 'metric' must name a run metric, e.g. tokens_per_s")
+    if "member" in raw:
+        raise UserError(f'{where}: [[row.member]] belongs to kind = "ranking" rows only')
     sim = raw.get("sim", {})
     base = raw.get("baseline")
     if not isinstance(sim, dict) or (base is not None and not isinstance(base, dict)):
@@ -292,16 +470,11 @@ def _parse_row(raw: Any, i: int, path: Path) -> Row:
                 raise UserError(f"{where}: [row.sim] needs {key!r}")
         if "trace" not in sim and "synth" not in sim:
             raise UserError(f"{where}: [row.sim] needs 'trace' or a [row.sim.synth] table")
-        for key in list(sim) + list(base or {}):
-            if key not in SIM_KEYS and key not in SERVING_SIM_KEYS and key != "synth":
-                raise UserError(f"{where}: unknown simulator key {key!r}")
-    if modelled and "synth" in sim:
-        try:
-            trace_seeds(sim)
-        except UserError as exc:
-            raise UserError(f"{where}: {exc}") from None
+    if modelled:
+        _check_sim(sim, base, where)
     if (raw["unit"] == "ratio") != (base is not None) and modelled:
         raise UserError(f"{where}: a 'ratio' row needs [row.baseline], and only a ratio row")
+    setting, assumed = _parse_setting(raw, where)
     return Row(
         id=raw["id"],
         source=raw["source"],
@@ -321,7 +494,148 @@ def _parse_row(raw: Any, i: int, path: Path) -> Row:
         published_range=prange,
         sim=dict(sim),
         baseline=None if base is None else dict(base),
+        kind=kind,
+        setting=setting,
+        assumed=assumed,
+        energy=str(energy),
     )
+
+
+def _check_sim(sim: dict[str, Any], base: dict[str, Any] | None, where: str) -> None:
+    """The simulator keys of a setting (and of a ratio's baseline) are known, and its synthetic
+    trace's seeds are well formed."""
+    for key in list(sim) + list(base or {}):
+        if key not in SIM_KEYS and key not in SERVING_SIM_KEYS and key != "synth":
+            raise UserError(f"{where}: unknown simulator key {key!r}")
+    if "synth" in sim:
+        try:
+            trace_seeds(sim)
+        except UserError as exc:
+            raise UserError(f"{where}: {exc}") from None
+
+
+def _parse_setting(raw: dict[str, Any], where: str) -> tuple[str, tuple[str, ...]]:
+    """``setting`` and ``assumed`` of a row: required on test rows; ``assumed`` names each
+    input the row assumed, and only an ``assumed`` setting has it."""
+    setting = raw.get("setting", "")
+    assumed = raw.get("assumed", [])
+    if raw.get("role") == "test" and setting not in SETTINGS:
+        raise UserError(f"{where}: a test row needs 'setting': {' or '.join(map(repr, SETTINGS))}")
+    if setting and setting not in SETTINGS:
+        raise UserError(f"{where}: setting {setting!r} is not one of {', '.join(SETTINGS)}")
+    if not isinstance(assumed, list) or not all(isinstance(a, str) and a.strip() for a in assumed):
+        raise UserError(f"{where}: 'assumed' must be a list of non-empty texts")
+    if setting == "assumed" and not assumed:
+        raise UserError(f"{where}: setting = \"assumed\" needs 'assumed', each assumed input")
+    if setting == "published" and assumed:
+        raise UserError(f"{where}: a published setting assumes nothing; drop 'assumed'")
+    return str(setting), tuple(a.strip() for a in assumed)
+
+
+def _parse_ranking(
+    raw: dict[str, Any], where: str, calibrated: str, modelled: bool, reason: str
+) -> Row:
+    """A ``kind = "ranking"`` row: its members stay raw until :func:`load_table` resolves the
+    rows they name."""
+    members = raw.get("member")
+    if not isinstance(members, list) or len(members) < 2:
+        raise UserError(f"{where}: a ranking row needs two or more [[row.member]] tables")
+    if "sim" in raw or "baseline" in raw or "published" in raw:
+        raise UserError(
+            f"{where}: a ranking row has no sim, baseline or published of its own; its members do"
+        )
+    metric = raw.get("metric", "")
+    if metric and (not isinstance(metric, str) or not _METRIC_RE.match(metric)):
+        raise UserError(f"{where}: 'metric' must name a run metric, e.g. tokens_per_s")
+    setting, assumed = _parse_setting(raw, where)
+    row = Row(
+        id=raw["id"],
+        source=raw["source"],
+        system=raw["system"],
+        hardware=raw["hardware"],
+        model=raw["model"],
+        precision=raw["precision"],
+        workload=raw["workload"],
+        unit=raw["unit"],
+        published=None,
+        metric=str(metric),
+        modelled=modelled,
+        role=raw["role"],
+        calibrated=calibrated.strip(),
+        reason=reason,
+        note=str(raw.get("note", "")),
+        kind="ranking",
+        setting=setting,
+        assumed=assumed,
+    )
+    row.sim = {"member": members}  # resolved by _resolve_members
+    return row
+
+
+def _resolve_members(row: Row, rows: dict[str, Row], where: str) -> list[Member]:
+    """A ranking row's members: each names a measurement row (its setting, and its published
+    value when the units agree) or gives ``published`` and ``[row.member.sim]`` inline."""
+    out: list[Member] = []
+    names: set[str] = set()
+    for i, raw in enumerate(row.sim.get("member", [])):
+        here = f"{where}: member {i + 1}"
+        if not isinstance(raw, dict):
+            raise UserError(f"{here}: not a table")
+        name = raw.get("name")
+        if not isinstance(name, str) or not name.strip():
+            raise UserError(f"{here}: missing or empty text field 'name'")
+        here = f"{where}: member {name!r}"
+        if name in names:
+            raise UserError(f"{here}: appears twice")
+        names.add(name)
+        unknown = set(raw) - {"name", "row", "side", "published", "sim", "metric", "setting"}
+        if unknown:
+            raise UserError(f"{here}: unknown key(s) {', '.join(sorted(unknown))}")
+        ref = raw.get("row", "")
+        side = raw.get("side", "sim")
+        pub = raw.get("published")
+        published = None if pub is None else _num(pub, f"{here}: 'published'")
+        if ref:
+            other = rows.get(ref)
+            if other is None or other.is_ranking or not other.modelled:
+                raise UserError(f"{here}: row {ref!r} is not a modelled measurement row")
+            if "sim" in raw:
+                raise UserError(f"{here}: give 'row' or [row.member.sim], not both")
+            if side not in ("sim", "baseline"):
+                raise UserError(f"{here}: side must be 'sim' or 'baseline', got {side!r}")
+            if side == "baseline" and other.baseline is None:
+                raise UserError(f"{here}: row {ref!r} has no baseline")
+            sim = dict(other.sim) if side == "sim" else {**other.sim, **(other.baseline or {})}
+            metric = raw.get("metric") or row.metric or other.metric
+            if published is None:
+                if side != "sim" or other.unit != row.unit or other.published is None:
+                    raise UserError(
+                        f"{here}: give 'published' (row {ref!r} is not in {row.unit!r})"
+                    )
+                published = other.published
+            member_setting = str(raw.get("setting", other.setting))
+        else:
+            sim = raw.get("sim")
+            if not isinstance(sim, dict):
+                raise UserError(f"{here}: give 'row' or a [row.member.sim] table")
+            for key in ("policy", "hw"):
+                if key not in sim:
+                    raise UserError(f"{here}: [row.member.sim] needs {key!r}")
+            if "trace" not in sim and "synth" not in sim:
+                raise UserError(f"{here}: [row.member.sim] needs 'trace' or a synth table")
+            if published is None:
+                raise UserError(f"{here}: missing 'published'")
+            metric = raw.get("metric") or row.metric
+            member_setting = str(raw.get("setting", ""))
+        _check_sim(sim, None, here)
+        if not isinstance(metric, str) or not _METRIC_RE.match(metric):
+            raise UserError(f"{here}: no 'metric' (give one on the row or the member)")
+        if member_setting and member_setting not in SETTINGS:
+            raise UserError(f"{here}: setting {member_setting!r} is not one of {SETTINGS}")
+        out.append(Member(str(name), float(published), sim, metric, str(ref), member_setting))
+    if len({m.published for m in out}) < 2:
+        raise UserError(f"{where}: the members' published values give no order")
+    return out
 
 
 def load_table(path: str | os.PathLike[str] | None = None) -> list[Row]:
@@ -344,14 +658,22 @@ def load_table(path: str | os.PathLike[str] | None = None) -> list[Row]:
         if r.id in seen:
             raise UserError(f"{p}: row id {r.id!r} appears twice")
         seen.add(r.id)
+    by_id = {r.id: r for r in rows}
+    for r in rows:
+        if r.is_ranking:
+            r.members = _resolve_members(r, by_id, f"{p}: row {r.id!r}")
+            r.sim = {}
     return rows
 
 
 def select(rows: list[Row], ids: str | None) -> list[Row]:
-    """Rows whose id is in the comma-separated list (all when None)."""
-    if not ids:
+    """Rows whose id is in the comma-separated list (all when None; an empty list is a
+    mistake, not "all")."""
+    if ids is None:
         return rows
     want = [s.strip() for s in ids.split(",") if s.strip()]
+    if not want:
+        raise UserError(f"--rows {ids!r}: no row id given (leave --rows out to run every row)")
     known = {r.id for r in rows}
     bad = [w for w in want if w not in known]
     if bad:
@@ -515,33 +837,56 @@ def _with_seed(sim: dict[str, Any], seed: int) -> dict[str, Any]:
     return {**sim, "synth": {**spec, "seed": seed}}
 
 
-def _value(row: Row, sim: dict[str, Any], runner: _Runner) -> float:
-    value = _metric(runner.run(sim), row.metric)
-    if row.baseline is not None:
-        base = _metric(runner.run({**sim, **row.baseline}), row.metric)
+def _value(
+    metric: str, sim: dict[str, Any], baseline: dict[str, Any] | None, runner: _Runner
+) -> float:
+    value = _metric(runner.run(sim), metric)
+    if baseline is not None:
+        base = _metric(runner.run({**sim, **baseline}), metric)
         value = value / base if base else float("nan")
     return value
+
+
+def _seeded(
+    metric: str, sim: dict[str, Any], baseline: dict[str, Any] | None, runner: _Runner
+) -> list[float] | None:
+    """The value once per listed synthetic-trace seed (None when the setting lists none)."""
+    seeds = trace_seeds(sim)
+    if seeds is None:
+        return None
+    return [_value(metric, _with_seed(sim, s), baseline, runner) for s in seeds]
 
 
 def run_row(row: Row, runner: _Runner | None = None) -> RowResult:
     """Simulate one row (a not-modelled row returns no value).
 
     A row whose synthetic trace lists several ``seeds`` runs once per seed: the value is the
-    mean, and the result carries the per-seed values and their range.
+    mean, and the result carries the per-seed values and their range. A ranking row runs each
+    member (the mean over its seeds likewise).
     """
     if not row.modelled:
         return RowResult(row)
     runner = runner or _Runner(None)
     try:
-        seeds = trace_seeds(row.sim)
-        if seeds is None:
-            return RowResult(row, _value(row, row.sim, runner))
-        values = [_value(row, _with_seed(row.sim, s), runner) for s in seeds]
+        if row.is_ranking:
+            values = []
+            for m in row.members:
+                per = _seeded(m.metric, m.sim, None, runner)
+                values.append(
+                    _value(m.metric, m.sim, None, runner) if per is None else statistics.fmean(per)
+                )
+            return RowResult(row, member_values=values)
+        per_seed = _seeded(row.metric, row.sim, row.baseline, runner)
+        if per_seed is None:
+            return RowResult(row, _value(row.metric, row.sim, row.baseline, runner))
     except UserError as exc:
         # e.g. a policy another engineer has not added yet: say so, keep going
         return RowResult(row, None, f"not yet runnable: {exc}")
     return RowResult(
-        row, statistics.fmean(values), spread=(min(values), max(values)), per_seed=values
+        row,
+        statistics.fmean(per_seed),
+        spread=(min(per_seed), max(per_seed)),
+        per_seed=per_seed,
     )
 
 
@@ -573,7 +918,7 @@ def _pct(v: float | None) -> str:
     return "-" if v is None else f"{100 * v:+.1f} %"
 
 
-TABLE_COLUMNS = ("id", "role", "published", "simulated", "unit", "error", "source")
+TABLE_COLUMNS = ("id", "role", "setting", "published", "simulated", "unit", "error", "source")
 
 
 def _simulated_text(r: RowResult) -> str:
@@ -587,9 +932,12 @@ def _simulated_text(r: RowResult) -> str:
 
 
 def table_rows(report: Report) -> list[list[str]]:
-    """Display rows: id, role, published, simulated, unit, relative error, source."""
+    """Display rows of the measurement rows (ranking rows apart), in ``TABLE_COLUMNS`` order:
+    id, role, setting, published, simulated, unit, relative error, source."""
     out = []
     for r in report.results:
+        if r.row.is_ranking:
+            continue
         pub = _fmt(r.row.published, r.row.unit)
         if r.row.published_range:
             lo, hi = r.row.published_range
@@ -598,6 +946,7 @@ def table_rows(report: Report) -> list[list[str]]:
             [
                 r.row.id,
                 r.row.role,
+                r.row.setting or "-",
                 pub,
                 _simulated_text(r),
                 r.row.unit,
@@ -608,19 +957,83 @@ def table_rows(report: Report) -> list[list[str]]:
     return out
 
 
+#: Columns of the ranking table.
+RANKING_COLUMNS = ("ranking", "role", "setting", "pairs", "published order", "simulated order")
+
+
+def ranking_rows(report: Report) -> list[list[str]]:
+    """Display rows of the ranking rows: id, role, setting, pairs ordered as published, the
+    published and the simulated order (best first), the ratio errors, source."""
+    out = []
+    for r in report.results:
+        if not r.row.is_ranking:
+            continue
+        score = r.ranking()
+        if score is None:
+            out.append([r.row.id, r.row.role, r.row.setting or "-", "not run", "-", "-", "-"])
+            out[-1].append(r.row.source)
+            continue
+        ratios = ", ".join(f"{name} {_pct(e)}" for name, e in score["ratio_errors"].items())
+        out.append(
+            [
+                r.row.id,
+                r.row.role,
+                r.row.setting or "-",
+                f"{score['agree']}/{score['pairs']}",
+                " > ".join(score["published_order"]),
+                " > ".join(score["simulated_order"]),
+                ratios,
+                r.row.source,
+            ]
+        )
+    return out
+
+
+def _err_text(summ: dict[str, Any]) -> tuple[str, str]:
+    return (
+        _pct(summ["median_abs_error"]).lstrip("+"),
+        _pct(summ["max_abs_error"]).lstrip("+"),
+    )
+
+
 def _summary_line(report: Report, role: str) -> str:
     summ = report.summary(role)
     what = "test rows (the reported error)" if role == "test" else "calibration rows (in-sample)"
+    med, worst = _err_text(summ)
+    return f"{what}: {summ['modelled']} modelled; median |error| {med}, worst |error| {worst}"
+
+
+def _published_line(report: Report) -> str:
+    summ = report.published_setting_summary()
+    med, worst = _err_text(summ)
     return (
-        f"{what}: {summ['modelled']} modelled; median |error| "
-        f"{_pct(summ['median_abs_error']).lstrip('+')}, worst |error| "
-        f"{_pct(summ['max_abs_error']).lstrip('+')}"
+        f"test rows with a published setting: {summ['modelled']} modelled; median |error| "
+        f"{med}, worst |error| {worst}"
+    )
+
+
+def _ranking_line(report: Report) -> str:
+    summ = report.ranking_summary()
+    pub = report.ranking_summary("test", "published")
+    share = "-" if summ["agreement"] is None else f"{summ['agreement']:.2f}"
+    pub_share = "-" if pub["agreement"] is None else f"{pub['agreement']:.2f}"
+    return (
+        f"rankings (test): {summ['agree']} of {summ['pairs']} pairs ordered as published "
+        f"({share}) over {summ['groups']} groups; published-setting groups "
+        f"{pub['agree']} of {pub['pairs']} ({pub_share}) over {pub['groups']}"
     )
 
 
 def summary_lines(report: Report) -> list[str]:
-    """Median/worst error over test rows, calibration rows apart, and the rows not modelled."""
-    lines = [_summary_line(report, "test"), _summary_line(report, "calibration")]
+    """Median/worst error over test rows (all, and those with a published setting),
+    calibration rows apart, the rankings' agreement, and the rows not modelled."""
+    lines = [
+        _summary_line(report, "test"),
+        _published_line(report),
+        _summary_line(report, "calibration"),
+    ]
+    if report.rankings():
+        lines.append(_ranking_line(report))
     worst = report.worst(3)
     if worst:
         lines.append(
@@ -633,36 +1046,57 @@ def summary_lines(report: Report) -> list[str]:
     return lines
 
 
+def _md_table(head: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
 def to_markdown(report: Report) -> str:
-    """The table as markdown (docs/validation.md embeds it between markers)."""
-    head = (
-        "| row | role | published | simulated | unit | error | source |\n"
-        "|---|---|---|---|---|---|---|\n"
-    )
-    body = "".join(
-        "| " + " | ".join(c.replace("|", "\\|") for c in row) + " |\n" for row in table_rows(report)
+    """The tables as markdown (docs/validation.md embeds them between markers)."""
+    out = _md_table(
+        ["row", "role", "setting", "published", "simulated", "unit", "error", "source"],
+        table_rows(report),
     )
     test = report.summary("test")
+    pub = report.published_setting_summary()
     cal = report.summary("calibration")
-    summ = (
+    out += (
         f"\nTest rows (the reported error): {test['modelled']} modelled. Median absolute error "
-        f"**{_pct(test['median_abs_error']).lstrip('+')}**, worst "
-        f"**{_pct(test['max_abs_error']).lstrip('+')}**.\n"
+        f"**{_err_text(test)[0]}**, worst **{_err_text(test)[1]}**.\n"
+        f'\nTest rows whose source states every input (`setting = "published"`): '
+        f"{pub['modelled']} modelled. Median absolute error **{_err_text(pub)[0]}**, worst "
+        f"**{_err_text(pub)[1]}**.\n"
         f"\nCalibration rows (in-sample, not part of the reported error): {cal['modelled']} "
-        f"modelled. Median absolute error {_pct(cal['median_abs_error']).lstrip('+')}, worst "
-        f"{_pct(cal['max_abs_error']).lstrip('+')}.\n"
+        f"modelled. Median absolute error {_err_text(cal)[0]}, worst {_err_text(cal)[1]}.\n"
     )
-    calibrated = [r.row for r in report.by_role("calibration")]
+    if report.rankings() or report.rankings("calibration"):
+        out += "\nRankings (pairs ordered as published; ratio error of each member's ratio to "
+        out += "the first member):\n\n"
+        out += _md_table(
+            [*RANKING_COLUMNS, "ratio errors", "source"],
+            ranking_rows(report),
+        )
+        summ = report.ranking_summary()
+        if summ["pairs"]:
+            out += f"\n{_ranking_line(report)[0].upper()}{_ranking_line(report)[1:]}.\n"
+    assumed = [r.row for r in report.by_role("test") if r.row.setting == "assumed"]
+    assumed += [r.row for r in report.rankings() if r.row.setting == "assumed"]
+    if assumed:
+        out += "\nWhat each test row with an assumed setting assumed:\n\n" + "".join(
+            f"- `{row.id}`: {'; '.join(row.assumed)}\n" for row in assumed
+        )
+    calibrated = [r.row for r in report.results if r.row.role == "calibration"]
     if calibrated:
-        summ += "\nWhat each calibration row was used for:\n\n" + "".join(
+        out += "\nWhat each calibration row was used for:\n\n" + "".join(
             f"- `{row.id}`: {row.calibrated}\n" for row in calibrated
         )
     nm = report.not_modelled
     if nm:
-        summ += "\nNot modelled yet:\n\n" + "".join(
+        out += "\nNot modelled yet:\n\n" + "".join(
             f"- `{r.row.id}`: {r.row.reason or r.error}\n" for r in nm
         )
-    return head + body + summ
+    return out
 
 
 def to_csv(report: Report) -> str:
@@ -679,6 +1113,8 @@ def to_csv(report: Report) -> str:
         "modelled",
         "reason",
         "source",
+        "kind",
+        "setting",
     ]
     w.writerow(cols)
     for r in report.results:

@@ -86,6 +86,7 @@ def test_json_schema(cli: Callable[..., Any]) -> None:
         "model",
         "hw",
         "trace",
+        "trace_synth",
         "sequences",
         "min_gate_mass",
         "rows",
@@ -98,13 +99,20 @@ def test_json_schema(cli: Callable[..., Any]) -> None:
     assert doc["rows"] and all(set(r) == fields for r in doc["rows"] + doc["references"])
     assert doc["model"] == "mixtral-8x7b" and doc["hw"] == "a6000-pcie4"
     assert {r["bottleneck"] for r in doc["rows"]} <= {"link", "CPU", "GPU", "memory"}
-    text = cli("advise", *SMALL)
+    assert all(r["bound_tokens_per_s"] >= r["tokens_per_s"] for r in doc["rows"])
+    text = cli("advise", *SMALL, "--top", "0")
     assert text.exit_code == 0
-    # the text table shows the same rows, in the same order
-    commands = [
-        ln.split("  daopsim ", 1)[1] for ln in text.stdout.splitlines() if "daopsim run" in ln
+    # the text lists the same rows' commands, in the same order (wrapped with continuations)
+    assert [shlex.join(shlex.split(c)) for c in _text_commands(text.stdout)] == [
+        r["command"] for r in doc["rows"] + doc["references"]
     ]
-    assert commands == [r["command"][len("daopsim ") :] for r in doc["rows"] + doc["references"]]
+
+
+def _text_commands(text: str) -> list[str]:
+    """The commands under ``commands:`` in advise's text, continuation lines joined."""
+    body = text.split("\ncommands:\n", 1)[1]
+    joined = body.replace(" \\\n", " ")
+    return [ln.split(None, 1)[1] for ln in joined.splitlines() if ln.strip()]
 
 
 @pytest.mark.parametrize(
@@ -130,10 +138,14 @@ def test_synthetic_trace_for_a_model_without_a_bundled_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("DAOPSIM_CACHE", str(tmp_path))
-    path, arg = find_trace("qwen3-30b-a3b", None)
-    assert Path(path).is_relative_to(tmp_path) and arg == path
-    assert find_trace("qwen3-30b-a3b", None) == (path, arg)  # cached: the same file
-    assert find_trace("mixtral-8x7b", None)[1] == "mixtral-8x7b"
+    path, args = find_trace("qwen3-30b-a3b", None)
+    # the command names the model, not the cache file: `run --model` makes the same trace
+    assert Path(path).is_relative_to(tmp_path) and args == ["--model", "qwen3-30b-a3b"]
+    from simulator.hosttier import model_trace
+
+    assert model_trace("qwen3-30b-a3b", None) == path
+    assert find_trace("qwen3-30b-a3b", None) == (path, args)  # cached: the same file
+    assert find_trace("mixtral-8x7b", None)[1] == ["--trace", "mixtral-8x7b"]
     from simulator.models import PRESETS as MODELS
     from simulator.synth import PRESETS
 
@@ -189,3 +201,46 @@ def test_integer_options_keep_their_type_in_commands(cli: Callable[..., Any]) ->
         assert json.loads(res.stdout)["metrics"]["tokens_per_s"] == pytest.approx(
             row.tokens_per_s, rel=1e-12
         )
+
+
+def test_a_readable_table(small: Advice, cli: Callable[..., Any]) -> None:
+    """--top (default 10, 0: all), an options column, lines that fit the width, every row in
+    --csv; the synth command of a synthetic trace is one a user can run anywhere."""
+    from simulator.advise import DEFAULT_TOP, render, to_csv
+
+    text = render(small, top=2, width=90)
+    lines = text.splitlines()
+    head = next(ln for ln in lines if "tokens/s" in ln and "options" in ln)
+    start = lines.index(head)
+    table = lines[start : start + 3]
+    assert [ln.split()[0] for ln in table[1:]] == ["1", "2"]
+    assert all(len(ln) <= 90 for ln in lines if not ln.startswith("     "))
+    assert f"{len(small.rows) - 2} more ranked rows" in text and "--top 0" in text
+    assert DEFAULT_TOP == 10
+    assert all(r.command not in text for r in small.rows[2:])
+    csv = to_csv(small)
+    assert len(csv.strip().splitlines()) == 1 + len(small.rows) + len(small.references)
+    assert "options" in csv.splitlines()[0] and "bound_tokens_per_s" in csv.splitlines()[0]
+    res = cli("advise", *SMALL, "--csv")
+    assert res.exit_code == 0 and res.stdout == csv
+
+
+def test_options_tell_rows_apart() -> None:
+    found = advise(
+        "mixtral-8x7b",
+        "a6000-pcie4",
+        trace="ci-small",
+        dtypes=["bf16"],
+        policies=["llama-cpp-cpu-moe"],
+        workers=1,
+    )
+    from simulator.advise import render
+
+    texts = [r.options_text for r in found.rows]
+    # rows differing only in an option read apart: no two shown rows alike
+    shown = [(r.options_text, r.dtype, r.gpu_experts) for r in found.rows]
+    assert len(set(texts)) >= 2 and len(set(shown)) == len(shown)
+    assert all(t.startswith("n_cpu_moe=") for t in texts)
+    table = render(found, top=0)
+    for t in texts:
+        assert t in table

@@ -30,7 +30,7 @@ import simulator.output
 import simulator.results
 from simulator.cli import main
 from simulator.errors import ExitCode
-from simulator.testing import make_trace
+from simulator.testing import make_trace, one_row_table
 
 USAGE, OUTPUT = int(ExitCode.USAGE), int(ExitCode.OUTPUT)
 _REAL_WRITE_FILE = simulator.output.write_file
@@ -64,7 +64,9 @@ def ws(tmp_path_factory: pytest.TempPathFactory) -> Path:
         'name = "tiny"\nhw = "a6000-pcie4"\ncache_ratios = [0.5]\ntarget = "lru"\n'
         f'[policies.lru]\n[[models]]\ntrace = "{trace}"\n'
     )
-    stats = CliRunner().invoke(main, ["trace", "stats", str(trace), "--json"])
+    # synth fit's target: stats of the model it fits (olmoe-1b-7b), from a small trace of it
+    olmoe = make_trace(root / "olmoe.parquet", "olmoe-1b-7b", sequences=2, prefill=4, decode=6)
+    stats = CliRunner().invoke(main, ["trace", "stats", str(olmoe), "--json", "--no-curves"])
     assert stats.exit_code == 0, stats.output
     (root / "target.json").write_text(stats.stdout)
     (root / "prompts.jsonl").write_text('{"prompt": "hello"}\n')
@@ -442,7 +444,11 @@ def test_failing_disk_during_validate_keeps_its_outputs(
     _one_error(res, OUTPUT, str(out), "No space left on device")
     assert _snapshot(out) == before
     _raise_after(0, errno.EROFS, monkeypatch)
-    res = CliRunner().invoke(main, [*args, "--no-progress", "--markdown", str(md)])
+    # --markdown writes a whole table: a one-row table file, not --rows
+    table = one_row_table(tmp_path / "one.toml", "fiddler-a6000-mixtral-offloading")
+    res = CliRunner().invoke(
+        main, ["validate", "--table", str(table), "--no-progress", "--markdown", str(md)]
+    )
     _one_error(res, OUTPUT, str(md), "Read-only file system")
     assert md.read_bytes() == md_before
     _no_leftovers(tmp_path)

@@ -6,8 +6,9 @@ Each fenced block tagged ``sh``, ``bash``, ``shell``, ``console`` or ``python`` 
   the lines starting with ``$ `` (and their ``\\`` continuation lines) are commands, the rest is
   shown output. ``daopsim`` (and ``python``) resolve to this checkout run by the current
   interpreter (``python -m simulator.cli``), whatever is installed elsewhere.
-* python blocks run in a fresh interpreter (``python -c``), as a notebook cell would run (so a
-  process-pool sweep needs no ``__main__`` guard).
+* python blocks run as a plain script file (``python block.py``), as a user would save and run
+  one: a ``daopsim.sweep()`` with worker processes at the top level of the script, without an
+  ``if __name__ == "__main__":`` guard, must work (docs/sweeps.md, "Executors").
 
 The blocks of one document run in order, in one temporary folder laid out like the repository
 root (copies of ``experiments/``, ``baselines/``, ``validation/`` and ``hardware_profiles/``),
@@ -188,8 +189,10 @@ def test_example_runs(
     if block.lang in SHELL:
         cmd = ["bash", "-e", "-o", "pipefail", "-c", shell_script(block)]
     else:
-        # -c: like a notebook cell, __main__ has no file for worker processes to re-import
-        cmd = [sys.executable, "-c", block.text]
+        # a script file: __main__ has a file, which a spawn-started worker would re-run
+        script = work / f".{block.doc.stem}-{block.line}.py"
+        script.write_text(block.text)
+        cmd = [sys.executable, str(script)]
     res = subprocess.run(
         cmd,
         cwd=work,
@@ -211,6 +214,23 @@ def test_docs_have_runnable_examples() -> None:
     readme = [b for b in RUNNABLE if b.doc.name == "README.md"]
     assert {b.lang for b in readme} >= {"sh", "python"}
     assert any("daopsim sweep" in b.text for b in readme)
+    # the README's Python example runs a sweep at the top level of a script (no main guard)
+    (example,) = [b for b in readme if b.lang in PYTHON]
+    assert "daopsim.sweep(" in example.text and "__main__" not in example.text
+
+
+#: a private module imported (``from simulator.x import``, ``import policies.y``)
+PRIVATE_IMPORT = re.compile(
+    r"^\s*(from|import)\s+(simulator|policies|hardware_profiles|traces)\b", re.MULTILINE
+)
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=[str(d.relative_to(REPO)) for d in DOCS])
+def test_examples_import_only_daopsim(doc: Path) -> None:
+    """Every example imports the public API, ``daopsim``, never an internal module."""
+    for block in parse_blocks(doc):
+        if block.lang in PYTHON:
+            assert not PRIVATE_IMPORT.search(block.text), block.id
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=[str(d.relative_to(REPO)) for d in DOCS])

@@ -89,3 +89,35 @@ def test_power_fields_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ProfileError, match="psu_efficiency"):
         load_profile(p)
     assert DEFAULT_PSU_EFFICIENCY == 0.90
+
+
+def test_cpu_workers_spin_after_each_call_at_busy_power() -> None:
+    """Issue 30: after each CPU expert call the worker threads spin for cpu_spin_ms (libgomp's
+    default spin count at Skylake-and-later PAUSE latency: 14 ms) at busy power; the spin that
+    the next call cuts short is busy time already, and nothing exceeds the run."""
+    from simulator.hardware import DEFAULT_CPU_SPIN_MS
+
+    assert abs(DEFAULT_CPU_SPIN_MS - 14.0) < 1e-9
+    hw = load_profile("a6000-pcie4")
+    p = hw.power.resolved(hw.cpu.cores_used)
+    none = energy_breakdown(hw, 10.0, 1.0, 2.0, cpu_calls=0)
+    some = energy_breakdown(hw, 10.0, 1.0, 2.0, cpu_calls=100)
+    assert some["energy_cpu_j"] - none["energy_cpu_j"] == pytest.approx(
+        (p.cpu_busy_w - p.cpu_wait_w) * 100 * 0.014
+    )
+    # calls every few milliseconds keep the package busy for the whole run, no more
+    many = energy_breakdown(hw, 10.0, 1.0, 2.0, cpu_calls=10_000)
+    assert many["energy_cpu_j"] == pytest.approx(p.cpu_busy_w * 10.0)
+    assert some["energy_gpu_j"] == none["energy_gpu_j"]
+
+
+def test_fiddler_run_spends_more_cpu_energy_per_token_than_lru() -> None:
+    """A run whose CPU computes experts every layer (Fiddler) keeps the package busy between
+    the calls; an LRU run (no CPU experts) pays only the driving level."""
+    kw = dict(hw="a6000-pcie4", trace="ci-small", sequences=1, record=False)
+    fid = simulate(policy="fiddler", **kw).metrics
+    lru = simulate(policy="lru", cache_ratio=0.25, **kw).metrics
+    hw = load_profile("a6000-pcie4")
+    p = hw.power.resolved(hw.cpu.cores_used)
+    assert fid["energy_cpu_j"] / fid["e2e_s"] > 0.9 * p.cpu_busy_w
+    assert lru["energy_cpu_j"] / lru["e2e_s"] == pytest.approx(p.cpu_wait_w)

@@ -244,7 +244,7 @@ def test_initial_popular_is_the_global_top() -> None:
     calib[0, [5, 6, 7]] = [9, 8, 7]
     calib[2, 1] = 8
     pol = make_policy("global-lfu", {"initial": "popular"})
-    assert pol.needs_calibration
+    assert pol.uses_calibration()
     slots = list(pol.setup(_ctx(m, 4, calibration=calib)))
     assert slots == [(0, 5), (0, 6), (0, 7), (2, 1)]
     first = make_policy("global-lfu", {})

@@ -42,6 +42,7 @@ TIGHT = 1e-9
 CACHING = (
     "lru",
     "lfu",
+    "learned",
     "round-robin",
     "belady",
     "global-lru",

@@ -82,7 +82,8 @@ def test_one_token_kernels_pay_the_graph_node_and_prompts_the_eager_launch() -> 
         {"spec": ResourceSpec()},  # no whole-layer split (--cpu-moe, HOBBIT, ...)
         {"mg": object()},
         {"serving": ServingConfig(batch=2)},
-        {"rt": get_runtime("cuda-graph")},  # replays no llama.cpp graphs
+        {"rt": get_runtime("ktransformers")},  # replays no graphs on the device
+        {"rt": get_runtime("cuda-graph"), "budget": 255},  # vLLM/SGLang, experts move
     ],
 )
 def test_only_a_whole_gpu_single_sequence_run_replays(change: dict) -> None:
@@ -134,3 +135,20 @@ def test_the_graph_figure_replaces_the_profile_launch_cost_not_the_roofline() ->
     assert graph.nonexpert_layer_s(1, 10) - eager.nonexpert_layer_s(1, 10) == pytest.approx(
         NONEXPERT_KERNELS_PER_BLOCK * MODEL.layers / MODEL.moe_layers * 0.58 * US, rel=1e-9
     )
+
+
+def test_cuda_graph_replays_every_policy_whose_experts_stay_on_the_gpu() -> None:
+    """Issue 30: vLLM and SGLang capture decode steps as graphs whatever the policy's split
+    (``graph_all_policies``), so their device pays graph-node costs as llama.cpp's does."""
+    base = dict(
+        rt=get_runtime("cuda-graph"),
+        spec=ResourceSpec(),
+        n_cpu_layers=0,
+        budget=256,
+        total=256,
+        mg=None,
+        serving=None,
+    )
+    assert graph_replays(**base)
+    assert not graph_replays(**{**base, "spec": ResourceSpec(), "rt": get_runtime("llama.cpp")})
+    assert not graph_replays(**{**base, "serving": ServingConfig(batch=2)})

@@ -32,8 +32,10 @@ from simulator.runtime_profiles import get_runtime, runtime_names
 
 def _gpu_by_hand(hw, model, n: int, eff: float, kernels: int, dq: float = 0.0) -> float:
     moved = model.expert_bytes() + dq * model.params_per_expert + 2 * n * model.hidden * ACT_BYTES
+    # a format's share is of the spec bandwidth, capped at the profile's (measured) rate
+    rate = hw.gpu.mem_bw_gbs if eff == 1.0 else min(hw.gpu.mem_bw_gbs, eff * hw.gpu.spec_bw_gbs)
     roof = max(
-        moved / (hw.gpu.mem_bw_gbs * 1e9 * eff),
+        moved / (rate * 1e9),
         2.0 * model.params_per_expert * n / (hw.gpu.bf16_tflops * 1e12),
     )
     return roof + kernels * hw.gpu.launch_overhead_us * 1e-6
@@ -44,7 +46,7 @@ def _gpu_by_hand(hw, model, n: int, eff: float, kernels: int, dq: float = 0.0) -
     [
         ("bf16", 1.0, 0, 0.0),
         ("int4_g128", 1.0, 0, 0.0),
-        ("q4_k_m", 0.87, 0, 0.0),
+        ("q4_k_m", 0.78, 0, 0.0),
         # HQQ: 3 linears x (scale, zero) x (cast, subtract, multiply); 24 B per group of 16 / 64
         ("hqq2_g16", 1.0, 18, 24 / 16),
         ("hqq4_g64", 1.0, 18, 24 / 64),
@@ -272,3 +274,16 @@ def test_the_runner_takes_the_cpu_kernels_from_the_runtime(runtime: str) -> None
     else:
         # every routed expert runs on the CPU: 62.1 GB/s against the 0.40 rule's 25.6
         assert fast > 1.3 * other
+
+
+def test_gguf_share_is_of_the_spec_bandwidth_on_spec_and_measured_profiles() -> None:
+    """Issue 30: GGUF's 0.78 was read against the RTX 4080's spec bandwidth, so it is a share of
+    the spec figure wherever a profile's mem_bw_gbs is a measurement (the 4090's 912 of 1008)
+    and of mem_bw_gbs where that is the spec (the 4080's 716.8): never discounted twice."""
+    for name in ("rtx4080-pcie4", "rtx4090-pcie4"):
+        hw = load_profile(name)
+        cm = cost_model(hw, get_model("mixtral-8x7b").with_dtype("q4_k_m"))
+        rate = cm.expert_bytes / (cm.gpu_expert_s(1) - 5 * hw.gpu.launch_overhead_us * 1e-6)
+        act = 2 * cm.model.hidden * ACT_BYTES  # one token in and out
+        spec = hw.gpu.spec_bw_gbs * 1e9
+        assert rate == pytest.approx(0.78 * spec * cm.expert_bytes / (cm.expert_bytes + act))

@@ -63,8 +63,8 @@ MUTANTS = (
     Mutant(
         "mixtral-offloading-prefetch-ignored",
         "policies/mixtral_offloading.py",
-        'if self.options["prefetch"] and view.next_experts is not None:',
-        "if False and view.next_experts is not None:",
+        'self.do_prefetch = bool(self.options["prefetch"])',
+        "self.do_prefetch = False",
         ("* | mixtral-offloading(prefetch=true) | *",),
     ),
 )

@@ -19,6 +19,7 @@ import site
 import subprocess
 import sys
 import sysconfig
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,24 @@ SOURCES = (
 PIP = (sys.executable, "-m", "pip", "--no-input", "--disable-pip-version-check", "-q")
 #: a cheap validation row (one sequence of the bundled Mixtral trace)
 ROW = "fiddler-a6000-mixtral-offloading"
+#: a one-file policy (``--policy FILE.py:CLASS``)
+MY_POLICY = """
+from daopsim import CachingPolicy
+
+
+class MyPolicy(CachingPolicy):
+    name = "my-mru"
+
+    def init_state(self, ctx):
+        self.last = {}
+
+    def touch(self, layer, expert, step, weight):
+        self.last[layer, expert] = step
+
+    def choose_victim(self, layer, protected, step):
+        cands = [e for e in self.cache[layer] if e not in protected]
+        return max(cands, key=lambda e: self.last.get((layer, e), -1))
+"""
 
 
 def test_public_api_names() -> None:
@@ -163,10 +182,14 @@ def _third_party_dirs() -> list[str]:
 def test_wheel_installs_and_runs_from_an_empty_directory(tmp_path: Path) -> None:
     src, wheels, venv, empty = (tmp_path / n for n in ("src", "wheels", "venv", "empty"))
     _copy_sources(src)
+    # -v: the build backend's own output (its warnings) comes through; byte-compiling on, so a
+    # PYTHONDONTWRITEBYTECODE of the caller's shell does not add warnings of its own
+    build_env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     build = subprocess.run(
         [
             *PIP,
             "wheel",
+            "-v",
             str(src),
             "--no-deps",
             "--no-build-isolation",
@@ -178,9 +201,17 @@ def test_wheel_installs_and_runs_from_an_empty_directory(tmp_path: Path) -> None
         text=True,
         timeout=600,
         cwd=tmp_path,
+        env=build_env,
     )
     assert build.returncode == 0, build.stderr[-3000:]
+    log = build.stdout + build.stderr
+    warnings = [ln for ln in log.splitlines() if "warning" in ln.lower() and "pip" not in ln]
+    assert not warnings, "\n".join(warnings)
     (wheel,) = wheels.glob("daopsim-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+    assert any(n.startswith("hardware_profiles/runtimes/") and n.endswith(".toml") for n in names)
+    assert "daopsim/__main__.py" in names
 
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     py = venv / "bin" / "python"
@@ -227,6 +258,76 @@ def test_wheel_installs_and_runs_from_an_empty_directory(tmp_path: Path) -> None
         run(exe, "run", "--policy", "lru", "--sequences", "1", "--no-progress", "--json").stdout
     )
     assert result["policy"] == "lru" and result["metrics"]["tokens_per_s"] > 0
+    # the learned policy's bundled model file is package data
+    args = ("--trace", "ci-small", "--sequences", "1", "--no-progress", "--json")
+    learned = json.loads(run(exe, "run", "--policy", "learned", *args).stdout)
+    assert learned["policy"] == "learned" and learned["metrics"]["hit_rate"] > 0
     version = run(str(py), "-c", "import daopsim; print(daopsim.__version__)")
     assert version.stdout.strip() == "0.1.0"
     assert list(empty.iterdir()) == []  # nothing written into the working directory
+
+    # the workflows the docs name, from the installed wheel
+    assert "Usage: daopsim" in run(str(py), "-m", "daopsim", "--help").stdout
+    out = tmp_path / "out"
+    run(
+        exe,
+        "run",
+        "--policy",
+        "lru",
+        "--trace",
+        "ci-small",
+        "--sequences",
+        "1",
+        "--no-bounds",
+        "--no-progress",
+        "-o",
+        str(out / "run"),
+    )
+    assert (out / "run" / "metrics.json").is_file()
+    (tmp_path / "my_policy.py").write_text(MY_POLICY)
+    doc = json.loads(
+        run(
+            exe,
+            "run",
+            "--policy",
+            f"{tmp_path / 'my_policy.py'}:MyPolicy",
+            "--trace",
+            "ci-small",
+            "--sequences",
+            "1",
+            "--cache-ratio",
+            "0.25",
+            "--no-progress",
+            "--json",
+        ).stdout
+    )
+    assert doc["policy"] == "my-mru"
+    assert doc["metrics"]["tokens_per_s"] <= doc["bounds"]["all-gpu"]["tokens_per_s"]
+    head = subprocess.run(
+        ["bash", "-c", f'"{exe}" trace stats ci-small | head -1; exit ${{PIPESTATUS[0]}}'],
+        cwd=empty,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert head.returncode == 0 and head.stderr == "" and len(head.stdout.splitlines()) == 1
+    run(
+        exe,
+        "sweep",
+        "example-grid",
+        "--policies",
+        "lru",
+        "--hw",
+        "a6000-pcie4",
+        "--cache-ratios",
+        "0.125",
+        "--sequences",
+        "1",
+        "--no-progress",
+        "-o",
+        str(out / "example.parquet"),
+    )
+    assert (out / "example.parquet").is_file()
+    assert run(exe, "experiment", "--list").returncode == 0
+    assert list(empty.iterdir()) == []

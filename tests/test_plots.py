@@ -98,21 +98,54 @@ def test_cli_plot(results: Path, tmp_path: Path, cli) -> None:  # type: ignore[n
     assert res.exit_code == 2
 
 
-def test_throughput_bound_line_from_table_or_computed(results: Path) -> None:
+def _bound_line(fig: object) -> Any:
+    ax = fig.axes[0]  # type: ignore[attr-defined]
+    lines = [ln for ln in ax.get_lines() if "bound" in str(ln.get_label()).lower()]
+    lines = [ln for ln in lines if "all-gpu" in str(ln.get_label()).lower()]
+    return lines[0] if lines else None
+
+
+def _drawn_bound(fig: Any) -> tuple[float, str] | None:
+    """The all-GPU bound a throughput figure shows: its dotted line, or its note (far above)."""
+    import re
+
+    line = _bound_line(fig)
+    if line is not None:
+        return float(line.get_ydata()[0]), str(line.get_label())
+    for t in _texts(fig):
+        m = re.search(r"(all-GPU bound \(runtime [^)]+\)): ([\d,.]+) tokens/s", t)
+        if m:
+            return float(m.group(2).replace(",", "")), m.group(1)
+    return None
+
+
+def test_throughput_bound_is_the_rows_bound(results: Path) -> None:
+    """The bound drawn is the largest all-GPU bound of the panel's rows (their precision, the
+    fastest runtime), it names its runtime and no run is above it; a table without the bound
+    column (an older sweep) gets the same bound computed from its rows."""
     df = pd.read_parquet(results)
-    expected = df[(df["policy"] == "all-gpu") & (df["hw"] == "a6000-pcie4")]["tokens_per_s"]
-
-    def bound_line(fig: object) -> float:
-        ax = fig.axes[0]  # type: ignore[attr-defined]
-        line = next(ln for ln in ax.get_lines() if ln.get_label() == "all-gpu (bound)")
-        return float(line.get_ydata()[0])
-
-    assert bound_line(plot_throughput(df)) == pytest.approx(float(expected.iloc[0]))
-    # without the all-gpu rows it is simulated on the fly, to the same value
-    no_bound = df[df["policy"] != "all-gpu"]
-    assert bound_line(plot_throughput(no_bound)) == pytest.approx(float(expected.iloc[0]))
-    fig = plot_throughput(no_bound, compute_bound=False)
-    assert not [ln for ln in fig.axes[0].get_lines() if ln.get_label() == "all-gpu (bound)"]
+    mine = df[(df["hw"] == "a6000-pcie4") & (df["status"] == "ok")]
+    expected = float(mine["bound_tokens_per_s"].max())
+    runtime = mine.loc[mine["bound_tokens_per_s"].idxmax(), "bound_runtime"]
+    assert (mine["tokens_per_s"] <= mine["bound_tokens_per_s"]).all()
+    old = df.drop(columns=["bound_tokens_per_s", "bound_runtime"])
+    for table in (df, old):
+        got = _drawn_bound(plot_throughput(table))
+        assert got is not None and got[0] == pytest.approx(expected, rel=1e-3)
+        assert f"runtime {runtime}" in got[1]
+    # near the runs: a dotted line under them
+    near = df.copy()
+    near["bound_tokens_per_s"] = near["tokens_per_s"].max() * 1.2
+    line = _bound_line(plot_throughput(near))
+    assert line is not None and line.get_linestyle() == ":"
+    assert float(line.get_ydata()[0]) == pytest.approx(near["bound_tokens_per_s"].iloc[0])
+    # not computed: the table's all-gpu run, labelled as one run on one runtime, not a bound
+    fig = plot_throughput(old, compute_bound=False)
+    labels = [str(ln.get_label()) for ln in fig.axes[0].get_lines()]
+    assert _drawn_bound(fig) is None
+    assert any(lab.startswith("all-gpu run (runtime") for lab in labels) or any(
+        "all-gpu run (runtime" in t for t in _texts(fig)
+    )
 
 
 def test_pareto_front_and_breakdown_numbers() -> None:
@@ -140,11 +173,13 @@ def test_pareto_front_and_breakdown_numbers() -> None:
     assert math.isclose(parts.sum(), 400.0)
 
 
-def test_errors_only_table_is_a_clear_error(results: Path) -> None:
+def test_errors_only_table_says_what_failed(results: Path) -> None:
     df = pd.read_parquet(results)
     df["status"] = "error"
-    with pytest.raises(UserError, match="no successful runs"):
-        plot(df, "throughput")
+    df["error"] = "PolicyError: boom"
+    fig = plot(df, "throughput")
+    text = " ".join(_texts(fig))
+    assert "nothing to draw" in text and "failed: lru @ 0.25: PolicyError: boom" in text
     with pytest.raises(UserError, match="unknown plot kind"):
         plot(df, "pie")
 
@@ -196,12 +231,11 @@ def test_titles_fit_in_the_figure(results: Path, serving_results: Path, kind: st
 
 def test_all_gpu_far_above_is_a_note_not_a_squashing_line(results: Path) -> None:
     df = pd.read_parquet(results)
-    df.loc[df["policy"] == "all-gpu", "tokens_per_s"] *= 50
+    df["bound_tokens_per_s"] *= 50
     fig = plot_throughput(df)
     ax = fig.axes[0]
-    assert not [ln for ln in ax.get_lines() if ln.get_label() == "all-gpu (bound)"]
-    notes = [t.get_text() for t in ax.texts]
-    assert any("all-gpu bound" in n for n in notes)
+    assert _bound_line(fig) is None
+    assert any("all-GPU bound" in t and "off the scale" in t for t in _texts(fig))
     best = df[(df["policy"] != "all-gpu") & (df["hw"] == "a6000-pcie4")]["tokens_per_s"].max()
     assert ax.get_ylim()[1] < 2 * best  # the policies use the height of the panel
 
@@ -240,7 +274,7 @@ def test_approximate_routing_is_marked(results: Path, cli: Any, tmp_path: Path) 
     df = read_table(results)
     df.loc[df["policy"] == "static", "gate_mass_preserved"] = 0.9
     for fig in (plots.plot_throughput(df, compute_bound=False), plots.plot_pareto(df)):
-        labels = [t.get_text() for ax in fig.axes for t in ax.get_legend().get_texts()]
+        labels = [t.get_text() for leg in fig.legends for t in leg.get_texts()]
         assert any("static" in t and "fidelity 0.900" in t for t in labels)
         assert not any("lru" in t and "fidelity" in t for t in labels)
     table = tmp_path / "approx.parquet"
@@ -251,3 +285,209 @@ def test_approximate_routing_is_marked(results: Path, cli: Any, tmp_path: Path) 
     kept, dropped = fidelity_floor(df, 0.95)
     assert dropped == int(((df["policy"] == "static") & (df["status"] == "ok")).sum()) > 0
     assert "static" not in set(kept[kept["status"] == "ok"]["policy"])
+
+
+# --- awkward sweeps: what each figure says, read from the matplotlib objects ------------------
+
+
+def _texts(fig: Any) -> list[str]:
+    """Every piece of text a figure shows: titles, labels, notes, legend entries."""
+    out = [fig._suptitle.get_text()] if fig._suptitle is not None else []
+    out += [t.get_text() for t in fig.texts]
+    out += [t.get_text() for leg in fig.legends for t in leg.get_texts()]
+    for ax in fig.axes:
+        out += [ax.get_title(), ax.get_xlabel(), ax.get_ylabel()]
+        out += [t.get_text() for t in ax.texts]
+        if ax.get_legend() is not None:
+            out += [t.get_text() for t in ax.get_legend().get_texts()]
+    return [t for t in out if t]
+
+
+def _visible_texts(fig: Any) -> list[Any]:
+    arts: list[Any] = [fig._suptitle] if fig._suptitle is not None else []
+    arts += list(fig.texts) + list(fig.legends)
+    for ax in fig.axes:
+        arts += [ax.title, ax.xaxis.label, ax.yaxis.label, *ax.texts]
+        lo, hi = sorted(ax.get_xlim())
+        arts += [
+            t for t in ax.get_xticklabels() if t.get_text() and lo <= t.get_position()[0] <= hi
+        ]
+        lo, hi = sorted(ax.get_ylim())
+        arts += [
+            t for t in ax.get_yticklabels() if t.get_text() and lo <= t.get_position()[1] <= hi
+        ]
+    return [a for a in arts if a.get_visible() and (not hasattr(a, "get_text") or a.get_text())]
+
+
+def _data_axes(fig: Any) -> list[Any]:
+    """The panels that draw data (not colour bars, not explained-empty panels)."""
+    return [
+        ax
+        for ax in fig.axes
+        if ax.get_lines() or ax.collections or ax.patches or ax.images
+        if ax.get_label() != "<colorbar>"
+    ]
+
+
+def check_figure(fig: Any, rows: pd.DataFrame, kind: str) -> None:
+    """What every figure must show (issue 29): inside the figure, legends off the data, units,
+    the rows not drawn named, empty panels explained, bounds under the policies."""
+    fig.canvas.draw()
+    r = fig.canvas.get_renderer()
+    box = fig.bbox
+    for art in _visible_texts(fig):  # nothing cut off at the edges
+        ext = art.get_window_extent(r)
+        assert box.x0 - 2 <= ext.x0 and ext.x1 <= box.x1 + 2, (
+            kind,
+            getattr(art, "get_text", str)(),
+        )
+        assert box.y0 - 2 <= ext.y0 and ext.y1 <= box.y1 + 2, (
+            kind,
+            getattr(art, "get_text", str)(),
+        )
+    data_axes = _data_axes(fig)
+    for leg in fig.legends + [ax.get_legend() for ax in fig.axes if ax.get_legend()]:
+        lb = leg.get_window_extent(r)
+        for ax in data_axes:  # a legend never sits on a panel
+            assert not lb.overlaps(ax.get_window_extent(r)), kind
+    text = " ".join(_texts(fig))
+    for _, row in rows[rows["status"] != "ok"].iterrows():  # every point not drawn is named
+        if kind in ("heatmap", "hit-rate", "pareto") and row["policy"] == "all-gpu":
+            continue
+        assert str(row["policy"]) in text and row["status"] in ("skipped", "error"), kind
+        assert ("skipped" if row["status"] == "skipped" else "failed") in text, kind
+    for ax in fig.axes:
+        if ax.get_label() == "<colorbar>":
+            assert "(" in ax.get_ylabel(), kind  # the colour bar has its unit
+            continue
+        if ax in data_axes:
+            assert "(" in ax.get_xlabel(), (kind, ax.get_xlabel())  # a unit or a meaning
+            if kind != "heatmap":
+                assert "(" in ax.get_ylabel(), (kind, ax.get_ylabel())
+        else:  # an empty panel says why
+            assert any("nothing to draw" in t.get_text() for t in ax.texts), kind
+    for ax in data_axes:
+        lines = [ln for ln in ax.get_lines() if not str(ln.get_label()).startswith("_")]
+        bounds = [ln for ln in lines if "bound" in str(ln.get_label())]
+        others = [ln for ln in lines if "bound" not in str(ln.get_label())]
+        for b in bounds:  # a policy on a bound is drawn over it
+            assert all(b.get_zorder() < o.get_zorder() for o in others), kind
+
+
+def _single_point_axes_read(fig: Any) -> None:
+    """A single point does not sit on an axis a few thousandths wide, and y starts at 0."""
+    for ax in _data_axes(fig):
+        xs = [x for ln in ax.get_lines() for x in ln.get_xdata() if str(ln.get_label())[0] != "_"]
+        if xs and len(set(xs)) == 1:
+            lo, hi = ax.get_xlim()
+            assert hi - lo >= 0.5 * abs(xs[0]) and lo <= xs[0] <= hi
+        assert ax.get_ylim()[0] == 0
+
+
+#: awkward sweeps on a small Mixtral-shaped trace: the RTX 4090 holds about a fifth of the
+#: experts, so larger points are "skipped" rows
+AWKWARD = {
+    "one point": {"policies": ["lru"], "hw": ["a6000-pcie4"], "cache_ratios": [0.125]},
+    "all skipped": {"policies": ["lru", "static"], "hw": ["rtx4090-pcie4"], "cache_ratios": [0.6]},
+    "one policy": {
+        "policies": ["lru"],
+        "hw": ["a6000-pcie4", "rtx4090-pcie4"],
+        "cache_ratios": [0.1, 0.6],
+    },
+    "many policies": {
+        "policies": [
+            "lru",
+            "lfu",
+            "static",
+            "fiddler",
+            "daop",
+            "belady",
+            "round-robin",
+            "stream-all",
+            "all-gpu",
+        ],
+        "hw": ["a6000-pcie4"],
+        "cache_ratios": [0.125, 0.6],
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def awkward(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pd.DataFrame]:
+    """The awkward sweeps' tables (a failed row added to the many-policies one)."""
+    folder = tmp_path_factory.mktemp("awkward")
+    trace = make_trace(
+        folder / "mix.parquet", model="mixtral-8x7b", sequences=2, prefill=4, decode=6, seed=3
+    )
+    out = {}
+    for name, grid in AWKWARD.items():
+        out[name] = sweep(
+            {**grid, "traces": [str(trace)], "sequences": 1}, workers=1, progress=False
+        )
+    many = out["many policies"]
+    failed = many.iloc[[0]].copy()
+    failed[["status", "error", "cache_ratio", "policy"]] = ["error", "PolicyError: x", 0.25, "lfu"]
+    out["many policies"] = pd.concat([many, failed], ignore_index=True)
+    return out
+
+
+@pytest.mark.parametrize("kind", [k for k in KINDS if k != "latency-load"])
+@pytest.mark.parametrize("sweep_name", list(AWKWARD))
+def test_awkward_sweeps_render_and_say_what_happened(
+    awkward: dict[str, pd.DataFrame], sweep_name: str, kind: str
+) -> None:
+    import matplotlib.pyplot as plt
+
+    table = awkward[sweep_name]
+    fig = plot(table, kind)
+    try:
+        check_figure(fig, table, kind)
+        if kind in ("throughput", "hit-rate") and sweep_name == "one point":
+            _single_point_axes_read(fig)
+        if sweep_name == "all skipped":
+            assert "does not fit" in " ".join(_texts(fig))
+    finally:
+        plt.close(fig)
+
+
+def test_pareto_labels_do_not_overlap_and_stay_inside(awkward: dict[str, pd.DataFrame]) -> None:
+    import matplotlib.pyplot as plt
+
+    from simulator.plots import pareto_front, realisable
+
+    # many near points: the front of the many-policies sweep, stretched to crowd the labels
+    table = awkward["many policies"]
+    fig = plot(table, "pareto")
+    fig.canvas.draw()
+    r = fig.canvas.get_renderer()
+    ax = fig.axes[0]
+    numbers = [t for t in ax.texts if t.get_text().isdigit()]
+    assert len(numbers) == len(pareto_front(realisable(table)))
+    boxes = [t.get_window_extent(r) for t in numbers]
+    for i, b in enumerate(boxes):
+        assert ax.bbox.contains(b.x0, b.y0) and ax.bbox.contains(b.x1, b.y1)
+        assert not any(b.overlaps(o) for o in boxes[i + 1 :])
+    note = " ".join(_texts(fig))
+    assert all(f"{n.get_text()} = " in note for n in numbers)  # each number explained
+    plt.close(fig)
+
+
+def test_experiment_figure_log_ticks_read_as_numbers(tmp_path: Path) -> None:
+    """The experiment plot's log axis reads 0.5, 1, 2 (not 5x10^-1), and skipped points are
+    named."""
+    from simulator.experiments import run_experiment
+
+    trace = make_trace(
+        tmp_path / "t.parquet", model="mixtral-8x7b", sequences=2, prefill=4, decode=6, seed=1
+    )
+    exp = tmp_path / "e.toml"
+    exp.write_text(
+        'name = "tiny"\nhw = "rtx4090-pcie4"\ncache_ratios = [0.1, 0.6]\ntarget = "lru"\n'
+        f'[policies.lru]\n[policies.static]\n[[models]]\ntrace = "{trace}"\n'
+    )
+    fig = run_experiment(exp, sequences=1).figure()
+    fig.canvas.draw()
+    ticks = [t.get_text() for ax in fig.axes for t in ax.get_yticklabels() if t.get_text()]
+    assert ticks and not any("times" in t or "^" in t for t in ticks), ticks
+    assert all(float(t.replace("\N{MINUS SIGN}", "-")) > 0 for t in ticks)
+    assert "skipped: lru @ 0.6" in " ".join(_texts(fig))

@@ -39,7 +39,7 @@ def run(
         oracle = Oracle(model.moe_layers, model.experts)
         for r in routings:
             oracle.add(r)
-    if pol.needs_calibration and calibration is None:
+    if pol.uses_calibration() and calibration is None:
         calibration = np.zeros((model.moe_layers, model.experts), dtype=np.int64)
     rec = Recorder()
     eng = Engine(pol, model, cost_model(HW, model), budget, calibration, calibration, oracle, rec)
@@ -86,8 +86,8 @@ def test_lru_lfu_and_round_robin_pick_different_victims() -> None:
 @pytest.mark.parametrize("policy", ["lru", "lfu", "belady"])
 def test_initial_popular_starts_from_the_calibration_counts(policy: str) -> None:
     """initial=popular asks the runner for calibration counts and starts with the top ones."""
-    assert not make_policy(policy, {}).needs_calibration
-    assert make_policy(policy, {"initial": "popular"}).needs_calibration
+    assert not make_policy(policy, {}).uses_calibration()
+    assert make_policy(policy, {"initial": "popular"}).uses_calibration()
     m = one_layer()
     calib = np.array([[0, 1, 0, 9, 5]])  # experts 3 and 4 are the popular ones
     r = routing_from_experts(m, [[[3]], [[4]]])

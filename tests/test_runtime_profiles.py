@@ -330,7 +330,7 @@ def test_every_cost_in_a_bundled_profile_names_its_source(name: str) -> None:
 
 
 def test_bad_profile_fields_are_one_line_errors(tmp_path: Path) -> None:
-    with pytest.raises(UserError, match="field 'dispatch_us' must be >= 0"):
+    with pytest.raises(UserError, match="field 'dispatch_us' must be a finite number >= 0"):
         parse_runtime({"name": "x", "dispatch_us": -1}, "x.toml")
     with pytest.raises(UserError, match="unknown field 'dispatch'"):
         parse_runtime({"name": "x", "dispatch": 1}, "x.toml")

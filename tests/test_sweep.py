@@ -533,3 +533,30 @@ def test_non_regular_trace_is_refused(tmp_path: Path, cli) -> None:  # type: ign
     os.mkfifo(grid)
     res = cli("sweep", grid, "--out", tmp_path / "r.parquet")
     assert res.exit_code == 2 and "is a FIFO" in res.stderr
+
+
+def test_sweep_from_a_plain_script_without_a_main_guard(tmp_path: Path) -> None:
+    """``daopsim.sweep()`` with worker processes at the top level of a script file (no
+    ``if __name__ == "__main__":``) runs once, and gives the table one worker gives."""
+    script = tmp_path / "my_sweep.py"
+    script.write_text(
+        "import daopsim\n"
+        'grid = {"policies": ["lru", "static"], "hw": ["a6000-pcie4"], "traces": ["ci-small"],\n'
+        '        "cache_ratios": [0.25, 0.5], "sequences": 1}\n'
+        "two = daopsim.sweep(grid, workers=2, progress=False)\n"
+        "one = daopsim.sweep(grid, workers=1, progress=False)\n"
+        "assert two.equals(one), (two, one)\n"
+        'print("ran", len(two), "rows")\n'
+    )
+    env = {**os.environ, "MPLBACKEND": "Agg"}
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == ["ran 4 rows"]  # the workers did not run the script
+    assert "Traceback" not in proc.stderr

@@ -227,7 +227,9 @@ def test_torch_router_logits(tmp_path: Path) -> None:
 
 def test_model_is_required_and_checked(tmp_path: Path) -> None:
     np.save(tmp_path / "a.npy", np.tile(np.array([0, 1]), (3, 4, 1)))
-    code, text = _run("trace", "import", "npy", str(tmp_path / "a.npy"), "-o", str(tmp_path / "o"))
+    code, text = _run(
+        "trace", "import", "npy", str(tmp_path / "a.npy"), "-o", str(tmp_path / "o.parquet")
+    )
     assert code == 2 and "give --model PRESET" in text and "4 MoE layers" in text
     code, text = _import("npy", tmp_path / "a.npy", tmp_path / "o.parquet")
     assert code == 2 and "the data has 4 MoE layers" in text
@@ -238,5 +240,6 @@ def test_unwritable_output_is_one_line(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
     code, text = _import("npy", tmp_path / "a.npy", blocker / "out.parquet")
-    assert code == 2 and text.startswith("error: -o ") and "cannot write" in text, text
+    # exit 3 like every unwritable output (docs/cli.md), naming the blocking file
+    assert code == 3 and text.startswith("error: -o ") and "not a directory" in text, text
     assert len(text.strip().splitlines()) == 1

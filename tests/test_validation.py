@@ -12,6 +12,7 @@ from click.testing import CliRunner
 
 from simulator.cli import main
 from simulator.errors import UserError
+from simulator.testing import one_row_table
 from simulator.validation import (
     TABLE_END,
     TABLE_START,
@@ -33,6 +34,9 @@ def test_table_parses_and_rows_are_complete() -> None:
     assert len({r.id for r in rows}) == len(rows)
     for r in rows:
         assert r.source.strip() and r.unit in UNITS
+        if r.is_ranking:
+            assert len(r.members) >= 2 and all(math.isfinite(m.published) for m in r.members)
+            continue
         assert r.published is not None and math.isfinite(r.published)
         if r.modelled:
             assert r.sim["policy"] and r.sim["hw"] and ("trace" in r.sim or "synth" in r.sim)
@@ -41,6 +45,11 @@ def test_table_parses_and_rows_are_complete() -> None:
         else:
             assert r.reason.strip(), r.id
     assert sum(r.modelled for r in rows) >= 10
+    # every test row says how complete its setting is, and names what it assumed
+    for r in rows:
+        if r.role == "test":
+            assert r.setting in ("published", "assumed"), r.id
+            assert bool(r.assumed) == (r.setting == "assumed"), r.id
     # some rows stay not modelled (the reporting path is exercised); issue 16 caps them at 4
     assert 1 <= sum(not r.modelled for r in rows) <= 4
 
@@ -51,7 +60,7 @@ def test_profiles_and_policies_named_by_rows_exist() -> None:
 
     names = available()
     for r in load_table():
-        if r.modelled:
+        if r.modelled and not r.is_ranking:
             load_profile(r.sim["hw"])
             for cfg in (r.sim, r.baseline or {}):
                 if "policy" in cfg:
@@ -108,6 +117,8 @@ def test_cli_json_keys_and_out(tmp_path: Path) -> None:
         abs(by_id["hybrimoe-lru-mixtral-25"]["rel_error"])
     )
     assert (out / "validation.csv").read_text().startswith("id,role,published,simulated")
+    assert doc["published_setting_rows"]["modelled"] == 0  # the LRU row's setting is assumed
+    assert doc["ranking_agreement"] is None and doc["rankings"]["groups"] == 0
     assert "| hybrimoe-lru-mixtral-25 |" in (out / "validation.md").read_text()
 
 
@@ -123,9 +134,9 @@ def test_cli_text_summary_lists_not_modelled() -> None:
 def test_markdown_splice(tmp_path: Path) -> None:
     doc = tmp_path / "v.md"
     doc.write_text(f"# t\n{TABLE_START}\nold\n{TABLE_END}\ntail\n")
+    table = one_row_table(tmp_path / "one.toml", "omlx-gemma4-residency-25")
     res = CliRunner().invoke(
-        main,
-        ["validate", "--no-progress", "--rows", "omlx-gemma4-residency-25", "--markdown", str(doc)],
+        main, ["validate", "--no-progress", "--table", str(table), "--markdown", str(doc)]
     )
     assert res.exit_code == 0, res.output
     text = doc.read_text()
@@ -164,6 +175,43 @@ def test_markdown_splice(tmp_path: Path) -> None:
             'workload="w"\nunit="tokens/s"\npublished=1.0\nmodelled=false\nreason="r"\n'
             'role="holdout"\n',
             "role 'holdout'",
+        ),
+        (
+            '[[row]]\nid="a"\nsource="s"\nsystem="s"\nhardware="h"\nmodel="m"\nprecision="p"\n'
+            'workload="w"\nunit="tokens/s"\npublished=1.0\nmodelled=false\nreason="r"\n'
+            'role="test"\n',
+            "a test row needs 'setting'",
+        ),
+        (
+            '[[row]]\nid="a"\nsource="s"\nsystem="s"\nhardware="h"\nmodel="m"\nprecision="p"\n'
+            'workload="w"\nunit="tokens/s"\npublished=1.0\nmodelled=false\nreason="r"\n'
+            'role="test"\nsetting="assumed"\n',
+            "needs 'assumed'",
+        ),
+        (
+            '[[row]]\nid="a"\nsource="s"\nsystem="s"\nhardware="h"\nmodel="m"\nprecision="p"\n'
+            'workload="w"\nunit="tokens/s"\npublished=1.0\nmodelled=false\nreason="r"\n'
+            'role="test"\nsetting="published"\nassumed=["the host"]\n',
+            "assumes nothing",
+        ),
+        (
+            '[[row]]\nid="a"\nsource="s"\nsystem="s"\nhardware="h"\nmodel="m"\nprecision="p"\n'
+            'workload="w"\nunit="tokens/kJ"\npublished=1.0\nmodelled=false\nreason="r"\n'
+            'role="test"\nsetting="published"\n',
+            "needs 'energy'",
+        ),
+        (
+            '[[row]]\nid="a"\nkind="ranking"\nsource="s"\nsystem="s"\nhardware="h"\n'
+            'model="m"\nprecision="p"\nworkload="w"\nunit="tokens/s"\nrole="test"\n'
+            'setting="published"\n[[row.member]]\nname="x"\nrow="nope"\n'
+            '[[row.member]]\nname="y"\nrow="nope"\n',
+            "row 'nope' is not a modelled measurement row",
+        ),
+        (
+            '[[row]]\nid="a"\nkind="ranking"\nsource="s"\nsystem="s"\nhardware="h"\n'
+            'model="m"\nprecision="p"\nworkload="w"\nunit="tokens/s"\nrole="test"\n'
+            'setting="published"\n[[row.member]]\nname="x"\npublished=1.0\n',
+            "two or more [[row.member]]",
         ),
         (
             '[[row]]\nid="a"\nsource="s"\nsystem="s"\nhardware="h"\nmodel="m"\nprecision="p"\n'
@@ -333,7 +381,7 @@ def test_every_modelled_row_compares_its_metric_in_a_matching_unit() -> None:
     from simulator.results import METRIC_KEYS
 
     for r in load_table():
-        if not r.modelled:
+        if not r.modelled or r.is_ranking:
             continue
         name = r.metric.split("[")[0]
         assert name in METRIC_KEYS or name == "per_layer_hit_rate", (r.id, r.metric)
@@ -447,3 +495,107 @@ def test_moe_infinity_rows_follow_the_timing_script_and_cache_rule() -> None:
     assert len(later) >= 6
     for r in later:
         assert (r.sim["synth"]["prompt_tokens"], r.sim["synth"]["output_tokens"]) == (512, 32)
+
+
+def _ranking(members: list[tuple[str, float]], unit: str = "tokens/s") -> Any:
+    from simulator.validation import Member
+
+    row = _row(id="rank", kind="ranking", unit=unit, published=None, setting="published")
+    row.members = [Member(n, v, {}, "tokens_per_s") for n, v in members]
+    return row
+
+
+def test_ranking_score_counts_pairs_and_ratio_errors() -> None:
+    """Pairs are ordered as published when their simulated values are in the same order;
+    the ratio error compares each member's ratio to the first member with the source's."""
+    from simulator.validation import Report, RowResult
+
+    row = _ranking([("a", 4.0), ("b", 2.0), ("c", 1.0)])
+    res = RowResult(row, member_values=[8.0, 1.0, 2.0])  # b and c swapped
+    score = res.ranking()
+    assert score is not None
+    assert (score["pairs"], score["agree"]) == (3, 2)
+    assert score["disagree"] == [["b", "c"]]
+    assert score["published_order"] == ["a", "b", "c"]
+    assert score["simulated_order"] == ["a", "c", "b"]
+    assert score["ratio_errors"]["b"] == pytest.approx((1 / 8) / (2 / 4) - 1)
+    assert score["ratio_errors"]["c"] == pytest.approx((2 / 8) / (1 / 4) - 1)
+    # lower is better for latencies: the same numbers as s/token reverse every order
+    slow = RowResult(
+        _ranking([("a", 4.0), ("b", 2.0), ("c", 1.0)], "s/token"), member_values=[8.0, 1.0, 2.0]
+    )
+    assert slow.ranking()["published_order"] == ["c", "b", "a"]
+    assert slow.ranking()["agree"] == 2  # agreement does not depend on the direction
+    report = Report([res, RowResult(_ranking([("x", 1.0), ("y", 3.0)]), member_values=[1.0, 2.0])])
+    doc = report.to_dict()
+    assert doc["ranking_agreement"] == pytest.approx(3 / 4)
+    assert doc["rankings"]["groups"] == 2 and doc["rankings"]["pairs"] == 4
+    assert doc["test_rows"]["modelled"] == 0  # ranking rows are not measurement rows
+    assert report.not_modelled == []
+
+
+def test_published_setting_summary_leaves_assumed_rows_out() -> None:
+    from simulator.validation import Report, RowResult
+
+    report = Report(
+        [
+            RowResult(_row(id="p", setting="published"), 1.1),
+            RowResult(_row(id="a", setting="assumed", assumed=("the host",)), 3.0),
+        ]
+    )
+    doc = report.to_dict()
+    assert doc["published_setting_rows"]["ids"] == ["p"]
+    assert doc["published_setting_rows"]["max_abs_error"] == pytest.approx(0.1)
+    assert doc["max_abs_error"] == pytest.approx(2.0)
+    md = to_markdown_of(report)
+    assert "- `a`: the host" in md and "| p | test | published |" in md
+
+
+def to_markdown_of(report: Any) -> str:
+    from simulator.validation import to_markdown
+
+    return to_markdown(report)
+
+
+def test_ranking_rows_of_the_table_resolve_their_members() -> None:
+    rows = {r.id: r for r in load_table()}
+    ranks = [r for r in rows.values() if r.is_ranking]
+    assert len(ranks) >= 10  # issue 30: at least ten groups from primary sources
+    for r in ranks:
+        assert r.role == "test" and r.setting in ("published", "assumed")
+        for m in r.members:
+            assert m.sim["policy"] and m.sim["hw"], (r.id, m.name)
+            if m.ref:
+                assert rows[m.ref].modelled
+    env1 = rows["ranking-fiddler-env1"]
+    fiddler, mo, _ = env1.members
+    ratio = rows["fiddler-env1-speedup-vs-mixtral-offloading"]
+    assert fiddler.sim == ratio.sim and mo.sim == {**ratio.sim, **(ratio.baseline or {})}
+    assert fiddler.published / mo.published == pytest.approx(ratio.published, rel=1e-3)
+
+
+def test_a_small_ranking_runs_end_to_end(tmp_path: Path) -> None:
+    """Two LRU budgets on the bundled trace: the larger cache is faster, as 'published'."""
+    table = tmp_path / "t.toml"
+    member = (
+        '[[row.member]]\nname="{name}"\npublished={pub}\n'
+        '[row.member.sim]\npolicy="lru"\nhw="a6000-pcie4"\ntrace="ci-small"\n'
+        "cache_ratio={ratio}\nsequences=1\n"
+    )
+    table.write_text(
+        '[[row]]\nid="rank"\nkind="ranking"\nsource="s"\nsystem="s"\nhardware="h"\n'
+        'model="m"\nprecision="p"\nworkload="w"\nunit="tokens/s"\nrole="test"\n'
+        'setting="published"\nmetric="decode_tokens_per_s"\n'
+        + member.format(name="big", pub=2.0, ratio=0.375)
+        + member.format(name="small", pub=1.0, ratio=0.125)
+    )
+    res = CliRunner().invoke(main, ["validate", "--table", str(table), "--no-progress", "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output)
+    (row,) = doc["rows"]
+    assert row["kind"] == "ranking" and row["ranking"]["pairs"] == 1
+    assert [m["name"] for m in row["members"]] == ["big", "small"]
+    assert row["members"][0]["simulated"] > row["members"][1]["simulated"]
+    assert doc["ranking_agreement"] == 1.0 and doc["not_modelled"] == []
+    text = CliRunner().invoke(main, ["validate", "--table", str(table), "--no-progress"])
+    assert text.exit_code == 0 and "rankings (test): 1 of 1 pairs" in text.output

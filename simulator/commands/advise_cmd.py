@@ -15,7 +15,7 @@ from simulator.commands.common import echo_json, json_option
     "--dtype",
     "dtypes",
     default=None,
-    help="Comma-separated expert precisions to try (default: the trace's, q4_k_m, int4_g128).",
+    help="Comma-separated expert precisions to try (default: the trace's, then q4_k_m).",
 )
 @click.option("--policies", default=None, help="Comma-separated policies to search (default: all).")
 @click.option(
@@ -29,6 +29,13 @@ from simulator.commands.common import echo_json, json_option
 )
 @click.option("--workers", type=int, help="Worker processes (default: number of CPUs).")
 @click.option("--scheduler", metavar="ADDRESS", help="Dask scheduler (tcp://host:8786).")
+@click.option(
+    "--top",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Ranked rows to print (default 10; 0: all). --json and --csv have every row.",
+)
+@click.option("--csv", "as_csv", is_flag=True, help="Every row and column as CSV on stdout.")
 @json_option
 def advise(
     model: str,
@@ -41,11 +48,16 @@ def advise(
     workers: int | None,
     scheduler: str | None,
     as_json: bool,
+    top: int | None = None,
+    as_csv: bool = False,
 ) -> None:
     """Search policies, budgets, options and precisions; print them ranked by tokens/s."""
+    from simulator.advise import DEFAULT_TOP, render, to_csv
     from simulator.advise import advise as run_advise
-    from simulator.advise import render
     from simulator.errors import UserError
+
+    if as_json and as_csv:
+        raise UserError("give --json or --csv, not both")
 
     dtype_list = None
     if dtypes is not None:
@@ -70,5 +82,7 @@ def advise(
     )
     if as_json:
         echo_json(result.to_dict())
+    elif as_csv:
+        click.echo(to_csv(result), nl=False)
     else:
-        click.echo(render(result))
+        click.echo(render(result, top=DEFAULT_TOP if top is None else top))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from simulator.commands.common import echo_json, json_option
-from simulator.output import check_output_file, os_errors
+from simulator.output import TRACE_FORMATS, check_output_file, os_errors, output_format
 from simulator.trace import ALL_PROBS_MAX_EXPERTS, DEFAULT_TOP_M
 
 
@@ -131,6 +131,7 @@ def capture(
         top_m=top_m,
         progress=not no_progress and not as_json,
     )
+    output_format(output, TRACE_FORMATS, "-o")
     check_output_file(output, "-o", inputs=[prompts])
     with os_errors(output, "-o"):
         result = run_capture(cfg)

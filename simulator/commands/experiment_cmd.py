@@ -26,6 +26,7 @@ def resolve_or_none(trace: str) -> Path | None:
 @click.argument("name", default="daop-paper")
 @click.option(
     "--out",
+    "-o",
     "out_dir",
     type=click.Path(path_type=Path),
     default=None,

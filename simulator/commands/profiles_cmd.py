@@ -35,14 +35,16 @@ def list_cmd(as_json: bool) -> None:
     if as_json:
         echo_json([_brief(p) for p in rows])
         return
-    table = [("NAME", "GPU", "MEM GB", "GPU GB/s", "LINK", "H2D GB/s", "CPU", "MEASURED")]
+    # device memory in GiB, as vendors state it (a "24 GB" card has 24 GiB = 25.8 GB; the
+    # profile's memory_gb is decimal GB, docs/hardware-profiles.md); rates in decimal GB/s
+    table = [("NAME", "GPU", "MEM GiB", "GPU GB/s", "LINK", "H2D GB/s", "CPU", "MEASURED")]
     for p in rows:
         table.append(
             (
                 p.name,
                 (f"{p.multi.count}x " if p.multi is not None else "")
                 + p.gpu.name.replace("NVIDIA ", ""),
-                f"{p.gpu.memory_gb:.1f}",
+                f"{p.gpu.memory_gb * 1e9 / 2**30:.1f}",
                 f"{p.gpu.mem_bw_gbs:g}",
                 p.link.kind,
                 f"{p.link.h2d_pinned_gbs:g}",

@@ -94,7 +94,9 @@ def regress(
         if not no_progress and not as_json:
             click.echo(f"  {key}", err=True)
 
-    report = run_regress(grid, path, tolerance=tol, update=update, progress=progress, only=only)
+    report = run_regress(
+        grid, path, tolerance=tol, update=update, progress=progress, only=only, inputs=[grid_file]
+    )
     if as_json:
         echo_json(report.to_dict())
     else:

@@ -9,13 +9,14 @@ from pathlib import Path
 from typing import Any
 
 import click
+from click.core import ParameterSource
 
 from simulator.commands.common import echo_json, json_option
 from simulator.errors import DoesNotFit, UserError, parse_key_values
 from simulator.output import (
     TABLE_FORMATS,
-    check_output_dir,
-    check_output_file,
+    Output,
+    check_outputs,
     output_format,
     scratch_dir,
     write_table,
@@ -46,7 +47,7 @@ TABLE_ROWS = (
     ("ttft_s", "time to first token", " s", 1.0),
     ("tpot_p50_s", "per-token latency p50", " ms", 1e3),
     ("tpot_p99_s", "per-token latency p99", " ms", 1e3),
-    ("e2e_s", "end-to-end time", " s", 1.0),
+    ("e2e_s", "end-to-end time (simulated)", " s", 1.0),
     ("hit_rate", "GPU hit rate (decode)", "", 1.0),
     ("h2d_bytes", "host-to-device", " GB", 1e-9),
     ("d2h_bytes", "device-to-host", " GB", 1e-9),
@@ -69,6 +70,8 @@ TABLE_ROWS = (
 )
 
 
+#: rows that add up each GPU stream's waiting (with several GPUs, more than the run's time)
+PER_STREAM_ROWS = ("stall_s", "dispatch_stall_s")
 #: rows shown only when the run has a host-memory budget (docs/serving.md, "An SSD tier")
 SSD_ROWS = ("ssd_bytes", "ssd_stall_s", "host_memory_peak_bytes")
 
@@ -78,8 +81,9 @@ def compute_bounds(
 ) -> dict[str, dict[str, Any]]:
     """The bounds shown beside a result, on the same trace, machine and sequences.
 
-    all-gpu: every expert resident (throughput no offloading policy can beat on this cost
-    model). belady_per_layer: clairvoyant MIN replacement in per-layer caches sharing the run's
+    all-gpu: every expert resident, at the run's precisions on its machine, under the fastest
+    of the run's runtime and the bundled ones (:mod:`simulator.bounds`; docs/metrics.md,
+    "Bounds"). belady_per_layer: clairvoyant MIN replacement in per-layer caches sharing the run's
     GPU expert budget evenly (the bound of ``lru``, ``lfu``, ``round-robin``). belady_global
     (only beside a caching policy): clairvoyant MIN in one cache over all layers with the same
     budget (the bound of ``global-lru``, ``global-lfu``). ``belady`` repeats belady_per_layer
@@ -87,6 +91,7 @@ def compute_bounds(
     """
     from policies.caching import CachingPolicy, GlobalCachingPolicy
     from policies.registry import get_policy_class
+    from simulator.bounds import bound_for_result
     from simulator.runner import simulate
 
     # the bounds evaluate exactly the run's sequences (they use no calibration data, so
@@ -104,10 +109,7 @@ def compute_bounds(
     }
     out: dict[str, dict[str, Any]] = {}
     own = result.config["policy"]
-    gpu = result if own == "all-gpu" else simulate(policy="all-gpu", **common)
-    out["all-gpu"] = {
-        k: gpu.metrics[k] for k in ("tokens_per_s", "decode_tokens_per_s", "tpot_p50_s", "e2e_s")
-    }
+    out["all-gpu"] = bound_for_result(result, hw, trace).to_dict()
     budget = result.config["gpu_experts"]
 
     def belady(name: str, scope: str) -> dict[str, Any]:
@@ -136,12 +138,94 @@ def compute_bounds(
     return out
 
 
+#: grid keys (docs/sweeps.md) -> ``run`` parameters, for axes that take one value in a run
+_CONFIG_AXES = {
+    "policies": "policy",
+    "hw": "hw",
+    "traces": "trace",
+    "seeds": "seed",
+    "runtimes": "runtime",
+    "arrival_rates": "arrival_rate",
+    "gpus": "gpus",
+    "multi_gpu": "multi_gpu",
+}
+#: grid keys that are one value in a grid too
+_CONFIG_SCALARS = (
+    "sequences",
+    "calibration",
+    "dtype",
+    "lookahead",
+    "host_dtype",
+    "nonexpert_dtype",
+    "max_batch",
+    "slo_ttft",
+    "slo_tpot",
+)
+
+
+def load_run_config(path: str) -> dict[str, Any]:
+    """A ``run --config`` file: the keys of a sweep grid (docs/sweeps.md), each with one value
+    (a one-point grid), as ``run`` parameters (``options``: the policy's options).
+
+    Relative paths are relative to the file, as in a grid file. A key with several values, or
+    two memory points, is a one-line error naming the key."""
+    from simulator.sweep import load_grid_file
+
+    grid, out = load_grid_file(path)
+    params: dict[str, Any] = {}
+    for key, name in _CONFIG_AXES.items():
+        values = list(dict.fromkeys(getattr(grid, key)))
+        if len(values) > 1:
+            file_key = "arrival_rate" if key == "arrival_rates" else key
+            raise UserError(
+                f"{path}: key {file_key!r} has {len(values)} values; a run takes one "
+                "(use `daopsim sweep` for several)"
+            )
+        if values:
+            params[name] = values[0]
+    memory = [*grid.cache_ratios, *grid.gpu_experts]
+    if len(memory) > 1:
+        raise UserError(
+            f"{path}: keys 'cache_ratios'/'gpu_experts' give {len(memory)} memory points; "
+            "a run takes one"
+        )
+    if grid.cache_ratios:
+        params["cache_ratio"] = grid.cache_ratios[0]
+    if grid.gpu_experts:
+        params["gpu_experts"] = grid.gpu_experts[0]
+    for key in _CONFIG_SCALARS:
+        value = getattr(grid, key)
+        if value is not None and not (key == "lookahead" and value == "recorded"):
+            params[key] = value
+    if out is not None:
+        params["out_dir"] = out
+    policy = params.get("policy")
+    declared: dict[str, Any] = {}
+    if policy is not None:
+        from policies.registry import get_policy_class
+
+        declared = get_policy_class(policy).params
+    options: dict[str, Any] = {}
+    for name, values in grid.options.items():
+        scope, dot, opt = name.rpartition(".")
+        if dot and scope != policy:
+            raise UserError(f"{path}: option {name!r} is for policy {scope!r}, not {policy!r}")
+        if not dot and name not in declared:
+            continue  # a grid applies an unscoped option to the policies that declare it
+        if len(values) > 1:
+            raise UserError(f"{path}: option {name!r} has {len(values)} values; a run takes one")
+        options[opt if dot else name] = values[0]
+    params["options"] = options
+    return params
+
+
 def render_table(doc: dict[str, Any]) -> str:
     """The readable summary printed by ``daopsim run``."""
     m = doc["metrics"]
+    n_seq = doc["sequences"]
     head = (
         f"policy {doc['policy']} on {doc['hw']} | model {doc['model']} ({doc['dtype']}) | "
-        f"trace {doc['trace']} ({doc['sequences']} sequences)\n"
+        f"trace {doc['trace']} ({n_seq} sequence{'' if n_seq == 1 else 's'})\n"
         f"GPU experts {doc['gpu_experts']} of {doc['total_experts']} "
         f"(cache ratio {doc['cache_ratio']:.3f}; {doc['max_gpu_experts']} fit in memory)"
     )
@@ -161,26 +245,42 @@ def render_table(doc: dict[str, Any]) -> str:
         )
     for note in doc.get("notes") or []:
         head += f"\nnote: {note}"
-    lines = [head, ""]
+    lines = [head, "", "  simulated run (every time below is simulated time, not this computer's)"]
+    n_gpus = int(mg["gpus"]) if mg else 1
     for key, label, unit, scale in TABLE_ROWS:
         value = m.get(key)
         if key not in m and key in SSD_ROWS:  # no host-memory budget: no SSD tier rows
             continue
         if isinstance(value, int | float) and not isinstance(value, bool) and scale != 1:
             value = value * scale
-        lines.append(f"  {label:<28} {_fmt(value, unit)}")
+        note = ""
+        if key in PER_STREAM_ROWS and n_gpus > 1:
+            # each GPU's stream waits on its own: the sum can exceed the run's time
+            note = f"  (summed over the {n_gpus} GPUs' streams)"
+        lines.append(f"  {label:<28} {_fmt(value, unit)}{note}")
     sv = doc.get("serving")
     if sv:
         lines += ["", f"  serving: {render_serving(sv)}"]
     b = doc.get("bounds")
     if b:
-        gpu_tps = b["all-gpu"]["tokens_per_s"]
+        ag = b["all-gpu"]
+        gpu_tps = ag["tokens_per_s"]
         share = m["tokens_per_s"] / gpu_tps if gpu_tps else float("nan")
         lines += [
             "",
-            "  bounds (same trace and machine)",
+            "  bounds (same trace, machine and precisions)",
             f"  {'all-GPU tokens/s':<28} {_fmt(gpu_tps)}  (this run: {share:.1%} of it)",
         ]
+        if "runtime" in ag:  # which runtime the bound ran on (docs/metrics.md, "Bounds")
+            how = f"every expert resident, runtime {ag['runtime']}"
+            if ag.get("dtype") not in (None, doc["dtype"]):
+                how += f", experts at {ag['dtype']} (the host copies' precision)"
+            if ag.get("own_runtime") not in (None, ag["runtime"]):
+                how += (
+                    f" (the fastest; on this run's runtime {ag['own_runtime']}: "
+                    f"{_fmt(ag['own_tokens_per_s'])})"
+                )
+            lines.append(f"  {'':<28} {how}")
         per_layer = b.get("belady_per_layer") or b["belady"]
         lines.append(
             f"  {'belady (per layer) hit rate':<28} {_fmt(per_layer['hit_rate'])}"
@@ -321,9 +421,10 @@ def render_serving(sv: dict[str, Any]) -> str:
 )
 @click.option(
     "--out",
+    "-o",
     "out_dir",
     default=None,
-    help="Write metrics.json, timeline.parquet, a Perfetto trace and plots here.",
+    help="Write metrics.json, timeline.parquet, a Perfetto trace and plots to this folder.",
 )
 @click.option("--no-progress", is_flag=True, help="Do not show a progress bar.")
 @click.option(
@@ -457,6 +558,14 @@ def render_serving(sv: dict[str, Any]) -> str:
     help="With --multi-gpu expert: 'mod' (expert e on GPU e mod N; default) or 'balanced' "
     "(calibration popularity spread evenly: largest first onto the least-loaded GPU).",
 )
+@click.option(
+    "--config",
+    "config",
+    default=None,
+    metavar="FILE.toml",
+    help="Take the run from a TOML file with the keys of a sweep grid, one value each "
+    "(docs/sweeps.md, 'Grid files'); options given here override it.",
+)
 @json_option
 def run(
     policy: str,
@@ -495,12 +604,45 @@ def run(
     gpus: int = 1,
     multi_gpu: str | None = None,
     expert_placement: str | None = None,
+    config: str | None = None,
 ) -> None:
     """Simulate one policy on one machine over a routing trace."""
     from simulator.runner import simulate
     from simulator.serving import serving_config
 
-    options = parse_options(policy_opts)
+    options: dict[str, Any] = {}
+    if config is not None:
+        ctx = click.get_current_context()
+        given = load_run_config(config)
+        options = given.pop("options")
+
+        def pick(name: str, current: Any) -> Any:
+            # the command line wins over the file
+            if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE:
+                return current
+            return given.get(name, current)
+
+        policy, hw, trace = pick("policy", policy), pick("hw", hw), pick("trace", trace)
+        cache_ratio, gpu_experts = (
+            pick("cache_ratio", cache_ratio),
+            pick("gpu_experts", gpu_experts),
+        )
+        sequences, seed = pick("sequences", sequences), pick("seed", seed)
+        calibration, lookahead = pick("calibration", calibration), pick("lookahead", lookahead)
+        dtype, host_dtype = pick("dtype", dtype), pick("host_dtype", host_dtype)
+        nonexpert_dtype, runtime = (
+            pick("nonexpert_dtype", nonexpert_dtype),
+            pick("runtime", runtime),
+        )
+        out_dir, arrival_rate = pick("out_dir", out_dir), pick("arrival_rate", arrival_rate)
+        max_batch, gpus = pick("max_batch", max_batch), pick("gpus", gpus)
+        slo_ttft, slo_tpot = pick("slo_ttft", slo_ttft), pick("slo_tpot", slo_tpot)
+        multi_gpu = pick("multi_gpu", multi_gpu)
+        if ctx.get_parameter_source("cache_ratio") is ParameterSource.COMMANDLINE:
+            gpu_experts = None if "gpu_experts" in given else gpu_experts
+        if ctx.get_parameter_source("gpu_experts") is ParameterSource.COMMANDLINE:
+            cache_ratio = None if "cache_ratio" in given else cache_ratio
+    options.update(parse_options(policy_opts))
     if model is not None:  # the synthetic trace, so the bounds below run on it too
         from simulator.hosttier import model_trace
 
@@ -525,9 +667,15 @@ def run(
                 "--arrivals or an SLO)"
             )
         output_format(requests_out, TABLE_FORMATS, "--requests-out")
-        check_output_file(requests_out, "--requests-out", inputs)
-    if out_dir is not None:
-        check_output_dir(out_dir, RUN_FILES, "--out", inputs)
+    # every output before the run: never an input, never one inside the other (--out is
+    # replaced as a whole, and already holds requests.parquet in a serving run)
+    check_outputs(
+        [
+            Output(out_dir, "--out", RUN_FILES) if out_dir is not None else None,
+            Output(requests_out, "--requests-out") if requests_out is not None else None,
+        ],
+        inputs,
+    )
     enabled = not no_progress and sys.stderr.isatty()
     with contextlib.ExitStack() as stack:
         record: bool | Path = False

@@ -107,6 +107,13 @@ def _parses(kind: type, text: str) -> bool:
     "multi_gpu",
     help="Comma-separated placements for the counts above 1: expert, pipeline (default: expert).",
 )
+@click.option(
+    "--bounds/--no-bounds",
+    default=True,
+    show_default=True,
+    help="Fill each row's all-GPU bound (bound_tokens_per_s; a few all-GPU runs per machine, "
+    "trace and precision).",
+)
 @json_option
 def sweep(
     grid_file: str | None,
@@ -138,12 +145,14 @@ def sweep(
     runtimes: str | None = None,
     gpus: str | None = None,
     multi_gpu: str | None = None,
+    bounds: bool = True,
 ) -> None:
     """Run every combination of policies, machines, traces and memory budgets.
 
-    Give the grid with flags, or as GRID_FILE (TOML, see docs/sweeps.md); flags override the
-    file's keys. Finished configurations are kept in OUT.parts/, so an interrupted sweep
-    resumes where it stopped when run again.
+    Give the grid with flags, or as GRID_FILE (TOML, see docs/sweeps.md; or the name of a
+    bundled grid, such as example-grid); flags override the file's keys. Finished
+    configurations are kept in OUT.parts/, so an interrupted sweep resumes where it stopped
+    when run again.
     """
     from simulator.sweep import Grid, load_grid_file, parse_option_items, run_sweep
 
@@ -171,6 +180,12 @@ def sweep(
     for key, value in flags.items():
         if value is not None:
             setattr(grid, key, value)
+    if grid_file is not None and flags["policies"] is not None:
+        # --policies replaces the file's: its options for the policies left out go too
+        kept = set(grid.policies)
+        grid.options = {
+            k: v for k, v in grid.options.items() if "." not in k or k.rpartition(".")[0] in kept
+        }
     if sequences is not None:
         if sequences <= 0:
             raise UserError(f"--sequences must be positive, got {sequences}")
@@ -201,6 +216,7 @@ def sweep(
             scheduler=scheduler,
             retry_errors=retry_errors,
             min_gate_mass=min_gate_mass,
+            bounds=bounds,
         )
     except KeyboardInterrupt:
         click.echo("interrupted: finished runs are kept; run the same command to resume", err=True)

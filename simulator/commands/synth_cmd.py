@@ -16,22 +16,25 @@ from typing import Any
 import click
 
 from simulator.commands.common import dumps, echo_json, json_option
-from simulator.errors import UserError
+from simulator.data import check_input_file
+from simulator.errors import UserError, check_seed
 from simulator.models import get_model
-from simulator.output import check_output_file, os_errors, write_text
+from simulator.output import check_output_file, write_text
 from simulator.synth import (
+    COLD_FIT_SEQUENCES,
     FIT_PARAMS,
     PRESETS,
     SynthParams,
+    check_stats_model,
+    curve_rule,
     default_preset,
     fit_params,
     get_preset,
     params_from_dict,
     parse_param_overrides,
     shape_from_stats,
-    write_synthetic,
 )
-from simulator.synth_checks import write_validated
+from simulator.synth_checks import synth as write_trace_file
 
 
 def _resolve_params(
@@ -112,16 +115,18 @@ def synth(
         raise UserError(f"synth: missing option {', '.join(missing)} (see `daopsim synth --help`)")
     assert model is not None and sequences is not None and output is not None
     shape = get_model(model)
-    p, preset_name = _resolve_params(shape.name, preset, params)
-    check_output_file(output, "-o", inputs=[preset])
-    with os_errors(output, "-o"):
-        # generated beside the output, validated, then renamed: never an invalid trace
-        meta = write_validated(
-            output,
-            lambda tmp: write_synthetic(
-                tmp, shape, p, sequences, prompt_tokens, output_tokens, seed, preset=preset_name
-            ),
-        )
+    chosen = get_preset(preset) if preset else default_preset(shape.name)
+    preset_name = chosen.name if chosen else None
+    meta = write_trace_file(
+        output,
+        shape.name,
+        sequences,
+        prompt_tokens,
+        output_tokens,
+        seed,
+        preset=preset,
+        params=parse_param_overrides(params),
+    )
     summary = {
         "path": str(output),
         "model": shape.name,
@@ -168,6 +173,8 @@ def presets_cmd(as_json: bool) -> None:
 
 
 def _load_target(path: str) -> dict[str, Any]:
+    # a device or FIFO would be read without end (or block): refused like every input
+    check_input_file(path, "stats")
     try:
         data = json.loads(Path(path).read_text())
     except FileNotFoundError:
@@ -209,19 +216,20 @@ def _load_target(path: str) -> dict[str, Any]:
 )
 @click.option(
     "--sequences",
-    type=int,
+    type=click.IntRange(min=1),
     default=None,
-    help="Sequences per fitting trace (default: from the stats, at most 12).",
+    help="Sequences per fitting trace (default: 32 when the fit targets the cold-start "
+    "curves, else from the stats, at most 12).",
 )
 @click.option(
     "--prompt-tokens",
-    type=int,
+    type=click.IntRange(min=1),
     default=None,
     help="Prompt tokens per sequence (default: from the stats, else 256).",
 )
 @click.option(
     "--output-tokens",
-    type=int,
+    type=click.IntRange(min=2),
     default=None,
     help="Generated tokens per sequence (default: from the stats, else 512).",
 )
@@ -233,7 +241,13 @@ def _load_target(path: str) -> dict[str, Any]:
     "lru_curve, popularity_hit), labels (lru_curve[3]), per_layer, or short names "
     "(lookahead, cosine, entropy, overlap, lags, lru, popularity).",
 )
-@click.option("--iterations", type=int, default=10, show_default=True)
+@click.option(
+    "--iterations",
+    type=click.IntRange(min=0),
+    default=10,
+    show_default=True,
+    help="Fitting iterations (0: measure the start values only).",
+)
 @click.option("--seed", type=int, default=12345, show_default=True)
 @click.option(
     "-o",
@@ -272,11 +286,19 @@ def fit_cmd(
     if model_name is None and isinstance(data.get("model"), dict):
         model_name = data["model"].get("name")
     shape = get_model(model_name or "mixtral-8x7b")
+    check_stats_model(shape, data, target)
+    check_seed(seed)
     start, _ = _resolve_params(shape.name, preset, params)
     recorded = shape_from_stats(data)
-    n_seq = sequences or min(recorded.get("sequences", 12), 12)
-    p_tok = prompt_tokens or recorded.get("prompt_tokens", 256)
-    o_tok = output_tokens or recorded.get("output_tokens", 512)
+    # `is None`, not `or`: an explicit 0 is refused by the option's range, never a default
+    if sequences is not None:
+        n_seq = sequences
+    elif curve_rule(data) == "cold":
+        n_seq = COLD_FIT_SEQUENCES
+    else:
+        n_seq = min(recorded.get("sequences", 12), 12)
+    p_tok = prompt_tokens if prompt_tokens is not None else recorded.get("prompt_tokens", 256)
+    o_tok = output_tokens if output_tokens is not None else recorded.get("output_tokens", 512)
     if n_seq < 1 or p_tok < 1 or o_tok < 2:
         raise UserError(
             "synth fit: need --sequences >= 1, --prompt-tokens >= 1, --output-tokens >= 2"
@@ -305,6 +327,7 @@ def fit_cmd(
     doc["fit"].update(
         {
             "sequences": n_seq,
+            "curve_rule": curve_rule(data),
             "prompt_tokens": p_tok,
             "output_tokens": o_tok,
             "seed": seed,

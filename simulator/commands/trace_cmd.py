@@ -1,4 +1,5 @@
-"""``daopsim trace``: validate a routing trace, show its metadata, compute routing statistics."""
+"""``daopsim trace``: validate a routing trace, show its metadata, compute routing statistics,
+import one from another format (``trace list``, the bundled traces, is in traces_cmd.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from simulator.trace import TraceMeta, read_meta, validate_trace
 
 @click.group("trace")
 def trace() -> None:
-    """Check and inspect routing traces (Parquet; see docs/trace-format.md)."""
+    """Routing traces: list the bundled ones, check, inspect and import (docs/trace-format.md)."""
 
 
 def _path_arg() -> Any:
@@ -25,7 +26,7 @@ def _path_arg() -> Any:
 
 
 def _resolve(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
-    """A bundled trace's short name (see `daopsim traces list`) also works as PATH."""
+    """A bundled trace's short name (see `daopsim trace list`) also works as PATH."""
     kind = non_regular_kind(value)
     if kind is not None and kind != "a directory":  # reading a FIFO or a device never ends
         raise UserError(f"{value}: is {kind}, not a regular trace file")
@@ -225,8 +226,18 @@ def _echo_reuse(s: dict[str, Any]) -> None:
             else sorted({1, k, 2 * k, n_exp} | {n_exp * i // 8 for i in range(1, 8)})
         )
         click.echo(_row("capacity per layer", []) + " ".join(f"{c:>7}" for c in caps))
-        for label, key in (("LRU hit rate", "lru_curve"), ("Belady hit rate", "belady_curve")):
-            click.echo(_row(label, [s[key][c - 1] for c in caps]))
+        for label, key in (
+            ("LRU hit rate (warm)", "lru_curve"),
+            ("Belady hit rate (warm)", "belady_curve"),
+            ("LRU hit rate (cold)", "lru_curve_cold"),
+            ("Belady hit rate (cold)", "belady_curve_cold"),
+        ):
+            if s.get(key) is not None:
+                click.echo(_row(label, [s[key][c - 1] for c in caps]))
+        click.echo(
+            "warm: one cache per layer carried across the sequences, hits pooled; cold: each "
+            "sequence from an empty cache, averaged over sequences and layers"
+        )
 
 
 @trace.command("import")

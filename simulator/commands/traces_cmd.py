@@ -1,4 +1,7 @@
-"""``daopsim traces``: the traces bundled with the package (metadata only, so it is fast)."""
+"""``daopsim trace list``: the traces bundled with the package (metadata only, so it is fast).
+
+``daopsim traces`` is the older spelling of the ``trace`` group, kept as a hidden alias: it has
+the same subcommands (``traces list`` still works)."""
 
 from __future__ import annotations
 
@@ -7,14 +10,10 @@ from typing import Any
 import click
 
 from simulator.commands.common import echo_json, json_option
+from simulator.commands.trace_cmd import trace
 from simulator.data import bundled_traces
 from simulator.errors import TraceError
 from simulator.trace import read_meta
-
-
-@click.group("traces")
-def traces() -> None:
-    """Bundled routing traces."""
 
 
 def list_bundled() -> list[dict[str, Any]]:
@@ -45,7 +44,7 @@ def list_bundled() -> list[dict[str, Any]]:
     return out
 
 
-@traces.command("list")
+@trace.command("list")
 @json_option
 def list_cmd(as_json: bool) -> None:
     """List the bundled traces with model, sequences, tokens and provenance source."""
@@ -64,3 +63,12 @@ def list_cmd(as_json: bool) -> None:
             f"{r['name']:<20} {r['model']:<18} {r['sequences']:>4} seq "
             f"{r['prefill_tokens']:>7} prefill {r['decode_tokens']:>7} decode  {r['source']}"
         )
+
+
+#: the older spelling: the same subcommands, not listed in ``daopsim --help``
+traces = click.Group(
+    "traces",
+    commands=trace.commands,
+    hidden=True,
+    help="Older spelling of `daopsim trace` (same subcommands).",
+)

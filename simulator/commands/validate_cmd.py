@@ -11,15 +11,26 @@ from simulator.commands.common import echo_json, json_option
 from simulator.progress import lazy_progress
 
 
-def _render(report: Any) -> str:
-    from simulator.validation import summary_lines, table_rows
-
-    rows = [r[:6] for r in table_rows(report)]
-    head = ["ROW", "ROLE", "PUBLISHED", "SIMULATED", "UNIT", "ERROR"]
-    widths = [max(len(head[i]), *(len(r[i]) for r in rows)) for i in range(6)]
+def _columns(head: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(head[i]), *(len(r[i]) for r in rows)) for i in range(len(head))]
     lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)).rstrip()]
     for r in rows:
         lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    return lines
+
+
+def _render(report: Any) -> str:
+    from simulator.validation import ranking_rows, summary_lines, table_rows
+
+    rows = [r[:7] for r in table_rows(report)]
+    head = ["ROW", "ROLE", "SETTING", "PUBLISHED", "SIMULATED", "UNIT", "ERROR"]
+    lines = _columns(head, rows) if rows else []
+    ranks = [r[:6] for r in ranking_rows(report)]
+    if ranks:
+        lines += [
+            "",
+            *_columns(["RANKING", "ROLE", "SETTING", "PAIRS", "PUBLISHED", "SIMULATED"], ranks),
+        ]
     return "\n".join([*lines, "", *summary_lines(report)])
 
 
@@ -43,6 +54,7 @@ OUT_FILES = ("validation.csv", "validation.md")
 )
 @click.option(
     "--out",
+    "-o",
     "out_dir",
     default=None,
     help="Write validation.csv and validation.md here.",
@@ -78,6 +90,15 @@ def validate(
 
     if sequences is not None and sequences <= 0:
         raise UserError(f"--sequences must be positive, got {sequences}")
+    if markdown_path is not None and (row_ids is not None or sequences is not None):
+        # the page's table is the whole of --table at its own sequence counts; a subset
+        # would silently replace it (docs/validation.md is regenerated this way)
+        given = "--rows" if row_ids is not None else "--sequences"
+        raise UserError(
+            f"--markdown {markdown_path}: regenerates the file's whole table from every row of "
+            f"the validation table at its own sequence counts, so {given} cannot be combined "
+            "with it; write a subset with --out DIR, or give --table a file of just those rows"
+        )
     if out_dir is not None:
         check_output_dir(out_dir, OUT_FILES, "--out", inputs=[table, markdown_path])
     if markdown_path is not None:

@@ -1,0 +1,127 @@
+"""learned: a per-layer cache whose victim a small trained scorer picks (imitating Belady).
+
+Source: learned cache replacement by imitation of Belady's MIN (Parrot, Liu et al., ICML 2020;
+docs/references.md#learned-replacement). The cache rule is ``lru``'s (policies/observed.py);
+on each eviction a one-hidden-layer network scores every evictable expert from its features
+(recency, frequency, the router's probability; ``policies.observed.FEATURES``) and the highest
+score is evicted, ties to the lowest id. Inference is numpy only. The weights are a small JSON
+file written by ``daopsim learn`` (docs/learned-policies.md); the default is the bundled
+``learned_model.json``, trained on the first four sequences of the bundled Mixtral trace.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from policies._mypyc import mypyc_attr
+from policies.base import Param
+from policies.observed import FEATURES, ObservedCache
+from policies.registry import register
+from simulator.errors import UserError
+
+#: the model file format this code reads and ``daopsim learn`` writes
+FORMAT = "daopsim-learned/1"
+#: the bundled model (package data beside this module)
+BUNDLED_MODEL = Path(__file__).with_name("learned_model.json")
+
+
+@dataclass
+class Scorer:
+    """A one-hidden-layer network: standardised features -> tanh hidden units -> a score."""
+
+    mean: np.ndarray  #: [features] subtracted first
+    scale: np.ndarray  #: [features] divided by next
+    w1: np.ndarray  #: [features, hidden]
+    b1: np.ndarray  #: [hidden]
+    w2: np.ndarray  #: [hidden]
+    b2: float = 0.0
+    #: how it was trained (trace, sequences, budgets, ...), kept in the file as given
+    trained: dict[str, Any] = field(default_factory=dict)
+
+    def scores(self, x: np.ndarray) -> np.ndarray:
+        """Scores of feature rows ``x`` ([n, features]); the highest is evicted."""
+        h = np.tanh(((x - self.mean) / self.scale) @ self.w1 + self.b1)
+        return h @ self.w2 + self.b2  # type: ignore[no-any-return]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON document of a model file."""
+        return {
+            "format": FORMAT,
+            "features": list(FEATURES),
+            "mean": self.mean.tolist(),
+            "scale": self.scale.tolist(),
+            "w1": self.w1.tolist(),
+            "b1": self.b1.tolist(),
+            "w2": self.w2.tolist(),
+            "b2": float(self.b2),
+            "trained": self.trained,
+        }
+
+    @classmethod
+    def load(cls, path: str | Path) -> Scorer:
+        """Read a model file; a missing, malformed or mismatched one is a one-line UserError."""
+        p = Path(path)
+        try:
+            doc = json.loads(p.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise UserError(f"{p}: model file not found") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise UserError(f"{p}: not a readable JSON model file ({exc})") from None
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+            raise UserError(f"{p}: field format: expected {FORMAT!r}")
+        if doc.get("features") != list(FEATURES):
+            raise UserError(f"{p}: field features: expected {list(FEATURES)}")
+        nf = len(FEATURES)
+        arrays: dict[str, np.ndarray] = {}
+        for key in ("mean", "scale", "w1", "b1", "w2"):
+            try:
+                arrays[key] = np.asarray(doc[key], dtype=np.float64)
+            except (KeyError, TypeError, ValueError):
+                raise UserError(f"{p}: field {key}: missing or not numbers") from None
+        hidden = arrays["b1"].shape[0] if arrays["b1"].ndim == 1 else -1
+        shapes = {"mean": (nf,), "scale": (nf,), "w1": (nf, hidden), "b1": (hidden,)}
+        shapes["w2"] = (hidden,)
+        for key, shape in shapes.items():
+            a = arrays[key]
+            if a.shape != shape or not np.isfinite(a).all():
+                raise UserError(f"{p}: field {key}: expected finite numbers of shape {shape}")
+        if not (arrays["scale"] > 0).all():
+            raise UserError(f"{p}: field scale: every entry must be > 0")
+        b2 = doc.get("b2", 0.0)
+        if not isinstance(b2, int | float) or isinstance(b2, bool) or not np.isfinite(b2):
+            raise UserError(f"{p}: field b2: expected a finite number")
+        trained = doc.get("trained", {})
+        return cls(**arrays, b2=float(b2), trained=trained if isinstance(trained, dict) else {})
+
+
+@mypyc_attr(allow_interpreted_subclasses=True)
+class LearnedPolicy(ObservedCache):
+    """Evict the resident expert a trained scorer rates highest (imitating Belady's MIN)."""
+
+    name = "learned"
+    summary = "per-layer cache, victim picked by a small trained scorer (imitates Belady)"
+    source = "learned replacement by imitation of Belady's MIN (Parrot, ICML 2020)"
+    params = {
+        **ObservedCache.params,
+        "model": Param(str, "", "model file written by `daopsim learn` ('': the bundled one)"),
+    }
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        path = self.options["model"] or BUNDLED_MODEL
+        self.scorer = Scorer.load(path)
+
+    def decide(self, layer: int, candidates: list[int]) -> int:
+        """The candidate with the highest score (the first, i.e. lowest id, on ties)."""
+        if len(candidates) == 1:
+            return candidates[0]
+        s = self.scorer.scores(self.feature_matrix(layer)[candidates])
+        return candidates[int(np.argmax(s))]
+
+
+register(LearnedPolicy)

@@ -1,0 +1,175 @@
+"""A per-layer cache whose victims are chosen from observed features (no policy of its own).
+
+:class:`ObservedCache` is the shared base of the ``learned`` policy (a trained scorer picks the
+victim) and of the Gymnasium environment (``daopsim.gym``: an external agent picks it). It
+serves every layer exactly as ``lru``, ``lfu`` and ``belady`` do (:class:`CachingPolicy`'s
+rule: hits first, then each miss fetched over a victim that is never one of the token's own
+experts, or through a temporary buffer when the quota cannot hold them), and keeps the
+statistics those policies read, so an agent that sees them can make any of their choices:
+
+- recency: a tick per touch or insertion, as ``lru``'s order and ``lfu``'s tie-break count
+  them (``lru_ranks``: 0 is the least recently used resident expert);
+- frequency: every access of the layer, hit or miss, a prefill pass adding its token count
+  (``lfu``'s counts), and the same counts decayed with a half-life of :data:`HALF_LIFE` steps;
+- the step of each expert's last use, and the router's view of this layer and the next.
+
+Only the victim is delegated (:meth:`ObservedCache.decide`); the rest of the rule is fixed.
+:data:`FEATURES` are the per-expert numbers a scorer reads (docs/learned-policies.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from policies._mypyc import mypyc_attr
+from policies.base import Plan, SetupContext, View
+from policies.caching import CachingPolicy
+
+#: steps after which a decayed access count has halved
+HALF_LIFE = 32.0
+_DECAY = 0.5 ** (1.0 / HALF_LIFE)
+
+#: the per-expert features a scorer reads, in column order (docs/learned-policies.md)
+FEATURES = (
+    "lru_rank",  # rank in the layer's recency order / (resident - 1): 0 = least recently used
+    "log_age",  # log(1 + steps since the last use)
+    "freq_share",  # share of the layer's accesses so far x experts (1 = an even share)
+    "recent_share",  # the same with counts decayed over HALF_LIFE steps
+    "router_prob",  # this layer's router probability x experts (1 = uniform)
+    "prefill",  # 1 in a prefill pass, else 0
+    "layer_frac",  # layer / (layers - 1)
+    "quota_frac",  # the layer's quota / experts
+)
+
+
+@mypyc_attr(allow_interpreted_subclasses=True)
+class ObservedCache(CachingPolicy):
+    """Per-layer fetch-on-miss cache whose victim :meth:`decide` picks from its statistics."""
+
+    def init_state(self, ctx: SetupContext) -> None:
+        """Recency ticks, last-use steps and (decayed) access counts of every expert."""
+        n_layers, n_exp = ctx.model.moe_layers, ctx.model.experts
+        self.n_layers, self.n_experts = n_layers, n_exp
+        self.tick = 0
+        self.last_tick: list[list[int]] = [[-1] * n_exp for _ in range(n_layers)]
+        self.last_step: list[list[int]] = [[-1] * n_exp for _ in range(n_layers)]
+        self.freq: list[list[int]] = [[0] * n_exp for _ in range(n_layers)]
+        self.freq_sum = [0] * n_layers
+        self.recent: list[list[float]] = [[0.0] * n_exp for _ in range(n_layers)]
+        self.recent_step: list[list[int]] = [[0] * n_exp for _ in range(n_layers)]
+        #: the view of the layer being served (the engine reuses one object: read it only
+        #: during a decision)
+        self.view: View | None = None
+        #: routed accesses found resident so far (``CachingPolicy``'s hits)
+        self.hits = 0
+
+    def touch(self, layer: int, expert: int, step: int, weight: int) -> None:
+        """A use: the most recent tick and step."""
+        self.tick += 1
+        self.last_tick[layer][expert] = self.tick
+        self.last_step[layer][expert] = step
+
+    def inserted(self, layer: int, expert: int, step: int) -> None:
+        """A new entry is as recent as now."""
+        self.tick += 1
+        self.last_tick[layer][expert] = self.tick
+        self.last_step[layer][expert] = step
+
+    def decode_layer(self, view: View) -> Plan:
+        """Count the layer's accesses (every routed expert), then serve them."""
+        layer, step = view.layer, view.step
+        experts = view.experts.tolist()
+        counts = view.counts
+        freq, recent, rstep = self.freq[layer], self.recent[layer], self.recent_step[layer]
+        row = view.resident[layer]
+        total = 0
+        for e in experts:
+            w = 1 if counts is None else int(counts[e])
+            freq[e] += w
+            total += w
+            recent[e] = recent[e] * _DECAY ** (step - rstep[e]) + w
+            rstep[e] = step
+            if row[e]:
+                self.hits += 1
+        self.freq_sum[layer] += total
+        self.view = view
+        try:
+            return self.serve(view, experts)
+        finally:
+            self.view = None
+
+    def choose_victim(self, layer: int, protected: set[int], step: int) -> int:
+        """Ask :meth:`decide` among the resident experts outside ``protected`` (by id)."""
+        candidates = sorted(e for e in self.cache[layer] if e not in protected)
+        return self.decide(layer, candidates)
+
+    def decide(self, layer: int, candidates: list[int]) -> int:
+        """The victim among ``candidates`` (resident, evictable, ascending ids)."""
+        raise NotImplementedError
+
+    # -- what a decision can read ---------------------------------------------------------------
+    def lru_ranks(self, layer: int) -> np.ndarray:
+        """Each expert's rank in the layer's recency order (0 = least recently used; the
+        non-resident ones get the number of resident experts)."""
+        cache = self.cache[layer]
+        ranks = np.full(self.n_experts, len(cache), dtype=np.int64)
+        ticks = self.last_tick[layer]
+        ranks[sorted(cache, key=ticks.__getitem__)] = np.arange(len(cache))
+        return ranks
+
+    def layer_stats(self, layer: int) -> LayerStats:
+        """The layer's recency ranks, ages, access counts and decayed counts, now."""
+        view = self.view
+        assert view is not None, "statistics are read during a decision"
+        step = view.step
+        rstep = np.array(self.recent_step[layer], dtype=np.float64)
+        return LayerStats(
+            self.lru_ranks(layer),
+            step - np.array(self.last_step[layer], dtype=np.float64),
+            np.array(self.freq[layer], dtype=np.float64),
+            np.array(self.recent[layer], dtype=np.float64) * np.power(_DECAY, step - rstep),
+        )
+
+    def feature_matrix(self, layer: int, stats: LayerStats | None = None) -> np.ndarray:
+        """The ``[experts, len(FEATURES)]`` features of the layer being served."""
+        view = self.view
+        assert view is not None, "features are read during a decision"
+        st = self.layer_stats(layer) if stats is None else stats
+        n_exp = self.n_experts
+        f = np.empty((n_exp, len(FEATURES)), dtype=np.float64)
+        f[:, 0] = st.lru_rank
+        f[:, 0] /= max(1, len(self.cache[layer]) - 1)
+        np.log1p(st.age, out=f[:, 1])
+        np.multiply(st.freq, n_exp / max(1, self.freq_sum[layer]), out=f[:, 2])
+        np.multiply(st.recent, n_exp / max(1e-12, float(st.recent.sum())), out=f[:, 3])
+        np.multiply(finite(view.probs), n_exp, out=f[:, 4])
+        f[:, 5] = 1.0 if view.is_prefill else 0.0
+        f[:, 6] = layer / max(1, self.n_layers - 1)
+        f[:, 7] = self.quota[layer] / n_exp
+        return f
+
+
+class LayerStats(NamedTuple):
+    """One layer's per-expert statistics at a decision (arrays over its experts)."""
+
+    lru_rank: np.ndarray  #: recency rank, 0 = least recently used (non-resident: resident count)
+    age: np.ndarray  #: steps since the last use (since the run's start: never used)
+    freq: np.ndarray  #: accesses so far (``lfu``'s counts)
+    recent: np.ndarray  #: accesses decayed with a half-life of HALF_LIFE steps
+
+
+def finite(x: Any) -> np.ndarray:
+    """A router row as float64 with NaN (not recorded) as 0."""
+    a = np.asarray(x, dtype=np.float64)
+    return a if np.isfinite(a).all() else np.nan_to_num(a)
+
+
+def as_probs(x: Any, n: int) -> np.ndarray:
+    """A router row as float32 probabilities in [0, 1] (zeros when absent; NaN, not recorded,
+    as 0)."""
+    if x is None or np.shape(x) != (n,):
+        return np.zeros(n, dtype=np.float32)
+    out = finite(x).astype(np.float32)
+    return np.minimum(np.maximum(out, 0.0, out=out), 1.0, out=out)
