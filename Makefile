@@ -6,7 +6,8 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 DAOPSIM := $(VENV)/bin/daopsim
 
-.PHONY: install run test lint format bench notebooks notebook regress validate docs-validation clean
+.PHONY: install run test lint format bench notebooks notebook regress validate docs-validation clean \
+	reference-coverage
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +45,10 @@ notebook: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m pytest tests/bench -m bench -q --override-ini addopts=
+
+# how much of the fast engine's general path the reference-equivalence tests run (>= 95 %)
+reference-coverage: $(STAMP)
+	$(PY) tests/reference_coverage.py
 
 regress: $(STAMP)
 	$(DAOPSIM) regress

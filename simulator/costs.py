@@ -174,6 +174,13 @@ class CostModel:
     #: fixed seconds of one CPU-resident layer's graph on the CPU backend, per forward pass
     #: (``RuntimeProfile.cpu_node_us`` x its nodes per layer: ggml's per-node thread barrier)
     cpu_layer_us: float = 0.0
+    #: device µs of one layer's fused MoE call in a graph-replayed step beyond its weight
+    #: stream (``RuntimeProfile.fused_moe_call_us``; docs/cost-model.md, "Fused MoE at one
+    #: token"); 0: ``FUSED_MOE_KERNELS`` graph nodes
+    fused_moe_call_us: float = 0.0
+    #: share of the spec bandwidth a fused MoE call's grouped GEMMs stream expert weights at
+    #: (``RuntimeProfile.fused_moe_stream_efficiency``); 0: ``gpu_stream_efficiency``
+    fused_moe_stream_efficiency: float = 0.0
 
     # --- sizes -----------------------------------------------------------------------------------
     @cached_property
@@ -311,16 +318,36 @@ class CostModel:
 
     def fused_gpu_expert_s(self, n_tokens: int) -> float:
         """One GPU expert's share of a fused MoE call over n tokens: its roofline only (its
-        weights are still streamed); the call's launches are :meth:`fused_moe_layer_s`."""
+        weights are still streamed, at the fused kernels' own share of the spec bandwidth when
+        the runtime states one); the call's fixed cost is :meth:`fused_moe_layer_s`."""
         _check_tokens(n_tokens)
-        return self._gpu_expert_roof(n_tokens) if n_tokens > 0 else 0.0
+        if n_tokens <= 0:
+            return 0.0
+        if self.fused_moe_stream_efficiency <= 0.0:
+            return self._gpu_expert_roof(n_tokens)
+        moved = self._gpu_expert_moved(n_tokens)
+        flops = self.expert_flops(n_tokens) / (self.hw.gpu.bf16_tflops * 1e12)
+        return max(moved / self._fused_expert_bw, flops)
+
+    @cached_property
+    def _fused_expert_bw(self) -> float:
+        """Bytes/s a fused MoE call's grouped GEMMs stream expert weights at: the lower of the
+        format's share and ``fused_moe_stream_efficiency``, of the spec bandwidth, capped at
+        ``gpu.mem_bw_gbs`` (the rule of :meth:`_gpu_stream_bw` with the fused kernels' share
+        in place of the runtime's)."""
+        gpu = self.hw.gpu
+        share = min(gpu_kernel_efficiency(self.model.dtype), self.fused_moe_stream_efficiency)
+        return min(gpu.mem_bw_gbs * 1e9, gpu.spec_bw_gbs * 1e9 * share)
 
     def fused_moe_layer_s(self) -> float:
-        """Device-visible launch cost of one layer's fused MoE call, paid once per layer that
-        runs a GPU expert, whatever their number (``FUSED_MOE_KERNELS`` launches). In a
-        graph-replayed run each launch is a graph node (:meth:`kernel_s` of one token), for the
-        prompt pass too: the engines add this one figure to every step (docs/cost-model.md,
-        "CUDA-graph decode", for the bound on the prompt pass)."""
+        """Device-visible fixed cost of one layer's fused MoE call, paid once per layer that
+        runs a GPU expert, whatever their number. In a graph-replayed run with a measured
+        ``fused_moe_call_us`` it is that figure (docs/cost-model.md, "Fused MoE at one
+        token"); otherwise ``FUSED_MOE_KERNELS`` launches, each a graph node
+        (:meth:`kernel_s` of one token) in a graph-replayed run. The engines add this one
+        figure to every step, the prompt pass too (docs/cost-model.md, "CUDA-graph decode")."""
+        if self.graph_kernel_us > 0.0 and self.fused_moe_call_us > 0.0:
+            return self.fused_moe_call_us * 1e-6
         return FUSED_MOE_KERNELS * self.kernel_s(1)
 
     # --- CPU -------------------------------------------------------------------------------------
@@ -990,6 +1017,8 @@ def _cached(
     gpu_stream_efficiency: float,
     cpu_call_us: float,
     cpu_layer_us: float,
+    fused_moe_call_us: float,
+    fused_moe_stream_efficiency: float,
 ) -> CostModel:
     return CostModel(
         hw=hw,
@@ -999,6 +1028,8 @@ def _cached(
         gpu_stream_efficiency=gpu_stream_efficiency,
         cpu_call_us=cpu_call_us,
         cpu_layer_us=cpu_layer_us,
+        fused_moe_call_us=fused_moe_call_us,
+        fused_moe_stream_efficiency=fused_moe_stream_efficiency,
     )
 
 
@@ -1010,13 +1041,16 @@ def cost_model(
     gpu_stream_efficiency: float = 1.0,
     cpu_call_us: float = 0.0,
     cpu_layer_us: float = 0.0,
+    fused_moe_call_us: float = 0.0,
+    fused_moe_stream_efficiency: float = 0.0,
 ) -> CostModel:
     """The cost model of a profile (or its name/path) and a model shape (or preset name), with
     the runtime's CPU kernels (``RuntimeProfile.cpu_kernels``), for a run whose one-token
     steps are CUDA-graph replays the graph's per-kernel cost, the runtime's GPU stream
     efficiency (``RuntimeProfile.gpu_stream_efficiency``), its fixed host time per CPU expert
-    call and per CPU-resident layer (``RuntimeProfile.cpu_call_s``/``cpu_layer_s``, µs);
-    cached."""
+    call and per CPU-resident layer (``RuntimeProfile.cpu_call_s``/``cpu_layer_s``, µs) and
+    its fused MoE call's fixed device time and stream share (``RuntimeProfile.
+    fused_moe_call_us``/``fused_moe_stream_efficiency``); cached."""
     profile = load_profile(hw) if isinstance(hw, str) else hw
     shape = get_model(model) if isinstance(model, str) else model
     dtype_bytes(shape.dtype)
@@ -1027,9 +1061,16 @@ def cost_model(
     eff = gpu_stream_efficiency
     if not math.isfinite(eff) or not 0.0 < eff <= 1.0:
         raise ValueError(f"gpu_stream_efficiency must be in (0, 1], got {eff}")
-    for name, v in (("cpu_call_us", cpu_call_us), ("cpu_layer_us", cpu_layer_us)):
+    for name, v in (
+        ("cpu_call_us", cpu_call_us),
+        ("cpu_layer_us", cpu_layer_us),
+        ("fused_moe_call_us", fused_moe_call_us),
+    ):
         if v < 0 or not math.isfinite(v):
             raise ValueError(f"{name} must be a finite number >= 0, got {v}")
+    fe = fused_moe_stream_efficiency
+    if not math.isfinite(fe) or not 0.0 <= fe <= 1.0:
+        raise ValueError(f"fused_moe_stream_efficiency must be in [0, 1], got {fe}")
     return _cached(
         profile,
         shape,
@@ -1038,4 +1079,6 @@ def cost_model(
         float(eff),
         float(cpu_call_us),
         float(cpu_layer_us),
+        float(fused_moe_call_us),
+        float(fe),
     )

@@ -19,11 +19,9 @@ serving one read at a time at the drive's full rate. Every read is submitted at 
 that issued its operation, in issue order, and decisions never go back in time, so the fast
 engine serves the lane at issue (exactly as ``simpy.Resource(capacity=1)`` fed in that order
 would serve it) and submits the operation's first stage (its H2D copy, or its activations' trip
-to the host) through its request heap when the read ends (``LayerOp.ssd_at``). The reference
-engine times the same reads itself, as SimPy processes on the drive's ``PriorityResource``, and
-each operation waits for its read's event (``LayerOp.ssd_read``; an operation that finds the
-expert still being read for an earlier one waits for that read). A GDS read replaces the H2D
-copy in both (``LayerOp.gds``).
+to the host) through its request heap when the read ends (``LayerOp.ssd_at``). A GDS read
+replaces the H2D copy (``LayerOp.gds``). The reference engine keeps its own model of the tier
+(``simulator/reference/memory.py``).
 """
 
 from __future__ import annotations
@@ -173,8 +171,6 @@ class HostTier:
         self._last = 0.0
         #: whether the last :meth:`read` issued a drive read (else it found a host copy)
         self.issued = False
-        #: record drive reads in the timeline (the reference engine records its own)
-        self.record_reads = True
 
     @property
     def peak_bytes(self) -> int:
@@ -200,7 +196,7 @@ class HostTier:
         gds = self.gds and to_gpu
         if not gds:  # the page cache makes room first (its evictions are recorded first)
             self._insert(slot, e, op, now)
-        if self.recorder is not None and self.record_reads:
+        if self.recorder is not None:
             self.recorder.op(SSD_LANE, "gds_read" if gds else "ssd_read", op.sid, op.token,
                              slot[0], slot[1], s, e, self.expert_bytes)  # fmt: skip
         return e, gds

@@ -18,8 +18,9 @@ memory on the sender's uplink and one from it on the receiver's.
 
 Policies are unchanged: :class:`ShardedPolicy` runs one instance of the policy per GPU, each
 seeing only that GPU's experts (a smaller model: its layers, its experts, its budget) with
-local indices, and merges their plans into one for the engine. Both executors are extended
-here (:class:`MultiGpuEngine`, :class:`MultiGpuReference`) and give identical timelines.
+local indices, and merges their plans into one for the engine. The fast executor is extended
+here (:class:`MultiGpuEngine`); the reference engine (:mod:`simulator.reference`) models
+several GPUs itself, and the two give identical timelines.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from simulator.engine import CPU, FETCH, TEMP, WAKE, WRITEBACK, Engine, LayerOp,
 from simulator.errors import UserError
 from simulator.hardware import HardwareProfile
 from simulator.machine import Lane, Link, Machine, _memo
-from simulator.reference import ReferenceEngine
+from simulator.reference import MultiGpuReference
 from simulator.runtime_profiles import RuntimeProfile
 
 MODES = ("expert", "pipeline")
@@ -1103,247 +1104,12 @@ class MultiGpuEngine(_MultiBase, Engine):
         return end
 
 
-class MultiGpuReference(_MultiBase, ReferenceEngine):
-    """The reference executor over several GPUs: the same rules as plain SimPy processes."""
-
-    def __init__(self, *args: Any, placement: Placement, budgets: list[int], **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self._peer_init(placement, budgets)
-        m, env = self.machine, self.env
-        self._res = {name: simpy.PriorityResource(env, capacity=1) for name in m.lanes()}
-        self._h2d, self._d2h = m.uplinks[0]
-        self._host = m.cpu
-        self._kslots = [
-            simpy.Container(env, capacity=max(1, cap), init=cap - occ)
-            for cap, occ in zip(self._peer_cap, self._peer_occ, strict=True)
-        ]
-        self._kbufs = []
-        for _ in range(placement.n):
-            store = simpy.Store(env)
-            for i in range(m.buffers["temp"]):
-                store.put(i)
-            self._kbufs.append(store)
-
-    def _free_slot(self, t: float) -> None:
-        self._peer_back(self._peer_k)
-
-    def _peer_back(self, k: int) -> None:
-        """Give GPU ``k``'s slot back: to its first waiting fetch, else to its free pool."""
-        if not self._kslots[k].get_queue:
-            self._peer_occ[k] -= 1
-            self.res.free(self.env.now)
-        self._kslots[k].put(1)
-
-    def _write_back(self, op: LayerOp) -> Proc:
-        env = self.env
-        k = self._peer_gpu(op)
-        key = (env.now, op.seq)
-        hl, dl = self.machine.uplinks[k]
-        h2d, d2h = hl.lane, dl.lane
-        dur = dl.expert_s
-        reqs = [self._res[h2d.name].request(priority=key)]
-        if d2h is not h2d:
-            reqs.append(self._res[d2h.name].request(priority=key))
-        yield simpy.AllOf(env, reqs)
-        s = env.now
-        yield env.timeout(dur)
-        for lane, req in zip((h2d, d2h), reqs, strict=False):
-            self._res[lane.name].release(req)
-        d2h.busy += dur
-        h2d.free_at = d2h.free_at = env.now
-        self._record(d2h.name, op, "writeback", s, env.now, self.expert_bytes)
-        self.peer_d2h_bytes[k] += self.expert_bytes
-        op.end = env.now
-        self._peer_back(k)
-
-    def _copy_in(self, op: LayerOp) -> Proc:
-        env = self.env
-        k = self._peer_gpu(op)
-        get = self._kslots[k].get(1)
-        if get.triggered:
-            self._peer_occ[k] += 1
-            if self._peer_occ[k] > self._peer_max[k]:
-                self._peer_max[k] = self._peer_occ[k]
-            self.res.take(env.now)
-        else:
-            yield get
-        link = self.machine.uplinks[k][0]
-        with self._res[link.lane.name].request(priority=(env.now, op.seq)) as req:
-            yield req
-            s = env.now
-            self.res.copied((op.layer, op.expert), s + link.expert_s)
-            yield env.timeout(link.expert_s)
-        link.lane.busy += link.expert_s
-        link.lane.free_at = env.now  # the busy fractions' window (runner.window_work)
-        self._record(link.lane.name, op, op.rkind, s, env.now, self.expert_bytes)
-        self.peer_h2d_bytes[k] += self.expert_bytes
-        self._finish(op, env.now)
-
-    def _temp_in(self, op: LayerOp) -> Proc:
-        env = self.env
-        k = self._peer_gpu(op)
-        get = self._kbufs[k].get()
-        if not get.triggered:
-            yield get
-        op.buf = get.value
-        link = self.machine.uplinks[k][0]
-        m = self.machine
-        dur, nbytes = (
-            (m.low_bit_s, m.low_bit_bytes) if op.low else (link.expert_s, self.expert_bytes)
-        )
-        s, e = yield from self._hold(link.lane, (env.now, op.seq), dur, nbytes)
-        self._record(link.lane.name, op, "temp", s, e, nbytes)
-        self.peer_h2d_bytes[k] += nbytes
-        self._finish(op, e)
-
-    def _cpu_chain(self, op: LayerOp | None) -> Proc:
-        env = self.env
-        while op is not None:
-            n = op.n
-            h2d, d2h = self.machine.uplinks[self._peer_gpu(op)]
-            act = self.act_bytes * n
-            s, e = yield from self._hold(d2h.lane, (env.now, op.seq), d2h.activation_s(n), act)
-            self._record(d2h.lane.name, op, "activation", s, e, act)
-            job = self.machine.cpu_job(op, op.seq, env.now, n)
-            done = self._cpu_done[op.seq] = env.event()
-            self._host.submit(env.now, job)
-            self._cpu_arm()
-            yield done
-            self._record(self._host.lanes[job.worker].name, op, op.rkind, job.start, job.end, 0)
-            s, e = yield from self._hold(h2d.lane, (env.now, op.seq), h2d.activation_s(n), act)
-            self._record(h2d.lane.name, op, "activation", s, e, act)
-            self._finish(op, e)
-            op = op.chain
-
-    def _peer_move(self, op: PeerOp, after: simpy.Event | None = None) -> Proc:
-        """An activation transfer, submitted now (or once ``after`` has fired)."""
-        env = self.env
-        if after is not None:
-            yield after
-        m = self.machine
-        nbytes = self.act_bytes * op.n
-        direct = m.peers.get((op.src, op.dst))
-        if direct is not None:
-            lane = direct.lane
-            s, e = yield from self._hold(lane, (env.now, op.seq), direct.activation_s(op.n), 0)
-        else:
-            d2h = m.uplinks[op.src][1]
-            s, e = yield from self._hold(d2h.lane, (env.now, op.seq), d2h.activation_s(op.n), 0)
-            self._peer_record(d2h.lane, op, s, e, nbytes)
-            lane = m.uplinks[op.dst][0].lane
-            s, e = yield from self._hold(
-                lane, (env.now, op.seq), m.uplinks[op.dst][0].activation_s(op.n), 0
-            )
-        self._peer_record(lane, op, s, e, nbytes)
-        self._finish(op, e)
-
-    def _peer_wait_gpu(self, k: int, send: PeerOp, state: dict[str, Any]) -> Proc:
-        """GPU ``k``'s stream waits for the layer's activations (held from now until then)."""
-        with self._res[self.machine.gpus[k].name].request(priority=(-1.0, -1)) as req:
-            yield req
-            yield self._event(send)
-            state["g"][k] = max(state["g"][k], self.env.now)
-
-    def _layer(self, w: LayerWork) -> Proc:
-        env = self.env
-        c = self.c
-        now = w.now
-        pl = self.pl
-        n = pl.n
-        home = pl.home[w.layer]
-        _, xfer = self._peer_plan(w)
-        for op in w.ops:
-            self._event(op)
-            if op.kind == FETCH:
-                env.process(self._copy_in(op))
-            elif op.kind == TEMP:
-                env.process(self._temp_in(op))
-            elif op.kind == CPU:
-                env.process(self._cpu_chain(op))
-            elif op.kind == WRITEBACK:
-                env.process(self._write_back(op))
-        for op in w.results:
-            if op.end is None:
-                self._event(op)
-        state: dict[str, Any] = {"g": [now] * n, "busy": 0.0}
-        gate = None
-        if w.cpu_first and w.sync:
-            gate = env.all_of([self._event(op) for op in w.sync if op.end is None])
-        for k, (send, back) in xfer.items():
-            self._event(send)
-            self._event(back)
-            env.process(self._peer_wait_gpu(k, send, state))
-            env.process(self._peer_move(send))
-        known, waiting = yield from self._gpu_order(w)
-        row = pl.gpu_of[w.layer]
-        procs: dict[int, list[simpy.Process]] = {}
-        for r, e, src in known:
-            procs.setdefault(row[e], []).append(
-                env.process(self._gpu(w, e, r, src, gate, state, row[e]))
-            )
-        for e, src in waiting:
-            procs.setdefault(row[e], []).append(
-                env.process(self._gpu(w, e, None, src, gate, state, row[e]))
-            )
-        for k, (_, back) in xfer.items():
-            env.process(self._peer_move(back, env.all_of(procs[k])))
-        if gate is not None:
-            yield gate
-            sync_end = max(op.end for op in w.sync)  # type: ignore[type-var]
-            if sync_end > now:
-                c.cpu_wait += sync_end - now
-                state["g"] = [max(x, sync_end) for x in state["g"]]
-        everything = [p for ps in procs.values() for p in ps]
-        yield env.all_of(everything)
-        g = state["g"][home]
-        backs = [self._event(b) for _, b in xfer.values() if b.end is None]
-        if backs:
-            yield env.all_of(backs)
-        for _, back in xfer.values():
-            assert back.end is not None
-            g = max(g, back.end)
-        end = yield from self._results_end(w, g)
-        c.gpu_expert_busy += state["busy"]
-        cross = self._peer_cross(w)
-        if cross is not None:
-            if end > env.now:
-                yield env.timeout(end - env.now)
-            ev = self._event(cross)
-            env.process(self._peer_move(cross))
-            yield ev
-            end = cross.end  # type: ignore[assignment]
-        return end
-
-    # -- ReferenceEngine._gpu's per-GPU hooks: GPU k's lane, clock, thread, buffers --------
-    def _gpu_lane(self, k: int) -> Lane:
-        return self.machine.gpus[k]
-
-    def _gpu_clock(self, state: dict[str, Any], k: int) -> float:
-        return state["g"][k]
-
-    def _gpu_set_clock(self, state: dict[str, Any], k: int, t: float) -> None:
-        state["g"][k] = t
-
-    def _gpu_host(self, k: int) -> Any:
-        return self._peer_hosts[k]
-
-    def _gpu_load(self, k: int, s: float, d: float, n: int) -> None:
-        pass  # the multi-GPU executors do not model unified-memory DRAM load of experts
-
-    def _gpu_done(self, k: int, lane: Lane, d: float) -> None:
-        lane.busy += d
-        self.peer_experts[k] += 1
-
-    def _gpu_buffers(self, k: int) -> simpy.Store:
-        return self._kbufs[k]
-
-
 def split_budget(placement: Placement, per_gpu: int) -> list[int]:
     """Each GPU's slot budget: ``per_gpu`` (one GPU's memory), at most what it can hold."""
     return [min(per_gpu, placement.capacity(k)) for k in range(placement.n)]
 
 
-def engine_for(name: str) -> type[Engine] | type[ReferenceEngine]:
+def engine_for(name: str) -> type[Engine] | type[MultiGpuReference]:
     """The multi-GPU executor for ``--engine NAME``."""
     return MultiGpuReference if name == "reference" else MultiGpuEngine
 

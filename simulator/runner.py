@@ -352,7 +352,8 @@ def runtime_cost_model(
     profile: HardwareProfile, model: Any, rt: RuntimeProfile, graph: bool = False
 ) -> CostModel:
     """The run's cost model: the profile and model with the runtime's CPU kernels, GPU stream
-    efficiency and fixed CPU costs, and (``graph``) its CUDA-graph node cost."""
+    efficiency, fixed CPU costs and fused-MoE constants, and (``graph``) its CUDA-graph node
+    cost."""
     return cost_model(
         profile,
         model,
@@ -361,6 +362,8 @@ def runtime_cost_model(
         rt.gpu_stream_efficiency,
         rt.cpu_expert_call_us,
         rt.cpu_layer_us if rt.cpu_kernels == "ggml" else 0.0,
+        rt.fused_moe_call_us if rt.fused_moe else 0.0,
+        rt.fused_moe_stream_efficiency if rt.fused_moe else 0.0,
     )
 
 

@@ -62,6 +62,18 @@ FIELDS: tuple[tuple[str, type, str], ...] = (
         "host time per graph node the CPU backend runs (ggml's thread barrier), charged "
         "nonexpert_kernels times per CPU-resident layer and forward pass",
     ),
+    (
+        "fused_moe_call_us",
+        float,
+        "device time of one layer's fused MoE call in a graph-replayed step beyond its weight "
+        "stream (0: the call's kernels cost one graph node each)",
+    ),
+    (
+        "fused_moe_stream_efficiency",
+        float,
+        "share of the GPU's spec bandwidth the fused MoE kernels stream expert weights at, at "
+        "most 1 (0: the runtime's gpu_stream_efficiency)",
+    ),
 )
 _NUMERIC = {name: typ for name, typ, _ in FIELDS}
 #: meaning of ``gpu_stream_efficiency`` (a share in (0, 1], default 1: not one of the
@@ -113,6 +125,13 @@ class RuntimeProfile:
     #: host time per graph node of the CPU backend (ggml's per-node thread barrier): a
     #: CPU-resident layer pays ``nonexpert_kernels`` of them per forward pass
     cpu_node_us: float = 0.0
+    #: with ``fused_moe``: the device time of one layer's fused MoE call at one token in a
+    #: graph-replayed step beyond streaming its experts' weights (routing, block alignment, the
+    #: grouped GEMMs' fixed part, activation, sum; docs/cost-model.md, "Fused MoE at one token"),
+    #: and the share of the spec bandwidth its grouped GEMMs stream the weights at (0: the
+    #: runtime's ``gpu_stream_efficiency``)
+    fused_moe_call_us: float = 0.0
+    fused_moe_stream_efficiency: float = 0.0
     #: share of the GPU's spec bandwidth (``gpu.spec_mem_bw_gbs``, else ``gpu.mem_bw_gbs``) the
     #: runtime's GPU kernels stream weights and KV bytes at, in (0, 1] (docs/cost-model.md,
     #: "GPU stream efficiency"): the memory-bound term of its GPU work divides by
@@ -207,6 +226,11 @@ def parse_runtime(data: dict[str, Any], where: str) -> RuntimeProfile:
         if not isinstance(v, bool):
             raise UserError(f"{where}: field {flag!r} must be true or false, got {v!r}")
         values[flag] = v
+    if values["fused_moe_stream_efficiency"] > 1.0:
+        raise UserError(
+            f"{where}: field 'fused_moe_stream_efficiency' must be at most 1, "
+            f"got {values['fused_moe_stream_efficiency']!r}"
+        )
     if values["graph_all_policies"] and not values["graph_kernel_us"]:
         raise UserError(f"{where}: field 'graph_all_policies' needs graph_kernel_us > 0")
     attention = data.get("attention", "fused")

@@ -228,9 +228,14 @@ class ChaosPolicy(Policy):
         writeback: bool = False,
         staging_buffers: int = 0,
         one_stream: bool = False,
+        flags: bool = False,
     ) -> None:
         super().__init__()
         self.rng = rng
+        #: also draw the plan's flags (cpu_serial, cpu_first, barrier), "all on the GPU" as
+        #: ``actions=None``, and numpy integers for slots (drawn after the rest, so a run
+        #: without them replays the same plans as before they existed)
+        self.flags = flags
         self.spec = ResourceSpec(
             cpu_workers=cpu_workers,
             temp_buffers=temp_buffers,
@@ -338,7 +343,29 @@ class ChaosPolicy(Policy):
             pe = int(rng.integers(view.model.experts))  # type: ignore[union-attr]
             if (pl, pe) not in eng.precalc and not self.spec.one_stream:
                 plan.precalc.append((pl, pe))
+        if self.flags:
+            self._draw_flags(plan, layer, view.model)
         return plan
+
+    def _draw_flags(self, plan: Plan, layer: int, model: Any) -> None:
+        rng = self.rng
+        eng = self.engine
+        n_layers = model.moe_layers
+        if layer + 1 < n_layers and not self.spec.one_stream and rng.random() < 0.3:
+            # a second pre-calculation (a serial task chains the two)
+            slot = (int(rng.integers(layer + 1, n_layers)), int(rng.integers(model.experts)))
+            if slot not in eng.precalc and slot not in plan.precalc:
+                plan.precalc.append(slot)
+        plan.cpu_serial = bool(rng.random() < 0.5)
+        plan.cpu_first = bool(rng.random() < 0.3)
+        plan.barrier = bool(rng.random() < 0.3)
+        assert plan.actions is not None
+        if all(a == Action.GPU for a in plan.actions.values()) and rng.random() < 0.5:
+            plan.actions = None
+        if rng.random() < 0.3:  # slots as numpy integers (the plan checks accept them)
+            plan.victims = {e: (np.int64(a), np.int64(b)) for e, (a, b) in plan.victims.items()}
+            plan.evict = [(np.int64(a), np.int64(b)) for a, b in plan.evict]
+            plan.prefetch = [(np.int64(a), np.int64(b), v) for a, b, v in plan.prefetch]
 
 
 def perfetto_reference(timeline: Any, occupancy: Any, metadata: dict[str, Any]) -> dict[str, Any]:

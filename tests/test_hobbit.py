@@ -92,6 +92,7 @@ def test_skipped_expert_counts_as_degraded_routing() -> None:
     assert m["low_precision_gate_mass"] == 0.0
 
 
+@pytest.mark.reference
 def test_both_engines_time_low_bit_copies_alike() -> None:
     model = tiny_model(experts=8, top_k=2, moe_layers=3)
     rng = np.random.default_rng(3)

@@ -20,6 +20,7 @@ from simulator.errors import UserError
 from simulator.models import get_model
 from simulator.multigpu import MultiGpuConfig, MultiMachine, Placement, ShardedPolicy
 from simulator.runner import simulate
+from simulator.runtime_profiles import RuntimeProfile, get_runtime, with_costs
 
 TRACE = "ci-small"
 
@@ -30,6 +31,7 @@ def run(policy: str | Policy = "lru", hw: str = "2x-rtx4090-pcie4", **kw: object
     return simulate(policy=policy, hw=hw, trace=TRACE, **kw)  # type: ignore[arg-type]
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("policy", ["lru", "daop"])
 @pytest.mark.parametrize("mode", ["expert", "pipeline"])
 @pytest.mark.parametrize("hw", ["2x-rtx4090-pcie4", "2x-rtx3090-nvlink"])
@@ -55,6 +57,7 @@ def test_fast_and_reference_timelines_agree(policy: str, mode: str, hw: str) -> 
         }
 
 
+@pytest.mark.reference
 def test_four_gpus_two_nvlink_pairs_agree() -> None:
     """4x RTX 3090: pairs over NVLink, other pairs staged through the host; executors agree."""
     fast = run("lfu", "4x-rtx3090-nvlink", gpus=4, gpu_experts=20)
@@ -285,6 +288,7 @@ def test_one_gpu_of_a_multi_gpu_profile_is_its_base_machine() -> None:
     assert a.metrics["hit_rate"] == b.metrics["hit_rate"]
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("mode", ["expert", "pipeline"])
 def test_per_gpu_belady_bounds_lru(mode: str) -> None:
     """Each GPU's Belady instance sees its own experts' future: it never hits less than LRU
@@ -299,6 +303,7 @@ def test_per_gpu_belady_bounds_lru(mode: str) -> None:
     assert bel.metrics["e2e_s"] == pytest.approx(ref.metrics["e2e_s"], abs=1e-9)
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("mode", ["expert", "pipeline"])
 @pytest.mark.parametrize("batch,rate", [(4, None), (None, 0.5)])
 def test_batched_serving_on_two_gpus(mode: str, batch: int | None, rate: float | None) -> None:
@@ -383,6 +388,7 @@ def test_bad_multi_gpu_tables_are_one_line_profile_errors(tmp_path, tables: str,
         load_profile(str(f))
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("mode", ["expert", "pipeline"])
 def test_gather_barrier_on_two_gpus(mode: str) -> None:
     """DeepSpeed's gather (stream-all gather=leaf, Plan.barrier): no GPU expert of a layer
@@ -404,12 +410,39 @@ def test_gather_barrier_on_two_gpus(mode: str) -> None:
     assert (joined["start"] >= joined["copy"] - 1e-12).all()
 
 
+def _kept_on_two_gpus(policy: str) -> RuntimeProfile:
+    """``policy``'s runtime without a fused MoE call or eager attention: the fast multi-GPU
+    executor leaves both out (a disagreement with docs/cost-model.md that the reference
+    engine shows: test_several_gpus_keep_fused_moe_and_eager_attention)."""
+    rt = get_runtime(get_policy_class(policy).runtime_profile)
+    return with_costs(rt, fused_moe=False, attention="fused")
+
+
 def _agree(policy: str, hw: str, mode: str, **options: object) -> None:
     """Both executors run ``policy`` on two GPUs to the same end (1e-9 s) and timeline."""
-    fast = run(policy, hw, gpus=2, multi_gpu=mode, policy_options=options)
-    ref = run(policy, hw, gpus=2, multi_gpu=mode, engine="reference", policy_options=options)
+    kw = {"gpus": 2, "multi_gpu": mode, "policy_options": options}
+    kw["runtime"] = _kept_on_two_gpus(policy)
+    fast = run(policy, hw, **kw)
+    ref = run(policy, hw, engine="reference", **kw)
     assert fast.metrics["e2e_s"] == pytest.approx(ref.metrics["e2e_s"], abs=1e-9)
     assert len(fast.timeline) == len(ref.timeline) > 0
+
+
+@pytest.mark.reference
+@pytest.mark.xfail(
+    strict=True,
+    reason="the fast multi-GPU executor builds its machine without the runtime profile, so "
+    "it charges neither the runtime's fused MoE call (llama.cpp: hobbit) nor eager attention "
+    "(hf-eager-attn: mixtral-offloading); the reference applies both, as on one GPU",
+)
+@pytest.mark.parametrize(("policy", "options"), [("hobbit", {}), ("mixtral-offloading",
+                                                  {"copy_stream": "side"})])  # fmt: skip
+def test_several_gpus_keep_fused_moe_and_eager_attention(
+    policy: str, options: dict[str, object]
+) -> None:
+    fast = run(policy, gpus=2, policy_options=options, record=False)
+    ref = run(policy, gpus=2, policy_options=options, record=False, engine="reference")
+    assert fast.metrics["e2e_s"] == pytest.approx(ref.metrics["e2e_s"], abs=1e-9)
 
 
 def test_moe_infinity_on_a_shared_uplink_never_evicts_a_copy_in_flight() -> None:
@@ -455,6 +488,7 @@ def test_sharded_view_tells_each_gpu_when_its_copies_land() -> None:
     assert len({i for i, _ in seen}) == 2
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("mode", ["expert", "pipeline"])
 def test_every_builtin_policy_runs_on_a_shared_uplink(mode: str) -> None:
     """Every registered built-in policy runs on 2x RTX 4090 (one uplink, peers via host) and
@@ -537,6 +571,7 @@ def _skewed_trace(path):  # type: ignore[no-untyped-def]
     return write_trace(path, make_meta(model), seqs)
 
 
+@pytest.mark.reference
 def test_balanced_expert_placement_evens_routed_traffic(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """``--expert-placement balanced`` splits the two hot experts over the GPUs, so the busiest
     GPU computes fewer experts than under ``mod``; both executors agree; slots unchanged."""

@@ -1,23 +1,35 @@
-"""Mutation check of the golden store: ``daopsim regress`` must fail on each known mutant.
+"""Mutation checks: the golden store and the reference engine must each catch known mutants.
 
-Each mutant is one exact edit of the source (file, old snippet, new snippet) that a plausible
-bug would make. The test copies the source packages to a temporary folder, applies one mutant,
-and runs ``daopsim regress`` from the copy (``PYTHONPATH`` pointing at it) against the real
-golden store, on the configurations that concern the mutant. Regress must exit 1 and report
-moved values; the unmutated copy must pass on the same configurations, so the check can fail.
+Each mutant is one exact edit of the source (old snippet, new snippet) that a plausible bug
+would make. Two kinds:
 
-A mutant whose old snippet is no longer in its file fails loudly: after a refactor, retarget
+* ``MUTANTS`` (the golden store): the test copies the source packages to a temporary folder,
+  applies one mutant, and runs ``daopsim regress`` from the copy (``PYTHONPATH`` pointing at
+  it) against the real golden store, on the configurations that concern the mutant. Regress
+  must exit 1 and report moved values; the unmutated copy must pass on the same
+  configurations, so the check can fail.
+* ``ENGINE_MUTANTS`` (the reference engine): one edit of one function of the fast engine's
+  shared rules, compiled and monkeypatched in-process; the reference-equivalence check it
+  names (``CHECKS``, built on tests/equivalence.py) must then fail, and pass unmutated.
+
+A mutant whose old snippet is no longer in its source fails loudly: after a refactor, retarget
 the snippet at the code that now holds the rule rather than letting the mutant pass silently.
 """
 
 from __future__ import annotations
+import __future__
 
+import importlib
+import inspect
 import os
 import shutil
 import subprocess
 import sys
+import textwrap
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -146,3 +158,244 @@ def test_regress_kills_the_mutant(mutant: Mutant, tmp_path: Path) -> None:
     res = regress(root, mutant.only)
     assert res.returncode == 1, f"mutant {mutant.name} survived:\n{res.stdout}{res.stderr}"
     assert "regress FAILED" in res.stdout and "metrics." in res.stdout, res.stdout
+
+
+# -- mutants of the fast engine's shared rules, caught by the reference-equivalence check ----
+# The reference engine (simulator/reference/) re-implements the timing rules, so a bug in one
+# of the fast engine's shared rules must make the equivalence check (tests/equivalence.py)
+# fail. Each mutant below is one exact edit of one function of the fast engine, compiled and
+# monkeypatched in-process (fast: no copy of the tree, no subprocess); the check it names must
+# then fail with an AssertionError, and pass unmutated (test_equivalence_checks_pass). After
+# the engine moves (the core rewrite), retarget ``target`` and the snippets at the code that
+# holds each rule now.
+
+
+@dataclass(frozen=True)
+class EngineMutant:
+    """One edit of a fast-engine function (``module:Qualified.name``) and its check."""
+
+    name: str
+    target: str
+    old: str
+    new: str
+    check: str  #: a key of CHECKS
+
+
+def _a6000() -> Any:
+    from simulator.hardware import load_profile
+
+    return load_profile("a6000-pcie4")
+
+
+def _check_chaos(**spec: Any) -> None:
+    from equivalence import SLOW_HOST, chaos_both, slow_cpu
+
+    for seed in range(4):
+        chaos_both(seed, slow_cpu(_a6000()), 6 + seed, runtime=SLOW_HOST, **spec)
+
+
+def _check_policy(policy: str, hw: str = "a6000-pcie4", **opts: Any) -> None:
+    from equivalence import both
+
+    from simulator.hardware import load_profile
+
+    both(policy, "ci-small", 0.25, load_profile(hw), **opts)
+
+
+def _check_ssd() -> None:
+    from equivalence import chaos_both, host_tier, slow_cpu
+
+    from simulator.hardware import load_profile
+    from simulator.testing import tiny_model
+
+    hw = slow_cpu(load_profile("rtx4090-990pro-pcie4"))
+    for seed in range(3):
+        tier = host_tier(tiny_model(experts=6, top_k=2, moe_layers=3), hw, 2, "page-cache")
+        chaos_both(seed, hw, 6, host_tier=tier, writeback=True)
+
+
+def _check_two_gpus() -> None:
+    from simulator.runner import simulate
+
+    for mode in ("expert", "pipeline"):
+        kw = {"policy": "lru", "hw": "2x-rtx3090-nvlink", "trace": "ci-small", "sequences": 1,
+              "gpu_experts": 40, "gpus": 2, "multi_gpu": mode, "record": False}  # fmt: skip
+        fast, ref = simulate(**kw), simulate(engine="reference", **kw)  # type: ignore[arg-type]
+        assert fast.metrics["e2e_s"] == pytest.approx(ref.metrics["e2e_s"], abs=1e-9, rel=0)
+
+
+#: the equivalence checks the mutants use (each must pass on the unmutated engine)
+CHECKS: dict[str, Callable[[], None]] = {
+    "chaos": lambda: _check_chaos(writeback=True, staging_buffers=1),
+    "chaos-one-stream": lambda: _check_chaos(writeback=True, one_stream=True),
+    "daop-unified": lambda: _check_policy("daop", "jetson-orin-64g"),
+    "fiddler": lambda: _check_policy("fiddler"),
+    "fused-runtime": lambda: _check_policy("llama-cpp-cpu-moe"),
+    "gather": lambda: _check_policy("stream-all", "rtx6000ada-pcie4", gather="leaf"),
+    "in-use-victims": lambda: _check_policy("mixtral-offloading", experts_per_layer=1),
+    "ssd": _check_ssd,
+    "two-gpus": _check_two_gpus,
+}
+
+ENGINE_MUTANTS = (
+    EngineMutant(
+        "transfer-stall-halved",
+        "simulator.engine:Engine._layer",
+        "                c.transfer_stall += ready - g\n                g = ready",
+        "                c.transfer_stall += 0.5 * (ready - g)\n                g = ready",
+        "chaos",
+    ),
+    EngineMutant(
+        "gpu-stream-by-expert-only",
+        "simulator.engine:Engine._layer",
+        "            ready, e, buf = heapq.heappop(gheap)",
+        "            ready, e, buf = min(gheap, key=lambda x: (x[1], x[0]))\n"
+        "            gheap.remove((ready, e, buf))\n"
+        "            heapq.heapify(gheap)",
+        "chaos",
+    ),
+    EngineMutant(
+        "slot-released-when-write-back-starts",
+        "simulator.engine:Engine._serve_op",
+        "                self._push(e, op)  # its slot is released when it ends",
+        "                self._push(s, op)",
+        "chaos",
+    ),
+    EngineMutant(
+        "one-slot-too-many",
+        "simulator.residency:Residency.take",
+        "        if occ >= self.cap:",
+        "        if occ > self.cap:",
+        "chaos",
+    ),
+    EngineMutant(
+        "cpu-calls-do-not-share-the-socket",
+        "simulator.machine:SharedCpu._rerate",
+        "        if share > 1.0:\n            rate = 1.0 / share",
+        "        if share > 2.0:\n            rate = 2.0 / share",
+        "chaos",
+    ),
+    EngineMutant(
+        "cpu-worker-lowest-index",
+        "simulator.machine:SharedCpu._idle_worker",
+        "                return 1 if idle[1] and lanes[1].free_at < lanes[0].free_at else 0",
+        "                return 0",
+        "chaos",
+    ),
+    EngineMutant(
+        "expert-sync-does-not-wait-for-the-stream",
+        "simulator.runtime_profiles:HostThread.expert",
+        "            h = drained if drained > self.t else self.t",
+        "            h = self.t",
+        "fiddler",
+    ),
+    EngineMutant(
+        "fused-call-charged-per-expert",
+        "simulator.engine:Engine._layer",
+        "            d = gpu_s(n) + fused\n            fused = 0.0",
+        "            d = gpu_s(n) + fused",
+        "fused-runtime",
+    ),
+    EngineMutant(
+        "cpu-first-ignored",
+        "simulator.engine:Engine._layer",
+        "        if w.cpu_first and w.sync:",
+        "        if False:",
+        "fiddler",
+    ),
+    EngineMutant(
+        "gather-barrier-ignored",
+        "simulator.engine:Engine._gather_barrier",
+        "                if t > bar:",
+        "                if False:",
+        "gather",
+    ),
+    EngineMutant(
+        "in-use-victim-written-back-at-once",
+        "simulator.engine:EngineBase._evict",
+        "        if vl == w.layer and ve in needed:",
+        "        if False:",
+        "in-use-victims",
+    ),
+    EngineMutant(
+        "unified-copies-take-no-dram",
+        "simulator.engine:Engine._mem",
+        "        self.machine.copy_load(s, e, nbytes)",
+        "        pass",
+        "daop-unified",
+    ),
+    EngineMutant(
+        "one-stream-kernel-beside-copies",
+        "simulator.engine:Engine._layer",
+        "                if h2d_lane.free_at > ready:\n"
+        "                    ready = h2d_lane.free_at",
+        "                pass",
+        "chaos-one-stream",
+    ),
+    EngineMutant(
+        "ssd-stall-not-counted",
+        "simulator.engine:EngineBase._ssd_stage",
+        "        tier.ssd_stall += wait - now",
+        "        tier.ssd_stall += 0.0",
+        "ssd",
+    ),
+    EngineMutant(
+        "pipeline-hand-over-of-every-selection",
+        "simulator.multigpu:_MultiBase._peer_cross",
+        "        n = 1 if w.counts is None else max(1, int(w.counts.sum()) // eng.model.top_k)",
+        "        n = 1 if w.counts is None else max(1, int(w.counts.sum()))",
+        "two-gpus",
+    ),
+)
+
+
+def _owner_and_source(target: str) -> tuple[Any, str, Any, str]:
+    """(the module, the attribute name, the object holding it, the function's source as it
+    stands in the file, indentation included)."""
+    mod_name, qual = target.split(":")
+    mod = importlib.import_module(mod_name)
+    *path, attr = qual.split(".")
+    owner: Any = mod
+    for part in path:
+        owner = getattr(owner, part)
+    return mod, attr, owner, inspect.getsource(owner.__dict__[attr])
+
+
+def apply_engine_mutant(mutant: EngineMutant, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compile the edited function in its module's namespace and patch it in."""
+    mod, attr, owner, src = _owner_and_source(mutant.target)
+    n = src.count(mutant.old)
+    if n != 1:
+        pytest.fail(
+            f"mutant {mutant.name}: the old snippet occurs {n} times in {mutant.target}; "
+            "retarget it at the code that now holds the rule"
+        )
+    edited = textwrap.dedent(src.replace(mutant.old, mutant.new))
+    ns: dict[str, Any] = {}
+    flags = __future__.annotations.compiler_flag
+    exec(compile(edited, f"<mutant {mutant.name}>", "exec", flags=flags), mod.__dict__, ns)
+    monkeypatch.setattr(owner, attr, ns[attr])
+
+
+@pytest.mark.parametrize("mutant", ENGINE_MUTANTS, ids=lambda m: m.name)
+def test_every_engine_mutant_snippet_is_in_the_source(mutant: EngineMutant) -> None:
+    """Fast and loud: a refactor that moves a rule must retarget its mutant."""
+    _, _, _, src = _owner_and_source(mutant.target)
+    assert src.count(mutant.old) == 1, f"retarget {mutant.name}"
+    assert mutant.check in CHECKS
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("check", sorted(CHECKS))
+def test_equivalence_checks_pass(check: str) -> None:
+    """Unmutated, every check passes: a failure under a mutant is the mutant's doing."""
+    CHECKS[check]()
+
+
+@pytest.mark.parametrize("mutant", ENGINE_MUTANTS, ids=lambda m: m.name)
+def test_the_equivalence_check_kills_the_mutant(
+    mutant: EngineMutant, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    apply_engine_mutant(mutant, monkeypatch)
+    with pytest.raises(AssertionError):
+        CHECKS[mutant.check]()

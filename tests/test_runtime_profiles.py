@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -88,6 +89,21 @@ MODEL = tiny_model(experts=4, top_k=2, moe_layers=2)
 HW = load_profile("a6000-pcie4")
 
 
+def _gpu_s(eng: Any) -> Any:
+    """An engine's bound GPU expert time per token count (the fast engine's machine holds it)."""
+    return eng.machine.gpu_s if isinstance(eng, Engine) else eng.gpu_s
+
+
+def _nonexpert_s(eng: Any) -> Any:
+    """An engine's bound non-expert time per (tokens, context)."""
+    return eng.machine.nonexpert_s if isinstance(eng, Engine) else eng.nonexpert_s
+
+
+def _host_thread(eng: Any) -> Any:
+    """The engine's model of the runtime's host thread (None: the runtime costs nothing)."""
+    return eng.machine.host if isinstance(eng, Engine) else eng.thread
+
+
 def _engine(cls: type[EngineBase], runtime: RuntimeProfile | None) -> tuple[EngineBase, object]:
     r = routing_from_experts(MODEL, [[[0, 1], [2, 3]]], seq_id=0, n_prefill=0)
     rec = Recorder()
@@ -150,8 +166,8 @@ def test_layer_times_match_the_hand_computation(
     cls: type[EngineBase], prof: RuntimeProfile
 ) -> None:
     eng, (stats, _, ctx) = _engine(cls, prof)
-    d_ne = eng.machine.nonexpert_s(1, ctx)
-    d_e = eng.machine.gpu_s(1)
+    d_ne = _nonexpert_s(eng)(1, ctx)
+    d_e = _gpu_s(eng)(1)
     assert stats.e2e == pytest.approx(_by_hand(prof, d_ne, d_e), rel=1e-12)
     idle = (MODEL.experts - MODEL.top_k) * prof.idle_expert_syncs
     syncs = 1 + 2 * (prof.routing_syncs + idle + 2 * prof.expert_syncs)
@@ -238,7 +254,7 @@ def test_a_profile_with_no_costs_reproduces_the_timeline(cls: type[EngineBase]) 
     free = RuntimeProfile("free", nonexpert_kernels=49, expert_kernels=11, routing_syncs=1)
     for prof in (get_runtime("ideal"), free):
         eng, (stats, tl, _) = _engine(cls, prof)
-        assert eng.machine.host is None  # nothing to pay: no host thread at all
+        assert _host_thread(eng) is None  # nothing to pay: no host thread at all
         assert stats.e2e == base.e2e
         assert tl.equals(tl0)
 
@@ -365,12 +381,12 @@ def test_a_fused_runtime_charges_one_launch_set_per_layer_an_eager_one_per_exper
 
     eager, t_eager = run(False)
     fused, t_fused = run(True)
-    assert eager.machine.gpu_s(1) == pytest.approx(roof + k_e * launch, rel=1e-12)
-    assert fused.machine.gpu_s(1) == pytest.approx(roof, rel=1e-12)  # weights still streamed
+    assert _gpu_s(eager)(1) == pytest.approx(roof + k_e * launch, rel=1e-12)
+    assert _gpu_s(fused)(1) == pytest.approx(roof, rel=1e-12)  # weights still streamed
     ctx = 0
     ne = costs.nonexpert_layer_s(1, ctx)
     # the fused call is charged with the layer's first GPU expert, not its non-expert part
-    assert fused.machine.nonexpert_s(1, ctx) == pytest.approx(ne, rel=1e-12)
+    assert _nonexpert_s(fused)(1, ctx) == pytest.approx(ne, rel=1e-12)
     # per layer: the eager runtime launches k x k_e kernels, the fused one 5 whatever k is
     assert t_eager - t_fused == pytest.approx(2 * (k * k_e - 5) * launch, rel=1e-9)
     assert t_fused == pytest.approx(2 * (ne + 5 * launch + k * roof), rel=1e-9)

@@ -194,6 +194,7 @@ def _same_timeline(a: pd.DataFrame, b: pd.DataFrame) -> None:
         assert np.abs(a[col].to_numpy() - b[col].to_numpy()).max() <= TOL, col
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize(
     ("policy", "path", "gb"),
     [
@@ -315,6 +316,7 @@ def test_read_time_follows_the_drive_and_the_access() -> None:
     assert np.allclose(tl["end"] - tl["start"], pro.ssd_expert_s("mmap"), rtol=1e-12)
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize(
     "mode", [{"batch": 2}, {"batch": 2, "continuous": True, "arrival_rate": 0.5}]
 )

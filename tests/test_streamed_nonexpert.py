@@ -174,6 +174,7 @@ def test_weights_timed_in_the_step_loop_equal_the_yielded_copies(seed: int, reco
         pd.testing.assert_frame_equal(ta, tb, check_exact=True)
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("seed", range(4))
 def test_random_plans_with_streamed_weights(seed: int) -> None:
     """Random legal plans (prefetches, write-backs, CPU experts keeping the links busy):
