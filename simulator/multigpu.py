@@ -28,13 +28,14 @@ itself, and the two give identical timelines.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+import sys
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from policies.base import Action, Plan, Policy, ResourceSpec, SetupContext, Slot, View
+from policies.base import _LAZY, Action, Plan, Policy, ResourceSpec, SetupContext, Slot, View
 from simulator.errors import UserError
 from simulator.hardware import HardwareProfile
 
@@ -152,13 +153,159 @@ class Placement:
             (k, lay): i for k in range(n) for i, lay in enumerate(self.layers_of[k])
         }
         self.local_expert = [{e: i for i, e in enumerate(self.experts_of[k])} for k in range(n)]
+        #: layer_at[k][layer] / expert_at[k][expert]: GPU k's local index, -1 where it holds none
+        self.layer_at = [_local_index(self.layers_of[k], n_layers) for k in range(n)]
+        self.expert_at = [_local_index(self.experts_of[k], n_experts) for k in range(n)]
+        #: GPU k's rows and columns of a [layers, experts] array: a slice where they are
+        #: evenly spaced (every placement rule but ``balanced``), else an index array
+        self.layer_cut = [_cut(self.layers_of[k]) for k in range(n)]
+        self.expert_cut = [_cut(self.experts_of[k]) for k in range(n)]
+        #: GPU k's experts as an index array (a fancy index: a contiguous copy)
+        self.expert_idx = [np.asarray(self.experts_of[k], dtype=np.intp) for k in range(n)]
 
     def capacity(self, k: int) -> int:
         """How many (layer, expert) slots GPU ``k`` can hold at most."""
         return len(self.layers_of[k]) * len(self.experts_of[k])
 
+    def window(self, a: np.ndarray, k: int) -> np.ndarray:
+        """GPU ``k``'s part of a ``[layers, experts]`` array: a view of ``a`` (no copy) when
+        its rows and columns are slices, else a copy."""
+        rows, cols = self.layer_cut[k], self.expert_cut[k]
+        if isinstance(rows, slice) and isinstance(cols, slice):
+            return a[rows, cols]
+        return a[np.ix_(self.layers_of[k], self.experts_of[k])]
+
+
+def _local_index(members: list[int], total: int) -> list[int]:
+    """Position of each of ``range(total)`` in ``members``, -1 for the others."""
+    at = [-1] * total
+    for i, x in enumerate(members):
+        at[x] = i
+    return at
+
+
+def _cut(members: list[int]) -> slice | np.ndarray:
+    """``members`` (ascending) as a slice when evenly spaced, else as an index array."""
+    if len(members) == 1:
+        return slice(members[0], members[0] + 1)
+    if members:
+        step = members[1] - members[0]
+        if step > 0 and members == list(range(members[0], members[-1] + 1, step)):
+            return slice(members[0], members[-1] + 1, step)
+    return np.asarray(members, dtype=np.intp)
+
 
 # -- the policy side -------------------------------------------------------------------------
+
+
+class _Window:
+    """GPU ``k``'s part of one engine-owned ``[layers, experts]`` array (the residency mask or
+    the copies' landing times), handed to its policy instance without a copy per layer.
+
+    When the GPU's rows and columns are slices (every placement but ``balanced``) it is a live
+    read-only view of the engine's array, made once: the engine changes the array only between
+    decisions, so during a decision the view holds what a copy would. Otherwise it is a buffer
+    of the window's shape, refilled in place at each decision (:meth:`get`).
+    """
+
+    __slots__ = ("_buf", "_cols", "_out", "_rows", "_src", "_take")
+
+    def __init__(self, placement: Placement, k: int) -> None:
+        self._rows = placement.layer_cut[k]
+        self._cols = placement.expert_cut[k]
+        self._take = not (isinstance(self._rows, slice) and isinstance(self._cols, slice))
+        self._src: np.ndarray | None = None
+        self._out: np.ndarray | None = None
+        self._buf: np.ndarray | None = None
+
+    def get(self, a: np.ndarray) -> np.ndarray:
+        """The window of ``a`` as it is now (a refill of the buffer, if there is one)."""
+        if a is not self._src:
+            self._src = a
+            if self._take:
+                n_rows = len(np.arange(a.shape[0])[self._rows])
+                n_cols = len(np.arange(a.shape[1])[self._cols])
+                self._buf = np.empty((n_rows, n_cols), dtype=a.dtype)
+                out = self._buf.view()
+            else:
+                out = a[self._rows, self._cols]
+            out.flags.writeable = False
+            self._out = out
+        buf = self._buf
+        if buf is not None:
+            rows, cols = self._rows, self._cols
+            if isinstance(rows, slice):
+                np.take(a[rows], cols, axis=1, out=buf, mode="clip")
+            elif isinstance(cols, slice):
+                np.take(a[:, cols], rows, axis=0, out=buf, mode="clip")
+            else:
+                buf[...] = a[np.ix_(rows, cols)]
+        assert self._out is not None
+        return self._out
+
+
+class _Shard:
+    """GPU ``k``'s side of the current decision: the engine's view and the routed experts that
+    live on the GPU. Its methods build the GPU's gate weights, router probabilities and
+    layer-early view, which its :class:`View` reads through ``View._rows`` only when the
+    policy asks (:class:`_LazyRow`)."""
+
+    __slots__ = ("k", "mine", "pl", "src")
+
+    def __init__(self, placement: Placement, k: int) -> None:
+        self.pl, self.k = placement, k
+        self.src = View()
+        self.mine: list[int] = []
+
+    def weights(self) -> np.ndarray:
+        """Decode: the gate weights of this GPU's routed experts; prefill: the mean top-k
+        weights, unchanged."""
+        ex = self.src.experts.tolist()
+        weights = np.asarray(self.src.weights)
+        if len(weights) == len(ex):
+            return weights[[ex.index(e) for e in self.mine]]
+        return weights
+
+    def probs(self) -> np.ndarray:
+        """The router probabilities of this GPU's experts."""
+        return np.asarray(self.src.probs)[self.pl.expert_idx[self.k]]
+
+    def next_here(self) -> bool:
+        """Whether layer+1 has a layer-early view and is on this GPU."""
+        at = self.pl.layer_at[self.k]
+        nl = self.src.layer + 1
+        return nl < len(at) and at[nl] >= 0 and self.src.next_experts is not None
+
+    def next_experts(self) -> np.ndarray | None:
+        """The layer-early top-k of layer+1 that are this GPU's (local ids), or None."""
+        if not self.next_here():
+            return None
+        local = self.pl.local_expert[self.k]
+        nxt = np.asarray(self.src.next_experts).tolist()
+        return np.array([local[int(e)] for e in nxt if int(e) in local], dtype=np.int64)
+
+    def next_probs(self) -> np.ndarray | None:
+        """The layer-early router probabilities of this GPU's experts, or None."""
+        if not self.next_here():
+            return None
+        nprobs = self.src.next_probs
+        return None if nprobs is None else np.asarray(nprobs)[self.pl.expert_idx[self.k]]
+
+
+class _LazyRow:
+    """A stand-in for one of ``View._rows``' arrays: indexing it (as the view's lazy
+    properties do, by layer) builds the value for the current decision."""
+
+    __slots__ = ("_make",)
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self._make = make
+
+    def __getitem__(self, layer: int) -> Any:
+        return self._make()
+
+    def __len__(self) -> int:
+        return sys.maxsize  # every layer has a value (None where the view has none)
 
 
 class ShardedPolicy(Policy):
@@ -169,6 +316,12 @@ class ShardedPolicy(Policy):
     counts; the routed experts it is asked about are those of this layer that live on GPU
     ``k``. A GPU none of whose experts is routed in a layer is not asked for that layer. The
     plans are mapped back to global indices and merged (GPU 0's decisions first).
+
+    Each instance keeps one :class:`View`, updated per decision: the residency and landing
+    times are windows of the engine's arrays (:class:`_Window`), and the gate weights, router
+    probabilities and layer-early view are built only when the policy reads them, through
+    the view's own lazy rows (:class:`_LazyRow`), so a layer costs no copy the policy does not
+    read and the view is a plain :class:`View` (a compiled one, too).
     """
 
     def __init__(self, inner: Policy, placement: Placement, budgets: list[int]) -> None:
@@ -185,6 +338,29 @@ class ShardedPolicy(Policy):
         self.budgets = budgets
         self._cal: list[np.ndarray | None] = [None] * placement.n
         self._models: list[Any] = [None] * placement.n
+        #: per GPU: its side of the current decision, its view (one object, updated per
+        #: decision), and its windows of the residency mask and landing times
+        self._shards = [_Shard(placement, k) for k in range(placement.n)]
+        self._views = [View() for _ in range(placement.n)]
+        for sh, v in zip(self._shards, self._views, strict=True):
+            # the gate weights, probabilities and layer-early view are built when read, through
+            # View's lazy rows
+            v._rows = (
+                _LazyRow(sh.weights),
+                _LazyRow(sh.probs),
+                _LazyRow(sh.next_experts),
+                _LazyRow(sh.next_probs),
+            )
+        self._windows = [(_Window(placement, k), _Window(placement, k)) for k in range(placement.n)]
+        #: per hook name: each instance's bound method (looked up once)
+        self._hooks: dict[str, list[Any]] = {}
+        #: per layer: the GPUs whose policy instance is asked (pipeline: the stage's GPU)
+        self._asked = [
+            [k for k in range(placement.n) if placement.layer_at[k][lay] >= 0]
+            for lay in range(len(placement.gpu_of))
+        ]
+        #: per GPU: routed experts (global ids) -> the view's local ``experts`` array
+        self._experts: list[dict[tuple[int, ...], np.ndarray]] = [{} for _ in range(placement.n)]
 
     def uses_calibration(self) -> bool:
         """As the wrapped policy."""
@@ -217,6 +393,13 @@ class ShardedPolicy(Policy):
             )
             self._models[k] = model
             self._cal[k] = self._slice(ctx.calibration, k)
+            v = self._views[k]
+            v.model, v.costs, v.budget, v.calibration = (
+                model,
+                ctx.costs,
+                self.budgets[k],
+                self._cal[k],
+            )
             seqs = ctx.calibration_sequences
             sub = SetupContext(
                 model=model,
@@ -264,117 +447,134 @@ class ShardedPolicy(Policy):
         return self._decide(view, "batch_layer")
 
     def _view(self, view: View, k: int, mine: list[int]) -> View:
-        """GPU ``k``'s view of this layer: its experts in local indices."""
-        pl = self.pl
-        experts_k = pl.experts_of[k]
-        local = pl.local_expert[k]
-        layer = view.layer
-        v = View()
-        for name in ("seq_id", "step", "token", "position", "phase", "n_tokens", "context", "now"):
-            setattr(v, name, getattr(view, name))
-        v.layer = pl.local_layer[(k, layer)]
-        v.model = self._models[k]
+        """GPU ``k``'s view of this layer (its experts in local indices): the instance's
+        reused :class:`View`, pointed at ``view``."""
+        sh = self._shards[k]
+        sh.src = view
+        sh.mine = mine
+        v = self._views[k]
+        v.seq_id = view.seq_id
+        v.step = view.step
+        v.token = view.token
+        v.position = view.position
+        v.phase = view.phase
+        v.n_tokens = view.n_tokens
+        v.context = view.context
+        v.now = view.now
+        v.layer = self.pl.layer_at[k][view.layer]
         v.costs = view.costs
-        v.budget = self.budgets[k]
-        v.calibration = self._cal[k]
-        v.experts = np.array([local[e] for e in mine], dtype=np.int64)
-        ex = view.experts.tolist()
-        weights = np.asarray(view.weights)
-        # decode: one gate weight per routed expert; prefill: the mean top-k weights, kept
-        v.weights = weights[[ex.index(e) for e in mine]] if len(weights) == len(ex) else weights
-        v.probs = np.asarray(view.probs)[experts_k]
-        v.counts = None if view.counts is None else np.asarray(view.counts)[experts_k]
-        resident = view.resident[np.ix_(pl.layers_of[k], experts_k)]
-        resident.flags.writeable = False
-        v.resident = resident
-        # the runtime's own view of which copies are still in flight: on a shared uplink (or one
-        # carrying peer activations) a policy's private ledger of its copies under-predicts
+        # the local expert ids, one read-only array per set of routed experts (a few per GPU)
+        memo = self._experts[k]
+        key = tuple(mine)
+        ex = memo.get(key)
+        if ex is None:
+            at = self.pl.expert_at[k]
+            ex = memo[key] = np.array([at[e] for e in mine], dtype=np.int64)
+            ex.flags.writeable = False
+        v.experts = ex
+        res_win, ready_win = self._windows[k]
+        v.resident = res_win.get(view.resident)
         ready = view.ready
-        if ready is not None:
-            ready = ready[np.ix_(pl.layers_of[k], experts_k)]
-            ready.flags.writeable = False
-        v.ready = ready
-        nxt = view.next_experts
-        if nxt is not None and (k, layer + 1) in pl.local_layer:
-            v.next_experts = np.array(
-                [local[int(e)] for e in np.asarray(nxt).tolist() if int(e) in local],
-                dtype=np.int64,
-            )
-            v.next_probs = (
-                None if view.next_probs is None else np.asarray(view.next_probs)[experts_k]
-            )
-        else:
-            v.next_experts = v.next_probs = None
+        v.ready = None if ready is None else ready_win.get(ready)
+        counts = view.counts
+        v.counts = None if counts is None else np.asarray(counts)[self.pl.expert_idx[k]]
+        v._weights = v._probs = v._next_experts = v._next_probs = _LAZY
         return v
 
     def _decide(self, view: View, hook: str) -> Plan:
         pl = self.pl
         layer = view.layer
         row = pl.gpu_of[layer]
-        routed = [int(e) for e in view.experts.tolist()]
+        routed: list[int] = view.experts.tolist()
+        calls = self._hooks.get(hook)
+        if calls is None:
+            calls = self._hooks[hook] = [getattr(pol, hook) for pol in self.inner]
+        mines: list[list[int]] = [[] for _ in calls]
+        for e in routed:
+            mines[row[e]].append(e)
         merged = Plan(actions={})
         actions = merged.actions
         assert actions is not None
-        routes: list[int] = []
-        raws: list[int] = []
+        asked: list[tuple[list[int], Plan, list[int]]] = []
         substituted = False
-        for k, pol in enumerate(self.inner):
-            if (k, layer) not in pl.local_layer:
-                continue  # pipeline: another stage's layer
+        gpu, fetch = Action.GPU, Action.FETCH
+        for k in self._asked[layer]:
             # asked even with no routed expert of its own: policies that prefetch or track
             # their copies expect a call at every layer they hold
-            mine = [e for e in routed if row[e] == k]
-            plan = getattr(pol, hook)(self._view(view, k, mine))
-            layers, experts = pl.layers_of[k], pl.experts_of[k]
-            # a substituted route names this GPU's experts: the layer's route is the union
+            mine = mines[k]
+            v = self._view(view, k, mine)
+            plan = calls[k](v)
+            experts = pl.experts_of[k]
+            asked.append((mine, plan, experts))
             if plan.route is not None:
-                routes.extend(experts[int(e)] for e in np.asarray(plan.route).tolist())
                 substituted = True
-            else:
-                routes.extend(mine)
-            raw = plan.raw_route if plan.raw_route is not None else plan.route
-            raws.extend(
-                mine if raw is None else [experts[int(e)] for e in np.asarray(raw).tolist()]
-            )
-
-            def g(s: Any, layers: list[int] = layers, experts: list[int] = experts) -> Slot:
-                return (layers[int(s[0])], experts[int(s[1])])
-
-            if plan.actions is None:
+            acts = plan.actions
+            fetched = 0
+            if acts is None:
                 for e in mine:
-                    actions[e] = Action.GPU
+                    actions[e] = gpu
             else:
-                for le, a in plan.actions.items():
+                for le, a in acts.items():
                     actions[experts[int(le)]] = a
-            for le, victim in plan.victims.items():
-                merged.victims[experts[int(le)]] = g(victim)
-            merged.prefetch.extend(
-                (*g((pl_, pe)), None if v is None else g(v)) for pl_, pe, v in plan.prefetch
-            )
-            merged.precalc.extend(g(s) for s in plan.precalc)
-            merged.evict.extend(g(s) for s in plan.evict)
-            merged.cpu_serial = merged.cpu_serial or plan.cpu_serial
-            merged.cpu_first = merged.cpu_first or plan.cpu_first
-            merged.barrier = merged.barrier or getattr(plan, "barrier", False)
+                    if a == fetch:
+                        fetched += 1
+            if plan.victims or plan.prefetch or plan.precalc or plan.evict:
+                self._merge_slots(merged, plan, pl.layers_of[k], experts)
+            if plan.cpu_serial:
+                merged.cpu_serial = True
+            if plan.cpu_first:
+                merged.cpu_first = True
+            if getattr(plan, "barrier", False):
+                merged.barrier = True
             if plan.low_bit:
                 merged.low_bit = frozenset(merged.low_bit) | {experts[int(e)] for e in plan.low_bit}
-            self._check_budget(view, k, plan)
+            if fetched or plan.prefetch:  # a plan adding no expert keeps its GPU within budget
+                self._check_budget(v, k, plan, fetched)
         if substituted:
+            # a substituted route names its GPU's experts: the layer's route is the union
+            routes: list[int] = []
+            raws: list[int] = []
+            for mine, plan, experts in asked:
+                if plan.route is not None:
+                    routes.extend(experts[int(e)] for e in np.asarray(plan.route).tolist())
+                else:
+                    routes.extend(mine)
+                raw = plan.raw_route if plan.raw_route is not None else plan.route
+                raws.extend(
+                    mine if raw is None else [experts[int(e)] for e in np.asarray(raw).tolist()]
+                )
             merged.route = np.asarray(routes, dtype=np.int64)
             merged.raw_route = np.asarray(raws, dtype=np.int64)
         return merged
 
-    def _check_budget(self, view: View, k: int, plan: Plan) -> None:
-        """A GPU's resident experts after its plan stay within its own budget."""
-        pl = self.pl
-        held = int(view.resident[np.ix_(pl.layers_of[k], pl.experts_of[k])].sum())
-        fetched = sum(1 for a in (plan.actions or {}).values() if a == Action.FETCH)
+    @staticmethod
+    def _merge_slots(merged: Plan, plan: Plan, layers: list[int], experts: list[int]) -> None:
+        """Append a GPU's victims, prefetches, pre-calculations and evictions to the merged
+        plan, in global indices."""
+        for le, (vl, ve) in plan.victims.items():
+            merged.victims[experts[int(le)]] = (layers[int(vl)], experts[int(ve)])
+        merged.prefetch.extend(
+            (
+                layers[int(pl_)],
+                experts[int(pe)],
+                None if vv is None else (layers[int(vv[0])], experts[int(vv[1])]),
+            )
+            for pl_, pe, vv in plan.prefetch
+        )
+        merged.precalc.extend((layers[int(a)], experts[int(b)]) for a, b in plan.precalc)
+        merged.evict.extend((layers[int(a)], experts[int(b)]) for a, b in plan.evict)
+
+    def _check_budget(self, v: View, k: int, plan: Plan, fetched: int) -> None:
+        """A GPU's resident experts after its plan (``fetched`` FETCH actions and its
+        prefetches) stay within its own budget (``v``: the GPU's view of the layer)."""
+        held = int(np.count_nonzero(v.resident))
         after = held + fetched + len(plan.prefetch) - len(plan.victims) - len(plan.evict)
-        after += sum(1 for *_, v in plan.prefetch if v is not None) * -1
+        if plan.prefetch:
+            after -= sum(1 for *_, vv in plan.prefetch if vv is not None)
         if after > self.budgets[k]:
             raise UserError(
                 f"policy {self.name!r}: GPU {k} would hold {after} experts at layer "
-                f"{view.layer}, over its budget of {self.budgets[k]}"
+                f"{self._shards[k].src.layer}, over its budget of {self.budgets[k]}"
             )
 
 

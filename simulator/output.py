@@ -474,6 +474,25 @@ def output_dir(
             shutil.rmtree(stage, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def scratch_dir(path: PathLike, flag: str | None = None) -> Iterator[Path]:
+    """A new hidden folder beside the folder output ``path``, removed on exit: for files made
+    during a run that end up in the output (a streamed timeline). Named like a staging folder,
+    so one left by a killed process is removed by the next write of ``path``."""
+    target = Path(path)
+    with os_errors(path, flag):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        scratch = Path(
+            tempfile.mkdtemp(
+                prefix=_STAGE.format(name=target.name, pid=os.getpid()), dir=target.parent
+            )
+        )
+    try:
+        yield scratch
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 __all__ = [
     "FIGURE_FORMATS",
     "TABLE_FORMATS",
@@ -489,6 +508,7 @@ __all__ = [
     "refuse_non_regular",
     "resolved",
     "safe_name",
+    "scratch_dir",
     "write_figure",
     "write_file",
     "write_table",

@@ -11,6 +11,7 @@ import gzip
 import json
 import math
 import os
+import shutil
 import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
+from simulator import perfetto
 from simulator.output import output_dir, write_figure, write_file, write_text
 
 if TYPE_CHECKING:
@@ -268,23 +270,10 @@ RUN_FILES = (
     "requests.parquet",
 )
 
-#: Perfetto timestamps are multiples of 1/TICKS_PER_US microseconds (about 1 ns): binary
-#: fractions, so every ts and dur is exact in floating point and ts + dur of one slice never
-#: passes the next slice's ts in any viewer, whether it rounds, truncates or adds floats.
-TICKS_PER_US = 1024
-
-
-def _lane_ticks(lanes: np.ndarray, start: np.ndarray, end: np.ndarray) -> tuple[Any, Any]:
-    """Start and end in ticks, each end clipped to the next start on the same lane."""
-    t0 = np.rint(start * 1e6 * TICKS_PER_US).astype(np.int64)
-    t1 = np.maximum(np.rint(end * 1e6 * TICKS_PER_US).astype(np.int64), t0)
-    order = np.lexsort((t1, t0, lanes))
-    s, e, lane = t0[order], t1[order], lanes[order]
-    same = lane[1:] == lane[:-1]
-    e[:-1] = np.where(same, np.minimum(e[:-1], s[1:]), e[:-1])
-    out0, out1 = np.empty_like(t0), np.empty_like(t1)
-    out0[order], out1[order] = s, e
-    return out0, out1
+# The Perfetto export lives in simulator/perfetto.py; these names stay for existing callers.
+TICKS_PER_US = perfetto.TICKS_PER_US
+_lane_ticks = perfetto.lane_ticks
+_resource_order = perfetto.resource_order
 
 
 def _write_json(path: str, doc: Any, compress: bool) -> None:
@@ -301,6 +290,28 @@ def _write_json(path: str, doc: Any, compress: bool) -> None:
             fh.write(data)
 
 
+class _Timeline:
+    """``RunResult.timeline``: a DataFrame, or a streamed timeline's Parquet file (a
+    :class:`~pathlib.Path`, see simulator/recorder.py) read on first use and kept."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = f"_{name}"
+
+    def __get__(self, obj: Any, owner: type | None = None) -> pd.DataFrame | None:
+        if obj is None:
+            return None  # the dataclass field's default
+        value = obj.__dict__.get(self.slot)
+        if isinstance(value, Path):
+            from simulator.recorder import read_timeline
+
+            value = obj.__dict__[self.slot] = read_timeline(value)
+        return value  # type: ignore[no-any-return]
+
+    def __set__(self, obj: Any, value: pd.DataFrame | Path | None) -> None:
+        obj.__dict__[self.slot] = value
+        obj.__dict__["_timeline_file"] = value if isinstance(value, Path) else None
+
+
 @dataclass
 class RunResult:
     """The outcome of one run: configuration, metrics, timeline and per-layer hit rates."""
@@ -308,13 +319,20 @@ class RunResult:
     config: dict[str, Any]
     metrics: dict[str, float]
     per_layer_hit_rate: list[float]
-    timeline: pd.DataFrame | None = None
+    #: one row per operation; a run that streamed its timeline to a file (``simulate(record=
+    #: path)``) reads it from there when first asked (``timeline_file``)
+    timeline: pd.DataFrame | None = _Timeline()  # type: ignore[assignment]
     occupancy: pd.DataFrame | None = None
     token_latency: np.ndarray = field(default_factory=lambda: np.empty(0))
     ttft: np.ndarray = field(default_factory=lambda: np.empty(0))
     #: serving runs (docs/serving.md): the ``serving`` summary and one row per request
     serving: dict[str, Any] | None = None
     requests: pd.DataFrame | None = None
+
+    @property
+    def timeline_file(self) -> Path | None:
+        """The Parquet file a streamed timeline was written to (None: kept in memory)."""
+        return self.__dict__.get("_timeline_file")  # type: ignore[no-any-return]
 
     @property
     def bound(self) -> bool:
@@ -345,72 +363,53 @@ class RunResult:
         """Write a Chrome/Perfetto trace: one track per resource, a slot-occupancy counter.
 
         A path ending in ``.gz`` is written gzip-compressed (Perfetto and chrome://tracing open
-        it as is). Slices on one track never overlap (see ``TICKS_PER_US``).
+        it as is). Slices on one track never overlap (see ``TICKS_PER_US``). A streamed
+        timeline is read from its file block by block (simulator/perfetto.py).
         """
-        if self.timeline is None:
+        source = self._timeline_source()
+        if source is None:
             raise ValueError("this run was made with record=False: no timeline")
-        tl = self.timeline
-        resources = sorted(tl["resource"].astype(str).unique(), key=_resource_order)
-        tids = {r: i + 1 for i, r in enumerate(resources)}
-        events: list[dict[str, Any]] = [
-            {"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "daopsim host"}}
-        ]
-        for r, tid in tids.items():
-            events.append(
-                {"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": r}}
+        meta = _json_safe({k: v for k, v in self.config.items() if k != "cost_sources"})
+        write = perfetto.writer(source, self.occupancy, meta, perfetto.is_gzip_path(path))
+        return write_file(path, write)
+
+    def _timeline_source(self) -> pd.DataFrame | Path | None:
+        """The timeline as loaded, else its file, else None (not recorded)."""
+        loaded = self.__dict__.get("_timeline")
+        if isinstance(loaded, pd.DataFrame) or loaded is None:
+            return loaded
+        return self.timeline_file
+
+    def _timeline_window(
+        self, tokens: tuple[int, int] | None, seq: int | None
+    ) -> tuple[pd.DataFrame, tuple[int, int], int]:
+        """The rows of ``plot_timeline``'s window, its tokens and sequence; from a streamed
+        timeline's file only the rows of the window are read."""
+        source = self._timeline_source()
+        if source is None:
+            raise ValueError("this run was made with record=False: no timeline")
+        if isinstance(source, pd.DataFrame):
+            keys = source[["seq", "token"]]
+        else:
+            keys = pd.read_parquet(source, columns=["seq", "token"])
+        if seq is None:
+            seq = int(keys["seq"].iloc[0]) if len(keys) else 0
+        sub = keys[keys["seq"] == seq]
+        if tokens is None:
+            dec = sub[sub["token"] > sub["token"].min()] if len(sub) else sub
+            first = int(dec["token"].min()) if len(dec) else 0
+            tokens = (first, first + 3)
+        if isinstance(source, pd.DataFrame):
+            sub = source[source["seq"] == seq]
+            win = sub[(sub["token"] >= tokens[0]) & (sub["token"] < tokens[1])]
+        else:
+            from simulator.recorder import read_timeline
+
+            win = read_timeline(
+                source,
+                filters=[("seq", "==", seq), ("token", ">=", tokens[0]), ("token", "<", tokens[1])],
             )
-        res = tl["resource"].astype(str).to_numpy()
-        kind = tl["kind"].astype(str).to_numpy()
-        lanes = np.array([tids[r] for r in res], dtype=np.int64)
-        t0, t1 = _lane_ticks(
-            lanes, tl["start"].to_numpy(np.float64), tl["end"].to_numpy(np.float64)
-        )
-        cols = [tl[c].to_numpy() for c in ("seq", "token", "layer", "expert", "bytes")]
-        # a serving run's rows name the requests of their step (docs/serving.md, "The timeline")
-        served = tl["requests"].to_numpy() if "requests" in tl.columns else None
-        tick = float(TICKS_PER_US)
-        for i in range(len(tl)):
-            seq, tok, layer, expert, nbytes = (col[i] for col in cols)
-            name = kind[i] if expert < 0 else f"{kind[i]} L{layer}E{expert}"
-            args = {
-                "seq": int(seq),
-                "token": int(tok),
-                "layer": int(layer),
-                "expert": int(expert),
-                "bytes": int(nbytes),
-            }
-            if served is not None:
-                args["requests"] = str(served[i])
-            events.append(
-                {
-                    "name": name,
-                    "cat": kind[i],
-                    "ph": "X",
-                    "pid": 1,
-                    "tid": int(lanes[i]),
-                    "ts": int(t0[i]) / tick,
-                    "dur": int(t1[i] - t0[i]) / tick,
-                    "args": args,
-                }
-            )
-        if self.occupancy is not None:
-            for t, slots in self.occupancy.itertuples(index=False):
-                events.append(
-                    {
-                        "name": "gpu expert slots",
-                        "ph": "C",
-                        "pid": 1,
-                        "ts": int(np.rint(float(t) * 1e6 * TICKS_PER_US)) / tick,
-                        "args": {"slots": int(slots)},
-                    }
-                )
-        doc = {
-            "traceEvents": events,
-            "displayTimeUnit": "ms",
-            "metadata": _json_safe({k: v for k, v in self.config.items() if k != "cost_sources"}),
-        }
-        compress = str(path).endswith(".gz")
-        return write_file(path, lambda tmp: _write_json(tmp, doc, compress))
+        return win, tokens, seq
 
     def plot_timeline(
         self, ax: Any = None, tokens: tuple[int, int] | None = None, seq: int | None = None
@@ -418,17 +417,7 @@ class RunResult:
         """Gantt chart of a window of decode tokens (default: the first 3 of the first sequence)."""
         import matplotlib.pyplot as plt
 
-        if self.timeline is None:
-            raise ValueError("this run was made with record=False: no timeline")
-        tl = self.timeline
-        if seq is None:
-            seq = int(tl["seq"].iloc[0]) if len(tl) else 0
-        sub = tl[tl["seq"] == seq]
-        dec = sub[sub["token"] > sub["token"].min()] if len(sub) else sub
-        if tokens is None:
-            first = int(dec["token"].min()) if len(dec) else 0
-            tokens = (first, first + 3)
-        win = sub[(sub["token"] >= tokens[0]) & (sub["token"] < tokens[1])]
+        win, tokens, seq = self._timeline_window(tokens, seq)
         if ax is None:
             _, ax = plt.subplots(figsize=(11, 4.0), layout="constrained")
         resources = sorted(win["resource"].astype(str).unique(), key=_resource_order)
@@ -513,9 +502,15 @@ class RunResult:
         names: dict[str, str] = {"metrics": "metrics.json"}
         with output_dir(target, RUN_FILES, flag=flag, inputs=inputs) as stage:
             write_text(stage / "metrics.json", self.to_json() + "\n")
-            if self.timeline is not None:
-                tl = self.timeline
-                write_file(stage / "timeline.parquet", lambda tmp: tl.to_parquet(tmp, index=False))
+            source = self._timeline_source()
+            if source is not None:
+                if isinstance(source, Path):
+                    write_file(stage / "timeline.parquet", lambda tmp: _link_or_copy(source, tmp))
+                else:
+                    tl = source
+                    write_file(
+                        stage / "timeline.parquet", lambda tmp: tl.to_parquet(tmp, index=False)
+                    )
                 self.to_perfetto(stage / "trace.perfetto.json.gz")
                 names.update(timeline="timeline.parquet", perfetto="trace.perfetto.json.gz")
             if self.requests is not None:
@@ -527,19 +522,27 @@ class RunResult:
 
                 matplotlib.use("Agg")
 
-                if self.timeline is not None:
+                if source is not None:
                     ax = self.plot_timeline()
                     write_figure(ax.figure, stage / "gantt.png", dpi=110)
                     names["gantt"] = "gantt.png"
                 fig = self.plot_hit_rate().figure
                 write_figure(fig, stage / "hit_rate.png", dpi=110)
                 names["hit_rate"] = "hit_rate.png"
+        if isinstance(self.__dict__.get("_timeline"), Path):
+            # still not loaded: read it from the set just written from now on (the file it
+            # came from may be a temporary one)
+            self.timeline = target / "timeline.parquet"  # type: ignore[assignment]
         return {k: target / v for k, v in names.items()}
 
 
-def _resource_order(name: str) -> tuple[int, str]:
-    order = {"gpu": 0, "h2d": 1, "d2h": 2}
-    return (order.get(name, 3 if name.startswith("cpu") else 4), name)
+def _link_or_copy(src: Path, tmp: str) -> None:
+    """``tmp`` becomes ``src``'s content: a hard link when the file system allows one."""
+    os.unlink(tmp)
+    try:
+        os.link(src, tmp)
+    except OSError:
+        shutil.copyfile(src, tmp)
 
 
 def _json_safe(obj: Any) -> Any:

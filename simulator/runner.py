@@ -26,6 +26,7 @@ from simulator.data import resolve_trace
 from simulator.errors import DoesNotFit, UserError, check_seed
 from simulator.hardware import HardwareProfile, load_profile
 from simulator.hosttier import host_tier_config, host_tier_metrics, model_trace
+from simulator.output import check_output_file
 from simulator.recorder import Recorder
 from simulator.results import RunResult, compute_metrics
 from simulator.runtime_profiles import RuntimeProfile, get_runtime
@@ -566,6 +567,25 @@ def provenance(trace_path: Path, profile: HardwareProfile) -> dict[str, str]:
     }
 
 
+def _recorder(record: bool | str | os.PathLike[str] | Recorder) -> Recorder | None:
+    """The run's recorder for ``simulate(record=...)``: None, in memory, or streaming to a
+    file (checked before the run: a bad destination fails at once)."""
+    if isinstance(record, Recorder):
+        return record
+    if isinstance(record, bool):
+        return Recorder() if record else None
+    return Recorder(check_output_file(record, "record"))
+
+
+def _finish_timeline(recorder: Recorder | None) -> Any:
+    """The timeline for ``RunResult``: a DataFrame, or the path of a streamed one."""
+    if recorder is None:
+        return None
+    if recorder.path is not None:
+        return recorder.finish()
+    return recorder.timeline()
+
+
 def simulate(
     policy: str | Policy = "daop",
     hw: str | os.PathLike[str] | HardwareProfile = "a6000-pcie4",
@@ -577,7 +597,7 @@ def simulate(
     policy_options: dict[str, Any] | None = None,
     seed: int = 0,
     dtype: str | None = None,
-    record: bool = True,
+    record: bool | str | os.PathLike[str] | Recorder = True,
     host_dtype: str | None = None,
     nonexpert_dtype: str | None = None,
     progress: Callable[[int, int], None] | None = None,
@@ -614,6 +634,9 @@ def simulate(
     (default) or ``"pipeline"`` placement (docs/serving.md, "Multiple GPUs"); the budget
     (``cache_ratio``, ``gpu_experts`` or what fits) is then per GPU. ``expert_placement``:
     expert parallel's rule, ``"mod"`` (default) or ``"balanced"`` (by calibration popularity).
+    ``record``: True keeps the timeline in memory, False records none, a path streams it to
+    that Parquet file as the run goes (memory stays flat; ``RunResult.timeline`` reads it
+    back when asked; simulator/recorder.py), a :class:`Recorder` is used as given.
     """
     if lookahead not in LOOKAHEAD_CHOICES:
         raise UserError(f"--lookahead must be one of {list(LOOKAHEAD_CHOICES)}, got {lookahead!r}")
@@ -855,7 +878,7 @@ def simulate(
         pol = multigpu.ShardedPolicy(pol, placement, budgets)
         engine_cls = _engine_class(engine, several_gpus=True)
         multi_kw = {"placement": placement, "budgets": budgets}
-    recorder = Recorder() if record else None
+    recorder = _recorder(record)
     sim = engine_cls(
         pol,
         model,
@@ -887,7 +910,13 @@ def simulate(
         if progress is not None:
             progress(done[0], len(eval_ids))
 
-    stats = sim.run(seqs(), on_sequence=tick)
+    try:
+        stats = sim.run(seqs(), on_sequence=tick)
+        timeline = _finish_timeline(recorder)
+    except BaseException:
+        if recorder is not None:
+            recorder.discard()  # a failed run leaves no timeline file, nor its parts
+        raise
     counters = stats.counters
     metrics = compute_metrics(stats, profile, stats.after, stats.servers)
     if stats.host_tier is not None:
@@ -961,7 +990,7 @@ def simulate(
         per_layer_hit_rate=(
             counters.hits_per_layer / np.maximum(1, counters.accesses_per_layer)
         ).tolist(),
-        timeline=recorder.timeline() if recorder is not None else None,
+        timeline=timeline,
         occupancy=recorder.occupancy_frame() if recorder is not None else None,
         token_latency=np.asarray(counters.token_latency),
         ttft=np.asarray(counters.ttft),

@@ -407,6 +407,66 @@ class ChaosPolicy(Policy):
             plan.prefetch = [(np.int64(a), np.int64(b), v) for a, b, v in plan.prefetch]
 
 
+def perfetto_reference(timeline: Any, occupancy: Any, metadata: dict[str, Any]) -> dict[str, Any]:
+    """The Perfetto document of a timeline built the plain way, one dict per event over all
+    rows at once (what ``RunResult.to_perfetto`` wrote before it streamed): an oracle for
+    tests and the bench of simulator/perfetto.py, slow on purpose."""
+    import pandas as pd
+
+    from simulator.perfetto import TICKS_PER_US, lane_ticks, resource_order
+
+    tl = timeline
+    resources = sorted(tl["resource"].astype(str).unique(), key=resource_order)
+    tids = {r: i + 1 for i, r in enumerate(resources)}
+    events: list[dict[str, Any]] = [
+        {"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "daopsim host"}}
+    ]
+    for r, tid in tids.items():
+        events.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": r}})
+    res = tl["resource"].astype(str).to_numpy()
+    kind = tl["kind"].astype(str).to_numpy()
+    lanes = np.array([tids[r] for r in res], dtype=np.int64)
+    t0, t1 = lane_ticks(lanes, tl["start"].to_numpy(np.float64), tl["end"].to_numpy(np.float64))
+    cols = [tl[c].to_numpy() for c in ("seq", "token", "layer", "expert", "bytes")]
+    served = tl["requests"].to_numpy() if "requests" in tl.columns else None
+    tick = float(TICKS_PER_US)
+    for i in range(len(tl)):
+        seq, tok, layer, expert, nbytes = (col[i] for col in cols)
+        args = {
+            "seq": int(seq),
+            "token": int(tok),
+            "layer": int(layer),
+            "expert": int(expert),
+            "bytes": int(nbytes),
+        }
+        if served is not None:
+            args["requests"] = str(served[i])
+        events.append(
+            {
+                "name": kind[i] if expert < 0 else f"{kind[i]} L{layer}E{expert}",
+                "cat": kind[i],
+                "ph": "X",
+                "pid": 1,
+                "tid": int(lanes[i]),
+                "ts": int(t0[i]) / tick,
+                "dur": int(t1[i] - t0[i]) / tick,
+                "args": args,
+            }
+        )
+    if isinstance(occupancy, pd.DataFrame):
+        for t, slots in occupancy.itertuples(index=False):
+            events.append(
+                {
+                    "name": "gpu expert slots",
+                    "ph": "C",
+                    "pid": 1,
+                    "ts": int(np.rint(float(t) * 1e6 * TICKS_PER_US)) / tick,
+                    "args": {"slots": int(slots)},
+                }
+            )
+    return {"traceEvents": events, "displayTimeUnit": "ms", "metadata": metadata}
+
+
 def one_row_table(path: str | os.PathLike[str], row_id: str) -> Path:
     """A validation table file at ``path`` holding only row ``row_id`` of the bundled table
     (``validate --table``: a subset whose ``--markdown`` is the whole of its table)."""

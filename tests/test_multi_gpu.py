@@ -6,17 +6,19 @@ Each test tries to break one invariant of docs/serving.md, "Multiple GPUs".
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pandas as pd
 import pytest
 from click.testing import CliRunner
 
-from policies.base import Action, Plan, Policy, View
+from policies.base import Action, Plan, Policy, SetupContext, View
 from policies.registry import get_policy_class
 from simulator.cli import main
 from simulator.errors import UserError
-from simulator.multigpu import Placement
+from simulator.models import get_model
+from simulator.multigpu import MultiGpuConfig, Placement, ShardedPolicy
 from simulator.runner import simulate
 
 TRACE = "ci-small"
@@ -615,3 +617,97 @@ def test_bad_expert_placement_is_one_line(args: list[str], msg: str) -> None:
     text = out.output.strip()
     assert out.exit_code != 0 and "Traceback" not in text and len(text.splitlines()) == 1
     assert msg in text and "--expert-placement" in text
+
+
+class _Recorder(Policy):
+    """Records a copy of everything its view holds at each decision (and decides nothing)."""
+
+    name = "view-recorder"
+
+    def __init__(self, **options: object) -> None:
+        super().__init__(**options)
+        self.seen: list[dict[str, object]] = []
+
+    def setup(self, ctx):  # type: ignore[no-untyped-def]
+        return []
+
+    def decode_layer(self, view: View) -> Plan:
+        def grab(x: object) -> object:
+            return None if x is None else np.array(x, copy=True)
+
+        self.seen.append(
+            {
+                "layer": view.layer,
+                "step": view.step,
+                "now": view.now,
+                "experts": grab(view.experts),
+                "weights": grab(view.weights),
+                "probs": grab(view.probs),
+                "counts": grab(view.counts),
+                "next_experts": grab(view.next_experts),
+                "next_probs": grab(view.next_probs),
+                "resident": grab(view.resident),
+                "ready": grab(view.ready),
+                "resident_writeable": view.resident.flags.writeable,
+            }
+        )
+        return Plan()
+
+
+@pytest.mark.parametrize(
+    "mode,rule", [("expert", "mod"), ("expert", "balanced"), ("pipeline", "mod")]
+)
+def test_sharded_views_are_each_gpus_window_of_the_engines_view(mode: str, rule: str) -> None:
+    """Each GPU's instance sees exactly its layers' and experts' part of the engine's view,
+    as it is at that decision: the residency and landing times after the engine changed them
+    in place between decisions, the gate weights of its routed experts, its experts' router
+    probabilities and the layer-early view of layer+1 when that layer is also its own."""
+    n_layers, n_experts, n = 6, 8, 2
+    pop = np.arange(n_experts, dtype=np.float64)[::-1] ** 2  # balanced: uneven popularity
+    pl = Placement(MultiGpuConfig(n, mode, rule), n_layers, n_experts, popularity=pop)
+    sharded = ShardedPolicy(_Recorder(), pl, [24, 24])  # room for any residency
+    model = replace(get_model("mixtral-8x7b"), moe_layers=n_layers, experts=n_experts)
+    sharded.setup(SetupContext(model=model, budget=48, costs=None, calibration=None,  # type: ignore[arg-type]
+                               calibration_prefill=None))  # fmt: skip
+    rng = np.random.default_rng(1)
+    res = np.zeros((n_layers, n_experts), dtype=bool)
+    ready = np.zeros((n_layers, n_experts))
+    src = View()
+    src.resident, src.ready = res.view(), ready.view()
+    src.resident.flags.writeable = src.ready.flags.writeable = False
+    for step in range(3):
+        for layer in range(n_layers):
+            # the engine changes its arrays in place between decisions
+            res[...] = rng.random(res.shape) < 0.5
+            ready[...] = rng.random(ready.shape)
+            routed = rng.choice(n_experts, size=3, replace=False)
+            src.step, src.layer, src.now = step, layer, float(step * 10 + layer)
+            src.experts = routed.astype(np.int64)
+            src.weights = rng.random(3).astype(np.float32)
+            src.probs = rng.random(n_experts).astype(np.float32)
+            last = layer == n_layers - 1
+            src.next_experts = None if last else rng.choice(n_experts, 2, replace=False)
+            src.next_probs = None if last else rng.random(n_experts).astype(np.float32)
+            sharded.decode_layer(src)
+            for k, inner in enumerate(sharded.inner):
+                if layer not in pl.layers_of[k]:
+                    assert not inner.seen or inner.seen[-1]["now"] != src.now
+                    continue
+                got = inner.seen[-1]
+                rows, cols = pl.layers_of[k], pl.experts_of[k]
+                assert got["now"] == src.now and got["layer"] == rows.index(layer)
+                assert np.array_equal(got["resident"], res[np.ix_(rows, cols)])
+                assert np.array_equal(got["ready"], ready[np.ix_(rows, cols)])
+                assert got["resident_writeable"] is False
+                mine = [int(e) for e in routed if e in cols]
+                assert got["experts"].tolist() == [cols.index(e) for e in mine]
+                pos = [routed.tolist().index(e) for e in mine]
+                assert np.array_equal(got["weights"], src.weights[pos])
+                assert np.array_equal(got["probs"], src.probs[cols])
+                assert got["counts"] is None
+                if last or layer + 1 not in rows:
+                    assert got["next_experts"] is None and got["next_probs"] is None
+                else:
+                    want = [cols.index(int(e)) for e in src.next_experts if int(e) in cols]
+                    assert got["next_experts"].tolist() == want
+                    assert np.array_equal(got["next_probs"], src.next_probs[cols])

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
+from pathlib import Path
 from typing import Any
 
 import click
@@ -16,6 +18,7 @@ from simulator.output import (
     Output,
     check_outputs,
     output_format,
+    scratch_dir,
     write_table,
 )
 from simulator.progress import lazy_progress
@@ -674,36 +677,42 @@ def run(
         inputs,
     )
     enabled = not no_progress and sys.stderr.isatty()
-    with lazy_progress("sequences", enabled) as progress:
-        result = simulate(
-            policy=policy,
-            hw=hw,
-            trace=trace,
-            cache_ratio=cache_ratio,
-            gpu_experts=gpu_experts,
-            sequences=sequences,
-            calibration=calibration,
-            policy_options=options,
-            seed=seed,
-            dtype=dtype,
-            record=out_dir is not None,
-            progress=progress,
-            lookahead=lookahead,
-            host_dtype=host_dtype,
-            nonexpert_dtype=nonexpert_dtype,
-            engine=engine,
-            serving=serving,
-            runtime=runtime,
-            host_memory_gb=host_memory_gb,
-            ssd_path=ssd_path,
-            gpus=gpus,
-            multi_gpu=multi_gpu,
-            expert_placement=expert_placement,
-        )
-    if bounds and serving is None and gpus == 1:  # the bounds are single-sequence, one-GPU runs
-        result.config["bounds"] = compute_bounds(result, hw, trace, sequences, dtype, seed)
-    if out_dir is not None:
-        result.write(out_dir, flag="--out", inputs=inputs)
+    with contextlib.ExitStack() as stack:
+        record: bool | Path = False
+        if out_dir is not None:
+            # the timeline streams to a file beside the output as the run goes (memory stays
+            # flat), and RunResult.write links it into the new set
+            record = stack.enter_context(scratch_dir(out_dir, "--out")) / "timeline.parquet"
+        with lazy_progress("sequences", enabled) as progress:
+            result = simulate(
+                policy=policy,
+                hw=hw,
+                trace=trace,
+                cache_ratio=cache_ratio,
+                gpu_experts=gpu_experts,
+                sequences=sequences,
+                calibration=calibration,
+                policy_options=options,
+                seed=seed,
+                dtype=dtype,
+                record=record,
+                progress=progress,
+                lookahead=lookahead,
+                host_dtype=host_dtype,
+                nonexpert_dtype=nonexpert_dtype,
+                engine=engine,
+                serving=serving,
+                runtime=runtime,
+                host_memory_gb=host_memory_gb,
+                ssd_path=ssd_path,
+                gpus=gpus,
+                multi_gpu=multi_gpu,
+                expert_placement=expert_placement,
+            )
+        if bounds and serving is None and gpus == 1:  # the bounds are single-sequence, one-GPU runs
+            result.config["bounds"] = compute_bounds(result, hw, trace, sequences, dtype, seed)
+        if out_dir is not None:
+            result.write(out_dir, flag="--out", inputs=inputs)
     if requests_out is not None and result.requests is not None:
         write_table(result.requests, requests_out, "--requests-out")
     doc = result.to_dict()
