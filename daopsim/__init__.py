@@ -93,8 +93,7 @@ if TYPE_CHECKING:  # the real objects, for type checkers and IDEs
     from simulator.stats import trace_stats
     from simulator.sweep import Grid, SweepSummary, read_table, run_sweep, seed_summary, sweep
     from simulator.synth import PRESETS as synth_presets
-    from simulator.synth import SynthParams, write_synthetic
-    from simulator.synth_checks import synth
+    from simulator.synth import SynthParams, synth, write_synthetic
     from simulator.testing import make_trace
     from simulator.trace import (
         TraceWriter,
@@ -162,7 +161,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     **_names("simulator.stats", "trace_stats"),
     **_names("simulator.importers", "import_trace", "ImportOptions"),
     **_names("simulator.testing", "make_trace"),
-    **_names("simulator.synth_checks", "synth"),
+    **_names("simulator.synth", "synth"),
     **_names("simulator.synth", "SynthParams", "write_synthetic"),
     "synth_presets": ("simulator.synth", "PRESETS"),
     # capture (the `capture` extra)

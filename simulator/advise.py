@@ -124,9 +124,9 @@ def find_trace(model: str, trace: str | None) -> tuple[str, list[str]]:
     on any machine: ``--trace NAME`` for a bundled trace, ``--trace PATH`` as given for a file,
     ``--model M`` for the model's synthetic trace (``run --model`` makes the same file)."""
     from simulator.data import bundled_traces, resolve_trace
-    from simulator.hosttier import model_trace
     from simulator.synth import PRESETS
     from simulator.trace import read_meta
+    from simulator.trace_cache import model_trace
 
     if trace is not None:
         path = resolve_trace(trace)
@@ -150,7 +150,7 @@ def find_trace(model: str, trace: str | None) -> tuple[str, list[str]]:
 
 def synth_command(model: str) -> str:
     """The ``daopsim synth`` command that writes the synthetic trace ``--model M`` runs on."""
-    from simulator.hosttier import MODEL_TRACE
+    from simulator.trace_cache import MODEL_TRACE
 
     return shlex.join(
         [

@@ -196,7 +196,7 @@ class _ProfileKey:
     """A hardware profile as an lru_cache key (by its content)."""
 
     def __init__(self, profile: Any) -> None:
-        from simulator.sweep import profile_sha256
+        from simulator.fingerprints import profile_sha256
 
         self.profile = profile
         self.sha = profile_sha256(profile)

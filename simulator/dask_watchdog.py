@@ -1,7 +1,7 @@
 """Dask plugins that end a sweep's LocalCluster processes when the sweep process dies.
 
 Imported only by the ``dask`` executor (it needs ``dask.distributed``). Each nanny and each
-worker, including workers a nanny restarts later, starts :func:`simulator.sweep.watch_parent`
+worker, including workers a nanny restarts later, starts :func:`simulator.watchdog.watch_parent`
 on the sweep's pid.
 """
 
@@ -20,7 +20,7 @@ class _Watchdog:
 
     def setup(self, *_args: Any, **_kwargs: Any) -> None:
         """Start the watchdog thread (Dask passes ``worker=`` or ``nanny=``)."""
-        from simulator.sweep import watch_parent
+        from simulator.watchdog import watch_parent
 
         watch_parent(self.pid)
 

@@ -230,31 +230,7 @@ class HostTier:
             self.peak = self.n_host
 
 
-#: the synthetic trace ``--model M`` generates when no ``--trace`` is given (small and fast;
-#: the same size ``daopsim advise`` generates)
-MODEL_TRACE = {"sequences": 3, "prompt_tokens": 32, "output_tokens": 48, "seed": 1}
 
 
-def model_trace(model: str, trace: str | Any | None) -> str:
-    """``--model M`` without ``--trace``: the path of M's synthetic trace (its synth preset,
-    or the generator's defaults), generated on first use into the user cache folder
-    (``$DAOPSIM_CACHE``, never the repository) and reused."""
-    from simulator.models import get_model
-    from simulator.validation import synth_trace
-
-    if trace is not None:
-        raise UserError("give --model or --trace, not both (a trace records its model)")
-    name = get_model(model).name
-    return str(synth_trace({"model": name, **MODEL_TRACE}))
 
 
-def host_tier_metrics(stats: Any, after_end: float = 0.0) -> dict[str, float]:
-    """The SSD tier's metrics (docs/metrics.md) from a run's statistics; ``after_end`` is the
-    drive's work after the run's end (background reads), left out of ``ssd_busy_frac``."""
-    from simulator.results import busy_frac
-
-    tier = dict(stats.host_tier)
-    e2e = stats.e2e
-    busy = stats.busy.get("ssd", 0.0)
-    tier["ssd_busy_frac"] = busy_frac(busy, after_end, 1, e2e) if e2e > 0 else 0.0
-    return tier

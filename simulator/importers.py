@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 
 from simulator.errors import UserError
+from simulator.fingerprints import file_sha256
 from simulator.models import ModelShape, get_model
-from simulator.sweep import file_sha256
 from simulator.trace import (
     ALL_PROBS_MAX_EXPERTS,
     DEFAULT_TOP_M,

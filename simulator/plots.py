@@ -26,7 +26,6 @@ What a figure shows, and says:
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import textwrap
@@ -37,28 +36,13 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from simulator.colors import policy_color
 from simulator.errors import UserError
 from simulator.output import write_figure
 
 #: The plot kinds of ``daopsim plot --kind``.
 KINDS = ("throughput", "hit-rate", "breakdown", "heatmap", "pareto", "latency-load")
 ALL_GPU = "all-gpu"
-#: One colour per built-in policy, the same in every plot (bounds are black: belady dashed,
-#: all-gpu dotted). Other policies get a colour from ``_EXTRA`` by a hash of their name, so a
-#: plugin policy also keeps its colour from plot to plot.
-POLICY_COLORS = {
-    "daop": "#d62728",
-    "fiddler": "#1f77b4",
-    "lru": "#2ca02c",
-    "lfu": "#ff7f0e",
-    "mixtral-offloading": "#9467bd",
-    "static": "#8c564b",
-    "round-robin": "#e377c2",
-    "stream-all": "#7f7f7f",
-    "belady": "#000000",
-    ALL_GPU: "#000000",
-}
-_EXTRA = ["#17becf", "#bcbd22", "#aec7e8", "#ffbb78", "#98df8a", "#c5b0d5", "#c49c94", "#f7b6d2"]
 _MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
 _STYLES = ["-", "-.", (0, (5, 1)), (0, (1, 1))]
 #: z-order of bounds (under) and of policies (over): a policy on a bound stays visible
@@ -69,12 +53,6 @@ FAR_ABOVE = 1.6
 _NOTE_CHARS = 62
 
 
-def policy_color(policy: str) -> str:
-    """The fixed colour of a policy in every daopsim plot."""
-    if policy in POLICY_COLORS:
-        return POLICY_COLORS[policy]
-    digest = hashlib.sha256(policy.encode()).digest()
-    return _EXTRA[digest[0] % len(_EXTRA)]
 
 
 def _title(fig: Any, text: str, note: str | None = None) -> None:

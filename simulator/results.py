@@ -470,7 +470,7 @@ class RunResult:
 
         if ax is None:
             _, ax = plt.subplots(figsize=(8, 3.2), layout="constrained")
-        from simulator.plots import policy_color
+        from simulator.colors import policy_color
 
         rates = self.per_layer_hit_rate
         policy = str(self.config.get("policy"))
@@ -555,3 +555,13 @@ def _json_safe(obj: Any) -> Any:
     if isinstance(obj, float) and not math.isfinite(obj):
         return None
     return obj
+
+
+def host_tier_metrics(stats: Any, after_end: float = 0.0) -> dict[str, float]:
+    """The SSD tier's metrics (docs/metrics.md) from a run's statistics; ``after_end`` is the
+    drive's work after the run's end (background reads), left out of ``ssd_busy_frac``."""
+    tier = dict(stats.host_tier)
+    e2e = stats.e2e
+    busy = stats.busy.get("ssd", 0.0)
+    tier["ssd_busy_frac"] = busy_frac(busy, after_end, 1, e2e) if e2e > 0 else 0.0
+    return tier

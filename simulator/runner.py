@@ -12,7 +12,7 @@ import bisect
 import math
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +25,10 @@ from simulator.costs import CostModel, cost_model
 from simulator.data import resolve_trace
 from simulator.errors import DoesNotFit, UserError, check_seed
 from simulator.hardware import HardwareProfile, load_profile
-from simulator.hosttier import host_tier_config, host_tier_metrics, model_trace
+from simulator.hosttier import host_tier_config
 from simulator.output import check_output_file
 from simulator.recorder import Recorder
-from simulator.results import RunResult, compute_metrics
+from simulator.results import RunResult, compute_metrics, host_tier_metrics
 from simulator.runtime_profiles import RuntimeProfile, get_runtime
 from simulator.serving import (
     Arrival,
@@ -52,6 +52,7 @@ from simulator.trace import (
     read_meta,
     sequence_ids,  # noqa: F401  (re-exported: simulator.runner.sequence_ids stays importable)
 )
+from simulator.trace_cache import model_trace
 
 #: ``calibration=`` values that are not paths (see docs/metrics.md, "Calibration").
 CALIBRATION_MODES = ("none", "self")
@@ -408,7 +409,7 @@ def cpu_layers_note(model: Any, n_cpu: int) -> str:
 
 def same_content(a: Path, b: Path) -> bool:
     """Whether two trace files hold the same bytes (a copy under another name counts)."""
-    from simulator.sweep import file_sha256
+    from simulator.fingerprints import file_sha256
 
     if os.path.getsize(a) != os.path.getsize(b):
         return False
@@ -558,7 +559,7 @@ def _resolve_hw(hw: str | os.PathLike[str] | HardwareProfile) -> HardwareProfile
 
 def provenance(trace_path: Path, profile: HardwareProfile) -> dict[str, str]:
     """What a result was made from: the daopsim version and the trace and profile SHA-256."""
-    from simulator.sweep import daopsim_version, file_sha256, profile_sha256
+    from simulator.fingerprints import daopsim_version, file_sha256, profile_sha256
 
     return {
         "daopsim_version": daopsim_version(),
@@ -638,354 +639,462 @@ def simulate(
     that Parquet file as the run goes (memory stays flat; ``RunResult.timeline`` reads it
     back when asked; simulator/recorder.py), a :class:`Recorder` is used as given.
     """
-    if lookahead not in LOOKAHEAD_CHOICES:
-        raise UserError(f"--lookahead must be one of {list(LOOKAHEAD_CHOICES)}, got {lookahead!r}")
-    seed = check_seed(seed)
-    engine_cls = _engine_class(engine)
-    if model is not None:
-        trace = model_trace(model, trace)
+    req = RunRequest(
+        policy, hw, trace, cache_ratio, gpu_experts, sequences, calibration, policy_options,
+        seed, dtype, record, host_dtype, nonexpert_dtype, progress, lookahead, evaluate,
+        engine, serving, runtime, host_memory_gb, ssd_path, model, gpus, multi_gpu,
+        expert_placement,
+    )  # fmt: skip
+    inp = resolve_inputs(req)
+    size = size_run(inp)
+    data = load_data(inp, size)
+    run = build_run(inp, size, data)
+    stats, timeline = execute(inp, data, run)
+    return collect(inp, size, data, run, stats, timeline)
+
+
+# -- the stages of a run ---------------------------------------------------------------------
+@dataclass
+class RunRequest:
+    """What :func:`simulate` was asked for: its arguments, as given."""
+
+    policy: str | Policy
+    hw: str | os.PathLike[str] | HardwareProfile
+    trace: str | os.PathLike[str] | None
+    cache_ratio: float | None
+    gpu_experts: int | None
+    sequences: int | None
+    calibration: str | os.PathLike[str] | None
+    policy_options: dict[str, Any] | None
+    seed: int
+    dtype: str | None
+    record: bool | str | os.PathLike[str] | Recorder
+    host_dtype: str | None
+    nonexpert_dtype: str | None
+    progress: Callable[[int, int], None] | None
+    lookahead: str
+    evaluate: list[int] | None
+    engine: str
+    serving: ServingConfig | None
+    runtime: str | RuntimeProfile | None
+    host_memory_gb: float | None
+    ssd_path: str | None
+    model: str | None
+    gpus: int
+    multi_gpu: str | None
+    expert_placement: str | None
+
+
+@dataclass
+class RunInputs:
+    """The run's inputs resolved (stage 1): the trace and its sequences, the model at its
+    precisions, the machine, the policy, its runtime and cost model, the host tier and the
+    GPUs, and where calibration data comes from."""
+
+    req: RunRequest
+    trace_path: Path
+    meta: TraceMeta
+    model: Any
+    profile: HardwareProfile
+    pol: Policy
+    rt: RuntimeProfile
+    costs: CostModel
+    host_tier: Any
+    mg: Any
+    #: ``held-out``, ``none``, ``self`` or a path; the external calibration trace, if any
+    mode: str = "none"
+    ext_cal: Path | None = None
+    arrivals: list[Arrival] | None = None
+    eval_ids: list[int] = field(default_factory=list)
+    cal_ids: list[int] = field(default_factory=list)
+    wants_cal: bool = False
+    wants_pop: bool = False
+    uses_view: bool = False
+    stand_in: bool = False
+
+
+@dataclass
+class RunSize:
+    """What fits (stage 2): KV tokens reserved, the expert budget, CPU-resident layers, and
+    the runtime and cost model once CUDA-graph replay is known."""
+
+    kv_reserve: int
+    total: int
+    fit: ExpertFit
+    budget: int
+    n_cpu_layers: int
+    rt: RuntimeProfile
+    costs: CostModel
+
+
+@dataclass
+class RunData:
+    """What the run reads before it starts (stage 3): calibration counts, the serving plan,
+    the oracle of a clairvoyant policy, and the evaluation sequences when a small trace's
+    earlier read already assembled them."""
+
+    inp: RunInputs
+    calib: np.ndarray | None = None
+    calib_pre: np.ndarray | None = None
+    cal_eams: list[np.ndarray] = field(default_factory=list)
+    in_sample: bool = False
+    stash: dict[int, SequenceRouting] | None = None
+    plan: Serving | None = None
+    oracle: Oracle | None = None
+
+    def sequences(self) -> Iterator[SequenceRouting]:
+        """The evaluation sequences in file order (the arrays are only read)."""
+        inp = self.inp
+        if self.stash is not None:
+            yield from self.stash.values()
+        else:
+            yield from iter_sequences(inp.trace_path, inp.meta, sequences=set(inp.eval_ids))
+
+
+@dataclass
+class Run:
+    """The engine built for the run (stage 4), with its policy (one instance per GPU behind a
+    ``ShardedPolicy`` on several GPUs), its budget and its recorder; ``done`` and
+    ``no_prefill`` count the sequences as they finish."""
+
+    engine: Any
+    pol: Policy
+    budget: int
+    recorder: Recorder | None
+    done: int = 0
+    no_prefill: int = 0
+
+
+def resolve_inputs(req: RunRequest) -> RunInputs:
+    """Stage 1: the trace, the model at its precisions, the machine, the policy and its
+    runtime, the cost model, the host tier, the GPUs; then the sequences."""
+    if req.lookahead not in LOOKAHEAD_CHOICES:
+        raise UserError(
+            f"--lookahead must be one of {list(LOOKAHEAD_CHOICES)}, got {req.lookahead!r}"
+        )
+    req.seed = check_seed(req.seed)
+    _engine_class(req.engine)  # an unknown engine fails before any work
+    trace = model_trace(req.model, req.trace) if req.model is not None else req.trace
     trace_path = resolve_trace(trace)
     meta = read_meta(trace_path)
-    model = meta.model.with_precision(dtype, host_dtype, nonexpert_dtype)
-    profile = _resolve_hw(hw)
-    if isinstance(policy, Policy):
-        pol = policy
-        if policy_options:
+    model = meta.model.with_precision(req.dtype, req.host_dtype, req.nonexpert_dtype)
+    profile = _resolve_hw(req.hw)
+    if isinstance(req.policy, Policy):
+        pol = req.policy
+        if req.policy_options:
             raise UserError("policy_options cannot be combined with a policy instance")
     else:
-        pol = get_policy_class(policy)(**(policy_options or {}))
-    rt = get_runtime(pol.runtime_profile if runtime is None else runtime)
+        pol = get_policy_class(req.policy)(**(req.policy_options or {}))
+    rt = get_runtime(pol.runtime_profile if req.runtime is None else req.runtime)
     costs: CostModel = runtime_cost_model(profile, model, rt)
     host_tier = host_tier_config(
-        profile, costs, host_memory_gb, ssd_path, pol.resources().ssd_access
+        profile, costs, req.host_memory_gb, req.ssd_path, pol.resources().ssd_access
     )
-    mg = _multi_gpu_config(profile, gpus, multi_gpu, pol, rt, expert_placement)
+    mg = _multi_gpu_config(profile, req.gpus, req.multi_gpu, pol, rt, req.expert_placement)
     if mg is not None and host_tier is not None:
         raise UserError(
             "a host-memory budget (--host-memory-gb or the profile's cpu.memory_gb: the SSD "
             "tier) with --gpus > 1 is not supported yet; give --gpus 1 or a profile without "
             "cpu.memory_gb"
         )
+    inp = RunInputs(req, trace_path, meta, model, profile, pol, rt, costs, host_tier, mg)
+    choose_sequences(inp)
+    return inp
 
-    # the metadata counts feed the memory budget below: check them against the rows first
-    ids = checked_sequence_ids(trace_path, meta)
-    wants_cal = pol.uses_calibration()
+
+def choose_sequences(inp: RunInputs) -> None:
+    """The evaluated sequences and where calibration counts come from (held-out sequences,
+    none, the evaluated ones, or another trace); the arrival file's sequences; the
+    one-layer-early view the policy may need."""
+    req, meta, pol = inp.req, inp.meta, inp.pol
+    # the metadata counts feed the memory budget: check them against the rows first
+    ids = checked_sequence_ids(inp.trace_path, meta)
+    inp.wants_cal = pol.uses_calibration()
     # a balanced expert placement needs popularity counts: held-out sequences by default
-    wants_pop = mg is not None and mg.placement == "balanced"
-    mode = "none" if calibration is None and not (wants_cal or wants_pop) else calibration
-    mode = "held-out" if mode is None else str(mode)
-    ext_cal = None if mode in ("held-out", *CALIBRATION_MODES) else Path(mode)
-    arrivals = None
+    inp.wants_pop = inp.mg is not None and inp.mg.placement == "balanced"
+    cal = req.calibration
+    mode = "none" if cal is None and not (inp.wants_cal or inp.wants_pop) else cal
+    inp.mode = "held-out" if mode is None else str(mode)
+    inp.ext_cal = None if inp.mode in ("held-out", *CALIBRATION_MODES) else Path(inp.mode)
+    serving = req.serving
     if serving is not None and serving.arrivals is not None:
-        if sequences is not None:
+        if req.sequences is not None:
             raise UserError("give --sequences or --arrivals, not both (the file names them)")
-        arrivals = read_arrivals(serving.arrivals)
-    if evaluate is not None:
-        missing = sorted(set(evaluate) - set(ids))
+        inp.arrivals = read_arrivals(serving.arrivals)
+    if req.evaluate is not None:
+        missing = sorted(set(req.evaluate) - set(ids))
         if missing:
-            raise UserError(f"{trace_path}: no sequence {missing[0]} to evaluate")
-        eval_ids, cal_ids = [s for s in ids if s in set(evaluate)], []
+            raise UserError(f"{inp.trace_path}: no sequence {missing[0]} to evaluate")
+        inp.eval_ids, inp.cal_ids = [s for s in ids if s in set(req.evaluate)], []
     else:
-        eval_ids, cal_ids = split_sequences(
-            meta, ids, sequences, ext_cal is not None, hold_out=mode == "held-out", seed=seed
-        )
-    if arrivals is not None:  # the file names the evaluated sequences
-        known, held = set(ids), set(cal_ids)
-        for a in arrivals:
+        inp.eval_ids, inp.cal_ids = split_sequences(
+            meta, ids, req.sequences, inp.ext_cal is not None,
+            hold_out=inp.mode == "held-out", seed=req.seed,
+        )  # fmt: skip
+    if inp.arrivals is not None:  # the file names the evaluated sequences
+        assert serving is not None
+        known, held = set(ids), set(inp.cal_ids)
+        for a in inp.arrivals:
             if a.sequence not in known or a.sequence in held:
                 why = "is held out for calibration" if a.sequence in held else "is not in the trace"
                 raise UserError(
                     f"{serving.arrivals}: row {a.row}: field sequence: sequence {a.sequence} {why}"
                 )
-        eval_ids = sorted({a.sequence for a in arrivals})
-    if mode == "self":
-        cal_ids = list(eval_ids)
-
-    uses_view = pol.uses_lookahead()
-    if uses_view and lookahead == "recorded" and not meta.early_view_recorded:
+        inp.eval_ids = sorted({a.sequence for a in inp.arrivals})
+    if inp.mode == "self":
+        inp.cal_ids = list(inp.eval_ids)
+    inp.uses_view = pol.uses_lookahead()
+    if inp.uses_view and req.lookahead == "recorded" and not meta.early_view_recorded:
         raise UserError(
-            f"{trace_path}: the trace does not record the one-layer-early view, which policy "
-            f"{pol.name!r} needs; pass --lookahead previous-token to use the previous token's "
-            "experts at the same layer instead"
+            f"{inp.trace_path}: the trace does not record the one-layer-early view, which "
+            f"policy {pol.name!r} needs; pass --lookahead previous-token to use the previous "
+            "token's experts at the same layer instead"
         )
+    inp.stand_in = inp.uses_view and req.lookahead == "previous-token"
 
-    context = trace_context(meta)
-    kv_reserve = context  # KV tokens reserved before the expert slots are sized
-    if serving is not None:
-        kv_reserve = serving_kv_reserve(serving, model, context)
+
+def size_run(inp: RunInputs) -> RunSize:
+    """Stage 2: what fits on the GPU (the budget asked for, or the most that fits), the
+    CPU-resident layers, and CUDA-graph replay of one-GPU one-sequence runs."""
+    req, pol, costs, model = inp.req, inp.pol, inp.costs, inp.model
+    kv_reserve = trace_context(inp.meta)  # KV tokens reserved before the slots are sized
+    if req.serving is not None:
+        kv_reserve = serving_kv_reserve(req.serving, model, kv_reserve)
+    budget = requested_budget(req.cache_ratio, req.gpu_experts, model.total_experts)
+    spec = pol.resources()
+    fit = expert_fit(costs, policy_buffers(pol), kv_reserve)
+    if spec.workspace_gb is not None:  # the runtime's own compute buffers replace the profile's
+        freed = (inp.profile.gpu.workspace_gb - spec.workspace_gb) * 1e9
+        fit = replace(fit, free_bytes=fit.free_bytes + freed)
+    n_cpu = cpu_resident_layers(spec, costs, fit, kv_reserve)
+    if n_cpu:  # a CPU-resident layer's non-expert weights and KV cache live in host memory
+        freed = n_cpu * costs.cpu_layer_freed_bytes(kv_reserve)
+        fit = replace(fit, free_bytes=fit.free_bytes + freed)
+    if spec.unlimited_memory:
+        budget = model.total_experts  # the all-GPU bound: memory is not modelled
+    else:
+        check_fit(fit, inp.profile.name, budget, by_ratio=req.cache_ratio is not None)
+        budget = fit.max_experts if budget is None else budget
+    if spec.gpu_blocks == -1:
+        # as many whole GPU layers as fit: a given expert budget can hold fewer than memory
+        n_cpu = max(n_cpu, model.moe_layers - budget // model.experts)
+    rt = inp.rt
+    if graph_replays(rt, spec, n_cpu, budget, model.total_experts, inp.mg, req.serving):
+        # one GPU split, one sequence: the one-token step is captured as a CUDA graph
+        costs = runtime_cost_model(inp.profile, model, rt, graph=True)
+        rt = rt.graph_replayed()
+    if inp.mg is not None:
+        _check_several_gpus(pol, n_cpu)
+    return RunSize(kv_reserve, model.total_experts, fit, budget, n_cpu, rt, costs)
+
+
+def requested_budget(cache_ratio: float | None, gpu_experts: int | None, total: int) -> int | None:
+    """The expert budget asked for (None: the most that fits), its range checked."""
     if cache_ratio is not None and gpu_experts is not None:
         raise UserError("give --cache-ratio or --gpu-experts, not both")
-    total = model.total_experts
     if cache_ratio is not None:
         if not 0 < cache_ratio <= 1:
             raise UserError(f"--cache-ratio must be in (0, 1], got {cache_ratio}")
-        budget: int | None = round(cache_ratio * total)
-    elif gpu_experts is not None:
+        return round(cache_ratio * total)
+    if gpu_experts is not None:
         if not 0 <= gpu_experts <= total:
             raise UserError(f"--gpu-experts must be in 0..{total}, got {gpu_experts}")
-        budget = gpu_experts
-    else:
-        budget = None
-    fit = expert_fit(costs, policy_buffers(pol), kv_reserve)
-    own_workspace = pol.resources().workspace_gb
-    if own_workspace is not None:  # the runtime's own compute buffers replace the profile's
-        fit = replace(
-            fit, free_bytes=fit.free_bytes + (profile.gpu.workspace_gb - own_workspace) * 1e9
-        )
-    n_cpu_layers = cpu_resident_layers(pol.resources(), costs, fit, kv_reserve)
+        return gpu_experts
+    return None
+
+
+def _check_several_gpus(pol: Policy, n_cpu_layers: int) -> None:
+    """What several GPUs do not model, refused before any work."""
     if n_cpu_layers:
-        # a CPU-resident layer's non-expert weights and KV cache live in host memory
-        fit = replace(
-            fit, free_bytes=fit.free_bytes + n_cpu_layers * costs.cpu_layer_freed_bytes(kv_reserve)
-        )
-    if pol.resources().unlimited_memory:
-        budget = total  # the all-GPU bound: memory is not modelled
-    else:
-        check_fit(fit, profile.name, budget, by_ratio=cache_ratio is not None)
-        budget = fit.max_experts if budget is None else budget
-    if pol.resources().gpu_blocks == -1:
-        # as many whole GPU layers as fit: a given expert budget can hold fewer than memory
-        n_cpu_layers = max(n_cpu_layers, model.moe_layers - budget // model.experts)
-    if graph_replays(rt, pol.resources(), n_cpu_layers, budget, total, mg, serving):
-        # one GPU split, one sequence: the one-token step is captured as a CUDA graph
-        costs = runtime_cost_model(profile, model, rt, graph=True)
-        rt = rt.graph_replayed()
-    if mg is not None and n_cpu_layers:
         raise UserError(
             f"policy {pol.name!r} keeps {n_cpu_layers} layers on the CPU, which --gpus > 1 does "
             "not support yet; give --gpus 1, or --gpu-experts / --cache-ratio for every layer "
             "where they fit"
         )
-    if mg is not None and pol.resources().nonexpert_streamed:
+    if pol.resources().nonexpert_streamed:
         off = " or --policy-opt stream_nonexpert=false" if "stream_nonexpert" in pol.params else ""
         raise UserError(
             f"policy {pol.name!r} streams its non-expert weights from the host (ZeRO-3), which "
             f"--gpus > 1 does not model; give --gpus 1{off}"
         )
 
-    calib = calib_pre = None
-    # the evaluation sequences, kept by the calibration read of a small trace (one pass over
-    # the file instead of two; None: read them from the file)
-    stash: dict[int, SequenceRouting] | None = None
 
-    def eval_sequences() -> Iterator[SequenceRouting]:
-        # file order, as iter_sequences yields them (the arrays are only read)
-        if stash is not None:
-            yield from stash.values()
-        else:
-            yield from iter_sequences(trace_path, meta, sequences=set(eval_ids))
+def load_data(inp: RunInputs, size: RunSize) -> RunData:
+    """Stage 3: calibration counts, the serving plan and a clairvoyant policy's oracle."""
+    data = RunData(inp)
+    calibrate(data)
+    req = inp.req
+    if req.serving is not None:
+        data.plan = serving_plan(
+            req.serving, inp.trace_path, inp.meta, inp.eval_ids, inp.arrivals, size.fit,
+            size.budget, size.kv_reserve, inp.pol.resources().unlimited_memory, inp.stand_in,
+            req.seed,
+        )  # fmt: skip
+    if inp.pol.clairvoyant:
+        data.oracle = make_oracle(data)
+    return data
 
-    cal_eams: list[np.ndarray] = []  # per calibration sequence (MoE-Infinity's trace collection)
-    if wants_cal and mode == "none":
+
+def calibrate(data: RunData) -> None:
+    """Calibration counts for a policy that uses them: from the held-out sequences (a small
+    trace's read also assembling the evaluation sequences), or from another trace."""
+    inp = data.inp
+    pol, model = inp.pol, inp.model
+    if not inp.wants_cal:
+        return
+    if inp.mode == "none":
         raise UserError(
             f"policy {pol.name!r}"
             + (f" with initial={pol.options['initial']}" if "initial" in pol.options else "")
             + " uses calibration data and --calibration none gives none; use held-out "
             "sequences (the default), --calibration self or --calibration PATH"
         )
-    in_sample = False
-    if wants_cal:
-        if ext_cal is not None:
-            cal_path = resolve_trace(ext_cal)
-            in_sample = same_content(cal_path, trace_path)
-            cal_meta = read_meta(cal_path)
-            if (cal_meta.model.moe_layers, cal_meta.model.experts) != (
-                model.moe_layers,
-                model.experts,
-            ):
-                raise UserError(
-                    f"{cal_path}: calibration trace is for {cal_meta.model.name}, "
-                    f"the evaluated trace for {model.name}"
-                )
-            cal_ids_ext = checked_sequence_ids(cal_path, cal_meta)
-            calib, calib_pre = calibration_counts(cal_path, cal_meta, cal_ids_ext, cal_eams)
-        elif cal_ids:
-            if serving is None and meta.counts.get("rows", _STASH_ROWS + 1) <= _STASH_ROWS:
-                stash = {}  # this pass also assembles the evaluation sequences
-            calib, calib_pre = calibration_counts(
-                trace_path, meta, cal_ids, cal_eams, stash, set(eval_ids)
-            )
-        else:
+    if inp.ext_cal is not None:
+        cal_path = resolve_trace(inp.ext_cal)
+        data.in_sample = same_content(cal_path, inp.trace_path)
+        cal_meta = read_meta(cal_path)
+        if (cal_meta.model.moe_layers, cal_meta.model.experts) != (model.moe_layers, model.experts):
             raise UserError(
-                f"policy {pol.name!r} needs calibration data: the trace has no "
-                "calibration sequences; pass --calibration PATH or --calibration self"
+                f"{cal_path}: calibration trace is for {cal_meta.model.name}, "
+                f"the evaluated trace for {model.name}"
             )
-
-    stand_in = uses_view and lookahead == "previous-token"
-    plan = None
-    if serving is not None:
-        plan = serving_plan(
-            serving,
-            trace_path,
-            meta,
-            eval_ids,
-            arrivals,
-            fit,
-            budget,
-            kv_reserve,
-            pol.resources().unlimited_memory,
-            stand_in,
-            seed,
+        ids = checked_sequence_ids(cal_path, cal_meta)
+        data.calib, data.calib_pre = calibration_counts(cal_path, cal_meta, ids, data.cal_eams)
+    elif inp.cal_ids:
+        if inp.req.serving is None and _small(inp.meta):
+            data.stash = {}  # this pass also assembles the evaluation sequences
+        data.calib, data.calib_pre = calibration_counts(
+            inp.trace_path, inp.meta, inp.cal_ids, data.cal_eams, data.stash, set(inp.eval_ids)
         )
-    oracle = None
-    if pol.clairvoyant:
-        oracle = Oracle(model.moe_layers, model.experts)
-        if plan is not None:
-            if serving is not None and serving.timed_arrivals:
-                raise UserError(
-                    f"policy {pol.name!r} is clairvoyant: with requests arriving over time the "
-                    "step order depends on timing, so it has no oracle; use --batch without "
-                    "--arrival-rate/--arrivals"
-                )
-            step_oracle(
-                plan.requests,
-                plan.config.batch,
-                plan.config.continuous,
-                plan.sched.kv_capacity,
-                oracle,
-                plan.config,
-            )
-        else:
-            if stash is None and meta.counts.get("rows", _STASH_ROWS + 1) <= _STASH_ROWS:
-                # a small trace: this read also keeps the evaluation sequences for the run
-                # (one pass over the file instead of two, as the calibration read does)
-                stash = {}
-                for r in iter_sequences(trace_path, meta, sequences=set(eval_ids)):
-                    stash[int(r.seq_id)] = r
-            for r in eval_sequences():
-                oracle.add(r)
+    else:
+        raise UserError(
+            f"policy {pol.name!r} needs calibration data: the trace has no "
+            "calibration sequences; pass --calibration PATH or --calibration self"
+        )
 
-    multi_kw: dict[str, Any] = {}
-    if mg is not None:  # several GPUs: per-GPU budgets, one policy instance per GPU
+
+def _small(meta: TraceMeta) -> bool:
+    """A trace small enough to keep its evaluation sequences in memory for the run."""
+    return meta.counts.get("rows", _STASH_ROWS + 1) <= _STASH_ROWS
+
+
+def make_oracle(data: RunData) -> Oracle:
+    """The future accesses a clairvoyant policy may read: of the serving plan's steps, or of
+    the evaluation sequences (a small trace's read keeping them for the run)."""
+    inp = data.inp
+    oracle = Oracle(inp.model.moe_layers, inp.model.experts)
+    plan, serving = data.plan, inp.req.serving
+    if plan is not None:
+        if serving is not None and serving.timed_arrivals:
+            raise UserError(
+                f"policy {inp.pol.name!r} is clairvoyant: with requests arriving over time the "
+                "step order depends on timing, so it has no oracle; use --batch without "
+                "--arrival-rate/--arrivals"
+            )
+        step_oracle(plan.requests, plan.config.batch, plan.config.continuous,
+                    plan.sched.kv_capacity, oracle, plan.config)  # fmt: skip
+        return oracle
+    if data.stash is None and _small(inp.meta):
+        # one pass over the file instead of two, as the calibration read does
+        data.stash = {int(r.seq_id): r for r in data.sequences()}
+    for r in data.sequences():
+        oracle.add(r)
+    return oracle
+
+
+def build_run(inp: RunInputs, size: RunSize, data: RunData) -> Run:
+    """Stage 4: the engine over the machine, with the policy (one instance per GPU on several
+    GPUs), its calibration, oracle, recorder and serving plan."""
+    pol, budget, multi_kw = inp.pol, size.budget, {}
+    several = inp.mg is not None
+    if several:
         from simulator import multigpu
 
-        popularity = None
-        if wants_pop:
-            pop, pop_pre = calib, calib_pre
-            if pop is None:  # the policy itself takes no calibration: count them here only
-                if ext_cal is not None:
-                    p_path = resolve_trace(ext_cal)
-                    p_meta = read_meta(p_path)
-                    p_ids = checked_sequence_ids(p_path, p_meta)
-                    pop, pop_pre = calibration_counts(p_path, p_meta, p_ids)
-                elif cal_ids:
-                    pop, pop_pre = calibration_counts(trace_path, meta, cal_ids)
-            if pop is not None:
-                popularity = (pop + (0 if pop_pre is None else pop_pre)).sum(axis=0)
-        placement = multigpu.Placement(mg, model.moe_layers, model.experts, popularity)
+        placement = multigpu.Placement(
+            inp.mg, inp.model.moe_layers, inp.model.experts, popularity(data)
+        )
         budgets = multigpu.split_budget(placement, budget)
         budget = sum(budgets)
         pol = multigpu.ShardedPolicy(pol, placement, budgets)
-        engine_cls = _engine_class(engine, several_gpus=True)
         multi_kw = {"placement": placement, "budgets": budgets}
-    recorder = _recorder(record)
-    sim = engine_cls(
-        pol,
-        model,
-        costs,
-        budget,
-        calibration=calib,
-        calibration_prefill=calib_pre,
-        calibration_sequences=tuple(cal_eams) if wants_cal else None,
-        oracle=oracle,
-        recorder=recorder,
-        seed=seed,
-        runtime=rt,
-        host_tier=host_tier,
-        cpu_layers=n_cpu_layers,
-        **multi_kw,
-    )
-    sim.serving = plan
-    done = [0]
-    no_prefill = [0]
+    recorder = _recorder(inp.req.record)
+    engine = _engine_class(inp.req.engine, several)(
+        pol, inp.model, size.costs, budget,
+        calibration=data.calib, calibration_prefill=data.calib_pre,
+        calibration_sequences=tuple(data.cal_eams) if inp.wants_cal else None,
+        oracle=data.oracle, recorder=recorder, seed=inp.req.seed, runtime=size.rt,
+        host_tier=inp.host_tier, cpu_layers=size.n_cpu_layers, **multi_kw,
+    )  # fmt: skip
+    engine.serving = data.plan
+    return Run(engine, pol, budget, recorder)
+
+
+def popularity(data: RunData) -> np.ndarray | None:
+    """Selection counts per (layer, expert), prompt and decode together, for a balanced
+    expert placement (the policy's calibration counts, or counted here); None otherwise."""
+    inp = data.inp
+    if not inp.wants_pop:
+        return None
+    pop, pop_pre = data.calib, data.calib_pre
+    if pop is None:  # the policy itself takes no calibration: count them here only
+        if inp.ext_cal is not None:
+            p_path = resolve_trace(inp.ext_cal)
+            p_meta = read_meta(p_path)
+            pop, pop_pre = calibration_counts(p_path, p_meta, checked_sequence_ids(p_path, p_meta))
+        elif inp.cal_ids:
+            pop, pop_pre = calibration_counts(inp.trace_path, inp.meta, inp.cal_ids)
+    if pop is None:
+        return None
+    total: np.ndarray = (pop + (0 if pop_pre is None else pop_pre)).sum(axis=0)
+    return total
+
+
+def execute(inp: RunInputs, data: RunData, run: Run) -> tuple[Any, Any]:
+    """Stage 5: the run, streaming the evaluation sequences in file order; returns its
+    statistics and the timeline (a failed run leaves no timeline file)."""
+    progress = inp.req.progress
 
     def seqs() -> Iterator[SequenceRouting]:
-        # stream in file order; evaluation order is file order too
-        for r in eval_sequences():
-            yield previous_token_view(r) if stand_in else r
+        for r in data.sequences():
+            yield previous_token_view(r) if inp.stand_in else r
 
     def tick(r: SequenceRouting) -> None:
-        done[0] += 1
-        no_prefill[0] += r.n_prefill == 0
+        run.done += 1
+        run.no_prefill += r.n_prefill == 0
         if progress is not None:
-            progress(done[0], len(eval_ids))
+            progress(run.done, len(inp.eval_ids))
 
     try:
-        stats = sim.run(seqs(), on_sequence=tick)
-        timeline = _finish_timeline(recorder)
+        stats = run.engine.run(seqs(), on_sequence=tick)
+        timeline = _finish_timeline(run.recorder)
     except BaseException:
-        if recorder is not None:
-            recorder.discard()  # a failed run leaves no timeline file, nor its parts
+        if run.recorder is not None:
+            run.recorder.discard()  # a failed run leaves no timeline file, nor its parts
         raise
-    counters = stats.counters
-    metrics = compute_metrics(stats, profile, stats.after, stats.servers)
+    return stats, timeline
+
+
+def collect(
+    inp: RunInputs, size: RunSize, data: RunData, run: Run, stats: Any, timeline: Any
+) -> RunResult:
+    """Stage 6: metrics, the run's configuration and notes, serving tables, the result."""
+    counters, model, recorder = stats.counters, inp.model, run.recorder
+    metrics = compute_metrics(stats, inp.profile, stats.after, stats.servers)
     if stats.host_tier is not None:
         metrics.update(host_tier_metrics(stats, stats.after.get("ssd", 0.0)))
-    notes = run_notes(pol, meta, no_prefill[0], len(eval_ids), stand_in)
-    if pol.resources().gpu_blocks is not None:
-        notes.append(cpu_layers_note(model, n_cpu_layers))
-    if not meta.weights_recorded:
+    if not inp.meta.weights_recorded:
         # the trace has no gate weights: the 1/k stand-in would make this look measured
         metrics["gate_mass_preserved"] = None
         metrics["low_precision_gate_mass"] = None
-    if not wants_cal:
-        cal_label = "none" if calibration == "none" else "not used"
-    elif mode == "self":
-        cal_label = "self (in-sample)"
-    elif in_sample:
-        # the "other" trace is this trace's bytes: its counts include the evaluated sequences
-        cal_label = f"{ext_cal} (in-sample: the evaluated trace itself)"
-        notes.append(
-            f"--calibration {ext_cal} has the evaluated trace's content: its counts include the "
-            "evaluated sequences (in-sample, like --calibration self)"
-        )
-    else:
-        cal_label = str(ext_cal) if ext_cal is not None else mode
-    config = {
-        "policy": pol.name,
-        "policy_options": dict(pol.options),
-        "hw": profile.name,
-        "model": model.name,
-        "dtype": model.dtype,
-        "host_dtype": model.host_precision,
-        "nonexpert_dtype": model.nonexpert_dtype,
-        "trace": str(trace_path.stem if trace_path.parent.name == "traces" else trace_path),
-        "gpu_experts": budget,
-        "cache_ratio": budget / total,
-        "total_experts": total,
-        "max_gpu_experts": fit.max_experts,
-        "sequences": len(eval_ids),
-        "sequence_ids": list(eval_ids),
-        "calibration_sequences": len(cal_ids) if ext_cal is None and wants_cal else None,
-        "calibration": cal_label,
-        "lookahead": (
-            ("previous-token (stand-in)" if stand_in else "recorded") if uses_view else "not used"
-        ),
-        "notes": notes,
-        "seed": seed,
-        "engine": engine,
-        "batch": serving.batch if serving is not None else None,
-        "runtime": rt.to_dict(),
-        "bound": bool(pol.clairvoyant or pol.bound),
-        "clairvoyant": bool(pol.clairvoyant),
-        "cost_sources": costs.sources(),
-        "gpus": gpus,
-        "multi_gpu": sim.multi_metrics() if mg is not None else None,  # type: ignore[attr-defined]
-        **provenance(trace_path, profile),
-    }
-    if host_tier is not None:  # only then: runs without a host budget keep their config
-        config["host_memory_gb"] = host_tier.budget_bytes / 1e9
-        config["ssd_path"] = host_tier.path
-        config["host_expert_capacity"] = host_tier.capacity
-        config["ssd"] = profile.ssd.name if profile.ssd is not None else None
     serving_doc = requests = None
+    plan = data.plan
     if plan is not None:
         serving_doc = summarise(plan, stats.e2e, plan.sched.kv_capacity, model.kv_bytes_per_token)
         requests = request_table(plan.requests, plan.config)
     return RunResult(
         serving=serving_doc,
         requests=requests,
-        config=config,
+        config=run_config(inp, size, data, run),
         metrics=metrics,
         per_layer_hit_rate=(
             counters.hits_per_layer / np.maximum(1, counters.accesses_per_layer)
@@ -995,3 +1104,72 @@ def simulate(
         token_latency=np.asarray(counters.token_latency),
         ttft=np.asarray(counters.ttft),
     )
+
+
+def run_config(inp: RunInputs, size: RunSize, data: RunData, run: Run) -> dict[str, Any]:
+    """The run's configuration as ``RunResult.config`` reports it (docs/metrics.md)."""
+    req, pol, model, trace_path = inp.req, run.pol, inp.model, inp.trace_path
+    notes = run_notes(pol, inp.meta, run.no_prefill, len(inp.eval_ids), inp.stand_in)
+    if pol.resources().gpu_blocks is not None:
+        notes.append(cpu_layers_note(model, size.n_cpu_layers))
+    cal_label = calibration_label(inp, data, notes)
+    uses_view = inp.uses_view
+    config = {
+        "policy": pol.name,
+        "policy_options": dict(pol.options),
+        "hw": inp.profile.name,
+        "model": model.name,
+        "dtype": model.dtype,
+        "host_dtype": model.host_precision,
+        "nonexpert_dtype": model.nonexpert_dtype,
+        "trace": str(trace_path.stem if trace_path.parent.name == "traces" else trace_path),
+        "gpu_experts": run.budget,
+        "cache_ratio": run.budget / size.total,
+        "total_experts": size.total,
+        "max_gpu_experts": size.fit.max_experts,
+        "sequences": len(inp.eval_ids),
+        "sequence_ids": list(inp.eval_ids),
+        "calibration_sequences": (
+            len(inp.cal_ids) if inp.ext_cal is None and inp.wants_cal else None
+        ),
+        "calibration": cal_label,
+        "lookahead": (
+            ("previous-token (stand-in)" if inp.stand_in else "recorded")
+            if uses_view
+            else "not used"
+        ),
+        "notes": notes,
+        "seed": req.seed,
+        "engine": req.engine,
+        "batch": req.serving.batch if req.serving is not None else None,
+        "runtime": size.rt.to_dict(),
+        "bound": bool(pol.clairvoyant or pol.bound),
+        "clairvoyant": bool(pol.clairvoyant),
+        "cost_sources": size.costs.sources(),
+        "gpus": req.gpus,
+        "multi_gpu": run.engine.multi_metrics() if inp.mg is not None else None,
+        **provenance(trace_path, inp.profile),
+    }
+    tier = inp.host_tier
+    if tier is not None:  # only then: runs without a host budget keep their config
+        config["host_memory_gb"] = tier.budget_bytes / 1e9
+        config["ssd_path"] = tier.path
+        config["host_expert_capacity"] = tier.capacity
+        config["ssd"] = inp.profile.ssd.name if inp.profile.ssd is not None else None
+    return config
+
+
+def calibration_label(inp: RunInputs, data: RunData, notes: list[str]) -> str:
+    """What the run's calibration counts came from, for the config (in-sample named)."""
+    if not inp.wants_cal:
+        return "none" if inp.req.calibration == "none" else "not used"
+    if inp.mode == "self":
+        return "self (in-sample)"
+    if data.in_sample:
+        # the "other" trace is this trace's bytes: its counts include the evaluated sequences
+        notes.append(
+            f"--calibration {inp.ext_cal} has the evaluated trace's content: its counts include "
+            "the evaluated sequences (in-sample, like --calibration self)"
+        )
+        return f"{inp.ext_cal} (in-sample: the evaluated trace itself)"
+    return str(inp.ext_cal) if inp.ext_cal is not None else inp.mode

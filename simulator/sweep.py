@@ -18,7 +18,6 @@ deterministic, so the table does not depend on the executor. See docs/sweeps.md.
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import importlib.metadata
 import itertools
@@ -37,14 +36,16 @@ import pandas as pd
 
 from simulator.data import DEFAULT_TRACE, bundled_traces, check_input_file, resolve_trace
 from simulator.errors import DoesNotFit, PolicyError, UserError, check_seed, parse_key_values
+from simulator.fingerprints import daopsim_version, file_sha256, profile_sha256
 from simulator.output import TABLE_FORMATS, check_output_file, output_format
 from simulator.output import write_table as _write_any_table
 from simulator.progress import Progress
 from simulator.results import METRIC_KEYS, OPTIONAL_METRIC_KEYS, atomic_write_text
 from simulator.runtime_profiles import get_runtime
+from simulator.watchdog import watch_parent
 
 if TYPE_CHECKING:
-    from simulator.hardware import HardwareProfile
+    pass
 
 #: Columns every sweep table has before the option and metric columns, in this order.
 BASE_COLUMNS = (
@@ -120,12 +121,6 @@ _GRID_KEYS = {
 }
 
 
-def daopsim_version() -> str:
-    """The installed daopsim version (part of every configuration key)."""
-    try:
-        return importlib.metadata.version("daopsim")
-    except importlib.metadata.PackageNotFoundError:  # running from a source tree
-        return "0+unknown"
 
 
 # --- grid -------------------------------------------------------------------------------------
@@ -306,30 +301,10 @@ def parse_option_items(items: list[str] | tuple[str, ...]) -> dict[str, list[str
 # --- configurations ---------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=64)
-def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
-    # keyed on size and mtime so a rewritten file is hashed again
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
-def file_sha256(path: str | os.PathLike[str]) -> str:
-    """SHA-256 of a file's bytes (cached per process while the file is unchanged)."""
-    st = os.stat(path)
-    return _file_sha256(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
 
 
-def profile_sha256(hw: str | HardwareProfile) -> str:
-    """SHA-256 of a machine profile's resolved content (not its file name or location)."""
-    from simulator.hardware import HardwareProfile, load_profile
-
-    data = (hw if isinstance(hw, HardwareProfile) else load_profile(hw)).to_dict()
-    data.pop("path", None)
-    text = json.dumps(data, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _distribution_version(module: str) -> str | None:
@@ -966,61 +941,12 @@ def _list_cell(value: Any) -> list[float] | None:
 
 # --- executors --------------------------------------------------------------------------------
 
-#: Seconds between a worker's checks that the sweep process is still alive.
-WATCHDOG_INTERVAL_S = 0.5
 
 
-def _proc_identity(pid: int) -> str | None:
-    """Start time of a live process (Linux), "" where it cannot be read, None if it is gone.
-
-    A zombie (killed, not yet reaped) counts as gone; the start time tells a recycled pid
-    from the original process.
-    """
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        if Path("/proc/self/stat").exists():
-            return None  # Linux, and the process is gone
-    except OSError:
-        pass
-    else:
-        fields = stat.rpartition(")")[2].split()
-        return None if fields[0] in ("Z", "X") else fields[19]
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return None
-    except PermissionError:
-        pass
-    return ""
 
 
-def watch_parent(pid: int, interval: float = WATCHDOG_INTERVAL_S) -> None:
-    """Exit this worker process soon after process ``pid`` (the sweep) dies, however it dies.
-
-    A daemon thread polls ``pid``: SIGKILL or SIGTERM of the sweep leaves no cleanup code to
-    stop its workers (a process pool's or a Dask LocalCluster's), which would otherwise run on
-    for minutes. Safe to call more than once per process (the first watcher wins).
-    """
-    import threading
-
-    global _WATCHED
-    if _WATCHED is not None:
-        return
-    _WATCHED = pid
-    ident = _proc_identity(pid)
-
-    def loop() -> None:
-        while True:
-            time.sleep(interval)
-            now = _proc_identity(pid)
-            if now is None or (ident and now != ident):
-                os._exit(3)
-
-    threading.Thread(target=loop, name="daopsim-sweep-watchdog", daemon=True).start()
 
 
-_WATCHED: int | None = None
 
 
 def pool_context() -> Any:

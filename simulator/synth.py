@@ -1206,3 +1206,36 @@ def shape_from_stats(target: dict[str, Any]) -> dict[str, int]:
     except (KeyError, TypeError, ValueError):
         pass
     return out
+
+
+def synth(
+    path: str | os.PathLike[str],
+    model: str,
+    sequences: int,
+    prompt_tokens: int = 256,
+    output_tokens: int = 512,
+    seed: int = 0,
+    preset: str | None = None,
+    params: dict[str, object] | None = None,
+) -> TraceMeta:
+    """Write a synthetic trace, as ``daopsim synth`` does: the model's own preset (or
+    ``preset``, a name or a file of ``synth fit``) with ``params`` overriding single generator
+    parameters, validated, then renamed into place. Returns the trace's metadata."""
+    from simulator.models import get_model
+    from simulator.output import TRACE_FORMATS, check_output_file, os_errors, output_format
+    from simulator.synth_checks import write_validated
+
+    shape = get_model(model)
+    chosen = get_preset(preset) if preset else default_preset(shape.name)
+    base = chosen.params if chosen else SynthParams()
+    p = params_from_dict(dict(params or {}), base=base, where="--param")
+    output_format(path, TRACE_FORMATS, "-o")
+    check_output_file(path, "-o", inputs=[preset])
+    name = chosen.name if chosen else None
+    with os_errors(path, "-o"):
+        return write_validated(
+            path,
+            lambda tmp: write_synthetic(
+                tmp, shape, p, sequences, prompt_tokens, output_tokens, seed, preset=name
+            ),
+        )

@@ -21,7 +21,6 @@ from simulator.errors import UserError
 
 if TYPE_CHECKING:
     from simulator.synth import SynthParams
-    from simulator.trace import TraceMeta
 
 T = TypeVar("T")
 
@@ -89,35 +88,3 @@ def write_validated(path: str | os.PathLike[str], write: Callable[[Path], T]) ->
     )
 
 
-def synth(
-    path: str | os.PathLike[str],
-    model: str,
-    sequences: int,
-    prompt_tokens: int = 256,
-    output_tokens: int = 512,
-    seed: int = 0,
-    preset: str | None = None,
-    params: dict[str, object] | None = None,
-) -> TraceMeta:
-    """Write a synthetic trace, as ``daopsim synth`` does: the model's own preset (or
-    ``preset``, a name or a file of ``synth fit``) with ``params`` overriding single generator
-    parameters, validated, then renamed into place. Returns the trace's metadata."""
-    from simulator.models import get_model
-    from simulator.output import TRACE_FORMATS, check_output_file, os_errors, output_format
-    from simulator.synth import SynthParams, default_preset, get_preset, params_from_dict
-    from simulator.synth import write_synthetic as _write
-
-    shape = get_model(model)
-    chosen = get_preset(preset) if preset else default_preset(shape.name)
-    base = chosen.params if chosen else SynthParams()
-    p = params_from_dict(dict(params or {}), base=base, where="--param")
-    output_format(path, TRACE_FORMATS, "-o")
-    check_output_file(path, "-o", inputs=[preset])
-    name = chosen.name if chosen else None
-    with os_errors(path, "-o"):
-        return write_validated(
-            path,
-            lambda tmp: _write(
-                tmp, shape, p, sequences, prompt_tokens, output_tokens, seed, preset=name
-            ),
-        )

@@ -35,7 +35,6 @@ generated on first use into a user cache folder (``$DAOPSIM_CACHE`` or
 from __future__ import annotations
 
 import csv
-import hashlib
 import io
 import json
 import math
@@ -50,6 +49,7 @@ from typing import Any
 
 from simulator.data import bundled_dir, check_input_file
 from simulator.errors import UserError
+from simulator.trace_cache import synth_trace
 
 #: Units a row may use.
 #: ``s`` is a duration in seconds, e.g. the time to the first token (``ttft_s``).
@@ -107,11 +107,6 @@ def default_table() -> Path:
     return bundled_dir("validation") / "published.toml"
 
 
-def cache_dir() -> Path:
-    """Where generated synthetic traces are cached (outside the repository)."""
-    env = os.environ.get("DAOPSIM_CACHE")
-    base = Path(env) if env else Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")) / "daopsim"
-    return base.expanduser() / "validation"
 
 
 @dataclass
@@ -681,63 +676,8 @@ def select(rows: list[Row], ids: str | None) -> list[Row]:
     return [r for r in rows if r.id in set(want)]
 
 
-# --- running --------------------------------------------------------------------------------------
-def _generator_digest() -> str:
-    """SHA-256 of simulator/synth.py (part of the synthetic-trace cache key)."""
-    from simulator import synth
-
-    return hashlib.sha256(Path(synth.__file__).read_bytes()).hexdigest()[:16]
 
 
-def synth_trace(spec: dict[str, Any]) -> Path:
-    """A cached synthetic trace for ``{preset, sequences, prompt_tokens, output_tokens, seed}``.
-
-    Instead of ``preset``, ``model`` names a catalogue model: its own preset if it has one, else
-    the generator's default parameters (for a row whose result does not depend on which experts
-    are routed, e.g. every routed expert on the CPU).
-    """
-    from simulator import synth
-    from simulator.models import get_model
-    from simulator.synth import SynthParams, SynthPreset, default_preset, get_preset
-
-    if "preset" in spec or "model" not in spec:
-        preset = str(spec.get("preset", ""))
-        p = get_preset(preset)
-        label: str | None = preset
-    else:
-        model = get_model(str(spec["model"])).name
-        p = default_preset(model) or SynthPreset(
-            name="", model=model, params=SynthParams(), matches="", assumes=""
-        )
-        preset = p.name or f"{model}-defaults"
-        label = p.name or None
-    n = int(spec.get("sequences", 8))
-    prompt = int(spec.get("prompt_tokens", 256))
-    out = int(spec.get("output_tokens", 512))
-    seed = int(spec.get("seed", 0))
-    # The key covers everything that shapes the trace: the preset's parameters, the generator
-    # version and the generator's own source (so an edit that forgets to bump SYNTH_VERSION
-    # still regenerates), and the numpy that draws the random numbers.
-    key = json.dumps(
-        [
-            preset,
-            p.model,
-            p.params.to_dict(),
-            n,
-            prompt,
-            out,
-            seed,
-            synth.GENERATOR,
-            _generator_digest(),
-            synth.np.__version__,
-        ],
-        sort_keys=True,
-    ).encode()
-    path = cache_dir() / f"{preset}-{hashlib.sha256(key).hexdigest()[:16]}.parquet"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        synth.write_synthetic(path, p.model, p.params, n, prompt, out, seed, preset=label)
-    return path
 
 
 #: Keys of ``[row.sim]`` that make the run a serving run (``daopsim run``'s options of the same

@@ -10,9 +10,11 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
+from simulator import trace_cache
 from simulator.cli import main
 from simulator.errors import UserError
 from simulator.testing import one_row_table
+from simulator.trace_cache import synth_trace
 from simulator.validation import (
     TABLE_END,
     TABLE_START,
@@ -21,7 +23,6 @@ from simulator.validation import (
     run_validation,
     select,
     splice_markdown,
-    synth_trace,
 )
 
 #: Cheap rows: one sequence of the bundled Mixtral trace each (hit rate and a ratio).
@@ -247,14 +248,13 @@ def test_synthetic_trace_cache_follows_generator_and_preset(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A cached synthetic trace is regenerated when the generator or the preset changes."""
-    import simulator.validation as validation
     from simulator import synth
 
     monkeypatch.setenv("DAOPSIM_CACHE", str(tmp_path))
     spec = {"preset": "deepseek-v2-lite", "sequences": 1, "prompt_tokens": 2, "output_tokens": 2}
     first = synth_trace(spec)
     assert synth_trace(spec) == first  # reused
-    monkeypatch.setattr(validation, "_generator_digest", lambda: "edited-generator")
+    monkeypatch.setattr(trace_cache, "_generator_digest", lambda: "edited-generator")
     edited = synth_trace(spec)
     assert edited != first and edited.exists()
     preset = synth.PRESETS["deepseek-v2-lite"]

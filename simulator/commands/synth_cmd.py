@@ -34,7 +34,7 @@ from simulator.synth import (
     parse_param_overrides,
     shape_from_stats,
 )
-from simulator.synth_checks import synth as write_trace_file
+from simulator.synth import synth as write_trace_file
 
 
 def _resolve_params(

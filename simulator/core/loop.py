@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from policies._mypyc import mypyc_attr
 from policies.base import _LAZY, Plan, Policy, SetupContext, View
 from simulator.boundary import Hooks, check_placement, check_plan, check_route
 from simulator.core.apply import Applier
@@ -38,6 +39,7 @@ def cpu_layers_for(spec: Any, model: Any, budget: int) -> int:
     return max(0, n_layers - budget // model.experts)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # serving's batched steps subclass it
 class Step:
     """One forward pass through every layer: what its non-expert parts cost, what each
     layer's view holds, and how its decisions are counted.
