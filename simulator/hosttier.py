@@ -228,9 +228,3 @@ class HostTier:
         self.n_host += 1
         if self.n_host > self.peak:
             self.peak = self.n_host
-
-
-
-
-
-

@@ -53,8 +53,6 @@ FAR_ABOVE = 1.6
 _NOTE_CHARS = 62
 
 
-
-
 def _title(fig: Any, text: str, note: str | None = None) -> None:
     """A figure title wrapped to the figure's width (never cut off), an optional smaller note."""
     width_chars = max(30, int(fig.get_figwidth() * 9))

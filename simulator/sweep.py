@@ -121,8 +121,6 @@ _GRID_KEYS = {
 }
 
 
-
-
 # --- grid -------------------------------------------------------------------------------------
 
 
@@ -299,12 +297,6 @@ def parse_option_items(items: list[str] | tuple[str, ...]) -> dict[str, list[str
 
 
 # --- configurations ---------------------------------------------------------------------------
-
-
-
-
-
-
 
 
 def _distribution_version(module: str) -> str | None:
@@ -940,13 +932,6 @@ def _list_cell(value: Any) -> list[float] | None:
 
 
 # --- executors --------------------------------------------------------------------------------
-
-
-
-
-
-
-
 
 
 def pool_context() -> Any:

@@ -86,5 +86,3 @@ def write_validated(path: str | os.PathLike[str], write: Callable[[Path], T]) ->
     return write_valid_trace(
         path, write, flag=None, what="generated", hint=" (check the --param values)"
     )
-
-

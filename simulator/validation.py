@@ -107,8 +107,6 @@ def default_table() -> Path:
     return bundled_dir("validation") / "published.toml"
 
 
-
-
 @dataclass
 class Member:
     """One system of a ranking row: its published value and the setting that reproduces it.
@@ -674,10 +672,6 @@ def select(rows: list[Row], ids: str | None) -> list[Row]:
     if bad:
         raise UserError(f"--rows: unknown row id(s) {', '.join(bad)}")
     return [r for r in rows if r.id in set(want)]
-
-
-
-
 
 
 #: Keys of ``[row.sim]`` that make the run a serving run (``daopsim run``'s options of the same
