@@ -1,0 +1,98 @@
+"""The code's shape holds: no import cycle among the packages, small functions in the core.
+
+docs/architecture.md describes the layering: the engine core (simulator/core/) below the
+runner, the runner below sweeps, plots and validation, every import one way. These checks
+read the sources (imports at any level, except those only a type checker sees).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("simulator", "policies", "daopsim")
+#: the longest a function of the engine core may be (lines, decorators included)
+CORE_FUNCTION_LINES = 80
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in (REPO / pkg).rglob("*.py"):
+            name = ".".join(path.relative_to(REPO).with_suffix("").parts)
+            out[name.removesuffix(".__init__")] = path
+    return out
+
+
+def _imports(path: Path, known: set[str]) -> set[str]:
+    """The modules of ``known`` that ``path`` imports (not under ``if TYPE_CHECKING:``)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    typing_only = {
+        id(x)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.If) and getattr(n.test, "id", None) == "TYPE_CHECKING"
+        for stmt in n.body
+        for x in ast.walk(stmt)
+    }
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return found & known
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph``, or None."""
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    path: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        path.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                return [*path[path.index(n) :], n]
+            if n not in state and (found := visit(n)):
+                return found
+        path.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def test_no_module_imports_another_that_imports_it_back() -> None:
+    mods = _modules()
+    graph = {m: _imports(p, set(mods)) - {m} for m, p in mods.items()}
+    cycle = _cycle(graph)
+    assert cycle is None, " -> ".join(cycle or [])
+
+
+def test_the_core_imports_nothing_above_it() -> None:
+    """The engine core uses the policy API, the boundary's checks and the host tier's state;
+    never the runner, serving, results, sweeps or the reference engine."""
+    mods = _modules()
+    allowed = ("simulator.core", "policies.base", "policies._mypyc", "simulator.boundary",
+               "simulator.hosttier", "simulator.errors")  # fmt: skip
+    for name, path in mods.items():
+        if name.startswith("simulator.core"):
+            bad = {m for m in _imports(path, set(mods)) if not m.startswith(allowed)}
+            assert not bad, f"{name} imports {sorted(bad)}"
+
+
+def test_no_function_of_the_core_is_longer_than_80_lines() -> None:
+    for path in sorted((REPO / "simulator" / "core").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                length = (node.end_lineno or node.lineno) - first + 1
+                assert length <= CORE_FUNCTION_LINES, f"{path.name}:{node.name} {length} lines"
