@@ -53,28 +53,11 @@ class Machine:
         multi = costs.hw.multi if n > 1 else None
         self.multi = multi
         pinned = spec.pinned
-        act = _memo(costs.activation_copy_s)
-        h2d_s, d2h_s = costs.h2d_expert_s(pinned), costs.d2h_expert_s(pinned)
-        ups: list[tuple[Link, Link]] = []
-        for k in range(1 if multi is None or multi.shared_uplink else n):
-            sfx = "" if n == 1 else str(k)
-            if costs.hw.link.copy_engines >= 2:
-                hl, dl = Lane(f"h2d{sfx}"), Lane(f"d2h{sfx}")
-            else:  # one copy engine: both directions share one FIFO lane
-                hl = dl = Lane(f"copy{sfx}")
-            ups.append((Link(f"h2d{sfx}", hl, h2d_s, act), Link(f"d2h{sfx}", dl, d2h_s, act)))
         #: each GPU's (h2d, d2h) uplink (the same objects for every GPU on a shared uplink)
-        self.uplinks = [ups[0 if len(ups) == 1 else k] for k in range(n)]
+        self.uplinks = _uplinks(costs, pinned, n, multi)
         self.links = {"h2d": self.uplinks[0][0], "d2h": self.uplinks[0][1]}
         #: direct peer lanes by (source, destination)
-        self.peers: dict[tuple[int, int], Link] = {}
-        if multi is not None and multi.peer_kind != "host":
-            peer_s = _memo(costs.peer_activation_s)
-            for a in range(n):
-                for b in range(n):
-                    if a != b and multi.direct(a, b):
-                        name = f"peer{a}>{b}"
-                        self.peers[(a, b)] = Link(name, Lane(name), 0.0, peer_s)
+        self.peers = _peers(costs, n, multi)
         #: the runtime's host thread; None when it costs nothing
         idle = costs.model.experts - costs.model.top_k
         free = runtime is None or runtime.free
@@ -211,6 +194,34 @@ class Machine:
         if self.n_gpus > 1:
             out["gpu"] = self.n_gpus
         return out
+
+
+def _uplinks(costs: Any, pinned: bool, n: int, multi: Any) -> list[tuple[Link, Link]]:
+    """Each GPU's (host-to-device, device-to-host) links; one pair for a shared uplink."""
+    act = _memo(costs.activation_copy_s)
+    h2d_s, d2h_s = costs.h2d_expert_s(pinned), costs.d2h_expert_s(pinned)
+    ups: list[tuple[Link, Link]] = []
+    for k in range(1 if multi is None or multi.shared_uplink else n):
+        sfx = "" if n == 1 else str(k)
+        if costs.hw.link.copy_engines >= 2:
+            hl, dl = Lane(f"h2d{sfx}"), Lane(f"d2h{sfx}")
+        else:  # one copy engine: both directions share one FIFO lane
+            hl = dl = Lane(f"copy{sfx}")
+        ups.append((Link(f"h2d{sfx}", hl, h2d_s, act), Link(f"d2h{sfx}", dl, d2h_s, act)))
+    return [ups[0 if len(ups) == 1 else k] for k in range(n)]
+
+
+def _peers(costs: Any, n: int, multi: Any) -> dict[tuple[int, int], Link]:
+    """The direct GPU-to-GPU links by (source, destination); none when peers go via the host."""
+    peers: dict[tuple[int, int], Link] = {}
+    if multi is not None and multi.peer_kind != "host":
+        peer_s = _memo(costs.peer_activation_s)
+        for a in range(n):
+            for b in range(n):
+                if a != b and multi.direct(a, b):
+                    name = f"peer{a}>{b}"
+                    peers[(a, b)] = Link(name, Lane(name), 0.0, peer_s)
+    return peers
 
 
 def _memo(fn: Callable[[int], float]) -> Callable[[int], float]:
