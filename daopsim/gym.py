@@ -3,7 +3,8 @@
 ``ExpertCacheEnv`` (registered as ``daopsim/ExpertCache-v0``) asks an agent for each victim of
 a per-layer expert cache during an ordinary simulated run; ``make_vector_env`` steps several
 at once; ``lru_action``, ``lfu_action`` and ``belady_action`` (``SCRIPTED``) make the built-in
-policies' choices; ``run_agent`` plays one episode. docs/learned-policies.md defines the
+policies' choices; ``run_agent`` plays one episode; ``learn`` trains the ``learned`` policy's
+scorer and ``evaluate``/``summarise`` judge it on held-out sequences. docs/learned-policies.md defines the
 observation, the action and the reward. Needs ``pip install 'daopsim[gym]'``.
 """
 
@@ -21,7 +22,14 @@ from simulator.gym_env import (
     make_vector_env,
     run_agent,
 )
-from simulator.imitation import LearnConfig, LearnResult, learn, scorer_action
+from simulator.imitation import (
+    LearnConfig,
+    LearnResult,
+    evaluate,
+    learn,
+    scorer_action,
+    summarise,
+)
 
 __all__ = [
     "ENV_ID",
@@ -32,10 +40,12 @@ __all__ = [
     "LearnConfig",
     "LearnResult",
     "belady_action",
+    "evaluate",
     "learn",
     "lfu_action",
     "lru_action",
     "make_vector_env",
     "run_agent",
     "scorer_action",
+    "summarise",
 ]

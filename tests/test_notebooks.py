@@ -110,6 +110,22 @@ CLAIMS: dict[str, list[tuple[str, str]]] = {
             "_dashed_under(fig_captured, 'belady')\n_dashed_under(fig_synthetic, 'belady')",
         ),
     ],
+    "04-learned-policy.ipynb": [
+        (
+            "the episode's metrics must equal the `lru` run's to the last bit",
+            "assert same and steps > 0",
+        ),
+        (
+            "Nothing below was used to train or tune the model",
+            "for t, seqs, _ in HELD_OUT:\n"
+            "    assert t != TRAIN.trace or not set(seqs) & set(TRAIN.sequences)",
+        ),
+        (
+            "the table gives the mean and the standard deviation over them",
+            "assert {'hit_rate_mean', 'hit_rate_std', 'sequences'} <= set(table.columns)\n"
+            "assert set(table.policy) == {'lru', 'lfu', 'learned', 'belady'}",
+        ),
+    ],
 }
 
 
