@@ -4,6 +4,10 @@ Everything else about the package is in pyproject.toml. The modules compiled and
 pure-Python fallback is chosen at import are in simulator/native.py; without a compiler, with
 ``DAOPSIM_PURE_PYTHON=1`` at build time, or if compiling fails, the package installs uncompiled
 and runs the same sources.
+
+mypyc names a module after its path (up through the folders with an ``__init__.py``), so it is
+given the paths through the package's symlinks: ``daopsim/simulator/core/ops.py`` compiles as
+``daopsim.simulator.core.ops``, the name it is imported by.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ def _extensions() -> list:
         from mypyc.build import mypycify
     except ImportError:
         return []
-    paths = [str(native["source_path"](m).relative_to(HERE)) for m in native["COMPILED"]]
+    # daopsim.simulator.core.ops -> daopsim/simulator/core/ops.py (a path through the symlinks)
+    paths = [str(Path(*m.split(".")).with_suffix(".py")) for m in native["COMPILED"]]
     exts = mypycify(paths, opt_level="3", group_name=native["GROUP"])
     for ext in exts:
         ext.optional = True  # a failed compile leaves the pure-Python package working
@@ -53,7 +58,7 @@ class BuildExt(build_ext):
         inplace = self.inplace or getattr(self, "editable_mode", False)
         root = HERE if inplace else Path(self.build_lib)
         built = [root / self.get_ext_filename(e.name) for e in self.extensions]
-        manifest = root / "simulator" / "core" / native["MANIFEST"]
+        manifest = root / "daopsim" / "simulator" / "core" / native["MANIFEST"]
         if all(p.exists() for p in built):
             manifest.parent.mkdir(parents=True, exist_ok=True)
             manifest.write_text(json.dumps(native["source_hashes"](), indent=1) + "\n")

@@ -1,8 +1,9 @@
 """daopsim: a trace-driven discrete-event simulator for MoE expert-offloading policies.
 
 This package is the stable public API: every workflow of the README, docs/ and the notebooks
-is reachable from here. The modules under ``simulator``, ``policies``, ``hardware_profiles`` and
-``traces`` are the implementation (they may move between releases); import from ``daopsim``.
+is reachable from here. The subpackages ``daopsim.simulator``, ``daopsim.policies``,
+``daopsim.hardware_profiles`` and ``daopsim.traces`` (the repository's top-level folders of those
+names) are the implementation (they may move between releases); import from ``daopsim``.
 
 >>> import daopsim
 >>> r = daopsim.simulate(policy="lru", hw="a6000-pcie4", trace="ci-small", sequences=1)
@@ -32,7 +33,7 @@ Machines, models and costs: :func:`load_profile`, :func:`list_profiles`, :func:`
 :func:`runtime_cost_model` (with a runtime's per-call costs), :func:`expert_fit`. Writing a policy:
 :class:`Policy` (or :class:`CachingPolicy`), :func:`register`, :func:`policy_class`,
 :func:`load_policy_file`, :class:`Plan`, :class:`Action`, :class:`View`, :class:`SetupContext`,
-:class:`ResourceSpec`, :class:`Param`; :func:`policies` lists them. Writing outputs safely:
+:class:`ResourceSpec`, :class:`Param`; ``policies()`` lists them. Writing outputs safely:
 :func:`output_dir`, :func:`write_text`, :func:`write_file`, :func:`check_output_file`. Errors:
 :class:`UserError`, :class:`PolicyError`.
 
@@ -49,14 +50,13 @@ from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the real objects, for type checkers and IDEs
-    from policies.base import Action, Param, Plan, Policy, ResourceSpec, SetupContext, View
-    from policies.caching import CachingPolicy
-    from policies.registry import available as policies
-    from policies.registry import get_policy_class as policy_class
-    from policies.registry import load_policy_file, register
-    from simulator.advise import advise
-    from simulator.bounds import all_gpu_bound
-    from simulator.capture import (
+    from daopsim.policies.base import Action, Param, Plan, Policy, ResourceSpec, SetupContext, View
+    from daopsim.policies.caching import CachingPolicy
+    from daopsim.policies.registry import get_policy_class as policy_class
+    from daopsim.policies.registry import load_policy_file, register
+    from daopsim.simulator.advise import advise
+    from daopsim.simulator.bounds import all_gpu_bound
+    from daopsim.simulator.capture import (
         CaptureConfig,
         GenerationSettings,
         Prompt,
@@ -64,16 +64,16 @@ if TYPE_CHECKING:  # the real objects, for type checkers and IDEs
         load_prompts,
         run_capture,
     )
-    from simulator.costs import cost_model
-    from simulator.data import bundled_traces
-    from simulator.data import resolve_trace as trace_path
-    from simulator.errors import PolicyError, UserError
-    from simulator.hardware import list_profiles, load_profile
-    from simulator.importers import ImportOptions, import_trace
-    from simulator.models import DTYPES, get_model
-    from simulator.output import check_output_file, output_dir, write_file, write_text
-    from simulator.plots import KINDS as PLOT_KINDS
-    from simulator.plots import (
+    from daopsim.simulator.costs import cost_model
+    from daopsim.simulator.data import bundled_traces
+    from daopsim.simulator.data import resolve_trace as trace_path
+    from daopsim.simulator.errors import PolicyError, UserError
+    from daopsim.simulator.hardware import list_profiles, load_profile
+    from daopsim.simulator.importers import ImportOptions, import_trace
+    from daopsim.simulator.models import DTYPES, get_model
+    from daopsim.simulator.output import check_output_file, output_dir, write_file, write_text
+    from daopsim.simulator.plots import KINDS as PLOT_KINDS
+    from daopsim.simulator.plots import (
         pareto_front,
         plot,
         plot_breakdown,
@@ -86,16 +86,23 @@ if TYPE_CHECKING:  # the real objects, for type checkers and IDEs
         realisable,
         save_figure,
     )
-    from simulator.results import RunResult
-    from simulator.runner import expert_fit, runtime_cost_model, simulate
-    from simulator.runtime_profiles import get_runtime, runtime_names
-    from simulator.serving import ServingConfig
-    from simulator.stats import trace_stats
-    from simulator.sweep import Grid, SweepSummary, read_table, run_sweep, seed_summary, sweep
-    from simulator.synth import PRESETS as synth_presets
-    from simulator.synth import SynthParams, synth, write_synthetic
-    from simulator.testing import make_trace
-    from simulator.trace import (
+    from daopsim.simulator.results import RunResult
+    from daopsim.simulator.runner import expert_fit, runtime_cost_model, simulate
+    from daopsim.simulator.runtime_profiles import get_runtime, runtime_names
+    from daopsim.simulator.serving import ServingConfig
+    from daopsim.simulator.stats import trace_stats
+    from daopsim.simulator.sweep import (
+        Grid,
+        SweepSummary,
+        read_table,
+        run_sweep,
+        seed_summary,
+        sweep,
+    )
+    from daopsim.simulator.synth import PRESETS as synth_presets
+    from daopsim.simulator.synth import SynthParams, synth, write_synthetic
+    from daopsim.simulator.testing import make_trace
+    from daopsim.simulator.trace import (
         TraceWriter,
         iter_sequences,
         read_meta,
@@ -109,20 +116,20 @@ except metadata.PackageNotFoundError:  # a source checkout on PYTHONPATH, never 
     __version__ = "0+unknown"
 
 
-def _names(module: str, *names: str) -> dict[str, tuple[str, str]]:
+def _names(module: str, *names: str) -> dict[str, tuple[str, str | None]]:
     """``public name -> (module, attribute)`` for names that keep their attribute name."""
     return {n: (module, n) for n in names}
 
 
-#: public name -> (module, attribute), imported on first use
-_LAZY: dict[str, tuple[str, str]] = {
+#: public name -> (module, attribute; None for the module itself), imported on first use
+_LAZY: dict[str, tuple[str, str | None]] = {
     # running
-    **_names("simulator.runner", "simulate", "expert_fit"),
-    **_names("simulator.serving", "ServingConfig"),
-    **_names("simulator.results", "RunResult"),
-    **_names("simulator.bounds", "all_gpu_bound"),
+    **_names("daopsim.simulator.runner", "simulate", "expert_fit"),
+    **_names("daopsim.simulator.serving", "ServingConfig"),
+    **_names("daopsim.simulator.results", "RunResult"),
+    **_names("daopsim.simulator.bounds", "all_gpu_bound"),
     **_names(
-        "simulator.sweep",
+        "daopsim.simulator.sweep",
         "sweep",
         "run_sweep",
         "Grid",
@@ -130,10 +137,10 @@ _LAZY: dict[str, tuple[str, str]] = {
         "read_table",
         "seed_summary",
     ),
-    **_names("simulator.advise", "advise"),
+    **_names("daopsim.simulator.advise", "advise"),
     # plots of a sweep table
     **_names(
-        "simulator.plots",
+        "daopsim.simulator.plots",
         "plot",
         "plot_throughput",
         "plot_hit_rate",
@@ -146,27 +153,27 @@ _LAZY: dict[str, tuple[str, str]] = {
         "policy_color",
         "save_figure",
     ),
-    "PLOT_KINDS": ("simulator.plots", "KINDS"),
+    "PLOT_KINDS": ("daopsim.simulator.plots", "KINDS"),
     # traces
-    **_names("simulator.data", "bundled_traces"),
-    "trace_path": ("simulator.data", "resolve_trace"),
+    **_names("daopsim.simulator.data", "bundled_traces"),
+    "trace_path": ("daopsim.simulator.data", "resolve_trace"),
     **_names(
-        "simulator.trace",
+        "daopsim.simulator.trace",
         "read_meta",
         "iter_sequences",
         "validate_trace",
         "write_trace",
         "TraceWriter",
     ),
-    **_names("simulator.stats", "trace_stats"),
-    **_names("simulator.importers", "import_trace", "ImportOptions"),
-    **_names("simulator.testing", "make_trace"),
-    **_names("simulator.synth", "synth"),
-    **_names("simulator.synth", "SynthParams", "write_synthetic"),
-    "synth_presets": ("simulator.synth", "PRESETS"),
+    **_names("daopsim.simulator.stats", "trace_stats"),
+    **_names("daopsim.simulator.importers", "import_trace", "ImportOptions"),
+    **_names("daopsim.simulator.testing", "make_trace"),
+    **_names("daopsim.simulator.synth", "synth"),
+    **_names("daopsim.simulator.synth", "SynthParams", "write_synthetic"),
+    "synth_presets": ("daopsim.simulator.synth", "PRESETS"),
     # capture (the `capture` extra)
     **_names(
-        "simulator.capture",
+        "daopsim.simulator.capture",
         "capture_model",
         "run_capture",
         "CaptureConfig",
@@ -175,22 +182,32 @@ _LAZY: dict[str, tuple[str, str]] = {
         "load_prompts",
     ),
     # machines, models, runtimes and costs
-    **_names("simulator.hardware", "load_profile", "list_profiles"),
-    **_names("simulator.runtime_profiles", "get_runtime", "runtime_names"),
-    **_names("simulator.models", "get_model", "DTYPES"),
-    **_names("simulator.costs", "cost_model"),
-    **_names("simulator.runner", "runtime_cost_model"),
+    **_names("daopsim.simulator.hardware", "load_profile", "list_profiles"),
+    **_names("daopsim.simulator.runtime_profiles", "get_runtime", "runtime_names"),
+    **_names("daopsim.simulator.models", "get_model", "DTYPES"),
+    **_names("daopsim.simulator.costs", "cost_model"),
+    **_names("daopsim.simulator.runner", "runtime_cost_model"),
     # writing a policy
     **_names(
-        "policies.base", "Policy", "Plan", "Action", "View", "SetupContext", "ResourceSpec", "Param"
+        "daopsim.policies.base",
+        "Policy",
+        "Plan",
+        "Action",
+        "View",
+        "SetupContext",
+        "ResourceSpec",
+        "Param",
     ),
-    **_names("policies.caching", "CachingPolicy"),
-    **_names("policies.registry", "register", "load_policy_file"),
-    "policies": ("policies.registry", "available"),
-    "policy_class": ("policies.registry", "get_policy_class"),
+    **_names("daopsim.policies.caching", "CachingPolicy"),
+    **_names("daopsim.policies.registry", "register", "load_policy_file"),
+    # the subpackage daopsim.policies, callable: daopsim.policies() lists the policies
+    "policies": ("daopsim.policies", None),
+    "policy_class": ("daopsim.policies.registry", "get_policy_class"),
     # outputs and errors
-    **_names("simulator.output", "output_dir", "write_text", "write_file", "check_output_file"),
-    **_names("simulator.errors", "UserError", "PolicyError"),
+    **_names(
+        "daopsim.simulator.output", "output_dir", "write_text", "write_file", "check_output_file"
+    ),
+    **_names("daopsim.simulator.errors", "UserError", "PolicyError"),
 }
 
 __all__ = [
@@ -274,7 +291,8 @@ def __getattr__(name: str) -> Any:
         module, attr = _LAZY[name]
     except KeyError:
         raise AttributeError(f"module 'daopsim' has no attribute {name!r}") from None
-    value = getattr(importlib.import_module(module), attr)
+    mod = importlib.import_module(module)
+    value = mod if attr is None else getattr(mod, attr)
     globals()[name] = value  # later lookups skip __getattr__
     return value
 

@@ -1,6 +1,6 @@
 """``python -m daopsim``: the ``daopsim`` command line."""
 
-from simulator.cli import main
+from daopsim.simulator.cli import main
 
 if __name__ == "__main__":
     main(prog_name="daopsim")

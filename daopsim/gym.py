@@ -10,7 +10,7 @@ defines the observation, the action and the reward. Needs ``pip install 'daopsim
 
 from __future__ import annotations
 
-from simulator.gym_env import (
+from daopsim.simulator.gym_env import (
     ENV_ID,
     REWARDS,
     SCRIPTED,
@@ -22,7 +22,7 @@ from simulator.gym_env import (
     make_vector_env,
     run_agent,
 )
-from simulator.imitation import (
+from daopsim.simulator.imitation import (
     LearnConfig,
     LearnResult,
     evaluate,

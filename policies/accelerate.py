@@ -32,9 +32,18 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from policies._mypyc import mypyc_attr
-from policies.base import ALL_GPU_PLAN, Action, Plan, Policy, ResourceSpec, SetupContext, Slot, View
-from policies.registry import register
+from daopsim.policies._mypyc import mypyc_attr
+from daopsim.policies.base import (
+    ALL_GPU_PLAN,
+    Action,
+    Plan,
+    Policy,
+    ResourceSpec,
+    SetupContext,
+    Slot,
+    View,
+)
+from daopsim.policies.registry import register
 
 TEMP = Action.TEMP
 

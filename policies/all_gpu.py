@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from policies._mypyc import mypyc_attr
-from policies.base import ALL_GPU_PLAN, Plan, Policy, ResourceSpec, SetupContext, Slot, View
-from policies.registry import register
+from daopsim.policies._mypyc import mypyc_attr
+from daopsim.policies.base import ALL_GPU_PLAN, Plan, Policy, ResourceSpec, SetupContext, Slot, View
+from daopsim.policies.registry import register
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)

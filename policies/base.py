@@ -19,10 +19,12 @@ from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
-from policies._mypyc import mypyc_attr
-from simulator.costs import CostModel  # at run time: a compiled dataclass resolves its fields
-from simulator.errors import UserError
-from simulator.models import ModelShape
+from daopsim.policies._mypyc import mypyc_attr
+
+# at run time: a compiled dataclass resolves its fields
+from daopsim.simulator.costs import CostModel
+from daopsim.simulator.errors import UserError
+from daopsim.simulator.models import ModelShape
 
 
 class Action(IntEnum):
@@ -259,7 +261,8 @@ class ResourceSpec:
     #: copy, and a layer ends only once every copy it issued has ended (Mixtral-offloading;
     #: docs/cost-model.md "One stream")
     one_stream: bool = False
-    #: the host also holds every expert at this lower precision (a ``simulator.models`` dtype);
+    #: the host also holds every expert at this lower precision (a ``daopsim.simulator.models``
+    #: dtype);
     #: a ``TEMP`` copy named in ``Plan.low_bit`` moves that copy instead (HOBBIT)
     low_bit_dtype: str | None = None
     #: how the system reads experts that live on the SSD (docs/serving.md, "An SSD tier"):
@@ -294,7 +297,7 @@ class ResourceSpec:
         if self.host_memory not in ("pinned", "pageable"):
             raise UserError(f"host_memory must be 'pinned' or 'pageable', got {self.host_memory!r}")
         if self.low_bit_dtype is not None:
-            from simulator.models import dtype_bytes
+            from daopsim.simulator.models import dtype_bytes
 
             dtype_bytes(self.low_bit_dtype)  # an unknown name is a one-line error
         for key in ("temp_buffers", "staging_buffers"):

@@ -13,10 +13,10 @@ expert id.
 
 from __future__ import annotations
 
-from policies._mypyc import mypyc_attr
-from policies.base import FutureAccesses, SetupContext
-from policies.caching import CachingPolicy
-from policies.registry import register
+from daopsim.policies._mypyc import mypyc_attr
+from daopsim.policies.base import FutureAccesses, SetupContext
+from daopsim.policies.caching import CachingPolicy
+from daopsim.policies.registry import register
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import heapq
 
-from policies._mypyc import mypyc_attr
-from policies.base import FutureAccesses, SetupContext, Slot
-from policies.caching import GlobalCachingPolicy
-from policies.registry import register
+from daopsim.policies._mypyc import mypyc_attr
+from daopsim.policies.base import FutureAccesses, SetupContext, Slot
+from daopsim.policies.caching import GlobalCachingPolicy
+from daopsim.policies.registry import register
 
 #: heap key: (-next step, -its layer, layer, expert); never used again: -inf and layer 0
 Key = tuple[float, int, int, int]

@@ -24,10 +24,19 @@ from typing import Any
 
 import numpy as np
 
-from policies._mypyc import mypyc_attr
-from policies.base import Action, Param, Plan, Policy, SetupContext, Slot, View, per_layer_quota
-from simulator.errors import UserError
-from simulator.models import ModelShape
+from daopsim.policies._mypyc import mypyc_attr
+from daopsim.policies.base import (
+    Action,
+    Param,
+    Plan,
+    Policy,
+    SetupContext,
+    Slot,
+    View,
+    per_layer_quota,
+)
+from daopsim.simulator.errors import UserError
+from daopsim.simulator.models import ModelShape
 
 GPU, FETCH, TEMP = Action.GPU, Action.FETCH, Action.TEMP
 

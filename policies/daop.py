@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from policies._mypyc import mypyc_attr
-from policies.base import (
+from daopsim.policies._mypyc import mypyc_attr
+from daopsim.policies.base import (
     Action,
     Param,
     Plan,
@@ -37,8 +37,8 @@ from policies.base import (
     View,
     quota_then_global,
 )
-from policies.registry import register
-from simulator.errors import UserError
+from daopsim.policies.registry import register
+from daopsim.simulator.errors import UserError
 
 _INF = float("inf")
 

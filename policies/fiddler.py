@@ -4,7 +4,7 @@ Source: Fiddler, ICLR 2025 (arXiv 2402.07033), code efeslab/fiddler@227715b
 ``src/fiddler/mixtral.py``; its mechanism and break-even rule in docs/references.md#fiddler.
 
 - Placement: the globally most popular ``budget`` (layer, expert) pairs of a calibration ranking
-  (``policies.base.global_top``); no per-layer minimum, never changed afterwards.
+  (``daopsim.policies.base.global_top``); no per-layer minimum, never changed afterwards.
 - Routing is exact; no prediction, no prefetch, no replacement.
 - Decode: a resident selected expert runs on the GPU; every other selected expert runs on the
   CPU (activations to the host and back). Fiddler does this synchronously within the layer:
@@ -30,8 +30,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from policies._mypyc import mypyc_attr
-from policies.base import (
+from daopsim.policies._mypyc import mypyc_attr
+from daopsim.policies.base import (
     Action,
     Param,
     Plan,
@@ -42,7 +42,7 @@ from policies.base import (
     View,
     global_top,
 )
-from policies.registry import register
+from daopsim.policies.registry import register
 
 GPU, TEMP, CPU = Action.GPU, Action.TEMP, Action.CPU
 #: efeslab/fiddler src/fiddler/mixtral.py (commit 227715b): ``self.latency_cpu = 7`` and

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import heapq
 
-from policies._mypyc import mypyc_attr
-from policies.base import Plan, SetupContext, Slot, View
-from policies.caching import GlobalCachingPolicy
-from policies.lfu import LFUCounts
-from policies.registry import register
+from daopsim.policies._mypyc import mypyc_attr
+from daopsim.policies.base import Plan, SetupContext, Slot, View
+from daopsim.policies.caching import GlobalCachingPolicy
+from daopsim.policies.lfu import LFUCounts
+from daopsim.policies.registry import register
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from policies._mypyc import mypyc_attr
-from policies.base import SetupContext, Slot
-from policies.caching import GlobalCachingPolicy
-from policies.registry import register
+from daopsim.policies._mypyc import mypyc_attr
+from daopsim.policies.base import SetupContext, Slot
+from daopsim.policies.caching import GlobalCachingPolicy
+from daopsim.policies.registry import register
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)

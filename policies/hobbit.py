@@ -38,12 +38,12 @@ from typing import Any
 
 import numpy as np
 
-from policies._mypyc import mypyc_attr
-from policies.base import Action, Param, Plan, ResourceSpec, SetupContext, Slot, View
-from policies.lru import LRUPolicy
-from policies.registry import register
-from simulator.errors import UserError
-from simulator.models import DTYPES
+from daopsim.policies._mypyc import mypyc_attr
+from daopsim.policies.base import Action, Param, Plan, ResourceSpec, SetupContext, Slot, View
+from daopsim.policies.lru import LRUPolicy
+from daopsim.policies.registry import register
+from daopsim.simulator.errors import UserError
+from daopsim.simulator.models import DTYPES
 
 TEMP = Action.TEMP
 

@@ -27,8 +27,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from policies._mypyc import mypyc_attr
-from policies.base import (
+from daopsim.policies._mypyc import mypyc_attr
+from daopsim.policies.base import (
     Action,
     Param,
     Plan,
@@ -40,8 +40,8 @@ from policies.base import (
     global_top,
     per_layer_quota,
 )
-from policies.registry import register
-from simulator.errors import DoesNotFit
+from daopsim.policies.registry import register
+from daopsim.simulator.errors import DoesNotFit
 
 #: experts-sched-Tutorial.md: the ``random`` strategy "randomly selects experts with fixed seed
 #: (42)"; daopsim's generator differs from torch's, so the same seed picks other experts.

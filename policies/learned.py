@@ -3,9 +3,9 @@
 Source: learned cache replacement by imitation of Belady's MIN (Parrot, Liu et al., ICML 2020;
 docs/references.md#learned-replacement). The cache rule is ``lru``'s (policies/observed.py);
 on each eviction a one-hidden-layer network scores every evictable expert from its features
-(recency, frequency, the router's probability; ``policies.observed.FEATURES``) and the highest
-score is evicted, ties to the lowest id. Inference is numpy only. The weights are a small JSON
-file written by ``daopsim learn`` (docs/learned-policies.md); the default is the bundled
+(recency, frequency, the router's probability; ``daopsim.policies.observed.FEATURES``) and the
+highest score is evicted, ties to the lowest id. Inference is numpy only. The weights are a small
+JSON file written by ``daopsim learn`` (docs/learned-policies.md); the default is the bundled
 ``learned_model.json``, trained on the first four sequences of the bundled Mixtral trace.
 """
 
@@ -18,11 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from policies._mypyc import mypyc_attr
-from policies.base import Param
-from policies.observed import FEATURES, ObservedCache
-from policies.registry import register
-from simulator.errors import UserError
+from daopsim.policies._mypyc import mypyc_attr
+from daopsim.policies.base import Param
+from daopsim.policies.observed import FEATURES, ObservedCache
+from daopsim.policies.registry import register
+from daopsim.simulator.errors import UserError
 
 #: the model file format this code reads and ``daopsim learn`` writes
 FORMAT = "daopsim-learned/1"

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from policies._mypyc import mypyc_attr
-from policies.base import Plan, SetupContext, View
-from policies.caching import CachingPolicy
-from policies.registry import register
+from daopsim.policies._mypyc import mypyc_attr
+from daopsim.policies.base import Plan, SetupContext, View
+from daopsim.policies.caching import CachingPolicy
+from daopsim.policies.registry import register
 
 
 class LFUCounts:

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from policies._mypyc import mypyc_attr
-from policies.base import (
+from daopsim.policies._mypyc import mypyc_attr
+from daopsim.policies.base import (
     ALL_GPU_PLAN,
     Action,
     Param,
@@ -41,8 +41,8 @@ from policies.base import (
     Slot,
     View,
 )
-from policies.registry import register
-from simulator.errors import DoesNotFit, UserError
+from daopsim.policies.registry import register
+from daopsim.simulator.errors import DoesNotFit, UserError
 
 #: ggml-cuda.cu (commit f6d77a1): the CUDA backend offloads an operation whose batch is at
 #: least this many tokens unless the ``GGML_OP_OFFLOAD_MIN_BATCH`` environment variable says

@@ -30,16 +30,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from policies._mypyc import mypyc_attr
-from policies.base import (
+from daopsim.policies._mypyc import mypyc_attr
+from daopsim.policies.base import (
     Param,
     ResourceSpec,
     SetupContext,
     Slot,
 )
-from policies.llama_cpp_cpu_moe import OFFLOAD_MIN_BATCH, LeadingCpuLayers
-from policies.registry import register
-from simulator.errors import DoesNotFit, UserError
+from daopsim.policies.llama_cpp_cpu_moe import OFFLOAD_MIN_BATCH, LeadingCpuLayers
+from daopsim.policies.registry import register
+from daopsim.simulator.errors import DoesNotFit, UserError
 
 #: GPU memory llama.cpp keeps beside the weights for one context, GB: its load log for
 #: Mixtral-8x7B at n_ctx 512 (ggml-org/llama.cpp issue #4381) reports a 117.85 MiB compute

@@ -24,10 +24,10 @@ are in docs/serving.md, "An SSD tier", and docs/references.md#llama-cpp-mmap.
 
 from __future__ import annotations
 
-from policies._mypyc import mypyc_attr
-from policies.base import ResourceSpec
-from policies.llama_cpp_cpu_moe import LlamaCppCpuMoePolicy
-from policies.registry import register
+from daopsim.policies._mypyc import mypyc_attr
+from daopsim.policies.base import ResourceSpec
+from daopsim.policies.llama_cpp_cpu_moe import LlamaCppCpuMoePolicy
+from daopsim.policies.registry import register
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from policies._mypyc import mypyc_attr
-from policies.base import SetupContext
-from policies.caching import CachingPolicy
-from policies.registry import register
+from daopsim.policies._mypyc import mypyc_attr
+from daopsim.policies.base import SetupContext
+from daopsim.policies.caching import CachingPolicy
+from daopsim.policies.registry import register
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)

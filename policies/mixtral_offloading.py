@@ -62,11 +62,11 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
-from policies._mypyc import mypyc_attr
-from policies.base import Action, Param, Plan, ResourceSpec, SetupContext, Slot, View
-from policies.lru import LRUPolicy
-from policies.registry import register
-from simulator.errors import UserError
+from daopsim.policies._mypyc import mypyc_attr
+from daopsim.policies.base import Action, Param, Plan, ResourceSpec, SetupContext, Slot, View
+from daopsim.policies.lru import LRUPolicy
+from daopsim.policies.registry import register
+from daopsim.simulator.errors import UserError
 
 FETCH, TEMP = Action.FETCH, Action.TEMP
 

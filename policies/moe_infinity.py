@@ -72,8 +72,8 @@ from typing import Any
 
 import numpy as np
 
-from policies._mypyc import mypyc_attr
-from policies.base import (
+from daopsim.policies._mypyc import mypyc_attr
+from daopsim.policies.base import (
     ALL_GPU_PLAN,
     Action,
     Param,
@@ -83,9 +83,9 @@ from policies.base import (
     Slot,
     View,
 )
-from policies.caching import global_initial
-from policies.registry import register
-from simulator.errors import UserError
+from daopsim.policies.caching import global_initial
+from daopsim.policies.registry import register
+from daopsim.simulator.errors import UserError
 
 GPU, FETCH, TEMP = Action.GPU, Action.FETCH, Action.TEMP
 

@@ -23,9 +23,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from policies._mypyc import mypyc_attr
-from policies.base import Plan, SetupContext, View
-from policies.caching import CachingPolicy
+from daopsim.policies._mypyc import mypyc_attr
+from daopsim.policies.base import Plan, SetupContext, View
+from daopsim.policies.caching import CachingPolicy
 
 #: steps after which a decayed access count has halved
 HALF_LIFE = 32.0

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from policies.base import Policy
-from simulator.errors import UserError, did_you_mean
+from daopsim.policies.base import Policy
+from daopsim.simulator.errors import UserError, did_you_mean
 
 ENTRY_POINT_GROUP = "daopsim.policies"
 _REGISTRY: dict[str, type[Policy]] = {}
@@ -116,11 +116,11 @@ def _load() -> None:
         return
     _LOADED = True
     _FAILED.clear()
-    import policies
+    import daopsim.policies as policies
 
     for info in pkgutil.iter_modules(policies.__path__):
         if info.name not in _SKIP and not info.name.startswith("_"):
-            importlib.import_module(f"policies.{info.name}")
+            importlib.import_module(f"daopsim.policies.{info.name}")
     for ep in sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: (e.name, e.value)):
         _load_plugin(ep)
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from policies._mypyc import mypyc_attr
-from policies.base import (
+from daopsim.policies._mypyc import mypyc_attr
+from daopsim.policies.base import (
     ALL_GPU_PLAN,
     Action,
     Param,
@@ -24,7 +24,7 @@ from policies.base import (
     global_top,
     quota_then_global,
 )
-from policies.registry import register
+from daopsim.policies.registry import register
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)

@@ -55,10 +55,19 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from policies._mypyc import mypyc_attr
-from policies.base import Action, Param, Plan, Policy, ResourceSpec, SetupContext, Slot, View
-from policies.registry import register
-from simulator.errors import UserError
+from daopsim.policies._mypyc import mypyc_attr
+from daopsim.policies.base import (
+    Action,
+    Param,
+    Plan,
+    Policy,
+    ResourceSpec,
+    SetupContext,
+    Slot,
+    View,
+)
+from daopsim.policies.registry import register
+from daopsim.simulator.errors import UserError
 
 FETCH, TEMP = Action.FETCH, Action.TEMP
 

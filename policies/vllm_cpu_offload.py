@@ -33,8 +33,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from policies._mypyc import mypyc_attr
-from policies.base import (
+from daopsim.policies._mypyc import mypyc_attr
+from daopsim.policies.base import (
     ALL_GPU_PLAN,
     Action,
     Param,
@@ -45,8 +45,8 @@ from policies.base import (
     Slot,
     View,
 )
-from policies.registry import register
-from simulator.errors import DoesNotFit
+from daopsim.policies.registry import register
+from daopsim.simulator.errors import DoesNotFit
 
 FETCH = Action.FETCH
 

@@ -1,6 +1,8 @@
 """The simulator's implementation: engine, costs, trace I/O, runs, sweeps and the CLI.
 
-This package is internal (its modules may move); the stable Python API is ``import daopsim``.
+Installed as ``daopsim.simulator`` (the only name it imports by; the repository's simulator/
+folder is the package through the symlink daopsim/simulator). This package is internal (its
+modules may move); the stable Python API is ``import daopsim``.
 For convenience it still exposes ``simulate``, ``run_sweep``/``Grid``, ``plots``,
 ``load_profile``, ``get_model``, ``read_meta`` and ``iter_sequences``, imported on first use.
 """
@@ -10,7 +12,13 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from simulator import native as _native
+if __name__ != "daopsim.simulator":  # one name per module: never two copies
+    raise ImportError(
+        f"{__name__!r} is the package daopsim.simulator: import it by that name "
+        "(the folder simulator/ installs only inside daopsim)"
+    )
+
+from daopsim.simulator import native as _native
 
 # the engine core runs compiled when a current build is present, else from its sources
 _native.install()
@@ -32,15 +40,15 @@ __all__ = [
 
 #: name -> (module, attribute or None for the module itself), imported on first use
 _LAZY = {
-    "simulate": ("simulator.runner", "simulate"),
-    "RunResult": ("simulator.results", "RunResult"),
-    "run_sweep": ("simulator.sweep", "run_sweep"),
-    "Grid": ("simulator.sweep", "Grid"),
-    "plots": ("simulator.plots", None),
-    "load_profile": ("simulator.hardware", "load_profile"),
-    "get_model": ("simulator.models", "get_model"),
-    "read_meta": ("simulator.trace", "read_meta"),
-    "iter_sequences": ("simulator.trace", "iter_sequences"),
+    "simulate": ("daopsim.simulator.runner", "simulate"),
+    "RunResult": ("daopsim.simulator.results", "RunResult"),
+    "run_sweep": ("daopsim.simulator.sweep", "run_sweep"),
+    "Grid": ("daopsim.simulator.sweep", "Grid"),
+    "plots": ("daopsim.simulator.plots", None),
+    "load_profile": ("daopsim.simulator.hardware", "load_profile"),
+    "get_model": ("daopsim.simulator.models", "get_model"),
+    "read_meta": ("daopsim.simulator.trace", "read_meta"),
+    "iter_sequences": ("daopsim.simulator.trace", "iter_sequences"),
 }
 
 
@@ -48,6 +56,6 @@ def __getattr__(name: str) -> Any:
     try:
         module, attr = _LAZY[name]
     except KeyError:
-        raise AttributeError(f"module 'simulator' has no attribute {name!r}") from None
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
     mod = importlib.import_module(module)
     return mod if attr is None else getattr(mod, attr)

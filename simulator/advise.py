@@ -17,7 +17,7 @@ from typing import Any
 
 import pandas as pd
 
-from simulator.errors import UserError
+from daopsim.simulator.errors import UserError
 
 #: Smaller cache ratios tried beside the largest budget that fits.
 SMALL_RATIOS = (0.25,)
@@ -123,10 +123,10 @@ def find_trace(model: str, trace: str | None) -> tuple[str, list[str]]:
     """The trace to search on, and the ``daopsim run`` arguments that name it as a user would
     on any machine: ``--trace NAME`` for a bundled trace, ``--trace PATH`` as given for a file,
     ``--model M`` for the model's synthetic trace (``run --model`` makes the same file)."""
-    from simulator.data import bundled_traces, resolve_trace
-    from simulator.synth import PRESETS
-    from simulator.trace import read_meta
-    from simulator.trace_cache import model_trace
+    from daopsim.simulator.data import bundled_traces, resolve_trace
+    from daopsim.simulator.synth import PRESETS
+    from daopsim.simulator.trace import read_meta
+    from daopsim.simulator.trace_cache import model_trace
 
     if trace is not None:
         path = resolve_trace(trace)
@@ -150,7 +150,7 @@ def find_trace(model: str, trace: str | None) -> tuple[str, list[str]]:
 
 def synth_command(model: str) -> str:
     """The ``daopsim synth`` command that writes the synthetic trace ``--model M`` runs on."""
-    from simulator.trace_cache import MODEL_TRACE
+    from daopsim.simulator.trace_cache import MODEL_TRACE
 
     return shlex.join(
         [
@@ -232,12 +232,12 @@ def advise(
 
     ``policies`` narrows the search to those names (default: every registered policy).
     """
-    from policies.registry import available
-    from simulator.hardware import load_profile
-    from simulator.models import DTYPES, get_model
-    from simulator.runner import keeps_nothing_resident
-    from simulator.sweep import Grid, check_fidelity_floor, run_sweep
-    from simulator.trace import read_meta
+    from daopsim.policies.registry import available
+    from daopsim.simulator.hardware import load_profile
+    from daopsim.simulator.models import DTYPES, get_model
+    from daopsim.simulator.runner import keeps_nothing_resident
+    from daopsim.simulator.sweep import Grid, check_fidelity_floor, run_sweep
+    from daopsim.simulator.trace import read_meta
 
     shape = get_model(model)
     profile = load_profile(hw)

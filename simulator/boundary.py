@@ -2,11 +2,11 @@
 
 Faults are attributed by construction. :class:`Hooks` calls a policy's hooks (``setup``,
 ``on_sequence_start``/``end``, ``prefill_layer``, ``decode_layer``) and turns any exception
-they raise into a one-line :class:`~simulator.errors.PolicyError` naming the policy, sequence,
-token and layer. :func:`check_placement` and :func:`check_plan` refuse impossible or malformed
-decisions *before* the engine applies anything, so every ``PolicyError`` about a plan comes from
-this module, and anything raised later, inside the engine, is an engine bug that keeps its
-traceback.
+they raise into a one-line :class:`~daopsim.simulator.errors.PolicyError` naming the policy,
+sequence, token and layer. :func:`check_placement` and :func:`check_plan` refuse impossible or
+malformed decisions *before* the engine applies anything, so every ``PolicyError`` about a plan
+comes from this module, and anything raised later, inside the engine, is an engine bug that keeps
+its traceback.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from policies.base import Action, Plan, Policy, Slot
-from simulator.errors import PolicyError, UserError
+from daopsim.policies.base import Action, Plan, Policy, Slot
+from daopsim.simulator.errors import PolicyError, UserError
 
 if TYPE_CHECKING:
     pass

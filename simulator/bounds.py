@@ -22,7 +22,7 @@ import functools
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from simulator.runtime_profiles import RuntimeProfile, get_runtime, runtime_names
+from daopsim.simulator.runtime_profiles import RuntimeProfile, get_runtime, runtime_names
 
 #: The policy whose run is the bound.
 ALL_GPU = "all-gpu"
@@ -155,8 +155,8 @@ def all_gpu_bound(
 
 
 def bound_for_result(result: Any, hw: Any, trace: Any) -> AllGpuBound:
-    """The all-GPU bound of a :class:`~simulator.results.RunResult` (its sequences, precisions,
-    seed and runtime), on ``hw`` and ``trace`` as the run was given them."""
+    """The all-GPU bound of a :class:`~daopsim.simulator.results.RunResult` (its sequences,
+    precisions, seed and runtime), on ``hw`` and ``trace`` as the run was given them."""
     c = result.config
     rt = c.get("runtime") or {}
     return all_gpu_bound(
@@ -178,14 +178,14 @@ def _runtime_from_config(rt: dict[str, Any]) -> RuntimeProfile | str:
     name = rt.get("name", "ideal")
     if name in runtime_names():
         return name
-    from simulator.runtime_profiles import parse_runtime
+    from daopsim.simulator.runtime_profiles import parse_runtime
 
     data = {k: v for k, v in rt.items() if k != "sources"}
     return parse_runtime(data, f"runtime {name!r}")
 
 
 def _hashable(hw: Any) -> Any:
-    from simulator.hardware import HardwareProfile
+    from daopsim.simulator.hardware import HardwareProfile
 
     if isinstance(hw, HardwareProfile):
         return _ProfileKey(hw)
@@ -196,7 +196,7 @@ class _ProfileKey:
     """A hardware profile as an lru_cache key (by its content)."""
 
     def __init__(self, profile: Any) -> None:
-        from simulator.fingerprints import profile_sha256
+        from daopsim.simulator.fingerprints import profile_sha256
 
         self.profile = profile
         self.sha = profile_sha256(profile)
@@ -220,7 +220,7 @@ def _all_gpu_metrics(
     seed: int,
 ) -> dict[str, Any]:
     """The bound's metrics of one all-GPU run (cached: a sweep asks once per group of rows)."""
-    from simulator.runner import simulate
+    from daopsim.simulator.runner import simulate
 
     r = simulate(
         policy=ALL_GPU,

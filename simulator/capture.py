@@ -10,7 +10,8 @@ layer l's router applied to layer l-1's router input, computed inside the same f
 Generation runs through ``model.generate`` (greedy, several prompts per call, left padding);
 the first forward of a call is the prefill, each later one a decode step. Rows are mapped back
 to sequences, padding positions are dropped, and each sequence is streamed to the trace file
-through :class:`simulator.trace.TraceWriter`, which renames the file into place only on success.
+through :class:`daopsim.simulator.trace.TraceWriter`, which renames the file into place only on
+success.
 
 Decode convention: decode row i is the forward pass that consumes generated token i (what a
 runtime executes once per generated token). To give ``max_new_tokens`` decode rows, generation
@@ -32,9 +33,9 @@ from typing import Any
 
 import numpy as np
 
-from simulator.errors import UserError
-from simulator.models import ModelShape
-from simulator.trace import (
+from daopsim.simulator.errors import UserError
+from daopsim.simulator.models import ModelShape
+from daopsim.simulator.trace import (
     ALL_PROBS_MAX_EXPERTS,
     DEFAULT_TOP_M,
     RANK_ORDER_COLUMNS,
@@ -253,7 +254,7 @@ def model_shape(model: Any, moe: list[MoeLayer], name: str, dtype: str) -> Model
     Routed-expert parameters are counted from the expert modules' tensors; everything else
     (attention, embeddings, dense FFNs, shared experts, routers) is ``non_expert_params``.
     """
-    from simulator.models import dtype_bytes
+    from daopsim.simulator.models import dtype_bytes
 
     config = model.config
     first = moe[0]
@@ -1049,7 +1050,7 @@ def run_capture(cfg: CaptureConfig) -> CaptureResult:
                 "random_init": None,
             }
         )
-    from simulator.progress import Progress
+    from daopsim.simulator.progress import Progress
 
     bar = Progress(len(prompts), "capture", enabled=cfg.progress)
     try:

@@ -19,10 +19,10 @@ from typing import Any
 
 import click
 
-from simulator.errors import ExitCode, PolicyError, UserError
-from simulator.output import describe_os_error
+from daopsim.simulator.errors import ExitCode, PolicyError, UserError
+from daopsim.simulator.output import describe_os_error
 
-#: (module under simulator.commands, attribute) for every subcommand; one line per command.
+#: (module under daopsim.simulator.commands, attribute) for every subcommand; one line per command.
 COMMANDS: list[tuple[str, str]] = [
     ("traces_cmd", "trace"),  # the trace group, with `trace list` added by traces_cmd
     ("models_cmd", "models"),
@@ -103,9 +103,9 @@ def main() -> None:
 def _register() -> None:
     for module, attr in COMMANDS:
         try:
-            mod = importlib.import_module(f"simulator.commands.{module}")
+            mod = importlib.import_module(f"daopsim.simulator.commands.{module}")
         except ModuleNotFoundError as exc:
-            if exc.name == f"simulator.commands.{module}":
+            if exc.name == f"daopsim.simulator.commands.{module}":
                 continue  # command not built yet
             raise
         main.add_command(getattr(mod, attr))

@@ -4,7 +4,7 @@ This is the one place where cost arithmetic lives. A :class:`CostModel` binds a 
 a model shape (whose ``dtype`` is the GPU expert precision, ``host_dtype`` the host copy's and
 ``nonexpert_dtype`` the rest's) and answers questions such as "how long does one expert take on
 the GPU for n tokens" or "how long does one expert copy take from pinned memory". Every byte count
-is at the precision's real size, scales included (simulator.models.DTYPES). Formulas
+is at the precision's real size, scales included (daopsim.simulator.models.DTYPES). Formulas
 (docs/cost-model.md has them with worked examples):
 
 * GPU expert: roofline ``max(bytes / gpu.mem_bw, flops / gpu.bf16_tflops)`` plus one launch
@@ -36,9 +36,9 @@ from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import Any
 
-from simulator.errors import UserError
-from simulator.hardware import HardwareProfile, MeasuredModel, load_profile
-from simulator.models import DTYPES, ModelShape, dtype_bytes, get_model
+from daopsim.simulator.errors import UserError
+from daopsim.simulator.hardware import HardwareProfile, MeasuredModel, load_profile
+from daopsim.simulator.models import DTYPES, ModelShape, dtype_bytes, get_model
 
 #: Bytes per activation element: hidden states travel and are computed in bf16.
 ACT_BYTES = 2
@@ -58,7 +58,7 @@ EAGER_ATTENTION_BYTES_PER_SCORE = 32
 
 # --- per-format kernels (docs/cost-model.md, "Quantisation", "Kernel efficiency") -----------------
 #: Share of the GPU's SPEC bandwidth (``gpu.spec_mem_bw_gbs``, else ``gpu.mem_bw_gbs``) a GPU
-#: expert kernel streams weights at, by weight format kind (``simulator.models.DTYPES[...].
+#: expert kernel streams weights at, by weight format kind (``daopsim.simulator.models.DTYPES[...].
 #: kind``), capped at ``gpu.mem_bw_gbs``; formats not listed stream like bf16 (at
 #: ``gpu.mem_bw_gbs``). GGUF: llama.cpp's Q4_K_M decode on an RTX 4080 moves at least 561 GB/s,
 #: 0.78 of the card's 716.8 GB/s spec (a lower bound). Until issue 30 this was 0.87 of
@@ -829,8 +829,8 @@ class CostModel:
     def gpu_expert_slots(self, kv_tokens: int = 0) -> int:
         """Expert-sized slots in the free GPU memory, capped at the model's experts.
 
-        Policy buffers are not subtracted here; ``simulator.runner.expert_fit`` does that and
-        is what ``run``, sweeps and ``profiles show`` report.
+        Policy buffers are not subtracted here; ``daopsim.simulator.runner.expert_fit`` does that
+        and is what ``run``, sweeps and ``profiles show`` report.
         """
         free = self.free_expert_bytes(kv_tokens)
         return max(0, min(self.model.total_experts, int(free // self.expert_bytes)))

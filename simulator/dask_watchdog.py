@@ -1,8 +1,8 @@
 """Dask plugins that end a sweep's LocalCluster processes when the sweep process dies.
 
 Imported only by the ``dask`` executor (it needs ``dask.distributed``). Each nanny and each
-worker, including workers a nanny restarts later, starts :func:`simulator.watchdog.watch_parent`
-on the sweep's pid.
+worker, including workers a nanny restarts later, starts
+:func:`daopsim.simulator.watchdog.watch_parent` on the sweep's pid.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ class _Watchdog:
 
     def setup(self, *_args: Any, **_kwargs: Any) -> None:
         """Start the watchdog thread (Dask passes ``worker=`` or ``nanny=``)."""
-        from simulator.watchdog import watch_parent
+        from daopsim.simulator.watchdog import watch_parent
 
         watch_parent(self.pid)
 

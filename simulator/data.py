@@ -1,53 +1,49 @@
 """Where bundled data lives (package data, so an installed wheel finds it) and name lookup.
 
-Five folders ship with daopsim. ``hardware_profiles`` and ``traces`` are top-level packages (the
-design's layout). ``experiments``, ``validation`` and ``baselines`` are installed inside the
-``daopsim`` package as ``daopsim.data.<folder>`` (pyproject's ``package-dir``), so the wheel adds no
-further generic top-level names. Every folder is found through ``importlib.resources`` or next to
-the ``simulator`` package, never through the working directory: a ``traces/`` folder in the
-current directory (which Python may see as a namespace package) does not hide the bundled one.
+Five folders ship with daopsim, all inside the ``daopsim`` package. ``hardware_profiles`` and
+``traces`` are its subpackages ``daopsim.hardware_profiles`` and ``daopsim.traces`` (the design's
+top-level folders, through the symlinks daopsim/<folder>). ``experiments``, ``validation`` and
+``baselines`` are installed as ``daopsim.data.<folder>`` (pyproject's ``package-dir``). Every
+folder is found through ``importlib.resources`` under ``daopsim``, never through the working
+directory or a top-level name: a ``traces/`` folder in the current directory (which Python may see
+as a namespace package ``traces``) cannot hide the bundled one.
 """
 
 from __future__ import annotations
 
 import errno
-import importlib.util
 import os
 import stat
 from importlib import resources
 from pathlib import Path
 
-from simulator.errors import UserError, did_you_mean
+from daopsim.simulator.errors import UserError, did_you_mean
 
 #: The bundled trace ``daopsim run`` uses when ``--trace`` is not given.
 DEFAULT_TRACE = "mixtral-8x7b"
 #: The small bundled trace that golden tests and ``daopsim regress`` use.
 CI_TRACE = "ci-small"
-#: Data folders installed as top-level packages (the design's names).
-TOP_LEVEL = ("hardware_profiles", "traces")
+#: Data folders that are subpackages of ``daopsim`` (``daopsim.hardware_profiles``, ...).
+SUBPACKAGES = ("hardware_profiles", "traces")
 #: Data folders installed under ``daopsim.data`` (plain folders in the source tree).
 UNDER_DAOPSIM = ("experiments", "validation", "baselines")
 
 
-def _beside_simulator() -> Path:
-    """The folder holding the ``simulator`` package: the source tree, or site-packages."""
-    return Path(str(resources.files("simulator"))).parent
+def _source_root() -> Path:
+    """The folder holding the real ``simulator/`` folder: the repository in a checkout that is
+    not installed (the symlink daopsim/simulator resolved), where the plain data folders are."""
+    return Path(str(resources.files("daopsim.simulator"))).resolve().parent
 
 
 def bundled_dir(folder: str) -> Path:
-    """One of the bundled data folders (``TOP_LEVEL`` or ``UNDER_DAOPSIM``)."""
-    if folder in TOP_LEVEL:
-        spec = importlib.util.find_spec(folder)
-        # only a regular package counts: a namespace package is a same-named plain folder on
-        # sys.path (the current directory under `python -m` or Jupyter), not our data
-        if spec is not None and spec.origin is not None:
-            return Path(str(resources.files(folder)))
-        return _beside_simulator() / folder
+    """One of the bundled data folders (``SUBPACKAGES`` or ``UNDER_DAOPSIM``)."""
+    if folder in SUBPACKAGES:
+        return Path(str(resources.files(f"daopsim.{folder}")))
     if folder in UNDER_DAOPSIM:
         try:
             return Path(str(resources.files(f"daopsim.data.{folder}")))
-        except ModuleNotFoundError:  # a source checkout (or an older editable install)
-            return _beside_simulator() / folder
+        except ModuleNotFoundError:  # a source checkout on sys.path, not installed
+            return _source_root() / folder
     raise ValueError(f"not a bundled data folder: {folder!r}")
 
 

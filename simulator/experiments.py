@@ -19,12 +19,12 @@ from typing import Any
 
 import pandas as pd
 
-from policies.registry import get_policy_class
-from simulator.data import bundled_dir, check_input_file, resolve_trace
-from simulator.errors import DoesNotFit, UserError
-from simulator.output import output_dir, safe_name, write_figure, write_file, write_text
-from simulator.runner import keeps_nothing_resident, simulate
-from simulator.trace import read_meta
+from daopsim.policies.registry import get_policy_class
+from daopsim.simulator.data import bundled_dir, check_input_file, resolve_trace
+from daopsim.simulator.errors import DoesNotFit, UserError
+from daopsim.simulator.output import output_dir, safe_name, write_figure, write_file, write_text
+from daopsim.simulator.runner import keeps_nothing_resident, simulate
+from daopsim.simulator.trace import read_meta
 
 #: metrics kept per run in the results table
 METRICS = (
@@ -182,7 +182,7 @@ def load_experiment(name_or_path: str | os.PathLike[str]) -> Experiment:
     for key in ("description", "dtype"):
         if key in doc and not isinstance(doc[key], str):
             raise UserError(f"{path}: key {key!r} must be a string")
-    from simulator.models import DTYPES
+    from daopsim.simulator.models import DTYPES
 
     if doc.get("dtype") is not None and doc["dtype"] not in DTYPES:
         raise UserError(
@@ -314,7 +314,13 @@ class ExperimentResult:
         import matplotlib.pyplot as plt
         from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-        from simulator.plots import _finish, _legend, _note_under, fidelity_note, policy_color
+        from daopsim.simulator.plots import (
+            _finish,
+            _legend,
+            _note_under,
+            fidelity_note,
+            policy_color,
+        )
 
         ok = self.ok
         named = [m for m in [*ok["model"], *self.skipped["model"]] if isinstance(m, str)]

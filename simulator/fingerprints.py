@@ -10,7 +10,7 @@ import json
 import os
 from pathlib import Path
 
-from simulator.hardware import HardwareProfile, load_profile
+from daopsim.simulator.hardware import HardwareProfile, load_profile
 
 
 def daopsim_version() -> str:

@@ -4,8 +4,8 @@ Public as ``daopsim.gym`` (needs the ``gymnasium`` package: ``pip install daopsi
 docs/learned-policies.md defines the observation, action and reward.
 
 How it steps the engine without touching it: an episode is one ordinary
-:func:`simulator.runner.simulate` run whose policy is a per-layer cache
-(:class:`policies.observed.ObservedCache`, ``lru``'s rule) that delegates each victim to the
+:func:`daopsim.simulator.runner.simulate` run whose policy is a per-layer cache
+(:class:`daopsim.policies.observed.ObservedCache`, ``lru``'s rule) that delegates each victim to the
 agent. The run executes in a greenlet (a coroutine with its own stack, in the caller's thread):
 at each decision the policy switches back to the environment with the observation, and
 :meth:`ExpertCacheEnv.step` switches in again with the action. Only one of the two runs at any
@@ -37,12 +37,12 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "pip install 'daopsim[gym]' (gymnasium and greenlet)"
     ) from exc
 
-from policies.observed import FEATURES, ObservedCache, as_probs
-from simulator.data import resolve_trace
-from simulator.errors import UserError
-from simulator.results import RunResult
-from simulator.runner import Oracle, select_sequences, simulate
-from simulator.trace import checked_sequence_ids, iter_sequences, read_meta
+from daopsim.policies.observed import FEATURES, ObservedCache, as_probs
+from daopsim.simulator.data import resolve_trace
+from daopsim.simulator.errors import UserError
+from daopsim.simulator.results import RunResult
+from daopsim.simulator.runner import Oracle, select_sequences, simulate
+from daopsim.simulator.trace import checked_sequence_ids, iter_sequences, read_meta
 
 #: the environment's Gymnasium id (``gymnasium.make(ENV_ID, ...)``, ``gymnasium.make_vec``)
 ENV_ID = "daopsim/ExpertCache-v0"
@@ -202,7 +202,7 @@ class ExpertCacheEnv(gym.Env):  # type: ignore[misc]
 
     One episode is one run over ``episode_sequences`` sequences of ``trace`` (from ``pool``,
     default every sequence), picked by the seed (``reset(seed=s)`` takes
-    ``simulator.runner.select_sequences(pool, n, s)``, the ids ``daopsim run --sequences n
+    ``daopsim.simulator.runner.select_sequences(pool, n, s)``, the ids ``daopsim run --sequences n
     --seed s`` evaluates) or given by ``reset(options={"sequences": [...]})``. Each step is
     one eviction: the action is the expert (of the observation's layer) to evict, among those
     ``obs["action_mask"]`` marks; another action is replaced by the next marked id above it
@@ -456,4 +456,4 @@ def run_agent(
 
 
 if ENV_ID not in gym.registry:
-    gym.register(id=ENV_ID, entry_point="simulator.gym_env:ExpertCacheEnv")
+    gym.register(id=ENV_ID, entry_point="daopsim.simulator.gym_env:ExpertCacheEnv")

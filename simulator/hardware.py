@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from simulator.data import non_regular_kind, profiles_dir
-from simulator.errors import ProfileError, UserError, did_you_mean
+from daopsim.simulator.data import non_regular_kind, profiles_dir
+from daopsim.simulator.errors import ProfileError, UserError, did_you_mean
 
 LINK_KINDS = ("pcie", "unified")
 #: how two GPUs of one machine exchange activations (docs/hardware-profiles.md, "[gpus] and [peer]")
@@ -92,7 +92,8 @@ class CpuSpec:
     amx_bf16_gflops: float | None = None
     #: theoretical DRAM bandwidth of one socket (channels x MT/s x 8 B), GB/s (None: not
     #: stated). ggml's CPU kernels (llama.cpp-family runtimes) stream weights at a fixed share of
-    #: it, ``simulator.costs.GGML_STREAM_FRACTION`` (docs/cost-model.md, "Kernel efficiency")
+    #: it, ``daopsim.simulator.costs.GGML_STREAM_FRACTION`` (docs/cost-model.md, "Kernel
+    #: efficiency")
     dram_gbs: float | None = None
     #: ggml's weight stream measured on this host (a llama.cpp CPU-only token-generation figure:
     #: weight bytes read per token x tokens/s), GB/s (None: not measured). Where given it replaces
@@ -598,7 +599,7 @@ def _multi(p: Path, data: dict[str, Any]) -> MultiGpuSpec | None:
 
 
 def _check_dtype(path: Path, key: str, dtype: str) -> None:
-    from simulator.models import DTYPE_BYTES
+    from daopsim.simulator.models import DTYPE_BYTES
 
     if dtype not in DTYPE_BYTES:
         raise ProfileError(path, f"unknown dtype {dtype!r}; known: {', '.join(DTYPE_BYTES)}", key)

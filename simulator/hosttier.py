@@ -32,11 +32,11 @@ from typing import Any
 
 import numpy as np
 
-from simulator.core.resources import Lane
-from simulator.costs import CostModel
-from simulator.errors import UserError
-from simulator.hardware import HardwareProfile
-from simulator.recorder import Recorder
+from daopsim.simulator.core.resources import Lane
+from daopsim.simulator.costs import CostModel
+from daopsim.simulator.errors import UserError
+from daopsim.simulator.hardware import HardwareProfile
+from daopsim.simulator.recorder import Recorder
 
 #: ``--ssd-path`` choices
 SSD_PATHS = ("page-cache", "gds")

@@ -1,8 +1,8 @@
 """Training the ``learned`` policy: imitation of Belady's MIN by DAgger through the environment.
 
 ``daopsim learn`` and :func:`learn` (docs/learned-policies.md). Each round plays every training
-sequence at every budget through :class:`simulator.gym_env.ExpertCacheEnv` and records, at each
-eviction with more than one candidate, the candidates' features and Belady's choice there (the
+sequence at every budget through :class:`daopsim.simulator.gym_env.ExpertCacheEnv` and records, at
+each eviction with more than one candidate, the candidates' features and Belady's choice there (the
 candidates whose next use is farthest: several when they tie, e.g. never used again). Round 0
 follows Belady's own choices; each later round follows the model fitted so far, so the data
 covers the states the model itself reaches (DAgger: Ross, Gordon and Bagnell, AISTATS 2011).
@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from policies.learned import Scorer
-from policies.observed import FEATURES
-from simulator.errors import UserError
+from daopsim.policies.learned import Scorer
+from daopsim.policies.observed import FEATURES
+from daopsim.simulator.errors import UserError
 
 #: progress callback, called after each rollout: (rollouts done, rollouts in all, which one)
 Progress = Callable[[int, int, str], None]
@@ -66,8 +66,8 @@ def default_budgets(experts: int, top_k: int) -> list[int]:
 
 def resolve(config: LearnConfig) -> tuple[LearnConfig, Any]:
     """The config with its defaults filled in (sequences, budgets) and the trace's metadata."""
-    from simulator.data import DEFAULT_TRACE, resolve_trace
-    from simulator.trace import checked_sequence_ids, read_meta
+    from daopsim.simulator.data import DEFAULT_TRACE, resolve_trace
+    from daopsim.simulator.trace import checked_sequence_ids, read_meta
 
     path = resolve_trace(config.trace)
     meta = read_meta(path)
@@ -221,7 +221,7 @@ def fit(
 
 def learn(config: LearnConfig, progress: Progress | None = None) -> LearnResult:
     """Train a scorer by DAgger (see the module docstring); deterministic for a config."""
-    from simulator.gym_env import ExpertCacheEnv
+    from daopsim.simulator.gym_env import ExpertCacheEnv
 
     t0 = time.perf_counter()
     cfg, meta = resolve(config)
@@ -300,9 +300,9 @@ def evaluate(
     hit rate and tokens/s (``model``: the ``learned`` policy's model file, '' the bundled)."""
     import pandas as pd
 
-    from simulator.data import resolve_trace
-    from simulator.runner import simulate
-    from simulator.trace import read_meta
+    from daopsim.simulator.data import resolve_trace
+    from daopsim.simulator.runner import simulate
+    from daopsim.simulator.trace import read_meta
 
     n_layers = read_meta(resolve_trace(trace)).model.moe_layers
     rows = []

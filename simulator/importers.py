@@ -29,10 +29,10 @@ from typing import Any
 
 import numpy as np
 
-from simulator.errors import UserError
-from simulator.fingerprints import file_sha256
-from simulator.models import ModelShape, get_model
-from simulator.trace import (
+from daopsim.simulator.errors import UserError
+from daopsim.simulator.fingerprints import file_sha256
+from daopsim.simulator.models import ModelShape, get_model
+from daopsim.simulator.trace import (
     ALL_PROBS_MAX_EXPERTS,
     DEFAULT_TOP_M,
     MAX_POSITION,
@@ -653,13 +653,13 @@ def import_trace(
 ) -> TraceMeta:
     """Convert ``src`` (format ``fmt``) to a daopsim trace at ``out``.
 
-    The output goes through the output rules (``simulator.output``: never the source file, a
+    The output goes through the output rules (``daopsim.simulator.output``: never the source file, a
     special file or a link loop; ``.parquet`` only) and the trace is validated before it is
-    renamed into place (``simulator.trace.write_valid_trace``), so what ``trace import``
+    renamed into place (``daopsim.simulator.trace.write_valid_trace``), so what ``trace import``
     writes, ``trace validate`` accepts; anything else is one error and no file.
     """
-    from simulator.data import check_input_file
-    from simulator.output import TRACE_FORMATS, check_output_file, output_format
+    from daopsim.simulator.data import check_input_file
+    from daopsim.simulator.output import TRACE_FORMATS, check_output_file, output_format
 
     if fmt not in FORMATS:
         raise UserError(f"unknown import format {fmt!r} (formats: {', '.join(FORMATS)})")

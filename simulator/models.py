@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from simulator.errors import UserError, did_you_mean
+from daopsim.simulator.errors import UserError, did_you_mean
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,8 @@ layer's non-expert part) and the policy side. Policies are unchanged: :class:`Sh
 runs one instance of the policy per GPU, each seeing only that GPU's experts (a smaller model:
 its layers, its experts, its budget) with local indices, and merges their plans into one. The
 engine core times several GPUs as several resource sets of one machine
-(``simulator.core.machine``); the reference engine (:mod:`simulator.reference`) models them
-itself, and the two give identical timelines.
+(``daopsim.simulator.core.machine``); the reference engine (:mod:`daopsim.simulator.reference`)
+models them itself, and the two give identical timelines.
 """
 
 from __future__ import annotations
@@ -35,9 +35,18 @@ from typing import Any
 
 import numpy as np
 
-from policies.base import _LAZY, Action, Plan, Policy, ResourceSpec, SetupContext, Slot, View
-from simulator.errors import UserError
-from simulator.hardware import HardwareProfile
+from daopsim.policies.base import (
+    _LAZY,
+    Action,
+    Plan,
+    Policy,
+    ResourceSpec,
+    SetupContext,
+    Slot,
+    View,
+)
+from daopsim.simulator.errors import UserError
+from daopsim.simulator.hardware import HardwareProfile
 
 MODES = ("expert", "pipeline")
 #: expert-parallel placement rules (``--expert-placement``)
@@ -579,7 +588,7 @@ class ShardedPolicy(Policy):
 
 
 class _LocalOracle:
-    """A clairvoyant policy's oracle (``simulator.runner.Oracle``) seen from one GPU: local
+    """A clairvoyant policy's oracle (``daopsim.simulator.runner.Oracle``) seen from one GPU: local
     (layer, expert) indices mapped to the model's; steps are the run's steps."""
 
     def __init__(self, oracle: Any, layers: list[int], experts: list[int]) -> None:

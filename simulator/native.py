@@ -27,27 +27,31 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
-_ROOT = Path(__file__).resolve().parent.parent
+#: the folder holding ``simulator/`` and ``policies/``: the ``daopsim`` package when this module is
+#: imported as ``daopsim.simulator.native`` (installed, or through a checkout's symlinks
+#: daopsim/simulator -> ../simulator), the repository root when setup.py reads this file. Not
+#: resolved: the symlinks are how a checkout's files get their ``daopsim.`` names.
+_BASE = Path(__file__).absolute().parent.parent
 #: policy modules that stay interpreted: the registry (plugins, entry points) and the shim
 _INTERPRETED_POLICIES = ("__init__", "_mypyc", "registry")
 #: the modules mypyc compiles, in one group (their extension shares one runtime library): the
 #: engine core, the policy boundary and every built-in policy with the policy API they share
 COMPILED = (
-    "simulator.core.ops",
-    "simulator.core.resources",
-    "simulator.core.machine",
-    "simulator.core.executor",
-    "simulator.core.apply",
-    "simulator.core.loop",
-    "simulator.boundary",
+    "daopsim.simulator.core.ops",
+    "daopsim.simulator.core.resources",
+    "daopsim.simulator.core.machine",
+    "daopsim.simulator.core.executor",
+    "daopsim.simulator.core.apply",
+    "daopsim.simulator.core.loop",
+    "daopsim.simulator.boundary",
     *sorted(
-        f"policies.{p.stem}"
-        for p in (_ROOT / "policies").glob("*.py")
+        f"daopsim.policies.{p.stem}"
+        for p in (_BASE / "policies").glob("*.py")
         if p.stem not in _INTERPRETED_POLICIES
     ),
 )
 #: the group's shared library (a module inside the package, so the wheel adds no top name)
-GROUP = "simulator.core.native"
+GROUP = "daopsim.simulator.core.native"
 #: the build's record of each compiled source's SHA-256, beside the extensions
 MANIFEST = "native-build.json"
 #: set to 1 to run the pure-Python sources even when a compiled build is present
@@ -57,8 +61,12 @@ _choice: tuple[bool, str] | None = None
 
 
 def source_path(module: str) -> Path:
-    """The ``.py`` source of a compiled module (relative to the repository or site root)."""
-    return _ROOT.joinpath(*module.split(".")).with_suffix(".py")
+    """The ``.py`` source of a compiled module (``daopsim.simulator.core.ops`` is
+    ``simulator/core/ops.py`` inside the ``daopsim`` package or the repository)."""
+    package, _, rest = module.partition(".")
+    if package != "daopsim":
+        raise ValueError(f"not a daopsim module: {module!r}")
+    return _BASE.joinpath(*rest.split(".")).with_suffix(".py")
 
 
 def source_hashes() -> dict[str, str]:

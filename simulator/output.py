@@ -13,7 +13,7 @@ The rules (docs/cli.md, "Outputs"):
   output is built as a new sibling folder and swapped in whole, so a reader sees the old set or
   the new set, never a mix, and a failure half way leaves the old set intact.
 * Every ``OSError`` (missing parent, read-only file system, disk full, permission denied) is an
-  :class:`~simulator.errors.OutputError`: one line naming the path, exit code 3.
+  :class:`~daopsim.simulator.errors.OutputError`: one line naming the path, exit code 3.
 * The file format follows the suffix (:func:`output_format`); an unknown suffix is refused.
 * Names read from files (an experiment's ``name``) become paths only via :func:`safe_name`.
 """
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from simulator.errors import OutputError, UserError
+from daopsim.simulator.errors import OutputError, UserError
 
 PathLike = str | os.PathLike[str]
 

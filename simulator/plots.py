@@ -1,4 +1,4 @@
-"""Plots of a sweep table (``simulator.sweep``): throughput, hit rate, latency breakdown,
+"""Plots of a sweep table (``daopsim.simulator.sweep``): throughput, hit rate, latency breakdown,
 per-layer hit-rate heatmap, the GPU-memory vs throughput Pareto front, latency against load.
 
 Each ``plot_*`` function takes the table (a DataFrame or a Parquet/CSV path), draws the rows of
@@ -36,9 +36,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from simulator.colors import policy_color
-from simulator.errors import UserError
-from simulator.output import write_figure
+from daopsim.simulator.colors import policy_color
+from daopsim.simulator.errors import UserError
+from daopsim.simulator.output import write_figure
 
 #: The plot kinds of ``daopsim plot --kind``.
 KINDS = ("throughput", "hit-rate", "breakdown", "heatmap", "pareto", "latency-load")
@@ -72,7 +72,7 @@ def _mpl() -> Any:
 def _table(df: pd.DataFrame | str | os.PathLike[str]) -> pd.DataFrame:
     if isinstance(df, pd.DataFrame):
         return df
-    from simulator.sweep import read_table
+    from daopsim.simulator.sweep import read_table
 
     return read_table(df)
 
@@ -390,7 +390,7 @@ def panel_bound(rows: pd.DataFrame, hw: str, trace: str, compute: bool) -> tuple
 
 def _compute_bound(rows: pd.DataFrame, hw: str, trace: str) -> tuple[float, str] | None:
     """The all-GPU bound of a table without the bound column (an older sweep)."""
-    from simulator.bounds import all_gpu_bound
+    from daopsim.simulator.bounds import all_gpu_bound
 
     best: tuple[float, str] | None = None
     keys = {}

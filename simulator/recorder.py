@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from simulator.output import os_errors, refuse_non_regular
+from daopsim.simulator.output import os_errors, refuse_non_regular
 
 COLUMNS = ("resource", "kind", "seq", "token", "layer", "expert", "start", "end", "bytes")
 #: each column's dtype in the timeline (resource and kind are pandas categoricals)

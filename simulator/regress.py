@@ -27,8 +27,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from simulator.data import CI_TRACE, bundled_dir, bundled_traces, check_input_file, resolve_trace
-from simulator.errors import PolicyError, UserError
+from daopsim.simulator.data import (
+    CI_TRACE,
+    bundled_dir,
+    bundled_traces,
+    check_input_file,
+    resolve_trace,
+)
+from daopsim.simulator.errors import PolicyError, UserError
 
 #: Cache ratios and machines of a grid file block that names neither (the old built-in grid's).
 DEFAULT_RATIOS = (0.125, 0.1875, 0.375)
@@ -67,9 +73,9 @@ def default_store() -> Path:
 
 def builtin_policies() -> list[str]:
     """Policies shipped in the ``policies`` package (third-party plugins excluded), sorted."""
-    from policies.registry import available
+    from daopsim.policies.registry import available
 
-    return [n for n, cls in available().items() if cls.__module__.startswith("policies.")]
+    return [n for n, cls in available().items() if cls.__module__.startswith("daopsim.policies.")]
 
 
 def _show_option(v: Any) -> str:
@@ -432,9 +438,9 @@ def config_key(trace: str, policy: str, hw: str, budget: str) -> str:
 
 def validate_grid(grid: RegressGrid) -> None:
     """Unknown trace, policy, profile or option, or an ambiguous grid: a UserError up front."""
-    from policies.registry import get_policy_class
-    from simulator.hardware import load_profile
-    from simulator.trace import read_meta
+    from daopsim.policies.registry import get_policy_class
+    from daopsim.simulator.hardware import load_profile
+    from daopsim.simulator.trace import read_meta
 
     if not grid.blocks:
         raise UserError("the regression grid has no blocks")
@@ -474,8 +480,8 @@ def validate_grid(grid: RegressGrid) -> None:
 
 def run_cell(cell: Cell) -> dict[str, Any]:
     """One configuration's outcome: its metrics, or the one-line error it ends with."""
-    from simulator.runner import simulate
-    from simulator.trace import read_meta
+    from daopsim.simulator.runner import simulate
+    from daopsim.simulator.trace import read_meta
 
     block = cell.block
     rec: dict[str, Any] = {
@@ -693,7 +699,7 @@ def baseline_text(grid: dict[str, Any], outcomes: dict[str, dict[str, Any]]) -> 
 
 def write_baseline(path: str | Path, grid: dict[str, Any], outcomes: dict[str, Any]) -> Path:
     """Rewrite the store atomically (temporary file in the same folder, then rename)."""
-    from simulator.output import check_output_file, write_text
+    from daopsim.simulator.output import check_output_file, write_text
 
     check_output_file(path, "--baseline")
     return write_text(path, baseline_text(grid, outcomes), "--baseline")
@@ -758,7 +764,7 @@ def regress(
     t0 = time.perf_counter()
     old: dict[str, Any] | None = None
     if update:
-        from simulator.output import check_output_file
+        from daopsim.simulator.output import check_output_file
 
         # before reading it or running the grid
         traces = [_trace_path(b.trace) for b in grid.blocks]

@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from simulator import perfetto
-from simulator.output import output_dir, write_figure, write_file, write_text
+from daopsim.simulator import perfetto
+from daopsim.simulator.output import output_dir, write_figure, write_file, write_text
 
 if TYPE_CHECKING:
-    from simulator.core.ops import RunStats
-    from simulator.hardware import HardwareProfile
+    from daopsim.simulator.core.ops import RunStats
+    from daopsim.simulator.hardware import HardwareProfile
 
 #: The metrics every run reports, in display order (docs/metrics.md defines each).
 METRIC_KEYS = (
@@ -302,7 +302,7 @@ class _Timeline:
             return None  # the dataclass field's default
         value = obj.__dict__.get(self.slot)
         if isinstance(value, Path):
-            from simulator.recorder import read_timeline
+            from daopsim.simulator.recorder import read_timeline
 
             value = obj.__dict__[self.slot] = read_timeline(value)
         return value  # type: ignore[no-any-return]
@@ -403,7 +403,7 @@ class RunResult:
             sub = source[source["seq"] == seq]
             win = sub[(sub["token"] >= tokens[0]) & (sub["token"] < tokens[1])]
         else:
-            from simulator.recorder import read_timeline
+            from daopsim.simulator.recorder import read_timeline
 
             win = read_timeline(
                 source,
@@ -470,7 +470,7 @@ class RunResult:
 
         if ax is None:
             _, ax = plt.subplots(figsize=(8, 3.2), layout="constrained")
-        from simulator.colors import policy_color
+        from daopsim.simulator.colors import policy_color
 
         rates = self.per_layer_hit_rate
         policy = str(self.config.get("policy"))

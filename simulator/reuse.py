@@ -2,10 +2,10 @@
 per-layer LRU and Belady hit-rate curves under the engine's serving rule.
 
 ``ReuseAccumulator`` takes sequences in order (the order ``daopsim run`` evaluates them) and
-keeps per-layer state, so ``simulator.stats.trace_stats`` can stream a trace through it. Every
-quantity is defined in docs/trace-format.md ("Reuse statistics").
+keeps per-layer state, so ``daopsim.simulator.stats.trace_stats`` can stream a trace through it.
+Every quantity is defined in docs/trace-format.md ("Reuse statistics").
 
-The hit-rate curves replay the rule of ``policies.caching.CachingPolicy`` exactly, for every
+The hit-rate curves replay the rule of ``daopsim.policies.caching.CachingPolicy`` exactly, for every
 per-layer capacity 1..E at once: one cache per (layer, capacity), starting with experts
 0..c-1 resident (the policies' default ``initial=first``), carried across sequences, updated by
 one prefill step per sequence (the experts its prompt tokens chose, in descending count order)
@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from simulator.trace import SequenceRouting
+from daopsim.simulator.trace import SequenceRouting
 
 #: Lags of ``overlap_by_lag`` (tokens back, same sequence and layer, decode tokens).
 LAGS = (1, 2, 4, 8, 16, 32, 64)

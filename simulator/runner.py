@@ -3,7 +3,7 @@ notebooks and sweeps.
 
 It resolves the trace, profile and policy, splits the trace into evaluation and calibration
 sequences, computes the GPU expert budget, builds calibration statistics (and the oracle for
-clairvoyant policies), runs the engine and returns a :class:`~simulator.results.RunResult`.
+clairvoyant policies), runs the engine and returns a :class:`~daopsim.simulator.results.RunResult`.
 """
 
 from __future__ import annotations
@@ -18,19 +18,19 @@ from typing import Any
 
 import numpy as np
 
-from policies.base import Policy, ResourceSpec
-from policies.registry import get_policy_class
-from simulator.core.loop import Engine
-from simulator.costs import CostModel, cost_model
-from simulator.data import resolve_trace
-from simulator.errors import DoesNotFit, UserError, check_seed
-from simulator.hardware import HardwareProfile, load_profile
-from simulator.hosttier import host_tier_config
-from simulator.output import check_output_file
-from simulator.recorder import Recorder
-from simulator.results import RunResult, compute_metrics, host_tier_metrics
-from simulator.runtime_profiles import RuntimeProfile, get_runtime
-from simulator.serving import (
+from daopsim.policies.base import Policy, ResourceSpec
+from daopsim.policies.registry import get_policy_class
+from daopsim.simulator.core.loop import Engine
+from daopsim.simulator.costs import CostModel, cost_model
+from daopsim.simulator.data import resolve_trace
+from daopsim.simulator.errors import DoesNotFit, UserError, check_seed
+from daopsim.simulator.hardware import HardwareProfile, load_profile
+from daopsim.simulator.hosttier import host_tier_config
+from daopsim.simulator.output import check_output_file
+from daopsim.simulator.recorder import Recorder
+from daopsim.simulator.results import RunResult, compute_metrics, host_tier_metrics
+from daopsim.simulator.runtime_profiles import RuntimeProfile, get_runtime
+from daopsim.simulator.serving import (
     Arrival,
     Request,
     Serving,
@@ -43,16 +43,16 @@ from simulator.serving import (
     summarise,
     trim,
 )
-from simulator.trace import (
+from daopsim.simulator.trace import (
     SequenceRouting,
     TraceMeta,
     checked_sequence_ids,
     iter_sequences,
     previous_token_view,
     read_meta,
-    sequence_ids,  # noqa: F401  (re-exported: simulator.runner.sequence_ids stays importable)
+    sequence_ids,  # noqa: F401  (re-exported: runner.sequence_ids stays importable)
 )
-from simulator.trace_cache import model_trace
+from daopsim.simulator.trace_cache import model_trace
 
 #: ``calibration=`` values that are not paths (see docs/metrics.md, "Calibration").
 CALIBRATION_MODES = ("none", "self")
@@ -205,7 +205,7 @@ def _engine_class(name: str, several_gpus: bool = False) -> Any:
     if name == "fast":
         return Engine
     if name == "reference":
-        from simulator.reference import MultiGpuReference, ReferenceEngine
+        from daopsim.simulator.reference import MultiGpuReference, ReferenceEngine
 
         return MultiGpuReference if several_gpus else ReferenceEngine
     raise UserError(f"unknown engine {name!r} (choose 'fast' or 'reference')")
@@ -220,7 +220,7 @@ def _multi_gpu_config(
     placement: str | None = None,
 ) -> Any:
     """The run's multi-GPU setting (None for one GPU); refuses what it does not model."""
-    from simulator.multigpu import check_config
+    from daopsim.simulator.multigpu import check_config
 
     mg = check_config(profile, gpus, mode, placement)
     if mg is None:
@@ -409,7 +409,7 @@ def cpu_layers_note(model: Any, n_cpu: int) -> str:
 
 def same_content(a: Path, b: Path) -> bool:
     """Whether two trace files hold the same bytes (a copy under another name counts)."""
-    from simulator.fingerprints import file_sha256
+    from daopsim.simulator.fingerprints import file_sha256
 
     if os.path.getsize(a) != os.path.getsize(b):
         return False
@@ -559,7 +559,7 @@ def _resolve_hw(hw: str | os.PathLike[str] | HardwareProfile) -> HardwareProfile
 
 def provenance(trace_path: Path, profile: HardwareProfile) -> dict[str, str]:
     """What a result was made from: the daopsim version and the trace and profile SHA-256."""
-    from simulator.fingerprints import daopsim_version, file_sha256, profile_sha256
+    from daopsim.simulator.fingerprints import daopsim_version, file_sha256, profile_sha256
 
     return {
         "daopsim_version": daopsim_version(),
@@ -1008,7 +1008,7 @@ def build_run(inp: RunInputs, size: RunSize, data: RunData) -> Run:
     pol, budget, multi_kw = inp.pol, size.budget, {}
     several = inp.mg is not None
     if several:
-        from simulator import multigpu
+        from daopsim.simulator import multigpu
 
         placement = multigpu.Placement(
             inp.mg, inp.model.moe_layers, inp.model.experts, popularity(data)

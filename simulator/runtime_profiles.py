@@ -8,8 +8,8 @@ TOML file per profile in ``hardware_profiles/runtimes/``, each field with its so
 models (``Policy.runtime_profile``); ``--runtime NAME`` overrides it.
 
 The host thread itself is a resource of the machine: the engine core's
-``simulator.core.resources.HostThread`` (and the reference engine's own ``IssueThread``) time
-it from these fields. A profile with no costs builds no host thread, and the timeline is
+``daopsim.simulator.core.resources.HostThread`` (and the reference engine's own ``IssueThread``)
+time it from these fields. A profile with no costs builds no host thread, and the timeline is
 exactly the one of a machine without it.
 """
 
@@ -23,8 +23,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from simulator.data import profiles_dir
-from simulator.errors import UserError, did_you_mean
+from daopsim.simulator.data import profiles_dir
+from daopsim.simulator.errors import UserError, did_you_mean
 
 
 def runtimes_dir() -> Path:
@@ -149,7 +149,7 @@ class RuntimeProfile:
     #: "Eager attention")
     attention: str = "fused"
     #: the kernels the runtime runs CPU work with (one of ``CPU_KERNELS``): ``ggml`` streams
-    #: CPU weights at ggml's rate (``simulator.costs.CostModel.cpu_stream_gbs``)
+    #: CPU weights at ggml's rate (``daopsim.simulator.costs.CostModel.cpu_stream_gbs``)
     cpu_kernels: str = "default"
 
     @property

@@ -34,14 +34,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from policies.base import Plan
-from simulator.core.loop import Step as CoreStep
-from simulator.errors import UserError
-from simulator.trace import SequenceRouting
+from daopsim.policies.base import Plan
+from daopsim.simulator.core.loop import Step as CoreStep
+from daopsim.simulator.errors import UserError
+from daopsim.simulator.trace import SequenceRouting
 
 if TYPE_CHECKING:
-    from policies.base import View
-    from simulator.core.loop import Engine
+    from daopsim.policies.base import View
+    from daopsim.simulator.core.loop import Engine
 
 #: Columns of an arrival file (docs/serving.md, "Arrival file").
 ARRIVAL_COLUMNS = ("request_id", "arrival_s", "prompt_tokens", "output_tokens", "sequence")
@@ -617,7 +617,7 @@ def step_oracle(
     oracle: Any,
     config: ServingConfig | None = None,
 ) -> Any:
-    """Fill ``oracle`` (``simulator.runner.Oracle``) with the accesses of each step."""
+    """Fill ``oracle`` (``daopsim.simulator.runner.Oracle``) with the accesses of each step."""
     steps: Iterable[list[tuple[Request, Any]]]
     if config is not None and config.extended:
         steps = extended_schedule_steps(requests, config, kv_capacity)

@@ -2,8 +2,8 @@
 
 ``trace_stats`` streams a trace sequence by sequence and keeps only per-layer accumulators, so
 memory does not grow with the file; the one exception is the LRU/Belady hit-rate replay of
-``simulator.reuse``, which keeps the stored expert ids (2 bytes per expert per row) until the
-end (``curves=False`` turns it off). Every quantity is defined in docs/trace-format.md
+``daopsim.simulator.reuse``, which keeps the stored expert ids (2 bytes per expert per row) until
+the end (``curves=False`` turns it off). Every quantity is defined in docs/trace-format.md
 ("Statistics", "Reuse statistics") exactly as computed here; ``uniform_baseline`` gives the
 values independent uniform top-k routing would have, to read real numbers against.
 """
@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from simulator.reuse import ReuseAccumulator
-from simulator.trace import SequenceRouting, TraceMeta, iter_sequences, read_meta
+from daopsim.simulator.reuse import ReuseAccumulator
+from daopsim.simulator.trace import SequenceRouting, TraceMeta, iter_sequences, read_meta
 
 #: The per-layer statistics, in the order they are reported.
 STAT_KEYS = (
@@ -193,8 +193,8 @@ def trace_stats(
     that many sequences. ``phase`` picks the tokens the popularity, pair, weight and look-ahead
     statistics use: ``decode`` (default), ``prefill`` or ``all``; ``prefill_decode_cosine``
     always compares the two phases. Undefined values (no tokens or pairs) are None.
-    ``reuse`` adds the reuse statistics of ``simulator.reuse`` (always over decode tokens, with
-    the sequences in the order given), and ``curves`` their LRU/Belady hit-rate curves (True
+    ``reuse`` adds the reuse statistics of ``daopsim.simulator.reuse`` (always over decode tokens,
+    with the sequences in the order given), and ``curves`` their LRU/Belady hit-rate curves (True
     for both, or a tuple of ``"lru"``/``"belady"``) at ``capacities`` (default 1..E; others
     are None), by the counting rules in ``curve_rules``: ``warm`` (``lru_curve``: pooled, one
     cache carried across the sequences) and ``cold`` (``lru_curve_cold``: each sequence from

@@ -34,15 +34,21 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from simulator.data import DEFAULT_TRACE, bundled_traces, check_input_file, resolve_trace
-from simulator.errors import DoesNotFit, PolicyError, UserError, check_seed, parse_key_values
-from simulator.fingerprints import daopsim_version, file_sha256, profile_sha256
-from simulator.output import TABLE_FORMATS, check_output_file, output_format
-from simulator.output import write_table as _write_any_table
-from simulator.progress import Progress
-from simulator.results import METRIC_KEYS, OPTIONAL_METRIC_KEYS, atomic_write_text
-from simulator.runtime_profiles import get_runtime
-from simulator.watchdog import watch_parent
+from daopsim.simulator.data import DEFAULT_TRACE, bundled_traces, check_input_file, resolve_trace
+from daopsim.simulator.errors import (
+    DoesNotFit,
+    PolicyError,
+    UserError,
+    check_seed,
+    parse_key_values,
+)
+from daopsim.simulator.fingerprints import daopsim_version, file_sha256, profile_sha256
+from daopsim.simulator.output import TABLE_FORMATS, check_output_file, output_format
+from daopsim.simulator.output import write_table as _write_any_table
+from daopsim.simulator.progress import Progress
+from daopsim.simulator.results import METRIC_KEYS, OPTIONAL_METRIC_KEYS, atomic_write_text
+from daopsim.simulator.runtime_profiles import get_runtime
+from daopsim.simulator.watchdog import watch_parent
 
 if TYPE_CHECKING:
     pass
@@ -253,7 +259,7 @@ def _relative_to(base: Path, value: str) -> str:
 
 def bundled_grids() -> dict[str, Path]:
     """Grid files bundled with daopsim, by name (``example-grid``): ``sweep NAME`` runs one."""
-    from simulator.data import bundled_dir
+    from daopsim.simulator.data import bundled_dir
 
     return {p.stem: p for p in sorted(bundled_dir("experiments").glob("*grid*.toml"))}
 
@@ -317,7 +323,7 @@ def policy_code_sha256(cls: type) -> str:
     by its distribution's version instead."""
     import inspect
 
-    from policies.base import Policy
+    from daopsim.policies.base import Policy
 
     parts: dict[str, str] = {}
     for klass in cls.__mro__:
@@ -387,7 +393,7 @@ class Config:
         """The run's ``ServingConfig`` (continuous batching at ``arrival_rate``), or None."""
         if self.arrival_rate is None:
             return None
-        from simulator.serving import DEFAULT_MAX_BATCH, ServingConfig
+        from daopsim.simulator.serving import DEFAULT_MAX_BATCH, ServingConfig
 
         return ServingConfig(
             batch=self.max_batch or DEFAULT_MAX_BATCH,
@@ -432,7 +438,7 @@ def _option_axes(grid: Grid, policy_classes: dict[str, Any]) -> dict[str, list[d
 
 def expand(grid: Grid) -> list[Config]:
     """Every configuration of the grid, in grid order; bad names and values are UserErrors."""
-    from policies.registry import get_policy_class
+    from daopsim.policies.registry import get_policy_class
 
     if not grid.policies:
         raise UserError("the sweep has no policies")
@@ -466,7 +472,7 @@ def expand(grid: Grid) -> list[Config]:
     for name in grid.runtimes:
         get_runtime(name)  # an unknown name fails before any run
     runtimes: list[str | None] = list(dict.fromkeys(grid.runtimes)) or [None]
-    from simulator.multigpu import MODES
+    from daopsim.simulator.multigpu import MODES
 
     for g in grid.gpus:
         if g < 1:
@@ -649,8 +655,8 @@ def run_config(cfg: Config) -> dict[str, Any]:
     A failure becomes a row with status "error"; a memory point the machine cannot hold a row
     with status "skipped" and error "does not fit (at most N)".
     """
-    from simulator.runner import simulate
-    from simulator.trace import read_meta
+    from daopsim.simulator.runner import simulate
+    from daopsim.simulator.trace import read_meta
 
     row = _base_row(cfg)
     try:
@@ -730,9 +736,9 @@ def add_bounds(rows: list[dict[str, Any]], configs: list[Config]) -> None:
     """Fill each finished one-sequence-at-a-time, one-GPU row's all-GPU bound (in place).
 
     The bound runs on the row's machine, trace, evaluated sequences and precisions, under the
-    fastest of its runtime and the bundled ones (:func:`simulator.bounds.all_gpu_bound`, which
-    caches: rows sharing all of these cost one set of runs)."""
-    from simulator.bounds import all_gpu_bound
+    fastest of its runtime and the bundled ones (:func:`daopsim.simulator.bounds.all_gpu_bound`,
+    which caches: rows sharing all of these cost one set of runs)."""
+    from daopsim.simulator.bounds import all_gpu_bound
 
     for row, cfg in zip(rows, configs, strict=True):
         row["bound_tokens_per_s"], row["bound_runtime"] = None, None
@@ -1007,7 +1013,7 @@ def _run_dask(
         )
         client = Client(cluster)
         # the cluster's nannies and workers end themselves when this process dies
-        from simulator.dask_watchdog import WatchdogNannyPlugin, WatchdogWorkerPlugin
+        from daopsim.simulator.dask_watchdog import WatchdogNannyPlugin, WatchdogWorkerPlugin
 
         client.register_plugin(WatchdogNannyPlugin(os.getpid()))
         client.register_plugin(WatchdogWorkerPlugin(os.getpid()))

@@ -33,12 +33,12 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from simulator.data import check_input_file
-from simulator.errors import UserError, check_seed, parse_key_values
-from simulator.models import ModelShape, get_model
-from simulator.reuse import CURVE_POLICIES
-from simulator.stats import heldout_popularity_hit, trace_stats
-from simulator.trace import (
+from daopsim.simulator.data import check_input_file
+from daopsim.simulator.errors import UserError, check_seed, parse_key_values
+from daopsim.simulator.models import ModelShape, get_model
+from daopsim.simulator.reuse import CURVE_POLICIES
+from daopsim.simulator.stats import heldout_popularity_hit, trace_stats
+from daopsim.simulator.trace import (
     ALL_PROBS_MAX_EXPERTS,
     DEFAULT_TOP_M,
     SequenceRouting,
@@ -111,7 +111,7 @@ class SynthParams:
 
     def check(self) -> None:
         """Raise UserError naming the first parameter out of range."""
-        from simulator.synth_checks import check_synth_params
+        from daopsim.simulator.synth_checks import check_synth_params
 
         check_synth_params(self)  # finite, and bounded so the logits cannot overflow
         unit = (
@@ -1221,9 +1221,9 @@ def synth(
     """Write a synthetic trace, as ``daopsim synth`` does: the model's own preset (or
     ``preset``, a name or a file of ``synth fit``) with ``params`` overriding single generator
     parameters, validated, then renamed into place. Returns the trace's metadata."""
-    from simulator.models import get_model
-    from simulator.output import TRACE_FORMATS, check_output_file, os_errors, output_format
-    from simulator.synth_checks import write_validated
+    from daopsim.simulator.models import get_model
+    from daopsim.simulator.output import TRACE_FORMATS, check_output_file, os_errors, output_format
+    from daopsim.simulator.synth_checks import write_validated
 
     shape = get_model(model)
     chosen = get_preset(preset) if preset else default_preset(shape.name)

@@ -4,7 +4,7 @@
 trace: non-finite numbers, magnitudes that overflow the router logits, seeds NumPy rejects.
 :func:`write_validated` is the safety net behind it: the trace is generated into a temporary
 file beside the output, read back through ``validate_trace`` (the check ``daopsim trace
-validate`` runs), and only then renamed into place (``simulator.trace.write_valid_trace``,
+validate`` runs), and only then renamed into place (``daopsim.simulator.trace.write_valid_trace``,
 shared with ``trace import`` and ``capture``), so ``synth`` never leaves a trace that
 validation would reject. The ranges are documented in docs/synthetic-traces.md.
 """
@@ -17,10 +17,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from simulator.errors import UserError
+from daopsim.simulator.errors import UserError
 
 if TYPE_CHECKING:
-    from simulator.synth import SynthParams
+    from daopsim.simulator.synth import SynthParams
 
 T = TypeVar("T")
 
@@ -77,11 +77,11 @@ def _num(x: float) -> str:
 def write_validated(path: str | os.PathLike[str], write: Callable[[Path], T]) -> T:
     """Run ``write(tmp)`` into a temporary sibling of ``path``, validate it, then rename it.
 
-    The synthetic generator's use of :func:`simulator.trace.write_valid_trace` (shared with
+    The synthetic generator's use of :func:`daopsim.simulator.trace.write_valid_trace` (shared with
     ``trace import`` and ``capture``): a trace that fails validation is deleted and reported
     as a UserError; ``path`` is left as it was. Returns what ``write`` returned.
     """
-    from simulator.trace import write_valid_trace
+    from daopsim.simulator.trace import write_valid_trace
 
     return write_valid_trace(
         path, write, flag=None, what="generated", hint=" (check the --param values)"

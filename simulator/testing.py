@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from policies.base import Action, Plan, Policy, ResourceSpec, SetupContext, Slot, View
-from simulator.hardware import HardwareProfile
-from simulator.models import ModelShape, get_model
-from simulator.trace import (
+from daopsim.policies.base import Action, Plan, Policy, ResourceSpec, SetupContext, Slot, View
+from daopsim.simulator.hardware import HardwareProfile
+from daopsim.simulator.models import ModelShape, get_model
+from daopsim.simulator.trace import (
     ALL_PROBS_MAX_EXPERTS,
     DEFAULT_TOP_M,
     SequenceRouting,
@@ -44,7 +44,7 @@ def tiny_model(
         non_expert_params=100_000,
         kv_bytes_per_token=1024,
         attention_heads=4,  # 4 heads of 16, so runtimes with eager attention run on it too
-        source="simulator.testing.tiny_model",
+        source="daopsim.simulator.testing.tiny_model",
     )
 
 
@@ -58,8 +58,8 @@ def setup_context(
     hw: str = "a6000-pcie4",
 ) -> SetupContext:
     """A policy's set-up context for a tiny model of this shape (to call ``setup`` directly)."""
-    from simulator.costs import cost_model
-    from simulator.hardware import load_profile
+    from daopsim.simulator.costs import cost_model
+    from daopsim.simulator.hardware import load_profile
 
     model = dataclasses.replace(
         tiny_model(experts=experts, top_k=min(top_k, experts), moe_layers=moe_layers),
@@ -106,7 +106,7 @@ def make_meta(
     shape = _resolve_model(model)
     return TraceMeta(
         model=shape,
-        provenance=dict(provenance or {"source": "test", "generator": "simulator.testing"}),
+        provenance=dict(provenance or {"source": "test", "generator": "daopsim.simulator.testing"}),
         probs_stored=_probs_stored(shape, top_m),
         moe_layer_ids=list(range(shape.first_moe_layer, shape.first_moe_layer + shape.moe_layers)),
     )
@@ -240,7 +240,11 @@ def make_trace(
         shape,
         top_m=top_m,
         provenance=provenance
-        or {"source": "synthetic", "generator": "simulator.testing.make_trace", "seed": seed},
+        or {
+            "source": "synthetic",
+            "generator": "daopsim.simulator.testing.make_trace",
+            "seed": seed,
+        },
     )
     rng = np.random.default_rng(seed)
     routings = (
@@ -413,7 +417,7 @@ def perfetto_reference(timeline: Any, occupancy: Any, metadata: dict[str, Any]) 
     tests and the bench of simulator/perfetto.py, slow on purpose."""
     import pandas as pd
 
-    from simulator.perfetto import TICKS_PER_US, lane_ticks, resource_order
+    from daopsim.simulator.perfetto import TICKS_PER_US, lane_ticks, resource_order
 
     tl = timeline
     resources = sorted(tl["resource"].astype(str).unique(), key=resource_order)
@@ -470,7 +474,7 @@ def perfetto_reference(timeline: Any, occupancy: Any, metadata: dict[str, Any]) 
 def one_row_table(path: str | os.PathLike[str], row_id: str) -> Path:
     """A validation table file at ``path`` holding only row ``row_id`` of the bundled table
     (``validate --table``: a subset whose ``--markdown`` is the whole of its table)."""
-    from simulator.validation import default_table
+    from daopsim.simulator.validation import default_table
 
     blocks = default_table().read_text(encoding="utf-8").split("[[row]]")
     block = next(b for b in blocks[1:] if f'id = "{row_id}"' in b)
@@ -483,7 +487,7 @@ def roomy(profile: str | HardwareProfile, memory_gb: float = 256.0) -> HardwareP
     """A profile with ``memory_gb`` of device memory: a unified-memory machine (whose device
     memory also bounds the host's copies) on which a bf16 test model fits, for tests of its
     timing rather than its capacity."""
-    from simulator.hardware import load_profile
+    from daopsim.simulator.hardware import load_profile
 
     hw = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
     return dataclasses.replace(hw, gpu=dataclasses.replace(hw.gpu, memory_gb=memory_gb))

@@ -25,8 +25,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from simulator.errors import TraceError, UserError
-from simulator.models import ModelShape
+from daopsim.simulator.errors import TraceError, UserError
+from daopsim.simulator.models import ModelShape
 
 T = TypeVar("T")
 
@@ -565,7 +565,7 @@ class TraceWriter:
                 self._writer.add_key_value_metadata({META_KEY: self.meta.to_json().encode()})
             self._writer.close()
             if exc_type is None:
-                from simulator.output import refuse_non_regular
+                from daopsim.simulator.output import refuse_non_regular
 
                 refuse_non_regular(self.path, str(self.path))
                 os.replace(self._tmp, self.path)
@@ -598,12 +598,12 @@ def write_valid_trace(
     """The one way a command writes a trace for the user (``synth``, ``trace import``,
     ``capture``): ``write(tmp)`` fills a temporary file beside ``path``, :func:`validate_trace`
     (what ``daopsim trace validate`` runs) reads it back, and only a valid trace is renamed into
-    place (``simulator.output.write_file``: a special file at ``path`` is refused, an OSError
-    is one line with exit code 3). An invalid one is deleted and reported as one UserError
+    place (``daopsim.simulator.output.write_file``: a special file at ``path`` is refused, an
+    OSError is one line with exit code 3). An invalid one is deleted and reported as one UserError
     naming ``path`` and the first problem; ``path`` is left as it was. Returns what ``write``
     returned.
     """
-    from simulator.output import write_file
+    from daopsim.simulator.output import write_file
 
     out: list[T] = []
 

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from simulator.errors import UserError
+from daopsim.simulator.errors import UserError
 
 
 def cache_dir() -> Path:
@@ -26,7 +26,7 @@ def cache_dir() -> Path:
 # --- running --------------------------------------------------------------------------------------
 def _generator_digest() -> str:
     """SHA-256 of simulator/synth.py (part of the synthetic-trace cache key)."""
-    from simulator import synth
+    from daopsim.simulator import synth
 
     return hashlib.sha256(Path(synth.__file__).read_bytes()).hexdigest()[:16]
 
@@ -38,9 +38,9 @@ def synth_trace(spec: dict[str, Any]) -> Path:
     the generator's default parameters (for a row whose result does not depend on which experts
     are routed, e.g. every routed expert on the CPU).
     """
-    from simulator import synth
-    from simulator.models import get_model
-    from simulator.synth import SynthParams, SynthPreset, default_preset, get_preset
+    from daopsim.simulator import synth
+    from daopsim.simulator.models import get_model
+    from daopsim.simulator.synth import SynthParams, SynthPreset, default_preset, get_preset
 
     if "preset" in spec or "model" not in spec:
         preset = str(spec.get("preset", ""))
@@ -91,7 +91,7 @@ def model_trace(model: str, trace: str | Any | None) -> str:
     """``--model M`` without ``--trace``: the path of M's synthetic trace (its synth preset,
     or the generator's defaults), generated on first use into the user cache folder
     (``$DAOPSIM_CACHE``, never the repository) and reused."""
-    from simulator.models import get_model
+    from daopsim.simulator.models import get_model
 
     if trace is not None:
         raise UserError("give --model or --trace, not both (a trace records its model)")

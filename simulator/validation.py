@@ -47,9 +47,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from simulator.data import bundled_dir, check_input_file
-from simulator.errors import UserError
-from simulator.trace_cache import synth_trace
+from daopsim.simulator.data import bundled_dir, check_input_file
+from daopsim.simulator.errors import UserError
+from daopsim.simulator.trace_cache import synth_trace
 
 #: Units a row may use.
 #: ``s`` is a duration in seconds, e.g. the time to the first token (``ttft_s``).
@@ -70,7 +70,7 @@ ENERGY_METRICS = {
 #: value (its ``calibrated`` field says which); a ``test`` row was not. Errors are reported over
 #: test rows only; calibration rows are listed separately.
 ROLES = ("calibration", "test")
-#: Keys of ``[row.sim]`` that are passed to :func:`simulator.runner.simulate`.
+#: Keys of ``[row.sim]`` that are passed to :func:`daopsim.simulator.runner.simulate`.
 SIM_KEYS = (
     "policy",
     "hw",
@@ -688,7 +688,7 @@ SERVING_SIM_KEYS = (
 
 def _serving(sim: dict[str, Any]) -> Any:
     """The ``ServingConfig`` of a row's serving keys (None without any)."""
-    from simulator.serving import serving_config
+    from daopsim.simulator.serving import serving_config
 
     if not any(k in sim for k in SERVING_SIM_KEYS):
         return None
@@ -740,7 +740,7 @@ class _Runner:
         self.memo: dict[str, Any] = {}
 
     def run(self, sim: dict[str, Any]) -> Any:
-        from simulator.runner import simulate
+        from daopsim.simulator.runner import simulate
 
         kw = _sim_kwargs(sim, self.max_sequences)
         key = json.dumps(kw, sort_keys=True, default=str)

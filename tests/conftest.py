@@ -1,8 +1,8 @@
 """Shared test fixtures: small valid traces and a CLI runner.
 
 Build your own trace with ``make_trace(path, model=..., sequences=..., prefill=..., decode=...,
-seed=...)`` (re-exported from simulator.testing, importable as ``from simulator.testing import
-make_trace``), or use the ready fixtures below.
+seed=...)`` (re-exported from daopsim.simulator.testing, importable as ``from
+daopsim.simulator.testing import make_trace``), or use the ready fixtures below.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner, Result
 
-from simulator import native
-from simulator.cli import main
-from simulator.testing import make_trace, routing_from_experts, tiny_model
+from daopsim.simulator import native
+from daopsim.simulator.cli import main
+from daopsim.simulator.testing import make_trace, routing_from_experts, tiny_model
 
 __all__ = ["make_trace", "routing_from_experts", "tiny_model"]
 

@@ -12,20 +12,20 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from policies.base import Policy
-from policies.registry import get_policy_class
-from simulator.core.loop import Engine
-from simulator.costs import cost_model
-from simulator.data import resolve_trace
-from simulator.hardware import HardwareProfile, load_profile
-from simulator.hosttier import HostTierConfig
-from simulator.recorder import Recorder
-from simulator.reference import ReferenceEngine
-from simulator.runner import Oracle, calibration_counts, split_sequences
-from simulator.runtime_profiles import RuntimeProfile, get_runtime, with_costs
-from simulator.serving import Request, Serving, ServingConfig, dense, step_oracle, trim
-from simulator.testing import ChaosPolicy, random_routing, tiny_model
-from simulator.trace import SequenceRouting, iter_sequences, read_meta, sequence_ids
+from daopsim.policies.base import Policy
+from daopsim.policies.registry import get_policy_class
+from daopsim.simulator.core.loop import Engine
+from daopsim.simulator.costs import cost_model
+from daopsim.simulator.data import resolve_trace
+from daopsim.simulator.hardware import HardwareProfile, load_profile
+from daopsim.simulator.hosttier import HostTierConfig
+from daopsim.simulator.recorder import Recorder
+from daopsim.simulator.reference import ReferenceEngine
+from daopsim.simulator.runner import Oracle, calibration_counts, split_sequences
+from daopsim.simulator.runtime_profiles import RuntimeProfile, get_runtime, with_costs
+from daopsim.simulator.serving import Request, Serving, ServingConfig, dense, step_oracle, trim
+from daopsim.simulator.testing import ChaosPolicy, random_routing, tiny_model
+from daopsim.simulator.trace import SequenceRouting, iter_sequences, read_meta, sequence_ids
 
 #: seconds two engines may differ by on any start, end or counter
 TOL = 1e-9

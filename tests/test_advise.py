@@ -11,9 +11,9 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from simulator.advise import Advice, AdviceRow, advise, bottleneck, find_trace
-from simulator.errors import UserError
-from simulator.sweep import fidelity_floor
+from daopsim.simulator.advise import Advice, AdviceRow, advise, bottleneck, find_trace
+from daopsim.simulator.errors import UserError
+from daopsim.simulator.sweep import fidelity_floor
 
 #: A small search: Mixtral on the A6000 (it holds about half the experts in bf16), the small
 #: bundled trace, a caching policy, the approximate DAOP and the all-GPU bound.
@@ -141,13 +141,13 @@ def test_synthetic_trace_for_a_model_without_a_bundled_one(
     path, args = find_trace("qwen3-30b-a3b", None)
     # the command names the model, not the cache file: `run --model` makes the same trace
     assert Path(path).is_relative_to(tmp_path) and args == ["--model", "qwen3-30b-a3b"]
-    from simulator.hosttier import model_trace
+    from daopsim.simulator.hosttier import model_trace
 
     assert model_trace("qwen3-30b-a3b", None) == path
     assert find_trace("qwen3-30b-a3b", None) == (path, args)  # cached: the same file
     assert find_trace("mixtral-8x7b", None)[1] == ["--trace", "mixtral-8x7b"]
-    from simulator.models import PRESETS as MODELS
-    from simulator.synth import PRESETS
+    from daopsim.simulator.models import PRESETS as MODELS
+    from daopsim.simulator.synth import PRESETS
 
     bare = sorted(set(MODELS) - {p.model for p in PRESETS.values()})
     if bare:  # a model with neither a bundled trace nor a synth preset: a clear error
@@ -206,7 +206,7 @@ def test_integer_options_keep_their_type_in_commands(cli: Callable[..., Any]) ->
 def test_a_readable_table(small: Advice, cli: Callable[..., Any]) -> None:
     """--top (default 10, 0: all), an options column, lines that fit the width, every row in
     --csv; the synth command of a synthetic trace is one a user can run anywhere."""
-    from simulator.advise import DEFAULT_TOP, render, to_csv
+    from daopsim.simulator.advise import DEFAULT_TOP, render, to_csv
 
     text = render(small, top=2, width=90)
     lines = text.splitlines()
@@ -234,7 +234,7 @@ def test_options_tell_rows_apart() -> None:
         policies=["llama-cpp-cpu-moe"],
         workers=1,
     )
-    from simulator.advise import render
+    from daopsim.simulator.advise import render
 
     texts = [r.options_text for r in found.rows]
     # rows differing only in an option read apart: no two shown rows alike

@@ -25,15 +25,15 @@ import pandas as pd
 import pytest
 from click.testing import CliRunner, Result
 
-import simulator.experiments
-import simulator.output
-import simulator.results
-from simulator.cli import main
-from simulator.errors import ExitCode
-from simulator.testing import make_trace, one_row_table
+import daopsim.simulator.experiments
+import daopsim.simulator.output
+import daopsim.simulator.results
+from daopsim.simulator.cli import main
+from daopsim.simulator.errors import ExitCode
+from daopsim.simulator.testing import make_trace, one_row_table
 
 USAGE, OUTPUT = int(ExitCode.USAGE), int(ExitCode.OUTPUT)
-_REAL_WRITE_FILE = simulator.output.write_file
+_REAL_WRITE_FILE = daopsim.simulator.output.write_file
 
 
 def _sweep(trace: Path | str, out: Path | str, *extra: str) -> list[str]:
@@ -379,7 +379,7 @@ def _raise_after(n: int, err: int, monkeypatch: pytest.MonkeyPatch) -> None:
         return real(path, write, flag)
 
     # every module that bound write_file at import (imported above, before any patch)
-    for mod in (simulator.output, simulator.results, simulator.experiments):
+    for mod in (daopsim.simulator.output, daopsim.simulator.results, daopsim.simulator.experiments):
         monkeypatch.setattr(mod, "write_file", failing_os)
 
 
@@ -492,7 +492,7 @@ def test_unexpected_os_error_is_still_one_line(
     def broken(*_a: object, **_k: object) -> None:
         raise OSError(errno.EIO, "Input/output error", str(ws / "t.parquet"))
 
-    monkeypatch.setattr("simulator.runner.read_meta", broken)
+    monkeypatch.setattr("daopsim.simulator.runner.read_meta", broken)
     res = CliRunner().invoke(main, ["run", "--trace", str(ws / "t.parquet"), "--no-progress"])
     _one_error(res, OUTPUT, "t.parquet", "Input/output error")
 
@@ -575,7 +575,7 @@ def test_unknown_suffix_is_refused(
 
 
 def test_perfetto_is_gzipped_and_slices_never_overlap_on_a_track(ws: Path, tmp_path: Path) -> None:
-    from simulator.runner import simulate
+    from daopsim.simulator.runner import simulate
 
     r = simulate(policy="fiddler", trace=ws / "t.parquet", cache_ratio=0.5)
     path = r.to_perfetto(tmp_path / "p.json.gz")

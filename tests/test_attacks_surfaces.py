@@ -25,16 +25,16 @@ import pandas as pd
 import pytest
 from click.testing import CliRunner, Result
 
-import simulator.regress
-import simulator.sweep
-from simulator.cli import main
-from simulator.data import bundled_traces
-from simulator.errors import ExitCode
-from simulator.hardware import load_profile
-from simulator.models import get_model
-from simulator.runner import expert_fit, simulate
-from simulator.testing import make_trace
-from simulator.trace import validate_trace
+import daopsim.simulator.regress
+import daopsim.simulator.sweep
+from daopsim.simulator.cli import main
+from daopsim.simulator.data import bundled_traces
+from daopsim.simulator.errors import ExitCode
+from daopsim.simulator.hardware import load_profile
+from daopsim.simulator.models import get_model
+from daopsim.simulator.runner import expert_fit, simulate
+from daopsim.simulator.testing import make_trace
+from daopsim.simulator.trace import validate_trace
 
 USAGE, OUTPUT = int(ExitCode.USAGE), int(ExitCode.OUTPUT)
 REPO = Path(__file__).resolve().parent.parent
@@ -130,7 +130,7 @@ def test_d4_regress_update_never_rewrites_the_golden_store_from_a_custom_grid(
 ) -> None:
     golden = tmp_path / "policy-metrics.json"  # stands for baselines/policy-metrics.json
     shutil.copyfile(REPO / "baselines" / "policy-metrics.json", golden)
-    monkeypatch.setattr(simulator.regress, "default_store", lambda: golden)
+    monkeypatch.setattr(daopsim.simulator.regress, "default_store", lambda: golden)
     before = golden.read_bytes()
     grid = tmp_path / "my.toml"
     grid.write_text(
@@ -170,7 +170,7 @@ def test_s3_unified_memory_bounds_the_host_copies(
     _one_error(res, USAGE, "jetson-orin-64g", "kimi-k2", "unified memory")
     # what does run fits the one memory: GPU allocations plus the host's copies
     hw = load_profile("jetson-orin-64g")
-    from simulator.costs import cost_model
+    from daopsim.simulator.costs import cost_model
 
     for name, dtype in ((MODEL, "q4_k_m"), ("olmoe-1b-7b", "bf16")):
         costs = cost_model(hw, get_model(name).with_precision(dtype))
@@ -240,12 +240,12 @@ def test_s4_sweep_rows_are_keyed_on_the_simulator_source(
     args += ["--cache-ratios", "0.25", "--no-progress", "--out", str(out)]
     assert _cli(*args).exit_code == 0
     assert "1 resumed" in _cli(*args).output
-    real = simulator.sweep.file_sha256
+    real = daopsim.simulator.sweep.file_sha256
 
     def edited(path: str | os.PathLike[str]) -> str:
         return "edited" if Path(path).name == "costs.py" else real(path)
 
-    monkeypatch.setattr(simulator.sweep, "file_sha256", edited)
+    monkeypatch.setattr(daopsim.simulator.sweep, "file_sha256", edited)
     res = _cli(*args)
     assert res.exit_code == 0 and "0 resumed" in res.output, res.output
 
@@ -282,8 +282,8 @@ def test_s6_nan_and_inf_options_are_refused(policy: str, option: str) -> None:
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_s6_nan_in_a_runtime_profile_is_refused(value: float) -> None:
     """The runtime profiles' own number check (hardware_profiles/runtimes/*.toml)."""
-    from simulator.errors import UserError
-    from simulator.runtime_profiles import parse_runtime
+    from daopsim.simulator.errors import UserError
+    from daopsim.simulator.runtime_profiles import parse_runtime
 
     with pytest.raises(UserError, match="'dispatch_us' must be a finite number"):
         parse_runtime({"name": "x", "dispatch_us": value}, "x.toml")
@@ -630,9 +630,9 @@ def test_validate_empty_rows_is_refused() -> None:
 
 @pytest.mark.parametrize("base", ["lru", "global-lru"])
 def test_a_plugin_naming_a_non_resident_victim_is_named(base: str) -> None:
-    from policies.global_lru import GlobalLRUPolicy
-    from policies.lru import LRUPolicy
-    from simulator.errors import PolicyError
+    from daopsim.policies.global_lru import GlobalLRUPolicy
+    from daopsim.policies.lru import LRUPolicy
+    from daopsim.simulator.errors import PolicyError
 
     parent: type = LRUPolicy if base == "lru" else GlobalLRUPolicy
     bad_victim: Callable[..., object] = (

@@ -19,9 +19,9 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from simulator.cli import main
-from simulator.testing import make_trace
-from simulator.trace import META_KEY
+from daopsim.simulator.cli import main
+from daopsim.simulator.testing import make_trace
+from daopsim.simulator.trace import META_KEY
 
 FIXTURES = Path(__file__).parent / "fixtures"
 BAD_PROFILES = sorted((FIXTURES / "profiles").glob("bad-*.toml"))
@@ -399,8 +399,8 @@ def test_corpus_size() -> None:
 def test_budget_below_top_k_is_a_documented_fallback(policy: str, ws: WS) -> None:
     """One slot for a top-2 model: the policy runs, never holds more than the budget, and
     serves what does not fit some other way (temporary buffers or the CPU)."""
-    from policies.registry import get_policy_class
-    from simulator.runner import simulate
+    from daopsim.policies.registry import get_policy_class
+    from daopsim.simulator.runner import simulate
 
     res = simulate(policy=policy, trace=ws.good, gpu_experts=1, record=False)
     m = res.metrics

@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-from policies.registry import available
-from simulator.bounds import all_gpu_bound, bound_for_result, bound_runtimes
-from simulator.errors import DoesNotFit, PolicyError, UserError
-from simulator.runner import simulate
-from simulator.runtime_profiles import runtime_names
-from simulator.testing import make_trace
+from daopsim.policies.registry import available
+from daopsim.simulator.bounds import all_gpu_bound, bound_for_result, bound_runtimes
+from daopsim.simulator.errors import DoesNotFit, PolicyError, UserError
+from daopsim.simulator.runner import simulate
+from daopsim.simulator.runtime_profiles import runtime_names
+from daopsim.simulator.testing import make_trace
 
 #: one machine per class: workstation, desktop, datacenter, unified memory, a 12-channel EPYC
 #: and an AMX Xeon host, a low-end card on PCIe 3, an L4 (its CPU streams half as fast as its
@@ -70,7 +70,7 @@ def traces(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def _built_in() -> set[str]:
     """The policies of the policies package (not plugins, not one-file policies other tests
     loaded)."""
-    return {n for n, cls in available().items() if cls.__module__.startswith("policies.")}
+    return {n for n, cls in available().items() if cls.__module__.startswith("daopsim.policies.")}
 
 
 def _sample() -> list[tuple[Any, ...]]:
@@ -149,7 +149,7 @@ def test_the_runtimes_left_out_cannot_be_faster(traces: dict[str, Path], own: st
 
 
 def test_sweep_rows_stay_under_their_bound(traces: dict[str, Path]) -> None:
-    from simulator.sweep import sweep
+    from daopsim.simulator.sweep import sweep
 
     df = sweep(
         {
@@ -170,7 +170,7 @@ def test_sweep_rows_stay_under_their_bound(traces: dict[str, Path]) -> None:
 
 
 def test_advise_never_ranks_a_row_above_its_bound() -> None:
-    from simulator.advise import advise
+    from daopsim.simulator.advise import advise
 
     found = advise(
         "mixtral-8x7b",

@@ -11,18 +11,18 @@ import pandas as pd
 import pytest
 from click.testing import CliRunner, Result
 
-from simulator.cli import main
-from simulator.errors import UserError
-from simulator.runner import select_sequences, simulate
-from simulator.sweep import seed_summary
-from simulator.testing import (
+from daopsim.simulator.cli import main
+from daopsim.simulator.errors import UserError
+from daopsim.simulator.runner import select_sequences, simulate
+from daopsim.simulator.sweep import seed_summary
+from daopsim.simulator.testing import (
     make_meta,
     make_trace,
     random_routing,
     routing_from_experts,
     tiny_model,
 )
-from simulator.trace import read_meta, write_trace
+from daopsim.simulator.trace import read_meta, write_trace
 
 
 def _run_cli(*args: str) -> Result:
@@ -183,7 +183,7 @@ def test_decode_only_trace_is_reported(tmp_path: Path) -> None:
 
 
 def test_sweep_over_seeds_with_self_calibration(tmp_path: Path) -> None:
-    from simulator.sweep import sweep
+    from daopsim.simulator.sweep import sweep
 
     trace = make_trace(tmp_path / "t.parquet", sequences=6, prefill=2, decode=4, seed=4)
     df = sweep(
@@ -206,7 +206,7 @@ def test_sweep_over_seeds_with_self_calibration(tmp_path: Path) -> None:
 
 
 def test_sweep_lookahead_reaches_the_runs(tmp_path: Path) -> None:
-    from simulator.sweep import Grid, expand, sweep
+    from daopsim.simulator.sweep import Grid, expand, sweep
 
     trace = _no_view_trace(tmp_path / "nv.parquet")
     grid = {

@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 from click.testing import CliRunner  # noqa: E402
 
-from simulator.capture import (  # noqa: E402
+from daopsim.simulator.capture import (  # noqa: E402
     CaptureError,
     GenerationSettings,
     Prompt,
@@ -28,9 +28,9 @@ from simulator.capture import (  # noqa: E402
     random_config,
     random_model,
 )
-from simulator.cli import main  # noqa: E402
-from simulator.errors import TraceError, UserError  # noqa: E402
-from simulator.trace import load_sequences, read_meta, validate_trace, write_trace  # noqa: E402
+from daopsim.simulator.cli import main  # noqa: E402
+from daopsim.simulator.errors import TraceError, UserError  # noqa: E402
+from daopsim.simulator.trace import load_sequences, read_meta, validate_trace, write_trace  # noqa: E402
 
 FAMILIES = ["mixtral", "qwen2_moe", "olmoe", "phimoe"]
 PROMPTS = [
@@ -350,7 +350,7 @@ def _capture_raw(model, prompts, path: Path, new: int) -> tuple[list[RawRouter],
 
 
 def test_deepseek_rank_order_sorted_validated_and_in_stats(deepseek32, tmp_path: Path, cli):
-    from simulator.stats import trace_stats
+    from daopsim.simulator.stats import trace_stats
 
     new = 5
     moe = find_moe_layers(deepseek32)
@@ -538,7 +538,7 @@ def test_top_m_probabilities_when_many_experts(tmp_path: Path):
 
 
 def test_model_shape_from_config_and_weights(mixtral):
-    from simulator.capture import model_shape
+    from daopsim.simulator.capture import model_shape
 
     shape = model_shape(mixtral, find_moe_layers(mixtral), "tiny", "bf16")
     c = mixtral.config
@@ -743,7 +743,7 @@ def test_cli_user_errors_exit_2(tmp_path: Path):
 
 
 def test_captured_trace_replays_through_the_simulator(mixtral, tmp_path: Path):
-    runner = pytest.importorskip("simulator.runner")
+    runner = pytest.importorskip("daopsim.simulator.runner")
     path = tmp_path / "t.parquet"
     capture_model(
         mixtral,

@@ -90,7 +90,7 @@ def test_run_dash_o_and_the_table_words(cli: Callable[..., Any], tmp_path: Path)
 def test_per_gpu_stall_sums_say_so() -> None:
     """With several GPUs the stall rows add up each GPU's stream, so they can exceed the run's
     time: the table says so beside them (one GPU: no note)."""
-    from simulator.commands.run_cmd import render_table
+    from daopsim.simulator.commands.run_cmd import render_table
 
     doc = {
         "policy": "lru",

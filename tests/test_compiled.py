@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from simulator import native
-from simulator.runner import simulate
-from simulator.serving import ServingConfig
+from daopsim.simulator import native
+from daopsim.simulator.runner import simulate
+from daopsim.simulator.serving import ServingConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -46,7 +46,7 @@ def digests() -> dict[str, str]:
     for name, kw in SETTINGS.items():
         args = {"trace": "ci-small", "sequences": 1, "cache_ratio": 0.2, "record": True, **kw}
         if name == "daop-unified":  # bf16 Mixtral fits the device only with room to spare
-            from simulator.testing import roomy
+            from daopsim.simulator.testing import roomy
 
             args["hw"] = roomy("jetson-orin-64g")
         r = simulate(**args)
@@ -94,7 +94,7 @@ def test_an_edited_source_never_runs_its_stale_extension(monkeypatch: pytest.Mon
 def test_the_fallback_imports_every_compiled_module_from_its_source() -> None:
     """With the variable set, each compiled module's ``__file__`` is its ``.py`` source."""
     code = (
-        "import importlib, json, simulator.native as n; "
+        "import importlib, json, daopsim.simulator.native as n; "
         "print(json.dumps([importlib.import_module(m).__file__ for m in n.COMPILED]))"
     )
     env = {**os.environ, native.ENV: "1"}

@@ -16,13 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from policies.base import per_layer_quota
-from policies.registry import available
-from simulator.data import resolve_trace
-from simulator.errors import UserError
-from simulator.runner import sequence_ids, simulate, split_sequences
-from simulator.testing import make_trace
-from simulator.trace import iter_sequences, read_meta
+from daopsim.policies.base import per_layer_quota
+from daopsim.policies.registry import available
+from daopsim.simulator.data import resolve_trace
+from daopsim.simulator.errors import UserError
+from daopsim.simulator.runner import sequence_ids, simulate, split_sequences
+from daopsim.simulator.testing import make_trace
+from daopsim.simulator.trace import iter_sequences, read_meta
 
 HW = "a6000-pcie4"
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from simulator.costs import CostModel, cost_model, expert_kernels
-from simulator.hardware import list_profiles, load_profile
-from simulator.models import PRESETS, get_model
+from daopsim.simulator.costs import CostModel, cost_model, expert_kernels
+from daopsim.simulator.hardware import list_profiles, load_profile
+from daopsim.simulator.models import PRESETS, get_model
 
 FIXTURES = Path(__file__).parent / "fixtures" / "profiles"
 MIXTRAL = get_model("mixtral-8x7b")

@@ -15,12 +15,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from simulator.core.machine import Machine
-from simulator.costs import EAGER_ATTENTION_BYTES_PER_SCORE, CostModel, cost_model
-from simulator.errors import UserError
-from simulator.hardware import load_profile
-from simulator.models import PRESETS, ModelShape, get_model
-from simulator.runtime_profiles import get_runtime, parse_runtime, runtime_names
+from daopsim.simulator.core.machine import Machine
+from daopsim.simulator.costs import EAGER_ATTENTION_BYTES_PER_SCORE, CostModel, cost_model
+from daopsim.simulator.errors import UserError
+from daopsim.simulator.hardware import load_profile
+from daopsim.simulator.models import PRESETS, ModelShape, get_model
+from daopsim.simulator.runtime_profiles import get_runtime, parse_runtime, runtime_names
 
 MIXTRAL = get_model("mixtral-8x7b")
 
@@ -93,7 +93,7 @@ def test_eager_needs_the_head_count() -> None:
 
 def test_machine_charges_eager_only_under_an_eager_runtime() -> None:
     """The machine's non-expert time follows its runtime's ``attention`` field."""
-    from policies.base import ResourceSpec
+    from daopsim.policies.base import ResourceSpec
 
     cm = cost_model("rtx6000ada-pcie4", MIXTRAL)
     spec = ResourceSpec()
@@ -141,7 +141,7 @@ def test_runtimes_show_prints_the_attention_field() -> None:
 
     from click.testing import CliRunner
 
-    from simulator.cli import main
+    from daopsim.simulator.cli import main
 
     res = CliRunner().invoke(main, ["runtimes", "show", "hf-eager-attn"])
     assert res.exit_code == 0
@@ -216,9 +216,9 @@ def test_mixtral_offloading_defaults_to_eager_attention_on_any_catalogue_trace(t
     """mixtral-offloading declares hf-eager-attn (transformers 4.36.1, its pin) and so runs on a
     non-Mixtral trace (DeepSeek-V2-Lite: MLA, 64 experts) without an error; the same run on the
     fused hf-eager pays less for the prompt, since only the attention charge differs."""
-    from policies.registry import get_policy_class
-    from simulator.runner import simulate
-    from simulator.testing import make_trace
+    from daopsim.policies.registry import get_policy_class
+    from daopsim.simulator.runner import simulate
+    from daopsim.simulator.testing import make_trace
 
     assert get_policy_class("mixtral-offloading").runtime_profile == "hf-eager-attn"
     path = make_trace(tmp_path / "dsv2lite.parquet", "deepseek-v2-lite", prefill=64, decode=4)
@@ -237,8 +237,8 @@ def test_mixtral_offloading_on_a_headless_trace_is_one_line_error(tmp_path) -> N
     fused runtime still runs it."""
     from click.testing import CliRunner
 
-    from simulator.cli import main
-    from simulator.testing import make_trace, tiny_model
+    from daopsim.simulator.cli import main
+    from daopsim.simulator.testing import make_trace, tiny_model
 
     headless = dataclasses.replace(tiny_model(), name="headless", attention_heads=0)
     path = str(make_trace(tmp_path / "headless.parquet", headless))

@@ -13,13 +13,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from policies.base import Action, Plan, SetupContext, View
-from policies.daop import DAOPPolicy, swap_pairs
-from simulator.core.loop import Engine
-from simulator.costs import cost_model
-from simulator.hardware import load_profile
-from simulator.models import get_model
-from simulator.testing import make_trace, routing_from_experts, tiny_model
+from daopsim.policies.base import Action, Plan, SetupContext, View
+from daopsim.policies.daop import DAOPPolicy, swap_pairs
+from daopsim.simulator.core.loop import Engine
+from daopsim.simulator.costs import cost_model
+from daopsim.simulator.hardware import load_profile
+from daopsim.simulator.models import get_model
+from daopsim.simulator.testing import make_trace, routing_from_experts, tiny_model
 
 
 def calib_first_four(n_layers: int = 2, n_exp: int = 8) -> np.ndarray:
@@ -336,7 +336,7 @@ def random_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_exact_fallback_keeps_routing_fidelity_at_one(random_trace: Path) -> None:
-    from simulator.runner import simulate
+    from daopsim.simulator.runner import simulate
 
     base = simulate(
         "daop",
@@ -358,7 +358,7 @@ def test_exact_fallback_keeps_routing_fidelity_at_one(random_trace: Path) -> Non
 
 
 def test_bad_options_are_user_errors() -> None:
-    from simulator.errors import UserError
+    from daopsim.simulator.errors import UserError
 
     with pytest.raises(UserError, match="first_predict_layer"):
         DAOPPolicy(first_predict_layer=0)

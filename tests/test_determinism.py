@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from simulator.runner import simulate
-from simulator.testing import make_trace
+from daopsim.simulator.runner import simulate
+from daopsim.simulator.testing import make_trace
 
 SCRIPT = """
 import sys
-from simulator.runner import simulate
+from daopsim.simulator.runner import simulate
 for policy in ("daop", "lfu", "belady"):
     r = simulate(policy=policy, trace=sys.argv[1], cache_ratio=0.25, record=False)
     sys.stdout.write(r.to_json() + "\\n")
@@ -57,8 +57,8 @@ def test_identical_with_and_without_recording(trace: Path, policy: str) -> None:
 
 
 def _sweep_metrics(trace: Path, tmp: Path, **kw: object) -> list[str]:
-    from simulator.results import METRIC_KEYS
-    from simulator.sweep import run_sweep
+    from daopsim.simulator.results import METRIC_KEYS
+    from daopsim.simulator.sweep import run_sweep
 
     grid = {"policies": ["daop", "lru"], "traces": [str(trace)], "cache_ratios": [0.25, 0.5]}
     df, summary = run_sweep(grid, progress=False, out=tmp / "s.parquet", **kw)

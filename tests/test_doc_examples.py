@@ -5,7 +5,7 @@ Each fenced block tagged ``sh``, ``bash``, ``shell``, ``console`` or ``python`` 
 * shell blocks run under ``bash -e`` (every command must succeed); in a ``console`` block only
   the lines starting with ``$ `` (and their ``\\`` continuation lines) are commands, the rest is
   shown output. ``daopsim`` (and ``python``) resolve to this checkout run by the current
-  interpreter (``python -m simulator.cli``), whatever is installed elsewhere.
+  interpreter (``python -m daopsim``), whatever is installed elsewhere.
 * python blocks run as a plain script file (``python block.py``), as a user would save and run
   one: a ``daopsim.sweep()`` with worker processes at the top level of the script, without an
   ``if __name__ == "__main__":`` guard, must work (docs/sweeps.md, "Executors").
@@ -147,7 +147,7 @@ def bin_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``daopsim`` and ``python`` shims that run this checkout with the current interpreter."""
     folder = tmp_path_factory.mktemp("doc-bin")
     shims = {
-        "daopsim": f'exec "{sys.executable}" -m simulator.cli "$@"\n',
+        "daopsim": f'exec "{sys.executable}" -m daopsim "$@"\n',
         "python": f'exec "{sys.executable}" "$@"\n',
     }
     for name, body in shims.items():
@@ -221,7 +221,7 @@ def test_docs_have_runnable_examples() -> None:
 
 #: a private module imported (``from simulator.x import``, ``import policies.y``)
 PRIVATE_IMPORT = re.compile(
-    r"^\s*(from|import)\s+(simulator|policies|hardware_profiles|traces)\b", re.MULTILINE
+    r"^\s*(from|import)\s+(daopsim\.)?(simulator|policies|hardware_profiles|traces)\b", re.MULTILINE
 )
 
 

@@ -6,16 +6,16 @@ from pathlib import Path
 
 import pytest
 
-from simulator.errors import ProfileError
-from simulator.hardware import (
+from daopsim.simulator.errors import ProfileError
+from daopsim.simulator.hardware import (
     CONTEXT_STEP_W,
     DEFAULT_DRAM_W,
     DEFAULT_PLATFORM_W,
     DEFAULT_PSU_EFFICIENCY,
     load_profile,
 )
-from simulator.results import energy_breakdown
-from simulator.runner import simulate
+from daopsim.simulator.results import energy_breakdown
+from daopsim.simulator.runner import simulate
 
 
 def test_breakdown_by_hand_on_a100() -> None:
@@ -46,7 +46,7 @@ def test_waiting_gpu_draws_more_than_bare_idle() -> None:
 
 def test_levels_are_ordered_for_every_profile() -> None:
     """GPU + CPU <= device <= wall, and all positive, on every bundled machine."""
-    from simulator.hardware import list_profiles
+    from daopsim.simulator.hardware import list_profiles
 
     for hw in list_profiles():
         e = energy_breakdown(hw, 5.0, 2.0, 1.0)
@@ -95,7 +95,7 @@ def test_cpu_workers_spin_after_each_call_at_busy_power() -> None:
     """Issue 30: after each CPU expert call the worker threads spin for cpu_spin_ms (libgomp's
     default spin count at Skylake-and-later PAUSE latency: 14 ms) at busy power; the spin that
     the next call cuts short is busy time already, and nothing exceeds the run."""
-    from simulator.hardware import DEFAULT_CPU_SPIN_MS
+    from daopsim.simulator.hardware import DEFAULT_CPU_SPIN_MS
 
     assert abs(DEFAULT_CPU_SPIN_MS - 14.0) < 1e-9
     hw = load_profile("a6000-pcie4")

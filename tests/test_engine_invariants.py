@@ -22,15 +22,15 @@ import simpy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from policies.base import Action, Plan, Policy, SetupContext, Slot, View
-from simulator.core.loop import Engine
-from simulator.core.resources import Lane
-from simulator.costs import cost_model
-from simulator.errors import PolicyError
-from simulator.hardware import load_profile
-from simulator.recorder import Recorder
-from simulator.testing import ChaosPolicy, random_routing, routing_from_experts, tiny_model
-from simulator.trace import SequenceRouting
+from daopsim.policies.base import Action, Plan, Policy, SetupContext, Slot, View
+from daopsim.simulator.core.loop import Engine
+from daopsim.simulator.core.resources import Lane
+from daopsim.simulator.costs import cost_model
+from daopsim.simulator.errors import PolicyError
+from daopsim.simulator.hardware import load_profile
+from daopsim.simulator.recorder import Recorder
+from daopsim.simulator.testing import ChaosPolicy, random_routing, routing_from_experts, tiny_model
+from daopsim.simulator.trace import SequenceRouting
 
 EPS = 1e-12
 HW = load_profile("a6000-pcie4")
@@ -294,8 +294,8 @@ def test_lane_matches_simpy_resource(requests: list[tuple[float, float]]) -> Non
 
 def test_in_use_eviction_writes_back_after_the_victims_computation(tmp_path: Any) -> None:
     """One slot per layer, top-2: the second miss evicts the first expert only after it ran."""
-    from simulator.runner import simulate
-    from simulator.testing import make_trace
+    from daopsim.simulator.runner import simulate
+    from daopsim.simulator.testing import make_trace
 
     trace = make_trace(tmp_path / "t.parquet", sequences=2, prefill=4, decode=12, seed=5)
     r = simulate(
@@ -390,7 +390,7 @@ def test_one_stream_never_runs_a_kernel_beside_a_copy(
     explicit evictions, write-backs, a slow host thread) under a one-stream spec: no GPU
     operation overlaps any copy, and each layer's non-expert part starts after every copy
     issued before it has ended."""
-    from simulator.runtime_profiles import get_runtime, with_costs
+    from daopsim.simulator.runtime_profiles import get_runtime, with_costs
 
     rng = np.random.default_rng(seed)
     model = tiny_model(experts=6, top_k=2, moe_layers=3)
@@ -440,7 +440,7 @@ def test_one_stream_is_never_faster_than_a_side_stream(
     """mixtral-offloading as released (copies on the kernels' stream) against the same plans
     with the copies on a side stream: never faster (end to end, first token), the same
     copies, no kernel beside a copy, while the side-stream run does overlap them."""
-    from simulator.runner import simulate
+    from daopsim.simulator.runner import simulate
 
     runs = {
         s: simulate(

@@ -12,12 +12,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from policies.accelerate import AcceleratePolicy
-from policies.base import Action, SetupContext, View
-from policies.vllm_cpu_offload import VllmCpuOffloadPolicy
-from simulator.errors import DoesNotFit, UserError
-from simulator.runner import simulate
-from simulator.testing import decode_view, setup_context
+from daopsim.policies.accelerate import AcceleratePolicy
+from daopsim.policies.base import Action, SetupContext, View
+from daopsim.policies.vllm_cpu_offload import VllmCpuOffloadPolicy
+from daopsim.simulator.errors import DoesNotFit, UserError
+from daopsim.simulator.runner import simulate
+from daopsim.simulator.testing import decode_view, setup_context
 
 FETCH, TEMP = Action.FETCH, Action.TEMP
 

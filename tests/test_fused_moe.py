@@ -9,11 +9,11 @@ import dataclasses
 
 import pytest
 
-from simulator.errors import UserError
-from simulator.hardware import load_profile
-from simulator.models import get_model
-from simulator.runner import runtime_cost_model
-from simulator.runtime_profiles import get_runtime, parse_runtime
+from daopsim.simulator.errors import UserError
+from daopsim.simulator.hardware import load_profile
+from daopsim.simulator.models import get_model
+from daopsim.simulator.runner import runtime_cost_model
+from daopsim.simulator.runtime_profiles import get_runtime, parse_runtime
 
 US = 1e-6
 QWEN3 = get_model("qwen3-30b-a3b").with_precision("bf16", "bf16", "bf16")

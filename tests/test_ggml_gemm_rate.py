@@ -9,11 +9,11 @@ import tomllib
 
 import pytest
 
-from simulator.costs import cost_model
-from simulator.data import profiles_dir
-from simulator.errors import UserError
-from simulator.hardware import load_profile
-from simulator.models import get_model
+from daopsim.simulator.costs import cost_model
+from daopsim.simulator.data import profiles_dir
+from daopsim.simulator.errors import UserError
+from daopsim.simulator.hardware import load_profile
+from daopsim.simulator.models import get_model
 
 GGUF = get_model("deepseek-v2-lite").with_precision("q4_0", "q4_0", "q4_0")
 BF16 = get_model("deepseek-v2-lite").with_precision("bf16", "bf16", "bf16")

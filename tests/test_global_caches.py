@@ -22,16 +22,16 @@ import pytest
 from click.testing import CliRunner
 from test_conformance import HW, Step, eval_steps
 
-from policies.base import SetupContext, per_layer_quota
-from policies.registry import available, make_policy
-from simulator.cli import main
-from simulator.costs import cost_model
-from simulator.data import resolve_trace
-from simulator.hardware import load_profile
-from simulator.models import ModelShape
-from simulator.runner import Oracle, simulate
-from simulator.testing import make_meta, make_trace, routing_from_experts, tiny_model
-from simulator.trace import read_meta, write_trace
+from daopsim.policies.base import SetupContext, per_layer_quota
+from daopsim.policies.registry import available, make_policy
+from daopsim.simulator.cli import main
+from daopsim.simulator.costs import cost_model
+from daopsim.simulator.data import resolve_trace
+from daopsim.simulator.hardware import load_profile
+from daopsim.simulator.models import ModelShape
+from daopsim.simulator.runner import Oracle, simulate
+from daopsim.simulator.testing import make_meta, make_trace, routing_from_experts, tiny_model
+from daopsim.simulator.trace import read_meta, write_trace
 
 GLOBAL = ("global-lru", "global-lfu", "belady-global")
 Slot = tuple[int, int]

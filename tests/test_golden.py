@@ -20,10 +20,10 @@ from typing import Any
 
 import pytest
 
-from simulator.data import resolve_trace
-from simulator.errors import UserError
-from simulator.hardware import load_profile
-from simulator.regress import (
+from daopsim.simulator.data import resolve_trace
+from daopsim.simulator.errors import UserError
+from daopsim.simulator.hardware import load_profile
+from daopsim.simulator.regress import (
     BUILTIN_VARIANTS,
     Cell,
     compare,
@@ -33,7 +33,7 @@ from simulator.regress import (
     render_changes,
     run_cell,
 )
-from simulator.trace import read_meta
+from daopsim.simulator.trace import read_meta
 
 #: Floats re-run in-process on the same platform are bit-identical; 1e-9 only forgives the
 #: last digits a different numpy/libm build could change.
@@ -129,7 +129,7 @@ def test_budgets_are_above_top_k() -> None:
 
 def test_grid_spans_models_options_and_one_copy_engine() -> None:
     """Mixtral plus OLMoE or Phi, every built-in variant, a machine with one copy engine."""
-    from simulator.hardware import load_profile
+    from daopsim.simulator.hardware import load_profile
 
     models = {read_meta(resolve_trace(b.trace)).model.name for b in GRID.blocks}
     assert "mixtral-8x7b" in models and models & {"olmoe-1b-7b", "phi-3.5-moe"}

@@ -13,11 +13,11 @@ import math
 import numpy as np
 import pytest
 
-from simulator.costs import cost_model
-from simulator.errors import UserError
-from simulator.hardware import list_profiles
-from simulator.runner import simulate
-from simulator.runtime_profiles import get_runtime, parse_runtime, runtime_names, with_costs
+from daopsim.simulator.costs import cost_model
+from daopsim.simulator.errors import UserError
+from daopsim.simulator.hardware import list_profiles
+from daopsim.simulator.runner import simulate
+from daopsim.simulator.runtime_profiles import get_runtime, parse_runtime, runtime_names, with_costs
 
 TRACE = "ci-small"
 

@@ -26,8 +26,8 @@ from daopsim.gym import (
     make_vector_env,
     run_agent,
 )
-from simulator.errors import UserError
-from simulator.runner import simulate
+from daopsim.simulator.errors import UserError
+from daopsim.simulator.runner import simulate
 
 # Mixtral routing (8 experts, top-2) at 4 experts per layer: every policy has choices to make
 RUN = {"trace": "ci-small", "hw": "a100-80g-pcie4", "gpu_experts": 4 * 32}

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from simulator.data import profiles_dir
-from simulator.errors import ProfileError, UserError
-from simulator.hardware import HardwareProfile, list_profiles, load_profile
+from daopsim.simulator.data import profiles_dir
+from daopsim.simulator.errors import ProfileError, UserError
+from daopsim.simulator.hardware import HardwareProfile, list_profiles, load_profile
 
 FIXTURES = Path(__file__).parent / "fixtures" / "profiles"
 
@@ -170,8 +170,8 @@ def test_every_profile_gives_finite_costs_for_every_model() -> None:
     """All bundled machines x all model presets: finite, positive costs and free memory."""
     import math
 
-    from simulator.costs import cost_model
-    from simulator.models import PRESETS
+    from daopsim.simulator.costs import cost_model
+    from daopsim.simulator.models import PRESETS
 
     for hw in list_profiles():
         for model in PRESETS.values():
@@ -383,7 +383,7 @@ def test_values_beyond_physical_bounds_are_refused(
 
 
 def test_bounds_are_generous_and_documented() -> None:
-    from simulator.hardware import MAX_VALUES
+    from daopsim.simulator.hardware import MAX_VALUES
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "hardware-profiles.md").read_text()
     for key in MAX_VALUES:

@@ -14,19 +14,19 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from policies.base import Action, Plan, Policy, ResourceSpec
-from policies.hobbit import HobbitPolicy
-from simulator.core.loop import Engine
-from simulator.core.ops import Counters
-from simulator.costs import cost_model
-from simulator.errors import PolicyError, UserError
-from simulator.hardware import load_profile
-from simulator.models import DTYPE_BYTES
-from simulator.recorder import Recorder
-from simulator.reference import ReferenceEngine
-from simulator.results import compute_metrics
-from simulator.runner import simulate
-from simulator.testing import routing_from_experts, tiny_model
+from daopsim.policies.base import Action, Plan, Policy, ResourceSpec
+from daopsim.policies.hobbit import HobbitPolicy
+from daopsim.simulator.core.loop import Engine
+from daopsim.simulator.core.ops import Counters
+from daopsim.simulator.costs import cost_model
+from daopsim.simulator.errors import PolicyError, UserError
+from daopsim.simulator.hardware import load_profile
+from daopsim.simulator.models import DTYPE_BYTES
+from daopsim.simulator.recorder import Recorder
+from daopsim.simulator.reference import ReferenceEngine
+from daopsim.simulator.results import compute_metrics
+from daopsim.simulator.runner import simulate
+from daopsim.simulator.testing import routing_from_experts, tiny_model
 
 HW = load_profile("a6000-pcie4")
 

@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from policies.base import Action, Plan, SetupContext, View
-from policies.ktransformers import KTransformersPolicy, place_gpu_experts
-from policies.llama_cpp_cpu_moe import LlamaCppCpuMoePolicy, cpu_moe_layers
-from simulator.cli import main
-from simulator.errors import DoesNotFit, UserError
-from simulator.runner import simulate
-from simulator.testing import decode_view, setup_context
+from daopsim.policies.base import Action, Plan, SetupContext, View
+from daopsim.policies.ktransformers import KTransformersPolicy, place_gpu_experts
+from daopsim.policies.llama_cpp_cpu_moe import LlamaCppCpuMoePolicy, cpu_moe_layers
+from daopsim.simulator.cli import main
+from daopsim.simulator.errors import DoesNotFit, UserError
+from daopsim.simulator.runner import simulate
+from daopsim.simulator.testing import decode_view, setup_context
 
 GPU, TEMP, CPU = Action.GPU, Action.TEMP, Action.CPU
 
@@ -249,8 +249,8 @@ def test_bounds_beside_a_policy_without_a_temporary_buffer(
 ) -> None:
     """A policy with no temporary buffer may hold one expert more than Belady (which keeps one):
     the bound then runs at what fits and records that budget."""
-    import simulator.runner as runner
-    from simulator.commands.run_cmd import compute_bounds
+    import daopsim.simulator.runner as runner
+    from daopsim.simulator.commands.run_cmd import compute_bounds
 
     args = {"hw": "rtx4090-pcie4", "trace": str(qwen3), "dtype": "q4_k_m", "seed": 0}
     result = runner.simulate(policy="ktransformers", record=False, **args)

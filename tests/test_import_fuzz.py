@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from simulator.cli import main
+from daopsim.simulator.cli import main
 
 MODEL = "mixtral-8x7b"  # 32 MoE layers, 8 experts, top-2
 ML, E, K = 32, 8, 2

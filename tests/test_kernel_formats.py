@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from simulator.costs import (
+from daopsim.simulator.costs import (
     ACT_BYTES,
     GGML_STREAM_FRACTION,
     cost_model,
@@ -22,12 +22,12 @@ from simulator.costs import (
     dequant_kernels,
     gpu_kernel_efficiency,
 )
-from simulator.data import profiles_dir
-from simulator.errors import ProfileError
-from simulator.hardware import list_profiles, load_profile
-from simulator.models import get_model
-from simulator.runner import simulate
-from simulator.runtime_profiles import get_runtime, runtime_names
+from daopsim.simulator.data import profiles_dir
+from daopsim.simulator.errors import ProfileError
+from daopsim.simulator.hardware import list_profiles, load_profile
+from daopsim.simulator.models import get_model
+from daopsim.simulator.runner import simulate
+from daopsim.simulator.runtime_profiles import get_runtime, runtime_names
 
 
 def _gpu_by_hand(hw, model, n: int, eff: float, kernels: int, dq: float = 0.0) -> float:

@@ -17,10 +17,10 @@ import pytest
 from click.testing import Result
 
 from daopsim.gym import ExpertCacheEnv, LearnConfig, learn, run_agent, scorer_action
-from policies.learned import BUNDLED_MODEL, Scorer
-from policies.registry import make_policy
-from simulator.errors import UserError
-from simulator.runner import simulate
+from daopsim.policies.learned import BUNDLED_MODEL, Scorer
+from daopsim.policies.registry import make_policy
+from daopsim.simulator.errors import UserError
+from daopsim.simulator.runner import simulate
 
 RUN = {"trace": "ci-small", "hw": "a100-80g-pcie4", "gpu_experts": 4 * 32}
 #: a quick training: one ci-small sequence, one budget, two rounds

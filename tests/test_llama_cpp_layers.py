@@ -13,15 +13,15 @@ import dataclasses
 import numpy as np
 import pytest
 
-from policies.llama_cpp_layers import LlamaCppLayersPolicy, gpu_blocks_for_ngl
-from simulator.core.loop import Engine, cpu_layers_for
-from simulator.costs import cost_model
-from simulator.errors import PolicyError, UserError
-from simulator.hardware import load_profile
-from simulator.recorder import Recorder
-from simulator.reference import ReferenceEngine
-from simulator.runner import simulate
-from simulator.testing import routing_from_experts, tiny_model
+from daopsim.policies.llama_cpp_layers import LlamaCppLayersPolicy, gpu_blocks_for_ngl
+from daopsim.simulator.core.loop import Engine, cpu_layers_for
+from daopsim.simulator.costs import cost_model
+from daopsim.simulator.errors import PolicyError, UserError
+from daopsim.simulator.hardware import load_profile
+from daopsim.simulator.recorder import Recorder
+from daopsim.simulator.reference import ReferenceEngine
+from daopsim.simulator.runner import simulate
+from daopsim.simulator.testing import routing_from_experts, tiny_model
 
 US = 1e-6
 
@@ -142,7 +142,7 @@ def test_the_cpu_never_runs_two_things_at_once(opts: dict) -> None:
 
 
 def test_background_work_is_refused_with_cpu_layers() -> None:
-    from policies.base import Plan
+    from daopsim.policies.base import Plan
 
     class Prefetching(LlamaCppLayersPolicy):
         name = "llama-cpp-layers-prefetching"
@@ -180,7 +180,7 @@ def test_bad_ngl_is_a_one_line_error() -> None:
 def test_batched_serving_runs_cpu_layers_and_batch_one_is_the_plain_run() -> None:
     """Batch 1 goes through the per-token pass (the plain run's numbers); a batched step of
     fewer than 32 tokens runs the CPU layers on the CPU, one CPU non-expert part per layer."""
-    from simulator.serving import ServingConfig
+    from daopsim.simulator.serving import ServingConfig
 
     kw = dict(
         policy="llama-cpp-layers",
@@ -223,7 +223,7 @@ def test_batched_serving_runs_cpu_layers_and_batch_one_is_the_plain_run() -> Non
 def test_chunked_prefill_with_cpu_layers_is_refused_and_preemption_runs() -> None:
     """A mixed step times its non-expert part on the GPU only, so CPU-resident layers with
     --prefill-chunk are a one-line user error; preemption alone uses the per-layer CPU rules."""
-    from simulator.serving import ServingConfig
+    from daopsim.simulator.serving import ServingConfig
 
     kw = dict(
         policy="llama-cpp-layers",

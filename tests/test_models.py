@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from simulator.errors import UserError
-from simulator.models import PRESETS, get_model
+from daopsim.simulator.errors import UserError
+from daopsim.simulator.models import PRESETS, get_model
 
 REQUIRED = {
     "mixtral-8x7b",

@@ -23,13 +23,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from policies.base import SetupContext, View
-from policies.moe_infinity import MoEInfinityPolicy
-from simulator.costs import cost_model
-from simulator.errors import UserError
-from simulator.hardware import load_profile
-from simulator.runner import simulate
-from simulator.testing import tiny_model
+from daopsim.policies.base import SetupContext, View
+from daopsim.policies.moe_infinity import MoEInfinityPolicy
+from daopsim.simulator.costs import cost_model
+from daopsim.simulator.errors import UserError
+from daopsim.simulator.hardware import load_profile
+from daopsim.simulator.runner import simulate
+from daopsim.simulator.testing import tiny_model
 
 HW = load_profile("a6000-pcie4")
 

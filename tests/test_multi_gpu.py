@@ -13,13 +13,13 @@ import pandas as pd
 import pytest
 from click.testing import CliRunner
 
-from policies.base import Action, Plan, Policy, SetupContext, View
-from policies.registry import get_policy_class
-from simulator.cli import main
-from simulator.errors import UserError
-from simulator.models import get_model
-from simulator.multigpu import MultiGpuConfig, Placement, ShardedPolicy
-from simulator.runner import simulate
+from daopsim.policies.base import Action, Plan, Policy, SetupContext, View
+from daopsim.policies.registry import get_policy_class
+from daopsim.simulator.cli import main
+from daopsim.simulator.errors import UserError
+from daopsim.simulator.models import get_model
+from daopsim.simulator.multigpu import MultiGpuConfig, Placement, ShardedPolicy
+from daopsim.simulator.runner import simulate
 
 TRACE = "ci-small"
 
@@ -121,7 +121,7 @@ def test_slots_per_gpu_never_over_budget(mode: str) -> None:
 
 
 def _cfg(n: int, mode: str):  # type: ignore[no-untyped-def]
-    from simulator.multigpu import MultiGpuConfig
+    from daopsim.simulator.multigpu import MultiGpuConfig
 
     return MultiGpuConfig(n, mode)
 
@@ -245,7 +245,7 @@ def test_run_json_has_per_gpu_metrics() -> None:
 
 def test_sweep_gpus_axis(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A sweep compares 1 and 2 GPUs (both placements); one-GPU rows read gpus = 1."""
-    from simulator.sweep import Grid, expand, run_sweep
+    from daopsim.simulator.sweep import Grid, expand, run_sweep
 
     grid = Grid(
         policies=["lru"], hw=["2x-rtx3090-nvlink"], traces=[TRACE], gpu_experts=[30],
@@ -307,7 +307,7 @@ def test_per_gpu_belady_bounds_lru(mode: str) -> None:
 def test_batched_serving_on_two_gpus(mode: str, batch: int | None, rate: float | None) -> None:
     """Static and continuous batching over two GPUs: both executors give the same timeline,
     and the batched steps' non-expert parts run on the layers' home GPUs."""
-    from simulator.serving import serving_config
+    from daopsim.simulator.serving import serving_config
 
     sv = serving_config(batch, 4 if rate else None, rate, None, None, None, None)
     kw = {"gpus": 2, "multi_gpu": mode, "sequences": 4, "gpu_experts": 24, "serving": sv}
@@ -329,7 +329,7 @@ def test_batched_serving_on_two_gpus(mode: str, batch: int | None, rate: float |
 def test_busy_fraction_and_energy_count_every_gpu() -> None:
     """gpu_busy_frac is a mean over the GPUs (never above 1); every GPU idles at its context
     power for the whole run, so two GPUs cost at least twice one GPU's idle energy."""
-    from simulator.hardware import load_profile
+    from daopsim.simulator.hardware import load_profile
 
     res = run("lru", "8x-h100-sxm5", gpus=4, gpu_experts=16, record=False)
     m = res.metrics
@@ -346,9 +346,9 @@ def test_busy_fraction_and_energy_count_every_gpu() -> None:
 def test_peer_copy_cost_from_the_profile() -> None:
     """A direct peer copy costs its latency plus the bytes at the per-direction bandwidth;
     a profile without peer access has no direct path to cost."""
-    from simulator.costs import cost_model
-    from simulator.hardware import load_profile
-    from simulator.models import get_model
+    from daopsim.simulator.costs import cost_model
+    from daopsim.simulator.hardware import load_profile
+    from daopsim.simulator.models import get_model
 
     model = get_model("mixtral-8x7b")
     nv = cost_model(load_profile("2x-rtx3090-nvlink"), model)
@@ -377,8 +377,8 @@ def test_peer_copy_cost_from_the_profile() -> None:
 )
 def test_bad_multi_gpu_tables_are_one_line_profile_errors(tmp_path, tables: str, msg: str) -> None:  # type: ignore[no-untyped-def]
     """[gpus] and [peer] are checked on load; a mistake names the file and the key."""
-    from simulator.errors import ProfileError
-    from simulator.hardware import load_profile
+    from daopsim.simulator.errors import ProfileError
+    from daopsim.simulator.hardware import load_profile
 
     f = tmp_path / "box.toml"
     f.write_text(f'extends = "rtx3090-pcie4"\nname = "box"\ndescription = "d"\n{tables}')
@@ -479,7 +479,7 @@ def test_every_builtin_policy_runs_on_a_shared_uplink(mode: str) -> None:
     streaming its non-expert weights (stream-all, which runs with them kept resident) and one
     issuing its copies on its kernels' stream (mixtral-offloading as released; it runs with
     its copies on a side stream)."""
-    from policies.registry import available
+    from daopsim.policies.registry import available
 
     for name in sorted(available()):
         if name == "llama-cpp-layers":  # CPU-resident layers: a one-line refusal (below)
@@ -538,8 +538,8 @@ def test_cpu_layers_and_host_budget_refusals_name_the_option() -> None:
 def _skewed_trace(path):  # type: ignore[no-untyped-def]
     """Tiny model (8 experts, top-2): experts 0 and 2 (both GPU 0 under ``mod``) are picked
     by most tokens of every layer, the rest at random."""
-    from simulator.testing import make_meta, routing_from_experts, tiny_model
-    from simulator.trace import write_trace
+    from daopsim.simulator.testing import make_meta, routing_from_experts, tiny_model
+    from daopsim.simulator.trace import write_trace
 
     model = tiny_model()
     rng = np.random.default_rng(3)
@@ -580,7 +580,7 @@ def test_balanced_expert_placement_evens_routed_traffic(tmp_path) -> None:  # ty
 
 def test_balanced_packing_largest_first_onto_least_loaded() -> None:
     """The greedy packing by hand: equal expert counts, hottest experts on different GPUs."""
-    from simulator.multigpu import balanced_experts
+    from daopsim.simulator.multigpu import balanced_experts
 
     pop = np.array([100, 1, 90, 1, 50, 40, 1, 1])
     # 0, 2, 4 (to GPU 1: 90 < 100), 5 (to GPU 0: 100 < 140), then the 1s alternate on ties

@@ -34,7 +34,7 @@ from typing import Any
 
 import pytest
 
-from simulator.regress import default_store
+from daopsim.simulator.regress import default_store
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -92,13 +92,16 @@ def _copy_file(src: str, dst: str) -> None:
 
 
 def source_copy(dest: Path) -> Path:
-    """Every top-level Python package of the repository (tests excluded), copied to ``dest``."""
+    """Every top-level Python package folder of the repository (tests excluded), copied to
+    ``dest``; daopsim/'s symlinks (daopsim/simulator -> ../simulator) stay symlinks, so the
+    copy's daopsim.simulator is the copy's simulator/ folder, where the mutant is applied."""
     dest.mkdir()
     for pkg in sorted(p.parent for p in REPO.glob("*/__init__.py")):
         if pkg.name != "tests":
             shutil.copytree(
                 pkg,
                 dest / pkg.name,
+                symlinks=True,
                 ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
                 copy_function=_copy_file,
             )
@@ -123,7 +126,7 @@ def apply(root: Path, mutant: Mutant) -> None:
 def regress(root: Path, only: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
     """``daopsim regress`` run from the copy against the real golden store."""
     env = {**os.environ, "PYTHONPATH": str(root), "PYTHONDONTWRITEBYTECODE": "1"}
-    args = [sys.executable, "-m", "simulator.cli", "regress", "--no-progress"]
+    args = [sys.executable, "-m", "daopsim", "regress", "--no-progress"]
     args += ["--baseline", str(default_store()), *(f"--only={g}" for g in only)]
     return subprocess.run(args, cwd=root, env=env, capture_output=True, text=True, timeout=900)
 
@@ -139,7 +142,11 @@ def test_unmutated_copy_passes(tmp_path: Path) -> None:
     """The copy is what runs, and without a mutant regress passes on every mutant's cells."""
     root = source_copy(tmp_path / "src")
     probe = subprocess.run(
-        [sys.executable, "-c", "import simulator, policies; print(simulator.__file__)"],
+        [
+            sys.executable,
+            "-c",
+            "import daopsim.simulator, daopsim.policies; print(daopsim.simulator.__file__)",
+        ],
         cwd=root,
         env={**os.environ, "PYTHONPATH": str(root), "PYTHONDONTWRITEBYTECODE": "1"},
         capture_output=True,
@@ -182,7 +189,7 @@ class EngineMutant:
 
 
 def _a6000() -> Any:
-    from simulator.hardware import load_profile
+    from daopsim.simulator.hardware import load_profile
 
     return load_profile("a6000-pcie4")
 
@@ -197,7 +204,7 @@ def _check_chaos(**spec: Any) -> None:
 def _check_policy(policy: str, hw: str = "a6000-pcie4", **opts: Any) -> None:
     from equivalence import both
 
-    from simulator.hardware import load_profile
+    from daopsim.simulator.hardware import load_profile
 
     both(policy, "ci-small", 0.25, load_profile(hw), **opts)
 
@@ -205,8 +212,8 @@ def _check_policy(policy: str, hw: str = "a6000-pcie4", **opts: Any) -> None:
 def _check_ssd() -> None:
     from equivalence import chaos_both, host_tier, slow_cpu
 
-    from simulator.hardware import load_profile
-    from simulator.testing import tiny_model
+    from daopsim.simulator.hardware import load_profile
+    from daopsim.simulator.testing import tiny_model
 
     hw = slow_cpu(load_profile("rtx4090-990pro-pcie4"))
     for seed in range(3):
@@ -215,7 +222,7 @@ def _check_ssd() -> None:
 
 
 def _check_two_gpus() -> None:
-    from simulator.runner import simulate
+    from daopsim.simulator.runner import simulate
 
     for mode in ("expert", "pipeline"):
         kw = {"policy": "lru", "hw": "2x-rtx3090-nvlink", "trace": "ci-small", "sequences": 1,
@@ -240,14 +247,14 @@ CHECKS: dict[str, Callable[[], None]] = {
 ENGINE_MUTANTS = (
     EngineMutant(
         "transfer-stall-halved",
-        "simulator.core.executor:Executor._run_gpu",
+        "daopsim.simulator.core.executor:Executor._run_gpu",
         "                c.transfer_stall += ready - gk",
         "                c.transfer_stall += 0.5 * (ready - gk)",
         "chaos",
     ),
     EngineMutant(
         "gpu-stream-by-expert-only",
-        "simulator.core.executor:Executor.add_job",
+        "daopsim.simulator.core.executor:Executor.add_job",
         "        job.k1 = job.ready if job.ready > base else base\n"
         "        job.k2, job.k3 = job.ready, job.expert",
         "        job.k1 = job.k2 = 0.0\n        job.k3 = job.expert",
@@ -255,91 +262,91 @@ ENGINE_MUTANTS = (
     ),
     EngineMutant(
         "slot-released-when-write-back-starts",
-        "simulator.core.executor:Executor._write_back",
+        "daopsim.simulator.core.executor:Executor._write_back",
         "        op.stage = 1\n        self.push(e, op)",
         "        op.stage = 1\n        self.push(s, op)",
         "chaos",
     ),
     EngineMutant(
         "one-slot-too-many",
-        "simulator.core.resources:Residency.take",
+        "daopsim.simulator.core.resources:Residency.take",
         "        if self.held[k] >= self.cap[k]:",
         "        if self.held[k] > self.cap[k]:",
         "chaos",
     ),
     EngineMutant(
         "cpu-calls-do-not-share-the-socket",
-        "simulator.core.resources:SharedCpu._rerate",
+        "daopsim.simulator.core.resources:SharedCpu._rerate",
         "        rate = 1.0 / share if share > 1.0 else 1.0",
         "        rate = 2.0 / share if share > 2.0 else 1.0",
         "chaos",
     ),
     EngineMutant(
         "cpu-worker-lowest-index",
-        "simulator.core.resources:SharedCpu._idle_worker",
+        "daopsim.simulator.core.resources:SharedCpu._idle_worker",
         "            if free and (i < 0 or self.lanes[k].free_at < best):",
         "            if free and i < 0:",
         "chaos",
     ),
     EngineMutant(
         "expert-sync-does-not-wait-for-the-stream",
-        "simulator.core.resources:HostThread.expert",
+        "daopsim.simulator.core.resources:HostThread.expert",
         "            h = drained if drained > self.t else self.t",
         "            h = self.t",
         "fiddler",
     ),
     EngineMutant(
         "fused-call-charged-per-expert",
-        "simulator.core.executor:Executor._run_gpu",
+        "daopsim.simulator.core.executor:Executor._run_gpu",
         "            if unfused[k]:\n                unfused[k] = False",
         "            if True:\n                unfused[k] = False",
         "fused-runtime",
     ),
     EngineMutant(
         "cpu-first-ignored",
-        "simulator.core.executor:Executor._wait_cpu_first",
+        "daopsim.simulator.core.executor:Executor._wait_cpu_first",
         "        if not (w.cpu_first and w.sync):",
         "        if True:",
         "fiddler",
     ),
     EngineMutant(
         "gather-barrier-ignored",
-        "simulator.core.executor:Executor._barrier",
+        "daopsim.simulator.core.executor:Executor._barrier",
         "                if t > bar:",
         "                if False:",
         "gather",
     ),
     EngineMutant(
         "in-use-victim-written-back-at-once",
-        "simulator.core.apply:Applier._evict",
+        "daopsim.simulator.core.apply:Applier._evict",
         "        if layer == w.layer and expert in needed:",
         "        if False:",
         "in-use-victims",
     ),
     EngineMutant(
         "unified-copies-take-no-dram",
-        "simulator.core.executor:Executor.mem",
+        "daopsim.simulator.core.executor:Executor.mem",
         "        self.m.copy_load(s, e, nbytes)",
         "        pass",
         "daop-unified",
     ),
     EngineMutant(
         "one-stream-kernel-beside-copies",
-        "simulator.core.executor:Executor._one_stream_ready",
+        "daopsim.simulator.core.executor:Executor._one_stream_ready",
         "        if up_h.lane.free_at > ready:\n            ready = up_h.lane.free_at",
         "        pass",
         "chaos-one-stream",
     ),
     EngineMutant(
         "ssd-stall-not-counted",
-        "simulator.core.apply:Applier._ssd_stage",
+        "daopsim.simulator.core.apply:Applier._ssd_stage",
         "        tier.ssd_stall += wait - now",
         "        tier.ssd_stall += 0.0",
         "ssd",
     ),
     EngineMutant(
         "pipeline-hand-over-of-every-selection",
-        "simulator.core.executor:Executor._cross",
+        "daopsim.simulator.core.executor:Executor._cross",
         "int(counts.sum()) // self.m.costs.model.top_k)",
         "int(counts.sum()))",
         "two-gpus",

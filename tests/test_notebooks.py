@@ -141,7 +141,8 @@ def test_notebooks_import_only_daopsim(path: Path) -> None:
 
     nb = nbformat.read(path, as_version=4)
     private = re.compile(
-        r"^\s*(from|import)\s+(simulator|policies|hardware_profiles|traces)\b", re.MULTILINE
+        r"^\s*(from|import)\s+(daopsim\.)?(simulator|policies|hardware_profiles|traces)\b",
+        re.MULTILINE,
     )
     for cell in nb.cells:
         if cell.cell_type == "code":

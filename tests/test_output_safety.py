@@ -19,11 +19,11 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from policies import registry
-from policies.base import Action, Plan, Policy
-from simulator.cli import main
-from simulator.runner import simulate
-from simulator.testing import make_trace
+from daopsim.policies import registry
+from daopsim.policies.base import Action, Plan, Policy
+from daopsim.simulator.cli import main
+from daopsim.simulator.runner import simulate
+from daopsim.simulator.testing import make_trace
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +109,7 @@ def test_failing_run_keeps_previous_outputs(trace: Path, tmp_path: Path, fails_l
 
 WRITER = """
 import sys
-from simulator.runner import simulate
+from daopsim.simulator.runner import simulate
 res = simulate(policy="lru", trace=sys.argv[1], cache_ratio=0.25, record=True)
 res.write(sys.argv[2], plots=False)
 print("ready", flush=True)

@@ -1,12 +1,17 @@
-"""The installable package: the wheel ships every data folder, and data never comes from the cwd.
+"""The installable package: one installed name, every data folder shipped, no data from the cwd.
+
+Everything installs under ``daopsim``: the repository's folders simulator/, policies/,
+hardware_profiles/ and traces/ are the packages ``daopsim.simulator`` ... (symlinks in daopsim/),
+and no module is ever loaded under a top-level name of its own (``test_one_installed_name``).
 
 ``test_wheel_installs_and_runs_from_an_empty_directory`` builds the wheel from a copy of the
 source (so the build writes only under tmp_path), installs it without dependencies into a fresh
 venv, and makes the test venv's third-party packages visible through a plain path line in a
 ``.pth`` file. That line adds only a directory: the ``.pth`` files inside it (the editable
 install's finder) are not run, so daopsim's own modules come from the wheel alone, which the test
-checks. Then ``daopsim`` runs from an empty directory: ``experiment --list``, ``validate`` on one
-row and ``run``.
+checks. The wheel's only top-level name is ``daopsim`` (and its dist-info), and the build prints
+no warning. Then ``daopsim`` runs from an empty directory: ``experiment --list``, ``validate`` on
+one row and ``run``.
 """
 
 from __future__ import annotations
@@ -25,9 +30,11 @@ from pathlib import Path
 import pytest
 
 import daopsim
-from simulator import data
+from daopsim.simulator import data
 
 REPO = Path(__file__).resolve().parents[1]
+#: the repository's folders that install as subpackages of daopsim, never as top-level names
+SUBPACKAGES = ("simulator", "policies", "hardware_profiles", "traces")
 #: what the build needs from the source tree (pyproject's packages, package-dir and readme)
 SOURCES = (
     "pyproject.toml",
@@ -66,10 +73,10 @@ class MyPolicy(CachingPolicy):
 
 
 def test_public_api_names() -> None:
-    from policies.base import Action, Plan, Policy, View
-    from policies.registry import register
-    from simulator.runner import simulate
-    from simulator.sweep import sweep
+    from daopsim.policies.base import Action, Plan, Policy, View
+    from daopsim.policies.registry import register
+    from daopsim.simulator.runner import simulate
+    from daopsim.simulator.sweep import sweep
 
     assert daopsim.simulate is simulate and daopsim.sweep is sweep
     assert daopsim.Policy is Policy and daopsim.register is register
@@ -89,8 +96,56 @@ def test_public_api_runs() -> None:
     assert "lru" in daopsim.policies()
 
 
+#: a session through the public API: a run, the policy list, every CLI command module
+_THROUGH_DAOPSIM = """
+import json, sys
+import daopsim
+daopsim.simulate(policy="lru", hw="a6000-pcie4", trace="ci-small", sequences=1)
+assert "lru" in daopsim.policies() and "lru" in daopsim.policies.registry.available()
+daopsim.list_profiles(), daopsim.bundled_traces(), daopsim.get_runtime("hf-eager")
+from daopsim.simulator.cli import main
+top = {"simulator", "policies", "hardware_profiles", "traces"}
+print(json.dumps(sorted(m for m in sys.modules if m.partition(".")[0] in top)))
+"""
+
+
+def test_one_installed_name() -> None:
+    """Every module has one name, under daopsim: after a session through ``daopsim``, no module
+    named ``simulator``, ``policies``, ``hardware_profiles`` or ``traces`` (or a submodule) is
+    loaded, here or in a fresh interpreter started in the repository (whose folders of those names
+    are on sys.path there). Importing one of them by its folder's name fails with a pointer to the
+    real name, so no source file can run twice as two modules."""
+    top = set(SUBPACKAGES)
+    assert not [m for m in sys.modules if m.partition(".")[0] in top]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _THROUGH_DAOPSIM],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
+    for pkg in SUBPACKAGES:
+        proc = subprocess.run(
+            [sys.executable, "-c", f"import {pkg}"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 1, (pkg, proc.stderr)
+        assert f"is the package daopsim.{pkg}: import it by that name" in proc.stderr
+    # the public API's policies() is the subpackage daopsim.policies, called
+    assert daopsim.policies is sys.modules["daopsim.policies"]
+    assert daopsim.policies() == daopsim.policies.registry.available()
+
+
 def test_every_bundled_folder_is_found() -> None:
-    for folder in (*data.TOP_LEVEL, *data.UNDER_DAOPSIM):
+    for folder in (*data.SUBPACKAGES, *data.UNDER_DAOPSIM):
         path = data.bundled_dir(folder)
         assert path.is_dir() and any(path.iterdir()), folder
     assert (data.bundled_dir("validation") / "published.toml").is_file()
@@ -102,8 +157,9 @@ def test_every_bundled_folder_is_found() -> None:
 def test_a_same_named_folder_on_the_path_does_not_hide_bundled_data(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # What an editable install meets when the cwd (on sys.path under `python -m` or Jupyter)
-    # holds a plain traces/ folder: Python resolves `traces` to that namespace package.
+    # What a checkout meets when the cwd (on sys.path under `python -m` or Jupyter) holds a
+    # plain traces/ folder: Python resolves `traces` to that namespace package. The bundled
+    # traces are daopsim.traces, which no top-level name can hide.
     decoy = tmp_path / "traces"
     decoy.mkdir()
     (decoy / "decoy.parquet").write_bytes(b"not a trace")
@@ -115,19 +171,18 @@ def test_a_same_named_folder_on_the_path_does_not_hide_bundled_data(
     monkeypatch.setitem(sys.modules, "traces", fake)
     names = data.bundled_traces()
     assert "decoy" not in names and data.CI_TRACE in names
-    assert data.traces_dir() == REPO / "traces"
+    assert data.traces_dir().resolve() == REPO / "traces"
 
 
 #: A Python start-up that imports daopsim the way an editable install does: a meta-path finder
-#: placed after the normal path finder maps the top-level names to the source tree. The current
-#: directory is on sys.path (as under `python -c`, `python -m` or Jupyter), so a plain traces/
-#: folder there is found first, as a namespace package: the situation that used to hide the
-#: bundled traces.
+#: placed after the normal path finder maps the top-level name to the source tree. The current
+#: directory is on sys.path (as under `python -c`, `python -m` or Jupyter), so plain traces/ and
+#: hardware_profiles/ folders there are found as namespace packages of those names: the
+#: situation that used to hide the bundled data when those were top-level packages.
 _EDITABLE_LIKE = """
 import importlib.machinery, importlib.util, sys
 REPO, ARGS = sys.argv[1], sys.argv[2:]
-NAMES = {"daopsim", "simulator", "policies", "traces", "hardware_profiles", "experiments",
-         "validation", "baselines"}
+NAMES = {"daopsim"}
 class SourceTree:
     @classmethod
     def find_spec(cls, name, path=None, target=None):
@@ -139,7 +194,7 @@ class SourceTree:
 at = sys.meta_path.index(importlib.machinery.PathFinder) + 1
 sys.meta_path.insert(at, SourceTree)
 sys.argv = ["daopsim", *ARGS]
-from simulator.cli import main
+from daopsim.simulator.cli import main
 main()
 """
 
@@ -169,7 +224,8 @@ def _copy_sources(dest: Path) -> None:
     for name in SOURCES:
         src = REPO / name
         if src.is_dir():
-            shutil.copytree(src, dest / name, ignore=ignore)
+            # symlinks=True: daopsim/simulator stays a symlink to the copy's simulator/
+            shutil.copytree(src, dest / name, ignore=ignore, symlinks=True)
         else:
             shutil.copy2(src, dest / name)
 
@@ -210,8 +266,22 @@ def test_wheel_installs_and_runs_from_an_empty_directory(tmp_path: Path) -> None
     (wheel,) = wheels.glob("daopsim-*.whl")
     with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()
-    assert any(n.startswith("hardware_profiles/runtimes/") and n.endswith(".toml") for n in names)
+        top_level = zf.read("daopsim-0.1.0.dist-info/top_level.txt").decode().split()
+    # one installed name: daopsim (and its dist-info), the folders inside it
+    assert {n.split("/")[0] for n in names} == {"daopsim", "daopsim-0.1.0.dist-info"}
+    assert top_level == ["daopsim"]
+    for pkg in SUBPACKAGES:
+        assert f"daopsim/{pkg}/__init__.py" in names, pkg
+    assert "daopsim/simulator/core/ops.py" in names and "daopsim/policies/lru.py" in names
+    assert any(
+        n.startswith("daopsim/hardware_profiles/runtimes/") and n.endswith(".toml") for n in names
+    )
+    assert "daopsim/traces/ci-small.parquet" in names
     assert "daopsim/__main__.py" in names
+    # the compiled core (when this machine compiled it) is named inside daopsim too
+    ext = tuple(importlib.machinery.EXTENSION_SUFFIXES)
+    compiled = [n for n in names if n.endswith(ext)]
+    assert all(n.startswith(("daopsim/simulator/", "daopsim/policies/")) for n in compiled)
 
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     py = venv / "bin" / "python"
@@ -247,8 +317,19 @@ def test_wheel_installs_and_runs_from_an_empty_directory(tmp_path: Path) -> None
         assert proc.returncode == 0, f"{args}: {proc.stderr[-3000:]}"
         return proc
 
-    where = run(str(py), "-c", "import daopsim, simulator, traces; print(simulator.__file__)")
+    where = run(
+        str(py), "-c", "import daopsim.simulator, daopsim.traces; print(daopsim.simulator.__file__)"
+    )
     assert Path(where.stdout.strip()).is_relative_to(venv), where.stdout
+    # no top-level names: the other projects' `simulator`, `policies`, `traces` stay theirs
+    for pkg in SUBPACKAGES:
+        probe = subprocess.run(
+            [str(py), "-c", f"import {pkg}"], cwd=empty, env=env, capture_output=True, text=True
+        )
+        assert probe.returncode != 0 and "ModuleNotFoundError" in probe.stderr, pkg
+    if compiled:  # the wheel's extensions load under their daopsim names
+        status = run(str(py), "-c", "import daopsim.simulator.native as n; print(n.status())")
+        assert "compiled (mypyc)" in status.stdout, status.stdout
     exe = str(venv / "bin" / "daopsim")
     listing = run(exe, "experiment", "--list")
     assert "daop-paper" in listing.stdout and str(venv) in listing.stdout

@@ -1,8 +1,8 @@
 """The Perfetto export (simulator/perfetto.py) against the plain one-dict-per-event builder.
 
 The export assembles event text block by block; the oracle
-(``simulator.testing.perfetto_reference``) builds every event as a dict over all rows at once
-and lets ``json.dumps`` write it. They must give the same events, and the same text.
+(``daopsim.simulator.testing.perfetto_reference``) builds every event as a dict over all rows at
+once and lets ``json.dumps`` write it. They must give the same events, and the same text.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from simulator.perfetto import write_events
-from simulator.results import RunResult, _json_safe
-from simulator.runner import simulate
-from simulator.serving import serving_config
-from simulator.testing import perfetto_reference
+from daopsim.simulator.perfetto import write_events
+from daopsim.simulator.results import RunResult, _json_safe
+from daopsim.simulator.runner import simulate
+from daopsim.simulator.serving import serving_config
+from daopsim.simulator.testing import perfetto_reference
 
 
 def _meta(r: RunResult) -> dict[str, Any]:

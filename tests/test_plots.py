@@ -10,8 +10,8 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from simulator.errors import UserError
-from simulator.plots import (
+from daopsim.simulator.errors import UserError
+from daopsim.simulator.plots import (
     KINDS,
     breakdown_table,
     pareto_front,
@@ -19,8 +19,8 @@ from simulator.plots import (
     plot_throughput,
     save_figure,
 )
-from simulator.sweep import Grid, fidelity_floor, sweep
-from simulator.testing import make_trace
+from daopsim.simulator.sweep import Grid, fidelity_floor, sweep
+from daopsim.simulator.testing import make_trace
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -196,7 +196,7 @@ def _line_colors(fig: object) -> dict[str, str]:
 
 
 def test_a_policy_has_one_colour_in_every_plot(results: Path) -> None:
-    from simulator.plots import POLICY_COLORS, policy_color
+    from daopsim.simulator.plots import POLICY_COLORS, policy_color
 
     df = pd.read_parquet(results)
     thr = _line_colors(plot(df, "throughput"))
@@ -268,8 +268,8 @@ def test_approximate_routing_is_marked(results: Path, cli: Any, tmp_path: Path) 
     import matplotlib
 
     matplotlib.use("Agg")
-    from simulator import plots
-    from simulator.sweep import read_table
+    from daopsim.simulator import plots
+    from daopsim.simulator.sweep import read_table
 
     df = read_table(results)
     df.loc[df["policy"] == "static", "gate_mass_preserved"] = 0.9
@@ -453,7 +453,7 @@ def test_awkward_sweeps_render_and_say_what_happened(
 def test_pareto_labels_do_not_overlap_and_stay_inside(awkward: dict[str, pd.DataFrame]) -> None:
     import matplotlib.pyplot as plt
 
-    from simulator.plots import pareto_front, realisable
+    from daopsim.simulator.plots import pareto_front, realisable
 
     # many near points: the front of the many-policies sweep, stretched to crowd the labels
     table = awkward["many policies"]
@@ -475,7 +475,7 @@ def test_pareto_labels_do_not_overlap_and_stay_inside(awkward: dict[str, pd.Data
 def test_experiment_figure_log_ticks_read_as_numbers(tmp_path: Path) -> None:
     """The experiment plot's log axis reads 0.5, 1, 2 (not 5x10^-1), and skipped points are
     named."""
-    from simulator.experiments import run_experiment
+    from daopsim.simulator.experiments import run_experiment
 
     trace = make_trace(
         tmp_path / "t.parquet", model="mixtral-8x7b", sequences=2, prefill=4, decode=6, seed=1

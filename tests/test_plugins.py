@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-import policies.registry as registry
-from simulator.runner import simulate
-from simulator.testing import make_trace
+import daopsim.policies.registry as registry
+from daopsim.simulator.runner import simulate
+from daopsim.simulator.testing import make_trace
 
 PKG = Path(__file__).parent / "fixtures" / "plugin_pkg"
 NAME = "mru-plugin"
@@ -122,15 +122,15 @@ BROKEN_MODULES = {
     "brk_exit": "import sys\nsys.exit(3)\n",
     "brk_notpolicy": "THING = 42\n",
     "brk_clash": (
-        "from policies.caching import CachingPolicy\n\n\n"
+        "from daopsim.policies.caching import CachingPolicy\n\n\n"
         "class FakeLRU(CachingPolicy):\n"
         '    name = "lru"\n\n'
         "    def choose_victim(self, layer, protected, step):\n"
         "        return min(e for e in self.cache[layer] if e not in protected)\n"
     ),
     "brk_half": (
-        "from policies.caching import CachingPolicy\n"
-        "from policies.registry import register\n\n\n"
+        "from daopsim.policies.caching import CachingPolicy\n"
+        "from daopsim.policies.registry import register\n\n\n"
         "@register\n"
         "class Half(CachingPolicy):\n"
         '    name = "half-registered"\n\n\n'
@@ -181,10 +181,12 @@ def test_broken_plugins_are_listed_and_left_out(broken_site: Path) -> None:
     assert "ImportError: needs the package frobnicate" in failed["broken-import"].error
     assert "SystemExit" in failed["broken-exit"].error
     assert "not a Policy subclass" in failed["not-a-policy"].error
-    assert "'lru'" in failed["lru-clash"].error and "policies.lru" in failed["lru-clash"].error
+    assert (
+        "'lru'" in failed["lru-clash"].error and "daopsim.policies.lru" in failed["lru-clash"].error
+    )
     assert failed["half"].distribution == "daopsim-broken-plugins"
     names = registry.available()
-    assert names["lru"].__module__ == "policies.lru"  # the built-in keeps its name
+    assert names["lru"].__module__ == "daopsim.policies.lru"  # the built-in keeps its name
     # a module that registered a class and then failed leaves nothing behind
     assert "half-registered" not in names
     assert not set(BROKEN_ENTRY_POINTS) & set(names)
@@ -206,7 +208,7 @@ def test_broken_plugins_leave_the_cli_working(broken_site: Path, trace: Path) ->
     env["PYTHONPATH"] = os.pathsep.join([str(broken_site), env.get("PYTHONPATH", "")]).rstrip(
         os.pathsep
     )
-    cli = [sys.executable, "-m", "simulator.cli"]
+    cli = [sys.executable, "-m", "daopsim"]
 
     def daopsim(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([*cli, *args], capture_output=True, text=True, env=env, timeout=120)

@@ -12,18 +12,18 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from policies.base import SetupContext
-from policies.registry import available, make_policy
-from simulator.core.loop import Engine
-from simulator.core.ops import Counters
-from simulator.costs import cost_model
-from simulator.errors import UserError
-from simulator.hardware import load_profile
-from simulator.models import get_model
-from simulator.recorder import Recorder
-from simulator.runner import Oracle
-from simulator.testing import random_routing, routing_from_experts, tiny_model
-from simulator.trace import SequenceRouting
+from daopsim.policies.base import SetupContext
+from daopsim.policies.registry import available, make_policy
+from daopsim.simulator.core.loop import Engine
+from daopsim.simulator.core.ops import Counters
+from daopsim.simulator.costs import cost_model
+from daopsim.simulator.errors import UserError
+from daopsim.simulator.hardware import load_profile
+from daopsim.simulator.models import get_model
+from daopsim.simulator.recorder import Recorder
+from daopsim.simulator.runner import Oracle
+from daopsim.simulator.testing import random_routing, routing_from_experts, tiny_model
+from daopsim.simulator.trace import SequenceRouting
 
 HW = load_profile("a6000-pcie4")
 
@@ -78,7 +78,7 @@ def _class_docstring(cls: type) -> str | None:
 
 def test_every_policy_is_documented() -> None:
     for name, cls in available().items():
-        if not cls.__module__.startswith("policies."):
+        if not cls.__module__.startswith("daopsim.policies."):
             continue
         assert cls.summary and cls.source and _class_docstring(cls), name
         for key, p in cls.params.items():

@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from policies import registry
-from policies.base import Action, Plan, Policy
-from simulator.cli import main
-from simulator.errors import PolicyError
-from simulator.runner import simulate
-from simulator.testing import make_trace
+from daopsim.policies import registry
+from daopsim.policies.base import Action, Plan, Policy
+from daopsim.simulator.cli import main
+from daopsim.simulator.errors import PolicyError
+from daopsim.simulator.runner import simulate
+from daopsim.simulator.testing import make_trace
 
 BUDGET = 4
 #: tiny model: 4 layers, 8 experts, top-2; 3 sequences of 3 prefill + 4 decode tokens; the
@@ -207,7 +207,7 @@ def test_run_cli_one_line(
 def test_sweep_records_the_fault_and_carries_on(
     trace: Path, tmp_path: Path, registered: None
 ) -> None:
-    from simulator.sweep import run_sweep
+    from daopsim.simulator.sweep import run_sweep
 
     grid = {
         "policies": [RaisesLate.name, Temp.name, "lru"],
@@ -227,7 +227,7 @@ def test_an_engine_fault_keeps_its_traceback(trace: Path, monkeypatch: pytest.Mo
     """A bug inside the engine (here: the lane placement) is not blamed on the policy."""
     import traceback
 
-    from simulator.core.resources import Lane
+    from daopsim.simulator.core.resources import Lane
 
     def broken(self: Lane, submitted: float, duration: float) -> tuple[float, float]:
         raise ZeroDivisionError("engine bug")

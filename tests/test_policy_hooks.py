@@ -17,16 +17,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from policies.base import Action, Plan, Policy, ResourceSpec, SetupContext, Slot, View
-from policies.caching import CachingPolicy, GlobalCachingPolicy
-from policies.registry import available
-from simulator.errors import PolicyError
-from simulator.results import RunResult
-from simulator.runner import simulate
-from simulator.serving import ServingConfig
-from simulator.testing import make_trace
+from daopsim.policies.base import Action, Plan, Policy, ResourceSpec, SetupContext, Slot, View
+from daopsim.policies.caching import CachingPolicy, GlobalCachingPolicy
+from daopsim.policies.registry import available
+from daopsim.simulator.errors import PolicyError
+from daopsim.simulator.results import RunResult
+from daopsim.simulator.runner import simulate
+from daopsim.simulator.serving import ServingConfig
+from daopsim.simulator.testing import make_trace
 
-BUILTIN = {n: c for n, c in available().items() if c.__module__.startswith("policies.")}
+BUILTIN = {n: c for n, c in available().items() if c.__module__.startswith("daopsim.policies.")}
 PER_LAYER = sorted(n for n, c in BUILTIN.items() if issubclass(c, CachingPolicy))
 GLOBAL = sorted(n for n, c in BUILTIN.items() if issubclass(c, GlobalCachingPolicy))
 CACHES = PER_LAYER + GLOBAL

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from simulator.progress import Progress, lazy_progress
+from daopsim.simulator.progress import Progress, lazy_progress
 
 
 class _Terminal(io.StringIO):

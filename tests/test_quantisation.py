@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from simulator.costs import cost_model
-from simulator.errors import UserError
-from simulator.models import DTYPE_BYTES, DTYPES, get_model
-from simulator.runner import simulate
-from simulator.testing import make_trace
+from daopsim.simulator.costs import cost_model
+from daopsim.simulator.errors import UserError
+from daopsim.simulator.models import DTYPE_BYTES, DTYPES, get_model
+from daopsim.simulator.runner import simulate
+from daopsim.simulator.testing import make_trace
 
 # Bits per weight by hand from the block structs of ggml/src/ggml-common.h (bytes of one block x
 # 8 / weights in it; QK_K = 256) and the group layouts of AWQ/GPTQ, HQQ and MXFP4.
@@ -154,7 +154,7 @@ def test_engine_counts_link_bytes_at_the_host_precision(tmp_path: Path) -> None:
 
 def read_model(trace: Path):
     """The model shape a trace declares."""
-    from simulator.trace import read_meta
+    from daopsim.simulator.trace import read_meta
 
     return read_meta(trace).model
 
@@ -211,7 +211,7 @@ def test_profiles_show_reports_the_split(cli) -> None:
 
 def test_precisions_round_trip_through_trace_metadata() -> None:
     """Split precisions survive to_dict/from_dict; defaults are left out of the metadata."""
-    from simulator.models import ModelShape
+    from daopsim.simulator.models import ModelShape
 
     model = get_model("qwen3-30b-a3b")
     assert "host_dtype" not in model.to_dict() and "nonexpert_dtype" not in model.to_dict()
@@ -224,7 +224,7 @@ def test_precisions_round_trip_through_trace_metadata() -> None:
 
 def test_sweep_grid_carries_the_precisions(tmp_path: Path) -> None:
     """A grid's host_dtype and nonexpert_dtype reach every run; keys differ from the default's."""
-    from simulator.sweep import Grid, run_sweep
+    from daopsim.simulator.sweep import Grid, run_sweep
 
     trace = make_trace(tmp_path / "t.parquet", sequences=2, prefill=3, decode=4, seed=2)
     base = {"policies": ["lru"], "hw": ["rtx4090-pcie4"], "traces": [str(trace)]}

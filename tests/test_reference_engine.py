@@ -46,22 +46,28 @@ from equivalence import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from policies.base import Action, Plan, Policy, ResourceSpec, SetupContext, Slot, View
-from policies.registry import available, get_policy_class
-from simulator.core.loop import Engine
-from simulator.costs import cost_model
-from simulator.errors import PolicyError, UserError
-from simulator.hardware import load_profile
-from simulator.recorder import Recorder
-from simulator.reference import ReferenceEngine
-from simulator.runner import simulate
-from simulator.runtime_profiles import RuntimeProfile, runtime_names
-from simulator.serving import Request, Serving, ServingConfig, dense
-from simulator.testing import ChaosPolicy, random_routing, roomy, routing_from_experts, tiny_model
+from daopsim.policies.base import Action, Plan, Policy, ResourceSpec, SetupContext, Slot, View
+from daopsim.policies.registry import available, get_policy_class
+from daopsim.simulator.core.loop import Engine
+from daopsim.simulator.costs import cost_model
+from daopsim.simulator.errors import PolicyError, UserError
+from daopsim.simulator.hardware import load_profile
+from daopsim.simulator.recorder import Recorder
+from daopsim.simulator.reference import ReferenceEngine
+from daopsim.simulator.runner import simulate
+from daopsim.simulator.runtime_profiles import RuntimeProfile, runtime_names
+from daopsim.simulator.serving import Request, Serving, ServingConfig, dense
+from daopsim.simulator.testing import (
+    ChaosPolicy,
+    random_routing,
+    roomy,
+    routing_from_experts,
+    tiny_model,
+)
 
 pytestmark = pytest.mark.reference
 
-BUILTIN = sorted(n for n, c in available().items() if c.__module__.startswith("policies."))
+BUILTIN = sorted(n for n, c in available().items() if c.__module__.startswith("daopsim.policies."))
 TRACES = ("ci-small", "olmoe-1b-7b", "phi-3.5-moe")
 RATIOS = (0.125, 0.375)
 A6000 = load_profile("a6000-pcie4")
@@ -586,8 +592,8 @@ def test_refusals_are_the_same_on_both_engines() -> None:
 def test_simulate_and_cli_select_the_reference_engine(tmp_path: Path) -> None:
     from click.testing import CliRunner
 
-    from simulator.cli import main
-    from simulator.testing import make_trace
+    from daopsim.simulator.cli import main
+    from daopsim.simulator.testing import make_trace
 
     trace = make_trace(tmp_path / "t.parquet", sequences=3, prefill=3, decode=4, seed=2)
     a = simulate(policy="lru", trace=trace, gpu_experts=8, engine="fast")
@@ -607,31 +613,33 @@ def test_the_reference_engine_imports_none_of_the_fast_engines_timing() -> None:
     import ast
     import pkgutil
 
-    import simulator.reference as ref
+    import daopsim.simulator.reference as ref
 
     allowed = {
-        "policies.base": None,
-        "simulator.boundary": None,
-        "simulator.costs": None,
-        "simulator.core.ops": {"Counters", "RunStats"},
-        "simulator.errors": None,
-        "simulator.hosttier": {"HostTierConfig"},
-        "simulator.models": None,
-        "simulator.multigpu": {"Placement"},
-        "simulator.recorder": None,
-        "simulator.runtime_profiles": {"RuntimeProfile"},
-        "simulator.serving": None,
-        "simulator.trace": None,
+        "daopsim.policies.base": None,
+        "daopsim.simulator.boundary": None,
+        "daopsim.simulator.costs": None,
+        "daopsim.simulator.core.ops": {"Counters", "RunStats"},
+        "daopsim.simulator.errors": None,
+        "daopsim.simulator.hosttier": {"HostTierConfig"},
+        "daopsim.simulator.models": None,
+        "daopsim.simulator.multigpu": {"Placement"},
+        "daopsim.simulator.recorder": None,
+        "daopsim.simulator.runtime_profiles": {"RuntimeProfile"},
+        "daopsim.simulator.serving": None,
+        "daopsim.simulator.trace": None,
     }
     for info in pkgutil.iter_modules(ref.__path__):
         path = Path(ref.__path__[0]) / f"{info.name}.py"
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Import):
                 names = {a.name for a in node.names}
-                assert not {n for n in names if n.startswith(("simulator", "policies"))}, path
+                assert not {
+                    n for n in names if n.startswith(("daopsim.simulator", "daopsim.policies"))
+                }, path
             elif isinstance(node, ast.ImportFrom) and node.module:
                 mod = node.module
-                if mod.startswith("simulator.reference") or not mod.startswith(
+                if mod.startswith("daopsim.simulator.reference") or not mod.startswith(
                     ("simulator", "policies")
                 ):
                     continue

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner, Result
 
-from simulator.cli import main
-from simulator.regress import (
+from daopsim.simulator.cli import main
+from daopsim.simulator.regress import (
     Budget,
     Cell,
     GridBlock,
@@ -24,7 +24,7 @@ from simulator.regress import (
     run_cell,
     same,
 )
-from simulator.testing import make_trace
+from daopsim.simulator.testing import make_trace
 
 
 def cli(*args: object) -> Result:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from simulator.core.ops import FETCH, Op
-from simulator.core.resources import INF, Residency
+from daopsim.simulator.core.ops import FETCH, Op
+from daopsim.simulator.core.resources import INF, Residency
 
 
 def test_the_flat_state_and_the_arrays_policies_read_are_one_memory() -> None:

@@ -9,13 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from simulator.models import ModelShape
-from simulator.reuse import LAGS, ReuseAccumulator
-from simulator.runner import simulate
-from simulator.stats import trace_stats
-from simulator.synth import SynthParams, write_synthetic
-from simulator.testing import make_meta, routing_from_experts, tiny_model
-from simulator.trace import iter_sequences, read_meta, sequence_ids, write_trace
+from daopsim.simulator.models import ModelShape
+from daopsim.simulator.reuse import LAGS, ReuseAccumulator
+from daopsim.simulator.runner import simulate
+from daopsim.simulator.stats import trace_stats
+from daopsim.simulator.synth import SynthParams, write_synthetic
+from daopsim.simulator.testing import make_meta, routing_from_experts, tiny_model
+from daopsim.simulator.trace import iter_sequences, read_meta, sequence_ids, write_trace
 
 #: The sequences both sides use: the engine evaluates exactly these (``evaluate=``), in file
 #: order, and the statistics read the same ones.
@@ -135,7 +135,7 @@ def test_accumulator_without_decode_tokens() -> None:
 def test_cli_stats_prints_reuse_and_skips_curves(tmp_path: Path) -> None:
     from click.testing import CliRunner
 
-    from simulator.cli import main
+    from daopsim.simulator.cli import main
 
     path, _ = _hand(tmp_path)
     res = CliRunner().invoke(main, ["trace", "stats", str(path)])
@@ -163,7 +163,7 @@ def test_curves_at_chosen_capacities_only(tmp_path: Path) -> None:
 @pytest.mark.parametrize("policy", ["lru", "belady"])
 def test_curves_equal_engine_on_bundled_ci_trace(policy: str) -> None:
     """The bundled CI trace (Mixtral shape, 32 prompt tokens using all experts per layer)."""
-    from simulator.data import resolve_trace
+    from daopsim.simulator.data import resolve_trace
 
     path = resolve_trace("ci-small")
     s = _eval_stats(path)

@@ -12,12 +12,12 @@ import pandas as pd
 import pytest
 from click.testing import CliRunner
 
-from simulator.cli import main
-from simulator.data import resolve_trace
-from simulator.recorder import COLUMNS
-from simulator.runner import simulate, split_sequences
-from simulator.testing import make_trace
-from simulator.trace import read_meta
+from daopsim.simulator.cli import main
+from daopsim.simulator.data import resolve_trace
+from daopsim.simulator.recorder import COLUMNS
+from daopsim.simulator.runner import simulate, split_sequences
+from daopsim.simulator.testing import make_trace
+from daopsim.simulator.trace import read_meta
 
 REQUIRED_TOP = ("policy", "hw", "model", "trace", "gpu_experts", "cache_ratio", "bound")
 REQUIRED_METRICS = (
@@ -213,7 +213,7 @@ def test_record_off_gives_the_same_metrics() -> None:
 
 def _small_gpu(tmp_path: Path, memory_gb: float) -> Path:
     """The bundled RTX 4090 profile with another memory size."""
-    from simulator.data import profiles_dir
+    from daopsim.simulator.data import profiles_dir
 
     text = (profiles_dir() / "rtx4090-pcie4.toml").read_text()
     text = re.sub(r"(?m)^memory_gb\s*=\s*[^#\n]*", f"memory_gb = {memory_gb} ", text, count=1)
@@ -265,9 +265,9 @@ def test_gpu_without_room_for_non_expert_weights_is_an_error(tmp_path: Path) -> 
 
 
 def test_gpu_without_room_for_the_buffers_is_an_error(tmp_path: Path) -> None:
-    from simulator.costs import cost_model
-    from simulator.hardware import load_profile
-    from simulator.runner import expert_fit, trace_context
+    from daopsim.simulator.costs import cost_model
+    from daopsim.simulator.hardware import load_profile
+    from daopsim.simulator.runner import expert_fit, trace_context
 
     # find a memory size that holds the non-expert weights and 1 expert slot but not 5 buffers
     meta = read_meta(resolve_trace("ci-small"))
@@ -301,7 +301,7 @@ def test_profiles_show_and_run_agree_on_the_fit() -> None:
 
 @pytest.mark.parametrize("total", [7, 32, 256, 1024, 8192])
 def test_max_ratio_is_the_largest_three_decimal_ratio_that_fits(total: int) -> None:
-    from simulator.runner import ExpertFit
+    from daopsim.simulator.runner import ExpertFit
 
     for fit in range(0, total + 1, max(1, total // 50)):
         f = ExpertFit("m", total, expert_bytes=100, free_bytes=fit * 100.0, buffers=0,

@@ -16,17 +16,17 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from policies.all_gpu import AllGPUPolicy
-from policies.registry import get_policy_class
-from simulator.cli import main
-from simulator.core.loop import Engine
-from simulator.core.resources import HostThread
-from simulator.costs import cost_model
-from simulator.errors import UserError
-from simulator.hardware import load_profile
-from simulator.recorder import Recorder
-from simulator.reference import ReferenceEngine
-from simulator.runtime_profiles import (
+from daopsim.policies.all_gpu import AllGPUPolicy
+from daopsim.policies.registry import get_policy_class
+from daopsim.simulator.cli import main
+from daopsim.simulator.core.loop import Engine
+from daopsim.simulator.core.resources import HostThread
+from daopsim.simulator.costs import cost_model
+from daopsim.simulator.errors import UserError
+from daopsim.simulator.hardware import load_profile
+from daopsim.simulator.recorder import Recorder
+from daopsim.simulator.reference import ReferenceEngine
+from daopsim.simulator.runtime_profiles import (
     FIELDS,
     RuntimeProfile,
     get_runtime,
@@ -34,8 +34,8 @@ from simulator.runtime_profiles import (
     runtime_names,
     runtimes_dir,
 )
-from simulator.sweep import Grid, expand
-from simulator.testing import routing_from_experts, tiny_model
+from daopsim.simulator.sweep import Grid, expand
+from daopsim.simulator.testing import routing_from_experts, tiny_model
 
 US = 1e-6
 
@@ -192,7 +192,7 @@ def test_the_loop_over_idle_experts_costs_the_host_their_ops_and_syncs() -> None
 def test_hf_eager_all_experts_is_slower_than_hf_eager_on_many_experts() -> None:
     """Mixtral (ci-small: 8 experts, top-2) all on the GPU: the loop over the 6 idle experts
     per layer costs more than hf-eager's hit-only loop saves in routing syncs."""
-    from simulator.runner import simulate
+    from daopsim.simulator.runner import simulate
 
     kw = {"policy": "all-gpu", "hw": "h20-pcie5", "trace": "ci-small", "sequences": 1}
     hit = simulate(**kw, runtime="hf-eager").metrics["tpot_mean_s"]
@@ -205,7 +205,7 @@ def test_moe_infinity_costs_the_host_more_per_expert_call_than_hf_eager() -> Non
     gather in the dispatcher, the expert's forward with a stream sync, and three masked reads
     and writes: more ops and syncs per expert call than HF's loop, so an all-GPU run of OLMoE
     (eight expert calls per layer) is slower with it."""
-    from simulator.runner import simulate
+    from daopsim.simulator.runner import simulate
 
     mi, hf = get_runtime("moe-infinity"), get_runtime("hf-eager")
     assert mi.expert_syncs > hf.expert_syncs and mi.expert_kernels > hf.expert_kernels
@@ -222,7 +222,7 @@ def test_moe_infinity_2024_pays_for_every_expert_of_the_layer() -> None:
     runs the EAM predictor each layer; the 2025 release hands only the routed experts to its C++
     dispatcher. All on the GPU, the 2024 runtime is slower, and more so with more idle experts
     per layer: OLMoE (64 experts, top-8: 56 idle) against Mixtral-shaped ci-small (8, top-2)."""
-    from simulator.runner import simulate
+    from daopsim.simulator.runner import simulate
 
     old, new = get_runtime("moe-infinity-2024"), get_runtime("moe-infinity")
     assert old.idle_expert_syncs > 0 and new.idle_expert_syncs == 0

@@ -22,18 +22,18 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import simulator.runner as runner_mod
-from policies.lru import LRUPolicy
-from policies.registry import available
-from simulator.cli import main
-from simulator.core.loop import Engine
-from simulator.costs import cost_model
-from simulator.errors import UserError
-from simulator.hardware import load_profile
-from simulator.recorder import Recorder
-from simulator.regress import compare, default_grid, default_store, load_baseline, run_cell
-from simulator.runner import policy_buffers, simulate
-from simulator.serving import (
+import daopsim.simulator.runner as runner_mod
+from daopsim.policies.lru import LRUPolicy
+from daopsim.policies.registry import available
+from daopsim.simulator.cli import main
+from daopsim.simulator.core.loop import Engine
+from daopsim.simulator.costs import cost_model
+from daopsim.simulator.errors import UserError
+from daopsim.simulator.hardware import load_profile
+from daopsim.simulator.recorder import Recorder
+from daopsim.simulator.regress import compare, default_grid, default_store, load_baseline, run_cell
+from daopsim.simulator.runner import policy_buffers, simulate
+from daopsim.simulator.serving import (
     Request,
     Serving,
     ServingConfig,
@@ -42,10 +42,10 @@ from simulator.serving import (
     read_arrivals,
     serving_config,
 )
-from simulator.testing import ChaosPolicy, routing_from_experts, tiny_model
+from daopsim.simulator.testing import ChaosPolicy, routing_from_experts, tiny_model
 
 TRACE = "ci-small"
-BUILTIN = sorted(n for n, c in available().items() if c.__module__.startswith("policies."))
+BUILTIN = sorted(n for n, c in available().items() if c.__module__.startswith("daopsim.policies."))
 
 
 def _cli(*args: str) -> Any:
@@ -192,9 +192,9 @@ def test_batched_steps_amortise_copies() -> None:
 )
 def test_kv_cache_plus_slots_never_exceed_gpu_memory(policy: str, opts: dict[str, Any]) -> None:
     res = simulate(policy=policy, trace=TRACE, record=False, **opts)
-    from policies.registry import make_policy
-    from simulator.data import resolve_trace
-    from simulator.trace import read_meta
+    from daopsim.policies.registry import make_policy
+    from daopsim.simulator.data import resolve_trace
+    from daopsim.simulator.trace import read_meta
 
     model = read_meta(resolve_trace(TRACE)).model
     hw = load_profile(res.config["hw"])
@@ -387,7 +387,7 @@ def test_stream_all_streams_one_pass_for_a_batched_prefill() -> None:
 
 def test_the_clairvoyant_oracle_follows_the_batched_prefill() -> None:
     """The oracle's steps are the engine's: one step for a static batch's prompts."""
-    from simulator.serving import schedule_steps
+    from daopsim.simulator.serving import schedule_steps
 
     model = tiny_model()
     prompts = [[[5, 1], [5, 2]], [[5, 6]], [[5, 7], [6, 1]], [[3, 4]]]
@@ -410,8 +410,8 @@ def test_the_clairvoyant_oracle_follows_the_batched_prefill() -> None:
 
 
 def test_the_batched_prefill_cost_reduces_to_one_prompt_and_reads_the_weights_once() -> None:
-    from simulator.data import resolve_trace
-    from simulator.trace import read_meta
+    from daopsim.simulator.data import resolve_trace
+    from daopsim.simulator.trace import read_meta
 
     model = read_meta(resolve_trace(TRACE)).model
     c = cost_model(load_profile("a6000-pcie4"), model)
@@ -481,8 +481,8 @@ def test_static_prefill_cli(tmp_path: Path) -> None:
 
 
 def test_the_mixed_cost_reduces_to_prefill_and_to_batched_decode() -> None:
-    from simulator.data import resolve_trace
-    from simulator.trace import read_meta
+    from daopsim.simulator.data import resolve_trace
+    from daopsim.simulator.trace import read_meta
 
     model = read_meta(resolve_trace(TRACE)).model
     c = cost_model(load_profile("a6000-pcie4"), model)
@@ -548,7 +548,7 @@ def test_batch_one_with_whole_prompt_chunks_or_preemption_reproduces_the_plain_r
 
 
 def test_clairvoyant_oracle_follows_the_chunked_schedule() -> None:
-    from simulator.serving import extended_schedule_steps
+    from daopsim.simulator.serving import extended_schedule_steps
 
     cfg = ServingConfig(batch=4, prefill_chunk=8, preempt=True, kv_cache_gb=0.04)
     res = simulate(policy="belady", trace=TRACE, record=True, serving=cfg)
@@ -592,7 +592,7 @@ def test_a_tiny_kv_cache_forces_preemption_and_keeps_every_invariant() -> None:
 
 
 def test_the_newest_request_is_the_one_preempted() -> None:
-    from simulator.serving import Scheduler, plan_steps
+    from daopsim.simulator.serving import Scheduler, plan_steps
 
     model = tiny_model()
     rng = np.random.default_rng(2)
@@ -901,8 +901,8 @@ def test_serving_config_rules() -> None:
 
 
 def test_an_arrival_rate_sweep_and_its_latency_load_plot(tmp_path: Path) -> None:
-    from simulator.plots import plot_latency_load
-    from simulator.sweep import Grid, expand, run_sweep
+    from daopsim.simulator.plots import plot_latency_load
+    from daopsim.simulator.sweep import Grid, expand, run_sweep
 
     grid = Grid(
         policies=["lru"],
@@ -939,7 +939,7 @@ def test_an_arrival_rate_sweep_and_its_latency_load_plot(tmp_path: Path) -> None
 
 
 def test_serving_grid_keys_are_checked() -> None:
-    from simulator.sweep import Grid, expand
+    from daopsim.simulator.sweep import Grid, expand
 
     with pytest.raises(UserError, match="max_batch needs an arrival_rate axis"):
         expand(Grid(policies=["lru"], traces=[TRACE], max_batch=4))

@@ -1,7 +1,7 @@
 """Set-up and step-loop shortcuts that must not change a result.
 
 The calibration read of a small trace also assembles the evaluation sequences
-(``simulator.runner._STASH_ROWS``), and the engine's ``View`` builds a decode token's rows
+(``daopsim.simulator.runner._STASH_ROWS``), and the engine's ``View`` builds a decode token's rows
 only when a policy reads them. Both are checked against the plain way here.
 """
 
@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-import simulator.runner as runner
-from policies.base import _LAZY, View
-from simulator.runner import simulate
+import daopsim.simulator.runner as runner
+from daopsim.policies.base import _LAZY, View
+from daopsim.simulator.runner import simulate
 
 
 def _same(a: Any, b: Any) -> bool:

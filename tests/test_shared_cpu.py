@@ -1,6 +1,6 @@
 """The host CPU is one shared machine: concurrent CPU experts share its socket and DRAM.
 
-Unit tests of :class:`~simulator.core.resources.SharedCpu` (processor sharing, re-timing on
+Unit tests of :class:`~daopsim.simulator.core.resources.SharedCpu` (processor sharing, re-timing on
 arrivals, the worker limit, DRAM taken by copies on unified memory), engine-level checks that
 two concurrent CPU experts finish later than one alone and no earlier than the bandwidth bound,
 that DAOP gains next to nothing from a second worker thread on a socket one call saturates, and
@@ -15,16 +15,16 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from policies.base import Action, Plan, Policy, ResourceSpec, SetupContext, Slot, View
-from simulator.core.loop import Engine
-from simulator.core.resources import CpuJob, SharedCpu
-from simulator.costs import cost_model
-from simulator.errors import ProfileError
-from simulator.hardware import HardwareProfile, load_profile
-from simulator.recorder import Recorder
-from simulator.reference import ReferenceEngine
-from simulator.runner import simulate
-from simulator.testing import roomy, routing_from_experts, tiny_model
+from daopsim.policies.base import Action, Plan, Policy, ResourceSpec, SetupContext, Slot, View
+from daopsim.simulator.core.loop import Engine
+from daopsim.simulator.core.resources import CpuJob, SharedCpu
+from daopsim.simulator.costs import cost_model
+from daopsim.simulator.errors import ProfileError
+from daopsim.simulator.hardware import HardwareProfile, load_profile
+from daopsim.simulator.recorder import Recorder
+from daopsim.simulator.reference import ReferenceEngine
+from daopsim.simulator.runner import simulate
+from daopsim.simulator.testing import roomy, routing_from_experts, tiny_model
 
 
 def _job(seq: int, t: float, work: float, share: float = 1.0, dram: float = 0.0) -> CpuJob:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from simulator.costs import cost_model
-from simulator.models import get_model
-from simulator.runner import runtime_cost_model
-from simulator.runtime_profiles import get_runtime
+from daopsim.simulator.costs import cost_model
+from daopsim.simulator.models import get_model
+from daopsim.simulator.runner import runtime_cost_model
+from daopsim.simulator.runtime_profiles import get_runtime
 
 US = 1e-6
 

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from simulator.costs import cost_model
-from simulator.errors import ProfileError
-from simulator.hardware import bundled_profiles, list_profiles, load_profile, read_profile
+from daopsim.simulator.costs import cost_model
+from daopsim.simulator.errors import ProfileError
+from daopsim.simulator.hardware import bundled_profiles, list_profiles, load_profile, read_profile
 
 MEASURED = "rtx4090-pcie4"  # gpu.mem_bw_gbs 912 measured, gpu.spec_mem_bw_gbs 1008
 

@@ -18,15 +18,15 @@ import pandas as pd
 import pytest
 from click.testing import CliRunner
 
-from policies.base import Plan, View
-from policies.lru import LRUPolicy
-from simulator.cli import main
-from simulator.costs import cost_model
-from simulator.data import resolve_trace
-from simulator.hardware import load_profile
-from simulator.recorder import Recorder
-from simulator.runner import simulate
-from simulator.trace import read_meta
+from daopsim.policies.base import Plan, View
+from daopsim.policies.lru import LRUPolicy
+from daopsim.simulator.cli import main
+from daopsim.simulator.costs import cost_model
+from daopsim.simulator.data import resolve_trace
+from daopsim.simulator.hardware import load_profile
+from daopsim.simulator.recorder import Recorder
+from daopsim.simulator.runner import simulate
+from daopsim.simulator.trace import read_meta
 
 HW = "rtx4090-990pro-pcie4"  # 64 GB host memory, a Samsung 990 PRO
 NOMEM = "rtx4090-pcie4"  # states no host memory and has no [ssd] table
@@ -321,7 +321,7 @@ def test_read_time_follows_the_drive_and_the_access() -> None:
     "mode", [{"batch": 2}, {"batch": 2, "continuous": True, "arrival_rate": 0.5}]
 )
 def test_engines_agree_on_batched_ssd_runs(mode: dict[str, Any]) -> None:
-    from simulator.serving import ServingConfig
+    from daopsim.simulator.serving import ServingConfig
 
     kw = {"host_memory_gb": 30.0, "sequences": 3, "serving": ServingConfig(**mode)}
     fast = _run("fiddler", **kw)

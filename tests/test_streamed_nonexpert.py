@@ -16,16 +16,16 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from policies.base import ResourceSpec
-from simulator.core.loop import Engine
-from simulator.costs import cost_model
-from simulator.errors import UserError
-from simulator.hardware import load_profile
-from simulator.models import get_model
-from simulator.recorder import Recorder
-from simulator.reference import ReferenceEngine
-from simulator.runner import simulate
-from simulator.testing import ChaosPolicy, random_routing, tiny_model
+from daopsim.policies.base import ResourceSpec
+from daopsim.simulator.core.loop import Engine
+from daopsim.simulator.costs import cost_model
+from daopsim.simulator.errors import UserError
+from daopsim.simulator.hardware import load_profile
+from daopsim.simulator.models import get_model
+from daopsim.simulator.recorder import Recorder
+from daopsim.simulator.reference import ReferenceEngine
+from daopsim.simulator.runner import simulate
+from daopsim.simulator.testing import ChaosPolicy, random_routing, tiny_model
 
 TOL = 1e-9
 

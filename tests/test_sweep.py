@@ -16,9 +16,9 @@ import pandas as pd
 import pandas.testing as pdt
 import pytest
 
-from simulator.errors import UserError
-from simulator.results import METRIC_KEYS, OPTIONAL_METRIC_KEYS
-from simulator.sweep import (
+from daopsim.simulator.errors import UserError
+from daopsim.simulator.results import METRIC_KEYS, OPTIONAL_METRIC_KEYS
+from daopsim.simulator.sweep import (
     Grid,
     expand,
     load_grid_file,
@@ -29,7 +29,7 @@ from simulator.sweep import (
     run_sweep,
     sweep,
 )
-from simulator.testing import make_trace
+from daopsim.simulator.testing import make_trace
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -80,7 +80,7 @@ def test_keys_follow_content_not_names(trace: Path, tmp_path: Path) -> None:
     make_trace(other, sequences=4, prefill=6, decode=12, seed=4)
     assert not set(keys) & {c.key for c in expand(_grid(other))}
     # a profile file with the bundled content hashes like the bundled name
-    from simulator.data import profiles_dir
+    from daopsim.simulator.data import profiles_dir
 
     prof = tmp_path / "mine.toml"
     text = (profiles_dir() / "a6000-pcie4.toml").read_text()
@@ -96,9 +96,9 @@ def test_keys_follow_content_not_names(trace: Path, tmp_path: Path) -> None:
 
 def _test_policies(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two throw-away policies with options, registered for one test only."""
-    from policies import registry
-    from policies.all_gpu import AllGPUPolicy
-    from policies.base import Param, ResourceSpec
+    from daopsim.policies import registry
+    from daopsim.policies.all_gpu import AllGPUPolicy
+    from daopsim.policies.base import Param, ResourceSpec
 
     class A(AllGPUPolicy):
         name = "sweeptest-a"
@@ -210,7 +210,7 @@ def test_table_rows_metrics_and_failures(trace: Path, tmp_path: Path) -> None:
     assert (bound["hit_rate"] == 1.0).all()
     assert not ok.loc[ok["policy"] == "lru", "bound"].any()
     # the metrics are those of simulate() for the same configuration
-    from simulator.runner import simulate
+    from daopsim.simulator.runner import simulate
 
     row = ok[(ok["policy"] == "lru") & (ok["cache_ratio"] == 0.5)].iloc[0]
     ref = simulate("lru", row["hw"], trace, cache_ratio=0.5, sequences=2, record=False)
@@ -253,7 +253,7 @@ def test_resume_skips_finished_and_retry_errors(
     def boom(cfg: object) -> dict[str, object]:
         raise AssertionError("a finished configuration ran again")
 
-    monkeypatch.setattr("simulator.sweep.run_config", boom)
+    monkeypatch.setattr("daopsim.simulator.sweep.run_config", boom)
     again, s2 = run_sweep(g, workers=1, out=out, progress=False)
     assert s2.resumed == len(first)
     pdt.assert_frame_equal(first, again)
@@ -264,7 +264,7 @@ def test_resume_skips_finished_and_retry_errors(
         calls.append(cfg.key)  # type: ignore[attr-defined]
         return run_config(cfg)  # type: ignore[arg-type]
 
-    monkeypatch.setattr("simulator.sweep.run_config", counting)
+    monkeypatch.setattr("daopsim.simulator.sweep.run_config", counting)
     g.cache_ratios = [0.25, 0.5, 0.75]
     bigger, _ = run_sweep(g, workers=1, out=out, progress=False)
     assert len(calls) == 4  # lru and static on two machines at 0.75
@@ -292,7 +292,7 @@ def _cli_args(trace: Path, out: Path) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "simulator.cli",
+        "daopsim",
         "sweep",
         "--policies",
         "lru,static,all-gpu",
@@ -362,8 +362,8 @@ def test_cli_exit_codes_and_json(trace: Path, tmp_path: Path, cli) -> None:  # t
 
 
 PLUGIN_SRC = '''
-from policies.lru import LRUPolicy
-from policies.registry import register
+from daopsim.policies.lru import LRUPolicy
+from daopsim.policies.registry import register
 
 
 @register
@@ -396,7 +396,7 @@ def test_resume_reruns_a_policy_whose_source_changed(
         calls.append(cfg.policy)  # type: ignore[attr-defined]
         return run_config(cfg)  # type: ignore[arg-type]
 
-    monkeypatch.setattr("simulator.sweep.run_config", counting)
+    monkeypatch.setattr("daopsim.simulator.sweep.run_config", counting)
     _, same = run_sweep(g, workers=1, out=out, progress=False)
     assert calls == [] and same.resumed == 2
     # the plugin's source changes (a comment is enough: the code identity is its bytes)
@@ -408,8 +408,8 @@ def test_resume_reruns_a_policy_whose_source_changed(
 
 
 def test_code_identity_covers_base_modules(monkeypatch: pytest.MonkeyPatch) -> None:
-    from policies.registry import get_policy_class
-    from simulator import sweep as sweep_mod
+    from daopsim.policies.registry import get_policy_class
+    from daopsim.simulator import sweep as sweep_mod
 
     lru, all_gpu = get_policy_class("lru"), get_policy_class("all-gpu")
     before = sweep_mod.policy_code_sha256(lru)

@@ -13,12 +13,12 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from simulator.cli import main
-from simulator.data import bundled_traces
-from simulator.errors import UserError
-from simulator.models import get_model
-from simulator.stats import heldout_popularity_hit, trace_stats
-from simulator.synth import (
+from daopsim.simulator.cli import main
+from daopsim.simulator.data import bundled_traces
+from daopsim.simulator.errors import UserError
+from daopsim.simulator.models import get_model
+from daopsim.simulator.stats import heldout_popularity_hit, trace_stats
+from daopsim.simulator.synth import (
     PRESETS,
     STAT_KEYS,
     SYNTH_VERSION,
@@ -29,8 +29,8 @@ from simulator.synth import (
     traffic_concentration,
     write_synthetic,
 )
-from simulator.testing import tiny_model
-from simulator.trace import read_meta, validate_trace
+from daopsim.simulator.testing import tiny_model
+from daopsim.simulator.trace import read_meta, validate_trace
 
 TRACES = Path(__file__).resolve().parent.parent / "traces"
 
@@ -146,8 +146,8 @@ def test_bundled_mixtral_trace_static_placement_matches_fiddler() -> None:
     deviation over 20 groups of a 120-sequence trace is about 2 points at both budgets, so the
     bundled draw must lie within 2 of them (4.5 points) of Fiddler's figure.
     """
-    from policies.base import global_top
-    from simulator.runner import calibration_counts
+    from daopsim.policies.base import global_top
+    from daopsim.simulator.runner import calibration_counts
 
     path = bundled_traces()["mixtral-8x7b"]
     meta = read_meta(path)
@@ -551,15 +551,15 @@ def test_cli_refuses_bad_parameter_values(
 
 
 def test_every_preset_is_within_the_bounds() -> None:
-    from simulator.synth_checks import check_synth_params
+    from daopsim.simulator.synth_checks import check_synth_params
 
     for preset in PRESETS.values():
         check_synth_params(preset.params)  # raises if a calibrated preset were out of range
 
 
 def test_safety_net_never_leaves_an_invalid_trace(tmp_path: Path) -> None:
-    from simulator.errors import UserError
-    from simulator.synth_checks import write_validated
+    from daopsim.simulator.errors import UserError
+    from daopsim.simulator.synth_checks import write_validated
 
     out = tmp_path / "t.parquet"
     out.write_bytes(b"the previous file")
@@ -641,7 +641,7 @@ def test_reuse_parameters_at_neutral_keep_old_bytes() -> None:
 def test_fit_matches_reuse_profile(name: str) -> None:
     """A twin fitted to each trace matches its LRU curve within 0.015 and its overlap at every
     lag within 0.02 (the twin is the trace `synth fit` generates and reports on)."""
-    from simulator.testing import tiny_model
+    from daopsim.simulator.testing import tiny_model
 
     m = tiny_model(**TINY)
     target = _tiny_stats(DECAYS[name], 5)
@@ -697,7 +697,7 @@ def test_cli_fit_reports_error_per_target_and_ignores(tmp_path: Path) -> None:
 
 
 def test_preset_calibration_rows_exist_and_are_marked() -> None:
-    from simulator.validation import load_table
+    from daopsim.simulator.validation import load_table
 
     rows = {r.id: r for r in load_table()}
     listed = [(p.name, rid) for p in PRESETS.values() for rid in p.calibration_rows]
@@ -716,7 +716,7 @@ def test_twin_of_a_short_recording_matches_its_cold_start_curves() -> None:
     Belady curves within 0.01 at every per-layer capacity under the cold-start rule; the fit
     targets that rule because the stats carry it, and draws more sequences than the recording
     has (COLD_FIT_SEQUENCES)."""
-    from simulator.synth import COLD_FIT_SEQUENCES, PRESETS, curve_rule
+    from daopsim.simulator.synth import COLD_FIT_SEQUENCES, PRESETS, curve_rule
 
     m = tiny_model(**TINY)
     real = PRESETS["mixtral-8x7b"].params.replace(repeat_prob=0.3, topic_drift=0.02)
@@ -758,7 +758,7 @@ def test_cold_and_warm_curves_differ_as_their_rules_say() -> None:
     carries the caches over sequences, so a second identical sequence hits more there."""
     from types import SimpleNamespace
 
-    from simulator.reuse import ReuseAccumulator
+    from daopsim.simulator.reuse import ReuseAccumulator
 
     ex = np.array([[[0]], [[1]], [[0]], [[1]]], dtype=np.int16)  # prompt 0, decode 1 0 1
     seq: Any = SimpleNamespace(n_prefill=1, experts=ex)

@@ -14,12 +14,12 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from policies.base import Plan, View
-from policies.registry import get_policy_class
-from simulator.errors import OutputError, PolicyError
-from simulator.recorder import Recorder, read_timeline
-from simulator.runner import simulate
-from simulator.serving import serving_config
+from daopsim.policies.base import Plan, View
+from daopsim.policies.registry import get_policy_class
+from daopsim.simulator.errors import OutputError, PolicyError
+from daopsim.simulator.recorder import Recorder, read_timeline
+from daopsim.simulator.runner import simulate
+from daopsim.simulator.serving import serving_config
 
 SETTINGS: dict[str, dict[str, Any]] = {
     "daop": {"policy": "daop", "sequences": 2},

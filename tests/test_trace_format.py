@@ -13,8 +13,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from simulator.testing import make_meta, make_trace, random_routing, tiny_model
-from simulator.trace import (
+from daopsim.simulator.testing import make_meta, make_trace, random_routing, tiny_model
+from daopsim.simulator.trace import (
     DEFAULT_TOP_M,
     META_KEY,
     TraceWriter,
@@ -177,7 +177,7 @@ def test_cli_info(tmp_path: Path, cli: Callable[..., Any]) -> None:
     assert data["model"]["experts"] == 8 and data["model"]["top_k"] == 2
     assert data["counts"]["decode_tokens"] == 6
     assert data["probs_stored"] == 8 and data["probs_storage"] == "all experts"
-    assert data["provenance"]["generator"] == "simulator.testing.make_trace"
+    assert data["provenance"]["generator"] == "daopsim.simulator.testing.make_trace"
 
 
 def test_cli_validate_json(tmp_path: Path, cli: Callable[..., Any]) -> None:
@@ -193,7 +193,7 @@ def test_cli_help(cli: Callable[..., Any]) -> None:
 
 
 def test_traces_list_none_bundled(cli: Callable[..., Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("simulator.commands.traces_cmd.bundled_traces", lambda: {})
+    monkeypatch.setattr("daopsim.simulator.commands.traces_cmd.bundled_traces", lambda: {})
     result = cli("traces", "list")
     assert result.exit_code == 0 and "no bundled traces" in result.stdout
     assert json.loads(cli("traces", "list", "--json").stdout) == []
@@ -206,7 +206,7 @@ def test_traces_list_reads_metadata(
     broken = tmp_path / "broken.parquet"
     broken.write_text("not parquet")
     monkeypatch.setattr(
-        "simulator.commands.traces_cmd.bundled_traces",
+        "daopsim.simulator.commands.traces_cmd.bundled_traces",
         lambda: {"small": good, "broken": broken},
     )
     rows = json.loads(cli("traces", "list", "--json").stdout)
@@ -229,7 +229,9 @@ def test_trace_commands_accept_bundled_names(
     tmp_path: Path, cli: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = make_trace(tmp_path / "small.parquet", sequences=1, prefill=2, decode=2)
-    monkeypatch.setattr("simulator.commands.trace_cmd.bundled_traces", lambda: {"small": path})
+    monkeypatch.setattr(
+        "daopsim.simulator.commands.trace_cmd.bundled_traces", lambda: {"small": path}
+    )
     monkeypatch.chdir(tmp_path)
     for command in ("validate", "info", "stats"):
         result = cli("trace", command, "small")
@@ -284,7 +286,7 @@ def test_top_m_storage_accepted_for_small_models(tmp_path: Path) -> None:
 
 
 def test_previous_token_view() -> None:
-    from simulator.trace import previous_token_view
+    from daopsim.simulator.trace import previous_token_view
 
     r = _routings(tiny_model(), 1)[0]
     v = previous_token_view(r)

@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from simulator.stats import STAT_KEYS, trace_stats, uniform_baseline
-from simulator.testing import make_meta, make_trace, routing_from_experts, tiny_model
-from simulator.trace import write_trace
+from daopsim.simulator.stats import STAT_KEYS, trace_stats, uniform_baseline
+from daopsim.simulator.testing import make_meta, make_trace, routing_from_experts, tiny_model
+from daopsim.simulator.trace import write_trace
 
 
 def test_uniform_baseline_matches_reference() -> None:

@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from simulator import trace_cache
-from simulator.cli import main
-from simulator.errors import UserError
-from simulator.testing import one_row_table
-from simulator.trace_cache import synth_trace
-from simulator.validation import (
+from daopsim.simulator import trace_cache
+from daopsim.simulator.cli import main
+from daopsim.simulator.errors import UserError
+from daopsim.simulator.testing import one_row_table
+from daopsim.simulator.trace_cache import synth_trace
+from daopsim.simulator.validation import (
     TABLE_END,
     TABLE_START,
     UNITS,
@@ -56,8 +56,8 @@ def test_table_parses_and_rows_are_complete() -> None:
 
 
 def test_profiles_and_policies_named_by_rows_exist() -> None:
-    from policies.registry import available
-    from simulator.hardware import load_profile
+    from daopsim.policies.registry import available
+    from daopsim.simulator.hardware import load_profile
 
     names = available()
     for r in load_table():
@@ -248,7 +248,7 @@ def test_synthetic_trace_cache_follows_generator_and_preset(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A cached synthetic trace is regenerated when the generator or the preset changes."""
-    from simulator import synth
+    from daopsim.simulator import synth
 
     monkeypatch.setenv("DAOPSIM_CACHE", str(tmp_path))
     spec = {"preset": "deepseek-v2-lite", "sequences": 1, "prompt_tokens": 2, "output_tokens": 2}
@@ -269,7 +269,7 @@ def test_synthetic_trace_from_a_model_without_a_preset(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``model = NAME`` uses the model's preset if it has one, else the generator defaults."""
-    from simulator.trace import read_meta
+    from daopsim.simulator.trace import read_meta
 
     monkeypatch.setenv("DAOPSIM_CACHE", str(tmp_path))
     spec = {"model": "qwen2-57b-a14b", "sequences": 1, "prompt_tokens": 2, "output_tokens": 2}
@@ -284,7 +284,7 @@ def test_synthetic_trace_from_a_model_without_a_preset(
 
 def _row(**fields: Any) -> Any:
     """A modelled tokens/s test row with placeholder text fields; ``fields`` override."""
-    from simulator.validation import Row
+    from daopsim.simulator.validation import Row
 
     base: dict[str, Any] = {
         "id": "r",
@@ -305,7 +305,7 @@ def _row(**fields: Any) -> Any:
 
 def test_error_summary_is_over_test_rows_only() -> None:
     """Calibration rows are reported apart and never enter the headline error."""
-    from simulator.validation import Report, RowResult
+    from daopsim.simulator.validation import Report, RowResult
 
     def row(rid: str, role: str) -> Any:
         return _row(id=rid, role=role, calibrated="x" if role == "calibration" else "")
@@ -337,7 +337,7 @@ def test_every_row_has_a_role_and_calibration_rows_say_why() -> None:
 def test_synthetic_row_over_seeds_reports_mean_and_spread(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from simulator.validation import run_row
+    from daopsim.simulator.validation import run_row
 
     monkeypatch.setenv("DAOPSIM_CACHE", str(tmp_path))
     spec = {"preset": "deepseek-v2-lite", "sequences": 2, "prompt_tokens": 4, "output_tokens": 8}
@@ -378,7 +378,7 @@ _METRIC_UNITS = {
 
 
 def test_every_modelled_row_compares_its_metric_in_a_matching_unit() -> None:
-    from simulator.results import METRIC_KEYS
+    from daopsim.simulator.results import METRIC_KEYS
 
     for r in load_table():
         if not r.modelled or r.is_ranking:
@@ -398,8 +398,8 @@ def test_timing_rows_on_synthetic_traces_report_a_seed_spread() -> None:
 def test_prefill_row_runs_and_respects_the_link_bound(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from simulator.hardware import load_profile
-    from simulator.models import get_model
+    from daopsim.simulator.hardware import load_profile
+    from daopsim.simulator.models import get_model
 
     monkeypatch.setenv("DAOPSIM_CACHE", str(tmp_path))
     (row,) = select(load_table(), "fiddler-ada6000-deepspeed-mii-prefill-256")
@@ -408,7 +408,7 @@ def test_prefill_row_runs_and_respects_the_link_bound(
     assert res.simulated is not None and math.isfinite(res.simulated), res.error
     # stream-all gathers every expert of every layer once per prefill, and (ZeRO-3) the
     # non-expert weights above 1e5 elements: the link bounds the time
-    from simulator.costs import cost_model
+    from daopsim.simulator.costs import cost_model
 
     model = get_model("mixtral-8x7b")
     hw = load_profile(row.sim["hw"])
@@ -423,9 +423,9 @@ def test_a_row_with_serving_keys_runs_batched(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``batch = 4`` in [row.sim] is ``--batch 4``: the row's value is the batched run's."""
-    from simulator.runner import simulate
-    from simulator.serving import ServingConfig
-    from simulator.validation import run_row
+    from daopsim.simulator.runner import simulate
+    from daopsim.simulator.serving import ServingConfig
+    from daopsim.simulator.validation import run_row
 
     monkeypatch.setenv("DAOPSIM_CACHE", str(tmp_path))
     spec = {"preset": "deepseek-v2-lite", "sequences": 4, "prompt_tokens": 4, "output_tokens": 6}
@@ -464,11 +464,11 @@ def test_moe_infinity_rows_follow_the_timing_script_and_cache_rule() -> None:
     ``GetSparseCacheLimit`` (core/model/model_topology.cpp) once, while the topology is still
     empty. The rows run that count clipped to what the profile's memory model holds beside the
     non-expert weights (docs/validation.md, "MoE-Infinity's timing protocol")."""
-    from policies.registry import make_policy
-    from simulator.costs import cost_model
-    from simulator.hardware import load_profile
-    from simulator.models import get_model
-    from simulator.runner import expert_fit, policy_buffers
+    from daopsim.policies.registry import make_policy
+    from daopsim.simulator.costs import cost_model
+    from daopsim.simulator.hardware import load_profile
+    from daopsim.simulator.models import get_model
+    from daopsim.simulator.runner import expert_fit, policy_buffers
 
     rows = [r for r in load_table() if r.id.startswith("moe-infinity-a5000")]
     own = [r for r in rows if r.sim.get("policy") == "moe-infinity"]
@@ -498,7 +498,7 @@ def test_moe_infinity_rows_follow_the_timing_script_and_cache_rule() -> None:
 
 
 def _ranking(members: list[tuple[str, float]], unit: str = "tokens/s") -> Any:
-    from simulator.validation import Member
+    from daopsim.simulator.validation import Member
 
     row = _row(id="rank", kind="ranking", unit=unit, published=None, setting="published")
     row.members = [Member(n, v, {}, "tokens_per_s") for n, v in members]
@@ -508,7 +508,7 @@ def _ranking(members: list[tuple[str, float]], unit: str = "tokens/s") -> Any:
 def test_ranking_score_counts_pairs_and_ratio_errors() -> None:
     """Pairs are ordered as published when their simulated values are in the same order;
     the ratio error compares each member's ratio to the first member with the source's."""
-    from simulator.validation import Report, RowResult
+    from daopsim.simulator.validation import Report, RowResult
 
     row = _ranking([("a", 4.0), ("b", 2.0), ("c", 1.0)])
     res = RowResult(row, member_values=[8.0, 1.0, 2.0])  # b and c swapped
@@ -535,7 +535,7 @@ def test_ranking_score_counts_pairs_and_ratio_errors() -> None:
 
 
 def test_published_setting_summary_leaves_assumed_rows_out() -> None:
-    from simulator.validation import Report, RowResult
+    from daopsim.simulator.validation import Report, RowResult
 
     report = Report(
         [
@@ -552,7 +552,7 @@ def test_published_setting_summary_leaves_assumed_rows_out() -> None:
 
 
 def to_markdown_of(report: Any) -> str:
-    from simulator.validation import to_markdown
+    from daopsim.simulator.validation import to_markdown
 
     return to_markdown(report)
 

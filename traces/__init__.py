@@ -1,1 +1,10 @@
-"""Bundled routing traces (*.parquet); README.md says how each was made. See simulator/data.py."""
+"""Bundled routing traces (*.parquet); README.md says how each was made. See simulator/data.py.
+
+Installed as ``daopsim.traces`` (the symlink daopsim/traces).
+"""
+
+if __name__ != "daopsim.traces":  # one name per module: never two copies
+    raise ImportError(
+        f"{__name__!r} is the package daopsim.traces: import it by that name "
+        "(the folder traces/ installs only inside daopsim)"
+    )

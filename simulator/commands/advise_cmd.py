@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from simulator.commands.common import echo_json, json_option
+from daopsim.simulator.commands.common import echo_json, json_option
 
 
 @click.command("advise", context_settings={"help_option_names": ["-h", "--help"]})
@@ -52,9 +52,9 @@ def advise(
     as_csv: bool = False,
 ) -> None:
     """Search policies, budgets, options and precisions; print them ranked by tokens/s."""
-    from simulator.advise import DEFAULT_TOP, render, to_csv
-    from simulator.advise import advise as run_advise
-    from simulator.errors import UserError
+    from daopsim.simulator.advise import DEFAULT_TOP, render, to_csv
+    from daopsim.simulator.advise import advise as run_advise
+    from daopsim.simulator.errors import UserError
 
     if as_json and as_csv:
         raise UserError("give --json or --csv, not both")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import click
 
-from simulator.commands.common import echo_json, json_option
-from simulator.output import TRACE_FORMATS, check_output_file, os_errors, output_format
-from simulator.trace import ALL_PROBS_MAX_EXPERTS, DEFAULT_TOP_M
+from daopsim.simulator.commands.common import echo_json, json_option
+from daopsim.simulator.output import TRACE_FORMATS, check_output_file, os_errors, output_format
+from daopsim.simulator.trace import ALL_PROBS_MAX_EXPERTS, DEFAULT_TOP_M
 
 
 @click.command("capture")
@@ -105,7 +105,7 @@ def capture(
     Hooks every MoE router while the model generates greedily for each prompt. Loading never
     reaches the network when HF_HUB_OFFLINE is set or --model is a local directory.
     """
-    from simulator.capture import (
+    from daopsim.simulator.capture import (
         CaptureConfig,
         GenerationSettings,
         result_summary,

@@ -1,4 +1,5 @@
-"""Small helpers shared by the CLI commands: JSON output (progress bars: simulator.progress)."""
+"""Small helpers shared by the CLI commands: JSON output (progress bars:
+daopsim.simulator.progress)."""
 
 from __future__ import annotations
 

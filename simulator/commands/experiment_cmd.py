@@ -6,15 +6,15 @@ from pathlib import Path
 
 import click
 
-from simulator.commands.common import echo_json, json_option
-from simulator.errors import UserError
-from simulator.output import check_output_dir
+from daopsim.simulator.commands.common import echo_json, json_option
+from daopsim.simulator.errors import UserError
+from daopsim.simulator.output import check_output_dir
 
 
 def resolve_or_none(trace: str) -> Path | None:
     """The file behind a trace name or path, or None when it does not resolve (the run will
     report that)."""
-    from simulator.data import resolve_trace
+    from daopsim.simulator.data import resolve_trace
 
     try:
         return resolve_trace(trace)
@@ -49,7 +49,7 @@ def experiment(
     Every policy runs on the same trace, hardware profile and cost model; points whose
     expert budget does not fit in GPU memory are skipped and reported with the reason.
     """
-    from simulator.experiments import (
+    from daopsim.simulator.experiments import (
         EXPERIMENT_REPLACES,
         bundled_experiments,
         load_experiment,

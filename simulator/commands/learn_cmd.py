@@ -11,10 +11,10 @@ import sys
 
 import click
 
-from simulator.commands.common import echo_json, json_option
-from simulator.errors import UserError
-from simulator.output import check_output_file, write_text
-from simulator.progress import lazy_progress
+from daopsim.simulator.commands.common import echo_json, json_option
+from daopsim.simulator.errors import UserError
+from daopsim.simulator.output import check_output_file, write_text
+from daopsim.simulator.progress import lazy_progress
 
 
 def parse_ids(text: str | None, flag: str) -> list[int] | None:
@@ -86,8 +86,8 @@ def learn(
       daopsim run --policy learned --policy-opt model=model.json --trace phi-3.5-moe
     """
     try:
-        from simulator.imitation import LearnConfig
-        from simulator.imitation import learn as train
+        from daopsim.simulator.imitation import LearnConfig
+        from daopsim.simulator.imitation import learn as train
     except ImportError:
         raise UserError("daopsim learn needs the gym extra: pip install 'daopsim[gym]'") from None
     if not output.endswith(".json"):

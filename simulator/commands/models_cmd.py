@@ -1,11 +1,11 @@
-"""``daopsim models``: the bundled MoE model shapes (simulator.models presets)."""
+"""``daopsim models``: the bundled MoE model shapes (daopsim.simulator.models presets)."""
 
 from __future__ import annotations
 
 import click
 
-from simulator.commands.common import echo_json, json_option
-from simulator.models import DTYPES, PRESETS, get_model
+from daopsim.simulator.commands.common import echo_json, json_option
+from daopsim.simulator.models import DTYPES, PRESETS, get_model
 
 
 @click.group("models")

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import click
 
-from simulator.commands.common import echo_json, json_option
-from simulator.output import FIGURE_FORMATS, check_output_file, output_format, write_figure
+from daopsim.simulator.commands.common import echo_json, json_option
+from daopsim.simulator.output import FIGURE_FORMATS, check_output_file, output_format, write_figure
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -55,8 +55,8 @@ def plot(
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
-    from simulator import plots
-    from simulator.sweep import fidelity_floor, read_table
+    from daopsim.simulator import plots
+    from daopsim.simulator.sweep import fidelity_floor, read_table
 
     res = Path(results)
     target = Path(output) if output else res.with_name(f"{res.stem}.{kind}.png")

@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from simulator.commands.common import echo_json, json_option
+from daopsim.simulator.commands.common import echo_json, json_option
 
 
 def describe(cls: Any) -> dict[str, Any]:
@@ -50,7 +50,7 @@ def list_cmd(as_json: bool) -> None:
     A broken plugin is listed with its error (in ``--json``: an entry whose ``error`` is set);
     it does not stop the other policies from working.
     """
-    from policies.registry import available, failed_plugins
+    from daopsim.policies.registry import available, failed_plugins
 
     docs = [describe(cls) for cls in available().values()]
     broken = [f.to_dict() for f in failed_plugins().values()]
@@ -75,7 +75,7 @@ def list_cmd(as_json: bool) -> None:
 @json_option
 def show_cmd(name: str, as_json: bool) -> None:
     """One policy: what it models and its options."""
-    from policies.registry import get_policy_class
+    from daopsim.policies.registry import get_policy_class
 
     d = describe(get_policy_class(name))
     if as_json:

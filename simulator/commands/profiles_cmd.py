@@ -6,10 +6,10 @@ from typing import Any
 
 import click
 
-from simulator.commands.common import echo_json, json_option
-from simulator.costs import DEFAULT_CONTEXT, cost_model
-from simulator.hardware import HardwareProfile, list_profiles, load_profile
-from simulator.models import DTYPE_BYTES, get_model
+from daopsim.simulator.commands.common import echo_json, json_option
+from daopsim.simulator.costs import DEFAULT_CONTEXT, cost_model
+from daopsim.simulator.hardware import HardwareProfile, list_profiles, load_profile
+from daopsim.simulator.models import DTYPE_BYTES, get_model
 
 DEFAULT_MODEL = "mixtral-8x7b"
 
@@ -115,8 +115,8 @@ def show_cmd(
     as_json: bool,
 ) -> None:
     """Show a profile (bundled NAME or a TOML PATH) and the model's derived costs on it."""
-    from policies.registry import get_policy_class
-    from simulator.runner import expert_fit, policy_buffers
+    from daopsim.policies.registry import get_policy_class
+    from daopsim.simulator.runner import expert_fit, policy_buffers
 
     hw = load_profile(name_or_path)
     model = get_model(model_name).with_precision(dtype, host_dtype, nonexpert_dtype)

@@ -12,8 +12,8 @@ import sys
 
 import click
 
-from simulator.commands.common import echo_json, json_option
-from simulator.errors import ExitCode
+from daopsim.simulator.commands.common import echo_json, json_option
+from daopsim.simulator.errors import ExitCode
 
 
 @click.command("regress")
@@ -72,7 +72,7 @@ def regress(
       daopsim regress --only '* | daop* | *'
       daopsim regress --grid ci/regress.toml --json
     """
-    from simulator.regress import (
+    from daopsim.simulator.regress import (
         DEFAULT_TOLERANCE,
         check_tolerance,
         default_grid,
@@ -81,7 +81,7 @@ def regress(
         render_changes,
         with_trace,
     )
-    from simulator.regress import regress as run_regress
+    from daopsim.simulator.regress import regress as run_regress
 
     grid = load_grid(grid_file) if grid_file is not None else default_grid()
     if trace is not None:

@@ -11,9 +11,9 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from simulator.commands.common import echo_json, json_option
-from simulator.errors import DoesNotFit, UserError, parse_key_values
-from simulator.output import (
+from daopsim.simulator.commands.common import echo_json, json_option
+from daopsim.simulator.errors import DoesNotFit, UserError, parse_key_values
+from daopsim.simulator.output import (
     TABLE_FORMATS,
     Output,
     check_outputs,
@@ -21,8 +21,8 @@ from simulator.output import (
     scratch_dir,
     write_table,
 )
-from simulator.progress import lazy_progress
-from simulator.results import RUN_FILES
+from daopsim.simulator.progress import lazy_progress
+from daopsim.simulator.results import RUN_FILES
 
 
 def parse_options(pairs: tuple[str, ...]) -> dict[str, str]:
@@ -82,17 +82,17 @@ def compute_bounds(
     """The bounds shown beside a result, on the same trace, machine and sequences.
 
     all-gpu: every expert resident, at the run's precisions on its machine, under the fastest
-    of the run's runtime and the bundled ones (:mod:`simulator.bounds`; docs/metrics.md,
+    of the run's runtime and the bundled ones (:mod:`daopsim.simulator.bounds`; docs/metrics.md,
     "Bounds"). belady_per_layer: clairvoyant MIN replacement in per-layer caches sharing the run's
     GPU expert budget evenly (the bound of ``lru``, ``lfu``, ``round-robin``). belady_global
     (only beside a caching policy): clairvoyant MIN in one cache over all layers with the same
     budget (the bound of ``global-lru``, ``global-lfu``). ``belady`` repeats belady_per_layer
     for readers of older output.
     """
-    from policies.caching import CachingPolicy, GlobalCachingPolicy
-    from policies.registry import get_policy_class
-    from simulator.bounds import bound_for_result
-    from simulator.runner import simulate
+    from daopsim.policies.caching import CachingPolicy, GlobalCachingPolicy
+    from daopsim.policies.registry import get_policy_class
+    from daopsim.simulator.bounds import bound_for_result
+    from daopsim.simulator.runner import simulate
 
     # the bounds evaluate exactly the run's sequences (they use no calibration data, so
     # their own default would evaluate every sequence)
@@ -169,7 +169,7 @@ def load_run_config(path: str) -> dict[str, Any]:
 
     Relative paths are relative to the file, as in a grid file. A key with several values, or
     two memory points, is a one-line error naming the key."""
-    from simulator.sweep import load_grid_file
+    from daopsim.simulator.sweep import load_grid_file
 
     grid, out = load_grid_file(path)
     params: dict[str, Any] = {}
@@ -202,7 +202,7 @@ def load_run_config(path: str) -> dict[str, Any]:
     policy = params.get("policy")
     declared: dict[str, Any] = {}
     if policy is not None:
-        from policies.registry import get_policy_class
+        from daopsim.policies.registry import get_policy_class
 
         declared = get_policy_class(policy).params
     options: dict[str, Any] = {}
@@ -607,8 +607,8 @@ def run(
     config: str | None = None,
 ) -> None:
     """Simulate one policy on one machine over a routing trace."""
-    from simulator.runner import simulate
-    from simulator.serving import serving_config
+    from daopsim.simulator.runner import simulate
+    from daopsim.simulator.serving import serving_config
 
     options: dict[str, Any] = {}
     if config is not None:
@@ -644,7 +644,7 @@ def run(
             cache_ratio = None if "cache_ratio" in given else cache_ratio
     options.update(parse_options(policy_opts))
     if model is not None:  # the synthetic trace, so the bounds below run on it too
-        from simulator.hosttier import model_trace
+        from daopsim.simulator.hosttier import model_trace
 
         trace = model_trace(model, trace)
     serving = serving_config(

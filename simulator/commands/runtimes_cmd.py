@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
-from simulator.commands.common import echo_json, json_option
-from simulator.runtime_profiles import (
+from daopsim.simulator.commands.common import echo_json, json_option
+from daopsim.simulator.runtime_profiles import (
     FIELDS,
     STREAM_EFFICIENCY_MEANING,
     get_runtime,
@@ -20,7 +20,7 @@ def runtimes() -> None:
 
 def _declared_by() -> dict[str, list[str]]:
     """Runtime name -> the built-in policies that declare it."""
-    from policies.registry import available
+    from daopsim.policies.registry import available
 
     out: dict[str, list[str]] = {}
     for name, cls in sorted(available().items()):

@@ -13,9 +13,9 @@ from typing import Any
 
 import click
 
-from simulator.commands.common import echo_json, json_option
-from simulator.errors import ExitCode, UserError
-from simulator.output import check_output_file
+from daopsim.simulator.commands.common import echo_json, json_option
+from daopsim.simulator.errors import ExitCode, UserError
+from daopsim.simulator.output import check_output_file
 
 
 def _split(text: str | None, kind: type, flag: str) -> list[Any] | None:
@@ -154,7 +154,7 @@ def sweep(
     configurations are kept in OUT.parts/, so an interrupted sweep resumes where it stopped
     when run again.
     """
-    from simulator.sweep import Grid, load_grid_file, parse_option_items, run_sweep
+    from daopsim.simulator.sweep import Grid, load_grid_file, parse_option_items, run_sweep
 
     flags: dict[str, Any] = {
         "policies": _split(policies, str, "--policies"),
@@ -252,7 +252,7 @@ def sweep(
 
 def _print_seed_table(out: object) -> None:
     """Mean +- standard deviation over seeds of each configuration (the seeds axis)."""
-    from simulator.sweep import read_table, seed_summary
+    from daopsim.simulator.sweep import read_table, seed_summary
 
     table = seed_summary(read_table(out))  # type: ignore[arg-type]
     if table.empty:

@@ -15,12 +15,12 @@ from typing import Any
 
 import click
 
-from simulator.commands.common import dumps, echo_json, json_option
-from simulator.data import check_input_file
-from simulator.errors import UserError, check_seed
-from simulator.models import get_model
-from simulator.output import check_output_file, write_text
-from simulator.synth import (
+from daopsim.simulator.commands.common import dumps, echo_json, json_option
+from daopsim.simulator.data import check_input_file
+from daopsim.simulator.errors import UserError, check_seed
+from daopsim.simulator.models import get_model
+from daopsim.simulator.output import check_output_file, write_text
+from daopsim.simulator.synth import (
     COLD_FIT_SEQUENCES,
     FIT_PARAMS,
     PRESETS,
@@ -34,7 +34,7 @@ from simulator.synth import (
     parse_param_overrides,
     shape_from_stats,
 )
-from simulator.synth import synth as write_trace_file
+from daopsim.simulator.synth import synth as write_trace_file
 
 
 def _resolve_params(

@@ -8,11 +8,11 @@ from typing import Any
 
 import click
 
-from simulator.commands.common import echo_json, json_option
-from simulator.data import bundled_traces, non_regular_kind
-from simulator.errors import UserError
-from simulator.stats import PHASE_CHOICES, STAT_KEYS, trace_stats
-from simulator.trace import TraceMeta, read_meta, validate_trace
+from daopsim.simulator.commands.common import echo_json, json_option
+from daopsim.simulator.data import bundled_traces, non_regular_kind
+from daopsim.simulator.errors import UserError
+from daopsim.simulator.stats import PHASE_CHOICES, STAT_KEYS, trace_stats
+from daopsim.simulator.trace import TraceMeta, read_meta, validate_trace
 
 
 @click.group("trace")
@@ -289,8 +289,8 @@ def import_cmd(
 
     See docs/trace-format.md, "Importing traces", for each format's accepted shape.
     """
-    from simulator.errors import parse_key_values
-    from simulator.importers import ImportOptions, import_trace
+    from daopsim.simulator.errors import parse_key_values
+    from daopsim.simulator.importers import ImportOptions, import_trace
 
     opts = ImportOptions(
         model=model,

@@ -9,11 +9,11 @@ from typing import Any
 
 import click
 
-from simulator.commands.common import echo_json, json_option
-from simulator.commands.trace_cmd import trace
-from simulator.data import bundled_traces
-from simulator.errors import TraceError
-from simulator.trace import read_meta
+from daopsim.simulator.commands.common import echo_json, json_option
+from daopsim.simulator.commands.trace_cmd import trace
+from daopsim.simulator.data import bundled_traces
+from daopsim.simulator.errors import TraceError
+from daopsim.simulator.trace import read_meta
 
 
 def list_bundled() -> list[dict[str, Any]]:

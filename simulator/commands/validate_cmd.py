@@ -7,8 +7,8 @@ from typing import Any
 
 import click
 
-from simulator.commands.common import echo_json, json_option
-from simulator.progress import lazy_progress
+from daopsim.simulator.commands.common import echo_json, json_option
+from daopsim.simulator.progress import lazy_progress
 
 
 def _columns(head: list[str], rows: list[list[str]]) -> list[str]:
@@ -20,7 +20,7 @@ def _columns(head: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def _render(report: Any) -> str:
-    from simulator.validation import ranking_rows, summary_lines, table_rows
+    from daopsim.simulator.validation import ranking_rows, summary_lines, table_rows
 
     rows = [r[:7] for r in table_rows(report)]
     head = ["ROW", "ROLE", "SETTING", "PUBLISHED", "SIMULATED", "UNIT", "ERROR"]
@@ -77,9 +77,9 @@ def validate(
     as_json: bool,
 ) -> None:
     """Run every modelled row of the validation table; print published vs simulated."""
-    from simulator.errors import UserError
-    from simulator.output import check_output_dir, check_output_file, output_dir, write_text
-    from simulator.validation import (
+    from daopsim.simulator.errors import UserError
+    from daopsim.simulator.output import check_output_dir, check_output_file, output_dir, write_text
+    from daopsim.simulator.validation import (
         load_table,
         run_validation,
         select,

@@ -1,6 +1,6 @@
 """A checked plan into operations, in issue order (docs/policy-api.md, "How a plan is applied").
 
-The plan was checked first (``simulator.boundary.check_plan``), so nothing here refuses it.
+The plan was checked first (``daopsim.simulator.boundary.check_plan``), so nothing here refuses it.
 In issue order: the explicit evictions, then the routed experts (resident ones first: hits are
 judged before the layer's insertions) as hits, fetches (each evicting its victim first),
 temporary copies, CPU experts and consumed pre-calculations, then the prefetches and the
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from policies.base import Action, Plan
-from simulator.core.executor import Executor
-from simulator.core.ops import CPU, FETCH, TEMP, WRITEBACK, Counters, GpuJob, LayerWork, Op
-from simulator.core.resources import INF, Residency
+from daopsim.policies.base import Action, Plan
+from daopsim.simulator.core.executor import Executor
+from daopsim.simulator.core.ops import CPU, FETCH, TEMP, WRITEBACK, Counters, GpuJob, LayerWork, Op
+from daopsim.simulator.core.resources import INF, Residency
 
 _GPU, _FETCH, _TEMP, _CPU, _PRE = (int(a) for a in Action)
 
@@ -43,7 +43,7 @@ class Applier:
         self.act_bytes = act_bytes
         #: evicted experts are copied back to the host (ResourceSpec.writeback)
         self.writeback = writeback
-        #: the SSD tier when some experts live on a drive (simulator.hosttier.HostTier)
+        #: the SSD tier when some experts live on a drive (daopsim.simulator.hosttier.HostTier)
         self.ssd = ssd
         #: submitted CPU pre-calculations not consumed yet: (layer, expert) -> the job
         self.precalc: dict[tuple[int, int], Op] = {}

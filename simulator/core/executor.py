@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from simulator.core.machine import Link, Machine
-from simulator.core.ops import (
+from daopsim.simulator.core.machine import Link, Machine
+from daopsim.simulator.core.ops import (
     CPU,
     FETCH,
     PEER,
@@ -33,7 +33,7 @@ from simulator.core.ops import (
     LayerWork,
     Op,
 )
-from simulator.core.resources import INF, Residency
+from daopsim.simulator.core.resources import INF, Residency
 
 
 class Stream:

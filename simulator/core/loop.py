@@ -1,11 +1,12 @@
 """The step loop: sequences into forward passes, passes into layers, layers into decisions.
 
 Every forward pass is a :class:`Step` (a sequence's prefill, one decode token, or, from
-``simulator.serving``, a batch): layer by layer, the non-expert part runs (on the GPU, or on
+``daopsim.simulator.serving``, a batch): layer by layer, the non-expert part runs (on the GPU, or on
 the CPU for a CPU-resident layer), everything submitted before the routing is known is
-served, the policy decides from a :class:`~policies.base.View` (``simulator.boundary`` calls
-the hook and checks the plan), the plan becomes operations (``simulator.core.apply``) and the
-executor times them (``simulator.core.executor``); the layer ends when its last result is in.
+served, the policy decides from a :class:`~daopsim.policies.base.View`
+(``daopsim.simulator.boundary`` calls the hook and checks the plan), the plan becomes operations
+(``daopsim.simulator.core.apply``) and the executor times them
+(``daopsim.simulator.core.executor``); the layer ends when its last result is in.
 """
 
 from __future__ import annotations
@@ -15,20 +16,20 @@ from typing import Any
 
 import numpy as np
 
-from policies._mypyc import mypyc_attr
-from policies.base import _LAZY, Plan, Policy, SetupContext, View
-from simulator.boundary import Hooks, check_placement, check_plan, check_route
-from simulator.core.apply import Applier
-from simulator.core.executor import Executor
-from simulator.core.machine import Machine
-from simulator.core.ops import Counters, RunStats
-from simulator.core.resources import Residency
-from simulator.errors import UserError
+from daopsim.policies._mypyc import mypyc_attr
+from daopsim.policies.base import _LAZY, Plan, Policy, SetupContext, View
+from daopsim.simulator.boundary import Hooks, check_placement, check_plan, check_route
+from daopsim.simulator.core.apply import Applier
+from daopsim.simulator.core.executor import Executor
+from daopsim.simulator.core.machine import Machine
+from daopsim.simulator.core.ops import Counters, RunStats
+from daopsim.simulator.core.resources import Residency
+from daopsim.simulator.errors import UserError
 
 
 def cpu_layers_for(spec: Any, model: Any, budget: int) -> int:
     """Leading MoE layers a spec runs wholly on the CPU when the run did not size them from
-    memory (the runner does, ``simulator.runner.cpu_resident_layers``): N GPU blocks leave
+    memory (the runner does, ``daopsim.simulator.runner.cpu_resident_layers``): N GPU blocks leave
     ``moe_layers - N``; -1 leaves the fewest whose GPU layers' experts fit ``budget``."""
     g = spec.gpu_blocks
     n_layers: int = model.moe_layers
@@ -223,8 +224,8 @@ class DecodeStep(Step):
 class Engine:
     """Replays sequences through one host under one policy (docs/architecture.md).
 
-    ``placement`` and ``budgets`` (several GPUs, ``simulator.multigpu``): which GPU holds each
-    expert and runs each layer's non-expert part, and each GPU's slot budget.
+    ``placement`` and ``budgets`` (several GPUs, ``daopsim.simulator.multigpu``): which GPU holds
+    each expert and runs each layer's non-expert part, and each GPU's slot budget.
     """
 
     def __init__(
@@ -265,7 +266,7 @@ class Engine:
         )
         self.now = 0.0
         self.step = 0
-        #: a ``simulator.serving.Serving`` when requests are batched (set by the runner)
+        #: a ``daopsim.simulator.serving.Serving`` when requests are batched (set by the runner)
         self.serving: Any = None
         self.view = v = View()
         v.model, v.costs, v.budget, v.calibration = model, costs, self.budget, calibration
@@ -276,7 +277,7 @@ class Engine:
             v.ready.flags.writeable = False
         self.ssd_cfg, ssd = host_tier, None
         if host_tier is not None:
-            from simulator.hosttier import HostTier
+            from daopsim.simulator.hosttier import HostTier
 
             tier = HostTier(host_tier, costs, self.n_layers, self.n_experts, spec.ssd_access,
                             recorder)  # fmt: skip

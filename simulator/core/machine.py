@@ -5,7 +5,7 @@ slots and temporary buffers, the runtime's thread issuing its expert kernels), p
 GPUs share: the host CPU (``cpu``, a :class:`SharedCpu`), the lanes of direct peer paths
 (``peerA>B``) and the NVMe drives of the SSD tier (``ssd``). With one copy engine a GPU's two
 directions share one lane (``copy``). Every duration comes from the cost model
-(``simulator.costs``), bound here once per run and memoised; the executor never computes a
+(``daopsim.simulator.costs``), bound here once per run and memoised; the executor never computes a
 cost itself.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from simulator.core.resources import CpuJob, HostThread, Lane, SharedCpu
+from daopsim.simulator.core.resources import CpuJob, HostThread, Lane, SharedCpu
 
 
 class Link:
@@ -36,7 +36,7 @@ class Link:
 class Machine:
     """The resources of one run, by name, and their (memoised) cost functions.
 
-    ``placement`` (several GPUs; ``simulator.multigpu.Placement``) says how many GPUs there
+    ``placement`` (several GPUs; ``daopsim.simulator.multigpu.Placement``) says how many GPUs there
     are, which holds each expert (``gpu_of``) and where each layer's non-expert part runs
     (``home``); None is one GPU holding everything.
     """

@@ -3,7 +3,7 @@
 An :class:`Op` is one request on the machine (an expert copy, a write-back, a CPU expert call,
 an activation transfer between GPUs); a :class:`LayerWork` is everything one layer's plan
 submits at its decision time, in issue order. :class:`Counters` and :class:`RunStats` are what
-a run hands to ``simulator.results``.
+a run hands to ``daopsim.simulator.results``.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from simulator.core.ops import Op
+from daopsim.simulator.core.ops import Op
 
 INF: Final = math.inf
 #: A CPU job is done once its remaining work is below this fraction of its work (the rounding

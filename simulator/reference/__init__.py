@@ -2,12 +2,12 @@
 fast engine so that the equivalence tests check it (docs/architecture.md, "The reference
 engine").
 
-* :mod:`simulator.reference.engine`: the step loop, plans into operations, every operation as
-  a SimPy process, one GPU or several;
-* :mod:`simulator.reference.resources`: serial lanes, counted pools, the shared host CPU, the
-  runtime's host thread;
-* :mod:`simulator.reference.memory`: residency as policies see it, host memory over a drive;
-* :mod:`simulator.reference.serving`: the serving loop.
+* :mod:`daopsim.simulator.reference.engine`: the step loop, plans into operations, every operation
+  as a SimPy process, one GPU or several;
+* :mod:`daopsim.simulator.reference.resources`: serial lanes, counted pools, the shared host CPU,
+  the runtime's host thread;
+* :mod:`daopsim.simulator.reference.memory`: residency as policies see it, host memory over a drive;
+* :mod:`daopsim.simulator.reference.serving`: the serving loop.
 
 Select it with ``simulate(engine="reference")`` or ``daopsim run --engine reference``.
 """
@@ -16,12 +16,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from simulator.reference.engine import ReferenceEngine
+from daopsim.simulator.reference.engine import ReferenceEngine
 
 
 class MultiGpuReference(ReferenceEngine):
-    """The reference engine over several GPUs (``simulator.multigpu.engine_for("reference")``):
-    the same constructor with the ``placement`` and per-GPU ``budgets`` required."""
+    """The reference engine over several GPUs
+    (``daopsim.simulator.multigpu.engine_for("reference")``): the same constructor with the
+    ``placement`` and per-GPU ``budgets`` required."""
 
     def __init__(self, *args: Any, placement: Any, budgets: list[int], **kw: Any) -> None:
         super().__init__(*args, placement=placement, budgets=budgets, **kw)

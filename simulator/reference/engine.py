@@ -1,8 +1,8 @@
 """The reference engine: the step loop, plans into operations, and every operation as a SimPy
-process on the reference's own resources (:mod:`simulator.reference.resources`).
+process on the reference's own resources (:mod:`daopsim.simulator.reference.resources`).
 
 It shares with the rest of daopsim only the cost model, the policy API (the hooks called
-through :class:`~simulator.boundary.Hooks`, plans checked by ``check_plan``), the workload
+through :class:`~daopsim.simulator.boundary.Hooks`, plans checked by ``check_plan``), the workload
 (sequences, serving requests), the recorder and the result containers. Everything that turns
 a plan into time is written here again, plainly, from docs/policy-api.md ("Timing rules"),
 docs/cost-model.md and docs/serving.md: so the equivalence tests
@@ -19,21 +19,21 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import simpy
 
-from policies.base import Action, Plan, Policy, SetupContext, Slot, View
-from simulator.boundary import Hooks, check_placement, check_plan, check_route
-from simulator.core.ops import Counters, RunStats
-from simulator.costs import CostModel
-from simulator.errors import UserError
-from simulator.models import ModelShape
-from simulator.recorder import Recorder
-from simulator.reference.memory import INF, HostMemory, Ledger
-from simulator.reference.resources import Clock, HostCpu, IssueThread, Lane, Pool
-from simulator.runtime_profiles import RuntimeProfile
-from simulator.trace import SequenceRouting
+from daopsim.policies.base import Action, Plan, Policy, SetupContext, Slot, View
+from daopsim.simulator.boundary import Hooks, check_placement, check_plan, check_route
+from daopsim.simulator.core.ops import Counters, RunStats
+from daopsim.simulator.costs import CostModel
+from daopsim.simulator.errors import UserError
+from daopsim.simulator.models import ModelShape
+from daopsim.simulator.recorder import Recorder
+from daopsim.simulator.reference.memory import INF, HostMemory, Ledger
+from daopsim.simulator.reference.resources import Clock, HostCpu, IssueThread, Lane, Pool
+from daopsim.simulator.runtime_profiles import RuntimeProfile
+from daopsim.simulator.trace import SequenceRouting
 
 if TYPE_CHECKING:
-    from simulator.hosttier import HostTierConfig
-    from simulator.multigpu import Placement
+    from daopsim.simulator.hosttier import HostTierConfig
+    from daopsim.simulator.multigpu import Placement
 
 Proc = Generator[simpy.Event, Any, Any]
 
@@ -188,7 +188,7 @@ class ReferenceEngine:
         self.now = 0.0
         self.step = 0
         self._issue = itertools.count(1)
-        #: batched or continuous serving (``simulator.serving.Serving``, set by the runner)
+        #: batched or continuous serving (``daopsim.simulator.serving.Serving``, set by the runner)
         self.serving: Any = None
         #: submitted CPU pre-calculations not consumed yet: (layer, expert) -> the call
         self.precalc: dict[Slot, Op] = {}
@@ -370,7 +370,7 @@ class ReferenceEngine:
         """Simulate the sequences back to back (or the serving plan); returns the statistics."""
         env = self.env
         if self.serving is not None:
-            from simulator.reference.serving import serve
+            from daopsim.simulator.reference.serving import serve
 
             main = env.process(serve(self, self.serving, on_sequence))
         else:

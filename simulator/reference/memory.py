@@ -1,11 +1,11 @@
 """The reference engine's memory state: GPU residency as policies see it, and host memory over
 an NVMe drive (docs/serving.md, "An SSD tier").
 
-:class:`Ledger` is what a plan is checked against (``simulator.boundary.check_plan`` reads its
-``resident``, ``n_resident``, ``budget``, ``n_layers``, ``n_experts`` and ``ready_at``): the
+:class:`Ledger` is what a plan is checked against (``daopsim.simulator.boundary.check_plan`` reads
+its ``resident``, ``n_resident``, ``budget``, ``n_layers``, ``n_experts`` and ``ready_at``): the
 resident mask changes when a plan is decided (a copy in flight counts as resident), the landing
 times when the copies are timed. Slot *occupancy* (what a copy waits for) is the devices'
-:class:`~simulator.reference.resources.Pool` objects, not this.
+:class:`~daopsim.simulator.reference.resources.Pool` objects, not this.
 
 :class:`HostMemory` holds the host's expert copies under a byte budget (least recently used
 out first) and the drive's lane: a read is a SimPy process on the drive, requested when the
@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import simpy
 
-from simulator.reference.resources import Lane
+from daopsim.simulator.reference.resources import Lane
 
 if TYPE_CHECKING:
-    from simulator.costs import CostModel
-    from simulator.hosttier import HostTierConfig
-    from simulator.recorder import Recorder
+    from daopsim.simulator.costs import CostModel
+    from daopsim.simulator.hosttier import HostTierConfig
+    from daopsim.simulator.recorder import Recorder
 
 INF = float("inf")
 Slot = tuple[int, int]

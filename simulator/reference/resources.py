@@ -25,7 +25,7 @@ from typing import Any
 import simpy
 from simpy.events import NORMAL, URGENT
 
-from simulator.runtime_profiles import RuntimeProfile
+from daopsim.simulator.runtime_profiles import RuntimeProfile
 
 #: SimPy event priority processed after every URGENT and NORMAL event of the same instant
 LATE = 2

@@ -1,12 +1,12 @@
 """The reference engine's serving loop (docs/serving.md): requests admitted by the workload's
 scheduler, each step run on the reference's own layers.
 
-Only the workload side of :mod:`simulator.serving` is shared: the requests, the
-:class:`~simulator.serving.Scheduler`'s admission decisions, the extended schedule
-(:func:`~simulator.serving.plan_steps`) and the helpers that slice a request's routing. The
+Only the workload side of :mod:`daopsim.simulator.serving` is shared: the requests, the
+:class:`~daopsim.simulator.serving.Scheduler`'s admission decisions, the extended schedule
+(:func:`~daopsim.simulator.serving.plan_steps`) and the helpers that slice a request's routing. The
 steps themselves (a request's prefill pass, one decode token, a batched step over the union
 of the batch's experts, a static batch's prefill, a mixed step with a prompt chunk) are run
-here on :class:`~simulator.reference.engine.ReferenceEngine`'s layers.
+here on :class:`~daopsim.simulator.reference.engine.ReferenceEngine`'s layers.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from policies.base import Plan
-from simulator.boundary import check_plan
-from simulator.errors import UserError
-from simulator.serving import Request, Serving, Step, one_token, plan_steps, prefix
+from daopsim.policies.base import Plan
+from daopsim.simulator.boundary import check_plan
+from daopsim.simulator.errors import UserError
+from daopsim.simulator.serving import Request, Serving, Step, one_token, plan_steps, prefix
 
 if TYPE_CHECKING:
-    from simulator.reference.engine import Proc, ReferenceEngine
+    from daopsim.simulator.reference.engine import Proc, ReferenceEngine
 
 
 def serve(eng: ReferenceEngine, plan: Serving, on_sequence: Callable[[Any], None] | None) -> Proc:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pandas.testing as pdt
 import pytest
 
-from simulator.sweep import Grid, sweep
-from simulator.testing import make_trace
+from daopsim.simulator.sweep import Grid, sweep
+from daopsim.simulator.testing import make_trace
 
 pytestmark = pytest.mark.bench
 

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from simulator.results import _json_safe, _write_json
-from simulator.runner import simulate
-from simulator.testing import perfetto_reference
+from daopsim.simulator.results import _json_safe, _write_json
+from daopsim.simulator.runner import simulate
+from daopsim.simulator.testing import perfetto_reference
 
 pytestmark = pytest.mark.bench
 
@@ -81,7 +81,7 @@ def test_ten_million_row_timeline_under_1_gb(tmp_path: Path) -> None:
     trace = tmp_path / "long.parquet"
     subprocess.run(
         [
-            sys.executable, "-m", "simulator.cli", "synth", "--model", "mixtral-8x7b",
+            sys.executable, "-m", "daopsim", "synth", "--model", "mixtral-8x7b",
             "--sequences", "11", "--prompt-tokens", "256", "--output-tokens", "7556",
             "--seed", "3", "-o", str(trace),
         ],
@@ -92,7 +92,7 @@ def test_ten_million_row_timeline_under_1_gb(tmp_path: Path) -> None:
     code = (
         "import resource, time, json\n"
         "import pyarrow.parquet as pq\n"
-        "from simulator.runner import simulate\n"
+        "from daopsim.simulator.runner import simulate\n"
         "c = time.process_time()\n"
         f"r = simulate(policy='lru', hw='a6000-pcie4', trace={str(trace)!r}, record={str(out)!r})\n"
         "cpu = time.process_time() - c\n"

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from policies.registry import available
-from simulator.runner import simulate
+from daopsim.policies.registry import available
+from daopsim.simulator.runner import simulate
 
 pytestmark = pytest.mark.bench
 
@@ -71,7 +71,7 @@ def test_decode_throughput_per_policy() -> None:
     slow = {
         name: r["token_layers_per_s"]
         for name, r in rates.items()
-        if available()[name].__module__.startswith("policies.")
+        if available()[name].__module__.startswith("daopsim.policies.")
         and r["token_layers_per_s"] < TARGET_TOKEN_LAYERS_PER_S
     }
     assert not slow, f"below {TARGET_TOKEN_LAYERS_PER_S:,} token-layers/s: {slow}"
@@ -84,7 +84,7 @@ def test_make_run_under_20_s() -> None:
         [
             sys.executable,
             "-m",
-            "simulator.cli",
+            "daopsim",
             "run",
             "--policy",
             "daop",
@@ -109,7 +109,7 @@ def test_ten_million_rows_peak_memory(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "simulator.cli",
+            "daopsim",
             "synth",
             "--model",
             "mixtral-8x7b",
@@ -129,7 +129,7 @@ def test_ten_million_rows_peak_memory(tmp_path: Path) -> None:
     )
     code = (
         "import resource, time, json\n"
-        "from simulator.runner import simulate\n"
+        "from daopsim.simulator.runner import simulate\n"
         "t = time.perf_counter()\n"
         f"r = simulate(policy='lru', hw='a6000-pcie4', trace={str(path)!r}, record=False)\n"
         "dt = time.perf_counter() - t\n"

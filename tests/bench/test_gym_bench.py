@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from daopsim.gym import ExpertCacheEnv, lru_action, run_agent
-from simulator.runner import simulate
+from daopsim.simulator.runner import simulate
 
 pytestmark = pytest.mark.bench
 

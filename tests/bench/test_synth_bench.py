@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from simulator.synth import PRESETS, write_synthetic
+from daopsim.simulator.synth import PRESETS, write_synthetic
 
 
 @pytest.mark.bench

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from simulator.testing import make_trace
+from daopsim.simulator.testing import make_trace
 
 # Mixtral shape: 32 MoE layers, so 312,600 tokens make 10,003,200 rows.
 _PROBE = """
 import json, resource, sys, time
-from simulator.trace import validate_trace
-from simulator.stats import trace_stats
+from daopsim.simulator.trace import validate_trace
+from daopsim.simulator.stats import trace_stats
 path, what = sys.argv[1], sys.argv[2]
 t = time.perf_counter()
 if what == "validate":
@@ -64,7 +64,7 @@ def test_stats_10m_rows_fast_and_flat(traces: tuple[Path, Path]) -> None:
 @pytest.mark.bench
 def test_stats_with_curves_on_the_bundled_mixtral_trace_in_seconds() -> None:
     """`trace stats` default (LRU and Belady curves at every capacity) on 8 x 768 tokens."""
-    from simulator.data import resolve_trace
+    from daopsim.simulator.data import resolve_trace
 
     b = _probe(resolve_trace("mixtral-8x7b"), "curves")
     assert b["n"] == 8
