@@ -4,8 +4,8 @@
 a per-layer expert cache during an ordinary simulated run; ``make_vector_env`` steps several
 at once; ``lru_action``, ``lfu_action`` and ``belady_action`` (``SCRIPTED``) make the built-in
 policies' choices; ``run_agent`` plays one episode; ``learn`` trains the ``learned`` policy's
-scorer and ``evaluate``/``summarise`` judge it on held-out sequences. docs/learned-policies.md defines the
-observation, the action and the reward. Needs ``pip install 'daopsim[gym]'``.
+scorer and ``evaluate``/``summarise`` judge it on held-out sequences. docs/learned-policies.md
+defines the observation, the action and the reward. Needs ``pip install 'daopsim[gym]'``.
 """
 
 from __future__ import annotations
