@@ -291,8 +291,9 @@ ENGINE_MUTANTS = (
     EngineMutant(
         "fused-call-charged-per-expert",
         "simulator.core.executor:Executor._run_gpu",
-        "            if unfused[k]:\n                unfused[k] = False",
-        "            if True:\n                unfused[k] = False",
+        "            if st.fused:  # the layer's fused call, charged with the GPU's first expert\n"
+        "                st.fused = False",
+        "            if True:\n                st.fused = False",
         "fused-runtime",
     ),
     EngineMutant(
