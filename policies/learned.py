@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +27,9 @@ from daopsim.simulator.errors import UserError
 
 #: the model file format this code reads and ``daopsim learn`` writes
 FORMAT = "daopsim-learned/1"
-#: the bundled model (package data beside this module)
-BUNDLED_MODEL = Path(__file__).with_name("learned_model.json")
+#: the bundled model (package data beside this module; found through the package, because a
+#: compiled module's ``__file__`` names the shared library of its build group instead)
+BUNDLED_MODEL = Path(str(files(__name__.rpartition(".")[0]) / "learned_model.json"))
 
 
 @dataclass

@@ -63,7 +63,10 @@ class Hooks:
         except (PolicyError, UserError):
             raise
         except Exception as exc:
-            raise self.fault(hook, exc) from exc
+            err = self.fault(hook, exc)
+            # set by hand: mypyc-compiled callers lost the cause of `raise ... from exc`
+            err.__cause__ = exc
+            raise err from exc
 
     def fault(self, hook: str, exc: Exception) -> PolicyError:
         """The PolicyError for ``exc`` raised by hook ``hook`` (callers that inline the call on

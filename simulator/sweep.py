@@ -43,6 +43,7 @@ from daopsim.simulator.errors import (
     parse_key_values,
 )
 from daopsim.simulator.fingerprints import daopsim_version, file_sha256, profile_sha256
+from daopsim.simulator.native import COMPILED, source_path
 from daopsim.simulator.output import TABLE_FORMATS, check_output_file, output_format
 from daopsim.simulator.output import write_table as _write_any_table
 from daopsim.simulator.progress import Progress
@@ -335,7 +336,10 @@ def policy_code_sha256(cls: type) -> str:
         module = sys.modules.get(mod)
         src = None
         try:
-            src = inspect.getsourcefile(module) if module is not None else None
+            if mod in COMPILED:  # a compiled module's __file__ is its build group's library
+                src = str(source_path(mod))
+            elif module is not None:
+                src = inspect.getsourcefile(module)
         except TypeError:  # a built-in or a module without a file
             src = None
         if src is not None and os.path.isfile(src):
@@ -348,11 +352,12 @@ def policy_code_sha256(cls: type) -> str:
 
 def simulator_code_sha256() -> str:
     """SHA-256 naming the simulator's code: the source of every module of the ``simulator``
-    package (the engines, the cost model, the runner, the metrics). Part of every key, so a
+    package and its subpackages (the engine core, the reference, the cost model, the runner,
+    the metrics). Part of every key, so a
     sweep resumed after an edit to any of them re-runs its rows instead of reusing rows the
     old code computed (policies are keyed by their own code, :func:`policy_code_sha256`)."""
     here = Path(__file__).resolve().parent
-    parts = {p.name: file_sha256(p) for p in sorted(here.glob("*.py"))}
+    parts = {p.relative_to(here).as_posix(): file_sha256(p) for p in sorted(here.rglob("*.py"))}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 

@@ -141,7 +141,7 @@ def test_synthetic_trace_for_a_model_without_a_bundled_one(
     path, args = find_trace("qwen3-30b-a3b", None)
     # the command names the model, not the cache file: `run --model` makes the same trace
     assert Path(path).is_relative_to(tmp_path) and args == ["--model", "qwen3-30b-a3b"]
-    from daopsim.simulator.hosttier import model_trace
+    from daopsim.simulator.trace_cache import model_trace
 
     assert model_trace("qwen3-30b-a3b", None) == path
     assert find_trace("qwen3-30b-a3b", None) == (path, args)  # cached: the same file

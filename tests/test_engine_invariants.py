@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from daopsim.policies.base import Action, Plan, Policy, SetupContext, Slot, View
 from daopsim.simulator.core.loop import Engine
+from daopsim.simulator.core.ops import RunStats
 from daopsim.simulator.core.resources import Lane
 from daopsim.simulator.costs import cost_model
 from daopsim.simulator.errors import PolicyError
@@ -38,7 +39,7 @@ HW = load_profile("a6000-pcie4")
 
 def _run(
     seed: int, layers: int, experts: int, k: int, budget: int, n_seq: int, pre: int, dec: int
-) -> tuple[Engine, ChaosPolicy, pd.DataFrame, pd.DataFrame, list[SequenceRouting]]:
+) -> tuple[Engine, RunStats, ChaosPolicy, pd.DataFrame, pd.DataFrame, list[SequenceRouting]]:
     rng = np.random.default_rng(seed)
     model = tiny_model(experts=experts, top_k=k, moe_layers=layers)
     costs = cost_model(HW, model)
@@ -49,8 +50,8 @@ def _run(
     eng = Engine(pol, model, costs, budget, recorder=rec, seed=seed)
     pol.engine = eng
     routings = [random_routing(model, s, pre, dec, rng) for s in range(n_seq)]
-    eng.stats_ = eng.run(iter(routings))  # type: ignore[attr-defined]
-    return eng, pol, rec.timeline(), rec.occupancy_frame(), routings
+    stats = eng.run(iter(routings))
+    return eng, stats, pol, rec.timeline(), rec.occupancy_frame(), routings
 
 
 def _no_overlap(tl: pd.DataFrame, resource: str) -> None:
@@ -85,8 +86,7 @@ def test_chaos_policy_never_breaks_an_invariant(
     dec: int,
 ) -> None:
     budget = round(budget_frac * layers * experts)
-    eng, pol, tl, occ, routings = _run(seed, layers, experts, k, budget, n_seq, pre, dec)
-    stats = eng.stats_  # type: ignore[attr-defined]
+    _eng, stats, pol, tl, occ, routings = _run(seed, layers, experts, k, budget, n_seq, pre, dec)
     e2e = stats.e2e
 
     # slots within budget at all times (this policy has no staging buffers)
@@ -151,7 +151,7 @@ def test_chaos_policy_never_breaks_an_invariant(
 
 def test_chaos_run_uses_every_kind_of_decision() -> None:
     """The chaos generator exercises every action (else the invariant test proves little)."""
-    _eng, _pol, tl, _occ, _r = _run(3, 3, 6, 2, 6, 2, 4, 6)
+    _eng, _stats, _pol, tl, _occ, _r = _run(3, 3, 6, 2, 6, 2, 4, 6)
     kinds = set(tl["kind"].astype(str))
     assert {"expert", "nonexpert", "fetch", "temp", "cpu_expert", "prefetch", "precalc"} <= kinds
     assert _pol.precomputed, "no PRECOMPUTED use was generated"

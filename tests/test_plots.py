@@ -196,7 +196,7 @@ def _line_colors(fig: object) -> dict[str, str]:
 
 
 def test_a_policy_has_one_colour_in_every_plot(results: Path) -> None:
-    from daopsim.simulator.plots import POLICY_COLORS, policy_color
+    from daopsim.simulator.colors import POLICY_COLORS, policy_color
 
     df = pd.read_parquet(results)
     thr = _line_colors(plot(df, "throughput"))

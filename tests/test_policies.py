@@ -69,7 +69,10 @@ def evicted_order(policy: str, seq: list[int], budget: int = 2) -> list[int]:
 
 def _class_docstring(cls: type) -> str | None:
     """The class's docstring as written in its source (a compiled class keeps no __doc__)."""
-    path = Path(sys.modules[cls.__module__].__file__ or "").with_suffix(".py")
+    from daopsim.simulator.native import COMPILED, source_path
+
+    mod = cls.__module__
+    path = source_path(mod) if mod in COMPILED else Path(sys.modules[mod].__file__ or "")
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ClassDef) and node.name == cls.__name__:
             return ast.get_docstring(node)

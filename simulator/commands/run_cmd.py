@@ -644,7 +644,7 @@ def run(
             cache_ratio = None if "cache_ratio" in given else cache_ratio
     options.update(parse_options(policy_opts))
     if model is not None:  # the synthetic trace, so the bounds below run on it too
-        from daopsim.simulator.hosttier import model_trace
+        from daopsim.simulator.trace_cache import model_trace
 
         trace = model_trace(model, trace)
     serving = serving_config(
