@@ -116,9 +116,8 @@ def _load() -> None:
         return
     _LOADED = True
     _FAILED.clear()
-    import daopsim.policies as policies
-
-    for info in pkgutil.iter_modules(policies.__path__):
+    # the modules beside this one (not through the package: daopsim.policies() calls this)
+    for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
         if info.name not in _SKIP and not info.name.startswith("_"):
             importlib.import_module(f"daopsim.policies.{info.name}")
     for ep in sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: (e.name, e.value)):
