@@ -1,4 +1,5 @@
-"""Three slow corners (run by `make bench`; results go in docs/performance.md, "Slow corners").
+"""Three slow corners (run by `make bench`; docs/performance.md, "Several GPUs, timelines,
+Perfetto").
 
 - Several GPUs: `--gpus 4` simulates within 3x of one GPU per token-layer (CPU time), on the
   default trace and the 4x RTX 3090 profile.
