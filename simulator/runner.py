@@ -9,9 +9,10 @@ clairvoyant policies), runs the engine and returns a :class:`~daopsim.simulator.
 from __future__ import annotations
 
 import bisect
+import hashlib
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -122,6 +123,7 @@ def calibration_counts(
     per_sequence: list[np.ndarray] | None = None,
     keep: dict[int, SequenceRouting] | None = None,
     keep_ids: set[int] | None = None,
+    digests: set[bytes] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Decode-time and prefill-time selection counts [layers, experts] over ``ids``.
 
@@ -129,7 +131,8 @@ def calibration_counts(
     file order) are appended to it: the request-level activation matrices of MoE-Infinity.
     With ``keep`` and ``keep_ids``, the sequences of ``keep_ids`` are stored in ``keep`` as
     this read assembles them (file order): the same pass over the file serves a later read
-    of them (the evaluation sequences of a small trace; see ``_STASH_ROWS``).
+    of them (the evaluation sequences of a small trace; see ``_STASH_ROWS``). With
+    ``digests``, each counted sequence's :func:`routing_digest` is added to it.
     """
     n_layers, n_exp = meta.model.moe_layers, meta.model.experts
     dec = np.zeros((n_layers, n_exp), dtype=np.int64)
@@ -143,6 +146,8 @@ def calibration_counts(
             keep[sid] = r
         if sid not in wanted:
             continue
+        if digests is not None:
+            digests.add(routing_digest(r))
         own = np.zeros((n_layers, n_exp), dtype=np.int64)
         for counts, part in ((pre, r.experts[: r.n_prefill]), (dec, r.experts[r.n_prefill :])):
             if part.size == 0:
@@ -405,6 +410,14 @@ def cpu_layers_note(model: Any, n_cpu: int) -> str:
         f"experts), {n_cpu}-{n - 1} wholly on the GPU; hidden states cross the link at layer "
         f"{n_cpu}"
     )
+
+
+def routing_digest(r: SequenceRouting) -> bytes:
+    """A digest of a sequence's routing (its prompt length and every token's experts): two
+    sequences with equal digests route identically, whatever their ids or files."""
+    h = hashlib.sha256(f"{r.n_prefill}:{r.experts.shape}:{r.experts.dtype}".encode())
+    h.update(np.ascontiguousarray(r.experts).tobytes())
+    return h.digest()
 
 
 def same_content(a: Path, b: Path) -> bool:
@@ -738,17 +751,26 @@ class RunData:
     calib_pre: np.ndarray | None = None
     cal_eams: list[np.ndarray] = field(default_factory=list)
     in_sample: bool = False
+    #: routing digests of another trace's calibration sequences, and the evaluated sequences
+    #: found among them (an overlap makes the calibration partly in-sample)
+    cal_digests: set[bytes] | None = None
+    cal_overlap: set[int] = field(default_factory=set)
     stash: dict[int, SequenceRouting] | None = None
     plan: Serving | None = None
     oracle: Oracle | None = None
 
     def sequences(self) -> Iterator[SequenceRouting]:
-        """The evaluation sequences in file order (the arrays are only read)."""
+        """The evaluation sequences in file order (the arrays are only read); each is checked
+        against another trace's calibration sequences when there are some."""
         inp = self.inp
         if self.stash is not None:
-            yield from self.stash.values()
+            rs: Iterable[SequenceRouting] = self.stash.values()
         else:
-            yield from iter_sequences(inp.trace_path, inp.meta, sequences=set(inp.eval_ids))
+            rs = iter_sequences(inp.trace_path, inp.meta, sequences=set(inp.eval_ids))
+        for r in rs:
+            if self.cal_digests and routing_digest(r) in self.cal_digests:
+                self.cal_overlap.add(int(r.seq_id))
+            yield r
 
 
 @dataclass
@@ -959,7 +981,11 @@ def calibrate(data: RunData) -> None:
                 f"the evaluated trace for {model.name}"
             )
         ids = checked_sequence_ids(cal_path, cal_meta)
-        data.calib, data.calib_pre = calibration_counts(cal_path, cal_meta, ids, data.cal_eams)
+        # the same bytes are in-sample as a whole; otherwise look for shared sequences
+        data.cal_digests = None if data.in_sample else set()
+        data.calib, data.calib_pre = calibration_counts(
+            cal_path, cal_meta, ids, data.cal_eams, digests=data.cal_digests
+        )
     elif inp.cal_ids:
         if inp.req.serving is None and _small(inp.meta):
             data.stash = {}  # this pass also assembles the evaluation sequences
@@ -1172,4 +1198,12 @@ def calibration_label(inp: RunInputs, data: RunData, notes: list[str]) -> str:
             "the evaluated sequences (in-sample, like --calibration self)"
         )
         return f"{inp.ext_cal} (in-sample: the evaluated trace itself)"
+    if data.cal_overlap:
+        n, first = len(data.cal_overlap), min(data.cal_overlap)
+        notes.append(
+            f"--calibration {inp.ext_cal} holds {n} of the evaluated sequences (the first: "
+            f"sequence {first}) with the same routing: its counts include them (partly "
+            "in-sample)"
+        )
+        return f"{inp.ext_cal} (partly in-sample: {n} evaluated sequence{'s' * (n != 1)})"
     return str(inp.ext_cal) if inp.ext_cal is not None else inp.mode

@@ -491,3 +491,19 @@ def roomy(profile: str | HardwareProfile, memory_gb: float = 256.0) -> HardwareP
 
     hw = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
     return dataclasses.replace(hw, gpu=dataclasses.replace(hw.gpu, memory_gb=memory_gb))
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size in bytes. Linux's ``VmHWM`` belongs to the
+    process image, where ``ru_maxrss`` keeps the peak of the parent a child was forked from
+    (so a benchmark child of a large test session would report the session's peak)."""
+    import resource
+
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

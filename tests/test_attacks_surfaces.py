@@ -261,6 +261,34 @@ def test_s5_calibration_with_the_evaluated_trace_is_in_sample(tmp_path: Path) ->
     assert other.config["calibration"] == "mixtral-8x7b"  # another trace: held out
 
 
+def test_s5_calibration_sharing_some_evaluated_sequences_is_partly_in_sample(
+    tmp_path: Path,
+) -> None:
+    """A calibration file that holds some evaluated sequences under other ids (another file's
+    bytes, so not the whole-file case) is labelled partly in-sample, naming how many."""
+    import dataclasses
+
+    from simulator.trace import load_sequences, write_trace
+
+    meta, rs = load_sequences(bundled_traces()["ci-small"])
+    # sequences 0 and 1 of ci-small under new ids, beside two sequences of other routing
+    other = [dataclasses.replace(r, experts=(r.experts + 1) % meta.model.experts) for r in rs[2:4]]
+    cal_rs = [dataclasses.replace(r, seq_id=100 + i) for i, r in enumerate(rs[:2])] + [
+        dataclasses.replace(r, seq_id=200 + i) for i, r in enumerate(other)
+    ]
+    cal = write_trace(tmp_path / "cal.parquet", meta, cal_rs)
+    r = simulate(
+        policy="daop", trace="ci-small", calibration=str(cal), evaluate=[0, 2], record=False
+    )
+    assert "partly in-sample: 1 evaluated sequence" in r.config["calibration"], r.config
+    assert any("holds 1 of the evaluated sequences" in n for n in r.config["notes"])
+    # evaluating sequences the file does not hold: held out, labelled as the path
+    r2 = simulate(
+        policy="daop", trace="ci-small", calibration=str(cal), evaluate=[2, 3], record=False
+    )
+    assert r2.config["calibration"] == str(cal), r2.config["calibration"]
+
+
 @pytest.mark.parametrize(
     ("policy", "option"),
     [
