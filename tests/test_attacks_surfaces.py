@@ -268,7 +268,7 @@ def test_s5_calibration_sharing_some_evaluated_sequences_is_partly_in_sample(
     bytes, so not the whole-file case) is labelled partly in-sample, naming how many."""
     import dataclasses
 
-    from simulator.trace import load_sequences, write_trace
+    from daopsim.simulator.trace import load_sequences, write_trace
 
     meta, rs = load_sequences(bundled_traces()["ci-small"])
     # sequences 0 and 1 of ci-small under new ids, beside two sequences of other routing

@@ -97,7 +97,7 @@ def test_ten_million_row_timeline_under_1_gb(tmp_path: Path) -> None:
         "c = time.process_time()\n"
         f"r = simulate(policy='lru', hw='a6000-pcie4', trace={str(trace)!r}, record={str(out)!r})\n"
         "cpu = time.process_time() - c\n"
-        "from simulator.testing import peak_rss_bytes\nrss = peak_rss_bytes()\n"
+        "from daopsim.simulator.testing import peak_rss_bytes\nrss = peak_rss_bytes()\n"
         f"rows = pq.ParquetFile({str(out)!r}).metadata.num_rows\n"
         "print(json.dumps({'rows': rows, 'token_layers': r.metrics['decode_tokens'] * 32,"
         " 'cpu_seconds': round(cpu, 1), 'peak_rss_bytes': rss}))\n"

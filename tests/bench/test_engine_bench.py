@@ -186,7 +186,7 @@ def test_ten_million_rows_peak_memory(tmp_path: Path) -> None:
         "t = time.perf_counter()\n"
         f"r = simulate(policy='lru', hw='a6000-pcie4', trace={str(path)!r}, record=False)\n"
         "dt = time.perf_counter() - t\n"
-        "from simulator.testing import peak_rss_bytes\nrss = peak_rss_bytes()\n"
+        "from daopsim.simulator.testing import peak_rss_bytes\nrss = peak_rss_bytes()\n"
         "print(json.dumps({'rows': r.metrics['decode_tokens'] * 32, 'seconds': dt,"
         " 'peak_rss_bytes': rss}))\n"
     )

@@ -22,7 +22,7 @@ if what == "validate":
     rows = validate_trace(path).counts["rows"]
 else:  # the streaming statistics; the hit-rate curves are a replay, timed separately
     rows = trace_stats(path, curves=what == "curves")["sequences"]
-from simulator.testing import peak_rss_bytes
+from daopsim.simulator.testing import peak_rss_bytes
 print(json.dumps({"s": time.perf_counter() - t, "rss_mb": peak_rss_bytes() / 2**20, "n": rows}))
 """
 
