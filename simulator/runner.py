@@ -12,7 +12,7 @@ import bisect
 import hashlib
 import math
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -763,11 +763,10 @@ class RunData:
         """The evaluation sequences in file order (the arrays are only read); each is checked
         against another trace's calibration sequences when there are some."""
         inp = self.inp
-        if self.stash is not None:
-            rs: Iterable[SequenceRouting] = self.stash.values()
-        else:
-            rs = iter_sequences(inp.trace_path, inp.meta, sequences=set(inp.eval_ids))
-        for r in rs:
+        if self.stash is not None:  # read (and checked) by an earlier pass
+            yield from self.stash.values()
+            return
+        for r in iter_sequences(inp.trace_path, inp.meta, sequences=set(inp.eval_ids)):
             if self.cal_digests and routing_digest(r) in self.cal_digests:
                 self.cal_overlap.add(int(r.seq_id))
             yield r
