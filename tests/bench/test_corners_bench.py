@@ -15,14 +15,13 @@ machine may be shared, and another job can only slow a run down.
 from __future__ import annotations
 
 import gzip
-import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from benchutil import child_json, save
 
 from daopsim.simulator.results import _json_safe, _write_json
 from daopsim.simulator.runner import simulate
@@ -30,18 +29,11 @@ from daopsim.simulator.testing import perfetto_reference
 
 pytestmark = pytest.mark.bench
 
-RESULTS = Path(__file__).with_name("results.json")
 MULTI_GPU_HW = "4x-rtx3090-nvlink"
 TARGET_GPU4_RATIO = 3.0
 TARGET_TIMELINE_ROWS = 10_000_000
 TARGET_PEAK_BYTES = 1e9
 TARGET_PERFETTO_SPEEDUP = 3.0
-
-
-def _save(key: str, value: object) -> None:
-    data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    data[key] = value
-    RESULTS.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def _best_cpu(fn, repeats: int = 2):  # type: ignore[no-untyped-def]
@@ -72,7 +64,7 @@ def test_four_gpus_within_3x_of_one_gpu() -> None:
         print(f"--gpus {gpus}: {rate:,.0f} token-layers/s ({cpu:.2f} s CPU)")
     ratio = rates[1]["token_layers_per_s"] / rates[4]["token_layers_per_s"]
     print(f"--gpus 4 is {ratio:.1f}x slower per token-layer than one GPU")
-    _save("multi_gpu", {"lru": rates, "gpu4_slowdown": round(ratio, 2)})
+    save("multi_gpu", {"lru": rates, "gpu4_slowdown": round(ratio, 2)})
     assert ratio <= TARGET_GPU4_RATIO, f"--gpus 4 {ratio:.1f}x slower than one GPU"
 
 
@@ -91,7 +83,7 @@ def test_ten_million_row_timeline_under_1_gb(tmp_path: Path) -> None:
     )  # fmt: skip
     out = tmp_path / "timeline.parquet"
     code = (
-        "import resource, time, json\n"
+        "import time, json\n"
         "import pyarrow.parquet as pq\n"
         "from daopsim.simulator.runner import simulate\n"
         "c = time.process_time()\n"
@@ -102,16 +94,9 @@ def test_ten_million_row_timeline_under_1_gb(tmp_path: Path) -> None:
         "print(json.dumps({'rows': rows, 'token_layers': r.metrics['decode_tokens'] * 32,"
         " 'cpu_seconds': round(cpu, 1), 'peak_rss_bytes': rss}))\n"
     )
-    run = subprocess.run(
-        [sys.executable, "-c", code],
-        check=True,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    stats = json.loads(run.stdout.strip().splitlines()[-1])
+    stats = child_json(code)
     print(stats)
-    _save("timeline_10m_rows", stats)
+    save("timeline_10m_rows", stats)
     assert stats["rows"] >= TARGET_TIMELINE_ROWS
     assert stats["peak_rss_bytes"] < TARGET_PEAK_BYTES
 
@@ -141,6 +126,6 @@ def test_perfetto_export_several_times_faster(tmp_path: Path) -> None:
         "plain_builder_bytes": old_path.stat().st_size,
     }
     print(stats)
-    _save("perfetto_export", stats)
+    save("perfetto_export", stats)
     assert same
     assert speedup >= TARGET_PERFETTO_SPEEDUP

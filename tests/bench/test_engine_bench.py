@@ -9,8 +9,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 import time
@@ -18,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from benchutil import child_json, save
 
 pytestmark = pytest.mark.bench
 
@@ -48,7 +47,6 @@ BEFORE_CORE = {
     "stream-all": 96_605,
     "vllm-cpu-offload": 118_924,
 }
-RESULTS = Path(__file__).with_name("results.json")
 REPEATS = 2
 
 #: measures every policy in a fresh interpreter (so the compiled core or, with
@@ -84,22 +82,8 @@ print(json.dumps(out))
 
 
 def _measure(pure: bool) -> dict[str, Any]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("DAOPSIM_PURE_PYTHON", None)
-    if pure:
-        env["DAOPSIM_PURE_PYTHON"] = "1"
-    code = f"REPEATS = {REPEATS}\n" + _MEASURE
-    out = subprocess.run(
-        [sys.executable, "-c", code], check=True, capture_output=True, text=True, env=env
-    )
-    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
-    return result
-
-
-def _save(key: str, value: object) -> None:
-    data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    data[key] = value
-    RESULTS.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    env = {"DAOPSIM_PURE_PYTHON": "1" if pure else "0"}
+    return child_json(f"REPEATS = {REPEATS}\n" + _MEASURE, env)
 
 
 def test_decode_throughput_per_policy() -> None:
@@ -114,7 +98,7 @@ def test_decode_throughput_per_policy() -> None:
     rates = compiled["rates"]
     slowest = min(rates, key=lambda n: rates[n]["token_layers_per_s"])
     print(f"slowest: {slowest} at {rates[slowest]['token_layers_per_s']:,} token-layers/s")
-    _save("throughput", {"compiled": compiled, "pure": pure, "before_core": BEFORE_CORE})
+    save("throughput", {"compiled": compiled, "pure": pure, "before_core": BEFORE_CORE})
     assert compiled["build"].startswith("compiled"), compiled["build"]
     below = {
         n: (r["token_layers_per_s"], BEFORE_CORE[n])
@@ -149,7 +133,7 @@ def test_make_run_under_20_s() -> None:
         capture_output=True,
     )
     dt = time.perf_counter() - t0
-    _save("make_run_seconds", round(dt, 2))
+    save("make_run_seconds", round(dt, 2))
     print(f"daopsim run --policy daop --hw a6000-pcie4: {dt:.1f} s")
     assert dt < 20
 
@@ -181,7 +165,7 @@ def test_ten_million_rows_peak_memory(tmp_path: Path) -> None:
         capture_output=True,
     )
     code = (
-        "import resource, time, json\n"
+        "import time, json\n"
         "from daopsim.simulator.runner import simulate\n"
         "t = time.perf_counter()\n"
         f"r = simulate(policy='lru', hw='a6000-pcie4', trace={str(path)!r}, record=False)\n"
@@ -190,14 +174,7 @@ def test_ten_million_rows_peak_memory(tmp_path: Path) -> None:
         "print(json.dumps({'rows': r.metrics['decode_tokens'] * 32, 'seconds': dt,"
         " 'peak_rss_bytes': rss}))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        check=True,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    stats = json.loads(out.stdout.strip().splitlines()[-1])
+    stats = child_json(code)
     print(stats)
-    _save("ten_million_rows", stats)
+    save("ten_million_rows", stats)
     assert stats["peak_rss_bytes"] < 1e9

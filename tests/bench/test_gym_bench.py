@@ -10,11 +10,10 @@ about 150,000 decisions, then takes about a minute).
 
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
 
 import pytest
+from benchutil import save
 
 from daopsim.gym import ExpertCacheEnv, lru_action, run_agent
 from daopsim.simulator.runner import simulate
@@ -22,14 +21,7 @@ from daopsim.simulator.runner import simulate
 pytestmark = pytest.mark.bench
 
 TARGET_STEPS_PER_S = 2_000
-RESULTS = Path(__file__).with_name("results.json")
 REPEATS = 2
-
-
-def _save(key: str, value: object) -> None:
-    data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    data[key] = value
-    RESULTS.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def _best(fn: object) -> tuple[float, float, object]:
@@ -65,5 +57,5 @@ def test_env_step_rate() -> None:
         }
         print(f"oracle={oracle}: {steps / cpu:,.0f} steps/s ({steps} steps, {cpu:.2f} s CPU)")
     rates["plain_lru_cpu_seconds"] = round(plain_cpu, 2)  # type: ignore[assignment]
-    _save("gym_step_rate", rates)
+    save("gym_step_rate", rates)
     assert rates["oracle"]["steps_per_s"] >= TARGET_STEPS_PER_S
