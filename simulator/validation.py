@@ -469,14 +469,7 @@ def _parse_row(raw: Any, i: int, path: Path) -> Row:
         raise UserError(f"{where}: a 'ratio' row needs [row.baseline], and only a ratio row")
     setting, assumed = _parse_setting(raw, where)
     return Row(
-        id=raw["id"],
-        source=raw["source"],
-        system=raw["system"],
-        hardware=raw["hardware"],
-        model=raw["model"],
-        precision=raw["precision"],
-        workload=raw["workload"],
-        unit=raw["unit"],
+        **_described(raw),
         published=published,
         metric=str(metric),
         modelled=modelled,
@@ -492,6 +485,12 @@ def _parse_row(raw: Any, i: int, path: Path) -> Row:
         assumed=assumed,
         energy=str(energy),
     )
+
+
+def _described(raw: dict[str, Any]) -> dict[str, Any]:
+    """The fields every row states about the measurement it stands for (checked already)."""
+    keys = ("id", "source", "system", "hardware", "model", "precision", "workload", "unit")
+    return {k: raw[k] for k in keys}
 
 
 def _check_sim(sim: dict[str, Any], base: dict[str, Any] | None, where: str) -> None:
@@ -542,14 +541,7 @@ def _parse_ranking(
         raise UserError(f"{where}: 'metric' must name a run metric, e.g. tokens_per_s")
     setting, assumed = _parse_setting(raw, where)
     row = Row(
-        id=raw["id"],
-        source=raw["source"],
-        system=raw["system"],
-        hardware=raw["hardware"],
-        model=raw["model"],
-        precision=raw["precision"],
-        workload=raw["workload"],
-        unit=raw["unit"],
+        **_described(raw),
         published=None,
         metric=str(metric),
         modelled=modelled,
