@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from click.testing import CliRunner, Result
+from cli_checks import one_error
+from click.testing import CliRunner
 
 import daopsim.simulator.experiments
 import daopsim.simulator.output
@@ -99,20 +100,6 @@ def _sockets() -> Iterator[list[socket.socket]]:
 
 def _kind(path: Path) -> int:
     return stat.S_IFMT(os.lstat(path).st_mode)
-
-
-def _one_error(res: Result, code: int, *words: str) -> str:
-    """Exactly one ``error:`` line, the last on stderr (progress may come before it), and no
-    traceback; returns the line."""
-    text = res.output + res.stderr
-    assert "Traceback" not in text, text
-    assert res.exit_code == code, (res.exit_code, res.stdout, res.stderr, res.exception)
-    lines = res.stderr.splitlines()
-    errors = [ln for ln in lines if ln.startswith("error: ")]
-    assert len(errors) == 1 and lines[-1] == errors[0], res.stderr
-    for w in words:
-        assert w in errors[0], (w, errors[0])
-    return errors[0]
 
 
 def _no_leftovers(folder: Path) -> None:
@@ -200,7 +187,7 @@ def test_non_regular_target_is_refused_and_kept(
         _sockets.append(s)
     before = _kind(target)
     res = CliRunner().invoke(main, _commands(ws)[command](target))
-    _one_error(res, OUTPUT, str(target))
+    one_error(res, OUTPUT, str(target))
     assert _kind(target) == before  # still the device / FIFO / socket, never replaced
     _no_leftovers(tmp_path)
 
@@ -211,7 +198,7 @@ def test_directory_where_a_file_is_expected(ws: Path, tmp_path: Path, command: s
     target.mkdir()
     (target / "keep.txt").write_text("mine")
     res = CliRunner().invoke(main, _commands(ws)[command](target))
-    _one_error(res, OUTPUT, "is a directory")
+    one_error(res, OUTPUT, "is a directory")
     assert (target / "keep.txt").read_text() == "mine"
 
 
@@ -220,7 +207,7 @@ def test_a_file_where_a_folder_is_expected(ws: Path, tmp_path: Path, command: st
     target = tmp_path / "a-file"
     target.write_text("mine")
     res = CliRunner().invoke(main, _commands(ws)[command](target))
-    _one_error(res, OUTPUT, "expected a folder")
+    one_error(res, OUTPUT, "expected a folder")
     assert target.read_text() == "mine"
 
 
@@ -231,7 +218,7 @@ def test_folder_output_never_replaces_a_folder_of_other_files(
     """``--out .`` or ``--out ~`` must not swap away the user's files."""
     (tmp_path / "notes.txt").write_text("mine")
     res = CliRunner().invoke(main, _commands(ws)[command](tmp_path))
-    _one_error(res, OUTPUT, "notes.txt")
+    one_error(res, OUTPUT, "notes.txt")
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
@@ -243,7 +230,7 @@ def test_folder_output_is_never_the_current_folder(
     monkeypatch.chdir(here)
     for out in (".", str(here), str(tmp_path)):
         res = CliRunner().invoke(main, _commands(ws)["run --out"](Path(out)))
-        _one_error(res, OUTPUT, "current folder")
+        one_error(res, OUTPUT, "current folder")
     assert list(here.iterdir()) == []
 
 
@@ -253,7 +240,7 @@ def test_parent_is_a_file(ws: Path, tmp_path: Path) -> None:
     blocker.write_text("x")
     for command in ("sweep --out", "synth -o", "run --out"):
         res = CliRunner().invoke(main, _commands(ws)[command](blocker / "sub" / "o.parquet"))
-        _one_error(res, OUTPUT, "not a directory")
+        one_error(res, OUTPUT, "not a directory")
     assert blocker.read_text() == "x"
 
 
@@ -264,7 +251,7 @@ def test_unwritable_folder(ws: Path, tmp_path: Path, monkeypatch: pytest.MonkeyP
     ro.mkdir()
     monkeypatch.setattr(os, "access", lambda p, m, **kw: Path(p) != ro and real(p, m, **kw))
     res = CliRunner().invoke(main, _commands(ws)["synth -o"](ro / "s.parquet"))
-    _one_error(res, OUTPUT, "not writable")
+    one_error(res, OUTPUT, "not writable")
     assert list(ro.iterdir()) == []
 
 
@@ -305,7 +292,7 @@ def test_sweep_output_is_its_input_trace(ws: Path, tmp_path: Path) -> None:
     trace = make_trace(tmp_path / "t.parquet", sequences=2, seed=1)
     before = trace.read_bytes()
     res = CliRunner().invoke(main, _sweep(trace, trace))
-    _one_error(res, OUTPUT, "is also an input")
+    one_error(res, OUTPUT, "is also an input")
     assert trace.read_bytes() == before
     assert not (tmp_path / "t.parquet.parts").exists()
 
@@ -317,7 +304,7 @@ def test_output_is_an_input_through_a_hard_link(ws: Path, tmp_path: Path) -> Non
     link = tmp_path / "link.json"
     os.link(target, link)
     res = CliRunner().invoke(main, ["synth", "fit", "--target", str(target), "-o", str(link)])
-    _one_error(res, OUTPUT, "is also an input")
+    one_error(res, OUTPUT, "is also an input")
     assert target.read_bytes() == before
 
 
@@ -329,7 +316,7 @@ def test_run_output_folder_holding_the_input_trace(ws: Path, tmp_path: Path) -> 
     res = CliRunner().invoke(
         main, ["run", "--trace", str(trace), "--no-progress", "--out", str(out)]
     )
-    _one_error(res, OUTPUT, "contains an input")
+    one_error(res, OUTPUT, "contains an input")
     assert trace.read_bytes() == before
 
 
@@ -338,7 +325,7 @@ def test_grid_file_out_is_the_grid_file(ws: Path, tmp_path: Path) -> None:
     grid.write_text(f'policies = ["lru"]\ntraces = ["{ws / "t.parquet"}"]\nout = "g.parquet"\n')
     before = grid.read_bytes()
     res = CliRunner().invoke(main, ["sweep", str(grid), "--no-progress"])
-    _one_error(res, OUTPUT, "is also an input")
+    one_error(res, OUTPUT, "is also an input")
     assert grid.read_bytes() == before
 
 
@@ -356,7 +343,7 @@ def test_experiment_name_cannot_leave_the_working_folder(
     monkeypatch.chdir(deep)
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     res = CliRunner().invoke(main, ["experiment", str(exp)])
-    _one_error(res, USAGE, "experiment name", "names an output folder")
+    one_error(res, USAGE, "experiment name", "names an output folder")
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
 
 
@@ -397,7 +384,7 @@ def test_full_disk_during_run_out_keeps_the_previous_set(
     before = _snapshot(out)
     _raise_after(1, errno.ENOSPC, monkeypatch)  # metrics.json fits, the timeline does not
     res = CliRunner().invoke(main, ["run", "--policy", "static", "--trace", t, "--out", str(out)])
-    _one_error(res, OUTPUT, str(out), "No space left on device")
+    one_error(res, OUTPUT, str(out), "No space left on device")
     assert _snapshot(out) == before  # the old set, whole: no new metrics beside old plots
     _no_leftovers(tmp_path)
 
@@ -410,7 +397,7 @@ def test_full_disk_on_a_new_run_out_leaves_nothing(
     res = CliRunner().invoke(
         main, ["run", "--trace", str(ws / "t.parquet"), "--no-progress", "--out", str(out)]
     )
-    _one_error(res, OUTPUT, "No space left on device")
+    one_error(res, OUTPUT, "No space left on device")
     assert not out.exists()
     _no_leftovers(tmp_path)
 
@@ -425,7 +412,7 @@ def test_full_disk_during_experiment_keeps_the_previous_set(
     before = _snapshot(out)
     _raise_after(2, errno.ENOSPC, monkeypatch)
     res = CliRunner().invoke(main, ["experiment", str(ws / "exp.toml"), "--out", str(out)])
-    _one_error(res, OUTPUT, "No space left on device")
+    one_error(res, OUTPUT, "No space left on device")
     assert _snapshot(out) == before
 
 
@@ -441,7 +428,7 @@ def test_failing_disk_during_validate_keeps_its_outputs(
     before, md_before = _snapshot(out), md.read_bytes()
     _raise_after(1, errno.ENOSPC, monkeypatch)
     res = CliRunner().invoke(main, [*args, "--no-progress", "--out", str(out)])
-    _one_error(res, OUTPUT, str(out), "No space left on device")
+    one_error(res, OUTPUT, str(out), "No space left on device")
     assert _snapshot(out) == before
     _raise_after(0, errno.EROFS, monkeypatch)
     # --markdown writes a whole table: a one-row table file, not --rows
@@ -449,7 +436,7 @@ def test_failing_disk_during_validate_keeps_its_outputs(
     res = CliRunner().invoke(
         main, ["validate", "--table", str(table), "--no-progress", "--markdown", str(md)]
     )
-    _one_error(res, OUTPUT, str(md), "Read-only file system")
+    one_error(res, OUTPUT, str(md), "Read-only file system")
     assert md.read_bytes() == md_before
     _no_leftovers(tmp_path)
 
@@ -476,7 +463,7 @@ def test_os_errors_are_one_line_with_exit_3(
         target.write_bytes(b"old figure")
     _raise_after(0, err, monkeypatch)
     res = CliRunner().invoke(main, _commands(ws)[command](target))
-    _one_error(res, OUTPUT, str(target), words)
+    one_error(res, OUTPUT, str(target), words)
     if command == "plot -o":
         assert target.read_bytes() == b"old figure"
     else:
@@ -494,7 +481,7 @@ def test_unexpected_os_error_is_still_one_line(
 
     monkeypatch.setattr("daopsim.simulator.runner.read_meta", broken)
     res = CliRunner().invoke(main, ["run", "--trace", str(ws / "t.parquet"), "--no-progress"])
-    _one_error(res, OUTPUT, "t.parquet", "Input/output error")
+    one_error(res, OUTPUT, "t.parquet", "Input/output error")
 
 
 # --- --json errors ----------------------------------------------------------------------------
@@ -567,7 +554,7 @@ def test_unknown_suffix_is_refused(
     ws: Path, tmp_path: Path, args: Callable[[Path, Path], list[str]]
 ) -> None:
     res = CliRunner().invoke(main, args(ws, tmp_path))
-    _one_error(res, USAGE, "use one of")
+    one_error(res, USAGE, "use one of")
     assert list(tmp_path.iterdir()) == []
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from cli_checks import one_error
 from click.testing import CliRunner, Result
 
 import daopsim.simulator.regress
@@ -44,19 +45,6 @@ ML, E, K = 32, 8, 2
 
 def _cli(*args: str | Path) -> Result:
     return CliRunner().invoke(main, [str(a) for a in args])
-
-
-def _one_error(res: Result, code: int, *words: str) -> str:
-    """Exactly one ``error:`` line on stderr (the last), the code, no traceback."""
-    text = res.output + res.stderr
-    assert "Traceback" not in text, text
-    assert res.exit_code == code, (res.exit_code, res.stdout, res.stderr, res.exception)
-    lines = res.stderr.splitlines()
-    errors = [ln for ln in lines if ln.startswith("error: ")]
-    assert len(errors) == 1 and lines[-1] == errors[0], res.stderr
-    for w in words:
-        assert w in errors[0], (w, errors[0])
-    return errors[0]
 
 
 def _ids(rng: np.random.Generator, n: int) -> np.ndarray:
@@ -91,7 +79,7 @@ def test_d1_import_never_replaces_its_source(tmp_path: Path, fmt: str) -> None:
         form, code = "npy", USAGE if fmt == "npy" else OUTPUT
     before = src.read_bytes()
     res = _cli("trace", "import", form, src, "--model", MODEL, "-o", src)
-    _one_error(res, code, str(src))
+    one_error(res, code, str(src))
     assert src.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == [src.name]
 
@@ -105,7 +93,7 @@ def test_d2_requests_out_inside_run_out_is_refused(tmp_path: Path) -> None:
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     for inside in ("timeline.parquet", "req.csv"):
         res = _cli(*run, "--out", out, "--requests-out", out / inside)
-        _one_error(res, OUTPUT, "--requests-out", "inside --out")
+        one_error(res, OUTPUT, "--requests-out", "inside --out")
         assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the timeline is whole
     again = _cli(*run, "--out", out, "--requests-out", beside)  # the same command, again
     assert again.exit_code == 0, again.output
@@ -121,7 +109,7 @@ def test_d3_validate_markdown_never_writes_a_partial_table(
     shutil.copyfile(REPO / "docs" / "validation.md", doc)  # the committed page, copied
     before = doc.read_bytes()
     res = _cli("validate", *subset, "--markdown", doc, "--no-progress")
-    _one_error(res, USAGE, "--markdown", subset[0])
+    one_error(res, USAGE, "--markdown", subset[0])
     assert doc.read_bytes() == before
 
 
@@ -137,8 +125,8 @@ def test_d4_regress_update_never_rewrites_the_golden_store_from_a_custom_grid(
         'trace = "ci-small"\npolicies = ["lru"]\ncache_ratios = [0.25]\n'
         'profiles = ["a6000-pcie4"]\nsequences = 1\n'
     )
-    _one_error(_cli("regress", "--grid", grid, "--update", "--no-progress"), USAGE, "golden store")
-    _one_error(
+    one_error(_cli("regress", "--grid", grid, "--update", "--no-progress"), USAGE, "golden store")
+    one_error(
         _cli("regress", "--grid", grid, "--update", "--baseline", golden, "--no-progress"),
         USAGE,
         "golden store",
@@ -149,7 +137,7 @@ def test_d4_regress_update_never_rewrites_the_golden_store_from_a_custom_grid(
     assert res.exit_code == 0, res.output
     assert len(json.loads(own.read_text())["configurations"]) == 1
     # and the grid file is never its own store
-    _one_error(
+    one_error(
         _cli("regress", "--grid", grid, "--update", "--baseline", grid, "--no-progress"),
         OUTPUT,
         "is also an input",
@@ -167,7 +155,7 @@ def test_s3_unified_memory_bounds_the_host_copies(
         "run", "--policy", "lru", "--hw", "jetson-orin-64g", "--model", "kimi-k2", "--dtype",
         "q4_k_m", "--no-progress",
     )  # fmt: skip
-    _one_error(res, USAGE, "jetson-orin-64g", "kimi-k2", "unified memory")
+    one_error(res, USAGE, "jetson-orin-64g", "kimi-k2", "unified memory")
     # what does run fits the one memory: GPU allocations plus the host's copies
     hw = load_profile("jetson-orin-64g")
     from daopsim.simulator.costs import cost_model
@@ -227,7 +215,7 @@ def test_s4_a_configuration_asked_for_twice_is_named(
         "sweep", "--policies", "lru", "--sequences", "1", "--cache-ratios", "0.25", axis, given,
         "--no-progress", "--out", tmp_path / "s.parquet",
     )  # fmt: skip
-    _one_error(res, USAGE, "same configuration twice", axis, given.split(",")[1])
+    one_error(res, USAGE, "same configuration twice", axis, given.split(",")[1])
     assert not (tmp_path / "s.parquet").exists()
 
 
@@ -304,7 +292,7 @@ def test_s6_nan_and_inf_options_are_refused(policy: str, option: str) -> None:
         "run", "--policy", policy, "--trace", "ci-small", "--sequences", "1", "--policy-opt",
         option, "--no-progress",
     )  # fmt: skip
-    _one_error(res, USAGE, option.split("=")[0], "finite")
+    one_error(res, USAGE, option.split("=")[0], "finite")
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
@@ -337,7 +325,7 @@ def test_s7_experiment_files_are_checked_against_a_schema(
     exp = tmp_path / "exp.toml"
     exp.write_text(new + text if not old else text.replace(old, new))
     res = _cli("experiment", exp, "--out", tmp_path / "out", "--sequences", "1")
-    _one_error(res, USAGE, str(exp), *words)
+    one_error(res, USAGE, str(exp), *words)
     assert not (tmp_path / "out").exists()
 
 
@@ -489,7 +477,7 @@ def test_m1_import_refuses_what_validate_would_reject(tmp_path: Path, case: str)
     out = tmp_path / "out" / "t.parquet"
     out.parent.mkdir()
     res = _cli("trace", "import", fmt, src, "--model", MODEL, *extra, "-o", out)
-    _one_error(res, USAGE, str(src), words)
+    one_error(res, USAGE, str(src), words)
     assert list(out.parent.iterdir()) == []  # nothing written, no temporary left
 
 
@@ -541,7 +529,7 @@ def test_m2_synth_fit_refuses_special_targets(tmp_path: Path, kind: str) -> None
             pytest.skip(f"cannot make a device node here ({exc.strerror})")
         word = "character device"
     res = _cli("synth", "fit", "--target", target, "-o", tmp_path / "fit.json")
-    _one_error(res, USAGE, str(target), word)
+    one_error(res, USAGE, str(target), word)
     assert not (tmp_path / "fit.json").exists()
 
 
@@ -561,7 +549,7 @@ def test_c1_negative_seeds_are_usage_errors(tmp_path: Path, args: list[str]) -> 
     argv = [a.format(o=tmp_path / "o.parquet") for a in args] + ["--no-progress"] * (
         args[0] != "synth"
     )
-    _one_error(_cli(*argv), USAGE, "non-negative integer")
+    one_error(_cli(*argv), USAGE, "non-negative integer")
     assert not (tmp_path / "o.parquet").exists()
     if args[0] == "run":  # under --json: one JSON object on stdout, not an empty one
         res = _cli(*argv, "--json")
@@ -577,7 +565,7 @@ def test_c7_synth_fit_refuses_stats_of_another_model(tmp_path: Path) -> None:
         "--sequences", "1", "--prompt-tokens", "4", "--output-tokens", "4",
         "-o", tmp_path / "fit.json",
     )  # fmt: skip
-    _one_error(res, USAGE, "mixtral-8x7b", "olmoe-1b-7b")
+    one_error(res, USAGE, "mixtral-8x7b", "olmoe-1b-7b")
 
 
 def test_c8_symbolic_link_loops_are_one_line(
@@ -588,9 +576,9 @@ def test_c8_symbolic_link_loops_are_one_line(
     os.symlink("loopA", "loopB")
     res = _cli("run", "--policy", "lru", "--trace", "ci-small", "--sequences", "1", "--out",
                "loopA/x", "--no-progress")  # fmt: skip
-    _one_error(res, OUTPUT, "loopA/x", "symbolic link loop")
-    _one_error(_cli("plot", "loopA"), USAGE, "loopA", "symbolic link loop")
-    _one_error(_cli("run", "--trace", "loopA", "--no-progress"), USAGE, "symbolic link loop")
+    one_error(res, OUTPUT, "loopA/x", "symbolic link loop")
+    one_error(_cli("plot", "loopA"), USAGE, "loopA", "symbolic link loop")
+    one_error(_cli("run", "--trace", "loopA", "--no-progress"), USAGE, "symbolic link loop")
 
 
 def test_c10_capture_on_cuda_without_cuda_is_one_line(tmp_path: Path) -> None:
@@ -601,7 +589,7 @@ def test_c10_capture_on_cuda_without_cuda_is_one_line(tmp_path: Path) -> None:
     prompts.write_text('{"prompt": "hello"}\n')
     res = _cli("capture", "--random-init", "mixtral", "--prompts", prompts, "--device", "cuda",
                "-o", tmp_path / "c.parquet")  # fmt: skip
-    _one_error(res, USAGE, "--device cuda")
+    one_error(res, USAGE, "--device cuda")
     assert not (tmp_path / "c.parquet").exists()
 
 
@@ -614,7 +602,7 @@ def test_import_to_an_unwritable_path_is_exit_3(tmp_path: Path) -> None:
     blocker = tmp_path / "afile"
     blocker.write_text("x")
     res = _cli("trace", "import", "npy", src, "--model", MODEL, "-o", blocker / "x.parquet")
-    line = _one_error(res, OUTPUT, "not a directory")
+    line = one_error(res, OUTPUT, "not a directory")
     assert "File exists" not in line
 
 
@@ -627,7 +615,7 @@ def test_traces_are_parquet_only(tmp_path: Path, command: str) -> None:
         src = tmp_path / "ids.npy"
         np.save(src, _ids(np.random.default_rng(1), 2))
         args = ["trace", "import", "npy", src, "--model", MODEL]
-    _one_error(_cli(*args, "-o", out), USAGE, "use one of .parquet")
+    one_error(_cli(*args, "-o", out), USAGE, "use one of .parquet")
     assert not out.exists()
 
 
@@ -640,7 +628,7 @@ def test_synth_fit_never_turns_a_bad_count_into_a_default(
     stats = tmp_path / "stats.json"
     stats.write_text(_cli("trace", "stats", "ci-small", "--json", "--no-curves").stdout)
     res = _cli("synth", "fit", "--target", stats, *option, "-o", tmp_path / "f.json")
-    _one_error(res, USAGE, option[0])
+    one_error(res, USAGE, option[0])
     assert not (tmp_path / "f.json").exists()
 
 
@@ -649,11 +637,11 @@ def test_sweep_max_batch_zero_is_refused_like_run(tmp_path: Path) -> None:
         "sweep", "--policies", "lru", "--traces", "ci-small", "--arrival-rates", "1",
         "--max-batch", "0", "--no-progress", "--out", tmp_path / "s.parquet",
     )  # fmt: skip
-    _one_error(res, USAGE, "--max-batch")
+    one_error(res, USAGE, "--max-batch")
 
 
 def test_validate_empty_rows_is_refused() -> None:
-    _one_error(_cli("validate", "--rows", "", "--no-progress"), USAGE, "--rows")
+    one_error(_cli("validate", "--rows", "", "--no-progress"), USAGE, "--rows")
 
 
 @pytest.mark.parametrize("base", ["lru", "global-lru"])
