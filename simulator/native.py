@@ -69,6 +69,15 @@ def source_path(module: str) -> Path:
     return _BASE.joinpath(*rest.split(".")).with_suffix(".py")
 
 
+def module_source(module: ModuleType) -> Path | None:
+    """The ``.py`` source of a loaded module, compiled or not (a compiled module's
+    ``__file__`` names its build group's library); None when it has no file."""
+    if module.__name__ in COMPILED:
+        return source_path(module.__name__)
+    file = getattr(module, "__file__", None)
+    return Path(file) if file and file.endswith(".py") else None
+
+
 def source_hashes() -> dict[str, str]:
     """SHA-256 of each compiled module's source, as the build records them."""
     return {m: hashlib.sha256(source_path(m).read_bytes()).hexdigest() for m in COMPILED}

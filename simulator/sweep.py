@@ -43,7 +43,7 @@ from daopsim.simulator.errors import (
     parse_key_values,
 )
 from daopsim.simulator.fingerprints import daopsim_version, file_sha256, profile_sha256
-from daopsim.simulator.native import COMPILED, source_path
+from daopsim.simulator.native import module_source
 from daopsim.simulator.output import TABLE_FORMATS, check_output_file, output_format
 from daopsim.simulator.output import write_table as _write_any_table
 from daopsim.simulator.progress import Progress
@@ -322,8 +322,6 @@ def policy_code_sha256(cls: type) -> str:
     hierarchy up to ``Policy`` (so an edit to a shared base such as ``policies/caching.py``
     counts too). A module without a readable source file (a compiled or zipped plugin) is named
     by its distribution's version instead."""
-    import inspect
-
     from daopsim.policies.base import Policy
 
     parts: dict[str, str] = {}
@@ -334,15 +332,8 @@ def policy_code_sha256(cls: type) -> str:
         if mod in parts:
             continue
         module = sys.modules.get(mod)
-        src = None
-        try:
-            if mod in COMPILED:  # a compiled module's __file__ is its build group's library
-                src = str(source_path(mod))
-            elif module is not None:
-                src = inspect.getsourcefile(module)
-        except TypeError:  # a built-in or a module without a file
-            src = None
-        if src is not None and os.path.isfile(src):
+        src = None if module is None else module_source(module)
+        if src is not None and src.is_file():
             parts[mod] = "sha256:" + file_sha256(src)
         else:
             parts[mod] = _distribution_version(mod) or f"unknown:{daopsim_version()}"

@@ -69,10 +69,9 @@ def evicted_order(policy: str, seq: list[int], budget: int = 2) -> list[int]:
 
 def _class_docstring(cls: type) -> str | None:
     """The class's docstring as written in its source (a compiled class keeps no __doc__)."""
-    from daopsim.simulator.native import COMPILED, source_path
+    from daopsim.simulator.native import module_source
 
-    mod = cls.__module__
-    path = source_path(mod) if mod in COMPILED else Path(sys.modules[mod].__file__ or "")
+    path = module_source(sys.modules[cls.__module__]) or Path()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ClassDef) and node.name == cls.__name__:
             return ast.get_docstring(node)
