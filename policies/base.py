@@ -53,7 +53,7 @@ class Param:
     maximum: float | None = None
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class Plan:
     """A policy's decisions for one layer of one step (a decode token or a prefill pass).
 
@@ -94,6 +94,34 @@ class Plan:
     cpu_first: Any = False
     low_bit: Any = frozenset()
     barrier: Any = False
+
+    # Written out (``init=False`` above) so that mypyc compiles it: the dataclass-generated
+    # constructor is interpreted, and a policy builds one plan per layer (about 0.5 us each).
+    def __init__(
+        self,
+        actions: Any = None,
+        victims: Any = None,
+        route: Any = None,
+        raw_route: Any = None,
+        prefetch: Any = None,
+        precalc: Any = None,
+        evict: Any = None,
+        cpu_serial: Any = False,
+        cpu_first: Any = False,
+        low_bit: Any = frozenset(),
+        barrier: Any = False,
+    ) -> None:
+        self.actions = actions
+        self.victims = {} if victims is None else victims
+        self.route = route
+        self.raw_route = raw_route
+        self.prefetch = [] if prefetch is None else prefetch
+        self.precalc = [] if precalc is None else precalc
+        self.evict = [] if evict is None else evict
+        self.cpu_serial = cpu_serial
+        self.cpu_first = cpu_first
+        self.low_bit = low_bit
+        self.barrier = barrier
 
 
 ALL_GPU_PLAN = Plan()

@@ -85,7 +85,7 @@ class Hooks:
 
 def _pair(x: Any) -> Slot | None:
     """``x`` as an int (layer, expert) pair, or None when it is not one."""
-    if x.__class__ is tuple and len(x) == 2 and x[0].__class__ is int and x[1].__class__ is int:
+    if type(x) is tuple and len(x) == 2 and type(x[0]) is int and type(x[1]) is int:
         return x  # the common case, cheaply
     try:
         a, b = x
@@ -224,18 +224,22 @@ class _PlanCheck:
         now: float,
     ) -> None:
         self.hooks, self.plan, self.layer, self.routed = hooks, plan, layer, routed
-        self.res, self.spec, self.now = res, spec, now
+        self.spec, self.now = spec, now
+        # the residency's sizes read once, typed (``res`` is the core's or the reference's)
+        self.n_layers: int = res.n_layers
         self.n_experts: int = res.n_experts
+        self.budget: int = res.budget
         self.mask: Any = res.mask
         self.ready: Any = res.ready
         #: residency changes made earlier in this plan
         self.changed: dict[int, bool] = {}
-        self.n_res = res.n_resident
+        self.n_res: int = res.n_resident
         actions = plan.actions
+        if actions is not None and not isinstance(actions, dict):
+            raise self.err(f"returned a malformed plan (actions is {type(actions).__name__})")
+        self.actions: dict[Any, Any] | None = actions
         if actions is None:
             self.needed = set(routed)
-        elif not isinstance(actions, dict):
-            raise self.err(f"returned a malformed plan (actions is {type(actions).__name__})")
         else:
             self.needed = {e for e in routed if actions.get(e) in (_GPU, _FETCH)}
 
@@ -254,7 +258,7 @@ class _PlanCheck:
                 f"returned a malformed plan ({what} {item!r} is not a (layer, expert) pair)"
             )
         vl, ve = slot
-        if not (0 <= vl < self.res.n_layers and 0 <= ve < self.n_experts):
+        if not (0 <= vl < self.n_layers and 0 <= ve < self.n_experts):
             raise self.err(f"evicts ({vl}, {ve}), outside the model")
         i = vl * self.n_experts + ve
         if not self.is_res(i):
@@ -271,7 +275,7 @@ class _PlanCheck:
         """A copy into a slot, after its victim's eviction; the budget must hold it."""
         if victim is not None:
             self.evict(victim, "victim")
-        budget = self.res.budget
+        budget = self.budget
         if self.n_res >= budget:
             raise self.err(
                 f"{what} expert {e} of layer {layer} with all {budget} slots full and no victim"
@@ -281,7 +285,7 @@ class _PlanCheck:
 
     def check_routed(self, precalc: Collection[Slot]) -> list[int]:
         """Each routed expert's action, resident experts first; returns that order."""
-        actions, layer = self.plan.actions, self.layer
+        actions, layer = self.actions, self.layer
         row = layer * self.n_experts
         if actions is None:
             for e in self.routed:
@@ -332,7 +336,7 @@ class _PlanCheck:
         if slot is None:
             raise self.err(f"returned a malformed plan (prefetch entry {item!r})")
         pl, pe = slot
-        if not (0 <= pl < self.res.n_layers and 0 <= pe < self.n_experts):
+        if not (0 <= pl < self.n_layers and 0 <= pe < self.n_experts):
             raise self.err(f"prefetches ({pl}, {pe}), outside the model")
         if self.is_res(pl * self.n_experts + pe):
             raise self.err(f"prefetches expert {pe} of layer {pl}, already resident")

@@ -67,7 +67,7 @@ class Applier:
         timeline, ``cpu_layer`` says the layer runs on the CPU (its CPU experts need no
         activation copies)."""
         w = LayerWork(now, layer, label[0], label[1], counts)
-        actions = plan.actions
+        actions: dict[Any, Any] | None = plan.actions  # checked: None or a dict
         if actions is None:
             needed = set(routed)
         else:

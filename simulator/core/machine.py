@@ -70,15 +70,15 @@ class Machine:
             self.hosts.append(HostThread(runtime, idle) if per_expert else None)
         #: HOBBIT's low-precision copies: seconds and bytes of one (0 without a low-bit dtype)
         low = spec.low_bit_dtype
-        self.low_bit_s = costs.h2d_low_bit_expert_s(low, pinned) if low else 0.0
-        self.low_bit_bytes = costs.low_bit_expert_bytes(low) if low else 0
+        self.low_bit_s: float = costs.h2d_low_bit_expert_s(low, pinned) if low else 0.0
+        self.low_bit_bytes: int = costs.low_bit_expert_bytes(low) if low else 0
         self.cpu = SharedCpu("cpu", spec.cpu_workers)
         self.temp_buffers: int = spec.temp_buffers
         #: a fused-MoE runtime: the layer's call launches once, with the first GPU expert the
         #: layer runs on each GPU stream
         fused = runtime is not None and runtime.fused_moe
         self.gpu_s = _memo(costs.fused_gpu_expert_s if fused else costs.gpu_expert_s)
-        self.fused_launch_s = costs.fused_moe_layer_s() if fused else 0.0
+        self.fused_launch_s: float = costs.fused_moe_layer_s() if fused else 0.0
         self.cpu_s = _memo(costs.cpu_expert_s)
         self._cpu_share = _memo(costs.cpu_share)
         self._cpu_dram = _memo(costs.cpu_dram_share)
@@ -93,7 +93,7 @@ class Machine:
         self.drives: dict[str, Lane] = {}
         self._cpu_ne: dict[tuple[int, int], float] = {}
         #: the copy of one CPU-resident layer's non-expert weights (prompt op offload)
-        self.cpu_layer_weights_s = costs.cpu_layer_weights_h2d_s()
+        self.cpu_layer_weights_s: float = costs.cpu_layer_weights_h2d_s()
         #: ZeRO-3's streamed non-expert weights: (bytes, seconds) of one layer's copy and of the
         #: input embedding's (the output matrix is taken to be its size); None: they stay put
         self.streamed: tuple[tuple[int, float], tuple[int, float]] | None = None

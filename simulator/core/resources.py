@@ -241,15 +241,15 @@ class HostThread:
     )
 
     def __init__(self, profile: Any, idle_experts: int = 0) -> None:
-        self.dispatch = profile.dispatch_us * 1e-6
-        self.sync = profile.sync_us * 1e-6
-        self.step = profile.step_us * 1e-6
+        self.dispatch: float = profile.dispatch_us * 1e-6
+        self.sync: float = profile.sync_us * 1e-6
+        self.step: float = profile.step_us * 1e-6
         self.ne_k: int = profile.nonexpert_kernels
         self.expert_k: int = profile.expert_kernels
         self.routing_syncs: int = profile.routing_syncs
         self.expert_syncs: int = profile.expert_syncs
         #: host time of one GPU expert call's syncs
-        self.expert_sync = profile.expert_syncs * self.sync
+        self.expert_sync: float = profile.expert_syncs * self.sync
         self.t = 0.0
         #: blocking syncs the thread made
         self.syncs = 0
@@ -257,7 +257,7 @@ class HostThread:
         # E - k for one decode token): host time and syncs, no GPU work, charged at the
         # routing point before the routed experts' calls.
         self.idle_syncs: int = idle_experts * profile.idle_expert_syncs
-        self.idle_loop = idle_experts * (
+        self.idle_loop: float = idle_experts * (
             profile.idle_expert_kernels * self.dispatch + profile.idle_expert_syncs * self.sync
         )
 
