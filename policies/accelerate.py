@@ -31,6 +31,7 @@ and ``attach_align_device_hook``; the placement rule of ``infer_auto_device_map`
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Final
 
 from daopsim.policies._mypyc import mypyc_attr
 from daopsim.policies.base import (
@@ -45,7 +46,7 @@ from daopsim.policies.base import (
 )
 from daopsim.policies.registry import register
 
-TEMP = Action.TEMP
+TEMP: Final = Action.TEMP
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)

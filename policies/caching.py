@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -38,7 +38,9 @@ from daopsim.policies.base import (
 from daopsim.simulator.errors import UserError
 from daopsim.simulator.models import ModelShape
 
-GPU, FETCH, TEMP = Action.GPU, Action.FETCH, Action.TEMP
+GPU: Final = Action.GPU
+FETCH: Final = Action.FETCH
+TEMP: Final = Action.TEMP
 
 
 def per_layer_initial(ctx: SetupContext, mode: str, quota: list[int]) -> list[Slot]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -42,13 +42,11 @@ from daopsim.simulator.errors import UserError
 
 _INF = float("inf")
 
-GPU, FETCH, TEMP, CPU, PRE = (
-    Action.GPU,
-    Action.FETCH,
-    Action.TEMP,
-    Action.CPU,
-    Action.PRECOMPUTED,
-)
+GPU: Final = Action.GPU
+FETCH: Final = Action.FETCH
+TEMP: Final = Action.TEMP
+CPU: Final = Action.CPU
+PRE: Final = Action.PRECOMPUTED
 
 
 #: What DAOP decided at layer l-1 for layer l of the current token (a tuple: cheaper to make

@@ -29,6 +29,7 @@ Source: Fiddler, ICLR 2025 (arXiv 2402.07033), code efeslab/fiddler@227715b
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Final
 
 from daopsim.policies._mypyc import mypyc_attr
 from daopsim.policies.base import (
@@ -44,7 +45,9 @@ from daopsim.policies.base import (
 )
 from daopsim.policies.registry import register
 
-GPU, TEMP, CPU = Action.GPU, Action.TEMP, Action.CPU
+GPU: Final = Action.GPU
+TEMP: Final = Action.TEMP
+CPU: Final = Action.CPU
 #: efeslab/fiddler src/fiddler/mixtral.py (commit 227715b): ``self.latency_cpu = 7`` and
 #: ``self.latency_gpu = 70``, relative units with a TODO to calibrate them per device.
 CODE_LATENCY_CPU = 7.0

@@ -34,7 +34,7 @@ llama.cpp's loop is not modelled (docs/cost-model.md, "Runtime profiles").
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -45,7 +45,7 @@ from daopsim.policies.registry import register
 from daopsim.simulator.errors import UserError
 from daopsim.simulator.models import DTYPES
 
-TEMP = Action.TEMP
+TEMP: Final = Action.TEMP
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)

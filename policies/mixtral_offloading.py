@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Final
 
 from daopsim.policies._mypyc import mypyc_attr
 from daopsim.policies.base import Action, Param, Plan, ResourceSpec, SetupContext, Slot, View
@@ -68,7 +68,8 @@ from daopsim.policies.lru import LRUPolicy
 from daopsim.policies.registry import register
 from daopsim.simulator.errors import UserError
 
-FETCH, TEMP = Action.FETCH, Action.TEMP
+FETCH: Final = Action.FETCH
+TEMP: Final = Action.TEMP
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)

@@ -68,7 +68,7 @@ from bisect import insort
 from collections.abc import Iterable
 from itertools import chain, compress, islice
 from operator import not_
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -87,7 +87,9 @@ from daopsim.policies.caching import global_initial
 from daopsim.policies.registry import register
 from daopsim.simulator.errors import UserError
 
-GPU, FETCH, TEMP = Action.GPU, Action.FETCH, Action.TEMP
+GPU: Final = Action.GPU
+FETCH: Final = Action.FETCH
+TEMP: Final = Action.TEMP
 
 _add, _and = np.add, np.logical_and
 

@@ -53,7 +53,7 @@ matrix per layer, so slightly pessimistic there). ``stream_nonexpert=false`` kee
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Final
 
 from daopsim.policies._mypyc import mypyc_attr
 from daopsim.policies.base import (
@@ -69,7 +69,8 @@ from daopsim.policies.base import (
 from daopsim.policies.registry import register
 from daopsim.simulator.errors import UserError
 
-FETCH, TEMP = Action.FETCH, Action.TEMP
+FETCH: Final = Action.FETCH
+TEMP: Final = Action.TEMP
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)

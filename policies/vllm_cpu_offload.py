@@ -31,7 +31,7 @@ and ``maybe_offload_to_cpu``, the version before UVA offloading); docs/reference
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Final
 
 from daopsim.policies._mypyc import mypyc_attr
 from daopsim.policies.base import (
@@ -48,7 +48,7 @@ from daopsim.policies.base import (
 from daopsim.policies.registry import register
 from daopsim.simulator.errors import DoesNotFit
 
-FETCH = Action.FETCH
+FETCH: Final = Action.FETCH
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)

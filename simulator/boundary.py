@@ -12,17 +12,20 @@ its traceback.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Final
 
 import numpy as np
 
 from daopsim.policies.base import Action, Plan, Policy, Slot
 from daopsim.simulator.errors import PolicyError, UserError
 
-if TYPE_CHECKING:
-    pass
-
-_GPU, _FETCH, _TEMP, _CPU, _PRE = (int(a) for a in Action)
+# the actions as plain ints, Final so that compiled code reads each as a constant (not a
+# module-dict lookup per use); the core's applier uses them too
+A_GPU: Final = int(Action.GPU)
+A_FETCH: Final = int(Action.FETCH)
+A_TEMP: Final = int(Action.TEMP)
+A_CPU: Final = int(Action.CPU)
+A_PRE: Final = int(Action.PRECOMPUTED)
 _ACTIONS = frozenset(int(a) for a in Action)
 
 
@@ -135,7 +138,7 @@ def check_route(hooks: Hooks, plan: Any, n_experts: int, layer: int) -> list[int
     route = plan.route
     if route is None:
         return None
-    arr = route if route.__class__ is np.ndarray else np.asarray(route)
+    arr = route if type(route) is np.ndarray else np.asarray(route)
     if arr.ndim != 1:
         raise hooks.error("returns a malformed route (not one-dimensional)", layer)
     if arr.size and arr.dtype.kind not in "iu":
@@ -145,7 +148,8 @@ def check_route(hooks: Hooks, plan: Any, n_experts: int, layer: int) -> list[int
         raise hooks.error(f"routes to expert ids outside 0..{n_experts - 1}", layer)
     if len(set(ids)) != len(ids):
         raise hooks.error("routes to the same expert twice", layer)
-    if plan.raw_route is not None and np.asarray(plan.raw_route).ndim != 1:
+    raw = plan.raw_route
+    if raw is not None and (raw if type(raw) is np.ndarray else np.asarray(raw)).ndim != 1:
         raise hooks.error("returns a malformed raw_route (not one-dimensional)", layer)
     return ids
 
@@ -200,7 +204,7 @@ def _check_spec(hooks: Hooks, plan: Any, layer: int, spec: Any) -> None:
     actions = plan.actions
     if spec.one_stream and (
         plan.precalc
-        or (isinstance(actions, dict) and any(a in (_CPU, _PRE) for a in actions.values()))
+        or (isinstance(actions, dict) and any(a in (A_CPU, A_PRE) for a in actions.values()))
     ):
         # one stream orders the expert copies and kernels; CPU work beside it is not modelled
         raise hooks.error(
@@ -241,7 +245,7 @@ class _PlanCheck:
         if actions is None:
             self.needed = set(routed)
         else:
-            self.needed = {e for e in routed if actions.get(e) in (_GPU, _FETCH)}
+            self.needed = {e for e in routed if actions.get(e) in (A_GPU, A_FETCH)}
 
     def err(self, message: str) -> PolicyError:
         return self.hooks.error(message, self.layer)
@@ -297,24 +301,24 @@ class _PlanCheck:
                 bad = next(e for e, x in actions.items() if x is value)
                 raise self.err(f"returns unknown action {value!r} for expert {bad}")
         # hits are judged before this layer's insertions: resident experts first
-        order = [e for e in self.routed if actions.get(e) == _GPU]
-        order += [e for e in self.routed if actions.get(e) != _GPU]
+        order = [e for e in self.routed if actions.get(e) == A_GPU]
+        order += [e for e in self.routed if actions.get(e) != A_GPU]
         temps = 0
         for e in order:
             a = actions.get(e)
             if a is None:
                 raise self.err(f"gives no action for routed expert {e}")
-            if a == _GPU and not self.is_res(row + e):
+            if a == A_GPU and not self.is_res(row + e):
                 raise self.err(f"runs expert {e} on the GPU but it is not resident")
-            if a == _FETCH:
+            if a == A_FETCH:
                 if self.is_res(row + e):
                     raise self.err(f"fetches expert {e}, which is already resident")
                 self.fetch(layer, e, self.plan.victims.get(e), "fetches")
-            elif a == _TEMP:
+            elif a == A_TEMP:
                 if self.is_res(row + e):
                     raise self.err(f"copies expert {e} to a temporary buffer but it is resident")
                 temps += 1
-            elif a == _PRE and (layer, e) not in precalc:
+            elif a == A_PRE and (layer, e) not in precalc:
                 raise self.err(f"uses a CPU pre-calculation of expert {e} that was never submitted")
         if len(actions) != len(self.routed):
             extra = sorted(set(actions) - set(self.routed))
@@ -352,7 +356,7 @@ def _check_low_bit(hooks: Hooks, plan: Any, layer: int, routed: list[int], spec:
         )
     actions = plan.actions or {}
     for e in plan.low_bit:
-        if e not in routed or actions.get(e) != _TEMP:
+        if e not in routed or actions.get(e) != A_TEMP:
             raise hooks.error(
                 f"names expert {e} as a low-bit copy but it is not a TEMP copy", layer
             )

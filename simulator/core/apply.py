@@ -12,12 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from daopsim.policies.base import Action, Plan
+from daopsim.policies.base import Plan
+from daopsim.simulator.boundary import A_CPU, A_FETCH, A_GPU, A_TEMP
 from daopsim.simulator.core.executor import Executor
 from daopsim.simulator.core.ops import CPU, FETCH, TEMP, WRITEBACK, Counters, GpuJob, LayerWork, Op
 from daopsim.simulator.core.resources import INF, Residency
-
-_GPU, _FETCH, _TEMP, _CPU, _PRE = (int(a) for a in Action)
 
 
 class Applier:
@@ -71,33 +70,34 @@ class Applier:
         if actions is None:
             needed = set(routed)
         else:
-            needed = {e for e in routed if actions[e] in (_GPU, _FETCH)}
+            needed = {e for e in routed if actions[e] in (A_GPU, A_FETCH)}
         for victim in plan.evict:
             self._evict(int(victim[0]), int(victim[1]), needed, w)
         temps: list[int] = []
         cpu_jobs: list[int] = []
         hits = 0
         for e in order:
-            a = _GPU if actions is None else int(actions[e])
-            if a == _GPU:
+            a = A_GPU if actions is None else actions[e]  # an Action or its int (checked)
+            if a == A_GPU:
                 hits += 1
                 w.gpu.append(self._hit(layer, e))
-            elif a == _FETCH:
+            elif a == A_FETCH:
                 op = self._fetch(layer, e, "fetch", plan.victims.get(e), needed, w)
                 self.c.fetches += 1
                 w.gpu.append(GpuJob(e, 0.0, op))
-            elif a == _TEMP:
+            elif a == A_TEMP:
                 temps.append(e)
-            elif a == _CPU:
+            elif a == A_CPU:
                 cpu_jobs.append(e)
             else:  # a consumed pre-calculation
                 w.results.append(self.precalc.pop((layer, e)))
         self._count_accesses(layer, len(routed), hits, prefill)
         for e in temps:
             w.gpu.append(GpuJob(e, 0.0, self._temp(layer, e, plan.low_bit, w)))
-        for pl, pe, victim in plan.prefetch:
-            self._fetch(int(pl), int(pe), "prefetch", victim, needed, w)
-            self.res.prefetched[int(pl) * self.res.n_experts + int(pe)] = 1
+        for entry in plan.prefetch:
+            pl, pe = int(entry[0]), int(entry[1])
+            self._fetch(pl, pe, "prefetch", entry[2], needed, w)
+            self.res.prefetched[pl * self.res.n_experts + pe] = 1
             self.c.prefetches += 1
         self._cpu_work(plan, layer, cpu_jobs, counts, cpu_layer, w)
         w.cpu_first = plan.cpu_first

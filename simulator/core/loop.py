@@ -193,11 +193,15 @@ class DecodeStep(Step):
             c.gate_mass_kept += ws
         else:  # how much of the true routing the substituted route kept or replaced
             used = set(route)
-            raw = set(np.asarray(plan.raw_route).tolist()) if plan.raw_route is not None else set()
+            raw: set[int] | None = None  # built at the first replaced expert
             for e, w in zip(experts, self._weights(layer), strict=False):
                 if e in used:
                     c.gate_mass_kept += w
-                elif e in raw:
+                    continue
+                if raw is None:
+                    r = plan.raw_route
+                    raw = set() if r is None else set(np.asarray(r).tolist())
+                if e in raw:
                     c.replaced_degraded += 1
                 else:
                     c.replaced_mispredicted += 1

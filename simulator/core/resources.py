@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import heapq
 import math
-from array import array
 from collections import deque
 from typing import Any, Final
 
@@ -356,8 +355,10 @@ class Residency:
         self.mask = bytearray(size)
         self.resident = np.frombuffer(self.mask, dtype=np.bool_).reshape(n_layers, n_experts)
         #: when each resident expert's copy ends (INF while its copy has not started), flat
-        self.ready = array("d", bytes(8 * size))
-        self.ready_at = np.frombuffer(self.ready, dtype=np.float64).reshape(n_layers, n_experts)
+        # a memoryview of doubles: its item writes are cheaper than an array's
+        buf = bytearray(8 * size)
+        self.ready = memoryview(buf).cast("d")
+        self.ready_at = np.frombuffer(buf, dtype=np.float64).reshape(n_layers, n_experts)
         #: resident experts a prefetch brought that no layer has used yet, flat
         self.prefetched = bytearray(size)
         #: experts whose copy into a slot has been issued but not yet started -> the copy
