@@ -46,12 +46,14 @@ class Hooks:
     ``UserError`` (a bad option the policy reports) and ``PolicyError`` pass through unchanged.
     """
 
-    __slots__ = ("name", "policy", "where")
+    __slots__ = ("checker", "name", "policy", "where")
 
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
         self.name = policy.name or type(policy).__name__
         self.where = Where()
+        #: the plan check, made at the first plan (:func:`check_plan`)
+        self.checker: _PlanCheck | None = None
 
     def error(self, message: str, layer: int | None = None) -> PolicyError:
         """A PolicyError at the current sequence and token (and ``layer``)."""
@@ -176,79 +178,90 @@ def check_plan(
     """
     if not isinstance(plan, Plan):
         raise hooks.error(f"returned {type(plan).__name__}, expected a Plan", layer)
-    if plan.low_bit:
-        _check_low_bit(hooks, plan, layer, routed, spec)
-    _check_spec(hooks, plan, layer, spec)
-    check = _PlanCheck(hooks, plan, layer, routed, res, spec, now)
-    if not isinstance(plan.evict, list) or not isinstance(plan.prefetch, list):
-        raise hooks.error("returned a malformed plan (evict and prefetch must be lists)", layer)
-    for victim in plan.evict:
-        check.evict(victim, "evict entry")
-    order = check.check_routed(precalc)
-    for entry in plan.prefetch:
-        check.prefetch(entry)
-    if plan.precalc:
-        _check_precalc(hooks, plan.precalc, layer, res, precalc)
-    return order
-
-
-def _check_spec(hooks: Hooks, plan: Any, layer: int, spec: Any) -> None:
-    """Work a system's resources cannot model."""
-    if spec.gpu_blocks is not None and (plan.prefetch or plan.precalc):
-        # CPU-resident layers are timed as if nothing else used the CPU or the links then
-        raise hooks.error(
-            "asks for prefetches or pre-calculations, which a spec with gpu_blocks "
-            "(CPU-resident layers) does not model",
-            layer,
-        )
-    actions = plan.actions
-    if spec.one_stream and (
-        plan.precalc
-        or (isinstance(actions, dict) and any(a in (A_CPU, A_PRE) for a in actions.values()))
-    ):
-        # one stream orders the expert copies and kernels; CPU work beside it is not modelled
-        raise hooks.error(
-            "runs experts on the CPU, which a spec with one_stream does not model", layer
-        )
+    check = hooks.checker
+    if check is None or check.res is not res:  # made once per engine, for its residency
+        check = hooks.checker = _PlanCheck(hooks, res, spec)
+    return check.run(plan, layer, routed, precalc, now)
 
 
 class _PlanCheck:
-    """One plan's check: the residency as the plan changes it, step by step. A plan's fields
-    may hold any objects (``Plan``'s fields are typed ``Any``). Experts are named by their
-    flat index ``layer * n_experts + expert``, as the residency stores them."""
+    """The check of an engine's plans: the residency as a plan changes it, step by step. A
+    plan's fields may hold any objects (``Plan``'s fields are typed ``Any``). Experts are
+    named by their flat index ``layer * n_experts + expert``, as the residency stores them.
+    Made once per engine (:attr:`Hooks.checker`): its per-plan state is reset by :meth:`run`.
+    """
 
-    def __init__(
-        self,
-        hooks: Hooks,
-        plan: Plan,
-        layer: int,
-        routed: list[int],
-        res: Any,
-        spec: Any,
-        now: float,
-    ) -> None:
-        self.hooks, self.plan, self.layer, self.routed = hooks, plan, layer, routed
-        self.spec, self.now = spec, now
-        # the residency's sizes read once, typed (``res`` is the core's or the reference's)
+    def __init__(self, hooks: Hooks, res: Any, spec: Any) -> None:
+        self.hooks, self.res, self.spec = hooks, res, spec
+        # the residency's sizes and the spec's switches read once, typed
         self.n_layers: int = res.n_layers
         self.n_experts: int = res.n_experts
         self.budget: int = res.budget
         self.mask: Any = res.mask
         self.ready: Any = res.ready
+        self.evicts_in_use: bool = bool(spec.evicts_in_use and spec.writeback)
+        self.no_temp: bool = spec.temp_buffers < 1
+        self.cpu_layers: bool = spec.gpu_blocks is not None
+        self.one_stream: bool = bool(spec.one_stream)
+        # the current plan
+        self.plan = Plan()
+        self.layer = 0
+        self.routed: list[int] = []
+        self.now = 0.0
+        self.actions: dict[Any, Any] | None = None
+        self.needed: set[int] = set()
         #: residency changes made earlier in this plan
         self.changed: dict[int, bool] = {}
-        self.n_res: int = res.n_resident
+        self.n_res = 0
+
+    def run(
+        self, plan: Plan, layer: int, routed: list[int], precalc: Collection[Slot], now: float
+    ) -> list[int]:
+        """Check ``plan`` (see :func:`check_plan`); returns the routed experts' order."""
+        self.plan, self.layer, self.routed, self.now = plan, layer, routed, now
+        self.changed.clear()
+        self.n_res = self.res.n_resident
+        if plan.low_bit:
+            _check_low_bit(self.hooks, plan, layer, routed, self.spec)
+        self.check_spec()
         actions = plan.actions
         if actions is not None and not isinstance(actions, dict):
             raise self.err(f"returned a malformed plan (actions is {type(actions).__name__})")
-        self.actions: dict[Any, Any] | None = actions
+        self.actions = actions
         if actions is None:
             self.needed = set(routed)
         else:
             self.needed = {e for e in routed if actions.get(e) in (A_GPU, A_FETCH)}
+        if not isinstance(plan.evict, list) or not isinstance(plan.prefetch, list):
+            raise self.err("returned a malformed plan (evict and prefetch must be lists)")
+        for victim in plan.evict:
+            self.evict(victim, "evict entry")
+        order = self.check_routed(precalc)
+        for entry in plan.prefetch:
+            self.prefetch(entry)
+        if plan.precalc:
+            _check_precalc(self.hooks, plan.precalc, layer, self.res, precalc)
+        return order
 
     def err(self, message: str) -> PolicyError:
         return self.hooks.error(message, self.layer)
+
+    def check_spec(self) -> None:
+        """Work a system's resources cannot model."""
+        plan = self.plan
+        if self.cpu_layers and (plan.prefetch or plan.precalc):
+            # CPU-resident layers are timed as if nothing else used the CPU or the links then
+            raise self.err(
+                "asks for prefetches or pre-calculations, which a spec with gpu_blocks "
+                "(CPU-resident layers) does not model"
+            )
+        actions = plan.actions
+        if self.one_stream and (
+            plan.precalc
+            or (isinstance(actions, dict) and any(a in (A_CPU, A_PRE) for a in actions.values()))
+        ):
+            # one stream orders the expert copies and kernels; CPU work beside it is not modelled
+            raise self.err("runs experts on the CPU, which a spec with one_stream does not model")
 
     def is_res(self, i: int) -> bool:
         v = self.changed.get(i)
@@ -265,12 +278,13 @@ class _PlanCheck:
         if not (0 <= vl < self.n_layers and 0 <= ve < self.n_experts):
             raise self.err(f"evicts ({vl}, {ve}), outside the model")
         i = vl * self.n_experts + ve
-        if not self.is_res(i):
+        changed = self.changed.get(i)
+        if not (bool(self.mask[i]) if changed is None else changed):
             raise self.err(f"evicts expert {ve} of layer {vl}, which is not resident")
         in_use = vl == self.layer and ve in self.needed
-        if in_use and not (self.spec.evicts_in_use and self.spec.writeback):
+        if in_use and not self.evicts_in_use:
             raise self.err(f"evicts expert {ve} of layer {vl}, which this token needs")
-        if not in_use and (i in self.changed or self.ready[i] > self.now):
+        if not in_use and (changed is not None or self.ready[i] > self.now):
             raise self.err(f"evicts expert {ve} of layer {vl} while it is still being copied")
         self.changed[i] = False
         self.n_res -= 1
@@ -323,7 +337,7 @@ class _PlanCheck:
         if len(actions) != len(self.routed):
             extra = sorted(set(actions) - set(self.routed))
             raise self.err(f"gives actions for experts {extra} that are not routed")
-        if temps and self.spec.temp_buffers < 1:
+        if temps and self.no_temp:
             raise self.err("copies to a temporary buffer but declares temp_buffers = 0")
         return order
 
