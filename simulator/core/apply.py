@@ -19,6 +19,12 @@ from daopsim.simulator.core.ops import CPU, FETCH, TEMP, WRITEBACK, Counters, Gp
 from daopsim.simulator.core.resources import INF, Residency
 
 
+def _int(x: Any) -> int:
+    """A checked plan's integer (an int or a numpy integer) as an int; an int as it is
+    (compiled, ``int(x)`` is a call of the int type even for an int)."""
+    return x if type(x) is int else int(x)
+
+
 class Applier:
     """Turns checked plans into a :class:`LayerWork` and keeps the residency and the
     counters of what the plans ask for."""
@@ -72,7 +78,7 @@ class Applier:
         else:
             needed = {e for e in routed if actions[e] in (A_GPU, A_FETCH)}
         for victim in plan.evict:
-            self._evict(int(victim[0]), int(victim[1]), needed, w)
+            self._evict(_int(victim[0]), _int(victim[1]), needed, w)
         temps: list[int] = []
         cpu_jobs: list[int] = []
         hits = 0
@@ -95,7 +101,7 @@ class Applier:
         for e in temps:
             w.gpu.append(GpuJob(e, 0.0, self._temp(layer, e, plan.low_bit, w)))
         for entry in plan.prefetch:
-            pl, pe = int(entry[0]), int(entry[1])
+            pl, pe = _int(entry[0]), _int(entry[1])
             self._fetch(pl, pe, "prefetch", entry[2], needed, w)
             self.res.prefetched[pl * self.res.n_experts + pe] = 1
             self.c.prefetches += 1
@@ -167,7 +173,7 @@ class Applier:
     ) -> Op:
         """Copy an expert into a slot (``kind``: a fetch or a prefetch), after its victim."""
         if victim is not None:
-            self._evict(int(victim[0]), int(victim[1]), needed, w)
+            self._evict(_int(victim[0]), _int(victim[1]), needed, w)
         op = self._op(FETCH, kind, layer, expert, w)
         self.res.insert(layer * self.res.n_experts + expert, op)
         self.c.h2d_bytes += self.expert_bytes
@@ -206,7 +212,7 @@ class Applier:
             prev = self._chain(plan.cpu_serial, prev, op, w)
         prev = None
         for pl, pe in plan.precalc:
-            slot = (int(pl), int(pe))
+            slot = (_int(pl), _int(pe))
             op = self._cpu_op(slot[0], slot[1], 1, "precalc", local, w)
             self.c.cpu_precalc_evals += 1
             self.precalc[slot] = op
