@@ -33,7 +33,7 @@ from daopsim.simulator.core.ops import (
     LayerWork,
     Op,
 )
-from daopsim.simulator.core.resources import INF, Residency
+from daopsim.simulator.core.resources import INF, Lane, Residency
 
 
 class Stream:
@@ -177,7 +177,7 @@ class Executor:
                 return
             op.stage = 1
         link = self.m.uplinks[k][0]
-        e = self._copy(t, op, link, link.expert_s, self.expert_bytes, op.rkind)[1]
+        e = self._copy(t, op, link, link.expert_s, self.expert_bytes, op.rkind)
         res.copied(op.layer * res.n_experts + op.expert, e)
         self._landed(op, e)
 
@@ -191,21 +191,28 @@ class Executor:
         self._copy(t, op, link, dur, nbytes, "temp")
         self._landed(op, op.end)
 
-    def _copy(
-        self, t: float, op: Op, link: Link, dur: float, nbytes: int, kind: str
-    ) -> tuple[float, float]:
-        """Serve a host-to-device copy of ``op`` submitted at ``t``; returns (start, end)."""
+    def _copy(self, t: float, op: Op, link: Link, dur: float, nbytes: int, kind: str) -> float:
+        """Serve a host-to-device copy of ``op`` submitted at ``t``; returns its end."""
         if op.gds:  # the drive wrote the weights into GPU memory already (GPUDirect Storage)
             op.end = t
-            return t, t
-        s, e = link.lane.serve(t, dur)
-        if self.rec is not None:
-            self.rec.op(link.lane.name, kind, op.sid, op.token, op.layer, op.expert, s, e, nbytes)
+            return t
+        op.end = e = self._transfer(link.lane, t, dur, kind, op, nbytes)
+        self.streams[op.dev].h2d_bytes += nbytes
+        return e
+
+    def _transfer(self, lane: Lane, t: float, dur: float, kind: str, op: Op, nbytes: int) -> float:
+        """A transfer of ``nbytes`` for ``op`` on ``lane``, submitted at ``t``: served in turn,
+        recorded, and on unified memory a load of the DRAM; returns its end."""
+        s, e = lane.serve(t, dur)
+        self._record(lane.name, kind, op, s, e, nbytes)
         if self.m.unified:
             self.mem(s, e, nbytes)
-        self.streams[op.dev].h2d_bytes += nbytes
-        op.end = e
-        return s, e
+        return e
+
+    def _record(self, lane: str, kind: str, op: Op, s: float, e: float, nbytes: int) -> None:
+        """A timeline row for ``op`` on ``lane`` from ``s`` to ``e`` (when recording)."""
+        if self.rec is not None:
+            self.rec.op(lane, kind, op.sid, op.token, op.layer, op.expert, s, e, nbytes)
 
     def _landed(self, op: Op, end: float) -> None:
         """A copy a GPU computation of the current layer waits for has ended."""
@@ -230,9 +237,7 @@ class Executor:
         e = s + dur
         h2d.free_at = d2h.free_at = e
         d2h.busy += dur
-        if self.rec is not None:
-            self.rec.op(d2h.name, "writeback", op.sid, op.token, op.layer, op.expert, s, e,
-                        self.expert_bytes)  # fmt: skip
+        self._record(d2h.name, "writeback", op, s, e, self.expert_bytes)
         if self.m.unified:
             self.mem(s, e, self.expert_bytes)
         self.streams[op.dev].d2h_bytes += self.expert_bytes
@@ -264,13 +269,8 @@ class Executor:
             return
         up_h, up_d = self.m.uplinks[op.dev]
         link = up_d if op.stage == 0 else up_h
-        nbytes = self.act_bytes * op.n
-        s, e = link.lane.serve(t, link.activation_s(op.n))
-        if self.rec is not None:
-            self.rec.op(link.lane.name, "activation", op.sid, op.token, op.layer, op.expert, s,
-                        e, nbytes)  # fmt: skip
-        if self.m.unified:
-            self.mem(s, e, nbytes)
+        e = self._transfer(link.lane, t, link.activation_s(op.n), "activation", op,
+                           self.act_bytes * op.n)  # fmt: skip
         if op.stage == 0:
             op.stage = 1
             self.push(e, op)
@@ -299,9 +299,7 @@ class Executor:
         cpu = self.m.cpu
         for job in cpu.wake(t):
             op = job.op
-            if self.rec is not None:
-                name = cpu.lanes[job.worker].name
-                self.rec.op(name, op.rkind, op.sid, op.token, op.layer, op.expert, job.start, t, 0)
+            self._record(cpu.lanes[job.worker].name, op.rkind, op, job.start, t, 0)
             op.stage = 2
             self.push(t, op)
         self.cpu_next()
@@ -332,9 +330,7 @@ class Executor:
         else:
             link = m.uplinks[op.dst][0]
         s, e = link.lane.serve(t, link.activation_s(op.n))
-        if self.rec is not None:
-            self.rec.op(link.lane.name, "peer", op.sid, op.token, op.layer, op.expert, s, e,
-                        nbytes)  # fmt: skip
+        self._record(link.lane.name, "peer", op, s, e, nbytes)
         name = link.lane.name
         self.peer_bytes[name] = self.peer_bytes.get(name, 0) + nbytes
         if direct is None and op.stage == 0:
