@@ -22,9 +22,9 @@ from daopsim.simulator.boundary import Hooks, check_placement, check_plan, check
 from daopsim.simulator.core.apply import Applier
 from daopsim.simulator.core.executor import Executor
 from daopsim.simulator.core.machine import Machine
-from daopsim.simulator.core.ops import Counters, RunStats
+from daopsim.simulator.core.ops import Counters
 from daopsim.simulator.core.resources import Residency
-from daopsim.simulator.errors import UserError
+from daopsim.simulator.runstats import RunStats, run_stats
 
 
 def cpu_layers_for(spec: Any, model: Any, budget: int) -> int:
@@ -252,8 +252,6 @@ class Engine:
         self.model, self.costs, self.recorder = model, costs, recorder
         self.budget = int(budget)
         self.n_layers, self.n_experts = model.moe_layers, model.experts
-        if placement is not None:
-            _check_multi(policy, spec)
         self.placement = placement
         self.machine = m = Machine(costs, spec, runtime, placement)
         caps = [int(b) + spec.staging_buffers for b in (budgets or [self.budget])]
@@ -331,7 +329,7 @@ class Engine:
                 self.sequence(r, on_sequence)
         e2e = self.now
         self.ex.drain()  # background work still running when the last token is out
-        return self.stats(e2e)
+        return run_stats(self, e2e)
 
     def sequence(self, r: Any, on_sequence: Callable[[Any], None] | None) -> None:
         """A sequence on its own: its prefill pass, then one step per decode token."""
@@ -517,83 +515,3 @@ class Engine:
             c.nonexpert_weight_bytes += nbytes
             end = self.ex.weights(start, nbytes, dur, kind, st.part[0], st.part[1], lay)
         return end
-
-    # -- results -----------------------------------------------------------------------------
-    def stats(self, e2e: float) -> RunStats:
-        """The run's statistics once it is over."""
-        c, m = self.c, self.machine
-        c.max_occupancy = self.res.max_occupancy
-        c.hits_per_layer = np.array(self.applier.hits, dtype=np.int64)
-        c.accesses_per_layer = np.array(self.applier.accesses, dtype=np.int64)
-        c.host_syncs = m.host.syncs if m.host is not None else 0
-        c.host_syncs += sum(h.syncs for h in m.hosts[1:] if h is not None)
-        stats = RunStats(counters=c, e2e=e2e, busy=m.busy(), workers=m.workers())
-        stats.after, stats.servers = m.work_after(e2e)
-        if self.ssd_cfg is not None:
-            stats.host_tier = self._ssd_totals(stats.busy)
-        return stats
-
-    def _ssd_totals(self, busy: dict[str, float]) -> dict[str, float]:
-        """The SSD tier's totals for the metrics (and the drive's busy time)."""
-        cfg, tier = self.ssd_cfg, self.ssd
-        if tier is None:  # every expert fits: the host holds them all, the drive is idle
-            peak = cfg.nonexpert_bytes + cfg.total * cfg.expert_bytes
-            out = {"ssd_bytes": 0, "ssd_reads": 0, "ssd_stall_s": 0.0, "host_evictions": 0}
-            busy["ssd"] = 0.0
-        else:
-            peak = tier.peak_bytes
-            out = {
-                "ssd_bytes": tier.ssd_bytes,
-                "ssd_reads": tier.ssd_reads,
-                "ssd_stall_s": tier.ssd_stall,
-                "host_evictions": tier.host_evictions,
-            }
-            busy["ssd"] = tier.lane.busy
-        out["host_memory_peak_bytes"] = peak
-        out["host_memory_budget_bytes"] = cfg.budget_bytes
-        return out
-
-    def multi_metrics(self) -> dict[str, Any]:
-        """Per-GPU and per-peer-path figures of a run on several GPUs (``run --json``)."""
-        m, pl, ex, res = self.machine, self.placement, self.ex, self.res
-        gpus = []
-        for k, lane in enumerate(m.gpus):
-            gpus.append(
-                {
-                    "gpu": k,
-                    "busy_s": lane.busy,
-                    "slots": res.cap[k] - self.spec.staging_buffers,
-                    "max_slots_used": res.peak[k],
-                    "expert_computations": ex.streams[k].experts,
-                    "h2d_expert_bytes": ex.streams[k].h2d_bytes,
-                    "d2h_expert_bytes": ex.streams[k].d2h_bytes,
-                    "uplink": m.uplinks[k][0].lane.name,
-                    "layers": pl.layers_of[k][:1] + pl.layers_of[k][-1:],
-                    "experts_per_layer": len(pl.experts_of[k]),
-                    "experts": list(pl.experts_of[k]),
-                }
-            )
-        return {
-            "gpus": pl.n,
-            "mode": pl.mode,
-            "expert_placement": pl.rule,
-            "peer_kind": m.multi.peer_kind if m.multi is not None else None,
-            "per_gpu": gpus,
-            "peer_bytes": dict(sorted(ex.peer_bytes.items())),
-            "peer_bytes_total": sum(ex.peer_bytes.values()),
-        }
-
-
-def _check_multi(policy: Policy, spec: Any) -> None:
-    """What several GPUs do not model, refused with the policy's name."""
-    if spec.nonexpert_streamed:
-        raise UserError(
-            f"policy {policy.name!r} streams its non-expert weights "
-            "(ResourceSpec.nonexpert_streamed), which several GPUs do not model; "
-            "run it on one GPU (stream-all: --policy-opt stream_nonexpert=false)"
-        )
-    if spec.one_stream:
-        raise UserError(
-            f"policy {policy.name!r} issues its copies on its kernels' stream "
-            "(one_stream); the multi-GPU executors do not model that"
-        )

@@ -144,57 +144,6 @@ class Machine:
             t = self._cpu_ne[key] = self.costs.cpu_nonexpert_layer_s(n, context)
         return t
 
-    def lanes(self) -> dict[str, Lane]:
-        """Every distinct lane by name: GPU streams, uplinks, peer lanes, CPU workers, drives."""
-        out: dict[str, Lane] = {lane.name: lane for lane in self.gpus}
-        for h, d in self.uplinks:
-            out[h.lane.name] = h.lane
-            out[d.lane.name] = d.lane
-        for link in self.peers.values():
-            out[link.lane.name] = link.lane
-        for lane in self.cpu.lanes:
-            out[lane.name] = lane
-        out.update(self.drives)
-        return out
-
-    def busy(self) -> dict[str, float]:
-        """Busy seconds: ``gpu``, ``h2d``, ``d2h`` (summed over GPUs and distinct lanes) and
-        ``cpu`` (summed workers); with several GPUs also every lane by its own name."""
-        ups = {id(h.lane): h.lane for h, _ in self.uplinks}
-        downs = {id(d.lane): d.lane for _, d in self.uplinks}
-        out = {
-            "gpu": sum(g.busy for g in self.gpus),
-            "h2d": sum(lane.busy for lane in ups.values()),
-            "d2h": sum(lane.busy for lane in downs.values()),
-            "cpu": self.cpu.busy,
-        }
-        if self.n_gpus > 1:
-            for name, lane in self.lanes().items():
-                out.setdefault(name, lane.busy)
-        return out
-
-    def work_after(self, e2e: float) -> tuple[dict[str, float], dict[str, int]]:
-        """Busy seconds each copy direction, the CPU workers and the drive spend after the
-        run's end ``e2e``, and the lanes behind each copy direction. Every request is issued
-        by the end and a lane serves its queue back to back, so a lane busy at ``e2e`` stays
-        busy until its ``free_at``: its work after the end is ``max(0, free_at - e2e)``."""
-        groups = {
-            "h2d": list({id(h.lane): h.lane for h, _ in self.uplinks}.values()),
-            "d2h": list({id(d.lane): d.lane for _, d in self.uplinks}.values()),
-            "cpu": list(self.cpu.lanes),
-        }
-        for name, lane in self.drives.items():
-            groups[name] = [lane]
-        after = {n: sum(max(0.0, lane.free_at - e2e) for lane in ls) for n, ls in groups.items()}
-        return after, {"h2d": len(groups["h2d"]), "d2h": len(groups["d2h"])}
-
-    def workers(self) -> dict[str, int]:
-        """Workers per pool (``cpu``), and with several GPUs their number (``gpu``)."""
-        out = {"cpu": len(self.cpu.lanes)}
-        if self.n_gpus > 1:
-            out["gpu"] = self.n_gpus
-        return out
-
 
 def _uplinks(costs: Any, pinned: bool, n: int, multi: Any) -> list[tuple[Link, Link]]:
     """Each GPU's (host-to-device, device-to-host) links; one pair for a shared uplink."""

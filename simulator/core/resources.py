@@ -95,11 +95,6 @@ class SharedCpu:
         self.t = 0.0
         self.version = 0
 
-    @property
-    def busy(self) -> float:
-        """Summed seconds the workers held a running call."""
-        return sum(lane.busy for lane in self.lanes)
-
     def submit(self, t: float, job: CpuJob) -> None:
         """A call is submitted at ``t`` (every earlier event has been applied)."""
         self._advance(t)
