@@ -143,11 +143,6 @@ class Op(Keyed):
         self.src = 0  # PEER: the sending GPU
         self.dst = 0  # PEER: the receiving GPU
 
-    @property
-    def done(self) -> bool:
-        """Whether the executor has timed this operation to its end."""
-        return self.end >= 0.0
-
 
 class GpuJob(Keyed):
     """A GPU expert computation of the current layer: its expert, the time its weights are
