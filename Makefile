@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 DAOPSIM := $(VENV)/bin/daopsim
 # the compiled engine core (mypyc, simulator/native.py): rebuilt when a compiled source changes
 NATIVE := $(VENV)/.native
-NATIVE_SOURCES := setup.py simulator/native.py simulator/boundary.py $(wildcard simulator/core/*.py) $(wildcard policies/*.py)
+NATIVE_SOURCES := setup.py simulator/native.py simulator/boundary.py simulator/heap.py $(wildcard simulator/core/*.py) $(wildcard policies/*.py)
 # tests run on both cores: pytest-xdist spreads them over the cores
 JOBS ?= 2
 

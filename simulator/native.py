@@ -35,7 +35,8 @@ _BASE = Path(__file__).absolute().parent.parent
 #: policy modules that stay interpreted: the registry (plugins, entry points) and the shim
 _INTERPRETED_POLICIES = ("__init__", "_mypyc", "registry")
 #: the modules mypyc compiles, in one group (their extension shares one runtime library): the
-#: engine core, the policy boundary and every built-in policy with the policy API they share
+#: engine core (first: the build's record lies beside the first module), the heap its queues
+#: use, the policy boundary and every built-in policy with the policy API they share
 COMPILED = (
     "daopsim.simulator.core.ops",
     "daopsim.simulator.core.resources",
@@ -43,6 +44,7 @@ COMPILED = (
     "daopsim.simulator.core.executor",
     "daopsim.simulator.core.apply",
     "daopsim.simulator.core.loop",
+    "daopsim.simulator.heap",
     "daopsim.simulator.boundary",
     *sorted(
         f"daopsim.policies.{p.stem}"

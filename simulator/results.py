@@ -25,8 +25,8 @@ from daopsim.simulator import perfetto
 from daopsim.simulator.output import output_dir, write_figure, write_file, write_text
 
 if TYPE_CHECKING:
-    from daopsim.simulator.core.ops import RunStats
     from daopsim.simulator.hardware import HardwareProfile
+    from daopsim.simulator.runstats import RunStats
 
 #: The metrics every run reports, in display order (docs/metrics.md defines each).
 METRIC_KEYS = (

@@ -30,6 +30,7 @@ from daopsim.simulator.hosttier import host_tier_config
 from daopsim.simulator.output import check_output_file
 from daopsim.simulator.recorder import Recorder
 from daopsim.simulator.results import RunResult, compute_metrics, host_tier_metrics
+from daopsim.simulator.runstats import multi_metrics
 from daopsim.simulator.runtime_profiles import RuntimeProfile, get_runtime
 from daopsim.simulator.serving import (
     Arrival,
@@ -214,6 +215,14 @@ def _engine_class(name: str, several_gpus: bool = False) -> Any:
 
         return MultiGpuReference if several_gpus else ReferenceEngine
     raise UserError(f"unknown engine {name!r} (choose 'fast' or 'reference')")
+
+
+def _multi_gpu(engine: Any) -> dict[str, Any]:
+    """The per-GPU figures of a run on several GPUs (``run --json``): the core's, read by
+    ``daopsim.simulator.runstats``, or the reference engine's own."""
+    if isinstance(engine, Engine):
+        return multi_metrics(engine)
+    return engine.multi_metrics()  # type: ignore[no-any-return]
 
 
 def _multi_gpu_config(
@@ -938,6 +947,11 @@ def _check_several_gpus(pol: Policy, n_cpu_layers: int) -> None:
             f"policy {pol.name!r} streams its non-expert weights from the host (ZeRO-3), which "
             f"--gpus > 1 does not model; give --gpus 1{off}"
         )
+    if pol.resources().one_stream:
+        raise UserError(
+            f"policy {pol.name!r} issues its copies on its kernels' stream (one_stream), which "
+            "the multi-GPU executors do not model"
+        )
 
 
 def load_data(inp: RunInputs, size: RunSize) -> RunData:
@@ -1172,7 +1186,7 @@ def run_config(inp: RunInputs, size: RunSize, data: RunData, run: Run) -> dict[s
         "clairvoyant": bool(pol.clairvoyant),
         "cost_sources": size.costs.sources(),
         "gpus": req.gpus,
-        "multi_gpu": run.engine.multi_metrics() if inp.mg is not None else None,
+        "multi_gpu": _multi_gpu(run.engine) if inp.mg is not None else None,
         **provenance(trace_path, inp.profile),
     }
     tier = inp.host_tier

@@ -40,7 +40,6 @@ from daopsim.simulator.errors import UserError
 from daopsim.simulator.trace import SequenceRouting
 
 if TYPE_CHECKING:
-    from daopsim.policies.base import View
     from daopsim.simulator.core.loop import Engine
 
 #: Columns of an arrival file (docs/serving.md, "Arrival file").
@@ -914,10 +913,6 @@ class BatchStep(CoreStep):
     #: prompt tokens the step prefills; decode tokens whose latency it is
     prefill_tokens = 0
     t0_latency = 0
-
-    def decide(self, eng: Engine) -> Callable[[View], Any]:
-        pol = eng.policy
-        return pol.prefill_layer if self.prefill else pol.batch_layer  # type: ignore[no-any-return]
 
     def begin(self, eng: Engine) -> None:
         v = eng.view

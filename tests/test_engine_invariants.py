@@ -24,12 +24,12 @@ from hypothesis import strategies as st
 
 from daopsim.policies.base import Action, Plan, Policy, SetupContext, Slot, View
 from daopsim.simulator.core.loop import Engine
-from daopsim.simulator.core.ops import RunStats
 from daopsim.simulator.core.resources import Lane
 from daopsim.simulator.costs import cost_model
 from daopsim.simulator.errors import PolicyError
 from daopsim.simulator.hardware import load_profile
 from daopsim.simulator.recorder import Recorder
+from daopsim.simulator.runstats import RunStats
 from daopsim.simulator.testing import ChaosPolicy, random_routing, routing_from_experts, tiny_model
 from daopsim.simulator.trace import SequenceRouting
 

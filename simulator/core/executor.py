@@ -29,11 +29,11 @@ from daopsim.simulator.core.ops import (
     WRITEBACK,
     Counters,
     GpuJob,
-    Heap,
     LayerWork,
     Op,
 )
 from daopsim.simulator.core.resources import INF, Lane, Residency
+from daopsim.simulator.heap import Heap
 
 
 class Stream:

@@ -22,9 +22,9 @@ from daopsim.simulator.boundary import Hooks, check_placement, check_plan, check
 from daopsim.simulator.core.apply import Applier
 from daopsim.simulator.core.executor import Executor
 from daopsim.simulator.core.machine import Machine
-from daopsim.simulator.core.ops import Counters, RunStats
-from daopsim.simulator.core.resources import Residency
-from daopsim.simulator.errors import UserError
+from daopsim.simulator.core.ops import Counters
+from daopsim.simulator.core.resources import Lane, Residency
+from daopsim.simulator.runstats import RunStats, run_stats
 
 
 def cpu_layers_for(spec: Any, model: Any, budget: int) -> int:
@@ -64,10 +64,6 @@ class Step:
         self.load = (n, context)  # unified memory: the non-expert kernel's DRAM share key
         self.part = self.ops = self.who = (0, 0)
 
-    def decide(self, eng: Engine) -> Callable[[View], Any]:
-        """The policy hook deciding this step's layers."""
-        return eng.policy.decode_layer  # type: ignore[no-any-return]
-
     def begin(self, eng: Engine) -> None:
         """Set the view's step-wide fields."""
 
@@ -101,14 +97,9 @@ class PrefillStep(Step):
         p = r.n_prefill
         super().__init__(p, 0, eng.machine.nonexpert_s(p, 0))
         self.r = r
-        spec = eng.spec
-        offload = eng.n_cpu_layers and 0 < spec.cpu_layer_offload_batch <= p
+        offload = eng.n_cpu_layers and 0 < eng.spec.cpu_layer_offload_batch <= p
         self.n_cpu_run = 0 if offload else eng.n_cpu_layers
-        sid = eng.hooks.where.seq or 0
-        self.part = self.ops = self.who = (sid, base)
-
-    def decide(self, eng: Engine) -> Callable[[View], Any]:
-        return eng.policy.prefill_layer  # type: ignore[no-any-return]
+        self.part = self.ops = self.who = (eng.hooks.where.seq or 0, base)
 
     def begin(self, eng: Engine) -> None:
         v = eng.view
@@ -123,8 +114,7 @@ class PrefillStep(Step):
         counts = np.bincount(r.experts[:p, layer, :].reshape(-1), minlength=eng.n_experts)
         experts = np.flatnonzero(counts)
         experts = experts[np.argsort(-counts[experts], kind="stable")]
-        v.experts = experts
-        v.counts = counts
+        v.experts, v.counts = experts, counts
         v.weights = r.weights[:p, layer, :].mean(axis=0)
         v.probs = r.probs[:p, layer, :].mean(axis=0)
         return experts, counts
@@ -153,12 +143,9 @@ class DecodeStep(Step):
         super().__init__(1, context, eng.machine.nonexpert_s(1, context))
         self.dp, self.t = dp, t
         self.n_cpu_run = eng.n_cpu_layers
-        sid = eng.hooks.where.seq or 0
-        self.part = self.ops = self.who = (sid, t + base)
-        r = dp.r
-        self.experts_t = r.experts[t]
-        self.weights_t = r.weights[t]
-        self.weights_l: list[list[float]] | None = None
+        self.part = self.ops = self.who = (eng.hooks.where.seq or 0, t + base)
+        self.experts_t = dp.r.experts[t]
+        self.weights_t = dp.r.weights[t]
         self.wsums_t = dp.wsums[t]
 
     def begin(self, eng: Engine) -> None:
@@ -194,7 +181,7 @@ class DecodeStep(Step):
         else:  # how much of the true routing the substituted route kept or replaced
             used = set(route)
             raw: set[int] | None = None  # built at the first replaced expert
-            for e, w in zip(experts, self._weights(layer), strict=False):
+            for e, w in zip(experts, self.weights_t[layer].tolist(), strict=False):
                 if e in used:
                     c.gate_mass_kept += w
                     continue
@@ -206,15 +193,9 @@ class DecodeStep(Step):
                 else:
                     c.replaced_mispredicted += 1
         if plan.low_bit:  # the true gate weight of experts computed from a low-bit copy
-            for e, w in zip(experts, self._weights(layer), strict=False):
+            for e, w in zip(experts, self.weights_t[layer].tolist(), strict=False):
                 if e in plan.low_bit:
                     c.gate_mass_low_bit += w
-
-    def _weights(self, layer: int) -> list[float]:
-        """The token's true gate weights of ``layer`` (the token's rows as lists, once)."""
-        if self.weights_l is None:
-            self.weights_l = self.weights_t.tolist()
-        return self.weights_l[layer]
 
     def finish(self, eng: Engine, t0: float) -> None:
         c = eng.c
@@ -256,8 +237,6 @@ class Engine:
         self.model, self.costs, self.recorder = model, costs, recorder
         self.budget = int(budget)
         self.n_layers, self.n_experts = model.moe_layers, model.experts
-        if placement is not None:
-            _check_multi(policy, spec)
         self.placement = placement
         self.machine = m = Machine(costs, spec, runtime, placement)
         caps = [int(b) + spec.staging_buffers for b in (budgets or [self.budget])]
@@ -293,6 +272,11 @@ class Engine:
         self.ssd = ssd
         self.applier = Applier(self.ex, self.res, self.c, self.n_layers, self.expert_bytes,
                                self.act_bytes, spec.writeback, ssd)  # fmt: skip
+        # views of the state (tests and tools read these): when each resident expert's copy
+        # ends (inf while not started), the residency mask, the CPU pre-calculations submitted
+        # and not consumed yet
+        self.ready_at, self.resident = self.res.ready_at, self.res.resident
+        self.precalc = self.applier.precalc
         if cpu_layers is None:
             cpu_layers = cpu_layers_for(spec, model, self.budget)
         #: leading MoE layers run wholly on the CPU (ResourceSpec.gpu_blocks, resolved)
@@ -307,22 +291,6 @@ class Engine:
         slots = check_placement(self.hooks, placed, self.n_layers, self.n_experts, self.budget)
         self.res.place(slots, m.gpu_of)
 
-    # -- views of the state (tests and tools read these) -------------------------------------
-    @property
-    def ready_at(self) -> np.ndarray:
-        """When each resident expert's copy ends (inf while not started)."""
-        return self.res.ready_at
-
-    @property
-    def resident(self) -> np.ndarray:
-        """The residency mask."""
-        return self.res.resident
-
-    @property
-    def precalc(self) -> dict[tuple[int, int], Any]:
-        """Submitted CPU pre-calculations not consumed yet."""
-        return self.applier.precalc
-
     # -- the run -----------------------------------------------------------------------------
     def run(
         self, sequences: Iterable[Any], on_sequence: Callable[[Any], None] | None = None
@@ -335,7 +303,7 @@ class Engine:
                 self.sequence(r, on_sequence)
         e2e = self.now
         self.ex.drain()  # background work still running when the last token is out
-        return self.stats(e2e)
+        return run_stats(self, e2e)
 
     def sequence(self, r: Any, on_sequence: Callable[[Any], None] | None) -> None:
         """A sequence on its own: its prefill pass, then one step per decode token."""
@@ -359,8 +327,7 @@ class Engine:
         """The policy learns that sequence ``sid`` ended; its pre-calculations are wasted."""
         self.hooks.where.seq, self.hooks.where.token = sid, None
         self.hooks.call("on_sequence_end", self.policy.on_sequence_end, sid)
-        self.c.precalc_wasted += len(self.precalc)
-        self.precalc.clear()
+        self.discard_precalc()
         self.c.sequences += 1
         if on_sequence is not None:
             on_sequence(r)
@@ -389,12 +356,11 @@ class Engine:
     def forward(self, st: Step) -> None:
         """One forward pass through every layer."""
         t0 = self.now
-        where = self.hooks.where
-        where.seq, where.token = st.who
+        self.hooks.where.seq, self.hooks.where.token = st.who
         self.view.token = st.who[1]
         self.view.step = self.step
         st.begin(self)
-        decide = st.decide(self)
+        decide = getattr(self.policy, st.hook)  # the hook deciding the step's layers
         for layer in range(self.n_layers):
             now = self._nonexpert(st, layer)
             self.ex.advance(now)  # serve everything submitted before the decision
@@ -416,10 +382,9 @@ class Engine:
         true = experts.tolist()
         routed = true if route is None else route
         order = check_plan(hooks, plan, layer, routed, self.res, self.spec, self.precalc, now)
-        checked: Plan = plan  # check_plan refuses anything else
-        st.account(self, checked, route, true, layer)
+        st.account(self, plan, route, true, layer)  # a Plan: check_plan refuses anything else
         where.seq, where.token = st.ops
-        work = self.applier.apply(checked, layer, order, routed, counts, now, st.prefill, st.ops,
+        work = self.applier.apply(plan, layer, order, routed, counts, now, st.prefill, st.ops,
                                   layer < st.n_cpu_run)  # fmt: skip
         self.now = self.ex.run_layer(work)
 
@@ -443,7 +408,6 @@ class Engine:
         """The part on the layer's home GPU; the runtime's host thread issues its kernels
         (and may wait for the routing: a sync) before the decision."""
         m, c, d = self.machine, self.c, st.d_ne
-        lane = m.gpus[0 if m.home is None else m.home[layer]]
         host = m.host
         if host is None:
             now = start + d
@@ -452,15 +416,11 @@ class Engine:
             if end - d > start:  # the stream waited for the thread to issue the part
                 c.dispatch_stall += end - d - start
                 start = end - d
-        if self.recorder is not None:
-            self.recorder.op(lane.name, "nonexpert", st.part[0], st.part[1], layer, -1, start,
-                             start + d, 0)  # fmt: skip
         c.gpu_nonexpert_busy += d
-        lane.busy += d
+        lane = m.gpus[0 if m.home is None else m.home[layer]]
+        self._charge(st, lane, "nonexpert", layer, start, d, 0)
         if m.unified:
-            m.gpu_load(start, start + d, st.load[0], st.load[1])
-            if m.cpu.active:
-                self.ex.cpu_next()
+            self.ex.gpu_mem(start, start + d, st.load[0], st.load[1])
         return now
 
     def _cpu_layer_part(self, st: Step, start: float, layer: int) -> float:
@@ -470,14 +430,9 @@ class Engine:
         links when such a layer starts: timing it here, outside the executor, is exact."""
         m = self.machine
         d = st.d_cpu if st.d_cpu >= 0.0 else m.cpu_layer_nonexpert_s(st.n, st.context)
-        lane = m.cpu.lanes[0]
-        lane.busy += d
-        lane.free_at = start + d
         self.c.cpu_nonexpert_busy += d
-        if self.recorder is not None:
-            self.recorder.op(lane.name, "nonexpert", st.part[0], st.part[1], layer, -1, start,
-                             start + d, 0)  # fmt: skip
-        return start + d
+        m.cpu.lanes[0].free_at = start + d
+        return self._charge(st, m.cpu.lanes[0], "nonexpert", layer, start, d, 0)
 
     def _host_copy(self, st: Step, start: float, layer: int, kind: str) -> float:
         """Around CPU-resident layers: a prompt's copy of a CPU layer's weights to the GPU
@@ -490,11 +445,19 @@ class Engine:
             c.cpu_layer_weight_copies += 1
         else:
             d, nbytes = link.activation_s(st.n), self.act_bytes * st.n
-        link.lane.busy += d
-        link.lane.free_at = start + d
         c.h2d_bytes += nbytes
+        link.lane.free_at = start + d
+        return self._charge(st, link.lane, kind, layer, start, d, nbytes)
+
+    def _charge(
+        self, st: Step, lane: Lane, kind: str, layer: int, start: float, d: float, nbytes: int
+    ) -> float:
+        """``st``'s ``kind`` of ``layer`` (a non-expert part, or a copy of ``nbytes``) holds
+        ``lane`` for ``d`` seconds from ``start``: its busy time and its timeline row; returns
+        its end."""
+        lane.busy += d
         if self.recorder is not None:
-            self.recorder.op(link.lane.name, kind, st.part[0], st.part[1], layer, -1, start,
+            self.recorder.op(lane.name, kind, st.part[0], st.part[1], layer, -1, start,
                              start + d, nbytes)  # fmt: skip
         return start + d
 
@@ -521,83 +484,3 @@ class Engine:
             c.nonexpert_weight_bytes += nbytes
             end = self.ex.weights(start, nbytes, dur, kind, st.part[0], st.part[1], lay)
         return end
-
-    # -- results -----------------------------------------------------------------------------
-    def stats(self, e2e: float) -> RunStats:
-        """The run's statistics once it is over."""
-        c, m = self.c, self.machine
-        c.max_occupancy = self.res.max_occupancy
-        c.hits_per_layer = np.array(self.applier.hits, dtype=np.int64)
-        c.accesses_per_layer = np.array(self.applier.accesses, dtype=np.int64)
-        c.host_syncs = m.host.syncs if m.host is not None else 0
-        c.host_syncs += sum(h.syncs for h in m.hosts[1:] if h is not None)
-        stats = RunStats(counters=c, e2e=e2e, busy=m.busy(), workers=m.workers())
-        stats.after, stats.servers = m.work_after(e2e)
-        if self.ssd_cfg is not None:
-            stats.host_tier = self._ssd_totals(stats.busy)
-        return stats
-
-    def _ssd_totals(self, busy: dict[str, float]) -> dict[str, float]:
-        """The SSD tier's totals for the metrics (and the drive's busy time)."""
-        cfg, tier = self.ssd_cfg, self.ssd
-        if tier is None:  # every expert fits: the host holds them all, the drive is idle
-            peak = cfg.nonexpert_bytes + cfg.total * cfg.expert_bytes
-            out = {"ssd_bytes": 0, "ssd_reads": 0, "ssd_stall_s": 0.0, "host_evictions": 0}
-            busy["ssd"] = 0.0
-        else:
-            peak = tier.peak_bytes
-            out = {
-                "ssd_bytes": tier.ssd_bytes,
-                "ssd_reads": tier.ssd_reads,
-                "ssd_stall_s": tier.ssd_stall,
-                "host_evictions": tier.host_evictions,
-            }
-            busy["ssd"] = tier.lane.busy
-        out["host_memory_peak_bytes"] = peak
-        out["host_memory_budget_bytes"] = cfg.budget_bytes
-        return out
-
-    def multi_metrics(self) -> dict[str, Any]:
-        """Per-GPU and per-peer-path figures of a run on several GPUs (``run --json``)."""
-        m, pl, ex, res = self.machine, self.placement, self.ex, self.res
-        gpus = []
-        for k, lane in enumerate(m.gpus):
-            gpus.append(
-                {
-                    "gpu": k,
-                    "busy_s": lane.busy,
-                    "slots": res.cap[k] - self.spec.staging_buffers,
-                    "max_slots_used": res.peak[k],
-                    "expert_computations": ex.streams[k].experts,
-                    "h2d_expert_bytes": ex.streams[k].h2d_bytes,
-                    "d2h_expert_bytes": ex.streams[k].d2h_bytes,
-                    "uplink": m.uplinks[k][0].lane.name,
-                    "layers": pl.layers_of[k][:1] + pl.layers_of[k][-1:],
-                    "experts_per_layer": len(pl.experts_of[k]),
-                    "experts": list(pl.experts_of[k]),
-                }
-            )
-        return {
-            "gpus": pl.n,
-            "mode": pl.mode,
-            "expert_placement": pl.rule,
-            "peer_kind": m.multi.peer_kind if m.multi is not None else None,
-            "per_gpu": gpus,
-            "peer_bytes": dict(sorted(ex.peer_bytes.items())),
-            "peer_bytes_total": sum(ex.peer_bytes.values()),
-        }
-
-
-def _check_multi(policy: Policy, spec: Any) -> None:
-    """What several GPUs do not model, refused with the policy's name."""
-    if spec.nonexpert_streamed:
-        raise UserError(
-            f"policy {policy.name!r} streams its non-expert weights "
-            "(ResourceSpec.nonexpert_streamed), which several GPUs do not model; "
-            "run it on one GPU (stream-all: --policy-opt stream_nonexpert=false)"
-        )
-    if spec.one_stream:
-        raise UserError(
-            f"policy {policy.name!r} issues its copies on its kernels' stream "
-            "(one_stream); the multi-GPU executors do not model that"
-        )

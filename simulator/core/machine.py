@@ -12,6 +12,7 @@ cost itself.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import cache, partial
 from typing import Any
 
 from daopsim.simulator.core.resources import CpuJob, HostThread, Lane, SharedCpu
@@ -43,15 +44,11 @@ class Machine:
 
     def __init__(self, costs: Any, spec: Any, runtime: Any = None, placement: Any = None) -> None:
         self.costs = costs
-        self.spec = spec
-        n = 1 if placement is None else placement.n
-        self.n_gpus = n
+        self.n_gpus = n = 1 if placement is None else placement.n
         self.home: list[int] | None = None if placement is None else list(placement.home)
         self.gpu_of: list[list[int]] | None = None if placement is None else placement.gpu_of
         self.gpus = [Lane("gpu")] if n == 1 else [Lane(f"gpu{k}") for k in range(n)]
-        self.gpu = self.gpus[0]
-        multi = costs.hw.multi if n > 1 else None
-        self.multi = multi
+        self.multi = multi = costs.hw.multi if n > 1 else None
         pinned = spec.pinned
         #: each GPU's (h2d, d2h) uplink (the same objects for every GPU on a shared uplink)
         self.uplinks = _uplinks(costs, pinned, n, multi)
@@ -60,8 +57,7 @@ class Machine:
         self.peers = _peers(costs, n, multi)
         #: the runtime's host thread; None when it costs nothing
         idle = costs.model.experts - costs.model.top_k
-        free = runtime is None or runtime.free
-        self.host = None if free else HostThread(runtime, idle)
+        self.host = None if runtime is None or runtime.free else HostThread(runtime, idle)
         per_expert = self.host is not None and self.host.per_expert
         #: the thread issuing each GPU's expert kernels: the main thread for GPU 0, a worker
         #: thread of its own for every other GPU (None: expert calls cost the host nothing)
@@ -77,21 +73,22 @@ class Machine:
         #: a fused-MoE runtime: the layer's call launches once, with the first GPU expert the
         #: layer runs on each GPU stream
         fused = runtime is not None and runtime.fused_moe
-        self.gpu_s = _memo(costs.fused_gpu_expert_s if fused else costs.gpu_expert_s)
+        self.gpu_s = cache(costs.fused_gpu_expert_s if fused else costs.gpu_expert_s)
         self.fused_launch_s: float = costs.fused_moe_layer_s() if fused else 0.0
-        self.cpu_s = _memo(costs.cpu_expert_s)
-        self._cpu_share = _memo(costs.cpu_share)
-        self._cpu_dram = _memo(costs.cpu_dram_share)
+        self.cpu_s = cache(costs.cpu_expert_s)
+        self._cpu_share = cache(costs.cpu_share)
+        self._cpu_dram = cache(costs.cpu_dram_share)
         #: unified memory: copies and GPU kernels register their DRAM share with the CPU
         self.unified: bool = costs.unified_memory
-        self._gpu_dram = _memo(costs.gpu_dram_share)
-        self._ne_dram: dict[tuple[int, int], float] = {}
-        self._ne: dict[tuple[int, int], float] = {}
+        self._gpu_dram = cache(costs.gpu_dram_share)
         #: eager attention writes every head's scores to device memory (costs.nonexpert_layer_s)
-        self.eager_attention = runtime is not None and runtime.attention == "eager"
+        self.eager_attention = eager = runtime is not None and runtime.attention == "eager"
+        #: one layer's non-expert part for (tokens, context): GPU seconds, and host-CPU seconds
+        #: of a CPU-resident layer
+        self.nonexpert_s = cache(partial(costs.nonexpert_layer_s, eager_attention=eager))
+        self.cpu_layer_nonexpert_s = cache(costs.cpu_nonexpert_layer_s)
         #: NVMe drives of the SSD tier, one lane each (registered by the host tier)
         self.drives: dict[str, Lane] = {}
-        self._cpu_ne: dict[tuple[int, int], float] = {}
         #: the copy of one CPU-resident layer's non-expert weights (prompt op offload)
         self.cpu_layer_weights_s: float = costs.cpu_layer_weights_h2d_s()
         #: ZeRO-3's streamed non-expert weights: (bytes, seconds) of one layer's copy and of the
@@ -117,88 +114,12 @@ class Machine:
     def gpu_load(self, start: float, end: float, n: int, context: int | None = None) -> None:
         """Unified memory: a GPU kernel (an expert over ``n`` tokens, or with ``context`` a
         layer's non-expert part) takes its share of the DRAM from ``start`` to ``end``."""
-        if context is None:
-            share = self._gpu_dram(n)
-        else:
-            key = (n, context)
-            share = self._ne_dram.get(key, -1.0)
-            if share < 0:
-                share = self._ne_dram[key] = self.costs.gpu_dram_share(n, context)
-        self.cpu.load(start, end, share)
-
-    def nonexpert_s(self, n: int, context: int) -> float:
-        """Non-expert GPU time of one layer for ``n`` tokens at ``context`` (memoised)."""
-        key = (n, context)
-        t = self._ne.get(key)
-        if t is None:
-            t = self._ne[key] = self.costs.nonexpert_layer_s(
-                n, context, eager_attention=self.eager_attention
-            )
-        return t
-
-    def cpu_layer_nonexpert_s(self, n: int, context: int) -> float:
-        """Host-CPU time of a CPU-resident layer's non-expert part (memoised)."""
-        key = (n, context)
-        t = self._cpu_ne.get(key)
-        if t is None:
-            t = self._cpu_ne[key] = self.costs.cpu_nonexpert_layer_s(n, context)
-        return t
-
-    def lanes(self) -> dict[str, Lane]:
-        """Every distinct lane by name: GPU streams, uplinks, peer lanes, CPU workers, drives."""
-        out: dict[str, Lane] = {lane.name: lane for lane in self.gpus}
-        for h, d in self.uplinks:
-            out[h.lane.name] = h.lane
-            out[d.lane.name] = d.lane
-        for link in self.peers.values():
-            out[link.lane.name] = link.lane
-        for lane in self.cpu.lanes:
-            out[lane.name] = lane
-        out.update(self.drives)
-        return out
-
-    def busy(self) -> dict[str, float]:
-        """Busy seconds: ``gpu``, ``h2d``, ``d2h`` (summed over GPUs and distinct lanes) and
-        ``cpu`` (summed workers); with several GPUs also every lane by its own name."""
-        ups = {id(h.lane): h.lane for h, _ in self.uplinks}
-        downs = {id(d.lane): d.lane for _, d in self.uplinks}
-        out = {
-            "gpu": sum(g.busy for g in self.gpus),
-            "h2d": sum(lane.busy for lane in ups.values()),
-            "d2h": sum(lane.busy for lane in downs.values()),
-            "cpu": self.cpu.busy,
-        }
-        if self.n_gpus > 1:
-            for name, lane in self.lanes().items():
-                out.setdefault(name, lane.busy)
-        return out
-
-    def work_after(self, e2e: float) -> tuple[dict[str, float], dict[str, int]]:
-        """Busy seconds each copy direction, the CPU workers and the drive spend after the
-        run's end ``e2e``, and the lanes behind each copy direction. Every request is issued
-        by the end and a lane serves its queue back to back, so a lane busy at ``e2e`` stays
-        busy until its ``free_at``: its work after the end is ``max(0, free_at - e2e)``."""
-        groups = {
-            "h2d": list({id(h.lane): h.lane for h, _ in self.uplinks}.values()),
-            "d2h": list({id(d.lane): d.lane for _, d in self.uplinks}.values()),
-            "cpu": list(self.cpu.lanes),
-        }
-        for name, lane in self.drives.items():
-            groups[name] = [lane]
-        after = {n: sum(max(0.0, lane.free_at - e2e) for lane in ls) for n, ls in groups.items()}
-        return after, {"h2d": len(groups["h2d"]), "d2h": len(groups["d2h"])}
-
-    def workers(self) -> dict[str, int]:
-        """Workers per pool (``cpu``), and with several GPUs their number (``gpu``)."""
-        out = {"cpu": len(self.cpu.lanes)}
-        if self.n_gpus > 1:
-            out["gpu"] = self.n_gpus
-        return out
+        self.cpu.load(start, end, self._gpu_dram(n, context))
 
 
 def _uplinks(costs: Any, pinned: bool, n: int, multi: Any) -> list[tuple[Link, Link]]:
     """Each GPU's (host-to-device, device-to-host) links; one pair for a shared uplink."""
-    act = _memo(costs.activation_copy_s)
+    act = cache(costs.activation_copy_s)
     h2d_s, d2h_s = costs.h2d_expert_s(pinned), costs.d2h_expert_s(pinned)
     ups: list[tuple[Link, Link]] = []
     for k in range(1 if multi is None or multi.shared_uplink else n):
@@ -215,23 +136,10 @@ def _peers(costs: Any, n: int, multi: Any) -> dict[tuple[int, int], Link]:
     """The direct GPU-to-GPU links by (source, destination); none when peers go via the host."""
     peers: dict[tuple[int, int], Link] = {}
     if multi is not None and multi.peer_kind != "host":
-        peer_s = _memo(costs.peer_activation_s)
+        peer_s = cache(costs.peer_activation_s)
         for a in range(n):
             for b in range(n):
                 if a != b and multi.direct(a, b):
                     name = f"peer{a}>{b}"
                     peers[(a, b)] = Link(name, Lane(name), 0.0, peer_s)
     return peers
-
-
-def _memo(fn: Callable[[int], float]) -> Callable[[int], float]:
-    """``fn`` memoised on its integer argument (a dict lookup on the hot path)."""
-    cache: dict[int, float] = {}
-
-    def get(n: int) -> float:
-        t = cache.get(n)
-        if t is None:
-            t = cache[n] = fn(n)
-        return t
-
-    return get

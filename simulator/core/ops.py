@@ -2,8 +2,8 @@
 
 An :class:`Op` is one request on the machine (an expert copy, a write-back, a CPU expert call,
 an activation transfer between GPUs); a :class:`LayerWork` is everything one layer's plan
-submits at its decision time, in issue order. :class:`Counters` and :class:`RunStats` are what
-a run hands to ``daopsim.simulator.results``.
+submits at its decision time, in issue order. :class:`Counters` is what a run counts (read
+into ``daopsim.simulator.runstats.RunStats`` once it is over).
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Final
 
 import numpy as np
+
+from daopsim.simulator.heap import Keyed
 
 # operation kinds (Op.kind); WAKE is the shared CPU's next event, not an operation
 WRITEBACK: Final = 0
@@ -78,103 +80,6 @@ class Counters:
     nonexpert_weight_bytes: int = 0
 
 
-@dataclass
-class RunStats:
-    """What a run returns to results.py: counters, end-to-end time and busy time per resource."""
-
-    counters: Counters
-    #: simulated seconds until the last token is out (background work does not extend it)
-    e2e: float
-    #: busy seconds per named resource: ``gpu``, each link (``h2d``, ``d2h``), each pool (``cpu``)
-    busy: dict[str, float]
-    #: workers per pool (``cpu``)
-    workers: dict[str, int]
-    #: with a host-memory budget: the SSD tier's totals (ssd_bytes, ssd_reads, ssd_stall_s,
-    #: host_memory_peak_bytes, host_evictions); None when host memory is not modelled
-    host_tier: dict[str, float] | None = None
-    #: busy seconds after ``e2e`` of the copy directions (``h2d``, ``d2h``), the CPU workers
-    #: (``cpu``) and the drive (``ssd``): work issued before the last token that ends after it,
-    #: left out of the busy fractions (docs/metrics.md, "Busy fractions")
-    after: dict[str, float] = field(default_factory=dict)
-    #: lanes behind each copy direction (``h2d``, ``d2h``): one per GPU uplink
-    servers: dict[str, int] = field(default_factory=dict)
-
-
-class Keyed:
-    """An item of a :class:`Heap`, ordered by its keys ``(k1, k2, k3, k4)``, smallest first."""
-
-    __slots__ = ("k1", "k2", "k3", "k4")
-
-    def __init__(self) -> None:
-        self.k1 = 0.0
-        self.k2 = 0.0
-        self.k3 = 0
-        self.k4 = 0
-
-
-def _before(a: Keyed, b: Keyed) -> bool:
-    if a.k1 != b.k1:
-        return a.k1 < b.k1
-    if a.k2 != b.k2:
-        return a.k2 < b.k2
-    if a.k3 != b.k3:
-        return a.k3 < b.k3
-    return a.k4 < b.k4
-
-
-class Heap:
-    """A binary min-heap of :class:`Keyed` items on their own keys (heapq's algorithm
-    without building a tuple per entry). Keys are unique, so the order is total."""
-
-    __slots__ = ("items",)
-
-    def __init__(self) -> None:
-        self.items: list[Keyed] = []
-
-    def push(self, x: Keyed) -> None:
-        """Add ``x``."""
-        items = self.items
-        items.append(x)
-        i = len(items) - 1
-        while i > 0:
-            parent = (i - 1) >> 1
-            p = items[parent]
-            if not _before(x, p):
-                break
-            items[i] = p
-            i = parent
-        items[i] = x
-
-    def pop(self) -> Keyed:
-        """Remove and return the smallest item."""
-        items = self.items
-        last = items.pop()
-        if not items:
-            return last
-        top = items[0]
-        n = len(items)
-        i = 0
-        while True:
-            child = 2 * i + 1
-            if child >= n:
-                break
-            if child + 1 < n and _before(items[child + 1], items[child]):
-                child += 1
-            if not _before(items[child], last):
-                break
-            items[i] = items[child]
-            i = child
-        items[i] = last
-        return top
-
-    def rebuild(self) -> None:
-        """Restore the order after keys changed in place (the same list object)."""
-        old = list(self.items)
-        self.items.clear()
-        for x in old:
-            self.push(x)
-
-
 class Op(Keyed):
     """One request a plan submits: a write-back, a copy, a CPU job or an activation transfer.
 
@@ -237,11 +142,6 @@ class Op(Keyed):
         self.local = False  # a CPU job of a CPU-resident layer: no activation copies
         self.src = 0  # PEER: the sending GPU
         self.dst = 0  # PEER: the receiving GPU
-
-    @property
-    def done(self) -> bool:
-        """Whether the executor has timed this operation to its end."""
-        return self.end >= 0.0
 
 
 class GpuJob(Keyed):

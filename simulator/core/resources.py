@@ -81,7 +81,6 @@ class SharedCpu:
     """
 
     def __init__(self, name: str, size: int) -> None:
-        self.name = name
         self.lanes = [Lane(f"{name}{i}") for i in range(max(1, size))]
         self._idle = [True] * len(self.lanes)
         self.active: list[CpuJob] = []
@@ -93,11 +92,6 @@ class SharedCpu:
         self.rate = 1.0
         self.t = 0.0
         self.version = 0
-
-    @property
-    def busy(self) -> float:
-        """Summed seconds the workers held a running call."""
-        return sum(lane.busy for lane in self.lanes)
 
     def submit(self, t: float, job: CpuJob) -> None:
         """A call is submitted at ``t`` (every earlier event has been applied)."""
@@ -150,11 +144,6 @@ class SharedCpu:
             self._admit(t)
         self.version += 1
         return done
-
-    @property
-    def idle(self) -> bool:
-        """No call running or waiting and no DRAM load registered."""
-        return not self.active and not self._queue and not self._loads
 
     def _admit(self, t: float) -> None:
         """Start waiting calls on idle workers (the one free longest first, lowest index),
@@ -227,7 +216,6 @@ class HostThread:
     __slots__ = (
         "dispatch",
         "expert_k",
-        "expert_sync",
         "expert_syncs",
         "idle_loop",
         "idle_syncs",
@@ -247,8 +235,6 @@ class HostThread:
         self.expert_k: int = profile.expert_kernels
         self.routing_syncs: int = profile.routing_syncs
         self.expert_syncs: int = profile.expert_syncs
-        #: host time of one GPU expert call's syncs
-        self.expert_sync: float = profile.expert_syncs * self.sync
         self.t = 0.0
         #: blocking syncs the thread made
         self.syncs = 0
@@ -288,7 +274,9 @@ class HostThread:
         Returns (when its GPU work ends, when the routing is known to the host: the decision
         time). With routing syncs the thread waits for the GPU and pays ``sync`` for each. The
         first layer of a forward pass waits for the stream (the previous pass's output token)
-        and pays one sync and the per-pass ``step`` cost.
+        and pays one sync and the per-pass ``step`` cost. Then the MoE loop passes over the
+        experts with no token (``idle_loop``); with syncs in that loop the first one waits for
+        the routing. The decision is when the thread is free again.
         """
         if first_layer:
             h = g if g > self.t else self.t
@@ -301,21 +289,15 @@ class HostThread:
             h = end if end > self.t else self.t
             self.t = ready = h + n * self.sync
             self.syncs += n
-        if self.idle_loop:
-            return end, self._idle(ready)
-        return end, ready
-
-    def _idle(self, ready: float) -> float:
-        """The MoE loop's passes over experts with no token, once the routing is ready at
-        ``ready``; with syncs in the loop the first one waits for the GPU. Returns when the
-        thread is free again (the decision)."""
+        if not self.idle_loop:
+            return end, ready
         h = self.t
         if self.idle_syncs:
             if ready > h:
                 h = ready
             self.syncs += self.idle_syncs
         self.t = h = h + self.idle_loop
-        return h if h > ready else ready
+        return end, (h if h > ready else ready)
 
     def expert(self, drained: float, start: float, d: float) -> float:
         """A GPU expert call of GPU time ``d`` that the stream could start at ``start`` (its
@@ -323,7 +305,7 @@ class HostThread:
         n = self.expert_syncs
         if n:
             h = drained if drained > self.t else self.t
-            self.t = h + self.expert_sync
+            self.t = h + n * self.sync
             self.syncs += n
         return self.issue(start, d, self.expert_k)
 
@@ -341,12 +323,7 @@ class Residency:
     """
 
     def __init__(
-        self,
-        n_layers: int,
-        n_experts: int,
-        budget: int,
-        caps: list[int],
-        recorder: Any = None,
+        self, n_layers: int, n_experts: int, budget: int, caps: list[int], recorder: Any = None
     ) -> None:
         self.n_layers, self.n_experts = n_layers, n_experts
         self.budget = budget

@@ -21,13 +21,14 @@ import simpy
 
 from daopsim.policies.base import Action, Plan, Policy, SetupContext, Slot, View
 from daopsim.simulator.boundary import Hooks, check_placement, check_plan, check_route
-from daopsim.simulator.core.ops import Counters, RunStats
+from daopsim.simulator.core.ops import Counters
 from daopsim.simulator.costs import CostModel
 from daopsim.simulator.errors import UserError
 from daopsim.simulator.models import ModelShape
 from daopsim.simulator.recorder import Recorder
 from daopsim.simulator.reference.memory import INF, HostMemory, Ledger
 from daopsim.simulator.reference.resources import Clock, HostCpu, IssueThread, Lane, Pool
+from daopsim.simulator.runstats import RunStats
 from daopsim.simulator.runtime_profiles import RuntimeProfile
 from daopsim.simulator.trace import SequenceRouting
 

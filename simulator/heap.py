@@ -1,0 +1,84 @@
+"""A binary min-heap of items that carry their own keys (the engine's queues).
+
+The executor's request queue and a layer's GPU jobs are heaps of :class:`Keyed` items:
+heapq's algorithm on four keys stored in the item, so no tuple is built per entry. A generic
+data structure, kept outside the core as ``heapq`` is; compiled with it
+(``daopsim.simulator.native``).
+"""
+
+from __future__ import annotations
+
+
+class Keyed:
+    """An item of a :class:`Heap`, ordered by its keys ``(k1, k2, k3, k4)``, smallest first."""
+
+    __slots__ = ("k1", "k2", "k3", "k4")
+
+    def __init__(self) -> None:
+        self.k1 = 0.0
+        self.k2 = 0.0
+        self.k3 = 0
+        self.k4 = 0
+
+
+def _before(a: Keyed, b: Keyed) -> bool:
+    if a.k1 != b.k1:
+        return a.k1 < b.k1
+    if a.k2 != b.k2:
+        return a.k2 < b.k2
+    if a.k3 != b.k3:
+        return a.k3 < b.k3
+    return a.k4 < b.k4
+
+
+class Heap:
+    """A binary min-heap of :class:`Keyed` items on their own keys (heapq's algorithm
+    without building a tuple per entry). Keys are unique, so the order is total."""
+
+    __slots__ = ("items",)
+
+    def __init__(self) -> None:
+        self.items: list[Keyed] = []
+
+    def push(self, x: Keyed) -> None:
+        """Add ``x``."""
+        items = self.items
+        items.append(x)
+        i = len(items) - 1
+        while i > 0:
+            parent = (i - 1) >> 1
+            p = items[parent]
+            if not _before(x, p):
+                break
+            items[i] = p
+            i = parent
+        items[i] = x
+
+    def pop(self) -> Keyed:
+        """Remove and return the smallest item."""
+        items = self.items
+        last = items.pop()
+        if not items:
+            return last
+        top = items[0]
+        n = len(items)
+        i = 0
+        while True:
+            child = 2 * i + 1
+            if child >= n:
+                break
+            if child + 1 < n and _before(items[child + 1], items[child]):
+                child += 1
+            if not _before(items[child], last):
+                break
+            items[i] = items[child]
+            i = child
+        items[i] = last
+        return top
+
+    def rebuild(self) -> None:
+        """Restore the order after keys changed in place (the same list object)."""
+        old = list(self.items)
+        self.items.clear()
+        for x in old:
+            self.push(x)
