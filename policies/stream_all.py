@@ -130,8 +130,7 @@ class StreamAllPolicy(Policy):
         self.n_layers, self.n_exp = n_layers, n_exp
         # each layer's (layer, expert) slots and prefetch entries, built once (tuples are
         # immutable, so plans may share them)
-        # typed Any: a compiled build would rebuild a typed tuple at each read, and the engine
-        # recognises the items of a plan it has seen before by their identity
+        # typed Any: a compiled build would rebuild a typed tuple at each read
         self._slots: list[list[Any]] = [[(ll, e) for e in range(n_exp)] for ll in range(n_layers)]
         self._entries: list[list[Any]] = [
             [(ll, e, None) for e in range(n_exp)] for ll in range(n_layers)

@@ -15,8 +15,8 @@ from typing import Any
 from daopsim.policies.base import Plan
 from daopsim.simulator.boundary import A_CPU, A_FETCH, A_GPU, A_TEMP
 from daopsim.simulator.core.executor import Executor
-from daopsim.simulator.core.ops import CPU, FETCH, TEMP, WRITEBACK, Counters, GpuJob, LayerWork, Op
-from daopsim.simulator.core.resources import INF, Residency
+from daopsim.simulator.core.ops import CPU, FETCH, TEMP, WRITEBACK, GpuJob, LayerWork, Op
+from daopsim.simulator.core.resources import INF
 
 
 def _int(x: Any) -> int:
@@ -29,23 +29,9 @@ class Applier:
     """Turns checked plans into a :class:`LayerWork` and keeps the residency and the
     counters of what the plans ask for."""
 
-    def __init__(
-        self,
-        ex: Executor,
-        res: Residency,
-        counters: Counters,
-        n_layers: int,
-        expert_bytes: int,
-        act_bytes: int,
-        writeback: bool,
-        ssd: Any,
-    ) -> None:
-        self.ex = ex
-        self.res = res
-        self.c = counters
-        self.m = ex.m
-        self.expert_bytes = expert_bytes
-        self.act_bytes = act_bytes
+    def __init__(self, ex: Executor, n_layers: int, writeback: bool, ssd: Any) -> None:
+        self.ex, self.m, self.res, self.c = ex, ex.m, ex.res, ex.c
+        self.expert_bytes, self.act_bytes = ex.expert_bytes, ex.act_bytes
         #: evicted experts are copied back to the host (ResourceSpec.writeback)
         self.writeback = writeback
         #: the SSD tier when some experts live on a drive (daopsim.simulator.hosttier.HostTier)

@@ -50,48 +50,28 @@ class Stream:
                  "h2d_bytes", "held", "left", "tempq")  # fmt: skip
 
     def __init__(self) -> None:
-        self.base = 0.0
         self.held: list[GpuJob] | None = None
-        self.g = 0.0
-        self.busy = 0.0
-        self.fused = True
-        self.left = 0
-        self.free_bufs = 0
         self.tempq: deque[Op] = deque()
+        self.begin(0.0, 0)
         #: over the run: expert computations, expert bytes copied in and written back
-        self.experts = 0
-        self.h2d_bytes = 0
-        self.d2h_bytes = 0
+        self.experts = self.h2d_bytes = self.d2h_bytes = 0
 
     def begin(self, now: float, buffers: int) -> None:
         """A new layer decided at ``now``."""
         self.base = self.g = now
-        self.held = None
-        self.busy = 0.0
-        self.fused = True
-        self.left = 0
+        self.held, self.busy, self.fused, self.left = None, 0.0, True, 0
         self.free_bufs = buffers
 
 
 class Executor:
     """Serves requests on the machine's resources and times each layer's GPU work."""
 
-    def __init__(
-        self,
-        machine: Machine,
-        res: Residency,
-        counters: Counters,
-        recorder: Any,
-        expert_bytes: int,
-        act_bytes: int,
-        one_stream: bool,
-    ) -> None:
-        self.m = machine
-        self.res = res
-        self.c = counters
-        self.rec = recorder
-        self.expert_bytes = expert_bytes
-        self.act_bytes = act_bytes
+    def __init__(self, machine: Machine, res: Residency, counters: Counters, recorder: Any,
+                 one_stream: bool) -> None:  # fmt: skip
+        self.m, self.res, self.c, self.rec = machine, res, counters, recorder
+        #: bytes one expert copy moves, and one token's activations
+        self.expert_bytes: int = machine.costs.link_expert_bytes
+        self.act_bytes: int = machine.costs.model.hidden * 2
         #: copies and kernels share one stream (ResourceSpec.one_stream)
         self.one_stream = one_stream
         #: submitted requests keyed (submission time, issue number, submission number)
@@ -147,6 +127,14 @@ class Executor:
                 raise RuntimeError(f"engine: operation {op.rkind} can never complete")
             self.serve_next()
         return op.end
+
+    def last_end(self, ops: list[Op], end: float) -> float:
+        """When the last of ``ops`` ends (served as far as needed), or ``end`` if later."""
+        for op in ops:
+            t = self.resolve(op)
+            if t > end:
+                end = t
+        return end
 
     def serve(self, t: float, op: Op) -> None:
         """Serve ``op`` (its current stage) submitted at ``t``; every earlier one was served."""
@@ -241,8 +229,7 @@ class Executor:
         if self.m.unified:
             self.mem(s, e, self.expert_bytes)
         self.streams[op.dev].d2h_bytes += self.expert_bytes
-        op.end = e
-        op.stage = 1
+        op.end, op.stage = e, 1
         self.push(e, op)
 
     def release(self, k: int, t: float) -> None:
@@ -322,18 +309,15 @@ class Executor:
         through host memory (out on the sender's uplink, then in on the receiver's)."""
         m = self.m
         nbytes = self.act_bytes * op.n
-        direct = m.peers.get((op.src, op.dst))
-        if direct is not None:
-            link = direct
-        elif op.stage == 0:
-            link = m.uplinks[op.src][1]
-        else:
-            link = m.uplinks[op.dst][0]
+        link = m.peers.get((op.src, op.dst))
+        staged = link is None
+        if link is None:
+            link = m.uplinks[op.src][1] if op.stage == 0 else m.uplinks[op.dst][0]
         s, e = link.lane.serve(t, link.activation_s(op.n))
-        self._record(link.lane.name, "peer", op, s, e, nbytes)
         name = link.lane.name
+        self._record(name, "peer", op, s, e, nbytes)
         self.peer_bytes[name] = self.peer_bytes.get(name, 0) + nbytes
-        if direct is None and op.stage == 0:
+        if staged and op.stage == 0:
             op.stage = 1
             self.push(e, op)
             return
@@ -385,15 +369,10 @@ class Executor:
         end = st.g if st.g > st.base else st.base
         if self.one_stream:
             end = self._one_stream_tail(w, late, end)
-        for _, back in sends.values() if sends is not None else ():
-            t = back.end if back.end >= 0.0 else self.resolve(back)
-            if t > end:
-                end = t
+        if sends is not None:
+            end = self.last_end([back for _, back in sends.values()], end)
         gpu_end = end
-        for op in w.results:
-            t = op.end if op.end >= 0.0 else self.resolve(op)
-            if t > end:
-                end = t
+        end = self.last_end(w.results, end)
         if end > gpu_end:
             self.c.cpu_wait += end - gpu_end
         return self._cross(w, end)
@@ -456,7 +435,7 @@ class Executor:
         """``Plan.cpu_first``: the GPU streams start once the layer's CPU experts are done."""
         if not (w.cpu_first and w.sync):
             return
-        sync_end = max(self.resolve(op) for op in w.sync)
+        sync_end = self.last_end(w.sync, -1.0)
         if sync_end > w.now:
             self.c.cpu_wait += sync_end - w.now
             for st in self.streams:
@@ -491,13 +470,7 @@ class Executor:
     def _barrier(self, w: LayerWork) -> float:
         """When the last copy into a slot of ``w``'s layer that ``w`` issued lands (-1 if
         none)."""
-        bar = -1.0
-        for op in w.ops:
-            if op.kind == FETCH and op.layer == w.layer:
-                t = op.end if op.end >= 0.0 else self.resolve(op)
-                if t > bar:
-                    bar = t
-        return bar
+        return self.last_end([op for op in w.ops if op.kind == FETCH and op.layer == w.layer], -1.0)
 
     def _run_gpu(self, w: LayerWork, sends: dict[int, tuple[Op, Op]] | None) -> None:
         """Run the layer's GPU computations: each GPU's stream by (ready time, expert).
@@ -575,21 +548,12 @@ class Executor:
         at = ready if ready > g else g
         self.advance(at)
         up_h, up_d = self.m.uplinks[k]
-        ready = at
-        if up_h.lane.free_at > ready:
-            ready = up_h.lane.free_at
-        if up_d.lane.free_at > ready:
-            ready = up_d.lane.free_at
-        return ready
+        return max(at, up_h.lane.free_at, up_d.lane.free_at)
 
     def _one_stream_tail(self, w: LayerWork, late: list[Op], g: float) -> float:
         """One stream: the layer ends once every copy it issued has ended (the wait is
         transfer stall)."""
-        last = g
-        for op in [o for o in w.ops if o.kind != CPU] + late:
-            t = op.end if op.end >= 0.0 else self.resolve(op)
-            if t > last:
-                last = t
+        last = self.last_end([o for o in w.ops if o.kind != CPU] + late, g)
         if last > g:
             self.c.transfer_stall += last - g
         return last

@@ -146,6 +146,7 @@ class DecodeStep(Step):
         self.part = self.ops = self.who = (eng.hooks.where.seq or 0, t + base)
         self.experts_t = dp.r.experts[t]
         self.weights_t = dp.r.weights[t]
+        self.weights_l: list[list[float]] | None = None  # the same as lists, made once
         self.wsums_t = dp.wsums[t]
 
     def begin(self, eng: Engine) -> None:
@@ -181,7 +182,7 @@ class DecodeStep(Step):
         else:  # how much of the true routing the substituted route kept or replaced
             used = set(route)
             raw: set[int] | None = None  # built at the first replaced expert
-            for e, w in zip(experts, self.weights_t[layer].tolist(), strict=False):
+            for e, w in zip(experts, self._weights(layer), strict=False):
                 if e in used:
                     c.gate_mass_kept += w
                     continue
@@ -193,9 +194,15 @@ class DecodeStep(Step):
                 else:
                     c.replaced_mispredicted += 1
         if plan.low_bit:  # the true gate weight of experts computed from a low-bit copy
-            for e, w in zip(experts, self.weights_t[layer].tolist(), strict=False):
+            for e, w in zip(experts, self._weights(layer), strict=False):
                 if e in plan.low_bit:
                     c.gate_mass_low_bit += w
+
+    def _weights(self, layer: int) -> list[float]:
+        """The token's true gate weights of ``layer``."""
+        if self.weights_l is None:
+            self.weights_l = self.weights_t.tolist()
+        return self.weights_l[layer]
 
     def finish(self, eng: Engine, t0: float) -> None:
         c = eng.c
@@ -242,11 +249,7 @@ class Engine:
         caps = [int(b) + spec.staging_buffers for b in (budgets or [self.budget])]
         self.res = Residency(self.n_layers, self.n_experts, self.budget, caps, recorder)
         self.c = Counters()
-        self.expert_bytes: int = costs.link_expert_bytes  # what one copy moves
-        self.act_bytes: int = model.hidden * 2
-        self.ex = Executor(
-            m, self.res, self.c, recorder, self.expert_bytes, self.act_bytes, spec.one_stream
-        )
+        self.ex = Executor(m, self.res, self.c, recorder, spec.one_stream)
         self.now = 0.0
         self.step = 0
         #: a ``daopsim.simulator.serving.Serving`` when requests are batched (set by the runner)
@@ -270,8 +273,7 @@ class Engine:
                 ssd = tier
                 m.drives[tier.lane.name] = tier.lane
         self.ssd = ssd
-        self.applier = Applier(self.ex, self.res, self.c, self.n_layers, self.expert_bytes,
-                               self.act_bytes, spec.writeback, ssd)  # fmt: skip
+        self.applier = Applier(self.ex, self.n_layers, spec.writeback, ssd)
         # views of the state (tests and tools read these): when each resident expert's copy
         # ends (inf while not started), the residency mask, the CPU pre-calculations submitted
         # and not consumed yet
@@ -444,7 +446,7 @@ class Engine:
             d, nbytes = m.cpu_layer_weights_s, self.costs.cpu_layer_weight_bytes
             c.cpu_layer_weight_copies += 1
         else:
-            d, nbytes = link.activation_s(st.n), self.act_bytes * st.n
+            d, nbytes = link.activation_s(st.n), self.ex.act_bytes * st.n
         c.h2d_bytes += nbytes
         link.lane.free_at = start + d
         return self._charge(st, link.lane, kind, layer, start, d, nbytes)

@@ -73,11 +73,11 @@ class Machine:
         #: a fused-MoE runtime: the layer's call launches once, with the first GPU expert the
         #: layer runs on each GPU stream
         fused = runtime is not None and runtime.fused_moe
-        self.gpu_s = cache(costs.fused_gpu_expert_s if fused else costs.gpu_expert_s)
+        self.gpu_s = _memo(costs.fused_gpu_expert_s if fused else costs.gpu_expert_s)
         self.fused_launch_s: float = costs.fused_moe_layer_s() if fused else 0.0
-        self.cpu_s = cache(costs.cpu_expert_s)
-        self._cpu_share = cache(costs.cpu_share)
-        self._cpu_dram = cache(costs.cpu_dram_share)
+        self.cpu_s = _memo(costs.cpu_expert_s)
+        self._cpu_share = _memo(costs.cpu_share)
+        self._cpu_dram = _memo(costs.cpu_dram_share)
         #: unified memory: copies and GPU kernels register their DRAM share with the CPU
         self.unified: bool = costs.unified_memory
         self._gpu_dram = cache(costs.gpu_dram_share)
@@ -119,7 +119,7 @@ class Machine:
 
 def _uplinks(costs: Any, pinned: bool, n: int, multi: Any) -> list[tuple[Link, Link]]:
     """Each GPU's (host-to-device, device-to-host) links; one pair for a shared uplink."""
-    act = cache(costs.activation_copy_s)
+    act = _memo(costs.activation_copy_s)
     h2d_s, d2h_s = costs.h2d_expert_s(pinned), costs.d2h_expert_s(pinned)
     ups: list[tuple[Link, Link]] = []
     for k in range(1 if multi is None or multi.shared_uplink else n):
@@ -136,10 +136,25 @@ def _peers(costs: Any, n: int, multi: Any) -> dict[tuple[int, int], Link]:
     """The direct GPU-to-GPU links by (source, destination); none when peers go via the host."""
     peers: dict[tuple[int, int], Link] = {}
     if multi is not None and multi.peer_kind != "host":
-        peer_s = cache(costs.peer_activation_s)
+        peer_s = _memo(costs.peer_activation_s)
         for a in range(n):
             for b in range(n):
                 if a != b and multi.direct(a, b):
                     name = f"peer{a}>{b}"
                     peers[(a, b)] = Link(name, Lane(name), 0.0, peer_s)
     return peers
+
+
+def _memo(fn: Callable[[int], float]) -> Callable[[int], float]:
+    """``fn`` memoised on its integer argument. Compiled, calling this closure is much
+    cheaper than calling a ``functools.cache`` wrapper (no vectorcall: a tuple per call), and
+    these run for every expert computation and copy."""
+    memo: dict[int, float] = {}
+
+    def get(n: int) -> float:
+        t = memo.get(n)
+        if t is None:
+            t = memo[n] = fn(n)
+        return t
+
+    return get
