@@ -263,8 +263,8 @@ ENGINE_MUTANTS = (
     EngineMutant(
         "slot-released-when-write-back-starts",
         "daopsim.simulator.core.executor:Executor._write_back",
-        "        op.stage = 1\n        self.push(e, op)",
-        "        op.stage = 1\n        self.push(s, op)",
+        "        op.end, op.stage = e, 1\n        self.push(e, op)",
+        "        op.end, op.stage = e, 1\n        self.push(s, op)",
         "chaos",
     ),
     EngineMutant(
@@ -313,8 +313,9 @@ ENGINE_MUTANTS = (
     EngineMutant(
         "gather-barrier-ignored",
         "daopsim.simulator.core.executor:Executor._barrier",
-        "                if t > bar:",
-        "                if False:",
+        "        return self.last_end([op for op in w.ops if op.kind == FETCH and op.layer"
+        " == w.layer], -1.0)",
+        "        return -1.0",
         "gather",
     ),
     EngineMutant(
@@ -334,8 +335,8 @@ ENGINE_MUTANTS = (
     EngineMutant(
         "one-stream-kernel-beside-copies",
         "daopsim.simulator.core.executor:Executor._one_stream_ready",
-        "        if up_h.lane.free_at > ready:\n            ready = up_h.lane.free_at",
-        "        pass",
+        "        return max(at, up_h.lane.free_at, up_d.lane.free_at)",
+        "        return max(at, up_d.lane.free_at)",
         "chaos-one-stream",
     ),
     EngineMutant(

@@ -181,7 +181,7 @@ def test_mixtral_offloading_writes_back_and_respects_experts_per_layer() -> None
     c, tl, eng = run("mixtral-offloading", m, rs, 8, {"experts_per_layer": 3})
     assert c.evictions > 0
     assert c.d2h_expert_copies == c.evictions
-    assert c.d2h_bytes >= c.evictions * eng.expert_bytes
+    assert c.d2h_bytes >= c.evictions * eng.ex.expert_bytes
     assert (tl[tl["kind"] == "writeback"]["resource"] == "d2h").all()
     assert int(eng.resident.sum()) <= 6  # 3 per layer, not the budget of 8
     with pytest.raises(UserError, match="experts_per_layer"):
