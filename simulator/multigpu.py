@@ -435,6 +435,8 @@ class ShardedPolicy(Policy):
 
     def on_sequence_start(self, seq_id: int, n_prefill: int) -> None:
         """Every instance is told."""
+        for v in self._views:
+            v.step = -1  # the next step's fields are copied into every GPU's view (_view)
         for pol in self.inner:
             pol.on_sequence_start(seq_id, n_prefill)
 
@@ -462,13 +464,14 @@ class ShardedPolicy(Policy):
         sh.src = view
         sh.mine = mine
         v = self._views[k]
-        v.seq_id = view.seq_id
-        v.step = view.step
-        v.token = view.token
-        v.position = view.position
-        v.phase = view.phase
-        v.n_tokens = view.n_tokens
-        v.context = view.context
+        if v.step != view.step:  # a new step (numbered per run): its fields, once
+            v.seq_id = view.seq_id
+            v.step = view.step
+            v.token = view.token
+            v.position = view.position
+            v.phase = view.phase
+            v.n_tokens = view.n_tokens
+            v.context = view.context
         v.now = view.now
         v.layer = self.pl.layer_at[k][view.layer]
         v.costs = view.costs
