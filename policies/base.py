@@ -64,6 +64,7 @@ class Plan:
     degradation. ``victims`` names the slot a FETCH frees. ``prefetch`` entries are
     ``(layer, expert, victim or None)`` background copies into slots; ``precalc`` entries are
     ``(layer, expert)`` CPU computations for a coming layer, consumed later by PRECOMPUTED.
+    ``victims``, ``prefetch``, ``precalc`` and ``evict`` given as None are empty.
     ``cpu_serial``: this plan's CPU experts (and, separately, its pre-calculations) run one
     after another as one task, not spread over the worker pool. ``cpu_first``: the GPU
     experts start only after this layer's ``CPU`` experts are done (the thread driving the GPU

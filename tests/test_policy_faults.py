@@ -246,3 +246,11 @@ def test_a_hook_fault_names_the_hook_and_keeps_the_cause(trace: Path) -> None:
     with pytest.raises(PolicyError, match="decode_layer raised KeyError") as info:
         simulate(policy=RaisesLate(), trace=trace, gpu_experts=BUDGET)
     assert isinstance(info.value.__cause__, KeyError)
+
+
+def test_a_plan_given_none_for_its_lists_holds_empty_ones() -> None:
+    """None for victims, prefetch, precalc or evict is the default (empty), not a fault."""
+    plan = Plan(victims=None, prefetch=None, precalc=None, evict=None)
+    assert (plan.victims, plan.prefetch, plan.precalc, plan.evict) == ({}, [], [], [])
+    assert plan == Plan()
+    assert Plan().prefetch is not Plan().prefetch  # each plan its own list
