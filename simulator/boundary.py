@@ -278,13 +278,12 @@ class _PlanCheck:
         if not (0 <= vl < self.n_layers and 0 <= ve < self.n_experts):
             raise self.err(f"evicts ({vl}, {ve}), outside the model")
         i = vl * self.n_experts + ve
-        changed = self.changed.get(i)
-        if not (bool(self.mask[i]) if changed is None else changed):
+        if not self.is_res(i):
             raise self.err(f"evicts expert {ve} of layer {vl}, which is not resident")
         in_use = vl == self.layer and ve in self.needed
         if in_use and not self.evicts_in_use:
             raise self.err(f"evicts expert {ve} of layer {vl}, which this token needs")
-        if not in_use and (changed is not None or self.ready[i] > self.now):
+        if not in_use and (i in self.changed or self.ready[i] > self.now):
             raise self.err(f"evicts expert {ve} of layer {vl} while it is still being copied")
         self.changed[i] = False
         self.n_res -= 1
