@@ -30,7 +30,6 @@ from daopsim.simulator.hosttier import host_tier_config
 from daopsim.simulator.output import check_output_file
 from daopsim.simulator.recorder import Recorder
 from daopsim.simulator.results import RunResult, compute_metrics, host_tier_metrics
-from daopsim.simulator.runstats import multi_metrics
 from daopsim.simulator.runtime_profiles import RuntimeProfile, get_runtime
 from daopsim.simulator.serving import (
     Arrival,
@@ -215,14 +214,6 @@ def _engine_class(name: str, several_gpus: bool = False) -> Any:
 
         return MultiGpuReference if several_gpus else ReferenceEngine
     raise UserError(f"unknown engine {name!r} (choose 'fast' or 'reference')")
-
-
-def _multi_gpu(engine: Any) -> dict[str, Any]:
-    """The per-GPU figures of a run on several GPUs (``run --json``): the core's, read by
-    ``daopsim.simulator.runstats``, or the reference engine's own."""
-    if isinstance(engine, Engine):
-        return multi_metrics(engine)
-    return engine.multi_metrics()  # type: ignore[no-any-return]
 
 
 def _multi_gpu_config(
@@ -1186,7 +1177,7 @@ def run_config(inp: RunInputs, size: RunSize, data: RunData, run: Run) -> dict[s
         "clairvoyant": bool(pol.clairvoyant),
         "cost_sources": size.costs.sources(),
         "gpus": req.gpus,
-        "multi_gpu": _multi_gpu(run.engine) if inp.mg is not None else None,
+        "multi_gpu": run.engine.multi_metrics() if inp.mg is not None else None,
         **provenance(trace_path, inp.profile),
     }
     tier = inp.host_tier

@@ -24,7 +24,7 @@ from daopsim.simulator.core.executor import Executor
 from daopsim.simulator.core.machine import Machine
 from daopsim.simulator.core.ops import Counters
 from daopsim.simulator.core.resources import Lane, Residency
-from daopsim.simulator.runstats import RunStats, run_stats
+from daopsim.simulator.runstats import RunStats, multi_metrics, run_stats
 
 
 def cpu_layers_for(spec: Any, model: Any, budget: int) -> int:
@@ -306,6 +306,10 @@ class Engine:
         e2e = self.now
         self.ex.drain()  # background work still running when the last token is out
         return run_stats(self, e2e)
+
+    def multi_metrics(self) -> dict[str, Any]:
+        """Per-GPU and per-peer-path figures of a run on several GPUs (``run --json``)."""
+        return multi_metrics(self)
 
     def sequence(self, r: Any, on_sequence: Callable[[Any], None] | None) -> None:
         """A sequence on its own: its prefill pass, then one step per decode token."""
