@@ -328,7 +328,7 @@ ENGINE_MUTANTS = (
     EngineMutant(
         "unified-copies-take-no-dram",
         "daopsim.simulator.core.executor:Executor.mem",
-        "        self.m.copy_load(s, e, nbytes)",
+        "        self._dram(s, e, self.m.costs.copy_dram_share(nbytes, e - s))",
         "        pass",
         "daop-unified",
     ),

@@ -293,13 +293,16 @@ class Executor:
 
     def mem(self, s: float, e: float, nbytes: int) -> None:
         """Unified memory: a copy from ``s`` to ``e`` takes its share of the DRAM."""
-        self.m.copy_load(s, e, nbytes)
-        if self.m.cpu.active:
-            self.cpu_next()
+        self._dram(s, e, self.m.costs.copy_dram_share(nbytes, e - s))
 
     def gpu_mem(self, s: float, e: float, n: int, context: int | None = None) -> None:
         """Unified memory: a GPU kernel takes its share of the DRAM."""
-        self.m.gpu_load(s, e, n, context)
+        self._dram(s, e, self.m.dram_share(n, context))
+
+    def _dram(self, s: float, e: float, share: float) -> None:
+        """A load of ``share`` of the DRAM from ``s`` to ``e``: the shared CPU's rate may
+        change, so its next event is scheduled again."""
+        self.m.cpu.load(s, e, share)
         if self.m.cpu.active:
             self.cpu_next()
 

@@ -80,7 +80,8 @@ class Machine:
         self._cpu_dram = _memo(costs.cpu_dram_share)
         #: unified memory: copies and GPU kernels register their DRAM share with the CPU
         self.unified: bool = costs.unified_memory
-        self._gpu_dram = cache(costs.gpu_dram_share)
+        self._gpu_dram = _memo(costs.gpu_dram_share)  # an expert's, on every computation
+        self._layer_dram = cache(costs.gpu_dram_share)  # a layer's non-expert part
         #: eager attention writes every head's scores to device memory (costs.nonexpert_layer_s)
         self.eager_attention = eager = runtime is not None and runtime.attention == "eager"
         #: one layer's non-expert part for (tokens, context): GPU seconds, and host-CPU seconds
@@ -107,14 +108,10 @@ class Machine:
         """A CPU expert call over ``n`` tokens submitted at ``t``, with its costs bound."""
         return CpuJob(op, seq, t, self.cpu_s(n), self._cpu_share(n), self._cpu_dram(n))
 
-    def copy_load(self, start: float, end: float, nbytes: int) -> None:
-        """Unified memory: a copy of ``nbytes`` from ``start`` to ``end`` loads the DRAM."""
-        self.cpu.load(start, end, self.costs.copy_dram_share(nbytes, end - start))
-
-    def gpu_load(self, start: float, end: float, n: int, context: int | None = None) -> None:
-        """Unified memory: a GPU kernel (an expert over ``n`` tokens, or with ``context`` a
-        layer's non-expert part) takes its share of the DRAM from ``start`` to ``end``."""
-        self.cpu.load(start, end, self._gpu_dram(n, context))
+    def dram_share(self, n: int, context: int | None = None) -> float:
+        """Unified memory: the share of the DRAM a GPU kernel takes while it runs (an expert
+        over ``n`` tokens, or with ``context`` a layer's non-expert part)."""
+        return self._gpu_dram(n) if context is None else self._layer_dram(n, context)
 
 
 def _uplinks(costs: Any, pinned: bool, n: int, multi: Any) -> list[tuple[Link, Link]]:
