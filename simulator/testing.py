@@ -474,10 +474,12 @@ def perfetto_reference(timeline: Any, occupancy: Any, metadata: dict[str, Any]) 
 def one_row_table(path: str | os.PathLike[str], row_id: str) -> Path:
     """A validation table file at ``path`` holding only row ``row_id`` of the bundled table
     (``validate --table``: a subset whose ``--markdown`` is the whole of its table)."""
-    from daopsim.simulator.validation import default_table
+    from daopsim.simulator.validation import table_files
 
-    blocks = default_table().read_text(encoding="utf-8").split("[[row]]")
-    block = next(b for b in blocks[1:] if f'id = "{row_id}"' in b)
+    blocks = [
+        b for f in table_files() for b in f.read_text(encoding="utf-8").split("[[row]]")[1:]
+    ]
+    block = next(b for b in blocks if f'id = "{row_id}"' in b)
     out = Path(path)
     out.write_text("[[row]]" + block, encoding="utf-8")
     return out

@@ -1,9 +1,10 @@
 """Validation against published measurements: the table, the runs and the report.
 
-``validation/published.toml`` lists published measurements (tokens/s, s/token, hit rates,
-ratios), each with its exact source, the setting it was measured in and the simulator
-configuration that reproduces that setting. :func:`run_validation` simulates every modelled row
-and compares; rows the simulator cannot model yet carry ``modelled = false`` and a reason.
+The ``*.toml`` files of ``validation/``, read as one table, list published measurements
+(tokens/s, s/token, hit rates, ratios), each with its exact source, the setting it was
+measured in and the simulator configuration that reproduces that setting.
+:func:`run_validation` simulates every modelled row and compares; rows the simulator cannot
+model yet carry ``modelled = false`` and a reason.
 
 Row format (docs/validation.md has the full description)::
 
@@ -103,8 +104,21 @@ TABLE_END = "<!-- validation-table:end -->"
 
 
 def default_table() -> Path:
-    """The bundled table, validation/published.toml."""
-    return bundled_dir("validation") / "published.toml"
+    """The bundled table: the folder validation/, whose ``*.toml`` files are read as one table
+    (row ids unique across them; a ranking row may name rows of any of them)."""
+    return bundled_dir("validation")
+
+
+def table_files(path: str | os.PathLike[str] | None = None) -> list[Path]:
+    """The files of a table: ``path`` itself, or every ``*.toml`` in it (sorted by name) when it
+    is a folder; the bundled folder when None."""
+    p = Path(path) if path is not None else default_table()
+    if p.is_dir():
+        files = sorted(p.glob("*.toml"))
+        if not files:
+            raise UserError(f"{p}: no *.toml validation table files in this folder")
+        return files
+    return [p]
 
 
 @dataclass
@@ -623,9 +637,7 @@ def _resolve_members(row: Row, rows: dict[str, Row], where: str) -> list[Member]
     return out
 
 
-def load_table(path: str | os.PathLike[str] | None = None) -> list[Row]:
-    """Parse and check the table; a mistake raises UserError naming the file and the row."""
-    p = Path(path) if path is not None else default_table()
+def _load_file(p: Path) -> list[tuple[Row, Path]]:
     if p.exists():
         check_input_file(p, "validation table")
     try:
@@ -637,14 +649,22 @@ def load_table(path: str | os.PathLike[str] | None = None) -> list[Row]:
     raws = data.get("row")
     if not isinstance(raws, list) or not raws:
         raise UserError(f"{p}: no [[row]] entries")
-    rows = [_parse_row(r, i, p) for i, r in enumerate(raws)]
-    seen: set[str] = set()
-    for r in rows:
+    return [(_parse_row(r, i, p), p) for i, r in enumerate(raws)]
+
+
+def load_table(path: str | os.PathLike[str] | None = None) -> list[Row]:
+    """Parse and check the table (a file, or a folder of ``*.toml`` files read as one; the
+    bundled folder when None); a mistake raises UserError naming the file and the row."""
+    parsed = [rp for f in table_files(path) for rp in _load_file(f)]
+    seen: dict[str, Path] = {}
+    for r, p in parsed:
         if r.id in seen:
-            raise UserError(f"{p}: row id {r.id!r} appears twice")
-        seen.add(r.id)
+            also = "" if seen[r.id] == p else f" (also in {seen[r.id]})"
+            raise UserError(f"{p}: row id {r.id!r} appears twice{also}")
+        seen[r.id] = p
+    rows = [r for r, _ in parsed]
     by_id = {r.id: r for r in rows}
-    for r in rows:
+    for r, p in parsed:
         if r.is_ranking:
             r.members = _resolve_members(r, by_id, f"{p}: row {r.id!r}")
             r.sim = {}

@@ -41,9 +41,10 @@ OUT_FILES = ("validation.csv", "validation.md")
 @click.command("validate")
 @click.option(
     "--table",
-    type=click.Path(dir_okay=False),
+    type=click.Path(),
     default=None,
-    help="Validation table (default: validation/published.toml).",
+    help="Validation table: a TOML file, or a folder whose *.toml files are read as one table "
+    "(default: the bundled folder validation/).",
 )
 @click.option("--rows", "row_ids", default=None, help="Only these row ids (comma-separated).")
 @click.option(
