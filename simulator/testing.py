@@ -476,9 +476,7 @@ def one_row_table(path: str | os.PathLike[str], row_id: str) -> Path:
     (``validate --table``: a subset whose ``--markdown`` is the whole of its table)."""
     from daopsim.simulator.validation import table_files
 
-    blocks = [
-        b for f in table_files() for b in f.read_text(encoding="utf-8").split("[[row]]")[1:]
-    ]
+    blocks = [b for f in table_files() for b in f.read_text(encoding="utf-8").split("[[row]]")[1:]]
     block = next(b for b in blocks if f'id = "{row_id}"' in b)
     out = Path(path)
     out.write_text("[[row]]" + block, encoding="utf-8")
