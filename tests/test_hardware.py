@@ -97,9 +97,10 @@ def test_a100_platform_constants() -> None:
 
 
 def test_jetson_is_unified() -> None:
-    """Only the Jetson profile has unified memory; PCIe gens match the profile names."""
+    """Only the Jetson and the DGX Spark (GB10) profiles have unified memory; PCIe gens match the
+    profile names."""
     for p in list_profiles():
-        assert p.link.unified == (p.name == "jetson-orin-64g")
+        assert p.link.unified == (p.name in {"jetson-orin-64g", "dgx-spark-gb10"})
         if p.name.endswith("pcie3"):
             assert p.link.h2d_pinned_gbs < 15.75  # Gen3 x16 line rate
         if p.name.endswith("pcie4"):
