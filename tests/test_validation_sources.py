@@ -30,6 +30,7 @@ NEW_PROFILES = (
     "rtx3080ti-picm5-pcie3x1",
     "r9700-picm5-pcie3x1",
     "rtx2080-10900x-pcie3",
+    "framework-desktop-395",
 )
 
 
@@ -110,10 +111,14 @@ def test_a_card_in_two_hosts_is_the_same_card(card: str) -> None:
     assert pi.cpu.fp32_gflops < desk.cpu.fp32_gflops and pi.cpu.dram_gbs < desk.cpu.dram_gbs
 
 
-def test_unified_machine_shares_one_memory() -> None:
-    hw = load_profile("dgx-spark-gb10")
+UNIFIED = [("dgx-spark-gb10", 273.0), ("framework-desktop-395", 256.0)]
+
+
+@pytest.mark.parametrize("profile,bw", UNIFIED)
+def test_unified_machine_shares_one_memory(profile: str, bw: float) -> None:
+    hw = load_profile(profile)
     assert hw.link.kind == "unified"
-    assert hw.link.dram_bw_gbs == hw.gpu.mem_bw_gbs == 273.0
+    assert hw.link.dram_bw_gbs == hw.gpu.mem_bw_gbs == bw
     assert hw.link.h2d_pinned_gbs == pytest.approx(hw.gpu.mem_bw_gbs / 2)
 
 
