@@ -97,9 +97,12 @@ def test_a100_platform_constants() -> None:
 
 
 def test_jetson_is_unified() -> None:
-    """Only the Jetson profile has unified memory; PCIe gens match the profile names."""
+    """Only the Jetson, the DGX Spark (GB10) and the Framework Desktop (Strix Halo) profiles
+    have unified memory; PCIe gens match the
+    profile names."""
+    unified = {"jetson-orin-64g", "dgx-spark-gb10", "framework-desktop-395"}
     for p in list_profiles():
-        assert p.link.unified == (p.name == "jetson-orin-64g")
+        assert p.link.unified == (p.name in unified)
         if p.name.endswith("pcie3"):
             assert p.link.h2d_pinned_gbs < 15.75  # Gen3 x16 line rate
         if p.name.endswith("pcie4"):
