@@ -40,6 +40,7 @@ NEW_PROFILES = (
     "framework-desktop-395",
     "xeon6138x2-rtx4060ti-pcie3",
     "epyc7773x-cpu",
+    "rtx4080-5975wx-pcie4",
 )
 
 
@@ -144,28 +145,41 @@ def test_ranking_groups_name_rows_of_one_source() -> None:
 
 
 def test_sweep_bench_rows_map_onto_the_synthetic_setting() -> None:
-    """ik_llama.cpp threads: a sweep-bench TG 128 at N_KV = 0 is one prompt token and 128
-    generated; its PP 512 a 512-token prompt pass; a CPU-only post (-ngl 0, or no GPU in the
-    run) runs every layer on the CPU without op offload; the hybrid split of #357 keeps the
-    experts of as many blocks on the CPU as its -ot pattern names."""
+    """ik_llama.cpp threads: a sweep-bench TG N at N_KV = 0 (llama-bench tgN) is one prompt
+    token and N generated; its PP N (ppN) an N-token prompt pass; llama-cli's run its prompt and
+    its response; a CPU-only post runs every layer on the CPU without op offload, a full-GPU one
+    every layer on the GPU, --cpu-moe every routed expert on the CPU, and the hybrid split of
+    #357 the experts of as many blocks as its -ot pattern names."""
     for r in _rows("ik-llama-cpp-threads.toml"):
         if r.is_ranking:
             continue
-        synth = r.sim["synth"]
+        synth, src = r.sim["synth"], r.source
         if r.id.startswith("ik223-"):  # llama-cli: a 500-token prompt and 300 generated tokens
             assert (synth["prompt_tokens"], synth["output_tokens"]) == (500, 300), r.id
-        elif r.id.endswith("-prefill-512"):
-            assert (synth["prompt_tokens"], synth["output_tokens"]) == (512, 2), r.id
-            assert "PP 512" in r.source and r.metric == "ttft_s", r.id
+        elif r.metric == "ttft_s":
+            n = re.search(r"(?:PP (\d+) at N_KV = 0|pp(\d+) )", src)
+            assert n, r.id
+            assert synth["prompt_tokens"] == int(n.group(1) or n.group(2)), r.id
+            assert synth["output_tokens"] == 2, r.id
+            assert r.id.endswith(f"-prefill-{synth['prompt_tokens']}"), r.id
         else:
-            assert (synth["prompt_tokens"], synth["output_tokens"]) == (1, 128), r.id
-            assert "TG 128" in r.source and r.metric == "decode_tokens_per_s", r.id
+            assert r.metric == "decode_tokens_per_s", r.id
+            n = re.search(r"(?:TG (\d+) at N_KV = 0|tg(\d+) )", src)
+            assert n, r.id
+            assert synth["output_tokens"] == int(n.group(1) or n.group(2)), r.id
+            assert synth["prompt_tokens"] == 1, r.id
+        opts = r.sim["policy_options"]
         if "cpu-only" in r.id:
             assert r.sim["policy"] == "llama-cpp-layers", r.id
-            assert r.sim["policy_options"] == {"ngl": 0, "prefill_offload": False}, r.id
+            assert opts == {"ngl": 0, "prefill_offload": False}, r.id
+        elif "full-gpu" in r.id:
+            assert r.sim["policy"] == "llama-cpp-layers" and opts == {"ngl": 99}, r.id
+        elif "-cpu-moe-" in r.id:
+            assert "--cpu-moe" in src + r.system and r.sim["policy"] == "llama-cpp-cpu-moe", r.id
+            assert opts == {"n_cpu_moe": -1}, r.id
         else:
-            assert r.sim["policy"] == "llama-cpp-cpu-moe", r.id
-            assert r.sim["policy_options"] == {"n_cpu_moe": _OT_BLOCKS}, r.id
+            assert "hybrid-14cpu" in r.id and r.sim["policy"] == "llama-cpp-cpu-moe", r.id
+            assert opts == {"n_cpu_moe": _OT_BLOCKS}, r.id
 
 
 def _ot_blocks(pattern: str, n_blocks: int = 48) -> int:
