@@ -262,6 +262,10 @@ class View:
         return self.phase == "prefill"
 
 
+#: ``ResourceSpec.host_copies`` choices
+HOST_COPIES = ("all", "offloaded")
+
+
 @dataclass(frozen=True)
 class ResourceSpec:
     """The resources of the modelled system a policy runs on (one per policy instance).
@@ -319,10 +323,22 @@ class ResourceSpec:
     #: with ``nonexpert_streamed``: the largest parameter (elements) kept on the GPU
     #: (ZeRO-3's ``stage3_param_persistence_threshold``, default 1e5)
     nonexpert_persist_numel: int = 100_000
+    #: which experts the host keeps a copy of (docs/cost-model.md, "Unified memory"):
+    #: "all" (every expert: GPU copies are made from it and dropped on eviction, so a GPU
+    #: resident expert is held twice; the caches), or "offloaded" (only the experts not
+    #: resident on the GPU: each expert is held once, loaded straight into the buffer of the
+    #: device that runs it, as llama.cpp's loader does, or moved rather than copied). A policy
+    #: with ``writeback`` moves its experts, so it holds them once whatever this says. Only a
+    #: unified-memory machine's fit reads it: there host and GPU copies share one memory
+    host_copies: str = "all"
 
     def __post_init__(self) -> None:
         if self.ssd_access not in ("read", "mmap"):
             raise UserError(f"ssd_access must be 'read' or 'mmap', got {self.ssd_access!r}")
+        if self.host_copies not in HOST_COPIES:
+            raise UserError(
+                f"host_copies must be one of {', '.join(HOST_COPIES)}, got {self.host_copies!r}"
+            )
         if self.host_memory not in ("pinned", "pageable"):
             raise UserError(f"host_memory must be 'pinned' or 'pageable', got {self.host_memory!r}")
         if self.low_bit_dtype is not None:
@@ -364,6 +380,12 @@ class ResourceSpec:
     def pinned(self) -> bool:
         """True when expert copies come from pinned host memory."""
         return self.host_memory == "pinned"
+
+    @property
+    def experts_held_once(self) -> bool:
+        """True when the host holds only the experts not resident on the GPU
+        (``host_copies = "offloaded"``, or experts moved with ``writeback``)."""
+        return self.host_copies == "offloaded" or self.writeback
 
 
 class FutureAccesses(Protocol):

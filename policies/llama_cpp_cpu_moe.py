@@ -146,8 +146,12 @@ class LlamaCppCpuMoePolicy(LeadingCpuLayers):
         self.offload = bool(self.options["prefill_offload"])
 
     def resources(self) -> ResourceSpec:
-        """Pinned host memory (llama.cpp's CUDA host buffers), one copy buffer, one CPU worker."""
-        return ResourceSpec(host_memory="pinned", temp_buffers=1, cpu_workers=1)
+        """Pinned host memory (llama.cpp's CUDA host buffers), one copy buffer, one CPU worker;
+        each tensor held once, in the buffer of the device that runs it (llama.cpp's loader:
+        ``host_copies = "offloaded"``)."""
+        return ResourceSpec(
+            host_memory="pinned", temp_buffers=1, cpu_workers=1, host_copies="offloaded"
+        )
 
     def setup(self, ctx: SetupContext) -> Iterable[Slot]:
         """Every expert of every GPU layer (the layers after the first N)."""

@@ -101,7 +101,8 @@ class LlamaCppLayersPolicy(LeadingCpuLayers):
 
     def resources(self) -> ResourceSpec:
         """Pinned host memory, one copy buffer, one CPU worker, the whole-layer split and
-        llama.cpp's own compute-buffer workspace."""
+        llama.cpp's own compute-buffer workspace; each tensor held once, in the buffer of the
+        device that runs it (llama.cpp's loader: ``host_copies = "offloaded"``)."""
         return ResourceSpec(
             host_memory="pinned",
             temp_buffers=1,
@@ -109,6 +110,7 @@ class LlamaCppLayersPolicy(LeadingCpuLayers):
             gpu_blocks=gpu_blocks_for_ngl(self.ngl),
             cpu_layer_offload_batch=self.min_batch if self.offload else 0,
             workspace_gb=LLAMA_CPP_WORKSPACE_GB,
+            host_copies="offloaded",
         )
 
     def setup(self, ctx: SetupContext) -> Iterable[Slot]:

@@ -44,9 +44,13 @@ class LlamaCppMmapPolicy(LlamaCppCpuMoePolicy):
 
     def resources(self) -> ResourceSpec:
         """Pageable host memory (the mapping's pages), mmap access, one copy buffer, one CPU
-        worker."""
+        worker; each tensor held once (the loader unmaps the ranges it copied to the GPU)."""
         return ResourceSpec(
-            host_memory="pageable", temp_buffers=1, cpu_workers=1, ssd_access="mmap"
+            host_memory="pageable",
+            temp_buffers=1,
+            cpu_workers=1,
+            ssd_access="mmap",
+            host_copies="offloaded",
         )
 
 

@@ -792,38 +792,49 @@ class CostModel:
                 hi = mid
         return hi
 
-    def free_expert_bytes(self, kv_tokens: int = 0) -> float:
+    def free_expert_bytes(self, kv_tokens: int = 0, host_bytes: int | None = None) -> float:
         """GPU bytes left for experts and expert-sized buffers after the non-expert weights,
         workspace and KV cache (negative when those alone do not fit); on unified memory also
-        after the host's holdings (:attr:`unified_host_bytes`), which live in the same DRAM."""
+        after ``host_bytes`` that the host holds in the same DRAM (default:
+        :meth:`unified_host_bytes`, a host copy of every expert)."""
         gpu = self.hw.gpu
+        host = self.unified_host_bytes() if host_bytes is None else host_bytes
         return (
             gpu.usable_bytes
             - gpu.workspace_gb * 1e9
             - self.model.non_expert_bytes()
             - self.model.kv_bytes_per_token * kv_tokens
-            - self.unified_host_bytes
+            - host
         )
 
-    @cached_property
-    def unified_host_bytes(self) -> int:
-        """What the host side holds in the device's own memory on a unified-memory machine: the
-        non-expert weights the loader keeps (:attr:`host_nonexpert_bytes`) and a host copy of
-        every routed expert, which the offloading runtimes copy (or compute) from. The one
-        DRAM bounds these and the GPU's allocations together; 0 on a bus-attached host, whose
-        host memory is separate (``cpu.memory_gb``, ``--host-memory-gb``)."""
+    def unified_host_bytes(self, low_bit_dtype: str | None = None) -> int:
+        """What the host side holds in the one memory of a unified-memory machine while no
+        expert is resident on the GPU: a copy of every routed expert at the host's precision,
+        plus, for a system whose host also keeps a lower-precision copy of every expert
+        (``low_bit_dtype``, HOBBIT), those. Each GPU-resident expert then adds its GPU copy
+        (a system that keeps every host copy) or replaces its host copy
+        (:meth:`unified_refund_bytes`, a system that holds each expert once). The non-expert
+        weights are held once, on the GPU side: loaders put each tensor in the buffer of the
+        device that runs it (docs/cost-model.md, "Unified memory"). 0 on a bus-attached host,
+        whose host memory is separate (``cpu.memory_gb``, ``--host-memory-gb``)."""
         if not self.unified_memory:
             return 0
         m = self.model
-        return self.host_nonexpert_bytes + m.total_experts * self.host_expert_bytes
+        low = 0 if low_bit_dtype is None else m.expert_bytes(low_bit_dtype)
+        return m.total_experts * (self.host_expert_bytes + low)
+
+    def unified_refund_bytes(self, held_once: bool) -> int:
+        """Host bytes one GPU-resident expert frees on a unified-memory machine: its host copy
+        when the system holds each expert once (``ResourceSpec.experts_held_once``), else 0
+        (the host keeps its copy beside the GPU's; always 0 on a bus-attached host)."""
+        return self.host_expert_bytes if self.unified_memory and held_once else 0
 
     def cpu_layer_freed_bytes(self, kv_tokens: int) -> float:
         """GPU memory one CPU-resident layer frees: :meth:`cpu_layer_host_bytes` on a
-        bus-attached host; on unified memory only its non-expert weights (the host already
-        holds a copy, counted in :attr:`unified_host_bytes`), since its KV cache stays in
-        the same DRAM."""
+        bus-attached host; nothing on unified memory, where its non-expert weights and KV cache
+        move to a host buffer in the same DRAM."""
         if self.unified_memory:
-            return float(self.cpu_layer_weight_bytes)
+            return 0.0
         return self.cpu_layer_host_bytes(kv_tokens)
 
     def gpu_expert_slots(self, kv_tokens: int = 0) -> int:

@@ -298,6 +298,23 @@ class ExpertFit:
     context_tokens: int
     #: unified memory: the host's holdings already taken from ``free_bytes`` (0 otherwise)
     host_bytes: int = 0
+    #: unified memory: the host bytes one GPU-resident expert frees, for a system that holds
+    #: each expert once (0: the host keeps its copy beside the GPU's; always 0 on a bus)
+    refund: int = 0
+
+    def room(self, experts: int, extra: float = 0.0) -> float:
+        """Bytes left with ``experts`` resident beside the buffers (``extra`` bytes freed
+        elsewhere); negative when they do not fit."""
+        used = (self.buffers + experts) * self.expert_bytes - experts * self.refund
+        return self.free_bytes + extra - used
+
+    def fits(self, experts: int, extra: float = 0.0) -> bool:
+        """Whether ``experts`` resident experts and the buffers fit (``extra`` bytes freed)."""
+        if not self.refund:  # whole expert-sized slots, as :attr:`slots` counts them
+            return math.floor((self.free_bytes + extra) / self.expert_bytes) - self.buffers >= (
+                experts
+            )
+        return self.room(experts, extra) >= 0
 
     @property
     def slots(self) -> int:
@@ -307,7 +324,19 @@ class ExpertFit:
     @property
     def max_experts(self) -> int:
         """Resident experts that fit beside the buffers (0 when even those do not fit)."""
-        return max(0, min(self.total_experts, self.slots - self.buffers))
+        if not self.refund:
+            return max(0, min(self.total_experts, self.slots - self.buffers))
+        slot = self.expert_bytes - self.refund
+        if slot <= 0:  # a resident expert frees at least what it takes: all or none fit
+            return self.total_experts if self.fits(self.total_experts) else 0
+        left = self.free_bytes - self.buffers * self.expert_bytes
+        return max(0, min(self.total_experts, math.floor(left / slot)))
+
+    def weights_fit(self) -> bool:
+        """Whether the run can hold its weights at all (buffers aside) with some number of
+        resident experts (the room is linear in that number: its best is at 0 or all)."""
+        best = max(self.room(0), self.room(self.total_experts))
+        return best + self.buffers * self.expert_bytes >= 0
 
     def max_ratio(self, digits: int = 3) -> float:
         """The largest cache ratio (``digits`` decimals) whose budget fits, or 0 if none does."""
@@ -319,16 +348,26 @@ class ExpertFit:
         return max(0, k) / scale
 
 
-def expert_fit(costs: CostModel, buffers: int, context_tokens: int) -> ExpertFit:
-    """The one place that decides how many experts fit (``run``, sweeps, ``profiles show``)."""
+def expert_fit(
+    costs: CostModel, buffers: int, context_tokens: int, spec: ResourceSpec | None = None
+) -> ExpertFit:
+    """The one place that decides how many experts fit (``run``, sweeps, ``profiles show``).
+
+    ``spec`` (the policy's resources) says what the host holds on a unified-memory machine: a
+    copy of every expert (and HOBBIT's low-bit copies) that the GPU copies come from, or each
+    expert once (``ResourceSpec.experts_held_once``); None is the former.
+    """
+    low = None if spec is None else spec.low_bit_dtype
+    host = costs.unified_host_bytes(low)
     return ExpertFit(
         model=costs.model.name,
         total_experts=costs.model.total_experts,
         expert_bytes=costs.expert_bytes,
-        free_bytes=costs.free_expert_bytes(context_tokens),
+        free_bytes=costs.free_expert_bytes(context_tokens, host),
         buffers=buffers,
         context_tokens=context_tokens,
-        host_bytes=costs.unified_host_bytes,
+        host_bytes=host,
+        refund=costs.unified_refund_bytes(spec is not None and spec.experts_held_once),
     )
 
 
@@ -348,8 +387,7 @@ def cpu_resident_layers(spec: ResourceSpec, costs: CostModel, fit: ExpertFit, kv
         return m.moe_layers - min(m.moe_layers, g)
     per_layer = costs.cpu_layer_freed_bytes(kv)
     for n in range(m.moe_layers + 1):
-        slots = math.floor((fit.free_bytes + n * per_layer) / fit.expert_bytes) - fit.buffers
-        if (m.moe_layers - n) * m.experts <= slots:
+        if fit.fits((m.moe_layers - n) * m.experts, n * per_layer):
             return n
     return m.moe_layers
 
@@ -436,27 +474,35 @@ def check_fit(fit: ExpertFit, machine: str, budget: int | None, by_ratio: bool =
     KV cache and the policy's buffers).
     """
     gb = fit.expert_bytes / 1e9
-    host = (
-        f", beside the host's weights and expert copies ({fit.host_bytes / 1e9:.1f} GB) in the "
-        "same unified memory"
-        if fit.host_bytes
-        else ""
-    )
-    if fit.free_bytes < 0:
+    once = fit.refund > 0  # unified memory, each expert held once
+    if once:
+        host = (
+            f", with every expert held once ({fit.host_bytes / 1e9:.1f} GB at the host's "
+            "precision) in the same unified memory"
+        )
+    elif fit.host_bytes:
+        host = (
+            f", beside the host's expert copies ({fit.host_bytes / 1e9:.1f} GB) in the same "
+            "unified memory"
+        )
+    else:
+        host = ""
+    if not fit.weights_fit():
+        short = -(max(fit.room(0), fit.room(fit.total_experts)) + fit.buffers * fit.expert_bytes)
         raise DoesNotFit(
             0,
             f"{machine}'s GPU cannot hold {fit.model}'s non-expert weights, workspace and KV "
-            f"cache for {fit.context_tokens} tokens{host} ({-fit.free_bytes / 1e9:.1f} GB "
-            "short), so no expert fits",
+            f"cache for {fit.context_tokens} tokens{host} ({short / 1e9:.1f} GB short), so no "
+            "expert fits",
         )
-    if fit.slots < fit.buffers:
+    if not (fit.fits(0) or fit.fits(fit.total_experts)):
         raise DoesNotFit(
             0,
             f"{machine}'s GPU has room for {fit.slots} {fit.model} experts "
-            f"({gb:.2f} GB each) after the non-expert weights, workspace and KV cache, "
+            f"({gb:.2f} GB each) after the non-expert weights, workspace and KV cache{host}, "
             f"fewer than the policy's {_buffers(fit.buffers)}",
         )
-    if budget is not None and budget > fit.max_experts:
+    if budget is not None and (budget > fit.max_experts or not fit.fits(budget)):
         limit = (
             f"--cache-ratio <= {fit.max_ratio():.3f}"
             if by_ratio
@@ -466,7 +512,7 @@ def check_fit(fit: ExpertFit, machine: str, budget: int | None, by_ratio: bool =
             fit.max_experts,
             f"{budget} resident experts of {fit.model} ({budget * gb:.1f} GB) do not fit in "
             f"{machine}'s GPU memory: at most {fit.max_experts} experts fit ({limit}) after "
-            f"non-expert weights, KV cache and {_buffers(fit.buffers)}",
+            f"non-expert weights, KV cache and {_buffers(fit.buffers)}{host}",
         )
 
 
@@ -544,7 +590,7 @@ def serving_plan(
     elif serving.kv_cache_gb is not None:
         capacity = kv_reserve
     else:
-        left = fit.free_bytes - (budget + fit.buffers) * fit.expert_bytes
+        left = fit.room(budget)
         capacity = kv_reserve + max(0, int(left // per_token))
     if capacity is not None:
         fix = (
@@ -883,7 +929,7 @@ def size_run(inp: RunInputs) -> RunSize:
         kv_reserve = serving_kv_reserve(req.serving, model, kv_reserve)
     budget = requested_budget(req.cache_ratio, req.gpu_experts, model.total_experts)
     spec = pol.resources()
-    fit = expert_fit(costs, policy_buffers(pol), kv_reserve)
+    fit = expert_fit(costs, policy_buffers(pol), kv_reserve, spec)
     if spec.workspace_gb is not None:  # the runtime's own compute buffers replace the profile's
         freed = (inp.profile.gpu.workspace_gb - spec.workspace_gb) * 1e9
         fit = replace(fit, free_bytes=fit.free_bytes + freed)

@@ -170,7 +170,7 @@ def test_s3_unified_memory_bounds_the_host_copies(
             + (fit.max_experts + 1) * costs.expert_bytes
         )
         assert fit.max_experts > 0
-        assert gpu_side + costs.unified_host_bytes <= hw.gpu.usable_bytes
+        assert gpu_side + costs.unified_host_bytes() <= hw.gpu.usable_bytes
 
 
 def test_s3_advise_ranks_no_impossible_row() -> None:

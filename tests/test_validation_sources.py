@@ -1,5 +1,6 @@
-"""The rows read from llama.cpp's benchmark pages and community benchmark sets
-(validation/llama-cpp-benches.toml, ai-benchmarks.toml, llmfit.toml, ik-llama-cpp.toml) and the
+"""The rows read from llama.cpp's benchmark pages, community benchmark sets and benchmark threads
+(validation/llama-cpp-benches.toml, ai-benchmarks.toml, llmfit.toml, ik-llama-cpp.toml,
+ik-llama-cpp-threads.toml) and the
 profiles of their machines: each published value is the figure its source line quotes, each
 synthetic setting is the test the row names, and the same card in two hosts is the same card."""
 
@@ -15,7 +16,13 @@ from daopsim.simulator.hardware import load_profile
 from daopsim.simulator.validation import load_table
 
 ROOT = Path(__file__).resolve().parents[1]
-FILES = ("llama-cpp-benches.toml", "ai-benchmarks.toml", "llmfit.toml", "ik-llama-cpp.toml")
+FILES = (
+    "llama-cpp-benches.toml",
+    "ai-benchmarks.toml",
+    "llmfit.toml",
+    "ik-llama-cpp.toml",
+    "ik-llama-cpp-threads.toml",
+)
 NEW_PROFILES = (
     "dgx-spark-gb10",
     "rtx4090-265k-pcie4",
@@ -31,6 +38,9 @@ NEW_PROFILES = (
     "r9700-picm5-pcie3x1",
     "rtx2080-10900x-pcie3",
     "framework-desktop-395",
+    "xeon6138x2-rtx4060ti-pcie3",
+    "epyc7773x-cpu",
+    "rtx4080-5975wx-pcie4",
 )
 
 
@@ -132,3 +142,73 @@ def test_ranking_groups_name_rows_of_one_source() -> None:
             refs = [table[m.ref] for m in r.members]
             first = refs[0].source.split(":")[0]
             assert all(x.source.split(":")[0] == first for x in refs), r.id
+
+
+def test_sweep_bench_rows_map_onto_the_synthetic_setting() -> None:
+    """ik_llama.cpp threads: a sweep-bench TG N at N_KV = 0 (llama-bench tgN) is one prompt
+    token and N generated; its PP N (ppN) an N-token prompt pass; llama-cli's run its prompt and
+    its response; a CPU-only post runs every layer on the CPU without op offload, a full-GPU one
+    every layer on the GPU, --cpu-moe every routed expert on the CPU, and the hybrid split of
+    #357 the experts of as many blocks as its -ot pattern names."""
+    for r in _rows("ik-llama-cpp-threads.toml"):
+        if r.is_ranking:
+            continue
+        synth, src = r.sim["synth"], r.source
+        if r.id.startswith("ik223-"):  # llama-cli: a 500-token prompt and 300 generated tokens
+            assert (synth["prompt_tokens"], synth["output_tokens"]) == (500, 300), r.id
+        elif r.metric == "ttft_s":
+            n = re.search(r"(?:PP (\d+) at N_KV = 0|pp(\d+) )", src)
+            assert n, r.id
+            assert synth["prompt_tokens"] == int(n.group(1) or n.group(2)), r.id
+            assert synth["output_tokens"] == 2, r.id
+            assert r.id.endswith(f"-prefill-{synth['prompt_tokens']}"), r.id
+        else:
+            assert r.metric == "decode_tokens_per_s", r.id
+            n = re.search(r"(?:TG (\d+) at N_KV = 0|tg(\d+) )", src)
+            assert n, r.id
+            assert synth["output_tokens"] == int(n.group(1) or n.group(2)), r.id
+            assert synth["prompt_tokens"] == 1, r.id
+        opts = r.sim["policy_options"]
+        if "cpu-only" in r.id:
+            assert r.sim["policy"] == "llama-cpp-layers", r.id
+            assert opts == {"ngl": 0, "prefill_offload": False}, r.id
+        elif "full-gpu" in r.id:
+            assert r.sim["policy"] == "llama-cpp-layers" and opts == {"ngl": 99}, r.id
+        elif "-cpu-moe-" in r.id:
+            assert "--cpu-moe" in src + r.system and r.sim["policy"] == "llama-cpp-cpu-moe", r.id
+            assert opts == {"n_cpu_moe": -1}, r.id
+        else:
+            assert "hybrid-14cpu" in r.id and r.sim["policy"] == "llama-cpp-cpu-moe", r.id
+            assert opts == {"n_cpu_moe": _OT_BLOCKS}, r.id
+
+
+def _ot_blocks(pattern: str, n_blocks: int = 48) -> int:
+    """Blocks of a model with ``n_blocks`` an -ot pattern blk\\.D[a-b]\\.ffn=CPU,... names."""
+    found = {
+        10 * int(d) + k
+        for d, a, b in re.findall(r"(\d)\[(\d)-(\d)\]", pattern)
+        for k in range(int(a), int(b) + 1)
+    }
+    return len({x for x in found if x < n_blocks})
+
+
+_OT_BLOCKS = 14
+
+
+def test_the_hybrid_split_is_the_posts_pattern() -> None:
+    """#357's -ot pattern names blocks 34-39 and 40-47: 14 of 48 blocks' FFN on the CPU."""
+    rows = {r.id: r for r in _rows("ik-llama-cpp-threads.toml")}
+    src = rows["ik357-qwen3-30b-iq4xs-llamacpp-hybrid-14cpu-4080"].source
+    pattern = src.split("-ot ")[1].split(",", 2)
+    assert _ot_blocks(",".join(pattern[:2])) == _OT_BLOCKS
+
+
+def test_a_two_socket_host_is_modelled_as_one_socket() -> None:
+    """2 x Xeon Gold 6138 with 12 channels of DDR4-2666 in all: the profile is one socket's 20
+    cores and 6 channels, the threads the posts ran."""
+    hw = load_profile("xeon6138x2-rtx4060ti-pcie3")
+    assert hw.cpu.cores_used == 20
+    assert hw.cpu.dram_gbs == pytest.approx(6 * 2666 * 8 / 1000, rel=1e-3)
+    assert hw.gpu.memory_gb == pytest.approx(8 * 2**30 / 1e9, rel=1e-3)  # an 8 GiB card
+    epyc = load_profile("epyc7773x-cpu")
+    assert epyc.cpu.cores_used == 63 and epyc.cpu.dram_gbs == pytest.approx(8 * 3200 * 8 / 1000)

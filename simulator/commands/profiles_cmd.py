@@ -124,7 +124,7 @@ def show_cmd(
     cm = cost_model(hw, model)
     summary = cm.summary(context_tokens)
     # the same fit `daopsim run` applies (KV cache for --context tokens, the policy's buffers)
-    fit = expert_fit(cm, policy_buffers(policy), context_tokens)
+    fit = expert_fit(cm, policy_buffers(policy), context_tokens, policy.resources())
     out = hw.to_dict() | {
         k: summary[k]
         for k in (
