@@ -91,6 +91,14 @@ DEQUANT_BYTES_PER_GROUP: dict[str, int] = {"hqq": 24}
 #: renormalise) are part of the non-expert launches. Quantised weights are dequantised inside
 #: the grouped GEMMs, so no extra kernels.
 FUSED_MOE_KERNELS = 5
+#: Extra fixed device time of one fused MoE call at one token, by expert weight format, beyond
+#: the runtime's ``fused_moe_call_us`` (measured on bf16 weights): an FP8 (w8a8) call also
+#: quantises the routed tokens' activations before each grouped GEMM. vLLM's
+#: benchmark_moe.py on an H100 SXM (3350 GB/s spec) times Qwen3-30B-A3B's fused MoE in
+#: fp8_w8a8 at batch 1 at 44.54 us (vllm-project/vllm PR #24700, main's default config); the
+#: bf16 rule (22.8 us + 37.75 MB of FP8 weights at 0.562 x 3350 GB/s) gives 42.85 us, 1.7 us
+#: short (docs/cost-model.md, "Fused MoE at one token").
+FUSED_MOE_FORMAT_EXTRA_US: dict[str, float] = {"fp8": 1.7}
 #: Weight formats Intel AMX tiles multiply (BF16 and INT8); with ``cpu.amx_bf16_gflops`` their
 #: CPU experts get the AMX compute roof when a call has more than ``AMX_MAX_AVX512_TOKENS``
 #: tokens (kTransformers' AMX backend switches to AVX-512 kernels at 4 tokens or fewer).
@@ -385,9 +393,11 @@ class CostModel:
         ``fused_moe_call_us`` it is that figure (docs/cost-model.md, "Fused MoE at one
         token"); otherwise ``FUSED_MOE_KERNELS`` launches, each a graph node
         (:meth:`kernel_s` of one token) in a graph-replayed run. The engines add this one
-        figure to every step, the prompt pass too (docs/cost-model.md, "CUDA-graph decode")."""
+        figure to every step, the prompt pass too (docs/cost-model.md, "CUDA-graph decode").
+        An FP8 call adds its activation quantisation (``FUSED_MOE_FORMAT_EXTRA_US``)."""
         if self.graph_kernel_us > 0.0 and self.fused_moe_call_us > 0.0:
-            return self.fused_moe_call_us * 1e-6
+            extra = FUSED_MOE_FORMAT_EXTRA_US.get(self.model.dtype, 0.0)
+            return (self.fused_moe_call_us + extra) * 1e-6
         return FUSED_MOE_KERNELS * self.kernel_s(1)
 
     # --- CPU -------------------------------------------------------------------------------------
