@@ -12,10 +12,11 @@ is at the precision's real size, scales included (daopsim.simulator.models.DTYPE
   the format's kernel efficiency and the runtime's GPU stream efficiency.
 * CPU expert for n tokens: one batched call, ``max(weight stream, 2 x params x n / cpu throughput)``
   where the weight stream is the profile's measured one-token time for this model and dtype
-  (``cpu_expert_ms``) when it has one, else ``host expert bytes / cpu.mem_bw`` (under a ggml
-  runtime, ``/ (GGML_STREAM_FRACTION x cpu.dram_gbs)``, or the host's measured
-  ``cpu.ggml_stream_gbs``, for the formats ggml runs). Linear ``n x
-  cpu_expert_ms`` is a decision rule of DAOP and Fiddler, not how a batched call runs.
+  (``cpu_expert_ms``) when it has one, else ``host expert bytes / stream``, the stream of the
+  run's CPU kernel family (PyTorch's at the weight precision, or ggml's under a ggml runtime):
+  measured on all cores where the profile says, else ``min(cores x per-core stream, socket
+  bound)`` (:func:`cpu_family_stream_gbs`). Linear ``n x cpu_expert_ms`` is a decision rule of
+  DAOP and Fiddler, not how a batched call runs.
 * Copies: ``copy_overhead + bytes / rate`` for the direction and host-memory kind, at the host
   precision; when the GPU holds another precision the copy also pays one GPU conversion pass. A
   measured load time is a policy's decision input (:meth:`CostModel.decision_load_s`); it
@@ -37,7 +38,13 @@ from functools import cached_property, lru_cache
 from typing import Any
 
 from daopsim.simulator.errors import UserError
-from daopsim.simulator.hardware import HardwareProfile, MeasuredModel, load_profile
+from daopsim.simulator.hardware import (
+    CPU_STREAM_FALLBACK,
+    CpuSpec,
+    HardwareProfile,
+    MeasuredModel,
+    load_profile,
+)
 from daopsim.simulator.models import DTYPES, ModelShape, dtype_bytes, get_model
 
 #: Bytes per activation element: hidden states travel and are computed in bf16.
@@ -84,24 +91,65 @@ DEQUANT_BYTES_PER_GROUP: dict[str, int] = {"hqq": 24}
 #: renormalise) are part of the non-expert launches. Quantised weights are dequantised inside
 #: the grouped GEMMs, so no extra kernels.
 FUSED_MOE_KERNELS = 5
+#: Extra fixed device time of one fused MoE call at one token, by expert weight format, beyond
+#: the runtime's ``fused_moe_call_us`` (measured on bf16 weights): an FP8 (w8a8) call also
+#: quantises the routed tokens' activations before each grouped GEMM. vLLM's
+#: benchmark_moe.py on an H100 SXM (3350 GB/s spec) times Qwen3-30B-A3B's fused MoE in
+#: fp8_w8a8 at batch 1 at 44.54 us (vllm-project/vllm PR #24700, main's default config); the
+#: bf16 rule (22.8 us + 37.75 MB of FP8 weights at 0.562 x 3350 GB/s) gives 42.85 us, 1.7 us
+#: short (docs/cost-model.md, "Fused MoE at one token").
+FUSED_MOE_FORMAT_EXTRA_US: dict[str, float] = {"fp8": 1.7}
 #: Weight formats Intel AMX tiles multiply (BF16 and INT8); with ``cpu.amx_bf16_gflops`` their
 #: CPU experts get the AMX compute roof when a call has more than ``AMX_MAX_AVX512_TOKENS``
 #: tokens (kTransformers' AMX backend switches to AVX-512 kernels at 4 tokens or fewer).
 AMX_DTYPES = frozenset({"bf16", "int8"})
 AMX_MAX_AVX512_TOKENS = 4
-#: ggml's CPU weight stream as a share of the socket's theoretical DRAM bandwidth (the
-#: "ggml rule", docs/cost-model.md "Kernel efficiency"; the 0.40 rule of ``cpu.mem_bw_gbs`` was
-#: read off PyTorch's bf16 CPU experts). ik_llama.cpp's author measured LLaMA-3.1-8B Q8_0 tg128
-#: at 7.79 t/s on his Ryzen-7950X, 7.97 GB of weights per token: 62.1 GB/s (ik_llama.cpp PR
-#: #54), on a machine he gives 64 GB/s of theoretical bandwidth (PR #232, PR #180).
-GGML_STREAM_MEASURED_GBS = 62.1
-GGML_STREAM_HOST_DRAM_GBS = 64.0
-GGML_STREAM_FRACTION = GGML_STREAM_MEASURED_GBS / GGML_STREAM_HOST_DRAM_GBS
-#: Weight formats ggml stores and streams on the CPU (the rule applies to them on a runtime with
-#: ``cpu_kernels = "ggml"``): its block formats (GGUF kinds, MXFP4) and its float types; ggml
-#: has no CPU type for fp8, bare int8/int4, AWQ/GPTQ or HQQ, which keep ``cpu.mem_bw_gbs``.
+#: Weight formats ggml stores and streams on the CPU (its kernel family applies to them on a
+#: runtime with ``cpu_kernels = "ggml"``): its block formats (GGUF kinds, MXFP4) and its float
+#: types; ggml has no CPU type for fp8, bare int8/int4, AWQ/GPTQ or HQQ, which keep PyTorch's.
 GGML_CPU_KINDS = frozenset({"gguf", "mx"})
 GGML_CPU_DTYPES = frozenset({"fp32", "fp16", "bf16"})
+#: PyTorch's kernel family by weight precision (``CpuSpec.core_stream_gbs`` keys); formats it
+#: dequantises into bf16 passes (fp8, int4, AWQ/GPTQ, HQQ, GGUF without ggml) are ``torch_bf16``.
+TORCH_CPU_FAMILY = {"fp32": "torch_fp32", "fp16": "torch_fp16", "int8": "torch_int8"}
+
+
+def cpu_stream_family(cpu_kernels: str, dtype: str) -> str:
+    """The CPU kernel family that streams weights stored at ``dtype`` under a runtime's CPU
+    kernels (``default``: PyTorch's; ``ggml``: llama.cpp's for the formats ggml runs)."""
+    if cpu_kernels == "ggml" and (dtype in GGML_CPU_DTYPES or DTYPES[dtype].kind in GGML_CPU_KINDS):
+        return "ggml"
+    return TORCH_CPU_FAMILY.get(dtype, "torch_bf16")
+
+
+def cpu_family_stream_gbs(cpu: CpuSpec, family: str) -> float:
+    """GB/s at which kernel family ``family`` streams weights on all ``cpu.cores_used`` cores
+    (docs/cost-model.md, "CPU weight stream"). Precedence: a measured all-core stream
+    (``cpu.stream_gbs``; the legacy ``cpu.ggml_stream_gbs`` for ggml and ``cpu.mem_bw_gbs`` for
+    every PyTorch family), capped at a measured ``cpu.socket_bw_gbs``; else the mechanism
+    ``min(cores_used x core_stream_gbs, socket bound)``, the socket bound being
+    ``cpu.socket_bw_gbs`` or ``dram_gbs x dram_efficiency``. A PyTorch family the profile does not
+    state takes ``torch_bf16``'s figures (``CPU_STREAM_FALLBACK``); a family with no figure at all
+    is a :class:`UserError` naming the field to set."""
+    measured = dict(cpu.stream_gbs)
+    per_core = dict(cpu.core_stream_gbs)
+    names = (family, CPU_STREAM_FALLBACK[family]) if family in CPU_STREAM_FALLBACK else (family,)
+    for name in names:
+        bw = measured.get(name)
+        if bw is None:
+            bw = cpu.ggml_stream_gbs if name == "ggml" else cpu.mem_bw_gbs
+        if bw is not None:
+            return min(bw, cpu.socket_bw_gbs) if cpu.socket_bw_gbs is not None else bw
+        core = per_core.get(name)
+        if core is not None:
+            bound = cpu.socket_bound_gbs
+            assert bound is not None  # read_profile refuses a per-core rate without a bound
+            return min(cpu.cores_used * core, bound)
+    raise UserError(
+        f"the profile's CPU ({cpu.name}) states no weight stream for {family} kernels: set "
+        f"cpu.core_stream_gbs.{family} (GB/s per core) or a measured all-core "
+        f"cpu.stream_gbs.{family} (docs/hardware-profiles.md, [cpu])"
+    )
 
 
 def gpu_kernel_efficiency(dtype: str) -> float:
@@ -155,7 +203,7 @@ class CostModel:
     hw: HardwareProfile
     model: ModelShape
     #: the runtime's CPU kernels (``RuntimeProfile.cpu_kernels``): ``ggml`` streams CPU weights
-    #: by ggml's rule (:meth:`cpu_stream_gbs`), ``default`` at ``cpu.mem_bw_gbs``
+    #: in ggml's kernel family (:meth:`cpu_stream_gbs`), ``default`` in PyTorch's
     cpu_kernels: str = "default"
     #: device-visible µs of one kernel node in a CUDA-graph replay (``RuntimeProfile.
     #: graph_kernel_us``) when the run's one-token steps are replayed as graphs; 0: every
@@ -345,9 +393,11 @@ class CostModel:
         ``fused_moe_call_us`` it is that figure (docs/cost-model.md, "Fused MoE at one
         token"); otherwise ``FUSED_MOE_KERNELS`` launches, each a graph node
         (:meth:`kernel_s` of one token) in a graph-replayed run. The engines add this one
-        figure to every step, the prompt pass too (docs/cost-model.md, "CUDA-graph decode")."""
+        figure to every step, the prompt pass too (docs/cost-model.md, "CUDA-graph decode").
+        An FP8 call adds its activation quantisation (``FUSED_MOE_FORMAT_EXTRA_US``)."""
         if self.graph_kernel_us > 0.0 and self.fused_moe_call_us > 0.0:
-            return self.fused_moe_call_us * 1e-6
+            extra = FUSED_MOE_FORMAT_EXTRA_US.get(self.model.dtype, 0.0)
+            return (self.fused_moe_call_us + extra) * 1e-6
         return FUSED_MOE_KERNELS * self.kernel_s(1)
 
     # --- CPU -------------------------------------------------------------------------------------
@@ -372,33 +422,15 @@ class CostModel:
             return amx
         return self.cpu_peak_gflops(dtype)
 
-    def _ggml_stream(self, dtype: str) -> bool:
-        """True when weights at ``dtype`` stream at ggml's rate: a ggml runtime, a format ggml
-        runs on the CPU and a profile that states its theoretical DRAM bandwidth or a measured
-        ggml stream."""
-        cpu = self.hw.cpu
-        return (
-            self.cpu_kernels == "ggml"
-            and (cpu.dram_gbs is not None or cpu.ggml_stream_gbs is not None)
-            and (dtype in GGML_CPU_DTYPES or DTYPES[dtype].kind in GGML_CPU_KINDS)
-        )
+    def cpu_stream_family(self, dtype: str) -> str:
+        """The CPU kernel family that streams weights at ``dtype`` under this run's runtime."""
+        return cpu_stream_family(self.cpu_kernels, dtype)
 
     def cpu_stream_gbs(self, dtype: str) -> float:
-        """GB/s at which the host CPU's kernels stream weights stored at ``dtype``: ggml's rule,
-        ``GGML_STREAM_FRACTION x cpu.dram_gbs``, or the host's measured ``cpu.ggml_stream_gbs``
-        where the profile has one (at most ``cpu.socket_bw_gbs``), for the formats ggml runs under
-        a ggml runtime; else ``cpu.mem_bw_gbs`` (the 0.40 rule)."""
-        cpu = self.hw.cpu
-        if self._ggml_stream(dtype):
-            if cpu.ggml_stream_gbs is not None:
-                # a measurement on this host overrides the rule read off another one
-                bw = cpu.ggml_stream_gbs
-            else:
-                assert cpu.dram_gbs is not None
-                bw = GGML_STREAM_FRACTION * cpu.dram_gbs
-            # one ggml call uses every thread: it cannot beat the socket's all-core stream
-            return min(bw, cpu.socket_bw_gbs) if cpu.socket_bw_gbs is not None else bw
-        return cpu.mem_bw_gbs
+        """GB/s at which the host CPU's kernels stream weights stored at ``dtype``: the family's
+        measured all-core stream where the profile has one, else ``min(cores_used x per-core
+        stream, the socket's bound)`` (:func:`cpu_family_stream_gbs`)."""
+        return cpu_family_stream_gbs(self.hw.cpu, self.cpu_stream_family(dtype))
 
     def cpu_expert_s(self, n_tokens: int) -> float:
         """Seconds for one expert on the CPU for n tokens: one batched call (roofline, anchored)."""
@@ -889,20 +921,33 @@ class CostModel:
         """Host memory the non-expert weights take (the loader keeps them there)."""
         return self.model.non_expert_bytes()
 
+    def _cpu_stream_source(self, dtype: str) -> str:
+        """Which profile fields give the CPU weight stream of ``dtype`` (``sources()``)."""
+        cpu = self.hw.cpu
+        fam = self.cpu_stream_family(dtype)
+        names = (fam, CPU_STREAM_FALLBACK[fam]) if fam in CPU_STREAM_FALLBACK else (fam,)
+        cap = " (at most cpu.socket_bw_gbs)" if cpu.socket_bw_gbs is not None else ""
+        for name in names:
+            if name in dict(cpu.stream_gbs):
+                return f"cpu.stream_gbs.{name} (measured){cap}"
+            if name == "ggml" and cpu.ggml_stream_gbs is not None:
+                return f"cpu.ggml_stream_gbs (measured){cap}"
+            if name != "ggml" and cpu.mem_bw_gbs is not None:
+                return f"cpu.mem_bw_gbs (measured){cap}"
+            if name in dict(cpu.core_stream_gbs):
+                bound = (
+                    "cpu.socket_bw_gbs"
+                    if cpu.socket_bw_gbs is not None
+                    else ("cpu.dram_gbs x cpu.dram_efficiency")
+                )
+                return f"min(cpu.cores_used x cpu.core_stream_gbs.{name}, {bound})"
+        return f"(no cpu stream for {fam})"
+
     def sources(self) -> dict[str, str]:
         """For each cost, the formula or measured constant that produced it."""
         m = self.measured
         peak_key = "fp32" if self.model.host_precision == "fp32" else "bf16"
-        ggml = self._ggml_stream(self.model.host_precision)
-        stream_key = (
-            (
-                "ggml_stream_gbs (measured ggml)"
-                if self.hw.cpu.ggml_stream_gbs is not None
-                else f"dram_gbs x {GGML_STREAM_FRACTION:.3f} (ggml)"
-            )
-            if ggml
-            else "mem_bw_gbs"
-        )
+        stream_key = self._cpu_stream_source(self.model.host_precision)
         # with a host/GPU precision split, copies and the CPU use the host copy's size
         host_b = "host_expert_bytes" if self.split_precision else "expert_bytes"
         conv = " + conversion on the GPU" if self.split_precision else ""
@@ -913,7 +958,7 @@ class CostModel:
             if m is not None
             else (
                 f"{self.cpu_call_us:g} us per call (runtime cpu_expert_call_us) + "
-                f"roofline: max({host_b} / cpu.{stream_key}, "
+                f"roofline: max({host_b} / {stream_key}, "
                 f"2 x params x n / cpu.{peak_key}_gflops)"
             )
         )

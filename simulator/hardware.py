@@ -72,17 +72,42 @@ class LinkSpec:
         return self.kind == "unified"
 
 
+#: CPU kernel families whose weight stream a profile states (``[cpu.core_stream_gbs]``,
+#: ``[cpu.stream_gbs]``): PyTorch's eager CPU kernels at each weight precision, and ggml's
+#: (llama.cpp and the systems built on it), which stream every format they run alike
+#: (docs/cost-model.md, "CPU weight stream").
+CPU_STREAM_FAMILIES = ("torch_fp32", "torch_bf16", "torch_fp16", "torch_int8", "ggml")
+#: A family a profile does not state takes this one's value (documented assumptions:
+#: PyTorch dequantises or converts other precisions into bf16-like passes; ggml has its own).
+CPU_STREAM_FALLBACK = {
+    "torch_fp32": "torch_bf16",
+    "torch_fp16": "torch_bf16",
+    "torch_int8": "torch_bf16",
+}
+
+
 @dataclass(frozen=True)
 class CpuSpec:
-    """The host CPU as the expert kernels see it (achieved, not peak, figures)."""
+    """The host CPU as the expert kernels see it (achieved, not peak, figures).
+
+    The weight stream of a kernel family ``f`` is, in this order of precedence (docs/cost-model.md,
+    "CPU weight stream"): ``stream_gbs[f]`` (measured on all ``cores_used`` cores); the legacy
+    measured overrides ``ggml_stream_gbs`` (ggml) and ``mem_bw_gbs`` (every PyTorch family); else
+    ``min(cores_used x core_stream_gbs[f], socket bound)`` with the socket bound
+    ``socket_bw_gbs`` (measured) or ``dram_gbs x dram_efficiency``. The arithmetic is
+    ``daopsim.simulator.costs.cpu_family_stream_gbs``.
+    """
 
     name: str
     cores_used: int
-    mem_bw_gbs: float  # achieved by an expert kernel streaming weights, GB/s
     bf16_gflops: float  # achieved BF16 GEMM throughput over cores_used, GFLOPS
     fp32_gflops: float  # achieved FP32 GEMM throughput over cores_used, GFLOPS
-    #: DRAM bandwidth all of the CPU's threads together can stream, GB/s (None: ``mem_bw_gbs``,
-    #: i.e. one expert call already takes all the socket gives; docs/cost-model.md)
+    #: measured all-core weight stream of PyTorch's expert kernels, GB/s (None: not measured;
+    #: the mechanism of ``core_stream_gbs`` applies)
+    mem_bw_gbs: float | None = None
+    #: DRAM bandwidth all of the CPU's threads together can stream (an all-core STREAM-like
+    #: measurement), GB/s; None: ``dram_gbs x dram_efficiency`` bounds a stream, and concurrent
+    #: CPU experts share the one call's stream (docs/cost-model.md, "Shared host CPU")
     socket_bw_gbs: float | None = None
     #: installed host memory, GB (decimal); None: not stated, so host memory is not modelled
     #: unless ``--host-memory-gb`` gives a budget (docs/serving.md, "An SSD tier")
@@ -90,20 +115,34 @@ class CpuSpec:
     #: achieved BF16 GEMM throughput of Intel AMX tile kernels over cores_used, GFLOPS (None: no
     #: AMX); CPU experts in AMX formats use it as their compute roof (docs/cost-model.md)
     amx_bf16_gflops: float | None = None
-    #: theoretical DRAM bandwidth of one socket (channels x MT/s x 8 B), GB/s (None: not
-    #: stated). ggml's CPU kernels (llama.cpp-family runtimes) stream weights at a fixed share of
-    #: it, ``daopsim.simulator.costs.GGML_STREAM_FRACTION`` (docs/cost-model.md, "Kernel
-    #: efficiency")
+    #: theoretical DRAM bandwidth of one socket (channels x MT/s x 8 B), GB/s (None: not stated)
     dram_gbs: float | None = None
+    #: share of ``dram_gbs`` an all-core read stream reaches on this platform (None: not stated)
+    dram_efficiency: float | None = None
+    #: GB/s ONE core streams weights at, per kernel family (``CPU_STREAM_FAMILIES``), as sorted
+    #: (family, GB/s) pairs
+    core_stream_gbs: tuple[tuple[str, float], ...] = ()
+    #: measured all-core weight stream per kernel family, as sorted (family, GB/s) pairs
+    stream_gbs: tuple[tuple[str, float], ...] = ()
     #: ggml's weight stream measured on this host (a llama.cpp CPU-only token-generation figure:
-    #: weight bytes read per token x tokens/s), GB/s (None: not measured). Where given it replaces
-    #: the ggml rule's ``GGML_STREAM_FRACTION x dram_gbs`` (docs/cost-model.md, "Kernel efficiency")
+    #: weight bytes read per token x tokens/s), GB/s (None: not measured); a legacy spelling of
+    #: ``stream_gbs.ggml``
     ggml_stream_gbs: float | None = None
     #: ggml's achieved matrix-multiply rate for its block formats measured on this host (a
     #: llama.cpp-family CPU prompt-processing figure: FLOPs per token x tokens/s), GFLOPS (None:
     #: not measured). Where given, CPU work on GGUF/MX weights under a ggml runtime takes it as
     #: its compute roof instead of ``bf16_gflops`` (docs/cost-model.md, "Kernel efficiency")
     ggml_gemm_gflops: float | None = None
+
+    @property
+    def socket_bound_gbs(self) -> float | None:
+        """What the socket's DRAM gives all cores together: the measured ``socket_bw_gbs``, else
+        ``dram_gbs x dram_efficiency`` (None when neither is stated)."""
+        if self.socket_bw_gbs is not None:
+            return self.socket_bw_gbs
+        if self.dram_gbs is not None and self.dram_efficiency is not None:
+            return self.dram_gbs * self.dram_efficiency
+        return None
 
 
 @dataclass(frozen=True)
@@ -304,6 +343,9 @@ _CPU: _Schema = {
     "name": "str",
     "cores_used": "int+",
     "mem_bw_gbs": "pos",
+    "dram_efficiency": "frac",
+    "core_stream_gbs": "streams",
+    "stream_gbs": "streams",
     "bf16_gflops": "pos",
     "fp32_gflops": "pos",
     "socket_bw_gbs": "pos",
@@ -314,6 +356,10 @@ _CPU: _Schema = {
     "ggml_gemm_gflops": "pos",
 }
 _CPU_OPTIONAL = {
+    "mem_bw_gbs",
+    "dram_efficiency",
+    "core_stream_gbs",
+    "stream_gbs",
     "socket_bw_gbs",
     "memory_gb",
     "amx_bf16_gflops",
@@ -382,6 +428,8 @@ MAX_VALUES: dict[str, float] = {
     "cpu.amx_bf16_gflops": 10_000_000,
     "cpu.dram_gbs": 10_000,
     "cpu.ggml_stream_gbs": 10_000,
+    "cpu.core_stream_gbs": 10_000,
+    "cpu.stream_gbs": 10_000,
     "cpu.ggml_gemm_gflops": 1_000_000,
     "power.gpu_idle_w": 100_000,
     "power.gpu_busy_w": 100_000,
@@ -406,6 +454,8 @@ def _check_range(path: Path, key: str, value: Any) -> None:
     """A number above its key's physical bound (MAX_VALUES) is a ProfileError."""
     parts = key.split(".")
     limit = MAX_VALUES.get(key)
+    if limit is None and len(parts) == 3 and parts[0] == "cpu":
+        limit = MAX_VALUES.get(f"cpu.{parts[1]}")
     if limit is None and parts[0] == "measured":
         limit = MAX_VALUES.get(f"measured.{parts[-1]}")
     if limit is not None and value > limit:
@@ -446,6 +496,25 @@ def _check_value(path: Path, key: str, kind: Any, value: Any) -> Any:
         if not ok:
             raise ProfileError(path, "must be a list of GPU index pairs, e.g. [[0, 1]]", key)
         return tuple(sorted((min(a, b), max(a, b)) for a, b in value))
+    if kind == "streams":
+        if not isinstance(value, dict) or not value:
+            raise ProfileError(
+                path,
+                f"must be a table of kernel family = GB/s ({', '.join(CPU_STREAM_FAMILIES)})",
+                key,
+            )
+        pairs = []
+        for fam, v in value.items():
+            if fam not in CPU_STREAM_FAMILIES:
+                raise ProfileError(
+                    path,
+                    f"unknown kernel family (known: {', '.join(CPU_STREAM_FAMILIES)})",
+                    f"{key}.{fam}",
+                )
+            number = _check_value(path, f"{key}.{fam}", "pos", v)
+            _check_range(path, f"{key}.{fam}", number)
+            pairs.append((fam, number))
+        return tuple(sorted(pairs))
     if kind == "int+":
         if isinstance(value, bool) or not isinstance(value, int):
             raise ProfileError(path, f"must be an integer; got {type(value).__name__}", key)
@@ -519,12 +588,7 @@ def parse_profile(data: dict[str, Any], path: str | os.PathLike[str]) -> Hardwar
         )
     link = LinkSpec(**_section(p, data["link"], _LINK, "link.", _LINK_OPTIONAL))
     cpu = CpuSpec(**_section(p, data["cpu"], _CPU, "cpu.", _CPU_OPTIONAL))
-    # an achieved stream cannot beat the DRAM's theoretical bandwidth
-    if cpu.dram_gbs is not None:
-        for key in ("mem_bw_gbs", "socket_bw_gbs", "ggml_stream_gbs"):
-            got = getattr(cpu, key)
-            if got is not None and got > cpu.dram_gbs:
-                raise ProfileError(p, "must not exceed cpu.dram_gbs (theoretical)", f"cpu.{key}")
+    _check_cpu_stream(p, cpu)
     power = (
         PowerSpec(**_section(p, data["power"], _POWER, "power.", _POWER_OPTIONAL))
         if "power" in data
@@ -566,6 +630,39 @@ def parse_profile(data: dict[str, Any], path: str | os.PathLike[str]) -> Hardwar
         ssd=ssd,
         multi=multi,
     )
+
+
+def _check_cpu_stream(p: Path, cpu: CpuSpec) -> None:
+    """The CPU's weight-stream fields are consistent: no achieved stream above the DRAM's
+    theoretical bandwidth, a per-core rate only with a socket bound to cap it, and a PyTorch
+    stream (``torch_bf16``: measured, or per core) for the CPU experts every runtime may run."""
+    if cpu.dram_gbs is not None:
+        for key in ("mem_bw_gbs", "socket_bw_gbs", "ggml_stream_gbs"):
+            got = getattr(cpu, key)
+            if got is not None and got > cpu.dram_gbs:
+                raise ProfileError(p, "must not exceed cpu.dram_gbs (theoretical)", f"cpu.{key}")
+        for fam, got in cpu.stream_gbs:
+            if got > cpu.dram_gbs:
+                raise ProfileError(
+                    p, "must not exceed cpu.dram_gbs (theoretical)", f"cpu.stream_gbs.{fam}"
+                )
+    if cpu.dram_efficiency is not None and cpu.dram_gbs is None:
+        raise ProfileError(p, "needs cpu.dram_gbs (it is a share of it)", "cpu.dram_efficiency")
+    if cpu.core_stream_gbs and cpu.socket_bound_gbs is None:
+        raise ProfileError(
+            p,
+            "a per-core stream needs the socket's bound: cpu.dram_gbs with cpu.dram_efficiency, "
+            "or cpu.socket_bw_gbs",
+            "cpu.core_stream_gbs",
+        )
+    families = dict(cpu.core_stream_gbs) | dict(cpu.stream_gbs)
+    if cpu.mem_bw_gbs is None and "torch_bf16" not in families:
+        raise ProfileError(
+            p,
+            "missing: give cpu.core_stream_gbs.torch_bf16 (GB/s per core, with cpu.dram_gbs and "
+            "cpu.dram_efficiency) or a measured cpu.mem_bw_gbs",
+            "cpu.core_stream_gbs.torch_bf16",
+        )
 
 
 def _multi(p: Path, data: dict[str, Any]) -> MultiGpuSpec | None:
@@ -662,8 +759,16 @@ def _resolved(p: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     for key, value in data.items():
         old = merged.get(key)
         if isinstance(old, dict) and isinstance(value, dict):
-            # one level deep: for [measured], a child's model table replaces the base's whole
-            merged[key] = {**old, **value}
+            # one level deep: for [measured], a child's model table replaces the base's whole;
+            # the CPU's stream tables ([cpu.core_stream_gbs], [cpu.stream_gbs]) merge family by
+            # family, so a child can restate one kernel family
+            both = {**old, **value}
+            if key == "cpu":
+                for sub in ("core_stream_gbs", "stream_gbs"):
+                    a, b = old.get(sub), value.get(sub)
+                    if isinstance(a, dict) and isinstance(b, dict):
+                        both[sub] = {**a, **b}
+            merged[key] = both
         else:
             merged[key] = value
     return merged

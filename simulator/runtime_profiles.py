@@ -85,9 +85,9 @@ STREAM_EFFICIENCY_MEANING = (
 )
 #: values of a profile's ``attention`` field
 ATTENTION_KINDS = ("fused", "eager")
-#: CPU kernel families a runtime can declare (``cpu_kernels``): ``default`` (the 0.40 rule's
-#: streaming rate, read off PyTorch's CPU experts) or ``ggml`` (llama.cpp's CPU backend, whose
-#: weight stream follows ggml's own rule; docs/cost-model.md, "Kernel efficiency")
+#: CPU kernels a runtime can declare (``cpu_kernels``): ``default`` (PyTorch's eager CPU
+#: kernels, the ``torch_*`` stream families of a profile) or ``ggml`` (ggml's CPU backend:
+#: llama.cpp and the systems built on it; docs/cost-model.md, "CPU weight stream")
 CPU_KERNELS = ("default", "ggml")
 
 

@@ -61,6 +61,10 @@ HIGHER_IS_BETTER = frozenset({"tokens/s", "hit rate", "ratio", "tokens/kJ"})
 SETTINGS = ("published", "assumed")
 #: Row kinds: one published number, or a ranking of systems measured together.
 KINDS = ("measurement", "ranking")
+#: What a published value bounds (``bound``): ``lower`` for a source's "> x" (the true value is
+#: at least x), ``upper`` for "< x". A bound row passes when the simulated value lies on the
+#: stated side; it has no point error (docs/validation.md, "Bound rows").
+BOUNDS = ("lower", "upper")
 #: What a ``tokens/kJ`` row's energy covers (``energy``), and the run metric that measures it.
 ENERGY_METRICS = {
     "wall": "tokens_per_kj_wall",
@@ -164,6 +168,16 @@ class Row:
     assumed: tuple[str, ...] = ()
     energy: str = ""
     members: list[Member] = field(default_factory=list)
+    #: "lower" / "upper" when the published value is a bound, not a point ("" for a point)
+    bound: str = ""
+    #: why the row is kept in the table but never run (its published figure is wrong, e.g.
+    #: physically impossible for the stated setting); "" for a live row
+    retired: str = ""
+
+    @property
+    def is_bound(self) -> bool:
+        """True when the published value is a lower or upper bound, not a point."""
+        return bool(self.bound)
 
     @property
     def is_ratio(self) -> bool:
@@ -246,12 +260,27 @@ class RowResult:
         }
 
     @property
-    def rel_error(self) -> float | None:
-        """(simulated - published) / published."""
+    def signed_gap(self) -> float | None:
+        """(simulated - published) / published, for a point and a bound row alike."""
         pub = self.row.published
         if self.simulated is None or pub is None or pub == 0 or not math.isfinite(self.simulated):
             return None
         return (self.simulated - pub) / pub
+
+    @property
+    def rel_error(self) -> float | None:
+        """(simulated - published) / published; None for a bound row, which has no point error
+        (its :attr:`bound_ok` says whether it holds)."""
+        return None if self.row.is_bound else self.signed_gap
+
+    @property
+    def bound_ok(self) -> bool | None:
+        """A bound row's verdict: the simulated value lies on the published side of the bound
+        (at least a lower bound, at most an upper one); None for a point row or no value."""
+        gap = self.signed_gap
+        if not self.row.is_bound or gap is None:
+            return None
+        return gap >= 0 if self.row.bound == "lower" else gap <= 0
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form of one row."""
@@ -289,6 +318,10 @@ class RowResult:
             "spread": list(self.spread) if self.spread else None,
             "per_seed": list(self.per_seed) or None,
             "rel_error": self.rel_error,
+            "bound": r.bound or None,
+            "bound_ok": self.bound_ok,
+            "bound_gap": self.signed_gap if r.is_bound else None,
+            "retired": r.retired or None,
             "role": r.role,
             "kind": r.kind,
             "setting": r.setting or None,
@@ -323,8 +356,26 @@ class Report:
         return [r for r in self.results if r.row.role == role and not r.row.is_ranking]
 
     def summary(self, role: str = "test") -> dict[str, Any]:
-        """Count, median and worst absolute error and ids of the rows of one role that ran."""
+        """Count, median and worst absolute error and ids of the point rows of one role that
+        ran (bound rows apart: :meth:`bound_summary`)."""
         return _summary(self.by_role(role))
+
+    def bound_summary(self, role: str = "test") -> dict[str, Any]:
+        """The bound rows of one role that ran: how many, how many hold, and each failing row's
+        gap to its bound ((simulated - bound) / bound)."""
+        rows = [r for r in self.by_role(role) if r.row.is_bound and r.bound_ok is not None]
+        failing = {r.row.id: r.signed_gap for r in rows if not r.bound_ok}
+        return {
+            "rows": len(rows),
+            "hold": len(rows) - len(failing),
+            "ids": [r.row.id for r in rows],
+            "failing": failing,
+        }
+
+    @property
+    def retired(self) -> list[RowResult]:
+        """Rows kept in the table with the reason they are not run (wrong ground truth)."""
+        return [r for r in self.results if r.row.retired]
 
     def published_setting_summary(self) -> dict[str, Any]:
         """The error summary over the test rows whose source states every input
@@ -371,8 +422,8 @@ class Report:
 
     @property
     def not_modelled(self) -> list[RowResult]:
-        """Rows without a result (not modelled yet, or failed to run)."""
-        return [r for r in self.results if not r.ran]
+        """Rows without a result (not modelled yet, or failed to run); retired rows apart."""
+        return [r for r in self.results if not r.ran and not r.row.retired]
 
     def worst(self, n: int = 3, role: str = "test") -> list[RowResult]:
         """The n rows of a role furthest off."""
@@ -390,6 +441,7 @@ class Report:
             "modelled_rows": test["modelled"],
             "test_rows": test,
             "published_setting_rows": self.published_setting_summary(),
+            "bound_rows": self.bound_summary("test"),
             "calibration_rows": self.summary("calibration"),
             "ranking_agreement": ranks["agreement"],
             "rankings": ranks,
@@ -397,6 +449,7 @@ class Report:
             "not_modelled": [
                 {"id": r.row.id, "reason": r.row.reason or r.error} for r in self.not_modelled
             ],
+            "retired": [{"id": r.row.id, "reason": r.row.retired} for r in self.retired],
         }
 
 
@@ -447,6 +500,16 @@ def _parse_row(raw: Any, i: int, path: Path) -> Row:
     modelled = raw.get("modelled", True)
     if not isinstance(modelled, bool):
         raise UserError(f"{where}: 'modelled' must be true or false")
+    retired = raw.get("retired", "")
+    if not isinstance(retired, str) or ("retired" in raw and not retired.strip()):
+        raise UserError(f"{where}: 'retired' must say why the row is retired")
+    if retired and modelled and "modelled" in raw:
+        raise UserError(f"{where}: a retired row is not run: drop 'modelled'")
+    bound = raw.get("bound", "")
+    if bound and bound not in BOUNDS:
+        raise UserError(f"{where}: bound {bound!r} is not one of {', '.join(BOUNDS)}")
+    if bound and kind == "ranking":
+        raise UserError(f"{where}: a ranking row has no bound of its own")
     reason = str(raw.get("reason", ""))
     if not modelled and not reason.strip():
         raise UserError(f"{where}: a row with modelled = false needs a 'reason'")
@@ -454,6 +517,8 @@ def _parse_row(raw: Any, i: int, path: Path) -> Row:
         return _parse_ranking(raw, where, calibrated, modelled, reason)
     pub = raw.get("published")
     published = None if pub is None else _num(pub, f"{where}: 'published'")
+    if retired:
+        modelled = False  # kept for the record, never run
     if modelled and published is None:
         raise UserError(f"{where}: missing 'published'")
     rng = raw.get("published_range")
@@ -484,6 +549,8 @@ def _parse_row(raw: Any, i: int, path: Path) -> Row:
     setting, assumed = _parse_setting(raw, where)
     return Row(
         **_described(raw),
+        bound=str(bound),
+        retired=retired.strip(),
         published=published,
         metric=str(metric),
         modelled=modelled,
@@ -882,9 +949,11 @@ def table_rows(report: Report) -> list[list[str]]:
     id, role, setting, published, simulated, unit, relative error, source."""
     out = []
     for r in report.results:
-        if r.row.is_ranking:
+        if r.row.is_ranking or r.row.retired:
             continue
         pub = _fmt(r.row.published, r.row.unit)
+        if r.row.is_bound:
+            pub = (">" if r.row.bound == "lower" else "<") + " " + pub
         if r.row.published_range:
             lo, hi = r.row.published_range
             pub += f" ({_fmt(lo, r.row.unit)}-{_fmt(hi, r.row.unit)})"
@@ -896,11 +965,21 @@ def table_rows(report: Report) -> list[list[str]]:
                 pub,
                 _simulated_text(r),
                 r.row.unit,
-                _pct(r.rel_error),
+                _error_text(r),
                 r.row.source,
             ]
         )
     return out
+
+
+def _error_text(r: RowResult) -> str:
+    """A point row's signed error; a bound row's verdict (and its gap when it fails)."""
+    if not r.row.is_bound:
+        return _pct(r.rel_error)
+    if r.bound_ok is None:
+        return "-"
+    side = "above" if r.row.bound == "lower" else "below"
+    return f"bound holds ({side})" if r.bound_ok else f"bound fails ({_pct(r.signed_gap)})"
 
 
 #: Columns of the ranking table.
@@ -958,6 +1037,14 @@ def _published_line(report: Report) -> str:
     )
 
 
+def _bound_line(report: Report) -> str:
+    summ = report.bound_summary()
+    failing = ", ".join(f"{k} ({_pct(v)})" for k, v in summ["failing"].items())
+    return f"bound rows (test): {summ['hold']} of {summ['rows']} hold" + (
+        f"; failing: {failing}" if failing else ""
+    )
+
+
 def _ranking_line(report: Report) -> str:
     summ = report.ranking_summary()
     pub = report.ranking_summary("test", "published")
@@ -976,6 +1063,7 @@ def summary_lines(report: Report) -> list[str]:
     lines = [
         _summary_line(report, "test"),
         _published_line(report),
+        _bound_line(report),
         _summary_line(report, "calibration"),
     ]
     if report.rankings():
@@ -989,6 +1077,10 @@ def summary_lines(report: Report) -> list[str]:
         lines.append(f"not modelled ({len(report.not_modelled)}):")
         for r in report.not_modelled:
             lines.append(f"  {r.row.id}: {r.row.reason or r.error}")
+    if report.retired:
+        lines.append(f"retired ({len(report.retired)}):")
+        for r in report.retired:
+            lines.append(f"  {r.row.id}: {r.row.retired}")
     return lines
 
 
@@ -1016,6 +1108,12 @@ def to_markdown(report: Report) -> str:
         f"\nCalibration rows (in-sample, not part of the reported error): {cal['modelled']} "
         f"modelled. Median absolute error {_err_text(cal)[0]}, worst {_err_text(cal)[1]}.\n"
     )
+    bounds = report.bound_summary()
+    if bounds["rows"]:
+        out += (
+            f'\nBound rows (a published "> x" or "< x", no point error): {bounds["hold"]} '
+            f"of {bounds['rows']} hold.\n"
+        )
     if report.rankings() or report.rankings("calibration"):
         out += "\nRankings (pairs ordered as published; ratio error of each member's ratio to "
         out += "the first member):\n\n"
@@ -1042,6 +1140,11 @@ def to_markdown(report: Report) -> str:
         out += "\nNot modelled yet:\n\n" + "".join(
             f"- `{r.row.id}`: {r.row.reason or r.error}\n" for r in nm
         )
+    if report.retired:
+        out += "\nRetired (kept for the record, never run):\n\n" + "".join(
+            f"- `{r.row.id}` ({_fmt(r.row.published, r.row.unit)} {r.row.unit}): {r.row.retired}\n"
+            for r in report.retired
+        )
     return out
 
 
@@ -1061,6 +1164,9 @@ def to_csv(report: Report) -> str:
         "source",
         "kind",
         "setting",
+        "bound",
+        "bound_ok",
+        "retired",
     ]
     w.writerow(cols)
     for r in report.results:

@@ -15,7 +15,7 @@ import pytest
 from daopsim.policies.base import Policy
 from daopsim.policies.registry import get_policy_class
 from daopsim.simulator.core.loop import Engine
-from daopsim.simulator.costs import cost_model
+from daopsim.simulator.costs import cost_model, cpu_family_stream_gbs
 from daopsim.simulator.data import resolve_trace
 from daopsim.simulator.hardware import HardwareProfile, load_profile
 from daopsim.simulator.hosttier import HostTierConfig
@@ -147,16 +147,14 @@ def wide_socket(name: str, factor: float = 1.7) -> HardwareProfile:
     """A bundled profile whose socket streams ``factor`` x what one CPU call takes (partial
     shares: concurrent calls overlap before they slow each other down)."""
     hw = load_profile(name)
-    return dataclasses.replace(
-        hw, cpu=dataclasses.replace(hw.cpu, socket_bw_gbs=hw.cpu.mem_bw_gbs * factor)
-    )
+    stream = cpu_family_stream_gbs(hw.cpu, "torch_bf16")
+    return dataclasses.replace(hw, cpu=dataclasses.replace(hw.cpu, socket_bw_gbs=stream * factor))
 
 
 def slow_cpu(hw: HardwareProfile, factor: float = 50.0) -> HardwareProfile:
     """``hw`` with a CPU ``factor`` times slower, so calls overlap copies and kernels."""
-    return dataclasses.replace(
-        hw, cpu=dataclasses.replace(hw.cpu, mem_bw_gbs=hw.cpu.mem_bw_gbs / factor)
-    )
+    stream = cpu_family_stream_gbs(hw.cpu, "torch_bf16")
+    return dataclasses.replace(hw, cpu=dataclasses.replace(hw.cpu, mem_bw_gbs=stream / factor))
 
 
 def chaos(

@@ -41,6 +41,27 @@ def test_the_constants_reproduce_the_benchmark_moe_measurements(
     assert _layer_us(_card(spec_gbs)) == pytest.approx(measured_us, rel=0.01)
 
 
+def _h100_sxm():
+    hw = load_profile("h100-sxm5")
+    return dataclasses.replace(hw, gpu=dataclasses.replace(hw.gpu, mem_bw_gbs=3350.0))
+
+
+def test_fp8_calls_reproduce_the_fp8_benchmark_moe_measurement() -> None:
+    """vLLM PR #24700: Qwen3-30B-A3B's fused MoE in fp8_w8a8 at batch 1 on an H100 SXM takes
+    44.54 us; the bf16-derived rule leaves 1.7 us for the FP8 call's activation quantisation."""
+    fp8 = QWEN3.with_precision("fp8", "fp8", "fp8")
+    assert _h100_sxm().gpu.spec_bw_gbs == 3350.0
+    assert _layer_us(_h100_sxm(), fp8) == pytest.approx(44.54, rel=0.005)
+    # without the FP8 term the rule is 1.7 us short, a bf16 call gets no extra time
+    from daopsim.simulator import costs
+
+    assert costs.FUSED_MOE_FORMAT_EXTRA_US == {"fp8": 1.7}
+    bf16 = runtime_cost_model(_h100_sxm(), QWEN3, get_runtime("cuda-graph"), graph=True)
+    assert bf16.fused_moe_layer_s() == pytest.approx(
+        get_runtime("cuda-graph").fused_moe_call_us * US
+    )
+
+
 def test_the_fixed_part_does_not_halve_with_the_weight_bytes() -> None:
     # FP8 halves the experts' bytes; the call's fixed part stays, so the layer takes well over
     # half the bf16 time (the Qwen3 H20 page: 6.43 ms per FP8 token against 7.29 in bf16)

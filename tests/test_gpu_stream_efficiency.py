@@ -38,13 +38,18 @@ def _costs(c, n: int, ctx: int) -> list[float]:  # type: ignore[no-untyped-def]
 
 
 def test_only_graph_replaying_runtimes_set_an_efficiency() -> None:
-    """Every bundled runtime but llama.cpp and cuda-graph (vLLM/SGLang, issue 30) keeps 1.0: the
-    two efficiencies were derived with graph-node launch costs, and they are the runtimes whose
-    one-token steps replay CUDA graphs (docs/cost-model.md, "GPU stream efficiency")."""
+    """Every bundled runtime but llama.cpp and cuda-graph (vLLM/SGLang) keeps 1.0: the two
+    efficiencies were derived with graph-node launch costs, and they are the runtimes whose
+    one-token steps replay CUDA graphs (docs/cost-model.md, "GPU stream efficiency").
+    llama.cpp-eager runs llama.cpp's kernels without graphs: it keeps their efficiency."""
     for name in runtime_names():
         rt = get_runtime(name)
         assert 0.0 < rt.gpu_stream_efficiency <= 1.0
-        if name not in ("llama.cpp", "cuda-graph"):
+        if name == "llama.cpp-eager":
+            eager, graphed = rt, get_runtime("llama.cpp")
+            assert eager.gpu_stream_efficiency == graphed.gpu_stream_efficiency
+            assert eager.graph_kernel_us == 0 and not eager.replays_graphs
+        elif name not in ("llama.cpp", "cuda-graph"):
             assert rt.gpu_stream_efficiency == 1.0, name
         else:
             assert rt.gpu_stream_efficiency < 1.0 and rt.graph_kernel_us > 0, name

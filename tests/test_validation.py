@@ -44,7 +44,7 @@ def test_table_parses_and_rows_are_complete() -> None:
             assert r.metric
             assert (r.unit == "ratio") == (r.baseline is not None)
         else:
-            assert r.reason.strip(), r.id
+            assert (r.reason or r.retired).strip(), r.id
     assert sum(r.modelled for r in rows) >= 10
     # every test row says how complete its setting is, and names what it assumed
     for r in rows:
@@ -52,7 +52,7 @@ def test_table_parses_and_rows_are_complete() -> None:
             assert r.setting in ("published", "assumed"), r.id
             assert bool(r.assumed) == (r.setting == "assumed"), r.id
     # some rows stay not modelled (the reporting path is exercised); issue 16 caps them at 4
-    assert 1 <= sum(not r.modelled for r in rows) <= 4
+    assert 1 <= sum(not r.modelled and not r.retired for r in rows) <= 4
 
 
 def test_profiles_and_policies_named_by_rows_exist() -> None:
@@ -454,47 +454,45 @@ def test_a_row_with_serving_keys_runs_batched(
         load_table(table)
 
 
-def test_moe_infinity_rows_follow_the_timing_script_and_cache_rule() -> None:
-    """MoE-Infinity's own A5000 rows use its timing script's protocol (512-token prompts, 32
-    generated) and its cache rule as the code runs it: ``device_memory_ratio`` 0.85 x the GPU's
-    total memory, with no dense bytes subtracted. EfficientMoE/MoE-Infinity cca059c to d617801:
-    ``OffloadEngine``'s ``from_pretrained`` wrapper (moe_infinity/runtime/model_offload.py)
-    builds the ``ExpertDispatcher`` before ``setup_archer_hooks`` calls ``set_topology``, and
-    the dispatcher's constructor (core/parallel/expert_dispatcher.cpp) reads
-    ``GetSparseCacheLimit`` (core/model/model_topology.cpp) once, while the topology is still
-    empty. The rows run that count clipped to what the profile's memory model holds beside the
-    non-expert weights (docs/validation.md, "MoE-Infinity's timing protocol")."""
+def test_moe_infinity_rows_follow_one_readme_revision_and_its_protocol() -> None:
+    """Every MoE-Infinity README row takes its value and its labels from one revision: the
+    current README (00181f1f) for the columns it keeps, d617801 for the Switch-large-128 column
+    it dropped. MoE-Infinity's own rows follow that revision's benchmark protocol
+    (benchmarks/comparison: short prompts, 128 generated tokens, device_memory_ratio 0.75 of the
+    GPU's memory, clipped to what the profile holds beside the dense weights); the legacy
+    baselines assume the same lengths and say so."""
     from daopsim.policies.registry import make_policy
     from daopsim.simulator.costs import cost_model
     from daopsim.simulator.hardware import load_profile
     from daopsim.simulator.models import get_model
     from daopsim.simulator.runner import expert_fit, policy_buffers
 
-    rows = [r for r in load_table() if r.id.startswith("moe-infinity-a5000")]
+    rows = [r for r in load_table() if r.id.startswith("moe-infinity-a5000") and not r.retired]
+    for r in rows:
+        revision = "d617801" if "switch-large" in r.id else "00181f1f"
+        assert f"(commit {revision})" in r.source, r.id
+        if "(v0.8.5)" in r.source or "(0.16.2)" in r.source:
+            assert revision == "00181f1f", r.id  # version labels only with that revision's values
     own = [r for r in rows if r.sim.get("policy") == "moe-infinity"]
     assert {r.id for r in own} == {
         "moe-infinity-a5000-mixtral",
         "moe-infinity-a5000-deepseek-v2-lite",
     }
-    for r in own:
+    for r in rows:
+        if "switch-large" in r.id:
+            continue
         synth = r.sim["synth"]
-        assert (synth["prompt_tokens"], synth["output_tokens"]) == (512, 32), r.id
-        model = get_model(synth["preset"])
+        assert (synth["prompt_tokens"], synth["output_tokens"]) == (32, 128), r.id
+        if r not in own:
+            assert any("legacy baselines" in a for a in r.assumed), r.id
+    for r in own:
+        model = get_model(r.sim["synth"]["preset"])
         hw = load_profile(r.sim["hw"])
-        code = math.floor(0.85 * hw.gpu.memory_gb * 1e9 / model.expert_bytes("bf16"))
-        # the code's cache plus the dense weights it puts beside it fit the card itself
-        assert code * model.expert_bytes("bf16") + model.non_expert_bytes() < hw.gpu.memory_gb * 1e9
+        code = math.floor(0.75 * hw.gpu.memory_gb * 1e9 / model.expert_bytes("bf16"))
         policy = make_policy("moe-infinity", r.sim.get("policy_options"))
-        context = synth["prompt_tokens"] + synth["output_tokens"]
-        fit = expert_fit(cost_model(hw, model), policy_buffers(policy), context)
+        fit = expert_fit(cost_model(hw, model), policy_buffers(policy), 32 + 128)
         assert r.sim["gpu_experts"] == min(code, fit.max_experts), (r.id, code, fit.max_experts)
-        assert f"{r.sim['gpu_experts']} " in r.note, r.id  # the note states the count it runs
-        assert f"{code} " in r.note, r.id  # and the code's count
-    # the rows whose figures came with the script's commits take the same prompt lengths
-    later = [r for r in rows if "interface_example.py" in r.note and "synth" in r.sim]
-    assert len(later) >= 6
-    for r in later:
-        assert (r.sim["synth"]["prompt_tokens"], r.sim["synth"]["output_tokens"]) == (512, 32)
+        assert f"{r.sim['gpu_experts']} " in r.note, r.id
 
 
 def _ranking(members: list[tuple[str, float]], unit: str = "tokens/s") -> Any:
@@ -599,3 +597,88 @@ def test_a_small_ranking_runs_end_to_end(tmp_path: Path) -> None:
     assert doc["ranking_agreement"] == 1.0 and doc["not_modelled"] == []
     text = CliRunner().invoke(main, ["validate", "--table", str(table), "--no-progress"])
     assert text.exit_code == 0 and "rankings (test): 1 of 1 pairs" in text.output
+
+
+# --- bound rows and retired rows (docs/validation.md, "Bound rows", "Retired rows") -------------
+
+
+def test_a_lower_bound_holds_above_and_fails_below_without_a_point_error() -> None:
+    """A "> x" figure is not a point: it holds when the simulation is at least x, it never
+    enters the median or worst point error, and a failing one reports its gap."""
+    from daopsim.simulator.validation import Report, RowResult
+
+    above = RowResult(_row(id="a", bound="lower", published=4.5, setting="published"), 5.0)
+    below = RowResult(_row(id="b", bound="lower", published=4.5, setting="published"), 4.05)
+    point = RowResult(_row(id="p", published=2.0, setting="published"), 2.2)
+    assert above.bound_ok is True and above.rel_error is None
+    assert below.bound_ok is False and below.signed_gap == pytest.approx(-0.1)
+    assert point.bound_ok is None and point.rel_error == pytest.approx(0.1)
+    report = Report([above, below, point])
+    doc = report.to_dict()
+    assert doc["test_rows"]["ids"] == ["p"]  # only the point row has an error
+    assert doc["published_setting_rows"]["ids"] == ["p"]
+    assert doc["max_abs_error"] == pytest.approx(0.1)
+    assert doc["bound_rows"] == {
+        "rows": 2,
+        "hold": 1,
+        "ids": ["a", "b"],
+        "failing": {"b": pytest.approx(-0.1)},
+    }
+    rows = {r["id"]: r for r in doc["rows"]}
+    assert rows["a"]["bound"] == "lower" and rows["a"]["bound_ok"] is True
+    md = to_markdown_of(report)
+    assert "| a | test | published | > 4.5 | 5 | tokens/s | bound holds (above) |" in md
+    assert "bound fails (-10.0 %)" in md and "1 of 2 hold" in md
+
+
+def test_an_upper_bound_holds_below() -> None:
+    from daopsim.simulator.validation import RowResult
+
+    row = _row(bound="upper", unit="s/token", metric="tpot_mean_s", published=0.5)
+    assert RowResult(row, 0.4).bound_ok is True
+    assert RowResult(row, 0.5).bound_ok is True  # on the bound itself
+    assert RowResult(row, 0.6).bound_ok is False
+
+
+def test_the_tables_bound_rows_are_the_sources_greater_than_figures() -> None:
+    """Every bound row of the bundled table quotes its source's '>' (or '<'), and no point row
+    quotes one."""
+    for r in load_table():
+        if r.is_ranking or r.retired:
+            continue
+        marks = (">", "&gt;") if r.bound == "lower" else ("<",)
+        if r.is_bound:
+            assert any(m in r.source for m in marks), r.id
+        else:
+            assert f"'>{r.published:g}" not in r.source, r.id
+
+
+def test_a_retired_row_is_never_run_and_is_listed_with_its_reason(tmp_path: Path) -> None:
+    body = (
+        '[[row]]\nid="old"\nsource="s"\nsystem="s"\nhardware="h"\nmodel="m"\nprecision="p"\n'
+        'workload="w"\nunit="s/token"\npublished=1.25\nmetric="tpot_mean_s"\nrole="test"\n'
+        'setting="assumed"\nassumed=["x"]\nretired="the figure cannot be right"\n'
+        '[row.sim]\npolicy="lru"\nhw="a6000-pcie4"\ntrace="ci-small"\n'
+        '[[row]]\nid="live"\nsource="s"\nsystem="s"\nhardware="h"\nmodel="m"\nprecision="p"\n'
+        'workload="w"\nunit="hit rate"\npublished=0.5\nmetric="hit_rate"\nrole="test"\n'
+        'setting="assumed"\nassumed=["x"]\n'
+        '[row.sim]\npolicy="lru"\nhw="a6000-pcie4"\ntrace="ci-small"\nsequences=1\n'
+        "cache_ratio=0.25\n"
+    )
+    p = tmp_path / "t.toml"
+    p.write_text(body)
+    rows = load_table(p)
+    assert [r.modelled for r in rows] == [False, True]
+    report = run_validation(rows)
+    assert [r.row.id for r in report.retired] == ["old"] and report.not_modelled == []
+    assert report.summary()["ids"] == ["live"]
+    doc = report.to_dict()
+    assert doc["retired"] == [{"id": "old", "reason": "the figure cannot be right"}]
+    assert "`old` (1.25 s/token): the figure cannot be right" in to_markdown_of(report)
+    for bad, needle in (
+        ('retired=""\n', "'retired' must say why"),
+        ('bound="above"\n', "bound 'above'"),
+    ):
+        p.write_text(body.replace('retired="the figure cannot be right"\n', bad))
+        with pytest.raises(UserError, match=needle):
+            load_table(p)
