@@ -38,6 +38,7 @@ _LOWER_IS_FASTER = (
     "expert_syncs",
     "idle_expert_kernels",
     "idle_expert_syncs",
+    "gpu_gemm_half_tokens",
 )
 #: Metrics the bound reports, and whether more is faster.
 _METRICS = {"tokens_per_s": True, "decode_tokens_per_s": True, "tpot_p50_s": False, "e2e_s": False}
@@ -70,7 +71,10 @@ def _never_slower(a: RuntimeProfile, b: RuntimeProfile) -> bool:
     on every field that can slow such a run, and is the same kind of runtime otherwise."""
     if any(getattr(a, f) > getattr(b, f) for f in _LOWER_IS_FASTER):
         return False
-    if a.gpu_stream_efficiency < b.gpu_stream_efficiency:
+    memories = {m for m, _ in a.gpu_stream_efficiency_by_memory + b.gpu_stream_efficiency_by_memory}
+    if any(
+        a.gpu_stream_efficiency_on(m) < b.gpu_stream_efficiency_on(m) for m in (None, *memories)
+    ):
         return False
     if a.attention != b.attention and a.attention != "fused":
         return False

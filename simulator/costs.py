@@ -109,6 +109,11 @@ AMX_MAX_AVX512_TOKENS = 4
 #: types; ggml has no CPU type for fp8, bare int8/int4, AWQ/GPTQ or HQQ, which keep PyTorch's.
 GGML_CPU_KINDS = frozenset({"gguf", "mx"})
 GGML_CPU_DTYPES = frozenset({"fp32", "fp16", "bf16"})
+#: Largest token count ggml's CUDA backend multiplies with its vector kernels (``mul_mat_vec_q``,
+#: ``MMVQ_MAX_BATCH_SIZE`` in ggml-org/llama.cpp ``ggml/src/ggml-cuda/mmvq.cuh``): a product over
+#: more tokens runs as a tiled matrix product (``mul_mat_q``), the runtime's
+#: ``gpu_gemm_half_tokens`` applies to it (docs/cost-model.md, "GEMM at prompt shapes")
+GEMV_MAX_TOKENS = 8
 #: PyTorch's kernel family by weight precision (``CpuSpec.core_stream_gbs`` keys); formats it
 #: dequantises into bf16 passes (fp8, int4, AWQ/GPTQ, HQQ, GGUF without ggml) are ``torch_bf16``.
 TORCH_CPU_FAMILY = {"fp32": "torch_fp32", "fp16": "torch_fp16", "int8": "torch_int8"}
@@ -229,6 +234,14 @@ class CostModel:
     #: share of the spec bandwidth a fused MoE call's grouped GEMMs stream expert weights at
     #: (``RuntimeProfile.fused_moe_stream_efficiency``); 0: ``gpu_stream_efficiency``
     fused_moe_stream_efficiency: float = 0.0
+    #: tokens at which one of the runtime's GPU matrix products over more than
+    #: ``GEMV_MAX_TOKENS`` tokens reaches half of ``gpu.bf16_tflops`` (``RuntimeProfile.
+    #: gpu_gemm_half_tokens``; docs/cost-model.md, "GEMM at prompt shapes"); 0: the full rate
+    gpu_gemm_half_tokens: float = 0.0
+    #: share of ``cpu.ggml_gemm_gflops`` the runtime's CPU matrix products reach, by weight
+    #: precision (``RuntimeProfile.cpu_gemm_share``; docs/cost-model.md, "CPU GEMM by
+    #: runtime"); empty: 1
+    cpu_gemm_share: tuple[tuple[str, float], ...] = ()
 
     # --- sizes -----------------------------------------------------------------------------------
     @cached_property
@@ -312,9 +325,19 @@ class CostModel:
 
     def _gpu_expert_roof(self, n: float) -> float:
         """Roofline of one GPU expert over n tokens: its weights streamed, its GEMM FLOPs."""
-        gpu = self.hw.gpu
         moved = self._gpu_expert_moved(n)
-        return max(moved / self._gpu_expert_bw, self.expert_flops(n) / (gpu.bf16_tflops * 1e12))
+        return max(moved / self._gpu_expert_bw, self.expert_flops(n) / self.gpu_gemm_flops(n))
+
+    def gpu_gemm_flops(self, n_tokens: float) -> float:
+        """FLOP/s of one of the runtime's GPU matrix products over ``n_tokens`` tokens:
+        ``gpu.bf16_tflops``, times ``n / (n + gpu_gemm_half_tokens)`` above ``GEMV_MAX_TOKENS``
+        tokens when the runtime states the half point (a tiled product whose tiles the tokens
+        fill only partly; docs/cost-model.md, "GEMM at prompt shapes")."""
+        peak = self.hw.gpu.bf16_tflops * 1e12
+        half = self.gpu_gemm_half_tokens
+        if half <= 0.0 or n_tokens <= GEMV_MAX_TOKENS:
+            return peak
+        return peak * n_tokens / (n_tokens + half)
 
     def _gpu_stream_bw(self, format_share: float) -> float:
         """Bytes/s GPU work streams at: ``min(gpu.mem_bw_gbs, share x spec)`` with ``share``
@@ -374,7 +397,7 @@ class CostModel:
         if self.fused_moe_stream_efficiency <= 0.0:
             return self._gpu_expert_roof(n_tokens)
         moved = self._gpu_expert_moved(n_tokens)
-        flops = self.expert_flops(n_tokens) / (self.hw.gpu.bf16_tflops * 1e12)
+        flops = self.expert_flops(n_tokens) / self.gpu_gemm_flops(n_tokens)
         return max(moved / self._fused_expert_bw, flops)
 
     @cached_property
@@ -583,11 +606,11 @@ class CostModel:
 
     def _nonexpert_roof(self, n_tokens: int, moved: float, attn_pairs: float) -> float:
         """Roofline of one layer's non-expert part moving ``moved`` bytes, plus launches."""
-        m, gpu = self.model, self.hw.gpu
+        m = self.model
         blocks = m.layers / m.moe_layers  # transformer blocks per MoE layer (dense ones too)
         params = (m.non_expert_params - m.embedding_params) / m.moe_layers
         flops = 2.0 * params * n_tokens + 4.0 * attn_pairs * m.hidden * blocks
-        roof = max(moved / self._nonexpert_bw, flops / (gpu.bf16_tflops * 1e12))
+        roof = max(moved / self._nonexpert_bw, flops / self.gpu_gemm_flops(n_tokens))
         return roof + NONEXPERT_KERNELS_PER_BLOCK * blocks * self.kernel_s(n_tokens)
 
     def nonexpert_batch_layer_s(self, n_tokens: int, kv_tokens: int) -> float:
@@ -747,16 +770,15 @@ class CostModel:
 
     def cpu_peak_gflops(self, dtype: str) -> float:
         """The host CPU's achieved GEMM throughput for weights stored at ``dtype``, GFLOPS:
-        the host's measured ggml rate for ggml's block formats under a ggml runtime
-        (``cpu.ggml_gemm_gflops``, where the profile has one), ``cpu.fp32_gflops`` for fp32,
-        else ``cpu.bf16_gflops``."""
+        under a ggml runtime, for every format ggml runs, the host's measured ggml rate
+        (``cpu.ggml_gemm_gflops``, ik_llama.cpp's repacked kernels, where the profile has one)
+        times the runtime's share for that precision (``cpu_gemm_share``; docs/cost-model.md,
+        "CPU GEMM by runtime"); otherwise ``cpu.fp32_gflops`` for fp32, else
+        ``cpu.bf16_gflops``."""
         cpu = self.hw.cpu
-        if (
-            cpu.ggml_gemm_gflops is not None
-            and self.cpu_kernels == "ggml"
-            and DTYPES[dtype].kind in GGML_CPU_KINDS
-        ):
-            return cpu.ggml_gemm_gflops
+        if cpu.ggml_gemm_gflops is not None and self.cpu_stream_family(dtype) == "ggml":
+            table = dict(self.cpu_gemm_share)
+            return cpu.ggml_gemm_gflops * table.get(dtype, table.get("default", 1.0))
         return cpu.fp32_gflops if dtype == "fp32" else cpu.bf16_gflops
 
     def cpu_layer_weights_h2d_s(self) -> float:
@@ -1075,6 +1097,8 @@ def _cached(
     cpu_layer_us: float,
     fused_moe_call_us: float,
     fused_moe_stream_efficiency: float,
+    gpu_gemm_half_tokens: float,
+    cpu_gemm_share: tuple[tuple[str, float], ...],
 ) -> CostModel:
     return CostModel(
         hw=hw,
@@ -1086,6 +1110,8 @@ def _cached(
         cpu_layer_us=cpu_layer_us,
         fused_moe_call_us=fused_moe_call_us,
         fused_moe_stream_efficiency=fused_moe_stream_efficiency,
+        gpu_gemm_half_tokens=gpu_gemm_half_tokens,
+        cpu_gemm_share=cpu_gemm_share,
     )
 
 
@@ -1099,6 +1125,8 @@ def cost_model(
     cpu_layer_us: float = 0.0,
     fused_moe_call_us: float = 0.0,
     fused_moe_stream_efficiency: float = 0.0,
+    gpu_gemm_half_tokens: float = 0.0,
+    cpu_gemm_share: tuple[tuple[str, float], ...] = (),
 ) -> CostModel:
     """The cost model of a profile (or its name/path) and a model shape (or preset name), with
     the runtime's CPU kernels (``RuntimeProfile.cpu_kernels``), for a run whose one-token
@@ -1106,7 +1134,8 @@ def cost_model(
     efficiency (``RuntimeProfile.gpu_stream_efficiency``), its fixed host time per CPU expert
     call and per CPU-resident layer (``RuntimeProfile.cpu_call_s``/``cpu_layer_s``, µs) and
     its fused MoE call's fixed device time and stream share (``RuntimeProfile.
-    fused_moe_call_us``/``fused_moe_stream_efficiency``); cached."""
+    fused_moe_call_us``/``fused_moe_stream_efficiency``), its GPU GEMM half point
+    (``gpu_gemm_half_tokens``) and its CPU GEMM shares (``cpu_gemm_share``); cached."""
     profile = load_profile(hw) if isinstance(hw, str) else hw
     shape = get_model(model) if isinstance(model, str) else model
     dtype_bytes(shape.dtype)
@@ -1127,6 +1156,14 @@ def cost_model(
     fe = fused_moe_stream_efficiency
     if not math.isfinite(fe) or not 0.0 <= fe <= 1.0:
         raise ValueError(f"fused_moe_stream_efficiency must be in [0, 1], got {fe}")
+    if gpu_gemm_half_tokens < 0 or not math.isfinite(gpu_gemm_half_tokens):
+        raise ValueError(
+            f"gpu_gemm_half_tokens must be a finite number >= 0, got {gpu_gemm_half_tokens}"
+        )
+    shares = tuple(sorted((str(k), float(v)) for k, v in cpu_gemm_share))
+    for k, v in shares:
+        if not math.isfinite(v) or not 0.0 < v <= 1.0:
+            raise ValueError(f"cpu_gemm_share[{k!r}] must be in (0, 1], got {v}")
     return _cached(
         profile,
         shape,
@@ -1137,4 +1174,6 @@ def cost_model(
         float(cpu_layer_us),
         float(fused_moe_call_us),
         float(fe),
+        float(gpu_gemm_half_tokens),
+        shares,
     )

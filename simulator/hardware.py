@@ -39,6 +39,10 @@ class GpuSpec:
     #: it; None: ``mem_bw_gbs`` is the spec figure itself. A runtime's ``gpu_stream_efficiency``
     #: is a share of this figure (docs/cost-model.md, "GPU stream efficiency")
     spec_mem_bw_gbs: float | None = None
+    #: the device memory's technology (``gddr6x``, ``lpddr5x``, ...; None: not stated): a runtime
+    #: calibrated on that memory streams at its own share of the spec bandwidth
+    #: (``RuntimeProfile.gpu_stream_efficiency_by_memory``, docs/cost-model.md)
+    memory_type: str | None = None
 
     @property
     def spec_bw_gbs(self) -> float:
@@ -72,6 +76,8 @@ class LinkSpec:
         return self.kind == "unified"
 
 
+#: GPU memory technologies a profile may name (``gpu.memory_type``)
+MEMORY_TYPES = ("gddr6", "gddr6x", "gddr7", "hbm2", "hbm2e", "hbm3", "hbm3e", "lpddr5", "lpddr5x")
 #: CPU kernel families whose weight stream a profile states (``[cpu.core_stream_gbs]``,
 #: ``[cpu.stream_gbs]``): PyTorch's eager CPU kernels at each weight precision, and ggml's
 #: (llama.cpp and the systems built on it), which stream every format they run alike
@@ -326,8 +332,9 @@ _GPU: _Schema = {
     "launch_overhead_us": "pos",
     "workspace_gb": "pos",
     "spec_mem_bw_gbs": "pos",
+    "memory_type": MEMORY_TYPES,
 }
-_GPU_OPTIONAL = {"spec_mem_bw_gbs"}
+_GPU_OPTIONAL = {"spec_mem_bw_gbs", "memory_type"}
 _LINK: _Schema = {
     "kind": LINK_KINDS,
     "h2d_pinned_gbs": "pos",

@@ -396,18 +396,21 @@ def runtime_cost_model(
     profile: HardwareProfile, model: Any, rt: RuntimeProfile, graph: bool = False
 ) -> CostModel:
     """The run's cost model: the profile and model with the runtime's CPU kernels, GPU stream
-    efficiency, fixed CPU costs and fused-MoE constants, and (``graph``) its CUDA-graph node
-    cost."""
+    efficiency (its calibration for the GPU's memory type where it has one), fixed CPU costs,
+    fused-MoE constants, GEMM rates (GPU half point, CPU shares) and (``graph``) its CUDA-graph
+    node cost."""
     return cost_model(
         profile,
         model,
         rt.cpu_kernels,
         rt.graph_kernel_us if graph else 0.0,
-        rt.gpu_stream_efficiency,
+        rt.gpu_stream_efficiency_on(profile.gpu.memory_type),
         rt.cpu_expert_call_us,
         rt.cpu_layer_us if rt.cpu_kernels == "ggml" else 0.0,
         rt.fused_moe_call_us if rt.fused_moe else 0.0,
         rt.fused_moe_stream_efficiency if rt.fused_moe else 0.0,
+        rt.gpu_gemm_half_tokens,
+        rt.cpu_gemm_share if rt.cpu_kernels == "ggml" else (),
     )
 
 

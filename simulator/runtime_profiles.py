@@ -74,6 +74,13 @@ FIELDS: tuple[tuple[str, type, str], ...] = (
         "share of the GPU's spec bandwidth the fused MoE kernels stream expert weights at, at "
         "most 1 (0: the runtime's gpu_stream_efficiency)",
     ),
+    (
+        "gpu_gemm_half_tokens",
+        float,
+        "tokens at which one of the runtime's GPU matrix products over more than "
+        "GEMV_MAX_TOKENS tokens reaches half of gpu.bf16_tflops: a product over n tokens runs "
+        "at n / (n + this) of it (0: every product at the full rate)",
+    ),
 )
 _NUMERIC = {name: typ for name, typ, _ in FIELDS}
 #: meaning of ``gpu_stream_efficiency`` (a share in (0, 1], default 1: not one of the
@@ -82,6 +89,16 @@ STREAM_EFFICIENCY_MEANING = (
     "share of the GPU's spec bandwidth (gpu.spec_mem_bw_gbs, else gpu.mem_bw_gbs) the "
     "runtime's GPU kernels stream weights and KV cache at, capped at gpu.mem_bw_gbs "
     "(1: the profile's bandwidth)"
+)
+#: meaning of the two share tables (``[cpu_gemm_share]``, ``[gpu_stream_efficiency_by_memory]``)
+CPU_GEMM_SHARE_MEANING = (
+    "share of the host's measured ggml GEMM rate (cpu.ggml_gemm_gflops, ik_llama.cpp's "
+    "repacked kernels) the runtime's CPU matrix products reach, per weight precision "
+    "(key 'default' for the others; no table: 1)"
+)
+MEMORY_EFFICIENCY_MEANING = (
+    "gpu_stream_efficiency on a GPU whose memory is of this type (gpu.memory_type), where a "
+    "calibration of the runtime on that memory exists"
 )
 #: values of a profile's ``attention`` field
 ATTENTION_KINDS = ("fused", "eager")
@@ -151,6 +168,33 @@ class RuntimeProfile:
     #: the kernels the runtime runs CPU work with (one of ``CPU_KERNELS``): ``ggml`` streams
     #: CPU weights at ggml's rate (``daopsim.simulator.costs.CostModel.cpu_stream_gbs``)
     cpu_kernels: str = "default"
+    #: a GPU matrix product over n > ``GEMV_MAX_TOKENS`` tokens runs at ``n / (n + this)`` of
+    #: ``gpu.bf16_tflops`` (the kernel's tiles filled by n tokens; docs/cost-model.md, "GEMM at
+    #: prompt shapes"); 0: at the full rate
+    gpu_gemm_half_tokens: float = 0.0
+    #: share of the host's measured ggml GEMM rate (``cpu.ggml_gemm_gflops``) the runtime's CPU
+    #: matrix products reach, by weight precision, as sorted (dtype or ``"default"``, share)
+    #: pairs; empty: 1 for every precision (docs/cost-model.md, "CPU GEMM by runtime")
+    cpu_gemm_share: tuple[tuple[str, float], ...] = ()
+    #: ``gpu_stream_efficiency`` on a GPU of a given memory type (``gpu.memory_type``), as sorted
+    #: (memory type, share) pairs; a type not listed takes ``gpu_stream_efficiency``
+    #: (docs/cost-model.md, "GPU stream efficiency")
+    gpu_stream_efficiency_by_memory: tuple[tuple[str, float], ...] = ()
+
+    def cpu_gemm_share_of(self, dtype: str) -> float:
+        """Share of the host's measured ggml GEMM rate this runtime's CPU kernels reach on
+        weights stored at ``dtype`` (1 when the profile has no table)."""
+        table = dict(self.cpu_gemm_share)
+        return table.get(dtype, table.get("default", 1.0))
+
+    def gpu_stream_efficiency_on(self, memory_type: str | None) -> float:
+        """The runtime's GPU stream efficiency on a GPU with memory of ``memory_type``: its
+        calibration for that memory where the profile has one, else ``gpu_stream_efficiency``."""
+        if memory_type is None:
+            return self.gpu_stream_efficiency
+        return dict(self.gpu_stream_efficiency_by_memory).get(
+            memory_type, self.gpu_stream_efficiency
+        )
 
     @property
     def free(self) -> bool:
@@ -182,6 +226,8 @@ class RuntimeProfile:
         out["graph_all_policies"] = self.graph_all_policies
         out["attention"] = self.attention
         out["cpu_kernels"] = self.cpu_kernels
+        out["cpu_gemm_share"] = dict(self.cpu_gemm_share)
+        out["gpu_stream_efficiency_by_memory"] = dict(self.gpu_stream_efficiency_by_memory)
         return out
 
     @property
@@ -199,6 +245,8 @@ def parse_runtime(data: dict[str, Any], where: str) -> RuntimeProfile:
         "attention",
         "cpu_kernels",
         "gpu_stream_efficiency",
+        "cpu_gemm_share",
+        "gpu_stream_efficiency_by_memory",
     )
     known = {"name", "summary", "source", *others, *_NUMERIC}
     for key in data:
@@ -257,10 +305,48 @@ def parse_runtime(data: dict[str, Any], where: str) -> RuntimeProfile:
             f"{where}: field 'gpu_stream_efficiency' must be a number in (0, 1], got {eff!r}"
         )
     values["gpu_stream_efficiency"] = float(eff)
+    values["cpu_gemm_share"] = _share_table(data, "cpu_gemm_share", where, _dtype_keys())
+    values["gpu_stream_efficiency_by_memory"] = _share_table(
+        data, "gpu_stream_efficiency_by_memory", where, None
+    )
     summary = data.get("summary", "")
     if not isinstance(summary, str):
         raise UserError(f"{where}: field 'summary' must be a string")
     return RuntimeProfile(name=name, summary=summary, sources=dict(sources), **values)
+
+
+def _dtype_keys() -> frozenset[str]:
+    """Keys a ``[cpu_gemm_share]`` table may use: the catalogue's weight precisions and
+    ``default``."""
+    from daopsim.simulator.models import DTYPES  # the catalogue, imported where it is used
+
+    return frozenset(DTYPES) | {"default"}
+
+
+def _share_table(
+    data: dict[str, Any], key: str, where: str, allowed: frozenset[str] | None
+) -> tuple[tuple[str, float], ...]:
+    """A table of name = share in (0, 1] (``allowed``: the names it may use), as sorted pairs;
+    a bad entry is a one-line ``UserError`` naming ``key.name``."""
+    table = data.get(key, {})
+    if not isinstance(table, dict):
+        raise UserError(f"{where}: [{key}] must be a table of name = share in (0, 1]")
+    out = []
+    for name, v in table.items():
+        if allowed is not None and name not in allowed:
+            raise UserError(
+                f"{where}: field '{key}.{name}': unknown weight precision "
+                f"(known: {', '.join(sorted(allowed))})"
+            )
+        if (
+            isinstance(v, bool)
+            or not isinstance(v, int | float)
+            or not math.isfinite(v)
+            or not 0.0 < v <= 1.0
+        ):
+            raise UserError(f"{where}: field '{key}.{name}' must be a number in (0, 1], got {v!r}")
+        out.append((str(name), float(v)))
+    return tuple(sorted(out))
 
 
 @cache

@@ -237,3 +237,38 @@ def test_a_child_profile_restates_one_family_and_keeps_the_rest(tmp_path: Path) 
         == dict(base.cpu.core_stream_gbs)["torch_bf16"]
     )
     assert cpu_family_stream_gbs(child.cpu, "ggml") == pytest.approx(min(16 * 10.0, 0.97 * 83.2))
+
+
+def test_zen3_hedt_row_reproduces_the_author_measurements() -> None:
+    """Row K (the Ryzen-5975WX of ik_llama.cpp's author): one thread streams LLaMA-3.1-8B BF16 at
+    1.37 t/s x 15.0 GB (PR #175); 8 threads of Q8_0 decode stream 8.21 t/s x 7.97 GB (PR #54) over
+    4 channels of DDR4 (PR #411); repacked Q4_0 prompt processing runs 251.00 t/s x 14.09 GFLOP
+    (PR #119)."""
+    cpu = load_profile("rtx4080-5975wx-pcie4").cpu
+    assert dict(cpu.core_stream_gbs)["ggml"] == pytest.approx(1.37 * 15.0, abs=0.1)
+    assert cpu.dram_gbs == pytest.approx(4 * 3200 * 8 / 1000)
+    assert cpu.socket_bound_gbs == pytest.approx(8.21 * 7.97, rel=0.01)
+    assert cpu.ggml_gemm_gflops == pytest.approx(251.00 * 14.09, rel=0.001)
+    # 32 cores reach the socket bound, as the author says his decode saturates it
+    assert cpu_family_stream_gbs(cpu, "ggml") == pytest.approx(cpu.socket_bound_gbs)
+    # 2 threads stay below it (PR #175: 2.53 t/s x 15.0 GB = 38 GB/s, between 1 and 2 cores)
+    two = dataclasses.replace(cpu, cores_used=2)
+    assert 2.53 * 15.0 <= cpu_family_stream_gbs(two, "ggml") < cpu.socket_bound_gbs
+
+
+def test_strix_halo_row_is_the_mlc_read_of_its_cpu_complex() -> None:
+    """Row L: Intel MLC's all-thread read-only bandwidth on a Ryzen AI Max+ 395 is 117.9 GB/s of
+    the 256 GB/s LPDDR5X: the CPU streams at most that, far below what the GPU side reads."""
+    hw = load_profile("framework-desktop-395")
+    assert hw.cpu.socket_bound_gbs == pytest.approx(117.9, rel=0.01)
+    assert cpu_family_stream_gbs(hw.cpu, "ggml") == pytest.approx(hw.cpu.socket_bound_gbs)
+    assert cpu_family_stream_gbs(hw.cpu, "ggml") < 0.5 * hw.gpu.mem_bw_gbs
+
+
+def test_no_profile_reads_the_retired_share_of_theoretical_as_a_measurement() -> None:
+    """The retired rule wrote mem_bw_gbs = 0.40 x dram_gbs, which the CPU-stream rule now reads as
+    a measured override: no bundled profile may carry that product."""
+    for name in PROFILES:
+        cpu = load_profile(name).cpu
+        if cpu.mem_bw_gbs is not None and cpu.dram_gbs is not None:
+            assert cpu.mem_bw_gbs != pytest.approx(0.40 * cpu.dram_gbs, rel=0.01), name

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from daopsim.simulator.costs import cost_model
-from daopsim.simulator.errors import UserError
-from daopsim.simulator.hardware import list_profiles
-from daopsim.simulator.runner import simulate
+from daopsim.simulator.errors import ProfileError, UserError
+from daopsim.simulator.hardware import list_profiles, load_profile
+from daopsim.simulator.runner import runtime_cost_model, simulate
 from daopsim.simulator.runtime_profiles import get_runtime, parse_runtime, runtime_names, with_costs
 
 TRACE = "ci-small"
@@ -41,7 +41,8 @@ def test_only_graph_replaying_runtimes_set_an_efficiency() -> None:
     """Every bundled runtime but llama.cpp and cuda-graph (vLLM/SGLang) keeps 1.0: the two
     efficiencies were derived with graph-node launch costs, and they are the runtimes whose
     one-token steps replay CUDA graphs (docs/cost-model.md, "GPU stream efficiency").
-    llama.cpp-eager runs llama.cpp's kernels without graphs: it keeps their efficiency."""
+    llama.cpp-eager runs llama.cpp's kernels without graphs: it keeps their efficiency; the
+    ik_llama.cpp profiles are llama.cpp's GPU side with the fork's CPU matrix products."""
     for name in runtime_names():
         rt = get_runtime(name)
         assert 0.0 < rt.gpu_stream_efficiency <= 1.0
@@ -49,7 +50,7 @@ def test_only_graph_replaying_runtimes_set_an_efficiency() -> None:
             eager, graphed = rt, get_runtime("llama.cpp")
             assert eager.gpu_stream_efficiency == graphed.gpu_stream_efficiency
             assert eager.graph_kernel_us == 0 and not eager.replays_graphs
-        elif name not in ("llama.cpp", "cuda-graph"):
+        elif name not in ("llama.cpp", "ik_llama.cpp", "ik_llama.cpp-rtr", "cuda-graph"):
             assert rt.gpu_stream_efficiency == 1.0, name
         else:
             assert rt.gpu_stream_efficiency < 1.0 and rt.graph_kernel_us > 0, name
@@ -164,3 +165,36 @@ def test_lower_efficiency_never_speeds_a_run_up() -> None:
         for e in (1.0, 0.58, 0.3)
     ]
     assert tps[0] > tps[1] > tps[2]
+
+
+# --- the efficiency by memory technology (a runtime's calibration on LPDDR5X) --------------------
+
+
+def test_the_lpddr5x_calibration_applies_where_the_profile_names_that_memory() -> None:
+    """llama.cpp's one-token kernels stream 0.82 of the GB10's 273 GB/s (the largest dense model
+    of llama.cpp's DGX Spark page: Qwen2.5-Coder-7B Q8_0 at 29.30 t/s, 7.52 GB a token, after
+    the graph's 0.39 ms); a card that names no memory type keeps the RTX 4090's 0.58."""
+    rt = get_runtime("llama.cpp")
+    assert rt.gpu_stream_efficiency_on("lpddr5x") == pytest.approx(
+        7.52 / (1 / 29.30 - (28 * 23 + 4) * 0.58e-6 - 15e-6) / 273, abs=0.005
+    )
+    spark = load_profile("dgx-spark-gb10")
+    assert spark.gpu.memory_type == "lpddr5x"
+    model = cost_model(spark, "qwen3-30b-a3b").model
+    assert runtime_cost_model(spark, model, rt).gpu_stream_efficiency == pytest.approx(0.82)
+    desk = load_profile("rtx4090-pcie4")
+    assert desk.gpu.memory_type is None
+    assert runtime_cost_model(desk, model, rt).gpu_stream_efficiency == pytest.approx(0.58)
+    # a runtime with no table keeps its one figure on any memory
+    assert get_runtime("cuda-graph").gpu_stream_efficiency_on("lpddr5x") == pytest.approx(0.34)
+
+
+def test_a_bad_memory_type_or_share_is_a_one_line_error(tmp_path) -> None:
+    p = tmp_path / "p.toml"
+    p.write_text(
+        'extends = "rtx4090-pcie4"\nname = "x"\ndescription = "x"\n[gpu]\nmemory_type = "dram"\n'
+    )
+    with pytest.raises(ProfileError, match=r"gpu\.memory_type"):
+        load_profile(str(p))
+    with pytest.raises(UserError, match=r"gpu_stream_efficiency_by_memory\.lpddr5x"):
+        parse_runtime({"name": "x", "gpu_stream_efficiency_by_memory": {"lpddr5x": 0}}, "x.toml")
