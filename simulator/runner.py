@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from daopsim.policies.base import Policy, ResourceSpec
+from daopsim.policies.base import Policy, ResourceSpec, low_bit_slots_per_expert
 from daopsim.policies.registry import get_policy_class
 from daopsim.simulator.core.loop import Engine
 from daopsim.simulator.costs import CostModel, cost_model
@@ -943,6 +943,11 @@ def _check_several_gpus(pol: Policy, n_cpu_layers: int) -> None:
             f"policy {pol.name!r} issues its copies on its kernels' stream (one_stream), which "
             "the multi-GPU executors do not model"
         )
+    if pol.resources().low_bit_slots:
+        raise UserError(
+            f"policy {pol.name!r} caches experts in slots of their low-bit copy's size "
+            "(low_bit_slots), which the multi-GPU executors do not model; give --gpus 1"
+        )
 
 
 def load_data(inp: RunInputs, size: RunSize) -> RunData:
@@ -1037,6 +1042,12 @@ def build_run(inp: RunInputs, size: RunSize, data: RunData) -> Run:
     GPUs), its calibration, oracle, recorder and serving plan."""
     pol, budget, multi_kw = inp.pol, size.budget, {}
     several = inp.mg is not None
+    spec = pol.resources()
+    if spec.low_bit_slots and spec.low_bit_dtype is not None:
+        # slots of the low-bit copy's size in the same memory (SliceMoE's bit slices); the
+        # run still reports the budget in full-precision experts
+        low = size.costs.low_bit_expert_bytes(spec.low_bit_dtype)
+        budget = math.floor(budget * low_bit_slots_per_expert(size.costs.expert_bytes, low))
     if several:
         from daopsim.simulator import multigpu
 

@@ -75,6 +75,10 @@ class Applier:
                 w.gpu.append(self._hit(layer, e))
             elif a == A_FETCH:
                 op = self._fetch(layer, e, "fetch", plan.victims.get(e), needed, w)
+                if plan.low_bit and e in plan.low_bit:  # the low-bit copy into a slot
+                    op.low = True
+                    self.c.low_bit_copies += 1
+                    self.c.h2d_bytes += self.m.low_bit_bytes - self.expert_bytes
                 self.c.fetches += 1
                 w.gpu.append(GpuJob(e, 0.0, op))
             elif a == A_TEMP:

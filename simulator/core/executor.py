@@ -165,7 +165,10 @@ class Executor:
                 return
             op.stage = 1
         link = self.m.uplinks[k][0]
-        e = self._copy(t, op, link, link.expert_s, self.expert_bytes, op.rkind)
+        if op.low:  # a slot of the low-bit copy's size (ResourceSpec.low_bit_slots)
+            e = self._copy(t, op, link, self.m.low_bit_s, self.m.low_bit_bytes, op.rkind)
+        else:
+            e = self._copy(t, op, link, link.expert_s, self.expert_bytes, op.rkind)
         res.copied(op.layer * res.n_experts + op.expert, e)
         self._landed(op, e)
 
