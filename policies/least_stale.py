@@ -41,15 +41,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
-from typing import Any, Final
+from typing import Any
 
 from daopsim.policies._mypyc import mypyc_attr
-from daopsim.policies.base import Action, Param, Plan, SetupContext, Slot, View
-from daopsim.policies.caching import GlobalCachingPolicy
+from daopsim.policies.base import Param, Plan, SetupContext, Slot, View
+from daopsim.policies.caching import GlobalCachingPolicy, PendingCopies, demand_copies
 from daopsim.policies.registry import register
-
-FETCH: Final = Action.FETCH
-TEMP: Final = Action.TEMP
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -80,10 +77,8 @@ class LeastStalePolicy(GlobalCachingPolicy):
 
     #: recency over all slots, oldest first
     order: OrderedDict[Slot, None]
-    #: prefetched slots whose copy may still be in flight -> their copy number
-    pending: dict[Slot, int]
-    #: pending slots the layer just decided runs (done once it has ended)
-    used: list[Slot]
+    #: the prefetched slots whose copy may still be in flight
+    copies: PendingCopies
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
@@ -91,8 +86,7 @@ class LeastStalePolicy(GlobalCachingPolicy):
         self.do_prefetch = bool(self.options["prefetch"])
         self.k_opt = int(self.options["prefetch_k"])
         self.k_pre = 0
-        self.copy_no = 0
-        self.demand_no = 0
+        self.copies = PendingCopies()
 
     def uses_lookahead(self) -> bool:
         """Only the optional prefetch reads the one-layer-early view."""
@@ -101,10 +95,7 @@ class LeastStalePolicy(GlobalCachingPolicy):
     def setup(self, ctx: SetupContext) -> Iterable[Slot]:
         """The shared cache's initial contents (``initial``), recency in placement order."""
         self.k_pre = self.k_opt or ctx.model.top_k
-        self.copy_no = 0
-        self.demand_no = 0
-        self.pending = {}
-        self.used = []
+        self.copies = PendingCopies()
         return super().setup(ctx)
 
     def init_state(self, ctx: SetupContext) -> None:
@@ -122,12 +113,12 @@ class LeastStalePolicy(GlobalCachingPolicy):
     def removed(self, layer: int, expert: int) -> None:
         """Forget an evicted slot."""
         del self.order[layer, expert]
-        self.pending.pop((layer, expert), None)
+        self.copies.forget((layer, expert))
 
     def choose_victim(self, layer: int, protected: set[int], step: int) -> Slot:
         """The least recently used stale slot (its layer at or before ``layer``), else the least
         recently used fresh one; never this token's experts of ``layer`` nor a pending copy."""
-        pending = self.pending
+        pending = self.copies.pending
         fresh: Slot | None = None
         for slot in self.order:
             sl = slot[0]
@@ -153,19 +144,9 @@ class LeastStalePolicy(GlobalCachingPolicy):
             return self.serve(view, view.experts.tolist())
         layer = view.layer
         experts: list[int] = view.experts.tolist()
-        if self.pending:
-            # the previous layer waited for its demand copies and the experts it ran
-            for slot in self.used:
-                self.pending.pop(slot, None)
-            done = self.demand_no
-            self.pending = {s: n for s, n in self.pending.items() if n > done}
-        self.used = [(layer, e) for e in experts if (layer, e) in self.pending]
+        self.copies.begin([(layer, e) for e in experts])
         plan = self.serve(view, experts)
-        if plan.actions:
-            for a in plan.actions.values():
-                if a in (FETCH, TEMP):
-                    self.copy_no += 1
-                    self.demand_no = self.copy_no
+        self.copies.demand(demand_copies(plan))
         ahead = view.next_experts
         if ahead is not None and view.counts is None:
             self._prefetch(view, plan, [int(e) for e in ahead.tolist() if e >= 0], experts)
@@ -180,7 +161,7 @@ class LeastStalePolicy(GlobalCachingPolicy):
         running = set(now)
         limit = self.capacity - 2 * self.model.top_k
         for e in ahead[: self.k_pre]:
-            if row[e] or len(self.pending) >= limit:
+            if row[e] or len(self.copies.pending) >= limit:
                 continue
             victim: Slot | None = None
             if self.size >= self.capacity:
@@ -191,15 +172,14 @@ class LeastStalePolicy(GlobalCachingPolicy):
             else:
                 self.size += 1
             self._admit(nl, e, view.step)
-            self.copy_no += 1
-            self.pending[(nl, e)] = self.copy_no
+            self.copies.prefetch((nl, e))
             plan.prefetch.append((nl, e, victim))
 
     def _prefetch_victim(self, nl: int, keep: set[int], running: set[int]) -> Slot | None:
         """:meth:`choose_victim` for a prefetch into layer ``nl``: stale slots are those of
         layers the pass has gone past (before ``nl``); the view's experts of ``nl``, the
         deciding layer's routed experts (computed now) and pending copies are kept."""
-        pending = self.pending
+        pending = self.copies.pending
         fresh: Slot | None = None
         cur = nl - 1
         for slot in self.order:
