@@ -1042,12 +1042,6 @@ def build_run(inp: RunInputs, size: RunSize, data: RunData) -> Run:
     GPUs), its calibration, oracle, recorder and serving plan."""
     pol, budget, multi_kw = inp.pol, size.budget, {}
     several = inp.mg is not None
-    spec = pol.resources()
-    if spec.low_bit_slots and spec.low_bit_dtype is not None:
-        # slots of the low-bit copy's size in the same memory (SliceMoE's bit slices); the
-        # run still reports the budget in full-precision experts
-        low = size.costs.low_bit_expert_bytes(spec.low_bit_dtype)
-        budget = math.floor(budget * low_bit_slots_per_expert(size.costs.expert_bytes, low))
     if several:
         from daopsim.simulator import multigpu
 
@@ -1058,9 +1052,15 @@ def build_run(inp: RunInputs, size: RunSize, data: RunData) -> Run:
         budget = sum(budgets)
         pol = multigpu.ShardedPolicy(pol, placement, budgets)
         multi_kw = {"placement": placement, "budgets": budgets}
+    slots, spec = budget, pol.resources()
+    if spec.low_bit_slots and spec.low_bit_dtype is not None:  # one GPU (checked in size_run)
+        # slots of the low-bit copy's size in the same memory (SliceMoE's bit slices); the
+        # run still reports the budget in full-precision experts
+        low = size.costs.low_bit_expert_bytes(spec.low_bit_dtype)
+        slots = math.floor(budget * low_bit_slots_per_expert(size.costs.expert_bytes, low))
     recorder = _recorder(inp.req.record)
     engine = _engine_class(inp.req.engine, several)(
-        pol, inp.model, size.costs, budget,
+        pol, inp.model, size.costs, slots,
         calibration=data.calib, calibration_prefill=data.calib_pre,
         calibration_sequences=tuple(data.cal_eams) if inp.wants_cal else None,
         oracle=data.oracle, recorder=recorder, seed=inp.req.seed, runtime=size.rt,
