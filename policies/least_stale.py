@@ -79,6 +79,8 @@ class LeastStalePolicy(GlobalCachingPolicy):
     order: OrderedDict[Slot, None]
     #: the prefetched slots whose copy may still be in flight
     copies: PendingCopies
+    #: slots a prefetch's victim must not be (the deciding layer's routed experts)
+    hold: set[Slot]
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
@@ -87,6 +89,7 @@ class LeastStalePolicy(GlobalCachingPolicy):
         self.k_opt = int(self.options["prefetch_k"])
         self.k_pre = 0
         self.copies = PendingCopies()
+        self.hold = set()
 
     def uses_lookahead(self) -> bool:
         """Only the optional prefetch reads the one-layer-early view."""
@@ -117,14 +120,16 @@ class LeastStalePolicy(GlobalCachingPolicy):
 
     def choose_victim(self, layer: int, protected: set[int], step: int) -> Slot:
         """The least recently used stale slot (its layer at or before ``layer``), else the least
-        recently used fresh one; never this token's experts of ``layer`` nor a pending copy."""
+        recently used fresh one; never this token's experts of ``layer``, a copy in flight or
+        (for a prefetch) the deciding layer's routed experts."""
         pending = self.copies.pending
+        hold = self.hold
         fresh: Slot | None = None
         for slot in self.order:
             sl = slot[0]
             if sl == layer and slot[1] in protected:
                 continue
-            if pending and slot in pending:
+            if (pending and slot in pending) or (hold and slot in hold):
                 continue
             if sl <= layer or not self.stale_first:
                 return slot
@@ -152,6 +157,24 @@ class LeastStalePolicy(GlobalCachingPolicy):
             self._prefetch(view, plan, [int(e) for e in ahead.tolist() if e >= 0], experts)
         return plan
 
+    def _prefetch_victim(
+        self, nl: int, keep: set[int], running: set[int], step: int
+    ) -> Slot | None:
+        """:meth:`choose_victim` for a prefetch into layer ``nl`` (stale: the layers up to
+        it), keeping the view's experts of ``nl`` and the deciding layer's routed experts
+        (computed now); None when only those, or copies in flight, remain."""
+        hold = {(nl - 1, e) for e in running}
+        if all(
+            (s[0] == nl and s[1] in keep) or s in hold or s in self.copies.pending
+            for s in self.order
+        ):
+            return None
+        self.hold = hold
+        try:
+            return self.choose_victim(nl, keep, step)
+        finally:
+            self.hold = set()
+
     def _prefetch(self, view: View, plan: Plan, ahead: list[int], now: list[int]) -> None:
         """Copy the layer-early view's top ``prefetch_k`` experts of layer+1 in, each evicting
         the Least-Stale victim outside that view and outside the pending copies."""
@@ -165,7 +188,7 @@ class LeastStalePolicy(GlobalCachingPolicy):
                 continue
             victim: Slot | None = None
             if self.size >= self.capacity:
-                victim = self._prefetch_victim(nl, keep, running)
+                victim = self._prefetch_victim(nl, keep, running, view.step)
                 if victim is None:
                     break
                 self._evict(victim)
@@ -174,25 +197,6 @@ class LeastStalePolicy(GlobalCachingPolicy):
             self._admit(nl, e, view.step)
             self.copies.prefetch((nl, e))
             plan.prefetch.append((nl, e, victim))
-
-    def _prefetch_victim(self, nl: int, keep: set[int], running: set[int]) -> Slot | None:
-        """:meth:`choose_victim` for a prefetch into layer ``nl``: stale slots are those of
-        layers the pass has gone past (before ``nl``); the view's experts of ``nl``, the
-        deciding layer's routed experts (computed now) and pending copies are kept."""
-        pending = self.copies.pending
-        fresh: Slot | None = None
-        cur = nl - 1
-        for slot in self.order:
-            sl = slot[0]
-            if (sl == nl and slot[1] in keep) or (sl == cur and slot[1] in running):
-                continue
-            if slot in pending:
-                continue
-            if sl < nl or not self.stale_first:
-                return slot
-            if fresh is None:
-                fresh = slot
-        return fresh
 
 
 register(LeastStalePolicy)
