@@ -200,16 +200,15 @@ class DALIPolicy(CachingPolicy):
         else:
             cpu_q = [e for e in experts if not resident[e]]
             gpu_q = [e for e in experts if resident[e]]
-        actions: dict[int, Action] = {}
+        # the resident GPU experts are the cache's hits; the others its own way
+        plan = self.serve(view, [e for e in gpu_q if resident[e]])
+        actions = plan.actions
+        assert actions is not None
         for e in gpu_q:
-            if resident[e]:
-                actions[e] = GPU
-                self.touch(layer, e, view.step, 1)
-            else:
+            if not resident[e]:
                 actions[e] = TEMP
         for e in cpu_q:
             actions[e] = CPU
-        plan = Plan(actions=actions)
         self.copies.demand(demand_copies(plan))
         row = self.work[layer]
         for e, n in zip(experts, loads, strict=True):
@@ -250,11 +249,9 @@ class DALIPolicy(CachingPolicy):
             if len(cache) < self.quota[layer]:
                 victim: Slot | None = None
             else:
-                if keep.issuperset(cache):
-                    break
+                if not any(row[x] < row[e] for x in cache if x not in keep):
+                    break  # every evictable resident worked as much: nothing to gain
                 out = self.choose_victim(layer, keep, view.step)
-                if row[out] >= row[e]:
-                    break  # the resident's workload is as high: nothing to gain
                 self._evict(layer, out)
                 victim = (layer, out)
             self._admit(layer, e, view.step)

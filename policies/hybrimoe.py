@@ -33,7 +33,7 @@ runtime profile.
   units marked "need to be tested"). What runs is timed by the engine either way. A
   non-resident GPU expert is fetched into the cache (the MRS victim evicted) in decode, and in
   prefill into a free slot of its layer, else into a temporary buffer (the code's per-layer
-  buffer). ``schedule = "cpu"``: every miss on the CPU (kTransformers' rule, the scheduling
+  buffer); a batched serving step takes the decode rule with the batch's loads. ``schedule = "cpu"``: every miss on the CPU (kTransformers' rule, the scheduling
   ablation); ``"gpu"``: every miss fetched.
 - **Impact-driven prefetching** (``prefetch``, default ``-1``: up to k experts per layer; 0
   off): at each decode layer, the experts the one-layer-early view predicts for layer ``l+1``
@@ -305,7 +305,7 @@ class HybriMoEPolicy(LRUPolicy):
         if prefetching:
             self.copies.begin([(layer, e) for e in experts])
         cpu_q, gpu_q = self.split(view, experts)
-        plan = self.serve(view, gpu_q) if gpu_q else Plan(actions={})
+        plan = self.serve(view, gpu_q)
         actions = plan.actions
         assert actions is not None
         for e in cpu_q:
@@ -317,6 +317,13 @@ class HybriMoEPolicy(LRUPolicy):
                 self._prefetch(view, plan, [int(e) for e in ahead.tolist() if e >= 0])
         return plan
 
+    def batch_layer(self, view: View) -> Plan:
+        """A batched decode step: the decode rule with the batch's loads (tokens per expert);
+        the released code sends any step of more than one token through its prefill path,
+        which never evicts (a cache that stops changing once full), so this follows the
+        paper's decode rule instead."""
+        return self.decode_layer(view)
+
     def prefill_layer(self, view: View) -> Plan:
         """The split with the prompt's loads; a GPU miss goes to a free slot of the layer,
         else to a temporary buffer (no eviction in prefill, as the code)."""
@@ -327,22 +334,23 @@ class HybriMoEPolicy(LRUPolicy):
         cpu_q, gpu_q = self.split(view, experts)
         counts = view.counts
         resident: list[bool] = view.resident[layer].tolist()
-        actions: dict[int, Action] = {}
+        # the resident GPU experts are the cache's hits; the misses its own way
+        plan = self.serve(view, [e for e in gpu_q if resident[e]])
+        actions = plan.actions
+        assert actions is not None
         cache, cap = self.cache[layer], self.quota[layer]
         for e in gpu_q:
-            w = 1 if counts is None else int(counts[e])
             if resident[e]:
-                actions[e] = GPU
-                self.touch(layer, e, view.step, w)
-            elif len(cache) < cap:
+                continue
+            if len(cache) < cap:
                 actions[e] = FETCH
                 self._admit(layer, e, view.step)
-                self.touch(layer, e, view.step, w)
+                self.touch(layer, e, view.step, 1 if counts is None else int(counts[e]))
             else:
                 actions[e] = TEMP
         for e in cpu_q:
             actions[e] = CPU
-        return Plan(actions=actions)
+        return plan
 
     def _prefetch(self, view: View, plan: Plan, ahead: list[int]) -> None:
         """Impact-driven: prefetch the predicted experts of layer+1 whose copy shortens its
@@ -355,7 +363,10 @@ class HybriMoEPolicy(LRUPolicy):
         resident: list[bool] = view.resident[nl].tolist()
         cached = [e for e in ahead if resident[e]]
         missing = [e for e in ahead if not resident[e]]
-        keep = set(ahead) | {e for (pl, e) in self.copies.pending if pl == nl}
+        keep = set(ahead)
+        extra = self.unevictable(nl)  # copies in flight (and an override's own)
+        if extra:
+            keep |= extra
         cache, cap = self.cache[nl], self.quota[nl]
         lead = self.span
         link = self.moves * self.move_s  # this layer's own copies go first
