@@ -19,7 +19,7 @@ How it is modelled (``ResourceSpec.low_bit_slots``, docs/policy-api.md):
   gives the engine ``floor(budget x B / B_low)`` slots of ``B_low`` bytes in the memory of
   ``budget`` full experts. A resident expert holds one slot; one resident at full precision
   also takes ``ceil(B / B_low) - 1`` more, which this policy keeps free (the engine counts
-  slots, not bytes: ``tests/test_slicemoe.py`` checks the policy never holds more than the
+  slots, not bytes: ``tests/test_policies_2025.py`` checks it never holds more than the
   memory). A slot's copy moves ``B_low`` bytes (``Plan.low_bit`` on a ``FETCH``); a full
   expert's copy moves ``B``. A slice-only expert runs in low precision: its gate weight counts
   in ``low_precision_gate_mass``, and its GPU time is the full expert's (the cost model has one
