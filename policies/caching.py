@@ -402,6 +402,14 @@ class PendingCopies:
             self.pending = {s: n for s, n in self.pending.items() if n > done}
         self.used = [s for s in routed if s in self.pending] if self.pending else []
 
+    def begin_layer(self, layer: int, experts: list[int]) -> None:
+        """:meth:`begin` with the routed slots of ``experts`` in ``layer`` (built only when
+        some copy is pending)."""
+        if self.pending:
+            self.begin([(layer, e) for e in experts])
+        else:
+            self.used = []
+
     def demand(self, n: int) -> None:
         """``n`` demand copies issued by this decision."""
         if n:

@@ -141,6 +141,8 @@ class DALIPolicy(CachingPolicy):
         self.gpu1 = 0.0
         self.cpu1 = 0.0
         self.copies = PendingCopies()
+        #: decode splits by which of the ranks are resident: (CPU ranks, GPU ranks)
+        self._memo: dict[tuple[bool, ...], tuple[list[int], list[int]]] = {}
 
     def uses_lookahead(self) -> bool:
         """The prefetch reads the one-layer-early view."""
@@ -158,6 +160,7 @@ class DALIPolicy(CachingPolicy):
         self.work = [[0] * m.experts for _ in range(m.moe_layers)]
         self.steps = [0] * m.moe_layers
         self.copies = PendingCopies()
+        self._memo = {}  # another model or machine: other times
         self.move_s = costs.h2d_expert_s(pinned=True)
         self.gpu1 = costs.gpu_expert_s(1)
         self.cpu1 = costs.cpu_expert_s(1) + 2 * costs.activation_copy_s(1)
@@ -189,17 +192,31 @@ class DALIPolicy(CachingPolicy):
         layer = view.layer
         experts: list[int] = view.experts.tolist()
         counts = view.counts
-        loads = [1] * len(experts) if counts is None else [int(counts[e]) for e in experts]
-        self.copies.begin([(layer, e) for e in experts])
+        self.copies.begin_layer(layer, experts)
         resident: list[bool] = view.resident[layer].tolist()
-        if self.greedy:
+        if counts is None:
+            loads = [1] * len(experts)
+        else:
+            loads = [int(counts[e]) for e in experts]
+        if not self.greedy:
+            cpu_q = [e for e in experts if not resident[e]]
+            gpu_q = [e for e in experts if resident[e]]
+        elif counts is None:
+            # one token per expert: the split depends only on which ranks are resident
+            flags = tuple([resident[e] for e in experts])
+            hit = self._memo.get(flags)
+            if hit is None:
+                hit = self._memo[flags] = greedy_assign(
+                    list(range(len(experts))), loads, list(flags),
+                    [self.gpu1] * len(experts), [self.cpu1] * len(experts), self.move_s,
+                )  # fmt: skip
+            cpu_q = [experts[i] for i in hit[0]]
+            gpu_q = [experts[i] for i in hit[1]]
+        else:
             cpu_q, gpu_q = greedy_assign(
                 experts, loads, resident, [self.gpu_s(n) for n in loads],
                 [self.cpu_s(n) for n in loads], self.move_s,
             )  # fmt: skip
-        else:
-            cpu_q = [e for e in experts if not resident[e]]
-            gpu_q = [e for e in experts if resident[e]]
         # the resident GPU experts are the cache's hits; the others its own way
         plan = self.serve(view, [e for e in gpu_q if resident[e]])
         actions = plan.actions
@@ -271,6 +288,8 @@ class DALIPolicy(CachingPolicy):
         pred = [int(e) for e in ahead.tolist() if e >= 0]
         resident: list[bool] = view.resident[nl].tolist()
         cache = self.cache[nl]
+        if all(resident[e] or e in cache for e in pred[: self.n_pre]):
+            return
         keep = set(pred)
         extra = self.unevictable(nl)
         if extra:

@@ -33,8 +33,9 @@ runtime profile.
   units marked "need to be tested"). What runs is timed by the engine either way. A
   non-resident GPU expert is fetched into the cache (the MRS victim evicted) in decode, and in
   prefill into a free slot of its layer, else into a temporary buffer (the code's per-layer
-  buffer); a batched serving step takes the decode rule with the batch's loads. ``schedule = "cpu"``: every miss on the CPU (kTransformers' rule, the scheduling
-  ablation); ``"gpu"``: every miss fetched.
+  buffer); a batched serving step takes the decode rule with the batch's loads.
+  ``schedule = "cpu"``: every miss on the CPU (kTransformers' rule, the scheduling ablation);
+  ``"gpu"``: every miss fetched.
 - **Impact-driven prefetching** (``prefetch``, default ``-1``: up to k experts per layer; 0
   off): at each decode layer, the experts the one-layer-early view predicts for layer ``l+1``
   (its router applied to layer ``l``'s input; HybriMoE reuses the gates of the next three
@@ -192,6 +193,11 @@ class HybriMoEPolicy(LRUPolicy):
         self.cpu1 = 0.0
         self.span = 0.0  #: the last split's simulated layer time
         self.moves = 0  #: the last split's copies into the GPU
+        self.split_key = (0, 0)  #: the last split's (resident, missing) counts
+        #: decode splits by (resident, missing) counts: (GPU experts, simulated time)
+        self._split_memo: dict[tuple[int, int], tuple[int, float]] = {}
+        #: prefetch counts by the split's counts and layer+1's (resident, missing) counts
+        self._pre_memo: dict[tuple[int, int, int, int], int] = {}
         self.copies = PendingCopies()
 
     def uses_lookahead(self) -> bool:
@@ -209,6 +215,8 @@ class HybriMoEPolicy(LRUPolicy):
         self.n_pre = m.top_k if self.prefetch_opt < 0 else self.prefetch_opt
         self.score = [[0.0] * m.experts for _ in range(m.moe_layers)]
         self.copies = PendingCopies()
+        self._split_memo = {}  # another model or machine: other times
+        self._pre_memo = {}
         if self.code:
             self.move_s, self.cpu_first_s = CODE_MOVE, CODE_CPU_FIRST
             self.gpu1, self.cpu1 = CODE_GPU, CODE_CPU_PER_TOKEN
@@ -275,7 +283,22 @@ class HybriMoEPolicy(LRUPolicy):
         if counts is not None:
             n: list[int] = [int(x) for x in counts.tolist()]
             load = n.__getitem__
-        if self.sched == "hybrid" and missing:
+        self.split_key = (len(cached), len(missing))
+        if self.sched == "hybrid" and missing and counts is None:
+            # one token per expert: the schedule depends on the counts alone (memoised; the
+            # equal loads keep the routing order, the CPU side taking the list from its end)
+            hit = self._split_memo.get(self.split_key)
+            if hit is None:
+                cpu_q, gpu_q, self.span = hybrid_schedule(
+                    cached, missing, load, self.gpu_s, self.cpu_s, self.move_s, self.cpu_first_s
+                )
+                self._split_memo[self.split_key] = (len(gpu_q), self.span)
+            else:
+                order = cached + missing
+                n_gpu, self.span = hit
+                gpu_q = order[:n_gpu]
+                cpu_q = order[n_gpu:][::-1]
+        elif self.sched == "hybrid" and missing:
             cpu_q, gpu_q, self.span = hybrid_schedule(
                 cached, missing, load, self.gpu_s, self.cpu_s, self.move_s, self.cpu_first_s
             )
@@ -361,31 +384,21 @@ class HybriMoEPolicy(LRUPolicy):
         its own copies waiting behind it)."""
         nl = view.layer + 1
         resident: list[bool] = view.resident[nl].tolist()
-        cached = [e for e in ahead if resident[e]]
         missing = [e for e in ahead if not resident[e]]
+        if not missing:
+            return
+        key = (*self.split_key, len(ahead) - len(missing), len(missing))
+        n = self._pre_memo.get(key)
+        if n is None:
+            n = self._pre_memo[key] = self._prefetch_count(len(ahead) - len(missing), len(missing))
+        if not n:
+            return
         keep = set(ahead)
         extra = self.unevictable(nl)  # copies in flight (and an override's own)
         if extra:
             keep |= extra
         cache, cap = self.cache[nl], self.quota[nl]
-        lead = self.span
-        link = self.moves * self.move_s  # this layer's own copies go first
-        ready: dict[int, float] = {}
-        for _ in range(self.n_pre):
-            if not missing:
-                break
-            base = self._next_span(cached, missing, ready, max(0.0, link - lead))
-            land = link + self.move_s
-            best, gain = -1, 0.0
-            for e in missing:
-                ready[e] = max(0.0, land - lead)
-                rest = [x for x in missing if x != e]
-                g = base - self._next_span([*cached, e], rest, ready, ready[e])
-                del ready[e]
-                if g > gain:
-                    best, gain = e, g
-            if best < 0:
-                break
+        for e in missing[:n]:
             victim: Slot | None = None
             if len(cache) >= cap:
                 if keep.issuperset(cache):
@@ -393,13 +406,35 @@ class HybriMoEPolicy(LRUPolicy):
                 out = self.choose_victim(nl, keep, view.step)
                 self._evict(nl, out)
                 victim = (nl, out)
-            self._admit(nl, best, view.step)
-            self.copies.prefetch((nl, best))
-            plan.prefetch.append((nl, best, victim))
-            ready[best] = max(0.0, land - lead)
+            self._admit(nl, e, view.step)
+            self.copies.prefetch((nl, e))
+            plan.prefetch.append((nl, e, victim))
+
+    def _prefetch_count(self, n_cached: int, n_missing: int) -> int:
+        """How many of layer+1's predicted experts the impact-driven greedy prefetches, with
+        ``n_cached`` of them resident and ``n_missing`` not, after the current layer's split
+        (:attr:`span`, :attr:`moves`). At one token per expert the candidates are alike, so
+        each round's best is the first one left (the view's order)."""
+        cached = list(range(n_cached))
+        missing = list(range(n_cached, n_cached + n_missing))
+        lead = self.span
+        link = self.moves * self.move_s  # the current layer's own copies go first
+        ready: dict[int, float] = {}
+        n = 0
+        for _ in range(self.n_pre):
+            if not missing:
+                break
+            base = self._next_span(cached, missing, ready, max(0.0, link - lead))
+            land = link + self.move_s
+            e = missing[0]
+            ready[e] = max(0.0, land - lead)
+            if base - self._next_span([*cached, e], missing[1:], ready, ready[e]) <= 0.0:
+                break
+            n += 1
             link = land
-            cached.append(best)
-            missing.remove(best)
+            cached.append(e)
+            missing.remove(e)
+        return n
 
     def _next_span(
         self, cached: list[int], missing: list[int], ready: dict[int, float], link_free: float
