@@ -70,11 +70,13 @@ class Plan:
     experts start only after this layer's ``CPU`` experts are done (the thread driving the GPU
     computed them synchronously). ``low_bit``: routed experts whose ``TEMP`` copy moves the
     host's low-precision copy (``ResourceSpec.low_bit_dtype``) and which therefore run in low
-    precision (HOBBIT's mixed-precision loading). ``barrier``: the layer's GPU experts start
-    only once every copy into a slot of this layer that the plan issues (its ``FETCH`` actions
-    and its prefetches into ``layer``) has landed: a gather before the layer's forward, as
-    DeepSpeed ZeRO-3 fetches a leaf module's parameters in its pre-forward hook. Temporary
-    (``TEMP``) copies are not part of it.
+    precision (HOBBIT's mixed-precision loading); with ``ResourceSpec.low_bit_slots`` also
+    ``FETCH`` experts whose copy into a slot moves that copy, and resident ``GPU`` experts
+    that hold only it (both run in low precision: SliceMoE's bit slices). ``barrier``: the
+    layer's GPU experts start only once every copy into a slot of this layer that the plan
+    issues (its ``FETCH`` actions and its prefetches into ``layer``) has landed: a gather
+    before the layer's forward, as DeepSpeed ZeRO-3 fetches a leaf module's parameters in its
+    pre-forward hook. Temporary (``TEMP``) copies are not part of it.
     """
 
     # Each field is typed Any: a plan holds whatever the policy put in it, and the engine's
@@ -298,6 +300,14 @@ class ResourceSpec:
     #: dtype);
     #: a ``TEMP`` copy named in ``Plan.low_bit`` moves that copy instead (HOBBIT)
     low_bit_dtype: str | None = None
+    #: with ``low_bit_dtype``: the system caches experts at the granularity of that low-bit
+    #: copy (SliceMoE's bit slices): the run gives the engine ``floor(budget x B / B_low)``
+    #: slots of the low-bit size instead of ``budget`` slots of full experts, a resident
+    #: expert holds one of them, a ``FETCH`` named in ``Plan.low_bit`` copies the low-bit
+    #: copy into it, and a ``GPU`` or ``FETCH`` expert named in ``Plan.low_bit`` runs in low
+    #: precision. The policy keeps the rest of a full-precision expert's room free itself
+    #: (``low_bit_slots_per_expert``); the engine counts slots, not bytes
+    low_bit_slots: bool = False
     #: how the system reads experts that live on the SSD (docs/serving.md, "An SSD tier"):
     #: "read" (one large read each: the drive's sequential rate) or "mmap" (weights memory
     #: mapped, pages faulted in on first touch: the 4 KiB random-read rate; llama.cpp)
@@ -345,6 +355,8 @@ class ResourceSpec:
             from daopsim.simulator.models import dtype_bytes
 
             dtype_bytes(self.low_bit_dtype)  # an unknown name is a one-line error
+        if self.low_bit_slots and self.low_bit_dtype is None:
+            raise UserError("low_bit_slots needs a low_bit_dtype (the precision of a slot)")
         for key in ("temp_buffers", "staging_buffers"):
             if getattr(self, key) < 0:
                 raise UserError(f"{key} must be >= 0, got {getattr(self, key)}")
@@ -577,3 +589,10 @@ def per_layer_quota(budget: int, n_layers: int) -> list[int]:
     """Split a budget over layers as evenly as possible (earlier layers get the remainder)."""
     base, extra = divmod(budget, n_layers)
     return [base + (1 if layer < extra else 0) for layer in range(n_layers)]
+
+
+def low_bit_slots_per_expert(expert_bytes: int, low_bit_bytes: int) -> float:
+    """How many low-bit slots one full-precision expert's memory holds (``B / B_low``), for a
+    spec with ``low_bit_slots``: the run gives the engine ``floor(budget x`` this ``)`` slots,
+    and a policy keeps ``ceil`` of it free per full-precision expert it holds."""
+    return expert_bytes / max(1, low_bit_bytes)

@@ -371,3 +371,64 @@ def _slot(x: object, shape: tuple[int, ...]) -> tuple[int, int] | None:
     except TypeError:
         return None
     return (i, j) if 0 <= i < shape[0] and 0 <= j < shape[1] else None
+
+
+class PendingCopies:
+    """Which prefetched slots may still be in flight, as a runtime knows from its copy queue.
+
+    Copies into GPU memory go over one FIFO host-to-device lane in the order a policy issues
+    them. A layer's GPU experts wait for their demand copies (``FETCH``, ``TEMP``), so once a
+    layer has ended every copy issued up to its last demand copy has landed, and so has a
+    prefetched expert the layer ran. A policy calls :meth:`begin` at each decision (with the
+    layer's routed slots), :meth:`demand` after it for the layer's demand copies, and
+    :meth:`prefetch` for each prefetch it issues; :attr:`pending` holds the slots not known to
+    have landed (a victim must not be one of them: the engine refuses evicting an expert whose
+    copy is still in flight).
+    """
+
+    def __init__(self) -> None:
+        self.copy_no = 0  #: copies issued so far, in lane order
+        self.demand_no = 0  #: number of the last demand copy issued
+        self.pending: dict[Slot, int] = {}  #: slot -> its prefetch's copy number
+        self.used: list[Slot] = []  #: pending slots the previous decision ran
+
+    def begin(self, routed: list[Slot]) -> None:
+        """A new decision: what the previous one waited for has landed; ``routed`` are the
+        slots this one runs (landed once it ends)."""
+        if self.pending:
+            for slot in self.used:
+                self.pending.pop(slot, None)
+            done = self.demand_no
+            self.pending = {s: n for s, n in self.pending.items() if n > done}
+        self.used = [s for s in routed if s in self.pending] if self.pending else []
+
+    def begin_layer(self, layer: int, experts: list[int]) -> None:
+        """:meth:`begin` with the routed slots of ``experts`` in ``layer`` (built only when
+        some copy is pending)."""
+        if self.pending:
+            self.begin([(layer, e) for e in experts])
+        else:
+            self.used = []
+
+    def demand(self, n: int) -> None:
+        """``n`` demand copies issued by this decision."""
+        if n:
+            self.copy_no += n
+            self.demand_no = self.copy_no
+
+    def prefetch(self, slot: Slot) -> None:
+        """A prefetch of ``slot`` issued (after this decision's demand copies)."""
+        self.copy_no += 1
+        self.pending[slot] = self.copy_no
+
+    def forget(self, slot: Slot) -> None:
+        """``slot`` left the cache (its prefetch no longer matters)."""
+        self.pending.pop(slot, None)
+
+
+def demand_copies(plan: Plan) -> int:
+    """The plan's demand copies into GPU memory (``FETCH`` and ``TEMP`` actions)."""
+    actions = plan.actions
+    if not actions:
+        return 0
+    return sum(1 for a in actions.values() if a in (FETCH, TEMP))

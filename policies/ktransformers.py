@@ -19,6 +19,10 @@ docs/references.md#ktransformers.
 - Decode and prefill: a selected GPU expert runs on the GPU, every other selected expert on the
   CPU, concurrently: the CPU work is submitted before the GPU experts and joined at the end of
   the layer, so the layer takes the longer of the two. Dynamic expert update is not modelled.
+- ``prefill = "gpu"``: a prompt's non-resident experts are copied into a temporary buffer and
+  run on the GPU instead (``prefill_device: "cuda"``, ``prefill_op: "KExpertsTorch"`` for every
+  layer's experts, as HybriMoE's repository configures kTransformers for its comparison:
+  PKU-SEC-Lab/HybriMoE ``optimize_rules/Mixtral-25%.yaml`` and its siblings, commit 17a1107).
 """
 
 from __future__ import annotations
@@ -94,6 +98,13 @@ class KTransformersPolicy(Policy):
             "which experts (--kt-expert-placement-strategy)",
             choices=PLACEMENTS,
         ),
+        "prefill": Param(
+            str,
+            "cpu",
+            "a prompt's non-resident experts: 'cpu' (the decode rule) or 'gpu' (copied into a "
+            "temporary buffer and run there, KExpertsTorch)",
+            choices=("cpu", "gpu"),
+        ),
     }
 
     def __init__(self, **options: object) -> None:
@@ -108,8 +119,10 @@ class KTransformersPolicy(Policy):
         return wants_gpu and self.options["placement"] == "frequency"
 
     def resources(self) -> ResourceSpec:
-        """Pinned host memory, no temporary buffer, one CPU worker (the kernel uses all cores)."""
-        return ResourceSpec(host_memory="pinned", temp_buffers=0, cpu_workers=1)
+        """Pinned host memory, one CPU worker (the kernel uses all cores); a temporary buffer
+        only for ``prefill = "gpu"``."""
+        buffers = 1 if self.options["prefill"] == "gpu" else 0
+        return ResourceSpec(host_memory="pinned", temp_buffers=buffers, cpu_workers=1)
 
     def gpu_expert_count(self, moe_layers: int, experts: int) -> int:
         """Total GPU experts the options ask for on a model of this shape."""
@@ -148,6 +161,16 @@ class KTransformersPolicy(Policy):
                 actions={e: (Action.GPU if resident[e] else Action.CPU) for e in ex}
             )
         return plan
+
+    def prefill_layer(self, view: View) -> Plan:
+        """The decode rule, or (``prefill = "gpu"``) every non-resident expert through a
+        temporary buffer on the GPU."""
+        if self.options["prefill"] != "gpu":
+            return self.decode_layer(view)
+        resident = view.resident[view.layer]
+        return Plan(
+            actions={e: (Action.GPU if resident[e] else Action.TEMP) for e in view.experts.tolist()}
+        )
 
 
 register(KTransformersPolicy)

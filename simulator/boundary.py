@@ -361,18 +361,23 @@ class _PlanCheck:
 
 
 def _check_low_bit(hooks: Hooks, plan: Any, layer: int, routed: list[int], spec: Any) -> None:
-    """``Plan.low_bit`` names routed TEMP copies, on a system that holds low-bit copies."""
+    """``Plan.low_bit`` names routed TEMP copies, on a system that holds low-bit copies; with
+    ``low_bit_slots`` also routed FETCH and GPU experts (copied to, or held in, a slot as
+    their low-bit copy)."""
     if spec.low_bit_dtype is None:
         raise hooks.error(
             "names low-bit copies (Plan.low_bit) but its resources declare no low_bit_dtype",
             layer,
         )
-    actions = plan.actions or {}
+    actions = plan.actions
+    if actions is not None and not isinstance(actions, dict):
+        return  # refused as a malformed plan by the checks that follow
+    allowed = (A_TEMP, A_FETCH, A_GPU) if spec.low_bit_slots else (A_TEMP,)
     for e in plan.low_bit:
-        if e not in routed or actions.get(e) != A_TEMP:
-            raise hooks.error(
-                f"names expert {e} as a low-bit copy but it is not a TEMP copy", layer
-            )
+        a = A_GPU if actions is None else actions.get(e)
+        if e not in routed or a not in allowed:
+            what = "a TEMP, FETCH or GPU expert" if spec.low_bit_slots else "a TEMP copy"
+            raise hooks.error(f"names expert {e} as a low-bit copy but it is not {what}", layer)
 
 
 def _check_precalc(hooks: Hooks, items: Any, layer: int, res: Any, precalc: Iterable[Slot]) -> None:

@@ -24,6 +24,7 @@ from daopsim.simulator.data import bundled_dir, check_input_file, resolve_trace
 from daopsim.simulator.errors import DoesNotFit, UserError
 from daopsim.simulator.output import output_dir, safe_name, write_figure, write_file, write_text
 from daopsim.simulator.runner import keeps_nothing_resident, simulate
+from daopsim.simulator.serving import ServingConfig
 from daopsim.simulator.trace import read_meta
 
 #: metrics kept per run in the results table
@@ -39,7 +40,21 @@ METRICS = (
     "cpu_expert_evals",
     "cpu_precalc_evals",
     "h2d_bytes",
+    "tpot_mean_s",
+    "low_precision_gate_mass",
+    "prefetches",
 )
+#: metrics a speed-up may compare that the table derives from others (``miss_rate``: 1 minus
+#: the decode hit rate)
+DERIVED = ("miss_rate",)
+
+
+def lower_is_better(metric: str) -> bool:
+    """True for a metric where less is better (a duration, a miss rate, energy): its
+    speed-up is the baseline's value over the target's."""
+    if metric in ("miss_rate", "energy_j"):
+        return True
+    return metric.endswith("_s") and not metric.endswith("per_s")
 
 
 def experiments_dir() -> Path:
@@ -54,10 +69,21 @@ def bundled_experiments() -> dict[str, Path]:
 
 @dataclass
 class ModelSpec:
-    """One model of an experiment: its trace and the policies run at a fixed point."""
+    """One model of an experiment: its trace (bundled name, path, or a synthetic trace of
+    ``synth``: preset or model, sequences, prompt_tokens, output_tokens, seed; generated once
+    into the cache, docs/validation.md) and the policies run at a fixed point."""
 
     trace: str
     fixed: dict[str, dict[str, Any]] = field(default_factory=dict)
+    synth: dict[str, Any] | None = None
+
+    def path(self) -> str:
+        """The trace to run: the bundled name or path, or the cached synthetic trace."""
+        if self.synth is None:
+            return self.trace
+        from daopsim.simulator.trace_cache import synth_trace
+
+        return str(synth_trace(self.synth))
 
 
 @dataclass
@@ -74,6 +100,12 @@ class Experiment:
     policies: dict[str, dict[str, Any]]
     models: list[ModelSpec]
     path: Path
+    #: the metrics the target's speed-ups compare (the first is ``vs_<baseline>``)
+    metrics: list[str] = field(default_factory=lambda: ["tokens_per_s"])
+    #: per policy, an option set to each point's cache ratio (e.g. kTransformers' GPU share)
+    ratio_options: dict[str, str] = field(default_factory=dict)
+    #: requests decoding together (static batches; None: one sequence after another)
+    batch: int | None = None
 
     @property
     def baselines(self) -> list[str]:
@@ -92,8 +124,12 @@ EXPERIMENT_KEYS = (
     "target",
     "policies",
     "models",
+    "metrics",
+    "ratio_options",
+    "batch",
 )
-MODEL_KEYS = ("trace", "fixed")
+MODEL_KEYS = ("trace", "fixed", "synth")
+SYNTH_KEYS = ("preset", "model", "sequences", "prompt_tokens", "output_tokens", "seed")
 
 
 def _unknown(path: Path, where: str, keys: object, known: tuple[str, ...]) -> None:
@@ -159,8 +195,17 @@ def load_experiment(name_or_path: str | os.PathLike[str]) -> Experiment:
         raise UserError(f"{path}: target {target!r} is not under [policies]")
     models = []
     for i, m in enumerate(need("models", list)):
+        if isinstance(m, dict) and "synth" in m and "trace" not in m:
+            synth = m["synth"]
+            if not isinstance(synth, dict) or not ("model" in synth or "preset" in synth):
+                raise UserError(f"{path}: models[{i}].synth must be a table with a model or preset")
+            _unknown(path, f"models[{i}].synth: ", synth, SYNTH_KEYS)
+            name = synth.get("preset", synth.get("model"))
+            m = {**m, "trace": f"synth:{name}"}
+        elif isinstance(m, dict) and "synth" in m:
+            raise UserError(f"{path}: models[{i}] gives both 'trace' and 'synth'")
         if not isinstance(m, dict) or not isinstance(m.get("trace"), str):
-            raise UserError(f"{path}: models[{i}] needs a 'trace' string")
+            raise UserError(f"{path}: models[{i}] needs a 'trace' string or a 'synth' table")
         _unknown(path, f"models[{i}]: ", m, MODEL_KEYS)
         fixed = m.get("fixed", {})
         if not isinstance(fixed, dict) or any(p not in policies for p in fixed):
@@ -170,7 +215,7 @@ def load_experiment(name_or_path: str | os.PathLike[str]) -> Experiment:
                 raise UserError(f"{path}: models[{i}].fixed.{pname} must be a table")
             # the point's options run as the policy's options (experts_per_layer too)
             _check_options(path, f"models[{i}].fixed.{pname}", pname, {**policies[pname], **point})
-        models.append(ModelSpec(trace=m["trace"], fixed=fixed))
+        models.append(ModelSpec(trace=m["trace"], fixed=fixed, synth=m.get("synth")))
     if not models:
         raise UserError(f"{path}: no [[models]] (give at least one, with its trace)")
     seqs = doc.get("sequences")
@@ -182,6 +227,29 @@ def load_experiment(name_or_path: str | os.PathLike[str]) -> Experiment:
     for key in ("description", "dtype"):
         if key in doc and not isinstance(doc[key], str):
             raise UserError(f"{path}: key {key!r} must be a string")
+    metrics = doc.get("metrics", ["tokens_per_s"])
+    known = (*METRICS, *DERIVED)
+    if not isinstance(metrics, list) or not metrics:
+        raise UserError(f"{path}: key 'metrics' must be a non-empty list of metric names")
+    for mname in metrics:
+        if mname not in known:
+            close = difflib.get_close_matches(str(mname), known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise UserError(f"{path}: key 'metrics': unknown metric {mname!r}{hint}")
+    ratio_options = doc.get("ratio_options", {})
+    if not isinstance(ratio_options, dict):
+        raise UserError(f"{path}: key 'ratio_options' must be a table of policy = option")
+    for pname, opt in ratio_options.items():
+        if pname not in policies:
+            raise UserError(f"{path}: ratio_options names {pname!r}, which is not under [policies]")
+        if not isinstance(opt, str):
+            raise UserError(f"{path}: ratio_options.{pname} must be an option name")
+        _check_options(
+            path, f"ratio_options.{pname}", pname, {**policies[pname], opt: float(ratios[0])}
+        )
+    batch = doc.get("batch")
+    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
+        raise UserError(f"{path}: 'batch' must be a positive integer")
     from daopsim.simulator.models import DTYPES
 
     if doc.get("dtype") is not None and doc["dtype"] not in DTYPES:
@@ -199,7 +267,27 @@ def load_experiment(name_or_path: str | os.PathLike[str]) -> Experiment:
         policies=policies,
         models=models,
         path=path,
+        metrics=[str(x) for x in metrics],
+        ratio_options={str(k): str(v) for k, v in ratio_options.items()},
+        batch=batch,
     )
+
+
+def speedup_column(baseline: str, metric: str, index: int = 0) -> str:
+    """The speed-up column of ``baseline`` for the experiment's ``index``-th metric:
+    ``vs_<baseline>`` for the first, ``vs_<baseline>:<metric>`` for the others."""
+    return f"vs_{baseline}" if index == 0 else f"vs_{baseline}:{metric}"
+
+
+def _speedup(target: Any, same: pd.DataFrame, metric: str) -> float:
+    """The target's gain over the baseline's run in ``same`` on ``metric`` (target over
+    baseline, or baseline over target where less is better); NaN without a positive value."""
+    if not len(same):
+        return float("nan")
+    t, b = float(target[metric]), float(same[metric].iloc[0])
+    if lower_is_better(metric):
+        t, b = b, t
+    return t / b if b > 0 and t == t else float("nan")
 
 
 def _ratio_text(ratio: Any) -> str:
@@ -241,10 +329,8 @@ class ExperimentResult:
                     bs = sub[sub["policy"] == b]
                     fixed = bs[bs["fixed"]]
                     same = fixed if len(fixed) else bs[bs["cache_ratio"] == t["cache_ratio"]]
-                    val = float("nan")
-                    if len(same) and same["tokens_per_s"].iloc[0] > 0:
-                        val = t["tokens_per_s"] / same["tokens_per_s"].iloc[0]
-                    row[f"vs_{b}"] = val
+                    for i, metric in enumerate(exp.metrics):
+                        row[speedup_column(b, metric, i)] = _speedup(t, same, metric)
                 rows.append(row)
         return pd.DataFrame(rows)
 
@@ -287,6 +373,13 @@ class ExperimentResult:
             with pd.option_context("display.width", 200, "display.max_columns", 50):
                 lines += ["tokens/s", tps.round(3).to_string(), ""]
                 lines += ["tokens/kJ", kj.round(2).to_string(), ""]
+                for metric in self.experiment.metrics:
+                    if metric in ("tokens_per_s", "tokens_per_kj") or metric not in ok:
+                        continue
+                    piv = ok.pivot_table(
+                        index=["model", "cache_ratio"], columns="policy", values=metric
+                    )
+                    lines += [metric, piv.round(4).to_string(), ""]
                 # speed beside the routing it cost: 1 = exact routing (docs/metrics.md)
                 lines += ["routing fidelity (gate mass preserved)", fid.round(3).to_string(), ""]
                 sp = self.speedups()
@@ -426,13 +519,17 @@ def run_experiment(
                 # compared with the target at every ratio (never skipped as "does not fit")
                 points = [(None, dict(base_opts), True)]
             else:
-                points = [(r, dict(base_opts), False) for r in exp.cache_ratios]
+                linked = exp.ratio_options.get(pname)
+                points = [
+                    (r, {**base_opts, linked: r} if linked else dict(base_opts), False)
+                    for r in exp.cache_ratios
+                ]
             for ratio, opts, fixed in points:
                 kwargs: dict[str, Any] = {}
                 if fixed:
                     per = int(opts.get("experts_per_layer", 0))
                     if per:
-                        layers = read_meta(resolve_trace(spec.trace)).model.moe_layers
+                        layers = read_meta(resolve_trace(spec.path())).model.moe_layers
                         kwargs["gpu_experts"] = per * layers
                 else:
                     kwargs["cache_ratio"] = ratio
@@ -445,11 +542,13 @@ def run_experiment(
                 if progress is not None:
                     where = "fixed point" if fixed else f"ratio {ratio:.4g}"
                     progress(f"{spec.trace}: {pname} at {where}")
+                if exp.batch is not None:
+                    kwargs["serving"] = ServingConfig(batch=exp.batch)
                 try:
                     res = simulate(
                         pname,
                         hw=exp.hw,
-                        trace=spec.trace,
+                        trace=spec.path(),
                         sequences=n_seq,
                         policy_options=opts,
                         dtype=exp.dtype,
@@ -458,7 +557,7 @@ def run_experiment(
                     )
                 except DoesNotFit as exc:
                     # the model's name, as the rows that ran have it (the trace records it)
-                    model = read_meta(resolve_trace(spec.trace)).model.name
+                    model = read_meta(resolve_trace(spec.path())).model.name
                     row.update(model=model, cache_ratio=ratio, status="skipped")
                     row["reason"] = str(exc)
                     rows.append(row)
@@ -473,6 +572,8 @@ def run_experiment(
                     reason="",
                 )
                 row.update({k: res.metrics.get(k) for k in METRICS})
+                hit = res.metrics.get("hit_rate")
+                row["miss_rate"] = None if hit is None else 1.0 - float(hit)
                 rows.append(row)
     cols = ["model", "trace", "hw", "cache_ratio", "policy", "fixed", "gpu_experts", "sequences"]
     table = pd.DataFrame(rows)

@@ -225,23 +225,36 @@ BUILTIN_VARIANTS = (
     PolicySpec.of("vllm-cpu-offload", offload_layers=24),
     PolicySpec.of("moe-infinity", prefetch=False),
     PolicySpec.of("hobbit", skip_threshold=1.0),
+    PolicySpec.of(
+        "ktransformers", gpu_experts_ratio=0.25, placement="front-loading", prefill="gpu"
+    ),
+    PolicySpec.of("least-stale", prefetch=True),
+    PolicySpec.of("cache-conditional", method="max-rank"),
+    PolicySpec.of("hybrimoe", schedule="cpu"),
+    PolicySpec.of("dali", assign="cpu"),
+    PolicySpec.of("slicemoe", warmup=False),
 )
 #: Policies whose placement depends on the budget (all-gpu and stream-all do not).
 BUDGET_POLICIES = [
     "accelerate",
     "belady",
     "belady-global",
+    "cache-conditional",
     "daop",
+    "dali",
     "fiddler",
     "global-lfu",
     "global-lru",
     "hobbit",
+    "hybrimoe",
     "learned",
+    "least-stale",
     "lfu",
     "lru",
     "mixtral-offloading",
     "moe-infinity",
     "round-robin",
+    "slicemoe",
     "static",
     "vllm-cpu-offload",
 ]

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from daopsim.policies.base import Policy, ResourceSpec
+from daopsim.policies.base import Policy, ResourceSpec, low_bit_slots_per_expert
 from daopsim.policies.registry import get_policy_class
 from daopsim.simulator.core.loop import Engine
 from daopsim.simulator.costs import CostModel, cost_model
@@ -992,6 +992,11 @@ def _check_several_gpus(pol: Policy, n_cpu_layers: int) -> None:
             f"policy {pol.name!r} issues its copies on its kernels' stream (one_stream), which "
             "the multi-GPU executors do not model"
         )
+    if pol.resources().low_bit_slots:
+        raise UserError(
+            f"policy {pol.name!r} caches experts in slots of their low-bit copy's size "
+            "(low_bit_slots), which the multi-GPU executors do not model; give --gpus 1"
+        )
 
 
 def load_data(inp: RunInputs, size: RunSize) -> RunData:
@@ -1096,9 +1101,15 @@ def build_run(inp: RunInputs, size: RunSize, data: RunData) -> Run:
         budget = sum(budgets)
         pol = multigpu.ShardedPolicy(pol, placement, budgets)
         multi_kw = {"placement": placement, "budgets": budgets}
+    slots, spec = budget, pol.resources()
+    if spec.low_bit_slots and spec.low_bit_dtype is not None:  # one GPU (checked in size_run)
+        # slots of the low-bit copy's size in the same memory (SliceMoE's bit slices); the
+        # run still reports the budget in full-precision experts
+        low = size.costs.low_bit_expert_bytes(spec.low_bit_dtype)
+        slots = math.floor(budget * low_bit_slots_per_expert(size.costs.expert_bytes, low))
     recorder = _recorder(inp.req.record)
     engine = _engine_class(inp.req.engine, several)(
-        pol, inp.model, size.costs, budget,
+        pol, inp.model, size.costs, slots,
         calibration=data.calib, calibration_prefill=data.calib_pre,
         calibration_sequences=tuple(data.cal_eams) if inp.wants_cal else None,
         oracle=data.oracle, recorder=recorder, seed=inp.req.seed, runtime=size.rt,

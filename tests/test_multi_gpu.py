@@ -476,9 +476,9 @@ def test_sharded_view_tells_each_gpu_when_its_copies_land() -> None:
 def test_every_builtin_policy_runs_on_a_shared_uplink(mode: str) -> None:
     """Every registered built-in policy runs on 2x RTX 4090 (one uplink, peers via host) and
     both executors agree; the only refusals are a policy keeping layers on the CPU, one
-    streaming its non-expert weights (stream-all, which runs with them kept resident) and one
+    streaming its non-expert weights (stream-all, which runs with them kept resident), one
     issuing its copies on its kernels' stream (mixtral-offloading as released; it runs with
-    its copies on a side stream)."""
+    its copies on a side stream) and one caching bit slices (slicemoe)."""
     from daopsim.policies.registry import available
 
     for name in sorted(available()):
@@ -498,6 +498,10 @@ def test_every_builtin_policy_runs_on_a_shared_uplink(mode: str) -> None:
             with pytest.raises(UserError, match="one_stream"):
                 run(name, gpus=2, multi_gpu=mode)
             _agree(name, "2x-rtx4090-pcie4", mode, copy_stream="side")
+            continue
+        if name == "slicemoe":  # slots of a bit slice's size: one GPU only
+            with pytest.raises(UserError, match="low_bit_slots"):
+                run(name, gpus=2, multi_gpu=mode)
             continue
         _agree(name, "2x-rtx4090-pcie4", mode)
 

@@ -46,8 +46,8 @@ TWO_GPU_OPTIONS: dict[str, dict[str, Any]] = {
     "mixtral-offloading": {"copy_stream": "side"},
     "stream-all": {"stream_nonexpert": False},
 }
-#: refused on two GPUs whatever the options (CPU-resident layers)
-NOT_ON_TWO_GPUS = {"llama-cpp-layers"}
+#: refused on two GPUs whatever the options (CPU-resident layers, bit-slice slots)
+NOT_ON_TWO_GPUS = {"llama-cpp-layers", "slicemoe"}
 #: stream-all's default fetches every routed expert into a slot, which an override cannot drop
 #: without changing the residency; gather=selected runs them from temporary buffers
 DROP_OPTIONS: dict[str, dict[str, Any]] = {"stream-all": {"gather": "selected"}}

@@ -132,10 +132,22 @@ def compute_bounds(
         }
 
     out["belady_per_layer"] = belady("belady", "per layer")
-    out["belady"] = dict(out["belady_per_layer"])
     if issubclass(get_policy_class(own), CachingPolicy | GlobalCachingPolicy):
         out["belady_global"] = belady("belady-global", "global")
+    if result.metrics.get("routing_replaced_frac"):
+        # the bounds replay the trace's routing; a run that replaced it (a prediction, a
+        # substitution such as cache-conditional's) may hit more often than they do
+        for key in ("belady_per_layer", "belady_global"):
+            if key in out:
+                out[key]["routing"] = REPLACED_ROUTING_NOTE
+    out["belady"] = dict(out["belady_per_layer"])
     return out
+
+
+#: what the Belady bounds say beside a run that replaced the trace's routing
+REPLACED_ROUTING_NOTE = (
+    "the trace's routing; this run replaced some of it, so its hit rate may exceed the bound"
+)
 
 
 #: grid keys (docs/sweeps.md) -> ``run`` parameters, for axes that take one value in a run
@@ -294,6 +306,8 @@ def render_table(doc: dict[str, Any]) -> str:
                 f"{b['belady_global'].get('gpu_experts', doc['gpu_experts'])} GPU experts over "
                 "all layers)"
             )
+        if per_layer.get("routing"):
+            lines.append(f"  {'':<28} Belady bounds: {per_layer['routing']}")
     return "\n".join(lines)
 
 

@@ -73,8 +73,9 @@ class Applier:
             if a == A_GPU:
                 hits += 1
                 w.gpu.append(self._hit(layer, e))
-            elif a == A_FETCH:
-                op = self._fetch(layer, e, "fetch", plan.victims.get(e), needed, w)
+            elif a == A_FETCH:  # of the low-bit copy when low_bit names it (low_bit_slots)
+                low = bool(plan.low_bit) and e in plan.low_bit
+                op = self._fetch(layer, e, "fetch", plan.victims.get(e), needed, w, low)
                 self.c.fetches += 1
                 w.gpu.append(GpuJob(e, 0.0, op))
             elif a == A_TEMP:
@@ -154,32 +155,30 @@ class Applier:
         self.c.d2h_expert_copies += 1
         return self._op(WRITEBACK, "writeback", layer, expert, w)
 
-    def _fetch(
-        self, layer: int, expert: int, kind: str, victim: Any, needed: set[int], w: LayerWork
-    ) -> Op:
+    def _fetch(self, layer: int, expert: int, kind: str, victim: Any, needed: set[int],
+               w: LayerWork, low: bool = False) -> Op:  # fmt: skip
         """Copy an expert into a slot (``kind``: a fetch or a prefetch), after its victim."""
         if victim is not None:
             self._evict(_int(victim[0]), _int(victim[1]), needed, w)
         op = self._op(FETCH, kind, layer, expert, w)
         self.res.insert(layer * self.res.n_experts + expert, op)
-        self.c.h2d_bytes += self.expert_bytes
-        self.c.h2d_expert_copies += 1
+        self._copied(op, low)
         w.ops.append(op)
         return op
+
+    def _copied(self, op: Op, low: bool) -> None:
+        """Count a copy to the GPU: of the host's low-precision copy when ``low``."""
+        op.low = low
+        self.c.low_bit_copies += low
+        self.c.h2d_bytes += self.m.low_bit_bytes if low else self.expert_bytes
+        self.c.h2d_expert_copies += 1
 
     def _temp(self, layer: int, e: int, low: Any, w: LayerWork) -> Op:
         """A copy into a temporary buffer (of the low-precision host copy if ``low`` names
         the expert); the buffer is free again once the computation ends."""
         op = self._op(TEMP, "temp", layer, e, w)
-        c = self.c
-        c.temp_copies += 1
-        if low and e in low:
-            op.low = True
-            c.low_bit_copies += 1
-            c.h2d_bytes += self.m.low_bit_bytes
-        else:
-            c.h2d_bytes += self.expert_bytes
-        c.h2d_expert_copies += 1
+        self.c.temp_copies += 1
+        self._copied(op, bool(low) and e in low)
         w.ops.append(op)
         return op
 

@@ -165,19 +165,23 @@ class Executor:
                 return
             op.stage = 1
         link = self.m.uplinks[k][0]
-        e = self._copy(t, op, link, link.expert_s, self.expert_bytes, op.rkind)
+        dur, nbytes = self._load(op, link)
+        e = self._copy(t, op, link, dur, nbytes, op.rkind)
         res.copied(op.layer * res.n_experts + op.expert, e)
         self._landed(op, e)
 
     def _temp_in(self, t: float, op: Op) -> None:
         """A copy into a temporary buffer (a low-bit copy when ``op.low``)."""
         link = self.m.uplinks[op.dev][0]
-        if op.low:
-            dur, nbytes = self.m.low_bit_s, self.m.low_bit_bytes
-        else:
-            dur, nbytes = link.expert_s, self.expert_bytes
+        dur, nbytes = self._load(op, link)
         self._copy(t, op, link, dur, nbytes, "temp")
         self._landed(op, op.end)
+
+    def _load(self, op: Op, link: Link) -> tuple[float, int]:
+        """A copy's duration and bytes: the host's low-precision copy's when ``op.low``."""
+        if op.low:
+            return self.m.low_bit_s, self.m.low_bit_bytes
+        return link.expert_s, self.expert_bytes
 
     def _copy(self, t: float, op: Op, link: Link, dur: float, nbytes: int, kind: str) -> float:
         """Serve a host-to-device copy of ``op`` submitted at ``t``; returns its end."""

@@ -780,6 +780,10 @@ class ReferenceEngine:
             elif a == FETCH:
                 op = self._fetch((layer, e), "fetch", plan.victims.get(e), needed, lw)
                 c.fetches += 1
+                if plan.low_bit and e in plan.low_bit:  # the low-bit copy into a slot
+                    op.low = True
+                    c.low_bit_copies += 1
+                    c.h2d_bytes += self.low_bit_bytes - self.expert_bytes
                 lw.gpu.append((e, op))
             elif a == TEMP:
                 temps.append(e)
@@ -980,19 +984,21 @@ class ReferenceEngine:
             self.ledger.ready_at[slot] = env.now
             self._finish(op)
             return
+        # a slot of the low-bit copy's size holds that copy (ResourceSpec.low_bit_slots)
+        seconds, nbytes = (
+            (self.low_bit_s, self.low_bit_bytes) if op.low else (self.h2d_s, self.expert_bytes)
+        )
         lane = dev.h2d
         yield lane.request((env.now, op.seq))
         s = env.now
-        self.ledger.ready_at[slot] = s + self.h2d_s
+        self.ledger.ready_at[slot] = s + seconds
         if self.unified:
-            self.cpu.take_dram(
-                s, self.h2d_s, self.costs.copy_dram_share(self.expert_bytes, self.h2d_s)
-            )
-        yield env.timeout(self.h2d_s)
+            self.cpu.take_dram(s, seconds, self.costs.copy_dram_share(nbytes, seconds))
+        yield env.timeout(seconds)
         lane.release()
-        lane.busy += self.h2d_s
-        dev.h2d_bytes += self.expert_bytes
-        self._row(lane.name, op, s, self.expert_bytes)
+        lane.busy += seconds
+        dev.h2d_bytes += nbytes
+        self._row(lane.name, op, s, nbytes)
         self._finish(op)
 
     def _temp_in(self, op: Op) -> Proc:
