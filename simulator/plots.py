@@ -820,6 +820,126 @@ _PLOTTERS: dict[str, Callable[..., Any]] = {
 }
 
 
+# --- the leaderboard (simulator/leaderboard.py) ---------------------------------------------
+
+
+def _leaderboard_cells(table: pd.DataFrame) -> list[tuple[str, str, int]]:
+    """The table's cells, (model, machine, budget), in the table's order."""
+    cells = table[["model", "hw", "budget"]].drop_duplicates()
+    return [(str(m), str(h), int(b)) for m, h, b in cells.itertuples(index=False)]
+
+
+def plot_leaderboard(table: pd.DataFrame) -> Any:
+    """The leaderboard's heat map: one row per policy (ranked by score, the bounds last), one
+    column per cell (model, machine, budget), coloured by tokens/s relative to the cell's best
+    realisable policy with exact routing (1 = the best); above 1 (approximate routing, bounds)
+    in the colour bar's end colour, a run that did not finish grey and crossed."""
+    from daopsim.simulator.leaderboard import ranking
+
+    plt = _mpl()
+    import matplotlib
+
+    rk = ranking(table)
+    pols = list(rk["policy"])
+    n_real = int((~rk["bound"]).sum())
+    cells = _leaderboard_cells(table)
+    col = {c: j for j, c in enumerate(cells)}
+    row = {p: i for i, p in enumerate(pols)}
+    mat = np.full((len(pols), len(cells)), np.nan)
+    failed: list[tuple[int, int]] = []
+    for r in table.itertuples(index=False):
+        i, j = row[r.policy], col[(r.model, r.hw, int(r.budget))]
+        if r.status == "ok":
+            mat[i, j] = r.relative
+        else:
+            failed.append((i, j))
+    width = min(24.0, max(8.0, 3.2 + 0.22 * len(cells)))
+    height = 1.9 + 0.24 * len(pols)
+    fig, ax = plt.subplots(figsize=(width, height), layout="constrained")
+    cmap = matplotlib.colormaps["viridis"].with_extremes(over="#f03b20", bad="0.88")
+    im = ax.imshow(
+        np.ma.masked_invalid(mat), aspect="auto", vmin=0.0, vmax=1.0, cmap=cmap,
+        interpolation="none",
+    )  # fmt: skip
+    for i, j in failed:
+        ax.plot([j - 0.4, j + 0.4], [i - 0.4, i + 0.4], color="0.4", lw=0.8)
+        ax.plot([j - 0.4, j + 0.4], [i + 0.4, i - 0.4], color="0.4", lw=0.8)
+    ax.set_yticks(range(len(pols)), pols, fontsize=8)
+    ax.set_xticks(range(len(cells)), [f"{h} {b}" for _, h, b in cells], rotation=90, fontsize=6)
+    if n_real < len(pols):  # the bounds under a line
+        ax.axhline(n_real - 0.5, color="white", lw=2.0)
+    models = list(dict.fromkeys(m for m, _, _ in cells))
+    for m in models:  # each model's columns, named above them, split by a line
+        js = [j for j, c in enumerate(cells) if c[0] == m]
+        ax.text((js[0] + js[-1]) / 2, -0.7, m, ha="center", va="bottom", fontsize=8)
+        if js[0] > 0:
+            ax.axvline(js[0] - 0.5, color="white", lw=2.0)
+    ax.set_xlabel("cell: machine, budget (1, 2, 3: fewest to most resident experts)")
+    fig.colorbar(
+        im, ax=ax, extend="max", fraction=0.025, pad=0.01,
+        label="relative tokens/s",
+    )  # fmt: skip
+    _title(
+        fig,
+        "Leaderboard: tokens/s relative to the best realisable policy of each cell",
+        "above 1 (red): approximate routing or a bound; grey and crossed: did not run "
+        "(docs/leaderboard.md)",
+    )
+    return fig
+
+
+def plot_leaderboard_pareto(table: pd.DataFrame) -> Any:
+    """Score against routing fidelity, one panel per model: each realisable policy's geometric
+    mean relative tokens/s over the model's cells against its mean routing fidelity (gate mass
+    preserved), and the front of policies no other beats on both."""
+    from daopsim.simulator.leaderboard import ranking
+
+    plt = _mpl()
+    models = list(dict.fromkeys(table["model"]))
+    n = len(models)
+    ncols = 2 if n > 1 else 1
+    nrows = math.ceil(n / ncols)
+    fig, grid = plt.subplots(
+        nrows, ncols, figsize=(6.0 * ncols, 4.2 * nrows), squeeze=False, layout="constrained"
+    )
+    axes = [a for rowax in grid for a in rowax]
+    for ax in axes[n:]:
+        ax.set_visible(False)
+    for ax, m in zip(axes, models, strict=False):
+        sub = table[(table["model"] == m) & ~table["bound"] & (table["status"] == "ok")]
+        rk = ranking(table[table["model"] == m])
+        rk = rk[~rk["bound"] & rk["score"].notna()]
+        fid = sub.groupby("policy")["gate_mass_preserved"].mean()
+        pts = pd.DataFrame({"policy": rk["policy"], "score": rk[m].to_numpy()})
+        pts["fidelity"] = [float(fid.get(p, np.nan)) for p in pts["policy"]]
+        pts = pts.dropna()
+        for p in pts.itertuples(index=False):
+            ax.scatter(p.fidelity, p.score, color=policy_color(p.policy), s=36, label=p.policy,
+                       zorder=_Z_POLICY, edgecolors="white", linewidths=0.5)  # fmt: skip
+        order = pts.sort_values(["fidelity", "score"], ascending=[False, False], kind="stable")
+        front, best = [], -np.inf
+        for p in order.itertuples(index=False):
+            if p.score > best:
+                front.append(p)
+                best = p.score
+        # the edge of what the front dominates: down from each point, then on to the next
+        # (by fidelity, lowest first)
+        edge = front[::-1]
+        ax.step([p.fidelity for p in edge], [p.score for p in edge], where="pre",
+                color="black", lw=1.0, zorder=_Z_BOUND)  # fmt: skip
+        lo = float(pts["fidelity"].min()) if len(pts) else 1.0
+        ax.set_xlim(min(lo, 1.0) - max(0.01, 0.08 * (1.0 - lo)), 1.0 + max(0.005, 0.04 * (1 - lo)))
+        _fit_y0(ax, pts["score"])
+        ax.set_xlabel("routing fidelity (gate mass preserved, mean over cells)")
+        ax.set_ylabel("score (geometric mean of relative tokens/s)")
+        ax.set_title(m, fontsize=10)
+        ax.grid(alpha=0.3)
+        _note_under(ax, ["front: " + ", ".join(p.policy for p in front)] if front else [])
+    _legend(fig, axes[:n])
+    _title(fig, "Leaderboard: speed against routing fidelity, per model")
+    return _finish(fig, 4.2 * nrows)
+
+
 def plot(df: pd.DataFrame | str | os.PathLike[str], kind: str, **kwargs: Any) -> Any:
     """Draw one plot kind (see ``KINDS``); extra keyword arguments go to that plot function."""
     if kind not in _PLOTTERS:
@@ -863,6 +983,8 @@ __all__ = [
     "plot_heatmap",
     "plot_hit_rate",
     "plot_latency_load",
+    "plot_leaderboard",
+    "plot_leaderboard_pareto",
     "plot_pareto",
     "plot_throughput",
     "policy_color",

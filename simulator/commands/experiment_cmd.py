@@ -22,6 +22,21 @@ def resolve_or_none(trace: str) -> Path | None:
         return None
 
 
+def _names(text: str | None, flag: str) -> list[str] | None:
+    """A comma-separated list of names (None when the option was not given)."""
+    if text is None:
+        return None
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise UserError(f"{flag}: no names given")
+    return items
+
+
+#: Options only a leaderboard (a grid run through the sweep machinery) takes.
+_GRID_OPTIONS = ("--runs", "--policies", "--extra-policies", "--hw", "--models", "--executor",
+                 "--workers", "--scheduler", "--no-progress")  # fmt: skip
+
+
 @click.command("experiment")
 @click.argument("name", default="daop-paper")
 @click.option(
@@ -30,7 +45,8 @@ def resolve_or_none(trace: str) -> Path | None:
     "out_dir",
     type=click.Path(path_type=Path),
     default=None,
-    help="Folder for results.csv/.parquet, speedups.csv, summary.txt and tokens_per_s.png "
+    help="Folder for results.csv/.parquet, speedups.csv, summary.txt and tokens_per_s.png; "
+    "for a leaderboard leaderboard.parquet, leaderboard.md, relative.png and pareto.png "
     "(default: ./<experiment>-results).",
 )
 @click.option(
@@ -39,15 +55,52 @@ def resolve_or_none(trace: str) -> Path | None:
     default=None,
     help="Evaluation sequences per run (default: the experiment file's 'sequences').",
 )
+@click.option(
+    "--runs",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Leaderboard: folder of its resumable sweep stores, one per model (default: "
+    "./<experiment>-runs); run again to resume.",
+)
+@click.option("--policies", help="Leaderboard: only these policies (comma-separated).")
+@click.option(
+    "--extra-policies",
+    help="Leaderboard: policies added to its own (a plugin, a policy under test).",
+)
+@click.option("--hw", help="Leaderboard: only these of its machines (comma-separated).")
+@click.option("--models", help="Leaderboard: only these of its models (comma-separated).")
+@click.option(
+    "--executor", type=click.Choice(["local", "dask"]), default=None, help="Leaderboard: "
+    "process pool (local, the default) or Dask."
+)  # fmt: skip
+@click.option("--workers", type=int, help="Leaderboard: worker processes (default: CPUs).")
+@click.option("--scheduler", metavar="ADDRESS", help="Leaderboard: a Dask scheduler address.")
+@click.option("--no-progress", is_flag=True, default=None, help="Leaderboard: no progress bar.")
 @click.option("--list", "list_only", is_flag=True, help="List the bundled experiments and exit.")
 @json_option
 def experiment(
-    name: str, out_dir: Path | None, sequences: int | None, list_only: bool, as_json: bool
+    name: str,
+    out_dir: Path | None,
+    sequences: int | None,
+    list_only: bool,
+    as_json: bool,
+    runs: Path | None = None,
+    policies: str | None = None,
+    extra_policies: str | None = None,
+    hw: str | None = None,
+    models: str | None = None,
+    executor: str | None = None,
+    workers: int | None = None,
+    scheduler: str | None = None,
+    no_progress: bool | None = None,
 ) -> None:
-    """Run experiment NAME (a bundled name such as daop-paper, or a TOML file).
+    """Run experiment NAME (a bundled name such as daop-paper or leaderboard, or a TOML file).
 
     Every policy runs on the same trace, hardware profile and cost model; points whose
-    expert budget does not fit in GPU memory are skipped and reported with the reason.
+    expert budget does not fit in GPU memory are skipped and reported with the reason. A
+    leaderboard (docs/leaderboard.md) runs every built-in policy on its grid of models,
+    machines and budgets through the sweep machinery: resumable (--runs), in parallel
+    (--workers, --executor dask).
     """
     from daopsim.simulator.experiments import (
         EXPERIMENT_REPLACES,
@@ -55,6 +108,7 @@ def experiment(
         load_experiment,
         run_experiment,
     )
+    from daopsim.simulator.leaderboard import file_kind
 
     if list_only:
         names = {n: str(p) for n, p in bundled_experiments().items()}
@@ -64,6 +118,15 @@ def experiment(
             for n, p in names.items():
                 click.echo(f"{n}  {p}")
         return
+    path = bundled_experiments().get(name) or Path(name)
+    grid_opts = (runs, policies, extra_policies, hw, models, executor, workers, scheduler,
+                 no_progress)  # fmt: skip
+    if path.is_file() and file_kind(path) == "leaderboard":
+        _leaderboard(path, out_dir, sequences, as_json, *grid_opts)
+        return
+    given = [flag for flag, v in zip(_GRID_OPTIONS, grid_opts, strict=True) if v is not None]
+    if given:
+        raise UserError(f"{given[0]} applies to a leaderboard experiment only, not to {name!r}")
     exp = load_experiment(name)
     out = out_dir if out_dir is not None else Path(f"{exp.name}-results")
     traces = [resolve_or_none(m.trace) for m in exp.models]
@@ -83,3 +146,84 @@ def experiment(
         click.echo(f"{exp.name}: {exp.description}")
         click.echo(result.format_table())
         click.echo(f"wrote {', '.join(str(p) for p in paths.values())}")
+
+
+def _leaderboard(
+    path: Path,
+    out_dir: Path | None,
+    sequences: int | None,
+    as_json: bool,
+    runs: Path | None,
+    policies: str | None,
+    extra_policies: str | None,
+    hw: str | None,
+    models: str | None,
+    executor: str | None,
+    workers: int | None,
+    scheduler: str | None,
+    no_progress: bool | None,
+) -> None:
+    """``experiment`` for a leaderboard file: run its grid, print the ranking, write the set."""
+    import time
+
+    from daopsim.simulator.leaderboard import (
+        LEADERBOARD_FILES,
+        load_leaderboard,
+        ranking,
+        run_leaderboard,
+    )
+
+    board = load_leaderboard(path)
+    out = out_dir if out_dir is not None else Path(f"{board.name}-results")
+    check_output_dir(out, tuple(LEADERBOARD_FILES.values()), "--out", [path])
+    if sequences is not None and sequences <= 0:
+        raise UserError(f"--sequences must be a positive integer, got {sequences}")
+    if workers is not None and workers < 1:
+        raise UserError(f"--workers must be at least 1, got {workers}")
+    t0 = time.perf_counter()
+
+    def on_model(label: str) -> None:
+        if not as_json:
+            click.echo(f"  {board.name}: {label}", err=True)
+
+    result = run_leaderboard(
+        board,
+        runs=runs if runs is not None else Path(f"{board.name}-runs"),
+        extra_policies=_names(extra_policies, "--extra-policies"),
+        policies=_names(policies, "--policies"),
+        hw=_names(hw, "--hw"),
+        models=_names(models, "--models"),
+        sequences=sequences,
+        executor=executor or "local",
+        workers=workers,
+        scheduler=scheduler,
+        progress=not no_progress and not as_json,
+        on_model=on_model,
+    )
+    paths = result.write(out, flag="--out")
+    elapsed = time.perf_counter() - t0
+    tab = result.table
+    if as_json:
+        rk = ranking(tab)
+        echo_json(
+            {
+                "experiment": board.name,
+                "rows": len(tab),
+                "ok": int((tab["status"] == "ok").sum()),
+                "not_ok": int((tab["status"] != "ok").sum()),
+                "elapsed_s": round(elapsed, 3),
+                "ranking": rk.to_dict(orient="records"),
+                "sweeps": result.summaries,
+                "outputs": {k: str(v) for k, v in paths.items()},
+            }
+        )
+        return
+    click.echo(f"{board.name}: {board.description}")
+    rk = ranking(tab)
+    for i, r in enumerate(rk[~rk["bound"]].itertuples(index=False), 1):
+        click.echo(f"  {i:>2}. {r.policy:<20} score {r.score:.3f}  ({r.cells}/{r.of} cells)")
+    n_bad = int((tab["status"] != "ok").sum())
+    click.echo(
+        f"{len(tab)} rows, {n_bad} did not run; {elapsed:.0f} s; "
+        f"wrote {', '.join(str(p) for p in paths.values())}"
+    )
