@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
 from daopsim.simulator.commands.common import echo_json, json_option
-from daopsim.simulator.errors import UserError
+from daopsim.simulator.errors import ExitCode, UserError
 from daopsim.simulator.output import check_output_dir
 
 
@@ -166,12 +168,7 @@ def _leaderboard(
     """``experiment`` for a leaderboard file: run its grid, print the ranking, write the set."""
     import time
 
-    from daopsim.simulator.leaderboard import (
-        LEADERBOARD_FILES,
-        load_leaderboard,
-        ranking,
-        run_leaderboard,
-    )
+    from daopsim.simulator.leaderboard import LEADERBOARD_FILES, load_leaderboard, ranking
 
     board = load_leaderboard(path)
     out = out_dir if out_dir is not None else Path(f"{board.name}-results")
@@ -186,7 +183,63 @@ def _leaderboard(
         if not as_json:
             click.echo(f"  {board.name}: {label}", err=True)
 
-    result = run_leaderboard(
+    try:
+        result = _run(board, runs, extra_policies, policies, hw, models, sequences, executor,
+                      workers, scheduler, no_progress, as_json, on_model)  # fmt: skip
+    except KeyboardInterrupt:
+        click.echo("interrupted: finished runs are kept; run the same command to resume", err=True)
+        sys.exit(ExitCode.INTERRUPTED)
+    paths = result.write(out, flag="--out")
+    elapsed = time.perf_counter() - t0
+    tab = result.table
+    failed = tab[tab["status"] == "error"]
+    if as_json:
+        rk = ranking(tab)
+        echo_json(
+            {
+                "experiment": board.name,
+                "rows": len(tab),
+                "ok": int((tab["status"] == "ok").sum()),
+                "failed": len(failed),
+                "elapsed_s": round(elapsed, 3),
+                "ranking": rk.to_dict(orient="records"),
+                "sweeps": result.summaries,
+                "outputs": {k: str(v) for k, v in paths.items()},
+            }
+        )
+    else:
+        click.echo(f"{board.name}: {board.description}")
+        rk = ranking(tab)
+        for i, r in enumerate(rk[~rk["bound"]].itertuples(index=False), 1):
+            click.echo(f"  {i:>2}. {r.policy:<20} score {r.score:.3f}  ({r.cells}/{r.of} cells)")
+        click.echo(
+            f"{len(tab)} rows, {len(failed)} failed; {elapsed:.0f} s; "
+            f"wrote {', '.join(str(p) for p in paths.values())}"
+        )
+        for r in failed.itertuples(index=False):
+            click.echo(f"failed: {r.policy} on {r.hw} ({r.model}, budget {r.budget}): {r.error}",
+                       err=True)  # fmt: skip
+    sys.exit(ExitCode.FAILED if len(failed) else ExitCode.OK)
+
+
+def _run(
+    board: Any,
+    runs: Path | None,
+    extra_policies: str | None,
+    policies: str | None,
+    hw: str | None,
+    models: str | None,
+    sequences: int | None,
+    executor: str | None,
+    workers: int | None,
+    scheduler: str | None,
+    no_progress: bool | None,
+    as_json: bool,
+    on_model: Any,
+) -> Any:
+    from daopsim.simulator.leaderboard import run_leaderboard
+
+    return run_leaderboard(
         board,
         runs=runs if runs is not None else Path(f"{board.name}-runs"),
         extra_policies=_names(extra_policies, "--extra-policies"),
@@ -199,31 +252,4 @@ def _leaderboard(
         scheduler=scheduler,
         progress=not no_progress and not as_json,
         on_model=on_model,
-    )
-    paths = result.write(out, flag="--out")
-    elapsed = time.perf_counter() - t0
-    tab = result.table
-    if as_json:
-        rk = ranking(tab)
-        echo_json(
-            {
-                "experiment": board.name,
-                "rows": len(tab),
-                "ok": int((tab["status"] == "ok").sum()),
-                "not_ok": int((tab["status"] != "ok").sum()),
-                "elapsed_s": round(elapsed, 3),
-                "ranking": rk.to_dict(orient="records"),
-                "sweeps": result.summaries,
-                "outputs": {k: str(v) for k, v in paths.items()},
-            }
-        )
-        return
-    click.echo(f"{board.name}: {board.description}")
-    rk = ranking(tab)
-    for i, r in enumerate(rk[~rk["bound"]].itertuples(index=False), 1):
-        click.echo(f"  {i:>2}. {r.policy:<20} score {r.score:.3f}  ({r.cells}/{r.of} cells)")
-    n_bad = int((tab["status"] != "ok").sum())
-    click.echo(
-        f"{len(tab)} rows, {n_bad} did not run; {elapsed:.0f} s; "
-        f"wrote {', '.join(str(p) for p in paths.values())}"
     )
