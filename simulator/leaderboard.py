@@ -34,7 +34,7 @@ from daopsim.simulator.output import output_dir, safe_name, write_figure, write_
 
 #: Keys of a leaderboard file and of each ``[[models]]`` table.
 LEADERBOARD_KEYS = ("name", "kind", "description", "hw", "sequences", "policies", "models")
-MODEL_KEYS = ("trace", "model", "synth", "experts_per_layer")
+MODEL_KEYS = ("trace", "model", "synth", "experts_per_layer", "sequences")
 SYNTH_KEYS = ("sequences", "prompt_tokens", "output_tokens", "seed")
 #: The files a leaderboard folder holds (swapped in as one set).
 LEADERBOARD_FILES = {
@@ -89,6 +89,8 @@ class ModelEntry:
     experts_per_layer: tuple[float, ...]
     trace: str | None = None
     synth: tuple[tuple[str, Any], ...] | None = None
+    #: evaluation sequences per run (None: the leaderboard's)
+    sequences: int | None = None
 
     def trace_label(self) -> str:
         """The trace as the table names it: a bundled name or path as given, or what a
@@ -166,12 +168,15 @@ def _model_entry(path: Path, i: int, m: Any) -> ModelEntry:
         if isinstance(x, bool) or not isinstance(x, int | float) or not x > 0:
             raise UserError(f"{path}: {where}.experts_per_layer: {x!r} is not a positive number")
     budgets = tuple(float(x) for x in per)
+    seqs = m.get("sequences")
+    if seqs is not None:
+        _positive_int(path, f"{where}.sequences", seqs)
     if trace is not None:
         if not isinstance(trace, str):
             raise UserError(f"{path}: {where}.trace must be a string")
         if "synth" in m:
             raise UserError(f"{path}: {where}: 'synth' goes with 'model', not 'trace'")
-        return ModelEntry(label="", experts_per_layer=budgets, trace=trace)
+        return ModelEntry(label="", experts_per_layer=budgets, trace=trace, sequences=seqs)
     if not isinstance(model, str):
         raise UserError(f"{path}: {where}.model must be a string")
     from daopsim.simulator.models import get_model
@@ -187,7 +192,8 @@ def _model_entry(path: Path, i: int, m: Any) -> ModelEntry:
                 raise UserError(f"{path}: {where}.synth.seed must be a non-negative integer")
         else:
             _positive_int(path, f"{where}.synth.{key}", value)
-    return ModelEntry(label=name, experts_per_layer=budgets, synth=tuple(sorted(spec.items())))
+    synth = tuple(sorted(spec.items()))
+    return ModelEntry(label=name, experts_per_layer=budgets, synth=synth, sequences=seqs)
 
 
 def load_leaderboard(name_or_path: str | os.PathLike[str]) -> Leaderboard:
@@ -226,7 +232,9 @@ def load_leaderboard(name_or_path: str | os.PathLike[str]) -> Leaderboard:
             from daopsim.simulator.trace import read_meta
 
             label = read_meta(resolve_trace(entry.trace)).model.name
-            entry = ModelEntry(label, entry.experts_per_layer, trace=entry.trace)
+            entry = ModelEntry(
+                label, entry.experts_per_layer, trace=entry.trace, sequences=entry.sequences
+            )
         entries.append(entry)
     labels = [e.label for e in entries]
     if len(set(labels)) != len(labels):
@@ -329,7 +337,6 @@ def run_leaderboard(
     machines = _subset(hw, board.hw, "--hw", "machines")
     labels = _subset(models, [m.label for m in board.models], "--models", "models")
     entries = [m for m in board.models if m.label in labels]
-    n_seq = sequences if sequences is not None else board.sequences
     folder = Path(runs)
     frames = []
     summaries: dict[str, Any] = {}
@@ -343,7 +350,7 @@ def run_leaderboard(
             hw=machines,
             traces=[str(path)],
             gpu_experts=budgets(entry, layers),
-            sequences=n_seq,
+            sequences=sequences or entry.sequences or board.sequences,
         )
         df, summary = run_sweep(
             grid,
