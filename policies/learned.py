@@ -114,15 +114,24 @@ class Scorer:
         return cls(**arrays, b2=float(b2), trained=trained if isinstance(trained, dict) else {})
 
 
-class Net:
-    """The scorer's network in typed loops (the compiled build runs them as C; a handful of
-    candidates costs far less than numpy's per-call overhead): standardised features
-    ``z = (x - mean) / scale``, hidden units ``tanh(sum_i z_i w1[i, j] + b1[j])`` with the sum
-    taken from the last feature to the first, then ``sum_j h_j w2[j] + b2`` in order.
+def _tanh(x: float) -> float:
+    """tanh from ``math.exp`` (a C call in the compiled build, where ``math.tanh`` is a
+    call through Python): the same function to a few units in the last place."""
+    if x >= 0.0:
+        t = math.exp(-2.0 * x)
+        return (1.0 - t) / (1.0 + t)
+    t = math.exp(2.0 * x)
+    return (t - 1.0) / (t + 1.0)
 
-    The last features of a layer's candidates are the same for all of them (phase, layer,
-    quota): :meth:`best` sums their share of each hidden unit once, which the order of the
-    sum makes exactly the score of each row alone."""
+
+class Net:
+    """The scorer's network in typed loops over the eight :data:`FEATURES` (the compiled
+    build runs them as C; a handful of candidates costs far less than numpy's per-call
+    overhead): ``z = (x - mean) / scale``, hidden units ``tanh(sum_i z_i w1[i, j] + b1[j])``,
+    then ``sum_j h_j w2[j] + b2``. Each hidden sum runs from the last feature to the first, so
+    the share of the last three, which are the same for every expert of a layer (phase, layer,
+    quota), is summed once per decision (:meth:`shared`) and each candidate adds its own five
+    (:meth:`score_with`): exactly the score of each row alone."""
 
     def __init__(
         self,
@@ -133,63 +142,67 @@ class Net:
         w2: list[float],
         b2: float,
     ) -> None:
+        if len(mean) != len(FEATURES):
+            raise ValueError(f"the network reads {len(FEATURES)} features, got {len(mean)}")
         self.mean = mean
         self.scale = scale
-        #: w1's columns: one weight vector per hidden unit
-        self.cols: list[list[float]] = [[row[j] for row in w1] for j in range(len(b1))]
+        #: w1's rows: each feature's weights to the hidden units
+        self.w: list[list[float]] = [list(row) for row in w1]
         self.b1 = b1
         self.w2 = w2
         self.b2 = b2
+        self.hidden = len(b1)
 
-    def _z(self, row: list[float], n: int) -> list[float]:
-        """The first ``n`` features of ``row``, standardised."""
-        mean, scale = self.mean, self.scale
-        return [(row[i] - mean[i]) / scale[i] for i in range(n)]
-
-    def _tails(self, row: list[float], m: int) -> list[float]:
-        """Each hidden unit's sum over the features from ``m`` on (last first)."""
-        n = len(self.mean)
-        z = self._z(row, n)
+    def shared(self, row: list[float]) -> list[float]:
+        """Each hidden unit's sum over the last three features (phase, layer, quota) of
+        ``row``, the last first."""
+        mean, scale, w = self.mean, self.scale, self.w
+        z7 = (row[7] - mean[7]) / scale[7]
+        z6 = (row[6] - mean[6]) / scale[6]
+        z5 = (row[5] - mean[5]) / scale[5]
+        w7, w6, w5 = w[7], w[6], w[5]
         out: list[float] = []
-        for col in self.cols:
-            acc = 0.0
-            for i in range(n - 1, m - 1, -1):
-                acc += z[i] * col[i]
+        for j in range(self.hidden):
+            acc = z7 * w7[j]
+            acc += z6 * w6[j]
+            acc += z5 * w5[j]
             out.append(acc)
         return out
 
-    def _finish(self, row: list[float], m: int, tails: list[float]) -> float:
-        """The score of ``row`` whose hidden sums over the features from ``m`` on are
-        ``tails``."""
-        z = self._z(row, m)
-        b1, w2 = self.b1, self.w2
+    def score_with(self, row: list[float], shared: list[float]) -> float:
+        """The score of ``row`` whose last three features' sums are ``shared``."""
+        mean, scale, w = self.mean, self.scale, self.w
+        z4 = (row[4] - mean[4]) / scale[4]
+        z3 = (row[3] - mean[3]) / scale[3]
+        z2 = (row[2] - mean[2]) / scale[2]
+        z1 = (row[1] - mean[1]) / scale[1]
+        z0 = (row[0] - mean[0]) / scale[0]
+        w4, w3, w2, w1, w0 = w[4], w[3], w[2], w[1], w[0]
+        b1, v = self.b1, self.w2
         out = 0.0
-        for j, col in enumerate(self.cols):
-            acc = tails[j]
-            for i in range(m - 1, -1, -1):
-                acc += z[i] * col[i]
-            out += math.tanh(acc + b1[j]) * w2[j]
+        for j in range(self.hidden):
+            acc = shared[j]
+            acc += z4 * w4[j]
+            acc += z3 * w3[j]
+            acc += z2 * w2[j]
+            acc += z1 * w1[j]
+            acc += z0 * w0[j]
+            out += _tanh(acc + b1[j]) * v[j]
         return out + self.b2
 
     def score(self, row: list[float]) -> float:
         """The score of one feature row."""
-        return self._finish(row, 0, self._tails(row, 0))
+        return self.score_with(row, self.shared(row))
 
     def best(self, rows: list[list[float]]) -> int:
         """The index of the highest-scoring row (the first on ties)."""
         first = rows[0]
-        n = len(first)
-        m = 0  # every row has the first row's features from m on
-        for row in rows:
-            k = n
-            while k > 0 and row[k - 1] == first[k - 1]:
-                k -= 1
-            if k > m:
-                m = k
-        tails = self._tails(first, m)
-        best, top = 0, self._finish(first, m, tails)
+        sh = self.shared(first)
+        best, top = 0, self.score_with(first, sh)
         for k in range(1, len(rows)):
-            s = self._finish(rows[k], m, tails)
+            row = rows[k]
+            same = row[5] == first[5] and row[6] == first[6] and row[7] == first[7]
+            s = self.score_with(row, sh if same else self.shared(row))
             if s > top:
                 best, top = k, s
         return best

@@ -130,7 +130,11 @@ class ObservedCache(CachingPolicy):
         """Every expert's access count decayed with a half-life of HALF_LIFE steps, at
         ``step``."""
         rstep = self.recent_step[layer]
-        return [r * _DECAY ** (step - rstep[e]) for e, r in enumerate(self.recent[layer])]
+        # (math.pow: a C call in the compiled build; an expert never used stays 0)
+        return [
+            r * math.pow(_DECAY, float(step - rstep[e])) if r else 0.0
+            for e, r in enumerate(self.recent[layer])
+        ]
 
     def layer_stats(self, layer: int) -> LayerStats:
         """The layer's recency ranks, ages, access counts and decayed counts, now."""
@@ -151,8 +155,9 @@ class ObservedCache(CachingPolicy):
         assert view is not None, "features are read during a decision"
         step: int = view.step
         n_exp = self.n_experts
-        n_res = len(self.cache[layer])
-        ranks: dict[int, int] = {e: r for r, e in enumerate(self.recency_order(layer))}
+        cache = self.cache[layer]
+        n_res = len(cache)
+        ticks = self.last_tick[layer]
         rank_div = float(max(1, n_res - 1))
         freq_scale = n_exp / max(1, self.freq_sum[layer])
         recent = self.decayed(layer, step)
@@ -168,9 +173,16 @@ class ObservedCache(CachingPolicy):
         quota_frac = self.quota[layer] / n_exp
         rows: list[list[float]] = []
         for e in experts:
+            rank = n_res  # a resident expert's: how many resident ones were used before it
+            if e in cache:
+                t = ticks[e]
+                rank = 0
+                for c in cache:
+                    if ticks[c] < t:
+                        rank += 1
             rows.append(
                 [
-                    ranks.get(e, n_res) / rank_div,
+                    rank / rank_div,
                     math.log1p(step - last[e]),
                     freq[e] * freq_scale,
                     recent[e] * recent_scale,
