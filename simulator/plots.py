@@ -881,9 +881,8 @@ def plot_leaderboard(table: pd.DataFrame) -> Any:
     )  # fmt: skip
     _title(
         fig,
-        "Leaderboard: tokens/s relative to the best realisable policy of each cell",
-        "above 1 (red): approximate routing or a bound; grey and crossed: did not run "
-        "(docs/leaderboard.md)",
+        "Tokens/s relative to each cell's best exact-routing policy",
+        "red: above 1 (approximate routing, bounds); grey, crossed: did not run",
     )
     return fig
 
@@ -905,6 +904,7 @@ def plot_leaderboard_pareto(table: pd.DataFrame) -> Any:
     axes = [a for rowax in grid for a in rowax]
     for ax in axes[n:]:
         ax.set_visible(False)
+    labelled: list[tuple[Any, pd.DataFrame]] = []
     for ax, m in zip(axes, models, strict=False):
         sub = table[(table["model"] == m) & ~table["bound"] & (table["status"] == "ok")]
         rk = ranking(table[table["model"] == m])
@@ -914,8 +914,8 @@ def plot_leaderboard_pareto(table: pd.DataFrame) -> Any:
         pts["fidelity"] = [float(fid.get(p, np.nan)) for p in pts["policy"]]
         pts = pts.dropna()
         for p in pts.itertuples(index=False):
-            ax.scatter(p.fidelity, p.score, color=policy_color(p.policy), s=36, label=p.policy,
-                       zorder=_Z_POLICY, edgecolors="white", linewidths=0.5)  # fmt: skip
+            ax.scatter(p.fidelity, p.score, color=policy_color(p.policy), s=30,
+                       zorder=_Z_POLICY, edgecolors="black", linewidths=0.4)  # fmt: skip
         order = pts.sort_values(["fidelity", "score"], ascending=[False, False], kind="stable")
         front, best = [], -np.inf
         for p in order.itertuples(index=False):
@@ -934,10 +934,23 @@ def plot_leaderboard_pareto(table: pd.DataFrame) -> Any:
         ax.set_ylabel("score (geometric mean of relative tokens/s)")
         ax.set_title(m, fontsize=10)
         ax.grid(alpha=0.3)
-        _note_under(ax, ["front: " + ", ".join(p.policy for p in front)] if front else [])
-    _legend(fig, axes[:n])
+        exact = pts[pts["fidelity"] >= EXACT_FIDELITY].sort_values("score", ascending=False)
+        notes = ["front: " + ", ".join(p.policy for p in front)] if front else []
+        if len(exact) > 3:  # a column of points at fidelity 1: named in order under the axes
+            notes.append(
+                "exact routing (fidelity 1), by score: "
+                + ", ".join(f"{p.policy} {p.score:.2f}" for p in exact.itertuples(index=False))
+            )
+        _note_under(ax, notes)
+        # named beside them: the front, the approximate ones, the best three exact ones
+        named = {p.policy for p in front} | set(exact["policy"][:3])
+        named |= set(pts[pts["fidelity"] < EXACT_FIDELITY]["policy"])
+        labelled.append((ax, pts[pts["policy"].isin(named)]))
     _title(fig, "Leaderboard: speed against routing fidelity, per model")
-    return _finish(fig, 4.2 * nrows)
+    _finish(fig, 4.2 * nrows)  # the final size first: the labels are placed in display space
+    for ax, pts in labelled:  # each point named beside it (more policies than colours)
+        place_labels(ax, pts["fidelity"].tolist(), pts["score"].tolist(), list(pts["policy"]))
+    return fig
 
 
 def plot(df: pd.DataFrame | str | os.PathLike[str], kind: str, **kwargs: Any) -> Any:
