@@ -10,8 +10,9 @@ rows into the leaderboard: each row's tokens/s relative to the best realisable p
 exact routing at the same point (its *cell*), the routing fidelity beside it, the all-GPU and
 Belady bounds as rows of their own. :func:`markdown` writes the table as Markdown (a pure
 function of the table, so the committed Markdown can be checked against the committed
-Parquet); the figures are ``plots.plot_leaderboard`` (relative tokens/s per cell) and
-``plots.plot_leaderboard_pareto`` (score against routing fidelity). docs/leaderboard.md.
+Parquet); the figures are :func:`heatmap_figure` (relative tokens/s per cell) and
+:func:`pareto_figure` (score against routing fidelity), drawn with simulator/plots.py's
+helpers. docs/leaderboard.md.
 """
 
 from __future__ import annotations
@@ -198,10 +199,11 @@ def _model_entry(path: Path, i: int, m: Any) -> ModelEntry:
 
 def load_leaderboard(name_or_path: str | os.PathLike[str]) -> Leaderboard:
     """A bundled leaderboard by name or a TOML path; a UserError names the file and key."""
-    from daopsim.simulator.experiments import bundled_experiments
+    from daopsim.simulator.data import bundled_dir
 
     text = str(name_or_path)
-    path = bundled_experiments().get(text) or Path(text)
+    bundled = {p.stem: p for p in bundled_dir("experiments").glob("*.toml")}
+    path = bundled.get(text) or Path(text)
     check_input_file(path, "leaderboard")
     try:
         doc = tomllib.loads(path.read_text(encoding="utf-8"))
@@ -286,15 +288,13 @@ class LeaderboardResult:
         import matplotlib
 
         matplotlib.use("Agg")
-        from daopsim.simulator.plots import plot_leaderboard, plot_leaderboard_pareto
-
         target = Path(out_dir)
         tab = self.table
         with output_dir(target, tuple(LEADERBOARD_FILES.values()), flag=flag) as stage:
             write_file(stage / LEADERBOARD_FILES["parquet"], lambda t: write_parquet(tab, t))
             write_text(stage / LEADERBOARD_FILES["markdown"], self.markdown())
-            write_figure(plot_leaderboard(tab), stage / LEADERBOARD_FILES["heatmap"], dpi=100)
-            write_figure(plot_leaderboard_pareto(tab), stage / LEADERBOARD_FILES["pareto"], dpi=100)
+            write_figure(heatmap_figure(tab), stage / LEADERBOARD_FILES["heatmap"], dpi=100)
+            write_figure(pareto_figure(tab), stage / LEADERBOARD_FILES["pareto"], dpi=100)
         return {k: target / v for k, v in LEADERBOARD_FILES.items()}
 
 
@@ -302,6 +302,149 @@ def write_parquet(table: pd.DataFrame, path: Path) -> None:
     """The table as Parquet without pandas' index metadata (the same bytes for the same
     table)."""
     table.to_parquet(path, index=False)
+
+
+# -- figures (drawn with simulator/plots.py's helpers) -------------------------------------------
+def _leaderboard_cells(table: pd.DataFrame) -> list[tuple[str, str, int]]:
+    """The table's cells, (model, machine, budget), in the table's order."""
+    cells = table[["model", "hw", "budget"]].drop_duplicates()
+    return [(str(m), str(h), int(b)) for m, h, b in cells.itertuples(index=False)]
+
+
+def heatmap_figure(table: pd.DataFrame) -> Any:
+    """The leaderboard's heat map: one row per policy (ranked by score, the bounds last), one
+    column per cell (model, machine, budget), coloured by tokens/s relative to the cell's best
+    realisable policy with exact routing (1 = the best); above 1 (approximate routing, bounds)
+    in the colour bar's end colour, a run that did not finish grey and crossed."""
+    import matplotlib
+
+    from daopsim.simulator.plots import _mpl, _title
+
+    plt = _mpl()
+
+    rk = ranking(table)
+    pols = list(rk["policy"])
+    n_real = int((~rk["bound"]).sum())
+    cells = _leaderboard_cells(table)
+    col = {c: j for j, c in enumerate(cells)}
+    row = {p: i for i, p in enumerate(pols)}
+    mat = np.full((len(pols), len(cells)), np.nan)
+    failed: list[tuple[int, int]] = []
+    for r in table.itertuples(index=False):
+        i, j = row[r.policy], col[(r.model, r.hw, int(r.budget))]
+        if r.status == "ok":
+            mat[i, j] = r.relative
+        else:
+            failed.append((i, j))
+    width = min(24.0, max(8.0, 3.2 + 0.22 * len(cells)))
+    height = 1.9 + 0.24 * len(pols)
+    fig, ax = plt.subplots(figsize=(width, height), layout="constrained")
+    cmap = matplotlib.colormaps["viridis"].with_extremes(over="#f03b20", bad="0.88")
+    im = ax.imshow(
+        np.ma.masked_invalid(mat), aspect="auto", vmin=0.0, vmax=1.0, cmap=cmap,
+        interpolation="none",
+    )  # fmt: skip
+    for i, j in failed:
+        ax.plot([j - 0.4, j + 0.4], [i - 0.4, i + 0.4], color="0.4", lw=0.8)
+        ax.plot([j - 0.4, j + 0.4], [i + 0.4, i - 0.4], color="0.4", lw=0.8)
+    ax.set_yticks(range(len(pols)), pols, fontsize=8)
+    ax.set_xticks(range(len(cells)), [f"{h} {b}" for _, h, b in cells], rotation=90, fontsize=6)
+    if n_real < len(pols):  # the bounds under a line
+        ax.axhline(n_real - 0.5, color="white", lw=2.0)
+    models = list(dict.fromkeys(m for m, _, _ in cells))
+    for m in models:  # each model's columns, named above them, split by a line
+        js = [j for j, c in enumerate(cells) if c[0] == m]
+        ax.text((js[0] + js[-1]) / 2, -0.7, m, ha="center", va="bottom", fontsize=8)
+        if js[0] > 0:
+            ax.axvline(js[0] - 0.5, color="white", lw=2.0)
+    ax.set_xlabel("cell: machine, budget (1, 2, 3: fewest to most resident experts)")
+    fig.colorbar(
+        im, ax=ax, extend="max", fraction=0.025, pad=0.01,
+        label="relative tokens/s",
+    )  # fmt: skip
+    _title(
+        fig,
+        "Tokens/s relative to each cell's best exact-routing policy",
+        "red: above 1 (approximate routing, bounds); grey, crossed: did not run",
+    )
+    return fig
+
+
+def pareto_figure(table: pd.DataFrame) -> Any:
+    """Score against routing fidelity, one panel per model: each realisable policy's geometric
+    mean relative tokens/s over the model's cells against its mean routing fidelity (gate mass
+    preserved), and the front of policies no other beats on both."""
+    from daopsim.simulator.plots import (
+        _Z_BOUND,
+        _Z_POLICY,
+        EXACT_FIDELITY,
+        _finish,
+        _fit_y0,
+        _mpl,
+        _note_under,
+        _title,
+        place_labels,
+        policy_color,
+    )
+
+    plt = _mpl()
+    models = list(dict.fromkeys(table["model"]))
+    n = len(models)
+    ncols = 2 if n > 1 else 1
+    nrows = math.ceil(n / ncols)
+    fig, grid = plt.subplots(
+        nrows, ncols, figsize=(6.0 * ncols, 4.2 * nrows), squeeze=False, layout="constrained"
+    )
+    axes = [a for rowax in grid for a in rowax]
+    for ax in axes[n:]:
+        ax.set_visible(False)
+    labelled: list[tuple[Any, pd.DataFrame]] = []
+    for ax, m in zip(axes, models, strict=False):
+        sub = table[(table["model"] == m) & ~table["bound"] & (table["status"] == "ok")]
+        rk = ranking(table[table["model"] == m])
+        rk = rk[~rk["bound"] & rk["score"].notna()]
+        fid = sub.groupby("policy")["gate_mass_preserved"].mean()
+        pts = pd.DataFrame({"policy": rk["policy"], "score": rk[m].to_numpy()})
+        pts["fidelity"] = [float(fid.get(p, np.nan)) for p in pts["policy"]]
+        pts = pts.dropna()
+        for p in pts.itertuples(index=False):
+            ax.scatter(p.fidelity, p.score, color=policy_color(p.policy), s=30,
+                       zorder=_Z_POLICY, edgecolors="black", linewidths=0.4)  # fmt: skip
+        order = pts.sort_values(["fidelity", "score"], ascending=[False, False], kind="stable")
+        front, best = [], -np.inf
+        for p in order.itertuples(index=False):
+            if p.score > best:
+                front.append(p)
+                best = p.score
+        # the edge of what the front dominates: down from each point, then on to the next
+        # (by fidelity, lowest first)
+        edge = front[::-1]
+        ax.step([p.fidelity for p in edge], [p.score for p in edge], where="pre",
+                color="black", lw=1.0, zorder=_Z_BOUND)  # fmt: skip
+        lo = float(pts["fidelity"].min()) if len(pts) else 1.0
+        ax.set_xlim(min(lo, 1.0) - max(0.01, 0.08 * (1.0 - lo)), 1.0 + max(0.005, 0.04 * (1 - lo)))
+        _fit_y0(ax, pts["score"])
+        ax.set_xlabel("routing fidelity (gate mass preserved, mean over cells)")
+        ax.set_ylabel("score (geometric mean of relative tokens/s)")
+        ax.set_title(m, fontsize=10)
+        ax.grid(alpha=0.3)
+        exact = pts[pts["fidelity"] >= EXACT_FIDELITY].sort_values("score", ascending=False)
+        notes = ["front: " + ", ".join(p.policy for p in front)] if front else []
+        if len(exact) > 3:  # a column of points at fidelity 1: named in order under the axes
+            notes.append(
+                "exact routing (fidelity 1), by score: "
+                + ", ".join(f"{p.policy} {p.score:.2f}" for p in exact.itertuples(index=False))
+            )
+        _note_under(ax, notes)
+        # named beside them: the front, the approximate ones, the best three exact ones
+        named = {p.policy for p in front} | set(exact["policy"][:3])
+        named |= set(pts[pts["fidelity"] < EXACT_FIDELITY]["policy"])
+        labelled.append((ax, pts[pts["policy"].isin(named)]))
+    _title(fig, "Leaderboard: speed against routing fidelity, per model")
+    _finish(fig, 4.2 * nrows)  # the final size first: the labels are placed in display space
+    for ax, pts in labelled:  # each point named beside it (more policies than colours)
+        place_labels(ax, pts["fidelity"].tolist(), pts["score"].tolist(), list(pts["policy"]))
+    return fig
 
 
 def run_leaderboard(
@@ -595,9 +738,11 @@ __all__ = [
     "LeaderboardResult",
     "builtin_policies",
     "file_kind",
+    "heatmap_figure",
     "leaderboard_table",
     "load_leaderboard",
     "markdown",
+    "pareto_figure",
     "ranking",
     "run_leaderboard",
 ]
