@@ -152,6 +152,8 @@ class Net:
         self.w2 = w2
         self.b2 = b2
         self.hidden = len(b1)
+        #: :meth:`shared` by the three features' values (a run has a few: phase x layer)
+        self.memo: dict[tuple[float, float, float], list[float]] = {}
 
     def shared(self, row: list[float]) -> list[float]:
         """Each hidden unit's sum over the last three features (phase, layer, quota) of
@@ -197,7 +199,10 @@ class Net:
     def best(self, rows: list[list[float]]) -> int:
         """The index of the highest-scoring row (the first on ties)."""
         first = rows[0]
-        sh = self.shared(first)
+        key = (first[5], first[6], first[7])
+        sh = self.memo.get(key)
+        if sh is None:
+            sh = self.memo[key] = self.shared(first)
         best, top = 0, self.score_with(first, sh)
         for k in range(1, len(rows)):
             row = rows[k]

@@ -86,13 +86,13 @@ class ObservedCache(CachingPolicy):
         experts = view.experts.tolist()
         counts = view.counts
         freq, recent, rstep = self.freq[layer], self.recent[layer], self.recent_step[layer]
-        row = view.resident[layer]
+        row: list[bool] = view.resident[layer].tolist()
         total = 0
         for e in experts:
             w = 1 if counts is None else int(counts[e])
             freq[e] += w
             total += w
-            recent[e] = recent[e] * _DECAY ** (step - rstep[e]) + w
+            recent[e] = recent[e] * math.pow(_DECAY, float(step - rstep[e])) + w
             rstep[e] = step
             if row[e]:
                 self.hits += 1
@@ -105,7 +105,8 @@ class ObservedCache(CachingPolicy):
 
     def choose_victim(self, layer: int, protected: set[int], step: int) -> int:
         """Ask :meth:`decide` among the resident experts outside ``protected`` (by id)."""
-        candidates = sorted(e for e in self.cache[layer] if e not in protected)
+        candidates = [e for e in self.cache[layer] if e not in protected]
+        candidates.sort()
         return self.decide(layer, candidates)
 
     def decide(self, layer: int, candidates: list[int]) -> int:
@@ -186,7 +187,7 @@ class ObservedCache(CachingPolicy):
                     math.log1p(step - last[e]),
                     freq[e] * freq_scale,
                     recent[e] * recent_scale,
-                    finite_value(float(probs[e])) * n_exp,
+                    finite_value(probs.item(e)) * n_exp,
                     prefill,
                     layer_frac,
                     quota_frac,
