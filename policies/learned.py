@@ -12,6 +12,7 @@ JSON file written by ``daopsim learn`` (docs/learned-policies.md); the default i
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from importlib.resources import files
 from pathlib import Path
@@ -44,11 +45,23 @@ class Scorer:
     b2: float = 0.0
     #: how it was trained (trace, sequences, budgets, ...), kept in the file as given
     trained: dict[str, Any] = field(default_factory=dict)
+    #: the same network in typed loops (:class:`Net`), what the policy and the agents score with
+    net: Net = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.net = Net(
+            self.mean.tolist(),
+            self.scale.tolist(),
+            self.w1.tolist(),
+            self.b1.tolist(),
+            self.w2.tolist(),
+            float(self.b2),
+        )
 
     def scores(self, x: np.ndarray) -> np.ndarray:
         """Scores of feature rows ``x`` ([n, features]); the highest is evicted."""
-        h = np.tanh(((x - self.mean) / self.scale) @ self.w1 + self.b1)
-        return h @ self.w2 + self.b2  # type: ignore[no-any-return]
+        net = self.net
+        return np.array([net.score(row) for row in x.tolist()], dtype=np.float64)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON document of a model file."""
@@ -101,6 +114,105 @@ class Scorer:
         return cls(**arrays, b2=float(b2), trained=trained if isinstance(trained, dict) else {})
 
 
+def _tanh(x: float) -> float:
+    """tanh from ``math.exp`` (a C call in the compiled build, where ``math.tanh`` is a
+    call through Python): the same function to a few units in the last place."""
+    if x >= 0.0:
+        t = math.exp(-2.0 * x)
+        return (1.0 - t) / (1.0 + t)
+    t = math.exp(2.0 * x)
+    return (t - 1.0) / (t + 1.0)
+
+
+class Net:
+    """The scorer's network in typed loops over the eight :data:`FEATURES` (the compiled
+    build runs them as C; a handful of candidates costs far less than numpy's per-call
+    overhead): ``z = (x - mean) / scale``, hidden units ``tanh(sum_i z_i w1[i, j] + b1[j])``,
+    then ``sum_j h_j w2[j] + b2``. Each hidden sum runs from the last feature to the first, so
+    the share of the last three, which are the same for every expert of a layer (phase, layer,
+    quota), is summed once per decision (:meth:`shared`) and each candidate adds its own five
+    (:meth:`score_with`): exactly the score of each row alone."""
+
+    def __init__(
+        self,
+        mean: list[float],
+        scale: list[float],
+        w1: list[list[float]],
+        b1: list[float],
+        w2: list[float],
+        b2: float,
+    ) -> None:
+        if len(mean) != len(FEATURES):
+            raise ValueError(f"the network reads {len(FEATURES)} features, got {len(mean)}")
+        self.mean = mean
+        self.scale = scale
+        #: w1's rows: each feature's weights to the hidden units
+        self.w: list[list[float]] = [list(row) for row in w1]
+        self.b1 = b1
+        self.w2 = w2
+        self.b2 = b2
+        self.hidden = len(b1)
+        #: :meth:`shared` by the three features' values (a run has a few: phase x layer)
+        self.memo: dict[tuple[float, float, float], list[float]] = {}
+
+    def shared(self, row: list[float]) -> list[float]:
+        """Each hidden unit's sum over the last three features (phase, layer, quota) of
+        ``row``, the last first."""
+        mean, scale, w = self.mean, self.scale, self.w
+        z7 = (row[7] - mean[7]) / scale[7]
+        z6 = (row[6] - mean[6]) / scale[6]
+        z5 = (row[5] - mean[5]) / scale[5]
+        w7, w6, w5 = w[7], w[6], w[5]
+        out: list[float] = []
+        for j in range(self.hidden):
+            acc = z7 * w7[j]
+            acc += z6 * w6[j]
+            acc += z5 * w5[j]
+            out.append(acc)
+        return out
+
+    def score_with(self, row: list[float], shared: list[float]) -> float:
+        """The score of ``row`` whose last three features' sums are ``shared``."""
+        mean, scale, w = self.mean, self.scale, self.w
+        z4 = (row[4] - mean[4]) / scale[4]
+        z3 = (row[3] - mean[3]) / scale[3]
+        z2 = (row[2] - mean[2]) / scale[2]
+        z1 = (row[1] - mean[1]) / scale[1]
+        z0 = (row[0] - mean[0]) / scale[0]
+        w4, w3, w2, w1, w0 = w[4], w[3], w[2], w[1], w[0]
+        b1, v = self.b1, self.w2
+        out = 0.0
+        for j in range(self.hidden):
+            acc = shared[j]
+            acc += z4 * w4[j]
+            acc += z3 * w3[j]
+            acc += z2 * w2[j]
+            acc += z1 * w1[j]
+            acc += z0 * w0[j]
+            out += _tanh(acc + b1[j]) * v[j]
+        return out + self.b2
+
+    def score(self, row: list[float]) -> float:
+        """The score of one feature row."""
+        return self.score_with(row, self.shared(row))
+
+    def best(self, rows: list[list[float]]) -> int:
+        """The index of the highest-scoring row (the first on ties)."""
+        first = rows[0]
+        key = (first[5], first[6], first[7])
+        sh = self.memo.get(key)
+        if sh is None:
+            sh = self.memo[key] = self.shared(first)
+        best, top = 0, self.score_with(first, sh)
+        for k in range(1, len(rows)):
+            row = rows[k]
+            same = row[5] == first[5] and row[6] == first[6] and row[7] == first[7]
+            s = self.score_with(row, sh if same else self.shared(row))
+            if s > top:
+                best, top = k, s
+        return best
+
+
 @mypyc_attr(allow_interpreted_subclasses=True)
 class LearnedPolicy(ObservedCache):
     """Evict the resident expert a trained scorer rates highest (imitating Belady's MIN)."""
@@ -122,8 +234,7 @@ class LearnedPolicy(ObservedCache):
         """The candidate with the highest score (the first, i.e. lowest id, on ties)."""
         if len(candidates) == 1:
             return candidates[0]
-        s = self.scorer.scores(self.feature_matrix(layer)[candidates])
-        return candidates[int(np.argmax(s))]
+        return candidates[self.scorer.net.best(self.features(layer, candidates))]
 
 
 register(LearnedPolicy)

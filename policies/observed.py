@@ -19,6 +19,8 @@ Only the victim is delegated (:meth:`ObservedCache.decide`); the rest of the rul
 
 from __future__ import annotations
 
+import math
+import sys
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -30,6 +32,7 @@ from daopsim.policies.caching import CachingPolicy
 #: steps after which a decayed access count has halved
 HALF_LIFE = 32.0
 _DECAY = 0.5 ** (1.0 / HALF_LIFE)
+_FLOAT_MAX = sys.float_info.max
 
 #: the per-expert features a scorer reads, in column order (docs/learned-policies.md)
 FEATURES = (
@@ -83,13 +86,13 @@ class ObservedCache(CachingPolicy):
         experts = view.experts.tolist()
         counts = view.counts
         freq, recent, rstep = self.freq[layer], self.recent[layer], self.recent_step[layer]
-        row = view.resident[layer]
+        row: list[bool] = view.resident[layer].tolist()
         total = 0
         for e in experts:
             w = 1 if counts is None else int(counts[e])
             freq[e] += w
             total += w
-            recent[e] = recent[e] * _DECAY ** (step - rstep[e]) + w
+            recent[e] = recent[e] * math.pow(_DECAY, float(step - rstep[e])) + w
             rstep[e] = step
             if row[e]:
                 self.hits += 1
@@ -102,7 +105,8 @@ class ObservedCache(CachingPolicy):
 
     def choose_victim(self, layer: int, protected: set[int], step: int) -> int:
         """Ask :meth:`decide` among the resident experts outside ``protected`` (by id)."""
-        candidates = sorted(e for e in self.cache[layer] if e not in protected)
+        candidates = [e for e in self.cache[layer] if e not in protected]
+        candidates.sort()
         return self.decide(layer, candidates)
 
     def decide(self, layer: int, candidates: list[int]) -> int:
@@ -110,45 +114,92 @@ class ObservedCache(CachingPolicy):
         raise NotImplementedError
 
     # -- what a decision can read ---------------------------------------------------------------
+    def recency_order(self, layer: int) -> list[int]:
+        """The layer's resident experts, least recently used first."""
+        ticks = self.last_tick[layer]
+        return sorted(self.cache[layer], key=ticks.__getitem__)
+
     def lru_ranks(self, layer: int) -> np.ndarray:
         """Each expert's rank in the layer's recency order (0 = least recently used; the
         non-resident ones get the number of resident experts)."""
-        cache = self.cache[layer]
-        ranks = np.full(self.n_experts, len(cache), dtype=np.int64)
-        ticks = self.last_tick[layer]
-        ranks[sorted(cache, key=ticks.__getitem__)] = np.arange(len(cache))
+        ranks = np.full(self.n_experts, len(self.cache[layer]), dtype=np.int64)
+        order = self.recency_order(layer)
+        ranks[order] = np.arange(len(order))
         return ranks
+
+    def decayed(self, layer: int, step: int) -> list[float]:
+        """Every expert's access count decayed with a half-life of HALF_LIFE steps, at
+        ``step``."""
+        rstep = self.recent_step[layer]
+        # (math.pow: a C call in the compiled build; an expert never used stays 0)
+        return [
+            r * math.pow(_DECAY, float(step - rstep[e])) if r else 0.0
+            for e, r in enumerate(self.recent[layer])
+        ]
 
     def layer_stats(self, layer: int) -> LayerStats:
         """The layer's recency ranks, ages, access counts and decayed counts, now."""
         view = self.view
         assert view is not None, "statistics are read during a decision"
         step = view.step
-        rstep = np.array(self.recent_step[layer], dtype=np.float64)
         return LayerStats(
             self.lru_ranks(layer),
             step - np.array(self.last_step[layer], dtype=np.float64),
             np.array(self.freq[layer], dtype=np.float64),
-            np.array(self.recent[layer], dtype=np.float64) * np.power(_DECAY, step - rstep),
+            np.array(self.decayed(layer, step), dtype=np.float64),
         )
 
-    def feature_matrix(self, layer: int, stats: LayerStats | None = None) -> np.ndarray:
-        """The ``[experts, len(FEATURES)]`` features of the layer being served."""
+    def features(self, layer: int, experts: list[int]) -> list[list[float]]:
+        """The :data:`FEATURES` of ``experts`` of the layer being served, one row each (typed
+        loops over the policy's own statistics: the compiled build runs them as C)."""
         view = self.view
         assert view is not None, "features are read during a decision"
-        st = self.layer_stats(layer) if stats is None else stats
+        step: int = view.step
         n_exp = self.n_experts
-        f = np.empty((n_exp, len(FEATURES)), dtype=np.float64)
-        f[:, 0] = st.lru_rank
-        f[:, 0] /= max(1, len(self.cache[layer]) - 1)
-        np.log1p(st.age, out=f[:, 1])
-        np.multiply(st.freq, n_exp / max(1, self.freq_sum[layer]), out=f[:, 2])
-        np.multiply(st.recent, n_exp / max(1e-12, float(st.recent.sum())), out=f[:, 3])
-        np.multiply(finite(view.probs), n_exp, out=f[:, 4])
-        f[:, 5] = 1.0 if view.is_prefill else 0.0
-        f[:, 6] = layer / max(1, self.n_layers - 1)
-        f[:, 7] = self.quota[layer] / n_exp
-        return f
+        cache = self.cache[layer]
+        n_res = len(cache)
+        ticks = self.last_tick[layer]
+        rank_div = float(max(1, n_res - 1))
+        freq_scale = n_exp / max(1, self.freq_sum[layer])
+        recent = self.decayed(layer, step)
+        total = 0.0
+        for r in recent:
+            total += r
+        recent_scale = n_exp / max(1e-12, total)
+        probs = view.probs
+        last, freq = self.last_step[layer], self.freq[layer]
+        # the same for every expert of the layer
+        prefill = 1.0 if view.is_prefill else 0.0
+        layer_frac = layer / max(1, self.n_layers - 1)
+        quota_frac = self.quota[layer] / n_exp
+        rows: list[list[float]] = []
+        for e in experts:
+            rank = n_res  # a resident expert's: how many resident ones were used before it
+            if e in cache:
+                t = ticks[e]
+                rank = 0
+                for c in cache:
+                    if ticks[c] < t:
+                        rank += 1
+            rows.append(
+                [
+                    rank / rank_div,
+                    math.log1p(step - last[e]),
+                    freq[e] * freq_scale,
+                    recent[e] * recent_scale,
+                    finite_value(probs.item(e)) * n_exp,
+                    prefill,
+                    layer_frac,
+                    quota_frac,
+                ]
+            )
+        return rows
+
+    def feature_matrix(self, layer: int) -> np.ndarray:
+        """The ``[experts, len(FEATURES)]`` features of every expert of the layer being
+        served (:meth:`features`)."""
+        rows = self.features(layer, list(range(self.n_experts)))
+        return np.array(rows, dtype=np.float64).reshape(self.n_experts, len(FEATURES))
 
 
 class LayerStats(NamedTuple):
@@ -164,6 +215,16 @@ def finite(x: Any) -> np.ndarray:
     """A router row as float64 with NaN (not recorded) as 0."""
     a = np.asarray(x, dtype=np.float64)
     return a if np.isfinite(a).all() else np.nan_to_num(a)
+
+
+def finite_value(x: float) -> float:
+    """One router probability as :func:`finite` reads it: NaN (not recorded) as 0, an
+    infinity as the largest finite float of its sign."""
+    if math.isfinite(x):
+        return x
+    if math.isnan(x):
+        return 0.0
+    return _FLOAT_MAX if x > 0 else -_FLOAT_MAX
 
 
 def as_probs(x: Any, n: int) -> np.ndarray:

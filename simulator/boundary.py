@@ -164,13 +164,13 @@ def check_plan(
     res: Any,
     spec: Any,
     precalc: Collection[Slot],
-    now: float,
 ) -> list[int]:
     """Refuse a plan the engine cannot apply; returns the routed experts in GPU-first order.
 
     ``res`` is the engine's residency as policies see it: ``n_layers``, ``n_experts``,
-    ``budget``, ``n_resident``, ``mask`` (per expert, flat index ``layer * n_experts +
-    expert``: resident or not) and ``ready`` (the same: when its copy ends).
+    ``budget``, ``n_resident`` and ``mask`` (per expert, flat index ``layer * n_experts +
+    expert``: resident or not; an expert whose copy is in flight counts as resident, and may
+    be evicted: its slot is free once the copy lands).
 
     The plan is checked in the order the engine applies it (evictions, then the routed experts
     with resident ones first, temporary copies, prefetches, pre-calculations) against a private
@@ -181,7 +181,7 @@ def check_plan(
     check = hooks.checker
     if check is None or check.res is not res:  # made once per engine, for its residency
         check = hooks.checker = _PlanCheck(hooks, res, spec)
-    return check.run(plan, layer, routed, precalc, now)
+    return check.run(plan, layer, routed, precalc)
 
 
 class _PlanCheck:
@@ -198,7 +198,6 @@ class _PlanCheck:
         self.n_experts: int = res.n_experts
         self.budget: int = res.budget
         self.mask: Any = res.mask
-        self.ready: Any = res.ready
         self.evicts_in_use: bool = bool(spec.evicts_in_use and spec.writeback)
         self.no_temp: bool = spec.temp_buffers < 1
         self.cpu_layers: bool = spec.gpu_blocks is not None
@@ -207,7 +206,6 @@ class _PlanCheck:
         self.plan = Plan()
         self.layer = 0
         self.routed: list[int] = []
-        self.now = 0.0
         self.actions: dict[Any, Any] | None = None
         self.needed: set[int] = set()
         #: residency changes made earlier in this plan
@@ -215,10 +213,10 @@ class _PlanCheck:
         self.n_res = 0
 
     def run(
-        self, plan: Plan, layer: int, routed: list[int], precalc: Collection[Slot], now: float
+        self, plan: Plan, layer: int, routed: list[int], precalc: Collection[Slot]
     ) -> list[int]:
         """Check ``plan`` (see :func:`check_plan`); returns the routed experts' order."""
-        self.plan, self.layer, self.routed, self.now = plan, layer, routed, now
+        self.plan, self.layer, self.routed = plan, layer, routed
         self.changed.clear()
         self.n_res = self.res.n_resident
         if plan.low_bit:
@@ -268,7 +266,9 @@ class _PlanCheck:
         return bool(self.mask[i]) if v is None else v
 
     def evict(self, item: Any, what: str) -> None:
-        """An eviction (or a fetch's victim): resident, not in flight, not needed now."""
+        """An eviction (or a fetch's victim): resident and not needed now (unless the spec
+        evicts in use). An expert whose copy is still in flight may be evicted: its slot is
+        free once the copy lands (the engines time that)."""
         slot = _pair(item)
         if slot is None:
             raise self.err(
@@ -283,8 +283,6 @@ class _PlanCheck:
         in_use = vl == self.layer and ve in self.needed
         if in_use and not self.evicts_in_use:
             raise self.err(f"evicts expert {ve} of layer {vl}, which this token needs")
-        if not in_use and (i in self.changed or self.ready[i] > self.now):
-            raise self.err(f"evicts expert {ve} of layer {vl} while it is still being copied")
         self.changed[i] = False
         self.n_res -= 1
 

@@ -90,7 +90,7 @@ class AgentCache(ObservedCache):
             "recent": st.recent.astype(np.float32),
             "probs": as_probs(view.probs, n_exp),
             "early_probs": as_probs(view.next_probs, n_exp),
-            "features": self.feature_matrix(layer, st),
+            "features": self.feature_matrix(layer),
         }
         info: dict[str, Any] = {
             "action_mask": mask.copy(),

@@ -19,7 +19,7 @@ serving one read at a time at the drive's full rate. Every read is submitted at 
 that issued its operation, in issue order, and decisions never go back in time, so the fast
 engine serves the lane at issue (exactly as ``simpy.Resource(capacity=1)`` fed in that order
 would serve it) and submits the operation's first stage (its H2D copy, or its activations' trip
-to the host) through its request heap when the read ends (``LayerOp.ssd_at``). A GDS read
+to the host) through its request heap when the read ends (``Op.at``). A GDS read
 replaces the H2D copy (``LayerOp.gds``). The reference engine keeps its own model of the tier
 (``simulator/reference/memory.py``).
 """

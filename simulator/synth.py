@@ -38,6 +38,7 @@ from daopsim.simulator.errors import UserError, check_seed, parse_key_values
 from daopsim.simulator.models import ModelShape, get_model
 from daopsim.simulator.reuse import CURVE_POLICIES
 from daopsim.simulator.stats import heldout_popularity_hit, trace_stats
+from daopsim.simulator.synth_checks import PARAM_BOUNDS
 from daopsim.simulator.trace import (
     ALL_PROBS_MAX_EXPERTS,
     DEFAULT_TOP_M,
@@ -829,6 +830,12 @@ FIT_PARAMS: dict[str, str] = {
 #: Reuse mechanisms that are off (0) unless a preset turns them on. The fit frees them when it
 #: has reuse targets (overlap_by_lag, lru_curve), starting from these values if they are off.
 REUSE_PARAMS = {"repeat_prob": 0.1, "topic_drift": 0.01}
+#: Parameters that shape only the prompt's routing and how it relates to the generated
+#: tokens', and the targets that measure them. Without such a target (a decode-only
+#: recording has none) nothing pins these parameters: the fit leaves them at their start
+#: values instead of letting sampling noise carry them off.
+PREFILL_PARAMS = ("phase_keep", "prefill_bias")
+PREFILL_TARGETS = ("prefill_decode_cosine",)
 #: Vector-valued reuse statistics the fit can target (one target per lag or capacity).
 REUSE_TARGETS = ("overlap_by_lag", "lru_curve", "lru_curve_cold", "belady_curve_cold")
 #: Hit-rate curves by counting rule (docs/trace-format.md, "Reuse statistics"): the warm,
@@ -862,8 +869,11 @@ def _to_free(name: str, v: float) -> float:
 
 
 def _from_free(name: str, x: float) -> float:
+    """A free coordinate as the parameter's value, inside the bounds the generator's checks
+    enforce (``synth_checks.PARAM_BOUNDS``; logit parameters are shares in [0, 1])."""
     if FIT_PARAMS[name] == "log":
-        return math.exp(min(x, 10.0))
+        high = PARAM_BOUNDS[name][1]
+        return math.exp(x) if x < math.log(high) else high
     return 1.0 / (1.0 + math.exp(-x))
 
 
@@ -1075,6 +1085,7 @@ def fit_params(
     if not targets:
         raise UserError("no target left to fit (per-layer targets need 3 or more layers)")
     reuse_targets = any(t.key in REUSE_TARGETS for t in targets)
+    prefill_targets = any(t.key in PREFILL_TARGETS for t in targets)
     if free is None:
         free = [
             n
@@ -1082,6 +1093,8 @@ def fit_params(
             if (n in REUSE_PARAMS and reuse_targets)
             or (n not in REUSE_PARAMS and (FIT_PARAMS[n] != "log" or getattr(start, n) > 0))
         ]
+        if not prefill_targets:
+            free = [n for n in free if n not in PREFILL_PARAMS]
     for name in free:
         if name not in FIT_PARAMS:
             raise UserError(f"cannot fit parameter {name!r}; fittable: {', '.join(FIT_PARAMS)}")

@@ -259,6 +259,7 @@ class ChaosPolicy(Policy):
 
     It reads the engine under test (``engine.ready_at``, ``engine.precalc``) to know which
     copies have ended and which pre-calculations exist, so every plan it returns is legal.
+    With ``in_flight`` its victims may be experts whose copy is still in flight.
     """
 
     name = "chaos"
@@ -272,9 +273,13 @@ class ChaosPolicy(Policy):
         staging_buffers: int = 0,
         one_stream: bool = False,
         flags: bool = False,
+        in_flight: bool = False,
     ) -> None:
         super().__init__()
         self.rng = rng
+        #: also name victims whose copy is still in flight (issued by an earlier plan or
+        #: earlier in this one); without it every victim has landed
+        self.in_flight = in_flight
         #: also draw the plan's flags (cpu_serial, cpu_first, barrier), "all on the GPU" as
         #: ``actions=None``, and numpy integers for slots (drawn after the rest, so a run
         #: without them replays the same plans as before they existed)
@@ -315,15 +320,28 @@ class ChaosPolicy(Policy):
         held = int(res.sum())
         budget = view.budget
         taken: set[Slot] = set()  # slots evicted or newly filled in this plan
+        filled: list[Slot] = []  # slots filled in this plan, in order
+        gone: set[Slot] = set()  # slots evicted in this plan
 
         def victim(exclude_layer_experts: set[int]) -> Slot | None:
-            cands = [
-                (int(a), int(b))
-                for a, b in zip(*np.nonzero(res), strict=True)
-                if (int(a), int(b)) not in taken
-                and not (a == layer and int(b) in exclude_layer_experts)
-                and self._ready((int(a), int(b)), now)
-            ]
+            if self.in_flight:  # any resident expert, half the time one still in flight
+                pool = [(int(a), int(b)) for a, b in zip(*np.nonzero(res), strict=True)]
+                cands = [
+                    s
+                    for s in pool + filled
+                    if s not in gone and not (s[0] == layer and s[1] in exclude_layer_experts)
+                ]
+                flying = [s for s in cands if s in filled or not self._ready(s, now)]
+                if flying and rng.random() < 0.5:
+                    cands = flying
+            else:
+                cands = [
+                    (int(a), int(b))
+                    for a, b in zip(*np.nonzero(res), strict=True)
+                    if (int(a), int(b)) not in taken
+                    and not (a == layer and int(b) in exclude_layer_experts)
+                    and self._ready((int(a), int(b)), now)
+                ]
             if not cands:
                 return None
             return cands[int(rng.integers(len(cands)))]
@@ -336,6 +354,7 @@ class ChaosPolicy(Policy):
             if v is not None:
                 plan.evict.append(v)
                 taken.add(v)
+                gone.add(v)
                 held -= 1
         for e in routed:
             if res[layer, e] and (layer, e) not in taken:
@@ -357,13 +376,17 @@ class ChaosPolicy(Policy):
                     else:
                         plan.victims[e] = v
                         taken.add(v)
+                        gone.add(v)
                 if a == Action.FETCH:
                     taken.add((layer, e))
+                    filled.append((layer, e))
             if a == Action.PRECOMPUTED:
                 self.precomputed.append((view.seq_id, view.token, layer, e))
             plan.actions[e] = a
-        # background work
-        if rng.random() < 0.3:
+        # background work (with in_flight up to two prefetches: the second may evict the first)
+        for _ in range(2 if self.in_flight else 1):
+            if rng.random() >= 0.3:
+                continue
             free = [
                 (int(a), int(b))
                 for a, b in zip(*np.nonzero(~res), strict=True)
@@ -375,11 +398,14 @@ class ChaosPolicy(Policy):
                     plan.prefetch.append((slot[0], slot[1], None))
                     held += 1
                     taken.add(slot)
+                    filled.append(slot)
                 else:
                     v = victim(set(routed))
                     if v is not None:
                         taken.add(v)
+                        gone.add(v)
                         taken.add(slot)
+                        filled.append(slot)
                         plan.prefetch.append((slot[0], slot[1], v))
         if layer + 1 < view.model.moe_layers and rng.random() < 0.3:  # type: ignore[union-attr]
             pl = int(rng.integers(layer + 1, view.model.moe_layers))  # type: ignore[union-attr]

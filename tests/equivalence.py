@@ -157,6 +157,23 @@ def slow_cpu(hw: HardwareProfile, factor: float = 50.0) -> HardwareProfile:
     return dataclasses.replace(hw, cpu=dataclasses.replace(hw.cpu, mem_bw_gbs=stream / factor))
 
 
+def slow_link(hw: HardwareProfile, factor: float = 20.0) -> HardwareProfile:
+    """``hw`` with a host link ``factor`` times slower, so copies outlast layers (a plan's
+    victims may still be in flight)."""
+    link = hw.link
+    return dataclasses.replace(
+        hw,
+        link=dataclasses.replace(
+            link,
+            h2d_pinned_gbs=link.h2d_pinned_gbs / factor,
+            d2h_pinned_gbs=link.d2h_pinned_gbs / factor,
+            h2d_pageable_gbs=link.h2d_pageable_gbs / factor,
+            d2h_pageable_gbs=link.d2h_pageable_gbs / factor,
+            copy_overhead_us=link.copy_overhead_us * factor,
+        ),
+    )
+
+
 def chaos(
     cls: type,
     seed: int,
@@ -190,6 +207,21 @@ def chaos_both(seed: int, hw: HardwareProfile, budget: int, **kw: Any) -> Any:
     assert_same(ta, tb, sa, sb)
     assert (ea.resident == eb.resident).all()  # the same experts resident at the end
     return sa
+
+
+def in_flight_both(seed: int) -> Any:
+    """``chaos_both`` with victims whose copy may still be in flight (``in_flight``), on a
+    slow link so that copies outlast layers; the seed picks the machine (an A6000, or an RTX
+    4090 with an SSD tier on odd seeds, through the page cache or GPUDirect Storage),
+    write-back, staging slots, one stream, the plan flags and the runtime."""
+    model = tiny_model(experts=6, top_k=2, moe_layers=3)
+    host = ("a6000-pcie4", "rtx4090-990pro-pcie4")[seed % 2]
+    hw = slow_link(load_profile(host))
+    tier = host_tier(model, hw, 2 + seed % 3, ("page-cache", "gds")[seed // 2 % 2])
+    return chaos_both(seed, hw, 3 + seed % 2, runtime=("ideal", "hf-eager", SLOW_HOST)[seed % 3],
+                      host_tier=tier if seed % 2 else None, writeback=seed % 4 < 2,
+                      staging_buffers=seed % 3 // 2, one_stream=seed == 6, flags=seed % 3 == 1,
+                      in_flight=True)  # fmt: skip
 
 
 def serving_run(

@@ -132,3 +132,29 @@ def test_missing_or_unreadable_model_file(cli: Callable[..., Result], tmp_path: 
     (tmp_path / "x.json").write_text("{")
     with pytest.raises(UserError, match=r"x\.json: not a readable JSON"):
         make_policy("learned", {"model": str(tmp_path / "x.json")})
+
+
+def test_the_typed_network_scores_as_the_formula_and_picks_the_same_victim() -> None:
+    """The policy scores in typed loops (``Net``, compiled as C): its scores equal the
+    network's formula in numpy to rounding, and its pick over a layer's candidates (whose
+    last features are shared) is exactly the best of the rows scored one by one, the first
+    on ties."""
+    import numpy as np
+
+    from daopsim.policies.learned import Net
+
+    sc = Scorer.load(BUNDLED_MODEL)
+    net = sc.net
+    assert isinstance(net, Net)
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n = int(rng.integers(2, 12))
+        x = rng.normal(sc.mean, sc.scale * 2.0, size=(n, len(sc.mean)))
+        x[:, 5:] = x[0, 5:]  # phase, layer and quota: the same for a layer's candidates
+        if rng.random() < 0.3:
+            x[1] = x[0]  # a tie: the first wins
+        formula = np.tanh(((x - sc.mean) / sc.scale) @ sc.w1 + sc.b1) @ sc.w2 + sc.b2
+        alone = [net.score(row) for row in x.tolist()]
+        np.testing.assert_allclose(alone, formula, rtol=1e-12, atol=1e-12)
+        assert net.best(x.tolist()) == int(np.argmax(alone))
+        assert list(sc.scores(x)) == alone

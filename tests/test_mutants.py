@@ -237,6 +237,13 @@ def _check_ssd() -> None:
         chaos_both(seed, hw, 6, host_tier=tier, writeback=True)
 
 
+def _check_in_flight() -> None:
+    from equivalence import in_flight_both
+
+    for seed in (0, 2, 7):
+        in_flight_both(seed)
+
+
 def _check_two_gpus() -> None:
     from daopsim.simulator.runner import simulate
 
@@ -255,6 +262,7 @@ CHECKS: dict[str, Callable[[], None]] = {
     "fiddler": lambda: _check_policy("fiddler"),
     "fused-runtime": lambda: _check_policy("llama-cpp-cpu-moe"),
     "gather": lambda: _check_policy("stream-all", "rtx6000ada-pcie4", gather="leaf"),
+    "in-flight-victims": _check_in_flight,
     "in-use-victims": lambda: _check_policy("mixtral-offloading", experts_per_layer=1),
     "ssd": _check_ssd,
     "two-gpus": _check_two_gpus,
@@ -361,6 +369,27 @@ ENGINE_MUTANTS = (
         "        tier.ssd_stall += wait - now",
         "        tier.ssd_stall += 0.0",
         "ssd",
+    ),
+    EngineMutant(
+        "in-flight-victim-frees-its-slot-at-once",
+        "daopsim.simulator.core.apply:Applier._evict",
+        "        elif landing == 0.0:  # the slot is free at once",
+        "        elif True:",
+        "in-flight-victims",
+    ),
+    EngineMutant(
+        "in-flight-victim-freed-when-its-copy-starts",
+        "daopsim.simulator.core.executor:Executor._copy_in",
+        "            self.push(e, op.after)",
+        "            self.push(t, op.after)",
+        "in-flight-victims",
+    ),
+    EngineMutant(
+        "barrier-ignored-by-late-copies",
+        "daopsim.simulator.core.executor:Executor._landed",
+        "            job.ready = end if end > self.bar else self.bar",
+        "            job.ready = end",
+        "in-flight-victims",
     ),
     EngineMutant(
         "pipeline-hand-over-of-every-selection",

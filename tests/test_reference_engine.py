@@ -36,6 +36,7 @@ from equivalence import (
     chaos,
     chaos_both,
     host_tier,
+    in_flight_both,
     inputs,
     one_copy_engine,
     run_engine,
@@ -279,6 +280,16 @@ def test_random_plans_with_every_flag_time_identically(seed: int) -> None:
     chaos_both(seed, hw, 4 + 2 * seed, runtime=(SLOW_HOST, "hf-eager", "ideal")[seed % 3],
                host_tier=tier, flags=True, writeback=seed % 2 == 0, staging_buffers=seed % 3,
                one_stream=seed == 5, workers=3 if seed % 4 == 2 else None)  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_plans_evicting_copies_in_flight_time_identically(seed: int) -> None:
+    """Victims whose copy is still in flight (issued by an earlier plan, or earlier in the
+    same one; docs/policy-api.md, "Timing rules"): the copy goes on, and the slot is released,
+    or the expert written back, when it lands. On a slow link (copies outlast layers), with
+    and without write-back, on an SSD tier (both paths), one stream, every plan flag."""
+    stats = in_flight_both(seed)
+    assert stats.counters.evictions_in_flight > 0
 
 
 def test_a_host_budget_that_holds_every_expert_reads_nothing() -> None:

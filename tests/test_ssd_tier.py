@@ -329,3 +329,106 @@ def test_engines_agree_on_batched_ssd_runs(mode: dict[str, Any]) -> None:
     assert fast.metrics["ssd_reads"] > 0
     _same_timeline(fast.timeline, ref.timeline)
     assert fast.metrics["host_memory_peak_bytes"] <= 30e9
+
+
+# -- evicting an expert whose copy is still in flight ------------------------------------------
+@pytest.mark.reference
+@pytest.mark.parametrize(
+    ("policy", "path", "gb"),
+    [
+        ("moe-infinity", "page-cache", 40.0),
+        ("moe-infinity", "gds", 25.0),
+        ("stream-all", "gds", 40.0),
+        ("vllm-cpu-offload", "gds", 40.0),
+    ],
+)
+def test_policies_that_evict_copies_in_flight_run_on_an_ssd_tier(
+    policy: str, path: str, gb: float
+) -> None:
+    """moe-infinity, stream-all and vllm-cpu-offload evict experts whose drive read or copy
+    is still in flight when the drive delays their copies: each eviction waits for its copy
+    (docs/policy-api.md, "Timing rules"), both engines alike, the host budget kept."""
+    fast = _run(policy, host_memory_gb=gb, ssd_path=path)
+    ref = _run(policy, host_memory_gb=gb, ssd_path=path, engine="reference")
+    assert fast.metrics["ssd_reads"] > 0 and fast.metrics["tokens_per_s"] > 0
+    assert fast.metrics["host_memory_peak_bytes"] <= gb * 1e9
+    _same_timeline(fast.timeline, ref.timeline)
+    assert ref.metrics["e2e_s"] == pytest.approx(fast.metrics["e2e_s"], rel=1e-12, abs=1e-9)
+
+
+class _EvictInFlight(LRUPolicy):
+    """One slot. Layer 0: its experts through temporary buffers and a prefetch of expert 2 of
+    layer 0 (held in host memory: a slow H2D copy behind the two temporary ones). Layer 1: that
+    prefetch evicted while it is still in flight, expert 0 of layer 1 fetched into its slot
+    (from the drive by GPUDirect Storage: read long before the H2D copy lands)."""
+
+    name = "evict-in-flight"
+
+    def __init__(self, writeback: bool = False) -> None:
+        super().__init__()
+        self.writeback = writeback
+
+    def resources(self) -> Any:
+        from daopsim.policies.base import ResourceSpec
+
+        return ResourceSpec(temp_buffers=2, writeback=self.writeback)
+
+    def setup(self, ctx: Any) -> list[tuple[int, int]]:
+        return []
+
+    def decode_layer(self, view: View) -> Plan:
+        from daopsim.policies.base import Action
+
+        experts = [int(e) for e in view.experts.tolist()]
+        plan = Plan(actions=dict.fromkeys(experts, Action.TEMP))
+        assert plan.actions is not None
+        if view.token == 0 and view.layer == 0:
+            plan.prefetch = [(0, 2, None)]
+        elif view.token == 0 and view.layer == 1:
+            plan.evict = [(0, 2)]
+            plan.actions[0] = Action.FETCH
+        return plan
+
+
+@pytest.mark.parametrize("writeback", [False, True])
+def test_an_expert_evicted_in_flight_keeps_its_slot_until_its_copy_lands(writeback: bool) -> None:
+    """The physical rule: a copy into a slot is not cancelled by its expert's eviction. The
+    expert fetched into that one slot by GPUDirect Storage (its read done long before) is
+    computed only once the evicted expert's H2D copy has landed; with write-back the evicted
+    expert goes back to the host only after it has arrived. Both engines agree."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from equivalence import ENGINES, host_tier, slow_link
+
+    from daopsim.simulator.testing import routing_from_experts, tiny_model
+
+    model = tiny_model(experts=4, top_k=2, moe_layers=2)
+    hw = slow_link(load_profile(HW), 50.0)
+    tier = host_tier(model, hw, 4, "gds")  # the host holds layer 0; layer 1 is on the drive
+    runs = []
+    for cls in ENGINES:
+        r = routing_from_experts(model, [[[0, 1], [0, 1]], [[2, 3], [2, 3]]], seq_id=0)
+        rec = Recorder()
+        eng = cls(_EvictInFlight(writeback), model, cost_model(hw, model), 1, recorder=rec,
+                  host_tier=tier)  # fmt: skip
+        stats = eng.run(iter([r]))
+        runs.append((rec.timeline(), stats))
+    (tl, stats), (tl_ref, stats_ref) = runs
+    _same_timeline(tl, tl_ref)
+    assert stats.counters.evictions_in_flight == stats_ref.counters.evictions_in_flight == 1
+    tl = tl.astype({"resource": str, "kind": str})
+    pre = tl[(tl["kind"] == "prefetch") & (tl["layer"] == 0) & (tl["expert"] == 2)]
+    assert len(pre) == 1
+    landed = float(pre["end"].iloc[0])
+    read = tl[(tl["kind"] == "gds_read") & (tl["layer"] == 1) & (tl["expert"] == 0)]
+    assert float(read["end"].iloc[0]) < landed  # the fetch's weights were there early ...
+    run = tl[(tl["kind"] == "expert") & (tl["token"] == 0) & (tl["layer"] == 1)]
+    run = run[run["expert"] == 0]
+    assert float(run["start"].iloc[0]) >= landed - TOL  # ... but its slot was not
+    wb = tl[tl["kind"] == "writeback"]
+    if writeback:
+        assert len(wb) == 1 and float(wb["start"].iloc[0]) >= landed - TOL
+    else:
+        assert len(wb) == 0

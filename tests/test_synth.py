@@ -772,3 +772,80 @@ def test_cold_and_warm_curves_differ_as_their_rules_say() -> None:
     assert out["lru_curve"][1] == pytest.approx(1.0)
     # capacity 1, cold: 1 miss, 0 miss, 1 miss
     assert out["lru_curve_cold"][0] == pytest.approx(0.0)
+
+
+# -- fits stay inside the generator's bounds; a decode-only recording -------------------------
+def _in_bounds(params: SynthParams) -> None:
+    """Every parameter inside the bounds ``synth`` checks (and the generator accepts it)."""
+    from daopsim.simulator.synth_checks import EXCLUSIVE_LOW, PARAM_BOUNDS
+
+    params.check()
+    for name, (low, high) in PARAM_BOUNDS.items():
+        v = getattr(params, name)
+        assert (v > low if name in EXCLUSIVE_LOW else v >= low) and v <= high, (name, v)
+
+
+def test_a_fit_pulled_past_a_bound_stops_at_it() -> None:
+    """A target no parameter inside the bounds can reach (a router far sharper than any
+    model's) pulls the logit scales toward their bounds: the fit stops at them and returns
+    parameters the generator accepts, instead of ones its own checks refuse."""
+    m = tiny_model(**TINY)
+    start = SynthParams(temperature=0.5, bias_std=50.0)
+    fit = fit_params(
+        m, {"entropy_bits": 0.05, "max_share": 0.9}, start=start, sequences=2,
+        prompt_tokens=4, output_tokens=16, iterations=4, free=["bias_std"],
+    )  # fmt: skip
+    _in_bounds(fit.params)
+    assert fit.params.bias_std > start.bias_std  # it did move toward the bound
+
+
+def _vllm_decode_only(path: Path) -> None:
+    """A recording as a vLLM server with ``--enable-return-routed-experts`` returns it for
+    requests whose prompt routing was not kept: one JSON response per line, expert ids of the
+    generated tokens only (``choices[0].routed_experts``, ``[tokens][layers][top_k]``), no
+    weights, no probabilities, no prompt rows (docs/trace-format.md, "vllm"). The ids come from
+    a Mixtral-like router (the Mixtral preset with another model seed), 4 requests of 48
+    generated tokens."""
+    m = get_model("mixtral-8x7b")
+    router = PRESETS["mixtral-8x7b"].params.replace(model_seed=7)
+    with path.open("w") as fh:
+        for r in iter_synthetic(m, router, 4, 1, 48, seed=3):
+            ids = r.experts[r.n_prefill :].tolist()
+            resp = {"id": f"cmpl-{r.seq_id}", "object": "text_completion",
+                    "choices": [{"index": 0, "text": "", "routed_experts": ids}]}  # fmt: skip
+            fh.write(json.dumps(resp) + "\n")
+
+
+def test_a_decode_only_import_fits_and_keeps_the_prefill_parameters(tmp_path: Path) -> None:
+    """`trace import` of a decode-only recording, `trace stats`, then `synth fit`: the stats
+    have no prompt (no prefill-decode cosine), so the fit moves the decode parameters only,
+    leaves the prefill ones (phase_keep, prefill_bias) at the preset's values, keeps every
+    parameter inside its bounds, and `synth --preset` accepts the result."""
+    from daopsim.simulator.synth import PREFILL_PARAMS
+
+    src, trace = tmp_path / "responses.jsonl", tmp_path / "dec.parquet"
+    _vllm_decode_only(src)
+    cli = CliRunner()
+    res = cli.invoke(main, ["trace", "import", "vllm", str(src), "--model", "mixtral-8x7b",
+                            "-o", str(trace)])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    res = cli.invoke(main, ["trace", "stats", str(trace), "--json"])
+    assert res.exit_code == 0, res.output
+    stats = json.loads(res.stdout)
+    assert stats["prefill_tokens"] == 0 and stats["prefill_decode_cosine"] is None
+    (tmp_path / "stats.json").write_text(json.dumps(stats))
+    out = tmp_path / "twin.json"
+    res = cli.invoke(main, ["synth", "fit", "--target", str(tmp_path / "stats.json"), "-o",
+                            str(out), "--iterations", "2", "--sequences", "6"])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    preset = PRESETS["mixtral-8x7b"].params
+    fitted = SynthParams(**doc["params"])
+    for name in PREFILL_PARAMS:
+        assert getattr(fitted, name) == getattr(preset, name), name
+    assert fitted.temporal_share != preset.temporal_share  # the decode parameters moved
+    _in_bounds(fitted)
+    res = cli.invoke(main, ["synth", "--model", "mixtral-8x7b", "--preset", str(out),
+                            "--sequences", "1", "--prompt-tokens", "4", "--output-tokens", "8",
+                            "-o", str(tmp_path / "twin.parquet")])  # fmt: skip
+    assert res.exit_code == 0, res.output

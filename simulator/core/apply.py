@@ -133,11 +133,15 @@ class Applier:
 
     def _evict(self, layer: int, expert: int, needed: set[int], w: LayerWork) -> None:
         """Evict a resident expert; with write-back its slot stays held until its copy to
-        the host ends (an expert still needed in this layer: after its computation)."""
+        the host ends (an expert still needed in this layer: after its computation). An
+        expert whose copy is still in flight keeps its slot until that copy lands (a DMA in
+        progress is not cancelled): its write-back, or its slot's release, follows it."""
         res, c = self.res, self.c
         i = layer * res.n_experts + expert
-        res.remove(i)
+        landing, copy = res.remove(i, w.now)
         c.evictions += 1
+        if landing > 0.0:
+            c.evictions_in_flight += 1
         if layer == w.layer and expert in needed:
             w.deferred[expert] = self._writeback_op(layer, expert, w)
             return
@@ -145,10 +149,22 @@ class Applier:
             res.prefetched[i] = 0
             c.prefetch_wasted_bytes += self.expert_bytes
         if self.writeback:
-            w.ops.append(self._writeback_op(layer, expert, w))
-        else:  # the slot is free at once (nothing ever waits for one without write-back)
+            op = self._writeback_op(layer, expert, w)
+            w.ops.append(op)
+            if landing > 0.0:  # submitted when the copy lands (INF: that copy submits it)
+                op.at = landing
+                if copy is not None:
+                    copy.after = op
+        elif landing == 0.0:  # the slot is free at once
             k = 0 if self.m.gpu_of is None else self.m.gpu_of[layer][expert]
             self.ex.release(k, w.now)
+        else:  # the slot is free once the copy into it lands
+            op = self._op(WRITEBACK, "release", layer, expert, w)
+            op.stage = 1
+            if copy is None:
+                self.ex.push(landing, op)
+            else:
+                copy.after = op
 
     def _writeback_op(self, layer: int, expert: int, w: LayerWork) -> Op:
         self.c.d2h_bytes += self.expert_bytes
@@ -234,10 +250,10 @@ class Applier:
                 if op.kind == WRITEBACK:
                     tier.written_back(op, now)
                 else:
-                    op.ssd_at, op.gds = tier.read(op, now, op.kind != CPU)
+                    op.at, op.gds = tier.read(op, now, op.kind != CPU)
                     op.ssd_read = tier.issued
-                    if op.ssd_at > wait and op.rkind != "prefetch" and op.rkind != "precalc":
-                        wait = op.ssd_at
+                    if op.at > wait and op.rkind != "prefetch" and op.rkind != "precalc":
+                        wait = op.at
                 op = op.chain
         for op in w.deferred.values():
             tier.written_back(op, now)

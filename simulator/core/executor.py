@@ -82,6 +82,8 @@ class Executor:
         # the current layer: the GPU jobs ready to run and the sources still pending
         self.jobs = Heap()
         self.waiting = 0
+        #: the current layer's gather barrier (Plan.barrier): no computation starts earlier
+        self.bar = -1.0
         #: each GPU's stream
         self.streams = [Stream() for _ in range(machine.n_gpus)]
         #: bytes moved per peer lane
@@ -167,7 +169,9 @@ class Executor:
         link = self.m.uplinks[k][0]
         dur, nbytes = self._load(op, link)
         e = self._copy(t, op, link, dur, nbytes, op.rkind)
-        res.copied(op.layer * res.n_experts + op.expert, e)
+        res.copied(op.layer * res.n_experts + op.expert, op, e)
+        if op.after is not None:  # its expert was evicted in flight: free the slot now
+            self.push(e, op.after)
         self._landed(op, e)
 
     def _temp_in(self, t: float, op: Op) -> None:
@@ -212,7 +216,7 @@ class Executor:
         if op.gpu and job is not None:
             op.gpu = False
             self.waiting -= 1
-            job.ready = end
+            job.ready = end if end > self.bar else self.bar
             job.buf = op.buf if op.kind == TEMP else -1
             self.add_job(job)
 
@@ -274,7 +278,7 @@ class Executor:
         ``t``), and no earlier than its own drive read ends (the SSD tier)."""
         nxt = op.chain
         if nxt is not None:
-            self.push(t if t >= nxt.ssd_at else nxt.ssd_at, nxt)
+            self.push(t if t >= nxt.at else nxt.at, nxt)
 
     def cpu_next(self) -> None:
         """Schedule the shared CPU's next event (ahead of requests submitted at that time)."""
@@ -419,6 +423,9 @@ class Executor:
         activations sent to other GPUs."""
         now = w.now
         n_temp = self.m.temp_buffers
+        # a slot the plan's evictions freed at once may have passed to a fetch waiting for
+        # one: submitted earlier, it is served before the plan's own operations
+        self.advance(now)
         for op in w.ops:
             if op.kind == TEMP:
                 st = self.streams[op.dev]
@@ -427,8 +434,9 @@ class Executor:
                     continue
                 st.free_bufs -= 1
                 op.buf = n_temp - st.free_bufs - 1
-            if op.ssd_at > now:  # submitted when its drive read ends
-                self.push(op.ssd_at, op)
+            if op.at > now:  # when its drive read ends, or the copy it follows lands
+                if op.at != INF:  # INF: that copy submits it when it lands
+                    self.push(op.at, op)
             else:
                 self.serve(now, op)
             self.advance(now)  # a zero-length stage keeps its place
@@ -456,7 +464,7 @@ class Executor:
     def _gpu_sources(self, w: LayerWork) -> None:
         """Each GPU computation is startable once its weights are there; with a gather
         barrier (``Plan.barrier``) no earlier than the last copy into the layer's slots."""
-        bar = self._barrier(w) if w.barrier else -1.0
+        self.bar = bar = self._barrier(w) if w.barrier else -1.0
         gpu_of = self.m.gpu_of
         for job in w.gpu:
             job.dev = 0 if gpu_of is None else gpu_of[w.layer][job.expert]
@@ -546,7 +554,7 @@ class Executor:
         if job.buf >= 0 and st.tempq:
             nxt = st.tempq.popleft()
             nxt.buf = job.buf
-            self.push(st.g if st.g >= nxt.ssd_at else nxt.ssd_at, nxt)
+            self.push(st.g if st.g >= nxt.at else nxt.at, nxt)
 
     def _one_stream_ready(self, ready: float, g: float, k: int) -> float:
         """One stream for copies and kernels: a kernel is issued once its weights are

@@ -387,7 +387,7 @@ class Engine:
         route = st.route(self, plan, experts, layer)
         true = experts.tolist()
         routed = true if route is None else route
-        order = check_plan(hooks, plan, layer, routed, self.res, self.spec, self.precalc, now)
+        order = check_plan(hooks, plan, layer, routed, self.res, self.spec, self.precalc)
         st.account(self, plan, route, true, layer)  # a Plan: check_plan refuses anything else
         where.seq, where.token = st.ops
         work = self.applier.apply(plan, layer, order, routed, counts, now, st.prefill, st.ops,

@@ -49,6 +49,8 @@ class Counters:
     fetches: int = 0
     temp_copies: int = 0
     evictions: int = 0
+    #: evictions of an expert whose copy was still in flight (its slot freed when it landed)
+    evictions_in_flight: int = 0
     prefetches: int = 0
     prefetch_used: int = 0
     prefetch_wasted_bytes: int = 0
@@ -85,33 +87,14 @@ class Op(Keyed):
 
     ``seq`` is its issue number (the tie-break of the queueing rule); ``dev`` the GPU whose
     slots, buffers and uplink it uses. ``end`` is negative until the executor has timed it.
-    CPU jobs of a serial chain point to the next one with ``chain``.
+    CPU jobs of a serial chain point to the next one with ``chain``. A ``WRITEBACK`` created
+    at ``stage`` 1 only releases its slot (an expert evicted while its copy was in flight,
+    without write-back).
     """
 
-    __slots__ = (
-        "buf",
-        "chain",
-        "dev",
-        "dst",
-        "end",
-        "expert",
-        "gds",
-        "gpu",
-        "job",
-        "kind",
-        "layer",
-        "local",
-        "low",
-        "n",
-        "rkind",
-        "seq",
-        "sid",
-        "src",
-        "ssd_at",
-        "ssd_read",
-        "stage",
-        "token",
-    )
+    __slots__ = ("after", "at", "buf", "chain", "dev", "dst", "end", "expert", "gds", "gpu", "job",
+                 "kind", "layer", "local", "low", "n", "rkind", "seq", "sid", "src", "ssd_read",
+                 "stage", "token")  # fmt: skip
 
     def __init__(
         self, kind: int, rkind: str, seq: int, sid: int, token: int, layer: int, expert: int
@@ -133,8 +116,12 @@ class Op(Keyed):
         self.chain: Op | None = None
         self.end = -1.0
         self.stage = 0
-        #: the SSD tier: its first stage is submitted no earlier than this (its drive read ends)
-        self.ssd_at = 0.0
+        #: its first stage is submitted no earlier than this: its drive read ends (the SSD
+        #: tier), or the copy its write-back waits for lands (INF: that copy submits it)
+        self.at = 0.0
+        #: a copy into a slot whose expert was evicted while it was in flight: the write-back
+        #: or slot release submitted when it lands
+        self.after: Op | None = None
         #: the SSD tier: a GPUDirect Storage read already put the weights in GPU memory
         self.gds = False
         #: the SSD tier: this operation issued the drive read it waits for

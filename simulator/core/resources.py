@@ -213,19 +213,8 @@ class HostThread:
     or dispatch-bound (the last kernel issued, then run).
     """
 
-    __slots__ = (
-        "dispatch",
-        "expert_k",
-        "expert_syncs",
-        "idle_loop",
-        "idle_syncs",
-        "ne_k",
-        "routing_syncs",
-        "step",
-        "sync",
-        "syncs",
-        "t",
-    )
+    __slots__ = ("dispatch", "expert_k", "expert_syncs", "idle_loop", "idle_syncs", "ne_k",
+                 "routing_syncs", "step", "sync", "syncs", "t")  # fmt: skip
 
     def __init__(self, profile: Any, idle_experts: int = 0) -> None:
         self.dispatch: float = profile.dispatch_us * 1e-6
@@ -369,15 +358,25 @@ class Residency:
         self.copying[i] = copy
         self.n_resident += 1
 
-    def remove(self, i: int) -> None:
-        """Expert ``i`` is no longer resident (its slot may stay held by a write-back)."""
+    def remove(self, i: int, now: float) -> tuple[float, Op | None]:
+        """Expert ``i`` is no longer resident at ``now`` (its slot may stay held by a
+        write-back). A copy into its slot still in flight is detached from the residency (it
+        lands, but no longer makes ``i`` ready): returns when it lands (INF while it has not
+        started; 0.0 when it has landed) and, if it has not started, the copy."""
         self.mask[i] = 0
         self.n_resident -= 1
+        landing = self.ready[i]
+        if landing <= now:
+            return 0.0, None
+        self.ready[i] = INF
+        return landing, self.copying.pop(i, None)
 
-    def copied(self, i: int, end: float) -> None:
-        """The copy into expert ``i``'s slot has started and ends at ``end``."""
-        self.ready[i] = end
-        del self.copying[i]
+    def copied(self, i: int, copy: Op, end: float) -> None:
+        """``copy``, into expert ``i``'s slot, has started and ends at ``end`` (a copy
+        detached by :meth:`remove` changes nothing)."""
+        if self.copying.get(i) is copy:
+            self.ready[i] = end
+            del self.copying[i]
 
     def take(self, k: int, t: float) -> bool:
         """Claim a free slot of GPU ``k`` at ``t``; False when none is free (then wait)."""

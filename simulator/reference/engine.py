@@ -48,7 +48,8 @@ class Op:
 
     ``kind`` is the timeline's kind column; ``seq`` its issue number (the tie-break of the
     queueing rule); ``done`` fires when it ends (``end``). A serial CPU task chains its calls
-    through ``chain``. ``read`` is the drive read it waits for (SSD tier)."""
+    through ``chain``. ``read`` is the drive read it waits for (SSD tier); ``landing`` the
+    copy a write-back waits for."""
 
     __slots__ = (
         "chain",
@@ -59,6 +60,7 @@ class Op:
         "expert",
         "gds",
         "kind",
+        "landing",
         "layer",
         "local",
         "low",
@@ -84,6 +86,8 @@ class Op:
         self.local = False
         self.gds = False
         self.read: simpy.Event | None = None
+        #: a write-back of an expert evicted while its copy was in flight: that copy
+        self.landing: Op | None = None
         self.chain: Op | None = None
         self.src = self.dst = -1
         self.end: float | None = None
@@ -584,8 +588,7 @@ class ReferenceEngine:
                 elif isinstance(plan, Plan):
                     route = check_route(hooks, plan, n_exp, layer)
                 routed = experts.tolist() if route is None else route
-                order = check_plan(hooks, plan, layer, routed, self.ledger, self.spec,
-                                   self.precalc, now)  # fmt: skip
+                order = check_plan(hooks, plan, layer, routed, self.ledger, self.spec, self.precalc)
                 if not prefill:
                     self._fidelity(plan, route, experts, r.weights[t][layer], mass[t][layer])
                 lw = self.translate(plan, layer, order, routed, counts, now, prefill)
@@ -849,22 +852,39 @@ class ReferenceEngine:
 
     def _evict(self, slot: Any, needed: set[int], lw: LayerRun) -> None:
         """The expert leaves its slot; with write-back the slot is held until its copy to the
-        host ends, and an expert this layer still uses is written back after its compute."""
+        host ends, and an expert this layer still uses is written back after its compute.
+        A copy into the slot still in flight goes on (a DMA is not cancelled) but no longer
+        lands a resident expert; the write-back, or the slot's release, waits for it."""
         led, c = self.ledger, self.c
         vl, ve = int(slot[0]), int(slot[1])
         led.resident[vl, ve] = False
         led.n_resident -= 1
         c.evictions += 1
+        landing = None
+        if led.ready_at[vl, ve] > lw.now:  # its copy has not landed
+            led.ready_at[vl, ve] = INF
+            landing = led.copy.pop((vl, ve))
+            c.evictions_in_flight += 1
         if vl == lw.layer and ve in needed:
             lw.deferred[ve] = self._writeback_op(vl, ve, lw)
             return
         if led.prefetched[vl, ve]:  # prefetched, never used
             led.prefetched[vl, ve] = False
             c.prefetch_wasted_bytes += self.expert_bytes
+        dev = self.devices[self.gpu_of[vl][ve]]
         if self.spec.writeback:
-            lw.ops.append(self._writeback_op(vl, ve, lw))
+            op = self._writeback_op(vl, ve, lw)
+            op.landing = landing
+            lw.ops.append(op)
+        elif landing is None:
+            dev.slots.give_back()
         else:
-            self.devices[self.gpu_of[vl][ve]].slots.give_back()
+            self.env.process(self._release_after(landing, dev))
+
+    def _release_after(self, copy: Op, dev: Device) -> Proc:
+        """An expert evicted while its copy was in flight: its slot is free once it lands."""
+        yield copy.done
+        dev.slots.give_back()
 
     def _writeback_op(self, layer: int, expert: int, lw: LayerRun) -> Op:
         self.c.d2h_bytes += self.expert_bytes
@@ -964,6 +984,8 @@ class ReferenceEngine:
         and the D2H lane together; its slot is free when it ends."""
         env = self.env
         dev = self.devices[op.device]
+        if op.landing is not None and not op.landing.done.processed:
+            yield op.landing.done  # evicted while its copy was in flight: after that copy
         s = yield from self._move(dev.copy_lanes, (env.now, op.seq), self.d2h_s, self.expert_bytes)
         dev.d2h.busy += self.d2h_s
         dev.d2h_bytes += self.expert_bytes
@@ -980,8 +1002,10 @@ class ReferenceEngine:
         if not got.triggered:  # every slot is held: wait for a write-back to end
             yield got
         slot = (op.layer, op.expert)
+        # a copy whose expert was evicted while it was in flight lands nothing resident
         if op.gds:  # GPUDirect Storage: the drive wrote the slot already
-            self.ledger.ready_at[slot] = env.now
+            if self.ledger.copy.get(slot) is op:
+                self.ledger.ready_at[slot] = env.now
             self._finish(op)
             return
         # a slot of the low-bit copy's size holds that copy (ResourceSpec.low_bit_slots)
@@ -991,7 +1015,8 @@ class ReferenceEngine:
         lane = dev.h2d
         yield lane.request((env.now, op.seq))
         s = env.now
-        self.ledger.ready_at[slot] = s + seconds
+        if self.ledger.copy.get(slot) is op:
+            self.ledger.ready_at[slot] = s + seconds
         if self.unified:
             self.cpu.take_dram(s, seconds, self.costs.copy_dram_share(nbytes, seconds))
         yield env.timeout(seconds)

@@ -338,7 +338,7 @@ def _layers(
         if isinstance(plan, Plan) and plan.route is not None:
             raise hooks.error(f"substitutes routing in {what} (not supported)", layer)
         routed = experts.tolist()
-        order = check_plan(hooks, plan, layer, routed, eng.ledger, eng.spec, eng.precalc, now)
+        order = check_plan(hooks, plan, layer, routed, eng.ledger, eng.spec, eng.precalc)
         c.true_accesses += accesses
         m = 0.0 if mass is None else mass[layer]
         c.gate_mass_total += m
