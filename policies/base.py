@@ -455,6 +455,17 @@ class Policy:
         """The resources this policy's system uses (may depend on the options)."""
         return ResourceSpec()
 
+    def fixed_residency(self, model: ModelShape) -> int | None:
+        """How many experts this instance keeps on the GPU whatever the budget, or None when
+        the budget is what it fills (a cache).
+
+        A policy whose placement its options fix (llama.cpp's ``--n-cpu-moe``, KTransformers'
+        GPU experts) returns that count: the run then checks only that count against the
+        machine's memory, so a budget the policy does not use is never a reason to refuse it
+        (docs/policy-api.md, "Budgets").
+        """
+        return None
+
     # -- hooks ---------------------------------------------------------------------------------
     def setup(self, ctx: SetupContext) -> Iterable[Slot]:
         """Initial placement: the (layer, expert) pairs resident at time 0 (at most budget)."""

@@ -719,7 +719,12 @@ def run_config(cfg: Config) -> dict[str, Any]:
             "total_experts": int(c["total_experts"]),
             "max_gpu_experts": int(c["max_gpu_experts"]),
             "expert_bytes": expert_bytes,
-            "expert_memory_gb": int(c["gpu_experts"]) * expert_bytes / 1e9,
+            # the memory the experts take: what the policy's options fix, else its budget
+            "expert_memory_gb": int(
+                c["gpu_experts"] if c.get("fixed_residency") is None else c["fixed_residency"]
+            )
+            * expert_bytes
+            / 1e9,
             "per_layer_hit_rate": [float(x) for x in result.per_layer_hit_rate],
         }
     )
