@@ -40,6 +40,8 @@ from daopsim.simulator.errors import (
     PolicyError,
     UserError,
     check_seed,
+    debug_enabled,
+    debug_traceback,
     parse_key_values,
 )
 from daopsim.simulator.fingerprints import daopsim_version, file_sha256, profile_sha256
@@ -691,6 +693,13 @@ def run_config(cfg: Config) -> dict[str, Any]:
         return row
     except Exception as exc:  # recorded, not raised: one bad configuration must not sink others
         row["error"] = _one_line(exc)
+        if debug_enabled():  # --debug / DAOPSIM_DEBUG=1: the traceback behind the row's error
+            import sys
+
+            sys.stderr.write(
+                f"debug: {cfg.policy} on {cfg.hw}, {cfg.trace}: {row['error']}\n"
+                + debug_traceback(exc)
+            )
         return row
     c = result.config
     meta = read_meta(path)
