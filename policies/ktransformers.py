@@ -79,7 +79,11 @@ class KTransformersPolicy(Policy):
     runtime_profile = "ktransformers"
     params = {
         "gpu_experts_per_layer": Param(
-            int, 0, "GPU-resident experts per MoE layer (--kt-num-gpu-experts)", minimum=0
+            int,
+            0,
+            "GPU-resident experts per MoE layer (--kt-num-gpu-experts)",
+            minimum=0,
+            search="experts",
         ),
         "gpu_experts_ratio": Param(
             float,

@@ -120,6 +120,7 @@ class LlamaCppCpuMoePolicy(LeadingCpuLayers):
             -1,
             "blocks whose routed experts stay on the CPU, counted from block 0 "
             "(-1 = all, --cpu-moe)",
+            search="layers",
         ),
         "prefill_offload": Param(
             bool,

@@ -75,6 +75,7 @@ class LlamaCppLayersPolicy(LeadingCpuLayers):
             -1,
             "llama.cpp's --n-gpu-layers: the output layer plus the last ngl-1 blocks on the "
             "GPU (-1 = as many as fit)",
+            search="layers+1",
         ),
         "prefill_offload": Param(
             bool,

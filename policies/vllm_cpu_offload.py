@@ -69,6 +69,7 @@ class VllmCpuOffloadPolicy(Policy):
             "MoE layers whose experts live in pinned host memory (0: the fewest that fit; "
             "more than the model has: all)",
             minimum=0,
+            search="moe_layers",
         ),
     }
 

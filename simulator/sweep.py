@@ -168,6 +168,9 @@ class Grid:
     gpus: list[int] = field(default_factory=list)
     #: multi-GPU placements (an axis for the counts above 1); empty: expert parallel
     multi_gpu: list[str] = field(default_factory=list)
+    #: per policy, explicit option sets run instead of the product of ``options`` axes (from
+    #: Python only; ``daopsim advise`` varies one option at a time this way)
+    variants: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str = "grid") -> Grid:
@@ -417,6 +420,16 @@ def _option_axes(grid: Grid, policy_classes: dict[str, Any]) -> dict[str, list[d
                 axes.append((name, values))
                 used.add(name)
         combos = []
+        if pol in grid.variants:
+            seen: set[str] = set()
+            for given in grid.variants[pol]:
+                opts = cls.resolve_options(dict(given))
+                ident = json.dumps(opts, sort_keys=True, default=str)
+                if ident not in seen:  # two variants resolving to the same options run once
+                    seen.add(ident)
+                    combos.append(opts)
+            out[pol] = combos
+            continue
         for vals in itertools.product(*(v for _, v in axes)):
             given = {k: v for (k, _), v in zip(axes, vals, strict=True)}
             combos.append(cls.resolve_options(given))  # type-checks; UserError on bad values
@@ -1040,6 +1053,43 @@ def _run_dask(
 # --- the sweep --------------------------------------------------------------------------------
 
 
+def run_configs(
+    configs: list[Config],
+    executor: str = "local",
+    workers: int | None = None,
+    scheduler: str | None = None,
+    progress: bool = False,
+    bounds: bool = True,
+    label: str = "runs",
+) -> list[dict[str, Any]]:
+    """Run configurations (from :func:`expand` of one or several grids) in one pool; returns
+    their rows in the order given. A configuration given twice (the same key) runs once.
+    Nothing is written: this is the core of a sweep without its table file (``advise``)."""
+    if executor not in EXECUTORS:
+        raise UserError(f"unknown executor {executor!r} (valid: {', '.join(EXECUTORS)})")
+    n_workers = workers if workers is not None else (os.cpu_count() or 1)
+    unique = list({c.key: c for c in configs}.values())
+    done: dict[str, dict[str, Any]] = {}
+    bar = Progress(len(unique), label, enabled=progress)
+
+    def on_row(row: dict[str, Any]) -> None:
+        done[row["key"]] = row
+        bar.update(1)
+
+    with bar:
+        if executor == "dask":
+            _run_dask(unique, n_workers, scheduler, on_row)
+        else:
+            _run_local(unique, n_workers, on_row)
+    if bounds:
+        add_bounds([done[c.key] for c in unique], unique)
+    # the names asked for (a profile path, a trace name); a finished row keeps the runtime it
+    # ran on when none was asked for
+    return [
+        {**done[c.key], **{k: v for k, v in _labels(c).items() if v is not None}} for c in configs
+    ]
+
+
 @dataclass
 class SweepSummary:
     """What a sweep did: counts and the failed configurations.
@@ -1202,6 +1252,7 @@ __all__ = [
     "load_grid_file",
     "read_table",
     "run_config",
+    "run_configs",
     "run_sweep",
     "sweep",
 ]
