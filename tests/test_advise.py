@@ -67,7 +67,7 @@ def _members(a: Advice) -> list[dict[str, Any]]:
                 "cache_ratio": r.cache_ratio,
                 "command": r.command,
                 "dtype": r.dtype,
-            }  # fmt: skip
+            }
         )
         out += [{**t, "dtype": r.dtype} for t in r.tied]
     return out
