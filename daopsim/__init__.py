@@ -13,7 +13,8 @@ names) are the implementation (they may move between releases); import from ``da
 Running: :func:`simulate` (one run, a :class:`RunResult`), :func:`all_gpu_bound` (its all-GPU
 bound), :func:`sweep` (a grid as a DataFrame), :func:`run_sweep` and :class:`Grid` (the same
 with a :class:`SweepSummary`, resumable), :func:`read_table`, :func:`seed_summary`,
-:func:`advise`, :class:`ServingConfig` (``simulate(serving=...)``, docs/serving.md).
+:func:`advise`, :func:`compare` (several policies side by side), :class:`ServingConfig`
+(``simulate(serving=...)``, docs/serving.md).
 
 Plots of a sweep table: :func:`plot` (by kind, :data:`PLOT_KINDS`), :func:`plot_throughput`,
 :func:`plot_hit_rate`, :func:`plot_breakdown`, :func:`plot_heatmap`, :func:`plot_pareto`,
@@ -55,6 +56,7 @@ if TYPE_CHECKING:  # the real objects, for type checkers and IDEs
     from daopsim.policies.registry import get_policy_class as policy_class
     from daopsim.policies.registry import load_policy_file, register
     from daopsim.simulator.advise import advise
+    from daopsim.simulator.compare import compare
     from daopsim.simulator.bounds import all_gpu_bound
     from daopsim.simulator.capture import (
         CaptureConfig,
@@ -138,6 +140,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
         "seed_summary",
     ),
     **_names("daopsim.simulator.advise", "advise"),
+    **_names("daopsim.simulator.compare", "compare"),
     # plots of a sweep table
     **_names(
         "daopsim.simulator.plots",
@@ -236,6 +239,7 @@ __all__ = [
     "__version__",
     "advise",
     "all_gpu_bound",
+    "compare",
     "bundled_traces",
     "capture_model",
     "check_output_file",

@@ -390,7 +390,7 @@ def advise(
     executor: str = "local",
     workers: int | None = None,
     scheduler: str | None = None,
-    progress: bool = False,
+    progress: bool = True,
     runtimes: list[str] | None = None,
     min_tokens_per_s: float | None = None,
     prices: dict[str, float] | None = None,

@@ -46,6 +46,8 @@ COMMANDS: list[tuple[str, str]] = [
     ("regress_cmd", "regress"),
     ("validate_cmd", "validate"),
     ("advise_cmd", "advise"),
+    ("compare_cmd", "compare"),
+    ("doctor_cmd", "doctor"),
     ("learn_cmd", "learn"),
 ]
 

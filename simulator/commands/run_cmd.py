@@ -664,6 +664,11 @@ def run(
         if ctx.get_parameter_source("gpu_experts") is ParameterSource.COMMANDLINE:
             cache_ratio = None if "cache_ratio" in given else cache_ratio
     options.update(parse_options(policy_opts))
+    if "," in policy and not policy.endswith(".py") and ".py:" not in policy:
+        raise UserError(
+            f"--policy {policy}: run takes one policy; to run several side by side: "
+            f"daopsim compare --policies {policy}"
+        )
     if model is not None:  # the synthetic trace, so the bounds below run on it too
         from daopsim.simulator.trace_cache import model_trace
 
