@@ -56,7 +56,6 @@ if TYPE_CHECKING:  # the real objects, for type checkers and IDEs
     from daopsim.policies.registry import get_policy_class as policy_class
     from daopsim.policies.registry import load_policy_file, register
     from daopsim.simulator.advise import advise
-    from daopsim.simulator.compare import compare
     from daopsim.simulator.bounds import all_gpu_bound
     from daopsim.simulator.capture import (
         CaptureConfig,
@@ -66,6 +65,7 @@ if TYPE_CHECKING:  # the real objects, for type checkers and IDEs
         load_prompts,
         run_capture,
     )
+    from daopsim.simulator.compare import compare
     from daopsim.simulator.costs import cost_model
     from daopsim.simulator.data import bundled_traces
     from daopsim.simulator.data import resolve_trace as trace_path
@@ -239,10 +239,10 @@ __all__ = [
     "__version__",
     "advise",
     "all_gpu_bound",
-    "compare",
     "bundled_traces",
     "capture_model",
     "check_output_file",
+    "compare",
     "cost_model",
     "expert_fit",
     "get_model",
