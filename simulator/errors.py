@@ -68,6 +68,11 @@ class UserError(Exception):
     exit_code: ExitCode = ExitCode.USAGE
 
 
+class MissingExtra(UserError, ImportError):
+    """An optional extra this needs is not installed (``pip install 'daopsim[NAME]'``): an
+    ImportError for Python code, one line and exit 2 on the command line."""
+
+
 class OutputError(UserError):
     """An output path cannot be used or written; printed as one line, exit code 3."""
 

@@ -42,6 +42,7 @@ from daopsim.simulator.errors import (
     check_seed,
     debug_enabled,
     debug_traceback,
+    did_you_mean,
     parse_key_values,
 )
 from daopsim.simulator.fingerprints import daopsim_version, file_sha256, profile_sha256
@@ -177,8 +178,16 @@ class Grid:
         """A grid from a plain mapping (a parsed TOML file or a notebook dict)."""
         unknown = sorted(set(data) - _GRID_KEYS)
         if unknown:
+            key = unknown[0]
+            hint = did_you_mean(key, _GRID_KEYS)
+            plural = f"{key[:-1]}ies" if key.endswith("y") else f"{key}s"
+            if plural in _GRID_KEYS:  # cache_ratio, policy, trace, seed, runtime
+                hint = (
+                    f"; did you mean {plural!r}? (a grid key names a list, also for one "
+                    f"value: {plural} = [...])"
+                )
             raise UserError(
-                f"{source}: unknown key {unknown[0]!r} (valid: {', '.join(sorted(_GRID_KEYS))})"
+                f"{source}: unknown key {key!r}{hint} (valid: {', '.join(sorted(_GRID_KEYS))})"
             )
         if "policies" not in data:
             raise UserError(f"{source}: missing key 'policies'")
