@@ -224,7 +224,7 @@ def render(comp: Comparison) -> str:
     widths = [max(len(x) for x in [*h, *col]) for h, col in zip(heads, cells, strict=True)]
     setting = [f"trace {comp.trace}"]
     if comp.sequences is not None:
-        setting.append(f"{comp.sequences} sequences")
+        setting.append(f"{comp.sequences} sequence" + ("s" if comp.sequences != 1 else ""))
     if comp.dtype is not None:
         setting.append(f"experts at {comp.dtype}")
     if comp.cache_ratio is not None:

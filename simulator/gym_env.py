@@ -31,7 +31,7 @@ try:
     import greenlet
     import gymnasium as gym
     from gymnasium import spaces
-except ImportError as exc:  # tests/test_policy_debugging.py hides the extra to exercise it
+except ImportError as exc:  # tests/test_first_use.py hides the extra to exercise it
     from daopsim.simulator.errors import MissingExtra
 
     raise MissingExtra(
