@@ -822,7 +822,7 @@ def _machines(
         key: Callable[[MachineAnswer], Any] = lambda m: (m.price, -(m.best_tokens_per_s or 0))  # noqa: E731
     else:
         advice.order = (
-            "energy per generated token (tokens/kJ of GPU and CPU; no --price for every machine)"
+            "energy per generated token, tokens/kJ; --price for every machine orders by price"
         )
         key = lambda m: (-(m.tokens_per_kj or 0.0), -(m.best_tokens_per_s or 0))  # noqa: E731
     meeting = sorted((m for m in advice.machines if m.meets_target), key=key)
