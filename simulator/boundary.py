@@ -67,13 +67,20 @@ class Hooks:
             return fn(*args)
         except (PolicyError, UserError):
             raise
-        except Exception as exc:
+        except BaseException as exc:
+            # Ctrl-C, and a greenlet or generator being closed (the gym environment pauses a
+            # run inside a hook), are not the policy's faults; anything else is, SystemExit
+            # included (a hook must not end the run as if it had succeeded)
+            if isinstance(exc, KeyboardInterrupt | GeneratorExit) or (
+                type(exc).__name__ == "GreenletExit"
+            ):
+                raise
             err = self.fault(hook, exc)
             # set by hand: mypyc-compiled callers lost the cause of `raise ... from exc`
             err.__cause__ = exc
             raise err from exc
 
-    def fault(self, hook: str, exc: Exception) -> PolicyError:
+    def fault(self, hook: str, exc: BaseException) -> PolicyError:
         """The PolicyError for ``exc`` raised by hook ``hook`` (callers that inline the call on
         the per-layer hot path raise this ``from exc``).
 

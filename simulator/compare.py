@@ -46,6 +46,11 @@ class Comparison:
     columns: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
+    @property
+    def failed(self) -> int:
+        """Columns whose run failed (status ``error``; ``skipped`` ones did not fit)."""
+        return sum(c["status"] == "error" for c in self.columns)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly form (``daopsim compare --json``)."""
         return asdict(self)
@@ -88,6 +93,19 @@ def compare(
     for k, v in (options or {}).items():
         if len(v) != 1:
             raise UserError(f"--policy-opt {k}: one value per option in a comparison")
+    # what every column shares is checked once, before any run (a sweep would record the
+    # same mistake in every row)
+    if sequences is not None and (isinstance(sequences, bool) or sequences < 1):
+        raise UserError(f"--sequences must be positive, got {sequences}")
+    if dtype is not None:
+        from daopsim.simulator.errors import did_you_mean
+        from daopsim.simulator.models import DTYPES
+
+        if dtype not in DTYPES:
+            raise UserError(f"--dtype: unknown precision {dtype!r}{did_you_mean(dtype, DTYPES)}")
+    from daopsim.simulator.runner import requested_budget
+
+    requested_budget(cache_ratio, gpu_experts, 1 << 62)  # the ranges, before the model is known
     trace_args: list[str]
     if model is not None:
         if trace is not None:

@@ -61,7 +61,8 @@ def compare(
     as_json: bool,
 ) -> None:
     """Run several policies (on one or more machines) over one trace: one side-by-side table
-    (a column per configuration) and, with -o, one figure."""
+    (a column per configuration) and, with -o, one figure. Exit 1 when a run failed (its
+    column says why); a budget a machine cannot hold is a skipped column, not a failure."""
     from daopsim.simulator.compare import compare as run_compare
     from daopsim.simulator.compare import render, write_figure
     from daopsim.simulator.errors import parse_key_values
@@ -97,3 +98,5 @@ def compare(
         click.echo(render(result))
         if plot is not None:
             click.echo(f"wrote {plot}")
+    if result.failed:  # as for a sweep: the command ran, and a configuration failed
+        raise SystemExit(1)
