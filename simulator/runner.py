@@ -1246,6 +1246,8 @@ def run_config(inp: RunInputs, size: RunSize, data: RunData, run: Run) -> dict[s
         "cost_sources": size.costs.sources(),
         "gpus": req.gpus,
         "multi_gpu": run.engine.multi_metrics() if inp.mg is not None else None,
+        # with several GPUs `gpu_experts` is the total; this is one GPU's budget
+        "gpu_experts_per_gpu": size.budget if inp.mg is not None else None,
         **provenance(trace_path, inp.profile),
     }
     tier = inp.host_tier

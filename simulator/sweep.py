@@ -658,6 +658,9 @@ def _base_row(cfg: Config) -> dict[str, Any]:
     if cfg.gpus > 1:  # multi-GPU columns (absent from single-GPU sweeps)
         row["gpus"] = cfg.gpus
         row["multi_gpu"] = cfg.multi_gpu or "expert"
+        # a budget asked for is per GPU; `gpu_experts` is the total, known once the run sized it
+        row["gpu_experts_per_gpu"] = cfg.gpu_experts
+        row["gpu_experts"] = None
     if cfg.arrival_rate is not None:
         row["arrival_rate"] = cfg.arrival_rate
         row["max_batch"] = cfg.serving().batch
@@ -732,6 +735,11 @@ def run_config(cfg: Config) -> dict[str, Any]:
             "cache_ratio": cfg.cache_ratio if cfg.cache_ratio is not None else c["cache_ratio"],
             "gpu_experts": int(c["gpu_experts"]),
             "sequences": int(c["sequences"]),
+            **(
+                {"gpu_experts_per_gpu": int(c["gpu_experts_per_gpu"])}
+                if c.get("gpu_experts_per_gpu") is not None
+                else {}
+            ),
             "sequence_ids": ",".join(map(str, c["sequence_ids"])),
             "calibration": c["calibration"],
             "runtime": c["runtime"]["name"],
@@ -861,7 +869,7 @@ def to_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     # dict.fromkeys: "sequences" is both a configuration column and a metric
     serving = [c for c in SERVING_COLUMNS if any(c in r for r in rows)]
     # a gpus axis: the columns appear, one-GPU rows read gpus = 1
-    multi = ["gpus", "multi_gpu"] if any("gpus" in r for r in rows) else []
+    multi = ["gpus", "multi_gpu", "gpu_experts_per_gpu"] if any("gpus" in r for r in rows) else []
     metrics = [k for k in METRIC_KEYS if k not in OPTIONAL_METRIC_KEYS or any(k in r for r in rows)]
     cols = list(
         dict.fromkeys(
@@ -871,6 +879,11 @@ def to_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     df = pd.DataFrame([{c: r.get(c) for c in cols} for r in rows], columns=cols)
     if multi:
         df["gpus"] = df["gpus"].fillna(1).astype("int64")
+        # one GPU's budget: a one-GPU row's is its budget
+        one = df["gpus"] == 1
+        per = pd.to_numeric(df["gpu_experts_per_gpu"], errors="coerce")
+        per[one] = pd.to_numeric(df.loc[one, "gpu_experts"], errors="coerce")
+        df["gpu_experts_per_gpu"] = per.astype("Int64")
     for c in serving:
         df[c] = pd.to_numeric(df[c], errors="coerce").astype("float64")
     ints = ("gpu_experts", "sequences", "seed", "total_experts", "max_gpu_experts")

@@ -9,6 +9,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+import pandas as pd
 import pytest
 from cli_checks import one_error
 
@@ -166,3 +167,22 @@ def test_a_bad_fixed_residency_is_the_policy_s_fault(
     path.write_text(BAD_FIXED.format(value=value))
     line = one_error(cli("run", *TRACE, "--policy", f"{path}:Bad"), 2, "bad-fixed")
     assert "fixed_residency" in line
+
+
+def test_a_multi_gpu_sweep_labels_per_gpu_and_total() -> None:
+    df = daopsim.sweep(
+        {"policies": ["lru"], "hw": ["2x-rtx3090-nvlink"], "traces": ["ci-small"],
+         "gpu_experts": [40, 80], "gpus": [1, 2], "sequences": 1},
+        workers=1,
+        progress=False,
+    )  # fmt: skip
+    got = [
+        (r.gpus, r.status, None if r.gpu_experts is pd.NA else int(r.gpu_experts),
+         int(r.gpu_experts_per_gpu))
+        for r in df.itertuples()
+    ]  # fmt: skip
+    # the budget asked is per GPU; the total is what two GPUs hold; a point that does not fit
+    # has no total (it is not known) and never shows its per-GPU figure as one
+    assert got == [(1, "ok", 40, 40), (2, "ok", 80, 40), (1, "skipped", 80, 80),
+                   (2, "skipped", None, 80)]  # fmt: skip
+    assert set(df["max_gpu_experts"]) == {55}  # per GPU
