@@ -951,7 +951,7 @@ def size_run(inp: RunInputs) -> RunSize:
             raise DoesNotFit(
                 fit.max_experts,
                 f"policy {pol.name!r} keeps {fixed} experts of {model.name} resident by its "
-                f"options ({options_text(pol)}), more than fit in {inp.profile.name}'s GPU "
+                f"options ({options_text(pol)}); they do not fit in {inp.profile.name}'s GPU "
                 f"memory (at most {fit.max_experts} after non-expert weights, KV cache and "
                 f"{_buffers(fit.buffers)})",
             )
