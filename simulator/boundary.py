@@ -71,7 +71,7 @@ class Hooks:
             # Ctrl-C, and a greenlet or generator being closed (the gym environment pauses a
             # run inside a hook), are not the policy's faults; anything else is, SystemExit
             # included (a hook must not end the run as if it had succeeded)
-            if isinstance(exc, KeyboardInterrupt | GeneratorExit) or (
+            if isinstance(exc, (KeyboardInterrupt, GeneratorExit)) or (
                 type(exc).__name__ == "GreenletExit"
             ):
                 raise
