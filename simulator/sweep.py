@@ -950,6 +950,37 @@ def fidelity_floor(df: pd.DataFrame, min_gate_mass: float | None) -> tuple[pd.Da
     return df[~below].reset_index(drop=True), int(below.sum())
 
 
+def small_budget_note(df: pd.DataFrame) -> str:
+    """One line when finished rows of per-layer caching policies have at most top-k experts
+    per layer, where those policies cannot differ (docs/metrics.md, "Budget and residency");
+    "" otherwise."""
+    from daopsim.policies.caching import CachingPolicy
+    from daopsim.policies.registry import get_policy_class
+    from daopsim.simulator.models import get_model
+
+    if df.empty or "model" not in df:
+        return ""
+    hits: list[str] = []
+    for r in df[df["status"] == "ok"].itertuples():
+        try:
+            cls = get_policy_class(str(r.policy))
+            model = get_model(str(r.model))
+        except UserError:
+            continue
+        gpus = int(getattr(r, "gpus", 1) or 1)
+        per_layer = int(r.gpu_experts) // gpus // max(1, model.moe_layers)
+        if issubclass(cls, CachingPolicy) and per_layer <= model.top_k:
+            hits.append(f"{r.policy} at {int(r.gpu_experts)}")
+    if not hits:
+        return ""
+    shown = ", ".join(dict.fromkeys(hits))
+    return (
+        f"{len(hits)} row(s) of per-layer caching policies have at most top-k experts per layer "
+        f"({shown}): there every per-layer cache holds only the last token's experts, so they "
+        "cannot differ (docs/metrics.md, 'Budget and residency')"
+    )
+
+
 def write_table(df: pd.DataFrame, out: str | os.PathLike[str]) -> Path:
     """Write the sweep table atomically: Parquet, or CSV for a ``.csv`` path."""
     return _write_any_table(df, out, "--out")
