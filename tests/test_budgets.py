@@ -190,8 +190,8 @@ def test_a_multi_gpu_sweep_labels_per_gpu_and_total() -> None:
 
 def test_a_sweep_at_top_k_per_layer_says_so(cli: Callable[..., Any], tmp_path: Any) -> None:
     out = tmp_path / "s.parquet"
-    res = cli("sweep", "--policies", "lru,daop", "--traces", "ci-small", "--gpu-experts",
-              "48,96", "--sequences", "1", "--no-progress", "--workers", "1", "-o", out)  # fmt: skip
+    grid = ["--policies", "lru,daop", "--traces", "ci-small", "--gpu-experts", "48,96"]
+    res = cli("sweep", *grid, "--sequences", "1", "--no-progress", "--workers", "1", "-o", out)
     assert res.exit_code == 0, res.output
     notes = [ln for ln in res.stdout.splitlines() if ln.startswith("note:")]
     # lru at 48 (one per layer) is named; lru at 96 and daop (not a per-layer cache) are not
