@@ -104,6 +104,19 @@ def _compare_from() -> None:
     assert any("compare them from 96 experts (3 per layer)" in n for n in doc["notes"])
 
 
+def _advise_json_fields() -> None:
+    """docs/advise.md's JSON paragraph names every field of the Advice and AdviceRow objects."""
+    from daopsim.simulator.advise import Advice, AdviceRow, MachineAnswer
+
+    page = _page("docs/advise.md")
+    para = page[page.index("## JSON and CSV") :]
+    for cls in (Advice, AdviceRow, MachineAnswer):
+        for name in cls.__dataclass_fields__:
+            if name in ("hw",) and cls is MachineAnswer:
+                continue
+            assert f"`{name}`" in para, (cls.__name__, name)
+
+
 #: (page, phrase, check)
 CLAIMS: list[tuple[str, str, Callable[[], None]]] = [
     (
@@ -159,6 +172,7 @@ CLAIMS: list[tuple[str, str, Callable[[], None]]] = [
     ),
     ("docs/advise.md", "3 sequences of 32 prompt + 48 generated tokens, seed 1", _advise_constants),
     ("docs/advise.md", "evaluation sequences per run (default 2)", _advise_constants),
+    ("docs/advise.md", "`--json` prints the `Advice` object", _advise_json_fields),
 ]
 
 
