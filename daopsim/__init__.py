@@ -13,7 +13,8 @@ names) are the implementation (they may move between releases); import from ``da
 Running: :func:`simulate` (one run, a :class:`RunResult`), :func:`all_gpu_bound` (its all-GPU
 bound), :func:`sweep` (a grid as a DataFrame), :func:`run_sweep` and :class:`Grid` (the same
 with a :class:`SweepSummary`, resumable), :func:`read_table`, :func:`seed_summary`,
-:func:`advise`, :class:`ServingConfig` (``simulate(serving=...)``, docs/serving.md).
+:func:`advise`, :func:`compare` (several policies side by side), :class:`ServingConfig`
+(``simulate(serving=...)``, docs/serving.md).
 
 Plots of a sweep table: :func:`plot` (by kind, :data:`PLOT_KINDS`), :func:`plot_throughput`,
 :func:`plot_hit_rate`, :func:`plot_breakdown`, :func:`plot_heatmap`, :func:`plot_pareto`,
@@ -64,6 +65,7 @@ if TYPE_CHECKING:  # the real objects, for type checkers and IDEs
         load_prompts,
         run_capture,
     )
+    from daopsim.simulator.compare import compare
     from daopsim.simulator.costs import cost_model
     from daopsim.simulator.data import bundled_traces
     from daopsim.simulator.data import resolve_trace as trace_path
@@ -138,6 +140,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
         "seed_summary",
     ),
     **_names("daopsim.simulator.advise", "advise"),
+    **_names("daopsim.simulator.compare", "compare"),
     # plots of a sweep table
     **_names(
         "daopsim.simulator.plots",
@@ -239,6 +242,7 @@ __all__ = [
     "bundled_traces",
     "capture_model",
     "check_output_file",
+    "compare",
     "cost_model",
     "expert_fit",
     "get_model",

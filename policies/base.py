@@ -51,6 +51,33 @@ class Param:
     # bounds are checked once here, so a policy's __init__ does not repeat them
     minimum: float | None = None
     maximum: float | None = None
+    #: an integer range ``daopsim advise`` searches (besides the default): ``"layers"``
+    #: (0..the model's layers), ``"layers+1"`` (0..layers + 1), ``"moe_layers"`` or
+    #: ``"experts"`` (0..experts per layer); :data:`SEARCH_RANGES`. None: only the default
+    #: and the ``choices`` (both values of a bool) are tried.
+    search: str | None = None
+
+
+#: ``Param.search`` names and the integer range each one means for a model
+SEARCH_RANGES: dict[str, str] = {
+    "layers": "0..layers",
+    "layers+1": "0..layers+1",
+    "moe_layers": "0..moe_layers",
+    "experts": "0..experts per layer",
+}
+
+
+def search_range(name: str, model: ModelShape) -> tuple[int, int]:
+    """The inclusive integer range a ``Param.search`` name means for ``model``."""
+    if name == "layers":
+        return 0, model.layers
+    if name == "layers+1":
+        return 0, model.layers + 1
+    if name == "moe_layers":
+        return 0, model.moe_layers
+    if name == "experts":
+        return 0, model.experts
+    raise UserError(f"unknown Param.search {name!r} (known: {', '.join(SEARCH_RANGES)})")
 
 
 @dataclass(slots=True, init=False)
@@ -488,6 +515,17 @@ class Policy:
     def resources(self) -> ResourceSpec:
         """The resources this policy's system uses (may depend on the options)."""
         return ResourceSpec()
+
+    def fixed_residency(self, model: ModelShape) -> int | None:
+        """How many experts this instance keeps on the GPU whatever the budget, or None when
+        the budget is what it fills (a cache).
+
+        A policy whose placement its options fix (llama.cpp's ``--n-cpu-moe``, KTransformers'
+        GPU experts) returns that count: the run then checks only that count against the
+        machine's memory, so a budget the policy does not use is never a reason to refuse it
+        (docs/policy-api.md, "Budgets").
+        """
+        return None
 
     # -- hooks ---------------------------------------------------------------------------------
     def setup(self, ctx: SetupContext) -> Iterable[Slot]:

@@ -46,6 +46,7 @@ from daopsim.policies.base import (
 )
 from daopsim.policies.registry import register
 from daopsim.simulator.errors import DoesNotFit
+from daopsim.simulator.models import ModelShape
 
 #: experts-sched-Tutorial.md: the ``random`` strategy "randomly selects experts with fixed seed
 #: (42)"; daopsim's generator differs from torch's, so the same seed picks other experts.
@@ -82,7 +83,11 @@ class KTransformersPolicy(Policy):
     runtime_profile = "ktransformers"
     params = {
         "gpu_experts_per_layer": Param(
-            int, 0, "GPU-resident experts per MoE layer (--kt-num-gpu-experts)", minimum=0
+            int,
+            0,
+            "GPU-resident experts per MoE layer (--kt-num-gpu-experts)",
+            minimum=0,
+            search="experts",
         ),
         "gpu_experts_ratio": Param(
             float,
@@ -129,6 +134,10 @@ class KTransformersPolicy(Policy):
         if self.ratio > 0:
             return round(self.ratio * moe_layers * experts)
         return min(self.per_layer, experts) * moe_layers
+
+    def fixed_residency(self, model: ModelShape) -> int | None:
+        """The strategy's GPU experts: the options fix how many, not the budget."""
+        return self.gpu_expert_count(model.moe_layers, model.experts)
 
     def setup(self, ctx: SetupContext) -> Iterable[Slot]:
         """The strategy's GPU experts; they must fit the budget."""

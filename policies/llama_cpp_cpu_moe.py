@@ -43,6 +43,7 @@ from daopsim.policies.base import (
 )
 from daopsim.policies.registry import register
 from daopsim.simulator.errors import DoesNotFit, UserError
+from daopsim.simulator.models import ModelShape
 
 #: ggml-cuda.cu (commit f6d77a1): the CUDA backend offloads an operation whose batch is at
 #: least this many tokens unless the ``GGML_OP_OFFLOAD_MIN_BATCH`` environment variable says
@@ -119,6 +120,7 @@ class LlamaCppCpuMoePolicy(LeadingCpuLayers):
             -1,
             "blocks whose routed experts stay on the CPU, counted from block 0 "
             "(-1 = all, --cpu-moe)",
+            search="layers",
         ),
         "prefill_offload": Param(
             bool,
@@ -152,6 +154,11 @@ class LlamaCppCpuMoePolicy(LeadingCpuLayers):
         return ResourceSpec(
             host_memory="pinned", temp_buffers=1, cpu_workers=1, host_copies="offloaded"
         )
+
+    def fixed_residency(self, model: ModelShape) -> int | None:
+        """Every expert of the GPU layers: ``n_cpu_moe`` fixes them, not the budget."""
+        cpu = cpu_moe_layers(self.n_cpu_moe, model.layers, model.moe_layers)
+        return (model.moe_layers - cpu) * model.experts
 
     def setup(self, ctx: SetupContext) -> Iterable[Slot]:
         """Every expert of every GPU layer (the layers after the first N)."""

@@ -40,6 +40,7 @@ from daopsim.policies.base import (
 from daopsim.policies.llama_cpp_cpu_moe import OFFLOAD_MIN_BATCH, LeadingCpuLayers
 from daopsim.policies.registry import register
 from daopsim.simulator.errors import DoesNotFit, UserError
+from daopsim.simulator.models import ModelShape
 
 #: GPU memory llama.cpp keeps beside the weights for one context, GB: its load log for
 #: Mixtral-8x7B at n_ctx 512 (ggml-org/llama.cpp issue #4381) reports a 117.85 MiB compute
@@ -74,6 +75,7 @@ class LlamaCppLayersPolicy(LeadingCpuLayers):
             -1,
             "llama.cpp's --n-gpu-layers: the output layer plus the last ngl-1 blocks on the "
             "GPU (-1 = as many as fit)",
+            search="layers+1",
         ),
         "prefill_offload": Param(
             bool,
@@ -112,6 +114,13 @@ class LlamaCppLayersPolicy(LeadingCpuLayers):
             workspace_gb=LLAMA_CPP_WORKSPACE_GB,
             host_copies="offloaded",
         )
+
+    def fixed_residency(self, model: ModelShape) -> int | None:
+        """Every expert of the last ``ngl - 1`` layers; ``ngl=-1`` fills the budget instead."""
+        blocks = gpu_blocks_for_ngl(self.ngl)
+        if blocks < 0:
+            return None
+        return min(model.moe_layers, blocks) * model.experts
 
     def setup(self, ctx: SetupContext) -> Iterable[Slot]:
         """Every expert of every GPU layer (the layers after the CPU-resident ones)."""

@@ -206,8 +206,40 @@ def get_policy_class(name: str) -> type[Policy]:
     failure = _FAILED.get(name)
     if failure is not None:
         raise UserError(failure.message())
+    file_hint = _policy_file_hint(name)
+    if file_hint:
+        raise UserError(file_hint)
     hint = did_you_mean(name, _REGISTRY)
     raise UserError(f"unknown policy {name!r}{hint}; available: {', '.join(sorted(_REGISTRY))}")
+
+
+def _policy_file_hint(name: str) -> str:
+    """The error for a policy file named without its class (``bugs.py`` or ``bugs.py:``):
+    the ``PATH.py:CLASS`` form, with the classes the file defines (read, not imported);
+    "" when ``name`` does not look like a file."""
+    import ast
+
+    path_text, sep, cls = name.rpartition(":")
+    if not sep:
+        path_text = name
+    if not path_text.endswith(".py"):
+        return ""
+    form = f"--policy {name}: give the policy class as PATH.py:CLASS"
+    path = Path(path_text).expanduser()
+    if not path.is_file():
+        return f"{form}; no such file {path_text!r}"
+    try:
+        tree = ast.parse(path.read_bytes(), filename=str(path))
+    except (OSError, SyntaxError, ValueError):
+        return form
+    classes = [n.name for n in tree.body if isinstance(n, ast.ClassDef)]
+    if sep and cls:
+        return f"{form} ({cls!r} is not a class name)"
+    if not classes:
+        return f"{form} (the file defines no class)"
+    return f"{form}, e.g. --policy {path_text}:{classes[-1]} (classes in the file: " + (
+        ", ".join(classes) + ")"
+    )
 
 
 def make_policy(name: str, options: dict[str, object] | None = None) -> Policy:

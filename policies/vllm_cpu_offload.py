@@ -8,8 +8,9 @@ and ``maybe_offload_to_cpu``, the version before UVA offloading); docs/reference
   until ``--cpu-offload-gb`` bytes are offloaded. So the offloaded weights are those of the
   first layers (a fused MoE layer's experts are one tensor per projection: all E experts go
   together). Here whole MoE layers are offloaded: the first ``offload_layers`` of them (0, the
-  default: the fewest that let the rest fit beside the streaming buffers; at least 2 when any
-  are, so a layer's buffer slots are reused only after the next streamed layer has run).
+  default: the fewest that let the rest fit beside the streaming buffers; at least 3 when any
+  are, so a layer's buffer slots are reused only after the next streamed layer has run, and
+  never by the layer itself on the next token).
 - When they move. The offloaded module's ``forward`` is replaced by one that copies its whole
   state dict to the GPU (``v.to(device, non_blocking=True)`` from pinned memory) and runs the
   original forward on those copies (``torch.func.functional_call``); the copies are dropped
@@ -69,6 +70,7 @@ class VllmCpuOffloadPolicy(Policy):
             "MoE layers whose experts live in pinned host memory (0: the fewest that fit; "
             "more than the model has: all)",
             minimum=0,
+            search="moe_layers",
         ),
     }
 
@@ -91,12 +93,15 @@ class VllmCpuOffloadPolicy(Policy):
             if ctx.budget < 2 * n_exp or (want and want < need):
                 raise DoesNotFit(
                     ctx.budget,
-                    f"policy {self.name!r}: {n_layers - max(want, need)} resident layers and "
-                    f"2 layers of streaming buffers do not fit in {ctx.budget} GPU expert slots",
+                    f"policy {self.name!r}: {n_layers - max(want, 1)} resident layers and "
+                    f"2 layers of streaming buffers do not fit in {ctx.budget} GPU expert slots"
+                    + (f" (offload at least {max(need, 3)} layers)" if need < n_layers else ""),
                 )
-            # at least two: the buffer rotation frees a layer's slots two streamed layers later,
-            # when its copies are known to be done
-            self.offload = min(n_layers, max(want, need, 2))
+            # at least three: the buffer rotation frees a layer's slots two streamed layers
+            # later, when its copies are known to be done, and that layer must not be the one
+            # running (with two, a token's first streamed layer would reuse its own slots from
+            # the token before while this token needs some of the same experts)
+            self.offload = min(n_layers, max(want, need, 3))
         self.n_layers, self.n_exp = n_layers, n_exp
         self.live: list[int] = []  # streamed layers whose copies hold buffer slots, oldest first
         # each layer's (layer, expert) slots and prefetch entries, built once (tuples are

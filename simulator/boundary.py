@@ -67,25 +67,116 @@ class Hooks:
             return fn(*args)
         except (PolicyError, UserError):
             raise
-        except Exception as exc:
+        except BaseException as exc:
+            # Ctrl-C, and a greenlet or generator being closed (the gym environment pauses a
+            # run inside a hook), are not the policy's faults; anything else is, SystemExit
+            # included (a hook must not end the run as if it had succeeded)
+            if isinstance(exc, (KeyboardInterrupt, GeneratorExit)) or (
+                type(exc).__name__ == "GreenletExit"
+            ):
+                raise
             err = self.fault(hook, exc)
             # set by hand: mypyc-compiled callers lost the cause of `raise ... from exc`
             err.__cause__ = exc
             raise err from exc
 
-    def fault(self, hook: str, exc: Exception) -> PolicyError:
+    def fault(self, hook: str, exc: BaseException) -> PolicyError:
         """The PolicyError for ``exc`` raised by hook ``hook`` (callers that inline the call on
-        the per-layer hot path raise this ``from exc``)."""
+        the per-layer hot path raise this ``from exc``).
+
+        The message names the hook the exception came out of, which is not always the one
+        the engine called (the default ``prefill_layer`` calls ``decode_layer``), and the file
+        and line where it was raised in the policy's own code (:func:`fault_site`)."""
         text = " ".join(str(exc).split()) or "(no message)"
         w = self.where
         per_layer = hook.endswith("_layer")
+        raised_in, site = fault_site(exc, self.policy, hook)
+        if isinstance(exc, NotImplementedError) and site is None and raised_in in HOOK_NAMES:
+            message = (
+                f"does not implement {raised_in} (a Policy subclass must define it; "
+                "docs/policy-api.md)"
+            )
+        else:
+            message = f"{raised_in} raised {type(exc).__name__}: {text}"
+            if site is not None:
+                message += f" (at {site})"
         return PolicyError(
             self.name,
-            f"{hook} raised {type(exc).__name__}: {text}",
+            message,
             seq=w.seq,
             token=w.token if per_layer else None,
             layer=w.layer if per_layer else None,
         )
+
+
+#: the hooks a policy writes (docs/policy-api.md), innermost first when one calls another
+HOOK_NAMES: Final = frozenset(
+    (
+        "resources",
+        "fixed_residency",
+        "setup",
+        "on_sequence_start",
+        "on_sequence_end",
+        "prefill_layer",
+        "decode_layer",
+        "batch_layer",
+        "choose_victim",
+        "touch",
+        "inserted",
+        "removed",
+        "uses_calibration",
+        "uses_lookahead",
+    )
+)
+
+
+def _library_dirs() -> tuple[str, ...]:
+    """Folders whose frames are not the policy author's: the standard library, installed
+    packages, the simulator itself (the engine and this boundary) and the policy API."""
+    import os
+    import sysconfig
+
+    from daopsim.simulator.native import source_path
+
+    # the sources, not __file__: a compiled module's file is its build group's library
+    ours = source_path("daopsim.simulator.boundary").parent
+    found = sysconfig.get_paths()
+    paths = [found.get(k, "") for k in ("stdlib", "platstdlib", "purelib", "platlib")]
+    paths += [str(ours), str(ours.parent / "policies" / "base.py")]
+    return tuple(os.path.realpath(p) for p in paths if p)
+
+
+def fault_site(exc: BaseException, policy: Any, called: str) -> tuple[str, str | None]:
+    """Which hook ``exc`` came out of, and ``file:line`` where it was raised in code the policy
+    author wrote (None when it was raised in a library or in daopsim's own code).
+
+    The hook is the innermost frame of the traceback running one of :data:`HOOK_NAMES` on
+    ``policy`` (``called`` when none is found: a compiled hook leaves no frame to read).
+    The site is the innermost frame outside the standard library, installed packages and the
+    simulator; a path under the current folder is shown relative to it."""
+    import os
+
+    hook = called
+    site: str | None = None
+    lib = _library_dirs()
+    tb = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        code = frame.f_code
+        if code.co_name in HOOK_NAMES and frame.f_locals.get("self", policy) is policy:
+            hook = code.co_name
+        path = os.path.realpath(code.co_filename)
+        if not path.startswith(lib) and os.path.exists(path):
+            shown = path
+            try:
+                rel = os.path.relpath(path)
+                if not rel.startswith(".."):
+                    shown = rel
+            except ValueError:  # another drive (Windows)
+                pass
+            site = f"{shown}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return hook, site
 
 
 def _pair(x: Any) -> Slot | None:

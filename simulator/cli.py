@@ -19,7 +19,14 @@ from typing import Any
 
 import click
 
-from daopsim.simulator.errors import ExitCode, PolicyError, UserError
+from daopsim.simulator.errors import (
+    DEBUG_ENV,
+    ExitCode,
+    PolicyError,
+    UserError,
+    debug_enabled,
+    debug_traceback,
+)
 from daopsim.simulator.output import describe_os_error
 
 #: (module under daopsim.simulator.commands, attribute) for every subcommand; one line per command.
@@ -39,6 +46,8 @@ COMMANDS: list[tuple[str, str]] = [
     ("regress_cmd", "regress"),
     ("validate_cmd", "validate"),
     ("advise_cmd", "advise"),
+    ("compare_cmd", "compare"),
+    ("doctor_cmd", "doctor"),
     ("learn_cmd", "learn"),
 ]
 
@@ -59,10 +68,18 @@ class _Group(click.Group):
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         # the subcommand's own context is gone once it raises; remember its raw arguments
         ctx.meta["daopsim.json"] = "--json" in args
+        # --debug anywhere before a `--` (daopsim --debug run ... or daopsim run ... --debug)
+        end = args.index("--") if "--" in args else len(args)
+        if "--debug" in args[:end]:
+            args = [a for i, a in enumerate(args) if i >= end or a != "--debug"]
+            ctx.meta["daopsim.debug"] = True
         return super().parse_args(ctx, args)
 
     def invoke(self, ctx: click.Context) -> Any:
         as_json = bool(ctx.meta.get("daopsim.json"))
+        saved = os.environ.get(DEBUG_ENV)
+        if ctx.meta.get("daopsim.debug"):
+            os.environ[DEBUG_ENV] = "1"  # worker processes of a sweep inherit it
         try:
             out = super().invoke(ctx)
             sys.stdout.flush()  # a reader that left early (`| head`) shows up here, not at exit
@@ -70,8 +87,10 @@ class _Group(click.Group):
         except BrokenPipeError:
             _quiet_closed_pipe()
         except (UserError, PolicyError) as exc:
+            _debug(exc)
             fail(str(exc), getattr(exc, "exit_code", ExitCode.USAGE), as_json)
         except OSError as exc:
+            _debug(exc)
             # a read or write the command did not expect to fail: still one line, not a trace
             where = exc.filename if exc.filename is not None else "daopsim"
             fail(f"{where}: {describe_os_error(exc, where)}", ExitCode.OUTPUT, as_json)
@@ -82,6 +101,19 @@ class _Group(click.Group):
             where = exc.ctx.command_path if exc.ctx is not None else "daopsim"
             text = " ".join(exc.format_message().split())
             fail(f"{where}: {text} (see --help)", ExitCode.USAGE, as_json)
+        finally:
+            if ctx.meta.get("daopsim.debug"):
+                if saved is None:
+                    os.environ.pop(DEBUG_ENV, None)
+                else:
+                    os.environ[DEBUG_ENV] = saved
+
+
+def _debug(exc: BaseException) -> None:
+    """Under ``--debug`` or ``DAOPSIM_DEBUG=1``: the traceback behind a one-line error on
+    stderr (a policy's own exception, with the file and line of each frame), before it."""
+    if debug_enabled():
+        click.echo(debug_traceback(exc).rstrip(), err=True)
 
 
 def _quiet_closed_pipe() -> None:
@@ -96,7 +128,13 @@ def _quiet_closed_pipe() -> None:
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="daopsim")
-def main() -> None:
+@click.option(
+    "--debug",
+    is_flag=True,
+    help="Show the traceback behind an error (a policy's own exception with its file and "
+    "line); also DAOPSIM_DEBUG=1. May also follow the command: `daopsim run ... --debug`.",
+)
+def main(debug: bool = False) -> None:
     """daopsim: trace-driven simulator for MoE expert-offloading policies."""
 
 

@@ -68,6 +68,11 @@ class UserError(Exception):
     exit_code: ExitCode = ExitCode.USAGE
 
 
+class MissingExtra(UserError, ImportError):
+    """An optional extra this needs is not installed (``pip install 'daopsim[NAME]'``): an
+    ImportError for Python code, one line and exit 2 on the command line."""
+
+
 class OutputError(UserError):
     """An output path cannot be used or written; printed as one line, exit code 3."""
 
@@ -154,3 +159,23 @@ def did_you_mean(name: str, known: Iterable[str]) -> str:
     if not close:
         return ""
     return "; did you mean " + " or ".join(repr(c) for c in close) + "?"
+
+
+#: set to 1 (or give ``daopsim --debug``) to see the traceback behind a one-line error
+DEBUG_ENV = "DAOPSIM_DEBUG"
+
+
+def debug_enabled() -> bool:
+    """Whether ``--debug`` or ``DAOPSIM_DEBUG=1`` asks for tracebacks behind errors."""
+    import os
+
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def debug_traceback(exc: BaseException) -> str:
+    """The traceback ``--debug`` prints for a one-line error: of the exception behind it (a
+    policy's own exception, an import error), else of the error itself."""
+    import traceback
+
+    inner = exc.__cause__ or exc.__context__ or exc
+    return "".join(traceback.format_exception(inner))

@@ -31,10 +31,12 @@ try:
     import greenlet
     import gymnasium as gym
     from gymnasium import spaces
-except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        "daopsim's Gymnasium environment needs the gym extra: "
-        "pip install 'daopsim[gym]' (gymnasium and greenlet)"
+except ImportError as exc:  # tests/test_first_use.py hides the extra to exercise it
+    from daopsim.simulator.errors import MissingExtra
+
+    raise MissingExtra(
+        f"daopsim's Gymnasium environment (daopsim.gym, daopsim learn) needs the gym extra, "
+        f"which is not installed ({exc}): pip install 'daopsim[gym]'"
     ) from exc
 
 from daopsim.policies.observed import FEATURES, ObservedCache, as_probs

@@ -554,8 +554,9 @@ def _section(
             hint = ""
             if isinstance(data[key], dict):  # [measured.phi-3.5-moe] splits at the dots
                 hint = '; quote table names that contain dots, e.g. [measured."phi-3.5-moe"]'
+            hint = did_you_mean(str(key), schema) + hint
             raise ProfileError(
-                path, f"unknown key (known: {', '.join(schema)}){hint}", f"{prefix}{key}"
+                path, f"unknown key{hint} (known: {', '.join(schema)})", f"{prefix}{key}"
             )
     out: dict[str, Any] = {}
     for key, kind in schema.items():
@@ -575,7 +576,8 @@ def parse_profile(data: dict[str, Any], path: str | os.PathLike[str]) -> Hardwar
     for key in data:
         if key not in _TOP and key not in _SECTIONS:
             known = ", ".join([*_TOP, *sorted(_SECTIONS)])
-            raise ProfileError(p, f"unknown key (known: {known})", key)
+            hint = did_you_mean(str(key), [*_TOP, *_SECTIONS])
+            raise ProfileError(p, f"unknown key{hint} (known: {known})", key)
     top = {}
     for key, kind in _TOP.items():
         if key not in data:

@@ -267,6 +267,31 @@ def run_notes(
     return notes
 
 
+def fixed_residency(policy: Policy, model: Any) -> int | None:
+    """:meth:`Policy.fixed_residency` of ``policy`` for ``model``, checked: a count, or None
+    when the policy fills its budget. A hook that raises or answers something else is the
+    policy's fault (a one-line ``PolicyError``)."""
+    from daopsim.simulator.boundary import Hooks
+
+    hooks = Hooks(policy)
+    got = hooks.call("fixed_residency", policy.fixed_residency, model)
+    if got is None:
+        return None
+    if isinstance(got, bool) or not isinstance(got, int | np.integer) or got < 0:
+        raise hooks.error(f"fixed_residency returned {got!r}, expected a count >= 0 or None")
+    return int(got)
+
+
+def options_text(policy: Policy) -> str:
+    """The options of ``policy`` that differ from their defaults, as ``k=v`` (or "defaults")."""
+    changed = [
+        f"{k}={v}"
+        for k, v in sorted(policy.options.items())
+        if k in policy.params and v != policy.params[k].default
+    ]
+    return ", ".join(changed) or "its defaults"
+
+
 def policy_buffers(policy: Policy) -> int:
     """Expert-sized GPU buffers a policy keeps beside its resident experts (temporary buffers
     for TEMP copies plus staging slots for fetches); they come out of the same memory."""
@@ -436,6 +461,23 @@ def graph_replays(
         and budget >= total
         and mg is None
         and serving is None
+    )
+
+
+def small_budget_note(pol: Policy, model: Any, budget: int) -> str:
+    """The run note of a per-layer cache whose budget holds at most one token's experts per
+    layer: every such cache then keeps exactly the last token's experts, so LRU, LFU, Belady
+    and the others give the same hits ("" for a larger budget or another kind of policy)."""
+    from daopsim.policies.caching import CachingPolicy
+
+    per_layer = budget // max(1, model.moe_layers)
+    if not isinstance(pol, CachingPolicy) or per_layer > model.top_k:
+        return ""
+    return (
+        f"budget of {budget} experts is {per_layer} per layer, at most top-k ({model.top_k}): "
+        "a per-layer cache then holds only the last token's experts, so every per-layer "
+        "caching policy (lru, lfu, belady, ...) gives the same hits here; compare them from "
+        f"{(model.top_k + 1) * model.moe_layers} experts ({model.top_k + 1} per layer)"
     )
 
 
@@ -787,6 +829,13 @@ class RunSize:
     n_cpu_layers: int
     rt: RuntimeProfile
     costs: CostModel
+    #: experts the policy keeps resident whatever the budget (None: it fills the budget)
+    fixed: int | None = None
+
+    @property
+    def memory_experts(self) -> int:
+        """Resident experts the GPU memory holds: the policy's fixed count, else the budget."""
+        return self.budget if self.fixed is None else min(self.fixed, self.budget)
 
 
 @dataclass
@@ -940,8 +989,22 @@ def size_run(inp: RunInputs) -> RunSize:
     if n_cpu:  # a CPU-resident layer's non-expert weights and KV cache live in host memory
         freed = n_cpu * costs.cpu_layer_freed_bytes(kv_reserve)
         fit = replace(fit, free_bytes=fit.free_bytes + freed)
+    fixed = fixed_residency(pol, model)
     if spec.unlimited_memory:
         budget = model.total_experts  # the all-GPU bound: memory is not modelled
+    elif fixed is not None:
+        # the policy's options fix what it keeps resident: a budget it does not fill need
+        # not fit the machine, only what it keeps (and the run must start at all)
+        check_fit(fit, inp.profile.name, None)
+        if fixed > fit.max_experts:
+            raise DoesNotFit(
+                fit.max_experts,
+                f"policy {pol.name!r} keeps {fixed} experts of {model.name} resident by its "
+                f"options ({options_text(pol)}); they do not fit in {inp.profile.name}'s GPU "
+                f"memory (at most {fit.max_experts} after non-expert weights, KV cache and "
+                f"{_buffers(fit.buffers)})",
+            )
+        budget = fit.max_experts if budget is None else budget
     else:
         check_fit(fit, inp.profile.name, budget, by_ratio=req.cache_ratio is not None)
         budget = fit.max_experts if budget is None else budget
@@ -955,7 +1018,7 @@ def size_run(inp: RunInputs) -> RunSize:
         rt = rt.graph_replayed()
     if inp.mg is not None:
         _check_several_gpus(pol, n_cpu)
-    return RunSize(kv_reserve, model.total_experts, fit, budget, n_cpu, rt, costs)
+    return RunSize(kv_reserve, model.total_experts, fit, budget, n_cpu, rt, costs, fixed)
 
 
 def requested_budget(cache_ratio: float | None, gpu_experts: int | None, total: int) -> int | None:
@@ -1007,8 +1070,8 @@ def load_data(inp: RunInputs, size: RunSize) -> RunData:
     if req.serving is not None:
         data.plan = serving_plan(
             req.serving, inp.trace_path, inp.meta, inp.eval_ids, inp.arrivals, size.fit,
-            size.budget, size.kv_reserve, inp.pol.resources().unlimited_memory, inp.stand_in,
-            req.seed,
+            size.memory_experts, size.kv_reserve, inp.pol.resources().unlimited_memory,
+            inp.stand_in, req.seed,
         )  # fmt: skip
     if inp.pol.clairvoyant:
         data.oracle = make_oracle(data)
@@ -1202,6 +1265,9 @@ def run_config(inp: RunInputs, size: RunSize, data: RunData, run: Run) -> dict[s
     notes = run_notes(pol, inp.meta, run.no_prefill, len(inp.eval_ids), inp.stand_in)
     if pol.resources().gpu_blocks is not None:
         notes.append(cpu_layers_note(model, size.n_cpu_layers))
+    low = small_budget_note(inp.pol, model, run.budget)
+    if low:
+        notes.append(low)
     cal_label = calibration_label(inp, data, notes)
     uses_view = inp.uses_view
     config = {
@@ -1217,6 +1283,8 @@ def run_config(inp: RunInputs, size: RunSize, data: RunData, run: Run) -> dict[s
         "cache_ratio": run.budget / size.total,
         "total_experts": size.total,
         "max_gpu_experts": size.fit.max_experts,
+        # experts the policy keeps resident whatever the budget (None: it fills the budget)
+        "fixed_residency": size.fixed,
         "sequences": len(inp.eval_ids),
         "sequence_ids": list(inp.eval_ids),
         "calibration_sequences": (
@@ -1238,6 +1306,8 @@ def run_config(inp: RunInputs, size: RunSize, data: RunData, run: Run) -> dict[s
         "cost_sources": size.costs.sources(),
         "gpus": req.gpus,
         "multi_gpu": run.engine.multi_metrics() if inp.mg is not None else None,
+        # with several GPUs `gpu_experts` is the total; this is one GPU's budget
+        "gpu_experts_per_gpu": size.budget if inp.mg is not None else None,
         **provenance(trace_path, inp.profile),
     }
     tier = inp.host_tier

@@ -40,6 +40,9 @@ from daopsim.simulator.errors import (
     PolicyError,
     UserError,
     check_seed,
+    debug_enabled,
+    debug_traceback,
+    did_you_mean,
     parse_key_values,
 )
 from daopsim.simulator.fingerprints import daopsim_version, file_sha256, profile_sha256
@@ -166,14 +169,25 @@ class Grid:
     gpus: list[int] = field(default_factory=list)
     #: multi-GPU placements (an axis for the counts above 1); empty: expert parallel
     multi_gpu: list[str] = field(default_factory=list)
+    #: per policy, explicit option sets run instead of the product of ``options`` axes (from
+    #: Python only; ``daopsim advise`` varies one option at a time this way)
+    variants: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str = "grid") -> Grid:
         """A grid from a plain mapping (a parsed TOML file or a notebook dict)."""
         unknown = sorted(set(data) - _GRID_KEYS)
         if unknown:
+            key = unknown[0]
+            hint = did_you_mean(key, _GRID_KEYS)
+            plural = f"{key[:-1]}ies" if key.endswith("y") else f"{key}s"
+            if plural in _GRID_KEYS:  # cache_ratio, policy, trace, seed, runtime
+                hint = (
+                    f"; did you mean {plural!r}? (a grid key names a list, also for one "
+                    f"value: {plural} = [...])"
+                )
             raise UserError(
-                f"{source}: unknown key {unknown[0]!r} (valid: {', '.join(sorted(_GRID_KEYS))})"
+                f"{source}: unknown key {key!r}{hint} (valid: {', '.join(sorted(_GRID_KEYS))})"
             )
         if "policies" not in data:
             raise UserError(f"{source}: missing key 'policies'")
@@ -415,6 +429,16 @@ def _option_axes(grid: Grid, policy_classes: dict[str, Any]) -> dict[str, list[d
                 axes.append((name, values))
                 used.add(name)
         combos = []
+        if pol in grid.variants:
+            seen: set[str] = set()
+            for given in grid.variants[pol]:
+                opts = cls.resolve_options(dict(given))
+                ident = json.dumps(opts, sort_keys=True, default=str)
+                if ident not in seen:  # two variants resolving to the same options run once
+                    seen.add(ident)
+                    combos.append(opts)
+            out[pol] = combos
+            continue
         for vals in itertools.product(*(v for _, v in axes)):
             given = {k: v for (k, _), v in zip(axes, vals, strict=True)}
             combos.append(cls.resolve_options(given))  # type-checks; UserError on bad values
@@ -634,6 +658,9 @@ def _base_row(cfg: Config) -> dict[str, Any]:
     if cfg.gpus > 1:  # multi-GPU columns (absent from single-GPU sweeps)
         row["gpus"] = cfg.gpus
         row["multi_gpu"] = cfg.multi_gpu or "expert"
+        # a budget asked for is per GPU; `gpu_experts` is the total, known once the run sized it
+        row["gpu_experts_per_gpu"] = cfg.gpu_experts
+        row["gpu_experts"] = None
     if cfg.arrival_rate is not None:
         row["arrival_rate"] = cfg.arrival_rate
         row["max_batch"] = cfg.serving().batch
@@ -691,6 +718,13 @@ def run_config(cfg: Config) -> dict[str, Any]:
         return row
     except Exception as exc:  # recorded, not raised: one bad configuration must not sink others
         row["error"] = _one_line(exc)
+        if debug_enabled():  # --debug / DAOPSIM_DEBUG=1: the traceback behind the row's error
+            import sys
+
+            sys.stderr.write(
+                f"debug: {cfg.policy} on {cfg.hw}, {cfg.trace}: {row['error']}\n"
+                + debug_traceback(exc)
+            )
         return row
     c = result.config
     meta = read_meta(path)
@@ -701,6 +735,11 @@ def run_config(cfg: Config) -> dict[str, Any]:
             "cache_ratio": cfg.cache_ratio if cfg.cache_ratio is not None else c["cache_ratio"],
             "gpu_experts": int(c["gpu_experts"]),
             "sequences": int(c["sequences"]),
+            **(
+                {"gpu_experts_per_gpu": int(c["gpu_experts_per_gpu"])}
+                if c.get("gpu_experts_per_gpu") is not None
+                else {}
+            ),
             "sequence_ids": ",".join(map(str, c["sequence_ids"])),
             "calibration": c["calibration"],
             "runtime": c["runtime"]["name"],
@@ -719,7 +758,12 @@ def run_config(cfg: Config) -> dict[str, Any]:
             "total_experts": int(c["total_experts"]),
             "max_gpu_experts": int(c["max_gpu_experts"]),
             "expert_bytes": expert_bytes,
-            "expert_memory_gb": int(c["gpu_experts"]) * expert_bytes / 1e9,
+            # the memory the experts take: what the policy's options fix, else its budget
+            "expert_memory_gb": int(
+                c["gpu_experts"] if c.get("fixed_residency") is None else c["fixed_residency"]
+            )
+            * expert_bytes
+            / 1e9,
             "per_layer_hit_rate": [float(x) for x in result.per_layer_hit_rate],
         }
     )
@@ -825,7 +869,7 @@ def to_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     # dict.fromkeys: "sequences" is both a configuration column and a metric
     serving = [c for c in SERVING_COLUMNS if any(c in r for r in rows)]
     # a gpus axis: the columns appear, one-GPU rows read gpus = 1
-    multi = ["gpus", "multi_gpu"] if any("gpus" in r for r in rows) else []
+    multi = ["gpus", "multi_gpu", "gpu_experts_per_gpu"] if any("gpus" in r for r in rows) else []
     metrics = [k for k in METRIC_KEYS if k not in OPTIONAL_METRIC_KEYS or any(k in r for r in rows)]
     cols = list(
         dict.fromkeys(
@@ -835,6 +879,11 @@ def to_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     df = pd.DataFrame([{c: r.get(c) for c in cols} for r in rows], columns=cols)
     if multi:
         df["gpus"] = df["gpus"].fillna(1).astype("int64")
+        # one GPU's budget: a one-GPU row's is its budget
+        one = df["gpus"] == 1
+        per = pd.to_numeric(df["gpu_experts_per_gpu"], errors="coerce")
+        per[one] = pd.to_numeric(df.loc[one, "gpu_experts"], errors="coerce")
+        df["gpu_experts_per_gpu"] = per.astype("Int64")
     for c in serving:
         df[c] = pd.to_numeric(df[c], errors="coerce").astype("float64")
     ints = ("gpu_experts", "sequences", "seed", "total_experts", "max_gpu_experts")
@@ -899,6 +948,37 @@ def fidelity_floor(df: pd.DataFrame, min_gate_mass: float | None) -> tuple[pd.Da
         return df, 0
     below = (df["status"] == "ok") & (df["gate_mass_preserved"] < min_gate_mass)
     return df[~below].reset_index(drop=True), int(below.sum())
+
+
+def small_budget_note(df: pd.DataFrame) -> str:
+    """One line when finished rows of per-layer caching policies have at most top-k experts
+    per layer, where those policies cannot differ (docs/metrics.md, "Budget and residency");
+    "" otherwise."""
+    from daopsim.policies.caching import CachingPolicy
+    from daopsim.policies.registry import get_policy_class
+    from daopsim.simulator.models import get_model
+
+    if df.empty or "model" not in df:
+        return ""
+    hits: list[str] = []
+    for r in df[df["status"] == "ok"].itertuples():
+        try:
+            cls = get_policy_class(str(r.policy))
+            model = get_model(str(r.model))
+        except UserError:
+            continue
+        gpus = int(getattr(r, "gpus", 1) or 1)
+        per_layer = int(r.gpu_experts) // gpus // max(1, model.moe_layers)
+        if issubclass(cls, CachingPolicy) and per_layer <= model.top_k:
+            hits.append(f"{r.policy} at {int(r.gpu_experts)}")
+    if not hits:
+        return ""
+    shown = ", ".join(dict.fromkeys(hits))
+    return (
+        f"{len(hits)} row(s) of per-layer caching policies have at most top-k experts per layer "
+        f"({shown}): there every per-layer cache holds only the last token's experts, so they "
+        "cannot differ (docs/metrics.md, 'Budget and residency')"
+    )
 
 
 def write_table(df: pd.DataFrame, out: str | os.PathLike[str]) -> Path:
@@ -1024,6 +1104,43 @@ def _run_dask(
 
 
 # --- the sweep --------------------------------------------------------------------------------
+
+
+def run_configs(
+    configs: list[Config],
+    executor: str = "local",
+    workers: int | None = None,
+    scheduler: str | None = None,
+    progress: bool = False,
+    bounds: bool = True,
+    label: str = "runs",
+) -> list[dict[str, Any]]:
+    """Run configurations (from :func:`expand` of one or several grids) in one pool; returns
+    their rows in the order given. A configuration given twice (the same key) runs once.
+    Nothing is written: this is the core of a sweep without its table file (``advise``)."""
+    if executor not in EXECUTORS:
+        raise UserError(f"unknown executor {executor!r} (valid: {', '.join(EXECUTORS)})")
+    n_workers = workers if workers is not None else (os.cpu_count() or 1)
+    unique = list({c.key: c for c in configs}.values())
+    done: dict[str, dict[str, Any]] = {}
+    bar = Progress(len(unique), label, enabled=progress)
+
+    def on_row(row: dict[str, Any]) -> None:
+        done[row["key"]] = row
+        bar.update(1)
+
+    with bar:
+        if executor == "dask":
+            _run_dask(unique, n_workers, scheduler, on_row)
+        else:
+            _run_local(unique, n_workers, on_row)
+    if bounds:
+        add_bounds([done[c.key] for c in unique], unique)
+    # the names asked for (a profile path, a trace name); a finished row keeps the runtime it
+    # ran on when none was asked for
+    return [
+        {**done[c.key], **{k: v for k, v in _labels(c).items() if v is not None}} for c in configs
+    ]
 
 
 @dataclass
@@ -1188,6 +1305,7 @@ __all__ = [
     "load_grid_file",
     "read_table",
     "run_config",
+    "run_configs",
     "run_sweep",
     "sweep",
 ]

@@ -23,6 +23,17 @@ def cache_dir() -> Path:
     return base.expanduser() / "validation"
 
 
+def cache_summary() -> str:
+    """One line on the cache folder: where it is, what it holds and how big it is."""
+    folder = cache_dir()
+    files = [p for p in folder.glob("*") if p.is_file()] if folder.is_dir() else []
+    size = sum(p.stat().st_size for p in files)
+    return (
+        f"synthetic traces are cached in {folder} ({len(files)} files, {size / 1e9:.2f} GB; "
+        "reused by later runs, safe to delete; $DAOPSIM_CACHE moves it)"
+    )
+
+
 # --- running --------------------------------------------------------------------------------------
 def _generator_digest() -> str:
     """SHA-256 of simulator/synth.py (part of the synthetic-trace cache key)."""

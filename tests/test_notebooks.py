@@ -85,9 +85,28 @@ CLAIMS: dict[str, list[tuple[str, str]]] = {
             "assert not (df['status'] == 'error').any()",
         ),
         (
-            "A quarter of Mixtral's experts does not fit in an RTX 4090's 24 GB",
-            "q = df[(df['hw'] == 'rtx4090-pcie4') & (df['cache_ratio'] == 0.25)]\n"
+            "Three eighths of Mixtral's experts do not fit in an RTX 4090's 24 GB",
+            "q = df[(df['hw'] == 'rtx4090-pcie4') & (df['cache_ratio'] == 0.375)]\n"
             "assert len(q) and (q['status'] == 'skipped').all()",
+        ),
+        (
+            "one, three and almost four of each layer's 8 experts",
+            "assert [round(r * 256 / 32, 2) for r in grid['cache_ratios']] == [1.5, 3.0, 3.75]",
+        ),
+        (
+            "At 0.1875 (48 experts: one per layer, fewer than Mixtral's top-2) `lru` equals",
+            "low = per.xs(0.1875, level='cache_ratio')\n"
+            "assert (low['lru'] == low['belady']).all() and len(low) == 3",
+        ),
+        (
+            "The policies part from 0.375 (three per layer) on.",
+            "high = per.xs(0.375, level='cache_ratio')\n"
+            "assert (high['lru'] < high['belady']).all() and len(high) == 2",
+        ),
+        (
+            "so its `gate_mass_preserved` is below 1",
+            "kept = per['gate mass kept by daop'].dropna()\n"
+            "assert len(kept) == 7 and (kept < 1).all()",
         ),
         (
             "each panel names it in a note under the panel instead of drawing a line",
@@ -97,10 +116,10 @@ CLAIMS: dict[str, list[tuple[str, str]]] = {
         (
             "the skipped RTX 4090 points are named under their panel",
             "ax = next(a for a in fig_throughput.axes if a.get_title() == 'rtx4090-pcie4')\n"
-            "assert 'skipped' in _notes(ax) and '@ 0.25' in _notes(ax)",
+            "assert 'skipped' in _notes(ax) and '@ 0.375' in _notes(ax)",
         ),
         (
-            "the clairvoyant bound for any cache, drawn dashed and under the policies",
+            "the clairvoyant bound of a per-layer cache of the routed experts, drawn dashed",
             "_dashed_under(fig_hit_rate, 'belady')",
         ),
     ],

@@ -29,12 +29,28 @@ def describe(cls: Any) -> dict[str, Any]:
                 "choices": list(p.choices) if p.choices else None,
                 "minimum": p.minimum,
                 "maximum": p.maximum,
+                "search": getattr(p, "search", None),
             }
             for k, p in cls.params.items()
         },
         "module": cls.__module__,
         "error": None,
     }
+
+
+def values_text(p: dict[str, Any]) -> str:
+    """The values ``daopsim advise`` tries for an option, as ``policies list`` shows them:
+    the default, the choices (both values of a bool) and a searched integer range."""
+    from daopsim.policies.base import SEARCH_RANGES
+
+    text = f"default {p['default']!r}"
+    if p["choices"]:
+        text += "; one of " + ", ".join(repr(c) for c in p["choices"])
+    elif p["type"] == "bool":
+        text += "; True or False"
+    if p.get("search"):
+        text += f"; advise searches {SEARCH_RANGES.get(p['search'], p['search'])}"
+    return text
 
 
 @click.group("policies")
@@ -63,9 +79,7 @@ def list_cmd(as_json: bool) -> None:
         ]
         click.echo(f"{d['name']:<20} {d['summary']}" + (f"  [{', '.join(flags)}]" if flags else ""))
         for key, p in d["params"].items():
-            click.echo(
-                f"    --policy-opt {key}=<{p['type']}> (default {p['default']!r}): {p['help']}"
-            )
+            click.echo(f"    --policy-opt {key}=<{p['type']}> ({values_text(p)}): {p['help']}")
     for b in broken:
         click.echo(f"{b['name']:<20} BROKEN plugin ({b['target']}): {b['error']}")
 

@@ -231,15 +231,36 @@ def load_run_config(path: str) -> dict[str, Any]:
     return params
 
 
+def budget_line(doc: dict[str, Any]) -> str:
+    """The header line on GPU experts: what the policy kept resident (the most slots it held
+    at once, ``max_slots_held``) apart from the budget it was given, and what fits; with
+    several GPUs the fit is per GPU and says so (docs/metrics.md, "Budget and residency")."""
+    total, budget = doc["total_experts"], doc["gpu_experts"]
+    held = (doc.get("metrics") or {}).get("max_slots_held")
+    mg = doc.get("multi_gpu")
+    fit = f"{doc['max_gpu_experts']} fit in {'each GPU' if mg else 'memory'}"
+    line = "GPU experts: "
+    if held is not None:
+        line += f"{held} resident at most, "
+    line += f"budget {budget} of {total}"
+    if mg:
+        line += f" over {mg['gpus']} GPUs"
+    line += f" (cache ratio {doc['cache_ratio']:.3f}; {fit})"
+    fixed = doc.get("fixed_residency")
+    if fixed is not None:
+        line += f"; the policy's options fix {fixed} resident experts"
+        if fixed < budget:
+            line += f", so {budget - fixed} of the budget go unused"
+    return line
+
+
 def render_table(doc: dict[str, Any]) -> str:
     """The readable summary printed by ``daopsim run``."""
     m = doc["metrics"]
     n_seq = doc["sequences"]
     head = (
         f"policy {doc['policy']} on {doc['hw']} | model {doc['model']} ({doc['dtype']}) | "
-        f"trace {doc['trace']} ({n_seq} sequence{'' if n_seq == 1 else 's'})\n"
-        f"GPU experts {doc['gpu_experts']} of {doc['total_experts']} "
-        f"(cache ratio {doc['cache_ratio']:.3f}; {doc['max_gpu_experts']} fit in memory)"
+        f"trace {doc['trace']} ({n_seq} sequence{'' if n_seq == 1 else 's'})\n" + budget_line(doc)
     )
     if doc.get("bound"):
         head += "\nthis result is a BOUND (clairvoyant or unlimited memory), not a real policy"
@@ -657,6 +678,11 @@ def run(
         if ctx.get_parameter_source("gpu_experts") is ParameterSource.COMMANDLINE:
             cache_ratio = None if "cache_ratio" in given else cache_ratio
     options.update(parse_options(policy_opts))
+    if "," in policy and not policy.endswith(".py") and ".py:" not in policy:
+        raise UserError(
+            f"--policy {policy}: run takes one policy; to run several side by side: "
+            f"daopsim compare --policies {policy}"
+        )
     if model is not None:  # the synthetic trace, so the bounds below run on it too
         from daopsim.simulator.trace_cache import model_trace
 

@@ -207,7 +207,7 @@ def sweep(
         raise UserError("give --out RESULTS.parquet (or 'out' in the grid file)")
     check_output_file(out, "--out", inputs=[grid_file])
     try:
-        _, summary = run_sweep(
+        table, summary = run_sweep(
             grid,
             executor=executor,
             workers=workers,
@@ -236,6 +236,11 @@ def sweep(
         )
         if len(set(grid.seeds)) > 1:
             _print_seed_table(summary.out)
+        from daopsim.simulator.sweep import small_budget_note
+
+        note = small_budget_note(table)
+        if note:
+            click.echo(f"note: {note}")
         for e in summary.errors:
             if e.get("cache_ratio") is not None:
                 mem = f"cache ratio {e['cache_ratio']}"

@@ -55,14 +55,16 @@ def _resolve_params(
     type=int,
     default=256,
     show_default=True,
-    help="Prompt (prefill) tokens per sequence.",
+    help="Prompt (prefill) tokens per sequence (default with a `synth fit` preset file: the "
+    "length it was fitted at).",
 )
 @click.option(
     "--output-tokens",
     type=int,
     default=512,
     show_default=True,
-    help="Generated (decode) tokens per sequence.",
+    help="Generated (decode) tokens per sequence (default with a `synth fit` preset file: "
+    "the length it was fitted at).",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Random seed.")
 @click.option(
@@ -117,6 +119,19 @@ def synth(
     shape = get_model(model)
     chosen = get_preset(preset) if preset else default_preset(shape.name)
     preset_name = chosen.name if chosen else None
+    # a preset file from `synth fit` records the lengths it was fitted at: they are the
+    # defaults here (the routing statistics it matches depend on them); options still win
+    from click.core import ParameterSource
+
+    fitted = fitted_lengths(preset) if preset else {}
+    from_fit = [
+        name
+        for name in ("prompt_tokens", "output_tokens")
+        if name in fitted and ctx.get_parameter_source(name) is ParameterSource.DEFAULT
+    ]
+    prompt_tokens = fitted["prompt_tokens"] if "prompt_tokens" in from_fit else prompt_tokens
+    output_tokens = fitted["output_tokens"] if "output_tokens" in from_fit else output_tokens
+    fitted_note = ", ".join(f"{n.replace('_', ' ')} {fitted[n]}" for n in from_fit)
     meta = write_trace_file(
         output,
         shape.name,
@@ -129,6 +144,8 @@ def synth(
     )
     summary = {
         "path": str(output),
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
         "model": shape.name,
         "preset": preset_name,
         "seed": seed,
@@ -142,7 +159,36 @@ def synth(
         click.echo(
             f"wrote {output}: {shape.name}, {meta.counts['sequences']} sequences, "
             f"{meta.counts['rows']} rows, preset {preset_name or '(defaults)'}"
+            + (f" ({fitted_note}, as the preset was fitted)" if from_fit else "")
         )
+
+
+def fitted_lengths(preset: str) -> dict[str, int]:
+    """The prompt and output lengths a ``synth fit`` preset file was fitted at (its ``fit``
+    object), or {} for a named preset or a file without them."""
+    import json
+    from pathlib import Path
+
+    from daopsim.simulator.synth import PRESETS
+
+    if preset.strip().lower() in PRESETS:
+        return {}
+    path = Path(preset).expanduser()
+    try:
+        doc = json.loads(path.read_text()) if path.suffix != ".toml" else {}
+    except (OSError, ValueError, UnicodeDecodeError):
+        return {}  # get_preset has already read it, or reports why not
+    fit = doc.get("fit") if isinstance(doc, dict) else None
+    if not isinstance(fit, dict):
+        return {}
+    return {
+        k: int(v)
+        for k, v in fit.items()
+        if k in ("prompt_tokens", "output_tokens")
+        and isinstance(v, int)
+        and not isinstance(v, bool)
+        and v > 0
+    }
 
 
 @synth.command("presets")

@@ -77,7 +77,10 @@ def validate(
     no_progress: bool,
     as_json: bool,
 ) -> None:
-    """Run every modelled row of the validation table; print published vs simulated."""
+    """Run every modelled row of the validation table; print published vs simulated.
+
+    Rows on synthetic traces generate them once into the cache folder (the last line says
+    where and how big; `daopsim doctor` too) and reuse them later."""
     from daopsim.simulator.errors import UserError
     from daopsim.simulator.output import check_output_dir, check_output_file, output_dir, write_text
     from daopsim.simulator.validation import (
@@ -127,3 +130,6 @@ def validate(
         click.echo(_render(report))
         if out_dir is not None:
             click.echo(f"\nwrote {out_dir}/validation.csv and validation.md")
+        from daopsim.simulator.trace_cache import cache_summary
+
+        click.echo(cache_summary())
