@@ -691,6 +691,31 @@ def load_baseline(path: str | Path) -> dict[str, Any]:
     return doc
 
 
+def check_store_target(path: str | Path) -> None:
+    """``--update`` may write ``path``: a ``.json`` name, and an existing file there is a store
+    of this command (any version of the format, damaged numbers included), never another file
+    (``--baseline results.parquet`` would replace a table with the store)."""
+    from daopsim.simulator.errors import OutputError
+    from daopsim.simulator.output import output_format
+
+    output_format(path, {".json": "json"}, "--baseline")
+    p = Path(path)
+    if not p.is_file():
+        return
+    try:
+        doc = json.loads(p.read_bytes())
+    except OSError:
+        return  # unreadable: the write reports it
+    except ValueError:
+        doc = None
+    fmt = doc.get("format") if isinstance(doc, dict) else None
+    if not (isinstance(fmt, str) and fmt.startswith("daopsim-regress/")):
+        raise OutputError(
+            f"--baseline {p}: exists and is not a daopsim regress store (a JSON object with "
+            '"format": "daopsim-regress/N"); refusing to replace it'
+        )
+
+
 def baseline_text(grid: dict[str, Any], outcomes: dict[str, dict[str, Any]]) -> str:
     """The store's text: deterministic, one value per line so diffs stay readable."""
     doc = {"format": FORMAT, "grid": grid, "configurations": outcomes}
@@ -769,6 +794,7 @@ def regress(
         # before reading it or running the grid
         traces = [_trace_path(b.trace) for b in grid.blocks]
         check_output_file(baseline, "--baseline", inputs=[*inputs, *traces])
+        check_store_target(baseline)
         check_golden_update(grid, baseline)
     if Path(baseline).is_dir():
         raise UserError(f"{baseline}: is a directory, not a baseline file")

@@ -44,7 +44,7 @@ from daopsim.simulator.errors import (
 )
 from daopsim.simulator.fingerprints import daopsim_version, file_sha256, profile_sha256
 from daopsim.simulator.native import module_source
-from daopsim.simulator.output import TABLE_FORMATS, check_output_file, output_format
+from daopsim.simulator.output import TABLE_FORMATS, check_output_file, output_format, value_paths
 from daopsim.simulator.output import write_table as _write_any_table
 from daopsim.simulator.progress import Progress
 from daopsim.simulator.results import METRIC_KEYS, OPTIONAL_METRIC_KEYS, atomic_write_text
@@ -1094,6 +1094,7 @@ def run_sweep(
     if out is not None:
         output_format(out, TABLE_FORMATS, "--out")
         inputs = {c.trace_path for c in configs} | set(g.hw) | {g.calibration}
+        inputs |= set(value_paths(g.options))  # a policy option naming a file (model=FILE)
         check_output_file(out, "--out", inputs=sorted(str(i) for i in inputs if i))
         folder = parts_dir(out)
         lock = _lock(folder, Path(out))

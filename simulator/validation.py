@@ -1069,6 +1069,22 @@ def to_csv(report: Report) -> str:
     return buf.getvalue()
 
 
+def page_row_ids(doc: str) -> list[str]:
+    """The row ids (first column) of the tables between the markers of a markdown document
+    that :func:`splice_markdown` replaces, in page order (none without markers)."""
+    a, b = doc.find(TABLE_START), doc.find(TABLE_END)
+    if a < 0 or b < a:
+        return []
+    ids = []
+    for line in doc[a + len(TABLE_START) : b].splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("|") or len(cells) < 2 or set(cells[0]) <= {"-", ":"}:
+            continue
+        if cells[0] not in ("row", RANKING_COLUMNS[0]):
+            ids.append(cells[0])
+    return ids
+
+
 def splice_markdown(doc: str, table: str) -> str:
     """Replace the text between the table markers of a markdown document."""
     a, b = doc.find(TABLE_START), doc.find(TABLE_END)
