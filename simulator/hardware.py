@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import math
 import os
-import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from daopsim.simulator.data import non_regular_kind, profiles_dir
+from daopsim.simulator.data import non_regular_kind, profiles_dir, read_toml
 from daopsim.simulator.errors import ProfileError, UserError, did_you_mean
 
 LINK_KINDS = ("pcie", "unified")
@@ -612,12 +611,9 @@ def _read_toml(p: Path) -> dict[str, Any]:
     if not p.is_file():
         raise ProfileError(p, "no such profile file")
     try:
-        with p.open("rb") as fh:
-            return tomllib.load(fh)
-    except tomllib.TOMLDecodeError as exc:
-        raise ProfileError(p, f"not valid TOML: {exc}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ProfileError(p, f"cannot read: {exc}") from None
+        return read_toml(p, "profile")
+    except UserError as exc:  # the shared reader's message, as a ProfileError
+        raise ProfileError(p, str(exc).removeprefix(f"{p}: ")) from None
 
 
 def _base_path(p: Path, base: Any) -> Path:

@@ -152,7 +152,7 @@ def _path_forms(text: str) -> Iterator[str]:
     for item in {text, *text.split(",")}:
         item = item.strip()
         yield item
-        key, sep, value = item.partition("=")
+        _key, sep, value = item.partition("=")
         if sep:
             yield from (v.strip() for v in value.split(","))
         path, sep, _cls = item.rpartition(":")

@@ -21,7 +21,6 @@ import json
 import math
 import os
 import time
-import tomllib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -32,6 +31,7 @@ from daopsim.simulator.data import (
     bundled_dir,
     bundled_traces,
     check_input_file,
+    read_toml,
     resolve_trace,
 )
 from daopsim.simulator.errors import PolicyError, UserError
@@ -323,12 +323,7 @@ def load_grid(path: str | Path) -> RegressGrid:
     top-level block keys are defaults that each block may override.
     """
     p = check_input_file(path, "grid")
-    try:
-        data = tomllib.loads(p.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as exc:
-        raise UserError(f"{p}: not valid TOML: {exc}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"{p}: cannot read: {exc}") from None
+    data = read_toml(p, "grid")
     for key in data:
         if key not in GRID_KEYS:
             raise UserError(f"{p}: unknown key {key!r} (valid: {', '.join(sorted(GRID_KEYS))})")

@@ -26,7 +26,6 @@ import math
 import os
 import sys
 import time
-import tomllib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +33,13 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from daopsim.simulator.data import DEFAULT_TRACE, bundled_traces, check_input_file, resolve_trace
+from daopsim.simulator.data import (
+    DEFAULT_TRACE,
+    bundled_traces,
+    check_input_file,
+    read_toml,
+    resolve_trace,
+)
 from daopsim.simulator.errors import (
     DoesNotFit,
     PolicyError,
@@ -279,11 +284,7 @@ def load_grid_file(path: str | os.PathLike[str]) -> tuple[Grid, str | None]:
 
 
 def _read_grid(p: Path, base: Path) -> tuple[Grid, str | None]:
-    try:
-        with p.open("rb") as fh:
-            data = tomllib.load(fh)
-    except tomllib.TOMLDecodeError as exc:
-        raise UserError(f"{p}: not valid TOML: {exc}") from None
+    data = read_toml(p, "grid")
     grid = Grid.from_dict(data, source=str(p))
     grid.traces = [_relative_to(base, t) for t in grid.traces]
     if grid.calibration is not None and grid.calibration not in ("none", "self"):

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from daopsim.simulator.data import check_input_file
+from daopsim.simulator.data import check_input_file, read_input_text
 from daopsim.simulator.errors import UserError, check_seed, parse_key_values
 from daopsim.simulator.models import ModelShape, get_model
 from daopsim.simulator.reuse import CURVE_POLICIES
@@ -410,10 +410,10 @@ def get_preset(name_or_path: str) -> SynthPreset:
             f"unknown synth preset {name_or_path!r}: not a file and not one of "
             f"{', '.join(sorted(PRESETS))}"
         )
+    text = read_input_text(path, "synth preset")
     try:
-        text = path.read_text()
         data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
+    except ValueError as exc:
         raise UserError(f"{path}: cannot read preset ({str(exc).splitlines()[0]})") from None
     if not isinstance(data, dict) or not isinstance(data.get("params"), dict):
         raise UserError(f"{path}: preset needs a 'params' table/object")

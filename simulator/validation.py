@@ -42,13 +42,12 @@ import math
 import os
 import re
 import statistics
-import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from daopsim.simulator.data import bundled_dir, check_input_file
+from daopsim.simulator.data import bundled_dir, read_toml
 from daopsim.simulator.errors import UserError
 from daopsim.simulator.trace_cache import synth_trace
 
@@ -638,14 +637,9 @@ def _resolve_members(row: Row, rows: dict[str, Row], where: str) -> list[Member]
 
 
 def _load_file(p: Path) -> list[tuple[Row, Path]]:
-    if p.exists():
-        check_input_file(p, "validation table")
-    try:
-        data = tomllib.loads(p.read_text())
-    except FileNotFoundError:
-        raise UserError(f"{p}: no such validation table") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise UserError(f"{p}: not valid TOML: {exc}") from None
+    if not os.path.lexists(p):
+        raise UserError(f"{p}: no such validation table")
+    data = read_toml(p, "validation table")
     raws = data.get("row")
     if not isinstance(raws, list) or not raws:
         raise UserError(f"{p}: no [[row]] entries")

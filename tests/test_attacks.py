@@ -342,31 +342,26 @@ def _learned_cases(ws: Path, tmp: Path) -> dict[str, tuple[Path, list[str]]]:
     """Each way of naming a file as a policy option and as an output: (the file, argv)."""
     t = str(ws / "t.parquet")
     run = ["run", "--policy", "learned", "--trace", t, "--no-progress", "--no-bounds"]
-    grid = tmp / "g.toml"
+    folder, csv = tmp / "o", tmp / "m.csv"
+    inside = folder / "metrics.json"
+    grid, config = tmp / "g.toml", tmp / "c.toml"
     grid.write_text(
         f'policies = ["learned"]\ntraces = ["{t}"]\ncache_ratios = [0.5]\n'
-        f'[options]\n"learned.model" = "{tmp / "m.csv"}"\n'
+        f'[options]\n"learned.model" = "{csv}"\n'
     )
-    config = tmp / "c.toml"
-    config.write_text(f'policies = ["learned"]\ntraces = ["{t}"]\n[options]\nmodel = "{tmp / "o" / "metrics.json"}"\n')
+    config.write_text(f'policies = ["learned"]\ntraces = ["{t}"]\n[options]\nmodel = "{inside}"\n')
+    opt = ["--policy-opt", f"model={csv}"]
     return {
         "run --out (folder holds it)": (
-            tmp / "o" / "metrics.json",
-            [*run, "--policy-opt", f"model={tmp / 'o' / 'metrics.json'}", "--out", str(tmp / "o")],
+            inside,
+            [*run, "--policy-opt", f"model={inside}", "--out", str(folder)],
         ),
-        "run --requests-out": (
-            tmp / "m.csv",
-            [*run, "--policy-opt", f"model={tmp / 'm.csv'}", "--max-batch", "2",
-             "--requests-out", str(tmp / "m.csv")],
-        ),  # fmt: skip
-        "sweep --out": (
-            tmp / "m.csv",
-            _sweep(t, tmp / "m.csv", "--policy-opt", f"learned.model={tmp / 'm.csv'}"),
-        ),
-        "sweep grid option": (tmp / "m.csv", ["sweep", str(grid), "--no-progress", "-o", str(tmp / "m.csv")]),
+        "run --requests-out": (csv, [*run, *opt, "--max-batch", "2", "--requests-out", str(csv)]),
+        "sweep --out": (csv, _sweep(t, csv, "--policy-opt", f"learned.model={csv}")),
+        "sweep grid option": (csv, ["sweep", str(grid), "--no-progress", "-o", str(csv)]),
         "run --config option": (
-            tmp / "o" / "metrics.json",
-            ["run", "--config", str(config), "--no-progress", "--no-bounds", "--out", str(tmp / "o")],
+            inside,
+            ["run", "--config", str(config), "--no-progress", "--no-bounds", "-o", str(folder)],
         ),
     }
 
