@@ -38,6 +38,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from daopsim.policies.observed import FEATURES, ObservedCache, as_probs
+from daopsim.simulator.boundary import StopRun
 from daopsim.simulator.data import resolve_trace
 from daopsim.simulator.errors import UserError
 from daopsim.simulator.results import RunResult
@@ -50,8 +51,8 @@ ENV_ID = "daopsim/ExpertCache-v0"
 REWARDS = ("time", "hits")
 
 
-class _Stop(BaseException):
-    """Raised at an abandoned episode's pending decision to end its run (not an Exception, so
+class _Stop(StopRun):
+    """Raised at an abandoned episode's pending decision to end its run (a ``StopRun``, so
     the engine's fault wrapper lets it through)."""
 
 

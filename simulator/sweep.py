@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
+from daopsim.simulator.boundary import construct_policy
 from daopsim.simulator.data import (
     DEFAULT_TRACE,
     bundled_traces,
@@ -507,7 +508,7 @@ def expand(grid: Grid) -> list[Config]:
             for pol, cls in classes.items():
                 for opts in option_sets[pol]:
                     # a policy that places every expert ignores the memory axis
-                    unlimited = cls(**opts).resources().unlimited_memory
+                    unlimited = construct_policy(cls, opts).resources().unlimited_memory
                     points = [(None, None)] if unlimited else memory
                     for (ratio, n), rate, seed, runtime, (gpus, mg) in itertools.product(
                         points, rates, dict.fromkeys(grid.seeds), runtimes, gpu_axis
