@@ -157,6 +157,34 @@ def check_declarations(policy: Policy) -> None:
             raise hooks.error(f"{method} returned {value!r}, expected True or False")
 
 
+def frozen(a: Any) -> Any:
+    """A read-only view of the array ``a`` (None stays None): what the engine hands a policy.
+    A policy writing into ``View.counts`` would otherwise change what the engine runs next."""
+    if a is None:
+        return None
+    out = a.view()
+    out.flags.writeable = False
+    return out
+
+
+def fill_layer_view(v: Any, counts: Any, weights: Any, probs: Any) -> Any:
+    """Fill the view of one layer of a multi-token step (a prefill pass, a batched or mixed
+    step) from its per-expert token ``counts`` and the step's ``[tokens, ...]`` gate weights
+    and dense router probabilities at the layer: ``experts`` the experts with a non-zero count
+    (descending count, ties to the lower id), ``weights``/``probs`` their means. Every array
+    is read-only; returns ``(experts, counts)``, which the engine runs."""
+    experts = np.flatnonzero(counts)
+    experts = experts[np.argsort(-counts[experts], kind="stable")]
+    experts.flags.writeable = False
+    counts = frozen(counts)
+    w = weights.mean(axis=0)
+    w.flags.writeable = False
+    p = probs.mean(axis=0)
+    p.flags.writeable = False
+    v.experts, v.counts, v.weights, v.probs = experts, counts, w, p
+    return experts, counts
+
+
 def _pair(x: Any) -> Slot | None:
     """``x`` as an int (layer, expert) pair, or None when it is not one."""
     if type(x) is tuple and len(x) == 2 and type(x[0]) is int and type(x[1]) is int:

@@ -35,6 +35,7 @@ import numpy as np
 import pandas as pd
 
 from daopsim.policies.base import Plan
+from daopsim.simulator.boundary import fill_layer_view
 from daopsim.simulator.core.loop import Step as CoreStep
 from daopsim.simulator.errors import UserError
 from daopsim.simulator.trace import SequenceRouting
@@ -924,14 +925,9 @@ class BatchStep(CoreStep):
         v.next_experts = v.next_probs = None
 
     def enter(self, eng: Engine, layer: int) -> tuple[np.ndarray, Any]:
-        v = eng.view
-        counts = self.counts[layer]
-        experts = np.flatnonzero(counts)
-        experts = experts[np.argsort(-counts[experts], kind="stable")]
-        v.experts, v.counts = experts, counts
-        v.weights = self.wt[:, layer, :].mean(axis=0)
-        v.probs = self.pr[:, layer, :].mean(axis=0)
-        return experts, counts
+        return fill_layer_view(  # type: ignore[no-any-return]
+            eng.view, self.counts[layer], self.wt[:, layer, :], self.pr[:, layer, :]
+        )
 
     def route(self, eng: Engine, plan: Any, experts: np.ndarray, layer: int) -> list[int] | None:
         if isinstance(plan, Plan) and plan.route is not None:

@@ -332,6 +332,20 @@ class SequenceRouting:
         out[t, l_, ids[t, l_, j]] = probs[t, l_, j]
         return out
 
+    def prompt_probs(self, layer: int, experts: int) -> np.ndarray:
+        """Dense ``[n_prefill, E]`` probabilities of the prompt rows at ``layer`` (zeros for
+        experts outside a stored top-m, as :meth:`full_probs`)."""
+        p = self.n_prefill
+        probs = self.probs[:p, layer]
+        ids = self.prob_ids
+        if ids is None:
+            return probs
+        out = np.zeros((probs.shape[0], experts), dtype=np.float32)
+        idx = ids[:p, layer]
+        t, j = np.nonzero(idx >= 0)
+        out[t, idx[t, j]] = probs[t, j]
+        return out
+
 
 def previous_token_view(r: SequenceRouting) -> SequenceRouting:
     """The look-ahead stand-in: the previous token's routing at the same layer.
