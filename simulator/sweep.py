@@ -190,6 +190,12 @@ class Grid:
                 raw = [raw]
             if not isinstance(raw, list | tuple):
                 raise UserError(f"{source}: key {key!r} must be a list")
+            if key in data and not raw:
+                # an empty list given is a mistake, never the default the key has when absent
+                hint = "" if key == "policies" else ", or leave the key out for its default"
+                raise UserError(
+                    f"{source}: key {key!r} is an empty list; give at least one value{hint}"
+                )
             out = []
             for v in raw:
                 if kind is float and isinstance(v, int) and not isinstance(v, bool):
@@ -444,6 +450,8 @@ def expand(grid: Grid) -> list[Config]:
         raise UserError("the sweep has no machines (--hw)")
     if not grid.traces:
         raise UserError("the sweep has no traces")
+    if not grid.seeds:
+        raise UserError("the sweep has no seeds (--seeds)")
     for r in grid.cache_ratios:
         if not 0 < r <= 1:
             raise UserError(f"cache ratio {r} is not in (0, 1]")

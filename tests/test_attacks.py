@@ -437,6 +437,19 @@ def test_regress_update_replaces_only_a_store(ws: Path, tmp_path: Path, name: st
     assert json.loads(store.read_text())["format"].startswith("daopsim-regress/")
 
 
+def test_an_empty_axis_never_replaces_a_results_table(ws: Path, tmp_path: Path) -> None:
+    """``seeds = []`` once expanded to no configuration and replaced the table with a header."""
+    table = tmp_path / "r.csv"
+    first = CliRunner().invoke(main, _sweep(ws / "t.parquet", table, "--workers", "1"))
+    assert first.exit_code == 0, first.output
+    before = table.read_bytes()
+    grid = tmp_path / "g.toml"
+    grid.write_text(f'policies = ["lru"]\ntraces = ["{ws / "t.parquet"}"]\nseeds = []\n')
+    res = CliRunner().invoke(main, ["sweep", str(grid), "--no-progress", "-o", str(table)])
+    one_error(res, USAGE, "g.toml", "'seeds' is an empty list")
+    assert table.read_bytes() == before
+
+
 # --- names from files -------------------------------------------------------------------------
 
 

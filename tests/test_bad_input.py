@@ -149,6 +149,13 @@ def grid_file(name: str, text: str) -> Callable[[WS], Path]:
     return lambda ws: ws.file(name, text)
 
 
+def _empty(key: str) -> str:
+    """A grid (or one-run config) whose ``key`` is an empty list, the rest one value each."""
+    keys = {"policies": '["lru"]', "traces": '["ci-small"]', "sequences": "1"}
+    keys[key] = "[]"
+    return "".join(f"{k} = {v}\n" for k, v in keys.items())
+
+
 CASES: dict[str, Case] = {
     # -- traces (through run --trace; more in tests/test_trace_validation.py) ----------------
     "trace-empty-file": trace_case(
@@ -380,6 +387,20 @@ CASES: dict[str, Case] = {
             ("regress-grid", regress_args("--grid", lambda ws: _latin1(ws)), "u4"),
             ("profile", run_args("--hw", lambda ws: _latin1(ws), out="u5"), "u5"),
         )
+    },
+    # -- an empty list is never the default ----------------------------------------------------
+    **{
+        f"empty-list-{how}-{key}": Case(
+            (
+                run_args("--config", grid_file(f"empty-{key}.toml", _empty(key)), out=f"e-{key}")
+                if how == "run-config"
+                else sweep_args(grid_file(f"empty-{key}.toml", _empty(key)))
+            ),
+            (f"empty-{key}.toml", f"key {key!r} is an empty list"),
+            outs(f"e-{key}" if how == "run-config" else "sweep.parquet"),
+        )
+        for key in ("traces", "policies", "seeds", "runtimes", "gpu_experts", "cache_ratios", "hw")
+        for how in ("run-config", "sweep")
     },
     "learned-model-fifo": Case(
         run_args("--policy", "learned", "--policy-opt", lambda ws: f"model={_fifo(ws)}"),
