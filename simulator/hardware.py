@@ -401,14 +401,45 @@ MAX_VALUES: dict[str, float] = {
 }
 
 
+#: Smallest accepted value per rate (bandwidths, throughputs): generous bounds two orders of
+#: magnitude or more below any machine's (a USB 2.0 link moves 0.06 GB/s), so a typo such as
+#: ``h2d_pinned_gbs = 1e-9`` is a one-line error instead of a run whose clock reaches 1e10 s
+#: (docs/hardware-profiles.md, "Ranges").
+MIN_VALUES: dict[str, float] = {
+    "gpu.mem_bw_gbs": 1.0,
+    "gpu.spec_mem_bw_gbs": 1.0,
+    "gpu.bf16_tflops": 0.01,
+    "link.h2d_pinned_gbs": 0.01,
+    "link.d2h_pinned_gbs": 0.01,
+    "link.h2d_pageable_gbs": 0.01,
+    "link.d2h_pageable_gbs": 0.01,
+    "link.dram_bw_gbs": 0.1,
+    "cpu.mem_bw_gbs": 0.1,
+    "cpu.socket_bw_gbs": 0.1,
+    "cpu.dram_gbs": 0.1,
+    "cpu.ggml_stream_gbs": 0.1,
+    "cpu.bf16_gflops": 0.1,
+    "cpu.fp32_gflops": 0.1,
+    "cpu.amx_bf16_gflops": 0.1,
+    "cpu.ggml_gemm_gflops": 0.1,
+    "ssd.seq_read_gbps": 0.001,
+    "ssd.rand4k_read_iops": 10,
+    "peer.bandwidth_gbs": 0.01,
+}
+
+
 def _check_range(path: Path, key: str, value: Any) -> None:
-    """A number above its key's physical bound (MAX_VALUES) is a ProfileError."""
+    """A number above its key's physical bound (MAX_VALUES), or a rate below its bound
+    (MIN_VALUES), is a ProfileError."""
     parts = key.split(".")
     limit = MAX_VALUES.get(key)
     if limit is None and parts[0] == "measured":
         limit = MAX_VALUES.get(f"measured.{parts[-1]}")
     if limit is not None and value > limit:
         raise ProfileError(path, f"{value:g} is above the physical bound {limit:g}", key)
+    low = MIN_VALUES.get(key)
+    if low is not None and value < low:
+        raise ProfileError(path, f"{value:g} is below the physical bound {low:g}", key)
 
 
 _SECTIONS = {"gpu", "link", "cpu", "power", "measured", "ssd", "gpus", "peer"}

@@ -228,10 +228,29 @@ class Request:
         return (self.finish - self.first_token) / after if after > 0 else math.nan
 
 
+#: The latest arrival time a run takes, s (about 11.6 days). The simulated clock is one float:
+#: below this its resolution is 1.2e-10 s, so microsecond events keep their length to 1e-4;
+#: epoch times (1.7e9 s) would round every event to 2.4e-7 s, and 1e14 s to 0.016 s.
+MAX_CLOCK_S = 1e6
+
+
+_BEYOND_CLOCK = (
+    f"beyond the simulated clock's range of {MAX_CLOCK_S:g} s (about 11.6 days; past it, times "
+    "lose their precision)"
+)
+
+
 def poisson_arrivals(n: int, rate: float, seed: int) -> np.ndarray:
-    """``n`` arrival times of a Poisson process of ``rate`` per second (seeded; first > 0)."""
+    """``n`` arrival times of a Poisson process of ``rate`` per second (seeded; first > 0);
+    a UserError when the last lies beyond :data:`MAX_CLOCK_S`."""
     gaps = np.random.default_rng([seed, 17]).exponential(1.0 / rate, size=n)
-    return np.cumsum(gaps)
+    times = np.cumsum(gaps)
+    if n and times[-1] > MAX_CLOCK_S:
+        raise UserError(
+            f"--arrival-rate {rate:g}: the {n} requests arrive over {times[-1]:.4g} s, "
+            f"{_BEYOND_CLOCK}; give a higher rate"
+        )
+    return times
 
 
 def _int_field(path: Path, row: int, name: str, value: Any, low: int) -> int:
@@ -283,6 +302,11 @@ def read_arrivals(path: str | Path) -> list[Arrival]:
             raise UserError(f"{p}: row {i}: field arrival_s: not a number: {t!r}") from None
         if not math.isfinite(t) or t < 0:
             raise UserError(f"{p}: row {i}: field arrival_s: must be finite and >= 0, got {t}")
+        if t > MAX_CLOCK_S:
+            raise UserError(
+                f"{p}: row {i}: field arrival_s: {t:.4g} s is {_BEYOND_CLOCK}; give times "
+                "relative to the first request"
+            )
         out.append(
             Arrival(
                 request_id=rid,

@@ -167,3 +167,113 @@ def test_learned_learn_and_the_gym_run_on_any_trace(tmp_path: Path, kind: str) -
         if done:
             break
     env.close()
+
+
+# --- the clock ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("start", [0.0, 1e6, 1e9, 1e14])
+def test_the_shared_cpu_always_moves_forward(start: float) -> None:
+    """Processor sharing re-times a call's end at each change; once the work left fell below
+    the clock's resolution, the next event landed at the current time and repeated forever
+    (daop and fiddler never finished near 1e9 s). Every event now lies ahead, and the calls
+    end in a bounded number of events."""
+    from daopsim.simulator.core.resources import CpuJob, SharedCpu
+
+    rng = np.random.default_rng(0)
+    cpu = SharedCpu("cpu", 2)
+    for i in range(6):  # six overlapping calls of uneven work and share
+        cpu.submit(
+            start + i * 1e-4,
+            CpuJob(None, i, start + i * 1e-4, *rng.uniform(1e-4, 3e-3, 1), 0.7, 0.0),
+        )
+    events = 0
+    while cpu.active:
+        t = cpu.next_event()
+        assert t > cpu.t
+        cpu.wake(t)
+        events += 1
+        assert events < 1000
+
+
+@pytest.mark.parametrize("start", [0.0, 1e9])
+def test_the_reference_cpu_always_moves_forward(start: float) -> None:
+    import simpy
+
+    from daopsim.simulator.reference.resources import HostCpu
+
+    env = simpy.Environment(initial_time=start)
+    cpu = HostCpu(env, 2)
+    rng = np.random.default_rng(0)
+    done = []
+
+    def one(i: int) -> Any:
+        yield env.timeout(i * 1e-4)
+        call = yield from cpu.call((env.now, i), float(rng.uniform(1e-4, 3e-3)), 0.7, 0.0)
+        done.append(call)
+
+    for i in range(6):
+        env.process(one(i))
+    steps = 0
+    while env.peek() < float("inf"):
+        env.step()
+        steps += 1
+        assert steps < 10_000
+    assert len(done) == 6
+
+
+def test_arrivals_beyond_the_clock_are_refused(tmp_path: Path) -> None:
+    """Epoch arrival times shifted TTFT, 1e14 s added 68 % to latencies and 1e300 s gave zero:
+    an arrival past 1e6 s (or a rate whose arrivals spread past it) is one line, exit 2."""
+    from cli_checks import one_error
+
+    run = ["run", "--policy", "daop", "--trace", "ci-small", "--no-progress", "--no-bounds"]
+    for t in ("1.7e9", "1e14", "1e300"):
+        f = tmp_path / f"a{t}.csv"
+        f.write_text(
+            f"request_id,arrival_s,prompt_tokens,output_tokens,sequence\n0,{t},8,4,0\n1,{t},8,4,1\n"
+        )
+        res = CliRunner().invoke(main, [*run, "--arrivals", str(f)])
+        one_error(res, 2, f.name, "row 1", "arrival_s", "clock")
+    res = CliRunner().invoke(main, [*run, "--sequences", "2", "--arrival-rate", "1e-9"])
+    one_error(res, 2, "--arrival-rate", "clock")
+
+
+@pytest.mark.parametrize("policy", ["daop", "fiddler"])
+@pytest.mark.parametrize("engine", ["fast", "reference"])
+def test_a_late_arrival_within_the_clock_is_timed_as_an_early_one(
+    tmp_path: Path, policy: str, engine: str
+) -> None:
+    """The same request arriving at 0 s and at 9e5 s (inside the clock's range) gets the same
+    time to first token and latency, to 1e-6 relative."""
+    out = {}
+    for t in ("0.0", "900000.0"):
+        f = tmp_path / f"a{t}.csv"
+        f.write_text(f"request_id,arrival_s,prompt_tokens,output_tokens,sequence\n0,{t},16,8,0\n")
+        req = tmp_path / f"r{t}.csv"
+        res = CliRunner().invoke(
+            main,
+            ["run", "--policy", policy, "--trace", "ci-small", "--engine", engine,
+             "--arrivals", str(f), "--no-progress", "--requests-out", str(req)],
+        )  # fmt: skip
+        assert res.exit_code == 0, res.output
+        import pandas as pd
+
+        out[t] = pd.read_csv(req).iloc[0]
+    for col in ("ttft_s", "latency_s"):
+        assert out["900000.0"][col] == pytest.approx(out["0.0"][col], rel=1e-6)
+
+
+def test_a_profile_with_a_crawling_link_is_refused(tmp_path: Path) -> None:
+    """``h2d_pinned_gbs = 1e-9`` once made daop run for ever; rates have a floor now."""
+    from cli_checks import one_error
+
+    slow = tmp_path / "slow.toml"
+    slow.write_text(
+        'extends = "a6000-pcie4"\nname = "slow"\ndescription = "a crawling link"\n'
+        "[link]\nh2d_pinned_gbs = 1e-9\n"
+    )
+    res = CliRunner().invoke(
+        main, ["run", "--policy", "daop", "--hw", str(slow), "--trace", "ci-small", "--no-progress"]
+    )
+    one_error(res, 2, "slow.toml", "link.h2d_pinned_gbs", "below")
