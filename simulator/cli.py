@@ -6,7 +6,8 @@ also exits 2 with its one line. An output that cannot be written (``OutputError`
 ``OSError`` a command did not handle) exits 3. With ``--json`` the same error is one JSON object
 ``{"error": ..., "exit_code": ...}`` on stdout instead. A reader that closes the pipe early
 (``| head -1``) ends the command quietly with exit 0. Ctrl-C ends any command with
-``error: interrupted`` and exit 130. Anything else is a bug and keeps its traceback. docs/cli.md lists the exit codes.
+``error: interrupted`` and exit 130. Anything else is a bug and keeps its traceback.
+docs/cli.md lists the exit codes.
 """
 
 from __future__ import annotations

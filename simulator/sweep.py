@@ -930,7 +930,34 @@ def read_table(path: str | os.PathLike[str]) -> pd.DataFrame:
         raise UserError(f"{p}: not a results table (missing column {missing[0]!r})")
     if fmt == "csv" and "per_layer_hit_rate" in df:
         df["per_layer_hit_rate"] = [_list_cell(v) for v in df["per_layer_hit_rate"]]
+    for col in [c for c in (*METRIC_KEYS, *_NUMBER_COLUMNS) if c in df]:
+        if df[col].dtype.kind in "biuf":
+            continue
+        # empty cells (a failed row's metrics) are NaN; anything else must be a number
+        values = pd.to_numeric(df[col], errors="coerce")
+        bad = values.isna() & df[col].notna()
+        if bad.any():
+            i = int(bad.to_numpy().argmax())
+            raise UserError(
+                f"{p}: row {i + 1}: column {col!r}: {df[col].iloc[i]!r} is not a number"
+            )
+        df[col] = values
     return df
+
+
+#: Columns of a results table that hold numbers besides the metrics (checked on reading)
+_NUMBER_COLUMNS = (
+    "cache_ratio",
+    "gpu_experts",
+    "sequences",
+    "seed",
+    "total_experts",
+    "max_gpu_experts",
+    "expert_bytes",
+    "expert_memory_gb",
+    *BOUND_COLUMNS[:1],
+    *SERVING_COLUMNS,
+)
 
 
 def _list_cell(value: Any) -> list[float] | None:

@@ -1133,6 +1133,10 @@ def sequence_ids(path: str | os.PathLike[str]) -> list[int]:
     return ids
 
 
+#: why a trace without rows is refused: every statistic and run over it would be empty
+EMPTY_TRACE = "holds no sequences (0 rows); a trace needs at least one token of one sequence"
+
+
 def checked_sequence_ids(path: str | os.PathLike[str], meta: TraceMeta) -> list[int]:
     """Sequence ids in file order, after checking the metadata counts against the rows.
 
@@ -1174,6 +1178,8 @@ def checked_sequence_ids(path: str | os.PathLike[str], meta: TraceMeta) -> list[
             raise TraceError(
                 path, f"file metadata counts.{key} = {meta.counts[key]} but the file has {value}"
             )
+    if not ids:
+        raise TraceError(path, EMPTY_TRACE)
     return ids
 
 
@@ -1227,6 +1233,8 @@ def iter_sequences(
                     parts.append(piece)
         if current is not None and (sequences is None or current in sequences):
             yield _assemble(path, current, parts, meta)
+        if current is None:
+            raise TraceError(path, EMPTY_TRACE)
     except _READ_ERRORS as exc:
         raise TraceError(
             path,
@@ -1288,6 +1296,8 @@ def validate_trace(path: str | os.PathLike[str]) -> TraceMeta:
             raise TraceError(
                 path, f"file metadata counts.{key} = {meta.counts[key]} but the file has {value}"
             )
+    if not counts["sequences"]:
+        raise TraceError(path, EMPTY_TRACE)
     return meta
 
 
