@@ -56,6 +56,9 @@ class Param:
     #: ``"experts"`` (0..experts per layer); :data:`SEARCH_RANGES`. None: only the default
     #: and the ``choices`` (both values of a bool) are tried.
     search: str | None = None
+    #: a value outside the bounds that means "not set" (daop's ``t_load_ms = -1``: from the
+    #: constants); any other value outside them is refused, never read as this one
+    unset: Any = None
 
 
 #: ``Param.search`` names and the integer range each one means for a model
@@ -575,13 +578,16 @@ def coerce_option(policy: str, key: str, param: Param, value: Any) -> Any:
     if typ is float and not math.isfinite(value):
         # NaN passes every range comparison and inf every lower bound: refuse both
         raise UserError(f"policy {policy!r}: option {key!r} must be a finite number, got {value!r}")
+    if param.unset is not None and value == param.unset:
+        return value
     if param.choices is not None and value not in param.choices:
         raise UserError(
             f"policy {policy!r}: option {key!r} must be one of {list(param.choices)}, got {value!r}"
         )
     if param.minimum is not None and value < param.minimum:
+        unset = "" if param.unset is None else f" (or {param.unset!r}: not set)"
         raise UserError(
-            f"policy {policy!r}: option {key!r} must be >= {param.minimum:g}, got {value!r}"
+            f"policy {policy!r}: option {key!r} must be >= {param.minimum:g}{unset}, got {value!r}"
         )
     if param.maximum is not None and value > param.maximum:
         raise UserError(

@@ -195,8 +195,20 @@ class DAOPPolicy(Policy):
             "else the cost model; 'model' = the cost model's one-token CPU time and pageable copy",
             choices=("measured", "model"),
         ),
-        "t_cpu_ms": Param(float, -1.0, "T_cpu of the prefill rule in ms (-1: from 'constants')"),
-        "t_load_ms": Param(float, -1.0, "T_load of the prefill rule in ms (-1: from 'constants')"),
+        "t_cpu_ms": Param(
+            float,
+            -1.0,
+            "T_cpu of the prefill rule in ms (-1: from 'constants')",
+            minimum=0.0,
+            unset=-1.0,
+        ),
+        "t_load_ms": Param(
+            float,
+            -1.0,
+            "T_load of the prefill rule in ms (-1: from 'constants')",
+            minimum=0.0,
+            unset=-1.0,
+        ),
     }
 
     prefill_note = "prefill swaps and CPU-or-copy rule"

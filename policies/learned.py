@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from importlib.resources import files
 from pathlib import Path
@@ -31,6 +32,14 @@ FORMAT = "daopsim-learned/1"
 #: the bundled model (package data beside this module; found through the package, because a
 #: compiled module's ``__file__`` names the shared library of its build group instead)
 BUNDLED_MODEL = Path(str(files(__name__.rpartition(".")[0]) / "learned_model.json"))
+#: the largest model file read (a trained one is a few kB)
+MAX_MODEL_BYTES = 16 * 2**20
+#: bounds on a model's numbers that keep every score finite: features are standardised by
+#: ``mean``/``scale`` (``daopsim learn`` floors a scale at 1e-9), so trained weights are small;
+#: a larger magnitude comes from a damaged or hand-edited file, and 1e308 would pass a
+#: finiteness check yet overflow to NaN scores
+MAX_WEIGHT = 1e6
+MIN_SCALE = 1e-9
 
 
 @dataclass
@@ -80,12 +89,16 @@ class Scorer:
     @classmethod
     def load(cls, path: str | Path) -> Scorer:
         """Read a model file; a missing, malformed or mismatched one is a one-line UserError."""
+        from daopsim.simulator.data import read_input_text
+
         p = Path(path)
+        if not os.path.lexists(p):
+            raise UserError(f"{p}: model file not found")
+        # a regular file of bounded size: a FIFO would block and /dev/zero never end
+        text = read_input_text(p, "model", MAX_MODEL_BYTES)
         try:
-            doc = json.loads(p.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise UserError(f"{p}: model file not found") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            doc = json.loads(text)
+        except json.JSONDecodeError as exc:
             raise UserError(f"{p}: not a readable JSON model file ({exc})") from None
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             raise UserError(f"{p}: field format: expected {FORMAT!r}")
@@ -105,11 +118,18 @@ class Scorer:
             a = arrays[key]
             if a.shape != shape or not np.isfinite(a).all():
                 raise UserError(f"{p}: field {key}: expected finite numbers of shape {shape}")
-        if not (arrays["scale"] > 0).all():
-            raise UserError(f"{p}: field scale: every entry must be > 0")
+            if (np.abs(a) > MAX_WEIGHT).any():
+                raise UserError(
+                    f"{p}: field {key}: entries must be at most {MAX_WEIGHT:g} in magnitude "
+                    "(larger ones overflow the scores)"
+                )
+        if not (arrays["scale"] >= MIN_SCALE).all():
+            raise UserError(f"{p}: field scale: every entry must be >= {MIN_SCALE:g}")
         b2 = doc.get("b2", 0.0)
         if not isinstance(b2, int | float) or isinstance(b2, bool) or not np.isfinite(b2):
             raise UserError(f"{p}: field b2: expected a finite number")
+        if abs(b2) > MAX_WEIGHT:
+            raise UserError(f"{p}: field b2: must be at most {MAX_WEIGHT:g} in magnitude")
         trained = doc.get("trained", {})
         return cls(**arrays, b2=float(b2), trained=trained if isinstance(trained, dict) else {})
 

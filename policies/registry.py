@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from daopsim.policies.base import Policy
+from daopsim.policies.base import Param, Policy
 from daopsim.simulator.errors import UserError, did_you_mean
 
 ENTRY_POINT_GROUP = "daopsim.policies"
@@ -72,6 +72,33 @@ def register(cls: P) -> P:
     return cls
 
 
+#: class attributes a policy may set, and the types they must have (:func:`class_problem`)
+_CLASS_ATTRIBUTES: tuple[tuple[str, type | tuple[type, ...], str], ...] = (
+    ("name", str, "a non-empty string"),
+    ("summary", str, "a string"),
+    ("source", str, "a string"),
+    ("prefill_note", str, "a string"),
+    ("runtime_profile", str, "a runtime profile's name (a string)"),
+    ("params", dict, "a dict of option names to Param"),
+    ("clairvoyant", bool, "True or False"),
+    ("bound", bool, "True or False"),
+    ("needs_calibration", bool, "True or False"),
+)
+
+
+def class_problem(cls: type[Policy]) -> str | None:
+    """What is wrong with a policy class's attributes (``name = 5``, ``params = 5``), in one
+    line, or None: checked when a file or plugin is loaded, before anything uses them."""
+    for attr, kind, what in _CLASS_ATTRIBUTES:
+        value = getattr(cls, attr, None)
+        if not isinstance(value, kind) or (attr == "name" and not value):
+            return f"class attribute {attr!r} must be {what}, got {value!r}"
+    for key, param in cls.params.items():
+        if not isinstance(key, str) or not isinstance(param, Param):
+            return f"class attribute 'params' maps {key!r} to {param!r}, not to a Param"
+    return None
+
+
 def _qualname(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
@@ -94,11 +121,19 @@ def _load_plugin(ep: md.EntryPoint) -> None:
     before = dict(_REGISTRY)
     try:
         cls = ep.load()
-    except (Exception, SystemExit) as exc:  # any import-time failure stays with this plugin
+    except BaseException as exc:  # any import-time failure stays with this plugin
+        if isinstance(exc, KeyboardInterrupt):
+            raise
         fail(f"failed to load: {_one_line(exc)}")
         return
     if not (isinstance(cls, type) and issubclass(cls, Policy)):
         fail(f"is not a Policy subclass (got {cls!r})")
+        return
+    if not cls.name and isinstance(cls.name, str):
+        cls.name = ep.name  # an entry point names a policy that does not name itself
+    problem = class_problem(cls)
+    if problem is not None:
+        fail(problem)
         return
     name = cls.name or ep.name
     taken = before.get(name)
@@ -166,7 +201,9 @@ def load_policy_file(spec: str) -> type[Policy]:
         _load()  # built-ins first, so a file taking a built-in's name is refused below
         try:
             loader_spec.loader.exec_module(module)
-        except (Exception, SystemExit) as exc:
+        except BaseException as exc:  # sys.exit() or a bare BaseException at import too
+            if isinstance(exc, KeyboardInterrupt):
+                raise
             del sys.modules[mod_name]
             raise UserError(f"{path}: failed to import: {_one_line(exc)}") from None
     cls = getattr(module, cls_name, None)
@@ -183,6 +220,9 @@ def load_policy_file(spec: str) -> type[Policy]:
         raise UserError(f"{path}: {cls_name} is not a Policy subclass (got {cls!r})")
     if not cls.name:
         raise UserError(f"{path}: {cls_name} needs a class attribute 'name'")
+    problem = class_problem(cls)
+    if problem is not None:
+        raise UserError(f"{path}: {cls_name}: {problem}")
     _load()
     taken = _REGISTRY.get(cls.name)
     if taken is not None and taken is not cls:
@@ -243,5 +283,8 @@ def _policy_file_hint(name: str) -> str:
 
 
 def make_policy(name: str, options: dict[str, object] | None = None) -> Policy:
-    """Instantiate a policy with validated options."""
-    return get_policy_class(name)(**(options or {}))
+    """Instantiate a policy with validated options (a fault of its ``__init__`` or of the
+    methods a run reads first is a PolicyError naming it: ``construct_policy``)."""
+    from daopsim.simulator.boundary import construct_policy
+
+    return construct_policy(get_policy_class(name), dict(options or {}))

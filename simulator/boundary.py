@@ -16,7 +16,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from daopsim.policies.base import Action, Plan, Policy, Slot
+from daopsim.policies.base import Action, Plan, Policy, ResourceSpec, Slot
 from daopsim.simulator.errors import PolicyError, UserError
 
 # the actions as plain ints, Final so that compiled code reads each as a constant (not a
@@ -40,10 +40,39 @@ class Where:
         self.layer: int | None = None
 
 
+class StopRun(BaseException):
+    """Ends a run from inside a hook on purpose (the gym environment's abandoned episode):
+    :class:`Hooks` lets it through unchanged."""
+
+
+def passes_through(exc: BaseException) -> bool:
+    """True for what a hook's caller must not turn into a policy fault: an interrupt (Ctrl-C),
+    a generator or greenlet being closed, a run stopped on purpose (:class:`StopRun`).
+    Anything else a policy raises, ``SystemExit`` and bare ``BaseException`` included, is the
+    policy's fault: ``sys.exit(0)`` in a hook must not end the command as a success."""
+    if isinstance(exc, KeyboardInterrupt | GeneratorExit | StopRun):
+        return True
+    return type(exc).__module__.partition(".")[0] == "greenlet"  # GreenletExit
+
+
+def _text(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or "(no message)"
+
+
+def named_user_error(policy: str, hook: str, exc: UserError) -> UserError:
+    """``exc`` itself when its message names the policy, else the same message naming the
+    policy and the hook (``cpu_workers must be >= 1`` from a ``ResourceSpec``)."""
+    if f"policy {policy!r}" in str(exc) or type(exc) is not UserError:
+        return exc
+    return UserError(f"policy {policy!r}: {hook}: {_text(exc)}")
+
+
 class Hooks:
     """Calls a policy's hooks; an exception a hook raises becomes a ``PolicyError``.
 
-    ``UserError`` (a bad option the policy reports) and ``PolicyError`` pass through unchanged.
+    ``PolicyError`` passes through unchanged, and so does a ``UserError`` (a bad option the
+    policy reports) that names the policy; one that does not (``ResourceSpec``'s checks) is
+    re-raised naming the policy and the hook. Interrupts pass through (:func:`passes_through`).
     """
 
     __slots__ = ("checker", "name", "policy", "where")
@@ -65,20 +94,21 @@ class Hooks:
         the current token and layer for the layer hooks)."""
         try:
             return fn(*args)
-        except (PolicyError, UserError):
+        except PolicyError:
             raise
+        except UserError as exc:
+            raise self.named(hook, exc) from None
         except BaseException as exc:
-            # Ctrl-C, and a greenlet or generator being closed (the gym environment pauses a
-            # run inside a hook), are not the policy's faults; anything else is, SystemExit
-            # included (a hook must not end the run as if it had succeeded)
-            if isinstance(exc, (KeyboardInterrupt, GeneratorExit)) or (
-                type(exc).__name__ == "GreenletExit"
-            ):
+            if passes_through(exc):
                 raise
             err = self.fault(hook, exc)
             # set by hand: mypyc-compiled callers lost the cause of `raise ... from exc`
             err.__cause__ = exc
             raise err from exc
+
+    def named(self, hook: str, exc: UserError) -> UserError:
+        """``exc`` naming the policy and the hook (:func:`named_user_error`)."""
+        return named_user_error(self.name, hook, exc)
 
     def fault(self, hook: str, exc: BaseException) -> PolicyError:
         """The PolicyError for ``exc`` raised by hook ``hook`` (callers that inline the call on
@@ -87,7 +117,7 @@ class Hooks:
         The message names the hook the exception came out of, which is not always the one
         the engine called (the default ``prefill_layer`` calls ``decode_layer``), and the file
         and line where it was raised in the policy's own code (:func:`fault_site`)."""
-        text = " ".join(str(exc).split()) or "(no message)"
+        text = _text(exc)
         w = self.where
         per_layer = hook.endswith("_layer")
         raised_in, site = fault_site(exc, self.policy, hook)
@@ -177,6 +207,66 @@ def fault_site(exc: BaseException, policy: Any, called: str) -> tuple[str, str |
             site = f"{shown}:{tb.tb_lineno}"
         tb = tb.tb_next
     return hook, site
+
+
+def construct_policy(cls: type[Policy], options: dict[str, Any] | None = None) -> Policy:
+    """``cls(**options)``, its declarations checked (:func:`check_declarations`); a fault of
+    its ``__init__`` is a PolicyError naming the policy (a required argument, a raise)."""
+    name = cls.name if isinstance(cls.name, str) and cls.name else cls.__name__
+    try:
+        policy = cls(**(options or {}))
+    except PolicyError:
+        raise
+    except UserError as exc:
+        raise named_user_error(name, "__init__", exc) from None
+    except BaseException as exc:
+        if passes_through(exc):
+            raise
+        raise PolicyError(name, f"__init__ raised {type(exc).__name__}: {_text(exc)}") from exc
+    check_declarations(policy)
+    return policy
+
+
+def check_declarations(policy: Policy) -> None:
+    """Call the methods a run reads before any hook (``resources``, ``uses_calibration``,
+    ``uses_lookahead``) through :class:`Hooks`, and refuse what they return when it is not a
+    ``ResourceSpec`` or a truth value: a PolicyError naming the policy and the method."""
+    hooks = Hooks(policy)
+    spec = hooks.call("resources", policy.resources)
+    if not isinstance(spec, ResourceSpec):
+        raise hooks.error(f"resources returned {type(spec).__name__}, expected a ResourceSpec")
+    for method in ("uses_calibration", "uses_lookahead"):
+        value = hooks.call(method, getattr(policy, method))
+        if not isinstance(value, bool | np.bool_):
+            raise hooks.error(f"{method} returned {value!r}, expected True or False")
+
+
+def frozen(a: Any) -> Any:
+    """A read-only view of the array ``a`` (None stays None): what the engine hands a policy.
+    A policy writing into ``View.counts`` would otherwise change what the engine runs next."""
+    if a is None:
+        return None
+    out = a.view()
+    out.flags.writeable = False
+    return out
+
+
+def fill_layer_view(v: Any, counts: Any, weights: Any, probs: Any) -> Any:
+    """Fill the view of one layer of a multi-token step (a prefill pass, a batched or mixed
+    step) from its per-expert token ``counts`` and the step's ``[tokens, ...]`` gate weights
+    and dense router probabilities at the layer: ``experts`` the experts with a non-zero count
+    (descending count, ties to the lower id), ``weights``/``probs`` their means. Every array
+    is read-only; returns ``(experts, counts)``, which the engine runs."""
+    experts = np.flatnonzero(counts)
+    experts = experts[np.argsort(-counts[experts], kind="stable")]
+    experts.flags.writeable = False
+    counts = frozen(counts)
+    w = weights.mean(axis=0)
+    w.flags.writeable = False
+    p = probs.mean(axis=0)
+    p.flags.writeable = False
+    v.experts, v.counts, v.weights, v.probs = experts, counts, w, p
+    return experts, counts
 
 
 def _pair(x: Any) -> Slot | None:

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from daopsim.simulator.errors import UserError
+from daopsim.simulator.errors import UserError, check_seed
 from daopsim.simulator.models import ModelShape
 from daopsim.simulator.trace import (
     ALL_PROBS_MAX_EXPERTS,
@@ -922,6 +922,7 @@ def _check_settings(cfg: CaptureConfig) -> None:
         raise UserError("give exactly one of --model and --random-init")
     if cfg.top_m < 1:
         raise UserError("--top-m must be at least 1")
+    check_seed(cfg.seed)  # torch.manual_seed takes -1, and it would be a different run
 
 
 def capture_model(

@@ -5,8 +5,9 @@ User mistakes (``UserError``, and click's usage errors in a subcommand) print on
 also exits 2 with its one line. An output that cannot be written (``OutputError``, or any
 ``OSError`` a command did not handle) exits 3. With ``--json`` the same error is one JSON object
 ``{"error": ..., "exit_code": ...}`` on stdout instead. A reader that closes the pipe early
-(``| head -1``) ends the command quietly with exit 0. Anything else is a bug and keeps its
-traceback. docs/cli.md lists the exit codes.
+(``| head -1``) ends the command quietly with exit 0. Ctrl-C ends any command with
+``error: interrupted`` and exit 130. Anything else is a bug and keeps its traceback.
+docs/cli.md lists the exit codes.
 """
 
 from __future__ import annotations
@@ -86,6 +87,10 @@ class _Group(click.Group):
             return out
         except BrokenPipeError:
             _quiet_closed_pipe()
+        except KeyboardInterrupt:
+            # Ctrl-C: one line and 130 from every command (click's own is "Aborted!" and 1);
+            # a command that keeps finished work says so itself before this (sweep)
+            fail("interrupted", ExitCode.INTERRUPTED, as_json)
         except (UserError, PolicyError) as exc:
             _debug(exc)
             fail(str(exc), getattr(exc, "exit_code", ExitCode.USAGE), as_json)

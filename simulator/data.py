@@ -16,6 +16,7 @@ import os
 import stat
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from daopsim.simulator.errors import UserError, did_you_mean
 
@@ -101,6 +102,47 @@ def check_input_file(path: str | os.PathLike[str], what: str) -> Path:
     if not p.exists():
         raise UserError(f"{p}: no such {what} file")
     return p
+
+
+#: The largest text input read whole into memory (a TOML grid, config, profile, experiment or
+#: validation table, a JSON model or preset file): far above any real one, so a wrong path
+#: such as a trace or a disk image is one line instead of filling the memory.
+MAX_TEXT_INPUT_BYTES = 64 * 2**20
+
+
+def read_input_text(
+    path: str | os.PathLike[str], what: str, max_bytes: int = MAX_TEXT_INPUT_BYTES
+) -> str:
+    """The UTF-8 text of the regular file ``path`` (a ``what`` file); a UserError naming the
+    file when it is missing, not a regular file (a FIFO would block, a device never end),
+    larger than ``max_bytes``, unreadable or not UTF-8. The one reader of every text input."""
+    p = check_input_file(path, what)
+    try:
+        with p.open("rb") as fh:
+            data = fh.read(max_bytes + 1)
+    except OSError as exc:
+        raise UserError(f"{p}: cannot read the {what} file: {exc.strerror or exc}") from None
+    if len(data) > max_bytes:
+        raise UserError(f"{p}: larger than {max_bytes // 2**20} MiB; not a {what} file")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(
+            f"{p}: the {what} file is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset "
+            f"{exc.start})"
+        ) from None
+
+
+def read_toml(path: str | os.PathLike[str], what: str) -> dict[str, Any]:
+    """A TOML input file as a dict (:func:`read_input_text`); a syntax error is a one-line
+    UserError naming the file, line and column."""
+    import tomllib
+
+    text = read_input_text(path, what)
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"{Path(path)}: not valid TOML: {exc}") from None
 
 
 def resolve_trace(name_or_path: str | os.PathLike[str] | None) -> Path:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import difflib
 import os
-import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any
 import pandas as pd
 
 from daopsim.policies.registry import get_policy_class
-from daopsim.simulator.data import bundled_dir, check_input_file, resolve_trace
+from daopsim.simulator.data import bundled_dir, check_input_file, read_toml, resolve_trace
 from daopsim.simulator.errors import DoesNotFit, UserError
 from daopsim.simulator.output import output_dir, safe_name, write_figure, write_file, write_text
 from daopsim.simulator.runner import keeps_nothing_resident, simulate
@@ -160,12 +159,7 @@ def load_experiment(name_or_path: str | os.PathLike[str]) -> Experiment:
         raise UserError(
             f"unknown experiment {text!r}: not a file and not bundled ({', '.join(bundled)})"
         )
-    try:
-        doc = tomllib.loads(path.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as exc:
-        raise UserError(f"{path}: not valid TOML: {exc}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"{path}: cannot read: {exc}") from None
+    doc = read_toml(path, "experiment")
     # a schema like the grids': a misspelt key would otherwise be ignored and the default run
     _unknown(path, "", doc, EXPERIMENT_KEYS)
 

@@ -40,6 +40,7 @@ except ImportError as exc:  # tests/test_first_use.py hides the extra to exercis
     ) from exc
 
 from daopsim.policies.observed import FEATURES, ObservedCache, as_probs
+from daopsim.simulator.boundary import StopRun
 from daopsim.simulator.data import resolve_trace
 from daopsim.simulator.errors import UserError
 from daopsim.simulator.results import RunResult
@@ -52,8 +53,8 @@ ENV_ID = "daopsim/ExpertCache-v0"
 REWARDS = ("time", "hits")
 
 
-class _Stop(BaseException):
-    """Raised at an abandoned episode's pending decision to end its run (not an Exception, so
+class _Stop(StopRun):
+    """Raised at an abandoned episode's pending decision to end its run (a ``StopRun``, so
     the engine's fault wrapper lets it through)."""
 
 
@@ -169,6 +170,20 @@ class _Episode:
         from another thread it cannot be, and is left."""
         with contextlib.suppress(greenlet.error):
             self.stop()
+
+
+def _expert_id(action: Any) -> int:
+    """``action`` as an expert id: an integer (Python, NumPy, or a 0-d integer array), never a
+    bool or a float (``int(1.5)`` and ``int(True)`` would both play expert 1)."""
+    a = action
+    if isinstance(a, np.ndarray) and a.ndim == 0:
+        a = a[()]
+    if isinstance(a, bool | np.bool_) or not isinstance(a, int | np.integer):
+        raise gym.error.InvalidAction(
+            f"step: the action must be an expert id (an integer), got {action!r} "
+            f"({type(action).__name__})"
+        )
+    return int(a)
 
 
 def _finished() -> tuple[str, Any]:
@@ -369,7 +384,7 @@ class ExpertCacheEnv(gym.Env):  # type: ignore[misc]
         if episode is None or last is None or not episode.pending:
             raise gym.error.ResetNeeded("call reset() before step() (the episode is over)")
         mask = last["obs"]["action_mask"]
-        victim = int(action)
+        victim = _expert_id(action)
         invalid = not (0 <= victim < self.n_experts and mask[victim])
         if invalid:
             cands = np.flatnonzero(mask)

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import math
 import os
-import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from daopsim.simulator.data import non_regular_kind, profiles_dir
+from daopsim.simulator.data import non_regular_kind, profiles_dir, read_toml
 from daopsim.simulator.errors import ProfileError, UserError, did_you_mean
 
 LINK_KINDS = ("pcie", "unified")
@@ -457,8 +456,36 @@ MAX_VALUES: dict[str, float] = {
 }
 
 
+#: Smallest accepted value per rate (bandwidths, throughputs): generous bounds two orders of
+#: magnitude or more below any machine's (a USB 2.0 link moves 0.06 GB/s), so a typo such as
+#: ``h2d_pinned_gbs = 1e-9`` is a one-line error instead of a run whose clock reaches 1e10 s
+#: (docs/hardware-profiles.md, "Ranges").
+MIN_VALUES: dict[str, float] = {
+    "gpu.mem_bw_gbs": 1.0,
+    "gpu.spec_mem_bw_gbs": 1.0,
+    "gpu.bf16_tflops": 0.01,
+    "link.h2d_pinned_gbs": 0.01,
+    "link.d2h_pinned_gbs": 0.01,
+    "link.h2d_pageable_gbs": 0.01,
+    "link.d2h_pageable_gbs": 0.01,
+    "link.dram_bw_gbs": 0.1,
+    "cpu.mem_bw_gbs": 0.1,
+    "cpu.socket_bw_gbs": 0.1,
+    "cpu.dram_gbs": 0.1,
+    "cpu.ggml_stream_gbs": 0.1,
+    "cpu.bf16_gflops": 0.1,
+    "cpu.fp32_gflops": 0.1,
+    "cpu.amx_bf16_gflops": 0.1,
+    "cpu.ggml_gemm_gflops": 0.1,
+    "ssd.seq_read_gbps": 0.001,
+    "ssd.rand4k_read_iops": 10,
+    "peer.bandwidth_gbs": 0.01,
+}
+
+
 def _check_range(path: Path, key: str, value: Any) -> None:
-    """A number above its key's physical bound (MAX_VALUES) is a ProfileError."""
+    """A number above its key's physical bound (MAX_VALUES), or a rate below its bound
+    (MIN_VALUES), is a ProfileError."""
     parts = key.split(".")
     limit = MAX_VALUES.get(key)
     if limit is None and len(parts) == 3 and parts[0] == "cpu":
@@ -467,6 +494,9 @@ def _check_range(path: Path, key: str, value: Any) -> None:
         limit = MAX_VALUES.get(f"measured.{parts[-1]}")
     if limit is not None and value > limit:
         raise ProfileError(path, f"{value:g} is above the physical bound {limit:g}", key)
+    low = MIN_VALUES.get(key)
+    if low is not None and value < low:
+        raise ProfileError(path, f"{value:g} is below the physical bound {low:g}", key)
 
 
 _SECTIONS = {"gpu", "link", "cpu", "power", "measured", "ssd", "gpus", "peer"}
@@ -718,12 +748,9 @@ def _read_toml(p: Path) -> dict[str, Any]:
     if not p.is_file():
         raise ProfileError(p, "no such profile file")
     try:
-        with p.open("rb") as fh:
-            return tomllib.load(fh)
-    except tomllib.TOMLDecodeError as exc:
-        raise ProfileError(p, f"not valid TOML: {exc}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ProfileError(p, f"cannot read: {exc}") from None
+        return read_toml(p, "profile")
+    except UserError as exc:  # the shared reader's message, as a ProfileError
+        raise ProfileError(p, str(exc).removeprefix(f"{p}: ")) from None
 
 
 def _base_path(p: Path, base: Any) -> Path:

@@ -22,7 +22,7 @@ import numpy as np
 
 from daopsim.policies.learned import Scorer
 from daopsim.policies.observed import FEATURES
-from daopsim.simulator.errors import UserError
+from daopsim.simulator.errors import UserError, check_seed
 
 #: progress callback, called after each rollout: (rollouts done, rollouts in all, which one)
 Progress = Callable[[int, int, str], None]
@@ -88,6 +88,7 @@ def resolve(config: LearnConfig) -> tuple[LearnConfig, Any]:
                 f"--budgets: {b} experts per layer; give more than top-k ({model.top_k}) and "
                 f"fewer than the experts ({model.experts}), or there is no choice to learn"
             )
+    check_seed(config.seed)
     for key in ("rounds", "hidden", "epochs", "batch"):
         if getattr(config, key) < 1:
             raise UserError(f"--{key}: must be >= 1, got {getattr(config, key)}")

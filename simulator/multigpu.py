@@ -45,6 +45,7 @@ from daopsim.policies.base import (
     Slot,
     View,
 )
+from daopsim.simulator.boundary import frozen
 from daopsim.simulator.errors import UserError
 from daopsim.simulator.hardware import HardwareProfile
 
@@ -311,7 +312,10 @@ class _LazyRow:
         self._make = make
 
     def __getitem__(self, layer: int) -> Any:
-        return self._make()
+        value = self._make()
+        if isinstance(value, np.ndarray):
+            value.flags.writeable = False  # as the engine's own view (boundary.frozen)
+        return value
 
     def __len__(self) -> int:
         return sys.maxsize  # every layer has a value (None where the view has none)
@@ -489,7 +493,7 @@ class ShardedPolicy(Policy):
         ready = view.ready
         v.ready = None if ready is None else ready_win.get(ready)
         counts = view.counts
-        v.counts = None if counts is None else np.asarray(counts)[self.pl.expert_idx[k]]
+        v.counts = None if counts is None else frozen(np.asarray(counts)[self.pl.expert_idx[k]])
         v._weights = v._probs = v._next_experts = v._next_probs = _LAZY
         return v
 

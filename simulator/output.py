@@ -138,9 +138,57 @@ def _lenient(p: Path) -> Path:
         return Path(os.path.abspath(p))
 
 
-def _inputs(inputs: Iterable[PathLike | None]) -> list[Path]:
+def _inputs(inputs: Iterable[PathLike | None], outputs: Collection[str] = ()) -> list[Path]:
+    """The existing paths among ``inputs`` and every path the running command's own options
+    and arguments name (:func:`command_line_paths`), except its outputs' (flags ``outputs``)."""
+    given = [*inputs, *command_line_paths(outputs)]
     # only existing files can be clobbered; a bundled name such as "a6000-pcie4" is no path
-    return [Path(p) for p in inputs if p is not None and str(p) != "" and os.path.lexists(p)]
+    return [Path(p) for p in given if p is not None and str(p) != "" and os.path.lexists(p)]
+
+
+def _path_forms(text: str) -> Iterator[str]:
+    """The paths a command-line value may name: itself, each comma-separated item, the value
+    of a ``key=value`` item (``--policy-opt model=m.json``) and the file of ``FILE.py:CLASS``."""
+    for item in {text, *text.split(",")}:
+        item = item.strip()
+        yield item
+        _key, sep, value = item.partition("=")
+        if sep:
+            yield from (v.strip() for v in value.split(","))
+        path, sep, _cls = item.rpartition(":")
+        if sep and path:
+            yield path
+
+
+def value_paths(value: Any) -> list[str]:
+    """Every path-like string in ``value`` (a string, a path, or lists, tuples and mappings
+    of them, such as a policy's options read from a grid or experiment file), in the forms
+    :func:`_path_forms` gives; whether each exists is checked by the caller."""
+    if isinstance(value, str | os.PathLike):
+        return list(_path_forms(os.fspath(value)))
+    if isinstance(value, Mapping):
+        return [p for v in value.values() for p in value_paths(v)]
+    if isinstance(value, list | tuple | set | frozenset):
+        return [p for v in value for p in value_paths(v)]
+    return []
+
+
+def command_line_paths(outputs: Collection[str] = ()) -> list[str]:
+    """Every path the running ``daopsim`` command was given, by any option or argument except
+    the output options named in ``outputs`` (their flags, such as ``--out``): the inputs of
+    the command whatever it reads them for (a ``--config`` file, a learned policy's
+    ``--policy-opt model=FILE``, a ``--policy FILE.py:CLASS``). Empty outside a command."""
+    import click
+
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:
+        return []
+    out: list[str] = []
+    for param in ctx.command.params:
+        if param.name is None or any(flag in param.opts for flag in outputs):
+            continue
+        out += value_paths(ctx.params.get(param.name))
+    return out
 
 
 def check_output_file(
@@ -161,7 +209,7 @@ def check_output_file(
             raise OutputError(f"{where}: is a directory, expected a file path")
         if not stat.S_ISREG(st.st_mode):
             raise OutputError(f"{where}: is {_kind(st.st_mode)}; refusing to replace it")
-    for inp in _inputs(inputs):
+    for inp in _inputs(inputs, (flag,) if flag else ()):
         if _same(target, inp):
             raise OutputError(f"{where}: is also an input of this command; choose another path")
     _check_parent(target, where)
@@ -208,7 +256,7 @@ def check_output_dir(
                 f"{where}: holds files this command does not write ({shown}); the folder is "
                 "replaced as a whole, so choose a new or empty folder"
             )
-    for inp in _inputs(inputs):
+    for inp in _inputs(inputs, (flag,) if flag else ()):
         r = _lenient(inp)
         if r == real or real in r.parents:
             raise OutputError(f"{where}: contains an input of this command ({inp})")

@@ -831,6 +831,13 @@ def plot(df: pd.DataFrame | str | os.PathLike[str], kind: str, **kwargs: Any) ->
             f"plot kind {kind!r} needs column {missing[0]!r}, which this results table does not "
             "have (an experiment table has throughput and hit rate; a sweep table has all)"
         )
+    rows, trace = _trace_rows(df, kwargs.get("trace"))
+    if not (rows["status"] == "ok").any():
+        # a figure of empty panels is no result: say what the rows are instead
+        counts = rows["status"].astype(str).value_counts()
+        have = ", ".join(f"{n} {status}" for status, n in counts.items())
+        raise UserError(f"no successful runs for trace {trace!r} in the results ({have}); "
+                        "nothing to draw")  # fmt: skip
     return _PLOTTERS[kind](df, **kwargs)
 
 

@@ -21,7 +21,6 @@ import json
 import math
 import os
 import time
-import tomllib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -32,6 +31,7 @@ from daopsim.simulator.data import (
     bundled_dir,
     bundled_traces,
     check_input_file,
+    read_toml,
     resolve_trace,
 )
 from daopsim.simulator.errors import PolicyError, UserError
@@ -336,12 +336,7 @@ def load_grid(path: str | Path) -> RegressGrid:
     top-level block keys are defaults that each block may override.
     """
     p = check_input_file(path, "grid")
-    try:
-        data = tomllib.loads(p.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as exc:
-        raise UserError(f"{p}: not valid TOML: {exc}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"{p}: cannot read: {exc}") from None
+    data = read_toml(p, "grid")
     for key in data:
         if key not in GRID_KEYS:
             raise UserError(f"{p}: unknown key {key!r} (valid: {', '.join(sorted(GRID_KEYS))})")
@@ -704,6 +699,31 @@ def load_baseline(path: str | Path) -> dict[str, Any]:
     return doc
 
 
+def check_store_target(path: str | Path) -> None:
+    """``--update`` may write ``path``: a ``.json`` name, and an existing file there is a store
+    of this command (any version of the format, damaged numbers included), never another file
+    (``--baseline results.parquet`` would replace a table with the store)."""
+    from daopsim.simulator.errors import OutputError
+    from daopsim.simulator.output import output_format
+
+    output_format(path, {".json": "json"}, "--baseline")
+    p = Path(path)
+    if not p.is_file():
+        return
+    try:
+        doc = json.loads(p.read_bytes())
+    except OSError:
+        return  # unreadable: the write reports it
+    except ValueError:
+        doc = None
+    fmt = doc.get("format") if isinstance(doc, dict) else None
+    if not (isinstance(fmt, str) and fmt.startswith("daopsim-regress/")):
+        raise OutputError(
+            f"--baseline {p}: exists and is not a daopsim regress store (a JSON object with "
+            '"format": "daopsim-regress/N"); refusing to replace it'
+        )
+
+
 def baseline_text(grid: dict[str, Any], outcomes: dict[str, dict[str, Any]]) -> str:
     """The store's text: deterministic, one value per line so diffs stay readable."""
     doc = {"format": FORMAT, "grid": grid, "configurations": outcomes}
@@ -782,6 +802,7 @@ def regress(
         # before reading it or running the grid
         traces = [_trace_path(b.trace) for b in grid.blocks]
         check_output_file(baseline, "--baseline", inputs=[*inputs, *traces])
+        check_store_target(baseline)
         check_golden_update(grid, baseline)
     if Path(baseline).is_dir():
         raise UserError(f"{baseline}: is a directory, not a baseline file")

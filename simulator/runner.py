@@ -21,6 +21,7 @@ import numpy as np
 
 from daopsim.policies.base import Policy, ResourceSpec, low_bit_slots_per_expert
 from daopsim.policies.registry import get_policy_class
+from daopsim.simulator.boundary import check_declarations, construct_policy
 from daopsim.simulator.core.loop import Engine
 from daopsim.simulator.costs import CostModel, cost_model
 from daopsim.simulator.data import resolve_trace
@@ -902,8 +903,9 @@ def resolve_inputs(req: RunRequest) -> RunInputs:
         pol = req.policy
         if req.policy_options:
             raise UserError("policy_options cannot be combined with a policy instance")
+        check_declarations(pol)
     else:
-        pol = get_policy_class(req.policy)(**(req.policy_options or {}))
+        pol = construct_policy(get_policy_class(req.policy), req.policy_options)
     rt = get_runtime(pol.runtime_profile if req.runtime is None else req.runtime)
     costs: CostModel = runtime_cost_model(profile, model, rt)
     host_tier = host_tier_config(
@@ -1301,7 +1303,9 @@ def run_config(inp: RunInputs, size: RunSize, data: RunData, run: Run) -> dict[s
         "engine": req.engine,
         "batch": req.serving.batch if req.serving is not None else None,
         "runtime": size.rt.to_dict(),
-        "bound": bool(pol.clairvoyant or pol.bound),
+        # a system with unlimited memory (every expert placed) is not realisable, whoever
+        # declares it
+        "bound": bool(pol.clairvoyant or pol.bound or pol.resources().unlimited_memory),
         "clairvoyant": bool(pol.clairvoyant),
         "cost_sources": size.costs.sources(),
         "gpus": req.gpus,

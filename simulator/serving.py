@@ -35,6 +35,7 @@ import numpy as np
 import pandas as pd
 
 from daopsim.policies.base import Plan
+from daopsim.simulator.boundary import fill_layer_view
 from daopsim.simulator.core.loop import Step as CoreStep
 from daopsim.simulator.errors import UserError
 from daopsim.simulator.trace import SequenceRouting
@@ -227,10 +228,29 @@ class Request:
         return (self.finish - self.first_token) / after if after > 0 else math.nan
 
 
+#: The latest arrival time a run takes, s (about 11.6 days). The simulated clock is one float:
+#: below this its resolution is 1.2e-10 s, so microsecond events keep their length to 1e-4;
+#: epoch times (1.7e9 s) would round every event to 2.4e-7 s, and 1e14 s to 0.016 s.
+MAX_CLOCK_S = 1e6
+
+
+_BEYOND_CLOCK = (
+    f"beyond the simulated clock's range of {MAX_CLOCK_S:g} s (about 11.6 days; past it, times "
+    "lose their precision)"
+)
+
+
 def poisson_arrivals(n: int, rate: float, seed: int) -> np.ndarray:
-    """``n`` arrival times of a Poisson process of ``rate`` per second (seeded; first > 0)."""
+    """``n`` arrival times of a Poisson process of ``rate`` per second (seeded; first > 0);
+    a UserError when the last lies beyond :data:`MAX_CLOCK_S`."""
     gaps = np.random.default_rng([seed, 17]).exponential(1.0 / rate, size=n)
-    return np.cumsum(gaps)
+    times = np.cumsum(gaps)
+    if n and times[-1] > MAX_CLOCK_S:
+        raise UserError(
+            f"--arrival-rate {rate:g}: the {n} requests arrive over {times[-1]:.4g} s, "
+            f"{_BEYOND_CLOCK}; give a higher rate"
+        )
+    return times
 
 
 def _int_field(path: Path, row: int, name: str, value: Any, low: int) -> int:
@@ -282,6 +302,11 @@ def read_arrivals(path: str | Path) -> list[Arrival]:
             raise UserError(f"{p}: row {i}: field arrival_s: not a number: {t!r}") from None
         if not math.isfinite(t) or t < 0:
             raise UserError(f"{p}: row {i}: field arrival_s: must be finite and >= 0, got {t}")
+        if t > MAX_CLOCK_S:
+            raise UserError(
+                f"{p}: row {i}: field arrival_s: {t:.4g} s is {_BEYOND_CLOCK}; give times "
+                "relative to the first request"
+            )
         out.append(
             Arrival(
                 request_id=rid,
@@ -924,14 +949,9 @@ class BatchStep(CoreStep):
         v.next_experts = v.next_probs = None
 
     def enter(self, eng: Engine, layer: int) -> tuple[np.ndarray, Any]:
-        v = eng.view
-        counts = self.counts[layer]
-        experts = np.flatnonzero(counts)
-        experts = experts[np.argsort(-counts[experts], kind="stable")]
-        v.experts, v.counts = experts, counts
-        v.weights = self.wt[:, layer, :].mean(axis=0)
-        v.probs = self.pr[:, layer, :].mean(axis=0)
-        return experts, counts
+        return fill_layer_view(  # type: ignore[no-any-return]
+            eng.view, self.counts[layer], self.wt[:, layer, :], self.pr[:, layer, :]
+        )
 
     def route(self, eng: Engine, plan: Any, experts: np.ndarray, layer: int) -> list[int] | None:
         if isinstance(plan, Plan) and plan.route is not None:

@@ -26,7 +26,6 @@ import math
 import os
 import sys
 import time
-import tomllib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +33,14 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from daopsim.simulator.data import DEFAULT_TRACE, bundled_traces, check_input_file, resolve_trace
+from daopsim.simulator.boundary import construct_policy
+from daopsim.simulator.data import (
+    DEFAULT_TRACE,
+    bundled_traces,
+    check_input_file,
+    read_toml,
+    resolve_trace,
+)
 from daopsim.simulator.errors import (
     DoesNotFit,
     PolicyError,
@@ -47,7 +53,7 @@ from daopsim.simulator.errors import (
 )
 from daopsim.simulator.fingerprints import daopsim_version, file_sha256, profile_sha256
 from daopsim.simulator.native import module_source
-from daopsim.simulator.output import TABLE_FORMATS, check_output_file, output_format
+from daopsim.simulator.output import TABLE_FORMATS, check_output_file, output_format, value_paths
 from daopsim.simulator.output import write_table as _write_any_table
 from daopsim.simulator.progress import Progress
 from daopsim.simulator.results import METRIC_KEYS, OPTIONAL_METRIC_KEYS, atomic_write_text
@@ -198,6 +204,12 @@ class Grid:
                 raw = [raw]
             if not isinstance(raw, list | tuple):
                 raise UserError(f"{source}: key {key!r} must be a list")
+            if key in data and not raw:
+                # an empty list given is a mistake, never the default the key has when absent
+                hint = "" if key == "policies" else ", or leave the key out for its default"
+                raise UserError(
+                    f"{source}: key {key!r} is an empty list; give at least one value{hint}"
+                )
             out = []
             for v in raw:
                 if kind is float and isinstance(v, int) and not isinstance(v, bool):
@@ -293,11 +305,7 @@ def load_grid_file(path: str | os.PathLike[str]) -> tuple[Grid, str | None]:
 
 
 def _read_grid(p: Path, base: Path) -> tuple[Grid, str | None]:
-    try:
-        with p.open("rb") as fh:
-            data = tomllib.load(fh)
-    except tomllib.TOMLDecodeError as exc:
-        raise UserError(f"{p}: not valid TOML: {exc}") from None
+    data = read_toml(p, "grid")
     grid = Grid.from_dict(data, source=str(p))
     grid.traces = [_relative_to(base, t) for t in grid.traces]
     if grid.calibration is not None and grid.calibration not in ("none", "self"):
@@ -466,6 +474,8 @@ def expand(grid: Grid) -> list[Config]:
         raise UserError("the sweep has no machines (--hw)")
     if not grid.traces:
         raise UserError("the sweep has no traces")
+    if not grid.seeds:
+        raise UserError("the sweep has no seeds (--seeds)")
     for r in grid.cache_ratios:
         if not 0 < r <= 1:
             raise UserError(f"cache ratio {r} is not in (0, 1]")
@@ -530,7 +540,7 @@ def expand(grid: Grid) -> list[Config]:
             for pol, cls in classes.items():
                 for opts in option_sets[pol]:
                     # a policy that places every expert ignores the memory axis
-                    unlimited = cls(**opts).resources().unlimited_memory
+                    unlimited = construct_policy(cls, opts).resources().unlimited_memory
                     points = [(None, None)] if unlimited else memory
                     for (ratio, n), rate, seed, runtime, (gpus, mg) in itertools.product(
                         points, rates, dict.fromkeys(grid.seeds), runtimes, gpu_axis
@@ -1000,7 +1010,34 @@ def read_table(path: str | os.PathLike[str]) -> pd.DataFrame:
         raise UserError(f"{p}: not a results table (missing column {missing[0]!r})")
     if fmt == "csv" and "per_layer_hit_rate" in df:
         df["per_layer_hit_rate"] = [_list_cell(v) for v in df["per_layer_hit_rate"]]
+    for col in [c for c in (*METRIC_KEYS, *_NUMBER_COLUMNS) if c in df]:
+        if df[col].dtype.kind in "biuf":
+            continue
+        # empty cells (a failed row's metrics) are NaN; anything else must be a number
+        values = pd.to_numeric(df[col], errors="coerce")
+        bad = values.isna() & df[col].notna()
+        if bad.any():
+            i = int(bad.to_numpy().argmax())
+            raise UserError(
+                f"{p}: row {i + 1}: column {col!r}: {df[col].iloc[i]!r} is not a number"
+            )
+        df[col] = values
     return df
+
+
+#: Columns of a results table that hold numbers besides the metrics (checked on reading)
+_NUMBER_COLUMNS = (
+    "cache_ratio",
+    "gpu_experts",
+    "sequences",
+    "seed",
+    "total_experts",
+    "max_gpu_experts",
+    "expert_bytes",
+    "expert_memory_gb",
+    *BOUND_COLUMNS[:1],
+    *SERVING_COLUMNS,
+)
 
 
 def _list_cell(value: Any) -> list[float] | None:
@@ -1211,6 +1248,7 @@ def run_sweep(
     if out is not None:
         output_format(out, TABLE_FORMATS, "--out")
         inputs = {c.trace_path for c in configs} | set(g.hw) | {g.calibration}
+        inputs |= set(value_paths(g.options))  # a policy option naming a file (model=FILE)
         check_output_file(out, "--out", inputs=sorted(str(i) for i in inputs if i))
         folder = parts_dir(out)
         lock = _lock(folder, Path(out))

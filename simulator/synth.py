@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from daopsim.simulator.data import check_input_file
+from daopsim.simulator.data import check_input_file, read_input_text
 from daopsim.simulator.errors import UserError, check_seed, parse_key_values
 from daopsim.simulator.models import ModelShape, get_model
 from daopsim.simulator.reuse import CURVE_POLICIES
@@ -42,6 +42,7 @@ from daopsim.simulator.synth_checks import PARAM_BOUNDS
 from daopsim.simulator.trace import (
     ALL_PROBS_MAX_EXPERTS,
     DEFAULT_TOP_M,
+    MAX_POSITION,
     SequenceRouting,
     TraceMeta,
     TraceWriter,
@@ -411,10 +412,10 @@ def get_preset(name_or_path: str) -> SynthPreset:
             f"unknown synth preset {name_or_path!r}: not a file and not one of "
             f"{', '.join(sorted(PRESETS))}"
         )
+    text = read_input_text(path, "synth preset")
     try:
-        text = path.read_text()
         data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
+    except ValueError as exc:
         raise UserError(f"{path}: cannot read preset ({str(exc).splitlines()[0]})") from None
     if not isinstance(data, dict) or not isinstance(data.get("params"), dict):
         raise UserError(f"{path}: preset needs a 'params' table/object")
@@ -644,6 +645,33 @@ def _repeat_previous(h: np.ndarray, prob: float, rng: np.random.Generator) -> np
     return h[src, np.arange(n_layers)[None, :]]
 
 
+#: The most memory one synthetic sequence may take to generate, bytes: its per-token arrays
+#: (latent states, router outputs, the one-layer-early view) over every MoE layer.
+MAX_SEQUENCE_BYTES = 8 * 2**30
+
+
+def check_sequence_size(
+    model: ModelShape, p: SynthParams, prompt_tokens: int, output_tokens: int
+) -> None:
+    """A UserError naming the options when one sequence of ``prompt_tokens + output_tokens``
+    tokens would take more than :data:`MAX_SEQUENCE_BYTES` to generate (3e9 prompt tokens
+    once asked NumPy for 5.6 TiB and printed its traceback), or overflow the trace format's
+    positions; the message gives the most tokens that fit."""
+    width = model.experts if model.experts <= ALL_PROBS_MAX_EXPERTS else min(p.top_m, model.experts)
+    # per token and layer: two latent float64 vectors, probabilities, ids and the early view,
+    # top-k ids and weights; per token: one layer's float64 logits at a time
+    per_token = model.moe_layers * (16 * p.latent_dim + 12 * width + 8 * model.top_k)
+    per_token += 16 * model.experts
+    tokens = prompt_tokens + output_tokens
+    most = min(MAX_SEQUENCE_BYTES // per_token, MAX_POSITION + 1)
+    if tokens > most:
+        raise UserError(
+            f"--prompt-tokens {prompt_tokens} and --output-tokens {output_tokens}: a sequence "
+            f"of {tokens:,} tokens of {model.name} would take {tokens * per_token / 1e9:.3g} GB "
+            f"to generate; at most {most:,} tokens per sequence"
+        )
+
+
 def iter_synthetic(
     model: ModelShape,
     p: SynthParams,
@@ -655,6 +683,7 @@ def iter_synthetic(
     """Sequences 0..sequences-1 (each independent of how many are asked for)."""
     check_seed(seed)
     p.check()
+    check_sequence_size(model, p, prompt_tokens, output_tokens)
     router = _router(model, p)
     for s in range(sequences):
         yield generate_sequence(model, p, s, prompt_tokens, output_tokens, seed, router)

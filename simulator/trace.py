@@ -332,6 +332,20 @@ class SequenceRouting:
         out[t, l_, ids[t, l_, j]] = probs[t, l_, j]
         return out
 
+    def prompt_probs(self, layer: int, experts: int) -> np.ndarray:
+        """Dense ``[n_prefill, E]`` probabilities of the prompt rows at ``layer`` (zeros for
+        experts outside a stored top-m, as :meth:`full_probs`)."""
+        p = self.n_prefill
+        probs = self.probs[:p, layer]
+        ids = self.prob_ids
+        if ids is None:
+            return probs
+        out = np.zeros((probs.shape[0], experts), dtype=np.float32)
+        idx = ids[:p, layer]
+        t, j = np.nonzero(idx >= 0)
+        out[t, idx[t, j]] = probs[t, j]
+        return out
+
 
 def previous_token_view(r: SequenceRouting) -> SequenceRouting:
     """The look-ahead stand-in: the previous token's routing at the same layer.
@@ -1119,6 +1133,10 @@ def sequence_ids(path: str | os.PathLike[str]) -> list[int]:
     return ids
 
 
+#: why a trace without rows is refused: every statistic and run over it would be empty
+EMPTY_TRACE = "holds no sequences (0 rows); a trace needs at least one token of one sequence"
+
+
 def checked_sequence_ids(path: str | os.PathLike[str], meta: TraceMeta) -> list[int]:
     """Sequence ids in file order, after checking the metadata counts against the rows.
 
@@ -1160,6 +1178,8 @@ def checked_sequence_ids(path: str | os.PathLike[str], meta: TraceMeta) -> list[
             raise TraceError(
                 path, f"file metadata counts.{key} = {meta.counts[key]} but the file has {value}"
             )
+    if not ids:
+        raise TraceError(path, EMPTY_TRACE)
     return ids
 
 
@@ -1213,6 +1233,8 @@ def iter_sequences(
                     parts.append(piece)
         if current is not None and (sequences is None or current in sequences):
             yield _assemble(path, current, parts, meta)
+        if current is None:
+            raise TraceError(path, EMPTY_TRACE)
     except _READ_ERRORS as exc:
         raise TraceError(
             path,
@@ -1274,6 +1296,8 @@ def validate_trace(path: str | os.PathLike[str]) -> TraceMeta:
             raise TraceError(
                 path, f"file metadata counts.{key} = {meta.counts[key]} but the file has {value}"
             )
+    if not counts["sequences"]:
+        raise TraceError(path, EMPTY_TRACE)
     return meta
 
 

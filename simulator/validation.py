@@ -42,13 +42,12 @@ import math
 import os
 import re
 import statistics
-import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from daopsim.simulator.data import bundled_dir, check_input_file
+from daopsim.simulator.data import bundled_dir, read_toml
 from daopsim.simulator.errors import UserError
 from daopsim.simulator.trace_cache import synth_trace
 
@@ -705,14 +704,9 @@ def _resolve_members(row: Row, rows: dict[str, Row], where: str) -> list[Member]
 
 
 def _load_file(p: Path) -> list[tuple[Row, Path]]:
-    if p.exists():
-        check_input_file(p, "validation table")
-    try:
-        data = tomllib.loads(p.read_text())
-    except FileNotFoundError:
-        raise UserError(f"{p}: no such validation table") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise UserError(f"{p}: not valid TOML: {exc}") from None
+    if not os.path.lexists(p):
+        raise UserError(f"{p}: no such validation table")
+    data = read_toml(p, "validation table")
     raws = data.get("row")
     if not isinstance(raws, list) or not raws:
         raise UserError(f"{p}: no [[row]] entries")
@@ -1173,6 +1167,22 @@ def to_csv(report: Report) -> str:
         d = r.to_dict()
         w.writerow(["" if d[c] is None else d[c] for c in cols])
     return buf.getvalue()
+
+
+def page_row_ids(doc: str) -> list[str]:
+    """The row ids (first column) of the tables between the markers of a markdown document
+    that :func:`splice_markdown` replaces, in page order (none without markers)."""
+    a, b = doc.find(TABLE_START), doc.find(TABLE_END)
+    if a < 0 or b < a:
+        return []
+    ids = []
+    for line in doc[a + len(TABLE_START) : b].splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("|") or len(cells) < 2 or set(cells[0]) <= {"-", ":"}:
+            continue
+        if cells[0] not in ("row", RANKING_COLUMNS[0]):
+            ids.append(cells[0])
+    return ids
 
 
 def splice_markdown(doc: str, table: str) -> str:

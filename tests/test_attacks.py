@@ -329,6 +329,127 @@ def test_grid_file_out_is_the_grid_file(ws: Path, tmp_path: Path) -> None:
     assert grid.read_bytes() == before
 
 
+def _model_file(path: Path) -> Path:
+    """A valid learned-policy model file at ``path`` (whatever its name says)."""
+    from daopsim.policies.learned import BUNDLED_MODEL
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(BUNDLED_MODEL.read_bytes())
+    return path
+
+
+def _learned_cases(ws: Path, tmp: Path) -> dict[str, tuple[Path, list[str]]]:
+    """Each way of naming a file as a policy option and as an output: (the file, argv)."""
+    t = str(ws / "t.parquet")
+    run = ["run", "--policy", "learned", "--trace", t, "--no-progress", "--no-bounds"]
+    folder, csv = tmp / "o", tmp / "m.csv"
+    inside = folder / "metrics.json"
+    grid, config = tmp / "g.toml", tmp / "c.toml"
+    grid.write_text(
+        f'policies = ["learned"]\ntraces = ["{t}"]\ncache_ratios = [0.5]\n'
+        f'[options]\n"learned.model" = "{csv}"\n'
+    )
+    config.write_text(f'policies = ["learned"]\ntraces = ["{t}"]\n[options]\nmodel = "{inside}"\n')
+    opt = ["--policy-opt", f"model={csv}"]
+    return {
+        "run --out (folder holds it)": (
+            inside,
+            [*run, "--policy-opt", f"model={inside}", "--out", str(folder)],
+        ),
+        "run --requests-out": (csv, [*run, *opt, "--max-batch", "2", "--requests-out", str(csv)]),
+        "sweep --out": (csv, _sweep(t, csv, "--policy-opt", f"learned.model={csv}")),
+        "sweep grid option": (csv, ["sweep", str(grid), "--no-progress", "-o", str(csv)]),
+        "run --config option": (
+            inside,
+            ["run", "--config", str(config), "--no-progress", "--no-bounds", "-o", str(folder)],
+        ),
+    }
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["run --out (folder holds it)", "run --requests-out", "sweep --out", "sweep grid option",
+     "run --config option"],
+)  # fmt: skip
+def test_a_file_a_policy_option_names_is_an_input(ws: Path, tmp_path: Path, case: str) -> None:
+    model, argv = _learned_cases(ws, tmp_path)[case]
+    _model_file(model)
+    before = model.read_bytes()
+    res = CliRunner().invoke(main, argv)
+    one_error(res, OUTPUT, "input")
+    assert model.read_bytes() == before
+
+
+def test_the_config_file_is_an_input(ws: Path, tmp_path: Path) -> None:
+    out = tmp_path / "c"
+    out.mkdir()
+    config = out / "metrics.json"  # a name `run --out` writes, holding a run config
+    config.write_text(f'policies = ["lru"]\ntraces = ["{ws / "t.parquet"}"]\nsequences = 1\n')
+    before = config.read_bytes()
+    argv = ["run", "--config", str(config), "--no-progress", "--no-bounds", "--out", str(out)]
+    one_error(CliRunner().invoke(main, argv), OUTPUT, "contains an input", str(config))
+    assert config.read_bytes() == before
+
+
+def test_validate_markdown_never_drops_rows_of_the_page(tmp_path: Path) -> None:
+    from daopsim.simulator.data import bundled_dir
+
+    repo = Path(__file__).resolve().parent.parent
+    page = tmp_path / "validation.md"
+    page.write_bytes((repo / "docs" / "validation.md").read_bytes())  # the committed page
+    before = page.read_bytes()
+    published = (bundled_dir("validation") / "published.toml").read_text()
+    one_row = tmp_path / "one_row.toml"
+    one_row.write_text("[[row]]" + published.split("[[row]]")[1])  # the first row alone
+    res = CliRunner().invoke(
+        main, ["validate", "--table", str(one_row), "--markdown", str(page), "--no-progress"]
+    )
+    one_error(res, USAGE, "--markdown", "would drop them", "--out")
+    assert page.read_bytes() == before
+    # the --rows refusal no longer recommends this
+    res = CliRunner().invoke(
+        main, ["validate", "--rows", "x", "--markdown", str(page), "--no-progress"]
+    )
+    assert "--table" not in one_error(res, USAGE, "--out DIR")
+
+
+@pytest.mark.parametrize("name", ["results.parquet", "results.json", "notes.json"])
+def test_regress_update_replaces_only_a_store(ws: Path, tmp_path: Path, name: str) -> None:
+    grid = tmp_path / "grid.toml"
+    grid.write_text(
+        f'trace = "{ws / "t.parquet"}"\npolicies = ["lru"]\nprofiles = ["a6000-pcie4"]\n'
+        "sequences = 1\ncache_ratios = [0.5]\n"
+    )
+    target = tmp_path / name
+    if name == "notes.json":
+        target.write_text('{"format": "something else"}\n')
+    else:
+        target.write_bytes((ws / "results.parquet").read_bytes())  # a sweep table
+    before = target.read_bytes()
+    argv = ["regress", "--grid", str(grid), "--update", "--baseline", str(target), "--no-progress"]
+    res = CliRunner().invoke(main, argv)
+    one_error(res, USAGE if name.endswith(".parquet") else OUTPUT, "--baseline")
+    assert target.read_bytes() == before
+    store = tmp_path / "store.json"  # a store is written, and rewritten
+    for _ in range(2):
+        argv[-2] = str(store)
+        assert CliRunner().invoke(main, argv).exit_code == 0
+    assert json.loads(store.read_text())["format"].startswith("daopsim-regress/")
+
+
+def test_an_empty_axis_never_replaces_a_results_table(ws: Path, tmp_path: Path) -> None:
+    """``seeds = []`` once expanded to no configuration and replaced the table with a header."""
+    table = tmp_path / "r.csv"
+    first = CliRunner().invoke(main, _sweep(ws / "t.parquet", table, "--workers", "1"))
+    assert first.exit_code == 0, first.output
+    before = table.read_bytes()
+    grid = tmp_path / "g.toml"
+    grid.write_text(f'policies = ["lru"]\ntraces = ["{ws / "t.parquet"}"]\nseeds = []\n')
+    res = CliRunner().invoke(main, ["sweep", str(grid), "--no-progress", "-o", str(table)])
+    one_error(res, USAGE, "g.toml", "'seeds' is an empty list")
+    assert table.read_bytes() == before
+
+
 # --- names from files -------------------------------------------------------------------------
 
 

@@ -30,7 +30,7 @@ import daopsim.simulator.regress
 import daopsim.simulator.sweep
 from daopsim.simulator.cli import main
 from daopsim.simulator.data import bundled_traces
-from daopsim.simulator.errors import ExitCode
+from daopsim.simulator.errors import ExitCode, UserError
 from daopsim.simulator.hardware import load_profile
 from daopsim.simulator.models import get_model
 from daopsim.simulator.runner import expert_fit, simulate
@@ -662,3 +662,181 @@ def test_a_plugin_naming_a_non_resident_victim_is_named(base: str) -> None:
     text = str(err.value)
     assert "'bad-victim'" in text and "choose_victim returned" in text and "99" in text
     assert "list.remove" not in text
+
+
+# --- round 3: interrupts -----------------------------------------------------------------------
+
+#: each command and a function it calls for its long work (raising Ctrl-C there)
+INTERRUPTIBLE = {
+    "run": (["run", "--trace", "ci-small", "--no-progress"], "daopsim.simulator.runner.simulate"),
+    "learn": (["learn", "-o", "m.json", "--no-progress"], "daopsim.simulator.imitation.learn"),
+    "experiment": (
+        ["experiment", "daop-paper", "-o", "exp"],
+        "daopsim.simulator.experiments.run_experiment",
+    ),
+    "validate": (["validate", "--no-progress"], "daopsim.simulator.validation.run_validation"),
+    "sweep": (
+        ["sweep", "--policies", "lru", "--traces", "ci-small", "--no-progress", "-o", "s.csv"],
+        "daopsim.simulator.sweep.run_sweep",
+    ),
+}
+
+
+@pytest.mark.parametrize("command", list(INTERRUPTIBLE))
+def test_ctrl_c_exits_130_everywhere(
+    command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C once gave click's "Aborted!" and exit 1 in run, learn, experiment and validate
+    (docs/cli.md says 130; sweep was right): now every command ends with 130, one line."""
+    argv, target = INTERRUPTIBLE[command]
+    module, _, name = target.rpartition(".")
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(f"{module}.{name}", interrupted)
+    monkeypatch.chdir(tmp_path)
+    res = _cli(*argv)
+    assert res.exit_code == int(ExitCode.INTERRUPTED), (res.output, res.exception)
+    assert "Traceback" not in res.output + res.stderr and "Aborted" not in res.output
+    assert res.stderr.splitlines()[-1].startswith(("error: interrupted", "interrupted"))
+    assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")] in (
+        [],
+        ["s.csv.parts"],
+    )
+
+
+def test_sigint_during_a_run_exits_130(tmp_path: Path) -> None:
+    """The same through a real SIGINT to a running ``daopsim run``."""
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "daopsim", "run", "--trace", "ci-small", "--no-progress",
+         "--out", str(tmp_path / "out")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    time.sleep(4)  # well inside the run (imports and the first sequences)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "error: interrupted", err
+    assert not (tmp_path / "out").exists()
+
+
+# --- round 3: inputs that gave an empty result, a traceback or a silent default ----------------
+
+
+def test_plot_of_no_successful_rows_is_an_error_not_an_empty_figure(tmp_path: Path) -> None:
+    """A table whose rows were all skipped once drew a figure of empty panels and exited 0: now
+    every plot kind says there is nothing to draw, with the rows' statuses, and writes nothing."""
+    table = tmp_path / "s.csv"
+    res = _cli("sweep", "--policies", "lru", "--traces", "ci-small", "--cache-ratios", "0.5",
+               "--no-progress", "-o", table)  # fmt: skip
+    assert res.exit_code == 0, res.output
+    df = pd.read_csv(table)
+    assert list(df["status"]) == ["skipped"]  # Mixtral at this budget does not fit the default
+    for kind in ("throughput", "hit-rate", "breakdown", "heatmap", "pareto"):
+        fig = tmp_path / f"{kind}.png"
+        res = _cli("plot", table, "--kind", kind, "-o", fig)
+        one_error(res, USAGE, "no successful runs", "'ci-small'", "1 skipped", "nothing to draw")
+        assert not fig.exists()
+
+
+def test_plot_of_a_table_with_a_text_number_names_row_and_column(tmp_path: Path) -> None:
+    """String cache ratios once reached matplotlib and printed its traceback: reading a results
+    table now checks that every number column holds numbers (empty cells stay NaN)."""
+    table = tmp_path / "s.csv"
+    res = _cli("sweep", "--policies", "lru", "--traces", "ci-small", "--cache-ratios", "0.25",
+               "--no-progress", "-o", table)  # fmt: skip
+    assert res.exit_code == 0, res.output
+    df = pd.read_csv(table)
+    assert (df["status"] == "ok").all()
+    good = daopsim.simulator.sweep.read_table(table)
+    assert good["cache_ratio"].tolist() == [0.25]
+    df["cache_ratio"] = df["cache_ratio"].astype(object)
+    df.loc[0, "cache_ratio"] = "all"
+    df.to_csv(table, index=False)
+    fig = tmp_path / "t.png"
+    one_error(_cli("plot", table, "-o", fig), USAGE, "s.csv", "row 1", "'cache_ratio'", "'all'")
+    assert not fig.exists()
+
+
+@pytest.mark.parametrize(
+    "argv", [["trace", "stats"], ["trace", "validate"], ["run", "--no-progress", "--trace"]]
+)
+def test_a_trace_without_rows_is_refused(argv: list[str], tmp_path: Path) -> None:
+    """``trace stats`` of a 0-row trace printed a table of dashes and ``trace validate`` said OK
+    (exit 0): every reader now refuses a trace without rows, naming the file."""
+    path = make_trace(tmp_path / "zero.parquet", model=MODEL, sequences=0)
+    res = _cli(*argv, path, *(["--out", tmp_path / "o"] if argv[0] == "run" else []))
+    one_error(res, USAGE, "zero.parquet", "0 rows")
+    assert not (tmp_path / "o").exists()
+
+
+def test_synth_refuses_a_sequence_too_large_to_generate(tmp_path: Path) -> None:
+    """``synth --prompt-tokens 3000000000`` asked NumPy for terabytes and printed its
+    traceback: the size is checked first, and the limit it gives is the one it enforces."""
+    from daopsim.simulator.synth import SynthParams, check_sequence_size, get_preset
+
+    out = tmp_path / "big.parquet"
+    res = _cli("synth", "--model", MODEL, "--sequences", "1", "--prompt-tokens", "3000000000",
+               "-o", out)  # fmt: skip
+    line = one_error(res, USAGE, "--prompt-tokens 3000000000", "at most")
+    assert not out.exists()
+    most = int(line.split("at most ")[1].split()[0].replace(",", ""))
+    preset = get_preset(MODEL)
+    params: SynthParams = getattr(preset, "params", preset)
+    check_sequence_size(get_model(MODEL), params, most - 8, 8)  # the limit itself passes
+    with pytest.raises(UserError, match="at most"):
+        check_sequence_size(get_model(MODEL), params, most - 7, 8)
+
+
+def test_negative_seeds_are_refused_in_learn_and_capture(tmp_path: Path) -> None:
+    """``learn --seed -1`` printed NumPy's traceback and ``capture --seed -1`` was accepted
+    (torch takes it as another seed): both now say what a seed must be, and write nothing."""
+    one_error(_cli("learn", "-o", tmp_path / "m.json", "--no-progress", "--seed", "-1"), USAGE,
+              "--seed", "non-negative", "-1")  # fmt: skip
+    assert not (tmp_path / "m.json").exists()
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hello"}\n')
+    res = _cli("capture", "--random-init", "mixtral", "--prompts", prompts, "--seed", "-1",
+               "-o", tmp_path / "c.parquet")  # fmt: skip
+    one_error(res, USAGE, "--seed", "non-negative", "-1")
+    assert not (tmp_path / "c.parquet").exists()
+
+
+def test_daop_t_load_below_zero_is_refused_and_minus_one_is_auto() -> None:
+    """``t_load_ms=-5`` silently meant "from the constants" like -1: now only -1 (and values
+    >= 0) are taken, and a set value changes the run while -1 equals the default."""
+    run = {"trace": "ci-small", "hw": "a6000-pcie4", "sequences": 1}
+    res = _cli("run", "--policy", "daop", "--trace", "ci-small", "--no-progress",
+               "--policy-opt", "t_load_ms=-5")  # fmt: skip
+    one_error(res, USAGE, "'daop'", "'t_load_ms'", ">= 0", "-1.0", "-5")
+    default = simulate(policy="daop", **run).metrics
+    auto = simulate(policy="daop", policy_options={"t_load_ms": -1}, **run).metrics
+    fast = simulate(policy="daop", policy_options={"t_load_ms": 0.0}, **run).metrics
+    assert repr(sorted(auto.items())) == repr(sorted(default.items()))  # NaN equals NaN here
+    assert fast["ttft_s"] != default["ttft_s"]  # loading looks free: the prefill rule copies
+
+
+@pytest.mark.parametrize("action", [1.5, True, np.float64(1.0), np.bool_(True), "1"])
+def test_gym_step_takes_only_integer_expert_ids(action: object) -> None:
+    """``step(1.5)`` and ``step(True)`` once played expert 1: a non-integer action is now
+    Gymnasium's InvalidAction; NumPy integers (what ``action_space.sample()`` gives) still work."""
+    gym = pytest.importorskip("gymnasium")
+    from daopsim.gym import ExpertCacheEnv
+
+    env = ExpertCacheEnv(trace="ci-small", hw="a100-80g-pcie4", gpu_experts=4 * 32)
+    obs, _ = env.reset(seed=0)
+    with pytest.raises(gym.error.InvalidAction, match="integer"):
+        env.step(action)
+    victim = int(np.flatnonzero(obs["action_mask"])[0])
+    twin = ExpertCacheEnv(trace="ci-small", hw="a100-80g-pcie4", gpu_experts=4 * 32)
+    twin.reset(seed=0)
+    _, r1, _, _, info1 = env.step(np.int64(victim))
+    _, r2, _, _, info2 = twin.step(victim)
+    assert not info1["invalid_action"] and r1 == r2 and info1["now"] == info2["now"]
+    env.close()
+    twin.close()

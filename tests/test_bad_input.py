@@ -149,6 +149,13 @@ def grid_file(name: str, text: str) -> Callable[[WS], Path]:
     return lambda ws: ws.file(name, text)
 
 
+def _empty(key: str) -> str:
+    """A grid (or one-run config) whose ``key`` is an empty list, the rest one value each."""
+    keys = {"policies": '["lru"]', "traces": '["ci-small"]', "sequences": "1"}
+    keys[key] = "[]"
+    return "".join(f"{k} = {v}\n" for k, v in keys.items())
+
+
 CASES: dict[str, Case] = {
     # -- traces (through run --trace; more in tests/test_trace_validation.py) ----------------
     "trace-empty-file": trace_case(
@@ -369,7 +376,73 @@ CASES: dict[str, Case] = {
     "regress-negative-tolerance": Case(
         regress_args("--tolerance-time", "-1"), ("--tolerance-time", "-1")
     ),
+    # -- text inputs: one reader (regular files, bounded size, UTF-8) --------------------------
+    **{
+        f"non-utf8-toml-{kind}": Case(args, ("latin1.toml", "not UTF-8", "0xe9"), outs(out))
+        for kind, args, out in (
+            ("run-config", run_args("--config", lambda ws: _latin1(ws), out="u1"), "u1"),
+            ("sweep-grid", sweep_args(lambda ws: _latin1(ws)), "sweep.parquet"),
+            ("validate-table", lambda ws: ["validate", "--table", _latin1(ws)], "u2"),
+            ("experiment", lambda ws: ["experiment", _latin1(ws), "-o", ws.out("u3")], "u3"),
+            ("regress-grid", regress_args("--grid", lambda ws: _latin1(ws)), "u4"),
+            ("profile", run_args("--hw", lambda ws: _latin1(ws), out="u5"), "u5"),
+        )
+    },
+    # -- an empty list is never the default ----------------------------------------------------
+    **{
+        f"empty-list-{how}-{key}": Case(
+            (
+                run_args("--config", grid_file(f"empty-{key}.toml", _empty(key)), out=f"e-{key}")
+                if how == "run-config"
+                else sweep_args(grid_file(f"empty-{key}.toml", _empty(key)))
+            ),
+            (f"empty-{key}.toml", f"key {key!r} is an empty list"),
+            outs(f"e-{key}" if how == "run-config" else "sweep.parquet"),
+        )
+        for key in ("traces", "policies", "seeds", "runtimes", "gpu_experts", "cache_ratios", "hw")
+        for how in ("run-config", "sweep")
+    },
+    "learned-model-fifo": Case(
+        run_args("--policy", "learned", "--policy-opt", lambda ws: f"model={_fifo(ws)}"),
+        ("model.fifo", "FIFO", "not a regular model file"),
+    ),
+    "learned-model-huge": Case(
+        run_args("--policy", "learned", "--policy-opt", lambda ws: f"model={_huge(ws)}"),
+        ("huge.json", "larger than 16 MiB"),
+    ),
+    "learned-model-overflowing-weights": Case(
+        run_args("--policy", "learned", "--policy-opt", lambda ws: f"model={_overflowing(ws)}"),
+        ("big-weights.json", "field w2", "at most 1e+06"),
+    ),
 }
+
+
+def _latin1(ws: WS) -> Path:
+    """A TOML file whose comment is Latin-1, not UTF-8."""
+    return ws.file("latin1.toml", 'policies = ["lru"]\n# caf\xe9 \xff\n'.encode("latin-1"))
+
+
+def _fifo(ws: WS) -> Path:
+    p = ws.root / "model.fifo"
+    if not p.exists():
+        os.mkfifo(p)
+    return p
+
+
+def _huge(ws: WS) -> Path:
+    p = ws.root / "huge.json"
+    with open(p, "wb") as fh:
+        fh.truncate(16 * 2**20 + 1)  # sparse: no disk used
+    return p
+
+
+def _overflowing(ws: WS) -> Path:
+    """The bundled model with weights that are finite but overflow a score to NaN."""
+    from daopsim.policies.learned import BUNDLED_MODEL
+
+    doc = json.loads(BUNDLED_MODEL.read_text())
+    doc["w2"][0], doc["w2"][1] = 1e308, -1e308
+    return ws.file("big-weights.json", json.dumps(doc))
 
 
 @pytest.mark.parametrize("name", list(CASES))

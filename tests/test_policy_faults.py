@@ -254,3 +254,221 @@ def test_a_plan_given_none_for_its_lists_holds_empty_ones() -> None:
     assert (plan.victims, plan.prefetch, plan.precalc, plan.evict) == ({}, [], [], [])
     assert plan == Plan()
     assert Plan().prefetch is not Plan().prefetch  # each plan its own list
+
+
+# --- a policy file's own mistakes: one line naming it, exit 2, never a traceback or exit 0 ------
+
+#: a policy file of mistakes that once gave a traceback (or a silent success); each class breaks
+#: one thing the run reads before or between hooks
+POLICY_FILE = """
+from daopsim.policies.base import Action, Plan, Policy, ResourceSpec
+
+
+class Ok(Policy):
+    name = "pf-ok"
+
+    def decode_layer(self, view):
+        return Plan(actions={int(e): Action.TEMP for e in view.experts})
+
+
+class ResourcesRaises(Ok):
+    name = "pf-resources-raises"
+
+    def resources(self):
+        raise ValueError("no spec today")
+
+
+class ResourcesString(Ok):
+    name = "pf-resources-string"
+
+    def resources(self):
+        return "pinned"
+
+
+class ResourcesInvalid(Ok):
+    name = "pf-resources-invalid"
+
+    def resources(self):
+        return ResourceSpec(cpu_workers=0)
+
+
+class CalibrationRaises(Ok):
+    name = "pf-calibration-raises"
+
+    def uses_calibration(self):
+        raise ValueError("undecided")
+
+
+class LookaheadRaises(Ok):
+    name = "pf-lookahead-raises"
+
+    def uses_lookahead(self):
+        raise ValueError("undecided")
+
+
+class LookaheadString(Ok):
+    name = "pf-lookahead-string"
+
+    def uses_lookahead(self):
+        return "yes"
+
+
+class ParamsFive(Ok):
+    name = "pf-params-five"
+    params = 5
+
+
+class RuntimeFive(Ok):
+    name = "pf-runtime-five"
+    runtime_profile = 5
+
+
+class NameFive(Ok):
+    name = 5
+
+
+class InitNeedsArgument(Ok):
+    name = "pf-init-argument"
+
+    def __init__(self, x, **options):
+        super().__init__(**options)
+
+
+class HookBaseException(Ok):
+    name = "pf-hook-base-exception"
+
+    def decode_layer(self, view):
+        raise BaseException("bye")
+
+
+class ResourcesBaseException(Ok):
+    name = "pf-resources-base-exception"
+
+    def resources(self):
+        raise BaseException("bye")
+
+
+class HookExitsZero(Ok):
+    name = "pf-hook-exits-zero"
+
+    def decode_layer(self, view):
+        if view.token >= 4:
+            raise SystemExit(0)
+        return super().decode_layer(view)
+
+
+class Unlimited(Ok):
+    name = "pf-unlimited"
+
+    def resources(self):
+        return ResourceSpec(unlimited_memory=True)
+
+    def setup(self, ctx):
+        m = ctx.model
+        return [(layer, e) for layer in range(m.moe_layers) for e in range(m.experts)]
+
+    def decode_layer(self, view):
+        return Plan()
+"""
+
+#: class -> words the one error line holds (the policy or file, and what went wrong)
+FILE_FAULTS = {
+    "ResourcesRaises": ("pf-resources-raises", "resources raised ValueError", "no spec today"),
+    "ResourcesString": ("pf-resources-string", "resources returned str", "ResourceSpec"),
+    "ResourcesInvalid": ("pf-resources-invalid", "resources", "cpu_workers must be >= 1"),
+    "CalibrationRaises": ("pf-calibration-raises", "uses_calibration raised ValueError"),
+    "LookaheadRaises": ("pf-lookahead-raises", "uses_lookahead raised ValueError"),
+    "LookaheadString": ("pf-lookahead-string", "uses_lookahead returned 'yes'"),
+    "ParamsFive": ("faulty.py", "ParamsFive", "'params'", "got 5"),
+    "RuntimeFive": ("faulty.py", "RuntimeFive", "'runtime_profile'", "got 5"),
+    "NameFive": ("faulty.py", "NameFive", "'name'", "got 5"),
+    "InitNeedsArgument": ("pf-init-argument", "__init__ raised TypeError", "'x'"),
+    "HookBaseException": ("pf-hook-base-exception", "raised BaseException: bye"),
+    "ResourcesBaseException": ("pf-resources-base-exception", "resources raised BaseException"),
+    "HookExitsZero": ("pf-hook-exits-zero", "raised SystemExit: 0"),
+}
+
+
+@pytest.fixture(scope="module")
+def policy_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("policy_file") / "faulty.py"
+    path.write_text(POLICY_FILE)
+    return path
+
+
+def _one_line(res: Any, code: int, *words: str) -> None:
+    from cli_checks import one_error
+
+    one_error(res, code, *words)
+
+
+@pytest.mark.parametrize("cls", sorted(FILE_FAULTS))
+def test_a_policy_files_mistake_is_one_line(
+    trace: Path, policy_file: Path, tmp_path: Path, cls: str
+) -> None:
+    out = tmp_path / "out"
+    res = CliRunner().invoke(
+        main,
+        ["run", "--policy", f"{policy_file}:{cls}", "--trace", str(trace), "--gpu-experts",
+         str(BUDGET), "--no-progress", "--no-bounds", "--out", str(out)],
+    )  # fmt: skip
+    _one_line(res, 2, *FILE_FAULTS[cls])
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "cls",
+    ["ResourcesRaises", "ResourcesString", "ResourcesBaseException", "ParamsFive", "NameFive",
+     "InitNeedsArgument"],
+)  # fmt: skip
+def test_policies_show_of_a_faulty_file_is_one_line(policy_file: Path, cls: str) -> None:
+    res = CliRunner().invoke(main, ["policies", "show", f"{policy_file}:{cls}"])
+    _one_line(res, 2, *FILE_FAULTS[cls][:2])
+
+
+def test_a_policy_file_raising_base_exception_at_import(tmp_path: Path, trace: Path) -> None:
+    path = tmp_path / "dies.py"
+    path.write_text('raise BaseException("at import")\n')
+    res = CliRunner().invoke(main, ["run", "--policy", f"{path}:X", "--trace", str(trace)])
+    _one_line(res, 2, "dies.py", "failed to import", "BaseException: at import")
+
+
+def test_system_exit_zero_in_a_hook_is_never_a_success(
+    trace: Path, policy_file: Path, tmp_path: Path
+) -> None:
+    """``sys.exit(0)`` in a hook: run exits 2 with nothing written; a sweep records the row as
+    failed (exit 1) and keeps the other policies' rows; an experiment exits 2."""
+    spec = f"{policy_file}:HookExitsZero"
+    table = tmp_path / "s.csv"
+    res = CliRunner().invoke(
+        main,
+        ["sweep", "--policies", f"{spec},lru", "--traces", str(trace), "--gpu-experts",
+         str(BUDGET), "--no-progress", "--workers", "1", "-o", str(table)],
+    )  # fmt: skip
+    assert res.exit_code == 1, (res.output, res.exception)
+    import pandas as pd
+
+    rows = {r["policy"]: r for r in pd.read_csv(table).to_dict("records")}
+    assert rows["lru"]["status"] == "ok"
+    assert rows[spec]["status"] == "error" and "SystemExit: 0" in rows[spec]["error"]
+    exp = tmp_path / "e.toml"
+    exp.write_text(
+        f'name = "e"\nhw = "a6000-pcie4"\ncache_ratios = [0.125]\ntarget = "lru"\n'
+        f'[policies.lru]\n[policies."{spec}"]\n[[models]]\ntrace = "{trace}"\n'
+    )
+    res = CliRunner().invoke(main, ["experiment", str(exp), "-o", str(tmp_path / "eo")])
+    _one_line(res, 2, "pf-hook-exits-zero", "SystemExit: 0")
+    assert not (tmp_path / "eo").exists()
+
+
+def test_a_user_policy_with_unlimited_memory_is_a_bound(trace: Path, policy_file: Path) -> None:
+    res = CliRunner().invoke(
+        main,
+        ["run", "--policy", f"{policy_file}:Unlimited", "--trace", str(trace), "--no-progress",
+         "--no-bounds", "--json"],
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    import json
+
+    doc = json.loads(res.stdout)
+    assert doc["bound"] is True and doc["gpu_experts"] == doc["total_experts"]

@@ -10,7 +10,7 @@ import click
 
 from daopsim.simulator.commands.common import echo_json, json_option
 from daopsim.simulator.errors import ExitCode, UserError
-from daopsim.simulator.output import check_output_dir
+from daopsim.simulator.output import check_output_dir, value_paths
 
 
 def resolve_or_none(trace: str) -> Path | None:
@@ -132,14 +132,15 @@ def experiment(
     exp = load_experiment(name)
     out = out_dir if out_dir is not None else Path(f"{exp.name}-results")
     traces = [resolve_or_none(m.trace) for m in exp.models]
-    check_output_dir(out, EXPERIMENT_REPLACES, "--out", [exp.path, exp.hw, *traces])
+    inputs = [exp.hw, *traces, *value_paths(exp.policies)]  # options may name files (model=)
+    check_output_dir(out, EXPERIMENT_REPLACES, "--out", [exp.path, *inputs])
 
     def progress(msg: str) -> None:
         if not as_json:
             click.echo(f"  running {msg}", err=True)
 
     result = run_experiment(exp, sequences=sequences, progress=progress)
-    paths = result.write(out, flag="--out", inputs=(exp.hw, *traces))
+    paths = result.write(out, flag="--out", inputs=(exp.path, *inputs))
     if as_json:
         doc = result.summary()
         doc["outputs"] = {k: str(v) for k, v in paths.items()}

@@ -11,6 +11,8 @@ from daopsim.simulator.commands.common import echo_json, json_option
 
 def describe(cls: Any) -> dict[str, Any]:
     """A policy class as a plain dict (name, flags, options with defaults and help)."""
+    from daopsim.simulator.boundary import construct_policy
+
     return {
         "name": cls.name,
         "summary": cls.summary,
@@ -19,7 +21,7 @@ def describe(cls: Any) -> dict[str, Any]:
         "bound": bool(cls.clairvoyant or cls.bound),
         "needs_calibration": bool(cls.needs_calibration),
         # with default options (an option may change it, e.g. static's host_memory)
-        "host_memory": cls().resources().host_memory,
+        "host_memory": construct_policy(cls).resources().host_memory,
         "runtime": cls.runtime_profile,
         "params": {
             k: {

@@ -115,12 +115,12 @@ def show_cmd(
     as_json: bool,
 ) -> None:
     """Show a profile (bundled NAME or a TOML PATH) and the model's derived costs on it."""
-    from daopsim.policies.registry import get_policy_class
+    from daopsim.policies.registry import make_policy
     from daopsim.simulator.runner import expert_fit, policy_buffers
 
     hw = load_profile(name_or_path)
     model = get_model(model_name).with_precision(dtype, host_dtype, nonexpert_dtype)
-    policy = get_policy_class(policy_name)()  # default options: the buffers it declares
+    policy = make_policy(policy_name)  # default options: the buffers it declares
     cm = cost_model(hw, model)
     summary = cm.summary(context_tokens)
     # the same fit `daopsim run` applies (KV cache for --context tokens, the policy's buffers)

@@ -19,6 +19,7 @@ from daopsim.simulator.output import (
     check_outputs,
     output_format,
     scratch_dir,
+    value_paths,
     write_table,
 )
 from daopsim.simulator.progress import lazy_progress
@@ -699,7 +700,9 @@ def run(
         preempt=preempt,
         static_prefill=static_prefill,
     )
-    inputs = (trace, calibration, hw, arrivals)
+    # a policy option naming a file (learned's model=FILE), from the command line or the
+    # config file, is an input too
+    inputs = (trace, calibration, hw, arrivals, config, *value_paths(options))
     if requests_out is not None:
         if serving is None:
             raise UserError(

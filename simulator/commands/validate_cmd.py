@@ -85,6 +85,7 @@ def validate(
     from daopsim.simulator.output import check_output_dir, check_output_file, output_dir, write_text
     from daopsim.simulator.validation import (
         load_table,
+        page_row_ids,
         run_validation,
         select,
         splice_markdown,
@@ -101,7 +102,7 @@ def validate(
         raise UserError(
             f"--markdown {markdown_path}: regenerates the file's whole table from every row of "
             f"the validation table at its own sequence counts, so {given} cannot be combined "
-            "with it; write a subset with --out DIR, or give --table a file of just those rows"
+            "with it; write a subset with --out DIR"
         )
     if out_dir is not None:
         check_output_dir(out_dir, OUT_FILES, "--out", inputs=[table, markdown_path])
@@ -116,6 +117,17 @@ def validate(
         except FileNotFoundError:
             raise UserError(f"{markdown_path}: no such file") from None
         splice_markdown(doc_text, "")  # fail on missing markers before the long run
+        # the page's table is replaced whole: never by a table lacking rows it lists (a
+        # --table of one row would shrink the committed page to that row)
+        have = {r.id for r in rows}
+        dropped = [i for i in page_row_ids(doc_text) if i not in have]
+        if dropped:
+            shown = ", ".join(dropped[:3]) + (", ..." if len(dropped) > 3 else "")
+            raise UserError(
+                f"--markdown {markdown_path}: its table lists {len(dropped)} row(s) that the "
+                f"validation table {table or '(bundled)'} does not have ({shown}); regenerating "
+                "it would drop them, so write this table with --out DIR instead"
+            )
     with lazy_progress("rows", enabled=not no_progress) as progress:
         report = run_validation(rows, max_sequences=sequences, progress=progress)
     if out_dir is not None:

@@ -18,7 +18,14 @@ import numpy as np
 
 from daopsim.policies._mypyc import mypyc_attr
 from daopsim.policies.base import _LAZY, Plan, Policy, SetupContext, View
-from daopsim.simulator.boundary import Hooks, check_placement, check_plan, check_route
+from daopsim.simulator.boundary import (
+    Hooks,
+    check_placement,
+    check_plan,
+    check_route,
+    fill_layer_view,
+    frozen,
+)
 from daopsim.simulator.core.apply import Applier
 from daopsim.simulator.core.executor import Executor
 from daopsim.simulator.core.machine import Machine
@@ -110,14 +117,10 @@ class PrefillStep(Step):
         v.next_experts = v.next_probs = None
 
     def enter(self, eng: Engine, layer: int) -> tuple[np.ndarray, Any]:
-        r, p, v = self.r, self.n, eng.view
+        r, p = self.r, self.n
         counts = np.bincount(r.experts[:p, layer, :].reshape(-1), minlength=eng.n_experts)
-        experts = np.flatnonzero(counts)
-        experts = experts[np.argsort(-counts[experts], kind="stable")]
-        v.experts, v.counts = experts, counts
-        v.weights = r.weights[:p, layer, :].mean(axis=0)
-        v.probs = r.probs[:p, layer, :].mean(axis=0)
-        return experts, counts
+        probs = r.prompt_probs(layer, eng.n_experts)
+        return fill_layer_view(eng.view, counts, r.weights[:p, layer, :], probs)  # type: ignore[no-any-return]
 
     def finish(self, eng: Engine, t0: float) -> None:
         eng.c.prefill_tokens += self.n
@@ -129,8 +132,12 @@ class DecodePass:
     def __init__(self, r: Any, n_experts: int) -> None:
         self.r = r
         full = r.prob_ids is not None
-        self.probs = r.full_probs(n_experts) if full else r.probs
-        self.eprobs = r.full_probs(n_experts, early=True) if full else r.early_probs
+        # read-only views: a policy reads rows of these, and must not change the routing
+        self.probs = frozen(r.full_probs(n_experts) if full else r.probs)
+        self.eprobs = frozen(r.full_probs(n_experts, early=True) if full else r.early_probs)
+        self.experts = frozen(r.experts)
+        self.weights = frozen(r.weights)
+        self.early = frozen(r.early_experts)
         #: the true gate mass of each token-layer
         self.wsums: list[list[float]] = r.weights.sum(axis=2).tolist()
 
@@ -144,19 +151,19 @@ class DecodeStep(Step):
         self.dp, self.t = dp, t
         self.n_cpu_run = eng.n_cpu_layers
         self.part = self.ops = self.who = (eng.hooks.where.seq or 0, t + base)
-        self.experts_t = dp.r.experts[t]
-        self.weights_t = dp.r.weights[t]
+        self.experts_t = dp.experts[t]
+        self.weights_t = dp.weights[t]
         self.weights_l: list[list[float]] | None = None  # the same as lists, made once
         self.wsums_t = dp.wsums[t]
 
     def begin(self, eng: Engine) -> None:
-        v, r, t = eng.view, self.dp.r, self.t
+        v, dp, t = eng.view, self.dp, self.t
         v.phase = "decode"
         v.n_tokens = 1
         v.counts = None
         v.position = v.context = self.context
         # the rows a policy may read, built into arrays only when it reads them (View)
-        v._rows = (self.weights_t, self.dp.probs[t], r.early_experts[t], self.dp.eprobs[t])
+        v._rows = (self.weights_t, dp.probs[t], dp.early[t], dp.eprobs[t])
 
     def enter(self, eng: Engine, layer: int) -> tuple[np.ndarray, Any]:
         v = eng.view
@@ -255,7 +262,8 @@ class Engine:
         #: a ``daopsim.simulator.serving.Serving`` when requests are batched (set by the runner)
         self.serving: Any = None
         self.view = v = View()
-        v.model, v.costs, v.budget, v.calibration = model, costs, self.budget, calibration
+        v.model, v.costs, v.budget = model, costs, self.budget
+        v.calibration = calibration = frozen(calibration)
         v.resident = self.res.resident.view()
         v.resident.flags.writeable = False
         if placement is not None:  # each GPU's copies share lanes with the others' work
@@ -285,7 +293,7 @@ class Engine:
         self.n_cpu_layers = cpu_layers
         ctx = SetupContext(
             model=model, budget=self.budget, costs=costs, calibration=calibration,
-            calibration_prefill=calibration_prefill,
+            calibration_prefill=frozen(calibration_prefill),
             oracle=oracle if policy.clairvoyant else None, seed=seed,
             calibration_sequences=calibration_sequences, cpu_layers=cpu_layers,
         )  # fmt: skip

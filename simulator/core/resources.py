@@ -125,6 +125,10 @@ class SharedCpu:
                 if j.rem < rem:
                     rem = j.rem
             dep = self.t + (rem / rate if rem > 0.0 else 0.0)
+            if rem > 0.0 and dep <= self.t:
+                # the remaining work is below the clock's resolution at t: end it at the next
+                # representable time, so the event always lies ahead (else it repeats forever)
+                dep = math.nextafter(self.t, INF)
             if dep < nxt:
                 nxt = dep
         return nxt

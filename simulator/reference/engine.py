@@ -20,7 +20,14 @@ import numpy as np
 import simpy
 
 from daopsim.policies.base import Action, Plan, Policy, SetupContext, Slot, View
-from daopsim.simulator.boundary import Hooks, check_placement, check_plan, check_route
+from daopsim.simulator.boundary import (
+    Hooks,
+    check_placement,
+    check_plan,
+    check_route,
+    fill_layer_view,
+    frozen,
+)
 from daopsim.simulator.core.ops import Counters
 from daopsim.simulator.costs import CostModel
 from daopsim.simulator.errors import UserError
@@ -205,7 +212,8 @@ class ReferenceEngine:
         self._occupied_max = 0
 
         v = self.view = View()
-        v.model, v.costs, v.budget, v.calibration = model, costs, self.budget, calibration
+        v.model, v.costs, v.budget = model, costs, self.budget
+        v.calibration = calibration = frozen(calibration)
         v.resident = self.ledger.resident.view()
         v.resident.flags.writeable = False
         self.host_memory: HostMemory | None = None
@@ -223,7 +231,7 @@ class ReferenceEngine:
         self._cpu_layer_here = False
         ctx = SetupContext(
             model=model, budget=self.budget, costs=costs, calibration=calibration,
-            calibration_prefill=calibration_prefill,
+            calibration_prefill=frozen(calibration_prefill),
             oracle=oracle if policy.clairvoyant else None, seed=seed,
             calibration_sequences=calibration_sequences, cpu_layers=n_cpu,
         )  # fmt: skip
@@ -538,8 +546,11 @@ class ReferenceEngine:
             v.phase, v.n_tokens, v.counts = "decode", 1, None
             hook, decide = "decode_layer", self.policy.decode_layer
             full = r.prob_ids is not None
-            probs = r.full_probs(n_exp) if full else r.probs
-            early = r.full_probs(n_exp, early=True) if full else r.early_probs
+            # read-only views: a policy reads rows of these, and must not change the routing
+            probs = frozen(r.full_probs(n_exp) if full else r.probs)
+            early = frozen(r.full_probs(n_exp, early=True) if full else r.early_probs)
+            ro_experts, ro_weights = frozen(r.experts), frozen(r.weights)
+            ro_early = frozen(r.early_experts)
             mass = r.weights.sum(axis=2).tolist()  # true gate mass per token and layer
             tokens = range(p, r.n_tokens)
         n_cpu = self.n_cpu_layers
@@ -565,18 +576,16 @@ class ReferenceEngine:
                 counts = None
                 if prefill:
                     counts = np.bincount(r.experts[:p, layer, :].reshape(-1), minlength=n_exp)
-                    experts = np.flatnonzero(counts)
-                    experts = experts[np.argsort(-counts[experts], kind="stable")]
-                    v.experts, v.counts = experts, counts
-                    v.weights = r.weights[:p, layer, :].mean(axis=0)
-                    v.probs = r.probs[:p, layer, :].mean(axis=0)
+                    experts, counts = fill_layer_view(
+                        v, counts, r.weights[:p, layer, :], r.prompt_probs(layer, n_exp)
+                    )
                 else:
-                    experts = r.experts[t][layer]
+                    experts = ro_experts[t][layer]
                     v.experts = experts
-                    v.weights = r.weights[t][layer]
+                    v.weights = ro_weights[t][layer]
                     v.probs = probs[t][layer]
                     nxt = layer + 1 < self.n_layers
-                    v.next_experts = r.early_experts[t][layer + 1] if nxt else None
+                    v.next_experts = ro_early[t][layer + 1] if nxt else None
                     v.next_probs = early[t][layer + 1] if nxt else None
                 plan = hooks.call(hook, decide, v)
                 route = None

@@ -276,7 +276,13 @@ class HostCpu:
             return  # nothing runs, or nothing can progress until a load ends
         left = min(c.left for c in self.running)
         wake = self._wake
-        urgently(self.env, max(0.0, left) / rate, lambda _e: self._finish(wake))
+        now = self.env.now
+        delay = max(0.0, left) / rate
+        if left > 0.0 and now + delay <= now:
+            # below the clock's resolution at now: the next representable time (else the
+            # wake-up lands at now, nothing progresses, and it repeats forever)
+            delay = math.nextafter(now, math.inf) - now
+        urgently(self.env, delay, lambda _e: self._finish(wake))
 
     def _finish(self, wake: int) -> None:
         if wake != self._wake:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from daopsim.policies.base import Plan
-from daopsim.simulator.boundary import check_plan
+from daopsim.simulator.boundary import check_plan, fill_layer_view
 from daopsim.simulator.errors import UserError
 from daopsim.simulator.serving import Request, Serving, Step, one_token, plan_steps, prefix
 
@@ -328,12 +328,7 @@ def _layers(
         where.seq, where.token = who
         v.layer = where.layer = layer
         v.now = now
-        counts = counts_all[layer]
-        experts = np.flatnonzero(counts)
-        experts = experts[np.argsort(-counts[experts], kind="stable")]
-        v.experts, v.counts = experts, counts
-        v.weights = wt[:, layer, :].mean(axis=0)
-        v.probs = pr[:, layer, :].mean(axis=0)
+        experts, counts = fill_layer_view(v, counts_all[layer], wt[:, layer, :], pr[:, layer, :])
         plan = hooks.call(hook[0], hook[1], v)
         if isinstance(plan, Plan) and plan.route is not None:
             raise hooks.error(f"substitutes routing in {what} (not supported)", layer)
