@@ -707,19 +707,34 @@ def test_ctrl_c_exits_130_everywhere(
 
 
 def test_sigint_during_a_run_exits_130(tmp_path: Path) -> None:
-    """The same through a real SIGINT to a running ``daopsim run``."""
+    """The same through a real SIGINT to a running ``daopsim run``. The run's policy sleeps in
+    every layer hook, so the signal lands inside the run however fast the machine is."""
     import signal
     import subprocess
     import sys
 
+    slow = tmp_path / "slow.py"
+    slow.write_text(
+        "import time\n"
+        "from daopsim.policies.lru import LRUPolicy\n\n\n"
+        "class Slow(LRUPolicy):\n"
+        "    name = 'slow-lru'\n\n"
+        "    def decode_layer(self, view):\n"
+        "        time.sleep(0.01)\n"
+        "        return super().decode_layer(view)\n"
+    )
     proc = subprocess.Popen(
         [sys.executable, "-m", "daopsim", "run", "--trace", "ci-small", "--no-progress",
-         "--out", str(tmp_path / "out")],
+         "--policy", f"{slow}:Slow", "--out", str(tmp_path / "out")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    time.sleep(4)  # well inside the run (imports and the first sequences)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    try:
+        time.sleep(6)  # imports, the trace, then well inside the run (minutes of sleeps)
+        assert proc.poll() is None, proc.communicate()[1]
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
     assert proc.returncode == 130, err
     assert err.strip().splitlines()[-1] == "error: interrupted", err
     assert not (tmp_path / "out").exists()
