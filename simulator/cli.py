@@ -40,6 +40,8 @@ COMMANDS: list[tuple[str, str]] = [
     ("validate_cmd", "validate"),
     ("advise_cmd", "advise"),
     ("learn_cmd", "learn"),
+    ("probe_cmd", "probe"),
+    ("check_cmd", "check"),
 ]
 
 

@@ -385,6 +385,27 @@ class CostModel:
         _check_tokens(n_tokens)
         return self._gpu_expert(n_tokens)
 
+    @cached_property
+    def has_after_copy(self) -> bool:
+        """Whether the profile measured this model's expert calls right after their copy
+        (``device_copied_expert_ms``): then :meth:`gpu_expert_after_copy_s` differs from
+        :meth:`gpu_expert_s`."""
+        t = self.device_tables
+        return t is not None and t.device_copied_expert_ms is not None
+
+    def gpu_expert_after_copy_s(self, n_tokens: int) -> float:
+        """Seconds of a GPU expert for n tokens whose weights the same layer has just copied
+        in (a fetch or a temporary copy): the profile's measured ``device_copied_expert_ms``
+        (on a CPU standing in for a GPU the copy leaves an expert that fits in the caches
+        there, so its call reads them from the cache, not from DRAM; docs/cost-model.md,
+        "A device on the host thread"), else :meth:`gpu_expert_s`."""
+        _check_tokens(n_tokens)
+        t = self.device_tables
+        if n_tokens <= 0 or t is None or t.device_copied_expert_ms is None:
+            return self._gpu_expert(n_tokens)
+        assert t.device_tokens is not None
+        return _interp(t.device_tokens, t.device_copied_expert_ms, n_tokens) + self._host_expert_s
+
     def fused_gpu_expert_s(self, n_tokens: int) -> float:
         """One GPU expert's share of a fused MoE call over n tokens: its roofline only (its
         weights are still streamed, at the fused kernels' own share of the spec bandwidth when

@@ -218,6 +218,9 @@ class MeasuredModel:
     device_tokens: tuple[int, ...] | None = None
     device_expert_ms: tuple[float, ...] | None = None
     device_layer_ms: tuple[float, ...] | None = None
+    #: the same expert call right after its copy into a slot (its weights then in whatever
+    #: cache the copy left them; ``gpu_expert_after_copy_s``)
+    device_copied_expert_ms: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -376,6 +379,7 @@ _MEASURED: _Schema = {
     "device_tokens": "tokens",
     "device_expert_ms": "posarray",
     "device_layer_ms": "posarray",
+    "device_copied_expert_ms": "posarray",
 }
 _MEASURED_OPTIONAL = {
     "dtype",
@@ -384,6 +388,7 @@ _MEASURED_OPTIONAL = {
     "device_tokens",
     "device_expert_ms",
     "device_layer_ms",
+    "device_copied_expert_ms",
 }
 
 #: Largest accepted value per key: generous physical bounds, an order of magnitude or more above
@@ -658,7 +663,7 @@ def _multi(p: Path, data: dict[str, Any]) -> MultiGpuSpec | None:
 def _check_device_tables(path: Path, prefix: str, fields: dict[str, Any]) -> None:
     """``device_expert_ms`` and ``device_layer_ms`` need ``device_tokens``, one value each."""
     tokens = fields.get("device_tokens")
-    for key in ("device_expert_ms", "device_layer_ms"):
+    for key in ("device_expert_ms", "device_layer_ms", "device_copied_expert_ms"):
         table = fields.get(key)
         if table is None:
             continue

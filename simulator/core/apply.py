@@ -76,7 +76,7 @@ class Applier:
             elif a == A_FETCH:
                 op = self._fetch(layer, e, "fetch", plan.victims.get(e), needed, w)
                 self.c.fetches += 1
-                w.gpu.append(GpuJob(e, 0.0, op))
+                w.gpu.append(GpuJob(e, 0.0, op, True))
             elif a == A_TEMP:
                 temps.append(e)
             elif a == A_CPU:
@@ -85,7 +85,7 @@ class Applier:
                 w.results.append(self.precalc.pop((layer, e)))
         self._count_accesses(layer, len(routed), hits, prefill)
         for e in temps:
-            w.gpu.append(GpuJob(e, 0.0, self._temp(layer, e, plan.low_bit, w)))
+            w.gpu.append(GpuJob(e, 0.0, self._temp(layer, e, plan.low_bit, w), True))
         for entry in plan.prefetch:
             pl, pe = _int(entry[0]), _int(entry[1])
             self._fetch(pl, pe, "prefetch", entry[2], needed, w)

@@ -501,7 +501,7 @@ class Executor:
                 c.transfer_stall += ready - gk
                 gk = ready
             n = 1 if counts is None else int(counts[e])
-            d = m.gpu_s(n)
+            d = m.gpu_copied_s(n) if job.copied else m.gpu_s(n)
             if st.fused:  # the layer's fused call, charged with the GPU's first expert
                 st.fused = False
                 d += m.fused_launch_s

@@ -74,6 +74,10 @@ class Machine:
         #: layer runs on each GPU stream
         fused = runtime is not None and runtime.fused_moe
         self.gpu_s = _memo(costs.fused_gpu_expert_s if fused else costs.gpu_expert_s)
+        #: an expert this layer copied in (a fetch or a temporary copy): its own measured cost
+        #: where the profile has one (the copy left its weights in a cache), else ``gpu_s``
+        after = not fused and costs.has_after_copy
+        self.gpu_copied_s = _memo(costs.gpu_expert_after_copy_s) if after else self.gpu_s
         self.fused_launch_s: float = costs.fused_moe_layer_s() if fused else 0.0
         self.cpu_s = _memo(costs.cpu_expert_s)
         self._cpu_share = _memo(costs.cpu_share)

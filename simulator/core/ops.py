@@ -147,18 +147,21 @@ class Op(Keyed):
 class GpuJob(Keyed):
     """A GPU expert computation of the current layer: its expert, the time its weights are
     there (``ready``) or the operation it waits for (``src``), the temporary buffer it frees
-    (``buf``, -1: none) and its GPU (``dev``). In a GPU's stream it is keyed (start, ready,
-    expert): streams run their computations by (ready time, expert)."""
+    (``buf``, -1: none), its GPU (``dev``) and whether this layer copied its weights
+    (``copied``: a fetch or a temporary copy; costed by ``gpu_expert_after_copy_s``). In a
+    GPU's stream it is keyed (start, ready, expert): streams run their computations by (ready
+    time, expert)."""
 
-    __slots__ = ("buf", "dev", "expert", "ready", "src")
+    __slots__ = ("buf", "copied", "dev", "expert", "ready", "src")
 
-    def __init__(self, expert: int, ready: float, src: Op | None) -> None:
+    def __init__(self, expert: int, ready: float, src: Op | None, copied: bool = False) -> None:
         super().__init__()
         self.expert = expert
         self.ready = ready
         self.src = src
         self.buf = -1
         self.dev = 0
+        self.copied = copied
 
 
 class LayerWork:

@@ -246,6 +246,9 @@ class ReferenceEngine:
         self._runtime = runtime
         self.eager_attention = eager
         self.gpu_s = functools.cache(costs.fused_gpu_expert_s if fused else costs.gpu_expert_s)
+        # an expert whose weights this layer copied in (a fetch or a temporary copy)
+        after = not fused and costs.has_after_copy
+        self.gpu_copied_s = functools.cache(costs.gpu_expert_after_copy_s) if after else self.gpu_s
         self.fused_launch_s = costs.fused_moe_layer_s() if fused else 0.0
         self.nonexpert_s = functools.cache(
             lambda n, ctx: costs.nonexpert_layer_s(n, ctx, eager_attention=eager)
@@ -1216,7 +1219,8 @@ class ReferenceEngine:
         if s > drained:
             c.transfer_stall += s - drained
         n = int(lw.counts[e]) if lw.counts is not None else 1
-        d = self.gpu_s(n)
+        copied = isinstance(src, Op) and src.kind in ("fetch", "temp") and src.layer == lw.layer
+        d = self.gpu_copied_s(n) if copied else self.gpu_s(n)
         if st.unfused[k]:  # the layer's fused MoE call is charged with the stream's first
             d += self.fused_launch_s
             st.unfused[k] = False
