@@ -107,6 +107,7 @@ class ProbeResult:
 # parsers of what the OS says (unit-tested with recorded outputs: tests/fixtures/probe/)
 # --------------------------------------------------------------------------------------------
 _SIZE = re.compile(r"^\s*([\d.]+)\s*([KMGT]?)(i?B)?", re.IGNORECASE)
+_CHANNEL = re.compile(r"channel[\s_-]*([A-Z0-9]+)", re.IGNORECASE)
 
 
 def parse_size(text: str) -> int | None:
@@ -198,8 +199,11 @@ def parse_dmidecode_memory(text: str) -> list[dict[str, Any]]:
             m = re.match(r"(\d+)\s*(MT/s|MHz)", kv.get(key, ""))
             return int(m[1]) if m else None
 
+        where = f"{kv.get('Bank Locator', '')} {kv.get('Locator', '')}"
+        chan = _CHANNEL.search(where)
         dimms.append(
             {
+                "channel": chan[1].upper() if chan else None,
                 "size_gb": None if nbytes is None else nbytes / 1e9,
                 "type": kv.get("Type"),
                 "speed_mts": mts("Speed"),
@@ -209,6 +213,15 @@ def parse_dmidecode_memory(text: str) -> list[dict[str, Any]]:
             }
         )
     return dimms
+
+
+def memory_channels(dimms: list[dict[str, Any]]) -> int | None:
+    """Populated memory channels: the distinct channel names of the DIMMs' locators (``P0
+    CHANNEL A``, ``ChannelB-DIMM0``, ``_Channel1_``) when every DIMM names one, else None."""
+    names = [d.get("channel") for d in dimms]
+    if not names or any(n is None for n in names):
+        return None
+    return len(set(names))
 
 
 def read_sys_caches(root: Path = Path("/")) -> dict[int, int]:
@@ -346,15 +359,25 @@ def detect_cpu(
     dimms = parse_dmidecode_memory(text) if code == 0 else []
     if dimms:
         res.put("cpu.dimms", dimms, "", "detected", "dmidecode -t memory")
-        dram = theoretical_dram_gbs(dimms, len(dimms))
+        channels = memory_channels(dimms)
+        res.put(
+            "cpu.memory_channels",
+            channels,
+            "",
+            "detected" if channels else "not measured",
+            "distinct channel names in the DIMMs' locators"
+            if channels
+            else "the DIMMs' locators name no channel",
+        )
+        dram = theoretical_dram_gbs(dimms, channels)
         res.put(
             "cpu.dram_gbs",
             dram,
             "GB/s",
             "derived" if dram else "not measured",
-            "populated DIMMs (taken as one per channel) x configured MT/s x 8 B"
+            "populated channels x the slowest DIMM's configured MT/s x 8 B"
             if dram
-            else "dmidecode gave no speeds",
+            else "dmidecode gave no speeds or no channels",
         )
     else:
         why = text.strip().splitlines()[-1] if text.strip() else "no output"
@@ -1329,6 +1352,7 @@ __all__ = [
     "detect_cpu",
     "detect_gpu",
     "hardware_toml",
+    "memory_channels",
     "output_paths",
     "parse_dmidecode_memory",
     "parse_lscpu",

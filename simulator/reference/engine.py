@@ -101,6 +101,7 @@ class LayerRun:
         self.counts = counts  # tokens per expert (prefill, batches) or None (one token)
         self.ops: list[Op] = []  # in issue order (a serial CPU task by its first call)
         self.gpu: list[tuple[int, Op | float]] = []  # (expert, its copy or landing time)
+        self.copied: set[int] = set()  # experts this layer copies in (fetches, temp copies)
         self.deferred: dict[int, Op] = {}  # in-use victims: written back after their compute
         self.cpu: list[Op] = []  # this layer's CPU experts (cpu_first waits for them)
         self.results: list[Op] = []  # the CPU results the layer needs
@@ -784,6 +785,7 @@ class ReferenceEngine:
                 op = self._fetch((layer, e), "fetch", plan.victims.get(e), needed, lw)
                 c.fetches += 1
                 lw.gpu.append((e, op))
+                lw.copied.add(e)
             elif a == TEMP:
                 temps.append(e)
             elif a == CPU:
@@ -810,6 +812,7 @@ class ReferenceEngine:
                 c.h2d_bytes += self.expert_bytes
             lw.ops.append(op)
             lw.gpu.append((e, op))
+            lw.copied.add(e)
         for pl, pe, victim in plan.prefetch:
             slot = (int(pl), int(pe))
             self._fetch(slot, "prefetch", victim, needed, lw)
@@ -1219,8 +1222,7 @@ class ReferenceEngine:
         if s > drained:
             c.transfer_stall += s - drained
         n = int(lw.counts[e]) if lw.counts is not None else 1
-        copied = isinstance(src, Op) and src.kind in ("fetch", "temp") and src.layer == lw.layer
-        d = self.gpu_copied_s(n) if copied else self.gpu_s(n)
+        d = self.gpu_copied_s(n) if e in lw.copied else self.gpu_s(n)
         if st.unfused[k]:  # the layer's fused MoE call is charged with the stream's first
             d += self.fused_launch_s
             st.unfused[k] = False
