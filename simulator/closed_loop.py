@@ -252,6 +252,27 @@ class SlotExperts:
             final.index_add_(0, token_idx, h.to(final.dtype))
 
 
+class _quiet_stderr:
+    """The profiler's C++ side writes its start and stop to file descriptor 2: silence it for
+    the profiled run (Python's own ``sys.stderr`` writes are not affected by the profile)."""
+
+    def __enter__(self) -> None:
+        import os
+        import sys
+
+        sys.stderr.flush()
+        self.saved = os.dup(2)
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 2)
+        os.close(null)
+
+    def __exit__(self, *exc: object) -> None:
+        import os
+
+        os.dup2(self.saved, 2)
+        os.close(self.saved)
+
+
 class _nothing:
     def __enter__(self) -> None:
         return None
@@ -471,7 +492,10 @@ def breakdown(
             se.label = True
     reset()
     try:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with (
+            _quiet_stderr(),
+            torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof,
+        ):
             t0 = time.thread_time()
             greedy(model, prompt, new_tokens, device)
             total = time.thread_time() - t0

@@ -17,7 +17,7 @@ model charges with short microbenchmarks (``daopsim.simulator.probe_bench``,
   be measured here is listed with the reason.
 
 Every number written says how it was obtained, in a comment tag: ``[M]`` measured (method),
-``[X]`` detected (read from the OS), ``[D]`` derived (formula), ``[S]`` spec or assumption.
+``[X]`` detected (read from the OS), ``[D]`` derived (formula), ``[A]`` assumption.
 """
 
 from __future__ import annotations
@@ -732,23 +732,23 @@ def measure_modules(
     fixed = max(0.0, 2 * h["experts_k2"].best - h["experts_k4"].best)
     glue = h["layer"].best - h["attention"].best - 2 * h["norm"].best - h["router"].best
     glue += fixed - h["experts_noop"].best
-    how = (
-        f"one thread, thread CPU time per call, min of {reps} repeats, {arch} at hidden 64, "
-        "each call after the bytes the model reads between two such calls"
+    how = f"one thread, thread CPU time per call, min of {reps} repeats, {arch} at hidden 64"
+    inside = (
+        "timed by forward hooks inside the decoder layer's call (a decode step at context "
+        f"16, {tr.layer / 1e6:.1f} MB read before each layer: one layer's traffic)"
     )
-    mb = f"{tr.layer / 1e6:.1f} MB read before each call (one layer's traffic)"
     rows = [
         (
             "attention_host_us",
             h["attention"].best,
-            "one attention module call (decode step at context 16: projections, rotary, cache "
-            f"update, SDPA, output projection), {mb}",
+            "one attention module call (projections, rotary, cache update, SDPA, output "
+            f"projection), {inside}",
         ),
-        ("norm_host_us", h["norm"].best, f"one RMSNorm module call, {mb}"),
+        ("norm_host_us", h["norm"].best, f"one RMSNorm module call, {inside}"),
         (
             "router_host_us",
             h["router"].best,
-            f"one router call (gate, softmax, top-k, renormalisation), {mb}",
+            f"one router call (gate, softmax, top-k, renormalisation), {inside}",
         ),
         (
             "expert_host_us",
@@ -759,10 +759,10 @@ def measure_modules(
         (
             "layer_glue_host_us",
             max(0.0, glue),
-            "the decoder layer with its experts replaced by an empty output, minus its "
-            "attention, 2 norms and router, plus the experts loop's fixed part (2 x the loop "
-            "with 2 experts receiving the token - with 4) minus the empty replacement's call, "
-            f"{mb}",
+            "the decoder layer's call with its experts replaced by an empty output (after one "
+            "layer's traffic), minus its attention, 2 norms and router inside it, plus the "
+            "experts loop's fixed part (2 x the loop with 2 experts receiving the token - with "
+            "4, right after the router) minus the empty replacement's call",
         ),
         (
             "step_host_us",
@@ -1012,6 +1012,15 @@ def _cpu_lines(res: ProbeResult) -> list[str]:
         )
     else:
         lines.append(f"# dram_gbs: not readable here ({res.entries['cpu.dram_gbs'].method})")
+    if dram and read is not None and "dram_efficiency" in hardware._CPU:
+        lines.append(
+            _line(
+                "dram_efficiency",
+                _num(min(1.0, read / max(dram, read))),
+                "M",
+                "all-core read stream / dram_gbs",
+            )
+        )
     if "core_stream_gbs" in hardware._CPU:  # the per-core rule's fields (docs/hardware-profiles.md)
         lines += _per_core_tables(res, cores)
     return lines
@@ -1039,7 +1048,7 @@ def hardware_toml(res: ProbeResult, name: str) -> str:
         f"PyTorch {res.versions.get('torch', 'absent')}).",
         "# Tags: [M] measured (method given; one-thread figures in thread CPU time, several",
         "# threads in wall time, each the minimum over repeats), [X] detected (read from the",
-        "# OS), [D] derived (formula given), [S] assumption. The raw figures: the .probe.json",
+        "# OS), [D] derived (formula given), [A] assumption. The raw figures: the .probe.json",
         '# beside this file. docs/hardware-profiles.md, "Probing your machine".',
         f"name = {_toml_str(name)}",
     ]
@@ -1074,7 +1083,7 @@ def _standin_lines(res: ProbeResult) -> list[str]:
             "X",
             "the host's memory: the stand-in's device memory is the host's",
         ),
-        _line("usable_fraction", "0.9", "S", "assumption: the OS and other processes keep 10 %"),
+        _line("usable_fraction", "0.9", "A", "assumption: the OS and other processes keep 10 %"),
         _line(
             "mem_bw_gbs",
             _num(res.value("standin.gemv_gbs")),
@@ -1095,7 +1104,7 @@ def _standin_lines(res: ProbeResult) -> list[str]:
             "the device is the host thread: a kernel's call "
             "is host time, in the runtime profile's *_host_us fields",
         ),
-        _line("workspace_gb", "0.5", "S", "assumption: activations and allocator reserve"),
+        _line("workspace_gb", "0.5", "A", "assumption: activations and allocator reserve"),
         "",
         "[link]",
         _line(
@@ -1135,7 +1144,7 @@ def _gpu_lines(res: ProbeResult) -> list[str]:
         "[gpu]",
         f"name = {_toml_str(str(res.value('gpu.name')))}",
         _line("memory_gb", _num(mem / 1e9), "X", res.entries["gpu.memory_bytes"].method),
-        _line("usable_fraction", "0.93", "S", "assumption: CUDA context and fragmentation"),
+        _line("usable_fraction", "0.93", "A", "assumption: CUDA context and fragmentation"),
         _line(
             "mem_bw_gbs",
             _num(res.value("gpu.stream_gbs")),
@@ -1154,7 +1163,7 @@ def _gpu_lines(res: ProbeResult) -> list[str]:
             "M",
             "taken as the host time of one small op (a kernel cannot be issued faster)",
         ),
-        _line("workspace_gb", "1.0", "S", "assumption: activations and allocator reserve"),
+        _line("workspace_gb", "1.0", "A", "assumption: activations and allocator reserve"),
         "",
         "[link]",
         _line("kind", '"pcie"', "D", "a discrete GPU"),
@@ -1170,7 +1179,7 @@ def _gpu_lines(res: ProbeResult) -> list[str]:
             "M",
             res.entries["gpu.copy_us"].method,
         ),
-        _line("copy_engines", "2", "S", "assumption: one copy engine per direction"),
+        _line("copy_engines", "2", "A", "assumption: one copy engine per direction"),
     ]
     return lines
 

@@ -150,8 +150,11 @@ def int8_stream(
     """GB/s of one-token calls of PyTorch's dynamically quantised int8 linear (fbgemm/onednn
     int8 weights, one scale per row) over a cold pool; None when this build has no such
     kernel. The bytes counted are the int8 weights."""
+    import warnings
+
     rows, cols = shape
     try:
+        warnings.filterwarnings("ignore", message=".*quantize.*deprecated.*")
         qlin = torch.ao.nn.quantized.dynamic.Linear
         mods = []
         n = pool_count(rows * cols, llc_bytes)

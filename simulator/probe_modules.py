@@ -34,6 +34,7 @@ Nothing here runs the model whose numbers are predicted: only its modules, one c
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -337,71 +338,97 @@ def _top_calls(
     return [call(i) for i in range(count)], reset
 
 
+def _module_clock(torch: Any, modules: dict[str, list[Any]]) -> tuple[dict[str, list[float]], Any]:
+    """Forward hooks that add each named module's thread CPU time (per call) to a list, and a
+    function removing them."""
+    times: dict[str, list[float]] = {k: [] for k in modules}
+    started: dict[int, float] = {}
+    handles = []
+    for name, mods in modules.items():
+        for mod in mods:
+
+            def pre(m: Any, *_: Any) -> None:
+                started[id(m)] = time.thread_time()
+
+            def post(m: Any, *_: Any, name: str = name) -> None:
+                times[name].append(time.thread_time() - started.pop(id(m)))
+
+            handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+
+    def remove() -> None:
+        for h in handles:
+            h.remove()
+
+    return times, remove
+
+
 def host_costs(
     torch: Any, shape: LoopShape, repeats: int, llc: float | None, calls: int = 40
 ) -> dict[str, Timing]:
     """Host time of each module class of ``shape``'s architecture at the tiny width (one
-    thread), each call after the traffic ``shape`` puts between two calls of it (Traffic);
-    keys ``attention``, ``norm``, ``router``, ``layer`` (the decoder layer, experts replaced
-    by an empty output), ``experts_noop`` (that replacement's call), ``experts_k2`` and
-    ``experts_k4`` (the experts module with 2 and 4 experts receiving the token),
-    ``expert_body`` (one loop iteration, one token), ``empty_expert`` (one iteration with no
-    token), ``step_n1`` and ``step_n8`` (the model's own code per pass, 1 and 8 tokens)."""
+    thread), each as the model runs it: keys ``layer`` (a decoder layer's non-expert part, its
+    experts replaced by an empty output, after one layer's traffic), ``attention``, ``norm``
+    and ``router`` (those modules inside that layer call, timed by forward hooks in a pass of
+    their own), ``experts_noop`` (the empty replacement's call), ``experts_k2`` and
+    ``experts_k4`` (the experts module with 2 and 4 experts receiving the token, right after
+    the router as in the block), ``expert_body`` (one loop iteration for one token after one
+    expert's traffic), ``empty_expert`` (the same for an expert with no token), ``step_n1``
+    and ``step_n8`` (the model's own code per pass, 1 and 8 tokens, after a token's traffic)."""
     from daopsim.simulator.hf_models import torch_dtype
 
     s = tiny(shape)
     tr = Traffic.of(shape, llc)
     dt = torch_dtype(torch, s.dtype)
     out: dict[str, Timing] = {}
+
+    def no_grad(fn: Callable[[], Any]) -> Callable[[], Any]:
+        def run() -> None:
+            with torch.no_grad():
+                fn()
+
+        return run
+
     with torch_threads(torch, 1):
         reader = Reader(torch, llc)
         p = _stack(torch, s, 1, 1, 1)
         layer = p.layers[0]
-        x = torch.randn(1, 1, s.hidden, dtype=dt)
-        x2 = x.view(1, s.hidden)
+        x2 = torch.randn(1, s.hidden, dtype=dt)
         layer_calls, reset = _layer_calls(torch, p, s, 1, 16, calls)
-        pos = torch.full((1, 1), 16, dtype=torch.long)
-        with torch.no_grad():
-            pe = p.rotary(x, pos)
-
-        like = torch.zeros(1, s.kv_heads, 16, s.head_dim, dtype=dt)
-        held: dict[str, Any] = {}
-
-        def reset_attn() -> None:  # a decode step at context 16 (grows by one a call)
-            held["cache"] = _cache(p.config, 1, 16, like)
-
-        def attention() -> None:
-            with torch.no_grad():
-                layer.self_attn(x, position_embeddings=pe, attention_mask=None, cache=held["cache"])
-
-        def no_grad(fn: Callable[[], Any]) -> Callable[[], Any]:
-            def run() -> None:
-                with torch.no_grad():
-                    fn()
-
-            return run
-
-        block = tr.layer
-        out["attention"] = timed_calls([attention] * calls, repeats, reader, block, reset_attn)
-        out["norm"] = timed_calls(
-            [no_grad(lambda: layer.input_layernorm(x))] * calls, repeats, reader, block
+        out["layer"] = timed_calls(
+            [no_grad(c) for c in layer_calls], repeats, reader, tr.layer, reset
         )
-        out["router"] = timed_calls(
-            [no_grad(lambda: layer.mlp.gate(x2))] * calls, repeats, reader, block
-        )
-        out["layer"] = timed_calls([no_grad(c) for c in layer_calls], repeats, reader, block, reset)
+        parts = {
+            "attention": [layer.self_attn],
+            "norm": [layer.input_layernorm, layer.post_attention_layernorm],
+            "router": [layer.mlp.gate],
+        }
+        best: dict[str, list[float]] = {k: [] for k in parts}
+        for _ in range(repeats):
+            times, remove = _module_clock(torch, parts)
+            try:
+                reset()
+                for c in layer_calls:
+                    reader.read(tr.layer)
+                    no_grad(c)()
+            finally:
+                remove()
+            for k, v in times.items():
+                best[k].append(sum(v) / len(v))
+        for k, v in best.items():
+            v.sort()
+            out[k] = Timing(v[0], v[len(v) // 2], len(v), "thread")
         idx2 = torch.arange(2).view(1, 2)
         w2 = torch.full((1, 2), 0.5, dtype=dt)
         # the layer above ran this in place of its experts: the module call and its output
         out["experts_noop"] = timed_calls(
-            [no_grad(lambda: layer.mlp.experts(x2, idx2, w2))] * calls, repeats, reader, block
+            [no_grad(lambda: layer.mlp.experts(x2, idx2, w2))] * calls, repeats
         )
         ex = _model(torch, s, 1, TINY_VOCAB, s.expert_ffn, s.experts).model.layers[0].mlp.experts
         for k in (2, 4):
             idx = torch.arange(k).view(1, k)
             w = torch.full((1, k), 1.0 / k, dtype=dt)
             out[f"experts_k{k}"] = timed_calls(
-                [no_grad(lambda i=idx, w=w: ex(x2, i, w))] * calls, repeats, reader, block
+                [no_grad(lambda i=idx, w=w: ex(x2, i, w))] * calls, repeats
             )
         out["expert_body"] = timed_calls(
             [expert_body(torch, ex, 1)] * calls, repeats, reader, tr.expert
@@ -442,7 +469,8 @@ def swap_timings(
     slots = [_slot_module(torch, experts[0]) for _ in range(2)]
     bodies = [expert_body(torch, sm, n) for sm, _ in slots]
     best = {"writeback": 1e9, "copy": 1e9, "body": 1e9}
-    count = max(8, len(pool))
+    # a repeat as long as a decode step's swaps: its minimum is over windows like the model's
+    count = max(24, len(pool))
     for rep in range(repeats + 1):
         acc = {k: 0.0 for k in best}
         for i in range(count):
@@ -535,9 +563,10 @@ def device_tables(
     ]
     expert_ms = [max(floor, raw["expert_full"][n] - raw["expert_tiny"][n]) * 1e3 for n in tokens]
     copied_ms = [max(floor, raw["copied_full"][n] - raw["expert_tiny"][n]) * 1e3 for n in tokens]
-    # a copy does not depend on the tokens: the minimum over the token counts' measurements
-    copy_ms = min(raw["copy"].values()) * 1e3
-    writeback_ms = min(raw["writeback"].values()) * 1e3
+    # a copy does not depend on the tokens: the median of the token counts' measurements (each
+    # the minimum over its repeats), not their minimum, so one quiet moment does not set it
+    copy_ms = statistics.median(raw["copy"].values()) * 1e3
+    writeback_ms = statistics.median(raw["writeback"].values()) * 1e3
     heavy = llc_bytes is None or model_weight_bytes(full_w) > llc_bytes
     return {
         "tokens": list(tokens),

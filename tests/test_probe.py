@@ -204,7 +204,7 @@ def _tags_everywhere(text: str) -> None:
     """Every line that sets a number says how it was obtained."""
     for line in text.splitlines():
         if re.match(r"^\w+ = [\d.]", line):
-            assert re.search(r"# \[(M|X|D|S)\] \S", line), line
+            assert re.search(r"# \[(M|X|D|A)\] \S", line), line
 
 
 def test_standin_profiles_are_valid_and_say_how(tmp_path: Path) -> None:

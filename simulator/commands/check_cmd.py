@@ -132,6 +132,10 @@ def check(
     if (hw is None) != (runtime is None):
         raise UserError("give --hw and --runtime together (both from one probe), or neither")
     out = Path(out_dir)
+    from daopsim.simulator.output import os_errors
+
+    with os_errors(out, "-o"):  # an unusable folder fails before minutes of work
+        out.mkdir(parents=True, exist_ok=True)
 
     def say(what: str) -> None:
         if not no_progress:
