@@ -25,7 +25,6 @@ fitted to these timings: the profiles come from ``daopsim probe``'s microbenchma
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections import OrderedDict
@@ -449,7 +448,16 @@ def simulate_mode(hw: Any, runtime: Any, trace: Path, slots: int | None, layers:
         )
     m = r.metrics
     e2e = m["e2e_s"]
-    copy = (m["h2d_busy_frac"] + m["d2h_busy_frac"]) * e2e
+    from daopsim.simulator.hardware import HardwareProfile, load_profile
+
+    prof = hw if isinstance(hw, HardwareProfile) else load_profile(hw)
+    # one copy engine: both directions are one lane, and each fraction is that lane's
+    lanes = (
+        [m["h2d_busy_frac"]]
+        if prof.link.copy_engines < 2
+        else [m["h2d_busy_frac"], m["d2h_busy_frac"]]
+    )
+    copy = sum(lanes) * e2e
     return Simulated(
         ttft=float(m["ttft_s"]),
         token=float(m["tpot_mean_s"]),
@@ -469,9 +477,9 @@ def breakdown(
     slot_layers: list[SlotExperts] | None,
     device: str,
 ) -> dict[str, float]:
-    """Where one run's thread time goes, from the torch profiler (its own run, untimed, with
-    the profiler's overhead): seconds in the experts' calls, in copies, and the rest (the
-    non-expert parts and the model's own code)."""
+    """Where one run's time goes, from the torch profiler (its own run, with the profiler's
+    overhead; wall time, as the profiler's events are): seconds in the experts' calls, in
+    copies, and the rest (the non-expert parts and the model's own code)."""
     import torch
 
     labels: list[Any] = []
@@ -496,9 +504,9 @@ def breakdown(
             _quiet_stderr(),
             torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof,
         ):
-            t0 = time.thread_time()
+            t0 = time.perf_counter()  # the profiler's events are wall time: so is the total
             greedy(model, prompt, new_tokens, device)
-            total = time.thread_time() - t0
+            total = time.perf_counter() - t0
     finally:
         for h in handles:
             h.remove()
@@ -718,8 +726,3 @@ def run_check(
             compare(c, lambda: [se.reset() for se in layers] and None, layers)
     cond = {"before": cond_before, "after": conditions()}
     return CheckResult(spec, results, hw_path, runtime_path, str(trace_path), cond)
-
-
-def shape_for_dataclass(shape: LoopShape) -> dict[str, Any]:
-    """``shape`` as the JSON of the check (kept for the report)."""
-    return dataclasses.asdict(shape)

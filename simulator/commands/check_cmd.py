@@ -198,3 +198,17 @@ def _table(doc: dict[str, Any]) -> None:
     click.echo(
         f"tolerance: token {doc['tolerance']['token']:.0%}, TTFT {doc['tolerance']['ttft']:.0%}"
     )
+    rows = [r for r in doc["modes"] if "profiler_per_run_ms" in r["measured"]]
+    if not rows:
+        return
+    click.echo(
+        "where a run's time goes, share of the run (measured: torch profiler, wall time with "
+        "its overhead / simulated: busy time)"
+    )
+    click.echo(f"{'mode':<14}{'experts':>16}{'copies':>16}{'the rest':>16}")
+    for r in rows:
+        me, si = r["measured"]["profiler_per_run_ms"], r["simulated"]["per_run_ms"]
+        mt = max(1e-9, me["experts"] + me["copies"] + me["nonexpert"])
+        st = max(1e-9, si["experts"] + si["copies"] + si["nonexpert"])
+        cells = [f"{me[k] / mt:.0%} / {si[k] / st:.0%}" for k in ("experts", "copies", "nonexpert")]
+        click.echo(f"{r['mode']:<14}" + "".join(f"{c:>16}" for c in cells))
