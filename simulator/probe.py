@@ -488,17 +488,7 @@ def measure_cpu(res: ProbeResult, torch: Any, opts: ProbeOptions, tick: Callable
     usable = int(res.value("cpu.usable_threads", 1))
     cores = int(min(res.value("cpu.cores", usable), usable))
     if torch is None:
-        gbs, t = pb.numpy_read_stream(max(pb.MIN_POOL_BYTES, 4 * (llc or 0)), reps)
-        res.put(
-            "cpu.read_gbs.t1",
-            gbs,
-            "GB/s",
-            "measured",
-            "numpy sum over a buffer of 4x the LLC, one thread, thread CPU time, min of repeats",
-            t.to_dict(),
-        )
-        for key in ("cpu.stream_gbs", "cpu.gemm_gflops", "standin"):
-            res.put(key, None, "", "not measured", "needs PyTorch (pip install 'daopsim[capture]')")
+        _measure_numpy(res, llc, reps)
         tick()
         return
     precisions = ["fp32"] if opts.quick else ["fp32", "bf16"]
@@ -572,6 +562,64 @@ def measure_cpu(res: ProbeResult, torch: Any, opts: ProbeOptions, tick: Callable
                 t.to_dict(),
             )
     tick()
+
+
+def _measure_numpy(res: ProbeResult, llc: float | None, reps: int) -> None:
+    """Without PyTorch: what numpy measures on one thread (a read stream, a copy, an fp32
+    GEMM through its BLAS); the rest is listed as not measured."""
+    import time as _time
+
+    import numpy as np
+
+    from daopsim.simulator import probe_bench as pb
+
+    why = "needs PyTorch (pip install 'daopsim[capture]')"
+    how = "one thread, thread CPU time, min of repeats (no PyTorch: numpy)"
+    gbs, t = pb.numpy_read_stream(max(pb.MIN_POOL_BYTES, 4 * (llc or 0)), reps)
+    res.put(
+        "cpu.read_gbs.t1", gbs, "GB/s", "measured", f"numpy sum over 4x the LLC, {how}", t.to_dict()
+    )
+    res.put(
+        "standin.gemv_gbs",
+        gbs,
+        "GB/s",
+        "measured",
+        f"numpy sum over 4x the LLC (a read stream: no PyTorch linear to time), {how}",
+        t.to_dict(),
+    )
+    gbs, t = pb.numpy_copy_rate(COPY_BYTES, llc, reps)
+    res.put(
+        "standin.copy_gbs",
+        gbs,
+        "GB/s",
+        "measured",
+        f"numpy.copyto of 16 MB from a pool of 4x the LLC, {how}",
+        t.to_dict(),
+    )
+    a = np.random.default_rng(0).standard_normal((1024, 1024), dtype=np.float32)
+
+    def one() -> float:
+        t0 = _time.perf_counter()
+        a @ a
+        return _time.perf_counter() - t0
+
+    t = pb.timed(one, reps)
+    gf = 2 * 1024**3 / t.best / 1e9
+    res.put(
+        "cpu.gemm_gflops.numpy",
+        gf,
+        "GFLOPS",
+        "measured",
+        "numpy matmul of two 1024x1024 fp32 matrices (its BLAS's own threads), wall time, "
+        "min of repeats",
+        t.to_dict(),
+    )
+    res.put(
+        "standin.gemm_gflops", gf, "GFLOPS", "measured", "as cpu.gemm_gflops.numpy", t.to_dict()
+    )
+    res.put("host.copy_call_us", 1.0, "us", "not measured", f"{why}; 1 us assumed")
+    for key in ("cpu.stream_gbs", "cpu.gemm_gflops.bf16", "host.small_op_us", "runtime"):
+        res.put(key, None, "", "not measured", why)
 
 
 def measure_standin(
@@ -959,6 +1007,10 @@ def _cpu_lines(res: ProbeResult) -> list[str]:
     fp32 = res.value(f"cpu.gemm_gflops.fp32.t{cores}")
     bf16 = res.value(f"cpu.gemm_gflops.bf16.t{cores}", fp32)
     read = res.value("cpu.read_gbs")
+    numpy_only = stream is None and res.value("cpu.read_gbs.t1") is not None
+    if numpy_only:  # no PyTorch: numpy's one-thread read stream and BLAS matmul
+        stream, fp32 = res.value("cpu.read_gbs.t1"), res.value("cpu.gemm_gflops.numpy")
+        bf16 = fp32
     lines = [
         "[cpu]",
         f"name = {_toml_str(str(res.value('cpu.name')))}   # [X] {res.entries['cpu.name'].method}",
@@ -982,12 +1034,25 @@ def _cpu_lines(res: ProbeResult) -> list[str]:
             "mem_bw_gbs",
             _num(mem_bw),
             "M",
-            f"{prec} weight stream of one-row linears on {cores} thread(s), pool of "
+            "numpy sum over 4x the LLC, one thread (no PyTorch: a read stream, not an "
+            "expert kernel's)"
+            if numpy_only
+            else f"{prec} weight stream of one-row linears on {cores} thread(s), pool of "
             "4x the LLC (probe: cpu.stream_gbs)",
         )
     )
-    lines.append(_line("fp32_gflops", _num(fp32), "M", f"torch.mm fp32, {cores} thread(s)"))
-    lines.append(_line("bf16_gflops", _num(bf16), "M", f"torch.mm bf16, {cores} thread(s)"))
+    gemm = "numpy fp32 matmul (no PyTorch)" if numpy_only else f"torch.mm fp32, {cores} thread(s)"
+    lines.append(_line("fp32_gflops", _num(fp32), "M", gemm))
+    lines.append(
+        _line(
+            "bf16_gflops",
+            _num(bf16),
+            "D" if numpy_only else "M",
+            "the fp32 figure (no PyTorch to time bf16)"
+            if numpy_only
+            else f"torch.mm bf16, {cores} thread(s)",
+        )
+    )
     if read is not None:
         lines.append(
             _line(
@@ -1127,7 +1192,12 @@ def _standin_lines(res: ProbeResult) -> list[str]:
             )
         )
     lines += [
-        _line("copy_overhead_us", _num(copy_us), "M", res.entries["host.copy_call_us"].method),
+        _line(
+            "copy_overhead_us",
+            _num(copy_us),
+            "M" if res.entries["host.copy_call_us"].how == "measured" else "A",
+            res.entries["host.copy_call_us"].method,
+        ),
         _line("copy_engines", "1", "D", "the thread that computes also copies: one copy at a time"),
     ]
     if read is not None:
@@ -1327,12 +1397,18 @@ def write_probe(res: ProbeResult, out_dir: str | os.PathLike[str], name: str) ->
 
     paths = output_paths(out_dir, name)
     hw_text = hardware_toml(res, name)
-    rt_text = runtime_toml(res, f"{name}.runtime")
+    # without PyTorch and transformers there are no module host costs: no runtime profile
+    has_runtime = res.device == "cuda" or res.value("runtime.step_host_us") is not None
+    rt_text = runtime_toml(res, f"{name}.runtime") if has_runtime else None
     # a profile the simulator would refuse is a bug here, not the user's: check before writing
     parse_profile(tomllib.loads(hw_text), paths["hardware"])
-    parse_runtime(tomllib.loads(rt_text), str(paths["runtime"]))
+    if rt_text is not None:
+        parse_runtime(tomllib.loads(rt_text), str(paths["runtime"]))
     write_text(paths["hardware"], hw_text, "-o")
-    write_text(paths["runtime"], rt_text, "-o")
+    if rt_text is not None:
+        write_text(paths["runtime"], rt_text, "-o")
+    else:
+        del paths["runtime"]
     write_text(paths["json"], dumps({"name": name, **res.to_dict()}) + "\n", "-o")
     return paths
 

@@ -298,3 +298,23 @@ def test_gpu_path_runs_on_its_cpu_stand_in() -> None:
     _tags_everywhere(hw)
     rt = parse_runtime(tomllib.loads(runtime_toml(res, "gpu-box.runtime")), "rt")
     assert not rt.host_device and rt.dispatch_us > 0 and rt.nonexpert_kernels > 0
+
+
+def test_without_pytorch_numpy_measures_what_it_can(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """No PyTorch: a hardware profile from numpy's one-thread streams and BLAS matmul, no
+    runtime profile, and the JSON says what could not be measured and why."""
+    import json
+
+    from daopsim.simulator import probe_bench
+    from daopsim.simulator.probe import run_probe
+
+    monkeypatch.setattr(probe_bench, "load_torch", lambda: None)
+    res = run_probe(ProbeOptions(quick=True, repeats=1, device="cpu"))
+    paths = write_probe(res, tmp_path, "no-torch")
+    assert set(paths) == {"hardware", "json"}
+    prof = read_profile(paths["hardware"])
+    assert prof.cpu.mem_bw_gbs > 0 and prof.gpu.mem_bw_gbs > 0
+    missing = json.loads(paths["json"].read_text())["not_measured"]
+    assert "PyTorch" in missing["runtime"] and "PyTorch" in missing["cpu.stream_gbs"]
