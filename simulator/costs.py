@@ -561,6 +561,23 @@ class CostModel:
         rate = link.h2d_pinned_gbs if pinned else link.h2d_pageable_gbs
         return self._copy(self.link_expert_bytes, rate) + self.convert_expert_s()
 
+    def h2d_expert_warm_s(self, pinned: bool) -> float:
+        """Seconds of a copy into the slot of an expert the same layer computed (an in-use
+        victim's slot): the profile's measured ``load_warm_expert_ms`` on this path (on a CPU
+        standing in for a GPU that slot is still in the caches), else :meth:`h2d_expert_s`."""
+        m = self._measured_load(pinned)
+        if m is not None and m.load_warm_expert_ms is not None:
+            return m.load_warm_expert_ms * 1e-3
+        return self.h2d_expert_s(pinned)
+
+    def d2h_expert_warm_s(self, pinned: bool = True) -> float:
+        """Seconds of the write-back of an expert the same layer computed: the measured
+        ``writeback_warm_expert_ms`` on this path, else :meth:`d2h_expert_s`."""
+        m = self._measured_load(pinned)
+        if m is not None and m.writeback_warm_expert_ms is not None:
+            return m.writeback_warm_expert_ms * 1e-3
+        return self.d2h_expert_s(pinned)
+
     def low_bit_expert_bytes(self, dtype: str) -> int:
         """Bytes of one expert's low-precision host copy (HOBBIT's mixed-precision loading)."""
         return self.model.expert_bytes(dtype)

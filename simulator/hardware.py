@@ -209,6 +209,11 @@ class MeasuredModel:
     #: one expert device -> host as measured; with ``load_overrides_link`` it times write-backs
     #: (None: the link's d2h rate)
     writeback_expert_ms: float | None = None
+    #: with ``load_overrides_link``: the copy into, and the write-back out of, the slot of an
+    #: expert the same layer computed (an in-use victim's: on a CPU standing in for a GPU that
+    #: slot is still in the caches); None: the two above
+    load_warm_expert_ms: float | None = None
+    writeback_warm_expert_ms: float | None = None
     #: device times measured for this model's own module shapes (``daopsim probe --model``):
     #: at each token count of ``device_tokens`` (strictly increasing, from 1), one routed
     #: expert call (``device_expert_ms``) and one MoE layer's non-expert part at context 0 with
@@ -376,6 +381,8 @@ _MEASURED: _Schema = {
     "dtype": "str",
     "load_overrides_link": "bool",
     "writeback_expert_ms": "pos",
+    "load_warm_expert_ms": "pos",
+    "writeback_warm_expert_ms": "pos",
     "device_tokens": "tokens",
     "device_expert_ms": "posarray",
     "device_layer_ms": "posarray",
@@ -385,6 +392,8 @@ _MEASURED_OPTIONAL = {
     "dtype",
     "load_overrides_link",
     "writeback_expert_ms",
+    "load_warm_expert_ms",
+    "writeback_warm_expert_ms",
     "device_tokens",
     "device_expert_ms",
     "device_layer_ms",
@@ -433,6 +442,8 @@ MAX_VALUES: dict[str, float] = {
     "measured.cpu_expert_ms": 1_000_000,
     "measured.load_expert_ms": 1_000_000,
     "measured.writeback_expert_ms": 1_000_000,
+    "measured.load_warm_expert_ms": 1_000_000,
+    "measured.writeback_warm_expert_ms": 1_000_000,
 }
 
 

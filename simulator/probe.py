@@ -508,8 +508,9 @@ def measure_cpu(res: ProbeResult, torch: Any, opts: ProbeOptions, tick: Callable
             )
             tick()
     if not opts.quick:
-        for t_n in sorted({1, cores}):
-            got = pb.int8_stream(torch, t_n, STREAM_SHAPE, llc, reps)
+        counts8 = sorted({1, cores})
+        got = pb.int8_stream(torch, counts8, STREAM_SHAPE, llc, reps)
+        for t_n in counts8:
             if got is None:
                 res.put(
                     f"cpu.stream_gbs.torch_int8.t{t_n}",
@@ -518,17 +519,17 @@ def measure_cpu(res: ProbeResult, torch: Any, opts: ProbeOptions, tick: Callable
                     "not measured",
                     "this PyTorch build has no dynamic int8 linear kernel",
                 )
-            else:
-                gbs, t = got
-                res.put(
-                    f"cpu.stream_gbs.torch_int8.t{t_n}",
-                    gbs,
-                    "GB/s",
-                    "measured",
-                    "torch.ao.nn.quantized.dynamic.Linear (int8 weights, per-row scale) on one "
-                    f"row, pool of 4x the LLC, {t_n} thread(s), {t.clock} time",
-                    t.to_dict(),
-                )
+                continue
+            gbs, t = got[t_n]
+            res.put(
+                f"cpu.stream_gbs.torch_int8.t{t_n}",
+                gbs,
+                "GB/s",
+                "measured",
+                "torch.ao.nn.quantized.dynamic.Linear (int8 weights, per-row scale) on one "
+                f"row, pool of 4x the LLC, {t_n} thread(s), {t.clock} time",
+                t.to_dict(),
+            )
         tick()
     res.put(
         "cpu.stream_gbs.ggml",
@@ -885,6 +886,19 @@ def measure_modules(
         "into a slot, after one expert's traffic, one thread, thread CPU time, min of repeats "
         "(probe_modules.swap_timings)",
     )
+    for key, what in (
+        ("load_warm_expert_ms", "the copy"),
+        ("writeback_warm_expert_ms", "the write-back"),
+    ):
+        res.put(
+            f"model.{key}",
+            tables[key],
+            "ms",
+            "measured",
+            f"{what} of a swap whose slot's expert was computed just before (one slot reused: "
+            "an in-use victim's), one thread, thread CPU time, min of repeats "
+            "(probe_modules.swap_timings)",
+        )
     res.put(
         "model.writeback_expert_ms",
         tables["writeback_expert_ms"],
@@ -1003,9 +1017,18 @@ def _cpu_lines(res: ProbeResult) -> list[str]:
     usable = int(res.value("cpu.usable_threads", 1))
     cores = int(min(res.value("cpu.cores", usable), usable))
     prec = "bf16" if res.value(f"cpu.stream_gbs.torch_bf16.t{cores}") else "fp32"
+    # the thread count whose weight stream was fastest (all cores on a quiet machine; fewer
+    # where other work holds some of them): the expert kernels' cores
+    sweep = {
+        int(k.rsplit(".t", 1)[1]): e.value
+        for k, e in res.entries.items()
+        if k.startswith(f"cpu.stream_gbs.torch_{prec}.t") and e.value
+    }
+    if sweep:
+        cores = max(sweep, key=lambda t: (sweep[t], t))
     stream = res.value(f"cpu.stream_gbs.torch_{prec}.t{cores}")
-    fp32 = res.value(f"cpu.gemm_gflops.fp32.t{cores}")
-    bf16 = res.value(f"cpu.gemm_gflops.bf16.t{cores}", fp32)
+    fp32 = res.value(f"cpu.gemm_gflops.fp32.t{cores}") or res.value("cpu.gemm_gflops.fp32.t1")
+    bf16 = res.value(f"cpu.gemm_gflops.bf16.t{cores}") or fp32
     read = res.value("cpu.read_gbs")
     numpy_only = stream is None and res.value("cpu.read_gbs.t1") is not None
     if numpy_only:  # no PyTorch: numpy's one-thread read stream and BLAS matmul
@@ -1019,8 +1042,9 @@ def _cpu_lines(res: ProbeResult) -> list[str]:
         _line(
             "cores_used",
             str(cores),
-            "X",
-            "physical cores this process may use (psutil, sched_getaffinity)",
+            "M",
+            f"the thread count (of 1, 2, 4 ... the {res.value('cpu.cores', '?')} usable cores) "
+            "whose weight stream was fastest",
         )
     )
     if stream is None or fp32 is None:
@@ -1279,6 +1303,18 @@ def _measured_lines(res: ProbeResult) -> list[str]:
             _num(res.value("model.writeback_expert_ms")),
             "M",
             res.entries["model.writeback_expert_ms"].method,
+        ),
+        _line(
+            "load_warm_expert_ms",
+            _num(res.value("model.load_warm_expert_ms")),
+            "M",
+            res.entries["model.load_warm_expert_ms"].method,
+        ),
+        _line(
+            "writeback_warm_expert_ms",
+            _num(res.value("model.writeback_warm_expert_ms")),
+            "M",
+            res.entries["model.writeback_warm_expert_ms"].method,
         ),
         "# device times of this model's modules, ms at each token count (probe_modules.py):",
         "# full width minus hidden 64, one thread, weights streamed from DRAM, min of repeats",

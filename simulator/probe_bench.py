@@ -125,7 +125,8 @@ def gemv_stream(
     nbytes = rows * cols * td.itemsize
     n = pool_count(nbytes, llc_bytes if device == "cpu" else None)
     with torch_threads(torch, threads):
-        pool = torch.empty((n, rows, cols), dtype=td, device=device).normal_()
+        # the values do not change a linear's time: a constant fills fastest
+        pool = torch.empty((n, rows, cols), dtype=td, device=device).fill_(1e-3)
         x = torch.randn(1, cols, dtype=td, device=device)
         now, name = clock(threads) if device == "cpu" else (time.perf_counter, "wall")
         lin = torch.nn.functional.linear
@@ -145,38 +146,42 @@ def gemv_stream(
 
 
 def int8_stream(
-    torch: Any, threads: int, shape: tuple[int, int], llc_bytes: float | None, repeats: int
-) -> tuple[float, Timing] | None:
+    torch: Any,
+    threads: list[int],
+    shape: tuple[int, int],
+    llc_bytes: float | None,
+    repeats: int,
+) -> dict[int, tuple[float, Timing]] | None:
     """GB/s of one-token calls of PyTorch's dynamically quantised int8 linear (fbgemm/onednn
-    int8 weights, one scale per row) over a cold pool; None when this build has no such
-    kernel. The bytes counted are the int8 weights."""
+    int8 weights, one scale per row) over a cold pool, at each thread count; None when this
+    build has no such kernel. The bytes counted are the int8 weights."""
     import warnings
 
     rows, cols = shape
+    out: dict[int, tuple[float, Timing]] = {}
     try:
         warnings.filterwarnings("ignore", message=".*quantize.*deprecated.*")
         qlin = torch.ao.nn.quantized.dynamic.Linear
-        mods = []
         n = pool_count(rows * cols, llc_bytes)
-        with torch_threads(torch, threads):
-            for _ in range(n):
-                m = qlin(cols, rows, bias_=False, dtype=torch.qint8)
-                mods.append(m)
-            x = torch.randn(1, cols)
-            now, name = clock(threads)
+        mods = [qlin(cols, rows, bias_=False, dtype=torch.qint8) for _ in range(n)]
+        x = torch.randn(1, cols)
+        for t_n in threads:
+            with torch_threads(torch, t_n):
+                now, name = clock(t_n)
 
-            def one_pass() -> float:
-                t0 = now()
-                with torch.no_grad():
-                    for m in mods:
-                        m(x)
-                return (now() - t0) / n
+                def one_pass(now: Callable[[], float] = now) -> float:
+                    t0 = now()
+                    with torch.no_grad():
+                        for m in mods:
+                            m(x)
+                    return (now() - t0) / n
 
-            t = timed(one_pass, repeats)
+                t = timed(one_pass, repeats)
+            t = Timing(t.best, t.median, t.repeats, name)
+            out[t_n] = (rows * cols / t.best / 1e9, t)
     except (AttributeError, RuntimeError, NotImplementedError):
         return None
-    t = Timing(t.best, t.median, t.repeats, name)
-    return rows * cols / t.best / 1e9, t
+    return out
 
 
 def read_stream(torch: Any, threads: int, nbytes: float, repeats: int) -> tuple[float, Timing]:
@@ -184,7 +189,7 @@ def read_stream(torch: Any, threads: int, nbytes: float, repeats: int) -> tuple[
     ``threads`` threads: the bandwidth all of them together get from DRAM (STREAM-like)."""
     n = int(nbytes // 4)
     with torch_threads(torch, threads):
-        buf = torch.empty(n, dtype=torch.float32).normal_()
+        buf = torch.empty(n, dtype=torch.float32).fill_(1.0)
         now, name = clock(threads)
 
         def one_pass() -> float:

@@ -456,17 +456,26 @@ def _slot_module(torch: Any, m: Any) -> tuple[Any, Any]:
 
 
 def swap_timings(
-    torch: Any, experts: list[Any], n: int, reader: Reader, traffic: float, repeats: int
+    torch: Any,
+    experts: list[Any],
+    n: int,
+    reader: Reader,
+    traffic: float,
+    repeats: int,
+    warm: bool = False,
 ) -> dict[str, float]:
     """What a miss does on a CPU standing in for a GPU, step by step, over the pool of experts
-    (packed into flat buffers, as offloading runtimes keep them): after ``traffic`` bytes
-    (untimed), the write-back of a slot computed one miss earlier into the pool, the copy of
-    the next pool expert into that slot, and its loop body for ``n`` tokens from the slot; each
-    timed on its own (thread CPU seconds, the minimum over repeats of the mean)."""
+    (packed into flat buffers, as offloading runtimes keep them): the write-back of a slot into
+    the pool, the copy of the next pool expert into that slot, and its loop body for ``n``
+    tokens from the slot; each timed on its own (thread CPU seconds, the minimum over repeats
+    of the mean). Cold (``warm`` false): the slot's expert was computed earlier and
+    ``traffic`` bytes were read since (untimed), as when the victim is an expert of an earlier
+    token. Warm: one slot, whose expert was computed just before, as when the victim is an
+    expert this layer already ran (fewer slots than routed experts)."""
     pool = [
         torch.cat([m.gate_up_proj.data.reshape(-1), m.down_proj.data.reshape(-1)]) for m in experts
     ]
-    slots = [_slot_module(torch, experts[0]) for _ in range(2)]
+    slots = [_slot_module(torch, experts[0]) for _ in range(1 if warm else 2)]
     bodies = [expert_body(torch, sm, n) for sm, _ in slots]
     best = {"writeback": 1e9, "copy": 1e9, "body": 1e9}
     # a repeat as long as a decode step's swaps: its minimum is over windows like the model's
@@ -474,9 +483,10 @@ def swap_timings(
     for rep in range(repeats + 1):
         acc = {k: 0.0 for k in best}
         for i in range(count):
-            j = i % 2
+            j = i % len(slots)
             flat = slots[j][1]
-            reader.read(traffic)
+            if not warm:
+                reader.read(traffic)
             t0 = time.thread_time()
             pool[(i - 2) % len(pool)].copy_(flat)  # the slot's previous expert, written back
             t1 = time.thread_time()
@@ -519,6 +529,8 @@ def device_tables(
             "copied_full",
             "writeback",
             "copy",
+            "writeback_warm",
+            "copy_warm",
         )
     }
     with torch_threads(torch, 1):
@@ -553,6 +565,9 @@ def device_tables(
             raw["copied_full"][n] = sw["body"]
             raw["writeback"][n] = sw["writeback"]
             raw["copy"][n] = sw["copy"]
+            sw = swap_timings(torch, pf.experts, n, reader, tr.expert, repeats, warm=True)
+            raw["writeback_warm"][n] = sw["writeback"]
+            raw["copy_warm"][n] = sw["copy"]
             if on_step is not None:
                 on_step()
     head = max(0.0, top_full - top_tiny)
@@ -567,6 +582,8 @@ def device_tables(
     # the minimum over its repeats), not their minimum, so one quiet moment does not set it
     copy_ms = statistics.median(raw["copy"].values()) * 1e3
     writeback_ms = statistics.median(raw["writeback"].values()) * 1e3
+    copy_warm_ms = statistics.median(raw["copy_warm"].values()) * 1e3
+    writeback_warm_ms = statistics.median(raw["writeback_warm"].values()) * 1e3
     heavy = llc_bytes is None or model_weight_bytes(full_w) > llc_bytes
     return {
         "tokens": list(tokens),
@@ -575,6 +592,8 @@ def device_tables(
         "copied_expert_ms": copied_ms,
         "load_expert_ms": copy_ms,
         "writeback_expert_ms": writeback_ms,
+        "load_warm_expert_ms": copy_warm_ms,
+        "writeback_warm_expert_ms": writeback_warm_ms,
         "head_ms": head * 1e3,
         "raw_s": {k: {str(n): v for n, v in d.items()} for k, d in raw.items()},
         "top_full_s": top_full,

@@ -111,3 +111,33 @@ def test_the_closed_loop_predicts_this_machine(cli: Any, tmp_path: Path) -> None
     probe = tmp_path / "check" / "probe"
     assert (probe / "this-host.toml").is_file() and (probe / "this-host.runtime.toml").is_file()
     assert doc["hw"] == str(probe / "this-host.toml")
+
+
+def test_check_refuses_a_profile_without_the_model_s_table(cli: Any, tmp_path: Path) -> None:
+    """--hw must carry the model's measured module times (a probe with --model); a missing
+    one is one line, exit 2, before any model is built."""
+    from test_probe import _standin_result
+
+    from daopsim.simulator.probe import write_probe
+
+    paths = write_probe(_standin_result(), tmp_path, "box")
+    result = cli(
+        "check",
+        "--model",
+        "olmoe-1b-7b",
+        "--layers",
+        "2",
+        "--hidden",
+        "64",
+        "--hw",
+        str(paths["hardware"]),
+        "--runtime",
+        str(paths["runtime"]),
+        "-o",
+        str(tmp_path / "out"),
+    )
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "measured" in lines[0] and "--model olmoe-1b-7b" in lines[0]
+    only_hw = cli("check", "--hw", str(paths["hardware"]), "-o", str(tmp_path / "out"))
+    assert only_hw.exit_code == 2 and "together" in only_hw.stderr

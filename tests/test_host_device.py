@@ -46,6 +46,8 @@ def _measured(model: str, **extra: object) -> dict[str, MeasuredModel]:
         source="test",
         load_overrides_link=True,
         writeback_expert_ms=0.3,
+        load_warm_expert_ms=0.1,
+        writeback_warm_expert_ms=0.05,
         device_tokens=TOKENS,
         device_expert_ms=EXPERT_MS,
         device_layer_ms=LAYER_MS,
@@ -94,6 +96,9 @@ def test_measured_tables_replace_the_roofline_for_their_model_only() -> None:
     assert cm.gpu_expert_after_copy_s(8) == pytest.approx(0.7 * MS)
     assert cm.d2h_expert_s(pinned=True) == pytest.approx(0.3 * MS)
     assert cm.h2d_expert_s(pinned=True) == pytest.approx(0.4 * MS)
+    assert cm.h2d_expert_warm_s(pinned=True) == pytest.approx(0.1 * MS)
+    assert cm.d2h_expert_warm_s(pinned=True) == pytest.approx(0.05 * MS)
+    assert cm.h2d_expert_warm_s(pinned=False) == cm.h2d_expert_s(pinned=False)  # other path
     assert cm.uses_measured()["gpu_expert"] and cm.uses_measured()["nonexpert_layer"]
     assert "device_expert_ms" in cm.sources()["gpu_expert"]
     # another model, or another precision, keeps the formulas
@@ -163,6 +168,15 @@ def test_both_engines_agree_on_a_host_device_with_measured_tables(per_layer: int
     seconds = set((experts["end"] - experts["start"]).round(12))
     assert seconds <= {round((0.05 + 0.06) * MS, 12), round((0.2 + 0.06) * MS, 12)}
     assert len(seconds) == 2 and sa.counters.fetches > 0
+    # a swap into the slot of an expert this layer ran (fewer slots than its 8 experts) is
+    # the warm copy and write-back; one whose victim is an older expert's, the cold ones
+    for kind, cold, warm in (("fetch", 0.4, 0.1), ("writeback", 0.3, 0.05)):
+        rows = ta[ta["kind"] == kind]
+        got = set((rows["end"] - rows["start"]).round(12))
+        assert got <= {round(cold * MS, 12), round(warm * MS, 12)}, kind
+        assert round(warm * MS, 12) in got, kind
+        if per_layer == 4:
+            assert round(cold * MS, 12) in got, kind
 
 
 def test_a_device_on_the_host_thread_adds_up_its_parts() -> None:

@@ -138,7 +138,9 @@ class Applier:
         res.remove(i)
         c.evictions += 1
         if layer == w.layer and expert in needed:
-            w.deferred[expert] = self._writeback_op(layer, expert, w)
+            wb = self._writeback_op(layer, expert, w)
+            wb.warm = True  # written back after this layer's computation of it
+            w.deferred[expert] = wb
             return
         if res.prefetched[i]:
             res.prefetched[i] = 0
@@ -158,9 +160,13 @@ class Applier:
         self, layer: int, expert: int, kind: str, victim: Any, needed: set[int], w: LayerWork
     ) -> Op:
         """Copy an expert into a slot (``kind``: a fetch or a prefetch), after its victim."""
+        warm = False
         if victim is not None:
-            self._evict(_int(victim[0]), _int(victim[1]), needed, w)
+            vl, ve = _int(victim[0]), _int(victim[1])
+            warm = vl == w.layer and ve in needed  # into the slot of an expert computed here
+            self._evict(vl, ve, needed, w)
         op = self._op(FETCH, kind, layer, expert, w)
+        op.warm = warm
         self.res.insert(layer * self.res.n_experts + expert, op)
         self.c.h2d_bytes += self.expert_bytes
         self.c.h2d_expert_copies += 1

@@ -165,7 +165,8 @@ class Executor:
                 return
             op.stage = 1
         link = self.m.uplinks[k][0]
-        e = self._copy(t, op, link, link.expert_s, self.expert_bytes, op.rkind)
+        dur = link.warm_s if op.warm else link.expert_s
+        e = self._copy(t, op, link, dur, self.expert_bytes, op.rkind)
         res.copied(op.layer * res.n_experts + op.expert, e)
         self._landed(op, e)
 
@@ -221,7 +222,7 @@ class Executor:
         up_h, up_d = self.m.uplinks[op.dev]
         h2d, d2h = up_h.lane, up_d.lane
         s = max(t, h2d.free_at, d2h.free_at)
-        dur = up_d.expert_s
+        dur = up_d.warm_s if op.warm else up_d.expert_s
         e = s + dur
         h2d.free_at = d2h.free_at = e
         d2h.busy += dur

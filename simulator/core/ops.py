@@ -111,6 +111,7 @@ class Op(Keyed):
         "ssd_read",
         "stage",
         "token",
+        "warm",
     )
 
     def __init__(
@@ -127,6 +128,9 @@ class Op(Keyed):
         self.n = 1
         self.dev = 0
         self.low = False  # a TEMP copy of the low-precision host copy (Plan.low_bit)
+        #: a fetch into, or a write-back of, the slot of an expert this layer computed: its
+        #: victim's weights are still in the caches (``costs.h2d_expert_warm_s``)
+        self.warm = False
         self.buf = -1
         self.gpu = False  # a GPU computation of the current layer waits for this
         self.job: GpuJob | None = None  # ... that computation

@@ -68,6 +68,7 @@ class Op:
         "sid",
         "src",
         "token",
+        "warm",
     )
 
     def __init__(self, env: simpy.Environment, kind: str, seq: int, sid: int, token: int,
@@ -83,6 +84,7 @@ class Op:
         self.low = False
         self.local = False
         self.gds = False
+        self.warm = False  # into or out of the slot of an expert this layer computed
         self.read: simpy.Event | None = None
         self.chain: Op | None = None
         self.src = self.dst = -1
@@ -261,6 +263,8 @@ class ReferenceEngine:
         self.peer_s = functools.cache(costs.peer_activation_s)
         self.h2d_s = costs.h2d_expert_s(pinned)
         self.d2h_s = costs.d2h_expert_s(pinned)
+        self.h2d_warm_s = costs.h2d_expert_warm_s(pinned)
+        self.d2h_warm_s = costs.d2h_expert_warm_s(pinned)
         low = spec.low_bit_dtype
         self.low_bit_s = costs.h2d_low_bit_expert_s(low, pinned) if low else 0.0
         self.low_bit_bytes = costs.low_bit_expert_bytes(low) if low else 0
@@ -858,7 +862,9 @@ class ReferenceEngine:
         led.n_resident -= 1
         c.evictions += 1
         if vl == lw.layer and ve in needed:
-            lw.deferred[ve] = self._writeback_op(vl, ve, lw)
+            wb = self._writeback_op(vl, ve, lw)
+            wb.warm = True  # after this layer's computation of it
+            lw.deferred[ve] = wb
             return
         if led.prefetched[vl, ve]:  # prefetched, never used
             led.prefetched[vl, ve] = False
@@ -874,9 +880,12 @@ class ReferenceEngine:
         return self._op("writeback", layer, expert, lw, self.gpu_of[layer][expert])
 
     def _fetch(self, slot: Slot, kind: str, victim: Any, needed: set[int], lw: LayerRun) -> Op:
+        warm = False
         if victim is not None:
+            warm = int(victim[0]) == lw.layer and int(victim[1]) in needed
             self._evict(victim, needed, lw)
         op = self._op(kind, slot[0], slot[1], lw, self.gpu_of[slot[0]][slot[1]])
+        op.warm = warm
         led = self.ledger
         led.resident[slot] = True
         led.ready_at[slot] = INF
@@ -966,8 +975,9 @@ class ReferenceEngine:
         and the D2H lane together; its slot is free when it ends."""
         env = self.env
         dev = self.devices[op.device]
-        s = yield from self._move(dev.copy_lanes, (env.now, op.seq), self.d2h_s, self.expert_bytes)
-        dev.d2h.busy += self.d2h_s
+        d = self.d2h_warm_s if op.warm else self.d2h_s
+        s = yield from self._move(dev.copy_lanes, (env.now, op.seq), d, self.expert_bytes)
+        dev.d2h.busy += d
         dev.d2h_bytes += self.expert_bytes
         self._row(dev.d2h.name, op, s, self.expert_bytes)
         self._finish(op)
@@ -989,14 +999,13 @@ class ReferenceEngine:
         lane = dev.h2d
         yield lane.request((env.now, op.seq))
         s = env.now
-        self.ledger.ready_at[slot] = s + self.h2d_s
+        d = self.h2d_warm_s if op.warm else self.h2d_s
+        self.ledger.ready_at[slot] = s + d
         if self.unified:
-            self.cpu.take_dram(
-                s, self.h2d_s, self.costs.copy_dram_share(self.expert_bytes, self.h2d_s)
-            )
-        yield env.timeout(self.h2d_s)
+            self.cpu.take_dram(s, d, self.costs.copy_dram_share(self.expert_bytes, d))
+        yield env.timeout(d)
         lane.release()
-        lane.busy += self.h2d_s
+        lane.busy += d
         dev.h2d_bytes += self.expert_bytes
         self._row(lane.name, op, s, self.expert_bytes)
         self._finish(op)
