@@ -774,7 +774,7 @@ def measure_modules(
     shape = opts.model or scaled_shape("mixtral-8x7b", layers=8, hidden=1024, expert_ffn=1536)
     llc = res.value("cpu.l3_bytes")
     arch = f"{shape.family} architecture (transformers {transformers.__version__})"
-    h = pm.host_costs(torch, shape, reps, llc, calls=20 if opts.quick else 40)
+    h = pm.host_costs(torch, shape, reps, llc, calls=10 if opts.quick else 40)
     tick()
     tr = pm.Traffic.of(shape, llc)
     # the experts loop's fixed part: with 2 experts receiving the token, less 2 iterations
@@ -852,17 +852,20 @@ def measure_modules(
     if opts.model is None:
         return
     tokens = opts.tokens or pm.DEFAULT_TOKENS
-    tables = pm.device_tables(torch, opts.model, tokens, llc, opts.repeats or 3, on_step=tick)
+    reps_t = opts.repeats or (4 if opts.quick else 6)
+    tables = pm.device_tables(
+        torch, opts.model, tokens, llc, reps_t, h, on_step=tick, per_pass=4 if opts.quick else 8
+    )
     res.put(
         "model.device_tables",
         tables,
         "ms",
         "measured",
-        "each module of the model at full width minus its time at hidden 64 under the same "
-        "traffic, one thread, weights in pools (streamed from DRAM when the model exceeds the "
-        "LLC), thread CPU time, min of repeats: an MoE layer's non-expert part at context 0 "
-        "with 1/layers of the output head, and one routed expert's loop body, at each token "
-        "count",
+        "each module of the model at full width (one thread, weights in pools: streamed from "
+        "DRAM when the model exceeds the LLC; the model's traffic before each call; thread CPU "
+        "time, min of repeats) minus the host time the runtime profile charges for the same "
+        "code: an MoE layer's non-expert part at context 0 with 1/layers of the output head, "
+        "and one routed expert's loop body, at each token count",
     )
     cpu_threads = int(min(res.value("cpu.cores", 1), res.value("cpu.usable_threads", 1)))
 
@@ -884,7 +887,7 @@ def measure_modules(
         "measured",
         f"Tensor.copy_ of one expert ({eb / 1e6:.2f} MB, packed in one buffer) from a pool "
         "into a slot, after one expert's traffic, one thread, thread CPU time, min of repeats "
-        "(probe_modules.swap_timings)",
+        "(probe_modules.swap_pass)",
     )
     for key, what in (
         ("load_warm_expert_ms", "the copy"),
@@ -897,7 +900,7 @@ def measure_modules(
             "measured",
             f"{what} of a swap whose slot's expert was computed just before (one slot reused: "
             "an in-use victim's), one thread, thread CPU time, min of repeats "
-            "(probe_modules.swap_timings)",
+            "(probe_modules.swap_pass)",
         )
     res.put(
         "model.writeback_expert_ms",
@@ -905,7 +908,7 @@ def measure_modules(
         "ms",
         "measured",
         "Tensor.copy_ of a slot computed one miss earlier back into the pool, one thread, "
-        "thread CPU time, min of repeats (probe_modules.swap_timings)",
+        "thread CPU time, min of repeats (probe_modules.swap_pass)",
     )
     tick()
 

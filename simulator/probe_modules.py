@@ -66,6 +66,7 @@ class _Parts:
     config: Any
     experts: list[Any]
     top: list[Any]
+    heads: list[Any]
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,8 @@ class Traffic:
         attn = attention_bytes(shape)
         layer = attn + shape.experts * shape.hidden * bpp + shape.top_k * shape.expert_bytes
         token = shape.layers * layer + shape.vocab * shape.hidden * bpp
-        cap = 2 * llc if llc else 64e6
+        # reading a little more than the cache evicts what it held: more only costs time
+        cap = 1.25 * llc if llc else 64e6
         return cls(min(layer, cap), min(shape.expert_bytes, cap), min(token, cap))
 
 
@@ -114,18 +116,17 @@ class Reader:
         self.at += k
 
 
-def timed_calls(
+def calls_pass(
     calls: list[Callable[[], Any]],
-    repeats: int,
     reader: Reader | None = None,
     traffic: float = 0.0,
     reset: Callable[[], Any] | None = None,
-) -> Timing:
-    """Thread-CPU seconds of one call, each call timed on its own after ``traffic`` bytes read
-    by ``reader`` (untimed); the minimum over ``repeats`` passes (after one warm-up pass) of
-    the mean over the calls of a pass. ``reset`` (untimed) before each pass."""
-    runs = []
-    for i in range(repeats + 1):
+) -> Callable[[], float]:
+    """One pass over ``calls``, each timed on its own (thread CPU time) after ``traffic``
+    bytes read by ``reader`` (untimed); returns the mean seconds per call. ``reset``
+    (untimed) before the pass."""
+
+    def one_pass() -> float:
         if reset is not None:
             reset()
         total = 0.0
@@ -135,10 +136,42 @@ def timed_calls(
             t0 = time.thread_time()
             fn()
             total += time.thread_time() - t0
-        if i:
-            runs.append(total / len(calls))
-    runs.sort()
-    return Timing(runs[0], runs[len(runs) // 2], len(runs), "thread")
+        return total / len(calls)
+
+    return one_pass
+
+
+class Schedule:
+    """Measurements whose repeats run round-robin: one warm-up pass of each, then the first
+    timed pass of every measurement, the second of every one, ... So on a machine others
+    share, a disturbed stretch spoils one repeat of several measurements rather than every
+    repeat of one, and each measurement's minimum is over the whole measuring time."""
+
+    def __init__(self) -> None:
+        self.passes: dict[str, Callable[[], float | dict[str, float]]] = {}
+
+    def add(self, key: str, one_pass: Callable[[], float | dict[str, float]]) -> None:
+        """A measurement: ``one_pass`` runs one pass and returns its seconds (or several named
+        ones, reported as ``key.name``)."""
+        self.passes[key] = one_pass
+
+    def run(self, repeats: int, on_round: Callable[[], None] | None = None) -> dict[str, Timing]:
+        """The minimum and median of every measurement over ``repeats`` rounds."""
+        got: dict[str, list[float]] = {}
+        for r in range(repeats + 1):
+            for key, one_pass in self.passes.items():
+                v = one_pass()
+                if not r:
+                    continue  # the warm-up round
+                for k, x in v.items() if isinstance(v, dict) else [("", v)]:
+                    got.setdefault(f"{key}.{k}" if k else key, []).append(x)
+            if on_round is not None:
+                on_round()
+        out = {}
+        for key, runs in got.items():
+            runs.sort()
+            out[key] = Timing(runs[0], runs[len(runs) // 2], len(runs), "thread")
+        return out
 
 
 def _model_config(shape: LoopShape, layers: int, vocab: int, ffn: int, experts: int) -> Any:
@@ -236,9 +269,18 @@ def _stack(torch: Any, shape: LoopShape, n_layers: int, n_experts: int, n_top: i
         layers.append(layer)
     ecfg = _model_config(shape, 1, TINY_VOCAB, shape.expert_ffn, 1)
     experts = [_init(torch, experts_cls(ecfg).to(dt)) for _ in range(n_experts)]
-    more = [_model(torch, shape, 0, shape.vocab, 1, shape.experts) for _ in range(n_top - 1)]
+    # one model's top part, with a pool of output heads put in turn (building whole models
+    # for a pool would take longer than measuring them)
+    heads = [top.lm_head.weight.data] + [
+        torch.empty_like(top.lm_head.weight.data).normal_(0.0, 0.1) for _ in range(n_top - 1)
+    ]
     return _Parts(
-        layers=layers, rotary=one.model.rotary_emb, config=cfg, experts=experts, top=[top, *more]
+        layers=layers,
+        rotary=one.model.rotary_emb,
+        config=cfg,
+        experts=experts,
+        top=[top],
+        heads=heads,
     )
 
 
@@ -322,13 +364,16 @@ def _top_calls(
     ids = torch.randint(3, vocab, (1, n))
     held: list[Any] = []
 
+    top = p.top[0]
+
     def reset() -> None:
-        held[:] = [_cache(p.top[i % len(p.top)].config) for i in range(count)]
+        held[:] = [_cache(top.config) for _ in range(count)]
 
     def call(i: int) -> Callable[[], Any]:
-        top = p.top[i % len(p.top)]
+        head = p.heads[i % len(p.heads)]
 
         def run() -> None:
+            top.lm_head.weight.data = head  # the pool's next output head (a pointer)
             with torch.no_grad():
                 out = top(input_ids=ids, cache=held[i], use_cache=True, logits_to_keep=1)
                 out.logits[:, -1].argmax(-1, keepdim=True)
@@ -394,51 +439,47 @@ def host_costs(
         layer = p.layers[0]
         x2 = torch.randn(1, s.hidden, dtype=dt)
         layer_calls, reset = _layer_calls(torch, p, s, 1, 16, calls)
-        out["layer"] = timed_calls(
-            [no_grad(c) for c in layer_calls], repeats, reader, tr.layer, reset
-        )
+        layer_calls = [no_grad(c) for c in layer_calls]
+        sched = Schedule()
+        sched.add("layer", calls_pass(layer_calls, reader, tr.layer, reset))
         parts = {
             "attention": [layer.self_attn],
             "norm": [layer.input_layernorm, layer.post_attention_layernorm],
             "router": [layer.mlp.gate],
         }
-        best: dict[str, list[float]] = {k: [] for k in parts}
-        for _ in range(repeats):
+
+        def hooked() -> dict[str, float]:  # the same calls, modules timed inside them
             times, remove = _module_clock(torch, parts)
             try:
-                reset()
-                for c in layer_calls:
-                    reader.read(tr.layer)
-                    no_grad(c)()
+                calls_pass(layer_calls, reader, tr.layer, reset)()
             finally:
                 remove()
-            for k, v in times.items():
-                best[k].append(sum(v) / len(v))
-        for k, v in best.items():
-            v.sort()
-            out[k] = Timing(v[0], v[len(v) // 2], len(v), "thread")
+            return {k: sum(v) / len(v) for k, v in times.items()}
+
+        sched.add("in_layer", hooked)
         idx2 = torch.arange(2).view(1, 2)
         w2 = torch.full((1, 2), 0.5, dtype=dt)
         # the layer above ran this in place of its experts: the module call and its output
-        out["experts_noop"] = timed_calls(
-            [no_grad(lambda: layer.mlp.experts(x2, idx2, w2))] * calls, repeats
+        sched.add(
+            "experts_noop",
+            calls_pass([no_grad(lambda: layer.mlp.experts(x2, idx2, w2))] * calls),
         )
         ex = _model(torch, s, 1, TINY_VOCAB, s.expert_ffn, s.experts).model.layers[0].mlp.experts
         for k in (2, 4):
             idx = torch.arange(k).view(1, k)
             w = torch.full((1, k), 1.0 / k, dtype=dt)
-            out[f"experts_k{k}"] = timed_calls(
-                [no_grad(lambda i=idx, w=w: ex(x2, i, w))] * calls, repeats
+            sched.add(
+                f"experts_k{k}", calls_pass([no_grad(lambda i=idx, w=w: ex(x2, i, w))] * calls)
             )
-        out["expert_body"] = timed_calls(
-            [expert_body(torch, ex, 1)] * calls, repeats, reader, tr.expert
-        )
-        out["empty_expert"] = timed_calls(
-            [expert_body(torch, ex, 1, e=1)] * calls, repeats, reader, tr.expert
+        sched.add("expert_body", calls_pass([expert_body(torch, ex, 1)] * calls, reader, tr.expert))
+        sched.add(
+            "empty_expert", calls_pass([expert_body(torch, ex, 1, e=1)] * calls, reader, tr.expert)
         )
         for n in (1, 8):
             tops, treset = _top_calls(torch, p, n, TINY_VOCAB, calls)
-            out[f"step_n{n}"] = timed_calls(tops, repeats, reader, tr.token, treset)
+            sched.add(f"step_n{n}", calls_pass(tops, reader, tr.token, treset))
+        got = sched.run(repeats)
+    out = {k.removeprefix("in_layer."): v for k, v in got.items()}
     return out
 
 
@@ -455,33 +496,33 @@ def _slot_module(torch: Any, m: Any) -> tuple[Any, Any]:
     return slot, flat
 
 
-def swap_timings(
+def swap_pass(
     torch: Any,
     experts: list[Any],
     n: int,
     reader: Reader,
     traffic: float,
-    repeats: int,
     warm: bool = False,
-) -> dict[str, float]:
-    """What a miss does on a CPU standing in for a GPU, step by step, over the pool of experts
-    (packed into flat buffers, as offloading runtimes keep them): the write-back of a slot into
-    the pool, the copy of the next pool expert into that slot, and its loop body for ``n``
-    tokens from the slot; each timed on its own (thread CPU seconds, the minimum over repeats
-    of the mean). Cold (``warm`` false): the slot's expert was computed earlier and
+    count: int = 24,
+) -> Callable[[], dict[str, float]]:
+    """One pass of what a miss does on a CPU standing in for a GPU, step by step, over the
+    pool of experts (packed into flat buffers, as offloading runtimes keep them): the
+    write-back of a slot into the pool, the copy of the next pool expert into that slot, and
+    its loop body for ``n`` tokens from the slot; each timed on its own (thread CPU seconds,
+    the mean over the pass). Cold (``warm`` false): the slot's expert was computed earlier and
     ``traffic`` bytes were read since (untimed), as when the victim is an expert of an earlier
     token. Warm: one slot, whose expert was computed just before, as when the victim is an
-    expert this layer already ran (fewer slots than routed experts)."""
+    expert this layer already ran (fewer slots than routed experts). ``count`` swaps a pass
+    (about a decode step's)."""
     pool = [
         torch.cat([m.gate_up_proj.data.reshape(-1), m.down_proj.data.reshape(-1)]) for m in experts
     ]
     slots = [_slot_module(torch, experts[0]) for _ in range(1 if warm else 2)]
     bodies = [expert_body(torch, sm, n) for sm, _ in slots]
-    best = {"writeback": 1e9, "copy": 1e9, "body": 1e9}
-    # a repeat as long as a decode step's swaps: its minimum is over windows like the model's
-    count = max(24, len(pool))
-    for rep in range(repeats + 1):
-        acc = {k: 0.0 for k in best}
+    count = max(count, len(pool))
+
+    def one_pass() -> dict[str, float]:
+        acc = {"writeback": 0.0, "copy": 0.0, "body": 0.0}
         for i in range(count):
             j = i % len(slots)
             flat = slots[j][1]
@@ -497,10 +538,9 @@ def swap_timings(
             acc["writeback"] += t1 - t0
             acc["copy"] += t2 - t1
             acc["body"] += t3 - t2
-        if rep:
-            for k in best:
-                best[k] = min(best[k], acc[k] / count)
-    return best
+        return {k: v / count for k, v in acc.items()}
+
+    return one_pass
 
 
 def device_tables(
@@ -509,81 +549,81 @@ def device_tables(
     tokens: tuple[int, ...],
     llc_bytes: float | None,
     repeats: int,
+    host: dict[str, Timing],
     on_step: Callable[[], None] | None = None,
+    per_pass: int = 8,
 ) -> dict[str, Any]:
     """Device time of ``shape``'s modules at each token count (ms): ``layer_ms`` (one MoE
     layer's non-expert part at context 0, plus its share of the model's top part: output head
-    and final norm) and ``expert_ms`` (one routed expert's loop body): each its full-width
-    time minus its tiny-width time under the same traffic (the full-width pool's own weights
-    count toward it), one thread; with the raw timings and the pools."""
-    full_w, tiny_w = shape, tiny(shape)
+    and final norm), ``expert_ms`` (one routed expert's loop body) and ``copied_expert_ms``
+    (the same right after its copy into a slot), and the swaps' copies. Each table is the
+    full-width time (one thread, pools of weights, the model's traffic before each call) minus
+    the host time the runtime profile charges for the same code, ``host`` (what
+    :func:`host_costs` measured: the layer, the loop body, the model's own code), so that the
+    simulator's table plus host time is the measured call."""
+    full_w = shape
     tr = Traffic.of(shape, llc_bytes)
     bpp = shape.bytes_per_param
-    raw: dict[str, dict[int, float]] = {
-        k: {}
-        for k in (
-            "layer_full",
-            "layer_tiny",
-            "expert_full",
-            "expert_tiny",
-            "copied_full",
-            "writeback",
-            "copy",
-            "writeback_warm",
-            "copy_warm",
-        )
-    }
     with torch_threads(torch, 1):
         reader = Reader(torch, llc_bytes)
         n_layers, n_experts, n_top = pools(full_w, llc_bytes)
         pf = _stack(torch, full_w, n_layers, n_experts, n_top)
-        pt = _stack(torch, tiny_w, 1, 1, 1)
-        count_l = max(8, n_layers)
-        count_t = max(8, n_top)
+        count_l = max(per_pass, n_layers)
+        count_t = max(per_pass, n_top)
         head_b = shape.vocab * shape.hidden * bpp
-        tops, reset = _top_calls(torch, pf, 1, shape.vocab, count_t)
-        top_full = timed_calls(tops, repeats, reader, max(0.0, tr.token - head_b), reset).best
-        tops, reset = _top_calls(torch, pt, 1, TINY_VOCAB, count_t)
-        top_tiny = timed_calls(tops, repeats, reader, tr.token, reset).best
         attn_b = attention_bytes(full_w)
+        sched = Schedule()
+        tops, reset = _top_calls(torch, pf, 1, shape.vocab, count_t)
+        sched.add("top_full", calls_pass(tops, reader, max(0.0, tr.token - head_b), reset))
         for n in tokens:
             calls, reset = _layer_calls(torch, pf, full_w, n, 0, count_l)
-            raw["layer_full"][n] = timed_calls(
-                calls, repeats, reader, max(0.0, tr.layer - attn_b), reset
-            ).best
-            calls, reset = _layer_calls(torch, pt, tiny_w, n, 0, count_l)
-            raw["layer_tiny"][n] = timed_calls(calls, repeats, reader, tr.layer, reset).best
+            sched.add(
+                f"layer_full.{n}", calls_pass(calls, reader, max(0.0, tr.layer - attn_b), reset)
+            )
             bodies = [expert_body(torch, m, n) for m in pf.experts]
-            if len(bodies) < 8:
-                bodies = bodies * (8 // len(bodies) + 1)
-            raw["expert_full"][n] = timed_calls(
-                bodies, repeats, reader, max(0.0, tr.expert - shape.expert_bytes)
-            ).best
-            tbodies = [expert_body(torch, pt.experts[0], n)] * len(bodies)
-            raw["expert_tiny"][n] = timed_calls(tbodies, repeats, reader, tr.expert).best
-            sw = swap_timings(torch, pf.experts, n, reader, tr.expert, repeats)
-            raw["copied_full"][n] = sw["body"]
-            raw["writeback"][n] = sw["writeback"]
-            raw["copy"][n] = sw["copy"]
-            sw = swap_timings(torch, pf.experts, n, reader, tr.expert, repeats, warm=True)
-            raw["writeback_warm"][n] = sw["writeback"]
-            raw["copy_warm"][n] = sw["copy"]
-            if on_step is not None:
-                on_step()
-    head = max(0.0, top_full - top_tiny)
+            if len(bodies) < per_pass:
+                bodies = bodies * (per_pass // len(bodies) + 1)
+            sched.add(
+                f"expert_full.{n}",
+                calls_pass(bodies, reader, max(0.0, tr.expert - shape.expert_bytes)),
+            )
+            sched.add(
+                f"swap.{n}", swap_pass(torch, pf.experts, n, reader, tr.expert, count=3 * per_pass)
+            )
+        # a copy does not depend on the tokens: the warm swaps once, at one token
+        sched.add(
+            "swap_warm",
+            swap_pass(
+                torch, pf.experts, tokens[0], reader, tr.expert, warm=True, count=3 * per_pass
+            ),
+        )
+        got = sched.run(repeats, on_round=on_step)
+    top_full = got["top_full"].best
+    raw: dict[str, dict[int, float]] = {}
+    for key, t in got.items():
+        if key.startswith(("layer_", "expert_")):
+            name, n_text = key.rsplit(".", 1)
+            raw.setdefault(name, {})[int(n_text)] = t.best
+        elif key.startswith("swap."):
+            _, n_text, part = key.split(".")
+            name = {"body": "copied_full", "copy": "copy", "writeback": "writeback"}[part]
+            raw.setdefault(name, {})[int(n_text)] = t.best
+    copy_warm_ms = got["swap_warm.copy"].best * 1e3
+    writeback_warm_ms = got["swap_warm.writeback"].best * 1e3
+    # what the runtime profile charges for the same code (host_costs)
+    layer_host, body_host = host["layer"].best, host["expert_body"].best
+    step_host = host["step_n1"].best
+    head = max(0.0, top_full - step_host)
     floor = 1e-6  # a table value is a positive time
     layer_ms = [
-        max(floor, raw["layer_full"][n] - raw["layer_tiny"][n] + head / shape.layers) * 1e3
-        for n in tokens
+        max(floor, raw["layer_full"][n] - layer_host + head / shape.layers) * 1e3 for n in tokens
     ]
-    expert_ms = [max(floor, raw["expert_full"][n] - raw["expert_tiny"][n]) * 1e3 for n in tokens]
-    copied_ms = [max(floor, raw["copied_full"][n] - raw["expert_tiny"][n]) * 1e3 for n in tokens]
+    expert_ms = [max(floor, raw["expert_full"][n] - body_host) * 1e3 for n in tokens]
+    copied_ms = [max(floor, raw["copied_full"][n] - body_host) * 1e3 for n in tokens]
     # a copy does not depend on the tokens: the median of the token counts' measurements (each
     # the minimum over its repeats), not their minimum, so one quiet moment does not set it
     copy_ms = statistics.median(raw["copy"].values()) * 1e3
     writeback_ms = statistics.median(raw["writeback"].values()) * 1e3
-    copy_warm_ms = statistics.median(raw["copy_warm"].values()) * 1e3
-    writeback_warm_ms = statistics.median(raw["writeback_warm"].values()) * 1e3
     heavy = llc_bytes is None or model_weight_bytes(full_w) > llc_bytes
     return {
         "tokens": list(tokens),
@@ -597,12 +637,12 @@ def device_tables(
         "head_ms": head * 1e3,
         "raw_s": {k: {str(n): v for n, v in d.items()} for k, d in raw.items()},
         "top_full_s": top_full,
-        "top_tiny_s": top_tiny,
+        "host_subtracted_s": {"layer": layer_host, "expert_body": body_host, "step": step_host},
         "traffic_bytes": dataclasses.asdict(tr),
         "pools": {
             "layers": len(pf.layers),
             "experts": len(pf.experts),
-            "top_models": len(pf.top),
+            "output_heads": len(pf.heads),
             "model_weight_bytes": model_weight_bytes(full_w),
             "llc_bytes": llc_bytes,
             "weights": "from DRAM"
