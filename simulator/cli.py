@@ -50,6 +50,8 @@ COMMANDS: list[tuple[str, str]] = [
     ("compare_cmd", "compare"),
     ("doctor_cmd", "doctor"),
     ("learn_cmd", "learn"),
+    ("probe_cmd", "probe"),
+    ("check_cmd", "check"),
 ]
 
 

@@ -191,6 +191,39 @@ def expert_kernels(model: ModelShape) -> int:
     return 2 * model.expert_matrices - 1
 
 
+@dataclass(frozen=True)
+class DeviceHostCosts:
+    """Host time a runtime whose device is the host thread itself (``RuntimeProfile.
+    host_device``: PyTorch eager on the CPU) adds to the device's work, µs (docs/cost-model.md,
+    "A device on the host thread"). On such a device an op's host time and its arithmetic run
+    one after the other on one thread, so they add up."""
+
+    #: per forward pass (spread evenly over its MoE layers' non-expert parts, as the output
+    #: head's bytes are)
+    step_us: float = 0.0
+    #: per transformer block outside its routed experts (attention, norms, router, the block's
+    #: own code)
+    block_us: float = 0.0
+    #: per routed expert call
+    expert_us: float = 0.0
+
+
+def _interp(tokens: tuple[int, ...], values: tuple[float, ...], n: float) -> float:
+    """A measured per-token-count table at ``n`` tokens, in seconds: linear between the
+    measured counts, the first value below the first count (a call costs at least its one-token
+    time), the last segment's slope (at least 0) beyond the last count."""
+    if n <= tokens[0]:
+        return values[0] * 1e-3
+    for i in range(1, len(tokens)):
+        if n <= tokens[i]:
+            a, b = tokens[i - 1], tokens[i]
+            return (values[i - 1] + (values[i] - values[i - 1]) * (n - a) / (b - a)) * 1e-3
+    if len(tokens) == 1:
+        return values[0] * 1e-3
+    slope = max(0.0, (values[-1] - values[-2]) / (tokens[-1] - tokens[-2]))
+    return (values[-1] + slope * (n - tokens[-1])) * 1e-3
+
+
 def _check_tokens(n_tokens: float, what: str = "n_tokens") -> None:
     if n_tokens < 0 or not math.isfinite(n_tokens):
         raise ValueError(f"{what} must be a finite number >= 0, got {n_tokens}")
@@ -242,6 +275,9 @@ class CostModel:
     #: precision (``RuntimeProfile.cpu_gemm_share``; docs/cost-model.md, "CPU GEMM by
     #: runtime"); empty: 1
     cpu_gemm_share: tuple[tuple[str, float], ...] = ()
+    #: a runtime whose device is the host thread (``RuntimeProfile.host_device``): the host
+    #: time it adds to the device's work (None: the device runs beside the host thread)
+    device_host: DeviceHostCosts | None = None
 
     # --- sizes -----------------------------------------------------------------------------------
     @cached_property
@@ -290,6 +326,30 @@ class CostModel:
             return None
         return m
 
+    @cached_property
+    def device_tables(self) -> MeasuredModel | None:
+        """The profile's measured device times of this model's modules (``device_tokens``
+        with ``device_expert_ms`` / ``device_layer_ms``), at this dtype; None without."""
+        m = self.measured
+        if m is None or m.device_tokens is None:
+            return None
+        return m
+
+    @cached_property
+    def _host_block_s(self) -> float:
+        """host_device: host seconds one MoE layer's non-expert part adds (its blocks, and its
+        share of the forward pass's own host time); 0 otherwise."""
+        h = self.device_host
+        if h is None:
+            return 0.0
+        m = self.model
+        return (h.block_us * m.layers / m.moe_layers + h.step_us / m.moe_layers) * 1e-6
+
+    @cached_property
+    def _host_expert_s(self) -> float:
+        """host_device: host seconds one routed expert call adds; 0 otherwise."""
+        return 0.0 if self.device_host is None else self.device_host.expert_us * 1e-6
+
     def _measured_load(self, pinned: bool) -> MeasuredModel | None:
         """The measured load that times copies on this path (only with an explicit override)."""
         m = self.measured
@@ -321,7 +381,16 @@ class CostModel:
     def _gpu_expert(self, n: float) -> float:
         if n <= 0:
             return 0.0
-        return self._gpu_expert_roof(n) + self._gpu_expert_kernels * self.kernel_s(n)
+        t = self.device_tables
+        if t is not None and t.device_expert_ms is not None:
+            assert t.device_tokens is not None
+            # measured on this model's own shapes, launches included
+            return _interp(t.device_tokens, t.device_expert_ms, n) + self._host_expert_s
+        return (
+            self._gpu_expert_roof(n)
+            + self._gpu_expert_kernels * self.kernel_s(n)
+            + self._host_expert_s
+        )
 
     def _gpu_expert_roof(self, n: float) -> float:
         """Roofline of one GPU expert over n tokens: its weights streamed, its GEMM FLOPs."""
@@ -386,6 +455,27 @@ class CostModel:
         """Seconds for one GPU-resident expert to process n tokens (0 tokens: 0 s)."""
         _check_tokens(n_tokens)
         return self._gpu_expert(n_tokens)
+
+    @cached_property
+    def has_after_copy(self) -> bool:
+        """Whether the profile measured this model's expert calls right after their copy
+        (``device_copied_expert_ms``): then :meth:`gpu_expert_after_copy_s` differs from
+        :meth:`gpu_expert_s`."""
+        t = self.device_tables
+        return t is not None and t.device_copied_expert_ms is not None
+
+    def gpu_expert_after_copy_s(self, n_tokens: int) -> float:
+        """Seconds of a GPU expert for n tokens whose weights the same layer has just copied
+        in (a fetch or a temporary copy): the profile's measured ``device_copied_expert_ms``
+        (on a CPU standing in for a GPU the copy leaves an expert that fits in the caches
+        there, so its call reads them from the cache, not from DRAM; docs/cost-model.md,
+        "A device on the host thread"), else :meth:`gpu_expert_s`."""
+        _check_tokens(n_tokens)
+        t = self.device_tables
+        if n_tokens <= 0 or t is None or t.device_copied_expert_ms is None:
+            return self._gpu_expert(n_tokens)
+        assert t.device_tokens is not None
+        return _interp(t.device_tokens, t.device_copied_expert_ms, n_tokens) + self._host_expert_s
 
     def fused_gpu_expert_s(self, n_tokens: int) -> float:
         """One GPU expert's share of a fused MoE call over n tokens: its roofline only (its
@@ -526,6 +616,23 @@ class CostModel:
         rate = link.h2d_pinned_gbs if pinned else link.h2d_pageable_gbs
         return self._copy(self.link_expert_bytes, rate) + self.convert_expert_s()
 
+    def h2d_expert_warm_s(self, pinned: bool) -> float:
+        """Seconds of a copy into the slot of an expert the same layer computed (an in-use
+        victim's slot): the profile's measured ``load_warm_expert_ms`` on this path (on a CPU
+        standing in for a GPU that slot is still in the caches), else :meth:`h2d_expert_s`."""
+        m = self._measured_load(pinned)
+        if m is not None and m.load_warm_expert_ms is not None:
+            return m.load_warm_expert_ms * 1e-3
+        return self.h2d_expert_s(pinned)
+
+    def d2h_expert_warm_s(self, pinned: bool = True) -> float:
+        """Seconds of the write-back of an expert the same layer computed: the measured
+        ``writeback_warm_expert_ms`` on this path, else :meth:`d2h_expert_s`."""
+        m = self._measured_load(pinned)
+        if m is not None and m.writeback_warm_expert_ms is not None:
+            return m.writeback_warm_expert_ms * 1e-3
+        return self.d2h_expert_s(pinned)
+
     def low_bit_expert_bytes(self, dtype: str) -> int:
         """Bytes of one expert's low-precision host copy (HOBBIT's mixed-precision loading)."""
         return self.model.expert_bytes(dtype)
@@ -538,7 +645,11 @@ class CostModel:
         return self._copy(self.low_bit_expert_bytes(dtype), rate)
 
     def d2h_expert_s(self, pinned: bool = True) -> float:
-        """Seconds to copy one expert device -> host into pinned or pageable memory."""
+        """Seconds to copy one expert device -> host into pinned or pageable memory (a measured
+        ``writeback_expert_ms`` with ``load_overrides_link`` on this path replaces it)."""
+        m = self._measured_load(pinned)
+        if m is not None and m.writeback_expert_ms is not None:
+            return m.writeback_expert_ms * 1e-3
         link = self.hw.link
         rate = link.d2h_pinned_gbs if pinned else link.d2h_pageable_gbs
         return self._copy(self.link_expert_bytes, rate) + self.convert_expert_s()
@@ -582,6 +693,14 @@ class CostModel:
         _check_tokens(context, "context")
         if n_tokens == 0:
             return 0.0
+        t = self.device_tables
+        if t is not None and t.device_layer_ms is not None:
+            assert t.device_tokens is not None
+            # measured at context 0 on this model's shapes; the cached context is read on top
+            m = self.model
+            kv = m.kv_bytes_per_token / m.moe_layers * context
+            measured = _interp(t.device_tokens, t.device_layer_ms, n_tokens)
+            return measured + kv / self._nonexpert_bw + self._host_block_s
         moved = self._nonexpert_moved(n_tokens, context)
         if eager_attention:
             scores = self.eager_attention_scores(n_tokens, context)
@@ -611,7 +730,8 @@ class CostModel:
         params = (m.non_expert_params - m.embedding_params) / m.moe_layers
         flops = 2.0 * params * n_tokens + 4.0 * attn_pairs * m.hidden * blocks
         roof = max(moved / self._nonexpert_bw, flops / self.gpu_gemm_flops(n_tokens))
-        return roof + NONEXPERT_KERNELS_PER_BLOCK * blocks * self.kernel_s(n_tokens)
+        launches = NONEXPERT_KERNELS_PER_BLOCK * blocks * self.kernel_s(n_tokens)
+        return roof + launches + self._host_block_s
 
     def nonexpert_batch_layer_s(self, n_tokens: int, kv_tokens: int) -> float:
         """Seconds of one MoE layer's non-expert part for a batched decode step: ``n_tokens``
@@ -908,15 +1028,21 @@ class CostModel:
     # --- provenance ------------------------------------------------------------------------------
     def uses_measured(self) -> dict[str, bool]:
         """Which costs come from the profile's measured constants (the rest are formulas)."""
+        t = self.device_tables
+
+        def wb(pinned: bool) -> bool:
+            m = self._measured_load(pinned)
+            return m is not None and m.writeback_expert_ms is not None
+
         return {
-            "gpu_expert": False,
+            "gpu_expert": t is not None and t.device_expert_ms is not None,
             "cpu_expert": self.measured is not None,
             "h2d_expert_pinned": self._measured_load(True) is not None,
             "h2d_expert_pageable": self._measured_load(False) is not None,
-            "d2h_expert_pinned": False,
-            "d2h_expert_pageable": False,
+            "d2h_expert_pinned": wb(True),
+            "d2h_expert_pageable": wb(False),
             "activation_copy": False,
-            "nonexpert_layer": False,
+            "nonexpert_layer": t is not None and t.device_layer_ms is not None,
         }
 
     # --- the SSD tier (docs/serving.md, "An SSD tier") ------------------------------------------
@@ -1009,27 +1135,57 @@ class CostModel:
         k = self._gpu_expert_kernels
         dq = dequant_bytes_per_weight(self.model.dtype)
         dq_s = f" + {dq:g} B x params (scale dequantisation)" if dq else ""
-        return {
-            "gpu_expert": (
+        host = self.device_host
+        ex_host = f" + {host.expert_us:g} us host (runtime expert_host_us)" if host else ""
+        ne_host = (
+            f" + host: block_host_us x blocks/layer + step_host_us / moe_layers "
+            f"({self._host_block_s * 1e6:.1f} us)"
+            if host
+            else ""
+        )
+        t = self.device_tables
+        mname = f"measured.{self.model.name}"
+        gpu_expert = (
+            f"measured: {mname}.device_expert_ms at device_tokens, interpolated{ex_host}"
+            if t is not None and t.device_expert_ms is not None
+            else (
                 f"roofline: max((expert_bytes{dq_s} + activations) / {bw_s}, 2 x params x n / "
-                f"gpu.bf16_tflops) + {k} x gpu.launch_overhead_us"
-            ),
+                f"gpu.bf16_tflops) + {k} x gpu.launch_overhead_us{ex_host}"
+            )
+        )
+        nonexpert = (
+            f"measured: {mname}.device_layer_ms at device_tokens, interpolated, + KV bytes x "
+            f"context / {ne_bw_s}{ne_host}"
+            if t is not None and t.device_layer_ms is not None
+            else (
+                "roofline: max((non-expert bytes / moe_layers + KV bytes x (context + n)) / "
+                f"{ne_bw_s}, flops / gpu.bf16_tflops) + "
+                f"{NONEXPERT_KERNELS_PER_BLOCK} x blocks/layer x gpu.launch_overhead_us{ne_host}"
+            )
+        )
+
+        def d2h(pinned: bool) -> str:
+            mm = self._measured_load(pinned)
+            if mm is not None and mm.writeback_expert_ms is not None:
+                return (
+                    f"measured override: {mm.writeback_expert_ms} ms ({mname}."
+                    f"writeback_expert_ms, load_overrides_link = true; {mm.source})"
+                )
+            rate = "d2h_pinned_gbs" if pinned else "d2h_pageable_gbs"
+            return f"link: copy_overhead_us + {host_b} / link.{rate}{conv}"
+
+        return {
+            "gpu_expert": gpu_expert,
             "cpu_expert": cpu,
             "h2d_expert_pinned": h2d(True),
             "h2d_expert_pageable": h2d(False),
-            "d2h_expert_pinned": f"link: copy_overhead_us + {host_b} / link.d2h_pinned_gbs{conv}",
-            "d2h_expert_pageable": (
-                f"link: copy_overhead_us + {host_b} / link.d2h_pageable_gbs{conv}"
-            ),
+            "d2h_expert_pinned": d2h(True),
+            "d2h_expert_pageable": d2h(False),
             "activation_copy": (
                 "link: copy_overhead_us + n x hidden x 2 B / min(link.h2d_pinned_gbs, "
                 "link.d2h_pinned_gbs)"
             ),
-            "nonexpert_layer": (
-                "roofline: max((non-expert bytes / moe_layers + KV bytes x (context + n)) / "
-                f"{ne_bw_s}, flops / gpu.bf16_tflops) + "
-                f"{NONEXPERT_KERNELS_PER_BLOCK} x blocks/layer x gpu.launch_overhead_us"
-            ),
+            "nonexpert_layer": nonexpert,
         }
 
     # --- power -----------------------------------------------------------------------------------
@@ -1099,6 +1255,7 @@ def _cached(
     fused_moe_stream_efficiency: float,
     gpu_gemm_half_tokens: float,
     cpu_gemm_share: tuple[tuple[str, float], ...],
+    device_host: DeviceHostCosts | None,
 ) -> CostModel:
     return CostModel(
         hw=hw,
@@ -1112,6 +1269,7 @@ def _cached(
         fused_moe_stream_efficiency=fused_moe_stream_efficiency,
         gpu_gemm_half_tokens=gpu_gemm_half_tokens,
         cpu_gemm_share=cpu_gemm_share,
+        device_host=device_host,
     )
 
 
@@ -1127,6 +1285,7 @@ def cost_model(
     fused_moe_stream_efficiency: float = 0.0,
     gpu_gemm_half_tokens: float = 0.0,
     cpu_gemm_share: tuple[tuple[str, float], ...] = (),
+    device_host: DeviceHostCosts | None = None,
 ) -> CostModel:
     """The cost model of a profile (or its name/path) and a model shape (or preset name), with
     the runtime's CPU kernels (``RuntimeProfile.cpu_kernels``), for a run whose one-token
@@ -1135,7 +1294,9 @@ def cost_model(
     call and per CPU-resident layer (``RuntimeProfile.cpu_call_s``/``cpu_layer_s``, µs) and
     its fused MoE call's fixed device time and stream share (``RuntimeProfile.
     fused_moe_call_us``/``fused_moe_stream_efficiency``), its GPU GEMM half point
-    (``gpu_gemm_half_tokens``) and its CPU GEMM shares (``cpu_gemm_share``); cached."""
+    (``gpu_gemm_half_tokens``), its CPU GEMM shares (``cpu_gemm_share``) and, for a runtime
+    whose device is the host thread, the host time it adds to the device's work
+    (``device_host``); cached."""
     profile = load_profile(hw) if isinstance(hw, str) else hw
     shape = get_model(model) if isinstance(model, str) else model
     dtype_bytes(shape.dtype)
@@ -1164,6 +1325,14 @@ def cost_model(
     for k, v in shares:
         if not math.isfinite(v) or not 0.0 < v <= 1.0:
             raise ValueError(f"cpu_gemm_share[{k!r}] must be in (0, 1], got {v}")
+    if device_host is not None:
+        for name, v in (
+            ("step_us", device_host.step_us),
+            ("block_us", device_host.block_us),
+            ("expert_us", device_host.expert_us),
+        ):
+            if v < 0 or not math.isfinite(v):
+                raise ValueError(f"device_host.{name} must be a finite number >= 0, got {v}")
     return _cached(
         profile,
         shape,
@@ -1176,4 +1345,5 @@ def cost_model(
         float(fe),
         float(gpu_gemm_half_tokens),
         shares,
+        device_host,
     )

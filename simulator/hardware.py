@@ -8,6 +8,7 @@ docs/hardware-profiles.md.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from dataclasses import asdict, dataclass, field
@@ -32,7 +33,9 @@ class GpuSpec:
     usable_fraction: float  # share of memory_gb the runtime can allocate (context, fragmentation)
     mem_bw_gbs: float  # sustained device-memory bandwidth, GB/s
     bf16_tflops: float  # dense BF16 (FP32-accumulate) tensor throughput, TFLOPS
-    launch_overhead_us: float  # device-visible cost of one eager kernel launch, µs
+    #: device-visible cost of one eager kernel launch, µs (0 for a device driven by the host
+    #: thread itself, whose kernels' call costs are its runtime's host costs)
+    launch_overhead_us: float
     workspace_gb: float  # activations and allocator reserve kept free of weights, GB
     #: the vendor's (spec) memory bandwidth, GB/s, where ``mem_bw_gbs`` is a measured rate below
     #: it; None: ``mem_bw_gbs`` is the spec figure itself. A runtime's ``gpu_stream_efficiency``
@@ -247,6 +250,26 @@ class MeasuredModel:
     source: str
     dtype: str = "bf16"  # expert precision the measurement was taken at
     load_overrides_link: bool = False  # time copies on load_path with load_expert_ms
+    #: one expert device -> host as measured; with ``load_overrides_link`` it times write-backs
+    #: (None: the link's d2h rate)
+    writeback_expert_ms: float | None = None
+    #: with ``load_overrides_link``: the copy into, and the write-back out of, the slot of an
+    #: expert the same layer computed (an in-use victim's: on a CPU standing in for a GPU that
+    #: slot is still in the caches); None: the two above
+    load_warm_expert_ms: float | None = None
+    writeback_warm_expert_ms: float | None = None
+    #: device times measured for this model's own module shapes (``daopsim probe --model``):
+    #: at each token count of ``device_tokens`` (strictly increasing, from 1), one routed
+    #: expert call (``device_expert_ms``) and one MoE layer's non-expert part at context 0 with
+    #: its share of the output head (``device_layer_ms``); kernel launches included. They
+    #: replace the roofline of those parts for this model at ``dtype`` (docs/cost-model.md,
+    #: "Measured module times")
+    device_tokens: tuple[int, ...] | None = None
+    device_expert_ms: tuple[float, ...] | None = None
+    device_layer_ms: tuple[float, ...] | None = None
+    #: the same expert call right after its copy into a slot (its weights then in whatever
+    #: cache the copy left them; ``gpu_expert_after_copy_s``)
+    device_copied_expert_ms: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -317,8 +340,10 @@ class HardwareProfile:
 
 
 # --- schema -------------------------------------------------------------------------------------
-# (key, type) per section. "pos" = positive number (int or float), "frac" = number in (0, 1],
-# "int+" = positive integer, "str" = non-empty string, or a tuple of allowed strings.
+# (key, type) per section. "pos" = positive number (int or float), "nonneg" = number >= 0,
+# "frac" = number in (0, 1], "int+" = positive integer, "str" = non-empty string, "tokens" = a
+# list of token counts (1, then strictly increasing), "posarray" = a list of positive numbers,
+# or a tuple of allowed strings.
 _Schema = dict[str, Any]
 
 _TOP: _Schema = {"name": "str", "description": "str"}
@@ -328,7 +353,7 @@ _GPU: _Schema = {
     "usable_fraction": "frac",
     "mem_bw_gbs": "pos",
     "bf16_tflops": "pos",
-    "launch_overhead_us": "pos",
+    "launch_overhead_us": "nonneg",
     "workspace_gb": "pos",
     "spec_mem_bw_gbs": "pos",
     "memory_type": MEMORY_TYPES,
@@ -407,8 +432,25 @@ _MEASURED: _Schema = {
     "source": "str",
     "dtype": "str",
     "load_overrides_link": "bool",
+    "writeback_expert_ms": "pos",
+    "load_warm_expert_ms": "pos",
+    "writeback_warm_expert_ms": "pos",
+    "device_tokens": "tokens",
+    "device_expert_ms": "posarray",
+    "device_layer_ms": "posarray",
+    "device_copied_expert_ms": "posarray",
 }
-_MEASURED_OPTIONAL = {"dtype", "load_overrides_link"}
+_MEASURED_OPTIONAL = {
+    "dtype",
+    "load_overrides_link",
+    "writeback_expert_ms",
+    "load_warm_expert_ms",
+    "writeback_warm_expert_ms",
+    "device_tokens",
+    "device_expert_ms",
+    "device_layer_ms",
+    "device_copied_expert_ms",
+}
 
 #: Largest accepted value per key: generous physical bounds, an order of magnitude or more above
 #: any machine built so far (docs/hardware-profiles.md, "Ranges"), so a typo such as
@@ -453,6 +495,9 @@ MAX_VALUES: dict[str, float] = {
     "ssd.read_latency_us": 1e6,
     "measured.cpu_expert_ms": 1_000_000,
     "measured.load_expert_ms": 1_000_000,
+    "measured.writeback_expert_ms": 1_000_000,
+    "measured.load_warm_expert_ms": 1_000_000,
+    "measured.writeback_warm_expert_ms": 1_000_000,
 }
 
 
@@ -552,6 +597,8 @@ def _check_value(path: Path, key: str, kind: Any, value: Any) -> Any:
             _check_range(path, f"{key}.{fam}", number)
             pairs.append((fam, number))
         return tuple(sorted(pairs))
+    if kind in ("tokens", "posarray"):
+        return _check_array(path, key, kind, value)
     if kind == "int+":
         if isinstance(value, bool) or not isinstance(value, int):
             raise ProfileError(path, f"must be an integer; got {type(value).__name__}", key)
@@ -562,11 +609,36 @@ def _check_value(path: Path, key: str, kind: Any, value: Any) -> Any:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ProfileError(path, f"must be a number; got {type(value).__name__}", key)
     number = float(value)
+    if kind == "nonneg":
+        if not math.isfinite(number) or number < 0:
+            raise ProfileError(path, f"must be a finite number >= 0; got {value}", key)
+        return number
     if not math.isfinite(number) or number <= 0:
         raise ProfileError(path, f"must be a positive number; got {value}", key)
     if kind == "frac" and number > 1:
         raise ProfileError(path, f"must be in (0, 1]; got {value}", key)
     return number
+
+
+def _check_array(path: Path, key: str, kind: str, value: Any) -> tuple[Any, ...]:
+    """A non-empty list: ``tokens`` strictly increasing positive integers starting at 1,
+    ``posarray`` positive finite numbers (at most the key's bound)."""
+    if not isinstance(value, list) or not value:
+        raise ProfileError(path, "must be a non-empty list of numbers", key)
+    if kind == "tokens":
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in value):
+            raise ProfileError(path, "must be a list of integers", key)
+        if value[0] != 1 or any(b <= a for a, b in itertools.pairwise(value)):
+            raise ProfileError(path, "must start at 1 and increase strictly", key)
+        return tuple(value)
+    out = []
+    for v in value:
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise ProfileError(path, f"must be a list of numbers; got {v!r}", key)
+        if not math.isfinite(v) or v <= 0 or v > 1_000_000:
+            raise ProfileError(path, f"must hold positive numbers up to 1e6; got {v!r}", key)
+        out.append(float(v))
+    return tuple(out)
 
 
 def _section(
@@ -654,6 +726,7 @@ def parse_profile(data: dict[str, Any], path: str | os.PathLike[str]) -> Hardwar
         fields = _section(p, table, _MEASURED, f"measured.{model_name}.", _MEASURED_OPTIONAL)
         if "dtype" in fields:
             _check_dtype(p, f"measured.{model_name}.dtype", fields["dtype"])
+        _check_device_tables(p, f"measured.{model_name}.", fields)
         measured[model_name.lower()] = MeasuredModel(**fields)
     ssd = SsdSpec(**_section(p, data["ssd"], _SSD, "ssd.")) if "ssd" in data else None
     multi = _multi(p, data)
@@ -732,6 +805,22 @@ def _multi(p: Path, data: dict[str, Any]) -> MultiGpuSpec | None:
         peer_latency_us=peer.get("latency_us"),
         peer_pairs=pairs,
     )
+
+
+def _check_device_tables(path: Path, prefix: str, fields: dict[str, Any]) -> None:
+    """``device_expert_ms`` and ``device_layer_ms`` need ``device_tokens``, one value each."""
+    tokens = fields.get("device_tokens")
+    for key in ("device_expert_ms", "device_layer_ms", "device_copied_expert_ms"):
+        table = fields.get(key)
+        if table is None:
+            continue
+        if tokens is None:
+            raise ProfileError(path, "needs device_tokens (the token counts it was measured at)",
+                               f"{prefix}{key}")  # fmt: skip
+        if len(table) != len(tokens):
+            raise ProfileError(
+                path, f"has {len(table)} values for {len(tokens)} device_tokens", f"{prefix}{key}"
+            )
 
 
 def _check_dtype(path: Path, key: str, dtype: str) -> None:

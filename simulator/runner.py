@@ -23,7 +23,7 @@ from daopsim.policies.base import Policy, ResourceSpec, low_bit_slots_per_expert
 from daopsim.policies.registry import get_policy_class
 from daopsim.simulator.boundary import check_declarations, construct_policy
 from daopsim.simulator.core.loop import Engine
-from daopsim.simulator.costs import CostModel, cost_model
+from daopsim.simulator.costs import CostModel, DeviceHostCosts, cost_model
 from daopsim.simulator.data import resolve_trace
 from daopsim.simulator.errors import DoesNotFit, UserError, check_seed
 from daopsim.simulator.hardware import HardwareProfile, load_profile
@@ -437,7 +437,15 @@ def runtime_cost_model(
         rt.fused_moe_stream_efficiency if rt.fused_moe else 0.0,
         rt.gpu_gemm_half_tokens,
         rt.cpu_gemm_share if rt.cpu_kernels == "ggml" else (),
+        device_host(rt),
     )
+
+
+def device_host(rt: RuntimeProfile) -> DeviceHostCosts | None:
+    """The host time a ``host_device`` runtime adds to its device's work (None otherwise)."""
+    if not rt.host_device:
+        return None
+    return DeviceHostCosts(rt.step_host_us, rt.block_host_us, rt.expert_host_us)
 
 
 def graph_replays(

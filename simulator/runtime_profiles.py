@@ -23,7 +23,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from daopsim.simulator.data import profiles_dir
+from daopsim.simulator.data import profiles_dir, read_toml
 from daopsim.simulator.errors import UserError, did_you_mean
 
 
@@ -81,7 +81,51 @@ FIELDS: tuple[tuple[str, type, str], ...] = (
         "GEMV_MAX_TOKENS tokens reaches half of gpu.bf16_tflops: a product over n tokens runs "
         "at n / (n + this) of it (0: every product at the full rate)",
     ),
+    (
+        "step_host_us",
+        float,
+        "host_device: host time of one forward pass outside its blocks (the model's call, "
+        "embedding lookup, positions, mask, rotary tables, final norm, output head call, token "
+        "pick)",
+    ),
+    (
+        "attention_host_us",
+        float,
+        "host_device: host time of one attention module call (projections, rotary, cache "
+        "update, attention kernel, output projection) beyond its arithmetic",
+    ),
+    ("norm_host_us", float, "host_device: host time of one RMSNorm module call (two per block)"),
+    (
+        "router_host_us",
+        float,
+        "host_device: host time of one router call (gate, softmax, top-k, renormalisation)",
+    ),
+    (
+        "layer_glue_host_us",
+        float,
+        "host_device: host time of a block's own code outside its modules (the decoder layer's "
+        "call and residual adds, the MoE block's call, one-hot, hit list and output buffer)",
+    ),
+    (
+        "expert_host_us",
+        float,
+        "host_device: host time of one routed expert call in the MoE loop (token gather, the "
+        "expert's linears and activation, routing weight, scatter-add) beyond its arithmetic",
+    ),
 )
+#: fields a runtime may set only with ``host_device = true``: on an asynchronous device the
+#: host's time is ``kernels x dispatch_us`` on the host thread, beside the device's
+HOST_DEVICE_FIELDS = (
+    "step_host_us",
+    "attention_host_us",
+    "norm_host_us",
+    "router_host_us",
+    "layer_glue_host_us",
+    "expert_host_us",
+)
+#: norm modules of one transformer block (the input and post-attention RMSNorms of a pre-norm
+#: block: every family of the catalogue; Qwen3's per-head q/k norms are inside its attention)
+NORMS_PER_BLOCK = 2
 _NUMERIC = {name: typ for name, typ, _ in FIELDS}
 #: meaning of ``gpu_stream_efficiency`` (a share in (0, 1], default 1: not one of the
 #: zero-default ``FIELDS``)
@@ -196,10 +240,36 @@ class RuntimeProfile:
             memory_type, self.gpu_stream_efficiency
         )
 
+    #: the device is the host CPU itself, driven by the host thread (PyTorch eager on the CPU:
+    #: the closed loop's stand-in for a GPU, docs/cost-model.md "A device on the host
+    #: thread"): every op's host time and its arithmetic run one after the other on one thread,
+    #: so the ``*_host_us`` fields are added to the device time of the parts they belong to and
+    #: no host thread runs beside the device (``dispatch_us``, ``sync_us`` and ``step_us`` are 0)
+    host_device: bool = False
+    #: host_device: per forward pass, per module call and per routed expert call (µs; see
+    #: ``FIELDS``); 0 in every other profile
+    step_host_us: float = 0.0
+    attention_host_us: float = 0.0
+    norm_host_us: float = 0.0
+    router_host_us: float = 0.0
+    layer_glue_host_us: float = 0.0
+    expert_host_us: float = 0.0
+
     @property
     def free(self) -> bool:
         """True when the host thread costs nothing: the engines then skip it entirely."""
         return self.dispatch_us == 0.0 and self.step_us == 0.0 and self.sync_us == 0.0
+
+    @property
+    def block_host_us(self) -> float:
+        """host_device: host µs of one transformer block outside its experts: the attention,
+        ``NORMS_PER_BLOCK`` norms, the router and the block's own code."""
+        return (
+            self.attention_host_us
+            + NORMS_PER_BLOCK * self.norm_host_us
+            + self.router_host_us
+            + self.layer_glue_host_us
+        )
 
     @property
     def replays_graphs(self) -> bool:
@@ -228,6 +298,7 @@ class RuntimeProfile:
         out["cpu_kernels"] = self.cpu_kernels
         out["cpu_gemm_share"] = dict(self.cpu_gemm_share)
         out["gpu_stream_efficiency_by_memory"] = dict(self.gpu_stream_efficiency_by_memory)
+        out["host_device"] = self.host_device
         return out
 
     @property
@@ -247,6 +318,7 @@ def parse_runtime(data: dict[str, Any], where: str) -> RuntimeProfile:
         "gpu_stream_efficiency",
         "cpu_gemm_share",
         "gpu_stream_efficiency_by_memory",
+        "host_device",
     )
     known = {"name", "summary", "source", *others, *_NUMERIC}
     for key in data:
@@ -269,11 +341,12 @@ def parse_runtime(data: dict[str, Any], where: str) -> RuntimeProfile:
     for key in sources:
         if key not in _NUMERIC and key not in others:
             raise UserError(f"{where}: [source] names unknown field {key!r}")
-    for flag in ("fused_moe", "graph_all_policies"):
+    for flag in ("fused_moe", "graph_all_policies", "host_device"):
         v = data.get(flag, False)
         if not isinstance(v, bool):
             raise UserError(f"{where}: field {flag!r} must be true or false, got {v!r}")
         values[flag] = v
+    _check_host_device(values, where)
     if values["fused_moe_stream_efficiency"] > 1.0:
         raise UserError(
             f"{where}: field 'fused_moe_stream_efficiency' must be at most 1, "
@@ -349,6 +422,35 @@ def _share_table(
     return tuple(sorted(out))
 
 
+def _check_host_device(values: dict[str, Any], where: str) -> None:
+    """A ``host_device`` runtime charges host time with the device's (no host thread beside
+    it); an asynchronous one cannot state host time per module."""
+    if values["host_device"]:
+        for key in ("dispatch_us", "sync_us", "step_us", "graph_kernel_us"):
+            if values[key]:
+                raise UserError(
+                    f"{where}: field {key!r} must be 0 with host_device = true (the device is "
+                    "the host thread: its host costs are the *_host_us fields)"
+                )
+        if values["fused_moe"]:
+            raise UserError(f"{where}: field 'fused_moe' cannot be combined with host_device")
+        return
+    for key in HOST_DEVICE_FIELDS:
+        if values[key]:
+            raise UserError(
+                f"{where}: field {key!r} needs host_device = true (an asynchronous runtime "
+                "states its host time as kernels x dispatch_us)"
+            )
+
+
+def read_runtime(path: str | Path) -> RuntimeProfile:
+    """A runtime profile from a TOML file of one's own (``daopsim probe`` writes one); a
+    missing or malformed file is a one-line ``UserError`` naming it."""
+    p = Path(path).expanduser()
+    data = read_toml(p, "runtime profile")  # one reader for every text input (data.py)
+    return parse_runtime(data, str(p))
+
+
 @cache
 def _bundled() -> dict[str, RuntimeProfile]:
     out: dict[str, RuntimeProfile] = {}
@@ -367,10 +469,13 @@ def runtime_names() -> list[str]:
 
 
 def get_runtime(name: str | RuntimeProfile) -> RuntimeProfile:
-    """A bundled profile by name (a profile passes through); unknown names are a UserError."""
+    """A bundled profile by name, or a TOML file of one's own by path (``*.toml``, or any path
+    that exists; a profile passes through); unknown names are a UserError."""
     if isinstance(name, RuntimeProfile):
         return name
     prof = _bundled().get(name)
+    if prof is None and (str(name).endswith(".toml") or Path(str(name)).expanduser().is_file()):
+        return read_runtime(name)
     if prof is None:
         hint = did_you_mean(name, runtime_names())
         raise UserError(f"unknown runtime {name!r}{hint} (known: {', '.join(runtime_names())})")

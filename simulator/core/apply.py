@@ -77,7 +77,7 @@ class Applier:
                 low = bool(plan.low_bit) and e in plan.low_bit
                 op = self._fetch(layer, e, "fetch", plan.victims.get(e), needed, w, low)
                 self.c.fetches += 1
-                w.gpu.append(GpuJob(e, 0.0, op))
+                w.gpu.append(GpuJob(e, 0.0, op, True))
             elif a == A_TEMP:
                 temps.append(e)
             elif a == A_CPU:
@@ -86,7 +86,7 @@ class Applier:
                 w.results.append(self.precalc.pop((layer, e)))
         self._count_accesses(layer, len(routed), hits, prefill)
         for e in temps:
-            w.gpu.append(GpuJob(e, 0.0, self._temp(layer, e, plan.low_bit, w)))
+            w.gpu.append(GpuJob(e, 0.0, self._temp(layer, e, plan.low_bit, w), True))
         for entry in plan.prefetch:
             pl, pe = _int(entry[0]), _int(entry[1])
             self._fetch(pl, pe, "prefetch", entry[2], needed, w)
@@ -143,7 +143,9 @@ class Applier:
         if landing > 0.0:
             c.evictions_in_flight += 1
         if layer == w.layer and expert in needed:
-            w.deferred[expert] = self._writeback_op(layer, expert, w)
+            wb = self._writeback_op(layer, expert, w)
+            wb.warm = True  # written back after this layer's computation of it
+            w.deferred[expert] = wb
             return
         if res.prefetched[i]:
             res.prefetched[i] = 0
@@ -174,9 +176,13 @@ class Applier:
     def _fetch(self, layer: int, expert: int, kind: str, victim: Any, needed: set[int],
                w: LayerWork, low: bool = False) -> Op:  # fmt: skip
         """Copy an expert into a slot (``kind``: a fetch or a prefetch), after its victim."""
+        warm = False
         if victim is not None:
-            self._evict(_int(victim[0]), _int(victim[1]), needed, w)
+            vl, ve = _int(victim[0]), _int(victim[1])
+            warm = vl == w.layer and ve in needed  # into the slot of an expert computed here
+            self._evict(vl, ve, needed, w)
         op = self._op(FETCH, kind, layer, expert, w)
+        op.warm = warm
         self.res.insert(layer * self.res.n_experts + expert, op)
         self._copied(op, low)
         w.ops.append(op)

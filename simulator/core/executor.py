@@ -182,10 +182,11 @@ class Executor:
         self._landed(op, op.end)
 
     def _load(self, op: Op, link: Link) -> tuple[float, int]:
-        """A copy's duration and bytes: the host's low-precision copy's when ``op.low``."""
+        """A copy's duration and bytes: the host's low-precision copy's when ``op.low``; into
+        the slot of an expert this layer computed (``op.warm``), the measured warm copy's."""
         if op.low:
             return self.m.low_bit_s, self.m.low_bit_bytes
-        return link.expert_s, self.expert_bytes
+        return (link.warm_s if op.warm else link.expert_s), self.expert_bytes
 
     def _copy(self, t: float, op: Op, link: Link, dur: float, nbytes: int, kind: str) -> float:
         """Serve a host-to-device copy of ``op`` submitted at ``t``; returns its end."""
@@ -229,7 +230,7 @@ class Executor:
         up_h, up_d = self.m.uplinks[op.dev]
         h2d, d2h = up_h.lane, up_d.lane
         s = max(t, h2d.free_at, d2h.free_at)
-        dur = up_d.expert_s
+        dur = up_d.warm_s if op.warm else up_d.expert_s
         e = s + dur
         h2d.free_at = d2h.free_at = e
         d2h.busy += dur
@@ -513,7 +514,7 @@ class Executor:
                 c.transfer_stall += ready - gk
                 gk = ready
             n = 1 if counts is None else int(counts[e])
-            d = m.gpu_s(n)
+            d = m.gpu_copied_s(n) if job.copied else m.gpu_s(n)
             if st.fused:  # the layer's fused call, charged with the GPU's first expert
                 st.fused = False
                 d += m.fused_launch_s

@@ -21,15 +21,23 @@ from daopsim.simulator.core.resources import CpuJob, HostThread, Lane, SharedCpu
 class Link:
     """A transfer path between two memories: the lane it runs on and what a copy costs."""
 
-    __slots__ = ("activation_s", "expert_s", "lane", "name")
+    __slots__ = ("activation_s", "expert_s", "lane", "name", "warm_s")
 
     def __init__(
-        self, name: str, lane: Lane, expert_s: float, activation_s: Callable[[int], float]
+        self,
+        name: str,
+        lane: Lane,
+        expert_s: float,
+        activation_s: Callable[[int], float],
+        warm_s: float = -1.0,
     ) -> None:
         self.name = name
         self.lane = lane
         #: seconds to move one expert's weights over this link
         self.expert_s = expert_s
+        #: the same into, or out of, the slot of an expert the layer computed (its weights still
+        #: in the caches: ``costs.h2d_expert_warm_s``); negative: ``expert_s``
+        self.warm_s = expert_s if warm_s < 0.0 else warm_s
         #: seconds to move the activations of n tokens
         self.activation_s = activation_s
 
@@ -74,6 +82,10 @@ class Machine:
         #: layer runs on each GPU stream
         fused = runtime is not None and runtime.fused_moe
         self.gpu_s = _memo(costs.fused_gpu_expert_s if fused else costs.gpu_expert_s)
+        #: an expert this layer copied in (a fetch or a temporary copy): its own measured cost
+        #: where the profile has one (the copy left its weights in a cache), else ``gpu_s``
+        after = not fused and costs.has_after_copy
+        self.gpu_copied_s = _memo(costs.gpu_expert_after_copy_s) if after else self.gpu_s
         self.fused_launch_s: float = costs.fused_moe_layer_s() if fused else 0.0
         self.cpu_s = _memo(costs.cpu_expert_s)
         self._cpu_share = _memo(costs.cpu_share)
@@ -118,6 +130,7 @@ def _uplinks(costs: Any, pinned: bool, n: int, multi: Any) -> list[tuple[Link, L
     """Each GPU's (host-to-device, device-to-host) links; one pair for a shared uplink."""
     act = _memo(costs.activation_copy_s)
     h2d_s, d2h_s = costs.h2d_expert_s(pinned), costs.d2h_expert_s(pinned)
+    h2d_w, d2h_w = costs.h2d_expert_warm_s(pinned), costs.d2h_expert_warm_s(pinned)
     ups: list[tuple[Link, Link]] = []
     for k in range(1 if multi is None or multi.shared_uplink else n):
         sfx = "" if n == 1 else str(k)
@@ -125,7 +138,9 @@ def _uplinks(costs: Any, pinned: bool, n: int, multi: Any) -> list[tuple[Link, L
             hl, dl = Lane(f"h2d{sfx}"), Lane(f"d2h{sfx}")
         else:  # one copy engine: both directions share one FIFO lane
             hl = dl = Lane(f"copy{sfx}")
-        ups.append((Link(f"h2d{sfx}", hl, h2d_s, act), Link(f"d2h{sfx}", dl, d2h_s, act)))
+        ups.append(
+            (Link(f"h2d{sfx}", hl, h2d_s, act, h2d_w), Link(f"d2h{sfx}", dl, d2h_s, act, d2h_w))
+        )
     return [ups[0 if len(ups) == 1 else k] for k in range(n)]
 
 

@@ -94,7 +94,7 @@ class Op(Keyed):
 
     __slots__ = ("after", "at", "buf", "chain", "dev", "dst", "end", "expert", "gds", "gpu", "job",
                  "kind", "layer", "local", "low", "n", "rkind", "seq", "sid", "src", "ssd_read",
-                 "stage", "token")  # fmt: skip
+                 "stage", "token", "warm")  # fmt: skip
 
     def __init__(
         self, kind: int, rkind: str, seq: int, sid: int, token: int, layer: int, expert: int
@@ -110,6 +110,9 @@ class Op(Keyed):
         self.n = 1
         self.dev = 0
         self.low = False  # a TEMP copy of the low-precision host copy (Plan.low_bit)
+        #: a fetch into, or a write-back of, the slot of an expert this layer computed: its
+        #: victim's weights are still in the caches (``costs.h2d_expert_warm_s``)
+        self.warm = False
         self.buf = -1
         self.gpu = False  # a GPU computation of the current layer waits for this
         self.job: GpuJob | None = None  # ... that computation
@@ -134,18 +137,21 @@ class Op(Keyed):
 class GpuJob(Keyed):
     """A GPU expert computation of the current layer: its expert, the time its weights are
     there (``ready``) or the operation it waits for (``src``), the temporary buffer it frees
-    (``buf``, -1: none) and its GPU (``dev``). In a GPU's stream it is keyed (start, ready,
-    expert): streams run their computations by (ready time, expert)."""
+    (``buf``, -1: none), its GPU (``dev``) and whether this layer copied its weights
+    (``copied``: a fetch or a temporary copy; costed by ``gpu_expert_after_copy_s``). In a
+    GPU's stream it is keyed (start, ready, expert): streams run their computations by (ready
+    time, expert)."""
 
-    __slots__ = ("buf", "dev", "expert", "ready", "src")
+    __slots__ = ("buf", "copied", "dev", "expert", "ready", "src")
 
-    def __init__(self, expert: int, ready: float, src: Op | None) -> None:
+    def __init__(self, expert: int, ready: float, src: Op | None, copied: bool = False) -> None:
         super().__init__()
         self.expert = expert
         self.ready = ready
         self.src = src
         self.buf = -1
         self.dev = 0
+        self.copied = copied
 
 
 class LayerWork:

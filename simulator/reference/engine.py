@@ -77,6 +77,7 @@ class Op:
         "sid",
         "src",
         "token",
+        "warm",
     )
 
     def __init__(self, env: simpy.Environment, kind: str, seq: int, sid: int, token: int,
@@ -92,6 +93,7 @@ class Op:
         self.low = False
         self.local = False
         self.gds = False
+        self.warm = False  # into or out of the slot of an expert this layer computed
         self.read: simpy.Event | None = None
         #: a write-back of an expert evicted while its copy was in flight: that copy
         self.landing: Op | None = None
@@ -112,6 +114,7 @@ class LayerRun:
         self.counts = counts  # tokens per expert (prefill, batches) or None (one token)
         self.ops: list[Op] = []  # in issue order (a serial CPU task by its first call)
         self.gpu: list[tuple[int, Op | float]] = []  # (expert, its copy or landing time)
+        self.copied: set[int] = set()  # experts this layer copies in (fetches, temp copies)
         self.deferred: dict[int, Op] = {}  # in-use victims: written back after their compute
         self.cpu: list[Op] = []  # this layer's CPU experts (cpu_first waits for them)
         self.results: list[Op] = []  # the CPU results the layer needs
@@ -258,6 +261,9 @@ class ReferenceEngine:
         self._runtime = runtime
         self.eager_attention = eager
         self.gpu_s = functools.cache(costs.fused_gpu_expert_s if fused else costs.gpu_expert_s)
+        # an expert whose weights this layer copied in (a fetch or a temporary copy)
+        after = not fused and costs.has_after_copy
+        self.gpu_copied_s = functools.cache(costs.gpu_expert_after_copy_s) if after else self.gpu_s
         self.fused_launch_s = costs.fused_moe_layer_s() if fused else 0.0
         self.nonexpert_s = functools.cache(
             lambda n, ctx: costs.nonexpert_layer_s(n, ctx, eager_attention=eager)
@@ -269,6 +275,8 @@ class ReferenceEngine:
         self.peer_s = functools.cache(costs.peer_activation_s)
         self.h2d_s = costs.h2d_expert_s(pinned)
         self.d2h_s = costs.d2h_expert_s(pinned)
+        self.h2d_warm_s = costs.h2d_expert_warm_s(pinned)
+        self.d2h_warm_s = costs.d2h_expert_warm_s(pinned)
         low = spec.low_bit_dtype
         self.low_bit_s = costs.h2d_low_bit_expert_s(low, pinned) if low else 0.0
         self.low_bit_bytes = costs.low_bit_expert_bytes(low) if low else 0
@@ -797,6 +805,7 @@ class ReferenceEngine:
                     c.low_bit_copies += 1
                     c.h2d_bytes += self.low_bit_bytes - self.expert_bytes
                 lw.gpu.append((e, op))
+                lw.copied.add(e)
             elif a == TEMP:
                 temps.append(e)
             elif a == CPU:
@@ -823,6 +832,7 @@ class ReferenceEngine:
                 c.h2d_bytes += self.expert_bytes
             lw.ops.append(op)
             lw.gpu.append((e, op))
+            lw.copied.add(e)
         for pl, pe, victim in plan.prefetch:
             slot = (int(pl), int(pe))
             self._fetch(slot, "prefetch", victim, needed, lw)
@@ -875,7 +885,9 @@ class ReferenceEngine:
             landing = led.copy.pop((vl, ve))
             c.evictions_in_flight += 1
         if vl == lw.layer and ve in needed:
-            lw.deferred[ve] = self._writeback_op(vl, ve, lw)
+            wb = self._writeback_op(vl, ve, lw)
+            wb.warm = True  # after this layer's computation of it
+            lw.deferred[ve] = wb
             return
         if led.prefetched[vl, ve]:  # prefetched, never used
             led.prefetched[vl, ve] = False
@@ -901,9 +913,12 @@ class ReferenceEngine:
         return self._op("writeback", layer, expert, lw, self.gpu_of[layer][expert])
 
     def _fetch(self, slot: Slot, kind: str, victim: Any, needed: set[int], lw: LayerRun) -> Op:
+        warm = False
         if victim is not None:
+            warm = int(victim[0]) == lw.layer and int(victim[1]) in needed
             self._evict(victim, needed, lw)
         op = self._op(kind, slot[0], slot[1], lw, self.gpu_of[slot[0]][slot[1]])
+        op.warm = warm
         led = self.ledger
         led.resident[slot] = True
         led.ready_at[slot] = INF
@@ -995,8 +1010,9 @@ class ReferenceEngine:
         dev = self.devices[op.device]
         if op.landing is not None and not op.landing.done.processed:
             yield op.landing.done  # evicted while its copy was in flight: after that copy
-        s = yield from self._move(dev.copy_lanes, (env.now, op.seq), self.d2h_s, self.expert_bytes)
-        dev.d2h.busy += self.d2h_s
+        d = self.d2h_warm_s if op.warm else self.d2h_s
+        s = yield from self._move(dev.copy_lanes, (env.now, op.seq), d, self.expert_bytes)
+        dev.d2h.busy += d
         dev.d2h_bytes += self.expert_bytes
         self._row(dev.d2h.name, op, s, self.expert_bytes)
         self._finish(op)
@@ -1018,8 +1034,10 @@ class ReferenceEngine:
             self._finish(op)
             return
         # a slot of the low-bit copy's size holds that copy (ResourceSpec.low_bit_slots)
+        # into the slot of an expert this layer computed: the measured warm copy
+        full = self.h2d_warm_s if op.warm else self.h2d_s
         seconds, nbytes = (
-            (self.low_bit_s, self.low_bit_bytes) if op.low else (self.h2d_s, self.expert_bytes)
+            (self.low_bit_s, self.low_bit_bytes) if op.low else (full, self.expert_bytes)
         )
         lane = dev.h2d
         yield lane.request((env.now, op.seq))
@@ -1046,8 +1064,10 @@ class ReferenceEngine:
         if op.gds:
             self._finish(op)
             return
+        # into the slot of an expert this layer computed: the measured warm copy
+        full = self.h2d_warm_s if op.warm else self.h2d_s
         seconds, nbytes = (
-            (self.low_bit_s, self.low_bit_bytes) if op.low else (self.h2d_s, self.expert_bytes)
+            (self.low_bit_s, self.low_bit_bytes) if op.low else (full, self.expert_bytes)
         )
         s = yield from self._move([dev.h2d], (env.now, op.seq), seconds, nbytes)
         dev.h2d.busy += seconds
@@ -1256,7 +1276,7 @@ class ReferenceEngine:
         if s > drained:
             c.transfer_stall += s - drained
         n = int(lw.counts[e]) if lw.counts is not None else 1
-        d = self.gpu_s(n)
+        d = self.gpu_copied_s(n) if e in lw.copied else self.gpu_s(n)
         if st.unfused[k]:  # the layer's fused MoE call is charged with the stream's first
             d += self.fused_launch_s
             st.unfused[k] = False
