@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib.machinery
 import json
 import os
+import re
 import shutil
 import site
 import subprocess
@@ -495,3 +496,39 @@ def test_a_compiled_wheel_from_the_sdist(sdist: Path, tmp_path: Path) -> None:
     assert json.loads(run.stdout)["metrics"]["tokens_per_s"] > 0
     (line,) = run.stderr.splitlines()
     assert "left out by DAOPSIM_COMPILE" in line and "make native" in line
+
+
+def test_the_repository_holds_no_symlink() -> None:
+    """A checkout without symbolic links (``core.symlinks=false``, Windows' default) is the same
+    checkout: every package is a real folder, mapped by pyproject.toml's package-dir."""
+    links = [
+        str(p.relative_to(REPO))
+        for name in SOURCES
+        for p in [REPO / name, *((REPO / name).rglob("*") if (REPO / name).is_dir() else ())]
+        if p.is_symlink()
+    ]
+    assert links == []
+
+
+def test_the_type_checker_sees_each_module_once(tmp_path: Path) -> None:
+    """mypy with the committed configuration, on the sources laid out as installed (what
+    ``make typecheck`` and mypyc read): every compiled module is checked once, by its one name
+    daopsim.*, and without an error."""
+    pytest.importorskip("mypy")
+    from daopsim.simulator import native
+
+    native.stage(REPO, tmp_path / "build" / "stage")
+    res = subprocess.run(
+        [sys.executable, "-m", "mypy", "--config-file", str(REPO / "pyproject.toml"),
+         "--cache-dir", str(tmp_path / "cache"), "-v"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout[-3000:]
+    checked = re.findall(r"^LOG:  Processing SCC .*$|^LOG:  Parsing (\S+) \((\S+)\)$",
+                         res.stderr, re.MULTILINE)  # fmt: skip
+    names = [m for _, m in checked if m]
+    ours = [n for n in names if n.startswith(("daopsim.", "simulator", "policies"))]
+    assert len(ours) == len(set(ours)), "a module was read twice"
+    assert not [n for n in ours if not n.startswith("daopsim")], "a module without daopsim."
+    assert set(native.candidates(REPO)) <= set(ours)
+    assert "Success: no issues found" in res.stdout
