@@ -60,6 +60,12 @@ def _selected() -> tuple[list[str], dict[str, str]]:
     unknown = wanted - set(modules)
     if unknown:
         sys.exit(f"{SELECT}: not a compiled module: {', '.join(sorted(unknown))}")
+    core = set(native["CORE_GROUP"])
+    if wanted & core and not core <= wanted:
+        # the core group's classes are subclassed across its modules (ops' jobs are heap
+        # items): an interpreted subclass of a compiled class fails, so it compiles whole
+        _say(f"{SELECT}: the core group compiles whole ({len(core)} modules)")
+        wanted |= core
     left = {m: f"left out by {SELECT}" for m in modules if m not in wanted}
     return [m for m in modules if m in wanted], left
 
@@ -67,7 +73,10 @@ def _selected() -> tuple[list[str], dict[str, str]]:
 def _wanted() -> bool:
     if os.environ.get(native["ENV"], "") not in ("", "0"):
         return False
-    return any(shutil.which(c) for c in (os.environ.get("CC", ""), "cc", "gcc", "clang") if c)
+    if any(shutil.which(c) for c in (os.environ.get("CC", ""), "cc", "gcc", "clang") if c):
+        return True
+    _say("no C compiler (cc, gcc or clang): the package stays pure Python")
+    return False
 
 
 def _rel(path: Path) -> str:
@@ -123,6 +132,8 @@ def _mypycify(modules: list[str], stage: Path) -> tuple[list[dict], dict[str, st
         except SystemExit:
             text = out.getvalue()
             bad = {m for p in _ERROR.findall(text) if (m := _module_of(p, stage)) in todo}
+            if bad & set(native["CORE_GROUP"]):  # one library: it compiles whole or not at all
+                bad |= set(native["CORE_GROUP"]) & set(todo)
             if not bad:
                 print(text, file=sys.stderr)
                 return [], {m: "mypyc failed" for m in modules}

@@ -148,11 +148,6 @@ def imports(path: Path, module: str, universe: Iterable[str]) -> list[str]:
     return sorted(found & names)
 
 
-def extension(module: str, base: Path = _BASE) -> Path | None:
-    """The extension file of a module (``ops.cpython-311-x86_64-linux-gnu.so``), if built."""
-    return extension_path(module, base)
-
-
 def library(module: str) -> str:
     """The extension module holding a compiled module's code (mypyc's group library; the
     module's own extension is a shim that loads it): :data:`GROUP` for the core group's
@@ -161,7 +156,8 @@ def library(module: str) -> str:
 
 
 def extension_path(name: str, base: Path = _BASE) -> Path | None:
-    """The file of an extension module of the package, if built."""
+    """The file of an extension module of the package, if built: a compiled module's own
+    (``simulator/core/ops.cpython-311-x86_64-linux-gnu.so``) or a library (:func:`library`)."""
     folder = source_path(name.rpartition(".")[0] + ".x", base).parent
     stem = name.rpartition(".")[2]
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
@@ -227,17 +223,39 @@ class Build:
         what = ", ".join(f"{short(m)} {self.interpreted[m]}" for m in own[:3])
         if len(own) > 3:
             what += f" and {len(own) - 3} more"
-        tail = f" (and {dependents} modules that import it)" if dependents else ""
+        tail = f" (and {dependents} modules compiled against them)" if dependents else ""
         return (
             f"daopsim: compiled build partly stale: {what}{tail} run interpreted; "
             f"`{REBUILD}` recompiles (`daopsim --version` lists them)"
         )
 
 
+class _Listing:
+    """The file names of the package's folders, each listed once (a decision at every start of
+    ``daopsim`` looks for a few dozen extensions: one ``listdir`` per folder, not a stat each)."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.folders: dict[Path, frozenset[str]] = {}
+
+    def has_extension(self, name: str) -> bool:
+        folder = source_path(name.rpartition(".")[0] + ".x", self.base).parent
+        if folder not in self.folders:
+            try:
+                self.folders[folder] = frozenset(os.listdir(folder))
+            except OSError:
+                self.folders[folder] = frozenset()
+        stem = name.rpartition(".")[2]
+        names = self.folders[folder]
+        return any(stem + suffix in names for suffix in importlib.machinery.EXTENSION_SUFFIXES)
+
+
 def decide(base: Path = _BASE, environ: dict[str, str] | None = None) -> Build:
     """Which modules run compiled, and why the others do not (no side effects)."""
     env = os.environ if environ is None else environ
-    built = frozenset(m for m in candidates(base) if extension(m, base) is not None)
+    listing = _Listing(base)
+    known = candidates(base)
+    built = frozenset(m for m in known if listing.has_extension(m))
     if env.get(ENV, "") not in ("", "0"):
         return Build("off", reason=f"{ENV} is set", bypass=built)
     path = manifest_path(base)
@@ -251,19 +269,29 @@ def decide(base: Path = _BASE, environ: dict[str, str] | None = None) -> Build:
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return Build("pure", reason=f"the build's record {path} is unreadable", bypass=built)
     why: dict[str, str] = {}
+    present: set[str] = set()
     for mod, rec in modules.items():
-        src = source_path(mod, base)
-        if not src.is_file():
+        try:
+            digest = sha256(source_path(mod, base))
+        except OSError:
             continue  # removed since the build: nothing imports it any more
-        if any(extension_path(e, base) is None for e in (mod, rec.get("library", library(mod)))):
+        present.add(mod)
+        if not all(listing.has_extension(e) for e in (mod, rec.get("library", library(mod)))):
             why[mod] = "has no extension"
-        elif sha256(src) != rec.get("sha256"):
+        elif digest != rec.get("sha256"):
             why[mod] = "edited since the build"
-    for mod in candidates(base):
+    for mod in known:
         if mod not in modules:
             why[mod] = f"not compiled: {skipped[mod]}" if mod in skipped else "new since the build"
     # a compiled module runs only beside the compiled code of everything it imports, and of the
-    # modules compiled into the same library (their calls to each other are direct)
+    # modules compiled into the same library (their calls to each other are direct); the core
+    # group runs compiled only whole, even if a build compiled part of it: its modules subclass
+    # each other's classes, and an interpreted class cannot inherit from a compiled one
+    core_out = next((m for m in CORE_GROUP if m in why), None)
+    if core_out is not None:
+        for mod in CORE_GROUP:
+            if mod in modules and mod not in why:
+                why[mod] = f"is compiled with {short(core_out)}"
     changed = True
     while changed:
         changed = False
@@ -280,12 +308,12 @@ def decide(base: Path = _BASE, environ: dict[str, str] | None = None) -> Build:
             else:
                 continue
             changed = True
-    compiled = frozenset(m for m in modules if m not in why and source_path(m, base).is_file())
-    bypass = frozenset(m for m in modules if m in why and extension(m, base) is not None)
+    compiled = frozenset(m for m in present if m not in why)
+    bypass = frozenset(m for m in modules if m in why and listing.has_extension(m))
     if not compiled:
         why_not = f"every compiled module is stale; `{REBUILD}` recompiles"
         return Build("pure", interpreted=why, reason=why_not, bypass=bypass | built)
-    order = {m: i for i, m in enumerate(_unique([*candidates(base), *modules]))}
+    order = {m: i for i, m in enumerate(_unique([*known, *modules]))}
     ordered = dict(sorted(why.items(), key=lambda kv: order.get(kv[0], len(order))))
     return Build("partial" if ordered else "compiled", compiled, ordered, bypass=bypass)
 

@@ -199,6 +199,22 @@ def test_a_missing_extension_or_a_module_left_out(built: Path) -> None:
     assert "daopsim.policies.fiddler" in b.compiled and b.core_compiled
 
 
+def test_a_build_with_part_of_the_core_group_runs_none_of_it(built: Path) -> None:
+    """A build that left out one module of the core group (a type error, ``DAOPSIM_COMPILE``)
+    must not run the rest of the group compiled: ops' jobs subclass heap's ``Keyed``, and an
+    interpreted class cannot inherit from a compiled one. The whole group, and so every policy,
+    runs from its source."""
+    record = json.loads(native.manifest_path(built).read_text())
+    del record["modules"]["daopsim.simulator.core.ops"]
+    record["skipped"] = {"daopsim.simulator.core.ops": "3 type errors"}
+    native.manifest_path(built).write_text(json.dumps(record))
+    b = native.decide(built, {})
+    assert b.interpreted["daopsim.simulator.core.ops"] == "not compiled: 3 type errors"
+    assert b.interpreted["daopsim.simulator.heap"] == "is compiled with simulator/core/ops.py"
+    assert set(b.interpreted) == set(native.candidates(built)) and not b.compiled
+    assert b.state == "pure" and not b.core_compiled
+
+
 def test_no_build_the_variable_or_a_broken_record_mean_pure_python(built: Path) -> None:
     off = native.decide(built, {native.ENV: "1"})
     assert off.state == "off" and not off.compiled and off.announcement() is None
