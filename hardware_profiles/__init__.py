@@ -1,6 +1,6 @@
 """Bundled hardware profiles (*.toml; docs/hardware-profiles.md). Found by simulator/data.py.
 
-Installed as ``daopsim.hardware_profiles`` (the symlink daopsim/hardware_profiles).
+Installed as ``daopsim.hardware_profiles`` (pyproject.toml's package-dir maps this folder).
 """
 
 if __name__ != "daopsim.hardware_profiles":  # one name per module: never two copies

@@ -1,7 +1,7 @@
 """The built-in policies, one module each, and the registry (docs/policy-api.md).
 
 Installed as ``daopsim.policies`` (the only name it imports by; the repository's policies/ folder
-is the package through the symlink daopsim/policies). The package is callable:
+is the package through pyproject.toml's package-dir). The package is callable:
 ``daopsim.policies()`` lists the registered policies by name (:func:`registry.available`), the
 public API's ``policies()``, which this subpackage of the same name would otherwise replace.
 """

@@ -1,7 +1,7 @@
 """The simulator's implementation: engine, costs, trace I/O, runs, sweeps and the CLI.
 
 Installed as ``daopsim.simulator`` (the only name it imports by; the repository's simulator/
-folder is the package through the symlink daopsim/simulator). This package is internal (its
+folder is the package through pyproject.toml's package-dir). This package is internal (its
 modules may move); the stable Python API is ``import daopsim``.
 For convenience it still exposes ``simulate``, ``run_sweep``/``Grid``, ``plots``,
 ``load_profile``, ``get_model``, ``read_meta`` and ``iter_sequences``, imported on first use.

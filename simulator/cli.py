@@ -20,6 +20,7 @@ from typing import Any
 
 import click
 
+from daopsim.simulator import native
 from daopsim.simulator.errors import (
     DEBUG_ENV,
     ExitCode,
@@ -80,6 +81,9 @@ class _Group(click.Group):
 
     def invoke(self, ctx: click.Context) -> Any:
         as_json = bool(ctx.meta.get("daopsim.json"))
+        notice = native.announcement()  # part of the compiled build stale: one line, every time
+        if notice:
+            click.echo(notice, err=True)
         saved = os.environ.get(DEBUG_ENV)
         if ctx.meta.get("daopsim.debug"):
             os.environ[DEBUG_ENV] = "1"  # worker processes of a sweep inherit it
@@ -133,8 +137,26 @@ def _quiet_closed_pipe() -> None:
     sys.exit(0)
 
 
+def _version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    """``--version``: the package's version and which build runs (simulator/native.py)."""
+    if not value or ctx.resilient_parsing:
+        return
+    from daopsim import __version__
+
+    click.echo(f"daopsim, version {__version__}")
+    click.echo(f"build: {native.status().describe()}")
+    ctx.exit()
+
+
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="daopsim")
+@click.option(
+    "--version",
+    is_flag=True,
+    expose_value=False,
+    is_eager=True,
+    callback=_version,
+    help="Show the version and which build runs (compiled, partly compiled or pure Python).",
+)
 @click.option(
     "--debug",
     is_flag=True,

@@ -2,7 +2,7 @@
 
 Five folders ship with daopsim, all inside the ``daopsim`` package. ``hardware_profiles`` and
 ``traces`` are its subpackages ``daopsim.hardware_profiles`` and ``daopsim.traces`` (the design's
-top-level folders, through the symlinks daopsim/<folder>). ``experiments``, ``validation`` and
+top-level folders, through pyproject.toml's package-dir). ``experiments``, ``validation`` and
 ``baselines`` are installed as ``daopsim.data.<folder>`` (pyproject's ``package-dir``). Every
 folder is found through ``importlib.resources`` under ``daopsim``, never through the working
 directory or a top-level name: a ``traces/`` folder in the current directory (which Python may see
@@ -32,7 +32,7 @@ UNDER_DAOPSIM = ("experiments", "validation", "baselines")
 
 def _source_root() -> Path:
     """The folder holding the real ``simulator/`` folder: the repository in a checkout that is
-    not installed (the symlink daopsim/simulator resolved), where the plain data folders are."""
+    not installed, where the plain data folders are."""
     return Path(str(resources.files("daopsim.simulator"))).resolve().parent
 
 

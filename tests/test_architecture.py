@@ -21,12 +21,10 @@ CORE_CODE_LINES = 1500
 
 def _modules() -> dict[str, Path]:
     """Every module by the name it imports by: the folders simulator/ and policies/ are the
-    packages daopsim.simulator and daopsim.policies (through the symlinks in daopsim/)."""
+    packages daopsim.simulator and daopsim.policies (pyproject.toml's package-dir)."""
     out = {}
     for pkg in PACKAGES:
         for path in (REPO / pkg).rglob("*.py"):
-            if not path.resolve().is_relative_to(REPO / pkg):
-                continue  # daopsim/simulator/... (a symlink): found as simulator/...
             parts = path.relative_to(REPO).with_suffix("").parts
             name = ".".join(parts if pkg == "daopsim" else ("daopsim", *parts))
             out[name.removesuffix(".__init__")] = path

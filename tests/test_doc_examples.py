@@ -4,16 +4,22 @@ Each fenced block tagged ``sh``, ``bash``, ``shell``, ``console`` or ``python`` 
 
 * shell blocks run under ``bash -e`` (every command must succeed); in a ``console`` block only
   the lines starting with ``$ `` (and their ``\\`` continuation lines) are commands, the rest is
-  shown output. ``daopsim`` (and ``python``) resolve to this checkout run by the current
-  interpreter (``python -m daopsim``), whatever is installed elsewhere.
+  shown output. ``python`` is the current interpreter. ``daopsim`` is the same entry point as
+  the installed program, run in a child forked from a warm interpreter that has imported the
+  command line once (tests/doc_server.py, tests/doc_client.py): the call gets the shell's
+  working directory, environment, stdin, stdout and stderr, and its exit code is the shell's,
+  so pipes, redirections, ``cd`` and variables behave as with a program, without a second of
+  imports per call. A call that sets a variable read at import (``DAOPSIM_PURE_PYTHON``,
+  ``PYTHONPATH``) runs ``python -m daopsim`` afresh.
 * python blocks run as a plain script file (``python block.py``), as a user would save and run
   one: a ``daopsim.sweep()`` with worker processes at the top level of the script, without an
   ``if __name__ == "__main__":`` guard, must work (docs/sweeps.md, "Executors").
 
 The blocks of one document run in order, in one temporary folder laid out like the repository
 root (copies of ``experiments/``, ``baselines/``, ``validation/`` and ``hardware_profiles/``),
-so a later block may read what an earlier one wrote (``results.parquet`` then ``daopsim plot``).
-Selecting a single block with ``-k`` therefore runs it without its predecessors.
+so a later block may read what an earlier one wrote (``results.parquet`` then ``daopsim plot``);
+under pytest-xdist they stay on one worker (``xdist_group``, ``--dist loadgroup``). Selecting a
+single block with ``-k`` therefore runs it without its predecessors.
 
 A block that cannot run in a test (it needs a GPU, the network, real model weights, or it
 installs software) is marked by the line ``<!-- not run: REASON -->`` directly above its fence;
@@ -23,17 +29,21 @@ the small ``ci-small`` trace), never by editing the command here.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from doc_server import IMPORT_ENV
 
 REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 SHELL = {"sh", "bash", "shell", "console"}
 PYTHON = {"python", "py"}
@@ -143,11 +153,38 @@ def doc_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[Path, Path]:
 
 
 @pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """The warm ``daopsim`` (tests/doc_server.py) for this worker; the variables that point the
+    ``daopsim`` shim at it."""
+    folder = tmp_path_factory.mktemp("doc-server")
+    sock = folder / "daopsim.sock"
+    env = {**os.environ, "MPLBACKEND": "Agg"}
+    proc = subprocess.Popen(
+        [sys.executable, str(TESTS / "doc_server.py"), str(sock)],
+        cwd=folder,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        yield {
+            "DAOPSIM_DOC_SERVER": str(sock),
+            "DAOPSIM_DOC_SERVER_ENV": json.dumps({k: env.get(k) for k in IMPORT_ENV}),
+            "DAOPSIM_DOC_PYTHON": sys.executable,
+        }
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
 def bin_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``daopsim`` and ``python`` shims that run this checkout with the current interpreter."""
+    """``daopsim`` (the warm server's client) and ``python`` (the current interpreter)."""
     folder = tmp_path_factory.mktemp("doc-bin")
     shims = {
-        "daopsim": f'exec "{sys.executable}" -m daopsim "$@"\n',
+        "daopsim": f'exec "{sys.executable}" -S -E "{TESTS / "doc_client.py"}" "$@"\n',
         "python": f'exec "{sys.executable}" "$@"\n',
     }
     for name, body in shims.items():
@@ -167,25 +204,30 @@ def _workdir(doc: Path, dirs: dict[Path, Path], factory: pytest.TempPathFactory)
     return dirs[doc]
 
 
-def _env(bin_dir: Path, work: Path) -> dict[str, str]:
+def _env(bin_dir: Path, work: Path, server: dict[str, str]) -> dict[str, str]:
     env = dict(os.environ)
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env["MPLBACKEND"] = "Agg"
     env["HOME"] = str(work)  # nothing an example writes lands in the real home
     env.pop("PYTHONSTARTUP", None)
+    env.update(server)
     return env
 
 
-@pytest.mark.parametrize("block", RUNNABLE, ids=[b.id for b in RUNNABLE])
+@pytest.mark.parametrize(
+    "block",
+    [pytest.param(b, marks=pytest.mark.xdist_group(b.doc.name)) for b in RUNNABLE],
+    ids=[b.id for b in RUNNABLE],
+)
 def test_example_runs(
     block: Block,
     doc_dirs: dict[Path, Path],
     bin_dir: Path,
+    server: dict[str, str],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     work = _workdir(block.doc, doc_dirs, tmp_path_factory)
-    env = _env(bin_dir, work)
+    env = _env(bin_dir, work, server)
     if block.lang in SHELL:
         cmd = ["bash", "-e", "-o", "pipefail", "-c", shell_script(block)]
     else:

@@ -1,11 +1,13 @@
 """The golden store (baselines/policy-metrics.json): exact numbers, and a grid that discriminates.
 
-The store is the one file of expected numbers: ``daopsim regress`` compares the whole grid with
-it (floats to a relative 1e-6), and these tests re-run a sample of its cells with a tight
-tolerance (integers exact: hit counts, accesses, bytes moved, copies; floats such as simulated
-time to a relative 1e-9). They also check that the store was made from the built-in grid on the
-bundled traces (their SHA-256), and that the grid can tell the policies and options apart: a
-cell where two policies agree on everything proves nothing about either.
+The store is the one file of expected numbers. These tests re-run every cell of its grid, one
+test per trace, machine and budget (so pytest-xdist spreads them), with a tight tolerance
+(integers exact: hit counts, accesses, bytes moved, copies; floats such as simulated time to a
+relative 1e-9).
+They are ``make test``'s one check of the store; ``daopsim regress`` is the same check from
+the command line (floats to a relative 1e-6). They also check that the store was made from the
+built-in grid on the bundled traces (their SHA-256), and that the grid can tell the policies
+and options apart: a cell where two policies agree on everything proves nothing about either.
 
 A changed number is a changed behaviour. When the change is intended, rewrite the store with
 ``daopsim regress --update`` and commit it in the same commit as the change, saying in the
@@ -21,7 +23,6 @@ from typing import Any
 import pytest
 
 from daopsim.simulator.data import resolve_trace
-from daopsim.simulator.errors import UserError
 from daopsim.simulator.hardware import load_profile
 from daopsim.simulator.regress import (
     BUILTIN_VARIANTS,
@@ -62,25 +63,6 @@ def store() -> dict[str, Any]:
     return load_baseline(default_store())
 
 
-def sample() -> list[Cell]:
-    """Per block, policy spec and machine, the first budget the store holds numbers for.
-
-    That re-runs every policy and option on every trace and machine (about 10 s) while the
-    full grid stays with ``daopsim regress``.
-    """
-    try:
-        confs = load_baseline(default_store())["configurations"]
-    except UserError:
-        confs = {}  # test_store_was_made_from_the_builtin_grid reports the damaged store
-    chosen: dict[tuple[str, str, str], Cell] = {}
-    for cell in GRID.cells():
-        group = (cell.block.label, cell.spec.label, cell.hw)
-        if group in chosen and "metrics" in confs.get(chosen[group].key, {}):
-            continue
-        chosen[group] = cell  # replaced until a cell that ran (else the last: a refusal)
-    return list(chosen.values())
-
-
 def test_store_was_made_from_the_builtin_grid(store: dict[str, Any]) -> None:
     """Same blocks, policies, machines, budgets, sequences and trace bytes as default_grid()."""
     for block in GRID.blocks:
@@ -91,11 +73,24 @@ def test_store_was_made_from_the_builtin_grid(store: dict[str, Any]) -> None:
     assert list(store["configurations"]) == [c.key for c in GRID.cells()], FIX
 
 
-@pytest.mark.parametrize("cell", sample(), ids=lambda c: c.key)
-def test_cell_matches_the_store_exactly(cell: Cell, store: dict[str, Any]) -> None:
-    want = store["configurations"].get(cell.key)
-    assert want is not None, f"{cell.key}: not in the store; {FIX}"
-    changes = compare({cell.key: want}, {cell.key: run_cell(cell)}, TIGHT)
+def _groups() -> dict[str, list[Cell]]:
+    """The grid's cells by trace, machine and budget: a test each."""
+    out: dict[str, list[Cell]] = {}
+    for cell in GRID.cells():
+        out.setdefault(f"{cell.block.label} | {cell.hw} | {cell.budget.label}", []).append(cell)
+    return out
+
+
+GROUPS = _groups()
+
+
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_every_cell_matches_the_store_exactly(group: str, store: dict[str, Any]) -> None:
+    cells = GROUPS[group]
+    missing = [c.key for c in cells if c.key not in store["configurations"]]
+    assert not missing, f"{missing}: not in the store; {FIX}"
+    want = {c.key: store["configurations"][c.key] for c in cells}
+    changes = compare(want, {c.key: run_cell(c) for c in cells}, TIGHT)
     assert not changes, f"{FIX}\n{render_changes(changes)}"
 
 

@@ -3,11 +3,11 @@
 Each mutant is one exact edit of the source (old snippet, new snippet) that a plausible bug
 would make. Two kinds:
 
-* ``MUTANTS`` (the golden store): the test copies the source packages to a temporary folder,
-  applies one mutant, and runs ``daopsim regress`` from the copy (``PYTHONPATH`` pointing at
-  it) against the real golden store, on the configurations that concern the mutant. Regress
-  must exit 1 and report moved values; the unmutated copy must pass on the same
-  configurations, so the check can fail.
+* ``MUTANTS`` (the golden store): the test copies the package to a temporary folder (laid
+  out as installed), applies one mutant, and runs ``daopsim regress`` from the copy
+  (``PYTHONPATH`` pointing at it) against the real golden store, on the configurations that
+  concern the mutant. Regress must exit 1 and report moved values; the unmutated copy must
+  pass on the same configurations, so the check can fail.
 * ``ENGINE_MUTANTS`` (the reference engine): one edit of one function of the engine core,
   compiled and monkeypatched in-process (on the interpreted core); the reference-equivalence
   check it names (``CHECKS``, built on tests/equivalence.py) must then fail, and pass
@@ -91,26 +91,31 @@ def _copy_file(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
+#: the repository's folders that are subpackages of daopsim (pyproject.toml's package-dir)
+SUBPACKAGES = ("simulator", "policies", "hardware_profiles", "traces")
+
+
 def source_copy(dest: Path) -> Path:
-    """Every top-level Python package folder of the repository (tests excluded), copied to
-    ``dest``; daopsim/'s symlinks (daopsim/simulator -> ../simulator) stay symlinks, so the
-    copy's daopsim.simulator is the copy's simulator/ folder, where the mutant is applied."""
-    dest.mkdir()
-    for pkg in sorted(p.parent for p in REPO.glob("*/__init__.py")):
-        if pkg.name != "tests":
-            shutil.copytree(
-                pkg,
-                dest / pkg.name,
-                symlinks=True,
-                ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
-                copy_function=_copy_file,
-            )
+    """The package copied to ``dest`` laid out as installed (``daopsim/``'s modules, and the
+    folders simulator/, policies/, hardware_profiles/ and traces/ as ``daopsim/simulator`` ...),
+    so that with ``PYTHONPATH=dest`` the copy's daopsim.simulator is imported: the copy the
+    mutant is applied to. No compiled extension is copied: the copy runs its sources."""
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.so", "native-build.json")
+    shutil.copytree(REPO / "daopsim", dest / "daopsim", ignore=ignore)
+    for folder in SUBPACKAGES:
+        shutil.copytree(REPO / folder, dest / "daopsim" / folder, ignore=ignore,
+                        copy_function=_copy_file)  # fmt: skip
     return dest
+
+
+def _in_copy(root: Path, file: str) -> Path:
+    """Where a repository file (``policies/lru.py``) lies in the copy."""
+    return root / "daopsim" / file if file.split("/")[0] in SUBPACKAGES else root / file
 
 
 def apply(root: Path, mutant: Mutant) -> None:
     """Edit the copy; fail loudly when the snippet is missing or ambiguous."""
-    path = root / mutant.file
+    path = _in_copy(root, mutant.file)
     if not path.is_file():
         pytest.fail(f"mutant {mutant.name}: {mutant.file} does not exist; retarget the mutant")
     text = path.read_text(encoding="utf-8")

@@ -1,6 +1,6 @@
 """Bundled routing traces (*.parquet); README.md says how each was made. See simulator/data.py.
 
-Installed as ``daopsim.traces`` (the symlink daopsim/traces).
+Installed as ``daopsim.traces`` (pyproject.toml's package-dir maps this folder).
 """
 
 if __name__ != "daopsim.traces":  # one name per module: never two copies

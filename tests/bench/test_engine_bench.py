@@ -74,7 +74,7 @@ def rate(policy):
 # the first simulation in a process pays one-off costs (lazy imports, first reads of the
 # bundled trace and profiles) that belong to no policy
 simulate(policy="lru", hw="a6000-pcie4", record=False)
-out = {"build": status()[1], "rates": {}}
+out = {"build": status().describe(), "rates": {}}
 for name, cls in available().items():
     if cls.__module__.startswith("daopsim.policies."):
         r, cpu, wall = rate(name)
