@@ -145,7 +145,7 @@ def test_runtimes_show_prints_the_attention_field() -> None:
 
     res = CliRunner().invoke(main, ["runtimes", "show", "hf-eager-attn"])
     assert res.exit_code == 0
-    line = next(x for x in res.output.splitlines() if x.strip().startswith("attention"))
+    line = next(x for x in res.output.splitlines() if x.split()[:1] == ["attention"])
     assert line.split()[1] == "eager"
     assert "4.36.1" in res.output
     res = CliRunner().invoke(main, ["runtimes", "show", "hf-eager", "--json"])

@@ -17,9 +17,8 @@ Each fenced block tagged ``sh``, ``bash``, ``shell``, ``console`` or ``python`` 
 
 The blocks of one document run in order, in one temporary folder laid out like the repository
 root (copies of ``experiments/``, ``baselines/``, ``validation/`` and ``hardware_profiles/``),
-so a later block may read what an earlier one wrote (``results.parquet`` then ``daopsim plot``);
-under pytest-xdist they stay on one worker (``xdist_group``, ``--dist loadgroup``). Selecting a
-single block with ``-k`` therefore runs it without its predecessors.
+so a later block may read what an earlier one wrote (``results.parquet`` then ``daopsim plot``):
+one test per document runs its blocks one after another and names the block that failed.
 
 A block that cannot run in a test (it needs a GPU, the network, real model weights, or it
 installs software) is marked by the line ``<!-- not run: REASON -->`` directly above its fence;
@@ -214,20 +213,13 @@ def _env(bin_dir: Path, work: Path, server: dict[str, str]) -> dict[str, str]:
     return env
 
 
-@pytest.mark.parametrize(
-    "block",
-    [pytest.param(b, marks=pytest.mark.xdist_group(b.doc.name)) for b in RUNNABLE],
-    ids=[b.id for b in RUNNABLE],
-)
-def test_example_runs(
-    block: Block,
-    doc_dirs: dict[Path, Path],
-    bin_dir: Path,
-    server: dict[str, str],
-    tmp_path_factory: pytest.TempPathFactory,
-) -> None:
-    work = _workdir(block.doc, doc_dirs, tmp_path_factory)
-    env = _env(bin_dir, work, server)
+#: documents with runnable blocks, each with its blocks in document order
+DOC_BLOCKS = {d: [b for b in RUNNABLE if b.doc == d] for d in DOCS}
+DOC_BLOCKS = {d: bs for d, bs in DOC_BLOCKS.items() if bs}
+
+
+def run_block(block: Block, work: Path, env: dict[str, str]) -> None:
+    """Run one block in ``work``; a failure names the block with its output's tail."""
     if block.lang in SHELL:
         cmd = ["bash", "-e", "-o", "pipefail", "-c", shell_script(block)]
     else:
@@ -249,6 +241,24 @@ def test_example_runs(
         f"{block.id} ({block.lang}) exited {res.returncode}\n--- block\n{block.text}"
         f"--- stdout (tail)\n{res.stdout[-3000:]}\n--- stderr (tail)\n{res.stderr[-3000:]}"
     )
+
+
+@pytest.mark.parametrize(
+    "doc", list(DOC_BLOCKS), ids=[str(d.relative_to(REPO)) for d in DOC_BLOCKS]
+)
+def test_example_runs(
+    doc: Path,
+    doc_dirs: dict[Path, Path],
+    bin_dir: Path,
+    server: dict[str, str],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A document's blocks, in order, in one folder: a later block may read what an earlier one
+    wrote, whichever worker runs the document."""
+    work = _workdir(doc, doc_dirs, tmp_path_factory)
+    env = _env(bin_dir, work, server)
+    for block in DOC_BLOCKS[doc]:
+        run_block(block, work, env)
 
 
 def test_docs_have_runnable_examples() -> None:

@@ -121,8 +121,8 @@ def _advise_json_fields() -> None:
 CLAIMS: list[tuple[str, str, Callable[[], None]]] = [
     (
         "docs/cli.md",
-        "hf-eager-attn, hf-eager, ideal, ktransformers, llama.cpp, moe-infinity-2024, "
-        "moe-infinity)",
+        "hf-eager-attn, hf-eager, ideal, ik_llama.cpp-rtr, ik_llama.cpp, ktransformers, "
+        "llama.cpp-eager, llama.cpp, moe-infinity-2024, moe-infinity)",
         _runtime_list,
     ),
     (

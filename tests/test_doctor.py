@@ -26,10 +26,11 @@ def test_doctor_reports_this_installation(
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     assert doc["version"] == daopsim.__version__
-    compiled, why = status()
+    build = status()
     assert doc["build"] == {
-        "compiled": compiled,
-        "reason": why,
+        "state": build.state,
+        "describe": build.describe(),
+        "interpreted": dict(build.interpreted),
         "pure_python_env": doc["build"]["pure_python_env"],
     }
     assert doc["cache"]["path"] == str(folder) and doc["cache"]["env"] == "DAOPSIM_CACHE"
@@ -42,7 +43,7 @@ def test_doctor_reports_this_installation(
     text = cli("doctor")
     assert text.exit_code == 0
     assert f"daopsim {daopsim.__version__}" in text.stdout
-    assert why in text.stdout and str(folder) in text.stdout and "2 files" in text.stdout
+    assert build.describe() in text.stdout and str(folder) in text.stdout and "2 files" in text.stdout
 
 
 def test_a_missing_extra_says_how_to_install_it(

@@ -61,7 +61,7 @@ def report() -> dict[str, Any]:
     from daopsim.simulator.native import ENV, status
     from daopsim.simulator.trace_cache import cache_dir
 
-    compiled, why = status()
+    build = status()
     if not _DISTRIBUTIONS:
         _DISTRIBUTIONS.update(importlib.metadata.packages_distributions())
     cache = cache_dir()
@@ -85,8 +85,9 @@ def report() -> dict[str, Any]:
         "platform": platform.platform(),
         "package": str(Path(daopsim.__file__).resolve().parent),
         "build": {
-            "compiled": compiled,
-            "reason": why,
+            "state": build.state,
+            "describe": build.describe(),
+            "interpreted": dict(build.interpreted),
             "pure_python_env": f"{ENV}={os.environ.get(ENV, '')}" if os.environ.get(ENV) else None,
         },
         "cache": {
@@ -115,7 +116,7 @@ def doctor(as_json: bool) -> None:
     lines = [
         f"daopsim {doc['version']} (Python {doc['python']}, {doc['platform']})",
         f"package: {doc['package']}",
-        f"build: {'compiled (mypyc)' if b['compiled'] else 'pure Python'}: {b['reason']}",
+        f"build: {b['describe']}",
         f"cache: {c['path']}"
         + (" (from $DAOPSIM_CACHE)" if c["env"] else " (set $DAOPSIM_CACHE to move it)"),
         f"       {c['files']} files, {c['bytes'] / 1e6:.1f} MB: {c['holds']}",
