@@ -73,10 +73,12 @@ typecheck: $(TOOLS)
 # lint, then every test on the compiled build, then the tests that patch the core's classes on
 # the interpreted core (marker `pure`). The golden store is checked whole by tests/test_golden.py
 # (`daopsim regress` is the same check from the command line). The notebooks are executed by
-# tests/test_notebooks.py. `--dist loadgroup`: a document's examples stay on one worker, in order.
+# tests/test_notebooks.py. Tests that time this machine (marker `measure`: the closed loop) run
+# last, alone, so that no other test shares the cores with what they measure.
 test: $(FULL) $(NATIVE) lint
-	$(PY) -m pytest -n $(JOBS) --dist loadgroup
-	DAOPSIM_PURE_PYTHON=1 $(PY) -m pytest -n $(JOBS) --dist loadgroup -m "pure and not bench"
+	$(PY) -m pytest -n $(JOBS) -m "not bench and not measure"
+	DAOPSIM_PURE_PYTHON=1 $(PY) -m pytest -n $(JOBS) -m "pure and not bench"
+	$(PY) -m pytest -p no:xdist -m "measure and not bench"
 
 notebooks: $(FULL)
 	$(PY) -m pytest tests/test_notebooks.py

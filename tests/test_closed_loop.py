@@ -93,6 +93,7 @@ def _check(cli: Any, out: Path, *extra: str) -> tuple[int, dict[str, Any]]:
 
 
 @pytest.mark.slow
+@pytest.mark.measure
 def test_the_closed_loop_predicts_this_machine(cli: Any, tmp_path: Path) -> None:
     """A Mixtral-shaped model of 2 layers (302 MB of experts, more than any last-level cache
     here), all resident and with 1 slot per layer (every second expert an in-use victim's
