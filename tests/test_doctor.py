@@ -43,7 +43,9 @@ def test_doctor_reports_this_installation(
     text = cli("doctor")
     assert text.exit_code == 0
     assert f"daopsim {daopsim.__version__}" in text.stdout
-    assert build.describe() in text.stdout and str(folder) in text.stdout and "2 files" in text.stdout
+    assert (
+        build.describe() in text.stdout and str(folder) in text.stdout and "2 files" in text.stdout
+    )
 
 
 def test_a_missing_extra_says_how_to_install_it(
