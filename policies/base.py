@@ -157,7 +157,62 @@ class Plan:
         self.barrier = barrier
 
 
+#: The plan "every routed expert on the GPU", one object shared by every policy and run (a
+#: policy returns it without building a plan per layer). It must not be changed: the engine
+#: refuses it when it comes back changed, and restores it (:func:`restore_shared_plan`) at the
+#: start of every run, so a change made by one policy never reaches another run. A policy that
+#: wants a variant builds a ``Plan`` of its own.
 ALL_GPU_PLAN = Plan()
+
+
+def plan_is_new(plan: Plan) -> bool:
+    """Whether every field of ``plan`` is still a new ``Plan()``'s (the fast test of
+    :func:`shared_plan_changes`, made each time a policy returns a shared plan)."""
+    return (
+        plan.actions is None
+        and plan.route is None
+        and plan.raw_route is None
+        and plan.cpu_serial is False
+        and plan.cpu_first is False
+        and plan.barrier is False
+        and type(plan.victims) is dict
+        and not plan.victims
+        and type(plan.prefetch) is list
+        and not plan.prefetch
+        and type(plan.precalc) is list
+        and not plan.precalc
+        and type(plan.evict) is list
+        and not plan.evict
+        and type(plan.low_bit) is frozenset
+        and not plan.low_bit
+    )
+
+
+def shared_plan_changes(plan: Plan) -> list[str]:
+    """The fields of ``plan`` that differ from a new ``Plan()``'s (empty when none do)."""
+    out = [n for n, v in (("actions", plan.actions), ("route", plan.route)) if v is not None]
+    if plan.raw_route is not None:
+        out.append("raw_route")
+    for name, value in (("victims", plan.victims), ("prefetch", plan.prefetch)):
+        if type(value) is not (dict if name == "victims" else list) or len(value):
+            out.append(name)
+    for name, value in (("precalc", plan.precalc), ("evict", plan.evict)):
+        if type(value) is not list or len(value):
+            out.append(name)
+    flags = (("cpu_serial", plan.cpu_serial), ("cpu_first", plan.cpu_first))
+    out += [n for n, v in (*flags, ("barrier", plan.barrier)) if v is not False]
+    if type(plan.low_bit) is not frozenset or len(plan.low_bit):
+        out.append("low_bit")
+    return out
+
+
+def restore_shared_plan(plan: Plan) -> None:
+    """Give a shared plan (:data:`ALL_GPU_PLAN`) a new ``Plan()``'s fields back."""
+    fresh = Plan()
+    plan.actions, plan.victims, plan.route, plan.raw_route = None, fresh.victims, None, None
+    plan.prefetch, plan.precalc, plan.evict = fresh.prefetch, fresh.precalc, fresh.evict
+    plan.cpu_serial = plan.cpu_first = plan.barrier = False
+    plan.low_bit = fresh.low_bit
 
 
 #: a ``View`` row not built yet (see ``View._rows``)

@@ -16,7 +16,17 @@ from typing import Any, Final
 
 import numpy as np
 
-from daopsim.policies.base import Action, Plan, Policy, ResourceSpec, Slot
+from daopsim.policies.base import (
+    ALL_GPU_PLAN,
+    Action,
+    Plan,
+    Policy,
+    ResourceSpec,
+    Slot,
+    plan_is_new,
+    restore_shared_plan,
+    shared_plan_changes,
+)
 from daopsim.simulator.errors import PolicyError, UserError
 
 # the actions as plain ints, Final so that compiled code reads each as a constant (not a
@@ -83,6 +93,9 @@ class Hooks:
         self.where = Where()
         #: the plan check, made at the first plan (:func:`check_plan`)
         self.checker: _PlanCheck | None = None
+        # a run starts with the shared plan as new, whatever an earlier run's policy did to it
+        if not plan_is_new(ALL_GPU_PLAN):
+            restore_shared_plan(ALL_GPU_PLAN)
 
     def error(self, message: str, layer: int | None = None) -> PolicyError:
         """A PolicyError at the current sequence and token (and ``layer``)."""
@@ -398,6 +411,8 @@ class _PlanCheck:
     ) -> list[int]:
         """Check ``plan`` (see :func:`check_plan`); returns the routed experts' order."""
         self.plan, self.layer, self.routed = plan, layer, routed
+        if plan is ALL_GPU_PLAN and not plan_is_new(plan):
+            self.check_shared(plan)
         self.changed.clear()
         self.n_res = self.res.n_resident
         if plan.low_bit:
@@ -421,6 +436,15 @@ class _PlanCheck:
         if plan.precalc:
             _check_precalc(self.hooks, plan.precalc, layer, self.res, precalc)
         return order
+
+    def check_shared(self, plan: Plan) -> None:
+        """Refuse the shared ALL_GPU_PLAN changed (and restore it, so no other run sees it)."""
+        changed = ", ".join(shared_plan_changes(plan))
+        restore_shared_plan(plan)
+        raise self.err(
+            f"returned the shared ALL_GPU_PLAN changed ({changed}); it is one object for "
+            "every policy and run: build a Plan of your own instead"
+        )
 
     def err(self, message: str) -> PolicyError:
         return self.hooks.error(message, self.layer)

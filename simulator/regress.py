@@ -234,7 +234,20 @@ BUILTIN_VARIANTS = (
     PolicySpec.of("dali", assign="cpu"),
     PolicySpec.of("slicemoe", warmup=False),
 )
-#: Policies whose placement depends on the budget (all-gpu and stream-all do not).
+#: Built-in policies whose outcome does not depend on the GPU budget, and why; they run on the
+#: Mixtral blocks only. Every other built-in policy belongs in BUDGET_POLICIES (tests/test_golden.py
+#: checks both lists against the registry and against the store's numbers).
+BUDGET_FREE_POLICIES = {
+    "all-gpu": "every expert stays on the GPU",
+    "ktransformers": "its options fix the GPU experts; the budget only has to hold them",
+    "llama-cpp-cpu-moe": "n_cpu_moe fixes the GPU layers; the budget only has to hold them",
+    "llama-cpp-mmap": "every expert runs on the CPU from the page cache",
+    # its default gather (auto) streams whole layers whenever the budget holds 2E slots, as
+    # every budget of the grid does; below that it streams the routed experts only
+    "stream-all": "every expert is streamed each visit; nothing stays resident",
+}
+#: Policies whose placement depends on the budget; they also run on the OLMoE and Phi blocks.
+#: llama-cpp-layers' default ngl (-1) puts on the GPU as many layers as the budget holds.
 BUDGET_POLICIES = [
     "accelerate",
     "belady",
@@ -250,6 +263,7 @@ BUDGET_POLICIES = [
     "learned",
     "least-stale",
     "lfu",
+    "llama-cpp-layers",
     "lru",
     "mixtral-offloading",
     "moe-infinity",

@@ -25,8 +25,11 @@ import pytest
 from daopsim.simulator.data import resolve_trace
 from daopsim.simulator.hardware import load_profile
 from daopsim.simulator.regress import (
+    BUDGET_FREE_POLICIES,
+    BUDGET_POLICIES,
     BUILTIN_VARIANTS,
     Cell,
+    builtin_policies,
     compare,
     default_grid,
     default_store,
@@ -102,6 +105,46 @@ def _by_situation(store: dict[str, Any]) -> dict[tuple[str, str, str], dict[str,
         if "metrics" in rec:
             out[(cell.block.label, cell.hw, cell.budget.label)][cell.spec.label] = rec["metrics"]
     return out
+
+
+def test_every_builtin_policy_has_golden_numbers_where_its_budget_matters(
+    store: dict[str, Any],
+) -> None:
+    """Each registered built-in policy is declared budget-dependent or budget-free, and the
+    store's numbers agree: a budget-free policy gives the same metrics at every budget of a
+    trace and machine, a budget-dependent one differs somewhere and has numbers on every trace
+    of the grid (the OLMoE and Phi blocks run BUDGET_POLICIES only)."""
+    names = set(builtin_policies())
+    dep, free = set(BUDGET_POLICIES), set(BUDGET_FREE_POLICIES)
+    assert not dep & free, f"in both lists: {sorted(dep & free)}"
+    assert names <= dep | free, (
+        f"{sorted(names - dep - free)}: add to BUDGET_POLICIES (or, if the budget cannot change "
+        f"its numbers, BUDGET_FREE_POLICIES) in simulator/regress.py; {FIX}"
+    )
+    assert dep | free <= names, f"{sorted(dep | free - names)}: not a built-in policy"
+    # policy -> (trace, machine) -> budget -> metrics, default options only
+    runs: dict[str, dict[tuple[str, str], dict[str, dict]]] = defaultdict(lambda: defaultdict(dict))
+    for (trace, hw, budget), by_policy in _by_situation(store).items():
+        for label, metrics in by_policy.items():
+            if label in names:
+                runs[label][(trace, hw)][budget] = metrics
+    # the traces every budget-dependent policy is meant to run on (not the SSD block's subset)
+    traces = {b.label for b in GRID.blocks if b.policies is None or set(b.policies) >= dep}
+    assert len(traces) >= 3, traces
+    for name in sorted(names):
+        seen = runs[name]
+        assert seen, f"{name}: no golden numbers; {FIX}"
+        varies = [
+            k for k, per_budget in seen.items() if len(set(map(repr, per_budget.values()))) > 1
+        ]
+        if name in free:
+            assert not varies, (
+                f"{name} is in BUDGET_FREE_POLICIES but its numbers move with the budget: {varies}"
+            )
+        else:
+            assert varies, f"{name}: its numbers never move with the budget; BUDGET_FREE_POLICIES?"
+            missing = traces - {t for t, _ in seen}
+            assert not missing, f"{name}: no golden numbers on {sorted(missing)}; {FIX}"
 
 
 def test_budgets_are_above_top_k() -> None:

@@ -6,6 +6,7 @@ output folder) and through a sweep (the configuration is recorded as an error, t
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,8 @@ import pytest
 from click.testing import CliRunner
 
 from daopsim.policies import registry
-from daopsim.policies.base import Action, Plan, Policy
+from daopsim.policies.all_gpu import AllGPUPolicy
+from daopsim.policies.base import ALL_GPU_PLAN, Action, Plan, Policy
 from daopsim.simulator.cli import main
 from daopsim.simulator.errors import PolicyError
 from daopsim.simulator.runner import simulate
@@ -254,6 +256,48 @@ def test_a_plan_given_none_for_its_lists_holds_empty_ones() -> None:
     assert (plan.victims, plan.prefetch, plan.precalc, plan.evict) == ({}, [], [], [])
     assert plan == Plan()
     assert Plan().prefetch is not Plan().prefetch  # each plan its own list
+
+
+class ChangesTheSharedPlan(AllGPUPolicy):
+    """A subclass that edits the plan its parent returns: the shared ALL_GPU_PLAN."""
+
+    name = "fault-changes-shared-plan"
+
+    def decode_layer(self, view: Any) -> Plan:
+        plan = super().decode_layer(view)
+        plan.cpu_serial = True
+        return plan
+
+
+class SpoilsTheSharedPlan(Temp):
+    """Changes ALL_GPU_PLAN in setup and never returns it: only later runs could notice."""
+
+    name = "fault-spoils-shared-plan"
+
+    def setup(self, ctx: Any) -> Any:
+        ALL_GPU_PLAN.evict.append((0, 0))
+        ALL_GPU_PLAN.cpu_first = True
+        return super().setup(ctx)
+
+
+def test_a_policy_cannot_change_the_shared_all_gpu_plan(trace: Path) -> None:
+    """ALL_GPU_PLAN is one object: a policy returning it changed gets a PolicyError naming it
+    and the field, and no change (returned or not) reaches a later run, whose numbers stay
+    those of a run before any change."""
+
+    def all_gpu() -> str:  # NaN-safe equality of every metric
+        res = simulate(policy="all-gpu", trace=trace, record=False)
+        return json.dumps(res.metrics, sort_keys=True, default=str)
+
+    before = all_gpu()
+    with pytest.raises(PolicyError) as info:
+        simulate(policy=ChangesTheSharedPlan(), trace=trace, record=False)
+    assert "ALL_GPU_PLAN" in str(info.value) and "cpu_serial" in str(info.value)
+    assert info.value.policy == "fault-changes-shared-plan" and info.value.layer == 0
+    assert all_gpu() == before
+    # a change made and never returned: the next run starts from the shared plan as new
+    simulate(policy=SpoilsTheSharedPlan(), trace=trace, gpu_experts=BUDGET, record=False)
+    assert all_gpu() == before
 
 
 # --- a policy file's own mistakes: one line naming it, exit 2, never a traceback or exit 0 ------
