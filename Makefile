@@ -31,7 +31,7 @@ $(BASE): pyproject.toml setup.py
 # mypy (mypyc) at the version pyproject.toml's build requirements name
 $(TOOLS): $(BASE)
 	$(PIP) install -q $$($(PY) -c "import tomllib; \
-		print(' '.join(repr(r) for r in tomllib.load(open('pyproject.toml', 'rb'))['build-system']['requires']))")
+		print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['build-system']['requires']))")
 	touch $@
 
 # torch is pinned: an unpinned torch pulls a multi-GB CUDA build
