@@ -836,7 +836,9 @@ def plot(df: pd.DataFrame | str | os.PathLike[str], kind: str, **kwargs: Any) ->
         # a figure of empty panels is no result: say what the rows are instead
         counts = rows["status"].astype(str).value_counts()
         have = ", ".join(f"{n} {status}" for status, n in counts.items())
-        raise UserError(f"no successful runs for trace {trace!r} in the results ({have}); "
+        reasons = [str(e) for e in rows.get("error", pd.Series(dtype=object)) if e and e == e]
+        why = f"; first: {' '.join(reasons[0].split())}" if reasons else ""
+        raise UserError(f"no successful runs for trace {trace!r} in the results ({have}{why}); "
                         "nothing to draw")  # fmt: skip
     return _PLOTTERS[kind](df, **kwargs)
 

@@ -727,6 +727,9 @@ def test_sigint_during_a_run_exits_130(tmp_path: Path) -> None:
         [sys.executable, "-m", "daopsim", "run", "--trace", "ci-small", "--no-progress",
          "--policy", f"{slow}:Slow", "--out", str(tmp_path / "out")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # a user's shell delivers Ctrl-C; a test worker (xdist) may ignore SIGINT, and an
+        # ignored signal stays ignored in its children: restore the default for this one
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     try:
         time.sleep(6)  # imports, the trace, then well inside the run (minutes of sleeps)

@@ -16,9 +16,9 @@ def test_the_flat_state_and_the_arrays_policies_read_are_one_memory() -> None:
     res.insert(2 * 4 + 1, op)
     assert res.resident[2, 1] and res.n_resident == 1
     assert res.ready_at[2, 1] == INF and res.copying[9] is op
-    res.copied(9, 0.25)
+    res.copied(9, op, 0.25)
     assert res.ready_at[2, 1] == 0.25 and 9 not in res.copying
-    res.remove(9)
+    assert res.remove(9, 0.5) == (0.0, None)  # its copy landed at 0.25: nothing in flight
     assert not res.resident.any() and res.n_resident == 0
     res.resident[0, 3] = True
     assert res.mask[3] == 1

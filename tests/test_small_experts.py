@@ -3,6 +3,8 @@ calls and op dispatch, and ggml's per-node barrier on a CPU-resident layer."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from daopsim.simulator.costs import cost_model
@@ -46,13 +48,15 @@ def test_ggml_cpu_layer_pays_a_barrier_per_graph_node() -> None:
     other runtimes' CPU work pays none."""
     model = get_model("deepseek-v2-lite").with_precision("q4_0", None, "q4_0")
     rt = get_runtime("llama.cpp")
-    plain = cost_model("rtx4080-pcie4", model, "ggml")
-    ggml = runtime_cost_model(plain.hw, model, rt)
-    assert rt.cpu_layer_us == pytest.approx(1.04 * 31)
+    hw = cost_model("rtx4080-pcie4", model, "ggml").hw
+    ggml = runtime_cost_model(hw, model, rt)
+    # the same runtime without the barrier (its GEMM shares and stream unchanged)
+    plain = runtime_cost_model(hw, model, dataclasses.replace(rt, cpu_node_us=0.0))
+    assert rt.cpu_layer_us == pytest.approx(1.04 * 31) and plain.cpu_layer_us == 0.0
     for n, ctx in ((1, 0), (1, 4096), (512, 0)):
         extra = ggml.cpu_nonexpert_layer_s(n, ctx) - plain.cpu_nonexpert_layer_s(n, ctx)
         assert extra == pytest.approx(1.04 * 31 * US)
-    torch = runtime_cost_model(plain.hw, model, get_runtime("ktransformers"))
+    torch = runtime_cost_model(hw, model, get_runtime("ktransformers"))
     assert torch.cpu_layer_us == 0.0 and torch.cpu_call_us == 0.0
 
 
