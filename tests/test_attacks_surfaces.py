@@ -35,7 +35,7 @@ from daopsim.simulator.hardware import load_profile
 from daopsim.simulator.models import get_model
 from daopsim.simulator.runner import expert_fit, simulate
 from daopsim.simulator.testing import make_trace
-from daopsim.simulator.trace import validate_trace
+from daopsim.simulator.trace import read_meta, validate_trace
 
 USAGE, OUTPUT = int(ExitCode.USAGE), int(ExitCode.OUTPUT)
 REPO = Path(__file__).resolve().parent.parent
@@ -855,3 +855,42 @@ def test_gym_step_takes_only_integer_expert_ids(action: object) -> None:
     assert not info1["invalid_action"] and r1 == r2 and info1["now"] == info2["now"]
     env.close()
     twin.close()
+
+
+# --- round 3: cases the audit found open --------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["npy", "npz"])
+def test_import_prefill_longer_than_a_sequence_is_refused(tmp_path: Path, fmt: str) -> None:
+    """``trace import npy six.npy --prefill 100`` wrote 6 prefill + 0 decode tokens and exited 0:
+    a prompt longer than the sequence is refused, naming the option and the sequence's length;
+    a prompt of exactly every token is still a valid import."""
+    ids = _ids(np.random.default_rng(3), 6)
+    src = tmp_path / f"six.{fmt}"
+    with open(src, "wb") as fh:
+        np.save(fh, ids) if fmt == "npy" else np.savez(fh, experts=ids)
+    out = tmp_path / "six.parquet"
+    res = _cli("trace", "import", "npy", src, "--model", MODEL, "--prefill", "100", "-o", out)
+    one_error(res, USAGE, str(src), "--prefill 100", "6 tokens")
+    assert not out.exists()
+    res = _cli("trace", "import", "npy", src, "--model", MODEL, "--prefill", "6", "-o", out)
+    assert res.exit_code == 0, res.output
+    assert read_meta(out).counts["prefill_tokens"] == 6
+
+
+@pytest.mark.parametrize(
+    ("fmt", "option", "value"),
+    [("npy", "--field", "seq=req"), ("npy", "--top-k", "2"), ("vllm", "--prefill", "3"),
+     ("jsonl", "--top-k", "2"), ("torch", "--field", "seq=req")],
+)  # fmt: skip
+def test_import_refuses_options_its_format_does_not_read(
+    tmp_path: Path, fmt: str, option: str, value: str
+) -> None:
+    """``trace import npy`` silently ignored ``--field`` and ``--top-k`` (and vllm/jsonl
+    ``--prefill``): an option the format does not read is one line naming it and the format."""
+    src = tmp_path / "src.bin"
+    src.write_bytes(b"not read: the option is refused first")
+    out = tmp_path / "o.parquet"
+    res = _cli("trace", "import", fmt, src, "--model", MODEL, option, value, "-o", out)
+    one_error(res, USAGE, option, fmt)
+    assert not out.exists()
