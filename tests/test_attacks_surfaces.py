@@ -894,3 +894,23 @@ def test_import_refuses_options_its_format_does_not_read(
     res = _cli("trace", "import", fmt, src, "--model", MODEL, option, value, "-o", out)
     one_error(res, USAGE, option, fmt)
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "models",
+    ['[[models]]\ntrace = "ci-small"\n[[models]]\ntrace = "ci-small"\n',
+     '[[models]]\nsynth = { preset = "mixtral-8x7b", seed = 0 }\n'
+     '[[models]]\nsynth = { preset = "mixtral-8x7b", seed = 1 }\n'],
+)  # fmt: skip
+def test_experiment_refuses_a_model_given_twice(tmp_path: Path, models: str) -> None:
+    """The same trace twice under ``[[models]]`` gave each of its rows twice (and two synthetic
+    traces of one preset share the label ``synth:NAME``, so their rows could not be told apart):
+    refused before any run, naming the file and both entries."""
+    exp = tmp_path / "exp.toml"
+    exp.write_text(
+        'name = "t"\nhw = "a6000-pcie4"\ncache_ratios = [0.5]\ntarget = "lru"\n[policies.lru]\n'
+        + models
+    )
+    res = _cli("experiment", exp, "--out", tmp_path / "out", "--sequences", "1")
+    one_error(res, USAGE, str(exp), "models[1]", "models[0]")
+    assert not (tmp_path / "out").exists()
