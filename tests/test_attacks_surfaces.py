@@ -914,3 +914,35 @@ def test_experiment_refuses_a_model_given_twice(tmp_path: Path, models: str) -> 
     res = _cli("experiment", exp, "--out", tmp_path / "out", "--sequences", "1")
     one_error(res, USAGE, str(exp), "models[1]", "models[0]")
     assert not (tmp_path / "out").exists()
+
+
+def test_experiment_checks_its_output_folder_can_be_made_before_running(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``experiment -o /sys/exp2`` as root ran every configuration and only then failed: root
+    passes the permission check (``os.access``) on a file system that refuses every new entry.
+    Simulated here: ``os.access`` says yes, creating anything in ``fs`` raises EPERM. The
+    output is now tried before the first run: one line naming --out, no run, nothing left."""
+    fs = tmp_path / "fs"
+    fs.mkdir()
+    real_mkdir, real_open = os.mkdir, os.open
+
+    def refuse(real: Callable[..., object]) -> Callable[..., object]:
+        def call(p: object, *args: object, **kw: object) -> object:
+            if Path(os.fsdecode(p)).parent == fs:  # type: ignore[arg-type]
+                raise PermissionError(errno.EPERM, os.strerror(errno.EPERM), os.fsdecode(p))  # type: ignore[arg-type]
+            return real(p, *args, **kw)
+
+        return call
+
+    monkeypatch.setattr(os, "mkdir", refuse(real_mkdir))
+    monkeypatch.setattr(os, "open", refuse(real_open))
+    exp = tmp_path / "exp.toml"
+    exp.write_text(
+        'name = "t"\nhw = "a6000-pcie4"\ncache_ratios = [0.5]\ntarget = "lru"\n[policies.lru]\n'
+        '[[models]]\ntrace = "ci-small"\n'
+    )
+    res = _cli("experiment", exp, "-o", fs / "exp2", "--sequences", "1")
+    one_error(res, OUTPUT, f"--out {fs / 'exp2'}", "cannot write", "not permitted")
+    assert "running" not in res.stderr  # refused before the first configuration
+    assert list(fs.iterdir()) == []
