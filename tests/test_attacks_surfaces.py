@@ -946,3 +946,25 @@ def test_experiment_checks_its_output_folder_can_be_made_before_running(
     one_error(res, OUTPUT, f"--out {fs / 'exp2'}", "cannot write", "not permitted")
     assert "running" not in res.stderr  # refused before the first configuration
     assert list(fs.iterdir()) == []
+
+
+def test_run_config_options_of_another_policy_stay_with_it(tmp_path: Path) -> None:
+    """``run --config point.toml --policy lru``, the file naming daop with ``[options.daop]
+    swap_num = 2``, failed with "policy 'lru' has no option 'swap_num'": the file's options
+    scoped to daop were applied to the policy chosen on the command line. They now stay with
+    daop (as ``sweep --policies`` drops the options of the policies it leaves out), so the run
+    equals the same run without the file's options; a file naming a policy and options scoped
+    to another is still refused, naming the file."""
+    cfg = tmp_path / "point.toml"
+    head = 'hw = "a6000-pcie4"\ntraces = ["ci-small"]\ncache_ratios = [0.25]\nsequences = 1\n'
+    cfg.write_text('policies = ["daop"]\n' + head + "[options.daop]\nswap_num = 2\n")
+    res = _cli("run", "--config", cfg, "--policy", "lru", "--no-bounds", "--no-progress", "--json")
+    assert res.exit_code == 0, res.output
+    got = json.loads(res.stdout)["metrics"]
+    want = simulate(policy="lru", hw="a6000-pcie4", trace="ci-small", sequences=1,
+                    cache_ratio=0.25, record=False).metrics  # fmt: skip
+    assert got["tokens_per_s"] == pytest.approx(want["tokens_per_s"], rel=1e-12)
+    res = _cli("run", "--config", cfg, "--no-bounds", "--no-progress", "--json")
+    assert res.exit_code == 0 and json.loads(res.stdout)["policy"] == "daop", res.output
+    cfg.write_text('policies = ["lru"]\n' + head + "[options.daop]\nswap_num = 2\n")
+    one_error(_cli("run", "--config", cfg, "--no-progress"), USAGE, str(cfg), "'daop.swap_num'")
