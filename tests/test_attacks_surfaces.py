@@ -968,3 +968,16 @@ def test_run_config_options_of_another_policy_stay_with_it(tmp_path: Path) -> No
     assert res.exit_code == 0 and json.loads(res.stdout)["policy"] == "daop", res.output
     cfg.write_text('policies = ["lru"]\n' + head + "[options.daop]\nswap_num = 2\n")
     one_error(_cli("run", "--config", cfg, "--no-progress"), USAGE, str(cfg), "'daop.swap_num'")
+
+
+def test_sweep_multi_gpu_without_gpus_is_refused_as_run_refuses_it(tmp_path: Path) -> None:
+    """``sweep --hw 2x-rtx3090-nvlink --multi-gpu expert`` without ``--gpus`` ran one GPU and
+    dropped the mode in silence, where ``run`` refuses: both now give the same line, and write
+    nothing; a gpus axis that reaches 2 takes the mode for its multi-GPU points."""
+    out = tmp_path / "s.parquet"
+    common = ("--hw", "2x-rtx3090-nvlink", "--multi-gpu", "expert", "--no-progress")
+    sweep = _cli("sweep", "--policies", "lru", "--traces", "ci-small", "--cache-ratios", "0.25",
+                 "--sequences", "1", "-o", out, *common)  # fmt: skip
+    run = _cli("run", "--policy", "lru", "--trace", "ci-small", "--sequences", "1", *common)
+    assert one_error(sweep, USAGE, "--multi-gpu", "--gpus") == one_error(run, USAGE)
+    assert not out.exists()
