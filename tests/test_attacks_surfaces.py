@@ -981,3 +981,40 @@ def test_sweep_multi_gpu_without_gpus_is_refused_as_run_refuses_it(tmp_path: Pat
     run = _cli("run", "--policy", "lru", "--trace", "ci-small", "--sequences", "1", *common)
     assert one_error(sweep, USAGE, "--multi-gpu", "--gpus") == one_error(run, USAGE)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("base", ["lru", "global-lru"])
+@pytest.mark.parametrize("victim", [1.0, True, "1", None])
+def test_a_victim_of_the_wrong_type_names_choose_victim(base: str, victim: object) -> None:
+    """``choose_victim`` returning ``1.0`` or ``True`` passed the per-layer cache's check
+    (``1.0 == 1``) and surfaced later as a malformed plan; every such return now names
+    ``choose_victim`` and what it returned."""
+    from daopsim.policies.global_lru import GlobalLRUPolicy
+    from daopsim.policies.lru import LRUPolicy
+    from daopsim.simulator.errors import PolicyError
+
+    parent: type = LRUPolicy if base == "lru" else GlobalLRUPolicy
+    plugin = type(
+        "OddVictim", (parent,), {"name": "odd-victim", "choose_victim": lambda *a: victim}
+    )
+    with pytest.raises(PolicyError) as err:
+        simulate(policy=plugin(), trace="ci-small", sequences=1, cache_ratio=0.25, record=False)
+    text = str(err.value)
+    assert "'odd-victim'" in text and f"choose_victim returned {victim!r}" in text, text
+    assert "malformed" not in text, text
+
+
+def test_a_numpy_integer_victim_runs_as_the_int() -> None:
+    """NumPy integers are expert ids (what ``np.argmin`` gives): such a victim runs exactly as
+    the same id returned as an int."""
+    from daopsim.policies.lru import LRUPolicy
+
+    plain = type("Plain", (LRUPolicy,), {"name": "plain"})
+    wide = type(
+        "Wide",
+        (LRUPolicy,),
+        {"name": "wide", "choose_victim": lambda s, *a: np.int64(LRUPolicy.choose_victim(s, *a))},
+    )
+    run = dict(trace="ci-small", sequences=1, cache_ratio=0.25, record=False)
+    got, want = simulate(policy=wide(), **run).metrics, simulate(policy=plain(), **run).metrics
+    assert repr(sorted(got.items())) == repr(sorted(want.items()))  # NaN equals NaN here
