@@ -1018,3 +1018,12 @@ def test_a_numpy_integer_victim_runs_as_the_int() -> None:
     run = dict(trace="ci-small", sequences=1, cache_ratio=0.25, record=False)
     got, want = simulate(policy=wide(), **run).metrics, simulate(policy=plain(), **run).metrics
     assert repr(sorted(got.items())) == repr(sorted(want.items()))  # NaN equals NaN here
+
+
+@pytest.mark.parametrize("command", ["stats", "info", "validate"])
+def test_trace_commands_suggest_the_bundled_name(command: str) -> None:
+    """``trace stats ci_small`` said only "no such file" where ``run --trace ci_small`` asks
+    "did you mean 'ci-small'": the trace commands resolve names through the same resolver."""
+    line = one_error(_cli("trace", command, "ci_small"), USAGE, "'ci_small'", "'ci-small'")
+    run = one_error(_cli("run", "--policy", "lru", "--trace", "ci_small", "--no-progress"), USAGE)
+    assert line == run
