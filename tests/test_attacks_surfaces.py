@@ -1027,3 +1027,44 @@ def test_trace_commands_suggest_the_bundled_name(command: str) -> None:
     line = one_error(_cli("trace", command, "ci_small"), USAGE, "'ci_small'", "'ci-small'")
     run = one_error(_cli("run", "--policy", "lru", "--trace", "ci_small", "--no-progress"), USAGE)
     assert line == run
+
+
+_ROW = """[[row]]
+id = "mine"
+source = "s"
+system = "s"
+hardware = "h"
+model = "m"
+precision = "bf16"
+workload = "w"
+unit = "tokens/s"
+role = "test"
+setting = "published"
+metric = "tokens_per_s"
+published = 5.0
+[row.sim]
+policy = "lru"
+hw = "a6000-pcie4"
+trace = "ci-small"
+sequences = 1
+"""
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "words"),
+    [('policy = "lru"', 'policy = "lur"', ("'lur'", "did you mean 'lru'")),
+     ('metric = "tokens_per_s"', 'metric = "tokens_per_sec"', ("'tokens_per_sec'",)),
+     ('metric = "tokens_per_s"', 'metric = "per_layer_hits[3]"', ("'per_layer_hits'",)),
+     ("published = 5.0", "published = -1", ("'published'", "-1")),
+     ("published = 5.0", "published = 0", ("'published'", "0"))],
+)  # fmt: skip
+def test_validate_table_mistakes_are_user_errors(
+    tmp_path: Path, old: str, new: str, words: tuple[str, ...]
+) -> None:
+    """``validate --table`` with an unknown policy or metric, or ``published = -1``, exited 0
+    and listed the row as "not yet runnable": each is now a mistake in the file, one line naming
+    the file and the row id, exit 2, before any run (the bundled table is unaffected)."""
+    table = tmp_path / "one.toml"
+    table.write_text(_ROW.replace(old, new))
+    res = _cli("validate", "--table", table, "--no-progress")
+    one_error(res, USAGE, str(table), "'mine'", *words)
