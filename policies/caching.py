@@ -213,13 +213,15 @@ class CachingPolicy(_FetchOnMiss):
             protected = set(extra) if extra else set()
             if protected.issuperset(cache):
                 return None
-        victim = self.choose_victim(layer, protected, step)
-        if victim not in cache or victim in protected:
-            # a plugin's choose_victim broke its contract: say so, not "list.remove"
+        returned: object = self.choose_victim(layer, protected, step)
+        victim = _expert_id(returned)
+        if victim is None or victim not in cache or victim in protected:
+            # a plugin's choose_victim broke its contract: say so, not "list.remove" (nor a
+            # malformed plan later: 1.0 and True compare equal to the resident expert 1)
             candidates = sorted(x for x in cache if x not in protected)
             raise ValueError(
-                f"choose_victim returned expert {victim!r} of layer {layer}, which is not an "
-                f"evictable resident expert (candidates: {candidates})"
+                f"choose_victim returned {returned!r} for layer {layer}, which is not an "
+                f"evictable resident expert id (an int; candidates: {candidates})"
             )
         return victim
 
@@ -355,6 +357,16 @@ class GlobalCachingPolicy(_FetchOnMiss):
             self._admit(layer, e, step)
             self.touch(layer, e, step, 1 if counts is None else int(counts[e]))
         return plan
+
+
+def _expert_id(x: object) -> int | None:
+    """``x`` as an expert id (an int or a NumPy integer, not a bool), or None when it is not one."""
+    if isinstance(x, bool | np.bool_):
+        return None
+    try:
+        return operator.index(x)  # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 def _slot(x: object, shape: tuple[int, ...]) -> tuple[int, int] | None:

@@ -209,6 +209,14 @@ def load_experiment(name_or_path: str | os.PathLike[str]) -> Experiment:
                 raise UserError(f"{path}: models[{i}].fixed.{pname} must be a table")
             # the point's options run as the policy's options (experts_per_layer too)
             _check_options(path, f"models[{i}].fixed.{pname}", pname, {**policies[pname], **point})
+        # rows are labelled by the trace: a second entry of one label would repeat (or, for
+        # two synthetic traces of one preset, be confused with) the first's rows
+        first = next((j for j, prev in enumerate(models) if prev.trace == m["trace"]), None)
+        if first is not None:
+            raise UserError(
+                f"{path}: models[{i}] repeats models[{first}] (trace {m['trace']!r}): "
+                "give each trace once"
+            )
         models.append(ModelSpec(trace=m["trace"], fixed=fixed, synth=m.get("synth")))
     if not models:
         raise UserError(f"{path}: no [[models]] (give at least one, with its trace)")

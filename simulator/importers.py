@@ -88,9 +88,31 @@ class ImportOptions:
     prefill: int = 0  # npy/torch: leading tokens of each sequence that are prompt tokens
 
 
+#: The formats that read each format-specific option of ``trace import`` (the others refuse it:
+#: an option silently ignored would leave the user believing it was applied).
+OPTION_FORMATS = {"--field": ("jsonl",), "--top-k": ("torch",), "--prefill": ("npy", "torch")}
+
+
 # --------------------------------------------------------------------------------------------
 # checks shared by the formats
 # --------------------------------------------------------------------------------------------
+
+
+def _check_options_apply(fmt: str, opts: ImportOptions) -> None:
+    """Refuse a format-specific option given to a format that does not read it."""
+    given = {"--field": bool(opts.fields), "--top-k": opts.top_k is not None}
+    given["--prefill"] = opts.prefill != 0  # 0, the default, means the same in every format
+    for option, formats in OPTION_FORMATS.items():
+        if given[option] and fmt not in formats:
+            raise UserError(
+                f"{option} does not apply to {fmt} imports (only to {', '.join(formats)})"
+            )
+
+
+def _check_prefill(path: Path, where: str, prefill: int, tokens: int) -> None:
+    """--prefill longer than a sequence would turn it into a prompt without its decode."""
+    if prefill > tokens:
+        raise ImportFault(path, where, f"--prefill {prefill} exceeds its {tokens} tokens")
 
 
 #: Largest expert id a trace can store (``experts`` is int16).
@@ -424,8 +446,8 @@ def _npy_seq(
     weights = None
     if w is not None:
         weights = _weights(path, name, "weights", w, arr.shape)
-    n_pre = min(opts.prefill, arr.shape[0])
-    return _Seq(sid, arr, weights, n_pre, np.arange(arr.shape[0]))
+    _check_prefill(path, name, opts.prefill, arr.shape[0])
+    return _Seq(sid, arr, weights, opts.prefill, np.arange(arr.shape[0]))
 
 
 #: What NumPy raises for a damaged or foreign .npy/.npz (an .npz member is read lazily).
@@ -544,6 +566,8 @@ def _read_torch(path: Path, opts: ImportOptions, model: ModelShape | None) -> li
                     path, where, f"n_prefill {file_pre} exceeds the {x.shape[0]} tokens"
                 )
             n_pre = file_pre
+        else:
+            _check_prefill(path, where, n_pre, x.shape[0])
         if not torch.isfinite(x).all():
             raise ImportFault(path, where, "router logits contain NaN or infinity")
         n_exp = x.shape[-1]
@@ -561,7 +585,7 @@ def _read_torch(path: Path, opts: ImportOptions, model: ModelShape | None) -> li
                 seq_id=s,
                 experts=ids.numpy().astype(np.int64),
                 weights=weights.numpy().astype(np.float32),
-                n_prefill=min(n_pre, x.shape[0]),
+                n_prefill=n_pre,
                 positions=np.arange(x.shape[0]),
                 probs=probs.numpy().astype(np.float32),
             )
@@ -665,6 +689,7 @@ def import_trace(
         raise UserError(f"unknown import format {fmt!r} (formats: {', '.join(FORMATS)})")
     if opts.missing_layers not in MISSING_RULES:
         raise UserError(f"--missing-layers must be one of {list(MISSING_RULES)}")
+    _check_options_apply(fmt, opts)
     path = check_input_file(src, f"{fmt} source")
     if opts.prefill < 0:
         raise UserError(f"--prefill must be >= 0, got {opts.prefill}")

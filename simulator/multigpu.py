@@ -65,6 +65,13 @@ class MultiGpuConfig:
     placement: str = "mod"
 
 
+def check_mode_has_gpus(mode_given: bool, most_gpus: int) -> None:
+    """A multi-GPU mode needs a GPU count of 2 or more: without one it would be dropped in
+    silence (one GPU runs). Shared by ``run`` and ``sweep`` (whose largest ``gpus`` counts)."""
+    if mode_given and most_gpus < 2:
+        raise UserError("--multi-gpu needs --gpus 2 or more")
+
+
 def check_config(
     profile: HardwareProfile, gpus: int, mode: str | None, placement: str | None = None
 ) -> MultiGpuConfig | None:
@@ -86,9 +93,8 @@ def check_config(
         raise UserError(
             f"--gpus {gpus}: profile {profile.name!r} has {have} GPU{'s' if have > 1 else ''}"
         )
+    check_mode_has_gpus(mode is not None, gpus)
     if gpus == 1:
-        if mode is not None:
-            raise UserError("--multi-gpu needs --gpus 2 or more")
         return None
     return MultiGpuConfig(gpus, mode or "expert", placement or "mod")
 

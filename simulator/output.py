@@ -119,6 +119,17 @@ def _check_parent(target: Path, where: str) -> None:
         raise OutputError(f"{where}: {probe} is not a directory")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise OutputError(f"{where}: cannot write: {probe} is not writable")
+    # os.access only reads permission bits, which root passes everywhere, also on a file system
+    # that refuses every new entry (/sys, a read-only mount): create and remove an entry named
+    # like a staging folder (so one left by a kill is cleaned by the next write), before any work
+    try:
+        os.rmdir(
+            tempfile.mkdtemp(prefix=_STAGE.format(name=target.name, pid=os.getpid()), dir=probe)
+        )
+    except OSError as exc:
+        raise OutputError(
+            f"{where}: cannot write in {probe}: {describe_os_error(exc, target)}"
+        ) from None
 
 
 def _same(a: Path, b: Path) -> bool:

@@ -502,11 +502,12 @@ def expand(grid: Grid) -> list[Config]:
     for name in grid.runtimes:
         get_runtime(name)  # an unknown name fails before any run
     runtimes: list[str | None] = list(dict.fromkeys(grid.runtimes)) or [None]
-    from daopsim.simulator.multigpu import MODES
+    from daopsim.simulator.multigpu import MODES, check_mode_has_gpus
 
     for g in grid.gpus:
         if g < 1:
             raise UserError(f"gpus {g} is not a positive count")
+    check_mode_has_gpus(bool(grid.multi_gpu), max(grid.gpus, default=1))
     for mode in grid.multi_gpu:
         if mode not in MODES:
             raise UserError(f"multi_gpu {mode!r} is not one of {list(MODES)}")

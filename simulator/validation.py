@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from daopsim.simulator.data import bundled_dir, read_toml
-from daopsim.simulator.errors import UserError
+from daopsim.simulator.errors import UserError, did_you_mean
 from daopsim.simulator.trace_cache import synth_trace
 
 #: Units a row may use.
@@ -459,6 +459,33 @@ def _num(v: Any, where: str) -> float:
     return float(v)
 
 
+#: Per-layer results a metric may index (``per_layer_hit_rate[i]``).
+PER_LAYER_METRICS = ("per_layer_hit_rate",)
+
+
+def _positive(v: Any, where: str) -> float:
+    """A published value: a finite number above zero (the error divides by it; a measured
+    speed, time, hit rate or ratio is never zero or negative)."""
+    x = _num(v, where)
+    if x <= 0:
+        raise UserError(f"{where} must be above zero, got {v!r}")
+    return x
+
+
+def _check_metric(metric: str, where: str) -> None:
+    """``metric`` (already of the metric form) names a run metric or a per-layer result."""
+    from daopsim.simulator.results import METRIC_KEYS
+
+    m = _METRIC_RE.match(metric)
+    assert m is not None
+    name, idx = m.group(1), m.group(2)
+    known = PER_LAYER_METRICS if idx is not None else METRIC_KEYS
+    if name not in known:
+        hint = did_you_mean(name, known)
+        kind = "per-layer metric" if idx is not None else "metric"
+        raise UserError(f"{where}: unknown {kind} {name!r}{hint}")
+
+
 def _parse_row(raw: Any, i: int, path: Path) -> Row:
     where = f"{path}: row {i + 1}"
     if not isinstance(raw, dict):
@@ -515,7 +542,7 @@ def _parse_row(raw: Any, i: int, path: Path) -> Row:
     if kind == "ranking":
         return _parse_ranking(raw, where, calibrated, modelled, reason)
     pub = raw.get("published")
-    published = None if pub is None else _num(pub, f"{where}: 'published'")
+    published = None if pub is None else _positive(pub, f"{where}: 'published'")
     if retired:
         modelled = False  # kept for the record, never run
     if modelled and published is None:
@@ -529,6 +556,8 @@ def _parse_row(raw: Any, i: int, path: Path) -> Row:
     metric = raw.get("metric", "")
     if modelled and (not isinstance(metric, str) or not _METRIC_RE.match(metric)):
         raise UserError(f"{where}: 'metric' must name a run metric, e.g. tokens_per_s")
+    if modelled:
+        _check_metric(metric, where)
     if "member" in raw:
         raise UserError(f'{where}: [[row.member]] belongs to kind = "ranking" rows only')
     sim = raw.get("sim", {})
@@ -579,6 +608,14 @@ def _check_sim(sim: dict[str, Any], base: dict[str, Any] | None, where: str) -> 
     for key in list(sim) + list(base or {}):
         if key not in SIM_KEYS and key not in SERVING_SIM_KEYS and key != "synth":
             raise UserError(f"{where}: unknown simulator key {key!r}")
+    from daopsim.policies.registry import get_policy_class
+
+    for part in (sim, base or {}):
+        if "policy" in part:  # a misspelt name is the file's mistake, not a row "not runnable"
+            try:
+                get_policy_class(str(part["policy"]))
+            except UserError as exc:
+                raise UserError(f"{where}: {exc}") from None
     if "synth" in sim:
         try:
             trace_seeds(sim)
@@ -659,7 +696,7 @@ def _resolve_members(row: Row, rows: dict[str, Row], where: str) -> list[Member]
         ref = raw.get("row", "")
         side = raw.get("side", "sim")
         pub = raw.get("published")
-        published = None if pub is None else _num(pub, f"{here}: 'published'")
+        published = None if pub is None else _positive(pub, f"{here}: 'published'")
         if ref:
             other = rows.get(ref)
             if other is None or other.is_ranking or not other.modelled:
@@ -695,6 +732,7 @@ def _resolve_members(row: Row, rows: dict[str, Row], where: str) -> list[Member]
         _check_sim(sim, None, here)
         if not isinstance(metric, str) or not _METRIC_RE.match(metric):
             raise UserError(f"{here}: no 'metric' (give one on the row or the member)")
+        _check_metric(metric, here)
         if member_setting and member_setting not in SETTINGS:
             raise UserError(f"{here}: setting {member_setting!r} is not one of {SETTINGS}")
         out.append(Member(str(name), float(published), sim, metric, str(ref), member_setting))
@@ -887,7 +925,8 @@ def run_row(row: Row, runner: _Runner | None = None) -> RowResult:
         if per_seed is None:
             return RowResult(row, _value(row.metric, row.sim, row.baseline, runner))
     except UserError as exc:
-        # e.g. a policy another engineer has not added yet: say so, keep going
+        # e.g. a setting this machine cannot run (the table was checked when it was read): say
+        # so, keep going
         return RowResult(row, None, f"not yet runnable: {exc}")
     return RowResult(
         row,

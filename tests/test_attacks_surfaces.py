@@ -35,7 +35,7 @@ from daopsim.simulator.hardware import load_profile
 from daopsim.simulator.models import get_model
 from daopsim.simulator.runner import expert_fit, simulate
 from daopsim.simulator.testing import make_trace
-from daopsim.simulator.trace import validate_trace
+from daopsim.simulator.trace import read_meta, validate_trace
 
 USAGE, OUTPUT = int(ExitCode.USAGE), int(ExitCode.OUTPUT)
 REPO = Path(__file__).resolve().parent.parent
@@ -858,3 +858,216 @@ def test_gym_step_takes_only_integer_expert_ids(action: object) -> None:
     assert not info1["invalid_action"] and r1 == r2 and info1["now"] == info2["now"]
     env.close()
     twin.close()
+
+
+# --- round 3: cases the audit found open --------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["npy", "npz"])
+def test_import_prefill_longer_than_a_sequence_is_refused(tmp_path: Path, fmt: str) -> None:
+    """``trace import npy six.npy --prefill 100`` wrote 6 prefill + 0 decode tokens and exited 0:
+    a prompt longer than the sequence is refused, naming the option and the sequence's length;
+    a prompt of exactly every token is still a valid import."""
+    ids = _ids(np.random.default_rng(3), 6)
+    src = tmp_path / f"six.{fmt}"
+    with open(src, "wb") as fh:
+        np.save(fh, ids) if fmt == "npy" else np.savez(fh, experts=ids)
+    out = tmp_path / "six.parquet"
+    res = _cli("trace", "import", "npy", src, "--model", MODEL, "--prefill", "100", "-o", out)
+    one_error(res, USAGE, str(src), "--prefill 100", "6 tokens")
+    assert not out.exists()
+    res = _cli("trace", "import", "npy", src, "--model", MODEL, "--prefill", "6", "-o", out)
+    assert res.exit_code == 0, res.output
+    assert read_meta(out).counts["prefill_tokens"] == 6
+
+
+@pytest.mark.parametrize(
+    ("fmt", "option", "value"),
+    [("npy", "--field", "seq=req"), ("npy", "--top-k", "2"), ("vllm", "--prefill", "3"),
+     ("jsonl", "--top-k", "2"), ("torch", "--field", "seq=req")],
+)  # fmt: skip
+def test_import_refuses_options_its_format_does_not_read(
+    tmp_path: Path, fmt: str, option: str, value: str
+) -> None:
+    """``trace import npy`` silently ignored ``--field`` and ``--top-k`` (and vllm/jsonl
+    ``--prefill``): an option the format does not read is one line naming it and the format."""
+    src = tmp_path / "src.bin"
+    src.write_bytes(b"not read: the option is refused first")
+    out = tmp_path / "o.parquet"
+    res = _cli("trace", "import", fmt, src, "--model", MODEL, option, value, "-o", out)
+    one_error(res, USAGE, option, fmt)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "models",
+    ['[[models]]\ntrace = "ci-small"\n[[models]]\ntrace = "ci-small"\n',
+     '[[models]]\nsynth = { preset = "mixtral-8x7b", seed = 0 }\n'
+     '[[models]]\nsynth = { preset = "mixtral-8x7b", seed = 1 }\n'],
+)  # fmt: skip
+def test_experiment_refuses_a_model_given_twice(tmp_path: Path, models: str) -> None:
+    """The same trace twice under ``[[models]]`` gave each of its rows twice (and two synthetic
+    traces of one preset share the label ``synth:NAME``, so their rows could not be told apart):
+    refused before any run, naming the file and both entries."""
+    exp = tmp_path / "exp.toml"
+    exp.write_text(
+        'name = "t"\nhw = "a6000-pcie4"\ncache_ratios = [0.5]\ntarget = "lru"\n[policies.lru]\n'
+        + models
+    )
+    res = _cli("experiment", exp, "--out", tmp_path / "out", "--sequences", "1")
+    one_error(res, USAGE, str(exp), "models[1]", "models[0]")
+    assert not (tmp_path / "out").exists()
+
+
+def test_experiment_checks_its_output_folder_can_be_made_before_running(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``experiment -o /sys/exp2`` as root ran every configuration and only then failed: root
+    passes the permission check (``os.access``) on a file system that refuses every new entry.
+    Simulated here: ``os.access`` says yes, creating anything in ``fs`` raises EPERM. The
+    output is now tried before the first run: one line naming --out, no run, nothing left."""
+    fs = tmp_path / "fs"
+    fs.mkdir()
+    real_mkdir, real_open = os.mkdir, os.open
+
+    def refuse(real: Callable[..., object]) -> Callable[..., object]:
+        def call(p: object, *args: object, **kw: object) -> object:
+            if Path(os.fsdecode(p)).parent == fs:  # type: ignore[arg-type]
+                raise PermissionError(errno.EPERM, os.strerror(errno.EPERM), os.fsdecode(p))  # type: ignore[arg-type]
+            return real(p, *args, **kw)
+
+        return call
+
+    monkeypatch.setattr(os, "mkdir", refuse(real_mkdir))
+    monkeypatch.setattr(os, "open", refuse(real_open))
+    exp = tmp_path / "exp.toml"
+    exp.write_text(
+        'name = "t"\nhw = "a6000-pcie4"\ncache_ratios = [0.5]\ntarget = "lru"\n[policies.lru]\n'
+        '[[models]]\ntrace = "ci-small"\n'
+    )
+    res = _cli("experiment", exp, "-o", fs / "exp2", "--sequences", "1")
+    one_error(res, OUTPUT, f"--out {fs / 'exp2'}", "cannot write", "not permitted")
+    assert "running" not in res.stderr  # refused before the first configuration
+    assert list(fs.iterdir()) == []
+
+
+def test_run_config_options_of_another_policy_stay_with_it(tmp_path: Path) -> None:
+    """``run --config point.toml --policy lru``, the file naming daop with ``[options.daop]
+    swap_num = 2``, failed with "policy 'lru' has no option 'swap_num'": the file's options
+    scoped to daop were applied to the policy chosen on the command line. They now stay with
+    daop (as ``sweep --policies`` drops the options of the policies it leaves out), so the run
+    equals the same run without the file's options; a file naming a policy and options scoped
+    to another is still refused, naming the file."""
+    cfg = tmp_path / "point.toml"
+    head = 'hw = "a6000-pcie4"\ntraces = ["ci-small"]\ncache_ratios = [0.25]\nsequences = 1\n'
+    cfg.write_text('policies = ["daop"]\n' + head + "[options.daop]\nswap_num = 2\n")
+    res = _cli("run", "--config", cfg, "--policy", "lru", "--no-bounds", "--no-progress", "--json")
+    assert res.exit_code == 0, res.output
+    got = json.loads(res.stdout)["metrics"]
+    want = simulate(policy="lru", hw="a6000-pcie4", trace="ci-small", sequences=1,
+                    cache_ratio=0.25, record=False).metrics  # fmt: skip
+    assert got["tokens_per_s"] == pytest.approx(want["tokens_per_s"], rel=1e-12)
+    res = _cli("run", "--config", cfg, "--no-bounds", "--no-progress", "--json")
+    assert res.exit_code == 0 and json.loads(res.stdout)["policy"] == "daop", res.output
+    cfg.write_text('policies = ["lru"]\n' + head + "[options.daop]\nswap_num = 2\n")
+    one_error(_cli("run", "--config", cfg, "--no-progress"), USAGE, str(cfg), "'daop.swap_num'")
+
+
+def test_sweep_multi_gpu_without_gpus_is_refused_as_run_refuses_it(tmp_path: Path) -> None:
+    """``sweep --hw 2x-rtx3090-nvlink --multi-gpu expert`` without ``--gpus`` ran one GPU and
+    dropped the mode in silence, where ``run`` refuses: both now give the same line, and write
+    nothing; a gpus axis that reaches 2 takes the mode for its multi-GPU points."""
+    out = tmp_path / "s.parquet"
+    common = ("--hw", "2x-rtx3090-nvlink", "--multi-gpu", "expert", "--no-progress")
+    sweep = _cli("sweep", "--policies", "lru", "--traces", "ci-small", "--cache-ratios", "0.25",
+                 "--sequences", "1", "-o", out, *common)  # fmt: skip
+    run = _cli("run", "--policy", "lru", "--trace", "ci-small", "--sequences", "1", *common)
+    assert one_error(sweep, USAGE, "--multi-gpu", "--gpus") == one_error(run, USAGE)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("base", ["lru", "global-lru"])
+@pytest.mark.parametrize("victim", [1.0, True, "1", None])
+def test_a_victim_of_the_wrong_type_names_choose_victim(base: str, victim: object) -> None:
+    """``choose_victim`` returning ``1.0`` or ``True`` passed the per-layer cache's check
+    (``1.0 == 1``) and surfaced later as a malformed plan; every such return now names
+    ``choose_victim`` and what it returned."""
+    from daopsim.policies.global_lru import GlobalLRUPolicy
+    from daopsim.policies.lru import LRUPolicy
+    from daopsim.simulator.errors import PolicyError
+
+    parent: type = LRUPolicy if base == "lru" else GlobalLRUPolicy
+    plugin = type(
+        "OddVictim", (parent,), {"name": "odd-victim", "choose_victim": lambda *a: victim}
+    )
+    with pytest.raises(PolicyError) as err:
+        simulate(policy=plugin(), trace="ci-small", sequences=1, cache_ratio=0.25, record=False)
+    text = str(err.value)
+    assert "'odd-victim'" in text and f"choose_victim returned {victim!r}" in text, text
+    assert "malformed" not in text, text
+
+
+def test_a_numpy_integer_victim_runs_as_the_int() -> None:
+    """NumPy integers are expert ids (what ``np.argmin`` gives): such a victim runs exactly as
+    the same id returned as an int."""
+    from daopsim.policies.lru import LRUPolicy
+
+    plain = type("Plain", (LRUPolicy,), {"name": "plain"})
+    wide = type(
+        "Wide",
+        (LRUPolicy,),
+        {"name": "wide", "choose_victim": lambda s, *a: np.int64(LRUPolicy.choose_victim(s, *a))},
+    )
+    run = dict(trace="ci-small", sequences=1, cache_ratio=0.25, record=False)
+    got, want = simulate(policy=wide(), **run).metrics, simulate(policy=plain(), **run).metrics
+    assert repr(sorted(got.items())) == repr(sorted(want.items()))  # NaN equals NaN here
+
+
+@pytest.mark.parametrize("command", ["stats", "info", "validate"])
+def test_trace_commands_suggest_the_bundled_name(command: str) -> None:
+    """``trace stats ci_small`` said only "no such file" where ``run --trace ci_small`` asks
+    "did you mean 'ci-small'": the trace commands resolve names through the same resolver."""
+    line = one_error(_cli("trace", command, "ci_small"), USAGE, "'ci_small'", "'ci-small'")
+    run = one_error(_cli("run", "--policy", "lru", "--trace", "ci_small", "--no-progress"), USAGE)
+    assert line == run
+
+
+_ROW = """[[row]]
+id = "mine"
+source = "s"
+system = "s"
+hardware = "h"
+model = "m"
+precision = "bf16"
+workload = "w"
+unit = "tokens/s"
+role = "test"
+setting = "published"
+metric = "tokens_per_s"
+published = 5.0
+[row.sim]
+policy = "lru"
+hw = "a6000-pcie4"
+trace = "ci-small"
+sequences = 1
+"""
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "words"),
+    [('policy = "lru"', 'policy = "lur"', ("'lur'", "did you mean 'lru'")),
+     ('metric = "tokens_per_s"', 'metric = "tokens_per_sec"', ("'tokens_per_sec'",)),
+     ('metric = "tokens_per_s"', 'metric = "per_layer_hits[3]"', ("'per_layer_hits'",)),
+     ("published = 5.0", "published = -1", ("'published'", "-1")),
+     ("published = 5.0", "published = 0", ("'published'", "0"))],
+)  # fmt: skip
+def test_validate_table_mistakes_are_user_errors(
+    tmp_path: Path, old: str, new: str, words: tuple[str, ...]
+) -> None:
+    """``validate --table`` with an unknown policy or metric, or ``published = -1``, exited 0
+    and listed the row as "not yet runnable": each is now a mistake in the file, one line naming
+    the file and the row id, exit 2, before any run (the bundled table is unaffected)."""
+    table = tmp_path / "one.toml"
+    table.write_text(_ROW.replace(old, new))
+    res = _cli("validate", "--table", table, "--no-progress")
+    one_error(res, USAGE, str(table), "'mine'", *words)

@@ -229,16 +229,15 @@ def test_trace_commands_accept_bundled_names(
     tmp_path: Path, cli: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = make_trace(tmp_path / "small.parquet", sequences=1, prefill=2, decode=2)
-    monkeypatch.setattr(
-        "daopsim.simulator.commands.trace_cmd.bundled_traces", lambda: {"small": path}
-    )
+    monkeypatch.setattr("daopsim.simulator.data.bundled_traces", lambda: {"small": path})
     monkeypatch.chdir(tmp_path)
     for command in ("validate", "info", "stats"):
         result = cli("trace", command, "small")
         assert result.exit_code == 0, result.output
         assert str(path) in result.stdout
     missing = cli("trace", "info", "other")
-    assert missing.exit_code == 2 and "other: no such file" in missing.stderr
+    assert missing.exit_code == 2 and "unknown trace 'other'" in missing.stderr
+    assert "(small)" in missing.stderr  # the bundled names, as run --trace lists them
 
 
 # --- version 2: what a trace may leave out ----------------------------------------------------

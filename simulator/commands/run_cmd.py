@@ -176,12 +176,14 @@ _CONFIG_SCALARS = (
 )
 
 
-def load_run_config(path: str) -> dict[str, Any]:
+def load_run_config(path: str, chosen: str | None = None) -> dict[str, Any]:
     """A ``run --config`` file: the keys of a sweep grid (docs/sweeps.md), each with one value
     (a one-point grid), as ``run`` parameters (``options``: the policy's options).
 
     Relative paths are relative to the file, as in a grid file. A key with several values, or
-    two memory points, is a one-line error naming the key."""
+    two memory points, is a one-line error naming the key. ``chosen`` is the policy given on
+    the command line instead of the file's: options scoped to another policy stay with it (as
+    ``sweep --policies`` drops the options of the policies it leaves out)."""
     from daopsim.simulator.sweep import load_grid_file
 
     grid, out = load_grid_file(path)
@@ -212,7 +214,7 @@ def load_run_config(path: str) -> dict[str, Any]:
             params[key] = value
     if out is not None:
         params["out_dir"] = out
-    policy = params.get("policy")
+    policy = chosen if chosen is not None else params.get("policy")
     declared: dict[str, Any] = {}
     if policy is not None:
         from daopsim.policies.registry import get_policy_class
@@ -222,6 +224,8 @@ def load_run_config(path: str) -> dict[str, Any]:
     for name, values in grid.options.items():
         scope, dot, opt = name.rpartition(".")
         if dot and scope != policy:
+            if chosen is not None:
+                continue  # the file's options of a policy the command line left out
             raise UserError(f"{path}: option {name!r} is for policy {scope!r}, not {policy!r}")
         if not dot and name not in declared:
             continue  # a grid applies an unscoped option to the policies that declare it
@@ -649,7 +653,8 @@ def run(
     options: dict[str, Any] = {}
     if config is not None:
         ctx = click.get_current_context()
-        given = load_run_config(config)
+        on_line = ctx.get_parameter_source("policy") is ParameterSource.COMMANDLINE
+        given = load_run_config(config, policy if on_line else None)
         options = given.pop("options")
 
         def pick(name: str, current: Any) -> Any:

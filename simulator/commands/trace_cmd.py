@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from daopsim.simulator.commands.common import echo_json, json_option
-from daopsim.simulator.data import bundled_traces, non_regular_kind
+from daopsim.simulator.data import non_regular_kind
 from daopsim.simulator.errors import UserError
 from daopsim.simulator.stats import PHASE_CHOICES, STAT_KEYS, trace_stats
 from daopsim.simulator.trace import TraceMeta, read_meta, validate_trace
@@ -31,9 +31,10 @@ def _resolve(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
     if kind is not None and kind != "a directory":  # reading a FIFO or a device never ends
         raise UserError(f"{value}: is {kind}, not a regular trace file")
     if not Path(value).exists():
-        bundled = bundled_traces()
-        if value in bundled:
-            return str(bundled[value])
+        # the resolver `run --trace` uses: a bundled name, or "did you mean" for a near one
+        from daopsim.simulator.data import resolve_trace
+
+        return str(resolve_trace(value))
     return value
 
 
