@@ -122,6 +122,7 @@ def _mypycify(modules: list[str], stage: Path) -> tuple[list[dict], dict[str, st
             for m in modules}  # fmt: skip
     skipped: dict[str, str] = {}
     todo = list(modules)
+    fresh = False  # whether mypy's incremental cache was already dropped once
     while todo:
         paths = [_rel(native["source_path"](m, stage / "daopsim")) for m in todo]
         out = io.StringIO()
@@ -129,6 +130,15 @@ def _mypycify(modules: list[str], stage: Path) -> tuple[list[dict], dict[str, st
             with contextlib.redirect_stdout(out):
                 exts = mypycify(paths, opt_level="3", separate=_groups(todo, stage),
                                 target_dir=_rel(C_DIR))  # fmt: skip
+        except Exception as exc:
+            # mypyc's code generator can fail on state read back from mypy's incremental cache
+            # after an edit (seen: ValueError in emit_undefined_attr_check); once, start afresh
+            if fresh:
+                raise
+            fresh = True
+            shutil.rmtree(HERE / ".mypy_cache", ignore_errors=True)
+            _say(f"mypyc failed on its incremental cache ({type(exc).__name__}); from scratch")
+            continue
         except SystemExit:
             text = out.getvalue()
             bad = {m for p in _ERROR.findall(text) if (m := _module_of(p, stage)) in todo}

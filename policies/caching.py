@@ -213,7 +213,7 @@ class CachingPolicy(_FetchOnMiss):
             protected = set(extra) if extra else set()
             if protected.issuperset(cache):
                 return None
-        returned: object = self.choose_victim(layer, protected, step)
+        returned = _asked(self, layer, protected, step)
         victim = _expert_id(returned)
         if victim is None or victim not in cache or victim in protected:
             # a plugin's choose_victim broke its contract: say so, not "list.remove" (nor a
@@ -341,22 +341,29 @@ class GlobalCachingPolicy(_FetchOnMiss):
                 actions[e] = TEMP  # every resident slot holds an expert this token needs
                 continue
             else:
-                victim = self.choose_victim(layer, protected, step)
-                ok = _slot(victim, self.cached.shape)
+                returned = _asked(self, layer, protected, step)
+                ok = _slot(returned, self.cached.shape)
                 if ok is None or not self.cached[ok] or (ok[0] == layer and ok[1] in protected):
                     # a plugin's choose_victim broke its contract: say so, not a KeyError later
                     raise ValueError(
-                        f"choose_victim returned {victim!r} for layer {layer}, which is not an "
+                        f"choose_victim returned {returned!r} for layer {layer}, which is not an "
                         "evictable resident (layer, expert) slot (resident, and not one of this "
                         "token's experts at this layer)"
                     )
-                victim = ok
-                self._evict(victim)
-                plan.victims[e] = victim
+                self._evict(ok)
+                plan.victims[e] = ok
             actions[e] = FETCH
             self._admit(layer, e, step)
             self.touch(layer, e, step, 1 if counts is None else int(counts[e]))
         return plan
+
+
+def _asked(policy: Any, layer: int, protected: set[int], step: int) -> object:
+    """What ``policy.choose_victim`` (perhaps a user's) returns, taken as any object: looked up
+    and called through Python's generic protocol, so that a compiled caller does not convert it
+    to the declared type first (a float, a bool or a NumPy integer would fail there with a bare
+    TypeError in the compiled build and pass in the pure one); the caller checks it."""
+    return policy.choose_victim(layer, protected, step)
 
 
 def _expert_id(x: object) -> int | None:
