@@ -36,16 +36,20 @@ def parse_key_values(
     form: str = "key=value",
     allow_empty: bool = True,
 ) -> dict[str, str]:
-    """``key=value`` option strings to a dict (values stay strings, the last one of a key wins).
+    """``key=value`` option strings to a dict (values stay strings).
 
     The one key=value parser of the CLI. A malformed item (no ``=``, an empty key, or an empty
-    value when ``allow_empty`` is false) is a UserError naming the flag and the expected ``form``.
+    value when ``allow_empty`` is false) is a UserError naming the flag and the expected
+    ``form``; so is a key given twice (which of the two was meant is not for the parser to guess,
+    as for a value repeated in a comma list).
     """
     out: dict[str, str] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip() or not (allow_empty or value.strip()):
             raise UserError(f"{flag} {item!r}: expected {form}")
+        if key.strip() in out:
+            raise UserError(f"{flag}: {key.strip()!r} given twice")
         out[key.strip()] = value.strip()
     return out
 

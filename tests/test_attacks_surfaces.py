@@ -1071,3 +1071,33 @@ def test_validate_table_mistakes_are_user_errors(
     table.write_text(_ROW.replace(old, new))
     res = _cli("validate", "--table", table, "--no-progress")
     one_error(res, USAGE, str(table), "'mine'", *words)
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--policies", "lru,lru"], "--policies: 'lru' given twice"),
+        (["--policies", "lru", "--cache-ratios", "0.3,0.30"], "--cache-ratios: '0.30' given twice"),
+        (["--policies", "lru", "--hw", "a6000-pcie4,a6000-pcie4"], "--hw: 'a6000-pcie4' given"),
+        (["--policies", "lru", "--policy-opt", "initial=first", "--policy-opt", "initial=empty"],
+         "--policy-opt: 'initial' given twice"),
+    ],
+)  # fmt: skip
+def test_a_sweep_value_given_twice_is_refused_as_compare_and_advise_refuse_it(
+    tmp_path: Path, args: list[str], named: str
+) -> None:
+    """A repeated list value or option key is one line naming it, never merged or run twice."""
+    out = tmp_path / "s.parquet"
+    res = _cli("sweep", *args, "--traces", "ci-small", "--sequences", "1", "--no-progress",
+               "--out", out)  # fmt: skip
+    one_error(res, USAGE, named)
+    assert not out.exists()
+
+
+def test_run_refuses_an_option_given_twice(tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    twice = ["--policy-opt", "swap_num=1", "--policy-opt", "swap_num=2"]
+    res = _cli("run", "--trace", "ci-small", "--sequences", "1", "--policy", "daop", *twice,
+               "--out", out)  # fmt: skip
+    one_error(res, USAGE, "--policy-opt: 'swap_num' given twice")
+    assert not out.exists()

@@ -25,10 +25,14 @@ def _split(text: str | None, kind: type, flag: str) -> list[Any] | None:
     if not items:
         raise UserError(f"{flag}: no values given")
     try:
-        return [kind(t) for t in items]
+        values = [kind(t) for t in items]
     except ValueError:
         bad = next(t for t in items if not _parses(kind, t))
         raise UserError(f"{flag}: {bad!r} is not a valid {kind.__name__}") from None
+    for i, v in enumerate(values):
+        if v in values[:i]:  # as compare and advise refuse one: never merged or run twice
+            raise UserError(f"{flag}: {items[i]!r} given twice")
+    return values
 
 
 def _parses(kind: type, text: str) -> bool:
