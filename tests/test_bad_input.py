@@ -406,6 +406,10 @@ CASES: dict[str, Case] = {
         run_args("--policy", "learned", "--policy-opt", lambda ws: f"model={_fifo(ws)}"),
         ("model.fifo", "FIFO", "not a regular model file"),
     ),
+    "learned-model-character-device": Case(
+        run_args("--policy", "learned", "--policy-opt", "model=/dev/zero"),
+        ("/dev/zero", "character device", "not a regular model file"),
+    ),
     "learned-model-huge": Case(
         run_args("--policy", "learned", "--policy-opt", lambda ws: f"model={_huge(ws)}"),
         ("huge.json", "larger than 16 MiB"),
