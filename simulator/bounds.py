@@ -22,7 +22,12 @@ import functools
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from daopsim.simulator.runtime_profiles import RuntimeProfile, get_runtime, runtime_names
+from daopsim.simulator.runtime_profiles import (
+    HOST_DEVICE_FIELDS,
+    RuntimeProfile,
+    get_runtime,
+    runtime_names,
+)
 
 #: The policy whose run is the bound.
 ALL_GPU = "all-gpu"
@@ -40,12 +45,7 @@ _LOWER_IS_FASTER = (
     "idle_expert_syncs",
     "gpu_gemm_half_tokens",
     # a device on the host thread (host_device): host time added to the device's
-    "step_host_us",
-    "attention_host_us",
-    "norm_host_us",
-    "router_host_us",
-    "layer_glue_host_us",
-    "expert_host_us",
+    *HOST_DEVICE_FIELDS,
 )
 #: Metrics the bound reports, and whether more is faster.
 _METRICS = {"tokens_per_s": True, "decode_tokens_per_s": True, "tpot_p50_s": False, "e2e_s": False}

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from daopsim.simulator.errors import UserError
+from daopsim.simulator.runtime_profiles import HOST_DEVICE_FIELDS
 
 #: a probe's output files, by role (``NAME`` replaced)
 FILES = {"hardware": "{name}.toml", "runtime": "{name}.runtime.toml", "json": "{name}.probe.json"}
@@ -1013,10 +1014,7 @@ def _stand_in_desc(res: ProbeResult) -> str:
 
 
 def _cpu_lines(res: ProbeResult) -> list[str]:
-    """The ``[cpu]`` table (today's fields; valmech's per-core fields when the schema has
-    them, docs/hardware-profiles.md)."""
-    from daopsim.simulator import hardware
-
+    """The ``[cpu]`` table, with the per-core weight-stream tables (docs/hardware-profiles.md)."""
     usable = int(res.value("cpu.usable_threads", 1))
     cores = int(min(res.value("cpu.cores", usable), usable))
     prec = "bf16" if res.value(f"cpu.stream_gbs.torch_bf16.t{cores}") else "fp32"
@@ -1104,7 +1102,7 @@ def _cpu_lines(res: ProbeResult) -> list[str]:
         )
     else:
         lines.append(f"# dram_gbs: not readable here ({res.entries['cpu.dram_gbs'].method})")
-    if dram and read is not None and "dram_efficiency" in hardware._CPU:
+    if dram and read is not None:
         lines.append(
             _line(
                 "dram_efficiency",
@@ -1113,8 +1111,7 @@ def _cpu_lines(res: ProbeResult) -> list[str]:
                 "all-core read stream / dram_gbs",
             )
         )
-    if "core_stream_gbs" in hardware._CPU:  # the per-core rule's fields (docs/hardware-profiles.md)
-        lines += _per_core_tables(res, cores)
+    lines += _per_core_tables(res, cores)
     return lines
 
 
@@ -1176,12 +1173,7 @@ def _standin_lines(res: ProbeResult) -> list[str]:
             "the host's memory: the stand-in's device memory is the host's",
         ),
         _line("usable_fraction", "0.9", "A", "assumption: the OS and other processes keep 10 %"),
-        _line(
-            "mem_bw_gbs",
-            _num(res.value("standin.gemv_gbs")),
-            "M",
-            res.entries["standin.gemv_gbs"].method,
-        ),
+        _measured(res, "mem_bw_gbs", "standin.gemv_gbs"),
         _line(
             "bf16_tflops",
             _num(res.value("standin.gemm_gflops") / 1e3, 4),
@@ -1232,6 +1224,12 @@ def _standin_lines(res: ProbeResult) -> list[str]:
     return lines
 
 
+def _measured(res: ProbeResult, key: str, entry: str) -> str:
+    """A profile line ``key`` holding the probe's measured ``entry``, tagged with how it was
+    measured."""
+    return _line(key, _num(res.value(entry)), "M", res.entries[entry].method)
+
+
 def _gpu_lines(res: ProbeResult) -> list[str]:
     """``[gpu]`` and ``[link]`` of a real GPU (unverified: no GPU run has been recorded)."""
     mem = res.value("gpu.memory_bytes") or 0
@@ -1242,18 +1240,8 @@ def _gpu_lines(res: ProbeResult) -> list[str]:
         f"name = {_toml_str(str(res.value('gpu.name')))}",
         _line("memory_gb", _num(mem / 1e9), "X", res.entries["gpu.memory_bytes"].method),
         _line("usable_fraction", "0.93", "A", "assumption: CUDA context and fragmentation"),
-        _line(
-            "mem_bw_gbs",
-            _num(res.value("gpu.stream_gbs")),
-            "M",
-            res.entries["gpu.stream_gbs"].method,
-        ),
-        _line(
-            "bf16_tflops",
-            _num(res.value("gpu.gemm_tflops")),
-            "M",
-            res.entries["gpu.gemm_tflops"].method,
-        ),
+        _measured(res, "mem_bw_gbs", "gpu.stream_gbs"),
+        _measured(res, "bf16_tflops", "gpu.gemm_tflops"),
         _line(
             "launch_overhead_us",
             _num(res.value("gpu.dispatch_us")),
@@ -1266,16 +1254,9 @@ def _gpu_lines(res: ProbeResult) -> list[str]:
         _line("kind", '"pcie"', "D", "a discrete GPU"),
     ]
     for key in ("h2d_pinned_gbs", "d2h_pinned_gbs", "h2d_pageable_gbs", "d2h_pageable_gbs"):
-        lines.append(
-            _line(key, _num(res.value(f"link.{key}")), "M", res.entries[f"link.{key}"].method)
-        )
+        lines.append(_measured(res, key, f"link.{key}"))
     lines += [
-        _line(
-            "copy_overhead_us",
-            _num(res.value("gpu.copy_us")),
-            "M",
-            res.entries["gpu.copy_us"].method,
-        ),
+        _measured(res, "copy_overhead_us", "gpu.copy_us"),
         _line("copy_engines", "2", "A", "assumption: one copy engine per direction"),
     ]
     return lines
@@ -1287,38 +1268,13 @@ def _measured_lines(res: ProbeResult) -> list[str]:
     lines = [
         f'[measured."{m.name}"]',
         _line("dtype", _toml_str(m.dtype), "D", "the model's precision"),
-        _line(
-            "cpu_expert_ms",
-            _num(res.value("model.cpu_expert_ms")),
-            "M",
-            res.entries["model.cpu_expert_ms"].method,
-        ),
-        _line(
-            "load_expert_ms",
-            _num(res.value("model.load_expert_ms")),
-            "M",
-            res.entries["model.load_expert_ms"].method,
-        ),
+        _measured(res, "cpu_expert_ms", "model.cpu_expert_ms"),
+        _measured(res, "load_expert_ms", "model.load_expert_ms"),
         _line("load_path", '"pinned"', "D", "the stand-in's copies have one path"),
         _line("load_overrides_link", "true", "D", "this copy of one expert is what a miss costs"),
-        _line(
-            "writeback_expert_ms",
-            _num(res.value("model.writeback_expert_ms")),
-            "M",
-            res.entries["model.writeback_expert_ms"].method,
-        ),
-        _line(
-            "load_warm_expert_ms",
-            _num(res.value("model.load_warm_expert_ms")),
-            "M",
-            res.entries["model.load_warm_expert_ms"].method,
-        ),
-        _line(
-            "writeback_warm_expert_ms",
-            _num(res.value("model.writeback_warm_expert_ms")),
-            "M",
-            res.entries["model.writeback_warm_expert_ms"].method,
-        ),
+        _measured(res, "writeback_expert_ms", "model.writeback_expert_ms"),
+        _measured(res, "load_warm_expert_ms", "model.load_warm_expert_ms"),
+        _measured(res, "writeback_warm_expert_ms", "model.writeback_warm_expert_ms"),
         "# device times of this model's modules, ms at each token count (probe_modules.py):",
         "# full width minus hidden 64, one thread, weights streamed from DRAM, min of repeats",
         "device_tokens = [" + ", ".join(str(t) for t in tables["tokens"]) + "]",
@@ -1340,14 +1296,7 @@ def runtime_toml(res: ProbeResult, name: str) -> str:
     torch_v = res.versions.get("torch", "?")
     if res.device == "cuda":
         return _gpu_runtime_toml(res, name, date)
-    keys = (
-        "step_host_us",
-        "attention_host_us",
-        "norm_host_us",
-        "router_host_us",
-        "layer_glue_host_us",
-        "expert_host_us",
-    )
+    keys = HOST_DEVICE_FIELDS  # the runtime fields a host_device profile states
     if res.value(f"runtime.{keys[0]}") is None:
         raise UserError(
             "probe: module host costs need transformers (pip install 'daopsim[capture]')"
