@@ -159,6 +159,24 @@ class CachingPolicy(_FetchOnMiss):
         self.cache[layer].remove(expert)
         self.removed(layer, expert)
 
+    def _prefetch_into(
+        self, plan: Plan, layer: int, expert: int, keep: set[int], step: int
+    ) -> bool:
+        """Prefetch ``expert`` into ``layer``'s cache: when the layer is full, the resident
+        :meth:`choose_victim` picks outside ``keep`` leaves first, and the prefetch names it in
+        ``plan.prefetch``. False, with nothing done, when every resident is in ``keep``."""
+        cache = self.cache[layer]
+        victim: Slot | None = None
+        if len(cache) >= self.quota[layer]:
+            if keep.issuperset(cache):
+                return False
+            out = self.choose_victim(layer, keep, step)
+            self._evict(layer, out)
+            victim = (layer, out)
+        self._admit(layer, expert, step)
+        plan.prefetch.append((layer, expert, victim))
+        return True
+
     def decode_layer(self, view: View) -> Plan:
         """Hits run on the GPU; misses are fetched (evicting a victim) or use a temp buffer."""
         return self.serve(view, view.experts.tolist())

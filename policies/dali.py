@@ -263,17 +263,13 @@ class DALIPolicy(CachingPolicy):
             key=lambda e: (-row[e], e),
         )
         for e in ins[: self.n_swap]:
-            if len(cache) < self.quota[layer]:
-                victim: Slot | None = None
-            else:
-                if not any(row[x] < row[e] for x in cache if x not in keep):
-                    break  # every evictable resident worked as much: nothing to gain
-                out = self.choose_victim(layer, keep, view.step)
-                self._evict(layer, out)
-                victim = (layer, out)
-            self._admit(layer, e, view.step)
+            if len(cache) >= self.quota[layer] and not any(
+                row[x] < row[e] for x in cache if x not in keep
+            ):
+                break  # every evictable resident worked as much: nothing to gain
+            if not self._prefetch_into(plan, layer, e, keep, view.step):
+                break
             self.copies.prefetch((layer, e))
-            plan.prefetch.append((layer, e, victim))
             keep.add(e)
         self.work[layer] = [0] * len(row)
         self.steps[layer] = 0
@@ -297,16 +293,9 @@ class DALIPolicy(CachingPolicy):
         for e in pred[: self.n_pre]:
             if resident[e] or e in cache:
                 continue
-            victim: Slot | None = None
-            if len(cache) >= self.quota[nl]:
-                if keep.issuperset(cache):
-                    break
-                out = self.choose_victim(nl, keep, view.step)
-                self._evict(nl, out)
-                victim = (nl, out)
-            self._admit(nl, e, view.step)
+            if not self._prefetch_into(plan, nl, e, keep, view.step):
+                break
             self.copies.prefetch((nl, e))
-            plan.prefetch.append((nl, e, victim))
 
 
 register(DALIPolicy)

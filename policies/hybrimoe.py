@@ -397,18 +397,10 @@ class HybriMoEPolicy(LRUPolicy):
         extra = self.unevictable(nl)  # copies in flight (and an override's own)
         if extra:
             keep |= extra
-        cache, cap = self.cache[nl], self.quota[nl]
         for e in missing[:n]:
-            victim: Slot | None = None
-            if len(cache) >= cap:
-                if keep.issuperset(cache):
-                    break
-                out = self.choose_victim(nl, keep, view.step)
-                self._evict(nl, out)
-                victim = (nl, out)
-            self._admit(nl, e, view.step)
+            if not self._prefetch_into(plan, nl, e, keep, view.step):
+                break
             self.copies.prefetch((nl, e))
-            plan.prefetch.append((nl, e, victim))
 
     def _prefetch_count(self, n_cached: int, n_missing: int) -> int:
         """How many of layer+1's predicted experts the impact-driven greedy prefetches, with

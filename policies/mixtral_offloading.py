@@ -191,21 +191,14 @@ class MixtralOffloadingPolicy(LRUPolicy):
         if pending:
             protected |= pending
         resident: list[bool] = view.resident[nl].tolist()
-        cache, cap = self.cache[nl], self.quota[nl]
+        cache = self.cache[nl]
         for e in nxt[: self.k_pre]:
             if resident[e] or e in cache:
                 continue
-            victim: Slot | None = None
-            if len(cache) >= cap:
-                if protected.issuperset(cache):
-                    break
-                out = self.choose_victim(nl, protected, view.step)
-                self._evict(nl, out)
-                victim = (nl, out)
-            self._admit(nl, e, view.step)
+            if not self._prefetch_into(plan, nl, e, protected, view.step):
+                break
             self.copy_no += 1
             self.pending[(nl, e)] = self.copy_no
-            plan.prefetch.append((nl, e, victim))
 
 
 register(MixtralOffloadingPolicy)
