@@ -39,19 +39,20 @@ Runtime: ``ideal`` (a cache algorithm measured alone, like ``global-lru``).
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
 from daopsim.policies._mypyc import mypyc_attr
 from daopsim.policies.base import Param, Plan, SetupContext, Slot, View
-from daopsim.policies.caching import GlobalCachingPolicy, PendingCopies, demand_copies
+from daopsim.policies.caching import PendingCopies, demand_copies
+from daopsim.policies.global_lru import GlobalLRUPolicy
 from daopsim.policies.registry import register
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
-class LeastStalePolicy(GlobalCachingPolicy):
-    """One cache over all layers; evict an expert the forward pass has already gone past."""
+class LeastStalePolicy(GlobalLRUPolicy):
+    """One cache over all layers; evict an expert the forward pass has already gone past
+    (global-lru's recency order, its own victim rule)."""
 
     name = "least-stale"
     summary = (
@@ -60,7 +61,7 @@ class LeastStalePolicy(GlobalCachingPolicy):
     )
     source = "SpecMD (arXiv 2602.03921), Least-Stale eviction"
     params = {
-        **GlobalCachingPolicy.params,
+        **GlobalLRUPolicy.params,
         "stale_first": Param(
             bool,
             True,
@@ -75,8 +76,6 @@ class LeastStalePolicy(GlobalCachingPolicy):
         ),
     }
 
-    #: recency over all slots, oldest first
-    order: OrderedDict[Slot, None]
     #: the prefetched slots whose copy may still be in flight
     copies: PendingCopies
     #: slots a prefetch's victim must not be (the deciding layer's routed experts)
@@ -101,21 +100,9 @@ class LeastStalePolicy(GlobalCachingPolicy):
         self.copies = PendingCopies()
         return super().setup(ctx)
 
-    def init_state(self, ctx: SetupContext) -> None:
-        """One recency order over all slots."""
-        self.order = OrderedDict()
-
-    def touch(self, layer: int, expert: int, step: int, weight: int) -> None:
-        """Most recently used moves to the end."""
-        self.order.move_to_end((layer, expert))
-
-    def inserted(self, layer: int, expert: int, step: int) -> None:
-        """New entries start most recent."""
-        self.order[layer, expert] = None
-
     def removed(self, layer: int, expert: int) -> None:
-        """Forget an evicted slot."""
-        del self.order[layer, expert]
+        """Forget an evicted slot, and its prefetch."""
+        super().removed(layer, expert)
         self.copies.forget((layer, expert))
 
     def choose_victim(self, layer: int, protected: set[int], step: int) -> Slot:
