@@ -1,6 +1,6 @@
 """The rows read from llama.cpp's benchmark pages, community benchmark sets and benchmark threads
 (validation/llama-cpp-benches.toml, ai-benchmarks.toml, llmfit.toml, ik-llama-cpp.toml,
-ik-llama-cpp-threads.toml) and the
+ik-llama-cpp-threads.toml, published-2026.toml) and the
 profiles of their machines: each published value is the figure its source line quotes, each
 synthetic setting is the test the row names, and the same card in two hosts is the same card."""
 
@@ -23,6 +23,7 @@ FILES = (
     "llmfit.toml",
     "ik-llama-cpp.toml",
     "ik-llama-cpp-threads.toml",
+    "published-2026.toml",
 )
 NEW_PROFILES = (
     "dgx-spark-gb10",
