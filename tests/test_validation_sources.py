@@ -1,6 +1,6 @@
 """The rows read from llama.cpp's benchmark pages, community benchmark sets and benchmark threads
 (validation/llama-cpp-benches.toml, ai-benchmarks.toml, llmfit.toml, ik-llama-cpp.toml,
-ik-llama-cpp-threads.toml) and the
+ik-llama-cpp-threads.toml, published-2026.toml) and the
 profiles of their machines: each published value is the figure its source line quotes, each
 synthetic setting is the test the row names, and the same card in two hosts is the same card."""
 
@@ -23,6 +23,7 @@ FILES = (
     "llmfit.toml",
     "ik-llama-cpp.toml",
     "ik-llama-cpp-threads.toml",
+    "published-2026.toml",
 )
 NEW_PROFILES = (
     "dgx-spark-gb10",
@@ -215,3 +216,55 @@ def test_a_two_socket_host_is_modelled_as_one_socket() -> None:
     assert hw.gpu.memory_gb == pytest.approx(8 * 2**30 / 1e9, rel=1e-3)  # an 8 GiB card
     epyc = load_profile("epyc7773x-cpu")
     assert epyc.cpu.cores_used == 63 and epyc.cpu.dram_gbs == pytest.approx(8 * 3200 * 8 / 1000)
+
+
+def _full_gpu_run(hw: str, synth: dict, dtype: str, nonexpert: str) -> dict:
+    from daopsim.simulator.runner import simulate
+    from daopsim.simulator.trace_cache import synth_trace
+
+    spec = {"sequences": 1, "prompt_tokens": 8, "output_tokens": 8, "seed": 0, **synth}
+    result = simulate(
+        policy="llama-cpp-layers",
+        policy_options={"ngl": 99},
+        hw=hw,
+        trace=str(synth_trace(spec)),
+        dtype=dtype,
+        nonexpert_dtype=nonexpert,
+        sequences=1,
+        record=False,
+    )
+    return result.metrics
+
+
+def test_a_whole_gpu_run_does_not_read_the_host(tmp_path, monkeypatch) -> None:
+    """The labels of the whole-GPU llama.cpp rows rest on this: with every layer on the GPU the
+    host CPU, its memory and the link do not enter the run (one card in five hosts, down to a
+    one-lane PCIe 3.0 link and four Cortex-A76 cores, gives the same result)."""
+    monkeypatch.setenv("DAOPSIM_CACHE", str(tmp_path))
+    hosts = (
+        "rtx4090-pcie4",
+        "rtx4090-265k-pcie4",
+        "rtx4090-epyc9654-pcie4",
+        "rtx4090-picm5-pcie3x1",
+    )
+    runs = [_full_gpu_run(h, {"model": "gpt-oss-20b"}, "mxfp4", "q8_0") for h in hosts]
+    for other in runs[1:]:
+        assert other["decode_tokens_per_s"] == runs[0]["decode_tokens_per_s"]
+        assert other["ttft_s"] == runs[0]["ttft_s"]
+
+
+def test_a_whole_gpu_decode_does_not_depend_on_the_routing(tmp_path, monkeypatch) -> None:
+    """The Qwen3-Coder decode rows of the DGX Spark page are published on this: at one sequence
+    with every expert resident, which experts a token routes to does not change the decode rate
+    (each token reads its top-k experts' bytes whichever they are)."""
+    monkeypatch.setenv("DAOPSIM_CACHE", str(tmp_path))
+    routings = (
+        {"preset": "qwen3-30b-a3b"},
+        {"model": "qwen3-30b-a3b"},
+        {"preset": "qwen3-30b-a3b", "seed": 7},
+    )
+    rates = [
+        _full_gpu_run("dgx-spark-gb10", r, "q8_0", "q8_0")["decode_tokens_per_s"] for r in routings
+    ]
+    assert rates[0] > 0
+    assert rates == pytest.approx([rates[0]] * len(rates), rel=1e-12)  # summation order only
