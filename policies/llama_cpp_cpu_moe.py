@@ -23,6 +23,10 @@ Source: llama.cpp (ggml-org/llama.cpp PR #15077), ``common/arg.cpp`` and ``commo
   ``offload_min_batch`` tokens, else the CPU runs them. ``prefill_offload=false`` turns the
   copies off (as a huge ``GGML_OP_OFFLOAD_MIN_BATCH`` does). The prompt is one batch here;
   llama.cpp repeats the copies once per micro-batch (``-ub``, 512 by default).
+- Host memory: pinned (the GPU's host buffer type) unless ``host_memory=pageable``: builds of
+  April 2025 put tensors overridden with ``-ot ...=CPU`` in the plain CPU buffer type (mapped
+  from the file, or allocated with ``--no-mmap``), so the prompt's copies read pageable memory
+  (docs/cost-model.md, "CPU-resident layers").
 """
 
 from __future__ import annotations
@@ -155,7 +159,7 @@ class LlamaCppCpuMoePolicy(LeadingCpuLayers):
             )
         self.min_batch = int(self.options["offload_min_batch"])
         self.offload = bool(self.options["prefill_offload"])
-        self.host_memory = str(self.options["host_memory"])
+        self.host_memory = str(self.options.get("host_memory", "pinned"))
 
     def resources(self) -> ResourceSpec:
         """Host memory of option ``host_memory`` (pinned: llama.cpp's CUDA host buffers), one

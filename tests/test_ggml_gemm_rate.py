@@ -128,7 +128,7 @@ def test_a_bad_share_is_a_one_line_error(table: dict[str, float], match: str) ->
         parse_runtime({"name": "x", "cpu_gemm_share": table}, "x.toml")
 
 
-def test_mainline_expert_products_run_below_its_dense_products_where_tinyblas_serves_dense() -> None:
+def test_mainline_expert_products_run_below_dense_ones_where_tinyblas_serves_dense() -> None:
     """llama.cpp's MUL_MAT_ID multiplies row by row (vec_dot) where its dense product of the
     same precision takes llamafile's tiled kernels: a compute-bound CPU expert call is slower
     by exactly the ratio of the two shares, and the non-expert part (a dense product) is not."""
