@@ -224,3 +224,21 @@ def test_a_two_socket_host_is_modelled_as_one_socket() -> None:
     assert hw.gpu.memory_gb == pytest.approx(8 * 2**30 / 1e9, rel=1e-3)  # an 8 GiB card
     epyc = load_profile("epyc7773x-cpu")
     assert epyc.cpu.cores_used == 63 and epyc.cpu.dram_gbs == pytest.approx(8 * 3200 * 8 / 1000)
+
+
+def test_prompts_longer_than_the_u_batch_run_in_u_batches() -> None:
+    """llama.cpp splits a prompt into u-batches of n_ubatch tokens, each a forward pass that
+    attends to the ones before it: a row whose source states a u-batch shorter than its prompt
+    runs the prompt in chunks of that size (``prefill_chunk``), never as one pass."""
+    seen = 0
+    for r in _rows("llama-cpp-benches.toml"):
+        m = re.search(r"n_ubatch = (\d+)", r.note)
+        if r.metric != "ttft_s" or m is None:
+            continue
+        ubatch, prompt = int(m.group(1)), r.sim["synth"]["prompt_tokens"]
+        if prompt > ubatch:
+            assert r.sim.get("prefill_chunk") == ubatch, r.id
+            seen += 1
+        else:
+            assert "prefill_chunk" not in r.sim, r.id
+    assert seen == 6
