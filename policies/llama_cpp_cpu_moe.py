@@ -23,6 +23,10 @@ Source: llama.cpp (ggml-org/llama.cpp PR #15077), ``common/arg.cpp`` and ``commo
   ``offload_min_batch`` tokens, else the CPU runs them. ``prefill_offload=false`` turns the
   copies off (as a huge ``GGML_OP_OFFLOAD_MIN_BATCH`` does). The prompt is one batch here;
   llama.cpp repeats the copies once per micro-batch (``-ub``, 512 by default).
+- Host memory: pinned (the GPU's host buffer type) unless ``host_memory=pageable``: builds of
+  April 2025 put tensors overridden with ``-ot ...=CPU`` in the plain CPU buffer type (mapped
+  from the file, or allocated with ``--no-mmap``), so the prompt's copies read pageable memory
+  (docs/cost-model.md, "CPU-resident layers").
 """
 
 from __future__ import annotations
@@ -134,6 +138,15 @@ class LlamaCppCpuMoePolicy(LeadingCpuLayers):
             "tokens from which a prompt's expert products go to the GPU",
             minimum=1,
         ),
+        "host_memory": Param(
+            str,
+            "pinned",
+            "where the CPU layers' experts live, which sets the rate of the prompt's op-offload "
+            "copies: 'pinned' (the GPU's host buffer type) or 'pageable' (the CPU buffer type: a "
+            "memory-mapped file or plain allocation, as -ot ...=CPU gives in builds of April "
+            "2025)",
+            choices=("pinned", "pageable"),
+        ),
     }
 
     def __init__(self, **options: object) -> None:
@@ -146,13 +159,14 @@ class LlamaCppCpuMoePolicy(LeadingCpuLayers):
             )
         self.min_batch = int(self.options["offload_min_batch"])
         self.offload = bool(self.options["prefill_offload"])
+        self.host_memory = str(self.options.get("host_memory", "pinned"))
 
     def resources(self) -> ResourceSpec:
-        """Pinned host memory (llama.cpp's CUDA host buffers), one copy buffer, one CPU worker;
-        each tensor held once, in the buffer of the device that runs it (llama.cpp's loader:
-        ``host_copies = "offloaded"``)."""
+        """Host memory of option ``host_memory`` (pinned: llama.cpp's CUDA host buffers), one
+        copy buffer, one CPU worker; each tensor held once, in the buffer of the device that
+        runs it (llama.cpp's loader: ``host_copies = "offloaded"``)."""
         return ResourceSpec(
-            host_memory="pinned", temp_buffers=1, cpu_workers=1, host_copies="offloaded"
+            host_memory=self.host_memory, temp_buffers=1, cpu_workers=1, host_copies="offloaded"
         )
 
     def fixed_residency(self, model: ModelShape) -> int | None:

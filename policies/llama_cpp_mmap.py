@@ -41,6 +41,8 @@ class LlamaCppMmapPolicy(LlamaCppCpuMoePolicy):
         "the SSD through the page cache"
     )
     source = "llama.cpp llama-mmap.cpp / llama-model-loader.cpp (use_mmap), --mmap"
+    # the mapping's pages are pageable by construction: no host-memory option
+    params = {k: v for k, v in LlamaCppCpuMoePolicy.params.items() if k != "host_memory"}
 
     def resources(self) -> ResourceSpec:
         """Pageable host memory (the mapping's pages), mmap access, one copy buffer, one CPU

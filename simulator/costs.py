@@ -275,6 +275,11 @@ class CostModel:
     #: precision (``RuntimeProfile.cpu_gemm_share``; docs/cost-model.md, "CPU GEMM by
     #: runtime"); empty: 1
     cpu_gemm_share: tuple[tuple[str, float], ...] = ()
+    #: the shares of the runtime's CPU expert products (``RuntimeProfile.
+    #: cpu_expert_gemm_share``: ggml's ``MUL_MAT_ID``, which mainline llama.cpp runs with its
+    #: row-by-row dot products where a dense product of the same precision takes llamafile's
+    #: tiled kernels; docs/cost-model.md, "CPU GEMM by runtime"); empty: ``cpu_gemm_share``
+    cpu_expert_gemm_share: tuple[tuple[str, float], ...] = ()
     #: a runtime whose device is the host thread (``RuntimeProfile.host_device``): the host
     #: time it adds to the device's work (None: the device runs beside the host thread)
     device_host: DeviceHostCosts | None = None
@@ -533,7 +538,7 @@ class CostModel:
         amx = self.hw.cpu.amx_bf16_gflops
         if amx is not None and dtype in AMX_DTYPES and n > AMX_MAX_AVX512_TOKENS:
             return amx
-        return self.cpu_peak_gflops(dtype)
+        return self.cpu_peak_gflops(dtype, expert=True)
 
     def cpu_stream_family(self, dtype: str) -> str:
         """The CPU kernel family that streams weights at ``dtype`` under this run's runtime."""
@@ -888,16 +893,19 @@ class CostModel:
         bw = self.cpu_stream_gbs(m.nonexpert_dtype)
         return self.cpu_layer_us * 1e-6 + max(moved / (bw * 1e9), flops / (peak * 1e9))
 
-    def cpu_peak_gflops(self, dtype: str) -> float:
+    def cpu_peak_gflops(self, dtype: str, expert: bool = False) -> float:
         """The host CPU's achieved GEMM throughput for weights stored at ``dtype``, GFLOPS:
         under a ggml runtime, for every format ggml runs, the host's measured ggml rate
         (``cpu.ggml_gemm_gflops``, ik_llama.cpp's repacked kernels, where the profile has one)
-        times the runtime's share for that precision (``cpu_gemm_share``; docs/cost-model.md,
-        "CPU GEMM by runtime"); otherwise ``cpu.fp32_gflops`` for fp32, else
-        ``cpu.bf16_gflops``."""
+        times the runtime's share for that precision (``cpu_gemm_share``, or for an expert
+        product, ``expert``, ``cpu_expert_gemm_share`` where it lists the precision;
+        docs/cost-model.md, "CPU GEMM by runtime"); otherwise ``cpu.fp32_gflops`` for fp32,
+        else ``cpu.bf16_gflops``."""
         cpu = self.hw.cpu
         if cpu.ggml_gemm_gflops is not None and self.cpu_stream_family(dtype) == "ggml":
             table = dict(self.cpu_gemm_share)
+            if expert:
+                table.update(self.cpu_expert_gemm_share)
             return cpu.ggml_gemm_gflops * table.get(dtype, table.get("default", 1.0))
         return cpu.fp32_gflops if dtype == "fp32" else cpu.bf16_gflops
 
@@ -1256,6 +1264,7 @@ def _cached(
     gpu_gemm_half_tokens: float,
     cpu_gemm_share: tuple[tuple[str, float], ...],
     device_host: DeviceHostCosts | None,
+    cpu_expert_gemm_share: tuple[tuple[str, float], ...],
 ) -> CostModel:
     return CostModel(
         hw=hw,
@@ -1270,6 +1279,7 @@ def _cached(
         gpu_gemm_half_tokens=gpu_gemm_half_tokens,
         cpu_gemm_share=cpu_gemm_share,
         device_host=device_host,
+        cpu_expert_gemm_share=cpu_expert_gemm_share,
     )
 
 
@@ -1286,6 +1296,7 @@ def cost_model(
     gpu_gemm_half_tokens: float = 0.0,
     cpu_gemm_share: tuple[tuple[str, float], ...] = (),
     device_host: DeviceHostCosts | None = None,
+    cpu_expert_gemm_share: tuple[tuple[str, float], ...] = (),
 ) -> CostModel:
     """The cost model of a profile (or its name/path) and a model shape (or preset name), with
     the runtime's CPU kernels (``RuntimeProfile.cpu_kernels``), for a run whose one-token
@@ -1294,7 +1305,8 @@ def cost_model(
     call and per CPU-resident layer (``RuntimeProfile.cpu_call_s``/``cpu_layer_s``, µs) and
     its fused MoE call's fixed device time and stream share (``RuntimeProfile.
     fused_moe_call_us``/``fused_moe_stream_efficiency``), its GPU GEMM half point
-    (``gpu_gemm_half_tokens``), its CPU GEMM shares (``cpu_gemm_share``) and, for a runtime
+    (``gpu_gemm_half_tokens``), its CPU GEMM shares (``cpu_gemm_share``, and
+    ``cpu_expert_gemm_share`` for its expert products where they differ) and, for a runtime
     whose device is the host thread, the host time it adds to the device's work
     (``device_host``); cached."""
     profile = load_profile(hw) if isinstance(hw, str) else hw
@@ -1322,9 +1334,11 @@ def cost_model(
             f"gpu_gemm_half_tokens must be a finite number >= 0, got {gpu_gemm_half_tokens}"
         )
     shares = tuple(sorted((str(k), float(v)) for k, v in cpu_gemm_share))
-    for k, v in shares:
-        if not math.isfinite(v) or not 0.0 < v <= 1.0:
-            raise ValueError(f"cpu_gemm_share[{k!r}] must be in (0, 1], got {v}")
+    expert_shares = tuple(sorted((str(k), float(v)) for k, v in cpu_expert_gemm_share))
+    for what, table in (("cpu_gemm_share", shares), ("cpu_expert_gemm_share", expert_shares)):
+        for k, v in table:
+            if not math.isfinite(v) or not 0.0 < v <= 1.0:
+                raise ValueError(f"{what}[{k!r}] must be in (0, 1], got {v}")
     if device_host is not None:
         for name, v in (
             ("step_us", device_host.step_us),
@@ -1346,4 +1360,5 @@ def cost_model(
         float(gpu_gemm_half_tokens),
         shares,
         device_host,
+        expert_shares,
     )

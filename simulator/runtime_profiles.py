@@ -220,6 +220,11 @@ class RuntimeProfile:
     #: matrix products reach, by weight precision, as sorted (dtype or ``"default"``, share)
     #: pairs; empty: 1 for every precision (docs/cost-model.md, "CPU GEMM by runtime")
     cpu_gemm_share: tuple[tuple[str, float], ...] = ()
+    #: the same shares for the runtime's CPU expert products (the MoE layer's grouped product,
+    #: ggml's ``MUL_MAT_ID``) where they run other kernels than its dense products, as sorted
+    #: (dtype, share) pairs; a precision not listed takes ``cpu_gemm_share`` (docs/cost-model.md,
+    #: "CPU GEMM by runtime")
+    cpu_expert_gemm_share: tuple[tuple[str, float], ...] = ()
     #: ``gpu_stream_efficiency`` on a GPU of a given memory type (``gpu.memory_type``), as sorted
     #: (memory type, share) pairs; a type not listed takes ``gpu_stream_efficiency``
     #: (docs/cost-model.md, "GPU stream efficiency")
@@ -297,6 +302,7 @@ class RuntimeProfile:
         out["attention"] = self.attention
         out["cpu_kernels"] = self.cpu_kernels
         out["cpu_gemm_share"] = dict(self.cpu_gemm_share)
+        out["cpu_expert_gemm_share"] = dict(self.cpu_expert_gemm_share)
         out["gpu_stream_efficiency_by_memory"] = dict(self.gpu_stream_efficiency_by_memory)
         out["host_device"] = self.host_device
         return out
@@ -317,6 +323,7 @@ def parse_runtime(data: dict[str, Any], where: str) -> RuntimeProfile:
         "cpu_kernels",
         "gpu_stream_efficiency",
         "cpu_gemm_share",
+        "cpu_expert_gemm_share",
         "gpu_stream_efficiency_by_memory",
         "host_device",
     )
@@ -379,6 +386,9 @@ def parse_runtime(data: dict[str, Any], where: str) -> RuntimeProfile:
         )
     values["gpu_stream_efficiency"] = float(eff)
     values["cpu_gemm_share"] = _share_table(data, "cpu_gemm_share", where, _dtype_keys())
+    values["cpu_expert_gemm_share"] = _share_table(
+        data, "cpu_expert_gemm_share", where, _dtype_keys()
+    )
     values["gpu_stream_efficiency_by_memory"] = _share_table(
         data, "gpu_stream_efficiency_by_memory", where, None
     )

@@ -126,3 +126,39 @@ def test_a_host_without_a_measured_rate_keeps_its_derived_roof_under_every_runti
 def test_a_bad_share_is_a_one_line_error(table: dict[str, float], match: str) -> None:
     with pytest.raises(UserError, match=match):
         parse_runtime({"name": "x", "cpu_gemm_share": table}, "x.toml")
+
+
+def test_mainline_expert_products_run_below_dense_ones_where_tinyblas_serves_dense() -> None:
+    """llama.cpp's MUL_MAT_ID multiplies row by row (vec_dot) where its dense product of the
+    same precision takes llamafile's tiled kernels: a compute-bound CPU expert call is slower
+    by exactly the ratio of the two shares, and the non-expert part (a dense product) is not."""
+    hw = load_profile("rtx4080-pcie4")
+    rt = get_runtime("llama.cpp")
+    dense, expert = dict(rt.cpu_gemm_share), dict(rt.cpu_expert_gemm_share)
+    assert expert, "the llama.cpp runtime states its expert shares"
+    for dtype, share in expert.items():
+        assert share < dense[dtype], dtype  # never faster than the tiled dense product
+    # K-quants have no tiled kernel: their dense share is already the row-by-row one
+    assert "q4_k_m" not in expert and "q6_k" not in expert
+    with_table = runtime_cost_model(hw, GGUF, rt)
+    without = runtime_cost_model(hw, GGUF, dataclasses.replace(rt, cpu_expert_gemm_share=()))
+    n = 4096  # FLOP-bound
+    ratio = with_table.cpu_expert_s(n) / without.cpu_expert_s(n)
+    assert ratio == pytest.approx(dense["q4_0"] / expert["q4_0"], rel=1e-9)
+    assert with_table.cpu_nonexpert_layer_s(n, 0) == without.cpu_nonexpert_layer_s(n, 0)
+    # one decode token streams weights: no change
+    assert with_table.cpu_expert_s(1) == without.cpu_expert_s(1)
+    # a K-quant expert keeps the dense share
+    km = get_model("deepseek-v2-lite").with_precision("q4_k_m", "q4_k_m", "q4_k_m")
+    assert runtime_cost_model(hw, km, rt).cpu_peak_gflops("q4_k_m", expert=True) == (
+        runtime_cost_model(hw, km, rt).cpu_peak_gflops("q4_k_m")
+    )
+    # ik_llama.cpp's own MoE kernels state no separate expert table
+    assert get_runtime("ik_llama.cpp-rtr").cpu_expert_gemm_share == ()
+
+
+def test_a_bad_expert_share_is_one_line_naming_the_field() -> None:
+    with pytest.raises(UserError, match=r"cpu_expert_gemm_share\.q4_0"):
+        parse_runtime({"name": "x", "cpu_expert_gemm_share": {"q4_0": 1.5}}, "x.toml")
+    with pytest.raises(UserError, match=r"cpu_expert_gemm_share\.nope"):
+        parse_runtime({"name": "x", "cpu_expert_gemm_share": {"nope": 0.5}}, "x.toml")

@@ -149,6 +149,31 @@ def test_engine_runs_every_routed_expert_of_a_cpu_layer_on_the_cpu(qwen3: Path) 
     assert runs[12].metrics["hit_rate"] == pytest.approx(36 / 48)  # GPU layers always hit
 
 
+def test_pageable_host_memory_slows_the_prompt_copies_and_only_them(qwen3: Path) -> None:
+    """``host_memory = pageable`` (llama.cpp's CPU buffer type: an -ot ...=CPU override in
+    builds of April 2025): the prompt's op-offload copies run at the link's pageable rate, so
+    the prompt pass takes longer by at least their extra link time; the decode (CPU experts, no
+    copies) is unchanged, and the same bytes cross the link."""
+    runs = {
+        mem: simulate(
+            policy="llama-cpp-cpu-moe",
+            policy_options={"n_cpu_moe": 12, "host_memory": mem},
+            hw="rtx4090-pcie4",
+            trace=qwen3,
+            dtype="q4_k_m",
+            record=False,
+        ).metrics
+        for mem in ("pinned", "pageable")
+    }
+    pinned, pageable = runs["pinned"], runs["pageable"]
+    assert pageable["h2d_bytes"] == pinned["h2d_bytes"]
+    assert pageable["temp_copies"] == pinned["temp_copies"] > 0
+    assert pageable["ttft_s"] > pinned["ttft_s"]
+    assert pageable["cpu_expert_evals"] == pinned["cpu_expert_evals"]
+    with pytest.raises(UserError, match="host_memory"):
+        LlamaCppCpuMoePolicy(host_memory="mapped")
+
+
 def test_done_criterion_command_runs(qwen3: Path) -> None:
     res = CliRunner().invoke(
         main,

@@ -183,7 +183,16 @@ def test_sweep_bench_rows_map_onto_the_synthetic_setting() -> None:
             assert opts == {"n_cpu_moe": -1}, r.id
         else:
             assert "hybrid-14cpu" in r.id and r.sim["policy"] == "llama-cpp-cpu-moe", r.id
-            assert opts == {"n_cpu_moe": _OT_BLOCKS}, r.id
+            assert opts["n_cpu_moe"] == _OT_BLOCKS, r.id
+            extra = {k: v for k, v in opts.items() if k != "n_cpu_moe"}
+            if r.metric != "ttft_s":
+                assert extra == {}, r.id  # decode: no copies, so nothing else matters
+            elif r.sim.get("runtime") == "ik_llama.cpp-rtr":
+                # -rtr's repacked CPU weights: no CUDA kernel for them at that date, no offload
+                assert "-rtr" in src + r.system + r.note and extra == {"prefill_offload": False}
+            else:
+                # mainline's -ot ...=CPU tensors: the plain CPU buffer (mmap'd), pageable
+                assert "-ot" in r.note and extra == {"host_memory": "pageable"}, r.id
 
 
 def _ot_blocks(pattern: str, n_blocks: int = 48) -> int:
@@ -268,3 +277,21 @@ def test_a_whole_gpu_decode_does_not_depend_on_the_routing(tmp_path, monkeypatch
     ]
     assert rates[0] > 0
     assert rates == pytest.approx([rates[0]] * len(rates), rel=1e-12)  # summation order only
+
+
+def test_prompts_longer_than_the_u_batch_run_in_u_batches() -> None:
+    """llama.cpp splits a prompt into u-batches of n_ubatch tokens, each a forward pass that
+    attends to the ones before it: a row whose source states a u-batch shorter than its prompt
+    runs the prompt in chunks of that size (``prefill_chunk``), never as one pass."""
+    seen = 0
+    for r in _rows("llama-cpp-benches.toml"):
+        m = re.search(r"n_ubatch = (\d+)", r.note)
+        if r.metric != "ttft_s" or m is None:
+            continue
+        ubatch, prompt = int(m.group(1)), r.sim["synth"]["prompt_tokens"]
+        if prompt > ubatch:
+            assert r.sim.get("prefill_chunk") == ubatch, r.id
+            seen += 1
+        else:
+            assert "prefill_chunk" not in r.sim, r.id
+    assert seen == 6
