@@ -1188,32 +1188,6 @@ class CostModel:
             "nonexpert_layer": nonexpert,
         }
 
-    # --- power -----------------------------------------------------------------------------------
-    @property
-    def has_power(self) -> bool:
-        """True when the profile has power figures (energy metrics need them)."""
-        return self.hw.power is not None
-
-    @property
-    def gpu_idle_w(self) -> float | None:
-        """GPU idle watts, or None without a [power] section."""
-        return self.hw.power.gpu_idle_w if self.hw.power else None
-
-    @property
-    def gpu_busy_w(self) -> float | None:
-        """GPU busy watts, or None without a [power] section."""
-        return self.hw.power.gpu_busy_w if self.hw.power else None
-
-    @property
-    def cpu_idle_w(self) -> float | None:
-        """CPU idle watts, or None without a [power] section."""
-        return self.hw.power.cpu_idle_w if self.hw.power else None
-
-    @property
-    def cpu_busy_w(self) -> float | None:
-        """CPU busy watts, or None without a [power] section."""
-        return self.hw.power.cpu_busy_w if self.hw.power else None
-
     # --- report ----------------------------------------------------------------------------------
     def summary(self, context_tokens: int = DEFAULT_CONTEXT) -> dict[str, Any]:
         """Derived costs as ``daopsim profiles show`` prints them (milliseconds)."""
