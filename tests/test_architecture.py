@@ -158,9 +158,6 @@ LONG_FUNCTIONS_BEING_SPLIT = {
     "simulator/reference/engine.py:ReferenceEngine.forward",
     "simulator/reference/engine.py:ReferenceEngine.translate",
     # being split on this branch (this block goes before it is handed over)
-    "simulator/advise.py:_rank",
-    "simulator/advise.py:advise",
-    "simulator/advise.py:render",
     "simulator/capture.py:capture_model",
     "simulator/commands/check_cmd.py:check",
     "simulator/commands/profiles_cmd.py:show_cmd",
