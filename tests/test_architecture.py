@@ -158,12 +158,6 @@ LONG_FUNCTIONS_BEING_SPLIT = {
     "simulator/reference/engine.py:ReferenceEngine.forward",
     "simulator/reference/engine.py:ReferenceEngine.translate",
     # being split on this branch (this block goes before it is handed over)
-    "simulator/capture.py:capture_model",
-    "simulator/commands/check_cmd.py:check",
-    "simulator/commands/profiles_cmd.py:show_cmd",
-    "simulator/commands/synth_cmd.py:fit_cmd",
-    "simulator/compare.py:compare",
-    "simulator/costs.py:CostModel.sources",
     "simulator/experiments.py:load_experiment",
     "simulator/experiments.py:run_experiment",
     "simulator/importers.py:_read_jsonl",
