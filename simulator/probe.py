@@ -280,6 +280,22 @@ def detect_cpu(
     info = parse_proc_cpuinfo(_read(root / "proc/cpuinfo") or "")
     code, text = run(["lscpu"])
     ls = parse_lscpu(text) if code == 0 else {}
+    name, src = _cpu_name(info, ls)
+    logical = os.cpu_count()
+    if not name or not logical:
+        raise UserError(
+            "probe: cannot read this machine's CPU (no /proc/cpuinfo, lscpu or platform "
+            "name); describe it by hand from a bundled profile (docs/hardware-profiles.md)"
+        )
+    res.put("cpu.name", name, "", "detected", src)
+    _detect_cores(res, info, ls, logical)
+    _detect_caches(res, root, info, ls)
+    _detect_memory(res, root, run)
+
+
+def _cpu_name(info: dict[str, Any], ls: dict[str, Any]) -> tuple[str | None, str]:
+    """The CPU's name and where it was read: lscpu's or /proc/cpuinfo's, py-cpuinfo's brand
+    when longer, else the platform's."""
     name = ls.get("model_name") or info.get("model_name")
     src = "lscpu" if ls.get("model_name") else "/proc/cpuinfo"
     try:
@@ -293,13 +309,11 @@ def detect_cpu(
     if not name:
         name = platform.processor() or None
         src = "platform.processor()"
-    logical = os.cpu_count()
-    if not name or not logical:
-        raise UserError(
-            "probe: cannot read this machine's CPU (no /proc/cpuinfo, lscpu or platform "
-            "name); describe it by hand from a bundled profile (docs/hardware-profiles.md)"
-        )
-    res.put("cpu.name", name, "", "detected", src)
+    return name, src
+
+
+def _detect_cores(res: ProbeResult, info: dict[str, Any], ls: dict[str, Any], logical: int) -> None:
+    """Sockets, physical cores, threads and the threads this process may use."""
     sockets = ls.get("sockets") or info.get("sockets") or 1
     res.put("cpu.sockets", sockets, "", "detected", "lscpu Socket(s) / /proc/cpuinfo physical id")
     per = ls.get("cores_per_socket") or info.get("cores_per_socket")
@@ -329,6 +343,10 @@ def detect_cpu(
         "detected",
         "os.sched_getaffinity(0): the CPUs this process may run on",
     )
+
+
+def _detect_caches(res: ProbeResult, root: Path, info: dict[str, Any], ls: dict[str, Any]) -> None:
+    """Cache sizes (one instance of each level) and the vector instruction sets."""
     caches = read_sys_caches(root)
     for level, key in ((1, "l1d"), (2, "l2"), (3, "l3")):
         size = caches.get(level) or ls.get(f"{key}_bytes")
@@ -347,6 +365,13 @@ def detect_cpu(
         if f in flags
     ]
     res.put("cpu.isa", isa, "", "detected", "/proc/cpuinfo flags")
+
+
+def _detect_memory(
+    res: ProbeResult, root: Path, run: Callable[[list[str]], tuple[int, str]]
+) -> None:
+    """Installed memory, and from dmidecode the DIMMs, channels and theoretical DRAM
+    bandwidth (said to be not measured where dmidecode cannot read them)."""
     mem = None
     try:
         import psutil
@@ -509,28 +534,7 @@ def measure_cpu(res: ProbeResult, torch: Any, opts: ProbeOptions, tick: Callable
             )
             tick()
     if not opts.quick:
-        counts8 = sorted({1, cores})
-        got = pb.int8_stream(torch, counts8, STREAM_SHAPE, llc, reps)
-        for t_n in counts8:
-            if got is None:
-                res.put(
-                    f"cpu.stream_gbs.torch_int8.t{t_n}",
-                    None,
-                    "GB/s",
-                    "not measured",
-                    "this PyTorch build has no dynamic int8 linear kernel",
-                )
-                continue
-            gbs, t = got[t_n]
-            res.put(
-                f"cpu.stream_gbs.torch_int8.t{t_n}",
-                gbs,
-                "GB/s",
-                "measured",
-                "torch.ao.nn.quantized.dynamic.Linear (int8 weights, per-row scale) on one "
-                f"row, pool of 4x the LLC, {t_n} thread(s), {t.clock} time",
-                t.to_dict(),
-            )
+        _measure_int8_stream(res, torch, sorted({1, cores}), llc, reps)
         tick()
     res.put(
         "cpu.stream_gbs.ggml",
@@ -564,6 +568,36 @@ def measure_cpu(res: ProbeResult, torch: Any, opts: ProbeOptions, tick: Callable
                 t.to_dict(),
             )
     tick()
+
+
+def _measure_int8_stream(
+    res: ProbeResult, torch: Any, counts8: list[int], llc: float | None, reps: int
+) -> None:
+    """The dynamic int8 linear's weight stream at each thread count (not measured where the
+    PyTorch build has no such kernel)."""
+    from daopsim.simulator import probe_bench as pb
+
+    got = pb.int8_stream(torch, counts8, STREAM_SHAPE, llc, reps)
+    for t_n in counts8:
+        if got is None:
+            res.put(
+                f"cpu.stream_gbs.torch_int8.t{t_n}",
+                None,
+                "GB/s",
+                "not measured",
+                "this PyTorch build has no dynamic int8 linear kernel",
+            )
+            continue
+        gbs, t = got[t_n]
+        res.put(
+            f"cpu.stream_gbs.torch_int8.t{t_n}",
+            gbs,
+            "GB/s",
+            "measured",
+            "torch.ao.nn.quantized.dynamic.Linear (int8 weights, per-row scale) on one "
+            f"row, pool of 4x the LLC, {t_n} thread(s), {t.clock} time",
+            t.to_dict(),
+        )
 
 
 def _measure_numpy(res: ProbeResult, llc: float | None, reps: int) -> None:
@@ -778,11 +812,20 @@ def measure_modules(
     h = pm.host_costs(torch, shape, reps, llc, calls=10 if opts.quick else 40)
     tick()
     tr = pm.Traffic.of(shape, llc)
+    how = f"one thread, thread CPU time per call, min of {reps} repeats, {arch} at hidden 64"
+    _put_host_costs(res, h, tr, how)
+    if opts.model is None:
+        return
+    _measure_model_modules(res, torch, opts, llc, h, tick)
+
+
+def _put_host_costs(res: ProbeResult, h: dict[str, Any], tr: Any, how: str) -> None:
+    """The runtime profile's host costs per module call from the timed module calls ``h``
+    (``how``: how they were timed), and every timed call as it was measured."""
     # the experts loop's fixed part: with 2 experts receiving the token, less 2 iterations
     fixed = max(0.0, 2 * h["experts_k2"].best - h["experts_k4"].best)
     glue = h["layer"].best - h["attention"].best - 2 * h["norm"].best - h["router"].best
     glue += fixed - h["experts_noop"].best
-    how = f"one thread, thread CPU time per call, min of {reps} repeats, {arch} at hidden 64"
     inside = (
         "timed by forward hooks inside the decoder layer's call (a decode step at context "
         f"16, {tr.layer / 1e6:.1f} MB read before each layer: one layer's traffic)"
@@ -850,8 +893,21 @@ def measure_modules(
         "measured",
         f"the model's own code for an 8-token prompt pass; {how}",
     )
-    if opts.model is None:
-        return
+
+
+def _measure_model_modules(
+    res: ProbeResult,
+    torch: Any,
+    opts: ProbeOptions,
+    llc: float | None,
+    h: dict[str, Any],
+    tick: Callable[[], None],
+) -> None:
+    """With ``--model``: the device tables of the model's modules at full width, one expert
+    on the CPU, and an expert's copy and write-back (cold and warm)."""
+    from daopsim.simulator import probe_modules as pm
+
+    assert opts.model is not None
     tokens = opts.tokens or pm.DEFAULT_TOKENS
     reps_t = opts.repeats or (4 if opts.quick else 6)
     tables = pm.device_tables(
@@ -1015,26 +1071,7 @@ def _stand_in_desc(res: ProbeResult) -> str:
 
 def _cpu_lines(res: ProbeResult) -> list[str]:
     """The ``[cpu]`` table, with the per-core weight-stream tables (docs/hardware-profiles.md)."""
-    usable = int(res.value("cpu.usable_threads", 1))
-    cores = int(min(res.value("cpu.cores", usable), usable))
-    prec = "bf16" if res.value(f"cpu.stream_gbs.torch_bf16.t{cores}") else "fp32"
-    # the thread count whose weight stream was fastest (all cores on a quiet machine; fewer
-    # where other work holds some of them): the expert kernels' cores
-    sweep = {
-        int(k.rsplit(".t", 1)[1]): e.value
-        for k, e in res.entries.items()
-        if k.startswith(f"cpu.stream_gbs.torch_{prec}.t") and e.value
-    }
-    if sweep:
-        cores = max(sweep, key=lambda t: (sweep[t], t))
-    stream = res.value(f"cpu.stream_gbs.torch_{prec}.t{cores}")
-    fp32 = res.value(f"cpu.gemm_gflops.fp32.t{cores}") or res.value("cpu.gemm_gflops.fp32.t1")
-    bf16 = res.value(f"cpu.gemm_gflops.bf16.t{cores}") or fp32
-    read = res.value("cpu.read_gbs")
-    numpy_only = stream is None and res.value("cpu.read_gbs.t1") is not None
-    if numpy_only:  # no PyTorch: numpy's one-thread read stream and BLAS matmul
-        stream, fp32 = res.value("cpu.read_gbs.t1"), res.value("cpu.gemm_gflops.numpy")
-        bf16 = fp32
+    cores, prec, stream, fp32, bf16, read, numpy_only = _cpu_rates(res)
     lines = [
         "[cpu]",
         f"name = {_toml_str(str(res.value('cpu.name')))}   # [X] {res.entries['cpu.name'].method}",
@@ -1087,6 +1124,44 @@ def _cpu_lines(res: ProbeResult) -> list[str]:
                 f"all-core read stream (torch sum over 512 MB, {cores} threads)",
             )
         )
+    lines += _cpu_memory_lines(res, mem_bw, read)
+    lines += _per_core_tables(res, cores)
+    return lines
+
+
+def _cpu_rates(
+    res: ProbeResult,
+) -> tuple[int, str, float | None, float | None, float | None, float | None, bool]:
+    """What the ``[cpu]`` table is written from: the thread count whose weight stream was
+    fastest, its precision, that stream, the fp32 and bf16 GEMM rates there, the all-core
+    read stream, and whether only numpy measured (no PyTorch)."""
+    usable = int(res.value("cpu.usable_threads", 1))
+    cores = int(min(res.value("cpu.cores", usable), usable))
+    prec = "bf16" if res.value(f"cpu.stream_gbs.torch_bf16.t{cores}") else "fp32"
+    # the thread count whose weight stream was fastest (all cores on a quiet machine; fewer
+    # where other work holds some of them): the expert kernels' cores
+    sweep = {
+        int(k.rsplit(".t", 1)[1]): e.value
+        for k, e in res.entries.items()
+        if k.startswith(f"cpu.stream_gbs.torch_{prec}.t") and e.value
+    }
+    if sweep:
+        cores = max(sweep, key=lambda t: (sweep[t], t))
+    stream = res.value(f"cpu.stream_gbs.torch_{prec}.t{cores}")
+    fp32 = res.value(f"cpu.gemm_gflops.fp32.t{cores}") or res.value("cpu.gemm_gflops.fp32.t1")
+    bf16 = res.value(f"cpu.gemm_gflops.bf16.t{cores}") or fp32
+    read = res.value("cpu.read_gbs")
+    numpy_only = stream is None and res.value("cpu.read_gbs.t1") is not None
+    if numpy_only:  # no PyTorch: numpy's one-thread read stream and BLAS matmul
+        stream, fp32 = res.value("cpu.read_gbs.t1"), res.value("cpu.gemm_gflops.numpy")
+        bf16 = fp32
+    return cores, prec, stream, fp32, bf16, read, numpy_only
+
+
+def _cpu_memory_lines(res: ProbeResult, mem_bw: float, read: float | None) -> list[str]:
+    """The ``[cpu]`` table's memory lines: installed memory, theoretical DRAM bandwidth and
+    the read stream's share of it."""
+    lines: list[str] = []
     mem = res.value("cpu.memory_bytes")
     if mem and res.device != "cpu":  # the stand-in's link is unified: [gpu] holds the memory
         lines.append(_line("memory_gb", _num(mem / 1e9), "X", "installed memory"))
@@ -1111,7 +1186,6 @@ def _cpu_lines(res: ProbeResult) -> list[str]:
                 "all-core read stream / dram_gbs",
             )
         )
-    lines += _per_core_tables(res, cores)
     return lines
 
 

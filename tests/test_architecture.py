@@ -158,11 +158,6 @@ LONG_FUNCTIONS_BEING_SPLIT = {
     "simulator/reference/engine.py:ReferenceEngine.forward",
     "simulator/reference/engine.py:ReferenceEngine.translate",
     # being split on this branch (this block goes before it is handed over)
-    "simulator/probe.py:_cpu_lines",
-    "simulator/probe.py:detect_cpu",
-    "simulator/probe.py:measure_cpu",
-    "simulator/probe.py:measure_modules",
-    "simulator/probe_modules.py:device_tables",
     "simulator/stats.py:trace_stats",
     "simulator/synth.py:fit_params",
     "simulator/synth.py:generate_sequence",
