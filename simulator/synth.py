@@ -526,7 +526,29 @@ def generate_sequence(
 ) -> SequenceRouting:
     """One synthetic sequence; depends only on (model, params, seed, seq_id, lengths)."""
     router = router or _router(model, p)
-    n_layers, d, k = model.moe_layers, p.latent_dim, model.top_k
+    t = n_prefill + n_decode
+    h = _hidden_states(model, p, router, seed, seq_id, n_prefill, n_decode)
+    return SequenceRouting(
+        seq_id=seq_id,
+        positions=np.arange(t, dtype=np.int32),
+        n_prefill=n_prefill,
+        **_route_layers(model, p, router, h, n_prefill),
+    )
+
+
+def _hidden_states(
+    model: ModelShape,
+    p: SynthParams,
+    router: _Router,
+    seed: int,
+    seq_id: int,
+    n_prefill: int,
+    n_decode: int,
+) -> np.ndarray:
+    """The latent router inputs ``[tokens, layers, latent_dim]`` of one sequence: a
+    token-to-token AR(1) part, the prompt's and the answer's topic, noise, each layer keeping
+    part of the previous layer's state; all drawn from the sequence's own streams."""
+    n_layers, d = model.moe_layers, p.latent_dim
     t = n_prefill + n_decode
     rng = np.random.default_rng([seed, seq_id, 104729])
     # token-to-token AR(1) component, one independent stream per layer
@@ -561,7 +583,16 @@ def generate_sequence(
         h[:, layer] = a * h[:, layer - 1] + math.sqrt(1.0 - a * a) * fresh[:, layer]
     if late is not None and p.repeat_prob > 0 and t > 1:
         h = _repeat_previous(h, p.repeat_prob, late)
+    return h
 
+
+def _route_layers(
+    model: ModelShape, p: SynthParams, router: _Router, h: np.ndarray, n_prefill: int
+) -> dict[str, np.ndarray | None]:
+    """Each layer's routing of the states ``h`` (experts, weights, stored probabilities and
+    their ids) and the early view: layer l's router on layer l-1's state; the
+    ``SequenceRouting`` fields by name."""
+    t, n_layers, k = h.shape[0], model.moe_layers, model.top_k
     n_exp = model.experts
     m = n_exp if n_exp <= ALL_PROBS_MAX_EXPERTS else min(p.top_m, n_exp)
     width = m
@@ -590,18 +621,15 @@ def generate_sequence(
             e_experts[:, layer], e_probs[:, layer] = top, pr
             if e_pids is not None:
                 e_pids[:, layer] = pid
-    return SequenceRouting(
-        seq_id=seq_id,
-        positions=np.arange(t, dtype=np.int32),
-        n_prefill=n_prefill,
-        experts=experts,
-        weights=weights,
-        probs=probs,
-        early_experts=e_experts,
-        early_probs=e_probs,
-        prob_ids=pids,
-        early_prob_ids=e_pids,
-    )
+    return {
+        "experts": experts,
+        "weights": weights,
+        "probs": probs,
+        "early_experts": e_experts,
+        "early_probs": e_probs,
+        "prob_ids": pids,
+        "early_prob_ids": e_pids,
+    }
 
 
 def _uses_late(p: SynthParams) -> bool:
@@ -1113,6 +1141,28 @@ def fit_params(
         targets = [t for t in targets if t.layer is None]
     if not targets:
         raise UserError("no target left to fit (per-layer targets need 3 or more layers)")
+    free, start = _free_params(free, start, targets)
+    obj = _Objective(model, start, free, targets, (sequences, prompt_tokens, output_tokens, seed))
+    x, it = _gauss_newton(obj.residual, obj.x0, iterations, progress, len(targets))
+    p = obj.params_at(x)
+    got = obj.stats_at(p)
+    kept = set(targets)
+    return FitResult(
+        params=p,
+        targets={t.label: t.value for t in targets},
+        achieved={t.label: round(float(g), 4) for t, g in zip(targets, got, strict=True)},
+        iterations=it,
+        evaluations=obj.evals,
+        ignored=[t.label for t in all_targets if t not in kept],
+    )
+
+
+def _free_params(
+    free: list[str] | None, start: SynthParams, targets: list[Any]
+) -> tuple[list[str], SynthParams]:
+    """The parameters the fit moves (default: the fittable ones the start has on, the reuse
+    mechanisms with reuse targets, the prompt's only with prompt targets), each checked, and
+    the start with the freed reuse mechanisms switched on at small values."""
     reuse_targets = any(t.key in REUSE_TARGETS for t in targets)
     prefill_targets = any(t.key in PREFILL_TARGETS for t in targets)
     if free is None:
@@ -1130,44 +1180,78 @@ def fit_params(
     start = start.replace(
         **{n: v for n, v in REUSE_PARAMS.items() if n in free and getattr(start, n) == 0}
     )
-    curve_keys = {t.key for t in targets if t.key.endswith(("_curve", "_curve_cold"))}
-    caps = tuple(
-        sorted({int(t.sub) + 1 for t in targets if t.key in curve_keys and t.sub is not None})
-    )
-    policies = tuple(p for p in CURVE_POLICIES if any(k.startswith(p) for k in curve_keys))
-    curves = policies if caps else False
-    rules = ("cold",) if any(k.endswith("_cold") for k in curve_keys) else ("warm",)
-    goal = np.array([t.value for t in targets])
-    scale = np.array([FIT_SCALE.get(t.key, 0.01) for t in targets])
-    x0 = np.array([_to_free(n, getattr(start, n)) for n in free])
-    evals = 0
+    return free, start
 
-    def params_at(x: np.ndarray) -> SynthParams:
-        p = start.replace(**{n: _from_free(n, float(v)) for n, v in zip(free, x, strict=True)})
+
+class _Objective:
+    """The fit's objective: the scaled misfit of the statistics of a synthetic trace made with
+    the free parameters at ``x`` (transformed), plus a weak pull toward the start. Every
+    evaluation uses the same seed, so it is a deterministic function of ``x``."""
+
+    def __init__(
+        self,
+        model: ModelShape,
+        start: SynthParams,
+        free: list[str],
+        targets: list[Any],
+        workload: tuple[int, int, int, int],
+    ) -> None:
+        self.model, self.start, self.free, self.targets = model, start, free, targets
+        #: (sequences, prompt tokens, output tokens, seed) of each evaluation's trace
+        self.workload = workload
+        self.reuse = any(t.key in REUSE_TARGETS for t in targets)
+        curve_keys = {t.key for t in targets if t.key.endswith(("_curve", "_curve_cold"))}
+        self.caps = tuple(
+            sorted({int(t.sub) + 1 for t in targets if t.key in curve_keys and t.sub is not None})
+        )
+        policies = tuple(p for p in CURVE_POLICIES if any(k.startswith(p) for k in curve_keys))
+        self.curves = policies if self.caps else False
+        self.rules = ("cold",) if any(k.endswith("_cold") for k in curve_keys) else ("warm",)
+        self.goal = np.array([t.value for t in targets])
+        self.scale = np.array([FIT_SCALE.get(t.key, 0.01) for t in targets])
+        self.x0 = np.array([_to_free(n, getattr(start, n)) for n in free])
+        self.evals = 0
+
+    def params_at(self, x: np.ndarray) -> SynthParams:
+        """The parameters at ``x``, the temporal and topic shares scaled to leave room for
+        fresh noise."""
+        p = self.start.replace(
+            **{n: _from_free(n, float(v)) for n, v in zip(self.free, x, strict=True)}
+        )
         if p.temporal_share + p.topic_share > 0.98:  # keep room for fresh noise
             f = 0.98 / (p.temporal_share + p.topic_share)
             p = p.replace(temporal_share=p.temporal_share * f, topic_share=p.topic_share * f)
         return p
 
-    def stats_at(p: SynthParams) -> np.ndarray:
-        seqs = list(iter_synthetic(model, p, sequences, prompt_tokens, output_tokens, seed))
+    def stats_at(self, p: SynthParams) -> np.ndarray:
+        """The target statistics of the trace ``p`` generates."""
+        sequences, prompt_tokens, output_tokens, seed = self.workload
+        seqs = list(iter_synthetic(self.model, p, sequences, prompt_tokens, output_tokens, seed))
         stats = routing_stats(
-            model,
+            self.model,
             seqs,
-            reuse=reuse_targets,
-            curves=curves,
-            capacities=caps or None,
-            curve_rules=rules,
+            reuse=self.reuse,
+            curves=self.curves,
+            capacities=self.caps or None,
+            curve_rules=self.rules,
             stack_distance=False,
         )
-        return _measure(stats, targets)
+        return _measure(stats, self.targets)
 
-    def residual(x: np.ndarray) -> np.ndarray:
-        nonlocal evals
-        evals += 1
-        r = np.nan_to_num((stats_at(params_at(x)) - goal) / scale, nan=0.0)
-        return np.concatenate([r, 0.05 * (x - x0)])
+    def residual(self, x: np.ndarray) -> np.ndarray:
+        """The scaled misfit at ``x`` (undefined statistics count 0) and the pull to the
+        start."""
+        self.evals += 1
+        r = np.nan_to_num((self.stats_at(self.params_at(x)) - self.goal) / self.scale, nan=0.0)
+        return np.concatenate([r, 0.05 * (x - self.x0)])
 
+
+def _gauss_newton(
+    residual: Any, x0: np.ndarray, iterations: int, progress: Any, n_goal: int
+) -> tuple[np.ndarray, int]:
+    """Damped Gauss-Newton with finite-difference Jacobians from ``x0``: at most
+    ``iterations`` steps, stopping when a step improves nothing or the cost is small; the
+    point reached and the iterations run."""
     x = x0.copy()
     r = residual(x)
     cost = float(r @ r)
@@ -1195,19 +1279,9 @@ def fit_params(
             damping *= 4.0
         if progress is not None:
             progress(it, cost)
-        if not improved or cost < 0.05 * len(goal):
+        if not improved or cost < 0.05 * n_goal:
             break
-    p = params_at(x)
-    got = stats_at(p)
-    kept = set(targets)
-    return FitResult(
-        params=p,
-        targets={t.label: t.value for t in targets},
-        achieved={t.label: round(float(g), 4) for t, g in zip(targets, got, strict=True)},
-        iterations=it,
-        evaluations=evals,
-        ignored=[t.label for t in all_targets if t not in kept],
-    )
+    return x, it
 
 
 def check_stats_model(model: ModelShape, target: dict[str, Any], where: str) -> None:

@@ -158,9 +158,6 @@ LONG_FUNCTIONS_BEING_SPLIT = {
     "simulator/reference/engine.py:ReferenceEngine.forward",
     "simulator/reference/engine.py:ReferenceEngine.translate",
     # being split on this branch (this block goes before it is handed over)
-    "simulator/stats.py:trace_stats",
-    "simulator/synth.py:fit_params",
-    "simulator/synth.py:generate_sequence",
     "simulator/testing.py:ChaosPolicy.decode_layer",
     "simulator/trace.py:_assemble",
     "simulator/trace.py:_decode_batch",
