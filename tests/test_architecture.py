@@ -158,8 +158,6 @@ LONG_FUNCTIONS_BEING_SPLIT = {
     "simulator/reference/engine.py:ReferenceEngine.forward",
     "simulator/reference/engine.py:ReferenceEngine.translate",
     # being split on this branch (this block goes before it is handed over)
-    "simulator/trace.py:_assemble",
-    "simulator/trace.py:_decode_batch",
     "simulator/validation.py:_parse_row",
 }
 
