@@ -493,6 +493,56 @@ def _parse_row(raw: Any, i: int, path: Path) -> Row:
     rid = raw.get("id")
     if isinstance(rid, str) and rid:
         where = f"{path}: row {rid!r}"
+    calibrated, kind, energy = _check_labels(raw, where)
+    modelled, retired, bound, reason = _check_status(raw, where, kind)
+    if kind == "ranking":
+        return _parse_ranking(raw, where, calibrated, modelled, reason)
+    pub = raw.get("published")
+    published = None if pub is None else _positive(pub, f"{where}: 'published'")
+    if retired:
+        modelled = False  # kept for the record, never run
+    if modelled and published is None:
+        raise UserError(f"{where}: missing 'published'")
+    rng = raw.get("published_range")
+    prange = None
+    if rng is not None:
+        if not isinstance(rng, list) or len(rng) != 2:
+            raise UserError(f"{where}: 'published_range' must be [low, high]")
+        prange = (_num(rng[0], f"{where}: published_range"), _num(rng[1], f"{where}: range"))
+    metric = raw.get("metric", "")
+    if modelled and (not isinstance(metric, str) or not _METRIC_RE.match(metric)):
+        raise UserError(f"{where}: 'metric' must name a run metric, e.g. tokens_per_s")
+    if modelled:
+        _check_metric(metric, where)
+    if "member" in raw:
+        raise UserError(f'{where}: [[row.member]] belongs to kind = "ranking" rows only')
+    sim, base = _sim_tables(raw, where, modelled)
+    setting, assumed = _parse_setting(raw, where)
+    return Row(
+        **_described(raw),
+        bound=str(bound),
+        retired=retired.strip(),
+        published=published,
+        metric=str(metric),
+        modelled=modelled,
+        role=raw["role"],
+        calibrated=calibrated.strip(),
+        reason=reason,
+        note=str(raw.get("note", "")),
+        published_range=prange,
+        sim=dict(sim),
+        baseline=None if base is None else dict(base),
+        kind=kind,
+        setting=setting,
+        assumed=assumed,
+        energy=str(energy),
+    )
+
+
+def _check_labels(raw: dict[str, Any], where: str) -> tuple[Any, Any, Any]:
+    """A row's descriptive fields: the required text fields, its unit and role (a calibration
+    row says what was chosen by looking at it), its kind, and for a tokens/kJ row what the
+    energy covers. Its ``calibrated``, ``kind`` and ``energy``."""
     for key in _REQUIRED:
         if not isinstance(raw.get(key), str) or not raw[key].strip():
             raise UserError(f"{where}: missing or empty text field {key!r}")
@@ -523,6 +573,13 @@ def _parse_row(raw: Any, i: int, path: Path) -> Row:
             )
     elif energy:
         raise UserError(f"{where}: 'energy' belongs to tokens/kJ rows only")
+    return calibrated, kind, energy
+
+
+def _check_status(raw: dict[str, Any], where: str, kind: Any) -> tuple[bool, str, Any, str]:
+    """Whether a row runs: ``modelled`` (a row that is not says why), ``retired`` (says why,
+    and is not run) and its ``bound`` (none on a ranking row). Its ``modelled``, ``retired``,
+    ``bound`` and ``reason``."""
     modelled = raw.get("modelled", True)
     if not isinstance(modelled, bool):
         raise UserError(f"{where}: 'modelled' must be true or false")
@@ -539,27 +596,15 @@ def _parse_row(raw: Any, i: int, path: Path) -> Row:
     reason = str(raw.get("reason", ""))
     if not modelled and not reason.strip():
         raise UserError(f"{where}: a row with modelled = false needs a 'reason'")
-    if kind == "ranking":
-        return _parse_ranking(raw, where, calibrated, modelled, reason)
-    pub = raw.get("published")
-    published = None if pub is None else _positive(pub, f"{where}: 'published'")
-    if retired:
-        modelled = False  # kept for the record, never run
-    if modelled and published is None:
-        raise UserError(f"{where}: missing 'published'")
-    rng = raw.get("published_range")
-    prange = None
-    if rng is not None:
-        if not isinstance(rng, list) or len(rng) != 2:
-            raise UserError(f"{where}: 'published_range' must be [low, high]")
-        prange = (_num(rng[0], f"{where}: published_range"), _num(rng[1], f"{where}: range"))
-    metric = raw.get("metric", "")
-    if modelled and (not isinstance(metric, str) or not _METRIC_RE.match(metric)):
-        raise UserError(f"{where}: 'metric' must name a run metric, e.g. tokens_per_s")
-    if modelled:
-        _check_metric(metric, where)
-    if "member" in raw:
-        raise UserError(f'{where}: [[row.member]] belongs to kind = "ranking" rows only')
+    return modelled, retired, bound, reason
+
+
+def _sim_tables(
+    raw: dict[str, Any], where: str, modelled: bool
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """A row's ``[row.sim]`` and ``[row.baseline]`` tables: a modelled row names its policy,
+    machine and trace (or synthetic trace); only a ratio row, and every one, has a
+    baseline."""
     sim = raw.get("sim", {})
     base = raw.get("baseline")
     if not isinstance(sim, dict) or (base is not None and not isinstance(base, dict)):
@@ -574,26 +619,7 @@ def _parse_row(raw: Any, i: int, path: Path) -> Row:
         _check_sim(sim, base, where)
     if (raw["unit"] == "ratio") != (base is not None) and modelled:
         raise UserError(f"{where}: a 'ratio' row needs [row.baseline], and only a ratio row")
-    setting, assumed = _parse_setting(raw, where)
-    return Row(
-        **_described(raw),
-        bound=str(bound),
-        retired=retired.strip(),
-        published=published,
-        metric=str(metric),
-        modelled=modelled,
-        role=raw["role"],
-        calibrated=calibrated.strip(),
-        reason=reason,
-        note=str(raw.get("note", "")),
-        published_range=prange,
-        sim=dict(sim),
-        baseline=None if base is None else dict(base),
-        kind=kind,
-        setting=setting,
-        assumed=assumed,
-        energy=str(energy),
-    )
+    return sim, base
 
 
 def _described(raw: dict[str, Any]) -> dict[str, Any]:

@@ -157,8 +157,6 @@ LONG_FUNCTIONS_BEING_SPLIT = {
     "simulator/sweep.py:Grid.from_dict",
     "simulator/reference/engine.py:ReferenceEngine.forward",
     "simulator/reference/engine.py:ReferenceEngine.translate",
-    # being split on this branch (this block goes before it is handed over)
-    "simulator/validation.py:_parse_row",
 }
 
 
