@@ -53,9 +53,14 @@ from daopsim.simulator.errors import (
 )
 from daopsim.simulator.fingerprints import daopsim_version, file_sha256, profile_sha256
 from daopsim.simulator.native import module_source
-from daopsim.simulator.output import TABLE_FORMATS, check_output_file, output_format, value_paths
+from daopsim.simulator.output import (
+    TABLE_FORMATS,
+    check_output_file,
+    output_format,
+    value_paths,
+    write_text,
+)
 from daopsim.simulator.output import write_table as _write_any_table
-from daopsim.simulator.output import write_text
 from daopsim.simulator.progress import Progress
 from daopsim.simulator.results import METRIC_KEYS, OPTIONAL_METRIC_KEYS
 from daopsim.simulator.runtime_profiles import get_runtime

@@ -21,20 +21,22 @@ from daopsim.simulator.errors import UserError, check_seed
 from daopsim.simulator.models import get_model
 from daopsim.simulator.output import check_output_file, write_text
 from daopsim.simulator.synth import (
-    COLD_FIT_SEQUENCES,
-    FIT_PARAMS,
     PRESETS,
     SynthParams,
-    check_stats_model,
-    curve_rule,
     default_preset,
-    fit_params,
     get_preset,
     params_from_dict,
     parse_param_overrides,
-    shape_from_stats,
 )
 from daopsim.simulator.synth import synth as write_trace_file
+from daopsim.simulator.synth_fit import (
+    COLD_FIT_SEQUENCES,
+    FIT_PARAMS,
+    check_stats_model,
+    curve_rule,
+    fit_params,
+    shape_from_stats,
+)
 
 
 def _resolve_params(
