@@ -3,8 +3,8 @@
 The ``*.toml`` files of ``validation/``, read as one table (its row format and reading:
 simulator/validation_table.py), list published measurements (tokens/s, s/token, hit rates,
 ratios), each with its exact source, the setting it was measured in and the simulator
-configuration that reproduces that setting. :func:`run_validation` simulates every modelled row and compares; rows the simulator cannot
-model yet carry ``modelled = false`` and a reason.
+configuration that reproduces that setting. :func:`run_validation` simulates every modelled
+row and compares; rows the simulator cannot model yet carry ``modelled = false`` and a reason.
 
 Row format (docs/validation.md has the full description)::
 
