@@ -404,7 +404,6 @@ def advise(
     target: rows below it are left out and each machine is judged against it, the cheapest
     that reaches it (by ``prices``, name -> amount, else by energy per token) named.
     """
-    from daopsim.simulator.runner import keeps_nothing_resident
     from daopsim.simulator.sweep import check_fidelity_floor
     from daopsim.simulator.trace import read_meta
 
@@ -435,7 +434,24 @@ def advise(
         for r in (None, *SMALL_RATIOS)
         for rt in rts
     ]
-    # stage 1: defaults, listed values one at a time, coarse ranges; bounds at the largest
+    _search_coarse(search, points, classes, shape)
+    _search_refined(search, points, classes, shape)
+    _search_other_options(search, points, classes, shape)
+    rows = search.rows(hws, trace_args, profiles, own, sequences, runtimes)
+    advice.runs = search.n_runs
+    advice.skipped = search.skipped
+    advice.failed = search.failed
+    _rank(advice, rows, min_gate_mass, min_tokens_per_s, prices, shape)
+    return advice
+
+
+def _search_coarse(
+    search: _Search, points: list[_Point], classes: dict[str, Any], shape: Any
+) -> None:
+    """Stage 1: each policy's defaults, its listed values one at a time and its ranges at
+    coarse steps on every point; a bound only at the largest budget."""
+    from daopsim.simulator.runner import keeps_nothing_resident
+
     for pt in points:
         for pol, cls in classes.items():
             if is_bound(cls):
@@ -452,7 +468,13 @@ def advise(
                     for v in coarse(*rng):
                         search.add(pt, pol, {name: v})
     search.run()
-    # stage 2: around the best value of each range; then the other options at that value
+
+
+def _search_refined(
+    search: _Search, points: list[_Point], classes: dict[str, Any], shape: Any
+) -> None:
+    """Stage 2: values around the best of each range, pass after pass until a pass adds
+    nothing new (at most ``REFINE_PASSES``)."""
     for _ in range(REFINE_PASSES):
         added = 0
         for pt in points:
@@ -468,6 +490,13 @@ def advise(
         if not added:
             break
         search.run()
+
+
+def _search_other_options(
+    search: _Search, points: list[_Point], classes: dict[str, Any], shape: Any
+) -> None:
+    """Stage 3, at the largest budget: each policy's other options one at a time, with a
+    ranged option held at its best value."""
     for pt in points:
         if pt.ratio is not None:
             continue
@@ -479,12 +508,6 @@ def advise(
                     for variant in one_at_a_time(cls, {name: best})[1:]:
                         search.add(pt, pol, variant)
     search.run()
-    rows = search.rows(hws, trace_args, profiles, own, sequences, runtimes)
-    advice.runs = search.n_runs
-    advice.skipped = search.skipped
-    advice.failed = search.failed
-    _rank(advice, rows, min_gate_mass, min_tokens_per_s, prices, shape)
-    return advice
 
 
 class _Search:
@@ -711,14 +734,7 @@ def _rank(
 ) -> None:
     """Floors, ranking, tie groups, the best row per precision, the machines' answers."""
     refs = [r for r in rows if r.reference]
-    # the largest budget first: its row stands for a smaller budget that changes nothing
-    ranked = sorted((r for r in rows if not r.reference), key=lambda r: r.cache_ratio is not None)
-    # a budget the policy does not use gives the largest budget's results again: keep that one
-    unique: dict[tuple[Any, ...], AdviceRow] = {}
-    for r in ranked:
-        ident = (r.hw, r.policy, r.runtime, r.dtype, r.options_text, _result_key(r))
-        unique.setdefault(ident, r)
-    ranked = list(unique.values())
+    ranked = _unique_rows(rows)
     if min_gate_mass is not None:
         kept = [r for r in ranked if (r.gate_mass_preserved or 0.0) >= min_gate_mass]
         advice.below_floor = len(ranked) - len(kept)
@@ -728,25 +744,53 @@ def _rank(
         kept = [r for r in ranked if r.tokens_per_s >= min_tokens_per_s]
         advice.below_target = len(ranked) - len(kept)
         ranked = kept
+    ranked.sort(key=_rank_order)
+    leaders = _tie_groups(ranked, shape)
+    leaders.sort(key=_rank_order)
+    for i, r in enumerate(leaders, 1):
+        r.rank = i
+    advice.rows = leaders
+    advice.references = sorted(refs, key=lambda r: (r.hw, -r.tokens_per_s, r.policy, r.dtype))
+    advice.best_per_precision.extend(_best_per_precision(leaders))
+    _machines(advice, everything, leaders, min_tokens_per_s, prices)
+    _notes(advice, leaders, shape)
 
-    def order(r: AdviceRow) -> tuple[Any, ...]:
-        return (
-            -r.tokens_per_s,
-            -(r.fidelity if r.fidelity is not None else -1.0),
-            -(r.gate_mass_preserved if r.gate_mass_preserved is not None else -1.0),
-            r.ttft_s,
-            r.resident_experts,
-            # among equal results the shortest command leads: fewer options, the default budget
-            len(r.options),
-            r.cache_ratio is not None,
-            r.hw,
-            r.policy,
-            r.runtime,
-            r.dtype,
-            r.options_text,
-        )
 
-    ranked.sort(key=order)
+def _unique_rows(rows: list[AdviceRow]) -> list[AdviceRow]:
+    """The searched rows (not the references), one per distinct result of a configuration: a
+    budget the policy does not use gives the largest budget's results again, and that one is
+    kept."""
+    # the largest budget first: its row stands for a smaller budget that changes nothing
+    ranked = sorted((r for r in rows if not r.reference), key=lambda r: r.cache_ratio is not None)
+    unique: dict[tuple[Any, ...], AdviceRow] = {}
+    for r in ranked:
+        ident = (r.hw, r.policy, r.runtime, r.dtype, r.options_text, _result_key(r))
+        unique.setdefault(ident, r)
+    return list(unique.values())
+
+
+def _rank_order(r: AdviceRow) -> tuple[Any, ...]:
+    """The ranking key: tokens/s first, then fidelity, gate mass, TTFT, fewer resident experts;
+    among equal results the shortest command leads (fewer options, the default budget)."""
+    return (
+        -r.tokens_per_s,
+        -(r.fidelity if r.fidelity is not None else -1.0),
+        -(r.gate_mass_preserved if r.gate_mass_preserved is not None else -1.0),
+        r.ttft_s,
+        r.resident_experts,
+        len(r.options),
+        r.cache_ratio is not None,
+        r.hw,
+        r.policy,
+        r.runtime,
+        r.dtype,
+        r.options_text,
+    )
+
+
+def _tie_groups(ranked: list[AdviceRow], shape: Any) -> list[AdviceRow]:
+    """The leader of each group of rows with the same results (in ``ranked``'s order), the
+    others listed on it as tied, with the reason they tie."""
     groups: dict[tuple[Any, ...], list[AdviceRow]] = {}
     for r in ranked:
         groups.setdefault(_result_key(r), []).append(r)
@@ -765,16 +809,17 @@ def _rank(
             ]
             lead.tie_reason = tie_reason(group, shape)
         leaders.append(lead)
-    leaders.sort(key=order)
-    for i, r in enumerate(leaders, 1):
-        r.rank = i
-    advice.rows = leaders
-    advice.references = sorted(refs, key=lambda r: (r.hw, -r.tokens_per_s, r.policy, r.dtype))
+    return leaders
+
+
+def _best_per_precision(leaders: list[AdviceRow]) -> list[dict[str, Any]]:
+    """The best ranked row of each (machine, precision), in rank order."""
+    out: list[dict[str, Any]] = []
     seen: set[tuple[str, str]] = set()
     for r in leaders:
         if (r.hw, r.dtype) not in seen:
             seen.add((r.hw, r.dtype))
-            advice.best_per_precision.append(
+            out.append(
                 {
                     "hw": r.hw,
                     "dtype": r.dtype,
@@ -787,8 +832,7 @@ def _rank(
                     "command": r.command,
                 }
             )
-    _machines(advice, everything, leaders, min_tokens_per_s, prices)
-    _notes(advice, leaders, shape)
+    return out
 
 
 def _machines(
@@ -884,73 +928,8 @@ def render(advice: Advice, top: int | None = DEFAULT_TOP, width: int | None = No
 
     width = max(80, width or shutil.get_terminal_size((DEFAULT_WIDTH, 24)).columns)
     shown = advice.rows[:top] if top else list(advice.rows)
-    listed = [*shown, *advice.references]
     several = "," in advice.hw
-
-    def share(r: AdviceRow) -> str:
-        return f"{r.of_bound:.0%}" if r.of_bound is not None else "n/a"
-
-    def pol(r: AdviceRow) -> str:
-        return r.policy + (f" +{len(r.tied)}" if r.tied else "")
-
-    # (header, width, alignment, cell): the name columns as wide as their values
-    cols: list[tuple[str, int, str, Callable[[AdviceRow], str]]] = [
-        ("tokens/s", 9, ">", lambda r: f"{r.tokens_per_s:.2f}"),
-        ("%bound", 6, ">", share),
-        ("TTFT s", 7, ">", lambda r: f"{r.ttft_s:.3f}"),
-        ("fidelity", 8, ">", lambda r: _fidelity_text(r.fidelity, r.gate_mass_preserved)),
-        ("bottleneck", 10, "<", lambda r: r.bottleneck),
-    ]
-    if several:
-        cols.append(("machine", max([7, *(len(r.hw) for r in listed)]), "<", lambda r: r.hw))
-    cols += [
-        ("policy", max([6, *(len(pol(r)) for r in listed)]), "<", pol),
-        ("runtime", max([7, *(len(r.runtime) for r in listed)]), "<", lambda r: r.runtime),
-        ("dtype", max([5, *(len(r.dtype) for r in listed)]), "<", lambda r: r.dtype),
-        ("experts", 7, ">", lambda r: str(r.resident_experts)),
-    ]
-    min_options = 12
-    for drop in ("TTFT s", "bottleneck", "%bound"):  # narrow terminals: --json/--csv keep them
-        if 5 + sum(w + 2 for _, w, _, _ in cols) + min_options <= width:
-            break
-        cols = [c for c in cols if c[0] != drop]
-    lead = 5 + sum(w + 2 for _, w, _, _ in cols)
-    opt_width = max(min_options, width - lead)
-
-    def row_text(tag: str, cells: list[str], options: str) -> list[str]:
-        parts = [f"{tag:>3}"] + [f"{c:{a}{w}}" for c, (_, w, a, _) in zip(cells, cols, strict=True)]
-        head = "  ".join(parts) + "  "
-        # never cut an option: the ones that do not fit go on lines of their own, under the
-        # options column
-        pieces = options.split(",")
-        out, cur = [], ""
-        for i, piece in enumerate(pieces):
-            piece += "," if i < len(pieces) - 1 else ""
-            if cur and len(cur) + len(piece) > opt_width:
-                out.append(cur)
-                cur = ""
-            cur += piece
-        out.append(cur)
-        lines = [(head + out[0]).rstrip() if len(out[0]) <= opt_width else head.rstrip()]
-        for i, o in enumerate(out):
-            if len(o) > opt_width:  # wider than the column: a line of its own, indented
-                lines.append(" " * 8 + o)
-            elif i:
-                lines.append(" " * lead + o)
-        return lines
-
-    def lines_for(tag: str, r: AdviceRow) -> list[str]:
-        out = row_text(tag, [f(r) for _, _, _, f in cols], r.options_text)
-        if r.tied:
-            names = [_tie_label(t) for t in r.tied]
-            out += textwrap.wrap(
-                f"tied with {', '.join(names)}: {r.tie_reason}",
-                width,
-                initial_indent="      = ",
-                subsequent_indent="        ",
-            )
-        return out
-
+    table = _Table.fit([*shown, *advice.references], several, width)
     trace = advice.trace if advice.trace_synth else Path(advice.trace).name
     lines = textwrap.wrap(
         f"advise: {advice.model} on {advice.hw.replace(',', ', ')}, trace {trace}, "
@@ -959,9 +938,9 @@ def render(advice: Advice, top: int | None = DEFAULT_TOP, width: int | None = No
         "bound at the same precision (docs/metrics.md); experts: the most kept resident",
         width,
     )
-    lines += row_text("#", [h for h, _, _, _ in cols], "options")
+    lines += table.row("#", [h for h, _, _, _ in table.cols], "options")
     for r in shown:
-        lines += lines_for(str(r.rank), r)
+        lines += table.entry(str(r.rank), r)
     if not advice.rows:
         lines.append("  (no configuration fits, passes the floors or reaches the target)")
     hidden = len(advice.rows) - len(shown)
@@ -974,7 +953,106 @@ def render(advice: Advice, top: int | None = DEFAULT_TOP, width: int | None = No
     if advice.references:
         lines.append("reference lines (bounds, not realisable):")
         for r in advice.references:
-            lines += lines_for("-", r)
+            lines += table.entry("-", r)
+    lines += _bound_lines(advice, several, width)
+    if advice.min_tokens_per_s is not None:
+        lines += _target_lines(advice, width)
+    lines += _closing_lines(advice, shown, width)
+    return "\n".join(lines)
+
+
+@dataclass
+class _Table:
+    """The ranked table's columns as they fit a terminal ``width`` characters wide, and its
+    rows as lines."""
+
+    #: (header, width, alignment, cell) per column
+    cols: list[tuple[str, int, str, Callable[[AdviceRow], str]]]
+    #: the options column's start and width
+    lead: int
+    opt_width: int
+    width: int
+
+    @classmethod
+    def fit(cls, listed: list[AdviceRow], several: bool, width: int) -> _Table:
+        """The columns for the rows ``listed`` (the name columns as wide as their values), the
+        least needed dropped in turn while the options column would be under 12 characters."""
+
+        def share(r: AdviceRow) -> str:
+            return f"{r.of_bound:.0%}" if r.of_bound is not None else "n/a"
+
+        def pol(r: AdviceRow) -> str:
+            return r.policy + (f" +{len(r.tied)}" if r.tied else "")
+
+        cols: list[tuple[str, int, str, Callable[[AdviceRow], str]]] = [
+            ("tokens/s", 9, ">", lambda r: f"{r.tokens_per_s:.2f}"),
+            ("%bound", 6, ">", share),
+            ("TTFT s", 7, ">", lambda r: f"{r.ttft_s:.3f}"),
+            ("fidelity", 8, ">", lambda r: _fidelity_text(r.fidelity, r.gate_mass_preserved)),
+            ("bottleneck", 10, "<", lambda r: r.bottleneck),
+        ]
+        if several:
+            cols.append(("machine", max([7, *(len(r.hw) for r in listed)]), "<", lambda r: r.hw))
+        cols += [
+            ("policy", max([6, *(len(pol(r)) for r in listed)]), "<", pol),
+            ("runtime", max([7, *(len(r.runtime) for r in listed)]), "<", lambda r: r.runtime),
+            ("dtype", max([5, *(len(r.dtype) for r in listed)]), "<", lambda r: r.dtype),
+            ("experts", 7, ">", lambda r: str(r.resident_experts)),
+        ]
+        min_options = 12
+        for drop in ("TTFT s", "bottleneck", "%bound"):  # narrow terminals: --json/--csv keep them
+            if 5 + sum(w + 2 for _, w, _, _ in cols) + min_options <= width:
+                break
+            cols = [c for c in cols if c[0] != drop]
+        lead = 5 + sum(w + 2 for _, w, _, _ in cols)
+        return cls(cols, lead, max(min_options, width - lead), width)
+
+    def row(self, tag: str, cells: list[str], options: str) -> list[str]:
+        """One row's lines: its cells, then its options, never cut: the ones that do not fit
+        go on lines of their own, under the options column."""
+        parts = [f"{tag:>3}"] + [
+            f"{c:{a}{w}}" for c, (_, w, a, _) in zip(cells, self.cols, strict=True)
+        ]
+        head = "  ".join(parts) + "  "
+        pieces = options.split(",")
+        out, cur = [], ""
+        for i, piece in enumerate(pieces):
+            piece += "," if i < len(pieces) - 1 else ""
+            if cur and len(cur) + len(piece) > self.opt_width:
+                out.append(cur)
+                cur = ""
+            cur += piece
+        out.append(cur)
+        lines = [(head + out[0]).rstrip() if len(out[0]) <= self.opt_width else head.rstrip()]
+        for i, o in enumerate(out):
+            if len(o) > self.opt_width:  # wider than the column: a line of its own, indented
+                lines.append(" " * 8 + o)
+            elif i:
+                lines.append(" " * self.lead + o)
+        return lines
+
+    def entry(self, tag: str, r: AdviceRow) -> list[str]:
+        """A result row's lines, with the rows tied with it and why."""
+        import textwrap
+
+        out = self.row(tag, [f(r) for _, _, _, f in self.cols], r.options_text)
+        if r.tied:
+            names = [_tie_label(t) for t in r.tied]
+            out += textwrap.wrap(
+                f"tied with {', '.join(names)}: {r.tie_reason}",
+                self.width,
+                initial_indent="      = ",
+                subsequent_indent="        ",
+            )
+        return out
+
+
+def _bound_lines(advice: Advice, several: bool, width: int) -> list[str]:
+    """The all-GPU bound of each (machine, precision), and the best row of each precision
+    when there are several."""
+    import textwrap
+
+    lines: list[str] = []
     bounds: dict[tuple[str, str], tuple[float, Any]] = {}
     for r in [*advice.rows, *advice.references]:
         if r.bound_tokens_per_s is not None:
@@ -995,8 +1073,14 @@ def render(advice: Advice, top: int | None = DEFAULT_TOP, width: int | None = No
                 f"  {b['dtype']}{on}: #{b['rank']} {b['tokens_per_s']:.2f} tokens/s "
                 f"({b['policy']}, fidelity {fid})"
             )
-    if advice.min_tokens_per_s is not None:
-        lines += _target_lines(advice, width)
+    return lines
+
+
+def _closing_lines(advice: Advice, shown: list[AdviceRow], width: int) -> list[str]:
+    """What was left out and why, the notes, how to make a synthetic trace, and each shown
+    row's command."""
+    import textwrap
+
     notes = [f"{_count(advice.skipped, 'run')} skipped (do not fit)"]
     if advice.below_floor:
         notes.append(f"{advice.below_floor} below --min-gate-mass {advice.min_gate_mass}")
@@ -1004,7 +1088,7 @@ def render(advice: Advice, top: int | None = DEFAULT_TOP, width: int | None = No
         notes.append(f"{advice.below_target} below --min-tokens-per-s {advice.min_tokens_per_s}")
     if advice.failed:
         notes.append(f"{advice.failed} failed")
-    lines += textwrap.wrap("; ".join(notes), width)
+    lines = textwrap.wrap("; ".join(notes), width)
     for note in advice.notes:
         lines += textwrap.wrap(f"note: {note}", width, subsequent_indent="  ")
     if advice.trace_synth:
@@ -1017,7 +1101,7 @@ def render(advice: Advice, top: int | None = DEFAULT_TOP, width: int | None = No
     lines.append("commands:")
     for tag, r in [*((str(r.rank), r) for r in shown), *(("-", r) for r in advice.references)]:
         lines += _wrap_command(f"{tag:>3}  ", r.command, width)
-    return "\n".join(lines)
+    return lines
 
 
 def _tie_label(t: dict[str, Any]) -> str:

@@ -941,48 +941,13 @@ def capture_model(
     moe = find_moe_layers(model)
     shape = model_shape(model, moe, name, dtype)
     tok = tokenizer or ByteTokenizer(int(model.config.vocab_size))
-    token_lists: list[list[int]] = []
-    for p in prompts:
-        ids = tok.encode(p.text)
-        if settings.max_prompt_tokens is not None:
-            ids = ids[: settings.max_prompt_tokens]
-        if not ids:
-            raise UserError(f"prompt on line {p.line} has no tokens")
-        token_lists.append(ids)
-    pad = getattr(model.generation_config, "pad_token_id", None)
-    if pad is None:
-        pad = getattr(model.config, "pad_token_id", None)
-    if pad is None:
-        eos = _eos_ids(model)
-        pad = eos[0] if eos else 0
+    token_lists = _prompt_tokens(prompts, tok, settings)
+    pad = _pad_id(model)
     m = top_m if shape.experts > ALL_PROBS_MAX_EXPERTS else shape.experts
     stored_m = min(m, shape.experts)
-    order = rank_order(moe)
-    prov = dict(provenance or {})
-    prov.setdefault("created", creation_date())
-    prov.update(
-        {
-            "source": "capture",
-            "router": type(moe[0].router).__name__,
-            "router_family": moe[0].family,
-            "tokenizer": getattr(tok, "name", type(tok).__name__),
-            "generation": settings.to_dict(),
-            "probs": (
-                "softmax of router logits over all experts"
-                if stored_m == shape.experts
-                else f"top-{stored_m} of the softmax of router logits, with expert ids"
-            ),
-            "early_view": "router of MoE layer l applied to the router input of MoE layer l-1, "
-            "same forward pass",
-            "rank_order": order.score,
-            "rank_order_columns": list(order.columns),
-            "shared_experts": shape.shared_experts,
-            "tool_versions": tool_versions(),
-        }
-    )
     meta = TraceMeta(
         model=shape,
-        provenance=prov,
+        provenance=_capture_provenance(moe, shape, tok, settings, stored_m, provenance),
         probs_stored=stored_m,
         moe_layer_ids=[layer.layer_id for layer in moe],
     )
@@ -1006,6 +971,70 @@ def capture_model(
     # what capture writes, `trace validate` accepts (the check import and synth share)
     write_valid_trace(output, fill, flag=None, what="captured")
     return CaptureResult(path=Path(output), meta=meta, decode_tokens=decode_tokens)
+
+
+def _prompt_tokens(
+    prompts: list[Prompt], tok: Any, settings: GenerationSettings
+) -> list[list[int]]:
+    """Each prompt's token ids, cut to ``settings.max_prompt_tokens``; a prompt with none is
+    refused by its line."""
+    token_lists: list[list[int]] = []
+    for p in prompts:
+        ids = tok.encode(p.text)
+        if settings.max_prompt_tokens is not None:
+            ids = ids[: settings.max_prompt_tokens]
+        if not ids:
+            raise UserError(f"prompt on line {p.line} has no tokens")
+        token_lists.append(ids)
+    return token_lists
+
+
+def _pad_id(model: Any) -> Any:
+    """The padding token: the generation config's, the model config's, else the first
+    end-of-sequence id, else 0."""
+    pad = getattr(model.generation_config, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(model.config, "pad_token_id", None)
+    if pad is None:
+        eos = _eos_ids(model)
+        pad = eos[0] if eos else 0
+    return pad
+
+
+def _capture_provenance(
+    moe: list[Any],
+    shape: Any,
+    tok: Any,
+    settings: GenerationSettings,
+    stored_m: int,
+    provenance: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The trace's provenance: the caller's, with how the capture was made (router, tokenizer,
+    generation settings, which probabilities are stored, the rank order, tool versions)."""
+    order = rank_order(moe)
+    prov = dict(provenance or {})
+    prov.setdefault("created", creation_date())
+    prov.update(
+        {
+            "source": "capture",
+            "router": type(moe[0].router).__name__,
+            "router_family": moe[0].family,
+            "tokenizer": getattr(tok, "name", type(tok).__name__),
+            "generation": settings.to_dict(),
+            "probs": (
+                "softmax of router logits over all experts"
+                if stored_m == shape.experts
+                else f"top-{stored_m} of the softmax of router logits, with expert ids"
+            ),
+            "early_view": "router of MoE layer l applied to the router input of MoE layer l-1, "
+            "same forward pass",
+            "rank_order": order.score,
+            "rank_order_columns": list(order.columns),
+            "shared_experts": shape.shared_experts,
+            "tool_versions": tool_versions(),
+        }
+    )
+    return prov
 
 
 def run_capture(cfg: CaptureConfig) -> CaptureResult:

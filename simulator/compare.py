@@ -80,32 +80,7 @@ def compare(
     from daopsim.simulator.sweep import Grid, expand, run_configs
 
     hws = [hw] if isinstance(hw, str) else list(hw)
-    if not policies:
-        raise UserError("--policies: no policy given")
-    if len(set(policies)) != len(policies):
-        dup = next(p for p in policies if policies.count(p) > 1)
-        raise UserError(f"--policies: policy {dup!r} given twice")
-    if len(set(hws)) != len(hws):
-        dup = next(h for h in hws if hws.count(h) > 1)
-        raise UserError(f"--hw: machine {dup!r} given twice")
-    if cache_ratio is not None and gpu_experts is not None:
-        raise UserError("give --cache-ratio or --gpu-experts, not both")
-    for k, v in (options or {}).items():
-        if len(v) != 1:
-            raise UserError(f"--policy-opt {k}: one value per option in a comparison")
-    # what every column shares is checked once, before any run (a sweep would record the
-    # same mistake in every row)
-    if sequences is not None and (isinstance(sequences, bool) or sequences < 1):
-        raise UserError(f"--sequences must be positive, got {sequences}")
-    if dtype is not None:
-        from daopsim.simulator.errors import did_you_mean
-        from daopsim.simulator.models import DTYPES
-
-        if dtype not in DTYPES:
-            raise UserError(f"--dtype: unknown precision {dtype!r}{did_you_mean(dtype, DTYPES)}")
-    from daopsim.simulator.runner import requested_budget
-
-    requested_budget(cache_ratio, gpu_experts, 1 << 62)  # the ranges, before the model is known
+    _check_inputs(policies, hws, sequences, cache_ratio, gpu_experts, dtype, options)
     trace_args: list[str]
     if model is not None:
         if trace is not None:
@@ -139,20 +114,64 @@ def compare(
         runtime=runtime,
     )
     for cfg, row in zip(configs, rows, strict=True):
-        col: dict[str, Any] = {
-            "policy": row["policy"],
-            "hw": row["hw"],
-            "runtime": row.get("runtime"),
-            "status": row["status"],
-            "error": row.get("error"),
-            "options": {k: v for k, v in cfg.options if _changed(cfg.policy, k, v)},
-            "metrics": {k: _clean(row.get(k)) for k, _, _, _ in ROWS},
-            "command": _command(cfg, trace_args),
-        }
-        col["metrics"]["total_experts"] = _clean(row.get("total_experts"))
-        out.columns.append(col)
+        out.columns.append(_column(cfg, row, trace_args))
     _note_small_budget(out, rows)
     return out
+
+
+def _check_inputs(
+    policies: list[str],
+    hws: list[str],
+    sequences: int | None,
+    cache_ratio: float | None,
+    gpu_experts: int | None,
+    dtype: str | None,
+    options: dict[str, list[Any]] | None,
+) -> None:
+    """Refuse what no column could run: a policy or machine given twice, both budgets, an
+    option with several values, a bad sequence count, precision or budget."""
+    if not policies:
+        raise UserError("--policies: no policy given")
+    if len(set(policies)) != len(policies):
+        dup = next(p for p in policies if policies.count(p) > 1)
+        raise UserError(f"--policies: policy {dup!r} given twice")
+    if len(set(hws)) != len(hws):
+        dup = next(h for h in hws if hws.count(h) > 1)
+        raise UserError(f"--hw: machine {dup!r} given twice")
+    if cache_ratio is not None and gpu_experts is not None:
+        raise UserError("give --cache-ratio or --gpu-experts, not both")
+    for k, v in (options or {}).items():
+        if len(v) != 1:
+            raise UserError(f"--policy-opt {k}: one value per option in a comparison")
+    # what every column shares is checked once, before any run (a sweep would record the
+    # same mistake in every row)
+    if sequences is not None and (isinstance(sequences, bool) or sequences < 1):
+        raise UserError(f"--sequences must be positive, got {sequences}")
+    if dtype is not None:
+        from daopsim.simulator.errors import did_you_mean
+        from daopsim.simulator.models import DTYPES
+
+        if dtype not in DTYPES:
+            raise UserError(f"--dtype: unknown precision {dtype!r}{did_you_mean(dtype, DTYPES)}")
+    from daopsim.simulator.runner import requested_budget
+
+    requested_budget(cache_ratio, gpu_experts, 1 << 62)  # the ranges, before the model is known
+
+
+def _column(cfg: Any, row: dict[str, Any], trace_args: list[str]) -> dict[str, Any]:
+    """One configuration's column: what it ran, its status, its metrics and its command."""
+    col: dict[str, Any] = {
+        "policy": row["policy"],
+        "hw": row["hw"],
+        "runtime": row.get("runtime"),
+        "status": row["status"],
+        "error": row.get("error"),
+        "options": {k: v for k, v in cfg.options if _changed(cfg.policy, k, v)},
+        "metrics": {k: _clean(row.get(k)) for k, _, _, _ in ROWS},
+        "command": _command(cfg, trace_args),
+    }
+    col["metrics"]["total_experts"] = _clean(row.get("total_experts"))
+    return col
 
 
 def _changed(policy: str, key: str, value: Any) -> bool:

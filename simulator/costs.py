@@ -1101,13 +1101,37 @@ class CostModel:
 
     def sources(self) -> dict[str, str]:
         """For each cost, the formula or measured constant that produced it."""
-        m = self.measured
-        peak_key = "fp32" if self.model.host_precision == "fp32" else "bf16"
-        stream_key = self._cpu_stream_source(self.model.host_precision)
+        gpu_expert, nonexpert = self._gpu_sources()
+        return {
+            "gpu_expert": gpu_expert,
+            "cpu_expert": self._cpu_source(),
+            "h2d_expert_pinned": self._h2d_source(True),
+            "h2d_expert_pageable": self._h2d_source(False),
+            "d2h_expert_pinned": self._d2h_source(True),
+            "d2h_expert_pageable": self._d2h_source(False),
+            "activation_copy": (
+                "link: copy_overhead_us + n x hidden x 2 B / min(link.h2d_pinned_gbs, "
+                "link.d2h_pinned_gbs)"
+            ),
+            "nonexpert_layer": nonexpert,
+        }
+
+    def _host_bytes_source(self) -> tuple[str, str]:
+        """The size copies and the CPU use, and the conversion a host/GPU precision split
+        adds."""
         # with a host/GPU precision split, copies and the CPU use the host copy's size
         host_b = "host_expert_bytes" if self.split_precision else "expert_bytes"
         conv = " + conversion on the GPU" if self.split_precision else ""
-        cpu = (
+        return host_b, conv
+
+    def _cpu_source(self) -> str:
+        """Where a CPU expert's time comes from: the anchored roofline, or the runtime's call
+        cost plus the roofline."""
+        m = self.measured
+        peak_key = "fp32" if self.model.host_precision == "fp32" else "bf16"
+        stream_key = self._cpu_stream_source(self.model.host_precision)
+        host_b, _ = self._host_bytes_source()
+        return (
             f"anchored roofline: max({m.cpu_expert_ms} ms measured at one token "
             f"(measured.{self.model.name}.cpu_expert_ms; {m.source}), "
             f"2 x params x n / cpu.{peak_key}_gflops)"
@@ -1119,16 +1143,33 @@ class CostModel:
             )
         )
 
-        def h2d(pinned: bool) -> str:
-            mm = self._measured_load(pinned)
-            if mm is not None:
-                return (
-                    f"measured override: {mm.load_expert_ms} ms (measured.{self.model.name}."
-                    f"load_expert_ms, load_overrides_link = true, {mm.load_path} path; {mm.source})"
-                )
-            rate = "h2d_pinned_gbs" if pinned else "h2d_pageable_gbs"
-            return f"link: copy_overhead_us + {host_b} / link.{rate}{conv}"
+    def _h2d_source(self, pinned: bool) -> str:
+        """Where an expert's host-to-device copy time comes from."""
+        host_b, conv = self._host_bytes_source()
+        mm = self._measured_load(pinned)
+        if mm is not None:
+            return (
+                f"measured override: {mm.load_expert_ms} ms (measured.{self.model.name}."
+                f"load_expert_ms, load_overrides_link = true, {mm.load_path} path; {mm.source})"
+            )
+        rate = "h2d_pinned_gbs" if pinned else "h2d_pageable_gbs"
+        return f"link: copy_overhead_us + {host_b} / link.{rate}{conv}"
 
+    def _d2h_source(self, pinned: bool) -> str:
+        """Where an expert's write-back (device-to-host) time comes from."""
+        host_b, conv = self._host_bytes_source()
+        mm = self._measured_load(pinned)
+        if mm is not None and mm.writeback_expert_ms is not None:
+            return (
+                f"measured override: {mm.writeback_expert_ms} ms (measured.{self.model.name}."
+                f"writeback_expert_ms, load_overrides_link = true; {mm.source})"
+            )
+        rate = "d2h_pinned_gbs" if pinned else "d2h_pageable_gbs"
+        return f"link: copy_overhead_us + {host_b} / link.{rate}{conv}"
+
+    def _gpu_sources(self) -> tuple[str, str]:
+        """Where a GPU expert's and a layer's non-expert part's times come from: the measured
+        device tables, or the roofline on the stream's bandwidth plus launches and host time."""
         share = gpu_kernel_efficiency(self.model.dtype)
         eff = self.gpu_stream_efficiency
 
@@ -1171,56 +1212,7 @@ class CostModel:
                 f"{NONEXPERT_KERNELS_PER_BLOCK} x blocks/layer x gpu.launch_overhead_us{ne_host}"
             )
         )
-
-        def d2h(pinned: bool) -> str:
-            mm = self._measured_load(pinned)
-            if mm is not None and mm.writeback_expert_ms is not None:
-                return (
-                    f"measured override: {mm.writeback_expert_ms} ms ({mname}."
-                    f"writeback_expert_ms, load_overrides_link = true; {mm.source})"
-                )
-            rate = "d2h_pinned_gbs" if pinned else "d2h_pageable_gbs"
-            return f"link: copy_overhead_us + {host_b} / link.{rate}{conv}"
-
-        return {
-            "gpu_expert": gpu_expert,
-            "cpu_expert": cpu,
-            "h2d_expert_pinned": h2d(True),
-            "h2d_expert_pageable": h2d(False),
-            "d2h_expert_pinned": d2h(True),
-            "d2h_expert_pageable": d2h(False),
-            "activation_copy": (
-                "link: copy_overhead_us + n x hidden x 2 B / min(link.h2d_pinned_gbs, "
-                "link.d2h_pinned_gbs)"
-            ),
-            "nonexpert_layer": nonexpert,
-        }
-
-    # --- power -----------------------------------------------------------------------------------
-    @property
-    def has_power(self) -> bool:
-        """True when the profile has power figures (energy metrics need them)."""
-        return self.hw.power is not None
-
-    @property
-    def gpu_idle_w(self) -> float | None:
-        """GPU idle watts, or None without a [power] section."""
-        return self.hw.power.gpu_idle_w if self.hw.power else None
-
-    @property
-    def gpu_busy_w(self) -> float | None:
-        """GPU busy watts, or None without a [power] section."""
-        return self.hw.power.gpu_busy_w if self.hw.power else None
-
-    @property
-    def cpu_idle_w(self) -> float | None:
-        """CPU idle watts, or None without a [power] section."""
-        return self.hw.power.cpu_idle_w if self.hw.power else None
-
-    @property
-    def cpu_busy_w(self) -> float | None:
-        """CPU busy watts, or None without a [power] section."""
-        return self.hw.power.cpu_busy_w if self.hw.power else None
+        return gpu_expert, nonexpert
 
     # --- report ----------------------------------------------------------------------------------
     def summary(self, context_tokens: int = DEFAULT_CONTEXT) -> dict[str, Any]:

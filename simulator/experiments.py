@@ -162,33 +162,82 @@ def load_experiment(name_or_path: str | os.PathLike[str]) -> Experiment:
     doc = read_toml(path, "experiment")
     # a schema like the grids': a misspelt key would otherwise be ignored and the default run
     _unknown(path, "", doc, EXPERIMENT_KEYS)
-
-    def need(key: str, typ: type | tuple[type, ...]) -> Any:
-        if key not in doc:
-            raise UserError(f"{path}: missing key {key!r}")
-        if not isinstance(doc[key], typ):
-            raise UserError(f"{path}: key {key!r} has the wrong type")
-        return doc[key]
-
-    ratios = need("cache_ratios", list)
+    ratios = _need(path, doc, "cache_ratios", list)
     if not ratios:
         raise UserError(f"{path}: cache_ratios is empty (give at least one ratio in (0, 1])")
     for r in ratios:
         if isinstance(r, bool) or not isinstance(r, int | float) or not 0 < r <= 1:
             raise UserError(f"{path}: cache_ratios must be numbers in (0, 1], got {r!r}")
-    policies = need("policies", dict)
+    policies = _load_policies(path, doc)
+    target = _need(path, doc, "target", str)
+    if target not in policies:
+        raise UserError(f"{path}: target {target!r} is not under [policies]")
+    models = _load_models(path, _need(path, doc, "models", list), policies)
+    seqs = doc.get("sequences")
+    if seqs is not None and (not isinstance(seqs, int) or seqs <= 0):
+        raise UserError(f"{path}: 'sequences' must be a positive integer")
+    name = doc.get("name", path.stem)
+    if not isinstance(name, str):
+        raise UserError(f"{path}: key 'name' must be a string")
+    for key in ("description", "dtype"):
+        if key in doc and not isinstance(doc[key], str):
+            raise UserError(f"{path}: key {key!r} must be a string")
+    metrics = _load_metrics(path, doc)
+    ratio_options = _load_ratio_options(path, doc, policies, ratios)
+    batch = doc.get("batch")
+    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
+        raise UserError(f"{path}: 'batch' must be a positive integer")
+    from daopsim.simulator.models import DTYPES
+
+    if doc.get("dtype") is not None and doc["dtype"] not in DTYPES:
+        raise UserError(
+            f"{path}: key 'dtype': unknown precision {doc['dtype']!r} (known: {', '.join(DTYPES)})"
+        )
+    return Experiment(
+        name=safe_name(name, f"{path}: experiment name"),
+        description=str(doc.get("description", "")),
+        hw=_need(path, doc, "hw", str),
+        dtype=doc.get("dtype"),
+        sequences=seqs,
+        cache_ratios=[float(r) for r in ratios],
+        target=target,
+        policies=policies,
+        models=models,
+        path=path,
+        metrics=[str(x) for x in metrics],
+        ratio_options={str(k): str(v) for k, v in ratio_options.items()},
+        batch=batch,
+    )
+
+
+def _need(path: Path, doc: dict[str, Any], key: str, typ: type | tuple[type, ...]) -> Any:
+    """The required key ``key`` of the experiment file, refused when missing or of another
+    type."""
+    if key not in doc:
+        raise UserError(f"{path}: missing key {key!r}")
+    if not isinstance(doc[key], typ):
+        raise UserError(f"{path}: key {key!r} has the wrong type")
+    return doc[key]
+
+
+def _load_policies(path: Path, doc: dict[str, Any]) -> dict[str, Any]:
+    """The ``[policies]`` table, each policy's options checked now (names, types, ranges), not
+    at the first run."""
+    policies = _need(path, doc, "policies", dict)
     if not policies:
         raise UserError(f"{path}: [policies] is empty (name at least the target)")
     for pname, opts in policies.items():
         if not isinstance(opts, dict):
             raise UserError(f"{path}: policies.{pname} must be a table of options")
-        # the options are checked now (names, types, ranges), not at the first run
         _check_options(path, f"policies.{pname}", pname, opts)
-    target = need("target", str)
-    if target not in policies:
-        raise UserError(f"{path}: target {target!r} is not under [policies]")
-    models = []
-    for i, m in enumerate(need("models", list)):
+    return policies
+
+
+def _load_models(path: Path, entries: list[Any], policies: dict[str, Any]) -> list[ModelSpec]:
+    """The ``[[models]]`` entries: each a trace or a synthetic one, its fixed points checked
+    as the policy's options, each trace given once."""
+    models: list[ModelSpec] = []
+    for i, m in enumerate(entries):
         if isinstance(m, dict) and "synth" in m and "trace" not in m:
             synth = m["synth"]
             if not isinstance(synth, dict) or not ("model" in synth or "preset" in synth):
@@ -220,15 +269,11 @@ def load_experiment(name_or_path: str | os.PathLike[str]) -> Experiment:
         models.append(ModelSpec(trace=m["trace"], fixed=fixed, synth=m.get("synth")))
     if not models:
         raise UserError(f"{path}: no [[models]] (give at least one, with its trace)")
-    seqs = doc.get("sequences")
-    if seqs is not None and (not isinstance(seqs, int) or seqs <= 0):
-        raise UserError(f"{path}: 'sequences' must be a positive integer")
-    name = doc.get("name", path.stem)
-    if not isinstance(name, str):
-        raise UserError(f"{path}: key 'name' must be a string")
-    for key in ("description", "dtype"):
-        if key in doc and not isinstance(doc[key], str):
-            raise UserError(f"{path}: key {key!r} must be a string")
+    return models
+
+
+def _load_metrics(path: Path, doc: dict[str, Any]) -> list[Any]:
+    """The metrics the speed-ups compare (default: tokens/s), each a known metric."""
     metrics = doc.get("metrics", ["tokens_per_s"])
     known = (*METRICS, *DERIVED)
     if not isinstance(metrics, list) or not metrics:
@@ -238,6 +283,14 @@ def load_experiment(name_or_path: str | os.PathLike[str]) -> Experiment:
             close = difflib.get_close_matches(str(mname), known, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise UserError(f"{path}: key 'metrics': unknown metric {mname!r}{hint}")
+    return metrics
+
+
+def _load_ratio_options(
+    path: Path, doc: dict[str, Any], policies: dict[str, Any], ratios: list[Any]
+) -> dict[str, Any]:
+    """``ratio_options``: per policy under ``[policies]``, an option that takes each point's
+    cache ratio (checked at the first ratio)."""
     ratio_options = doc.get("ratio_options", {})
     if not isinstance(ratio_options, dict):
         raise UserError(f"{path}: key 'ratio_options' must be a table of policy = option")
@@ -249,30 +302,7 @@ def load_experiment(name_or_path: str | os.PathLike[str]) -> Experiment:
         _check_options(
             path, f"ratio_options.{pname}", pname, {**policies[pname], opt: float(ratios[0])}
         )
-    batch = doc.get("batch")
-    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
-        raise UserError(f"{path}: 'batch' must be a positive integer")
-    from daopsim.simulator.models import DTYPES
-
-    if doc.get("dtype") is not None and doc["dtype"] not in DTYPES:
-        raise UserError(
-            f"{path}: key 'dtype': unknown precision {doc['dtype']!r} (known: {', '.join(DTYPES)})"
-        )
-    return Experiment(
-        name=safe_name(name, f"{path}: experiment name"),
-        description=str(doc.get("description", "")),
-        hw=need("hw", str),
-        dtype=doc.get("dtype"),
-        sequences=seqs,
-        cache_ratios=[float(r) for r in ratios],
-        target=target,
-        policies=policies,
-        models=models,
-        path=path,
-        metrics=[str(x) for x in metrics],
-        ratio_options={str(k): str(v) for k, v in ratio_options.items()},
-        batch=batch,
-    )
+    return ratio_options
 
 
 def speedup_column(baseline: str, metric: str, index: int = 0) -> str:
@@ -512,72 +542,91 @@ def run_experiment(
     rows: list[dict[str, Any]] = []
     for spec in exp.models:
         for pname, base_opts in exp.policies.items():
-            if pname in spec.fixed:
-                points: list[tuple[float | None, dict[str, Any], bool]] = [
-                    (None, {**base_opts, **spec.fixed[pname]}, True)
-                ]
-            elif keeps_nothing_resident(get_policy_class(pname)):
-                # the cache ratio means nothing to it: one run with the memory that fits,
-                # compared with the target at every ratio (never skipped as "does not fit")
-                points = [(None, dict(base_opts), True)]
-            else:
-                linked = exp.ratio_options.get(pname)
-                points = [
-                    (r, {**base_opts, linked: r} if linked else dict(base_opts), False)
-                    for r in exp.cache_ratios
-                ]
-            for ratio, opts, fixed in points:
-                kwargs: dict[str, Any] = {}
-                if fixed:
-                    per = int(opts.get("experts_per_layer", 0))
-                    if per:
-                        layers = read_meta(resolve_trace(spec.path())).model.moe_layers
-                        kwargs["gpu_experts"] = per * layers
-                else:
-                    kwargs["cache_ratio"] = ratio
-                row: dict[str, Any] = {
-                    "trace": spec.trace,
-                    "hw": exp.hw,
-                    "policy": pname,
-                    "fixed": fixed,
-                }
-                if progress is not None:
-                    where = "fixed point" if fixed else f"ratio {ratio:.4g}"
-                    progress(f"{spec.trace}: {pname} at {where}")
-                if exp.batch is not None:
-                    kwargs["serving"] = ServingConfig(batch=exp.batch)
-                try:
-                    res = simulate(
-                        pname,
-                        hw=exp.hw,
-                        trace=spec.path(),
-                        sequences=n_seq,
-                        policy_options=opts,
-                        dtype=exp.dtype,
-                        record=False,
-                        **kwargs,
-                    )
-                except DoesNotFit as exc:
-                    # the model's name, as the rows that ran have it (the trace records it)
-                    model = read_meta(resolve_trace(spec.path())).model.name
-                    row.update(model=model, cache_ratio=ratio, status="skipped")
-                    row["reason"] = str(exc)
-                    rows.append(row)
-                    continue
-                row.update(
-                    model=res.config["model"],
-                    cache_ratio=res.config["cache_ratio"],
-                    gpu_experts=res.config["gpu_experts"],
-                    sequences=res.config["sequences"],
-                    bound=bool(res.config["bound"]),
-                    status="ok",
-                    reason="",
-                )
-                row.update({k: res.metrics.get(k) for k in METRICS})
-                hit = res.metrics.get("hit_rate")
-                row["miss_rate"] = None if hit is None else 1.0 - float(hit)
-                rows.append(row)
+            for ratio, opts, fixed in _points(exp, spec, pname, base_opts):
+                rows.append(_run_point(exp, spec, pname, ratio, opts, fixed, n_seq, progress))
     cols = ["model", "trace", "hw", "cache_ratio", "policy", "fixed", "gpu_experts", "sequences"]
     table = pd.DataFrame(rows)
     table = table[[c for c in cols if c in table] + [c for c in table if c not in cols]]
     return ExperimentResult(exp, table.reset_index(drop=True))
+
+
+def _points(
+    exp: Experiment, spec: ModelSpec, pname: str, base_opts: dict[str, Any]
+) -> list[tuple[float | None, dict[str, Any], bool]]:
+    """The (cache ratio, options, fixed) points one policy runs on one model: its fixed
+    point, one run for a policy that keeps nothing resident, else one per cache ratio (with
+    its ratio option set to the ratio)."""
+    if pname in spec.fixed:
+        return [(None, {**base_opts, **spec.fixed[pname]}, True)]
+    if keeps_nothing_resident(get_policy_class(pname)):
+        # the cache ratio means nothing to it: one run with the memory that fits,
+        # compared with the target at every ratio (never skipped as "does not fit")
+        return [(None, dict(base_opts), True)]
+    linked = exp.ratio_options.get(pname)
+    return [
+        (r, {**base_opts, linked: r} if linked else dict(base_opts), False)
+        for r in exp.cache_ratios
+    ]
+
+
+def _run_point(
+    exp: Experiment,
+    spec: ModelSpec,
+    pname: str,
+    ratio: float | None,
+    opts: dict[str, Any],
+    fixed: bool,
+    n_seq: int | None,
+    progress: Callable[[str], None] | None,
+) -> dict[str, Any]:
+    """One point's row: its metrics, or status ``skipped`` with the reason when it does not
+    fit."""
+    kwargs: dict[str, Any] = {}
+    if fixed:
+        per = int(opts.get("experts_per_layer", 0))
+        if per:
+            layers = read_meta(resolve_trace(spec.path())).model.moe_layers
+            kwargs["gpu_experts"] = per * layers
+    else:
+        kwargs["cache_ratio"] = ratio
+    row: dict[str, Any] = {
+        "trace": spec.trace,
+        "hw": exp.hw,
+        "policy": pname,
+        "fixed": fixed,
+    }
+    if progress is not None:
+        where = "fixed point" if fixed else f"ratio {ratio:.4g}"
+        progress(f"{spec.trace}: {pname} at {where}")
+    if exp.batch is not None:
+        kwargs["serving"] = ServingConfig(batch=exp.batch)
+    try:
+        res = simulate(
+            pname,
+            hw=exp.hw,
+            trace=spec.path(),
+            sequences=n_seq,
+            policy_options=opts,
+            dtype=exp.dtype,
+            record=False,
+            **kwargs,
+        )
+    except DoesNotFit as exc:
+        # the model's name, as the rows that ran have it (the trace records it)
+        model = read_meta(resolve_trace(spec.path())).model.name
+        row.update(model=model, cache_ratio=ratio, status="skipped")
+        row["reason"] = str(exc)
+        return row
+    row.update(
+        model=res.config["model"],
+        cache_ratio=res.config["cache_ratio"],
+        gpu_experts=res.config["gpu_experts"],
+        sequences=res.config["sequences"],
+        bound=bool(res.config["bound"]),
+        status="ok",
+        reason="",
+    )
+    row.update({k: res.metrics.get(k) for k in METRICS})
+    hit = res.metrics.get("hit_rate")
+    row["miss_rate"] = None if hit is None else 1.0 - float(hit)
+    return row

@@ -338,34 +338,13 @@ def _read_jsonl(path: Path, opts: ImportOptions, model: ModelShape | None) -> li
     # sequence -> token -> layer -> (experts, weights, phase, line)
     data: dict[int, dict[int, dict[int, tuple[list[int], Any, Any, int]]]] = {}
     has_weights: bool | None = None
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise UserError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ImportFault(path, raw[: exc.start].count(b"\n") + 1, "not UTF-8 text") from None
-    for n, ln in enumerate(text.split("\n"), start=1):
+    for n, ln in enumerate(_utf8_text(path).split("\n"), start=1):
         if not ln.strip():
             continue
         row = _json_line(path, n, ln)
         if not isinstance(row, dict):
             raise ImportFault(path, n, "expected a JSON object")
-        vals = {}
-        for key in ("seq", "token", "layer"):
-            v = row.get(f[key], 0 if key == "seq" else None)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ImportFault(
-                    path, n, f"field {f[key]!r} must be a non-negative integer, got {v!r:.30}"
-                )
-            vals[key] = v
-        for key in ("seq", "token"):
-            if vals[key] > MAX_POSITION:
-                raise ImportFault(path, n, f"field {f[key]!r}: {vals[key]} exceeds 2^31-1")
-        if vals["layer"] >= (model.moe_layers if model else MAX_LAYERS):
-            top = model.moe_layers if model else MAX_LAYERS
-            raise ImportFault(path, n, f"layer {vals['layer']} outside 0..{top - 1}")
+        vals = _jsonl_position(path, n, row, f, model)
         ids = row.get(f["experts"])
         _check_ids(path, n, f"field {f['experts']!r}", ids, k, model.experts if model else None)
         k = len(ids)
@@ -392,6 +371,51 @@ def _read_jsonl(path: Path, opts: ImportOptions, model: ModelShape | None) -> li
         toks[vals["layer"]] = (ids, w, phase, n)
     if not data:
         raise UserError(f"{path}: no rows")
+    return _jsonl_sequences(path, data, model, k, bool(has_weights))
+
+
+def _utf8_text(path: Path) -> str:
+    """The file's text, refused (with the line) where it is not UTF-8."""
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ImportFault(path, raw[: exc.start].count(b"\n") + 1, "not UTF-8 text") from None
+
+
+def _jsonl_position(
+    path: Path, n: int, row: dict[str, Any], f: dict[str, str], model: ModelShape | None
+) -> dict[str, int]:
+    """A row's sequence, token and layer (the sequence 0 when absent), each checked."""
+    vals = {}
+    for key in ("seq", "token", "layer"):
+        v = row.get(f[key], 0 if key == "seq" else None)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ImportFault(
+                path, n, f"field {f[key]!r} must be a non-negative integer, got {v!r:.30}"
+            )
+        vals[key] = v
+    for key in ("seq", "token"):
+        if vals[key] > MAX_POSITION:
+            raise ImportFault(path, n, f"field {f[key]!r}: {vals[key]} exceeds 2^31-1")
+    if vals["layer"] >= (model.moe_layers if model else MAX_LAYERS):
+        top = model.moe_layers if model else MAX_LAYERS
+        raise ImportFault(path, n, f"layer {vals['layer']} outside 0..{top - 1}")
+    return vals
+
+
+def _jsonl_sequences(
+    path: Path,
+    data: dict[int, dict[int, dict[int, tuple[list[int], Any, Any, int]]]],
+    model: ModelShape | None,
+    k: int | None,
+    has_weights: bool,
+) -> list[_Seq]:
+    """The rows gathered by sequence, token and layer as sequences: token order by position,
+    one phase per token, every prefill token before the first decode token."""
     n_layers = (
         model.moe_layers
         if model

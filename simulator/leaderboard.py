@@ -665,6 +665,16 @@ def markdown(table: pd.DataFrame, name: str = "leaderboard") -> str:
         "",
     ]
     rk = ranking(table)
+    out += _ranking_lines(rk, models)
+    out += _cell_lines(table, rk, models, hws)
+    out += _unfinished_lines(table)
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+def _ranking_lines(rk: pd.DataFrame, models: list[str]) -> list[str]:
+    """The ranking table (policies by score, with their relative tokens/s per model), then
+    the bounds, not ranked."""
+    out: list[str] = []
     head = ["rank", "policy", "score", *models, "best in", "fidelity (min)", "cells"]
     out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     rank = 0
@@ -685,9 +695,17 @@ def markdown(table: pd.DataFrame, name: str = "leaderboard") -> str:
         for _, r in bounds.iterrows():
             cells = [f"`{r['policy']}`", _f(r["score"], ".3f"), *(_f(r[m], ".3f") for m in models)]
             out.append("| " + " | ".join([*cells, f"{r['cells']}/{r['of']}"]) + " |")
-    out += ["", "## Every cell", "", "Tokens/s (simulated, prefill included) and, in brackets, "
-            "relative to the cell's best; an asterisk marks approximate routing (fidelity "
-            "below 1).", ""]  # fmt: skip
+    return out
+
+
+def _cell_lines(
+    table: pd.DataFrame, rk: pd.DataFrame, models: list[str], hws: list[str]
+) -> list[str]:
+    """A table per (model, machine): each policy's tokens/s at each budget, in ranking
+    order."""
+    out = ["", "## Every cell", "", "Tokens/s (simulated, prefill included) and, in brackets, "
+           "relative to the cell's best; an asterisk marks approximate routing (fidelity "
+           "below 1).", ""]  # fmt: skip
     order = list(rk["policy"])
     for m in models:
         for h in hws:
@@ -709,6 +727,12 @@ def markdown(table: pd.DataFrame, name: str = "leaderboard") -> str:
                     cells.append(_cell(r.iloc[0]) if len(r) else "")
                 out.append("| " + " | ".join(cells) + " |")
             out.append("")
+    return out
+
+
+def _unfinished_lines(table: pd.DataFrame) -> list[str]:
+    """The runs that did not finish, grouped by policy, status and error."""
+    out: list[str] = []
     bad = table[table["status"] != "ok"]
     if len(bad):
         out += ["## Runs that did not finish", ""]
@@ -719,7 +743,7 @@ def markdown(table: pd.DataFrame, name: str = "leaderboard") -> str:
             )
             out.append(f"- `{pol}` ({status}): {err or 'no reason recorded'} ({where})")
         out.append("")
-    return "\n".join(out).rstrip("\n") + "\n"
+    return out
 
 
 def _cell(r: pd.Series) -> str:

@@ -165,9 +165,6 @@ class Placement:
         self.gpu = gpu
         #: gpu_of[layer][expert], plain lists for the hot path
         self.gpu_of: list[list[int]] = gpu.tolist()
-        self.local_layer = {
-            (k, lay): i for k in range(n) for i, lay in enumerate(self.layers_of[k])
-        }
         self.local_expert = [{e: i for i, e in enumerate(self.experts_of[k])} for k in range(n)]
         #: layer_at[k][layer] / expert_at[k][expert]: GPU k's local index, -1 where it holds none
         self.layer_at = [_local_index(self.layers_of[k], n_layers) for k in range(n)]
@@ -182,14 +179,6 @@ class Placement:
     def capacity(self, k: int) -> int:
         """How many (layer, expert) slots GPU ``k`` can hold at most."""
         return len(self.layers_of[k]) * len(self.experts_of[k])
-
-    def window(self, a: np.ndarray, k: int) -> np.ndarray:
-        """GPU ``k``'s part of a ``[layers, experts]`` array: a view of ``a`` (no copy) when
-        its rows and columns are slices, else a copy."""
-        rows, cols = self.layer_cut[k], self.expert_cut[k]
-        if isinstance(rows, slice) and isinstance(cols, slice):
-            return a[rows, cols]
-        return a[np.ix_(self.layers_of[k], self.experts_of[k])]
 
 
 def _local_index(members: list[int], total: int) -> list[int]:

@@ -563,51 +563,14 @@ def device_tables(
     simulator's table plus host time is the measured call."""
     full_w = shape
     tr = Traffic.of(shape, llc_bytes)
-    bpp = shape.bytes_per_param
     with torch_threads(torch, 1):
         reader = Reader(torch, llc_bytes)
         n_layers, n_experts, n_top = pools(full_w, llc_bytes)
         pf = _stack(torch, full_w, n_layers, n_experts, n_top)
-        count_l = max(per_pass, n_layers)
-        count_t = max(per_pass, n_top)
-        head_b = shape.vocab * shape.hidden * bpp
-        attn_b = attention_bytes(full_w)
-        sched = Schedule()
-        tops, reset = _top_calls(torch, pf, 1, shape.vocab, count_t)
-        sched.add("top_full", calls_pass(tops, reader, max(0.0, tr.token - head_b), reset))
-        for n in tokens:
-            calls, reset = _layer_calls(torch, pf, full_w, n, 0, count_l)
-            sched.add(
-                f"layer_full.{n}", calls_pass(calls, reader, max(0.0, tr.layer - attn_b), reset)
-            )
-            bodies = [expert_body(torch, m, n) for m in pf.experts]
-            if len(bodies) < per_pass:
-                bodies = bodies * (per_pass // len(bodies) + 1)
-            sched.add(
-                f"expert_full.{n}",
-                calls_pass(bodies, reader, max(0.0, tr.expert - shape.expert_bytes)),
-            )
-            sched.add(
-                f"swap.{n}", swap_pass(torch, pf.experts, n, reader, tr.expert, count=3 * per_pass)
-            )
-        # a copy does not depend on the tokens: the warm swaps once, at one token
-        sched.add(
-            "swap_warm",
-            swap_pass(
-                torch, pf.experts, tokens[0], reader, tr.expert, warm=True, count=3 * per_pass
-            ),
-        )
+        sched = _device_schedule(torch, shape, pf, (n_layers, n_top), tokens, tr, reader, per_pass)
         got = sched.run(repeats, on_round=on_step)
     top_full = got["top_full"].best
-    raw: dict[str, dict[int, float]] = {}
-    for key, t in got.items():
-        if key.startswith(("layer_", "expert_")):
-            name, n_text = key.rsplit(".", 1)
-            raw.setdefault(name, {})[int(n_text)] = t.best
-        elif key.startswith("swap."):
-            _, n_text, part = key.split(".")
-            name = {"body": "copied_full", "copy": "copy", "writeback": "writeback"}[part]
-            raw.setdefault(name, {})[int(n_text)] = t.best
+    raw = _best_by_tokens(got)
     copy_warm_ms = got["swap_warm.copy"].best * 1e3
     writeback_warm_ms = got["swap_warm.writeback"].best * 1e3
     # what the runtime profile charges for the same code (host_costs)
@@ -650,3 +613,60 @@ def device_tables(
             else "in the cache (the model fits in the last-level cache)",
         },
     }
+
+
+def _device_schedule(
+    torch: Any,
+    shape: LoopShape,
+    pf: _Parts,
+    counts: tuple[int, int],
+    tokens: tuple[int, ...],
+    tr: Traffic,
+    reader: Reader,
+    per_pass: int,
+) -> Schedule:
+    """The timed passes of :func:`device_tables` over the pools ``pf``: the model's top part,
+    and at each token count a layer's non-expert part, an expert's loop body and a swap (copy,
+    write-back, the copied expert's body); the warm swap once."""
+    n_layers, n_top = counts
+    bpp = shape.bytes_per_param
+    count_l = max(per_pass, n_layers)
+    count_t = max(per_pass, n_top)
+    head_b = shape.vocab * shape.hidden * bpp
+    attn_b = attention_bytes(shape)
+    sched = Schedule()
+    tops, reset = _top_calls(torch, pf, 1, shape.vocab, count_t)
+    sched.add("top_full", calls_pass(tops, reader, max(0.0, tr.token - head_b), reset))
+    for n in tokens:
+        calls, reset = _layer_calls(torch, pf, shape, n, 0, count_l)
+        sched.add(f"layer_full.{n}", calls_pass(calls, reader, max(0.0, tr.layer - attn_b), reset))
+        bodies = [expert_body(torch, m, n) for m in pf.experts]
+        if len(bodies) < per_pass:
+            bodies = bodies * (per_pass // len(bodies) + 1)
+        sched.add(
+            f"expert_full.{n}",
+            calls_pass(bodies, reader, max(0.0, tr.expert - shape.expert_bytes)),
+        )
+        sched.add(
+            f"swap.{n}", swap_pass(torch, pf.experts, n, reader, tr.expert, count=3 * per_pass)
+        )
+    # a copy does not depend on the tokens: the warm swaps once, at one token
+    sched.add(
+        "swap_warm",
+        swap_pass(torch, pf.experts, tokens[0], reader, tr.expert, warm=True, count=3 * per_pass),
+    )
+    return sched
+
+
+def _best_by_tokens(got: dict[str, Timing]) -> dict[str, dict[int, float]]:
+    """The per-token-count passes' best times (seconds) by table and token count."""
+    raw: dict[str, dict[int, float]] = {}
+    for key, t in got.items():
+        if key.startswith(("layer_", "expert_")):
+            name, n_text = key.rsplit(".", 1)
+            raw.setdefault(name, {})[int(n_text)] = t.best
+        elif key.startswith("swap."):
+            _, n_text, part = key.split(".")
+            name = {"body": "copied_full", "copy": "copy", "writeback": "writeback"}[part]
+            raw.setdefault(name, {})[int(n_text)] = t.best
+    return raw

@@ -253,11 +253,6 @@ def energy_breakdown(
     }
 
 
-# One writer for every output (simulator/output.py); these names stay for existing callers.
-atomic_write = write_file
-atomic_write_text = write_text
-atomic_write_png = write_figure
-
 #: The files ``RunResult.write`` puts in its folder (and the older uncompressed Perfetto name,
 #: so a folder written by an earlier version can be replaced).
 RUN_FILES = (

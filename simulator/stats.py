@@ -221,35 +221,10 @@ def trace_stats(
         rules=curve_rules,
         stack=stack_distance,
     )
-    counts = {"sequences": 0, "prefill_tokens": 0, "decode_tokens": 0}
-    phase_tokens = 0
-    filled = 0
-    for r in routings:
-        if max_sequences is not None and counts["sequences"] >= max_sequences:
-            break
-        _add_sequence(acc, r, phase)
-        filled += 0 if r.filled is None else int(np.count_nonzero(r.filled))
-        if reuse:
-            reuse_acc.add(r)
-        phase_tokens += {"decode": r.n_decode, "prefill": r.n_prefill}.get(phase, r.n_tokens)
-        counts["sequences"] += 1
-        counts["prefill_tokens"] += r.n_prefill
-        counts["decode_tokens"] += r.n_decode
-    per = _finish(acc)
-    # what the trace did not record is reported as such, never computed from a stand-in
-    if not meta.weights_recorded:
-        per["mean_top1_weight"][:] = np.nan
-    if not meta.early_view_recorded:
-        per["lookahead_precision"][:] = np.nan
-    per_layer = []
-    for layer in range(model.moe_layers):
-        row: dict[str, Any] = {"layer": layer}
-        row.update({key: _num(per[key][layer]) for key in STAT_KEYS})
-        per_layer.append(row)
-    out: dict[str, Any] = {}
-    for key in STAT_KEYS:
-        values = per[key][np.isfinite(per[key])]
-        out[key] = _num(values.mean()) if values.size else None
+    counts, phase_tokens, filled = _accumulate(
+        routings, acc, reuse_acc if reuse else None, phase, max_sequences
+    )
+    per_layer, out = _per_layer_stats(acc, meta)
     out.update(counts)
     out.update(
         {
@@ -280,6 +255,52 @@ def trace_stats(
             row.update(more)
         out.update(extra)
     return out
+
+
+def _accumulate(
+    routings: Iterable[SequenceRouting],
+    acc: _Acc,
+    reuse_acc: ReuseAccumulator | None,
+    phase: str,
+    max_sequences: int | None,
+) -> tuple[dict[str, int], int, int]:
+    """Add each sequence (at most ``max_sequences``) to the accumulators; the counts of
+    sequences and tokens, the tokens of ``phase``, and the token-layers the trace filled in."""
+    counts = {"sequences": 0, "prefill_tokens": 0, "decode_tokens": 0}
+    phase_tokens = 0
+    filled = 0
+    for r in routings:
+        if max_sequences is not None and counts["sequences"] >= max_sequences:
+            break
+        _add_sequence(acc, r, phase)
+        filled += 0 if r.filled is None else int(np.count_nonzero(r.filled))
+        if reuse_acc is not None:
+            reuse_acc.add(r)
+        phase_tokens += {"decode": r.n_decode, "prefill": r.n_prefill}.get(phase, r.n_tokens)
+        counts["sequences"] += 1
+        counts["prefill_tokens"] += r.n_prefill
+        counts["decode_tokens"] += r.n_decode
+    return counts, phase_tokens, filled
+
+
+def _per_layer_stats(acc: _Acc, meta: TraceMeta) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Each layer's statistics, and their mean over the layers where they are defined; what
+    the trace did not record is None, never computed from a stand-in."""
+    per = _finish(acc)
+    if not meta.weights_recorded:
+        per["mean_top1_weight"][:] = np.nan
+    if not meta.early_view_recorded:
+        per["lookahead_precision"][:] = np.nan
+    per_layer = []
+    for layer in range(meta.model.moe_layers):
+        row: dict[str, Any] = {"layer": layer}
+        row.update({key: _num(per[key][layer]) for key in STAT_KEYS})
+        per_layer.append(row)
+    out: dict[str, Any] = {}
+    for key in STAT_KEYS:
+        values = per[key][np.isfinite(per[key])]
+        out[key] = _num(values.mean()) if values.size else None
+    return per_layer, out
 
 
 def heldout_popularity_hit(

@@ -53,10 +53,16 @@ from daopsim.simulator.errors import (
 )
 from daopsim.simulator.fingerprints import daopsim_version, file_sha256, profile_sha256
 from daopsim.simulator.native import module_source
-from daopsim.simulator.output import TABLE_FORMATS, check_output_file, output_format, value_paths
+from daopsim.simulator.output import (
+    TABLE_FORMATS,
+    check_output_file,
+    output_format,
+    value_paths,
+    write_text,
+)
 from daopsim.simulator.output import write_table as _write_any_table
 from daopsim.simulator.progress import Progress
-from daopsim.simulator.results import METRIC_KEYS, OPTIONAL_METRIC_KEYS, atomic_write_text
+from daopsim.simulator.results import METRIC_KEYS, OPTIONAL_METRIC_KEYS
 from daopsim.simulator.runtime_profiles import get_runtime
 from daopsim.simulator.watchdog import watch_parent
 
@@ -849,7 +855,7 @@ def _load_parts(folder: Path, keys: set[str]) -> dict[str, dict[str, Any]]:
 
 
 def _save_part(folder: Path, row: dict[str, Any]) -> None:
-    atomic_write_text(folder / f"{row['key']}.json", json.dumps(row, sort_keys=True))
+    write_text(folder / f"{row['key']}.json", json.dumps(row, sort_keys=True))
 
 
 @contextlib.contextmanager

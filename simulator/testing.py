@@ -311,102 +311,23 @@ class ChaosPolicy(Policy):
         return bool(self.engine.ready_at[slot] <= now)
 
     def decode_layer(self, view: View) -> Plan:
-        """Random legal plan."""
+        """Random legal plan: maybe an eviction, an action per routed expert, maybe
+        prefetches (two with ``in_flight``), maybe a pre-calculation, maybe flags."""
         eng = self.engine
         assert eng is not None
-        rng, layer, now = self.rng, view.layer, view.now
-        res = view.resident
-        routed = [int(e) for e in view.experts.tolist()]
-        held = int(res.sum())
-        budget = view.budget
-        taken: set[Slot] = set()  # slots evicted or newly filled in this plan
-        filled: list[Slot] = []  # slots filled in this plan, in order
-        gone: set[Slot] = set()  # slots evicted in this plan
-
-        def victim(exclude_layer_experts: set[int]) -> Slot | None:
-            if self.in_flight:  # any resident expert, half the time one still in flight
-                pool = [(int(a), int(b)) for a, b in zip(*np.nonzero(res), strict=True)]
-                cands = [
-                    s
-                    for s in pool + filled
-                    if s not in gone and not (s[0] == layer and s[1] in exclude_layer_experts)
-                ]
-                flying = [s for s in cands if s in filled or not self._ready(s, now)]
-                if flying and rng.random() < 0.5:
-                    cands = flying
-            else:
-                cands = [
-                    (int(a), int(b))
-                    for a, b in zip(*np.nonzero(res), strict=True)
-                    if (int(a), int(b)) not in taken
-                    and not (a == layer and int(b) in exclude_layer_experts)
-                    and self._ready((int(a), int(b)), now)
-                ]
-            if not cands:
-                return None
-            return cands[int(rng.integers(len(cands)))]
-
-        plan = Plan(actions={})
-        assert plan.actions is not None
+        rng, layer = self.rng, view.layer
+        draft = _ChaosDraft(self, view)
         # explicit evictions of experts this layer does not route
         if rng.random() < 0.2:
-            v = victim(set(routed))
-            if v is not None:
-                plan.evict.append(v)
-                taken.add(v)
-                gone.add(v)
-                held -= 1
-        for e in routed:
-            if res[layer, e] and (layer, e) not in taken:
-                opts = [Action.GPU, Action.CPU]
-            else:
-                opts = [Action.FETCH, Action.TEMP, Action.CPU]
-            if self.spec.one_stream:  # a one-stream spec runs no expert on the CPU
-                opts.pop()
-            elif (layer, e) in eng.precalc:
-                opts.append(Action.PRECOMPUTED)
-            a = opts[int(rng.integers(len(opts)))]
-            if a == Action.FETCH:
-                if held < budget:
-                    held += 1
-                else:
-                    v = victim(set(routed))
-                    if v is None:
-                        a = Action.TEMP
-                    else:
-                        plan.victims[e] = v
-                        taken.add(v)
-                        gone.add(v)
-                if a == Action.FETCH:
-                    taken.add((layer, e))
-                    filled.append((layer, e))
-            if a == Action.PRECOMPUTED:
-                self.precomputed.append((view.seq_id, view.token, layer, e))
-            plan.actions[e] = a
+            draft.evict_unrouted()
+        for e in draft.routed:
+            draft.act(e)
         # background work (with in_flight up to two prefetches: the second may evict the first)
         for _ in range(2 if self.in_flight else 1):
             if rng.random() >= 0.3:
                 continue
-            free = [
-                (int(a), int(b))
-                for a, b in zip(*np.nonzero(~res), strict=True)
-                if (int(a), int(b)) not in taken and not (a == layer and int(b) in routed)
-            ]
-            if free:
-                slot = free[int(rng.integers(len(free)))]
-                if held < budget:
-                    plan.prefetch.append((slot[0], slot[1], None))
-                    held += 1
-                    taken.add(slot)
-                    filled.append(slot)
-                else:
-                    v = victim(set(routed))
-                    if v is not None:
-                        taken.add(v)
-                        gone.add(v)
-                        taken.add(slot)
-                        filled.append(slot)
-                        plan.prefetch.append((slot[0], slot[1], v))
+            draft.prefetch_one()
+        plan = draft.plan
         if layer + 1 < view.model.moe_layers and rng.random() < 0.3:  # type: ignore[union-attr]
             pl = int(rng.integers(layer + 1, view.model.moe_layers))  # type: ignore[union-attr]
             pe = int(rng.integers(view.model.experts))  # type: ignore[union-attr]
@@ -435,6 +356,121 @@ class ChaosPolicy(Policy):
             plan.victims = {e: (np.int64(a), np.int64(b)) for e, (a, b) in plan.victims.items()}
             plan.evict = [(np.int64(a), np.int64(b)) for a, b in plan.evict]
             plan.prefetch = [(np.int64(a), np.int64(b), v) for a, b, v in plan.prefetch]
+
+
+class _ChaosDraft:
+    """One plan of :class:`ChaosPolicy` as it is drawn: the slots it evicts and fills so far
+    and the budget they use, so that each further draw stays legal."""
+
+    def __init__(self, policy: ChaosPolicy, view: View) -> None:
+        self.policy, self.view = policy, view
+        self.eng = policy.engine
+        self.rng, self.layer, self.now = policy.rng, view.layer, view.now
+        self.res = view.resident
+        self.routed = [int(e) for e in view.experts.tolist()]
+        self.held = int(self.res.sum())
+        self.budget = view.budget
+        self.taken: set[Slot] = set()  # slots evicted or newly filled in this plan
+        self.filled: list[Slot] = []  # slots filled in this plan, in order
+        self.gone: set[Slot] = set()  # slots evicted in this plan
+        self.plan = Plan(actions={})
+
+    def victim(self, exclude_layer_experts: set[int]) -> Slot | None:
+        """A random evictable slot outside this layer's ``exclude_layer_experts``: with
+        ``in_flight`` any resident one (half the time one still in flight), else one whose
+        copy has landed and that this plan has not touched."""
+        rng, res, layer, now = self.rng, self.res, self.layer, self.now
+        ready = self.policy._ready
+        if self.policy.in_flight:  # any resident expert, half the time one still in flight
+            pool = [(int(a), int(b)) for a, b in zip(*np.nonzero(res), strict=True)]
+            cands = [
+                s
+                for s in pool + self.filled
+                if s not in self.gone and not (s[0] == layer and s[1] in exclude_layer_experts)
+            ]
+            flying = [s for s in cands if s in self.filled or not ready(s, now)]
+            if flying and rng.random() < 0.5:
+                cands = flying
+        else:
+            cands = [
+                (int(a), int(b))
+                for a, b in zip(*np.nonzero(res), strict=True)
+                if (int(a), int(b)) not in self.taken
+                and not (a == layer and int(b) in exclude_layer_experts)
+                and ready((int(a), int(b)), now)
+            ]
+        if not cands:
+            return None
+        return cands[int(self.rng.integers(len(cands)))]
+
+    def _evicted(self, v: Slot) -> None:
+        self.taken.add(v)
+        self.gone.add(v)
+
+    def _filled(self, slot: Slot) -> None:
+        self.taken.add(slot)
+        self.filled.append(slot)
+
+    def evict_unrouted(self) -> None:
+        """An explicit eviction of an expert this layer does not route, if there is one."""
+        v = self.victim(set(self.routed))
+        if v is not None:
+            self.plan.evict.append(v)
+            self._evicted(v)
+            self.held -= 1
+
+    def act(self, e: int) -> None:
+        """A random legal action for the routed expert ``e`` (a fetch past the budget
+        evicts a victim, or becomes a temporary copy when there is none)."""
+        rng, layer, plan = self.rng, self.layer, self.plan
+        assert plan.actions is not None
+        if self.res[layer, e] and (layer, e) not in self.taken:
+            opts = [Action.GPU, Action.CPU]
+        else:
+            opts = [Action.FETCH, Action.TEMP, Action.CPU]
+        if self.policy.spec.one_stream:  # a one-stream spec runs no expert on the CPU
+            opts.pop()
+        elif (layer, e) in self.eng.precalc:
+            opts.append(Action.PRECOMPUTED)
+        a = opts[int(rng.integers(len(opts)))]
+        if a == Action.FETCH:
+            if self.held < self.budget:
+                self.held += 1
+            else:
+                v = self.victim(set(self.routed))
+                if v is None:
+                    a = Action.TEMP
+                else:
+                    plan.victims[e] = v
+                    self._evicted(v)
+            if a == Action.FETCH:
+                self._filled((layer, e))
+        if a == Action.PRECOMPUTED:
+            self.policy.precomputed.append((self.view.seq_id, self.view.token, layer, e))
+        plan.actions[e] = a
+
+    def prefetch_one(self) -> None:
+        """A prefetch of a random non-resident expert this layer does not route, evicting a
+        victim when the budget is full."""
+        rng, res, layer = self.rng, self.res, self.layer
+        free = [
+            (int(a), int(b))
+            for a, b in zip(*np.nonzero(~res), strict=True)
+            if (int(a), int(b)) not in self.taken and not (a == layer and int(b) in self.routed)
+        ]
+        if not free:
+            return
+        slot = free[int(rng.integers(len(free)))]
+        if self.held < self.budget:
+            self.plan.prefetch.append((slot[0], slot[1], None))
+            self.held += 1
+            self._filled(slot)
+        else:
+            v = self.victim(set(self.routed))
+            if v is not None:
+                self._evicted(v)
+                self._filled(slot)
+                self.plan.prefetch.append((slot[0], slot[1], v))
 
 
 def perfetto_reference(timeline: Any, occupancy: Any, metadata: dict[str, Any]) -> dict[str, Any]:

@@ -784,22 +784,7 @@ def _decode_batch(
             raise TraceError(path, "is null", row=row0 + bad, column=name)
         return col.to_numpy().astype(dtype, copy=False)
 
-    phase_col = tbl.column("phase")
-    if pa.types.is_dictionary(phase_col.type):
-        phase_col = phase_col.cast(pa.string())
-    if phase_col.null_count:
-        bad = int(np.flatnonzero(phase_col.is_null().to_numpy(zero_copy_only=False))[0])
-        raise TraceError(path, "is null", row=row0 + bad, column="phase")
-    is_decode = np.asarray(pc.equal(phase_col, "decode").to_numpy(zero_copy_only=False))
-    is_prefill = np.asarray(pc.equal(phase_col, "prefill").to_numpy(zero_copy_only=False))
-    if not (is_decode | is_prefill).all():
-        bad = int(np.flatnonzero(~(is_decode | is_prefill))[0])
-        raise TraceError(
-            path,
-            f"is {phase_col[bad].as_py()!r}, expected 'prefill' or 'decode'",
-            row=row0 + bad,
-            column="phase",
-        )
+    is_decode = _decode_phases(path, tbl, row0)
     names = tbl.column_names
     n = tbl.num_rows
     early = meta.early_view_recorded
@@ -853,6 +838,28 @@ def _decode_batch(
         filled=scalar("filled", bool) if meta.filled_column else None,
         row0=row0,
     )
+
+
+def _decode_phases(path: object, tbl: pa.Table, row0: int) -> np.ndarray:
+    """Which rows are decode tokens; a null phase or one other than ``prefill``/``decode`` is
+    refused by its row."""
+    phase_col = tbl.column("phase")
+    if pa.types.is_dictionary(phase_col.type):
+        phase_col = phase_col.cast(pa.string())
+    if phase_col.null_count:
+        bad = int(np.flatnonzero(phase_col.is_null().to_numpy(zero_copy_only=False))[0])
+        raise TraceError(path, "is null", row=row0 + bad, column="phase")
+    is_decode = np.asarray(pc.equal(phase_col, "decode").to_numpy(zero_copy_only=False))
+    is_prefill = np.asarray(pc.equal(phase_col, "prefill").to_numpy(zero_copy_only=False))
+    if not (is_decode | is_prefill).all():
+        bad = int(np.flatnonzero(~(is_decode | is_prefill))[0])
+        raise TraceError(
+            path,
+            f"is {phase_col[bad].as_py()!r}, expected 'prefill' or 'decode'",
+            row=row0 + bad,
+            column="phase",
+        )
+    return is_decode
 
 
 def _check_rows(path: object, r: _Rows, meta: TraceMeta) -> None:
@@ -1015,8 +1022,61 @@ def _assemble(path: object, seq_id: int, parts: list[_Rows], meta: TraceMeta) ->
     def cat(name: str) -> np.ndarray:
         return np.concatenate([getattr(p, name) for p in parts])
 
-    layer, pos, decode = cat("layer"), cat("pos"), cat("decode")
-    row0 = parts[0].row0
+    positions, n_prefill = _token_order(
+        path, seq_id, cat("layer"), cat("pos"), cat("decode"), parts[0].row0, meta
+    )
+    t, n_layers = positions.shape[0], meta.model.moe_layers
+    k, width = meta.model.top_k, meta.probs_stored
+    ids = cat("prob_ids") if parts[0].prob_ids is not None else None
+    eids = cat("early_prob_ids") if parts[0].early_prob_ids is not None else None
+    early_experts = cat("early_experts").astype(np.int16).reshape(t, n_layers, k)
+    early_probs = cat("early_probs").reshape(t, n_layers, width)
+    if eids is not None:
+        eids = eids.astype(np.int16).reshape(t, n_layers, width)
+    experts = cat("experts").astype(np.int16).reshape(t, n_layers, k)
+    weights = cat("weights").reshape(t, n_layers, k)
+    probs = cat("probs").reshape(t, n_layers, width)
+    pids = None if ids is None else ids.astype(np.int16).reshape(t, n_layers, width)
+    if not meta.probs_recorded:
+        # stand-in: the (renormalised) gate weights on the selected experts, zero elsewhere
+        total = weights.sum(axis=2, keepdims=True)
+        probs = np.divide(weights, total, out=np.zeros_like(weights), where=total > 0)
+        pids = experts.copy()
+        eids = early_experts.copy()
+        early_probs = np.where(eids >= 0, np.float32(1.0 / k), np.float32(np.nan))
+    # whatever a capture stored for layer 0's early view is dropped
+    blank_first_layer_view(early_experts, early_probs, eids)
+    filled = cat("filled").reshape(t, n_layers) if parts[0].filled is not None else None
+    return SequenceRouting(
+        seq_id=seq_id,
+        positions=positions.astype(np.int32),
+        n_prefill=n_prefill,
+        experts=experts,
+        weights=weights,
+        probs=probs,
+        early_experts=early_experts,
+        early_probs=early_probs,
+        prob_ids=pids,
+        early_prob_ids=eids,
+        early_recorded=meta.early_view_recorded,
+        weights_recorded=meta.weights_recorded,
+        probs_recorded=meta.probs_recorded,
+        filled=filled,
+    )
+
+
+def _token_order(
+    path: object,
+    seq_id: int,
+    layer: np.ndarray,
+    pos: np.ndarray,
+    decode: np.ndarray,
+    row0: int,
+    meta: TraceMeta,
+) -> tuple[np.ndarray, int]:
+    """One sequence's rows checked as tokens: every token has layers 0..L-1 in order, one
+    position and one phase; positions increase; prefill tokens come first. Each token's
+    position, and how many are prefill tokens."""
     n_layers = meta.model.moe_layers
     n = layer.shape[0]
     expected_layer = np.arange(n) % n_layers
@@ -1069,43 +1129,7 @@ def _assemble(path: object, seq_id: int, parts: list[_Rows], meta: TraceMeta) ->
             row=row0 + i * n_layers,
             column="phase",
         )
-    k, width = meta.model.top_k, meta.probs_stored
-    ids = cat("prob_ids") if parts[0].prob_ids is not None else None
-    eids = cat("early_prob_ids") if parts[0].early_prob_ids is not None else None
-    early_experts = cat("early_experts").astype(np.int16).reshape(t, n_layers, k)
-    early_probs = cat("early_probs").reshape(t, n_layers, width)
-    if eids is not None:
-        eids = eids.astype(np.int16).reshape(t, n_layers, width)
-    experts = cat("experts").astype(np.int16).reshape(t, n_layers, k)
-    weights = cat("weights").reshape(t, n_layers, k)
-    probs = cat("probs").reshape(t, n_layers, width)
-    pids = None if ids is None else ids.astype(np.int16).reshape(t, n_layers, width)
-    if not meta.probs_recorded:
-        # stand-in: the (renormalised) gate weights on the selected experts, zero elsewhere
-        total = weights.sum(axis=2, keepdims=True)
-        probs = np.divide(weights, total, out=np.zeros_like(weights), where=total > 0)
-        pids = experts.copy()
-        eids = early_experts.copy()
-        early_probs = np.where(eids >= 0, np.float32(1.0 / k), np.float32(np.nan))
-    # whatever a capture stored for layer 0's early view is dropped
-    blank_first_layer_view(early_experts, early_probs, eids)
-    filled = cat("filled").reshape(t, n_layers) if parts[0].filled is not None else None
-    return SequenceRouting(
-        seq_id=seq_id,
-        positions=positions.astype(np.int32),
-        n_prefill=n_prefill,
-        experts=experts,
-        weights=weights,
-        probs=probs,
-        early_experts=early_experts,
-        early_probs=early_probs,
-        prob_ids=pids,
-        early_prob_ids=eids,
-        early_recorded=meta.early_view_recorded,
-        weights_recorded=meta.weights_recorded,
-        probs_recorded=meta.probs_recorded,
-        filled=filled,
-    )
+    return positions, n_prefill
 
 
 def sequence_ids(path: str | os.PathLike[str]) -> list[int]:

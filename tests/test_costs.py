@@ -204,7 +204,7 @@ def test_every_profile_and_model_gives_finite_positive_costs() -> None:
                 else:
                     assert value > 0 and math.isfinite(value), (hw.name, model.name, key)
             assert set(cm.uses_measured()) == set(cm.sources())
-            assert cm.gpu_busy_w is not None and cm.gpu_busy_w > cm.gpu_idle_w
+            assert hw.power is not None and hw.power.gpu_busy_w > hw.power.gpu_idle_w
 
 
 def test_cost_model_is_cached() -> None:

@@ -23,12 +23,12 @@ from daopsim.simulator.synth import (
     STAT_KEYS,
     SYNTH_VERSION,
     SynthParams,
-    fit_params,
     iter_synthetic,
     routing_stats,
     traffic_concentration,
     write_synthetic,
 )
+from daopsim.simulator.synth_fit import fit_params
 from daopsim.simulator.testing import tiny_model
 from daopsim.simulator.trace import read_meta, validate_trace
 
@@ -716,7 +716,8 @@ def test_twin_of_a_short_recording_matches_its_cold_start_curves() -> None:
     Belady curves within 0.01 at every per-layer capacity under the cold-start rule; the fit
     targets that rule because the stats carry it, and draws more sequences than the recording
     has (COLD_FIT_SEQUENCES)."""
-    from daopsim.simulator.synth import COLD_FIT_SEQUENCES, PRESETS, curve_rule
+    from daopsim.simulator.synth import PRESETS
+    from daopsim.simulator.synth_fit import COLD_FIT_SEQUENCES, curve_rule
 
     m = tiny_model(**TINY)
     real = PRESETS["mixtral-8x7b"].params.replace(repeat_prob=0.3, topic_drift=0.02)
@@ -821,7 +822,7 @@ def test_a_decode_only_import_fits_and_keeps_the_prefill_parameters(tmp_path: Pa
     have no prompt (no prefill-decode cosine), so the fit moves the decode parameters only,
     leaves the prefill ones (phase_keep, prefill_bias) at the preset's values, keeps every
     parameter inside its bounds, and `synth --preset` accepts the result."""
-    from daopsim.simulator.synth import PREFILL_PARAMS
+    from daopsim.simulator.synth_fit import PREFILL_PARAMS
 
     src, trace = tmp_path / "responses.jsonl", tmp_path / "dec.parquet"
     _vllm_decode_only(src)

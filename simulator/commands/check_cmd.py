@@ -107,7 +107,6 @@ def check(
     thread is the device, copies between two pools of host memory the link).
     """
     from daopsim.simulator.closed_loop import CheckSpec, run_check
-    from daopsim.simulator.hardware import load_profile
     from daopsim.simulator.runtime_profiles import get_runtime
 
     try:
@@ -141,25 +140,10 @@ def check(
         if not no_progress:
             click.echo(f"check: {what}", err=True)
 
-    if hw is None:
-        from daopsim.simulator.probe import ProbeOptions, run_probe, write_probe
-
+    if hw is None or runtime is None:
         say("probe this machine and the model's modules")
-        opts = ProbeOptions(
-            quick=quick_probe,
-            model=shape,
-            tokens=parse_tokens(",".join(map(str, prompt_tokens_list(prompt_tokens)))),
-            device="cpu",
-        )
-        res = run_probe(opts)
-        paths = write_probe(res, out / "probe", "this-host")
-        hw, runtime = str(paths["hardware"]), str(paths["runtime"])
-    hw_prof = load_profile(hw)
-    if hw_prof.measured.get(shape.name.lower()) is None:
-        raise UserError(
-            f'{hw}: no [measured."{shape.name}"] table; probe with --model {model} and the '
-            "same shape options, or leave --hw out to probe now"
-        )
+        hw, runtime = _probe_here(shape, quick_probe, prompt_tokens, out)
+    hw_prof = _probed_profile(hw, shape, model)
     rt = get_runtime(runtime)
     result = run_check(spec, hw_prof, rt, out / "trace.parquet", hw, runtime, progress=say)
     from daopsim.simulator.commands.common import dumps
@@ -173,6 +157,35 @@ def check(
         _table(doc)
     if not result.ok:
         raise SystemExit(int(ExitCode.FAILED))
+
+
+def _probe_here(shape: Any, quick: bool, prompt_tokens: int, out: Path) -> tuple[str, str]:
+    """Probe this machine and the model's modules (the CPU standing in for the device); the
+    hardware and runtime profiles written under ``out/probe``."""
+    from daopsim.simulator.probe import ProbeOptions, run_probe, write_probe
+
+    opts = ProbeOptions(
+        quick=quick,
+        model=shape,
+        tokens=parse_tokens(",".join(map(str, prompt_tokens_list(prompt_tokens)))),
+        device="cpu",
+    )
+    res = run_probe(opts)
+    paths = write_probe(res, out / "probe", "this-host")
+    return str(paths["hardware"]), str(paths["runtime"])
+
+
+def _probed_profile(hw: str, shape: Any, model: str) -> Any:
+    """The hardware profile ``hw``, refused unless a probe measured this model's modules."""
+    from daopsim.simulator.hardware import load_profile
+
+    hw_prof = load_profile(hw)
+    if hw_prof.measured.get(shape.name.lower()) is None:
+        raise UserError(
+            f'{hw}: no [measured."{shape.name}"] table; probe with --model {model} and the '
+            "same shape options, or leave --hw out to probe now"
+        )
+    return hw_prof
 
 
 def _table(doc: dict[str, Any]) -> None:

@@ -153,6 +153,18 @@ def show_cmd(
         return
     _print_profile(hw)
     click.echo("")
+    _print_costs(model, cm, summary, fit, policy.name, context_tokens)
+
+
+def _print_costs(
+    model: Any,
+    cm: Any,
+    summary: dict[str, Any],
+    fit: Any,
+    policy_name: str,
+    context_tokens: int,
+) -> None:
+    """The model's derived costs on the profile as text, each measured one marked."""
     click.echo(
         f"costs for {model.name} ({model.dtype} experts, {cm.expert_bytes:,} bytes each; "
         + (
@@ -179,7 +191,7 @@ def show_cmd(
         ("break-even tokens (pageable)", f"{c['breakeven_tokens']:.2f}", False),
         ("break-even tokens (pinned)", f"{c['breakeven_tokens_pinned']:.2f}", False),
         (
-            f"GPU expert slots (for {policy.name})",
+            f"GPU expert slots (for {policy_name})",
             f"{fit.max_experts} (--cache-ratio <= {fit.max_ratio():.3f})",
             False,
         ),

@@ -21,20 +21,22 @@ from daopsim.simulator.errors import UserError, check_seed
 from daopsim.simulator.models import get_model
 from daopsim.simulator.output import check_output_file, write_text
 from daopsim.simulator.synth import (
-    COLD_FIT_SEQUENCES,
-    FIT_PARAMS,
     PRESETS,
     SynthParams,
-    check_stats_model,
-    curve_rule,
     default_preset,
-    fit_params,
     get_preset,
     params_from_dict,
     parse_param_overrides,
-    shape_from_stats,
 )
 from daopsim.simulator.synth import synth as write_trace_file
+from daopsim.simulator.synth_fit import (
+    COLD_FIT_SEQUENCES,
+    FIT_PARAMS,
+    check_stats_model,
+    curve_rule,
+    fit_params,
+    shape_from_stats,
+)
 
 
 def _resolve_params(
@@ -335,20 +337,7 @@ def fit_cmd(
     check_stats_model(shape, data, target)
     check_seed(seed)
     start, _ = _resolve_params(shape.name, preset, params)
-    recorded = shape_from_stats(data)
-    # `is None`, not `or`: an explicit 0 is refused by the option's range, never a default
-    if sequences is not None:
-        n_seq = sequences
-    elif curve_rule(data) == "cold":
-        n_seq = COLD_FIT_SEQUENCES
-    else:
-        n_seq = min(recorded.get("sequences", 12), 12)
-    p_tok = prompt_tokens if prompt_tokens is not None else recorded.get("prompt_tokens", 256)
-    o_tok = output_tokens if output_tokens is not None else recorded.get("output_tokens", 512)
-    if n_seq < 1 or p_tok < 1 or o_tok < 2:
-        raise UserError(
-            "synth fit: need --sequences >= 1, --prompt-tokens >= 1, --output-tokens >= 2"
-        )
+    n_seq, p_tok, o_tok = _fit_workload(data, sequences, prompt_tokens, output_tokens)
     free_list = [f.strip() for f in free.split(",") if f.strip()] if free else None
     ignore_list = [f.strip() for f in ignore.split(",") if f.strip()] if ignore else None
 
@@ -385,12 +374,43 @@ def fit_cmd(
         echo_json(doc)
     else:
         click.echo(f"wrote {output}")
-        errors = result.errors
-        for key, goal in result.targets.items():
-            err = errors[key]
-            click.echo(
-                f"  {key:<36} target {goal:.4f}  achieved {result.achieved[key]:.4f}  error "
-                + ("-" if err is None else f"{err:+.4f}")
-            )
-        if result.ignored:
-            click.echo("  ignored: " + ", ".join(result.ignored))
+        _print_fit(result)
+
+
+def _fit_workload(
+    data: dict[str, Any],
+    sequences: int | None,
+    prompt_tokens: int | None,
+    output_tokens: int | None,
+) -> tuple[int, int, int]:
+    """The sequences, prompt and output tokens each fitting iteration generates: the options
+    given, else the recorded trace's (at most 12 sequences; a cold curve takes
+    ``COLD_FIT_SEQUENCES``)."""
+    recorded = shape_from_stats(data)
+    # `is None`, not `or`: an explicit 0 is refused by the option's range, never a default
+    if sequences is not None:
+        n_seq = sequences
+    elif curve_rule(data) == "cold":
+        n_seq = COLD_FIT_SEQUENCES
+    else:
+        n_seq = min(recorded.get("sequences", 12), 12)
+    p_tok = prompt_tokens if prompt_tokens is not None else recorded.get("prompt_tokens", 256)
+    o_tok = output_tokens if output_tokens is not None else recorded.get("output_tokens", 512)
+    if n_seq < 1 or p_tok < 1 or o_tok < 2:
+        raise UserError(
+            "synth fit: need --sequences >= 1, --prompt-tokens >= 1, --output-tokens >= 2"
+        )
+    return n_seq, p_tok, o_tok
+
+
+def _print_fit(result: Any) -> None:
+    """Each fitted statistic's target, what the fit achieved and the error, as text."""
+    errors = result.errors
+    for key, goal in result.targets.items():
+        err = errors[key]
+        click.echo(
+            f"  {key:<36} target {goal:.4f}  achieved {result.achieved[key]:.4f}  error "
+            + ("-" if err is None else f"{err:+.4f}")
+        )
+    if result.ignored:
+        click.echo("  ignored: " + ", ".join(result.ignored))
