@@ -361,6 +361,24 @@ def parse_runtime(data: dict[str, Any], where: str) -> RuntimeProfile:
         )
     if values["graph_all_policies"] and not values["graph_kernel_us"]:
         raise UserError(f"{where}: field 'graph_all_policies' needs graph_kernel_us > 0")
+    values.update(_parse_kernel_choices(data, where))
+    values["cpu_gemm_share"] = _share_table(data, "cpu_gemm_share", where, _dtype_keys())
+    values["cpu_expert_gemm_share"] = _share_table(
+        data, "cpu_expert_gemm_share", where, _dtype_keys()
+    )
+    values["gpu_stream_efficiency_by_memory"] = _share_table(
+        data, "gpu_stream_efficiency_by_memory", where, None
+    )
+    summary = data.get("summary", "")
+    if not isinstance(summary, str):
+        raise UserError(f"{where}: field 'summary' must be a string")
+    return RuntimeProfile(name=name, summary=summary, sources=dict(sources), **values)
+
+
+def _parse_kernel_choices(data: dict[str, Any], where: str) -> dict[str, Any]:
+    """A runtime table's kernel choices: its attention kind, its CPU kernels and the share of
+    the GPU's stream bandwidth its kernels reach; a bad one is a one-line ``UserError``."""
+    values: dict[str, Any] = {}
     attention = data.get("attention", "fused")
     if attention not in ATTENTION_KINDS:
         raise UserError(
@@ -385,17 +403,7 @@ def parse_runtime(data: dict[str, Any], where: str) -> RuntimeProfile:
             f"{where}: field 'gpu_stream_efficiency' must be a number in (0, 1], got {eff!r}"
         )
     values["gpu_stream_efficiency"] = float(eff)
-    values["cpu_gemm_share"] = _share_table(data, "cpu_gemm_share", where, _dtype_keys())
-    values["cpu_expert_gemm_share"] = _share_table(
-        data, "cpu_expert_gemm_share", where, _dtype_keys()
-    )
-    values["gpu_stream_efficiency_by_memory"] = _share_table(
-        data, "gpu_stream_efficiency_by_memory", where, None
-    )
-    summary = data.get("summary", "")
-    if not isinstance(summary, str):
-        raise UserError(f"{where}: field 'summary' must be a string")
-    return RuntimeProfile(name=name, summary=summary, sources=dict(sources), **values)
+    return values
 
 
 def _dtype_keys() -> frozenset[str]:
