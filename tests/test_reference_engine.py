@@ -55,7 +55,7 @@ from hypothesis import strategies as st
 from daopsim.policies.base import Action, Plan, Policy, ResourceSpec, SetupContext, Slot, View
 from daopsim.policies.registry import available, get_policy_class
 from daopsim.simulator.core.loop import Engine
-from daopsim.simulator.costs import cost_model
+from daopsim.simulator.costs import CostModel, cost_model
 from daopsim.simulator.errors import PolicyError, UserError
 from daopsim.simulator.hardware import load_profile
 from daopsim.simulator.recorder import Recorder
@@ -111,6 +111,27 @@ def test_runtime_profiles_time_identically(
     policy: str, trace: str, runtime: str | RuntimeProfile
 ) -> None:
     assert len(both(policy, trace, 0.25, A6000, runtime))  # type: ignore[arg-type]
+
+
+def test_both_engines_take_activation_bytes_from_the_cost_model(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An activation's bytes are the cost model's (``CostModel.activation_bytes``) in both
+    engines: with three bytes per hidden value instead of two, both engines move, record and
+    count the new size and still agree (an engine with its own figure would not)."""
+    model, _, _, _ = inputs("ci-small")
+    tl = both("fiddler", "ci-small", 0.25, A6000)
+    assert tl is not None
+    act = tl[tl["kind"] == "activation"]
+    assert len(act) and (act["bytes"] % (model.hidden * 2) == 0).all()
+    monkeypatch.setattr(
+        CostModel, "activation_bytes", lambda self, n: int(n) * self.model.hidden * 3
+    )
+    wide = both("fiddler", "ci-small", 0.25, A6000)
+    assert wide is not None
+    act3 = wide[wide["kind"] == "activation"]
+    assert len(act3) == len(act)
+    assert act3["bytes"].sum() * 2 == act["bytes"].sum() * 3
 
 
 def test_a_slow_host_moves_the_timeline() -> None:

@@ -31,7 +31,7 @@ class Applier:
 
     def __init__(self, ex: Executor, n_layers: int, writeback: bool, ssd: Any) -> None:
         self.ex, self.m, self.res, self.c = ex, ex.m, ex.res, ex.c
-        self.expert_bytes, self.act_bytes = ex.expert_bytes, ex.act_bytes
+        self.expert_bytes, self.act_bytes = ex.expert_bytes, ex.m.activation_bytes
         #: evicted experts are copied back to the host (ResourceSpec.writeback)
         self.writeback = writeback
         #: the SSD tier when some experts live on a drive (daopsim.simulator.hosttier.HostTier)
@@ -239,8 +239,8 @@ class Applier:
         if local:  # the hidden states are already on the host
             op.local = True
             return op
-        self.c.d2h_bytes += self.act_bytes * n
-        self.c.h2d_bytes += self.act_bytes * n
+        self.c.d2h_bytes += self.act_bytes(n)
+        self.c.h2d_bytes += self.act_bytes(n)
         return op
 
     def _ssd_stage(self, w: LayerWork) -> None:

@@ -69,9 +69,8 @@ class Executor:
     def __init__(self, machine: Machine, res: Residency, counters: Counters, recorder: Any,
                  one_stream: bool) -> None:  # fmt: skip
         self.m, self.res, self.c, self.rec = machine, res, counters, recorder
-        #: bytes one expert copy moves, and one token's activations
+        #: bytes one expert copy moves
         self.expert_bytes: int = machine.costs.link_expert_bytes
-        self.act_bytes: int = machine.costs.model.hidden * 2
         #: copies and kernels share one stream (ResourceSpec.one_stream)
         self.one_stream = one_stream
         #: submitted requests keyed (submission time, issue number, submission number)
@@ -266,7 +265,7 @@ class Executor:
         up_h, up_d = self.m.uplinks[op.dev]
         link = up_d if op.stage == 0 else up_h
         e = self._transfer(link.lane, t, link.activation_s(op.n), "activation", op,
-                           self.act_bytes * op.n)  # fmt: skip
+                           self.m.activation_bytes(op.n))  # fmt: skip
         if op.stage == 0:
             op.stage = 1
             self.push(e, op)
@@ -320,7 +319,7 @@ class Executor:
         """Activations from GPU ``op.src`` to ``op.dst``: over a direct peer lane, or staged
         through host memory (out on the sender's uplink, then in on the receiver's)."""
         m = self.m
-        nbytes = self.act_bytes * op.n
+        nbytes = m.activation_bytes(op.n)
         link = m.peers.get((op.src, op.dst))
         staged = link is None
         if link is None:

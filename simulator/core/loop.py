@@ -458,7 +458,7 @@ class Engine:
             d, nbytes = m.cpu_layer_weights_s, self.costs.cpu_layer_weight_bytes
             c.cpu_layer_weight_copies += 1
         else:
-            d, nbytes = link.activation_s(st.n), self.ex.act_bytes * st.n
+            d, nbytes = link.activation_s(st.n), m.activation_bytes(st.n)
         c.h2d_bytes += nbytes
         link.lane.free_at = start + d
         return self._charge(st, link.lane, kind, layer, start, d, nbytes)

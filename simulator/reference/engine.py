@@ -209,7 +209,8 @@ class ReferenceEngine:
         self.precalc: dict[Slot, Op] = {}
         self.ledger = Ledger(self.n_layers, self.n_experts, self.budget)
         self.expert_bytes = costs.link_expert_bytes  # what one expert copy moves
-        self.act_bytes = model.hidden * 2  # one token's hidden state (bf16)
+        #: bytes of n tokens' hidden states, one way (the cost model's)
+        self.act_bytes = functools.cache(costs.activation_bytes)
         self._bind_costs(runtime)
         self._occupied = 0
         self._occupied_max = 0
@@ -688,7 +689,7 @@ class ReferenceEngine:
             c.cpu_layer_weight_copies += 1
         elif layer and layer == cpu_run:  # the split: the hidden states cross to the GPU
             start = yield from self._step_copy(
-                layer, "activation", self.activation_s(n), self.act_bytes * n
+                layer, "activation", self.activation_s(n), self.act_bytes(n)
             )
         if self.streamed is not None:
             start = yield from self.streamed_weights(start, layer)
@@ -935,8 +936,8 @@ class ReferenceEngine:
         if self._cpu_layer_here:  # a CPU-resident layer: the hidden states are on the host
             op.local = True
         else:
-            self.c.d2h_bytes += self.act_bytes * n
-            self.c.h2d_bytes += self.act_bytes * n
+            self.c.d2h_bytes += self.act_bytes(n)
+            self.c.h2d_bytes += self.act_bytes(n)
         return op
 
     def _stage_reads(self, lw: LayerRun) -> None:
@@ -1084,7 +1085,7 @@ class ReferenceEngine:
             yield from self._wait_read(op)
             dev = self.devices[op.device]
             n = op.n
-            act = self.act_bytes * n
+            act = self.act_bytes(n)
             if not op.local:
                 s = yield from self._move([dev.d2h], (env.now, op.seq), self.activation_s(n), act)
                 dev.d2h.busy += self.activation_s(n)
@@ -1106,7 +1107,7 @@ class ReferenceEngine:
         """Hidden states from GPU ``op.src`` to GPU ``op.dst``: over a direct peer lane, or out
         through host memory on the sender's uplink and in on the receiver's."""
         env = self.env
-        nbytes = self.act_bytes * op.n
+        nbytes = self.act_bytes(op.n)
         direct = self.peers.get((op.src, op.dst))
         if direct is not None:
             legs = [(direct, self.peer_s(op.n))]
