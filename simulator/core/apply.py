@@ -123,8 +123,8 @@ class Applier:
             self.hits[layer] += n_hits
             self.accesses[layer] += n_routed
 
-    def _op(self, kind: int, rkind: str, layer: int, expert: int, w: LayerWork) -> Op:
-        op = Op(kind, rkind, self.ex.next_seq(), w.sid, w.token, layer, expert)
+    def _op(self, kind: int, row_kind: str, layer: int, expert: int, w: LayerWork) -> Op:
+        op = Op(kind, row_kind, self.ex.next_seq(), w.sid, w.token, layer, expert)
         if kind == CPU:  # activations leave from, and return to, the layer's home GPU
             op.dev = 0 if self.m.home is None else self.m.home[layer]
         elif self.m.gpu_of is not None:
@@ -257,8 +257,7 @@ class Applier:
                     tier.written_back(op, now)
                 else:
                     op.at, op.gds = tier.read(op, now, op.kind != CPU)
-                    op.ssd_read = tier.issued
-                    if op.at > wait and op.rkind != "prefetch" and op.rkind != "precalc":
+                    if op.at > wait and op.row_kind != "prefetch" and op.row_kind != "precalc":
                         wait = op.at
                 op = op.chain
         for op in w.deferred.values():
