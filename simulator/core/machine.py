@@ -90,7 +90,7 @@ class Machine:
         self.fused_launch_s: float = costs.fused_moe_layer_s() if fused else 0.0
         self.cpu_s = _memo(costs.cpu_expert_s)
         #: bytes of n tokens' hidden states, one way (an activation copy or transfer)
-        self.activation_bytes = _memo(costs.activation_bytes)
+        self.activation_bytes: Callable[[int], int] = costs.activation_bytes
         self._cpu_share = _memo(costs.cpu_share)
         self._cpu_dram = _memo(costs.cpu_dram_share)
         #: unified memory: copies and GPU kernels register their DRAM share with the CPU
