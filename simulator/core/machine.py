@@ -90,7 +90,7 @@ class Machine:
         self.fused_launch_s: float = costs.fused_moe_layer_s() if fused else 0.0
         self.cpu_s = _memo(costs.cpu_expert_s)
         #: bytes of n tokens' hidden states, one way (an activation copy or transfer)
-        self.activation_bytes: Callable[[int], int] = costs.activation_bytes
+        self.activation_bytes = _memo_bytes(costs.activation_bytes)
         self._cpu_share = _memo(costs.cpu_share)
         self._cpu_dram = _memo(costs.cpu_dram_share)
         #: unified memory: copies and GPU kernels register their DRAM share with the CPU
@@ -163,6 +163,19 @@ def _peers(costs: Any, n: int, multi: Any) -> dict[tuple[int, int], Link]:
                     name = f"peer{a}>{b}"
                     peers[(a, b)] = Link(name, Engines(name), 0.0, peer_s)
     return peers
+
+
+def _memo_bytes(fn: Callable[[int], int]) -> Callable[[int], int]:
+    """``fn`` (a byte count) memoised on its integer argument, as :func:`_memo`."""
+    memo: dict[int, int] = {}
+
+    def get(n: int) -> int:
+        b = memo.get(n)
+        if b is None:
+            b = memo[n] = fn(n)
+        return b
+
+    return get
 
 
 def _memo(fn: Callable[[int], float]) -> Callable[[int], float]:

@@ -116,7 +116,8 @@ class Lanes:
         end = start + dur
         lane.free_at = end
         lane.busy += dur
-        self._row(lane, kind, sid, token, layer, expert, start, end, nbytes)
+        if self.rec is not None:
+            self.rec.op(lane.name, kind, sid, token, layer, expert, start, end, nbytes)
         if dram and self.unified:
             self._traffic(start, end, nbytes, -1, -1)
         return end
@@ -157,7 +158,8 @@ class Lanes:
             lane.pending += dur
         else:
             lane.busy += dur
-        self._row(lane, kind, sid, token, layer, expert, start, end, nbytes)
+        if self.rec is not None:
+            self.rec.op(lane.name, kind, sid, token, layer, expert, start, end, nbytes)
         if self.unified and (tokens >= 0 or nbytes > 0):
             self._traffic(start, end, nbytes, tokens, context)
         return end
