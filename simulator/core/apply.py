@@ -239,8 +239,9 @@ class Applier:
         if local:  # the hidden states are already on the host
             op.local = True
             return op
-        self.c.d2h_bytes += self.act_bytes(n)
-        self.c.h2d_bytes += self.act_bytes(n)
+        nbytes = self.act_bytes(n)
+        self.c.d2h_bytes += nbytes
+        self.c.h2d_bytes += nbytes
         return op
 
     def _ssd_stage(self, w: LayerWork) -> None:

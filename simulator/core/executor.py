@@ -481,10 +481,11 @@ class Executor:
             assert isinstance(job, GpuJob)
             ready, e, k = job.ready, job.expert, job.dev
             st = self.streams[k]
-            drained = gk = st.free()
+            drained = gk = st.lane.free_at if st.lane.free_at > st.base else st.base
             if self.one_stream:
                 ready = self._one_stream_ready(ready, gk, k)
-            gk = self.copy_wait(ready, gk)
+            if ready > gk:
+                gk = self.copy_wait(ready, gk)
             n = 1 if counts is None else int(counts[e])
             d = m.gpu_copied_s(n) if job.copied else m.gpu_s(n)
             if st.fused:  # the layer's fused call, charged with the GPU's first expert

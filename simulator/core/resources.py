@@ -111,7 +111,8 @@ class Lanes:
         """A request of ``dur`` seconds submitted at ``t`` (every earlier one served first) on
         the engine of ``group`` free first; a copy of ``nbytes`` through the DRAM unless
         ``dram`` is False (a drive read, a peer transfer). Returns its end."""
-        lane = group.pick()
+        lanes = group.lanes
+        lane = lanes[0] if len(lanes) == 1 else group.pick()
         start = t if t > lane.free_at else lane.free_at
         end = start + dur
         lane.free_at = end
