@@ -318,9 +318,14 @@ class CostModel:
         """FLOPs of one expert for n tokens: one multiply-add per parameter per token."""
         return 2.0 * self.model.params_per_expert * n_tokens
 
+    @cached_property
+    def hidden_state_bytes(self) -> int:
+        """Bytes of one token's hidden state (``hidden`` values of ``ACT_BYTES`` each)."""
+        return self.model.hidden * ACT_BYTES
+
     def activation_bytes(self, n_tokens: int) -> int:
         """Bytes of n hidden-state vectors (one direction)."""
-        return int(n_tokens) * self.model.hidden * ACT_BYTES
+        return int(n_tokens) * self.hidden_state_bytes
 
     # --- measured constants ----------------------------------------------------------------------
     @cached_property
@@ -449,7 +454,7 @@ class CostModel:
     def _gpu_expert_moved(self, n: float) -> float:
         """Bytes one GPU expert call moves: weights, any per-call dequantisation of their
         scales, activations in and out."""
-        return self.expert_bytes + self._dequant_bytes + 2.0 * n * self.model.hidden * ACT_BYTES
+        return self.expert_bytes + self._dequant_bytes + 2.0 * n * self.hidden_state_bytes
 
     @cached_property
     def _dequant_bytes(self) -> float:

@@ -71,6 +71,10 @@ class LinkSpec:
     #: unified memory only: the one DRAM's bandwidth that copies and CPU experts share, GB/s
     #: (None: the GPU's ``mem_bw_gbs``)
     dram_bw_gbs: float | None = None
+    #: copy engines each direction uses at once (cudaDeviceProp.asyncEngineCount bounds the
+    #: total; docs/hardware-profiles.md): each serves one copy at a time, every copy in the
+    #: profile's per-copy time. More than 1 needs ``copy_engines >= 2 x`` this
+    copy_engines_per_direction: int = 1
 
     @property
     def unified(self) -> bool:
@@ -368,8 +372,9 @@ _LINK: _Schema = {
     "copy_overhead_us": "pos",
     "copy_engines": "int+",
     "dram_bw_gbs": "pos",
+    "copy_engines_per_direction": "int+",
 }
-_LINK_OPTIONAL = {"dram_bw_gbs"}
+_LINK_OPTIONAL = {"dram_bw_gbs", "copy_engines_per_direction"}
 _CPU: _Schema = {
     "name": "str",
     "cores_used": "int+",
@@ -469,6 +474,7 @@ MAX_VALUES: dict[str, float] = {
     "link.d2h_pageable_gbs": 10_000,
     "link.copy_overhead_us": 100_000,
     "link.copy_engines": 8,
+    "link.copy_engines_per_direction": 4,
     "cpu.cores_used": 4096,
     "cpu.mem_bw_gbs": 10_000,
     "cpu.bf16_gflops": 1_000_000,
@@ -698,6 +704,14 @@ def parse_profile(data: dict[str, Any], path: str | os.PathLike[str]) -> Hardwar
             "gpu.spec_mem_bw_gbs",
         )
     link = LinkSpec(**_section(p, data["link"], _LINK, "link.", _LINK_OPTIONAL))
+    per = link.copy_engines_per_direction
+    if per > 1 and link.copy_engines < 2 * per:
+        raise ProfileError(
+            p,
+            f"needs link.copy_engines >= {2 * link.copy_engines_per_direction} (that many "
+            f"engines in each direction); got copy_engines = {link.copy_engines}",
+            "link.copy_engines_per_direction",
+        )
     cpu = CpuSpec(**_section(p, data["cpu"], _CPU, "cpu.", _CPU_OPTIONAL))
     _check_cpu_stream(p, cpu)
     power = (

@@ -10,25 +10,32 @@ from __future__ import annotations
 
 
 class Keyed:
-    """An item of a :class:`Heap`, ordered by its keys ``(k1, k2, k3, k4)``, smallest first."""
+    """An item of a :class:`Heap`, ordered by its key ``(time, time2, rank, serial)``,
+    smallest first. The executor's request queue keys a request (submission time, 0, issue
+    number, submission number); a GPU stream keys a computation (start time, ready time,
+    expert, 0)."""
 
-    __slots__ = ("k1", "k2", "k3", "k4")
+    __slots__ = ("rank", "serial", "time", "time2")
 
     def __init__(self) -> None:
-        self.k1 = 0.0
-        self.k2 = 0.0
-        self.k3 = 0
-        self.k4 = 0
+        #: the first key: a time
+        self.time = 0.0
+        #: ties on ``time`` broken by a second time
+        self.time2 = 0.0
+        #: then by a rank (an issue number, an expert)
+        self.rank = 0
+        #: then by the order of insertion
+        self.serial = 0
 
 
 def _before(a: Keyed, b: Keyed) -> bool:
-    if a.k1 != b.k1:
-        return a.k1 < b.k1
-    if a.k2 != b.k2:
-        return a.k2 < b.k2
-    if a.k3 != b.k3:
-        return a.k3 < b.k3
-    return a.k4 < b.k4
+    if a.time != b.time:
+        return a.time < b.time
+    if a.time2 != b.time2:
+        return a.time2 < b.time2
+    if a.rank != b.rank:
+        return a.rank < b.rank
+    return a.serial < b.serial
 
 
 class Heap:

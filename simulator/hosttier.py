@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from daopsim.simulator.core.resources import Lane
+from daopsim.simulator.core.resources import Engines, Lanes
 from daopsim.simulator.costs import CostModel
 from daopsim.simulator.errors import UserError
 from daopsim.simulator.hardware import HardwareProfile
@@ -145,7 +145,11 @@ class HostTier:
         self.cfg = cfg
         self.gds = cfg.path == "gds"
         self.recorder = recorder
-        self.lane = Lane(SSD_LANE)
+        #: the drive (one lane), occupied through the engine's :class:`Lanes` (``lanes``,
+        #: set by the engine before the first read)
+        self.drive = Engines(SSD_LANE)
+        self.lane = self.drive.lanes[0]
+        self.lanes: Lanes | None = None
         self.read_s = costs.ssd_expert_s(access) if cfg.uses_ssd else 0.0
         self.expert_bytes = cfg.expert_bytes
         #: [layers, experts] host copies (the View's ``host_resident``)
@@ -169,8 +173,6 @@ class HostTier:
         self.ssd_stall = 0.0
         self.host_evictions = 0
         self._last = 0.0
-        #: whether the last :meth:`read` issued a drive read (else it found a host copy)
-        self.issued = False
 
     @property
     def peak_bytes(self) -> int:
@@ -182,23 +184,23 @@ class HostTier:
         stage reads them, and whether a GDS read put them in GPU memory already."""
         slot = (op.layer, op.expert)
         if self.host[slot]:
-            self.issued = False
             self.lru.move_to_end(slot)
             r = float(self.ready[slot])
             return (r if r > now else now), False
-        self.issued = True
         if now < self._last:  # the lane is served at issue: decisions must not go back
             raise RuntimeError("host tier: a read was issued before an earlier one")
         self._last = now
-        s, e = self.lane.serve(now, self.read_s)
         self.ssd_reads += 1
         self.ssd_bytes += self.expert_bytes
         gds = self.gds and to_gpu
         if not gds:  # the page cache makes room first (its evictions are recorded first)
-            self._insert(slot, e, op, now)
-        if self.recorder is not None:
-            self.recorder.op(SSD_LANE, "gds_read" if gds else "ssd_read", op.sid, op.token,
-                             slot[0], slot[1], s, e, self.expert_bytes)  # fmt: skip
+            self._insert(slot, now, op, now)
+        assert self.lanes is not None
+        kind = "gds_read" if gds else "ssd_read"
+        e = self.lanes.serve(self.drive, now, self.read_s, kind, op.sid, op.token, slot[0],
+                             slot[1], self.expert_bytes, False)  # fmt: skip
+        if not gds:
+            self.ready[slot] = e
         return e, gds
 
     def written_back(self, op: Any, now: float) -> None:

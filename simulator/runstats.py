@@ -83,10 +83,9 @@ def lanes(m: Machine) -> dict[str, Lane]:
     """Every distinct lane by name: GPU streams, uplinks, peer lanes, CPU workers, drives."""
     out: dict[str, Lane] = {lane.name: lane for lane in m.gpus}
     for h, d in m.uplinks:
-        out[h.lane.name] = h.lane
-        out[d.lane.name] = d.lane
+        out.update((lane.name, lane) for lane in h.engines.lanes + d.engines.lanes)
     for link in m.peers.values():
-        out[link.lane.name] = link.lane
+        out.update((lane.name, lane) for lane in link.engines.lanes)
     for lane in m.cpu.lanes:
         out[lane.name] = lane
     out.update(m.drives)
@@ -96,8 +95,8 @@ def lanes(m: Machine) -> dict[str, Lane]:
 def busy(m: Machine) -> dict[str, float]:
     """Busy seconds: ``gpu``, ``h2d``, ``d2h`` (summed over GPUs and distinct lanes) and
     ``cpu`` (summed workers); with several GPUs also every lane by its own name."""
-    ups = {id(h.lane): h.lane for h, _ in m.uplinks}
-    downs = {id(d.lane): d.lane for _, d in m.uplinks}
+    ups = {id(lane): lane for h, _ in m.uplinks for lane in h.engines.lanes}
+    downs = {id(lane): lane for _, d in m.uplinks for lane in d.engines.lanes}
     out = {
         "gpu": sum(g.busy for g in m.gpus),
         "h2d": sum(lane.busy for lane in ups.values()),
@@ -116,8 +115,8 @@ def work_after(m: Machine, e2e: float) -> tuple[dict[str, float], dict[str, int]
     and a lane serves its queue back to back, so a lane busy at ``e2e`` stays busy until its
     ``free_at``: its work after the end is ``max(0, free_at - e2e)``."""
     groups = {
-        "h2d": list({id(h.lane): h.lane for h, _ in m.uplinks}.values()),
-        "d2h": list({id(d.lane): d.lane for _, d in m.uplinks}.values()),
+        "h2d": list({id(lane): lane for h, _ in m.uplinks for lane in h.engines.lanes}.values()),
+        "d2h": list({id(lane): lane for _, d in m.uplinks for lane in d.engines.lanes}.values()),
         "cpu": list(m.cpu.lanes),
     }
     for name, lane in m.drives.items():
@@ -148,7 +147,7 @@ def multi_metrics(eng: Engine) -> dict[str, Any]:
                 "expert_computations": ex.streams[k].experts,
                 "h2d_expert_bytes": ex.streams[k].h2d_bytes,
                 "d2h_expert_bytes": ex.streams[k].d2h_bytes,
-                "uplink": m.uplinks[k][0].lane.name,
+                "uplink": m.uplinks[k][0].engines.name,
                 "layers": pl.layers_of[k][:1] + pl.layers_of[k][-1:],
                 "experts_per_layer": len(pl.experts_of[k]),
                 "experts": list(pl.experts_of[k]),

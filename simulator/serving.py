@@ -733,7 +733,7 @@ class Serving:
             for q in admitted:
                 if q.prompt:
                     q.first_token = eng.now
-                eng.c.ttft.append(eng.now - t0 if q.prompt else 0.0)
+                eng.c.first_token(eng.now - t0 if q.prompt else 0.0)
             for q in admitted:
                 if not q.output:  # nothing to generate beyond the prompt's token
                     self._finish(eng, q, on_sequence)
@@ -744,7 +744,7 @@ class Serving:
             if q.prompt:
                 eng.prefill(q.routing)
                 q.first_token = eng.now
-            eng.c.ttft.append(eng.now - t0)
+            eng.c.first_token(eng.now - t0)
             if not q.output:
                 self._finish(eng, q, on_sequence)
 
@@ -779,7 +779,7 @@ class Serving:
             elif kind == "idle":
                 eng.idle_until(float(x))
             elif kind == "finish":
-                eng.c.ttft.append(x.first_token - x.admitted if x.prompt else 0.0)
+                eng.c.first_token(x.first_token - x.admitted if x.prompt else 0.0)
                 self._finish(eng, x, on_sequence, leave=False)
 
     def _run_step(self, eng: Engine, st: Step) -> None:
@@ -851,9 +851,9 @@ class BatchStep(CoreStep):
         )
         self.prefill = n_decode == 0
         self.hook = "prefill_layer" if self.prefill else "batch_layer"
-        self.load = (n, kv // n)
-        self.part = self.ops = (-1, eng.step)
-        self.who = who
+        self.dram_key = (n, kv // n)
+        self.nonexpert_ids = self.op_ids = (-1, eng.step)
+        self.decision_ids = who
         self.what = what
         if eng.recorder is not None and eng.recorder.batches is not None:
             eng.recorder.batches[eng.step] = ",".join(str(r) for r in rids)
@@ -945,7 +945,7 @@ class BatchStep(CoreStep):
         v.n_tokens = self.n if self.view_tokens < 0 else self.view_tokens
         v.context = self.view_context
         v.position = self.position
-        v.seq_id, v.token, v.step = self.who[0], self.who[1], eng.step
+        v.seq_id, v.token, v.step = self.decision_ids[0], self.decision_ids[1], eng.step
         v.next_experts = v.next_probs = None
 
     def enter(self, eng: Engine, layer: int) -> tuple[np.ndarray, Any]:
@@ -973,10 +973,7 @@ class BatchStep(CoreStep):
         c.prefill_tokens += self.prefill_tokens
         b = self.t0_latency
         if b:
-            lat = eng.now - t0
-            c.token_latency.extend([lat] * b)
-            c.decode_time += lat
-            c.decode_tokens += b
+            c.decoded(eng.now - t0, b)
 
 
 def _pcts(values: list[float]) -> dict[str, float | None]:

@@ -143,6 +143,12 @@ def one_copy_engine(name: str) -> HardwareProfile:
     return dataclasses.replace(hw, link=dataclasses.replace(hw.link, copy_engines=1))
 
 
+def engines_per_direction(hw: HardwareProfile, n: int = 2) -> HardwareProfile:
+    """``hw`` with ``n`` copy engines in each direction (``2 n`` in all)."""
+    link = dataclasses.replace(hw.link, copy_engines=2 * n, copy_engines_per_direction=n)
+    return dataclasses.replace(hw, link=link)
+
+
 def wide_socket(name: str, factor: float = 1.7) -> HardwareProfile:
     """A bundled profile whose socket streams ``factor`` x what one CPU call takes (partial
     shares: concurrent calls overlap before they slow each other down)."""

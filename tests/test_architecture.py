@@ -1,5 +1,7 @@
 """The code's shape holds: no import cycle among the packages, small functions in the core.
 
+That each timing rule is written once is tests/test_rule_homes.py's check.
+
 docs/architecture.md describes the layering: the engine core (simulator/core/) below the
 runner, the runner below sweeps, plots and validation, every import one way. These checks
 read the sources (imports at any level, except those only a type checker sees).
@@ -14,10 +16,6 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("daopsim", "simulator", "policies")
 #: the longest a function of the engine core may be (lines, decorators included)
 CORE_FUNCTION_LINES = 80
-#: the engine core's size in lines of code (``cloc``'s count: no blank, comment or docstring
-#: lines): under this. 1519 with low-bit slots, copies evicted in flight and measured warm swaps;
-#: the budget leaves room for one more such mechanism, not for copies of a rule
-CORE_CODE_LINES = 1560
 
 
 def _modules() -> dict[str, Path]:
@@ -108,38 +106,6 @@ def test_no_function_of_the_core_is_longer_than_80_lines() -> None:
                 first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
                 length = (node.end_lineno or node.lineno) - first + 1
                 assert length <= CORE_FUNCTION_LINES, f"{path.name}:{node.name} {length} lines"
-
-
-def _code_lines(path: Path) -> int:
-    """Lines of code as ``cloc`` counts them: not blank, not a ``#`` comment, not inside the
-    docstring of the module, a class or a function."""
-    text = path.read_text(encoding="utf-8")
-    docs: set[int] = set()
-    for node in ast.walk(ast.parse(text)):
-        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
-            first = node.body[0] if node.body else None
-            if (
-                isinstance(first, ast.Expr)
-                and isinstance(first.value, ast.Constant)
-                and isinstance(first.value.value, str)
-            ):
-                docs.update(range(first.lineno, (first.end_lineno or first.lineno) + 1))
-    return sum(
-        1
-        for i, line in enumerate(text.splitlines(), 1)
-        if line.strip() and not line.lstrip().startswith("#") and i not in docs
-    )
-
-
-def _core_code_lines() -> dict[str, int]:
-    return {p.name: _code_lines(p) for p in sorted((REPO / "simulator" / "core").glob("*.py"))}
-
-
-def test_the_core_stays_within_its_line_budget() -> None:
-    """A newcomer reads the whole meaning of a run in one sitting: what is reporting, input
-    handling or a generic data structure lives outside simulator/core/."""
-    counts = _core_code_lines()
-    assert sum(counts.values()) < CORE_CODE_LINES, f"lines of code: {counts}"
 
 
 #: the longest a function of ``simulator/`` or ``policies/`` may be: lines from its ``def`` to

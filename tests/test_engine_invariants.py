@@ -6,7 +6,9 @@ small traces. The recorded timeline and occupancy must then satisfy the physics:
 budget, one operation at a time on each copy engine, CPU worker and the GPU stream, every routed
 expert computed exactly once, time monotone, busy time within wall time. A second group of tests
 feeds the engine impossible plans and expects a PolicyError naming policy, sequence, token and
-layer. Finally the FIFO ``Lane`` is checked against ``simpy.Resource``.
+layer. Finally the lanes' queueing rule (``Lanes.serve`` on one or several engines) is checked
+against ``simpy.Resource``, and two copy engines per direction never serve two copies on one
+engine at once.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from hypothesis import strategies as st
 
 from daopsim.policies.base import Action, Plan, Policy, SetupContext, Slot, View
 from daopsim.simulator.core.loop import Engine
-from daopsim.simulator.core.resources import Lane
+from daopsim.simulator.core.resources import Engines, Lanes, SharedCpu
 from daopsim.simulator.costs import cost_model
 from daopsim.simulator.errors import PolicyError
 from daopsim.simulator.hardware import load_profile
@@ -257,36 +259,138 @@ def test_refuses_an_unknown_action() -> None:
     _expect(Scripted([], Plan(actions={2: 9, 3: Action.TEMP}), at=(1, 1)), "unknown action")
 
 
-# -- the FIFO lane is simpy.Resource(capacity=1) for requests issued in time order -------------
+# -- the lanes' queueing rule is simpy.Resource(capacity=n) for requests issued in time order --
+
+
+def _lanes(recorder: Recorder | None = None) -> Lanes:
+    """The lane primitive on a bus-attached machine (no DRAM registration)."""
+    from types import SimpleNamespace
+
+    costs = SimpleNamespace(copy_dram_share=None)
+    machine = SimpleNamespace(cpu=SharedCpu("cpu", 1), unified=False, costs=costs, dram_share=None)
+    return Lanes(machine, recorder, lambda: None)
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(
     st.lists(st.tuples(st.floats(0.0, 5.0), st.floats(0.0, 3.0)), min_size=1, max_size=30).map(
         lambda xs: sorted(xs, key=lambda x: x[0])
-    )
+    ),
+    st.integers(1, 3),
 )
-def test_lane_matches_simpy_resource(requests: list[tuple[float, float]]) -> None:
-    lane = Lane("x")
-    ours = [lane.serve(t, d) for t, d in requests]
+def test_engines_match_simpy_resource(requests: list[tuple[float, float]], n: int) -> None:
+    """``n`` engines serving one queue start and end each request as ``simpy.Resource`` of
+    capacity ``n`` does, and no engine serves two requests at once."""
+    rec = Recorder()
+    lanes, group = _lanes(rec), Engines("x", n)
+    ours = [lanes.serve(group, t, d, "fetch", 0, i, 0, 0, 1) for i, (t, d) in enumerate(requests)]
 
     env = simpy.Environment()
-    res = simpy.Resource(env, capacity=1)
-    theirs: list[tuple[float, float]] = [(0.0, 0.0)] * len(requests)
+    res = simpy.Resource(env, capacity=n)
+    theirs = [0.0] * len(requests)
 
     def job(i: int, t: float, d: float) -> Any:
         yield env.timeout(t)
         with res.request() as req:
             yield req
-            start = env.now
             yield env.timeout(d)
-            theirs[i] = (start, env.now)
+            theirs[i] = env.now
 
     for i, (t, d) in enumerate(requests):
         env.process(job(i, t, d))
     env.run()
     np.testing.assert_allclose(np.array(ours), np.array(theirs), rtol=0, atol=1e-9)
-    assert lane.busy == pytest.approx(sum(d for _, d in requests))
+    assert sum(lane.busy for lane in group.lanes) == pytest.approx(sum(d for _, d in requests))
+    tl = rec.timeline()
+    for lane in group.lanes:
+        _no_overlap(tl, lane.name)
+
+
+def test_a_hold_takes_an_engine_of_each_group_from_when_all_are_free() -> None:
+    """A write-back holds an engine of both directions together: it starts once one of each
+    is free, holds both until it ends, and only the first does the work."""
+    lanes, up, down = _lanes(), Engines("h2d", 2), Engines("d2h", 1)
+    lanes.serve(up, 0.0, 4.0, "fetch", 0, 0, 0, 0, 1)  # h2d busy to 4
+    lanes.serve(up, 0.0, 1.0, "fetch", 0, 0, 0, 1, 1)  # h2d.1 busy to 1
+    lanes.serve(down, 0.0, 2.0, "activation", 0, 0, 0, 2, 1)  # d2h busy to 2
+    end = lanes.hold([down, up], 0.5, 3.0, "writeback", 0, 0, 0, 3, 1)
+    assert end == 5.0  # from 2 (d2h free; h2d.1 free at 1) for 3 s
+    assert [lane.free_at for lane in up.lanes] == [4.0, 5.0] and down.lanes[0].free_at == 5.0
+    assert down.lanes[0].busy == 5.0 and up.lanes[1].busy == 1.0
+    one = Engines("copy")  # one engine for both directions: held once
+    assert lanes.hold([one, one], 0.0, 2.0, "writeback", 0, 0, 0, 0, 1) == 2.0
+    assert one.lanes[0].busy == 2.0
+
+
+@settings(
+    max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    budget_frac=st.floats(0.0, 0.6),
+    writeback=st.booleans(),
+    staging=st.integers(0, 2),
+)
+def test_two_copy_engines_never_serve_two_copies_on_one_engine(
+    seed: int, budget_frac: float, writeback: bool, staging: int
+) -> None:
+    """Random legal plans on a slow link with two copy engines per direction: copies of one
+    direction overlap (that is what the second engine is for), but never more than two at
+    once, never two on one engine, and a write-back holds an engine of each direction."""
+    rng = np.random.default_rng(seed)
+    model = tiny_model(experts=6, top_k=2, moe_layers=3)
+    slow = dataclasses.replace(HW.link, h2d_pinned_gbs=1.0, d2h_pinned_gbs=1.0,
+                               copy_engines=4, copy_engines_per_direction=2)  # fmt: skip
+    pol = ChaosPolicy(rng, cpu_workers=2, temp_buffers=2, writeback=writeback,
+                      staging_buffers=staging)  # fmt: skip
+    rec = Recorder()
+    eng = Engine(pol, model, cost_model(dataclasses.replace(HW, link=slow), model),
+                 round(budget_frac * 18), recorder=rec, seed=seed)  # fmt: skip
+    pol.engine = eng
+    eng.run(iter([random_routing(model, s, 3, 5, rng) for s in range(2)]))
+    tl = rec.timeline()
+    res = tl["resource"].astype(str)
+    for engine in ("h2d", "h2d.1", "d2h", "d2h.1"):
+        _no_overlap(tl, engine)
+    for direction in ("h2d", "d2h"):
+        rows = tl[res.str.startswith(direction)]
+        assert _most_at_once(rows) <= 2, direction
+    # a write-back (on a d2h engine) leaves an h2d engine idle while it runs
+    wbs = tl[tl["kind"] == "writeback"]
+    ups = tl[res.str.startswith("h2d")]
+    for s, e in wbs[["start", "end"]].itertuples(index=False):
+        during = ups[(ups["start"] < e - EPS) & (ups["end"] > s + EPS)]
+        assert _most_at_once(during) <= 1
+
+
+def test_two_copy_engines_do_overlap_copies_of_one_direction() -> None:
+    """The invariant above is not vacuous: the same kind of run overlaps two copies in each
+    direction."""
+    rng = np.random.default_rng(0)
+    model = tiny_model(experts=6, top_k=2, moe_layers=3)
+    slow = dataclasses.replace(HW.link, h2d_pinned_gbs=1.0, d2h_pinned_gbs=1.0,
+                               copy_engines=4, copy_engines_per_direction=2)  # fmt: skip
+    pol = ChaosPolicy(rng, cpu_workers=2, temp_buffers=2, writeback=True, staging_buffers=1)
+    rec = Recorder()
+    eng = Engine(pol, model, cost_model(dataclasses.replace(HW, link=slow), model), 6,
+                 recorder=rec, seed=0)  # fmt: skip
+    pol.engine = eng
+    eng.run(iter([random_routing(model, s, 3, 5, rng) for s in range(2)]))
+    tl = rec.timeline()
+    res = tl["resource"].astype(str)
+    assert _most_at_once(tl[res.str.startswith("h2d")]) == 2
+    assert _most_at_once(tl[res.str.startswith("d2h")]) == 2
+
+
+def _most_at_once(rows: pd.DataFrame) -> int:
+    """The most rows of ``rows`` running at one moment."""
+    starts = [(float(s), 1) for s in rows["start"]]
+    events = sorted(starts + [(float(e) - EPS, -1) for e in rows["end"]])
+    most = now = 0
+    for _, d in events:
+        now += d
+        most = max(most, now)
+    return most
 
 
 # -- evicting an expert the layer uses (policies that declare evicts_in_use) ------------------

@@ -451,3 +451,26 @@ def test_the_p40_box_follows_its_sources() -> None:
     assert hw.cpu.fp32_gflops == pytest.approx(0.5 * peak_fp32)
     assert hw.cpu.bf16_gflops == pytest.approx(0.5 * hw.cpu.fp32_gflops)
     assert hw.cpu.socket_bound_gbs < theoretical_bw and hw.cpu.fp32_gflops < peak_fp32
+
+
+@pytest.mark.parametrize(
+    ("engines", "per", "ok"),
+    [("2", "1", True), ("4", "2", True), ("2", "2", False), ("8", "5", False)],
+)
+def test_copy_engines_per_direction_needs_that_many_engines(
+    cli, tmp_path: Path, engines: str, per: str, ok: bool
+) -> None:
+    """``link.copy_engines_per_direction`` (default 1) is loaded as given; more engines per
+    direction than ``copy_engines`` holds (two directions) or above the bound is a one-line
+    error naming the key, exit 2."""
+    path = _with_value(tmp_path, "copy_engines", f"{engines}\ncopy_engines_per_direction = {per}")
+    if ok:
+        assert load_profile(path).link.copy_engines_per_direction == int(per)
+        assert load_profile("rtx4090-pcie4").link.copy_engines_per_direction == 1
+        return
+    with pytest.raises(ProfileError) as err:
+        load_profile(path)
+    assert err.value.key == "link.copy_engines_per_direction"
+    result = cli("run", "--hw", path, "--trace", "ci-small", "--sequences", "1")
+    assert result.exit_code == 2
+    assert len(result.stderr.strip().splitlines()) == 1

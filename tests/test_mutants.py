@@ -230,6 +230,14 @@ def _check_fast_cpu_jetson() -> None:
     both("daop", "ci-small", 0.25, hw)
 
 
+def _check_two_engines() -> None:
+    from equivalence import chaos_both, engines_per_direction, slow_cpu, slow_link
+
+    for seed in range(3):
+        hw = engines_per_direction(slow_cpu(slow_link(_a6000(), 8.0)))
+        chaos_both(seed, hw, 4 + seed, writeback=True, staging_buffers=1)
+
+
 def _check_ssd() -> None:
     from equivalence import chaos_both, host_tier, slow_cpu
 
@@ -271,29 +279,30 @@ CHECKS: dict[str, Callable[[], None]] = {
     "in-use-victims": lambda: _check_policy("mixtral-offloading", experts_per_layer=1),
     "ssd": _check_ssd,
     "two-gpus": _check_two_gpus,
+    "two-engines": _check_two_engines,
 }
 
 ENGINE_MUTANTS = (
     EngineMutant(
         "transfer-stall-halved",
-        "daopsim.simulator.core.executor:Executor._run_gpu",
-        "                c.transfer_stall += ready - gk",
-        "                c.transfer_stall += 0.5 * (ready - gk)",
+        "daopsim.simulator.core.executor:Executor.copy_wait",
+        "            self.c.transfer_stall += landed - free",
+        "            self.c.transfer_stall += 0.5 * (landed - free)",
         "chaos",
     ),
     EngineMutant(
         "gpu-stream-by-expert-only",
         "daopsim.simulator.core.executor:Executor.add_job",
-        "        job.k1 = job.ready if job.ready > base else base\n"
-        "        job.k2, job.k3 = job.ready, job.expert",
-        "        job.k1 = job.k2 = 0.0\n        job.k3 = job.expert",
+        "        job.time = job.ready if job.ready > base else base\n"
+        "        job.time2, job.rank = job.ready, job.expert",
+        "        job.time = job.time2 = 0.0\n        job.rank = job.expert",
         "chaos",
     ),
     EngineMutant(
         "slot-released-when-write-back-starts",
         "daopsim.simulator.core.executor:Executor._write_back",
         "        op.end, op.stage = e, 1\n        self.push(e, op)",
-        "        op.end, op.stage = e, 1\n        self.push(s, op)",
+        "        op.end, op.stage = e, 1\n        self.push(e - dur, op)",
         "chaos",
     ),
     EngineMutant(
@@ -356,16 +365,16 @@ ENGINE_MUTANTS = (
     ),
     EngineMutant(
         "unified-copies-take-no-dram",
-        "daopsim.simulator.core.executor:Executor.mem",
-        "        self._dram(s, e, self.m.costs.copy_dram_share(nbytes, e - s))",
-        "        pass",
+        "daopsim.simulator.core.resources:Lanes._traffic",
+        "            share = self.copy_share(nbytes, end - start)",
+        "            share = 0.0",
         "daop-unified",
     ),
     EngineMutant(
         "one-stream-kernel-beside-copies",
         "daopsim.simulator.core.executor:Executor._one_stream_ready",
-        "        return max(at, up_h.lane.free_at, up_d.lane.free_at)",
-        "        return max(at, up_d.lane.free_at)",
+        "        return max(at, up_h.engines.all_free_at(), up_d.engines.all_free_at())",
+        "        return max(at, up_d.engines.all_free_at())",
         "chaos-one-stream",
     ),
     EngineMutant(
@@ -402,6 +411,27 @@ ENGINE_MUTANTS = (
         "int(counts.sum()) // self.m.costs.model.top_k)",
         "int(counts.sum()))",
         "two-gpus",
+    ),
+    EngineMutant(
+        "copies-of-a-direction-on-its-first-engine-only",
+        "daopsim.simulator.core.resources:Engines.pick",
+        "            if lanes[i].free_at < best.free_at:",
+        "            if False:",
+        "two-engines",
+    ),
+    EngineMutant(
+        "write-back-holds-only-its-own-direction",
+        "daopsim.simulator.core.executor:Executor._write_back",
+        "[up_d.engines, up_h.engines]",
+        "[up_d.engines]",
+        "chaos",
+    ),
+    EngineMutant(
+        "unified-kernels-take-no-dram",
+        "daopsim.simulator.core.resources:Lanes._traffic",
+        "            share = self.kernel_share(tokens, context if context >= 0 else None)",
+        "            share = 0.0",
+        "daop-unified",
     ),
 )
 

@@ -40,6 +40,7 @@ from equivalence import (
     both,
     chaos,
     chaos_both,
+    engines_per_direction,
     host_tier,
     in_flight_both,
     inputs,
@@ -47,6 +48,7 @@ from equivalence import (
     run_engine,
     serving_run,
     slow_cpu,
+    slow_link,
     wide_socket,
 )
 from hypothesis import HealthCheck, given, settings
@@ -55,7 +57,7 @@ from hypothesis import strategies as st
 from daopsim.policies.base import Action, Plan, Policy, ResourceSpec, SetupContext, Slot, View
 from daopsim.policies.registry import available, get_policy_class
 from daopsim.simulator.core.loop import Engine
-from daopsim.simulator.costs import cost_model
+from daopsim.simulator.costs import CostModel, cost_model
 from daopsim.simulator.errors import PolicyError, UserError
 from daopsim.simulator.hardware import load_profile
 from daopsim.simulator.recorder import Recorder
@@ -111,6 +113,27 @@ def test_runtime_profiles_time_identically(
     policy: str, trace: str, runtime: str | RuntimeProfile
 ) -> None:
     assert len(both(policy, trace, 0.25, A6000, runtime))  # type: ignore[arg-type]
+
+
+def test_both_engines_take_activation_bytes_from_the_cost_model(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An activation's bytes are the cost model's (``CostModel.activation_bytes``) in both
+    engines: with three bytes per hidden value instead of two, both engines move, record and
+    count the new size and still agree (an engine with its own figure would not)."""
+    model, _, _, _ = inputs("ci-small")
+    tl = both("fiddler", "ci-small", 0.25, A6000)
+    assert tl is not None
+    act = tl[tl["kind"] == "activation"]
+    assert len(act) and (act["bytes"] % (model.hidden * 2) == 0).all()
+    monkeypatch.setattr(
+        CostModel, "activation_bytes", lambda self, n: int(n) * self.model.hidden * 3
+    )
+    wide = both("fiddler", "ci-small", 0.25, A6000)
+    assert wide is not None
+    act3 = wide[wide["kind"] == "activation"]
+    assert len(act3) == len(act)
+    assert act3["bytes"].sum() * 2 == act["bytes"].sum() * 3
 
 
 def test_a_slow_host_moves_the_timeline() -> None:
@@ -261,6 +284,67 @@ def test_one_stream_random_plans_time_identically(
     stats = chaos_both(seed, hw, 2 + 3 * seed, runtime=runtime, writeback=bool(seed % 2),
                        staging_buffers=seed % 3, one_stream=True)  # fmt: skip
     assert stats.counters.h2d_expert_copies > 0
+
+
+# -- two copy engines per direction --------------------------------------------------------
+def _second_engine_rows(tl: Any) -> int:
+    """Rows on a copy direction's second engine (``h2d.1``, ``d2h.1``, ``h2d0.1`` ...)."""
+    return int(tl["resource"].astype(str).str.endswith(".1").sum())
+
+
+@pytest.mark.parametrize(
+    ("policy", "opts"),
+    [
+        ("lru", {}),
+        ("daop", {}),
+        ("mixtral-offloading", {"prefetch": True}),
+        ("stream-all", {}),
+        ("moe-infinity", {}),
+        ("fiddler", {}),
+    ],
+)
+def test_two_copy_engines_per_direction_time_identically(policy: str, opts: dict[str, Any]) -> None:
+    """A profile with two copy engines in each direction (``link.copy_engines_per_direction =
+    2``): copies in one direction overlap, one per engine, on both engines alike, and the
+    second engines carry copies (on a slow link, where copies queue) unless the policy issues
+    copies on one stream (then one engine per direction serves them)."""
+    hw = engines_per_direction(slow_link(A6000, 5.0))
+    tl = both(policy, "ci-small", 0.25, hw, **opts)
+    assert tl is not None
+    spec = get_policy_class(policy)(**opts).resources()
+    if spec.one_stream:
+        assert _second_engine_rows(tl) == 0
+    elif policy != "fiddler":  # fiddler copies nothing but activations, one at a time
+        assert _second_engine_rows(tl) > 0
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_plans_on_two_copy_engines_per_direction_time_identically(seed: int) -> None:
+    """Random legal plans (write-backs holding an engine of each direction, temporary copies,
+    prefetches, CPU activations, copies evicted in flight, every plan flag) on two engines per
+    direction, a slow link so that copies queue; an SSD tier on odd seeds."""
+    model = tiny_model(experts=6, top_k=2, moe_layers=3)
+    host = ("a6000-pcie4", "rtx4090-990pro-pcie4")[seed % 2]
+    hw = engines_per_direction(slow_cpu(slow_link(load_profile(host), 8.0)))
+    tier = host_tier(model, hw, 2 + seed % 3, ("page-cache", "gds")[seed // 2 % 2])
+    stats = chaos_both(seed, hw, 3 + seed, runtime=("ideal", "hf-eager", SLOW_HOST)[seed % 3],
+                       host_tier=tier if seed % 2 else None, writeback=seed % 4 < 2,
+                       staging_buffers=seed % 3, flags=seed % 3 == 1,
+                       in_flight=seed % 4 == 3)  # fmt: skip
+    assert stats.counters.h2d_expert_copies > 0
+
+
+def test_a_second_engine_per_direction_shortens_a_copy_bound_run() -> None:
+    """More engines per direction never slow a run down, and on a copy-bound run (a slow link,
+    LRU at a small budget) they speed it up."""
+    model, seqs, dec, pre = inputs("ci-small")
+    make = get_policy_class("lru")
+    budget = round(0.125 * model.total_experts)
+    hw = slow_link(A6000, 5.0)
+    e2e = [run_engine(cls, make, model, h, budget, seqs, (dec, pre), record=False)[1].e2e
+           for h in (hw, engines_per_direction(hw)) for cls in ENGINES]  # fmt: skip
+    assert e2e[0] == pytest.approx(e2e[1], abs=TOL) and e2e[2] == pytest.approx(e2e[3], abs=TOL)
+    assert e2e[2] < e2e[0]
 
 
 @pytest.mark.parametrize("seed", range(6))

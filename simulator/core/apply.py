@@ -31,7 +31,7 @@ class Applier:
 
     def __init__(self, ex: Executor, n_layers: int, writeback: bool, ssd: Any) -> None:
         self.ex, self.m, self.res, self.c = ex, ex.m, ex.res, ex.c
-        self.expert_bytes, self.act_bytes = ex.expert_bytes, ex.act_bytes
+        self.expert_bytes, self.act_bytes = ex.expert_bytes, ex.m.activation_bytes
         #: evicted experts are copied back to the host (ResourceSpec.writeback)
         self.writeback = writeback
         #: the SSD tier when some experts live on a drive (daopsim.simulator.hosttier.HostTier)
@@ -123,8 +123,8 @@ class Applier:
             self.hits[layer] += n_hits
             self.accesses[layer] += n_routed
 
-    def _op(self, kind: int, rkind: str, layer: int, expert: int, w: LayerWork) -> Op:
-        op = Op(kind, rkind, self.ex.next_seq(), w.sid, w.token, layer, expert)
+    def _op(self, kind: int, row_kind: str, layer: int, expert: int, w: LayerWork) -> Op:
+        op = Op(kind, row_kind, self.ex.next_seq(), w.sid, w.token, layer, expert)
         if kind == CPU:  # activations leave from, and return to, the layer's home GPU
             op.dev = 0 if self.m.home is None else self.m.home[layer]
         elif self.m.gpu_of is not None:
@@ -239,8 +239,9 @@ class Applier:
         if local:  # the hidden states are already on the host
             op.local = True
             return op
-        self.c.d2h_bytes += self.act_bytes * n
-        self.c.h2d_bytes += self.act_bytes * n
+        nbytes = self.act_bytes(n)
+        self.c.d2h_bytes += nbytes
+        self.c.h2d_bytes += nbytes
         return op
 
     def _ssd_stage(self, w: LayerWork) -> None:
@@ -257,8 +258,7 @@ class Applier:
                     tier.written_back(op, now)
                 else:
                     op.at, op.gds = tier.read(op, now, op.kind != CPU)
-                    op.ssd_read = tier.issued
-                    if op.at > wait and op.rkind != "prefetch" and op.rkind != "precalc":
+                    if op.at > wait and op.row_kind != "prefetch" and op.row_kind != "precalc":
                         wait = op.at
                 op = op.chain
         for op in w.deferred.values():

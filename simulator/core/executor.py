@@ -32,25 +32,27 @@ from daopsim.simulator.core.ops import (
     LayerWork,
     Op,
 )
-from daopsim.simulator.core.resources import INF, Lane, Residency
+from daopsim.simulator.core.resources import INF, Lane, Lanes, Residency
 from daopsim.simulator.heap import Heap
 
 
 class Stream:
     """One GPU's stream within the current layer, and its totals over the run.
 
-    ``base``: no computation starts earlier (the layer's decision, then its activations'
-    arrival from the home GPU); ``held``: computations waiting for those activations (None
-    once they are there); ``g``: when the stream is free; ``fused``: the layer's fused call is
-    still to be charged (with its first computation); ``left``: computations still to run;
-    ``free_bufs`` and ``tempq``: temporary buffers free, and copies waiting for one.
+    ``lane``: the GPU's lane (its ``free_at``: when the stream is free); ``base``: no
+    computation starts earlier (the layer's decision, then its activations' arrival from the
+    home GPU); ``awaiting_input``: computations waiting for those activations (None once they
+    are there); ``fused``: the layer's fused call is still to be charged (with its first
+    computation); ``to_run``: computations still to run; ``free_bufs`` and ``tempq``:
+    temporary buffers free, and copies waiting for one.
     """
 
-    __slots__ = ("base", "busy", "d2h_bytes", "experts", "free_bufs", "fused", "g",
-                 "h2d_bytes", "held", "left", "tempq")  # fmt: skip
+    __slots__ = ("awaiting_input", "base", "d2h_bytes", "experts", "free_bufs",
+                 "fused", "h2d_bytes", "lane", "tempq", "to_run")  # fmt: skip
 
-    def __init__(self) -> None:
-        self.held: list[GpuJob] | None = None
+    def __init__(self, lane: Lane) -> None:
+        self.lane = lane
+        self.awaiting_input: list[GpuJob] | None = None
         self.tempq: deque[Op] = deque()
         self.begin(0.0, 0)
         #: over the run: expert computations, expert bytes copied in and written back
@@ -58,9 +60,14 @@ class Stream:
 
     def begin(self, now: float, buffers: int) -> None:
         """A new layer decided at ``now``."""
-        self.base = self.g = now
-        self.held, self.busy, self.fused, self.left = None, 0.0, True, 0
+        self.base = now
+        self.awaiting_input, self.fused, self.to_run = None, True, 0
         self.free_bufs = buffers
+
+    def free(self) -> float:
+        """When the stream can start the layer's next computation."""
+        f = self.lane.free_at
+        return f if f > self.base else self.base
 
 
 class Executor:
@@ -69,9 +76,8 @@ class Executor:
     def __init__(self, machine: Machine, res: Residency, counters: Counters, recorder: Any,
                  one_stream: bool) -> None:  # fmt: skip
         self.m, self.res, self.c, self.rec = machine, res, counters, recorder
-        #: bytes one expert copy moves, and one token's activations
+        #: bytes one expert copy moves
         self.expert_bytes: int = machine.costs.link_expert_bytes
-        self.act_bytes: int = machine.costs.model.hidden * 2
         #: copies and kernels share one stream (ResourceSpec.one_stream)
         self.one_stream = one_stream
         #: submitted requests keyed (submission time, issue number, submission number)
@@ -85,7 +91,9 @@ class Executor:
         #: the current layer's gather barrier (Plan.barrier): no computation starts earlier
         self.bar = -1.0
         #: each GPU's stream
-        self.streams = [Stream() for _ in range(machine.n_gpus)]
+        self.streams = [Stream(lane) for lane in machine.gpus]
+        #: every occupation of a lane goes through this
+        self.lanes = Lanes(machine, recorder, self.cpu_next)
         #: bytes moved per peer lane
         self.peer_bytes: dict[str, int] = {}
 
@@ -97,14 +105,14 @@ class Executor:
 
     def push(self, t: float, op: Op) -> None:
         """Submit ``op`` (its next stage) at ``t``."""
-        op.k1, op.k2, op.k3, op.k4 = t, 0.0, op.seq, self._uid
+        op.time, op.time2, op.rank, op.serial = t, 0.0, op.seq, self._uid
         self._uid += 1
         self.heap.push(op)
 
     def next_time(self) -> float:
         """When the next submitted request was submitted (inf: none)."""
         items = self.heap.items
-        return items[0].k1 if items else INF
+        return items[0].time if items else INF
 
     def advance(self, now: float) -> None:
         """Serve every request submitted at or before ``now``."""
@@ -115,7 +123,7 @@ class Executor:
         """Serve the next submitted request (or stage of one) in queueing-rule order."""
         op = self.heap.pop()
         assert isinstance(op, Op)
-        self.serve(op.k1, op)
+        self.serve(op.time, op)
 
     def drain(self) -> None:
         """Serve everything still submitted (background work after the last token)."""
@@ -126,7 +134,7 @@ class Executor:
         """Serve requests until ``op`` has its end time; returns it."""
         while op.end < 0.0:
             if not self.heap.items:
-                raise RuntimeError(f"engine: operation {op.rkind} can never complete")
+                raise RuntimeError(f"engine: operation {op.row_kind} can never complete")
             self.serve_next()
         return op.end
 
@@ -167,8 +175,8 @@ class Executor:
                 return
             op.stage = 1
         link = self.m.uplinks[k][0]
-        dur, nbytes = self._load(op, link)
-        e = self._copy(t, op, link, dur, nbytes, op.rkind)
+        dur, nbytes = self._copy_size(op, link)
+        e = self._copy(t, op, link, dur, nbytes, op.row_kind)
         res.copied(op.layer * res.n_experts + op.expert, op, e)
         if op.after is not None:  # its expert was evicted in flight: free the slot now
             self.push(e, op.after)
@@ -177,11 +185,11 @@ class Executor:
     def _temp_in(self, t: float, op: Op) -> None:
         """A copy into a temporary buffer (a low-bit copy when ``op.low``)."""
         link = self.m.uplinks[op.dev][0]
-        dur, nbytes = self._load(op, link)
+        dur, nbytes = self._copy_size(op, link)
         self._copy(t, op, link, dur, nbytes, "temp")
         self._landed(op, op.end)
 
-    def _load(self, op: Op, link: Link) -> tuple[float, int]:
+    def _copy_size(self, op: Op, link: Link) -> tuple[float, int]:
         """A copy's duration and bytes: the host's low-precision copy's when ``op.low``; into
         the slot of an expert this layer computed (``op.warm``), the measured warm copy's."""
         if op.low:
@@ -193,23 +201,10 @@ class Executor:
         if op.gds:  # the drive wrote the weights into GPU memory already (GPUDirect Storage)
             op.end = t
             return t
-        op.end = e = self._transfer(link.lane, t, dur, kind, op, nbytes)
+        op.end = e = self.lanes.serve(link.engines, t, dur, kind, op.sid, op.token, op.layer,
+                                      op.expert, nbytes)  # fmt: skip
         self.streams[op.dev].h2d_bytes += nbytes
         return e
-
-    def _transfer(self, lane: Lane, t: float, dur: float, kind: str, op: Op, nbytes: int) -> float:
-        """A transfer of ``nbytes`` for ``op`` on ``lane``, submitted at ``t``: served in turn,
-        recorded, and on unified memory a load of the DRAM; returns its end."""
-        s, e = lane.serve(t, dur)
-        self._record(lane.name, kind, op, s, e, nbytes)
-        if self.m.unified:
-            self.mem(s, e, nbytes)
-        return e
-
-    def _record(self, lane: str, kind: str, op: Op, s: float, e: float, nbytes: int) -> None:
-        """A timeline row for ``op`` on ``lane`` from ``s`` to ``e`` (when recording)."""
-        if self.rec is not None:
-            self.rec.op(lane, kind, op.sid, op.token, op.layer, op.expert, s, e, nbytes)
 
     def _landed(self, op: Op, end: float) -> None:
         """A copy a GPU computation of the current layer waits for has ended."""
@@ -228,15 +223,9 @@ class Executor:
             self.release(op.dev, t)
             return
         up_h, up_d = self.m.uplinks[op.dev]
-        h2d, d2h = up_h.lane, up_d.lane
-        s = max(t, h2d.free_at, d2h.free_at)
         dur = up_d.warm_s if op.warm else up_d.expert_s
-        e = s + dur
-        h2d.free_at = d2h.free_at = e
-        d2h.busy += dur
-        self._record(d2h.name, "writeback", op, s, e, self.expert_bytes)
-        if self.m.unified:
-            self.mem(s, e, self.expert_bytes)
+        e = self.lanes.hold([up_d.engines, up_h.engines], t, dur, "writeback", op.sid,
+                            op.token, op.layer, op.expert, self.expert_bytes)  # fmt: skip
         self.streams[op.dev].d2h_bytes += self.expert_bytes
         op.end, op.stage = e, 1
         self.push(e, op)
@@ -265,8 +254,9 @@ class Executor:
             return
         up_h, up_d = self.m.uplinks[op.dev]
         link = up_d if op.stage == 0 else up_h
-        e = self._transfer(link.lane, t, link.activation_s(op.n), "activation", op,
-                           self.act_bytes * op.n)  # fmt: skip
+        nbytes = self.m.activation_bytes(op.n)
+        e = self.lanes.serve(link.engines, t, link.activation_s(op.n), "activation", op.sid,
+                             op.token, op.layer, op.expert, nbytes)  # fmt: skip
         if op.stage == 0:
             op.stage = 1
             self.push(e, op)
@@ -292,42 +282,26 @@ class Executor:
 
     def _cpu_wake(self, t: float) -> None:
         """The shared CPU's event at ``t``: calls that end there return their results."""
-        cpu = self.m.cpu
-        for job in cpu.wake(t):
+        for job in self.lanes.cpu_done(t):
             op = job.op
-            self._record(cpu.lanes[job.worker].name, op.rkind, op, job.start, t, 0)
             op.stage = 2
             self.push(t, op)
         self.cpu_next()
-
-    def mem(self, s: float, e: float, nbytes: int) -> None:
-        """Unified memory: a copy from ``s`` to ``e`` takes its share of the DRAM."""
-        self._dram(s, e, self.m.costs.copy_dram_share(nbytes, e - s))
-
-    def gpu_mem(self, s: float, e: float, n: int, context: int | None = None) -> None:
-        """Unified memory: a GPU kernel takes its share of the DRAM."""
-        self._dram(s, e, self.m.dram_share(n, context))
-
-    def _dram(self, s: float, e: float, share: float) -> None:
-        """A load of ``share`` of the DRAM from ``s`` to ``e``: the shared CPU's rate may
-        change, so its next event is scheduled again."""
-        self.m.cpu.load(s, e, share)
-        if self.m.cpu.active:
-            self.cpu_next()
 
     # -- between GPUs ---------------------------------------------------------------------------
     def _peer(self, t: float, op: Op) -> None:
         """Activations from GPU ``op.src`` to ``op.dst``: over a direct peer lane, or staged
         through host memory (out on the sender's uplink, then in on the receiver's)."""
         m = self.m
-        nbytes = self.act_bytes * op.n
+        nbytes = m.activation_bytes(op.n)
         link = m.peers.get((op.src, op.dst))
         staged = link is None
         if link is None:
             link = m.uplinks[op.src][1] if op.stage == 0 else m.uplinks[op.dst][0]
-        s, e = link.lane.serve(t, link.activation_s(op.n))
-        name = link.lane.name
-        self._record(name, "peer", op, s, e, nbytes)
+        lanes = link.engines
+        e = self.lanes.serve(lanes, t, link.activation_s(op.n), "peer", op.sid, op.token,
+                             op.layer, op.expert, nbytes, False)  # fmt: skip
+        name = lanes.name
         self.peer_bytes[name] = self.peer_bytes.get(name, 0) + nbytes
         if staged and op.stage == 0:
             op.stage = 1
@@ -340,8 +314,8 @@ class Executor:
             st = self.streams[op.dst]
             if e > st.base:
                 st.base = e
-            held = st.held
-            st.held = None
+            held = st.awaiting_input
+            st.awaiting_input = None
             for job in held or ():
                 self.add_job(job)
 
@@ -356,12 +330,12 @@ class Executor:
         """A GPU computation of the current layer, startable from ``job.ready`` on its GPU
         (and no earlier than the GPU's ``base``)."""
         st = self.streams[job.dev]
-        if st.held is not None:  # its GPU's activations are not there yet
-            st.held.append(job)
+        if st.awaiting_input is not None:  # its GPU's activations are not there yet
+            st.awaiting_input.append(job)
             return
         base = st.base
-        job.k1 = job.ready if job.ready > base else base
-        job.k2, job.k3 = job.ready, job.expert
+        job.time = job.ready if job.ready > base else base
+        job.time2, job.rank = job.ready, job.expert
         self.jobs.push(job)
 
     def run_layer(self, w: LayerWork) -> float:
@@ -378,7 +352,7 @@ class Executor:
         late = list(w.deferred.values()) if self.one_stream else []
         self._run_gpu(w, sends)
         st = self.streams[home]
-        end = st.g if st.g > st.base else st.base
+        end = st.free()
         if self.one_stream:
             end = self._one_stream_tail(w, late, end)
         if sends is not None:
@@ -397,13 +371,13 @@ class Executor:
         assert gpu_of is not None
         row = gpu_of[w.layer]
         for job in w.gpu:
-            self.streams[row[job.expert]].left += 1
+            self.streams[row[job.expert]].to_run += 1
         sends: dict[int, tuple[Op, Op]] = {}
         for k, st in enumerate(self.streams):
-            if st.left and k != home:
+            if st.to_run and k != home:
                 n = self._peer_tokens(w, k)
                 sends[k] = (self.peer_op(w, home, k, n), self.peer_op(w, k, home, n))
-                st.held = []
+                st.awaiting_input = []
         return sends
 
     def _peer_tokens(self, w: LayerWork, k: int) -> int:
@@ -456,10 +430,10 @@ class Executor:
             self.c.cpu_wait += sync_end - w.now
             for st in self.streams:
                 if sync_end > st.base:
-                    st.base = st.g = sync_end
+                    st.base = sync_end
             for job in self.jobs.items:
                 assert isinstance(job, GpuJob)
-                job.k1 = max(job.ready, self.streams[job.dev].base)
+                job.time = max(job.ready, self.streams[job.dev].base)
             self.jobs.rebuild()
 
     def _gpu_sources(self, w: LayerWork) -> None:
@@ -494,12 +468,12 @@ class Executor:
         An in-use victim's write-back is submitted when its computation ends, a temporary
         copy waiting for a buffer when a computation frees one, and a GPU's results are sent
         back to the home GPU after its last computation."""
-        m, c, rec = self.m, self.c, self.rec
+        m, c = self.m, self.c
         jobs = self.jobs.items
         counts: Any = w.counts
         total = 0.0
         while jobs or self.waiting:
-            while self.waiting and self.next_time() < (jobs[0].k1 if jobs else INF):
+            while self.waiting and self.next_time() < (jobs[0].time if jobs else INF):
                 self.serve_next()
             if not jobs:
                 raise RuntimeError("engine: the GPU waits for a copy that can never start")
@@ -507,12 +481,11 @@ class Executor:
             assert isinstance(job, GpuJob)
             ready, e, k = job.ready, job.expert, job.dev
             st = self.streams[k]
-            drained = gk = st.g if st.g > st.base else st.base
+            drained = gk = st.lane.free_at if st.lane.free_at > st.base else st.base
             if self.one_stream:
                 ready = self._one_stream_ready(ready, gk, k)
             if ready > gk:
-                c.transfer_stall += ready - gk
-                gk = ready
+                gk = self.copy_wait(ready, gk)
             n = 1 if counts is None else int(counts[e])
             d = m.gpu_copied_s(n) if job.copied else m.gpu_s(n)
             if st.fused:  # the layer's fused call, charged with the GPU's first expert
@@ -524,26 +497,20 @@ class Executor:
                 if wait > 0.0:
                     c.dispatch_stall += wait
                     gk += wait
-            if rec is not None:
-                rec.op(m.gpus[k].name, "expert", w.sid, w.token, w.layer, e, gk, gk + d, 0)
-            if m.unified:
-                self.gpu_mem(gk, gk + d, n)
-            gk += d
-            st.g = gk
-            st.busy += d
+            gk = self.lanes.run(st.lane, gk, d, "expert", w.sid, w.token, w.layer, e, 0, n, -1,
+                                True)  # fmt: skip
             total += d
             st.experts += 1
-            if self.one_stream:
+            if self.one_stream:  # the kernel held the copy engines
                 up_h, up_d = m.uplinks[k]
-                up_h.lane.free_at = up_d.lane.free_at = gk
+                self.lanes.block([up_h.engines, up_d.engines], gk)
             self._after_job(w, job, st)
             if sends is not None and k in sends:
-                st.left -= 1
-                if st.left == 0:  # its results go back to the home GPU
+                st.to_run -= 1
+                if st.to_run == 0:  # its results go back to the home GPU
                     self.push(gk, sends[k][1])
         c.gpu_expert_busy += total
-        for k, lane in enumerate(m.gpus):
-            lane.busy += self.streams[k].busy
+        self.lanes.settle(m.gpus)
 
     def _after_job(self, w: LayerWork, job: GpuJob, st: Stream) -> None:
         """What a finished computation submits: its expert's deferred write-back, and the
@@ -551,11 +518,20 @@ class Executor:
         if w.deferred:
             wb = w.deferred.pop(job.expert, None)
             if wb is not None:  # evicted while in use: written back after its computation
-                self.push(st.g, wb)
+                self.push(st.lane.free_at, wb)
         if job.buf >= 0 and st.tempq:
             nxt = st.tempq.popleft()
             nxt.buf = job.buf
-            self.push(st.g if st.g >= nxt.at else nxt.at, nxt)
+            g = st.lane.free_at
+            self.push(g if g >= nxt.at else nxt.at, nxt)
+
+    def copy_wait(self, landed: float, free: float) -> float:
+        """A GPU stream free at ``free`` waits for a copy that lands at ``landed``: the wait
+        is transfer stall; returns when the stream can go on."""
+        if landed > free:
+            self.c.transfer_stall += landed - free
+            return landed
+        return free
 
     def _one_stream_ready(self, ready: float, g: float, k: int) -> float:
         """One stream for copies and kernels: a kernel is issued once its weights are
@@ -564,15 +540,12 @@ class Executor:
         at = ready if ready > g else g
         self.advance(at)
         up_h, up_d = self.m.uplinks[k]
-        return max(at, up_h.lane.free_at, up_d.lane.free_at)
+        return max(at, up_h.engines.all_free_at(), up_d.engines.all_free_at())
 
     def _one_stream_tail(self, w: LayerWork, late: list[Op], g: float) -> float:
         """One stream: the layer ends once every copy it issued has ended (the wait is
         transfer stall)."""
-        last = self.last_end([o for o in w.ops if o.kind != CPU] + late, g)
-        if last > g:
-            self.c.transfer_stall += last - g
-        return last
+        return self.copy_wait(self.last_end([o for o in w.ops if o.kind != CPU] + late, g), g)
 
     def _cross(self, w: LayerWork, end: float) -> float:
         """Pipeline: after a stage's last layer the hidden states cross to the next GPU."""
@@ -591,10 +564,5 @@ class Executor:
         """A copy of non-expert weights submitted at ``t``: it queues on the host-to-device
         lane behind everything submitted before it; returns when it lands."""
         self.advance(t)
-        lane = self.m.links["h2d"].lane
-        s, e = lane.serve(t, dur)
-        if self.m.unified:
-            self.mem(s, e, nbytes)
-        if self.rec is not None:
-            self.rec.op(lane.name, kind, sid, token, layer, -1, s, e, nbytes)
-        return e
+        return self.lanes.serve(self.m.links["h2d"].engines, t, dur, kind, sid, token, layer, -1,
+                                nbytes)  # fmt: skip

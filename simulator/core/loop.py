@@ -30,7 +30,7 @@ from daopsim.simulator.core.apply import Applier
 from daopsim.simulator.core.executor import Executor
 from daopsim.simulator.core.machine import Machine
 from daopsim.simulator.core.ops import Counters
-from daopsim.simulator.core.resources import Lane, Residency
+from daopsim.simulator.core.resources import Residency
 from daopsim.simulator.runstats import RunStats, multi_metrics, run_stats
 
 
@@ -55,8 +55,9 @@ class Step:
     ``n``/``context`` size the non-expert part (``d_ne`` GPU seconds a layer, ``d_cpu`` on
     the CPU for a CPU-resident layer, negative: the machine's memoised cost); the first
     ``n_cpu_run`` layers run on the CPU. Labels (sequence, token) name the step's rows in
-    the timeline: ``part`` its non-expert parts and weight copies, ``ops`` its operations;
-    ``who`` is where its decisions' errors point.
+    the timeline: ``nonexpert_ids`` its non-expert parts and weight copies, ``op_ids`` its
+    operations; ``decision_ids`` is where its decisions' errors point (and the view's token).
+    ``dram_key`` (tokens, context) sizes the non-expert part's DRAM share on unified memory.
     """
 
     prefill = False
@@ -68,8 +69,8 @@ class Step:
         self.d_ne = d_ne
         self.d_cpu = -1.0
         self.n_cpu_run = 0
-        self.load = (n, context)  # unified memory: the non-expert kernel's DRAM share key
-        self.part = self.ops = self.who = (0, 0)
+        self.dram_key = (n, context)
+        self.nonexpert_ids = self.op_ids = self.decision_ids = (0, 0)
 
     def begin(self, eng: Engine) -> None:
         """Set the view's step-wide fields."""
@@ -106,7 +107,7 @@ class PrefillStep(Step):
         self.r = r
         offload = eng.n_cpu_layers and 0 < eng.spec.cpu_layer_offload_batch <= p
         self.n_cpu_run = 0 if offload else eng.n_cpu_layers
-        self.part = self.ops = self.who = (eng.hooks.where.seq or 0, base)
+        self.nonexpert_ids = self.op_ids = self.decision_ids = (eng.hooks.where.seq or 0, base)
 
     def begin(self, eng: Engine) -> None:
         v = eng.view
@@ -150,7 +151,8 @@ class DecodeStep(Step):
         super().__init__(1, context, eng.machine.nonexpert_s(1, context))
         self.dp, self.t = dp, t
         self.n_cpu_run = eng.n_cpu_layers
-        self.part = self.ops = self.who = (eng.hooks.where.seq or 0, t + base)
+        ids = (eng.hooks.where.seq or 0, t + base)
+        self.nonexpert_ids = self.op_ids = self.decision_ids = ids
         self.experts_t = dp.experts[t]
         self.weights_t = dp.weights[t]
         self.weights_l: list[list[float]] | None = None  # the same as lists, made once
@@ -212,12 +214,8 @@ class DecodeStep(Step):
         return self.weights_l[layer]
 
     def finish(self, eng: Engine, t0: float) -> None:
-        c = eng.c
         eng.discard_precalc()
-        lat = eng.now - t0
-        c.token_latency.append(lat)
-        c.decode_time += lat
-        c.decode_tokens += 1
+        eng.c.decoded(eng.now - t0)
 
 
 class Engine:
@@ -277,6 +275,7 @@ class Engine:
                             recorder)  # fmt: skip
             v.host_resident = tier.host.view()
             v.host_resident.flags.writeable = False
+            tier.lanes = self.ex.lanes
             if host_tier.uses_ssd:
                 ssd = tier
                 m.drives[tier.lane.name] = tier.lane
@@ -326,7 +325,7 @@ class Engine:
         t0 = self.now
         if r.n_prefill:
             self.forward(PrefillStep(self, r, 0))
-        self.c.ttft.append(self.now - t0)
+        self.c.first_token(self.now - t0)
         self.decode(r)
         self.end_sequence(sid, on_sequence, r)
 
@@ -370,8 +369,8 @@ class Engine:
     def forward(self, st: Step) -> None:
         """One forward pass through every layer."""
         t0 = self.now
-        self.hooks.where.seq, self.hooks.where.token = st.who
-        self.view.token = st.who[1]
+        self.hooks.where.seq, self.hooks.where.token = st.decision_ids
+        self.view.token = st.decision_ids[1]
         self.view.step = self.step
         st.begin(self)
         decide = getattr(self.policy, st.hook)  # the hook deciding the step's layers
@@ -387,7 +386,7 @@ class Engine:
     def _decide(self, st: Step, decide: Callable[[View], Any], layer: int, now: float) -> None:
         """The layer's decision from its view, checked, applied and timed."""
         v, where, hooks = self.view, self.hooks.where, self.hooks
-        where.seq, where.token = st.who
+        where.seq, where.token = st.decision_ids
         v.layer = where.layer = layer
         v.now = now
         experts, counts = st.enter(self, layer)
@@ -397,8 +396,8 @@ class Engine:
         routed = true if route is None else route
         order = check_plan(hooks, plan, layer, routed, self.res, self.spec, self.precalc)
         st.account(self, plan, route, true, layer)  # a Plan: check_plan refuses anything else
-        where.seq, where.token = st.ops
-        work = self.applier.apply(plan, layer, order, routed, counts, now, st.prefill, st.ops,
+        where.seq, where.token = st.op_ids
+        work = self.applier.apply(plan, layer, order, routed, counts, now, st.prefill, st.op_ids,
                                   layer < st.n_cpu_run)  # fmt: skip
         self.now = self.ex.run_layer(work)
 
@@ -407,7 +406,7 @@ class Engine:
         """A layer's non-expert part from the current time; returns the decision time."""
         start = self.now
         n_cpu = self.n_cpu_layers
-        self.hooks.where.seq, self.hooks.where.token = st.part
+        self.hooks.where.seq, self.hooks.where.token = st.nonexpert_ids
         if layer < st.n_cpu_run:  # a CPU-resident layer (ResourceSpec.gpu_blocks)
             return self._cpu_layer_part(st, start, layer)
         if n_cpu and layer < n_cpu:  # op offload: this layer's weights come first
@@ -432,9 +431,9 @@ class Engine:
                 start = end - d
         c.gpu_nonexpert_busy += d
         lane = m.gpus[0 if m.home is None else m.home[layer]]
-        self._charge(st, lane, "nonexpert", layer, start, d, 0)
-        if m.unified:
-            self.ex.gpu_mem(start, start + d, st.load[0], st.load[1])
+        sid, token = st.nonexpert_ids
+        n, context = st.dram_key
+        self.ex.lanes.run(lane, start, d, "nonexpert", sid, token, layer, -1, 0, n, context)
         return now
 
     def _cpu_layer_part(self, st: Step, start: float, layer: int) -> float:
@@ -445,8 +444,8 @@ class Engine:
         m = self.machine
         d = st.d_cpu if st.d_cpu >= 0.0 else m.cpu_layer_nonexpert_s(st.n, st.context)
         self.c.cpu_nonexpert_busy += d
-        m.cpu.lanes[0].free_at = start + d
-        return self._charge(st, m.cpu.lanes[0], "nonexpert", layer, start, d, 0)
+        sid, token = st.nonexpert_ids
+        return self.ex.lanes.run(m.cpu.lanes[0], start, d, "nonexpert", sid, token, layer, -1, 0)
 
     def _host_copy(self, st: Step, start: float, layer: int, kind: str) -> float:
         """Around CPU-resident layers: a prompt's copy of a CPU layer's weights to the GPU
@@ -458,22 +457,10 @@ class Engine:
             d, nbytes = m.cpu_layer_weights_s, self.costs.cpu_layer_weight_bytes
             c.cpu_layer_weight_copies += 1
         else:
-            d, nbytes = link.activation_s(st.n), self.ex.act_bytes * st.n
+            d, nbytes = link.activation_s(st.n), m.activation_bytes(st.n)
         c.h2d_bytes += nbytes
-        link.lane.free_at = start + d
-        return self._charge(st, link.lane, kind, layer, start, d, nbytes)
-
-    def _charge(
-        self, st: Step, lane: Lane, kind: str, layer: int, start: float, d: float, nbytes: int
-    ) -> float:
-        """``st``'s ``kind`` of ``layer`` (a non-expert part, or a copy of ``nbytes``) holds
-        ``lane`` for ``d`` seconds from ``start``: its busy time and its timeline row; returns
-        its end."""
-        lane.busy += d
-        if self.recorder is not None:
-            self.recorder.op(lane.name, kind, st.part[0], st.part[1], layer, -1, start,
-                             start + d, nbytes)  # fmt: skip
-        return start + d
+        sid, token = st.nonexpert_ids
+        return self.ex.lanes.serve(link.engines, start, d, kind, sid, token, layer, -1, nbytes)
 
     def _weights(self, st: Step, start: float, layer: int) -> float:
         """ZeRO-3's streamed non-expert weights (ResourceSpec.nonexpert_streamed): the copies
@@ -496,5 +483,7 @@ class Engine:
             c.h2d_bytes += nbytes
             c.nonexpert_weight_copies += 1
             c.nonexpert_weight_bytes += nbytes
-            end = self.ex.weights(start, nbytes, dur, kind, st.part[0], st.part[1], lay)
+            e = self.ex.weights(start, nbytes, dur, kind, *st.nonexpert_ids, lay)
+            if e > end:  # on several copy engines a later copy may land first
+                end = e
         return end

@@ -4,9 +4,10 @@ One resource set per GPU (its stream ``gpu``/``gpuK``, its host uplink of two co
 slots and temporary buffers, the runtime's thread issuing its expert kernels), plus what the
 GPUs share: the host CPU (``cpu``, a :class:`SharedCpu`), the lanes of direct peer paths
 (``peerA>B``) and the NVMe drives of the SSD tier (``ssd``). With one copy engine a GPU's two
-directions share one lane (``copy``). Every duration comes from the cost model
-(``daopsim.simulator.costs``), bound here once per run and memoised; the executor never computes a
-cost itself.
+directions share one lane (``copy``); with more, each direction has
+``link.copy_engines_per_direction`` engines (``h2d``, ``h2d.1`` ...). Every duration comes from
+the cost model (``daopsim.simulator.costs``), bound here once per run and memoised; the executor
+never computes a cost itself.
 """
 
 from __future__ import annotations
@@ -15,24 +16,24 @@ from collections.abc import Callable
 from functools import cache, partial
 from typing import Any
 
-from daopsim.simulator.core.resources import CpuJob, HostThread, Lane, SharedCpu
+from daopsim.simulator.core.resources import CpuJob, Engines, HostThread, Lane, SharedCpu
 
 
 class Link:
-    """A transfer path between two memories: the lane it runs on and what a copy costs."""
+    """A transfer path between two memories: the engines it runs on and what a copy costs."""
 
-    __slots__ = ("activation_s", "expert_s", "lane", "name", "warm_s")
+    __slots__ = ("activation_s", "engines", "expert_s", "name", "warm_s")
 
     def __init__(
         self,
         name: str,
-        lane: Lane,
+        engines: Engines,
         expert_s: float,
         activation_s: Callable[[int], float],
         warm_s: float = -1.0,
     ) -> None:
         self.name = name
-        self.lane = lane
+        self.engines = engines
         #: seconds to move one expert's weights over this link
         self.expert_s = expert_s
         #: the same into, or out of, the slot of an expert the layer computed (its weights still
@@ -59,7 +60,7 @@ class Machine:
         self.multi = multi = costs.hw.multi if n > 1 else None
         pinned = spec.pinned
         #: each GPU's (h2d, d2h) uplink (the same objects for every GPU on a shared uplink)
-        self.uplinks = _uplinks(costs, pinned, n, multi)
+        self.uplinks = _uplinks(costs, pinned, n, multi, spec.one_stream)
         self.links = {"h2d": self.uplinks[0][0], "d2h": self.uplinks[0][1]}
         #: direct peer lanes by (source, destination)
         self.peers = _peers(costs, n, multi)
@@ -88,6 +89,8 @@ class Machine:
         self.gpu_copied_s = _memo(costs.gpu_expert_after_copy_s) if after else self.gpu_s
         self.fused_launch_s: float = costs.fused_moe_layer_s() if fused else 0.0
         self.cpu_s = _memo(costs.cpu_expert_s)
+        #: bytes of n tokens' hidden states, one way (an activation copy or transfer)
+        self.activation_bytes = _memo_bytes(costs.activation_bytes)
         self._cpu_share = _memo(costs.cpu_share)
         self._cpu_dram = _memo(costs.cpu_dram_share)
         #: unified memory: copies and GPU kernels register their DRAM share with the CPU
@@ -126,8 +129,12 @@ class Machine:
         return self._gpu_dram(n) if context is None else self._layer_dram(n, context)
 
 
-def _uplinks(costs: Any, pinned: bool, n: int, multi: Any) -> list[tuple[Link, Link]]:
-    """Each GPU's (host-to-device, device-to-host) links; one pair for a shared uplink."""
+def _uplinks(
+    costs: Any, pinned: bool, n: int, multi: Any, one_stream: bool
+) -> list[tuple[Link, Link]]:
+    """Each GPU's (host-to-device, device-to-host) links; one pair for a shared uplink. A
+    direction has ``copy_engines_per_direction`` engines, one on a single stream (it issues
+    one copy at a time)."""
     act = _memo(costs.activation_copy_s)
     h2d_s, d2h_s = costs.h2d_expert_s(pinned), costs.d2h_expert_s(pinned)
     h2d_w, d2h_w = costs.h2d_expert_warm_s(pinned), costs.d2h_expert_warm_s(pinned)
@@ -135,9 +142,10 @@ def _uplinks(costs: Any, pinned: bool, n: int, multi: Any) -> list[tuple[Link, L
     for k in range(1 if multi is None or multi.shared_uplink else n):
         sfx = "" if n == 1 else str(k)
         if costs.hw.link.copy_engines >= 2:
-            hl, dl = Lane(f"h2d{sfx}"), Lane(f"d2h{sfx}")
+            per = 1 if one_stream else costs.hw.link.copy_engines_per_direction
+            hl, dl = Engines(f"h2d{sfx}", per), Engines(f"d2h{sfx}", per)
         else:  # one copy engine: both directions share one FIFO lane
-            hl = dl = Lane(f"copy{sfx}")
+            hl = dl = Engines(f"copy{sfx}")
         ups.append(
             (Link(f"h2d{sfx}", hl, h2d_s, act, h2d_w), Link(f"d2h{sfx}", dl, d2h_s, act, d2h_w))
         )
@@ -153,8 +161,21 @@ def _peers(costs: Any, n: int, multi: Any) -> dict[tuple[int, int], Link]:
             for b in range(n):
                 if a != b and multi.direct(a, b):
                     name = f"peer{a}>{b}"
-                    peers[(a, b)] = Link(name, Lane(name), 0.0, peer_s)
+                    peers[(a, b)] = Link(name, Engines(name), 0.0, peer_s)
     return peers
+
+
+def _memo_bytes(fn: Callable[[int], int]) -> Callable[[int], int]:
+    """``fn`` (a byte count) memoised on its integer argument, as :func:`_memo`."""
+    memo: dict[int, int] = {}
+
+    def get(n: int) -> int:
+        b = memo.get(n)
+        if b is None:
+            b = memo[n] = fn(n)
+        return b
+
+    return get
 
 
 def _memo(fn: Callable[[int], float]) -> Callable[[int], float]:

@@ -81,6 +81,17 @@ class Counters:
     nonexpert_weight_copies: int = 0
     nonexpert_weight_bytes: int = 0
 
+    def first_token(self, seconds: float) -> None:
+        """A sequence's time to its first token (0 without a prompt)."""
+        self.ttft.append(seconds)
+
+    def decoded(self, seconds: float, tokens: int = 1) -> None:
+        """A decode step of ``seconds`` produced ``tokens`` tokens (one per sequence it
+        decoded): each token's latency is the step's."""
+        self.token_latency.extend([seconds] * tokens)
+        self.decode_time += seconds
+        self.decode_tokens += tokens
+
 
 class Op(Keyed):
     """One request a plan submits: a write-back, a copy, a CPU job or an activation transfer.
@@ -93,15 +104,16 @@ class Op(Keyed):
     """
 
     __slots__ = ("after", "at", "buf", "chain", "dev", "dst", "end", "expert", "gds", "gpu", "job",
-                 "kind", "layer", "local", "low", "n", "rkind", "seq", "sid", "src", "ssd_read",
-                 "stage", "token", "warm")  # fmt: skip
+                 "kind", "layer", "local", "low", "n", "row_kind", "seq", "sid", "src", "stage",
+                 "token", "warm")  # fmt: skip
 
     def __init__(
-        self, kind: int, rkind: str, seq: int, sid: int, token: int, layer: int, expert: int
+        self, kind: int, row_kind: str, seq: int, sid: int, token: int, layer: int, expert: int
     ) -> None:
         super().__init__()
         self.kind = kind
-        self.rkind = rkind  # the timeline's "kind" column
+        #: what its timeline rows call it (the "kind" column: fetch, prefetch, cpu_expert ...)
+        self.row_kind = row_kind
         self.seq = seq
         self.sid = sid
         self.token = token
@@ -127,8 +139,6 @@ class Op(Keyed):
         self.after: Op | None = None
         #: the SSD tier: a GPUDirect Storage read already put the weights in GPU memory
         self.gds = False
-        #: the SSD tier: this operation issued the drive read it waits for
-        self.ssd_read = False
         self.local = False  # a CPU job of a CPU-resident layer: no activation copies
         self.src = 0  # PEER: the sending GPU
         self.dst = 0  # PEER: the receiving GPU

@@ -2,6 +2,11 @@
 
 * :class:`Lane`: a serial resource (a GPU stream, a copy engine, a drive), first come first
   served in the order the executor submits requests (docs/policy-api.md, "Timing rules");
+* :class:`Engines`: the copy engines of one direction of a link (or one peer lane), lanes
+  serving one queue;
+* :class:`Lanes`: the one way any lane is occupied (serve one, hold several together, run a
+  timed piece of work, a CPU call's end): it writes the lanes' state, records the timeline row
+  and, on unified memory, registers the occupation's DRAM traffic;
 * :class:`SharedCpu`: the host CPU, worker threads whose running calls share one socket by
   processor sharing (and, on unified memory, the DRAM with copies and GPU kernels);
 * :class:`HostThread`: the runtime's thread that issues the GPU's kernels and blocks at its
@@ -15,6 +20,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
+from collections.abc import Callable
 from typing import Any, Final
 
 import numpy as np
@@ -28,22 +34,182 @@ DONE_EPS: Final = 1e-9
 
 
 class Lane:
-    """A serial resource holding one request at a time (first come, first served)."""
+    """A serial resource holding one request at a time (first come, first served).
 
-    __slots__ = ("busy", "free_at", "name")
+    ``free_at``: when it is free for the next request; ``busy``: seconds it worked (a GPU
+    stream's kernels of one layer first sum into ``pending``, added when the layer ends).
+    Only :class:`Lanes` (and the shared CPU, for its workers) writes them."""
+
+    __slots__ = ("busy", "free_at", "name", "pending")
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.free_at = 0.0
         self.busy = 0.0
+        self.pending = 0.0
 
-    def serve(self, submitted: float, duration: float) -> tuple[float, float]:
-        """Serve a request submitted at ``submitted``; every earlier one was served first."""
-        start = submitted if submitted > self.free_at else self.free_at
-        end = start + duration
-        self.free_at = end
-        self.busy += duration
-        return start, end
+
+class Engines:
+    """The copy engines of one direction of a link: ``n`` lanes serving one queue.
+
+    A request goes to the engine free first (the lowest index on ties), so with requests
+    served in queueing-rule order it starts at ``max(submitted, that engine's free_at)``:
+    one copy per engine at a time. With one engine this is a :class:`Lane`. The engines are
+    named ``name``, ``name.1``, ``name.2`` ...
+    """
+
+    __slots__ = ("lanes", "name")
+
+    def __init__(self, name: str, n: int = 1) -> None:
+        self.name = name
+        self.lanes = [Lane(name if i == 0 else f"{name}.{i}") for i in range(max(1, n))]
+
+    def pick(self) -> Lane:
+        """The engine free first (the lowest index on ties)."""
+        lanes = self.lanes
+        best = lanes[0]
+        for i in range(1, len(lanes)):
+            if lanes[i].free_at < best.free_at:
+                best = lanes[i]
+        return best
+
+    def all_free_at(self) -> float:
+        """When every engine is free."""
+        t = 0.0
+        for lane in self.lanes:
+            if lane.free_at > t:
+                t = lane.free_at
+        return t
+
+
+class Lanes:
+    """The one way the machine's lanes are occupied (docs/policy-api.md, "Timing rules").
+
+    :meth:`serve` serves one request on an engine of a group (queueing rule: it starts when
+    it is submitted or when the engine frees up, whichever is later); :meth:`hold` holds an
+    engine of several groups together from the moment all are free (a write-back holds both
+    copy directions of its link); :meth:`run` occupies a lane with work whose start the
+    caller timed (a GPU kernel after its stream's order and its host thread, a step's part
+    on an idle lane); :meth:`block` keeps lanes from serving until a time without working
+    (one stream: a kernel holds the copy engines); :meth:`cpu_done` ends the shared CPU's
+    calls. Each records its timeline row and, on unified memory, takes its share of the one
+    DRAM from the shared CPU (``on_load`` then re-times the CPU's next event).
+    """
+
+    def __init__(self, machine: Any, recorder: Any, on_load: Callable[[], None]) -> None:
+        self.cpu: SharedCpu = machine.cpu
+        #: unified memory: the DRAM share of a copy (bytes, seconds) and of a GPU kernel
+        #: (tokens, context or None); a bus-attached host has no shared DRAM to register
+        self.unified: bool = machine.unified
+        self.copy_share: Callable[[int, float], float] = machine.costs.copy_dram_share
+        self.kernel_share: Callable[[int, int | None], float] = machine.dram_share
+        self.rec = recorder
+        self.on_load = on_load
+
+    def serve(self, group: Engines, t: float, dur: float, kind: str, sid: int, token: int,
+              layer: int, expert: int, nbytes: int, dram: bool = True) -> float:  # fmt: skip
+        """A request of ``dur`` seconds submitted at ``t`` (every earlier one served first) on
+        the engine of ``group`` free first; a copy of ``nbytes`` through the DRAM unless
+        ``dram`` is False (a drive read, a peer transfer). Returns its end."""
+        lanes = group.lanes
+        lane = lanes[0] if len(lanes) == 1 else group.pick()
+        start = t if t > lane.free_at else lane.free_at
+        end = start + dur
+        lane.free_at = end
+        lane.busy += dur
+        if self.rec is not None:
+            self.rec.op(lane.name, kind, sid, token, layer, expert, start, end, nbytes)
+        if dram and self.unified:
+            self._traffic(start, end, nbytes, -1, -1)
+        return end
+
+    def hold(self, groups: list[Engines], t: float, dur: float, kind: str, sid: int,
+             token: int, layer: int, expert: int, nbytes: int) -> float:  # fmt: skip
+        """A copy of ``nbytes`` holding an engine of every group of ``groups`` together
+        (the same group twice: one engine), from when all are free; the first group's engine
+        does the work (its busy time and row). Returns its end."""
+        held: list[Lane] = []
+        start = t
+        for g in groups:
+            lane = g.pick()
+            if lane not in held:
+                held.append(lane)
+                if lane.free_at > start:
+                    start = lane.free_at
+        end = start + dur
+        for lane in held:
+            lane.free_at = end
+        held[0].busy += dur
+        self._row(held[0], kind, sid, token, layer, expert, start, end, nbytes)
+        if self.unified:
+            self._traffic(start, end, nbytes, -1, -1)
+        return end
+
+    def run(self, lane: Lane, start: float, dur: float, kind: str, sid: int, token: int,
+            layer: int, expert: int, nbytes: int, tokens: int = -1, context: int = -1,
+            per_layer: bool = False) -> float:  # fmt: skip
+        """``lane`` works ``dur`` seconds from ``start`` (the caller timed it: no earlier
+        than ``lane.free_at``); returns its end. Its DRAM traffic on unified memory: a GPU
+        kernel's over ``tokens`` (and ``context``, a layer's non-expert part) when
+        ``tokens >= 0``, else a copy's of ``nbytes`` (none on a CPU worker: 0 bytes).
+        ``per_layer``: its busy time joins the layer's sum (:meth:`settle`)."""
+        end = start + dur
+        lane.free_at = end
+        if per_layer:
+            lane.pending += dur
+        else:
+            lane.busy += dur
+        if self.rec is not None:
+            self.rec.op(lane.name, kind, sid, token, layer, expert, start, end, nbytes)
+        if self.unified and (tokens >= 0 or nbytes > 0):
+            self._traffic(start, end, nbytes, tokens, context)
+        return end
+
+    def settle(self, lanes: list[Lane]) -> None:
+        """A layer ended: each lane's busy time grows by the sum of its layer's kernels (a
+        stream's busy time accumulates layer by layer)."""
+        for lane in lanes:
+            lane.busy += lane.pending
+            lane.pending = 0.0
+
+    def block(self, groups: list[Engines], until: float) -> None:
+        """Every engine of ``groups`` serves nothing before ``until`` (held, not working)."""
+        for g in groups:
+            for lane in g.lanes:
+                lane.free_at = until
+
+    def cpu_done(self, t: float) -> list[CpuJob]:
+        """The shared CPU's event at ``t``: the calls that end there (in issue order), each
+        recorded on its worker."""
+        cpu = self.cpu
+        done = cpu.wake(t)
+        for job in done:
+            op = job.op
+            self._row(cpu.lanes[job.worker], op.row_kind, op.sid, op.token, op.layer,
+                      op.expert, job.start, t, 0)  # fmt: skip
+        return done
+
+    def _traffic(self, start: float, end: float, nbytes: int, tokens: int, context: int) -> None:
+        """Unified memory: an occupation from ``start`` to ``end`` takes its share of the DRAM,
+        a GPU kernel's over ``tokens`` (``context``: a layer's non-expert part) when
+        ``tokens >= 0``, else a copy's of ``nbytes``."""
+        if tokens >= 0:
+            share = self.kernel_share(tokens, context if context >= 0 else None)
+        else:
+            share = self.copy_share(nbytes, end - start)
+        self.load(start, end, share)
+
+    def load(self, start: float, end: float, share: float) -> None:
+        """Unified memory: ``share`` of the DRAM is taken from ``start`` to ``end``; the
+        shared CPU's rate may change, so its next event is timed again."""
+        self.cpu.load(start, end, share)
+        if self.cpu.active:
+            self.on_load()
+
+    def _row(self, lane: Lane, kind: str, sid: int, token: int, layer: int, expert: int,
+             start: float, end: float, nbytes: int) -> None:  # fmt: skip
+        if self.rec is not None:
+            self.rec.op(lane.name, kind, sid, token, layer, expert, start, end, nbytes)
 
 
 class CpuJob:

@@ -34,7 +34,7 @@ from daopsim.simulator.errors import UserError
 from daopsim.simulator.models import ModelShape
 from daopsim.simulator.recorder import Recorder
 from daopsim.simulator.reference.memory import INF, HostMemory, Ledger
-from daopsim.simulator.reference.resources import Clock, HostCpu, IssueThread, Lane, Pool
+from daopsim.simulator.reference.resources import Clock, Engines, HostCpu, IssueThread, Lane, Pool
 from daopsim.simulator.runstats import RunStats
 from daopsim.simulator.runtime_profiles import RuntimeProfile
 from daopsim.simulator.trace import SequenceRouting
@@ -127,7 +127,7 @@ class Device:
     """One GPU: its stream, its host uplink, its slots and temporary buffers, the thread that
     issues its expert kernels, and its own counters."""
 
-    def __init__(self, gpu: Lane, h2d: Lane, d2h: Lane, slots: Pool, buffers: Pool,
+    def __init__(self, gpu: Lane, h2d: Engines, d2h: Engines, slots: Pool, buffers: Pool,
                  thread: IssueThread | None, budget: int) -> None:  # fmt: skip
         self.gpu, self.h2d, self.d2h = gpu, h2d, d2h
         self.copy_lanes = [h2d] if h2d is d2h else [h2d, d2h]
@@ -209,7 +209,8 @@ class ReferenceEngine:
         self.precalc: dict[Slot, Op] = {}
         self.ledger = Ledger(self.n_layers, self.n_experts, self.budget)
         self.expert_bytes = costs.link_expert_bytes  # what one expert copy moves
-        self.act_bytes = model.hidden * 2  # one token's hidden state (bf16)
+        #: bytes of n tokens' hidden states, one way (the cost model's)
+        self.act_bytes = functools.cache(costs.activation_bytes)
         self._bind_costs(runtime)
         self._occupied = 0
         self._occupied_max = 0
@@ -306,13 +307,15 @@ class ReferenceEngine:
         env, spec, hw = self.env, self.spec, self.costs.hw
         one_engine = hw.link.copy_engines < 2
         self.cpu = HostCpu(env, spec.cpu_workers)
-        self.peers: dict[tuple[int, int], Lane] = {}
+        self.peers: dict[tuple[int, int], Engines] = {}
+        # engines per copy direction: one on a single stream (it issues one copy at a time)
+        per = 1 if spec.one_stream else hw.link.copy_engines_per_direction
         self.thread = self._thread()  # the main thread: non-expert parts, GPU 0's experts
         if placement is None:
             self.gpu_of: list[list[int]] = [[0] * self.n_experts for _ in range(self.n_layers)]
             self.home = [0] * self.n_layers
-            h2d = Lane(env, "copy" if one_engine else "h2d")
-            d2h = h2d if one_engine else Lane(env, "d2h")
+            h2d = Engines(env, "copy") if one_engine else Engines(env, "h2d", per)
+            d2h = h2d if one_engine else Engines(env, "d2h", per)
             slots = Pool(env, self.budget + spec.staging_buffers, len(placed), self._slot_change)
             bufs = Pool(env, spec.temp_buffers)
             self.devices = [
@@ -324,10 +327,10 @@ class ReferenceEngine:
         assert multi is not None
         n = placement.n
         self.gpu_of, self.home = placement.gpu_of, list(placement.home)
-        uplinks: list[tuple[Lane, Lane]] = []
+        uplinks: list[tuple[Engines, Engines]] = []
         for k in range(1 if multi.shared_uplink else n):
-            h = Lane(env, f"copy{k}" if one_engine else f"h2d{k}")
-            uplinks.append((h, h if one_engine else Lane(env, f"d2h{k}")))
+            h = Engines(env, f"copy{k}") if one_engine else Engines(env, f"h2d{k}", per)
+            uplinks.append((h, h if one_engine else Engines(env, f"d2h{k}", per)))
         held = [0] * n
         for layer, e in placed:
             held[placement.gpu_of[layer][e]] += 1
@@ -345,7 +348,7 @@ class ReferenceEngine:
             for a in range(n):
                 for b in range(n):
                     if a != b and multi.direct(a, b):
-                        self.peers[(a, b)] = Lane(env, f"peer{a}>{b}")
+                        self.peers[(a, b)] = Engines(env, f"peer{a}>{b}")
         self.peer_bytes: dict[str, int] = {}
 
     def _refuse_on_several_gpus(self) -> None:
@@ -448,10 +451,6 @@ class ReferenceEngine:
             busy = {"gpu": dev.gpu.busy, "h2d": dev.h2d.busy, "d2h": dev.d2h.busy, "cpu": cpu_busy}
             workers = {"cpu": len(self.cpu.names)}
         else:
-            lanes: dict[str, Lane] = {}
-            for d in self.devices:
-                for lane in (d.gpu, d.h2d, d.d2h):
-                    lanes[lane.name] = lane
             ups = {d.h2d.name: d.h2d.busy for d in self.devices}
             downs = {d.d2h.name: d.d2h.busy for d in self.devices}
             busy = {
@@ -463,10 +462,11 @@ class ReferenceEngine:
             for d in self.devices:
                 busy.setdefault(d.gpu.name, d.gpu.busy)
             for d in self.devices:
-                busy.setdefault(d.h2d.name, d.h2d.busy)
-                busy.setdefault(d.d2h.name, d.d2h.busy)
-            for lane in self.peers.values():
-                busy.setdefault(lane.name, lane.busy)
+                for e in d.h2d.engines + d.d2h.engines:
+                    busy.setdefault(e.name, e.busy)
+            for group in self.peers.values():
+                for e in group.engines:
+                    busy.setdefault(e.name, e.busy)
             for name, b in zip(self.cpu.names, self.cpu.busy, strict=True):
                 busy.setdefault(name, b)
             workers = {"cpu": len(self.cpu.names), "gpu": len(self.devices)}
@@ -491,8 +491,8 @@ class ReferenceEngine:
         """Work after the run's end: each copy direction's lanes, the CPU workers and the
         drive (``RunStats.after``), a lane busy at the end staying busy until its last hold
         ends; and the lanes behind each copy direction."""
-        ups = list({id(d.h2d): d.h2d for d in self.devices}.values())
-        downs = list({id(d.d2h): d.d2h for d in self.devices}.values())
+        ups = [e for g in {id(d.h2d): d.h2d for d in self.devices}.values() for e in g.engines]
+        downs = [e for g in {id(d.d2h): d.d2h for d in self.devices}.values() for e in g.engines]
         after = {
             "h2d": sum(max(0.0, lane.free_at - e2e) for lane in ups),
             "d2h": sum(max(0.0, lane.free_at - e2e) for lane in downs),
@@ -688,7 +688,7 @@ class ReferenceEngine:
             c.cpu_layer_weight_copies += 1
         elif layer and layer == cpu_run:  # the split: the hidden states cross to the GPU
             start = yield from self._step_copy(
-                layer, "activation", self.activation_s(n), self.act_bytes * n
+                layer, "activation", self.activation_s(n), self.act_bytes(n)
             )
         if self.streamed is not None:
             start = yield from self.streamed_weights(start, layer)
@@ -712,9 +712,10 @@ class ReferenceEngine:
         """A copy the step loop makes to the GPU before a layer's part (CPU-resident layers);
         returns when it lands."""
         where = self.hooks.where
-        lane = self.devices[0].h2d
+        group = self.devices[0].h2d
         self.c.h2d_bytes += nbytes
-        start = yield from self._move([lane], (self.env.now, next(self._issue)), seconds, nbytes)
+        key = (self.env.now, next(self._issue))
+        start, lane = yield from self._move([group], key, seconds, nbytes)
         lane.busy += seconds
         if self.recorder is not None:
             self.recorder.op(lane.name, kind, where.seq or 0, where.token or 0, layer, -1,
@@ -751,9 +752,8 @@ class ReferenceEngine:
         return max(op.end for op in copies)  # type: ignore[type-var]
 
     def _weights_copy(self, op: Op, submitted: float, seconds: float, nbytes: int) -> Proc:
-        lane = self.devices[0].h2d
         yield from self.until(submitted)
-        s = yield from self._move([lane], (submitted, op.seq), seconds, nbytes)
+        s, lane = yield from self._move([self.devices[0].h2d], (submitted, op.seq), seconds, nbytes)
         lane.busy += seconds
         self._row(lane.name, op, s, nbytes)
         self._finish(op)
@@ -935,8 +935,8 @@ class ReferenceEngine:
         if self._cpu_layer_here:  # a CPU-resident layer: the hidden states are on the host
             op.local = True
         else:
-            self.c.d2h_bytes += self.act_bytes * n
-            self.c.h2d_bytes += self.act_bytes * n
+            self.c.d2h_bytes += self.act_bytes(n)
+            self.c.h2d_bytes += self.act_bytes(n)
         return op
 
     def _stage_reads(self, lw: LayerRun) -> None:
@@ -976,19 +976,21 @@ class ReferenceEngine:
             self.recorder.op(lane, kind or op.kind, op.sid, op.token, op.layer, op.expert,
                              start, self.env.now, nbytes)  # fmt: skip
 
-    def _move(self, lanes: list[Lane], key: Any, seconds: float, nbytes: int) -> Proc:
-        """Hold ``lanes`` (requested together with ``key``) for a copy of ``nbytes`` taking
-        ``seconds``; on unified memory the copy takes its share of the DRAM. Returns its start."""
+    def _move(self, groups: list[Engines], key: Any, seconds: float, nbytes: int) -> Proc:
+        """Hold an engine of each of ``groups`` (requested together with ``key``) for a copy
+        of ``nbytes`` taking ``seconds``; on unified memory the copy takes its share of the
+        DRAM. Returns its start and the first group's engine."""
         env = self.env
-        grants = [lane.request(key) for lane in lanes]
+        grants = [group.request(key) for group in groups]
         yield grants[0] if len(grants) == 1 else env.all_of(grants)
+        held = [g.value for g in grants]
         start = env.now
         if self.unified:
             self.cpu.take_dram(start, seconds, self.costs.copy_dram_share(nbytes, seconds))
         yield env.timeout(seconds)
-        for lane in lanes:
-            lane.release()
-        return start
+        for group, engine in zip(groups, held, strict=True):
+            group.release(engine)
+        return start, held[0]
 
     def _process(self, op: Op) -> Proc:
         if op.kind == "writeback":
@@ -1011,10 +1013,12 @@ class ReferenceEngine:
         if op.landing is not None and not op.landing.done.processed:
             yield op.landing.done  # evicted while its copy was in flight: after that copy
         d = self.d2h_warm_s if op.warm else self.d2h_s
-        s = yield from self._move(dev.copy_lanes, (env.now, op.seq), d, self.expert_bytes)
-        dev.d2h.busy += d
+        # the D2H engine does the copy; with one engine for both directions it is that one
+        groups = [dev.d2h] if dev.h2d is dev.d2h else [dev.d2h, dev.h2d]
+        s, engine = yield from self._move(groups, (env.now, op.seq), d, self.expert_bytes)
+        engine.busy += d
         dev.d2h_bytes += self.expert_bytes
-        self._row(dev.d2h.name, op, s, self.expert_bytes)
+        self._row(engine.name, op, s, self.expert_bytes)
         self._finish(op)
         dev.slots.give_back()
 
@@ -1039,15 +1043,15 @@ class ReferenceEngine:
         seconds, nbytes = (
             (self.low_bit_s, self.low_bit_bytes) if op.low else (full, self.expert_bytes)
         )
-        lane = dev.h2d
-        yield lane.request((env.now, op.seq))
+        group = dev.h2d
+        lane = yield group.request((env.now, op.seq))
         s = env.now
         if self.ledger.copy.get(slot) is op:
             self.ledger.ready_at[slot] = s + seconds
         if self.unified:
             self.cpu.take_dram(s, seconds, self.costs.copy_dram_share(nbytes, seconds))
         yield env.timeout(seconds)
-        lane.release()
+        group.release(lane)
         lane.busy += seconds
         dev.h2d_bytes += nbytes
         self._row(lane.name, op, s, nbytes)
@@ -1069,10 +1073,10 @@ class ReferenceEngine:
         seconds, nbytes = (
             (self.low_bit_s, self.low_bit_bytes) if op.low else (full, self.expert_bytes)
         )
-        s = yield from self._move([dev.h2d], (env.now, op.seq), seconds, nbytes)
-        dev.h2d.busy += seconds
+        s, lane = yield from self._move([dev.h2d], (env.now, op.seq), seconds, nbytes)
+        lane.busy += seconds
         dev.h2d_bytes += nbytes
-        self._row(dev.h2d.name, op, s, nbytes)
+        self._row(lane.name, op, s, nbytes)
         self._finish(op)
 
     def _cpu_task(self, head: Op) -> Proc:
@@ -1084,11 +1088,12 @@ class ReferenceEngine:
             yield from self._wait_read(op)
             dev = self.devices[op.device]
             n = op.n
-            act = self.act_bytes * n
+            act = self.act_bytes(n)
             if not op.local:
-                s = yield from self._move([dev.d2h], (env.now, op.seq), self.activation_s(n), act)
-                dev.d2h.busy += self.activation_s(n)
-                self._row(dev.d2h.name, op, s, act, "activation")
+                s, lane = yield from self._move([dev.d2h], (env.now, op.seq), self.activation_s(n),
+                                                act)  # fmt: skip
+                lane.busy += self.activation_s(n)
+                self._row(lane.name, op, s, act, "activation")
             call = yield from self.cpu.call(
                 (env.now, op.seq), self.cpu_s(n), self.cpu_share(n), self.cpu_dram(n)
             )
@@ -1096,9 +1101,10 @@ class ReferenceEngine:
                 self.recorder.op(self.cpu.names[call.worker], op.kind, op.sid, op.token,
                                  op.layer, op.expert, call.start, call.end, 0)  # fmt: skip
             if not op.local:
-                s = yield from self._move([dev.h2d], (env.now, op.seq), self.activation_s(n), act)
-                dev.h2d.busy += self.activation_s(n)
-                self._row(dev.h2d.name, op, s, act, "activation")
+                s, lane = yield from self._move([dev.h2d], (env.now, op.seq), self.activation_s(n),
+                                                act)  # fmt: skip
+                lane.busy += self.activation_s(n)
+                self._row(lane.name, op, s, act, "activation")
             self._finish(op)
             op = op.chain
 
@@ -1106,18 +1112,18 @@ class ReferenceEngine:
         """Hidden states from GPU ``op.src`` to GPU ``op.dst``: over a direct peer lane, or out
         through host memory on the sender's uplink and in on the receiver's."""
         env = self.env
-        nbytes = self.act_bytes * op.n
+        nbytes = self.act_bytes(op.n)
         direct = self.peers.get((op.src, op.dst))
         if direct is not None:
             legs = [(direct, self.peer_s(op.n))]
         else:
             legs = [(self.devices[op.src].d2h, self.activation_s(op.n)),
                     (self.devices[op.dst].h2d, self.activation_s(op.n))]  # fmt: skip
-        for lane, seconds in legs:
-            s = yield from self._move([lane], (env.now, op.seq), seconds, 0)
+        for group, seconds in legs:
+            s, lane = yield from self._move([group], (env.now, op.seq), seconds, 0)
             lane.busy += seconds
             self._row(lane.name, op, s, nbytes)
-            self.peer_bytes[lane.name] = self.peer_bytes.get(lane.name, 0) + nbytes
+            self.peer_bytes[group.name] = self.peer_bytes.get(group.name, 0) + nbytes
         self._finish(op)
 
     # -- one layer's GPU work ---------------------------------------------------------------
@@ -1265,12 +1271,13 @@ class ReferenceEngine:
         yield from self.until(ready)
         dev = self.devices[k]
         yield dev.gpu.request((ready, e))
-        lanes: list[Lane] = []
+        copy_engines: list[tuple[Engines, Any]] = []
         if self.spec.one_stream:
-            # one stream: the kernel runs after every copy submitted by now, and no copy runs
-            # beside it
-            lanes = dev.copy_lanes
-            yield env.all_of([lane.request((env.now, INF)) for lane in lanes])
+            # one stream (one engine per direction): the kernel runs after every copy
+            # submitted by now, and no copy runs beside it
+            grants = [(g, g.request((env.now, INF))) for g in dev.copy_lanes]
+            yield env.all_of([ev for _, ev in grants])
+            copy_engines = [(g, ev.value) for g, ev in grants]
         s = env.now
         drained = st.free[k]
         if s > drained:
@@ -1294,8 +1301,8 @@ class ReferenceEngine:
         dev.gpu.busy += d
         dev.experts += 1
         dev.gpu.release()
-        for lane in lanes:
-            lane.release()
+        for group, engine in copy_engines:
+            group.release(engine)
         if self.recorder is not None:
             self.recorder.op(dev.gpu.name, "expert", lw.sid, lw.token, lw.layer, e, s, env.now, 0)
         wb = lw.deferred.pop(e, None)

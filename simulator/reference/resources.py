@@ -113,6 +113,72 @@ class Lane:
         ev.succeed()
 
 
+class Engine:
+    """One copy engine of an :class:`Engines` group: its name, busy seconds, last release."""
+
+    __slots__ = ("busy", "free_at", "held", "name")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.busy = 0.0
+        self.free_at = 0.0
+        self.held = False
+
+
+class Engines:
+    """A copy direction's ``n`` engines serving one queue: a request is granted (end of
+    instant, smallest key first) an idle engine, the one that became free first (the lowest
+    index on ties); the grant's value is that :class:`Engine`. Engines are named ``name``,
+    ``name.1``, ``name.2`` ..."""
+
+    def __init__(self, env: simpy.Environment, name: str, n: int = 1) -> None:
+        self.env = env
+        self.name = name
+        self.engines = [Engine(name if i == 0 else f"{name}.{i}") for i in range(n)]
+        self._waiting: list[tuple[Any, int, simpy.Event]] = []
+        self._armed = False
+
+    @property
+    def busy(self) -> float:
+        """Seconds the engines held timed copies, summed in engine order."""
+        return sum(e.busy for e in self.engines)
+
+    def request(self, key: Any) -> simpy.Event:
+        """An event that fires, with the engine, when this request holds one."""
+        ev = self.env.event()
+        heapq.heappush(self._waiting, (key, next(_uid), ev))
+        self._arm()
+        return ev
+
+    def release(self, engine: Engine) -> None:
+        """``engine``'s holder is done."""
+        engine.held = False
+        engine.free_at = self.env.now
+        self._arm()
+
+    def _idle(self) -> Engine | None:
+        best: Engine | None = None
+        for e in self.engines:
+            if not e.held and (best is None or e.free_at < best.free_at):
+                best = e
+        return best
+
+    def _arm(self) -> None:
+        if not self._armed and self._waiting and self._idle() is not None:
+            self._armed = True
+            at_instant_end(self.env, self._grant)
+
+    def _grant(self, _: simpy.Event) -> None:
+        self._armed = False
+        while self._waiting:
+            engine = self._idle()
+            if engine is None:
+                return
+            _, _, ev = heapq.heappop(self._waiting)
+            engine.held = True
+            ev.succeed(engine)
+
+
 def hold(
     env: simpy.Environment, lanes: list[Lane], key: Any, seconds: float
 ) -> Generator[simpy.Event, Any, float]:
