@@ -144,6 +144,18 @@ def _tanh(x: float) -> float:
     return (t - 1.0) / (t + 1.0)
 
 
+class Unit:
+    """One hidden unit of :class:`Net`: its weight from each of the eight :data:`FEATURES`,
+    its bias and its output weight, as float attributes (the compiled build keeps them as C
+    doubles in the object, where a list of floats would unbox one per read)."""
+
+    def __init__(self, w: list[float], b: float, v: float) -> None:
+        self.w0, self.w1, self.w2, self.w3 = w[0], w[1], w[2], w[3]
+        self.w4, self.w5, self.w6, self.w7 = w[4], w[5], w[6], w[7]
+        self.b = b
+        self.v = v
+
+
 class Net:
     """The scorer's network in typed loops over the eight :data:`FEATURES` (the compiled
     build runs them as C; a handful of candidates costs far less than numpy's per-call
@@ -166,50 +178,49 @@ class Net:
             raise ValueError(f"the network reads {len(FEATURES)} features, got {len(mean)}")
         self.mean = mean
         self.scale = scale
-        #: w1's rows: each feature's weights to the hidden units
-        self.w: list[list[float]] = [list(row) for row in w1]
-        self.b1 = b1
-        self.w2 = w2
         self.b2 = b2
         self.hidden = len(b1)
+        #: the hidden units, each with its column of w1 (w1 is [features, hidden])
+        self.units: list[Unit] = [
+            Unit([row[j] for row in w1], b1[j], w2[j]) for j in range(self.hidden)
+        ]
         #: :meth:`shared` by the three features' values (a run has a few: phase x layer)
         self.memo: dict[tuple[float, float, float], list[float]] = {}
 
     def shared(self, row: list[float]) -> list[float]:
         """Each hidden unit's sum over the last three features (phase, layer, quota) of
         ``row``, the last first."""
-        mean, scale, w = self.mean, self.scale, self.w
+        mean, scale = self.mean, self.scale
         z7 = (row[7] - mean[7]) / scale[7]
         z6 = (row[6] - mean[6]) / scale[6]
         z5 = (row[5] - mean[5]) / scale[5]
-        w7, w6, w5 = w[7], w[6], w[5]
         out: list[float] = []
-        for j in range(self.hidden):
-            acc = z7 * w7[j]
-            acc += z6 * w6[j]
-            acc += z5 * w5[j]
+        for u in self.units:
+            acc = z7 * u.w7
+            acc += z6 * u.w6
+            acc += z5 * u.w5
             out.append(acc)
         return out
 
     def score_with(self, row: list[float], shared: list[float]) -> float:
         """The score of ``row`` whose last three features' sums are ``shared``."""
-        mean, scale, w = self.mean, self.scale, self.w
+        mean, scale = self.mean, self.scale
         z4 = (row[4] - mean[4]) / scale[4]
         z3 = (row[3] - mean[3]) / scale[3]
         z2 = (row[2] - mean[2]) / scale[2]
         z1 = (row[1] - mean[1]) / scale[1]
         z0 = (row[0] - mean[0]) / scale[0]
-        w4, w3, w2, w1, w0 = w[4], w[3], w[2], w[1], w[0]
-        b1, v = self.b1, self.w2
+        units = self.units
         out = 0.0
         for j in range(self.hidden):
+            u = units[j]
             acc = shared[j]
-            acc += z4 * w4[j]
-            acc += z3 * w3[j]
-            acc += z2 * w2[j]
-            acc += z1 * w1[j]
-            acc += z0 * w0[j]
-            out += _tanh(acc + b1[j]) * v[j]
+            acc += z4 * u.w4
+            acc += z3 * u.w3
+            acc += z2 * u.w2
+            acc += z1 * u.w1
+            acc += z0 * u.w0
+            out += _tanh(acc + u.b) * u.v
         return out + self.b2
 
     def score(self, row: list[float]) -> float:

@@ -33,6 +33,9 @@ from daopsim.policies.caching import CachingPolicy
 HALF_LIFE = 32.0
 _DECAY = 0.5 ** (1.0 / HALF_LIFE)
 _FLOAT_MAX = sys.float_info.max
+#: steps apart up to which the decay factors are remembered (a few hundred kB at most; a
+#: longer gap is computed each time)
+DECAY_TABLE = 1 << 14
 
 #: the per-expert features a scorer reads, in column order (docs/learned-policies.md)
 FEATURES = (
@@ -62,6 +65,14 @@ class ObservedCache(CachingPolicy):
         self.freq_sum = [0] * n_layers
         self.recent: list[list[float]] = [[0.0] * n_exp for _ in range(n_layers)]
         self.recent_step: list[list[int]] = [[0] * n_exp for _ in range(n_layers)]
+        #: ``decay_factor(d)`` for d = 0, 1, ... as far as it was asked (extended on demand)
+        self.decay_table: list[float] = []
+        #: the layer and step of :attr:`now_decayed` (layer -1: none), the decayed counts
+        #: every eviction of that layer's decision reads, and ``experts / their sum``
+        self.now_layer = -1
+        self.now_step = -1
+        self.now_decayed: list[float] = []
+        self.now_scale = 0.0
         #: the view of the layer being served (the engine reuses one object: read it only
         #: during a decision)
         self.view: View | None = None
@@ -80,6 +91,18 @@ class ObservedCache(CachingPolicy):
         self.last_tick[layer][expert] = self.tick
         self.last_step[layer][expert] = step
 
+    def decay_factor(self, d: int) -> float:
+        """The decay over ``d`` steps, ``math.pow(_DECAY, d)`` (remembered by ``d``: the same
+        float, without a ``pow`` per expert and decision)."""
+        table = self.decay_table
+        if d < len(table) and d >= 0:
+            return table[d]
+        if d < 0 or d >= DECAY_TABLE:
+            return math.pow(_DECAY, float(d))
+        for k in range(len(table), d + 1):
+            table.append(math.pow(_DECAY, float(k)))
+        return table[d]
+
     def decode_layer(self, view: View) -> Plan:
         """Count the layer's accesses (every routed expert), then serve them."""
         layer, step = view.layer, view.step
@@ -92,11 +115,12 @@ class ObservedCache(CachingPolicy):
             w = 1 if counts is None else int(counts[e])
             freq[e] += w
             total += w
-            recent[e] = recent[e] * math.pow(_DECAY, float(step - rstep[e])) + w
+            recent[e] = recent[e] * self.decay_factor(step - rstep[e]) + w
             rstep[e] = step
             if row[e]:
                 self.hits += 1
         self.freq_sum[layer] += total
+        self.now_layer = -1  # the decayed counts changed
         self.view = view
         try:
             return self.serve(view, experts)
@@ -131,11 +155,24 @@ class ObservedCache(CachingPolicy):
         """Every expert's access count decayed with a half-life of HALF_LIFE steps, at
         ``step``."""
         rstep = self.recent_step[layer]
-        # (math.pow: a C call in the compiled build; an expert never used stays 0)
+        # (an expert never used stays 0)
         return [
-            r * math.pow(_DECAY, float(step - rstep[e])) if r else 0.0
+            r * self.decay_factor(step - rstep[e]) if r else 0.0
             for e, r in enumerate(self.recent[layer])
         ]
+
+    def decayed_now(self, layer: int, step: int) -> list[float]:
+        """:meth:`decayed` as the decisions of one layer's service read it (computed once for
+        all of them, with :attr:`now_scale`; do not modify)."""
+        if layer != self.now_layer or step != self.now_step:
+            recent = self.decayed(layer, step)
+            total = 0.0
+            for r in recent:
+                total += r
+            self.now_decayed = recent
+            self.now_scale = self.n_experts / max(1e-12, total)
+            self.now_layer, self.now_step = layer, step
+        return self.now_decayed
 
     def layer_stats(self, layer: int) -> LayerStats:
         """The layer's recency ranks, ages, access counts and decayed counts, now."""
@@ -161,11 +198,8 @@ class ObservedCache(CachingPolicy):
         ticks = self.last_tick[layer]
         rank_div = float(max(1, n_res - 1))
         freq_scale = n_exp / max(1, self.freq_sum[layer])
-        recent = self.decayed(layer, step)
-        total = 0.0
-        for r in recent:
-            total += r
-        recent_scale = n_exp / max(1e-12, total)
+        recent = self.decayed_now(layer, step)
+        recent_scale = self.now_scale
         probs = view.probs
         last, freq = self.last_step[layer], self.freq[layer]
         # the same for every expert of the layer
