@@ -23,7 +23,7 @@ import numpy as np
 
 from daopsim.policies._mypyc import mypyc_attr
 from daopsim.policies.base import Param
-from daopsim.policies.observed import FEATURES, ObservedCache
+from daopsim.policies.observed import FEATURES, FeatureSink, ObservedCache
 from daopsim.policies.registry import register
 from daopsim.simulator.errors import UserError
 
@@ -190,10 +190,14 @@ class Net:
     def shared(self, row: list[float]) -> list[float]:
         """Each hidden unit's sum over the last three features (phase, layer, quota) of
         ``row``, the last first."""
+        return self.shared_of(row[5], row[6], row[7])
+
+    def shared_of(self, x5: float, x6: float, x7: float) -> list[float]:
+        """:meth:`shared` of the last three features' values."""
         mean, scale = self.mean, self.scale
-        z7 = (row[7] - mean[7]) / scale[7]
-        z6 = (row[6] - mean[6]) / scale[6]
-        z5 = (row[5] - mean[5]) / scale[5]
+        z7 = (x7 - mean[7]) / scale[7]
+        z6 = (x6 - mean[6]) / scale[6]
+        z5 = (x5 - mean[5]) / scale[5]
         out: list[float] = []
         for u in self.units:
             acc = z7 * u.w7
@@ -204,12 +208,18 @@ class Net:
 
     def score_with(self, row: list[float], shared: list[float]) -> float:
         """The score of ``row`` whose last three features' sums are ``shared``."""
+        return self.score_of(row[0], row[1], row[2], row[3], row[4], shared)
+
+    def score_of(
+        self, x0: float, x1: float, x2: float, x3: float, x4: float, shared: list[float]
+    ) -> float:
+        """:meth:`score_with` of the first five features' values."""
         mean, scale = self.mean, self.scale
-        z4 = (row[4] - mean[4]) / scale[4]
-        z3 = (row[3] - mean[3]) / scale[3]
-        z2 = (row[2] - mean[2]) / scale[2]
-        z1 = (row[1] - mean[1]) / scale[1]
-        z0 = (row[0] - mean[0]) / scale[0]
+        z4 = (x4 - mean[4]) / scale[4]
+        z3 = (x3 - mean[3]) / scale[3]
+        z2 = (x2 - mean[2]) / scale[2]
+        z1 = (x1 - mean[1]) / scale[1]
+        z0 = (x0 - mean[0]) / scale[0]
         units = self.units
         out = 0.0
         for j in range(self.hidden):
@@ -227,13 +237,18 @@ class Net:
         """The score of one feature row."""
         return self.score_with(row, self.shared(row))
 
+    def shared_memo(self, x5: float, x6: float, x7: float) -> list[float]:
+        """:meth:`shared_of`, remembered by the three values (do not modify)."""
+        key = (x5, x6, x7)
+        sh = self.memo.get(key)
+        if sh is None:
+            sh = self.memo[key] = self.shared_of(x5, x6, x7)
+        return sh
+
     def best(self, rows: list[list[float]]) -> int:
         """The index of the highest-scoring row (the first on ties)."""
         first = rows[0]
-        key = (first[5], first[6], first[7])
-        sh = self.memo.get(key)
-        if sh is None:
-            sh = self.memo[key] = self.shared(first)
+        sh = self.shared_memo(first[5], first[6], first[7])
         best, top = 0, self.score_with(first, sh)
         for k in range(1, len(rows)):
             row = rows[k]
@@ -242,6 +257,39 @@ class Net:
             if s > top:
                 best, top = k, s
         return best
+
+
+class Pick(FeatureSink):
+    """The highest-scoring expert of a decision as :meth:`ObservedCache.feed` hands over its
+    features (the first on ties): :meth:`Net.best` without rows of Python floats."""
+
+    def __init__(self, net: Net) -> None:
+        self.net = net
+        self.shared: list[float] = []
+        #: experts seen, the index of the best so far and its score
+        self.seen = 0
+        self.best = 0
+        self.top = 0.0
+
+    def layer(self, prefill: float, layer_frac: float, quota_frac: float) -> None:
+        """A new decision: the layer's hidden sums."""
+        self.shared = self.net.shared_memo(prefill, layer_frac, quota_frac)
+        self.seen = 0
+        self.best = 0
+
+    def expert(
+        self,
+        lru_rank: float,
+        log_age: float,
+        freq_share: float,
+        recent_share: float,
+        router_prob: float,
+    ) -> None:
+        """Score the next expert; keep it if it beats the best so far."""
+        s = self.net.score_of(lru_rank, log_age, freq_share, recent_share, router_prob, self.shared)
+        if self.seen == 0 or s > self.top:
+            self.best, self.top = self.seen, s
+        self.seen += 1
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -260,12 +308,15 @@ class LearnedPolicy(ObservedCache):
         super().__init__(**options)
         path = self.options["model"] or BUNDLED_MODEL
         self.scorer = Scorer.load(path)
+        self.pick = Pick(self.scorer.net)
 
     def decide(self, layer: int, candidates: list[int]) -> int:
         """The candidate with the highest score (the first, i.e. lowest id, on ties)."""
         if len(candidates) == 1:
             return candidates[0]
-        return candidates[self.scorer.net.best(self.features(layer, candidates))]
+        pick = self.pick
+        self.feed(layer, candidates, pick)
+        return candidates[pick.best]
 
 
 register(LearnedPolicy)

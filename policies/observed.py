@@ -187,8 +187,18 @@ class ObservedCache(CachingPolicy):
         )
 
     def features(self, layer: int, experts: list[int]) -> list[list[float]]:
-        """The :data:`FEATURES` of ``experts`` of the layer being served, one row each (typed
-        loops over the policy's own statistics: the compiled build runs them as C)."""
+        """The :data:`FEATURES` of ``experts`` of the layer being served, one row each
+        (:meth:`feed` into a list)."""
+        rows = Rows()
+        self.feed(layer, experts, rows)
+        return rows.rows
+
+    def feed(self, layer: int, experts: list[int], sink: FeatureSink) -> None:
+        """Hand the :data:`FEATURES` of ``experts`` of the layer being served to ``sink``: the
+        three that every expert of the layer shares once (:meth:`FeatureSink.layer`), then
+        each expert's five in the order of ``experts`` (:meth:`FeatureSink.expert`). Typed
+        loops over the policy's own statistics; the compiled build runs them as C and passes
+        the numbers as C doubles, so a scorer reads them without a row of Python floats."""
         view = self.view
         assert view is not None, "features are read during a decision"
         step: int = view.step
@@ -206,7 +216,7 @@ class ObservedCache(CachingPolicy):
         prefill = 1.0 if view.is_prefill else 0.0
         layer_frac = layer / max(1, self.n_layers - 1)
         quota_frac = self.quota[layer] / n_exp
-        rows: list[list[float]] = []
+        sink.layer(prefill, layer_frac, quota_frac)
         for e in experts:
             rank = n_res  # a resident expert's: how many resident ones were used before it
             if e in cache:
@@ -215,25 +225,70 @@ class ObservedCache(CachingPolicy):
                 for c in cache:
                     if ticks[c] < t:
                         rank += 1
-            rows.append(
-                [
-                    rank / rank_div,
-                    math.log1p(step - last[e]),
-                    freq[e] * freq_scale,
-                    recent[e] * recent_scale,
-                    finite_value(probs.item(e)) * n_exp,
-                    prefill,
-                    layer_frac,
-                    quota_frac,
-                ]
+            sink.expert(
+                rank / rank_div,
+                math.log1p(step - last[e]),
+                freq[e] * freq_scale,
+                recent[e] * recent_scale,
+                finite_value(probs.item(e)) * n_exp,
             )
-        return rows
 
     def feature_matrix(self, layer: int) -> np.ndarray:
         """The ``[experts, len(FEATURES)]`` features of every expert of the layer being
         served (:meth:`features`)."""
         rows = self.features(layer, list(range(self.n_experts)))
         return np.array(rows, dtype=np.float64).reshape(self.n_experts, len(FEATURES))
+
+
+class FeatureSink:
+    """What :meth:`ObservedCache.feed` hands a decision's :data:`FEATURES` to."""
+
+    def layer(self, prefill: float, layer_frac: float, quota_frac: float) -> None:
+        """The last three features, the same for every expert of the decision's layer."""
+
+    def expert(
+        self,
+        lru_rank: float,
+        log_age: float,
+        freq_share: float,
+        recent_share: float,
+        router_prob: float,
+    ) -> None:
+        """The first five features of the next expert."""
+
+
+class Rows(FeatureSink):
+    """The features as rows of :data:`FEATURES` (:meth:`ObservedCache.features`)."""
+
+    def __init__(self) -> None:
+        self.rows: list[list[float]] = []
+        self.prefill = self.layer_frac = self.quota_frac = 0.0
+
+    def layer(self, prefill: float, layer_frac: float, quota_frac: float) -> None:
+        """Remember the layer's three."""
+        self.prefill, self.layer_frac, self.quota_frac = prefill, layer_frac, quota_frac
+
+    def expert(
+        self,
+        lru_rank: float,
+        log_age: float,
+        freq_share: float,
+        recent_share: float,
+        router_prob: float,
+    ) -> None:
+        """One row: the expert's five, then the layer's three."""
+        self.rows.append(
+            [
+                lru_rank,
+                log_age,
+                freq_share,
+                recent_share,
+                router_prob,
+                self.prefill,
+                self.layer_frac,
+                self.quota_frac,
+            ]
+        )
 
 
 class LayerStats(NamedTuple):
