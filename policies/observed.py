@@ -67,12 +67,14 @@ class ObservedCache(CachingPolicy):
         self.recent_step: list[list[int]] = [[0] * n_exp for _ in range(n_layers)]
         #: ``decay_factor(d)`` for d = 0, 1, ... as far as it was asked (extended on demand)
         self.decay_table: list[float] = []
-        #: the layer and step of :attr:`now_decayed` (layer -1: none), the decayed counts
-        #: every eviction of that layer's decision reads, and ``experts / their sum``
+        #: what every eviction of one layer's service reads (:meth:`now`): its layer and step
+        #: (layer -1: none yet), the decayed counts, ``experts / their sum`` and the router
+        #: probabilities x experts
         self.now_layer = -1
         self.now_step = -1
         self.now_decayed: list[float] = []
         self.now_scale = 0.0
+        self.now_router: list[float] = []
         #: the view of the layer being served (the engine reuses one object: read it only
         #: during a decision)
         self.view: View | None = None
@@ -106,7 +108,8 @@ class ObservedCache(CachingPolicy):
     def decode_layer(self, view: View) -> Plan:
         """Count the layer's accesses (every routed expert), then serve them."""
         layer, step = view.layer, view.step
-        experts = view.experts.tolist()
+        # typed, so that the compiled build runs the loop on C integers
+        experts: list[int] = view.experts.tolist()
         counts = view.counts
         freq, recent, rstep = self.freq[layer], self.recent[layer], self.recent_step[layer]
         row: list[bool] = view.resident[layer].tolist()
@@ -120,7 +123,7 @@ class ObservedCache(CachingPolicy):
             if row[e]:
                 self.hits += 1
         self.freq_sum[layer] += total
-        self.now_layer = -1  # the decayed counts changed
+        self.now_layer = -1  # a new view, new decayed counts
         self.view = view
         try:
             return self.serve(view, experts)
@@ -161,18 +164,24 @@ class ObservedCache(CachingPolicy):
             for e, r in enumerate(self.recent[layer])
         ]
 
-    def decayed_now(self, layer: int, step: int) -> list[float]:
-        """:meth:`decayed` as the decisions of one layer's service read it (computed once for
-        all of them, with :attr:`now_scale`; do not modify)."""
-        if layer != self.now_layer or step != self.now_step:
-            recent = self.decayed(layer, step)
-            total = 0.0
-            for r in recent:
-                total += r
-            self.now_decayed = recent
-            self.now_scale = self.n_experts / max(1e-12, total)
-            self.now_layer, self.now_step = layer, step
-        return self.now_decayed
+    def now(self, view: View, layer: int) -> None:
+        """Compute, once for every decision of the layer being served, the numbers its
+        features read over all experts: :attr:`now_decayed` (:meth:`decayed`),
+        :attr:`now_scale` and :attr:`now_router`."""
+        step: int = view.step
+        if layer == self.now_layer and step == self.now_step:
+            return
+        n_exp = self.n_experts
+        recent = self.decayed(layer, step)
+        total = 0.0
+        for r in recent:
+            total += r
+        self.now_decayed = recent
+        self.now_scale = n_exp / max(1e-12, total)
+        # (one tolist, not a NumPy call per expert: the same floats as ``item``)
+        probs: list[float] = view.probs.tolist()
+        self.now_router = [finite_value(p) * n_exp for p in probs]
+        self.now_layer, self.now_step = layer, step
 
     def layer_stats(self, layer: int) -> LayerStats:
         """The layer's recency ranks, ages, access counts and decayed counts, now."""
@@ -208,9 +217,9 @@ class ObservedCache(CachingPolicy):
         ticks = self.last_tick[layer]
         rank_div = float(max(1, n_res - 1))
         freq_scale = n_exp / max(1, self.freq_sum[layer])
-        recent = self.decayed_now(layer, step)
+        self.now(view, layer)
+        recent, router = self.now_decayed, self.now_router
         recent_scale = self.now_scale
-        probs = view.probs
         last, freq = self.last_step[layer], self.freq[layer]
         # the same for every expert of the layer
         prefill = 1.0 if view.is_prefill else 0.0
@@ -230,7 +239,7 @@ class ObservedCache(CachingPolicy):
                 math.log1p(step - last[e]),
                 freq[e] * freq_scale,
                 recent[e] * recent_scale,
-                finite_value(probs.item(e)) * n_exp,
+                router[e],
             )
 
     def feature_matrix(self, layer: int) -> np.ndarray:
