@@ -4,7 +4,8 @@ Source: learned cache replacement by imitation of Belady's MIN (Parrot, Liu et a
 docs/references.md#learned-replacement). The cache rule is ``lru``'s (policies/observed.py);
 on each eviction a one-hidden-layer network scores every evictable expert from its features
 (recency, frequency, the router's probability; ``daopsim.policies.observed.FEATURES``) and the
-highest score is evicted, ties to the lowest id. Inference is numpy only. The weights are a small
+highest score is evicted, ties to the lowest id. Inference runs in typed loops over floats
+(:class:`Net`; C in the compiled build), with no NumPy call per decision. The weights are a small
 JSON file written by ``daopsim learn`` (docs/learned-policies.md); the default is the bundled
 ``learned_model.json``, trained on the first four sequences of the bundled Mixtral trace.
 """
@@ -176,8 +177,9 @@ class Net:
     ) -> None:
         if len(mean) != len(FEATURES):
             raise ValueError(f"the network reads {len(FEATURES)} features, got {len(mean)}")
-        self.mean = mean
-        self.scale = scale
+        # each feature's mean and scale as float attributes, as the units' weights
+        self.m0, self.m1, self.m2, self.m3, self.m4, self.m5, self.m6, self.m7 = mean
+        self.s0, self.s1, self.s2, self.s3, self.s4, self.s5, self.s6, self.s7 = scale
         self.b2 = b2
         self.hidden = len(b1)
         #: the hidden units, each with its column of w1 (w1 is [features, hidden])
@@ -194,10 +196,9 @@ class Net:
 
     def shared_of(self, x5: float, x6: float, x7: float) -> list[float]:
         """:meth:`shared` of the last three features' values."""
-        mean, scale = self.mean, self.scale
-        z7 = (x7 - mean[7]) / scale[7]
-        z6 = (x6 - mean[6]) / scale[6]
-        z5 = (x5 - mean[5]) / scale[5]
+        z7 = (x7 - self.m7) / self.s7
+        z6 = (x6 - self.m6) / self.s6
+        z5 = (x5 - self.m5) / self.s5
         out: list[float] = []
         for u in self.units:
             acc = z7 * u.w7
@@ -214,12 +215,11 @@ class Net:
         self, x0: float, x1: float, x2: float, x3: float, x4: float, shared: list[float]
     ) -> float:
         """:meth:`score_with` of the first five features' values."""
-        mean, scale = self.mean, self.scale
-        z4 = (x4 - mean[4]) / scale[4]
-        z3 = (x3 - mean[3]) / scale[3]
-        z2 = (x2 - mean[2]) / scale[2]
-        z1 = (x1 - mean[1]) / scale[1]
-        z0 = (x0 - mean[0]) / scale[0]
+        z4 = (x4 - self.m4) / self.s4
+        z3 = (x3 - self.m3) / self.s3
+        z2 = (x2 - self.m2) / self.s2
+        z1 = (x1 - self.m1) / self.s1
+        z0 = (x0 - self.m0) / self.s0
         units = self.units
         out = 0.0
         for j in range(self.hidden):
