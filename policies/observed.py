@@ -33,8 +33,8 @@ from daopsim.policies.caching import CachingPolicy
 HALF_LIFE = 32.0
 _DECAY = 0.5 ** (1.0 / HALF_LIFE)
 _FLOAT_MAX = sys.float_info.max
-#: steps apart up to which the decay factors are remembered (a few hundred kB at most; a
-#: longer gap is computed each time)
+#: steps apart up to which the decay factors and log ages are remembered (a few hundred kB
+#: at most; a longer gap is computed each time)
 DECAY_TABLE = 1 << 14
 
 #: the per-expert features a scorer reads, in column order (docs/learned-policies.md)
@@ -67,6 +67,8 @@ class ObservedCache(CachingPolicy):
         self.recent_step: list[list[int]] = [[0] * n_exp for _ in range(n_layers)]
         #: ``decay_factor(d)`` for d = 0, 1, ... as far as it was asked (extended on demand)
         self.decay_table: list[float] = []
+        #: ``log_age(a)`` for a = 0, 1, ... likewise
+        self.log_table: list[float] = []
         #: what every eviction of one layer's service reads (:meth:`now`): its layer and step
         #: (layer -1: none yet), the decayed counts, ``experts / their sum`` and the router
         #: probabilities x experts
@@ -104,6 +106,18 @@ class ObservedCache(CachingPolicy):
         for k in range(len(table), d + 1):
             table.append(math.pow(_DECAY, float(k)))
         return table[d]
+
+    def log_age(self, a: int) -> float:
+        """``math.log1p(a)`` of an age in steps (remembered by ``a``: the compiled build has no
+        C call for ``log1p``, so each would be a call through Python)."""
+        table = self.log_table
+        if a < len(table) and a >= 0:
+            return table[a]
+        if a < 0 or a >= DECAY_TABLE:
+            return math.log1p(a)
+        for k in range(len(table), a + 1):
+            table.append(math.log1p(k))
+        return table[a]
 
     def decode_layer(self, view: View) -> Plan:
         """Count the layer's accesses (every routed expert), then serve them."""
@@ -236,7 +250,7 @@ class ObservedCache(CachingPolicy):
                         rank += 1
             sink.expert(
                 rank / rank_div,
-                math.log1p(step - last[e]),
+                self.log_age(step - last[e]),
                 freq[e] * freq_scale,
                 recent[e] * recent_scale,
                 router[e],
@@ -318,11 +332,12 @@ def finite(x: Any) -> np.ndarray:
 def finite_value(x: float) -> float:
     """One router probability as :func:`finite` reads it: NaN (not recorded) as 0, an
     infinity as the largest finite float of its sign."""
-    if math.isfinite(x):
-        return x
+    # (isnan and isinf are C calls in the compiled build; isfinite would go through Python)
     if math.isnan(x):
         return 0.0
-    return _FLOAT_MAX if x > 0 else -_FLOAT_MAX
+    if math.isinf(x):
+        return _FLOAT_MAX if x > 0 else -_FLOAT_MAX
+    return x
 
 
 def as_probs(x: Any, n: int) -> np.ndarray:
