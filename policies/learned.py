@@ -4,7 +4,8 @@ Source: learned cache replacement by imitation of Belady's MIN (Parrot, Liu et a
 docs/references.md#learned-replacement). The cache rule is ``lru``'s (policies/observed.py);
 on each eviction a one-hidden-layer network scores every evictable expert from its features
 (recency, frequency, the router's probability; ``daopsim.policies.observed.FEATURES``) and the
-highest score is evicted, ties to the lowest id. Inference is numpy only. The weights are a small
+highest score is evicted, ties to the lowest id. Inference runs in typed loops over floats
+(:class:`Net`; C in the compiled build), with no NumPy call per decision. The weights are a small
 JSON file written by ``daopsim learn`` (docs/learned-policies.md); the default is the bundled
 ``learned_model.json``, trained on the first four sequences of the bundled Mixtral trace.
 """
@@ -23,7 +24,7 @@ import numpy as np
 
 from daopsim.policies._mypyc import mypyc_attr
 from daopsim.policies.base import Param
-from daopsim.policies.observed import FEATURES, ObservedCache
+from daopsim.policies.observed import FEATURES, FeatureSink, ObservedCache
 from daopsim.policies.registry import register
 from daopsim.simulator.errors import UserError
 
@@ -144,6 +145,18 @@ def _tanh(x: float) -> float:
     return (t - 1.0) / (t + 1.0)
 
 
+class Unit:
+    """One hidden unit of :class:`Net`: its weight from each of the eight :data:`FEATURES`,
+    its bias and its output weight, as float attributes (the compiled build keeps them as C
+    doubles in the object, where a list of floats would unbox one per read)."""
+
+    def __init__(self, w: list[float], b: float, v: float) -> None:
+        self.w0, self.w1, self.w2, self.w3 = w[0], w[1], w[2], w[3]
+        self.w4, self.w5, self.w6, self.w7 = w[4], w[5], w[6], w[7]
+        self.b = b
+        self.v = v
+
+
 class Net:
     """The scorer's network in typed loops over the eight :data:`FEATURES` (the compiled
     build runs them as C; a handful of candidates costs far less than numpy's per-call
@@ -164,65 +177,78 @@ class Net:
     ) -> None:
         if len(mean) != len(FEATURES):
             raise ValueError(f"the network reads {len(FEATURES)} features, got {len(mean)}")
-        self.mean = mean
-        self.scale = scale
-        #: w1's rows: each feature's weights to the hidden units
-        self.w: list[list[float]] = [list(row) for row in w1]
-        self.b1 = b1
-        self.w2 = w2
+        # each feature's mean and scale as float attributes, as the units' weights
+        self.m0, self.m1, self.m2, self.m3, self.m4, self.m5, self.m6, self.m7 = mean
+        self.s0, self.s1, self.s2, self.s3, self.s4, self.s5, self.s6, self.s7 = scale
         self.b2 = b2
         self.hidden = len(b1)
+        #: the hidden units, each with its column of w1 (w1 is [features, hidden])
+        self.units: list[Unit] = [
+            Unit([row[j] for row in w1], b1[j], w2[j]) for j in range(self.hidden)
+        ]
         #: :meth:`shared` by the three features' values (a run has a few: phase x layer)
         self.memo: dict[tuple[float, float, float], list[float]] = {}
 
     def shared(self, row: list[float]) -> list[float]:
         """Each hidden unit's sum over the last three features (phase, layer, quota) of
         ``row``, the last first."""
-        mean, scale, w = self.mean, self.scale, self.w
-        z7 = (row[7] - mean[7]) / scale[7]
-        z6 = (row[6] - mean[6]) / scale[6]
-        z5 = (row[5] - mean[5]) / scale[5]
-        w7, w6, w5 = w[7], w[6], w[5]
+        return self.shared_of(row[5], row[6], row[7])
+
+    def shared_of(self, x5: float, x6: float, x7: float) -> list[float]:
+        """:meth:`shared` of the last three features' values."""
+        z7 = (x7 - self.m7) / self.s7
+        z6 = (x6 - self.m6) / self.s6
+        z5 = (x5 - self.m5) / self.s5
         out: list[float] = []
-        for j in range(self.hidden):
-            acc = z7 * w7[j]
-            acc += z6 * w6[j]
-            acc += z5 * w5[j]
+        for u in self.units:
+            acc = z7 * u.w7
+            acc += z6 * u.w6
+            acc += z5 * u.w5
             out.append(acc)
         return out
 
     def score_with(self, row: list[float], shared: list[float]) -> float:
         """The score of ``row`` whose last three features' sums are ``shared``."""
-        mean, scale, w = self.mean, self.scale, self.w
-        z4 = (row[4] - mean[4]) / scale[4]
-        z3 = (row[3] - mean[3]) / scale[3]
-        z2 = (row[2] - mean[2]) / scale[2]
-        z1 = (row[1] - mean[1]) / scale[1]
-        z0 = (row[0] - mean[0]) / scale[0]
-        w4, w3, w2, w1, w0 = w[4], w[3], w[2], w[1], w[0]
-        b1, v = self.b1, self.w2
+        return self.score_of(row[0], row[1], row[2], row[3], row[4], shared)
+
+    def score_of(
+        self, x0: float, x1: float, x2: float, x3: float, x4: float, shared: list[float]
+    ) -> float:
+        """:meth:`score_with` of the first five features' values."""
+        z4 = (x4 - self.m4) / self.s4
+        z3 = (x3 - self.m3) / self.s3
+        z2 = (x2 - self.m2) / self.s2
+        z1 = (x1 - self.m1) / self.s1
+        z0 = (x0 - self.m0) / self.s0
+        units = self.units
         out = 0.0
         for j in range(self.hidden):
+            u = units[j]
             acc = shared[j]
-            acc += z4 * w4[j]
-            acc += z3 * w3[j]
-            acc += z2 * w2[j]
-            acc += z1 * w1[j]
-            acc += z0 * w0[j]
-            out += _tanh(acc + b1[j]) * v[j]
+            acc += z4 * u.w4
+            acc += z3 * u.w3
+            acc += z2 * u.w2
+            acc += z1 * u.w1
+            acc += z0 * u.w0
+            out += _tanh(acc + u.b) * u.v
         return out + self.b2
 
     def score(self, row: list[float]) -> float:
         """The score of one feature row."""
         return self.score_with(row, self.shared(row))
 
+    def shared_memo(self, x5: float, x6: float, x7: float) -> list[float]:
+        """:meth:`shared_of`, remembered by the three values (do not modify)."""
+        key = (x5, x6, x7)
+        sh = self.memo.get(key)
+        if sh is None:
+            sh = self.memo[key] = self.shared_of(x5, x6, x7)
+        return sh
+
     def best(self, rows: list[list[float]]) -> int:
         """The index of the highest-scoring row (the first on ties)."""
         first = rows[0]
-        key = (first[5], first[6], first[7])
-        sh = self.memo.get(key)
-        if sh is None:
-            sh = self.memo[key] = self.shared(first)
+        sh = self.shared_memo(first[5], first[6], first[7])
         best, top = 0, self.score_with(first, sh)
         for k in range(1, len(rows)):
             row = rows[k]
@@ -231,6 +257,39 @@ class Net:
             if s > top:
                 best, top = k, s
         return best
+
+
+class Pick(FeatureSink):
+    """The highest-scoring expert of a decision as :meth:`ObservedCache.feed` hands over its
+    features (the first on ties): :meth:`Net.best` without rows of Python floats."""
+
+    def __init__(self, net: Net) -> None:
+        self.net = net
+        self.shared: list[float] = []
+        #: experts seen, the index of the best so far and its score
+        self.seen = 0
+        self.best = 0
+        self.top = 0.0
+
+    def layer(self, prefill: float, layer_frac: float, quota_frac: float) -> None:
+        """A new decision: the layer's hidden sums."""
+        self.shared = self.net.shared_memo(prefill, layer_frac, quota_frac)
+        self.seen = 0
+        self.best = 0
+
+    def expert(
+        self,
+        lru_rank: float,
+        log_age: float,
+        freq_share: float,
+        recent_share: float,
+        router_prob: float,
+    ) -> None:
+        """Score the next expert; keep it if it beats the best so far."""
+        s = self.net.score_of(lru_rank, log_age, freq_share, recent_share, router_prob, self.shared)
+        if self.seen == 0 or s > self.top:
+            self.best, self.top = self.seen, s
+        self.seen += 1
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -249,12 +308,15 @@ class LearnedPolicy(ObservedCache):
         super().__init__(**options)
         path = self.options["model"] or BUNDLED_MODEL
         self.scorer = Scorer.load(path)
+        self.pick = Pick(self.scorer.net)
 
     def decide(self, layer: int, candidates: list[int]) -> int:
         """The candidate with the highest score (the first, i.e. lowest id, on ties)."""
         if len(candidates) == 1:
             return candidates[0]
-        return candidates[self.scorer.net.best(self.features(layer, candidates))]
+        pick = self.pick
+        self.feed(layer, candidates, pick)
+        return candidates[pick.best]
 
 
 register(LearnedPolicy)

@@ -33,6 +33,9 @@ from daopsim.policies.caching import CachingPolicy
 HALF_LIFE = 32.0
 _DECAY = 0.5 ** (1.0 / HALF_LIFE)
 _FLOAT_MAX = sys.float_info.max
+#: steps apart up to which the decay factors and log ages are remembered (a few hundred kB
+#: at most; a longer gap is computed each time)
+DECAY_TABLE = 1 << 14
 
 #: the per-expert features a scorer reads, in column order (docs/learned-policies.md)
 FEATURES = (
@@ -62,6 +65,18 @@ class ObservedCache(CachingPolicy):
         self.freq_sum = [0] * n_layers
         self.recent: list[list[float]] = [[0.0] * n_exp for _ in range(n_layers)]
         self.recent_step: list[list[int]] = [[0] * n_exp for _ in range(n_layers)]
+        #: ``decay_factor(d)`` for d = 0, 1, ... as far as it was asked (extended on demand)
+        self.decay_table: list[float] = []
+        #: ``log_age(a)`` for a = 0, 1, ... likewise
+        self.log_table: list[float] = []
+        #: what every eviction of one layer's service reads (:meth:`now`): its layer and step
+        #: (layer -1: none yet), the decayed counts, ``experts / their sum`` and the router
+        #: probabilities x experts
+        self.now_layer = -1
+        self.now_step = -1
+        self.now_decayed: list[float] = []
+        self.now_scale = 0.0
+        self.now_router: list[float] = []
         #: the view of the layer being served (the engine reuses one object: read it only
         #: during a decision)
         self.view: View | None = None
@@ -80,10 +95,35 @@ class ObservedCache(CachingPolicy):
         self.last_tick[layer][expert] = self.tick
         self.last_step[layer][expert] = step
 
+    def decay_factor(self, d: int) -> float:
+        """The decay over ``d`` steps, ``math.pow(_DECAY, d)`` (remembered by ``d``: the same
+        float, without a ``pow`` per expert and decision)."""
+        table = self.decay_table
+        if d < len(table) and d >= 0:
+            return table[d]
+        if d < 0 or d >= DECAY_TABLE:
+            return math.pow(_DECAY, float(d))
+        for k in range(len(table), d + 1):
+            table.append(math.pow(_DECAY, float(k)))
+        return table[d]
+
+    def log_age(self, a: int) -> float:
+        """``math.log1p(a)`` of an age in steps (remembered by ``a``: the compiled build has no
+        C call for ``log1p``, so each would be a call through Python)."""
+        table = self.log_table
+        if a < len(table) and a >= 0:
+            return table[a]
+        if a < 0 or a >= DECAY_TABLE:
+            return math.log1p(a)
+        for k in range(len(table), a + 1):
+            table.append(math.log1p(k))
+        return table[a]
+
     def decode_layer(self, view: View) -> Plan:
         """Count the layer's accesses (every routed expert), then serve them."""
         layer, step = view.layer, view.step
-        experts = view.experts.tolist()
+        # typed, so that the compiled build runs the loop on C integers
+        experts: list[int] = view.experts.tolist()
         counts = view.counts
         freq, recent, rstep = self.freq[layer], self.recent[layer], self.recent_step[layer]
         row: list[bool] = view.resident[layer].tolist()
@@ -92,11 +132,12 @@ class ObservedCache(CachingPolicy):
             w = 1 if counts is None else int(counts[e])
             freq[e] += w
             total += w
-            recent[e] = recent[e] * math.pow(_DECAY, float(step - rstep[e])) + w
+            recent[e] = recent[e] * self.decay_factor(step - rstep[e]) + w
             rstep[e] = step
             if row[e]:
                 self.hits += 1
         self.freq_sum[layer] += total
+        self.now_layer = -1  # a new view, new decayed counts
         self.view = view
         try:
             return self.serve(view, experts)
@@ -131,11 +172,30 @@ class ObservedCache(CachingPolicy):
         """Every expert's access count decayed with a half-life of HALF_LIFE steps, at
         ``step``."""
         rstep = self.recent_step[layer]
-        # (math.pow: a C call in the compiled build; an expert never used stays 0)
+        # (an expert never used stays 0)
         return [
-            r * math.pow(_DECAY, float(step - rstep[e])) if r else 0.0
+            r * self.decay_factor(step - rstep[e]) if r else 0.0
             for e, r in enumerate(self.recent[layer])
         ]
+
+    def now(self, view: View, layer: int) -> None:
+        """Compute, once for every decision of the layer being served, the numbers its
+        features read over all experts: :attr:`now_decayed` (:meth:`decayed`),
+        :attr:`now_scale` and :attr:`now_router`."""
+        step: int = view.step
+        if layer == self.now_layer and step == self.now_step:
+            return
+        n_exp = self.n_experts
+        recent = self.decayed(layer, step)
+        total = 0.0
+        for r in recent:
+            total += r
+        self.now_decayed = recent
+        self.now_scale = n_exp / max(1e-12, total)
+        # (one tolist, not a NumPy call per expert: the same floats as ``item``)
+        probs: list[float] = view.probs.tolist()
+        self.now_router = [finite_value(p) * n_exp for p in probs]
+        self.now_layer, self.now_step = layer, step
 
     def layer_stats(self, layer: int) -> LayerStats:
         """The layer's recency ranks, ages, access counts and decayed counts, now."""
@@ -150,8 +210,18 @@ class ObservedCache(CachingPolicy):
         )
 
     def features(self, layer: int, experts: list[int]) -> list[list[float]]:
-        """The :data:`FEATURES` of ``experts`` of the layer being served, one row each (typed
-        loops over the policy's own statistics: the compiled build runs them as C)."""
+        """The :data:`FEATURES` of ``experts`` of the layer being served, one row each
+        (:meth:`feed` into a list)."""
+        rows = Rows()
+        self.feed(layer, experts, rows)
+        return rows.rows
+
+    def feed(self, layer: int, experts: list[int], sink: FeatureSink) -> None:
+        """Hand the :data:`FEATURES` of ``experts`` of the layer being served to ``sink``: the
+        three that every expert of the layer shares once (:meth:`FeatureSink.layer`), then
+        each expert's five in the order of ``experts`` (:meth:`FeatureSink.expert`). Typed
+        loops over the policy's own statistics; the compiled build runs them as C and passes
+        the numbers as C doubles, so a scorer reads them without a row of Python floats."""
         view = self.view
         assert view is not None, "features are read during a decision"
         step: int = view.step
@@ -161,18 +231,15 @@ class ObservedCache(CachingPolicy):
         ticks = self.last_tick[layer]
         rank_div = float(max(1, n_res - 1))
         freq_scale = n_exp / max(1, self.freq_sum[layer])
-        recent = self.decayed(layer, step)
-        total = 0.0
-        for r in recent:
-            total += r
-        recent_scale = n_exp / max(1e-12, total)
-        probs = view.probs
+        self.now(view, layer)
+        recent, router = self.now_decayed, self.now_router
+        recent_scale = self.now_scale
         last, freq = self.last_step[layer], self.freq[layer]
         # the same for every expert of the layer
         prefill = 1.0 if view.is_prefill else 0.0
         layer_frac = layer / max(1, self.n_layers - 1)
         quota_frac = self.quota[layer] / n_exp
-        rows: list[list[float]] = []
+        sink.layer(prefill, layer_frac, quota_frac)
         for e in experts:
             rank = n_res  # a resident expert's: how many resident ones were used before it
             if e in cache:
@@ -181,25 +248,70 @@ class ObservedCache(CachingPolicy):
                 for c in cache:
                     if ticks[c] < t:
                         rank += 1
-            rows.append(
-                [
-                    rank / rank_div,
-                    math.log1p(step - last[e]),
-                    freq[e] * freq_scale,
-                    recent[e] * recent_scale,
-                    finite_value(probs.item(e)) * n_exp,
-                    prefill,
-                    layer_frac,
-                    quota_frac,
-                ]
+            sink.expert(
+                rank / rank_div,
+                self.log_age(step - last[e]),
+                freq[e] * freq_scale,
+                recent[e] * recent_scale,
+                router[e],
             )
-        return rows
 
     def feature_matrix(self, layer: int) -> np.ndarray:
         """The ``[experts, len(FEATURES)]`` features of every expert of the layer being
         served (:meth:`features`)."""
         rows = self.features(layer, list(range(self.n_experts)))
         return np.array(rows, dtype=np.float64).reshape(self.n_experts, len(FEATURES))
+
+
+class FeatureSink:
+    """What :meth:`ObservedCache.feed` hands a decision's :data:`FEATURES` to."""
+
+    def layer(self, prefill: float, layer_frac: float, quota_frac: float) -> None:
+        """The last three features, the same for every expert of the decision's layer."""
+
+    def expert(
+        self,
+        lru_rank: float,
+        log_age: float,
+        freq_share: float,
+        recent_share: float,
+        router_prob: float,
+    ) -> None:
+        """The first five features of the next expert."""
+
+
+class Rows(FeatureSink):
+    """The features as rows of :data:`FEATURES` (:meth:`ObservedCache.features`)."""
+
+    def __init__(self) -> None:
+        self.rows: list[list[float]] = []
+        self.prefill = self.layer_frac = self.quota_frac = 0.0
+
+    def layer(self, prefill: float, layer_frac: float, quota_frac: float) -> None:
+        """Remember the layer's three."""
+        self.prefill, self.layer_frac, self.quota_frac = prefill, layer_frac, quota_frac
+
+    def expert(
+        self,
+        lru_rank: float,
+        log_age: float,
+        freq_share: float,
+        recent_share: float,
+        router_prob: float,
+    ) -> None:
+        """One row: the expert's five, then the layer's three."""
+        self.rows.append(
+            [
+                lru_rank,
+                log_age,
+                freq_share,
+                recent_share,
+                router_prob,
+                self.prefill,
+                self.layer_frac,
+                self.quota_frac,
+            ]
+        )
 
 
 class LayerStats(NamedTuple):
@@ -220,11 +332,12 @@ def finite(x: Any) -> np.ndarray:
 def finite_value(x: float) -> float:
     """One router probability as :func:`finite` reads it: NaN (not recorded) as 0, an
     infinity as the largest finite float of its sign."""
-    if math.isfinite(x):
-        return x
+    # (isnan and isinf are C calls in the compiled build; isfinite would go through Python)
     if math.isnan(x):
         return 0.0
-    return _FLOAT_MAX if x > 0 else -_FLOAT_MAX
+    if math.isinf(x):
+        return _FLOAT_MAX if x > 0 else -_FLOAT_MAX
+    return x
 
 
 def as_probs(x: Any, n: int) -> np.ndarray:

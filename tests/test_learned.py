@@ -158,3 +158,41 @@ def test_the_typed_network_scores_as_the_formula_and_picks_the_same_victim() -> 
         np.testing.assert_allclose(alone, formula, rtol=1e-12, atol=1e-12)
         assert net.best(x.tolist()) == int(np.argmax(alone))
         assert list(sc.scores(x)) == alone
+
+
+def test_the_policy_pick_over_fed_features_is_the_networks_best_row() -> None:
+    """``Pick`` (what the policy scores with, fed the features one by one as floats) chooses
+    exactly the row ``Net.best`` chooses from the same features as rows, the first on ties."""
+    import numpy as np
+
+    from daopsim.policies.learned import Pick
+
+    sc = Scorer.load(BUNDLED_MODEL)
+    pick = Pick(sc.net)
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        n = int(rng.integers(1, 10))
+        x = rng.normal(sc.mean, sc.scale * 2.0, size=(n, len(sc.mean)))
+        x[:, 5:] = x[0, 5:]
+        if n > 1 and rng.random() < 0.3:
+            x[-1] = x[0]  # a tie with the first: the first wins
+        rows = x.tolist()
+        pick.layer(rows[0][5], rows[0][6], rows[0][7])
+        for row in rows:
+            pick.expert(row[0], row[1], row[2], row[3], row[4])
+        assert pick.best == sc.net.best(rows)
+        assert pick.top == sc.net.score(rows[pick.best])
+
+
+def test_remembered_decay_factors_and_log_ages_are_the_functions_values() -> None:
+    """The policy's tables of decay factors and log ages give exactly ``math.pow`` and
+    ``math.log1p`` of the same arguments, inside the table, past its end and below 0."""
+    from daopsim.policies.observed import _DECAY, DECAY_TABLE
+
+    pol: Any = make_policy("learned", {})
+    pol.decay_table, pol.log_table = [], []
+    for d in [5, 0, 3, 17, 4103, 2, DECAY_TABLE - 1, DECAY_TABLE, DECAY_TABLE + 7, -1, -3]:
+        assert pol.decay_factor(d) == math.pow(_DECAY, float(d)), d
+        if d > -1:
+            assert pol.log_age(d) == math.log1p(d), d
+    assert len(pol.decay_table) == len(pol.log_table) == DECAY_TABLE
