@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from daopsim.simulator.data import DEFAULT_TRACE
 from daopsim.simulator.errors import UserError, check_seed
 
 if TYPE_CHECKING:
@@ -61,6 +62,12 @@ class RunParam:
     axis: bool = False
     #: the ``Grid`` attribute when it differs from the key (``arrival_rate`` -> ``arrival_rates``)
     attr: str | None = None
+    #: a grid's value when the key is absent (None: the default, as a one-value list for an axis)
+    grid_default: Any = None
+    #: how a sweep configuration's key names the value: ``"given"`` (only when not the
+    #: default, so the keys of earlier sweeps stay valid), ``"always"``, or ``"content"``
+    #: (the sweep keys it by what it names: a file's bytes, a profile's content)
+    key: str = "given"
     #: the bounds beside a run take it: ``"given"`` (as the run was asked) or ``"result"``
     #: (as the result's configuration resolved it); None: the bounds choose their own
     bounds: str | None = None
@@ -79,6 +86,14 @@ class RunParam:
         """``daopsim sweep``'s flag for the key (an axis takes comma-separated values)."""
         attr = self.grid_attr
         return None if attr is None else "--" + attr.replace("_", "-")
+
+    def grid_empty(self) -> Any:
+        """The grid's value when the key is absent."""
+        if self.grid_default is not None:
+            return list(self.grid_default) if self.axis else self.grid_default
+        if self.axis:
+            return [] if self.default is None else [self.default]
+        return self.default
 
     def checked(self, value: Any, label: str) -> Any:
         """``value`` once its declared check passes (the check names ``label``)."""
@@ -142,33 +157,36 @@ class RunRequest:
 
     policy: str | Policy = param(
         "daop", "Policy name (see `daopsim policies list`).", kind=str, flag="--policy",
-        show_default=True, grid="policies", axis=True,
+        show_default=True, grid="policies", axis=True, key="always",
     )  # fmt: skip
     hw: str | os.PathLike[str] | HardwareProfile = param(
         "a6000-pcie4", "Hardware profile name or path to a profile TOML.", kind=str,
-        flag="--hw", show_default=True, grid="hw", axis=True, bounds="given",
+        flag="--hw", show_default=True, grid="hw", axis=True, bounds="given", key="content",
     )  # fmt: skip
     trace: str | os.PathLike[str] | None = param(
         None, "Bundled trace name or path (default: the bundled Mixtral-8x7B trace).",
-        kind=str, flag="--trace", grid="traces", axis=True, bounds="given",
+        kind=str, flag="--trace", grid="traces", axis=True, bounds="given", key="content",
+        grid_default=[DEFAULT_TRACE],
     )  # fmt: skip
     cache_ratio: float | None = param(
         None, "Fraction of all experts resident on the GPU (DAOP's ECR), in (0, 1].",
         kind=float, flag="--cache-ratio", grid="cache_ratios", axis=True, check=_unit_ratio,
+        key="always",
     )  # fmt: skip
     gpu_experts: int | None = param(
         None, "Resident expert slots (default: what fits in GPU memory).", kind=int,
-        flag="--gpu-experts", grid="gpu_experts", axis=True, check=_not_negative,
+        flag="--gpu-experts", grid="gpu_experts", axis=True, check=_not_negative, key="always",
     )  # fmt: skip
     sequences: int | None = param(
         None, "Evaluate N sequences of the evaluation pool (seed 0: the first N; else a "
         "seeded sample).", kind=int, flag="--sequences", grid="sequences",
-        check=_positive_count,
+        check=_positive_count, key="always",
     )  # fmt: skip
     calibration: str | os.PathLike[str] | None = param(
         None, "Popularity data for policies that use it: none, self (the evaluated "
         "sequences, in-sample) or a trace PATH (default: held-out sequences of the trace).",
         kind=str, flag="--calibration", metavar="none|self|PATH", grid="calibration",
+        key="content",
     )  # fmt: skip
     policy_options: dict[str, Any] | None = param(
         None, "The policy's options (`daopsim run --policy-opt KEY=VALUE`, grid `options`)."
@@ -176,11 +194,11 @@ class RunRequest:
     seed: int = param(
         0, "Seed: which sequences --sequences N evaluates (0: the first N), and random "
         "choices.", kind=int, flag="--seed", show_default=True, grid="seeds", axis=True,
-        bounds="given", check=_seed,
+        bounds="given", check=_seed, key="always",
     )  # fmt: skip
     dtype: str | None = param(
         None, "GPU expert precision (bf16, int4_g128, q4_k_m, mxfp4, ...).", kind=str,
-        flag="--dtype", grid="dtype", bounds="given",
+        flag="--dtype", grid="dtype", bounds="given", key="always",
     )  # fmt: skip
     record: bool | str | os.PathLike[str] | Recorder = param(
         True, "The timeline: True keeps it in memory, False records none, a path streams it to "
@@ -218,7 +236,7 @@ class RunRequest:
     runtime: str | RuntimeProfile | None = param(
         None, "Runtime profile (host dispatch and sync overheads; `daopsim runtimes list`). "
         "Default: the one the policy declares.", kind=str, flag="--runtime", metavar="NAME",
-        grid="runtimes", axis=True,
+        grid="runtimes", axis=True, key="content",
     )  # fmt: skip
     host_memory_gb: float | None = param(
         None, "Host memory budget, GB: the non-expert weights and the experts that fit; the "
@@ -238,11 +256,12 @@ class RunRequest:
         1, "GPUs of a multi-GPU profile to use (docs/serving.md, 'Multiple GPUs'); the "
         "expert budget (--cache-ratio, --gpu-experts) is then per GPU.", kind=int,
         flag="--gpus", show_default=True, grid="gpus", axis=True, check=_gpu_count,
+        grid_default=[],
     )  # fmt: skip
     multi_gpu: str | None = param(
         None, "With --gpus > 1: 'expert' (expert e on GPU e mod N, attention on GPU 0; "
         "default) or 'pipeline' (contiguous layer stages).", kind=str, flag="--multi-gpu",
-        grid="multi_gpu", axis=True, check=_multi_gpu_mode,
+        grid="multi_gpu", axis=True, check=_multi_gpu_mode, key="content",
     )  # fmt: skip
     expert_placement: str | None = param(
         None, "With --multi-gpu expert: 'mod' (expert e on GPU e mod N; default) or "
