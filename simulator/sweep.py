@@ -50,11 +50,12 @@ from daopsim.simulator.errors import (
     parse_key_values,
 )
 from daopsim.simulator.fingerprints import daopsim_version, file_sha256, profile_sha256
+from daopsim.simulator.metrics import metric_keys, optional_metric_keys
 from daopsim.simulator.native import module_source
 from daopsim.simulator.output import TABLE_FORMATS, check_output_file, output_format, value_paths
 from daopsim.simulator.output import write_table as _write_any_table
 from daopsim.simulator.progress import Progress
-from daopsim.simulator.results import METRIC_KEYS, OPTIONAL_METRIC_KEYS, atomic_write_text
+from daopsim.simulator.results import atomic_write_text
 from daopsim.simulator.run_params import RunParam, grid_params, run_params
 from daopsim.simulator.runtime_profiles import get_runtime
 from daopsim.simulator.watchdog import watch_parent
@@ -725,7 +726,7 @@ def _worker_trace(cfg: Config) -> Path:
 
 def _finished_row(cfg: Config, path: Path, result: Any) -> dict[str, Any]:
     """A finished run's columns: what it ran with, its metrics (the registry's,
-    simulator/metric_registry.py), model facts and, in a serving run, the serving summary."""
+    simulator/metrics.py), model facts and, in a serving run, the serving summary."""
     from daopsim.simulator.trace import read_meta
 
     c = result.config
@@ -746,7 +747,7 @@ def _finished_row(cfg: Config, path: Path, result: Any) -> dict[str, Any]:
         status="ok",
     )
     metrics = result.to_dict()["metrics"]
-    row.update({k: metrics[k] for k in METRIC_KEYS if k in metrics})
+    row.update({k: metrics[k] for k in metric_keys() if k in metrics})
     row.update(
         model=c["model"],
         dtype=c["dtype"],
@@ -864,7 +865,8 @@ def to_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     serving = [c for c in SERVING_COLUMNS if any(c in r for r in rows)]
     # a gpus axis: the columns appear, one-GPU rows read gpus = 1
     multi = ["gpus", "multi_gpu", "gpu_experts_per_gpu"] if any("gpus" in r for r in rows) else []
-    metrics = [k for k in METRIC_KEYS if k not in OPTIONAL_METRIC_KEYS or any(k in r for r in rows)]
+    optional = optional_metric_keys()
+    metrics = [k for k in metric_keys() if k not in optional or any(k in r for r in rows)]
     cols = list(
         dict.fromkeys(
             [*BASE_COLUMNS, *opt_cols, *multi, *metrics, *BOUND_COLUMNS, *serving, *EXTRA_COLUMNS]
@@ -994,7 +996,7 @@ def read_table(path: str | os.PathLike[str]) -> pd.DataFrame:
         raise UserError(f"{p}: not a results table (missing column {missing[0]!r})")
     if fmt == "csv" and "per_layer_hit_rate" in df:
         df["per_layer_hit_rate"] = [_list_cell(v) for v in df["per_layer_hit_rate"]]
-    for col in [c for c in (*METRIC_KEYS, *_NUMBER_COLUMNS) if c in df]:
+    for col in [c for c in (*metric_keys(), *_NUMBER_COLUMNS) if c in df]:
         if df[col].dtype.kind in "biuf":
             continue
         # empty cells (a failed row's metrics) are NaN; anything else must be a number

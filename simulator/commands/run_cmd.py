@@ -14,6 +14,7 @@ from click.core import ParameterSource
 
 from daopsim.simulator.commands.common import echo_json, json_option
 from daopsim.simulator.errors import DoesNotFit, UserError, parse_key_values
+from daopsim.simulator.metrics import table_rows
 from daopsim.simulator.output import (
     TABLE_FORMATS,
     Output,
@@ -40,36 +41,6 @@ def _fmt(value: Any, unit: str = "") -> str:
     if abs(value) >= 100:
         return f"{value:,.1f}{unit}"
     return f"{value:.4g}{unit}"
-
-
-#: (metric key, label, unit, scale) rows of the human-readable table
-TABLE_ROWS = (
-    ("tokens_per_s", "tokens/s (incl. prefill)", "", 1.0),
-    ("decode_tokens_per_s", "decode tokens/s", "", 1.0),
-    ("ttft_s", "time to first token", " s", 1.0),
-    ("tpot_p50_s", "per-token latency p50", " ms", 1e3),
-    ("tpot_p99_s", "per-token latency p99", " ms", 1e3),
-    ("e2e_s", "end-to-end time (simulated)", " s", 1.0),
-    ("hit_rate", "GPU hit rate (decode)", "", 1.0),
-    ("h2d_bytes", "host-to-device", " GB", 1e-9),
-    ("d2h_bytes", "device-to-host", " GB", 1e-9),
-    ("gpu_busy_frac", "GPU busy", "", 1.0),
-    ("cpu_busy_frac", "CPU busy", "", 1.0),
-    ("h2d_busy_frac", "H2D link busy", "", 1.0),
-    ("stall_s", "GPU stall (copies + CPU)", " s", 1.0),
-    ("dispatch_stall_s", "GPU waiting for dispatch", " s", 1.0),
-    ("host_syncs", "host syncs", "", 1.0),
-    ("cpu_expert_evals", "CPU expert evaluations", "", 1.0),
-    ("prefetch_precision", "prefetch precision", "", 1.0),
-    ("routing_replaced_frac", "routing replaced", "", 1.0),
-    ("gate_mass_preserved", "gate mass preserved", "", 1.0),
-    ("low_precision_gate_mass", "gate mass in low precision", "", 1.0),
-    ("ssd_bytes", "read from SSD", " GB", 1e-9),
-    ("ssd_stall_s", "waiting for SSD reads", " s", 1.0),
-    ("host_memory_peak_bytes", "host memory peak", " GB", 1e-9),
-    ("energy_j", "energy", " kJ", 1e-3),
-    ("tokens_per_kj", "tokens per kJ", "", 1.0),
-)
 
 
 #: rows that add up each GPU stream's waiting (with several GPUs, more than the run's time)
@@ -279,7 +250,7 @@ def render_table(doc: dict[str, Any]) -> str:
         head += f"\nnote: {note}"
     lines = [head, "", "  simulated run (every time below is simulated time, not this computer's)"]
     n_gpus = int(mg["gpus"]) if mg else 1
-    for key, label, unit, scale in TABLE_ROWS:
+    for key, label, unit, scale in table_rows():
         value = m.get(key)
         if key not in m and key in SSD_ROWS:  # no host-memory budget: no SSD tier rows
             continue
