@@ -73,6 +73,8 @@ class RunParam:
     bounds: str | None = None
     #: a check of one value, beyond its type (raises a one-line UserError naming the label)
     check: Check | None = None
+    #: it names an input file (a path is checked never to be an output of the command)
+    input: bool = False
     #: ``"run"``: a ``simulate()`` keyword; ``"serving"``: part of the serving configuration
     part: str = "run"
 
@@ -162,10 +164,12 @@ class RunRequest:
     hw: str | os.PathLike[str] | HardwareProfile = param(
         "a6000-pcie4", "Hardware profile name or path to a profile TOML.", kind=str,
         flag="--hw", show_default=True, grid="hw", axis=True, bounds="given", key="content",
+        input=True,
     )  # fmt: skip
     trace: str | os.PathLike[str] | None = param(
         None, "Bundled trace name or path (default: the bundled Mixtral-8x7B trace).",
         kind=str, flag="--trace", grid="traces", axis=True, bounds="given", key="content",
+        input=True,
         grid_default=[DEFAULT_TRACE],
     )  # fmt: skip
     cache_ratio: float | None = param(
@@ -186,7 +190,7 @@ class RunRequest:
         None, "Popularity data for policies that use it: none, self (the evaluated "
         "sequences, in-sample) or a trace PATH (default: held-out sequences of the trace).",
         kind=str, flag="--calibration", metavar="none|self|PATH", grid="calibration",
-        key="content",
+        key="content", input=True,
     )  # fmt: skip
     policy_options: dict[str, Any] | None = param(
         None, "The policy's options (`daopsim run --policy-opt KEY=VALUE`, grid `options`)."
@@ -290,7 +294,7 @@ class ServingRequest:
     )  # fmt: skip
     arrivals: str | None = param(
         None, "Arrival file (CSV/Parquet: request_id, arrival_s, prompt_tokens, "
-        "output_tokens, sequence).", kind=str, flag="--arrivals", metavar="FILE",
+        "output_tokens, sequence).", kind=str, flag="--arrivals", metavar="FILE", input=True,
     )  # fmt: skip
     kv_cache_gb: float | None = param(
         None, "GPU memory reserved for the KV cache before expert slots are sized (default: "

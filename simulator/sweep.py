@@ -660,6 +660,9 @@ def _base_row(cfg: Config) -> dict[str, Any]:
     }
     for k, v in cfg.options:
         row[f"opt.{k}"] = v
+    for p in grid_params():  # another declared axis: its column, where not at its default
+        if p.axis and p.name not in row and getattr(cfg, p.name) != p.default:
+            row[p.name] = getattr(cfg, p.name)
     if cfg.gpus > 1:  # multi-GPU columns (absent from single-GPU sweeps)
         row["gpus"] = cfg.gpus
         row["multi_gpu"] = cfg.multi_gpu or "expert"
@@ -867,11 +870,10 @@ def to_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     multi = ["gpus", "multi_gpu", "gpu_experts_per_gpu"] if any("gpus" in r for r in rows) else []
     optional = optional_metric_keys()
     metrics = [k for k in metric_keys() if k not in optional or any(k in r for r in rows)]
-    cols = list(
-        dict.fromkeys(
-            [*BASE_COLUMNS, *opt_cols, *multi, *metrics, *BOUND_COLUMNS, *serving, *EXTRA_COLUMNS]
-        )
-    )
+    # the other declared axes (simulator/run_params.py) last, where some row has them
+    axes = [p.name for p in grid_params() if p.axis and any(p.name in r for r in rows)]
+    first = [*BASE_COLUMNS, *opt_cols, *multi, *metrics, *BOUND_COLUMNS, *serving]
+    cols = list(dict.fromkeys([*first, *EXTRA_COLUMNS, *axes]))
     df = pd.DataFrame([{c: r.get(c) for c in cols} for r in rows], columns=cols)
     if multi:
         df["gpus"] = df["gpus"].fillna(1).astype("int64")
@@ -1227,38 +1229,16 @@ def run_sweep(
     n_workers = workers if workers is not None else (os.cpu_count() or 1)
     check_fidelity_floor(min_gate_mass)  # before any run, not after
     configs = expand(g)
-    keys = {c.key for c in configs}
     t0 = time.perf_counter()
-    lock: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-    folder = None
-    if out is not None:
-        output_format(out, TABLE_FORMATS, "--out")
-        inputs = {c.trace_path for c in configs} | set(g.hw) | {g.calibration}
-        inputs |= set(value_paths(g.options))  # a policy option naming a file (model=FILE)
-        check_output_file(out, "--out", inputs=sorted(str(i) for i in inputs if i))
-        folder = parts_dir(out)
-        lock = _lock(folder, Path(out))
+    folder = _results_folder(g, configs, out)
+    lock = _lock(folder, Path(str(out))) if folder is not None else contextlib.nullcontext()
     with lock:
-        done = _load_parts(folder, keys) if folder is not None else {}
+        done = _load_parts(folder, {c.key for c in configs}) if folder is not None else {}
         if retry_errors:
             done = {k: r for k, r in done.items() if r.get("status") != "error"}
         resumed = len(done)
         todo = [c for c in configs if c.key not in done]
-        bar = Progress(len(configs), "sweep", initial=resumed, enabled=progress)
-        n_failed = [sum(1 for r in done.values() if r.get("status") == "error")]
-
-        def on_row(row: dict[str, Any]) -> None:
-            done[row["key"]] = row
-            if folder is not None:
-                _save_part(folder, row)
-            n_failed[0] += row.get("status") == "error"
-            bar.update(1, f"{n_failed[0]} failed" if n_failed[0] else None)
-
-        with bar:
-            if executor == "dask":
-                _run_dask(todo, n_workers, scheduler, on_row)
-            else:
-                _run_local(todo, n_workers, on_row)
+        _run_into(done, todo, len(configs), folder, executor, n_workers, scheduler, progress)
         if bounds:
             add_bounds([done[c.key] for c in configs], configs)
         # a stored row keeps its numbers but takes this request's labels (a key is content: the
@@ -1267,15 +1247,75 @@ def run_sweep(
         df, below_floor = fidelity_floor(to_frame(rows), min_gate_mass)
         if out is not None:
             write_table(df, out)
+    elapsed = time.perf_counter() - t0
+    return df, _summary(df, out, len(configs), resumed, below_floor, elapsed)
+
+
+def _results_folder(
+    g: Grid, configs: list[Config], out: str | os.PathLike[str] | None
+) -> Path | None:
+    """The parts folder of the results table (None without one), once the table's path is
+    checked: a table format, never one of the sweep's inputs."""
+    if out is None:
+        return None
+    output_format(out, TABLE_FORMATS, "--out")
+    inputs = {c.trace_path for c in configs}  # the traces as resolved
+    for p in grid_params():  # the other declared parameters that name an input file
+        if p.input and p.name != "trace":
+            value = getattr(g, str(p.grid_attr))
+            inputs |= set(value) if p.axis else {value}
+    inputs |= set(value_paths(g.options))  # a policy option naming a file (model=FILE)
+    check_output_file(out, "--out", inputs=sorted(str(i) for i in inputs if i))
+    return parts_dir(out)
+
+
+def _run_into(
+    done: dict[str, dict[str, Any]],
+    todo: list[Config],
+    total: int,
+    folder: Path | None,
+    executor: str,
+    n_workers: int,
+    scheduler: str | None,
+    progress: bool,
+) -> None:
+    """Run ``todo`` into ``done`` (by key), saving each row's part as it finishes, under a
+    progress bar over all ``total`` configurations that counts the failures."""
+    bar = Progress(total, "sweep", initial=len(done), enabled=progress)
+    n_failed = [sum(1 for r in done.values() if r.get("status") == "error")]
+
+    def on_row(row: dict[str, Any]) -> None:
+        done[row["key"]] = row
+        if folder is not None:
+            _save_part(folder, row)
+        n_failed[0] += row.get("status") == "error"
+        bar.update(1, f"{n_failed[0]} failed" if n_failed[0] else None)
+
+    with bar:
+        if executor == "dask":
+            _run_dask(todo, n_workers, scheduler, on_row)
+        else:
+            _run_local(todo, n_workers, on_row)
+
+
+def _summary(
+    df: pd.DataFrame,
+    out: str | os.PathLike[str] | None,
+    configurations: int,
+    resumed: int,
+    below_floor: int,
+    elapsed: float,
+) -> SweepSummary:
+    """The sweep's counts and its failed configurations, from its table."""
     failed = df[df["status"] == "error"]
-    summary = SweepSummary(
+    return SweepSummary(
         out=str(out) if out is not None else None,
-        configurations=len(configs),
+        configurations=configurations,
         ok=int((df["status"] == "ok").sum()) + below_floor,
         skipped=int((df["status"] == "skipped").sum()),
         failed=len(failed),
         resumed=resumed,
-        elapsed_s=round(time.perf_counter() - t0, 3),
+        elapsed_s=round(elapsed, 3),
         below_floor=below_floor,
         errors=[
             {
@@ -1286,7 +1326,6 @@ def run_sweep(
             for r in failed.to_dict("records")
         ],
     )
-    return df, summary
 
 
 def sweep(

@@ -27,7 +27,7 @@ from daopsim.simulator.commands import run_cmd, sweep_cmd
 from daopsim.simulator.errors import UserError
 from daopsim.simulator.metrics import Metric, render_doc, section_table
 from daopsim.simulator.run_params import RunParam
-from daopsim.simulator.sweep import Grid, expand, run_config, run_sweep
+from daopsim.simulator.sweep import Grid, expand, run_config, run_sweep, to_frame
 
 RUN = ["--policy", "lru", "--trace", "ci-small", "--cache-ratio", "0.25", "--sequences", "1"]
 DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
@@ -117,16 +117,17 @@ def test_a_declared_parameter_is_a_config_key(knob: list[dict[str, Any]], tmp_pa
 
 def test_a_declared_parameter_is_a_sweep_axis(knob: list[dict[str, Any]]) -> None:
     """The new grid key is a Grid attribute and an axis: each value is a configuration with its
-    own key, whose run gets the value; at its default the key is the one a grid without the
-    parameter gives (earlier sweeps stay valid); its values are type-checked and checked as
-    declared; `daopsim sweep` has a flag for it."""
+    own key, whose run gets the value and whose row names it (a table column); at its default
+    the key is the one a grid without the parameter gives (earlier sweeps stay valid); its
+    values are type-checked and checked as declared; `daopsim sweep` has a flag for it."""
     base = {"policies": ["lru"], "traces": ["ci-small"], "cache_ratios": [0.25], "sequences": 1}
     grid = Grid.from_dict({**base, "knobs": [1, 2]})
     assert grid.knobs == [1, 2] and Grid(policies=["lru"]).knobs == [3]
     configs = expand(grid)
     assert [c.knob for c in configs] == [1, 2] and configs[0].key != configs[1].key
-    row = run_config(configs[1])
-    assert row["status"] == "ok" and knob[-1]["knob"] == 2
+    rows = [run_config(c) for c in configs]
+    assert [r["status"] for r in rows] == ["ok", "ok"] and knob[-1]["knob"] == 2
+    assert list(to_frame(rows)["knob"]) == [1, 2]  # a column of the sweep table
     at_default = expand(Grid.from_dict({**base, "knobs": [3]}))[0].key
     with pytest.MonkeyPatch.context() as m:
         m.setattr(run_params, "RUN_PARAMS", run_params.RUN_PARAMS[:-1])

@@ -471,8 +471,7 @@ def _simulate_run(cmd: dict[str, Any], given: dict[str, Any], options: dict[str,
     # a policy option naming a file (learned's model=FILE), from the command line or the
     # config file, is an input too
     inputs = (
-        given["trace"], given["calibration"], given["hw"], given["arrivals"], cmd["config"],
-        *value_paths(options),
+        *(given[p.name] for p in run_params() if p.input), cmd["config"], *value_paths(options),
     )  # fmt: skip
     _check_run_outputs(serving, out_dir, requests_out, inputs)
     enabled = not cmd["no_progress"] and sys.stderr.isatty()
