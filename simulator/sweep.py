@@ -128,12 +128,10 @@ def grid_keys() -> set[str]:
 class Grid:
     """The axes of a sweep; every combination is one configuration.
 
-    Its attributes are the declared run parameters' grid keys (simulator/run_params.py): a
-    list for an axis (``policies``, ``hw``, ``traces``, ``cache_ratios``, ``gpu_experts``,
-    ``seeds``, ``runtimes``, ``arrival_rates``, ``gpus``, ``multi_gpu``), one value for the
-    others (``sequences``, ``calibration``, ``dtype``, ``lookahead``, ``host_dtype``,
-    ``nonexpert_dtype``, ``max_batch``, ``slo_ttft``, ``slo_tpot``); an absent one takes the
-    declared default.
+    Its attributes are the declared run parameters' grid keys (simulator/run_params.py,
+    ``grid_params()``): a list for an axis (``policies``, ``traces``, ``cache_ratios``, ...),
+    one value for the others (``sequences``, ``dtype``, ...); an absent one takes the declared
+    default.
 
     ``options`` maps an option name to its values: ``"swap_num"`` applies to every policy in
     the grid that declares that option, ``"daop.swap_num"`` to one policy only. Several values
