@@ -18,7 +18,7 @@ NATIVE_SOURCES := setup.py pyproject.toml simulator/native.py simulator/boundary
 # tests run on both cores: pytest-xdist spreads them over the cores; the C compiler too
 JOBS ?= 2
 .PHONY: install native run test lint format typecheck bench notebooks notebook regress validate \
-	docs-validation clean reference-coverage
+	docs-validation docs-metrics clean reference-coverage
 
 # the base package only: simpy, numpy, pandas, pyarrow, matplotlib, click (pyproject.toml);
 # setuptools in the venv so that no isolated build environment is made for the editable install
@@ -93,6 +93,10 @@ bench: $(FULL) $(NATIVE)
 
 # how much of the engine core the reference-equivalence tests run (>= 99 %; the interpreted
 # core, since a compiled one reports no lines)
+# the metric tables of docs/metrics.md, from the registry in simulator/metrics.py
+docs-metrics: $(BASE)
+	$(PY) -m daopsim.simulator.metrics docs/metrics.md
+
 reference-coverage: $(FULL)
 	DAOPSIM_PURE_PYTHON=1 $(PY) tests/reference_coverage.py
 

@@ -13,245 +13,26 @@ import math
 import os
 import shutil
 import textwrap
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from daopsim.simulator import perfetto
+
+# the metrics (their registry, computation and energy model) live in simulator/metrics.py;
+# these names stay importable from here for existing callers
+from daopsim.simulator.metrics import ENERGY_KEYS as ENERGY_KEYS
+from daopsim.simulator.metrics import METRIC_KEYS as METRIC_KEYS
+from daopsim.simulator.metrics import OPTIONAL_METRIC_KEYS as OPTIONAL_METRIC_KEYS
+from daopsim.simulator.metrics import busy_frac as busy_frac
+from daopsim.simulator.metrics import compute_metrics as compute_metrics
+from daopsim.simulator.metrics import energy_breakdown as energy_breakdown
+from daopsim.simulator.metrics import host_tier_metrics as host_tier_metrics
+from daopsim.simulator.metrics import metric_keys
 from daopsim.simulator.output import output_dir, write_figure, write_file, write_text
-
-if TYPE_CHECKING:
-    from daopsim.simulator.hardware import HardwareProfile
-    from daopsim.simulator.runstats import RunStats
-
-#: The metrics every run reports, in display order (docs/metrics.md defines each).
-METRIC_KEYS = (
-    "tokens_per_s",
-    "decode_tokens_per_s",
-    "ttft_s",
-    "tpot_mean_s",
-    "tpot_p50_s",
-    "tpot_p99_s",
-    "e2e_s",
-    "hit_rate",
-    "prefill_hit_rate",
-    "decode_hits",
-    "decode_accesses",
-    "prefill_hits",
-    "prefill_accesses",
-    "h2d_bytes",
-    "d2h_bytes",
-    "gpu_busy_frac",
-    "cpu_busy_frac",
-    "h2d_busy_frac",
-    "d2h_busy_frac",
-    "stall_s",
-    "transfer_stall_s",
-    "cpu_wait_s",
-    "dispatch_stall_s",
-    "host_syncs",
-    "gpu_expert_s",
-    "gpu_nonexpert_s",
-    "cpu_expert_evals",
-    "cpu_precalc_evals",
-    "cpu_precalc_wasted",
-    "fetches",
-    "temp_copies",
-    "evictions",
-    "prefetches",
-    "prefetch_precision",
-    "prefetch_wasted_bytes",
-    "routing_replaced_frac",
-    "replaced_mispredicted_frac",
-    "replaced_degraded_frac",
-    "gate_mass_preserved",
-    "low_precision_gate_mass",
-    "low_bit_copies",
-    "energy_j",
-    "tokens_per_kj",
-    "energy_gpu_j",
-    "energy_cpu_j",
-    "energy_dram_j",
-    "energy_device_j",
-    "energy_wall_j",
-    "tokens_per_kj_device",
-    "tokens_per_kj_wall",
-    "decode_tokens",
-    "prefill_tokens",
-    "sequences",
-    "max_slots_held",
-    # the SSD tier: only with a host-memory budget (docs/serving.md, "An SSD tier")
-    "ssd_bytes",
-    "ssd_reads",
-    "ssd_stall_s",
-    "ssd_busy_frac",
-    "host_evictions",
-    "host_memory_peak_bytes",
-    "host_memory_budget_bytes",
-)
-#: metrics a run reports only when their mechanism is on (a host-memory budget): a sweep table
-#: has their columns only if some row has them
-OPTIONAL_METRIC_KEYS = frozenset(METRIC_KEYS[METRIC_KEYS.index("ssd_bytes") :])
-
-
-def _ratio(num: float, den: float) -> float:
-    return float(num) / float(den) if den else float("nan")
-
-
-def busy_frac(busy: float, after_end: float, servers: int, e2e: float) -> float:
-    """A busy fraction: busy time within the run's window ``[0, e2e]`` over ``servers x e2e``.
-
-    ``after_end`` is the work done after the last token ended (prefetches issued for a next
-    token that never came); it is left out, so the fraction is at most 1. The clamp to [0, 1]
-    only absorbs float rounding of sums of durations (docs/metrics.md, "Busy fractions").
-    """
-    den = float(servers) * float(e2e)
-    if not den:
-        return float("nan")
-    return min(1.0, max(0.0, (float(busy) - float(after_end)) / den))
-
-
-def compute_metrics(
-    stats: RunStats,
-    hw: HardwareProfile,
-    after_end: Mapping[str, float] | None = None,
-    servers: Mapping[str, int] | None = None,
-) -> dict[str, float]:
-    """Metrics from the run's statistics (counters and busy time per named resource).
-
-    ``after_end``: seconds of work each copy direction (``h2d``, ``d2h``) and the CPU pool
-    (``cpu``) did after the run's end; ``servers``: how many lanes serve a copy direction (one
-    per uplink with several GPUs). They default to none and one
-    (each engine reports them in ``RunStats.after``).
-    """
-    c = stats.counters
-    e2e = float(stats.e2e)
-    late = dict(after_end or {})
-    lanes = dict(servers or {})
-    lat = np.asarray(c.token_latency, dtype=np.float64)
-    busy = stats.busy
-    workers = stats.workers["cpu"]
-    n_gpus = stats.workers.get("gpu", 1)  # several GPUs (simulator/multigpu.py)
-    cpu_busy = busy["cpu"]
-    m: dict[str, float] = {
-        "tokens_per_s": _ratio(c.decode_tokens, e2e),
-        "decode_tokens_per_s": _ratio(c.decode_tokens, c.decode_time),
-        "ttft_s": float(np.mean(c.ttft)) if c.ttft else float("nan"),
-        "tpot_mean_s": float(lat.mean()) if lat.size else float("nan"),
-        "tpot_p50_s": float(np.percentile(lat, 50)) if lat.size else float("nan"),
-        "tpot_p99_s": float(np.percentile(lat, 99)) if lat.size else float("nan"),
-        "e2e_s": e2e,
-        "hit_rate": _ratio(c.decode_hits, c.decode_accesses),
-        "prefill_hit_rate": _ratio(c.prefill_hits, c.prefill_accesses),
-        "decode_hits": int(c.decode_hits),
-        "decode_accesses": int(c.decode_accesses),
-        "prefill_hits": int(c.prefill_hits),
-        "prefill_accesses": int(c.prefill_accesses),
-        "h2d_bytes": int(c.h2d_bytes),
-        "d2h_bytes": int(c.d2h_bytes),
-        "gpu_busy_frac": busy_frac(busy["gpu"], 0.0, n_gpus, e2e),
-        "cpu_busy_frac": busy_frac(cpu_busy, late.get("cpu", 0.0), workers, e2e),
-        "h2d_busy_frac": busy_frac(busy["h2d"], late.get("h2d", 0.0), lanes.get("h2d", 1), e2e),
-        "d2h_busy_frac": busy_frac(busy["d2h"], late.get("d2h", 0.0), lanes.get("d2h", 1), e2e),
-        "stall_s": c.transfer_stall + c.cpu_wait,
-        "transfer_stall_s": c.transfer_stall,
-        "cpu_wait_s": c.cpu_wait,
-        "dispatch_stall_s": c.dispatch_stall,
-        "host_syncs": int(c.host_syncs),
-        "gpu_expert_s": c.gpu_expert_busy,
-        "gpu_nonexpert_s": c.gpu_nonexpert_busy,
-        "cpu_expert_evals": int(c.cpu_expert_evals + c.cpu_precalc_evals),
-        "cpu_precalc_evals": int(c.cpu_precalc_evals),
-        "cpu_precalc_wasted": int(c.precalc_wasted),
-        "fetches": int(c.fetches),
-        "temp_copies": int(c.temp_copies),
-        "evictions": int(c.evictions),
-        "prefetches": int(c.prefetches),
-        "prefetch_precision": _ratio(c.prefetch_used, c.prefetches),
-        "prefetch_wasted_bytes": int(c.prefetch_wasted_bytes),
-        "routing_replaced_frac": _ratio(
-            c.replaced_mispredicted + c.replaced_degraded, c.true_accesses
-        ),
-        "replaced_mispredicted_frac": _ratio(c.replaced_mispredicted, c.true_accesses),
-        "replaced_degraded_frac": _ratio(c.replaced_degraded, c.true_accesses),
-        "gate_mass_preserved": _ratio(c.gate_mass_kept, c.gate_mass_total),
-        "low_precision_gate_mass": _ratio(c.gate_mass_low_bit, c.gate_mass_total),
-        "low_bit_copies": int(c.low_bit_copies),
-        "decode_tokens": int(c.decode_tokens),
-        "prefill_tokens": int(c.prefill_tokens),
-        "sequences": int(c.sequences),
-        "max_slots_held": int(c.max_occupancy),
-    }
-    cpu_calls = int(c.cpu_expert_evals + c.cpu_precalc_evals)
-    energy = energy_breakdown(hw, e2e, busy["gpu"], cpu_busy, n_gpus, cpu_calls)
-    m.update(energy)
-    tokens = c.decode_tokens
-    m["tokens_per_kj"] = _ratio(tokens, energy["energy_j"] / 1000.0)
-    m["tokens_per_kj_device"] = _ratio(tokens, energy["energy_device_j"] / 1000.0)
-    m["tokens_per_kj_wall"] = _ratio(tokens, energy["energy_wall_j"] / 1000.0)
-    return m
-
-
-#: The energy keys of a run's metrics (all NaN when the profile has no [power] section).
-ENERGY_KEYS = (
-    "energy_gpu_j",
-    "energy_cpu_j",
-    "energy_dram_j",
-    "energy_j",
-    "energy_device_j",
-    "energy_wall_j",
-)
-
-
-def energy_breakdown(
-    hw: HardwareProfile,
-    e2e: float,
-    gpu_busy: float,
-    cpu_busy: float,
-    gpus: int = 1,
-    cpu_calls: int = 0,
-) -> dict[str, float]:
-    """Energy over the run by part and level, joules (NaN everywhere without a [power] section).
-
-    - GPU: the context-holding active idle for the whole run, plus (busy - active idle) while a
-      kernel runs; with ``gpus`` GPUs, each idles for the whole run and ``gpu_busy`` is their
-      summed busy time.
-    - CPU package: the driving/spinning level for the whole run, plus (busy - wait) while CPU
-      experts run and while their worker threads spin afterwards: ``cpu_calls`` calls each
-      followed by up to ``cpu_spin_ms`` of spinning (capped at the run time: workers share one
-      socket, and a spin that the next call cuts short is busy time already).
-    - DRAM: its average power over the run.
-    - ``energy_j`` = GPU + CPU package; ``energy_device_j`` adds DRAM; ``energy_wall_j`` adds
-      the platform and divides by the power supply's efficiency.
-    """
-    power = getattr(hw, "power", None)
-    if power is None:
-        return dict.fromkeys(ENERGY_KEYS, float("nan"))
-    p = power.resolved(hw.cpu.cores_used)
-    assert p.gpu_active_idle_w is not None and p.cpu_wait_w is not None
-    assert p.dram_w is not None and p.platform_w is not None and p.psu_efficiency is not None
-    gpu = gpus * p.gpu_active_idle_w * e2e + (p.gpu_busy_w - p.gpu_active_idle_w) * min(
-        gpu_busy, gpus * e2e
-    )
-    assert p.cpu_spin_ms is not None
-    active = min(cpu_busy + cpu_calls * p.cpu_spin_ms * 1e-3, e2e)
-    cpu = p.cpu_wait_w * e2e + (p.cpu_busy_w - p.cpu_wait_w) * active
-    dram = p.dram_w * e2e
-    device = gpu + cpu + dram
-    wall = (device + p.platform_w * e2e) / p.psu_efficiency
-    return {
-        "energy_gpu_j": float(gpu),
-        "energy_cpu_j": float(cpu),
-        "energy_dram_j": float(dram),
-        "energy_j": float(gpu + cpu),
-        "energy_device_j": float(device),
-        "energy_wall_j": float(wall),
-    }
-
 
 #: The files ``RunResult.write`` puts in its folder (and the older uncompressed Perfetto name,
 #: so a folder written by an earlier version can be replaced).
@@ -337,7 +118,7 @@ class RunResult:
     def to_dict(self) -> dict[str, Any]:
         """The ``run --json`` object: configuration keys at top level, ``metrics`` inside."""
         out = {k: v for k, v in self.config.items()}
-        out["metrics"] = {k: self.metrics[k] for k in METRIC_KEYS if k in self.metrics}
+        out["metrics"] = {k: self.metrics[k] for k in metric_keys() if k in self.metrics}
         out["energy"] = {
             "gpu_j": self.metrics.get("energy_gpu_j"),
             "cpu_j": self.metrics.get("energy_cpu_j"),
@@ -550,13 +331,3 @@ def _json_safe(obj: Any) -> Any:
     if isinstance(obj, float) and not math.isfinite(obj):
         return None
     return obj
-
-
-def host_tier_metrics(stats: Any, after_end: float = 0.0) -> dict[str, float]:
-    """The SSD tier's metrics (docs/metrics.md) from a run's statistics; ``after_end`` is the
-    drive's work after the run's end (background reads), left out of ``ssd_busy_frac``."""
-    tier = dict(stats.host_tier)
-    e2e = stats.e2e
-    busy = stats.busy.get("ssd", 0.0)
-    tier["ssd_busy_frac"] = busy_frac(busy, after_end, 1, e2e) if e2e > 0 else 0.0
-    return tier

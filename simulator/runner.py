@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import inspect
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from daopsim.simulator.hosttier import host_tier_config
 from daopsim.simulator.output import check_output_file
 from daopsim.simulator.recorder import Recorder
 from daopsim.simulator.results import RunResult, compute_metrics, host_tier_metrics
+from daopsim.simulator.run_params import RunRequest, docstring_lines, make_request
 from daopsim.simulator.runtime_profiles import RuntimeProfile, get_runtime
 from daopsim.simulator.serving import (
     Arrival,
@@ -701,64 +703,24 @@ def _finish_timeline(recorder: Recorder | None) -> Any:
     return recorder.timeline()
 
 
-def simulate(
-    policy: str | Policy = "daop",
-    hw: str | os.PathLike[str] | HardwareProfile = "a6000-pcie4",
-    trace: str | os.PathLike[str] | None = None,
-    cache_ratio: float | None = None,
-    gpu_experts: int | None = None,
-    sequences: int | None = None,
-    calibration: str | os.PathLike[str] | None = None,
-    policy_options: dict[str, Any] | None = None,
-    seed: int = 0,
-    dtype: str | None = None,
-    record: bool | str | os.PathLike[str] | Recorder = True,
-    host_dtype: str | None = None,
-    nonexpert_dtype: str | None = None,
-    progress: Callable[[int, int], None] | None = None,
-    lookahead: str = "recorded",
-    evaluate: list[int] | None = None,
-    engine: str = "fast",
-    serving: ServingConfig | None = None,
-    runtime: str | RuntimeProfile | None = None,
-    host_memory_gb: float | None = None,
-    ssd_path: str | None = None,
-    model: str | None = None,
-    gpus: int = 1,
-    multi_gpu: str | None = None,
-    expert_placement: str | None = None,
-) -> RunResult:
+def simulate(*args: Any, **kwargs: Any) -> RunResult:
     """Run one policy on one machine over a trace; see docs/metrics.md for the result.
 
-    ``calibration``: None (default: held-out sequences of the trace, for a policy that uses
-    calibration counts), ``"none"`` (no calibration data), ``"self"`` (counts from the
-    evaluated sequences themselves: in-sample) or the path of another trace. ``seed`` picks
-    the evaluated sequences when ``sequences`` is fewer than the pool. ``lookahead``:
-    ``"recorded"`` (the trace's one-layer-early view) or ``"previous-token"`` (stand-in).
-    ``evaluate``: explicit sequence ids to evaluate (e.g. a bound on another run's ids).
-    ``engine``: ``"fast"`` (default) or ``"reference"`` (the plain-SimPy model of the same
-    rules, slower; docs/architecture.md). ``serving``: requests batched and arriving over time
-    (docs/serving.md); None runs the sequences one after another. ``runtime``: the runtime
-    profile (a bundled name or a :class:`RuntimeProfile`); None takes the one the policy
-    declares. ``host_memory_gb``: the host-memory budget (None: the profile's
-    ``cpu.memory_gb``, or unlimited when it states none); experts that do not fit are read
-    from the profile's NVMe drive by ``ssd_path`` (``"page-cache"``, default, or ``"gds"``;
-    docs/serving.md, "An SSD tier"). ``model``: without ``trace``, a catalogue model whose
-    synthetic trace is generated (and cached outside the repository) for the run.
-    declares. ``gpus``/``multi_gpu``: several GPUs of a multi-GPU profile, ``"expert"``
-    (default) or ``"pipeline"`` placement (docs/serving.md, "Multiple GPUs"); the budget
-    (``cache_ratio``, ``gpu_experts`` or what fits) is then per GPU. ``expert_placement``:
-    expert parallel's rule, ``"mod"`` (default) or ``"balanced"`` (by calibration popularity).
-    ``record``: True keeps the timeline in memory, False records none, a path streams it to
-    that Parquet file as the run goes (memory stays flat; ``RunResult.timeline`` reads it
-    back when asked; simulator/recorder.py), a :class:`Recorder` is used as given.
+    The keywords are the declared run parameters (simulator/run_params.py, ``RunRequest``;
+    ``simulate("lru", "a6000-pcie4", "ci-small")`` gives the first ones by position):
+
+    {params}
+
+    ``calibration``: None (held-out sequences of the trace, for a policy that uses calibration
+    counts), ``"none"``, ``"self"`` (in-sample) or the path of another trace. ``seed`` picks the
+    evaluated sequences when ``sequences`` is fewer than the pool. ``engine="reference"`` is
+    the plain-SimPy model of the same rules (docs/architecture.md). Experts that do not fit the
+    host-memory budget are read from the profile's NVMe drive (docs/serving.md, "An SSD
+    tier"). With ``gpus`` > 1 the budget (``cache_ratio``, ``gpu_experts`` or what fits) is per
+    GPU. ``record`` given a path streams the timeline to that Parquet file (memory stays flat;
+    ``RunResult.timeline`` reads it back when asked; simulator/recorder.py).
     """
-    req = RunRequest(
-        policy, hw, trace, cache_ratio, gpu_experts, sequences, calibration, policy_options,
-        seed, dtype, record, host_dtype, nonexpert_dtype, progress, lookahead, evaluate,
-        engine, serving, runtime, host_memory_gb, ssd_path, model, gpus, multi_gpu,
-        expert_placement,
-    )  # fmt: skip
+    req = make_request(args, kwargs)
     inp = resolve_inputs(req)
     size = size_run(inp)
     data = load_data(inp, size)
@@ -767,38 +729,17 @@ def simulate(
     return collect(inp, size, data, run, stats, timeline)
 
 
+def _signature() -> inspect.Signature:
+    """``simulate()``'s signature as the declaration gives it (for help() and notebooks)."""
+    params = inspect.signature(RunRequest).parameters.values()
+    return inspect.Signature(list(params), return_annotation="RunResult")
+
+
+simulate.__signature__ = _signature()  # type: ignore[attr-defined]
+simulate.__doc__ = (simulate.__doc__ or "").replace("    {params}", docstring_lines())
+
+
 # -- the stages of a run ---------------------------------------------------------------------
-@dataclass
-class RunRequest:
-    """What :func:`simulate` was asked for: its arguments, as given."""
-
-    policy: str | Policy
-    hw: str | os.PathLike[str] | HardwareProfile
-    trace: str | os.PathLike[str] | None
-    cache_ratio: float | None
-    gpu_experts: int | None
-    sequences: int | None
-    calibration: str | os.PathLike[str] | None
-    policy_options: dict[str, Any] | None
-    seed: int
-    dtype: str | None
-    record: bool | str | os.PathLike[str] | Recorder
-    host_dtype: str | None
-    nonexpert_dtype: str | None
-    progress: Callable[[int, int], None] | None
-    lookahead: str
-    evaluate: list[int] | None
-    engine: str
-    serving: ServingConfig | None
-    runtime: str | RuntimeProfile | None
-    host_memory_gb: float | None
-    ssd_path: str | None
-    model: str | None
-    gpus: int
-    multi_gpu: str | None
-    expert_placement: str | None
-
-
 @dataclass
 class RunInputs:
     """The run's inputs resolved (stage 1): the trace and its sequences, the model at its

@@ -35,7 +35,6 @@ import pandas as pd
 
 from daopsim.simulator.boundary import construct_policy
 from daopsim.simulator.data import (
-    DEFAULT_TRACE,
     bundled_traces,
     check_input_file,
     read_toml,
@@ -45,13 +44,13 @@ from daopsim.simulator.errors import (
     DoesNotFit,
     PolicyError,
     UserError,
-    check_seed,
     debug_enabled,
     debug_traceback,
     did_you_mean,
     parse_key_values,
 )
 from daopsim.simulator.fingerprints import daopsim_version, file_sha256, profile_sha256
+from daopsim.simulator.metrics import metric_keys, optional_metric_keys
 from daopsim.simulator.native import module_source
 from daopsim.simulator.output import (
     TABLE_FORMATS,
@@ -62,7 +61,7 @@ from daopsim.simulator.output import (
 )
 from daopsim.simulator.output import write_table as _write_any_table
 from daopsim.simulator.progress import Progress
-from daopsim.simulator.results import METRIC_KEYS, OPTIONAL_METRIC_KEYS
+from daopsim.simulator.run_params import RunParam, grid_params, run_params
 from daopsim.simulator.runtime_profiles import get_runtime
 from daopsim.simulator.watchdog import watch_parent
 
@@ -118,167 +117,160 @@ SERVING_COLUMNS = (
     "goodput_requests_per_s",
 )
 EXECUTORS = ("local", "dask")
-_GRID_KEYS = {
-    "policies",
-    "hw",
-    "traces",
-    "cache_ratios",
-    "gpu_experts",
-    "sequences",
-    "seeds",
-    "options",
-    "calibration",
-    "dtype",
-    "lookahead",
-    "host_dtype",
-    "nonexpert_dtype",
-    "runtimes",
-    "out",
-    "arrival_rate",
-    "max_batch",
-    "slo_ttft",
-    "slo_tpot",
-    "gpus",
-    "multi_gpu",
-}
+#: grid keys that are not run parameters: the policies' options, and the results table
+_OTHER_GRID_KEYS = ("options", "out")
+
+
+def grid_keys() -> set[str]:
+    """The keys of a grid file or dict: the declared run parameters' grid keys
+    (simulator/run_params.py), ``options`` and ``out``."""
+    return {str(p.grid) for p in grid_params()} | set(_OTHER_GRID_KEYS)
 
 
 # --- grid -------------------------------------------------------------------------------------
 
 
-@dataclass
 class Grid:
     """The axes of a sweep; every combination is one configuration.
+
+    Its attributes are the declared run parameters' grid keys (simulator/run_params.py,
+    ``grid_params()``): a list for an axis (``policies``, ``traces``, ``cache_ratios``, ...),
+    one value for the others (``sequences``, ``dtype``, ...); an absent one takes the declared
+    default.
 
     ``options`` maps an option name to its values: ``"swap_num"`` applies to every policy in
     the grid that declares that option, ``"daop.swap_num"`` to one policy only. Several values
     make an axis. ``cache_ratios`` and ``gpu_experts`` are both memory points (their union);
     with neither, each run uses as many experts as fit on the machine. Policies that ignore the
-    budget (all-gpu) run once per machine and trace, whatever the memory points.
+    budget (all-gpu) run once per machine and trace, whatever the memory points. ``variants``
+    (from Python only; ``daopsim advise`` varies one option at a time this way): per policy,
+    explicit option sets run instead of the product of ``options`` axes.
     """
 
-    policies: list[str]
-    hw: list[str] = field(default_factory=lambda: ["a6000-pcie4"])
-    traces: list[str] = field(default_factory=lambda: [DEFAULT_TRACE])
-    cache_ratios: list[float] = field(default_factory=list)
-    gpu_experts: list[int] = field(default_factory=list)
-    sequences: int | None = None
-    seeds: list[int] = field(default_factory=lambda: [0])
-    options: dict[str, list[Any]] = field(default_factory=dict)
-    calibration: str | None = None
-    dtype: str | None = None
-    lookahead: str = "recorded"
-    host_dtype: str | None = None
-    nonexpert_dtype: str | None = None
-    #: serving axis: Poisson arrival rates (requests/s), continuous batching of ``max_batch``
-    arrival_rates: list[float] = field(default_factory=list)
-    max_batch: int | None = None
-    slo_ttft: float | None = None
-    slo_tpot: float | None = None
-    #: runtime profiles (an axis); empty: each policy's declared runtime
-    runtimes: list[str] = field(default_factory=list)
-    #: GPU counts (an axis; docs/serving.md, "Multiple GPUs"); empty: one GPU
-    gpus: list[int] = field(default_factory=list)
-    #: multi-GPU placements (an axis for the counts above 1); empty: expert parallel
-    multi_gpu: list[str] = field(default_factory=list)
-    #: per policy, explicit option sets run instead of the product of ``options`` axes (from
-    #: Python only; ``daopsim advise`` varies one option at a time this way)
-    variants: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    def __init__(
+        self,
+        policies: list[str],
+        options: dict[str, list[Any]] | None = None,
+        variants: dict[str, list[dict[str, Any]]] | None = None,
+        **axes: Any,
+    ) -> None:
+        declared = {str(p.grid_attr): p for p in grid_params() if p.grid_attr != "policies"}
+        unknown = sorted(set(axes) - set(declared))
+        if unknown:
+            raise TypeError(f"Grid() got an unexpected keyword argument {unknown[0]!r}")
+        self.policies = list(policies)
+        for attr, p in declared.items():
+            setattr(self, attr, axes[attr] if attr in axes else p.grid_empty())
+        self.options = dict(options or {})
+        self.variants = dict(variants or {})
+
+    def __repr__(self) -> str:
+        return f"Grid({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Grid) and vars(self) == vars(other)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str = "grid") -> Grid:
-        """A grid from a plain mapping (a parsed TOML file or a notebook dict)."""
-        unknown = sorted(set(data) - _GRID_KEYS)
-        if unknown:
-            key = unknown[0]
-            hint = did_you_mean(key, _GRID_KEYS)
-            plural = f"{key[:-1]}ies" if key.endswith("y") else f"{key}s"
-            if plural in _GRID_KEYS:  # cache_ratio, policy, trace, seed, runtime
-                hint = (
-                    f"; did you mean {plural!r}? (a grid key names a list, also for one "
-                    f"value: {plural} = [...])"
-                )
-            raise UserError(
-                f"{source}: unknown key {key!r}{hint} (valid: {', '.join(sorted(_GRID_KEYS))})"
-            )
-        if "policies" not in data:
-            raise UserError(f"{source}: missing key 'policies'")
+        """A grid from a plain mapping (a parsed TOML file or a notebook dict); each key is
+        checked against its declaration (one-line errors naming the key)."""
+        _check_keys(data, source)
+        given: dict[str, Any] = {}
+        for p in grid_params():
+            value = _grid_list(data, p, source) if p.axis else _grid_scalar(data, p, source)
+            if value is not None:
+                given[str(p.grid_attr)] = value
+        return cls(options=_grid_options(data, source), **given)
 
-        def lst(key: str, kind: type, default: list[Any] | None = None) -> list[Any]:
-            raw = data.get(key, default if default is not None else [])
-            if isinstance(raw, str | int | float) and not isinstance(raw, bool):
-                raw = [raw]
-            if not isinstance(raw, list | tuple):
-                raise UserError(f"{source}: key {key!r} must be a list")
-            if key in data and not raw:
-                # an empty list given is a mistake, never the default the key has when absent
-                hint = "" if key == "policies" else ", or leave the key out for its default"
-                raise UserError(
-                    f"{source}: key {key!r} is an empty list; give at least one value{hint}"
-                )
-            out = []
-            for v in raw:
-                if kind is float and isinstance(v, int) and not isinstance(v, bool):
-                    v = float(v)
-                if not isinstance(v, kind) or isinstance(v, bool):
-                    raise UserError(f"{source}: key {key!r}: {v!r} is not a {kind.__name__}")
-                out.append(v)
-            return out
 
-        seq = data.get("sequences")
-        if seq is not None and (not isinstance(seq, int) or isinstance(seq, bool) or seq <= 0):
-            raise UserError(f"{source}: key 'sequences' must be a positive integer, got {seq!r}")
-        opts_raw = data.get("options", {}) or {}
-        if not isinstance(opts_raw, Mapping):
-            raise UserError(f"{source}: key 'options' must be a table")
-        options: dict[str, list[Any]] = {}
-        for name, value in opts_raw.items():
-            if isinstance(value, Mapping):  # [options.<policy>] table
-                for k, v in value.items():
-                    options[f"{name}.{k}"] = list(v) if isinstance(v, list | tuple) else [v]
-            else:
-                options[str(name)] = list(value) if isinstance(value, list | tuple) else [value]
-        for k, v in options.items():
-            if not v:
-                raise UserError(f"{source}: option {k!r} has no values")
-        for key in ("calibration", "dtype", "host_dtype", "nonexpert_dtype", "lookahead"):
-            if data.get(key) is not None and not isinstance(data[key], str):
-                raise UserError(f"{source}: key {key!r} must be a string")
-        for key in ("slo_ttft", "slo_tpot"):
-            v = data.get(key)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)):
-                raise UserError(f"{source}: key {key!r} must be a number of seconds")
-        mb = data.get("max_batch")
-        if mb is not None and (not isinstance(mb, int) or isinstance(mb, bool) or mb < 1):
-            raise UserError(f"{source}: key 'max_batch' must be a positive integer, got {mb!r}")
-        lookahead = data.get("lookahead") or "recorded"
-        if lookahead not in ("recorded", "previous-token"):
-            raise UserError(
-                f"{source}: key 'lookahead' must be 'recorded' or 'previous-token', "
-                f"got {lookahead!r}"
+def _check_keys(data: Mapping[str, Any], source: str) -> None:
+    """An unknown key (with a hint at the plural of a list key), or no ``policies``."""
+    keys = grid_keys()
+    unknown = sorted(set(data) - keys)
+    if unknown:
+        key = unknown[0]
+        hint = did_you_mean(key, keys)
+        plural = f"{key[:-1]}ies" if key.endswith("y") else f"{key}s"
+        if plural in keys:  # cache_ratio, policy, trace, seed, runtime
+            hint = (
+                f"; did you mean {plural!r}? (a grid key names a list, also for one "
+                f"value: {plural} = [...])"
             )
-        return cls(
-            policies=lst("policies", str),
-            hw=lst("hw", str, ["a6000-pcie4"]),
-            traces=lst("traces", str, [DEFAULT_TRACE]),
-            cache_ratios=lst("cache_ratios", float),
-            gpu_experts=lst("gpu_experts", int),
-            sequences=seq,
-            seeds=lst("seeds", int, [0]),
-            options=options,
-            calibration=data.get("calibration"),
-            dtype=data.get("dtype"),
-            lookahead=lookahead,
-            host_dtype=data.get("host_dtype"),
-            nonexpert_dtype=data.get("nonexpert_dtype"),
-            arrival_rates=lst("arrival_rate", float),
-            max_batch=mb,
-            slo_ttft=data.get("slo_ttft"),
-            slo_tpot=data.get("slo_tpot"),
-            runtimes=lst("runtimes", str),
-            gpus=lst("gpus", int),
-            multi_gpu=lst("multi_gpu", str),
-        )
+        raise UserError(f"{source}: unknown key {key!r}{hint} (valid: {', '.join(sorted(keys))})")
+    if "policies" not in data:
+        raise UserError(f"{source}: missing key 'policies'")
+
+
+def _grid_list(data: Mapping[str, Any], p: RunParam, source: str) -> list[Any] | None:
+    """An axis key's values (one value stands for a list of one); None when absent."""
+    key, kind = str(p.grid), p.kind or str
+    if key not in data:
+        return None
+    raw = data[key]
+    if isinstance(raw, str | int | float) and not isinstance(raw, bool):
+        raw = [raw]
+    if not isinstance(raw, list | tuple):
+        raise UserError(f"{source}: key {key!r} must be a list")
+    if not raw:
+        # an empty list given is a mistake, never the default the key has when absent
+        hint = "" if key == "policies" else ", or leave the key out for its default"
+        raise UserError(f"{source}: key {key!r} is an empty list; give at least one value{hint}")
+    out = []
+    for v in raw:
+        if kind is float and isinstance(v, int) and not isinstance(v, bool):
+            v = float(v)
+        if not isinstance(v, kind) or isinstance(v, bool):
+            raise UserError(f"{source}: key {key!r}: {v!r} is not a {kind.__name__}")
+        out.append(v)
+    return out
+
+
+#: what a one-value key of each type must be, for its error line
+_KIND_WORDS = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
+
+
+def _grid_scalar(data: Mapping[str, Any], p: RunParam, source: str) -> Any:
+    """A one-value key's value, type-checked and checked as declared; None when absent."""
+    value = data.get(str(p.grid))
+    if value is None:
+        return None
+    label = f"{source}: key {p.grid!r}"
+    if p.kind is str and not isinstance(value, str):
+        raise UserError(f"{label} must be a string")
+    if p.check is not None:
+        p.check(value, label)
+    elif p.kind is not None and p.kind is not str and not _is_kind(value, p.kind):
+        raise UserError(f"{label} must be {_KIND_WORDS[p.kind]}, got {value!r}")
+    if p.choices is not None and value not in p.choices:
+        names = " or ".join(repr(c) for c in p.choices)
+        raise UserError(f"{label} must be {names}, got {value!r}")
+    return value
+
+
+def _is_kind(value: Any, kind: type) -> bool:
+    if kind is bool:
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int | float) if kind is float else isinstance(value, kind)
+
+
+def _grid_options(data: Mapping[str, Any], source: str) -> dict[str, list[Any]]:
+    """The ``options`` table: ``name = values`` or ``[options.<policy>]`` tables."""
+    opts_raw = data.get("options", {}) or {}
+    if not isinstance(opts_raw, Mapping):
+        raise UserError(f"{source}: key 'options' must be a table")
+    options: dict[str, list[Any]] = {}
+    for name, value in opts_raw.items():
+        if isinstance(value, Mapping):  # [options.<policy>] table
+            for k, v in value.items():
+                options[f"{name}.{k}"] = list(v) if isinstance(v, list | tuple) else [v]
+        else:
+            options[str(name)] = list(value) if isinstance(value, list | tuple) else [value]
+    for k, v in options.items():
+        if not v:
+            raise UserError(f"{source}: option {k!r} has no values")
+    return options
 
 
 def _relative_to(base: Path, value: str) -> str:
@@ -382,49 +374,42 @@ def simulator_code_sha256() -> str:
 
 @dataclass(frozen=True)
 class Config:
-    """One configuration of a sweep (picklable: it travels to worker processes)."""
+    """One configuration of a sweep (picklable: it travels to worker processes).
+
+    ``values`` holds the configuration's value of every declared grid parameter
+    (simulator/run_params.py), read as attributes: ``cfg.policy``, ``cfg.hw`` and ``cfg.trace``
+    (as the grid names them), ``cfg.cache_ratio``, ``cfg.seed``, ``cfg.runtime`` (None: the
+    policy's declared one), ``cfg.gpus``, ``cfg.multi_gpu`` (None: expert parallel), ...
+    """
 
     index: int
     key: str
-    policy: str
     options: tuple[tuple[str, Any], ...]
-    hw: str
     hw_sha: str
-    trace: str
     trace_path: str
     trace_bundled: bool
     trace_sha: str
-    cache_ratio: float | None
-    gpu_experts: int | None
-    sequences: int | None
-    seed: int
-    calibration: str | None
-    dtype: str | None
-    lookahead: str = "recorded"
-    host_dtype: str | None = None
-    nonexpert_dtype: str | None = None
-    arrival_rate: float | None = None
-    max_batch: int | None = None
-    slo_ttft: float | None = None
-    slo_tpot: float | None = None
-    #: the runtime profile asked for; None: the policy's declared one
-    runtime: str | None = None
-    #: GPUs of a multi-GPU profile, and their placement (None: the default, expert parallel)
-    gpus: int = 1
-    multi_gpu: str | None = None
+    values: tuple[tuple[str, Any], ...] = ()
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "values":  # (unpickling looks these up first)
+            raise AttributeError(name)
+        for k, v in self.values:
+            if k == name:
+                return v
+        raise AttributeError(f"Config has no attribute {name!r}")
+
+    def run_args(self) -> dict[str, Any]:
+        """The configuration's ``simulate()`` keywords among the declared grid parameters."""
+        return {p.name: getattr(self, p.name) for p in grid_params() if p.part == "run"}
 
     def serving(self) -> Any:
         """The run's ``ServingConfig`` (continuous batching at ``arrival_rate``), or None."""
-        if self.arrival_rate is None:
-            return None
-        from daopsim.simulator.serving import DEFAULT_MAX_BATCH, ServingConfig
+        from daopsim.simulator.serving import serving_config
 
-        return ServingConfig(
-            batch=self.max_batch or DEFAULT_MAX_BATCH,
-            continuous=True,
-            arrival_rate=self.arrival_rate,
-            slo_ttft=self.slo_ttft,
-            slo_tpot=self.slo_tpot,
+        given = dict(self.values)
+        return serving_config(
+            **{p.name: given.get(p.name, p.default) for p in run_params("serving")}
         )
 
 
@@ -470,172 +455,178 @@ def _option_axes(grid: Grid, policy_classes: dict[str, Any]) -> dict[str, list[d
     return out
 
 
-def expand(grid: Grid) -> list[Config]:
-    """Every configuration of the grid, in grid order; bad names and values are UserErrors."""
-    from daopsim.policies.registry import get_policy_class
+def _check_grid(grid: Grid) -> None:
+    """Every value of the grid checked as its parameter declares, before any run."""
+    for attr, what in (
+        ("policies", "the sweep has no policies"),
+        ("hw", "the sweep has no machines (--hw)"),
+        ("traces", "the sweep has no traces"),
+        ("seeds", "the sweep has no seeds (--seeds)"),
+    ):
+        if not getattr(grid, attr):
+            raise UserError(what)
+    from daopsim.simulator.multigpu import check_mode_has_gpus
 
-    if not grid.policies:
-        raise UserError("the sweep has no policies")
-    if not grid.hw:
-        raise UserError("the sweep has no machines (--hw)")
-    if not grid.traces:
-        raise UserError("the sweep has no traces")
-    if not grid.seeds:
-        raise UserError("the sweep has no seeds (--seeds)")
-    for r in grid.cache_ratios:
-        if not 0 < r <= 1:
-            raise UserError(f"cache ratio {r} is not in (0, 1]")
-    for n in grid.gpu_experts:
-        if n < 0:
-            raise UserError(f"gpu experts {n} is negative")
-    for rate in grid.arrival_rates:
-        if not (math.isfinite(rate) and rate > 0):
-            raise UserError(f"arrival rate {rate} is not a positive number")
-    for seed in grid.seeds:
-        check_seed(seed, "--seeds")
-    mb = grid.max_batch
-    if mb is not None and (isinstance(mb, bool) or not isinstance(mb, int) or mb < 1):
-        raise UserError(f"--max-batch must be a positive integer, got {mb!r}")
-    serving_extra = {
-        k: getattr(grid, k)
-        for k in ("max_batch", "slo_ttft", "slo_tpot")
-        if getattr(grid, k) is not None
-    }
-    if serving_extra and not grid.arrival_rates:
-        raise UserError(f"{next(iter(serving_extra))} needs an arrival_rate axis")
-    rates: list[float | None] = list(dict.fromkeys(grid.arrival_rates)) or [None]
-    classes = {p: get_policy_class(p) for p in dict.fromkeys(grid.policies)}
+    check_mode_has_gpus(bool(grid.multi_gpu), max(grid.gpus, default=1))
+    for p in grid_params():
+        value = getattr(grid, str(p.grid_attr))
+        for v in value if p.axis else [value]:
+            p.checked(v, str(p.sweep_flag))
+    # the serving parameters of one value mean something only beside arrival rates
+    extra = [p.grid for p in grid_params() if p.part == "serving" and not p.axis]
+    given = [k for k in extra if getattr(grid, str(k)) is not None]
+    if given and not grid.arrival_rates:
+        raise UserError(f"{given[0]} needs an arrival_rate axis")
     for name in grid.runtimes:
         get_runtime(name)  # an unknown name fails before any run
-    runtimes: list[str | None] = list(dict.fromkeys(grid.runtimes)) or [None]
-    from daopsim.simulator.multigpu import MODES, check_mode_has_gpus
 
-    for g in grid.gpus:
-        if g < 1:
-            raise UserError(f"gpus {g} is not a positive count")
-    check_mode_has_gpus(bool(grid.multi_gpu), max(grid.gpus, default=1))
-    for mode in grid.multi_gpu:
-        if mode not in MODES:
-            raise UserError(f"multi_gpu {mode!r} is not one of {list(MODES)}")
+
+#: axes a configuration takes apart from the plain product: where it runs (trace, machine),
+#: the policy and its options, the memory points (a union of two keys) and the GPU counts with
+#: their placements (a placement only for a count above 1)
+_OWN_AXES = ("trace", "hw", "policy", "cache_ratio", "gpu_experts", "gpus", "multi_gpu")
+
+
+def _point_axes(grid: Grid) -> list[list[dict[str, Any]]]:
+    """The inner axes of the product, each a list of value dicts: memory points, then the
+    other declared axes (serving ones first), then GPU counts with their placements."""
+    memory = [{"cache_ratio": r, "gpu_experts": None} for r in grid.cache_ratios]
+    memory += [{"cache_ratio": None, "gpu_experts": n} for n in grid.gpu_experts]
+    axes = [memory or [{"cache_ratio": None, "gpu_experts": None}]]
+    plain = [p for p in grid_params() if p.axis and p.name not in _OWN_AXES]
+    for p in sorted(plain, key=lambda p: p.part != "serving"):  # arrival rates vary slowest
+        values = list(dict.fromkeys(getattr(grid, str(p.grid_attr)))) or [p.default]
+        axes.append([{p.name: v} for v in values])
     modes: list[str | None] = list(dict.fromkeys(grid.multi_gpu)) or [None]
-    gpu_axis: list[tuple[int, str | None]] = [
-        (g, m) for g in dict.fromkeys(grid.gpus or [1]) for m in (modes if g > 1 else [None])
-    ]
+    axes.append(
+        [
+            {"gpus": g, "multi_gpu": m}
+            for g in dict.fromkeys(grid.gpus or [1])
+            for m in (modes if g > 1 else [None])
+        ]
+    )
+    return axes
+
+
+def _scalars(grid: Grid, serving: bool) -> dict[str, Any]:
+    """The grid's one-value parameters; the serving ones only in a configuration that serves
+    (one with an arrival rate)."""
+    return {
+        p.name: getattr(grid, str(p.grid_attr)) if serving or p.part != "serving" else None
+        for p in grid_params()
+        if not p.axis
+    }
+
+
+def config_key(values: Mapping[str, Any], content: Mapping[str, Any]) -> str:
+    """A configuration's key: SHA-256 over what it names by content (trace bytes, profile
+    content, code, options, calibration, runtime) and each declared parameter by its rule
+    (``RunParam.key``: always, or only when not the default so earlier keys stay valid)."""
+    ident = dict(content)
+    for p in grid_params():
+        v = values[p.name]
+        if p.key == "always" or (p.key == "given" and v != p.default):
+            ident[p.name] = v
+    if values["gpus"] > 1:  # only then: earlier keys stay valid
+        ident["multi_gpu"] = values["multi_gpu"] or "expert"
+    text = json.dumps(ident, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+@dataclass
+class _Sources:
+    """What the configurations of a grid are keyed by: content hashes of its traces, machines,
+    policies' code and calibration, and the daopsim version and simulator code."""
+
+    traces: dict[str, tuple[Path, str]]
+    hw_sha: dict[str, str]
+    code_sha: dict[str, str]
+    cal_sha: str | None
+    version: str = field(default_factory=daopsim_version)
+    code: str = field(default_factory=lambda: simulator_code_sha256())
+
+    @classmethod
+    def of(cls, grid: Grid, classes: dict[str, Any]) -> _Sources:
+        traces = {}
+        for t in dict.fromkeys(grid.traces):
+            path = resolve_trace(t)
+            traces[t] = (path, file_sha256(path))
+        cal_sha = None
+        if grid.calibration in ("none", "self"):
+            cal_sha = grid.calibration  # a mode, not a file (docs/metrics.md)
+        elif grid.calibration is not None:
+            cal_sha = file_sha256(resolve_trace(grid.calibration))
+        return cls(
+            traces=traces,
+            hw_sha={h: profile_sha256(h) for h in dict.fromkeys(grid.hw)},
+            code_sha={p: policy_code_sha256(c) for p, c in classes.items()},
+            cal_sha=cal_sha,
+        )
+
+
+def expand(grid: Grid) -> list[Config]:
+    """Every configuration of the grid, in grid order (trace, machine, policy, option values,
+    then the inner axes of :func:`_point_axes`); bad names and values are UserErrors."""
+    from daopsim.policies.registry import get_policy_class
+
+    _check_grid(grid)
+    classes = {p: get_policy_class(p) for p in dict.fromkeys(grid.policies)}
     option_sets = _option_axes(grid, classes)
-    code_sha = {p: policy_code_sha256(cls) for p, cls in classes.items()}
-    hw_sha = {h: profile_sha256(h) for h in dict.fromkeys(grid.hw)}
+    src = _Sources.of(grid, classes)
     bundled = bundled_traces()
-    traces: dict[str, tuple[Path, str]] = {}
-    for t in dict.fromkeys(grid.traces):
-        path = resolve_trace(t)
-        traces[t] = (path, file_sha256(path))
-    cal_sha = None
-    if grid.calibration in ("none", "self"):
-        cal_sha = grid.calibration  # a mode, not a file (docs/metrics.md)
-    elif grid.calibration is not None:
-        cal_sha = file_sha256(resolve_trace(grid.calibration))
-    memory: list[tuple[float | None, int | None]] = [(r, None) for r in grid.cache_ratios]
-    memory += [(None, n) for n in grid.gpu_experts]
-    if not memory:
-        memory = [(None, None)]
-    version = daopsim_version()
-    code = simulator_code_sha256()
+    inner = _point_axes(grid)
     configs: list[Config] = []
     seen: dict[str, Config] = {}
-    for t, (path, tsha) in traces.items():
-        for hw, hsha in hw_sha.items():
-            for pol, cls in classes.items():
-                for opts in option_sets[pol]:
-                    # a policy that places every expert ignores the memory axis
-                    unlimited = construct_policy(cls, opts).resources().unlimited_memory
-                    points = [(None, None)] if unlimited else memory
-                    for (ratio, n), rate, seed, runtime, (gpus, mg) in itertools.product(
-                        points, rates, dict.fromkeys(grid.seeds), runtimes, gpu_axis
-                    ):
-                        rt = get_runtime(runtime or cls.runtime_profile)
-                        ident = {
-                            "trace_sha256": tsha,
-                            "profile_sha256": hsha,
-                            "policy": pol,
-                            "policy_code_sha256": code_sha[pol],
-                            "options": opts,
-                            "cache_ratio": ratio,
-                            "gpu_experts": n,
-                            "sequences": grid.sequences,
-                            "seed": seed,
-                            "calibration_sha256": cal_sha,
-                            "dtype": grid.dtype,
-                            "daopsim": version,
-                            "simulator_code_sha256": code,
-                        }
-                        if grid.lookahead != "recorded":
-                            # only then, so the keys of earlier sweeps stay valid
-                            ident["lookahead"] = grid.lookahead
-                        for extra in ("host_dtype", "nonexpert_dtype"):
-                            if getattr(grid, extra) is not None:
-                                ident[extra] = getattr(grid, extra)
-                        if rate is not None:  # only then: earlier keys stay valid
-                            ident.update(arrival_rate=rate, **serving_extra)
-                        # the profile's values, not its name: editing it re-runs the points
-                        ident["runtime"] = rt.to_dict()
-                        if gpus > 1:  # only then: earlier keys stay valid
-                            ident.update(gpus=gpus, multi_gpu=mg or "expert")
-                        text = json.dumps(ident, sort_keys=True, default=str)
-                        key = hashlib.sha256(text.encode()).hexdigest()[:32]
-                        cfg = Config(
-                            index=len(configs),
-                            key=key,
-                            policy=pol,
-                            options=tuple(sorted(opts.items())),
-                            hw=hw,
-                            hw_sha=hsha,
-                            trace=t,
-                            trace_path=str(path.resolve()),
-                            trace_bundled=t in bundled,
-                            trace_sha=tsha,
-                            cache_ratio=ratio,
-                            gpu_experts=n,
-                            sequences=grid.sequences,
-                            seed=seed,
-                            calibration=grid.calibration,
-                            dtype=grid.dtype,
-                            lookahead=grid.lookahead,
-                            host_dtype=grid.host_dtype,
-                            nonexpert_dtype=grid.nonexpert_dtype,
-                            arrival_rate=rate,
-                            max_batch=grid.max_batch if rate is not None else None,
-                            slo_ttft=grid.slo_ttft if rate is not None else None,
-                            slo_tpot=grid.slo_tpot if rate is not None else None,
-                            runtime=runtime,
-                            gpus=gpus,
-                            multi_gpu=mg,
-                        )
-                        if key in seen:
-                            raise _duplicate(seen[key], cfg)
-                        seen[key] = cfg
-                        configs.append(cfg)
+    for (t, (path, tsha)), (hw, hsha), (pol, cls) in itertools.product(
+        src.traces.items(), src.hw_sha.items(), classes.items()
+    ):
+        for opts in option_sets[pol]:
+            # a policy that places every expert ignores the memory axis
+            unlimited = construct_policy(cls, opts).resources().unlimited_memory
+            axes = (
+                [[{"cache_ratio": None, "gpu_experts": None}], *inner[1:]] if unlimited else inner
+            )
+            for parts in itertools.product(*axes):
+                values: dict[str, Any] = {"trace": t, "hw": hw, "policy": pol}
+                for part in parts:
+                    values.update(part)
+                values.update(_scalars(grid, values.get("arrival_rate") is not None))
+                rt = get_runtime(values["runtime"] or cls.runtime_profile)
+                content = {
+                    "trace_sha256": tsha,
+                    "profile_sha256": hsha,
+                    "policy_code_sha256": src.code_sha[pol],
+                    "options": opts,
+                    "calibration_sha256": src.cal_sha,
+                    "daopsim": src.version,
+                    "simulator_code_sha256": src.code,
+                    # the profile's values, not its name: editing it re-runs the points
+                    "runtime": rt.to_dict(),
+                }
+                cfg = Config(
+                    index=len(configs),
+                    key=config_key(values, content),
+                    options=tuple(sorted(opts.items())),
+                    hw_sha=hsha,
+                    trace_path=str(path.resolve()),
+                    trace_bundled=t in bundled,
+                    trace_sha=tsha,
+                    values=tuple((p.name, values[p.name]) for p in grid_params()),
+                )
+                if cfg.key in seen:
+                    raise _duplicate(seen[cfg.key], cfg)
+                seen[cfg.key] = cfg
+                configs.append(cfg)
     return configs
-
-
-#: Config fields that name a configuration, with the flag that sets each (for messages).
-_LABELS = (
-    ("trace", "--traces"),
-    ("hw", "--hw"),
-    ("policy", "--policies"),
-    ("options", "--policy-opt"),
-    ("cache_ratio", "--cache-ratios"),
-    ("gpu_experts", "--gpu-experts"),
-    ("seed", "--seeds"),
-    ("runtime", "--runtimes"),
-    ("arrival_rate", "--arrival-rates"),
-)
 
 
 def _duplicate(first: Config, again: Config) -> UserError:
     """The one-line error for two requested configurations with one key (the same run)."""
+    # the axes (with the flag that sets each) and the options name a configuration
+    labels = [(p.name, str(p.sweep_flag)) for p in grid_params() if p.axis]
     differ = [
         f"{flag} {getattr(first, name)!r} and {getattr(again, name)!r}"
-        for name, flag in _LABELS
+        for name, flag in [*labels, ("options", "--policy-opt")]
         if getattr(first, name) != getattr(again, name)
     ]
     what = "; ".join(differ) if differ else f"{again.policy} on {again.hw}, {again.trace}, twice"
@@ -672,6 +663,9 @@ def _base_row(cfg: Config) -> dict[str, Any]:
     }
     for k, v in cfg.options:
         row[f"opt.{k}"] = v
+    for p in grid_params():  # another declared axis: its column, where not at its default
+        if p.axis and p.name not in row and getattr(cfg, p.name) != p.default:
+            row[p.name] = getattr(cfg, p.name)
     if cfg.gpus > 1:  # multi-GPU columns (absent from single-GPU sweeps)
         row["gpus"] = cfg.gpus
         row["multi_gpu"] = cfg.multi_gpu or "expert"
@@ -696,37 +690,15 @@ def run_config(cfg: Config) -> dict[str, Any]:
     with status "skipped" and error "does not fit (at most N)".
     """
     from daopsim.simulator.runner import simulate
-    from daopsim.simulator.trace import read_meta
 
     row = _base_row(cfg)
     try:
-        # a worker on another machine resolves bundled traces by name and checks the bytes
-        path = resolve_trace(cfg.trace) if cfg.trace_bundled else Path(cfg.trace_path)
-        if not path.exists():
-            raise UserError(f"{path}: no such trace file on this worker")
-        if file_sha256(path) != cfg.trace_sha:
-            raise UserError(f"{path}: trace differs from the one the sweep was planned with")
-        if profile_sha256(cfg.hw) != cfg.hw_sha:
-            raise UserError(f"profile {cfg.hw}: differs from the one the sweep was planned with")
+        path = _worker_trace(cfg)
         result = simulate(
-            policy=cfg.policy,
-            hw=cfg.hw,
-            trace=path,
-            cache_ratio=cfg.cache_ratio,
-            gpu_experts=cfg.gpu_experts,
-            sequences=cfg.sequences,
-            calibration=cfg.calibration,
+            **{**cfg.run_args(), "trace": path},
             policy_options=dict(cfg.options),
-            seed=cfg.seed,
-            dtype=cfg.dtype,
             record=False,
-            lookahead=cfg.lookahead,
-            host_dtype=cfg.host_dtype,
-            nonexpert_dtype=cfg.nonexpert_dtype,
             serving=cfg.serving(),
-            runtime=cfg.runtime,
-            gpus=cfg.gpus,
-            multi_gpu=cfg.multi_gpu,
         )
     except DoesNotFit as exc:  # the machine is too small for this point: not a failure
         row["status"] = "skipped"
@@ -736,53 +708,65 @@ def run_config(cfg: Config) -> dict[str, Any]:
     except Exception as exc:  # recorded, not raised: one bad configuration must not sink others
         row["error"] = _one_line(exc)
         if debug_enabled():  # --debug / DAOPSIM_DEBUG=1: the traceback behind the row's error
-            import sys
-
             sys.stderr.write(
                 f"debug: {cfg.policy} on {cfg.hw}, {cfg.trace}: {row['error']}\n"
                 + debug_traceback(exc)
             )
         return row
+    row.update(_finished_row(cfg, path, result))
+    return row
+
+
+def _worker_trace(cfg: Config) -> Path:
+    """The configuration's trace on this worker: a worker on another machine resolves bundled
+    traces by name; the trace's bytes and the profile's content must be those planned."""
+    path = resolve_trace(cfg.trace) if cfg.trace_bundled else Path(cfg.trace_path)
+    if not path.exists():
+        raise UserError(f"{path}: no such trace file on this worker")
+    if file_sha256(path) != cfg.trace_sha:
+        raise UserError(f"{path}: trace differs from the one the sweep was planned with")
+    if profile_sha256(cfg.hw) != cfg.hw_sha:
+        raise UserError(f"profile {cfg.hw}: differs from the one the sweep was planned with")
+    return path
+
+
+def _finished_row(cfg: Config, path: Path, result: Any) -> dict[str, Any]:
+    """A finished run's columns: what it ran with, its metrics (the registry's,
+    simulator/metrics.py), model facts and, in a serving run, the serving summary."""
+    from daopsim.simulator.trace import read_meta
+
     c = result.config
-    meta = read_meta(path)
-    model = meta.model.with_precision(cfg.dtype, cfg.host_dtype, cfg.nonexpert_dtype)
+    model = read_meta(path).model.with_precision(cfg.dtype, cfg.host_dtype, cfg.nonexpert_dtype)
     expert_bytes = int(model.expert_bytes())
+    row: dict[str, Any] = {
+        "cache_ratio": cfg.cache_ratio if cfg.cache_ratio is not None else c["cache_ratio"],
+        "gpu_experts": int(c["gpu_experts"]),
+        "sequences": int(c["sequences"]),
+    }
+    if c.get("gpu_experts_per_gpu") is not None:
+        row["gpu_experts_per_gpu"] = int(c["gpu_experts_per_gpu"])
     row.update(
-        {
-            "cache_ratio": cfg.cache_ratio if cfg.cache_ratio is not None else c["cache_ratio"],
-            "gpu_experts": int(c["gpu_experts"]),
-            "sequences": int(c["sequences"]),
-            **(
-                {"gpu_experts_per_gpu": int(c["gpu_experts_per_gpu"])}
-                if c.get("gpu_experts_per_gpu") is not None
-                else {}
-            ),
-            "sequence_ids": ",".join(map(str, c["sequence_ids"])),
-            "calibration": c["calibration"],
-            "runtime": c["runtime"]["name"],
-            "bound": bool(c["bound"]),
-            "status": "ok",
-        }
+        sequence_ids=",".join(map(str, c["sequence_ids"])),
+        calibration=c["calibration"],
+        runtime=c["runtime"]["name"],
+        bound=bool(c["bound"]),
+        status="ok",
     )
     metrics = result.to_dict()["metrics"]
-    for k in METRIC_KEYS:
-        if k in metrics:
-            row[k] = metrics[k]
+    row.update({k: metrics[k] for k in metric_keys() if k in metrics})
     row.update(
-        {
-            "model": c["model"],
-            "dtype": c["dtype"],
-            "total_experts": int(c["total_experts"]),
-            "max_gpu_experts": int(c["max_gpu_experts"]),
-            "expert_bytes": expert_bytes,
-            # the memory the experts take: what the policy's options fix, else its budget
-            "expert_memory_gb": int(
-                c["gpu_experts"] if c.get("fixed_residency") is None else c["fixed_residency"]
-            )
-            * expert_bytes
-            / 1e9,
-            "per_layer_hit_rate": [float(x) for x in result.per_layer_hit_rate],
-        }
+        model=c["model"],
+        dtype=c["dtype"],
+        total_experts=int(c["total_experts"]),
+        max_gpu_experts=int(c["max_gpu_experts"]),
+        expert_bytes=expert_bytes,
+        # the memory the experts take: what the policy's options fix, else its budget
+        expert_memory_gb=int(
+            c["gpu_experts"] if c.get("fixed_residency") is None else c["fixed_residency"]
+        )
+        * expert_bytes
+        / 1e9,
+        per_layer_hit_rate=[float(x) for x in result.per_layer_hit_rate],
     )
     if result.serving is not None:
         row.update(serving_row(result.serving))
@@ -887,12 +871,12 @@ def to_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     serving = [c for c in SERVING_COLUMNS if any(c in r for r in rows)]
     # a gpus axis: the columns appear, one-GPU rows read gpus = 1
     multi = ["gpus", "multi_gpu", "gpu_experts_per_gpu"] if any("gpus" in r for r in rows) else []
-    metrics = [k for k in METRIC_KEYS if k not in OPTIONAL_METRIC_KEYS or any(k in r for r in rows)]
-    cols = list(
-        dict.fromkeys(
-            [*BASE_COLUMNS, *opt_cols, *multi, *metrics, *BOUND_COLUMNS, *serving, *EXTRA_COLUMNS]
-        )
-    )
+    optional = optional_metric_keys()
+    metrics = [k for k in metric_keys() if k not in optional or any(k in r for r in rows)]
+    # the other declared axes (simulator/run_params.py) last, where some row has them
+    axes = [p.name for p in grid_params() if p.axis and any(p.name in r for r in rows)]
+    first = [*BASE_COLUMNS, *opt_cols, *multi, *metrics, *BOUND_COLUMNS, *serving]
+    cols = list(dict.fromkeys([*first, *EXTRA_COLUMNS, *axes]))
     df = pd.DataFrame([{c: r.get(c) for c in cols} for r in rows], columns=cols)
     if multi:
         df["gpus"] = df["gpus"].fillna(1).astype("int64")
@@ -1017,7 +1001,7 @@ def read_table(path: str | os.PathLike[str]) -> pd.DataFrame:
         raise UserError(f"{p}: not a results table (missing column {missing[0]!r})")
     if fmt == "csv" and "per_layer_hit_rate" in df:
         df["per_layer_hit_rate"] = [_list_cell(v) for v in df["per_layer_hit_rate"]]
-    for col in [c for c in (*METRIC_KEYS, *_NUMBER_COLUMNS) if c in df]:
+    for col in [c for c in (*metric_keys(), *_NUMBER_COLUMNS) if c in df]:
         if df[col].dtype.kind in "biuf":
             continue
         # empty cells (a failed row's metrics) are NaN; anything else must be a number
@@ -1248,38 +1232,16 @@ def run_sweep(
     n_workers = workers if workers is not None else (os.cpu_count() or 1)
     check_fidelity_floor(min_gate_mass)  # before any run, not after
     configs = expand(g)
-    keys = {c.key for c in configs}
     t0 = time.perf_counter()
-    lock: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-    folder = None
-    if out is not None:
-        output_format(out, TABLE_FORMATS, "--out")
-        inputs = {c.trace_path for c in configs} | set(g.hw) | {g.calibration}
-        inputs |= set(value_paths(g.options))  # a policy option naming a file (model=FILE)
-        check_output_file(out, "--out", inputs=sorted(str(i) for i in inputs if i))
-        folder = parts_dir(out)
-        lock = _lock(folder, Path(out))
+    folder = _results_folder(g, configs, out)
+    lock = _lock(folder, Path(str(out))) if folder is not None else contextlib.nullcontext()
     with lock:
-        done = _load_parts(folder, keys) if folder is not None else {}
+        done = _load_parts(folder, {c.key for c in configs}) if folder is not None else {}
         if retry_errors:
             done = {k: r for k, r in done.items() if r.get("status") != "error"}
         resumed = len(done)
         todo = [c for c in configs if c.key not in done]
-        bar = Progress(len(configs), "sweep", initial=resumed, enabled=progress)
-        n_failed = [sum(1 for r in done.values() if r.get("status") == "error")]
-
-        def on_row(row: dict[str, Any]) -> None:
-            done[row["key"]] = row
-            if folder is not None:
-                _save_part(folder, row)
-            n_failed[0] += row.get("status") == "error"
-            bar.update(1, f"{n_failed[0]} failed" if n_failed[0] else None)
-
-        with bar:
-            if executor == "dask":
-                _run_dask(todo, n_workers, scheduler, on_row)
-            else:
-                _run_local(todo, n_workers, on_row)
+        _run_into(done, todo, len(configs), folder, executor, n_workers, scheduler, progress)
         if bounds:
             add_bounds([done[c.key] for c in configs], configs)
         # a stored row keeps its numbers but takes this request's labels (a key is content: the
@@ -1288,15 +1250,75 @@ def run_sweep(
         df, below_floor = fidelity_floor(to_frame(rows), min_gate_mass)
         if out is not None:
             write_table(df, out)
+    elapsed = time.perf_counter() - t0
+    return df, _summary(df, out, len(configs), resumed, below_floor, elapsed)
+
+
+def _results_folder(
+    g: Grid, configs: list[Config], out: str | os.PathLike[str] | None
+) -> Path | None:
+    """The parts folder of the results table (None without one), once the table's path is
+    checked: a table format, never one of the sweep's inputs."""
+    if out is None:
+        return None
+    output_format(out, TABLE_FORMATS, "--out")
+    inputs = {c.trace_path for c in configs}  # the traces as resolved
+    for p in grid_params():  # the other declared parameters that name an input file
+        if p.input and p.name != "trace":
+            value = getattr(g, str(p.grid_attr))
+            inputs |= set(value) if p.axis else {value}
+    inputs |= set(value_paths(g.options))  # a policy option naming a file (model=FILE)
+    check_output_file(out, "--out", inputs=sorted(str(i) for i in inputs if i))
+    return parts_dir(out)
+
+
+def _run_into(
+    done: dict[str, dict[str, Any]],
+    todo: list[Config],
+    total: int,
+    folder: Path | None,
+    executor: str,
+    n_workers: int,
+    scheduler: str | None,
+    progress: bool,
+) -> None:
+    """Run ``todo`` into ``done`` (by key), saving each row's part as it finishes, under a
+    progress bar over all ``total`` configurations that counts the failures."""
+    bar = Progress(total, "sweep", initial=len(done), enabled=progress)
+    n_failed = [sum(1 for r in done.values() if r.get("status") == "error")]
+
+    def on_row(row: dict[str, Any]) -> None:
+        done[row["key"]] = row
+        if folder is not None:
+            _save_part(folder, row)
+        n_failed[0] += row.get("status") == "error"
+        bar.update(1, f"{n_failed[0]} failed" if n_failed[0] else None)
+
+    with bar:
+        if executor == "dask":
+            _run_dask(todo, n_workers, scheduler, on_row)
+        else:
+            _run_local(todo, n_workers, on_row)
+
+
+def _summary(
+    df: pd.DataFrame,
+    out: str | os.PathLike[str] | None,
+    configurations: int,
+    resumed: int,
+    below_floor: int,
+    elapsed: float,
+) -> SweepSummary:
+    """The sweep's counts and its failed configurations, from its table."""
     failed = df[df["status"] == "error"]
-    summary = SweepSummary(
+    return SweepSummary(
         out=str(out) if out is not None else None,
-        configurations=len(configs),
+        configurations=configurations,
         ok=int((df["status"] == "ok").sum()) + below_floor,
         skipped=int((df["status"] == "skipped").sum()),
         failed=len(failed),
         resumed=resumed,
-        elapsed_s=round(time.perf_counter() - t0, 3),
+        elapsed_s=round(elapsed, 3),
         below_floor=below_floor,
         errors=[
             {
@@ -1307,7 +1329,6 @@ def run_sweep(
             for r in failed.to_dict("records")
         ],
     )
-    return df, summary
 
 
 def sweep(

@@ -115,12 +115,6 @@ FUNCTION_LINES = 80
 #: functions over FUNCTION_LINES that are being split on other branches now ("path:qualified
 #: name"); each entry goes when its split merges, and the list is then empty
 LONG_FUNCTIONS_BEING_SPLIT = {
-    "simulator/commands/run_cmd.py:run",
-    "simulator/commands/sweep_cmd.py:sweep",
-    "simulator/sweep.py:expand",
-    "simulator/sweep.py:run_config",
-    "simulator/sweep.py:run_sweep",
-    "simulator/sweep.py:Grid.from_dict",
     "simulator/reference/engine.py:ReferenceEngine.forward",
     "simulator/reference/engine.py:ReferenceEngine.translate",
 }

@@ -1,8 +1,8 @@
 """The metric names agree everywhere: what a run computes, METRIC_KEYS, and docs/metrics.md.
 
-``run --json``, sweep tables and the golden store keep only the keys in ``METRIC_KEYS``
-(simulator/results.py), so a metric computed but not listed there would vanish from all three
-without an error; one listed but never computed would be an empty column. The runs here are
+``run --json``, sweep tables and the golden store keep only the keys in ``METRIC_KEYS`` (the
+registry in simulator/metrics.py), so a metric computed but not registered would vanish from all
+three without an error; one listed but never computed would be an empty column. The runs here are
 real ones (both engines, with and without the SSD tier, whose keys are optional), and the docs'
 metric tables must define exactly the listed keys.
 """

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ from click.core import ParameterSource
 
 from daopsim.simulator.commands.common import echo_json, json_option
 from daopsim.simulator.errors import DoesNotFit, UserError, parse_key_values
+from daopsim.simulator.metrics import table_rows
 from daopsim.simulator.output import (
     TABLE_FORMATS,
     Output,
@@ -41,36 +43,6 @@ def _fmt(value: Any, unit: str = "") -> str:
     return f"{value:.4g}{unit}"
 
 
-#: (metric key, label, unit, scale) rows of the human-readable table
-TABLE_ROWS = (
-    ("tokens_per_s", "tokens/s (incl. prefill)", "", 1.0),
-    ("decode_tokens_per_s", "decode tokens/s", "", 1.0),
-    ("ttft_s", "time to first token", " s", 1.0),
-    ("tpot_p50_s", "per-token latency p50", " ms", 1e3),
-    ("tpot_p99_s", "per-token latency p99", " ms", 1e3),
-    ("e2e_s", "end-to-end time (simulated)", " s", 1.0),
-    ("hit_rate", "GPU hit rate (decode)", "", 1.0),
-    ("h2d_bytes", "host-to-device", " GB", 1e-9),
-    ("d2h_bytes", "device-to-host", " GB", 1e-9),
-    ("gpu_busy_frac", "GPU busy", "", 1.0),
-    ("cpu_busy_frac", "CPU busy", "", 1.0),
-    ("h2d_busy_frac", "H2D link busy", "", 1.0),
-    ("stall_s", "GPU stall (copies + CPU)", " s", 1.0),
-    ("dispatch_stall_s", "GPU waiting for dispatch", " s", 1.0),
-    ("host_syncs", "host syncs", "", 1.0),
-    ("cpu_expert_evals", "CPU expert evaluations", "", 1.0),
-    ("prefetch_precision", "prefetch precision", "", 1.0),
-    ("routing_replaced_frac", "routing replaced", "", 1.0),
-    ("gate_mass_preserved", "gate mass preserved", "", 1.0),
-    ("low_precision_gate_mass", "gate mass in low precision", "", 1.0),
-    ("ssd_bytes", "read from SSD", " GB", 1e-9),
-    ("ssd_stall_s", "waiting for SSD reads", " s", 1.0),
-    ("host_memory_peak_bytes", "host memory peak", " GB", 1e-9),
-    ("energy_j", "energy", " kJ", 1e-3),
-    ("tokens_per_kj", "tokens per kJ", "", 1.0),
-)
-
-
 #: rows that add up each GPU stream's waiting (with several GPUs, more than the run's time)
 PER_STREAM_ROWS = ("stall_s", "dispatch_stall_s")
 #: rows shown only when the run has a host-memory budget (docs/serving.md, "An SSD tier")
@@ -78,7 +50,13 @@ SSD_ROWS = ("ssd_bytes", "ssd_stall_s", "host_memory_peak_bytes")
 
 
 def compute_bounds(
-    result: Any, hw: str, trace: str | None, sequences: int | None, dtype: str | None, seed: int
+    result: Any,
+    hw: str,
+    trace: str | None,
+    sequences: int | None = None,
+    dtype: str | None = None,
+    seed: int = 0,
+    **run_args: Any,
 ) -> dict[str, dict[str, Any]]:
     """The bounds shown beside a result, on the same trace, machine and sequences.
 
@@ -88,25 +66,22 @@ def compute_bounds(
     GPU expert budget evenly (the bound of ``lru``, ``lfu``, ``round-robin``). belady_global
     (only beside a caching policy): clairvoyant MIN in one cache over all layers with the same
     budget (the bound of ``global-lru``, ``global-lfu``). ``belady`` repeats belady_per_layer
-    for readers of older output.
+    for readers of older output. ``run_args``: the run's other ``simulate()`` arguments; the
+    Belady runs share those the declaration marks for the bounds (simulator/run_params.py).
     """
     from daopsim.policies.caching import CachingPolicy, GlobalCachingPolicy
     from daopsim.policies.registry import get_policy_class
     from daopsim.simulator.bounds import bound_for_result
+    from daopsim.simulator.run_params import bound_arguments
     from daopsim.simulator.runner import simulate
 
-    # the bounds evaluate exactly the run's sequences (they use no calibration data, so
-    # their own default would evaluate every sequence)
+    given = {**run_args, "hw": hw, "trace": trace, "dtype": dtype, "seed": seed}
     common = {
-        "hw": hw,
-        "trace": trace,
+        **bound_arguments(given, result.config),
+        # the bounds evaluate exactly the run's sequences (they use no calibration data, so
+        # their own default would evaluate every sequence)
         "evaluate": result.config["sequence_ids"],
-        "dtype": dtype,
-        "seed": seed,
         "record": False,
-        # the bounds run at the result's precisions (host copies, non-expert weights)
-        "host_dtype": result.config.get("host_dtype"),
-        "nonexpert_dtype": result.config.get("nonexpert_dtype"),
     }
     out: dict[str, dict[str, Any]] = {}
     own = result.config["policy"]
@@ -151,70 +126,61 @@ REPLACED_ROUTING_NOTE = (
 )
 
 
-#: grid keys (docs/sweeps.md) -> ``run`` parameters, for axes that take one value in a run
-_CONFIG_AXES = {
-    "policies": "policy",
-    "hw": "hw",
-    "traces": "trace",
-    "seeds": "seed",
-    "runtimes": "runtime",
-    "arrival_rates": "arrival_rate",
-    "gpus": "gpus",
-    "multi_gpu": "multi_gpu",
-}
-#: grid keys that are one value in a grid too
-_CONFIG_SCALARS = (
-    "sequences",
-    "calibration",
-    "dtype",
-    "lookahead",
-    "host_dtype",
-    "nonexpert_dtype",
-    "max_batch",
-    "slo_ttft",
-    "slo_tpot",
-)
-
-
 def load_run_config(path: str, chosen: str | None = None) -> dict[str, Any]:
     """A ``run --config`` file: the keys of a sweep grid (docs/sweeps.md), each with one value
     (a one-point grid), as ``run`` parameters (``options``: the policy's options).
 
-    Relative paths are relative to the file, as in a grid file. A key with several values, or
-    two memory points, is a one-line error naming the key. ``chosen`` is the policy given on
-    the command line instead of the file's: options scoped to another policy stay with it (as
+    The keys are the declared run parameters' grid keys (simulator/run_params.py). Relative
+    paths are relative to the file, as in a grid file. A key with several values, or two
+    memory points, is a one-line error naming the key. ``chosen`` is the policy given on the
+    command line instead of the file's: options scoped to another policy stay with it (as
     ``sweep --policies`` drops the options of the policies it leaves out)."""
     from daopsim.simulator.sweep import load_grid_file
 
     grid, out = load_grid_file(path)
-    params: dict[str, Any] = {}
-    for key, name in _CONFIG_AXES.items():
-        values = list(dict.fromkeys(getattr(grid, key)))
-        if len(values) > 1:
-            file_key = "arrival_rate" if key == "arrival_rates" else key
-            raise UserError(
-                f"{path}: key {file_key!r} has {len(values)} values; a run takes one "
-                "(use `daopsim sweep` for several)"
-            )
-        if values:
-            params[name] = values[0]
     memory = [*grid.cache_ratios, *grid.gpu_experts]
+    params = _one_value_each(path, grid, skip=("cache_ratio", "gpu_experts"))
     if len(memory) > 1:
         raise UserError(
             f"{path}: keys 'cache_ratios'/'gpu_experts' give {len(memory)} memory points; "
             "a run takes one"
         )
-    if grid.cache_ratios:
-        params["cache_ratio"] = grid.cache_ratios[0]
-    if grid.gpu_experts:
-        params["gpu_experts"] = grid.gpu_experts[0]
-    for key in _CONFIG_SCALARS:
-        value = getattr(grid, key)
-        if value is not None and not (key == "lookahead" and value == "recorded"):
-            params[key] = value
+    for name in ("cache_ratio", "gpu_experts"):
+        values = getattr(grid, name + "s" if name == "cache_ratio" else name)
+        if values:
+            params[name] = values[0]
     if out is not None:
         params["out_dir"] = out
-    policy = chosen if chosen is not None else params.get("policy")
+    params["options"] = _config_options(path, grid, chosen or params.get("policy"), chosen)
+    return params
+
+
+def _one_value_each(path: str, grid: Any, skip: tuple[str, ...]) -> dict[str, Any]:
+    """The grid's declared keys as one value each (an axis given several is an error); a
+    scalar key at its default is left out, so the command line's default stands."""
+    from daopsim.simulator.run_params import grid_params
+
+    params: dict[str, Any] = {}
+    for p in grid_params():
+        if p.name in skip:
+            continue
+        value = getattr(grid, str(p.grid_attr))
+        if p.axis:
+            values = list(dict.fromkeys(value))
+            if len(values) > 1:
+                raise UserError(
+                    f"{path}: key {p.grid!r} has {len(values)} values; a run takes one "
+                    "(use `daopsim sweep` for several)"
+                )
+            if values:
+                params[p.name] = values[0]
+        elif value is not None and value != p.default:
+            params[p.name] = value
+    return params
+
+
+def _config_options(path: str, grid: Any, policy: str | None, chosen: str | None) -> dict[str, Any]:
+    """The policy options of a ``run --config`` file, one value each."""
     declared: dict[str, Any] = {}
     if policy is not None:
         from daopsim.policies.registry import get_policy_class
@@ -232,8 +198,7 @@ def load_run_config(path: str, chosen: str | None = None) -> dict[str, Any]:
         if len(values) > 1:
             raise UserError(f"{path}: option {name!r} has {len(values)} values; a run takes one")
         options[opt if dot else name] = values[0]
-    params["options"] = options
-    return params
+    return options
 
 
 def budget_line(doc: dict[str, Any]) -> str:
@@ -285,7 +250,7 @@ def render_table(doc: dict[str, Any]) -> str:
         head += f"\nnote: {note}"
     lines = [head, "", "  simulated run (every time below is simulated time, not this computer's)"]
     n_gpus = int(mg["gpus"]) if mg else 1
-    for key, label, unit, scale in TABLE_ROWS:
+    for key, label, unit, scale in table_rows():
         value = m.get(key)
         if key not in m and key in SSD_ROWS:  # no host-memory budget: no SSD tier rows
             continue
@@ -381,350 +346,135 @@ def render_serving(sv: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
-@click.command("run")
-@click.option(
-    "--policy",
-    "policy",
-    default="daop",
-    show_default=True,
-    help="Policy name (see `daopsim policies list`).",
-)
-@click.option(
-    "--hw",
-    default="a6000-pcie4",
-    show_default=True,
-    help="Hardware profile name or path to a profile TOML.",
-)
-@click.option(
-    "--trace",
-    "trace",
-    default=None,
-    help="Bundled trace name or path (default: the bundled Mixtral-8x7B trace).",
-)
-@click.option(
-    "--cache-ratio",
-    type=float,
-    default=None,
-    help="Fraction of all experts resident on the GPU (DAOP's ECR), in (0, 1].",
-)
-@click.option(
-    "--gpu-experts",
-    type=int,
-    default=None,
-    help="Resident expert slots (default: what fits in GPU memory).",
-)
-@click.option(
-    "--sequences",
-    type=int,
-    default=None,
-    help="Evaluate N sequences of the evaluation pool (seed 0: the first N; else a seeded sample).",
-)
-@click.option(
-    "--calibration",
-    default=None,
-    metavar="none|self|PATH",
-    help="Popularity data for policies that use it: none, self (the evaluated sequences, "
-    "in-sample) or a trace PATH (default: held-out sequences of the trace).",
-)
-@click.option(
-    "--lookahead",
-    type=click.Choice(["recorded", "previous-token"]),
-    default="recorded",
-    show_default=True,
-    help="One-layer-early view for policies that read it: the trace's, or the previous "
-    "token's experts at the same layer (a stand-in for traces that do not record it).",
-)
-@click.option(
-    "--policy-opt",
-    "policy_opts",
-    multiple=True,
-    metavar="KEY=VALUE",
-    help="Policy option (repeatable).",
-)
-@click.option(
-    "--dtype", default=None, help="GPU expert precision (bf16, int4_g128, q4_k_m, mxfp4, ...)."
-)
-@click.option(
-    "--host-dtype",
-    default=None,
-    help="Precision of the host's expert copies: CPU compute and link bytes (default: --dtype).",
-)
-@click.option(
-    "--nonexpert-dtype", default=None, help="Precision of the non-expert weights (default: bf16)."
-)
-@click.option(
-    "--seed",
-    type=int,
-    default=0,
-    show_default=True,
-    help="Seed: which sequences --sequences N evaluates (0: the first N), and random choices.",
-)
-@click.option(
-    "--out",
-    "-o",
-    "out_dir",
-    default=None,
-    help="Write metrics.json, timeline.parquet, a Perfetto trace and plots to this folder.",
-)
-@click.option("--no-progress", is_flag=True, help="Do not show a progress bar.")
-@click.option(
-    "--engine",
-    type=click.Choice(["fast", "reference"]),
-    default="fast",
-    show_default=True,
-    help="Timing engine: the fast one, or the plain-SimPy reference (same rules, slower).",
-)
-@click.option(
-    "--runtime",
-    default=None,
-    metavar="NAME",
-    help="Runtime profile (host dispatch and sync overheads; `daopsim runtimes list`). "
-    "Default: the one the policy declares.",
-)
-@click.option(
-    "--bounds/--no-bounds",
-    default=True,
-    show_default=True,
-    help="Also report the all-GPU throughput bound and the Belady hit-rate bounds "
-    "(per layer; and global, beside a caching policy).",
-)
-@click.option(
-    "--batch",
-    type=int,
-    default=None,
-    help="Static batches of up to B requests (a batch starts when the previous one is done).",
-)
-@click.option(
-    "--max-batch",
-    type=int,
-    default=None,
-    help="Continuous batching of up to B requests (requests join and leave between steps).",
-)
-@click.option(
-    "--arrival-rate",
-    type=float,
-    default=None,
-    help="Requests arrive by a Poisson process of R per second (seeded by --seed).",
-)
-@click.option(
-    "--arrivals",
-    default=None,
-    metavar="FILE",
-    help="Arrival file (CSV/Parquet: request_id, arrival_s, prompt_tokens, output_tokens, "
-    "sequence).",
-)
-@click.option(
-    "--kv-cache-gb",
-    type=float,
-    default=None,
-    help="GPU memory reserved for the KV cache before expert slots are sized "
-    "(default: one mean-length sequence per batch place, plus what the slots leave).",
-)
-@click.option("--slo-ttft", type=float, default=None, help="Time-to-first-token SLO (s).")
-@click.option("--slo-tpot", type=float, default=None, help="Time-per-output-token SLO (s).")
-@click.option(
-    "--requests-out",
-    default=None,
-    metavar="FILE",
-    help="Write one row per request (.csv or .parquet) in a serving run.",
-)
-@click.option(
-    "--prefill-chunk",
-    type=int,
-    default=None,
-    metavar="N",
-    help="Chunked prefill: each step carries up to N prompt tokens of a joining request "
-    "beside the running requests' decode tokens.",
-)
-@click.option(
-    "--static-prefill",
-    "static_prefill",
-    type=str,
-    default=None,
-    metavar="batched|per-request",
-    help="With --batch: a batch's prompts prefill together in one step (batched, the default, "
-    "as Hugging Face generate runs a batch) or each in a step of its own (per-request).",
-)
-@click.option(
-    "--preempt",
-    is_flag=True,
-    default=False,
-    help="Allocate the KV cache as tokens are written and preempt the newest request "
-    "(recompute) when it runs out, instead of reserving prompt + output at admission.",
-)
-@click.option(
-    "--host-memory-gb",
-    type=float,
-    default=None,
-    help="Host memory budget, GB: the non-expert weights and the experts that fit; the rest "
-    "are read from the profile's NVMe drive (default: the profile's cpu.memory_gb, or "
-    "unlimited).",
-)
-@click.option(
-    "--ssd-path",
-    default=None,
-    metavar="page-cache|gds",
-    help="How experts are read from the SSD: through the OS page cache (default) or "
-    "GPUDirect Storage (NVMe to GPU, no host copy).",
-)
-@click.option(
-    "--model",
-    "model",
-    default=None,
-    help="Without --trace: generate (and cache) a small synthetic trace of this catalogue "
-    "model (`daopsim models list`).",
-)
-@click.option(
-    "--gpus",
-    type=int,
-    default=1,
-    show_default=True,
-    help="GPUs of a multi-GPU profile to use (docs/serving.md, 'Multiple GPUs'); the expert "
-    "budget (--cache-ratio, --gpu-experts) is then per GPU.",
-)
-@click.option(
-    "--multi-gpu",
-    "multi_gpu",
-    type=str,
-    default=None,
-    help="With --gpus > 1: 'expert' (expert e on GPU e mod N, attention on GPU 0; default) "
-    "or 'pipeline' (contiguous layer stages).",
-)
-@click.option(
-    "--expert-placement",
-    "expert_placement",
-    type=str,
-    default=None,
-    help="With --multi-gpu expert: 'mod' (expert e on GPU e mod N; default) or 'balanced' "
-    "(calibration popularity spread evenly: largest first onto the least-loaded GPU).",
-)
-@click.option(
-    "--config",
-    "config",
-    default=None,
-    metavar="FILE.toml",
-    help="Take the run from a TOML file with the keys of a sweep grid, one value each "
-    "(docs/sweeps.md, 'Grid files'); options given here override it.",
-)
-@json_option
-def run(
-    policy: str,
-    hw: str,
-    trace: str | None,
-    cache_ratio: float | None,
-    gpu_experts: int | None,
-    sequences: int | None,
-    calibration: str | None,
-    policy_opts: tuple[str, ...],
-    dtype: str | None,
-    host_dtype: str | None,
-    nonexpert_dtype: str | None,
-    seed: int,
-    out_dir: str | None,
-    no_progress: bool,
-    engine: str,
-    bounds: bool,
-    as_json: bool,
-    lookahead: str = "recorded",
-    batch: int | None = None,
-    max_batch: int | None = None,
-    arrival_rate: float | None = None,
-    arrivals: str | None = None,
-    kv_cache_gb: float | None = None,
-    slo_ttft: float | None = None,
-    slo_tpot: float | None = None,
-    requests_out: str | None = None,
-    runtime: str | None = None,
-    prefill_chunk: int | None = None,
-    preempt: bool = False,
-    static_prefill: str | None = None,
-    host_memory_gb: float | None = None,
-    ssd_path: str | None = None,
-    model: str | None = None,
-    gpus: int = 1,
-    multi_gpu: str | None = None,
-    expert_placement: str | None = None,
-    config: str | None = None,
-) -> None:
+def declared_option(p: Any) -> Callable[[Any], Any]:
+    """The click option of one declared run parameter (simulator/run_params.py): its flag,
+    type, default and help text from the declaration."""
+    kw: dict[str, Any] = {"default": p.default, "help": p.doc}
+    if p.kind is bool:
+        kw["is_flag"] = True
+    elif p.choices is not None:
+        kw["type"] = click.Choice(list(p.choices))
+    elif p.kind is not None:
+        kw["type"] = p.kind
+    if p.show_default:
+        kw["show_default"] = True
+    if p.metavar is not None:
+        kw["metavar"] = p.metavar
+    return click.option(p.flag, p.name, **kw)
+
+
+#: ``daopsim run``'s own options: what the command does with the run (its outputs, the
+#: bounds beside it, the policy options as KEY=VALUE, a config file), not run parameters
+COMMAND_OPTIONS: tuple[Callable[[Any], Any], ...] = (
+    click.option(
+        "--policy-opt", "policy_opts", multiple=True, metavar="KEY=VALUE",
+        help="Policy option (repeatable).",
+    ),
+    click.option(
+        "--out", "-o", "out_dir", default=None,
+        help="Write metrics.json, timeline.parquet, a Perfetto trace and plots to this folder.",
+    ),
+    click.option("--no-progress", is_flag=True, help="Do not show a progress bar."),
+    click.option(
+        "--bounds/--no-bounds", default=True, show_default=True,
+        help="Also report the all-GPU throughput bound and the Belady hit-rate bounds "
+        "(per layer; and global, beside a caching policy).",
+    ),
+    click.option(
+        "--requests-out", default=None, metavar="FILE",
+        help="Write one row per request (.csv or .parquet) in a serving run.",
+    ),
+    click.option(
+        "--config", "config", default=None, metavar="FILE.toml",
+        help="Take the run from a TOML file with the keys of a sweep grid, one value each "
+        "(docs/sweeps.md, 'Grid files'); options given here override it.",
+    ),
+    json_option,
+)  # fmt: skip
+#: the command options' parameter names
+_COMMAND_NAMES = ("policy_opts", "out_dir", "no_progress", "bounds", "requests_out", "config")
+
+
+def build_run_command() -> click.Command:
+    """``daopsim run``: an option per declared run parameter with a flag, then the command's
+    own options (built when called, from the declaration as it stands)."""
+    from daopsim.simulator.run_params import run_params
+
+    func: Any = _run
+    for opt in reversed([*(declared_option(p) for p in run_params() if p.flag), *COMMAND_OPTIONS]):
+        func = opt(func)
+    return click.command("run")(func)
+
+
+def _run(as_json: bool, **given: Any) -> None:
     """Simulate one policy on one machine over a routing trace."""
-    from daopsim.simulator.runner import simulate
-    from daopsim.simulator.serving import serving_config
-
+    cmd = {k: given.pop(k) for k in _COMMAND_NAMES}
     options: dict[str, Any] = {}
-    if config is not None:
-        ctx = click.get_current_context()
-        on_line = ctx.get_parameter_source("policy") is ParameterSource.COMMANDLINE
-        given = load_run_config(config, policy if on_line else None)
-        options = given.pop("options")
-
-        def pick(name: str, current: Any) -> Any:
-            # the command line wins over the file
-            if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE:
-                return current
-            return given.get(name, current)
-
-        policy, hw, trace = pick("policy", policy), pick("hw", hw), pick("trace", trace)
-        cache_ratio, gpu_experts = (
-            pick("cache_ratio", cache_ratio),
-            pick("gpu_experts", gpu_experts),
-        )
-        sequences, seed = pick("sequences", sequences), pick("seed", seed)
-        calibration, lookahead = pick("calibration", calibration), pick("lookahead", lookahead)
-        dtype, host_dtype = pick("dtype", dtype), pick("host_dtype", host_dtype)
-        nonexpert_dtype, runtime = (
-            pick("nonexpert_dtype", nonexpert_dtype),
-            pick("runtime", runtime),
-        )
-        out_dir, arrival_rate = pick("out_dir", out_dir), pick("arrival_rate", arrival_rate)
-        max_batch, gpus = pick("max_batch", max_batch), pick("gpus", gpus)
-        slo_ttft, slo_tpot = pick("slo_ttft", slo_ttft), pick("slo_tpot", slo_tpot)
-        multi_gpu = pick("multi_gpu", multi_gpu)
-        if ctx.get_parameter_source("cache_ratio") is ParameterSource.COMMANDLINE:
-            gpu_experts = None if "gpu_experts" in given else gpu_experts
-        if ctx.get_parameter_source("gpu_experts") is ParameterSource.COMMANDLINE:
-            cache_ratio = None if "cache_ratio" in given else cache_ratio
-    options.update(parse_options(policy_opts))
+    if cmd["config"] is not None:
+        options = _apply_config(cmd, given)
+    options.update(parse_options(cmd["policy_opts"]))
+    policy = given["policy"]
     if "," in policy and not policy.endswith(".py") and ".py:" not in policy:
         raise UserError(
             f"--policy {policy}: run takes one policy; to run several side by side: "
             f"daopsim compare --policies {policy}"
         )
-    if model is not None:  # the synthetic trace, so the bounds below run on it too
+    if given["model"] is not None:  # the synthetic trace, so the bounds below run on it too
         from daopsim.simulator.trace_cache import model_trace
 
-        trace = model_trace(model, trace)
-    serving = serving_config(
-        batch,
-        max_batch,
-        arrival_rate,
-        arrivals,
-        kv_cache_gb,
-        slo_ttft,
-        slo_tpot,
-        prefill_chunk=prefill_chunk,
-        preempt=preempt,
-        static_prefill=static_prefill,
-    )
+        given["trace"], given["model"] = model_trace(given["model"], given["trace"]), None
+    result = _simulate_run(cmd, given, options)
+    doc = result.to_dict()
+    if as_json:
+        echo_json(doc)
+        return
+    click.echo(render_table(doc))
+    if cmd["out_dir"] is not None:
+        click.echo(
+            f"\nwrote {cmd['out_dir']}/: metrics.json timeline.parquet trace.perfetto.json.gz "
+            "gantt.png hit_rate.png" + (" requests.parquet" if result.requests is not None else "")
+        )
+
+
+def _apply_config(cmd: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """Fill ``given`` (and ``cmd``'s ``out_dir``) from ``--config``: the command line wins over
+    the file; a budget given on the command line replaces the file's other kind. Returns the
+    file's policy options."""
+    ctx = click.get_current_context()
+
+    def on_line(name: str) -> bool:
+        return ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE
+
+    from_file = load_run_config(cmd["config"], given["policy"] if on_line("policy") else None)
+    options: dict[str, Any] = from_file.pop("options")
+    for name, value in from_file.items():
+        target = cmd if name in cmd else given
+        if not on_line(name):
+            target[name] = value
+    if on_line("cache_ratio") and "gpu_experts" in from_file:
+        given["gpu_experts"] = None
+    if on_line("gpu_experts") and "cache_ratio" in from_file:
+        given["cache_ratio"] = None
+    return options
+
+
+def _simulate_run(cmd: dict[str, Any], given: dict[str, Any], options: dict[str, Any]) -> Any:
+    """Check the outputs, run ``simulate()`` with the run parameters given (and the bounds
+    beside it), write the outputs; returns the result."""
+    from daopsim.simulator.run_params import run_params
+    from daopsim.simulator.runner import simulate
+    from daopsim.simulator.serving import serving_config
+
+    serving = serving_config(**{p.name: given[p.name] for p in run_params("serving")})
+    run_args = {p.name: given[p.name] for p in run_params("run") if p.flag}
+    out_dir, requests_out = cmd["out_dir"], cmd["requests_out"]
     # a policy option naming a file (learned's model=FILE), from the command line or the
     # config file, is an input too
-    inputs = (trace, calibration, hw, arrivals, config, *value_paths(options))
-    if requests_out is not None:
-        if serving is None:
-            raise UserError(
-                "--requests-out needs a serving run (--batch, --max-batch, --arrival-rate, "
-                "--arrivals or an SLO)"
-            )
-        output_format(requests_out, TABLE_FORMATS, "--requests-out")
-    # every output before the run: never an input, never one inside the other (--out is
-    # replaced as a whole, and already holds requests.parquet in a serving run)
-    check_outputs(
-        [
-            Output(out_dir, "--out", RUN_FILES) if out_dir is not None else None,
-            Output(requests_out, "--requests-out") if requests_out is not None else None,
-        ],
-        inputs,
-    )
-    enabled = not no_progress and sys.stderr.isatty()
+    inputs = (
+        *(given[p.name] for p in run_params() if p.input), cmd["config"], *value_paths(options),
+    )  # fmt: skip
+    _check_run_outputs(serving, out_dir, requests_out, inputs)
+    enabled = not cmd["no_progress"] and sys.stderr.isatty()
     with contextlib.ExitStack() as stack:
         record: bool | Path = False
         if out_dir is not None:
@@ -733,44 +483,38 @@ def run(
             record = stack.enter_context(scratch_dir(out_dir, "--out")) / "timeline.parquet"
         with lazy_progress("sequences", enabled) as progress:
             result = simulate(
-                policy=policy,
-                hw=hw,
-                trace=trace,
-                cache_ratio=cache_ratio,
-                gpu_experts=gpu_experts,
-                sequences=sequences,
-                calibration=calibration,
-                policy_options=options,
-                seed=seed,
-                dtype=dtype,
-                record=record,
-                progress=progress,
-                lookahead=lookahead,
-                host_dtype=host_dtype,
-                nonexpert_dtype=nonexpert_dtype,
-                engine=engine,
+                **run_args, policy_options=options, record=record, progress=progress,
                 serving=serving,
-                runtime=runtime,
-                host_memory_gb=host_memory_gb,
-                ssd_path=ssd_path,
-                gpus=gpus,
-                multi_gpu=multi_gpu,
-                expert_placement=expert_placement,
-            )
-        if bounds and serving is None and gpus == 1:  # the bounds are single-sequence, one-GPU runs
-            result.config["bounds"] = compute_bounds(result, hw, trace, sequences, dtype, seed)
+            )  # fmt: skip
+        # the bounds are single-sequence, one-GPU runs
+        if cmd["bounds"] and serving is None and run_args["gpus"] == 1:
+            result.config["bounds"] = compute_bounds(result, **run_args)
         if out_dir is not None:
             result.write(out_dir, flag="--out", inputs=inputs)
     if requests_out is not None and result.requests is not None:
         write_table(result.requests, requests_out, "--requests-out")
-    doc = result.to_dict()
-    if as_json:
-        echo_json(doc)
-    else:
-        click.echo(render_table(doc))
-        if out_dir is not None:
-            click.echo(
-                f"\nwrote {out_dir}/: metrics.json timeline.parquet trace.perfetto.json.gz "
-                "gantt.png hit_rate.png"
-                + (" requests.parquet" if result.requests is not None else "")
+    return result
+
+
+def _check_run_outputs(
+    serving: Any, out_dir: str | None, requests_out: str | None, inputs: tuple[Any, ...]
+) -> None:
+    """Every output before the run: never an input, never one inside the other (``--out`` is
+    replaced as a whole, and already holds requests.parquet in a serving run)."""
+    if requests_out is not None:
+        if serving is None:
+            raise UserError(
+                "--requests-out needs a serving run (--batch, --max-batch, --arrival-rate, "
+                "--arrivals or an SLO)"
             )
+        output_format(requests_out, TABLE_FORMATS, "--requests-out")
+    check_outputs(
+        [
+            Output(out_dir, "--out", RUN_FILES) if out_dir is not None else None,
+            Output(requests_out, "--requests-out") if requests_out is not None else None,
+        ],
+        inputs,
+    )
+
+
+run = build_run_command()

@@ -9,6 +9,7 @@ file), 3 when the results file cannot be written (an input, a device, a read-onl
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -43,114 +44,65 @@ def _parses(kind: type, text: str) -> bool:
     return True
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("grid_file", required=False, type=click.Path(dir_okay=False))
-@click.option("--policies", help="Comma-separated policy names (e.g. lru,fiddler,daop).")
-@click.option("--hw", help="Comma-separated machine profiles (default a6000-pcie4).")
-@click.option("--traces", help="Comma-separated bundled trace names or paths.")
-@click.option("--cache-ratios", help="Comma-separated cache ratios in (0, 1].")
-@click.option("--gpu-experts", help="Comma-separated resident-expert counts.")
-@click.option("--sequences", type=int, help="Evaluation sequences per run (default: all).")
-@click.option(
-    "--policy-opt",
-    "policy_opts",
-    multiple=True,
-    metavar="[POLICY.]KEY=V[,V...]",
-    help="A policy option; several values make an axis. Repeatable.",
-)
-@click.option("--seeds", help="Comma-separated seeds (default 0).")
-@click.option(
-    "--runtimes",
-    help="Comma-separated runtime profiles, an axis (default: each policy's declared one).",
-)
-@click.option(
-    "--calibration",
-    metavar="none|self|PATH",
-    help="Calibration data for every run, as for `daopsim run` (default: held-out sequences).",
-)
-@click.option("--dtype", help="Override the GPU expert precision of every trace.")
-@click.option("--host-dtype", help="Precision of the host's expert copies (default: --dtype).")
-@click.option("--nonexpert-dtype", help="Precision of the non-expert weights (default: bf16).")
-@click.option(
-    "--lookahead",
-    type=click.Choice(["recorded", "previous-token"]),
-    default=None,
-    help="One-layer-early view for policies that read it, as for `daopsim run`.",
-)
-@click.option(
-    "--out", "-o", "out", help="Results table: .parquet, or .csv (the format follows the suffix)."
-)
-@click.option(
-    "--executor", type=click.Choice(["local", "dask"]), default="local", show_default=True
-)
-@click.option("--workers", type=int, help="Worker processes (default: number of CPUs).")
-@click.option("--scheduler", metavar="ADDRESS", help="Dask scheduler (tcp://host:8786).")
-@click.option(
-    "--min-gate-mass",
-    type=float,
-    default=None,
-    help="Leave out rows whose routing fidelity (gate_mass_preserved) is below this.",
-)
-@click.option(
-    "--arrival-rates",
-    help="Comma-separated Poisson arrival rates (requests/s): a serving axis, continuous "
-    "batching (docs/serving.md).",
-)
-@click.option("--max-batch", type=int, help="Serving axis: most requests per batch (default 8).")
-@click.option("--slo-ttft", type=float, help="Serving axis: time-to-first-token SLO (s).")
-@click.option("--slo-tpot", type=float, help="Serving axis: time-per-output-token SLO (s).")
-@click.option("--retry-errors", is_flag=True, help="Re-run configurations that failed before.")
-@click.option("--no-progress", is_flag=True, help="No progress bar.")
-@click.option(
-    "--gpus",
-    "gpus",
-    help="Comma-separated GPU counts, an axis (a multi-GPU profile; default: 1).",
-)
-@click.option(
-    "--multi-gpu",
-    "multi_gpu",
-    help="Comma-separated placements for the counts above 1: expert, pipeline (default: expert).",
-)
-@click.option(
-    "--bounds/--no-bounds",
-    default=True,
-    show_default=True,
-    help="Fill each row's all-GPU bound (bound_tokens_per_s; a few all-GPU runs per machine, "
-    "trace and precision).",
-)
-@json_option
-def sweep(
-    grid_file: str | None,
-    policies: str | None,
-    hw: str | None,
-    traces: str | None,
-    cache_ratios: str | None,
-    gpu_experts: str | None,
-    sequences: int | None,
-    policy_opts: tuple[str, ...],
-    seeds: str | None,
-    calibration: str | None,
-    dtype: str | None,
-    host_dtype: str | None,
-    nonexpert_dtype: str | None,
-    out: str | None,
-    executor: str,
-    workers: int | None,
-    scheduler: str | None,
-    retry_errors: bool,
-    no_progress: bool,
-    as_json: bool,
-    lookahead: str | None = None,
-    min_gate_mass: float | None = None,
-    arrival_rates: str | None = None,
-    max_batch: int | None = None,
-    slo_ttft: float | None = None,
-    slo_tpot: float | None = None,
-    runtimes: str | None = None,
-    gpus: str | None = None,
-    multi_gpu: str | None = None,
-    bounds: bool = True,
-) -> None:
+def grid_option(p: Any) -> Callable[[Any], Any]:
+    """``daopsim sweep``'s flag for one declared grid key (simulator/run_params.py): an axis
+    takes comma-separated values, a one-value key its type; none given leaves the grid file's
+    value (or the default)."""
+    if p.axis:
+        return click.option(
+            str(p.sweep_flag), str(p.grid_attr), help=f"{p.doc} An axis: comma-separated values."
+        )
+    kind = click.Choice(list(p.choices)) if p.choices is not None else p.kind
+    return click.option(
+        str(p.sweep_flag), str(p.grid_attr), type=kind, default=None, metavar=p.metavar,
+        help=p.doc,
+    )  # fmt: skip
+
+
+#: ``daopsim sweep``'s own options: the grid file's policy options, the results table, where
+#: and how the runs go
+COMMAND_OPTIONS: tuple[Callable[[Any], Any], ...] = (
+    click.option(
+        "--policy-opt", "policy_opts", multiple=True, metavar="[POLICY.]KEY=V[,V...]",
+        help="A policy option; several values make an axis. Repeatable.",
+    ),
+    click.option(
+        "--out", "-o", "out",
+        help="Results table: .parquet, or .csv (the format follows the suffix).",
+    ),
+    click.option(
+        "--executor", type=click.Choice(["local", "dask"]), default="local", show_default=True
+    ),
+    click.option("--workers", type=int, help="Worker processes (default: number of CPUs)."),
+    click.option("--scheduler", metavar="ADDRESS", help="Dask scheduler (tcp://host:8786)."),
+    click.option(
+        "--min-gate-mass", type=float, default=None,
+        help="Leave out rows whose routing fidelity (gate_mass_preserved) is below this.",
+    ),
+    click.option("--retry-errors", is_flag=True, help="Re-run configurations that failed before."),
+    click.option("--no-progress", is_flag=True, help="No progress bar."),
+    click.option(
+        "--bounds/--no-bounds", default=True, show_default=True,
+        help="Fill each row's all-GPU bound (bound_tokens_per_s; a few all-GPU runs per "
+        "machine, trace and precision).",
+    ),
+    json_option,
+)  # fmt: skip
+
+
+def build_sweep_command() -> click.Command:
+    """``daopsim sweep``: GRID_FILE, a flag per declared grid key, then its own options (built
+    when called, from the declaration as it stands)."""
+    from daopsim.simulator.run_params import grid_params
+
+    func: Any = _sweep
+    for opt in reversed([*(grid_option(p) for p in grid_params()), *COMMAND_OPTIONS]):
+        func = opt(func)
+    func = click.argument("grid_file", required=False, type=click.Path(dir_okay=False))(func)
+    return click.command("sweep", context_settings={"help_option_names": ["-h", "--help"]})(func)
+
+
+def _sweep(grid_file: str | None, **given: Any) -> None:
     """Run every combination of policies, machines, traces and memory budgets.
 
     Give the grid with flags, or as GRID_FILE (TOML, see docs/sweeps.md; or the name of a
@@ -158,105 +110,100 @@ def sweep(
     configurations are kept in OUT.parts/, so an interrupted sweep resumes where it stopped
     when run again.
     """
-    from daopsim.simulator.sweep import Grid, load_grid_file, parse_option_items, run_sweep
+    from daopsim.simulator.sweep import parse_option_items, run_sweep
 
-    flags: dict[str, Any] = {
-        "policies": _split(policies, str, "--policies"),
-        "hw": _split(hw, str, "--hw"),
-        "traces": _split(traces, str, "--traces"),
-        "cache_ratios": _split(cache_ratios, float, "--cache-ratios"),
-        "gpu_experts": _split(gpu_experts, int, "--gpu-experts"),
-        "seeds": _split(seeds, int, "--seeds"),
-        "arrival_rates": _split(arrival_rates, float, "--arrival-rates"),
-        "max_batch": max_batch,
-        "slo_ttft": slo_ttft,
-        "slo_tpot": slo_tpot,
-        "runtimes": _split(runtimes, str, "--runtimes"),
-        "gpus": _split(gpus, int, "--gpus"),
-        "multi_gpu": _split(multi_gpu, str, "--multi-gpu"),
-    }
-    if grid_file is not None:
-        grid, file_out = load_grid_file(grid_file)
-    else:
-        if flags["policies"] is None:
-            raise UserError("give --policies (or a grid file)")
-        grid, file_out = Grid(policies=flags["policies"]), None
-    for key, value in flags.items():
-        if value is not None:
-            setattr(grid, key, value)
-    if grid_file is not None and flags["policies"] is not None:
-        # --policies replaces the file's: its options for the policies left out go too
-        kept = set(grid.policies)
-        grid.options = {
-            k: v for k, v in grid.options.items() if "." not in k or k.rpartition(".")[0] in kept
-        }
-    if sequences is not None:
-        if sequences <= 0:
-            raise UserError(f"--sequences must be positive, got {sequences}")
-        grid.sequences = sequences
-    if policy_opts:
-        grid.options.update(parse_option_items(policy_opts))
-    if calibration is not None:
-        grid.calibration = calibration
-    if dtype is not None:
-        grid.dtype = dtype
-    if lookahead is not None:
-        grid.lookahead = lookahead
-    if host_dtype is not None:
-        grid.host_dtype = host_dtype
-    if nonexpert_dtype is not None:
-        grid.nonexpert_dtype = nonexpert_dtype
-    out = out or file_out
+    grid, file_out = _grid_of(grid_file, given)
+    if given["policy_opts"]:
+        grid.options.update(parse_option_items(given["policy_opts"]))
+    out = given["out"] or file_out
     if out is None:
         raise UserError("give --out RESULTS.parquet (or 'out' in the grid file)")
     check_output_file(out, "--out", inputs=[grid_file])
     try:
         table, summary = run_sweep(
             grid,
-            executor=executor,
-            workers=workers,
+            executor=given["executor"],
+            workers=given["workers"],
             out=out,
-            progress=not no_progress,
-            scheduler=scheduler,
-            retry_errors=retry_errors,
-            min_gate_mass=min_gate_mass,
-            bounds=bounds,
+            progress=not given["no_progress"],
+            scheduler=given["scheduler"],
+            retry_errors=given["retry_errors"],
+            min_gate_mass=given["min_gate_mass"],
+            bounds=given["bounds"],
         )
     except KeyboardInterrupt:
         click.echo("interrupted: finished runs are kept; run the same command to resume", err=True)
         sys.exit(ExitCode.INTERRUPTED)
-    if as_json:
+    if given["as_json"]:
         echo_json(summary.to_dict())
     else:
-        click.echo(
-            f"wrote {summary.out}: {summary.configurations} configurations, {summary.ok} ok, "
-            f"{summary.skipped} skipped (do not fit), {summary.failed} failed "
-            f"({summary.resumed} resumed) in {summary.elapsed_s:.1f} s"
-            + (
-                f"; {summary.below_floor} below --min-gate-mass {min_gate_mass} left out"
-                if summary.below_floor
-                else ""
-            )
-        )
-        if len(set(grid.seeds)) > 1:
-            _print_seed_table(summary.out)
-        from daopsim.simulator.sweep import small_budget_note
-
-        note = small_budget_note(table)
-        if note:
-            click.echo(f"note: {note}")
-        for e in summary.errors:
-            if e.get("cache_ratio") is not None:
-                mem = f"cache ratio {e['cache_ratio']}"
-            elif e.get("gpu_experts") is not None:
-                mem = f"{e['gpu_experts']} GPU experts"
-            else:
-                mem = "experts that fit"
-            click.echo(
-                f"failed: {e['policy']} on {e['hw']} ({e['trace']}, {mem}): {e['error']}",
-                err=True,
-            )
+        _print_summary(summary, table, grid, given["min_gate_mass"])
     sys.exit(ExitCode.FAILED if summary.failed else ExitCode.OK)
+
+
+def _grid_of(grid_file: str | None, given: dict[str, Any]) -> tuple[Any, str | None]:
+    """The grid of the file (or of the flags alone), with each grid flag given replacing the
+    file's key; and the file's ``out``."""
+    from daopsim.simulator.run_params import grid_params
+    from daopsim.simulator.sweep import Grid, load_grid_file
+
+    flags: dict[str, Any] = {}
+    for p in grid_params():
+        attr = str(p.grid_attr)
+        value = given[attr]
+        if p.axis:
+            value = _split(value, p.kind or str, str(p.sweep_flag))
+        if value is not None:
+            flags[attr] = p.checked(value, str(p.sweep_flag)) if not p.axis else value
+    if grid_file is not None:
+        grid, file_out = load_grid_file(grid_file)
+    else:
+        if "policies" not in flags:
+            raise UserError("give --policies (or a grid file)")
+        grid, file_out = Grid(policies=flags["policies"]), None
+    for key, value in flags.items():
+        setattr(grid, key, value)
+    if grid_file is not None and "policies" in flags:
+        # --policies replaces the file's: its options for the policies left out go too
+        kept = set(grid.policies)
+        grid.options = {
+            k: v for k, v in grid.options.items() if "." not in k or k.rpartition(".")[0] in kept
+        }
+    return grid, file_out
+
+
+def _print_summary(summary: Any, table: Any, grid: Any, min_gate_mass: float | None) -> None:
+    """The sweep's one-line summary, the seed table, a small-budget note and each failure."""
+    from daopsim.simulator.sweep import small_budget_note
+
+    click.echo(
+        f"wrote {summary.out}: {summary.configurations} configurations, {summary.ok} ok, "
+        f"{summary.skipped} skipped (do not fit), {summary.failed} failed "
+        f"({summary.resumed} resumed) in {summary.elapsed_s:.1f} s"
+        + (
+            f"; {summary.below_floor} below --min-gate-mass {min_gate_mass} left out"
+            if summary.below_floor
+            else ""
+        )
+    )
+    if len(set(grid.seeds)) > 1:
+        _print_seed_table(summary.out)
+    note = small_budget_note(table)
+    if note:
+        click.echo(f"note: {note}")
+    for e in summary.errors:
+        if e.get("cache_ratio") is not None:
+            mem = f"cache ratio {e['cache_ratio']}"
+        elif e.get("gpu_experts") is not None:
+            mem = f"{e['gpu_experts']} GPU experts"
+        else:
+            mem = "experts that fit"
+        click.echo(
+            f"failed: {e['policy']} on {e['hw']} ({e['trace']}, {mem}): {e['error']}", err=True
+        )
+
+
+sweep = build_sweep_command()
 
 
 def _print_seed_table(out: object) -> None:
