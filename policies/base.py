@@ -15,7 +15,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any, ClassVar, Protocol
+from types import MappingProxyType
+from typing import Any, ClassVar, Final, Protocol
 
 import numpy as np
 
@@ -156,63 +157,99 @@ class Plan:
         self.low_bit = low_bit
         self.barrier = barrier
 
+    def copy(self) -> Plan:
+        """A new plan with this one's fields, its lists, dict and sets copied: the way to make a
+        variant of a plan another method returned (a :class:`FrozenPlan` cannot change)."""
+        actions = self.actions
+        return Plan(
+            actions=None if actions is None else dict(actions),
+            victims=dict(self.victims),
+            route=self.route,
+            raw_route=self.raw_route,
+            prefetch=list(self.prefetch),
+            precalc=list(self.precalc),
+            evict=list(self.evict),
+            cpu_serial=self.cpu_serial,
+            cpu_first=self.cpu_first,
+            low_bit=frozenset(self.low_bit),
+            barrier=self.barrier,
+        )
+
+    def frozen(self) -> Plan:
+        """This plan as a :class:`FrozenPlan` (itself when it is one): a plan to return from
+        more than one call."""
+        if isinstance(self, FrozenPlan):
+            return self
+        return FrozenPlan(
+            self.actions, self.victims, self.route, self.raw_route, self.prefetch,
+            self.precalc, self.evict, self.cpu_serial, self.cpu_first, self.low_bit,
+            self.barrier,
+        )  # fmt: skip
+
+
+#: what a frozen plan says to an attempt to change it
+_FROZEN = (
+    "is a FrozenPlan, shared by every call that returns it (ALL_GPU_PLAN: by every policy and "
+    "run), and cannot be changed; make a variant with plan.copy() or build a Plan"
+)
+
+
+@mypyc_attr(allow_interpreted_subclasses=True)
+class FrozenPlan(Plan):
+    """A :class:`Plan` that cannot be changed once made: a plan shared by several calls (the
+    process-wide :data:`ALL_GPU_PLAN`, a policy's memoised static plans) is one of these, so no
+    policy can change what another call, policy or run returns.
+
+    Setting or deleting a field raises ``AttributeError``, and its containers are immutable:
+    ``victims`` a read-only mapping, ``prefetch``/``precalc``/``evict`` tuples, ``low_bit`` a
+    frozenset. ``actions`` stays a ``dict`` (the engine reads it as one; a frozen plan's is a
+    private copy of the one it was made from). ``copy()`` gives a mutable variant.
+
+    Compiled code (mypyc) that sets a field of a value typed ``Plan`` writes the slot directly
+    and bypasses the refusal; the built-in policies never change a plan they did not build, and
+    a policy written in Python (every user's) always goes through it.
+    """
+
+    def __init__(
+        self,
+        actions: Any = None,
+        victims: Any = None,
+        route: Any = None,
+        raw_route: Any = None,
+        prefetch: Any = None,
+        precalc: Any = None,
+        evict: Any = None,
+        cpu_serial: Any = False,
+        cpu_first: Any = False,
+        low_bit: Any = frozenset(),
+        barrier: Any = False,
+    ) -> None:
+        # through object.__setattr__: this class's own refuses every write
+        put = object.__setattr__
+        put(self, "actions", None if actions is None else dict(actions))
+        put(self, "victims", MappingProxyType(dict(victims or {})))
+        put(self, "route", route)
+        put(self, "raw_route", raw_route)
+        put(self, "prefetch", tuple(prefetch or ()))
+        put(self, "precalc", tuple(precalc or ()))
+        put(self, "evict", tuple(evict or ()))
+        put(self, "cpu_serial", cpu_serial)
+        put(self, "cpu_first", cpu_first)
+        put(self, "low_bit", frozenset(low_bit))
+        put(self, "barrier", barrier)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"cannot set {name}: this plan {_FROZEN}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"cannot delete {name}: this plan {_FROZEN}")
+
 
 #: The plan "every routed expert on the GPU", one object shared by every policy and run (a
-#: policy returns it without building a plan per layer). It must not be changed: the engine
-#: refuses it when it comes back changed, and restores it (:func:`restore_shared_plan`) at the
-#: start of every run, so a change made by one policy never reaches another run. A policy that
-#: wants a variant builds a ``Plan`` of its own.
-ALL_GPU_PLAN = Plan()
-
-
-def plan_is_new(plan: Plan) -> bool:
-    """Whether every field of ``plan`` is still a new ``Plan()``'s (the fast test of
-    :func:`shared_plan_changes`, made each time a policy returns a shared plan)."""
-    return (
-        plan.actions is None
-        and plan.route is None
-        and plan.raw_route is None
-        and plan.cpu_serial is False
-        and plan.cpu_first is False
-        and plan.barrier is False
-        and type(plan.victims) is dict
-        and not plan.victims
-        and type(plan.prefetch) is list
-        and not plan.prefetch
-        and type(plan.precalc) is list
-        and not plan.precalc
-        and type(plan.evict) is list
-        and not plan.evict
-        and type(plan.low_bit) is frozenset
-        and not plan.low_bit
-    )
-
-
-def shared_plan_changes(plan: Plan) -> list[str]:
-    """The fields of ``plan`` that differ from a new ``Plan()``'s (empty when none do)."""
-    out = [n for n, v in (("actions", plan.actions), ("route", plan.route)) if v is not None]
-    if plan.raw_route is not None:
-        out.append("raw_route")
-    for name, value in (("victims", plan.victims), ("prefetch", plan.prefetch)):
-        if type(value) is not (dict if name == "victims" else list) or len(value):
-            out.append(name)
-    for name, value in (("precalc", plan.precalc), ("evict", plan.evict)):
-        if type(value) is not list or len(value):
-            out.append(name)
-    flags = (("cpu_serial", plan.cpu_serial), ("cpu_first", plan.cpu_first))
-    out += [n for n, v in (*flags, ("barrier", plan.barrier)) if v is not False]
-    if type(plan.low_bit) is not frozenset or len(plan.low_bit):
-        out.append("low_bit")
-    return out
-
-
-def restore_shared_plan(plan: Plan) -> None:
-    """Give a shared plan (:data:`ALL_GPU_PLAN`) a new ``Plan()``'s fields back."""
-    fresh = Plan()
-    plan.actions, plan.victims, plan.route, plan.raw_route = None, fresh.victims, None, None
-    plan.prefetch, plan.precalc, plan.evict = fresh.prefetch, fresh.precalc, fresh.evict
-    plan.cpu_serial = plan.cpu_first = plan.barrier = False
-    plan.low_bit = fresh.low_bit
+#: policy returns it without building a plan per layer). A :class:`FrozenPlan`: a policy that
+#: tries to change it gets an ``AttributeError`` at the line that tries (a ``PolicyError``
+#: naming it in a run); a variant is ``ALL_GPU_PLAN.copy()`` changed, or a ``Plan`` of its own.
+ALL_GPU_PLAN: Final[Plan] = FrozenPlan()
 
 
 #: a ``View`` row not built yet (see ``View._rows``)

@@ -61,6 +61,9 @@ class Step:
 
     prefill = False
     hook = "decode_layer"
+    #: where a substituted route is refused (``check_route``): every step but a sequence's
+    #: decode token
+    no_route = "during prefill"
 
     def __init__(self, n: int, context: int, d_ne: float) -> None:
         self.n = n
@@ -77,12 +80,6 @@ class Step:
     def enter(self, eng: Engine, layer: int) -> tuple[np.ndarray, Any]:
         """Fill the view for ``layer``; returns its routed experts and per-expert counts."""
         raise NotImplementedError
-
-    def route(self, eng: Engine, plan: Any, experts: np.ndarray, layer: int) -> list[int] | None:
-        """The plan's substituted route (checked), or None for the trace's routing."""
-        if isinstance(plan, Plan) and plan.route is not None:
-            raise eng.hooks.error("substitutes routing during prefill (not supported)", layer)
-        return None
 
     def account(
         self, eng: Engine, plan: Plan, route: list[int] | None, experts: list[int], layer: int
@@ -145,6 +142,8 @@ class DecodePass:
 class DecodeStep(Step):
     """One generated token of one sequence."""
 
+    no_route = ""
+
     def __init__(self, eng: Engine, dp: DecodePass, t: int, base: int) -> None:
         context = int(dp.r.positions[t])
         super().__init__(1, context, eng.machine.nonexpert_s(1, context))
@@ -171,11 +170,6 @@ class DecodeStep(Step):
         v.experts = experts
         v._weights = v._probs = v._next_experts = v._next_probs = _LAZY
         return experts, None
-
-    def route(self, eng: Engine, plan: Any, experts: np.ndarray, layer: int) -> list[int] | None:
-        if isinstance(plan, Plan):
-            return check_route(eng.hooks, plan, eng.n_experts, layer)
-        return None
 
     def account(
         self, eng: Engine, plan: Plan, route: list[int] | None, experts: list[int], layer: int
@@ -392,7 +386,7 @@ class Engine:
         v.now = now
         experts, counts = st.enter(self, layer)
         plan = hooks.call(st.hook, decide, v)
-        route = st.route(self, plan, experts, layer)
+        route = check_route(hooks, plan, self.n_experts, layer, st.no_route)
         true = experts.tolist()
         routed = true if route is None else route
         order = check_plan(hooks, plan, layer, routed, self.res, self.spec, self.precalc)

@@ -596,14 +596,8 @@ class ReferenceEngine:
                     v.next_experts = ro_early[t][layer + 1] if nxt else None
                     v.next_probs = early[t][layer + 1] if nxt else None
                 plan = hooks.call(hook, decide, v)
-                route = None
-                if prefill:
-                    if isinstance(plan, Plan) and plan.route is not None:
-                        raise hooks.error(
-                            "substitutes routing during prefill (not supported)", layer
-                        )
-                elif isinstance(plan, Plan):
-                    route = check_route(hooks, plan, n_exp, layer)
+                refused = "during prefill" if prefill else ""
+                route = check_route(hooks, plan, n_exp, layer, refused)
                 routed = experts.tolist() if route is None else route
                 order = check_plan(hooks, plan, layer, routed, self.ledger, self.spec, self.precalc)
                 if not prefill:
