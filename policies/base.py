@@ -648,6 +648,44 @@ class Policy:
         """The sequence finished."""
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
+class StaticPlacementPolicy(Policy):
+    """A policy whose residency never changes after ``setup`` (no plan of it fetches, evicts
+    or prefetches): a decode plan then depends only on the layer and its routed experts, so
+    :meth:`decode_layer` asks :meth:`static_plan` once per ``(layer, experts)`` and returns
+    that plan again, frozen (:class:`FrozenPlan`), whenever the same experts come back.
+
+    A subclass writes :meth:`static_plan` (and ``setup``, which must call
+    :meth:`new_placement` so that a new run does not reuse the plans of another placement).
+    ``fiddler``, ``static``, ``ktransformers`` and the llama.cpp splits are built on it.
+    """
+
+    #: (layer, *experts) -> the plan returned for them
+    _plans: dict[tuple[int, ...], Plan]
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self._plans = {}
+
+    def new_placement(self) -> None:
+        """A new placement (``setup``): the plans made for the last one are dropped."""
+        self._plans = {}
+
+    def static_plan(self, view: View, experts: list[int]) -> Plan:
+        """The plan for ``experts`` (the routed experts, ``view.experts`` as a list) of
+        ``view.layer``; called once per layer and set of experts, and frozen."""
+        raise NotImplementedError
+
+    def decode_layer(self, view: View) -> Plan:
+        """The memoised :meth:`static_plan` of the layer's routed experts."""
+        experts: list[int] = view.experts.tolist()
+        key = (view.layer, *experts)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self.static_plan(view, experts).frozen()
+        return plan
+
+
 def coerce_option(policy: str, key: str, param: Param, value: Any) -> Any:
     """Convert a CLI string (or check a Python value) to the option's type."""
     typ = param.type
