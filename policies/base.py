@@ -264,10 +264,14 @@ class View:
     tokens chose each expert, and ``experts`` the experts with a non-zero count (descending
     count). ``next_experts``/``next_probs`` are the one-layer-early view of layer+1 (its router
     applied to this layer's router input), or None at the last layer. ``resident`` is the
-    ``[layers, experts]`` residency mask (experts in flight to a slot count as resident).
+    ``[layers, experts]`` residency mask (experts in flight to a slot count as resident), and
+    ``ready`` when each resident expert's copy lands; :attr:`copy_free`, :attr:`copy_s` and
+    :meth:`copy_end` say when the copies this GPU has queued, and copies issued now, land.
     """
 
     __slots__ = (
+        "_copy_free_at",
+        "_copy_seconds",
         "_next_experts",
         "_next_probs",
         "_probs",
@@ -279,6 +283,7 @@ class View:
         "costs",
         "counts",
         "experts",
+        "gpu",
         "host_resident",
         "layer",
         "model",
@@ -323,10 +328,17 @@ class View:
         #: holds every expert
         self.host_resident: np.ndarray | None = None
         #: the ``[layers, experts]`` times at which each resident expert's weights land (a time
-        #: <= ``now`` once landed, infinity while its copy waits to start): what a runtime knows
-        #: by querying its copies' events; None when the executor does not provide it (the
-        #: one-GPU executors do not; the multi-GPU ones do, docs/serving.md "Multiple GPUs")
+        #: <= ``now`` once landed; infinity while its copy waits for a slot or a buffer before
+        #: it can start); a time > ``now`` is a copy in flight. What a runtime knows from its
+        #: copy queue and its copies' events. Read-only, current during the call; None only
+        #: outside the engine (a View made by hand)
         self.ready: np.ndarray | None = None
+        #: the GPU this view's policy decides for (its index among the run's GPUs; 0 on one)
+        self.gpu = 0
+        #: set by the engine: GPU k -> when its host-to-device lane ends the work submitted to
+        #: it so far, and each GPU's seconds per expert copy (:attr:`copy_free`, :attr:`copy_s`)
+        self._copy_free_at: Any = None
+        self._copy_seconds: list[float] = [0.0]
 
     @property
     def weights(self) -> np.ndarray:
@@ -379,6 +391,33 @@ class View:
     @next_probs.setter
     def next_probs(self, value: np.ndarray | None) -> None:
         self._next_probs = value
+
+    @property
+    def copy_free(self) -> float:
+        """When this GPU's host-to-device copy lane ends the work submitted to it so far (a
+        time <= ``now`` when it is idle): the engine's own lane, so other GPUs' copies on a
+        shared uplink, write-backs on a one-lane link and activation copies count. Copies
+        still waiting for a slot or a buffer are not on it yet."""
+        return float(self._copy_free_at(self.gpu))
+
+    @property
+    def copy_s(self) -> float:
+        """Seconds one expert copy holds this GPU's host-to-device lane (the engine's figure
+        for the policy's host memory, ``ResourceSpec.host_memory``)."""
+        return self._copy_seconds[self.gpu]
+
+    def copy_end(self, n: int) -> float:
+        """When the last of ``n`` expert copies issued now would land, queued behind the
+        lane's work (:attr:`copy_free`) and before anything submitted later (0: when the lane
+        is free for them): the engine's lane rule (first come, first served, each copy
+        starting when the one before ends) applied to them, exact when nothing else is
+        submitted first and the copies need not wait for a slot or a buffer."""
+        free = self.copy_free
+        t = free if free > self.now else self.now
+        d = self.copy_s
+        for _ in range(n):  # one sum per copy, as the lane adds them
+            t += d
+        return t
 
     @property
     def is_prefill(self) -> bool:

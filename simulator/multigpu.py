@@ -482,6 +482,8 @@ class ShardedPolicy(Policy):
             v.context = view.context
         v.now = view.now
         v.layer = self.pl.layer_at[k][view.layer]
+        # its own GPU's copy lane (View.copy_free)
+        v.gpu, v._copy_free_at, v._copy_seconds = k, view._copy_free_at, view._copy_seconds
         v.costs = view.costs
         # the local expert ids, one read-only array per set of routed experts (a few per GPU)
         memo = self._experts[k]
@@ -494,8 +496,7 @@ class ShardedPolicy(Policy):
         v.experts = ex
         res_win, ready_win = self._windows[k]
         v.resident = res_win.get(view.resident)
-        ready = view.ready
-        v.ready = None if ready is None else ready_win.get(ready)
+        v.ready = ready_win.get(view.ready)
         counts = view.counts
         v.counts = None if counts is None else frozen(np.asarray(counts)[self.pl.expert_idx[k]])
         v._weights = v._probs = v._next_experts = v._next_probs = _LAZY

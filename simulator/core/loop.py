@@ -260,9 +260,11 @@ class Engine:
         v.calibration = calibration = frozen(calibration)
         v.resident = self.res.resident.view()
         v.resident.flags.writeable = False
-        if placement is not None:  # each GPU's copies share lanes with the others' work
-            v.ready = self.res.ready_at.view()
-            v.ready.flags.writeable = False
+        # in-flight copies and their landing times, the lanes they queue on
+        v.ready = self.res.ready_at.view()
+        v.ready.flags.writeable = False
+        v._copy_free_at = self._copy_free_at
+        v._copy_seconds = [up.expert_s for up, _ in m.uplinks]
         self.ssd_cfg, ssd = host_tier, None
         if host_tier is not None:
             from daopsim.simulator.hosttier import HostTier
@@ -294,6 +296,11 @@ class Engine:
         placed = self.hooks.call("setup", policy.setup, ctx)
         slots = check_placement(self.hooks, placed, self.n_layers, self.n_experts, self.budget)
         self.res.place(slots, m.gpu_of)
+
+    def _copy_free_at(self, k: int) -> float:
+        """When GPU ``k``'s host-to-device lane ends the work submitted so far (View.copy_free):
+        every request submitted up to the decision has been served, so its lane's free time."""
+        return self.machine.uplinks[k][0].lane.free_at
 
     # -- the run -----------------------------------------------------------------------------
     def run(

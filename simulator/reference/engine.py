@@ -245,10 +245,13 @@ class ReferenceEngine:
         if placement is not None:
             self._refuse_on_several_gpus()
         self._build_machine(runtime, slots, placement, budgets)
-        if placement is not None:
-            ready = self.ledger.ready_at.view()
-            ready.flags.writeable = False
-            v.ready = ready
+        # in-flight copies and their landing times (the same on one GPU), the lanes they
+        # queue on
+        ready = self.ledger.ready_at.view()
+        ready.flags.writeable = False
+        v.ready = ready
+        v._copy_free_at = lambda k: self.devices[k].h2d.drain_at()
+        v._copy_seconds = [self.h2d_s] * len(self.devices)
         self._note_occupancy(0.0, len(slots))
 
     # -- the machine ------------------------------------------------------------------------
@@ -974,7 +977,7 @@ class ReferenceEngine:
         """Hold ``lanes`` (requested together with ``key``) for a copy of ``nbytes`` taking
         ``seconds``; on unified memory the copy takes its share of the DRAM. Returns its start."""
         env = self.env
-        grants = [lane.request(key) for lane in lanes]
+        grants = [lane.request(key, seconds) for lane in lanes]
         yield grants[0] if len(grants) == 1 else env.all_of(grants)
         start = env.now
         if self.unified:
@@ -1034,7 +1037,7 @@ class ReferenceEngine:
             (self.low_bit_s, self.low_bit_bytes) if op.low else (full, self.expert_bytes)
         )
         lane = dev.h2d
-        yield lane.request((env.now, op.seq))
+        yield lane.request((env.now, op.seq), seconds)
         s = env.now
         if self.ledger.copy.get(slot) is op:
             self.ledger.ready_at[slot] = s + seconds
