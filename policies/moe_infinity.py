@@ -268,15 +268,10 @@ class MoEInfinityPolicy(Policy):
         best.append(0)
         self.best = best
 
-    def _candidates(self, entry: int, layer: int) -> tuple[list[Slot], frozenset[Slot]]:
-        """The entry's experts of later layers in prefetch order, and the same as a set."""
-        items, _, _ = self._queue(entry, layer)
-        order = [(x, e) for x, e, _ in items]
-        return order, frozenset(order)
-
     def _queue(self, entry: int, layer: int) -> _Queue:
-        """:meth:`_candidates` as (layer, expert, flat index layer * experts + expert) in
-        prefetch order, the flat indices as a set, and as a list in that order."""
+        """The entry's experts of the layers after ``layer`` in prefetch order, as (layer,
+        expert, flat index layer * experts + expert), the flat indices as a set, and as a list
+        in that order."""
         key = entry * self.n_layers + layer
         got = self.queues.get(key)
         if got is None:

@@ -110,13 +110,18 @@ def test_prefetch_order_is_count_times_layer_proximity() -> None:
     entry[2, 2], entry[2, 3] = 10, 5  # x 0.6 -> 6.0, 3.0
     entry[3, 0] = 9  # x 0.4 -> 3.6
     pol = make(model, entry[None], budget=16)
-    order, keep = pol._candidates(0, 0)
-    assert order == [(2, 2), (1, 0), (3, 0), (2, 3), (1, 1)]
-    assert keep == frozenset(order)
+
+    def order(p: MoEInfinityPolicy, layer: int) -> list[tuple[int, int]]:
+        queue, keep, flat = p._queue(0, layer)
+        assert keep == frozenset(flat) == frozenset(x * 4 + e for x, e, _ in queue)
+        assert flat == [i for *_, i in queue]
+        return [(x, e) for x, e, _ in queue]
+
+    assert order(pol, 0) == [(2, 2), (1, 0), (3, 0), (2, 3), (1, 1)]
     # from layer 1 the decay restarts: (2,2) 10 x 0.8, (2,3) 5 x 0.8 = 4.0, (3,0) 9 x 0.6 = 5.4
-    assert pol._candidates(0, 1)[0] == [(2, 2), (3, 0), (2, 3)]
+    assert order(pol, 1) == [(2, 2), (3, 0), (2, 3)]
     shallow = make(model, entry[None], budget=16, prefetch_depth=1)
-    assert shallow._candidates(0, 0)[0] == [(1, 0), (1, 1)]
+    assert order(shallow, 0) == [(1, 0), (1, 1)]
     # with an idle link the first decision prefetches the head of the queue that is not
     # cached, evicting the lowest-priority expert that is not predicted: (3, 1), not (3, 0)
     full = make(model, entry[None], budget=8)  # experts 0 and 1 of every layer
