@@ -194,7 +194,6 @@ _FROZEN = (
 )
 
 
-@mypyc_attr(allow_interpreted_subclasses=True)
 class FrozenPlan(Plan):
     """A :class:`Plan` that cannot be changed once made: a plan shared by several calls (the
     process-wide :data:`ALL_GPU_PLAN`, a policy's memoised static plans) is one of these, so no

@@ -124,7 +124,7 @@ class Lane:
         self._armed = False
         if self._held or not self._waiting:
             return
-        _, _, ev, seconds = heapq.heappop(self._waiting)
+        _key, _uid, ev, seconds = heapq.heappop(self._waiting)
         self._held = True
         self._hold_end = self.env.now + seconds
         ev.succeed()
