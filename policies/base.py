@@ -209,6 +209,8 @@ class FrozenPlan(Plan):
     a policy written in Python (every user's) always goes through it.
     """
 
+    _sealed: bool
+
     def __init__(
         self,
         actions: Any = None,
@@ -223,22 +225,27 @@ class FrozenPlan(Plan):
         low_bit: Any = frozenset(),
         barrier: Any = False,
     ) -> None:
-        # through object.__setattr__: this class's own refuses every write
-        put = object.__setattr__
-        put(self, "actions", None if actions is None else dict(actions))
-        put(self, "victims", MappingProxyType(dict(victims or {})))
-        put(self, "route", route)
-        put(self, "raw_route", raw_route)
-        put(self, "prefetch", tuple(prefetch or ()))
-        put(self, "precalc", tuple(precalc or ()))
-        put(self, "evict", tuple(evict or ()))
-        put(self, "cpu_serial", cpu_serial)
-        put(self, "cpu_first", cpu_first)
-        put(self, "low_bit", frozenset(low_bit))
-        put(self, "barrier", barrier)
+        super().__init__(
+            None if actions is None else dict(actions),
+            MappingProxyType(dict(victims or {})),
+            route,
+            raw_route,
+            tuple(prefetch or ()),
+            tuple(precalc or ()),
+            tuple(evict or ()),
+            cpu_serial,
+            cpu_first,
+            frozenset(low_bit),
+            barrier,
+        )
+        # from here on every write is refused (compiled, the writes above went to the slots
+        # directly; interpreted, through __setattr__ below while not sealed)
+        self._sealed = True
 
     def __setattr__(self, name: str, value: object) -> None:
-        raise AttributeError(f"cannot set {name}: this plan {_FROZEN}")
+        if getattr(self, "_sealed", False):
+            raise AttributeError(f"cannot set {name}: this plan {_FROZEN}")
+        object.__setattr__(self, name, value)
 
     def __delattr__(self, name: str) -> None:
         raise AttributeError(f"cannot delete {name}: this plan {_FROZEN}")
