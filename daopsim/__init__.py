@@ -33,10 +33,10 @@ Machines, models and costs: :func:`load_profile`, :func:`list_profiles`, :func:`
 :func:`runtime_names`, :func:`get_model`, :data:`DTYPES`, :func:`cost_model`,
 :func:`runtime_cost_model` (with a runtime's per-call costs), :func:`expert_fit`. Writing a policy:
 :class:`Policy` (or :class:`CachingPolicy`), :func:`register`, :func:`policy_class`,
-:func:`load_policy_file`, :class:`Plan`, :class:`Action`, :class:`View`, :class:`SetupContext`,
-:class:`ResourceSpec`, :class:`Param`; ``policies()`` lists them. Writing outputs safely:
-:func:`output_dir`, :func:`write_text`, :func:`write_file`, :func:`check_output_file`. Errors:
-:class:`UserError`, :class:`PolicyError`.
+:func:`load_policy_file`, :class:`Plan` (:class:`FrozenPlan`, :data:`ALL_GPU_PLAN`),
+:class:`Action`, :class:`View`, :class:`SetupContext`, :class:`ResourceSpec`, :class:`Param`;
+``policies()`` lists them. Writing outputs safely: :func:`output_dir`, :func:`write_text`,
+:func:`write_file`, :func:`check_output_file`. Errors: :class:`UserError`, :class:`PolicyError`.
 
 Learning a policy: the submodule ``daopsim.gym`` (the ``gym`` extra) is a Gymnasium environment
 over the simulator and trains the ``learned`` policy (docs/learned-policies.md).
@@ -51,7 +51,17 @@ from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the real objects, for type checkers and IDEs
-    from daopsim.policies.base import Action, Param, Plan, Policy, ResourceSpec, SetupContext, View
+    from daopsim.policies.base import (
+        ALL_GPU_PLAN,
+        Action,
+        FrozenPlan,
+        Param,
+        Plan,
+        Policy,
+        ResourceSpec,
+        SetupContext,
+        View,
+    )
     from daopsim.policies.caching import CachingPolicy
     from daopsim.policies.registry import get_policy_class as policy_class
     from daopsim.policies.registry import load_policy_file, register
@@ -195,6 +205,8 @@ _LAZY: dict[str, tuple[str, str | None]] = {
         "daopsim.policies.base",
         "Policy",
         "Plan",
+        "FrozenPlan",
+        "ALL_GPU_PLAN",
         "Action",
         "View",
         "SetupContext",
@@ -214,11 +226,13 @@ _LAZY: dict[str, tuple[str, str | None]] = {
 }
 
 __all__ = [
+    "ALL_GPU_PLAN",
     "DTYPES",
     "PLOT_KINDS",
     "Action",
     "CachingPolicy",
     "CaptureConfig",
+    "FrozenPlan",
     "GenerationSettings",
     "Grid",
     "ImportOptions",

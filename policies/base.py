@@ -15,7 +15,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any, ClassVar, Protocol
+from types import MappingProxyType
+from typing import Any, ClassVar, Final, Protocol
 
 import numpy as np
 
@@ -156,63 +157,105 @@ class Plan:
         self.low_bit = low_bit
         self.barrier = barrier
 
+    def copy(self) -> Plan:
+        """A new plan with this one's fields, its lists, dict and sets copied: the way to make a
+        variant of a plan another method returned (a :class:`FrozenPlan` cannot change)."""
+        actions = self.actions
+        return Plan(
+            actions=None if actions is None else dict(actions),
+            victims=dict(self.victims),
+            route=self.route,
+            raw_route=self.raw_route,
+            prefetch=list(self.prefetch),
+            precalc=list(self.precalc),
+            evict=list(self.evict),
+            cpu_serial=self.cpu_serial,
+            cpu_first=self.cpu_first,
+            low_bit=frozenset(self.low_bit),
+            barrier=self.barrier,
+        )
+
+    def frozen(self) -> Plan:
+        """This plan as a :class:`FrozenPlan` (itself when it is one): a plan to return from
+        more than one call."""
+        if isinstance(self, FrozenPlan):
+            return self
+        return FrozenPlan(
+            self.actions, self.victims, self.route, self.raw_route, self.prefetch,
+            self.precalc, self.evict, self.cpu_serial, self.cpu_first, self.low_bit,
+            self.barrier,
+        )  # fmt: skip
+
+
+#: what a frozen plan says to an attempt to change it
+_FROZEN = (
+    "is a FrozenPlan, shared by every call that returns it (ALL_GPU_PLAN: by every policy and "
+    "run), and cannot be changed; make a variant with plan.copy() or build a Plan"
+)
+
+
+class FrozenPlan(Plan):
+    """A :class:`Plan` that cannot be changed once made: a plan shared by several calls (the
+    process-wide :data:`ALL_GPU_PLAN`, a policy's memoised static plans) is one of these, so no
+    policy can change what another call, policy or run returns.
+
+    Setting or deleting a field raises ``AttributeError``, and its containers are immutable:
+    ``victims`` a read-only mapping, ``prefetch``/``precalc``/``evict`` tuples, ``low_bit`` a
+    frozenset. ``actions`` stays a ``dict`` (the engine reads it as one; a frozen plan's is a
+    private copy of the one it was made from). ``copy()`` gives a mutable variant.
+
+    Compiled code (mypyc) that sets a field of a value typed ``Plan`` writes the slot directly
+    and bypasses the refusal; the built-in policies never change a plan they did not build, and
+    a policy written in Python (every user's) always goes through it.
+    """
+
+    _sealed: bool
+
+    def __init__(
+        self,
+        actions: Any = None,
+        victims: Any = None,
+        route: Any = None,
+        raw_route: Any = None,
+        prefetch: Any = None,
+        precalc: Any = None,
+        evict: Any = None,
+        cpu_serial: Any = False,
+        cpu_first: Any = False,
+        low_bit: Any = frozenset(),
+        barrier: Any = False,
+    ) -> None:
+        super().__init__(
+            None if actions is None else dict(actions),
+            MappingProxyType(dict(victims or {})),
+            route,
+            raw_route,
+            tuple(prefetch or ()),
+            tuple(precalc or ()),
+            tuple(evict or ()),
+            cpu_serial,
+            cpu_first,
+            frozenset(low_bit),
+            barrier,
+        )
+        # from here on every write is refused (compiled, the writes above went to the slots
+        # directly; interpreted, through __setattr__ below while not sealed)
+        self._sealed = True
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if getattr(self, "_sealed", False):
+            raise AttributeError(f"cannot set {name}: this plan {_FROZEN}")
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"cannot delete {name}: this plan {_FROZEN}")
+
 
 #: The plan "every routed expert on the GPU", one object shared by every policy and run (a
-#: policy returns it without building a plan per layer). It must not be changed: the engine
-#: refuses it when it comes back changed, and restores it (:func:`restore_shared_plan`) at the
-#: start of every run, so a change made by one policy never reaches another run. A policy that
-#: wants a variant builds a ``Plan`` of its own.
-ALL_GPU_PLAN = Plan()
-
-
-def plan_is_new(plan: Plan) -> bool:
-    """Whether every field of ``plan`` is still a new ``Plan()``'s (the fast test of
-    :func:`shared_plan_changes`, made each time a policy returns a shared plan)."""
-    return (
-        plan.actions is None
-        and plan.route is None
-        and plan.raw_route is None
-        and plan.cpu_serial is False
-        and plan.cpu_first is False
-        and plan.barrier is False
-        and type(plan.victims) is dict
-        and not plan.victims
-        and type(plan.prefetch) is list
-        and not plan.prefetch
-        and type(plan.precalc) is list
-        and not plan.precalc
-        and type(plan.evict) is list
-        and not plan.evict
-        and type(plan.low_bit) is frozenset
-        and not plan.low_bit
-    )
-
-
-def shared_plan_changes(plan: Plan) -> list[str]:
-    """The fields of ``plan`` that differ from a new ``Plan()``'s (empty when none do)."""
-    out = [n for n, v in (("actions", plan.actions), ("route", plan.route)) if v is not None]
-    if plan.raw_route is not None:
-        out.append("raw_route")
-    for name, value in (("victims", plan.victims), ("prefetch", plan.prefetch)):
-        if type(value) is not (dict if name == "victims" else list) or len(value):
-            out.append(name)
-    for name, value in (("precalc", plan.precalc), ("evict", plan.evict)):
-        if type(value) is not list or len(value):
-            out.append(name)
-    flags = (("cpu_serial", plan.cpu_serial), ("cpu_first", plan.cpu_first))
-    out += [n for n, v in (*flags, ("barrier", plan.barrier)) if v is not False]
-    if type(plan.low_bit) is not frozenset or len(plan.low_bit):
-        out.append("low_bit")
-    return out
-
-
-def restore_shared_plan(plan: Plan) -> None:
-    """Give a shared plan (:data:`ALL_GPU_PLAN`) a new ``Plan()``'s fields back."""
-    fresh = Plan()
-    plan.actions, plan.victims, plan.route, plan.raw_route = None, fresh.victims, None, None
-    plan.prefetch, plan.precalc, plan.evict = fresh.prefetch, fresh.precalc, fresh.evict
-    plan.cpu_serial = plan.cpu_first = plan.barrier = False
-    plan.low_bit = fresh.low_bit
+#: policy returns it without building a plan per layer). A :class:`FrozenPlan`: a policy that
+#: tries to change it gets an ``AttributeError`` at the line that tries (a ``PolicyError``
+#: naming it in a run); a variant is ``ALL_GPU_PLAN.copy()`` changed, or a ``Plan`` of its own.
+ALL_GPU_PLAN: Final[Plan] = FrozenPlan()
 
 
 #: a ``View`` row not built yet (see ``View._rows``)
@@ -227,10 +270,14 @@ class View:
     tokens chose each expert, and ``experts`` the experts with a non-zero count (descending
     count). ``next_experts``/``next_probs`` are the one-layer-early view of layer+1 (its router
     applied to this layer's router input), or None at the last layer. ``resident`` is the
-    ``[layers, experts]`` residency mask (experts in flight to a slot count as resident).
+    ``[layers, experts]`` residency mask (experts in flight to a slot count as resident), and
+    ``ready`` when each resident expert's copy lands; :attr:`copy_free`, :attr:`copy_s` and
+    :meth:`copy_end` say when the copies this GPU has queued, and copies issued now, land.
     """
 
     __slots__ = (
+        "_copy_free_times",
+        "_copy_seconds",
         "_next_experts",
         "_next_probs",
         "_probs",
@@ -242,6 +289,7 @@ class View:
         "costs",
         "counts",
         "experts",
+        "gpu",
         "host_resident",
         "layer",
         "model",
@@ -286,10 +334,18 @@ class View:
         #: holds every expert
         self.host_resident: np.ndarray | None = None
         #: the ``[layers, experts]`` times at which each resident expert's weights land (a time
-        #: <= ``now`` once landed, infinity while its copy waits to start): what a runtime knows
-        #: by querying its copies' events; None when the executor does not provide it (the
-        #: one-GPU executors do not; the multi-GPU ones do, docs/serving.md "Multiple GPUs")
+        #: <= ``now`` once landed; infinity while its copy waits for a slot or a buffer before
+        #: it can start); a time > ``now`` is a copy in flight. What a runtime knows from its
+        #: copy queue and its copies' events. Read-only, current during the call; None only
+        #: outside the engine (a View made by hand)
         self.ready: np.ndarray | None = None
+        #: the GPU this view's policy decides for (its index among the run's GPUs; 0 on one)
+        self.gpu = 0
+        #: set by the engine: GPU k -> when each of its host-to-device copy engines ends the
+        #: work submitted to it so far, and each GPU's seconds per expert copy
+        #: (:attr:`copy_free`, :attr:`copy_s`)
+        self._copy_free_times: Any = None
+        self._copy_seconds: list[float] = [0.0]
 
     @property
     def weights(self) -> np.ndarray:
@@ -342,6 +398,42 @@ class View:
     @next_probs.setter
     def next_probs(self, value: np.ndarray | None) -> None:
         self._next_probs = value
+
+    @property
+    def copy_free(self) -> float:
+        """When this GPU's host-to-device copy lane ends the work submitted to it so far (a
+        time <= ``now`` when it is idle): the engine's own lane, so other GPUs' copies on a
+        shared uplink, write-backs on a one-lane link and activation copies count. Copies
+        still waiting for a slot or a buffer are not on it yet. With several copy engines
+        per direction (``link.copy_engines_per_direction``), when the last of them does."""
+        return float(max(self._copy_free_times(self.gpu)))
+
+    @property
+    def copy_s(self) -> float:
+        """Seconds one expert copy holds this GPU's host-to-device lane (the engine's figure
+        for the policy's host memory, ``ResourceSpec.host_memory``)."""
+        return self._copy_seconds[self.gpu]
+
+    def copy_end(self, n: int) -> float:
+        """When the last of ``n`` expert copies issued now would land, queued behind the
+        lane's work (:attr:`copy_free`) and before anything submitted later (0: when the lane
+        is free for them): the engine's lane rule (each copy to the copy engine free first,
+        the lowest index on ties, starting when that engine's work before it ends) applied to
+        them, exact when nothing else is submitted first and the copies need not wait for a
+        slot or a buffer."""
+        now = self.now
+        times = [t if t > now else now for t in self._copy_free_times(self.gpu)]
+        d = self.copy_s
+        last = min(times)  # n = 0: when the first engine could take a copy
+        for _ in range(n):  # one sum per copy, as the lane adds them
+            i = 0
+            for j in range(1, len(times)):
+                if times[j] < times[i]:
+                    i = j
+            times[i] += d
+            if times[i] > last:
+                last = times[i]
+        return last
 
     @property
     def is_prefill(self) -> bool:
@@ -609,6 +701,44 @@ class Policy:
 
     def on_sequence_end(self, seq_id: int) -> None:
         """The sequence finished."""
+
+
+@mypyc_attr(allow_interpreted_subclasses=True)
+class StaticPlacementPolicy(Policy):
+    """A policy whose residency never changes after ``setup`` (no plan of it fetches, evicts
+    or prefetches): a decode plan then depends only on the layer and its routed experts, so
+    :meth:`decode_layer` asks :meth:`static_plan` once per ``(layer, experts)`` and returns
+    that plan again, frozen (:class:`FrozenPlan`), whenever the same experts come back.
+
+    A subclass writes :meth:`static_plan` (and ``setup``, which must call
+    :meth:`new_placement` so that a new run does not reuse the plans of another placement).
+    ``fiddler``, ``static``, ``ktransformers`` and the llama.cpp splits are built on it.
+    """
+
+    #: (layer, *experts) -> the plan returned for them
+    _plans: dict[tuple[int, ...], Plan]
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self._plans = {}
+
+    def new_placement(self) -> None:
+        """A new placement (``setup``): the plans made for the last one are dropped."""
+        self._plans = {}
+
+    def static_plan(self, view: View, experts: list[int]) -> Plan:
+        """The plan for ``experts`` (the routed experts, ``view.experts`` as a list) of
+        ``view.layer``; called once per layer and set of experts, and frozen."""
+        raise NotImplementedError
+
+    def decode_layer(self, view: View) -> Plan:
+        """The memoised :meth:`static_plan` of the layer's routed experts."""
+        experts: list[int] = view.experts.tolist()
+        key = (view.layer, *experts)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self.static_plan(view, experts).frozen()
+        return plan
 
 
 def coerce_option(policy: str, key: str, param: Param, value: Any) -> Any:

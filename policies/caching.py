@@ -411,61 +411,39 @@ def _slot(x: object, shape: tuple[int, ...]) -> tuple[int, int] | None:
 
 
 class PendingCopies:
-    """Which prefetched slots may still be in flight, as a runtime knows from its copy queue.
+    """The slots a policy prefetched whose copies have not landed yet, by the engine's account.
 
-    Copies into GPU memory go over one FIFO host-to-device lane in the order a policy issues
-    them. A layer's GPU experts wait for their demand copies (``FETCH``, ``TEMP``), so once a
-    layer has ended every copy issued up to its last demand copy has landed, and so has a
-    prefetched expert the layer ran. A policy calls :meth:`begin` at each decision (with the
-    layer's routed slots), :meth:`demand` after it for the layer's demand copies, and
-    :meth:`prefetch` for each prefetch it issues; :attr:`pending` holds the slots not known to
-    have landed (a victim must not be one of them: the engine refuses evicting an expert whose
-    copy is still in flight).
+    The engine says when each resident expert's copy lands (``View.ready``): a prefetched slot
+    is pending until then. A policy calls :meth:`begin` at each decision, which drops the slots
+    whose copy has landed, :meth:`prefetch` for each prefetch it issues (pending until the
+    engine has applied the plan and says otherwise) and :meth:`forget` when a slot leaves its
+    cache. :attr:`pending` maps each pending slot to its prefetch's number (issue order); a
+    policy keeps its victims out of it (an expert still being copied is not worth evicting).
     """
 
     def __init__(self) -> None:
-        self.copy_no = 0  #: copies issued so far, in lane order
-        self.demand_no = 0  #: number of the last demand copy issued
-        self.pending: dict[Slot, int] = {}  #: slot -> its prefetch's copy number
-        self.used: list[Slot] = []  #: pending slots the previous decision ran
+        self.issued = 0  #: prefetches issued so far
+        self.pending: dict[Slot, int] = {}  #: slot -> its prefetch's number
 
-    def begin(self, routed: list[Slot]) -> None:
-        """A new decision: what the previous one waited for has landed; ``routed`` are the
-        slots this one runs (landed once it ends)."""
+    def begin(self, view: View) -> None:
+        """A new decision: the slots whose copy has landed by ``view.now`` are no longer
+        pending."""
         if self.pending:
-            for slot in self.used:
-                self.pending.pop(slot, None)
-            done = self.demand_no
-            self.pending = {s: n for s, n in self.pending.items() if n > done}
-        self.used = [s for s in routed if s in self.pending] if self.pending else []
-
-    def begin_layer(self, layer: int, experts: list[int]) -> None:
-        """:meth:`begin` with the routed slots of ``experts`` in ``layer`` (built only when
-        some copy is pending)."""
-        if self.pending:
-            self.begin([(layer, e) for e in experts])
-        else:
-            self.used = []
-
-    def demand(self, n: int) -> None:
-        """``n`` demand copies issued by this decision."""
-        if n:
-            self.copy_no += n
-            self.demand_no = self.copy_no
+            ready_at = view.ready.item  # type: ignore[union-attr]
+            now = view.now
+            self.pending = {s: n for s, n in self.pending.items() if ready_at(s[0], s[1]) > now}
 
     def prefetch(self, slot: Slot) -> None:
-        """A prefetch of ``slot`` issued (after this decision's demand copies)."""
-        self.copy_no += 1
-        self.pending[slot] = self.copy_no
+        """A prefetch of ``slot`` issued."""
+        self.issued += 1
+        self.pending[slot] = self.issued
 
     def forget(self, slot: Slot) -> None:
         """``slot`` left the cache (its prefetch no longer matters)."""
         self.pending.pop(slot, None)
 
-
-def demand_copies(plan: Plan) -> int:
-    """The plan's demand copies into GPU memory (``FETCH`` and ``TEMP`` actions)."""
-    actions = plan.actions
-    if not actions:
-        return 0
-    return sum(1 for a in actions.values() if a in (FETCH, TEMP))
+    def in_layer(self, layer: int) -> set[int] | None:
+        """The pending experts of ``layer`` (None: nothing is pending)."""
+        if not self.pending:
+            return None
+        return {e for (pl, e) in self.pending if pl == layer}

@@ -46,7 +46,7 @@ from typing import Any, Final
 
 from daopsim.policies._mypyc import mypyc_attr
 from daopsim.policies.base import Action, Param, Plan, ResourceSpec, SetupContext, Slot, View
-from daopsim.policies.caching import CachingPolicy, PendingCopies, demand_copies
+from daopsim.policies.caching import CachingPolicy, PendingCopies
 from daopsim.policies.registry import register
 from daopsim.simulator.costs import CostModel
 
@@ -167,11 +167,8 @@ class DALIPolicy(CachingPolicy):
         return list(super().setup(ctx))
 
     def unevictable(self, layer: int) -> set[int] | None:
-        """Prefetched experts of the layer whose copy may still be in flight."""
-        pending = self.copies.pending
-        if not pending:
-            return None
-        return {e for (pl, e) in pending if pl == layer}
+        """Prefetched experts of the layer whose copy is still in flight."""
+        return self.copies.in_layer(layer)
 
     def removed(self, layer: int, expert: int) -> None:
         """A prefetch of an evicted expert no longer matters."""
@@ -192,7 +189,7 @@ class DALIPolicy(CachingPolicy):
         layer = view.layer
         experts: list[int] = view.experts.tolist()
         counts = view.counts
-        self.copies.begin_layer(layer, experts)
+        self.copies.begin(view)
         resident: list[bool] = view.resident[layer].tolist()
         if counts is None:
             loads = [1] * len(experts)
@@ -226,7 +223,6 @@ class DALIPolicy(CachingPolicy):
                 actions[e] = TEMP
         for e in cpu_q:
             actions[e] = CPU
-        self.copies.demand(demand_copies(plan))
         row = self.work[layer]
         for e, n in zip(experts, loads, strict=True):
             row[e] += n

@@ -53,7 +53,7 @@ PRE: Final = Action.PRECOMPUTED
 #: than an object): the route used (after degradation), the plain top-k prediction (before
 #: degradation), the CPU-resident experts submitted for pre-calculation (in route order; k is
 #: small, so a list's ``in`` costs no more than a set's), the route as a list, the residency
-#: snapshot it was made under (``DAOPPolicy._memo_res``, compared by identity), layer l's
+#: snapshot it was made under (``DAOPPolicy._memo_residency``, compared by identity), layer l's
 #: actions for it (what ``decode_layer`` would build from that residency; None with
 #: ``exact_fallback``) and the pre-calculation items of layer l-1's plan.
 _Prediction = tuple[
@@ -224,7 +224,7 @@ class DAOPPolicy(Policy):
         self.swap_num_opt = int(o["swap_num"])
         self.threshold = float(o["swap_threshold"])
         self.candidates = str(o["swap_candidates"])
-        self.fpl = int(o["first_predict_layer"])
+        self.first_predict = int(o["first_predict_layer"])
         self.degrade = bool(o["graceful_degradation"])
         self.quirk = bool(o["last_layer_quirk"])
         self.persist = bool(o["persist_placement"])
@@ -232,14 +232,14 @@ class DAOPPolicy(Policy):
         #: predictions for layers of the current decode token, by layer
         self.pred: dict[int, _Prediction] = {}
         #: predictions made without degradation, by (layer, dtype code, raw top-k), valid
-        #: for the residency ``_memo_res`` (the mask's bytes at the current decode_layer
+        #: for the residency ``_memo_residency`` (the mask's bytes at the current decode_layer
         #: call) they were made under: see _predict and decode_layer
-        self._pmemo: dict[tuple[Any, ...], _Prediction] = {}
+        self._raw_predictions: dict[tuple[Any, ...], _Prediction] = {}
         #: the GPU experts of layer+1 for a top-k that degrades (same keys and validity)
-        self._gmemo: dict[tuple[Any, ...], list[int]] = {}
+        self._gpu_experts: dict[tuple[Any, ...], list[int]] = {}
         #: degraded predictions by (the same key, the GPU expert chosen)
-        self._dmemo: dict[tuple[Any, ...], _Prediction] = {}
-        self._memo_res = b""
+        self._degraded_predictions: dict[tuple[Any, ...], _Prediction] = {}
+        self._memo_residency = b""
         #: prefill swaps made so far: (layer, hot, cold)
         self.swaps: list[tuple[int, int, int]] = []
         self._restore = False
@@ -265,16 +265,11 @@ class DAOPPolicy(Policy):
         # Decision inputs, not execution times: the engine times the copy from the link model
         # and the CPU expert from the batched cost curve, whatever DAOP believes here.
         o, costs = self.options, ctx.costs
-        measured = o["constants"] == "measured"
-        t_cpu = costs.decision_cpu_expert_s() if measured else costs.cpu_expert_s(1)
-        t_load = costs.decision_load_s() if measured else costs.h2d_expert_s(pinned=False)
+        t_cpu, t_load = costs.decision_times(o["constants"] == "measured")
         self.t_cpu = o["t_cpu_ms"] * 1e-3 if o["t_cpu_ms"] >= 0 else t_cpu
         self.t_load = o["t_load_ms"] * 1e-3 if o["t_load_ms"] >= 0 else t_load
         # a memo from an earlier set-up (another model's mask may have the same bytes)
-        self._pmemo.clear()
-        self._gmemo.clear()
-        self._dmemo.clear()
-        self._memo_res = b""
+        self._forget_predictions(b"")
         slots = quota_then_global(ctx.calibration, ctx.budget)
         self.initial = np.zeros((self.n_layers, self.n_experts), dtype=bool)
         for layer, e in slots:
@@ -324,6 +319,13 @@ class DAOPPolicy(Policy):
         return plan
 
     # -- decode ----------------------------------------------------------------------------------
+    def _forget_predictions(self, residency: bytes) -> None:
+        """Drop the memoised predictions: from now on they are made under ``residency``."""
+        self._raw_predictions.clear()
+        self._gpu_experts.clear()
+        self._degraded_predictions.clear()
+        self._memo_residency = residency
+
     def _predict(self, view: View) -> _Prediction | None:
         """The prediction for layer+1 from the one-layer-early router view."""
         nl = view.layer + 1
@@ -333,14 +335,14 @@ class DAOPPolicy(Policy):
         raw_l: list[int] = ahead[: self.k].tolist()
         # A prediction depends on the layer, the top-k, the residency and, when degraded,
         # on which GPU expert the probabilities pick: memoised for the residency of this
-        # decode_layer call (``_memo_res``). The dtype's code is in the key because tolist()
+        # decode_layer call (``_memo_residency``). The dtype's code is in the key because tolist()
         # of another dtype gives other Python types with equal hashes (1.0 == 1).
         key = (nl, ahead.dtype.char, *raw_l)
-        pred = self._pmemo.get(key)
+        pred = self._raw_predictions.get(key)
         if pred is not None:
             return pred
         res_at = view.resident.item  # k item reads cost less than a row view and a list
-        gpu_ids = self._gmemo.get(key)  # the GPU experts, when this top-k degrades
+        gpu_ids = self._gpu_experts.get(key)  # the GPU experts, when this top-k degrades
         if gpu_ids is None:
             if not raw_l or min(raw_l) < 0:
                 return None
@@ -349,19 +351,23 @@ class DAOPPolicy(Policy):
             if not (len(cpu) == len(raw_l) and self.degrade and True in on_gpu):
                 # the route is the raw prediction (read-only to the plans that consume it)
                 raw = np.asarray(raw_l, dtype=np.int64)
-                pred = self._pmemo[key] = self._prediction(nl, raw, raw, cpu, raw_l, res_at)
+                pred = self._raw_predictions[key] = self._prediction(
+                    nl, raw, raw, cpu, raw_l, res_at
+                )
                 return pred
-            gpu_ids = self._gmemo[key] = [e for e, r in enumerate(on_gpu) if r]
+            gpu_ids = self._gpu_experts[key] = [e for e, r in enumerate(on_gpu) if r]
         # graceful degradation: no predicted expert on the GPU
         best = degraded_expert(gpu_ids, ahead_probs)
         dkey = (*key, best)
-        pred = self._dmemo.get(dkey)
+        pred = self._degraded_predictions.get(dkey)
         if pred is None:
             route_l = [*raw_l[:-1], best]
             cpu = [e for e in route_l if not res_at(nl, e)]
             raw = np.asarray(raw_l, dtype=np.int64)
             route = np.asarray(route_l, dtype=np.int64)
-            pred = self._dmemo[dkey] = self._prediction(nl, route, raw, cpu, route_l, res_at)
+            pred = self._degraded_predictions[dkey] = self._prediction(
+                nl, route, raw, cpu, route_l, res_at
+            )
         return pred
 
     def _prediction(
@@ -382,7 +388,7 @@ class DAOPPolicy(Policy):
         if not self.exact_fallback:
             route, actions = self._route_actions(nl, route, route_l, cpu, res_at)
         items = [(nl, e) for e in cpu]
-        return route, raw, cpu, route_l, self._memo_res, actions, items
+        return route, raw, cpu, route_l, self._memo_residency, actions, items
 
     @staticmethod
     def _route_actions(
@@ -420,16 +426,13 @@ class DAOPPolicy(Policy):
         # forgets them (a fresh snapshot object, so no earlier prediction matches it)
         resident = view.resident
         snap = resident.tobytes()
-        if snap != self._memo_res:
-            self._pmemo.clear()
-            self._gmemo.clear()
-            self._dmemo.clear()
-            self._memo_res = snap
+        if snap != self._memo_residency:
+            self._forget_predictions(snap)
         res_at = resident.item  # per-expert item reads: no row view, no list
         route: np.ndarray | None = None
         raw: np.ndarray | None = None
         actions: dict[int, Action] | None
-        pred = preds.pop(layer, None) if layer >= self.fpl else None
+        pred = preds.pop(layer, None) if layer >= self.first_predict else None
         if pred is None:
             actions = {}
             for e in view.experts.tolist():
@@ -444,12 +447,12 @@ class DAOPPolicy(Policy):
                 actions = {}
                 for e in view.experts.tolist():
                     actions[e] = GPU if res_at(layer, e) else (PRE if e in ready else CPU)
-            elif actions is None or made_under is not self._memo_res or last:
+            elif actions is None or made_under is not self._memo_residency or last:
                 # made under another residency: the actions are made again under this one
                 route, actions = self._route_actions(layer, route, route_l, ready, res_at)
         precalc: list[tuple[int, int]] = []
         # prediction for layer+1, issued before this layer's experts run
-        if self.fpl - 1 <= layer <= self.n_layers - 2:
+        if self.first_predict - 1 <= layer <= self.n_layers - 2:
             nxt = self._predict(view)
             if nxt is not None:
                 preds[layer + 1] = nxt

@@ -36,10 +36,10 @@ from daopsim.policies.base import (
     Action,
     Param,
     Plan,
-    Policy,
     ResourceSpec,
     SetupContext,
     Slot,
+    StaticPlacementPolicy,
     View,
     global_top,
 )
@@ -55,7 +55,7 @@ CODE_LATENCY_GPU = 70.0
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
-class FiddlerPolicy(Policy):
+class FiddlerPolicy(StaticPlacementPolicy):
     """Global top-B placement; misses run on the CPU; prefill by the break-even rule."""
 
     name = "fiddler"
@@ -76,10 +76,6 @@ class FiddlerPolicy(Policy):
         ),
     }
 
-    def __init__(self, **options: object) -> None:
-        super().__init__(**options)
-        self._plans: dict[tuple[int, ...], Plan] = {}  # (layer, *experts) -> the decode plan
-
     def resources(self) -> ResourceSpec:
         """Pageable host memory, one placeholder buffer, one CPU worker (see module doc)."""
         return ResourceSpec(host_memory="pageable", temp_buffers=1, cpu_workers=1)
@@ -87,29 +83,20 @@ class FiddlerPolicy(Policy):
     def setup(self, ctx: SetupContext) -> Iterable[Slot]:
         """The globally most popular experts by decode-time calibration counts."""
         assert ctx.calibration is not None
-        self._plans = {}  # a new run: a new placement
-        choice, costs = self.options["constants"], ctx.costs
+        self.new_placement()
+        choice = self.options["constants"]
         if choice == "code":
             self.t_cpu1, self.t_load = CODE_LATENCY_CPU, CODE_LATENCY_GPU
-        elif choice == "measured":
-            self.t_cpu1, self.t_load = costs.decision_cpu_expert_s(), costs.decision_load_s()
         else:
-            self.t_cpu1, self.t_load = costs.cpu_expert_s(1), costs.h2d_expert_s(pinned=False)
+            self.t_cpu1, self.t_load = ctx.costs.decision_times(choice == "measured")
         return global_top(ctx.calibration, ctx.budget)
 
-    def decode_layer(self, view: View) -> Plan:
-        """Resident experts on the GPU, the rest on the CPU, synchronously."""
-        # The residency never changes after setup (no plan of this policy fetches or
-        # evicts), so one plan per (layer, experts) is made and returned again (the engine
-        # never changes a plan).
-        ex = view.experts.tolist()
-        key = (view.layer, *ex)
-        plan = self._plans.get(key)
-        if plan is None:
-            resident = view.resident[view.layer]
-            actions = {e: (GPU if resident[e] else CPU) for e in ex}
-            plan = self._plans[key] = Plan(actions=actions, cpu_serial=True, cpu_first=True)
-        return plan
+    def static_plan(self, view: View, experts: list[int]) -> Plan:
+        """Resident experts on the GPU, the rest on the CPU, synchronously (a decode step's
+        plan, made once per layer and experts: the residency never changes after setup)."""
+        resident = view.resident[view.layer]
+        actions = {e: (GPU if resident[e] else CPU) for e in experts}
+        return Plan(actions=actions, cpu_serial=True, cpu_first=True)
 
     def prefill_layer(self, view: View) -> Plan:
         """Per non-resident expert: CPU if count x cpu(1) < load time, else a temporary copy."""

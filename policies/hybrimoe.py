@@ -57,7 +57,7 @@ from typing import Any, Final
 
 from daopsim.policies._mypyc import mypyc_attr
 from daopsim.policies.base import Action, Param, Plan, ResourceSpec, SetupContext, Slot, View
-from daopsim.policies.caching import PendingCopies, demand_copies
+from daopsim.policies.caching import PendingCopies
 from daopsim.policies.lru import LRUPolicy
 from daopsim.policies.registry import register
 from daopsim.simulator.costs import CostModel
@@ -324,17 +324,14 @@ class HybriMoEPolicy(LRUPolicy):
         experts: list[int] = view.experts.tolist()
         if self.mrs:
             self.update_scores(layer, view.probs.tolist())
-        prefetching = self.n_pre > 0 and view.counts is None
-        if prefetching:
-            self.copies.begin([(layer, e) for e in experts])
+        self.copies.begin(view)
         cpu_q, gpu_q = self.split(view, experts)
         plan = self.serve(view, gpu_q)
         actions = plan.actions
         assert actions is not None
         for e in cpu_q:
             actions[e] = CPU
-        if prefetching:
-            self.copies.demand(demand_copies(plan))
+        if self.n_pre > 0 and view.counts is None:
             ahead = view.next_experts
             if ahead is not None:
                 self._prefetch(view, plan, [int(e) for e in ahead.tolist() if e >= 0])
@@ -451,11 +448,8 @@ class HybriMoEPolicy(LRUPolicy):
         return gpu_t
 
     def unevictable(self, layer: int) -> set[int] | None:
-        """Prefetched experts of the layer whose copy may still be in flight."""
-        pending = self.copies.pending
-        if not pending:
-            return None
-        return {e for (pl, e) in pending if pl == layer}
+        """Prefetched experts of the layer whose copy is still in flight."""
+        return self.copies.in_layer(layer)
 
     def removed(self, layer: int, expert: int) -> None:
         """Forget an evicted expert (recency and a prefetch in flight)."""

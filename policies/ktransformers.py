@@ -36,10 +36,10 @@ from daopsim.policies.base import (
     Action,
     Param,
     Plan,
-    Policy,
     ResourceSpec,
     SetupContext,
     Slot,
+    StaticPlacementPolicy,
     View,
     global_top,
     per_layer_quota,
@@ -74,7 +74,7 @@ def place_gpu_experts(
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
-class KTransformersPolicy(Policy):
+class KTransformersPolicy(StaticPlacementPolicy):
     """CPU experts with GPU-resident experts placed by a strategy; both run concurrently."""
 
     name = "ktransformers"
@@ -116,7 +116,6 @@ class KTransformersPolicy(Policy):
         super().__init__(**options)
         self.per_layer = int(self.options["gpu_experts_per_layer"])
         self.ratio = float(self.options["gpu_experts_ratio"])
-        self._plans: dict[tuple[int, ...], Plan] = {}  # (layer, *experts) -> the plan
 
     def uses_calibration(self) -> bool:
         """Only the ``frequency`` placement of some GPU experts reads calibration counts."""
@@ -142,7 +141,7 @@ class KTransformersPolicy(Policy):
     def setup(self, ctx: SetupContext) -> Iterable[Slot]:
         """The strategy's GPU experts; they must fit the budget."""
         m = ctx.model
-        self._plans = {}  # a new run: a new placement
+        self.new_placement()
         total = self.gpu_expert_count(m.moe_layers, m.experts)
         if total > ctx.budget:
             raise DoesNotFit(
@@ -155,21 +154,11 @@ class KTransformersPolicy(Policy):
             str(self.options["placement"]), total, m.moe_layers, m.experts, ctx.calibration
         )
 
-    def decode_layer(self, view: View) -> Plan:
-        """Resident experts on the GPU, the others on the CPU, concurrently."""
-        # The plan depends on the layer, the selected experts and the residency only, and the
-        # residency never changes after setup (no plan of this policy fetches or evicts), so
-        # one plan per (layer, experts) is made and returned again (the engine never changes
-        # a plan).
-        ex = view.experts.tolist()
-        key = (view.layer, *ex)
-        plan = self._plans.get(key)
-        if plan is None:
-            resident = view.resident[view.layer]
-            plan = self._plans[key] = Plan(
-                actions={e: (Action.GPU if resident[e] else Action.CPU) for e in ex}
-            )
-        return plan
+    def static_plan(self, view: View, experts: list[int]) -> Plan:
+        """Resident experts on the GPU, the others on the CPU, concurrently (made once per
+        layer and experts: the residency never changes after setup)."""
+        resident = view.resident[view.layer]
+        return Plan(actions={e: (Action.GPU if resident[e] else Action.CPU) for e in experts})
 
     def prefill_layer(self, view: View) -> Plan:
         """The decode rule, or (``prefill = "gpu"``) every non-resident expert through a

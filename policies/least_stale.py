@@ -28,9 +28,9 @@ evicts the oldest slot, which in a loop over layers is an expert of the layer ab
 - ``prefetch`` (default off): SpecMD's subject is speculative prefetching; with it on, at each
   decode layer the one-layer-early view's top ``prefetch_k`` experts of layer ``l+1`` that are
   not resident are copied in, each evicting the Least-Stale victim among the slots that are
-  not in that view and whose copy is known to be complete (copies go over one FIFO link, so a
-  copy issued before a demand copy a finished layer waited for has landed; at most
-  ``capacity - 2k`` slots are ever pending, so a demand miss always finds a victim).
+  not in that view and whose copy has landed (``View.ready``: what a runtime knows from its
+  copies' events; at most ``capacity - 2k`` slots are ever pending, so a demand miss always
+  finds a victim).
   The one-layer-early view is layer ``l+1``'s router applied to layer ``l``'s router input;
   SpecMD's own predictors are not reproduced.
 
@@ -44,7 +44,7 @@ from typing import Any
 
 from daopsim.policies._mypyc import mypyc_attr
 from daopsim.policies.base import Param, Plan, SetupContext, Slot, View
-from daopsim.policies.caching import PendingCopies, demand_copies
+from daopsim.policies.caching import PendingCopies
 from daopsim.policies.global_lru import GlobalLRUPolicy
 from daopsim.policies.registry import register
 
@@ -76,7 +76,7 @@ class LeastStalePolicy(GlobalLRUPolicy):
         ),
     }
 
-    #: the prefetched slots whose copy may still be in flight
+    #: the prefetched slots whose copy is still in flight
     copies: PendingCopies
     #: slots a prefetch's victim must not be (the deciding layer's routed experts)
     hold: set[Slot]
@@ -134,11 +134,9 @@ class LeastStalePolicy(GlobalLRUPolicy):
         """The shared cache's service, then (optionally) the prefetch for layer+1."""
         if not self.do_prefetch:
             return self.serve(view, view.experts.tolist())
-        layer = view.layer
         experts: list[int] = view.experts.tolist()
-        self.copies.begin([(layer, e) for e in experts])
+        self.copies.begin(view)
         plan = self.serve(view, experts)
-        self.copies.demand(demand_copies(plan))
         ahead = view.next_experts
         if ahead is not None and view.counts is None:
             self._prefetch(view, plan, [int(e) for e in ahead.tolist() if e >= 0], experts)

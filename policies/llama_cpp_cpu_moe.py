@@ -39,10 +39,10 @@ from daopsim.policies.base import (
     Action,
     Param,
     Plan,
-    Policy,
     ResourceSpec,
     SetupContext,
     Slot,
+    StaticPlacementPolicy,
     View,
 )
 from daopsim.policies.registry import register
@@ -68,7 +68,7 @@ def cpu_moe_layers(n_cpu_moe: int, layers: int, moe_layers: int) -> int:
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
-class LeadingCpuLayers(Policy):
+class LeadingCpuLayers(StaticPlacementPolicy):
     """The plans of llama.cpp's two splits (``--n-cpu-moe`` and ``-ngl``): the routed experts of
     the first ``n_cpu_layers`` MoE layers run on the CPU, except that a prompt of at least
     ``min_batch`` tokens copies them to the GPU when ``offload`` is set (op offload); the
@@ -77,27 +77,23 @@ class LeadingCpuLayers(Policy):
     n_cpu_layers: int
     offload: bool
     min_batch: int
-    #: a CPU layer's decode plan by selected experts (made on first use)
-    _cpu_plans: dict[tuple[int, ...], Plan]
 
     def __init__(self, **options: object) -> None:
         super().__init__(**options)
         self.n_cpu_layers = 0
         self.offload = False
         self.min_batch = OFFLOAD_MIN_BATCH
-        self._cpu_plans = {}
 
     def decode_layer(self, view: View) -> Plan:
-        """A GPU layer: all on the GPU; a CPU layer: its experts on the CPU."""
+        """A GPU layer: all on the GPU (the shared plan, without a look-up); a CPU layer: the
+        memoised plan of its experts on the CPU."""
         if view.layer >= self.n_cpu_layers:
             return ALL_GPU_PLAN
-        # a CPU layer's plan depends on the selected experts only: one plan per selection,
-        # returned again (the engine never changes a plan)
-        key: tuple[int, ...] = tuple(view.experts.tolist())
-        plan = self._cpu_plans.get(key)
-        if plan is None:
-            plan = self._cpu_plans[key] = Plan(actions=dict.fromkeys(key, Action.CPU))
-        return plan
+        return super().decode_layer(view)
+
+    def static_plan(self, view: View, experts: list[int]) -> Plan:
+        """A CPU layer's experts on the CPU."""
+        return Plan(actions=dict.fromkeys(experts, Action.CPU))
 
     def prefill_layer(self, view: View) -> Plan:
         """A CPU layer's experts are copied to the GPU when the prompt reaches the batch floor."""

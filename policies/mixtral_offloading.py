@@ -51,25 +51,22 @@ and softmaxed there (docs/cost-model.md "Eager attention"). It needs the model's
   one-layer-early view. At layer l the top ``prefetch_k`` experts of ``view.next_experts`` (layer
   l+1's router applied to layer l's input) that are not resident are copied into layer l+1's
   group, evicting its least recently used expert that is not itself in ``view.next_experts`` and
-  whose copy is known to be complete. A runtime knows the latter from its own copy queue: copies
-  go over one FIFO link, so every copy issued before a demand copy that a finished layer waited
-  for is done (and so is a prefetched expert a finished layer used).
+  whose copy has landed, as the runtime knows from its copies' events (``View.ready``, the
+  shared ``PendingCopies``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from typing import Any, Final
+from typing import Any
 
 from daopsim.policies._mypyc import mypyc_attr
-from daopsim.policies.base import Action, Param, Plan, ResourceSpec, SetupContext, Slot, View
+from daopsim.policies.base import Param, Plan, ResourceSpec, SetupContext, Slot, View
+from daopsim.policies.caching import PendingCopies
 from daopsim.policies.lru import LRUPolicy
 from daopsim.policies.registry import register
 from daopsim.simulator.errors import UserError
-
-FETCH: Final = Action.FETCH
-TEMP: Final = Action.TEMP
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -100,10 +97,14 @@ class MixtralOffloadingPolicy(LRUPolicy):
         ),
     }
 
+    #: the prefetched experts whose copy is still in flight
+    copies: PendingCopies
+
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
         #: a decode plan may be changed after LRU's service (prefetches appended to it)
         self.do_prefetch = bool(self.options["prefetch"])
+        self.copies = PendingCopies()
 
     def uses_lookahead(self) -> bool:
         """Only the optional prefetch reads the one-layer-early view."""
@@ -138,42 +139,26 @@ class MixtralOffloadingPolicy(LRUPolicy):
         self.options = {**self.options, "initial": "first"}
         if n:
             ctx = dataclasses.replace(ctx, budget=n * n_layers)
-        self.copy_no = 0  # copies this policy issued (demand and prefetch), in link order
-        self.demand_no = 0  # number of the last demand copy (done once its layer ended)
-        self.pending: dict[Slot, int] = {}  # prefetched experts whose copy may be in flight
-        self.used: list[Slot] = []  # pending experts the previous layer ran (so they are done)
+        self.copies = PendingCopies()
         return super().setup(ctx)
 
     def unevictable(self, layer: int) -> set[int] | None:
-        """Prefetched experts of the layer whose copy may still be in flight."""
-        if not self.pending:
-            return None
-        return {e for (pl, e) in self.pending if pl == layer}
+        """Prefetched experts of the layer whose copy is still in flight."""
+        return self.copies.in_layer(layer)
+
+    def removed(self, layer: int, expert: int) -> None:
+        """Forget an evicted expert (its recency, and a prefetch of it in flight)."""
+        super().removed(layer, expert)
+        self.copies.forget((layer, expert))
 
     def decode_layer(self, view: View) -> Plan:
         """LRU service of this layer, then (optionally) prefetch for the next one."""
-        layer = view.layer
         experts: list[int] = view.experts.tolist()
         if not self.do_prefetch:
-            # nothing is ever pending and the copy numbers are never read: LRU's service alone
+            # nothing is ever pending: LRU's service alone
             return self.serve(view, experts)
-        if self.pending:
-            # the previous layer waited for its demand copies and for the experts it ran
-            done = self.demand_no
-            for slot in self.used:
-                self.pending.pop(slot, None)
-            self.pending = {s: n for s, n in self.pending.items() if n > done}
-        self.used = []
-        if self.pending:
-            for e in experts:
-                if (layer, e) in self.pending:
-                    self.used.append((layer, e))
+        self.copies.begin(view)
         plan = self.serve(view, experts)
-        if plan.actions:
-            for a in plan.actions.values():
-                if a in (FETCH, TEMP):
-                    self.copy_no += 1
-                    self.demand_no = self.copy_no
         if view.next_experts is not None:
             self._prefetch(view, plan)
         return plan
@@ -197,8 +182,7 @@ class MixtralOffloadingPolicy(LRUPolicy):
                 continue
             if not self._prefetch_into(plan, nl, e, protected, view.step):
                 break
-            self.copy_no += 1
-            self.pending[(nl, e)] = self.copy_no
+            self.copies.prefetch((nl, e))
 
 
 register(MixtralOffloadingPolicy)

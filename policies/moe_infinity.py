@@ -30,19 +30,22 @@ forward). Facts and file names: docs/references.md#moe-infinity. The rules:
   current layer (its experts are already being served). ``prefetch_depth`` limits the layers
   ahead (0: every later layer, as the code). The code's prefetch thread takes the head of this
   queue whenever the link is idle and each layer re-sorts the queue; modelled as: at each
-  decision, issue prefetches in that order while the link (as this policy's own ledger of the
-  copies it issued says) would be idle before the next decision could come: one layer's
-  non-expert part and k GPU experts after this layer can run, which is after its own misses
-  have landed (the code's one copy thread per GPU, ``ArcherTaskPool::GPUThreadFunc``, takes the
-  next queued prefetch as soon as they are done, so the next layer's misses wait for that copy;
-  a layer that waits for an earlier prefetch still in flight comes later still, not counted).
+  decision, issue prefetches in that order while the link would be idle before the next
+  decision could come: one layer's non-expert part and k GPU experts after this layer can run
+  (``next_decision_gap``), which is after its own misses have landed (the code's one copy
+  thread per GPU, ``ArcherTaskPool::GPUThreadFunc``, takes the next queued prefetch as soon as
+  they are done, so the next layer's misses wait for that copy; a layer that waits for an
+  earlier prefetch still in flight comes later still, not counted). When the link is idle and
+  when each copy would land is the engine's (``View.copy_end``: its own lane, with every copy
+  already queued on it, other GPUs' on a shared uplink included).
   Copies are pinned (the runtime's host caching allocator).
 * **Caching.** One cache over all ``(layer, expert)`` slots (the code's GPU expert cache has no
   per-layer quota). Activation-aware replacement (paper v2, "expert caching"): an expert's
   priority is its activation count in the current request times ``1 - l / L`` (shallow layers
   first: their prefetch has the least lead time); the lowest goes, ties to the deeper layer,
   then the lower expert id. (The paper's ratio count/tokens ranks the same way within a token.)
-  A victim is never an expert this layer uses nor one whose prefetch copy is still in flight,
+  A victim is never an expert this layer uses nor one whose copy is still in flight
+  (``View.ready``, or a prefetch of this decision),
   and a prefetch never evicts an expert the matched entry predicts for the coming layers (the
   code protects its prefetch candidates with ``replace_cache_candidates``). A prefetch looks at
   most ``KEEP_SCAN`` (8) predicted experts past the cache's low end for a victim (a bound on
@@ -154,42 +157,43 @@ class MoEInfinityPolicy(Policy):
         m = ctx.model
         n_layers, n_exp = m.moe_layers, m.experts
         self.n_layers, self.n_exp = n_layers, n_exp
-        coll = np.stack(
+        eamc = np.stack(
             [np.asarray(a, dtype=np.float64) for a in eams[: self.options["eamc_capacity"]]]
         )
-        if coll.shape[1:] != (n_layers, n_exp):
+        if eamc.shape[1:] != (n_layers, n_exp):
             raise UserError(
-                f"policy 'moe-infinity': calibration matrices are {coll.shape[1:]}, "
+                f"policy 'moe-infinity': calibration matrices are {eamc.shape[1:]}, "
                 f"the model has {(n_layers, n_exp)}"
             )
-        self.coll = coll
-        norms = np.sqrt((coll * coll).sum(axis=2, keepdims=True))
+        self.eamc = eamc
+        norms = np.sqrt((eamc * eamc).sum(axis=2, keepdims=True))
         #: collection rows scaled to unit length (a zero row stays zero: cosine 0)
-        self.unit = np.divide(coll, norms, out=np.zeros_like(coll), where=norms > 0)
-        self.n_entries = coll.shape[0]
+        self.eamc_unit = np.divide(eamc, norms, out=np.zeros_like(eamc), where=norms > 0)
+        self.n_entries = eamc.shape[0]
         self.weight = [1.0 - layer / n_layers for layer in range(n_layers)]
         #: (entry, layer) -> the prefetch queue as (layer, expert, flat index), its flat
         #: indices as a set and as a list (``_queue``)
-        self.cands: dict[int, _Queue] = {}  # by entry * layers + layer
+        self.queues: dict[int, _Queue] = {}  # by entry * layers + layer
         #: per top-k, each decode selection's flat offset layer * experts (``_match``)
         self.offsets: dict[int, np.ndarray] = {}
-        self.copy_s = ctx.costs.h2d_expert_s(pinned=True)
-        self.gap = ctx.costs.nonexpert_layer_s(1, 0) + m.top_k * ctx.costs.gpu_expert_s(1)
-        self.link_free = 0.0  # when the copy link finishes the copies this policy issued
-        self.inflight: dict[Slot, float] = {}  # prefetched slot -> its copy's end
-        #: ``inflight`` by flat index (-1.0: none), kept in step with it for ``_victim``
-        self.pend = [-1.0] * (n_layers * n_exp)
-        #: the runtime's landing times (View.ready) of the current decision, when it gives them
-        self.ready: np.ndarray | None = None
+        #: how soon after a layer runs the next decision can come: one layer's non-expert part
+        #: and k GPU experts (the prefetch horizon, see the module doc)
+        self.next_decision_gap = ctx.costs.nonexpert_layer_s(
+            1, 0
+        ) + m.top_k * ctx.costs.gpu_expert_s(1)
+        #: the landing times of the current decision's view (View.ready)
+        self.ready: np.ndarray = np.zeros((n_layers, n_exp))
+        #: flat indices this decision prefetched: in flight, and not in ``ready`` yet
+        self.issued: set[int] = set()
         self.capacity = int(ctx.budget)
         #: whether each expert is cached, by flat index layer * experts + expert (the prefetch
         #: queue is scanned through it at C speed)
-        self.cflat = [False] * (n_layers * n_exp)
+        self.cached = [False] * (n_layers * n_exp)
         #: each flat index's (layer, expert) slot, made once (victims and in-flight keys)
         self.slots: list[Slot] = [(x, e) for x in range(n_layers) for e in range(n_exp)]
         slots = global_initial(ctx, str(self.options["initial"]), self.capacity)
         for layer, e in slots:
-            self.cflat[layer * n_exp + e] = True
+            self.cached[layer * n_exp + e] = True
         self.size = len(slots)
         self._reset_request()
         return slots
@@ -198,13 +202,13 @@ class MoEInfinityPolicy(Policy):
         """A new request: an empty EAM, and every cached expert back to priority 0."""
         n_layers, n_exp = self.n_layers, self.n_exp
         #: this request's activation count of each expert, by flat index
-        self.cntf = [0] * (n_layers * n_exp)
-        self.cur = np.zeros((n_layers, n_exp))
-        self.dot = np.zeros((self.n_entries, n_layers))
-        self.pending: list[list[int]] = []  # this step's decode selections, by layer
+        self.activations = [0] * (n_layers * n_exp)
+        self.eam = np.zeros((n_layers, n_exp))
+        self.eam_dot = np.zeros((self.n_entries, n_layers))
+        self.uncounted: list[list[int]] = []  # this step's decode selections, by layer
         self.best = [0] * n_layers
         w = self.weight
-        cflat = self.cflat
+        cached = self.cached
         #: the eviction order: one entry (priority, layer weight, expert, layer, flat index)
         #: per cached expert, sorted; an entry's priority is the one at its insertion (or a
         #: later requeue) and is brought up to date lazily (``_victim``)
@@ -212,7 +216,7 @@ class MoEInfinityPolicy(Policy):
             (0.0, w[layer], e, layer, layer * n_exp + e)
             for layer in range(n_layers)
             for e in range(n_exp)
-            if cflat[layer * n_exp + e]
+            if cached[layer * n_exp + e]
         )
 
     def on_sequence_start(self, seq_id: int, n_prefill: int) -> None:
@@ -222,11 +226,11 @@ class MoEInfinityPolicy(Policy):
     # -- matching --------------------------------------------------------------------------------
     def _match(self) -> None:
         """The nearest collection entry for every layer of this step (see the module doc)."""
-        pend = self.pending
-        if pend:
-            if len(pend) == self.n_layers:
-                k = len(pend[0])
-                if all(len(p) == k for p in pend):
+        uncounted = self.uncounted
+        if uncounted:
+            if len(uncounted) == self.n_layers:
+                k = len(uncounted[0])
+                if all(len(p) == k for p in uncounted):
                     # the same element updates and sums as indexing [layers, experts] with
                     # (layer, expert) pairs, through the flat index layer * experts + expert
                     off = self.offsets.get(k)
@@ -234,29 +238,29 @@ class MoEInfinityPolicy(Policy):
                         off = self.offsets[k] = np.repeat(
                             np.arange(self.n_layers, dtype=np.int64) * self.n_exp, k
                         )
-                    idx = np.fromiter(chain.from_iterable(pend), np.int64, off.size) + off
-                    self.cur.reshape(-1)[idx] += 1.0
-                    gathered = self.unit.reshape(self.n_entries, -1)[:, idx]
+                    idx = np.fromiter(chain.from_iterable(uncounted), np.int64, off.size) + off
+                    self.eam.reshape(-1)[idx] += 1.0
+                    gathered = self.eamc_unit.reshape(self.n_entries, -1)[:, idx]
                     # ``sum(axis=2)``: the same ufunc reduction, without its Python wrapper
-                    self.dot += _add.reduce(
+                    self.eam_dot += _add.reduce(
                         gathered.reshape(self.n_entries, self.n_layers, k), axis=2
                     )
-                    pend = []
-            for layer, exps in enumerate(pend):
+                    uncounted = []
+            for layer, exps in enumerate(uncounted):
                 for e in exps:
-                    self.cur[layer, e] += 1.0
-                    self.dot[:, layer] += self.unit[:, layer, e]
-            self.pending = []
+                    self.eam[layer, e] += 1.0
+                    self.eam_dot[:, layer] += self.eamc_unit[:, layer, e]
+            self.uncounted = []
         if self.n_entries == 1:
             return
         # the ufuncs that ``sum``, ``all``, ``cumsum`` and ``np.argmax`` call, called directly
         # (the same reductions without the Python wrappers)
-        cur = self.cur
+        cur = self.eam
         norm = np.sqrt(_add.reduce(cur * cur, axis=1))
         if _and.reduce(norm):  # no empty row to skip: the same quotients, without the mask
-            cos = self.dot / norm
+            cos = self.eam_dot / norm
         else:
-            cos = np.divide(self.dot, norm, out=np.zeros_like(self.dot), where=norm > 0)
+            cos = np.divide(self.eam_dot, norm, out=np.zeros_like(self.eam_dot), where=norm > 0)
         # score of entry c at layer l: sum of its cosines over layers > l (accumulated from
         # the last layer; the argmax of each column, read back in layer order)
         best = _add.accumulate(cos[:, :0:-1], axis=1).argmax(axis=0).tolist()
@@ -264,22 +268,17 @@ class MoEInfinityPolicy(Policy):
         best.append(0)
         self.best = best
 
-    def _candidates(self, entry: int, layer: int) -> tuple[list[Slot], frozenset[Slot]]:
-        """The entry's experts of later layers in prefetch order, and the same as a set."""
-        items, _, _ = self._queue(entry, layer)
-        order = [(x, e) for x, e, _ in items]
-        return order, frozenset(order)
-
     def _queue(self, entry: int, layer: int) -> _Queue:
-        """:meth:`_candidates` as (layer, expert, flat index layer * experts + expert) in
-        prefetch order, the flat indices as a set, and as a list in that order."""
+        """The entry's experts of the layers after ``layer`` in prefetch order, as (layer,
+        expert, flat index layer * experts + expert), the flat indices as a set, and as a list
+        in that order."""
         key = entry * self.n_layers + layer
-        got = self.cands.get(key)
+        got = self.queues.get(key)
         if got is None:
             n_layers = self.n_layers
             last = n_layers - 1 if self.depth == 0 else min(n_layers - 1, layer + self.depth)
             items = []
-            counts = self.coll[entry]
+            counts = self.eamc[entry]
             for x in range(layer + 1, last + 1):
                 decay = 1.0 - (x - layer) / (n_layers + 1)
                 for e in np.flatnonzero(counts[x]).tolist():
@@ -288,7 +287,7 @@ class MoEInfinityPolicy(Policy):
             n_exp = self.n_exp
             queue = [(x, e, x * n_exp + e) for _, x, e in items]
             flat = [i for _, _, i in queue]
-            got = self.cands[key] = (queue, frozenset(flat), flat)
+            got = self.queues[key] = (queue, frozenset(flat), flat)
         return got
 
     # -- cache -----------------------------------------------------------------------------------
@@ -308,9 +307,9 @@ class MoEInfinityPolicy(Policy):
         (in use, in flight, or predicted) stays where it is. The entries are the heap's, so the
         victim and the number of entries skipped before it are too (ties included:
         tests/test_moe_infinity.py checks this against the heap)."""
-        order, cntf, cflat = self.order, self.cntf, self.cflat
-        pend = self.pend
-        ready = self.ready
+        order, activations, cached = self.order, self.activations, self.cached
+        issued = self.issued
+        ready_at = self.ready.item  # a Python float per read, no numpy scalar
         if keep is None:
             keep = _NOTHING
         # ``j``: where the scan is, and as every entry before it was skipped (a change to
@@ -320,10 +319,10 @@ class MoEInfinityPolicy(Policy):
             # a for loop over the entries from ``j`` (cheaper than indexing ``order[j]``); a
             # change to ``order`` ends it and the scan goes on from the same place
             for key, w, e, vl, i in order if j == 0 else islice(order, j, None):
-                if not cflat[i]:
+                if not cached[i]:
                     del order[j]  # evicted since (a heap would drop it when popped)
                     break
-                now_key = cntf[i] * w
+                now_key = activations[i] * w
                 if now_key != key:
                     # priorities only grow within a request: requeue at the current one
                     del order[j]
@@ -331,11 +330,10 @@ class MoEInfinityPolicy(Policy):
                     break
                 if (
                     (vl == layer and e in protect)
-                    or pend[i] > now
-                    # still in flight by the runtime's account: the ledger missed other copies
-                    # on the link (several GPUs on one uplink); never evict an expert being
-                    # copied
-                    or (ready is not None and ready[vl, e] > now)
+                    # never evict an expert being copied: by the engine's account, or
+                    # prefetched by this decision
+                    or i in issued
+                    or ready_at(vl, e) > now
                 ):
                     j += 1
                     continue
@@ -348,12 +346,6 @@ class MoEInfinityPolicy(Policy):
                 return self.slots[i]
             else:
                 return None
-
-    def _copy(self, now: float) -> float:
-        """Book one copy on the link (FIFO after this policy's earlier copies); its end."""
-        start = now if now > self.link_free else self.link_free
-        self.link_free = end = start + self.copy_s
-        return end
 
     def _make_room(
         self,
@@ -371,62 +363,65 @@ class MoEInfinityPolicy(Policy):
         victim = self._victim(now, layer, protect, keep)
         if victim is None:
             return False, None
-        self.cflat[victim[0] * self.n_exp + victim[1]] = False
+        self.cached[victim[0] * self.n_exp + victim[1]] = False
         return True, victim
 
     def _cache(self, layer: int, expert: int) -> None:
         """``expert`` of ``layer`` enters the cache at its current priority."""
         i = layer * self.n_exp + expert
-        self.cflat[i] = True
+        self.cached[i] = True
         w = self.weight[layer]
-        insort(self.order, (self.cntf[i] * w, w, expert, layer, i))
+        insort(self.order, (self.activations[i] * w, w, expert, layer, i))
 
     def _count(self, view: View, experts: list[int]) -> None:
         """This step's selections of the layer into the request's EAM (a decode token's are
         added to the match's rows at the next token's layer 0, ``_match``)."""
         layer = view.layer
         counts = view.counts
-        cntf = self.cntf
+        activations = self.activations
         base = layer * self.n_exp
         if counts is None:
-            self.pending.append(experts)
+            self.uncounted.append(experts)
             for e in experts:
-                cntf[base + e] += 1
+                activations[base + e] += 1
         else:
             c = np.asarray(counts, dtype=np.float64)
-            self.cur[layer] += c
-            self.dot[:, layer] += self.unit[:, layer, :] @ c
+            self.eam[layer] += c
+            self.eam_dot[:, layer] += self.eamc_unit[:, layer, :] @ c
             for e in experts:
-                cntf[base + e] += int(counts[e])
+                activations[base + e] += int(counts[e])
 
     def decode_layer(self, view: View) -> Plan:
         """Count the step into the EAM, serve the layer from the cache, then prefetch."""
         layer = view.layer
         now = view.now
-        self.ready = view.ready
+        ready = view.ready
+        assert ready is not None  # the engine always gives it
+        self.ready = ready
+        if self.issued:
+            self.issued = set()
         if layer == 0:
             self._match()
         experts: list[int] = view.experts.tolist()
         self._count(view, experts)
-        cflat = self.cflat
+        cached = self.cached
         base = layer * self.n_exp
         prefetch = self.do_prefetch and layer < self.n_layers - 1
-        misses = [e for e in experts if not cflat[base + e]]
+        misses = [e for e in experts if not cached[base + e]]
         if not misses:
             if prefetch:
                 # the plan is made when a prefetch is issued: until then every routed expert
                 # runs on the GPU, which the shared all-GPU plan says as well
-                plan = self._prefetch(None, now, layer, experts, experts)
+                plan = self._prefetch(None, view, experts, experts, 0)
                 if plan is not None:
                     return plan
             return ALL_GPU_PLAN
         # the hits first, in routing order
-        actions: dict[int, Action] = {e: GPU for e in experts if cflat[base + e]}
+        actions: dict[int, Action] = {e: GPU for e in experts if cached[base + e]}
         plan = Plan(actions=actions)
         temp = False
         for e in misses:
             room, victim = self._make_room(now, layer, experts, None)
-            self._copy(now)
             if not room:
                 actions[e] = TEMP
                 temp = True
@@ -435,50 +430,47 @@ class MoEInfinityPolicy(Policy):
                 plan.victims[e] = victim
             actions[e] = FETCH
             self._cache(layer, e)
-        # a temporary copy may wait for its buffer, so the link ledger is not exact: no prefetch
+        # a temporary copy may wait for its buffer, so when the layer runs is not known: no
+        # prefetch
         if prefetch and not temp:
-            # the layer runs once its last miss lands (FIFO on the link: ``link_free``)
-            self._prefetch(plan, now, layer, experts, experts, self.link_free)
+            self._prefetch(plan, view, experts, experts, len(misses))
         return plan
 
     def _prefetch(
         self,
         plan: Plan | None,
-        now: float,
-        layer: int,
+        view: View,
         protect: set[int] | list[int],
         experts: list[int],
-        runs_at: float = 0.0,
+        n_demand: int,
     ) -> Plan | None:
         """Issue prefetches into ``plan`` (None: a plan of ``experts`` on the GPU, made at the
         first prefetch) until the link is busy past the next decision, one gap after the layer
-        runs (``runs_at``, when its misses land; ``now`` if earlier); returns the plan, None if
-        it was None and nothing was issued."""
-        horizon = (runs_at if runs_at > now else now) + self.gap
-        if self.link_free >= horizon:
+        runs (when its ``n_demand`` misses land, as the engine's lane would serve them; now
+        without misses); returns the plan, None if it was None and nothing was issued."""
+        now, layer = view.now, view.layer
+        runs_at = view.copy_end(n_demand) if n_demand else now
+        horizon = (runs_at if runs_at > now else now) + self.next_decision_gap
+        if view.copy_end(n_demand) >= horizon:
             return plan
         queue, keep, flat = self._queue(self.best[layer], layer)
-        cflat, pend, inflight, slots = self.cflat, self.pend, self.inflight, self.slots
-        # the queue's entries not cached, in order; each is read from ``cflat`` when the scan
+        cached, issued = self.cached, self.issued
+        n_copies = n_demand
+        # the queue's entries not cached, in order; each is read from ``cached`` when the scan
         # reaches it (after the changes of the prefetches before it), as a loop testing
-        # ``cflat[i]`` would
-        for x, e, i in compress(queue, map(not_, map(cflat.__getitem__, flat))):
+        # ``cached[i]`` would
+        for x, e, i in compress(queue, map(not_, map(cached.__getitem__, flat))):
             room, victim = self._make_room(now, layer, protect, keep)
             if not room:
                 break
             self._cache(x, e)
-            inflight[slots[i]] = pend[i] = end = self._copy(now)
+            issued.add(i)
+            n_copies += 1
             if plan is None:
                 plan = Plan(actions=dict.fromkeys(experts, GPU))
             plan.prefetch.append((x, e, victim))
-            if end >= horizon:
+            if view.copy_end(n_copies) >= horizon:
                 break
-        if len(inflight) > 4 * self.n_layers:
-            n_exp = self.n_exp
-            self.inflight = {s: t for s, t in inflight.items() if t > now}
-            for (x, e), t in inflight.items():
-                if t <= now:
-                    pend[x * n_exp + e] = -1.0
         return plan
 
 

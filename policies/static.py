@@ -16,10 +16,10 @@ from daopsim.policies.base import (
     Action,
     Param,
     Plan,
-    Policy,
     ResourceSpec,
     SetupContext,
     Slot,
+    StaticPlacementPolicy,
     View,
     global_top,
     quota_then_global,
@@ -28,7 +28,7 @@ from daopsim.policies.registry import register
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
-class StaticPolicy(Policy):
+class StaticPolicy(StaticPlacementPolicy):
     """Fixed placement by calibration popularity; misses stream through a temporary buffer."""
 
     name = "static"
@@ -52,7 +52,6 @@ class StaticPolicy(Policy):
     def __init__(self, **options: object) -> None:
         super().__init__(**options)
         self.host_memory = str(self.options["host_memory"])
-        self._plans: dict[tuple[int, ...], Plan] = {}  # (layer, *experts) -> the plan
 
     def resources(self) -> ResourceSpec:
         """The ``host_memory`` option's copies, one temporary buffer."""
@@ -61,28 +60,20 @@ class StaticPolicy(Policy):
     def setup(self, ctx: SetupContext) -> Iterable[Slot]:
         """Most popular experts by decode-time calibration counts."""
         assert ctx.calibration is not None
-        self._plans = {}  # a new run: a new placement
+        self.new_placement()
         if self.options["placement"] == "global":
             return global_top(ctx.calibration, ctx.budget)
         return quota_then_global(ctx.calibration, ctx.budget)
 
-    def decode_layer(self, view: View) -> Plan:
-        """Resident experts on the GPU, the others through the temporary buffer."""
-        # The residency never changes after setup (temporary copies only), so one plan per
-        # (layer, experts) is made and returned again (the engine never changes a plan); all
-        # resident: the shared all-on-the-GPU plan (the same plan for the engine).
-        ex = view.experts.tolist()
-        key = (view.layer, *ex)
-        plan = self._plans.get(key)
-        if plan is None:
-            resident = view.resident[view.layer]
-            actions = {e: (Action.GPU if resident[e] else Action.TEMP) for e in ex}
-            if Action.TEMP in actions.values() or view.counts is not None:
-                plan = Plan(actions=actions)
-            else:
-                plan = ALL_GPU_PLAN
-            self._plans[key] = plan
-        return plan
+    def static_plan(self, view: View, experts: list[int]) -> Plan:
+        """Resident experts on the GPU, the others through the temporary buffer (made once
+        per layer and experts: temporary copies never change the residency); all resident in
+        a decode step: the shared all-on-the-GPU plan (the same plan for the engine)."""
+        resident = view.resident[view.layer]
+        actions = {e: (Action.GPU if resident[e] else Action.TEMP) for e in experts}
+        if Action.TEMP in actions.values() or view.counts is not None:
+            return Plan(actions=actions)
+        return ALL_GPU_PLAN
 
 
 register(StaticPolicy)

@@ -17,15 +17,11 @@ from typing import Any, Final
 import numpy as np
 
 from daopsim.policies.base import (
-    ALL_GPU_PLAN,
     Action,
     Plan,
     Policy,
     ResourceSpec,
     Slot,
-    plan_is_new,
-    restore_shared_plan,
-    shared_plan_changes,
 )
 from daopsim.simulator.errors import PolicyError, UserError
 
@@ -93,9 +89,6 @@ class Hooks:
         self.where = Where()
         #: the plan check, made at the first plan (:func:`check_plan`)
         self.checker: _PlanCheck | None = None
-        # a run starts with the shared plan as new, whatever an earlier run's policy did to it
-        if not plan_is_new(ALL_GPU_PLAN):
-            restore_shared_plan(ALL_GPU_PLAN)
 
     def error(self, message: str, layer: int | None = None) -> PolicyError:
         """A PolicyError at the current sequence and token (and ``layer``)."""
@@ -298,14 +291,21 @@ def _pair(x: Any) -> Slot | None:
 
 
 def check_placement(
-    hooks: Hooks, slots: Any, n_layers: int, n_experts: int, budget: int
+    hooks: Hooks,
+    slots: Any,
+    n_layers: int,
+    n_experts: int,
+    budget: int,
+    what: str = "initial placement",
 ) -> list[Slot]:
-    """The initial placement as (layer, expert) pairs; refuses anything impossible."""
+    """The initial placement as (layer, expert) pairs; refuses anything impossible. ``what``
+    names it in the errors (with several GPUs: ``GPU k's initial placement``, in the GPU's
+    local indices)."""
     try:
         items = list(slots)
     except TypeError:
         raise hooks.error(
-            f"setup returned an invalid initial placement ({type(slots).__name__} is not "
+            f"setup returned an invalid {what} ({type(slots).__name__} is not "
             "a list of (layer, expert) pairs)"
         ) from None
     seen: set[Slot] = set()
@@ -314,26 +314,33 @@ def check_placement(
         p = _pair(item)
         if p is None:
             raise hooks.error(
-                f"setup returned an invalid initial placement ({item!r} is not a "
-                "(layer, expert) pair)"
+                f"setup returned an invalid {what} ({item!r} is not a (layer, expert) pair)"
             )
         layer, expert = p
         if not (0 <= layer < n_layers and 0 <= expert < n_experts):
-            raise hooks.error(f"initial placement names ({layer}, {expert}), outside the model")
+            raise hooks.error(f"{what} names ({layer}, {expert}), outside the model")
         if p in seen:
-            raise hooks.error(f"initial placement names ({layer}, {expert}) twice")
+            raise hooks.error(f"{what} names ({layer}, {expert}) twice")
         seen.add(p)
         out.append(p)
     if len(out) > budget:
-        raise hooks.error(f"initial placement holds {len(out)} experts, budget is {budget}")
+        raise hooks.error(f"{what} holds {len(out)} experts, budget is {budget}")
     return out
 
 
-def check_route(hooks: Hooks, plan: Any, n_experts: int, layer: int) -> list[int] | None:
-    """A substituted decode route as a list of expert ids (None: the trace's routing)."""
+def check_route(
+    hooks: Hooks, plan: Any, n_experts: int, layer: int, refused: str = ""
+) -> list[int] | None:
+    """A substituted decode route as a list of expert ids (None: the trace's routing, or not a
+    Plan: :func:`check_plan` refuses that). ``refused`` names a step that takes no substituted
+    route (``"during prefill"``, ``"in a mixed step"``): a route there is refused."""
+    if not isinstance(plan, Plan):
+        return None
     route = plan.route
     if route is None:
         return None
+    if refused:
+        raise hooks.error(f"substitutes routing {refused} (not supported)", layer)
     arr = route if type(route) is np.ndarray else np.asarray(route)
     if arr.ndim != 1:
         raise hooks.error("returns a malformed route (not one-dimensional)", layer)
@@ -411,8 +418,6 @@ class _PlanCheck:
     ) -> list[int]:
         """Check ``plan`` (see :func:`check_plan`); returns the routed experts' order."""
         self.plan, self.layer, self.routed = plan, layer, routed
-        if plan is ALL_GPU_PLAN and not plan_is_new(plan):
-            self.check_shared(plan)
         self.changed.clear()
         self.n_res = self.res.n_resident
         if plan.low_bit:
@@ -426,7 +431,8 @@ class _PlanCheck:
             self.needed = set(routed)
         else:
             self.needed = {e for e in routed if actions.get(e) in (A_GPU, A_FETCH)}
-        if not isinstance(plan.evict, list) or not isinstance(plan.prefetch, list):
+        # lists, or tuples (a FrozenPlan's)
+        if not isinstance(plan.evict, list | tuple) or not isinstance(plan.prefetch, list | tuple):
             raise self.err("returned a malformed plan (evict and prefetch must be lists)")
         for victim in plan.evict:
             self.evict(victim, "evict entry")
@@ -436,15 +442,6 @@ class _PlanCheck:
         if plan.precalc:
             _check_precalc(self.hooks, plan.precalc, layer, self.res, precalc)
         return order
-
-    def check_shared(self, plan: Plan) -> None:
-        """Refuse the shared ALL_GPU_PLAN changed (and restore it, so no other run sees it)."""
-        changed = ", ".join(shared_plan_changes(plan))
-        restore_shared_plan(plan)
-        raise self.err(
-            f"returned the shared ALL_GPU_PLAN changed ({changed}); it is one object for "
-            "every policy and run: build a Plan of your own instead"
-        )
 
     def err(self, message: str) -> PolicyError:
         return self.hooks.error(message, self.layer)
@@ -561,6 +558,26 @@ class _PlanCheck:
         if self.is_res(pl * self.n_experts + pe):
             raise self.err(f"prefetches expert {pe} of layer {pl}, already resident")
         self.fetch(pl, pe, victim, "prefetches")
+
+
+def check_gpu_budget(
+    policy: str, view: Any, gpu: int, held: int, plan: Plan, fetched: int, budget: int
+) -> None:
+    """With several GPUs: GPU ``gpu``'s resident experts after its instance's plan (``held``
+    now, ``fetched`` FETCH actions, its prefetches, less its victims and evictions) stay
+    within its own ``budget``; ``view`` is the run's view of the layer (where the error
+    points)."""
+    after = held + fetched + len(plan.prefetch) - len(plan.victims) - len(plan.evict)
+    if plan.prefetch:
+        after -= sum(1 for *_, victim in plan.prefetch if victim is not None)
+    if after > budget:
+        raise PolicyError(
+            policy,
+            f"GPU {gpu} would hold {after} experts, over its budget of {budget}",
+            seq=view.seq_id,
+            token=view.token,
+            layer=view.layer,
+        )
 
 
 def _check_low_bit(hooks: Hooks, plan: Any, layer: int, routed: list[int], spec: Any) -> None:

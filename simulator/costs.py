@@ -380,6 +380,15 @@ class CostModel:
         m = self.measured
         return m.load_expert_ms * 1e-3 if m is not None else self.h2d_expert_s(pinned=False)
 
+    def decision_times(self, measured: bool) -> tuple[float, float]:
+        """What a CPU-or-copy rule (DAOP's, Fiddler's prefill rule) believes one expert takes
+        on the CPU for one token (``T_cpu``) and to load (``T_load``), in seconds: with
+        ``measured`` the decision constants above, else the modelled one-token CPU expert and
+        pageable copy. Inputs of a decision, not execution times."""
+        if measured:
+            return self.decision_cpu_expert_s(), self.decision_load_s()
+        return self.cpu_expert_s(1), self.h2d_expert_s(pinned=False)
+
     # --- GPU -------------------------------------------------------------------------------------
     def kernel_s(self, n_tokens: float) -> float:
         """Device-visible seconds of one kernel over ``n_tokens``: a graph replay's node cost

@@ -45,7 +45,7 @@ from daopsim.policies.base import (
     Slot,
     View,
 )
-from daopsim.simulator.boundary import frozen
+from daopsim.simulator.boundary import Hooks, check_gpu_budget, check_placement, frozen
 from daopsim.simulator.errors import UserError
 from daopsim.simulator.hardware import HardwareProfile
 
@@ -423,13 +423,11 @@ class ShardedPolicy(Policy):
                     else None
                 ),
             )
-            placed = list(pol.setup(sub))
-            if len(placed) > self.budgets[k]:
-                raise UserError(
-                    f"policy {self.name!r}: GPU {k} placed {len(placed)} experts, over its "
-                    f"budget of {self.budgets[k]}"
-                )
-            out.extend((layers[int(ll)], experts[int(le)]) for ll, le in placed)
+            placed = check_placement(
+                Hooks(pol), pol.setup(sub), len(layers), len(experts), self.budgets[k],
+                f"GPU {k}'s initial placement",
+            )  # fmt: skip
+            out.extend((layers[ll], experts[le]) for ll, le in placed)
         return out
 
     def on_sequence_start(self, seq_id: int, n_prefill: int) -> None:
@@ -473,6 +471,8 @@ class ShardedPolicy(Policy):
             v.context = view.context
         v.now = view.now
         v.layer = self.pl.layer_at[k][view.layer]
+        # its own GPU's copy lane (View.copy_free)
+        v.gpu, v._copy_free_times, v._copy_seconds = k, view._copy_free_times, view._copy_seconds
         v.costs = view.costs
         # the local expert ids, one read-only array per set of routed experts (a few per GPU)
         memo = self._experts[k]
@@ -485,8 +485,7 @@ class ShardedPolicy(Policy):
         v.experts = ex
         res_win, ready_win = self._windows[k]
         v.resident = res_win.get(view.resident)
-        ready = view.ready
-        v.ready = None if ready is None else ready_win.get(ready)
+        v.ready = ready_win.get(view.ready)
         counts = view.counts
         v.counts = None if counts is None else frozen(np.asarray(counts)[self.pl.expert_idx[k]])
         v._weights = v._probs = v._next_experts = v._next_probs = _LAZY
@@ -540,7 +539,8 @@ class ShardedPolicy(Policy):
             if plan.low_bit:
                 merged.low_bit = frozenset(merged.low_bit) | {experts[int(e)] for e in plan.low_bit}
             if fetched or plan.prefetch:  # a plan adding no expert keeps its GPU within budget
-                self._check_budget(v, k, plan, fetched)
+                held = int(np.count_nonzero(v.resident))
+                check_gpu_budget(self.name, view, k, held, plan, fetched, self.budgets[k])
         if substituted:
             # a substituted route names its GPU's experts: the layer's route is the union
             routes: list[int] = []
@@ -574,19 +574,6 @@ class ShardedPolicy(Policy):
         )
         merged.precalc.extend((layers[int(a)], experts[int(b)]) for a, b in plan.precalc)
         merged.evict.extend((layers[int(a)], experts[int(b)]) for a, b in plan.evict)
-
-    def _check_budget(self, v: View, k: int, plan: Plan, fetched: int) -> None:
-        """A GPU's resident experts after its plan (``fetched`` FETCH actions and its
-        prefetches) stay within its own budget (``v``: the GPU's view of the layer)."""
-        held = int(np.count_nonzero(v.resident))
-        after = held + fetched + len(plan.prefetch) - len(plan.victims) - len(plan.evict)
-        if plan.prefetch:
-            after -= sum(1 for *_, vv in plan.prefetch if vv is not None)
-        if after > self.budgets[k]:
-            raise UserError(
-                f"policy {self.name!r}: GPU {k} would hold {after} experts at layer "
-                f"{self._shards[k].src.layer}, over its budget of {self.budgets[k]}"
-            )
 
 
 class _LocalOracle:

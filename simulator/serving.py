@@ -855,6 +855,7 @@ class BatchStep(CoreStep):
         self.nonexpert_ids = self.op_ids = (-1, eng.step)
         self.decision_ids = who
         self.what = what
+        self.no_route = f"in {what}"
         if eng.recorder is not None and eng.recorder.batches is not None:
             eng.recorder.batches[eng.step] = ",".join(str(r) for r in rids)
 
@@ -952,11 +953,6 @@ class BatchStep(CoreStep):
         return fill_layer_view(  # type: ignore[no-any-return]
             eng.view, self.counts[layer], self.wt[:, layer, :], self.pr[:, layer, :]
         )
-
-    def route(self, eng: Engine, plan: Any, experts: np.ndarray, layer: int) -> list[int] | None:
-        if isinstance(plan, Plan) and plan.route is not None:
-            raise eng.hooks.error(f"substitutes routing in {self.what} (not supported)", layer)
-        return None
 
     def account(
         self, eng: Engine, plan: Plan, route: list[int] | None, experts: list[int], layer: int

@@ -77,14 +77,22 @@ def decode_view(
     resident: np.ndarray | None = None,
     n_tokens: int = 1,
 ) -> View:
-    """A policy's view of one layer's routing (to call ``decode_layer`` directly)."""
+    """A policy's view of one layer's routing (to call ``decode_layer`` directly): every
+    resident expert landed (``ready`` 0) and the copy lane idle, at time 0."""
     v = View()
     v.layer = layer
     v.experts = np.asarray(experts, dtype=np.int64)
     v.n_tokens = n_tokens
     if resident is not None:
         v.resident = resident
+        v.ready = np.zeros(resident.shape)
+    v._copy_free_times = _idle_lane
     return v
+
+
+def _idle_lane(gpu: int) -> list[float]:
+    """A copy lane (one engine) with nothing queued (``decode_view``)."""
+    return [0.0]
 
 
 def _resolve_model(model: str | ModelShape) -> ModelShape:

@@ -98,7 +98,8 @@ def test_decode_cpu_layers_run_on_the_cpu_gpu_layers_all_hit() -> None:
     pol = LlamaCppCpuMoePolicy(n_cpu_moe=2)
     pol.setup(_ctx(4, 4, 3, budget=6))
     assert pol.decode_layer(_view(1, [2, 0])).actions == {2: CPU, 0: CPU}
-    assert pol.decode_layer(_view(2, [2, 0])) == Plan()  # all resident, all on the GPU
+    # all resident: the shared all-on-the-GPU plan (a FrozenPlan; its copy is a new Plan)
+    assert pol.decode_layer(_view(2, [2, 0])).copy() == Plan()
 
 
 @pytest.mark.parametrize(

@@ -46,14 +46,19 @@ def make(model: Any, coll: np.ndarray, budget: int, **opts: Any) -> MoEInfinityP
     return pol
 
 
-def view(model: Any, layer: int, experts: list[int], now: float) -> View:
-    """A decode view of one layer (the policy reads experts, weights, layer, now)."""
+def view(model: Any, layer: int, experts: list[int], now: float, copy_free: float = 0.0) -> View:
+    """A decode view of one layer (the policy reads experts, weights, layer, now, the landing
+    times and the copy lane): nothing in flight, the lane free from ``copy_free``, one expert
+    copy taking the cost model's pinned copy time."""
     v = View()
     v.model = model
     v.layer = layer
     v.experts = np.asarray(experts, dtype=np.int64)
     v.weights = np.full(len(experts), 1.0 / len(experts), dtype=np.float32)
     v.resident = np.zeros((model.moe_layers, model.experts), dtype=bool)
+    v.ready = np.zeros((model.moe_layers, model.experts))
+    v._copy_free_times = lambda k: [copy_free]
+    v._copy_seconds = [cost_model(HW, model).h2d_expert_s(pinned=True)]
     v.now = now
     return v
 
@@ -105,13 +110,18 @@ def test_prefetch_order_is_count_times_layer_proximity() -> None:
     entry[2, 2], entry[2, 3] = 10, 5  # x 0.6 -> 6.0, 3.0
     entry[3, 0] = 9  # x 0.4 -> 3.6
     pol = make(model, entry[None], budget=16)
-    order, keep = pol._candidates(0, 0)
-    assert order == [(2, 2), (1, 0), (3, 0), (2, 3), (1, 1)]
-    assert keep == frozenset(order)
+
+    def order(p: MoEInfinityPolicy, layer: int) -> list[tuple[int, int]]:
+        queue, keep, flat = p._queue(0, layer)
+        assert keep == frozenset(flat) == frozenset(x * 4 + e for x, e, _ in queue)
+        assert flat == [i for *_, i in queue]
+        return [(x, e) for x, e, _ in queue]
+
+    assert order(pol, 0) == [(2, 2), (1, 0), (3, 0), (2, 3), (1, 1)]
     # from layer 1 the decay restarts: (2,2) 10 x 0.8, (2,3) 5 x 0.8 = 4.0, (3,0) 9 x 0.6 = 5.4
-    assert pol._candidates(0, 1)[0] == [(2, 2), (3, 0), (2, 3)]
+    assert order(pol, 1) == [(2, 2), (3, 0), (2, 3)]
     shallow = make(model, entry[None], budget=16, prefetch_depth=1)
-    assert shallow._candidates(0, 0)[0] == [(1, 0), (1, 1)]
+    assert order(shallow, 0) == [(1, 0), (1, 1)]
     # with an idle link the first decision prefetches the head of the queue that is not
     # cached, evicting the lowest-priority expert that is not predicted: (3, 1), not (3, 0)
     full = make(model, entry[None], budget=8)  # experts 0 and 1 of every layer
@@ -127,14 +137,19 @@ def test_a_layer_with_a_miss_prefetches_once_its_misses_land() -> None:
     entry = np.zeros((4, 4), dtype=np.int64)
     entry[1, 2], entry[2, 3], entry[3, 1] = 5, 4, 3
     pol = make(model, entry[None], budget=8)  # experts 0 and 1 of every layer
-    copy = pol.copy_s
-    assert copy > 2 * pol.gap  # the case where the layer's own wait decides
-    plan = pol.decode_layer(view(model, 0, [3], 0.0))
+    first = view(model, 0, [3], 0.0)
+    copy = first.copy_s
+    assert copy > 2 * pol.next_decision_gap  # the case where the layer's own wait decides
+    plan = pol.decode_layer(first)
     assert plan.actions[3].name == "FETCH"
     assert [p[:2] for p in plan.prefetch] == [(1, 2)]  # one copy: then busy past the horizon
-    assert pol.inflight[(1, 2)] == pytest.approx(2 * copy)  # behind the miss on the link
-    # the next decision comes before the prefetch lands and hits: the link is busy past its gap
-    assert not pol.decode_layer(view(model, 1, [0], copy + pol.gap)).prefetch
+    assert first.copy_end(2) == pytest.approx(2 * copy)  # it lands behind the miss
+    # the next decision comes before the prefetch lands and hits: the lane (both copies on
+    # it) is busy past its gap
+    later = view(model, 1, [0], copy + pol.next_decision_gap, copy_free=2 * copy)
+    assert not pol.decode_layer(later).prefetch
+    # with the lane idle by then it would prefetch the head of its queue
+    assert pol.decode_layer(view(model, 1, [0], 3 * copy, copy_free=2 * copy)).prefetch
 
 
 def test_eviction_takes_the_lowest_count_times_layer_weight() -> None:
@@ -239,7 +254,7 @@ def test_victim_search_equals_the_lazy_heap(seed: int) -> None:
     budget = int(rng.integers(4, 16))
     pol = make(model, coll, budget=budget, prefetch=False, initial="first")
     w = pol.weight
-    cached = [[pol.cflat[x * n_exp + e] for e in range(n_exp)] for x in range(n_layers)]
+    cached = [[pol.cached[x * n_exp + e] for e in range(n_exp)] for x in range(n_layers)]
     cnt = [[0] * n_exp for _ in range(n_layers)]
     heap = [(0.0, w[x], e, x) for x in range(n_layers) for e in range(n_exp) if cached[x][e]]
     heapq.heapify(heap)
@@ -252,7 +267,7 @@ def test_victim_search_equals_the_lazy_heap(seed: int) -> None:
             for _ in range(int(rng.integers(1, 4))):
                 x, e = int(rng.integers(n_layers)), int(rng.integers(n_exp))
                 cnt[x][e] += int(rng.integers(1, 3))
-                pol.cntf[x * n_exp + e] = cnt[x][e]
+                pol.activations[x * n_exp + e] = cnt[x][e]
             continue
         if op < 0.35:  # a new request: every count back to 0
             pol.on_sequence_start(step, 0)
@@ -272,7 +287,11 @@ def test_victim_search_equals_the_lazy_heap(seed: int) -> None:
         ready = None
         if rng.random() < 0.3:
             ready = rng.choice([0.0, now + 1.0], size=(n_layers, n_exp), p=[0.8, 0.2])
-        pol.ready = ready
+        # the engine's landing times: those, and the prefetches still in flight
+        landing = np.zeros((n_layers, n_exp)) if ready is None else ready.copy()
+        for (x, e), t in inflight.items():
+            landing[x, e] = max(landing[x, e], t)
+        pol.ready = landing
         keep_flat = None if keep is None else frozenset(x * n_exp + e for x, e in keep)
         want = heap_victim(heap, cached, cnt, inflight, ready, now, layer, protect, keep)
         got = pol._victim(now, layer, protect, keep_flat)
@@ -280,16 +299,16 @@ def test_victim_search_equals_the_lazy_heap(seed: int) -> None:
         found["none" if got is None else "some"] += 1
         if got is not None:  # evict it, and cache an uncached expert in its place
             cached[got[0]][got[1]] = False
-            pol.cflat[got[0] * n_exp + got[1]] = False
+            pol.cached[got[0] * n_exp + got[1]] = False
             free = [(x, e) for x in range(n_layers) for e in range(n_exp) if not cached[x][e]]
             x, e = free[int(rng.integers(len(free)))]
             cached[x][e] = True
             i = x * n_exp + e
-            pol.cflat[i] = True
+            pol.cached[i] = True
             heapq.heappush(heap, (cnt[x][e] * w[x], w[x], e, x))
             insort(pol.order, (cnt[x][e] * w[x], w[x], e, x, i))
             if rng.random() < 0.4:  # a prefetch copy still in flight
-                inflight[(x, e)] = pol.pend[i] = now + float(rng.integers(1, 4))
+                inflight[(x, e)] = now + float(rng.integers(1, 4))
         # the same entries: the list is the heap in sorted order
         assert [t[:4] for t in pol.order] == sorted(heap), step
     assert found["some"] > 50 and found["none"] > 5

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from daopsim.policies.base import Action, Plan, Policy, SetupContext, View
 from daopsim.policies.registry import get_policy_class
 from daopsim.simulator.cli import main
-from daopsim.simulator.errors import UserError
+from daopsim.simulator.errors import PolicyError, UserError
 from daopsim.simulator.models import get_model
 from daopsim.simulator.multigpu import MultiGpuConfig, Placement, ShardedPolicy
 from daopsim.simulator.runner import simulate
@@ -274,8 +274,9 @@ class _Hoarder(Policy):
 
 def test_a_gpu_over_its_own_budget_is_refused() -> None:
     """Global room is not enough: a GPU's instance going over its own budget is an error."""
-    with pytest.raises(UserError, match="over its budget"):
+    with pytest.raises(PolicyError, match=r"GPU [01] would hold .* over its budget") as info:
         run(_Hoarder(), gpus=2, gpu_experts=4)
+    assert info.value.policy == "hoarder" and info.value.layer is not None
 
 
 def test_one_gpu_of_a_multi_gpu_profile_is_its_base_machine() -> None:

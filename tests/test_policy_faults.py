@@ -270,20 +270,32 @@ class ChangesTheSharedPlan(AllGPUPolicy):
 
 
 class SpoilsTheSharedPlan(Temp):
-    """Changes ALL_GPU_PLAN in setup and never returns it: only later runs could notice."""
+    """Changes ALL_GPU_PLAN's lists in setup and never returns it: only later runs could
+    notice, if it could be changed."""
 
     name = "fault-spoils-shared-plan"
 
     def setup(self, ctx: Any) -> Any:
         ALL_GPU_PLAN.evict.append((0, 0))
-        ALL_GPU_PLAN.cpu_first = True
         return super().setup(ctx)
 
 
+class VariesTheSharedPlan(AllGPUPolicy):
+    """The way to a variant: a copy of the shared plan, changed."""
+
+    name = "fault-varies-shared-plan"
+
+    def decode_layer(self, view: Any) -> Plan:
+        plan = super().decode_layer(view).copy()
+        plan.cpu_serial = True
+        return plan
+
+
 def test_a_policy_cannot_change_the_shared_all_gpu_plan(trace: Path) -> None:
-    """ALL_GPU_PLAN is one object: a policy returning it changed gets a PolicyError naming it
-    and the field, and no change (returned or not) reaches a later run, whose numbers stay
-    those of a run before any change."""
+    """ALL_GPU_PLAN is one object for every policy and run, and cannot be changed: setting a
+    field, deleting one or changing one of its lists fails at the line that tries (a
+    PolicyError naming the hook and the field), the plan stays as new, and a later run's
+    numbers stay those of a run before any attempt."""
 
     def all_gpu() -> str:  # NaN-safe equality of every metric
         res = simulate(policy="all-gpu", trace=trace, record=False)
@@ -292,12 +304,27 @@ def test_a_policy_cannot_change_the_shared_all_gpu_plan(trace: Path) -> None:
     before = all_gpu()
     with pytest.raises(PolicyError) as info:
         simulate(policy=ChangesTheSharedPlan(), trace=trace, record=False)
-    assert "ALL_GPU_PLAN" in str(info.value) and "cpu_serial" in str(info.value)
+    text = str(info.value)
+    assert "decode_layer raised AttributeError" in text and "cpu_serial" in text
+    assert "FrozenPlan" in text
     assert info.value.policy == "fault-changes-shared-plan" and info.value.layer == 0
+    with pytest.raises(PolicyError, match="setup raised AttributeError"):
+        simulate(policy=SpoilsTheSharedPlan(), trace=trace, gpu_experts=BUDGET, record=False)
+    for attempt in (
+        lambda: setattr(ALL_GPU_PLAN, "actions", {}),
+        lambda: delattr(ALL_GPU_PLAN, "barrier"),
+        lambda: ALL_GPU_PLAN.prefetch.append((0, 0, None)),
+        lambda: ALL_GPU_PLAN.precalc.append((1, 0)),
+    ):
+        with pytest.raises(AttributeError):
+            attempt()
+    with pytest.raises(TypeError):  # a read-only mapping
+        ALL_GPU_PLAN.victims[0] = (0, 1)  # type: ignore[index]
+    assert ALL_GPU_PLAN.copy() == Plan()  # every field still a new plan's
     assert all_gpu() == before
-    # a change made and never returned: the next run starts from the shared plan as new
-    simulate(policy=SpoilsTheSharedPlan(), trace=trace, gpu_experts=BUDGET, record=False)
-    assert all_gpu() == before
+    # a copy is the policy's own: changed, it runs
+    varied = simulate(policy=VariesTheSharedPlan(), trace=trace, record=False)
+    assert varied.metrics["e2e_s"] > 0 and all_gpu() == before
 
 
 # --- a policy file's own mistakes: one line naming it, exit 2, never a traceback or exit 0 ------

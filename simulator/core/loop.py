@@ -62,6 +62,9 @@ class Step:
 
     prefill = False
     hook = "decode_layer"
+    #: where a substituted route is refused (``check_route``): every step but a sequence's
+    #: decode token
+    no_route = "during prefill"
 
     def __init__(self, n: int, context: int, d_ne: float) -> None:
         self.n = n
@@ -78,12 +81,6 @@ class Step:
     def enter(self, eng: Engine, layer: int) -> tuple[np.ndarray, Any]:
         """Fill the view for ``layer``; returns its routed experts and per-expert counts."""
         raise NotImplementedError
-
-    def route(self, eng: Engine, plan: Any, experts: np.ndarray, layer: int) -> list[int] | None:
-        """The plan's substituted route (checked), or None for the trace's routing."""
-        if isinstance(plan, Plan) and plan.route is not None:
-            raise eng.hooks.error("substitutes routing during prefill (not supported)", layer)
-        return None
 
     def account(
         self, eng: Engine, plan: Plan, route: list[int] | None, experts: list[int], layer: int
@@ -146,6 +143,8 @@ class DecodePass:
 class DecodeStep(Step):
     """One generated token of one sequence."""
 
+    no_route = ""
+
     def __init__(self, eng: Engine, dp: DecodePass, t: int, base: int) -> None:
         context = int(dp.r.positions[t])
         super().__init__(1, context, eng.machine.nonexpert_s(1, context))
@@ -173,11 +172,6 @@ class DecodeStep(Step):
         v.experts = experts
         v._weights = v._probs = v._next_experts = v._next_probs = _LAZY
         return experts, None
-
-    def route(self, eng: Engine, plan: Any, experts: np.ndarray, layer: int) -> list[int] | None:
-        if isinstance(plan, Plan):
-            return check_route(eng.hooks, plan, eng.n_experts, layer)
-        return None
 
     def account(
         self, eng: Engine, plan: Plan, route: list[int] | None, experts: list[int], layer: int
@@ -264,9 +258,11 @@ class Engine:
         v.calibration = calibration = frozen(calibration)
         v.resident = self.res.resident.view()
         v.resident.flags.writeable = False
-        if placement is not None:  # each GPU's copies share lanes with the others' work
-            v.ready = self.res.ready_at.view()
-            v.ready.flags.writeable = False
+        # in-flight copies and their landing times, the lanes they queue on
+        v.ready = self.res.ready_at.view()
+        v.ready.flags.writeable = False
+        v._copy_free_times = self._copy_free_times
+        v._copy_seconds = [up.expert_s for up, _ in m.uplinks]
         self.ssd_cfg, ssd = host_tier, None
         if host_tier is not None:
             from daopsim.simulator.hosttier import HostTier
@@ -299,6 +295,12 @@ class Engine:
         placed = self.hooks.call("setup", policy.setup, ctx)
         slots = check_placement(self.hooks, placed, self.n_layers, self.n_experts, self.budget)
         self.res.place(slots, m.gpu_of)
+
+    def _copy_free_times(self, k: int) -> list[float]:
+        """When each of GPU ``k``'s host-to-device engines ends the work submitted so far
+        (View.copy_free): every request submitted up to the decision has been served, so
+        each engine's free time."""
+        return [lane.free_at for lane in self.machine.uplinks[k][0].engines.lanes]
 
     # -- the run -----------------------------------------------------------------------------
     def run(
@@ -391,7 +393,7 @@ class Engine:
         v.now = now
         experts, counts = st.enter(self, layer)
         plan = hooks.call(st.hook, decide, v)
-        route = st.route(self, plan, experts, layer)
+        route = check_route(hooks, plan, self.n_experts, layer, st.no_route)
         true = experts.tolist()
         routed = true if route is None else route
         order = check_plan(hooks, plan, layer, routed, self.res, self.spec, self.precalc)

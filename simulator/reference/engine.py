@@ -215,11 +215,8 @@ class ReferenceEngine:
         self._occupied = 0
         self._occupied_max = 0
 
-        v = self.view = View()
-        v.model, v.costs, v.budget = model, costs, self.budget
-        v.calibration = calibration = frozen(calibration)
-        v.resident = self.ledger.resident.view()
-        v.resident.flags.writeable = False
+        v = self._make_view(calibration)
+        calibration = v.calibration
         self.host_memory: HostMemory | None = None
         self._tier = host_tier
         if host_tier is not None:
@@ -246,11 +243,27 @@ class ReferenceEngine:
         if placement is not None:
             self._refuse_on_several_gpus()
         self._build_machine(runtime, slots, placement, budgets)
-        if placement is not None:
-            ready = self.ledger.ready_at.view()
-            ready.flags.writeable = False
-            v.ready = ready
+        self._show_in_flight(v)
         self._note_occupancy(0.0, len(slots))
+
+    def _make_view(self, calibration: np.ndarray | None) -> View:
+        """The policy's view: the model, the costs, the budget, the calibration statistics and
+        the residency, read-only."""
+        v = self.view = View()
+        v.model, v.costs, v.budget = self.model, self.costs, self.budget
+        v.calibration = frozen(calibration)
+        v.resident = self.ledger.resident.view()
+        v.resident.flags.writeable = False
+        return v
+
+    def _show_in_flight(self, v: View) -> None:
+        """In-flight copies and their landing times (the same on one GPU), and the copy
+        engines they queue on."""
+        ready = self.ledger.ready_at.view()
+        ready.flags.writeable = False
+        v.ready = ready
+        v._copy_free_times = lambda k: self.devices[k].h2d.drain_times()
+        v._copy_seconds = [self.h2d_s] * len(self.devices)
 
     # -- the machine ------------------------------------------------------------------------
     def _bind_costs(self, runtime: RuntimeProfile | None) -> None:
@@ -596,14 +609,8 @@ class ReferenceEngine:
                     v.next_experts = ro_early[t][layer + 1] if nxt else None
                     v.next_probs = early[t][layer + 1] if nxt else None
                 plan = hooks.call(hook, decide, v)
-                route = None
-                if prefill:
-                    if isinstance(plan, Plan) and plan.route is not None:
-                        raise hooks.error(
-                            "substitutes routing during prefill (not supported)", layer
-                        )
-                elif isinstance(plan, Plan):
-                    route = check_route(hooks, plan, n_exp, layer)
+                refused = "during prefill" if prefill else ""
+                route = check_route(hooks, plan, n_exp, layer, refused)
                 routed = experts.tolist() if route is None else route
                 order = check_plan(hooks, plan, layer, routed, self.ledger, self.spec, self.precalc)
                 if not prefill:
@@ -981,7 +988,7 @@ class ReferenceEngine:
         of ``nbytes`` taking ``seconds``; on unified memory the copy takes its share of the
         DRAM. Returns its start and the first group's engine."""
         env = self.env
-        grants = [group.request(key) for group in groups]
+        grants = [group.request(key, seconds) for group in groups]
         yield grants[0] if len(grants) == 1 else env.all_of(grants)
         held = [g.value for g in grants]
         start = env.now
@@ -1044,7 +1051,7 @@ class ReferenceEngine:
             (self.low_bit_s, self.low_bit_bytes) if op.low else (full, self.expert_bytes)
         )
         group = dev.h2d
-        lane = yield group.request((env.now, op.seq))
+        lane = yield group.request((env.now, op.seq), seconds)
         s = env.now
         if self.ledger.copy.get(slot) is op:
             self.ledger.ready_at[slot] = s + seconds

@@ -82,16 +82,32 @@ class Lane:
         self.busy = 0.0
         #: when its last hold ended (the work after the run's end: ``RunStats.after``)
         self.free_at = 0.0
-        self._waiting: list[tuple[Any, int, simpy.Event]] = []
+        self._waiting: list[tuple[Any, int, simpy.Event, float]] = []
         self._held = False
         self._armed = False
+        #: when the current hold ends, as its request said (``drain_at``)
+        self._hold_end = 0.0
 
-    def request(self, key: Any) -> simpy.Event:
-        """An event that fires when this request holds the lane."""
+    def request(self, key: Any, seconds: float = 0.0) -> simpy.Event:
+        """An event that fires when this request holds the lane; ``seconds``, how long it
+        will hold it, is read only by :meth:`drain_at` (0: not known)."""
         ev = self.env.event()
-        heapq.heappush(self._waiting, (key, next(_uid), ev))
+        heapq.heappush(self._waiting, (key, next(_uid), ev, seconds))
         self._arm()
         return ev
+
+    def drain_at(self) -> float:
+        """When the lane ends the requests it holds and queues now (``View.copy_free``): the
+        current hold's end, then each waiting request in grant order for the seconds it gave,
+        one after another. A request that holds several lanes at once (a write-back) is taken
+        to start when this lane reaches it, and a hold of unknown length (a one-stream
+        kernel's) as 0 s; the policies that read it queue neither."""
+        t = self.env.now
+        if self._held and self._hold_end > t:
+            t = self._hold_end
+        for *_, seconds in sorted(self._waiting, key=lambda w: (w[0], w[1])):
+            t += seconds
+        return t
 
     def release(self) -> None:
         """The holder is done."""
@@ -108,21 +124,24 @@ class Lane:
         self._armed = False
         if self._held or not self._waiting:
             return
-        _, _, ev = heapq.heappop(self._waiting)
+        _key, _uid, ev, seconds = heapq.heappop(self._waiting)
         self._held = True
+        self._hold_end = self.env.now + seconds
         ev.succeed()
 
 
 class Engine:
     """One copy engine of an :class:`Engines` group: its name, busy seconds, last release."""
 
-    __slots__ = ("busy", "free_at", "held", "name")
+    __slots__ = ("busy", "free_at", "held", "hold_end", "name")
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.busy = 0.0
         self.free_at = 0.0
         self.held = False
+        #: when the current hold ends, as its request said (``drain_times``)
+        self.hold_end = 0.0
 
 
 class Engines:
@@ -135,7 +154,7 @@ class Engines:
         self.env = env
         self.name = name
         self.engines = [Engine(name if i == 0 else f"{name}.{i}") for i in range(n)]
-        self._waiting: list[tuple[Any, int, simpy.Event]] = []
+        self._waiting: list[tuple[Any, int, simpy.Event, float]] = []
         self._armed = False
 
     @property
@@ -143,12 +162,27 @@ class Engines:
         """Seconds the engines held timed copies, summed in engine order."""
         return sum(e.busy for e in self.engines)
 
-    def request(self, key: Any) -> simpy.Event:
-        """An event that fires, with the engine, when this request holds one."""
+    def request(self, key: Any, seconds: float = 0.0) -> simpy.Event:
+        """An event that fires, with the engine, when this request holds one; ``seconds``,
+        how long it will hold it, is read only by :meth:`drain_times` (0: not known)."""
         ev = self.env.event()
-        heapq.heappush(self._waiting, (key, next(_uid), ev))
+        heapq.heappush(self._waiting, (key, next(_uid), ev, seconds))
         self._arm()
         return ev
+
+    def drain_times(self) -> list[float]:
+        """When each engine ends the requests held and queued now (``View.copy_free``): a held
+        engine at its hold's end, an idle one at its last release; then each waiting request
+        in grant order goes to the engine free first, from now, for the seconds it gave. A
+        request that holds several groups at once (a write-back) is taken to start when this
+        group reaches it, and a hold of unknown length (a one-stream kernel's) as 0 s; the
+        policies that read it queue neither."""
+        now = self.env.now
+        times = [e.hold_end if e.held and e.hold_end > now else e.free_at for e in self.engines]
+        for *_, seconds in sorted(self._waiting, key=lambda w: (w[0], w[1])):
+            i = min(range(len(times)), key=lambda j: times[j])
+            times[i] = (times[i] if times[i] > now else now) + seconds
+        return times
 
     def release(self, engine: Engine) -> None:
         """``engine``'s holder is done."""
@@ -174,8 +208,9 @@ class Engines:
             engine = self._idle()
             if engine is None:
                 return
-            _, _, ev = heapq.heappop(self._waiting)
+            _, _, ev, seconds = heapq.heappop(self._waiting)
             engine.held = True
+            engine.hold_end = self.env.now + seconds
             ev.succeed(engine)
 
 
@@ -184,7 +219,7 @@ def hold(
 ) -> Generator[simpy.Event, Any, float]:
     """Take every lane of ``lanes`` (requested together with ``key``), keep them ``seconds``,
     give them back; returns when the hold started."""
-    grants = [lane.request(key) for lane in lanes]
+    grants = [lane.request(key, seconds) for lane in lanes]
     yield grants[0] if len(grants) == 1 else env.all_of(grants)
     start = env.now
     yield env.timeout(seconds)

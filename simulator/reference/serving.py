@@ -16,8 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from daopsim.policies.base import Plan
-from daopsim.simulator.boundary import check_plan, fill_layer_view
+from daopsim.simulator.boundary import check_plan, check_route, fill_layer_view
 from daopsim.simulator.errors import UserError
 from daopsim.simulator.serving import Request, Serving, Step, one_token, plan_steps, prefix
 
@@ -330,8 +329,7 @@ def _layers(
         v.now = now
         experts, counts = fill_layer_view(v, counts_all[layer], wt[:, layer, :], pr[:, layer, :])
         plan = hooks.call(hook[0], hook[1], v)
-        if isinstance(plan, Plan) and plan.route is not None:
-            raise hooks.error(f"substitutes routing in {what} (not supported)", layer)
+        check_route(hooks, plan, eng.n_experts, layer, f"in {what}")  # refuses a route
         routed = experts.tolist()
         order = check_plan(hooks, plan, layer, routed, eng.ledger, eng.spec, eng.precalc)
         c.true_accesses += accesses
