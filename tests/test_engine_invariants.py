@@ -542,8 +542,10 @@ def test_one_stream_is_never_faster_than_a_side_stream(
     hw: str, opts: dict[str, Any], gpu_experts: int
 ) -> None:
     """mixtral-offloading as released (copies on the kernels' stream) against the same plans
-    with the copies on a side stream: never faster (end to end, first token), the same
-    copies, no kernel beside a copy, while the side-stream run does overlap them."""
+    with the copies on a side stream: never faster (end to end, first token), no kernel beside
+    a copy, while the side-stream run does overlap them; without prefetching, the same copies
+    (a prefetched expert is kept from eviction only until its copy lands, View.ready, which
+    is later on one stream, so with prefetching the victims, and the copies, may differ)."""
     from daopsim.simulator.runner import simulate
 
     runs = {
@@ -561,7 +563,8 @@ def test_one_stream_is_never_faster_than_a_side_stream(
     one, side = runs["default"], runs["side"]
     assert _stream_overlaps(one.timeline) == 0
     assert _stream_overlaps(side.timeline) > 0
-    for key in ("h2d_bytes", "d2h_bytes", "fetches", "decode_hits", "prefill_hits"):
-        assert one.metrics[key] == side.metrics[key]
+    if not opts.get("prefetch"):
+        for key in ("h2d_bytes", "d2h_bytes", "fetches", "decode_hits", "prefill_hits"):
+            assert one.metrics[key] == side.metrics[key]
     assert one.metrics["e2e_s"] >= side.metrics["e2e_s"] - 1e-9
     assert one.metrics["ttft_s"] >= side.metrics["ttft_s"] - 1e-9
