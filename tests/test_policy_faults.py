@@ -229,12 +229,12 @@ def test_an_engine_fault_keeps_its_traceback(trace: Path, monkeypatch: pytest.Mo
     """A bug inside the engine (here: the lane placement) is not blamed on the policy."""
     import traceback
 
-    from daopsim.simulator.core.resources import Lane
+    from daopsim.simulator.core.resources import Lanes
 
-    def broken(self: Lane, submitted: float, duration: float) -> tuple[float, float]:
+    def broken(self: Lanes, *args: object, **kwargs: object) -> float:
         raise ZeroDivisionError("engine bug")
 
-    monkeypatch.setattr(Lane, "serve", broken)
+    monkeypatch.setattr(Lanes, "serve", broken)
     with pytest.raises(ZeroDivisionError, match="engine bug") as info:
         simulate(policy="lru", trace=trace, gpu_experts=BUDGET)
     assert not isinstance(info.value, PolicyError)
