@@ -112,12 +112,6 @@ def test_no_function_of_the_core_is_longer_than_80_lines() -> None:
 #: its last line (decorators, such as a command's click options, are declarations and do not
 #: count)
 FUNCTION_LINES = 80
-#: functions over FUNCTION_LINES that are being split on other branches now ("path:qualified
-#: name"); each entry goes when its split merges, and the list is then empty
-LONG_FUNCTIONS_BEING_SPLIT = {
-    "simulator/reference/engine.py:ReferenceEngine.forward",
-    "simulator/reference/engine.py:ReferenceEngine.translate",
-}
 
 
 def _function_lengths(path: Path) -> dict[str, int]:
@@ -142,8 +136,7 @@ def _function_lengths(path: Path) -> dict[str, int]:
 
 def test_no_function_of_the_simulator_or_the_policies_is_longer_than_80_lines() -> None:
     """A function does one thing a reader holds in mind at once; a longer one is split by
-    idea into named helpers. The allow-list names only functions split elsewhere right now,
-    and an entry that is no longer long (or no longer exists) must leave it."""
+    idea into named helpers."""
     long: dict[str, int] = {}
     for pkg in ("simulator", "policies"):
         for path in sorted((REPO / pkg).rglob("*.py")):
@@ -151,7 +144,4 @@ def test_no_function_of_the_simulator_or_the_policies_is_longer_than_80_lines() 
             for name, n in _function_lengths(path).items():
                 if n > FUNCTION_LINES:
                     long[f"{rel}:{name}"] = n
-    over = {k: v for k, v in long.items() if k not in LONG_FUNCTIONS_BEING_SPLIT}
-    assert not over, f"functions over {FUNCTION_LINES} lines: {over}"
-    stale = LONG_FUNCTIONS_BEING_SPLIT - set(long)
-    assert not stale, f"no longer over {FUNCTION_LINES} lines, take off the list: {sorted(stale)}"
+    assert not long, f"functions over {FUNCTION_LINES} lines: {long}"

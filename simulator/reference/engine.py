@@ -552,7 +552,7 @@ class ReferenceEngine:
     def forward(self, r: SequenceRouting, prefill: bool, base: int = 0) -> Proc:
         """A sequence's prefill pass (every prompt token per layer) or its decode tokens, one
         forward pass each, layer by layer. ``base`` is added to decode token numbers."""
-        v, c, hooks = self.view, self.c, self.hooks
+        v, hooks = self.view, self.hooks
         where = hooks.where
         sid = where.seq
         n_exp = self.n_experts
@@ -620,16 +620,22 @@ class ReferenceEngine:
             if self.streamed is not None:  # ZeRO-3: the output matrix after the last layer
                 self.now = yield from self.streamed_weights(self.now, -1)
             self.step += 1
-            if prefill:
-                c.prefill_tokens += p
-            else:
-                # a pre-calculation is for a coming layer of the same token
-                c.precalc_wasted += len(self.precalc)
-                self.precalc.clear()
-                lat = self.now - t0
-                c.token_latency.append(lat)
-                c.decode_time += lat
-                c.decode_tokens += 1
+            self._end_pass(prefill, p, t0)
+
+    def _end_pass(self, prefill: bool, p: int, t0: float) -> None:
+        """A forward pass that began at ``t0`` is done: the prompt's ``p`` tokens counted, or
+        a decode token's latency, with the pre-calculations none of its layers used wasted."""
+        c = self.c
+        if prefill:
+            c.prefill_tokens += p
+        else:
+            # a pre-calculation is for a coming layer of the same token
+            c.precalc_wasted += len(self.precalc)
+            self.precalc.clear()
+            lat = self.now - t0
+            c.token_latency.append(lat)
+            c.decode_time += lat
+            c.decode_tokens += 1
 
     def _fidelity(
         self, plan: Plan, route: list[int] | None, true_e: np.ndarray, true_w: Any, mass: float
@@ -819,27 +825,8 @@ class ReferenceEngine:
                 cpus.append(e)
             else:  # PRECOMPUTED: a CPU result submitted by an earlier layer
                 lw.results.append(self.precalc.pop((layer, e)))
-        if prefill:
-            c.prefill_accesses += len(routed)
-            c.prefill_hits += hits
-        else:
-            c.decode_accesses += len(routed)
-            c.decode_hits += hits
-            self._hits[layer] += hits
-            self._accesses[layer] += len(routed)
-        for e in temps:
-            op = self._op("temp", layer, e, lw, self.gpu_of[layer][e])
-            c.temp_copies += 1
-            c.h2d_expert_copies += 1
-            if plan.low_bit and e in plan.low_bit:
-                op.low = True
-                c.low_bit_copies += 1
-                c.h2d_bytes += self.low_bit_bytes
-            else:
-                c.h2d_bytes += self.expert_bytes
-            lw.ops.append(op)
-            lw.gpu.append((e, op))
-            lw.copied.add(e)
+        self._count_accesses(layer, len(routed), hits, prefill)
+        self._temp_copies(plan, layer, temps, lw)
         for pl, pe, victim in plan.prefetch:
             slot = (int(pl), int(pe))
             self._fetch(slot, "prefetch", victim, needed, lw)
@@ -867,6 +854,37 @@ class ReferenceEngine:
         if self.host_memory is not None:
             self._stage_reads(lw)
         return lw
+
+    def _count_accesses(self, layer: int, accesses: int, hits: int, prefill: bool) -> None:
+        """A layer's routed experts and how many were on the GPU, by phase (and per layer in
+        decode, ``per_layer_hit_rate``)."""
+        c = self.c
+        if prefill:
+            c.prefill_accesses += accesses
+            c.prefill_hits += hits
+        else:
+            c.decode_accesses += accesses
+            c.decode_hits += hits
+            self._hits[layer] += hits
+            self._accesses[layer] += accesses
+
+    def _temp_copies(self, plan: Plan, layer: int, temps: list[int], lw: LayerRun) -> None:
+        """The layer's temporary copies (into a buffer, dropped after the compute), at full or
+        low bit width, each an operation the layer's GPU compute waits for."""
+        c = self.c
+        for e in temps:
+            op = self._op("temp", layer, e, lw, self.gpu_of[layer][e])
+            c.temp_copies += 1
+            c.h2d_expert_copies += 1
+            if plan.low_bit and e in plan.low_bit:
+                op.low = True
+                c.low_bit_copies += 1
+                c.h2d_bytes += self.low_bit_bytes
+            else:
+                c.h2d_bytes += self.expert_bytes
+            lw.ops.append(op)
+            lw.gpu.append((e, op))
+            lw.copied.add(e)
 
     def _enqueue_cpu(self, op: Op, prev: Op | None, serial: bool, lw: LayerRun) -> Op:
         """A serial task runs its calls one after another: chained to the previous one."""
