@@ -422,14 +422,8 @@ class View:
         them, exact when nothing else is submitted first and the copies need not wait for a
         slot or a buffer."""
         now = self.now
-        free: list[float] = self._copy_free_times(self.gpu)
+        times = [t if t > now else now for t in self._copy_free_times(self.gpu)]
         d = self.copy_s
-        if len(free) == 1:  # one engine: each copy starts when the one before ends
-            t = free[0] if free[0] > now else now
-            for _ in range(n):
-                t += d
-            return t
-        times = [t if t > now else now for t in free]
         last = min(times)  # n = 0: when the first engine could take a copy
         for _ in range(n):  # one sum per copy, as the lane adds them
             i = 0
