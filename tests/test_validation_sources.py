@@ -1,6 +1,6 @@
 """The rows read from llama.cpp's benchmark pages, community benchmark sets and benchmark threads
 (validation/llama-cpp-benches.toml, ai-benchmarks.toml, llmfit.toml, ik-llama-cpp.toml,
-ik-llama-cpp-threads.toml, published-2026.toml) and the
+ik-llama-cpp-threads.toml, published-2026.toml, published-2026b.toml) and the
 profiles of their machines: each published value is the figure its source line quotes, each
 synthetic setting is the test the row names, and the same card in two hosts is the same card."""
 
@@ -24,6 +24,7 @@ FILES = (
     "ik-llama-cpp.toml",
     "ik-llama-cpp-threads.toml",
     "published-2026.toml",
+    "published-2026b.toml",
 )
 NEW_PROFILES = (
     "dgx-spark-gb10",
@@ -43,6 +44,8 @@ NEW_PROFILES = (
     "xeon6138x2-rtx4060ti-pcie3",
     "epyc7773x-cpu",
     "rtx4080-5975wx-pcie4",
+    "rtxpro4000sff-pcie5",
+    "rx7900xt-pcie4",
 )
 
 
@@ -297,3 +300,33 @@ def test_prompts_longer_than_the_u_batch_run_in_u_batches() -> None:
         else:
             assert "prefill_chunk" not in r.sim, r.id
     assert seen == 6
+
+
+def test_whole_gpu_llama_bench_rows_map_onto_their_tests() -> None:
+    """published-2026b.toml: llama-bench ppN is an N-token prompt pass (in u-batches of the
+    printed 2048 when longer), tgN one prompt token and N generated; every row runs every layer
+    on the GPU of a profile whose host is a stand-in, so the host profile must be the stand-in
+    the file says (rtx4090-pcie4's) and the card its own."""
+    rows = [r for r in _rows("published-2026b.toml") if not r.is_ranking]
+    assert len(rows) == 11
+    base = load_profile("rtx4090-pcie4")
+    for r in rows:
+        synth, sim = r.sim["synth"], r.sim
+        assert sim["policy"] == "llama-cpp-layers" and sim["policy_options"] == {"ngl": 99}, r.id
+        test = re.search(r"(pp|tg)(\d+) [0-9.]+ t/s$", r.source)
+        assert test, r.id
+        n = int(test.group(2))
+        if test.group(1) == "pp":
+            assert r.id.endswith(f"-prefill-{n}") and r.metric == "ttft_s", r.id
+            assert (synth["prompt_tokens"], synth["output_tokens"]) == (n, 2), r.id
+            assert sim.get("prefill_chunk") == (2048 if n > 2048 else None), r.id
+        else:
+            assert r.id.endswith(f"-tg{n}") and r.metric == "decode_tokens_per_s", r.id
+            assert (synth["prompt_tokens"], synth["output_tokens"]) == (1, n), r.id
+        hw = load_profile(sim["hw"])
+        assert (hw.cpu, hw.link) == (base.cpu, base.link), r.id
+        assert hw.gpu.name != base.gpu.name, r.id
+        # the file size says what the non-expert weights are: 11.27 GiB Q8_0, 12.83 GiB 16-bit
+        expect = "q8_0" if "11.27 GiB" in r.precision else ("fp16", "bf16")
+        assert sim["nonexpert_dtype"] in expect, r.id
+        assert (r.setting == "published") == ("CUDA" in r.system), r.id
