@@ -114,13 +114,8 @@ if TYPE_CHECKING:  # the real objects, for type checkers and IDEs
     from daopsim.simulator.synth import PRESETS as synth_presets
     from daopsim.simulator.synth import SynthParams, synth, write_synthetic
     from daopsim.simulator.testing import make_trace
-    from daopsim.simulator.trace import (
-        TraceWriter,
-        iter_sequences,
-        read_meta,
-        validate_trace,
-        write_trace,
-    )
+    from daopsim.simulator.trace_read import iter_sequences, read_meta, validate_trace
+    from daopsim.simulator.trace_write import TraceWriter, write_trace
 
 try:
     __version__ = metadata.version("daopsim")
@@ -170,14 +165,8 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     # traces
     **_names("daopsim.simulator.data", "bundled_traces"),
     "trace_path": ("daopsim.simulator.data", "resolve_trace"),
-    **_names(
-        "daopsim.simulator.trace",
-        "read_meta",
-        "iter_sequences",
-        "validate_trace",
-        "write_trace",
-        "TraceWriter",
-    ),
+    **_names("daopsim.simulator.trace_read", "read_meta", "iter_sequences", "validate_trace"),
+    **_names("daopsim.simulator.trace_write", "write_trace", "TraceWriter"),
     **_names("daopsim.simulator.stats", "trace_stats"),
     **_names("daopsim.simulator.importers", "import_trace", "ImportOptions"),
     **_names("daopsim.simulator.testing", "make_trace"),

@@ -189,8 +189,8 @@ def find_trace(model: str, trace: str | None) -> tuple[str, list[str]]:
     ``--model M`` for the model's synthetic trace (``run --model`` makes the same file)."""
     from daopsim.simulator.data import bundled_traces, resolve_trace
     from daopsim.simulator.synth import PRESETS
-    from daopsim.simulator.trace import read_meta
     from daopsim.simulator.trace_cache import model_trace
+    from daopsim.simulator.trace_read import read_meta
 
     if trace is not None:
         path = resolve_trace(trace)
@@ -405,7 +405,7 @@ def advise(
     that reaches it (by ``prices``, name -> amount, else by energy per token) named.
     """
     from daopsim.simulator.sweep import check_fidelity_floor
-    from daopsim.simulator.trace import read_meta
+    from daopsim.simulator.trace_read import read_meta
 
     hws = [hw] if isinstance(hw, str) else list(hw)
     shape, profiles, classes = _check_inputs(

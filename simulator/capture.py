@@ -35,16 +35,15 @@ import numpy as np
 
 from daopsim.simulator.errors import UserError, check_seed
 from daopsim.simulator.models import ModelShape
-from daopsim.simulator.trace import (
+from daopsim.simulator.trace import write_valid_trace
+from daopsim.simulator.trace_format import (
     ALL_PROBS_MAX_EXPERTS,
     DEFAULT_TOP_M,
-    RANK_ORDER_COLUMNS,
     SequenceRouting,
     TraceMeta,
-    TraceWriter,
-    tool_versions,
-    write_valid_trace,
 )
+from daopsim.simulator.trace_read import RANK_ORDER_COLUMNS
+from daopsim.simulator.trace_write import TraceWriter, tool_versions
 
 #: Router module class name -> family label, for every router this module knows how to read.
 #: Each returns ``(router_logits, top_k_weights, top_k_indices)`` from its forward.

@@ -363,14 +363,9 @@ def capture_routing(
         find_moe_layers,
         rank_order,
     )
-    from daopsim.simulator.trace import (
-        ALL_PROBS_MAX_EXPERTS,
-        DEFAULT_TOP_M,
-        TraceMeta,
-        TraceWriter,
-        tool_versions,
-        write_valid_trace,
-    )
+    from daopsim.simulator.trace import write_valid_trace
+    from daopsim.simulator.trace_format import ALL_PROBS_MAX_EXPERTS, DEFAULT_TOP_M, TraceMeta
+    from daopsim.simulator.trace_write import TraceWriter, tool_versions
 
     moe = find_moe_layers(model)
     ms = daopsim_shape(shape)

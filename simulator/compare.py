@@ -213,7 +213,7 @@ def _note_small_budget(out: Comparison, rows: list[dict[str, Any]]) -> None:
     from daopsim.policies.caching import CachingPolicy
     from daopsim.policies.registry import get_policy_class
     from daopsim.simulator.runner import small_budget_note
-    from daopsim.simulator.trace import read_meta
+    from daopsim.simulator.trace_read import read_meta
 
     for row in rows:
         if row.get("status") != "ok" or not row.get("model"):

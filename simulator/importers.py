@@ -32,16 +32,16 @@ import numpy as np
 from daopsim.simulator.errors import UserError
 from daopsim.simulator.fingerprints import file_sha256
 from daopsim.simulator.models import ModelShape, get_model
-from daopsim.simulator.trace import (
+from daopsim.simulator.trace import write_valid_trace
+from daopsim.simulator.trace_format import (
     ALL_PROBS_MAX_EXPERTS,
     DEFAULT_TOP_M,
     MAX_POSITION,
     SequenceRouting,
     TraceMeta,
-    weight_rises,
-    write_trace,
-    write_valid_trace,
 )
+from daopsim.simulator.trace_read import weight_rises
+from daopsim.simulator.trace_write import write_trace
 
 FORMATS = ("vllm", "jsonl", "npy", "torch")
 #: Version of the conversion rules; recorded in each imported trace's provenance.

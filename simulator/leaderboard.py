@@ -231,7 +231,7 @@ def load_leaderboard(name_or_path: str | os.PathLike[str]) -> Leaderboard:
     for i, m in enumerate(models):
         entry = _model_entry(path, i, m)
         if entry.trace is not None:  # the label is the model the trace records
-            from daopsim.simulator.trace import read_meta
+            from daopsim.simulator.trace_read import read_meta
 
             label = read_meta(resolve_trace(entry.trace)).model.name
             entry = ModelEntry(
@@ -468,7 +468,7 @@ def run_leaderboard(
     rows already in ``runs`` are not simulated again (a key is the run's content)."""
     from daopsim.policies.registry import get_policy_class
     from daopsim.simulator.sweep import Grid, run_sweep
-    from daopsim.simulator.trace import read_meta
+    from daopsim.simulator.trace_read import read_meta
 
     board = lb if isinstance(lb, Leaderboard) else load_leaderboard(lb)
     names = list(policies) if policies else (board.policies or builtin_policies())

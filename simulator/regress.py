@@ -462,7 +462,7 @@ def validate_grid(grid: RegressGrid) -> None:
     """Unknown trace, policy, profile or option, or an ambiguous grid: a UserError up front."""
     from daopsim.policies.registry import get_policy_class
     from daopsim.simulator.hardware import load_profile
-    from daopsim.simulator.trace import read_meta
+    from daopsim.simulator.trace_read import read_meta
 
     if not grid.blocks:
         raise UserError("the regression grid has no blocks")
@@ -503,7 +503,7 @@ def validate_grid(grid: RegressGrid) -> None:
 def run_cell(cell: Cell) -> dict[str, Any]:
     """One configuration's outcome: its metrics, or the one-line error it ends with."""
     from daopsim.simulator.runner import simulate
-    from daopsim.simulator.trace import read_meta
+    from daopsim.simulator.trace_read import read_meta
 
     block = cell.block
     rec: dict[str, Any] = {

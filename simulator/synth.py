@@ -37,14 +37,14 @@ from daopsim.simulator.data import check_input_file, read_input_text
 from daopsim.simulator.errors import UserError, check_seed, parse_key_values
 from daopsim.simulator.models import ModelShape, get_model
 from daopsim.simulator.stats import heldout_popularity_hit, trace_stats
-from daopsim.simulator.trace import (
+from daopsim.simulator.trace_format import (
     ALL_PROBS_MAX_EXPERTS,
     DEFAULT_TOP_M,
     MAX_POSITION,
     SequenceRouting,
     TraceMeta,
-    TraceWriter,
 )
+from daopsim.simulator.trace_write import TraceWriter
 
 #: Bumped whenever the generator's output for given parameters changes.
 SYNTH_VERSION = "1"

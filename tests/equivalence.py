@@ -25,7 +25,8 @@ from daopsim.simulator.runner import Oracle, calibration_counts, split_sequences
 from daopsim.simulator.runtime_profiles import RuntimeProfile, get_runtime, with_costs
 from daopsim.simulator.serving import Request, Serving, ServingConfig, dense, step_oracle, trim
 from daopsim.simulator.testing import ChaosPolicy, random_routing, tiny_model
-from daopsim.simulator.trace import SequenceRouting, iter_sequences, read_meta, sequence_ids
+from daopsim.simulator.trace_format import SequenceRouting
+from daopsim.simulator.trace_read import iter_sequences, read_meta, sequence_ids
 
 #: seconds two engines may differ by on any start, end or counter
 TOL = 1e-9

@@ -30,7 +30,8 @@ from daopsim.simulator.capture import (  # noqa: E402
 )
 from daopsim.simulator.cli import main  # noqa: E402
 from daopsim.simulator.errors import TraceError, UserError  # noqa: E402
-from daopsim.simulator.trace import load_sequences, read_meta, validate_trace, write_trace  # noqa: E402
+from daopsim.simulator.trace_read import load_sequences, read_meta, validate_trace  # noqa: E402
+from daopsim.simulator.trace_write import write_trace  # noqa: E402
 
 FAMILIES = ["mixtral", "qwen2_moe", "olmoe", "phimoe"]
 PROMPTS = [

@@ -37,7 +37,7 @@ from daopsim.simulator.regress import (
     render_changes,
     run_cell,
 )
-from daopsim.simulator.trace import read_meta
+from daopsim.simulator.trace_read import read_meta
 
 #: Floats re-run in-process on the same platform are bit-identical; 1e-9 only forgives the
 #: last digits a different numpy/libm build could change.

@@ -30,7 +30,7 @@ from daopsim.simulator.synth import (
 )
 from daopsim.simulator.synth_fit import fit_params
 from daopsim.simulator.testing import tiny_model
-from daopsim.simulator.trace import read_meta, validate_trace
+from daopsim.simulator.trace_read import read_meta, validate_trace
 
 TRACES = Path(__file__).resolve().parent.parent / "traces"
 

@@ -18,7 +18,9 @@ from hypothesis import strategies as st
 from daopsim.simulator.data import bundled_traces
 from daopsim.simulator.errors import TraceError
 from daopsim.simulator.testing import make_meta, make_trace, random_routing, tiny_model
-from daopsim.simulator.trace import DEFAULT_TOP_M, META_KEY, read_meta, validate_trace, write_trace
+from daopsim.simulator.trace_format import DEFAULT_TOP_M, META_KEY
+from daopsim.simulator.trace_read import read_meta, validate_trace
+from daopsim.simulator.trace_write import write_trace
 
 # The fixture every case starts from: tiny model (4 layers, 8 experts, top-2), 2 sequences of
 # 3 prefill + 3 decode tokens, so row = (seq * 6 + token) * 4 + layer.
@@ -592,7 +594,7 @@ def test_version_1_file_with_version_2_key(tmp_path: Path, cli: Callable[..., An
 
 def test_version_2_without_early_view_or_weights(tmp_path: Path, cli: Callable[..., Any]) -> None:
     """Absent columns and a metadata flag say "not recorded"; the reader's stand-ins apply."""
-    from daopsim.simulator.trace import iter_sequences
+    from daopsim.simulator.trace_read import iter_sequences
 
     drop = {"early_experts", "early_probs", "weights", "probs"}
     src = good_trace(tmp_path)

@@ -6,7 +6,7 @@ import click
 
 from daopsim.simulator.commands.common import echo_json, json_option
 from daopsim.simulator.output import TRACE_FORMATS, check_output_file, os_errors, output_format
-from daopsim.simulator.trace import ALL_PROBS_MAX_EXPERTS, DEFAULT_TOP_M
+from daopsim.simulator.trace_format import ALL_PROBS_MAX_EXPERTS, DEFAULT_TOP_M
 
 
 @click.command("capture")

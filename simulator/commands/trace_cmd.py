@@ -12,7 +12,8 @@ from daopsim.simulator.commands.common import echo_json, json_option
 from daopsim.simulator.data import non_regular_kind
 from daopsim.simulator.errors import UserError
 from daopsim.simulator.stats import PHASE_CHOICES, STAT_KEYS, trace_stats
-from daopsim.simulator.trace import TraceMeta, read_meta, validate_trace
+from daopsim.simulator.trace_format import TraceMeta
+from daopsim.simulator.trace_read import read_meta, validate_trace
 
 
 @click.group("trace")
