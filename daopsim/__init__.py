@@ -67,14 +67,8 @@ if TYPE_CHECKING:  # the real objects, for type checkers and IDEs
     from daopsim.policies.registry import load_policy_file, register
     from daopsim.simulator.advise import advise
     from daopsim.simulator.bounds import all_gpu_bound
-    from daopsim.simulator.capture import (
-        CaptureConfig,
-        GenerationSettings,
-        Prompt,
-        capture_model,
-        load_prompts,
-        run_capture,
-    )
+    from daopsim.simulator.capture import CaptureConfig, capture_model, run_capture
+    from daopsim.simulator.capture_generate import GenerationSettings, Prompt, load_prompts
     from daopsim.simulator.compare import compare
     from daopsim.simulator.costs import cost_model
     from daopsim.simulator.data import bundled_traces
@@ -174,15 +168,8 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     **_names("daopsim.simulator.synth", "SynthParams", "write_synthetic"),
     "synth_presets": ("daopsim.simulator.synth", "PRESETS"),
     # capture (the `capture` extra)
-    **_names(
-        "daopsim.simulator.capture",
-        "capture_model",
-        "run_capture",
-        "CaptureConfig",
-        "GenerationSettings",
-        "Prompt",
-        "load_prompts",
-    ),
+    **_names("daopsim.simulator.capture", "capture_model", "run_capture", "CaptureConfig"),
+    **_names("daopsim.simulator.capture_generate", "GenerationSettings", "Prompt", "load_prompts"),
     # machines, models, runtimes and costs
     **_names("daopsim.simulator.hardware", "load_profile", "list_profiles"),
     **_names("daopsim.simulator.runtime_profiles", "get_runtime", "runtime_names"),

@@ -356,13 +356,10 @@ def capture_routing(
     """One more run with ``daopsim capture``'s router hooks on; writes its routing (one
     sequence: the prompt, then one decode row per decode pass) to the trace at ``path``.
     Returns the picked tokens (the timed runs must pick the same)."""
-    from daopsim.simulator.capture import (
-        RoutingRecorder,
-        _sequence,
-        creation_date,
-        find_moe_layers,
-        rank_order,
-    )
+    from daopsim.simulator.capture import creation_date
+    from daopsim.simulator.capture_generate import _sequence
+    from daopsim.simulator.capture_layers import find_moe_layers
+    from daopsim.simulator.capture_recorder import RoutingRecorder, rank_order
     from daopsim.simulator.trace import write_valid_trace
     from daopsim.simulator.trace_format import ALL_PROBS_MAX_EXPERTS, DEFAULT_TOP_M, TraceMeta
     from daopsim.simulator.trace_write import TraceWriter, tool_versions

@@ -105,12 +105,8 @@ def capture(
     Hooks every MoE router while the model generates greedily for each prompt. Loading never
     reaches the network when HF_HUB_OFFLINE is set or --model is a local directory.
     """
-    from daopsim.simulator.capture import (
-        CaptureConfig,
-        GenerationSettings,
-        result_summary,
-        run_capture,
-    )
+    from daopsim.simulator.capture import CaptureConfig, result_summary, run_capture
+    from daopsim.simulator.capture_generate import GenerationSettings
 
     cfg = CaptureConfig(
         output=output,
