@@ -440,7 +440,8 @@ def simulate_mode(hw: Any, runtime: Any, trace: Path, slots: int | None, layers:
         )
     m = r.metrics
     e2e = m["e2e_s"]
-    from daopsim.simulator.hardware import HardwareProfile, load_profile
+    from daopsim.simulator.hardware import load_profile
+    from daopsim.simulator.hardware_spec import HardwareProfile
 
     prof = hw if isinstance(hw, HardwareProfile) else load_profile(hw)
     # one copy engine: both directions are one lane, and each fraction is that lane's

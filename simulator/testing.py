@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from daopsim.policies.base import Action, Plan, Policy, ResourceSpec, SetupContext, Slot, View
-from daopsim.simulator.hardware import HardwareProfile
+from daopsim.simulator.hardware_spec import HardwareProfile
 from daopsim.simulator.models import ModelShape, get_model
 from daopsim.simulator.trace_format import (
     ALL_PROBS_MAX_EXPERTS,

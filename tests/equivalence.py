@@ -17,7 +17,8 @@ from daopsim.policies.registry import get_policy_class
 from daopsim.simulator.core.loop import Engine
 from daopsim.simulator.costs import cost_model, cpu_family_stream_gbs
 from daopsim.simulator.data import resolve_trace
-from daopsim.simulator.hardware import HardwareProfile, load_profile
+from daopsim.simulator.hardware import load_profile
+from daopsim.simulator.hardware_spec import HardwareProfile
 from daopsim.simulator.hosttier import HostTierConfig
 from daopsim.simulator.recorder import Recorder
 from daopsim.simulator.reference import ReferenceEngine
