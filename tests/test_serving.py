@@ -31,7 +31,10 @@ from daopsim.simulator.costs import cost_model
 from daopsim.simulator.errors import UserError
 from daopsim.simulator.hardware import load_profile
 from daopsim.simulator.recorder import Recorder
-from daopsim.simulator.regress import compare, default_grid, default_store, load_baseline, run_cell
+from daopsim.simulator.regress import default_store, run_cell
+from daopsim.simulator.regress_compare import compare
+from daopsim.simulator.regress_grid import default_grid
+from daopsim.simulator.regress_store import load_baseline
 from daopsim.simulator.runner import policy_buffers, simulate
 from daopsim.simulator.serving import (
     Request,
