@@ -105,8 +105,9 @@ if TYPE_CHECKING:  # the real objects, for type checkers and IDEs
         seed_summary,
         sweep,
     )
-    from daopsim.simulator.synth import PRESETS as synth_presets
-    from daopsim.simulator.synth import SynthParams, synth, write_synthetic
+    from daopsim.simulator.synth import synth, write_synthetic
+    from daopsim.simulator.synth_params import PRESETS as synth_presets
+    from daopsim.simulator.synth_params import SynthParams
     from daopsim.simulator.testing import make_trace
     from daopsim.simulator.trace_read import iter_sequences, read_meta, validate_trace
     from daopsim.simulator.trace_write import TraceWriter, write_trace
@@ -164,9 +165,9 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     **_names("daopsim.simulator.stats", "trace_stats"),
     **_names("daopsim.simulator.importers", "import_trace", "ImportOptions"),
     **_names("daopsim.simulator.testing", "make_trace"),
-    **_names("daopsim.simulator.synth", "synth"),
-    **_names("daopsim.simulator.synth", "SynthParams", "write_synthetic"),
-    "synth_presets": ("daopsim.simulator.synth", "PRESETS"),
+    **_names("daopsim.simulator.synth", "synth", "write_synthetic"),
+    **_names("daopsim.simulator.synth_params", "SynthParams"),
+    "synth_presets": ("daopsim.simulator.synth_params", "PRESETS"),
     # capture (the `capture` extra)
     **_names("daopsim.simulator.capture", "capture_model", "run_capture", "CaptureConfig"),
     **_names("daopsim.simulator.capture_generate", "GenerationSettings", "Prompt", "load_prompts"),

@@ -72,7 +72,7 @@ def find_trace(model: str, trace: str | None) -> tuple[str, list[str]]:
     on any machine: ``--trace NAME`` for a bundled trace, ``--trace PATH`` as given for a file,
     ``--model M`` for the model's synthetic trace (``run --model`` makes the same file)."""
     from daopsim.simulator.data import bundled_traces, resolve_trace
-    from daopsim.simulator.synth import PRESETS
+    from daopsim.simulator.synth_params import PRESETS
     from daopsim.simulator.trace_cache import model_trace
     from daopsim.simulator.trace_read import read_meta
 

@@ -315,7 +315,7 @@ def test_synthetic_trace_for_a_model_without_a_bundled_one(
     assert find_trace("qwen3-30b-a3b", None) == (path, args)  # cached: the same file
     assert find_trace("mixtral-8x7b", None)[1] == ["--trace", "mixtral-8x7b"]
     from daopsim.simulator.models import PRESETS as MODELS
-    from daopsim.simulator.synth import PRESETS
+    from daopsim.simulator.synth_params import PRESETS
 
     bare = sorted(set(MODELS) - {p.model for p in PRESETS.values()})
     if bare:  # a model with neither a bundled trace nor a synth preset: a clear error

@@ -797,7 +797,8 @@ def test_a_trace_without_rows_is_refused(argv: list[str], tmp_path: Path) -> Non
 def test_synth_refuses_a_sequence_too_large_to_generate(tmp_path: Path) -> None:
     """``synth --prompt-tokens 3000000000`` asked NumPy for terabytes and printed its
     traceback: the size is checked first, and the limit it gives is the one it enforces."""
-    from daopsim.simulator.synth import SynthParams, check_sequence_size, get_preset
+    from daopsim.simulator.synth import check_sequence_size
+    from daopsim.simulator.synth_params import SynthParams, get_preset
 
     out = tmp_path / "big.parquet"
     res = _cli("synth", "--model", MODEL, "--sequences", "1", "--prompt-tokens", "3000000000",

@@ -381,7 +381,8 @@ def test_bundled_traces_are_in_rank_order(name: str, cli: Callable[..., Any]) ->
 
 
 def test_synthetic_top_m_trace_is_in_rank_order(tmp_path: Path) -> None:
-    from daopsim.simulator.synth import SynthParams, write_synthetic
+    from daopsim.simulator.synth import write_synthetic
+    from daopsim.simulator.synth_params import SynthParams
 
     path = tmp_path / "v3.parquet"
     meta = write_synthetic(path, "deepseek-v3", SynthParams(), 2, 6, 6, seed=3)
