@@ -78,20 +78,19 @@ if TYPE_CHECKING:  # the real objects, for type checkers and IDEs
     from daopsim.simulator.importers import ImportOptions, import_trace
     from daopsim.simulator.models import DTYPES, get_model
     from daopsim.simulator.output import check_output_file, output_dir, write_file, write_text
-    from daopsim.simulator.plots import KINDS as PLOT_KINDS
     from daopsim.simulator.plots import (
-        pareto_front,
         plot,
         plot_breakdown,
         plot_heatmap,
         plot_hit_rate,
         plot_latency_load,
-        plot_pareto,
         plot_throughput,
         policy_color,
-        realisable,
         save_figure,
     )
+    from daopsim.simulator.plots_common import KINDS as PLOT_KINDS
+    from daopsim.simulator.plots_common import realisable
+    from daopsim.simulator.plots_pareto import pareto_front, plot_pareto
     from daopsim.simulator.results import RunResult
     from daopsim.simulator.runner import expert_fit, runtime_cost_model, simulate
     from daopsim.simulator.runtime_profiles import get_runtime, runtime_names

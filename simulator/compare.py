@@ -297,7 +297,7 @@ def figure(comp: Comparison) -> Any:
     """One figure: tokens/s per configuration against its machine's all-GPU bound, and the
     decode hit rate."""
     from daopsim.simulator.colors import policy_color
-    from daopsim.simulator.plots import _mpl
+    from daopsim.simulator.plots_common import _mpl
 
     plt = _mpl()
     ok = [c for c in comp.columns if c["status"] == "ok"]

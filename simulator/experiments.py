@@ -439,13 +439,8 @@ class ExperimentResult:
         import matplotlib.pyplot as plt
         from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-        from daopsim.simulator.plots import (
-            _finish,
-            _legend,
-            _note_under,
-            fidelity_note,
-            policy_color,
-        )
+        from daopsim.simulator.plots import policy_color
+        from daopsim.simulator.plots_common import _finish, _legend, _note_under, fidelity_note
 
         ok = self.ok
         named = [m for m in [*ok["model"], *self.skipped["model"]] if isinstance(m, str)]
