@@ -75,7 +75,8 @@ if TYPE_CHECKING:  # the real objects, for type checkers and IDEs
     from daopsim.simulator.data import resolve_trace as trace_path
     from daopsim.simulator.errors import PolicyError, UserError
     from daopsim.simulator.hardware import list_profiles, load_profile
-    from daopsim.simulator.importers import ImportOptions, import_trace
+    from daopsim.simulator.importers import import_trace
+    from daopsim.simulator.importers_common import ImportOptions
     from daopsim.simulator.models import DTYPES, get_model
     from daopsim.simulator.output import check_output_file, output_dir, write_file, write_text
     from daopsim.simulator.plots import (

@@ -292,7 +292,8 @@ def import_cmd(
     See docs/trace-format.md, "Importing traces", for each format's accepted shape.
     """
     from daopsim.simulator.errors import parse_key_values
-    from daopsim.simulator.importers import ImportOptions, import_trace
+    from daopsim.simulator.importers import import_trace
+    from daopsim.simulator.importers_common import ImportOptions
 
     opts = ImportOptions(
         model=model,
