@@ -104,7 +104,6 @@ __all__ = [
     "REQUIRED_COLUMNS",
     "SCHEMA_VERSION",
     "SequenceRouting",
-    "T",
     "TraceMeta",
     "TraceWriter",
     "arrow_schema",
