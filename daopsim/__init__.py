@@ -67,37 +67,31 @@ if TYPE_CHECKING:  # the real objects, for type checkers and IDEs
     from daopsim.policies.registry import load_policy_file, register
     from daopsim.simulator.advise import advise
     from daopsim.simulator.bounds import all_gpu_bound
-    from daopsim.simulator.capture import (
-        CaptureConfig,
-        GenerationSettings,
-        Prompt,
-        capture_model,
-        load_prompts,
-        run_capture,
-    )
+    from daopsim.simulator.capture import CaptureConfig, capture_model, run_capture
+    from daopsim.simulator.capture_generate import GenerationSettings, Prompt, load_prompts
     from daopsim.simulator.compare import compare
     from daopsim.simulator.costs import cost_model
     from daopsim.simulator.data import bundled_traces
     from daopsim.simulator.data import resolve_trace as trace_path
     from daopsim.simulator.errors import PolicyError, UserError
     from daopsim.simulator.hardware import list_profiles, load_profile
-    from daopsim.simulator.importers import ImportOptions, import_trace
+    from daopsim.simulator.importers import import_trace
+    from daopsim.simulator.importers_common import ImportOptions
     from daopsim.simulator.models import DTYPES, get_model
     from daopsim.simulator.output import check_output_file, output_dir, write_file, write_text
-    from daopsim.simulator.plots import KINDS as PLOT_KINDS
     from daopsim.simulator.plots import (
-        pareto_front,
         plot,
         plot_breakdown,
         plot_heatmap,
         plot_hit_rate,
         plot_latency_load,
-        plot_pareto,
         plot_throughput,
         policy_color,
-        realisable,
         save_figure,
     )
+    from daopsim.simulator.plots_common import KINDS as PLOT_KINDS
+    from daopsim.simulator.plots_common import realisable
+    from daopsim.simulator.plots_pareto import pareto_front, plot_pareto
     from daopsim.simulator.results import RunResult
     from daopsim.simulator.runner import expert_fit, runtime_cost_model, simulate
     from daopsim.simulator.runtime_profiles import get_runtime, runtime_names
@@ -111,16 +105,12 @@ if TYPE_CHECKING:  # the real objects, for type checkers and IDEs
         seed_summary,
         sweep,
     )
-    from daopsim.simulator.synth import PRESETS as synth_presets
-    from daopsim.simulator.synth import SynthParams, synth, write_synthetic
+    from daopsim.simulator.synth import synth, write_synthetic
+    from daopsim.simulator.synth_params import PRESETS as synth_presets
+    from daopsim.simulator.synth_params import SynthParams
     from daopsim.simulator.testing import make_trace
-    from daopsim.simulator.trace import (
-        TraceWriter,
-        iter_sequences,
-        read_meta,
-        validate_trace,
-        write_trace,
-    )
+    from daopsim.simulator.trace_read import iter_sequences, read_meta, validate_trace
+    from daopsim.simulator.trace_write import TraceWriter, write_trace
 
 try:
     __version__ = metadata.version("daopsim")
@@ -170,30 +160,17 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     # traces
     **_names("daopsim.simulator.data", "bundled_traces"),
     "trace_path": ("daopsim.simulator.data", "resolve_trace"),
-    **_names(
-        "daopsim.simulator.trace",
-        "read_meta",
-        "iter_sequences",
-        "validate_trace",
-        "write_trace",
-        "TraceWriter",
-    ),
+    **_names("daopsim.simulator.trace_read", "read_meta", "iter_sequences", "validate_trace"),
+    **_names("daopsim.simulator.trace_write", "write_trace", "TraceWriter"),
     **_names("daopsim.simulator.stats", "trace_stats"),
     **_names("daopsim.simulator.importers", "import_trace", "ImportOptions"),
     **_names("daopsim.simulator.testing", "make_trace"),
-    **_names("daopsim.simulator.synth", "synth"),
-    **_names("daopsim.simulator.synth", "SynthParams", "write_synthetic"),
-    "synth_presets": ("daopsim.simulator.synth", "PRESETS"),
+    **_names("daopsim.simulator.synth", "synth", "write_synthetic"),
+    **_names("daopsim.simulator.synth_params", "SynthParams"),
+    "synth_presets": ("daopsim.simulator.synth_params", "PRESETS"),
     # capture (the `capture` extra)
-    **_names(
-        "daopsim.simulator.capture",
-        "capture_model",
-        "run_capture",
-        "CaptureConfig",
-        "GenerationSettings",
-        "Prompt",
-        "load_prompts",
-    ),
+    **_names("daopsim.simulator.capture", "capture_model", "run_capture", "CaptureConfig"),
+    **_names("daopsim.simulator.capture_generate", "GenerationSettings", "Prompt", "load_prompts"),
     # machines, models, runtimes and costs
     **_names("daopsim.simulator.hardware", "load_profile", "list_profiles"),
     **_names("daopsim.simulator.runtime_profiles", "get_runtime", "runtime_names"),

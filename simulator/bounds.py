@@ -196,7 +196,7 @@ def _runtime_from_config(rt: dict[str, Any]) -> RuntimeProfile | str:
 
 
 def _hashable(hw: Any) -> Any:
-    from daopsim.simulator.hardware import HardwareProfile
+    from daopsim.simulator.hardware_spec import HardwareProfile
 
     if isinstance(hw, HardwareProfile):
         return _ProfileKey(hw)

@@ -356,21 +356,13 @@ def capture_routing(
     """One more run with ``daopsim capture``'s router hooks on; writes its routing (one
     sequence: the prompt, then one decode row per decode pass) to the trace at ``path``.
     Returns the picked tokens (the timed runs must pick the same)."""
-    from daopsim.simulator.capture import (
-        RoutingRecorder,
-        _sequence,
-        creation_date,
-        find_moe_layers,
-        rank_order,
-    )
-    from daopsim.simulator.trace import (
-        ALL_PROBS_MAX_EXPERTS,
-        DEFAULT_TOP_M,
-        TraceMeta,
-        TraceWriter,
-        tool_versions,
-        write_valid_trace,
-    )
+    from daopsim.simulator.capture import creation_date
+    from daopsim.simulator.capture_generate import _sequence
+    from daopsim.simulator.capture_layers import find_moe_layers
+    from daopsim.simulator.capture_recorder import RoutingRecorder, rank_order
+    from daopsim.simulator.trace import write_valid_trace
+    from daopsim.simulator.trace_format import ALL_PROBS_MAX_EXPERTS, DEFAULT_TOP_M, TraceMeta
+    from daopsim.simulator.trace_write import TraceWriter, tool_versions
 
     moe = find_moe_layers(model)
     ms = daopsim_shape(shape)
@@ -448,7 +440,8 @@ def simulate_mode(hw: Any, runtime: Any, trace: Path, slots: int | None, layers:
         )
     m = r.metrics
     e2e = m["e2e_s"]
-    from daopsim.simulator.hardware import HardwareProfile, load_profile
+    from daopsim.simulator.hardware import load_profile
+    from daopsim.simulator.hardware_spec import HardwareProfile
 
     prof = hw if isinstance(hw, HardwareProfile) else load_profile(hw)
     # one copy engine: both directions are one lane, and each fraction is that lane's

@@ -213,7 +213,7 @@ def _note_small_budget(out: Comparison, rows: list[dict[str, Any]]) -> None:
     from daopsim.policies.caching import CachingPolicy
     from daopsim.policies.registry import get_policy_class
     from daopsim.simulator.runner import small_budget_note
-    from daopsim.simulator.trace import read_meta
+    from daopsim.simulator.trace_read import read_meta
 
     for row in rows:
         if row.get("status") != "ok" or not row.get("model"):
@@ -297,7 +297,7 @@ def figure(comp: Comparison) -> Any:
     """One figure: tokens/s per configuration against its machine's all-GPU bound, and the
     decode hit rate."""
     from daopsim.simulator.colors import policy_color
-    from daopsim.simulator.plots import _mpl
+    from daopsim.simulator.plots_common import _mpl
 
     plt = _mpl()
     ok = [c for c in comp.columns if c["status"] == "ok"]

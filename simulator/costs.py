@@ -38,12 +38,12 @@ from functools import cached_property, lru_cache
 from typing import Any
 
 from daopsim.simulator.errors import UserError
-from daopsim.simulator.hardware import (
+from daopsim.simulator.hardware import load_profile
+from daopsim.simulator.hardware_spec import (
     CPU_STREAM_FALLBACK,
     CpuSpec,
     HardwareProfile,
     MeasuredModel,
-    load_profile,
 )
 from daopsim.simulator.models import DTYPES, ModelShape, dtype_bytes, get_model
 

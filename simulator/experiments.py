@@ -24,7 +24,7 @@ from daopsim.simulator.errors import DoesNotFit, UserError
 from daopsim.simulator.output import output_dir, safe_name, write_figure, write_file, write_text
 from daopsim.simulator.runner import keeps_nothing_resident, simulate
 from daopsim.simulator.serving import ServingConfig
-from daopsim.simulator.trace import read_meta
+from daopsim.simulator.trace_read import read_meta
 
 #: metrics kept per run in the results table
 METRICS = (
@@ -439,13 +439,8 @@ class ExperimentResult:
         import matplotlib.pyplot as plt
         from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-        from daopsim.simulator.plots import (
-            _finish,
-            _legend,
-            _note_under,
-            fidelity_note,
-            policy_color,
-        )
+        from daopsim.simulator.plots import policy_color
+        from daopsim.simulator.plots_common import _finish, _legend, _note_under, fidelity_note
 
         ok = self.ok
         named = [m for m in [*ok["model"], *self.skipped["model"]] if isinstance(m, str)]

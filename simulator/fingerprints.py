@@ -10,7 +10,8 @@ import json
 import os
 from pathlib import Path
 
-from daopsim.simulator.hardware import HardwareProfile, load_profile
+from daopsim.simulator.hardware import load_profile
+from daopsim.simulator.hardware_spec import HardwareProfile
 
 
 def daopsim_version() -> str:

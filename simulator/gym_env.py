@@ -45,7 +45,7 @@ from daopsim.simulator.data import resolve_trace
 from daopsim.simulator.errors import UserError
 from daopsim.simulator.results import RunResult
 from daopsim.simulator.runner import Oracle, select_sequences, simulate
-from daopsim.simulator.trace import checked_sequence_ids, iter_sequences, read_meta
+from daopsim.simulator.trace_read import checked_sequence_ids, iter_sequences, read_meta
 
 #: the environment's Gymnasium id (``gymnasium.make(ENV_ID, ...)``, ``gymnasium.make_vec``)
 ENV_ID = "daopsim/ExpertCache-v0"

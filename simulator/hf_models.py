@@ -180,7 +180,7 @@ def daopsim_shape(shape: LoopShape) -> ModelShape:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from daopsim.simulator.capture import find_moe_layers, model_shape
+    from daopsim.simulator.capture_layers import find_moe_layers, model_shape
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(

@@ -35,7 +35,7 @@ import numpy as np
 from daopsim.simulator.core.resources import Engines, Lanes
 from daopsim.simulator.costs import CostModel
 from daopsim.simulator.errors import UserError
-from daopsim.simulator.hardware import HardwareProfile
+from daopsim.simulator.hardware_spec import HardwareProfile
 from daopsim.simulator.recorder import Recorder
 
 #: ``--ssd-path`` choices

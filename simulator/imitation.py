@@ -67,7 +67,7 @@ def default_budgets(experts: int, top_k: int) -> list[int]:
 def resolve(config: LearnConfig) -> tuple[LearnConfig, Any]:
     """The config with its defaults filled in (sequences, budgets) and the trace's metadata."""
     from daopsim.simulator.data import DEFAULT_TRACE, resolve_trace
-    from daopsim.simulator.trace import checked_sequence_ids, read_meta
+    from daopsim.simulator.trace_read import checked_sequence_ids, read_meta
 
     path = resolve_trace(config.trace)
     meta = read_meta(path)
@@ -303,7 +303,7 @@ def evaluate(
 
     from daopsim.simulator.data import resolve_trace
     from daopsim.simulator.runner import simulate
-    from daopsim.simulator.trace import read_meta
+    from daopsim.simulator.trace_read import read_meta
 
     n_layers = read_meta(resolve_trace(trace)).model.moe_layers
     rows = []

@@ -231,7 +231,7 @@ def load_leaderboard(name_or_path: str | os.PathLike[str]) -> Leaderboard:
     for i, m in enumerate(models):
         entry = _model_entry(path, i, m)
         if entry.trace is not None:  # the label is the model the trace records
-            from daopsim.simulator.trace import read_meta
+            from daopsim.simulator.trace_read import read_meta
 
             label = read_meta(resolve_trace(entry.trace)).model.name
             entry = ModelEntry(
@@ -318,7 +318,7 @@ def heatmap_figure(table: pd.DataFrame) -> Any:
     in the colour bar's end colour, a run that did not finish grey and crossed."""
     import matplotlib
 
-    from daopsim.simulator.plots import _mpl, _title
+    from daopsim.simulator.plots_common import _mpl, _title
 
     plt = _mpl()
 
@@ -374,7 +374,8 @@ def pareto_figure(table: pd.DataFrame) -> Any:
     """Score against routing fidelity, one panel per model: each realisable policy's geometric
     mean relative tokens/s over the model's cells against its mean routing fidelity (gate mass
     preserved), and the front of policies no other beats on both."""
-    from daopsim.simulator.plots import (
+    from daopsim.simulator.plots import policy_color
+    from daopsim.simulator.plots_common import (
         _Z_BOUND,
         _Z_POLICY,
         EXACT_FIDELITY,
@@ -383,9 +384,8 @@ def pareto_figure(table: pd.DataFrame) -> Any:
         _mpl,
         _note_under,
         _title,
-        place_labels,
-        policy_color,
     )
+    from daopsim.simulator.plots_pareto import place_labels
 
     plt = _mpl()
     models = list(dict.fromkeys(table["model"]))
@@ -468,7 +468,7 @@ def run_leaderboard(
     rows already in ``runs`` are not simulated again (a key is the run's content)."""
     from daopsim.policies.registry import get_policy_class
     from daopsim.simulator.sweep import Grid, run_sweep
-    from daopsim.simulator.trace import read_meta
+    from daopsim.simulator.trace_read import read_meta
 
     board = lb if isinstance(lb, Leaderboard) else load_leaderboard(lb)
     names = list(policies) if policies else (board.policies or builtin_policies())

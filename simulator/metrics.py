@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from daopsim.simulator.hardware import HardwareProfile
+    from daopsim.simulator.hardware_spec import HardwareProfile
     from daopsim.simulator.runstats import RunStats
 
 NAN = float("nan")

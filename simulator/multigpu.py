@@ -47,7 +47,7 @@ from daopsim.policies.base import (
 )
 from daopsim.simulator.boundary import Hooks, check_gpu_budget, check_placement, frozen
 from daopsim.simulator.errors import UserError
-from daopsim.simulator.hardware import HardwareProfile
+from daopsim.simulator.hardware_spec import HardwareProfile
 
 MODES = ("expert", "pipeline")
 #: expert-parallel placement rules (``--expert-placement``)

@@ -437,7 +437,7 @@ def write_probe(res: ProbeResult, out_dir: str | os.PathLike[str], name: str) ->
     """Write the hardware profile, the runtime profile and the JSON (each atomically); the
     written profiles are read back with the simulator's own parsers before they are kept."""
     from daopsim.simulator.commands.common import dumps
-    from daopsim.simulator.hardware import parse_profile
+    from daopsim.simulator.hardware_schema import parse_profile
     from daopsim.simulator.output import write_text
     from daopsim.simulator.runtime_profiles import parse_runtime
 

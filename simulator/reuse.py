@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from daopsim.simulator.trace import SequenceRouting
+from daopsim.simulator.trace_format import SequenceRouting
 
 #: Lags of ``overlap_by_lag`` (tokens back, same sequence and layer, decode tokens).
 LAGS = (1, 2, 4, 8, 16, 32, 64)

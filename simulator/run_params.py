@@ -31,7 +31,7 @@ from daopsim.simulator.errors import UserError, check_seed
 
 if TYPE_CHECKING:
     from daopsim.policies.base import Policy
-    from daopsim.simulator.hardware import HardwareProfile
+    from daopsim.simulator.hardware_spec import HardwareProfile
     from daopsim.simulator.recorder import Recorder
     from daopsim.simulator.runtime_profiles import RuntimeProfile
     from daopsim.simulator.serving import ServingConfig

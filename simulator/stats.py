@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 
 from daopsim.simulator.reuse import ReuseAccumulator
-from daopsim.simulator.trace import SequenceRouting, TraceMeta, iter_sequences, read_meta
+from daopsim.simulator.trace_format import SequenceRouting, TraceMeta
+from daopsim.simulator.trace_read import iter_sequences, read_meta
 
 #: The per-layer statistics, in the order they are reported.
 STAT_KEYS = (

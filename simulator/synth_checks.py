@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, TypeVar
 from daopsim.simulator.errors import UserError
 
 if TYPE_CHECKING:
-    from daopsim.simulator.synth import SynthParams
+    from daopsim.simulator.synth_params import SynthParams
 
 T = TypeVar("T")
 

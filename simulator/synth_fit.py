@@ -20,15 +20,10 @@ import numpy as np
 from daopsim.simulator.errors import UserError
 from daopsim.simulator.models import ModelShape
 from daopsim.simulator.reuse import CURVE_POLICIES
-from daopsim.simulator.synth import (
-    EXTRA_STAT_KEYS,
-    GENERATOR,
-    STAT_KEYS,
-    SynthParams,
-    iter_synthetic,
-    routing_stats,
-)
+from daopsim.simulator.synth import GENERATOR, iter_synthetic
 from daopsim.simulator.synth_checks import PARAM_BOUNDS
+from daopsim.simulator.synth_params import SynthParams
+from daopsim.simulator.synth_stats import EXTRA_STAT_KEYS, STAT_KEYS, routing_stats
 
 #: Parameters ``fit_params`` moves by default, with their transform to an unbounded scale.
 FIT_PARAMS: dict[str, str] = {

@@ -16,16 +16,16 @@ from typing import Any
 import numpy as np
 
 from daopsim.policies.base import Action, Plan, Policy, ResourceSpec, SetupContext, Slot, View
-from daopsim.simulator.hardware import HardwareProfile
+from daopsim.simulator.hardware_spec import HardwareProfile
 from daopsim.simulator.models import ModelShape, get_model
-from daopsim.simulator.trace import (
+from daopsim.simulator.trace_format import (
     ALL_PROBS_MAX_EXPERTS,
     DEFAULT_TOP_M,
     SequenceRouting,
     TraceMeta,
     blank_first_layer_view,
-    write_trace,
 )
+from daopsim.simulator.trace_write import write_trace
 
 
 def tiny_model(

@@ -36,10 +36,14 @@ def cache_summary() -> str:
 
 # --- running --------------------------------------------------------------------------------------
 def _generator_digest() -> str:
-    """SHA-256 of simulator/synth.py (part of the synthetic-trace cache key)."""
-    from daopsim.simulator import synth
+    """SHA-256 of the generator's and the presets' sources, simulator/synth.py and
+    simulator/synth_params.py (part of the synthetic-trace cache key)."""
+    from daopsim.simulator import synth, synth_params
 
-    return hashlib.sha256(Path(synth.__file__).read_bytes()).hexdigest()[:16]
+    digest = hashlib.sha256()
+    for module in (synth, synth_params):
+        digest.update(Path(module.__file__).read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def synth_trace(spec: dict[str, Any]) -> Path:
@@ -51,7 +55,7 @@ def synth_trace(spec: dict[str, Any]) -> Path:
     """
     from daopsim.simulator import synth
     from daopsim.simulator.models import get_model
-    from daopsim.simulator.synth import SynthParams, SynthPreset, default_preset, get_preset
+    from daopsim.simulator.synth_params import SynthParams, SynthPreset, default_preset, get_preset
 
     if "preset" in spec or "model" not in spec:
         preset = str(spec.get("preset", ""))

@@ -13,17 +13,10 @@ import pandas as pd
 import pytest
 from cli_checks import one_error
 
-from daopsim.simulator.advise import (
-    Advice,
-    AdviceRow,
-    advise,
-    bottleneck,
-    coarse,
-    exact_precision,
-    find_trace,
-    render,
-    to_csv,
-)
+from daopsim.simulator.advise import advise, find_trace
+from daopsim.simulator.advise_answer import Advice, AdviceRow, bottleneck, exact_precision
+from daopsim.simulator.advise_render import render, to_csv
+from daopsim.simulator.advise_search import coarse
 from daopsim.simulator.errors import UserError
 from daopsim.simulator.sweep import fidelity_floor
 
@@ -94,7 +87,7 @@ def test_bounds_are_reference_lines_not_advice(small: Advice) -> None:
 def test_every_default_and_listed_value_is_searched(small: Advice) -> None:
     """Each option's default and each value `policies list` lists, one option at a time."""
     from daopsim.policies.registry import get_policy_class
-    from daopsim.simulator.advise import listed_values
+    from daopsim.simulator.advise_search import listed_values
 
     for policy in ("lru", "daop"):
         cls = get_policy_class(policy)
@@ -322,7 +315,7 @@ def test_synthetic_trace_for_a_model_without_a_bundled_one(
     assert find_trace("qwen3-30b-a3b", None) == (path, args)  # cached: the same file
     assert find_trace("mixtral-8x7b", None)[1] == ["--trace", "mixtral-8x7b"]
     from daopsim.simulator.models import PRESETS as MODELS
-    from daopsim.simulator.synth import PRESETS
+    from daopsim.simulator.synth_params import PRESETS
 
     bare = sorted(set(MODELS) - {p.model for p in PRESETS.values()})
     if bare:  # a model with neither a bundled trace nor a synth preset: a clear error
@@ -369,7 +362,7 @@ def test_integer_options_keep_their_type_in_commands(small: Advice) -> None:
 def test_a_readable_table(small: Advice, cli: Callable[..., Any]) -> None:
     """--top (default 10, 0: all), separate policy and runtime columns, options never cut,
     lines within the width, every row in --csv."""
-    from daopsim.simulator.advise import DEFAULT_TOP
+    from daopsim.simulator.advise_render import DEFAULT_TOP
 
     text = render(small, top=2, width=90)
     lines = text.splitlines()

@@ -20,7 +20,8 @@ from click.testing import CliRunner
 
 import daopsim
 from daopsim.policies.base import search_range
-from daopsim.simulator.advise import Advice, AdviceRow, advise
+from daopsim.simulator.advise import advise
+from daopsim.simulator.advise_answer import Advice, AdviceRow
 from daopsim.simulator.cli import main
 from daopsim.simulator.errors import UserError
 from daopsim.simulator.models import get_model

@@ -35,7 +35,7 @@ from daopsim.simulator.hardware import load_profile
 from daopsim.simulator.models import get_model
 from daopsim.simulator.runner import expert_fit, simulate
 from daopsim.simulator.testing import make_trace
-from daopsim.simulator.trace import read_meta, validate_trace
+from daopsim.simulator.trace_read import read_meta, validate_trace
 
 USAGE, OUTPUT = int(ExitCode.USAGE), int(ExitCode.OUTPUT)
 REPO = Path(__file__).resolve().parent.parent
@@ -256,7 +256,8 @@ def test_s5_calibration_sharing_some_evaluated_sequences_is_partly_in_sample(
     bytes, so not the whole-file case) is labelled partly in-sample, naming how many."""
     import dataclasses
 
-    from daopsim.simulator.trace import load_sequences, write_trace
+    from daopsim.simulator.trace_read import load_sequences
+    from daopsim.simulator.trace_write import write_trace
 
     meta, rs = load_sequences(bundled_traces()["ci-small"])
     # sequences 0 and 1 of ci-small under new ids, beside two sequences of other routing
@@ -796,7 +797,8 @@ def test_a_trace_without_rows_is_refused(argv: list[str], tmp_path: Path) -> Non
 def test_synth_refuses_a_sequence_too_large_to_generate(tmp_path: Path) -> None:
     """``synth --prompt-tokens 3000000000`` asked NumPy for terabytes and printed its
     traceback: the size is checked first, and the limit it gives is the one it enforces."""
-    from daopsim.simulator.synth import SynthParams, check_sequence_size, get_preset
+    from daopsim.simulator.synth import check_sequence_size
+    from daopsim.simulator.synth_params import SynthParams, get_preset
 
     out = tmp_path / "big.parquet"
     res = _cli("synth", "--model", MODEL, "--sequences", "1", "--prompt-tokens", "3000000000",

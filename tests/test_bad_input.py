@@ -21,7 +21,7 @@ from click.testing import CliRunner
 
 from daopsim.simulator.cli import main
 from daopsim.simulator.testing import make_trace
-from daopsim.simulator.trace import META_KEY
+from daopsim.simulator.trace_format import META_KEY
 
 FIXTURES = Path(__file__).parent / "fixtures"
 BAD_PROFILES = sorted((FIXTURES / "profiles").glob("bad-*.toml"))

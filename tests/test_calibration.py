@@ -22,7 +22,8 @@ from daopsim.simulator.testing import (
     routing_from_experts,
     tiny_model,
 )
-from daopsim.simulator.trace import read_meta, write_trace
+from daopsim.simulator.trace_read import read_meta
+from daopsim.simulator.trace_write import write_trace
 
 
 def _run_cli(*args: str) -> Result:

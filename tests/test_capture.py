@@ -14,23 +14,26 @@ pytest.importorskip("transformers")
 
 from click.testing import CliRunner  # noqa: E402
 
-from daopsim.simulator.capture import (  # noqa: E402
-    CaptureError,
+from daopsim.simulator.capture import capture_model  # noqa: E402
+from daopsim.simulator.capture_generate import (  # noqa: E402
     GenerationSettings,
     Prompt,
-    RoutingRecorder,
-    capture_model,
-    find_moe_layers,
     iter_captures,
-    load_model,
     load_prompts,
+)
+from daopsim.simulator.capture_layers import (  # noqa: E402
+    CaptureError,
+    find_moe_layers,
+    load_model,
     model_name,
     random_config,
     random_model,
 )
+from daopsim.simulator.capture_recorder import RoutingRecorder  # noqa: E402
 from daopsim.simulator.cli import main  # noqa: E402
 from daopsim.simulator.errors import TraceError, UserError  # noqa: E402
-from daopsim.simulator.trace import load_sequences, read_meta, validate_trace, write_trace  # noqa: E402
+from daopsim.simulator.trace_read import load_sequences, read_meta, validate_trace  # noqa: E402
+from daopsim.simulator.trace_write import write_trace  # noqa: E402
 
 FAMILIES = ["mixtral", "qwen2_moe", "olmoe", "phimoe"]
 PROMPTS = [
@@ -538,7 +541,7 @@ def test_top_m_probabilities_when_many_experts(tmp_path: Path):
 
 
 def test_model_shape_from_config_and_weights(mixtral):
-    from daopsim.simulator.capture import model_shape
+    from daopsim.simulator.capture_layers import model_shape
 
     shape = model_shape(mixtral, find_moe_layers(mixtral), "tiny", "bf16")
     c = mixtral.config

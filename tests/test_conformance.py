@@ -22,7 +22,7 @@ from daopsim.simulator.data import resolve_trace
 from daopsim.simulator.errors import UserError
 from daopsim.simulator.runner import sequence_ids, simulate, split_sequences
 from daopsim.simulator.testing import make_trace
-from daopsim.simulator.trace import iter_sequences, read_meta
+from daopsim.simulator.trace_read import iter_sequences, read_meta
 
 HW = "a6000-pcie4"
 

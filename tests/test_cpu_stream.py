@@ -15,13 +15,8 @@ import pytest
 
 from daopsim.simulator.costs import cost_model, cpu_family_stream_gbs, cpu_stream_family
 from daopsim.simulator.errors import ProfileError, UserError
-from daopsim.simulator.hardware import (
-    CPU_STREAM_FALLBACK,
-    CPU_STREAM_FAMILIES,
-    CpuSpec,
-    list_profiles,
-    load_profile,
-)
+from daopsim.simulator.hardware import list_profiles, load_profile
+from daopsim.simulator.hardware_spec import CPU_STREAM_FALLBACK, CPU_STREAM_FAMILIES, CpuSpec
 from daopsim.simulator.models import get_model
 
 PROFILES = [p.name for p in list_profiles()]

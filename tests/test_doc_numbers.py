@@ -106,7 +106,7 @@ def _compare_from() -> None:
 
 def _advise_json_fields() -> None:
     """docs/advise.md's JSON paragraph names every field of the Advice and AdviceRow objects."""
-    from daopsim.simulator.advise import Advice, AdviceRow, MachineAnswer
+    from daopsim.simulator.advise_answer import Advice, AdviceRow, MachineAnswer
 
     page = _page("docs/advise.md")
     para = page[page.index("## JSON and CSV") :]

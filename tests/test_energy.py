@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 
 from daopsim.simulator.errors import ProfileError
-from daopsim.simulator.hardware import (
+from daopsim.simulator.hardware import load_profile
+from daopsim.simulator.hardware_spec import (
     CONTEXT_STEP_W,
     DEFAULT_DRAM_W,
     DEFAULT_PLATFORM_W,
     DEFAULT_PSU_EFFICIENCY,
-    load_profile,
 )
 from daopsim.simulator.results import energy_breakdown
 from daopsim.simulator.runner import simulate
@@ -95,7 +95,7 @@ def test_cpu_workers_spin_after_each_call_at_busy_power() -> None:
     """Issue 30: after each CPU expert call the worker threads spin for cpu_spin_ms (libgomp's
     default spin count at Skylake-and-later PAUSE latency: 14 ms) at busy power; the spin that
     the next call cuts short is busy time already, and nothing exceeds the run."""
-    from daopsim.simulator.hardware import DEFAULT_CPU_SPIN_MS
+    from daopsim.simulator.hardware_spec import DEFAULT_CPU_SPIN_MS
 
     assert abs(DEFAULT_CPU_SPIN_MS - 14.0) < 1e-9
     hw = load_profile("a6000-pcie4")

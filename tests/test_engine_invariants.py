@@ -33,7 +33,7 @@ from daopsim.simulator.hardware import load_profile
 from daopsim.simulator.recorder import Recorder
 from daopsim.simulator.runstats import RunStats
 from daopsim.simulator.testing import ChaosPolicy, random_routing, routing_from_experts, tiny_model
-from daopsim.simulator.trace import SequenceRouting
+from daopsim.simulator.trace_format import SequenceRouting
 
 EPS = 1e-12
 HW = load_profile("a6000-pcie4")

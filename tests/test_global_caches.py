@@ -31,7 +31,8 @@ from daopsim.simulator.hardware import load_profile
 from daopsim.simulator.models import ModelShape
 from daopsim.simulator.runner import Oracle, simulate
 from daopsim.simulator.testing import make_meta, make_trace, routing_from_experts, tiny_model
-from daopsim.simulator.trace import read_meta, write_trace
+from daopsim.simulator.trace_read import read_meta
+from daopsim.simulator.trace_write import write_trace
 
 GLOBAL = ("global-lru", "global-lfu", "belady-global")
 Slot = tuple[int, int]

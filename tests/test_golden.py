@@ -24,20 +24,18 @@ import pytest
 
 from daopsim.simulator.data import resolve_trace
 from daopsim.simulator.hardware import load_profile
-from daopsim.simulator.regress import (
+from daopsim.simulator.regress import default_store, run_cell
+from daopsim.simulator.regress_compare import compare, render_changes
+from daopsim.simulator.regress_grid import (
     BUDGET_FREE_POLICIES,
     BUDGET_POLICIES,
     BUILTIN_VARIANTS,
     Cell,
     builtin_policies,
-    compare,
     default_grid,
-    default_store,
-    load_baseline,
-    render_changes,
-    run_cell,
 )
-from daopsim.simulator.trace import read_meta
+from daopsim.simulator.regress_store import load_baseline
+from daopsim.simulator.trace_read import read_meta
 
 #: Floats re-run in-process on the same platform are bit-identical; 1e-9 only forgives the
 #: last digits a different numpy/libm build could change.

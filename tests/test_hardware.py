@@ -12,7 +12,8 @@ import pytest
 
 from daopsim.simulator.data import profiles_dir
 from daopsim.simulator.errors import ProfileError, UserError
-from daopsim.simulator.hardware import HardwareProfile, list_profiles, load_profile
+from daopsim.simulator.hardware import list_profiles, load_profile
+from daopsim.simulator.hardware_spec import HardwareProfile
 
 FIXTURES = Path(__file__).parent / "fixtures" / "profiles"
 
@@ -385,7 +386,7 @@ def test_values_beyond_physical_bounds_are_refused(
 
 
 def test_bounds_are_generous_and_documented() -> None:
-    from daopsim.simulator.hardware import MAX_VALUES
+    from daopsim.simulator.hardware_schema import MAX_VALUES
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "hardware-profiles.md").read_text()
     for key in MAX_VALUES:

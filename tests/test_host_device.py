@@ -15,7 +15,9 @@ from daopsim.policies.registry import get_policy_class
 from daopsim.simulator.core.loop import Engine
 from daopsim.simulator.costs import DeviceHostCosts, cost_model
 from daopsim.simulator.errors import ProfileError, UserError
-from daopsim.simulator.hardware import MeasuredModel, load_profile, parse_profile
+from daopsim.simulator.hardware import load_profile
+from daopsim.simulator.hardware_schema import parse_profile
+from daopsim.simulator.hardware_spec import MeasuredModel
 from daopsim.simulator.recorder import Recorder
 from daopsim.simulator.reference import ReferenceEngine
 from daopsim.simulator.runner import runtime_cost_model

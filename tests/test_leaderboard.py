@@ -66,7 +66,7 @@ def test_the_bundled_grid_is_the_documented_one() -> None:
     from daopsim.simulator.costs import cost_model
     from daopsim.simulator.hardware import load_profile
     from daopsim.simulator.runner import expert_fit, policy_buffers, trace_context
-    from daopsim.simulator.trace import read_meta
+    from daopsim.simulator.trace_read import read_meta
 
     board = load_leaderboard("leaderboard")
     assert board.policies is None  # "builtin": the registry decides

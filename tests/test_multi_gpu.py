@@ -545,7 +545,7 @@ def _skewed_trace(path):  # type: ignore[no-untyped-def]
     """Tiny model (8 experts, top-2): experts 0 and 2 (both GPU 0 under ``mod``) are picked
     by most tokens of every layer, the rest at random."""
     from daopsim.simulator.testing import make_meta, routing_from_experts, tiny_model
-    from daopsim.simulator.trace import write_trace
+    from daopsim.simulator.trace_write import write_trace
 
     model = tiny_model()
     rng = np.random.default_rng(3)

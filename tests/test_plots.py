@@ -11,14 +11,9 @@ import pandas as pd
 import pytest
 
 from daopsim.simulator.errors import UserError
-from daopsim.simulator.plots import (
-    KINDS,
-    breakdown_table,
-    pareto_front,
-    plot,
-    plot_throughput,
-    save_figure,
-)
+from daopsim.simulator.plots import breakdown_table, plot, plot_throughput, save_figure
+from daopsim.simulator.plots_common import KINDS
+from daopsim.simulator.plots_pareto import pareto_front
 from daopsim.simulator.sweep import Grid, fidelity_floor, sweep
 from daopsim.simulator.testing import make_trace
 
@@ -456,7 +451,8 @@ def test_awkward_sweeps_render_and_say_what_happened(
 def test_pareto_labels_do_not_overlap_and_stay_inside(awkward: dict[str, pd.DataFrame]) -> None:
     import matplotlib.pyplot as plt
 
-    from daopsim.simulator.plots import pareto_front, realisable
+    from daopsim.simulator.plots_common import realisable
+    from daopsim.simulator.plots_pareto import pareto_front
 
     # many near points: the front of the many-policies sweep, stretched to crowd the labels
     table = awkward["many policies"]

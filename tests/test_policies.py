@@ -23,7 +23,7 @@ from daopsim.simulator.models import get_model
 from daopsim.simulator.recorder import Recorder
 from daopsim.simulator.runner import Oracle
 from daopsim.simulator.testing import random_routing, routing_from_experts, tiny_model
-from daopsim.simulator.trace import SequenceRouting
+from daopsim.simulator.trace_format import SequenceRouting
 
 HW = load_profile("a6000-pcie4")
 

@@ -28,7 +28,7 @@ from daopsim.simulator.errors import PolicyError, UserError
 from daopsim.simulator.hardware import load_profile
 from daopsim.simulator.runner import simulate
 from daopsim.simulator.testing import make_meta, routing_from_experts, setup_context, tiny_model
-from daopsim.simulator.trace import write_trace
+from daopsim.simulator.trace_write import write_trace
 
 A6000 = load_profile("a6000-pcie4")
 NEW = ("hybrimoe", "dali", "least-stale", "cache-conditional", "slicemoe")

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from daopsim.simulator.errors import UserError
-from daopsim.simulator.hardware import parse_profile, read_profile
+from daopsim.simulator.hardware import read_profile
+from daopsim.simulator.hardware_schema import parse_profile
 from daopsim.simulator.probe import (
     ProbeOptions,
     ProbeResult,

@@ -157,7 +157,7 @@ def test_engine_counts_link_bytes_at_the_host_precision(tmp_path: Path) -> None:
 
 def read_model(trace: Path):
     """The model shape a trace declares."""
-    from daopsim.simulator.trace import read_meta
+    from daopsim.simulator.trace_read import read_meta
 
     return read_meta(trace).model
 

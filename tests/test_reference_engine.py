@@ -737,6 +737,8 @@ def test_the_reference_engine_imports_none_of_the_fast_engines_timing() -> None:
         "daopsim.simulator.runstats": {"RunStats"},
         "daopsim.simulator.serving": None,
         "daopsim.simulator.trace": None,
+        "daopsim.simulator.trace_format": None,
+        "daopsim.simulator.trace_read": None,
     }
     for info in pkgutil.iter_modules(ref.__path__):
         path = Path(ref.__path__[0]) / f"{info.name}.py"

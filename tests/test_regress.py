@@ -13,16 +13,15 @@ import pytest
 from click.testing import CliRunner, Result
 
 from daopsim.simulator.cli import main
-from daopsim.simulator.regress import (
+from daopsim.simulator.regress import run_cell
+from daopsim.simulator.regress_compare import compare, same
+from daopsim.simulator.regress_grid import (
     Budget,
     Cell,
     GridBlock,
     PolicySpec,
-    compare,
     config_key,
     load_grid,
-    run_cell,
-    same,
 )
 from daopsim.simulator.testing import make_trace
 

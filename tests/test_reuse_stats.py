@@ -13,9 +13,11 @@ from daopsim.simulator.models import ModelShape
 from daopsim.simulator.reuse import LAGS, ReuseAccumulator
 from daopsim.simulator.runner import simulate
 from daopsim.simulator.stats import trace_stats
-from daopsim.simulator.synth import SynthParams, write_synthetic
+from daopsim.simulator.synth import write_synthetic
+from daopsim.simulator.synth_params import SynthParams
 from daopsim.simulator.testing import make_meta, routing_from_experts, tiny_model
-from daopsim.simulator.trace import iter_sequences, read_meta, sequence_ids, write_trace
+from daopsim.simulator.trace_read import iter_sequences, read_meta, sequence_ids
+from daopsim.simulator.trace_write import write_trace
 
 #: The sequences both sides use: the engine evaluates exactly these (``evaluate=``), in file
 #: order, and the statistics read the same ones.

@@ -17,7 +17,7 @@ from daopsim.simulator.data import resolve_trace
 from daopsim.simulator.recorder import COLUMNS
 from daopsim.simulator.runner import simulate, split_sequences
 from daopsim.simulator.testing import make_trace
-from daopsim.simulator.trace import read_meta
+from daopsim.simulator.trace_read import read_meta
 
 REQUIRED_TOP = ("policy", "hw", "model", "trace", "gpu_experts", "cache_ratio", "bound")
 REQUIRED_METRICS = (

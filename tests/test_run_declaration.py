@@ -189,7 +189,9 @@ def test_a_registered_metric_is_in_a_runs_json_and_table(double: None) -> None:
 def test_a_registered_metric_is_a_sweep_column_and_in_the_golden_store(double: None) -> None:
     """The new metric is a column of the sweep table, and in the record `daopsim regress`
     stores for a configuration."""
-    from daopsim.simulator.regress import Budget, Cell, GridBlock, PolicySpec, flatten, run_cell
+    from daopsim.simulator.regress import run_cell
+    from daopsim.simulator.regress_compare import flatten
+    from daopsim.simulator.regress_grid import Budget, Cell, GridBlock, PolicySpec
 
     grid = {"policies": ["lru"], "traces": ["ci-small"], "cache_ratios": [0.25], "sequences": 1}
     df, _ = run_sweep(grid, workers=1, progress=False, bounds=False)

@@ -31,7 +31,10 @@ from daopsim.simulator.costs import cost_model
 from daopsim.simulator.errors import UserError
 from daopsim.simulator.hardware import load_profile
 from daopsim.simulator.recorder import Recorder
-from daopsim.simulator.regress import compare, default_grid, default_store, load_baseline, run_cell
+from daopsim.simulator.regress import default_store, run_cell
+from daopsim.simulator.regress_compare import compare
+from daopsim.simulator.regress_grid import default_grid
+from daopsim.simulator.regress_store import load_baseline
 from daopsim.simulator.runner import policy_buffers, simulate
 from daopsim.simulator.serving import (
     Request,
@@ -194,7 +197,7 @@ def test_kv_cache_plus_slots_never_exceed_gpu_memory(policy: str, opts: dict[str
     res = simulate(policy=policy, trace=TRACE, record=False, **opts)
     from daopsim.policies.registry import make_policy
     from daopsim.simulator.data import resolve_trace
-    from daopsim.simulator.trace import read_meta
+    from daopsim.simulator.trace_read import read_meta
 
     model = read_meta(resolve_trace(TRACE)).model
     hw = load_profile(res.config["hw"])
@@ -411,7 +414,7 @@ def test_the_clairvoyant_oracle_follows_the_batched_prefill() -> None:
 
 def test_the_batched_prefill_cost_reduces_to_one_prompt_and_reads_the_weights_once() -> None:
     from daopsim.simulator.data import resolve_trace
-    from daopsim.simulator.trace import read_meta
+    from daopsim.simulator.trace_read import read_meta
 
     model = read_meta(resolve_trace(TRACE)).model
     c = cost_model(load_profile("a6000-pcie4"), model)
@@ -482,7 +485,7 @@ def test_static_prefill_cli(tmp_path: Path) -> None:
 
 def test_the_mixed_cost_reduces_to_prefill_and_to_batched_decode() -> None:
     from daopsim.simulator.data import resolve_trace
-    from daopsim.simulator.trace import read_meta
+    from daopsim.simulator.trace_read import read_meta
 
     model = read_meta(resolve_trace(TRACE)).model
     c = cost_model(load_profile("a6000-pcie4"), model)

@@ -20,7 +20,8 @@ from daopsim.simulator.core.loop import Engine
 from daopsim.simulator.core.resources import CpuJob, SharedCpu
 from daopsim.simulator.costs import cost_model
 from daopsim.simulator.errors import ProfileError
-from daopsim.simulator.hardware import HardwareProfile, load_profile
+from daopsim.simulator.hardware import load_profile
+from daopsim.simulator.hardware_spec import HardwareProfile
 from daopsim.simulator.recorder import Recorder
 from daopsim.simulator.reference import ReferenceEngine
 from daopsim.simulator.runner import simulate

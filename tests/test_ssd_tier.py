@@ -26,7 +26,7 @@ from daopsim.simulator.data import resolve_trace
 from daopsim.simulator.hardware import load_profile
 from daopsim.simulator.recorder import Recorder
 from daopsim.simulator.runner import simulate
-from daopsim.simulator.trace import read_meta
+from daopsim.simulator.trace_read import read_meta
 
 HW = "rtx4090-990pro-pcie4"  # 64 GB host memory, a Samsung 990 PRO
 NOMEM = "rtx4090-pcie4"  # states no host memory and has no [ssd] table

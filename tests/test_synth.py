@@ -18,19 +18,12 @@ from daopsim.simulator.data import bundled_traces
 from daopsim.simulator.errors import UserError
 from daopsim.simulator.models import get_model
 from daopsim.simulator.stats import heldout_popularity_hit, trace_stats
-from daopsim.simulator.synth import (
-    PRESETS,
-    STAT_KEYS,
-    SYNTH_VERSION,
-    SynthParams,
-    iter_synthetic,
-    routing_stats,
-    traffic_concentration,
-    write_synthetic,
-)
+from daopsim.simulator.synth import SYNTH_VERSION, iter_synthetic, write_synthetic
 from daopsim.simulator.synth_fit import fit_params
+from daopsim.simulator.synth_params import PRESETS, SynthParams
+from daopsim.simulator.synth_stats import STAT_KEYS, routing_stats, traffic_concentration
 from daopsim.simulator.testing import tiny_model
-from daopsim.simulator.trace import read_meta, validate_trace
+from daopsim.simulator.trace_read import read_meta, validate_trace
 
 TRACES = Path(__file__).resolve().parent.parent / "traces"
 
@@ -716,8 +709,8 @@ def test_twin_of_a_short_recording_matches_its_cold_start_curves() -> None:
     Belady curves within 0.01 at every per-layer capacity under the cold-start rule; the fit
     targets that rule because the stats carry it, and draws more sequences than the recording
     has (COLD_FIT_SEQUENCES)."""
-    from daopsim.simulator.synth import PRESETS
     from daopsim.simulator.synth_fit import COLD_FIT_SEQUENCES, curve_rule
+    from daopsim.simulator.synth_params import PRESETS
 
     m = tiny_model(**TINY)
     real = PRESETS["mixtral-8x7b"].params.replace(repeat_prob=0.3, topic_drift=0.02)

@@ -14,16 +14,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from daopsim.simulator.testing import make_meta, make_trace, random_routing, tiny_model
-from daopsim.simulator.trace import (
-    DEFAULT_TOP_M,
-    META_KEY,
-    TraceWriter,
-    iter_sequences,
-    load_sequences,
-    read_meta,
-    validate_trace,
-    write_trace,
-)
+from daopsim.simulator.trace_format import DEFAULT_TOP_M, META_KEY
+from daopsim.simulator.trace_read import iter_sequences, load_sequences, read_meta, validate_trace
+from daopsim.simulator.trace_write import TraceWriter, write_trace
 
 
 def _routings(model: Any, n: int, seed: int = 0, width: int | None = None) -> list[Any]:
@@ -285,7 +278,7 @@ def test_top_m_storage_accepted_for_small_models(tmp_path: Path) -> None:
 
 
 def test_previous_token_view() -> None:
-    from daopsim.simulator.trace import previous_token_view
+    from daopsim.simulator.trace_format import previous_token_view
 
     r = _routings(tiny_model(), 1)[0]
     v = previous_token_view(r)

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from daopsim.simulator.cli import main as cli
-from daopsim.simulator.trace import iter_sequences, read_meta, validate_trace
+from daopsim.simulator.trace_read import iter_sequences, read_meta, validate_trace
 
 E, K = 8, 2
 MODEL = "mixtral-8x7b"  # 32 MoE layers, 8 experts, top-2: the shape of the fixtures

@@ -13,7 +13,7 @@ import pytest
 
 from daopsim.simulator.stats import STAT_KEYS, trace_stats, uniform_baseline
 from daopsim.simulator.testing import make_meta, make_trace, routing_from_experts, tiny_model
-from daopsim.simulator.trace import write_trace
+from daopsim.simulator.trace_write import write_trace
 
 
 def test_uniform_baseline_matches_reference() -> None:

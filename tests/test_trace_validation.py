@@ -18,7 +18,9 @@ from hypothesis import strategies as st
 from daopsim.simulator.data import bundled_traces
 from daopsim.simulator.errors import TraceError
 from daopsim.simulator.testing import make_meta, make_trace, random_routing, tiny_model
-from daopsim.simulator.trace import DEFAULT_TOP_M, META_KEY, read_meta, validate_trace, write_trace
+from daopsim.simulator.trace_format import DEFAULT_TOP_M, META_KEY
+from daopsim.simulator.trace_read import read_meta, validate_trace
+from daopsim.simulator.trace_write import write_trace
 
 # The fixture every case starts from: tiny model (4 layers, 8 experts, top-2), 2 sequences of
 # 3 prefill + 3 decode tokens, so row = (seq * 6 + token) * 4 + layer.
@@ -379,7 +381,8 @@ def test_bundled_traces_are_in_rank_order(name: str, cli: Callable[..., Any]) ->
 
 
 def test_synthetic_top_m_trace_is_in_rank_order(tmp_path: Path) -> None:
-    from daopsim.simulator.synth import SynthParams, write_synthetic
+    from daopsim.simulator.synth import write_synthetic
+    from daopsim.simulator.synth_params import SynthParams
 
     path = tmp_path / "v3.parquet"
     meta = write_synthetic(path, "deepseek-v3", SynthParams(), 2, 6, 6, seed=3)
@@ -592,7 +595,7 @@ def test_version_1_file_with_version_2_key(tmp_path: Path, cli: Callable[..., An
 
 def test_version_2_without_early_view_or_weights(tmp_path: Path, cli: Callable[..., Any]) -> None:
     """Absent columns and a metadata flag say "not recorded"; the reader's stand-ins apply."""
-    from daopsim.simulator.trace import iter_sequences
+    from daopsim.simulator.trace_read import iter_sequences
 
     drop = {"early_experts", "early_probs", "weights", "probs"}
     src = good_trace(tmp_path)

@@ -269,7 +269,7 @@ def test_synthetic_trace_from_a_model_without_a_preset(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``model = NAME`` uses the model's preset if it has one, else the generator defaults."""
-    from daopsim.simulator.trace import read_meta
+    from daopsim.simulator.trace_read import read_meta
 
     monkeypatch.setenv("DAOPSIM_CACHE", str(tmp_path))
     spec = {"model": "qwen2-57b-a14b", "sequences": 1, "prompt_tokens": 2, "output_tokens": 2}

@@ -118,8 +118,9 @@ def advise(
 ) -> None:
     """Search policies, options, budgets and precisions on one or more machines; print them
     ranked by tokens/s, each with the `daopsim run` command that reproduces it."""
-    from daopsim.simulator.advise import DEFAULT_TOP, SEQUENCES, render, to_csv
+    from daopsim.simulator.advise import SEQUENCES
     from daopsim.simulator.advise import advise as run_advise
+    from daopsim.simulator.advise_render import DEFAULT_TOP, render, to_csv
     from daopsim.simulator.progress import on_terminal
 
     if as_json and as_csv:

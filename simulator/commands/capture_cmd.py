@@ -6,7 +6,7 @@ import click
 
 from daopsim.simulator.commands.common import echo_json, json_option
 from daopsim.simulator.output import TRACE_FORMATS, check_output_file, os_errors, output_format
-from daopsim.simulator.trace import ALL_PROBS_MAX_EXPERTS, DEFAULT_TOP_M
+from daopsim.simulator.trace_format import ALL_PROBS_MAX_EXPERTS, DEFAULT_TOP_M
 
 
 @click.command("capture")
@@ -105,12 +105,8 @@ def capture(
     Hooks every MoE router while the model generates greedily for each prompt. Loading never
     reaches the network when HF_HUB_OFFLINE is set or --model is a local directory.
     """
-    from daopsim.simulator.capture import (
-        CaptureConfig,
-        GenerationSettings,
-        result_summary,
-        run_capture,
-    )
+    from daopsim.simulator.capture import CaptureConfig, result_summary, run_capture
+    from daopsim.simulator.capture_generate import GenerationSettings
 
     cfg = CaptureConfig(
         output=output,

@@ -8,7 +8,8 @@ import click
 
 from daopsim.simulator.commands.common import echo_json, json_option
 from daopsim.simulator.costs import DEFAULT_CONTEXT, cost_model
-from daopsim.simulator.hardware import HardwareProfile, list_profiles, load_profile
+from daopsim.simulator.hardware import list_profiles, load_profile
+from daopsim.simulator.hardware_spec import HardwareProfile
 from daopsim.simulator.models import DTYPE_BYTES, get_model
 
 DEFAULT_MODEL = "mixtral-8x7b"

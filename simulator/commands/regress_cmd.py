@@ -72,16 +72,10 @@ def regress(
       daopsim regress --only '* | daop* | *'
       daopsim regress --grid ci/regress.toml --json
     """
-    from daopsim.simulator.regress import (
-        DEFAULT_TOLERANCE,
-        check_tolerance,
-        default_grid,
-        default_store,
-        load_grid,
-        render_changes,
-        with_trace,
-    )
+    from daopsim.simulator.regress import default_store, with_trace
     from daopsim.simulator.regress import regress as run_regress
+    from daopsim.simulator.regress_compare import DEFAULT_TOLERANCE, render_changes
+    from daopsim.simulator.regress_grid import check_tolerance, default_grid, load_grid
 
     grid = load_grid(grid_file) if grid_file is not None else default_grid()
     if trace is not None:

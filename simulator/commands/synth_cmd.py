@@ -20,14 +20,6 @@ from daopsim.simulator.data import check_input_file
 from daopsim.simulator.errors import UserError, check_seed
 from daopsim.simulator.models import get_model
 from daopsim.simulator.output import check_output_file, write_text
-from daopsim.simulator.synth import (
-    PRESETS,
-    SynthParams,
-    default_preset,
-    get_preset,
-    params_from_dict,
-    parse_param_overrides,
-)
 from daopsim.simulator.synth import synth as write_trace_file
 from daopsim.simulator.synth_fit import (
     COLD_FIT_SEQUENCES,
@@ -36,6 +28,14 @@ from daopsim.simulator.synth_fit import (
     curve_rule,
     fit_params,
     shape_from_stats,
+)
+from daopsim.simulator.synth_params import (
+    PRESETS,
+    SynthParams,
+    default_preset,
+    get_preset,
+    params_from_dict,
+    parse_param_overrides,
 )
 
 
@@ -171,7 +171,7 @@ def fitted_lengths(preset: str) -> dict[str, int]:
     import json
     from pathlib import Path
 
-    from daopsim.simulator.synth import PRESETS
+    from daopsim.simulator.synth_params import PRESETS
 
     if preset.strip().lower() in PRESETS:
         return {}

@@ -12,7 +12,8 @@ from daopsim.simulator.commands.common import echo_json, json_option
 from daopsim.simulator.data import non_regular_kind
 from daopsim.simulator.errors import UserError
 from daopsim.simulator.stats import PHASE_CHOICES, STAT_KEYS, trace_stats
-from daopsim.simulator.trace import TraceMeta, read_meta, validate_trace
+from daopsim.simulator.trace_format import TraceMeta
+from daopsim.simulator.trace_read import read_meta, validate_trace
 
 
 @click.group("trace")
@@ -291,7 +292,8 @@ def import_cmd(
     See docs/trace-format.md, "Importing traces", for each format's accepted shape.
     """
     from daopsim.simulator.errors import parse_key_values
-    from daopsim.simulator.importers import ImportOptions, import_trace
+    from daopsim.simulator.importers import import_trace
+    from daopsim.simulator.importers_common import ImportOptions
 
     opts = ImportOptions(
         model=model,

@@ -13,7 +13,7 @@ from daopsim.simulator.commands.common import echo_json, json_option
 from daopsim.simulator.commands.trace_cmd import trace
 from daopsim.simulator.data import bundled_traces
 from daopsim.simulator.errors import TraceError
-from daopsim.simulator.trace import read_meta
+from daopsim.simulator.trace_read import read_meta
 
 
 def list_bundled() -> list[dict[str, Any]]:

@@ -37,7 +37,7 @@ from daopsim.simulator.reference.memory import INF, HostMemory, Ledger
 from daopsim.simulator.reference.resources import Clock, Engines, HostCpu, IssueThread, Lane, Pool
 from daopsim.simulator.runstats import RunStats
 from daopsim.simulator.runtime_profiles import RuntimeProfile
-from daopsim.simulator.trace import SequenceRouting
+from daopsim.simulator.trace_format import SequenceRouting
 
 if TYPE_CHECKING:
     from daopsim.simulator.hosttier import HostTierConfig

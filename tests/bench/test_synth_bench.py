@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from daopsim.simulator.synth import PRESETS, write_synthetic
+from daopsim.simulator.synth import write_synthetic
+from daopsim.simulator.synth_params import PRESETS
 
 
 @pytest.mark.bench
