@@ -327,6 +327,20 @@ METRICS: tuple[Metric, ...] = (
        "blocking syncs of the runtime's host thread: one per forward pass, plus the routing "
        "and per-expert syncs its profile declares", table=("host syncs", "", 1.0)),
     _m("gpu_expert_s", "s", "resources", _GPU_PARTS, compute=lambda r: r.c.gpu_expert_busy),
+    _m("cpu_nonexpert_s", "s", "resources",
+       "host CPU time in the non-expert part of CPU-resident layers (`ResourceSpec.gpu_blocks`, "
+       "llama.cpp's `-ngl`; also in `cpu_busy_frac`; docs/cost-model.md, \"CPU-resident "
+       "layers\")",
+       compute=lambda r: r.c.cpu_nonexpert_busy),
+    _c("cpu_layer_weight_copies", "count", "resources",
+       "copies of a CPU-resident layer's non-expert weights to the GPU for a prompt (op "
+       "offload; their bytes are in `h2d_bytes`)"),
+    _c("nonexpert_weight_copies", "count", "resources",
+       "streamed non-expert weight copies (`ResourceSpec.nonexpert_streamed`, `stream-all`: "
+       "ZeRO-3): each layer's per forward pass, plus the input embedding and the output "
+       "matrix (docs/cost-model.md, \"Streamed non-expert weights\")"),
+    _c("nonexpert_weight_bytes", "bytes", "resources",
+       "the bytes of those copies (also in `h2d_bytes`)"),
     _m("gpu_nonexpert_s", "s", "resources", _GPU_PARTS,
        compute=lambda r: r.c.gpu_nonexpert_busy),
     _m("cpu_expert_evals", "count", "resources",
@@ -342,6 +356,15 @@ METRICS: tuple[Metric, ...] = (
     _c("fetches", "count", "placement", _COPIES),
     _c("temp_copies", "count", "placement", _COPIES),
     _c("evictions", "count", "placement", _COPIES),
+    _c("evictions_in_flight", "count", "placement",
+       "of those, evictions of an expert whose copy had not landed yet (the copy runs to its "
+       "end and its slot is freed, or written back, then; docs/policy-api.md)"),
+    _c("h2d_expert_copies", "count", "placement",
+       "expert copies host to device: demand, prefetched, temporary and low-bit copies (their "
+       "bytes are in `h2d_bytes`)"),
+    _c("d2h_expert_copies", "count", "placement",
+       "expert write-backs device to host (`ResourceSpec.writeback`; their bytes are in "
+       "`d2h_bytes`)"),
     _c("prefetches", "count", "placement", _PREFETCH),
     _m("prefetch_precision", "fraction", "placement", _PREFETCH,
        compute=lambda r: _ratio(r.c.prefetch_used, r.c.prefetches),
