@@ -10,9 +10,10 @@ the run's statistics), and its row in ``daopsim run``'s table. From :data:`METRI
   ``metrics`` of ``run --json`` (``RunResult.to_dict``), the golden store (``daopsim regress``
   stores that object) and the sweep table's metric columns,
 - the rows of ``daopsim run``'s table (:func:`table_rows`),
-- the metric tables of docs/metrics.md (:func:`render_doc`; ``make docs-metrics`` or
-  ``python -m daopsim.simulator.metrics docs/metrics.md`` rewrites them, and
-  tests/test_metric_keys.py checks the committed page equals the generated one).
+- the metric tables of docs/metrics.md (:func:`render_doc`; ``make docs-metrics``
+  (simulator/doc_tables.py) or ``python -m daopsim.simulator.metrics docs/metrics.md``
+  rewrites them, and tests/test_run_declaration.py checks the committed page equals the
+  generated one).
 
 The code that derives a surface reads :data:`METRICS` when it runs, so a metric added here
 reaches every surface (tests/test_run_declaration.py adds one). Definitions: docs/metrics.md.
@@ -520,10 +521,6 @@ def table_rows() -> list[tuple[str, str, str, float]]:
 DOC = "docs/metrics.md"
 
 
-def _marker(section: str, end: bool = False) -> str:
-    return f"<!-- metrics-table:{section}:{'end' if end else 'start'} -->"
-
-
 def section_table(section: str) -> str:
     """The Markdown table of one section: one row per definition (metrics sharing a
     definition share a row), in registry order."""
@@ -543,13 +540,10 @@ def render_doc(text: str) -> str:
     """``text`` (docs/metrics.md) with each generated table replaced by the registry's: the
     table between ``<!-- metrics-table:SECTION:start -->`` and its end marker. Every section
     of the registry must have its markers (a ValueError names the missing one)."""
+    from daopsim.simulator.doc_tables import replace_block
+
     for section in dict.fromkeys(m.section for m in METRICS):
-        start, end = _marker(section), _marker(section, end=True)
-        if start not in text or end not in text:
-            raise ValueError(f"{DOC}: no {start} ... {end} block for section {section!r}")
-        head, rest = text.split(start, 1)
-        _, tail = rest.split(end, 1)
-        text = f"{head}{start}\n{section_table(section)}\n{end}{tail}"
+        text = replace_block(text, f"metrics-table:{section}", section_table(section), DOC)
     return text
 
 

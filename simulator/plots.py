@@ -403,7 +403,7 @@ def _compute_bound(rows: pd.DataFrame, hw: str, trace: str) -> tuple[float, str]
         keys[(ids, dtype, rt)] = None
     for ids, dtype, rt in keys:
         try:
-            b = all_gpu_bound(hw, trace, [int(x) for x in ids.split(",")], dtype, None, None, rt)
+            b = all_gpu_bound(hw, trace, [int(x) for x in ids.split(",")], rt, dtype=dtype)
         except Exception:  # the trace or profile may not be available where the plot is drawn
             return None
         if best is None or b.tokens_per_s > best[0]:

@@ -26,13 +26,18 @@ from daopsim.simulator.boundary import check_declarations, construct_policy
 from daopsim.simulator.core.loop import Engine
 from daopsim.simulator.costs import CostModel, DeviceHostCosts, cost_model
 from daopsim.simulator.data import resolve_trace
-from daopsim.simulator.errors import DoesNotFit, UserError, check_seed
+from daopsim.simulator.errors import DoesNotFit, UserError
 from daopsim.simulator.hardware import HardwareProfile, load_profile
 from daopsim.simulator.hosttier import host_tier_config
 from daopsim.simulator.output import check_output_file
 from daopsim.simulator.recorder import Recorder
 from daopsim.simulator.results import RunResult, compute_metrics, host_tier_metrics
-from daopsim.simulator.run_params import RunRequest, docstring_lines, make_request
+from daopsim.simulator.run_params import (
+    RunRequest,
+    declared_values,
+    docstring_lines,
+    make_request,
+)
 from daopsim.simulator.runtime_profiles import RuntimeProfile, get_runtime
 from daopsim.simulator.serving import (
     Arrival,
@@ -63,8 +68,6 @@ CALIBRATION_MODES = ("none", "self")
 #: a trace of at most this many rows has its evaluation sequences assembled by the calibration
 #: read and kept in memory for the run (a few tens of MB at most), instead of read twice
 _STASH_ROWS = 1 << 20
-#: ``lookahead=`` choices: the trace's recorded view, or the previous-token stand-in.
-LOOKAHEAD_CHOICES = ("recorded", "previous-token")
 
 
 def select_sequences(pool: list[int], n_eval: int | None, seed: int) -> list[int]:
@@ -838,12 +841,7 @@ class Run:
 def resolve_inputs(req: RunRequest) -> RunInputs:
     """Stage 1: the trace, the model at its precisions, the machine, the policy and its
     runtime, the cost model, the host tier, the GPUs; then the sequences."""
-    if req.lookahead not in LOOKAHEAD_CHOICES:
-        raise UserError(
-            f"--lookahead must be one of {list(LOOKAHEAD_CHOICES)}, got {req.lookahead!r}"
-        )
-    req.seed = check_seed(req.seed)
-    _engine_class(req.engine)  # an unknown engine fails before any work
+    # each value was checked as declared when the request was made (run_params.check_declared)
     trace = model_trace(req.model, req.trace) if req.model is not None else req.trace
     trace_path = resolve_trace(trace)
     meta = read_meta(trace_path)
@@ -974,18 +972,15 @@ def size_run(inp: RunInputs) -> RunSize:
 
 
 def requested_budget(cache_ratio: float | None, gpu_experts: int | None, total: int) -> int | None:
-    """The expert budget asked for (None: the most that fits), its range checked."""
+    """The expert budget asked for (None: the most that fits): each value's own range is
+    declared (simulator/run_params.py); here what needs the model's expert count."""
     if cache_ratio is not None and gpu_experts is not None:
         raise UserError("give --cache-ratio or --gpu-experts, not both")
     if cache_ratio is not None:
-        if not 0 < cache_ratio <= 1:
-            raise UserError(f"--cache-ratio must be in (0, 1], got {cache_ratio}")
         return round(cache_ratio * total)
-    if gpu_experts is not None:
-        if not 0 <= gpu_experts <= total:
-            raise UserError(f"--gpu-experts must be in 0..{total}, got {gpu_experts}")
-        return gpu_experts
-    return None
+    if gpu_experts is not None and gpu_experts > total:
+        raise UserError(f"--gpu-experts must be in 0..{total}, got {gpu_experts}")
+    return gpu_experts
 
 
 def _check_several_gpus(pol: Policy, n_cpu_layers: int) -> None:
@@ -1264,6 +1259,7 @@ def run_config(inp: RunInputs, size: RunSize, data: RunData, run: Run) -> dict[s
         "gpu_experts_per_gpu": size.budget if inp.mg is not None else None,
         **provenance(trace_path, inp.profile),
     }
+    config.update(declared_values(req, config))
     tier = inp.host_tier
     if tier is not None:  # only then: runs without a host budget keep their config
         config["host_memory_gb"] = tier.budget_bytes / 1e9

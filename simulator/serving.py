@@ -27,7 +27,7 @@ import dataclasses
 import math
 from collections import deque
 from collections.abc import Callable, Generator, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +38,7 @@ from daopsim.policies.base import Plan
 from daopsim.simulator.boundary import fill_layer_view
 from daopsim.simulator.core.loop import Step as CoreStep
 from daopsim.simulator.errors import UserError
+from daopsim.simulator.run_params import ServingOptions, ServingRequest, run_params
 from daopsim.simulator.trace import SequenceRouting
 
 if TYPE_CHECKING:
@@ -49,58 +50,23 @@ ARRIVAL_COLUMNS = ("request_id", "arrival_s", "prompt_tokens", "output_tokens", 
 PERCENTILES = (50, 90, 99)
 
 
-@dataclass(frozen=True)
-class ServingConfig:
-    """How requests arrive and are batched (``daopsim run`` serving options)."""
+@dataclass(frozen=True, kw_only=True)
+class ServingConfig(ServingOptions):
+    """How requests arrive and are batched: the batch's size and kind, and the serving
+    options as declared (:class:`~daopsim.simulator.run_params.ServingOptions`: arrivals,
+    KV-cache reserve, SLOs, chunked prefill, preemption, static prefill), each checked as
+    declared."""
 
     #: most requests decoding together
     batch: int = 1
     #: continuous (iteration-level) batching; False: static batches
     continuous: bool = False
-    #: Poisson arrivals per second (None: every request at time 0, or the arrival file's times)
-    arrival_rate: float | None = None
-    #: CSV or Parquet arrival file (docs/serving.md)
-    arrivals: str | None = None
-    #: GPU memory reserved for the KV cache before expert slots are sized (None: the default rule)
-    kv_cache_gb: float | None = None
-    #: service-level objectives in seconds (None: no objective)
-    slo_ttft: float | None = None
-    slo_tpot: float | None = None
-    #: chunked prefill: prompt tokens of one joining request carried per step beside the decode
-    #: tokens of the running requests (None: each prompt runs as a prefill step of its own)
-    prefill_chunk: int | None = None
-    #: KV cache allocated as tokens are written, the newest request preempted (recompute) when
-    #: it runs out; False: each request reserves its prompt plus output at admission
-    preempt: bool = False
-    #: static batches: "batched" (a batch's prompts prefill together in one step, as Hugging
-    #: Face generate runs a batch) or "per-request" (each prompt in a prefill step of its own);
-    #: None: batched for static batches without chunked prefill or preemption
-    static_prefill: str | None = None
 
     def __post_init__(self) -> None:
-        if self.batch < 1:
-            raise UserError(f"--batch/--max-batch must be at least 1, got {self.batch}")
-        if self.arrival_rate is not None and not (
-            math.isfinite(self.arrival_rate) and self.arrival_rate > 0
-        ):
-            raise UserError(f"--arrival-rate must be a positive number, got {self.arrival_rate}")
+        super().__post_init__()
         if self.arrival_rate is not None and self.arrivals is not None:
             raise UserError("give --arrival-rate or --arrivals, not both")
-        if self.kv_cache_gb is not None and not (
-            math.isfinite(self.kv_cache_gb) and self.kv_cache_gb > 0
-        ):
-            raise UserError(f"--kv-cache-gb must be a positive number, got {self.kv_cache_gb}")
-        for name, v in (("--slo-ttft", self.slo_ttft), ("--slo-tpot", self.slo_tpot)):
-            if v is not None and not (math.isfinite(v) and v > 0):
-                raise UserError(f"{name} must be a positive number of seconds, got {v}")
-        if self.prefill_chunk is not None and self.prefill_chunk < 1:
-            raise UserError(f"--prefill-chunk must be at least 1 token, got {self.prefill_chunk}")
         if self.static_prefill is not None:
-            if self.static_prefill not in STATIC_PREFILL:
-                raise UserError(
-                    f"--static-prefill must be one of {', '.join(STATIC_PREFILL)}, got "
-                    f"{self.static_prefill!r}"
-                )
             if self.continuous:
                 raise UserError(
                     "--static-prefill applies to static batches (--batch), not to continuous "
@@ -130,52 +96,40 @@ class ServingConfig:
 
 
 #: The ``--static-prefill`` choices (docs/serving.md, "Static batches prefill together").
-STATIC_PREFILL = ("batched", "per-request")
+STATIC_PREFILL: tuple[str, ...] = next(
+    p.choices or () for p in run_params("serving") if p.name == "static_prefill"
+)
 
 #: Most requests decoding together when requests arrive over time and no size is given.
 DEFAULT_MAX_BATCH = 8
 
 
-def serving_config(
-    batch: int | None,
-    max_batch: int | None,
-    arrival_rate: float | None,
-    arrivals: str | None,
-    kv_cache_gb: float | None,
-    slo_ttft: float | None,
-    slo_tpot: float | None,
-    prefill_chunk: int | None = None,
-    preempt: bool = False,
-    static_prefill: str | None = None,
-) -> ServingConfig | None:
-    """The serving configuration of ``run``'s options, or None when none is given.
+def serving_config(**options: Any) -> ServingConfig | None:
+    """The serving configuration of ``run``'s serving options (the keywords are the fields of
+    :class:`~daopsim.simulator.run_params.ServingRequest`), or None when none is given.
 
-    ``--batch B``: static batches; ``--max-batch B``: continuous batching; neither: continuous
+    ``batch=B``: static batches; ``max_batch=B``: continuous batching; neither: continuous
     batching of up to :data:`DEFAULT_MAX_BATCH` when requests arrive over time, else one
     request at a time.
     """
-    given = (batch, max_batch, arrival_rate, arrivals, kv_cache_gb, slo_ttft, slo_tpot)
-    if all(v is None for v in given) and prefill_chunk is None and not preempt:
-        if static_prefill is not None:
+    try:
+        req = ServingRequest(**options)
+    except TypeError as exc:
+        raise TypeError(str(exc).replace("ServingRequest.__init__()", "serving_config()")) from None
+    given = [f.name for f in fields(req) if getattr(req, f.name) != f.default]
+    if given in ([], ["static_prefill"]):
+        if given:
             raise UserError("--static-prefill needs static batches (--batch B)")
         return None
-    if batch is not None and max_batch is not None:
+    if req.batch is not None and req.max_batch is not None:
         raise UserError("give --batch (static batches) or --max-batch (continuous), not both")
-    timed = arrival_rate is not None or arrivals is not None
-    size = batch if batch is not None else max_batch
+    timed = req.arrival_rate is not None or req.arrivals is not None
+    size = req.batch if req.batch is not None else req.max_batch
     if size is None:
         size = DEFAULT_MAX_BATCH if timed else 1
+    shared = {f.name: getattr(req, f.name) for f in fields(ServingOptions)}
     return ServingConfig(
-        batch=size,
-        continuous=batch is None and (max_batch is not None or timed),
-        arrival_rate=arrival_rate,
-        arrivals=arrivals,
-        kv_cache_gb=kv_cache_gb,
-        slo_ttft=slo_ttft,
-        slo_tpot=slo_tpot,
-        prefill_chunk=prefill_chunk,
-        preempt=preempt,
-        static_prefill=static_prefill,
+        batch=size, continuous=req.batch is None and (req.max_batch is not None or timed), **shared
     )
 
 

@@ -61,7 +61,7 @@ from daopsim.simulator.output import (
 )
 from daopsim.simulator.output import write_table as _write_any_table
 from daopsim.simulator.progress import Progress
-from daopsim.simulator.run_params import RunParam, grid_params, run_params
+from daopsim.simulator.run_params import OTHER_GRID_KEYS, RunParam, grid_params, run_params
 from daopsim.simulator.runtime_profiles import get_runtime
 from daopsim.simulator.watchdog import watch_parent
 
@@ -117,14 +117,12 @@ SERVING_COLUMNS = (
     "goodput_requests_per_s",
 )
 EXECUTORS = ("local", "dask")
-#: grid keys that are not run parameters: the policies' options, and the results table
-_OTHER_GRID_KEYS = ("options", "out")
 
 
 def grid_keys() -> set[str]:
     """The keys of a grid file or dict: the declared run parameters' grid keys
     (simulator/run_params.py), ``options`` and ``out``."""
-    return {str(p.grid) for p in grid_params()} | set(_OTHER_GRID_KEYS)
+    return {str(p.grid) for p in grid_params()} | set(OTHER_GRID_KEYS)
 
 
 # --- grid -------------------------------------------------------------------------------------
@@ -457,14 +455,9 @@ def _option_axes(grid: Grid, policy_classes: dict[str, Any]) -> dict[str, list[d
 
 def _check_grid(grid: Grid) -> None:
     """Every value of the grid checked as its parameter declares, before any run."""
-    for attr, what in (
-        ("policies", "the sweep has no policies"),
-        ("hw", "the sweep has no machines (--hw)"),
-        ("traces", "the sweep has no traces"),
-        ("seeds", "the sweep has no seeds (--seeds)"),
-    ):
-        if not getattr(grid, attr):
-            raise UserError(what)
+    for p in grid_params():
+        if p.required and not getattr(grid, str(p.grid_attr)):
+            raise UserError(f"the sweep has no {p.grid} ({p.sweep_flag})")
     from daopsim.simulator.multigpu import check_mode_has_gpus
 
     check_mode_has_gpus(bool(grid.multi_gpu), max(grid.gpus, default=1))
@@ -481,19 +474,15 @@ def _check_grid(grid: Grid) -> None:
         get_runtime(name)  # an unknown name fails before any run
 
 
-#: axes a configuration takes apart from the plain product: where it runs (trace, machine),
-#: the policy and its options, the memory points (a union of two keys) and the GPU counts with
-#: their placements (a placement only for a count above 1)
-_OWN_AXES = ("trace", "hw", "policy", "cache_ratio", "gpu_experts", "gpus", "multi_gpu")
-
-
 def _point_axes(grid: Grid) -> list[list[dict[str, Any]]]:
     """The inner axes of the product, each a list of value dicts: memory points, then the
     other declared axes (serving ones first), then GPU counts with their placements."""
     memory = [{"cache_ratio": r, "gpu_experts": None} for r in grid.cache_ratios]
     memory += [{"cache_ratio": None, "gpu_experts": n} for n in grid.gpu_experts]
     axes = [memory or [{"cache_ratio": None, "gpu_experts": None}]]
-    plain = [p for p in grid_params() if p.axis and p.name not in _OWN_AXES]
+    # the axes a configuration takes apart from the plain product are declared with a group
+    # (RunParam.group: where it runs, the memory points, the GPU counts)
+    plain = [p for p in grid_params() if p.axis and p.group is None]
     for p in sorted(plain, key=lambda p: p.part != "serving"):  # arrival rates vary slowest
         values = list(dict.fromkeys(getattr(grid, str(p.grid_attr)))) or [p.default]
         axes.append([{p.name: v} for v in values])
@@ -780,6 +769,7 @@ def add_bounds(rows: list[dict[str, Any]], configs: list[Config]) -> None:
     fastest of its runtime and the bundled ones (:func:`daopsim.simulator.bounds.all_gpu_bound`,
     which caches: rows sharing all of these cost one set of runs)."""
     from daopsim.simulator.bounds import all_gpu_bound
+    from daopsim.simulator.run_params import bound_params
 
     for row, cfg in zip(rows, configs, strict=True):
         row["bound_tokens_per_s"], row["bound_runtime"] = None, None
@@ -787,16 +777,13 @@ def add_bounds(rows: list[dict[str, Any]], configs: list[Config]) -> None:
             continue
         ids = [int(x) for x in str(row["sequence_ids"]).split(",") if x]
         path = resolve_trace(cfg.trace) if cfg.trace_bundled else Path(cfg.trace_path)
-        b = all_gpu_bound(
-            cfg.hw,
-            path,
-            ids,
-            cfg.dtype,
-            cfg.host_dtype,
-            cfg.nonexpert_dtype,
-            str(row["runtime"]),
-            seed=cfg.seed,
-        )
+        values = dict(cfg.values)
+        shared = {
+            p.name: values.get(p.name, p.default)
+            for p in bound_params()
+            if p.name not in ("hw", "trace")
+        }
+        b = all_gpu_bound(cfg.hw, path, ids, str(row["runtime"]), **shared)
         row["bound_tokens_per_s"], row["bound_runtime"] = b.tokens_per_s, b.runtime
 
 

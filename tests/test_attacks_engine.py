@@ -64,9 +64,9 @@ class Writer(Policy):
 RUNS = {
     "fast": {},
     "reference": {"engine": "reference"},
-    "serving": {"serving": serving_config(None, 2, None, None, None, None, None), "sequences": 3},
+    "serving": {"serving": serving_config(max_batch=2), "sequences": 3},
     "serving reference": {
-        "serving": serving_config(None, 2, None, None, None, None, None),
+        "serving": serving_config(max_batch=2),
         "sequences": 3,
         "engine": "reference",
     },

@@ -310,7 +310,7 @@ def test_batched_serving_on_two_gpus(mode: str, batch: int | None, rate: float |
     and the batched steps' non-expert parts run on the layers' home GPUs."""
     from daopsim.simulator.serving import serving_config
 
-    sv = serving_config(batch, 4 if rate else None, rate, None, None, None, None)
+    sv = serving_config(batch=batch, max_batch=4 if rate else None, arrival_rate=rate)
     kw = {"gpus": 2, "multi_gpu": mode, "sequences": 4, "gpu_experts": 24, "serving": sv}
     fast = run("fiddler", **kw)
     ref = run("fiddler", engine="reference", **kw)

@@ -42,7 +42,7 @@ def runs() -> dict[str, RunResult]:
             policy="fiddler",
             trace="ci-small",
             sequences=4,
-            serving=serving_config(4, None, None, None, None, None, None),
+            serving=serving_config(batch=4),
         ),
         "two-gpus": simulate(
             policy="lru",

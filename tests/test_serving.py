@@ -887,12 +887,12 @@ def test_bad_serving_options_are_one_line(args: list[str], match: str) -> None:
 
 
 def test_serving_config_rules() -> None:
-    assert serving_config(None, None, None, None, None, None, None) is None
-    assert serving_config(4, None, None, None, None, None, None).continuous is False
-    assert serving_config(None, 4, None, None, None, None, None).continuous is True
-    timed = serving_config(None, None, 0.5, None, None, None, 0.5)
+    assert serving_config() is None
+    assert serving_config(batch=4).continuous is False
+    assert serving_config(max_batch=4).continuous is True
+    timed = serving_config(arrival_rate=0.5, slo_tpot=0.5)
     assert timed is not None and timed.continuous and timed.batch == 8
-    only_slo = serving_config(None, None, None, None, None, 1.0, None)
+    only_slo = serving_config(slo_ttft=1.0)
     assert only_slo is not None and only_slo.batch == 1 and not only_slo.continuous
     assert math.isnan(Request(0, 0, 0.0, 0, 1, None).tpot)  # type: ignore[arg-type]
 

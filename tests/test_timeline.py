@@ -34,7 +34,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "fiddler-batched": {
         "policy": "fiddler",
         "sequences": 4,
-        "serving": serving_config(4, None, None, None, None, None, None),
+        "serving": serving_config(batch=4),
     },
 }
 
