@@ -313,7 +313,7 @@ class _Point:
     runtime: str | None
 
     def grid(self, path: str, sequences: int, variants: dict[str, list[dict[str, Any]]]) -> Any:
-        from daopsim.simulator.sweep import Grid
+        from daopsim.simulator.grid import Grid
 
         return Grid(
             policies=list(variants),
@@ -404,7 +404,7 @@ def advise(
     target: rows below it are left out and each machine is judged against it, the cheapest
     that reaches it (by ``prices``, name -> amount, else by energy per token) named.
     """
-    from daopsim.simulator.sweep import check_fidelity_floor
+    from daopsim.simulator.sweep_table import check_fidelity_floor
     from daopsim.simulator.trace import read_meta
 
     hws = [hw] if isinstance(hw, str) else list(hw)
@@ -450,7 +450,7 @@ def _search_coarse(
 ) -> None:
     """Stage 1: each policy's defaults, its listed values one at a time and its ranges at
     coarse steps on every point; a bound only at the largest budget."""
-    from daopsim.simulator.runner import keeps_nothing_resident
+    from daopsim.simulator.fit import keeps_nothing_resident
 
     for pt in points:
         for pol, cls in classes.items():
@@ -552,7 +552,8 @@ class _Search:
 
     def run(self) -> None:
         """Run every configuration asked for since the last call, in one pool."""
-        from daopsim.simulator.sweep import expand, run_configs
+        from daopsim.simulator.sweep import run_configs
+        from daopsim.simulator.sweep_expand import expand
 
         if not self.pending:
             return

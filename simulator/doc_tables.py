@@ -2,8 +2,8 @@
 from the declaration it lists, so a page never lists by hand what the code declares.
 
 - docs/metrics.md: one table per section of the metric registry (simulator/metrics.py,
-  :func:`~daopsim.simulator.metrics.render_doc`), between ``<!-- metrics-table:SECTION:start
-  -->`` and its end marker;
+  :func:`~daopsim.simulator.metrics.section_table`), between
+  ``<!-- metrics-table:SECTION:start -->`` and its end marker (:func:`render_metrics`);
 - docs/sweeps.md: the keys of a sweep grid and a ``run --config`` file, from the run
   declaration (simulator/run_params.py, :func:`~daopsim.simulator.run_params.grid_table`),
   between ``<!-- grid-keys:start -->`` and ``<!-- grid-keys:end -->``.
@@ -30,6 +30,18 @@ def replace_block(text: str, name: str, body: str, page: str) -> str:
     return f"{head}{start}\n{body}\n{end}{tail}"
 
 
+def render_metrics(text: str) -> str:
+    """docs/metrics.md with each section's table generated from the metric registry; every
+    section of the registry must have its markers (a ValueError names the missing one)."""
+    from daopsim.simulator.metrics import METRICS, section_table
+
+    for section in dict.fromkeys(m.section for m in METRICS):
+        text = replace_block(
+            text, f"metrics-table:{section}", section_table(section), "docs/metrics.md"
+        )
+    return text
+
+
 def render_sweeps(text: str) -> str:
     """docs/sweeps.md with its grid-key table generated from the run declaration."""
     from daopsim.simulator.run_params import grid_table
@@ -37,15 +49,9 @@ def render_sweeps(text: str) -> str:
     return replace_block(text, "grid-keys", grid_table(), "docs/sweeps.md")
 
 
-def _render_metrics(text: str) -> str:
-    from daopsim.simulator.metrics import render_doc
-
-    return render_doc(text)
-
-
 #: every page with generated tables (relative to the repository) and its renderer
 PAGES: dict[str, Callable[[str], str]] = {
-    "docs/metrics.md": _render_metrics,
+    "docs/metrics.md": render_metrics,
     "docs/sweeps.md": render_sweeps,
 }
 

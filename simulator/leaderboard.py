@@ -467,7 +467,8 @@ def run_leaderboard(
     ``extra_policies`` adds policies (a plugin, a policy under test) to the built-in ones;
     rows already in ``runs`` are not simulated again (a key is the run's content)."""
     from daopsim.policies.registry import get_policy_class
-    from daopsim.simulator.sweep import Grid, run_sweep
+    from daopsim.simulator.grid import Grid
+    from daopsim.simulator.sweep import run_sweep
     from daopsim.simulator.trace import read_meta
 
     board = lb if isinstance(lb, Leaderboard) else load_leaderboard(lb)

@@ -10,10 +10,9 @@ the run's statistics), and its row in ``daopsim run``'s table. From :data:`METRI
   ``metrics`` of ``run --json`` (``RunResult.to_dict``), the golden store (``daopsim regress``
   stores that object) and the sweep table's metric columns,
 - the rows of ``daopsim run``'s table (:func:`table_rows`),
-- the metric tables of docs/metrics.md (:func:`render_doc`; ``make docs-metrics``
-  (simulator/doc_tables.py) or ``python -m daopsim.simulator.metrics docs/metrics.md``
-  rewrites them, and tests/test_run_declaration.py checks the committed page equals the
-  generated one).
+- the metric tables of docs/metrics.md (:func:`section_table`; ``make docs-metrics``,
+  simulator/doc_tables.py, rewrites them, and tests/test_run_declaration.py checks the
+  committed page equals the generated one).
 
 The code that derives a surface reads :data:`METRICS` when it runs, so a metric added here
 reaches every surface (tests/test_run_declaration.py adds one). Definitions: docs/metrics.md.
@@ -21,11 +20,9 @@ reaches every surface (tests/test_run_declaration.py adds one). Definitions: doc
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -534,32 +531,3 @@ def section_table(section: str) -> str:
         units = ", ".join(dict.fromkeys(m.unit for m in ms))
         lines.append(f"| {names} | {units} | {doc} |")
     return "\n".join(lines)
-
-
-def render_doc(text: str) -> str:
-    """``text`` (docs/metrics.md) with each generated table replaced by the registry's: the
-    table between ``<!-- metrics-table:SECTION:start -->`` and its end marker. Every section
-    of the registry must have its markers (a ValueError names the missing one)."""
-    from daopsim.simulator.doc_tables import replace_block
-
-    for section in dict.fromkeys(m.section for m in METRICS):
-        text = replace_block(text, f"metrics-table:{section}", section_table(section), DOC)
-    return text
-
-
-def main(argv: list[str]) -> int:
-    """``python -m daopsim.simulator.metrics [PATH]``: rewrite PATH's (docs/metrics.md's)
-    metric tables from the registry (``make docs-metrics``)."""
-    from daopsim.simulator.output import write_text
-
-    path = Path(argv[0] if argv else DOC)
-    old = path.read_text(encoding="utf-8")
-    new = render_doc(old)
-    if new != old:
-        write_text(path, new)
-    print(f"{path}: {'rewritten' if new != old else 'unchanged'}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -72,7 +72,7 @@ def _mpl() -> Any:
 def _table(df: pd.DataFrame | str | os.PathLike[str]) -> pd.DataFrame:
     if isinstance(df, pd.DataFrame):
         return df
-    from daopsim.simulator.sweep import read_table
+    from daopsim.simulator.sweep_table import read_table
 
     return read_table(df)
 

@@ -2,7 +2,7 @@
 
 A run's parameters are the fields of two dataclasses: :class:`RunRequest` (the keywords of
 ``simulate()``) and :class:`ServingRequest` (the options of ``daopsim run`` that make the
-run's :class:`~daopsim.simulator.serving.ServingConfig`). Each field is declared once with
+run's :class:`~daopsim.simulator.serving_config.ServingConfig`). Each field is declared once with
 :func:`param`: its default, a doc line, its value type, its ``daopsim run`` flag, its key in a
 sweep grid (and whether that key is an axis of several values), whether the bounds beside a
 run take it, and a check of a value. From the declaration come:
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from daopsim.simulator.hardware import HardwareProfile
     from daopsim.simulator.recorder import Recorder
     from daopsim.simulator.runtime_profiles import RuntimeProfile
-    from daopsim.simulator.serving import ServingConfig
+    from daopsim.simulator.serving_config import ServingConfig
 
 #: a check of one value: raises a one-line UserError naming ``label`` (a flag or a grid key)
 Check = Callable[[Any, str], None]
@@ -156,7 +156,7 @@ def _positive_count(value: Any, label: str) -> None:
 
 def _gpu_count(value: Any, label: str) -> None:
     if value < 1:
-        raise UserError(f"gpus {value} is not a positive count")
+        raise UserError(f"{label} must be >= 1, got {value}")
 
 
 def _seed(value: Any, label: str) -> int:
@@ -174,7 +174,14 @@ def _multi_gpu_mode(value: Any, label: str) -> None:
     from daopsim.simulator.multigpu import MODES
 
     if value not in MODES:
-        raise UserError(f"multi_gpu {value!r} is not one of {list(MODES)}")
+        raise UserError(f"{label} must be one of {list(MODES)}, got {value!r}")
+
+
+def _expert_placement(value: Any, label: str) -> None:
+    from daopsim.simulator.multigpu import EXPERT_PLACEMENTS
+
+    if value not in EXPERT_PLACEMENTS:
+        raise UserError(f"{label} must be one of {list(EXPERT_PLACEMENTS)}, got {value!r}")
 
 
 # -- the declaration ---------------------------------------------------------------------------
@@ -298,7 +305,7 @@ class RunRequest:
     expert_placement: str | None = param(
         None, "With --multi-gpu expert: 'mod' (expert e on GPU e mod N; default) or "
         "'balanced' (calibration popularity spread evenly: largest first onto the "
-        "least-loaded GPU).", kind=str, flag="--expert-placement",
+        "least-loaded GPU).", kind=str, flag="--expert-placement", check=_expert_placement,
     )  # fmt: skip
 
     def __post_init__(self) -> None:
@@ -308,8 +315,9 @@ class RunRequest:
 @dataclass(frozen=True, kw_only=True)
 class ServingOptions:
     """The serving options a run's serving configuration holds as they were given: the part
-    of :class:`ServingRequest` that :class:`~daopsim.simulator.serving.ServingConfig` inherits
-    (docs/serving.md). Each value is checked as declared when the object is made."""
+    of :class:`ServingRequest` that
+    :class:`~daopsim.simulator.serving_config.ServingConfig` inherits (docs/serving.md). Each
+    value is checked as declared when the object is made."""
 
     arrival_rate: float | None = param(
         None, "Requests arrive by a Poisson process of R per second (seeded by --seed).",
@@ -358,7 +366,7 @@ class ServingOptions:
 class ServingRequest(ServingOptions):
     """The serving options of ``daopsim run``: how big a batch is and how it is formed, then
     the options :class:`ServingOptions` declares (``serving.serving_config`` turns them into
-    the run's :class:`~daopsim.simulator.serving.ServingConfig`; docs/serving.md)."""
+    the run's :class:`~daopsim.simulator.serving_config.ServingConfig`; docs/serving.md)."""
 
     batch: int | None = param(
         None, "Static batches of up to B requests (a batch starts when the previous one is "

@@ -334,7 +334,7 @@ class Report:
 
 def _serving(sim: dict[str, Any]) -> Any:
     """The ``ServingConfig`` of a row's serving keys (None without any)."""
-    from daopsim.simulator.serving import serving_config
+    from daopsim.simulator.serving_config import serving_config
 
     if not any(k in sim for k in SERVING_SIM_KEYS):
         return None

@@ -19,7 +19,7 @@ from daopsim.policies.base import Action, Plan, Policy
 from daopsim.simulator.cli import main
 from daopsim.simulator.errors import PolicyError
 from daopsim.simulator.runner import simulate
-from daopsim.simulator.serving import serving_config
+from daopsim.simulator.serving_config import serving_config
 from daopsim.simulator.testing import make_trace
 
 #: View fields that are arrays a policy reads

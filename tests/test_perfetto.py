@@ -20,7 +20,7 @@ import pytest
 from daopsim.simulator.perfetto import write_events
 from daopsim.simulator.results import RunResult, _json_safe
 from daopsim.simulator.runner import simulate
-from daopsim.simulator.serving import serving_config
+from daopsim.simulator.serving_config import serving_config
 from daopsim.simulator.testing import perfetto_reference
 
 

@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 
 from daopsim.simulator.errors import UserError
+from daopsim.simulator.grid import Grid
 from daopsim.simulator.plots import (
     KINDS,
     breakdown_table,
@@ -19,7 +20,8 @@ from daopsim.simulator.plots import (
     plot_throughput,
     save_figure,
 )
-from daopsim.simulator.sweep import Grid, fidelity_floor, sweep
+from daopsim.simulator.sweep import sweep
+from daopsim.simulator.sweep_table import fidelity_floor
 from daopsim.simulator.testing import make_trace
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -270,7 +272,7 @@ def test_approximate_routing_is_marked(results: Path, cli: Any, tmp_path: Path) 
 
     matplotlib.use("Agg")
     from daopsim.simulator import plots
-    from daopsim.simulator.sweep import read_table
+    from daopsim.simulator.sweep_table import read_table
 
     df = read_table(results)
     df.loc[df["policy"] == "static", "gate_mass_preserved"] = 0.9

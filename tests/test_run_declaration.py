@@ -28,12 +28,16 @@ from daopsim.simulator import metrics as metric_registry
 from daopsim.simulator import run_params, runner
 from daopsim.simulator.bounds import all_gpu_bound
 from daopsim.simulator.commands import run_cmd, sweep_cmd
-from daopsim.simulator.doc_tables import render_sweeps
+from daopsim.simulator.doc_tables import render_metrics, render_sweeps
 from daopsim.simulator.errors import UserError
-from daopsim.simulator.metrics import Metric, render_doc, section_table
+from daopsim.simulator.grid import Grid, grid_keys
+from daopsim.simulator.metrics import Metric, section_table
 from daopsim.simulator.run_params import RunParam
-from daopsim.simulator.serving import serving_config
-from daopsim.simulator.sweep import Grid, expand, grid_keys, run_config, run_sweep, to_frame
+from daopsim.simulator.serving_config import serving_config
+from daopsim.simulator.sweep import run_sweep
+from daopsim.simulator.sweep_expand import expand
+from daopsim.simulator.sweep_row import run_config
+from daopsim.simulator.sweep_table import to_frame
 
 RUN = ["--policy", "lru", "--trace", "ci-small", "--cache-ratio", "0.25", "--sequences", "1"]
 DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
@@ -268,7 +272,7 @@ def test_a_registered_metric_is_a_sweep_column_and_in_the_golden_store(double: N
 
 def test_a_registered_metric_is_in_the_docs_table(double: None) -> None:
     """The generated docs/metrics.md has a row for the new metric in its section's table."""
-    text = render_doc(DOC.read_text(encoding="utf-8"))
+    text = render_metrics(DOC.read_text(encoding="utf-8"))
     row = f"| `double_tokens` | count | {DOUBLE.doc} |"
     assert row in section_table("counts").splitlines() and row in text.splitlines()
     counts = text.split("## Counts", 1)[1].split("## ", 1)[0]
@@ -279,4 +283,4 @@ def test_the_metrics_page_is_generated_from_the_registry() -> None:
     """The committed docs/metrics.md holds exactly the tables the registry generates (rewrite
     them with `make docs-metrics`)."""
     text = DOC.read_text(encoding="utf-8")
-    assert render_doc(text) == text, "docs/metrics.md is stale: run `make docs-metrics`"
+    assert render_metrics(text) == text, "docs/metrics.md is stale: run `make docs-metrics`"

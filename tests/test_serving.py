@@ -25,23 +25,19 @@ from hypothesis import strategies as st
 import daopsim.simulator.runner as runner_mod
 from daopsim.policies.lru import LRUPolicy
 from daopsim.policies.registry import available
+from daopsim.simulator.arrivals import poisson_arrivals, read_arrivals
 from daopsim.simulator.cli import main
 from daopsim.simulator.core.loop import Engine
 from daopsim.simulator.costs import cost_model
 from daopsim.simulator.errors import UserError
+from daopsim.simulator.fit import policy_buffers
 from daopsim.simulator.hardware import load_profile
 from daopsim.simulator.recorder import Recorder
 from daopsim.simulator.regress import compare, default_grid, default_store, load_baseline, run_cell
-from daopsim.simulator.runner import policy_buffers, simulate
-from daopsim.simulator.serving import (
-    Request,
-    Serving,
-    ServingConfig,
-    dense,
-    poisson_arrivals,
-    read_arrivals,
-    serving_config,
-)
+from daopsim.simulator.runner import simulate
+from daopsim.simulator.serving import Serving
+from daopsim.simulator.serving_config import ServingConfig, serving_config
+from daopsim.simulator.serving_requests import Request, dense
 from daopsim.simulator.testing import ChaosPolicy, routing_from_experts, tiny_model
 
 TRACE = "ci-small"
@@ -387,7 +383,7 @@ def test_stream_all_streams_one_pass_for_a_batched_prefill() -> None:
 
 def test_the_clairvoyant_oracle_follows_the_batched_prefill() -> None:
     """The oracle's steps are the engine's: one step for a static batch's prompts."""
-    from daopsim.simulator.serving import schedule_steps
+    from daopsim.simulator.scheduler import schedule_steps
 
     model = tiny_model()
     prompts = [[[5, 1], [5, 2]], [[5, 6]], [[5, 7], [6, 1]], [[3, 4]]]
@@ -548,7 +544,7 @@ def test_batch_one_with_whole_prompt_chunks_or_preemption_reproduces_the_plain_r
 
 
 def test_clairvoyant_oracle_follows_the_chunked_schedule() -> None:
-    from daopsim.simulator.serving import extended_schedule_steps
+    from daopsim.simulator.scheduler import extended_schedule_steps
 
     cfg = ServingConfig(batch=4, prefill_chunk=8, preempt=True, kv_cache_gb=0.04)
     res = simulate(policy="belady", trace=TRACE, record=True, serving=cfg)
@@ -592,7 +588,7 @@ def test_a_tiny_kv_cache_forces_preemption_and_keeps_every_invariant() -> None:
 
 
 def test_the_newest_request_is_the_one_preempted() -> None:
-    from daopsim.simulator.serving import Scheduler, plan_steps
+    from daopsim.simulator.scheduler import Scheduler, plan_steps
 
     model = tiny_model()
     rng = np.random.default_rng(2)
@@ -901,8 +897,10 @@ def test_serving_config_rules() -> None:
 
 
 def test_an_arrival_rate_sweep_and_its_latency_load_plot(tmp_path: Path) -> None:
+    from daopsim.simulator.grid import Grid
     from daopsim.simulator.plots import plot_latency_load
-    from daopsim.simulator.sweep import Grid, expand, run_sweep
+    from daopsim.simulator.sweep import run_sweep
+    from daopsim.simulator.sweep_expand import expand
 
     grid = Grid(
         policies=["lru"],
@@ -939,7 +937,8 @@ def test_an_arrival_rate_sweep_and_its_latency_load_plot(tmp_path: Path) -> None
 
 
 def test_serving_grid_keys_are_checked() -> None:
-    from daopsim.simulator.sweep import Grid, expand
+    from daopsim.simulator.grid import Grid
+    from daopsim.simulator.sweep_expand import expand
 
     with pytest.raises(UserError, match="max_batch needs an arrival_rate axis"):
         expand(Grid(policies=["lru"], traces=[TRACE], max_batch=4))

@@ -128,7 +128,7 @@ def load_run_config(path: str, chosen: str | None = None) -> dict[str, Any]:
     memory points, is a one-line error naming the key. ``chosen`` is the policy given on the
     command line instead of the file's: options scoped to another policy stay with it (as
     ``sweep --policies`` drops the options of the policies it leaves out)."""
-    from daopsim.simulator.sweep import load_grid_file
+    from daopsim.simulator.grid import load_grid_file
 
     grid, out = load_grid_file(path)
     memory = [*grid.cache_ratios, *grid.gpu_experts]
@@ -456,7 +456,7 @@ def _simulate_run(cmd: dict[str, Any], given: dict[str, Any], options: dict[str,
     beside it), write the outputs; returns the result."""
     from daopsim.simulator.run_params import run_params
     from daopsim.simulator.runner import simulate
-    from daopsim.simulator.serving import serving_config
+    from daopsim.simulator.serving_config import serving_config
 
     serving = serving_config(**{p.name: given[p.name] for p in run_params("serving")})
     run_args = {p.name: given[p.name] for p in run_params("run") if p.flag}
