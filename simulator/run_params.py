@@ -1,18 +1,23 @@
 """One declaration of a run's parameters, from which every surface that names them is derived.
 
-A run's parameters are the fields of two dataclasses: :class:`RunRequest` (the keywords of
-``simulate()``) and :class:`ServingRequest` (the options of ``daopsim run`` that make the
-run's :class:`~daopsim.simulator.serving_config.ServingConfig`). Each field is declared once with
-:func:`param`: its default, a doc line, its value type, its ``daopsim run`` flag, its key in a
-sweep grid (and whether that key is an axis of several values), whether the bounds beside a
-run take it, and a check of a value. From the declaration come:
+A run's parameters are the fields of :class:`RunRequest` (the keywords of ``simulate()``) and
+of the serving declarations: :class:`ServingOptions` (the options a run's
+:class:`~daopsim.simulator.serving_config.ServingConfig` inherits and holds as given) and
+:class:`ServingRequest` (adds how a batch is formed). Each field is declared once with
+:func:`param`: its default, a doc line, its value type and choices, its ``daopsim run`` flag,
+its key in a sweep grid (whether that key is an axis of several values, must not be empty, or
+is expanded apart from the plain product), whether the bounds beside a run take it, and a check
+of a value. From the declaration come:
 
-- ``simulate()``'s keywords and signature (simulator/runner.py builds a :class:`RunRequest`
-  from what it is given),
-- the options of ``daopsim run`` and their help text (:func:`click_options`),
+- ``simulate()``'s keywords, signature and value checks (simulator/runner.py builds a
+  :class:`RunRequest` from what it is given; :func:`check_declared`),
+- the options of ``daopsim run`` and their help text (simulator/commands/run_cmd.py), and
+  the run options its configuration (``run --json``) reports (:func:`declared_values`),
 - the keys of ``run --config`` and of a sweep grid (``Grid``, ``daopsim sweep``'s grid flags;
-  :func:`grid_params`),
-- the arguments of the bounds run beside a result (:func:`bound_arguments`).
+  :func:`grid_params`) and docs/sweeps.md's table of them (:func:`grid_table`),
+- the arguments of every bounds run beside a result (:func:`bound_params`,
+  :func:`bound_arguments`),
+- the fields of ``ServingConfig`` and the keywords of ``serving_config``.
 
 :data:`RUN_PARAMS` lists them in order; the code that derives a surface reads it when it runs,
 so a field added here reaches every surface (tests/test_run_declaration.py adds one).
