@@ -93,9 +93,11 @@ bench: $(FULL) $(NATIVE)
 
 # how much of the engine core the reference-equivalence tests run (>= 99 %; the interpreted
 # core, since a compiled one reports no lines)
-# the metric tables of docs/metrics.md, from the registry in simulator/metrics.py
+# the generated tables of the docs: docs/metrics.md's from the metric registry
+# (simulator/metrics.py), docs/sweeps.md's grid keys from the run declaration
+# (simulator/run_params.py)
 docs-metrics: $(BASE)
-	$(PY) -m daopsim.simulator.metrics docs/metrics.md
+	$(PY) -m daopsim.simulator.doc_tables
 
 reference-coverage: $(FULL)
 	DAOPSIM_PURE_PYTHON=1 $(PY) tests/reference_coverage.py

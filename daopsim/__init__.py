@@ -74,6 +74,8 @@ if TYPE_CHECKING:  # the real objects, for type checkers and IDEs
     from daopsim.simulator.data import bundled_traces
     from daopsim.simulator.data import resolve_trace as trace_path
     from daopsim.simulator.errors import PolicyError, UserError
+    from daopsim.simulator.fit import expert_fit
+    from daopsim.simulator.grid import Grid
     from daopsim.simulator.hardware import list_profiles, load_profile
     from daopsim.simulator.importers import import_trace
     from daopsim.simulator.importers_common import ImportOptions
@@ -93,18 +95,13 @@ if TYPE_CHECKING:  # the real objects, for type checkers and IDEs
     from daopsim.simulator.plots_common import realisable
     from daopsim.simulator.plots_pareto import pareto_front, plot_pareto
     from daopsim.simulator.results import RunResult
-    from daopsim.simulator.runner import expert_fit, runtime_cost_model, simulate
+    from daopsim.simulator.run_costs import runtime_cost_model
+    from daopsim.simulator.runner import simulate
     from daopsim.simulator.runtime_profiles import get_runtime, runtime_names
-    from daopsim.simulator.serving import ServingConfig
+    from daopsim.simulator.serving_config import ServingConfig
     from daopsim.simulator.stats import trace_stats
-    from daopsim.simulator.sweep import (
-        Grid,
-        SweepSummary,
-        read_table,
-        run_sweep,
-        seed_summary,
-        sweep,
-    )
+    from daopsim.simulator.sweep import SweepSummary, run_sweep, sweep
+    from daopsim.simulator.sweep_table import read_table, seed_summary
     from daopsim.simulator.synth import synth, write_synthetic
     from daopsim.simulator.synth_params import PRESETS as synth_presets
     from daopsim.simulator.synth_params import SynthParams
@@ -126,19 +123,14 @@ def _names(module: str, *names: str) -> dict[str, tuple[str, str | None]]:
 #: public name -> (module, attribute; None for the module itself), imported on first use
 _LAZY: dict[str, tuple[str, str | None]] = {
     # running
-    **_names("daopsim.simulator.runner", "simulate", "expert_fit"),
-    **_names("daopsim.simulator.serving", "ServingConfig"),
+    **_names("daopsim.simulator.runner", "simulate"),
+    **_names("daopsim.simulator.fit", "expert_fit"),
+    **_names("daopsim.simulator.serving_config", "ServingConfig"),
     **_names("daopsim.simulator.results", "RunResult"),
     **_names("daopsim.simulator.bounds", "all_gpu_bound"),
-    **_names(
-        "daopsim.simulator.sweep",
-        "sweep",
-        "run_sweep",
-        "Grid",
-        "SweepSummary",
-        "read_table",
-        "seed_summary",
-    ),
+    **_names("daopsim.simulator.sweep", "sweep", "run_sweep", "SweepSummary"),
+    **_names("daopsim.simulator.grid", "Grid"),
+    **_names("daopsim.simulator.sweep_table", "read_table", "seed_summary"),
     **_names("daopsim.simulator.advise", "advise"),
     **_names("daopsim.simulator.compare", "compare"),
     # plots of a sweep table
@@ -176,7 +168,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     **_names("daopsim.simulator.runtime_profiles", "get_runtime", "runtime_names"),
     **_names("daopsim.simulator.models", "get_model", "DTYPES"),
     **_names("daopsim.simulator.costs", "cost_model"),
-    **_names("daopsim.simulator.runner", "runtime_cost_model"),
+    **_names("daopsim.simulator.run_costs", "runtime_cost_model"),
     # writing a policy
     **_names(
         "daopsim.policies.base",

@@ -43,7 +43,7 @@ _LAZY = {
     "simulate": ("daopsim.simulator.runner", "simulate"),
     "RunResult": ("daopsim.simulator.results", "RunResult"),
     "run_sweep": ("daopsim.simulator.sweep", "run_sweep"),
-    "Grid": ("daopsim.simulator.sweep", "Grid"),
+    "Grid": ("daopsim.simulator.grid", "Grid"),
     "plots": ("daopsim.simulator.plots", None),
     "load_profile": ("daopsim.simulator.hardware", "load_profile"),
     "get_model": ("daopsim.simulator.models", "get_model"),

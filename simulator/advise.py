@@ -197,7 +197,7 @@ def advise(
     target: rows below it are left out and each machine is judged against it, the cheapest
     that reaches it (by ``prices``, name -> amount, else by energy per token) named.
     """
-    from daopsim.simulator.sweep import check_fidelity_floor
+    from daopsim.simulator.sweep_table import check_fidelity_floor
     from daopsim.simulator.trace_read import read_meta
 
     hws = [hw] if isinstance(hw, str) else list(hw)

@@ -98,7 +98,7 @@ class _Point:
     runtime: str | None
 
     def grid(self, path: str, sequences: int, variants: dict[str, list[dict[str, Any]]]) -> Any:
-        from daopsim.simulator.sweep import Grid
+        from daopsim.simulator.grid import Grid
 
         return Grid(
             policies=list(variants),
@@ -117,7 +117,7 @@ def _search_coarse(
 ) -> None:
     """Stage 1: each policy's defaults, its listed values one at a time and its ranges at
     coarse steps on every point; a bound only at the largest budget."""
-    from daopsim.simulator.runner import keeps_nothing_resident
+    from daopsim.simulator.fit import keeps_nothing_resident
 
     for pt in points:
         for pol, cls in classes.items():

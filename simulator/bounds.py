@@ -121,34 +121,38 @@ def all_gpu_bound(
     hw: Any,
     trace: Any,
     evaluate: list[int],
-    dtype: str | None,
-    host_dtype: str | None,
-    nonexpert_dtype: str | None,
-    runtime: str | RuntimeProfile,
-    seed: int = 0,
+    runtime: str | RuntimeProfile = "ideal",
+    **shared: Any,
 ) -> AllGpuBound:
-    """The all-GPU bound for a run of ``evaluate`` (sequence ids) of ``trace`` on ``hw`` at the
-    given precisions, whose runtime is ``runtime`` (a name or a profile).
+    """The all-GPU bound for a run of ``evaluate`` (sequence ids) of ``trace`` on ``hw`` whose
+    runtime is ``runtime`` (a name or a profile). ``shared``: the run's other ``simulate()``
+    keywords the declaration gives the bounds (simulator/run_params.py, ``bounds=``: ``dtype``,
+    ``host_dtype``, ``nonexpert_dtype``, ``seed``, ...); another keyword is a TypeError.
 
     The experts run at the run's GPU precision and, when its host copies have another one, at
     that precision too (a run that computes experts on the host at a smaller precision can beat
     every expert on the GPU at a larger one): the faster counts."""
+    from daopsim.simulator.run_params import bound_params
+
+    known = {p.name for p in bound_params()} - {"hw", "trace"}
+    unknown = sorted(set(shared) - known)
+    if unknown:
+        raise TypeError(f"all_gpu_bound() got an unexpected keyword argument {unknown[0]!r}")
     own = get_runtime(runtime)
+    dtype, host_dtype = shared.get("dtype"), shared.get("host_dtype")
     precisions = [(dtype, host_dtype)]
     if host_dtype is not None and host_dtype != dtype:
         precisions.append((host_dtype, host_dtype))
     runs: dict[tuple[str, str | None], dict[str, Any]] = {}
     for r in bound_runtimes(own):
         for gpu_dtype, host in precisions:
+            args = {**shared, "dtype": gpu_dtype, "host_dtype": host}
             runs[r.name, gpu_dtype] = _all_gpu_metrics(
                 _hashable(hw),
                 str(trace) if trace is not None else None,
                 tuple(int(s) for s in evaluate),
-                gpu_dtype,
-                host,
-                nonexpert_dtype,
                 r,
-                seed,
+                tuple(sorted(args.items())),
             )
     best = max(runs, key=lambda k: (runs[k]["tokens_per_s"], k == (own.name, dtype)))
     out: dict[str, float] = {}
@@ -165,21 +169,19 @@ def all_gpu_bound(
     )
 
 
-def bound_for_result(result: Any, hw: Any, trace: Any) -> AllGpuBound:
+def bound_for_result(result: Any, hw: Any, trace: Any, **run_args: Any) -> AllGpuBound:
     """The all-GPU bound of a :class:`~daopsim.simulator.results.RunResult` (its sequences,
-    precisions, seed and runtime), on ``hw`` and ``trace`` as the run was given them."""
+    runtime and the values of the parameters declared for the bounds: precisions, seed, ...),
+    on ``hw`` and ``trace`` as the run was given them; ``run_args``, the run's other
+    ``simulate()`` keywords, win over what its configuration recorded."""
+    from daopsim.simulator.run_params import bound_arguments, bound_params
+
     c = result.config
+    given = {p.name: c[p.name] for p in bound_params() if p.name in c}
+    shared = bound_arguments({**given, **run_args, "hw": hw, "trace": trace}, c)
+    del shared["hw"], shared["trace"]
     rt = c.get("runtime") or {}
-    return all_gpu_bound(
-        hw,
-        trace,
-        c["sequence_ids"],
-        c.get("dtype"),
-        c.get("host_dtype"),
-        c.get("nonexpert_dtype"),
-        _runtime_from_config(rt),
-        seed=int(c.get("seed") or 0),
-    )
+    return all_gpu_bound(hw, trace, c["sequence_ids"], _runtime_from_config(rt), **shared)
 
 
 def _runtime_from_config(rt: dict[str, Any]) -> RuntimeProfile | str:
@@ -224,13 +226,11 @@ def _all_gpu_metrics(
     hw: Any,
     trace: str | None,
     evaluate: tuple[int, ...],
-    dtype: str | None,
-    host_dtype: str | None,
-    nonexpert_dtype: str | None,
     runtime: RuntimeProfile,
-    seed: int,
+    shared: tuple[tuple[str, Any], ...],
 ) -> dict[str, Any]:
-    """The bound's metrics of one all-GPU run (cached: a sweep asks once per group of rows)."""
+    """The bound's metrics of one all-GPU run (cached: a sweep asks once per group of rows);
+    ``shared``: the run's declared bound parameters as sorted (name, value) pairs."""
     from daopsim.simulator.runner import simulate
 
     r = simulate(
@@ -238,12 +238,9 @@ def _all_gpu_metrics(
         hw=hw.profile if isinstance(hw, _ProfileKey) else hw,
         trace=trace,
         evaluate=list(evaluate),
-        dtype=dtype,
-        host_dtype=host_dtype,
-        nonexpert_dtype=nonexpert_dtype,
         runtime=runtime,
-        seed=seed,
         record=False,
+        **dict(shared),
     )
     out: dict[str, Any] = {k: float(r.metrics[k]) for k in _METRICS}
     out["dtype"] = r.config["dtype"]

@@ -77,7 +77,9 @@ def compare(
     column with status ``skipped``; a failed run one with status ``error``.
     """
     from daopsim.simulator.data import DEFAULT_TRACE
-    from daopsim.simulator.sweep import Grid, expand, run_configs
+    from daopsim.simulator.grid import Grid
+    from daopsim.simulator.sweep import run_configs
+    from daopsim.simulator.sweep_expand import expand
 
     hws = [hw] if isinstance(hw, str) else list(hw)
     _check_inputs(policies, hws, sequences, cache_ratio, gpu_experts, dtype, options)
@@ -153,7 +155,7 @@ def _check_inputs(
 
         if dtype not in DTYPES:
             raise UserError(f"--dtype: unknown precision {dtype!r}{did_you_mean(dtype, DTYPES)}")
-    from daopsim.simulator.runner import requested_budget
+    from daopsim.simulator.fit import requested_budget
 
     requested_budget(cache_ratio, gpu_experts, 1 << 62)  # the ranges, before the model is known
 

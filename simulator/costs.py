@@ -1036,7 +1036,7 @@ class CostModel:
     def gpu_expert_slots(self, kv_tokens: int = 0) -> int:
         """Expert-sized slots in the free GPU memory, capped at the model's experts.
 
-        Policy buffers are not subtracted here; ``daopsim.simulator.runner.expert_fit`` does that
+        Policy buffers are not subtracted here; ``daopsim.simulator.fit.expert_fit`` does that
         and is what ``run``, sweeps and ``profiles show`` report.
         """
         free = self.free_expert_bytes(kv_tokens)

@@ -21,8 +21,9 @@ import pandas as pd
 from daopsim.policies.registry import get_policy_class
 from daopsim.simulator.data import bundled_dir, check_input_file, read_toml, resolve_trace
 from daopsim.simulator.errors import DoesNotFit, UserError
+from daopsim.simulator.fit import keeps_nothing_resident
 from daopsim.simulator.output import output_dir, safe_name, write_figure, write_file, write_text
-from daopsim.simulator.runner import keeps_nothing_resident, simulate
+from daopsim.simulator.runner import simulate
 from daopsim.simulator.serving import ServingConfig
 from daopsim.simulator.trace_read import read_meta
 

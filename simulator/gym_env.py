@@ -41,10 +41,12 @@ except ImportError as exc:  # tests/test_first_use.py hides the extra to exercis
 
 from daopsim.policies.observed import FEATURES, ObservedCache, as_probs
 from daopsim.simulator.boundary import StopRun
+from daopsim.simulator.calibration import select_sequences
 from daopsim.simulator.data import resolve_trace
 from daopsim.simulator.errors import UserError
+from daopsim.simulator.oracle import Oracle
 from daopsim.simulator.results import RunResult
-from daopsim.simulator.runner import Oracle, select_sequences, simulate
+from daopsim.simulator.runner import simulate
 from daopsim.simulator.trace_read import checked_sequence_ids, iter_sequences, read_meta
 
 #: the environment's Gymnasium id (``gymnasium.make(ENV_ID, ...)``, ``gymnasium.make_vec``)
@@ -219,11 +221,11 @@ class ExpertCacheEnv(gym.Env):  # type: ignore[misc]
 
     One episode is one run over ``episode_sequences`` sequences of ``trace`` (from ``pool``,
     default every sequence), picked by the seed (``reset(seed=s)`` takes
-    ``daopsim.simulator.runner.select_sequences(pool, n, s)``, the ids ``daopsim run --sequences n
-    --seed s`` evaluates) or given by ``reset(options={"sequences": [...]})``. Each step is
-    one eviction: the action is the expert (of the observation's layer) to evict, among those
-    ``obs["action_mask"]`` marks; another action is replaced by the next marked id above it
-    (cyclically) and ``info["invalid_action"]`` says so. ``reward="time"``: minus the
+    ``daopsim.simulator.calibration.select_sequences(pool, n, s)``, the ids ``daopsim run
+    --sequences n --seed s`` evaluates) or given by ``reset(options={"sequences": [...]})``.
+    Each step is one eviction: the action is the expert (of the observation's layer) to evict,
+    among those ``obs["action_mask"]`` marks; another action is replaced by the next marked id
+    above it (cyclically) and ``info["invalid_action"]`` says so. ``reward="time"``: minus the
     simulated seconds from this decision to the next (or to the run's end), so an episode's
     return is minus its simulated time after the first decision; ``"hits"``: the accesses
     found resident in that span. ``oracle=True`` adds ``info["next_use"]``: each expert's next

@@ -10,9 +10,9 @@ the run's statistics), and its row in ``daopsim run``'s table. From :data:`METRI
   ``metrics`` of ``run --json`` (``RunResult.to_dict``), the golden store (``daopsim regress``
   stores that object) and the sweep table's metric columns,
 - the rows of ``daopsim run``'s table (:func:`table_rows`),
-- the metric tables of docs/metrics.md (:func:`render_doc`; ``make docs-metrics`` or
-  ``python -m daopsim.simulator.metrics docs/metrics.md`` rewrites them, and
-  tests/test_metric_keys.py checks the committed page equals the generated one).
+- the metric tables of docs/metrics.md (:func:`section_table`; ``make docs-metrics``,
+  simulator/doc_tables.py, rewrites them, and tests/test_run_declaration.py checks the
+  committed page equals the generated one).
 
 The code that derives a surface reads :data:`METRICS` when it runs, so a metric added here
 reaches every surface (tests/test_run_declaration.py adds one). Definitions: docs/metrics.md.
@@ -20,11 +20,9 @@ reaches every surface (tests/test_run_declaration.py adds one). Definitions: doc
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -327,6 +325,20 @@ METRICS: tuple[Metric, ...] = (
        "blocking syncs of the runtime's host thread: one per forward pass, plus the routing "
        "and per-expert syncs its profile declares", table=("host syncs", "", 1.0)),
     _m("gpu_expert_s", "s", "resources", _GPU_PARTS, compute=lambda r: r.c.gpu_expert_busy),
+    _m("cpu_nonexpert_s", "s", "resources",
+       "host CPU time in the non-expert part of CPU-resident layers (`ResourceSpec.gpu_blocks`, "
+       "llama.cpp's `-ngl`; also in `cpu_busy_frac`; docs/cost-model.md, \"CPU-resident "
+       "layers\")",
+       compute=lambda r: r.c.cpu_nonexpert_busy),
+    _c("cpu_layer_weight_copies", "count", "resources",
+       "copies of a CPU-resident layer's non-expert weights to the GPU for a prompt (op "
+       "offload; their bytes are in `h2d_bytes`)"),
+    _c("nonexpert_weight_copies", "count", "resources",
+       "streamed non-expert weight copies (`ResourceSpec.nonexpert_streamed`, `stream-all`: "
+       "ZeRO-3): each layer's per forward pass, plus the input embedding and the output "
+       "matrix (docs/cost-model.md, \"Streamed non-expert weights\")"),
+    _c("nonexpert_weight_bytes", "bytes", "resources",
+       "the bytes of those copies (also in `h2d_bytes`)"),
     _m("gpu_nonexpert_s", "s", "resources", _GPU_PARTS,
        compute=lambda r: r.c.gpu_nonexpert_busy),
     _m("cpu_expert_evals", "count", "resources",
@@ -342,6 +354,15 @@ METRICS: tuple[Metric, ...] = (
     _c("fetches", "count", "placement", _COPIES),
     _c("temp_copies", "count", "placement", _COPIES),
     _c("evictions", "count", "placement", _COPIES),
+    _c("evictions_in_flight", "count", "placement",
+       "of those, evictions of an expert whose copy had not landed yet (the copy runs to its "
+       "end and its slot is freed, or written back, then; docs/policy-api.md)"),
+    _c("h2d_expert_copies", "count", "placement",
+       "expert copies host to device: demand, prefetched, temporary and low-bit copies (their "
+       "bytes are in `h2d_bytes`)"),
+    _c("d2h_expert_copies", "count", "placement",
+       "expert write-backs device to host (`ResourceSpec.writeback`; their bytes are in "
+       "`d2h_bytes`)"),
     _c("prefetches", "count", "placement", _PREFETCH),
     _m("prefetch_precision", "fraction", "placement", _PREFETCH,
        compute=lambda r: _ratio(r.c.prefetch_used, r.c.prefetches),
@@ -497,10 +518,6 @@ def table_rows() -> list[tuple[str, str, str, float]]:
 DOC = "docs/metrics.md"
 
 
-def _marker(section: str, end: bool = False) -> str:
-    return f"<!-- metrics-table:{section}:{'end' if end else 'start'} -->"
-
-
 def section_table(section: str) -> str:
     """The Markdown table of one section: one row per definition (metrics sharing a
     definition share a row), in registry order."""
@@ -514,35 +531,3 @@ def section_table(section: str) -> str:
         units = ", ".join(dict.fromkeys(m.unit for m in ms))
         lines.append(f"| {names} | {units} | {doc} |")
     return "\n".join(lines)
-
-
-def render_doc(text: str) -> str:
-    """``text`` (docs/metrics.md) with each generated table replaced by the registry's: the
-    table between ``<!-- metrics-table:SECTION:start -->`` and its end marker. Every section
-    of the registry must have its markers (a ValueError names the missing one)."""
-    for section in dict.fromkeys(m.section for m in METRICS):
-        start, end = _marker(section), _marker(section, end=True)
-        if start not in text or end not in text:
-            raise ValueError(f"{DOC}: no {start} ... {end} block for section {section!r}")
-        head, rest = text.split(start, 1)
-        _, tail = rest.split(end, 1)
-        text = f"{head}{start}\n{section_table(section)}\n{end}{tail}"
-    return text
-
-
-def main(argv: list[str]) -> int:
-    """``python -m daopsim.simulator.metrics [PATH]``: rewrite PATH's (docs/metrics.md's)
-    metric tables from the registry (``make docs-metrics``)."""
-    from daopsim.simulator.output import write_text
-
-    path = Path(argv[0] if argv else DOC)
-    old = path.read_text(encoding="utf-8")
-    new = render_doc(old)
-    if new != old:
-        write_text(path, new)
-    print(f"{path}: {'rewritten' if new != old else 'unchanged'}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

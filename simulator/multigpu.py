@@ -75,19 +75,10 @@ def check_mode_has_gpus(mode_given: bool, most_gpus: int) -> None:
 def check_config(
     profile: HardwareProfile, gpus: int, mode: str | None, placement: str | None = None
 ) -> MultiGpuConfig | None:
-    """The run's multi-GPU setting from ``--gpus``/``--multi-gpu``/``--expert-placement``;
-    None for one GPU."""
-    if placement is not None:
-        if placement not in EXPERT_PLACEMENTS:
-            raise UserError(
-                f"--expert-placement must be one of {list(EXPERT_PLACEMENTS)}, got {placement!r}"
-            )
-        if gpus < 2 or (mode or "expert") != "expert":
-            raise UserError("--expert-placement needs --gpus 2 or more and --multi-gpu expert")
-    if gpus < 1:
-        raise UserError(f"--gpus must be >= 1, got {gpus}")
-    if mode is not None and mode not in MODES:
-        raise UserError(f"--multi-gpu must be one of {list(MODES)}, got {mode!r}")
+    """The run's multi-GPU setting from ``--gpus``/``--multi-gpu``/``--expert-placement``
+    (each value checked as declared, simulator/run_params.py); None for one GPU."""
+    if placement is not None and (gpus < 2 or (mode or "expert") != "expert"):
+        raise UserError("--expert-placement needs --gpus 2 or more and --multi-gpu expert")
     have = profile.multi.count if profile.multi is not None else 1
     if gpus > have:
         raise UserError(
@@ -577,7 +568,7 @@ class ShardedPolicy(Policy):
 
 
 class _LocalOracle:
-    """A clairvoyant policy's oracle (``daopsim.simulator.runner.Oracle``) seen from one GPU: local
+    """A clairvoyant policy's oracle (``daopsim.simulator.oracle.Oracle``) seen from one GPU: local
     (layer, expert) indices mapped to the model's; steps are the run's steps."""
 
     def __init__(self, oracle: Any, layers: list[int], experts: list[int]) -> None:

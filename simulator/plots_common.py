@@ -50,7 +50,7 @@ def _mpl() -> Any:
 def _table(df: pd.DataFrame | str | os.PathLike[str]) -> pd.DataFrame:
     if isinstance(df, pd.DataFrame):
         return df
-    from daopsim.simulator.sweep import read_table
+    from daopsim.simulator.sweep_table import read_table
 
     return read_table(df)
 
@@ -381,7 +381,7 @@ def _compute_bound(rows: pd.DataFrame, hw: str, trace: str) -> tuple[float, str]
         keys[(ids, dtype, rt)] = None
     for ids, dtype, rt in keys:
         try:
-            b = all_gpu_bound(hw, trace, [int(x) for x in ids.split(",")], dtype, None, None, rt)
+            b = all_gpu_bound(hw, trace, [int(x) for x in ids.split(",")], rt, dtype=dtype)
         except Exception:  # the trace or profile may not be available where the plot is drawn
             return None
         if best is None or b.tokens_per_s > best[0]:

@@ -1,18 +1,23 @@
 """One declaration of a run's parameters, from which every surface that names them is derived.
 
-A run's parameters are the fields of two dataclasses: :class:`RunRequest` (the keywords of
-``simulate()``) and :class:`ServingRequest` (the options of ``daopsim run`` that make the
-run's :class:`~daopsim.simulator.serving.ServingConfig`). Each field is declared once with
-:func:`param`: its default, a doc line, its value type, its ``daopsim run`` flag, its key in a
-sweep grid (and whether that key is an axis of several values), whether the bounds beside a
-run take it, and a check of a value. From the declaration come:
+A run's parameters are the fields of :class:`RunRequest` (the keywords of ``simulate()``) and
+of the serving declarations: :class:`ServingOptions` (the options a run's
+:class:`~daopsim.simulator.serving_config.ServingConfig` inherits and holds as given) and
+:class:`ServingRequest` (adds how a batch is formed). Each field is declared once with
+:func:`param`: its default, a doc line, its value type and choices, its ``daopsim run`` flag,
+its key in a sweep grid (whether that key is an axis of several values, must not be empty, or
+is expanded apart from the plain product), whether the bounds beside a run take it, and a check
+of a value. From the declaration come:
 
-- ``simulate()``'s keywords and signature (simulator/runner.py builds a :class:`RunRequest`
-  from what it is given),
-- the options of ``daopsim run`` and their help text (:func:`click_options`),
+- ``simulate()``'s keywords, signature and value checks (simulator/runner.py builds a
+  :class:`RunRequest` from what it is given; :func:`check_declared`),
+- the options of ``daopsim run`` and their help text (simulator/commands/run_cmd.py), and
+  the run options its configuration (``run --json``) reports (:func:`declared_values`),
 - the keys of ``run --config`` and of a sweep grid (``Grid``, ``daopsim sweep``'s grid flags;
-  :func:`grid_params`),
-- the arguments of the bounds run beside a result (:func:`bound_arguments`).
+  :func:`grid_params`) and docs/sweeps.md's table of them (:func:`grid_table`),
+- the arguments of every bounds run beside a result (:func:`bound_params`,
+  :func:`bound_arguments`),
+- the fields of ``ServingConfig`` and the keywords of ``serving_config``.
 
 :data:`RUN_PARAMS` lists them in order; the code that derives a surface reads it when it runs,
 so a field added here reaches every surface (tests/test_run_declaration.py adds one).
@@ -34,7 +39,7 @@ if TYPE_CHECKING:
     from daopsim.simulator.hardware_spec import HardwareProfile
     from daopsim.simulator.recorder import Recorder
     from daopsim.simulator.runtime_profiles import RuntimeProfile
-    from daopsim.simulator.serving import ServingConfig
+    from daopsim.simulator.serving_config import ServingConfig
 
 #: a check of one value: raises a one-line UserError naming ``label`` (a flag or a grid key)
 Check = Callable[[Any, str], None]
@@ -44,7 +49,7 @@ Check = Callable[[Any, str], None]
 class RunParam:
     """One declared run parameter (a field of :class:`RunRequest` or :class:`ServingRequest`)."""
 
-    #: the ``simulate()`` keyword (``part == "run"``) or ``serving_config`` argument
+    #: the ``simulate()`` keyword (``part == "run"``) or ``serving_config`` keyword
     name: str
     default: Any
     #: one line: the ``--help`` text of its flag, and its line in ``simulate()``'s docstring
@@ -77,6 +82,13 @@ class RunParam:
     input: bool = False
     #: ``"run"``: a ``simulate()`` keyword; ``"serving"``: part of the serving configuration
     part: str = "run"
+    #: a sweep needs at least one value of this axis (an empty one is an error naming it)
+    required: bool = False
+    #: how a sweep expands the axis when not as a plain product: ``"where"`` (the outer loops:
+    #: trace, machine, policy with its options), ``"memory"`` (the memory points: the union of
+    #: ``cache_ratios`` and ``gpu_experts``), ``"gpus"`` (GPU counts, each above 1 with its
+    #: placements); None: one factor of the product
+    group: str | None = None
 
     @property
     def grid_attr(self) -> str | None:
@@ -97,10 +109,22 @@ class RunParam:
             return [] if self.default is None else [self.default]
         return self.default
 
+    @property
+    def label(self) -> str:
+        """How a one-line error names the parameter: its ``daopsim run`` flag, else its name."""
+        return self.flag or self.name
+
     def checked(self, value: Any, label: str) -> Any:
-        """``value`` once its declared check passes (the check names ``label``)."""
-        if self.check is not None and value is not None:
-            self.check(value, label)
+        """``value`` once its declared choices and check pass (the error names ``label``); a
+        check may return the value normalised (a seed as a Python int)."""
+        if value is None:
+            return value
+        if self.choices is not None and value not in self.choices:
+            raise UserError(f"{label} must be one of {', '.join(self.choices)}, got {value!r}")
+        if self.check is not None:
+            out = self.check(value, label)
+            if out is not None:
+                return out
         return value
 
 
@@ -112,43 +136,57 @@ def param(default: Any, doc: str, **meta: Any) -> Any:
 # -- checks ------------------------------------------------------------------------------------
 def _unit_ratio(value: Any, label: str) -> None:
     if not 0 < value <= 1:
-        raise UserError(f"cache ratio {value} is not in (0, 1]")
+        raise UserError(f"{label}: cache ratio {value} is not in (0, 1]")
 
 
 def _not_negative(value: Any, label: str) -> None:
     if value < 0:
-        raise UserError(f"gpu experts {value} is negative")
+        raise UserError(f"{label}: gpu experts {value} is negative")
 
 
 def _positive_rate(value: Any, label: str) -> None:
     if not (math.isfinite(value) and value > 0):
-        raise UserError(f"arrival rate {value} is not a positive number")
+        raise UserError(f"{label}: arrival rate {value} is not a positive number")
+
+
+def _positive_gb(value: Any, label: str) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise UserError(f"{label} must be a positive number, got {value}")
 
 
 def _positive_count(value: Any, label: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise UserError(f"{label} must be a positive integer, got {value!r}")
+        raise UserError(f"{label} must be a positive integer (at least 1), got {value!r}")
 
 
 def _gpu_count(value: Any, label: str) -> None:
     if value < 1:
-        raise UserError(f"gpus {value} is not a positive count")
+        raise UserError(f"{label} must be >= 1, got {value}")
 
 
-def _seed(value: Any, label: str) -> None:
-    check_seed(value, label)
+def _seed(value: Any, label: str) -> int:
+    return check_seed(value, label)
 
 
 def _seconds(value: Any, label: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise UserError(f"{label} must be a number of seconds")
+    if not (math.isfinite(value) and value > 0):
+        raise UserError(f"{label} must be a positive number of seconds, got {value}")
 
 
 def _multi_gpu_mode(value: Any, label: str) -> None:
     from daopsim.simulator.multigpu import MODES
 
     if value not in MODES:
-        raise UserError(f"multi_gpu {value!r} is not one of {list(MODES)}")
+        raise UserError(f"{label} must be one of {list(MODES)}, got {value!r}")
+
+
+def _expert_placement(value: Any, label: str) -> None:
+    from daopsim.simulator.multigpu import EXPERT_PLACEMENTS
+
+    if value not in EXPERT_PLACEMENTS:
+        raise UserError(f"{label} must be one of {list(EXPERT_PLACEMENTS)}, got {value!r}")
 
 
 # -- the declaration ---------------------------------------------------------------------------
@@ -159,27 +197,29 @@ class RunRequest:
 
     policy: str | Policy = param(
         "daop", "Policy name (see `daopsim policies list`).", kind=str, flag="--policy",
-        show_default=True, grid="policies", axis=True, key="always",
+        show_default=True, grid="policies", axis=True, key="always", required=True,
+        group="where", grid_default=[],
     )  # fmt: skip
     hw: str | os.PathLike[str] | HardwareProfile = param(
         "a6000-pcie4", "Hardware profile name or path to a profile TOML.", kind=str,
         flag="--hw", show_default=True, grid="hw", axis=True, bounds="given", key="content",
-        input=True,
+        input=True, required=True, group="where",
     )  # fmt: skip
     trace: str | os.PathLike[str] | None = param(
         None, "Bundled trace name or path (default: the bundled Mixtral-8x7B trace).",
         kind=str, flag="--trace", grid="traces", axis=True, bounds="given", key="content",
-        input=True,
+        input=True, required=True, group="where",
         grid_default=[DEFAULT_TRACE],
     )  # fmt: skip
     cache_ratio: float | None = param(
         None, "Fraction of all experts resident on the GPU (DAOP's ECR), in (0, 1].",
         kind=float, flag="--cache-ratio", grid="cache_ratios", axis=True, check=_unit_ratio,
-        key="always",
+        key="always", group="memory",
     )  # fmt: skip
     gpu_experts: int | None = param(
         None, "Resident expert slots (default: what fits in GPU memory).", kind=int,
         flag="--gpu-experts", grid="gpu_experts", axis=True, check=_not_negative, key="always",
+        group="memory",
     )  # fmt: skip
     sequences: int | None = param(
         None, "Evaluate N sequences of the evaluation pool (seed 0: the first N; else a "
@@ -198,7 +238,7 @@ class RunRequest:
     seed: int = param(
         0, "Seed: which sequences --sequences N evaluates (0: the first N), and random "
         "choices.", kind=int, flag="--seed", show_default=True, grid="seeds", axis=True,
-        bounds="given", check=_seed, key="always",
+        bounds="given", check=_seed, key="always", required=True,
     )  # fmt: skip
     dtype: str | None = param(
         None, "GPU expert precision (bf16, int4_g128, q4_k_m, mxfp4, ...).", kind=str,
@@ -260,33 +300,30 @@ class RunRequest:
         1, "GPUs of a multi-GPU profile to use (docs/serving.md, 'Multiple GPUs'); the "
         "expert budget (--cache-ratio, --gpu-experts) is then per GPU.", kind=int,
         flag="--gpus", show_default=True, grid="gpus", axis=True, check=_gpu_count,
-        grid_default=[],
+        grid_default=[], group="gpus",
     )  # fmt: skip
     multi_gpu: str | None = param(
         None, "With --gpus > 1: 'expert' (expert e on GPU e mod N, attention on GPU 0; "
         "default) or 'pipeline' (contiguous layer stages).", kind=str, flag="--multi-gpu",
-        grid="multi_gpu", axis=True, check=_multi_gpu_mode, key="content",
+        grid="multi_gpu", axis=True, check=_multi_gpu_mode, key="content", group="gpus",
     )  # fmt: skip
     expert_placement: str | None = param(
         None, "With --multi-gpu expert: 'mod' (expert e on GPU e mod N; default) or "
         "'balanced' (calibration popularity spread evenly: largest first onto the "
-        "least-loaded GPU).", kind=str, flag="--expert-placement",
+        "least-loaded GPU).", kind=str, flag="--expert-placement", check=_expert_placement,
     )  # fmt: skip
 
+    def __post_init__(self) -> None:
+        check_declared(self)
 
-@dataclass
-class ServingRequest:
-    """The serving options of ``daopsim run`` (``serving_config`` turns them into the run's
-    :class:`~daopsim.simulator.serving.ServingConfig`; docs/serving.md)."""
 
-    batch: int | None = param(
-        None, "Static batches of up to B requests (a batch starts when the previous one is "
-        "done).", kind=int, flag="--batch",
-    )  # fmt: skip
-    max_batch: int | None = param(
-        None, "Continuous batching of up to B requests (requests join and leave between "
-        "steps).", kind=int, flag="--max-batch", grid="max_batch", check=_positive_count,
-    )  # fmt: skip
+@dataclass(frozen=True, kw_only=True)
+class ServingOptions:
+    """The serving options a run's serving configuration holds as they were given: the part
+    of :class:`ServingRequest` that
+    :class:`~daopsim.simulator.serving_config.ServingConfig` inherits (docs/serving.md). Each
+    value is checked as declared when the object is made."""
+
     arrival_rate: float | None = param(
         None, "Requests arrive by a Poisson process of R per second (seeded by --seed).",
         kind=float, flag="--arrival-rate", grid="arrival_rate", axis=True,
@@ -299,7 +336,7 @@ class ServingRequest:
     kv_cache_gb: float | None = param(
         None, "GPU memory reserved for the KV cache before expert slots are sized (default: "
         "one mean-length sequence per batch place, plus what the slots leave).", kind=float,
-        flag="--kv-cache-gb",
+        flag="--kv-cache-gb", check=_positive_gb,
     )  # fmt: skip
     slo_ttft: float | None = param(
         None, "Time-to-first-token SLO (s).", kind=float, flag="--slo-ttft", grid="slo_ttft",
@@ -312,7 +349,7 @@ class ServingRequest:
     prefill_chunk: int | None = param(
         None, "Chunked prefill: each step carries up to N prompt tokens of a joining request "
         "beside the running requests' decode tokens.", kind=int, flag="--prefill-chunk",
-        metavar="N",
+        metavar="N", check=_positive_count,
     )  # fmt: skip
     preempt: bool = param(
         False, "Allocate the KV cache as tokens are written and preempt the newest request "
@@ -322,7 +359,27 @@ class ServingRequest:
     static_prefill: str | None = param(
         None, "With --batch: a batch's prompts prefill together in one step (batched, the "
         "default, as Hugging Face generate runs a batch) or each in a step of its own "
-        "(per-request).", kind=str, flag="--static-prefill", metavar="batched|per-request",
+        "(per-request).", kind=str, flag="--static-prefill",
+        choices=("batched", "per-request"),
+    )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        check_declared(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServingRequest(ServingOptions):
+    """The serving options of ``daopsim run``: how big a batch is and how it is formed, then
+    the options :class:`ServingOptions` declares (``serving.serving_config`` turns them into
+    the run's :class:`~daopsim.simulator.serving_config.ServingConfig`; docs/serving.md)."""
+
+    batch: int | None = param(
+        None, "Static batches of up to B requests (a batch starts when the previous one is "
+        "done).", kind=int, flag="--batch", check=_positive_count,
+    )  # fmt: skip
+    max_batch: int | None = param(
+        None, "Continuous batching of up to B requests (requests join and leave between "
+        "steps).", kind=int, flag="--max-batch", grid="max_batch", check=_positive_count,
     )  # fmt: skip
 
 
@@ -341,6 +398,21 @@ RUN_PARAMS: tuple[RunParam, ...] = (
     *_declared(RunRequest, "run"),
     *_declared(ServingRequest, "serving"),
 )
+
+
+def check_declared(obj: Any) -> None:
+    """Check each declared field of ``obj`` (a :class:`RunRequest` or a serving declaration)
+    as its :class:`RunParam` says: a one-line UserError naming its flag; a normalised value
+    (a seed) is stored back."""
+    by_name = {p.name: p for p in RUN_PARAMS}
+    for f in fields(obj):
+        p = by_name.get(f.name)
+        if p is None:
+            continue
+        value = getattr(obj, f.name)
+        out = p.checked(value, p.label)
+        if out is not value:
+            object.__setattr__(obj, f.name, out)
 
 
 def run_params(part: str | None = None) -> tuple[RunParam, ...]:
@@ -362,16 +434,27 @@ def make_request(args: tuple[Any, ...], kwargs: dict[str, Any]) -> RunRequest:
         raise TypeError(str(exc).replace("RunRequest.__init__()", "simulate()")) from None
 
 
+def request_param(name: str) -> RunParam:
+    """The declared parameter of one ``simulate()`` keyword or serving option."""
+    return next(p for p in RUN_PARAMS if p.name == name)
+
+
 def request_field(name: str) -> Field[Any]:
     """The dataclass field of one ``simulate()`` keyword."""
     return next(f for f in fields(RunRequest) if f.name == name)
+
+
+def bound_params() -> tuple[RunParam, ...]:
+    """The ``simulate()`` keywords the bounds beside a run share with it (declared with
+    ``bounds``), read when called."""
+    return tuple(p for p in run_params("run") if p.bounds is not None)
 
 
 def bound_arguments(given: Mapping[str, Any], result_config: Mapping[str, Any]) -> dict[str, Any]:
     """The ``simulate()`` keywords the bounds beside a run share with it: each parameter
     declared with ``bounds``, as given to the run or as its result resolved it."""
     out: dict[str, Any] = {}
-    for p in run_params("run"):
+    for p in bound_params():
         if p.bounds == "given":
             out[p.name] = given.get(p.name, p.default)
         elif p.bounds == "result":
@@ -379,6 +462,61 @@ def bound_arguments(given: Mapping[str, Any], result_config: Mapping[str, Any]) 
     return out
 
 
+def declared_values(req: RunRequest, config: Mapping[str, Any]) -> dict[str, Any]:
+    """The run options (declared with a ``daopsim run`` flag) a run's configuration does not
+    report yet, as given (a path or profile as text); None values are left out."""
+    out: dict[str, Any] = {}
+    for p in run_params("run"):
+        value = getattr(req, p.name, None)
+        if p.flag is None or p.name in config or value is None:
+            continue
+        plain = isinstance(value, str | int | float | bool)
+        out[p.name] = value if plain else str(value)
+    return out
+
+
 def docstring_lines() -> str:
     """One line per ``simulate()`` keyword, for its docstring."""
     return "\n".join(f"    ``{p.name}``: {p.doc}" for p in run_params("run"))
+
+
+#: the keys of a sweep grid and a ``run --config`` file that are not run parameters, with
+#: their meaning (docs/sweeps.md)
+OTHER_GRID_KEYS: dict[str, str] = {
+    "options": "the policies' options: `KEY = [values]` for every policy that declares KEY, "
+    "`[options.POLICY]` for one policy; several values make an axis (`--policy-opt`)",
+    "out": "the results table of a sweep (`--out`), the output folder of `run --config`",
+}
+
+_KIND_NAMES = {str: "string", int: "integer", float: "number", bool: "true or false"}
+
+
+def _grid_values(p: RunParam) -> str:
+    """What a grid key takes, and its value when absent."""
+    kind = _KIND_NAMES.get(p.kind, "value") if p.kind is not None else "value"
+    if p.choices:
+        kind = " or ".join(f"`{c}`" for c in p.choices)
+    what = f"list of {kind}{'' if p.choices else 's'} (an axis)" if p.axis else f"one {kind}"
+    empty = p.grid_empty()
+    if empty in (None, []):
+        return what
+    shown = ", ".join(map(str, empty)) if isinstance(empty, list) else str(empty)
+    return f"{what}; default `{shown}`"
+
+
+def grid_table() -> str:
+    """The Markdown table of every grid key (docs/sweeps.md, generated): what it takes, its
+    ``daopsim sweep`` flag, its ``daopsim run`` option and its doc line; then the keys that
+    are not run parameters."""
+    lines = [
+        "| key | values | `daopsim sweep` | `daopsim run` | meaning |",
+        "|---|---|---|---|---|",
+    ]
+    for p in grid_params():
+        sweep = f"`{p.sweep_flag} A,B`" if p.axis else f"`{p.sweep_flag}`"
+        run = f"`{p.flag}`" if p.flag else ""
+        doc = p.doc.replace("|", "\\|")
+        lines.append(f"| `{p.grid}` | {_grid_values(p)} | {sweep} | {run} | {doc} |")
+    for key, doc in OTHER_GRID_KEYS.items():
+        lines.append(f"| `{key}` | | | | {doc} |")
+    return "\n".join(lines)

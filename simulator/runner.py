@@ -1,15 +1,15 @@
 """``simulate()``: one run of one policy on one machine over a trace, as used by the CLI,
-notebooks and sweeps.
+notebooks and sweeps: a pipeline of named stages (docs/architecture.md, "The path of one run").
 
-It resolves the trace, profile and policy, splits the trace into evaluation and calibration
-sequences, computes the GPU expert budget, builds calibration statistics (and the oracle for
-clairvoyant policies), runs the engine and returns a :class:`~daopsim.simulator.results.RunResult`.
+It resolves the trace, profile and policy, chooses the evaluated and calibration sequences
+(simulator/calibration.py), sizes the run (simulator/fit.py: the GPU expert budget, CPU-resident
+layers; simulator/run_costs.py: its cost model), reads calibration counts, the serving plan and
+a clairvoyant policy's oracle, runs the engine and collects a
+:class:`~daopsim.simulator.results.RunResult` (metrics, configuration, notes).
 """
 
 from __future__ import annotations
 
-import bisect
-import hashlib
 import inspect
 import math
 import os
@@ -20,33 +20,53 @@ from typing import Any
 
 import numpy as np
 
-from daopsim.policies.base import Policy, ResourceSpec, low_bit_slots_per_expert
+from daopsim.policies.base import Policy, low_bit_slots_per_expert
 from daopsim.policies.registry import get_policy_class
+from daopsim.simulator.arrivals import Arrival, read_arrivals
 from daopsim.simulator.boundary import check_declarations, construct_policy
+from daopsim.simulator.calibration import (
+    CALIBRATION_MODES,
+    calibration_counts,
+    routing_digest,
+    same_content,
+    small_trace,
+    split_sequences,
+)
 from daopsim.simulator.core.loop import Engine
-from daopsim.simulator.costs import CostModel, DeviceHostCosts, cost_model
+from daopsim.simulator.costs import CostModel
 from daopsim.simulator.data import resolve_trace
-from daopsim.simulator.errors import DoesNotFit, UserError, check_seed
+from daopsim.simulator.errors import DoesNotFit, UserError
+from daopsim.simulator.fit import (
+    ExpertFit,
+    _buffers,
+    check_fit,
+    cpu_resident_layers,
+    expert_fit,
+    fixed_residency,
+    options_text,
+    policy_buffers,
+    requested_budget,
+    serving_kv_reserve,
+    trace_context,
+)
 from daopsim.simulator.hardware import HardwareProfile, load_profile
 from daopsim.simulator.hosttier import host_tier_config
+from daopsim.simulator.oracle import Oracle
 from daopsim.simulator.output import check_output_file
 from daopsim.simulator.recorder import Recorder
 from daopsim.simulator.results import RunResult, compute_metrics, host_tier_metrics
-from daopsim.simulator.run_params import RunRequest, docstring_lines, make_request
-from daopsim.simulator.runtime_profiles import RuntimeProfile, get_runtime
-from daopsim.simulator.serving import (
-    Arrival,
-    Request,
-    Serving,
-    ServingConfig,
-    dense,
-    poisson_arrivals,
-    read_arrivals,
-    request_table,
-    step_oracle,
-    summarise,
-    trim,
+from daopsim.simulator.run_costs import graph_replays, runtime_cost_model
+from daopsim.simulator.run_notes import cpu_layers_note, run_notes, small_budget_note
+from daopsim.simulator.run_params import (
+    RunRequest,
+    declared_values,
+    docstring_lines,
+    make_request,
 )
+from daopsim.simulator.runtime_profiles import RuntimeProfile, get_runtime
+from daopsim.simulator.scheduler import step_oracle
+from daopsim.simulator.serving import Serving, serving_plan
+from daopsim.simulator.serving_summary import request_table, summarise
 from daopsim.simulator.trace import (
     SequenceRouting,
     TraceMeta,
@@ -54,158 +74,8 @@ from daopsim.simulator.trace import (
     iter_sequences,
     previous_token_view,
     read_meta,
-    sequence_ids,  # noqa: F401  (re-exported: runner.sequence_ids stays importable)
 )
 from daopsim.simulator.trace_cache import model_trace
-
-#: ``calibration=`` values that are not paths (see docs/metrics.md, "Calibration").
-CALIBRATION_MODES = ("none", "self")
-#: a trace of at most this many rows has its evaluation sequences assembled by the calibration
-#: read and kept in memory for the run (a few tens of MB at most), instead of read twice
-_STASH_ROWS = 1 << 20
-#: ``lookahead=`` choices: the trace's recorded view, or the previous-token stand-in.
-LOOKAHEAD_CHOICES = ("recorded", "previous-token")
-
-
-def select_sequences(pool: list[int], n_eval: int | None, seed: int) -> list[int]:
-    """``n_eval`` ids of ``pool`` chosen by ``seed``, in file order.
-
-    Seed 0 takes the first ``n_eval`` (the selection before seeds selected anything); another
-    seed takes a seeded random sample without replacement. ``None`` takes the whole pool.
-    """
-    if n_eval is None:
-        return list(pool)
-    if n_eval <= 0:
-        raise UserError(f"--sequences must be positive, got {n_eval}")
-    if n_eval > len(pool):
-        raise UserError(
-            f"--sequences {n_eval}: the trace has only {len(pool)} evaluation sequences"
-        )
-    if seed == 0 or n_eval == len(pool):
-        return pool[:n_eval]
-    picked = np.random.default_rng(seed).choice(len(pool), size=n_eval, replace=False)
-    return [pool[i] for i in sorted(picked.tolist())]
-
-
-def split_sequences(
-    meta: TraceMeta,
-    seq_ids: list[int],
-    n_eval: int | None,
-    external_calibration: bool,
-    hold_out: bool = True,
-    seed: int = 0,
-) -> tuple[list[int], list[int]]:
-    """Evaluation ids (file order) and held-out calibration ids (disjoint).
-
-    With ``hold_out`` (a policy that uses calibration counts from this trace), the trace's
-    declared ``calibration_sequences`` are never evaluated; without a declaration the last
-    quarter of the sequences (at least one, when there are two or more) is held out, unless
-    an external calibration trace is given. Without ``hold_out`` every sequence is in the
-    evaluation pool. ``n_eval`` and ``seed`` then pick from the pool (:func:`select_sequences`).
-    """
-    declared = [s for s in meta.calibration_sequences if s in set(seq_ids)]
-    if not hold_out or external_calibration:
-        calib = []
-    elif declared:
-        calib = declared
-    elif len(seq_ids) < 2:
-        calib = []
-    else:
-        calib = seq_ids[-max(1, len(seq_ids) // 4) :]
-    held = set(calib)
-    evaluation = select_sequences([s for s in seq_ids if s not in held], n_eval, seed)
-    if not evaluation:
-        raise UserError("the trace has no evaluation sequences (all are calibration)")
-    return evaluation, calib
-
-
-def calibration_counts(
-    path: Path,
-    meta: TraceMeta,
-    ids: list[int],
-    per_sequence: list[np.ndarray] | None = None,
-    keep: dict[int, SequenceRouting] | None = None,
-    keep_ids: set[int] | None = None,
-    digests: set[bytes] | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Decode-time and prefill-time selection counts [layers, experts] over ``ids``.
-
-    With ``per_sequence`` (a list), each sequence's own counts (prompt and decode together,
-    file order) are appended to it: the request-level activation matrices of MoE-Infinity.
-    With ``keep`` and ``keep_ids``, the sequences of ``keep_ids`` are stored in ``keep`` as
-    this read assembles them (file order): the same pass over the file serves a later read
-    of them (the evaluation sequences of a small trace; see ``_STASH_ROWS``). With
-    ``digests``, each counted sequence's :func:`routing_digest` is added to it.
-    """
-    n_layers, n_exp = meta.model.moe_layers, meta.model.experts
-    dec = np.zeros((n_layers, n_exp), dtype=np.int64)
-    pre = np.zeros((n_layers, n_exp), dtype=np.int64)
-    wanted = set(ids)
-    kept = keep_ids if keep is not None and keep_ids else set()
-    for r in iter_sequences(path, meta, sequences=wanted | kept):
-        sid = int(r.seq_id)
-        if sid in kept:
-            assert keep is not None
-            keep[sid] = r
-        if sid not in wanted:
-            continue
-        if digests is not None:
-            digests.add(routing_digest(r))
-        own = np.zeros((n_layers, n_exp), dtype=np.int64)
-        for counts, part in ((pre, r.experts[: r.n_prefill]), (dec, r.experts[r.n_prefill :])):
-            if part.size == 0:
-                continue
-            flat = (np.arange(n_layers)[None, :, None] * n_exp + part).reshape(-1)
-            sel = np.bincount(flat, minlength=n_layers * n_exp).reshape(n_layers, n_exp)
-            counts += sel
-            own += sel
-        if per_sequence is not None:
-            per_sequence.append(own)
-    return dec, pre
-
-
-class Oracle:
-    """Future accesses for clairvoyant policies: the step of an expert's next use.
-
-    Steps count one per prefill pass and one per decode token, in evaluation order (the
-    engine's ``View.step``).
-    """
-
-    def __init__(self, n_layers: int, n_experts: int) -> None:
-        self.steps: list[list[list[int]]] = [
-            [[] for _ in range(n_experts)] for _ in range(n_layers)
-        ]
-        self.n_steps = 0
-
-    def add(self, r: Any) -> None:
-        """Append one sequence's accesses."""
-        p = r.n_prefill
-        if p:
-            for layer in range(r.experts.shape[1]):
-                for e in np.unique(r.experts[:p, layer, :]).tolist():
-                    self.steps[layer][e].append(self.n_steps)
-            self.n_steps += 1
-        dec = r.experts[p:]
-        n_dec, n_layers, k = dec.shape
-        if n_dec:
-            # each slot's decode steps in (step, layer, rank) order, as a loop over the
-            # tokens appending them would: a stable sort of the slots of the flattened rows
-            n_exp = len(self.steps[0])
-            slot = (np.arange(n_layers)[None, :, None] * n_exp + dec).reshape(-1)
-            order = np.argsort(slot, kind="stable")
-            steps = (order // (n_layers * k) + self.n_steps).tolist()
-            pos = 0
-            for i, n in enumerate(np.bincount(slot, minlength=n_layers * n_exp).tolist()):
-                if n:
-                    self.steps[i // n_exp][i % n_exp].extend(steps[pos : pos + n])
-                    pos += n
-        self.n_steps += n_dec
-
-    def next_use(self, layer: int, expert: int, after: int) -> float:
-        """First step > ``after`` at which (layer, expert) is used, or infinity."""
-        lst = self.steps[layer][expert]
-        i = bisect.bisect_right(lst, after)
-        return float(lst[i]) if i < len(lst) else float("inf")
 
 
 def _engine_class(name: str, several_gpus: bool = False) -> Any:
@@ -239,434 +109,6 @@ def _multi_gpu_config(
             "profile (--hw), or give --gpus 1"
         )
     return mg
-
-
-def run_notes(
-    pol: Policy, meta: TraceMeta, no_prefill: int, evaluated: int, stand_in: bool
-) -> list[str]:
-    """One line per way this trace limits what the run models (shown with the results)."""
-    notes = []
-    if no_prefill:
-        which = (
-            "has no prefill"
-            if no_prefill == evaluated
-            else (f"has {no_prefill} of {evaluated} sequences without prefill")
-        )
-        does_prefill = type(pol).prefill_layer is not Policy.prefill_layer
-        what = pol.prefill_note or ("prefill_layer" if does_prefill else "")
-        if what:
-            notes.append(f"trace {which}: {pol.name}'s {what} did not run for those sequences")
-        else:
-            notes.append(f"trace {which}: time to first token covers no prompt")
-    if stand_in:
-        notes.append(
-            "look-ahead stand-in: the one-layer-early view is the previous token's experts at "
-            "the same layer (--lookahead previous-token)"
-        )
-    if not meta.weights_recorded:
-        notes.append(
-            "trace has no gate weights: policies saw 1/k per expert; gate mass not available"
-        )
-    return notes
-
-
-def fixed_residency(policy: Policy, model: Any) -> int | None:
-    """:meth:`Policy.fixed_residency` of ``policy`` for ``model``, checked: a count, or None
-    when the policy fills its budget. A hook that raises or answers something else is the
-    policy's fault (a one-line ``PolicyError``)."""
-    from daopsim.simulator.boundary import Hooks
-
-    hooks = Hooks(policy)
-    got = hooks.call("fixed_residency", policy.fixed_residency, model)
-    if got is None:
-        return None
-    if isinstance(got, bool) or not isinstance(got, int | np.integer) or got < 0:
-        raise hooks.error(f"fixed_residency returned {got!r}, expected a count >= 0 or None")
-    return int(got)
-
-
-def options_text(policy: Policy) -> str:
-    """The options of ``policy`` that differ from their defaults, as ``k=v`` (or "defaults")."""
-    changed = [
-        f"{k}={v}"
-        for k, v in sorted(policy.options.items())
-        if k in policy.params and v != policy.params[k].default
-    ]
-    return ", ".join(changed) or "its defaults"
-
-
-def policy_buffers(policy: Policy) -> int:
-    """Expert-sized GPU buffers a policy keeps beside its resident experts (temporary buffers
-    for TEMP copies plus staging slots for fetches); they come out of the same memory."""
-    spec = policy.resources()
-    return int(spec.temp_buffers) + int(spec.staging_buffers)
-
-
-def keeps_nothing_resident(policy: Policy | type[Policy]) -> bool:
-    """True for a policy that keeps no expert on the GPU between uses (stream-all): its
-    memory budget is scratch space, so a cache ratio means nothing to it."""
-    return bool(getattr(policy, "keeps_nothing_resident", False))
-
-
-def trace_context(meta: TraceMeta) -> int:
-    """KV-cache tokens a run reserves: the trace's mean tokens per sequence (at least 1)."""
-    tokens = meta.counts.get("prefill_tokens", 0) + meta.counts.get("decode_tokens", 0)
-    return int(max(1, tokens) / max(1, meta.counts.get("sequences", 1)))
-
-
-@dataclass(frozen=True)
-class ExpertFit:
-    """How many resident experts fit on a machine for a model, a policy and a KV context."""
-
-    model: str
-    total_experts: int
-    expert_bytes: int
-    free_bytes: float  #: GPU bytes left after non-expert weights, workspace and KV cache
-    buffers: int  #: the policy's expert-sized buffers, taken from ``free_bytes`` first
-    context_tokens: int
-    #: unified memory: the host's holdings already taken from ``free_bytes`` (0 otherwise)
-    host_bytes: int = 0
-    #: unified memory: the host bytes one GPU-resident expert frees, for a system that holds
-    #: each expert once (0: the host keeps its copy beside the GPU's; always 0 on a bus)
-    refund: int = 0
-
-    def room(self, experts: int, extra: float = 0.0) -> float:
-        """Bytes left with ``experts`` resident beside the buffers (``extra`` bytes freed
-        elsewhere); negative when they do not fit."""
-        used = (self.buffers + experts) * self.expert_bytes - experts * self.refund
-        return self.free_bytes + extra - used
-
-    def fits(self, experts: int, extra: float = 0.0) -> bool:
-        """Whether ``experts`` resident experts and the buffers fit (``extra`` bytes freed)."""
-        if not self.refund:  # whole expert-sized slots, as :attr:`slots` counts them
-            return math.floor((self.free_bytes + extra) / self.expert_bytes) - self.buffers >= (
-                experts
-            )
-        return self.room(experts, extra) >= 0
-
-    @property
-    def slots(self) -> int:
-        """Expert-sized slots in the free memory (negative when the weights do not fit)."""
-        return math.floor(self.free_bytes / self.expert_bytes)
-
-    @property
-    def max_experts(self) -> int:
-        """Resident experts that fit beside the buffers (0 when even those do not fit)."""
-        if not self.refund:
-            return max(0, min(self.total_experts, self.slots - self.buffers))
-        slot = self.expert_bytes - self.refund
-        if slot <= 0:  # a resident expert frees at least what it takes: all or none fit
-            return self.total_experts if self.fits(self.total_experts) else 0
-        left = self.free_bytes - self.buffers * self.expert_bytes
-        return max(0, min(self.total_experts, math.floor(left / slot)))
-
-    def weights_fit(self) -> bool:
-        """Whether the run can hold its weights at all (buffers aside) with some number of
-        resident experts (the room is linear in that number: its best is at 0 or all)."""
-        best = max(self.room(0), self.room(self.total_experts))
-        return best + self.buffers * self.expert_bytes >= 0
-
-    def max_ratio(self, digits: int = 3) -> float:
-        """The largest cache ratio (``digits`` decimals) whose budget fits, or 0 if none does."""
-        scale = 10**digits
-        k = math.floor((self.max_experts + 0.5) / self.total_experts * scale)
-        # checked the way simulate() turns a ratio into a budget: round(ratio x total)
-        while k > 0 and round(k / scale * self.total_experts) > self.max_experts:
-            k -= 1
-        return max(0, k) / scale
-
-
-def expert_fit(
-    costs: CostModel, buffers: int, context_tokens: int, spec: ResourceSpec | None = None
-) -> ExpertFit:
-    """The one place that decides how many experts fit (``run``, sweeps, ``profiles show``).
-
-    ``spec`` (the policy's resources) says what the host holds on a unified-memory machine: a
-    copy of every expert (and HOBBIT's low-bit copies) that the GPU copies come from, or each
-    expert once (``ResourceSpec.experts_held_once``); None is the former.
-    """
-    low = None if spec is None else spec.low_bit_dtype
-    host = costs.unified_host_bytes(low)
-    return ExpertFit(
-        model=costs.model.name,
-        total_experts=costs.model.total_experts,
-        expert_bytes=costs.expert_bytes,
-        free_bytes=costs.free_expert_bytes(context_tokens, host),
-        buffers=buffers,
-        context_tokens=context_tokens,
-        host_bytes=host,
-        refund=costs.unified_refund_bytes(spec is not None and spec.experts_held_once),
-    )
-
-
-def cpu_resident_layers(spec: ResourceSpec, costs: CostModel, fit: ExpertFit, kv: int) -> int:
-    """Leading MoE layers a spec runs wholly on the CPU (``ResourceSpec.gpu_blocks``).
-
-    N >= 0 GPU blocks leave the first ``moe_layers - N`` MoE layers on the CPU (dense blocks
-    are taken to lead, so the last blocks are MoE ones). -1: the fewest CPU layers such that
-    every GPU layer's experts fit beside the policy's buffers, once the CPU layers' non-expert
-    weights and KV cache (``kv`` tokens) have moved to the host.
-    """
-    m = costs.model
-    g = spec.gpu_blocks
-    if g is None:
-        return 0
-    if g >= 0:
-        return m.moe_layers - min(m.moe_layers, g)
-    per_layer = costs.cpu_layer_freed_bytes(kv)
-    for n in range(m.moe_layers + 1):
-        if fit.fits((m.moe_layers - n) * m.experts, n * per_layer):
-            return n
-    return m.moe_layers
-
-
-def runtime_cost_model(
-    profile: HardwareProfile, model: Any, rt: RuntimeProfile, graph: bool = False
-) -> CostModel:
-    """The run's cost model: the profile and model with the runtime's CPU kernels, GPU stream
-    efficiency (its calibration for the GPU's memory type where it has one), fixed CPU costs,
-    fused-MoE constants, GEMM rates (GPU half point, CPU shares of dense and expert products)
-    and (``graph``) its CUDA-graph node cost."""
-    return cost_model(
-        profile,
-        model,
-        rt.cpu_kernels,
-        rt.graph_kernel_us if graph else 0.0,
-        rt.gpu_stream_efficiency_on(profile.gpu.memory_type),
-        rt.cpu_expert_call_us,
-        rt.cpu_layer_us if rt.cpu_kernels == "ggml" else 0.0,
-        rt.fused_moe_call_us if rt.fused_moe else 0.0,
-        rt.fused_moe_stream_efficiency if rt.fused_moe else 0.0,
-        rt.gpu_gemm_half_tokens,
-        rt.cpu_gemm_share if rt.cpu_kernels == "ggml" else (),
-        device_host(rt),
-        rt.cpu_expert_gemm_share if rt.cpu_kernels == "ggml" else (),
-    )
-
-
-def device_host(rt: RuntimeProfile) -> DeviceHostCosts | None:
-    """The host time a ``host_device`` runtime adds to its device's work (None otherwise)."""
-    if not rt.host_device:
-        return None
-    return DeviceHostCosts(rt.step_host_us, rt.block_host_us, rt.expert_host_us)
-
-
-def graph_replays(
-    rt: RuntimeProfile,
-    spec: ResourceSpec,
-    n_cpu_layers: int,
-    budget: int,
-    total: int,
-    mg: object | None,
-    serving: object | None,
-) -> bool:
-    """Whether a run's one-token steps are CUDA-graph replays (docs/cost-model.md, "CUDA-graph
-    decode"): a runtime that replays graphs, every layer and expert on one GPU (so the forward
-    pass is one GPU split whose graph does not change between tokens), one sequence at a time
-    (no serving batch), and either a whole-layer split (llama.cpp ``-ngl``), a runtime that
-    graphs every policy's decode (``graph_all_policies``: vLLM, SGLang), or the all-GPU bound
-    (``unlimited_memory``: every expert resident, nothing ever moves)."""
-    return (
-        rt.replays_graphs
-        and (spec.gpu_blocks is not None or rt.graph_all_policies or spec.unlimited_memory)
-        and n_cpu_layers == 0
-        and budget >= total
-        and mg is None
-        and serving is None
-    )
-
-
-def small_budget_note(pol: Policy, model: Any, budget: int) -> str:
-    """The run note of a per-layer cache whose budget holds at most one token's experts per
-    layer: every such cache then keeps exactly the last token's experts, so LRU, LFU, Belady
-    and the others give the same hits ("" for a larger budget or another kind of policy)."""
-    from daopsim.policies.caching import CachingPolicy
-
-    per_layer = budget // max(1, model.moe_layers)
-    if not isinstance(pol, CachingPolicy) or per_layer > model.top_k:
-        return ""
-    return (
-        f"budget of {budget} experts is {per_layer} per layer, at most top-k ({model.top_k}): "
-        "a per-layer cache then holds only the last token's experts, so every per-layer "
-        "caching policy (lru, lfu, belady, ...) gives the same hits here; compare them from "
-        f"{(model.top_k + 1) * model.moe_layers} experts ({model.top_k + 1} per layer)"
-    )
-
-
-def cpu_layers_note(model: Any, n_cpu: int) -> str:
-    """The run note naming a whole-layer split (``ResourceSpec.gpu_blocks``)."""
-    n = model.moe_layers
-    if n_cpu == 0:
-        return f"layer split: all {n} MoE layers wholly on the GPU"
-    if n_cpu == n:
-        return f"layer split: all {n} MoE layers wholly on the CPU (non-expert part and experts)"
-    return (
-        f"layer split: MoE layers 0-{n_cpu - 1} wholly on the CPU (non-expert part and "
-        f"experts), {n_cpu}-{n - 1} wholly on the GPU; hidden states cross the link at layer "
-        f"{n_cpu}"
-    )
-
-
-def routing_digest(r: SequenceRouting) -> bytes:
-    """A digest of a sequence's routing (its prompt length and every token's experts): two
-    sequences with equal digests route identically, whatever their ids or files."""
-    h = hashlib.sha256(f"{r.n_prefill}:{r.experts.shape}:{r.experts.dtype}".encode())
-    h.update(np.ascontiguousarray(r.experts).tobytes())
-    return h.digest()
-
-
-def same_content(a: Path, b: Path) -> bool:
-    """Whether two trace files hold the same bytes (a copy under another name counts)."""
-    from daopsim.simulator.fingerprints import file_sha256
-
-    if os.path.getsize(a) != os.path.getsize(b):
-        return False
-    return file_sha256(a) == file_sha256(b)
-
-
-def check_fit(fit: ExpertFit, machine: str, budget: int | None, by_ratio: bool = False) -> None:
-    """Raise :class:`DoesNotFit` when the weights, the buffers or ``budget`` experts do not fit.
-
-    ``budget=None`` asks only whether the run can start at all (non-expert weights, workspace,
-    KV cache and the policy's buffers).
-    """
-    gb = fit.expert_bytes / 1e9
-    once = fit.refund > 0  # unified memory, each expert held once
-    if once:
-        host = (
-            f", with every expert held once ({fit.host_bytes / 1e9:.1f} GB at the host's "
-            "precision) in the same unified memory"
-        )
-    elif fit.host_bytes:
-        host = (
-            f", beside the host's expert copies ({fit.host_bytes / 1e9:.1f} GB) in the same "
-            "unified memory"
-        )
-    else:
-        host = ""
-    if not fit.weights_fit():
-        short = -(max(fit.room(0), fit.room(fit.total_experts)) + fit.buffers * fit.expert_bytes)
-        raise DoesNotFit(
-            0,
-            f"{machine}'s GPU cannot hold {fit.model}'s non-expert weights, workspace and KV "
-            f"cache for {fit.context_tokens} tokens{host} ({short / 1e9:.1f} GB short), so no "
-            "expert fits",
-        )
-    if not (fit.fits(0) or fit.fits(fit.total_experts)):
-        raise DoesNotFit(
-            0,
-            f"{machine}'s GPU has room for {fit.slots} {fit.model} experts "
-            f"({gb:.2f} GB each) after the non-expert weights, workspace and KV cache{host}, "
-            f"fewer than the policy's {_buffers(fit.buffers)}",
-        )
-    if budget is not None and (budget > fit.max_experts or not fit.fits(budget)):
-        limit = (
-            f"--cache-ratio <= {fit.max_ratio():.3f}"
-            if by_ratio
-            else f"--gpu-experts <= {fit.max_experts}"
-        )
-        raise DoesNotFit(
-            fit.max_experts,
-            f"{budget} resident experts of {fit.model} ({budget * gb:.1f} GB) do not fit in "
-            f"{machine}'s GPU memory: at most {fit.max_experts} experts fit ({limit}) after "
-            f"non-expert weights, KV cache and {_buffers(fit.buffers)}{host}",
-        )
-
-
-def serving_kv_reserve(serving: ServingConfig, model: Any, context: int) -> int:
-    """KV-cache tokens reserved before the expert slots are sized (docs/serving.md, "GPU
-    memory"): ``--kv-cache-gb`` of them, else one mean-length sequence per batch place."""
-    per_token = model.kv_bytes_per_token
-    if serving.kv_cache_gb is not None:
-        if per_token <= 0:
-            raise UserError(f"--kv-cache-gb: model {model.name} has no KV-cache size per token")
-        return int(serving.kv_cache_gb * 1e9 // per_token)
-    return serving.batch * context
-
-
-def serving_plan(
-    serving: ServingConfig,
-    trace_path: Path,
-    meta: TraceMeta,
-    eval_ids: list[int],
-    arrivals: list[Arrival] | None,
-    fit: ExpertFit,
-    budget: int,
-    kv_reserve: int,
-    unlimited: bool,
-    stand_in: bool,
-    seed: int,
-) -> Serving:
-    """The requests of a serving run, their arrival times and the KV-cache capacity.
-
-    KV capacity: ``--kv-cache-gb`` exactly; otherwise the memory the expert slots and the
-    policy's buffers leave (at least the reserve); unbounded for a policy whose memory is not
-    modelled (all-gpu). Any request longer than the cache is refused before the run.
-    """
-    model = meta.model
-    routes: dict[int, SequenceRouting] = {}
-    for r in iter_sequences(trace_path, meta, sequences=set(eval_ids)):
-        r = previous_token_view(r) if stand_in else r
-        routes[int(r.seq_id)] = dense(r, model.experts)
-    reqs: list[Request] = []
-    if arrivals is not None:
-        for a in arrivals:
-            r = routes[a.sequence]
-            for name, got, have in (
-                ("prompt_tokens", a.prompt_tokens, r.n_prefill),
-                ("output_tokens", a.output_tokens, r.n_decode),
-            ):
-                if got > have:
-                    raise UserError(
-                        f"{serving.arrivals}: row {a.row}: field {name}: {got} is more than "
-                        f"sequence {a.sequence} has ({have})"
-                    )
-            reqs.append(
-                Request(
-                    a.request_id,
-                    a.sequence,
-                    a.arrival_s,
-                    a.prompt_tokens,
-                    a.output_tokens,
-                    trim(r, a.prompt_tokens, a.output_tokens, a.request_id),
-                )
-            )
-    else:
-        times = (
-            poisson_arrivals(len(eval_ids), serving.arrival_rate, seed).tolist()
-            if serving.arrival_rate is not None
-            else [0.0] * len(eval_ids)
-        )
-        for sid, t in zip(eval_ids, times, strict=True):
-            r = routes[sid]
-            reqs.append(Request(sid, sid, t, r.n_prefill, r.n_decode, r))
-    per_token = model.kv_bytes_per_token
-    capacity: int | None
-    if unlimited or per_token <= 0:
-        capacity = None
-    elif serving.kv_cache_gb is not None:
-        capacity = kv_reserve
-    else:
-        left = fit.room(budget)
-        capacity = kv_reserve + max(0, int(left // per_token))
-    if capacity is not None:
-        fix = (
-            "raise --kv-cache-gb"
-            if serving.kv_cache_gb is not None
-            else "lower the expert budget or give --kv-cache-gb"
-        )
-        for q in reqs:
-            if q.kv_tokens > capacity:
-                raise UserError(
-                    f"request {q.rid} (sequence {q.seq_id}) needs {q.kv_tokens} KV-cache tokens "
-                    f"({q.kv_tokens * per_token / 1e9:.2f} GB), more than the cache holds "
-                    f"({capacity} tokens); {fix}"
-                )
-    return Serving(reqs, serving, capacity)
-
-
-def _buffers(n: int) -> str:
-    return f"{n} buffer" if n == 1 else f"{n} buffers"
 
 
 def _resolve_hw(hw: str | os.PathLike[str] | HardwareProfile) -> HardwareProfile:
@@ -736,6 +178,8 @@ def _signature() -> inspect.Signature:
 
 
 simulate.__signature__ = _signature()  # type: ignore[attr-defined]
+
+
 simulate.__doc__ = (simulate.__doc__ or "").replace("    {params}", docstring_lines())
 
 
@@ -838,12 +282,7 @@ class Run:
 def resolve_inputs(req: RunRequest) -> RunInputs:
     """Stage 1: the trace, the model at its precisions, the machine, the policy and its
     runtime, the cost model, the host tier, the GPUs; then the sequences."""
-    if req.lookahead not in LOOKAHEAD_CHOICES:
-        raise UserError(
-            f"--lookahead must be one of {list(LOOKAHEAD_CHOICES)}, got {req.lookahead!r}"
-        )
-    req.seed = check_seed(req.seed)
-    _engine_class(req.engine)  # an unknown engine fails before any work
+    # each value was checked as declared when the request was made (run_params.check_declared)
     trace = model_trace(req.model, req.trace) if req.model is not None else req.trace
     trace_path = resolve_trace(trace)
     meta = read_meta(trace_path)
@@ -973,21 +412,6 @@ def size_run(inp: RunInputs) -> RunSize:
     return RunSize(kv_reserve, model.total_experts, fit, budget, n_cpu, rt, costs, fixed)
 
 
-def requested_budget(cache_ratio: float | None, gpu_experts: int | None, total: int) -> int | None:
-    """The expert budget asked for (None: the most that fits), its range checked."""
-    if cache_ratio is not None and gpu_experts is not None:
-        raise UserError("give --cache-ratio or --gpu-experts, not both")
-    if cache_ratio is not None:
-        if not 0 < cache_ratio <= 1:
-            raise UserError(f"--cache-ratio must be in (0, 1], got {cache_ratio}")
-        return round(cache_ratio * total)
-    if gpu_experts is not None:
-        if not 0 <= gpu_experts <= total:
-            raise UserError(f"--gpu-experts must be in 0..{total}, got {gpu_experts}")
-        return gpu_experts
-    return None
-
-
 def _check_several_gpus(pol: Policy, n_cpu_layers: int) -> None:
     """What several GPUs do not model, refused before any work."""
     if n_cpu_layers:
@@ -1060,7 +484,7 @@ def calibrate(data: RunData) -> None:
             cal_path, cal_meta, ids, data.cal_eams, digests=data.cal_digests
         )
     elif inp.cal_ids:
-        if inp.req.serving is None and _small(inp.meta):
+        if inp.req.serving is None and small_trace(inp.meta):
             data.stash = {}  # this pass also assembles the evaluation sequences
         data.calib, data.calib_pre = calibration_counts(
             inp.trace_path, inp.meta, inp.cal_ids, data.cal_eams, data.stash, set(inp.eval_ids)
@@ -1070,11 +494,6 @@ def calibrate(data: RunData) -> None:
             f"policy {pol.name!r} needs calibration data: the trace has no "
             "calibration sequences; pass --calibration PATH or --calibration self"
         )
-
-
-def _small(meta: TraceMeta) -> bool:
-    """A trace small enough to keep its evaluation sequences in memory for the run."""
-    return meta.counts.get("rows", _STASH_ROWS + 1) <= _STASH_ROWS
 
 
 def make_oracle(data: RunData) -> Oracle:
@@ -1093,7 +512,7 @@ def make_oracle(data: RunData) -> Oracle:
         step_oracle(plan.requests, plan.config.batch, plan.config.continuous,
                     plan.sched.kv_capacity, oracle, plan.config)  # fmt: skip
         return oracle
-    if data.stash is None and _small(inp.meta):
+    if data.stash is None and small_trace(inp.meta):
         # one pass over the file instead of two, as the calibration read does
         data.stash = {int(r.seq_id): r for r in data.sequences()}
     for r in data.sequences():
@@ -1264,6 +683,7 @@ def run_config(inp: RunInputs, size: RunSize, data: RunData, run: Run) -> dict[s
         "gpu_experts_per_gpu": size.budget if inp.mg is not None else None,
         **provenance(trace_path, inp.profile),
     }
+    config.update(declared_values(req, config))
     tier = inp.host_tier
     if tier is not None:  # only then: runs without a host budget keep their config
         config["host_memory_gb"] = tier.budget_bytes / 1e9

@@ -1,670 +1,50 @@
-"""Serving: requests that arrive over time, decoded in static or continuous batches.
+"""Serving: requests that arrive over time, decoded in static or continuous batches: the plan
+of a serving run and its loop over the engine.
 
-docs/serving.md describes each rule and its sources. In short:
+docs/serving.md describes each rule and its sources. The parts live in their own modules:
+the configuration (simulator/serving_config.py), arrivals (simulator/arrivals.py), the requests
+and their routing (simulator/serving_requests.py), the scheduler and its step schedule
+(simulator/scheduler.py) and the summary (simulator/serving_summary.py). Here:
 
-* a *request* replays one trace sequence (its prompt, then its generated tokens); requests
-  arrive all at time 0, by a seeded Poisson process (``--arrival-rate``) or at the times of an
-  arrival file (:func:`read_arrivals`);
-* the scheduler (:class:`Scheduler`) admits waiting requests first come, first served, while
-  the batch has room (``--batch``/``--max-batch``) and the KV cache can hold the request's
-  prompt plus output tokens; static batches admit only when the previous batch is done,
-  continuous batching admits between any two steps (iteration-level scheduling);
-* with continuous batching a newly admitted request's prompt runs as a prefill step of its own
-  (the engine's prefill pass); the requests of a static batch prefill together in one step
-  (:meth:`Serving._prefill_batch_step`, as Hugging Face ``generate`` runs a batch), unless
+* :func:`serving_plan` builds a run's :class:`Serving` from the trace, the arrivals and the
+  KV-cache capacity (a request longer than the cache is refused before the run);
+* :class:`Serving` runs the requests through the engine's step loop: with continuous batching a
+  newly admitted request's prompt runs as a prefill step of its own (the engine's prefill
+  pass); the requests of a static batch prefill together in one step
+  (:meth:`BatchStep.prefill_batch`, as Hugging Face ``generate`` runs a batch), unless
   ``static_prefill="per-request"``; then every running request decodes one token per step.
   One running request decodes through the engine's single-sequence path (so one request at a
-  time reproduces an unbatched run exactly); several decode in one batched step
-  (:meth:`Serving._batch_step`) in which each layer runs the union of the batch's experts,
-  each over the number of tokens that chose it;
-* per request: time to first token (from its arrival), time per output token, end-to-end
-  latency; SLO attainment and goodput (:func:`summarise`).
+  time reproduces an unbatched run exactly); several decode in one :class:`BatchStep` in which
+  each layer runs the union of the batch's experts, each over the number of tokens that chose
+  it.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from collections import deque
-from collections.abc import Callable, Generator, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pandas as pd
 
 from daopsim.policies.base import Plan
+from daopsim.simulator.arrivals import Arrival, poisson_arrivals
 from daopsim.simulator.boundary import fill_layer_view
 from daopsim.simulator.core.loop import Step as CoreStep
 from daopsim.simulator.errors import UserError
-from daopsim.simulator.trace import SequenceRouting
+from daopsim.simulator.scheduler import Scheduler, Step, plan_steps
+from daopsim.simulator.serving_config import ServingConfig
+from daopsim.simulator.serving_requests import Request, dense, one_token, prefix, trim
+from daopsim.simulator.trace import (
+    SequenceRouting,
+    TraceMeta,
+    iter_sequences,
+    previous_token_view,
+)
 
 if TYPE_CHECKING:
     from daopsim.simulator.core.loop import Engine
-
-#: Columns of an arrival file (docs/serving.md, "Arrival file").
-ARRIVAL_COLUMNS = ("request_id", "arrival_s", "prompt_tokens", "output_tokens", "sequence")
-#: Percentiles reported for per-request latencies.
-PERCENTILES = (50, 90, 99)
-
-
-@dataclass(frozen=True)
-class ServingConfig:
-    """How requests arrive and are batched (``daopsim run`` serving options)."""
-
-    #: most requests decoding together
-    batch: int = 1
-    #: continuous (iteration-level) batching; False: static batches
-    continuous: bool = False
-    #: Poisson arrivals per second (None: every request at time 0, or the arrival file's times)
-    arrival_rate: float | None = None
-    #: CSV or Parquet arrival file (docs/serving.md)
-    arrivals: str | None = None
-    #: GPU memory reserved for the KV cache before expert slots are sized (None: the default rule)
-    kv_cache_gb: float | None = None
-    #: service-level objectives in seconds (None: no objective)
-    slo_ttft: float | None = None
-    slo_tpot: float | None = None
-    #: chunked prefill: prompt tokens of one joining request carried per step beside the decode
-    #: tokens of the running requests (None: each prompt runs as a prefill step of its own)
-    prefill_chunk: int | None = None
-    #: KV cache allocated as tokens are written, the newest request preempted (recompute) when
-    #: it runs out; False: each request reserves its prompt plus output at admission
-    preempt: bool = False
-    #: static batches: "batched" (a batch's prompts prefill together in one step, as Hugging
-    #: Face generate runs a batch) or "per-request" (each prompt in a prefill step of its own);
-    #: None: batched for static batches without chunked prefill or preemption
-    static_prefill: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.batch < 1:
-            raise UserError(f"--batch/--max-batch must be at least 1, got {self.batch}")
-        if self.arrival_rate is not None and not (
-            math.isfinite(self.arrival_rate) and self.arrival_rate > 0
-        ):
-            raise UserError(f"--arrival-rate must be a positive number, got {self.arrival_rate}")
-        if self.arrival_rate is not None and self.arrivals is not None:
-            raise UserError("give --arrival-rate or --arrivals, not both")
-        if self.kv_cache_gb is not None and not (
-            math.isfinite(self.kv_cache_gb) and self.kv_cache_gb > 0
-        ):
-            raise UserError(f"--kv-cache-gb must be a positive number, got {self.kv_cache_gb}")
-        for name, v in (("--slo-ttft", self.slo_ttft), ("--slo-tpot", self.slo_tpot)):
-            if v is not None and not (math.isfinite(v) and v > 0):
-                raise UserError(f"{name} must be a positive number of seconds, got {v}")
-        if self.prefill_chunk is not None and self.prefill_chunk < 1:
-            raise UserError(f"--prefill-chunk must be at least 1 token, got {self.prefill_chunk}")
-        if self.static_prefill is not None:
-            if self.static_prefill not in STATIC_PREFILL:
-                raise UserError(
-                    f"--static-prefill must be one of {', '.join(STATIC_PREFILL)}, got "
-                    f"{self.static_prefill!r}"
-                )
-            if self.continuous:
-                raise UserError(
-                    "--static-prefill applies to static batches (--batch), not to continuous "
-                    "batching"
-                )
-            if self.static_prefill == "batched" and self.extended:
-                raise UserError(
-                    "--static-prefill batched is not modelled with --prefill-chunk or --preempt "
-                    "(their prompts prefill one request at a time); use --static-prefill "
-                    "per-request or drop them"
-                )
-
-    @property
-    def extended(self) -> bool:
-        """Chunked prefill or preemption: the schedule of :func:`plan_steps`."""
-        return self.prefill_chunk is not None or self.preempt
-
-    @property
-    def batched_prefill(self) -> bool:
-        """A static batch's prompts prefill together in one step (docs/serving.md)."""
-        return not self.continuous and not self.extended and self.static_prefill != "per-request"
-
-    @property
-    def timed_arrivals(self) -> bool:
-        """Requests arrive over time (the schedule then depends on the simulated clock)."""
-        return self.arrival_rate is not None or self.arrivals is not None
-
-
-#: The ``--static-prefill`` choices (docs/serving.md, "Static batches prefill together").
-STATIC_PREFILL = ("batched", "per-request")
-
-#: Most requests decoding together when requests arrive over time and no size is given.
-DEFAULT_MAX_BATCH = 8
-
-
-def serving_config(
-    batch: int | None,
-    max_batch: int | None,
-    arrival_rate: float | None,
-    arrivals: str | None,
-    kv_cache_gb: float | None,
-    slo_ttft: float | None,
-    slo_tpot: float | None,
-    prefill_chunk: int | None = None,
-    preempt: bool = False,
-    static_prefill: str | None = None,
-) -> ServingConfig | None:
-    """The serving configuration of ``run``'s options, or None when none is given.
-
-    ``--batch B``: static batches; ``--max-batch B``: continuous batching; neither: continuous
-    batching of up to :data:`DEFAULT_MAX_BATCH` when requests arrive over time, else one
-    request at a time.
-    """
-    given = (batch, max_batch, arrival_rate, arrivals, kv_cache_gb, slo_ttft, slo_tpot)
-    if all(v is None for v in given) and prefill_chunk is None and not preempt:
-        if static_prefill is not None:
-            raise UserError("--static-prefill needs static batches (--batch B)")
-        return None
-    if batch is not None and max_batch is not None:
-        raise UserError("give --batch (static batches) or --max-batch (continuous), not both")
-    timed = arrival_rate is not None or arrivals is not None
-    size = batch if batch is not None else max_batch
-    if size is None:
-        size = DEFAULT_MAX_BATCH if timed else 1
-    return ServingConfig(
-        batch=size,
-        continuous=batch is None and (max_batch is not None or timed),
-        arrival_rate=arrival_rate,
-        arrivals=arrivals,
-        kv_cache_gb=kv_cache_gb,
-        slo_ttft=slo_ttft,
-        slo_tpot=slo_tpot,
-        prefill_chunk=prefill_chunk,
-        preempt=preempt,
-        static_prefill=static_prefill,
-    )
-
-
-@dataclass
-class Arrival:
-    """One row of an arrival file."""
-
-    request_id: int
-    arrival_s: float
-    prompt_tokens: int
-    output_tokens: int
-    sequence: int
-    row: int  #: 1-based data row, for error messages
-
-
-@dataclass
-class Request:
-    """One request and what happened to it (times in simulated seconds)."""
-
-    rid: int
-    seq_id: int
-    arrival: float
-    prompt: int
-    output: int
-    routing: SequenceRouting
-    admitted: float = math.nan
-    first_token: float = math.nan
-    finish: float = math.nan
-    #: decode tokens generated so far
-    done: int = 0
-    finished: int = 0  #: times it finished (the invariant: exactly once)
-    #: times it was preempted (its KV cache freed, its prefill redone on readmission)
-    preemptions: int = 0
-    #: KV-cache tokens it holds now (allocation as tokens are written, ``preempt``)
-    held: int = 0
-    #: prompt rows its current admission must prefill (prompt, plus generated tokens after a
-    #: preemption) and how many of them are done
-    prefill_target: int = 0
-    prefilled: int = 0
-
-    @property
-    def kv_tokens(self) -> int:
-        """KV-cache tokens it holds while admitted: its prompt and output (reserved whole)."""
-        return self.prompt + self.output
-
-    @property
-    def tpot(self) -> float:
-        """Time per output token after the first (NaN with fewer than two tokens)."""
-        after = self.output if self.prompt else self.output - 1
-        return (self.finish - self.first_token) / after if after > 0 else math.nan
-
-
-#: The latest arrival time a run takes, s (about 11.6 days). The simulated clock is one float:
-#: below this its resolution is 1.2e-10 s, so microsecond events keep their length to 1e-4;
-#: epoch times (1.7e9 s) would round every event to 2.4e-7 s, and 1e14 s to 0.016 s.
-MAX_CLOCK_S = 1e6
-
-
-_BEYOND_CLOCK = (
-    f"beyond the simulated clock's range of {MAX_CLOCK_S:g} s (about 11.6 days; past it, times "
-    "lose their precision)"
-)
-
-
-def poisson_arrivals(n: int, rate: float, seed: int) -> np.ndarray:
-    """``n`` arrival times of a Poisson process of ``rate`` per second (seeded; first > 0);
-    a UserError when the last lies beyond :data:`MAX_CLOCK_S`."""
-    gaps = np.random.default_rng([seed, 17]).exponential(1.0 / rate, size=n)
-    times = np.cumsum(gaps)
-    if n and times[-1] > MAX_CLOCK_S:
-        raise UserError(
-            f"--arrival-rate {rate:g}: the {n} requests arrive over {times[-1]:.4g} s, "
-            f"{_BEYOND_CLOCK}; give a higher rate"
-        )
-    return times
-
-
-def _int_field(path: Path, row: int, name: str, value: Any, low: int) -> int:
-    if isinstance(value, float | np.floating) and float(value).is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise UserError(f"{path}: row {row}: field {name}: expected an integer, got {value!r}")
-    if value < low:
-        raise UserError(f"{path}: row {row}: field {name}: must be >= {low}, got {value}")
-    return int(value)
-
-
-def read_arrivals(path: str | Path) -> list[Arrival]:
-    """Read and validate an arrival file (CSV or Parquet), sorted by arrival time then row."""
-    p = Path(path)
-    suffix = p.suffix.lower()
-    if suffix not in (".csv", ".parquet"):
-        raise UserError(f"{p}: arrival file must end in .csv or .parquet")
-    try:
-        df = pd.read_csv(p) if suffix == ".csv" else pd.read_parquet(p)
-    except FileNotFoundError:
-        raise UserError(f"{p}: no such arrival file") from None
-    except Exception as exc:  # unreadable: say so in one line
-        text = " ".join(str(exc).split())
-        raise UserError(f"{p}: cannot read arrival file: {type(exc).__name__}: {text}") from None
-    missing = [c for c in ARRIVAL_COLUMNS if c not in df.columns]
-    if missing:
-        raise UserError(
-            f"{p}: missing column {missing[0]!r} (an arrival file has {', '.join(ARRIVAL_COLUMNS)})"
-        )
-    if df.empty:
-        raise UserError(f"{p}: arrival file has no rows")
-    out: list[Arrival] = []
-    seen: dict[int, int] = {}
-    records = df[list(ARRIVAL_COLUMNS)].to_dict("records")
-    for i, rec in enumerate(records, start=1):
-        for name in ARRIVAL_COLUMNS:
-            v = rec[name]
-            if v is None or (isinstance(v, float) and math.isnan(v)):
-                raise UserError(f"{p}: row {i}: field {name}: empty")
-        rid = _int_field(p, i, "request_id", rec["request_id"], 0)
-        if rid in seen:
-            raise UserError(f"{p}: row {i}: field request_id: {rid} repeats row {seen[rid]}'s id")
-        seen[rid] = i
-        t = rec["arrival_s"]
-        try:
-            t = float(t)
-        except (TypeError, ValueError):
-            raise UserError(f"{p}: row {i}: field arrival_s: not a number: {t!r}") from None
-        if not math.isfinite(t) or t < 0:
-            raise UserError(f"{p}: row {i}: field arrival_s: must be finite and >= 0, got {t}")
-        if t > MAX_CLOCK_S:
-            raise UserError(
-                f"{p}: row {i}: field arrival_s: {t:.4g} s is {_BEYOND_CLOCK}; give times "
-                "relative to the first request"
-            )
-        out.append(
-            Arrival(
-                request_id=rid,
-                arrival_s=t,
-                prompt_tokens=_int_field(p, i, "prompt_tokens", rec["prompt_tokens"], 0),
-                output_tokens=_int_field(p, i, "output_tokens", rec["output_tokens"], 1),
-                sequence=_int_field(p, i, "sequence", rec["sequence"], 0),
-                row=i,
-            )
-        )
-    out.sort(key=lambda a: a.arrival_s)  # stable: file order on ties
-    return out
-
-
-def dense(r: SequenceRouting, n_experts: int) -> SequenceRouting:
-    """``r`` with dense probabilities (so one-token slices need no conversion)."""
-    if r.prob_ids is None and r.early_prob_ids is None:
-        return r
-    return dataclasses.replace(
-        r,
-        probs=r.full_probs(n_experts),
-        early_probs=r.full_probs(n_experts, early=True),
-        prob_ids=None,
-        early_prob_ids=None,
-    )
-
-
-def _rows(r: SequenceRouting, idx: slice | np.ndarray, n_prefill: int) -> SequenceRouting:
-    """The token rows ``idx`` of every per-token array of ``r``, of which the first
-    ``n_prefill`` are prompt (a slice gives views, an index array copies)."""
-
-    def take(a: np.ndarray | None) -> np.ndarray | None:
-        return None if a is None else a[idx]
-
-    return dataclasses.replace(
-        r,
-        positions=r.positions[idx],
-        n_prefill=n_prefill,
-        experts=r.experts[idx],
-        weights=r.weights[idx],
-        probs=r.probs[idx],
-        early_experts=r.early_experts[idx],
-        early_probs=r.early_probs[idx],
-        prob_ids=take(r.prob_ids),
-        early_prob_ids=take(r.early_prob_ids),
-        filled=take(r.filled),
-    )
-
-
-def trim(r: SequenceRouting, prompt: int, output: int, rid: int) -> SequenceRouting:
-    """The first ``prompt`` prompt tokens and first ``output`` generated tokens of ``r``,
-    as sequence ``rid`` (a request's id names it to the policy and in the timeline)."""
-    p0 = r.n_prefill
-    if prompt == p0 and output == r.n_decode:
-        return dataclasses.replace(r, seq_id=rid)
-    return dataclasses.replace(_rows(r, np.r_[0:prompt, p0 : p0 + output], prompt), seq_id=rid)
-
-
-def one_token(r: SequenceRouting, t: int) -> SequenceRouting:
-    """Token ``t`` of ``r`` as a one-token decode-only routing (views, no copies)."""
-    return _rows(r, slice(t, t + 1), 0)
-
-
-def prefix(r: SequenceRouting, n: int) -> SequenceRouting:
-    """The first ``n`` rows of ``r`` (its prompt, then generated tokens) as one prompt: what a
-    request preempted after generating ``n - prompt`` tokens prefills again (views)."""
-    if n == r.n_prefill:
-        return r
-    return _rows(r, slice(0, n), n)
-
-
-class Scheduler:
-    """Admission: first come, first served, bounded by the batch size and the KV cache.
-
-    ``kv_capacity`` is the KV cache in tokens (None: unbounded). A request holds its prompt
-    plus output tokens from admission to its end. Static batches admit only when nothing is
-    running; continuous batching admits at every step boundary. The head of the queue is never
-    overtaken (a later, smaller request does not jump a waiting one).
-    """
-
-    def __init__(
-        self,
-        requests: list[Request],
-        batch: int,
-        continuous: bool,
-        kv_capacity: int | None,
-        incremental: bool = False,
-    ) -> None:
-        self.queue: deque[Request] = deque(sorted(requests, key=lambda q: q.arrival))
-        self.running: list[Request] = []
-        self.batch = batch
-        self.continuous = continuous
-        self.kv_capacity = kv_capacity
-        self.kv_used = 0
-        #: most KV tokens ever held at once
-        self.kv_peak = 0
-        #: KV allocated as tokens are written, with preemption (``ServingConfig.preempt``)
-        self.incremental = incremental
-        #: preemptions so far, and the KV tokens written then freed by them (prefilled again)
-        self.preemptions = 0
-        self.preempted_kv_tokens = 0
-
-    def admit(self, now: float) -> list[Request]:
-        """Requests admitted at ``now`` (they join ``running``)."""
-        if self.running and not self.continuous:
-            return []
-        out = []
-        q = self.queue
-        cap = self.kv_capacity
-        while q and q[0].arrival <= now and len(self.running) < self.batch:
-            if self.incremental:
-                head = q[0]
-                if cap is not None and head.kv_tokens > cap:
-                    # it could never finish: alone it would preempt itself for ever
-                    raise UserError(
-                        f"request {head.rid} needs {head.kv_tokens} KV tokens (prompt "
-                        f"{head.prompt} + output {head.output}), more than the whole KV cache "
-                        f"holds ({cap})"
-                    )
-                # the prompt (and, after a preemption, the tokens generated so far) is written
-                # by its prefill; each decode token then allocates one more (vLLM, SOSP 2023)
-                need = head.prompt + head.done
-            else:
-                need = q[0].kv_tokens
-            if cap is not None:
-                # preemption: also room for the next token of every running request and its
-                # own (a one-step watermark, so an admission is not preempted at once)
-                grow = len(self.running) + 1 if self.incremental else 0
-                if self.kv_used + need + grow > cap:
-                    break
-            r = q.popleft()
-            self.kv_used += need
-            self.kv_peak = max(self.kv_peak, self.kv_used)
-            if self.incremental:
-                r.held = need
-            if math.isnan(r.admitted):  # the first admission (queue_s is measured to it)
-                r.admitted = now
-            r.prefill_target = r.prompt + r.done
-            r.prefilled = 0
-            self.running.append(r)
-            out.append(r)
-        return out
-
-    def fits_empty(self) -> bool:
-        """The head of the queue fits in an empty KV cache (so an idle server admits it at the
-        next step boundary; a request that ended at admission left the server idle)."""
-        cap = self.kv_capacity
-        return bool(self.queue) and (cap is None or self.queue[0].kv_tokens <= cap)
-
-    def grow(self, decoding: list[Request]) -> None:
-        """Each request in ``decoding`` writes one more KV token (allocation as written)."""
-        for r in decoding:
-            r.held += 1
-        self.kv_used += len(decoding)
-        self.kv_peak = max(self.kv_peak, self.kv_used)
-
-    def preempt(self) -> Request:
-        """Preempt the most recently admitted running request (vLLM's default, recompute): its
-        KV cache is freed and it goes back to the head of the queue, to prefill its prompt and
-        the tokens it generated again when readmitted."""
-        r = self.running.pop()
-        self.kv_used -= r.held
-        # the tokens whose KV it had written (not prompt rows allocated but not yet prefilled)
-        self.preempted_kv_tokens += r.held - (r.prefill_target - r.prefilled)
-        r.held = 0
-        r.preemptions += 1
-        self.preemptions += 1
-        self.queue.appendleft(r)
-        return r
-
-    def next_arrival(self) -> float | None:
-        """When the head of the queue arrives (None when the queue is empty)."""
-        return self.queue[0].arrival if self.queue else None
-
-    def leave(self, r: Request) -> None:
-        """``r`` finished: it leaves the batch and frees its KV cache."""
-        self.running.remove(r)
-        if self.incremental:
-            self.kv_used -= r.held
-            r.held = 0
-        else:
-            self.kv_used -= r.kv_tokens
-
-
-@dataclass
-class Step:
-    """One step of the extended schedule (:func:`plan_steps`)."""
-
-    #: the request whose prompt rows ``[lo, hi)`` run in this step (None: decode tokens only)
-    prefill: Request | None
-    lo: int
-    hi: int
-    #: the requests decoding one token each in this step, and each one's token row
-    decoding: list[Request]
-    tokens: list[int]
-    #: the whole prompt as the engine's own prefill pass (no chunking)
-    whole: bool = False
-
-
-def plan_steps(
-    sched: Scheduler, chunk: int | None, clock: Callable[[], float]
-) -> Generator[tuple[str, Any], None, None]:
-    """The schedule with chunked prefill and/or preemption (docs/serving.md), as events:
-    ``("admit", request)``, ``("step", Step)``, ``("preempt", request)``, ``("idle", time)``
-    and ``("finish", request)``. ``clock()`` is the simulated time; it is read after each step
-    has run, so the simulation and the clairvoyant oracle (``clock`` always 0) share it.
-
-    With ``chunk`` a step carries up to ``chunk`` prompt rows of the earliest-admitted request
-    still prefilling, beside one decode token of every request that has finished its prefill
-    (Sarathi-Serve's stall-free batching); without it each admitted prompt runs as a prefill
-    step of its own, as in the plain schedule. With ``sched.incremental``, before each step the
-    newest request is preempted while the decoding tokens would not fit in the KV cache.
-    """
-    while sched.queue or sched.running:
-        for q in sched.admit(clock()):
-            yield "admit", q
-            if chunk is None and q.prefill_target:
-                yield "step", Step(q, 0, q.prefill_target, [], [], whole=True)
-                q.prefilled = q.prefill_target
-                if math.isnan(q.first_token):
-                    q.first_token = clock()
-            if q.done >= q.output and q.prefilled >= q.prefill_target:
-                yield "finish", q  # nothing to generate beyond the prompt's token
-                sched.leave(q)
-        running = sched.running
-        pre = next((q for q in running if q.prefilled < q.prefill_target), None)
-        decoding = [q for q in running if q.prefilled >= q.prefill_target and q.done < q.output]
-        cap = sched.kv_capacity
-        if sched.incremental and cap is not None:
-            # alone, a request always fits (admission refuses one larger than the cache), so
-            # this stops; the victim is the newest, so the oldest always makes progress
-            while decoding and sched.kv_used + len(decoding) > cap:
-                v = sched.preempt()
-                yield "preempt", v
-                decoding = [q for q in decoding if q is not v]
-                if pre is v:  # the newest; nobody after it is prefilling
-                    pre = None
-            sched.grow(decoding)
-        if pre is None and not decoding:
-            nxt = sched.next_arrival()
-            if nxt is None:
-                break
-            if nxt > clock():  # idle until the next request arrives
-                yield "idle", nxt
-            elif not running and not sched.fits_empty():
-                head = sched.queue[0]
-                raise UserError(
-                    f"request {head.rid} needs {head.kv_tokens} KV tokens, more than the KV "
-                    f"cache holds ({cap})"
-                )
-            continue
-        lo = hi = 0
-        if pre is not None:
-            lo = pre.prefilled
-            hi = min(pre.prefill_target, lo + (chunk or pre.prefill_target))
-        yield "step", Step(pre, lo, hi, decoding, [q.prompt + q.done for q in decoding])
-        now = clock()
-        for q in decoding:
-            q.done += 1
-            if math.isnan(q.first_token):  # no prompt: the first decode token is the first
-                q.first_token = now
-        ended = list(decoding)
-        if pre is not None:
-            pre.prefilled = hi
-            if hi == pre.prefill_target:
-                if math.isnan(pre.first_token):
-                    pre.first_token = now
-                ended.append(pre)
-        for q in ended:
-            if q.done >= q.output and q.prefilled >= q.prefill_target:
-                yield "finish", q
-                sched.leave(q)
-
-
-def schedule_steps(
-    requests: list[Request],
-    batch: int,
-    continuous: bool,
-    kv_capacity: int | None,
-    batched_prefill: bool = False,
-) -> Iterable[list[tuple[Request, int]]]:
-    """The step sequence when every request is there at time 0 (so no step depends on
-    timing): each step is ``[(request, token index)]``, a prefill step being one request at
-    token -1, or with ``batched_prefill`` every admitted request with a prompt at token -1.
-    Clairvoyant policies get their oracle from it."""
-    sched = Scheduler([dataclasses.replace(q) for q in requests], batch, continuous, kv_capacity)
-    while sched.queue or sched.running:
-        admitted = [q for q in sched.admit(0.0) if q.prompt]
-        if batched_prefill and admitted:
-            yield [(q, -1) for q in admitted]
-        else:
-            for q in admitted:
-                yield [(q, -1)]
-        if not sched.running:
-            raise UserError("a request can never be admitted (KV cache too small)")
-        decoding = [q for q in sched.running if q.done < q.output]
-        if decoding:
-            yield [(q, q.prompt + q.done) for q in decoding]
-        for q in decoding:
-            q.done += 1
-        for q in list(sched.running):
-            if q.done >= q.output:
-                sched.leave(q)
-
-
-def extended_schedule_steps(
-    requests: list[Request], config: ServingConfig, kv_capacity: int | None
-) -> Iterable[list[tuple[Request, int | slice]]]:
-    """:func:`schedule_steps` for chunked prefill or preemption (every request at time 0): a
-    step's prompt rows are given as a slice."""
-    sched = Scheduler(
-        [dataclasses.replace(q) for q in requests],
-        config.batch,
-        config.continuous,
-        kv_capacity,
-        incremental=config.preempt,
-    )
-    for kind, x in plan_steps(sched, config.prefill_chunk, lambda: 0.0):
-        if kind == "step":
-            step: list[tuple[Request, int | slice]] = []
-            if x.prefill is not None:
-                step.append((x.prefill, slice(x.lo, x.hi)))
-            step.extend(zip(x.decoding, x.tokens, strict=True))
-            yield step
-
-
-def step_oracle(
-    requests: list[Request],
-    batch: int,
-    continuous: bool,
-    kv_capacity: int | None,
-    oracle: Any,
-    config: ServingConfig | None = None,
-) -> Any:
-    """Fill ``oracle`` (``daopsim.simulator.runner.Oracle``) with the accesses of each step."""
-    steps: Iterable[list[tuple[Request, Any]]]
-    if config is not None and config.extended:
-        steps = extended_schedule_steps(requests, config, kv_capacity)
-    else:
-        # without a config: the default of ServingConfig(batch, continuous)
-        batched = config.batched_prefill if config is not None else not continuous
-        steps = schedule_steps(requests, batch, continuous, kv_capacity, batched)
-    for step in steps:
-        n = oracle.n_steps
-        for q, t in step:
-            r = q.routing
-            if isinstance(t, slice):
-                rows = r.experts[t]
-            else:
-                rows = r.experts[: r.n_prefill] if t < 0 else r.experts[t : t + 1]
-            for layer in range(rows.shape[1]):
-                steps = oracle.steps[layer]
-                for e in np.unique(rows[:, layer, :]).tolist():
-                    lst = steps[e]
-                    if not lst or lst[-1] != n:
-                        lst.append(n)
-        oracle.n_steps = n + 1
-    return oracle
+    from daopsim.simulator.fit import ExpertFit
 
 
 class Serving:
@@ -972,87 +352,82 @@ class BatchStep(CoreStep):
             c.decoded(eng.now - t0, b)
 
 
-def _pcts(values: list[float]) -> dict[str, float | None]:
-    arr = np.asarray([x for x in values if math.isfinite(x)], dtype=np.float64)
-    return {f"p{p}": (float(np.percentile(arr, p)) if arr.size else None) for p in PERCENTILES}
+def serving_plan(
+    serving: ServingConfig,
+    trace_path: Path,
+    meta: TraceMeta,
+    eval_ids: list[int],
+    arrivals: list[Arrival] | None,
+    fit: ExpertFit,
+    budget: int,
+    kv_reserve: int,
+    unlimited: bool,
+    stand_in: bool,
+    seed: int,
+) -> Serving:
+    """The requests of a serving run, their arrival times and the KV-cache capacity.
 
-
-def request_table(requests: list[Request], config: ServingConfig) -> pd.DataFrame:
-    """One row per request: arrival, admission, first token, finish, latencies, SLO outcome."""
-    rows = []
-    for q in requests:
-        ttft = q.first_token - q.arrival
-        tpot = q.tpot
-        rows.append(
-            {
-                "request_id": q.rid,
-                "sequence": q.seq_id,
-                "arrival_s": q.arrival,
-                "admitted_s": q.admitted,
-                "first_token_s": q.first_token,
-                "finish_s": q.finish,
-                "prompt_tokens": q.prompt,
-                "output_tokens": q.output,
-                "queue_s": q.admitted - q.arrival,
-                "ttft_s": ttft,
-                "tpot_s": tpot,
-                "latency_s": q.finish - q.arrival,
-                "meets_slo": meets_slo(ttft, tpot, config),
-                "preemptions": q.preemptions,
-            }
+    KV capacity: ``--kv-cache-gb`` exactly; otherwise the memory the expert slots and the
+    policy's buffers leave (at least the reserve); unbounded for a policy whose memory is not
+    modelled (all-gpu). Any request longer than the cache is refused before the run.
+    """
+    model = meta.model
+    routes: dict[int, SequenceRouting] = {}
+    for r in iter_sequences(trace_path, meta, sequences=set(eval_ids)):
+        r = previous_token_view(r) if stand_in else r
+        routes[int(r.seq_id)] = dense(r, model.experts)
+    reqs: list[Request] = []
+    if arrivals is not None:
+        for a in arrivals:
+            r = routes[a.sequence]
+            for name, got, have in (
+                ("prompt_tokens", a.prompt_tokens, r.n_prefill),
+                ("output_tokens", a.output_tokens, r.n_decode),
+            ):
+                if got > have:
+                    raise UserError(
+                        f"{serving.arrivals}: row {a.row}: field {name}: {got} is more than "
+                        f"sequence {a.sequence} has ({have})"
+                    )
+            reqs.append(
+                Request(
+                    a.request_id,
+                    a.sequence,
+                    a.arrival_s,
+                    a.prompt_tokens,
+                    a.output_tokens,
+                    trim(r, a.prompt_tokens, a.output_tokens, a.request_id),
+                )
+            )
+    else:
+        times = (
+            poisson_arrivals(len(eval_ids), serving.arrival_rate, seed).tolist()
+            if serving.arrival_rate is not None
+            else [0.0] * len(eval_ids)
         )
-    return pd.DataFrame(rows)
-
-
-def meets_slo(ttft: float, tpot: float, config: ServingConfig) -> bool:
-    """Both objectives met (an objective not given is met; a NaN TPOT, one output token after
-    no prompt, meets any TPOT objective)."""
-    if config.slo_ttft is not None and not ttft <= config.slo_ttft:
-        return False
-    return config.slo_tpot is None or math.isnan(tpot) or tpot <= config.slo_tpot
-
-
-def summarise(
-    serving: Serving, e2e: float, kv_capacity: int | None, kv_bytes_per_token: int
-) -> dict[str, Any]:
-    """The ``serving`` object of ``run --json`` (docs/serving.md defines each key)."""
-    cfg = serving.config
-    table = request_table(serving.requests, cfg)
-    n = len(table)
-    good = int(table["meets_slo"].sum()) if n else 0
-    out_tokens = int(table["output_tokens"].sum()) if n else 0
-    return {
-        "mode": "continuous" if cfg.continuous else "static",
-        "max_batch": cfg.batch,
-        "arrivals": (
-            f"poisson {cfg.arrival_rate}/s"
-            if cfg.arrival_rate is not None
-            else (cfg.arrivals if cfg.arrivals is not None else "all at 0")
-        ),
-        "requests": n,
-        "batched_steps": serving.batch_steps,
-        "mean_batch": (serving.batched_tokens / serving.batch_steps)
-        if serving.batch_steps
-        else 1.0,
-        "throughput_tokens_per_s": out_tokens / e2e if e2e > 0 else None,
-        "ttft_s": _pcts(table["ttft_s"].tolist()),
-        "tpot_s": _pcts(table["tpot_s"].tolist()),
-        "latency_s": _pcts(table["latency_s"].tolist()),
-        "queue_s": _pcts(table["queue_s"].tolist()),
-        "slo_ttft_s": cfg.slo_ttft,
-        "slo_tpot_s": cfg.slo_tpot,
-        "slo_attainment": good / n if n else None,
-        "goodput_requests_per_s": good / e2e if e2e > 0 else None,
-        "kv_cache_tokens": kv_capacity,
-        "kv_cache_gb": None if kv_capacity is None else kv_capacity * kv_bytes_per_token / 1e9,
-        "kv_peak_tokens": serving.sched.kv_peak,
-        "prefill_chunk": cfg.prefill_chunk,
-        "mixed_steps": serving.mixed_steps,
-        "static_prefill": None
-        if cfg.continuous
-        else ("batched" if cfg.batched_prefill else "per-request"),
-        "batched_prefills": serving.batched_prefills,
-        "kv_allocation": "as written, preempt (recompute)" if cfg.preempt else "reserved whole",
-        "preemptions": serving.sched.preemptions,
-        "preempted_kv_tokens": serving.sched.preempted_kv_tokens,
-    }
+        for sid, t in zip(eval_ids, times, strict=True):
+            r = routes[sid]
+            reqs.append(Request(sid, sid, t, r.n_prefill, r.n_decode, r))
+    per_token = model.kv_bytes_per_token
+    capacity: int | None
+    if unlimited or per_token <= 0:
+        capacity = None
+    elif serving.kv_cache_gb is not None:
+        capacity = kv_reserve
+    else:
+        left = fit.room(budget)
+        capacity = kv_reserve + max(0, int(left // per_token))
+    if capacity is not None:
+        fix = (
+            "raise --kv-cache-gb"
+            if serving.kv_cache_gb is not None
+            else "lower the expert budget or give --kv-cache-gb"
+        )
+        for q in reqs:
+            if q.kv_tokens > capacity:
+                raise UserError(
+                    f"request {q.rid} (sequence {q.seq_id}) needs {q.kv_tokens} KV-cache tokens "
+                    f"({q.kv_tokens * per_token / 1e9:.2f} GB), more than the cache holds "
+                    f"({capacity} tokens); {fix}"
+                )
+    return Serving(reqs, serving, capacity)

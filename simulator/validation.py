@@ -334,18 +334,14 @@ class Report:
 
 def _serving(sim: dict[str, Any]) -> Any:
     """The ``ServingConfig`` of a row's serving keys (None without any)."""
-    from daopsim.simulator.serving import serving_config
+    from daopsim.simulator.serving_config import serving_config
 
     if not any(k in sim for k in SERVING_SIM_KEYS):
         return None
     return serving_config(
-        sim.get("batch"),
-        sim.get("max_batch"),
-        None,
-        None,
-        sim.get("kv_cache_gb"),
-        None,
-        None,
+        batch=sim.get("batch"),
+        max_batch=sim.get("max_batch"),
+        kv_cache_gb=sim.get("kv_cache_gb"),
         prefill_chunk=sim.get("prefill_chunk"),
         preempt=bool(sim.get("preempt", False)),
         static_prefill=sim.get("static_prefill"),

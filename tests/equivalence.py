@@ -14,17 +14,21 @@ import pytest
 
 from daopsim.policies.base import Policy
 from daopsim.policies.registry import get_policy_class
+from daopsim.simulator.calibration import calibration_counts, split_sequences
 from daopsim.simulator.core.loop import Engine
 from daopsim.simulator.costs import cost_model, cpu_family_stream_gbs
 from daopsim.simulator.data import resolve_trace
 from daopsim.simulator.hardware import load_profile
 from daopsim.simulator.hardware_spec import HardwareProfile
 from daopsim.simulator.hosttier import HostTierConfig
+from daopsim.simulator.oracle import Oracle
 from daopsim.simulator.recorder import Recorder
 from daopsim.simulator.reference import ReferenceEngine
-from daopsim.simulator.runner import Oracle, calibration_counts, split_sequences
 from daopsim.simulator.runtime_profiles import RuntimeProfile, get_runtime, with_costs
-from daopsim.simulator.serving import Request, Serving, ServingConfig, dense, step_oracle, trim
+from daopsim.simulator.scheduler import step_oracle
+from daopsim.simulator.serving import Serving
+from daopsim.simulator.serving_config import ServingConfig
+from daopsim.simulator.serving_requests import Request, dense, trim
 from daopsim.simulator.testing import ChaosPolicy, random_routing, tiny_model
 from daopsim.simulator.trace_format import SequenceRouting
 from daopsim.simulator.trace_read import iter_sequences, read_meta, sequence_ids

@@ -18,7 +18,7 @@ from daopsim.simulator.advise_answer import Advice, AdviceRow, bottleneck, exact
 from daopsim.simulator.advise_render import render, to_csv
 from daopsim.simulator.advise_search import coarse
 from daopsim.simulator.errors import UserError
-from daopsim.simulator.sweep import fidelity_floor
+from daopsim.simulator.sweep_table import fidelity_floor
 
 #: A small search: Mixtral on the A6000 (it holds about half the experts in bf16, all of them
 #: in q4_k_m), the small bundled trace, three per-layer caches, DAOP, llama.cpp's --n-cpu-moe

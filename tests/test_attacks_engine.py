@@ -19,7 +19,7 @@ from daopsim.policies.base import Action, Plan, Policy
 from daopsim.simulator.cli import main
 from daopsim.simulator.errors import PolicyError
 from daopsim.simulator.runner import simulate
-from daopsim.simulator.serving import serving_config
+from daopsim.simulator.serving_config import serving_config
 from daopsim.simulator.testing import make_trace
 
 #: View fields that are arrays a policy reads
@@ -64,9 +64,9 @@ class Writer(Policy):
 RUNS = {
     "fast": {},
     "reference": {"engine": "reference"},
-    "serving": {"serving": serving_config(None, 2, None, None, None, None, None), "sequences": 3},
+    "serving": {"serving": serving_config(max_batch=2), "sequences": 3},
     "serving reference": {
-        "serving": serving_config(None, 2, None, None, None, None, None),
+        "serving": serving_config(max_batch=2),
         "sequences": 3,
         "engine": "reference",
     },

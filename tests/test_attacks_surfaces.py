@@ -28,12 +28,15 @@ from click.testing import CliRunner, Result
 
 import daopsim.simulator.regress
 import daopsim.simulator.sweep
+import daopsim.simulator.sweep_expand
+import daopsim.simulator.sweep_table
 from daopsim.simulator.cli import main
 from daopsim.simulator.data import bundled_traces
 from daopsim.simulator.errors import ExitCode, UserError
+from daopsim.simulator.fit import expert_fit
 from daopsim.simulator.hardware import load_profile
 from daopsim.simulator.models import get_model
-from daopsim.simulator.runner import expert_fit, simulate
+from daopsim.simulator.runner import simulate
 from daopsim.simulator.testing import make_trace
 from daopsim.simulator.trace_read import read_meta, validate_trace
 
@@ -228,12 +231,12 @@ def test_s4_sweep_rows_are_keyed_on_the_simulator_source(
     args += ["--cache-ratios", "0.25", "--no-progress", "--out", str(out)]
     assert _cli(*args).exit_code == 0
     assert "1 resumed" in _cli(*args).output
-    real = daopsim.simulator.sweep.file_sha256
+    real = daopsim.simulator.sweep_expand.file_sha256
 
     def edited(path: str | os.PathLike[str]) -> str:
         return "edited" if Path(path).name == "costs.py" else real(path)
 
-    monkeypatch.setattr(daopsim.simulator.sweep, "file_sha256", edited)
+    monkeypatch.setattr(daopsim.simulator.sweep_expand, "file_sha256", edited)
     res = _cli(*args)
     assert res.exit_code == 0 and "0 resumed" in res.output, res.output
 
@@ -772,7 +775,7 @@ def test_plot_of_a_table_with_a_text_number_names_row_and_column(tmp_path: Path)
     assert res.exit_code == 0, res.output
     df = pd.read_csv(table)
     assert (df["status"] == "ok").all()
-    good = daopsim.simulator.sweep.read_table(table)
+    good = daopsim.simulator.sweep_table.read_table(table)
     assert good["cache_ratio"].tolist() == [0.25]
     df["cache_ratio"] = df["cache_ratio"].astype(object)
     df.loc[0, "cache_ratio"] = "all"

@@ -133,7 +133,7 @@ def test_no_run_exceeds_its_bound(traces: dict[str, Path]) -> None:
 def test_the_runtimes_left_out_cannot_be_faster(traces: dict[str, Path], own: str) -> None:
     """The bound skips runtimes another candidate is never slower than: each of them, run,
     stays at or under the bound."""
-    b = all_gpu_bound("rtx4090-pcie4", traces["olmoe"], [0], "q4_k_m", None, None, own)
+    b = all_gpu_bound("rtx4090-pcie4", traces["olmoe"], [0], own, dtype="q4_k_m")
     assert {r.name for r in bound_runtimes(own)} < set(runtime_names())
     for name in runtime_names():
         r = simulate(

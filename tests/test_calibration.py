@@ -11,10 +11,11 @@ import pandas as pd
 import pytest
 from click.testing import CliRunner, Result
 
+from daopsim.simulator.calibration import select_sequences
 from daopsim.simulator.cli import main
 from daopsim.simulator.errors import UserError
-from daopsim.simulator.runner import select_sequences, simulate
-from daopsim.simulator.sweep import seed_summary
+from daopsim.simulator.runner import simulate
+from daopsim.simulator.sweep_table import seed_summary
 from daopsim.simulator.testing import (
     make_meta,
     make_trace,
@@ -207,7 +208,9 @@ def test_sweep_over_seeds_with_self_calibration(tmp_path: Path) -> None:
 
 
 def test_sweep_lookahead_reaches_the_runs(tmp_path: Path) -> None:
-    from daopsim.simulator.sweep import Grid, expand, sweep
+    from daopsim.simulator.grid import Grid
+    from daopsim.simulator.sweep import sweep
+    from daopsim.simulator.sweep_expand import expand
 
     trace = _no_view_trace(tmp_path / "nv.parquet")
     grid = {

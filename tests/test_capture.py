@@ -747,6 +747,8 @@ def test_cli_user_errors_exit_2(tmp_path: Path):
 
 def test_captured_trace_replays_through_the_simulator(mixtral, tmp_path: Path):
     runner = pytest.importorskip("daopsim.simulator.runner")
+    from daopsim.simulator.calibration import split_sequences
+
     path = tmp_path / "t.parquet"
     capture_model(
         mixtral,
@@ -757,7 +759,7 @@ def test_captured_trace_replays_through_the_simulator(mixtral, tmp_path: Path):
         "bf16",
     )
     lru = runner.simulate(policy="lru", hw="a6000-pcie4", trace=path, cache_ratio=0.5)
-    evaluated, _ = runner.split_sequences(read_meta(path), [0, 1, 2], None, False, hold_out=False)
+    evaluated, _ = split_sequences(read_meta(path), [0, 1, 2], None, False, hold_out=False)
     assert lru.metrics["sequences"] == len(evaluated) >= 2
     assert lru.metrics["decode_tokens"] == len(evaluated) * NEW
     assert 0 < lru.metrics["hit_rate"] < 1

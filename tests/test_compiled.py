@@ -29,7 +29,7 @@ from click.testing import CliRunner
 from daopsim.simulator import native
 from daopsim.simulator.cli import main
 from daopsim.simulator.runner import simulate
-from daopsim.simulator.serving import ServingConfig
+from daopsim.simulator.serving_config import ServingConfig
 
 REPO = Path(__file__).resolve().parents[1]
 SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]

@@ -18,11 +18,12 @@ import pytest
 
 from daopsim.policies.base import per_layer_quota
 from daopsim.policies.registry import available
+from daopsim.simulator.calibration import split_sequences
 from daopsim.simulator.data import resolve_trace
 from daopsim.simulator.errors import UserError
-from daopsim.simulator.runner import sequence_ids, simulate, split_sequences
+from daopsim.simulator.runner import simulate
 from daopsim.simulator.testing import make_trace
-from daopsim.simulator.trace_read import iter_sequences, read_meta
+from daopsim.simulator.trace_read import iter_sequences, read_meta, sequence_ids
 
 HW = "a6000-pcie4"
 

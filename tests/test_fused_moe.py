@@ -12,7 +12,7 @@ import pytest
 from daopsim.simulator.errors import UserError
 from daopsim.simulator.hardware import load_profile
 from daopsim.simulator.models import get_model
-from daopsim.simulator.runner import runtime_cost_model
+from daopsim.simulator.run_costs import runtime_cost_model
 from daopsim.simulator.runtime_profiles import get_runtime, parse_runtime
 
 US = 1e-6

@@ -13,7 +13,7 @@ import pytest
 from daopsim.simulator.costs import GEMV_MAX_TOKENS, cost_model
 from daopsim.simulator.hardware import load_profile
 from daopsim.simulator.models import get_model
-from daopsim.simulator.runner import runtime_cost_model
+from daopsim.simulator.run_costs import runtime_cost_model
 from daopsim.simulator.runtime_profiles import get_runtime, runtime_names
 
 #: PR #7676, RTX 4090, llama 8B Q4_0 pp512 by micro-batch size (the PR's kernels), t/s

@@ -15,7 +15,7 @@ from daopsim.simulator.data import profiles_dir
 from daopsim.simulator.errors import UserError
 from daopsim.simulator.hardware import load_profile
 from daopsim.simulator.models import get_model
-from daopsim.simulator.runner import runtime_cost_model
+from daopsim.simulator.run_costs import runtime_cost_model
 from daopsim.simulator.runtime_profiles import get_runtime, parse_runtime
 
 GGUF = get_model("deepseek-v2-lite").with_precision("q4_0", "q4_0", "q4_0")

@@ -29,7 +29,8 @@ from daopsim.simulator.costs import cost_model
 from daopsim.simulator.data import resolve_trace
 from daopsim.simulator.hardware import load_profile
 from daopsim.simulator.models import ModelShape
-from daopsim.simulator.runner import Oracle, simulate
+from daopsim.simulator.oracle import Oracle
+from daopsim.simulator.runner import simulate
 from daopsim.simulator.testing import make_meta, make_trace, routing_from_experts, tiny_model
 from daopsim.simulator.trace_read import read_meta
 from daopsim.simulator.trace_write import write_trace

@@ -16,7 +16,8 @@ import pytest
 from daopsim.simulator.costs import cost_model
 from daopsim.simulator.errors import ProfileError, UserError
 from daopsim.simulator.hardware import list_profiles, load_profile
-from daopsim.simulator.runner import runtime_cost_model, simulate
+from daopsim.simulator.run_costs import runtime_cost_model
+from daopsim.simulator.runner import simulate
 from daopsim.simulator.runtime_profiles import get_runtime, parse_runtime, runtime_names, with_costs
 
 TRACE = "ci-small"

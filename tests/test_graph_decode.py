@@ -12,9 +12,10 @@ from daopsim.policies.base import ResourceSpec
 from daopsim.simulator.costs import NONEXPERT_KERNELS_PER_BLOCK, cost_model, expert_kernels
 from daopsim.simulator.errors import UserError
 from daopsim.simulator.models import get_model
-from daopsim.simulator.runner import graph_replays, simulate
+from daopsim.simulator.run_costs import graph_replays
+from daopsim.simulator.runner import simulate
 from daopsim.simulator.runtime_profiles import get_runtime, parse_runtime, with_costs
-from daopsim.simulator.serving import ServingConfig
+from daopsim.simulator.serving_config import ServingConfig
 
 US = 1e-6
 MODEL = get_model("mixtral-8x7b").with_precision("q4_k_m", "q4_k_m", "q4_k_m")

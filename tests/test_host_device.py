@@ -20,7 +20,7 @@ from daopsim.simulator.hardware_schema import parse_profile
 from daopsim.simulator.hardware_spec import MeasuredModel
 from daopsim.simulator.recorder import Recorder
 from daopsim.simulator.reference import ReferenceEngine
-from daopsim.simulator.runner import runtime_cost_model
+from daopsim.simulator.run_costs import runtime_cost_model
 from daopsim.simulator.runtime_profiles import RuntimeProfile, parse_runtime
 
 US, MS = 1e-6, 1e-3

@@ -289,6 +289,6 @@ def test_bounds_beside_a_policy_without_a_temporary_buffer(
         return real(**kw)
 
     monkeypatch.setattr(runner, "simulate", tight)
-    bounds = compute_bounds(result, args["hw"], args["trace"], None, "q4_k_m", 0)
+    bounds = compute_bounds(result, hw=args["hw"], trace=args["trace"], dtype="q4_k_m")
     assert bounds["belady_per_layer"]["gpu_experts"] == full - 1
     assert bounds["belady_per_layer"]["hit_rate"] > 0

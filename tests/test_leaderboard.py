@@ -64,8 +64,8 @@ def test_the_bundled_grid_is_the_documented_one() -> None:
     no cell is skipped)."""
     from daopsim.policies.registry import available
     from daopsim.simulator.costs import cost_model
+    from daopsim.simulator.fit import expert_fit, policy_buffers, trace_context
     from daopsim.simulator.hardware import load_profile
-    from daopsim.simulator.runner import expert_fit, policy_buffers, trace_context
     from daopsim.simulator.trace_read import read_meta
 
     board = load_leaderboard("leaderboard")

@@ -180,7 +180,7 @@ def test_bad_ngl_is_a_one_line_error() -> None:
 def test_batched_serving_runs_cpu_layers_and_batch_one_is_the_plain_run() -> None:
     """Batch 1 goes through the per-token pass (the plain run's numbers); a batched step of
     fewer than 32 tokens runs the CPU layers on the CPU, one CPU non-expert part per layer."""
-    from daopsim.simulator.serving import ServingConfig
+    from daopsim.simulator.serving_config import ServingConfig
 
     kw = dict(
         policy="llama-cpp-layers",
@@ -223,7 +223,7 @@ def test_batched_serving_runs_cpu_layers_and_batch_one_is_the_plain_run() -> Non
 def test_chunked_prefill_with_cpu_layers_is_refused_and_preemption_runs() -> None:
     """A mixed step times its non-expert part on the GPU only, so CPU-resident layers with
     --prefill-chunk are a one-line user error; preemption alone uses the per-layer CPU rules."""
-    from daopsim.simulator.serving import ServingConfig
+    from daopsim.simulator.serving_config import ServingConfig
 
     kw = dict(
         policy="llama-cpp-layers",

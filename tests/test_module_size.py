@@ -33,9 +33,6 @@ ONE_IDEA: dict[str, str] = {
 
 #: module -> who is splitting it now (to be emptied; see the module docstring)
 PENDING: dict[str, str] = {
-    "simulator/runner.py": "decl",
-    "simulator/sweep.py": "decl",
-    "simulator/serving.py": "decl",
     "policies/base.py": "cacheown",
 }
 

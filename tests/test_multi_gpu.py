@@ -245,7 +245,9 @@ def test_run_json_has_per_gpu_metrics() -> None:
 
 def test_sweep_gpus_axis(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A sweep compares 1 and 2 GPUs (both placements); one-GPU rows read gpus = 1."""
-    from daopsim.simulator.sweep import Grid, expand, run_sweep
+    from daopsim.simulator.grid import Grid
+    from daopsim.simulator.sweep import run_sweep
+    from daopsim.simulator.sweep_expand import expand
 
     grid = Grid(
         policies=["lru"], hw=["2x-rtx3090-nvlink"], traces=[TRACE], gpu_experts=[30],
@@ -308,9 +310,9 @@ def test_per_gpu_belady_bounds_lru(mode: str) -> None:
 def test_batched_serving_on_two_gpus(mode: str, batch: int | None, rate: float | None) -> None:
     """Static and continuous batching over two GPUs: both executors give the same timeline,
     and the batched steps' non-expert parts run on the layers' home GPUs."""
-    from daopsim.simulator.serving import serving_config
+    from daopsim.simulator.serving_config import serving_config
 
-    sv = serving_config(batch, 4 if rate else None, rate, None, None, None, None)
+    sv = serving_config(batch=batch, max_batch=4 if rate else None, arrival_rate=rate)
     kw = {"gpus": 2, "multi_gpu": mode, "sequences": 4, "gpu_experts": 24, "serving": sv}
     fast = run("fiddler", **kw)
     ref = run("fiddler", engine="reference", **kw)

@@ -20,7 +20,7 @@ import pytest
 from daopsim.simulator.perfetto import write_events
 from daopsim.simulator.results import RunResult, _json_safe
 from daopsim.simulator.runner import simulate
-from daopsim.simulator.serving import serving_config
+from daopsim.simulator.serving_config import serving_config
 from daopsim.simulator.testing import perfetto_reference
 
 
@@ -42,7 +42,7 @@ def runs() -> dict[str, RunResult]:
             policy="fiddler",
             trace="ci-small",
             sequences=4,
-            serving=serving_config(4, None, None, None, None, None, None),
+            serving=serving_config(batch=4),
         ),
         "two-gpus": simulate(
             policy="lru",

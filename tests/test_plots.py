@@ -265,7 +265,7 @@ def test_approximate_routing_is_marked(results: Path, cli: Any, tmp_path: Path) 
 
     matplotlib.use("Agg")
     from daopsim.simulator import plots
-    from daopsim.simulator.sweep import read_table
+    from daopsim.simulator.sweep_table import read_table
 
     df = read_table(results)
     df.loc[df["policy"] == "static", "gate_mass_preserved"] = 0.9

@@ -20,8 +20,8 @@ from daopsim.simulator.costs import cost_model
 from daopsim.simulator.errors import UserError
 from daopsim.simulator.hardware import load_profile
 from daopsim.simulator.models import get_model
+from daopsim.simulator.oracle import Oracle
 from daopsim.simulator.recorder import Recorder
-from daopsim.simulator.runner import Oracle
 from daopsim.simulator.testing import random_routing, routing_from_experts, tiny_model
 from daopsim.simulator.trace_format import SequenceRouting
 

@@ -170,13 +170,16 @@ def test_cache_conditional_may_pass_the_bound_of_unmodified_routing() -> None:
     kw = {"trace": "phi-3.5-moe", "cache_ratio": 0.25, "sequences": 2, "hw": "a6000-pcie4"}
     res = simulate("cache-conditional", record=False, **kw)
     m = res.metrics
-    bounds = compute_bounds(res, "a6000-pcie4", "phi-3.5-moe", 2, None, 0)
+    bounds = compute_bounds(res, hw="a6000-pcie4", trace="phi-3.5-moe", sequences=2)
     assert m["hit_rate"] > bounds["belady"]["hit_rate"]
     assert bounds["belady"]["routing"] == REPLACED_ROUTING_NOTE
     assert 0 < m["routing_replaced_frac"] == m["replaced_degraded_frac"]
     assert 0.5 < m["gate_mass_preserved"] < 1
     lru = simulate("lru", record=False, **kw)
-    assert "routing" not in compute_bounds(lru, "a6000-pcie4", "phi-3.5-moe", 2, None, 0)["belady"]
+    assert (
+        "routing"
+        not in compute_bounds(lru, hw="a6000-pcie4", trace="phi-3.5-moe", sequences=2)["belady"]
+    )
 
 
 # -- hybrimoe ------------------------------------------------------------------------------------

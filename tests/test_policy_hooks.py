@@ -23,7 +23,7 @@ from daopsim.policies.registry import available
 from daopsim.simulator.errors import PolicyError
 from daopsim.simulator.results import RunResult
 from daopsim.simulator.runner import simulate
-from daopsim.simulator.serving import ServingConfig
+from daopsim.simulator.serving_config import ServingConfig
 from daopsim.simulator.testing import make_trace
 
 BUILTIN = {n: c for n, c in available().items() if c.__module__.startswith("daopsim.policies.")}

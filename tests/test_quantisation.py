@@ -227,7 +227,8 @@ def test_precisions_round_trip_through_trace_metadata() -> None:
 
 def test_sweep_grid_carries_the_precisions(tmp_path: Path) -> None:
     """A grid's host_dtype and nonexpert_dtype reach every run; keys differ from the default's."""
-    from daopsim.simulator.sweep import Grid, run_sweep
+    from daopsim.simulator.grid import Grid
+    from daopsim.simulator.sweep import run_sweep
 
     trace = make_trace(tmp_path / "t.parquet", sequences=2, prefill=3, decode=4, seed=2)
     base = {"policies": ["lru"], "hw": ["rtx4090-pcie4"], "traces": [str(trace)]}

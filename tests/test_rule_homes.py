@@ -231,7 +231,17 @@ def _own_nodes(fn: ast.AST) -> Iterator[ast.AST]:
 
 
 #: the modules a run of the engine core goes through, besides simulator/core/
-ENGINE = ("serving.py", "hosttier.py", "multigpu.py", "runstats.py", "boundary.py", "heap.py")
+ENGINE = (
+    "serving.py",
+    "scheduler.py",
+    "serving_requests.py",
+    "serving_summary.py",
+    "hosttier.py",
+    "multigpu.py",
+    "runstats.py",
+    "boundary.py",
+    "heap.py",
+)
 
 
 def sources(with_reference: bool) -> dict[str, str]:

@@ -12,10 +12,11 @@ import pandas as pd
 import pytest
 from click.testing import CliRunner
 
+from daopsim.simulator.calibration import split_sequences
 from daopsim.simulator.cli import main
 from daopsim.simulator.data import resolve_trace
 from daopsim.simulator.recorder import COLUMNS
-from daopsim.simulator.runner import simulate, split_sequences
+from daopsim.simulator.runner import simulate
 from daopsim.simulator.testing import make_trace
 from daopsim.simulator.trace_read import read_meta
 
@@ -266,8 +267,8 @@ def test_gpu_without_room_for_non_expert_weights_is_an_error(tmp_path: Path) -> 
 
 def test_gpu_without_room_for_the_buffers_is_an_error(tmp_path: Path) -> None:
     from daopsim.simulator.costs import cost_model
+    from daopsim.simulator.fit import expert_fit, trace_context
     from daopsim.simulator.hardware import load_profile
-    from daopsim.simulator.runner import expert_fit, trace_context
 
     # find a memory size that holds the non-expert weights and 1 expert slot but not 5 buffers
     meta = read_meta(resolve_trace("ci-small"))
@@ -301,7 +302,7 @@ def test_profiles_show_and_run_agree_on_the_fit() -> None:
 
 @pytest.mark.parametrize("total", [7, 32, 256, 1024, 8192])
 def test_max_ratio_is_the_largest_three_decimal_ratio_that_fits(total: int) -> None:
-    from daopsim.simulator.runner import ExpertFit
+    from daopsim.simulator.fit import ExpertFit
 
     for fit in range(0, total + 1, max(1, total // 50)):
         f = ExpertFit("m", total, expert_bytes=100, free_bytes=fit * 100.0, buffers=0,

@@ -23,6 +23,7 @@ from daopsim.simulator.core.loop import Engine
 from daopsim.simulator.core.resources import HostThread
 from daopsim.simulator.costs import cost_model
 from daopsim.simulator.errors import UserError
+from daopsim.simulator.grid import Grid
 from daopsim.simulator.hardware import load_profile
 from daopsim.simulator.recorder import Recorder
 from daopsim.simulator.reference import ReferenceEngine
@@ -34,7 +35,7 @@ from daopsim.simulator.runtime_profiles import (
     runtime_names,
     runtimes_dir,
 )
-from daopsim.simulator.sweep import Grid, expand
+from daopsim.simulator.sweep_expand import expand
 from daopsim.simulator.testing import routing_from_experts, tiny_model
 
 US = 1e-6

@@ -25,26 +25,22 @@ from hypothesis import strategies as st
 import daopsim.simulator.runner as runner_mod
 from daopsim.policies.lru import LRUPolicy
 from daopsim.policies.registry import available
+from daopsim.simulator.arrivals import poisson_arrivals, read_arrivals
 from daopsim.simulator.cli import main
 from daopsim.simulator.core.loop import Engine
 from daopsim.simulator.costs import cost_model
 from daopsim.simulator.errors import UserError
+from daopsim.simulator.fit import policy_buffers
 from daopsim.simulator.hardware import load_profile
 from daopsim.simulator.recorder import Recorder
 from daopsim.simulator.regress import default_store, run_cell
 from daopsim.simulator.regress_compare import compare
 from daopsim.simulator.regress_grid import default_grid
 from daopsim.simulator.regress_store import load_baseline
-from daopsim.simulator.runner import policy_buffers, simulate
-from daopsim.simulator.serving import (
-    Request,
-    Serving,
-    ServingConfig,
-    dense,
-    poisson_arrivals,
-    read_arrivals,
-    serving_config,
-)
+from daopsim.simulator.runner import simulate
+from daopsim.simulator.serving import Serving
+from daopsim.simulator.serving_config import ServingConfig, serving_config
+from daopsim.simulator.serving_requests import Request, dense
 from daopsim.simulator.testing import ChaosPolicy, routing_from_experts, tiny_model
 
 TRACE = "ci-small"
@@ -390,7 +386,7 @@ def test_stream_all_streams_one_pass_for_a_batched_prefill() -> None:
 
 def test_the_clairvoyant_oracle_follows_the_batched_prefill() -> None:
     """The oracle's steps are the engine's: one step for a static batch's prompts."""
-    from daopsim.simulator.serving import schedule_steps
+    from daopsim.simulator.scheduler import schedule_steps
 
     model = tiny_model()
     prompts = [[[5, 1], [5, 2]], [[5, 6]], [[5, 7], [6, 1]], [[3, 4]]]
@@ -551,7 +547,7 @@ def test_batch_one_with_whole_prompt_chunks_or_preemption_reproduces_the_plain_r
 
 
 def test_clairvoyant_oracle_follows_the_chunked_schedule() -> None:
-    from daopsim.simulator.serving import extended_schedule_steps
+    from daopsim.simulator.scheduler import extended_schedule_steps
 
     cfg = ServingConfig(batch=4, prefill_chunk=8, preempt=True, kv_cache_gb=0.04)
     res = simulate(policy="belady", trace=TRACE, record=True, serving=cfg)
@@ -595,7 +591,7 @@ def test_a_tiny_kv_cache_forces_preemption_and_keeps_every_invariant() -> None:
 
 
 def test_the_newest_request_is_the_one_preempted() -> None:
-    from daopsim.simulator.serving import Scheduler, plan_steps
+    from daopsim.simulator.scheduler import Scheduler, plan_steps
 
     model = tiny_model()
     rng = np.random.default_rng(2)
@@ -890,12 +886,12 @@ def test_bad_serving_options_are_one_line(args: list[str], match: str) -> None:
 
 
 def test_serving_config_rules() -> None:
-    assert serving_config(None, None, None, None, None, None, None) is None
-    assert serving_config(4, None, None, None, None, None, None).continuous is False
-    assert serving_config(None, 4, None, None, None, None, None).continuous is True
-    timed = serving_config(None, None, 0.5, None, None, None, 0.5)
+    assert serving_config() is None
+    assert serving_config(batch=4).continuous is False
+    assert serving_config(max_batch=4).continuous is True
+    timed = serving_config(arrival_rate=0.5, slo_tpot=0.5)
     assert timed is not None and timed.continuous and timed.batch == 8
-    only_slo = serving_config(None, None, None, None, None, 1.0, None)
+    only_slo = serving_config(slo_ttft=1.0)
     assert only_slo is not None and only_slo.batch == 1 and not only_slo.continuous
     assert math.isnan(Request(0, 0, 0.0, 0, 1, None).tpot)  # type: ignore[arg-type]
 
@@ -904,8 +900,10 @@ def test_serving_config_rules() -> None:
 
 
 def test_an_arrival_rate_sweep_and_its_latency_load_plot(tmp_path: Path) -> None:
+    from daopsim.simulator.grid import Grid
     from daopsim.simulator.plots import plot_latency_load
-    from daopsim.simulator.sweep import Grid, expand, run_sweep
+    from daopsim.simulator.sweep import run_sweep
+    from daopsim.simulator.sweep_expand import expand
 
     grid = Grid(
         policies=["lru"],
@@ -942,7 +940,8 @@ def test_an_arrival_rate_sweep_and_its_latency_load_plot(tmp_path: Path) -> None
 
 
 def test_serving_grid_keys_are_checked() -> None:
-    from daopsim.simulator.sweep import Grid, expand
+    from daopsim.simulator.grid import Grid
+    from daopsim.simulator.sweep_expand import expand
 
     with pytest.raises(UserError, match="max_batch needs an arrival_rate axis"):
         expand(Grid(policies=["lru"], traces=[TRACE], max_batch=4))

@@ -1,8 +1,8 @@
 """Set-up and step-loop shortcuts that must not change a result.
 
 The calibration read of a small trace also assembles the evaluation sequences
-(``daopsim.simulator.runner._STASH_ROWS``), and the engine's ``View`` builds a decode token's rows
-only when a policy reads them. Both are checked against the plain way here.
+(``daopsim.simulator.calibration._STASH_ROWS``), and the engine's ``View`` builds a decode
+token's rows only when a policy reads them. Both are checked against the plain way here.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+import daopsim.simulator.calibration as calibration
 import daopsim.simulator.runner as runner
 from daopsim.policies.base import _LAZY, View
 from daopsim.simulator.runner import simulate
@@ -40,10 +41,11 @@ def test_one_pass_set_up_gives_the_same_run(policy: str, monkeypatch: Any) -> No
         return real(*args, **kwargs)
 
     monkeypatch.setattr(runner, "iter_sequences", counted)
+    monkeypatch.setattr(calibration, "iter_sequences", counted)
     kw: dict[str, Any] = {"policy": policy, "trace": "ci-small", "sequences": 2, "record": False}
     one_pass = simulate(**kw)
     n_one = len(reads)
-    monkeypatch.setattr(runner, "_STASH_ROWS", 0)  # no trace is small enough: read twice
+    monkeypatch.setattr(calibration, "_STASH_ROWS", 0)  # no trace is small enough: read twice
     reads.clear()
     two_pass = simulate(**kw)
     assert n_one < len(reads)  # the shortcut was taken, and spared at least one read

@@ -9,7 +9,7 @@ import pytest
 
 from daopsim.simulator.costs import cost_model
 from daopsim.simulator.models import get_model
-from daopsim.simulator.runner import runtime_cost_model
+from daopsim.simulator.run_costs import runtime_cost_model
 from daopsim.simulator.runtime_profiles import get_runtime
 
 US = 1e-6

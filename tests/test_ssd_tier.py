@@ -321,7 +321,7 @@ def test_read_time_follows_the_drive_and_the_access() -> None:
     "mode", [{"batch": 2}, {"batch": 2, "continuous": True, "arrival_rate": 0.5}]
 )
 def test_engines_agree_on_batched_ssd_runs(mode: dict[str, Any]) -> None:
-    from daopsim.simulator.serving import ServingConfig
+    from daopsim.simulator.serving_config import ServingConfig
 
     kw = {"host_memory_gb": 30.0, "sequences": 3, "serving": ServingConfig(**mode)}
     fast = _run("fiddler", **kw)

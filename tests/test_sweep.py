@@ -17,18 +17,12 @@ import pandas.testing as pdt
 import pytest
 
 from daopsim.simulator.errors import UserError
+from daopsim.simulator.grid import Grid, load_grid_file, parse_option_items
 from daopsim.simulator.results import METRIC_KEYS, OPTIONAL_METRIC_KEYS
-from daopsim.simulator.sweep import (
-    Grid,
-    expand,
-    load_grid_file,
-    parse_option_items,
-    parts_dir,
-    read_table,
-    run_config,
-    run_sweep,
-    sweep,
-)
+from daopsim.simulator.sweep import run_sweep, sweep
+from daopsim.simulator.sweep_expand import expand
+from daopsim.simulator.sweep_row import run_config
+from daopsim.simulator.sweep_table import parts_dir, read_table
 from daopsim.simulator.testing import make_trace
 
 REPO = Path(__file__).resolve().parents[1]
@@ -409,7 +403,7 @@ def test_resume_reruns_a_policy_whose_source_changed(
 
 def test_code_identity_covers_base_modules(monkeypatch: pytest.MonkeyPatch) -> None:
     from daopsim.policies.registry import get_policy_class
-    from daopsim.simulator import sweep as sweep_mod
+    from daopsim.simulator import sweep_expand as sweep_mod
 
     lru, all_gpu = get_policy_class("lru"), get_policy_class("all-gpu")
     before = sweep_mod.policy_code_sha256(lru)

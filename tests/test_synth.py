@@ -140,7 +140,7 @@ def test_bundled_mixtral_trace_static_placement_matches_fiddler() -> None:
     bundled draw must lie within 2 of them (4.5 points) of Fiddler's figure.
     """
     from daopsim.policies.base import global_top
-    from daopsim.simulator.runner import calibration_counts
+    from daopsim.simulator.calibration import calibration_counts
 
     path = bundled_traces()["mixtral-8x7b"]
     meta = read_meta(path)

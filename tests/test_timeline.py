@@ -19,7 +19,7 @@ from daopsim.policies.registry import get_policy_class
 from daopsim.simulator.errors import OutputError, PolicyError
 from daopsim.simulator.recorder import Recorder, read_timeline
 from daopsim.simulator.runner import simulate
-from daopsim.simulator.serving import serving_config
+from daopsim.simulator.serving_config import serving_config
 
 SETTINGS: dict[str, dict[str, Any]] = {
     "daop": {"policy": "daop", "sequences": 2},
@@ -34,7 +34,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "fiddler-batched": {
         "policy": "fiddler",
         "sequences": 4,
-        "serving": serving_config(4, None, None, None, None, None, None),
+        "serving": serving_config(batch=4),
     },
 }
 

@@ -20,9 +20,10 @@ from daopsim.policies.base import ResourceSpec
 from daopsim.policies.registry import make_policy
 from daopsim.simulator.costs import cost_model
 from daopsim.simulator.errors import DoesNotFit, UserError
+from daopsim.simulator.fit import expert_fit, policy_buffers
 from daopsim.simulator.hardware import load_profile
 from daopsim.simulator.models import get_model
-from daopsim.simulator.runner import expert_fit, policy_buffers, simulate
+from daopsim.simulator.runner import simulate
 from daopsim.simulator.testing import make_trace
 
 #: systems whose sources show each expert held once (the rest keep a host copy of every one)

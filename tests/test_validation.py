@@ -424,7 +424,7 @@ def test_a_row_with_serving_keys_runs_batched(
 ) -> None:
     """``batch = 4`` in [row.sim] is ``--batch 4``: the row's value is the batched run's."""
     from daopsim.simulator.runner import simulate
-    from daopsim.simulator.serving import ServingConfig
+    from daopsim.simulator.serving_config import ServingConfig
     from daopsim.simulator.validation import run_row
 
     monkeypatch.setenv("DAOPSIM_CACHE", str(tmp_path))
@@ -463,9 +463,9 @@ def test_moe_infinity_rows_follow_one_readme_revision_and_its_protocol() -> None
     baselines assume the same lengths and say so."""
     from daopsim.policies.registry import make_policy
     from daopsim.simulator.costs import cost_model
+    from daopsim.simulator.fit import expert_fit, policy_buffers
     from daopsim.simulator.hardware import load_profile
     from daopsim.simulator.models import get_model
-    from daopsim.simulator.runner import expert_fit, policy_buffers
 
     rows = [r for r in load_table() if r.id.startswith("moe-infinity-a5000") and not r.retired]
     for r in rows:

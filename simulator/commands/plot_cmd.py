@@ -56,7 +56,7 @@ def plot(
 
     matplotlib.use("Agg")  # files only, no display
     from daopsim.simulator import plots
-    from daopsim.simulator.sweep import fidelity_floor, read_table
+    from daopsim.simulator.sweep_table import fidelity_floor, read_table
 
     res = Path(results)
     target = Path(output) if output else res.with_name(f"{res.stem}.{kind}.png")

@@ -117,7 +117,7 @@ def show_cmd(
 ) -> None:
     """Show a profile (bundled NAME or a TOML PATH) and the model's derived costs on it."""
     from daopsim.policies.registry import make_policy
-    from daopsim.simulator.runner import expert_fit, policy_buffers
+    from daopsim.simulator.fit import expert_fit, policy_buffers
 
     hw = load_profile(name_or_path)
     model = get_model(model_name).with_precision(dtype, host_dtype, nonexpert_dtype)

@@ -49,15 +49,7 @@ PER_STREAM_ROWS = ("stall_s", "dispatch_stall_s")
 SSD_ROWS = ("ssd_bytes", "ssd_stall_s", "host_memory_peak_bytes")
 
 
-def compute_bounds(
-    result: Any,
-    hw: str,
-    trace: str | None,
-    sequences: int | None = None,
-    dtype: str | None = None,
-    seed: int = 0,
-    **run_args: Any,
-) -> dict[str, dict[str, Any]]:
+def compute_bounds(result: Any, **run_args: Any) -> dict[str, dict[str, Any]]:
     """The bounds shown beside a result, on the same trace, machine and sequences.
 
     all-gpu: every expert resident, at the run's precisions on its machine, under the fastest
@@ -66,8 +58,9 @@ def compute_bounds(
     GPU expert budget evenly (the bound of ``lru``, ``lfu``, ``round-robin``). belady_global
     (only beside a caching policy): clairvoyant MIN in one cache over all layers with the same
     budget (the bound of ``global-lru``, ``global-lfu``). ``belady`` repeats belady_per_layer
-    for readers of older output. ``run_args``: the run's other ``simulate()`` arguments; the
-    Belady runs share those the declaration marks for the bounds (simulator/run_params.py).
+    for readers of older output. ``run_args``: the run's ``simulate()`` keywords (``hw`` and
+    ``trace`` among them); the bounds share those the declaration marks for the bounds
+    (simulator/run_params.py, ``bounds=``), the all-GPU bound and the Belady runs alike.
     """
     from daopsim.policies.caching import CachingPolicy, GlobalCachingPolicy
     from daopsim.policies.registry import get_policy_class
@@ -75,9 +68,9 @@ def compute_bounds(
     from daopsim.simulator.run_params import bound_arguments
     from daopsim.simulator.runner import simulate
 
-    given = {**run_args, "hw": hw, "trace": trace, "dtype": dtype, "seed": seed}
+    shared = bound_arguments(run_args, result.config)
     common = {
-        **bound_arguments(given, result.config),
+        **shared,
         # the bounds evaluate exactly the run's sequences (they use no calibration data, so
         # their own default would evaluate every sequence)
         "evaluate": result.config["sequence_ids"],
@@ -85,7 +78,7 @@ def compute_bounds(
     }
     out: dict[str, dict[str, Any]] = {}
     own = result.config["policy"]
-    out["all-gpu"] = bound_for_result(result, hw, trace).to_dict()
+    out["all-gpu"] = bound_for_result(result, **shared).to_dict()
     budget = result.config["gpu_experts"]
 
     def belady(name: str, scope: str) -> dict[str, Any]:
@@ -135,7 +128,7 @@ def load_run_config(path: str, chosen: str | None = None) -> dict[str, Any]:
     memory points, is a one-line error naming the key. ``chosen`` is the policy given on the
     command line instead of the file's: options scoped to another policy stay with it (as
     ``sweep --policies`` drops the options of the policies it leaves out)."""
-    from daopsim.simulator.sweep import load_grid_file
+    from daopsim.simulator.grid import load_grid_file
 
     grid, out = load_grid_file(path)
     memory = [*grid.cache_ratios, *grid.gpu_experts]
@@ -463,7 +456,7 @@ def _simulate_run(cmd: dict[str, Any], given: dict[str, Any], options: dict[str,
     beside it), write the outputs; returns the result."""
     from daopsim.simulator.run_params import run_params
     from daopsim.simulator.runner import simulate
-    from daopsim.simulator.serving import serving_config
+    from daopsim.simulator.serving_config import serving_config
 
     serving = serving_config(**{p.name: given[p.name] for p in run_params("serving")})
     run_args = {p.name: given[p.name] for p in run_params("run") if p.flag}

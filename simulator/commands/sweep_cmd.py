@@ -110,7 +110,8 @@ def _sweep(grid_file: str | None, **given: Any) -> None:
     configurations are kept in OUT.parts/, so an interrupted sweep resumes where it stopped
     when run again.
     """
-    from daopsim.simulator.sweep import parse_option_items, run_sweep
+    from daopsim.simulator.grid import parse_option_items
+    from daopsim.simulator.sweep import run_sweep
 
     grid, file_out = _grid_of(grid_file, given)
     if given["policy_opts"]:
@@ -144,8 +145,8 @@ def _sweep(grid_file: str | None, **given: Any) -> None:
 def _grid_of(grid_file: str | None, given: dict[str, Any]) -> tuple[Any, str | None]:
     """The grid of the file (or of the flags alone), with each grid flag given replacing the
     file's key; and the file's ``out``."""
+    from daopsim.simulator.grid import Grid, load_grid_file
     from daopsim.simulator.run_params import grid_params
-    from daopsim.simulator.sweep import Grid, load_grid_file
 
     flags: dict[str, Any] = {}
     for p in grid_params():
@@ -174,7 +175,7 @@ def _grid_of(grid_file: str | None, given: dict[str, Any]) -> tuple[Any, str | N
 
 def _print_summary(summary: Any, table: Any, grid: Any, min_gate_mass: float | None) -> None:
     """The sweep's one-line summary, the seed table, a small-budget note and each failure."""
-    from daopsim.simulator.sweep import small_budget_note
+    from daopsim.simulator.sweep_table import small_budget_note
 
     click.echo(
         f"wrote {summary.out}: {summary.configurations} configurations, {summary.ok} ok, "
@@ -208,7 +209,7 @@ sweep = build_sweep_command()
 
 def _print_seed_table(out: object) -> None:
     """Mean +- standard deviation over seeds of each configuration (the seeds axis)."""
-    from daopsim.simulator.sweep import read_table, seed_summary
+    from daopsim.simulator.sweep_table import read_table, seed_summary
 
     table = seed_summary(read_table(out))  # type: ignore[arg-type]
     if table.empty:

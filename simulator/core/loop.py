@@ -36,7 +36,7 @@ from daopsim.simulator.runstats import RunStats, multi_metrics, run_stats
 
 def cpu_layers_for(spec: Any, model: Any, budget: int) -> int:
     """Leading MoE layers a spec runs wholly on the CPU when the run did not size them from
-    memory (the runner does, ``daopsim.simulator.runner.cpu_resident_layers``): N GPU blocks leave
+    memory (the runner does, ``daopsim.simulator.fit.cpu_resident_layers``): N GPU blocks leave
     ``moe_layers - N``; -1 leaves the fewest whose GPU layers' experts fit ``budget``."""
     g = spec.gpu_blocks
     n_layers: int = model.moe_layers

@@ -1,12 +1,13 @@
 """The reference engine's serving loop (docs/serving.md): requests admitted by the workload's
 scheduler, each step run on the reference's own layers.
 
-Only the workload side of :mod:`daopsim.simulator.serving` is shared: the requests, the
-:class:`~daopsim.simulator.serving.Scheduler`'s admission decisions, the extended schedule
-(:func:`~daopsim.simulator.serving.plan_steps`) and the helpers that slice a request's routing. The
-steps themselves (a request's prefill pass, one decode token, a batched step over the union
-of the batch's experts, a static batch's prefill, a mixed step with a prompt chunk) are run
-here on :class:`~daopsim.simulator.reference.engine.ReferenceEngine`'s layers.
+Only the workload side of serving is shared: the requests and the helpers that slice a
+request's routing (:mod:`daopsim.simulator.serving_requests`), the
+:class:`~daopsim.simulator.scheduler.Scheduler`'s admission decisions and the extended schedule
+(:func:`~daopsim.simulator.scheduler.plan_steps`). The steps themselves (a request's prefill
+pass, one decode token, a batched step over the union of the batch's experts, a static batch's
+prefill, a mixed step with a prompt chunk) are run here on
+:class:`~daopsim.simulator.reference.engine.ReferenceEngine`'s layers.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ import numpy as np
 
 from daopsim.simulator.boundary import check_plan, check_route, fill_layer_view
 from daopsim.simulator.errors import UserError
-from daopsim.simulator.serving import Request, Serving, Step, one_token, plan_steps, prefix
+from daopsim.simulator.scheduler import Step, plan_steps
+from daopsim.simulator.serving_requests import Request, one_token, prefix
 
 if TYPE_CHECKING:
     from daopsim.simulator.reference.engine import Proc, ReferenceEngine
+    from daopsim.simulator.serving import Serving
 
 
 def serve(eng: ReferenceEngine, plan: Serving, on_sequence: Callable[[Any], None] | None) -> Proc:

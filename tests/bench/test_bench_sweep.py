@@ -10,7 +10,8 @@ from pathlib import Path
 import pandas.testing as pdt
 import pytest
 
-from daopsim.simulator.sweep import Grid, sweep
+from daopsim.simulator.grid import Grid
+from daopsim.simulator.sweep import sweep
 from daopsim.simulator.testing import make_trace
 
 pytestmark = pytest.mark.bench
