@@ -767,7 +767,7 @@ class CostModel:
         m = self.model
         blocks = m.layers / m.moe_layers  # transformer blocks per MoE layer (dense ones too)
         params = (m.non_expert_params - m.embedding_params) / m.moe_layers
-        flops = 2.0 * params * n_tokens + 4.0 * attn_pairs * m.hidden * blocks
+        flops = 2.0 * params * n_tokens + 4.0 * attn_pairs * m.attention_width * blocks
         roof = max(moved / self._nonexpert_bw, flops / self.gpu_gemm_flops(n_tokens))
         launches = NONEXPERT_KERNELS_PER_BLOCK * blocks * self.kernel_s(n_tokens)
         return roof + launches + self._host_block_s
@@ -922,7 +922,7 @@ class CostModel:
         m = self.model
         blocks = m.layers / m.moe_layers
         params = (m.non_expert_params - m.embedding_params) / m.moe_layers
-        flops = 2.0 * params * n_tokens + 4.0 * attn_pairs * m.hidden * blocks
+        flops = 2.0 * params * n_tokens + 4.0 * attn_pairs * m.attention_width * blocks
         peak = self.cpu_peak_gflops(m.nonexpert_dtype)
         bw = self.cpu_stream_gbs(m.nonexpert_dtype)
         return self.cpu_layer_us * 1e-6 + max(moved / (bw * 1e9), flops / (peak * 1e9))
