@@ -307,9 +307,7 @@ def test_a_prompts_attention_flops_use_the_head_widths() -> None:
     assert wide.nonexpert_layer_s(n, 0) - thin.nonexpert_layer_s(n, 0) == pytest.approx(extra)
     # the same on the CPU (ggml-free default kernels: the profile's bf16 rate)
     cpu = extra * prof.gpu.bf16_tflops * 1e12 / (wide.cpu_peak_gflops("bf16") * 1e9)
-    assert wide.cpu_nonexpert_layer_s(n, 0) - thin.cpu_nonexpert_layer_s(n, 0) == pytest.approx(
-        cpu
-    )
+    assert wide.cpu_nonexpert_layer_s(n, 0) - thin.cpu_nonexpert_layer_s(n, 0) == pytest.approx(cpu)
 
 
 def test_model_head_widths_round_trip() -> None:
