@@ -60,3 +60,18 @@ def test_no_copy_when_the_output_matrix_stays_on_the_cpu() -> None:
     on = _run(hw, llama, 0)
     off = _run(hw, with_costs(llama, logits_to_host=False), 0)
     assert on["tpot_mean_s"] == off["tpot_mean_s"]
+
+
+@pytest.mark.reference
+def test_both_engines_charge_the_copy_alike() -> None:
+    kw = dict(
+        policy="llama-cpp-layers",
+        policy_options={"ngl": 99},
+        hw="rtx4090-picm5-pcie3x1",
+        trace="olmoe-1b-7b",
+        sequences=1,
+        record=False,
+    )
+    fast, ref = simulate(**kw), simulate(**kw, engine="reference")
+    assert fast.metrics["e2e_s"] == pytest.approx(ref.metrics["e2e_s"], abs=1e-9)
+    assert fast.metrics["tpot_mean_s"] == pytest.approx(ref.metrics["tpot_mean_s"], abs=1e-9)
