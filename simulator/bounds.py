@@ -85,6 +85,8 @@ def _never_slower(a: RuntimeProfile, b: RuntimeProfile) -> bool:
         return False
     if a.attention != b.attention and a.attention != "fused":
         return False
+    if a.logits_to_host and not b.logits_to_host:  # its passes end with a copy b does not make
+        return False
     # fused MoE calls and CUDA-graph replay change which costs apply rather than their size:
     # runtimes differing in them are not compared
     if a.fused_moe != b.fused_moe or a.replays_graphs != b.replays_graphs:

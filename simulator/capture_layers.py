@@ -125,6 +125,17 @@ def _n_experts(router: Any) -> int:
     return int(n) if n else int(router.weight.shape[0])
 
 
+def _head_dims(config: Any) -> dict[str, int]:
+    """The query/key and value head widths a HF config states (``head_dim``; DeepSeek's MLA:
+    ``qk_nope_head_dim + qk_rope_head_dim`` and ``v_head_dim``); 0 where it states none (the
+    model shape then takes ``hidden / heads``)."""
+    nope = int(getattr(config, "qk_nope_head_dim", 0) or 0)
+    rope = int(getattr(config, "qk_rope_head_dim", 0) or 0)
+    if nope or rope:
+        return {"head_dim": nope + rope, "v_head_dim": int(getattr(config, "v_head_dim", 0) or 0)}
+    return {"head_dim": int(getattr(config, "head_dim", 0) or 0), "v_head_dim": 0}
+
+
 def _kv_bytes_per_token(config: Any, layers: int, nbytes: float) -> int:
     lora = getattr(config, "kv_lora_rank", None)
     if lora:  # multi-head latent attention caches one compressed vector plus the rope part
@@ -194,6 +205,7 @@ def model_shape(model: Any, moe: list[MoeLayer], name: str, dtype: str) -> Model
         dtype=dtype,
         # query heads, so a runtime with eager attention can charge a captured model's scores
         attention_heads=int(getattr(config, "num_attention_heads", 0) or 0),
+        **_head_dims(config),
         source=f"captured ({first.family}; HF config and weight sizes)",
         first_moe_layer=moe[0].layer_id,
         notes="; ".join(notes),

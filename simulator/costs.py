@@ -114,6 +114,11 @@ GGML_CPU_DTYPES = frozenset({"fp32", "fp16", "bf16"})
 #: more tokens runs as a tiled matrix product (``mul_mat_q``), the runtime's
 #: ``gpu_gemm_half_tokens`` applies to it (docs/cost-model.md, "GEMM at prompt shapes")
 GEMV_MAX_TOKENS = 8
+#: Bytes of one logit on its way to the host: llama.cpp's ``llama_decode`` copies the output
+#: tensor's ``n_outputs x n_vocab`` fp32 values into its pinned output buffer
+#: (``ggml_backend_tensor_get_async`` in ``src/llama-context.cpp``; docs/cost-model.md, "Logits
+#: to the host")
+LOGIT_BYTES = 4
 #: PyTorch's kernel family by weight precision (``CpuSpec.core_stream_gbs`` keys); formats it
 #: dequantises into bf16 passes (fp8, int4, AWQ/GPTQ, HQQ, GGUF without ggml) are ``torch_bf16``.
 TORCH_CPU_FAMILY = {"fp32": "torch_fp32", "fp16": "torch_fp16", "int8": "torch_int8"}
@@ -673,6 +678,21 @@ class CostModel:
         rate = link.d2h_pinned_gbs if pinned else link.d2h_pageable_gbs
         return self._copy(self.link_expert_bytes, rate) + self.convert_expert_s()
 
+    @property
+    def vocab(self) -> int:
+        """Rows of the output matrix: the input embedding's rows (``embedding_params / hidden``,
+        the catalogue counts the output matrix as the embedding's size; 0 when not recorded)."""
+        return self.model.embedding_params // self.model.hidden
+
+    def logits_copy_s(self) -> float:
+        """Seconds to copy one token's logits (``vocab`` fp32 values) device -> host into pinned
+        memory: what a runtime that samples on the host (llama.cpp's ``llama_decode``) waits
+        for at the end of every forward pass whose output matrix ran on the GPU
+        (docs/cost-model.md, "Logits to the host"). 0 without a recorded vocabulary."""
+        if self.vocab == 0:
+            return 0.0
+        return self._copy(self.vocab * LOGIT_BYTES, self.hw.link.d2h_pinned_gbs)
+
     def activation_copy_s(self, n_tokens: int) -> float:
         """Seconds to move n hidden-state vectors one way (either direction costs the same)."""
         _check_tokens(n_tokens)
@@ -747,7 +767,7 @@ class CostModel:
         m = self.model
         blocks = m.layers / m.moe_layers  # transformer blocks per MoE layer (dense ones too)
         params = (m.non_expert_params - m.embedding_params) / m.moe_layers
-        flops = 2.0 * params * n_tokens + 4.0 * attn_pairs * m.hidden * blocks
+        flops = 2.0 * params * n_tokens + 4.0 * attn_pairs * m.attention_width * blocks
         roof = max(moved / self._nonexpert_bw, flops / self.gpu_gemm_flops(n_tokens))
         launches = NONEXPERT_KERNELS_PER_BLOCK * blocks * self.kernel_s(n_tokens)
         return roof + launches + self._host_block_s
@@ -902,7 +922,7 @@ class CostModel:
         m = self.model
         blocks = m.layers / m.moe_layers
         params = (m.non_expert_params - m.embedding_params) / m.moe_layers
-        flops = 2.0 * params * n_tokens + 4.0 * attn_pairs * m.hidden * blocks
+        flops = 2.0 * params * n_tokens + 4.0 * attn_pairs * m.attention_width * blocks
         peak = self.cpu_peak_gflops(m.nonexpert_dtype)
         bw = self.cpu_stream_gbs(m.nonexpert_dtype)
         return self.cpu_layer_us * 1e-6 + max(moved / (bw * 1e9), flops / (peak * 1e9))

@@ -146,6 +146,12 @@ class ModelShape:
     #: query heads of one attention block (0: not recorded); only a runtime with eager attention
     #: (scores materialised per head, docs/cost-model.md "Eager attention") needs it
     attention_heads: int = 0
+    #: width of one query/key head and of one value head (``head_dim``, or DeepSeek's
+    #: ``qk_nope_head_dim + qk_rope_head_dim`` and ``v_head_dim``, of the model's config.json);
+    #: 0: ``hidden / attention_heads`` (the value head: the query/key head's). A prompt's
+    #: attention FLOPs scale with them (:attr:`attention_width`; docs/cost-model.md)
+    head_dim: int = 0
+    v_head_dim: int = 0
     notes: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -167,6 +173,17 @@ class ModelShape:
                 f"model {self.name!r}: non_expert_params {self.non_expert_params} is smaller "
                 f"than its shared experts ({shared} parameters)"
             )
+
+    @property
+    def attention_width(self) -> float:
+        """Multiply-adds per query-key pair and transformer block, over the two attention
+        products: ``(heads x head_dim + heads x v_head_dim) / 2``, so that ``4 x width`` FLOPs
+        score a pair and weigh its value; ``hidden`` when the head widths are not recorded
+        (every head ``hidden / heads`` wide)."""
+        if self.attention_heads <= 0 or self.head_dim <= 0:
+            return float(self.hidden)
+        v = self.v_head_dim or self.head_dim
+        return self.attention_heads * (self.head_dim + v) / 2
 
     @property
     def host_precision(self) -> str:
@@ -246,9 +263,11 @@ class ModelShape:
         for key, default in _PRECISION_DEFAULTS.items():
             if data[key] == default:
                 del data[key]
-        # the head count is left out when it is the preset's (or 0), for the same reason
-        if data["attention_heads"] == _preset_heads(self.name):
-            del data["attention_heads"]
+        # the head count and widths are left out when they are the preset's (or 0), for the
+        # same reason
+        for key in _HEAD_FIELDS:
+            if data[key] == _preset_value(self.name, key):
+                del data[key]
         return data
 
     @classmethod
@@ -258,8 +277,9 @@ class ModelShape:
         unknown = sorted(set(data) - known)
         if unknown:
             raise UserError(f"model shape: unknown key {unknown[0]!r}")
-        if "attention_heads" not in data:  # written before the field, or the preset's value
-            data = {**data, "attention_heads": _preset_heads(str(data.get("name", "")))}
+        for key in _HEAD_FIELDS:  # written before the field, or the preset's value
+            if key not in data:
+                data = {**data, key: _preset_value(str(data.get("name", "")), key)}
         return cls(**data)
 
     def summary(self) -> dict[str, Any]:
@@ -385,6 +405,7 @@ PRESETS: dict[str, ModelShape] = {
             embedding_params=32000 * 4096,
             kv_bytes_per_token=_kv(32, 8, 128),
             attention_heads=32,
+            head_dim=128,
             source=f"{_SRC}: Mixtral-8x7B (mistralai/Mixtral-8x7B-v0.1 config.json; "
             "352.3 MB per bf16 expert)",
         ),
@@ -401,6 +422,7 @@ PRESETS: dict[str, ModelShape] = {
             embedding_params=32000 * 6144,
             kv_bytes_per_token=_kv(56, 8, 128),
             attention_heads=48,
+            head_dim=128,
             source=f"{_SRC}: Mixtral-8x22B (Cerebras modelzoo params_mixtral_8x22b.yaml)",
         ),
         ModelShape(
@@ -416,6 +438,7 @@ PRESETS: dict[str, ModelShape] = {
             embedding_params=32064 * 4096,
             kv_bytes_per_token=_kv(32, 8, 128),
             attention_heads=32,
+            head_dim=128,
             source=f"{_SRC}: Phi-3.5-MoE (microsoft/Phi-3.5-MoE-instruct config.json; "
             "157.3 MB per bf16 expert)",
         ),
@@ -432,6 +455,7 @@ PRESETS: dict[str, ModelShape] = {
             embedding_params=50304 * 2048,
             kv_bytes_per_token=_kv(16, 16, 128),
             attention_heads=16,
+            head_dim=128,
             source=f"{_SRC}: OLMoE-1B-7B-0924 config.json",
         ),
         ModelShape(
@@ -449,6 +473,7 @@ PRESETS: dict[str, ModelShape] = {
             embedding_params=151936 * 2048,
             kv_bytes_per_token=_kv(24, 16, 128),
             attention_heads=16,
+            head_dim=128,
             source=f"{_SRC}: Qwen1.5-MoE-A2.7B (shared expert FFN 5632, counted as non-expert)",
         ),
         ModelShape(
@@ -464,6 +489,7 @@ PRESETS: dict[str, ModelShape] = {
             embedding_params=151936 * 2048,
             kv_bytes_per_token=_kv(48, 4, 128),
             attention_heads=32,
+            head_dim=128,
             source=f"{_SRC}: Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B config.json)",
         ),
         ModelShape(
@@ -481,6 +507,8 @@ PRESETS: dict[str, ModelShape] = {
             embedding_params=102400 * 2048,
             kv_bytes_per_token=_mla_kv(27),
             attention_heads=16,
+            head_dim=192,
+            v_head_dim=128,
             first_moe_layer=1,
             source=f"{_SRC}: DeepSeek-V2-Lite (layer 0 dense; MLA cache 512+64 per layer)",
         ),
@@ -499,6 +527,8 @@ PRESETS: dict[str, ModelShape] = {
             embedding_params=129280 * 7168,
             kv_bytes_per_token=_mla_kv(61),
             attention_heads=128,
+            head_dim=192,
+            v_head_dim=128,
             first_moe_layer=3,
             source=f"{_SRC}: DeepSeek-V3 (first 3 layers dense; MLA cache 512+64 per layer)",
         ),
@@ -517,6 +547,8 @@ PRESETS: dict[str, ModelShape] = {
             embedding_params=102400 * 5120,
             kv_bytes_per_token=_mla_kv(_DSV2_LAYERS),
             attention_heads=128,
+            head_dim=192,
+            v_head_dim=128,
             first_moe_layer=1,
             source=f"{_SRC}: DeepSeek-V2 (deepseek-ai/DeepSeek-V2 config.json; layer 0 dense, "
             "2 shared experts; 236 B total)",
@@ -536,6 +568,7 @@ PRESETS: dict[str, ModelShape] = {
             embedding_params=151936 * 3584,
             kv_bytes_per_token=_kv(28, 4, 128),
             attention_heads=28,
+            head_dim=128,
             source=f"{_SRC}: Qwen2-57B-A14B (Qwen/Qwen2-57B-A14B config.json; shared expert FFN "
             "20480; 57 B total)",
         ),
@@ -552,6 +585,7 @@ PRESETS: dict[str, ModelShape] = {
             embedding_params=151936 * 4096,
             kv_bytes_per_token=_kv(94, 4, 128),
             attention_heads=64,
+            head_dim=128,
             source=f"{_SRC}: Qwen3-235B-A22B (Qwen/Qwen3-235B-A22B config.json; 235 B total)",
         ),
         ModelShape(
@@ -569,6 +603,7 @@ PRESETS: dict[str, ModelShape] = {
             embedding_params=151936 * 2048,
             kv_bytes_per_token=_kv(12, 2, 256),  # only the 12 full-attention layers cache K/V
             attention_heads=16,
+            head_dim=256,
             source=f"{_SRC}: Qwen3-Next-80B-A3B (Qwen/Qwen3-Next-80B-A3B-Instruct config.json; "
             "hybrid attention, 1 shared expert; 79.67 B total)",
             notes="Gated DeltaNet layers keep a fixed-size state per sequence, not per token",
@@ -588,6 +623,7 @@ PRESETS: dict[str, ModelShape] = {
             embedding_params=202048 * 5120,
             kv_bytes_per_token=_kv(48, 8, 128),
             attention_heads=40,
+            head_dim=128,
             source=f"{_SRC}: Llama-4-Scout-17B-16E (meta-llama config.json text_config; every "
             "layer MoE, 1 shared expert; 109 B total with the vision encoder)",
             notes="three of four layers attend within 8192-token chunks: the KV cache is counted "
@@ -608,6 +644,7 @@ PRESETS: dict[str, ModelShape] = {
             embedding_params=202048 * 5120,
             kv_bytes_per_token=_kv(48, 8, 128),
             attention_heads=40,
+            head_dim=128,
             first_moe_layer=1,
             source=f"{_SRC}: Llama-4-Maverick-17B-128E (meta-llama config.json text_config; "
             "interleave_moe_layer_step 2: odd layers MoE, even layers dense FFN 16384; "
@@ -630,6 +667,8 @@ PRESETS: dict[str, ModelShape] = {
             embedding_params=163840 * 7168,
             kv_bytes_per_token=_mla_kv(61),
             attention_heads=64,
+            head_dim=192,
+            v_head_dim=128,
             first_moe_layer=1,
             source=f"{_SRC}: Kimi-K2 (moonshotai/Kimi-K2-Instruct config.json; DeepSeek-V3 "
             "architecture, 384 experts, layer 0 dense; 1.04 T total)",
@@ -648,6 +687,7 @@ PRESETS: dict[str, ModelShape] = {
             embedding_params=201088 * 2880,
             kv_bytes_per_token=_kv(24, 8, 64),
             attention_heads=64,
+            head_dim=64,
             dtype="mxfp4",
             source=f"{_SRC}: GPT-OSS-20B (fused gate_up 2x2880 plus biases; MXFP4 as shipped)",
         ),
@@ -665,6 +705,7 @@ PRESETS: dict[str, ModelShape] = {
             embedding_params=201088 * 2880,
             kv_bytes_per_token=_kv(36, 8, 64),
             attention_heads=64,
+            head_dim=64,
             dtype="mxfp4",
             source=f"{_SRC}: GPT-OSS-120B (GptOssConfig defaults; MXFP4 experts as shipped)",
         ),
@@ -682,6 +723,7 @@ PRESETS: dict[str, ModelShape] = {
             embedding_params=32128 * 768,
             kv_bytes_per_token=_kv(12, 12, 64),
             attention_heads=12,
+            head_dim=64,
             source=f"{_SRC}: Switch-base-128 (6 enc + 6 dec sparse layers, ReLU FFN, 2 matrices)",
         ),
         # Switch-large-128 (flaxformer switch_large.gin): 24 encoder + 24 decoder blocks, every
@@ -707,6 +749,7 @@ PRESETS: dict[str, ModelShape] = {
             embedding_params=32128 * 1024,
             kv_bytes_per_token=_kv(24, 16, 64),
             attention_heads=16,
+            head_dim=64,
             source=f"{_SRC}: Switch-large-128 (12 enc + 12 dec sparse layers, ReLU FFN)",
         ),
         # The simulator runs one stack of layers for every token, so an encoder-decoder's decode
@@ -730,6 +773,7 @@ PRESETS: dict[str, ModelShape] = {
             embedding_params=32128 * 1024,
             kv_bytes_per_token=_kv(24, 16, 64),
             attention_heads=16,
+            head_dim=64,
             source=(
                 f"{_SRC}: Switch-large-128's decoder only (12 sparse layers): the decode step "
                 "of the encoder-decoder; the encoder is not modelled"
@@ -739,10 +783,14 @@ PRESETS: dict[str, ModelShape] = {
 }
 
 
-def _preset_heads(name: str) -> int:
-    """The attention heads of the preset called ``name`` (0 for a model that is not one)."""
+#: attention fields a trace's model shape leaves out at the preset's values (and reads back so)
+_HEAD_FIELDS = ("attention_heads", "head_dim", "v_head_dim")
+
+
+def _preset_value(name: str, key: str) -> int:
+    """Field ``key`` of the preset called ``name`` (0 for a model that is not one)."""
     preset = PRESETS.get(name.strip().lower())
-    return preset.attention_heads if preset is not None else 0
+    return int(getattr(preset, key)) if preset is not None else 0
 
 
 def get_model(name: str) -> ModelShape:

@@ -407,6 +407,10 @@ def size_run(inp: RunInputs) -> RunSize:
         # one GPU split, one sequence: the one-token step is captured as a CUDA graph
         costs = runtime_cost_model(inp.profile, model, rt, graph=True)
         rt = rt.graph_replayed()
+    if rt.logits_to_host and n_cpu == 0:
+        # the output matrix runs on the GPU (llama.cpp puts it there only with every layer):
+        # each pass ends with its logits' copy to the host (docs/cost-model.md)
+        rt = rt.with_logits_copy(costs.logits_copy_s())
     if inp.mg is not None:
         _check_several_gpus(pol, n_cpu)
     return RunSize(kv_reserve, model.total_experts, fit, budget, n_cpu, rt, costs, fixed)

@@ -204,6 +204,10 @@ class RuntimeProfile:
     #: llama.cpp ``mul_mat_id``): the device pays that call's launches once per layer that runs
     #: a GPU expert, not each expert's eager kernels
     fused_moe: bool = False
+    #: the runtime copies every forward pass's logits to host memory and samples there
+    #: (llama.cpp's ``llama_decode``): a pass whose output matrix ran on the GPU ends with that
+    #: copy (``CostModel.logits_copy_s``; docs/cost-model.md, "Logits to the host")
+    logits_to_host: bool = False
     #: how the framework runs attention: ``"fused"`` (SDPA / flash kernels: the scores never
     #: reach device memory) or ``"eager"`` (transformers' eager attention: the scores of every
     #: head are written to device memory and passed over several times; docs/cost-model.md,
@@ -290,6 +294,12 @@ class RuntimeProfile:
             self, dispatch_us=self.graph_kernel_us, step_us=self.step_us + self.graph_step_us
         )
 
+    def with_logits_copy(self, seconds: float) -> RuntimeProfile:
+        """The profile of a run whose forward passes end with the logits' copy to the host
+        (``seconds`` each, ``CostModel.logits_copy_s``): the host thread, which waits for the
+        previous pass's output before the next pass, pays it with the per-pass ``step_us``."""
+        return dataclasses.replace(self, step_us=self.step_us + seconds * 1e6)
+
     def to_dict(self) -> dict[str, Any]:
         """The profile as plain data (``run --json`` key ``runtime``, ``runtimes show``)."""
         out: dict[str, Any] = {"name": self.name, "summary": self.summary}
@@ -305,6 +315,7 @@ class RuntimeProfile:
         out["cpu_expert_gemm_share"] = dict(self.cpu_expert_gemm_share)
         out["gpu_stream_efficiency_by_memory"] = dict(self.gpu_stream_efficiency_by_memory)
         out["host_device"] = self.host_device
+        out["logits_to_host"] = self.logits_to_host
         return out
 
     @property
@@ -326,6 +337,7 @@ def parse_runtime(data: dict[str, Any], where: str) -> RuntimeProfile:
         "cpu_expert_gemm_share",
         "gpu_stream_efficiency_by_memory",
         "host_device",
+        "logits_to_host",
     )
     known = {"name", "summary", "source", *others, *_NUMERIC}
     for key in data:
@@ -348,7 +360,7 @@ def parse_runtime(data: dict[str, Any], where: str) -> RuntimeProfile:
     for key in sources:
         if key not in _NUMERIC and key not in others:
             raise UserError(f"{where}: [source] names unknown field {key!r}")
-    for flag in ("fused_moe", "graph_all_policies", "host_device"):
+    for flag in ("fused_moe", "graph_all_policies", "host_device", "logits_to_host"):
         v = data.get(flag, False)
         if not isinstance(v, bool):
             raise UserError(f"{where}: field {flag!r} must be true or false, got {v!r}")

@@ -248,3 +248,78 @@ def test_mixtral_offloading_on_a_headless_trace_is_one_line_error(tmp_path) -> N
     assert "attention_heads" in res.output and "Traceback" not in res.output
     assert len([ln for ln in res.output.splitlines() if ln.startswith("error")]) == 1
     assert CliRunner().invoke(main, [*args, "--runtime", "hf-eager"]).exit_code == 0
+
+
+#: each preset config.json's query/key and value head widths (``head_dim``; DeepSeek-V2/V3 and
+#: Kimi-K2's MLA: ``qk_nope_head_dim + qk_rope_head_dim`` and ``v_head_dim``; T5's ``d_kv``),
+#: as docs/references.md ("Models") cites them
+CONFIG_HEAD_DIMS = {
+    "mixtral-8x7b": (128, 128),
+    "mixtral-8x22b": (128, 128),
+    "phi-3.5-moe": (128, 128),
+    "olmoe-1b-7b": (128, 128),
+    "qwen1.5-moe-a2.7b": (128, 128),
+    "qwen3-30b-a3b": (128, 128),
+    "deepseek-v2-lite": (192, 128),
+    "deepseek-v3": (192, 128),
+    "deepseek-v2": (192, 128),
+    "qwen2-57b-a14b": (128, 128),
+    "qwen3-235b-a22b": (128, 128),
+    "qwen3-next-80b-a3b": (256, 256),
+    "llama-4-scout": (128, 128),
+    "llama-4-maverick": (128, 128),
+    "kimi-k2": (192, 128),
+    "gpt-oss-20b": (64, 64),
+    "gpt-oss-120b": (64, 64),
+    "switch-base-128": (64, 64),
+    "switch-large-128": (64, 64),
+    "switch-large-128-decoder": (64, 64),
+}
+
+
+def test_every_preset_has_its_configs_head_widths() -> None:
+    """The attention width is the mean of the query/key and value widths over the heads:
+    Qwen3's 32 heads of 128 are twice its hidden size, GPT-OSS's 64 of 64 exceed its 2880."""
+    assert set(PRESETS) == set(CONFIG_HEAD_DIMS)
+    for name, m in PRESETS.items():
+        qk, v = CONFIG_HEAD_DIMS[name]
+        assert (m.head_dim, m.v_head_dim or m.head_dim) == (qk, v), name
+        assert m.attention_width == m.attention_heads * (qk + v) / 2, name
+    assert get_model("qwen3-30b-a3b").attention_width == 2 * 2048
+    assert get_model("deepseek-v2-lite").attention_width == 16 * (192 + 128) / 2
+    assert get_model("mixtral-8x7b").attention_width == 4096  # its heads fill its hidden size
+    # a hand-built shape without widths keeps the hidden size
+    assert dataclasses.replace(MIXTRAL, head_dim=0).attention_width == MIXTRAL.hidden
+
+
+def test_a_prompts_attention_flops_use_the_head_widths() -> None:
+    """A compute-bound prompt's non-expert part: Qwen3-30B-A3B's 4096-wide attention costs
+    exactly ``4 x (4096 - 2048) x pairs`` FLOPs more than a 2048-wide one would (hand-derived
+    from the formula of docs/cost-model.md, "The costs")."""
+    qwen = get_model("qwen3-30b-a3b")
+    narrow = dataclasses.replace(qwen, name="qwen3-narrow", head_dim=64)  # 32 x 64 = hidden
+    assert narrow.attention_width == 2048
+    prof = load_profile("a100-80g-pcie4")
+    wide, thin = CostModel(prof, qwen), CostModel(prof, narrow)
+    n = 4096
+    pairs = n * (n + 1) / 2
+    extra = 4.0 * (4096 - 2048) * pairs / (prof.gpu.bf16_tflops * 1e12)  # one block per layer
+    assert wide.nonexpert_layer_s(n, 0) - thin.nonexpert_layer_s(n, 0) == pytest.approx(extra)
+    # the same on the CPU (ggml-free default kernels: the profile's bf16 rate)
+    cpu = extra * prof.gpu.bf16_tflops * 1e12 / (wide.cpu_peak_gflops("bf16") * 1e9)
+    assert wide.cpu_nonexpert_layer_s(n, 0) - thin.cpu_nonexpert_layer_s(n, 0) == pytest.approx(cpu)
+
+
+def test_model_head_widths_round_trip() -> None:
+    """Preset metadata carries no width key (bundled and cached traces stay byte-identical),
+    metadata written before the fields reads back the preset's widths, a custom width
+    survives."""
+    for m in PRESETS.values():
+        d = m.to_dict()
+        assert "head_dim" not in d and "v_head_dim" not in d
+        assert ModelShape.from_dict(d) == m
+    old = {k: v for k, v in get_model("qwen3-30b-a3b").to_dict().items()}
+    assert ModelShape.from_dict(old).attention_width == 4096
+    custom = dataclasses.replace(get_model("qwen3-30b-a3b"), head_dim=96)
+    assert custom.to_dict()["head_dim"] == 96
+    assert ModelShape.from_dict(custom.to_dict()) == custom

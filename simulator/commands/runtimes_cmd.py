@@ -71,6 +71,7 @@ def show_cmd(name: str, as_json: bool) -> None:
         ("gpu_stream_efficiency", STREAM_EFFICIENCY_MEANING),
         ("fused_moe", "the GPU experts of a layer run as one fused MoE call"),
         ("attention", "fused (scores stay on chip) or eager (scores in device memory)"),
+        ("logits_to_host", "each forward pass ends with its logits' copy to the host"),
     ):
         click.echo(f"  {field:<18} {getattr(prof, field)!s:>8}  {meaning}")
         if field in prof.sources:
