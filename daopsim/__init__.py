@@ -79,7 +79,7 @@ if TYPE_CHECKING:  # the real objects, for type checkers and IDEs
     from daopsim.simulator.hardware import list_profiles, load_profile
     from daopsim.simulator.importers import import_trace
     from daopsim.simulator.importers_common import ImportOptions
-    from daopsim.simulator.models import DTYPES, get_model
+    from daopsim.simulator.models import get_model
     from daopsim.simulator.output import check_output_file, output_dir, write_file, write_text
     from daopsim.simulator.plots import (
         plot,
@@ -94,6 +94,7 @@ if TYPE_CHECKING:  # the real objects, for type checkers and IDEs
     from daopsim.simulator.plots_common import KINDS as PLOT_KINDS
     from daopsim.simulator.plots_common import realisable
     from daopsim.simulator.plots_pareto import pareto_front, plot_pareto
+    from daopsim.simulator.precisions import DTYPES
     from daopsim.simulator.results import RunResult
     from daopsim.simulator.run_costs import runtime_cost_model
     from daopsim.simulator.runner import simulate

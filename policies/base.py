@@ -529,7 +529,7 @@ class ResourceSpec:
         if self.host_memory not in ("pinned", "pageable"):
             raise UserError(f"host_memory must be 'pinned' or 'pageable', got {self.host_memory!r}")
         if self.low_bit_dtype is not None:
-            from daopsim.simulator.models import dtype_bytes
+            from daopsim.simulator.precisions import dtype_bytes
 
             dtype_bytes(self.low_bit_dtype)  # an unknown name is a one-line error
         if self.low_bit_slots and self.low_bit_dtype is None:

@@ -43,7 +43,7 @@ from daopsim.policies.base import Action, Param, Plan, ResourceSpec, SetupContex
 from daopsim.policies.lru import LRUPolicy
 from daopsim.policies.registry import register
 from daopsim.simulator.errors import UserError
-from daopsim.simulator.models import DTYPES
+from daopsim.simulator.precisions import DTYPES
 
 TEMP: Final = Action.TEMP
 

@@ -61,7 +61,7 @@ from daopsim.policies.base import (
 )
 from daopsim.policies.registry import register
 from daopsim.simulator.errors import UserError
-from daopsim.simulator.models import DTYPES
+from daopsim.simulator.precisions import DTYPES
 
 GPU: Final = Action.GPU
 FETCH: Final = Action.FETCH

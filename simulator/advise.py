@@ -134,7 +134,8 @@ def _check_inputs(
     profiles), the precisions, policies, runtimes, target and prices."""
     from daopsim.policies.registry import available, get_policy_class
     from daopsim.simulator.hardware import load_profile
-    from daopsim.simulator.models import DTYPES, get_model
+    from daopsim.simulator.models import get_model
+    from daopsim.simulator.precisions import DTYPES
     from daopsim.simulator.runtime_profiles import get_runtime
 
     shape = get_model(model)

@@ -124,7 +124,7 @@ def exact_precision(dtype: str, reference: str) -> bool:
     """Whether experts at ``dtype`` compute what the trace's model (at ``reference``) does:
     a floating-point format of at least as many bits. Anything else (fp8, int8, int4, GGUF,
     MXFP4, HQQ) is lossy, and how much it loses is not modelled."""
-    from daopsim.simulator.models import DTYPES
+    from daopsim.simulator.precisions import DTYPES
 
     d, ref = DTYPES.get(dtype), DTYPES.get(reference)
     if d is None or ref is None:

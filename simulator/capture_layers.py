@@ -152,7 +152,7 @@ def model_shape(model: Any, moe: list[MoeLayer], name: str, dtype: str) -> Model
     Routed-expert parameters are counted from the expert modules' tensors; everything else
     (attention, embeddings, dense FFNs, shared experts, routers) is ``non_expert_params``.
     """
-    from daopsim.simulator.models import dtype_bytes
+    from daopsim.simulator.precisions import dtype_bytes
 
     config = model.config
     first = moe[0]

@@ -151,7 +151,7 @@ def _check_inputs(
         raise UserError(f"--sequences must be positive, got {sequences}")
     if dtype is not None:
         from daopsim.simulator.errors import did_you_mean
-        from daopsim.simulator.models import DTYPES
+        from daopsim.simulator.precisions import DTYPES
 
         if dtype not in DTYPES:
             raise UserError(f"--dtype: unknown precision {dtype!r}{did_you_mean(dtype, DTYPES)}")

@@ -45,7 +45,8 @@ from daopsim.simulator.hardware_spec import (
     HardwareProfile,
     MeasuredModel,
 )
-from daopsim.simulator.models import DTYPES, ModelShape, dtype_bytes, get_model
+from daopsim.simulator.models import ModelShape, get_model
+from daopsim.simulator.precisions import DTYPES, dtype_bytes
 
 #: Bytes per activation element: hidden states travel and are computed in bf16.
 ACT_BYTES = 2

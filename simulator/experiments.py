@@ -188,7 +188,7 @@ def load_experiment(name_or_path: str | os.PathLike[str]) -> Experiment:
     batch = doc.get("batch")
     if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
         raise UserError(f"{path}: 'batch' must be a positive integer")
-    from daopsim.simulator.models import DTYPES
+    from daopsim.simulator.precisions import DTYPES
 
     if doc.get("dtype") is not None and doc["dtype"] not in DTYPES:
         raise UserError(

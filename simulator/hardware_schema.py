@@ -523,7 +523,7 @@ def _check_device_tables(path: Path, prefix: str, fields: dict[str, Any]) -> Non
 
 
 def _check_dtype(path: Path, key: str, dtype: str) -> None:
-    from daopsim.simulator.models import DTYPE_BYTES
+    from daopsim.simulator.precisions import DTYPE_BYTES
 
     if dtype not in DTYPE_BYTES:
         raise ProfileError(path, f"unknown dtype {dtype!r}; known: {', '.join(DTYPE_BYTES)}", key)

@@ -421,7 +421,7 @@ def _parse_kernel_choices(data: dict[str, Any], where: str) -> dict[str, Any]:
 def _dtype_keys() -> frozenset[str]:
     """Keys a ``[cpu_gemm_share]`` table may use: the catalogue's weight precisions and
     ``default``."""
-    from daopsim.simulator.models import DTYPES  # the catalogue, imported where it is used
+    from daopsim.simulator.precisions import DTYPES
 
     return frozenset(DTYPES) | {"default"}
 

@@ -21,7 +21,7 @@ from daopsim.simulator.core.ops import Counters
 from daopsim.simulator.costs import cost_model
 from daopsim.simulator.errors import PolicyError, UserError
 from daopsim.simulator.hardware import load_profile
-from daopsim.simulator.models import DTYPE_BYTES
+from daopsim.simulator.precisions import DTYPE_BYTES
 from daopsim.simulator.recorder import Recorder
 from daopsim.simulator.reference import ReferenceEngine
 from daopsim.simulator.results import compute_metrics

@@ -10,7 +10,8 @@ import pytest
 
 from daopsim.simulator.costs import cost_model
 from daopsim.simulator.errors import UserError
-from daopsim.simulator.models import DTYPE_BYTES, DTYPES, get_model
+from daopsim.simulator.models import get_model
+from daopsim.simulator.precisions import DTYPE_BYTES, DTYPES
 from daopsim.simulator.runner import simulate
 from daopsim.simulator.testing import make_trace
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import click
 
 from daopsim.simulator.commands.common import echo_json, json_option
-from daopsim.simulator.models import DTYPES, PRESETS, get_model
+from daopsim.simulator.models import PRESETS, get_model
+from daopsim.simulator.precisions import DTYPES
 
 
 @click.group("models")

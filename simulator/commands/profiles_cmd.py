@@ -10,7 +10,8 @@ from daopsim.simulator.commands.common import echo_json, json_option
 from daopsim.simulator.costs import DEFAULT_CONTEXT, cost_model
 from daopsim.simulator.hardware import list_profiles, load_profile
 from daopsim.simulator.hardware_spec import HardwareProfile
-from daopsim.simulator.models import DTYPE_BYTES, get_model
+from daopsim.simulator.models import get_model
+from daopsim.simulator.precisions import DTYPE_BYTES
 
 DEFAULT_MODEL = "mixtral-8x7b"
 
