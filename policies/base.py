@@ -406,7 +406,12 @@ class View:
         shared uplink, write-backs on a one-lane link and activation copies count. Copies
         still waiting for a slot or a buffer are not on it yet. With several copy engines
         per direction (``link.copy_engines_per_direction``), when the last of them does."""
-        return float(max(self._copy_free_times(self.gpu)))
+        free: list[float] = self._copy_free_times(self.gpu)
+        last = free[0]
+        for t in free:
+            if t > last:
+                last = t
+        return last
 
     @property
     def copy_s(self) -> float:
@@ -421,18 +426,27 @@ class View:
         the lowest index on ties, starting when that engine's work before it ends) applied to
         them, exact when nothing else is submitted first and the copies need not wait for a
         slot or a buffer."""
-        now = self.now
-        times = [t if t > now else now for t in self._copy_free_times(self.gpu)]
+        now: float = self.now
+        # typed, so that compiled code reads each time as a C double (the engine's callable
+        # is untyped: a value through it would be a Python object per comparison)
+        free: list[float] = self._copy_free_times(self.gpu)
+        times = [t if t > now else now for t in free]
         d = self.copy_s
-        last = min(times)  # n = 0: when the first engine could take a copy
+        n_engines = len(times)
+        last = times[0]
+        for j in range(1, n_engines):  # n = 0: when the first engine could take a copy
+            if times[j] < last:
+                last = times[j]
         for _ in range(n):  # one sum per copy, as the lane adds them
             i = 0
-            for j in range(1, len(times)):
-                if times[j] < times[i]:
-                    i = j
-            times[i] += d
-            if times[i] > last:
-                last = times[i]
+            best = times[0]
+            for j in range(1, n_engines):
+                if times[j] < best:
+                    i, best = j, times[j]
+            end = best + d
+            times[i] = end
+            if end > last:
+                last = end
         return last
 
     @property

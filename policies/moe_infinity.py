@@ -69,8 +69,7 @@ from __future__ import annotations
 
 from bisect import insort
 from collections.abc import Iterable
-from itertools import chain, compress, islice
-from operator import not_
+from itertools import chain, islice
 from typing import Any, Final
 
 import numpy as np
@@ -449,17 +448,23 @@ class MoEInfinityPolicy(Policy):
         runs (when its ``n_demand`` misses land, as the engine's lane would serve them; now
         without misses); returns the plan, None if it was None and nothing was issued."""
         now, layer = view.now, view.layer
-        runs_at = view.copy_end(n_demand) if n_demand else now
+        landed = view.copy_end(n_demand)  # the misses' copies (none: when the lane is free)
+        runs_at = landed if n_demand else now
         horizon = (runs_at if runs_at > now else now) + self.next_decision_gap
-        if view.copy_end(n_demand) >= horizon:
+        if landed >= horizon:
             return plan
         queue, keep, flat = self._queue(self.best[layer], layer)
         cached, issued = self.cached, self.issued
         n_copies = n_demand
         # the queue's entries not cached, in order; each is read from ``cached`` when the scan
-        # reaches it (after the changes of the prefetches before it), as a loop testing
-        # ``cached[i]`` would
-        for x, e, i in compress(queue, map(not_, map(cached.__getitem__, flat))):
+        # reaches it (after the changes of the prefetches before it). A typed loop over the
+        # flat indices: compiled, a test is a list read (itertools.compress over
+        # map(cached.__getitem__) made two calls through Python per entry)
+        for k in range(len(flat)):
+            i = flat[k]
+            if cached[i]:
+                continue
+            x, e, _ = queue[k]
             room, victim = self._make_room(now, layer, protect, keep)
             if not room:
                 break

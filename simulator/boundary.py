@@ -431,13 +431,15 @@ class _PlanCheck:
             self.needed = set(routed)
         else:
             self.needed = {e for e in routed if actions.get(e) in (A_GPU, A_FETCH)}
-        # lists, or tuples (a FrozenPlan's)
-        if not isinstance(plan.evict, list | tuple) or not isinstance(plan.prefetch, list | tuple):
+        # lists, or tuples (a FrozenPlan's); a tuple of types, not ``list | tuple``: compiled,
+        # that union is a new object built at every call
+        evict, prefetch = plan.evict, plan.prefetch
+        if not isinstance(evict, (list, tuple)) or not isinstance(prefetch, (list, tuple)):
             raise self.err("returned a malformed plan (evict and prefetch must be lists)")
-        for victim in plan.evict:
+        for victim in evict:
             self.evict(victim, "evict entry")
         order = self.check_routed(precalc)
-        for entry in plan.prefetch:
+        for entry in prefetch:
             self.prefetch(entry)
         if plan.precalc:
             _check_precalc(self.hooks, plan.precalc, layer, self.res, precalc)

@@ -478,6 +478,7 @@ class Engine:
         else:
             items = [("weights", lb, ls, layer)]
         c, end = self.c, start
+        sid, token = st.nonexpert_ids  # unpacked: a starred call is a call through Python
         for kind, nbytes, dur, lay in items:
             if nbytes <= 0:
                 continue
@@ -485,7 +486,7 @@ class Engine:
             c.h2d_bytes += nbytes
             c.nonexpert_weight_copies += 1
             c.nonexpert_weight_bytes += nbytes
-            e = self.ex.weights(start, nbytes, dur, kind, *st.nonexpert_ids, lay)
+            e = self.ex.weights(start, nbytes, dur, kind, sid, token, lay)
             if e > end:  # on several copy engines a later copy may land first
                 end = e
         return end
