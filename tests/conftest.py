@@ -50,6 +50,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     misses = own_pass_misses(items)
     if misses:
         raise pytest.UsageError("\n".join(misses))
+    # Tests marked ``slow`` (each several CPU-seconds or more) run first. pytest-xdist's
+    # worksteal gives each worker a contiguous share of this order and an idle worker takes
+    # tests from the END of the other's queue, so with the long tests first the last tests
+    # of the run are short ones and both workers finish together. The sort is stable: each
+    # module's tests keep their order, and their module-scoped fixtures are made once.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     if not native.status().compiled:
         return
     skip = pytest.mark.skip(reason="needs the interpreted core (make test's pure pass runs it)")
