@@ -34,13 +34,17 @@ $(TOOLS): $(BASE)
 		print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['build-system']['requires']))")
 	touch $@
 
-# torch is pinned: an unpinned torch pulls a multi-GB CUDA build
-$(FULL): $(BASE) pyproject.toml
+# torch is pinned: an unpinned torch pulls a multi-GB CUDA build. After the build tools, so that
+# no two pip runs share the venv when it is made at the same time as the compiled build (install)
+$(FULL): $(TOOLS) pyproject.toml
 	$(PIP) install -q "torch==2.13.0"
 	DAOPSIM_PURE_PYTHON=1 $(PIP) install -q --no-build-isolation -e ".[capture,dask,dev,gym]"
 	touch $@
 
-install: $(FULL) $(NATIVE)
+# every extra and the compiled build, at the same time: pip installs on about one core while the
+# C compiler has both (a sub-make: -j whatever make was called with)
+install:
+	$(MAKE) --no-print-directory -j $(JOBS) $(FULL) $(NATIVE)
 
 # compiles each module of simulator/native.py's list beside its source, in parallel, with a line
 # per module; only what changed (and what imports it) is rebuilt. Without a C compiler it
@@ -84,7 +88,8 @@ typecheck: $(TOOLS)
 PURE_TESTS := $(shell grep -l "mark\.pure" tests/test_*.py)
 MEASURE_TESTS := $(shell grep -l "mark\.measure" tests/test_*.py)
 PYTEST := PYTHONDONTWRITEBYTECODE= $(PY) -m pytest
-test: $(FULL) $(NATIVE) lint
+test: install
+	$(MAKE) --no-print-directory lint
 	$(PYTEST) -n $(JOBS) --dist worksteal -m "not bench and not measure"
 	DAOPSIM_PURE_PYTHON=1 $(PYTEST) -p no:xdist -m "pure and not bench" $(PURE_TESTS)
 	$(PYTEST) -p no:xdist -m "measure and not bench" $(MEASURE_TESTS)
