@@ -34,13 +34,17 @@ $(TOOLS): $(BASE)
 		print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['build-system']['requires']))")
 	touch $@
 
-# torch is pinned: an unpinned torch pulls a multi-GB CUDA build
-$(FULL): $(BASE) pyproject.toml
+# torch is pinned: an unpinned torch pulls a multi-GB CUDA build. After the build tools, so that
+# no two pip runs share the venv when it is made at the same time as the compiled build (install)
+$(FULL): $(TOOLS) pyproject.toml
 	$(PIP) install -q "torch==2.13.0"
 	DAOPSIM_PURE_PYTHON=1 $(PIP) install -q --no-build-isolation -e ".[capture,dask,dev,gym]"
 	touch $@
 
-install: $(FULL) $(NATIVE)
+# every extra and the compiled build, at the same time: pip installs on about one core while the
+# C compiler has both (a sub-make: -j whatever make was called with)
+install:
+	$(MAKE) --no-print-directory -j $(JOBS) $(FULL) $(NATIVE)
 
 # compiles each module of simulator/native.py's list beside its source, in parallel, with a line
 # per module; only what changed (and what imports it) is rebuilt. Without a C compiler it
@@ -75,10 +79,20 @@ typecheck: $(TOOLS)
 # (`daopsim regress` is the same check from the command line). The notebooks are executed by
 # tests/test_notebooks.py. Tests that time this machine (marker `measure`: the closed loop) run
 # last, alone, so that no other test shares the cores with what they measure.
-test: $(FULL) $(NATIVE) lint
-	$(PY) -m pytest -n $(JOBS) -m "not bench and not measure"
-	DAOPSIM_PURE_PYTHON=1 $(PY) -m pytest -n $(JOBS) -m "pure and not bench"
-	$(PY) -m pytest -p no:xdist -m "measure and not bench"
+# The second and third passes collect only the files that use their marker (tests/conftest.py
+# fails a run in which a test carries the marker in another file): collecting all of tests/ costs
+# each process about 10 CPU-seconds, more than the pure pass's 43 tests. Byte-code is written
+# (PYTHONDONTWRITEBYTECODE unset for the passes): otherwise every process, and every `daopsim`
+# a test starts, compiles the package's sources and rewrites the test modules' asserts afresh.
+# worksteal: an idle worker takes queued tests from the other, so both finish together.
+PURE_TESTS := $(shell grep -l "mark\.pure" tests/test_*.py)
+MEASURE_TESTS := $(shell grep -l "mark\.measure" tests/test_*.py)
+PYTEST := PYTHONDONTWRITEBYTECODE= $(PY) -m pytest
+test: install
+	$(MAKE) --no-print-directory lint
+	$(PYTEST) -n $(JOBS) --dist worksteal -m "not bench and not measure"
+	DAOPSIM_PURE_PYTHON=1 $(PYTEST) -p no:xdist -m "pure and not bench" $(PURE_TESTS)
+	$(PYTEST) -p no:xdist -m "measure and not bench" $(MEASURE_TESTS)
 
 notebooks: $(FULL)
 	$(PY) -m pytest tests/test_notebooks.py

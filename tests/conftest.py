@@ -20,10 +20,42 @@ from daopsim.simulator.testing import make_trace, routing_from_experts, tiny_mod
 __all__ = ["make_trace", "routing_from_experts", "tiny_model"]
 
 
+#: markers whose tests `make test` runs in a pass of their own, collecting only the files in
+#: which ``grep -l "mark.NAME"`` finds the marker (Makefile: PURE_TESTS, MEASURE_TESTS)
+OWN_PASS_MARKERS = ("pure", "measure")
+
+
+def own_pass_misses(items: list[pytest.Item]) -> list[str]:
+    """Tests carrying an own-pass marker in a file whose text never names it as ``mark.NAME``:
+    `make test`'s grep would not find the file, and its pass would silently skip them."""
+    texts: dict[Path, str] = {}
+    misses = []
+    for item in items:
+        for name in OWN_PASS_MARKERS:
+            if item.get_closest_marker(name) is None:
+                continue
+            path = Path(item.path)
+            if path not in texts:
+                texts[path] = path.read_text(encoding="utf-8")
+            if f"mark.{name}" not in texts[path]:
+                misses.append(f"{item.nodeid}: marker {name!r} not written as `mark.{name}`")
+    return misses
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``pure`` patch the engine core's classes, which a compiled build does not
     allow: when any module runs compiled they are skipped here and run in `make test`'s second
-    pass (DAOPSIM_PURE_PYTHON=1 pytest -m pure)."""
+    pass (DAOPSIM_PURE_PYTHON=1 pytest -m pure). That pass, and the ``measure`` pass, collect
+    only the files that name their marker: a test marked some other way fails collection."""
+    misses = own_pass_misses(items)
+    if misses:
+        raise pytest.UsageError("\n".join(misses))
+    # Tests marked ``slow`` (each several CPU-seconds or more) run first. pytest-xdist's
+    # worksteal gives each worker a contiguous share of this order and an idle worker takes
+    # tests from the END of the other's queue, so with the long tests first the last tests
+    # of the run are short ones and both workers finish together. The sort is stable: each
+    # module's tests keep their order, and their module-scoped fixtures are made once.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     if not native.status().compiled:
         return
     skip = pytest.mark.skip(reason="needs the interpreted core (make test's pure pass runs it)")

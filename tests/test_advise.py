@@ -214,6 +214,7 @@ def test_runtime_compares_policies_under_one_runtime(cli: Callable[..., Any]) ->
         _check_reproduces(cli, r.command, r)
 
 
+@pytest.mark.slow
 def test_several_machines_and_a_target(cli: Callable[..., Any]) -> None:
     kw: dict[str, Any] = {
         "trace": "ci-small", "dtypes": ["bf16"], "policies": ["lru", "llama-cpp-layers"],

@@ -26,6 +26,9 @@ from daopsim.simulator.cli import main
 from daopsim.simulator.errors import UserError
 from daopsim.simulator.models import get_model
 
+#: several CPU-seconds a test: they run first (tests/conftest.py)
+pytestmark = pytest.mark.slow
+
 MODEL, HW = "qwen3-30b-a3b", "rtx4090-pcie4"
 #: the precisions of both searches: the trace's own and advise's default other one
 DTYPES = ["bf16", "q4_k_m"]

@@ -35,6 +35,9 @@ from daopsim.simulator.errors import TraceError, UserError  # noqa: E402
 from daopsim.simulator.trace_read import load_sequences, read_meta, validate_trace  # noqa: E402
 from daopsim.simulator.trace_write import write_trace  # noqa: E402
 
+#: several CPU-seconds a test: they run first (tests/conftest.py)
+pytestmark = pytest.mark.slow
+
 FAMILIES = ["mixtral", "qwen2_moe", "olmoe", "phimoe"]
 PROMPTS = [
     Prompt("The quick brown fox jumps over the lazy dog.", 1),

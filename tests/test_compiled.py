@@ -67,6 +67,7 @@ def digests() -> dict[str, str]:
     return out
 
 
+@pytest.mark.slow
 def test_compiled_and_pure_python_give_identical_digests() -> None:
     """The installed build against its sources run in a fresh interpreter with
     ``DAOPSIM_PURE_PYTHON=1``: the same digest for every setting. Without a compiled build
@@ -305,6 +306,7 @@ print(json.dumps({"files": files, "metrics": r.metrics, "root": daopsim.__file__
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not native.status().core_compiled, reason="no compiled build installed")
 def test_editing_a_policy_leaves_the_compiled_core_in_use(tmp_path: Path) -> None:
     """An installed copy of this compiled build with policies/lru.py edited: lru, hobbit and

@@ -246,6 +246,7 @@ def run_block(block: Block, work: Path, env: dict[str, str]) -> None:
 @pytest.mark.parametrize(
     "doc", list(DOC_BLOCKS), ids=[str(d.relative_to(REPO)) for d in DOC_BLOCKS]
 )
+@pytest.mark.slow
 def test_example_runs(
     doc: Path,
     doc_dirs: dict[Path, Path],

@@ -85,6 +85,7 @@ def _groups() -> dict[str, list[Cell]]:
 GROUPS = _groups()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("group", list(GROUPS))
 def test_every_cell_matches_the_store_exactly(group: str, store: dict[str, Any]) -> None:
     cells = GROUPS[group]

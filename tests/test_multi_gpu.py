@@ -474,6 +474,7 @@ def test_sharded_view_tells_each_gpu_when_its_copies_land() -> None:
     assert len({i for i, _ in seen}) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.reference
 @pytest.mark.parametrize("mode", ["expert", "pipeline"])
 def test_every_builtin_policy_runs_on_a_shared_uplink(mode: str) -> None:

@@ -143,6 +143,7 @@ def test_every_mutant_snippet_is_in_the_source(mutant: Mutant) -> None:
     assert text.count(mutant.old) == 1, f"mutant {mutant.name}: retarget {mutant.file}"
 
 
+@pytest.mark.slow
 def test_unmutated_copy_passes(tmp_path: Path) -> None:
     """The copy is what runs, and without a mutant regress passes on every mutant's cells."""
     root = source_copy(tmp_path / "src")
@@ -164,6 +165,7 @@ def test_unmutated_copy_passes(tmp_path: Path) -> None:
     assert "nothing moved" in res.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)
 def test_regress_kills_the_mutant(mutant: Mutant, tmp_path: Path) -> None:
     root = source_copy(tmp_path / "src")

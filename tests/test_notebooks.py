@@ -11,6 +11,9 @@ from pathlib import Path
 import nbformat
 import pytest
 
+#: several CPU-seconds a test: they run first (tests/conftest.py)
+pytestmark = pytest.mark.slow
+
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
 #: Per-cell limit; each notebook is meant to run in well under a minute.
 CELL_TIMEOUT_S = 300

@@ -242,6 +242,7 @@ def sdist(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tarball
 
 
+@pytest.mark.slow
 def test_the_sdist_carries_what_the_wheel_needs_and_nothing_else(sdist: Path) -> None:
     with tarfile.open(sdist) as tf:
         names = [m.name for m in tf.getmembers() if m.isfile()]
@@ -318,6 +319,7 @@ def _clean_env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow
 def test_wheel_from_the_sdist_installs_and_runs_from_an_empty_directory(
     sdist: Path, tmp_path: Path
 ) -> None:
@@ -457,6 +459,7 @@ def test_wheel_from_the_sdist_installs_and_runs_from_an_empty_directory(
 @pytest.mark.skipif(
     not any(shutil.which(c) for c in ("cc", "gcc", "clang")), reason="no C compiler"
 )
+@pytest.mark.slow
 def test_a_compiled_wheel_from_the_sdist(sdist: Path, tmp_path: Path) -> None:
     """The sdist compiles too (mypyc from its staged sources, outside the repository): a wheel
     with only the core compiled (``DAOPSIM_COMPILE`` naming one module of the core group, which
@@ -513,6 +516,7 @@ def test_the_repository_holds_no_symlink() -> None:
     assert links == []
 
 
+@pytest.mark.slow
 def test_the_type_checker_sees_each_module_once(tmp_path: Path) -> None:
     """mypy with the committed configuration, on the sources laid out as installed (what
     ``make typecheck`` and mypyc read): every compiled module is checked once, by its one name

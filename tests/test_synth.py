@@ -630,6 +630,7 @@ def test_reuse_parameters_at_neutral_keep_old_bytes() -> None:
     assert np.array_equal(a.experts, b.experts)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(DECAYS))
 def test_fit_matches_reuse_profile(name: str) -> None:
     """A twin fitted to each trace matches its LRU curve within 0.015 and its overlap at every
@@ -703,6 +704,7 @@ def test_preset_calibration_rows_exist_and_are_marked() -> None:
     assert by_name["deepseek-v2-lite"]["calibration_rows"] == ["hybrimoe-lru-deepseek-v2-lite-25"]
 
 
+@pytest.mark.slow
 def test_twin_of_a_short_recording_matches_its_cold_start_curves() -> None:
     """Issue 30: a twin fitted to a short real-like recording (eight 16 + 128-token sequences of
     a Mixtral-like router with repeats and a drifting topic) matches the recording's LRU and
