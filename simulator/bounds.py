@@ -94,7 +94,8 @@ def _never_slower(a: RuntimeProfile, b: RuntimeProfile) -> bool:
         b.graph_step_us,
     ):
         return False
-    return a.cpu_kernels == b.cpu_kernels
+    # ggml's GPU prompt rate (gpu.ggml_prompt_tflops) may lie above or below gpu.bf16_tflops
+    return a.cpu_kernels == b.cpu_kernels and a.gpu_kernels == b.gpu_kernels
 
 
 def bound_runtimes(own: str | RuntimeProfile) -> list[RuntimeProfile]:

@@ -114,6 +114,11 @@ GGML_CPU_DTYPES = frozenset({"fp32", "fp16", "bf16"})
 #: more tokens runs as a tiled matrix product (``mul_mat_q``), the runtime's
 #: ``gpu_gemm_half_tokens`` applies to it (docs/cost-model.md, "GEMM at prompt shapes")
 GEMV_MAX_TOKENS = 8
+#: Tokens of the product ``gpu.ggml_prompt_tflops`` is measured at: llama-bench's pp512 runs a
+#: 512-token prompt as one micro-batch (its default ``n_ubatch``), so under a runtime's fill
+#: curve a dense product over this many tokens runs at that rate (docs/cost-model.md, "GEMM at
+#: prompt shapes")
+GGML_PROMPT_TOKENS = 512
 #: PyTorch's kernel family by weight precision (``CpuSpec.core_stream_gbs`` keys); formats it
 #: dequantises into bf16 passes (fp8, int4, AWQ/GPTQ, HQQ, GGUF without ggml) are ``torch_bf16``.
 TORCH_CPU_FAMILY = {"fp32": "torch_fp32", "fp16": "torch_fp16", "int8": "torch_int8"}
@@ -271,6 +276,9 @@ class CostModel:
     #: ``GEMV_MAX_TOKENS`` tokens reaches half of ``gpu.bf16_tflops`` (``RuntimeProfile.
     #: gpu_gemm_half_tokens``; docs/cost-model.md, "GEMM at prompt shapes"); 0: the full rate
     gpu_gemm_half_tokens: float = 0.0
+    #: the runtime's GPU kernels (``RuntimeProfile.gpu_kernels``): ``ggml`` multiplies at the
+    #: profile's ``gpu.ggml_prompt_tflops`` where it states one (:meth:`gpu_gemm_flops`)
+    gpu_kernels: str = "default"
     #: share of ``cpu.ggml_gemm_gflops`` the runtime's CPU matrix products reach, by weight
     #: precision (``RuntimeProfile.cpu_gemm_share``; docs/cost-model.md, "CPU GEMM by
     #: runtime"); empty: 1
@@ -421,11 +429,31 @@ class CostModel:
         ``gpu.bf16_tflops``, times ``n / (n + gpu_gemm_half_tokens)`` above ``GEMV_MAX_TOKENS``
         tokens when the runtime states the half point (a tiled product whose tiles the tokens
         fill only partly; docs/cost-model.md, "GEMM at prompt shapes")."""
-        peak = self.hw.gpu.bf16_tflops * 1e12
+        peak = self._gpu_gemm_peak
         half = self.gpu_gemm_half_tokens
         if half <= 0.0 or n_tokens <= GEMV_MAX_TOKENS:
             return peak
         return peak * n_tokens / (n_tokens + half)
+
+    @cached_property
+    def _gpu_gemm_peak(self) -> float:
+        """FLOP/s the runtime's GPU matrix products approach as their tokens grow:
+        ``gpu.bf16_tflops``; under ggml's GPU kernels on a profile that states
+        ``gpu.ggml_prompt_tflops``, the rate that puts a product over ``GGML_PROMPT_TOKENS``
+        tokens at that measured rate on the runtime's fill curve (``x (512 + h) / 512``;
+        docs/cost-model.md, "GEMM at prompt shapes")."""
+        gpu = self.hw.gpu
+        if self.gpu_kernels != "ggml" or gpu.ggml_prompt_tflops is None:
+            return gpu.bf16_tflops * 1e12
+        fill = GGML_PROMPT_TOKENS / (GGML_PROMPT_TOKENS + self.gpu_gemm_half_tokens)
+        return gpu.ggml_prompt_tflops * 1e12 / fill
+
+    @property
+    def gpu_gemm_source(self) -> str:
+        """The profile field the GPU matrix products' rate comes from."""
+        if self.gpu_kernels == "ggml" and self.hw.gpu.ggml_prompt_tflops is not None:
+            return "gpu.ggml_prompt_tflops"
+        return "gpu.bf16_tflops"
 
     def _gpu_stream_bw(self, format_share: float) -> float:
         """Bytes/s GPU work streams at: ``min(gpu.mem_bw_gbs, share x spec)`` with ``share``
@@ -1213,7 +1241,7 @@ class CostModel:
             if t is not None and t.device_expert_ms is not None
             else (
                 f"roofline: max((expert_bytes{dq_s} + activations) / {bw_s}, 2 x params x n / "
-                f"gpu.bf16_tflops) + {k} x gpu.launch_overhead_us{ex_host}"
+                f"{self.gpu_gemm_source}) + {k} x gpu.launch_overhead_us{ex_host}"
             )
         )
         nonexpert = (
@@ -1222,7 +1250,7 @@ class CostModel:
             if t is not None and t.device_layer_ms is not None
             else (
                 "roofline: max((non-expert bytes / moe_layers + KV bytes x (context + n)) / "
-                f"{ne_bw_s}, flops / gpu.bf16_tflops) + "
+                f"{ne_bw_s}, flops / {self.gpu_gemm_source}) + "
                 f"{NONEXPERT_KERNELS_PER_BLOCK} x blocks/layer x gpu.launch_overhead_us{ne_host}"
             )
         )
@@ -1271,6 +1299,7 @@ def _cached(
     cpu_gemm_share: tuple[tuple[str, float], ...],
     device_host: DeviceHostCosts | None,
     cpu_expert_gemm_share: tuple[tuple[str, float], ...],
+    gpu_kernels: str,
 ) -> CostModel:
     return CostModel(
         hw=hw,
@@ -1286,6 +1315,7 @@ def _cached(
         cpu_gemm_share=cpu_gemm_share,
         device_host=device_host,
         cpu_expert_gemm_share=cpu_expert_gemm_share,
+        gpu_kernels=gpu_kernels,
     )
 
 
@@ -1303,6 +1333,7 @@ def cost_model(
     cpu_gemm_share: tuple[tuple[str, float], ...] = (),
     device_host: DeviceHostCosts | None = None,
     cpu_expert_gemm_share: tuple[tuple[str, float], ...] = (),
+    gpu_kernels: str = "default",
 ) -> CostModel:
     """The cost model of a profile (or its name/path) and a model shape (or preset name), with
     the runtime's CPU kernels (``RuntimeProfile.cpu_kernels``), for a run whose one-token
@@ -1311,15 +1342,18 @@ def cost_model(
     call and per CPU-resident layer (``RuntimeProfile.cpu_call_s``/``cpu_layer_s``, µs) and
     its fused MoE call's fixed device time and stream share (``RuntimeProfile.
     fused_moe_call_us``/``fused_moe_stream_efficiency``), its GPU GEMM half point
-    (``gpu_gemm_half_tokens``), its CPU GEMM shares (``cpu_gemm_share``, and
-    ``cpu_expert_gemm_share`` for its expert products where they differ) and, for a runtime
-    whose device is the host thread, the host time it adds to the device's work
-    (``device_host``); cached."""
+    (``gpu_gemm_half_tokens``) and GPU kernels (``gpu_kernels``: ``ggml`` multiplies at
+    ``gpu.ggml_prompt_tflops`` where the profile states it), its CPU GEMM shares
+    (``cpu_gemm_share``, and ``cpu_expert_gemm_share`` for its expert products where they
+    differ) and, for a runtime whose device is the host thread, the host time it adds to the
+    device's work (``device_host``); cached."""
     profile = load_profile(hw) if isinstance(hw, str) else hw
     shape = get_model(model) if isinstance(model, str) else model
     dtype_bytes(shape.dtype)
     if cpu_kernels not in ("default", "ggml"):
         raise ValueError(f"cpu_kernels must be 'default' or 'ggml', got {cpu_kernels!r}")
+    if gpu_kernels not in ("default", "ggml"):
+        raise ValueError(f"gpu_kernels must be 'default' or 'ggml', got {gpu_kernels!r}")
     if graph_kernel_us < 0 or not math.isfinite(graph_kernel_us):
         raise ValueError(f"graph_kernel_us must be a finite number >= 0, got {graph_kernel_us}")
     eff = gpu_stream_efficiency
@@ -1367,4 +1401,5 @@ def cost_model(
         shares,
         device_host,
         expert_shares,
+        gpu_kernels,
     )

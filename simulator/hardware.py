@@ -45,6 +45,12 @@ class GpuSpec:
     #: calibrated on that memory streams at its own share of the spec bandwidth
     #: (``RuntimeProfile.gpu_stream_efficiency_by_memory``, docs/cost-model.md)
     memory_type: str | None = None
+    #: TFLOPS ggml's prompt kernels (llama.cpp's MMQ / cuBLAS / hipBLAS products) reach on this
+    #: card: llama-bench pp512 of a dense 7B Q4_0 model (one 512-token micro-batch) times its
+    #: FLOPs per prompt token, from llama.cpp's per-backend scoreboards (docs/cost-model.md,
+    #: "GEMM at prompt shapes"); None: not stated, ggml runtimes use ``bf16_tflops``. Not
+    #: inherited by a profile that names another card
+    ggml_prompt_tflops: float | None = None
 
     @property
     def spec_bw_gbs(self) -> float:
@@ -361,8 +367,9 @@ _GPU: _Schema = {
     "workspace_gb": "pos",
     "spec_mem_bw_gbs": "pos",
     "memory_type": MEMORY_TYPES,
+    "ggml_prompt_tflops": "pos",
 }
-_GPU_OPTIONAL = {"spec_mem_bw_gbs", "memory_type"}
+_GPU_OPTIONAL = {"spec_mem_bw_gbs", "memory_type", "ggml_prompt_tflops"}
 _LINK: _Schema = {
     "kind": LINK_KINDS,
     "h2d_pinned_gbs": "pos",
@@ -466,6 +473,7 @@ MAX_VALUES: dict[str, float] = {
     "gpu.mem_bw_gbs": 100_000,
     "gpu.spec_mem_bw_gbs": 100_000,
     "gpu.bf16_tflops": 100_000,
+    "gpu.ggml_prompt_tflops": 100_000,
     "gpu.launch_overhead_us": 10_000,
     "gpu.workspace_gb": 10_000,
     "link.h2d_pinned_gbs": 10_000,
@@ -515,6 +523,7 @@ MIN_VALUES: dict[str, float] = {
     "gpu.mem_bw_gbs": 1.0,
     "gpu.spec_mem_bw_gbs": 1.0,
     "gpu.bf16_tflops": 0.01,
+    "gpu.ggml_prompt_tflops": 0.01,
     "link.h2d_pinned_gbs": 0.01,
     "link.d2h_pinned_gbs": 0.01,
     "link.h2d_pageable_gbs": 0.01,
@@ -895,6 +904,17 @@ def _resolved(p: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
         # the spec figure qualifies the base's own mem_bw_gbs: a child naming another card's
         # bandwidth (rtx4080-pcie4 over rtx4090-pcie4) must not inherit it
         merged["gpu"] = {k: v for k, v in gpu_base.items() if k != "spec_mem_bw_gbs"}
+    gpu_base = merged.get("gpu")
+    if (
+        isinstance(gpu_base, dict)
+        and isinstance(gpu_child, dict)
+        and "name" in gpu_child
+        and gpu_child["name"] != gpu_base.get("name")
+        and "ggml_prompt_tflops" not in gpu_child
+    ):
+        # a prompt rate measured on one card belongs to that card: a child naming another
+        # card (rtx4080-pcie4 over rtx4090-pcie4) states its own or has none
+        merged["gpu"] = {k: v for k, v in gpu_base.items() if k != "ggml_prompt_tflops"}
     for key, value in data.items():
         old = merged.get(key)
         if isinstance(old, dict) and isinstance(value, dict):
