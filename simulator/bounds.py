@@ -44,6 +44,7 @@ _LOWER_IS_FASTER = (
     "idle_expert_kernels",
     "idle_expert_syncs",
     "gpu_gemm_half_tokens",
+    "gpu_moe_tile_tokens",
     # a device on the host thread (host_device): host time added to the device's
     *HOST_DEVICE_FIELDS,
 )

@@ -279,6 +279,9 @@ class CostModel:
     #: the runtime's GPU kernels (``RuntimeProfile.gpu_kernels``): ``ggml`` multiplies at the
     #: profile's ``gpu.ggml_prompt_tflops`` where it states one (:meth:`gpu_gemm_flops`)
     gpu_kernels: str = "default"
+    #: token width of the tile ggml's GPU MoE product gives each expert
+    #: (``RuntimeProfile.gpu_moe_tile_tokens``, :meth:`gpu_expert_gemm_s`); 0: none
+    gpu_moe_tile_tokens: float = 0.0
     #: share of ``cpu.ggml_gemm_gflops`` the runtime's CPU matrix products reach, by weight
     #: precision (``RuntimeProfile.cpu_gemm_share``; docs/cost-model.md, "CPU GEMM by
     #: runtime"); empty: 1
@@ -422,7 +425,27 @@ class CostModel:
     def _gpu_expert_roof(self, n: float) -> float:
         """Roofline of one GPU expert over n tokens: its weights streamed, its GEMM FLOPs."""
         moved = self._gpu_expert_moved(n)
-        return max(moved / self._gpu_expert_bw, self.expert_flops(n) / self.gpu_gemm_flops(n))
+        return max(moved / self._gpu_expert_bw, self.gpu_expert_gemm_s(n))
+
+    def gpu_expert_gemm_s(self, n_tokens: float) -> float:
+        """Seconds of one GPU expert's matrix products over ``n_tokens`` tokens, compute only:
+        its FLOPs at :meth:`gpu_gemm_flops` of its tokens; under a runtime that states
+        ``gpu_moe_tile_tokens`` (J) and a ggml block format (MMQ's ``MUL_MAT_ID``), above
+        ``GEMV_MAX_TOKENS`` tokens, the work of ``m = J x ceil(n / J)`` tokens (the tiles its
+        tokens occupy, each costing its full width) at the rate of a product over m tokens:
+        ``peak x n / (m + h)`` of useful FLOPs (docs/cost-model.md, "GEMM at prompt shapes")."""
+        flops = self.expert_flops(n_tokens)
+        tile = self.gpu_moe_tile_tokens
+        if tile <= 0.0 or n_tokens <= GEMV_MAX_TOKENS or not self._gpu_expert_tiled:
+            return flops / self.gpu_gemm_flops(n_tokens)
+        padded = tile * math.ceil(n_tokens / tile)
+        return flops * (padded / n_tokens) / self.gpu_gemm_flops(padded)
+
+    @cached_property
+    def _gpu_expert_tiled(self) -> bool:
+        """Whether the experts' weights are a ggml block format (GGUF kinds, MXFP4), the types
+        ggml multiplies with MMQ; float types go through cuBLAS/hipBLAS per expert."""
+        return DTYPES[self.model.dtype].kind in GGML_CPU_KINDS
 
     def gpu_gemm_flops(self, n_tokens: float) -> float:
         """FLOP/s of one of the runtime's GPU matrix products over ``n_tokens`` tokens:
@@ -534,8 +557,7 @@ class CostModel:
         if self.fused_moe_stream_efficiency <= 0.0:
             return self._gpu_expert_roof(n_tokens)
         moved = self._gpu_expert_moved(n_tokens)
-        flops = self.expert_flops(n_tokens) / self.gpu_gemm_flops(n_tokens)
-        return max(moved / self._fused_expert_bw, flops)
+        return max(moved / self._fused_expert_bw, self.gpu_expert_gemm_s(n_tokens))
 
     @cached_property
     def _fused_expert_bw(self) -> float:
@@ -1300,6 +1322,7 @@ def _cached(
     device_host: DeviceHostCosts | None,
     cpu_expert_gemm_share: tuple[tuple[str, float], ...],
     gpu_kernels: str,
+    gpu_moe_tile_tokens: float,
 ) -> CostModel:
     return CostModel(
         hw=hw,
@@ -1316,6 +1339,7 @@ def _cached(
         device_host=device_host,
         cpu_expert_gemm_share=cpu_expert_gemm_share,
         gpu_kernels=gpu_kernels,
+        gpu_moe_tile_tokens=gpu_moe_tile_tokens,
     )
 
 
@@ -1334,6 +1358,7 @@ def cost_model(
     device_host: DeviceHostCosts | None = None,
     cpu_expert_gemm_share: tuple[tuple[str, float], ...] = (),
     gpu_kernels: str = "default",
+    gpu_moe_tile_tokens: float = 0.0,
 ) -> CostModel:
     """The cost model of a profile (or its name/path) and a model shape (or preset name), with
     the runtime's CPU kernels (``RuntimeProfile.cpu_kernels``), for a run whose one-token
@@ -1343,7 +1368,8 @@ def cost_model(
     its fused MoE call's fixed device time and stream share (``RuntimeProfile.
     fused_moe_call_us``/``fused_moe_stream_efficiency``), its GPU GEMM half point
     (``gpu_gemm_half_tokens``) and GPU kernels (``gpu_kernels``: ``ggml`` multiplies at
-    ``gpu.ggml_prompt_tflops`` where the profile states it), its CPU GEMM shares
+    ``gpu.ggml_prompt_tflops`` where the profile states it) and the tile width its GPU MoE
+    product gives each expert (``gpu_moe_tile_tokens``), its CPU GEMM shares
     (``cpu_gemm_share``, and ``cpu_expert_gemm_share`` for its expert products where they
     differ) and, for a runtime whose device is the host thread, the host time it adds to the
     device's work (``device_host``); cached."""
@@ -1372,6 +1398,10 @@ def cost_model(
     if gpu_gemm_half_tokens < 0 or not math.isfinite(gpu_gemm_half_tokens):
         raise ValueError(
             f"gpu_gemm_half_tokens must be a finite number >= 0, got {gpu_gemm_half_tokens}"
+        )
+    if gpu_moe_tile_tokens < 0 or not math.isfinite(gpu_moe_tile_tokens):
+        raise ValueError(
+            f"gpu_moe_tile_tokens must be a finite number >= 0, got {gpu_moe_tile_tokens}"
         )
     shares = tuple(sorted((str(k), float(v)) for k, v in cpu_gemm_share))
     expert_shares = tuple(sorted((str(k), float(v)) for k, v in cpu_expert_gemm_share))
@@ -1402,4 +1432,5 @@ def cost_model(
         device_host,
         expert_shares,
         gpu_kernels,
+        float(gpu_moe_tile_tokens),
     )

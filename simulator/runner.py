@@ -442,6 +442,7 @@ def runtime_cost_model(
         device_host(rt),
         rt.cpu_expert_gemm_share if rt.cpu_kernels == "ggml" else (),
         rt.gpu_kernels,
+        rt.gpu_moe_tile_tokens if rt.gpu_kernels == "ggml" else 0.0,
     )
 
 

@@ -82,6 +82,13 @@ FIELDS: tuple[tuple[str, type, str], ...] = (
         "at n / (n + this) of it (0: every product at the full rate)",
     ),
     (
+        "gpu_moe_tile_tokens",
+        float,
+        "token width of the tile ggml's GPU MoE product (MUL_MAT_ID on MMQ) gives each expert, "
+        "chosen by the whole micro-batch: an expert's product over n tokens of a ggml block "
+        "format costs the work of this width times ceil(n / this) tokens (0: its n tokens)",
+    ),
+    (
         "step_host_us",
         float,
         "host_device: host time of one forward pass outside its blocks (the model's call, "
@@ -224,6 +231,11 @@ class RuntimeProfile:
     #: ``gpu.bf16_tflops`` (the kernel's tiles filled by n tokens; docs/cost-model.md, "GEMM at
     #: prompt shapes"); 0: at the full rate
     gpu_gemm_half_tokens: float = 0.0
+    #: tokens per expert of the tile ggml's GPU MoE product gives each expert (chosen by the
+    #: whole micro-batch, not by the expert's tokens): a product over n tokens of a ggml block
+    #: format costs ``this x ceil(n / this)`` tokens of work (docs/cost-model.md, "GEMM at prompt
+    #: shapes"); 0: its n tokens
+    gpu_moe_tile_tokens: float = 0.0
     #: share of the host's measured ggml GEMM rate (``cpu.ggml_gemm_gflops``) the runtime's CPU
     #: matrix products reach, by weight precision, as sorted (dtype or ``"default"``, share)
     #: pairs; empty: 1 for every precision (docs/cost-model.md, "CPU GEMM by runtime")

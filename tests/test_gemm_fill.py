@@ -172,3 +172,77 @@ def test_a_runtime_states_its_gpu_kernels() -> None:
         assert get_runtime(name).gpu_kernels == "default", name
     with pytest.raises(UserError, match="gpu_kernels"):
         parse_runtime({"name": "x", "gpu_kernels": "cublas"}, "x.toml")
+
+
+def test_ggml_moe_products_pay_for_whole_tiles_hand_derived() -> None:
+    """Hand-derived: ggml's CUDA MoE product gives each expert a 128-token tile chosen by the
+    micro-batch (llama.cpp PR #26977; docs/references.md, "ggml MoE product tiles"). On the RTX
+    4080 (scoreboard 105.1 TFLOPS, so peak 105.1 x 580/512 = 119.06 with h = 68), an MXFP4
+    gpt-oss-20b expert over 32 tokens does the work of 128 at 128/196 of the peak: 32 useful
+    tokens at 119.06 x 32/196 = 19.44 TFLOPS (the dense curve gave 119.06 x 32/100 = 38.10);
+    over 129 tokens two tiles, 119.06 x 129/324 = 47.40; over 128 or 512 the dense curve's rate."""
+    hw = load_profile("rtx4080-pcie4")
+    model = get_model("gpt-oss-20b").with_precision("mxfp4", None, "bf16")
+    tiled = runtime_cost_model(hw, model, get_runtime("llama.cpp"))
+    assert tiled.gpu_moe_tile_tokens == 128.0
+    peak = 105.1e12 * 580 / 512
+
+    def useful(n: int) -> float:
+        return tiled.expert_flops(n) / tiled.gpu_expert_gemm_s(n)
+
+    assert useful(32) == pytest.approx(peak * 32 / 196, rel=2e-3)
+    assert round(useful(32) / 1e12, 1) == 19.4
+    assert useful(129) == pytest.approx(peak * 129 / 324, rel=2e-3)
+    for n in (128, 256, 512):
+        assert useful(n) == pytest.approx(tiled.gpu_gemm_flops(n))
+    # at or below the vector-kernel size nothing is tiled
+    assert useful(GEMV_MAX_TOKENS) == pytest.approx(tiled.gpu_gemm_flops(GEMV_MAX_TOKENS))
+
+
+def test_one_tile_costs_the_same_whatever_it_holds() -> None:
+    """Trying to break the tile rule: every expert call from 9 to 128 tokens costs exactly one
+    tile's compute, no call is ever cheaper than on the dense curve, and more tokens never make
+    a call cheaper."""
+    hw = load_profile("dgx-spark-gb10")
+    model = get_model("qwen3-30b-a3b").with_dtype("q8_0")
+    dense = cost_model(hw, model, gpu_gemm_half_tokens=68.0, gpu_kernels="ggml")
+    tiled = cost_model(
+        hw, model, gpu_gemm_half_tokens=68.0, gpu_kernels="ggml", gpu_moe_tile_tokens=128.0
+    )
+    one_tile = tiled.gpu_expert_gemm_s(128)
+    prev = 0.0
+    for n in range(GEMV_MAX_TOKENS + 1, 1025):
+        t = tiled.gpu_expert_gemm_s(n)
+        if n <= 128:
+            assert t == pytest.approx(one_tile, rel=1e-12)
+        assert t >= dense.gpu_expert_gemm_s(n) * (1 - 1e-12)
+        assert t >= prev * (1 - 1e-12)
+        prev = t
+        # the whole call (weights streamed too) is never cheaper either
+        assert tiled.gpu_expert_s(n) >= dense.gpu_expert_s(n) * (1 - 1e-12)
+
+
+def test_float_experts_and_dense_parts_keep_the_dense_curve() -> None:
+    """Float experts go through cuBLAS/hipBLAS per expert, not MMQ tiles; a layer's non-expert
+    products are dense products of the pass's tokens. Neither moves with the tile width."""
+    hw = load_profile("rtx4080-pcie4")
+    rt = get_runtime("llama.cpp")
+    for dtype, moves in (("bf16", False), ("q4_0", True)):
+        model = get_model("deepseek-v2-lite").with_dtype(dtype)
+        tiled = runtime_cost_model(hw, model, rt)
+        dense = cost_model(hw, model, gpu_gemm_half_tokens=68.0, gpu_kernels="ggml")
+        assert (tiled.gpu_expert_gemm_s(48) > dense.gpu_expert_gemm_s(48)) is moves
+        assert tiled.nonexpert_layer_s(1024, 0) == dense.nonexpert_layer_s(1024, 0)
+
+
+def test_only_the_mainline_ggml_runtimes_state_the_tile() -> None:
+    """The tile comes from mainline llama.cpp's CUDA/HIP code; ik_llama.cpp's MoE path was not
+    read, and a runtime on default kernels has no MMQ; a negative width is refused."""
+    assert get_runtime("llama.cpp").gpu_moe_tile_tokens == 128.0
+    assert get_runtime("llama.cpp-eager").gpu_moe_tile_tokens == 128.0
+    for name in runtime_names():
+        rt = get_runtime(name)
+        if rt.gpu_kernels != "ggml" or name.startswith("ik_llama"):
+            assert rt.gpu_moe_tile_tokens == 0.0, name
+    with pytest.raises(ValueError, match="gpu_moe_tile_tokens"):
+        cost_model("rtx4080-pcie4", "gpt-oss-20b", gpu_moe_tile_tokens=-1.0)
