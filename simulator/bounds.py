@@ -44,6 +44,7 @@ _LOWER_IS_FASTER = (
     "idle_expert_kernels",
     "idle_expert_syncs",
     "gpu_gemm_half_tokens",
+    "gpu_moe_tile_tokens",
     # a device on the host thread (host_device): host time added to the device's
     *HOST_DEVICE_FIELDS,
 )
@@ -96,7 +97,8 @@ def _never_slower(a: RuntimeProfile, b: RuntimeProfile) -> bool:
         b.graph_step_us,
     ):
         return False
-    return a.cpu_kernels == b.cpu_kernels
+    # ggml's GPU prompt rate (gpu.ggml_prompt_tflops) may lie above or below gpu.bf16_tflops
+    return a.cpu_kernels == b.cpu_kernels and a.gpu_kernels == b.gpu_kernels
 
 
 def bound_runtimes(own: str | RuntimeProfile) -> list[RuntimeProfile]:

@@ -120,6 +120,11 @@ GEMV_MAX_TOKENS = 8
 #: (``ggml_backend_tensor_get_async`` in ``src/llama-context.cpp``; docs/cost-model.md, "Logits
 #: to the host")
 LOGIT_BYTES = 4
+#: Tokens of the product ``gpu.ggml_prompt_tflops`` is measured at: llama-bench's pp512 runs a
+#: 512-token prompt as one micro-batch (its default ``n_ubatch``), so under a runtime's fill
+#: curve a dense product over this many tokens runs at that rate (docs/cost-model.md, "GEMM at
+#: prompt shapes")
+GGML_PROMPT_TOKENS = 512
 #: PyTorch's kernel family by weight precision (``CpuSpec.core_stream_gbs`` keys); formats it
 #: dequantises into bf16 passes (fp8, int4, AWQ/GPTQ, HQQ, GGUF without ggml) are ``torch_bf16``.
 TORCH_CPU_FAMILY = {"fp32": "torch_fp32", "fp16": "torch_fp16", "int8": "torch_int8"}
@@ -277,6 +282,12 @@ class CostModel:
     #: ``GEMV_MAX_TOKENS`` tokens reaches half of ``gpu.bf16_tflops`` (``RuntimeProfile.
     #: gpu_gemm_half_tokens``; docs/cost-model.md, "GEMM at prompt shapes"); 0: the full rate
     gpu_gemm_half_tokens: float = 0.0
+    #: the runtime's GPU kernels (``RuntimeProfile.gpu_kernels``): ``ggml`` multiplies at the
+    #: profile's ``gpu.ggml_prompt_tflops`` where it states one (:meth:`gpu_gemm_flops`)
+    gpu_kernels: str = "default"
+    #: token width of the tile ggml's GPU MoE product gives each expert
+    #: (``RuntimeProfile.gpu_moe_tile_tokens``, :meth:`gpu_expert_gemm_s`); 0: none
+    gpu_moe_tile_tokens: float = 0.0
     #: share of ``cpu.ggml_gemm_gflops`` the runtime's CPU matrix products reach, by weight
     #: precision (``RuntimeProfile.cpu_gemm_share``; docs/cost-model.md, "CPU GEMM by
     #: runtime"); empty: 1
@@ -420,18 +431,58 @@ class CostModel:
     def _gpu_expert_roof(self, n: float) -> float:
         """Roofline of one GPU expert over n tokens: its weights streamed, its GEMM FLOPs."""
         moved = self._gpu_expert_moved(n)
-        return max(moved / self._gpu_expert_bw, self.expert_flops(n) / self.gpu_gemm_flops(n))
+        return max(moved / self._gpu_expert_bw, self.gpu_expert_gemm_s(n))
+
+    def gpu_expert_gemm_s(self, n_tokens: float) -> float:
+        """Seconds of one GPU expert's matrix products over ``n_tokens`` tokens, compute only:
+        its FLOPs at :meth:`gpu_gemm_flops` of its tokens; under a runtime that states
+        ``gpu_moe_tile_tokens`` (J) and a ggml block format (MMQ's ``MUL_MAT_ID``), above
+        ``GEMV_MAX_TOKENS`` tokens, the work of ``m = J x ceil(n / J)`` tokens (the tiles its
+        tokens occupy, each costing its full width) at the rate of a product over m tokens:
+        ``peak x n / (m + h)`` of useful FLOPs (docs/cost-model.md, "GEMM at prompt shapes")."""
+        flops = self.expert_flops(n_tokens)
+        tile = self.gpu_moe_tile_tokens
+        if tile <= 0.0 or n_tokens <= GEMV_MAX_TOKENS or not self._gpu_expert_tiled:
+            return flops / self.gpu_gemm_flops(n_tokens)
+        padded = tile * math.ceil(n_tokens / tile)
+        return flops * (padded / n_tokens) / self.gpu_gemm_flops(padded)
+
+    @cached_property
+    def _gpu_expert_tiled(self) -> bool:
+        """Whether the experts' weights are a ggml block format (GGUF kinds, MXFP4), the types
+        ggml multiplies with MMQ; float types go through cuBLAS/hipBLAS per expert."""
+        return DTYPES[self.model.dtype].kind in GGML_CPU_KINDS
 
     def gpu_gemm_flops(self, n_tokens: float) -> float:
         """FLOP/s of one of the runtime's GPU matrix products over ``n_tokens`` tokens:
         ``gpu.bf16_tflops``, times ``n / (n + gpu_gemm_half_tokens)`` above ``GEMV_MAX_TOKENS``
         tokens when the runtime states the half point (a tiled product whose tiles the tokens
         fill only partly; docs/cost-model.md, "GEMM at prompt shapes")."""
-        peak = self.hw.gpu.bf16_tflops * 1e12
+        peak = self._gpu_gemm_peak
         half = self.gpu_gemm_half_tokens
         if half <= 0.0 or n_tokens <= GEMV_MAX_TOKENS:
             return peak
         return peak * n_tokens / (n_tokens + half)
+
+    @cached_property
+    def _gpu_gemm_peak(self) -> float:
+        """FLOP/s the runtime's GPU matrix products approach as their tokens grow:
+        ``gpu.bf16_tflops``; under ggml's GPU kernels on a profile that states
+        ``gpu.ggml_prompt_tflops``, the rate that puts a product over ``GGML_PROMPT_TOKENS``
+        tokens at that measured rate on the runtime's fill curve (``x (512 + h) / 512``;
+        docs/cost-model.md, "GEMM at prompt shapes")."""
+        gpu = self.hw.gpu
+        if self.gpu_kernels != "ggml" or gpu.ggml_prompt_tflops is None:
+            return gpu.bf16_tflops * 1e12
+        fill = GGML_PROMPT_TOKENS / (GGML_PROMPT_TOKENS + self.gpu_gemm_half_tokens)
+        return gpu.ggml_prompt_tflops * 1e12 / fill
+
+    @property
+    def gpu_gemm_source(self) -> str:
+        """The profile field the GPU matrix products' rate comes from."""
+        if self.gpu_kernels == "ggml" and self.hw.gpu.ggml_prompt_tflops is not None:
+            return "gpu.ggml_prompt_tflops"
+        return "gpu.bf16_tflops"
 
     def _gpu_stream_bw(self, format_share: float) -> float:
         """Bytes/s GPU work streams at: ``min(gpu.mem_bw_gbs, share x spec)`` with ``share``
@@ -512,8 +563,7 @@ class CostModel:
         if self.fused_moe_stream_efficiency <= 0.0:
             return self._gpu_expert_roof(n_tokens)
         moved = self._gpu_expert_moved(n_tokens)
-        flops = self.expert_flops(n_tokens) / self.gpu_gemm_flops(n_tokens)
-        return max(moved / self._fused_expert_bw, flops)
+        return max(moved / self._fused_expert_bw, self.gpu_expert_gemm_s(n_tokens))
 
     @cached_property
     def _fused_expert_bw(self) -> float:
@@ -1234,7 +1284,7 @@ class CostModel:
             if t is not None and t.device_expert_ms is not None
             else (
                 f"roofline: max((expert_bytes{dq_s} + activations) / {bw_s}, 2 x params x n / "
-                f"gpu.bf16_tflops) + {k} x gpu.launch_overhead_us{ex_host}"
+                f"{self.gpu_gemm_source}) + {k} x gpu.launch_overhead_us{ex_host}"
             )
         )
         nonexpert = (
@@ -1243,7 +1293,7 @@ class CostModel:
             if t is not None and t.device_layer_ms is not None
             else (
                 "roofline: max((non-expert bytes / moe_layers + KV bytes x (context + n)) / "
-                f"{ne_bw_s}, flops / gpu.bf16_tflops) + "
+                f"{ne_bw_s}, flops / {self.gpu_gemm_source}) + "
                 f"{NONEXPERT_KERNELS_PER_BLOCK} x blocks/layer x gpu.launch_overhead_us{ne_host}"
             )
         )
@@ -1292,6 +1342,8 @@ def _cached(
     cpu_gemm_share: tuple[tuple[str, float], ...],
     device_host: DeviceHostCosts | None,
     cpu_expert_gemm_share: tuple[tuple[str, float], ...],
+    gpu_kernels: str,
+    gpu_moe_tile_tokens: float,
 ) -> CostModel:
     return CostModel(
         hw=hw,
@@ -1307,6 +1359,8 @@ def _cached(
         cpu_gemm_share=cpu_gemm_share,
         device_host=device_host,
         cpu_expert_gemm_share=cpu_expert_gemm_share,
+        gpu_kernels=gpu_kernels,
+        gpu_moe_tile_tokens=gpu_moe_tile_tokens,
     )
 
 
@@ -1324,6 +1378,8 @@ def cost_model(
     cpu_gemm_share: tuple[tuple[str, float], ...] = (),
     device_host: DeviceHostCosts | None = None,
     cpu_expert_gemm_share: tuple[tuple[str, float], ...] = (),
+    gpu_kernels: str = "default",
+    gpu_moe_tile_tokens: float = 0.0,
 ) -> CostModel:
     """The cost model of a profile (or its name/path) and a model shape (or preset name), with
     the runtime's CPU kernels (``RuntimeProfile.cpu_kernels``), for a run whose one-token
@@ -1332,15 +1388,19 @@ def cost_model(
     call and per CPU-resident layer (``RuntimeProfile.cpu_call_s``/``cpu_layer_s``, µs) and
     its fused MoE call's fixed device time and stream share (``RuntimeProfile.
     fused_moe_call_us``/``fused_moe_stream_efficiency``), its GPU GEMM half point
-    (``gpu_gemm_half_tokens``), its CPU GEMM shares (``cpu_gemm_share``, and
-    ``cpu_expert_gemm_share`` for its expert products where they differ) and, for a runtime
-    whose device is the host thread, the host time it adds to the device's work
-    (``device_host``); cached."""
+    (``gpu_gemm_half_tokens``) and GPU kernels (``gpu_kernels``: ``ggml`` multiplies at
+    ``gpu.ggml_prompt_tflops`` where the profile states it) and the tile width its GPU MoE
+    product gives each expert (``gpu_moe_tile_tokens``), its CPU GEMM shares
+    (``cpu_gemm_share``, and ``cpu_expert_gemm_share`` for its expert products where they
+    differ) and, for a runtime whose device is the host thread, the host time it adds to the
+    device's work (``device_host``); cached."""
     profile = load_profile(hw) if isinstance(hw, str) else hw
     shape = get_model(model) if isinstance(model, str) else model
     dtype_bytes(shape.dtype)
     if cpu_kernels not in ("default", "ggml"):
         raise ValueError(f"cpu_kernels must be 'default' or 'ggml', got {cpu_kernels!r}")
+    if gpu_kernels not in ("default", "ggml"):
+        raise ValueError(f"gpu_kernels must be 'default' or 'ggml', got {gpu_kernels!r}")
     if graph_kernel_us < 0 or not math.isfinite(graph_kernel_us):
         raise ValueError(f"graph_kernel_us must be a finite number >= 0, got {graph_kernel_us}")
     eff = gpu_stream_efficiency
@@ -1359,6 +1419,10 @@ def cost_model(
     if gpu_gemm_half_tokens < 0 or not math.isfinite(gpu_gemm_half_tokens):
         raise ValueError(
             f"gpu_gemm_half_tokens must be a finite number >= 0, got {gpu_gemm_half_tokens}"
+        )
+    if gpu_moe_tile_tokens < 0 or not math.isfinite(gpu_moe_tile_tokens):
+        raise ValueError(
+            f"gpu_moe_tile_tokens must be a finite number >= 0, got {gpu_moe_tile_tokens}"
         )
     shares = tuple(sorted((str(k), float(v)) for k, v in cpu_gemm_share))
     expert_shares = tuple(sorted((str(k), float(v)) for k, v in cpu_expert_gemm_share))
@@ -1388,4 +1452,6 @@ def cost_model(
         shares,
         device_host,
         expert_shares,
+        gpu_kernels,
+        float(gpu_moe_tile_tokens),
     )

@@ -94,6 +94,17 @@ def _resolved(p: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
         # the spec figure qualifies the base's own mem_bw_gbs: a child naming another card's
         # bandwidth (rtx4080-pcie4 over rtx4090-pcie4) must not inherit it
         merged["gpu"] = {k: v for k, v in gpu_base.items() if k != "spec_mem_bw_gbs"}
+    gpu_base = merged.get("gpu")
+    if (
+        isinstance(gpu_base, dict)
+        and isinstance(gpu_child, dict)
+        and "name" in gpu_child
+        and gpu_child["name"] != gpu_base.get("name")
+        and "ggml_prompt_tflops" not in gpu_child
+    ):
+        # a prompt rate measured on one card belongs to that card: a child naming another
+        # card (rtx4080-pcie4 over rtx4090-pcie4) states its own or has none
+        merged["gpu"] = {k: v for k, v in gpu_base.items() if k != "ggml_prompt_tflops"}
     for key, value in data.items():
         old = merged.get(key)
         if isinstance(old, dict) and isinstance(value, dict):

@@ -46,8 +46,9 @@ _GPU: _Schema = {
     "workspace_gb": "pos",
     "spec_mem_bw_gbs": "pos",
     "memory_type": MEMORY_TYPES,
+    "ggml_prompt_tflops": "pos",
 }
-_GPU_OPTIONAL = {"spec_mem_bw_gbs", "memory_type"}
+_GPU_OPTIONAL = {"spec_mem_bw_gbs", "memory_type", "ggml_prompt_tflops"}
 _LINK: _Schema = {
     "kind": LINK_KINDS,
     "h2d_pinned_gbs": "pos",
@@ -151,6 +152,7 @@ MAX_VALUES: dict[str, float] = {
     "gpu.mem_bw_gbs": 100_000,
     "gpu.spec_mem_bw_gbs": 100_000,
     "gpu.bf16_tflops": 100_000,
+    "gpu.ggml_prompt_tflops": 100_000,
     "gpu.launch_overhead_us": 10_000,
     "gpu.workspace_gb": 10_000,
     "link.h2d_pinned_gbs": 10_000,
@@ -200,6 +202,7 @@ MIN_VALUES: dict[str, float] = {
     "gpu.mem_bw_gbs": 1.0,
     "gpu.spec_mem_bw_gbs": 1.0,
     "gpu.bf16_tflops": 0.01,
+    "gpu.ggml_prompt_tflops": 0.01,
     "link.h2d_pinned_gbs": 0.01,
     "link.d2h_pinned_gbs": 0.01,
     "link.h2d_pageable_gbs": 0.01,

@@ -35,6 +35,12 @@ class GpuSpec:
     #: calibrated on that memory streams at its own share of the spec bandwidth
     #: (``RuntimeProfile.gpu_stream_efficiency_by_memory``, docs/cost-model.md)
     memory_type: str | None = None
+    #: TFLOPS ggml's prompt kernels (llama.cpp's MMQ / cuBLAS / hipBLAS products) reach on this
+    #: card: llama-bench pp512 of a dense 7B Q4_0 model (one 512-token micro-batch) times its
+    #: FLOPs per prompt token, from llama.cpp's per-backend scoreboards (docs/cost-model.md,
+    #: "GEMM at prompt shapes"); None: not stated, ggml runtimes use ``bf16_tflops``. Not
+    #: inherited by a profile that names another card
+    ggml_prompt_tflops: float | None = None
 
     @property
     def spec_bw_gbs(self) -> float:

@@ -19,8 +19,8 @@ def runtime_cost_model(
 ) -> CostModel:
     """The run's cost model: the profile and model with the runtime's CPU kernels, GPU stream
     efficiency (its calibration for the GPU's memory type where it has one), fixed CPU costs,
-    fused-MoE constants, GEMM rates (GPU half point, CPU shares of dense and expert products)
-    and (``graph``) its CUDA-graph node cost."""
+    fused-MoE constants, GEMM rates (GPU kernels and half point, CPU shares of dense and expert
+    products) and (``graph``) its CUDA-graph node cost."""
     return cost_model(
         profile,
         model,
@@ -35,6 +35,8 @@ def runtime_cost_model(
         rt.cpu_gemm_share if rt.cpu_kernels == "ggml" else (),
         device_host(rt),
         rt.cpu_expert_gemm_share if rt.cpu_kernels == "ggml" else (),
+        rt.gpu_kernels,
+        rt.gpu_moe_tile_tokens if rt.gpu_kernels == "ggml" else 0.0,
     )
 
 

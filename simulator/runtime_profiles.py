@@ -82,6 +82,13 @@ FIELDS: tuple[tuple[str, type, str], ...] = (
         "at n / (n + this) of it (0: every product at the full rate)",
     ),
     (
+        "gpu_moe_tile_tokens",
+        float,
+        "token width of the tile ggml's GPU MoE product (MUL_MAT_ID on MMQ) gives each expert, "
+        "chosen by the whole micro-batch: an expert's product over n tokens of a ggml block "
+        "format costs the work of this width times ceil(n / this) tokens (0: its n tokens)",
+    ),
+    (
         "step_host_us",
         float,
         "host_device: host time of one forward pass outside its blocks (the model's call, "
@@ -150,6 +157,10 @@ ATTENTION_KINDS = ("fused", "eager")
 #: kernels, the ``torch_*`` stream families of a profile) or ``ggml`` (ggml's CPU backend:
 #: llama.cpp and the systems built on it; docs/cost-model.md, "CPU weight stream")
 CPU_KERNELS = ("default", "ggml")
+#: GPU kernels a runtime can declare (``gpu_kernels``): ``default`` (its GPU matrix products
+#: run at ``gpu.bf16_tflops``) or ``ggml`` (ggml's CUDA/HIP prompt kernels: at the profile's
+#: ``gpu.ggml_prompt_tflops`` where it states one; docs/cost-model.md, "GEMM at prompt shapes")
+GPU_KERNELS = ("default", "ggml")
 
 
 @dataclass(frozen=True)
@@ -216,10 +227,19 @@ class RuntimeProfile:
     #: the kernels the runtime runs CPU work with (one of ``CPU_KERNELS``): ``ggml`` streams
     #: CPU weights at ggml's rate (``daopsim.simulator.costs.CostModel.cpu_stream_gbs``)
     cpu_kernels: str = "default"
+    #: the kernels the runtime runs GPU matrix products with (one of ``GPU_KERNELS``): ``ggml``
+    #: multiplies at the profile's ``gpu.ggml_prompt_tflops`` where it states one
+    #: (``daopsim.simulator.costs.CostModel.gpu_gemm_flops``)
+    gpu_kernels: str = "default"
     #: a GPU matrix product over n > ``GEMV_MAX_TOKENS`` tokens runs at ``n / (n + this)`` of
     #: ``gpu.bf16_tflops`` (the kernel's tiles filled by n tokens; docs/cost-model.md, "GEMM at
     #: prompt shapes"); 0: at the full rate
     gpu_gemm_half_tokens: float = 0.0
+    #: tokens per expert of the tile ggml's GPU MoE product gives each expert (chosen by the
+    #: whole micro-batch, not by the expert's tokens): a product over n tokens of a ggml block
+    #: format costs ``this x ceil(n / this)`` tokens of work (docs/cost-model.md, "GEMM at prompt
+    #: shapes"); 0: its n tokens
+    gpu_moe_tile_tokens: float = 0.0
     #: share of the host's measured ggml GEMM rate (``cpu.ggml_gemm_gflops``) the runtime's CPU
     #: matrix products reach, by weight precision, as sorted (dtype or ``"default"``, share)
     #: pairs; empty: 1 for every precision (docs/cost-model.md, "CPU GEMM by runtime")
@@ -311,6 +331,7 @@ class RuntimeProfile:
         out["graph_all_policies"] = self.graph_all_policies
         out["attention"] = self.attention
         out["cpu_kernels"] = self.cpu_kernels
+        out["gpu_kernels"] = self.gpu_kernels
         out["cpu_gemm_share"] = dict(self.cpu_gemm_share)
         out["cpu_expert_gemm_share"] = dict(self.cpu_expert_gemm_share)
         out["gpu_stream_efficiency_by_memory"] = dict(self.gpu_stream_efficiency_by_memory)
@@ -332,6 +353,7 @@ def parse_runtime(data: dict[str, Any], where: str) -> RuntimeProfile:
         "graph_all_policies",
         "attention",
         "cpu_kernels",
+        "gpu_kernels",
         "gpu_stream_efficiency",
         "cpu_gemm_share",
         "cpu_expert_gemm_share",
@@ -404,6 +426,13 @@ def _parse_kernel_choices(data: dict[str, Any], where: str) -> dict[str, Any]:
             f"{where}: field 'cpu_kernels' must be one of {', '.join(CPU_KERNELS)}, got {kernels!r}"
         )
     values["cpu_kernels"] = kernels
+    gkernels = data.get("gpu_kernels", "default")
+    if gkernels not in GPU_KERNELS:
+        raise UserError(
+            f"{where}: field 'gpu_kernels' must be one of {', '.join(GPU_KERNELS)}, "
+            f"got {gkernels!r}"
+        )
+    values["gpu_kernels"] = gkernels
     eff = data.get("gpu_stream_efficiency", 1.0)
     if (
         isinstance(eff, bool)
