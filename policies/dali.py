@@ -178,7 +178,7 @@ class DALIPolicy(CachingPolicy):
         """The resident expert with the lowest window workload outside ``protected``
         (ties: the lower id)."""
         row = self.work[layer]
-        cands = [e for e in self.cache[layer] if e not in protected]
+        cands = [e for e in self.residents(layer) if e not in protected]
         if not cands:
             raise AssertionError("caller guarantees an unprotected resident expert")
         return min(cands, key=lambda e: (row[e], e))
@@ -248,19 +248,18 @@ class DALIPolicy(CachingPolicy):
         """The window's end: the highest-workload non-resident experts in, each replacing the
         lowest-workload resident (outside this token's experts and copies in flight)."""
         row = self.work[layer]
-        resident: list[bool] = view.resident[layer].tolist()
-        cache = self.cache[layer]
+        resident = self._row(layer)  # the engine's, with this plan's changes
         keep = set(protected)
         extra = self.unevictable(layer)
         if extra:
             keep |= extra
         ins = sorted(
-            (e for e in range(len(row)) if row[e] > 0 and not resident[e] and e not in cache),
+            (e for e in range(len(row)) if row[e] > 0 and not resident[e]),
             key=lambda e: (-row[e], e),
         )
         for e in ins[: self.n_swap]:
-            if len(cache) >= self.quota[layer] and not any(
-                row[x] < row[e] for x in cache if x not in keep
+            if self.occupied(layer) >= self.quota[layer] and not any(
+                row[x] < row[e] for x in self.residents(layer) if x not in keep
             ):
                 break  # every evictable resident worked as much: nothing to gain
             if not self._prefetch_into(plan, layer, e, keep, view.step):
@@ -278,16 +277,15 @@ class DALIPolicy(CachingPolicy):
         if ahead is None or view.counts is not None:
             return  # a prompt pass or a batched step has no layer-early view
         pred = [int(e) for e in ahead.tolist() if e >= 0]
-        resident: list[bool] = view.resident[nl].tolist()
-        cache = self.cache[nl]
-        if all(resident[e] or e in cache for e in pred[: self.n_pre]):
+        resident = self._row(nl)  # the engine's, with this plan's changes
+        if all(resident[e] for e in pred[: self.n_pre]):
             return
         keep = set(pred)
         extra = self.unevictable(nl)
         if extra:
             keep |= extra
         for e in pred[: self.n_pre]:
-            if resident[e] or e in cache:
+            if resident[e]:
                 continue
             if not self._prefetch_into(plan, nl, e, keep, view.step):
                 break

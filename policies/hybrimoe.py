@@ -358,11 +358,11 @@ class HybriMoEPolicy(LRUPolicy):
         plan = self.serve(view, [e for e in gpu_q if resident[e]])
         actions = plan.actions
         assert actions is not None
-        cache, cap = self.cache[layer], self.quota[layer]
+        cap = self.quota[layer]
         for e in gpu_q:
             if resident[e]:
                 continue
-            if len(cache) < cap:
+            if self.occupied(layer) < cap:
                 actions[e] = FETCH
                 self._admit(layer, e, view.step)
                 self.touch(layer, e, view.step, 1 if counts is None else int(counts[e]))

@@ -164,7 +164,7 @@ class LeastStalePolicy(GlobalLRUPolicy):
         """Copy the layer-early view's top ``prefetch_k`` experts of layer+1 in, each evicting
         the Least-Stale victim outside that view and outside the pending copies."""
         nl = view.layer + 1
-        row = self._on[nl]
+        row = self._row(nl)
         keep = set(ahead)
         running = set(now)
         limit = self.capacity - 2 * self.model.top_k
@@ -172,13 +172,11 @@ class LeastStalePolicy(GlobalLRUPolicy):
             if row[e] or len(self.copies.pending) >= limit:
                 continue
             victim: Slot | None = None
-            if self.size >= self.capacity:
+            if self.size() >= self.capacity:
                 victim = self._prefetch_victim(nl, keep, running, view.step)
                 if victim is None:
                     break
                 self._evict(victim)
-            else:
-                self.size += 1
             self._admit(nl, e, view.step)
             self.copies.prefetch((nl, e))
             plan.prefetch.append((nl, e, victim))

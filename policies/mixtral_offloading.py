@@ -175,10 +175,8 @@ class MixtralOffloadingPolicy(LRUPolicy):
         pending = self.unevictable(nl)
         if pending:
             protected |= pending
-        resident: list[bool] = view.resident[nl].tolist()
-        cache = self.cache[nl]
         for e in nxt[: self.k_pre]:
-            if resident[e] or e in cache:
+            if self.is_resident(nl, e):
                 continue
             if not self._prefetch_into(plan, nl, e, protected, view.step):
                 break
