@@ -423,22 +423,52 @@ class View:
         slot or a buffer."""
         now = self.now
         times = [t if t > now else now for t in self._copy_free_times(self.gpu)]
-        d = self.copy_s
         last = min(times)  # n = 0: when the first engine could take a copy
-        for _ in range(n):  # one sum per copy, as the lane adds them
-            i = 0
-            for j in range(1, len(times)):
-                if times[j] < times[i]:
-                    i = j
-            times[i] += d
-            if times[i] > last:
-                last = times[i]
+        for end in _lane_take(times, n, self.copy_s):
+            if end > last:
+                last = end
         return last
+
+    def copy_lands(
+        self, n: int, queued: int = 0, wait: float = 0.0, idle: bool = False
+    ) -> list[float]:
+        """Seconds from their issue until each of ``n`` expert copies lands, issued ``wait``
+        seconds from now behind the lane's work and ``queued`` copies issued now: the lane
+        rule of :meth:`copy_end` (each copy to the copy engine free first, one sum per copy).
+        ``idle``: as if the lane had nothing queued now (an estimate that does not watch the
+        copy queue, such as a schedule profiled at warm-up; it depends only on the arguments
+        and the run, so a policy may keep it)."""
+        now = self.now
+        free = self._copy_free_times(self.gpu)
+        if idle:
+            times = [0.0] * len(free)
+        else:
+            times = [t - now if t > now else 0.0 for t in free]
+        d = self.copy_s
+        _lane_take(times, queued, d)
+        if wait > 0.0:
+            times = [t - wait if t > wait else 0.0 for t in times]
+        return _lane_take(times, n, d)
 
     @property
     def is_prefill(self) -> bool:
         """True during a prefill pass (many tokens per expert)."""
         return self.phase == "prefill"
+
+
+def _lane_take(times: list[float], n: int, d: float) -> list[float]:
+    """``n`` copies of ``d`` seconds each onto copy engines free at ``times`` (changed in
+    place): each to the engine free first, the lowest index on ties, one sum per copy as the
+    lane adds them. Returns when each copy ends."""
+    ends: list[float] = []
+    for _ in range(n):
+        i = 0
+        for j in range(1, len(times)):
+            if times[j] < times[i]:
+                i = j
+        times[i] += d
+        ends.append(times[i])
+    return ends
 
 
 #: ``ResourceSpec.host_copies`` choices
