@@ -31,16 +31,9 @@ from typing import Any, Final
 import numpy as np
 
 from daopsim.policies._mypyc import mypyc_attr
-from daopsim.policies.base import (
-    Action,
-    Param,
-    Plan,
-    Policy,
-    SetupContext,
-    Slot,
-    View,
-    per_layer_quota,
-)
+from daopsim.policies.base import Action, Plan, Policy, SetupContext, Slot, View
+from daopsim.policies.options import Param
+from daopsim.policies.placement import per_layer_quota
 from daopsim.simulator.errors import UserError
 from daopsim.simulator.models import ModelShape
 

@@ -48,8 +48,9 @@ from __future__ import annotations
 from typing import Any, Final
 
 from daopsim.policies._mypyc import mypyc_attr
-from daopsim.policies.base import Action, Param, Plan, ResourceSpec, SetupContext, Slot, View
+from daopsim.policies.base import Action, Plan, ResourceSpec, SetupContext, Slot, View
 from daopsim.policies.caching import CachingPolicy, PendingCopies
+from daopsim.policies.options import Param
 from daopsim.policies.registry import register
 from daopsim.simulator.costs import CostModel
 

@@ -59,9 +59,10 @@ from collections.abc import Callable
 from typing import Any, Final
 
 from daopsim.policies._mypyc import mypyc_attr
-from daopsim.policies.base import Action, Param, Plan, ResourceSpec, SetupContext, Slot, View
+from daopsim.policies.base import Action, Plan, ResourceSpec, SetupContext, Slot, View
 from daopsim.policies.caching import PendingCopies
 from daopsim.policies.lru import LRUPolicy
+from daopsim.policies.options import Param
 from daopsim.policies.registry import register
 from daopsim.simulator.costs import CostModel
 

@@ -43,9 +43,10 @@ from collections.abc import Iterable
 from typing import Any
 
 from daopsim.policies._mypyc import mypyc_attr
-from daopsim.policies.base import Param, Plan, SetupContext, Slot, View
+from daopsim.policies.base import Plan, SetupContext, Slot, View
 from daopsim.policies.caching import PendingCopies
 from daopsim.policies.global_lru import GlobalLRUPolicy
+from daopsim.policies.options import Param
 from daopsim.policies.registry import register
 
 

@@ -62,9 +62,10 @@ from collections.abc import Iterable
 from typing import Any
 
 from daopsim.policies._mypyc import mypyc_attr
-from daopsim.policies.base import Param, Plan, ResourceSpec, SetupContext, Slot, View
+from daopsim.policies.base import Plan, ResourceSpec, SetupContext, Slot, View
 from daopsim.policies.caching import PendingCopies
 from daopsim.policies.lru import LRUPolicy
+from daopsim.policies.options import Param
 from daopsim.policies.registry import register
 from daopsim.simulator.errors import UserError
 

@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from daopsim.policies.base import Policy, ResourceSpec, low_bit_slots_per_expert
+from daopsim.policies.base import Policy, ResourceSpec
+from daopsim.policies.placement import low_bit_slots_per_expert
 from daopsim.policies.registry import get_policy_class
 from daopsim.simulator.boundary import check_declarations, construct_policy
 from daopsim.simulator.core.loop import Engine

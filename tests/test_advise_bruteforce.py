@@ -19,7 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 import daopsim
-from daopsim.policies.base import search_range
+from daopsim.policies.options import search_range
 from daopsim.simulator.advise import Advice, AdviceRow, advise
 from daopsim.simulator.cli import main
 from daopsim.simulator.errors import UserError

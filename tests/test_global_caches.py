@@ -22,7 +22,8 @@ import pytest
 from click.testing import CliRunner
 from test_conformance import HW, Step, eval_steps
 
-from daopsim.policies.base import SetupContext, per_layer_quota
+from daopsim.policies.base import SetupContext
+from daopsim.policies.placement import per_layer_quota
 from daopsim.policies.registry import available, make_policy
 from daopsim.simulator.cli import main
 from daopsim.simulator.costs import cost_model
