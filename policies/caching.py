@@ -102,8 +102,10 @@ class _FetchOnMiss(Policy):
     _at_layer: int = -1
     _rows: dict[int, list[bool]]
     _held: dict[int, int]
-    #: resident experts over every layer in this decision (-1: not counted yet)
+    #: resident experts over every layer in the engine at this decision (-1: not counted
+    #: yet), and the net change the plan being built has made to it
     _total: int = -1
+    _changed: int = 0
 
     def uses_calibration(self) -> bool:
         """Calibration counts are read only for ``initial='popular'`` (or when the class says
@@ -123,6 +125,7 @@ class _FetchOnMiss(Policy):
         self._rows = {}
         self._held = {}
         self._total = -1
+        self._changed = 0
 
     def _decide(self, view: View) -> None:
         """``view`` is the decision being served: a new decision (another step or layer, or
@@ -134,6 +137,7 @@ class _FetchOnMiss(Policy):
             self._rows.clear()
             self._held.clear()
             self._total = -1
+            self._changed = 0
 
     def _row(self, layer: int) -> list[bool]:
         """``layer``'s residency in the decision being served: the engine's row with the
@@ -176,18 +180,16 @@ class _FetchOnMiss(Policy):
             view = self._view
             if view is None:
                 raise RuntimeError("residency is read during a decision (the engine's View)")
-            # counted before the decision's first change: _admit and _evict ask first
-            self._total = int(np.count_nonzero(view.resident))
-        return self._total
+            self._total = int(np.count_nonzero(view.resident))  # the engine's, once
+        return self._total + self._changed
 
     def _mark(self, layer: int, expert: int, on: bool) -> None:
         """The plan being built puts ``(layer, expert)`` in (``on``) or out of the GPU."""
-        total = self._resident_total()
         row = self._row(layer)
         row[expert] = on
         step = 1 if on else -1
         self._held[layer] += step
-        self._total = total + step
+        self._changed += step
 
 
 class _Residents:
