@@ -95,13 +95,14 @@ class _FetchOnMiss(Policy):
     }
 
     #: the view of the decision being served (one object the engine reuses), its step and
-    #: layer, and per layer read so far: the engine's row with this decision's changes, and
-    #: how many of its experts that row holds
+    #: layer; per layer, once read in this decision, the engine's row with the decision's
+    #: changes (None: not read) and how many of its experts that row holds; the layers read
     _view: View | None = None
     _at_step: int = -1
     _at_layer: int = -1
-    _rows: dict[int, list[bool]]
-    _held: dict[int, int]
+    _rows: list[list[bool] | None]
+    _held: list[int]
+    _read: list[int]
     #: resident experts over every layer in the engine at this decision (-1: not counted
     #: yet), and the net change the plan being built has made to it
     _total: int = -1
@@ -118,12 +119,13 @@ class _FetchOnMiss(Policy):
             raise UserError(f"policy {self.name!r}: initial='popular' needs calibration counts")
         return mode
 
-    def _forget_decision(self) -> None:
+    def _forget_decision(self, n_layers: int) -> None:
         """No decision yet (``setup``): nothing read from the engine."""
         self._view = None
         self._at_step = self._at_layer = -1
-        self._rows = {}
-        self._held = {}
+        self._rows = [None] * n_layers
+        self._held = [0] * n_layers
+        self._read = []
         self._total = -1
         self._changed = 0
 
@@ -134,8 +136,10 @@ class _FetchOnMiss(Policy):
             self._view = view
             self._at_step = view.step
             self._at_layer = view.layer
-            self._rows.clear()
-            self._held.clear()
+            rows = self._rows
+            for layer in self._read:
+                rows[layer] = None
+            self._read.clear()
             self._total = -1
             self._changed = 0
 
@@ -147,11 +151,12 @@ class _FetchOnMiss(Policy):
             raise RuntimeError("residency is read during a decision (the engine's View)")
         if view.step != self._at_step or view.layer != self._at_layer:
             self._decide(view)
-        row = self._rows.get(layer)
+        row = self._rows[layer]
         if row is None:
             row = view.resident[layer].tolist()
             self._rows[layer] = row
             self._held[layer] = row.count(True)
+            self._read.append(layer)
         return row
 
     def is_resident(self, layer: int, expert: int) -> bool:
@@ -225,7 +230,7 @@ class CachingPolicy(_FetchOnMiss):
         self.evicts_in_use = self.resources().evicts_in_use
         n_layers = ctx.model.moe_layers
         self.quota = per_layer_quota(ctx.budget, n_layers)
-        self._forget_decision()
+        self._forget_decision(n_layers)
         self.init_state(ctx)
         slots = per_layer_initial(ctx, self._mode(ctx), self.quota)
         for layer, e in slots:
@@ -403,7 +408,7 @@ class GlobalCachingPolicy(_FetchOnMiss):
         """Place the initial contents (see the class docstring)."""
         self.model = ctx.model
         self.capacity = int(ctx.budget)
-        self._forget_decision()
+        self._forget_decision(ctx.model.moe_layers)
         self.init_state(ctx)
         slots = global_initial(ctx, self._mode(ctx), self.capacity)
         for layer, e in slots:
@@ -419,8 +424,8 @@ class GlobalCachingPolicy(_FetchOnMiss):
             raise RuntimeError("residency is read during a decision (the engine's View)")
         self._row(view.layer)  # a new decision drops the last one's rows
         mask = np.array(view.resident, dtype=bool)
-        for layer, row in self._rows.items():
-            mask[layer] = row
+        for layer in self._read:
+            mask[layer] = self._rows[layer]
         return mask
 
     def size(self) -> int:
