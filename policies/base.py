@@ -380,11 +380,7 @@ class View:
         slot or a buffer."""
         now = self.now
         times = [t if t > now else now for t in self._copy_free_times(self.gpu)]
-        last = min(times)  # n = 0: when the first engine could take a copy
-        for end in _lane_take(times, n, self.copy_s):
-            if end > last:
-                last = end
-        return last
+        return _lane_take(times, n, self.copy_s)
 
     def copy_lands(
         self, n: int, queued: int = 0, wait: float = 0.0, idle: bool = False
@@ -405,7 +401,7 @@ class View:
         _lane_take(times, queued, d)
         if wait > 0.0:
             times = [t - wait if t > wait else 0.0 for t in times]
-        return _lane_take(times, n, d)
+        return [_lane_take(times, 1, d) for _ in range(n)]
 
     @property
     def is_prefill(self) -> bool:
@@ -413,19 +409,20 @@ class View:
         return self.phase == "prefill"
 
 
-def _lane_take(times: list[float], n: int, d: float) -> list[float]:
+def _lane_take(times: list[float], n: int, d: float) -> float:
     """``n`` copies of ``d`` seconds each onto copy engines free at ``times`` (changed in
     place): each to the engine free first, the lowest index on ties, one sum per copy as the
-    lane adds them. Returns when each copy ends."""
-    ends: list[float] = []
+    lane adds them. Returns when the last of them ends (each ends no earlier than the one
+    before, as each takes the engine free first); ``n = 0``: when the first engine is free."""
+    last = min(times)
     for _ in range(n):
         i = 0
         for j in range(1, len(times)):
             if times[j] < times[i]:
                 i = j
         times[i] += d
-        ends.append(times[i])
-    return ends
+        last = times[i]
+    return last
 
 
 #: ``ResourceSpec.host_copies`` choices
