@@ -55,7 +55,6 @@ if TYPE_CHECKING:  # the real objects, for type checkers and IDEs
         ALL_GPU_PLAN,
         Action,
         FrozenPlan,
-        Param,
         Plan,
         Policy,
         ResourceSpec,
@@ -63,6 +62,7 @@ if TYPE_CHECKING:  # the real objects, for type checkers and IDEs
         View,
     )
     from daopsim.policies.caching import CachingPolicy
+    from daopsim.policies.options import Param
     from daopsim.policies.registry import get_policy_class as policy_class
     from daopsim.policies.registry import load_policy_file, register
     from daopsim.simulator.advise import advise
@@ -181,8 +181,8 @@ _LAZY: dict[str, tuple[str, str | None]] = {
         "View",
         "SetupContext",
         "ResourceSpec",
-        "Param",
     ),
+    **_names("daopsim.policies.options", "Param"),
     **_names("daopsim.policies.caching", "CachingPolicy"),
     **_names("daopsim.policies.registry", "register", "load_policy_file"),
     # the subpackage daopsim.policies, callable: daopsim.policies() lists the policies

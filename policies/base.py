@@ -11,7 +11,6 @@ See docs/policy-api.md for the full contract and a worked example.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -21,6 +20,7 @@ from typing import Any, ClassVar, Final, Protocol
 import numpy as np
 
 from daopsim.policies._mypyc import mypyc_attr
+from daopsim.policies.options import Param, coerce_option
 
 # at run time: a compiled dataclass resolves its fields
 from daopsim.simulator.costs import CostModel
@@ -39,49 +39,6 @@ class Action(IntEnum):
 
 
 Slot = tuple[int, int]  # (layer, expert)
-
-
-@dataclass(frozen=True)
-class Param:
-    """A policy option: type, default and one line of help (shown by ``daopsim policies``)."""
-
-    type: type
-    default: Any
-    help: str
-    choices: tuple[Any, ...] | None = None
-    # bounds are checked once here, so a policy's __init__ does not repeat them
-    minimum: float | None = None
-    maximum: float | None = None
-    #: an integer range ``daopsim advise`` searches (besides the default): ``"layers"``
-    #: (0..the model's layers), ``"layers+1"`` (0..layers + 1), ``"moe_layers"`` or
-    #: ``"experts"`` (0..experts per layer); :data:`SEARCH_RANGES`. None: only the default
-    #: and the ``choices`` (both values of a bool) are tried.
-    search: str | None = None
-    #: a value outside the bounds that means "not set" (daop's ``t_load_ms = -1``: from the
-    #: constants); any other value outside them is refused, never read as this one
-    unset: Any = None
-
-
-#: ``Param.search`` names and the integer range each one means for a model
-SEARCH_RANGES: dict[str, str] = {
-    "layers": "0..layers",
-    "layers+1": "0..layers+1",
-    "moe_layers": "0..moe_layers",
-    "experts": "0..experts per layer",
-}
-
-
-def search_range(name: str, model: ModelShape) -> tuple[int, int]:
-    """The inclusive integer range a ``Param.search`` name means for ``model``."""
-    if name == "layers":
-        return 0, model.layers
-    if name == "layers+1":
-        return 0, model.layers + 1
-    if name == "moe_layers":
-        return 0, model.moe_layers
-    if name == "experts":
-        return 0, model.experts
-    raise UserError(f"unknown Param.search {name!r} (known: {', '.join(SEARCH_RANGES)})")
 
 
 @dataclass(slots=True, init=False)
@@ -431,28 +388,52 @@ class View:
         # is untyped: a value through it would be a Python object per comparison)
         free: list[float] = self._copy_free_times(self.gpu)
         times = [t if t > now else now for t in free]
+        return _lane_take(times, n, self.copy_s)
+
+    def copy_lands(
+        self, n: int, queued: int = 0, wait: float = 0.0, idle: bool = False
+    ) -> list[float]:
+        """Seconds from their issue until each of ``n`` expert copies lands, issued ``wait``
+        seconds from now behind the lane's work and ``queued`` copies issued now: the lane
+        rule of :meth:`copy_end` (each copy to the copy engine free first, one sum per copy).
+        ``idle``: as if the lane had nothing queued now (an estimate that does not watch the
+        copy queue, such as a schedule profiled at warm-up; it depends only on the arguments
+        and the run, so a policy may keep it)."""
+        now = self.now
+        free = self._copy_free_times(self.gpu)
+        if idle:
+            times = [0.0] * len(free)
+        else:
+            times = [t - now if t > now else 0.0 for t in free]
         d = self.copy_s
-        n_engines = len(times)
-        last = times[0]
-        for j in range(1, n_engines):  # n = 0: when the first engine could take a copy
-            if times[j] < last:
-                last = times[j]
-        for _ in range(n):  # one sum per copy, as the lane adds them
-            i = 0
-            best = times[0]
-            for j in range(1, n_engines):
-                if times[j] < best:
-                    i, best = j, times[j]
-            end = best + d
-            times[i] = end
-            if end > last:
-                last = end
-        return last
+        _lane_take(times, queued, d)
+        if wait > 0.0:
+            times = [t - wait if t > wait else 0.0 for t in times]
+        return [_lane_take(times, 1, d) for _ in range(n)]
 
     @property
     def is_prefill(self) -> bool:
         """True during a prefill pass (many tokens per expert)."""
         return self.phase == "prefill"
+
+
+def _lane_take(times: list[float], n: int, d: float) -> float:
+    """``n`` copies of ``d`` seconds each onto copy engines free at ``times`` (changed in
+    place): each to the engine free first, the lowest index on ties, one sum per copy as the
+    lane adds them. Returns when the last of them ends (each ends no earlier than the one
+    before, as each takes the engine free first); ``n = 0``: when the first engine is free."""
+    last = times[0]
+    for j in range(1, len(times)):  # min() would go through a generic builtin when compiled
+        if times[j] < last:
+            last = times[j]
+    for _ in range(n):
+        i = 0
+        for j in range(1, len(times)):
+            if times[j] < times[i]:
+                i = j
+        times[i] += d
+        last = times[i]
+    return last
 
 
 #: ``ResourceSpec.host_copies`` choices
@@ -753,89 +734,3 @@ class StaticPlacementPolicy(Policy):
         if plan is None:
             plan = self._plans[key] = self.static_plan(view, experts).frozen()
         return plan
-
-
-def coerce_option(policy: str, key: str, param: Param, value: Any) -> Any:
-    """Convert a CLI string (or check a Python value) to the option's type."""
-    typ = param.type
-    try:
-        if isinstance(value, str) and typ is bool:
-            low = value.strip().lower()
-            if low not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
-                raise ValueError(value)
-            value = low in ("1", "true", "yes", "on")
-        elif isinstance(value, str) and typ is not str:
-            value = typ(value)
-        elif typ is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        elif not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-            raise TypeError(value)
-    except (TypeError, ValueError):
-        raise UserError(
-            f"policy {policy!r}: option {key!r} must be {typ.__name__}, got {value!r}"
-        ) from None
-    if typ is float and not math.isfinite(value):
-        # NaN passes every range comparison and inf every lower bound: refuse both
-        raise UserError(f"policy {policy!r}: option {key!r} must be a finite number, got {value!r}")
-    if param.unset is not None and value == param.unset:
-        return value
-    if param.choices is not None and value not in param.choices:
-        raise UserError(
-            f"policy {policy!r}: option {key!r} must be one of {list(param.choices)}, got {value!r}"
-        )
-    if param.minimum is not None and value < param.minimum:
-        unset = "" if param.unset is None else f" (or {param.unset!r}: not set)"
-        raise UserError(
-            f"policy {policy!r}: option {key!r} must be >= {param.minimum:g}{unset}, got {value!r}"
-        )
-    if param.maximum is not None and value > param.maximum:
-        raise UserError(
-            f"policy {policy!r}: option {key!r} must be <= {param.maximum:g}, got {value!r}"
-        )
-    return value
-
-
-def popularity_ranking(counts: np.ndarray) -> list[Slot]:
-    """(layer, expert) pairs by descending count; ties broken by layer then expert (stable)."""
-    _n_layers, n_exp = counts.shape
-    flat = counts.reshape(-1)
-    order = np.lexsort((np.arange(flat.size), -flat))
-    return [(int(i // n_exp), int(i % n_exp)) for i in order]
-
-
-def global_top(counts: np.ndarray, budget: int) -> list[Slot]:
-    """Fiddler's placement: the globally most popular ``budget`` experts."""
-    return popularity_ranking(counts)[:budget]
-
-
-def quota_then_global(counts: np.ndarray, budget: int) -> list[Slot]:
-    """DAOP's placement: floor(B/L) per layer by popularity, the rest by global rank."""
-    n_layers, _ = counts.shape
-    per = budget // n_layers
-    chosen: list[Slot] = []
-    taken: set[Slot] = set()
-    for layer in range(n_layers):
-        order = np.lexsort((np.arange(counts.shape[1]), -counts[layer]))
-        for e in order[:per]:
-            chosen.append((layer, int(e)))
-            taken.add((layer, int(e)))
-    for slot in popularity_ranking(counts):
-        if len(chosen) >= budget:
-            break
-        if slot not in taken:
-            chosen.append(slot)
-            taken.add(slot)
-    return chosen
-
-
-def per_layer_quota(budget: int, n_layers: int) -> list[int]:
-    """Split a budget over layers as evenly as possible (earlier layers get the remainder)."""
-    base, extra = divmod(budget, n_layers)
-    return [base + (1 if layer < extra else 0) for layer in range(n_layers)]
-
-
-def low_bit_slots_per_expert(expert_bytes: int, low_bit_bytes: int) -> float:
-    """How many low-bit slots one full-precision expert's memory holds (``B / B_low``), for a
-    spec with ``low_bit_slots``: the run gives the engine ``floor(budget x`` this ``)`` slots,
-    and a policy keeps ``ceil`` of it free per full-precision expert it holds."""
-    return expert_bytes / max(1, low_bit_bytes)

@@ -40,7 +40,7 @@ class BeladyPolicy(CachingPolicy):
         """Farthest next use after this step; ties by lowest expert id."""
         best, best_t = -1, -1.0
         next_use = self.oracle.next_use
-        for e in sorted(self.cache[layer]):
+        for e in self.residents(layer):
             if e in protected:
                 continue
             t = next_use(layer, e, step)

@@ -46,8 +46,9 @@ from typing import Any
 import numpy as np
 
 from daopsim.policies._mypyc import mypyc_attr
-from daopsim.policies.base import Param, Plan, SetupContext, Slot, View
+from daopsim.policies.base import Plan, SetupContext, Slot, View
 from daopsim.policies.lru import LRUPolicy
+from daopsim.policies.options import Param
 from daopsim.policies.registry import register
 from daopsim.simulator.errors import UserError
 

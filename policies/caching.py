@@ -14,6 +14,12 @@ A global caching policy serves a token's experts by the same rule (hits judged b
 layer's insertions, a victim never one of the experts the same token needs in this layer), but
 its victim may be a resident expert of ANY layer, so a layer may hold anywhere from none to all
 of its experts.
+
+Neither keeps a residency of its own: what is resident is the engine's (``View.resident``),
+read at each decision, with the decision's own changes (the fetches, victims and prefetches
+of the plan being built, which the engine applies once the plan is returned) laid over it
+until the next decision. A subclass keeps only its order (recency, counts, scores) through
+the hooks, and its victim is one of the engine's resident experts.
 """
 
 from __future__ import annotations
@@ -25,16 +31,9 @@ from typing import Any, Final
 import numpy as np
 
 from daopsim.policies._mypyc import mypyc_attr
-from daopsim.policies.base import (
-    Action,
-    Param,
-    Plan,
-    Policy,
-    SetupContext,
-    Slot,
-    View,
-    per_layer_quota,
-)
+from daopsim.policies.base import Action, Plan, Policy, SetupContext, Slot, View
+from daopsim.policies.options import Param
+from daopsim.policies.placement import per_layer_quota
 from daopsim.simulator.errors import UserError
 from daopsim.simulator.models import ModelShape
 
@@ -76,7 +75,14 @@ def global_initial(ctx: SetupContext, mode: str, capacity: int) -> list[Slot]:
 
 @mypyc_attr(allow_interpreted_subclasses=True)
 class _FetchOnMiss(Policy):
-    """What both cache shapes share: the ``initial`` option and when it needs calibration."""
+    """What both cache shapes share: the ``initial`` option, when it needs calibration, and
+    the engine's residency as a decision sees it.
+
+    Residency is the engine's alone. At a decision the policy reads a layer's row of
+    ``View.resident`` once, as a list, and lays the plan's own changes over it as it builds
+    the plan (:meth:`_admit`, :meth:`_evict`); the next decision (another step or layer)
+    starts again from the engine's rows, which by then hold what the plan did.
+    """
 
     params = {
         "initial": Param(
@@ -87,6 +93,20 @@ class _FetchOnMiss(Policy):
             choices=("first", "popular", "empty"),
         ),
     }
+
+    #: the view of the decision being served (one object the engine reuses), its step and
+    #: layer; per layer, once read in this decision, the engine's row with the decision's
+    #: changes (None: not read) and how many of its experts that row holds; the layers read
+    _view: View | None = None
+    _at_step: int = -1
+    _at_layer: int = -1
+    _rows: list[list[bool] | None]
+    _held: list[int]
+    _read: list[int]
+    #: resident experts over every layer in the engine at this decision (-1: not counted
+    #: yet), and the net change the plan being built has made to it
+    _total: int = -1
+    _changed: int = 0
 
     def uses_calibration(self) -> bool:
         """Calibration counts are read only for ``initial='popular'`` (or when the class says
@@ -99,13 +119,102 @@ class _FetchOnMiss(Policy):
             raise UserError(f"policy {self.name!r}: initial='popular' needs calibration counts")
         return mode
 
+    def _forget_decision(self, n_layers: int) -> None:
+        """No decision yet (``setup``): nothing read from the engine."""
+        self._view = None
+        self._at_step = self._at_layer = -1
+        self._rows = [None] * n_layers
+        self._held = [0] * n_layers
+        self._read = []
+        self._total = -1
+        self._changed = 0
+
+    def _decide(self, view: View) -> None:
+        """``view`` is the decision being served: a new decision (another step or layer, or
+        another view) starts from the engine's residency again."""
+        if view is not self._view or view.step != self._at_step or view.layer != self._at_layer:
+            self._view = view
+            self._at_step = view.step
+            self._at_layer = view.layer
+            rows = self._rows
+            for layer in self._read:
+                rows[layer] = None
+            self._read.clear()
+            self._total = -1
+            self._changed = 0
+
+    def _row(self, layer: int) -> list[bool]:
+        """``layer``'s residency in the decision being served: the engine's row with the
+        decision's own changes."""
+        view = self._view
+        if view is None:
+            raise RuntimeError("residency is read during a decision (the engine's View)")
+        if view.step != self._at_step or view.layer != self._at_layer:
+            self._decide(view)
+        row = self._rows[layer]
+        if row is None:
+            row = view.resident[layer].tolist()
+            self._rows[layer] = row
+            self._held[layer] = row.count(True)
+            self._read.append(layer)
+        return row
+
+    def is_resident(self, layer: int, expert: int) -> bool:
+        """Whether ``(layer, expert)`` is resident in the decision being served (the engine's
+        residency with the plan's own fetches, victims and prefetches so far)."""
+        return self._row(layer)[expert]
+
+    def residents(self, layer: int) -> list[int]:
+        """``layer``'s resident experts in the decision being served, by ascending id (the
+        engine's residency with the plan's own changes so far)."""
+        row = self._row(layer)
+        return [e for e in range(len(row)) if row[e]]
+
+    def occupied(self, layer: int) -> int:
+        """How many experts of ``layer`` are resident in the decision being served."""
+        self._row(layer)
+        return self._held[layer]
+
+    def _resident_total(self) -> int:
+        """Resident experts over every layer in the decision being served."""
+        if self._view is not None and (
+            self._view.step != self._at_step or self._view.layer != self._at_layer
+        ):
+            self._decide(self._view)
+        if self._total < 0:
+            view = self._view
+            if view is None:
+                raise RuntimeError("residency is read during a decision (the engine's View)")
+            self._total = int(np.count_nonzero(view.resident))  # the engine's, once
+        return self._total + self._changed
+
+    def _mark(self, layer: int, expert: int, on: bool) -> None:
+        """The plan being built puts ``(layer, expert)`` in (``on``) or out of the GPU."""
+        row = self._row(layer)
+        row[expert] = on
+        step = 1 if on else -1
+        self._held[layer] += step
+        self._changed += step
+
+
+class _Residents:
+    """``policy.cache[layer]``: the layer's resident experts in the decision being served
+    (:meth:`CachingPolicy.residents`), read from the engine, never stored."""
+
+    def __init__(self, policy: CachingPolicy) -> None:
+        self.policy = policy
+
+    def __getitem__(self, layer: int) -> list[int]:
+        return self.policy.residents(layer)
+
 
 @mypyc_attr(allow_interpreted_subclasses=True)
 class CachingPolicy(_FetchOnMiss):
     """Per-layer fetch-on-miss cache; subclasses choose victims.
 
-    State subclasses may read: ``cache[layer]`` (the layer's resident experts, in insertion
-    order), ``quota[layer]`` (its capacity) and ``evicts_in_use`` (the spec's flag). The hooks
+    State subclasses may read: :meth:`residents` (a layer's resident experts, the engine's,
+    by ascending id; also ``cache[layer]``), :meth:`is_resident`, :meth:`occupied`,
+    ``quota[layer]`` (the layer's capacity) and ``evicts_in_use`` (the spec's flag). The hooks
     (docs/policy-api.md, "Hooks of the cache base classes"): :meth:`init_state`,
     :meth:`touch`, :meth:`inserted`, :meth:`removed`, :meth:`choose_victim`,
     :meth:`unevictable`, and :meth:`serve` for a subclass that serves some experts its own way.
@@ -114,7 +223,6 @@ class CachingPolicy(_FetchOnMiss):
     model: ModelShape
     evicts_in_use: bool
     quota: list[int]
-    cache: list[list[int]]
 
     def setup(self, ctx: SetupContext) -> Iterable[Slot]:
         """Fill each layer's quota with its first (or most popular) experts."""
@@ -122,12 +230,17 @@ class CachingPolicy(_FetchOnMiss):
         self.evicts_in_use = self.resources().evicts_in_use
         n_layers = ctx.model.moe_layers
         self.quota = per_layer_quota(ctx.budget, n_layers)
-        self.cache = [[] for _ in range(n_layers)]
+        self._forget_decision(n_layers)
         self.init_state(ctx)
         slots = per_layer_initial(ctx, self._mode(ctx), self.quota)
         for layer, e in slots:
-            self._admit(layer, e, -1)
+            self.inserted(layer, e, -1)
         return slots
+
+    @property
+    def cache(self) -> _Residents:
+        """``cache[layer]``: :meth:`residents` of the layer (the engine's, by ascending id)."""
+        return _Residents(self)
 
     def init_state(self, ctx: SetupContext) -> None:
         """Create per-policy statistics (called once by setup, before the initial placement)."""
@@ -150,13 +263,14 @@ class CachingPolicy(_FetchOnMiss):
         return None
 
     def _admit(self, layer: int, expert: int, step: int) -> None:
-        """Put ``expert`` in the layer's cache (then :meth:`inserted`)."""
-        self.cache[layer].append(expert)
+        """The plan being built puts ``expert`` in the layer's slots (then :meth:`inserted`)."""
+        self._mark(layer, expert, True)
         self.inserted(layer, expert, step)
 
     def _evict(self, layer: int, expert: int) -> None:
-        """Take ``expert`` out of the layer's cache (then :meth:`removed`)."""
-        self.cache[layer].remove(expert)
+        """The plan being built takes ``expert`` out of the layer's slots (then
+        :meth:`removed`)."""
+        self._mark(layer, expert, False)
         self.removed(layer, expert)
 
     def _prefetch_into(
@@ -165,10 +279,10 @@ class CachingPolicy(_FetchOnMiss):
         """Prefetch ``expert`` into ``layer``'s cache: when the layer is full, the resident
         :meth:`choose_victim` picks outside ``keep`` leaves first, and the prefetch names it in
         ``plan.prefetch``. False, with nothing done, when every resident is in ``keep``."""
-        cache = self.cache[layer]
+        row = self._row(layer)
         victim: Slot | None = None
-        if len(cache) >= self.quota[layer]:
-            if keep.issuperset(cache):
+        if self._held[layer] >= self.quota[layer]:
+            if not _any_outside(row, keep):
                 return False
             out = self.choose_victim(layer, keep, step)
             self._evict(layer, out)
@@ -187,7 +301,8 @@ class CachingPolicy(_FetchOnMiss):
         layer = view.layer
         step = view.step
         counts = view.counts
-        resident: list[bool] = view.resident[layer].tolist()
+        self._decide(view)
+        resident = self._row(layer)
         actions: dict[int, Action] = {}
         misses: list[int] = []
         for e in experts:
@@ -203,10 +318,9 @@ class CachingPolicy(_FetchOnMiss):
         extra = self.unevictable(layer)
         if extra:
             protected |= extra
-        cache = self.cache[layer]
         capacity = self.quota[layer]
         for e in misses:
-            if len(cache) >= capacity:
+            if self._held[layer] >= capacity:
                 victim = self._victim(layer, protected, extra, step)
                 if victim is None:
                     actions[e] = TEMP  # the quota cannot hold all experts this token needs
@@ -224,24 +338,33 @@ class CachingPolicy(_FetchOnMiss):
         """:meth:`choose_victim` among the residents outside ``protected``; with none, and
         in-use evictions allowed, among those outside ``extra`` (the swap-out of an expert this
         token already uses, computed before it leaves); None when there is no candidate."""
-        cache = self.cache[layer]
-        if protected.issuperset(cache):
+        row = self._row(layer)
+        if not _any_outside(row, protected):
             if not self.evicts_in_use:
                 return None
             protected = set(extra) if extra else set()
-            if protected.issuperset(cache):
+            if not _any_outside(row, protected):
                 return None
         returned = _asked(self, layer, protected, step)
         victim = _expert_id(returned)
-        if victim is None or victim not in cache or victim in protected:
-            # a plugin's choose_victim broke its contract: say so, not "list.remove" (nor a
-            # malformed plan later: 1.0 and True compare equal to the resident expert 1)
-            candidates = sorted(x for x in cache if x not in protected)
+        if victim is None or not 0 <= victim < len(row) or not row[victim] or victim in protected:
+            # a plugin's choose_victim broke its contract: say so, not a malformed plan later
+            # (1.0 and True compare equal to the resident expert 1)
+            candidates = [x for x in range(len(row)) if row[x] and x not in protected]
             raise ValueError(
                 f"choose_victim returned {returned!r} for layer {layer}, which is not an "
                 f"evictable resident expert id (an int; candidates: {candidates})"
             )
         return victim
+
+
+def _any_outside(row: list[bool], kept: set[int]) -> bool:
+    """Whether ``row`` holds a resident expert outside ``kept``."""
+    # a loop, not any(generator): compiled, a generator is an object per call
+    for e in range(len(row)):  # noqa: SIM110
+        if row[e] and e not in kept:
+            return True
+    return False
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -260,10 +383,12 @@ class GlobalCachingPolicy(_FetchOnMiss):
     temporary buffer and is not cached. These policies never prefetch, so every resident expert
     was copied for an earlier layer that waited for it: no victim is ever still in flight.
 
-    ``self.cached`` is the ``[layers, experts]`` membership mask subclasses may read, ``size``
-    the number of cached slots and ``capacity`` the budget. The hooks: :meth:`init_state`,
-    :meth:`touch`, :meth:`inserted`, :meth:`removed`, :meth:`choose_victim`, and :meth:`serve`
-    for a subclass that serves some experts its own way.
+    What subclasses may read: :meth:`is_resident` and :meth:`residents` (the engine's
+    residency with the plan's own changes), ``cached`` (the same as a ``[layers, experts]``
+    mask, built when read), :meth:`size` and ``capacity`` (the budget). The hooks:
+    :meth:`init_state`, :meth:`touch`, :meth:`inserted`, :meth:`removed`,
+    :meth:`choose_victim`, and :meth:`serve` for a subclass that serves some experts its own
+    way.
     """
 
     params = {
@@ -278,26 +403,34 @@ class GlobalCachingPolicy(_FetchOnMiss):
 
     model: ModelShape
     capacity: int
-    cached: np.ndarray
-    size: int
-    #: ``cached`` as per-layer lists of bools (read per expert, where numpy's scalar reads
-    #: would cost more than the rest of a layer's bookkeeping); _admit and _evict keep both
-    _on: list[list[bool]]
 
     def setup(self, ctx: SetupContext) -> Iterable[Slot]:
         """Place the initial contents (see the class docstring)."""
         self.model = ctx.model
-        n_layers, n_exp = ctx.model.moe_layers, ctx.model.experts
         self.capacity = int(ctx.budget)
-        self.cached = np.zeros((n_layers, n_exp), dtype=bool)
-        self._on = [[False] * n_exp for _ in range(n_layers)]
-        self.size = 0
+        self._forget_decision(ctx.model.moe_layers)
         self.init_state(ctx)
         slots = global_initial(ctx, self._mode(ctx), self.capacity)
         for layer, e in slots:
-            self._admit(layer, e, -1)
-        self.size = len(slots)
+            self.inserted(layer, e, -1)
         return slots
+
+    @property
+    def cached(self) -> np.ndarray:
+        """The ``[layers, experts]`` residency mask of the decision being served (a new array
+        each time: the engine's with the plan's own changes)."""
+        view = self._view
+        if view is None:
+            raise RuntimeError("residency is read during a decision (the engine's View)")
+        self._row(view.layer)  # a new decision drops the last one's rows
+        mask = np.array(view.resident, dtype=bool)
+        for layer in self._read:
+            mask[layer] = self._rows[layer]
+        return mask
+
+    def size(self) -> int:
+        """Resident slots in the decision being served."""
+        return self._resident_total()
 
     def init_state(self, ctx: SetupContext) -> None:
         """Create per-policy statistics (called once by setup, before the initial placement)."""
@@ -317,16 +450,14 @@ class GlobalCachingPolicy(_FetchOnMiss):
         raise NotImplementedError
 
     def _admit(self, layer: int, expert: int, step: int) -> None:
-        """Put (layer, expert) in the cache (then :meth:`inserted`)."""
-        self.cached[layer, expert] = True
-        self._on[layer][expert] = True
+        """The plan being built puts (layer, expert) on the GPU (then :meth:`inserted`)."""
+        self._mark(layer, expert, True)
         self.inserted(layer, expert, step)
 
     def _evict(self, slot: Slot) -> None:
-        """Take ``slot`` out of the cache (then :meth:`removed`)."""
+        """The plan being built takes ``slot`` off the GPU (then :meth:`removed`)."""
         layer, expert = slot
-        self.cached[layer, expert] = False
-        self._on[layer][expert] = False
+        self._mark(layer, expert, False)
         self.removed(layer, expert)
 
     def decode_layer(self, view: View) -> Plan:
@@ -339,7 +470,8 @@ class GlobalCachingPolicy(_FetchOnMiss):
         layer = view.layer
         step = view.step
         counts = view.counts
-        row = self._on[layer]
+        self._decide(view)
+        row = self._row(layer)
         actions: dict[int, Action] = {}
         misses: list[int] = []
         for e in experts:
@@ -352,16 +484,22 @@ class GlobalCachingPolicy(_FetchOnMiss):
         if not misses:
             return plan
         protected = set(experts)
+        shape = (len(self._view.resident), len(row))  # type: ignore[union-attr]
         for e in misses:
-            if self.size < self.capacity:
-                self.size += 1
-            elif self.size <= len(protected) and self.size == sum(1 for x in protected if row[x]):
+            size = self._resident_total()
+            if size < self.capacity:
+                pass
+            elif size <= len(protected) and size == sum(1 for x in protected if row[x]):
                 actions[e] = TEMP  # every resident slot holds an expert this token needs
                 continue
             else:
                 returned = _asked(self, layer, protected, step)
-                ok = _slot(returned, self.cached.shape)
-                if ok is None or not self.cached[ok] or (ok[0] == layer and ok[1] in protected):
+                ok = _slot(returned, shape)
+                if (
+                    ok is None
+                    or not self.is_resident(ok[0], ok[1])
+                    or (ok[0] == layer and ok[1] in protected)
+                ):
                     # a plugin's choose_victim broke its contract: say so, not a KeyError later
                     raise ValueError(
                         f"choose_victim returned {returned!r} for layer {layer}, which is not an "

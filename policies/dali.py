@@ -11,10 +11,13 @@ public (the note says it is built on kTransformers, so it runs on that runtime p
 - **Greedy Assignment** (``assign = "greedy"``): DALI writes the placement of a layer's routed
   experts as a 0-1 problem (minimise ``max(T_GPU, T_CPU)``) and solves it greedily at run time.
   Our greedy: each expert's GPU cost is ``gpu(n)``, and for a non-resident one its copy too
-  (copies queue on the link, the GPU waits for each); its CPU cost ``cpu(n)`` (with the
-  activations' round trip); experts are taken in decreasing order of what the GPU saves
-  (``cpu - gpu``) and each goes to the side whose finish time (the layer's ``max``) stays
-  lower. The cost model gives the times (DALI profiles them at warm-up). A non-resident
+  (the GPU waits for it to land); its CPU cost ``cpu(n)`` (with the activations' round trip);
+  experts are taken in decreasing order of what the GPU saves (``cpu - gpu``, less a copy)
+  and each goes to the side whose finish time (the layer's ``max``) stays lower. The cost
+  model gives the times (``CostModel.decision_split_times``; DALI profiles them at warm-up),
+  and the engine's lane rule when copies land, from an idle lane (``View.copy_lands(...,
+  idle=True)``, each copy ``View.copy_s``; the greedy does not watch the copy queue). A
+  non-resident
   expert put on the GPU is copied into a temporary buffer: the cache changes only by the
   replacement below. ``assign = "cpu"``: every miss on the CPU (a static assignment, the
   ablation).
@@ -45,8 +48,9 @@ from __future__ import annotations
 from typing import Any, Final
 
 from daopsim.policies._mypyc import mypyc_attr
-from daopsim.policies.base import Action, Param, Plan, ResourceSpec, SetupContext, Slot, View
+from daopsim.policies.base import Action, Plan, ResourceSpec, SetupContext, Slot, View
 from daopsim.policies.caching import CachingPolicy, PendingCopies
+from daopsim.policies.options import Param
 from daopsim.policies.registry import register
 from daopsim.simulator.costs import CostModel
 
@@ -61,29 +65,33 @@ def greedy_assign(
     resident: list[bool],
     gpu_s: list[float],
     cpu_s: list[float],
-    move_s: float,
+    copy_s: float,
+    lands: list[float],
 ) -> tuple[list[int], list[int]]:
     """(CPU experts, GPU experts): experts in decreasing order of what the GPU saves (``cpu -
-    gpu``, a non-resident one's copy counted; ties: routing order), each to the side whose
-    finish keeps ``max(T_GPU, T_CPU)`` lower (the GPU on ties). The GPU side waits for each
-    copy, copies queued on the link; ``gpu_s``/``cpu_s`` are per expert, in ``experts`` order."""
+    gpu``, less ``copy_s`` for a non-resident one; ties: routing order), each to the side
+    whose finish keeps ``max(T_GPU, T_CPU)`` lower (the GPU on ties). The i-th non-resident
+    expert the GPU side takes waits for its copy to land at ``lands[i]`` (relative to the
+    layer's start); ``gpu_s``/``cpu_s`` are per expert, in ``experts`` order."""
     idx = list(range(len(experts)))
-    saved = [cpu_s[i] - gpu_s[i] - (0.0 if resident[experts[i]] else move_s) for i in idx]
+    saved = [cpu_s[i] - gpu_s[i] - (0.0 if resident[experts[i]] else copy_s) for i in idx]
     idx.sort(key=lambda i: -saved[i])
-    t_gpu = t_cpu = t_link = 0.0
+    t_gpu = t_cpu = 0.0
+    moved = 0
     gpu_q: list[int] = []
     cpu_q: list[int] = []
     for i in idx:
         e = experts[i]
+        m = 0
         if resident[e]:
             g = t_gpu + gpu_s[i]
-            link = t_link
         else:
-            link = t_link + move_s
-            g = max(t_gpu, link) + gpu_s[i]
+            m = 1
+            g = max(t_gpu, lands[moved]) + gpu_s[i]
         c = t_cpu + cpu_s[i]
         if max(g, t_cpu) <= max(t_gpu, c):
-            t_gpu, t_link = g, link
+            t_gpu = g
+            moved += m
             gpu_q.append(e)
         else:
             t_cpu = c
@@ -137,7 +145,6 @@ class DALIPolicy(CachingPolicy):
         self.prefetch_opt = int(o["prefetch"])
         self.buffers = int(o["temp_buffers"])
         self.n_pre = 0
-        self.move_s = 0.0
         self.gpu1 = 0.0
         self.cpu1 = 0.0
         self.copies = PendingCopies()
@@ -161,9 +168,7 @@ class DALIPolicy(CachingPolicy):
         self.steps = [0] * m.moe_layers
         self.copies = PendingCopies()
         self._memo = {}  # another model or machine: other times
-        self.move_s = costs.h2d_expert_s(pinned=True)
-        self.gpu1 = costs.gpu_expert_s(1)
-        self.cpu1 = costs.cpu_expert_s(1) + 2 * costs.activation_copy_s(1)
+        self.gpu1, self.cpu1 = costs.decision_split_times(1)
         return list(super().setup(ctx))
 
     def unevictable(self, layer: int) -> set[int] | None:
@@ -178,7 +183,7 @@ class DALIPolicy(CachingPolicy):
         """The resident expert with the lowest window workload outside ``protected``
         (ties: the lower id)."""
         row = self.work[layer]
-        cands = [e for e in self.cache[layer] if e not in protected]
+        cands = [e for e in self.residents(layer) if e not in protected]
         if not cands:
             raise AssertionError("caller guarantees an unprotected resident expert")
         return min(cands, key=lambda e: (row[e], e))
@@ -205,14 +210,16 @@ class DALIPolicy(CachingPolicy):
             if hit is None:
                 hit = self._memo[flags] = greedy_assign(
                     list(range(len(experts))), loads, list(flags),
-                    [self.gpu1] * len(experts), [self.cpu1] * len(experts), self.move_s,
+                    [self.gpu1] * len(experts), [self.cpu1] * len(experts), view.copy_s,
+                    view.copy_lands(flags.count(False), idle=True),
                 )  # fmt: skip
             cpu_q = [experts[i] for i in hit[0]]
             gpu_q = [experts[i] for i in hit[1]]
         else:
             cpu_q, gpu_q = greedy_assign(
                 experts, loads, resident, [self.gpu_s(n) for n in loads],
-                [self.cpu_s(n) for n in loads], self.move_s,
+                [self.cpu_s(n) for n in loads], view.copy_s,
+                view.copy_lands(sum(1 for e in experts if not resident[e]), idle=True),
             )  # fmt: skip
         # the resident GPU experts are the cache's hits; the others its own way
         plan = self.serve(view, [e for e in gpu_q if resident[e]])
@@ -236,31 +243,30 @@ class DALIPolicy(CachingPolicy):
 
     def gpu_s(self, n: int) -> float:
         """Expected GPU time of an expert with ``n`` tokens."""
-        return self.gpu1 if n == 1 else self._costs.gpu_expert_s(n)
+        return self.gpu1 if n == 1 else self._costs.decision_split_times(n)[0]
 
     def cpu_s(self, n: int) -> float:
         """Expected CPU time of an expert with ``n`` tokens (its activations' trip included)."""
         if n == 1:
             return self.cpu1
-        return self._costs.cpu_expert_s(n) + 2 * self._costs.activation_copy_s(n)
+        return self._costs.decision_split_times(n)[1]
 
     def _swap(self, view: View, plan: Plan, layer: int, protected: set[int]) -> None:
         """The window's end: the highest-workload non-resident experts in, each replacing the
         lowest-workload resident (outside this token's experts and copies in flight)."""
         row = self.work[layer]
-        resident: list[bool] = view.resident[layer].tolist()
-        cache = self.cache[layer]
+        resident = self._row(layer)  # the engine's, with this plan's changes
         keep = set(protected)
         extra = self.unevictable(layer)
         if extra:
             keep |= extra
         ins = sorted(
-            (e for e in range(len(row)) if row[e] > 0 and not resident[e] and e not in cache),
+            (e for e in range(len(row)) if row[e] > 0 and not resident[e]),
             key=lambda e: (-row[e], e),
         )
         for e in ins[: self.n_swap]:
-            if len(cache) >= self.quota[layer] and not any(
-                row[x] < row[e] for x in cache if x not in keep
+            if self.occupied(layer) >= self.quota[layer] and not any(
+                row[x] < row[e] for x in self.residents(layer) if x not in keep
             ):
                 break  # every evictable resident worked as much: nothing to gain
             if not self._prefetch_into(plan, layer, e, keep, view.step):
@@ -278,16 +284,15 @@ class DALIPolicy(CachingPolicy):
         if ahead is None or view.counts is not None:
             return  # a prompt pass or a batched step has no layer-early view
         pred = [int(e) for e in ahead.tolist() if e >= 0]
-        resident: list[bool] = view.resident[nl].tolist()
-        cache = self.cache[nl]
-        if all(resident[e] or e in cache for e in pred[: self.n_pre]):
+        resident = self._row(nl)  # the engine's, with this plan's changes
+        if all(resident[e] for e in pred[: self.n_pre]):
             return
         keep = set(pred)
         extra = self.unevictable(nl)
         if extra:
             keep |= extra
         for e in pred[: self.n_pre]:
-            if resident[e] or e in cache:
+            if resident[e]:
                 continue
             if not self._prefetch_into(plan, nl, e, keep, view.step):
                 break

@@ -26,17 +26,9 @@ from typing import Any, Final
 import numpy as np
 
 from daopsim.policies._mypyc import mypyc_attr
-from daopsim.policies.base import (
-    Action,
-    Param,
-    Plan,
-    Policy,
-    ResourceSpec,
-    SetupContext,
-    Slot,
-    View,
-    quota_then_global,
-)
+from daopsim.policies.base import Action, Plan, Policy, ResourceSpec, SetupContext, Slot, View
+from daopsim.policies.options import Param
+from daopsim.policies.placement import quota_then_global
 from daopsim.policies.registry import register
 from daopsim.simulator.errors import UserError
 

@@ -4,7 +4,7 @@ Source: Fiddler, ICLR 2025 (arXiv 2402.07033), code efeslab/fiddler@227715b
 ``src/fiddler/mixtral.py``; its mechanism and break-even rule in docs/references.md#fiddler.
 
 - Placement: the globally most popular ``budget`` (layer, expert) pairs of a calibration ranking
-  (``daopsim.policies.base.global_top``); no per-layer minimum, never changed afterwards.
+  (``daopsim.policies.placement.global_top``); no per-layer minimum, never changed afterwards.
 - Routing is exact; no prediction, no prefetch, no replacement.
 - Decode: a resident selected expert runs on the GPU; every other selected expert runs on the
   CPU (activations to the host and back). Fiddler does this synchronously within the layer:
@@ -34,15 +34,15 @@ from typing import Final
 from daopsim.policies._mypyc import mypyc_attr
 from daopsim.policies.base import (
     Action,
-    Param,
     Plan,
     ResourceSpec,
     SetupContext,
     Slot,
     StaticPlacementPolicy,
     View,
-    global_top,
 )
+from daopsim.policies.options import Param
+from daopsim.policies.placement import global_top
 from daopsim.policies.registry import register
 
 GPU: Final = Action.GPU

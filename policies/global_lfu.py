@@ -55,9 +55,10 @@ class GlobalLFUPolicy(GlobalCachingPolicy):
         stats = self.stats
         if len(heap) > 64 + 8 * self.capacity:  # mostly stale: rebuild from the live slots
             freq, last = stats.freq, stats.last
+            mask = self.cached
             heap[:] = [
                 (freq[lay][e], last[lay][e], lay, e)
-                for lay, row in enumerate(self._on)
+                for lay, row in enumerate(mask.tolist())
                 for e, on in enumerate(row)
                 if on and (lay, e) != (layer, expert)
             ]
@@ -77,14 +78,14 @@ class GlobalLFUPolicy(GlobalCachingPolicy):
     def choose_victim(self, layer: int, protected: set[int], step: int) -> Slot:
         """Fewest accesses over all layers; ties by least recent use (ticks are unique): the
         smallest live heap entry outside ``protected``."""
-        heap, on = self.heap, self._on
+        heap = self.heap
         freq, last = self.stats.freq, self.stats.last
         kept = []  # live entries of protected slots, pushed back afterwards
         victim: Slot | None = None
         while heap:
             entry = heapq.heappop(heap)
             f, tick, lay, e = entry
-            if not on[lay][e] or last[lay][e] != tick or freq[lay][e] != f:
+            if not self.is_resident(lay, e) or last[lay][e] != tick or freq[lay][e] != f:
                 continue  # stale
             if lay == layer and e in protected:
                 kept.append(entry)

@@ -39,8 +39,9 @@ from typing import Any, Final
 import numpy as np
 
 from daopsim.policies._mypyc import mypyc_attr
-from daopsim.policies.base import Action, Param, Plan, ResourceSpec, SetupContext, Slot, View
+from daopsim.policies.base import Action, Plan, ResourceSpec, SetupContext, Slot, View
 from daopsim.policies.lru import LRUPolicy
+from daopsim.policies.options import Param
 from daopsim.policies.registry import register
 from daopsim.simulator.errors import UserError
 from daopsim.simulator.precisions import DTYPES

@@ -24,13 +24,16 @@ runtime profile.
   descending; repeatedly the GPU side is offered the first of the list and the CPU side the
   last, and the one whose queue would finish earlier takes it. A GPU expert takes
   ``gpu(n)``; a non-resident one it takes must first be copied, so the GPU side waits until
-  the copies issued so far plus this one have landed (``move``); a CPU expert takes ``cpu(n)``.
+  that copy lands (the copies issued so far plus this one); a CPU expert takes ``cpu(n)``.
   With ``constants = "model"`` (default) those are the cost model's own times
-  (``gpu_expert_s(n)``; ``cpu_expert_s(n)`` plus the activations' round trip,
-  ``2 x activation_copy_s(n)``; ``h2d_expert_s(pinned)``): the paper profiles CPU, GPU and
-  transfer times at warm-up. ``constants = "code"``: the released code's placeholders (GPU 0.5
-  per expert, CPU ``1 x tokens`` plus 0.79 for the first CPU expert, transfer 0.4179, relative
-  units marked "need to be tested"). What runs is timed by the engine either way. A
+  (``CostModel.decision_split_times``: ``gpu_expert_s(n)``, and ``cpu_expert_s(n)`` plus the
+  activations' round trip) and the copies land when the engine's lane rule says, from an idle
+  lane (``View.copy_lands(..., idle=True)``, each copy ``View.copy_s``): the paper profiles
+  CPU, GPU and transfer times at warm-up, and its schedule does not watch the copy queue.
+  ``constants = "code"``: the released code's placeholders (GPU 0.5 per expert, CPU
+  ``1 x tokens`` plus 0.79 for the first CPU expert, transfer 0.4179 per copy, one after
+  another: relative units, no link, marked "need to be tested"). What runs is timed by the
+  engine either way. A
   non-resident GPU expert is fetched into the cache (the MRS victim evicted) in decode, and in
   prefill into a free slot of its layer, else into a temporary buffer (the code's per-layer
   buffer); a batched serving step takes the decode rule with the batch's loads.
@@ -56,9 +59,10 @@ from collections.abc import Callable
 from typing import Any, Final
 
 from daopsim.policies._mypyc import mypyc_attr
-from daopsim.policies.base import Action, Param, Plan, ResourceSpec, SetupContext, Slot, View
+from daopsim.policies.base import Action, Plan, ResourceSpec, SetupContext, Slot, View
 from daopsim.policies.caching import PendingCopies
 from daopsim.policies.lru import LRUPolicy
+from daopsim.policies.options import Param
 from daopsim.policies.registry import register
 from daopsim.simulator.costs import CostModel
 
@@ -83,21 +87,21 @@ def hybrid_schedule(
     load: Callable[[int], int],
     gpu_s: Callable[[int], float],
     cpu_s: Callable[[int], float],
-    move_s: float,
+    lands: list[float],
     cpu_first_s: float,
     ready: dict[int, float] | None = None,
-    link_free: float = 0.0,
 ) -> tuple[list[int], list[int], float]:
     """HybriMoE's HSS: (CPU experts, GPU experts, the simulated layer time). Resident experts
     go first by load (descending), then the others by load (descending); the GPU side is
     offered the list's first, the CPU side its last, and the side that would finish earlier
-    takes it. A non-resident GPU expert waits for its copy, copies queued one after another
-    from ``link_free``; a resident one whose copy is still landing waits until its ``ready``
-    time (both relative to the layer's start; the prefetch's simulation of layer l+1)."""
+    takes it. The i-th non-resident expert the GPU side takes waits for its copy to land at
+    ``lands[i]`` (at least one entry per non-resident expert); a resident one whose copy is
+    still landing waits until its ``ready`` time (both relative to the layer's start; the
+    prefetch's simulation of layer l+1)."""
     order = sorted(cached, key=load, reverse=True) + sorted(uncached, key=load, reverse=True)
     moving = set(uncached)
     gpu_t = cpu_t = 0.0
-    move_t = link_free
+    moved = 0
     gpu_q: list[int] = []
     cpu_q: list[int] = []
     lo, hi = 0, len(order) - 1
@@ -107,17 +111,18 @@ def hybrid_schedule(
         c = cpu_s(load(last))
         if not cpu_q:
             c += cpu_first_s
-        m = 0.0
+        m = 0
         if first in moving:
-            m = move_s
-            if move_t + m > gpu_t:
-                g += move_t + m - gpu_t
+            m = 1
+            land = lands[moved]
+            if land > gpu_t:
+                g += land - gpu_t
         elif ready is not None:
             r = ready.get(first, 0.0)
             if r > gpu_t:
                 g += r - gpu_t
         if gpu_t + g <= cpu_t + c:
-            move_t += m
+            moved += m
             gpu_t += g
             gpu_q.append(first)
             lo += 1
@@ -187,7 +192,6 @@ class HybriMoEPolicy(LRUPolicy):
         self.buffers = int(o["temp_buffers"])
         self.top_p = 0
         self.n_pre = 0
-        self.move_s = 0.0
         self.cpu_first_s = 0.0
         self.gpu1 = 0.0
         self.cpu1 = 0.0
@@ -218,13 +222,11 @@ class HybriMoEPolicy(LRUPolicy):
         self._split_memo = {}  # another model or machine: other times
         self._pre_memo = {}
         if self.code:
-            self.move_s, self.cpu_first_s = CODE_MOVE, CODE_CPU_FIRST
+            self.cpu_first_s = CODE_CPU_FIRST
             self.gpu1, self.cpu1 = CODE_GPU, CODE_CPU_PER_TOKEN
         else:
-            self.move_s = costs.h2d_expert_s(pinned=True)
             self.cpu_first_s = 0.0
-            self.gpu1 = costs.gpu_expert_s(1)
-            self.cpu1 = costs.cpu_expert_s(1) + 2 * costs.activation_copy_s(1)
+            self.gpu1, self.cpu1 = costs.decision_split_times(1)
         self._costs = costs
         return list(super().setup(ctx))
 
@@ -233,7 +235,7 @@ class HybriMoEPolicy(LRUPolicy):
         """Expected GPU time of an expert with ``n`` tokens."""
         if self.code:
             return CODE_GPU
-        return self.gpu1 if n == 1 else self._costs.gpu_expert_s(n)
+        return self.gpu1 if n == 1 else self._costs.decision_split_times(n)[0]
 
     def cpu_s(self, n: int) -> float:
         """Expected CPU time of an expert with ``n`` tokens (its activations' trip included)."""
@@ -241,7 +243,23 @@ class HybriMoEPolicy(LRUPolicy):
             return CODE_CPU_PER_TOKEN * n
         if n == 1:
             return self.cpu1
-        return self._costs.cpu_expert_s(n) + 2 * self._costs.activation_copy_s(n)
+        return self._costs.decision_split_times(n)[1]
+
+    def lands(self, view: View, n: int, queued: int = 0, wait: float = 0.0) -> list[float]:
+        """When each of ``n`` copies issued ``wait`` after the decision lands, behind
+        ``queued`` copies issued at it, relative to their issue: the engine's lane rule from
+        an idle lane (``View.copy_lands``); ``constants = "code"``: the code's transfer
+        placeholder per copy, one after another from ``queued`` of them."""
+        if self.code:
+            t = queued * CODE_MOVE - wait
+            if t < 0.0:
+                t = 0.0
+            out: list[float] = []
+            for _ in range(n):
+                t += CODE_MOVE
+                out.append(t)
+            return out
+        return view.copy_lands(n, queued, wait, idle=True)
 
     # -- MRS -----------------------------------------------------------------------------------
     def update_scores(self, layer: int, probs: list[float]) -> None:
@@ -290,8 +308,9 @@ class HybriMoEPolicy(LRUPolicy):
             hit = self._split_memo.get(self.split_key)
             if hit is None:
                 cpu_q, gpu_q, self.span = hybrid_schedule(
-                    cached, missing, load, self.gpu_s, self.cpu_s, self.move_s, self.cpu_first_s
-                )
+                    cached, missing, load, self.gpu_s, self.cpu_s,
+                    self.lands(view, len(missing)), self.cpu_first_s,
+                )  # fmt: skip
                 self._split_memo[self.split_key] = (len(gpu_q), self.span)
             else:
                 order = cached + missing
@@ -300,14 +319,16 @@ class HybriMoEPolicy(LRUPolicy):
                 cpu_q = order[n_gpu:][::-1]
         elif self.sched == "hybrid" and missing:
             cpu_q, gpu_q, self.span = hybrid_schedule(
-                cached, missing, load, self.gpu_s, self.cpu_s, self.move_s, self.cpu_first_s
-            )
+                cached, missing, load, self.gpu_s, self.cpu_s,
+                self.lands(view, len(missing)), self.cpu_first_s,
+            )  # fmt: skip
         elif self.sched == "cpu":
             cpu_q, gpu_q = missing, cached
             self.span = self._serial(cached, missing, load)
         else:
             cpu_q, gpu_q = [], experts
-            self.span = self._serial(experts, [], load) + self.move_s * len(missing)
+            lands = self.lands(view, len(missing))
+            self.span = self._serial(experts, [], load) + (lands[-1] if lands else 0.0)
         self.moves = sum(1 for e in gpu_q if not resident[e])
         return cpu_q, gpu_q
 
@@ -358,11 +379,11 @@ class HybriMoEPolicy(LRUPolicy):
         plan = self.serve(view, [e for e in gpu_q if resident[e]])
         actions = plan.actions
         assert actions is not None
-        cache, cap = self.cache[layer], self.quota[layer]
+        cap = self.quota[layer]
         for e in gpu_q:
             if resident[e]:
                 continue
-            if len(cache) < cap:
+            if self.occupied(layer) < cap:
                 actions[e] = FETCH
                 self._admit(layer, e, view.step)
                 self.touch(layer, e, view.step, 1 if counts is None else int(counts[e]))
@@ -387,7 +408,9 @@ class HybriMoEPolicy(LRUPolicy):
         key = (*self.split_key, len(ahead) - len(missing), len(missing))
         n = self._pre_memo.get(key)
         if n is None:
-            n = self._pre_memo[key] = self._prefetch_count(len(ahead) - len(missing), len(missing))
+            n = self._pre_memo[key] = self._prefetch_count(
+                view, len(ahead) - len(missing), len(missing)
+            )
         if not n:
             return
         keep = set(ahead)
@@ -399,52 +422,53 @@ class HybriMoEPolicy(LRUPolicy):
                 break
             self.copies.prefetch((nl, e))
 
-    def _prefetch_count(self, n_cached: int, n_missing: int) -> int:
+    def _prefetch_count(self, view: View, n_cached: int, n_missing: int) -> int:
         """How many of layer+1's predicted experts the impact-driven greedy prefetches, with
         ``n_cached`` of them resident and ``n_missing`` not, after the current layer's split
         (:attr:`span`, :attr:`moves`). At one token per expert the candidates are alike, so
-        each round's best is the first one left (the view's order)."""
+        each round's best is the first one left (the view's order). The copies land as
+        :meth:`lands` says: the current layer's own copies first, then the prefetches, then
+        (issued when layer+1 starts, :attr:`span` from now) layer+1's own."""
         cached = list(range(n_cached))
         missing = list(range(n_cached, n_cached + n_missing))
         lead = self.span
-        link = self.moves * self.move_s  # the current layer's own copies go first
+        queued = self.moves  # the current layer's own copies go first
         ready: dict[int, float] = {}
         n = 0
         for _ in range(self.n_pre):
             if not missing:
                 break
-            base = self._next_span(cached, missing, ready, max(0.0, link - lead))
-            land = link + self.move_s
+            base = self._next_span(
+                cached, missing, ready, self.lands(view, len(missing), queued, lead)
+            )
             e = missing[0]
-            ready[e] = max(0.0, land - lead)
-            if base - self._next_span([*cached, e], missing[1:], ready, ready[e]) <= 0.0:
+            ready[e] = max(0.0, self.lands(view, 1, queued)[0] - lead)
+            after = self.lands(view, len(missing) - 1, queued + 1, lead)
+            if base - self._next_span([*cached, e], missing[1:], ready, after) <= 0.0:
                 break
             n += 1
-            link = land
+            queued += 1
             cached.append(e)
             missing.remove(e)
         return n
 
     def _next_span(
-        self, cached: list[int], missing: list[int], ready: dict[int, float], link_free: float
+        self, cached: list[int], missing: list[int], ready: dict[int, float], lands: list[float]
     ) -> float:
         """The simulated time of layer+1 at one token per expert, with ``cached`` resident
-        (landing at ``ready``) and the link free from ``link_free``, under ``schedule``."""
+        (landing at ``ready``) and its own copies landing at ``lands``, under ``schedule``."""
         if self.sched == "hybrid":
             return hybrid_schedule(
-                cached, missing, _one, self.gpu_s, self.cpu_s, self.move_s, self.cpu_first_s,
-                ready, link_free,
-            )[2]  # fmt: skip
+                cached, missing, _one, self.gpu_s, self.cpu_s, lands, self.cpu_first_s, ready
+            )[2]
         gpu_t = 0.0
         for e in cached:
             gpu_t = max(gpu_t, ready.get(e, 0.0)) + self.gpu_s(1)
         if self.sched == "cpu":
             cpu_t = self.cpu_s(1) * len(missing) + (self.cpu_first_s if missing else 0.0)
             return max(gpu_t, cpu_t)
-        move_t = link_free
-        for _ in missing:
-            move_t += self.move_s
-            gpu_t = max(gpu_t, move_t) + self.gpu_s(1)
+        for i in range(len(missing)):
+            gpu_t = max(gpu_t, lands[i]) + self.gpu_s(1)
         return gpu_t
 
     def unevictable(self, layer: int) -> set[int] | None:

@@ -34,16 +34,15 @@ import numpy as np
 from daopsim.policies._mypyc import mypyc_attr
 from daopsim.policies.base import (
     Action,
-    Param,
     Plan,
     ResourceSpec,
     SetupContext,
     Slot,
     StaticPlacementPolicy,
     View,
-    global_top,
-    per_layer_quota,
 )
+from daopsim.policies.options import Param
+from daopsim.policies.placement import global_top, per_layer_quota
 from daopsim.policies.registry import register
 from daopsim.simulator.errors import DoesNotFit
 from daopsim.simulator.models import ModelShape

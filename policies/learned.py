@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 
 from daopsim.policies._mypyc import mypyc_attr
-from daopsim.policies.base import Param
 from daopsim.policies.observed import FEATURES, FeatureSink, ObservedCache
+from daopsim.policies.options import Param
 from daopsim.policies.registry import register
 from daopsim.simulator.errors import UserError
 

@@ -43,9 +43,10 @@ from collections.abc import Iterable
 from typing import Any
 
 from daopsim.policies._mypyc import mypyc_attr
-from daopsim.policies.base import Param, Plan, SetupContext, Slot, View
+from daopsim.policies.base import Plan, SetupContext, Slot, View
 from daopsim.policies.caching import PendingCopies
 from daopsim.policies.global_lru import GlobalLRUPolicy
+from daopsim.policies.options import Param
 from daopsim.policies.registry import register
 
 
@@ -164,7 +165,7 @@ class LeastStalePolicy(GlobalLRUPolicy):
         """Copy the layer-early view's top ``prefetch_k`` experts of layer+1 in, each evicting
         the Least-Stale victim outside that view and outside the pending copies."""
         nl = view.layer + 1
-        row = self._on[nl]
+        row = self._row(nl)
         keep = set(ahead)
         running = set(now)
         limit = self.capacity - 2 * self.model.top_k
@@ -172,13 +173,11 @@ class LeastStalePolicy(GlobalLRUPolicy):
             if row[e] or len(self.copies.pending) >= limit:
                 continue
             victim: Slot | None = None
-            if self.size >= self.capacity:
+            if self.size() >= self.capacity:
                 victim = self._prefetch_victim(nl, keep, running, view.step)
                 if victim is None:
                     break
                 self._evict(victim)
-            else:
-                self.size += 1
             self._admit(nl, e, view.step)
             self.copies.prefetch((nl, e))
             plan.prefetch.append((nl, e, victim))

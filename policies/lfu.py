@@ -87,7 +87,7 @@ class LFUPolicy(CachingPolicy):
         """Fewest accesses; ties by least recent use."""
         freq, last = self.stats.freq[layer], self.stats.last[layer]
         best = -1
-        for e in self.cache[layer]:
+        for e in self.residents(layer):
             if e in protected:
                 continue
             if best < 0 or (freq[e], last[e]) < (freq[best], last[best]):

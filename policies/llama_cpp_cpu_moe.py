@@ -37,7 +37,6 @@ from daopsim.policies._mypyc import mypyc_attr
 from daopsim.policies.base import (
     ALL_GPU_PLAN,
     Action,
-    Param,
     Plan,
     ResourceSpec,
     SetupContext,
@@ -45,6 +44,7 @@ from daopsim.policies.base import (
     StaticPlacementPolicy,
     View,
 )
+from daopsim.policies.options import Param
 from daopsim.policies.registry import register
 from daopsim.simulator.errors import DoesNotFit, UserError
 from daopsim.simulator.models import ModelShape

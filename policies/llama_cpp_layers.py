@@ -31,13 +31,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from daopsim.policies._mypyc import mypyc_attr
-from daopsim.policies.base import (
-    Param,
-    ResourceSpec,
-    SetupContext,
-    Slot,
-)
+from daopsim.policies.base import ResourceSpec, SetupContext, Slot
 from daopsim.policies.llama_cpp_cpu_moe import OFFLOAD_MIN_BATCH, LeadingCpuLayers
+from daopsim.policies.options import Param
 from daopsim.policies.registry import register
 from daopsim.simulator.errors import DoesNotFit, UserError
 from daopsim.simulator.models import ModelShape

@@ -62,9 +62,10 @@ from collections.abc import Iterable
 from typing import Any
 
 from daopsim.policies._mypyc import mypyc_attr
-from daopsim.policies.base import Param, Plan, ResourceSpec, SetupContext, Slot, View
+from daopsim.policies.base import Plan, ResourceSpec, SetupContext, Slot, View
 from daopsim.policies.caching import PendingCopies
 from daopsim.policies.lru import LRUPolicy
+from daopsim.policies.options import Param
 from daopsim.policies.registry import register
 from daopsim.simulator.errors import UserError
 
@@ -175,10 +176,8 @@ class MixtralOffloadingPolicy(LRUPolicy):
         pending = self.unevictable(nl)
         if pending:
             protected |= pending
-        resident: list[bool] = view.resident[nl].tolist()
-        cache = self.cache[nl]
         for e in nxt[: self.k_pre]:
-            if resident[e] or e in cache:
+            if self.is_resident(nl, e):
                 continue
             if not self._prefetch_into(plan, nl, e, protected, view.step):
                 break

@@ -75,17 +75,9 @@ from typing import Any, Final
 import numpy as np
 
 from daopsim.policies._mypyc import mypyc_attr
-from daopsim.policies.base import (
-    ALL_GPU_PLAN,
-    Action,
-    Param,
-    Plan,
-    Policy,
-    SetupContext,
-    Slot,
-    View,
-)
+from daopsim.policies.base import ALL_GPU_PLAN, Action, Plan, Policy, SetupContext, Slot, View
 from daopsim.policies.caching import global_initial
+from daopsim.policies.options import Param
 from daopsim.policies.registry import register
 from daopsim.simulator.errors import UserError
 

@@ -146,8 +146,7 @@ class ObservedCache(CachingPolicy):
 
     def choose_victim(self, layer: int, protected: set[int], step: int) -> int:
         """Ask :meth:`decide` among the resident experts outside ``protected`` (by id)."""
-        candidates = [e for e in self.cache[layer] if e not in protected]
-        candidates.sort()
+        candidates = [e for e in self.residents(layer) if e not in protected]
         return self.decide(layer, candidates)
 
     def decide(self, layer: int, candidates: list[int]) -> int:
@@ -158,12 +157,12 @@ class ObservedCache(CachingPolicy):
     def recency_order(self, layer: int) -> list[int]:
         """The layer's resident experts, least recently used first."""
         ticks = self.last_tick[layer]
-        return sorted(self.cache[layer], key=ticks.__getitem__)
+        return sorted(self.residents(layer), key=ticks.__getitem__)
 
     def lru_ranks(self, layer: int) -> np.ndarray:
         """Each expert's rank in the layer's recency order (0 = least recently used; the
         non-resident ones get the number of resident experts)."""
-        ranks = np.full(self.n_experts, len(self.cache[layer]), dtype=np.int64)
+        ranks = np.full(self.n_experts, self.occupied(layer), dtype=np.int64)
         order = self.recency_order(layer)
         ranks[order] = np.arange(len(order))
         return ranks
@@ -226,7 +225,7 @@ class ObservedCache(CachingPolicy):
         assert view is not None, "features are read during a decision"
         step: int = view.step
         n_exp = self.n_experts
-        cache = self.cache[layer]
+        cache = self.residents(layer)
         n_res = len(cache)
         ticks = self.last_tick[layer]
         rank_div = float(max(1, n_res - 1))

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from daopsim.policies.base import Param, Policy
+from daopsim.policies.base import Policy
+from daopsim.policies.options import Param
 from daopsim.simulator.errors import UserError, did_you_mean
 
 ENTRY_POINT_GROUP = "daopsim.policies"

@@ -48,17 +48,9 @@ from collections.abc import Iterable
 from typing import Any, Final
 
 from daopsim.policies._mypyc import mypyc_attr
-from daopsim.policies.base import (
-    Action,
-    Param,
-    Plan,
-    Policy,
-    ResourceSpec,
-    SetupContext,
-    Slot,
-    View,
-    low_bit_slots_per_expert,
-)
+from daopsim.policies.base import Action, Plan, Policy, ResourceSpec, SetupContext, Slot, View
+from daopsim.policies.options import Param
+from daopsim.policies.placement import low_bit_slots_per_expert
 from daopsim.policies.registry import register
 from daopsim.simulator.errors import UserError
 from daopsim.simulator.precisions import DTYPES

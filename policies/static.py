@@ -14,16 +14,15 @@ from daopsim.policies._mypyc import mypyc_attr
 from daopsim.policies.base import (
     ALL_GPU_PLAN,
     Action,
-    Param,
     Plan,
     ResourceSpec,
     SetupContext,
     Slot,
     StaticPlacementPolicy,
     View,
-    global_top,
-    quota_then_global,
 )
+from daopsim.policies.options import Param
+from daopsim.policies.placement import global_top, quota_then_global
 from daopsim.policies.registry import register
 
 

@@ -56,16 +56,8 @@ from collections.abc import Iterable
 from typing import Any, Final
 
 from daopsim.policies._mypyc import mypyc_attr
-from daopsim.policies.base import (
-    Action,
-    Param,
-    Plan,
-    Policy,
-    ResourceSpec,
-    SetupContext,
-    Slot,
-    View,
-)
+from daopsim.policies.base import Action, Plan, Policy, ResourceSpec, SetupContext, Slot, View
+from daopsim.policies.options import Param
 from daopsim.policies.registry import register
 from daopsim.simulator.errors import UserError
 

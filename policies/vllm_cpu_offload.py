@@ -38,7 +38,6 @@ from daopsim.policies._mypyc import mypyc_attr
 from daopsim.policies.base import (
     ALL_GPU_PLAN,
     Action,
-    Param,
     Plan,
     Policy,
     ResourceSpec,
@@ -46,6 +45,7 @@ from daopsim.policies.base import (
     Slot,
     View,
 )
+from daopsim.policies.options import Param
 from daopsim.policies.registry import register
 from daopsim.simulator.errors import DoesNotFit
 

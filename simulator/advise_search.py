@@ -42,7 +42,7 @@ def range_of(param: Any, model: Any) -> tuple[int, int] | None:
     name = getattr(param, "search", None)
     if not name:
         return None
-    from daopsim.policies.base import search_range
+    from daopsim.policies.options import search_range
 
     return search_range(name, model)
 

@@ -406,6 +406,17 @@ class CostModel:
             return self.decision_cpu_expert_s(), self.decision_load_s()
         return self.cpu_expert_s(1), self.h2d_expert_s(pinned=False)
 
+    def decision_split_times(self, n_tokens: int) -> tuple[float, float]:
+        """What a CPU/GPU split of a layer's experts (HybriMoE's, DALI's) believes an expert
+        with ``n_tokens`` tokens takes: on the GPU (:meth:`gpu_expert_s`) and on the CPU with
+        its activations' trip to the host and back (:meth:`cpu_expert_s` plus two
+        :meth:`activation_copy_s`). Inputs of a decision (the systems profile them at
+        warm-up), not execution times; a copy's time comes from the engine's lane
+        (``View.copy_s``, ``View.copy_lands``)."""
+        return self.gpu_expert_s(n_tokens), (
+            self.cpu_expert_s(n_tokens) + 2 * self.activation_copy_s(n_tokens)
+        )
+
     # --- GPU -------------------------------------------------------------------------------------
     def kernel_s(self, n_tokens: float) -> float:
         """Device-visible seconds of one kernel over ``n_tokens``: a graph replay's node cost

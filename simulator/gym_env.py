@@ -79,7 +79,7 @@ class AgentCache(ObservedCache):
         routed = np.zeros(n_exp, dtype=np.int8)
         routed[view.experts] = 1
         resident = np.zeros(n_exp, dtype=np.int8)
-        resident[self.cache[layer]] = 1
+        resident[self.residents(layer)] = 1
         mask = np.zeros(n_exp, dtype=np.int8)
         mask[candidates] = 1
         st = self.layer_stats(layer)

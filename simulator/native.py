@@ -62,7 +62,12 @@ CORE = (
 #: that their calls to each other are direct C calls (every other module is a library of its
 #: own). Editing one of them takes the others out of the compiled build with it, as their
 #: imports of each other mostly would anyway.
-CORE_GROUP = (*CORE, "daopsim.policies.base")
+CORE_GROUP = (
+    *CORE,
+    "daopsim.policies.base",
+    "daopsim.policies.options",
+    "daopsim.policies.placement",
+)
 #: the core group's library: ``daopsim/simulator/core/native__mypyc.<ext>``
 GROUP = "daopsim.simulator.core.native"
 #: policy modules that stay interpreted: the package, the registry (plugins, entry points) and

@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from daopsim.policies.base import Policy, low_bit_slots_per_expert
+from daopsim.policies.base import Policy
+from daopsim.policies.placement import low_bit_slots_per_expert
 from daopsim.policies.registry import get_policy_class
 from daopsim.simulator.arrivals import Arrival, read_arrivals
 from daopsim.simulator.boundary import check_declarations, construct_policy

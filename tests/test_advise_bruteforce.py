@@ -19,7 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 import daopsim
-from daopsim.policies.base import search_range
+from daopsim.policies.options import search_range
 from daopsim.simulator.advise import advise
 from daopsim.simulator.advise_answer import Advice, AdviceRow
 from daopsim.simulator.cli import main

@@ -238,7 +238,7 @@ def test_the_build_records_what_each_module_imports(tmp_path: Path) -> None:
     mods = native.candidates(REPO)
     rec = native.record(REPO, mods, {})["modules"]
     assert rec["daopsim.policies.hobbit"]["imports"] == [
-        "daopsim.policies.base", "daopsim.policies.lru"]  # fmt: skip
+        "daopsim.policies.base", "daopsim.policies.lru", "daopsim.policies.options"]  # fmt: skip
     assert "daopsim.policies.base" in rec["daopsim.simulator.boundary"]["imports"]
     assert rec["daopsim.simulator.heap"]["imports"] == []
     src = tmp_path / "x.py"

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from daopsim.policies.base import per_layer_quota
+from daopsim.policies.placement import per_layer_quota
 from daopsim.policies.registry import available
 from daopsim.simulator.calibration import split_sequences
 from daopsim.simulator.data import resolve_trace

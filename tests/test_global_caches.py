@@ -22,7 +22,8 @@ import pytest
 from click.testing import CliRunner
 from test_conformance import HW, Step, eval_steps
 
-from daopsim.policies.base import SetupContext, per_layer_quota
+from daopsim.policies.base import SetupContext
+from daopsim.policies.placement import per_layer_quota
 from daopsim.policies.registry import available, make_policy
 from daopsim.simulator.cli import main
 from daopsim.simulator.costs import cost_model
@@ -225,14 +226,11 @@ def test_belady_global_ties_and_order() -> None:
     pol.setup(_ctx(m, 6, oracle=oracle))
     for slot in ((2, 0), (1, 0), (2, 1), (1, 1), (0, 1)):
         pol.inserted(*slot, 0)
-        pol.cached[slot] = True
     # never used again: (1, 0) and (2, 0) -> the lower layer
     assert pol.choose_victim(0, {0}, 0) == (1, 0)
     pol.removed(1, 0)
-    pol.cached[1, 0] = False
     assert pol.choose_victim(0, {0}, 0) == (2, 0)
     pol.removed(2, 0)
-    pol.cached[2, 0] = False
     # all next used at step 1: layer 2 comes last in that step
     assert pol.choose_victim(0, {1}, 0) == (2, 1)
     # deciding at layer 1 of step 0: (2, 1) is protected only in its own layer

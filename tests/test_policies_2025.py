@@ -187,18 +187,18 @@ def test_hybrid_schedule_by_hand() -> None:
     """a cached; b, c not. GPU 1, CPU 3, copy 2. a to the GPU (1 <= 3); b to the GPU once its
     copy lands (at 2, then 1: 3 <= 3); c: GPU at 5 (its copy queued behind b's) vs CPU at 3."""
     cpu, gpu, span = hybrid_schedule(
-        [0], [1, 2], lambda e: 1, lambda n: 1.0, lambda n: 3.0, 2.0, 0.0
+        [0], [1, 2], lambda e: 1, lambda n: 1.0, lambda n: 3.0, [2.0, 4.0], 0.0
     )
     assert (cpu, gpu, span) == ([2], [0, 1], 3.0)
     # loads order each side: the heaviest cached expert first on the GPU, the lightest
     # uncached one first on the CPU
     loads = {0: 1, 1: 9, 2: 2, 3: 5}
     cpu, gpu, _ = hybrid_schedule(
-        [0, 1], [2, 3], loads.__getitem__, lambda n: 1.0, lambda n: float(n), 10.0, 0.0
+        [0, 1], [2, 3], loads.__getitem__, lambda n: 1.0, lambda n: float(n), [10.0, 20.0], 0.0
     )
     assert gpu[:2] == [1, 0] and cpu[0] == 2
     # an expert landing late (ready) keeps the GPU waiting
-    _, _, span = hybrid_schedule([0], [], lambda e: 1, lambda n: 1.0, lambda n: 9.0, 2.0, 0.0,
+    _, _, span = hybrid_schedule([0], [], lambda e: 1, lambda n: 1.0, lambda n: 9.0, [], 0.0,
                                  ready={0: 4.0})  # fmt: skip
     assert span == 5.0
 
@@ -238,11 +238,18 @@ def test_hybrimoe_cpu_schedule_never_changes_the_cache() -> None:
 def test_dali_greedy_by_hand() -> None:
     """Expert 0 resident saves 3 on the GPU, 1 and 2 save 1 (their copy counted). 0 to the GPU
     (1 <= 4), 1 to the GPU after its copy (3 <= 4), 2: GPU at 5 (copy queued) vs CPU at 4."""
-    cpu, gpu = greedy_assign([0, 1, 2], [1, 1, 1], [True, False, False], [1.0] * 3, [4.0] * 3, 2.0)
+    cpu, gpu = greedy_assign(
+        [0, 1, 2], [1, 1, 1], [True, False, False], [1.0] * 3, [4.0] * 3, 2.0, [2.0, 4.0]
+    )
     assert (cpu, gpu) == ([2], [0, 1])
     # a cheap CPU takes every miss; an expensive one leaves them all to the GPU
-    assert greedy_assign([0, 1], [1, 1], [False, False], [1.0] * 2, [0.5] * 2, 2.0) == ([0, 1], [])
-    assert greedy_assign([0, 1], [1, 1], [False, False], [1.0] * 2, [99.0] * 2, 2.0) == (
+    assert greedy_assign([0, 1], [1, 1], [False, False], [1.0] * 2, [0.5] * 2, 2.0, [2.0, 4.0]) == (
+        [0, 1],
+        [],
+    )
+    assert greedy_assign(
+        [0, 1], [1, 1], [False, False], [1.0] * 2, [99.0] * 2, 2.0, [2.0, 4.0]
+    ) == (
         [],
         [0, 1],
     )

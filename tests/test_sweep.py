@@ -92,7 +92,8 @@ def _test_policies(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two throw-away policies with options, registered for one test only."""
     from daopsim.policies import registry
     from daopsim.policies.all_gpu import AllGPUPolicy
-    from daopsim.policies.base import Param, ResourceSpec
+    from daopsim.policies.base import ResourceSpec
+    from daopsim.policies.options import Param
 
     class A(AllGPUPolicy):
         name = "sweeptest-a"

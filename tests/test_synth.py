@@ -139,7 +139,7 @@ def test_bundled_mixtral_trace_static_placement_matches_fiddler() -> None:
     deviation over 20 groups of a 120-sequence trace is about 2 points at both budgets, so the
     bundled draw must lie within 2 of them (4.5 points) of Fiddler's figure.
     """
-    from daopsim.policies.base import global_top
+    from daopsim.policies.placement import global_top
     from daopsim.simulator.calibration import calibration_counts
 
     path = bundled_traces()["mixtral-8x7b"]

@@ -43,7 +43,7 @@ def describe(cls: Any) -> dict[str, Any]:
 def values_text(p: dict[str, Any]) -> str:
     """The values ``daopsim advise`` tries for an option, as ``policies list`` shows them:
     the default, the choices (both values of a bool) and a searched integer range."""
-    from daopsim.policies.base import SEARCH_RANGES
+    from daopsim.policies.options import SEARCH_RANGES
 
     text = f"default {p['default']!r}"
     if p["choices"]:
