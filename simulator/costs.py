@@ -1375,6 +1375,30 @@ def _cached(
     )
 
 
+def _checked_shares(
+    cpu_gemm_share: tuple[tuple[str, float], ...],
+    cpu_expert_gemm_share: tuple[tuple[str, float], ...],
+    device_host: DeviceHostCosts | None,
+) -> tuple[tuple[tuple[str, float], ...], tuple[tuple[str, float], ...]]:
+    """The CPU GEMM share tables of :func:`cost_model`, sorted and checked (each in (0, 1]),
+    and its ``device_host`` costs checked (each a finite number >= 0)."""
+    shares = tuple(sorted((str(k), float(v)) for k, v in cpu_gemm_share))
+    expert_shares = tuple(sorted((str(k), float(v)) for k, v in cpu_expert_gemm_share))
+    for what, table in (("cpu_gemm_share", shares), ("cpu_expert_gemm_share", expert_shares)):
+        for k, v in table:
+            if not math.isfinite(v) or not 0.0 < v <= 1.0:
+                raise ValueError(f"{what}[{k!r}] must be in (0, 1], got {v}")
+    if device_host is not None:
+        for name, v in (
+            ("step_us", device_host.step_us),
+            ("block_us", device_host.block_us),
+            ("expert_us", device_host.expert_us),
+        ):
+            if v < 0 or not math.isfinite(v):
+                raise ValueError(f"device_host.{name} must be a finite number >= 0, got {v}")
+    return shares, expert_shares
+
+
 def cost_model(
     hw: HardwareProfile | str,
     model: ModelShape | str,
@@ -1408,47 +1432,26 @@ def cost_model(
     profile = load_profile(hw) if isinstance(hw, str) else hw
     shape = get_model(model) if isinstance(model, str) else model
     dtype_bytes(shape.dtype)
-    if cpu_kernels not in ("default", "ggml"):
-        raise ValueError(f"cpu_kernels must be 'default' or 'ggml', got {cpu_kernels!r}")
-    if gpu_kernels not in ("default", "ggml"):
-        raise ValueError(f"gpu_kernels must be 'default' or 'ggml', got {gpu_kernels!r}")
-    if graph_kernel_us < 0 or not math.isfinite(graph_kernel_us):
-        raise ValueError(f"graph_kernel_us must be a finite number >= 0, got {graph_kernel_us}")
+    for name, kernels in (("cpu_kernels", cpu_kernels), ("gpu_kernels", gpu_kernels)):
+        if kernels not in ("default", "ggml"):
+            raise ValueError(f"{name} must be 'default' or 'ggml', got {kernels!r}")
     eff = gpu_stream_efficiency
     if not math.isfinite(eff) or not 0.0 < eff <= 1.0:
         raise ValueError(f"gpu_stream_efficiency must be in (0, 1], got {eff}")
     for name, v in (
+        ("graph_kernel_us", graph_kernel_us),
         ("cpu_call_us", cpu_call_us),
         ("cpu_layer_us", cpu_layer_us),
         ("fused_moe_call_us", fused_moe_call_us),
+        ("gpu_gemm_half_tokens", gpu_gemm_half_tokens),
+        ("gpu_moe_tile_tokens", gpu_moe_tile_tokens),
     ):
         if v < 0 or not math.isfinite(v):
             raise ValueError(f"{name} must be a finite number >= 0, got {v}")
     fe = fused_moe_stream_efficiency
     if not math.isfinite(fe) or not 0.0 <= fe <= 1.0:
         raise ValueError(f"fused_moe_stream_efficiency must be in [0, 1], got {fe}")
-    if gpu_gemm_half_tokens < 0 or not math.isfinite(gpu_gemm_half_tokens):
-        raise ValueError(
-            f"gpu_gemm_half_tokens must be a finite number >= 0, got {gpu_gemm_half_tokens}"
-        )
-    if gpu_moe_tile_tokens < 0 or not math.isfinite(gpu_moe_tile_tokens):
-        raise ValueError(
-            f"gpu_moe_tile_tokens must be a finite number >= 0, got {gpu_moe_tile_tokens}"
-        )
-    shares = tuple(sorted((str(k), float(v)) for k, v in cpu_gemm_share))
-    expert_shares = tuple(sorted((str(k), float(v)) for k, v in cpu_expert_gemm_share))
-    for what, table in (("cpu_gemm_share", shares), ("cpu_expert_gemm_share", expert_shares)):
-        for k, v in table:
-            if not math.isfinite(v) or not 0.0 < v <= 1.0:
-                raise ValueError(f"{what}[{k!r}] must be in (0, 1], got {v}")
-    if device_host is not None:
-        for name, v in (
-            ("step_us", device_host.step_us),
-            ("block_us", device_host.block_us),
-            ("expert_us", device_host.expert_us),
-        ):
-            if v < 0 or not math.isfinite(v):
-                raise ValueError(f"device_host.{name} must be a finite number >= 0, got {v}")
+    shares, expert_shares = _checked_shares(cpu_gemm_share, cpu_expert_gemm_share, device_host)
     return _cached(
         profile,
         shape,

@@ -141,7 +141,9 @@ def _unit_ratio(value: Any, label: str) -> None:
 
 def _not_negative(value: Any, label: str) -> None:
     if value < 0:
-        raise UserError(f"{label}: gpu experts {value} is negative")
+        raise UserError(
+            f"{label}: gpu experts {value} is negative (0 up to the model's expert count)"
+        )
 
 
 def _positive_rate(value: Any, label: str) -> None:

@@ -231,7 +231,7 @@ CASES: dict[str, Case] = {
         ("--cache-ratio", "--gpu-experts", "not both"),
         outs("o15"),
     ),
-    "gpu-experts-negative": Case(run_args("--gpu-experts", "-1"), ("--gpu-experts", "0..32")),
+    "gpu-experts-negative": Case(run_args("--gpu-experts", "-1"), ("--gpu-experts", "-1")),
     "gpu-experts-above-total": Case(run_args("--gpu-experts", "33"), ("--gpu-experts", "33")),
     "sequences-zero": Case(run_args("--sequences", "0", out="o16"), ("--sequences",), outs("o16")),
     "sequences-negative": Case(run_args("--sequences", "-2"), ("--sequences", "-2")),
