@@ -7,7 +7,7 @@ daopsim.simulator.testing import make_trace``), or use the ready fixtures below.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -86,3 +86,19 @@ def cli() -> Callable[..., Result]:
         return runner.invoke(main, [str(a) for a in args], catch_exceptions=True)
 
     return run
+
+
+@pytest.fixture(autouse=True)
+def _policy_registry_restored() -> Iterator[None]:
+    """Each test leaves the policy registry as it found it: a policy file a test runs in
+    process (``--policy file.py:Class``) registers every class of that file, and one of them
+    may be faulty on purpose, which would break ``policies list`` in a later test of the same
+    worker."""
+    from daopsim.policies import registry
+
+    registry.available()  # the built-ins and plugins are loaded before the snapshot
+    before = dict(registry._REGISTRY)
+    yield
+    if before != registry._REGISTRY:
+        registry._REGISTRY.clear()
+        registry._REGISTRY.update(before)
