@@ -524,7 +524,8 @@ def _asked(policy: Any, layer: int, protected: set[int], step: int) -> object:
 
 def _expert_id(x: object) -> int | None:
     """``x`` as an expert id (an int or a NumPy integer, not a bool), or None when it is not one."""
-    if isinstance(x, bool | np.bool_):
+    # a tuple, not ``bool | np.bool_``: compiled, the union is a new object at every call
+    if isinstance(x, (bool, np.bool_)):
         return None
     try:
         return operator.index(x)  # type: ignore[arg-type]
