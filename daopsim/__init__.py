@@ -167,7 +167,8 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     # machines, models, runtimes and costs
     **_names("daopsim.simulator.hardware", "load_profile", "list_profiles"),
     **_names("daopsim.simulator.runtime_profiles", "get_runtime", "runtime_names"),
-    **_names("daopsim.simulator.models", "get_model", "DTYPES"),
+    **_names("daopsim.simulator.models", "get_model"),
+    **_names("daopsim.simulator.precisions", "DTYPES"),
     **_names("daopsim.simulator.costs", "cost_model"),
     **_names("daopsim.simulator.run_costs", "runtime_cost_model"),
     # writing a policy

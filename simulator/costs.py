@@ -4,7 +4,7 @@ This is the one place where cost arithmetic lives. A :class:`CostModel` binds a 
 a model shape (whose ``dtype`` is the GPU expert precision, ``host_dtype`` the host copy's and
 ``nonexpert_dtype`` the rest's) and answers questions such as "how long does one expert take on
 the GPU for n tokens" or "how long does one expert copy take from pinned memory". Every byte count
-is at the precision's real size, scales included (daopsim.simulator.models.DTYPES). Formulas
+is at the precision's real size, scales included (daopsim.simulator.precisions.DTYPES). Formulas
 (docs/cost-model.md has them with worked examples):
 
 * GPU expert: roofline ``max(bytes / gpu.mem_bw, flops / gpu.bf16_tflops)`` plus one launch
@@ -65,13 +65,13 @@ DEFAULT_CONTEXT = 512
 EAGER_ATTENTION_BYTES_PER_SCORE = 32
 
 # --- per-format kernels (docs/cost-model.md, "Quantisation", "Kernel efficiency") -----------------
-#: Share of the GPU's SPEC bandwidth (``gpu.spec_mem_bw_gbs``, else ``gpu.mem_bw_gbs``) a GPU
-#: expert kernel streams weights at, by weight format kind (``daopsim.simulator.models.DTYPES[...].
-#: kind``), capped at ``gpu.mem_bw_gbs``; formats not listed stream like bf16 (at
-#: ``gpu.mem_bw_gbs``). GGUF: llama.cpp's Q4_K_M decode on an RTX 4080 moves at least 561 GB/s,
-#: 0.78 of the card's 716.8 GB/s spec (a lower bound). Until issue 30 this was 0.87 of
-#: ``gpu.mem_bw_gbs`` (0.78 over a plain copy's 0.90 of spec), which discounted a profile whose
-#: ``mem_bw_gbs`` is the spec figure by the copy's share a second time.
+#: Share of the GPU's SPEC bandwidth (``gpu.spec_mem_bw_gbs``, else ``gpu.mem_bw_gbs``) a GPU expert
+#: kernel streams weights at, by weight format kind
+#: (``daopsim.simulator.precisions.DTYPES[...].kind``), capped at ``gpu.mem_bw_gbs``; formats not
+#: listed stream like bf16 (at ``gpu.mem_bw_gbs``). GGUF: llama.cpp's Q4_K_M decode on an RTX 4080
+#: moves at least 561 GB/s, 0.78 of the card's 716.8 GB/s spec (a lower bound). Until issue 30 this
+#: was 0.87 of ``gpu.mem_bw_gbs`` (0.78 over a plain copy's 0.90 of spec), which discounted a
+#: profile whose ``mem_bw_gbs`` is the spec figure by the copy's share a second time.
 GPU_KERNEL_EFFICIENCY: dict[str, float] = {"gguf": 0.78}
 #: Extra GPU kernels one expert call launches to dequantise its quantised scales and zero
 #: points, by weight format kind. HQQ in Mixtral-offloading: on every forward, each of the 3

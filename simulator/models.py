@@ -10,9 +10,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from daopsim.simulator.errors import UserError, did_you_mean
-from daopsim.simulator.precisions import DTYPE_BYTES, DTYPES, Dtype, dtype_bytes
-
-__all__ = ["DTYPES", "DTYPE_BYTES", "PRESETS", "Dtype", "ModelShape", "dtype_bytes", "get_model"]
+from daopsim.simulator.precisions import DTYPE_BYTES, dtype_bytes
 
 
 @dataclass(frozen=True)
